@@ -1,0 +1,38 @@
+# Set-up and checks. `make test` and `make demo` work on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.ettr-installed
+
+.PHONY: install test demo lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, pinned to the CPU wheel; torchrec without its deps (they would pull CUDA fbgemm).
+$(STAMP): $(PY) pyproject.toml Makefile
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q fbgemm-gpu-cpu==1.8.0
+	$(PIP) install -q --no-deps torchrec==1.8.0
+	$(PIP) install -q -e '.[rec,io,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: install
+	$(VENV)/bin/ettr demo
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+bench: install
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,137 @@
+"""The event model: what training processes and the supervisor append to the ledger.
+
+Every other module imports this one; it imports nothing of ettr's. Events are small frozen
+records; phases are a closed `StrEnum` that maps onto the contract's closed set of buckets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Mapping
+
+SCHEMA_VERSION = 1
+"""Version of the stored event layout (the ledger refuses to read a newer one)."""
+
+SUPERVISOR_RANK = -1
+"""`Event.rank` of events written by the supervisor rather than a training process."""
+
+
+class Bucket(StrEnum):
+    """The closed set of wall-time buckets of `shared/CONTRACT.md`; they partition wall time."""
+
+    SCHEDULING = "scheduling"
+    HARDWARE_SETUP = "hardware_setup"
+    INIT = "init"
+    COMPILE = "compile"
+    RESTORE = "restore"
+    DATA_WAIT = "data_wait"
+    EFFECTIVE_TRAINING = "effective_training"
+    CHECKPOINT_BLOCKING = "checkpoint_blocking"
+    WASTED_PROGRESS = "wasted_progress"
+    RESTART = "restart"
+    SHUTDOWN = "shutdown"
+    OTHER = "other"
+
+
+class Phase(StrEnum):
+    """What a training process can say it is doing. Each phase maps to one bucket (`PHASE_BUCKET`)."""
+
+    # Trainer-init sub-stages (the source article's names).
+    DEVICE_INIT = "device_init"
+    PROCESS_GROUP_INIT = "process_group_init"
+    PREPROC_CREATION = "preproc_creation"
+    TRAIN_MODULE_CREATION = "train_module_creation"
+    INIT_PLUGINS = "init_plugins"
+    PRE_TRAIN = "pre_train"
+    GET_FIRST_BATCH_DATA = "get_first_batch_data"
+    # Generic start-up phases.
+    INIT = "init"
+    COMPILE = "compile"
+    RESTORE = "restore"
+    DATA_WAIT = "data_wait"
+    # Checkpointing: the loop is blocked (copy/stage), or waits for the previous save to finish;
+    # the persist runs in the background and overlaps training (reported raw, never a bucket).
+    CHECKPOINT_BLOCKING = "checkpoint_blocking"
+    CHECKPOINT_WAIT = "checkpoint_wait"
+    CHECKPOINT_PERSIST = "checkpoint_persist"
+    # End of the job and anything else.
+    SHUTDOWN = "shutdown"
+    PUBLISH = "publish"
+    EVAL = "eval"
+    OTHER = "other"
+
+
+PHASE_BUCKET: Mapping[Phase, Bucket | None] = {
+    Phase.DEVICE_INIT: Bucket.INIT,
+    Phase.PROCESS_GROUP_INIT: Bucket.INIT,
+    Phase.PREPROC_CREATION: Bucket.INIT,
+    Phase.TRAIN_MODULE_CREATION: Bucket.INIT,
+    Phase.INIT_PLUGINS: Bucket.INIT,
+    Phase.PRE_TRAIN: Bucket.INIT,
+    Phase.GET_FIRST_BATCH_DATA: Bucket.DATA_WAIT,
+    Phase.INIT: Bucket.INIT,
+    Phase.COMPILE: Bucket.COMPILE,
+    Phase.RESTORE: Bucket.RESTORE,
+    Phase.DATA_WAIT: Bucket.DATA_WAIT,
+    Phase.CHECKPOINT_BLOCKING: Bucket.CHECKPOINT_BLOCKING,
+    Phase.CHECKPOINT_WAIT: Bucket.CHECKPOINT_BLOCKING,
+    Phase.CHECKPOINT_PERSIST: None,  # overlapped with training: raw duration only
+    Phase.SHUTDOWN: Bucket.SHUTDOWN,
+    Phase.PUBLISH: Bucket.SHUTDOWN,
+    Phase.EVAL: Bucket.OTHER,
+    Phase.OTHER: Bucket.OTHER,
+}
+
+
+class EventKind(StrEnum):
+    """What happened. `Event` fields used by each kind are listed beside it."""
+
+    # Written by the supervisor (rank = SUPERVISOR_RANK).
+    JOB_SUBMITTED = "job_submitted"  # ts = submission time
+    JOB_ALLOCATED = "job_allocated"  # ts = allocation time
+    SUPERVISOR_START = "supervisor_start"  # data: pid, host, command, max_restarts
+    ATTEMPT_START = "attempt_start"  # attempt; data: pid, command
+    ATTEMPT_END = "attempt_end"  # attempt; data: outcome, exit_code, signal, reason, ...
+    JOB_END = "job_end"  # data: exit_status
+    # Written by training processes (rank >= 0).
+    PROCESS_START = "process_start"  # data: pid, world_size, local_rank
+    PHASE_BEGIN = "phase_begin"  # phase; step optional
+    PHASE_END = "phase_end"  # phase; value = begin ts (so an END alone is a complete span)
+    STEP = "step"  # step = the global optimizer step just completed
+    TRAINING_START = "training_start"  # explicit: the training loop begins now
+    RESUMED = "resumed"  # step = step the attempt resumed from (its state is after that step)
+    CHECKPOINT_COMMIT = "checkpoint_commit"  # step; data: path — durable and visible
+    CHECKPOINT_ERROR = "checkpoint_error"  # step; data: path, error
+    RECOMPILE = "recompile"  # data: reason, code
+    FAILURE = "failure"  # data: exception, message — seen inside the process before it died
+    MARK = "mark"  # data: name, ... — anything else worth keeping (collective audit, ...)
+
+
+URGENT_KINDS = frozenset(
+    {EventKind.ATTEMPT_END, EventKind.JOB_END, EventKind.FAILURE, EventKind.CHECKPOINT_COMMIT}
+)
+"""Kinds that are flushed to the ledger at once rather than within the next second."""
+
+
+class Outcome(StrEnum):
+    """How an attempt ended (the contract's closed set)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+    HUNG = "hung"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One ledger record. `ts` is Unix time in seconds (`time.time()`)."""
+
+    kind: EventKind
+    ts: float
+    attempt: int = 0
+    rank: int = 0
+    phase: Phase | None = None
+    step: int | None = None
+    value: float | None = None
+    data: Mapping[str, Any] | None = None
