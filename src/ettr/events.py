@@ -6,9 +6,10 @@ records; phases are a closed `StrEnum` that maps onto the contract's closed set 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Mapping
+from typing import Any
 
 SCHEMA_VERSION = 1
 """Version of the stored event layout (the ledger refuses to read a newer one)."""

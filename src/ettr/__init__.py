@@ -1,0 +1,86 @@
+"""ettr: Effective Training Time for PyTorch jobs.
+
+The functions here act on this process's default recorder, which `ettr run` sets up through the
+environment; outside a run they record nothing. Importing ettr has no side effects.
+
+    import ettr
+    with ettr.phase(ettr.Phase.COMPILE):
+        model = torch.compile(model)
+    for step in range(start, num_steps):
+        train_step()
+        ettr.step(step + 1)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ettr.events import Bucket, Event, EventKind, Outcome, Phase
+
+if TYPE_CHECKING:
+    from ettr.recorder import Recorder
+
+__version__ = "0.1.0"
+__all__ = [
+    "Bucket",
+    "Event",
+    "EventKind",
+    "Outcome",
+    "Phase",
+    "checkpoint_committed",
+    "init",
+    "mark",
+    "phase",
+    "get_recorder",
+    "resumed_from",
+    "step",
+    "training_started",
+]
+
+
+def get_recorder() -> Recorder:
+    """This process's default Recorder (a null one outside an ettr run).
+
+    (Not named `recorder`: that is the `ettr.recorder` module, which would shadow it once imported.)
+    """
+    from ettr.runtime import get_recorder
+
+    return get_recorder()
+
+
+def init(run_dir: str | os.PathLike[str], *, job_id: str | None = None) -> Recorder:
+    """Record this process into `run_dir` without `ettr run` (see `ettr.runtime.init`)."""
+    from ettr.runtime import init as _init
+
+    return _init(run_dir, job_id=job_id)
+
+
+def phase(name: Phase | str, *, step: int | None = None, **data: Any) -> Any:
+    """Context manager recording phase `name` (a `Phase` or its string) while the block runs."""
+    return get_recorder().phase(name, step=step, **data)
+
+
+def step(n: int) -> None:
+    """Global optimizer step `n` has just completed."""
+    get_recorder().step(n)
+
+
+def training_started() -> None:
+    """The training loop begins now."""
+    get_recorder().training_started()
+
+
+def resumed_from(step: int | None) -> None:
+    """This attempt resumed from the state after `step` (None: from scratch)."""
+    get_recorder().resumed_from(step)
+
+
+def checkpoint_committed(step: int, path: str | os.PathLike[str]) -> None:
+    """The checkpoint of `step` at `path` is durable and visible."""
+    get_recorder().checkpoint_committed(step, path)
+
+
+def mark(name: str, **data: Any) -> None:
+    """Record anything else worth keeping, by name."""
+    get_recorder().mark(name, **data)

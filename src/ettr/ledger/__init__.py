@@ -1,0 +1,21 @@
+"""Durable, append-only storage of a job's events (SQLite in the run directory by default)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ettr.ledger.base import Ledger, LedgerError, MemoryLedger
+from ettr.ledger.sqlite import LEDGER_FILENAME, SqliteLedger
+
+__all__ = ["Ledger", "LedgerError", "MemoryLedger", "SqliteLedger", "open_ledger", "ledger_path"]
+
+
+def ledger_path(run_dir: str | os.PathLike[str]) -> Path:
+    """Where the ledger of `run_dir` lives."""
+    return Path(run_dir) / LEDGER_FILENAME
+
+
+def open_ledger(run_dir: str | os.PathLike[str], *, create: bool = True) -> SqliteLedger:
+    """Open (and with `create`, make) the ledger of a run directory. Raises `LedgerError`."""
+    return SqliteLedger(ledger_path(run_dir), create=create)

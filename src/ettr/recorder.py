@@ -1,0 +1,309 @@
+"""The Recorder: how a training process writes events, at the cost of an in-memory append.
+
+Calls on the training thread build a tuple and append it to a deque; a daemon writer thread moves the
+queue to the ledger at least every `flush_interval_s`, at once for urgent kinds (attempt ends, failures,
+checkpoint commits) and at interpreter exit. Nothing here raises into the caller: a telemetry error is
+logged once and the training goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ettr.events import URGENT_KINDS, Event, EventKind, Phase
+from ettr.ledger import Ledger
+
+logger = logging.getLogger("ettr")
+
+_MAX_QUEUED = 2_000_000  # beyond this (a ledger that cannot be written for long) the oldest are dropped
+
+
+def _as_phase(phase: Phase | str) -> tuple[Phase, dict[str, Any] | None]:
+    if isinstance(phase, Phase):
+        return phase, None
+    try:
+        return Phase(phase), None
+    except ValueError:
+        return Phase.OTHER, {"name": str(phase)}
+
+
+class _PhaseSpan:
+    """Context manager returned by `Recorder.phase`: PHASE_BEGIN on enter, PHASE_END on exit."""
+
+    __slots__ = ("_recorder", "_phase", "_step", "_data", "_begin")
+
+    def __init__(self, recorder: Recorder, phase: Phase, step: int | None, data: dict[str, Any] | None):
+        self._recorder, self._phase, self._step, self._data = recorder, phase, step, data
+        self._begin = 0.0
+
+    def __enter__(self) -> _PhaseSpan:
+        self._begin = time.time()
+        self._recorder.record(
+            EventKind.PHASE_BEGIN, phase=self._phase, step=self._step, data=self._data, ts=self._begin
+        )
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        data = self._data
+        if exc_type is not None:
+            data = {**(data or {}), "error": exc_type.__name__}
+        self._recorder.record(
+            EventKind.PHASE_END, phase=self._phase, step=self._step, value=self._begin, data=data
+        )
+
+
+class Recorder:
+    """Rank-aware event recorder of one training process (thread-safe, never raises).
+
+    Args:
+        ledger: where events go; None makes a recorder that records nothing.
+        run_dir: the run directory (for components that keep files beside the ledger).
+        job_id: the job's id.
+        attempt: the attempt index (`ETTR_ATTEMPT`).
+        rank: this process's global rank; `world_size` the number of ranks.
+        flush_interval_s: the longest an event waits in memory before it is written.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger | None,
+        *,
+        run_dir: str | os.PathLike[str] | None = None,
+        job_id: str = "",
+        attempt: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        flush_interval_s: float = 0.5,
+    ) -> None:
+        self._ledger = ledger
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.job_id = job_id
+        self.attempt = attempt
+        self.rank = rank
+        self.world_size = world_size
+        self.flush_interval_s = flush_interval_s
+        self.enabled = ledger is not None
+        self.last_step: int | None = None
+        self.explicit_steps = False
+        self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._wake = threading.Event()
+        self._drain_lock = threading.Lock()
+        self._closed = False
+        self._warned: set[str] = set()
+        self._step_listeners: list[Callable[[int], None]] = []
+        self._is_compiling: Callable[[], bool] | None = None
+        self._thread: threading.Thread | None = None
+        if self.enabled:
+            self._thread = threading.Thread(target=self._writer, name="ettr-recorder", daemon=True)
+            self._thread.start()
+            atexit.register(self.close)
+            if hasattr(os, "register_at_fork"):
+                # A forked child (a DataLoader worker) must not write through the parent's connection.
+                os.register_at_fork(after_in_child=self._disable_in_child)
+
+    # -- the one primitive -------------------------------------------------------------------------------
+    def record(
+        self,
+        kind: EventKind,
+        *,
+        phase: Phase | None = None,
+        step: int | None = None,
+        value: float | None = None,
+        data: Mapping[str, Any] | None = None,
+        ts: float | None = None,
+    ) -> None:
+        """Queue one event (timestamp now unless `ts` is given). Costs an append; never raises."""
+        if not self.enabled:
+            return
+        try:
+            if self._compiling():
+                return
+            self._queue.append((kind, time.time() if ts is None else ts, phase, step, value, data))
+            if kind in URGENT_KINDS:
+                self._wake.set()
+        except Exception as exc:  # pragma: no cover - defensive
+            self._warn_once("record", exc)
+
+    # -- conveniences for training code ------------------------------------------------------------------
+    def phase(self, phase: Phase | str, *, step: int | None = None, **data: Any) -> _PhaseSpan:
+        """Context manager recording a phase from enter to exit (also on an exception)."""
+        phase_enum, extra = _as_phase(phase)
+        payload = {**extra, **data} if extra else (data or None)
+        return _PhaseSpan(self, phase_enum, step, payload)
+
+    def span(
+        self,
+        phase: Phase | str,
+        begin_ts: float,
+        end_ts: float | None = None,
+        *,
+        step: int | None = None,
+        **data: Any,
+    ) -> None:
+        """Record a phase timed after the fact: one PHASE_END whose value is the begin timestamp."""
+        phase_enum, extra = _as_phase(phase)
+        payload = {**extra, **data} if extra else (data or None)
+        self.record(EventKind.PHASE_END, phase=phase_enum, step=step, value=begin_ts, data=payload, ts=end_ts)
+
+    def step(self, step: int, *, auto: bool = False) -> None:
+        """Global optimizer step `step` has just completed.
+
+        `auto=True` is for the zero-code bootstrap: its guesses stop once user code calls `step` itself.
+        """
+        if auto:
+            if self.explicit_steps:
+                return
+        else:
+            self.explicit_steps = True
+        self.last_step = step
+        self.record(EventKind.STEP, step=step)
+        for listener in self._step_listeners:
+            try:
+                listener(step)
+            except Exception as exc:
+                self._warn_once("step listener", exc)
+
+    def training_started(self) -> None:
+        """The training loop begins now (ends the start-up region of this attempt)."""
+        self.record(EventKind.TRAINING_START)
+
+    def resumed_from(self, step: int | None) -> None:
+        """This attempt restored the state as of after `step` (None: it starts from scratch)."""
+        self.record(EventKind.RESUMED, step=step)
+        if step is not None:
+            self.last_step = step
+
+    def checkpoint_committed(self, step: int, path: str | os.PathLike[str]) -> None:
+        """The checkpoint of `step` at `path` is durable and visible (flushed at once)."""
+        self.record(EventKind.CHECKPOINT_COMMIT, step=step, data={"path": os.fspath(path)})
+
+    def checkpoint_error(
+        self, step: int | None, path: str | os.PathLike[str], error: BaseException | str
+    ) -> None:
+        """A checkpoint save failed; training goes on from the previous committed one."""
+        self.record(
+            EventKind.CHECKPOINT_ERROR, step=step, data={"path": os.fspath(path), "error": str(error)}
+        )
+
+    def recompile(self, reason: str, **data: Any) -> None:
+        """torch.compile recompiled (the guard-failure `reason`)."""
+        self.record(EventKind.RECOMPILE, data={"reason": reason, **data})
+
+    def failure(self, exc: BaseException) -> None:
+        """An exception is about to end this process (flushed at once)."""
+        self.record(EventKind.FAILURE, data={"exception": type(exc).__name__, "message": str(exc)[:500]})
+
+    def mark(self, name: str, **data: Any) -> None:
+        """Anything else worth keeping, by name."""
+        self.record(EventKind.MARK, data={"name": name, **data})
+
+    def add_step_listener(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(step)` on the training thread after each STEP (fault injection, policies)."""
+        self._step_listeners.append(listener)
+
+    # -- writing -----------------------------------------------------------------------------------------
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Write everything queued so far before returning (waits at most about `timeout_s`)."""
+        if not self.enabled:
+            return
+        if self._drain_lock.acquire(timeout=timeout_s):
+            try:
+                self._drain()
+            finally:
+                self._drain_lock.release()
+
+    def close(self) -> None:
+        """Flush and stop the writer thread. Idempotent; called at interpreter exit."""
+        if self._closed or not self.enabled:
+            return
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        self.flush()
+
+    def _writer(self) -> None:
+        while not self._closed:
+            self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
+            if self._drain_lock.acquire(timeout=self.flush_interval_s):
+                try:
+                    self._drain()
+                finally:
+                    self._drain_lock.release()
+
+    def _drain(self) -> None:
+        if not self._queue or self._ledger is None:
+            return
+        batch: list[tuple[Any, ...]] = []
+        popleft = self._queue.popleft
+        try:
+            while True:
+                batch.append(popleft())
+        except IndexError:
+            pass
+        attempt, rank = self.attempt, self.rank
+        events = [Event(k, t, attempt, rank, p, s, v, d) for (k, t, p, s, v, d) in batch]
+        try:
+            self._ledger.append(events)
+        except Exception as exc:
+            self._warn_once("ledger append", exc)
+            # Keep them for the next try, oldest first; a ledger that stays broken must not eat memory.
+            self._queue.extendleft(reversed(batch))
+            while len(self._queue) > _MAX_QUEUED:
+                self._queue.popleft()
+
+    def _compiling(self) -> bool:
+        # Recording while Dynamo traces would put a graph break in the user's model: skip it.
+        check = self._is_compiling
+        if check is None:
+            torch = sys.modules.get("torch")
+            if torch is None:
+                return False
+            check = self._is_compiling = torch.compiler.is_compiling
+        return check()
+
+    def _disable_in_child(self) -> None:
+        self.enabled = False
+        self._queue = collections.deque()
+
+    def _warn_once(self, what: str, exc: BaseException) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(
+                "ettr: telemetry %s failed (%s: %s); training continues", what, type(exc).__name__, exc
+            )
+
+
+class NullRecorder(Recorder):
+    """A recorder that records nothing: what training code gets outside an ettr run."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+
+def process_start_time() -> float:
+    """Unix time at which this process started (from /proc when available, else now)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start_since_boot_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5)
+        with open("/proc/uptime", "rb") as f:
+            uptime_s = float(f.read().split()[0])
+        return time.time() - max(0.0, uptime_s - start_since_boot_s)
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def host_name() -> str:
+    return socket.gethostname()
