@@ -1,0 +1,221 @@
+"""`ettr` command line: argparse front for every command; the work happens in the modules it calls.
+
+Bad usage or bad input never shows a traceback: one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import NoReturn
+
+from ettr.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def parse_time(text: str) -> float:
+    """TIME: a Unix timestamp in seconds or an ISO-8601 string (naive means local time)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a time (give Unix seconds or ISO-8601, e.g. 2026-11-29T20:52:00Z)"
+        ) from None
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
+
+
+# -- ettr run --------------------------------------------------------------------------------------------
+def _add_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", help="where the ledger and logs go (default runs/<job-id>)")
+    p.add_argument("--job-id", help="the job's id (default: a fresh one)")
+    p.add_argument("--max-restarts", type=_non_negative_int, default=3, help="restarts after failures (3)")
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="fault to inject: KIND@WHEN[,attempt=A][,rank=R]; KIND crash|kill|hang|preempt, "
+        "WHEN step=N|time=S|checkpoint (repeatable)",
+    )
+    p.add_argument(
+        "--hang-timeout", type=_positive_float, help="seconds without progress that count as a hang"
+    )
+    p.add_argument("--submitted-at", type=parse_time, metavar="TIME", help="when the job was submitted")
+    p.add_argument(
+        "--allocated-at", type=parse_time, metavar="TIME", help="when its resources were allocated"
+    )
+    p.add_argument("--no-auto", action="store_true", help="no zero-code instrumentation of Python children")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...] (python or torchrun)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("ettr run: no command given (usage: ettr run [options] -- COMMAND [ARGS...])")
+    args.command = command
+    from ettr.supervisor import main as supervise
+
+    return supervise(args)
+
+
+# -- ettr report -----------------------------------------------------------------------------------------
+def _add_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several compare them)")
+    p.add_argument("--json", action="store_true", help="print the ettr.report/1 JSON (an array for several)")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ettr.report.json import to_dict
+    from ettr.report.load import load_report
+    from ettr.report.text import render, render_comparison
+
+    reports = [load_report(d) for d in args.run_dirs]
+    if args.html:
+        from ettr.report.html import write_html
+
+        write_html(reports, args.html)
+    if args.json:
+        payload = [to_dict(r) for r in reports]
+        print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
+    elif len(reports) == 1:
+        print(render(reports[0]))
+    else:
+        print(render_comparison(reports))
+    return 0
+
+
+# -- ettr interval ---------------------------------------------------------------------------------------
+def _add_interval(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--blocking", type=_positive_float, required=True, metavar="SECONDS", help="blocking per save"
+    )
+    p.add_argument("--failures-per-day", type=_positive_float, required=True, metavar="F")
+    p.add_argument(
+        "--train-hours", type=_positive_float, default=24.0, metavar="H", help="training hours/day"
+    )
+    p.add_argument("--json", action="store_true")
+
+
+def _interval(args: argparse.Namespace) -> int:
+    from ettr.interval import IntervalModel, curve
+
+    try:
+        model = IntervalModel(
+            blocking_s=args.blocking, failures_per_day=args.failures_per_day, train_hours=args.train_hours
+        )
+    except ValueError as exc:
+        raise UsageError(f"ettr interval: {exc}") from None
+    best = model.optimal_interval_s
+    points = curve(model)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "optimal_interval_s": best,
+                    "wasted_pct": model.wasted_pct(best),
+                    "wasted_s_per_day": model.wasted_s(best),
+                    "young_interval_s": best,
+                    "daly_interval_s": model.daly_interval_s,
+                    "mtbf_s": model.mtbf_s,
+                    "curve": [{"interval_s": t, "wasted_pct": w} for t, w in points],
+                }
+            )
+        )
+        return 0
+    print(
+        f"optimal checkpoint interval: {best:.0f} s ({best / 60:.1f} min) -> "
+        f"{model.wasted_pct(best):.2f}% of training time wasted ({model.wasted_s(best) / 60:.1f} min/day)"
+    )
+    print(
+        f"  Daly's higher-order optimum: {model.daly_interval_s:.0f} s; mean time between failures: "
+        f"{model.mtbf_s / 3600:.1f} h"
+    )
+    print("  interval        wasted")
+    for interval_s, wasted in points:
+        mark = "  <- optimum" if abs(interval_s - best) < 1e-9 else ""
+        print(f"  {interval_s / 60:7.1f} min  {wasted:6.2f}%{mark}")
+    return 0
+
+
+# -- ettr demo -------------------------------------------------------------------------------------------
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="a short run (under 2 minutes)")
+    p.add_argument("--out", default="runs/demo", metavar="DIR", help="where the runs go (runs/demo)")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ettr.demo import main as demo
+
+    return demo(args)
+
+
+_COMMANDS: dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+] = {
+    "run": ("supervise a training command, restart it, record everything", _add_run, _run),
+    "report": ("report ETT% and the wall-time breakdown of run directories", _add_report, _report),
+    "interval": ("the checkpoint interval that wastes the least time", _add_interval, _interval),
+    "demo": ("baseline vs optimized reference job, with injected failures", _add_demo, _demo),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ettr", description="Effective Training Time for PyTorch jobs.")
+    sub = parser.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+    for name, (help_text, add, _handler) in _COMMANDS.items():
+        add(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.cmd is None:
+            raise UsageError("ettr: no command given (one of: " + ", ".join(_COMMANDS) + "; see --help)")
+        return _COMMANDS[args.cmd][2](args)
+    except UsageError as exc:
+        print(f"ettr: error: {exc}" if not str(exc).startswith("ettr") else f"{exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

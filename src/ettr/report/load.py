@@ -1,0 +1,75 @@
+"""Reading a run directory into an EttReport: the I/O half of `ettr report` (the math is `accounting`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+from ettr.accounting import EttReport, compute
+
+from ettr.errors import UsageError
+from ettr.events import Event, EventKind
+from ettr.ledger import LedgerError, ledger_path, open_ledger
+
+
+def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
+    """All events of a run directory. Raises `UsageError` (one clear line) for anything unusable."""
+    path = Path(run_dir)
+    if not path.exists():
+        raise UsageError(f"{path}: no such run directory")
+    if not path.is_dir():
+        raise UsageError(f"{path}: not a directory (give the run directory of an ettr job)")
+    if not ledger_path(path).is_file():
+        raise UsageError(f"{path}: not an ettr run directory (no {ledger_path(path).name} inside)")
+    try:
+        ledger = open_ledger(path, create=False)
+        try:
+            events = ledger.read()
+        finally:
+            ledger.close()
+    except LedgerError as exc:
+        raise UsageError(str(exc)) from None
+    if not events:
+        raise UsageError(f"{path}: the ledger holds no events yet")
+    return events
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def report_time(events: list[Event], *, wall_clock_s: float | None = None) -> float:
+    """The `now` to close an unfinished job at: the current time while its supervisor still runs on this
+    host, else the last thing the ledger saw (a supervisor killed with SIGKILL left the books open)."""
+    last_ts = max(e.ts for e in events)
+    if any(e.kind is EventKind.JOB_END for e in events):
+        return last_ts
+    starts = [e for e in events if e.kind is EventKind.SUPERVISOR_START and e.data]
+    if starts:
+        data = starts[-1].data or {}
+        pid, host = data.get("pid"), data.get("host")
+        if isinstance(pid, int) and (host is None or host == socket.gethostname()) and _pid_alive(pid):
+            if pid != os.getpid():
+                return max(last_ts, time.time() if wall_clock_s is None else wall_clock_s)
+    return last_ts
+
+
+def job_id_of(events: list[Event], run_dir: str | os.PathLike[str]) -> str:
+    for e in events:
+        if e.kind is EventKind.SUPERVISOR_START and e.data and e.data.get("job_id"):
+            return str(e.data["job_id"])
+    return Path(run_dir).absolute().name
+
+
+def load_report(run_dir: str | os.PathLike[str]) -> EttReport:
+    """The report of one run directory, as `ettr report` shows it."""
+    events = read_events(run_dir)
+    return compute(events, report_time(events), job_id=job_id_of(events, run_dir))

@@ -1,0 +1,113 @@
+"""The SQLite ledger: round trip, several writer processes at once, SIGKILL mid-write, torn WAL tail."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
+from ettr.ledger import LedgerError, MemoryLedger, ledger_path, open_ledger
+
+
+def test_round_trip_keeps_every_field(tmp_path):
+    ledger = open_ledger(tmp_path)
+    events = [
+        Event(EventKind.SUPERVISOR_START, 1.5, 0, SUPERVISOR_RANK, data={"pid": 7, "job_id": "j"}),
+        Event(EventKind.PHASE_END, 2.25, 1, 3, Phase.COMPILE, 10, 2.0, {"reason": "x"}),
+        Event(EventKind.STEP, 3.0, 1, 3, step=11),
+    ]
+    ledger.append(events)
+    assert ledger.read() == events
+    assert open_ledger(tmp_path, create=False).read() == events
+
+
+def test_memory_ledger_is_a_ledger():
+    ledger = MemoryLedger()
+    ledger.append([Event(EventKind.STEP, 1.0, step=1)])
+    assert [e.step for e in ledger.read()] == [1]
+
+
+def test_missing_and_foreign_files_are_ledger_errors(tmp_path):
+    with pytest.raises(LedgerError):
+        open_ledger(tmp_path / "nope", create=False)
+    ledger_path(tmp_path).write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(LedgerError):
+        open_ledger(tmp_path, create=False)
+
+
+def test_newer_schema_is_refused(tmp_path):
+    open_ledger(tmp_path).close()
+    with sqlite3.connect(ledger_path(tmp_path)) as conn:
+        conn.execute("UPDATE meta SET value = '999' WHERE key = 'schema_version'")
+    with pytest.raises(LedgerError, match="schema 999"):
+        open_ledger(tmp_path, create=False)
+
+
+def _writer(run_dir: str, rank: int, num_batches: int) -> None:
+    ledger = open_ledger(run_dir)
+    for i in range(num_batches):
+        ledger.append([Event(EventKind.STEP, time.time(), 0, rank, step=i * 10 + j) for j in range(10)])
+
+
+def test_several_processes_append_at_once(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), r, 50)) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    events = open_ledger(tmp_path, create=False).read()
+    for rank in range(4):
+        assert sorted(e.step for e in events if e.rank == rank) == list(range(500))
+
+
+_KILLED_WRITER = """
+import sys, time
+from ettr.events import Event, EventKind
+from ettr.ledger import open_ledger
+ledger = open_ledger(sys.argv[1])
+i = 0
+print("ready", flush=True)
+while True:
+    ledger.append([Event(EventKind.STEP, time.time(), step=i * 100 + j, data={"pad": "x" * 200}) for j in range(100)])
+    i += 1
+"""
+
+
+def test_sigkill_mid_write_never_corrupts(tmp_path):
+    for trial in range(5):
+        run_dir = tmp_path / f"t{trial}"
+        proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(run_dir)], stdout=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.05 + 0.05 * trial)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        steps = [e.step for e in open_ledger(run_dir, create=False).read()]
+        # Whole batches only: a transaction is all or nothing.
+        assert len(steps) % 100 == 0
+        assert steps == list(range(len(steps)))
+
+
+def test_torn_wal_tail_is_ignored(tmp_path):
+    ledger = open_ledger(tmp_path)
+    ledger.append([Event(EventKind.STEP, 1.0, step=1)])
+    ledger.append([Event(EventKind.STEP, 2.0, step=2, data={"pad": "y" * 5000})])
+    wal = tmp_path / "ledger.db-wal"
+    # Simulate a crash that tore the last write: copy the files as a dead process would leave them, with
+    # the WAL cut in the middle of its final frame.
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "ledger.db").write_bytes((tmp_path / "ledger.db").read_bytes())
+    data = wal.read_bytes()
+    (copy / "ledger.db-wal").write_bytes(data[: len(data) - 2000])
+    ledger.close()
+    steps = [e.step for e in open_ledger(copy, create=False).read()]
+    assert steps == [1]

@@ -1,0 +1,235 @@
+"""The Recorder: cheap appends, background writing, urgent flushes, never raising into training."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import ettr
+from ettr.events import EventKind, Phase
+from ettr.ledger import MemoryLedger, open_ledger
+from ettr.recorder import NullRecorder, Recorder, process_start_time
+from ettr.runtime import recorder_from_env, set_recorder
+
+
+def test_phase_step_and_spans_reach_the_ledger():
+    ledger = MemoryLedger()
+    rec = Recorder(ledger, attempt=2, rank=1, flush_interval_s=10)
+    with rec.phase(Phase.COMPILE, step=0):
+        pass
+    rec.span("restore", 1.0, 2.0, step=5)
+    rec.step(6)
+    rec.resumed_from(5)
+    rec.flush()
+    events = ledger.read()
+    assert [e.kind for e in events] == [
+        EventKind.PHASE_BEGIN,
+        EventKind.PHASE_END,
+        EventKind.PHASE_END,
+        EventKind.STEP,
+        EventKind.RESUMED,
+    ]
+    begin, end = events[0], events[1]
+    assert end.value == begin.ts and end.phase is Phase.COMPILE
+    assert events[2].value == 1.0 and events[2].ts == 2.0 and events[2].phase is Phase.RESTORE
+    assert all(e.attempt == 2 and e.rank == 1 for e in events)
+    rec.close()
+
+
+def test_unknown_phase_name_is_recorded_as_other_not_raised():
+    ledger = MemoryLedger()
+    rec = Recorder(ledger)
+    with rec.phase("warmup_my_cache"):
+        pass
+    rec.flush()
+    end = ledger.read()[-1]
+    assert end.phase is Phase.OTHER and end.data == {"name": "warmup_my_cache"}
+    rec.close()
+
+
+def test_phase_end_is_recorded_when_the_block_raises():
+    ledger = MemoryLedger()
+    rec = Recorder(ledger)
+    with pytest.raises(ZeroDivisionError), rec.phase(Phase.INIT):
+        1 / 0
+    rec.flush()
+    assert ledger.read()[-1].data == {"error": "ZeroDivisionError"}
+    rec.close()
+
+
+def test_writer_thread_flushes_within_the_interval():
+    ledger = MemoryLedger()
+    rec = Recorder(ledger, flush_interval_s=0.05)
+    rec.step(1)
+    deadline = time.time() + 5
+    while not ledger.read() and time.time() < deadline:
+        time.sleep(0.01)
+    assert [e.step for e in ledger.read()] == [1]
+    rec.close()
+
+
+class _BrokenLedger:
+    def __init__(self) -> None:
+        self.fail = True
+        self.events: list = []
+
+    def append(self, events):
+        if self.fail:
+            raise OSError("disk full")
+        self.events.extend(events)
+
+    def read(self):
+        return list(self.events)
+
+    def close(self):
+        pass
+
+
+def test_a_broken_ledger_never_raises_and_keeps_events_for_later():
+    ledger = _BrokenLedger()
+    rec = Recorder(ledger, flush_interval_s=10)
+    rec.step(1)
+    rec.flush()  # fails inside, logged, not raised
+    rec.step(2)
+    ledger.fail = False
+    rec.flush()
+    assert [e.step for e in ledger.events] == [1, 2]
+    rec.close()
+
+
+def test_explicit_steps_win_over_automatic_ones():
+    ledger = MemoryLedger()
+    rec = Recorder(ledger)
+    rec.step(1, auto=True)
+    rec.step(10)
+    rec.step(2, auto=True)  # ignored: user code counts steps itself
+    rec.flush()
+    assert [e.step for e in ledger.read()] == [1, 10]
+    rec.close()
+
+
+def test_step_listeners_run_after_the_step_and_errors_do_not_escape():
+    ledger = MemoryLedger()
+    rec = Recorder(ledger)
+    seen: list[int] = []
+    rec.add_step_listener(seen.append)
+    rec.add_step_listener(lambda s: 1 / 0)
+    rec.step(3)
+    assert seen == [3] and rec.last_step == 3
+    rec.close()
+
+
+def test_thread_safety_of_concurrent_recording():
+    ledger = MemoryLedger()
+    rec = Recorder(ledger, flush_interval_s=0.01)
+
+    def work(offset: int) -> None:
+        for i in range(2000):
+            rec.mark("m", i=offset + i)
+
+    threads = [threading.Thread(target=work, args=(k * 10_000,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rec.close()
+    assert len(ledger.read()) == 8000
+
+
+def test_null_recorder_records_nothing():
+    rec = NullRecorder()
+    rec.step(1)
+    with rec.phase(Phase.COMPILE):
+        pass
+    rec.flush()
+    assert not rec.enabled
+
+
+def test_recorder_from_env_reads_rank_attempt_and_run_dir(tmp_path):
+    env = {
+        "ETTR_RUN_DIR": str(tmp_path),
+        "ETTR_ATTEMPT": "3",
+        "ETTR_JOB_ID": "j",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+    }
+    rec = recorder_from_env(env)
+    assert (rec.attempt, rec.rank, rec.world_size, rec.job_id) == (3, 1, 2, "j")
+    rec.close()
+    (event,) = open_ledger(tmp_path).read()
+    assert event.kind is EventKind.PROCESS_START and event.rank == 1 and event.attempt == 3
+    assert event.ts <= time.time() and event.data["pid"] == os.getpid()
+
+
+def test_process_start_time_is_before_now_and_recent():
+    start = process_start_time()
+    assert time.time() - 3600 < start <= time.time()
+
+
+def test_facade_is_a_no_op_without_a_run(monkeypatch):
+    monkeypatch.delenv("ETTR_RUN_DIR", raising=False)
+    set_recorder(None)
+    try:
+        ettr.step(1)
+        with ettr.phase(ettr.Phase.INIT):
+            pass
+        assert not ettr.get_recorder().enabled
+    finally:
+        set_recorder(None)
+
+
+_KILLED = """
+import os, signal, sys, time
+import ettr
+rec = ettr.get_recorder()
+rec.flush_interval_s = 0.2
+for i in range(1, 1000000):
+    ettr.step(i)
+    if i == 50:
+        ettr.checkpoint_committed(50, "/ckpt/50")   # urgent: written at once
+    time.sleep(0.001)
+    if i == 800:
+        time.sleep(1.0)  # every step before this one is older than a flush interval
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_sigkill_loses_at_most_the_last_second(tmp_path):
+    env = {**os.environ, "ETTR_RUN_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED], env=env, timeout=60)
+    assert proc.returncode == -9
+    events = open_ledger(tmp_path).read()
+    steps = [e.step for e in events if e.kind is EventKind.STEP]
+    assert steps == list(range(1, 801))
+    assert any(e.kind is EventKind.CHECKPOINT_COMMIT for e in events)
+
+
+_STANDALONE = """
+import sys, ettr
+ettr.init(sys.argv[1], job_id="solo")
+for i in range(1, 4):
+    ettr.step(i)
+if sys.argv[2] == "fail":
+    raise RuntimeError("boom")
+"""
+
+
+def test_init_without_supervisor_records_attempts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    run = tmp_path / "solo"
+    first = subprocess.run(
+        [sys.executable, "-c", _STANDALONE, str(run), "fail"], env=env, capture_output=True
+    )
+    assert first.returncode == 1
+    second = subprocess.run([sys.executable, "-c", _STANDALONE, str(run), "ok"], env=env, capture_output=True)
+    assert second.returncode == 0, second.stderr
+    events = open_ledger(run).read()
+    ends = [(e.attempt, e.data["outcome"]) for e in events if e.kind is EventKind.ATTEMPT_END]
+    assert ends == [(0, "failed"), (1, "completed")]
+    assert [e.kind for e in events if e.rank == -1][-1] is EventKind.JOB_END
+    assert any(e.kind is EventKind.FAILURE and e.data["exception"] == "RuntimeError" for e in events)
