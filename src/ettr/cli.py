@@ -100,11 +100,12 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ettr.report.json import to_dict
     from ettr.report.load import load_report
-    from ettr.report.text import render, render_comparison
 
     reports = [load_report(d) for d in args.run_dirs]
+    from ettr.report.json import to_dict
+    from ettr.report.text import render, render_comparison
+
     if args.html:
         from ettr.report.html import write_html
 
