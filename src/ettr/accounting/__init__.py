@@ -1,0 +1,21 @@
+"""The ETT accounting: a job's events in, its Effective Training Time report out.
+
+Pure math: no I/O, no clock reads (`now` is a parameter). Every instant of wall time goes to exactly one
+bucket of `ettr.events.Bucket` by the rules of docs/buckets.md; the renderers live in `ettr.report`.
+"""
+
+from ettr.accounting.compute import Loss, classify, compute
+from ettr.accounting.model import AttemptReport, CheckpointCommit, EttReport, Recompile, Segment
+from ettr.accounting.timeline import PRECEDENCE
+
+__all__ = [
+    "AttemptReport",
+    "CheckpointCommit",
+    "EttReport",
+    "Loss",
+    "PRECEDENCE",
+    "Recompile",
+    "Segment",
+    "classify",
+    "compute",
+]

@@ -1,0 +1,411 @@
+"""From raw events to resolved attempts: job boundaries, attempt spans and outcomes, the reference rank's
+steps and phases, training starts, and which steps were kept.
+
+Pure: no I/O, no clock. The rules are those of docs/buckets.md; each function says which one it applies.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
+
+from ettr.accounting.model import CheckpointCommit, Recompile
+from ettr.events import Event, EventKind, Outcome, Phase
+
+_JOB_SUBMITTED = EventKind.JOB_SUBMITTED
+_JOB_ALLOCATED = EventKind.JOB_ALLOCATED
+_SUPERVISOR_START = EventKind.SUPERVISOR_START
+_ATTEMPT_START = EventKind.ATTEMPT_START
+_ATTEMPT_END = EventKind.ATTEMPT_END
+_JOB_END = EventKind.JOB_END
+_STEP = EventKind.STEP
+_PHASE_BEGIN = EventKind.PHASE_BEGIN
+_PHASE_END = EventKind.PHASE_END
+
+_JOB_KINDS = frozenset({_JOB_SUBMITTED, _JOB_ALLOCATED, _SUPERVISOR_START, _JOB_END})
+_FIRST_BATCH_PHASES = frozenset({Phase.GET_FIRST_BATCH_DATA, Phase.DATA_WAIT})
+# Background phases overlap training; they never mark where the training loop began.
+_BACKGROUND_PHASES = frozenset({Phase.CHECKPOINT_PERSIST})
+_END_KEYS = frozenset({"outcome", "exit_code"})
+
+
+@dataclass(slots=True)
+class RawAttempt:
+    """What the events say about one attempt, before any rule is applied."""
+
+    index: int
+    start_ts: float | None = None  # ATTEMPT_START
+    end_event: Event | None = None  # ATTEMPT_END
+    process_start_ts: float | None = None  # earliest PROCESS_START of any rank
+    failure_event: Event | None = None  # first FAILURE of any rank
+    rank_events: dict[int, list[Event]] = field(default_factory=dict)  # in time order
+
+
+@dataclass(slots=True)
+class JobEvents:
+    """The events of a job sorted into job-level facts and per-attempt, per-rank lists."""
+
+    submitted_ts: float | None = None
+    allocated_ts: float | None = None
+    supervisor_start_ts: float | None = None
+    job_end: Event | None = None
+    earliest_ts: float | None = None
+    attempts: dict[int, RawAttempt] = field(default_factory=dict)
+    commits: list[CheckpointCommit] = field(default_factory=list)
+    recompiles: list[Recompile] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Attempt:
+    """An attempt with every rule applied: its span, outcome, steps, phases and kept steps."""
+
+    index: int
+    position: int  # 0 for the first attempt of the job, whatever its index
+    start_ts: float
+    end_ts: float
+    outcome: Outcome
+    exit_code: int | None
+    closed_by_accounting: bool
+    failure: Mapping[str, Any] | None
+    reference_rank: int | None
+    step_ts: list[float]  # STEP times of the reference rank, clamped to the span, in order
+    step_numbers: list[int]
+    phases: list[tuple[float, float, Phase | None, str]]  # clipped spans: begin, end, phase, raw name
+    training_start_ts: float | None = None
+    resumed_from_step: int | None = None
+    resume_recorded: bool = False  # a RESUMED event exists (its step may be None: from scratch)
+    keep_up_to_step: float = math.inf  # steps <= this are kept
+    lost_steps: int = 0
+
+    @property
+    def trained(self) -> bool:
+        return self.training_start_ts is not None
+
+
+def gather(events: Iterable[Event]) -> JobEvents:
+    """Sort events by time (stable) and file them; O(n log n)."""
+    ordered = sorted(events, key=attrgetter("ts"))
+    job = JobEvents()
+    if ordered:
+        job.earliest_ts = ordered[0].ts
+    attempts = job.attempts
+    for e in ordered:
+        kind = e.kind
+        if kind in _JOB_KINDS:
+            if kind == _JOB_SUBMITTED:
+                job.submitted_ts = e.ts if job.submitted_ts is None else job.submitted_ts
+            elif kind == _JOB_ALLOCATED:
+                job.allocated_ts = e.ts if job.allocated_ts is None else job.allocated_ts
+            elif kind == _SUPERVISOR_START:
+                if job.supervisor_start_ts is None:
+                    job.supervisor_start_ts = e.ts
+            else:  # JOB_END: the last one wins (a resumed supervisor may end the job again)
+                job.job_end = e
+            continue
+        raw = attempts.get(e.attempt)
+        if raw is None:
+            raw = attempts[e.attempt] = RawAttempt(e.attempt)
+        if kind == _ATTEMPT_START:
+            if raw.start_ts is None:
+                raw.start_ts = e.ts
+            continue
+        if kind == _ATTEMPT_END:
+            if raw.end_event is None:
+                raw.end_event = e
+            continue
+        events_of_rank = raw.rank_events.get(e.rank)
+        if events_of_rank is None:
+            events_of_rank = raw.rank_events[e.rank] = []
+        events_of_rank.append(e)
+        if kind == _STEP or kind == _PHASE_BEGIN or kind == _PHASE_END:
+            continue
+        if kind == EventKind.CHECKPOINT_COMMIT:
+            path = (e.data or {}).get("path")
+            job.commits.append(
+                CheckpointCommit(
+                    ts=e.ts,
+                    attempt=e.attempt,
+                    rank=e.rank,
+                    step=e.step,
+                    path=None if path is None else str(path),
+                )
+            )
+        elif kind == EventKind.RECOMPILE:
+            data = dict(e.data or {})
+            job.recompiles.append(
+                Recompile(
+                    ts=e.ts, attempt=e.attempt, rank=e.rank, reason=str(data.get("reason", "")), data=data
+                )
+            )
+        elif kind == EventKind.PROCESS_START:
+            if raw.process_start_ts is None and e.rank >= 0:
+                raw.process_start_ts = e.ts
+        elif kind == EventKind.FAILURE:
+            if raw.failure_event is None:
+                raw.failure_event = e
+    for index in [i for i, raw in attempts.items() if not _placeable(raw)]:
+        del attempts[index]  # only supervisor-side marks name this attempt: nothing to place on the timeline
+    return job
+
+
+def _placeable(raw: RawAttempt) -> bool:
+    if raw.start_ts is not None or raw.end_event is not None:
+        return True
+    return any(rank >= 0 and events for rank, events in raw.rank_events.items())
+
+
+def wall_bounds(job: JobEvents, now: float) -> tuple[float, float]:
+    """Wall start (submitted, else allocated, else supervisor start, else the earliest event, else `now`)
+    and wall end (JOB_END, else `now`), with end >= start."""
+    candidates = (job.submitted_ts, job.allocated_ts, job.supervisor_start_ts, job.earliest_ts)
+    start = next((ts for ts in candidates if ts is not None), now)
+    end = job.job_end.ts if job.job_end is not None else now
+    return start, max(start, end)
+
+
+def job_ended_normally(job: JobEvents) -> bool:
+    """A JOB_END exists and its exit status is 0 (or not given)."""
+    if job.job_end is None:
+        return False
+    status = _as_int((job.job_end.data or {}).get("exit_status"))
+    return status is None or status == 0
+
+
+def resolve_attempts(job: JobEvents, wall_start: float, wall_end: float) -> list[Attempt]:
+    """Apply the span, outcome, reference-rank, training-start and kept-step rules to every attempt.
+
+    Attempts are ordered by index; their spans are made monotone and disjoint inside the wall time (an
+    attempt cannot start before the previous one ended, nor end after the next one started).
+    """
+    indices = sorted(job.attempts)
+    raws = [job.attempts[i] for i in indices]
+    raw_starts = [_raw_start(r) for r in raws]
+    in_progress = job.job_end is None
+    ended_normally = job_ended_normally(job)
+    attempts: list[Attempt] = []
+    previous_end = wall_start
+    for position, raw in enumerate(raws):
+        is_last = position == len(raws) - 1
+        start = min(max(raw_starts[position], previous_end), wall_end)
+        next_start = raw_starts[position + 1] if not is_last else math.inf
+        if raw.end_event is not None:
+            end = raw.end_event.ts
+        elif raw.start_ts is not None:
+            end = min(next_start, wall_end)  # a supervised attempt that never ended
+        elif is_last and in_progress:
+            end = wall_end  # an API-only run that is still going (or was closed at `now`)
+        else:
+            end = _last_ts(raw)
+        end = max(start, min(end, next_start, wall_end))
+        previous_end = end
+        outcome, exit_code, failure = _outcome(raw, is_last=is_last, ended_normally=ended_normally)
+        attempts.append(_resolve_one(raw, position, start, end, outcome, exit_code, failure))
+    _mark_kept_steps(attempts, job.commits)
+    return attempts
+
+
+def _raw_start(raw: RawAttempt) -> float:
+    if raw.start_ts is not None:
+        return raw.start_ts
+    if raw.process_start_ts is not None:
+        return raw.process_start_ts
+    firsts = [events[0].ts for rank, events in raw.rank_events.items() if rank >= 0 and events]
+    if raw.end_event is not None:
+        firsts.append(raw.end_event.ts)
+    return min(firsts) if firsts else math.inf
+
+
+def _last_ts(raw: RawAttempt) -> float:
+    lasts = [events[-1].ts for rank, events in raw.rank_events.items() if rank >= 0 and events]
+    return max(lasts) if lasts else -math.inf
+
+
+def _outcome(
+    raw: RawAttempt, *, is_last: bool, ended_normally: bool
+) -> tuple[Outcome, int | None, Mapping[str, Any] | None]:
+    if raw.end_event is not None:
+        data = raw.end_event.data or {}
+        exit_code = _as_int(data.get("exit_code"))
+        try:
+            outcome = Outcome(data["outcome"])
+        except (KeyError, ValueError):
+            outcome = Outcome.COMPLETED if exit_code == 0 else Outcome.FAILED
+        extra = {k: v for k, v in data.items() if k not in _END_KEYS}
+    else:
+        exit_code, extra = None, {}
+        supervised = raw.start_ts is not None
+        completed = not supervised and is_last and ended_normally and raw.failure_event is None
+        outcome = Outcome.COMPLETED if completed else Outcome.FAILED
+    if outcome == Outcome.COMPLETED:
+        return outcome, exit_code, None
+    if raw.failure_event is not None:
+        process_failure = dict(raw.failure_event.data or {})
+        process_failure.setdefault("rank", raw.failure_event.rank)
+        process_failure.setdefault("ts", raw.failure_event.ts)
+        extra.setdefault("process_failure", process_failure)
+    return outcome, exit_code, extra
+
+
+def _resolve_one(
+    raw: RawAttempt,
+    position: int,
+    start: float,
+    end: float,
+    outcome: Outcome,
+    exit_code: int | None,
+    failure: Mapping[str, Any] | None,
+) -> Attempt:
+    ranks = [r for r, events in raw.rank_events.items() if r >= 0 and events]
+    reference_rank = (0 if 0 in ranks else min(ranks)) if ranks else None
+    attempt = Attempt(
+        index=raw.index,
+        position=position,
+        start_ts=start,
+        end_ts=end,
+        outcome=outcome,
+        exit_code=exit_code,
+        closed_by_accounting=raw.end_event is None,
+        failure=failure,
+        reference_rank=reference_rank,
+        step_ts=[],
+        step_numbers=[],
+        phases=[],
+    )
+    explicit_start: float | None = None
+    resumed: Event | None = None
+    if reference_rank is not None:
+        events = raw.rank_events[reference_rank]
+        step_ts, step_numbers = attempt.step_ts, attempt.step_numbers
+        for e in events:
+            if e.kind == _STEP:
+                if e.step is not None:
+                    step_ts.append(min(max(e.ts, start), end))
+                    step_numbers.append(e.step)
+            elif e.kind == EventKind.TRAINING_START:
+                explicit_start = e.ts if explicit_start is None else explicit_start
+            elif e.kind == EventKind.RESUMED:
+                resumed = e  # the last one wins
+        attempt.phases = _pair_phases(events, start, end)
+    if resumed is None:  # the reference rank did not say; any other rank may have
+        for rank in sorted(raw.rank_events):
+            found = [e for e in raw.rank_events[rank] if e.kind == EventKind.RESUMED]
+            if found:
+                resumed = found[-1]
+                break
+    if resumed is not None:
+        attempt.resume_recorded = True
+        attempt.resumed_from_step = resumed.step
+    attempt.training_start_ts = _training_start(attempt, explicit_start)
+    return attempt
+
+
+def _pair_phases(
+    events: list[Event], start: float, end: float
+) -> list[tuple[float, float, Phase | None, str]]:
+    """PHASE_BEGIN/PHASE_END pairs of one rank, clipped to [start, end].
+
+    A PHASE_END names its begin by `value`; an END whose begin is missing is a complete span by itself; an
+    END without `value` closes the latest open BEGIN of its phase; a BEGIN never ended is closed at `end`.
+    """
+    open_begins: dict[Any, list[float]] = {}
+    spans: list[tuple[float, float, Any]] = []
+    for e in events:
+        kind = e.kind
+        if kind == _PHASE_BEGIN and e.phase is not None:
+            open_begins.setdefault(e.phase, []).append(e.ts)
+        elif kind == _PHASE_END and e.phase is not None:
+            stack = open_begins.get(e.phase)
+            if e.value is not None:
+                begin = e.value
+                if stack:
+                    _remove_last(stack, begin)
+            elif stack:
+                begin = stack.pop()
+            else:
+                continue  # an END that names no begin and closes none: nothing to attribute
+            spans.append((begin, e.ts, e.phase))
+    for phase, begins in open_begins.items():
+        spans.extend((begin, end, phase) for begin in begins)
+    spans.sort(key=lambda span: span[0])
+    clipped = []
+    for begin, finish, name in spans:
+        b, f = max(begin, start), min(finish, end)
+        if f > b:
+            clipped.append((b, f, _as_phase(name), str(getattr(name, "value", name))))
+    return clipped
+
+
+def _remove_last(stack: list[float], value: float) -> None:
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] == value:
+            del stack[i]
+            return
+
+
+def _training_start(attempt: Attempt, explicit_start: float | None) -> float | None:
+    """The training-start rule: explicit TRAINING_START; else the end of the last first-batch phase that
+    ended by the first STEP; else max(end of the last phase that ended by the first STEP, first STEP - the
+    median step interval); clamped to [attempt start, first STEP]. None without a STEP."""
+    if not attempt.step_ts:
+        return None
+    first_step = attempt.step_ts[0]
+    if explicit_start is not None:
+        guess = explicit_start
+    else:
+        before = [(end, phase) for _, end, phase, _ in attempt.phases if end <= first_step]
+        first_batch = [end for end, phase in before if phase in _FIRST_BATCH_PHASES]
+        if first_batch:
+            guess = max(first_batch)
+        else:
+            if len(attempt.step_ts) >= 2:
+                intervals = [b - a for a, b in zip(attempt.step_ts, attempt.step_ts[1:], strict=False)]
+                guess = first_step - statistics.median(intervals)
+            else:
+                guess = first_step
+            phase_ends = [end for end, phase in before if phase not in _BACKGROUND_PHASES]
+            if phase_ends:
+                guess = max(guess, max(phase_ends))
+    return min(max(guess, attempt.start_ts), first_step)
+
+
+def _mark_kept_steps(attempts: list[Attempt], commits: list[CheckpointCommit]) -> None:
+    """The kept-step rule. Steps <= R are kept, where R is the step that the next attempt which got as far
+    as deciding (it recorded RESUMED or completed a step) resumed from (-inf: from scratch). With no such
+    later attempt: all kept if the attempt is the last and completed, else R is the highest checkpoint
+    committed by the end of the job's last attempt (-inf if none)."""
+    final_ts = attempts[-1].end_ts if attempts else -math.inf
+    for position, attempt in enumerate(attempts):
+        decider = next((a for a in attempts[position + 1 :] if a.resume_recorded or a.step_ts), None)
+        if decider is not None:
+            keep = -math.inf if decider.resumed_from_step is None else float(decider.resumed_from_step)
+        elif position == len(attempts) - 1 and attempt.outcome == Outcome.COMPLETED:
+            keep = math.inf
+        else:
+            committed = [c.step for c in commits if c.ts <= final_ts and c.step is not None]
+            keep = float(max(committed)) if committed else -math.inf
+        attempt.keep_up_to_step = keep
+        attempt.lost_steps = sum(1 for step in attempt.step_numbers if step > keep)
+
+
+def _as_phase(value: Any) -> Phase | None:
+    if isinstance(value, Phase):
+        return value
+    try:
+        return Phase(value)
+    except ValueError:
+        return None
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

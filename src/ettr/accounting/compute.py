@@ -1,0 +1,158 @@
+"""`compute`: a job's events and the time to close it at -> its `EttReport`. Pure: no I/O, no clock."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from types import MappingProxyType
+
+from ettr.accounting.attempts import Attempt, gather, resolve_attempts, wall_bounds
+from ettr.accounting.model import AttemptReport, EttReport
+from ettr.accounting.timeline import build_segments
+from ettr.events import Bucket, Event, Outcome, Phase
+
+
+class Loss(StrEnum):
+    """Where a bucket's time counts: effective training, idleness or failure."""
+
+    EFFECTIVE = "effective"
+    IDLENESS = "idleness"
+    FAILURE = "failure"
+
+
+_ALWAYS_FAILURE = frozenset({Bucket.WASTED_PROGRESS, Bucket.RESTART})
+_STARTUP_BUCKETS = frozenset({Bucket.INIT, Bucket.COMPILE, Bucket.RESTORE, Bucket.DATA_WAIT})
+_PHASE_ORDER = {phase.value: i for i, phase in enumerate(Phase)}
+
+
+def classify(bucket: Bucket, *, attempt_position: int) -> Loss:
+    """Whether time in `bucket` of the attempt at `attempt_position` (0 = the job's first attempt, which
+    also owns the time before it) is effective training, idleness or failure.
+
+    Start-up buckets (init, compile, restore, data_wait) are idleness in the first attempt and failure in
+    later ones; wasted_progress and restart are always failure; everything else is idleness.
+    """
+    if bucket == Bucket.EFFECTIVE_TRAINING:
+        return Loss.EFFECTIVE
+    if bucket in _ALWAYS_FAILURE or (bucket in _STARTUP_BUCKETS and attempt_position >= 1):
+        return Loss.FAILURE
+    return Loss.IDLENESS
+
+
+def compute(events: Iterable[Event], now: float, *, job_id: str = "") -> EttReport:
+    """The ETT report of one job from all its events (supervisor and every rank, any order).
+
+    `now` closes what the events leave open: the job's end when there is no JOB_END (pass the last event's
+    ts for a dead job, the current time for a live one; the report then says `in_progress`), and attempts
+    or phases that never ended. The rules are in docs/buckets.md. Never reads the clock or any file.
+    """
+    job = gather(events)
+    wall_start, wall_end = wall_bounds(job, now)
+    attempts = resolve_attempts(job, wall_start, wall_end)
+    segments = build_segments(job, attempts, wall_start, wall_end)
+    wall_s = wall_end - wall_start
+
+    position_of = {a.index: a.position for a in attempts}
+    by_bucket: dict[Bucket, list[float]] = {b: [] for b in Bucket}
+    by_attempt: dict[int | None, dict[Bucket, list[float]]] = {}
+    by_loss: dict[Loss, list[float]] = {loss: [] for loss in Loss}
+    for start, end, bucket, owner in segments:
+        duration = end - start  # exact for nearby floats, so the fsums below add up to wall_s
+        by_bucket[bucket].append(duration)
+        per_bucket = by_attempt.get(owner)
+        if per_bucket is None:
+            per_bucket = by_attempt[owner] = {b: [] for b in Bucket}
+        per_bucket[bucket].append(duration)
+        by_loss[classify(bucket, attempt_position=position_of.get(owner, 0))].append(duration)
+
+    effective_s, idleness_s, failure_s = (math.fsum(by_loss[loss]) for loss in Loss)
+
+    def pct(seconds: float) -> float:
+        return seconds / wall_s * 100.0 if wall_s > 0 else 0.0
+
+    attempt_reports = tuple(_attempt_report(a, by_attempt.get(a.index)) for a in attempts)
+    job_phases: dict[str, list[float]] = {}
+    for report in attempt_reports:
+        for name, seconds in report.phases_s.items():
+            job_phases.setdefault(name, []).append(seconds)
+    job_end_data = job.job_end.data if job.job_end is not None else None
+    return EttReport(
+        job_id=job_id,
+        wall_start_ts=wall_start,
+        wall_end_ts=wall_end,
+        wall_s=wall_s,
+        in_progress=job.job_end is None,
+        ett_pct=pct(effective_s),
+        idleness_pct=pct(idleness_s),
+        failure_pct=pct(failure_s),
+        effective_training_s=effective_s,
+        idleness_s=idleness_s,
+        failure_s=failure_s,
+        tts_s=_tts(job.allocated_ts, job.supervisor_start_ts, wall_start, attempts),
+        ttr_s=_ttrs(attempts),
+        num_failures=sum(1 for a in attempts if a.outcome != Outcome.COMPLETED),
+        buckets_s=MappingProxyType({b: math.fsum(by_bucket[b]) for b in Bucket}),
+        attempts=attempt_reports,
+        phases_s=MappingProxyType({name: math.fsum(parts) for name, parts in job_phases.items()}),
+        segments=tuple(segments),
+        recompiles=tuple(job.recompiles),
+        checkpoint_commits=tuple(job.commits),
+        submitted_ts=job.submitted_ts,
+        allocated_ts=job.allocated_ts,
+        supervisor_start_ts=job.supervisor_start_ts,
+        job_exit_status=_exit_status(job_end_data),
+    )
+
+
+def _attempt_report(attempt: Attempt, buckets: Mapping[Bucket, list[float]] | None) -> AttemptReport:
+    phases: dict[str, list[float]] = {}
+    for begin, end, _, name in attempt.phases:
+        phases.setdefault(name, []).append(end - begin)
+    ordered = sorted(phases, key=lambda name: (_PHASE_ORDER.get(name, len(_PHASE_ORDER)), name))
+    return AttemptReport(
+        index=attempt.index,
+        start_ts=attempt.start_ts,
+        end_ts=attempt.end_ts,
+        outcome=attempt.outcome,
+        exit_code=attempt.exit_code,
+        resumed_from_step=attempt.resumed_from_step,
+        last_step=max(attempt.step_numbers) if attempt.step_numbers else None,
+        lost_steps=attempt.lost_steps,
+        buckets_s=MappingProxyType({b: math.fsum(buckets[b]) if buckets else 0.0 for b in Bucket}),
+        training_start_ts=attempt.training_start_ts,
+        num_steps=len(attempt.step_numbers),
+        reference_rank=attempt.reference_rank,
+        closed_by_accounting=attempt.closed_by_accounting,
+        failure=None if attempt.failure is None else MappingProxyType(dict(attempt.failure)),
+        phases_s=MappingProxyType({name: math.fsum(phases[name]) for name in ordered}),
+    )
+
+
+def _tts(
+    allocated_ts: float | None, supervisor_start_ts: float | None, wall_start: float, attempts: list[Attempt]
+) -> float | None:
+    origin = next(ts for ts in (allocated_ts, supervisor_start_ts, wall_start) if ts is not None)
+    if attempts and attempts[0].training_start_ts is not None:
+        return attempts[0].training_start_ts - origin
+    first = next((a.training_start_ts for a in attempts if a.training_start_ts is not None), None)
+    return None if first is None else first - origin
+
+
+def _ttrs(attempts: list[Attempt]) -> tuple[float, ...]:
+    ttrs = []
+    for position, attempt in enumerate(attempts):
+        if attempt.outcome == Outcome.COMPLETED:
+            continue
+        recovered = next((a for a in attempts[position + 1 :] if a.training_start_ts is not None), None)
+        if recovered is not None and recovered.training_start_ts is not None:
+            ttrs.append(recovered.training_start_ts - attempt.end_ts)
+    return tuple(ttrs)
+
+
+def _exit_status(data: Mapping | None) -> int | None:
+    value = (data or {}).get("exit_status")
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,145 @@
+"""The result types of the accounting: an `EttReport` of a job and one `AttemptReport` per attempt.
+
+They are plain frozen data, rich enough for every renderer (terminal, JSON, HTML timeline) to draw from
+without going back to the events. Mappings inside them are read-only views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ettr.events import Bucket, Outcome
+
+
+class Segment(NamedTuple):
+    """One piece of the timeline: wall time [start_ts, end_ts) given to `bucket`, owned by `attempt`.
+
+    `attempt` is the attempt index that the time belongs to (time before the first attempt belongs to the
+    first attempt), or None when the job has no attempt at all.
+    """
+
+    start_ts: float
+    end_ts: float
+    bucket: Bucket
+    attempt: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recompile:
+    """A RECOMPILE event, kept for renderers: when, where and why torch recompiled."""
+
+    ts: float
+    attempt: int
+    rank: int
+    reason: str
+    """`data["reason"]` of the event, or "" when it gave none."""
+    data: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointCommit:
+    """A CHECKPOINT_COMMIT event: the checkpoint of `step` became durable and visible at `ts`."""
+
+    ts: float
+    attempt: int
+    rank: int
+    step: int | None
+    path: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptReport:
+    """One attempt (one launch of the training command) and its share of the job's wall time."""
+
+    index: int
+    """The attempt number of its events (0 for the first launch)."""
+    start_ts: float
+    """Start of the attempt on the job's timeline (ATTEMPT_START, else PROCESS_START, else its first event)."""
+    end_ts: float
+    """End of the attempt (ATTEMPT_END, else closed by the accounting: see `closed_by_accounting`)."""
+    outcome: Outcome
+    exit_code: int | None
+    resumed_from_step: int | None
+    """Step of its RESUMED event (the last one wins); None when it recorded none (started from scratch)."""
+    last_step: int | None
+    """Highest STEP of its reference rank; None when it completed no step."""
+    lost_steps: int
+    """Number of its STEP events whose progress was rolled back (see docs/buckets.md)."""
+    buckets_s: Mapping[Bucket, float]
+    """Its share of the job's wall time per bucket, every bucket present; attempts sum to the job's buckets."""
+    training_start_ts: float | None
+    """When its training loop began (explicit TRAINING_START or inferred); None when it completed no step."""
+    num_steps: int
+    """Number of STEP events of its reference rank."""
+    reference_rank: int | None
+    """The rank whose events drew its timeline (0, else the lowest present); None when no rank reported."""
+    closed_by_accounting: bool
+    """True when no ATTEMPT_END was recorded: the accounting closed the attempt (killed supervisor, live
+    job, or an API-only run without a supervisor)."""
+    failure: Mapping[str, Any] | None
+    """For an attempt that did not complete: what its ATTEMPT_END said beyond outcome and exit code (signal,
+    reason, ...) and the first FAILURE a training process reported (`process_failure`); else None."""
+    phases_s: Mapping[str, float]
+    """Raw phase durations of its reference rank, clipped to the attempt (phases may overlap)."""
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_ts - self.start_ts
+
+    @property
+    def trained(self) -> bool:
+        """Whether the attempt reached a training start (completed at least one step)."""
+        return self.training_start_ts is not None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EttReport:
+    """The Effective Training Time report of one job: the contract's `ettr.report/1` and more.
+
+    Invariants: `buckets_s` has every bucket and sums to `wall_s`; `ett_pct + idleness_pct + failure_pct`
+    is 100 (all 0 when `wall_s` is 0); `segments` cover [wall_start_ts, wall_end_ts] in order without gaps.
+    """
+
+    job_id: str
+    wall_start_ts: float
+    """Submitted, else allocated, else supervisor start, else the earliest event."""
+    wall_end_ts: float
+    """JOB_END, else the `now` given to `compute`."""
+    wall_s: float
+    in_progress: bool
+    """True when the job recorded no JOB_END (live, or its supervisor was killed)."""
+    ett_pct: float
+    idleness_pct: float
+    failure_pct: float
+    effective_training_s: float
+    idleness_s: float
+    failure_s: float
+    tts_s: float | None
+    """Allocation (else supervisor start, else wall start) to the training start of attempt 0 (else of the
+    first attempt that trained); None when no attempt trained."""
+    ttr_s: tuple[float, ...]
+    """One per failure followed by an attempt that trained: failure detected to that training start."""
+    num_failures: int
+    buckets_s: Mapping[Bucket, float]
+    attempts: tuple[AttemptReport, ...]
+    phases_s: Mapping[str, float]
+    """Raw phase durations summed over the attempts' reference ranks (phases may overlap)."""
+    segments: tuple[Segment, ...]
+    """The timeline: wall time in order, adjacent pieces of the same bucket and attempt merged."""
+    recompiles: tuple[Recompile, ...]
+    checkpoint_commits: tuple[CheckpointCommit, ...]
+    submitted_ts: float | None
+    allocated_ts: float | None
+    supervisor_start_ts: float | None
+    job_exit_status: int | None
+    """`data["exit_status"]` of JOB_END; None when absent."""
+
+    @property
+    def mean_ttr_s(self) -> float | None:
+        return sum(self.ttr_s) / len(self.ttr_s) if self.ttr_s else None
+
+    def bucket_pct(self, bucket: Bucket) -> float:
+        """Share of wall time in `bucket`, in % (0 when wall time is 0)."""
+        return self.buckets_s[bucket] / self.wall_s * 100.0 if self.wall_s > 0 else 0.0

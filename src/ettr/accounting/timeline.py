@@ -1,0 +1,145 @@
+"""The timeline sweep: gives every instant of a job's wall time to exactly one bucket.
+
+Each attempt is swept once over its sorted boundary points (region changes, step boundaries, phase begins
+and ends), keeping a count of open phases per precedence class: O(n log n) in the number of events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import itemgetter
+
+from ettr.accounting.attempts import Attempt, JobEvents
+from ettr.accounting.model import Segment
+from ettr.events import PHASE_BUCKET, Bucket, Outcome
+
+PRECEDENCE: tuple[Bucket, ...] = (
+    Bucket.CHECKPOINT_BLOCKING,
+    Bucket.COMPILE,
+    Bucket.RESTORE,
+    Bucket.DATA_WAIT,
+    Bucket.SHUTDOWN,
+    Bucket.OTHER,
+    Bucket.INIT,
+)
+"""Buckets that phases map to, highest precedence first: where phases overlap, the first one wins."""
+
+_CLASS = {bucket: i for i, bucket in enumerate(PRECEDENCE)}
+# Before the training loop starts, checkpointing, shutdown and "other" phases are part of start-up.
+_STARTUP_BUCKET = tuple(
+    Bucket.INIT if b in (Bucket.CHECKPOINT_BLOCKING, Bucket.SHUTDOWN, Bucket.OTHER) else b for b in PRECEDENCE
+)
+
+# Kinds of region inside an attempt: what phases may override there.
+_STARTUP = 0  # [attempt start, training start): default init; phases map through _STARTUP_BUCKET
+_TRAINING = 1  # step intervals and the tail after the last step: phases override by PRECEDENCE
+_LOCKED = 2  # shutdown tail of a completed last attempt: shutdown whatever phases say
+
+
+def build_segments(
+    job: JobEvents, attempts: Sequence[Attempt], wall_start: float, wall_end: float
+) -> list[Segment]:
+    """The job's timeline: consecutive segments from `wall_start` to `wall_end`, adjacent pieces of the same
+    bucket and attempt merged. Zero-length pieces are dropped."""
+    segments: list[list] = []
+    first_start = attempts[0].start_ts if attempts else wall_end
+    owner = attempts[0].index if attempts else None
+    cursor = wall_start
+
+    def until(ts: float | None, bucket: Bucket) -> None:
+        nonlocal cursor
+        stop = first_start if ts is None else min(max(ts, cursor), first_start)
+        _add(segments, cursor, stop, bucket, owner)
+        cursor = stop
+
+    # Before the first attempt: scheduling, hardware set-up, then the supervisor's own start-up (init).
+    if job.submitted_ts is not None:
+        if job.allocated_ts is not None:
+            until(job.allocated_ts, Bucket.SCHEDULING)
+        else:  # allocation unknown: the wait cannot be called scheduling or set-up
+            until(job.supervisor_start_ts, Bucket.OTHER)
+    if job.allocated_ts is not None:
+        until(job.supervisor_start_ts, Bucket.HARDWARE_SETUP)
+    until(None, Bucket.INIT)
+
+    for position, attempt in enumerate(attempts):
+        if position > 0:
+            _add(segments, attempts[position - 1].end_ts, attempt.start_ts, Bucket.RESTART, attempt.index)
+        _sweep_attempt(segments, attempt, is_last=position == len(attempts) - 1)
+    if attempts:
+        _add(segments, attempts[-1].end_ts, wall_end, Bucket.SHUTDOWN, attempts[-1].index)
+    return [Segment(*s) for s in segments]
+
+
+def _add(segments: list[list], start: float, end: float, bucket: Bucket, attempt: int | None) -> None:
+    if end <= start:
+        return
+    if segments:
+        last = segments[-1]
+        if last[2] is bucket and last[3] == attempt and last[1] == start:
+            last[1] = end
+            return
+    segments.append([start, end, bucket, attempt])
+
+
+def _base_regions(attempt: Attempt, *, is_last: bool) -> tuple[list[float], list[Bucket], list[int]]:
+    """The region defaults of an attempt as consecutive pieces (end, default bucket, region kind)."""
+    end = attempt.end_ts
+    if attempt.training_start_ts is None:
+        return [end], [Bucket.INIT], [_STARTUP]
+    ends, buckets, regions = [attempt.training_start_ts], [Bucket.INIT], [_STARTUP]
+    keep = attempt.keep_up_to_step
+    effective, wasted = Bucket.EFFECTIVE_TRAINING, Bucket.WASTED_PROGRESS
+    for ts, step in zip(attempt.step_ts, attempt.step_numbers, strict=True):
+        bucket = effective if step <= keep else wasted
+        if buckets[-1] is bucket and regions[-1] == _TRAINING:
+            ends[-1] = ts
+        else:
+            ends.append(ts)
+            buckets.append(bucket)
+            regions.append(_TRAINING)
+    ends.append(end)
+    if attempt.outcome == Outcome.COMPLETED:
+        buckets.append(Bucket.SHUTDOWN)
+        regions.append(_LOCKED if is_last else _TRAINING)
+    else:  # from the last step to the failure (including its detection): progress that was lost
+        buckets.append(wasted)
+        regions.append(_TRAINING)
+    return ends, buckets, regions
+
+
+def _sweep_attempt(segments: list[list], attempt: Attempt, *, is_last: bool) -> None:
+    ends, buckets, regions = _base_regions(attempt, is_last=is_last)
+    edges: list[tuple[float, int, int]] = []
+    for begin, end, phase, _ in attempt.phases:
+        bucket = PHASE_BUCKET.get(phase) if phase is not None else None
+        if bucket is None:
+            continue  # background phases (checkpoint persist) and unknown ones: raw durations only
+        cls = _CLASS[bucket]
+        edges.append((begin, 1, cls))
+        edges.append((end, -1, cls))
+    edges.sort(key=itemgetter(0))
+
+    counts = [0] * len(PRECEDENCE)
+    num_classes = len(PRECEDENCE)
+    index = attempt.index
+    cursor, stop = attempt.start_ts, attempt.end_ts
+    i, j = 0, 0
+    last_piece, num_edges = len(ends) - 1, len(edges)
+    while cursor < stop:
+        while j < num_edges and edges[j][0] <= cursor:
+            counts[edges[j][2]] += edges[j][1]
+            j += 1
+        while i < last_piece and ends[i] <= cursor:
+            i += 1
+        upto = ends[i]
+        if j < num_edges and edges[j][0] < upto:
+            upto = edges[j][0]
+        bucket, region = buckets[i], regions[i]
+        if region != _LOCKED:
+            for cls in range(num_classes):
+                if counts[cls] > 0:
+                    bucket = _STARTUP_BUCKET[cls] if region == _STARTUP else PRECEDENCE[cls]
+                    break
+        _add(segments, cursor, upto, bucket, index)
+        cursor = upto
