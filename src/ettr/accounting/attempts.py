@@ -93,6 +93,7 @@ def gather(events: Iterable[Event]) -> JobEvents:
     if ordered:
         job.earliest_ts = ordered[0].ts
     attempts = job.attempts
+    attempts_at_end: set[int] = set()
     for e in ordered:
         kind = e.kind
         if kind in _JOB_KINDS:
@@ -105,10 +106,13 @@ def gather(events: Iterable[Event]) -> JobEvents:
                     job.supervisor_start_ts = e.ts
             else:  # JOB_END: the last one wins (a resumed supervisor may end the job again)
                 job.job_end = e
+                attempts_at_end = set(attempts)
             continue
         raw = attempts.get(e.attempt)
         if raw is None:
             raw = attempts[e.attempt] = RawAttempt(e.attempt)
+            if job.job_end is not None and e.attempt not in attempts_at_end:
+                job.job_end = None  # a new attempt after the job's end: the job was resumed, not over
         if kind == _ATTEMPT_START:
             if raw.start_ts is None:
                 raw.start_ts = e.ts

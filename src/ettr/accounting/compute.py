@@ -94,7 +94,7 @@ def compute(events: Iterable[Event], now: float, *, job_id: str = "") -> EttRepo
         num_failures=sum(1 for a in attempts if a.outcome != Outcome.COMPLETED),
         buckets_s=MappingProxyType({b: math.fsum(by_bucket[b]) for b in Bucket}),
         attempts=attempt_reports,
-        phases_s=MappingProxyType({name: math.fsum(parts) for name, parts in job_phases.items()}),
+        phases_s=MappingProxyType({name: math.fsum(job_phases[name]) for name in _phase_order(job_phases)}),
         segments=tuple(segments),
         recompiles=tuple(job.recompiles),
         checkpoint_commits=tuple(job.commits),
@@ -109,7 +109,6 @@ def _attempt_report(attempt: Attempt, buckets: Mapping[Bucket, list[float]] | No
     phases: dict[str, list[float]] = {}
     for begin, end, _, name in attempt.phases:
         phases.setdefault(name, []).append(end - begin)
-    ordered = sorted(phases, key=lambda name: (_PHASE_ORDER.get(name, len(_PHASE_ORDER)), name))
     return AttemptReport(
         index=attempt.index,
         start_ts=attempt.start_ts,
@@ -125,8 +124,13 @@ def _attempt_report(attempt: Attempt, buckets: Mapping[Bucket, list[float]] | No
         reference_rank=attempt.reference_rank,
         closed_by_accounting=attempt.closed_by_accounting,
         failure=None if attempt.failure is None else MappingProxyType(dict(attempt.failure)),
-        phases_s=MappingProxyType({name: math.fsum(phases[name]) for name in ordered}),
+        phases_s=MappingProxyType({name: math.fsum(phases[name]) for name in _phase_order(phases)}),
     )
+
+
+def _phase_order(names: Iterable[str]) -> list[str]:
+    """Phases in the order of `Phase` (start-up first), unknown names after them."""
+    return sorted(names, key=lambda name: (_PHASE_ORDER.get(name, len(_PHASE_ORDER)), name))
 
 
 def _tts(

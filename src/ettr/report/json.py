@@ -1,0 +1,108 @@
+"""The contract's `ettr.report/1` object of an `EttReport` (what `ettr report --json` prints).
+
+Keys come in the contract's order; everything beyond the contract is added after its keys, never instead
+of them. Values are plain JSON types (numbers, strings, null, lists, objects), non-finite floats as null.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ettr.accounting import AttemptReport, EttReport
+from ettr.events import Bucket
+
+SCHEMA = "ettr.report/1"
+
+
+def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, Any]:
+    """The `ettr.report/1` object of `report`.
+
+    Contract keys first (schema, job_id, wall_s, ett_pct, idleness_pct, failure_pct, tts_s, ttr_s,
+    num_failures, buckets_s, attempts), then the extras: in_progress, wall_start_ts, wall_end_ts,
+    effective_training_s, idleness_s, failure_s, submitted_ts, allocated_ts, supervisor_start_ts,
+    job_exit_status, phases_s, recompiles, checkpoint_commits and, unless `include_segments` is False (a
+    long job with per-step phases has millions), segments as [start_ts, end_ts, bucket, attempt] lists.
+    """
+    out: dict[str, Any] = {
+        "schema": SCHEMA,
+        "job_id": report.job_id,
+        "wall_s": report.wall_s,
+        "ett_pct": report.ett_pct,
+        "idleness_pct": report.idleness_pct,
+        "failure_pct": report.failure_pct,
+        "tts_s": report.tts_s,
+        "ttr_s": list(report.ttr_s),
+        "num_failures": report.num_failures,
+        "buckets_s": _buckets(report.buckets_s),
+        "attempts": [_attempt(a) for a in report.attempts],
+        # Extras beyond the contract.
+        "in_progress": report.in_progress,
+        "wall_start_ts": report.wall_start_ts,
+        "wall_end_ts": report.wall_end_ts,
+        "effective_training_s": report.effective_training_s,
+        "idleness_s": report.idleness_s,
+        "failure_s": report.failure_s,
+        "submitted_ts": report.submitted_ts,
+        "allocated_ts": report.allocated_ts,
+        "supervisor_start_ts": report.supervisor_start_ts,
+        "job_exit_status": report.job_exit_status,
+        "phases_s": dict(report.phases_s),
+        "recompiles": [
+            {"ts": r.ts, "attempt": r.attempt, "rank": r.rank, "reason": r.reason, "data": _plain(r.data)}
+            for r in report.recompiles
+        ],
+        "checkpoint_commits": [
+            {"ts": c.ts, "attempt": c.attempt, "rank": c.rank, "step": c.step, "path": c.path}
+            for c in report.checkpoint_commits
+        ],
+    }
+    if include_segments:
+        out["segments"] = [[s.start_ts, s.end_ts, s.bucket.value, s.attempt] for s in report.segments]
+    return _plain(out)
+
+
+def _buckets(buckets: Mapping[Bucket, float]) -> dict[str, float]:
+    return {bucket.value: buckets[bucket] for bucket in Bucket}
+
+
+def _attempt(attempt: AttemptReport) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "index": attempt.index,
+        "start_ts": attempt.start_ts,
+        "end_ts": attempt.end_ts,
+        "outcome": attempt.outcome.value,
+        "exit_code": attempt.exit_code,
+        "resumed_from_step": attempt.resumed_from_step,
+        "last_step": attempt.last_step,
+        "lost_steps": attempt.lost_steps,
+        "buckets_s": _buckets(attempt.buckets_s),
+        # Extras beyond the contract.
+        "duration_s": attempt.duration_s,
+        "training_start_ts": attempt.training_start_ts,
+        "num_steps": attempt.num_steps,
+        "reference_rank": attempt.reference_rank,
+        "closed_by_accounting": attempt.closed_by_accounting,
+        "phases_s": dict(attempt.phases_s),
+    }
+    if attempt.failure is not None:
+        out["failure"] = dict(attempt.failure)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON-safe data: mappings with string keys, lists, finite numbers, strings, None."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return str(value)  # a StrEnum becomes its plain value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_plain(v) for v in value]
+    return str(value)

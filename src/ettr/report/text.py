@@ -1,0 +1,158 @@
+"""The terminal report of an `EttReport`, and several reports side by side.
+
+Plain ASCII in fixed-width columns, so that it survives logs, CI output and copy-paste.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ettr.accounting import EttReport
+from ettr.events import Bucket
+
+BAR_WIDTH = 40
+"""Characters of a bar that stands for 100% of wall time."""
+
+
+def summary_line(report: EttReport) -> str:
+    """`ETT 83.1% | idle 12.0% | failure 4.9% | wall 612.3 s | TTS 41.2 s | TTR 30.1 s, 28.7 s | failures 2`"""
+    ttr = ", ".join(f"{t:.1f} s" for t in report.ttr_s) if report.ttr_s else "-"
+    return (
+        f"ETT {report.ett_pct:.1f}% | idle {report.idleness_pct:.1f}% | failure {report.failure_pct:.1f}% | "
+        f"wall {report.wall_s:.1f} s | TTS {_seconds(report.tts_s)} | TTR {ttr} | failures {report.num_failures}"
+    )
+
+
+def render(report: EttReport) -> str:
+    """The readable report of one job: summary line, buckets with bars, attempts, raw phase durations."""
+    title = f"job {report.job_id}" if report.job_id else "job"
+    if report.in_progress:
+        title += "  (in progress: no job end recorded; closed at the report time)"
+    lines = [title, summary_line(report), ""]
+
+    lines.append(f"{'bucket':<22}{'seconds':>11}{'%':>8}")
+    for bucket in Bucket:
+        seconds, pct = report.buckets_s[bucket], report.bucket_pct(bucket)
+        lines.append(f"  {bucket.value:<20}{seconds:>11.1f}{pct:>7.1f}%  {_bar(pct)}".rstrip())
+    lines.append(
+        f"  {'total (wall)':<20}{sum(report.buckets_s.values()):>11.1f}{100.0 if report.wall_s else 0.0:>7.1f}%"
+    )
+
+    lines += ["", "attempts (start offset from wall start)"]
+    header = ("#", "outcome", "exit", "start_s", "duration_s", "resumed_from", "last_step", "lost_steps")
+    rows = [
+        (
+            str(a.index),
+            a.outcome.value + (" (open)" if a.closed_by_accounting and a.outcome != "completed" else ""),
+            _dash(a.exit_code),
+            f"{a.start_ts - report.wall_start_ts:.1f}",
+            f"{a.duration_s:.1f}",
+            _dash(a.resumed_from_step),
+            _dash(a.last_step),
+            str(a.lost_steps),
+        )
+        for a in report.attempts
+    ]
+    lines += _table(header, rows, indent="  ", left=frozenset({1})) if rows else ["  (no attempt recorded)"]
+    for a in report.attempts:
+        if a.failure:
+            lines.append(f"  attempt {a.index} {a.outcome.value}: {_compact(a.failure)}")
+
+    lines += ["", "phases (reference rank, raw seconds; they may overlap)"]
+    if report.phases_s:
+        lines += [f"  {name:<22}{seconds:>11.1f}" for name, seconds in report.phases_s.items()]
+    else:
+        lines.append("  (no phase recorded)")
+    if report.recompiles or report.checkpoint_commits:
+        lines.append("")
+        steps = [c.step for c in report.checkpoint_commits if c.step is not None]
+        last = f" (last step {max(steps)})" if steps else ""
+        lines.append(
+            f"checkpoint commits {len(report.checkpoint_commits)}{last} | recompiles {len(report.recompiles)}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_comparison(reports: Sequence[EttReport], *, labels: Sequence[str] | None = None) -> str:
+    """Several reports side by side: ETT %, idleness, failure, wall, TTS, mean TTR, failures, and every
+    bucket (seconds and % of wall). With exactly two reports a last column gives the change (second minus
+    first). `labels` name the columns (default: job ids)."""
+    if labels is None:
+        labels = [r.job_id or f"#{i}" for i, r in enumerate(reports)]
+    if len(labels) != len(reports):
+        raise ValueError(f"{len(labels)} labels for {len(reports)} reports")
+    with_delta = len(reports) == 2
+
+    metrics: list[tuple[str, list[float | None], str]] = [
+        ("ETT %", [r.ett_pct for r in reports], "{:.1f}"),
+        ("idleness %", [r.idleness_pct for r in reports], "{:.1f}"),
+        ("failure %", [r.failure_pct for r in reports], "{:.1f}"),
+        ("wall s", [r.wall_s for r in reports], "{:.1f}"),
+        ("TTS s", [r.tts_s for r in reports], "{:.1f}"),
+        ("mean TTR s", [r.mean_ttr_s for r in reports], "{:.1f}"),
+        ("failures", [float(r.num_failures) for r in reports], "{:.0f}"),
+    ]
+    header = ("", *labels, *(("change",) if with_delta else ()))
+    rows = []
+    for name, values, fmt in metrics:
+        cells = [("-" if v is None else fmt.format(v)) for v in values]
+        rows.append((name, *cells, *((_delta(values, fmt),) if with_delta else ())))
+    rows.append(("buckets: seconds (% of wall)", *([""] * (len(header) - 1))))
+    for bucket in Bucket:
+        values = [r.buckets_s[bucket] for r in reports]
+        cells = [f"{v:.1f} ({r.bucket_pct(bucket):.1f}%)" for v, r in zip(values, reports, strict=True)]
+        rows.append((f"  {bucket.value}", *cells, *((_delta(values, "{:.1f}"),) if with_delta else ())))
+    return "\n".join(_table(header, rows, indent="")) + "\n"
+
+
+def _table(
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    indent: str,
+    left: frozenset[int] = frozenset({0}),
+) -> list[str]:
+    """Fixed-width columns: those in `left` aligned left (text), the others right (numbers)."""
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [
+            f"{cell:<{width}}" if i in left else f"{cell:>{width}}"
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        return (indent + "  ".join(cells)).rstrip()
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+def _bar(pct: float) -> str:
+    width = round(pct / 100.0 * BAR_WIDTH)
+    return "#" * width if width > 0 else ("." if pct > 0 else "")
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _delta(values: Sequence[float | None], fmt: str) -> str:
+    first, second = values
+    if first is None or second is None:
+        return "-"
+    change = second - first
+    return ("+" if change >= 0 else "") + fmt.format(change)
+
+
+def _compact(data: Mapping[str, Any], limit: int = 160) -> str:
+    parts = []
+    for key, value in data.items():
+        if value is None:
+            continue
+        shown = _compact(value, limit) if isinstance(value, Mapping) else str(value)
+        parts.append(f"{key}={{{shown}}}" if isinstance(value, Mapping) else f"{key}={shown}")
+    text = ", ".join(parts)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

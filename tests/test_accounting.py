@@ -1,0 +1,476 @@
+"""Scripted event streams with ground truth worked out by hand (the examples of docs/buckets.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ettr.accounting import EttReport, Loss, classify, compute
+from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Outcome, Phase
+
+T0 = 1_700_000_000.0  # realistic Unix times: the math must stay exact at this magnitude
+TOL = 1e-3  # 1 ms
+
+
+class Stream:
+    """Builds a job's events with times given as offsets from T0."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def add(self, kind: EventKind, t: float, attempt: int = 0, rank: int = 0, **fields) -> Stream:
+        self.events.append(Event(kind, T0 + t, attempt, rank, **fields))
+        return self
+
+    def sup(self, kind: EventKind, t: float, attempt: int = 0, **data) -> Stream:
+        return self.add(kind, t, attempt, SUPERVISOR_RANK, data=data or None)
+
+    def attempt(
+        self, a: int, start: float, end: float | None = None, outcome: str = "", exit_code=None, **extra
+    ):
+        self.sup(EventKind.ATTEMPT_START, start, a, pid=1000 + a)
+        if end is not None:
+            self.sup(EventKind.ATTEMPT_END, end, a, outcome=outcome, exit_code=exit_code, **extra)
+        return self
+
+    def steps(self, a: int, first_step: int, last_step: int, t_first: float, dt: float = 1.0, rank: int = 0):
+        for i, n in enumerate(range(first_step, last_step + 1)):
+            self.add(EventKind.STEP, t_first + i * dt, a, rank, step=n)
+        return self
+
+    def phase(self, a: int, phase: Phase, begin: float, end: float | None, rank: int = 0) -> Stream:
+        self.add(EventKind.PHASE_BEGIN, begin, a, rank, phase=phase)
+        if end is not None:
+            self.add(EventKind.PHASE_END, end, a, rank, phase=phase, value=T0 + begin)
+        return self
+
+    def lone_end(self, a: int, phase: Phase, begin: float | None, end: float, rank: int = 0) -> Stream:
+        return self.add(
+            EventKind.PHASE_END, end, a, rank, phase=phase, value=None if begin is None else T0 + begin
+        )
+
+    def report(self, now: float | None = None, **kw) -> EttReport:
+        last = max(e.ts for e in self.events) - T0
+        return compute(list(self.events), T0 + (last if now is None else now), **kw)
+
+
+def assert_buckets(report: EttReport, expected: dict[Bucket, float]) -> None:
+    got = {b: round(report.buckets_s[b], 6) for b in Bucket}
+    want = {b: float(expected.get(b, 0.0)) for b in Bucket}
+    for bucket in Bucket:
+        assert got[bucket] == pytest.approx(want[bucket], abs=TOL), f"{bucket}: {got} != {want}"
+    assert_invariants(report)
+
+
+def assert_invariants(report: EttReport) -> None:
+    assert abs(math.fsum(report.buckets_s.values()) - report.wall_s) < 1e-6
+    if report.wall_s > 0:
+        assert report.ett_pct + report.idleness_pct + report.failure_pct == pytest.approx(100.0, abs=1e-9)
+    for bucket in Bucket:
+        share = math.fsum(a.buckets_s[bucket] for a in report.attempts)
+        if report.attempts:
+            assert share == pytest.approx(report.buckets_s[bucket], abs=1e-6)
+    cursor = report.wall_start_ts
+    for seg in report.segments:
+        assert seg.start_ts == cursor and seg.end_ts > seg.start_ts
+        cursor = seg.end_ts
+    assert cursor == report.wall_end_ts or not report.segments
+
+
+def overlapping_phases_job() -> Stream:
+    s = Stream()
+    s.sup(EventKind.JOB_SUBMITTED, 0).sup(EventKind.JOB_ALLOCATED, 10).sup(EventKind.SUPERVISOR_START, 12)
+    s.attempt(0, 13, 45, "completed", 0)
+    s.add(EventKind.PROCESS_START, 13.5)
+    s.phase(0, Phase.INIT, 14, 20)
+    s.phase(0, Phase.COMPILE, 18, 30)
+    s.phase(0, Phase.DATA_WAIT, 25, 32)
+    s.steps(0, 1, 10, t_first=33)  # steps 1..10 at 33..42
+    s.phase(0, Phase.CHECKPOINT_BLOCKING, 36.5, 37.5)
+    s.phase(0, Phase.CHECKPOINT_PERSIST, 37.5, 41)
+    s.add(EventKind.CHECKPOINT_COMMIT, 41, step=4, data={"path": "/ckpt/4"})
+    s.phase(0, Phase.SHUTDOWN, 43, 44)
+    s.sup(EventKind.JOB_END, 47, exit_status=0)
+    return s
+
+
+def test_overlapping_phases_go_to_the_highest_precedence() -> None:
+    r = overlapping_phases_job().report(job_id="a")
+    assert r.wall_s == pytest.approx(47)
+    # compile [18,30] beats init [14,20] and data_wait [25,32]; checkpoint blocking cuts into step 5.
+    assert_buckets(
+        r,
+        {
+            Bucket.SCHEDULING: 10,
+            Bucket.HARDWARE_SETUP: 2,
+            Bucket.INIT: 1 + 1 + 4,
+            Bucket.COMPILE: 12,
+            Bucket.DATA_WAIT: 2,
+            Bucket.EFFECTIVE_TRAINING: 9,
+            Bucket.CHECKPOINT_BLOCKING: 1,
+            Bucket.SHUTDOWN: 5,  # last step 42 -> job end 47, whatever the SHUTDOWN phase says
+        },
+    )
+    (a,) = r.attempts
+    assert a.training_start_ts == pytest.approx(T0 + 32)  # end of the data wait before the first step
+    assert r.tts_s == pytest.approx(22)  # allocated 10 -> training start 32
+    assert r.ttr_s == () and r.num_failures == 0 and not r.in_progress
+    assert (a.outcome, a.exit_code, a.last_step, a.lost_steps, a.num_steps) == (
+        Outcome.COMPLETED,
+        0,
+        10,
+        0,
+        10,
+    )
+    assert r.ett_pct == pytest.approx(9 / 47 * 100) and r.failure_pct == 0
+    assert dict(r.phases_s) == pytest.approx(
+        {
+            "init": 6,
+            "compile": 12,
+            "data_wait": 7,
+            "checkpoint_blocking": 1,
+            "checkpoint_persist": 3.5,
+            "shutdown": 1,
+        }
+    )
+    assert [c.step for c in r.checkpoint_commits] == [4]
+    # The checkpoint persist (background) never shows on the timeline.
+    assert [(s.start_ts - T0, s.bucket) for s in r.segments][-4:] == [
+        (32, Bucket.EFFECTIVE_TRAINING),
+        (36.5, Bucket.CHECKPOINT_BLOCKING),
+        (37.5, Bucket.EFFECTIVE_TRAINING),
+        (42, Bucket.SHUTDOWN),
+    ]
+
+
+def crash_hang_complete_job() -> Stream:
+    s = Stream()
+    s.sup(EventKind.SUPERVISOR_START, 0)
+    # Attempt 0 crashes at 26 after step 20; step 10 was committed.
+    s.attempt(0, 1, 26, "failed", 1, reason="exit status 1")
+    s.phase(0, Phase.INIT, 1.5, 4)
+    s.steps(0, 1, 20, t_first=5)  # 5..24
+    s.add(EventKind.CHECKPOINT_COMMIT, 15.5, step=10, data={"path": "c10"})
+    s.add(EventKind.FAILURE, 25, data={"exception": "RuntimeError", "message": "boom"})
+    # Rank 1 says very different things; only rank 0 draws the timeline.
+    s.phase(0, Phase.COMPILE, 1, 20, rank=1).steps(0, 1, 20, t_first=5.5, rank=1)
+    # Attempt 1 restores step 10, then hangs after step 15 until the watchdog at 60.
+    s.attempt(1, 30, 60, "hung", -9, reason="no progress for 20 s")
+    s.phase(1, Phase.RESTORE, 31, 33).add(EventKind.RESUMED, 33, 1, step=10)
+    s.steps(1, 11, 15, t_first=35)  # 35..39
+    s.add(EventKind.CHECKPOINT_COMMIT, 37.5, 1, step=12, data={"path": "c12"})
+    s.phase(1, Phase.CHECKPOINT_BLOCKING, 0, None, rank=1)  # rank 1: ignored, though open
+    # Attempt 2 resumes step 12 and completes.
+    s.attempt(2, 62, 95, "completed", 0)
+    s.phase(2, Phase.COMPILE, 63, 70).phase(2, Phase.GET_FIRST_BATCH_DATA, 65, 71)
+    s.add(EventKind.RESUMED, 64, 2, step=12)
+    s.steps(2, 13, 32, t_first=72)  # 72..91
+    s.add(EventKind.RECOMPILE, 80, 2, data={"reason": "dynamic shape"})
+    s.sup(EventKind.JOB_END, 96, 2, exit_status=0)
+    return s
+
+
+def test_crash_then_hang_then_completion() -> None:
+    r = crash_hang_complete_job().report(job_id="b")
+    assert_buckets(
+        r,
+        {
+            Bucket.INIT: 1 + 3 + 2 + 1,
+            Bucket.COMPILE: 7,
+            Bucket.RESTORE: 2,
+            Bucket.DATA_WAIT: 1,
+            Bucket.EFFECTIVE_TRAINING: 10 + 2 + 20,
+            Bucket.WASTED_PROGRESS: (10 + 2) + (3 + 21),
+            Bucket.RESTART: 4 + 2,
+            Bucket.SHUTDOWN: 5,
+        },
+    )
+    a0, a1, a2 = r.attempts
+    assert [a.outcome for a in r.attempts] == [Outcome.FAILED, Outcome.HUNG, Outcome.COMPLETED]
+    assert [a.exit_code for a in r.attempts] == [1, -9, 0]
+    assert [a.resumed_from_step for a in r.attempts] == [None, 10, 12]
+    assert [a.last_step for a in r.attempts] == [20, 15, 32]
+    assert [a.lost_steps for a in r.attempts] == [10, 3, 0]
+    assert [a.training_start_ts - T0 for a in r.attempts] == pytest.approx([4, 34, 71])
+    assert r.tts_s == pytest.approx(4)  # supervisor start 0 -> training start 4
+    assert r.ttr_s == pytest.approx((34 - 26, 71 - 60))
+    assert r.num_failures == 2
+    assert r.effective_training_s == pytest.approx(32)
+    assert r.idleness_s == pytest.approx(4 + 5)  # attempt 0's start-up (with the supervisor's) + shutdown
+    assert r.failure_s == pytest.approx(36 + 6 + (2 + 2) + (1 + 7 + 1))
+    assert a0.failure == {
+        "reason": "exit status 1",
+        "process_failure": {"exception": "RuntimeError", "message": "boom", "rank": 0, "ts": T0 + 25},
+    }
+    assert a1.failure == {"reason": "no progress for 20 s"} and a2.failure is None
+    assert dict(a0.buckets_s) == pytest.approx(
+        {
+            **{b: 0.0 for b in Bucket},
+            Bucket.INIT: 4,
+            Bucket.EFFECTIVE_TRAINING: 10,
+            Bucket.WASTED_PROGRESS: 12,
+        }
+    )
+    assert a1.buckets_s[Bucket.RESTART] == pytest.approx(4) and a2.buckets_s[Bucket.RESTART] == pytest.approx(
+        2
+    )
+    assert [(x.attempt, x.reason) for x in r.recompiles] == [(2, "dynamic shape")]
+    assert all(a.reference_rank == 0 for a in r.attempts)
+    assert "compile" not in a0.phases_s  # rank 1's compile is not in the raw phases either
+
+
+def test_preemption_keeps_only_committed_progress() -> None:
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 0.5, 12, "preempted", 143, signal="SIGTERM")
+    s.steps(0, 1, 10, t_first=2)  # 2..11
+    s.phase(0, Phase.CHECKPOINT_BLOCKING, 7.2, 7.8)  # inside step 7, which is lost
+    s.add(EventKind.CHECKPOINT_COMMIT, 8.2, step=6)
+    s.sup(EventKind.JOB_END, 12.5, exit_status=143)
+    r = s.report()
+    assert_buckets(
+        r,
+        {
+            Bucket.INIT: 1,
+            Bucket.EFFECTIVE_TRAINING: 6,
+            Bucket.CHECKPOINT_BLOCKING: 0.6,
+            Bucket.WASTED_PROGRESS: 3.4 + 1,
+            Bucket.SHUTDOWN: 0.5,
+        },
+    )
+    (a,) = r.attempts
+    assert (a.outcome, a.exit_code, a.lost_steps, a.last_step) == (Outcome.PREEMPTED, 143, 4, 10)
+    assert a.training_start_ts == pytest.approx(T0 + 1)  # first step 2 - median interval 1
+    assert r.num_failures == 1 and r.ttr_s == () and r.job_exit_status == 143
+    assert r.failure_pct == pytest.approx(4.4 / 12.5 * 100)
+
+
+def test_job_without_steps_is_all_start_up_and_has_no_tts() -> None:
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 1, 10, "failed", 1)
+    s.phase(0, Phase.INIT, 2, 5).phase(0, Phase.COMPILE, 4, 8)
+    s.phase(0, Phase.CHECKPOINT_BLOCKING, 8.5, 9)  # before training: counts as init
+    s.attempt(1, 12, 15, "failed", 1)
+    s.sup(EventKind.JOB_END, 16, 1, exit_status=1)
+    r = s.report()
+    assert_buckets(r, {Bucket.INIT: 1 + 3 + 2 + 3, Bucket.COMPILE: 4, Bucket.RESTART: 2, Bucket.SHUTDOWN: 1})
+    assert r.tts_s is None and r.ttr_s == () and r.num_failures == 2
+    assert all(a.training_start_ts is None and a.last_step is None for a in r.attempts)
+    assert r.idleness_s == pytest.approx(6 + 4 + 1) and r.failure_s == pytest.approx(2 + 3)
+    assert r.ett_pct == 0
+
+
+def test_run_killed_mid_write_is_closed_at_now() -> None:
+    s = Stream().sup(EventKind.JOB_ALLOCATED, 0).sup(EventKind.SUPERVISOR_START, 2)
+    s.sup(EventKind.ATTEMPT_START, 3)
+    s.steps(0, 1, 5, t_first=5)  # 5..9
+    s.add(EventKind.CHECKPOINT_COMMIT, 8.5, step=4)
+    s.phase(0, Phase.CHECKPOINT_BLOCKING, 9.5, None)  # the save that was being written
+    r = s.report(now=11)
+    assert r.in_progress and r.wall_end_ts == T0 + 11
+    assert_buckets(
+        r,
+        {
+            Bucket.HARDWARE_SETUP: 2,
+            Bucket.INIT: 2,
+            Bucket.EFFECTIVE_TRAINING: 4,
+            Bucket.WASTED_PROGRESS: 1 + 0.5,
+            Bucket.CHECKPOINT_BLOCKING: 1.5,
+        },
+    )
+    (a,) = r.attempts
+    assert (a.outcome, a.exit_code, a.closed_by_accounting) == (Outcome.FAILED, None, True)
+    assert a.end_ts == T0 + 11 and a.lost_steps == 1
+    assert r.phases_s["checkpoint_blocking"] == pytest.approx(1.5)
+    assert r.tts_s == pytest.approx(4)  # allocated 0 -> training start 4
+
+
+def test_open_attempt_is_closed_at_the_next_attempt_start() -> None:
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.sup(EventKind.ATTEMPT_START, 1)
+    s.steps(0, 1, 3, t_first=3)  # 3..5
+    s.attempt(1, 8, 12, "completed", 0).add(EventKind.RESUMED, 9, 1, step=2).steps(1, 3, 4, t_first=10)
+    s.sup(EventKind.JOB_END, 12, 1, exit_status=0)
+    r = s.report()
+    a0, a1 = r.attempts
+    assert (a0.end_ts, a0.outcome, a0.lost_steps) == (T0 + 8, Outcome.FAILED, 1)
+    assert_buckets(
+        r,
+        {
+            Bucket.INIT: 1 + 1 + 1,
+            Bucket.EFFECTIVE_TRAINING: 2 + 2,
+            Bucket.WASTED_PROGRESS: 1 + 3,
+            Bucket.SHUTDOWN: 1,
+        },
+    )
+    assert r.ttr_s == pytest.approx((1,))  # attempt 1 trains from 9 (first step 10 - interval 1)
+
+
+def test_lone_phase_end_is_a_full_span_and_open_begin_closes_at_attempt_end() -> None:
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 0, 20, "completed", 0)
+    s.lone_end(0, Phase.COMPILE, 1, 4)  # timed after the fact
+    s.add(EventKind.PHASE_BEGIN, 4, phase=Phase.RESTORE)
+    s.lone_end(0, Phase.RESTORE, None, 6)  # no value: closes the open restore begun at 4
+    s.lone_end(0, Phase.EVAL, None, 7)  # no value and nothing open: nothing to attribute
+    s.add(EventKind.TRAINING_START, 7)
+    s.steps(0, 1, 5, t_first=8)  # 8..12
+    s.phase(0, Phase.EVAL, 12.5, None)  # open: closed at the attempt end, but the tail is shutdown
+    s.phase(0, Phase.EVAL, 9.5, 10)
+    s.sup(EventKind.JOB_END, 20, exit_status=0)
+    r = s.report()
+    assert_buckets(
+        r,
+        {
+            Bucket.INIT: 1 + 1,
+            Bucket.COMPILE: 3,
+            Bucket.RESTORE: 2,
+            Bucket.EFFECTIVE_TRAINING: 4.5,
+            Bucket.OTHER: 0.5,
+            Bucket.SHUTDOWN: 8,
+        },
+    )
+    assert r.attempts[0].training_start_ts == T0 + 7  # the explicit TRAINING_START
+    assert r.phases_s["eval"] == pytest.approx(8)  # raw: the open eval runs to the attempt end
+
+
+def test_reference_rank_is_the_lowest_when_rank_0_is_silent() -> None:
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0).attempt(0, 0, 10, "completed", 0)
+    s.phase(0, Phase.COMPILE, 0, 4, rank=3).steps(0, 1, 4, t_first=5, rank=3)
+    s.phase(0, Phase.RESTORE, 0, 2, rank=2).steps(0, 1, 4, t_first=4, rank=2)
+    s.sup(EventKind.JOB_END, 10, exit_status=0)
+    r = s.report()
+    assert r.attempts[0].reference_rank == 2
+    assert_buckets(r, {Bucket.RESTORE: 2, Bucket.INIT: 1, Bucket.EFFECTIVE_TRAINING: 4, Bucket.SHUTDOWN: 3})
+
+
+def test_api_only_stream_without_supervisor() -> None:
+    def stream() -> Stream:
+        s = Stream().add(EventKind.PROCESS_START, 1, data={"pid": 7})
+        s.phase(0, Phase.INIT, 1, 3)
+        return s.steps(0, 1, 5, t_first=4)  # 4..8
+
+    ended = stream().sup(EventKind.JOB_END, 9, exit_status=0).report()
+    assert not ended.in_progress and ended.wall_start_ts == T0 + 1
+    assert_buckets(ended, {Bucket.INIT: 2, Bucket.EFFECTIVE_TRAINING: 5, Bucket.SHUTDOWN: 1})
+    (a,) = ended.attempts
+    assert (a.outcome, a.closed_by_accounting, a.exit_code, a.start_ts, a.end_ts) == (
+        Outcome.COMPLETED,
+        True,
+        None,
+        T0 + 1,
+        T0 + 8,
+    )
+    assert ended.tts_s == pytest.approx(2)  # no allocation, no supervisor: from the wall start
+
+    # Without a job end, the run is open at `now`: nothing committed, so its steps would be lost.
+    live = stream().report(now=10)
+    assert live.in_progress and live.attempts[0].end_ts == T0 + 10
+    assert live.attempts[0].outcome == Outcome.FAILED
+    assert_buckets(live, {Bucket.INIT: 2, Bucket.WASTED_PROGRESS: 5 + 2})
+
+
+def test_api_only_attempts_without_attempt_events() -> None:
+    s = Stream().add(EventKind.PROCESS_START, 0).steps(0, 1, 4, t_first=2)  # 2..5
+    s.add(EventKind.CHECKPOINT_COMMIT, 3.5, step=2)
+    s.add(EventKind.PROCESS_START, 8, 1).add(EventKind.RESUMED, 9, 1, step=2).steps(1, 3, 6, t_first=10)
+    s.sup(EventKind.JOB_END, 14, 1, exit_status=0)
+    r = s.report()
+    a0, a1 = r.attempts
+    assert (a0.start_ts, a0.end_ts, a0.outcome, a0.lost_steps) == (T0, T0 + 5, Outcome.FAILED, 2)
+    assert (a1.start_ts, a1.end_ts, a1.outcome) == (T0 + 8, T0 + 13, Outcome.COMPLETED)
+    assert_buckets(
+        r,
+        {
+            Bucket.INIT: 1 + 1,
+            Bucket.EFFECTIVE_TRAINING: 2 + 4,
+            Bucket.WASTED_PROGRESS: 2,
+            Bucket.RESTART: 3,
+            Bucket.SHUTDOWN: 1,
+        },
+    )
+
+
+def test_steps_are_kept_by_the_next_attempt_that_resumed_not_one_that_died_first() -> None:
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 0, 12, "failed", 1).steps(0, 1, 10, t_first=2)  # 2..11
+    s.attempt(1, 13, 15, "failed", 1)  # dies during init, before it could resume anything
+    s.attempt(2, 16, 22, "completed", 0).add(EventKind.RESUMED, 17, 2, step=6).steps(2, 7, 10, t_first=18)
+    s.sup(EventKind.JOB_END, 22, 2, exit_status=0)
+    r = s.report()
+    assert [a.lost_steps for a in r.attempts] == [4, 0, 0]
+    assert r.buckets_s[Bucket.EFFECTIVE_TRAINING] == pytest.approx(6 + 4)
+    assert r.ttr_s == pytest.approx((17 - 12, 17 - 15))  # both failures recover at attempt 2's start
+
+
+def test_resuming_from_scratch_loses_every_step() -> None:
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 0, 6, "failed", 1).steps(0, 1, 4, t_first=2)
+    s.attempt(1, 6, 12, "completed", 0).add(EventKind.RESUMED, 6.5, 1, step=None).steps(1, 1, 4, t_first=8)
+    s.sup(EventKind.JOB_END, 12, 1, exit_status=0)
+    r = s.report()
+    assert r.attempts[0].lost_steps == 4 and r.attempts[1].resumed_from_step is None
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(4 + 1)
+
+
+def test_single_step_attempt_starts_training_at_its_step() -> None:
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0).attempt(0, 0, 5, "completed", 0)
+    s.phase(0, Phase.COMPILE, 0, 2).steps(0, 1, 1, t_first=3).sup(EventKind.JOB_END, 5, exit_status=0)
+    r = s.report()
+    assert r.attempts[0].training_start_ts == T0 + 3
+    assert_buckets(r, {Bucket.COMPILE: 2, Bucket.INIT: 1, Bucket.SHUTDOWN: 2})
+
+
+def test_submitted_without_allocation_is_other() -> None:
+    s = Stream().sup(EventKind.JOB_SUBMITTED, 0).sup(EventKind.SUPERVISOR_START, 5)
+    s.attempt(0, 6, 9, "completed", 0).steps(0, 1, 2, t_first=7).sup(EventKind.JOB_END, 9, exit_status=0)
+    r = s.report()
+    assert_buckets(r, {Bucket.OTHER: 5, Bucket.INIT: 1, Bucket.EFFECTIVE_TRAINING: 2, Bucket.SHUTDOWN: 1})
+    assert r.tts_s == pytest.approx(1)  # from the supervisor start (allocation unknown)
+
+
+def test_a_new_attempt_after_job_end_reopens_the_job() -> None:
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 0, 4, "completed", 0).steps(0, 1, 2, t_first=2).sup(EventKind.JOB_END, 4, exit_status=0)
+    s.sup(EventKind.ATTEMPT_START, 10, 1).add(EventKind.RESUMED, 11, 1, step=2).steps(1, 3, 4, t_first=12)
+    r = s.report(now=15)
+    assert r.in_progress and r.wall_end_ts == T0 + 15
+    assert r.attempts[0].lost_steps == 0 and r.attempts[1].end_ts == T0 + 15
+    assert_invariants(r)
+
+
+def test_event_order_does_not_matter() -> None:
+    events = crash_hang_complete_job().events
+    forward = compute(events, T0 + 100, job_id="x")
+    backward = compute(list(reversed(events)), T0 + 100, job_id="x")
+    assert forward == backward
+
+
+def test_empty_and_zero_wall() -> None:
+    r = compute([], T0)
+    assert (r.wall_s, r.ett_pct, r.idleness_pct, r.failure_pct, r.attempts, r.segments) == (
+        0,
+        0,
+        0,
+        0,
+        (),
+        (),
+    )
+    assert r.in_progress and r.tts_s is None
+
+
+def test_idleness_and_failure_split_of_start_up_buckets() -> None:
+    for bucket in (Bucket.INIT, Bucket.COMPILE, Bucket.RESTORE, Bucket.DATA_WAIT):
+        assert classify(bucket, attempt_position=0) is Loss.IDLENESS
+        assert classify(bucket, attempt_position=1) is Loss.FAILURE
+    for bucket in (Bucket.WASTED_PROGRESS, Bucket.RESTART):
+        assert classify(bucket, attempt_position=0) is Loss.FAILURE
+    for bucket in (
+        Bucket.SCHEDULING,
+        Bucket.HARDWARE_SETUP,
+        Bucket.CHECKPOINT_BLOCKING,
+        Bucket.SHUTDOWN,
+        Bucket.OTHER,
+    ):
+        assert classify(bucket, attempt_position=3) is Loss.IDLENESS
+    assert classify(Bucket.EFFECTIVE_TRAINING, attempt_position=2) is Loss.EFFECTIVE
