@@ -1,0 +1,207 @@
+"""The zero-code hooks: what the bootstrap records for a script that never calls ettr.
+
+Installed once torch is imported (see `post_import`), each hook wraps one torch entry point:
+
+  optimizer steps   torch.optim's global step post-hook: STEP(n) with n = resumed step + the number of steps
+                    of the first optimizer seen; stops once user code calls `ettr.step` itself
+  process group     torch.distributed.init_process_group -> PROCESS_GROUP_INIT span
+  first batch       the first `__next__` of the first DataLoader iterator -> GET_FIRST_BATCH_DATA span,
+                    after which the original method is put back (no cost per batch)
+  checkpoints       torch.save / torch.load / dcp.save / dcp.async_save / dcp.load (`checkpoint_hooks`)
+  compile           `ettr.compile.autoinstall(rec)` when that module exists
+
+Every hook is guarded: an error inside one is logged once and the user's call proceeds untouched. The
+hooks add a few microseconds to the calls they wrap and nothing to any other.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from ettr.events import Phase
+
+logger = logging.getLogger("ettr")
+
+_ORIGINAL = "__ettr_original__"
+
+
+class Guard:
+    """Runs hook code so that its errors are logged once per hook and never reach the user."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+
+    def failed(self, hook: str, exc: BaseException) -> None:
+        if hook not in self._warned:
+            self._warned.add(hook)
+            logger.warning(
+                "ettr: the %s hook failed (%s: %s); the call proceeds without it",
+                hook,
+                type(exc).__name__,
+                exc,
+            )
+
+    def call(self, hook: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            self.failed(hook, exc)
+            return None
+
+
+def called_from_ettr(depth: int = 2) -> bool:
+    """Whether the caller `depth` frames up is ettr's own code (which records its own events explicitly)."""
+    try:
+        name = sys._getframe(depth).f_globals.get("__name__", "")  # noqa: SLF001 - cheap caller check
+    except ValueError:
+        return False
+    return name.startswith("ettr.") and not name.startswith("ettr.bootstrap")
+
+
+def patch(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace `owner.name` by `make(original)` unless it is already ours; whether it patched."""
+    original = getattr(owner, name, None)
+    if original is None or getattr(original, _ORIGINAL, None) is not None:
+        return False
+    wrapper = make(original)
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, _ORIGINAL, original)
+    setattr(owner, name, wrapper)
+    return True
+
+
+class StepCounter:
+    """Global optimizer steps of an unmodified script: the resumed step plus the steps of its first
+    optimizer (a second optimizer, as in a GAN, steps in lockstep and is not counted again)."""
+
+    def __init__(self, rec: Any) -> None:
+        self._rec = rec
+        self._first: weakref.ref[Any] | None = None
+        self.base_step = 0
+        self.num_steps = 0
+
+    def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._rec.explicit_steps:
+            return
+        if self._first is None:
+            self._first = weakref.ref(optimizer)
+        elif self._first() is not optimizer:
+            return
+        self.num_steps += 1
+        self._rec.step(self.base_step + self.num_steps, auto=True)
+
+    def resumed(self, step: int) -> None:
+        """The state was restored as of after `step`: later steps count on from there."""
+        self.base_step = step - self.num_steps
+
+    @property
+    def current_step(self) -> int:
+        """The global step the training state is at now (what a checkpoint saved now holds)."""
+        last = self._rec.last_step
+        return last if last is not None else self.base_step + self.num_steps
+
+
+class AutoHooks:
+    """Installs the zero-code hooks for one training process (see the module docstring)."""
+
+    def __init__(self, rec: Any, *, guard: Guard | None = None) -> None:
+        self.rec = rec
+        self.guard = guard or Guard()
+        self.steps = StepCounter(rec)
+        self._first_batch_done = False
+        self._lock = threading.Lock()
+        self.checkpoints: Any = None
+
+    # -- installation (post-import callbacks) -------------------------------------------------------------
+    def on_torch(self, torch: ModuleType) -> None:
+        """Called once `import torch` finished: install every hook that needs only torch."""
+        from ettr.bootstrap.checkpoint_hooks import CheckpointHooks
+
+        self.guard.call("optimizer step", self._install_optimizer_hook, torch)
+        self.guard.call("init_process_group", self._install_process_group_hook, torch)
+        self.guard.call("first batch", self._install_first_batch_hook, torch)
+        self.checkpoints = CheckpointHooks(self.rec, self.steps, guard=self.guard)
+        self.guard.call("torch.save/load", self.checkpoints.install_torch, torch)
+        dcp = sys.modules.get("torch.distributed.checkpoint")
+        if dcp is not None:
+            self.on_dcp(dcp)
+        self.guard.call("compile", self._install_compile)
+
+    def on_dcp(self, dcp: ModuleType) -> None:
+        """Called once `torch.distributed.checkpoint` is imported."""
+        if self.checkpoints is not None:
+            self.guard.call("dcp", self.checkpoints.install_dcp, dcp)
+
+    def _install_optimizer_hook(self, torch: ModuleType) -> None:
+        # `torch.optim` deletes its submodule names; the module itself is imported by then.
+        register = importlib.import_module("torch.optim.optimizer").register_optimizer_step_post_hook
+        guard, counter = self.guard, self.steps
+
+        def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            try:
+                counter.on_step(optimizer, args, kwargs)
+            except Exception as exc:
+                guard.failed("optimizer step", exc)
+
+        register(after_step)
+
+    def _install_process_group_hook(self, torch: ModuleType) -> None:
+        dist = torch.distributed
+        if not dist.is_available():
+            return
+        rec, guard = self.rec, self.guard
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def init_process_group(*args: Any, **kwargs: Any) -> Any:
+                begin = time.time()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    guard.call("init_process_group", rec.span, Phase.PROCESS_GROUP_INIT, begin)
+
+            return init_process_group
+
+        patch(dist.distributed_c10d, "init_process_group", make)
+        patched = dist.distributed_c10d.init_process_group
+        if getattr(dist, "init_process_group", None) is getattr(patched, _ORIGINAL, None):
+            dist.init_process_group = patched
+
+    def _install_first_batch_hook(self, torch: ModuleType) -> None:
+        base = torch.utils.data.dataloader._BaseDataLoaderIter  # noqa: SLF001 - the one shared __next__
+        original = base.__next__
+        rec, guard, hooks = self.rec, self.guard, self
+
+        def __next__(self: Any) -> Any:
+            # Only the very first batch of the process is timed; then the class gets its method back.
+            with hooks._lock:
+                first = not hooks._first_batch_done
+                if first:
+                    hooks._first_batch_done = True
+                    if base.__dict__.get("__next__") is __next__:
+                        base.__next__ = original
+            if not first:
+                return original(self)
+            begin = time.time()
+            try:
+                return original(self)
+            finally:
+                guard.call("first batch", rec.span, Phase.GET_FIRST_BATCH_DATA, begin)
+
+        functools.update_wrapper(__next__, original)
+        base.__next__ = __next__
+
+    def _install_compile(self) -> None:
+        try:
+            from ettr.compile import autoinstall  # type: ignore[attr-defined]
+        except (ImportError, AttributeError):
+            return  # no compile support in this ettr: nothing to record
+        autoinstall(self.rec)

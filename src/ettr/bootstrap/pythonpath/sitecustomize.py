@@ -1,0 +1,54 @@
+"""ettr's bootstrap, loaded by every Python process `ettr run` starts (this directory is on PYTHONPATH).
+
+It instruments the process if it is a training process of the run (`ettr.bootstrap.start`), then runs the
+`sitecustomize` this one shadows, if any. Costs one environment lookup in processes it leaves alone, and
+never raises: a Python without ettr, or any error, leaves the script exactly as it was.
+"""
+
+
+def _ettr_bootstrap() -> None:
+    import os
+
+    env = os.environ
+    if not env.get("ETTR_RUN_DIR"):
+        return
+    # Cheap pre-checks mirroring `ettr.bootstrap.start.is_training_process`, so that the children of a
+    # training process (data loader, compile workers) do not even import ettr.
+    marker = env.get("ETTR_INSTRUMENTED_PID")
+    if marker and marker != str(os.getpid()):
+        return
+    if env.get("ETTR_LAUNCHER") == "torchrun" and not env.get("TORCHELASTIC_RUN_ID"):
+        return
+    try:
+        from ettr.bootstrap.start import start
+    except Exception:
+        return  # another interpreter, without ettr: nothing to do
+    start()
+
+
+def _ettr_chain() -> None:
+    """Execute the next `sitecustomize` on sys.path, the one this file hides."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+try:
+    _ettr_bootstrap()
+except Exception:
+    pass
+try:
+    _ettr_chain()
+except Exception:
+    import traceback
+
+    traceback.print_exc()  # the chained sitecustomize's own error, shown as Python itself would

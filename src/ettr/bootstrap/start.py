@@ -1,0 +1,114 @@
+"""Process-level set-up of an instrumented training process (called from the bootstrap's sitecustomize).
+
+Order matters: the recorder first (PROCESS_START at the process's real start time), then the heartbeat and
+fault injection (both work with `--no-auto`), then the lazy torch hooks. Nothing here imports torch, and
+nothing raises: a failure is logged and the script runs uninstrumented.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger("ettr")
+
+_started: dict[str, Any] = {}
+
+
+def is_training_process(environ: Mapping[str, str], pid: int) -> bool:
+    """Whether this process is one the run should instrument.
+
+    Under `ettr run` only: not a child of a process already instrumented (data loader or compile workers
+    inherit its marker); for a torchrun command, only torchrun's workers (they carry TORCHELASTIC_RUN_ID),
+    never the torchrun agent itself.
+    """
+    from ettr.supervisor.launch import INSTRUMENTED_ENV, LAUNCHER_ENV
+
+    if not environ.get("ETTR_RUN_DIR"):
+        return False
+    marker = environ.get(INSTRUMENTED_ENV)
+    if marker and marker != str(pid):
+        return False
+    if environ.get(LAUNCHER_ENV) == "torchrun" and not environ.get("TORCHELASTIC_RUN_ID"):
+        return False
+    return True
+
+
+def _install_excepthook(rec: Any) -> None:
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        try:
+            if not issubclass(exc_type, (SystemExit, KeyboardInterrupt)):
+                rec.failure(exc)
+                rec.flush(timeout_s=2.0)
+        except Exception:
+            pass
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
+
+
+def start(environ: Mapping[str, str] | None = None) -> None:
+    """Instrument this process if it is a training process of an `ettr run` (idempotent, never raises)."""
+    environ = os.environ if environ is None else environ
+    if _started or not is_training_process(environ, os.getpid()):
+        return
+    try:
+        _start(environ)
+    except Exception as exc:
+        logger.warning(
+            "ettr: bootstrap failed (%s: %s); the script runs uninstrumented", type(exc).__name__, exc
+        )
+
+
+def _start(environ: Mapping[str, str]) -> None:
+    from ettr.runtime import get_recorder
+    from ettr.supervisor.launch import AUTO_ENV, INSTRUMENTED_ENV, LAUNCHER_ENV
+
+    rec = get_recorder()  # records PROCESS_START
+    _started["recorder"] = rec
+    if not rec.enabled:
+        return
+    os.environ[INSTRUMENTED_ENV] = str(os.getpid())
+    if environ.get(LAUNCHER_ENV) == "torchrun":
+        # A worker whose torchrun agent died (SIGKILLed with the supervisor) must not train on unrecorded.
+        from ettr.supervisor.process import set_parent_death_signal
+
+        set_parent_death_signal()
+    _install_excepthook(rec)
+    if rec.run_dir is not None:
+        from ettr.supervisor.heartbeat import MainThreadHeartbeat, heartbeat_path
+
+        beat = MainThreadHeartbeat(heartbeat_path(rec.run_dir, rec.attempt, rec.rank))
+        beat.start()
+        _started["heartbeat"] = beat
+    _start_injector(rec, environ)
+    if environ.get(AUTO_ENV, "1") != "0":
+        from ettr.bootstrap.hooks import AutoHooks
+        from ettr.bootstrap.post_import import when_imported
+
+        hooks = AutoHooks(rec)
+        _started["hooks"] = hooks
+        when_imported("torch", hooks.on_torch)
+        when_imported("torch.distributed.checkpoint", hooks.on_dcp)
+
+
+def _start_injector(rec: Any, environ: Mapping[str, str]) -> None:
+    from ettr import inject
+
+    specs = inject.decode_specs(environ.get(inject.INJECT_ENV))
+    if not specs:
+        return
+    try:
+        started_at = float(environ.get(inject.ATTEMPT_STARTED_ENV, ""))
+    except ValueError:
+        started_at = None
+    injector = inject.Injector(specs, rec, attempt_started_at=started_at)
+    if injector.specs:
+        inject.install(injector)
+        injector.start()
+        _started["injector"] = injector

@@ -1,0 +1,355 @@
+"""Fault injection on purpose: `--inject KIND@WHEN[,attempt=A][,rank=R]`, parsed in the supervisor and
+fired inside the supervised processes.
+
+The supervisor parses the specs (`parse_spec`, a `UsageError` for bad ones) and hands them to its children
+in `ETTR_INJECT` (JSON). There the bootstrap builds an `Injector` for the process's (attempt, rank), which
+fires a matching fault right after optimizer step N (a step listener on the training thread), S seconds after
+the attempt started (a timer), or while a checkpoint is being written (`checkpoint_in_progress()`, called by
+the bootstrap's save hooks and by `ettr.checkpoint`).
+
+What each kind does, after the recorder is flushed so the last step marker is durable:
+  crash    the process exits with status 1 (like an uncaught exception; records a FAILURE event first)
+  kill     SIGKILL to this process
+  hang     the training thread blocks forever (a timer-triggered hang blocks it at its next step)
+  preempt  SIGTERM to the supervisor (`ETTR_SUPERVISOR_PID`), which forwards it to the whole job
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+from ettr.errors import UsageError
+from ettr.events import EventKind
+
+logger = logging.getLogger("ettr")
+
+INJECT_ENV = "ETTR_INJECT"
+"""Environment variable carrying the JSON list of fault specs to the supervised processes."""
+
+SUPERVISOR_PID_ENV = "ETTR_SUPERVISOR_PID"
+"""Environment variable with the supervisor's pid (where an injected preemption is delivered)."""
+
+ATTEMPT_STARTED_ENV = "ETTR_ATTEMPT_STARTED_AT"
+"""Environment variable with the Unix time the attempt started (the origin of `time=S`)."""
+
+
+class FaultKind(StrEnum):
+    """What the fault does (the contract's closed set)."""
+
+    CRASH = "crash"
+    KILL = "kill"
+    HANG = "hang"
+    PREEMPT = "preempt"
+
+
+class Trigger(StrEnum):
+    """When the fault fires."""
+
+    STEP = "step"
+    TIME = "time"
+    CHECKPOINT = "checkpoint"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """One `--inject` spec."""
+
+    kind: FaultKind
+    """What happens."""
+    trigger: Trigger
+    """When: after optimizer step `step`, `time_s` after the attempt started, or during a checkpoint save."""
+    step: int | None = None
+    """The global optimizer step after which the fault fires (trigger `step` only)."""
+    time_s: float | None = None
+    """Seconds after the attempt started (trigger `time` only)."""
+    attempt: int = 0
+    """The attempt whose processes fire it (0: the first attempt only)."""
+    rank: int = 0
+    """The global rank that fires it."""
+
+    def __post_init__(self) -> None:
+        if (self.trigger is Trigger.STEP) != (self.step is not None):
+            raise ValueError("step= is required for, and only for, the step trigger")
+        if (self.trigger is Trigger.TIME) != (self.time_s is not None):
+            raise ValueError("time= is required for, and only for, the time trigger")
+        if self.step is not None and self.step < 0:
+            raise ValueError(f"step must be >= 0, got {self.step}")
+        if self.time_s is not None and not 0 <= self.time_s < float("inf"):
+            raise ValueError(f"time must be a finite number of seconds >= 0, got {self.time_s}")
+        if self.attempt < 0 or self.rank < 0:
+            raise ValueError("attempt and rank must be >= 0")
+
+    def __str__(self) -> str:
+        if self.trigger is Trigger.STEP:
+            when = f"step={self.step}"
+        elif self.trigger is Trigger.TIME:
+            when = f"time={self.time_s:g}"
+        else:
+            when = "checkpoint"
+        return f"{self.kind}@{when},attempt={self.attempt},rank={self.rank}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "trigger": self.trigger.value,
+            "step": self.step,
+            "time_s": self.time_s,
+            "attempt": self.attempt,
+            "rank": self.rank,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FaultSpec:
+        return cls(
+            kind=FaultKind(data["kind"]),
+            trigger=Trigger(data["trigger"]),
+            step=data.get("step"),
+            time_s=data.get("time_s"),
+            attempt=int(data.get("attempt", 0)),
+            rank=int(data.get("rank", 0)),
+        )
+
+
+_SPEC_HELP = (
+    "KIND@WHEN[,attempt=A][,rank=R] with KIND crash|kill|hang|preempt and WHEN step=N|time=S|checkpoint"
+)
+
+
+def _whole(text: str, what: str, spec: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"--inject {spec!r}: {what} must be a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise UsageError(f"--inject {spec!r}: {what} must be >= 0, got {value}")
+    return value
+
+
+def parse_spec(text: str) -> FaultSpec:
+    """Parse one `--inject` SPEC. Raises `UsageError` saying what is wrong with it."""
+    spec = text.strip()
+    kind_text, at, rest = spec.partition("@")
+    if not at or not rest:
+        raise UsageError(f"--inject {text!r}: expected {_SPEC_HELP}")
+    try:
+        kind = FaultKind(kind_text.strip().lower())
+    except ValueError:
+        raise UsageError(
+            f"--inject {text!r}: unknown kind {kind_text!r} (one of crash, kill, hang, preempt)"
+        ) from None
+    when, *options = (part.strip() for part in rest.split(","))
+    step: int | None = None
+    time_s: float | None = None
+    if when == "checkpoint":
+        trigger = Trigger.CHECKPOINT
+    elif when.startswith("step="):
+        trigger, step = Trigger.STEP, _whole(when[5:], "step", text)
+    elif when.startswith("time="):
+        trigger = Trigger.TIME
+        try:
+            time_s = float(when[5:])
+        except ValueError:
+            raise UsageError(f"--inject {text!r}: time must be seconds, got {when[5:]!r}") from None
+        if not 0 <= time_s < float("inf"):
+            raise UsageError(f"--inject {text!r}: time must be a finite number of seconds >= 0")
+    else:
+        raise UsageError(f"--inject {text!r}: unknown WHEN {when!r} (one of step=N, time=S, checkpoint)")
+    fields = {"attempt": 0, "rank": 0}
+    seen: set[str] = set()
+    for option in options:
+        key, eq, value = option.partition("=")
+        if not eq or key not in fields:
+            raise UsageError(f"--inject {text!r}: unknown option {option!r} (attempt=A or rank=R)")
+        if key in seen:
+            raise UsageError(f"--inject {text!r}: {key}= given twice")
+        seen.add(key)
+        fields[key] = _whole(value, key, text)
+    return FaultSpec(kind=kind, trigger=trigger, step=step, time_s=time_s, **fields)
+
+
+def parse_specs(texts: Iterable[str]) -> tuple[FaultSpec, ...]:
+    """Parse every `--inject` SPEC (see `parse_spec`)."""
+    return tuple(parse_spec(t) for t in texts)
+
+
+def encode_specs(specs: Sequence[FaultSpec]) -> str:
+    """The `ETTR_INJECT` value for `specs`."""
+    return json.dumps([s.to_dict() for s in specs], separators=(",", ":"))
+
+
+def decode_specs(text: str | None) -> tuple[FaultSpec, ...]:
+    """Specs from an `ETTR_INJECT` value; an empty or unreadable value gives none (logged, never raised)."""
+    if not text:
+        return ()
+    try:
+        return tuple(FaultSpec.from_dict(d) for d in json.loads(text))
+    except (ValueError, TypeError, KeyError) as exc:
+        logger.warning("ettr: ignoring unreadable %s (%s)", INJECT_ENV, exc)
+        return ()
+
+
+class _StepRecorder(Protocol):
+    """What the injector needs of a Recorder."""
+
+    attempt: int
+    rank: int
+
+    def add_step_listener(self, listener: Callable[[int], None]) -> None: ...
+
+    def record(self, kind: EventKind, **kwargs: Any) -> None: ...
+
+    def flush(self, timeout_s: float = 5.0) -> None: ...
+
+
+class FaultActions:
+    """How faults are carried out; tests substitute a fake that records the calls instead."""
+
+    def crash(self) -> None:
+        sys.stderr.flush()
+        os._exit(1)  # an exit the user's `except Exception` cannot swallow
+
+    def kill(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def hang(self) -> None:
+        threading.Event().wait()  # forever; signals still run their handlers on the main thread
+
+    def preempt(self, wait_s: float) -> None:
+        supervisor = os.environ.get(SUPERVISOR_PID_ENV)
+        if supervisor and supervisor.isdigit():
+            os.kill(int(supervisor), signal.SIGTERM)
+        else:
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+        # Give the forwarded SIGTERM time to arrive before the loop runs further steps; sleep in slices so
+        # Python signal handlers of the user's script run promptly.
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+class Injector:
+    """Fires the faults of `specs` that target this process's (attempt, rank), each at most once.
+
+    Args:
+        specs: every spec of the job; the ones for other attempts or ranks are ignored.
+        recorder: this process's recorder (its attempt and rank select the specs; faults flush it first).
+        attempt_started_at: Unix time the attempt started, the origin of `time=S` (default: now).
+        actions: how faults are carried out (tests pass a fake).
+        preempt_wait_s: how long the training thread waits for a preemption's SIGTERM to arrive.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[FaultSpec],
+        recorder: _StepRecorder,
+        *,
+        attempt_started_at: float | None = None,
+        actions: FaultActions | None = None,
+        preempt_wait_s: float = 30.0,
+    ) -> None:
+        self._recorder = recorder
+        self._mine = [s for s in specs if s.attempt == recorder.attempt and s.rank == recorder.rank]
+        self._fired: set[FaultSpec] = set()
+        self._lock = threading.Lock()
+        self._pending_hang: FaultSpec | None = None
+        self._actions = actions or FaultActions()
+        self._origin_s = time.time() if attempt_started_at is None else attempt_started_at
+        self._preempt_wait_s = preempt_wait_s
+        self._timers: list[threading.Timer] = []
+
+    @property
+    def specs(self) -> tuple[FaultSpec, ...]:
+        """The specs this process may fire."""
+        return tuple(self._mine)
+
+    def start(self) -> None:
+        """Register the step listener and start the timers (call once, on the training thread)."""
+        if not self._mine:
+            return
+        self._recorder.add_step_listener(self.on_step)
+        for spec in self._mine:
+            if spec.trigger is Trigger.TIME:
+                delay_s = max(0.0, self._origin_s + (spec.time_s or 0.0) - time.time())
+                timer = threading.Timer(delay_s, self._on_timer, args=(spec,))
+                timer.daemon = True
+                timer.name = "ettr-inject"
+                timer.start()
+                self._timers.append(timer)
+
+    def on_step(self, step: int) -> None:
+        """Step listener: fire `step=N` faults once step N has completed; a pending timed hang blocks here."""
+        if self._pending_hang is not None:
+            self._fire(self._pending_hang, f"step {step}", on_training_thread=True, claimed=True)
+        for spec in self._mine:
+            if spec.trigger is Trigger.STEP and spec.step == step:
+                self._fire(spec, f"step {step}", on_training_thread=True)
+
+    def on_checkpoint(self) -> None:
+        """Fire `checkpoint` faults: called while a checkpoint is being written (before it commits)."""
+        for spec in self._mine:
+            if spec.trigger is Trigger.CHECKPOINT:
+                self._fire(spec, "checkpoint", on_training_thread=True)
+
+    def _on_timer(self, spec: FaultSpec) -> None:
+        if spec.kind is FaultKind.HANG:
+            # Only the training thread can stop the training; block it at its next step.
+            if self._claim(spec):
+                self._pending_hang = spec
+            return
+        self._fire(spec, f"time {spec.time_s:g}s", on_training_thread=False)
+
+    def _claim(self, spec: FaultSpec) -> bool:
+        with self._lock:
+            if spec in self._fired:
+                return False
+            self._fired.add(spec)
+            return True
+
+    def _fire(self, spec: FaultSpec, where: str, *, on_training_thread: bool, claimed: bool = False) -> None:
+        if not claimed and not self._claim(spec):
+            return
+        self._pending_hang = None
+        print(f"ettr: injecting {spec.kind} at {where} ({spec})", file=sys.stderr, flush=True)
+        self._recorder.record(EventKind.MARK, data={"name": "inject", "spec": str(spec), "at": where})
+        if spec.kind is FaultKind.CRASH:
+            self._recorder.record(
+                EventKind.FAILURE, data={"exception": "InjectedCrash", "message": f"{spec} at {where}"}
+            )
+        self._recorder.flush()
+        if spec.kind is FaultKind.CRASH:
+            self._actions.crash()
+        elif spec.kind is FaultKind.KILL:
+            self._actions.kill()
+        elif spec.kind is FaultKind.HANG:
+            self._actions.hang()
+        else:
+            self._actions.preempt(self._preempt_wait_s if on_training_thread else 0.0)
+
+
+_active: Injector | None = None
+
+
+def install(injector: Injector | None) -> None:
+    """Make `injector` the one `checkpoint_in_progress()` reaches (the bootstrap does this)."""
+    global _active
+    _active = injector
+
+
+def checkpoint_in_progress() -> None:
+    """Hook point for checkpoint writers: call it while a checkpoint is being written, before it commits.
+
+    Fires any `--inject KIND@checkpoint` fault of this process; does nothing otherwise (costs a global read).
+    """
+    injector = _active
+    if injector is not None:
+        injector.on_checkpoint()

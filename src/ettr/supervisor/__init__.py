@@ -1,0 +1,62 @@
+"""`ettr run`: launch a training command, restart it after failures, and keep its books.
+
+    from ettr.supervisor import RunConfig, run
+    status = run(RunConfig(command=("python", "train.py"), max_restarts=3))
+
+Modules: `config` (RunConfig), `supervise` (the loop), `launch` (command line, torchrun's fresh
+rendezvous, environment), `process` (process tree, stderr tail, parent-death signal), `watchdog` and
+`heartbeat` (hangs), `classify` (why an attempt ended), `books` (live supervisor, closing a killed one's
+attempts), `jobinfo` (job id, Slurm times). Imports nothing heavy: training processes import `heartbeat`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ettr.supervisor.config import RunConfig
+
+__all__ = ["RunConfig", "config_from_args", "main", "run"]
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    if name == "RunConfig":
+        from ettr.supervisor.config import RunConfig
+
+        return RunConfig
+    raise AttributeError(f"module 'ettr.supervisor' has no attribute {name!r}")
+
+
+def run(config: RunConfig) -> int:
+    """Supervise `config.command` per the contract; the exit status (0, 1 or 143). Raises `UsageError`."""
+    from ettr.supervisor.supervise import run as _run
+
+    return _run(config)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig of parsed `ettr run` flags (see `ettr.cli`). Raises `UsageError` for bad values."""
+    from ettr.errors import UsageError
+    from ettr.inject import parse_specs
+    from ettr.supervisor.config import RunConfig
+
+    try:
+        return RunConfig(
+            command=tuple(args.command),
+            run_dir=args.run_dir,
+            job_id=args.job_id,
+            max_restarts=args.max_restarts,
+            inject=parse_specs(args.inject or ()),
+            hang_timeout_s=args.hang_timeout,
+            submitted_at=args.submitted_at,
+            allocated_at=args.allocated_at,
+            auto=not args.no_auto,
+        )
+    except ValueError as exc:
+        raise UsageError(f"ettr run: {exc}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    """`ettr run` with parsed flags (called by `ettr.cli`)."""
+    return run(config_from_args(args))

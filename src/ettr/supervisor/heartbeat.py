@@ -1,0 +1,111 @@
+"""Training-thread heartbeats: proof that a training process is doing something between its events.
+
+A long phase (imports, model build, a big checkpoint) records no event for a while; a hung collective
+records none forever. To tell them apart the bootstrap runs `MainThreadHeartbeat` in each training process:
+a sampler that looks at the *training thread's* stack twice a second and touches a file in the run
+directory only when that stack changed. A background thread that merely beats would keep a hung job alive;
+this one goes quiet as soon as the training thread stops moving, whatever the other threads do. A single
+C call that runs longer than the hang timeout looks like a hang: choose the timeout above the longest op.
+
+Files: `RUN_DIR/heartbeats/attempt-A/rank-R-pid-P`; the supervisor reads their newest mtime.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+HEARTBEAT_DIRNAME = "heartbeats"
+
+
+def heartbeat_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
+    return Path(run_dir) / HEARTBEAT_DIRNAME / f"attempt-{attempt}"
+
+
+def latest_heartbeat(run_dir: str | os.PathLike[str], attempt: int) -> float | None:
+    """Unix time of the newest heartbeat of `attempt` (None: none yet)."""
+    latest = None
+    try:
+        with os.scandir(heartbeat_dir(run_dir, attempt)) as entries:
+            for entry in entries:
+                try:
+                    mtime = entry.stat().st_mtime
+                except OSError:
+                    continue
+                latest = mtime if latest is None or mtime > latest else latest
+    except OSError:
+        return None
+    return latest
+
+
+def _stack_fingerprint(frame, depth: int = 6) -> tuple[tuple[int, int], ...]:  # type: ignore[no-untyped-def]
+    marks = []
+    while frame is not None and len(marks) < depth:
+        marks.append((id(frame.f_code), frame.f_lasti))
+        frame = frame.f_back
+    return tuple(marks)
+
+
+class MainThreadHeartbeat:
+    """Touches this process's heartbeat file whenever the training thread's stack has changed.
+
+    Args:
+        path: the heartbeat file.
+        interval_s: how often the training thread is sampled.
+        thread_id: the training thread (default: the main thread).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, interval_s: float = 0.5, thread_id: int | None = None
+    ):
+        self.path = Path(path)
+        self.interval_s = interval_s
+        self._thread_id = threading.main_thread().ident if thread_id is None else thread_id
+        self._stop = threading.Event()
+        self._last: tuple[tuple[int, int], ...] | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Beat once now and start the sampler (a daemon thread). Never raises."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.touch()
+        except OSError:
+            return  # no place to beat: the supervisor then goes by events alone
+        self._thread = threading.Thread(target=self._run, name="ettr-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def sample(self) -> bool:
+        """Beat if the training thread moved since the last sample; whether it beat."""
+        frame = sys._current_frames().get(self._thread_id)  # noqa: SLF001 - the one cheap stack probe
+        if frame is None:
+            return False  # the training thread is gone (interpreter shutting down)
+        fingerprint = _stack_fingerprint(frame)
+        del frame
+        if fingerprint == self._last:
+            return False
+        self._last = fingerprint
+        try:
+            os.utime(self.path)
+        except OSError:
+            try:
+                self.path.touch()
+            except OSError:
+                return False
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sample()
+            except Exception:  # telemetry never takes the process down
+                return
+
+
+def heartbeat_path(run_dir: str | os.PathLike[str], attempt: int, rank: int) -> Path:
+    return heartbeat_dir(run_dir, attempt) / f"rank-{rank}-pid-{os.getpid()}"

@@ -1,0 +1,89 @@
+"""Who the job is and when it was submitted and allocated: from the flags, else from Slurm.
+
+Slurm exports the job id and (since 21.08) `SLURM_JOB_START_TIME`, the allocation time; the submission time
+is only in `scontrol show job`, which is asked once, briefly, when the flags leave it unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+logger = logging.getLogger("ettr")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobTimes:
+    """When the job was submitted and allocated (Unix seconds; None: unknown)."""
+
+    submitted_at: float | None = None
+    allocated_at: float | None = None
+
+
+def default_job_id(environ: Mapping[str, str] | None = None, *, now: float | None = None) -> str:
+    """Slurm's job id (with the array task) when there is one, else a fresh id from the time and pid."""
+    environ = os.environ if environ is None else environ
+    slurm = environ.get("SLURM_JOB_ID")
+    if slurm:
+        task = environ.get("SLURM_ARRAY_TASK_ID")
+        return f"{slurm}_{task}" if task else slurm
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
+    return f"job-{stamp}-{os.getpid()}"
+
+
+def parse_scontrol_times(text: str) -> JobTimes:
+    """SubmitTime and StartTime from `scontrol show job -o` output (local times, 'Unknown' allowed)."""
+    fields = dict(token.split("=", 1) for token in text.split() if "=" in token)
+
+    def when(key: str) -> float | None:
+        value = fields.get(key, "")
+        try:
+            return datetime.fromisoformat(value).timestamp()
+        except ValueError:
+            return None
+
+    return JobTimes(submitted_at=when("SubmitTime"), allocated_at=when("StartTime"))
+
+
+def _scontrol(job_id: str) -> str:
+    exe = shutil.which("scontrol")
+    if exe is None:
+        return ""
+    try:
+        done = subprocess.run(
+            [exe, "show", "job", "-o", job_id], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.info("ettr: scontrol show job %s failed (%s)", job_id, exc)
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def job_times(
+    *,
+    submitted_at: float | None,
+    allocated_at: float | None,
+    environ: Mapping[str, str] | None = None,
+    scontrol: Callable[[str], str] = _scontrol,
+) -> JobTimes:
+    """The flags' times, completed from Slurm where a flag was not given."""
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_JOB_ID")
+    if not job or (submitted_at is not None and allocated_at is not None):
+        return JobTimes(submitted_at=submitted_at, allocated_at=allocated_at)
+    if allocated_at is None:
+        try:
+            allocated_at = float(environ.get("SLURM_JOB_START_TIME", ""))
+        except ValueError:
+            pass
+    if submitted_at is None or allocated_at is None:
+        asked = parse_scontrol_times(scontrol(job))
+        submitted_at = submitted_at if submitted_at is not None else asked.submitted_at
+        allocated_at = allocated_at if allocated_at is not None else asked.allocated_at
+    return JobTimes(submitted_at=submitted_at, allocated_at=allocated_at)

@@ -1,0 +1,197 @@
+"""What one attempt runs: the command line (torchrun given a fresh rendezvous) and its environment.
+
+torchrun restarted in place reuses its rendezvous store, and restarted gloo workers can reach keys the dead
+attempt left behind and hang. ettr restarts the whole torchrun instead, so each attempt gets a fresh port
+(`--master-port` or the port of a local `--rdzv-endpoint` rewritten) and `--max-restarts=0` (restarting is
+ettr's job, so that every restart is accounted).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from ettr.inject import ATTEMPT_STARTED_ENV, INJECT_ENV, SUPERVISOR_PID_ENV, FaultSpec, encode_specs
+
+AUTO_ENV = "ETTR_AUTO"
+"""'1' when the bootstrap should install the zero-code hooks, '0' for `--no-auto`."""
+
+LAUNCHER_ENV = "ETTR_LAUNCHER"
+"""The kind of command (`Launcher`), so the bootstrap knows which processes are the training ranks."""
+
+INSTRUMENTED_ENV = "ETTR_INSTRUMENTED_PID"
+"""Set by the bootstrap in the process it instruments, so that its own children (data loader workers,
+compile workers) are not taken for training processes; cleared for every new attempt."""
+
+# torchrun options that take no value (everything else before the script takes one).
+_TORCHRUN_FLAGS = frozenset(
+    {
+        "-h",
+        "--help",
+        "--standalone",
+        "-m",
+        "--module",
+        "--no-python",
+        "--no_python",
+        "--run-path",
+        "--run_path",
+        "--virtual-local-rank",
+        "--virtual_local_rank",
+    }
+)
+_LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1", "0.0.0.0"})
+
+
+class Launcher(StrEnum):
+    """What kind of command an attempt runs."""
+
+    PYTHON = "python"
+    TORCHRUN = "torchrun"
+    OTHER = "other"
+
+
+def detect_launcher(command: Sequence[str]) -> Launcher:
+    """`torchrun ...` / `python -m torch.distributed.run ...` is TORCHRUN; `python ...` is PYTHON."""
+    if not command:
+        return Launcher.OTHER
+    program = os.path.basename(command[0])
+    if program == "torchrun":
+        return Launcher.TORCHRUN
+    if program.startswith("python"):
+        args = list(command[1:])
+        if "-m" in args:
+            i = args.index("-m")
+            if i + 1 < len(args) and args[i + 1] in ("torch.distributed.run", "torch.distributed.launch"):
+                return Launcher.TORCHRUN
+        return Launcher.PYTHON
+    return Launcher.OTHER
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun_split(command: Sequence[str]) -> tuple[int, list[tuple[str, str | None]]]:
+    """Index of the first token after torchrun's options, and those options as (name, value) pairs."""
+    start = 1
+    if os.path.basename(command[0]).startswith("python"):
+        start = list(command).index("-m") + 2
+    options: list[tuple[str, str | None]] = []
+    i = start
+    while i < len(command):
+        token = command[i]
+        if not token.startswith("-") or token == "-":
+            break
+        if token == "--":
+            i += 1
+            break
+        name, eq, value = token.partition("=")
+        if eq:
+            options.append((name, value))
+        elif name in _TORCHRUN_FLAGS:
+            options.append((name, None))
+        else:
+            options.append((name, command[i + 1] if i + 1 < len(command) else ""))
+            i += 1
+        i += 1
+    return i, options
+
+
+def _norm(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def torchrun_command(command: Sequence[str], port: int) -> list[str]:
+    """`command` (a torchrun command line) with a fresh rendezvous on `port` and `--max-restarts=0`.
+
+    `--standalone` already picks a fresh port per torchrun; a `--rdzv-endpoint` on another host is left as
+    is (every node would need the same new port, which one supervisor cannot arrange).
+    """
+    script_at, options = _torchrun_split(command)
+    prefix = list(
+        command[: 1 if os.path.basename(command[0]) == "torchrun" else list(command).index("-m") + 2]
+    )
+    names = {_norm(n) for n, _ in options}
+    backend = next((v for n, v in options if _norm(n) == "--rdzv-backend"), "static") or "static"
+    out: list[tuple[str, str | None]] = []
+    for name, value in options:
+        norm = _norm(name)
+        if norm == "--max-restarts":
+            continue
+        if norm == "--master-port" and "--standalone" not in names:
+            master = next((v for n, v in options if _norm(n) == "--master-addr"), "") or ""
+            if master in _LOCAL_HOSTS or master == socket.gethostname():
+                value = str(port)
+        if norm == "--rdzv-endpoint" and value is not None and "--standalone" not in names:
+            host, _, _old = value.rpartition(":")
+            host = host or value
+            if host.strip("[]") in _LOCAL_HOSTS or host == socket.gethostname():
+                value = f"{host}:{port}"
+        out.append((name, value))
+    out.append(("--max-restarts", "0"))
+    if "--standalone" not in names and "--rdzv-endpoint" not in names and "--master-port" not in names:
+        if backend == "static":
+            out.append(("--master-port", str(port)))
+        else:
+            out.append(("--rdzv-endpoint", f"127.0.0.1:{port}"))
+    rebuilt = [f"{n}={v}" if v is not None else n for n, v in out]
+    return prefix + rebuilt + list(command[script_at:])
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptLaunch:
+    """Everything needed to start one attempt."""
+
+    argv: tuple[str, ...]
+    """The command line to execute."""
+    env: Mapping[str, str]
+    """Its complete environment."""
+
+
+def bootstrap_dir() -> Path:
+    """The directory `ettr run` puts first on the children's PYTHONPATH (holds only `sitecustomize.py`)."""
+    return Path(__file__).resolve().parent.parent / "bootstrap" / "pythonpath"
+
+
+def attempt_launch(
+    command: Sequence[str],
+    *,
+    run_dir: Path,
+    job_id: str,
+    attempt: int,
+    started_at: float,
+    inject: Sequence[FaultSpec] = (),
+    auto: bool = True,
+    base_env: Mapping[str, str] | None = None,
+) -> AttemptLaunch:
+    """The command line and environment of attempt `attempt` (see the module docstring)."""
+    launcher = detect_launcher(command)
+    argv = list(command)
+    if launcher is Launcher.TORCHRUN:
+        argv = torchrun_command(command, free_port())
+    env = dict(os.environ if base_env is None else base_env)
+    env.update(
+        {
+            "ETTR_RUN_DIR": str(run_dir),
+            "ETTR_JOB_ID": job_id,
+            "ETTR_ATTEMPT": str(attempt),
+            SUPERVISOR_PID_ENV: str(os.getpid()),
+            ATTEMPT_STARTED_ENV: repr(started_at),
+            AUTO_ENV: "1" if auto else "0",
+            LAUNCHER_ENV: launcher.value,
+        }
+    )
+    env.pop(INJECT_ENV, None)
+    env.pop(INSTRUMENTED_ENV, None)
+    if inject:
+        env[INJECT_ENV] = encode_specs(inject)
+    existing = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(bootstrap_dir()) + (os.pathsep + existing if existing else "")
+    return AttemptLaunch(argv=tuple(argv), env=env)

@@ -1,0 +1,172 @@
+"""One attempt's process tree: start it, tee its stderr (keeping a tail for the failure record), signal it.
+
+The child stays in the supervisor's process group (so a terminal's Ctrl-C and a scheduler's group signal
+reach it directly) and gets SIGKILL from the kernel if the supervisor dies (Linux `PR_SET_PDEATHSIG`), so a
+SIGKILLed supervisor leaves no training running behind the books it can no longer keep. Signals go to the
+whole tree of descendants, found in /proc: torchrun puts each worker in a session of its own, out of reach of
+a process-group signal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+
+logger = logging.getLogger("ettr")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc_prctl():  # type: ignore[no-untyped-def]
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL, prctl=None) -> bool:  # type: ignore[no-untyped-def]
+    """Ask the kernel to send `sig` to this process when its parent thread exits (Linux only)."""
+    prctl = prctl or _libc_prctl()
+    if prctl is None:
+        return False
+    return prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (tells a pid from a later reuse of it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def descendants(root: int) -> list[tuple[int, int | None]]:
+    """(pid, start ticks) of every live descendant of `root`, from /proc; empty where /proc is missing."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[tuple[int, int | None]] = []
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        found.append((pid, _start_ticks(pid)))
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+class AttemptProcess:
+    """The running command of one attempt.
+
+    Args:
+        argv: the command line.
+        env: its environment.
+        tail_bytes: how much of the end of its stderr to keep for the failure record.
+    """
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, tail_bytes: int = 16384) -> None:
+        self._tail = bytearray()
+        self._tail_bytes = tail_bytes
+        self._tail_lock = threading.Lock()
+        self._known: dict[int, int | None] = {}
+        parent = os.getpid()
+        prctl = _libc_prctl()  # resolved before the fork: the child only calls it
+
+        def in_child() -> None:  # runs between fork and exec: the supervisor has no other thread then
+            set_parent_death_signal(signal.SIGKILL, prctl)
+            if os.getppid() != parent:  # the supervisor died before the line above took effect
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        self.proc = subprocess.Popen(
+            list(argv), env=dict(env), stderr=subprocess.PIPE, preexec_fn=in_child, close_fds=True
+        )
+        self.pid = self.proc.pid
+        self._tee = threading.Thread(target=self._copy_stderr, name="ettr-stderr-tee", daemon=True)
+        self._tee.start()
+
+    def _copy_stderr(self) -> None:
+        stream = self.proc.stderr
+        assert stream is not None
+        out = getattr(sys.stderr, "buffer", None)
+        fd = stream.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            with self._tail_lock:
+                self._tail += chunk
+                del self._tail[: max(0, len(self._tail) - self._tail_bytes)]
+            try:
+                if out is not None:
+                    out.write(chunk)
+                    out.flush()
+                else:
+                    sys.stderr.write(chunk.decode(errors="replace"))
+                    sys.stderr.flush()
+            except (OSError, ValueError):
+                out = None  # our own stderr is gone: keep draining so the child never blocks
+
+    def poll(self) -> int | None:
+        """The return code once the command has exited (negative: killed by that signal), else None."""
+        return self.proc.poll()
+
+    def remember_tree(self) -> None:
+        """Note the current descendants, so they can be reached even after their parent died."""
+        for pid, ticks in descendants(self.pid):
+            self._known.setdefault(pid, ticks)
+
+    def signal_tree(self, sig: int) -> None:
+        """Send `sig` to the command and every descendant (known now or seen earlier)."""
+        self.remember_tree()
+        targets = [(self.pid, None)] + list(self._known.items())
+        for pid, ticks in targets:
+            if pid != self.pid and ticks is not None and _start_ticks(pid) != ticks:
+                continue  # gone, and the pid may belong to someone else now
+            if pid == self.pid and self.proc.returncode is not None:
+                continue
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL descendants that outlived the command (a worker orphaned by a dead torchrun)."""
+        self.signal_tree(signal.SIGKILL)
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        """Wait for the command to exit (at most `timeout_s`); its return code, or None on timeout."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def finish(self, timeout_s: float = 2.0) -> None:
+        """After exit: collect the rest of stderr (not waiting on orphans that still hold the pipe)."""
+        self._tee.join(timeout_s)
+
+    def stderr_tail(self, num_lines: int = 20) -> list[str]:
+        """The last `num_lines` lines the command wrote to stderr."""
+        with self._tail_lock:
+            text = bytes(self._tail).decode(errors="replace")
+        lines = [line.rstrip() for line in text.replace("\r", "\n").splitlines()]
+        return [line for line in lines if line][-num_lines:]

@@ -1,0 +1,273 @@
+"""The supervisor loop: launch attempts, watch them, restart after failures, and keep the books.
+
+    supervisor start (job submitted / allocated, if known)
+    for each attempt, until it completes, is preempted, or restarts run out:
+        ATTEMPT_START; run the command; watch for exit, a forwarded SIGTERM/SIGINT, or a hang
+        ATTEMPT_END (outcome, exit code, signal, reason, exception, OOM, stderr tail)
+        back off (0.5 s, doubling) before the next attempt
+    JOB_END; exit 0 completed, 1 failed after the restarts, 143 preempted
+
+Each event is appended to the ledger at once (durable on return), so whatever kills the supervisor, the run
+directory holds everything up to that instant.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from ettr.errors import UsageError
+from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+from ettr.ledger import LedgerError, open_ledger
+from ettr.supervisor import books
+from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
+from ettr.supervisor.config import RunConfig
+from ettr.supervisor.heartbeat import latest_heartbeat
+from ettr.supervisor.jobinfo import default_job_id, job_times
+from ettr.supervisor.launch import attempt_launch, detect_launcher
+from ettr.supervisor.process import AttemptProcess
+from ettr.supervisor.watchdog import HangWatchdog
+
+logger = logging.getLogger("ettr")
+
+EXIT_COMPLETED = 0
+EXIT_FAILED = 1
+EXIT_PREEMPTED = 143
+_FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _say(message: str) -> None:
+    print(f"ettr: {message}", file=sys.stderr, flush=True)
+
+
+def _check_command(command: tuple[str, ...]) -> None:
+    program = command[0]
+    if os.sep in program:
+        if not (os.path.isfile(program) and os.access(program, os.X_OK)):
+            raise UsageError(f"ettr run: cannot execute {program!r} (no such executable file)")
+    elif shutil.which(program) is None:
+        raise UsageError(f"ettr run: {program!r} is not a command found on PATH")
+
+
+class Supervisor:
+    """Runs one job per `RunConfig` (see the module docstring). Use once: `Supervisor(config).run()`."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.job_id = config.job_id or default_job_id()
+        self.run_dir = Path(config.run_dir or Path("runs") / self.job_id).absolute()
+        self._signal: int | None = None
+        self._num_signals = 0
+        self._wake = threading.Event()
+        self._ledger: Any = None
+
+    # -- the books ---------------------------------------------------------------------------------------
+    def _append(self, kind: EventKind, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
+        event = Event(kind, time.time() if ts is None else ts, attempt, SUPERVISOR_RANK, data=data or None)
+        try:
+            self._ledger.append([event])
+        except Exception as exc:  # the job matters more than its books
+            logger.warning("ettr: could not record %s (%s)", kind.value, exc)
+
+    def _open_books(self) -> int:
+        """Open the ledger, close what a killed predecessor left open; the first attempt's index."""
+        try:
+            self._ledger = open_ledger(self.run_dir)
+            previous = self._ledger.read()
+        except (LedgerError, OSError) as exc:
+            raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {exc}") from None
+        live = books.live_supervisor(previous)
+        if live is not None:
+            self._ledger.close()
+            raise UsageError(
+                f"ettr run: {self.run_dir} is in use by a running supervisor (pid {live}); "
+                "give another --run-dir or --job-id"
+            )
+        closing = books.closing_events(previous)
+        if closing:
+            self._ledger.append(closing)
+            _say(f"closed {len(closing)} attempt(s) a killed supervisor left open in {self.run_dir}")
+        cfg = self.config
+        times = job_times(submitted_at=cfg.submitted_at, allocated_at=cfg.allocated_at)
+        known = {e.kind for e in previous}
+        if times.submitted_at is not None and EventKind.JOB_SUBMITTED not in known:
+            self._append(EventKind.JOB_SUBMITTED, ts=times.submitted_at)
+        if times.allocated_at is not None and EventKind.JOB_ALLOCATED not in known:
+            self._append(EventKind.JOB_ALLOCATED, ts=times.allocated_at)
+        self._append(
+            EventKind.SUPERVISOR_START,
+            pid=os.getpid(),
+            pid_start_ticks=books.process_start_ticks(os.getpid()),
+            host=socket.gethostname(),
+            command=list(cfg.command),
+            launcher=detect_launcher(cfg.command).value,
+            max_restarts=cfg.max_restarts,
+            job_id=self.job_id,
+            hang_timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
+            inject=[str(s) for s in cfg.inject],
+            auto=cfg.auto,
+        )
+        return books.next_attempt(previous)
+
+    # -- signals -----------------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._num_signals += 1
+        if self._signal is None:
+            self._signal = signum
+        self._wake.set()
+
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, self._on_signal) for sig in _FORWARDED_SIGNALS}
+
+    # -- one attempt -------------------------------------------------------------------------------------
+    def _run_attempt(self, attempt: int) -> AttemptEnd:
+        cfg = self.config
+        started = time.time()
+        launch = attempt_launch(
+            cfg.command,
+            run_dir=self.run_dir,
+            job_id=self.job_id,
+            attempt=attempt,
+            started_at=started,
+            inject=cfg.inject,
+            auto=cfg.auto,
+        )
+        oom_before = oom_kill_count()
+        try:
+            proc = AttemptProcess(launch.argv, launch.env)
+        except OSError as exc:
+            self._append(EventKind.ATTEMPT_START, attempt=attempt, ts=started, command=list(launch.argv))
+            return AttemptEnd(outcome=Outcome.FAILED, exit_code=127, reason=f"cannot start: {exc}")
+        self._append(
+            EventKind.ATTEMPT_START, attempt=attempt, ts=started, pid=proc.pid, command=list(launch.argv)
+        )
+        watchdog = HangWatchdog(
+            timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
+            probes=[
+                lambda: self._last_activity(attempt),
+                lambda: latest_heartbeat(self.run_dir, attempt),
+            ],
+            started_at=started,
+            armed_at_start=cfg.hang_timeout_s is not None,
+        )
+        forwarded: int | None = None
+        hung_after_s: float | None = None
+        kill_at = float("inf")
+        killed = False
+        snapshot_at = 0.0
+        while (returncode := proc.poll()) is None:
+            now = time.time()
+            if self._signal is not None and forwarded is None and hung_after_s is None:
+                forwarded = self._signal
+                _say(
+                    f"got {signal.Signals(forwarded).name}: forwarding it to the job, SIGKILL in {cfg.grace_s:g} s"
+                )
+                proc.signal_tree(forwarded)
+                kill_at = now + cfg.grace_s
+            if self._num_signals >= 2:
+                kill_at = min(kill_at, now)  # asked twice: no more grace
+            if forwarded is None and hung_after_s is None:
+                hung_after_s = watchdog.check(now)
+                if hung_after_s is not None:
+                    _say(f"attempt {attempt}: no progress for {hung_after_s:.1f} s: hung, killing it")
+                    proc.signal_tree(signal.SIGTERM)
+                    kill_at = now + cfg.hang_kill_grace_s
+            if now >= kill_at and not killed:
+                proc.signal_tree(signal.SIGKILL)
+                killed = True
+            if now - snapshot_at >= 1.0:
+                proc.remember_tree()
+                snapshot_at = now
+            self._wake.wait(cfg.poll_interval_s)
+            self._wake.clear()
+        proc.kill_leftovers()
+        proc.finish()
+        oom_after = oom_kill_count()
+        return classify(
+            returncode=returncode,
+            stderr_tail=proc.stderr_tail(),
+            events=self._attempt_events(attempt),
+            preempted_by=forwarded,
+            hung_after_s=hung_after_s,
+            oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
+        )
+
+    def _last_activity(self, attempt: int) -> float | None:
+        probe = getattr(self._ledger, "last_activity", None)
+        return None if probe is None else probe(attempt)
+
+    def _attempt_events(self, attempt: int) -> list[Event]:
+        try:
+            events = self._ledger.read()
+        except Exception:
+            return []
+        return [e for e in events if e.attempt == attempt and e.rank >= 0]
+
+    # -- the job -----------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Supervise the job to its end; the contract's exit status (0, 1 or 143)."""
+        cfg = self.config
+        _check_command(cfg.command)
+        first = self._open_books()
+        previous_handlers = self._install_signals()
+        status = EXIT_FAILED
+        num_attempts = 0
+        last: AttemptEnd | None = None
+        try:
+            for restart in range(cfg.max_restarts + 1):
+                if self._signal is not None:
+                    status = EXIT_PREEMPTED
+                    break
+                attempt = first + restart
+                num_attempts += 1
+                last = self._run_attempt(attempt)
+                self._append(EventKind.ATTEMPT_END, attempt=attempt, **last.to_data())
+                if last.outcome is Outcome.COMPLETED:
+                    status = EXIT_COMPLETED
+                    break
+                if self._signal is not None:
+                    _say(f"attempt {attempt} {last.outcome}: {last.reason}; not restarting")
+                    status = EXIT_PREEMPTED
+                    break
+                if restart == cfg.max_restarts:
+                    _say(f"attempt {attempt} {last.outcome}: {last.reason}; no restarts left")
+                    status = EXIT_FAILED
+                    break
+                wait_s = min(cfg.max_backoff_s, cfg.backoff_s * 2**restart)
+                _say(
+                    f"attempt {attempt} {last.outcome}: {last.reason}; "
+                    f"restarting in {wait_s:g} s ({restart + 1} of {cfg.max_restarts})"
+                )
+                deadline = time.monotonic() + wait_s
+                while self._signal is None and (left := deadline - time.monotonic()) > 0:
+                    self._wake.wait(left)
+                    self._wake.clear()
+        finally:
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+            self._append(
+                EventKind.JOB_END,
+                attempt=first + max(0, num_attempts - 1),
+                exit_status=status,
+                num_attempts=num_attempts,
+                outcome=None if last is None else last.outcome.value,
+            )
+            self._ledger.close()
+        _say(f"job {self.job_id} ended with status {status}; report: ettr report {self.run_dir}")
+        return status
+
+
+def run(config: RunConfig) -> int:
+    """Supervise `config.command` per the contract; returns the exit status (raises `UsageError`)."""
+    return Supervisor(config).run()
