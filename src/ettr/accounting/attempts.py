@@ -10,7 +10,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from ettr.accounting.model import CheckpointCommit, Recompile
@@ -334,12 +334,15 @@ def _pair_phases(
             spans.append((begin, e.ts, e.phase))
     for phase, begins in open_begins.items():
         spans.extend((begin, end, phase) for begin in begins)
-    spans.sort(key=lambda span: span[0])
+    spans.sort(key=itemgetter(0))
+    names = {raw: (_as_phase(raw), str(getattr(raw, "value", raw))) for raw in {span[2] for span in spans}}
     clipped = []
-    for begin, finish, name in spans:
-        b, f = max(begin, start), min(finish, end)
+    for begin, finish, raw in spans:
+        b = begin if begin > start else start
+        f = finish if finish < end else end
         if f > b:
-            clipped.append((b, f, _as_phase(name), str(getattr(name, "value", name))))
+            phase, name = names[raw]
+            clipped.append((b, f, phase, name))
     return clipped
 
 
