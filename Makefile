@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.ettr-installed
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test demo lint bench clean chromium
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,16 @@ $(STAMP): $(PY) pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install
+test: install chromium
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The HTML report's browser test renders the page in headless Chromium: install Debian's when it is missing
+# and we may (root with apt-get, as in CI). Elsewhere that test is skipped.
+chromium:
+	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			chromium fonts-dejavu-core; \
+	fi
 
 demo: install
 	$(VENV)/bin/ettr demo
