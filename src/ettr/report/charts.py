@@ -20,20 +20,21 @@ from ettr.events import PHASE_BUCKET, Bucket, Outcome, Phase
 
 BUCKET_COLORS: Mapping[Bucket, str] = MappingProxyType(
     {
-        # Idleness: greys for the time before the job runs, blues for start-up, navy/slate after.
+        # Idleness: greys before the job runs, blues for start-up and checkpoints, slate/grey after.
         Bucket.SCHEDULING: "#c9d3df",
         Bucket.HARDWARE_SETUP: "#97a8bf",
         Bucket.INIT: "#3b6fb6",
         Bucket.COMPILE: "#6b5fc7",
         Bucket.RESTORE: "#2aa3c4",
         Bucket.DATA_WAIT: "#8fc1e8",
-        Bucket.EFFECTIVE_TRAINING: "#2ca02c",
         Bucket.CHECKPOINT_BLOCKING: "#1d3f73",
+        Bucket.SHUTDOWN: "#6f7c8c",
+        Bucket.OTHER: "#b5b5b5",
+        # The time that counts.
+        Bucket.EFFECTIVE_TRAINING: "#2ca02c",
         # Failure: warm colours.
         Bucket.WASTED_PROGRESS: "#d62728",
         Bucket.RESTART: "#f07f19",
-        Bucket.SHUTDOWN: "#6f7c8c",
-        Bucket.OTHER: "#b5b5b5",
     }
 )
 """The fixed colour of each bucket (green: effective training; reds/oranges: failure; blues/greys: idleness)."""

@@ -116,7 +116,10 @@ def _run_heading(name: str, many: bool) -> str:
 
 
 def _utc(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):  # a nonsense timestamp must not cost the whole page
+        return f"at {ts!r}"
 
 
 # -- header and headline ----------------------------------------------------------------------------------
