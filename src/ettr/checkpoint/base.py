@@ -1,0 +1,216 @@
+"""What the checkpoint package is configured with and what it needs from the rest of ettr.
+
+`CheckpointConfig` is the manager's one configuration object; `CheckpointRecorder` is the part of
+`ettr.recorder.Recorder` the manager writes through (tests pass an in-memory fake); `CheckpointStorage`
+is the seam to where checkpoints live (`ettr.checkpoint.storage` has the local and fsspec backends).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, BinaryIO, Protocol, runtime_checkable
+
+from ettr.checkpoint.policy import IntervalConfig
+from ettr.events import Phase
+
+MANIFEST_NAME = "ettr-manifest.json"
+"""The commit marker of one checkpoint: written last, after every data file is durable."""
+
+STEP_DIR_PATTERN = re.compile(r"^step_(\d+)$")
+"""Names of checkpoint directories under the root (`step_000000120`)."""
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of the checkpoint of `step` (zero-padded so names sort like steps)."""
+    if step < 0:
+        raise ValueError(f"a checkpoint step must be >= 0, got {step}")
+    return f"step_{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a checkpoint directory name, or None for any other name."""
+    match = STEP_DIR_PATTERN.match(name)
+    return int(match.group(1)) if match else None
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be saved or loaded (the message says which and why)."""
+
+
+class CheckpointInvalid(CheckpointError):
+    """A checkpoint directory is incomplete or corrupt: it must not be resumed from."""
+
+
+class PersistMode(StrEnum):
+    """Where the background persist of a save runs."""
+
+    THREAD = "thread"
+    """A thread of the training process: cheap to start; competes with the training loop for the GIL."""
+    PROCESS = "process"
+    """A separate process (DCP's daemon): no GIL contention; needs a process group (one is made for a
+    single process) and an `if __name__ == "__main__":` guard in the training script."""
+
+
+FaultHook = Callable[[str], None]
+"""Called at named points of a persist (`writer.FAULT_POINTS`); for fault-injection tests only."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """How and when the `CheckpointManager` saves, where to, and what it keeps."""
+
+    root: str | os.PathLike[str]
+    """Where checkpoints go: a local directory or any fsspec URL (`s3://bucket/job`, `memory://x`).
+    Each checkpoint is a directory `step_<N>` under it."""
+    interval: IntervalConfig = field(default_factory=lambda: IntervalConfig(every_steps=100))
+    """When `after_step` saves: every N steps, every S seconds, or `auto` (see `IntervalConfig`)."""
+    keep_last: int = 3
+    """Committed checkpoints to keep (the newest ones); older ones are deleted after each commit."""
+    mode: PersistMode | str = PersistMode.THREAD
+    """Where the background persist runs: `thread` or `process` (see `PersistMode`)."""
+    verify_checksums: bool = True
+    """Whether "latest" re-reads every file and checks its CRC-32 against the manifest (else only sizes)."""
+    num_io_threads: int = 1
+    """Writer threads per rank (DCP's `thread_count`); each writes its own file."""
+    handle_preemption: bool = False
+    """Install a SIGTERM handler: save at the next step boundary, flush the recorder, exit with 143."""
+    lease_ttl_s: float = 3600.0
+    """How long a reader's lease on a checkpoint protects it from retention (a crashed reader's lease
+    expires after this)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the fsspec filesystem of `root` (credentials, endpoint)."""
+    fault_hook: FaultHook | None = None
+    """Fault-injection tests only: called with a point name during each persist; must be picklable for
+    the process mode. None in real jobs."""
+
+    def __post_init__(self) -> None:
+        if not os.fspath(self.root):
+            raise ValueError("root must name a directory or URL for the checkpoints")
+        if not isinstance(self.interval, IntervalConfig):
+            raise ValueError(f"interval must be an IntervalConfig, got {type(self.interval).__name__}")
+        if self.keep_last < 1:
+            raise ValueError(
+                f"keep_last must be >= 1 (the newest committed one is always kept), got {self.keep_last}"
+            )
+        try:
+            object.__setattr__(self, "mode", PersistMode(self.mode))
+        except ValueError:
+            raise ValueError(f"mode must be 'thread' or 'process', got {self.mode!r}") from None
+        if self.num_io_threads < 1:
+            raise ValueError(f"num_io_threads must be >= 1, got {self.num_io_threads}")
+        if not (self.lease_ttl_s > 0 and math.isfinite(self.lease_ttl_s)):
+            raise ValueError(f"lease_ttl_s must be a finite number of seconds > 0, got {self.lease_ttl_s}")
+
+
+class CheckpointRecorder(Protocol):
+    """What the checkpoint manager needs of `ettr.recorder.Recorder` (thread-safe, never raises)."""
+
+    rank: int
+    world_size: int
+    run_dir: Any
+
+    def phase(
+        self, phase: Phase | str, *, step: int | None = None, **data: Any
+    ) -> AbstractContextManager[Any]: ...
+
+    def span(
+        self,
+        phase: Phase | str,
+        begin_ts: float,
+        end_ts: float | None = None,
+        *,
+        step: int | None = None,
+        **data: Any,
+    ) -> None: ...
+
+    def resumed_from(self, step: int | None) -> None: ...
+
+    def checkpoint_committed(self, step: int, path: str | os.PathLike[str]) -> None: ...
+
+    def checkpoint_error(
+        self, step: int | None, path: str | os.PathLike[str], error: BaseException | str
+    ) -> None: ...
+
+    def mark(self, name: str, **data: Any) -> None: ...
+
+    def flush(self, timeout_s: float = 5.0) -> None: ...
+
+
+@runtime_checkable
+class CheckpointStorage(Protocol):
+    """The place checkpoints live, addressed by paths relative to its root (`step_000000010/x.distcp`).
+
+    Every write that returns is durable (fsync'd, or an object store's completed upload); `write_atomic`
+    makes the file appear whole or not at all. Implementations must be picklable (the process-mode persist
+    receives one).
+    """
+
+    @property
+    def url(self) -> str:
+        """The root, as a path or URL (for messages and events)."""
+        ...
+
+    def path(self, rel: str) -> str:
+        """The full path or URL of `rel` (what DCP's writers and readers are given)."""
+        ...
+
+    def list_dir(self, rel: str = "") -> dict[str, int | None]:
+        """Entries directly under `rel`: name -> size in bytes for files, None for directories.
+        An empty dict if `rel` does not exist."""
+        ...
+
+    def open_read(self, rel: str) -> AbstractContextManager[BinaryIO]:
+        """Open a file for reading (raises FileNotFoundError if it is missing)."""
+        ...
+
+    def read_bytes(self, rel: str) -> bytes: ...
+
+    def write_atomic(self, rel: str, data: bytes, *, on_partial: Callable[[], None] | None = None) -> None:
+        """Write `data` to a temporary name, make it durable, then rename it to `rel`.
+        `on_partial` is called once half the data is written (fault-injection tests)."""
+        ...
+
+    def make_durable(self, rel_dir: str) -> None:
+        """Make the names created in `rel_dir` (and `rel_dir` itself in its parent) durable."""
+        ...
+
+    def remove(self, rel: str) -> None:
+        """Delete one file; a missing file is not an error."""
+        ...
+
+    def remove_tree(self, rel_dir: str) -> None:
+        """Delete a checkpoint directory, its manifest first (so a crash midway leaves it invisible)."""
+        ...
+
+    def rename(self, rel: str, new_rel: str) -> None: ...
+
+    def mtime(self, rel: str) -> float | None:
+        """Modification time (Unix seconds) of a file, None if missing or unknown."""
+        ...
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a failed save or load: DCP's CheckpointException carries a traceback per rank."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def iter_chunks(stream: BinaryIO, chunk_bytes: int = 8 << 20) -> Iterator[bytes]:
+    """Read a stream in chunks (for checksums of files larger than memory allows at once)."""
+    while True:
+        chunk = stream.read(chunk_bytes)
+        if not chunk:
+            return
+        yield chunk
