@@ -474,3 +474,14 @@ def test_idleness_and_failure_split_of_start_up_buckets() -> None:
     ):
         assert classify(bucket, attempt_position=3) is Loss.IDLENESS
     assert classify(Bucket.EFFECTIVE_TRAINING, attempt_position=2) is Loss.EFFECTIVE
+
+
+def test_malformed_events_are_tolerated() -> None:
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0).attempt(0, 1, 6, "completed", 0).steps(0, 1, 3, t_first=3)
+    s.events.append(Event(EventKind.STEP, math.nan, 0, 0, step=99))  # no time: cannot be placed
+    s.events.append(Event(EventKind.CHECKPOINT_COMMIT, T0 + 4, 0, 0, step=2, data=["not", "a", "mapping"]))
+    s.events.append(Event(EventKind.STEP, T0 + 4.5, 0, 0, step=None))  # a step without a number
+    s.events.append(Event(EventKind.JOB_END, T0 + 7, 0, SUPERVISOR_RANK, data="odd"))
+    r = s.report(now=7)
+    assert r.attempts[0].last_step == 3 and r.checkpoint_commits[0].path is None and r.job_exit_status is None
+    assert_buckets(r, {Bucket.INIT: 2, Bucket.EFFECTIVE_TRAINING: 3, Bucket.SHUTDOWN: 2})

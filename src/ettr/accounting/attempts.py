@@ -10,6 +10,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from math import isfinite
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -88,7 +89,8 @@ class Attempt:
 
 def gather(events: Iterable[Event]) -> JobEvents:
     """Sort events by time (stable) and file them; O(n log n)."""
-    ordered = sorted(events, key=attrgetter("ts"))
+    # An event without a finite time cannot be placed (and NaN would scramble the sort): leave it out.
+    ordered = sorted((e for e in events if isfinite(e.ts)), key=attrgetter("ts"))
     job = JobEvents()
     if ordered:
         job.earliest_ts = ordered[0].ts
@@ -128,7 +130,7 @@ def gather(events: Iterable[Event]) -> JobEvents:
         if kind == _STEP or kind == _PHASE_BEGIN or kind == _PHASE_END:
             continue
         if kind == EventKind.CHECKPOINT_COMMIT:
-            path = (e.data or {}).get("path")
+            path = data_of(e).get("path")
             job.commits.append(
                 CheckpointCommit(
                     ts=e.ts,
@@ -139,7 +141,7 @@ def gather(events: Iterable[Event]) -> JobEvents:
                 )
             )
         elif kind == EventKind.RECOMPILE:
-            data = dict(e.data or {})
+            data = dict(data_of(e))
             job.recompiles.append(
                 Recompile(
                     ts=e.ts, attempt=e.attempt, rank=e.rank, reason=str(data.get("reason", "")), data=data
@@ -175,7 +177,7 @@ def job_ended_normally(job: JobEvents) -> bool:
     """A JOB_END exists and its exit status is 0 (or not given)."""
     if job.job_end is None:
         return False
-    status = _as_int((job.job_end.data or {}).get("exit_status"))
+    status = _as_int(data_of(job.job_end).get("exit_status"))
     return status is None or status == 0
 
 
@@ -232,7 +234,7 @@ def _outcome(
     raw: RawAttempt, *, is_last: bool, ended_normally: bool
 ) -> tuple[Outcome, int | None, Mapping[str, Any] | None]:
     if raw.end_event is not None:
-        data = raw.end_event.data or {}
+        data = data_of(raw.end_event)
         exit_code = _as_int(data.get("exit_code"))
         try:
             outcome = Outcome(data["outcome"])
@@ -247,7 +249,7 @@ def _outcome(
     if outcome == Outcome.COMPLETED:
         return outcome, exit_code, None
     if raw.failure_event is not None:
-        process_failure = dict(raw.failure_event.data or {})
+        process_failure = dict(data_of(raw.failure_event))
         process_failure.setdefault("rank", raw.failure_event.rank)
         process_failure.setdefault("ts", raw.failure_event.ts)
         extra.setdefault("process_failure", process_failure)
@@ -295,7 +297,7 @@ def _resolve_one(
                 resumed = e  # the last one wins
         attempt.phases = _pair_phases(events, start, end)
     if resumed is None:  # the reference rank did not say; any other rank may have
-        for rank in sorted(raw.rank_events):
+        for rank in sorted(r for r in raw.rank_events if r >= 0):
             found = [e for e in raw.rank_events[rank] if e.kind == EventKind.RESUMED]
             if found:
                 resumed = found[-1]
@@ -396,6 +398,12 @@ def _mark_kept_steps(attempts: list[Attempt], commits: list[CheckpointCommit]) -
             keep = float(max(committed)) if committed else -math.inf
         attempt.keep_up_to_step = keep
         attempt.lost_steps = sum(1 for step in attempt.step_numbers if step > keep)
+
+
+def data_of(event: Event) -> Mapping[str, Any]:
+    """`event.data` as a mapping: {} when it is missing or, written by something else, not a mapping."""
+    data = event.data
+    return data if isinstance(data, Mapping) else {}
 
 
 def _as_phase(value: Any) -> Phase | None:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from types import MappingProxyType
 
-from ettr.accounting.attempts import Attempt, gather, resolve_attempts, wall_bounds
+from ettr.accounting.attempts import Attempt, data_of, gather, resolve_attempts, wall_bounds
 from ettr.accounting.model import AttemptReport, EttReport
 from ettr.accounting.timeline import build_segments
 from ettr.events import Bucket, Event, Outcome, Phase
@@ -92,7 +92,7 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
     for report in attempt_reports:
         for name, seconds in report.phases_s.items():
             job_phases.setdefault(name, []).append(seconds)
-    job_end_data = job.job_end.data if job.job_end is not None else None
+    job_end_data = data_of(job.job_end) if job.job_end is not None else None
     return EttReport(
         job_id=job_id,
         wall_start_ts=wall_start,
