@@ -1,0 +1,1 @@
+"""The reference TorchRec job of ettr: a DLRM on synthetic click data (see README.md)."""

@@ -1,0 +1,457 @@
+"""The reference TorchRec job: a DLRM on synthetic clicks, tables sharded over gloo, instrumented with ettr.
+
+    torchrun --nproc-per-node 2 examples/dlrm/train.py --steps 300
+    ettr run -- torchrun --nproc-per-node 2 examples/dlrm/train.py --steps 300 --ckpt-every 100
+
+Start-up runs as the named init sub-stages, each an `ettr.phase`, with the init communication audit
+(`ettr.audit`) counting the collectives of each:
+
+    DEVICE_INIT -> PROCESS_GROUP_INIT -> PREPROC_CREATION -> TRAIN_MODULE_CREATION -> INIT_PLUGINS
+    -> RESTORE -> PRE_TRAIN -> COMPILE -> GET_FIRST_BATCH_DATA -> training_started()
+
+The loop (global steps are 1-based; step n consumes batch n-1 of each rank's stream):
+
+    for step in range(resumed_step + 1, steps + 1):
+        loss = train_step(next(batches))   # embeddings are updated inside backward (fused), then the dense step
+        ettr.step(step)
+        if step % ckpt_every == 0: checkpointer.save(step, state)      # CHECKPOINT_BLOCKING
+
+Without `ettr run` (and without `--ettr-run-dir`) the ettr calls record nothing and cost nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    # Run as a script (torchrun examples/dlrm/train.py): make the `dlrm` package importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+
+import ettr
+import ettr.audit
+from dlrm.checkpointing import Checkpointer, make_checkpointer
+from dlrm.data import ClickBatch, ClickDataConfig, ResumeGate, make_loader
+from ettr.errors import UsageError
+from ettr.events import Event, EventKind
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything the job does, from the command line (see `--help` for each flag)."""
+
+    steps: int = 300
+    """Train until this global step."""
+    batch_size: int = 512
+    """Samples per step, per rank."""
+    num_tables: int = 12
+    """Embedding tables (one sparse feature each)."""
+    num_rows: int = 4000
+    """Rows per table."""
+    embedding_dim: int = 32
+    """Embedding width."""
+    lr: float = 0.05
+    """Learning rate of the dense Adagrad and of the fused row-wise Adagrad of the tables."""
+    seed: int = 0
+    """Seed of the data and of the model initialisation."""
+    num_workers: int = 1
+    """DataLoader worker processes per rank."""
+    worker_startup_s: float = 1.5
+    """Seconds a loader worker takes before its first batch."""
+    compile: bool = True
+    """torch.compile the dense tower (warmed up in the COMPILE phase before the loop)."""
+    ckpt_every: int = 0
+    """Checkpoint every this many steps (0: never)."""
+    ckpt_mode: str = "sync"
+    """`sync` (torch.save per rank, training waits) or `ettr` (the ettr checkpoint manager)."""
+    ckpt_dir: str = "checkpoints/dlrm"
+    """Where checkpoints go and are resumed from."""
+    resume: bool = True
+    """Resume from the newest committed checkpoint in `ckpt_dir` if there is one."""
+    publish: str = "none"
+    """Inference publishing: `none` (later: `inside` the job, or a `standalone` publish job)."""
+    compile_cache: str | None = None
+    """Directory of the ettr compile artifact store (later)."""
+    overlap_startup: bool = False
+    """Start the loader workers before the model is built, so their start-up is hidden behind it."""
+    log_every: int = 25
+    """Print the mean loss every this many steps."""
+    audit: bool = True
+    """Count and time the start-up collectives (`ettr.audit`)."""
+    ettr_run_dir: str | None = None
+    """Record into this run directory without `ettr run` (ignored under `ettr run`)."""
+    summary_out: str | None = None
+    """Rank 0 writes a JSON summary (losses, step times, init timings) here at the end."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "num_tables", "num_rows", "embedding_dim", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.num_workers < 0 or self.ckpt_every < 0 or self.worker_startup_s < 0:
+            raise ValueError("--num-workers, --ckpt-every and --worker-startup-s must be >= 0")
+        if self.ckpt_mode not in ("sync", "ettr"):
+            raise ValueError(f"--ckpt-mode must be sync or ettr, got {self.ckpt_mode!r}")
+        if self.publish not in ("inside", "standalone", "none"):
+            raise ValueError(f"--publish must be inside, standalone or none, got {self.publish!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; one flag per `TrainConfig` field."""
+    parser = _OneLineErrorParser(prog="train.py", description=__doc__.split("\n\n")[0])
+    d = TrainConfig()
+    add = parser.add_argument
+    add("--steps", type=int, default=d.steps, help="train until this global step")
+    add("--batch-size", type=int, default=d.batch_size, help="samples per step, per rank")
+    add("--num-tables", type=int, default=d.num_tables, help="embedding tables")
+    add("--num-rows", type=int, default=d.num_rows, help="rows per table")
+    add("--embedding-dim", type=int, default=d.embedding_dim, help="embedding width")
+    add("--lr", type=float, default=d.lr, help="learning rate")
+    add("--seed", type=int, default=d.seed, help="data and initialisation seed")
+    add("--num-workers", type=int, default=d.num_workers, help="loader workers per rank")
+    add(
+        "--worker-startup-s", type=float, default=d.worker_startup_s, help="seconds to a worker's first batch"
+    )
+    add("--compile", action=argparse.BooleanOptionalAction, default=d.compile, help="compile the dense tower")
+    add("--ckpt-every", type=int, default=d.ckpt_every, help="checkpoint every N steps (0: never)")
+    add("--ckpt-mode", choices=("sync", "ettr"), default=d.ckpt_mode, help="how checkpoints are written")
+    add("--ckpt-dir", default=d.ckpt_dir, help="checkpoint directory")
+    add("--resume", action=argparse.BooleanOptionalAction, default=d.resume, help="resume from the latest")
+    add("--publish", choices=("inside", "standalone", "none"), default=d.publish, help="inference publishing")
+    add("--compile-cache", default=d.compile_cache, help="compile artifact store directory (later)")
+    add("--overlap-startup", action=argparse.BooleanOptionalAction, default=d.overlap_startup)
+    add("--log-every", type=int, default=d.log_every, help="print the loss every N steps")
+    add("--audit", action=argparse.BooleanOptionalAction, default=d.audit, help="audit start-up collectives")
+    add("--ettr-run-dir", default=d.ettr_run_dir, help="record here without `ettr run`")
+    add("--summary-out", default=d.summary_out, help="rank 0 writes a JSON summary here")
+    return parser
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one clear line and exit 2, not the usage block
+        raise UsageError(message)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """`TrainConfig` from the command line. Raises `UsageError` on bad input."""
+    args = vars(build_parser().parse_args(argv))
+    try:
+        config = TrainConfig(**args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    # Flags whose machinery lands in a later round: refuse them clearly rather than ignore them.
+    if config.ckpt_mode == "ettr":
+        raise UsageError(
+            "--ckpt-mode ettr is not wired yet (the ettr checkpoint manager is still being written)"
+        )
+    if config.publish != "none":
+        raise UsageError(f"--publish {config.publish} is not wired yet (ettr.publish is still being written)")
+    if config.compile_cache is not None:
+        raise UsageError("--compile-cache is not wired yet (the ettr compile store is still being written)")
+    return config
+
+
+class StageClock:
+    """`ettr.phase` plus a local stopwatch, so the job can print its own start-up breakdown."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, phase: ettr.Phase, **data: Any) -> Iterator[None]:
+        begin = time.perf_counter()
+        with ettr.phase(phase, **data):
+            yield
+        self.seconds[phase.value] = self.seconds.get(phase.value, 0.0) + time.perf_counter() - begin
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """A sub-part of a phase, timed locally only (e.g. the TorchRec import inside module creation)."""
+        begin = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - begin
+
+
+class TrainState:
+    """Model and optimizer as one Stateful for the checkpointer (TorchRec's own sharded state_dicts)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.model.load_state_dict(state_dict["model"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
+
+def print0(*args: Any) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("[dlrm]", *args, flush=True)
+
+
+def init_process_group(rank: int, world_size: int) -> None:
+    if "MASTER_ADDR" in os.environ:  # torchrun
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    else:  # a plain `python train.py`: one rank, no rendezvous needed
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tuple[Any, Any, torch.nn.Module]:
+    """The sharded model, its combined optimizer, and its dense tower (to compile later). Collective."""
+    with clock.part("torchrec_import"):
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.planner import EmbeddingShardingPlanner
+        from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+        from torchrec.optim import RowWiseAdagrad
+        from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        from dlrm.model import Dlrm, DlrmConfig
+
+    torch.manual_seed(config.seed)  # same dense init everywhere (DDP broadcasts rank 0's anyway)
+    model = Dlrm(
+        DlrmConfig(
+            num_tables=config.num_tables,
+            num_rows=config.num_rows,
+            embedding_dim=config.embedding_dim,
+            bottom_mlp=(64, config.embedding_dim),
+        ),
+        table_device=torch.device("meta"),  # the sharder allocates only this rank's shards
+    )
+    # Tables are trained by fbgemm's fused row-wise Adagrad inside backward (TorchRec's standard set-up).
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    _apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": config.lr})
+    dense_tower = model.dense_tower
+    sharders = [EmbeddingBagCollectionSharder()]
+    with clock.part("plan"):
+        topology = TopologyFactory.create_topology(
+            trainer_config=TrainerConfig(world_size=world_size, local_world_size=world_size),
+            kernel_config=KernelConfig(compute_device="cpu"),
+        )
+        planner = EmbeddingShardingPlanner(topology=topology)
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    with clock.part("shard"):
+        sharded = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dense_optimizer = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(sharded.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=config.lr),
+    )
+    optimizer = CombinedOptimizer([sharded.fused_optimizer, dense_optimizer])
+    return sharded, optimizer, dense_tower
+
+
+def compile_dense_tower(dense_tower: torch.nn.Module, data: ClickDataConfig, embedding_dim: int) -> None:
+    """Compile the dense tower in place and run it forward and backward once on the training shapes.
+
+    In place (`Module.compile`), so the sharded model calls the compiled tower and state_dict keys stay
+    unprefixed.
+    The gradient is taken w.r.t. the input only, so no parameter gradient is accumulated and DDP's
+    hooks do not fire; the graphs compiled here are the ones the loop uses (no recompile at step 1).
+    """
+    dense_tower.compile(dynamic=False)
+    dense = torch.zeros(data.batch_size, data.num_dense)
+    pooled = torch.zeros(data.batch_size, data.num_tables, embedding_dim, requires_grad=True)
+    torch.autograd.grad(dense_tower(dense, pooled).sum(), pooled)
+
+
+def train_step(model: Any, optimizer: Any, batch: ClickBatch, keys: list[str]) -> torch.Tensor:
+    """One optimizer step on `batch`; returns the (detached) loss."""
+    from torchrec import KeyedJaggedTensor
+
+    features = KeyedJaggedTensor(keys=keys, values=batch.values, lengths=batch.lengths)
+    logits = model(batch.dense, features)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def _num_compiled_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:
+        return -1
+
+
+def run(config: TrainConfig) -> int:
+    """Start up, train to `config.steps`, shut down. Returns the exit status."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.ettr_run_dir and not os.environ.get("ETTR_RUN_DIR"):
+        ettr.init(config.ettr_run_dir)
+    recorder = ettr.get_recorder()
+    audit = ettr.audit.start(recorder) if config.audit else None
+    clock = StageClock()
+    warnings.filterwarnings("ignore", category=DeprecationWarning)  # TorchRec's own, not actionable here
+    data_config = ClickDataConfig(
+        num_tables=config.num_tables,
+        num_rows=config.num_rows,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        worker_startup_s=config.worker_startup_s,
+    )
+
+    with clock.phase(ettr.Phase.DEVICE_INIT):
+        torch.manual_seed(config.seed)
+    with clock.phase(ettr.Phase.PROCESS_GROUP_INIT):
+        init_process_group(rank, world_size)
+    with clock.phase(ettr.Phase.PREPROC_CREATION):
+        gate = ResumeGate() if config.overlap_startup else None
+        batches: Iterator[ClickBatch] | None = None
+        if gate is not None:  # workers start now and warm up while the model is built
+            loader = make_loader(
+                data_config, rank=rank, start=gate, stop=config.steps, num_workers=config.num_workers
+            )
+            batches = iter(loader)
+    with clock.phase(ettr.Phase.TRAIN_MODULE_CREATION):
+        model, optimizer, dense_tower = build_model(config, world_size, clock)
+        state = TrainState(model, optimizer)
+    with clock.phase(ettr.Phase.INIT_PLUGINS):
+        # Later: the compile store (--compile-cache) and the publisher (--publish) are created here too.
+        checkpointer: Checkpointer | None = None
+        if config.ckpt_every or config.resume:
+            checkpointer = make_checkpointer(
+                config.ckpt_mode, config.ckpt_dir, rank=rank, world_size=world_size
+            )
+    resumed_step = 0
+    with clock.phase(ettr.Phase.RESTORE):
+        latest = checkpointer.latest_step() if checkpointer is not None and config.resume else None
+        if latest is not None:
+            checkpointer.load(latest, state)
+            resumed_step = latest
+        ettr.resumed_from(latest)
+    with clock.phase(ettr.Phase.PRE_TRAIN):
+        model.train()
+        if gate is not None:
+            gate.set(resumed_step)
+        else:
+            loader = make_loader(
+                data_config, rank=rank, start=resumed_step, stop=config.steps, num_workers=config.num_workers
+            )
+        dist.barrier()  # all ranks enter the loop together (and the audit shows what that wait costs)
+    if config.compile:
+        with clock.phase(ettr.Phase.COMPILE):
+            compile_dense_tower(dense_tower, data_config, config.embedding_dim)
+    num_graphs_after_warm_up = _num_compiled_graphs()
+    with clock.phase(ettr.Phase.GET_FIRST_BATCH_DATA):
+        if batches is None:
+            batches = iter(loader)
+        first_batch = next(batches, None)
+    audit_summary = audit.finish() if audit is not None else None
+    _print_start_up(clock, resumed_step, audit_summary, rank)
+
+    ettr.training_started()
+    keys = data_config.feature_names
+    losses: list[float] = []
+    step_s: list[float] = []
+    window: list[float] = []
+    step = resumed_step
+    batch = first_batch
+    while batch is not None and step < config.steps:
+        begin = time.perf_counter()
+        loss = train_step(model, optimizer, batch, keys)
+        step += 1
+        ettr.step(step)
+        step_s.append(time.perf_counter() - begin)
+        window.append(float(loss))
+        if step % config.log_every == 0 or step == config.steps:
+            losses.append(statistics.fmean(window))
+            print0(
+                f"step {step}/{config.steps} loss {losses[-1]:.4f} step {1000 * statistics.median(step_s[-len(window) :]):.1f} ms"
+            )
+            window = []
+        if checkpointer is not None and config.ckpt_every and step % config.ckpt_every == 0:
+            _save(checkpointer, step, state)
+        batch = next(batches, None)
+
+    with clock.phase(ettr.Phase.SHUTDOWN):
+        if (
+            checkpointer is not None
+            and config.ckpt_every
+            and step % config.ckpt_every
+            and step > resumed_step
+        ):
+            _save(checkpointer, step, state)
+        if checkpointer is not None:
+            checkpointer.close()
+        del batches  # stops the loader workers
+        summary = {
+            "rank": rank,
+            "world_size": world_size,
+            "resumed_step": resumed_step,
+            "last_step": step,
+            "window_losses": losses,
+            "median_step_s": statistics.median(step_s) if step_s else None,
+            "init_s": clock.seconds,
+            "num_compiled_graphs_after_warm_up": num_graphs_after_warm_up,
+            "num_compiled_graphs_at_end": _num_compiled_graphs(),
+            "audit": {k: v for k, v in (audit_summary or {}).items() if k != "calls"},
+            "config": asdict(config),
+        }
+        if step_s:
+            print0(
+                f"done: steps {resumed_step + 1}..{step}, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                f"median step {1000 * summary['median_step_s']:.1f} ms"
+            )
+        if rank == 0 and config.summary_out:
+            Path(config.summary_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(config.summary_out).write_text(json.dumps(summary, indent=2))
+        dist.destroy_process_group()
+    return 0
+
+
+def _save(checkpointer: Checkpointer, step: int, state: TrainState) -> None:
+    with ettr.phase(ettr.Phase.CHECKPOINT_BLOCKING, step=step):
+        path = checkpointer.save(step, state)
+    if path is not None:
+        ettr.checkpoint_committed(step, path)
+
+
+def _print_start_up(
+    clock: StageClock, resumed_step: int, audit_summary: dict[str, Any] | None, rank: int
+) -> None:
+    if rank != 0:
+        return
+    parts = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in clock.seconds.items())
+    print0(f"start-up: {parts}")
+    print0(f"resumed from step {resumed_step}" if resumed_step else "starting from scratch")
+    if audit_summary is not None:
+        event = Event(
+            EventKind.MARK, time.time(), rank=rank, data={"name": ettr.audit.MARK_NAME, **audit_summary}
+        )
+        print(ettr.audit.render([event]), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+    except UsageError as exc:
+        print(f"train.py: {exc}", file=sys.stderr)
+        return 2
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

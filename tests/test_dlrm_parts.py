@@ -1,0 +1,181 @@
+"""The reference DLRM job's parts in one process: synthetic data, model, command line, checkpoint commit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from dlrm.checkpointing import COMMIT_MARKER, TorchSaveCheckpointer  # noqa: E402
+from dlrm.data import ClickDataConfig, HiddenClickModel, ResumeGate, make_loader  # noqa: E402
+
+SMALL = ClickDataConfig(num_tables=4, num_rows=500, batch_size=256, worker_startup_s=0.0)
+
+
+def test_a_batch_is_a_pure_function_of_seed_rank_and_index():
+    a, b = HiddenClickModel(SMALL), HiddenClickModel(SMALL)
+    first, again = a.batch(rank=1, index=7), b.batch(rank=1, index=7)
+    for name in ("dense", "values", "lengths", "labels"):
+        assert torch.equal(getattr(first, name), getattr(again, name))
+    assert not torch.equal(first.values, a.batch(rank=0, index=7).values)
+    assert not torch.equal(first.values, a.batch(rank=1, index=8).values)
+
+
+def test_batches_have_the_keyed_jagged_layout():
+    batch = HiddenClickModel(SMALL).batch(rank=0, index=0)
+    assert batch.dense.shape == (256, SMALL.num_dense)
+    assert batch.lengths.shape == (SMALL.num_tables * 256,) and batch.lengths.dtype == torch.int32
+    assert int(batch.lengths.min()) >= 1 and int(batch.lengths.max()) <= SMALL.max_ids_per_feature
+    assert batch.values.numel() == int(batch.lengths.sum())
+    assert int(batch.values.min()) >= 0 and int(batch.values.max()) < SMALL.num_rows
+    assert set(batch.labels.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_ids_are_skewed_like_click_logs():
+    batch = HiddenClickModel(SMALL).batch(rank=0, index=0)
+    counts = torch.bincount(batch.values, minlength=SMALL.num_rows).sort(descending=True).values
+    top_1_pct = counts[: SMALL.num_tables * SMALL.num_rows // 100].sum() / counts.sum()
+    assert top_1_pct > 0.25  # uniform ids would give 1%
+
+
+def test_labels_carry_signal_a_model_can_learn():
+    hidden = HiddenClickModel(SMALL)
+    batch = hidden.batch(rank=0, index=3)
+    logit = hidden.logit(dense=batch.dense, values=batch.values, lengths=batch.lengths)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    base_rate = batch.labels.mean().clamp(0.01, 0.99)
+    best_constant = bce(torch.full_like(logit, float(torch.logit(base_rate))), batch.labels)
+    assert bce(logit, batch.labels) < best_constant - 0.15
+
+
+def test_several_workers_give_the_same_stream_as_one():
+    def indices(num_workers: int) -> list[int]:
+        loader = make_loader(SMALL, rank=0, start=3, stop=11, num_workers=num_workers)
+        return [b.index for b in loader]
+
+    one = indices(0)
+    assert one == list(range(3, 11))
+    assert indices(2) == one
+
+
+@pytest.mark.timeout(60)
+def test_workers_started_before_the_resume_step_is_known_start_there():
+    gate = ResumeGate()
+    batches = iter(make_loader(SMALL, rank=0, start=gate, stop=20, num_workers=2))  # workers start now
+    gate.set(12)
+    assert [next(batches).index for _ in range(3)] == [12, 13, 14]
+    expected = HiddenClickModel(SMALL).batch(rank=0, index=15)
+    assert torch.equal(next(batches).values, expected.values)
+
+
+def test_data_config_is_validated():
+    with pytest.raises(ValueError, match="batch_size"):
+        ClickDataConfig(batch_size=0)
+    with pytest.raises(ValueError, match="worker_startup_s"):
+        ClickDataConfig(worker_startup_s=-1)
+
+
+def test_the_model_gives_one_logit_per_sample_and_learns_on_one_process():
+    from dlrm.model import Dlrm, DlrmConfig
+    from torchrec import KeyedJaggedTensor
+
+    config = DlrmConfig(
+        num_tables=SMALL.num_tables, num_rows=SMALL.num_rows, embedding_dim=16, bottom_mlp=(32, 16)
+    )
+    torch.manual_seed(0)
+    model = Dlrm(config)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    hidden = HiddenClickModel(SMALL)
+    losses = []
+    for index in range(30):
+        batch = hidden.batch(rank=0, index=index)
+        features = KeyedJaggedTensor(keys=config.feature_names, values=batch.values, lengths=batch.lengths)
+        logits = model(batch.dense, features)
+        assert logits.shape == (SMALL.batch_size,)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05
+
+
+def test_model_config_is_validated():
+    from dlrm.model import DlrmConfig
+
+    with pytest.raises(ValueError, match="bottom_mlp must end at embedding_dim"):
+        DlrmConfig(embedding_dim=16, bottom_mlp=(64, 32))
+
+
+class _State:
+    def __init__(self, value: float) -> None:
+        self.tensor = torch.full((3,), value)
+
+    def state_dict(self) -> dict:
+        return {"t": self.tensor}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.tensor = state_dict["t"].clone()
+
+
+def test_sync_checkpoints_commit_with_a_marker_and_keep_the_newest(tmp_path):
+    ckpt = TorchSaveCheckpointer(tmp_path, rank=0, world_size=1, keep=2)
+    assert ckpt.latest_step() is None
+    for step in (10, 20, 30):
+        assert ckpt.save(step, _State(step)) == str(tmp_path / f"step_{step:08d}")
+    (tmp_path / "step_00000040").mkdir()  # a save that died before its marker
+    (tmp_path / "step_00000040" / "rank_00000.pt").write_bytes(b"partial")
+    assert ckpt.committed_steps() == [20, 30]
+    assert ckpt.latest_step() == 30
+    assert (tmp_path / "step_00000030" / COMMIT_MARKER).is_file()
+    restored = _State(0)
+    ckpt.load(30, restored)
+    assert torch.equal(restored.tensor, torch.full((3,), 30.0))
+    with pytest.raises(FileNotFoundError, match="different world size"):
+        TorchSaveCheckpointer(tmp_path, rank=1, world_size=2).load(30, restored)
+
+
+def test_command_line_flags_are_frozen_for_the_demo():
+    from dlrm.train import build_parser
+
+    flags = {s for action in build_parser()._actions for s in action.option_strings}
+    # `ettr demo` drives these; renaming one breaks it.
+    assert {
+        "--steps",
+        "--ckpt-every",
+        "--ckpt-mode",
+        "--ckpt-dir",
+        "--resume",
+        "--no-resume",
+        "--publish",
+        "--compile",
+        "--no-compile",
+        "--compile-cache",
+        "--overlap-startup",
+        "--no-overlap-startup",
+        "--ettr-run-dir",
+        "--summary-out",
+    } <= flags
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--ckpt-mode", "bogus"], "invalid choice"),
+        (["--ckpt-mode", "ettr"], "not wired yet"),
+        (["--publish", "inside"], "not wired yet"),
+        (["--steps", "ten"], "invalid int value"),
+    ],
+)
+def test_bad_command_lines_exit_2_with_one_line(argv, message, capsys):
+    from dlrm.train import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and err.startswith("train.py: ")
