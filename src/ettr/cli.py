@@ -111,7 +111,8 @@ def _report(args: argparse.Namespace) -> int:
 
         write_html(reports, args.html)
     if args.json:
-        payload = [to_dict(r) for r in reports]
+        # Segments (the full timeline) can run to megabytes for long jobs; the HTML report draws them.
+        payload = [to_dict(r, include_segments=False) for r in reports]
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
     elif len(reports) == 1:
         print(render(reports[0]))
