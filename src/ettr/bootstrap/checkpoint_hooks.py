@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from ettr import inject
-from ettr.bootstrap.hooks import Guard, StepCounter, called_from_ettr, patch
+from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
 from ettr.events import EventKind, Phase
 
 
@@ -51,14 +51,16 @@ def _dcp_path(kwargs: dict[str, Any], storage_key: str) -> str | None:
 class CheckpointHooks:
     """Records checkpoint saves and loads of one process (see the module docstring)."""
 
-    def __init__(self, rec: Any, steps: StepCounter, *, guard: Guard) -> None:
+    def __init__(self, rec: Any, steps: StepCounter, *, guard: Guard, patcher: Patcher) -> None:
         self.rec = rec
+        self.patcher = patcher
         self.steps = steps
         self.guard = guard
         self._local = threading.local()
         self._pending_renames: dict[str, int] = {}  # saved path -> step, until renamed or superseded
         self._earlier_commits: dict[str, int] | None = None
         self._resumed = False
+        self._async_paths: set[str] = set()  # async saves in flight: their inner save is not another one
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     def _busy(self) -> bool:
@@ -141,10 +143,10 @@ class CheckpointHooks:
 
             return load
 
-        patch(torch.serialization, "save", make_save)
-        patch(torch.serialization, "load", make_load)
-        torch.save = torch.serialization.save
-        torch.load = torch.serialization.load
+        self.patcher.wrap(torch.serialization, "save", make_save)
+        self.patcher.wrap(torch.serialization, "load", make_load)
+        self.patcher.set(torch, "save", torch.serialization.save)
+        self.patcher.set(torch, "load", torch.serialization.load)
 
         def make_rename(original: Callable[..., Any]) -> Callable[..., Any]:
             def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
@@ -155,8 +157,8 @@ class CheckpointHooks:
 
             return rename
 
-        patch(os, "replace", make_rename)
-        patch(os, "rename", make_rename)
+        self.patcher.wrap(os, "replace", make_rename)
+        self.patcher.wrap(os, "rename", make_rename)
 
     def _timed_save(self, path: str, call: Callable[[], Any]) -> Any:
         step = self.guard.call("checkpoint save", lambda: self.steps.current_step)
@@ -199,7 +201,7 @@ class CheckpointHooks:
         def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
             def save(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
                 path = None if hooks._busy() or called_from_ettr() else _dcp_path(kwargs, "storage_writer")
-                if path is None:
+                if path is None or path in hooks._async_paths:
                     return original(state_dict, *args, **kwargs)
                 return hooks._timed_save(path, lambda: original(state_dict, *args, **kwargs))
 
@@ -226,19 +228,23 @@ class CheckpointHooks:
         for module in (getattr(dcp, "state_dict_saver", None), dcp):
             if module is None:
                 continue
-            patch(module, "save", make_save)
-            patch(module, "async_save", make_async_save)
+            self.patcher.wrap(module, "save", make_save)
+            self.patcher.wrap(module, "async_save", make_async_save)
         for module in (getattr(dcp, "state_dict_loader", None), dcp):
             if module is not None:
-                patch(module, "load", make_load)
+                self.patcher.wrap(module, "load", make_load)
 
     def _timed_async_save(self, path: str, call: Callable[[], Any]) -> Any:
         step = self.guard.call("checkpoint save", lambda: self.steps.current_step)
         begin = time.time()
         self._set_busy(True)
+        self._async_paths.add(path)
         try:
             inject.checkpoint_in_progress()
             result = call()
+        except BaseException:
+            self._async_paths.discard(path)
+            raise
         finally:
             self._set_busy(False)
         staged = time.time()
@@ -250,6 +256,8 @@ class CheckpointHooks:
             rec, guard = self.rec, self.guard
 
             def done(fut: Any) -> None:
+                self._async_paths.discard(path)
+
                 def record() -> None:
                     error = fut.exception()
                     rec.span(Phase.CHECKPOINT_PERSIST, staged, step=step, path=path)
@@ -261,4 +269,6 @@ class CheckpointHooks:
                 guard.call("async checkpoint commit", record)
 
             future.add_done_callback(done)
+        else:
+            self._async_paths.discard(path)
         return result

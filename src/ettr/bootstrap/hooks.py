@@ -67,16 +67,44 @@ def called_from_ettr(depth: int = 2) -> bool:
     return name.startswith("ettr.") and not name.startswith("ettr.bootstrap")
 
 
-def patch(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
-    """Replace `owner.name` by `make(original)` unless it is already ours; whether it patched."""
-    original = getattr(owner, name, None)
-    if original is None or getattr(original, _ORIGINAL, None) is not None:
-        return False
-    wrapper = make(original)
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, _ORIGINAL, original)
-    setattr(owner, name, wrapper)
-    return True
+class Patcher:
+    """Replaces attributes by wrappers and remembers how to put everything back (`undo`, for tests)."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+        """Replace `owner.name` by `make(original)` unless it is already ours; whether it did."""
+        original = getattr(owner, name, None)
+        if original is None or getattr(original, _ORIGINAL, None) is not None:
+            return False
+        wrapper = make(original)
+        functools.update_wrapper(wrapper, original)
+        setattr(wrapper, _ORIGINAL, original)
+        self.set(owner, name, wrapper)
+        return True
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        """`setattr(owner, name, value)`, undoably."""
+        had, old = hasattr(owner, name), getattr(owner, name, None)
+        setattr(owner, name, value)
+
+        def restore() -> None:
+            if had:
+                setattr(owner, name, old)
+            else:
+                delattr(owner, name)
+
+        self._undo.append(restore)
+
+    def on_undo(self, fn: Callable[[], None]) -> None:
+        """Call `fn` on `undo` (removing a registered hook)."""
+        self._undo.append(fn)
+
+    def undo(self) -> None:
+        """Put back everything, newest first."""
+        while self._undo:
+            self._undo.pop()()
 
 
 class StepCounter:
@@ -119,6 +147,7 @@ class AutoHooks:
         self.steps = StepCounter(rec)
         self._first_batch_done = False
         self._lock = threading.Lock()
+        self.patcher = Patcher()
         self.checkpoints: Any = None
 
     # -- installation (post-import callbacks) -------------------------------------------------------------
@@ -129,7 +158,7 @@ class AutoHooks:
         self.guard.call("optimizer step", self._install_optimizer_hook, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
         self.guard.call("first batch", self._install_first_batch_hook, torch)
-        self.checkpoints = CheckpointHooks(self.rec, self.steps, guard=self.guard)
+        self.checkpoints = CheckpointHooks(self.rec, self.steps, guard=self.guard, patcher=self.patcher)
         self.guard.call("torch.save/load", self.checkpoints.install_torch, torch)
         dcp = sys.modules.get("torch.distributed.checkpoint")
         if dcp is not None:
@@ -152,7 +181,8 @@ class AutoHooks:
             except Exception as exc:
                 guard.failed("optimizer step", exc)
 
-        register(after_step)
+        handle = register(after_step)
+        self.patcher.on_undo(handle.remove)
 
     def _install_process_group_hook(self, torch: ModuleType) -> None:
         dist = torch.distributed
@@ -170,10 +200,10 @@ class AutoHooks:
 
             return init_process_group
 
-        patch(dist.distributed_c10d, "init_process_group", make)
+        self.patcher.wrap(dist.distributed_c10d, "init_process_group", make)
         patched = dist.distributed_c10d.init_process_group
         if getattr(dist, "init_process_group", None) is getattr(patched, _ORIGINAL, None):
-            dist.init_process_group = patched
+            self.patcher.set(dist, "init_process_group", patched)
 
     def _install_first_batch_hook(self, torch: ModuleType) -> None:
         base = torch.utils.data.dataloader._BaseDataLoaderIter  # noqa: SLF001 - the one shared __next__
@@ -197,11 +227,19 @@ class AutoHooks:
                 guard.call("first batch", rec.span, Phase.GET_FIRST_BATCH_DATA, begin)
 
         functools.update_wrapper(__next__, original)
-        base.__next__ = __next__
+        self.patcher.set(base, "__next__", __next__)
+
+    def uninstall(self) -> None:
+        """Put torch back as it was (tests; a process keeps its hooks to the end)."""
+        self.patcher.undo()
 
     def _install_compile(self) -> None:
         try:
-            from ettr.compile import autoinstall  # type: ignore[attr-defined]
+            import ettr.compile as compile_support
+
+            install = compile_support.autoinstall
         except (ImportError, AttributeError):
             return  # no compile support in this ettr: nothing to record
-        autoinstall(self.rec)
+        if isinstance(install, ModuleType):  # the submodule, where the package does not re-export it
+            install = install.autoinstall
+        install(self.rec)

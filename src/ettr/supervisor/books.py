@@ -87,3 +87,11 @@ def next_attempt(events: Sequence[Event]) -> int:
     """The index the next attempt of this job gets (0 for a new job)."""
     used = (e.attempt for e in events if e.kind is EventKind.ATTEMPT_START or e.rank >= 0)
     return 1 + max(used, default=-1)
+
+
+def job_id_of(events: Sequence[Event]) -> str | None:
+    """The job id the first supervisor of this run directory recorded (None for a new one)."""
+    for e in events:
+        if e.kind is EventKind.SUPERVISOR_START and e.data and e.data.get("job_id"):
+            return str(e.data["job_id"])
+    return None

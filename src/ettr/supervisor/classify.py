@@ -117,10 +117,10 @@ def classify(
     how = f"killed by {signal_name(sig)}" if sig is not None else f"exit status {returncode}"
     if hung_after_s is not None:
         outcome = Outcome.HUNG
-        reason = f"hung: no progress and no heartbeat for {hung_after_s:.1f} s; {how}"
+        reason = f"no progress and no heartbeat for {hung_after_s:.1f} s; {how}"
     elif preempted_by is not None:
         outcome = Outcome.PREEMPTED
-        reason = f"preempted: {signal_name(preempted_by)} forwarded to the job; {how}"
+        reason = f"{signal_name(preempted_by)} forwarded to the job; {how}"
     elif returncode == 0:
         outcome = Outcome.COMPLETED
         reason = "completed"
@@ -128,7 +128,7 @@ def classify(
         # Nobody asked the supervisor to stop, yet the job got SIGTERM: a scheduler or an operator
         # preempting it directly. Counted as a preemption, and restarted like a failure.
         outcome = Outcome.PREEMPTED
-        reason = f"preempted: {how}"
+        reason = f"{how}, not asked of the supervisor (a scheduler or an operator)"
     else:
         outcome = Outcome.FAILED
         reason = how + (" (out of memory)" if oom else "") + (f": {exception}" if exception else "")

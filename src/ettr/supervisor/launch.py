@@ -54,6 +54,34 @@ class Launcher(StrEnum):
     OTHER = "other"
 
 
+def _python_module(command: Sequence[str]) -> tuple[str | None, int]:
+    """For `python [options] -m MODULE ...`: MODULE and the index after it; else (None, 0)."""
+    i = 1
+    while i < len(command):
+        token = command[i]
+        if token == "-m":
+            return (command[i + 1], i + 2) if i + 1 < len(command) else (None, 0)
+        if token.startswith("-m"):
+            return token[2:], i + 1
+        if token in ("-X", "-W"):
+            i += 2
+            continue
+        if not token.startswith("-") or token in ("-", "-c") or token.startswith("-c"):
+            return None, 0  # a script, stdin or -c: not a module
+        i += 1
+    return None, 0
+
+
+_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def _launcher_args_at(command: Sequence[str]) -> int:
+    """Index of torchrun's first own argument in a torchrun command line."""
+    if os.path.basename(command[0]) == "torchrun":
+        return 1
+    return _python_module(command)[1]
+
+
 def detect_launcher(command: Sequence[str]) -> Launcher:
     """`torchrun ...` / `python -m torch.distributed.run ...` is TORCHRUN; `python ...` is PYTHON."""
     if not command:
@@ -62,12 +90,8 @@ def detect_launcher(command: Sequence[str]) -> Launcher:
     if program == "torchrun":
         return Launcher.TORCHRUN
     if program.startswith("python"):
-        args = list(command[1:])
-        if "-m" in args:
-            i = args.index("-m")
-            if i + 1 < len(args) and args[i + 1] in ("torch.distributed.run", "torch.distributed.launch"):
-                return Launcher.TORCHRUN
-        return Launcher.PYTHON
+        module, _ = _python_module(command)
+        return Launcher.TORCHRUN if module in _TORCHRUN_MODULES else Launcher.PYTHON
     return Launcher.OTHER
 
 
@@ -80,9 +104,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _torchrun_split(command: Sequence[str]) -> tuple[int, list[tuple[str, str | None]]]:
     """Index of the first token after torchrun's options, and those options as (name, value) pairs."""
-    start = 1
-    if os.path.basename(command[0]).startswith("python"):
-        start = list(command).index("-m") + 2
+    start = _launcher_args_at(command)
     options: list[tuple[str, str | None]] = []
     i = start
     while i < len(command):
@@ -115,9 +137,7 @@ def torchrun_command(command: Sequence[str], port: int) -> list[str]:
     is (every node would need the same new port, which one supervisor cannot arrange).
     """
     script_at, options = _torchrun_split(command)
-    prefix = list(
-        command[: 1 if os.path.basename(command[0]) == "torchrun" else list(command).index("-m") + 2]
-    )
+    prefix = list(command[: _launcher_args_at(command)])
     names = {_norm(n) for n, _ in options}
     backend = next((v for n, v in options if _norm(n) == "--rdzv-backend"), "static") or "static"
     out: list[tuple[str, str | None]] = []

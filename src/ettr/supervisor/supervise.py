@@ -85,6 +85,8 @@ class Supervisor:
             previous = self._ledger.read()
         except (LedgerError, OSError) as exc:
             raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {exc}") from None
+        if self.config.job_id is None:  # a requeued job continues under the id it started with
+            self.job_id = books.job_id_of(previous) or self.job_id
         live = books.live_supervisor(previous)
         if live is not None:
             self._ledger.close()

@@ -1,0 +1,255 @@
+"""The zero-code bootstrap: post-import hooks, sitecustomize selection and chaining, and the torch hooks
+(installed in this process on a real recorder, then removed again)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ettr.bootstrap import post_import
+from ettr.bootstrap.start import is_training_process
+from ettr.events import Event, EventKind, Phase
+from ettr.ledger import open_ledger
+from ettr.recorder import Recorder
+from ettr.supervisor.launch import bootstrap_dir
+
+torch = pytest.importorskip("torch")
+
+
+# -- post-import hooks -------------------------------------------------------------------------------------
+def test_callback_runs_after_the_module_body_and_a_failing_one_does_not_break_the_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "ettr_probe_mod.py").write_text("VALUE = 41\nVALUE += 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[Any] = []
+
+    def broken(module: Any) -> None:
+        raise RuntimeError("bug in a hook")
+
+    post_import.when_imported("ettr_probe_mod", broken)
+    post_import.when_imported("ettr_probe_mod", lambda m: seen.append(m.VALUE))
+    try:
+        import ettr_probe_mod  # type: ignore[import-not-found]
+
+        assert seen == [42] and ettr_probe_mod.VALUE == 42
+        assert ettr_probe_mod.__loader__.__class__.__name__ == "SourceFileLoader"  # the real loader
+        assert not any(isinstance(f, post_import._PostImportFinder) for f in sys.meta_path)
+        post_import.when_imported("ettr_probe_mod", lambda m: seen.append("again"))  # already imported
+        assert seen == [42, "again"]
+    finally:
+        sys.modules.pop("ettr_probe_mod", None)
+
+
+# -- which processes are instrumented ---------------------------------------------------------------------
+def test_only_training_processes_are_instrumented() -> None:
+    run = {"ETTR_RUN_DIR": "/tmp/run"}
+    assert is_training_process(run, 10)
+    assert not is_training_process({}, 10)
+    assert not is_training_process({**run, "ETTR_INSTRUMENTED_PID": "9"}, 10)  # a worker of rank 0
+    assert is_training_process({**run, "ETTR_INSTRUMENTED_PID": "10"}, 10)  # the same process, exec'd again
+    torchrun = {**run, "ETTR_LAUNCHER": "torchrun"}
+    assert not is_training_process(torchrun, 10)  # the torchrun agent
+    assert is_training_process({**torchrun, "TORCHELASTIC_RUN_ID": "x"}, 10)  # its workers
+
+
+def _python(code: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_sitecustomize_chains_the_one_it_hides_and_costs_nothing_outside_a_run(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import builtins\nbuiltins.CHAINED = 'yes'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env["PYTHONPATH"] = f"{bootstrap_dir()}{os.pathsep}{other}"
+    done = _python("import sys, builtins; print(builtins.CHAINED, 'ettr' in sys.modules)", env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["yes", "False"]
+
+
+def test_sitecustomize_instruments_the_training_process_but_not_its_children(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env.update(
+        PYTHONPATH=str(bootstrap_dir()), ETTR_RUN_DIR=str(run_dir), ETTR_ATTEMPT="3", ETTR_AUTO="1", RANK="0"
+    )
+    code = textwrap.dedent(
+        """
+        import os, subprocess, sys
+        print(os.environ["ETTR_INSTRUMENTED_PID"] == str(os.getpid()), "torch" in sys.modules)
+        subprocess.run([sys.executable, "-c", "import sys; print('ettr' in sys.modules)"], check=True)
+        raise ValueError("boom")
+        """
+    )
+    done = _python(code, env, tmp_path)
+    assert done.returncode == 1 and "ValueError: boom" in done.stderr
+    assert done.stdout.split() == ["True", "False", "False"]  # torch not imported by the bootstrap
+    events = open_ledger(run_dir).read()
+    starts = [e for e in events if e.kind is EventKind.PROCESS_START]
+    assert len(starts) == 1 and starts[0].attempt == 3
+    failures = [e.data for e in events if e.kind is EventKind.FAILURE]
+    assert failures == [{"exception": "ValueError", "message": "boom"}]  # the excepthook recorded it
+    assert list((run_dir / "heartbeats" / "attempt-3").iterdir())
+
+
+# -- the torch hooks, in this process --------------------------------------------------------------------
+@pytest.fixture
+def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Recorder, Any]]:
+    from ettr.bootstrap.hooks import AutoHooks
+
+    compile_calls: list[Any] = []
+    try:
+        import ettr.compile
+
+        monkeypatch.setattr(ettr.compile, "autoinstall", compile_calls.append)
+    except ImportError:
+        pass
+    run_dir = tmp_path / "run"
+    ledger = open_ledger(run_dir)
+    earlier = tmp_path / "earlier.pt"
+    torch.save({"w": torch.zeros(2)}, earlier)
+    ledger.append([Event(EventKind.CHECKPOINT_COMMIT, 1.0, 0, 0, step=5, data={"path": str(earlier)})])
+    rec = Recorder(ledger, run_dir=run_dir, attempt=1, rank=0)
+    hooks = AutoHooks(rec)
+    hooks.on_torch(torch)
+    hooks.compile_calls = compile_calls
+    original_save = torch.save
+    try:
+        yield hooks, rec, ledger
+    finally:
+        hooks.uninstall()
+        rec.close()
+        assert torch.save is not original_save and not hasattr(torch.save, "__ettr_original__")
+
+
+def _events(rec: Recorder, ledger: Any, kinds: set[EventKind] | None = None) -> list[Event]:
+    rec.flush()
+    return [e for e in ledger.read() if e.rank >= 0 and (kinds is None or e.kind in kinds)]
+
+
+def test_an_unmodified_loop_is_recorded(hooked: tuple[Any, Recorder, Any], tmp_path: Path) -> None:
+    hooks, rec, ledger = hooked
+    if hooks.compile_calls:
+        assert hooks.compile_calls == [rec]  # compile support installed on the same recorder
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+
+    torch.load(tmp_path / "earlier.pt")  # resume: matches attempt 0's commit of step 5
+    torch.load(tmp_path / "earlier.pt")  # loading it again resumes nothing more
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    for (x,) in loader:
+        model(x).sum().backward()
+        optimizer.step()
+        other.step()  # a second optimizer steps in lockstep: not counted again
+    list(loader)  # the second epoch's first batch is not a start-up wait
+    ckpt = tmp_path / "ckpt" / "step-7.pt"
+    ckpt.parent.mkdir()
+    torch.save(model.state_dict(), ckpt)
+    torch.save(model.state_dict(), io.BytesIO())  # serialization, not a checkpoint
+    torch.save(model.state_dict(), str(ckpt) + ".tmp")
+    os.replace(str(ckpt) + ".tmp", tmp_path / "ckpt" / "latest.pt")  # committed where it lands
+    torch.load(ckpt)  # after training started, an unmatched load is the script's business
+
+    events = _events(rec, ledger)
+    resumed = [e.step for e in events if e.kind is EventKind.RESUMED]
+    steps = [e.step for e in events if e.kind is EventKind.STEP]
+    spans = [(e.phase, e.step) for e in events if e.kind is EventKind.PHASE_END]
+    commits = [(e.step, Path(e.data["path"]).name) for e in events if e.kind is EventKind.CHECKPOINT_COMMIT]
+    assert resumed == [5]
+    assert steps == [6, 7]
+    assert spans == [
+        (Phase.RESTORE, 5),
+        (Phase.RESTORE, 5),
+        (Phase.GET_FIRST_BATCH_DATA, None),
+        (Phase.CHECKPOINT_BLOCKING, 7),
+        (Phase.CHECKPOINT_BLOCKING, 7),
+    ]
+    assert commits == [(5, "earlier.pt"), (7, "step-7.pt"), (7, "step-7.pt.tmp"), (7, "latest.pt")]
+    # The DataLoader got its own method back after the first batch.
+    base = torch.utils.data.dataloader._BaseDataLoaderIter
+    assert not hasattr(base.__next__, "__ettr_original__")
+
+
+def test_explicit_steps_take_precedence_and_a_broken_hook_never_breaks_the_call(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.step()
+    rec.step(100)  # the script calls ettr.step itself from here on
+    optimizer.step()
+
+    class Broken:
+        num_steps = 0
+
+        @property
+        def current_step(self) -> int:
+            raise RuntimeError("bug")
+
+    hooks.checkpoints.steps = Broken()
+    target = tmp_path / "still-saved.pt"
+    torch.save({"x": 1}, target)
+    assert torch.load(target) == {"x": 1}
+    with pytest.raises(FileNotFoundError):
+        torch.load(tmp_path / "missing.pt")  # the user's own errors still reach the user
+    events = _events(rec, ledger, {EventKind.STEP, EventKind.CHECKPOINT_COMMIT})
+    assert [(e.kind, e.step) for e in events] == [
+        (EventKind.CHECKPOINT_COMMIT, 5),
+        (EventKind.STEP, 1),
+        (EventKind.STEP, 100),
+    ]
+
+
+def test_process_group_init_is_timed(hooked: tuple[Any, Recorder, Any], tmp_path: Path) -> None:
+    hooks, rec, ledger = hooked
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    spans = [e for e in _events(rec, ledger, {EventKind.PHASE_END}) if e.phase is Phase.PROCESS_GROUP_INIT]
+    assert len(spans) == 1 and spans[0].value is not None and spans[0].ts >= spans[0].value
+
+
+def test_dcp_saves_and_loads_are_checkpoints(hooked: tuple[Any, Recorder, Any], tmp_path: Path) -> None:
+    hooks, rec, ledger = hooked
+    import torch.distributed.checkpoint as dcp
+
+    hooks.on_dcp(dcp)  # the bootstrap calls this when dcp is first imported
+    state = {"w": torch.ones(3)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp-0"), no_dist=True)
+    future = dcp.async_save(state, checkpoint_id=str(tmp_path / "dcp-1"), no_dist=True)
+    getattr(future, "upload_completion", future).result(timeout=60)
+    loaded = {"w": torch.zeros(3)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp-0"), no_dist=True)
+    assert torch.equal(loaded["w"], state["w"])
+    events = _events(rec, ledger, {EventKind.PHASE_END, EventKind.CHECKPOINT_COMMIT})
+    named = [(e.kind, e.phase, Path((e.data or {}).get("path", "")).name) for e in events]
+    assert (EventKind.PHASE_END, Phase.CHECKPOINT_BLOCKING, "dcp-0") in named
+    assert (EventKind.CHECKPOINT_COMMIT, None, "dcp-0") in named
+    assert (EventKind.PHASE_END, Phase.CHECKPOINT_BLOCKING, "dcp-1") in named
+    assert (EventKind.PHASE_END, Phase.CHECKPOINT_PERSIST, "dcp-1") in named
+    assert (EventKind.CHECKPOINT_COMMIT, None, "dcp-1") in named
+    assert (EventKind.PHASE_END, Phase.RESTORE, "dcp-0") in named  # before the first step: a restore
+    # DCP writes through torch.save internally: those nested calls are not checkpoints of their own.
+    assert sum(1 for k, p, _ in named if p is Phase.CHECKPOINT_BLOCKING) == 2
