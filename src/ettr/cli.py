@@ -186,6 +186,20 @@ def _demo(args: argparse.Namespace) -> int:
     return demo(args)
 
 
+# -- ettr compile-report ---------------------------------------------------------------------------------
+def _add_compile_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory of an ettr job")
+    p.add_argument("--json", action="store_true", help="print the ettr.compile-report/1 JSON")
+
+
+def _compile_report(args: argparse.Namespace) -> int:
+    from ettr.compile.report import load, render
+
+    summary = load(args.run_dir)
+    print(json.dumps(summary, indent=2) if args.json else render(summary))
+    return 0
+
+
 _COMMANDS: dict[
     str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 ] = {
@@ -193,6 +207,11 @@ _COMMANDS: dict[
     "report": ("report ETT% and the wall-time breakdown of run directories", _add_report, _report),
     "interval": ("the checkpoint interval that wastes the least time", _add_interval, _interval),
     "demo": ("baseline vs optimized reference job, with injected failures", _add_demo, _demo),
+    "compile-report": (
+        "compile time, recompile reasons and learned dynamic inputs of a run",
+        _add_compile_report,
+        _compile_report,
+    ),
 }
 
 

@@ -1,0 +1,219 @@
+"""What a compiled job leaves behind that makes the next start fast, and putting it back.
+
+Three artifacts, by name in a store entry:
+
+* `inductor_cache.tar.gz` — inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`): FX-graph and
+  AOTAutograd cache entries, the compiled C++/Triton kernels themselves, and the PGO profile
+  (`dynamo/code_state_*`, written when `torch.compiler.config.job_id` is set).
+* `precompiled_headers.tar.gz` — inductor's precompiled C++ header. It lives under
+  `$TMPDIR/torchinductor_$USER`, outside the cache directory, and inductor rebuilds it (seconds) before it
+  even looks for a cached kernel, so a warm start without it is still slow on CPU.
+* `megacache.bin` — `torch.compiler.save_cache_artifacts()`, PyTorch's portable archive. On CPU it does
+  not carry compiled kernels; it is loaded only when the cache directory archive is absent.
+
+Archives are unpacked defensively: regular files and folders only, no absolute or `..` paths, each file
+written to a temporary name and renamed, files already present with the same size left alone (several
+ranks may restore into one directory at once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tarfile
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+INDUCTOR_ARCHIVE = "inductor_cache.tar.gz"
+HEADERS_ARCHIVE = "precompiled_headers.tar.gz"
+MEGACACHE = "megacache.bin"
+ARTIFACT_NAMES = frozenset({INDUCTOR_ARCHIVE, HEADERS_ARCHIVE, MEGACACHE})
+
+_HEADERS_DIRNAME = "precompiled_headers"
+_COMPRESS_LEVEL = 1  # level 1 packs the 150 MB header to ~27 MB in ~1.5 s; higher levels gain little
+
+
+def inductor_cache_dir() -> Path:
+    """The cache directory inductor uses in this process (creates it, as inductor would)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def headers_dir() -> Path:
+    """Where inductor keeps precompiled headers (fixed when its codecache module was imported)."""
+    import sys
+
+    codecache = sys.modules.get("torch._inductor.codecache")
+    header_dir = getattr(codecache, "_HEADER_DIR", None)
+    if header_dir:
+        return Path(header_dir)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return Path(default_cache_dir()) / _HEADERS_DIRNAME
+
+
+def _skip(rel: PurePosixPath) -> bool:
+    # Lock files and half-written temporaries are per-process state, never artifacts.
+    return any(part == "locks" for part in rel.parts) or rel.suffix in (".lock", ".tmp") or ".tmp" in rel.name
+
+
+def _walk(root: Path, exclude: Path | None) -> list[tuple[PurePosixPath, os.stat_result]]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if exclude is not None:
+            dirnames[:] = [d for d in dirnames if here / d != exclude]
+        for filename in filenames:
+            path = here / filename
+            rel = PurePosixPath(path.relative_to(root).as_posix())
+            if _skip(rel):
+                continue
+            try:
+                st = path.stat()
+            except OSError:  # removed while we walk
+                continue
+            if not os.path.islink(path):
+                found.append((rel, st))
+    found.sort(key=lambda item: str(item[0]))
+    return found
+
+
+def fingerprint(root: Path, *, exclude: Path | None = None) -> str:
+    """Cheap digest of a directory's file names and sizes (no content read). Modification times are left
+    out: a cache hit may rewrite a file with the same content, which is no reason to save again."""
+    h = hashlib.sha256()
+    if root.is_dir():
+        for rel, st in _walk(root, exclude):
+            h.update(f"{rel}\0{st.st_size}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def pack_dir(root: Path, *, exclude: Path | None = None) -> bytes | None:
+    """A gzip'd tar of the regular files under `root` (None when there are none)."""
+    if not root.is_dir():
+        return None
+    members = _walk(root, exclude)
+    if not members:
+        return None
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=_COMPRESS_LEVEL) as tar:
+        for rel, _st in members:
+            try:
+                tar.add(root / rel, arcname=str(rel), recursive=False)
+            except OSError:  # vanished between walk and add: it was transient
+                continue
+    return buffer.getvalue()
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnpackResult:
+    """What unpacking an archive did."""
+
+    num_written: int
+    num_present: int
+    bytes_written: int
+
+
+def unpack_dir(data: bytes, dest: Path) -> UnpackResult:
+    """Unpack a `pack_dir` archive into `dest`. Raises `ValueError` on a member that is not a plain
+    relative file or folder (the archive is refused as a whole before anything is written)."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        members = tar.getmembers()
+        for m in members:
+            rel = PurePosixPath(m.name)
+            if rel.is_absolute() or ".." in rel.parts or not (m.isfile() or m.isdir()):
+                raise ValueError(f"archive member {m.name!r} is not a plain relative file")
+        written = present = num_bytes = 0
+        dest.mkdir(parents=True, exist_ok=True)
+        for m in members:
+            target = dest / m.name
+            if m.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            try:
+                if target.stat().st_size == m.size:
+                    present += 1
+                    continue
+            except FileNotFoundError:
+                pass
+            target.parent.mkdir(parents=True, exist_ok=True)
+            source = tar.extractfile(m)
+            assert source is not None  # a regular file always has content
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    while chunk := source.read(1 << 20):
+                        f.write(chunk)
+                os.chmod(tmp, (m.mode & 0o755) | 0o600)
+                os.utime(tmp, (m.mtime, m.mtime))
+                os.replace(tmp, target)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            written += 1
+            num_bytes += m.size
+    return UnpackResult(num_written=written, num_present=present, bytes_written=num_bytes)
+
+
+def collect(*, include_megacache: bool = True) -> dict[str, bytes]:
+    """This process's compile artifacts, by artifact name (call when no compilation is running)."""
+    files: dict[str, bytes] = {}
+    cache = inductor_cache_dir()
+    headers = headers_dir()
+    inductor = pack_dir(cache, exclude=headers)
+    if inductor is not None:
+        files[INDUCTOR_ARCHIVE] = inductor
+    header_archive = pack_dir(headers)
+    if header_archive is not None:
+        files[HEADERS_ARCHIVE] = header_archive
+    if include_megacache:
+        import torch
+
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None and saved[0]:
+            files[MEGACACHE] = saved[0]
+    return files
+
+
+def collect_fingerprint() -> str:
+    """Changes whenever `collect` would return something new (kernel or header files added)."""
+    headers = headers_dir()
+    return fingerprint(inductor_cache_dir(), exclude=headers) + fingerprint(headers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreResult:
+    """Which artifacts were put back and how much was written."""
+
+    restored: tuple[str, ...]
+    num_files: int
+    bytes_written: int
+
+
+def restore(files: Mapping[str, bytes]) -> RestoreResult:
+    """Put verified artifacts back before compiling: the cache directory and headers when present,
+    else the megacache archive. Raises `ValueError` for a malformed archive."""
+    restored: list[str] = []
+    num_files = num_bytes = 0
+    if INDUCTOR_ARCHIVE in files:
+        result = unpack_dir(files[INDUCTOR_ARCHIVE], inductor_cache_dir())
+        restored.append(INDUCTOR_ARCHIVE)
+        num_files, num_bytes = num_files + result.num_written, num_bytes + result.bytes_written
+    if HEADERS_ARCHIVE in files:
+        result = unpack_dir(files[HEADERS_ARCHIVE], headers_dir())
+        restored.append(HEADERS_ARCHIVE)
+        num_files, num_bytes = num_files + result.num_written, num_bytes + result.bytes_written
+    if INDUCTOR_ARCHIVE not in files and MEGACACHE in files:
+        import torch
+
+        torch.compiler.load_cache_artifacts(files[MEGACACHE])
+        restored.append(MEGACACHE)
+        num_bytes += len(files[MEGACACHE])
+    return RestoreResult(restored=tuple(restored), num_files=num_files, bytes_written=num_bytes)

@@ -1,0 +1,143 @@
+"""The one entry point the zero-code bootstrap calls at process start: `autoinstall(rec)`.
+
+It costs nothing in a process that never compiles: it only waits for `torch._dynamo` to be imported
+(which `torch.compile` does on first use and `import torch` does not) through a one-shot import hook,
+and then starts a `CompileSession` (hooks, restore before the first compile, save after it settles).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from ettr.compile.session import CompileConfig, CompileSession
+
+logger = logging.getLogger("ettr")
+
+_TRIGGER_MODULE = "torch._dynamo"
+
+_lock = threading.Lock()
+_session: CompileSession | None = None
+_finder: _AfterImport | None = None
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `callback` once, right after module `name` has finished importing, then leaves sys.meta_path."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name = name
+        self.callback = callback
+        self._busy = False
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name or self._busy:
+            return None
+        self._busy = True
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            for finder in sys.meta_path:  # another finder may own it (zipimport, editable installs)
+                if spec is not None:
+                    break
+                if finder is not self and hasattr(finder, "find_spec"):
+                    spec = finder.find_spec(fullname, path, target)
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        loader = spec.loader
+        original_exec = loader.exec_module
+        finder = self
+
+        def exec_module(module: ModuleType) -> None:
+            original_exec(module)
+            finder.remove()
+            try:
+                finder.callback()
+            except Exception as exc:  # never break the user's import
+                logger.warning("ettr: compile hooks not installed (%s: %s)", type(exc).__name__, exc)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+    def remove(self) -> None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+
+
+def _start_session(rec: Any, config: CompileConfig) -> None:
+    global _session
+    with _lock:
+        if _session is not None:
+            return
+        session = CompileSession(rec, config)
+        session.start()
+        _session = session
+
+
+def autoinstall(rec: Any = None, *, config: CompileConfig | None = None) -> bool:
+    """Arrange for this process's compilations to be recorded, restored and saved. Never raises.
+
+    Args:
+        rec: the Recorder (default: `ettr.get_recorder()`).
+        config: what to do (default: `CompileConfig.from_env()`; `ETTR_COMPILE=0` turns it off).
+
+    Returns True when the session is installed or armed (it starts when `torch._dynamo` is imported),
+    False when turned off or on error. Calling it again is a no-op.
+
+    In effect, once `torch._dynamo` is imported: Dynamo compile callbacks record each compilation as a
+    COMPILE span and each recompile (with its guard-failure reason) as a RECOMPILE event; at the start
+    of the first compilation `torch.compiler.config.job_id` is set (if unset) so PGO profiles are kept,
+    dynamic sources learned by earlier attempts (`<run_dir>/compile/dynamic.json`) and earlier jobs (the
+    store entry) are applied, and the store entry for this torch/Python/platform/device/inductor-config
+    and workload is restored; after compilations settle (`ETTR_COMPILE_SETTLE_S`, 10 s) and at exit, a
+    background thread saves the learned sources and the artifacts (rank 0 only).
+    """
+    global _finder
+    try:
+        if config is None:
+            config = CompileConfig.from_env()
+            if config is None:
+                return False
+        if rec is None:
+            from ettr.runtime import get_recorder
+
+            rec = get_recorder()
+        with _lock:
+            if _session is not None or _finder is not None:
+                return True
+            if _TRIGGER_MODULE not in sys.modules:
+                _finder = _AfterImport(_TRIGGER_MODULE, lambda: _start_session(rec, config))
+                sys.meta_path.insert(0, _finder)
+                return True
+        _start_session(rec, config)
+        return True
+    except Exception as exc:
+        logger.warning("ettr: compile support off (%s: %s)", type(exc).__name__, exc)
+        return False
+
+
+def current_session() -> CompileSession | None:
+    """The session `autoinstall` started in this process, if any (None before `torch._dynamo` loads)."""
+    return _session
+
+
+def _reset_for_tests() -> None:
+    """Forget the process's session and import hook (tests only; does not uninstall Dynamo callbacks)."""
+    global _session, _finder
+    with _lock:
+        if _finder is not None:
+            _finder.remove()
+        if _session is not None:
+            _session.hooks.uninstall()
+        _session = None
+        _finder = None

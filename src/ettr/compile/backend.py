@@ -1,0 +1,191 @@
+"""Where the compile store keeps its bytes: a local directory (default), any fsspec URL, or memory (tests).
+
+The store needs five operations on slash-separated relative paths; each backend implements them with
+the one guarantee the commit protocol relies on: `write` is atomic, so a reader sees the old object,
+the new object or nothing, never a torn one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Protocol
+
+
+class StoreBackend(Protocol):
+    """Blob storage under one root. Paths are relative, `/`-separated, without `..`."""
+
+    def read(self, path: str) -> bytes:
+        """The object's bytes. Raises `FileNotFoundError` when it does not exist."""
+        ...
+
+    def write(self, path: str, data: bytes) -> None:
+        """Create or replace the object atomically (durable on return where the medium allows)."""
+        ...
+
+    def list(self, prefix: str) -> list[str]:
+        """Names (not paths) of the objects and folders directly under `prefix` ("" for the root)."""
+        ...
+
+    def delete(self, path: str) -> None:
+        """Remove the object; a missing one is not an error."""
+        ...
+
+    def describe(self) -> str:
+        """Where this is, for messages."""
+        ...
+
+
+def _check(path: str) -> str:
+    parts = path.split("/")
+    if path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"bad store path {path!r} (relative, '/'-separated, no '..')")
+    return path
+
+
+class LocalBackend:
+    """A directory on a local or mounted file system: write to a temporary file, fsync, rename."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser()
+
+    def read(self, path: str) -> bytes:
+        return (self.root / _check(path)).read_bytes()
+
+    def write(self, path: str, data: bytes) -> None:
+        target = self.root / _check(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        try:  # make the rename itself durable
+            dir_fd = os.open(target.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            pass
+
+    def list(self, prefix: str) -> list[str]:
+        folder = self.root / _check(prefix) if prefix else self.root
+        try:
+            return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def delete(self, path: str) -> None:
+        try:
+            (self.root / _check(path)).unlink()
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            try:
+                (self.root / path).rmdir()
+            except OSError:
+                pass
+
+    def describe(self) -> str:
+        return str(self.root)
+
+
+class FsspecBackend:
+    """Any fsspec URL (`s3://bucket/prefix`, `gs://...`, `memory://...`). Object stores replace an object
+    atomically on put, which is the commit this store needs; fsspec is imported on first use."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self._fs, self._root = fsspec.core.url_to_fs(self.url)
+
+    def _full(self, path: str) -> str:
+        return f"{self._root}/{_check(path)}" if path else self._root
+
+    def read(self, path: str) -> bytes:
+        try:
+            return self._fs.cat_file(self._full(path))
+        except FileNotFoundError:
+            raise
+        except OSError as exc:  # some backends wrap "not found"
+            if not self._fs.exists(self._full(path)):
+                raise FileNotFoundError(path) from exc
+            raise
+
+    def write(self, path: str, data: bytes) -> None:
+        full = self._full(path)
+        parent = full.rsplit("/", 1)[0]
+        try:
+            self._fs.makedirs(parent, exist_ok=True)
+        except Exception:  # object stores have no folders
+            pass
+        self._fs.pipe_file(full, data)
+
+    def list(self, prefix: str) -> list[str]:
+        try:
+            entries = self._fs.ls(self._full(prefix), detail=False)
+        except FileNotFoundError:
+            return []
+        names = sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
+        return [n for n in names if n and not n.startswith(".")]
+
+    def delete(self, path: str) -> None:
+        try:
+            self._fs.rm(self._full(path), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def describe(self) -> str:
+        return self.url
+
+
+class MemoryBackend:
+    """In-memory fake for tests (thread-safe); `objects` maps paths to bytes."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def read(self, path: str) -> bytes:
+        with self._lock:
+            try:
+                return self.objects[_check(path)]
+            except KeyError:
+                raise FileNotFoundError(path) from None
+
+    def write(self, path: str, data: bytes) -> None:
+        with self._lock:
+            self.objects[_check(path)] = bytes(data)
+
+    def list(self, prefix: str) -> list[str]:
+        head = f"{prefix}/" if prefix else ""
+        with self._lock:
+            names = {p[len(head) :].split("/", 1)[0] for p in self.objects if p.startswith(head)}
+        return sorted(n for n in names if n and not n.startswith("."))
+
+    def delete(self, path: str) -> None:
+        with self._lock:
+            self.objects.pop(path, None)
+
+    def describe(self) -> str:
+        return "memory"
+
+
+def open_backend(location: str | os.PathLike[str]) -> StoreBackend:
+    """A backend for a path or URL: `file://` and plain paths are local, other URLs go through fsspec."""
+    text = os.fspath(location)
+    if "://" in text and not text.startswith("file://"):
+        return FsspecBackend(text)
+    return LocalBackend(text.removeprefix("file://"))

@@ -1,0 +1,186 @@
+"""Learning which inputs are dynamic from recompiles, and marking them dynamic up front next time.
+
+A job whose batches vary in shape compiles once per new shape until Dynamo's automatic dynamic shapes
+mark the varying dimension dynamic (one recompile). What was learned lives in the PGO profile of the
+process and in the guard-failure reasons; this module turns both into `TORCH_COMPILE_DYNAMIC_SOURCES`
+entries (`L['x']:0`), keeps them per job (`<run_dir>/compile/dynamic.json`) and per store entry, and
+applies them through `torch.compiler.config.dynamic_sources` before the next attempt compiles, so that
+attempt compiles dynamically at once and never recompiles for shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("ettr")
+
+SCHEMA = "ettr.compile-dynamic/1"
+FILENAME = "dynamic.json"
+
+_SIZE_MISMATCH = re.compile(r"tensor '(?P<name>[^']+)' size mismatch at index (?P<dim>\d+)")
+_IDENT = re.compile(r"(?P<head>[A-Za-z_]\w*)(?P<rest>.*)$")
+_ENTRY = re.compile(r"^(?P<source>.+?)(?::(?P<dim>\d+))?$")
+
+
+@dataclass(frozen=True, order=True)
+class DynamicSource:
+    """One `dynamic_sources` entry: a Dynamo source name, and the dimension (None: all of them)."""
+
+    source: str
+    dim: int | None = None
+
+    def render(self) -> str:
+        return self.source if self.dim is None else f"{self.source}:{self.dim}"
+
+    @classmethod
+    def parse(cls, text: str) -> DynamicSource:
+        """Inverse of `render` (`L['x']:0` -> source `L['x']`, dim 0)."""
+        match = _ENTRY.match(text.strip())
+        if match is None or not match["source"]:
+            raise ValueError(f"not a dynamic source entry: {text!r}")
+        dim = match["dim"]
+        return cls(match["source"], None if dim is None else int(dim))
+
+
+def _guard_name_to_source(name: str) -> str | None:
+    # Guard messages name a frame local without Dynamo's wrapper: "x", "args[0]", "self.w" -> L['x']...
+    if name.startswith(("L[", "G[")):
+        return name
+    match = _IDENT.match(name)
+    if match is None:
+        return None
+    return f"L['{match['head']}']{match['rest']}"
+
+
+def from_reason(reason: str) -> list[DynamicSource]:
+    """Sources a guard-failure reason says changed size (`tensor 'x' size mismatch at index 0`)."""
+    found = []
+    for match in _SIZE_MISMATCH.finditer(reason):
+        source = _guard_name_to_source(match["name"])
+        if source is not None:
+            found.append(DynamicSource(source, int(match["dim"])))
+    return found
+
+
+def from_pgo() -> list[DynamicSource]:
+    """Sources this process's PGO profile has marked automatically dynamic (empty if Dynamo's profile
+    is unavailable; it is internal to torch and may move)."""
+    try:
+        from torch._dynamo import pgo
+
+        state = pgo._CODE_STATE
+        if not state:
+            return []
+        found = []
+        for code_state in state.values():
+            for source, entry in code_state.automatic_dynamic.items():
+                size = entry.size
+                if isinstance(size, tuple):
+                    found.extend(
+                        DynamicSource(source, dim) for dim, s in enumerate(size) if s is pgo.auto_dynamic
+                    )
+                elif size is pgo.auto_dynamic or entry.scalar is pgo.auto_dynamic:
+                    found.append(DynamicSource(source))
+        return found
+    except Exception as exc:
+        logger.debug("ettr: cannot read the PGO profile: %s", exc)
+        return []
+
+
+def merge(*groups: Iterable[DynamicSource]) -> tuple[DynamicSource, ...]:
+    """Union of the groups, sorted; an all-dimensions entry makes per-dimension ones of its source moot."""
+    every = {s for group in groups for s in group}
+    whole = {s.source for s in every if s.dim is None}
+    return tuple(sorted(s for s in every if s.dim is None or s.source not in whole))
+
+
+def render(sources: Iterable[DynamicSource]) -> str:
+    """The `TORCH_COMPILE_DYNAMIC_SOURCES` value for `sources`."""
+    return ",".join(s.render() for s in sources)
+
+
+def parse_many(values: Iterable[str]) -> tuple[DynamicSource, ...]:
+    """Parse rendered entries, skipping malformed ones (they come from files others may edit)."""
+    parsed = []
+    for value in values:
+        try:
+            parsed.append(DynamicSource.parse(str(value)))
+        except ValueError:
+            logger.debug("ettr: skipping malformed dynamic source %r", value)
+    return merge(parsed)
+
+
+def apply(sources: Sequence[DynamicSource]) -> str:
+    """Add `sources` to `torch.compiler.config.dynamic_sources`, keeping whatever the user set (their
+    entries may be regexes, kept verbatim). Returns the new value. Takes effect for frames compiled
+    from now on."""
+    import torch
+
+    current = [e.strip() for e in torch.compiler.config.dynamic_sources.split(",") if e.strip()]
+    for source in sources:
+        if source.render() not in current:
+            current.append(source.render())
+    value = ",".join(current)
+    torch.compiler.config.dynamic_sources = value
+    return value
+
+
+def job_file(run_dir: str | os.PathLike[str]) -> Path:
+    """Where a job keeps what it learned (shared by all its attempts)."""
+    return Path(run_dir) / "compile" / FILENAME
+
+
+def load(path: str | os.PathLike[str]) -> tuple[tuple[DynamicSource, ...], list[dict[str, Any]]]:
+    """(sources, recompile reasons) kept at `path`; empty when missing or unreadable (never raises)."""
+    try:
+        payload = json.loads(Path(path).read_text())
+        if payload.get("schema") != SCHEMA:
+            return (), []
+        reasons = [r for r in payload.get("reasons", []) if isinstance(r, Mapping)]
+        return parse_many(payload.get("sources", [])), reasons
+    except (OSError, ValueError, AttributeError):
+        return (), []
+
+
+def save(
+    path: str | os.PathLike[str],
+    sources: Iterable[DynamicSource],
+    reasons: Iterable[Mapping[str, Any]] = (),
+    *,
+    max_reasons: int = 200,
+) -> tuple[DynamicSource, ...]:
+    """Merge `sources` and `reasons` into the file at `path` (atomically: temporary file, rename).
+    Returns the merged sources."""
+    target = Path(path)
+    old_sources, old_reasons = load(target)
+    merged = merge(old_sources, sources)
+    all_reasons = [*old_reasons, *(dict(r) for r in reasons)][-max_reasons:]
+    payload = {
+        "schema": SCHEMA,
+        "sources": [s.render() for s in merged],
+        "env": render(merged),
+        "reasons": all_reasons,
+        "updated_ts": time.time(),
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return merged

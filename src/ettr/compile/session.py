@@ -1,0 +1,386 @@
+"""A process's compile session: restore before the first compile, record compiles, save once they settle.
+
+`CompileSession` ties the pieces together for one process:
+
+1. before Dynamo traces the first frame, it applies the dynamic sources learned by earlier attempts of
+   this job (`<run_dir>/compile/dynamic.json`) and by earlier jobs (the store entry's metadata), sets
+   `torch.compiler.config.job_id` so that PGO profiles are written, and restores the store entry
+   (inductor cache directory, precompiled headers, else the megacache archive);
+2. it records every compilation as a COMPILE span and every recompile with its reason (`CompileHooks`);
+3. once no compilation has run for `settle_s`, a background thread learns the dynamic sources, writes
+   them to the run directory, and saves the artifacts to the store (again at exit if anything new was
+   compiled since). The training thread never waits for a save.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ettr.compile import artifacts, dynamic
+from ettr.compile.hooks import CompileHooks, CompileRecord
+from ettr.compile.key import StoreKey, current_key
+from ettr.compile.store import CompileStore, EntryRefused, StoreConfig
+from ettr.events import EventKind
+
+logger = logging.getLogger("ettr")
+
+DEFAULT_STORE = "~/.cache/ettr/compile"
+STORE_MARK = "compile_store"
+"""`Recorder.mark` name of store actions (data: action = restore | save, status, digest, sizes, time)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    """What the compile session does. `from_env` reads it from the environment `ettr run` passes on."""
+
+    store: str | None = DEFAULT_STORE
+    """Store directory or fsspec URL; None: no store (recording and dynamic sources only)."""
+    user_key: str = ""
+    """The workload, part of the store key; "" means the main script's absolute path."""
+    max_store_bytes: int = 8 * 1024**3
+    """Size bound of the whole store (least recently used entries are evicted)."""
+    secret: bytes | None = field(default=None, repr=False)
+    """HMAC key for store manifests (only signed entries load when set)."""
+    settle_s: float = 10.0
+    """Save once no compilation has run for this long."""
+    save_at_exit: bool = True
+    """Save at interpreter exit when something was compiled since the last save."""
+    save_rank: int | None = 0
+    """Only this global rank saves (ranks of an SPMD job compile the same); None: every rank saves."""
+    learn_dynamic: bool = True
+    """Learn dynamic sources from recompiles and apply learned ones before compiling."""
+    include_megacache: bool = True
+    """Also save `torch.compiler.save_cache_artifacts()` in the entry."""
+
+    def __post_init__(self) -> None:
+        if self.store is not None and not self.store:
+            raise ValueError("CompileConfig.store must be a path/URL or None")
+        if self.max_store_bytes <= 0:
+            raise ValueError(f"CompileConfig.max_store_bytes must be > 0, got {self.max_store_bytes}")
+        if not self.settle_s >= 0:
+            raise ValueError(f"CompileConfig.settle_s must be >= 0, got {self.settle_s}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> CompileConfig | None:
+        """Config from `ETTR_COMPILE` (`0` turns everything off: returns None), `ETTR_COMPILE_STORE`
+        (`off` for no store), `ETTR_COMPILE_KEY`, `ETTR_COMPILE_STORE_MAX_BYTES`,
+        `ETTR_COMPILE_STORE_SECRET`, `ETTR_COMPILE_SETTLE_S`. Malformed numbers fall back to defaults."""
+        env = os.environ if environ is None else environ
+        if env.get("ETTR_COMPILE", "1").strip().lower() in ("0", "off", "false", "no"):
+            return None
+        store: str | None = env.get("ETTR_COMPILE_STORE", DEFAULT_STORE).strip() or DEFAULT_STORE
+        if store.lower() in ("off", "none", "0"):
+            store = None
+        secret = env.get("ETTR_COMPILE_STORE_SECRET") or None
+
+        def number(name: str, default: float, kind: type) -> Any:
+            try:
+                value = kind(env[name])
+                return value if value >= 0 else default
+            except (KeyError, ValueError):
+                return default
+
+        return cls(
+            store=store,
+            user_key=env.get("ETTR_COMPILE_KEY", ""),
+            max_store_bytes=number("ETTR_COMPILE_STORE_MAX_BYTES", 8 * 1024**3, int) or 8 * 1024**3,
+            secret=secret.encode() if secret else None,
+            settle_s=number("ETTR_COMPILE_SETTLE_S", 10.0, float),
+        )
+
+
+def default_user_key() -> str:
+    """The main script's absolute path (`-c` and the REPL give the working directory)."""
+    main = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-") else os.getcwd()
+    return os.path.abspath(main)
+
+
+def pgo_job_id(user_key: str) -> str:
+    """The PGO job id ettr sets: the same for every job of a workload, so later jobs reuse profiles."""
+    return "ettr-" + hashlib.sha256(user_key.encode()).hexdigest()[:16]
+
+
+class CompileSession:
+    """Compile recording, restoring and saving for one process (see the module docstring).
+
+    Args:
+        rec: this process's Recorder (`run_dir`, `rank`, `attempt`, `span`, `record`, `add_step_listener`).
+        config: what to do.
+        store: the store to use (default: opened from `config.store`); tests pass a fake-backed one.
+        key: the store key (default: `current_key` of `config.user_key`, computed at first compile).
+    """
+
+    def __init__(
+        self,
+        rec: Any,
+        config: CompileConfig,
+        *,
+        store: CompileStore | None = None,
+        key: StoreKey | None = None,
+    ) -> None:
+        self.rec = rec
+        self.config = config
+        self.user_key = config.user_key or default_user_key()
+        self._store = store
+        self._key = key
+        self.hooks = CompileHooks(rec, before_first_compile=self.prepare, after_compile=self._after_compile)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._prepared = False
+        self._pending_marks: list[tuple[float, dict[str, Any]]] = []
+        self._saved_state: tuple[str, tuple[str, ...]] | None = None
+        self._dirty = False
+        self._started = False
+        self.store_meta: dict[str, Any] = {}
+        """Metadata of the restored store entry (learned sources, batch spec), empty if none."""
+        self.applied_sources: tuple[dynamic.DynamicSource, ...] = ()
+        self.last_restore: dict[str, Any] | None = None
+        self.last_save: dict[str, Any] | None = None
+        self.batch_spec: Mapping[str, Any] | None = None
+        """A fast-batch spec to keep with the entry (set by `fast_start`)."""
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Install the Dynamo hooks, the step listener and the exit save (imports `torch._dynamo`)."""
+        if self._started:
+            return
+        self._started = True
+        self.hooks.install()
+        try:
+            self.rec.add_step_listener(self._on_step)
+        except Exception as exc:  # a recorder without listeners: the background thread emits instead
+            logger.debug("ettr: no step listener: %s", exc)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Emit what is pending and, with `save_at_exit`, save what was compiled since the last save."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=60.0)
+        self._emit()
+        if self.config.save_at_exit and self._dirty:
+            self.save(reason="exit")
+        self._emit()
+        try:
+            self.rec.flush()
+        except Exception:
+            pass
+
+    @property
+    def store(self) -> CompileStore | None:
+        if self._store is None and self.config.store is not None:
+            self._store = CompileStore.open(
+                StoreConfig(
+                    location=os.path.expanduser(self.config.store),
+                    max_bytes=self.config.max_store_bytes,
+                    secret=self.config.secret,
+                )
+            )
+        return self._store
+
+    @property
+    def key(self) -> StoreKey:
+        if self._key is None:
+            self._key = current_key(user_key=self.user_key)
+        return self._key
+
+    @property
+    def _saves_here(self) -> bool:
+        rank = getattr(self.rec, "rank", 0)
+        return self.config.save_rank is None or rank == self.config.save_rank
+
+    # -- before the first compile ------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Set the PGO job id, apply learned dynamic sources and restore the store entry. Runs once, at the
+        start of the first compilation (or earlier when called directly); never raises."""
+        with self._lock:
+            if self._prepared:
+                return
+            self._prepared = True
+        try:
+            import torch
+
+            if torch.compiler.config.job_id is None:
+                torch.compiler.config.job_id = pgo_job_id(self.user_key)
+        except Exception as exc:
+            logger.debug("ettr: cannot set the PGO job id: %s", exc)
+        self._restore()
+        if self.config.learn_dynamic:
+            try:
+                sources = dynamic.merge(
+                    self._job_sources(), dynamic.parse_many(self.store_meta.get("dynamic_sources", []))
+                )
+                if sources:
+                    dynamic.apply(sources)
+                self.applied_sources = sources
+            except Exception as exc:
+                logger.warning("ettr: cannot apply learned dynamic sources (%s); compiling without them", exc)
+
+    def _job_sources(self) -> tuple[dynamic.DynamicSource, ...]:
+        run_dir = getattr(self.rec, "run_dir", None)
+        if run_dir is None:
+            return ()
+        return dynamic.load(dynamic.job_file(run_dir))[0]
+
+    def _restore(self) -> None:
+        store = self.store
+        if store is None:
+            return
+        begin = time.time()
+        info: dict[str, Any] = {"action": "restore", "location": store.backend.describe()}
+        try:
+            info["digest"] = self.key.digest
+            entry = store.load(self.key)
+            if entry is None:
+                info["status"] = "miss"
+            else:
+                result = artifacts.restore(entry.files)
+                self.store_meta = dict(entry.meta)
+                info.update(
+                    status="hit",
+                    restored=list(result.restored),
+                    num_files=result.num_files,
+                    entry_bytes=entry.size_bytes,
+                )
+                stored = dynamic.parse_many(self.store_meta.get("dynamic_sources", []))
+                self._saved_state = (artifacts.collect_fingerprint(), tuple(s.render() for s in stored))
+        except EntryRefused as exc:
+            info.update(status="refused", error=str(exc))
+            logger.warning("ettr: compile store entry refused: %s", exc)
+        except Exception as exc:
+            info.update(status="error", error=f"{type(exc).__name__}: {exc}")
+            logger.warning("ettr: compile store restore failed (%s); compiling from scratch", exc)
+        info["duration_s"] = time.time() - begin
+        self.last_restore = info
+        self._mark(begin, info)
+
+    # -- during the run ----------------------------------------------------------------------------------
+    def _after_compile(self, record: CompileRecord) -> None:
+        self._dirty = True
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._background, name="ettr-compile", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _on_step(self, step: int) -> None:
+        if self.hooks.num_pending or self._pending_marks:
+            self._emit()
+
+    def _background(self) -> None:
+        while not self._closed:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            if self._closed:
+                break
+            self._emit()
+            last = self.hooks.last_end_ts
+            if (
+                self._dirty
+                and last is not None
+                and not self.hooks.in_flight
+                and time.time() - last >= self.config.settle_s
+            ):
+                self.save(reason="settled")
+
+    def _emit(self) -> None:
+        self.hooks.emit_pending()
+        if not self._pending_marks or not self.hooks.quiet():
+            return
+        with self._lock:
+            marks, self._pending_marks = self._pending_marks, []
+        for ts, data in marks:
+            try:
+                self.rec.record(EventKind.MARK, ts=ts, data={"name": STORE_MARK, **data})
+            except Exception as exc:
+                logger.debug("ettr: cannot record a store mark: %s", exc)
+
+    def _mark(self, ts: float, data: dict[str, Any]) -> None:
+        with self._lock:
+            self._pending_marks.append((ts, data))
+        self._wake.set()
+
+    # -- saving ------------------------------------------------------------------------------------------
+    def learned_sources(self) -> tuple[dynamic.DynamicSource, ...]:
+        """Dynamic sources learned in this process (PGO profile and recompile reasons) plus applied ones."""
+        from_reasons = [s for reason in self.hooks.recompile_reasons for s in dynamic.from_reason(reason)]
+        return dynamic.merge(self.applied_sources, dynamic.from_pgo(), from_reasons)
+
+    def save(self, *, reason: str = "explicit") -> bool:
+        """Learn dynamic sources, write them to the run directory, and save the artifacts to the store if
+        anything changed since the last save or restore. Never raises; returns True when it saved."""
+        if self.hooks.in_flight:
+            return False
+        self._dirty = False
+        begin = time.time()
+        saved = False
+        try:
+            sources = self.learned_sources()
+            run_dir = getattr(self.rec, "run_dir", None)
+            reasons = [
+                {"ts": r.begin_ts, "reason": r.recompile_reason, "compile_id": r.compile_id}
+                for r in self.hooks.records
+                if r.recompile_reason
+            ]
+            if self._saves_here and run_dir is not None and (sources or reasons):
+                attempt = getattr(self.rec, "attempt", 0)
+                dynamic.save(dynamic.job_file(run_dir), sources, [{**r, "attempt": attempt} for r in reasons])
+            store = self.store
+            if store is None or not self._saves_here:
+                return False
+            state = (artifacts.collect_fingerprint(), tuple(s.render() for s in sources))
+            if state == self._saved_state:
+                return False
+            files = artifacts.collect(include_megacache=self.config.include_megacache)
+            meta = {
+                "dynamic_sources": [
+                    s.render()
+                    for s in dynamic.merge(
+                        sources, dynamic.parse_many(self.store_meta.get("dynamic_sources", []))
+                    )
+                ],
+                "job_id": getattr(self.rec, "job_id", ""),
+                "attempt": getattr(self.rec, "attempt", 0),
+                "num_compiles": len(self.hooks.records),
+                "num_recompiles": len(reasons),
+            }
+            spec = self.batch_spec if self.batch_spec is not None else self.store_meta.get("batch_spec")
+            if spec is not None:
+                meta["batch_spec"] = spec
+            size = store.save(self.key, files, meta=meta)
+            self._saved_state = state
+            saved = True
+            info = {
+                "action": "save",
+                "status": "saved",
+                "reason": reason,
+                "digest": self.key.digest,
+                "entry_bytes": size,
+                "artifacts": sorted(files),
+                "location": store.backend.describe(),
+                "duration_s": time.time() - begin,
+            }
+        except Exception as exc:
+            info = {
+                "action": "save",
+                "status": "error",
+                "reason": reason,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
+            logger.warning("ettr: saving compile artifacts failed (%s); the next start compiles again", exc)
+        self.last_save = info
+        self._mark(begin, info)
+        return saved
