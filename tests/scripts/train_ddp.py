@@ -51,8 +51,8 @@ def main() -> None:
         loss = model(x).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
+        time.sleep(args.step_s)  # stands in for a bigger model's compute
         optimizer.step()
-        time.sleep(args.step_s)
         done = step + 1
         if done % args.save_every == 0:
             if rank == 0:

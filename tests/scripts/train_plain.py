@@ -72,8 +72,8 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
+        time.sleep(args.step_s)  # stands in for a bigger model's forward and backward
         optimizer.step()
-        time.sleep(args.step_s)  # stands in for a bigger model's compute
         done = step + 1
         if done % args.save_every == 0:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done}
