@@ -124,20 +124,22 @@ class _State:
 
 
 def test_sync_checkpoints_commit_with_a_marker_and_keep_the_newest(tmp_path):
-    ckpt = TorchSaveCheckpointer(tmp_path, rank=0, world_size=1, keep=2)
-    assert ckpt.latest_step() is None
-    for step in (10, 20, 30):
-        assert ckpt.save(step, _State(step)) == str(tmp_path / f"step_{step:08d}")
+    state = _State(0)
+    ckpt = TorchSaveCheckpointer(tmp_path, state, every_steps=10, rank=0, world_size=1, keep=2)
+    assert ckpt.restore() is None
+    for step in range(1, 31):
+        state.tensor = torch.full((3,), float(step))
+        ckpt.after_step(step)  # saves at 10, 20, 30
     (tmp_path / "step_00000040").mkdir()  # a save that died before its marker
     (tmp_path / "step_00000040" / "rank_00000.pt").write_bytes(b"partial")
     assert ckpt.committed_steps() == [20, 30]
     assert ckpt.latest_step() == 30
     assert (tmp_path / "step_00000030" / COMMIT_MARKER).is_file()
     restored = _State(0)
-    ckpt.load(30, restored)
+    assert TorchSaveCheckpointer(tmp_path, restored, every_steps=10, rank=0, world_size=1).restore() == 30
     assert torch.equal(restored.tensor, torch.full((3,), 30.0))
     with pytest.raises(FileNotFoundError, match="different world size"):
-        TorchSaveCheckpointer(tmp_path, rank=1, world_size=2).load(30, restored)
+        TorchSaveCheckpointer(tmp_path, restored, every_steps=10, rank=1, world_size=2).load(30)
 
 
 def test_command_line_flags_are_frozen_for_the_demo():
@@ -168,7 +170,7 @@ def test_command_line_flags_are_frozen_for_the_demo():
     [
         (["--steps", "0"], "--steps must be at least 1"),
         (["--ckpt-mode", "bogus"], "invalid choice"),
-        (["--ckpt-mode", "ettr"], "not wired yet"),
+        (["--compile-cache", "x"], "not wired yet"),
         (["--publish", "inside"], "not wired yet"),
         (["--steps", "ten"], "invalid int value"),
     ],

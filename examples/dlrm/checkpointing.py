@@ -1,10 +1,12 @@
-"""Checkpointing of the reference job behind one small seam, so the ettr checkpoint manager can slot in.
+"""Checkpointing of the reference job behind one small seam: the plain baseline, or ettr's manager.
 
-`sync` is the baseline a plain trainer has: every rank `torch.save`s its whole local state (its shards of
-the TorchRec tables as `ShardedTensor`s, the replicated dense part, the optimizer state) while training
-waits. It still commits properly — rank files first, then a marker renamed into place by rank 0 after
-all ranks wrote — so a crash mid-save never destroys the previous checkpoint. `ettr` hands the same state
-to `ettr.checkpoint` (another engineer's module) once it exists.
+`sync` is what a plain trainer does: every rank `torch.save`s its whole local state (its shards of the
+TorchRec tables as `ShardedTensor`s, the replicated dense part, the optimizer state) while training waits.
+It still commits properly — rank files first, then a marker renamed into place by rank 0 once all ranks
+wrote — so a crash mid-save never destroys the previous checkpoint. `ettr` hands the same state to
+`ettr.checkpoint.CheckpointManager`: async DCP saves that block only for a copy, verified restores, and a
+save-then-exit-143 on SIGTERM. Each checkpointer records its own phases (RESTORE, CHECKPOINT_BLOCKING) and
+commits through the ettr recorder.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+import ettr
 
 COMMIT_MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -31,50 +35,62 @@ class Stateful(Protocol):
 
 
 class Checkpointer(Protocol):
-    """Saves and restores the training state by global step. All methods are collective (every rank calls)."""
+    """Saves and restores the job's state by global step. Every method is collective (all ranks call it)."""
 
-    def latest_step(self) -> int | None:
-        """The newest committed step, the same on every rank; None if there is none."""
-        ...
+    def restore(self) -> int | None:
+        """Load the newest committed checkpoint; returns its step (None: none, start from scratch).
 
-    def load(self, step: int, state: Stateful) -> None:
-        """Restore `state` from the checkpoint of `step` (raises if it is missing or unreadable)."""
-        ...
-
-    def save(self, step: int, state: Stateful) -> str | None:
-        """Checkpoint `state` as of after `step`; returns the committed path (on rank 0), else None.
-
-        Returns once the training loop may go on; for `sync` that is after the commit.
+        Records the RESTORE phase and RESUMED.
         """
         ...
 
+    def after_step(self, step: int) -> None:
+        """Call after every optimizer step: saves when the interval says so (CHECKPOINT_BLOCKING, commit)."""
+        ...
+
+    def save(self, step: int) -> None:
+        """Save now (unless `step` is already saved) and wait until it is committed: the final save."""
+        ...
+
     def close(self) -> None:
-        """Finish or abandon background work (none for `sync`)."""
+        """Finish background work and release resources. Idempotent."""
         ...
 
 
 class TorchSaveCheckpointer:
     """`torch.save` per rank into `ckpt_dir/step_NNNNNNNN/rank_RRRRR.pt`, committed by a marker file.
 
-    Restoring needs the same world size and sharding plan (the rank files hold that rank's shards). The
-    newest `keep` committed checkpoints are kept; older ones are removed by rank 0 after a commit.
+    Restoring needs the same world size and sharding plan (a rank file holds that rank's shards). The
+    newest `keep` committed checkpoints are kept; rank 0 removes older ones after a commit.
     """
 
     def __init__(
-        self, ckpt_dir: str | os.PathLike[str], *, rank: int, world_size: int, keep: int = 2
+        self,
+        ckpt_dir: str | os.PathLike[str],
+        state: Stateful,
+        *,
+        every_steps: int,
+        rank: int,
+        world_size: int,
+        keep: int = 2,
     ) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be at least 1, got {keep}")
+        if keep < 1 or every_steps < 0:
+            raise ValueError(
+                f"need keep >= 1 and every_steps >= 0, got keep={keep} every_steps={every_steps}"
+            )
         self.ckpt_dir = Path(ckpt_dir)
+        self.state = state
+        self.every_steps = every_steps
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
+        self._last_saved: int | None = None
 
     def step_dir(self, step: int) -> Path:
         return self.ckpt_dir / f"step_{step:08d}"
 
     def committed_steps(self) -> list[int]:
-        """Committed steps on disk, oldest first (local look, not collective)."""
+        """Committed steps on disk, oldest first (a local look, not collective)."""
         if not self.ckpt_dir.is_dir():
             return []
         steps = []
@@ -85,29 +101,54 @@ class TorchSaveCheckpointer:
         return sorted(steps)
 
     def latest_step(self) -> int | None:
+        """The newest committed step as rank 0 sees it, on every rank."""
         steps = self.committed_steps()
         found = [steps[-1] if steps else None]
-        # Rank 0 decides, so that ranks never resume from different steps (e.g. a slow file system view).
+        # Rank 0 decides, so that ranks never resume from different steps (a slow file system view).
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(found, src=0)
         return found[0]
 
-    def load(self, step: int, state: Stateful) -> None:
+    def restore(self) -> int | None:
+        with ettr.phase(ettr.Phase.RESTORE):
+            step = self.latest_step()
+            if step is not None:
+                self.load(step)
+        ettr.resumed_from(step)
+        self._last_saved = step
+        return step
+
+    def load(self, step: int) -> None:
+        """Load the checkpoint of `step` into the state (raises FileNotFoundError if this rank's is missing)."""
         path = self.step_dir(step) / f"rank_{self.rank:05d}.pt"
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} is missing: the checkpoint of step {step} was written by a different world size"
             )
-        # weights_only=False: the file holds ShardedTensors, and it is our own file from this job.
-        state.load_state_dict(torch.load(path, weights_only=False))
+        # weights_only=False: the file holds ShardedTensors, and it is this job's own file.
+        self.state.load_state_dict(torch.load(path, weights_only=False))
 
-    def save(self, step: int, state: Stateful) -> str | None:
+    def after_step(self, step: int) -> None:
+        if self.every_steps and step % self.every_steps == 0:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        if step == self._last_saved:
+            return
+        with ettr.phase(ettr.Phase.CHECKPOINT_BLOCKING, step=step):
+            path = self.write(step)
+        self._last_saved = step
+        if path is not None:
+            ettr.checkpoint_committed(step, path)
+
+    def write(self, step: int) -> str | None:
+        """Write and commit the checkpoint of `step`; returns its directory on rank 0, else None."""
         step_dir = self.step_dir(step)
         step_dir.mkdir(parents=True, exist_ok=True)
         path = step_dir / f"rank_{self.rank:05d}.pt"
         tmp = path.with_suffix(".pt.tmp")
         with open(tmp, "wb") as f:
-            torch.save(state.state_dict(), f)
+            torch.save(self.state.state_dict(), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -143,18 +184,119 @@ def _write_durably(path: Path, payload: bytes) -> None:
         os.close(dir_fd)
 
 
-def make_checkpointer(
-    mode: str, ckpt_dir: str | os.PathLike[str], *, rank: int, world_size: int
-) -> Checkpointer:
-    """The checkpointer of `--ckpt-mode`. Raises `ettr.errors.UsageError` for a mode this build lacks."""
-    from ettr.errors import UsageError
+class RankLocalState:
+    """A Stateful that shows TorchRec's state to DCP as plain tensors under this rank's own key.
 
+    DCP saves ShardedTensors natively, but the async stager of `ettr.checkpoint` (DCP's DefaultStager)
+    copies plain tensors and DTensors only. So every ShardedTensor is replaced by the list of this rank's
+    local shard tensors, and the whole dict goes under `rank_<r>` (plain tensors of the same name on every
+    rank would otherwise be deduplicated as replicas). Like `sync`, such a checkpoint restores only at the
+    same world size and sharding plan.
+    """
+
+    def __init__(self, inner: Stateful, *, rank: int) -> None:
+        self.inner = inner
+        self.key = f"rank_{rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: _localize(self.inner.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        target = self.inner.state_dict()
+        self.inner.load_state_dict(_copy_into(target, state_dict[self.key]))
+
+
+def _localize(value: Any) -> Any:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        return [shard.tensor for shard in value.local_shards()]
+    if isinstance(value, dict):
+        return {k: _localize(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_localize(v) for v in value]
+    return value
+
+
+def _copy_into(target: Any, loaded: Any) -> Any:
+    """`target` (a fresh state_dict) with the values of `loaded` (its localized form) copied into it."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(target, ShardedTensor):
+        shards = target.local_shards()
+        if len(shards) != len(loaded):
+            raise ValueError("the checkpoint was written with a different sharding plan")
+        for shard, tensor in zip(shards, loaded, strict=True):
+            shard.tensor.copy_(tensor)
+        return target
+    if isinstance(target, torch.Tensor):
+        return target.copy_(loaded) if target.shape == loaded.shape else loaded
+    if isinstance(target, dict):
+        return {k: _copy_into(v, loaded[k]) for k, v in target.items()}
+    if isinstance(target, list):
+        return [_copy_into(t, v) for t, v in zip(target, loaded, strict=True)]
+    return loaded
+
+
+class EttrCheckpointer:
+    """The `Checkpointer` seam over `ettr.checkpoint.CheckpointManager`.
+
+    The manager records RESTORE, CHECKPOINT_BLOCKING/WAIT/PERSIST and the commits itself, and on SIGTERM
+    saves at the next step boundary and exits with 143.
+    """
+
+    def __init__(
+        self,
+        ckpt_dir: str | os.PathLike[str],
+        state: Stateful,
+        *,
+        dense: torch.nn.Module,
+        every_steps: int,
+        rank: int,
+    ) -> None:
+        from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig
+        from ettr.checkpoint import TrainState as EttrTrainState
+
+        # DCP's get_state_dict knows neither DistributedModelParallel nor TorchRec's fused in-backward
+        # optimizer, so the TorchRec state goes in as an `extra` Stateful. The manager also wants a plain
+        # module as `model`: the dense part serves (saved twice that way; a few hundred KB).
+        ettr_state = EttrTrainState(model=dense, extra={"dlrm": RankLocalState(state, rank=rank)})
+        # every_steps=0 (no periodic saves) still needs an interval: one that never comes in this job.
+        interval = IntervalConfig(every_steps=every_steps or 2**62)
+        config = CheckpointConfig(root=ckpt_dir, interval=interval, keep_last=2, handle_preemption=True)
+        self._manager = CheckpointManager(config, ettr_state)
+
+    def restore(self) -> int | None:
+        return self._manager.restore()
+
+    def after_step(self, step: int) -> None:
+        self._manager.after_step(step)
+
+    def save(self, step: int) -> None:
+        self._manager.save(step, wait=True)
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def make_checkpointer(
+    mode: str,
+    ckpt_dir: str | os.PathLike[str],
+    state: Stateful,
+    *,
+    dense: torch.nn.Module,
+    every_steps: int,
+    rank: int,
+    world_size: int,
+) -> Checkpointer:
+    """The checkpointer of `--ckpt-mode` (`sync` or `ettr`). Collective for `ettr` (it makes groups).
+
+    `dense` is the replicated (not sharded) part of the model; only `ettr` needs it.
+    """
     if mode == "sync":
-        return TorchSaveCheckpointer(ckpt_dir, rank=rank, world_size=world_size)
-    if mode == "ettr":
-        # The seam for round two: an adapter from `ettr.checkpoint`'s manager to `Checkpointer` goes here.
-        raise UsageError(
-            "--ckpt-mode ettr is not wired yet (the ettr checkpoint manager is still being written); "
-            "use --ckpt-mode sync"
+        return TorchSaveCheckpointer(
+            ckpt_dir, state, every_steps=every_steps, rank=rank, world_size=world_size
         )
-    raise UsageError(f"--ckpt-mode must be sync or ettr, got {mode!r}")
+    if mode == "ettr":
+        return EttrCheckpointer(ckpt_dir, state, dense=dense, every_steps=every_steps, rank=rank)
+    raise ValueError(f"checkpoint mode must be sync or ettr, got {mode!r}")
