@@ -28,8 +28,8 @@ def _ettr_bootstrap() -> None:
 
 def _ettr_chain() -> None:
     """Execute the next `sitecustomize` on sys.path, the one this file hides."""
+    import importlib._bootstrap  # not importlib.util: its imports alone cost milliseconds per process
     import importlib.machinery
-    import importlib.util
     import os
     import sys
 
@@ -38,7 +38,7 @@ def _ettr_chain() -> None:
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is None or spec.loader is None:
         return
-    module = importlib.util.module_from_spec(spec)
+    module = importlib._bootstrap.module_from_spec(spec)
     spec.loader.exec_module(module)
 
 

@@ -1,0 +1,150 @@
+"""What the zero-code bootstrap costs a script, measured side by side in one run.
+
+1. Interpreter start-up (`python -c pass`, median of `--starts` runs each): plain; with the bootstrap on
+   PYTHONPATH but outside a run; as a child of an instrumented process (data loader / compile worker: the
+   marker says skip); and as an instrumented training process (recorder, heartbeat, lazy torch hooks).
+   Then `python -c "import torch"` plain and instrumented (`--torch-starts` each): most of what the bootstrap
+   imports, torch imports anyway.
+2. Per call, in this process, hooks installed vs not (median of `--runs` blocks of `--calls` calls):
+   `optimizer.step()` of a tiny model (the step hook) and `torch.save` to a BytesIO (a pass-through).
+
+`--json` ends with one object: startup_plain_s, startup_outside_run_s, startup_worker_s,
+startup_instrumented_s, import_torch_plain_s, import_torch_instrumented_s, import_torch_overhead_ratio,
+optimizer_step_plain_us, optimizer_step_hooked_us, step_hook_overhead_us,
+save_bytesio_plain_us, save_bytesio_hooked_us, save_hook_overhead_us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ettr.supervisor.launch import bootstrap_dir
+
+
+def _start_s(env: dict[str, str], code: str = "pass") -> float:
+    begin = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    return time.perf_counter() - begin
+
+
+def _per_call_us(fn, num_calls: int, num_runs: int) -> float:  # type: ignore[no-untyped-def]
+    blocks = []
+    for _ in range(num_runs):
+        begin = time.perf_counter()
+        for _ in range(num_calls):
+            fn()
+        blocks.append((time.perf_counter() - begin) / num_calls * 1e6)
+    return statistics.median(blocks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--starts", type=int, default=7)
+    parser.add_argument("--torch-starts", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        outside = {**base, "PYTHONPATH": str(bootstrap_dir())}
+        inside = {**outside, "ETTR_RUN_DIR": str(run_dir), "ETTR_ATTEMPT": "0", "ETTR_AUTO": "1"}
+        worker = {**inside, "ETTR_INSTRUMENTED_PID": "1"}
+        # Interleave the variants so that load on the shared machine hits them alike.
+        results: dict[str, list[float]] = {"plain": [], "outside": [], "worker": [], "instrumented": []}
+        for _ in range(args.starts):
+            for name, env in (
+                ("plain", base),
+                ("outside", outside),
+                ("worker", worker),
+                ("instrumented", inside),
+            ):
+                results[name].append(_start_s(env))
+        startup = {name: statistics.median(v) for name, v in results.items()}
+        torch_plain, torch_inside = [], []
+        for _ in range(args.torch_starts):
+            torch_plain.append(_start_s(base, "import torch"))
+            torch_inside.append(_start_s(inside, "import torch"))
+        startup["torch_plain"] = statistics.median(torch_plain)
+        startup["torch_instrumented"] = statistics.median(torch_inside)
+
+        import torch
+
+        from ettr.bootstrap.hooks import AutoHooks
+        from ettr.ledger import open_ledger
+        from ettr.recorder import Recorder
+
+        model = torch.nn.Linear(8, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        state = {"w": torch.zeros(4)}
+
+        def save() -> None:
+            torch.save(state, io.BytesIO())
+
+        rec = Recorder(open_ledger(Path(tmp) / "bench"), run_dir=Path(tmp) / "bench")
+        hooks = AutoHooks(rec)
+        timings: dict[str, list[float]] = {"step": [], "step_hooked": [], "save": [], "save_hooked": []}
+        try:
+            for _ in range(args.runs):  # plain and hooked blocks alternate, so load hits both alike
+                timings["step"].append(_per_call_us(optimizer.step, args.calls, 1))
+                timings["save"].append(_per_call_us(save, args.calls // 4, 1))
+                hooks.on_torch(torch)
+                timings["step_hooked"].append(_per_call_us(optimizer.step, args.calls, 1))
+                timings["save_hooked"].append(_per_call_us(save, args.calls // 4, 1))
+                hooks.uninstall()
+        finally:
+            hooks.uninstall()
+            rec.close()
+        step_plain, step_hooked, save_plain, save_hooked = (
+            statistics.median(timings[k]) for k in ("step", "step_hooked", "save", "save_hooked")
+        )
+
+    figures = {
+        "startup_plain_s": startup["plain"],
+        "startup_outside_run_s": startup["outside"],
+        "startup_worker_s": startup["worker"],
+        "startup_instrumented_s": startup["instrumented"],
+        "import_torch_plain_s": startup["torch_plain"],
+        "import_torch_instrumented_s": startup["torch_instrumented"],
+        "import_torch_overhead_ratio": startup["torch_instrumented"] / startup["torch_plain"],
+        "optimizer_step_plain_us": step_plain,
+        "optimizer_step_hooked_us": step_hooked,
+        "step_hook_overhead_us": step_hooked - step_plain,
+        "save_bytesio_plain_us": save_plain,
+        "save_bytesio_hooked_us": save_hooked,
+        "save_hook_overhead_us": save_hooked - save_plain,
+    }
+    print("interpreter start-up (median)")
+    print(f"  plain python                      {startup['plain'] * 1e3:8.1f} ms")
+    print(f"  bootstrap on path, outside a run  {startup['outside'] * 1e3:8.1f} ms")
+    print(f"  child of an instrumented process  {startup['worker'] * 1e3:8.1f} ms")
+    print(f"  instrumented training process     {startup['instrumented'] * 1e3:8.1f} ms")
+    print(f"  'import torch', plain             {startup['torch_plain'] * 1e3:8.1f} ms")
+    print(
+        f"  'import torch', instrumented      {startup['torch_instrumented'] * 1e3:8.1f} ms"
+        f"  (x{startup['torch_instrumented'] / startup['torch_plain']:.3f}, hooks installed at import)"
+    )
+    print("per call (median)                plain    hooked   overhead")
+    print(
+        f"  optimizer.step()            {step_plain:8.2f} us {step_hooked:8.2f} us {step_hooked - step_plain:8.2f} us"
+    )
+    print(
+        f"  torch.save(BytesIO)         {save_plain:8.2f} us {save_hooked:8.2f} us {save_hooked - save_plain:8.2f} us"
+    )
+    if args.json:
+        print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
