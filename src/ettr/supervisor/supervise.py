@@ -58,6 +58,16 @@ def _check_command(command: tuple[str, ...]) -> None:
         raise UsageError(f"ettr run: {program!r} is not a command found on PATH")
 
 
+def _terminal_delivered(sig: int) -> bool:
+    """Whether `sig` is a Ctrl-C the terminal already sent to our whole (foreground) process group."""
+    if sig != signal.SIGINT:
+        return False
+    try:
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
 class Supervisor:
     """Runs one job per `RunConfig` (see the module docstring). Use once: `Supervisor(config).run()`."""
 
@@ -172,10 +182,14 @@ class Supervisor:
             now = time.time()
             if self._signal is not None and forwarded is None and hung_after_s is None:
                 forwarded = self._signal
-                _say(
-                    f"got {signal.Signals(forwarded).name}: forwarding it to the job, SIGKILL in {cfg.grace_s:g} s"
-                )
-                proc.signal_tree(forwarded)
+                name = signal.Signals(forwarded).name
+                if _terminal_delivered(forwarded):
+                    # Ctrl-C: the terminal signalled our whole process group, the job included; a second
+                    # SIGINT would interrupt the job's own KeyboardInterrupt handling.
+                    _say(f"got {name} from the terminal: the job got it too; SIGKILL in {cfg.grace_s:g} s")
+                else:
+                    _say(f"got {name}: forwarding it to the job, SIGKILL in {cfg.grace_s:g} s")
+                    proc.signal_tree(forwarded)
                 kill_at = now + cfg.grace_s
             if self._num_signals >= 2:
                 kill_at = min(kill_at, now)  # asked twice: no more grace
