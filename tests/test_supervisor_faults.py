@@ -109,7 +109,7 @@ def test_sigkill_with_atomic_saves(tmp_path: Path) -> None:
 
 def test_hang_is_detected_killed_and_recovered(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    hang_timeout_s = 4.0
+    hang_timeout_s = 6.0
     done = run_ettr(
         "run", "--run-dir", str(run_dir), "--hang-timeout", str(hang_timeout_s), "--inject", "hang@step=7",
         "--", *plain(tmp_path / "ckpt"),
