@@ -253,3 +253,28 @@ def test_dcp_saves_and_loads_are_checkpoints(hooked: tuple[Any, Recorder, Any], 
     assert (EventKind.PHASE_END, Phase.RESTORE, "dcp-0") in named  # before the first step: a restore
     # DCP writes through torch.save internally: those nested calls are not checkpoints of their own.
     assert sum(1 for k, p, _ in named if p is Phase.CHECKPOINT_BLOCKING) == 2
+
+
+def test_calls_from_ettr_modules_are_left_to_them(hooked: tuple[Any, Recorder, Any], tmp_path: Path) -> None:
+    hooks, rec, ledger = hooked
+    import torch.distributed.checkpoint as dcp
+
+    hooks.on_dcp(dcp)
+    # Code of an ettr module (the checkpoint manager records its own saves, spans and commits).
+    namespace: dict[str, Any] = {"__name__": "ettr.checkpoint.fake_writer", "torch": torch, "dcp": dcp}
+    exec(
+        textwrap.dedent(
+            """
+            def write(state, root):
+                torch.save(state, root / "plain.pt")
+                dcp.save(state, checkpoint_id=str(root / "sync"), no_dist=True)
+                response = dcp.async_save(state, checkpoint_id=str(root / "async"), no_dist=True)
+                getattr(response, "upload_completion", response).result(timeout=60)
+            """
+        ),
+        namespace,
+    )
+    namespace["write"]({"w": torch.ones(2)}, tmp_path)
+    recorded = _events(rec, ledger, {EventKind.PHASE_END, EventKind.CHECKPOINT_COMMIT})
+    assert [(e.kind, e.step) for e in recorded] == [(EventKind.CHECKPOINT_COMMIT, 5)]  # only the fixture's
+    assert hooks.checkpoints._async_paths == set()

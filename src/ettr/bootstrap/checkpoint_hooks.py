@@ -94,6 +94,31 @@ class CheckpointHooks:
             self._earlier_commits = found
         return self._earlier_commits
 
+    def _quiet(self, call: Callable[[], Any]) -> Any:
+        """Run a call ettr's own code made (it records itself): nested calls are not recorded either."""
+        self._set_busy(True)
+        try:
+            return call()
+        finally:
+            self._set_busy(False)
+
+    def _quiet_async(self, path: str | None, call: Callable[[], Any]) -> Any:
+        """`_quiet` for an async save: its inner save, on DCP's own thread, is not recorded until it is done."""
+        if path is None:
+            return self._quiet(call)
+        self._async_paths.add(path)
+        try:
+            result = self._quiet(call)
+        except BaseException:
+            self._async_paths.discard(path)
+            raise
+        future = getattr(result, "upload_completion", result)
+        if hasattr(future, "add_done_callback"):
+            future.add_done_callback(lambda _: self._async_paths.discard(path))
+        else:
+            self._async_paths.discard(path)
+        return result
+
     def _saved(self, path: str, step: int, begin: float) -> None:
         self.rec.span(Phase.CHECKPOINT_BLOCKING, begin, step=step, path=path)
         self.rec.checkpoint_committed(step, path)
@@ -127,7 +152,11 @@ class CheckpointHooks:
 
         def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
             def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-                path = None if hooks._busy() or called_from_ettr() else _path_of(f)
+                if hooks._busy():
+                    return original(obj, f, *args, **kwargs)
+                if called_from_ettr():
+                    return hooks._quiet(lambda: original(obj, f, *args, **kwargs))
+                path = _path_of(f)
                 if path is None:
                     return original(obj, f, *args, **kwargs)
                 return hooks._timed_save(path, lambda: original(obj, f, *args, **kwargs))
@@ -136,7 +165,11 @@ class CheckpointHooks:
 
         def make_load(original: Callable[..., Any]) -> Callable[..., Any]:
             def load(f: Any, *args: Any, **kwargs: Any) -> Any:
-                path = None if hooks._busy() or called_from_ettr() else _path_of(f)
+                if hooks._busy():
+                    return original(f, *args, **kwargs)
+                if called_from_ettr():
+                    return hooks._quiet(lambda: original(f, *args, **kwargs))
+                path = _path_of(f)
                 if path is None:
                     return original(f, *args, **kwargs)
                 return hooks._timed_load(path, lambda: original(f, *args, **kwargs))
@@ -200,8 +233,12 @@ class CheckpointHooks:
 
         def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
             def save(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-                path = None if hooks._busy() or called_from_ettr() else _dcp_path(kwargs, "storage_writer")
-                if path is None or path in hooks._async_paths:
+                if hooks._busy():
+                    return original(state_dict, *args, **kwargs)
+                if called_from_ettr():
+                    return hooks._quiet(lambda: original(state_dict, *args, **kwargs))
+                path = _dcp_path(kwargs, "storage_writer")
+                if path is None or path in hooks._async_paths:  # an async save's own inner save
                     return original(state_dict, *args, **kwargs)
                 return hooks._timed_save(path, lambda: original(state_dict, *args, **kwargs))
 
@@ -209,7 +246,11 @@ class CheckpointHooks:
 
         def make_async_save(original: Callable[..., Any]) -> Callable[..., Any]:
             def async_save(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-                path = None if hooks._busy() or called_from_ettr() else _dcp_path(kwargs, "storage_writer")
+                if hooks._busy():
+                    return original(state_dict, *args, **kwargs)
+                path = _dcp_path(kwargs, "storage_writer")
+                if called_from_ettr():
+                    return hooks._quiet_async(path, lambda: original(state_dict, *args, **kwargs))
                 if path is None:
                     return original(state_dict, *args, **kwargs)
                 return hooks._timed_async_save(path, lambda: original(state_dict, *args, **kwargs))
@@ -218,7 +259,11 @@ class CheckpointHooks:
 
         def make_load(original: Callable[..., Any]) -> Callable[..., Any]:
             def load(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-                path = None if hooks._busy() or called_from_ettr() else _dcp_path(kwargs, "storage_reader")
+                if hooks._busy():
+                    return original(state_dict, *args, **kwargs)
+                if called_from_ettr():
+                    return hooks._quiet(lambda: original(state_dict, *args, **kwargs))
+                path = _dcp_path(kwargs, "storage_reader")
                 if path is None:
                     return original(state_dict, *args, **kwargs)
                 return hooks._timed_load(path, lambda: original(state_dict, *args, **kwargs))
