@@ -3,7 +3,7 @@
 One uninterrupted run to step 60 (checkpoints at 20, 40, 60), then the step-60 checkpoint is taken away
 and the job run again: it must resume at 40 and reproduce the uninterrupted run's losses for 41..60.
 Once with the plain `sync` checkpoints and the compiled dense tower, once with the ettr checkpoint
-manager (eager, to keep the pair of tests short).
+manager and the loader workers started before the resume step is known (eager, to keep it short).
 """
 
 from __future__ import annotations
@@ -62,13 +62,13 @@ def test_sync_checkpoints_two_ranks_compiled_train_record_and_resume_exactly(tmp
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ettr_checkpoints_two_ranks_resume_exactly(tmp_path):
-    first = run_job(tmp_path, "first.json", "--ckpt-mode", "ettr", "--no-compile")
+    first = run_job(tmp_path, "first.json", "--ckpt-mode", "ettr", "--no-compile", "--overlap-startup")
     losses = first["window_losses"]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.08
     steps = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_"))
     assert steps == ["step_000000040", "step_000000060"]  # the manager keeps the newest two
     shutil.rmtree(tmp_path / "ckpt" / "step_000000060")
-    second = run_job(tmp_path, "second.json", "--ckpt-mode", "ettr", "--no-compile")
+    second = run_job(tmp_path, "second.json", "--ckpt-mode", "ettr", "--no-compile", "--overlap-startup")
     assert second["resumed_step"] == 40 and second["last_step"] == 60
     assert second["window_losses"] == pytest.approx(losses[-2:], rel=1e-5, abs=1e-6)
     check_ledger(tmp_path, with_compile=False)
