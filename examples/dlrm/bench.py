@@ -123,9 +123,10 @@ def main() -> int:
     )
 
     print(
-        f"TorchRec reference job, {args.steps} steps, 2 ranks over gloo (medians; this machine, side by side)"
+        f"TorchRec reference job, {args.steps} steps, 2 ranks over gloo, {args.repeats} runs of each, "
+        "alternating (medians; this machine, side by side)"
     )
-    print(f"  import torch                 {figures['import_torch_s']:.2f} s")
+    print(f"  import torch                  {figures['import_torch_s']:.2f} s")
     print(f"  import torchrec (after torch) {figures['import_torchrec_after_torch_s']:.2f} s")
     for name in runs:
         parts = ", ".join(
