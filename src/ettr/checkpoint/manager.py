@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +141,7 @@ class CheckpointManager:
                 use_non_blocking_copy=cuda,
             )
         )
+        self._persist_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ettr-ckpt-persist")
         self.policy = IntervalPolicy(config.interval, now_s=clock(), **self._failure_history())
         self._preemption = PreemptionWatcher().install() if config.handle_preemption else None
         self._inflight: _Inflight | None = None
@@ -223,33 +224,45 @@ class CheckpointManager:
                     num_io_threads=self.config.num_io_threads,
                     fault_hook=self.config.fault_hook,
                 )
-                response = dcp.async_save(
-                    state_dict,
-                    storage_writer=writer,
-                    async_stager=self._stager,
-                    process_group=self._pg,
-                    async_checkpointer_type=(
-                        AsyncCheckpointerType.PROCESS
-                        if self.config.mode is PersistMode.PROCESS
-                        else AsyncCheckpointerType.THREAD
-                    ),
-                    no_dist=not self._distributed,
-                )
-                # The copy must be complete before the next optimizer step changes the tensors.
-                response.staging_completion.result()
+                upload = self._launch(state_dict, writer)
             except Exception as exc:
-                logger.warning(
-                    "ettr: checkpoint of step %d could not start (%s: %s)", step, type(exc).__name__, exc
-                )
-                self._rec.checkpoint_error(step, path, exc)
+                logger.warning("ettr: checkpoint of step %d could not start (%s)", step, describe_error(exc))
+                self._rec.checkpoint_error(step, path, describe_error(exc))
                 return False
         end_s = self._clock()
         self.policy.observe_save(cost_s=(end_s - begin_s) + wait_s, now_s=end_s)
         inflight = _Inflight(step=step, path=path, begin_ts=time.time())
         self._inflight = inflight
-        response.upload_completion.add_done_callback(lambda future: self._on_persisted(inflight, future))
+        upload.add_done_callback(lambda future: self._on_persisted(inflight, future))
         _checkpoint_in_progress()
         return True
+
+    def _launch(self, state_dict: dict[str, Any], writer: Any) -> Future[Any]:
+        """Stage `state_dict` into the reused buffers, wait for the copy, start the persist; returns its future.
+
+        The copy must be complete before the next optimizer step changes the tensors, so it is waited for
+        here (the blocking part). Thread mode is DCP's thread-mode async save, composed here so that the
+        persist's `dcp.save` is called by ettr (the bootstrap's hooks then leave it to us to record).
+        """
+        if self.config.mode is PersistMode.PROCESS:
+            response = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                async_stager=self._stager,
+                process_group=self._pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                no_dist=not self._distributed,
+            )
+            response.staging_completion.result()
+            return response.upload_completion
+        staged = self._stager.stage(state_dict)
+        if isinstance(staged, Future):
+            staged = staged.result()
+        return self._persist_executor.submit(self._persist, staged, writer)
+
+    def _persist(self, staged: dict[str, Any], writer: Any) -> Any:
+        """The background persist of thread mode: DCP writes the staged copy; the writer commits."""
+        return dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
 
     def _prepare_directory(self, step: int) -> None:
         """Clear a directory this step would be written into that an earlier run left behind."""
@@ -414,6 +427,7 @@ class CheckpointManager:
         self.wait()
         if self._preemption is not None:
             self._preemption.close()
+        self._persist_executor.shutdown(wait=True)
         self._stager.close()
         if self._owns_default_group:
             _shutdown_checkpoint_process()

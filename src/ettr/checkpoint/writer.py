@@ -111,7 +111,7 @@ class CommitFileSystemWriter(_CommitMixin, FileSystemWriter):
 
 
 try:  # fsspec is an optional dependency (the `io` extra)
-    from torch.distributed.checkpoint import FsspecWriter as _FsspecWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as _FsspecWriter
 except ImportError:  # pragma: no cover - depends on the environment
     _FsspecWriter = None
 
@@ -155,6 +155,6 @@ def make_reader(storage: CheckpointStorage, step: int) -> Any:
         from torch.distributed.checkpoint import FileSystemReader
 
         return FileSystemReader(path)
-    from torch.distributed.checkpoint import FsspecReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(path)

@@ -1,0 +1,146 @@
+"""The checkpoint manager on two real gloo ranks (spawned processes): DDP save and exact resume with
+per-rank RNG and data positions, both persist modes, and preemption agreed across ranks."""
+
+from __future__ import annotations
+
+import random
+import warnings
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from ettr.checkpoint import (
+    PREEMPTED_EXIT_STATUS,
+    CheckpointConfig,
+    CheckpointManager,
+    IntervalConfig,
+    ResumableSampler,
+    TrainState,
+    find_latest,
+    open_storage,
+)
+from ettr.recorder import Recorder
+from mp_util import run_ranks, start_ranks
+
+pytestmark = pytest.mark.slow
+
+NUM_SAMPLES = 64
+BATCH = 4
+
+
+def _build(rank: int, world_size: int, seed: int) -> tuple[TrainState, ResumableSampler, torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # the same initial parameters everywhere (DDP would broadcast them anyway)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    sampler = ResumableSampler(NUM_SAMPLES, seed=0, rank=rank, world_size=world_size)
+    # each rank has its own random streams (dropout masks and noise differ by rank)
+    torch.manual_seed(seed + rank)
+    np.random.seed(seed + rank)
+    random.seed(seed + rank)
+    data = torch.randn(NUM_SAMPLES, 8, generator=torch.Generator().manual_seed(7))
+    state = TrainState(model=ddp, optimizer=optimizer, lr_scheduler=scheduler, data=sampler)
+    return state, sampler, data
+
+
+def _step(state: TrainState, indices: list[int], data: torch.Tensor) -> None:
+    x = data[indices]
+    noise = float(np.random.randn()) * 1e-2 + random.random() * 1e-2
+    loss = (state.model(x) + noise - x.sum(dim=1, keepdim=True)).pow(2).mean()
+    state.optimizer.zero_grad()
+    loss.backward()
+    state.optimizer.step()
+    state.lr_scheduler.step()
+
+
+def _digest(state: TrainState) -> str:
+    crc = 0
+    for tensor in state.model.state_dict().values():
+        crc = zlib.crc32(tensor.numpy().tobytes(), crc)
+    for param_state in state.optimizer.state_dict()["state"].values():
+        crc = zlib.crc32(param_state["exp_avg_sq"].numpy().tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def _run(
+    state: TrainState, sampler: ResumableSampler, data: torch.Tensor, manager, first: int, last: int
+) -> None:
+    it = iter(sampler)
+    for step in range(first, last + 1):
+        _step(state, [next(it) for _ in range(BATCH)], data)
+        manager.after_step(step)
+
+
+def _manager(root: str, state: TrainState, mode: str, **kwargs) -> CheckpointManager:
+    config = CheckpointConfig(root=root, interval=IntervalConfig(every_steps=3), mode=mode, **kwargs)
+    return CheckpointManager(config, state, recorder=Recorder(None))
+
+
+def _first_run(rank: int, world_size: int, root: str) -> dict:
+    """Thread mode: train 5 steps, saving at step 3."""
+    state, sampler, data = _build(rank, world_size, seed=100)
+    with _manager(root, state, "thread") as manager:
+        _run(state, sampler, data, manager, 1, 3)
+        assert manager.wait()
+        _run(state, sampler, data, manager, 4, 5)  # no save: 6 would be the next
+    return {"final": _digest(state), "sampler": sampler.state_dict(), "draw": random.random()}
+
+
+def _second_run(rank: int, world_size: int, root: str) -> dict:
+    """Process mode: restore step 3 with the wrong random streams, continue to 5, then save step 6."""
+    state, sampler, data = _build(rank, world_size, seed=555)
+    with _manager(root, state, "process") as manager:
+        restored = manager.restore()
+        _run(state, sampler, data, manager, restored + 1, 5)
+        result = {"restored": restored, "final": _digest(state), "sampler": sampler.state_dict()}
+        result["draw"] = random.random()
+        _run(state, sampler, data, manager, 6, 6)
+        assert manager.wait()
+    result["at_6"] = _digest(state)
+    return result
+
+
+def _third_run(rank: int, world_size: int, root: str, expected_at_6: str) -> None:
+    """Thread mode: restore step 6 (saved by the process mode), then a preemption that only rank 0 sees."""
+    state, sampler, data = _build(rank, world_size, seed=1)
+    manager = _manager(root, state, "thread", handle_preemption=True)
+    assert manager.restore() == 6
+    assert _digest(state) == expected_at_6, "restored state differs on this rank"
+    it = iter(sampler)
+    for step in range(7, 20):
+        _step(state, [next(it) for _ in range(BATCH)], data)
+        if step == 7 and rank == 0:
+            manager._preemption.request()  # what SIGTERM does; rank 1 never got one
+        manager.after_step(step)  # every rank must leave at the same step boundary (exit 143)
+    raise AssertionError("not preempted")
+
+
+def test_two_ranks_through_both_persist_modes_and_a_preemption(tmp_path):
+    root = str(tmp_path / "ckpt")
+    first = run_ranks(_first_run, 2, root, timeout_s=180)
+    manifest = find_latest(open_storage(root)).latest
+    assert manifest is not None and manifest.step == 3 and manifest.world_size == 2
+    assert any(name.startswith("__1_") for name in manifest.files)  # rank 1 wrote its own shard
+
+    second = run_ranks(_second_run, 2, root, timeout_s=180)
+    for rank in range(2):
+        assert second[rank]["restored"] == 3
+        assert second[rank]["final"] == first[rank]["final"]  # bit-identical to the uninterrupted run
+        assert second[rank]["sampler"] == first[rank]["sampler"]  # each rank's own data position
+        assert second[rank]["draw"] == first[rank]["draw"]  # each rank's own Python RNG stream
+    assert first[0]["draw"] != first[1]["draw"]
+    assert find_latest(open_storage(root)).latest.step == 6
+
+    # rank-specific expectations: DDP keeps parameters equal, optimizer state too, so one digest fits both
+    assert second[0]["at_6"] == second[1]["at_6"]
+    third = start_ranks(_third_run, 2, root, second[0]["at_6"], timeout_s=180)
+    third.wait(expect_exit=PREEMPTED_EXIT_STATUS)
+    manifest = find_latest(open_storage(root)).latest
+    assert manifest is not None and manifest.step == 7 and manifest.world_size == 2

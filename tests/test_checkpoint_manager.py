@@ -1,0 +1,532 @@
+"""CheckpointManager in one process: what it records, when it commits, and how it fails safely."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from ettr.checkpoint import (
+    PREEMPTED_EXIT_STATUS,
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointManager,
+    IntervalConfig,
+    TrainState,
+    find_latest,
+    list_checkpoints,
+    step_dir_name,
+    verify,
+)
+from ettr.checkpoint.base import MANIFEST_NAME
+from ettr.checkpoint.storage import open_storage
+from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome, Phase
+from ettr.ledger import MemoryLedger, open_ledger
+from ettr.recorder import Recorder
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class ProbeRecorder(Recorder):
+    """A real Recorder over a MemoryLedger that also checks what the manager tells it, when it tells it."""
+
+    def __init__(self, root: str | os.PathLike[str], **kwargs) -> None:
+        super().__init__(MemoryLedger(), **kwargs)
+        self.storage = open_storage(root)
+        self.commit_checks: list[tuple[int, bool]] = []
+        self.wait_started = threading.Event()
+
+    def checkpoint_committed(self, step, path):
+        try:  # the manifest must already be durable and valid when the commit is announced
+            verify(self.storage, step_dir_name(step))
+            self.commit_checks.append((step, True))
+        except Exception:
+            self.commit_checks.append((step, False))
+        super().checkpoint_committed(step, path)
+
+    def phase(self, phase, *, step=None, **data):
+        if phase == Phase.CHECKPOINT_WAIT:
+            self.wait_started.set()
+        return super().phase(phase, step=step, **data)
+
+    def events(self) -> list[Event]:
+        self.flush()
+        return self._ledger.read()
+
+
+def _model_state() -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return TrainState(model=model, optimizer=optimizer)
+
+
+def _train(state: TrainState, num_steps: int = 1) -> None:
+    for _ in range(num_steps):
+        loss = state.model(torch.randn(8, 32)).pow(2).mean()
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+
+
+def _config(root, **kwargs) -> CheckpointConfig:
+    kwargs.setdefault("interval", IntervalConfig(every_steps=1))
+    return CheckpointConfig(root=root, **kwargs)
+
+
+def _params(state: TrainState) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in state.model.parameters()]
+
+
+class Gate:
+    """A fault hook that holds the persist at `point` until released (thread mode: runs in-process)."""
+
+    def __init__(self, point: str) -> None:
+        self.point = point
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, point: str) -> None:
+        if point == self.point and not self.release.is_set():
+            self.reached.set()
+            assert self.release.wait(60), "the test never released the gate"
+
+
+def test_save_records_blocking_persist_and_a_truthful_commit(tmp_path):
+    rec = ProbeRecorder(tmp_path)
+    state = _model_state()
+    with CheckpointManager(_config(tmp_path), state, recorder=rec) as manager:
+        _train(state)
+        assert manager.save(1)
+        assert manager.wait()
+        assert manager.last_committed_step == 1
+    assert rec.commit_checks == [(1, True)]
+    events = [(e.kind, e.phase, e.step) for e in rec.events()]
+    blocking_end = events.index((EventKind.PHASE_END, Phase.CHECKPOINT_BLOCKING, 1))
+    persist = events.index((EventKind.PHASE_END, Phase.CHECKPOINT_PERSIST, 1))
+    commit = events.index((EventKind.CHECKPOINT_COMMIT, None, 1))
+    assert (
+        events.index((EventKind.PHASE_BEGIN, Phase.CHECKPOINT_BLOCKING, 1)) < blocking_end < persist < commit
+    )
+    persist_event = rec.events()[persist]
+    blocking_event = rec.events()[blocking_end]
+    assert persist_event.value >= blocking_event.ts  # the persist span starts where the blocking part ended
+
+
+def test_a_save_waits_for_the_previous_one_and_records_the_wait(tmp_path):
+    gate = Gate("data_written")
+    rec = ProbeRecorder(tmp_path)
+    state = _model_state()
+    with CheckpointManager(_config(tmp_path, fault_hook=gate), state, recorder=rec) as manager:
+        manager.save(1)
+        assert gate.reached.wait(30)
+        releaser = threading.Thread(target=lambda: (rec.wait_started.wait(30), gate.release.set()))
+        releaser.start()
+        _train(state)
+        assert manager.save(2, wait=True)  # blocks in CHECKPOINT_WAIT until step 1's persist finishes
+        releaser.join()
+    kinds = [(e.kind, e.phase, e.step) for e in rec.events()]
+    wait_end = kinds.index((EventKind.PHASE_END, Phase.CHECKPOINT_WAIT, 2))
+    assert kinds.index((EventKind.CHECKPOINT_COMMIT, None, 1)) < wait_end
+    assert wait_end < kinds.index((EventKind.PHASE_BEGIN, Phase.CHECKPOINT_BLOCKING, 2))
+    assert rec.commit_checks == [(1, True), (2, True)]
+
+
+def test_the_staged_copy_is_what_gets_saved(tmp_path):
+    """Parameters changed while the persist is still running do not leak into the checkpoint."""
+    gate = Gate("data_written")
+    state = _model_state()
+    with CheckpointManager(
+        _config(tmp_path, fault_hook=Gate("metadata_written")), state, recorder=Recorder(None)
+    ):
+        pass
+    with CheckpointManager(_config(tmp_path, fault_hook=gate), state, recorder=Recorder(None)) as manager:
+        _train(state)
+        saved = _params(state)
+        manager.save(1)
+        _train(state, 3)  # mutate while step 1 is being persisted
+        gate.release.set()
+        assert manager.wait()
+    fresh = _model_state()
+    with CheckpointManager(_config(tmp_path), fresh, recorder=Recorder(None)) as manager:
+        assert manager.restore() == 1
+    assert all(torch.equal(a, b) for a, b in zip(saved, _params(fresh), strict=True))
+
+
+class FailAt:
+    def __init__(self, point: str, error: Exception) -> None:
+        self.point, self.error, self.armed = point, error, True
+
+    def __call__(self, point: str) -> None:
+        if point == self.point and self.armed:
+            self.armed = False
+            raise self.error
+
+
+def test_a_failed_persist_is_recorded_and_training_continues(tmp_path, caplog):
+    rec = ProbeRecorder(tmp_path)
+    state = _model_state()
+    hook = FailAt("manifest_begin", OSError(errno.EIO, "injected I/O error"))
+    with CheckpointManager(_config(tmp_path), state, recorder=rec) as manager:
+        _train(state)
+        assert manager.save(1, wait=True)
+        manager.config.__dict__["fault_hook"] = hook  # frozen config: arm the fault for the next save only
+        _train(state)
+        with caplog.at_level(logging.WARNING, logger="ettr"):
+            assert manager.save(2)  # the save starts; its persist fails in the background
+            assert not manager.wait()
+        assert "checkpoint of step 2 failed" in caplog.text
+        assert manager.last_committed_step == 1
+        assert [c.step for c in list_checkpoints(manager.storage)] == [1]  # the failed one was cleared away
+        _train(state)
+        assert manager.save(3, wait=True)  # and the next save works
+    errors = [e for e in rec.events() if e.kind is EventKind.CHECKPOINT_ERROR]
+    assert [e.step for e in errors] == [2] and "injected I/O error" in errors[0].data["error"]
+    assert rec.commit_checks == [(1, True), (3, True)]
+
+
+def _register_full_memory_filesystem() -> tuple[str, dict[str, float]]:
+    """An fsspec memory filesystem that fails writes with ENOSPC beyond `disk["capacity"]` bytes in total."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
+
+    state = {"used": 0, "capacity": float("inf")}
+
+    class FullFile(MemoryFile):
+        def write(self, data):
+            if state["used"] + len(data) > state["capacity"]:
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            state["used"] += len(data)
+            return super().write(data)
+
+    class FullMemoryFileSystem(MemoryFileSystem):
+        protocol = "ettrfull"
+
+        def _open(self, path, mode="rb", **kwargs):
+            if mode == "wb":
+                file = FullFile(self, self._strip_protocol(path))
+                file.commit()  # visible at once, as MemoryFileSystem does it
+                return file
+            return super()._open(path, mode, **kwargs)
+
+    fsspec.register_implementation("ettrfull", FullMemoryFileSystem, clobber=True)
+    return f"ettrfull://full-{uuid.uuid4().hex}", state
+
+
+def test_a_full_disk_during_persist_keeps_the_previous_checkpoint(tmp_path):
+    state = _model_state()
+    root, disk = _register_full_memory_filesystem()
+    rec = ProbeRecorder(root)
+    with CheckpointManager(_config(root), state, recorder=rec) as manager:
+        _train(state)
+        assert manager.save(1, wait=True)
+        saved = _params(state)
+        disk["capacity"] = disk["used"] * 1.5  # the disk fills up: room for half a checkpoint more
+        _train(state)
+        assert manager.save(2)
+        assert not manager.wait()
+        _train(state)  # training goes on
+    assert [e.step for e in rec.events() if e.kind is EventKind.CHECKPOINT_ERROR] == [2]
+    assert (
+        "No space left" in next(e for e in rec.events() if e.kind is EventKind.CHECKPOINT_ERROR).data["error"]
+    )
+    assert find_latest(open_storage(root)).latest.step == 1
+    fresh = _model_state()
+    with CheckpointManager(_config(root), fresh, recorder=Recorder(None)) as manager:
+        assert manager.restore() == 1
+    assert all(torch.equal(a, b) for a, b in zip(saved, _params(fresh), strict=True))
+
+
+@contextlib.contextmanager
+def _tiny_tmpfs(path: Path, size: str):
+    path.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+        )
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_during_persist(tmp_path):
+    """ENOSPC from a real (tiny tmpfs) filesystem: error recorded, training on, previous checkpoint intact."""
+    with _tiny_tmpfs(tmp_path / "disk", "4m") as disk:
+        state = _model_state()
+        rec = ProbeRecorder(disk / "ckpt")
+        with CheckpointManager(_config(disk / "ckpt"), state, recorder=rec) as manager:
+            _train(state)
+            assert manager.save(1, wait=True)
+            saved = _params(state)
+            ballast = disk / "ballast"
+            with open(ballast, "wb") as stream:  # fill the disk
+                with contextlib.suppress(OSError):
+                    while True:
+                        stream.write(b"\0" * 65536)
+                        stream.flush()
+            _train(state)
+            assert manager.save(2)
+            assert not manager.wait()
+            _train(state)
+        errors = [e for e in rec.events() if e.kind is EventKind.CHECKPOINT_ERROR]
+        assert [e.step for e in errors] == [2] and "No space left" in errors[0].data["error"]
+        assert find_latest(open_storage(disk / "ckpt")).latest.step == 1
+        fresh = _model_state()
+        with CheckpointManager(_config(disk / "ckpt"), fresh, recorder=Recorder(None)) as manager:
+            assert manager.restore() == 1
+        assert all(torch.equal(a, b) for a, b in zip(saved, _params(fresh), strict=True))
+
+
+def test_save_and_restore_through_an_fsspec_url():
+    root = f"memory://ettr-{uuid.uuid4().hex}/job"
+    state = _model_state()
+    with CheckpointManager(_config(root), state, recorder=Recorder(None)) as manager:
+        _train(state)
+        assert manager.save(1, wait=True)
+    saved = _params(state)
+    fresh = _model_state()
+    with CheckpointManager(_config(root), fresh, recorder=Recorder(None)) as manager:
+        assert manager.restore() == 1
+    assert all(torch.equal(a, b) for a, b in zip(saved, _params(fresh), strict=True))
+
+
+def _flip_a_data_byte(root: Path, step: int) -> None:
+    shard = root / step_dir_name(step) / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
+def test_restore_skips_corrupt_and_incomplete_newer_checkpoints(tmp_path, caplog):
+    state = _model_state()
+    snapshots = {}
+    with CheckpointManager(_config(tmp_path, keep_last=5), state, recorder=Recorder(None)) as manager:
+        for step in (1, 2, 3):
+            _train(state)
+            manager.save(step, wait=True)
+            snapshots[step] = _params(state)
+    _flip_a_data_byte(tmp_path, 3)  # bit rot in the newest
+    (tmp_path / step_dir_name(4)).mkdir()  # a crash mid-persist of step 4
+    (tmp_path / step_dir_name(4) / "__0_0.distcp").write_bytes(b"partial")
+    rec = ProbeRecorder(tmp_path)
+    fresh = _model_state()
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        with CheckpointManager(_config(tmp_path), fresh, recorder=rec) as manager:
+            assert manager.restore() == 2
+    assert step_dir_name(3) in caplog.text and "CRC-32" in caplog.text
+    assert step_dir_name(4) in caplog.text and "no manifest" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[2], _params(fresh), strict=True))
+    # the incomplete one is gone, the corrupt one moved aside for inspection (its step can be saved again)
+    names = sorted(os.listdir(tmp_path))
+    assert step_dir_name(4) not in names and step_dir_name(3) not in names
+    assert any(n.startswith(step_dir_name(3) + ".bad-") for n in names)
+    resumed = [e.step for e in rec.events() if e.kind is EventKind.RESUMED]
+    assert resumed == [2]
+    assert [e.step for e in rec.events() if e.kind is EventKind.PHASE_END and e.phase is Phase.RESTORE] == [2]
+
+
+def test_restore_of_nothing_records_a_fresh_start(tmp_path):
+    rec = ProbeRecorder(tmp_path)
+    with CheckpointManager(_config(tmp_path), _model_state(), recorder=rec) as manager:
+        assert manager.restore() is None
+    assert [(e.kind, e.step) for e in rec.events()] == [(EventKind.RESUMED, None)]
+
+
+def test_restore_an_explicit_step(tmp_path):
+    state = _model_state()
+    with CheckpointManager(_config(tmp_path, keep_last=3), state, recorder=Recorder(None)) as manager:
+        for step in (1, 2, 3):
+            _train(state)
+            manager.save(step, wait=True)
+            if step == 2:
+                at_two = _params(state)
+    fresh = _model_state()
+    with CheckpointManager(_config(tmp_path), fresh, recorder=Recorder(None)) as manager:
+        assert manager.restore(step=2) == 2
+        assert all(torch.equal(a, b) for a, b in zip(at_two, _params(fresh), strict=True))
+        with pytest.raises(CheckpointError, match="step 7"):
+            manager.restore(step=7)
+
+
+def test_a_step_already_saved_is_not_saved_again(tmp_path):
+    rec = ProbeRecorder(tmp_path)
+    state = _model_state()
+    with CheckpointManager(_config(tmp_path), state, recorder=rec) as manager:
+        _train(state)
+        manager.save(1)
+        manager.save(1, wait=True)  # e.g. the final save right after a periodic one
+    with CheckpointManager(_config(tmp_path), _model_state(), recorder=rec) as manager:
+        assert manager.restore() == 1
+        assert manager.save(1, wait=True)  # a save right after restoring that step
+    assert [e.step for e in rec.events() if e.kind is EventKind.CHECKPOINT_COMMIT] == [1]
+
+
+def test_retention_through_the_manager(tmp_path):
+    state = _model_state()
+    with CheckpointManager(_config(tmp_path, keep_last=2), state, recorder=Recorder(None)) as manager:
+        for step in range(1, 6):
+            _train(state)
+            manager.after_step(step)
+        manager.wait()
+    assert sorted(os.listdir(tmp_path)) == [step_dir_name(4), step_dir_name(5)]
+
+
+def test_a_directory_left_by_an_earlier_run_is_replaced(tmp_path, caplog):
+    stale = tmp_path / step_dir_name(1)
+    stale.mkdir(parents=True)
+    (stale / "__0_0.distcp").write_bytes(b"old junk")
+    (stale / MANIFEST_NAME).write_text("{}")
+    state = _model_state()
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        with CheckpointManager(_config(tmp_path), state, recorder=Recorder(None)) as manager:
+            _train(state)
+            assert manager.save(1, wait=True)
+    assert "replacing checkpoint directory step_000000001" in caplog.text
+    assert verify(open_storage(tmp_path), step_dir_name(1)).step == 1
+
+
+def test_preemption_saves_at_the_step_boundary_and_exits_143(tmp_path):
+    rec = ProbeRecorder(tmp_path)
+    state = _model_state()
+    config = _config(tmp_path, interval=IntervalConfig(every_steps=100), handle_preemption=True)
+    manager = CheckpointManager(config, state, recorder=rec)
+    try:
+        for step in range(1, 4):
+            _train(state)
+            assert not manager.after_step(step)
+        manager._preemption.request()  # what the SIGTERM handler does
+        _train(state)
+        with pytest.raises(SystemExit) as exited:
+            manager.after_step(4)
+        assert exited.value.code == PREEMPTED_EXIT_STATUS
+    finally:
+        manager.close()
+    assert find_latest(open_storage(tmp_path)).latest.step == 4
+    marks = [e.data for e in rec.events() if e.kind is EventKind.MARK]
+    assert marks == [{"name": "preempted", "step": 4, "saved": True}]
+    assert rec.commit_checks == [(4, True)]
+
+
+def test_sigterm_sets_the_preemption_flag_and_close_restores_the_handler(tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    config = _config(tmp_path, handle_preemption=True)
+    manager = CheckpointManager(config, _model_state(), recorder=Recorder(None))
+    try:
+        assert not manager._preemption.requested
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs on this (the main) thread before kill returns
+        assert manager._preemption.requested
+    finally:
+        manager.close()
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_auto_interval_reads_the_job_failures_from_the_ledger(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ledger = open_ledger(run_dir)
+    now = time.time()
+    ledger.append(
+        [Event(EventKind.SUPERVISOR_START, ts=now - 3600, rank=SUPERVISOR_RANK)]
+        + [
+            Event(
+                EventKind.ATTEMPT_END,
+                ts=now - 600 * i,
+                rank=SUPERVISOR_RANK,
+                data={"outcome": str(Outcome.FAILED)},
+            )
+            for i in range(1, 5)
+        ]
+    )
+    ledger.close()
+    config = _config(
+        tmp_path / "ckpt", interval=IntervalConfig(auto=True, failures_per_day=1.0, prior_days=1.0)
+    )
+    rec = Recorder(open_ledger(run_dir), run_dir=run_dir)
+    try:
+        with CheckpointManager(config, _model_state(), recorder=rec, clock=lambda: 100.0) as manager:
+            rate = manager.policy.failures_per_day(100.0)
+    finally:
+        rec.close()
+    # four failures over about an hour on top of a prior of one a day worth one day
+    assert 4.5 < rate < 5.0
+
+
+def test_auto_interval_without_a_ledger_uses_the_prior(tmp_path):
+    config = _config(tmp_path, interval=IntervalConfig(auto=True, failures_per_day=3.0))
+    with CheckpointManager(config, _model_state(), recorder=Recorder(None)) as manager:
+        assert manager.policy.failures_per_day(0.0) == 3.0
+
+
+def test_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointConfig(root=tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="mode"):
+        CheckpointConfig(root=tmp_path, mode="fork")
+    with pytest.raises(ValueError, match="root"):
+        CheckpointConfig(root="")
+
+
+def test_closed_manager_refuses_to_save(tmp_path):
+    manager = CheckpointManager(_config(tmp_path), _model_state(), recorder=Recorder(None))
+    manager.close()
+    manager.close()  # idempotent
+    with pytest.raises(CheckpointError):
+        manager.save(1)
+
+
+_PROCESS_MODE_SCRIPT = """
+import sys, warnings, torch
+warnings.filterwarnings("ignore")
+from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
+from ettr.recorder import Recorder
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    config = CheckpointConfig(root=sys.argv[1], interval=IntervalConfig(every_steps=1), mode="process")
+    with CheckpointManager(config, TrainState(model=model, optimizer=opt), recorder=Recorder(None)) as m:
+        assert m.save(1, wait=True)
+        model.weight.data.add_(1.0)
+        opt.step()
+        assert m.save(2, wait=True)
+    torch.save(model.state_dict(), sys.argv[2])
+    print("saved")
+"""
+
+
+@pytest.mark.slow
+def test_process_mode_persists_in_dcp_checkpoint_process(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(_PROCESS_MODE_SCRIPT)
+    done = subprocess.run(
+        [os.sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "final.pt")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    final = torch.load(tmp_path / "final.pt")
+    model = torch.nn.Linear(64, 64)
+    with CheckpointManager(_config(tmp_path / "ckpt"), TrainState(model=model), recorder=Recorder(None)) as m:
+        assert m.restore() == 2
+    assert torch.equal(model.weight, final["weight"])
