@@ -100,9 +100,10 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ettr.report.load import load_report
+    from ettr.report.load import load
 
-    reports = [load_report(d) for d in args.run_dirs]
+    loaded = [load(d) for d in args.run_dirs]
+    reports = [report for _events, report in loaded]
     from ettr.report.json import to_dict
     from ettr.report.text import render, render_comparison
 
@@ -116,6 +117,12 @@ def _report(args: argparse.Namespace) -> int:
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
     elif len(reports) == 1:
         print(render(reports[0]))
+        from ettr.audit import render as render_audit
+
+        audit = render_audit(loaded[0][0])
+        if audit:
+            print("\ninit communication audit (start-up collectives and process groups, per init stage)")
+            print(audit)
     else:
         print(render_comparison(reports))
     return 0
@@ -200,6 +207,33 @@ def _compile_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- ettr publish ----------------------------------------------------------------------------------------
+def _add_publish(p: argparse.ArgumentParser) -> None:
+    p.add_argument("queue_dir", metavar="QUEUE_DIR", help="the publish queue the training job enqueued into")
+    p.add_argument("--watch", action="store_true", help="keep publishing requests as they arrive (a worker)")
+    p.add_argument(
+        "--poll-interval", type=_positive_float, default=2.0, metavar="SECONDS", help="--watch: look this often"
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=_positive_float,
+        default=120.0,
+        metavar="SECONDS",
+        help="a claim not renewed for this long is retried by another publisher (120)",
+    )
+    p.add_argument(
+        "--max-attempts", type=_non_negative_int, default=3, metavar="N", help="tries per request (3)"
+    )
+    p.add_argument("--request", metavar="ID", help="publish only this request")
+    p.add_argument("--json", action="store_true", help="end with one JSON object of what was published")
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from ettr.publish.command import main as publish
+
+    return publish(args)
+
+
 _COMMANDS: dict[
     str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 ] = {
@@ -207,6 +241,7 @@ _COMMANDS: dict[
     "report": ("report ETT% and the wall-time breakdown of run directories", _add_report, _report),
     "interval": ("the checkpoint interval that wastes the least time", _add_interval, _interval),
     "demo": ("baseline vs optimized reference job, with injected failures", _add_demo, _demo),
+    "publish": ("build inference artifacts from anchor checkpoints (a publish queue)", _add_publish, _publish),
     "compile-report": (
         "compile time, recompile reasons and learned dynamic inputs of a run",
         _add_compile_report,

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 from ettr.accounting import EttReport, compute
-
 from ettr.errors import UsageError
 from ettr.events import Event, EventKind
 from ettr.ledger import LedgerError, ledger_path, open_ledger
@@ -69,7 +68,12 @@ def job_id_of(events: list[Event], run_dir: str | os.PathLike[str]) -> str:
     return Path(run_dir).absolute().name
 
 
+def load(run_dir: str | os.PathLike[str]) -> tuple[list[Event], EttReport]:
+    """The events of one run directory and its report, as `ettr report` shows it."""
+    events = read_events(run_dir)
+    return events, compute(events, report_time(events), job_id=job_id_of(events, run_dir))
+
+
 def load_report(run_dir: str | os.PathLike[str]) -> EttReport:
     """The report of one run directory, as `ettr report` shows it."""
-    events = read_events(run_dir)
-    return compute(events, report_time(events), job_id=job_id_of(events, run_dir))
+    return load(run_dir)[1]
