@@ -1,0 +1,428 @@
+"""Building the inference artifact of one publish request, and loading one.
+
+An artifact is a directory:
+
+    model.pt2            torch.export program: plain tensors in (config.json says which), outputs out
+    model.safetensors    the trained weights under the model's own names (optionally bfloat16)
+    config.json          the model's config, factory, inputs, dtype, and where it came from
+    publish-sample.safetensors   the sample batch and the trained model's outputs on it
+    artifact.json        written last: every file's size and SHA-256, and how the program verified
+
+`build_artifact` loads the anchor into the plain model on CPU (DCP reshards whatever the ranks wrote),
+checks it reproduces the trained model's outputs, exports it, runs the exported program — reloaded from
+disk — on the sample and compares again, writes everything into a temporary directory and renames that
+into place. The rename is the commit: an artifact appears whole or not at all, and a second build of the
+same request finds it there (or loses the rename race) and yields the same single artifact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ettr.publish.request import PublishError, PublishRequest
+from ettr.publish.sample import (
+    SAMPLE_FILE,
+    Comparison,
+    batch_size,
+    compare,
+    decode_sample,
+    flatten_outputs,
+    slice_batch,
+    tolerances,
+)
+
+logger = logging.getLogger("ettr")
+
+ARTIFACT_FORMAT = "ettr.publish-artifact/1"
+PROGRAM_FILE = "model.pt2"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "artifact.json"
+
+Stage = Callable[[str], AbstractContextManager[Any]]
+"""Called around each stage of a build (`load`, `export`, `verify`, `write`, `commit`): records it."""
+
+
+@contextlib.contextmanager
+def _no_stage(name: str) -> Iterator[None]:
+    yield
+
+
+class LostClaim(Exception):
+    """Another publisher took the request over while this one built it; this build was discarded."""
+
+
+@dataclass(frozen=True)
+class ArtifactResult:
+    """What a build produced."""
+
+    path: str
+    created: bool
+    """True if this build wrote the artifact; False if it was already there (an earlier or parallel build)."""
+    manifest: dict[str, Any]
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The manifest of a complete artifact directory, or None if there is none."""
+    try:
+        body = json.loads((Path(path) / MANIFEST_FILE).read_bytes())
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
+    return body if isinstance(body, dict) and body.get("format") == ARTIFACT_FORMAT else None
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # a directory some filesystems cannot fsync
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_anchor(
+    request: PublishRequest,
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """Build the plain model and load the anchor into it (resharded to this one process, on CPU).
+
+    Returns (model in eval mode, sample inputs, the trained model's outputs, anchor keys the model did not
+    use). Holds a lease on the anchor while reading it, so retention cannot delete it underneath.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ettr.checkpoint.base import CheckpointInvalid, describe_error, step_dir_name
+    from ettr.checkpoint.commit import lease, verify
+    from ettr.checkpoint.storage import open_storage
+    from ettr.checkpoint.writer import make_reader
+
+    storage = open_storage(request.anchor_root)
+    name = step_dir_name(request.step)
+    with lease(storage, name):
+        try:
+            verify(storage, name, checksums=True)
+        except (CheckpointInvalid, OSError) as exc:
+            raise PublishError(f"anchor {storage.path(name)} is not usable: {exc}") from None
+        model = request.model.build()
+        if not isinstance(model, torch.nn.Module):
+            raise PublishError(f"{request.model.factory} returned a {type(model).__name__}, not an nn.Module")
+        model = model.to("cpu").eval()
+        target = model.state_dict()
+        reader = make_reader(storage, request.step)
+        prefix = f"{request.state_key}."
+        saved = {
+            fqn[len(prefix) :] for fqn in reader.read_metadata().state_dict_metadata if fqn.startswith(prefix)
+        }
+        try:
+            dcp.load(
+                {request.state_key: target}, storage_reader=make_reader(storage, request.step), no_dist=True
+            )
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; say it in one line
+            raise PublishError(
+                f"cannot load anchor {storage.path(name)} into the model of {request.model.factory}: "
+                f"{describe_error(exc)[:500]}"
+            ) from None
+        model.load_state_dict(target)
+        inputs, expected = decode_sample(storage.read_bytes(f"{name}/{SAMPLE_FILE}"))
+    unused = sorted(saved - set(target))
+    return model, inputs, expected, unused
+
+
+def _weights_for_safetensors(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, value in state.items():
+        tensor = value.detach()
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensor = tensor.contiguous()
+        if tensor.data_ptr() in seen:  # safetensors refuses tensors that share memory
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        out[key] = tensor
+    return out
+
+
+def build_artifact(
+    request: PublishRequest,
+    *,
+    stage: Stage = _no_stage,
+    still_owner: Callable[[], bool] = lambda: True,
+) -> ArtifactResult:
+    """Publish `request`: the artifact directory at `request.artifact_dir`, built once.
+
+    If a complete artifact is already there, returns it (`created=False`) without building. Raises
+    PublishError when the anchor or model is unusable or the exported program does not reproduce the
+    trained model's outputs; LostClaim if `still_owner()` turns False before the commit (nothing is
+    written then).
+    """
+    from ettr.publish.export import PlainInputs, export_program, set_output_dtype, to_exportable
+
+    final = Path(request.artifact_dir)
+    existing = read_manifest(final)
+    if existing is not None:
+        return ArtifactResult(str(final), False, existing)
+    dtype = torch.bfloat16 if request.dtype == "bfloat16" else torch.float32
+    rtol, atol = tolerances(request.dtype, request.rtol, request.atol)
+    begin_ts = time.time()
+
+    with stage("load"):
+        model, inputs, expected, unused = load_anchor(request)
+        specs = request.inputs
+        args = [inputs[name] for spec in specs for name in spec.tensor_names]
+        with torch.no_grad():
+            outputs = flatten_outputs(model(*_model_args(inputs, specs)))
+        rtol32, atol32 = tolerances("float32")
+        loaded = compare(outputs, expected, rtol=rtol32, atol=atol32)
+        if not loaded.ok:
+            raise PublishError(
+                f"the model built by {request.model.factory} from the anchor does not reproduce the trained "
+                f"model's outputs ({loaded.detail}); does the factory build the model that was trained?"
+            )
+        weights = _weights_for_safetensors(model.state_dict(), dtype)
+
+    with stage("export"):
+        exportable = to_exportable(model)
+        if dtype != torch.float32:
+            exportable = exportable.to(dtype)
+            set_output_dtype(exportable, dtype)
+        for parameter in exportable.parameters():
+            parameter.requires_grad_(False)
+        wrapper = PlainInputs(exportable, specs, dtype).eval()
+        num_samples = batch_size(inputs, specs)
+        with torch.no_grad():
+            program, static_reason = export_program(
+                wrapper, args, specs, dynamic_batch=num_samples is not None and num_samples >= 2
+            )
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_builds(final)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        with stage("verify"):
+            torch.export.save(program, tmp / PROGRAM_FILE)
+            reloaded = torch.export.load(tmp / PROGRAM_FILE).module()
+            with torch.no_grad():
+                exported = compare(flatten_outputs(reloaded(*args)), expected, rtol=rtol, atol=atol)
+                sub_batch = _check_sub_batch(
+                    reloaded, wrapper, inputs, specs, num_samples, static_reason, rtol, atol
+                )
+            if not exported.ok:
+                raise PublishError(
+                    f"the exported program does not reproduce the trained model's outputs ({exported.detail}; "
+                    f"rtol {rtol}, atol {atol})"
+                )
+            if sub_batch is not None and not sub_batch.ok:
+                raise PublishError(f"the exported program is wrong on a smaller batch ({sub_batch.detail})")
+
+        with stage("write"):
+            _write_files(tmp, request, weights, inputs, expected, specs, static_reason)
+            verification = {
+                "loaded_model": loaded.to_json(),
+                "exported_program": exported.to_json(),
+                "sub_batch": sub_batch.to_json() if sub_batch is not None else None,
+                "num_samples": num_samples,
+            }
+            manifest = _write_manifest(tmp, request, verification, unused, time.time() - begin_ts)
+
+        with stage("commit"):
+            if not still_owner():
+                raise LostClaim(f"request {request.request_id} was taken over by another publisher")
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                existing = read_manifest(final)
+                if existing is None:
+                    raise
+                return ArtifactResult(str(final), False, existing)  # a parallel build committed first
+            _fsync_path(final.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return ArtifactResult(str(final), True, manifest)
+
+
+def _remove_dead_builds(final: Path) -> None:
+    """Delete temporary directories of builds of `final` whose process is gone (a publisher that died)."""
+    from ettr.publish.queue import pid_alive
+
+    for leftover in final.parent.glob(f".{final.name}.tmp-*"):
+        pid_text = leftover.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
+        if pid_text.isdigit() and not pid_alive(int(pid_text), None):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _model_args(inputs: dict[str, torch.Tensor], specs: Any) -> list[Any]:
+    from ettr.publish.sample import unflatten_inputs
+
+    return unflatten_inputs(inputs, specs)
+
+
+def _check_sub_batch(
+    program: Any,
+    wrapper: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    specs: Any,
+    num_samples: int | None,
+    static_reason: str | None,
+    rtol: float,
+    atol: float,
+) -> Comparison | None:
+    """The dynamic-batch program on half the sample vs the eager model on it (None if the batch is static)."""
+    if static_reason is not None or num_samples is None or num_samples < 2:
+        return None
+    half = slice_batch(inputs, specs, num_samples // 2)
+    args = [half[name] for spec in specs for name in spec.tensor_names]
+    return compare(flatten_outputs(program(*args)), flatten_outputs(wrapper(*args)), rtol=rtol, atol=atol)
+
+
+def _write_files(
+    tmp: Path,
+    request: PublishRequest,
+    weights: dict[str, torch.Tensor],
+    inputs: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    specs: Any,
+    static_reason: str | None,
+) -> None:
+    from safetensors.torch import save_file
+
+    from ettr.publish.sample import encode_sample
+
+    save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"dtype": request.dtype, "step": str(request.step)})
+    (tmp / SAMPLE_FILE).write_bytes(encode_sample(inputs, expected))
+    program_inputs = [
+        {
+            "name": name,
+            "dtype": str(inputs[name].dtype).removeprefix("torch."),
+            "shape": list(inputs[name].shape),
+        }
+        for spec in specs
+        for name in spec.tensor_names
+    ]
+    config = {
+        "format": ARTIFACT_FORMAT,
+        "model": request.model.to_json(),
+        "dtype": request.dtype,
+        "inputs": [spec.to_json() for spec in specs],
+        "program_inputs": program_inputs,
+        "outputs": sorted(expected, key=int),
+        "dynamic_batch": static_reason is None,
+        "static_reason": static_reason,
+        "source": {
+            "job_id": request.job_id,
+            "step": request.step,
+            "anchor_root": request.anchor_root,
+            "world_size": request.world_size,
+            "request_id": request.request_id,
+        },
+    }
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+
+
+def _write_manifest(
+    tmp: Path, request: PublishRequest, verification: dict[str, Any], unused: list[str], build_s: float
+) -> dict[str, Any]:
+    files = {}
+    for path in sorted(tmp.iterdir()):
+        _fsync_path(path)
+        files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {
+        "format": ARTIFACT_FORMAT,
+        "request_id": request.request_id,
+        "job_id": request.job_id,
+        "step": request.step,
+        "dtype": request.dtype,
+        "files": files,
+        "verification": verification,
+        "unused_anchor_keys": unused,
+        "build_s": build_s,
+        "created_ts": time.time(),
+    }
+    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    _fsync_path(tmp / MANIFEST_FILE)
+    _fsync_path(tmp)
+    return manifest
+
+
+@dataclass
+class PublishedModel:
+    """A loaded artifact: needs torch and safetensors only (no training code, no TorchRec)."""
+
+    path: Path
+    program: torch.export.ExportedProgram
+    weights: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    manifest: dict[str, Any]
+    sample_inputs: list[torch.Tensor]
+    """The sample batch, in the program's argument order."""
+    expected_outputs: dict[str, torch.Tensor]
+    """The trained model's outputs on the sample batch."""
+
+    def __call__(self, *tensors: torch.Tensor) -> Any:
+        """Run the program on plain tensors (in `config["program_inputs"]` order)."""
+        with torch.no_grad():
+            return self.program.module()(*tensors)
+
+    def check(self) -> Comparison:
+        """Run the sample batch and compare with the trained model's outputs (the build's tolerances)."""
+        rtol, atol = tolerances(self.config["dtype"])
+        tolerance = self.manifest["verification"]["exported_program"]
+        return compare(
+            flatten_outputs(self(*self.sample_inputs)),
+            self.expected_outputs,
+            rtol=tolerance.get("rtol", rtol),
+            atol=tolerance.get("atol", atol),
+        )
+
+
+def load_artifact(path: str | os.PathLike[str], *, check_files: bool = True) -> PublishedModel:
+    """Load a published artifact. With `check_files`, every file's SHA-256 is checked against the manifest.
+
+    Raises PublishError for a directory that is not a complete artifact or whose files were changed.
+    """
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    manifest = read_manifest(root)
+    if manifest is None:
+        raise PublishError(f"{root} is not a published artifact (no valid {MANIFEST_FILE})")
+    if check_files:
+        for name, entry in manifest["files"].items():
+            if not (root / name).is_file() or _sha256(root / name) != entry["sha256"]:
+                raise PublishError(f"{root / name} is missing or changed since it was published")
+    config = json.loads((root / CONFIG_FILE).read_text())
+    inputs, expected = decode_sample((root / SAMPLE_FILE).read_bytes())
+    return PublishedModel(
+        path=root,
+        program=torch.export.load(root / PROGRAM_FILE),
+        weights=load_file(str(root / WEIGHTS_FILE)),
+        config=config,
+        manifest=manifest,
+        sample_inputs=[inputs[entry["name"]] for entry in config["program_inputs"]],
+        expected_outputs=expected,
+    )

@@ -1,0 +1,100 @@
+"""`ettr publish QUEUE_DIR`: the command's work (the argparse front is `ettr.cli`).
+
+Exit status: 0 when every request this run handled was published (or was already), 1 when one failed,
+2 for bad usage (no such queue, unknown request). With `--json` the per-request lines go to stderr and
+stdout holds one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from ettr.errors import UsageError
+from ettr.publish.queue import PublishQueue
+from ettr.publish.worker import PublishOutcome, PublishWorker, WorkerConfig
+
+
+def _line(outcome: PublishOutcome) -> str:
+    if outcome.status in ("published", "existing"):
+        err = (outcome.verification.get("exported_program") or {}).get("max_abs_err")
+        verified = f"verified, max |diff| {err:.3g}" if isinstance(err, float) else "verified"
+        word = "published" if outcome.status == "published" else "already published"
+        return f"{word} {outcome.request_id} -> {outcome.artifact_dir} ({verified}; books: {outcome.run_dir})"
+    if outcome.status == "lost":
+        return f"handed over {outcome.request_id}: another publisher took it over"
+    return f"FAILED {outcome.request_id}: {outcome.error}"
+
+
+def main(args: argparse.Namespace) -> int:
+    queue_dir = Path(args.queue_dir)
+    if not (queue_dir / "requests").is_dir():
+        what = "no such directory" if not queue_dir.exists() else "not a publish queue (no requests/ inside)"
+        raise UsageError(f"ettr publish: {queue_dir}: {what}")
+    try:
+        config = WorkerConfig(
+            lease_ttl_s=args.lease_ttl, max_attempts=args.max_attempts, poll_interval_s=args.poll_interval
+        )
+    except ValueError as exc:
+        raise UsageError(f"ettr publish: {exc}") from None
+    queue = PublishQueue(queue_dir)
+    if args.request is not None and queue.status(args.request) is None:
+        raise UsageError(f"ettr publish: no request {args.request!r} in {queue_dir}")
+    if args.watch and args.request is not None:
+        raise UsageError("ettr publish: --watch and --request do not go together")
+    out = sys.stderr if args.json else sys.stdout
+
+    def show(outcome: PublishOutcome) -> None:
+        print(_line(outcome), file=out, flush=True)
+
+    worker = PublishWorker(queue_dir, config, command=["ettr", "publish", *sys.argv[2:]])
+    if args.watch:
+        stop = threading.Event()
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+        try:
+            print(
+                f"watching {queue_dir} (every {config.poll_interval_s:g} s; SIGTERM stops)",
+                file=out,
+                flush=True,
+            )
+            outcomes = worker.watch(stop, on_outcome=show)
+        except KeyboardInterrupt:
+            outcomes = []
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    else:
+        outcomes = worker.drain(only=args.request)
+        for outcome in outcomes:
+            show(outcome)
+    finished: dict[str, Any] | None = None
+    if not outcomes and args.request is not None:
+        finished = queue.result(args.request)
+        status = queue.status(args.request)
+        if status in ("done", "failed") and finished is not None:
+            where = finished.get("artifact_dir") or finished.get("error")
+            print(f"{args.request} is {status} already: {where}", file=out)
+        else:
+            print(f"{args.request} is being published by another publisher", file=out)
+    elif not outcomes and not args.watch:
+        print(f"nothing to publish in {queue_dir}", file=out)
+    num_failed = sum(1 for o in outcomes if not o.ok)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "queue": str(queue_dir.absolute()),
+                    "outcomes": [o.to_json() for o in outcomes],
+                    "num_published": sum(1 for o in outcomes if o.status == "published"),
+                    "num_failed": num_failed,
+                    "finished": finished,
+                }
+            )
+        )
+    if finished is not None and finished.get("error"):
+        return 1
+    return 1 if num_failed else 0

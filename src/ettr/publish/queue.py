@@ -1,0 +1,344 @@
+"""The publish queue: a directory of requests that any number of publishers share, safely.
+
+    QUEUE/requests/<id>.json       enqueued, not finished (immutable)
+    QUEUE/claims/<id>.json         the lease of the publisher working on it (pid, host, renewed_ts)
+    QUEUE/done/<id>.json           finished: where the artifact is and how it verified
+    QUEUE/done/<id>.request.json   the request, moved here once done
+    QUEUE/failed/<id>.json         given up: why
+
+Every file appears whole or not at all (written to a temporary name, fsync'd, renamed). A claim is
+created with `link(2)`, which fails if the name exists, so exactly one publisher wins it. A publisher
+renews its claim while it works; a claim whose owner is dead (same host: its pid is gone or reused) or
+whose lease expired (`ttl_s` without renewal) is stale, and the next publisher takes it over with the
+attempt count one higher. A takeover renames the stale claim aside and checks it moved the one it judged
+stale, so two publishers never both take one over. Claims only avoid duplicate work: that a request yields
+one artifact is guaranteed by the artifact's own atomic rename (`ettr.publish.artifact`).
+
+Needs a POSIX filesystem with atomic rename and hard links (local disk, NFS); not an object store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ettr.publish.request import PublishError, PublishRequest
+
+logger = logging.getLogger("ettr")
+
+_REQUESTS, _CLAIMS, _DONE, _FAILED = "requests", "claims", "done", "failed"
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of process `pid` in clock ticks since boot (None: no such process, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pid_alive(pid: int, start_ticks: int | None) -> bool:
+    """Whether process `pid` runs on this host and is the one that started at `start_ticks` (if known)."""
+    ticks = process_start_ticks(pid)
+    if ticks is not None:
+        return start_ticks is None or ticks == start_ticks
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory; the rename is as durable as it gets
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_tmp(path: Path, data: bytes) -> Path:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all, durably (temporary name, fsync, rename, fsync of the directory)."""
+    tmp = _write_tmp(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def create_exclusive(path: Path, data: bytes) -> bool:
+    """Create `path` with `data` unless it exists (atomic, whole, durable); returns whether we created it."""
+    tmp = _write_tmp(path, data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+    _fsync_dir(path.parent)
+    return True
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        body = json.loads(path.read_bytes())
+    except (FileNotFoundError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A publisher's lease on one request."""
+
+    request_id: str
+    token: str
+    attempt: int
+    """0 for the first claim; one more for each takeover from a dead or expired owner."""
+    claimed_ts: float
+    first_claimed_ts: float
+    """When the request was first claimed by anyone (the publish job's allocation time)."""
+    previous: dict[str, Any] | None = None
+    """The stale claim this one took over (its owner, attempt, last renewal), if any."""
+
+
+class PublishQueue:
+    """One queue directory. Safe for concurrent publishers on one or several hosts sharing the directory.
+
+    Args:
+        root: the queue directory (created by `enqueue`, or `create=True`).
+        create: make the directory layout now.
+        clock: Unix seconds (tests pass a fake).
+        host: this host's name (tests pass another to act as a remote publisher).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        create: bool = False,
+        clock: Callable[[], float] = time.time,
+        host: str | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self._clock = clock
+        self._host = host or socket.gethostname()
+        if create:
+            self._make_layout()
+
+    def _make_layout(self) -> None:
+        for sub in (_REQUESTS, _CLAIMS, _DONE, _FAILED):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def _path(self, sub: str, request_id: str, suffix: str = ".json") -> Path:
+        return self.root / sub / f"{request_id}{suffix}"
+
+    # -- producers ---------------------------------------------------------------------------------------
+    def enqueue(self, request: PublishRequest) -> bool:
+        """Add `request` unless a request with its id is already queued, done or failed (idempotent).
+
+        Returns whether it was added now. Durable on return.
+        """
+        self._make_layout()
+        if self.status(request.request_id) is not None:
+            return False
+        return create_exclusive(self._path(_REQUESTS, request.request_id), request.to_json())
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def status(self, request_id: str) -> str | None:
+        """`done`, `failed`, `claimed`, `pending`, or None for an unknown id."""
+        if self._path(_DONE, request_id).is_file():
+            return "done"
+        if self._path(_FAILED, request_id).is_file():
+            return "failed"
+        if self._path(_CLAIMS, request_id).is_file():
+            return "claimed"
+        if self._path(_REQUESTS, request_id).is_file():
+            return "pending"
+        return None
+
+    def pending(self) -> list[str]:
+        """Ids of requests not finished (claimed ones included), oldest file first; tidies finished ones."""
+        entries = []
+        with contextlib.suppress(FileNotFoundError):
+            for path in (self.root / _REQUESTS).glob("*.json"):
+                if path.name.startswith("."):
+                    continue
+                request_id = path.name[: -len(".json")]
+                if self._path(_DONE, request_id).is_file() or self._path(_FAILED, request_id).is_file():
+                    self._archive(request_id)  # a publisher died between finishing and tidying up
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    entries.append((path.stat().st_mtime, request_id))
+        return [request_id for _, request_id in sorted(entries)]
+
+    def load(self, request_id: str) -> PublishRequest:
+        """The request of `request_id` (queued or finished). Raises PublishError if unknown or unreadable."""
+        for path in (
+            self._path(_REQUESTS, request_id),
+            self._path(_DONE, request_id, ".request.json"),
+            self._path(_FAILED, request_id, ".request.json"),
+        ):
+            try:
+                return PublishRequest.from_json(path.read_bytes())
+            except FileNotFoundError:
+                continue
+        raise PublishError(f"no publish request {request_id!r} in {self.root}")
+
+    def result(self, request_id: str) -> dict[str, Any] | None:
+        """The done or failed record of `request_id` (None while unfinished)."""
+        return _read_json(self._path(_DONE, request_id)) or _read_json(self._path(_FAILED, request_id))
+
+    def claim_info(self, request_id: str) -> dict[str, Any] | None:
+        """The current claim's body (owner pid, host, renewal time), or None."""
+        return _read_json(self._path(_CLAIMS, request_id))
+
+    # -- claims ------------------------------------------------------------------------------------------
+    def is_stale(self, body: dict[str, Any]) -> bool:
+        """Whether a claim's owner is dead (this host) or its lease has expired (any host)."""
+        try:
+            renewed_ts, ttl_s = float(body["renewed_ts"]), float(body["ttl_s"])
+        except (KeyError, TypeError, ValueError):
+            return True  # unreadable: nobody can be relying on it
+        if self._clock() - renewed_ts > ttl_s:
+            return True
+        pid = body.get("pid")
+        if body.get("host") == self._host and isinstance(pid, int):
+            return not pid_alive(pid, body.get("pid_start_ticks"))
+        return False
+
+    def try_claim(self, request_id: str, *, ttl_s: float) -> Claim | None:
+        """Claim `request_id` for this process, taking over a stale claim; None if it is finished, unknown,
+        or held by a live publisher."""
+        if self.status(request_id) not in ("pending", "claimed"):
+            return None
+        path = self._path(_CLAIMS, request_id)
+        previous = None
+        current = _read_json(path)
+        if current is not None or path.exists():
+            if current is not None and not self.is_stale(current):
+                return None
+            if not self._take_aside(path, current):
+                return None
+            previous = current
+        now = self._clock()
+        token = uuid.uuid4().hex
+        attempt = int(previous.get("attempt", 0)) + 1 if previous else 0
+        first_ts = float(previous.get("first_claimed_ts", now)) if previous else now
+        body = {
+            "request_id": request_id,
+            "token": token,
+            "attempt": attempt,
+            "pid": os.getpid(),
+            "pid_start_ticks": process_start_ticks(os.getpid()),
+            "host": self._host,
+            "claimed_ts": now,
+            "first_claimed_ts": first_ts,
+            "renewed_ts": now,
+            "ttl_s": ttl_s,
+        }
+        if not create_exclusive(path, json.dumps(body).encode()):
+            return None  # another publisher claimed it between our look and our create
+        if self.status(request_id) in ("done", "failed"):  # finished while we looked: nothing to do
+            self.release(Claim(request_id, token, attempt, now, first_ts))
+            return None
+        summary = None
+        if previous:
+            summary = {k: previous.get(k) for k in ("attempt", "pid", "host", "claimed_ts", "renewed_ts")}
+        return Claim(request_id, token, attempt, now, first_ts, summary)
+
+    def _take_aside(self, path: Path, seen: dict[str, Any] | None) -> bool:
+        """Move the stale claim `seen` out of the way; False if another publisher got there first."""
+        aside = path.with_name(f".{path.name}.stale-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return seen is None  # it vanished: free to create only if we never saw a live body
+        moved = _read_json(aside)
+        if seen is not None and (moved is None or moved.get("token") != seen.get("token")):
+            # We moved a fresh claim someone made after our look: put it back and stand aside.
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, path)
+            with contextlib.suppress(OSError):
+                os.remove(aside)
+            return False
+        with contextlib.suppress(OSError):
+            os.remove(aside)
+        return True
+
+    def owns(self, claim: Claim) -> bool:
+        """Whether `claim` is still the request's current claim (nobody took it over)."""
+        body = _read_json(self._path(_CLAIMS, claim.request_id))
+        return body is not None and body.get("token") == claim.token
+
+    def renew(self, claim: Claim) -> bool:
+        """Extend the lease (call well within `ttl_s`); False if the claim was lost to another publisher."""
+        path = self._path(_CLAIMS, claim.request_id)
+        body = _read_json(path)
+        if body is None or body.get("token") != claim.token:
+            return False
+        body["renewed_ts"] = self._clock()
+        write_atomic(path, json.dumps(body).encode())
+        return True
+
+    def release(self, claim: Claim) -> None:
+        """Give up a claim without finishing (another publisher may claim the request afresh)."""
+        if self.owns(claim):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._path(_CLAIMS, claim.request_id))
+
+    # -- finishing ---------------------------------------------------------------------------------------
+    def complete(self, claim: Claim, record: dict[str, Any]) -> None:
+        """Record the request as done (`record`: where the artifact is, its verification); durable."""
+        self._finish(_DONE, claim.request_id, {**record, "attempt": claim.attempt})
+
+    def fail(self, claim: Claim, error: str, record: dict[str, Any] | None = None) -> None:
+        """Record the request as failed with `error` (it is not retried); durable."""
+        self._finish(_FAILED, claim.request_id, {**(record or {}), "error": error, "attempt": claim.attempt})
+
+    def _finish(self, sub: str, request_id: str, record: dict[str, Any]) -> None:
+        body = {"request_id": request_id, "finished_ts": self._clock(), **record}
+        write_atomic(self._path(sub, request_id), json.dumps(body, indent=1, default=str).encode())
+        self._archive(request_id)
+
+    def _archive(self, request_id: str) -> None:
+        """Move a finished request out of `requests/` and drop its claim (idempotent)."""
+        if self._path(_DONE, request_id).is_file():
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(self._path(_REQUESTS, request_id), self._path(_DONE, request_id, ".request.json"))
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(
+                    self._path(_REQUESTS, request_id), self._path(_FAILED, request_id, ".request.json")
+                )
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._path(_CLAIMS, request_id))
