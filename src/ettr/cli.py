@@ -212,7 +212,11 @@ def _add_publish(p: argparse.ArgumentParser) -> None:
     p.add_argument("queue_dir", metavar="QUEUE_DIR", help="the publish queue the training job enqueued into")
     p.add_argument("--watch", action="store_true", help="keep publishing requests as they arrive (a worker)")
     p.add_argument(
-        "--poll-interval", type=_positive_float, default=2.0, metavar="SECONDS", help="--watch: look this often"
+        "--poll-interval",
+        type=_positive_float,
+        default=2.0,
+        metavar="SECONDS",
+        help="--watch: look this often",
     )
     p.add_argument(
         "--lease-ttl",
@@ -241,7 +245,11 @@ _COMMANDS: dict[
     "report": ("report ETT% and the wall-time breakdown of run directories", _add_report, _report),
     "interval": ("the checkpoint interval that wastes the least time", _add_interval, _interval),
     "demo": ("baseline vs optimized reference job, with injected failures", _add_demo, _demo),
-    "publish": ("build inference artifacts from anchor checkpoints (a publish queue)", _add_publish, _publish),
+    "publish": (
+        "build inference artifacts from anchor checkpoints (a publish queue)",
+        _add_publish,
+        _publish,
+    ),
     "compile-report": (
         "compile time, recompile reasons and learned dynamic inputs of a run",
         _add_compile_report,
