@@ -24,6 +24,7 @@ CONTRACT_FLAGS = {
     "report": {"--json", "--html"},
     "interval": {"--blocking", "--failures-per-day", "--train-hours", "--json"},
     "demo": {"--quick", "--out"},
+    "publish": {"--watch", "--poll-interval", "--lease-ttl", "--max-attempts", "--request", "--json"},
 }
 
 
