@@ -1,0 +1,266 @@
+"""The publish queue and requests: idempotent enqueue, exclusive claims, takeover of dead or expired claims.
+
+Pure file-system tests (no model, no torch work); the crash of a real publisher process is in
+`test_publish_process.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ettr.cli import main as cli_main
+from ettr.publish.queue import PublishQueue, pid_alive, process_start_ticks
+from ettr.publish.request import InputKind, InputSpec, ModelSpec, PublishError, PublishRequest, request_id_for
+
+
+def make_request(tmp_path, step: int = 7, job_id: str = "job-1") -> PublishRequest:
+    anchor_root = str(tmp_path / "anchor")
+    request_id = request_id_for(job_id, anchor_root, step)
+    return PublishRequest(
+        request_id=request_id,
+        job_id=job_id,
+        anchor_root=anchor_root,
+        step=step,
+        world_size=2,
+        model=ModelSpec(factory="torch.nn:Linear", config={"in_features": 3, "out_features": 1}),
+        inputs=(InputSpec(name="x"), InputSpec(name="sparse", kind="jagged", keys=("f0", "f1"))),
+        artifact_dir=str(tmp_path / "artifacts" / request_id),
+        run_dir=str(tmp_path / "runs" / request_id),
+        created_ts=123.0,
+    )
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_request_round_trips_through_json_and_its_id_is_stable(tmp_path):
+    request = make_request(tmp_path)
+    again = PublishRequest.from_json(request.to_json())
+    assert again == request
+    assert again.inputs[1].kind is InputKind.JAGGED and again.inputs[1].tensor_names == (
+        "sparse.values",
+        "sparse.lengths",
+    )
+    assert request_id_for("job-1", request.anchor_root, 7) == request.request_id
+    assert request_id_for("job-1", request.anchor_root, 8) != request.request_id
+    assert request_id_for("job/with spaces", "x", 1).startswith("job_with_spaces-step000000001-")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"dtype": "float16"}, "dtype"),
+        ({"step": -1}, "step"),
+        ({"inputs": ()}, "input"),
+        ({"request_id": "../escape"}, "request_id"),
+        ({"rtol": -1.0}, "rtol"),
+    ],
+)
+def test_bad_requests_are_refused_with_the_reason(tmp_path, change, message):
+    body = json.loads(make_request(tmp_path).to_json())
+    body.update(change)
+    with pytest.raises(PublishError, match=message):
+        PublishRequest.from_json(json.dumps(body))
+
+
+def test_model_spec_checks_its_factory_path_and_config():
+    with pytest.raises(ValueError, match="import path"):
+        ModelSpec(factory="not a path")
+    with pytest.raises(ValueError, match="JSON"):
+        ModelSpec(factory="torch.nn:Linear", config={"x": object()})
+    with pytest.raises(PublishError, match="cannot import"):
+        ModelSpec(factory="no_such_module_xyz:build").build()
+    with pytest.raises(PublishError, match="no attribute"):
+        ModelSpec(factory="torch.nn:NoSuchLayer").build()
+    with pytest.raises(PublishError, match="could not build"):
+        ModelSpec(factory="torch.nn:Linear", config={"wrong": 1}).build()
+    built = ModelSpec(factory="torch.nn:Linear", config={"in_features": 2, "out_features": 3}).build()
+    assert built.out_features == 3
+
+
+def test_enqueue_is_idempotent_while_queued_and_after_it_is_done(tmp_path):
+    queue = PublishQueue(tmp_path / "q")
+    request = make_request(tmp_path)
+    assert queue.enqueue(request) is True
+    assert queue.enqueue(request) is False
+    assert queue.pending() == [request.request_id]
+    claim = queue.try_claim(request.request_id, ttl_s=60)
+    queue.complete(claim, {"artifact_dir": request.artifact_dir})
+    assert queue.enqueue(request) is False  # done: enqueueing it again changes nothing
+    assert queue.pending() == []
+    assert queue.status(request.request_id) == "done"
+    assert queue.load(request.request_id) == request  # still readable from the archive
+    assert queue.result(request.request_id)["artifact_dir"] == request.artifact_dir
+    assert not (tmp_path / "q" / "claims" / f"{request.request_id}.json").exists()
+
+
+def test_a_claim_is_exclusive_while_its_owner_lives(tmp_path):
+    queue = PublishQueue(tmp_path / "q")
+    request = make_request(tmp_path)
+    queue.enqueue(request)
+    first = queue.try_claim(request.request_id, ttl_s=60)
+    assert first is not None and first.attempt == 0
+    assert queue.try_claim(request.request_id, ttl_s=60) is None  # our own pid is alive
+    assert queue.owns(first) and queue.renew(first)
+    queue.release(first)
+    again = queue.try_claim(request.request_id, ttl_s=60)
+    assert again is not None and again.attempt == 0  # a release is not a failure
+
+
+def _plant_claim(queue: PublishQueue, request_id: str, **body) -> None:
+    path = queue.root / "claims" / f"{request_id}.json"
+    path.write_text(
+        json.dumps({"request_id": request_id, "token": "old", "attempt": 0, "ttl_s": 60.0, **body})
+    )
+
+
+def test_a_dead_owners_claim_is_taken_over_with_the_next_attempt(tmp_path):
+    clock = FakeClock()
+    queue = PublishQueue(tmp_path / "q", clock=clock)
+    request = make_request(tmp_path)
+    queue.enqueue(request)
+    pid = dead_pid()
+    _plant_claim(
+        queue, request.request_id, pid=pid, host=queue._host, renewed_ts=clock.now, claimed_ts=clock.now - 5,
+        first_claimed_ts=clock.now - 5, attempt=1,
+    )  # fmt: skip
+    assert not pid_alive(pid, None)
+    claim = queue.try_claim(request.request_id, ttl_s=60)
+    assert claim is not None and claim.attempt == 2
+    assert claim.previous["pid"] == pid and claim.first_claimed_ts == clock.now - 5
+    assert queue.owns(claim)
+
+
+def test_a_live_claim_on_another_host_is_respected_until_its_lease_expires(tmp_path):
+    clock = FakeClock()
+    queue = PublishQueue(tmp_path / "q", clock=clock, host="here")
+    request = make_request(tmp_path)
+    queue.enqueue(request)
+    _plant_claim(
+        queue, request.request_id, pid=1, host="elsewhere", renewed_ts=clock.now, first_claimed_ts=clock.now
+    )
+    clock.now += 59
+    assert queue.try_claim(request.request_id, ttl_s=60) is None
+    clock.now += 2  # 61 s without a renewal
+    claim = queue.try_claim(request.request_id, ttl_s=60)
+    assert claim is not None and claim.attempt == 1 and claim.previous["host"] == "elsewhere"
+
+
+def test_a_reused_pid_does_not_keep_a_dead_claim_alive(tmp_path):
+    queue = PublishQueue(tmp_path / "q")
+    request = make_request(tmp_path)
+    queue.enqueue(request)
+    ticks = process_start_ticks(os.getpid())
+    if ticks is None:
+        pytest.skip("no /proc on this system")
+    # Our pid, but a different start time: the claim's process is gone and the pid was reused.
+    _plant_claim(
+        queue,
+        request.request_id,
+        pid=os.getpid(),
+        pid_start_ticks=ticks + 1,
+        host=queue._host,
+        renewed_ts=queue._clock(),
+    )
+    assert queue.try_claim(request.request_id, ttl_s=60) is not None
+
+
+def test_a_takeover_never_steals_a_claim_made_after_its_look(tmp_path):
+    clock = FakeClock()
+    queue = PublishQueue(tmp_path / "q", clock=clock)
+    request = make_request(tmp_path)
+    queue.enqueue(request)
+    path = queue.root / "claims" / f"{request.request_id}.json"
+    stale = {"token": "stale", "pid": 1, "host": "elsewhere", "renewed_ts": 0.0, "ttl_s": 1.0}
+    # Another publisher replaced the stale claim after we read it: our takeover must put theirs back.
+    path.write_text(
+        json.dumps({"token": "fresh", "pid": 1, "host": "elsewhere", "renewed_ts": clock.now, "ttl_s": 60.0})
+    )
+    assert queue._take_aside(path, stale) is False
+    assert json.loads(path.read_text())["token"] == "fresh"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_renewal_fails_once_the_claim_was_taken_over(tmp_path):
+    clock = FakeClock()
+    mine = PublishQueue(tmp_path / "q", clock=clock, host="a")
+    theirs = PublishQueue(tmp_path / "q", clock=clock, host="b")
+    request = make_request(tmp_path)
+    mine.enqueue(request)
+    claim = mine.try_claim(request.request_id, ttl_s=10)
+    clock.now += 11  # we stalled past our lease
+    taken = theirs.try_claim(request.request_id, ttl_s=10)
+    assert taken is not None and taken.attempt == 1
+    assert mine.renew(claim) is False and not mine.owns(claim)
+    mine.release(claim)  # must not remove their claim
+    assert theirs.owns(taken)
+
+
+def test_a_finished_request_is_tidied_from_pending(tmp_path):
+    queue = PublishQueue(tmp_path / "q")
+    request = make_request(tmp_path)
+    queue.enqueue(request)
+    # A publisher that died after writing the done record but before moving the request away.
+    (queue.root / "done" / f"{request.request_id}.json").write_text("{}")
+    assert queue.pending() == []
+    assert not (queue.root / "requests" / f"{request.request_id}.json").exists()
+    assert queue.try_claim(request.request_id, ttl_s=60) is None
+
+
+def test_failing_records_the_error_and_never_retries(tmp_path):
+    queue = PublishQueue(tmp_path / "q")
+    request = make_request(tmp_path)
+    queue.enqueue(request)
+    claim = queue.try_claim(request.request_id, ttl_s=60)
+    queue.fail(claim, "bad factory")
+    assert queue.status(request.request_id) == "failed"
+    assert queue.result(request.request_id)["error"] == "bad factory"
+    assert queue.try_claim(request.request_id, ttl_s=60) is None
+    assert queue.load(request.request_id) == request
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["publish"],
+        ["publish", "/definitely/not/a/queue"],
+        ["publish", "QUEUE", "--lease-ttl", "0"],
+        ["publish", "QUEUE", "--max-attempts", "0"],
+        ["publish", "QUEUE", "--request", "nope"],
+        ["publish", "QUEUE", "--watch", "--request", "x"],
+    ],
+)
+def test_bad_publish_usage_is_one_line_and_status_2(tmp_path, argv, capsys):
+    queue = PublishQueue(tmp_path / "q", create=True)
+    if "--watch" in argv:
+        queue.enqueue(make_request(tmp_path))
+        argv = [a if a != "x" else make_request(tmp_path).request_id for a in argv]
+    argv = [str(queue.root) if a == "QUEUE" else a for a in argv]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_publish_on_an_empty_queue_says_so_and_succeeds(tmp_path, capsys):
+    queue = PublishQueue(tmp_path / "q", create=True)
+    assert cli_main(["publish", str(queue.root), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["outcomes"] == []
+    assert "nothing to publish" in captured.err
