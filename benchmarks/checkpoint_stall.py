@@ -1,0 +1,286 @@
+"""How long a checkpoint save blocks the training loop, side by side, and how much a background persist
+slows the training steps that run beside it.
+
+For one ~1 GiB training state (an MLP's parameters plus AdamW's two moments), measured in rounds so that
+disk-speed drift hits every method alike, median seconds the loop is blocked per save:
+    torch_save      plain `torch.save` of model + optimizer state dicts
+    dcp_save        `dcp.save`
+    dcp_async_save  `dcp.async_save` with its defaults (a fresh, synchronous stager per call)
+    ettr            `CheckpointManager.save` (staging into buffers reused across saves; waits for the copy)
+    memcpy_limit    copying the same tensors into preallocated memory: the physical limit of a safe copy
+Each save's persist is finished before the next measurement, so no measurement includes a wait.
+
+Then the step slowdown: the median time of a small training step while the manager's background persist
+of the 1 GiB state runs, divided by its median time with nothing in the background, for the thread and
+the process persist modes.
+
+    python benchmarks/checkpoint_stall.py [--size-gib 1.0] [--saves 3] [--dir DIR] [--json]
+
+`--json` ends with one object: blocking_s {torch_save, dcp_save, dcp_async_save, ettr, memcpy_limit},
+step_slowdown {thread, process}, and the ratios and extras it is judged by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
+from ettr.recorder import Recorder
+
+NUM_LAYERS = 8
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def build_state(size_gib: float) -> tuple[TrainState, int]:
+    """An MLP whose parameters plus AdamW state come to about `size_gib`, with the optimizer stepped once."""
+    # weights + exp_avg + exp_avg_sq: 12 bytes per parameter; a width that is a multiple of 64
+    width = max(64, round((size_gib * 2**30 / (NUM_LAYERS * 12)) ** 0.5 / 64) * 64)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(NUM_LAYERS)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(2, width)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # grads are not part of a checkpoint; free their memory
+    state = TrainState(model=model, optimizer=optimizer)
+    num_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+    return state, num_bytes
+
+
+def _tensors(state: TrainState) -> list[torch.Tensor]:
+    tensors = [t for t in state.model.state_dict().values()]
+    for param_state in state.optimizer.state.values():
+        tensors += [v for v in param_state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return tensors
+
+
+def _plain_state_dict(state: TrainState) -> dict[str, Any]:
+    return {"model": state.model.state_dict(), "optim": state.optimizer.state_dict()}
+
+
+def _dcp_state_dict(state: TrainState) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+class Methods:
+    """The save methods under test, each returning the seconds the caller was blocked."""
+
+    def __init__(self, state: TrainState, workdir: str) -> None:
+        self.state = state
+        self.workdir = workdir
+        self.count = 0
+        self.persist_s: list[float] = []
+        self.dst = [torch.empty_like(t) for t in _tensors(state)]
+        config = CheckpointConfig(
+            root=os.path.join(workdir, "ettr"), interval=IntervalConfig(every_steps=10**9)
+        )
+        self.manager = CheckpointManager(config, state, recorder=Recorder(None))
+
+    def _target(self, name: str) -> str:
+        self.count += 1
+        return os.path.join(self.workdir, f"{name}-{self.count}")
+
+    def torch_save(self) -> float:
+        path = self._target("torch") + ".pt"
+        begin = time.perf_counter()
+        torch.save(_plain_state_dict(self.state), path)
+        blocked = time.perf_counter() - begin
+        os.remove(path)
+        return blocked
+
+    def dcp_save(self) -> float:
+        path = self._target("dcp")
+        begin = time.perf_counter()
+        dcp.save(_dcp_state_dict(self.state), checkpoint_id=path)
+        blocked = time.perf_counter() - begin
+        shutil.rmtree(path)
+        return blocked
+
+    def dcp_async_save(self) -> float:
+        path = self._target("dcp-async")
+        begin = time.perf_counter()
+        future = dcp.async_save(_dcp_state_dict(self.state), checkpoint_id=path)
+        blocked = time.perf_counter() - begin
+        future.result()
+        shutil.rmtree(path)
+        return blocked
+
+    def ettr(self) -> float:
+        self.count += 1
+        begin = time.perf_counter()
+        self.manager.save(self.count)
+        blocked = time.perf_counter() - begin
+        persist_begin = time.perf_counter()
+        assert self.manager.wait(), "an ettr save failed"
+        self.persist_s.append(time.perf_counter() - persist_begin + blocked)
+        return blocked
+
+    def memcpy_limit(self) -> float:
+        begin = time.perf_counter()
+        for src, dst in zip(_tensors(self.state), self.dst, strict=True):
+            dst.copy_(src)
+        return time.perf_counter() - begin
+
+
+def measure_blocking(
+    state: TrainState, workdir: str, num_saves: int
+) -> tuple[dict[str, float], dict[str, Any]]:
+    methods = Methods(state, workdir)
+    names = ["torch_save", "dcp_save", "dcp_async_save", "ettr", "memcpy_limit"]
+    # One unmeasured round: ettr allocates its staging buffers on the first save (reported below), the
+    # copy target is faulted in, and every library path is warm.
+    first = {name: getattr(methods, name)() for name in names}
+    _say("first (warm-up) save, s: " + ", ".join(f"{n} {first[n]:.3f}" for n in names))
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(num_saves):
+        for name in names:
+            samples[name].append(getattr(methods, name)())
+        _say(f"round {round_index + 1}: " + ", ".join(f"{n} {samples[n][-1]:.3f}" for n in names))
+    methods.manager.close()
+    extras = {
+        "first_save_s": first,
+        "ettr_persist_s": statistics.median(methods.persist_s[1:] or methods.persist_s),
+    }
+    return {name: statistics.median(values) for name, values in samples.items()}, extras
+
+
+def _step_fn() -> Callable[[], None]:
+    """A small training step with many small ops, so that much of its time is Python dispatch under the
+    GIL — like the Python side of a GPU training loop (its own model: the checkpointed state is untouched)."""
+    torch.manual_seed(1)
+    layers: list[torch.nn.Module] = []
+    for _ in range(24):
+        layers += [torch.nn.Linear(128, 128), torch.nn.LayerNorm(128), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    batch = torch.randn(32, 128)
+
+    def step() -> None:
+        loss = model(batch).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _timed_steps(step: Callable[[], None], until: Callable[[], bool], max_steps: int) -> list[float]:
+    times = []
+    while len(times) < max_steps and not until():
+        begin = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - begin)
+    return times
+
+
+def measure_slowdown(state: TrainState, workdir: str, mode: str, num_saves: int) -> dict[str, float]:
+    step = _step_fn()
+    for _ in range(5):
+        step()
+    config = CheckpointConfig(
+        root=os.path.join(workdir, f"slowdown-{mode}"), interval=IntervalConfig(every_steps=10**9), mode=mode
+    )
+    quiet, busy, persists = [], [], []
+    with CheckpointManager(config, state, recorder=Recorder(None)) as manager:
+        manager.save(0, wait=True)  # warm-up: buffers (and in process mode the checkpoint process) start here
+        for save_index in range(1, num_saves + 1):
+            quiet += _timed_steps(step, lambda: False, 15)
+            begin = time.perf_counter()
+            manager.save(save_index)
+            persisted = manager._inflight.done
+            busy += _timed_steps(step, persisted.is_set, 10_000)
+            assert manager.wait(), f"a {mode}-mode save failed"
+            persists.append(time.perf_counter() - begin)
+    quiet_s, busy_s = statistics.median(quiet), statistics.median(busy) if busy else float("nan")
+    _say(
+        f"{mode} mode: step {quiet_s * 1e3:.1f} ms alone, {busy_s * 1e3:.1f} ms during persist "
+        f"({len(busy)} steps over {num_saves} persists, median persist {statistics.median(persists):.2f} s)"
+    )
+    return {
+        "slowdown": busy_s / quiet_s,
+        "quiet_step_s": quiet_s,
+        "busy_step_s": busy_s,
+        "persist_s": statistics.median(persists),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--size-gib", type=float, default=1.0, help="size of the training state (default 1.0)"
+    )
+    parser.add_argument("--saves", type=int, default=3, help="measured saves per method (default 3)")
+    parser.add_argument(
+        "--slowdown-saves", type=int, default=2, help="persists per mode for the step slowdown (default 2)"
+    )
+    parser.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary one)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    args = parser.parse_args(argv)
+    if args.size_gib <= 0 or args.saves < 1 or args.slowdown_saves < 1:
+        parser.error("--size-gib must be > 0, --saves and --slowdown-saves >= 1")
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch.distributed.checkpoint").setLevel(logging.ERROR)
+    workdir = tempfile.mkdtemp(prefix="ettr-stall-", dir=args.dir)
+    try:
+        state, num_bytes = build_state(args.size_gib)
+        _say(f"state: {num_bytes / 2**30:.2f} GiB in {len(_tensors(state))} tensors; scratch {workdir}")
+        blocking, extras = measure_blocking(state, workdir, args.saves)
+        thread = measure_slowdown(state, workdir, "thread", args.slowdown_saves)
+        process = measure_slowdown(state, workdir, "process", args.slowdown_saves)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    ratios = {
+        "ettr_over_memcpy": blocking["ettr"] / blocking["memcpy_limit"],
+        "torch_save_over_ettr": blocking["torch_save"] / blocking["ettr"],
+        "dcp_async_save_over_ettr": blocking["dcp_async_save"] / blocking["ettr"],
+    }
+    print(f"training-loop blocking per save, median of {args.saves} (state {num_bytes / 2**30:.2f} GiB):")
+    for name, value in blocking.items():
+        print(f"  {name:15s} {value:8.3f} s")
+    print(f"  ettr / memcpy limit      {ratios['ettr_over_memcpy']:6.2f}x   (goal <= 2)")
+    print(f"  torch.save / ettr        {ratios['torch_save_over_ettr']:6.1f}x   (goal >= 10)")
+    print(f"  ettr first save (allocates its staging buffers once): {extras['first_save_s']['ettr']:.3f} s")
+    print(f"  ettr persist (overlapped with training), median: {extras['ettr_persist_s']:.2f} s")
+    print("step time during a background persist / without (and the persist's own time meanwhile):")
+    for name, result in (("thread", thread), ("process", process)):
+        print(
+            f"  {name:8s} {result['slowdown']:.2f}x   ({result['quiet_step_s'] * 1e3:.1f} -> "
+            f"{result['busy_step_s'] * 1e3:.1f} ms per step; persist {result['persist_s']:.2f} s "
+            f"vs {extras['ettr_persist_s']:.2f} s with an idle loop)"
+        )
+    if args.json:
+        result = {
+            "blocking_s": blocking,
+            "step_slowdown": {"thread": thread["slowdown"], "process": process["slowdown"]},
+            "ratios": ratios,
+            "state_bytes": num_bytes,
+            "num_saves": args.saves,
+            "first_save_s": extras["first_save_s"],
+            "ettr_persist_s": extras["ettr_persist_s"],
+            "slowdown_detail": {"thread": thread, "process": process},
+        }
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
