@@ -278,3 +278,26 @@ def test_calls_from_ettr_modules_are_left_to_them(hooked: tuple[Any, Recorder, A
     recorded = _events(rec, ledger, {EventKind.PHASE_END, EventKind.CHECKPOINT_COMMIT})
     assert [(e.kind, e.step) for e in recorded] == [(EventKind.CHECKPOINT_COMMIT, 5)]  # only the fixture's
     assert hooks.checkpoints._async_paths == set()
+
+
+def test_explicit_phases_are_not_recorded_twice(hooked: tuple[Any, Recorder, Any], tmp_path: Path) -> None:
+    """A script that records its own phases around the calls the hooks watch gets each phase once."""
+    hooks, rec, ledger = hooked
+    dist = torch.distributed
+    with rec.phase(Phase.PROCESS_GROUP_INIT):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    with rec.phase(Phase.GET_FIRST_BATCH_DATA):
+        next(iter(loader))
+    with rec.phase(Phase.CHECKPOINT_BLOCKING, step=3):
+        torch.save({"w": torch.ones(2)}, tmp_path / "own.pt")
+    ends = [e.phase for e in _events(rec, ledger, {EventKind.PHASE_END})]
+    assert ends.count(Phase.PROCESS_GROUP_INIT) == 1
+    assert ends.count(Phase.GET_FIRST_BATCH_DATA) == 1
+    assert ends.count(Phase.CHECKPOINT_BLOCKING) == 1
+    commits = [e for e in _events(rec, ledger, {EventKind.CHECKPOINT_COMMIT}) if e.attempt == rec.attempt]
+    assert commits == []  # the script commits its own saves

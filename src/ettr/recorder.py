@@ -47,6 +47,8 @@ class _PhaseSpan:
         self._begin = 0.0
 
     def __enter__(self) -> _PhaseSpan:
+        open_phases = self._recorder._open_phases
+        open_phases[self._phase] = open_phases.get(self._phase, 0) + 1
         self._begin = time.time()
         self._recorder.record(
             EventKind.PHASE_BEGIN, phase=self._phase, step=self._step, data=self._data, ts=self._begin
@@ -54,6 +56,8 @@ class _PhaseSpan:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        open_phases = self._recorder._open_phases
+        open_phases[self._phase] = open_phases.get(self._phase, 1) - 1
         data = self._data
         if exc_type is not None:
             data = {**(data or {}), "error": exc_type.__name__}
@@ -101,6 +105,7 @@ class Recorder:
         self._closed = False
         self._warned: set[str] = set()
         self._step_listeners: list[Callable[[int], None]] = []
+        self._open_phases: dict[Phase, int] = {}
         self._is_compiling: Callable[[], bool] | None = None
         self._thread: threading.Thread | None = None
         if self.enabled:
@@ -154,6 +159,10 @@ class Recorder:
         phase_enum, extra = _as_phase(phase)
         payload = {**extra, **data} if extra else (data or None)
         self.record(EventKind.PHASE_END, phase=phase_enum, step=step, value=begin_ts, data=payload, ts=end_ts)
+
+    def is_open(self, phase: Phase) -> bool:
+        """Whether user code is inside `with phase(phase)` now (automatic hooks then record nothing)."""
+        return self._open_phases.get(phase, 0) > 0
 
     def step(self, step: int, *, auto: bool = False) -> None:
         """Global optimizer step `step` has just completed.

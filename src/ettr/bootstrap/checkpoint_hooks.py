@@ -120,6 +120,8 @@ class CheckpointHooks:
         return result
 
     def _saved(self, path: str, step: int, begin: float) -> None:
+        if self.rec.is_open(Phase.CHECKPOINT_BLOCKING):
+            return  # the script records its own saves (and commits them when they are durable)
         self.rec.span(Phase.CHECKPOINT_BLOCKING, begin, step=step, path=path)
         self.rec.checkpoint_committed(step, path)
         if len(self._pending_renames) > 64:
@@ -130,6 +132,10 @@ class CheckpointHooks:
         step = self.earlier_commits().get(path)
         before_training = self.steps.num_steps == 0 and not self.rec.explicit_steps
         if step is None and not before_training:
+            return
+        if self.rec.is_open(Phase.RESTORE):  # the script records its own restore and resume step
+            if step is not None and before_training:
+                self.steps.resumed(step)
             return
         self.rec.span(Phase.RESTORE, begin, step=step, path=path)
         if step is not None and before_training and not self._resumed:

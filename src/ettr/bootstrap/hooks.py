@@ -192,6 +192,8 @@ class AutoHooks:
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def init_process_group(*args: Any, **kwargs: Any) -> Any:
+                if rec.is_open(Phase.PROCESS_GROUP_INIT):  # the script records it itself
+                    return original(*args, **kwargs)
                 begin = time.time()
                 try:
                     return original(*args, **kwargs)
@@ -218,7 +220,7 @@ class AutoHooks:
                     hooks._first_batch_done = True
                     if base.__dict__.get("__next__") is __next__:
                         base.__next__ = original
-            if not first:
+            if not first or rec.is_open(Phase.GET_FIRST_BATCH_DATA) or rec.is_open(Phase.DATA_WAIT):
                 return original(self)
             begin = time.time()
             try:
