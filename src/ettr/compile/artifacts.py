@@ -2,18 +2,21 @@
 
 Three artifacts, by name in a store entry:
 
-* `inductor_cache.tar.gz` — inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`): FX-graph and
+* `inductor_cache.tar` — inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`): FX-graph and
   AOTAutograd cache entries, the compiled C++/Triton kernels themselves, and the PGO profile
   (`dynamo/code_state_*`, written when `torch.compiler.config.job_id` is set).
-* `precompiled_headers.tar.gz` — inductor's precompiled C++ header. It lives under
+* `precompiled_headers.tar` — inductor's precompiled C++ header (~150 MB, ~27 MB gzip'd). It lives under
   `$TMPDIR/torchinductor_$USER`, outside the cache directory, and inductor rebuilds it (seconds) before it
   even looks for a cached kernel, so a warm start without it is still slow on CPU.
 * `megacache.bin` — `torch.compiler.save_cache_artifacts()`, PyTorch's portable archive. On CPU it does
   not carry compiled kernels; it is loaded only when the cache directory archive is absent.
 
-Archives are unpacked defensively: regular files and folders only, no absolute or `..` paths, each file
-written to a temporary name and renamed, files already present with the same size left alone (several
-ranks may restore into one directory at once).
+Archives are tar files, gzip'd or not (`collect(compress=...)`: gzip costs ~1.5 s to pack and ~0.7 s to
+unpack the header, and saves ~130 MB of transfer; worth it for remote stores, not for a local disk). They
+are unpacked defensively: regular files and folders only, no absolute or `..` paths, each file written to
+a temporary name and renamed, files already present with the same size left alone (several ranks may
+restore into one directory at once). `listing` records each archive's files and sizes, so a restore onto
+a node that still has them (a restart on the same machine) skips reading the archive at all.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-INDUCTOR_ARCHIVE = "inductor_cache.tar.gz"
-HEADERS_ARCHIVE = "precompiled_headers.tar.gz"
+INDUCTOR_ARCHIVE = "inductor_cache.tar"
+HEADERS_ARCHIVE = "precompiled_headers.tar"
 MEGACACHE = "megacache.bin"
 ARTIFACT_NAMES = frozenset({INDUCTOR_ARCHIVE, HEADERS_ARCHIVE, MEGACACHE})
 
@@ -92,21 +95,43 @@ def fingerprint(root: Path, *, exclude: Path | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def pack_dir(root: Path, *, exclude: Path | None = None) -> bytes | None:
-    """A gzip'd tar of the regular files under `root` (None when there are none)."""
+def pack_dir(
+    root: Path, *, exclude: Path | None = None, compress: bool = True
+) -> tuple[bytes, dict[str, int]] | None:
+    """A tar (gzip'd with `compress`) of the regular files under `root`, and its listing (relative path ->
+    size). None when there are no files."""
     if not root.is_dir():
         return None
     members = _walk(root, exclude)
     if not members:
         return None
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=_COMPRESS_LEVEL) as tar:
+    listing: dict[str, int] = {}
+    mode = "w:gz" if compress else "w"
+    kwargs = {"compresslevel": _COMPRESS_LEVEL} if compress else {}
+    with tarfile.open(fileobj=buffer, mode=mode, **kwargs) as tar:  # type: ignore[call-overload]
         for rel, _st in members:
             try:
-                tar.add(root / rel, arcname=str(rel), recursive=False)
+                info = tar.gettarinfo(root / rel, arcname=str(rel))
+                with open(root / rel, "rb") as f:
+                    tar.addfile(info, f)
             except OSError:  # vanished between walk and add: it was transient
                 continue
-    return buffer.getvalue()
+            listing[str(rel)] = info.size
+    return buffer.getvalue(), listing
+
+
+def present(listing: Mapping[str, int] | None, dest: Path) -> bool:
+    """True when every file of an archive's `listing` is in `dest` with its size (nothing to unpack)."""
+    if not listing:
+        return False
+    for rel, size in listing.items():
+        try:
+            if (dest / rel).stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +146,7 @@ class UnpackResult:
 def unpack_dir(data: bytes, dest: Path) -> UnpackResult:
     """Unpack a `pack_dir` archive into `dest`. Raises `ValueError` on a member that is not a plain
     relative file or folder (the archive is refused as a whole before anything is written)."""
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
         members = tar.getmembers()
         for m in members:
             rel = PurePosixPath(m.name)
@@ -162,30 +187,38 @@ def unpack_dir(data: bytes, dest: Path) -> UnpackResult:
     return UnpackResult(num_written=written, num_present=present, bytes_written=num_bytes)
 
 
-def collect(*, include_megacache: bool = True) -> dict[str, bytes]:
-    """This process's compile artifacts, by artifact name (call when no compilation is running)."""
+@dataclass(frozen=True, kw_only=True)
+class Collected:
+    """Artifacts by name, and the listing of each archive (relative path -> size)."""
+
+    files: dict[str, bytes]
+    listing: dict[str, dict[str, int]]
+
+
+def collect(*, include_megacache: bool = True, compress: bool = True) -> Collected:
+    """This process's compile artifacts (call when no compilation is running)."""
     files: dict[str, bytes] = {}
-    cache = inductor_cache_dir()
+    listing: dict[str, dict[str, int]] = {}
     headers = headers_dir()
-    inductor = pack_dir(cache, exclude=headers)
-    if inductor is not None:
-        files[INDUCTOR_ARCHIVE] = inductor
-    header_archive = pack_dir(headers)
-    if header_archive is not None:
-        files[HEADERS_ARCHIVE] = header_archive
+    for name, packed in (
+        (INDUCTOR_ARCHIVE, pack_dir(inductor_cache_dir(), exclude=headers, compress=compress)),
+        (HEADERS_ARCHIVE, pack_dir(headers, compress=compress)),
+    ):
+        if packed is not None:
+            files[name], listing[name] = packed
     if include_megacache:
         import torch
 
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None and saved[0]:
             files[MEGACACHE] = saved[0]
-    return files
+    return Collected(files=files, listing=listing)
 
 
-def collect_fingerprint() -> str:
+def collect_fingerprint(cache_dir: Path | None = None, header_dir: Path | None = None) -> str:
     """Changes whenever `collect` would return something new (kernel or header files added)."""
-    headers = headers_dir()
-    return fingerprint(inductor_cache_dir(), exclude=headers) + fingerprint(headers)
+    headers = header_dir or headers_dir()
+    return fingerprint(cache_dir or inductor_cache_dir(), exclude=headers) + fingerprint(headers)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,23 +230,39 @@ class RestoreResult:
     bytes_written: int
 
 
-def restore(files: Mapping[str, bytes]) -> RestoreResult:
-    """Put verified artifacts back before compiling: the cache directory and headers when present,
-    else the megacache archive. Raises `ValueError` for a malformed archive."""
+def restore(
+    files: Mapping[str, bytes], *, cache_dir: Path | None = None, header_dir: Path | None = None
+) -> RestoreResult:
+    """Put verified artifacts back before compiling: the cache directory and headers when present, else
+    the megacache archive. Raises `ValueError` for a malformed archive.
+
+    With `cache_dir` and `header_dir` given, the directories are not looked up and torch is not touched
+    unless the megacache is loaded (`needs_megacache` tells): a helper thread can unpack while the main
+    thread goes on, then the main thread calls `load_megacache`."""
     restored: list[str] = []
     num_files = num_bytes = 0
     if INDUCTOR_ARCHIVE in files:
-        result = unpack_dir(files[INDUCTOR_ARCHIVE], inductor_cache_dir())
+        result = unpack_dir(files[INDUCTOR_ARCHIVE], cache_dir or inductor_cache_dir())
         restored.append(INDUCTOR_ARCHIVE)
         num_files, num_bytes = num_files + result.num_written, num_bytes + result.bytes_written
     if HEADERS_ARCHIVE in files:
-        result = unpack_dir(files[HEADERS_ARCHIVE], headers_dir())
+        result = unpack_dir(files[HEADERS_ARCHIVE], header_dir or headers_dir())
         restored.append(HEADERS_ARCHIVE)
         num_files, num_bytes = num_files + result.num_written, num_bytes + result.bytes_written
-    if INDUCTOR_ARCHIVE not in files and MEGACACHE in files:
-        import torch
-
-        torch.compiler.load_cache_artifacts(files[MEGACACHE])
+    if needs_megacache(files) and (cache_dir is None or header_dir is None):
+        load_megacache(files[MEGACACHE])
         restored.append(MEGACACHE)
         num_bytes += len(files[MEGACACHE])
     return RestoreResult(restored=tuple(restored), num_files=num_files, bytes_written=num_bytes)
+
+
+def needs_megacache(files: Mapping[str, bytes]) -> bool:
+    """True when the megacache is the only way to restore these artifacts (no cache directory archive)."""
+    return INDUCTOR_ARCHIVE not in files and MEGACACHE in files
+
+
+def load_megacache(data: bytes) -> None:
+    """Hot-load a `torch.compiler.save_cache_artifacts()` archive into this process's caches."""
+    import torch
+
+    torch.compiler.load_cache_artifacts(data)

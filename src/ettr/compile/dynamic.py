@@ -26,7 +26,7 @@ logger = logging.getLogger("ettr")
 SCHEMA = "ettr.compile-dynamic/1"
 FILENAME = "dynamic.json"
 
-_SIZE_MISMATCH = re.compile(r"tensor '(?P<name>[^']+)' size mismatch at index (?P<dim>\d+)")
+_SIZE_MISMATCH = re.compile(r"tensor '(?P<name>.+?)' size mismatch at index (?P<dim>\d+)")
 _IDENT = re.compile(r"(?P<head>[A-Za-z_]\w*)(?P<rest>.*)$")
 _ENTRY = re.compile(r"^(?P<source>.+?)(?::(?P<dim>\d+))?$")
 
@@ -88,7 +88,9 @@ def from_pgo() -> list[DynamicSource]:
                     found.extend(
                         DynamicSource(source, dim) for dim, s in enumerate(size) if s is pgo.auto_dynamic
                     )
-                elif size is pgo.auto_dynamic or entry.scalar is pgo.auto_dynamic:
+                elif entry.scalar is pgo.auto_dynamic:
+                    # A scalar profile has size and stride auto_dynamic whatever its value: only its
+                    # scalar field says whether the value itself varied (as in pgo._collect_dynamic_sources).
                     found.append(DynamicSource(source))
         return found
     except Exception as exc:

@@ -89,7 +89,7 @@ def load(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _store_line(action: Mapping[str, Any]) -> str:
     what = f"{action.get('action', '?')} {action.get('status', '?')}"
-    size = action.get("entry_bytes")
+    size = action.get("entry_bytes", action.get("loaded_bytes"))
     details = []
     if size is not None:
         details.append(f"{size / 1e6:.1f} MB")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ettr.compile import artifacts, dynamic
+from ettr.compile.backend import LocalBackend
 from ettr.compile.hooks import CompileHooks, CompileRecord
 from ettr.compile.key import StoreKey, current_key
 from ettr.compile.store import CompileStore, EntryRefused, StoreConfig
@@ -60,6 +61,8 @@ class CompileConfig:
     """Learn dynamic sources from recompiles and apply learned ones before compiling."""
     include_megacache: bool = True
     """Also save `torch.compiler.save_cache_artifacts()` in the entry."""
+    restore_timeout_s: float = 300.0
+    """How long the first compilation waits for a restore still in progress before going on without it."""
 
     def __post_init__(self) -> None:
         if self.store is not None and not self.store:
@@ -68,6 +71,8 @@ class CompileConfig:
             raise ValueError(f"CompileConfig.max_store_bytes must be > 0, got {self.max_store_bytes}")
         if not self.settle_s >= 0:
             raise ValueError(f"CompileConfig.settle_s must be >= 0, got {self.settle_s}")
+        if not self.restore_timeout_s >= 0:
+            raise ValueError(f"CompileConfig.restore_timeout_s must be >= 0, got {self.restore_timeout_s}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> CompileConfig | None:
@@ -138,6 +143,9 @@ class CompileSession:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._prepared = False
+        self._restore_lock = threading.Lock()
+        self._restored = False
+        self._megacache: bytes | None = None
         self._pending_marks: list[tuple[float, dict[str, Any]]] = []
         self._saved_state: tuple[str, tuple[str, ...]] | None = None
         self._dirty = False
@@ -162,6 +170,21 @@ class CompileSession:
         except Exception as exc:  # a recorder without listeners: the background thread emits instead
             logger.debug("ettr: no step listener: %s", exc)
         atexit.register(self.close)
+        if self.config.store is None:
+            return
+        # Restore on a helper thread from now on, so the unpacking overlaps whatever the program does
+        # before its first compilation (which waits for it). Key and directories are looked up here, on
+        # the importing thread: the helper only reads, checks and writes files.
+        try:
+            digest = self.key.digest
+            dirs = (artifacts.inductor_cache_dir(), artifacts.headers_dir())
+        except Exception as exc:
+            logger.debug("ettr: restoring at the first compilation instead (%s)", exc)
+            return
+        logger.debug("ettr: restoring compile artifacts of entry %s in the background", digest)
+        threading.Thread(
+            target=self._restore_once, args=(dirs,), name="ettr-compile-restore", daemon=True
+        ).start()
 
     def close(self) -> None:
         """Emit what is pending and, with `save_at_exit`, save what was compiled since the last save."""
@@ -218,7 +241,13 @@ class CompileSession:
                 torch.compiler.config.job_id = pgo_job_id(self.user_key)
         except Exception as exc:
             logger.debug("ettr: cannot set the PGO job id: %s", exc)
-        self._restore()
+        self._restore_once(None, timeout_s=self.config.restore_timeout_s)
+        if self._megacache is not None:
+            try:
+                artifacts.load_megacache(self._megacache)
+            except Exception as exc:
+                logger.warning("ettr: cannot load the megacache archive (%s); compiling from scratch", exc)
+            self._megacache = None
         if self.config.learn_dynamic:
             try:
                 sources = dynamic.merge(
@@ -236,28 +265,68 @@ class CompileSession:
             return ()
         return dynamic.load(dynamic.job_file(run_dir))[0]
 
-    def _restore(self) -> None:
+    def _restore_once(self, dirs: tuple[Any, Any] | None, *, timeout_s: float = -1) -> None:
+        # Whoever comes first restores; the first compilation waits (bounded) for a helper thread's restore.
+        if not self._restore_lock.acquire(timeout=timeout_s):
+            logger.warning(
+                "ettr: compile store restore still running after %.0f s; compiling without it", timeout_s
+            )
+            return
+        try:
+            if not self._restored:
+                self._restored = True
+                self._restore(dirs)
+        finally:
+            self._restore_lock.release()
+
+    def _restore(self, dirs: tuple[Any, Any] | None) -> None:
         store = self.store
         if store is None:
             return
         begin = time.time()
-        info: dict[str, Any] = {"action": "restore", "location": store.backend.describe()}
+        info: dict[str, Any] = {"action": "restore", "location": store.backend.describe(), "begin_ts": begin}
         try:
             info["digest"] = self.key.digest
-            entry = store.load(self.key)
-            if entry is None:
+            head = store.load(self.key, names=set())  # the verified manifest alone
+            if head is None:
                 info["status"] = "miss"
             else:
-                result = artifacts.restore(entry.files)
+                cache_dir, header_dir = dirs if dirs is not None else (None, None)
+                listing = head.meta.get("archives", {})
+                targets = {
+                    artifacts.INDUCTOR_ARCHIVE: cache_dir or artifacts.inductor_cache_dir(),
+                    artifacts.HEADERS_ARCHIVE: header_dir or artifacts.headers_dir(),
+                }
+                # Archives whose files are all still here (a restart on the same node) are not even read.
+                skipped = {
+                    n
+                    for n, d in targets.items()
+                    if n in head.available and artifacts.present(listing.get(n), d)
+                }
+                wanted = set(head.available) - skipped
+                if artifacts.INDUCTOR_ARCHIVE in head.available:
+                    wanted.discard(artifacts.MEGACACHE)
+                entry = store.load(self.key, names=wanted)
+                if entry is None:
+                    raise EntryRefused("entry vanished while it was read")
+                result = artifacts.restore(entry.files, cache_dir=cache_dir, header_dir=header_dir)
+                restored = list(result.restored)
+                if dirs is not None and artifacts.needs_megacache(entry.files):
+                    self._megacache = entry.files[artifacts.MEGACACHE]  # loaded on the compiling thread
+                    restored.append(artifacts.MEGACACHE)
+                info["already_present"] = sorted(skipped)
                 self.store_meta = dict(entry.meta)
                 info.update(
                     status="hit",
-                    restored=list(result.restored),
+                    restored=restored,
                     num_files=result.num_files,
-                    entry_bytes=entry.size_bytes,
+                    loaded_bytes=entry.size_bytes,
                 )
                 stored = dynamic.parse_many(self.store_meta.get("dynamic_sources", []))
-                self._saved_state = (artifacts.collect_fingerprint(), tuple(s.render() for s in stored))
+                self._saved_state = (
+                    artifacts.collect_fingerprint(*dirs) if dirs else artifacts.collect_fingerprint(),
+                    tuple(s.render() for s in stored),
+                )
         except EntryRefused as exc:
             info.update(status="refused", error=str(exc))
             logger.warning("ettr: compile store entry refused: %s", exc)
@@ -344,8 +413,13 @@ class CompileSession:
             state = (artifacts.collect_fingerprint(), tuple(s.render() for s in sources))
             if state == self._saved_state:
                 return False
-            files = artifacts.collect(include_megacache=self.config.include_megacache)
+            collected = artifacts.collect(
+                include_megacache=self.config.include_megacache,
+                compress=not isinstance(store.backend, LocalBackend),
+            )
+            files = collected.files
             meta = {
+                "archives": collected.listing,
                 "dynamic_sources": [
                     s.render()
                     for s in dynamic.merge(

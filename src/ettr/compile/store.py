@@ -73,6 +73,9 @@ class StoreEntry:
 
     digest: str
     files: Mapping[str, bytes]
+    """The artifacts loaded (all of them, or those asked for)."""
+    available: frozenset[str]
+    """Names of every artifact in the entry, loaded or not."""
     meta: Mapping[str, Any]
     created_ts: float
 
@@ -167,7 +170,11 @@ class CompileStore:
             files[name] = data
         self._touch(digest, time.time())
         return StoreEntry(
-            digest=digest, files=files, meta=manifest.get("meta", {}), created_ts=manifest["created_ts"]
+            digest=digest,
+            files=files,
+            available=frozenset(manifest["files"]),
+            meta=manifest.get("meta", {}),
+            created_ts=manifest["created_ts"],
         )
 
     def _manifest(self, digest: str) -> dict[str, Any] | None:

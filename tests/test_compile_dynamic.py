@@ -1,0 +1,101 @@
+"""Learned dynamic sources: from guard-failure reasons, merged, kept per job, applied to torch's config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ettr.compile import dynamic
+from ettr.compile.dynamic import DynamicSource
+from ettr.compile.report import render, summarize
+from ettr.compile.session import STORE_MARK
+from ettr.events import Event, EventKind, Phase
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        (
+            "0/0: tensor 'args[0]' size mismatch at index 0. expected 4, actual 6",
+            [DynamicSource("L['args'][0]", 0)],
+        ),
+        ("0/3: tensor 'x' size mismatch at index 1. expected 8, actual 16", [DynamicSource("L['x']", 1)]),
+        ("tensor 'L['x']' size mismatch at index 2. expected 1, actual 2", [DynamicSource("L['x']", 2)]),
+        ("0/1: 2 <= args[0].size()[0] <= 4096  # ...", []),
+        ("0/0: ___check_obj_id(L['self'], 1234)", []),
+    ],
+)
+def test_reasons_name_the_dimension_that_changed(reason, expected):
+    assert dynamic.from_reason(reason) == expected
+
+
+def test_render_and_parse_are_inverse_and_merge_dedupes():
+    sources = [DynamicSource("L['x']", 0), DynamicSource("L['n']"), DynamicSource("L['x']", 0)]
+    merged = dynamic.merge(sources)
+    assert merged == (DynamicSource("L['n']"), DynamicSource("L['x']", 0))
+    assert dynamic.render(merged) == "L['n'],L['x']:0"
+    assert dynamic.parse_many(dynamic.render(merged).split(",")) == merged
+    # An all-dimensions entry covers the per-dimension entries of its source.
+    assert dynamic.merge([DynamicSource("L['x']", 1), DynamicSource("L['x']")]) == (DynamicSource("L['x']"),)
+    assert dynamic.parse_many(["", "L['y']:3"]) == (DynamicSource("L['y']", 3),)
+
+
+def test_the_job_file_merges_across_attempts_and_survives_corruption(tmp_path):
+    path = dynamic.job_file(tmp_path)
+    assert dynamic.load(path) == ((), [])
+    dynamic.save(path, [DynamicSource("L['x']", 0)], [{"reason": "r1", "attempt": 0}])
+    merged = dynamic.save(path, [DynamicSource("L['y']", 1)], [{"reason": "r2", "attempt": 1}])
+    assert merged == (DynamicSource("L['x']", 0), DynamicSource("L['y']", 1))
+    sources, reasons = dynamic.load(path)
+    assert sources == merged and [r["reason"] for r in reasons] == ["r1", "r2"]
+    assert json.loads(path.read_text())["env"] == "L['x']:0,L['y']:1"
+    path.write_text("{broken")
+    assert dynamic.load(path) == ((), [])
+
+
+def test_apply_keeps_the_users_own_entries():
+    torch = pytest.importorskip("torch")
+    with torch.compiler.config.patch(dynamic_sources="L\\['user.*'\\]"):
+        value = dynamic.apply([DynamicSource("L['x']", 0), DynamicSource("L['x']", 0)])
+        assert value == "L\\['user.*'\\],L['x']:0"
+        assert torch.compiler.config.dynamic_sources == value
+        assert dynamic.apply([DynamicSource("L['x']", 0)]) == value
+
+
+def test_compile_report_summarizes_spans_recompiles_and_store_actions():
+    events = [
+        Event(EventKind.PHASE_END, 12.0, 0, 0, Phase.COMPILE, value=2.0, data={"source": "dynamo"}),
+        Event(EventKind.RECOMPILE, 20.0, 0, 0, data={"reason": "tensor 'x' size mismatch at index 0"}),
+        Event(EventKind.PHASE_END, 23.0, 0, 0, Phase.COMPILE, value=20.0, data={"source": "dynamo"}),
+        Event(EventKind.MARK, 1.0, 0, 0, data={"name": STORE_MARK, "action": "restore", "status": "miss"}),
+        Event(EventKind.PHASE_END, 9.0, 1, 0, Phase.COMPILE, value=8.0, data={"source": "dynamo"}),
+        Event(EventKind.PHASE_END, 9.0, 1, 0, Phase.COMPILE, value=5.0, data={"source": "fast_start"}),
+        Event(EventKind.PHASE_END, 9.0, 1, 0, Phase.DATA_WAIT, value=5.0),
+    ]
+    summary = summarize(events, learned=((DynamicSource("L['x']", 0),), [{"reason": "r"}]))
+    first, second = summary["attempts"]
+    assert (first["num_compiles"], first["compile_s"], first["num_recompiles"]) == (2, 13.0, 1)
+    assert first["store"][0]["status"] == "miss"
+    assert (second["num_compiles"], second["num_recompiles"], second["fast_start_compile_s"]) == (1, 0, 4.0)
+    assert summary["torch_compile_dynamic_sources"] == "L['x']:0"
+    text = render(summary)
+    assert "1 x tensor 'x' size mismatch at index 0" in text
+    assert "TORCH_COMPILE_DYNAMIC_SOURCES=\"L['x']:0\"" in text
+    assert "restore miss" in text
+
+
+def test_the_pgo_profile_yields_only_dimensions_and_scalars_that_varied(monkeypatch):
+    pytest.importorskip("torch")
+    from collections import defaultdict
+
+    from torch._dynamo import pgo
+
+    state = pgo.CodeState()
+    state.automatic_dynamic["L['x']"] = pgo.FrameStateSizeEntry.make_tensor((8, 3), (3, 1))
+    state.automatic_dynamic["L['x']"] |= pgo.FrameStateSizeEntry.make_tensor((16, 3), (3, 1))
+    state.automatic_dynamic["L['self'].eps"] = pgo.FrameStateSizeEntry.make_scalar(5)  # a constant
+    state.automatic_dynamic["L['n']"] = pgo.FrameStateSizeEntry.make_scalar(1)
+    state.automatic_dynamic["L['n']"] |= pgo.FrameStateSizeEntry.make_scalar(2)
+    monkeypatch.setattr(pgo, "_CODE_STATE", defaultdict(pgo.CodeState, {"code": state}))
+    assert dynamic.merge(dynamic.from_pgo()) == (DynamicSource("L['n']"), DynamicSource("L['x']", 0))

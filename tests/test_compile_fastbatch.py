@@ -1,0 +1,146 @@
+"""Fast batches and parallel start-up: specs, synthesis, and overlap of compile, data and checkpoint read."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ettr.compile import fastbatch  # noqa: E402
+from ettr.compile.fastbatch import TensorSpec  # noqa: E402
+from ettr.compile.startup import fast_start, warm_up  # noqa: E402
+from ettr.events import EventKind, Phase  # noqa: E402
+from ettr.ledger import MemoryLedger  # noqa: E402
+from ettr.recorder import Recorder  # noqa: E402
+
+_WAIT_S = 30.0  # generous: only reached when the overlap is broken, and then the test fails, not hangs
+
+
+def _batch():
+    return {
+        "ids": torch.tensor([[3, 9], [0, 7]], dtype=torch.int64),
+        "x": torch.full((2, 5), 0.5),
+        "mask": torch.tensor([True, False]),
+        "meta": (torch.zeros(3, dtype=torch.float16), 7),
+    }
+
+
+def test_spec_of_a_batch_records_structure_shapes_dtypes_and_ranges():
+    spec = fastbatch.spec_of(_batch())
+    assert spec["ids"] == TensorSpec(shape=(2, 2), dtype="int64", low=0.0, high=9.0)
+    assert spec["x"].shape == (2, 5) and spec["x"].dtype == "float32"
+    assert isinstance(spec["meta"], tuple) and spec["meta"][1] == 7
+
+
+def test_synthesized_batches_match_the_spec_and_are_deterministic():
+    spec = fastbatch.spec_of(_batch())
+    fake = fastbatch.synthesize(spec, seed=1)
+    assert fake["ids"].dtype == torch.int64 and fake["ids"].shape == (2, 2)
+    assert int(fake["ids"].min()) >= 0 and int(fake["ids"].max()) <= 9
+    assert fake["mask"].dtype == torch.bool and fake["meta"][0].dtype == torch.float16
+    assert fake["meta"][1] == 7
+    assert torch.equal(fastbatch.synthesize(spec, seed=1)["x"], fake["x"])
+
+
+def test_specs_round_trip_through_json(tmp_path):
+    spec = fastbatch.spec_of(_batch())
+    path = fastbatch.job_file(tmp_path)
+    fastbatch.save_spec(path, spec)
+    assert fastbatch.load_spec(path) == spec
+    path.write_text('{"schema": "other"}')
+    assert fastbatch.load_spec(path) is None
+
+
+def test_tensor_spec_is_validated():
+    with pytest.raises(ValueError, match="high"):
+        TensorSpec(shape=(1,), dtype="float32", low=1.0, high=0.0)
+    with pytest.raises(ValueError, match="dtype"):
+        TensorSpec(shape=(1,), dtype="torch.float32")
+    with pytest.raises(ValueError, match="shape"):
+        TensorSpec(shape=(-1,), dtype="float32")
+
+
+def _recorder(tmp_path):
+    rec = Recorder(MemoryLedger(), run_dir=tmp_path, flush_interval_s=60)
+    return rec
+
+
+def test_fast_start_overlaps_compile_data_and_restore(tmp_path):
+    """Each part waits until the other two have started: run one after another, this would time out."""
+    rec = _recorder(tmp_path)
+    started = {name: threading.Event() for name in ("compile", "data", "restore")}
+
+    def all_started(me: str) -> None:
+        started[me].set()
+        for name, event in started.items():
+            assert event.wait(_WAIT_S), f"{me} ran without {name} running beside it"
+
+    seen = []
+
+    def warmup(batch):
+        seen.append(batch)
+        all_started("compile")
+
+    def first_batch():
+        all_started("data")
+        return {"x": torch.ones(4, 3)}
+
+    def restore():
+        all_started("restore")
+        return {"step": 7}
+
+    spec = {"x": TensorSpec(shape=(4, 3), dtype="float32")}
+    result = fast_start(warmup, first_batch, restore=restore, spec=spec, rec=rec)
+    assert result.restored == {"step": 7} and torch.equal(result.first_batch["x"], torch.ones(4, 3))
+    assert seen[0]["x"].shape == (4, 3) and result.spec_source == "given"
+    rec.flush()
+    spans = {e.phase: (e.value, e.ts) for e in rec._ledger.read() if e.kind is EventKind.PHASE_END}
+    assert set(spans) == {Phase.COMPILE, Phase.GET_FIRST_BATCH_DATA, Phase.RESTORE}
+    latest_begin = max(begin for begin, _ in spans.values())
+    assert all(end >= latest_begin for _, end in spans.values())  # the three spans overlap
+    # The real batch's spec is kept for the next attempt.
+    assert fastbatch.load_spec(fastbatch.job_file(tmp_path)) == fastbatch.spec_of(result.first_batch)
+    rec.close()
+
+
+def test_fast_start_uses_the_spec_kept_by_an_earlier_attempt(tmp_path):
+    rec = _recorder(tmp_path)
+    fastbatch.save_spec(fastbatch.job_file(tmp_path), {"x": TensorSpec(shape=(2, 8), dtype="float32")})
+    shapes = []
+    result = fast_start(lambda b: shapes.append(b["x"].shape), lambda: {"x": torch.zeros(2, 8)}, rec=rec)
+    assert result.spec_source == "run_dir" and shapes == [(2, 8)]
+    rec.close()
+
+
+def test_without_a_spec_the_warmup_runs_on_the_real_first_batch(tmp_path):
+    rec = _recorder(tmp_path)
+    got = []
+    real = {"x": torch.arange(6.0).reshape(2, 3)}
+    result = fast_start(got.append, lambda: real, rec=rec)
+    assert result.spec_source == "first_batch" and got == [real]
+    rec.close()
+
+
+def test_errors_of_the_helper_threads_reach_the_caller_after_recording(tmp_path):
+    rec = _recorder(tmp_path)
+
+    def broken_loader():
+        raise RuntimeError("loader died")
+
+    spec = {"x": TensorSpec(shape=(1,), dtype="float32")}
+    with pytest.raises(RuntimeError, match="loader died"):
+        fast_start(lambda b: None, broken_loader, spec=spec, rec=rec)
+    rec.flush()
+    assert {e.phase for e in rec._ledger.read()} >= {Phase.COMPILE, Phase.GET_FIRST_BATCH_DATA}
+    rec.close()
+
+
+def test_warm_up_leaves_no_trace_in_gradients_or_buffers():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    warm_up(model, lambda b: model(b).sum())(torch.randn(8, 3) * 10)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())

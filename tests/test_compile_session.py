@@ -1,0 +1,189 @@
+"""The compile session without compiling: save, restore onto a fresh node, skip what a node still has,
+refuse a tampered entry, save only what changed, and never raise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ettr.compile import artifacts  # noqa: E402
+from ettr.compile.backend import MemoryBackend  # noqa: E402
+from ettr.compile.hooks import CompileRecord  # noqa: E402
+from ettr.compile.key import StoreKey  # noqa: E402
+from ettr.compile.session import STORE_MARK, CompileConfig, CompileSession  # noqa: E402
+from ettr.compile.store import CompileStore  # noqa: E402
+from ettr.events import EventKind  # noqa: E402
+from ettr.ledger import MemoryLedger  # noqa: E402
+from ettr.recorder import Recorder  # noqa: E402
+
+KEY = StoreKey(
+    torch_version="t", python_version="p", platform="x", device_type="cpu", inductor_config="c", user_key="u"
+)
+
+
+class CountingBackend(MemoryBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def read(self, path: str) -> bytes:
+        self.reads.append(path)
+        return super().read(path)
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    """Point inductor's cache and header directories at folders of a "node" that tests can switch."""
+    current = {}
+
+    def use(name: str):
+        current["cache"], current["headers"] = tmp_path / name / "inductor", tmp_path / name / "headers"
+        return current["cache"], current["headers"]
+
+    monkeypatch.setattr(artifacts, "inductor_cache_dir", lambda: current["cache"])
+    monkeypatch.setattr(artifacts, "headers_dir", lambda: current["headers"])
+    with torch.compiler.config.patch(job_id="test-job"):
+        yield use
+
+
+def _session(store, tmp_path, **config):
+    rec = Recorder(MemoryLedger(), run_dir=tmp_path / "run", flush_interval_s=60)
+    settings = {"store": "memory", "include_megacache": False, "save_at_exit": False, **config}
+    return CompileSession(rec, CompileConfig(**settings), store=store, key=KEY), rec
+
+
+def _compiled_something(session):
+    session.hooks.records.append(
+        CompileRecord(begin_ts=1.0, end_ts=2.0, compile_id="0/0", trigger="dynamo", recompile_reason=None)
+    )
+
+
+def test_save_on_one_node_restore_on_a_fresh_one_skip_on_the_same_one(node, tmp_path):
+    backend = CountingBackend()
+    store = CompileStore(backend)
+    cache, headers = node("first")
+    (cache / "ab").mkdir(parents=True)
+    (cache / "ab" / "kernel.so").write_bytes(b"k" * 100)
+    headers.mkdir(parents=True)
+    (headers / "prefix.h.gch").write_bytes(b"h" * 1000)
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    assert first.save() is False  # nothing new since
+    rec.close()
+
+    cache2, headers2 = node("fresh")
+    fresh, rec = _session(store, tmp_path)
+    fresh.prepare()
+    assert fresh.last_restore["status"] == "hit"
+    assert set(fresh.last_restore["restored"]) == {artifacts.INDUCTOR_ARCHIVE, artifacts.HEADERS_ARCHIVE}
+    assert (cache2 / "ab" / "kernel.so").read_bytes() == b"k" * 100
+    assert (headers2 / "prefix.h.gch").read_bytes() == b"h" * 1000
+    _compiled_something(fresh)
+    assert fresh.save() is False  # restored, compiled from the cache: nothing to save again
+    fresh.close()  # emits the pending store marks
+    marks = [e.data for e in rec._ledger.read() if e.kind is EventKind.MARK]
+    assert [m["action"] for m in marks] == ["restore"] and marks[0]["name"] == STORE_MARK
+    rec.close()
+
+    backend.reads.clear()
+    same, rec = _session(store, tmp_path)  # a restart on the node that has the files
+    same.prepare()
+    assert same.last_restore["status"] == "hit" and same.last_restore["restored"] == []
+    assert same.last_restore["already_present"] == sorted(
+        [artifacts.HEADERS_ARCHIVE, artifacts.INDUCTOR_ARCHIVE]
+    )
+    assert all(path.endswith(("manifest.json", "used")) for path in backend.reads)
+    rec.close()
+
+
+def test_a_tampered_entry_is_refused_and_nothing_is_unpacked(node, tmp_path):
+    backend = MemoryBackend()
+    store = CompileStore(backend)
+    cache, _headers = node("first")
+    cache.mkdir(parents=True)
+    (cache / "kernel.so").write_bytes(b"good")
+    first, rec = _session(store, tmp_path)
+    first.save()
+    rec.close()
+    manifest = json.loads(backend.read(f"{KEY.digest}/manifest.json"))
+    blob = manifest["files"][artifacts.INDUCTOR_ARCHIVE]["blob"]
+    evil, _ = artifacts.pack_dir(cache, compress=False)
+    backend.write(f"{KEY.digest}/{blob}", evil.replace(b"good", b"evil"))
+
+    cache2, _ = node("fresh")
+    fresh, rec = _session(store, tmp_path)
+    fresh.prepare()
+    assert fresh.last_restore["status"] == "refused"
+    assert not (cache2 / "kernel.so").exists()
+    rec.close()
+
+
+def test_learned_sources_go_to_the_run_directory_and_the_store(node, tmp_path):
+    store = CompileStore(MemoryBackend())
+    cache, _ = node("first")
+    cache.mkdir(parents=True)
+    (cache / "kernel.so").write_bytes(b"k")
+    first, rec = _session(store, tmp_path)
+    first.hooks.records.append(
+        CompileRecord(
+            begin_ts=1.0,
+            end_ts=2.0,
+            compile_id="0/1",
+            trigger="dynamo",
+            recompile_reason="0/0: tensor 'x' size mismatch at index 0. expected 4, actual 6",
+        )
+    )
+    assert first.save() is True
+    saved = json.loads((tmp_path / "run" / "compile" / "dynamic.json").read_text())
+    assert saved["sources"] == ["L['x']:0"]
+    assert store.load(KEY, names=set()).meta["dynamic_sources"] == ["L['x']:0"]
+    rec.close()
+
+    with torch.compiler.config.patch(dynamic_sources=""):
+        node("fresh")
+        later, rec = _session(store, tmp_path / "other-job")  # another job: learns from the store
+        later.prepare()
+        assert torch.compiler.config.dynamic_sources == "L['x']:0"
+        rec.close()
+
+
+def test_a_broken_store_is_reported_not_raised(node, tmp_path):
+    class Broken(MemoryBackend):
+        def read(self, path: str) -> bytes:
+            raise OSError("disk on fire")
+
+        def write(self, path: str, data: bytes) -> None:
+            raise OSError("disk on fire")
+
+    node("first")
+    session, rec = _session(CompileStore(Broken()), tmp_path)
+    session.prepare()
+    assert session.last_restore["status"] == "error"
+    _compiled_something(session)
+    artifacts.inductor_cache_dir().mkdir(parents=True)
+    (artifacts.inductor_cache_dir() / "k.so").write_bytes(b"k")
+    assert session.save() is False
+    assert session.last_save["status"] == "error"
+    rec.close()
+
+
+def test_config_from_env():
+    assert CompileConfig.from_env({"ETTR_COMPILE": "0"}) is None
+    config = CompileConfig.from_env(
+        {
+            "ETTR_COMPILE_STORE": "off",
+            "ETTR_COMPILE_KEY": "model-a",
+            "ETTR_COMPILE_SETTLE_S": "2.5",
+            "ETTR_COMPILE_STORE_MAX_BYTES": "nonsense",
+            "ETTR_COMPILE_STORE_SECRET": "k",
+        }
+    )
+    assert config.store is None and config.user_key == "model-a" and config.settle_s == 2.5
+    assert config.max_store_bytes == 8 * 1024**3 and config.secret == b"k"
+    assert CompileConfig.from_env({}).store == "~/.cache/ettr/compile"
+    with pytest.raises(ValueError, match="settle_s"):
+        CompileConfig(settle_s=-1)
