@@ -233,6 +233,8 @@ def publish_at_end(
     specs = infer_inputs(sample_inputs, config.input_names)
     job_id = _job_id(config, rec)
     anchor_root = os.fspath(config.anchor_root)
+    if "://" not in anchor_root:  # the publisher may run elsewhere: give it an absolute path
+        anchor_root = os.path.abspath(anchor_root)
     request_id = request_id_for(job_id, anchor_root, step)
     queue_dir = Path(config.queue_dir)
     artifact_dir = Path(config.artifact_root or queue_dir / "artifacts") / request_id

@@ -179,7 +179,13 @@ def build_artifact(
     trained model's outputs; LostClaim if `still_owner()` turns False before the commit (nothing is
     written then).
     """
-    from ettr.publish.export import PlainInputs, export_program, set_output_dtype, to_exportable
+    from ettr.publish.export import (
+        PlainInputs,
+        detach_views,
+        export_program,
+        set_output_dtype,
+        to_exportable,
+    )
 
     final = Path(request.artifact_dir)
     existing = read_manifest(final)
@@ -211,6 +217,7 @@ def build_artifact(
             set_output_dtype(exportable, dtype)
         for parameter in exportable.parameters():
             parameter.requires_grad_(False)
+        detach_views(exportable)
         wrapper = PlainInputs(exportable, specs, dtype).eval()
         num_samples = batch_size(inputs, specs)
         with torch.no_grad():

@@ -173,6 +173,18 @@ def to_exportable(model: nn.Module) -> nn.Module:
     return model
 
 
+def detach_views(model: nn.Module) -> None:
+    """Give every buffer that is a view of another tensor its own storage (in place).
+
+    `torch.export.save` stores tensors by storage; two buffers that are views of one tensor (e.g. the
+    rows and columns of one `triu_indices`) leave it with no complete tensor for that storage.
+    """
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer._base is not None:
+                module._buffers[name] = buffer.clone()
+
+
 def set_output_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     """Make every `PlainEmbeddingBags` in `model` pool into `dtype` (for a bfloat16 publish)."""
     for module in model.modules():
