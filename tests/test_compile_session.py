@@ -187,3 +187,30 @@ def test_config_from_env():
     assert CompileConfig.from_env({}).store == "~/.cache/ettr/compile"
     with pytest.raises(ValueError, match="settle_s"):
         CompileConfig(settle_s=-1)
+
+
+def test_the_first_batch_spec_travels_to_later_jobs_through_the_store(node, tmp_path, monkeypatch):
+    import importlib
+
+    from ettr.compile import fastbatch
+    from ettr.compile.startup import fast_start
+
+    autoinstall = importlib.import_module("ettr.compile.autoinstall")  # the package re-exports the function
+
+    store = CompileStore(MemoryBackend())
+    node("first")
+    first, rec = _session(store, tmp_path / "job-1")
+    real = {"x": torch.zeros(4, 3)}
+    monkeypatch.setattr(autoinstall, "_session", first)
+    fast_start(lambda batch: None, lambda: real, rec=rec)  # no spec anywhere: waits for the real batch
+    assert first.save() is True  # nothing compiled, but the spec is new to the store
+    rec.close()
+
+    node("fresh")
+    later, rec = _session(store, tmp_path / "job-2")
+    monkeypatch.setattr(autoinstall, "_session", later)
+    shapes = []
+    result = fast_start(lambda batch: shapes.append(batch["x"].shape), lambda: real, rec=rec)
+    assert result.spec_source == "store" and shapes == [(4, 3)]
+    assert fastbatch.load_spec(fastbatch.job_file(tmp_path / "job-2" / "run")) == fastbatch.spec_of(real)
+    rec.close()

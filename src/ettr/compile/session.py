@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -147,7 +148,8 @@ class CompileSession:
         self._restored = False
         self._megacache: bytes | None = None
         self._pending_marks: list[tuple[float, dict[str, Any]]] = []
-        self._saved_state: tuple[str, tuple[str, ...]] | None = None
+        self._saved_state: tuple[str, tuple[str, ...], str] | None = None
+        """What the store holds (files, sources, batch spec): a save with nothing new is skipped."""
         self._dirty = False
         self._started = False
         self.store_meta: dict[str, Any] = {}
@@ -326,6 +328,7 @@ class CompileSession:
                 self._saved_state = (
                     artifacts.collect_fingerprint(*dirs) if dirs else artifacts.collect_fingerprint(),
                     tuple(s.render() for s in stored),
+                    json.dumps(self.store_meta.get("batch_spec"), sort_keys=True),
                 )
         except EntryRefused as exc:
             info.update(status="refused", error=str(exc))
@@ -410,7 +413,12 @@ class CompileSession:
             store = self.store
             if store is None or not self._saves_here:
                 return False
-            state = (artifacts.collect_fingerprint(), tuple(s.render() for s in sources))
+            spec = self.batch_spec if self.batch_spec is not None else self.store_meta.get("batch_spec")
+            state = (
+                artifacts.collect_fingerprint(),
+                tuple(s.render() for s in sources),
+                json.dumps(spec, sort_keys=True),
+            )
             if state == self._saved_state:
                 return False
             collected = artifacts.collect(
@@ -431,7 +439,6 @@ class CompileSession:
                 "num_compiles": len(self.hooks.records),
                 "num_recompiles": len(reasons),
             }
-            spec = self.batch_spec if self.batch_spec is not None else self.store_meta.get("batch_spec")
             if spec is not None:
                 meta["batch_spec"] = spec
             size = store.save(self.key, files, meta=meta)
