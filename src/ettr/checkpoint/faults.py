@@ -11,6 +11,7 @@ and again, then start afresh.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import random
@@ -46,7 +47,7 @@ class TrialResult:
     detail: str
 
 
-def _child_main(job: ToyJob, run_dir: str, started: Any) -> None:
+def _child_main(job: ToyJob, run_dir: str, started: Any, ready_after_step: int) -> None:
     import logging
     import warnings
 
@@ -54,25 +55,44 @@ def _child_main(job: ToyJob, run_dir: str, started: Any) -> None:
     from ettr.ledger import open_ledger
     from ettr.recorder import Recorder
 
+    # This process's and its persist process's messages (a killed trainer's checkpoint process complains
+    # about the broken pipe) go to the trial's directory, not the terminal.
+    os.makedirs(run_dir, exist_ok=True)
+    log = os.open(os.path.join(run_dir, "stderr.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
     logging.getLogger("ettr").setLevel(logging.ERROR)  # the skipped-checkpoint warnings are expected here
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     recorder = Recorder(open_ledger(run_dir), run_dir=run_dir)
-    toyjob.run(job, recorder=recorder, on_step=lambda step: started.set())
+    try:
+        steps_here = itertools.count(1)  # steps of this process (a resumed job starts at a later global step)
+        toyjob.run(
+            job,
+            recorder=recorder,
+            on_step=lambda step: next(steps_here) >= ready_after_step and started.set(),
+        )
+    finally:
+        recorder.close()  # a multiprocessing child skips atexit: write what is queued before exiting
+
+
+def _commits(run_dir: str) -> list[tuple[float, int]]:
+    """(time, step) of every CHECKPOINT_COMMIT in a trial's ledger, oldest first."""
+    from ettr.ledger import open_ledger
+
+    if not (Path(run_dir) / "ledger.db").exists():
+        return []
+    ledger = open_ledger(run_dir, create=False)
+    try:
+        events = ledger.read()
+    finally:
+        ledger.close()
+    return sorted(
+        (e.ts, e.step) for e in events if e.kind is EventKind.CHECKPOINT_COMMIT and e.step is not None
+    )
 
 
 def _highest_commit(run_dir: str) -> int | None:
-    from ettr.ledger import open_ledger
-
-    path = Path(run_dir) / "ledger.db"
-    if not path.exists():
-        return None
-    ledger = open_ledger(run_dir, create=False)
-    try:
-        steps = [
-            e.step for e in ledger.read() if e.kind is EventKind.CHECKPOINT_COMMIT and e.step is not None
-        ]
-    finally:
-        ledger.close()
+    steps = [step for _, step in _commits(run_dir)]
     return max(steps) if steps else None
 
 
@@ -107,6 +127,7 @@ class TrialRunner:
         self._reference = reference_digests(ToyJob(root="-", hidden=hidden, num_steps=num_steps))
         self._chain = 0
         self._root: Path | None = None
+        self._progress = 0  # the step the current chain's job will resume from
         self.full_run_s: float | None = None
         """Wall time of one uninterrupted child run (measured by `calibrate`)."""
 
@@ -123,21 +144,28 @@ class TrialRunner:
 
     def _start(self, job: ToyJob, run_dir: Path) -> tuple[Any, Any]:
         started = self._context.Event()
-        process = self._context.Process(target=_child_main, args=(job, str(run_dir), started), daemon=True)
+        # In process mode the second save waits for the first persist, which starts DCP's checkpoint
+        # process: kills count from when that is up. (Not a daemon: that mode starts a child of its own.)
+        ready_after_step = 2 if self.mode == "process" else 1
+        process = self._context.Process(
+            target=_child_main, args=(job, str(run_dir), started, ready_after_step), daemon=False
+        )
         process.start()
         return process, started
 
     def calibrate(self) -> float:
-        """Run the job once without faults; returns (and remembers) its wall time after the first step."""
+        """Run the job once without faults; returns (and remembers) how long it trains and persists after
+        it is ready: from then to its last commit (its shutdown afterwards is not what is under test)."""
         root = self.workdir / "calibrate"
         shutil.rmtree(root, ignore_errors=True)
         process, started = self._start(self._job(root / "ckpt"), root)
         started.wait(timeout=300)
-        begin = time.monotonic()
+        ready_ts = time.time()
         process.join(timeout=300)
-        self.full_run_s = time.monotonic() - begin
         if process.exitcode != 0:
             raise RuntimeError(f"the calibration run failed with exit status {process.exitcode}")
+        commits = _commits(str(root))
+        self.full_run_s = max(0.05, (commits[-1][0] if commits else time.time()) - ready_ts)
         shutil.rmtree(root, ignore_errors=True)
         return self.full_run_s
 
@@ -145,6 +173,7 @@ class TrialRunner:
         if self._root is None:
             self._chain += 1
             self._root = self.workdir / f"chain{self._chain:03d}"
+            self._progress = 0
             shutil.rmtree(self._root, ignore_errors=True)
             self._root.mkdir(parents=True)
         return self._root
@@ -159,11 +188,13 @@ class TrialRunner:
             self._root = None
         root = self._trial_root()
         if point is None:
-            horizon_s = self.full_run_s or self.calibrate()
+            full_run_s = self.full_run_s or self.calibrate()
+            # kill somewhere in what is left of the job (a resumed job has fewer steps to go)
+            horizon_s = full_run_s * max(0.1, (self.num_steps - self._progress) / self.num_steps)
             delay_s = self._rng.uniform(0.0, horizon_s)
             kill = f"random {delay_s:.3f}s"
             process, started = self._start(self._job(root / "ckpt"), root)
-            started.wait(timeout=120)  # after the first step: start-up is not what is under test
+            started.wait(timeout=120)  # start-up is not what is under test
             time.sleep(delay_s)
             if process.is_alive():
                 os.kill(process.pid, signal.SIGKILL)
@@ -189,6 +220,7 @@ class TrialRunner:
         stale = committed is not None and (step is None or step < committed)
         if stale and not detail:
             detail = f"resumed from {step} though the ledger says step {committed} committed"
+        self._progress = step or 0
         if process.exitcode == 0 or bad or step == self.num_steps:
             self._root = None  # this chain is done (or broken): start the next trial afresh
         return TrialResult(index, kill, process.exitcode, num_incomplete, step, committed, bad, stale, detail)

@@ -96,14 +96,20 @@ class _CommitMixin:
         for rank_results in results:
             for result in rank_results:
                 names.add(result.storage_data.relative_path)
-        self._ettr_check_owner()
         commit(
             self._ettr_storage,
             self._ettr_step,
             names,
             world_size=self._ettr_world_size,
-            fault_hook=self._ettr_hook,
+            fault_hook=self._ettr_commit_point,
         )
+
+    def _ettr_commit_point(self, point: str) -> None:
+        if point == "manifest_begin":
+            # Checked last thing before the manifest: a persist whose trainer died meanwhile never commits
+            # (nobody would record the commit, and the next attempt may already be scanning the root).
+            self._ettr_check_owner()
+        self._ettr_fault(point)
 
 
 class CommitFileSystemWriter(_CommitMixin, FileSystemWriter):
