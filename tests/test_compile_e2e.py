@@ -40,6 +40,9 @@ JOB = textwrap.dedent(
             opt.step()
             opt.zero_grad()
         rec.step(step)
+        if len(sys.argv) > 4 and step == int(sys.argv[4]):
+            rec.flush()
+            os._exit(1)  # a crash: no atexit, no settle-time save
     session = ettr.compile.current_session()
     from torch._dynamo.utils import counters
     print(json.dumps({
@@ -52,7 +55,9 @@ JOB = textwrap.dedent(
 )
 
 
-def _run_job(tmp_path, run_dir, attempt, *, backend, shapes="4,6,10", store=None, mode="train"):
+def _run_job(
+    tmp_path, run_dir, attempt, *, backend, shapes="4,6,10", store=None, mode="train", crash_after=None
+):
     script = tmp_path / "job.py"
     script.write_text(JOB)
     fresh = tmp_path / f"proc-{run_dir.name}-{attempt}-{len(list(tmp_path.iterdir()))}"
@@ -69,13 +74,11 @@ def _run_job(tmp_path, run_dir, attempt, *, backend, shapes="4,6,10", store=None
     }
     for name in ("TORCH_COMPILE_DYNAMIC_SOURCES", "TORCH_COMPILE_JOB_ID", "TORCH_LOGS"):
         env.pop(name, None)
-    out = subprocess.run(
-        [sys.executable, str(script), backend, shapes, mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    argv = [sys.executable, str(script), backend, shapes, mode] + ([str(crash_after)] if crash_after else [])
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    if crash_after:
+        assert out.returncode == 1, out.stderr[-3000:]
+        return None, out.stderr
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
@@ -96,7 +99,8 @@ def _recompiles(run_dir, attempt):
 def test_three_shapes_recompile_at_most_once_then_never_again_in_later_attempts_and_jobs(tmp_path):
     store = tmp_path / "store"
     job_a = tmp_path / "job-a"
-    _run_job(tmp_path, job_a, 0, backend="eager", store=store)
+    # The first attempt crashes right after its last step: what it learned must already be on disk.
+    _run_job(tmp_path, job_a, 0, backend="eager", store=store, crash_after=3)
     first = _recompiles(job_a, 0)
     assert len(first) <= 1
     assert all("size mismatch" in e.data["reason"] for e in first)

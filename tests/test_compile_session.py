@@ -45,6 +45,7 @@ def node(tmp_path, monkeypatch):
 
     monkeypatch.setattr(artifacts, "inductor_cache_dir", lambda: current["cache"])
     monkeypatch.setattr(artifacts, "headers_dir", lambda: current["headers"])
+    monkeypatch.setattr(artifacts, "used_precompiled_headers", lambda: True)  # as after C++ kernels
     with torch.compiler.config.patch(job_id="test-job"):
         yield use
 

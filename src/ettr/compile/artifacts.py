@@ -200,10 +200,10 @@ def collect(*, include_megacache: bool = True, compress: bool = True) -> Collect
     files: dict[str, bytes] = {}
     listing: dict[str, dict[str, int]] = {}
     headers = headers_dir()
-    for name, packed in (
-        (INDUCTOR_ARCHIVE, pack_dir(inductor_cache_dir(), exclude=headers, compress=compress)),
-        (HEADERS_ARCHIVE, pack_dir(headers, compress=compress)),
-    ):
+    packs = [(INDUCTOR_ARCHIVE, pack_dir(inductor_cache_dir(), exclude=headers, compress=compress))]
+    if used_precompiled_headers():
+        packs.append((HEADERS_ARCHIVE, pack_dir(headers, compress=compress)))
+    for name, packed in packs:
         if packed is not None:
             files[name], listing[name] = packed
     if include_megacache:
@@ -213,6 +213,20 @@ def collect(*, include_megacache: bool = True, compress: bool = True) -> Collect
         if saved is not None and saved[0]:
             files[MEGACACHE] = saved[0]
     return Collected(files=files, listing=listing)
+
+
+def used_precompiled_headers() -> bool:
+    """Whether this process's inductor used a precompiled header (C++ kernels); when it did not (other
+    backends, GPU-only kernels), the node's shared header directory is none of this job's business."""
+    import sys
+
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is None:
+        return False
+    cache_info = getattr(getattr(codecache, "_precompile_header", None), "cache_info", None)
+    if cache_info is None:  # inductor changed: keep the headers rather than risk a slow warm start
+        return True
+    return cache_info().currsize > 0
 
 
 def collect_fingerprint(cache_dir: Path | None = None, header_dir: Path | None = None) -> str:

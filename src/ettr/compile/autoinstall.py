@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from ettr.compile.session import CompileConfig, CompileSession
+from ettr.compile.session import CompileConfig, CompileSession, default_user_key, private_cache_dir
 
 logger = logging.getLogger("ettr")
 
@@ -100,7 +101,9 @@ def autoinstall(rec: Any = None, *, config: CompileConfig | None = None) -> bool
     dynamic sources learned by earlier attempts (`<run_dir>/compile/dynamic.json`) and earlier jobs (the
     store entry) are applied, and the store entry for this torch/Python/platform/device/inductor-config
     and workload is restored; after compilations settle (`ETTR_COMPILE_SETTLE_S`, 10 s) and at exit, a
-    background thread saves the learned sources and the artifacts (rank 0 only).
+    background thread saves the artifacts (rank 0 only); learned dynamic sources are written to the run
+    directory at each recompile. Unless `TORCHINDUCTOR_CACHE_DIR` is set (or torch._inductor is already
+    imported), it points inductor at a cache directory of the workload's own (`private_cache_dir`).
     """
     global _finder
     try:
@@ -112,6 +115,7 @@ def autoinstall(rec: Any = None, *, config: CompileConfig | None = None) -> bool
             from ettr.runtime import get_recorder
 
             rec = get_recorder()
+        _use_private_cache_dir(config)
         with _lock:
             if _session is not None or _finder is not None:
                 return True
@@ -124,6 +128,17 @@ def autoinstall(rec: Any = None, *, config: CompileConfig | None = None) -> bool
     except Exception as exc:
         logger.warning("ettr: compile support off (%s: %s)", type(exc).__name__, exc)
         return False
+
+
+def _use_private_cache_dir(config: CompileConfig) -> None:
+    # Only before inductor has looked at its cache directory: a process must not split its files.
+    if (
+        not config.private_cache_dir
+        or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        or "torch._inductor" in sys.modules
+    ):
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = private_cache_dir(config.user_key or default_user_key())
 
 
 def current_session() -> CompileSession | None:

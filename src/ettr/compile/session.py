@@ -15,11 +15,14 @@
 from __future__ import annotations
 
 import atexit
+import getpass
 import hashlib
 import json
 import logging
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -62,6 +65,10 @@ class CompileConfig:
     """Learn dynamic sources from recompiles and apply learned ones before compiling."""
     include_megacache: bool = True
     """Also save `torch.compiler.save_cache_artifacts()` in the entry."""
+    private_cache_dir: bool = True
+    """Under `autoinstall`, give the workload its own inductor cache directory beside inductor's default
+    one (unless `TORCHINDUCTOR_CACHE_DIR` is set): restarts on the node still find it, and store entries
+    hold this workload's kernels rather than everything the node ever compiled."""
     restore_timeout_s: float = 300.0
     """How long the first compilation waits for a restore still in progress before going on without it."""
 
@@ -97,6 +104,8 @@ class CompileConfig:
 
         return cls(
             store=store,
+            private_cache_dir=env.get("ETTR_COMPILE_PRIVATE_CACHE", "1").strip().lower()
+            not in ("0", "off", "false"),
             user_key=env.get("ETTR_COMPILE_KEY", ""),
             max_store_bytes=number("ETTR_COMPILE_STORE_MAX_BYTES", 8 * 1024**3, int) or 8 * 1024**3,
             secret=secret.encode() if secret else None,
@@ -108,6 +117,18 @@ def default_user_key() -> str:
     """The main script's absolute path (`-c` and the REPL give the working directory)."""
     main = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-") else os.getcwd()
     return os.path.abspath(main)
+
+
+def private_cache_dir(user_key: str) -> str:
+    """The workload's inductor cache directory: `$TMPDIR/torchinductor_$USER/ettr-<digest>`, beside
+    inductor's default one (and its precompiled headers), computed without importing torch."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    digest = hashlib.sha256(user_key.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}", f"ettr-{digest}")
 
 
 def pgo_job_id(user_key: str) -> str:
@@ -147,6 +168,8 @@ class CompileSession:
         self._restore_lock = threading.Lock()
         self._restored = False
         self._megacache: bytes | None = None
+        self._num_reasons_written = 0
+        self._sources_written: tuple[dynamic.DynamicSource, ...] = ()
         self._pending_marks: list[tuple[float, dict[str, Any]]] = []
         self._saved_state: tuple[str, tuple[str, ...], str] | None = None
         """What the store holds (files, sources, batch spec): a save with nothing new is skipped."""
@@ -343,6 +366,13 @@ class CompileSession:
     # -- during the run ----------------------------------------------------------------------------------
     def _after_compile(self, record: CompileRecord) -> None:
         self._dirty = True
+        if record.recompile_reason is not None and self.config.learn_dynamic:
+            # At once, on the compiling thread (a small JSON write): a crash or SIGKILL before the settle
+            # save must not cost the next attempt this recompile again.
+            try:
+                self._persist_learned()
+            except Exception as exc:
+                logger.debug("ettr: cannot keep learned dynamic sources: %s", exc)
         if self._thread is None and not self._closed:
             self._thread = threading.Thread(target=self._background, name="ettr-compile", daemon=True)
             self._thread.start()
@@ -391,6 +421,30 @@ class CompileSession:
         from_reasons = [s for reason in self.hooks.recompile_reasons for s in dynamic.from_reason(reason)]
         return dynamic.merge(self.applied_sources, dynamic.from_pgo(), from_reasons)
 
+    def _persist_learned(self) -> tuple[dynamic.DynamicSource, ...]:
+        """Write the learned sources and the recompile reasons not written yet to the job's file
+        (`save_rank` only). Returns the learned sources."""
+        sources = self.learned_sources()
+        run_dir = getattr(self.rec, "run_dir", None)
+        with self._lock:
+            records = [r for r in self.hooks.records if r.recompile_reason][self._num_reasons_written :]
+            if not self._saves_here or run_dir is None or (sources == self._sources_written and not records):
+                return sources
+            attempt = getattr(self.rec, "attempt", 0)
+            reasons = [
+                {
+                    "ts": r.begin_ts,
+                    "reason": r.recompile_reason,
+                    "compile_id": r.compile_id,
+                    "attempt": attempt,
+                }
+                for r in records
+            ]
+            dynamic.save(dynamic.job_file(run_dir), sources, reasons)
+            self._num_reasons_written += len(records)
+            self._sources_written = sources
+        return sources
+
     def save(self, *, reason: str = "explicit") -> bool:
         """Learn dynamic sources, write them to the run directory, and save the artifacts to the store if
         anything changed since the last save or restore. Never raises; returns True when it saved."""
@@ -400,16 +454,7 @@ class CompileSession:
         begin = time.time()
         saved = False
         try:
-            sources = self.learned_sources()
-            run_dir = getattr(self.rec, "run_dir", None)
-            reasons = [
-                {"ts": r.begin_ts, "reason": r.recompile_reason, "compile_id": r.compile_id}
-                for r in self.hooks.records
-                if r.recompile_reason
-            ]
-            if self._saves_here and run_dir is not None and (sources or reasons):
-                attempt = getattr(self.rec, "attempt", 0)
-                dynamic.save(dynamic.job_file(run_dir), sources, [{**r, "attempt": attempt} for r in reasons])
+            sources = self._persist_learned()
             store = self.store
             if store is None or not self._saves_here:
                 return False
@@ -437,7 +482,7 @@ class CompileSession:
                 "job_id": getattr(self.rec, "job_id", ""),
                 "attempt": getattr(self.rec, "attempt", 0),
                 "num_compiles": len(self.hooks.records),
-                "num_recompiles": len(reasons),
+                "num_recompiles": len(self.hooks.recompile_reasons),
             }
             if spec is not None:
                 meta["batch_spec"] = spec
