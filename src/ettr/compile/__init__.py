@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from ettr.compile.autoinstall import autoinstall, current_session
 from ettr.compile.backend import FsspecBackend, LocalBackend, MemoryBackend, StoreBackend, open_backend
+from ettr.compile.config import CompileConfig
 from ettr.compile.dynamic import DynamicSource
 from ettr.compile.fastbatch import TensorSpec, load_spec, save_spec, spec_of, synthesize
 from ettr.compile.hooks import CompileHooks, CompileRecord
 from ettr.compile.key import StoreKey, current_key
-from ettr.compile.session import CompileConfig, CompileSession
+from ettr.compile.session import CompileSession
 from ettr.compile.startup import StartupResult, fast_start, warm_up
 from ettr.compile.store import CompileStore, EntryRefused, StoreConfig, StoreEntry
 

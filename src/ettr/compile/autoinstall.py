@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from ettr.compile.session import CompileConfig, CompileSession, default_user_key, private_cache_dir
+from ettr.compile.config import CompileConfig, default_user_key, private_cache_dir
+from ettr.compile.session import CompileSession
 
 logger = logging.getLogger("ettr")
 

@@ -6,31 +6,26 @@
    this job (`<run_dir>/compile/dynamic.json`) and by earlier jobs (the store entry's metadata), sets
    `torch.compiler.config.job_id` so that PGO profiles are written, and restores the store entry
    (inductor cache directory, precompiled headers, else the megacache archive);
-2. it records every compilation as a COMPILE span and every recompile with its reason (`CompileHooks`);
-3. once no compilation has run for `settle_s`, a background thread learns the dynamic sources, writes
-   them to the run directory, and saves the artifacts to the store (again at exit if anything new was
-   compiled since). The training thread never waits for a save.
+2. it records every compilation as a COMPILE span and every recompile with its reason (`CompileHooks`),
+   and at each recompile writes the dynamic sources learned so far to the run directory;
+3. once no compilation has run for `settle_s`, a background thread saves the artifacts to the store
+   (again at exit if anything new was compiled since). The training thread never waits for a save.
 """
 
 from __future__ import annotations
 
 import atexit
-import getpass
-import hashlib
 import json
 import logging
 import os
-import re
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from ettr.compile import artifacts, dynamic
 from ettr.compile.backend import LocalBackend
+from ettr.compile.config import CompileConfig, default_user_key, pgo_job_id
 from ettr.compile.hooks import CompileHooks, CompileRecord
 from ettr.compile.key import StoreKey, current_key
 from ettr.compile.store import CompileStore, EntryRefused, StoreConfig
@@ -38,102 +33,8 @@ from ettr.events import EventKind
 
 logger = logging.getLogger("ettr")
 
-DEFAULT_STORE = "~/.cache/ettr/compile"
 STORE_MARK = "compile_store"
 """`Recorder.mark` name of store actions (data: action = restore | save, status, digest, sizes, time)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CompileConfig:
-    """What the compile session does. `from_env` reads it from the environment `ettr run` passes on."""
-
-    store: str | None = DEFAULT_STORE
-    """Store directory or fsspec URL; None: no store (recording and dynamic sources only)."""
-    user_key: str = ""
-    """The workload, part of the store key; "" means the main script's absolute path."""
-    max_store_bytes: int = 8 * 1024**3
-    """Size bound of the whole store (least recently used entries are evicted)."""
-    secret: bytes | None = field(default=None, repr=False)
-    """HMAC key for store manifests (only signed entries load when set)."""
-    settle_s: float = 10.0
-    """Save once no compilation has run for this long."""
-    save_at_exit: bool = True
-    """Save at interpreter exit when something was compiled since the last save."""
-    save_rank: int | None = 0
-    """Only this global rank saves (ranks of an SPMD job compile the same); None: every rank saves."""
-    learn_dynamic: bool = True
-    """Learn dynamic sources from recompiles and apply learned ones before compiling."""
-    include_megacache: bool = True
-    """Also save `torch.compiler.save_cache_artifacts()` in the entry."""
-    private_cache_dir: bool = True
-    """Under `autoinstall`, give the workload its own inductor cache directory beside inductor's default
-    one (unless `TORCHINDUCTOR_CACHE_DIR` is set): restarts on the node still find it, and store entries
-    hold this workload's kernels rather than everything the node ever compiled."""
-    restore_timeout_s: float = 300.0
-    """How long the first compilation waits for a restore still in progress before going on without it."""
-
-    def __post_init__(self) -> None:
-        if self.store is not None and not self.store:
-            raise ValueError("CompileConfig.store must be a path/URL or None")
-        if self.max_store_bytes <= 0:
-            raise ValueError(f"CompileConfig.max_store_bytes must be > 0, got {self.max_store_bytes}")
-        if not self.settle_s >= 0:
-            raise ValueError(f"CompileConfig.settle_s must be >= 0, got {self.settle_s}")
-        if not self.restore_timeout_s >= 0:
-            raise ValueError(f"CompileConfig.restore_timeout_s must be >= 0, got {self.restore_timeout_s}")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> CompileConfig | None:
-        """Config from `ETTR_COMPILE` (`0` turns everything off: returns None), `ETTR_COMPILE_STORE`
-        (`off` for no store), `ETTR_COMPILE_KEY`, `ETTR_COMPILE_STORE_MAX_BYTES`,
-        `ETTR_COMPILE_STORE_SECRET`, `ETTR_COMPILE_SETTLE_S`. Malformed numbers fall back to defaults."""
-        env = os.environ if environ is None else environ
-        if env.get("ETTR_COMPILE", "1").strip().lower() in ("0", "off", "false", "no"):
-            return None
-        store: str | None = env.get("ETTR_COMPILE_STORE", DEFAULT_STORE).strip() or DEFAULT_STORE
-        if store.lower() in ("off", "none", "0"):
-            store = None
-        secret = env.get("ETTR_COMPILE_STORE_SECRET") or None
-
-        def number(name: str, default: float, kind: type) -> Any:
-            try:
-                value = kind(env[name])
-                return value if value >= 0 else default
-            except (KeyError, ValueError):
-                return default
-
-        return cls(
-            store=store,
-            private_cache_dir=env.get("ETTR_COMPILE_PRIVATE_CACHE", "1").strip().lower()
-            not in ("0", "off", "false"),
-            user_key=env.get("ETTR_COMPILE_KEY", ""),
-            max_store_bytes=number("ETTR_COMPILE_STORE_MAX_BYTES", 8 * 1024**3, int) or 8 * 1024**3,
-            secret=secret.encode() if secret else None,
-            settle_s=number("ETTR_COMPILE_SETTLE_S", 10.0, float),
-        )
-
-
-def default_user_key() -> str:
-    """The main script's absolute path (`-c` and the REPL give the working directory)."""
-    main = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-") else os.getcwd()
-    return os.path.abspath(main)
-
-
-def private_cache_dir(user_key: str) -> str:
-    """The workload's inductor cache directory: `$TMPDIR/torchinductor_$USER/ettr-<digest>`, beside
-    inductor's default one (and its precompiled headers), computed without importing torch."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = f"uid_{os.getuid()}"
-    user = re.sub(r'[\\/:*?"<>|]', "_", user)
-    digest = hashlib.sha256(user_key.encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}", f"ettr-{digest}")
-
-
-def pgo_job_id(user_key: str) -> str:
-    """The PGO job id ettr sets: the same for every job of a workload, so later jobs reuse profiles."""
-    return "ettr-" + hashlib.sha256(user_key.encode()).hexdigest()[:16]
 
 
 class CompileSession:
