@@ -170,8 +170,6 @@ def test_command_line_flags_are_frozen_for_the_demo():
     [
         (["--steps", "0"], "--steps must be at least 1"),
         (["--ckpt-mode", "bogus"], "invalid choice"),
-        (["--compile-cache", "x"], "not wired yet"),
-        (["--publish", "inside"], "not wired yet"),
         (["--steps", "ten"], "invalid int value"),
     ],
 )

@@ -25,15 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 if __package__ in (None, ""):
     # Run as a script (torchrun examples/dlrm/train.py): make the `dlrm` package importable.
@@ -83,9 +86,16 @@ class TrainConfig:
     resume: bool = True
     """Resume from the newest committed checkpoint in `ckpt_dir` if there is one."""
     publish: str = "none"
-    """Inference publishing: `none` (later: `inside` the job, or a `standalone` publish job)."""
+    """Inference publishing at the end: `inside` (this job builds the artifact), `standalone` (this job
+    writes the anchor checkpoint and enqueues a request; `ettr publish <publish_dir>/queue` builds it in a
+    job of its own), or `none`."""
+    publish_dir: str = "publish/dlrm"
+    """Where publishing keeps its anchor checkpoints (`anchors/`) and its queue (`queue/`)."""
     compile_cache: str | None = None
-    """Directory of the ettr compile artifact store (later)."""
+    """Root of inductor's local caches, one fresh directory per attempt (`<root>/attempt-<ETTR_ATTEMPT>`: its
+    cache directory and precompiled headers), as on a newly allocated machine: every attempt compiles cold
+    unless ettr's compile store (`ETTR_COMPILE_STORE` under `ettr run`) restores the artifacts. None: the
+    usual shared caches (warm after the first run on this machine)."""
     overlap_startup: bool = False
     """Start the loader workers before the model is built, so their start-up is hidden behind it."""
     log_every: int = 25
@@ -133,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ckpt-dir", default=d.ckpt_dir, help="checkpoint directory")
     add("--resume", action=argparse.BooleanOptionalAction, default=d.resume, help="resume from the latest")
     add("--publish", choices=("inside", "standalone", "none"), default=d.publish, help="inference publishing")
-    add("--compile-cache", default=d.compile_cache, help="compile artifact store directory (later)")
+    add("--publish-dir", default=d.publish_dir, help="anchors/ and queue/ of publishing")
+    add("--compile-cache", default=d.compile_cache, help="root of per-attempt (cold) inductor caches")
     add("--overlap-startup", action=argparse.BooleanOptionalAction, default=d.overlap_startup)
     add("--log-every", type=int, default=d.log_every, help="print the loss every N steps")
     add("--audit", action=argparse.BooleanOptionalAction, default=d.audit, help="audit start-up collectives")
@@ -154,11 +165,6 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         config = TrainConfig(**args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    # Flags whose machinery lands in a later round: refuse them clearly rather than ignore them.
-    if config.publish != "none":
-        raise UsageError(f"--publish {config.publish} is not wired yet (ettr.publish is still being written)")
-    if config.compile_cache is not None:
-        raise UsageError("--compile-cache is not wired yet (the ettr compile store is still being written)")
     return config
 
 
@@ -198,6 +204,64 @@ class TrainState:
         self.optimizer.load_state_dict(state_dict["optimizer"])
 
 
+def use_attempt_compile_cache(root: str | os.PathLike[str]) -> Path:
+    """Point inductor's local caches at `root/attempt-<ETTR_ATTEMPT>` and return that directory.
+
+    Call before anything compiles: inductor reads TORCHINDUCTOR_CACHE_DIR when it compiles, and places its
+    precompiled headers under the temp directory when `torch._inductor.codecache` is first imported (so
+    TMPDIR moves too; workers and compile subprocesses inherit both).
+    """
+    import tempfile
+
+    directory = Path(root).resolve() / f"attempt-{int(os.environ.get('ETTR_ATTEMPT', '0'))}"
+    (directory / "tmp").mkdir(parents=True, exist_ok=True)
+    if "torch._inductor.codecache" in sys.modules:
+        print("train.py: inductor was loaded already; its precompiled headers stay put", file=sys.stderr)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory / "inductor")
+    os.environ["TMPDIR"] = str(directory / "tmp")
+    tempfile.tempdir = None  # re-read TMPDIR at the next gettempdir()
+    return directory
+
+
+def leave_sigterm_to_the_trainer(worker_id: int) -> None:
+    """Loader worker init: only the trainer's SIGTERM stops this worker, not a scheduler's.
+
+    A scheduler's SIGTERM reaches every process of the job. A worker that dies of it makes the DataLoader
+    raise in the trainer (its SIGCHLD handler, or the next batch that can no longer be received) before
+    the trainer's preemption save can run. So SIGTERM is taken by a thread here: from the trainer (how
+    the DataLoader and multiprocessing stop workers) it ends the worker at once; from anyone else it is
+    ignored. A worker whose trainer is gone ends within a second.
+    """
+    trainer = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
+
+    def take_sigterm() -> None:
+        while True:
+            info = signal.sigtimedwait({signal.SIGTERM}, 1.0)
+            if (info is not None and info.si_pid == trainer) or os.getppid() != trainer:
+                os._exit(0)
+
+    threading.Thread(target=take_sigterm, name="sigterm", daemon=True).start()
+
+
+def exit_now(status: int) -> NoReturn:
+    """End the process at once, after a preemption save committed the state.
+
+    A scheduler's grace period is for saving: tearing TorchRec, fbgemm and gloo down at interpreter exit
+    takes seconds here. So compile artifacts not stored yet are stored, the recorder is flushed, and the
+    process ends without that teardown (its loader workers end on their own once it is gone).
+    """
+    import ettr.compile
+
+    session = ettr.compile.current_session()
+    if session is not None:
+        session.close()
+    ettr.get_recorder().flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def print0(*args: Any) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print("[dlrm]", *args, flush=True)
@@ -208,6 +272,51 @@ def init_process_group(rank: int, world_size: int) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     else:  # a plain `python train.py`: one rank, no rendezvous needed
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def model_config(config: TrainConfig) -> Any:
+    """The `DlrmConfig` of the job's model."""
+    from dlrm.model import DlrmConfig
+
+    return DlrmConfig(
+        num_tables=config.num_tables,
+        num_rows=config.num_rows,
+        embedding_dim=config.embedding_dim,
+        bottom_mlp=(64, config.embedding_dim),
+    )
+
+
+def publish(model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig, rank: int) -> None:
+    """Publish the trained model (collective; `config.publish` is `inside` or `standalone`).
+
+    The sample batch is the one after the training stream, so the artifact is checked on unseen data.
+    """
+    from torchrec import KeyedJaggedTensor
+
+    from dlrm.data import HiddenClickModel
+    from ettr.publish import ModelSpec, PublishConfig, publish_at_end
+
+    sample = HiddenClickModel(data).batch(rank=rank, index=config.steps)
+    spec = ModelSpec(
+        factory="dlrm.model:Dlrm",
+        config_type="dlrm.model:DlrmConfig",
+        config=asdict(model_config(config)),
+        pythonpath=(str(Path(__file__).resolve().parents[1]),),
+    )
+    root = Path(config.publish_dir)
+    publish_config = PublishConfig(
+        anchor_root=root / "anchors",
+        queue_dir=root / "queue",
+        model=spec,
+        input_names=("dense", "sparse"),
+        mode=config.publish,
+    )
+    features = KeyedJaggedTensor(keys=data.feature_names, values=sample.values, lengths=sample.lengths)
+    result = publish_at_end(model, step=step, config=publish_config, sample_inputs=(sample.dense, features))
+    done = (
+        f"artifact built in {result.artifact_dir}" if result.built else f"request {result.request_id} queued"
+    )
+    print0(f"publish ({config.publish}): anchor {result.anchor_path}; {done}")
 
 
 def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tuple[Any, Any, torch.nn.Module]:
@@ -221,16 +330,11 @@ def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tupl
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-        from dlrm.model import Dlrm, DlrmConfig
+        from dlrm.model import Dlrm
 
     torch.manual_seed(config.seed)  # same dense init everywhere (DDP broadcasts rank 0's anyway)
     model = Dlrm(
-        DlrmConfig(
-            num_tables=config.num_tables,
-            num_rows=config.num_rows,
-            embedding_dim=config.embedding_dim,
-            bottom_mlp=(64, config.embedding_dim),
-        ),
+        model_config(config),
         table_device=torch.device("meta"),  # the sharder allocates only this rank's shards
     )
     # Tables are trained by fbgemm's fused row-wise Adagrad inside backward (TorchRec's standard set-up).
@@ -296,6 +400,8 @@ def run(config: TrainConfig) -> int:
     """Start up, train to `config.steps`, shut down. Returns the exit status."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.compile_cache is not None:
+        use_attempt_compile_cache(config.compile_cache)
     if config.ettr_run_dir and not os.environ.get("ETTR_RUN_DIR"):
         ettr.init(config.ettr_run_dir)
     recorder = ettr.get_recorder()
@@ -321,12 +427,14 @@ def run(config: TrainConfig) -> int:
             loader = make_loader(
                 data_config, rank=rank, start=gate, stop=config.steps, num_workers=config.num_workers
             )
+            loader.worker_init_fn = leave_sigterm_to_the_trainer
             batches = iter(loader)
     with clock.phase(ettr.Phase.TRAIN_MODULE_CREATION):
         model, optimizer, dense_tower = build_model(config, world_size, clock)
         state = TrainState(model, optimizer)
     with clock.phase(ettr.Phase.INIT_PLUGINS):
-        # Later: the compile store (--compile-cache) and the publisher (--publish) are created here too.
+        # Later: the publisher (--publish) is created here too. (ettr's compile store needs nothing here:
+        # under `ettr run` the bootstrap restores and saves compile artifacts on its own.)
         checkpointer: Checkpointer | None = None
         if config.ckpt_every or config.resume:
             checkpointer = make_checkpointer(
@@ -352,6 +460,7 @@ def run(config: TrainConfig) -> int:
             loader = make_loader(
                 data_config, rank=rank, start=resumed_step, stop=config.steps, num_workers=config.num_workers
             )
+            loader.worker_init_fn = leave_sigterm_to_the_trainer
         dist.barrier()  # all ranks enter the loop together (and the audit shows what that wait costs)
     if config.compile:
         with clock.phase(ettr.Phase.COMPILE):
@@ -385,7 +494,10 @@ def run(config: TrainConfig) -> int:
             )
             window = []
         if checkpointer is not None:
-            checkpointer.after_step(step)  # saves on the interval (ettr: also on SIGTERM, then exits 143)
+            try:
+                checkpointer.after_step(step)  # saves on the interval (ettr: also on SIGTERM, then exits 143)
+            except SystemExit as stop:  # preempted, and the state of `step` is committed
+                exit_now(stop.code if isinstance(stop.code, int) else 1)
         batch = next(batches, None)
 
     with clock.phase(ettr.Phase.SHUTDOWN):
@@ -393,6 +505,8 @@ def run(config: TrainConfig) -> int:
             if config.ckpt_every and step > resumed_step:
                 checkpointer.save(step)  # the final state (a no-op if the interval just saved it)
             checkpointer.close()
+        if config.publish != "none" and step == config.steps:
+            publish(model, step=step, config=config, data=data_config, rank=rank)
         del batches  # stops the loader workers
         summary = {
             "rank": rank,
@@ -444,4 +558,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception as failure:
+        # Fail fast: this rank is done for (often a peer died and a collective broke). Record and print
+        # the failure, then end without the seconds of interpreter teardown, so the supervisor sees it at
+        # once. (torchrun's SIGTERM to the survivors would do that too, but the ettr checkpoint manager
+        # takes SIGTERM as a preemption notice.)
+        ettr.get_recorder().failure(failure)
+        traceback.print_exc()
+        exit_now(1)
