@@ -203,13 +203,14 @@ def measure_slowdown(state: TrainState, workdir: str, mode: str, num_saves: int)
     with CheckpointManager(config, state, recorder=Recorder(None)) as manager:
         manager.save(0, wait=True)  # warm-up: buffers (and in process mode the checkpoint process) start here
         for save_index in range(1, num_saves + 1):
-            quiet += _timed_steps(step, lambda: False, 15)
+            # quiet samples on both sides of every persist: the shared machine's own noise hits both sets
+            quiet += _timed_steps(step, lambda: False, 20)
             begin = time.perf_counter()
             manager.save(save_index)
-            persisted = manager._inflight.done
-            busy += _timed_steps(step, persisted.is_set, 10_000)
+            busy += _timed_steps(step, lambda: not manager.persisting, 10_000)
             assert manager.wait(), f"a {mode}-mode save failed"
             persists.append(time.perf_counter() - begin)
+            quiet += _timed_steps(step, lambda: False, 20)
     quiet_s, busy_s = statistics.median(quiet), statistics.median(busy) if busy else float("nan")
     _say(
         f"{mode} mode: step {quiet_s * 1e3:.1f} ms alone, {busy_s * 1e3:.1f} ms during persist "

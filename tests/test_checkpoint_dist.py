@@ -117,7 +117,7 @@ def _third_run(rank: int, world_size: int, root: str, expected_at_6: str) -> Non
     for step in range(7, 20):
         _step(state, [next(it) for _ in range(BATCH)], data)
         if step == 7 and rank == 0:
-            manager._preemption.request()  # what SIGTERM does; rank 1 never got one
+            manager.request_preemption()  # what SIGTERM does; rank 1 never got one
         manager.after_step(step)  # every rank must leave at the same step boundary (exit 143)
     raise AssertionError("not preempted")
 

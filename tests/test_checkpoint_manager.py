@@ -410,7 +410,7 @@ def test_preemption_saves_at_the_step_boundary_and_exits_143(tmp_path):
         for step in range(1, 4):
             _train(state)
             assert not manager.after_step(step)
-        manager._preemption.request()  # what the SIGTERM handler does
+        manager.request_preemption()  # what the SIGTERM handler does
         _train(state)
         with pytest.raises(SystemExit) as exited:
             manager.after_step(4)
@@ -423,17 +423,29 @@ def test_preemption_saves_at_the_step_boundary_and_exits_143(tmp_path):
     assert rec.commit_checks == [(4, True)]
 
 
-def test_sigterm_sets_the_preemption_flag_and_close_restores_the_handler(tmp_path):
+def test_a_real_sigterm_preempts_at_the_next_boundary_and_the_handler_is_restored(tmp_path):
     previous = signal.getsignal(signal.SIGTERM)
-    config = _config(tmp_path, handle_preemption=True)
-    manager = CheckpointManager(config, _model_state(), recorder=Recorder(None))
+    state = _model_state()
+    config = _config(tmp_path, interval=IntervalConfig(every_steps=100), handle_preemption=True)
+    manager = CheckpointManager(config, state, recorder=Recorder(None))
     try:
-        assert not manager._preemption.requested
+        _train(state)
+        assert not manager.after_step(1)
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs on this (the main) thread before kill returns
-        assert manager._preemption.requested
+        _train(state)
+        with pytest.raises(SystemExit) as exited:
+            manager.after_step(2)
+        assert exited.value.code == PREEMPTED_EXIT_STATUS
     finally:
         manager.close()
     assert signal.getsignal(signal.SIGTERM) is previous
+    assert find_latest(open_storage(tmp_path)).latest.step == 2
+
+
+def test_request_preemption_needs_the_handler(tmp_path):
+    with CheckpointManager(_config(tmp_path), _model_state(), recorder=Recorder(None)) as manager:
+        with pytest.raises(CheckpointError, match="handle_preemption"):
+            manager.request_preemption()
 
 
 def test_auto_interval_reads_the_job_failures_from_the_ledger(tmp_path):

@@ -2,9 +2,9 @@
 
 A save (`save`, or `after_step` when the interval policy says so) waits for the previous save to finish
 (recorded as CHECKPOINT_WAIT), then copies the state into staging buffers that are allocated once and
-reused — shared memory on CPU, pinned memory where a GPU exists — (CHECKPOINT_BLOCKING), and returns;
-DCP's writers persist the copy in a background thread or process and the coordinator commits it with a
-manifest (see `commit`). The persist is recorded as a CHECKPOINT_PERSIST span and, once the manifest
+reused (`staging.ReusedStager`: pinned memory where a GPU exists, shared memory for the process mode;
+CHECKPOINT_BLOCKING), and returns; DCP's writers persist the copy in a background thread or process and
+the coordinator commits it with a manifest (see `commit`). The persist is recorded as a CHECKPOINT_PERSIST span and, once the manifest
 rename is durable, as CHECKPOINT_COMMIT; a failed persist as CHECKPOINT_ERROR, and training goes on.
 `restore` loads the newest checkpoint that verifies (RESTORE, then RESUMED).
 
@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ettr.checkpoint.base import (
@@ -54,6 +53,7 @@ from ettr.checkpoint.commit import (
 )
 from ettr.checkpoint.policy import IntervalPolicy, count_failures
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
+from ettr.checkpoint.staging import ReusedStager
 from ettr.checkpoint.state import TrainState, saved_top_level_keys
 from ettr.checkpoint.storage import open_storage
 from ettr.checkpoint.writer import make_reader, make_writer
@@ -132,14 +132,8 @@ class CheckpointManager:
             if self.world_size > 1:
                 self._control_pg = dist.new_group(backend="gloo")
         self.storage = open_storage(config.root, config.storage_options)
-        cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=config.mode is PersistMode.PROCESS,
-                use_async_staging=True,
-                use_non_blocking_copy=cuda,
-            )
+        self._stager = ReusedStager(
+            pin_memory=torch.cuda.is_available(), share_memory=config.mode is PersistMode.PROCESS
         )
         self._persist_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ettr-ckpt-persist")
         self.policy = IntervalPolicy(config.interval, now_s=clock(), **self._failure_history())
@@ -238,14 +232,15 @@ class CheckpointManager:
         return True
 
     def _launch(self, state_dict: dict[str, Any], writer: Any) -> Future[Any]:
-        """Stage `state_dict` into the reused buffers, wait for the copy, start the persist; returns its future.
+        """Copy `state_dict` into the reused staging buffers, then start the persist; returns its future.
 
-        The copy must be complete before the next optimizer step changes the tensors, so it is waited for
-        here (the blocking part). Thread mode is DCP's thread-mode async save, composed here so that the
-        persist's `dcp.save` is called by ettr (the bootstrap's hooks then leave it to us to record).
+        The copy is complete when this returns (the blocking part): the next optimizer step may change the
+        tensors in place. Thread mode is DCP's thread-mode async save composed here, so that the persist's
+        `dcp.save` is called by ettr (the bootstrap's hooks then leave it to us to record).
         """
         if self.config.mode is PersistMode.PROCESS:
-            response = dcp.async_save(
+            # The stager copies synchronously, so DCP returns the upload future alone.
+            return dcp.async_save(
                 state_dict,
                 storage_writer=writer,
                 async_stager=self._stager,
@@ -253,12 +248,7 @@ class CheckpointManager:
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 no_dist=not self._distributed,
             )
-            response.staging_completion.result()
-            return response.upload_completion
-        staged = self._stager.stage(state_dict)
-        if isinstance(staged, Future):
-            staged = staged.result()
-        return self._persist_executor.submit(self._persist, staged, writer)
+        return self._persist_executor.submit(self._persist, self._stager.stage(state_dict), writer)
 
     def _persist(self, staged: dict[str, Any], writer: Any) -> Any:
         """The background persist of thread mode: DCP writes the staged copy; the writer commits."""
@@ -339,6 +329,18 @@ class CheckpointManager:
             self.storage.remove_tree(name)
         except OSError as exc:
             logger.warning("ettr: cannot remove the failed checkpoint %s (%s)", name, exc)
+
+    @property
+    def persisting(self) -> bool:
+        """Whether a save's background persist is still running."""
+        return self._inflight is not None and not self._inflight.done.is_set()
+
+    def request_preemption(self) -> None:
+        """Save at the next step boundary and exit with 143, as on SIGTERM (a scheduler's notice that
+        arrives another way). Needs `handle_preemption=True`."""
+        if self._preemption is None:
+            raise CheckpointError("request_preemption() needs CheckpointConfig(handle_preemption=True)")
+        self._preemption.request()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the save in flight (if any) is committed or failed; returns whether the latest save

@@ -1,0 +1,84 @@
+"""ReusedStager: a complete, independent copy into buffers allocated once."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from ettr.checkpoint.staging import ReusedStager
+
+
+def _state() -> dict:
+    model = torch.nn.Linear(16, 8)
+    return {
+        "model": model.state_dict(),
+        "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(8, 16)}}, "lr": 0.1},
+        "list": [torch.arange(4), "text", None],
+        "blob": b"\x00\x01",
+    }
+
+
+def test_staged_copy_equals_and_is_independent():
+    state = _state()
+    stager = ReusedStager()
+    staged = stager.stage(state)
+    assert torch.equal(staged["model"]["weight"], state["model"]["weight"])
+    assert (
+        staged["optim"]["lr"] == 0.1
+        and staged["blob"] == b"\x00\x01"
+        and staged["list"][1:] == ["text", None]
+    )
+    before = staged["model"]["weight"].clone()
+    state["model"]["weight"].add_(1.0)  # training goes on after staging
+    state["optim"]["state"]["w"]["step"].add_(1)
+    assert torch.equal(staged["model"]["weight"], before)
+    assert staged["optim"]["state"]["w"]["step"].item() == 3.0
+    assert not staged["model"]["weight"].requires_grad
+
+
+def test_buffers_are_allocated_once_and_reused():
+    state = _state()
+    stager = ReusedStager()
+    first = stager.stage(state)
+    pointers = [first["model"]["weight"].data_ptr(), first["optim"]["state"]["w"]["exp_avg"].data_ptr()]
+    num_bytes = stager.num_bytes
+    state["model"]["weight"].mul_(2.0)
+    second = stager.stage(state)
+    assert [
+        second["model"]["weight"].data_ptr(),
+        second["optim"]["state"]["w"]["exp_avg"].data_ptr(),
+    ] == pointers
+    assert stager.num_bytes == num_bytes
+    assert torch.equal(second["model"]["weight"], state["model"]["weight"])
+
+
+def test_a_changed_shape_gets_a_new_buffer():
+    stager = ReusedStager()
+    stager.stage({"t": torch.zeros(3)})
+    staged = stager.stage({"t": torch.ones(5)})
+    assert torch.equal(staged["t"], torch.ones(5))
+
+
+def test_other_objects_are_deep_copied():
+    class Holder:
+        def __init__(self) -> None:
+            self.tensor = torch.ones(2)
+
+    holder = Holder()
+    staged = ReusedStager().stage({"h": holder})
+    holder.tensor.add_(1)
+    assert torch.equal(staged["h"].tensor, torch.ones(2))
+
+
+def test_views_and_non_contiguous_tensors():
+    base = torch.arange(12.0).reshape(3, 4)
+    staged = ReusedStager().stage({"view": base[:, 1], "t": base.t()})
+    assert torch.equal(staged["view"], base[:, 1]) and torch.equal(staged["t"], base.t())
+
+
+def test_shared_memory_buffers_for_the_process_mode():
+    staged = ReusedStager(share_memory=True).stage({"t": torch.randn(64)})
+    assert staged["t"].is_shared()
+    # what DCP's checkpoint process receives: a handle to the same memory, not a copy of the bytes
+    assert len(pickle.dumps(staged["t"])) > 0
