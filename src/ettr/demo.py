@@ -1,0 +1,535 @@
+"""`ettr demo`: the reference DLRM job run twice with the same failures — once as a plain trainer runs it
+(the baseline), once with ettr's recovery features (the optimized run) — then both reports side by side in
+the terminal and in pictures (`DIR/report.html`). See docs/demo.md.
+
+    ettr demo [--quick] [--out DIR]      # DIR defaults to runs/demo
+
+Each side is `ettr run -- torchrun --nproc-per-node 2 examples/dlrm/train.py ...` into `DIR/<side>`:
+attempt 0 is preempted once it has passed a step (SIGTERM, so `ettr run` exits 143 and the demo requeues
+the job, as a scheduler would), attempt 1 crashes at a later step (`--inject crash@step=N,attempt=1`; the
+supervisor restarts it), attempt 2 completes. Every number printed is read back from the two run
+directories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from ettr.accounting import EttReport
+from ettr.errors import UsageError
+from ettr.events import Bucket, Event, EventKind, Outcome
+
+PREEMPTED_EXIT_STATUS = 143
+"""`ettr run`'s status for a preempted job: the scheduler (here, the demo) requeues it."""
+
+SIDES = ("baseline", "optimized")
+
+PREEMPT_BY_INJECTION = False
+"""Seam: preempt through `--inject preempt@step=M` instead of the demo's own SIGTERM. Off because the
+injector holds the training thread for 30 s after sending SIGTERM (to let it arrive), longer than the
+supervisor's 10 s grace, so a job that saves on SIGTERM (the optimized side) is SIGKILLed before it can."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What both runs train, and where they fail. Both sides get exactly this."""
+
+    steps: int
+    """Train until this global step."""
+    ckpt_every: int
+    """Checkpoint every this many steps (both sides: the same fixed interval)."""
+    num_rows: int
+    """Rows per embedding table: sets the checkpoint's size (12 tables x rows x 32 floats, plus Adagrad)."""
+    compile: bool
+    """torch.compile the dense tower (in fresh local caches on every attempt)."""
+    worker_startup_s: float
+    """Seconds a loader worker takes before its first batch."""
+    preempt_step: int
+    """Attempt 0 is preempted (SIGTERM to the whole job) once it has completed this step."""
+    crash_step: int
+    """Attempt 1 crashes (exit status 1) when this step completes."""
+    side_by_side: bool
+    """Run both jobs at the same time (a burst of load elsewhere on the machine then hits both alike; each
+    is slower) rather than one after the other."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ckpt_every < self.preempt_step < self.crash_step < self.steps:
+            raise ValueError(
+                f"need 0 < ckpt_every ({self.ckpt_every}) < preempt_step ({self.preempt_step}) < crash_step "
+                f"({self.crash_step}) < steps ({self.steps})"
+            )
+        # A failure right after a checkpoint would lose nothing on either side: no story to tell.
+        for name in ("preempt_step", "crash_step"):
+            if getattr(self, name) % self.ckpt_every == 0:
+                raise ValueError(f"{name} must not be a multiple of ckpt_every ({self.ckpt_every})")
+        if self.num_rows < 1 or self.worker_startup_s < 0:
+            raise ValueError("num_rows must be >= 1 and worker_startup_s >= 0")
+
+    def injections(self) -> list[str]:
+        """The `--inject` specs (rank 0; attempts count on across requeues, so each fires once)."""
+        crash = f"crash@step={self.crash_step},attempt=1"
+        return [f"preempt@step={self.preempt_step},attempt=0", crash] if PREEMPT_BY_INJECTION else [crash]
+
+    def describe(self) -> str:
+        return (
+            f"{'both jobs at once' if self.side_by_side else 'one job after the other'}: "
+            f"DLRM on 2 ranks, {self.steps} steps, {'compiled' if self.compile else 'eager'}, checkpoint every "
+            f"{self.ckpt_every} steps ({self.num_rows} rows x 12 tables); failures: preempted after step "
+            f"{self.preempt_step} (attempt 0), crash at step {self.crash_step} (attempt 1)"
+        )
+
+
+QUICK = Workload(
+    steps=250,
+    ckpt_every=100,
+    num_rows=100_000,
+    compile=False,
+    worker_startup_s=3.0,
+    preempt_step=180,
+    crash_step=240,
+    side_by_side=True,
+)
+"""`--quick` (the test suite runs it): eager, so that six launches fit in about two minutes here."""
+
+DEFAULT = Workload(
+    steps=400,
+    ckpt_every=100,
+    num_rows=200_000,
+    compile=True,
+    worker_startup_s=2.5,
+    preempt_step=265,
+    crash_step=390,
+    side_by_side=False,
+)
+"""The full demo: the dense tower compiled, so recoveries show what restoring compile artifacts saves."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Side:
+    """How one run trains the workload."""
+
+    name: str
+    """`baseline` or `optimized`: the run directory's name under DIR and the job id's suffix."""
+    ckpt_mode: str
+    """`sync` (torch.save per rank while training waits) or `ettr` (async; saves on SIGTERM, exits 143)."""
+    overlap_startup: bool
+    """Start the loader workers before the model is built, so their warm-up hides behind it."""
+    compile_store: bool
+    """Restore compile artifacts from ettr's compile store (else every attempt compiles cold)."""
+    publish: str
+    """Publishing the trained model at the end: `inside` the training job (it builds the inference
+    artifact before it ends) or `standalone` (it writes the anchor and ends; `ettr publish` builds the
+    artifact afterwards, as a job of its own)."""
+
+    def train_args(self) -> list[str]:
+        args = ["--ckpt-mode", self.ckpt_mode]
+        args.append("--overlap-startup" if self.overlap_startup else "--no-overlap-startup")
+        return [*args, "--publish", self.publish]
+
+
+BASELINE = Side(
+    name="baseline", ckpt_mode="sync", overlap_startup=False, compile_store=False, publish="inside"
+)
+OPTIMIZED = Side(
+    name="optimized", ckpt_mode="ettr", overlap_startup=True, compile_store=True, publish="standalone"
+)
+
+
+def find_train_script() -> Path:
+    """`examples/dlrm/train.py` of the source checkout ettr is installed from (an editable install)."""
+    import ettr
+
+    script = Path(ettr.__file__).resolve().parents[2] / "examples" / "dlrm" / "train.py"
+    if not script.is_file():
+        raise UsageError(
+            f"ettr demo: the reference job is not where a source checkout has it ({script}); run the demo "
+            "from a checkout of ettr installed in editable mode (make demo)"
+        )
+    return script
+
+
+def _torchrun() -> list[str]:
+    beside = Path(sys.executable).with_name("torchrun")
+    return [str(beside)] if beside.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One side's run: its paths, command line and environment."""
+
+    side: Side
+    run_dir: Path
+    work_dir: Path
+    """Checkpoints, per-attempt compile caches, the compile store and the job's log (beside the run dir)."""
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / "job.log"
+
+    @property
+    def publish_queue(self) -> Path:
+        return self.work_dir / "publish" / "queue"
+
+    def command(self, workload: Workload, script: Path) -> list[str]:
+        run = [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(self.run_dir)]
+        run += ["--job-id", f"demo-{self.side.name}", "--max-restarts", "3", "--hang-timeout", "180"]
+        for spec in workload.injections():
+            run += ["--inject", spec]
+        train = [str(script), "--steps", str(workload.steps), "--ckpt-every", str(workload.ckpt_every)]
+        train += ["--ckpt-dir", str(self.work_dir / "checkpoints"), "--num-rows", str(workload.num_rows)]
+        train += ["--worker-startup-s", str(workload.worker_startup_s), "--log-every", "50"]
+        train += ["--publish-dir", str(self.work_dir / "publish")]
+        if workload.compile:  # fresh local inductor caches on every attempt, as on a newly allocated machine
+            train += ["--compile", "--compile-cache", str(self.work_dir / "compile-cache")]
+        else:
+            train += ["--no-compile"]
+        return [*run, "--", *_torchrun(), "--nproc-per-node", "2", *train, *self.side.train_args()]
+
+    def environment(self) -> dict[str, str]:
+        # Nothing of an enclosing ettr run leaks in (the demo itself may run under one).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.side.compile_store:
+            env["ETTR_COMPILE_STORE"] = str(self.work_dir / "compile-store")  # empty at the start
+            env["ETTR_COMPILE_SETTLE_S"] = "1"  # store the artifacts soon after the first compile
+        else:
+            env["ETTR_COMPILE_STORE"] = "off"
+        return env
+
+
+def prepare(out: Path) -> list[Job]:
+    """The two jobs under `out`, after removing what an earlier demo left there (and nothing else)."""
+    jobs = [Job(side=s, run_dir=out / s.name, work_dir=out / f"{s.name}-work") for s in (BASELINE, OPTIMIZED)]
+    for job in jobs:
+        if job.run_dir.is_dir() and any(job.run_dir.iterdir()) and not (job.run_dir / "ledger.db").is_file():
+            raise UsageError(f"ettr demo: {job.run_dir} is not an ettr run directory; choose another --out")
+    try:
+        for job in jobs:
+            shutil.rmtree(job.run_dir, ignore_errors=True)
+            shutil.rmtree(job.work_dir, ignore_errors=True)
+            job.work_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise UsageError(f"ettr demo: cannot use {out} ({exc.strerror or exc})") from None
+    return jobs
+
+
+# -- watching a job through its ledger -------------------------------------------------------------------
+def read_events(run_dir: Path) -> list[Event]:
+    """The events recorded so far (empty before the supervisor created the ledger). Never raises."""
+    from ettr.ledger import ledger_path, open_ledger
+
+    if not ledger_path(run_dir).is_file():
+        return []
+    try:
+        ledger = open_ledger(run_dir, create=False)
+        try:
+            return ledger.read()
+        finally:
+            ledger.close()
+    except Exception:  # being created or written right now: the next tick reads it
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobState:
+    """Where a job is, from its events: its latest attempt, what rank 0 does, its step."""
+
+    attempt: int | None
+    stage: str
+    """The latest open phase of rank 0, `training`, `starting`, or how the attempt ended."""
+    step: int
+    """Highest step rank 0 completed in this attempt (0: none yet)."""
+    num_failures: int
+
+    @classmethod
+    def of(cls, events: Sequence[Event]) -> JobState:
+        starts = [e for e in events if e.kind is EventKind.ATTEMPT_START]
+        if not starts:
+            return cls(attempt=None, stage="starting", step=0, num_failures=0)
+        attempt = starts[-1].attempt
+        num_failures, step, outcome = 0, 0, None
+        open_phases: dict[tuple[str, float], float] = {}
+        for e in events:
+            if e.kind is EventKind.ATTEMPT_END:
+                num_failures += (e.data or {}).get("outcome") not in (None, Outcome.COMPLETED)
+                outcome = (e.data or {}).get("outcome") if e.attempt == attempt else outcome
+            if e.attempt != attempt or e.rank != 0:
+                continue
+            if e.kind is EventKind.STEP and e.step is not None:
+                step = max(step, e.step)
+            elif e.kind is EventKind.PHASE_BEGIN and e.phase is not None:
+                open_phases[(str(e.phase), e.ts)] = e.ts
+            elif e.kind is EventKind.PHASE_END and e.phase is not None and e.value is not None:
+                open_phases.pop((str(e.phase), e.value), None)
+        if outcome is not None:
+            stage = str(outcome)
+        elif open_phases:
+            stage = max(open_phases.items(), key=lambda item: item[1])[0][0]
+        else:
+            stage = "training" if step else "starting"
+        return cls(attempt=attempt, stage=stage, step=step, num_failures=num_failures)
+
+    def text(self, total_steps: int) -> str:
+        attempt = "-" if self.attempt is None else str(self.attempt)
+        return f"attempt {attempt}  {self.stage:<21} step {self.step:>4}/{total_steps}  failures {self.num_failures}"
+
+
+class ProgressDisplay:
+    """Shows what is running. On a terminal: one line, rewritten at every tick, with every running job.
+    Otherwise: a plain line per job when its attempt or stage changes, and every `plain_every_s` while
+    only its step moves."""
+
+    def __init__(
+        self,
+        stream: TextIO,
+        *,
+        tty: bool | None = None,
+        plain_every_s: float = 10.0,
+        columns: int | None = None,
+    ) -> None:
+        self.stream = stream
+        self.tty = stream.isatty() if tty is None else tty
+        self.plain_every_s = plain_every_s
+        self.columns = columns
+        """Width of the terminal line (None: the terminal's width when drawing)."""
+        self._current: dict[str, str] = {}
+        self._shown: dict[str, tuple[object, ...]] = {}
+        self._shown_at: dict[str, float] = {}
+        self._width = 0
+
+    def show(self, name: str, state: JobState, total_steps: int, elapsed_s: float) -> None:
+        if self.tty:
+            attempt = "-" if state.attempt is None else state.attempt
+            self._current[name] = (
+                f"{name}: attempt {attempt} {state.stage} step {state.step}/{total_steps} {elapsed_s:.0f} s"
+            )
+            columns = self.columns or shutil.get_terminal_size().columns
+            line = " | ".join(self._current.values())[: columns - 1]
+            self.stream.write("\r" + line.ljust(self._width))
+            self._width = len(line)
+            self.stream.flush()
+            return
+        key = (state.attempt, state.stage)
+        now = time.monotonic()
+        shown = self._shown.get(name, ())
+        if key != shown[:2] or (state.step != shown[2] and now - self._shown_at[name] >= self.plain_every_s):
+            print(f"{name:<9}  {state.text(total_steps)}  {elapsed_s:5.0f} s", file=self.stream, flush=True)
+            self._shown[name], self._shown_at[name] = (*key, state.step), now
+
+    def note(self, text: str) -> None:
+        """A line of its own (below the rewritten line, which the next tick draws again)."""
+        if self.tty and self._width:
+            self.stream.write("\n")
+            self._width = 0
+        print(text, file=self.stream, flush=True)
+
+    def done(self, name: str) -> None:
+        """`name` is no longer running: drop it from the terminal line."""
+        self._current.pop(name, None)
+
+
+class JobRun:
+    """One side's run in progress: launches `ettr run`, preempts attempt 0 once it passed `preempt_step`
+    (SIGTERM, which `ettr run` forwards to the job), and requeues the job after a preemption, as a
+    scheduler would. `tick` moves it on; it never blocks."""
+
+    def __init__(self, job: Job, workload: Workload, script: Path) -> None:
+        self.job = job
+        self.workload = workload
+        self.command = job.command(workload, script)
+        self.status: int | None = None
+        """`ettr run`'s last exit status once the job is over (None while it runs)."""
+        self.preempt_after: int | None = None if PREEMPT_BY_INJECTION else workload.preempt_step
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._num_launches = 0
+        self._began = 0.0
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._began
+
+    def launch(self) -> None:
+        if self._num_launches == 0:
+            self._began = time.monotonic()
+        self._num_launches += 1
+        with open(self.job.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.command)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.job.environment()
+            )
+
+    def tick(self, display: ProgressDisplay) -> None:
+        """Look at the ledger and the process once: show progress, preempt, requeue, or finish."""
+        if self._proc is None or self.status is not None:
+            return
+        returncode = self._proc.poll()
+        state = JobState.of(read_events(self.job.run_dir))
+        display.show(self.job.side.name, state, self.workload.steps, self.elapsed_s)
+        name = self.job.side.name
+        if returncode is None:
+            if self.preempt_after is not None and state.attempt == 0 and state.step >= self.preempt_after:
+                self._proc.send_signal(signal.SIGTERM)
+                display.note(
+                    f"{name}: preempting attempt 0 at step {state.step} (SIGTERM, as a scheduler does)"
+                )
+                self.preempt_after = None
+            return
+        # One preemption is planned; a job preempted again and again is given up after three launches.
+        if returncode == PREEMPTED_EXIT_STATUS and self._num_launches < 3:
+            display.note(f"{name}: preempted (ettr run exited 143); requeueing the job")
+            self.launch()
+            return
+        self.status = returncode
+        display.done(name)
+        display.note(
+            f"{name}: ettr run exited {returncode} after {self.elapsed_s:.0f} s (log: {self.job.log_path})"
+        )
+        # Each attempt's inductor caches hold ~150 MB of precompiled headers and mean nothing afterwards.
+        shutil.rmtree(self.job.work_dir / "compile-cache", ignore_errors=True)
+
+    def stop(self) -> None:
+        """Interrupted: let the supervisor stop the job and close its books."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=60)
+
+
+def run_publish_job(job: Job, display: ProgressDisplay) -> int:
+    """The standalone publish job of `job` (`ettr publish` on its queue): builds the inference artifact from
+    the anchor the training job left, in a process and run directory of its own. Returns its status."""
+    command = [sys.executable, "-m", "ettr.cli", "publish", str(job.publish_queue)]
+    began = time.monotonic()
+    with open(job.work_dir / "publish.log", "ab") as log:
+        status = subprocess.run(
+            command, stdout=log, stderr=subprocess.STDOUT, env=job.environment()
+        ).returncode
+    runs = sorted((job.publish_queue / "runs").glob("*"))
+    where = f"its run directory: {runs[-1]}" if runs else f"log: {job.work_dir / 'publish.log'}"
+    display.note(
+        f"{job.side.name}: standalone publish job (ettr publish) exited {status} after "
+        f"{time.monotonic() - began:.0f} s, outside the training job's wall time ({where})"
+    )
+    return status
+
+
+def run_jobs(runs: Sequence[JobRun], display: ProgressDisplay, *, side_by_side: bool) -> None:
+    """Run every job to its end: all at once (`side_by_side`: they share the machine, so a change in its
+    load hits both alike) or one after the other."""
+    waiting, running = list(runs), []
+    try:
+        while waiting or running:
+            while waiting and (side_by_side or not running):
+                running.append(waiting.pop(0))
+                running[-1].launch()
+            for run in running:
+                run.tick(display)
+            running = [run for run in running if run.status is None]
+            # Look often while a preemption step is near, so that it lands close to it.
+            time.sleep(0.2 if any(run.preempt_after is not None for run in running) else 1.0)
+    finally:
+        for run in running:
+            run.stop()
+
+
+# -- the story in numbers --------------------------------------------------------------------------------
+def _recovery_s(report: EttReport, bucket: Bucket) -> float:
+    return sum(a.buckets_s[bucket] for a in report.attempts[1:])
+
+
+def explain(baseline: EttReport, optimized: EttReport) -> str:
+    """Where the two runs differ, bucket by bucket, read from their reports."""
+    gain = optimized.ett_pct - baseline.ett_pct
+    lines = [
+        f"optimized vs baseline: ETT {optimized.ett_pct:.1f}% vs {baseline.ett_pct:.1f}% ({gain:+.1f} points), "
+        f"wall {optimized.wall_s:.0f} s vs {baseline.wall_s:.0f} s"
+    ]
+    lost = [sum(a.lost_steps for a in r.attempts) for r in (baseline, optimized)]
+    rows: list[tuple[str, float | None, float | None, str]] = [
+        (
+            "checkpoint_blocking",
+            baseline.buckets_s[Bucket.CHECKPOINT_BLOCKING],
+            optimized.buckets_s[Bucket.CHECKPOINT_BLOCKING],
+            "async saves: the loop waits only for the copy",
+        ),
+        (
+            "compile in recoveries",
+            _recovery_s(baseline, Bucket.COMPILE),
+            _recovery_s(optimized, Bucket.COMPILE),
+            "artifacts restored from ettr's compile store",
+        ),
+        (
+            "data_wait",
+            baseline.buckets_s[Bucket.DATA_WAIT],
+            optimized.buckets_s[Bucket.DATA_WAIT],
+            "loader workers warm up while the model is built",
+        ),
+        (
+            "wasted_progress",
+            baseline.buckets_s[Bucket.WASTED_PROGRESS],
+            optimized.buckets_s[Bucket.WASTED_PROGRESS],
+            f"saved on SIGTERM before exiting (steps redone: {lost[0]} -> {lost[1]})",
+        ),
+        (
+            "shutdown",
+            baseline.buckets_s[Bucket.SHUTDOWN],
+            optimized.buckets_s[Bucket.SHUTDOWN],
+            "the artifact is built by a publish job of its own",
+        ),
+        ("TTS", baseline.tts_s, optimized.tts_s, "time to the first step of attempt 0"),
+        ("mean TTR", baseline.mean_ttr_s, optimized.mean_ttr_s, "failure detected -> training again"),
+    ]
+    for name, before, after, why in rows:
+        if before is None or after is None or max(before, after) < 0.05:
+            continue
+        verdict = why if after < before else "(not lower this time)"
+        lines.append(f"  {name:<22}{before:7.1f} s -> {after:6.1f} s   {verdict}")
+    if gain <= 0:
+        lines.append("  the optimized run's ETT% is not higher this time (a busy machine? run it again)")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`ettr demo [--quick] [--out DIR]`: run both sides, print the comparison, write DIR/report.html.
+
+    Returns 0 when both jobs completed, 1 otherwise. Raises UsageError for an unusable --out or when the
+    reference job is not in a source checkout.
+    """
+    from ettr.report.html import write_html
+    from ettr.report.load import load_report
+    from ettr.report.text import render_comparison
+
+    workload = QUICK if args.quick else DEFAULT
+    out = Path(args.out)
+    script = find_train_script()
+    jobs = prepare(out)
+    display = ProgressDisplay(sys.stdout)
+    print(f"ettr demo{' --quick' if args.quick else ''}: {workload.describe()}", flush=True)
+    runs = [JobRun(job, workload, script) for job in jobs]
+    run_jobs(runs, display, side_by_side=workload.side_by_side)
+    failed = [run.job.side.name for run in runs if run.status != 0]
+    # After both training jobs, so that it never shares the machine with one of them.
+    for run in runs:
+        if run.job.side.publish == "standalone" and run.status == 0 and run_publish_job(run.job, display):
+            failed.append(f"the publish job of {run.job.side.name}")
+    reports = [load_report(job.run_dir) for job in jobs]
+    print()
+    print(render_comparison(reports, labels=list(SIDES)))
+    print(explain(reports[0], reports[1]))
+    html = out / "report.html"
+    write_html(reports, html)
+    print(f"\nreport: {html}   (again: ettr report {jobs[0].run_dir} {jobs[1].run_dir})")
+    if failed:
+        print(f"ettr demo: {' and '.join(failed)} did not complete; see its log", file=sys.stderr)
+        return 1
+    return 0

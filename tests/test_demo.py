@@ -1,0 +1,353 @@
+"""`ettr demo`: its parts on scripted inputs, then the whole `ettr demo --quick` for real (two supervised
+2-rank DLRM jobs with a preemption and a crash each, compared in the terminal and in report.html)."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ettr
+from ettr import demo
+from ettr.accounting import compute
+from ettr.errors import UsageError
+from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Outcome, Phase
+from ettr.report.load import load_report
+
+T0 = 1_700_000_000.0
+
+
+def _events(*rows: tuple) -> list[Event]:
+    """Events from (kind, t, attempt, rank, fields) rows, t an offset from T0."""
+    return [Event(kind, T0 + t, attempt, rank, **fields) for kind, t, attempt, rank, fields in rows]
+
+
+# -- the workload ----------------------------------------------------------------------------------------
+def test_both_shipped_workloads_are_valid_and_fail_where_each_side_loses_work():
+    for workload in (demo.QUICK, demo.DEFAULT):
+        assert 0 < workload.preempt_step % workload.ckpt_every  # the baseline loses the steps since
+        assert 0 < workload.crash_step % workload.ckpt_every  # its last checkpoint, both times
+        # The preemption lands a few steps late (the demo polls the ledger): it must stay in its interval,
+        # so the baseline has not just saved when it comes.
+        assert workload.preempt_step % workload.ckpt_every <= workload.ckpt_every - 15
+    assert not demo.QUICK.compile and demo.DEFAULT.compile
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"preempt_step": 245}, "preempt_step .* < crash_step"),
+        ({"crash_step": 300}, "crash_step .* < steps"),
+        ({"preempt_step": 100}, "preempt_step must not be a multiple"),
+        ({"num_rows": 0}, "num_rows"),
+    ],
+)
+def test_a_workload_that_tells_no_story_is_refused(changes, message):
+    fields = dict(
+        steps=250,
+        ckpt_every=50,
+        num_rows=10,
+        compile=False,
+        worker_startup_s=0.0,
+        preempt_step=170,
+        crash_step=240,
+        side_by_side=False,
+    )
+    with pytest.raises(ValueError, match=message):
+        demo.Workload(**{**fields, **changes})
+
+
+def test_each_side_gets_the_same_job_and_failures_but_its_own_features(tmp_path):
+    script = Path("train.py")
+    base, opt = (
+        demo.Job(side=s, run_dir=tmp_path / s.name, work_dir=tmp_path / "w")
+        for s in (demo.BASELINE, demo.OPTIMIZED)
+    )
+    b, o = base.command(demo.DEFAULT, script), opt.command(demo.DEFAULT, script)
+    shared = b[: b.index("--ckpt-mode")]
+    assert [x.replace("optimized", "baseline") for x in o[: o.index("--ckpt-mode")]] == shared
+    assert "crash@step=390,attempt=1" in b and "--compile-cache" in b
+    assert b[b.index("--ckpt-mode") :] == [
+        "--ckpt-mode",
+        "sync",
+        "--no-overlap-startup",
+        "--publish",
+        "inside",
+    ]
+    assert o[o.index("--ckpt-mode") :] == [
+        "--ckpt-mode",
+        "ettr",
+        "--overlap-startup",
+        "--publish",
+        "standalone",
+    ]
+    assert base.environment()["ETTR_COMPILE_STORE"] == "off"
+    assert opt.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "w" / "compile-store")
+    assert "--no-compile" in base.command(demo.QUICK, script)
+
+
+# -- what the demo needs of the reference job (examples/dlrm/train.py) ------------------------------------
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+_TRAINER = """
+import multiprocessing, sys, time
+sys.path.insert(0, sys.argv[1])
+from dlrm.train import leave_sigterm_to_the_trainer
+
+def work(ready):
+    leave_sigterm_to_the_trainer(0)
+    ready.set()
+    while True:
+        time.sleep(0.05)
+
+def start():
+    ready = ctx.Event()
+    worker = ctx.Process(target=work, args=(ready,), daemon=True)
+    worker.start()
+    assert ready.wait(30)
+    print(worker.pid, flush=True)
+    return worker
+
+ctx = multiprocessing.get_context("fork")
+first = start()
+sys.stdin.readline()
+first.terminate()  # what the DataLoader and multiprocessing do to stop a worker
+first.join(10)
+print(first.exitcode, flush=True)
+start()
+time.sleep(300)  # until the test kills this trainer
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")  # a zombie is gone
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.timeout(120)
+def test_loader_workers_outlive_a_schedulers_sigterm_but_not_their_trainers(tmp_path):
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(EXAMPLES)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = int(trainer.stdout.readline())
+        os.kill(first, signal.SIGTERM)  # from someone else: a scheduler signalling the whole job
+        assert not _wait_gone(first, 1.5), "a foreign SIGTERM stopped the worker"
+        trainer.stdin.write("terminate\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline().strip() == "0"  # the trainer's own SIGTERM ends it at once
+
+        second = int(trainer.stdout.readline())
+        trainer.kill()  # the trainer dies without stopping its worker
+        trainer.wait(10)
+        assert _wait_gone(second, 10), "an orphaned worker kept running"
+    finally:
+        trainer.kill()
+
+
+def test_each_attempt_compiles_into_fresh_local_caches(tmp_path):
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "from dlrm.train import use_attempt_compile_cache; d = use_attempt_compile_cache(sys.argv[2]);"
+        "import torch._inductor.codecache as codecache;"
+        "from torch._inductor.runtime.cache_dir_utils import cache_dir;"
+        "print(d); print(cache_dir()); print(codecache._HEADER_DIR)"
+    )
+    env = {**os.environ, "ETTR_ATTEMPT": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(EXAMPLES), str(tmp_path / "cc")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    attempt_dir = tmp_path / "cc" / "attempt-2"
+    assert out[0] == str(attempt_dir) and out[1] == str(attempt_dir / "inductor")
+    assert out[2].startswith(str(attempt_dir / "tmp"))  # the precompiled headers move with it
+
+
+# -- paths -----------------------------------------------------------------------------------------------
+def test_the_reference_job_is_found_in_the_source_checkout():
+    script = demo.find_train_script()
+    assert script.name == "train.py" and script.parent.name == "dlrm" and script.is_file()
+
+
+def test_without_a_source_checkout_the_demo_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(ettr, "__file__", str(tmp_path / "site-packages" / "ettr" / "__init__.py"))
+    with pytest.raises(UsageError, match="reference job is not where a source checkout has it"):
+        demo.find_train_script()
+
+
+def test_prepare_clears_an_earlier_demo_but_refuses_a_directory_it_did_not_make(tmp_path):
+    (tmp_path / "baseline").mkdir()
+    (tmp_path / "baseline" / "ledger.db").write_text("old")
+    (tmp_path / "optimized-work" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "keep.txt").write_text("mine")
+    jobs = demo.prepare(tmp_path)
+    assert [j.run_dir.name for j in jobs] == ["baseline", "optimized"]
+    assert not (tmp_path / "baseline").exists() and (tmp_path / "keep.txt").read_text() == "mine"
+    assert (tmp_path / "optimized-work").is_dir() and not any((tmp_path / "optimized-work").iterdir())
+
+    (tmp_path / "optimized").mkdir()
+    (tmp_path / "optimized" / "notes.md").write_text("not a run")
+    with pytest.raises(UsageError, match="is not an ettr run directory"):
+        demo.prepare(tmp_path)
+    assert (tmp_path / "optimized" / "notes.md").exists()
+
+
+def test_a_bad_out_is_one_line_and_exit_status_2(tmp_path, capsys):
+    from ettr.cli import main
+
+    (tmp_path / "file").write_text("")
+    assert main(["demo", "--quick", "--out", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot use" in err
+
+
+# -- progress --------------------------------------------------------------------------------------------
+def test_job_state_follows_the_latest_attempt_of_rank_0():
+    events = _events(
+        (EventKind.ATTEMPT_START, 0, 0, SUPERVISOR_RANK, {}),
+        (EventKind.PHASE_BEGIN, 1, 0, 0, {"phase": Phase.TRAIN_MODULE_CREATION}),
+        (EventKind.STEP, 2, 0, 0, {"step": 5}),
+        (EventKind.ATTEMPT_END, 3, 0, SUPERVISOR_RANK, {"data": {"outcome": "preempted"}}),
+        (EventKind.ATTEMPT_START, 4, 1, SUPERVISOR_RANK, {}),
+        (EventKind.PHASE_BEGIN, 5, 1, 0, {"phase": Phase.RESTORE}),
+        (EventKind.PHASE_BEGIN, 5.5, 1, 1, {"phase": Phase.COMPILE}),  # rank 1 is not shown
+    )
+    assert demo.JobState.of([]).stage == "starting"
+    state = demo.JobState.of(events)
+    assert (state.attempt, state.stage, state.step, state.num_failures) == (1, "restore", 0, 1)
+    events += _events(
+        (EventKind.PHASE_END, 6, 1, 0, {"phase": Phase.RESTORE, "value": T0 + 5}),
+        (EventKind.STEP, 7, 1, 0, {"step": 9}),
+    )
+    state = demo.JobState.of(events)
+    assert (state.stage, state.step) == ("training", 9)
+    assert "attempt 1" in state.text(100) and "9/100" in state.text(100)
+
+
+def test_progress_is_one_rewritten_line_on_a_terminal_and_plain_lines_otherwise():
+    training = demo.JobState(attempt=0, stage="training", step=10, num_failures=0)
+    later = demo.JobState(attempt=0, stage="training", step=20, num_failures=0)
+    tty = io.StringIO()
+    display = demo.ProgressDisplay(tty, tty=True, columns=200)
+    display.show("baseline", training, 100, 3.0)
+    display.show("optimized", later, 100, 3.0)
+    display.note("baseline: preempting")
+    text = tty.getvalue()
+    assert text.count("\r") == 2 and "baseline: attempt 0 training step 10/100" in text
+    assert "| optimized: attempt 0 training step 20/100" in text and text.endswith("baseline: preempting\n")
+
+    plain = io.StringIO()
+    display = demo.ProgressDisplay(plain, tty=False, plain_every_s=3600)
+    for state in (training, later, later, demo.JobState(attempt=1, stage="init", step=0, num_failures=1)):
+        display.show("baseline", state, 100, 1.0)
+    lines = plain.getvalue().splitlines()
+    assert "\r" not in plain.getvalue() and len(lines) == 2  # a step change alone waits plain_every_s
+    assert "attempt 0" in lines[0] and "attempt 1" in lines[1]
+
+
+# -- the story -------------------------------------------------------------------------------------------
+def _report(*, blocking_s: float, recovery_compile_s: float, job_id: str):
+    """A job: attempt 0 preempted after 10 s, attempt 1 recovers (compile) and completes."""
+    events = _events(
+        (EventKind.ATTEMPT_START, 0, 0, SUPERVISOR_RANK, {}),
+        (EventKind.STEP, 2, 0, 0, {"step": 1}),
+        (EventKind.STEP, 6, 0, 0, {"step": 2}),
+        (EventKind.PHASE_BEGIN, 6, 0, 0, {"phase": Phase.CHECKPOINT_BLOCKING, "step": 2}),
+        (EventKind.PHASE_END, 6 + blocking_s, 0, 0, {"phase": Phase.CHECKPOINT_BLOCKING, "value": T0 + 6}),
+        (EventKind.CHECKPOINT_COMMIT, 6 + blocking_s, 0, 0, {"step": 2, "data": {"path": "p"}}),
+        (EventKind.ATTEMPT_END, 10, 0, SUPERVISOR_RANK, {"data": {"outcome": Outcome.PREEMPTED}}),
+        (EventKind.ATTEMPT_START, 11, 1, SUPERVISOR_RANK, {}),
+        (EventKind.RESUMED, 11.5, 1, 0, {"step": 2}),
+        (EventKind.PHASE_BEGIN, 12, 1, 0, {"phase": Phase.COMPILE}),
+        (EventKind.PHASE_END, 12 + recovery_compile_s, 1, 0, {"phase": Phase.COMPILE, "value": T0 + 12}),
+        (EventKind.STEP, 13 + recovery_compile_s, 1, 0, {"step": 3}),
+        (
+            EventKind.ATTEMPT_END,
+            14 + recovery_compile_s,
+            1,
+            SUPERVISOR_RANK,
+            {"data": {"outcome": "completed"}},
+        ),
+    )
+    return compute(events, max(e.ts for e in events), job_id=job_id)
+
+
+def test_the_explanation_reads_every_difference_from_the_reports():
+    baseline = _report(blocking_s=2.0, recovery_compile_s=30.0, job_id="b")
+    optimized = _report(blocking_s=0.1, recovery_compile_s=3.0, job_id="o")
+    text = demo.explain(baseline, optimized)
+    assert f"ETT {optimized.ett_pct:.1f}% vs {baseline.ett_pct:.1f}%" in text
+    assert re.search(r"checkpoint_blocking +2\.0 s -> +0\.1 s +async saves", text)
+    assert re.search(r"compile in recoveries +30\.0 s -> +3\.0 s +artifacts restored", text)
+    assert "not higher" not in text
+    worse = demo.explain(optimized, baseline)
+    assert "(not lower this time)" in worse and "ETT% is not higher this time" in worse
+
+
+# -- the real thing --------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_ettr_demo_quick_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "demo", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+    )
+    logs = "\n".join(p.read_text()[-4000:] for p in out.glob("*-work/job.log"))
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}"
+
+    baseline, optimized = load_report(out / "baseline"), load_report(out / "optimized")
+    for report in (baseline, optimized):
+        outcomes = [a.outcome for a in report.attempts]
+        assert outcomes == [Outcome.PREEMPTED, Outcome.FAILED, Outcome.COMPLETED], report.job_id
+        assert report.num_failures >= 2
+        assert "InjectedCrash" in str(report.attempts[1].failure)
+        # Both recoveries resumed from a checkpoint, and both failures cost the baseline real work.
+        assert all(a.resumed_from_step and a.resumed_from_step > 0 for a in report.attempts[1:])
+        assert report.attempts[-1].last_step == demo.QUICK.steps
+    assert all(a.lost_steps > 0 for a in baseline.attempts[:2])
+    assert optimized.attempts[0].lost_steps == 0, "the optimized run saves when it is preempted"
+
+    assert optimized.ett_pct > baseline.ett_pct, proc.stdout
+    assert optimized.buckets_s[Bucket.CHECKPOINT_BLOCKING] < baseline.buckets_s[Bucket.CHECKPOINT_BLOCKING]
+    assert optimized.buckets_s[Bucket.DATA_WAIT] < baseline.buckets_s[Bucket.DATA_WAIT]
+    # Publishing: the baseline built its artifact inside the job, the optimized run's publish job did.
+    assert list((out / "baseline-work" / "publish" / "queue" / "artifacts").iterdir())
+    assert list((out / "optimized-work" / "publish" / "queue" / "done").iterdir())
+    assert "standalone publish job (ettr publish) exited 0" in proc.stdout
+
+    html = (out / "report.html").read_text()
+    assert "demo-baseline" in html and "demo-optimized" in html
+    # The comparison printed is the one of these run directories.
+    assert f"{baseline.ett_pct:.1f}" in proc.stdout and f"{optimized.ett_pct:.1f}" in proc.stdout
+    assert "optimized vs baseline: ETT" in proc.stdout and "preempting attempt 0" in proc.stdout
+    assert not (out / "baseline-work" / "compile-cache").exists()
