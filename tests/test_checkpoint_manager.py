@@ -338,6 +338,8 @@ def test_restore_skips_corrupt_and_incomplete_newer_checkpoints(tmp_path, caplog
     assert any(n.startswith(step_dir_name(3) + ".bad-") for n in names)
     resumed = [e.step for e in rec.events() if e.kind is EventKind.RESUMED]
     assert resumed == [2]
+    skipped = [e.data["checkpoint"] for e in rec.events() if e.kind is EventKind.MARK]
+    assert skipped == [step_dir_name(4), step_dir_name(3)]  # recorded, for the report's post-mortem
     assert [e.step for e in rec.events() if e.kind is EventKind.PHASE_END and e.phase is Phase.RESTORE] == [2]
 
 

@@ -399,7 +399,8 @@ class CheckpointManager:
             chosen = resolution.latest.step if resolution.latest is not None else None
             if step is not None and chosen != step:
                 chosen = None
-            for name, _reason in resolution.skipped:
+            for name, reason in resolution.skipped:
+                self._rec.mark("checkpoint_skipped", checkpoint=name, reason=reason)
                 if any(c.name == name and c.has_manifest for c in list_checkpoints(self.storage)):
                     moved = quarantine(self.storage, name)
                     logger.warning("ettr: moved corrupt checkpoint %s aside to %s", name, moved)

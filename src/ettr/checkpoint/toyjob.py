@@ -73,7 +73,12 @@ class ToyJob:
 
 
 class KillAt:
-    """A picklable fault hook: SIGKILL this process at `point` on its `nth` occurrence."""
+    """A picklable fault hook: SIGKILL this process at `point` on its `nth` occurrence.
+
+    It counts in the process that runs the persist: across saves in thread mode; in process mode each save
+    receives a fresh copy in DCP's checkpoint process (so only `nth=1` fires there, and it kills that
+    process, not the trainer).
+    """
 
     def __init__(self, point: str, nth: int = 1) -> None:
         self.point, self.nth, self.seen = point, nth, 0
