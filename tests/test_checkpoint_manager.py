@@ -505,10 +505,22 @@ def test_closed_manager_refuses_to_save(tmp_path):
 
 
 _PROCESS_MODE_SCRIPT = """
-import sys, warnings, torch
+import os, sys, warnings, torch
 warnings.filterwarnings("ignore")
 from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
 from ettr.recorder import Recorder
+
+
+class WherePersisted:
+    # a picklable fault hook that notes which process writes the manifest
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self, point):
+        if point == "manifest_begin":
+            with open(self.path, "a") as stream:
+                stream.write(f"{os.getpid()}\\n")
+
 
 if __name__ == "__main__":
     torch.manual_seed(0)
@@ -516,14 +528,16 @@ if __name__ == "__main__":
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
-    config = CheckpointConfig(root=sys.argv[1], interval=IntervalConfig(every_steps=1), mode="process")
+    config = CheckpointConfig(
+        root=sys.argv[1], interval=IntervalConfig(every_steps=1), mode="process", fault_hook=WherePersisted(sys.argv[3])
+    )
     with CheckpointManager(config, TrainState(model=model, optimizer=opt), recorder=Recorder(None)) as m:
         assert m.save(1, wait=True)
         model.weight.data.add_(1.0)
         opt.step()
         assert m.save(2, wait=True)
     torch.save(model.state_dict(), sys.argv[2])
-    print("saved")
+    print(os.getpid())
 """
 
 
@@ -531,14 +545,20 @@ if __name__ == "__main__":
 def test_process_mode_persists_in_dcp_checkpoint_process(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(_PROCESS_MODE_SCRIPT)
+    pids = tmp_path / "pids.txt"
     done = subprocess.run(
-        [os.sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "final.pt")],
+        [os.sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "final.pt"), str(pids)],
         capture_output=True,
         text=True,
         timeout=240,
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    trainer_pid = int(done.stdout.split()[-1])
+    persist_pids = {int(line) for line in pids.read_text().split()}
+    assert (
+        len(persist_pids) == 1 and trainer_pid not in persist_pids
+    )  # one checkpoint process, not the trainer
     final = torch.load(tmp_path / "final.pt")
     model = torch.nn.Linear(64, 64)
     with CheckpointManager(_config(tmp_path / "ckpt"), TrainState(model=model), recorder=Recorder(None)) as m:
