@@ -1,8 +1,9 @@
 """How long a checkpoint save blocks the training loop, side by side, and how much a background persist
 slows the training steps that run beside it.
 
-For one ~1 GiB training state (an MLP's parameters plus AdamW's two moments), measured in rounds so that
-disk-speed drift hits every method alike, median seconds the loop is blocked per save:
+For one ~1 GiB training state (an MLP's parameters plus AdamW's two moments), measured in rounds (each in a
+different order) so that disk-speed drift and the machine's other load hit every method alike, median
+seconds the loop is blocked per save:
     torch_save      plain `torch.save` of model + optimizer state dicts
     dcp_save        `dcp.save`
     dcp_async_save  `dcp.async_save` with its defaults (a fresh, synchronous stager per call)
@@ -152,7 +153,10 @@ def measure_blocking(
     _say("first (warm-up) save, s: " + ", ".join(f"{n} {first[n]:.3f}" for n in names))
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(num_saves):
-        for name in names:
+        # a different order every round: what one save leaves behind (freed buffers, deleted files) must not
+        # always land on the same neighbour
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
             samples[name].append(getattr(methods, name)())
         _say(f"round {round_index + 1}: " + ", ".join(f"{n} {samples[n][-1]:.3f}" for n in names))
     methods.manager.close()
