@@ -233,3 +233,33 @@ def test_init_without_supervisor_records_attempts(tmp_path):
     assert ends == [(0, "failed"), (1, "completed")]
     assert [e.kind for e in events if e.rank == -1][-1] is EventKind.JOB_END
     assert any(e.kind is EventKind.FAILURE and e.data["exception"] == "RuntimeError" for e in events)
+
+
+def test_recording_inside_compiled_code_is_skipped_but_other_threads_still_record():
+    torch = pytest.importorskip("torch")
+    ledger = MemoryLedger()
+    rec = Recorder(ledger)
+
+    def double(x):
+        rec.mark("traced")  # under Dynamo: skipped, and no graph break (fullgraph would raise)
+        return x * 2
+
+    compiled = torch.compile(double, fullgraph=True, backend="eager")
+    done = threading.Event()
+
+    def other_thread() -> None:
+        while not done.is_set():
+            rec.mark("other")
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        assert compiled(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    finally:
+        done.set()
+        thread.join()
+    rec.flush()
+    names = [e.data["name"] for e in ledger.read()]
+    assert "traced" not in names and "other" in names
+    rec.close()

@@ -273,13 +273,17 @@ class Recorder:
                 self._queue.popleft()
 
     def _compiling(self) -> bool:
-        # Recording while Dynamo traces would put a graph break in the user's model: skip it.
+        # Recording while Dynamo traces would put a graph break in the user's model: skip it. Only while
+        # Dynamo traces: `is_compiling()` is true process-wide for a whole compilation in torch 2.13, which
+        # would drop every other thread's events (the first-batch wait overlapping a compile) meanwhile.
         check = self._is_compiling
         if check is None:
             torch = sys.modules.get("torch")
             if torch is None:
                 return False
-            check = self._is_compiling = torch.compiler.is_compiling
+            compiler = torch.compiler
+            check = getattr(compiler, "is_dynamo_compiling", None) or compiler.is_compiling
+            self._is_compiling = check
         return check()
 
     def _disable_in_child(self) -> None:
