@@ -4,12 +4,16 @@ slows the training steps that run beside it.
 For one ~1 GiB training state (an MLP's parameters plus AdamW's two moments), measured in rounds (each in a
 different order) so that disk-speed drift and the machine's other load hit every method alike, median
 seconds the loop is blocked per save:
-    torch_save      plain `torch.save` of model + optimizer state dicts
-    dcp_save        `dcp.save`
-    dcp_async_save  `dcp.async_save` with its defaults (a fresh, synchronous stager per call)
-    ettr            `CheckpointManager.save` (staging into buffers reused across saves; waits for the copy)
-    memcpy_limit    copying the same tensors into preallocated memory: the physical limit of a safe copy
-Each save's persist is finished before the next measurement, so no measurement includes a wait.
+    torch_save       plain `torch.save` of model + optimizer state dicts
+    dcp_save         `dcp.save`
+    dcp_async_save   `dcp.async_save` with its defaults (a fresh, synchronous stager per call)
+    ettr             `CheckpointManager.save` as configured by default: the copy into staging buffers
+                     reused across saves overlaps the next step's forward and backward; blocking is the
+                     time `save` takes plus the wait for the rest of the copy before the optimizer step
+    ettr_no_overlap  the same with `overlap_staging=False` (the save returns with the copy complete)
+    memcpy_limit     copying the same tensors into preallocated memory: the physical limit of a safe copy
+After every save the next training step's forward and backward of the same model run (untimed), for every
+method alike; each save's persist is finished before the next measurement, so none includes a wait for it.
 
 Then the step slowdown: the median time of a small training step while the manager's background persist
 of the 1 GiB state runs, divided by its median time with nothing in the background, for the thread and
@@ -17,8 +21,8 @@ the process persist modes.
 
     python benchmarks/checkpoint_stall.py [--size-gib 1.0] [--saves 3] [--dir DIR] [--json]
 
-`--json` ends with one object: blocking_s {torch_save, dcp_save, dcp_async_save, ettr, memcpy_limit},
-step_slowdown {thread, process}, and the ratios and extras it is judged by.
+`--json` ends with one object: blocking_s {torch_save, dcp_save, dcp_async_save, ettr, ettr_no_overlap,
+memcpy_limit}, step_slowdown {thread, process}, and the ratios and extras it is judged by.
 """
 
 from __future__ import annotations
@@ -83,18 +87,45 @@ def _dcp_state_dict(state: TrainState) -> dict[str, Any]:
 
 
 class Methods:
-    """The save methods under test, each returning the seconds the caller was blocked."""
+    """The save methods under test, each returning the seconds the training loop was blocked.
 
-    def __init__(self, state: TrainState, workdir: str) -> None:
+    After every save the next training step's forward and backward run (untimed, for every method alike):
+    ettr's overlapped copy runs meanwhile, and the loop then waits for whatever is left of it — what the
+    optimizer step pre-hook does — which counts as blocking.
+    """
+
+    def __init__(self, state: TrainState, workdir: str, step_batch: int) -> None:
         self.state = state
         self.workdir = workdir
         self.count = 0
         self.persist_s: list[float] = []
+        self.compute_s: list[float] = []
         self.dst = [torch.empty_like(t) for t in _tensors(state)]
-        config = CheckpointConfig(
-            root=os.path.join(workdir, "ettr"), interval=IntervalConfig(every_steps=10**9)
-        )
-        self.manager = CheckpointManager(config, state, recorder=Recorder(None))
+        self.managers = {
+            overlap: CheckpointManager(
+                CheckpointConfig(
+                    root=os.path.join(workdir, f"ettr-{overlap}"),
+                    interval=IntervalConfig(every_steps=10**9),
+                    overlap_staging=overlap,
+                ),
+                state,
+                recorder=Recorder(None),
+            )
+            for overlap in (True, False)
+        }
+        width = state.model[0].in_features
+        self.batch = torch.randn(step_batch, width)
+
+    def close(self) -> None:
+        for manager in self.managers.values():
+            manager.close()
+
+    def _next_step_compute(self) -> None:
+        """The next training step's forward and backward (no optimizer step: the state stays as saved)."""
+        begin = time.perf_counter()
+        self.state.model(self.batch).pow(2).mean().backward()
+        self.state.model.zero_grad(set_to_none=True)
+        self.compute_s.append(time.perf_counter() - begin)
 
     def _target(self, name: str) -> str:
         self.count += 1
@@ -105,6 +136,7 @@ class Methods:
         begin = time.perf_counter()
         torch.save(_plain_state_dict(self.state), path)
         blocked = time.perf_counter() - begin
+        self._next_step_compute()
         os.remove(path)
         return blocked
 
@@ -113,6 +145,7 @@ class Methods:
         begin = time.perf_counter()
         dcp.save(_dcp_state_dict(self.state), checkpoint_id=path)
         blocked = time.perf_counter() - begin
+        self._next_step_compute()
         shutil.rmtree(path)
         return blocked
 
@@ -120,33 +153,48 @@ class Methods:
         path = self._target("dcp-async")
         begin = time.perf_counter()
         future = dcp.async_save(_dcp_state_dict(self.state), checkpoint_id=path)
-        blocked = time.perf_counter() - begin
+        blocked = time.perf_counter() - begin  # its default stager copies before returning
+        self._next_step_compute()
         future.result()
         shutil.rmtree(path)
         return blocked
 
-    def ettr(self) -> float:
+    def _ettr(self, overlap: bool) -> float:
+        manager = self.managers[overlap]
         self.count += 1
         begin = time.perf_counter()
-        self.manager.save(self.count)
+        manager.save(self.count)
         blocked = time.perf_counter() - begin
-        persist_begin = time.perf_counter()
-        assert self.manager.wait(), "an ettr save failed"
-        self.persist_s.append(time.perf_counter() - persist_begin + blocked)
+        self._next_step_compute()
+        begin = time.perf_counter()
+        manager.wait_staged()  # what the optimizer step pre-hook does before the parameters change
+        blocked += time.perf_counter() - begin
+        assert manager.wait(), "an ettr save failed"
+        return blocked
+
+    def ettr(self) -> float:
+        return self._ettr(True)
+
+    def ettr_no_overlap(self) -> float:
+        begin = time.perf_counter()
+        blocked = self._ettr(False)
+        self.persist_s.append(time.perf_counter() - begin - (self.compute_s[-1] if self.compute_s else 0.0))
         return blocked
 
     def memcpy_limit(self) -> float:
         begin = time.perf_counter()
         for src, dst in zip(_tensors(self.state), self.dst, strict=True):
             dst.copy_(src)
-        return time.perf_counter() - begin
+        blocked = time.perf_counter() - begin
+        self._next_step_compute()
+        return blocked
 
 
 def measure_blocking(
-    state: TrainState, workdir: str, num_saves: int
+    state: TrainState, workdir: str, num_saves: int, step_batch: int
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    methods = Methods(state, workdir)
-    names = ["torch_save", "dcp_save", "dcp_async_save", "ettr", "memcpy_limit"]
+    methods = Methods(state, workdir, step_batch)
+    names = ["torch_save", "dcp_save", "dcp_async_save", "ettr", "ettr_no_overlap", "memcpy_limit"]
     # One unmeasured round: ettr allocates its staging buffers on the first save (reported below), the
     # copy target is faulted in, and every library path is warm.
     first = {name: getattr(methods, name)() for name in names}
@@ -159,10 +207,11 @@ def measure_blocking(
         for name in names[shift:] + names[:shift]:
             samples[name].append(getattr(methods, name)())
         _say(f"round {round_index + 1}: " + ", ".join(f"{n} {samples[n][-1]:.3f}" for n in names))
-    methods.manager.close()
+    methods.close()
     extras = {
         "first_save_s": first,
         "ettr_persist_s": statistics.median(methods.persist_s[1:] or methods.persist_s),
+        "next_step_compute_s": statistics.median(methods.compute_s),
     }
     return {name: statistics.median(values) for name, values in samples.items()}, extras
 
@@ -237,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--slowdown-saves", type=int, default=2, help="persists per mode for the step slowdown (default 2)"
     )
+    parser.add_argument(
+        "--step-batch",
+        type=int,
+        default=32,
+        help="batch of the forward/backward after each save (default 32)",
+    )
     parser.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
     args = parser.parse_args(argv)
@@ -248,13 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state, num_bytes = build_state(args.size_gib)
         _say(f"state: {num_bytes / 2**30:.2f} GiB in {len(_tensors(state))} tensors; scratch {workdir}")
-        blocking, extras = measure_blocking(state, workdir, args.saves)
+        blocking, extras = measure_blocking(state, workdir, args.saves, args.step_batch)
         thread = measure_slowdown(state, workdir, "thread", args.slowdown_saves)
         process = measure_slowdown(state, workdir, "process", args.slowdown_saves)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     ratios = {
         "ettr_over_memcpy": blocking["ettr"] / blocking["memcpy_limit"],
+        "ettr_no_overlap_over_memcpy": blocking["ettr_no_overlap"] / blocking["memcpy_limit"],
         "torch_save_over_ettr": blocking["torch_save"] / blocking["ettr"],
         "dcp_async_save_over_ettr": blocking["dcp_async_save"] / blocking["ettr"],
     }
@@ -263,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:15s} {value:8.3f} s")
     print(f"  ettr / memcpy limit      {ratios['ettr_over_memcpy']:6.2f}x   (goal <= 2)")
     print(f"  torch.save / ettr        {ratios['torch_save_over_ettr']:6.1f}x   (goal >= 10)")
+    print(
+        f"  (after each save the next step's forward+backward ran, {extras['next_step_compute_s']:.3f} s; "
+        "ettr's copy overlaps it and the loop waits for the rest before the optimizer step)"
+    )
     print(f"  ettr first save (allocates its staging buffers once): {extras['first_save_s']['ettr']:.3f} s")
     print(f"  ettr persist (overlapped with training), median: {extras['ettr_persist_s']:.2f} s")
     print("step time during a background persist / without (and the persist's own time meanwhile):")
@@ -281,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_saves": args.saves,
             "first_save_s": extras["first_save_s"],
             "ettr_persist_s": extras["ettr_persist_s"],
+            "next_step_compute_s": extras["next_step_compute_s"],
             "slowdown_detail": {"thread": thread, "process": process},
         }
         print(json.dumps(result))

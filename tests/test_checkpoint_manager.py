@@ -564,3 +564,118 @@ def test_process_mode_persists_in_dcp_checkpoint_process(tmp_path):
     with CheckpointManager(_config(tmp_path / "ckpt"), TrainState(model=model), recorder=Recorder(None)) as m:
         assert m.restore() == 2
     assert torch.equal(model.weight, final["weight"])
+
+
+class HeldStaging:
+    """Holds the background copy of every save until the training loop is seen waiting for it."""
+
+    def __init__(self, monkeypatch, rec: ProbeRecorder) -> None:
+        from ettr.checkpoint.staging import ReusedStager
+
+        self.release = threading.Event()
+        self.copied = threading.Event()
+        original = ReusedStager._stage_later
+
+        def held(stager, *args):
+            assert self.release.wait(60), "nobody waited for the copy"
+            result = original(stager, *args)
+            self.copied.set()
+            return result
+
+        monkeypatch.setattr(ReusedStager, "_stage_later", held)
+        # release the copy once the loop records that it waits for it (the hook's CHECKPOINT_BLOCKING)
+        self.releaser = threading.Thread(target=lambda: (rec.overlap_wait.wait(60), self.release.set()))
+        self.releaser.start()
+
+
+class OverlapProbe(ProbeRecorder):
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.overlap_wait = threading.Event()
+
+    def phase(self, phase, *, step=None, **data):
+        if phase == Phase.CHECKPOINT_BLOCKING and data.get("overlapped"):
+            self.overlap_wait.set()
+        return super().phase(phase, step=step, **data)
+
+
+def test_an_overlapped_copy_is_waited_for_before_the_next_optimizer_step(tmp_path, monkeypatch):
+    rec = OverlapProbe(tmp_path)
+    held = HeldStaging(monkeypatch, rec)
+    state = _model_state()
+    with CheckpointManager(_config(tmp_path), state, recorder=rec) as manager:
+        _train(state)
+        saved = _params(state)
+        assert manager.save(1)  # returns while the copy is still held
+        assert not held.copied.is_set()
+        loss = state.model(torch.randn(8, 32)).pow(2).mean()  # forward and backward overlap the copy
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()  # the pre-hook waits for the copy before the step changes the parameters
+        assert held.copied.is_set()
+        assert manager.wait()
+    held.releaser.join()
+    fresh = _model_state()
+    with CheckpointManager(_config(tmp_path), fresh, recorder=Recorder(None)) as manager:
+        assert manager.restore() == 1
+    assert all(torch.equal(a, b) for a, b in zip(saved, _params(fresh), strict=True))
+    waits = [
+        e for e in rec.events() if e.phase is Phase.CHECKPOINT_BLOCKING and (e.data or {}).get("overlapped")
+    ]
+    assert [(e.kind, e.step) for e in waits] == [(EventKind.PHASE_BEGIN, 1), (EventKind.PHASE_END, 1)]
+
+
+def test_a_model_with_running_statistics_waits_before_its_next_forward(tmp_path, monkeypatch):
+    rec = OverlapProbe(tmp_path)
+    held = HeldStaging(monkeypatch, rec)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with CheckpointManager(_config(tmp_path), state, recorder=rec) as manager:
+        model(torch.randn(8, 4))
+        running_mean = model[1].running_mean.clone()
+        manager.save(1)
+        model(torch.randn(8, 4) + 5.0)  # updates the running statistics: the forward pre-hook waits first
+        assert not torch.equal(model[1].running_mean, running_mean)
+        assert manager.wait()
+    held.releaser.join()
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with CheckpointManager(_config(tmp_path), TrainState(model=fresh), recorder=Recorder(None)) as manager:
+        assert manager.restore() == 1
+    assert torch.equal(fresh[1].running_mean, running_mean)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_in_place_changes_after_the_copy_do_not_reach_the_checkpoint(tmp_path, overlap):
+    """Without overlap a save returns with the copy complete; with it, `wait_staged()` gives the same."""
+    state = _model_state()
+    config = _config(tmp_path, overlap_staging=overlap)
+    with CheckpointManager(config, state, recorder=Recorder(None)) as manager:
+        _train(state)
+        saved = _params(state)
+        manager.save(1)
+        if overlap:
+            manager.wait_staged()
+        with torch.no_grad():
+            for p in state.model.parameters():
+                p.add_(100.0)  # outside any optimizer step: no hook protects this
+        assert manager.wait()
+    fresh = _model_state()
+    with CheckpointManager(_config(tmp_path), fresh, recorder=Recorder(None)) as manager:
+        assert manager.restore() == 1
+    assert all(torch.equal(a, b) for a, b in zip(saved, _params(fresh), strict=True))
+
+
+def test_without_an_optimizer_to_guard_a_save_does_not_overlap(tmp_path):
+    model = torch.nn.Linear(8, 8)
+    with CheckpointManager(_config(tmp_path), TrainState(model=model), recorder=Recorder(None)) as manager:
+        assert not manager.overlapping
+        saved = model.weight.detach().clone()
+        manager.save(1)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # e.g. an optimizer the manager does not know stepped it
+        assert manager.wait()
+    fresh = torch.nn.Linear(8, 8)
+    with CheckpointManager(_config(tmp_path), TrainState(model=fresh), recorder=Recorder(None)) as manager:
+        assert manager.restore() == 1
+    assert torch.equal(fresh.weight, saved)

@@ -78,6 +78,14 @@ class CheckpointConfig:
     """Whether "latest" re-reads every file and checks its CRC-32 against the manifest (else only sizes)."""
     num_io_threads: int = 1
     """Writer threads per rank (DCP's `thread_count`); each writes its own file."""
+    overlap_staging: bool = True
+    """Let the copy of the model and optimizer tensors run while the next step's forward and backward run.
+    The loop then waits for it (recorded as CHECKPOINT_BLOCKING) only right before the optimizer's next
+    step — or before the next forward for models with running statistics (batch norm) — or at the
+    manager's next call. Code that changes model or optimizer tensors in place at any other time must call
+    `CheckpointManager.wait_staged()` first (so must code that steps another optimizer over the model).
+    Without an optimizer in the `TrainState` there is no step to guard, and saves do not overlap. False:
+    every save returns with the copy complete."""
     handle_preemption: bool = False
     """Install a SIGTERM handler: save at the next step boundary, flush the recorder, exit with 143."""
     lease_ttl_s: float = 3600.0

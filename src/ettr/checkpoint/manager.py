@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from ettr.checkpoint.base import (
     CheckpointConfig,
@@ -132,13 +132,21 @@ class CheckpointManager:
             if self.world_size > 1:
                 self._control_pg = dist.new_group(backend="gloo")
         self.storage = open_storage(config.root, config.storage_options)
+        # Overlap only where a hook can guard it: the optimizer's step is where the copied tensors change.
+        self.overlapping = config.overlap_staging and state.optimizer is not None
+        """Whether saves return before the copy of the model and optimizer tensors is complete."""
         self._stager = ReusedStager(
-            pin_memory=torch.cuda.is_available(), share_memory=config.mode is PersistMode.PROCESS
+            pin_memory=torch.cuda.is_available(),
+            share_memory=config.mode is PersistMode.PROCESS,
+            background_keys=OVERLAPPED_KEYS if self.overlapping else (),
         )
+        self._staging: tuple[Future[Any], int] | None = None  # the copy still running, and its step
+        self._hooks = self._install_staging_hooks() if self.overlapping else []
         self._persist_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ettr-ckpt-persist")
         self.policy = IntervalPolicy(config.interval, now_s=clock(), **self._failure_history())
         self._preemption = PreemptionWatcher().install() if config.handle_preemption else None
         self._inflight: _Inflight | None = None
+        self._saving_step = -1
         self.last_committed_step: int | None = None
         """The newest step this manager committed or restored (None: none yet)."""
         self._existing_steps = {c.step for c in list_checkpoints(self.storage)}
@@ -190,6 +198,7 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError("save() on a closed CheckpointManager")
+        self.wait_staged()
         if step == self.last_committed_step or (self._inflight is not None and self._inflight.step == step):
             return self.wait() if wait else True
         wait_begin_s = self._clock()
@@ -204,6 +213,7 @@ class CheckpointManager:
         return self.wait() if wait else True
 
     def _start_save(self, step: int, wait_s: float) -> bool:
+        self._saving_step = step
         name = step_dir_name(step)
         path = self.storage.path(name)
         begin_s = self._clock()
@@ -231,6 +241,36 @@ class CheckpointManager:
         _checkpoint_in_progress()
         return True
 
+    def _install_staging_hooks(self) -> list[Any]:
+        """Wait for an overlapped copy before the first thing that changes the copied tensors."""
+        assert self.state.optimizer is not None
+        hooks = [self.state.optimizer.register_step_pre_hook(lambda *args: self.wait_staged())]
+        if _updates_buffers_in_forward(self.state.model):
+            hooks.append(self.state.model.register_forward_pre_hook(lambda *args: self.wait_staged()))
+        return hooks
+
+    def wait_staged(self) -> None:
+        """Block until the copy of the last save is complete (recorded as CHECKPOINT_BLOCKING if it was not).
+
+        The optimizer step pre-hook calls it; call it yourself before changing model or optimizer tensors
+        in place anywhere else between a save and the next optimizer step. Cheap when there is nothing to
+        wait for; never raises (a failed copy fails the save's persist, which is recorded).
+        """
+        pending = self._staging
+        if pending is None:
+            return
+        self._staging = None
+        future, step = pending
+        if future.done():
+            return
+        begin_s = self._clock()
+        with self._rec.phase(Phase.CHECKPOINT_BLOCKING, step=step, overlapped=True):
+            try:
+                future.result()
+            except BaseException:  # noqa: BLE001 - the persist reports it
+                pass
+        self.policy.add_cost(self._clock() - begin_s)
+
     def _launch(self, state_dict: dict[str, Any], writer: Any) -> Future[Any]:
         """Copy `state_dict` into the reused staging buffers, then start the persist; returns its future.
 
@@ -239,8 +279,7 @@ class CheckpointManager:
         `dcp.save` is called by ettr (the bootstrap's hooks then leave it to us to record).
         """
         if self.config.mode is PersistMode.PROCESS:
-            # The stager copies synchronously, so DCP returns the upload future alone.
-            return dcp.async_save(
+            result = dcp.async_save(
                 state_dict,
                 storage_writer=writer,
                 async_stager=self._stager,
@@ -248,10 +287,19 @@ class CheckpointManager:
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 no_dist=not self._distributed,
             )
-        return self._persist_executor.submit(self._persist, self._stager.stage(state_dict), writer)
+            if isinstance(result, AsyncSaveResponse):  # an overlapped copy: DCP hands it over when done
+                self._staging = (result.staging_completion, self._saving_step)
+                return result.upload_completion
+            return result
+        staged = self._stager.stage(state_dict)
+        if isinstance(staged, Future):
+            self._staging = (staged, self._saving_step)
+        return self._persist_executor.submit(self._persist, staged, writer)
 
-    def _persist(self, staged: dict[str, Any], writer: Any) -> Any:
+    def _persist(self, staged: dict[str, Any] | Future[dict[str, Any]], writer: Any) -> Any:
         """The background persist of thread mode: DCP writes the staged copy; the writer commits."""
+        if isinstance(staged, Future):
+            staged = staged.result()
         return dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
 
     def _prepare_directory(self, step: int) -> None:
@@ -345,6 +393,7 @@ class CheckpointManager:
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the save in flight (if any) is committed or failed; returns whether the latest save
         committed (True when none was ever started). Does not record a phase: use it off the hot path."""
+        self.wait_staged()
         inflight = self._inflight
         if inflight is None:
             return True
@@ -428,6 +477,8 @@ class CheckpointManager:
             return
         self._closed = True
         self.wait()
+        for hook in self._hooks:
+            hook.remove()
         if self._preemption is not None:
             self._preemption.close()
         self._persist_executor.shutdown(wait=True)
@@ -441,6 +492,18 @@ class CheckpointManager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+OVERLAPPED_KEYS = ("model", "optim")
+"""Top-level `TrainState` entries whose copy may overlap the next forward and backward (the optimizer step
+pre-hook protects them); the small pickled parts and user `extra` Statefuls are copied at once."""
+
+
+def _updates_buffers_in_forward(model: torch.nn.Module) -> bool:
+    """Whether a forward pass changes the model's buffers (batch norm's running statistics)."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return any(isinstance(m, _NormBase) and m.track_running_stats for m in model.modules())
 
 
 def _checkpoint_in_progress() -> None:

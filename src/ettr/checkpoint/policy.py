@@ -135,6 +135,11 @@ class IntervalPolicy:
         self._costs_s.append(max(0.0, cost_s))
         self._last_save_s = now_s
 
+    def add_cost(self, extra_s: float) -> None:
+        """Add time the loop later spent waiting for the last save (its overlapped copy) to that save's cost."""
+        if self._costs_s:
+            self._costs_s[-1] += max(0.0, extra_s)
+
     def observe_persist(self, persist_s: float) -> None:
         """A background persist finished after `persist_s` seconds (committed or not)."""
         self._persists_s.append(max(0.0, persist_s))

@@ -1,21 +1,27 @@
-"""Staging: the copy of the training state that a save makes while the training loop waits.
+"""Staging: the copy of the training state that a save makes before the state may change again.
 
 `ReusedStager` copies every plain tensor of a state dict into a buffer of its own that is allocated on the
 first save and reused by every later one — so a save costs one memory copy and no allocation or page
 faults. It copies with `Tensor.copy_`, which spreads a large copy over the intra-op threads (DCP's
-`DefaultStager` copies untyped storages, measured 1.1–1.8x slower here). Buffers are pinned memory where
-the state lives on a GPU (the device-to-host copy runs at full speed, then one synchronize), and shared
-memory for the process persist mode (the checkpoint process maps them instead of receiving a copy).
-Anything else — DTensor, ShardedTensor, Python objects holding tensors — goes through DCP's own
-`StateDictStager`, which caches its buffers the same way. It implements DCP's `AsyncStager` protocol, so
-`dcp.async_save` accepts it.
+`DefaultStager` copies untyped storages, measured 1.1-1.8x slower here). Buffers are pinned memory where
+the state lives on a GPU, and shared memory for the process persist mode (the checkpoint process maps them
+instead of receiving a copy). Anything else — DTensor, ShardedTensor, Python objects holding tensors —
+goes through DCP's own `StateDictStager`, which caches its buffers the same way. It implements DCP's
+`AsyncStager` protocol, so `dcp.async_save` accepts it.
 
-The caller must not change the state while `stage` runs, and must not stage again before the persist of
-the previous copy has finished (the manager waits for it).
+With `background_keys`, `stage` copies the other top-level entries at once and the named ones (the model
+and optimizer tensors) in a background thread, returning a Future: the training loop runs its next
+forward and backward meanwhile and must wait for the Future before anything changes those tensors (the
+checkpoint manager does, in an optimizer step pre-hook). On a GPU the background copies run on a staging
+stream that first waits for the work queued before the save.
+
+The caller must not stage again before the persist of the previous copy has finished (the manager waits).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -31,28 +37,59 @@ class ReusedStager(AsyncStager):
     Args:
         pin_memory: allocate page-locked buffers (for state on a GPU).
         share_memory: allocate buffers in shared memory (for the process persist mode).
+        background_keys: top-level keys copied in a background thread (`stage` then returns a Future).
     """
 
-    _synchronize_after_execute = False  # `stage` returns only once the copy is complete
+    _synchronize_after_execute = False  # the copy is complete when `stage` (or its Future) returns
 
-    def __init__(self, *, pin_memory: bool = False, share_memory: bool = False) -> None:
+    def __init__(
+        self, *, pin_memory: bool = False, share_memory: bool = False, background_keys: Collection[str] = ()
+    ) -> None:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.share_memory = share_memory
+        self.background_keys = frozenset(background_keys)
         self._buffers: dict[str, torch.Tensor] = {}
         self._fallback = StateDictStager(pin_memory=self.pin_memory, share_memory=share_memory)
-        self._used_cuda = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._stream: Any = None
 
     @property
     def num_bytes(self) -> int:
         """Bytes held in staging buffers (the plain-tensor part)."""
         return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
 
-    def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        """A copy of `state_dict` whose tensors live in the reused buffers; complete when this returns."""
-        self._used_cuda = False
-        staged = self._stage(state_dict, "")
-        if self._used_cuda:
+    def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any] | Future[dict[str, Any]]:
+        """A copy of `state_dict` whose tensors live in the reused buffers.
+
+        Without `background_keys` the copy is complete on return; with them, a Future of the whole copy.
+        """
+        later = {k: v for k, v in state_dict.items() if k in self.background_keys}
+        now_cuda: list[bool] = [False]
+        staged = {
+            k: self._stage(v, k, now_cuda) for k, v in state_dict.items() if k not in self.background_keys
+        }
+        if now_cuda[0]:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies are done after this
+        if not later:
+            return staged
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ettr-ckpt-stage")
+        queued = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            queued = torch.cuda.Event()
+            queued.record()  # the state as of the work queued so far (the optimizer step just done)
+        return self._executor.submit(self._stage_later, staged, later, queued)
+
+    def _stage_later(self, staged: dict[str, Any], later: dict[str, Any], queued: Any) -> dict[str, Any]:
+        if queued is None:
+            staged.update({k: self._stage(v, k, [False]) for k, v in later.items()})
+            return staged
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(queued)
+            staged.update({k: self._stage(v, k, [False]) for k, v in later.items()})
+        self._stream.synchronize()
         return staged
 
     def _buffer_for(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -64,18 +101,17 @@ class ReusedStager(AsyncStager):
             self._buffers[key] = buffer
         return buffer
 
-    def _stage(self, value: Any, key: str) -> Any:
+    def _stage(self, value: Any, key: str, used_cuda: list[bool]) -> Any:
         if isinstance(value, dict):
-            return {k: self._stage(v, f"{key}.{k}") for k, v in value.items()}
+            return {k: self._stage(v, f"{key}.{k}", used_cuda) for k, v in value.items()}
         if isinstance(value, list):
-            return [self._stage(v, f"{key}.{i}") for i, v in enumerate(value)]
-        if isinstance(value, tuple) and type(value) is tuple:
-            return tuple(self._stage(v, f"{key}.{i}") for i, v in enumerate(value))
+            return [self._stage(v, f"{key}.{i}", used_cuda) for i, v in enumerate(value)]
+        if type(value) is tuple:
+            return tuple(self._stage(v, f"{key}.{i}", used_cuda) for i, v in enumerate(value))
         if type(value) in (torch.Tensor, torch.nn.Parameter) and value.layout is torch.strided:
             buffer = self._buffer_for(key, value)
-            non_blocking = value.is_cuda and self.pin_memory
-            self._used_cuda |= value.is_cuda
-            buffer.copy_(value.detach(), non_blocking=non_blocking)
+            used_cuda[0] |= value.is_cuda
+            buffer.copy_(value.detach(), non_blocking=value.is_cuda and self.pin_memory)
             return buffer
         if isinstance(value, _IMMUTABLE):
             return value
@@ -83,9 +119,12 @@ class ReusedStager(AsyncStager):
         return self._fallback.stage(value)
 
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: `stage` returns a complete copy (DCP's AsyncStager protocol)."""
+        """Nothing to do: the caller waits for `stage`'s Future (DCP's AsyncStager protocol)."""
 
     def close(self) -> None:
-        """Release the buffers."""
+        """Stop the staging thread and release the buffers."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         self._buffers.clear()
         self._fallback.close()
