@@ -3,8 +3,10 @@
 A save (`save`, or `after_step` when the interval policy says so) waits for the previous save to finish
 (recorded as CHECKPOINT_WAIT), then copies the state into staging buffers that are allocated once and
 reused (`staging.ReusedStager`: pinned memory where a GPU exists, shared memory for the process mode;
-CHECKPOINT_BLOCKING), and returns; DCP's writers persist the copy in a background thread or process and
-the coordinator commits it with a manifest (see `commit`). The persist is recorded as a CHECKPOINT_PERSIST span and, once the manifest
+CHECKPOINT_BLOCKING), and returns. By default the copy of the model and optimizer tensors overlaps the
+next step's forward and backward, and an optimizer step pre-hook waits for the rest of it (also
+CHECKPOINT_BLOCKING). DCP's writers persist the copy in a background thread or process and the
+coordinator commits it with a manifest (see `commit`). The persist is recorded as a CHECKPOINT_PERSIST span and, once the manifest
 rename is durable, as CHECKPOINT_COMMIT; a failed persist as CHECKPOINT_ERROR, and training goes on.
 `restore` loads the newest checkpoint that verifies (RESTORE, then RESUMED).
 
