@@ -58,7 +58,7 @@ def test_a_workload_that_tells_no_story_is_refused(changes, message):
         worker_startup_s=0.0,
         preempt_step=170,
         crash_step=240,
-        side_by_side=False,
+        publish=False,
     )
     with pytest.raises(ValueError, match=message):
         demo.Workload(**{**fields, **changes})
@@ -90,7 +90,8 @@ def test_each_side_gets_the_same_job_and_failures_but_its_own_features(tmp_path)
     ]
     assert base.environment()["ETTR_COMPILE_STORE"] == "off"
     assert opt.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "w" / "compile-store")
-    assert "--no-compile" in base.command(demo.QUICK, script)
+    quick = base.command(demo.QUICK, script)
+    assert "--no-compile" in quick and quick[-2:] == ["--publish", "none"]
 
 
 # -- what the demo needs of the reference job (examples/dlrm/train.py) ------------------------------------
@@ -186,6 +187,22 @@ def test_each_attempt_compiles_into_fresh_local_caches(tmp_path):
     attempt_dir = tmp_path / "cc" / "attempt-2"
     assert out[0] == str(attempt_dir) and out[1] == str(attempt_dir / "inductor")
     assert out[2].startswith(str(attempt_dir / "tmp"))  # the precompiled headers move with it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_job_publishes_its_model_inside_when_asked(tmp_path):
+    # The default demo's baseline ends this way (the optimized side leaves the build to `ettr publish`).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [str(EXAMPLES / "dlrm" / "train.py"), "--steps", "4", "--no-compile", "--no-resume"]
+    command += ["--num-rows", "1000", "--num-workers", "0", "--publish", "inside"]
+    command += ["--publish-dir", str(tmp_path / "pub"), "--ckpt-dir", str(tmp_path / "ckpt")]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "publish (inside)" in proc.stdout and "artifact built in" in proc.stdout
+    done = list((tmp_path / "pub" / "queue" / "done").glob("*-step000000004-*.json"))
+    assert done and (tmp_path / "pub" / "anchors" / "step_000000004").is_dir()
 
 
 # -- paths -----------------------------------------------------------------------------------------------
@@ -340,10 +357,6 @@ def test_ettr_demo_quick_end_to_end(tmp_path):
     assert optimized.ett_pct > baseline.ett_pct, proc.stdout
     assert optimized.buckets_s[Bucket.CHECKPOINT_BLOCKING] < baseline.buckets_s[Bucket.CHECKPOINT_BLOCKING]
     assert optimized.buckets_s[Bucket.DATA_WAIT] < baseline.buckets_s[Bucket.DATA_WAIT]
-    # Publishing: the baseline built its artifact inside the job, the optimized run's publish job did.
-    for side in ("baseline", "optimized"):
-        assert list((out / f"{side}-work" / "publish" / "queue" / "done").glob("demo-*.json"))
-    assert "standalone publish job (ettr publish) exited 0" in proc.stdout
     # The bulk is gone, the books are not.
     assert not any((out / "baseline-work" / name).exists() for name in demo.BULK)
     assert (out / "optimized-work" / "job.log").is_file()
