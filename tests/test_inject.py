@@ -164,3 +164,33 @@ def test_checkpoint_fault_fires_through_the_module_hook_point() -> None:
         assert [what for what, _ in actions.done] == ["kill"]
     finally:
         inject.install(None)
+
+
+_HANDLES_SIGTERM = """
+import os, signal, sys, threading, time
+from ettr.inject import FaultActions
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()   # the forwarded signal
+t0 = time.monotonic()
+FaultActions().preempt(30.0)
+print(f"{time.monotonic() - t0:.2f} {got}")
+"""
+
+
+def test_preempt_waits_only_until_the_sigterm_arrives_and_the_script_still_handles_it(tmp_path):
+    import subprocess
+    import sys
+
+    # No supervisor pid: the injector signals its own process group; run it in a group of its own.
+    out = subprocess.run(
+        [sys.executable, "-c", _HANDLES_SIGTERM],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+    )
+    assert out.returncode == 0, out.stderr
+    waited_s, handled = out.stdout.split(maxsplit=1)
+    assert float(waited_s) < 10.0  # not the full 30 s: well inside the supervisor's grace period
+    assert "15" in handled  # the script's own handler got the signal

@@ -225,16 +225,36 @@ class FaultActions:
         threading.Event().wait()  # forever; signals still run their handlers on the main thread
 
     def preempt(self, wait_s: float) -> None:
+        arrived = threading.Event()
+        if wait_s > 0 and threading.current_thread() is threading.main_thread():
+            _watch_sigterm(arrived)
         supervisor = os.environ.get(SUPERVISOR_PID_ENV)
         if supervisor and supervisor.isdigit():
             os.kill(int(supervisor), signal.SIGTERM)
         else:
             os.killpg(os.getpgrp(), signal.SIGTERM)
-        # Give the forwarded SIGTERM time to arrive before the loop runs further steps; sleep in slices so
-        # Python signal handlers of the user's script run promptly.
+        # Wait (at most `wait_s`) until the forwarded SIGTERM has reached this process, so the loop does not
+        # run on past the preemption; then go on, so a script that handles SIGTERM (a checkpoint manager that
+        # saves at the next step boundary) does so well inside the supervisor's grace period. Sleep in
+        # slices so the script's Python signal handlers run promptly.
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
+        while not arrived.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def _watch_sigterm(arrived: threading.Event) -> None:
+    """Set `arrived` on the next SIGTERM, then hand that signal to whatever handled it before."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        arrived.set()
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGTERM)  # the default action: end the process, as without us
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 class Injector:
