@@ -5,9 +5,9 @@ the terminal and in pictures (`DIR/report.html`). See docs/demo.md.
     ettr demo [--quick] [--out DIR]      # DIR defaults to runs/demo
 
 Each side is `ettr run -- torchrun --nproc-per-node 2 examples/dlrm/train.py ...` into `DIR/<side>`:
-attempt 0 is preempted once it has passed a step (SIGTERM, so `ettr run` exits 143 and the demo requeues
-the job, as a scheduler would), attempt 1 crashes at a later step (`--inject crash@step=N,attempt=1`; the
-supervisor restarts it), attempt 2 completes. Every number printed is read back from the two run
+attempt 0 is preempted at one step (`--inject preempt@step=M`: SIGTERM to the whole job; `ettr run` exits
+143 and the demo requeues the job, as a scheduler would), attempt 1 crashes at a later step
+(`--inject crash@step=N,attempt=1`; the supervisor restarts it), attempt 2 completes. Every number printed is read back from the two run
 directories.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -34,11 +33,6 @@ PREEMPTED_EXIT_STATUS = 143
 
 SIDES = ("baseline", "optimized")
 
-PREEMPT_BY_INJECTION = False
-"""Seam: preempt through `--inject preempt@step=M` instead of the demo's own SIGTERM. Off because the
-injector holds the training thread for 30 s after sending SIGTERM (to let it arrive), longer than the
-supervisor's 10 s grace, so a job that saves on SIGTERM (the optimized side) is SIGKILLed before it can."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
@@ -55,7 +49,7 @@ class Workload:
     worker_startup_s: float
     """Seconds a loader worker takes before its first batch."""
     preempt_step: int
-    """Attempt 0 is preempted (SIGTERM to the whole job) once it has completed this step."""
+    """Attempt 0 is preempted (SIGTERM to the whole job) when this step completes."""
     crash_step: int
     """Attempt 1 crashes (exit status 1) when this step completes."""
     publish: bool
@@ -76,8 +70,7 @@ class Workload:
 
     def injections(self) -> list[str]:
         """The `--inject` specs (rank 0; attempts count on across requeues, so each fires once)."""
-        crash = f"crash@step={self.crash_step},attempt=1"
-        return [f"preempt@step={self.preempt_step},attempt=0", crash] if PREEMPT_BY_INJECTION else [crash]
+        return [f"preempt@step={self.preempt_step},attempt=0", f"crash@step={self.crash_step},attempt=1"]
 
     def describe(self) -> str:
         return (
@@ -347,9 +340,8 @@ class ProgressDisplay:
 
 
 class JobRun:
-    """One side's run in progress: launches `ettr run`, preempts attempt 0 once it passed `preempt_step`
-    (SIGTERM, which `ettr run` forwards to the job), and requeues the job after a preemption, as a
-    scheduler would. `tick` moves it on; it never blocks."""
+    """One side's run in progress: launches `ettr run`, and launches it again on the same run directory
+    after a preemption (exit 143), as a scheduler requeues a job. `tick` moves it on; it never blocks."""
 
     def __init__(self, job: Job, workload: Workload, script: Path) -> None:
         self.job = job
@@ -357,7 +349,6 @@ class JobRun:
         self.command = job.command(workload, script)
         self.status: int | None = None
         """`ettr run`'s last exit status once the job is over (None while it runs)."""
-        self.preempt_after: int | None = None if PREEMPT_BY_INJECTION else workload.preempt_step
         self._proc: subprocess.Popen[bytes] | None = None
         self._num_launches = 0
         self._began = 0.0
@@ -378,7 +369,7 @@ class JobRun:
             )
 
     def tick(self, display: ProgressDisplay) -> None:
-        """Look at the ledger and the process once: show progress, preempt, requeue, or finish."""
+        """Look at the ledger and the process once: show progress, requeue, or finish."""
         if self._proc is None or self.status is not None:
             return
         returncode = self._proc.poll()
@@ -386,12 +377,6 @@ class JobRun:
         display.show(self.job.side.name, state, self.workload.steps, self.elapsed_s)
         name = self.job.side.name
         if returncode is None:
-            if self.preempt_after is not None and state.attempt == 0 and state.step >= self.preempt_after:
-                self._proc.send_signal(signal.SIGTERM)
-                display.note(
-                    f"{name}: preempting attempt 0 at step {state.step} (SIGTERM, as a scheduler does)"
-                )
-                self.preempt_after = None
             return
         # One preemption is planned; a job preempted again and again is given up after three launches.
         if returncode == PREEMPTED_EXIT_STATUS and self._num_launches < 3:
@@ -455,8 +440,7 @@ def run_jobs(runs: Sequence[JobRun], display: ProgressDisplay) -> None:
         try:
             while run.status is None:
                 run.tick(display)
-                # Look often while the preemption step is near, so that it lands close to it.
-                time.sleep(0.2 if run.preempt_after is not None else 1.0)
+                time.sleep(1.0)
         finally:
             run.stop()
 
