@@ -75,7 +75,7 @@ class Workload:
     def describe(self) -> str:
         return (
             f"DLRM on 2 ranks, {self.steps} steps, {'compiled' if self.compile else 'eager'}, checkpoint every "
-            f"{self.ckpt_every} steps ({self.num_rows} rows x 12 tables); failures: preempted after step "
+            f"{self.ckpt_every} steps ({self.num_rows} rows x 12 tables); failures: preempted at step "
             f"{self.preempt_step} (attempt 0), crash at step {self.crash_step} (attempt 1)"
             + ("; then publishing" if self.publish else "")
         )
@@ -471,6 +471,12 @@ def explain(baseline: EttReport, optimized: EttReport, *, published: bool = True
             _recovery_s(baseline, Bucket.COMPILE),
             _recovery_s(optimized, Bucket.COMPILE),
             "artifacts restored from ettr's compile store",
+        ),
+        (
+            "init",
+            baseline.buckets_s[Bucket.INIT],
+            optimized.buckets_s[Bucket.INIT],
+            "start-up outside compile, restore and data",
         ),
         (
             "data_wait",
