@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ettr.closing import closing_events
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome, Phase
 from ettr.publish.queue import Claim, process_start_ticks
 from ettr.publish.request import PublishRequest
@@ -32,30 +33,7 @@ PUBLISH_RANK = 0
 
 def _closing_events(events: Sequence[Event], reason: str) -> list[Event]:
     """ATTEMPT_END for every attempt that was started and never ended, at the last event of that attempt."""
-    started: set[int] = set()
-    ended: set[int] = set()
-    last_ts: dict[int, float] = {}
-    for e in events:
-        if e.kind is EventKind.ATTEMPT_START:
-            started.add(e.attempt)
-        elif e.kind is EventKind.ATTEMPT_END:
-            ended.add(e.attempt)
-        last_ts[e.attempt] = max(last_ts.get(e.attempt, e.ts), e.ts)
-    return [
-        Event(
-            EventKind.ATTEMPT_END,
-            last_ts[attempt],
-            attempt,
-            SUPERVISOR_RANK,
-            data={
-                "outcome": Outcome.FAILED.value,
-                "exit_code": None,
-                "reason": reason,
-                "closed_from_ledger": True,
-            },
-        )
-        for attempt in sorted(started - ended)
-    ]
+    return closing_events(events, reason=reason, dated_by_process_events=False)
 
 
 class PublishBooks:

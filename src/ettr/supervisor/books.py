@@ -13,7 +13,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+from ettr.closing import closing_events as close_open_attempts
+from ettr.events import Event, EventKind
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -55,32 +56,11 @@ def live_supervisor(events: Sequence[Event]) -> int | None:
 
 def closing_events(events: Sequence[Event]) -> list[Event]:
     """ATTEMPT_END events for the attempts that were started and never ended, each at its last event."""
-    started: dict[int, float] = {}
-    ended: set[int] = set()
-    last_ts: dict[int, float] = {}
-    for e in events:
-        if e.kind is EventKind.ATTEMPT_START:
-            started.setdefault(e.attempt, e.ts)
-        elif e.kind is EventKind.ATTEMPT_END:
-            ended.add(e.attempt)
-        if e.rank >= 0 or e.kind is EventKind.ATTEMPT_START:
-            last_ts[e.attempt] = max(last_ts.get(e.attempt, e.ts), e.ts)
-    return [
-        Event(
-            EventKind.ATTEMPT_END,
-            last_ts[attempt],
-            attempt,
-            SUPERVISOR_RANK,
-            data={
-                "outcome": Outcome.FAILED.value,
-                "exit_code": None,
-                "signal": None,
-                "reason": "its supervisor was lost (killed) while it ran; closed from the ledger",
-                "closed_from_ledger": True,
-            },
-        )
-        for attempt in sorted(set(started) - ended)
-    ]
+    return close_open_attempts(
+        events,
+        reason="its supervisor was lost (killed) while it ran; closed from the ledger",
+        extra={"signal": None},
+    )
 
 
 def next_attempt(events: Sequence[Event]) -> int:
