@@ -19,3 +19,21 @@ def test_dating_by_process_events_or_by_any_event():
                                "closed_from_ledger": True}  # fmt: skip
     assert "signal" not in by_any.data
     assert closing_events([*events, by_any], reason="r") == []
+
+
+def test_report_time_follows_a_live_requeued_supervisor_and_closes_a_dead_one():
+    import os
+
+    from ettr.report.load import report_time
+
+    mine = {"pid": os.getppid(), "job_id": "j"}  # a live process that is not this one
+    dead = {"pid": 2**22 + 12345, "job_id": "j"}  # above any pid this machine hands out
+    first_run = [
+        Event(EventKind.SUPERVISOR_START, 1.0, 0, SUPERVISOR_RANK, data=dead),
+        Event(EventKind.JOB_END, 5.0, 0, SUPERVISOR_RANK),
+    ]
+    requeued = [*first_run, Event(EventKind.SUPERVISOR_START, 6.0, 1, SUPERVISOR_RANK, data=mine)]
+    assert report_time(first_run, wall_clock_s=100.0) == 5.0
+    assert report_time(requeued, wall_clock_s=100.0) == 100.0  # still running: now, not the last event
+    killed = [*first_run, Event(EventKind.SUPERVISOR_START, 6.0, 1, SUPERVISOR_RANK, data=dead)]
+    assert report_time(killed, wall_clock_s=100.0) == 6.0

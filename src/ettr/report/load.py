@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from ettr.accounting import EttReport, compute
 from ettr.errors import UsageError
 from ettr.events import Event, EventKind
 from ettr.ledger import LedgerError, ledger_path, open_ledger
+from ettr.supervisor.books import live_supervisor
 
 
 def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
@@ -35,30 +35,13 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
     return events
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def report_time(events: list[Event], *, wall_clock_s: float | None = None) -> float:
     """The `now` to close an unfinished job at: the current time while its supervisor still runs on this
     host, else the last thing the ledger saw (a supervisor killed with SIGKILL left the books open)."""
     last_ts = max(e.ts for e in events)
-    if any(e.kind is EventKind.JOB_END for e in events):
+    if live_supervisor(events) is None:
         return last_ts
-    starts = [e for e in events if e.kind is EventKind.SUPERVISOR_START and e.data]
-    if starts:
-        data = starts[-1].data or {}
-        pid, host = data.get("pid"), data.get("host")
-        if isinstance(pid, int) and (host is None or host == socket.gethostname()) and _pid_alive(pid):
-            if pid != os.getpid():
-                return max(last_ts, time.time() if wall_clock_s is None else wall_clock_s)
-    return last_ts
+    return max(last_ts, time.time() if wall_clock_s is None else wall_clock_s)
 
 
 def job_id_of(events: list[Event], run_dir: str | os.PathLike[str]) -> str:
