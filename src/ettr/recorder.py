@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ettr.events import URGENT_KINDS, Event, EventKind, Phase
 from ettr.ledger import Ledger
@@ -64,6 +64,73 @@ class _PhaseSpan:
         self._recorder.record(
             EventKind.PHASE_END, phase=self._phase, step=self._step, value=self._begin, data=data
         )
+
+
+@runtime_checkable
+class RecorderProtocol(Protocol):
+    """What a component needs of a recorder: the seam every `rec` parameter is typed with.
+
+    `Recorder` (queue + writer thread) is the real one; `NullRecorder` records nothing; tests use the
+    synchronous recorder in `ettr.testing`. Every method must be cheap and must never raise.
+    """
+
+    enabled: bool
+    attempt: int
+    rank: int
+    world_size: int
+    run_dir: Path | None
+    job_id: str
+    last_step: int | None
+    explicit_steps: bool
+
+    def record(
+        self,
+        kind: EventKind,
+        *,
+        phase: Phase | None = None,
+        step: int | None = None,
+        value: float | None = None,
+        data: Mapping[str, Any] | None = None,
+        ts: float | None = None,
+    ) -> None: ...
+
+    def phase(self, phase: Phase | str, *, step: int | None = None, **data: Any) -> Any: ...
+
+    def span(
+        self,
+        phase: Phase | str,
+        begin_ts: float,
+        end_ts: float | None = None,
+        *,
+        step: int | None = None,
+        **data: Any,
+    ) -> None: ...
+
+    def is_open(self, phase: Phase) -> bool: ...
+
+    def step(self, step: int, *, auto: bool = False) -> None: ...
+
+    def training_started(self) -> None: ...
+
+    def resumed_from(self, step: int | None) -> None: ...
+
+    def checkpoint_committed(self, step: int, path: str | os.PathLike[str]) -> None: ...
+
+    def checkpoint_error(
+        self, step: int | None, path: str | os.PathLike[str], error: BaseException | str
+    ) -> None: ...
+
+    def recompile(self, reason: str, **data: Any) -> None: ...
+
+    def failure(self, exc: BaseException) -> None: ...
+
+    def mark(self, name: str, **data: Any) -> None: ...
+
+    def add_step_listener(self, listener: Callable[[int], None]) -> None: ...
+
+    def flush(self, timeout_s: float = 5.0) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Recorder:
