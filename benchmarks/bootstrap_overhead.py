@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ettr.supervisor.launch import bootstrap_dir
+from ettr.bootstrap import pythonpath_dir
 
 
 def _start_s(env: dict[str, str], code: str = "pass") -> float:
@@ -58,7 +58,7 @@ def main() -> None:
     base = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        outside = {**base, "PYTHONPATH": str(bootstrap_dir())}
+        outside = {**base, "PYTHONPATH": str(pythonpath_dir())}
         inside = {**outside, "ETTR_RUN_DIR": str(run_dir), "ETTR_ATTEMPT": "0", "ETTR_AUTO": "1"}
         worker = {**inside, "ETTR_INSTRUMENTED_PID": "1"}
         # Interleave the variants so that load on the shared machine hits them alike.

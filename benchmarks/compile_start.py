@@ -104,7 +104,7 @@ def _read_checkpoint(path: str, bandwidth_bytes_s: float):  # noqa: ANN202
 
 
 def _child(args: argparse.Namespace) -> None:
-    from ettr.recorder import process_start_time
+    from ettr.procs import process_start_time
 
     process_start_ts = process_start_time()
     import torch

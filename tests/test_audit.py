@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from ettr.audit import MARK_NAME, UNPHASED, AuditConfig, CommAudit, audit_events, render
+from ettr.audit import MARK_NAME, UNPHASED, AuditConfig, CommAudit
 from ettr.events import Event, EventKind, Phase
 from ettr.ledger import MemoryLedger
 from ettr.recorder import NullRecorder, Recorder
+from ettr.report.audit import audit_events, render
 
 
 class FakeClock:

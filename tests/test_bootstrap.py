@@ -14,12 +14,11 @@ from typing import Any
 
 import pytest
 
-from ettr.bootstrap import post_import
+from ettr.bootstrap import post_import, pythonpath_dir
 from ettr.bootstrap.start import is_training_process
 from ettr.events import Event, EventKind, Phase
 from ettr.ledger import open_ledger
 from ettr.recorder import Recorder
-from ettr.supervisor.launch import bootstrap_dir
 
 torch = pytest.importorskip("torch")
 
@@ -78,7 +77,7 @@ def test_sitecustomize_chains_the_one_it_hides_and_costs_nothing_outside_a_run(t
     other.mkdir()
     (other / "sitecustomize.py").write_text("import builtins\nbuiltins.CHAINED = 'yes'\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
-    env["PYTHONPATH"] = f"{bootstrap_dir()}{os.pathsep}{other}"
+    env["PYTHONPATH"] = f"{pythonpath_dir()}{os.pathsep}{other}"
     done = _python("import sys, builtins; print(builtins.CHAINED, 'ettr' in sys.modules)", env, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["yes", "False"]
@@ -88,7 +87,7 @@ def test_sitecustomize_instruments_the_training_process_but_not_its_children(tmp
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
     env.update(
-        PYTHONPATH=str(bootstrap_dir()), ETTR_RUN_DIR=str(run_dir), ETTR_ATTEMPT="3", ETTR_AUTO="1", RANK="0"
+        PYTHONPATH=str(pythonpath_dir()), ETTR_RUN_DIR=str(run_dir), ETTR_ATTEMPT="3", ETTR_AUTO="1", RANK="0"
     )
     code = textwrap.dedent(
         """

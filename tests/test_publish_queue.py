@@ -14,7 +14,9 @@ import sys
 import pytest
 
 from ettr.cli import main as cli_main
-from ettr.publish.queue import PublishQueue, pid_alive, process_start_ticks
+from ettr.procs import pid_alive
+from ettr.procs import start_ticks as process_start_ticks
+from ettr.publish.queue import PublishQueue
 from ettr.publish.request import InputKind, InputSpec, ModelSpec, PublishError, PublishRequest, request_id_for
 
 

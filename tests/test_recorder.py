@@ -13,7 +13,8 @@ import pytest
 import ettr
 from ettr.events import EventKind, Phase
 from ettr.ledger import MemoryLedger, open_ledger
-from ettr.recorder import NullRecorder, Recorder, process_start_time
+from ettr.procs import process_start_time
+from ettr.recorder import NullRecorder, Recorder
 from ettr.runtime import recorder_from_env, set_recorder
 
 

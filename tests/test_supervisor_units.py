@@ -11,22 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from ettr.bootstrap import pythonpath_dir
+from ettr.closing import recorded_job_id
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+from ettr.heartbeat import MainThreadHeartbeat, latest_heartbeat
 from ettr.inject import parse_spec
+from ettr.procs import descendants, start_ticks
+from ettr.run_env import INSTRUMENTED_ENV, Launcher
 from ettr.supervisor import books
 from ettr.supervisor.classify import classify, exception_from_stderr
 from ettr.supervisor.config import RunConfig
-from ettr.supervisor.heartbeat import MainThreadHeartbeat, latest_heartbeat
 from ettr.supervisor.jobinfo import default_job_id, job_times, parse_scontrol_times
-from ettr.supervisor.launch import (
-    INSTRUMENTED_ENV,
-    Launcher,
-    attempt_launch,
-    bootstrap_dir,
-    detect_launcher,
-    torchrun_command,
-)
-from ettr.supervisor.process import AttemptProcess, descendants
+from ettr.supervisor.launch import attempt_launch, detect_launcher, torchrun_command
+from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.watchdog import HangWatchdog
 
 
@@ -95,9 +92,9 @@ def test_attempt_environment(tmp_path: Path) -> None:
     )
     env = launch.env
     assert env["ETTR_RUN_DIR"] == str(tmp_path) and env["ETTR_JOB_ID"] == "j1" and env["ETTR_ATTEMPT"] == "2"
-    assert env["PYTHONPATH"] == f"{bootstrap_dir()}{os.pathsep}/mine"
-    assert (bootstrap_dir() / "sitecustomize.py").is_file()
-    assert sorted(p.name for p in bootstrap_dir().iterdir() if p.suffix == ".py") == ["sitecustomize.py"]
+    assert env["PYTHONPATH"] == f"{pythonpath_dir()}{os.pathsep}/mine"
+    assert (pythonpath_dir() / "sitecustomize.py").is_file()
+    assert sorted(p.name for p in pythonpath_dir().iterdir() if p.suffix == ".py") == ["sitecustomize.py"]
     assert env["ETTR_AUTO"] == "0" and env["ETTR_SUPERVISOR_PID"] == str(os.getpid())
     assert float(env["ETTR_ATTEMPT_STARTED_AT"]) == 123.5 and "crash" in env["ETTR_INJECT"]
     assert INSTRUMENTED_ENV not in env and env["KEEP"] == "1"
@@ -242,14 +239,14 @@ def test_closing_the_books_a_killed_supervisor_left_open() -> None:
     assert (end.kind, end.attempt, end.rank, end.ts) == (EventKind.ATTEMPT_END, 1, SUPERVISOR_RANK, 7.5)
     assert end.data is not None and end.data["outcome"] == "failed" and end.data["closed_from_ledger"]
     assert books.next_attempt(events) == 2 and books.next_attempt([]) == 0
-    assert books.job_id_of(events) == "j" and books.job_id_of([]) is None
+    assert recorded_job_id(events) == "j" and recorded_job_id([]) is None
     assert books.closing_events(events + closing) == []
 
 
 def test_a_live_supervisor_is_told_from_a_dead_one_and_from_a_reused_pid() -> None:
     with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as other:
         try:
-            ticks = books.process_start_ticks(other.pid)
+            ticks = start_ticks(other.pid)
             host = os.uname().nodename
             alive = [_sup(EventKind.SUPERVISOR_START, 1.0, pid=other.pid, host=host, pid_start_ticks=ticks)]
             assert books.live_supervisor(alive) == other.pid
@@ -307,10 +304,10 @@ def test_attempt_process_keeps_the_stderr_tail_and_reaches_its_whole_tree(tmp_pa
         assert proc.stderr_tail() == ["line one", "line two"]
         # The grandchild, in a session of its own, got the signal too.
         for _ in range(600):
-            if books.process_start_ticks(grandchild) is None or _is_zombie(grandchild):
+            if start_ticks(grandchild) is None or _is_zombie(grandchild):
                 break
             threading.Event().wait(0.05)
-        assert books.process_start_ticks(grandchild) is None or _is_zombie(grandchild)
+        assert start_ticks(grandchild) is None or _is_zombie(grandchild)
     finally:
         proc.signal_tree(signal.SIGKILL)
 

@@ -37,6 +37,15 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """fsync a regular file another library wrote (torch.save, safetensors) before it is committed."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_temp(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644) -> Path:
     """Write `data` durably to a new temporary file beside `path` and return its name (not yet renamed).
 

@@ -11,10 +11,10 @@ starts puts the originals back (zero cost in the loop) and records one `init_com
     ...
     ettr.training_started()               # the audit ends itself here (or at the first step)
 
-The open phase is learned by watching the events that pass through the recorder's `record` (the one
-primitive every phase goes through), so training code keeps using `ettr.phase` unchanged. Everything is
-guarded: a fault in the audit is logged once and the wrapped call still runs exactly once; an error of the
-call itself reaches the caller unchanged.
+The open phase is learned from the recorder's events (a listener, `Recorder.add_listener`), so training
+code keeps using `ettr.phase` unchanged. Everything is guarded: a fault in the audit is logged once and the
+wrapped call still runs exactly once; an error of the call itself reaches the caller unchanged. The text
+table of the marks is `ettr.report.audit.render`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from ettr.events import Event, EventKind
+from ettr.recorder import RecorderProtocol
+from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
 
@@ -131,7 +133,7 @@ class CommAudit:
 
     def __init__(
         self,
-        recorder: Any | None = None,
+        recorder: RecorderProtocol | None = None,
         *,
         config: AuditConfig | None = None,
         targets: Sequence[Any] | None = None,
@@ -153,7 +155,8 @@ class CommAudit:
         self._patched: list[tuple[Any, str, Any, Any]] = []  # (module, name, original, wrapper)
         self._active = False
         self._finished = False
-        self._warned: set[str] = set()
+        self._warn = WarnOnce("ettr: init comm audit {what} failed ({error}); the job goes on")
+        self._listening = False
         self._summary: dict[str, Any] | None = None
 
     # -- life cycle ----------------------------------------------------------------------------------------
@@ -310,26 +313,15 @@ class CommAudit:
             self._num_groups_created += 1
 
     def _watch_recorder(self) -> None:
-        rec = self.recorder
-        if rec is None:
-            return
-        forward = rec.record  # the bound method (or an earlier instance-level wrapper)
-        audit = self
+        if self.recorder is not None:
+            self.recorder.add_listener(self._observe)
+            self._listening = True
 
-        @functools.wraps(forward)
-        def record(kind: EventKind, *args: Any, **kwargs: Any) -> None:
-            forward(kind, *args, **kwargs)
-            try:
-                audit._observe(kind, kwargs.get("phase"))
-            except Exception as exc:
-                audit._warn_once("observe", exc)
-
-        rec.record = record
-        self._patched.append((rec, "record", forward, record))
-
-    def _observe(self, kind: EventKind, phase: Any) -> None:
+    def _observe(self, event: Event) -> None:
+        """Recorder listener: track the open phases; training start (or the first step) ends the audit."""
         if not self._active:
             return
+        kind, phase = event.kind, event.phase
         if kind is EventKind.PHASE_BEGIN and phase is not None:
             self._stack.append(str(phase))
         elif kind is EventKind.PHASE_END and phase is not None:
@@ -342,15 +334,15 @@ class CommAudit:
             self.finish()
 
     def _restore(self) -> None:
+        if self._listening and self.recorder is not None:
+            self._listening = False
+            try:
+                self.recorder.remove_listener(self._observe)
+            except Exception as exc:
+                self._warn_once("restore", exc)
         for owner, name, original, wrapper in reversed(self._patched):
             try:
-                if owner is self.recorder and name == "record":
-                    if owner.__dict__.get("record") is wrapper:
-                        if getattr(original, "__self__", None) is owner:
-                            del owner.record  # back to the class's method
-                        else:
-                            owner.record = original
-                elif getattr(owner, name, None) is wrapper:
+                if getattr(owner, name, None) is wrapper:
                     setattr(owner, name, original)
                 # Else someone wrapped it after us: leave theirs; ours passes calls straight through now.
             except Exception as exc:
@@ -358,11 +350,7 @@ class CommAudit:
         self._patched.clear()
 
     def _warn_once(self, what: str, exc: BaseException) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            logger.warning(
-                "ettr: init comm audit %s failed (%s: %s); the job goes on", what, type(exc).__name__, exc
-            )
+        self._warn(what, exc)
 
 
 def _compiling() -> bool:
@@ -373,7 +361,7 @@ def _compiling() -> bool:
     return torch is not None and torch.compiler.is_compiling()
 
 
-def start(recorder: Any | None = None, *, config: AuditConfig | None = None) -> CommAudit:
+def start(recorder: RecorderProtocol | None = None, *, config: AuditConfig | None = None) -> CommAudit:
     """Install an audit on `recorder` (default: this process's default recorder) and return it.
 
     Call it before `init_process_group`. It ends by itself when the recorder sees training start.
@@ -383,74 +371,3 @@ def start(recorder: Any | None = None, *, config: AuditConfig | None = None) -> 
 
         recorder = get_recorder()
     return CommAudit(recorder, config=config).install()
-
-
-# -- rendering ---------------------------------------------------------------------------------------------
-def audit_events(events: Iterable[Event]) -> list[Event]:
-    """The audit marks among `events`."""
-    return [
-        e
-        for e in events
-        if e.kind is EventKind.MARK and e.data is not None and e.data.get("name") == MARK_NAME
-    ]
-
-
-def render(events: Iterable[Event]) -> str:
-    """A text table of the init communication audit of every attempt in `events` ('' if there is none).
-
-    Per attempt: one row per (stage, op) with the calls and seconds of the slowest rank, then per-rank
-    totals. Stage durations come from the same attempt's PHASE_END events (longest over ranks).
-    """
-    events = list(events)
-    marks = audit_events(events)
-    if not marks:
-        return ""
-    durations: dict[tuple[int, str], float] = {}
-    for e in events:
-        if e.kind is EventKind.PHASE_END and e.phase is not None and e.value is not None:
-            key = (e.attempt, str(e.phase))
-            durations[key] = max(durations.get(key, 0.0), e.ts - e.value)
-    lines: list[str] = []
-    for attempt in sorted({m.attempt for m in marks}):
-        lines.extend(_render_attempt(attempt, [m for m in marks if m.attempt == attempt], durations))
-    return "\n".join(lines)
-
-
-def _render_attempt(
-    attempt: int, marks: list[Event], durations: Mapping[tuple[int, str], float]
-) -> list[str]:
-    ranks = sorted({m.rank for m in marks})
-    rows: dict[tuple[str, str], list[float]] = {}  # (stage, op) -> [calls, total_s, max_s], max over ranks
-    stage_order: list[str] = []
-    for mark in sorted(marks, key=lambda m: m.rank):
-        data = mark.data or {}
-        for stage, ops in (data.get("stages") or {}).items():
-            if stage not in stage_order:
-                stage_order.append(stage)
-            for op, s in ops.items():
-                row = rows.setdefault((stage, op), [0, 0.0, 0.0])
-                row[0] = max(row[0], int(s.get("num_calls", 0)))
-                row[1] = max(row[1], float(s.get("total_s", 0.0)))
-                row[2] = max(row[2], float(s.get("max_s", 0.0)))
-    lines = [
-        f"Init communication audit — attempt {attempt}, {len(ranks)} rank(s); slowest rank per row",
-        f"  {'stage':<24} {'op':<32} {'calls':>5} {'total ms':>9} {'max ms':>8}",
-    ]
-    for stage in stage_order:
-        stage_rows = sorted(((op, r) for (s, op), r in rows.items() if s == stage), key=lambda x: -x[1][1])
-        comm_s = sum(r[1] for _, r in stage_rows)
-        phase_s = durations.get((attempt, stage))
-        of_phase = f" of {phase_s * 1000:.0f} ms in the phase" if phase_s else ""
-        lines.append(
-            f"  {stage:<24} {'(all)':<32} {sum(int(r[0]) for _, r in stage_rows):>5} "
-            f"{comm_s * 1000:>9.1f}{'':>9}{of_phase}"
-        )
-        for op, (calls, total_s, max_s) in stage_rows:
-            lines.append(f"  {'':<24} {op:<32} {int(calls):>5} {total_s * 1000:>9.1f} {max_s * 1000:>8.1f}")
-    for mark in sorted(marks, key=lambda m: m.rank):
-        data = mark.data or {}
-        lines.append(
-            f"  rank {mark.rank}: {data.get('num_calls', 0)} calls, {float(data.get('total_s', 0.0)) * 1000:.1f} ms, "
-            f"{data.get('num_groups_created', 0)} process group(s) created"
-        )
-    return lines

@@ -100,9 +100,9 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ettr.report.load import load
+    from ettr.report.load import read_run
 
-    loaded = [load(d) for d in args.run_dirs]
+    loaded = [read_run(d) for d in args.run_dirs]
     reports = [report for _events, report in loaded]
     from ettr.report.json import to_dict
     from ettr.report.text import render, render_comparison
@@ -117,7 +117,7 @@ def _report(args: argparse.Namespace) -> int:
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
     elif len(reports) == 1:
         print(render(reports[0]))
-        from ettr.audit import render as render_audit
+        from ettr.report.audit import render as render_audit
 
         audit = render_audit(loaded[0][0])
         if audit:
@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ettr", description="Effective Training Time for PyTorch jobs.")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
     for name, (help_text, add, _handler) in _COMMANDS.items():
-        add(sub.add_parser(name, help=help_text, description=help_text))
+        # argparse %-formats `help` (not `description`): a literal % must be doubled there.
+        add(sub.add_parser(name, help=help_text.replace("%", "%%"), description=help_text))
     return parser
 
 

@@ -1,15 +1,48 @@
-"""Closing the books of attempts whose writer died: the ATTEMPT_END a killed supervisor (or publisher) never wrote.
+"""A job's books across the processes that keep them: whose supervisor still runs, the job's recorded id,
+and the ATTEMPT_END a killed supervisor (or publisher) never wrote.
 
-Both the supervisor (after its own SIGKILL) and the publisher (after a dead publisher's takeover) need the same
-thing, so it lives here, beside neither.
+The supervisor (a requeued job; after its own SIGKILL), the publisher (a dead publisher's takeover) and
+`ettr report` (is this job still running?) all need the same answers, so they live here, beside none of them.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+from ettr.procs import pid_alive
+
+
+def live_supervisor(events: Sequence[Event]) -> int | None:
+    """The pid of a supervisor of this job still running on this host, if the ledger names one.
+
+    Its SUPERVISOR_START names its pid, host and start ticks; liveness follows `ettr.procs.pid_alive`.
+    The calling process itself never counts (a supervisor started again on the same run directory).
+    """
+    start = None
+    for e in events:
+        if e.kind is EventKind.SUPERVISOR_START:
+            start = e
+        elif e.kind is EventKind.JOB_END:
+            start = None
+    if start is None or not start.data:
+        return None
+    pid, host = start.data.get("pid"), start.data.get("host")
+    if not isinstance(pid, int) or pid == os.getpid() or (host and host != socket.gethostname()):
+        return None
+    ticks = start.data.get("pid_start_ticks")
+    return pid if pid_alive(pid, ticks if isinstance(ticks, int) else None) else None
+
+
+def recorded_job_id(events: Sequence[Event]) -> str | None:
+    """The job id the first supervisor of this run directory recorded (None: none recorded)."""
+    for e in events:
+        if e.kind is EventKind.SUPERVISOR_START and e.data and e.data.get("job_id"):
+            return str(e.data["job_id"])
+    return None
 
 
 def closing_events(

@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import TextIO
 
 from ettr.accounting import EttReport
+from ettr.constants import EXIT_PREEMPTED
 from ettr.errors import UsageError
 from ettr.events import Bucket, Event, EventKind, Outcome
+from ettr.run_env import COMPILE_SETTLE_S_ENV, COMPILE_STORE_ENV, ENV_PREFIX
 
-PREEMPTED_EXIT_STATUS = 143
+PREEMPTED_EXIT_STATUS = EXIT_PREEMPTED
 """`ettr run`'s status for a preempted job: the scheduler (here, the demo) requeues it."""
 
 SIDES = ("baseline", "optimized")
@@ -198,13 +200,13 @@ class Job:
 
     def environment(self) -> dict[str, str]:
         # Nothing of an enclosing ettr run leaks in (the demo itself may run under one).
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         env["PYTHONUNBUFFERED"] = "1"
         if self.side.compile_store:
-            env["ETTR_COMPILE_STORE"] = str(self.work_dir / "compile-store")  # empty at the start
-            env["ETTR_COMPILE_SETTLE_S"] = "1"  # store the artifacts soon after the first compile
+            env[COMPILE_STORE_ENV] = str(self.work_dir / "compile-store")  # empty at the start
+            env[COMPILE_SETTLE_S_ENV] = "1"  # store the artifacts soon after the first compile
         else:
-            env["ETTR_COMPILE_STORE"] = "off"
+            env[COMPILE_STORE_ENV] = "off"
         return env
 
 
@@ -227,16 +229,12 @@ def prepare(out: Path) -> list[Job]:
 # -- watching a job through its ledger -------------------------------------------------------------------
 def read_events(run_dir: Path) -> list[Event]:
     """The events recorded so far (empty before the supervisor created the ledger). Never raises."""
-    from ettr.ledger import ledger_path, open_ledger
+    from ettr.ledger import ledger_path, read_ledger
 
     if not ledger_path(run_dir).is_file():
         return []
     try:
-        ledger = open_ledger(run_dir, create=False)
-        try:
-            return ledger.read()
-        finally:
-            ledger.close()
+        return read_ledger(run_dir)
     except Exception:  # being created or written right now: the next tick reads it
         return []
 

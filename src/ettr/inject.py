@@ -23,24 +23,19 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ettr.errors import UsageError
 from ettr.events import EventKind
+from ettr.run_env import INJECT_ENV, RunEnv
+
+if TYPE_CHECKING:
+    from ettr.recorder import RecorderProtocol
 
 logger = logging.getLogger("ettr")
-
-INJECT_ENV = "ETTR_INJECT"
-"""Environment variable carrying the JSON list of fault specs to the supervised processes."""
-
-SUPERVISOR_PID_ENV = "ETTR_SUPERVISOR_PID"
-"""Environment variable with the supervisor's pid (where an injected preemption is delivered)."""
-
-ATTEMPT_STARTED_ENV = "ETTR_ATTEMPT_STARTED_AT"
-"""Environment variable with the Unix time the attempt started (the origin of `time=S`)."""
 
 
 class FaultKind(StrEnum):
@@ -198,19 +193,6 @@ def decode_specs(text: str | None) -> tuple[FaultSpec, ...]:
         return ()
 
 
-class _StepRecorder(Protocol):
-    """What the injector needs of a Recorder."""
-
-    attempt: int
-    rank: int
-
-    def add_step_listener(self, listener: Callable[[int], None]) -> None: ...
-
-    def record(self, kind: EventKind, **kwargs: Any) -> None: ...
-
-    def flush(self, timeout_s: float = 5.0) -> None: ...
-
-
 class FaultActions:
     """How faults are carried out; tests substitute a fake that records the calls instead."""
 
@@ -228,9 +210,10 @@ class FaultActions:
         arrived = threading.Event()
         if wait_s > 0 and threading.current_thread() is threading.main_thread():
             _watch_sigterm(arrived)
-        supervisor = os.environ.get(SUPERVISOR_PID_ENV)
-        if supervisor and supervisor.isdigit():
-            os.kill(int(supervisor), signal.SIGTERM)
+        run_env = RunEnv.from_environ()
+        supervisor = None if run_env is None else run_env.supervisor_pid
+        if supervisor is not None:
+            os.kill(supervisor, signal.SIGTERM)
         else:
             os.killpg(os.getpgrp(), signal.SIGTERM)
         # Wait (at most `wait_s`) until the forwarded SIGTERM has reached this process, so the loop does not
@@ -271,7 +254,7 @@ class Injector:
     def __init__(
         self,
         specs: Sequence[FaultSpec],
-        recorder: _StepRecorder,
+        recorder: RecorderProtocol,
         *,
         attempt_started_at: float | None = None,
         actions: FaultActions | None = None,

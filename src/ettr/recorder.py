@@ -2,8 +2,13 @@
 
 Calls on the training thread build a tuple and append it to a deque; a daemon writer thread moves the
 queue to the ledger at least every `flush_interval_s`, at once for urgent kinds (attempt ends, failures,
-checkpoint commits) and at interpreter exit. Nothing here raises into the caller: a telemetry error is
-logged once and the training goes on.
+checkpoint commits) and at `close()`. Nothing here raises into the caller: a telemetry error is logged once
+and the training goes on.
+
+Observers register with `add_listener(fn)`: `fn(event)` runs synchronously on the recording thread for
+every event recorded (also on a recorder that writes nothing), and its errors are logged once, never raised.
+Only the process's default recorder (`ettr.runtime`) takes the process hooks (`install_process_hooks`: close
+at interpreter exit, record nothing in a forked child); `close()` takes them off again.
 """
 
 from __future__ import annotations
@@ -16,16 +21,32 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ettr.events import URGENT_KINDS, Event, EventKind, Phase
 from ettr.ledger import Ledger
+from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
 
 _MAX_QUEUED = 2_000_000  # beyond this (a ledger that cannot be written for long) the oldest are dropped
+
+EventListener = Callable[[Event], None]
+"""Called with each recorded event, synchronously, on the thread that recorded it."""
+
+# Recorders with process hooks, disabled in a forked child by one at-fork hook registered once per process
+# (os.register_at_fork cannot be undone, so closed recorders leave this set instead).
+_hooked: weakref.WeakSet[Recorder] = weakref.WeakSet()
+_fork_hook_lock = threading.Lock()
+_fork_hook_registered = False
+
+
+def _disable_hooked_in_child() -> None:
+    for rec in list(_hooked):
+        rec._disable_in_child()
 
 
 def _as_phase(phase: Phase | str) -> tuple[Phase, dict[str, Any] | None]:
@@ -128,6 +149,10 @@ class RecorderProtocol(Protocol):
 
     def add_step_listener(self, listener: Callable[[int], None]) -> None: ...
 
+    def add_listener(self, listener: EventListener) -> None: ...
+
+    def remove_listener(self, listener: EventListener) -> None: ...
+
     def flush(self, timeout_s: float = 5.0) -> None: ...
 
     def close(self) -> None: ...
@@ -170,18 +195,37 @@ class Recorder:
         self._wake = threading.Event()
         self._drain_lock = threading.Lock()
         self._closed = False
-        self._warned: set[str] = set()
+        self._warn = WarnOnce("ettr: telemetry {what} failed ({error}); training continues")
         self._step_listeners: list[Callable[[int], None]] = []
+        self._listeners: tuple[EventListener, ...] = ()  # replaced, never mutated: safe to iterate
+        self._listeners_lock = threading.Lock()
         self._open_phases: dict[Phase, int] = {}
         self._is_compiling: Callable[[], bool] | None = None
+        self._has_process_hooks = False
         self._thread: threading.Thread | None = None
         if self.enabled:
             self._thread = threading.Thread(target=self._writer, name="ettr-recorder", daemon=True)
             self._thread.start()
-            atexit.register(self.close)
-            if hasattr(os, "register_at_fork"):
-                # A forked child (a DataLoader worker) must not write through the parent's connection.
-                os.register_at_fork(after_in_child=self._disable_in_child)
+
+    def install_process_hooks(self) -> None:
+        """Close at interpreter exit and record nothing in a forked child (a DataLoader worker must not
+        write through the parent's connection). For the process's default recorder (`ettr.runtime` calls
+        it); `close()` removes them. Idempotent."""
+        global _fork_hook_registered
+        if not self.enabled or self._closed or self._has_process_hooks:
+            return
+        self._has_process_hooks = True
+        atexit.register(self.close)
+        _hooked.add(self)
+        with _fork_hook_lock:
+            if not _fork_hook_registered and hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=_disable_hooked_in_child)
+                _fork_hook_registered = True
+
+    @property
+    def has_process_hooks(self) -> bool:
+        """Whether this recorder is closed at interpreter exit and disabled in forked children."""
+        return self._has_process_hooks
 
     # -- the one primitive -------------------------------------------------------------------------------
     def record(
@@ -194,17 +238,32 @@ class Recorder:
         data: Mapping[str, Any] | None = None,
         ts: float | None = None,
     ) -> None:
-        """Queue one event (timestamp now unless `ts` is given). Costs an append; never raises."""
-        if not self.enabled:
+        """Queue one event (timestamp now unless `ts` is given) and tell the listeners. Costs an append;
+        never raises."""
+        listeners = self._listeners
+        if not self.enabled and not listeners:
             return
         try:
             if self._compiling():
                 return
-            self._queue.append((kind, time.time() if ts is None else ts, phase, step, value, data))
-            if kind in URGENT_KINDS:
-                self._wake.set()
+            if ts is None:
+                ts = time.time()
+            if self.enabled:
+                self._queue.append((kind, ts, phase, step, value, data))
+                if kind in URGENT_KINDS:
+                    self._wake.set()
         except Exception as exc:  # pragma: no cover - defensive
             self._warn_once("record", exc)
+            return
+        if listeners:
+            self._notify(listeners, Event(kind, ts, self.attempt, self.rank, phase, step, value, data))
+
+    def _notify(self, listeners: tuple[EventListener, ...], event: Event) -> None:
+        for listener in listeners:
+            try:
+                listener(event)
+            except Exception as exc:
+                self._warn_once("listener", exc)
 
     # -- conveniences for training code ------------------------------------------------------------------
     def phase(self, phase: Phase | str, *, step: int | None = None, **data: Any) -> _PhaseSpan:
@@ -287,6 +346,20 @@ class Recorder:
         """Call `listener(step)` on the training thread after each STEP (fault injection, policies)."""
         self._step_listeners.append(listener)
 
+    def add_listener(self, listener: EventListener) -> None:
+        """Call `listener(event)` for every event recorded from now on, synchronously on the thread that
+        records it (keep it cheap). Its exceptions are logged once and never reach the recording code."""
+        with self._listeners_lock:
+            self._listeners = (*self._listeners, listener)
+
+    def remove_listener(self, listener: EventListener) -> None:
+        """Stop calling `listener` (no-op if it is not registered)."""
+        with self._listeners_lock:
+            kept = list(self._listeners)
+            if listener in kept:
+                kept.remove(listener)
+            self._listeners = tuple(kept)
+
     # -- writing -----------------------------------------------------------------------------------------
     def flush(self, timeout_s: float = 5.0) -> None:
         """Write everything queued so far before returning (waits at most about `timeout_s`)."""
@@ -299,10 +372,14 @@ class Recorder:
                 self._drain_lock.release()
 
     def close(self) -> None:
-        """Flush and stop the writer thread. Idempotent; called at interpreter exit."""
+        """Flush, stop the writer thread and remove the process hooks. Idempotent."""
         if self._closed or not self.enabled:
             return
         self._closed = True
+        if self._has_process_hooks:
+            self._has_process_hooks = False
+            atexit.unregister(self.close)
+            _hooked.discard(self)
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
@@ -358,11 +435,7 @@ class Recorder:
         self._queue = collections.deque()
 
     def _warn_once(self, what: str, exc: BaseException) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            logger.warning(
-                "ettr: telemetry %s failed (%s: %s); training continues", what, type(exc).__name__, exc
-            )
+        self._warn(what, exc)
 
 
 class NullRecorder(Recorder):
@@ -372,18 +445,6 @@ class NullRecorder(Recorder):
         super().__init__(None)
 
 
-def process_start_time() -> float:
-    """Unix time at which this process started (from /proc when available, else now)."""
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        start_since_boot_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5)
-        with open("/proc/uptime", "rb") as f:
-            uptime_s = float(f.read().split()[0])
-        return time.time() - max(0.0, uptime_s - start_since_boot_s)
-    except (OSError, ValueError, IndexError):
-        return time.time()
-
-
 def host_name() -> str:
+    """This host's name, as recorded with a process's start."""
     return socket.gethostname()

@@ -11,9 +11,12 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from ettr.constants import EXIT_COMPLETED, EXIT_FAILED
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.ledger import Ledger, LedgerError, open_ledger
-from ettr.recorder import NullRecorder, Recorder, host_name, process_start_time
+from ettr.procs import process_start_time
+from ettr.recorder import NullRecorder, Recorder, host_name
+from ettr.run_env import RankEnv, RunEnv
 
 logger = logging.getLogger("ettr")
 
@@ -21,32 +24,27 @@ _lock = threading.Lock()
 _default: Recorder | None = None
 
 
-def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
-    try:
-        return int(environ.get(name, default))
-    except ValueError:
-        return default
-
-
 def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
-    """A Recorder for this process from `ETTR_RUN_DIR`, `ETTR_ATTEMPT`, `ETTR_JOB_ID` and torchrun's
-    `RANK`/`WORLD_SIZE`/`LOCAL_RANK`; a NullRecorder when `ETTR_RUN_DIR` is unset or unusable."""
-    environ = os.environ if environ is None else environ
-    run_dir = environ.get("ETTR_RUN_DIR")
-    if not run_dir:
+    """A Recorder for this process from its run (`RunEnv`: `ETTR_RUN_DIR`, `ETTR_ATTEMPT`, `ETTR_JOB_ID`) and
+    torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK`; a NullRecorder when `ETTR_RUN_DIR` is unset or unusable.
+
+    The recorder has no process hooks yet: the default recorder gets them (`get_recorder`, `set_recorder`)."""
+    run_env = RunEnv.from_environ(environ)
+    if run_env is None:
         return NullRecorder()
+    ranks = RankEnv.from_environ(environ)
     try:
-        ledger = open_ledger(run_dir)
+        ledger = open_ledger(run_env.run_dir)
     except (LedgerError, OSError) as exc:
-        logger.warning("ettr: cannot open the ledger in %s (%s); recording is off", run_dir, exc)
+        logger.warning("ettr: cannot open the ledger in %s (%s); recording is off", run_env.run_dir, exc)
         return NullRecorder()
     rec = Recorder(
         ledger,
-        run_dir=run_dir,
-        job_id=environ.get("ETTR_JOB_ID", ""),
-        attempt=_int_env(environ, "ETTR_ATTEMPT", 0),
-        rank=_int_env(environ, "RANK", 0),
-        world_size=_int_env(environ, "WORLD_SIZE", 1),
+        run_dir=run_env.run_dir,
+        job_id=run_env.job_id,
+        attempt=run_env.attempt,
+        rank=ranks.rank,
+        world_size=ranks.world_size,
     )
     rec.record(
         EventKind.PROCESS_START,
@@ -55,7 +53,7 @@ def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
             "pid": os.getpid(),
             "host": host_name(),
             "world_size": rec.world_size,
-            "local_rank": _int_env(environ, "LOCAL_RANK", 0),
+            "local_rank": ranks.local_rank,
         },
     )
     return rec
@@ -69,15 +67,21 @@ def get_recorder() -> Recorder:
         with _lock:
             if _default is None:
                 _default = recorder_from_env()
+                _default.install_process_hooks()
             rec = _default
     return rec
 
 
 def set_recorder(rec: Recorder | None) -> None:
-    """Replace the default recorder (tests; `init`). None forgets it, so the next use reads the env again."""
+    """Replace the default recorder (tests; `init`). None forgets it, so the next use reads the env again.
+
+    The new default gets the process hooks (closed at exit, disabled in a forked child); the one it
+    replaces keeps its own until it is closed."""
     global _default
     with _lock:
         _default = rec
+        if rec is not None:
+            rec.install_process_hooks()
 
 
 def init(run_dir: str | os.PathLike[str], *, job_id: str | None = None) -> Recorder:
@@ -88,15 +92,15 @@ def init(run_dir: str | os.PathLike[str], *, job_id: str | None = None) -> Recor
     uncaught exception) and the job's end — so the run directory is reportable on its own. Running the
     script again into the same directory records the next attempt.
     """
-    if os.environ.get("ETTR_RUN_DIR"):
+    if RunEnv.from_environ() is not None:
         return get_recorder()
     run_dir = Path(run_dir).absolute()
     job_id = job_id or run_dir.name
     ledger = open_ledger(run_dir)
-    rank = _int_env(os.environ, "RANK", 0)
+    rank = RankEnv.from_environ().rank
     previous = [e for e in ledger.read() if e.kind is EventKind.PROCESS_START and e.rank == rank]
     attempt = 1 + max((e.attempt for e in previous), default=-1)
-    env = {**os.environ, "ETTR_RUN_DIR": str(run_dir), "ETTR_ATTEMPT": str(attempt), "ETTR_JOB_ID": job_id}
+    env = {**os.environ, **RunEnv(run_dir=run_dir, job_id=job_id, attempt=attempt).to_environ()}
     ledger.close()
     rec = recorder_from_env(env)
     set_recorder(rec)
@@ -139,12 +143,16 @@ def _watch_exit(rec: Recorder, own: Ledger) -> None:
         rec.close()
         outcome = Outcome.FAILED if failed else Outcome.COMPLETED
         now = time.time()
-        data = {"outcome": outcome.value, "exit_code": 1 if failed else 0}
+        data = {"outcome": outcome.value, "exit_code": EXIT_FAILED if failed else EXIT_COMPLETED}
         if failed:
             data["exception"] = type(failed[0]).__name__
         ends = [Event(EventKind.ATTEMPT_END, now, rec.attempt, SUPERVISOR_RANK, data=data)]
         if not failed:
-            ends.append(Event(EventKind.JOB_END, now, rec.attempt, SUPERVISOR_RANK, data={"exit_status": 0}))
+            ends.append(
+                Event(
+                    EventKind.JOB_END, now, rec.attempt, SUPERVISOR_RANK, data={"exit_status": EXIT_COMPLETED}
+                )
+            )
         try:
             own.append(ends)
             own.close()

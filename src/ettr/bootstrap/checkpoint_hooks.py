@@ -29,6 +29,7 @@ from typing import Any
 from ettr import inject
 from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
 from ettr.events import EventKind, Phase
+from ettr.recorder import RecorderProtocol
 
 
 def _path_of(target: Any) -> str | None:
@@ -51,7 +52,7 @@ def _dcp_path(kwargs: dict[str, Any], storage_key: str) -> str | None:
 class CheckpointHooks:
     """Records checkpoint saves and loads of one process (see the module docstring)."""
 
-    def __init__(self, rec: Any, steps: StepCounter, *, guard: Guard, patcher: Patcher) -> None:
+    def __init__(self, rec: RecorderProtocol, steps: StepCounter, *, guard: Guard, patcher: Patcher) -> None:
         self.rec = rec
         self.patcher = patcher
         self.steps = steps
@@ -73,16 +74,11 @@ class CheckpointHooks:
         """path -> step of the checkpoints committed by earlier attempts of this job (read once)."""
         if self._earlier_commits is None:
             found: dict[str, int] = {}
-            run_dir = getattr(self.rec, "run_dir", None)
+            run_dir = self.rec.run_dir
             if run_dir is not None:
-                from ettr.ledger import open_ledger
+                from ettr.ledger import read_ledger
 
-                ledger = open_ledger(run_dir, create=False)
-                try:
-                    events = ledger.read()
-                finally:
-                    ledger.close()
-                for e in events:
+                for e in read_ledger(run_dir):
                     path = (e.data or {}).get("path")
                     if (
                         e.kind is EventKind.CHECKPOINT_COMMIT

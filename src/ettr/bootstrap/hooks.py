@@ -28,6 +28,8 @@ from types import ModuleType
 from typing import Any
 
 from ettr.events import Phase
+from ettr.recorder import RecorderProtocol
+from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
 
@@ -38,17 +40,10 @@ class Guard:
     """Runs hook code so that its errors are logged once per hook and never reach the user."""
 
     def __init__(self) -> None:
-        self._warned: set[str] = set()
+        self._warn = WarnOnce("ettr: the {what} hook failed ({error}); the call proceeds without it")
 
     def failed(self, hook: str, exc: BaseException) -> None:
-        if hook not in self._warned:
-            self._warned.add(hook)
-            logger.warning(
-                "ettr: the %s hook failed (%s: %s); the call proceeds without it",
-                hook,
-                type(exc).__name__,
-                exc,
-            )
+        self._warn(hook, exc)
 
     def call(self, hook: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
@@ -111,7 +106,7 @@ class StepCounter:
     """Global optimizer steps of an unmodified script: the resumed step plus the steps of its first
     optimizer (a second optimizer, as in a GAN, steps in lockstep and is not counted again)."""
 
-    def __init__(self, rec: Any) -> None:
+    def __init__(self, rec: RecorderProtocol) -> None:
         self._rec = rec
         self._first: weakref.ref[Any] | None = None
         self.base_step = 0
@@ -141,7 +136,7 @@ class StepCounter:
 class AutoHooks:
     """Installs the zero-code hooks for one training process (see the module docstring)."""
 
-    def __init__(self, rec: Any, *, guard: Guard | None = None) -> None:
+    def __init__(self, rec: RecorderProtocol, *, guard: Guard | None = None) -> None:
         self.rec = rec
         self.guard = guard or Guard()
         self.steps = StepCounter(rec)

@@ -11,7 +11,11 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ettr.recorder import RecorderProtocol
+    from ettr.run_env import RunEnv
 
 logger = logging.getLogger("ettr")
 
@@ -25,19 +29,13 @@ def is_training_process(environ: Mapping[str, str], pid: int) -> bool:
     inherit its marker); for a torchrun command, only torchrun's workers (they carry TORCHELASTIC_RUN_ID),
     never the torchrun agent itself.
     """
-    from ettr.supervisor.launch import INSTRUMENTED_ENV, LAUNCHER_ENV
+    from ettr.run_env import RunEnv
 
-    if not environ.get("ETTR_RUN_DIR"):
-        return False
-    marker = environ.get(INSTRUMENTED_ENV)
-    if marker and marker != str(pid):
-        return False
-    if environ.get(LAUNCHER_ENV) == "torchrun" and not environ.get("TORCHELASTIC_RUN_ID"):
-        return False
-    return True
+    run_env = RunEnv.from_environ(environ)
+    return run_env is not None and run_env.is_training_process(environ, pid)
 
 
-def _install_excepthook(rec: Any) -> None:
+def _install_excepthook(rec: RecorderProtocol) -> None:
     previous = sys.excepthook
 
     def excepthook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
@@ -66,28 +64,29 @@ def start(environ: Mapping[str, str] | None = None) -> None:
 
 
 def _start(environ: Mapping[str, str]) -> None:
+    from ettr.run_env import INSTRUMENTED_ENV, Launcher, RunEnv, heartbeat_path
     from ettr.runtime import get_recorder
-    from ettr.supervisor.launch import AUTO_ENV, INSTRUMENTED_ENV, LAUNCHER_ENV
 
+    run_env = RunEnv.from_environ(environ)
     rec = get_recorder()  # records PROCESS_START
     _started["recorder"] = rec
-    if not rec.enabled:
+    if not rec.enabled or run_env is None:
         return
     os.environ[INSTRUMENTED_ENV] = str(os.getpid())
-    if environ.get(LAUNCHER_ENV) == "torchrun":
+    if run_env.launcher is Launcher.TORCHRUN:
         # A worker whose torchrun agent died (SIGKILLed with the supervisor) must not train on unrecorded.
-        from ettr.supervisor.process import set_parent_death_signal
+        from ettr.procs import set_parent_death_signal
 
         set_parent_death_signal()
     _install_excepthook(rec)
     if rec.run_dir is not None:
-        from ettr.supervisor.heartbeat import MainThreadHeartbeat, heartbeat_path
+        from ettr.heartbeat import MainThreadHeartbeat
 
         beat = MainThreadHeartbeat(heartbeat_path(rec.run_dir, rec.attempt, rec.rank))
         beat.start()
         _started["heartbeat"] = beat
-    _start_injector(rec, environ)
-    if environ.get(AUTO_ENV, "1") != "0":
+    _start_injector(rec, run_env)
+    if run_env.auto:
         from ettr.bootstrap.hooks import AutoHooks
         from ettr.bootstrap.post_import import when_imported
 
@@ -97,17 +96,13 @@ def _start(environ: Mapping[str, str]) -> None:
         when_imported("torch.distributed.checkpoint", hooks.on_dcp)
 
 
-def _start_injector(rec: Any, environ: Mapping[str, str]) -> None:
+def _start_injector(rec: RecorderProtocol, run_env: RunEnv) -> None:
     from ettr import inject
 
-    specs = inject.decode_specs(environ.get(inject.INJECT_ENV))
+    specs = inject.decode_specs(run_env.inject)
     if not specs:
         return
-    try:
-        started_at = float(environ.get(inject.ATTEMPT_STARTED_ENV, ""))
-    except ValueError:
-        started_at = None
-    injector = inject.Injector(specs, rec, attempt_started_at=started_at)
+    injector = inject.Injector(specs, rec, attempt_started_at=run_env.attempt_started_at)
     if injector.specs:
         inject.install(injector)
         injector.start()

@@ -16,6 +16,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ettr.constants import DEFAULT_STORE_MAX_BYTES
+from ettr.run_env import (
+    COMPILE_ENV,
+    COMPILE_KEY_ENV,
+    COMPILE_PRIVATE_CACHE_ENV,
+    COMPILE_SETTLE_S_ENV,
+    COMPILE_STORE_ENV,
+    COMPILE_STORE_MAX_BYTES_ENV,
+    COMPILE_STORE_SECRET_ENV,
+)
+
 DEFAULT_STORE = "~/.cache/ettr/compile"
 
 
@@ -27,7 +38,7 @@ class CompileConfig:
     """Store directory or fsspec URL; None: no store (recording and dynamic sources only)."""
     user_key: str = ""
     """The workload, part of the store key; "" means the main script's absolute path."""
-    max_store_bytes: int = 8 * 1024**3
+    max_store_bytes: int = DEFAULT_STORE_MAX_BYTES
     """Size bound of the whole store (least recently used entries are evicted)."""
     secret: bytes | None = field(default=None, repr=False)
     """HMAC key for store manifests (only signed entries load when set)."""
@@ -64,12 +75,12 @@ class CompileConfig:
         (`off` for no store), `ETTR_COMPILE_KEY`, `ETTR_COMPILE_STORE_MAX_BYTES`,
         `ETTR_COMPILE_STORE_SECRET`, `ETTR_COMPILE_SETTLE_S`. Malformed numbers fall back to defaults."""
         env = os.environ if environ is None else environ
-        if env.get("ETTR_COMPILE", "1").strip().lower() in ("0", "off", "false", "no"):
+        if env.get(COMPILE_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
             return None
-        store: str | None = env.get("ETTR_COMPILE_STORE", DEFAULT_STORE).strip() or DEFAULT_STORE
+        store: str | None = env.get(COMPILE_STORE_ENV, DEFAULT_STORE).strip() or DEFAULT_STORE
         if store.lower() in ("off", "none", "0"):
             store = None
-        secret = env.get("ETTR_COMPILE_STORE_SECRET") or None
+        secret = env.get(COMPILE_STORE_SECRET_ENV) or None
 
         def number(name: str, default: float, kind: type) -> Any:
             try:
@@ -80,12 +91,13 @@ class CompileConfig:
 
         return cls(
             store=store,
-            private_cache_dir=env.get("ETTR_COMPILE_PRIVATE_CACHE", "1").strip().lower()
+            private_cache_dir=env.get(COMPILE_PRIVATE_CACHE_ENV, "1").strip().lower()
             not in ("0", "off", "false"),
-            user_key=env.get("ETTR_COMPILE_KEY", ""),
-            max_store_bytes=number("ETTR_COMPILE_STORE_MAX_BYTES", 8 * 1024**3, int) or 8 * 1024**3,
+            user_key=env.get(COMPILE_KEY_ENV, ""),
+            max_store_bytes=number(COMPILE_STORE_MAX_BYTES_ENV, DEFAULT_STORE_MAX_BYTES, int)
+            or DEFAULT_STORE_MAX_BYTES,
             secret=secret.encode() if secret else None,
-            settle_s=number("ETTR_COMPILE_SETTLE_S", 10.0, float),
+            settle_s=number(COMPILE_SETTLE_S_ENV, 10.0, float),
         )
 
 

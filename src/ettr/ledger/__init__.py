@@ -5,10 +5,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ettr.events import Event
 from ettr.ledger.base import Ledger, LedgerError, MemoryLedger
 from ettr.ledger.sqlite import LEDGER_FILENAME, SqliteLedger
 
-__all__ = ["Ledger", "LedgerError", "MemoryLedger", "SqliteLedger", "open_ledger", "ledger_path"]
+__all__ = [
+    "Ledger",
+    "LedgerError",
+    "MemoryLedger",
+    "SqliteLedger",
+    "open_ledger",
+    "ledger_path",
+    "read_ledger",
+]
 
 
 def ledger_path(run_dir: str | os.PathLike[str]) -> Path:
@@ -19,3 +28,15 @@ def ledger_path(run_dir: str | os.PathLike[str]) -> Path:
 def open_ledger(run_dir: str | os.PathLike[str], *, create: bool = True) -> SqliteLedger:
     """Open (and with `create`, make) the ledger of a run directory. Raises `LedgerError`."""
     return SqliteLedger(ledger_path(run_dir), create=create)
+
+
+def read_ledger(run_dir: str | os.PathLike[str]) -> list[Event]:
+    """Every event of an existing run directory's ledger, in append order (open, read, close).
+
+    Raises `LedgerError` when there is no ledger or it cannot be read (callers decide how loud to be).
+    """
+    ledger = open_ledger(run_dir, create=False)
+    try:
+        return ledger.read()
+    finally:
+        ledger.close()

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from ettr.atomic import atomic_write, fsync_dir, fsync_file
+from ettr.procs import pid_alive
 from ettr.publish.request import PublishError, PublishRequest
 from ettr.publish.sample import (
     SAMPLE_FILE,
@@ -83,16 +85,6 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
     return body if isinstance(body, dict) and body.get("format") == ARTIFACT_FORMAT else None
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # a directory some filesystems cannot fsync
-        pass
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -266,7 +258,7 @@ def build_artifact(
                 if existing is None:
                     raise
                 return ArtifactResult(str(final), False, existing)  # a parallel build committed first
-            _fsync_path(final.parent)
+            fsync_dir(final.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -275,8 +267,6 @@ def build_artifact(
 
 def _remove_dead_builds(final: Path) -> None:
     """Delete temporary directories of builds of `final` whose process is gone (a publisher that died)."""
-    from ettr.publish.queue import pid_alive
-
     for leftover in final.parent.glob(f".{final.name}.tmp-*"):
         pid_text = leftover.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
         if pid_text.isdigit() and not pid_alive(int(pid_text), None):
@@ -321,7 +311,7 @@ def _write_files(
     from ettr.publish.sample import encode_sample
 
     save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"dtype": request.dtype, "step": str(request.step)})
-    (tmp / SAMPLE_FILE).write_bytes(encode_sample(inputs, expected))
+    atomic_write(tmp / SAMPLE_FILE, encode_sample(inputs, expected))
     program_inputs = [
         {
             "name": name,
@@ -348,7 +338,7 @@ def _write_files(
             "request_id": request.request_id,
         },
     }
-    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+    atomic_write(tmp / CONFIG_FILE, json.dumps(config, indent=1) + "\n")
 
 
 def _write_manifest(
@@ -356,7 +346,7 @@ def _write_manifest(
 ) -> dict[str, Any]:
     files = {}
     for path in sorted(tmp.iterdir()):
-        _fsync_path(path)
+        fsync_file(path)  # the files the libraries wrote (program, weights); ours are fsync'd already
         files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     manifest = {
         "format": ARTIFACT_FORMAT,
@@ -370,9 +360,7 @@ def _write_manifest(
         "build_s": build_s,
         "created_ts": time.time(),
     }
-    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
-    _fsync_path(tmp / MANIFEST_FILE)
-    _fsync_path(tmp)
+    atomic_write(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")  # fsyncs it and `tmp`
     return manifest
 
 

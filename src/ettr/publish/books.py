@@ -22,8 +22,10 @@ from typing import Any
 
 from ettr.closing import closing_events
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome, Phase
-from ettr.publish.queue import Claim, process_start_ticks
+from ettr.procs import start_ticks
+from ettr.publish.queue import Claim
 from ettr.publish.request import PublishRequest
+from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
 
@@ -53,7 +55,9 @@ class PublishBooks:
         self._clock = clock
         self.attempt = 0
         self._ledger: Any = None
-        self._warned = False
+        self._warn_once = WarnOnce(
+            "ettr: cannot write the publish job's ledger ({error}); publishing goes on"
+        )
         if request.run_dir is not None:
             try:
                 from ettr.ledger import open_ledger
@@ -63,13 +67,7 @@ class PublishBooks:
                 self._warn(exc)
 
     def _warn(self, exc: BaseException) -> None:
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "ettr: cannot write the publish job's ledger (%s: %s); publishing goes on",
-                type(exc).__name__,
-                exc,
-            )
+        self._warn_once("ledger", exc)
 
     def _append(self, events: Sequence[Event]) -> None:
         if self._ledger is None or not events:
@@ -115,7 +113,7 @@ class PublishBooks:
                     "kind": "publish",
                     "request_id": self.request.request_id,
                     "pid": pid,
-                    "pid_start_ticks": process_start_ticks(pid),
+                    "pid_start_ticks": start_ticks(pid),
                     "host": socket.gethostname(),
                     "command": self.command,
                     "max_restarts": None,

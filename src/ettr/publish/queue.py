@@ -6,7 +6,7 @@
     QUEUE/done/<id>.request.json   the request, moved here once done
     QUEUE/failed/<id>.json         given up: why
 
-Every file appears whole or not at all (written to a temporary name, fsync'd, renamed). A claim is
+Every file appears whole or not at all (`ettr.atomic`: a temporary name, fsync'd, renamed). A claim is
 created with `link(2)`, which fails if the name exists, so exactly one publisher wins it. A publisher
 renews its claim while it works; a claim whose owner is dead (same host: its pid is gone or reused) or
 whose lease expired (`ttl_s` without renewal) is stale, and the next publisher takes it over with the
@@ -31,81 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ettr.atomic import atomic_write, create_exclusive
+from ettr.procs import pid_alive, start_ticks
 from ettr.publish.request import PublishError, PublishRequest
 
 logger = logging.getLogger("ettr")
 
 _REQUESTS, _CLAIMS, _DONE, _FAILED = "requests", "claims", "done", "failed"
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of process `pid` in clock ticks since boot (None: no such process, or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def pid_alive(pid: int, start_ticks: int | None) -> bool:
-    """Whether process `pid` runs on this host and is the one that started at `start_ticks` (if known)."""
-    ticks = process_start_ticks(pid)
-    if ticks is not None:
-        return start_ticks is None or ticks == start_ticks
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot fsync a directory; the rename is as durable as it gets
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_tmp(path: Path, data: bytes) -> Path:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return tmp
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all, durably (temporary name, fsync, rename, fsync of the directory)."""
-    tmp = _write_tmp(path, data)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def create_exclusive(path: Path, data: bytes) -> bool:
-    """Create `path` with `data` unless it exists (atomic, whole, durable); returns whether we created it."""
-    tmp = _write_tmp(path, data)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-    _fsync_dir(path.parent)
-    return True
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -259,7 +191,7 @@ class PublishQueue:
             "token": token,
             "attempt": attempt,
             "pid": os.getpid(),
-            "pid_start_ticks": process_start_ticks(os.getpid()),
+            "pid_start_ticks": start_ticks(os.getpid()),
             "host": self._host,
             "claimed_ts": now,
             "first_claimed_ts": first_ts,
@@ -307,7 +239,7 @@ class PublishQueue:
         if body is None or body.get("token") != claim.token:
             return False
         body["renewed_ts"] = self._clock()
-        write_atomic(path, json.dumps(body).encode())
+        atomic_write(path, json.dumps(body).encode())
         return True
 
     def release(self, claim: Claim) -> None:
@@ -327,7 +259,7 @@ class PublishQueue:
 
     def _finish(self, sub: str, request_id: str, record: dict[str, Any]) -> None:
         body = {"request_id": request_id, "finished_ts": self._clock(), **record}
-        write_atomic(self._path(sub, request_id), json.dumps(body, indent=1, default=str).encode())
+        atomic_write(self._path(sub, request_id), json.dumps(body, indent=1, default=str).encode())
         self._archive(request_id)
 
     def _archive(self, request_id: str) -> None:

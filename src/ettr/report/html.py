@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ettr.accounting.model import EttReport
+from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import Bucket
 from ettr.report.charts import (
@@ -43,17 +44,15 @@ _IDLE_ONLY_BUCKETS = (Bucket.SCHEDULING, Bucket.HARDWARE_SETUP, Bucket.CHECKPOIN
 def write_html(reports: Sequence[EttReport], path: str | os.PathLike[str]) -> None:
     """Write the report of `reports` (one job, or several to compare; the first is the baseline) to `path`.
 
-    Written to a temporary file beside `path` and renamed into place, so a reader never sees half a page.
-    Raises `UsageError` (one line) when `path` cannot be written, `ValueError` when `reports` is empty.
+    Written with `ettr.atomic.atomic_write` (a temporary file beside `path`, fsync'd and renamed into place),
+    so a reader never sees half a page. Raises `UsageError` (one line) when `path` cannot be written,
+    `ValueError` when `reports` is empty.
     """
     text = render_html(reports)
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, target)
+        atomic_write(target, text)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise UsageError(f"{target}: cannot write the HTML report ({exc.strerror or exc})") from None
 
 

@@ -1,16 +1,21 @@
-"""Reading a run directory into an EttReport: the I/O half of `ettr report` (the math is `accounting`)."""
+"""Reading a run directory into an EttReport: the I/O half of `ettr report` (the math is `accounting`).
+
+`read_run(run_dir)` is the one way every command reads a run directory (events and report); it raises
+`UsageError` with one clear line for anything unusable.
+"""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ettr.accounting import EttReport, compute
+from ettr.closing import live_supervisor, recorded_job_id
 from ettr.errors import UsageError
-from ettr.events import Event, EventKind
-from ettr.ledger import LedgerError, ledger_path, open_ledger
-from ettr.supervisor.books import live_supervisor
+from ettr.events import Event
+from ettr.ledger import LedgerError, ledger_path, read_ledger
 
 
 def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
@@ -23,11 +28,7 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
     if not ledger_path(path).is_file():
         raise UsageError(f"{path}: not an ettr run directory (no {ledger_path(path).name} inside)")
     try:
-        ledger = open_ledger(path, create=False)
-        try:
-            events = ledger.read()
-        finally:
-            ledger.close()
+        events = read_ledger(path)
     except LedgerError as exc:
         raise UsageError(str(exc)) from None
     if not events:
@@ -35,7 +36,7 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
     return events
 
 
-def report_time(events: list[Event], *, wall_clock_s: float | None = None) -> float:
+def report_time(events: Sequence[Event], *, wall_clock_s: float | None = None) -> float:
     """The `now` to close an unfinished job at: the current time while its supervisor still runs on this
     host, else the last thing the ledger saw (a supervisor killed with SIGKILL left the books open)."""
     last_ts = max(e.ts for e in events)
@@ -44,14 +45,12 @@ def report_time(events: list[Event], *, wall_clock_s: float | None = None) -> fl
     return max(last_ts, time.time() if wall_clock_s is None else wall_clock_s)
 
 
-def job_id_of(events: list[Event], run_dir: str | os.PathLike[str]) -> str:
-    for e in events:
-        if e.kind is EventKind.SUPERVISOR_START and e.data and e.data.get("job_id"):
-            return str(e.data["job_id"])
-    return Path(run_dir).absolute().name
+def job_id_of(events: Sequence[Event], run_dir: str | os.PathLike[str]) -> str:
+    """The job id its supervisor recorded, else the run directory's name."""
+    return recorded_job_id(events) or Path(run_dir).absolute().name
 
 
-def load(run_dir: str | os.PathLike[str]) -> tuple[list[Event], EttReport]:
+def read_run(run_dir: str | os.PathLike[str]) -> tuple[list[Event], EttReport]:
     """The events of one run directory and its report, as `ettr report` shows it."""
     events = read_events(run_dir)
     return events, compute(events, report_time(events), job_id=job_id_of(events, run_dir))
@@ -59,4 +58,8 @@ def load(run_dir: str | os.PathLike[str]) -> tuple[list[Event], EttReport]:
 
 def load_report(run_dir: str | os.PathLike[str]) -> EttReport:
     """The report of one run directory, as `ettr report` shows it."""
-    return load(run_dir)[1]
+    return read_run(run_dir)[1]
+
+
+load = read_run
+"""The name `read_run` had before (kept for callers written against it)."""

@@ -12,20 +12,11 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
-from ettr.inject import ATTEMPT_STARTED_ENV, INJECT_ENV, SUPERVISOR_PID_ENV, FaultSpec, encode_specs
-
-AUTO_ENV = "ETTR_AUTO"
-"""'1' when the bootstrap should install the zero-code hooks, '0' for `--no-auto`."""
-
-LAUNCHER_ENV = "ETTR_LAUNCHER"
-"""The kind of command (`Launcher`), so the bootstrap knows which processes are the training ranks."""
-
-INSTRUMENTED_ENV = "ETTR_INSTRUMENTED_PID"
-"""Set by the bootstrap in the process it instruments, so that its own children (data loader workers,
-compile workers) are not taken for training processes; cleared for every new attempt."""
+from ettr.bootstrap import pythonpath_dir
+from ettr.inject import FaultSpec, encode_specs
+from ettr.run_env import LAUNCHER_CLEARS, Launcher, RunEnv
 
 # torchrun options that take no value (everything else before the script takes one).
 _TORCHRUN_FLAGS = frozenset(
@@ -44,14 +35,6 @@ _TORCHRUN_FLAGS = frozenset(
     }
 )
 _LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1", "0.0.0.0"})
-
-
-class Launcher(StrEnum):
-    """What kind of command an attempt runs."""
-
-    PYTHON = "python"
-    TORCHRUN = "torchrun"
-    OTHER = "other"
 
 
 def _python_module(command: Sequence[str]) -> tuple[str | None, int]:
@@ -175,11 +158,6 @@ class AttemptLaunch:
     """Its complete environment."""
 
 
-def bootstrap_dir() -> Path:
-    """The directory `ettr run` puts first on the children's PYTHONPATH (holds only `sitecustomize.py`)."""
-    return Path(__file__).resolve().parent.parent / "bootstrap" / "pythonpath"
-
-
 def attempt_launch(
     command: Sequence[str],
     *,
@@ -196,22 +174,19 @@ def attempt_launch(
     argv = list(command)
     if launcher is Launcher.TORCHRUN:
         argv = torchrun_command(command, free_port())
-    env = dict(os.environ if base_env is None else base_env)
-    env.update(
-        {
-            "ETTR_RUN_DIR": str(run_dir),
-            "ETTR_JOB_ID": job_id,
-            "ETTR_ATTEMPT": str(attempt),
-            SUPERVISOR_PID_ENV: str(os.getpid()),
-            ATTEMPT_STARTED_ENV: repr(started_at),
-            AUTO_ENV: "1" if auto else "0",
-            LAUNCHER_ENV: launcher.value,
-        }
+    run_env = RunEnv(
+        run_dir=run_dir,
+        job_id=job_id,
+        attempt=attempt,
+        supervisor_pid=os.getpid(),
+        attempt_started_at=started_at,
+        inject=encode_specs(inject) if inject else None,
+        auto=auto,
+        launcher=launcher,
     )
-    env.pop(INJECT_ENV, None)
-    env.pop(INSTRUMENTED_ENV, None)
-    if inject:
-        env[INJECT_ENV] = encode_specs(inject)
+    inherited = os.environ if base_env is None else base_env
+    env = {name: value for name, value in inherited.items() if name not in LAUNCHER_CLEARS}
+    env.update(run_env.to_environ())
     existing = env.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = str(bootstrap_dir()) + (os.pathsep + existing if existing else "")
+    env["PYTHONPATH"] = str(pythonpath_dir()) + (os.pathsep + existing if existing else "")
     return AttemptLaunch(argv=tuple(argv), env=env)

@@ -3,13 +3,12 @@
 The child stays in the supervisor's process group (so a terminal's Ctrl-C and a scheduler's group signal
 reach it directly) and gets SIGKILL from the kernel if the supervisor dies (Linux `PR_SET_PDEATHSIG`), so a
 SIGKILLed supervisor leaves no training running behind the books it can no longer keep. Signals go to the
-whole tree of descendants, found in /proc: torchrun puts each worker in a session of its own, out of reach of
+whole tree of descendants, found in /proc (`ettr.procs`): torchrun puts each worker in a session of its own, out of reach of
 a process-group signal.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -18,58 +17,9 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 
+from ettr.procs import descendants, libc_prctl, set_parent_death_signal, start_ticks
+
 logger = logging.getLogger("ettr")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _libc_prctl():  # type: ignore[no-untyped-def]
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL, prctl=None) -> bool:  # type: ignore[no-untyped-def]
-    """Ask the kernel to send `sig` to this process when its parent thread exits (Linux only)."""
-    prctl = prctl or _libc_prctl()
-    if prctl is None:
-        return False
-    return prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (tells a pid from a later reuse of it)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def descendants(root: int) -> list[tuple[int, int | None]]:
-    """(pid, start ticks) of every live descendant of `root`, from /proc; empty where /proc is missing."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found: list[tuple[int, int | None]] = []
-    todo = list(children.get(root, ()))
-    while todo:
-        pid = todo.pop()
-        found.append((pid, _start_ticks(pid)))
-        todo.extend(children.get(pid, ()))
-    return found
 
 
 class AttemptProcess:
@@ -87,7 +37,7 @@ class AttemptProcess:
         self._tail_lock = threading.Lock()
         self._known: dict[int, int | None] = {}
         parent = os.getpid()
-        prctl = _libc_prctl()  # resolved before the fork: the child only calls it
+        prctl = libc_prctl()  # resolved before the fork: the child only calls it
 
         def in_child() -> None:  # runs between fork and exec: the supervisor has no other thread then
             set_parent_death_signal(signal.SIGKILL, prctl)
@@ -140,7 +90,7 @@ class AttemptProcess:
         self.remember_tree()
         targets = [(self.pid, None)] + list(self._known.items())
         for pid, ticks in targets:
-            if pid != self.pid and ticks is not None and _start_ticks(pid) != ticks:
+            if pid != self.pid and ticks is not None and start_ticks(pid) != ticks:
                 continue  # gone, and the pid may belong to someone else now
             if pid == self.pid and self.proc.returncode is not None:
                 continue

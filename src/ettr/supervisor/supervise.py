@@ -25,13 +25,16 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ettr.closing import recorded_job_id
+from ettr.constants import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+from ettr.heartbeat import latest_heartbeat
 from ettr.ledger import LedgerError, open_ledger
+from ettr.procs import start_ticks
 from ettr.supervisor import books
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
-from ettr.supervisor.heartbeat import latest_heartbeat
 from ettr.supervisor.jobinfo import default_job_id, job_times
 from ettr.supervisor.launch import attempt_launch, detect_launcher
 from ettr.supervisor.process import AttemptProcess
@@ -39,9 +42,6 @@ from ettr.supervisor.watchdog import HangWatchdog
 
 logger = logging.getLogger("ettr")
 
-EXIT_COMPLETED = 0
-EXIT_FAILED = 1
-EXIT_PREEMPTED = 143
 _FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -96,7 +96,7 @@ class Supervisor:
         except (LedgerError, OSError) as exc:
             raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {exc}") from None
         if self.config.job_id is None:  # a requeued job continues under the id it started with
-            self.job_id = books.job_id_of(previous) or self.job_id
+            self.job_id = recorded_job_id(previous) or self.job_id
         live = books.live_supervisor(previous)
         if live is not None:
             self._ledger.close()
@@ -118,7 +118,7 @@ class Supervisor:
         self._append(
             EventKind.SUPERVISOR_START,
             pid=os.getpid(),
-            pid_start_ticks=books.process_start_ticks(os.getpid()),
+            pid_start_ticks=start_ticks(os.getpid()),
             host=socket.gethostname(),
             command=list(cfg.command),
             launcher=detect_launcher(cfg.command).value,

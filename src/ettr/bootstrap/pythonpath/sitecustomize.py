@@ -12,8 +12,10 @@ def _ettr_bootstrap() -> None:
     env = os.environ
     if not env.get("ETTR_RUN_DIR"):
         return
-    # Cheap pre-checks mirroring `ettr.bootstrap.start.is_training_process`, so that the children of a
-    # training process (data loader, compile workers) do not even import ettr.
+    # Cheap pre-checks mirroring `ettr.run_env.RunEnv.is_training_process`, so that the children of a
+    # training process (data loader, compile workers) do not even import ettr. The names are spelled out
+    # (RUN_DIR_ENV, INSTRUMENTED_ENV, LAUNCHER_ENV, TORCHELASTIC_RUN_ID_ENV of `ettr.run_env`; a test keeps
+    # them equal) because importing ettr here is what this check avoids.
     marker = env.get("ETTR_INSTRUMENTED_PID")
     if marker and marker != str(os.getpid()):
         return

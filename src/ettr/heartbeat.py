@@ -7,7 +7,8 @@ directory only when that stack changed. A background thread that merely beats wo
 this one goes quiet as soon as the training thread stops moving, whatever the other threads do. A single
 C call that runs longer than the hang timeout looks like a hang: choose the timeout above the longest op.
 
-Files: `RUN_DIR/heartbeats/attempt-A/rank-R-pid-P`; the supervisor reads their newest mtime.
+Files: `RUN_DIR/heartbeats/attempt-A/rank-R-pid-P` (the layout is part of the run contract,
+`ettr.run_env.heartbeat_path`); the supervisor reads their newest mtime (`latest_heartbeat`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ import os
 import sys
 import threading
 from pathlib import Path
+from types import FrameType
 
-HEARTBEAT_DIRNAME = "heartbeats"
-
-
-def heartbeat_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
-    return Path(run_dir) / HEARTBEAT_DIRNAME / f"attempt-{attempt}"
+from ettr.run_env import heartbeat_dir
 
 
 def latest_heartbeat(run_dir: str | os.PathLike[str], attempt: int) -> float | None:
@@ -40,8 +38,8 @@ def latest_heartbeat(run_dir: str | os.PathLike[str], attempt: int) -> float | N
     return latest
 
 
-def _stack_fingerprint(frame, depth: int = 6) -> tuple[tuple[int, int], ...]:  # type: ignore[no-untyped-def]
-    marks = []
+def _stack_fingerprint(frame: FrameType | None, depth: int = 6) -> tuple[tuple[int, int], ...]:
+    marks: list[tuple[int, int]] = []
     while frame is not None and len(marks) < depth:
         marks.append((id(frame.f_code), frame.f_lasti))
         frame = frame.f_back
@@ -105,7 +103,3 @@ class MainThreadHeartbeat:
                 self.sample()
             except Exception:  # telemetry never takes the process down
                 return
-
-
-def heartbeat_path(run_dir: str | os.PathLike[str], attempt: int, rank: int) -> Path:
-    return heartbeat_dir(run_dir, attempt) / f"rank-{rank}-pid-{os.getpid()}"

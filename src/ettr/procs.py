@@ -1,0 +1,125 @@
+"""Processes on this host, from /proc: start ticks, liveness, descendants, and the parent-death signal.
+
+The one place ettr reads `/proc/<pid>/stat`. A pid alone does not name a process for long (pids are
+reused), so whoever records a pid to check later records its start ticks beside it
+(`start_ticks(os.getpid())`) and asks `pid_alive(pid, ticks)`.
+
+Liveness policy (one for every caller: the supervisor's books, `ettr report`, the publish queue):
+- start ticks recorded and /proc readable: alive iff a process with that pid exists and started at those
+  ticks (a later process that reuses the pid is not the one recorded);
+- start ticks recorded but no /proc on this host (not Linux): alive iff the pid exists (`kill(pid, 0)`);
+- start ticks unknown (the writer had no /proc): alive iff the pid exists. A reused pid then reads as alive:
+  the caller errs towards "still running" (a report shows the job live, a stale claim waits for its lease to
+  expire) rather than taking over work that may still be in progress.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1
+_PROC = "/proc"
+
+Prctl = Callable[[int, int, int, int, int], int]
+
+
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of `/proc/<pid>/stat` after the command name (field 3 of stat(5) is index 0)."""
+    try:
+        with open(f"{_PROC}/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """Start time of process `pid` in clock ticks since boot (None: no such process, or no /proc)."""
+    fields = _stat_fields(pid)
+    try:
+        return None if fields is None else int(fields[19])  # field 22 of stat(5)
+    except (ValueError, IndexError):
+        return None
+
+
+def _parent_pid(pid: int | str) -> int | None:
+    fields = _stat_fields(pid)
+    try:
+        return None if fields is None else int(fields[1])  # field 4 of stat(5)
+    except (ValueError, IndexError):
+        return None
+
+
+def process_start_time() -> float:
+    """Unix time at which this process started (from /proc when available, else now)."""
+    ticks = start_ticks(os.getpid())
+    try:
+        if ticks is None:
+            raise ValueError("no /proc")
+        with open(f"{_PROC}/uptime", "rb") as f:
+            uptime_s = float(f.read().split()[0])
+        return time.time() - max(0.0, uptime_s - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists; it is someone else's
+    except OSError:
+        return False
+    return True
+
+
+def pid_alive(pid: int, recorded_ticks: int | None) -> bool:
+    """Whether the process recorded as (`pid`, `recorded_ticks`) still runs on this host (policy above)."""
+    if pid <= 0:
+        return False
+    if recorded_ticks is None or not os.path.isdir(_PROC):
+        return _pid_exists(pid)
+    return start_ticks(pid) == recorded_ticks
+
+
+def descendants(root: int) -> list[tuple[int, int | None]]:
+    """(pid, start ticks) of every live descendant of `root`, from /proc; empty where /proc is missing."""
+    try:
+        entries = os.listdir(_PROC)
+    except OSError:
+        return []
+    children: dict[int, list[int]] = {}
+    for entry in entries:
+        if entry.isdigit():
+            ppid = _parent_pid(entry)
+            if ppid is not None:
+                children.setdefault(ppid, []).append(int(entry))
+    found: list[tuple[int, int | None]] = []
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        found.append((pid, start_ticks(pid)))
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def libc_prctl() -> Prctl | None:
+    """libc's `prctl`, or None where there is none (resolve it before a fork: the child only calls it)."""
+    try:
+        prctl: Prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL, prctl: Prctl | None = None) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent thread exits (Linux only); whether set."""
+    prctl = prctl or libc_prctl()
+    if prctl is None:
+        return False
+    return bool(prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)

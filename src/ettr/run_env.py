@@ -1,0 +1,220 @@
+"""The supervisor <-> training-process contract: every `ETTR_*` name, `RunEnv`, and the heartbeat files.
+
+`ettr run` (the launcher side) builds a `RunEnv` per attempt and puts `to_environ()` into the child's
+environment; the training process (the bootstrap, `ettr.get_recorder()`) reads it back with
+`RunEnv.from_environ()`. Nothing else in ettr spells an `ETTR_*` name (the bootstrap's `sitecustomize`
+repeats three of them so that processes it leaves alone never import ettr; a test keeps them equal).
+
+The heartbeat layout lives here too, because both sides rely on it: each training process touches
+`RUN_DIR/heartbeats/attempt-A/rank-R-pid-P` (see `ettr.heartbeat`), and the supervisor reads the newest
+mtime of the attempt's directory. Imports nothing of ettr.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+ENV_PREFIX = "ETTR_"
+"""Every name of the contract starts so (a launcher that must not leak an enclosing run's drops them all)."""
+
+# -- names set by `ettr run` for every attempt -------------------------------------------------------------
+RUN_DIR_ENV = "ETTR_RUN_DIR"
+"""Absolute path of the run directory (the contract); its presence is what makes a process part of a run."""
+JOB_ID_ENV = "ETTR_JOB_ID"
+"""The job's id (the contract)."""
+ATTEMPT_ENV = "ETTR_ATTEMPT"
+"""The attempt index, 0 for the first attempt (the contract)."""
+SUPERVISOR_PID_ENV = "ETTR_SUPERVISOR_PID"
+"""The supervisor's pid (where an injected preemption is delivered)."""
+ATTEMPT_STARTED_ENV = "ETTR_ATTEMPT_STARTED_AT"
+"""Unix time the attempt started (the origin of `--inject KIND@time=S`)."""
+INJECT_ENV = "ETTR_INJECT"
+"""The JSON list of fault specs (`ettr.inject.encode_specs`); absent when nothing is injected."""
+AUTO_ENV = "ETTR_AUTO"
+"""'1' when the bootstrap should install the zero-code hooks, '0' for `--no-auto`."""
+LAUNCHER_ENV = "ETTR_LAUNCHER"
+"""The kind of command (`Launcher`), so the bootstrap knows which processes are the training ranks."""
+LEDGER_ENV = "ETTR_LEDGER"
+"""A ledger URL (`sqlite:///PATH`, `postgresql://...`) given to `ettr run --ledger`; absent: the run dir's."""
+FAMILY_ENV = "ETTR_FAMILY"
+"""The job family for fleet views (`ettr run --family`)."""
+
+# -- set by the bootstrap inside the process it instruments ------------------------------------------------
+INSTRUMENTED_ENV = "ETTR_INSTRUMENTED_PID"
+"""Set by the bootstrap in the process it instruments, so that its own children (data loader workers,
+compile workers) are not taken for training processes; cleared by the launcher for every new attempt."""
+
+# -- user settings read by training processes (never set by the launcher) ----------------------------------
+COMPILE_ENV = "ETTR_COMPILE"
+"""`0`/`off` turns the compile store and recompile recording off."""
+COMPILE_STORE_ENV = "ETTR_COMPILE_STORE"
+"""Compile-artifact store directory or fsspec URL; `off` for none."""
+COMPILE_KEY_ENV = "ETTR_COMPILE_KEY"
+"""The workload's part of the store key (default: the main script's path)."""
+COMPILE_STORE_MAX_BYTES_ENV = "ETTR_COMPILE_STORE_MAX_BYTES"
+"""Size bound of the compile store."""
+COMPILE_STORE_SECRET_ENV = "ETTR_COMPILE_STORE_SECRET"
+"""HMAC key for compile-store manifests."""
+COMPILE_SETTLE_S_ENV = "ETTR_COMPILE_SETTLE_S"
+"""Seconds without compilation before the artifacts are stored."""
+COMPILE_PRIVATE_CACHE_ENV = "ETTR_COMPILE_PRIVATE_CACHE"
+"""`0` keeps inductor's shared cache directory instead of a per-workload one."""
+
+LAUNCHER_CLEARS = (INJECT_ENV, INSTRUMENTED_ENV)
+"""Names the launcher removes from the environment it inherits before adding an attempt's own: a nested
+or re-run `ettr run` must not pass its parent's faults or instrumentation marker on."""
+
+# -- torchrun's names (set by torchrun, read here only) ----------------------------------------------------
+RANK_ENV, WORLD_SIZE_ENV, LOCAL_RANK_ENV = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+"""Present in torchrun's workers, absent in the torchrun agent itself."""
+
+
+class Launcher(StrEnum):
+    """What kind of command an attempt runs."""
+
+    PYTHON = "python"
+    TORCHRUN = "torchrun"
+    OTHER = "other"
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        return int(environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _optional_int(environ: Mapping[str, str], name: str) -> int | None:
+    text = environ.get(name, "").strip()
+    return int(text) if text.isdigit() else None
+
+
+def _optional_float(environ: Mapping[str, str], name: str) -> float | None:
+    try:
+        return float(environ.get(name, ""))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunEnv:
+    """What `ettr run` tells one attempt's processes (the `ETTR_*` names set by the launcher)."""
+
+    run_dir: Path
+    """The run directory (absolute)."""
+    job_id: str = ""
+    """The job's id."""
+    attempt: int = 0
+    """The attempt index (0: the first)."""
+    supervisor_pid: int | None = None
+    """The supervisor's pid; None outside `ettr run` (`ettr.init`)."""
+    attempt_started_at: float | None = None
+    """Unix time the attempt started; None: unknown (the injector then uses its own start)."""
+    inject: str | None = None
+    """The encoded fault specs (`ettr.inject.decode_specs` reads them); None: no faults."""
+    auto: bool = True
+    """Whether the bootstrap installs the zero-code torch hooks (False for `--no-auto`)."""
+    launcher: Launcher | None = None
+    """The kind of command; None when no launcher said (`ettr.init`, an older supervisor)."""
+    instrumented_pid: int | None = None
+    """The pid the bootstrap instrumented (inherited by that process's own children)."""
+    ledger_url: str | None = None
+    """A shared ledger's URL; None: the SQLite ledger in `run_dir`."""
+    family: str | None = None
+    """The job family for fleet views; None: not given."""
+
+    def __post_init__(self) -> None:
+        if self.attempt < 0:
+            raise ValueError(f"RunEnv.attempt must be >= 0, got {self.attempt}")
+        if not str(self.run_dir):
+            raise ValueError("RunEnv.run_dir must be a directory path")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> RunEnv | None:
+        """The run this process belongs to (None when `ETTR_RUN_DIR` is unset). Never raises: a malformed
+        number reads as its default, an unknown launcher as None."""
+        environ = os.environ if environ is None else environ
+        run_dir = environ.get(RUN_DIR_ENV)
+        if not run_dir:
+            return None
+        try:
+            launcher: Launcher | None = Launcher(environ.get(LAUNCHER_ENV, ""))
+        except ValueError:
+            launcher = None
+        return cls(
+            run_dir=Path(run_dir),
+            job_id=environ.get(JOB_ID_ENV, ""),
+            attempt=max(0, _int(environ, ATTEMPT_ENV, 0)),
+            supervisor_pid=_optional_int(environ, SUPERVISOR_PID_ENV),
+            attempt_started_at=_optional_float(environ, ATTEMPT_STARTED_ENV),
+            inject=environ.get(INJECT_ENV) or None,
+            auto=environ.get(AUTO_ENV, "1") != "0",
+            launcher=launcher,
+            instrumented_pid=_optional_int(environ, INSTRUMENTED_ENV),
+            ledger_url=environ.get(LEDGER_ENV) or None,
+            family=environ.get(FAMILY_ENV) or None,
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The `ETTR_*` variables of this run (the fields that are set; `from_environ` reads them back)."""
+        env = {RUN_DIR_ENV: str(self.run_dir), JOB_ID_ENV: self.job_id, ATTEMPT_ENV: str(self.attempt)}
+        if self.supervisor_pid is not None:
+            env[SUPERVISOR_PID_ENV] = str(self.supervisor_pid)
+        if self.attempt_started_at is not None:
+            env[ATTEMPT_STARTED_ENV] = repr(self.attempt_started_at)
+        if self.inject:
+            env[INJECT_ENV] = self.inject
+        env[AUTO_ENV] = "1" if self.auto else "0"
+        if self.launcher is not None:
+            env[LAUNCHER_ENV] = self.launcher.value
+        if self.instrumented_pid is not None:
+            env[INSTRUMENTED_ENV] = str(self.instrumented_pid)
+        if self.ledger_url:
+            env[LEDGER_ENV] = self.ledger_url
+        if self.family:
+            env[FAMILY_ENV] = self.family
+        return env
+
+    def is_training_process(self, environ: Mapping[str, str], pid: int) -> bool:
+        """Whether process `pid` (with `environ`) is one of the run's training processes: not a child of a
+        process already instrumented, and for a torchrun command only torchrun's workers (never the agent)."""
+        if self.instrumented_pid is not None and self.instrumented_pid != pid:
+            return False
+        return not (self.launcher is Launcher.TORCHRUN and not environ.get(TORCHELASTIC_RUN_ID_ENV))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankEnv:
+    """This process's place in a torchrun job (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`; one process alone)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
+        environ = os.environ if environ is None else environ
+        return cls(
+            rank=_int(environ, RANK_ENV, 0),
+            world_size=_int(environ, WORLD_SIZE_ENV, 1),
+            local_rank=_int(environ, LOCAL_RANK_ENV, 0),
+        )
+
+
+# -- heartbeat files ---------------------------------------------------------------------------------------
+HEARTBEAT_DIRNAME = "heartbeats"
+
+
+def heartbeat_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
+    """The directory holding attempt `attempt`'s heartbeat files."""
+    return Path(run_dir) / HEARTBEAT_DIRNAME / f"attempt-{attempt}"
+
+
+def heartbeat_path(run_dir: str | os.PathLike[str], attempt: int, rank: int, pid: int | None = None) -> Path:
+    """The heartbeat file of process `pid` (default: this one) of `rank` in attempt `attempt`."""
+    return heartbeat_dir(run_dir, attempt) / f"rank-{rank}-pid-{os.getpid() if pid is None else pid}"
