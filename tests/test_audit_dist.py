@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ettr.audit import CommAudit, render
+from ettr.audit import CommAudit
 from ettr.events import EventKind, Phase
 from ettr.ledger import MemoryLedger
 from ettr.recorder import Recorder
+from ettr.report.audit import render
 
 WORLD_SIZE = 2
 

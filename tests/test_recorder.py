@@ -11,10 +11,11 @@ import time
 import pytest
 
 import ettr
-from ettr.events import EventKind, Phase
+from ettr import runtime
+from ettr.events import Event, EventKind, Phase
 from ettr.ledger import MemoryLedger, open_ledger
 from ettr.procs import process_start_time
-from ettr.recorder import NullRecorder, Recorder
+from ettr.recorder import NullRecorder, Recorder, RecorderProtocol
 from ettr.runtime import recorder_from_env, set_recorder
 
 
@@ -264,3 +265,81 @@ def test_recording_inside_compiled_code_is_skipped_but_other_threads_still_recor
     names = [e.data["name"] for e in ledger.read()]
     assert "traced" not in names and "other" in names
     rec.close()
+
+
+# -- listeners, the synchronous test recorder, process hooks ---------------------------------------------
+def test_listeners_see_every_event_synchronously_and_never_break_recording(caplog):
+    rec = Recorder(MemoryLedger(), attempt=1, rank=2, flush_interval_s=60)
+    seen: list[Event] = []
+
+    def broken(event: Event) -> None:
+        raise RuntimeError("listener bug")
+
+    rec.add_listener(seen.append)
+    rec.add_listener(broken)
+    with caplog.at_level("WARNING", logger="ettr"):
+        with rec.phase(Phase.DATA_WAIT):
+            assert [e.kind for e in seen] == [EventKind.PHASE_BEGIN]  # before the block runs
+        rec.step(4)
+        rec.step(5)
+    assert [e.kind for e in seen] == [
+        EventKind.PHASE_BEGIN,
+        EventKind.PHASE_END,
+        EventKind.STEP,
+        EventKind.STEP,
+    ]
+    assert (seen[2].attempt, seen[2].rank, seen[2].step) == (1, 2, 4)
+    assert sum("listener" in r.getMessage() for r in caplog.records) == 1  # logged once
+    rec.remove_listener(seen.append)
+    rec.remove_listener(broken)
+    rec.remove_listener(broken)  # not registered any more: a no-op
+    rec.mark("after")
+    assert len(seen) == 4
+    rec.flush()
+    assert [e.kind for e in rec._ledger.read()][-1] is EventKind.MARK
+    rec.close()
+
+
+def test_a_recorder_that_writes_nothing_still_tells_its_listeners():
+    rec = NullRecorder()
+    seen: list[Event] = []
+    rec.add_listener(seen.append)
+    rec.training_started()
+    assert [e.kind for e in seen] == [EventKind.TRAINING_START]
+
+
+def test_sync_recorder_writes_before_returning_without_thread_or_hooks(monkeypatch):
+    from ettr.testing.recorder import SyncRecorder
+
+    registered: list[object] = []
+    monkeypatch.setattr("ettr.recorder.atexit.register", registered.append)
+    threads = threading.active_count()
+    rec = SyncRecorder(rank=1, attempt=2)
+    assert isinstance(rec, RecorderProtocol)
+    rec.step(3)
+    rec.checkpoint_committed(3, "/ckpt/3")
+    assert [(e.kind, e.step, e.rank, e.attempt) for e in rec.events()] == [
+        (EventKind.STEP, 3, 1, 2),
+        (EventKind.CHECKPOINT_COMMIT, 3, 1, 2),
+    ]
+    rec.install_process_hooks()
+    assert threading.active_count() == threads and registered == [] and not rec.has_process_hooks
+    rec.close()
+
+
+def test_only_the_default_recorder_takes_process_hooks_and_close_removes_them(monkeypatch, tmp_path):
+    registered: list[object] = []
+    unregistered: list[object] = []
+    monkeypatch.setattr("ettr.recorder.atexit.register", registered.append)
+    monkeypatch.setattr("ettr.recorder.atexit.unregister", unregistered.append)
+    plain = Recorder(MemoryLedger(), flush_interval_s=60)
+    assert registered == [] and not plain.has_process_hooks
+    default = Recorder(MemoryLedger(), flush_interval_s=60)
+    try:
+        runtime.set_recorder(default)
+        assert default.has_process_hooks and registered == [default.close]
+        default.close()
+        assert not default.has_process_hooks and unregistered == [default.close]
+    finally:
+        runtime.set_recorder(None)
+        plain.close()

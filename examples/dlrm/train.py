@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 import ettr
 import ettr.audit
+import ettr.report.audit
 from dlrm.checkpointing import Checkpointer, make_checkpointer
 from dlrm.data import ClickBatch, ClickDataConfig, ResumeGate, make_loader
 from ettr.errors import UsageError
@@ -545,7 +546,7 @@ def _print_start_up(
         event = Event(
             EventKind.MARK, time.time(), rank=rank, data={"name": ettr.audit.MARK_NAME, **audit_summary}
         )
-        print(ettr.audit.render([event]), flush=True)
+        print(ettr.report.audit.render([event]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

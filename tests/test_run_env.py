@@ -1,0 +1,124 @@
+"""The run contract: RunEnv round-trips through the environment, and the bootstrap's copy of the names agrees."""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+from ettr import run_env
+from ettr.bootstrap import pythonpath_dir
+from ettr.run_env import (
+    INSTRUMENTED_ENV,
+    LAUNCHER_ENV,
+    RUN_DIR_ENV,
+    TORCHELASTIC_RUN_ID_ENV,
+    Launcher,
+    RankEnv,
+    RunEnv,
+    heartbeat_dir,
+    heartbeat_path,
+)
+from ettr.supervisor.launch import attempt_launch
+
+
+def _full() -> RunEnv:
+    return RunEnv(
+        run_dir=Path("/runs/j"),
+        job_id="j",
+        attempt=2,
+        supervisor_pid=41,
+        attempt_started_at=1700000000.25,
+        inject='[{"kind": "crash"}]',
+        auto=False,
+        launcher=Launcher.TORCHRUN,
+        instrumented_pid=77,
+        ledger_url="sqlite:///tmp/x.db",
+        family="dlrm",
+    )
+
+
+def test_every_field_round_trips_through_the_environment():
+    env = _full()
+    assert RunEnv.from_environ(env.to_environ()) == env
+    minimal = RunEnv(run_dir=Path("/r"))
+    assert RunEnv.from_environ(minimal.to_environ()) == minimal
+    assert set(minimal.to_environ()) == {"ETTR_RUN_DIR", "ETTR_JOB_ID", "ETTR_ATTEMPT", "ETTR_AUTO"}
+
+
+def test_every_name_is_an_ettr_name_and_none_is_spelled_twice():
+    names = [v for k, v in vars(run_env).items() if k.endswith("_ENV") and isinstance(v, str)]
+    ours = [n for n in names if n.startswith(run_env.ENV_PREFIX)]
+    assert len(ours) == len(set(ours))
+    assert {"ETTR_RUN_DIR", "ETTR_JOB_ID", "ETTR_ATTEMPT", "ETTR_LEDGER", "ETTR_FAMILY"} <= set(ours)
+    assert set(_full().to_environ()) <= set(ours)
+
+
+def test_outside_a_run_there_is_no_run_env_and_bad_numbers_read_as_defaults():
+    assert RunEnv.from_environ({}) is None
+    assert RunEnv.from_environ({"ETTR_RUN_DIR": ""}) is None
+    env = RunEnv.from_environ(
+        {
+            "ETTR_RUN_DIR": "/r",
+            "ETTR_ATTEMPT": "x",
+            "ETTR_SUPERVISOR_PID": "-3",
+            "ETTR_ATTEMPT_STARTED_AT": "soon",
+            "ETTR_LAUNCHER": "mpirun",
+        }
+    )
+    assert env == RunEnv(run_dir=Path("/r"))
+    assert RankEnv.from_environ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == RankEnv(
+        rank=3, world_size=4, local_rank=1
+    )
+    assert RankEnv.from_environ({"RANK": "?"}) == RankEnv()
+    with pytest.raises(ValueError, match="attempt"):
+        RunEnv(run_dir=Path("/r"), attempt=-1)
+
+
+def test_training_process_rules():
+    plain = RunEnv(run_dir=Path("/r"), launcher=Launcher.PYTHON)
+    assert plain.is_training_process({}, 5)
+    child = RunEnv(run_dir=Path("/r"), launcher=Launcher.PYTHON, instrumented_pid=4)
+    assert not child.is_training_process({}, 5) and child.is_training_process({}, 4)
+    torchrun = RunEnv(run_dir=Path("/r"), launcher=Launcher.TORCHRUN)
+    assert not torchrun.is_training_process({}, 5)  # the agent
+    assert torchrun.is_training_process({TORCHELASTIC_RUN_ID_ENV: "x"}, 5)  # a worker
+
+
+def test_the_launcher_writes_the_run_env_and_clears_what_must_not_leak(tmp_path):
+    launch = attempt_launch(
+        ["python", "train.py"],
+        run_dir=tmp_path,
+        job_id="j",
+        attempt=1,
+        started_at=12.5,
+        auto=False,
+        base_env={"ETTR_INJECT": "[]", INSTRUMENTED_ENV: "9", "KEEP": "1"},
+    )
+    env = RunEnv.from_environ(launch.env)
+    assert env == RunEnv(
+        run_dir=tmp_path,
+        job_id="j",
+        attempt=1,
+        supervisor_pid=os.getpid(),
+        attempt_started_at=12.5,
+        auto=False,
+        launcher=Launcher.PYTHON,
+    )
+    assert launch.env["KEEP"] == "1" and launch.env["PYTHONPATH"].startswith(str(pythonpath_dir()))
+
+
+def test_sitecustomize_spells_the_same_names_as_the_contract():
+    tree = ast.parse((pythonpath_dir() / "sitecustomize.py").read_text())
+    literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    env_like = {s for s in literals if s.isupper() and "_" in s and " " not in s}
+    assert env_like == {RUN_DIR_ENV, INSTRUMENTED_ENV, LAUNCHER_ENV, TORCHELASTIC_RUN_ID_ENV}
+    assert Launcher.TORCHRUN.value in literals
+
+
+def test_heartbeat_layout():
+    assert heartbeat_dir("/r", 3) == Path("/r/heartbeats/attempt-3")
+    assert heartbeat_path("/r", 3, 1, pid=42) == Path("/r/heartbeats/attempt-3/rank-1-pid-42")
+    assert heartbeat_path("/r", 0, 0).name == f"rank-0-pid-{os.getpid()}"
