@@ -28,6 +28,34 @@ CONTRACT_FLAGS = {
 }
 
 
+# The whole command line, frozen: every subcommand and every flag and positional of each. A change here is a
+# change of the outside (CONTRACT.md: add, never rename); update this table in the same commit, on purpose.
+FROZEN_COMMAND_LINE = {
+    "run": (
+        {
+            "--run-dir",
+            "--job-id",
+            "--max-restarts",
+            "--inject",
+            "--hang-timeout",
+            "--submitted-at",
+            "--allocated-at",
+            "--no-auto",
+        },
+        ["command"],
+    ),
+    "report": ({"--json", "--html"}, ["run_dirs"]),
+    "interval": ({"--blocking", "--failures-per-day", "--train-hours", "--json"}, []),
+    "demo": ({"--quick", "--out"}, []),
+    "publish": (
+        {"--watch", "--poll-interval", "--lease-ttl", "--max-attempts", "--request", "--json"},
+        ["queue_dir"],
+    ),
+    "compile-report": ({"--json"}, ["run_dir"]),
+}
+_HELP = {"-h", "--help"}
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return dict(action.choices)
@@ -39,6 +67,25 @@ def test_contract_commands_and_flags_exist():
         assert name in subs
         have = {opt for a in subs[name]._actions for opt in a.option_strings}
         assert flags <= have, f"ettr {name} lacks {flags - have}"
+
+
+def test_the_whole_command_line_is_frozen_by_equality():
+    parser = build_parser()
+    assert {o for a in parser._actions for o in a.option_strings} == _HELP
+    subs = _subparsers(parser)
+    assert set(subs) == set(FROZEN_COMMAND_LINE)
+    for name, (flags, positionals) in FROZEN_COMMAND_LINE.items():
+        actions = subs[name]._actions
+        assert {o for a in actions for o in a.option_strings} == flags | _HELP, f"ettr {name}"
+        assert [a.dest for a in actions if not a.option_strings] == positionals, f"ettr {name}"
+
+
+def test_top_level_help_reads_cleanly():
+    out = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "report ETT% and the wall-time breakdown" in " ".join(out.split())
+    assert "{" not in out and "option_strings" not in out  # not a Python dict (an unescaped % once did that)
 
 
 def test_time_accepts_unix_seconds_and_iso():
