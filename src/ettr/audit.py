@@ -268,7 +268,8 @@ class CommAudit:
         """(stage, begin ts, begin clock) of a call to count, or None to pass it straight through."""
         try:
             local = self._local
-            if not self._active or getattr(local, "depth", 0) or _compiling():
+            depth: int = getattr(local, "depth", 0)
+            if not self._active or depth or _compiling():
                 # Nested in an audited call (all_gather_object -> all_gather): timed by the outer one,
                 # but a nested group creation still makes a group.
                 if creates_group and self._active:

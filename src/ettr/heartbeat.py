@@ -80,7 +80,8 @@ class MainThreadHeartbeat:
 
     def sample(self) -> bool:
         """Beat if the training thread moved since the last sample; whether it beat."""
-        frame = sys._current_frames().get(self._thread_id)  # noqa: SLF001 - the one cheap stack probe
+        thread_id = self._thread_id
+        frame = None if thread_id is None else sys._current_frames().get(thread_id)  # the one cheap probe
         if frame is None:
             return False  # the training thread is gone (interpreter shutting down)
         fingerprint = _stack_fingerprint(frame)

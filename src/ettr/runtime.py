@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from types import TracebackType
 
 from ettr.constants import EXIT_COMPLETED, EXIT_FAILED
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
@@ -134,7 +135,7 @@ def _watch_exit(rec: Recorder, own: Ledger) -> None:
     failed: list[BaseException] = []
     previous_hook = sys.excepthook
 
-    def excepthook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         failed.append(exc)
         rec.failure(exc)
         previous_hook(exc_type, exc, tb)

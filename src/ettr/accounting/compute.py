@@ -66,7 +66,7 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
     segments = build_segments(job, attempts, wall_start, wall_end)
     wall_s = wall_end - wall_start
 
-    position_of = {a.index: a.position for a in attempts}
+    position_of: dict[int | None, int] = {a.index: a.position for a in attempts}
     loss_of = {
         (b, later): classify(b, attempt_position=int(later)) for b in Bucket for later in (False, True)
     }

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def is_training_process(environ: Mapping[str, str], pid: int) -> bool:
 def _install_excepthook(rec: RecorderProtocol) -> None:
     previous = sys.excepthook
 
-    def excepthook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         try:
             if not issubclass(exc_type, (SystemExit, KeyboardInterrupt)):
                 rec.failure(exc)

@@ -74,8 +74,9 @@ class PlainEmbeddingBags(nn.Module):
                 self._passes.append((lookup.group, [position]))
 
     @classmethod
-    def from_collection(cls, collection: nn.Module) -> PlainEmbeddingBags:
-        """The plain equivalent of an unsharded TorchRec `EmbeddingBagCollection` (weights copied)."""
+    def from_collection(cls, collection: Any) -> PlainEmbeddingBags:
+        """The plain equivalent of an unsharded TorchRec `EmbeddingBagCollection` (weights copied; typed
+        `Any`: torchrec ships no type information)."""
         configs = collection.embedding_bag_configs()
         groups: dict[tuple[int, str, torch.dtype], list[Any]] = {}
         for config in configs:

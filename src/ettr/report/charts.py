@@ -232,7 +232,7 @@ def timeline_svg(report: EttReport, *, scale_s: float | None = None) -> str:
     origin = report.wall_start_ts
     row_h, gap, top = 22.0, 14.0, 30.0
     indices = [a.index for a in report.attempts]
-    position_of = {index: position for position, index in enumerate(indices)}
+    position_of: dict[int | None, int] = {index: position for position, index in enumerate(indices)}
     rows: list[int | None] = list(indices)
     if not rows or any(s.attempt not in indices for s in report.segments):
         rows.insert(0, None)  # time owned by no attempt

@@ -56,6 +56,13 @@ def write_html(reports: Sequence[EttReport], path: str | os.PathLike[str]) -> No
         raise UsageError(f"{target}: cannot write the HTML report ({exc.strerror or exc})") from None
 
 
+def _bucket_seconds(bucket: Bucket) -> Callable[[EttReport], float]:
+    def seconds(report: EttReport) -> float:
+        return report.buckets_s[bucket]
+
+    return seconds
+
+
 def render_html(reports: Sequence[EttReport]) -> str:
     """The whole page as a string (see the module docstring for what it shows)."""
     if not reports:
@@ -236,9 +243,7 @@ def _comparison(reports: Sequence[EttReport], names: Sequence[str]) -> str:
             f"<td>{esc(fmt_s(r.buckets_s[b]))} · {esc(fmt_pct(r.bucket_pct(b)))}</td>" for r in reports
         )
         # More effective training is better; more of any other bucket is worse.
-        metric = _Metric(
-            b.value, lambda r, b=b: r.buckets_s[b], fmt_s, _delta_s, b is Bucket.EFFECTIVE_TRAINING
-        )
+        metric = _Metric(b.value, _bucket_seconds(b), fmt_s, _delta_s, b is Bucket.EFFECTIVE_TRAINING)
         deltas = "".join(_delta_cell(reports[0].buckets_s[b], r.buckets_s[b], metric) for r in reports[1:])
         swatch = f'<span class="sw" style="background:{BUCKET_COLORS[b]}"></span>'
         rows.append(

@@ -12,7 +12,7 @@ attempts), `jobinfo` (job id, Slurm times). Imports nothing heavy: training proc
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ettr.supervisor.config import RunConfig
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["RunConfig", "config_from_args", "main", "run"]
 
 
-def __getattr__(name: str):  # type: ignore[no-untyped-def]
+def __getattr__(name: str) -> Any:
     if name == "RunConfig":
         from ettr.supervisor.config import RunConfig
 

@@ -38,7 +38,9 @@ class SyncRecorder(Recorder):
         world_size: int = 1,
     ) -> None:
         # No ledger for the base class: it then starts no writer thread; this class writes synchronously.
-        super().__init__(None, run_dir=run_dir, job_id=job_id, attempt=attempt, rank=rank, world_size=world_size)
+        super().__init__(
+            None, run_dir=run_dir, job_id=job_id, attempt=attempt, rank=rank, world_size=world_size
+        )
         self.ledger: Ledger = MemoryLedger() if ledger is None else ledger
         self._ledger = self.ledger
         self.enabled = True
