@@ -174,6 +174,14 @@ def check_invariants(report: EttReport) -> None:
         previous_end = a.end_ts
     assert all(ttr >= 0 for ttr in report.ttr_s)
     assert report.num_failures == sum(a.outcome != Outcome.COMPLETED for a in report.attempts)
+    # The TTS window and the recoveries are what tts_s and ttr_s measure (the charts draw these).
+    assert (report.tts_window is None) == (report.tts_s is None)
+    if report.tts_window is not None:
+        assert report.tts_window.duration_s == report.tts_s
+    assert tuple(r.ttr_s for r in report.recoveries) == report.ttr_s
+    for r in report.recoveries:
+        assert r.failed.outcome != Outcome.COMPLETED and r.failed.index < r.recovered.index
+        assert r.detected_ts == r.failed.end_ts and r.training_start_ts == r.recovered.training_start_ts
 
 
 @pytest.mark.parametrize("seed", range(8))

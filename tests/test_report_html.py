@@ -267,6 +267,22 @@ def test_ttr_bars_are_matched_to_their_failures(two_runs):
     assert "after #0 failed" in text and "after #1 preempted" in text
 
 
+def test_charts_draw_the_windows_the_report_carries(two_runs):
+    from ettr.report.json import to_dict
+
+    base = two_runs[0]
+    assert tts_window(base) == (base.tts_window.origin_ts, base.tts_window.training_start_ts)
+    assert base.tts_window.duration_s == base.tts_s and base.tts_window.attempt == 0
+    assert recoveries(base) == list(base.recoveries)
+    out = to_dict(base)
+    assert out["tts_window"]["training_start_ts"] - out["tts_window"]["origin_ts"] == base.tts_s
+    assert [r["ttr_s"] for r in out["recoveries"]] == list(base.ttr_s)
+    assert [(r["failed_attempt"], r["outcome"], r["recovered_attempt"]) for r in out["recoveries"]] == [
+        (0, "failed", 1),
+        (1, "preempted", 2),
+    ]
+
+
 def test_attempt_table_lists_every_attempt(two_runs):
     base = two_runs[0]
     text = render_html([base])

@@ -5,7 +5,15 @@ bucket of `ettr.events.Bucket` by the rules of docs/buckets.md; the renderers li
 """
 
 from ettr.accounting.compute import Loss, classify, compute
-from ettr.accounting.model import AttemptReport, CheckpointCommit, EttReport, Recompile, Segment
+from ettr.accounting.model import (
+    AttemptReport,
+    CheckpointCommit,
+    EttReport,
+    Recompile,
+    Recovery,
+    Segment,
+    TtsWindow,
+)
 from ettr.accounting.timeline import PRECEDENCE
 
 __all__ = [
@@ -15,7 +23,9 @@ __all__ = [
     "Loss",
     "PRECEDENCE",
     "Recompile",
+    "Recovery",
     "Segment",
+    "TtsWindow",
     "classify",
     "compute",
 ]

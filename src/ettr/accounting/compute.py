@@ -9,7 +9,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from ettr.accounting.attempts import Attempt, data_of, gather, resolve_attempts, wall_bounds
-from ettr.accounting.model import AttemptReport, EttReport
+from ettr.accounting.model import AttemptReport, EttReport, Recovery, TtsWindow
 from ettr.accounting.timeline import build_segments
 from ettr.events import Bucket, Event, Outcome, Phase
 
@@ -88,6 +88,8 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         return seconds / wall_s * 100.0 if wall_s > 0 else 0.0
 
     attempt_reports = tuple(_attempt_report(a, by_attempt.get(a.index)) for a in attempts)
+    tts_window = _tts_window(job.allocated_ts, job.supervisor_start_ts, wall_start, attempt_reports)
+    recoveries = _recoveries(attempt_reports)
     job_phases: dict[str, list[float]] = {}
     for report in attempt_reports:
         for name, seconds in report.phases_s.items():
@@ -105,8 +107,8 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         effective_training_s=effective_s,
         idleness_s=idleness_s,
         failure_s=failure_s,
-        tts_s=_tts(job.allocated_ts, job.supervisor_start_ts, wall_start, attempts),
-        ttr_s=_ttrs(attempts),
+        tts_s=None if tts_window is None else tts_window.duration_s,
+        ttr_s=tuple(r.ttr_s for r in recoveries),
         num_failures=sum(1 for a in attempts if a.outcome != Outcome.COMPLETED),
         buckets_s=MappingProxyType({b: math.fsum(by_bucket[b]) for b in Bucket}),
         attempts=attempt_reports,
@@ -118,6 +120,8 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         allocated_ts=job.allocated_ts,
         supervisor_start_ts=job.supervisor_start_ts,
         job_exit_status=_exit_status(job_end_data),
+        tts_window=tts_window,
+        recoveries=recoveries,
     )
 
 
@@ -149,25 +153,39 @@ def _phase_order(names: Iterable[str]) -> list[str]:
     return sorted(names, key=lambda name: (_PHASE_ORDER.get(name, len(_PHASE_ORDER)), name))
 
 
-def _tts(
-    allocated_ts: float | None, supervisor_start_ts: float | None, wall_start: float, attempts: list[Attempt]
-) -> float | None:
+def _tts_window(
+    allocated_ts: float | None,
+    supervisor_start_ts: float | None,
+    wall_start: float,
+    attempts: tuple[AttemptReport, ...],
+) -> TtsWindow | None:
+    """Origin (allocation, else supervisor start, else wall start) to the first training start of attempt 0,
+    else of the first attempt that trained; None when none trained."""
     origin = next(ts for ts in (allocated_ts, supervisor_start_ts, wall_start) if ts is not None)
-    if attempts and attempts[0].training_start_ts is not None:
-        return attempts[0].training_start_ts - origin
-    first = next((a.training_start_ts for a in attempts if a.training_start_ts is not None), None)
-    return None if first is None else first - origin
+    trained = next((a for a in attempts if a.training_start_ts is not None), None)
+    if trained is None or trained.training_start_ts is None:
+        return None
+    return TtsWindow(origin_ts=origin, training_start_ts=trained.training_start_ts, attempt=trained.index)
 
 
-def _ttrs(attempts: list[Attempt]) -> tuple[float, ...]:
-    ttrs = []
+def _recoveries(attempts: tuple[AttemptReport, ...]) -> tuple[Recovery, ...]:
+    """Each attempt that did not complete and the next attempt that trained after it: failure detected (the
+    failed attempt's end) to that attempt's training start."""
+    found = []
     for position, attempt in enumerate(attempts):
         if attempt.outcome == Outcome.COMPLETED:
             continue
         recovered = next((a for a in attempts[position + 1 :] if a.training_start_ts is not None), None)
         if recovered is not None and recovered.training_start_ts is not None:
-            ttrs.append(recovered.training_start_ts - attempt.end_ts)
-    return tuple(ttrs)
+            found.append(
+                Recovery(
+                    failed=attempt,
+                    recovered=recovered,
+                    detected_ts=attempt.end_ts,
+                    training_start_ts=recovered.training_start_ts,
+                )
+            )
+    return tuple(found)
 
 
 def _exit_status(data: Mapping | None) -> int | None:

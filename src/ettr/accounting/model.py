@@ -95,6 +95,36 @@ class AttemptReport:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TtsWindow:
+    """The time-to-start window: from its origin (allocation, else supervisor start, else wall start) to the
+    training start of the first attempt that trained. `EttReport.tts_s` is its length."""
+
+    origin_ts: float
+    training_start_ts: float
+    attempt: int
+    """The attempt whose training start ends the window (0 unless attempt 0 never trained)."""
+
+    @property
+    def duration_s(self) -> float:
+        return self.training_start_ts - self.origin_ts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recovery:
+    """One recovered failure: `failed` ended (detected) at `detected_ts`; `recovered`, the next attempt that
+    trained, was training again at `training_start_ts`. `EttReport.ttr_s` holds their `ttr_s`, in order."""
+
+    failed: AttemptReport
+    recovered: AttemptReport
+    detected_ts: float
+    training_start_ts: float
+
+    @property
+    def ttr_s(self) -> float:
+        return self.training_start_ts - self.detected_ts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EttReport:
     """The Effective Training Time report of one job: the contract's `ettr.report/1` and more.
 
@@ -120,7 +150,8 @@ class EttReport:
     """Allocation (else supervisor start, else wall start) to the training start of attempt 0 (else of the
     first attempt that trained); None when no attempt trained."""
     ttr_s: tuple[float, ...]
-    """One per failure followed by an attempt that trained: failure detected to that training start."""
+    """One per failure followed by an attempt that trained: failure detected to that training start (the
+    `ttr_s` of `recoveries`)."""
     num_failures: int
     buckets_s: Mapping[Bucket, float]
     attempts: tuple[AttemptReport, ...]
@@ -135,6 +166,11 @@ class EttReport:
     supervisor_start_ts: float | None
     job_exit_status: int | None
     """`data["exit_status"]` of JOB_END; None when absent."""
+    tts_window: TtsWindow | None = None
+    """Where `tts_s` starts and ends on the timeline; None when no attempt trained."""
+    recoveries: tuple[Recovery, ...] = ()
+    """The failures behind `ttr_s`, one each, in order: which attempt failed, when it was detected, and
+    which attempt trained again when."""
 
     @property
     def mean_ttr_s(self) -> float | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ettr.accounting import Loss, classify
-from ettr.accounting.model import AttemptReport, EttReport
+from ettr.accounting.model import AttemptReport, EttReport, Recovery
 from ettr.events import PHASE_BUCKET, Bucket, Outcome, Phase
 
 BUCKET_COLORS: Mapping[Bucket, str] = MappingProxyType(
@@ -394,14 +394,12 @@ class Piece:
 
 
 def tts_window(report: EttReport) -> tuple[float, float] | None:
-    """[origin, training start) of the TTS: allocation, else supervisor start, else wall start, to the
-    training start of the first attempt that trained. None when no attempt trained."""
-    trained = next((a for a in report.attempts if a.training_start_ts is not None), None)
-    if trained is None or trained.training_start_ts is None:
+    """[origin, training start) of the TTS, as the report gives it (`EttReport.tts_window`); None when no
+    attempt trained."""
+    window = report.tts_window
+    if window is None:
         return None
-    candidates = (report.allocated_ts, report.supervisor_start_ts, report.wall_start_ts)
-    origin = next(ts for ts in candidates if ts is not None)
-    return origin, max(origin, trained.training_start_ts)
+    return window.origin_ts, max(window.origin_ts, window.training_start_ts)
 
 
 def pieces_between(report: EttReport, start_ts: float, end_ts: float) -> list[Piece]:
@@ -498,10 +496,7 @@ def tts_waterfall_svg(report: EttReport) -> str | None:
         return None
     origin, end = window
     pieces = fold_short(pieces_between(report, origin, end))
-    total = report.tts_s if report.tts_s is not None else end - origin
-    return _waterfall(
-        pieces, origin, max(total, end - origin), "time to start", f"time to start of {report.job_id}"
-    )
+    return _waterfall(pieces, origin, end - origin, "time to start", f"time to start of {report.job_id}")
 
 
 def phase_bars_svg(phases_s: Mapping[str, float]) -> str | None:
@@ -529,34 +524,9 @@ def phase_bars_svg(phases_s: Mapping[str, float]) -> str | None:
 
 
 # -- time to recover --------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Recovery:
-    """One failure and its recovery: detected at `detected_ts` (the failed attempt's end), training again
-    at `training_ts` (None when the pieces could not be matched to the report's `ttr_s`)."""
-
-    failed: AttemptReport | None
-    ttr_s: float
-    detected_ts: float | None
-    training_ts: float | None
-
-
 def recoveries(report: EttReport) -> list[Recovery]:
-    """Match each `ttr_s` to its failure: an attempt that did not complete, followed by an attempt that
-    trained. Falls back to unlabelled values when the derivation does not reproduce `ttr_s` exactly."""
-    derived: list[Recovery] = []
-    attempts = report.attempts
-    for i, a in enumerate(attempts):
-        if a.outcome is Outcome.COMPLETED:
-            continue
-        later = next((b for b in attempts[i + 1 :] if b.training_start_ts is not None), None)
-        if later is not None and later.training_start_ts is not None:
-            derived.append(Recovery(a, later.training_start_ts - a.end_ts, a.end_ts, later.training_start_ts))
-    if len(derived) == len(report.ttr_s) and all(
-        math.isclose(d.ttr_s, t, rel_tol=1e-6, abs_tol=1e-6)
-        for d, t in zip(derived, report.ttr_s, strict=True)
-    ):
-        return derived
-    return [Recovery(None, t, None, None) for t in report.ttr_s]
+    """The recovered failures behind `ttr_s`, as the report gives them (`EttReport.recoveries`)."""
+    return list(report.recoveries)
 
 
 def ttr_svg(report: EttReport) -> str | None:
@@ -571,20 +541,16 @@ def ttr_svg(report: EttReport) -> str | None:
     body: list[str] = []
     for i, r in enumerate(items):
         y = 4 + i * (row_h + gap)
-        label = f"after #{r.failed.index} {r.failed.outcome.value}" if r.failed else f"failure {i + 1}"
+        label = f"after #{r.failed.index} {r.failed.outcome.value}"
         body.append(_text(0, y + 14, label))
-        if r.detected_ts is not None and r.training_ts is not None:
-            x = _LABEL_W
-            for p in pieces_between(report, r.detected_ts, r.training_ts):
-                w = p.duration_s / peak * plot_w
-                if p.bucket is None:  # pieces_between never folds; keeps the type checker honest
-                    continue
-                hover = f"{label} · {bucket_label(p.bucket)}: {fmt_exact_s(p.duration_s)}"
-                body.append(_rect(x, y, max(w, 0.5), row_h, BUCKET_COLORS[p.bucket], hover, bucket=p.bucket))
-                x += w
-        else:
-            body.append(_rect(_LABEL_W, y, max(r.ttr_s / peak * plot_w, 0.8), row_h, BUCKET_COLORS[Bucket.RESTART],
-                              f"{label}: {fmt_exact_s(r.ttr_s)}"))  # fmt: skip
+        x = _LABEL_W
+        for p in pieces_between(report, r.detected_ts, r.training_start_ts):
+            w = p.duration_s / peak * plot_w
+            if p.bucket is None:  # pieces_between never folds; keeps the type checker honest
+                continue
+            hover = f"{label} · {bucket_label(p.bucket)}: {fmt_exact_s(p.duration_s)}"
+            body.append(_rect(x, y, max(w, 0.5), row_h, BUCKET_COLORS[p.bucket], hover, bucket=p.bucket))
+            x += w
         end_x = _LABEL_W + r.ttr_s / peak * plot_w
         body.append(_text(end_x + 6, y + 14, fmt_s(r.ttr_s), fill="#222", extra=' font-weight="600"'))
     return _svg(4 + len(items) * (row_h + gap), body, label=f"time to recover of {report.job_id}")

@@ -22,7 +22,9 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     Contract keys first (schema, job_id, wall_s, ett_pct, idleness_pct, failure_pct, tts_s, ttr_s,
     num_failures, buckets_s, attempts), then the extras: in_progress, wall_start_ts, wall_end_ts,
     effective_training_s, idleness_s, failure_s, submitted_ts, allocated_ts, supervisor_start_ts,
-    job_exit_status, phases_s, recompiles, checkpoint_commits and, unless `include_segments` is False (a
+    job_exit_status, phases_s, recompiles, checkpoint_commits, tts_window (origin_ts, training_start_ts,
+    attempt; null when no attempt trained), recoveries (one per `ttr_s` entry: failed_attempt, outcome,
+    detected_ts, recovered_attempt, training_start_ts, ttr_s) and, unless `include_segments` is False (a
     long job with per-step phases has millions), segments as [start_ts, end_ts, bucket, attempt] lists.
     """
     out: dict[str, Any] = {
@@ -56,6 +58,24 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         "checkpoint_commits": [
             {"ts": c.ts, "attempt": c.attempt, "rank": c.rank, "step": c.step, "path": c.path}
             for c in report.checkpoint_commits
+        ],
+        "tts_window": None
+        if report.tts_window is None
+        else {
+            "origin_ts": report.tts_window.origin_ts,
+            "training_start_ts": report.tts_window.training_start_ts,
+            "attempt": report.tts_window.attempt,
+        },
+        "recoveries": [
+            {
+                "failed_attempt": r.failed.index,
+                "outcome": r.failed.outcome.value,
+                "detected_ts": r.detected_ts,
+                "recovered_attempt": r.recovered.index,
+                "training_start_ts": r.training_start_ts,
+                "ttr_s": r.ttr_s,
+            }
+            for r in report.recoveries
         ],
     }
     if include_segments:
