@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from ettr.bootstrap import post_import, pythonpath_dir
+from ettr import post_import
+from ettr.bootstrap import pythonpath_dir
 from ettr.bootstrap.start import is_training_process
 from ettr.events import Event, EventKind, Phase
 from ettr.ledger import open_ledger

@@ -30,6 +30,7 @@ from typing import Any
 
 from ettr.events import Event, EventKind
 from ettr.recorder import RecorderProtocol
+from ettr.tracing import dynamo_is_tracing
 from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
@@ -269,7 +270,7 @@ class CommAudit:
         try:
             local = self._local
             depth: int = getattr(local, "depth", 0)
-            if not self._active or depth or _compiling():
+            if not self._active or depth or dynamo_is_tracing():
                 # Nested in an audited call (all_gather_object -> all_gather): timed by the outer one,
                 # but a nested group creation still makes a group.
                 if creates_group and self._active:
@@ -352,14 +353,6 @@ class CommAudit:
 
     def _warn_once(self, what: str, exc: BaseException) -> None:
         self._warn(what, exc)
-
-
-def _compiling() -> bool:
-    # Dynamo must not trace the bookkeeping (it would break the graph); call straight through instead.
-    import sys
-
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_compiling()
 
 
 def start(recorder: RecorderProtocol | None = None, *, config: AuditConfig | None = None) -> CommAudit:

@@ -18,7 +18,6 @@ import collections
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -28,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ettr.events import URGENT_KINDS, Event, EventKind, Phase
 from ettr.ledger import Ledger
+from ettr.tracing import dynamo_is_tracing
 from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
@@ -200,7 +200,6 @@ class Recorder:
         self._listeners: tuple[EventListener, ...] = ()  # replaced, never mutated: safe to iterate
         self._listeners_lock = threading.Lock()
         self._open_phases: dict[Phase, int] = {}
-        self._is_compiling: Callable[[], bool] | None = None
         self._has_process_hooks = False
         self._thread: threading.Thread | None = None
         if self.enabled:
@@ -244,7 +243,7 @@ class Recorder:
         if not self.enabled and not listeners:
             return
         try:
-            if self._compiling():
+            if dynamo_is_tracing():  # a record while Dynamo traces would break the user's graph
                 return
             if ts is None:
                 ts = time.time()
@@ -415,20 +414,6 @@ class Recorder:
             self._queue.extendleft(reversed(batch))
             while len(self._queue) > _MAX_QUEUED:
                 self._queue.popleft()
-
-    def _compiling(self) -> bool:
-        # Recording while Dynamo traces would put a graph break in the user's model: skip it. Only while
-        # Dynamo traces: `is_compiling()` is true process-wide for a whole compilation in torch 2.13, which
-        # would drop every other thread's events (the first-batch wait overlapping a compile) meanwhile.
-        check = self._is_compiling
-        if check is None:
-            torch = sys.modules.get("torch")
-            if torch is None:
-                return False
-            compiler = torch.compiler
-            check = getattr(compiler, "is_dynamo_compiling", None) or compiler.is_compiling
-            self._is_compiling = check
-        return check()
 
     def _disable_in_child(self) -> None:
         self.enabled = False

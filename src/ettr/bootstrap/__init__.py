@@ -4,7 +4,7 @@
 whether this process is a training process of the run and, if so, calls `ettr.bootstrap.start.start()`,
 then chains any other `sitecustomize` on the path. `start` sets up the recorder (PROCESS_START), the
 training-thread heartbeat, fault injection and, unless `--no-auto`, the torch hooks of `hooks` and
-`checkpoint_hooks`, installed lazily when the script imports torch (`post_import`). What the bootstrap
+`checkpoint_hooks`, installed lazily when the script imports torch (`ettr.post_import`). What the bootstrap
 reads from its environment is the run contract, `ettr.run_env`; it imports nothing of `ettr.supervisor`.
 """
 

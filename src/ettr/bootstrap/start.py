@@ -89,7 +89,7 @@ def _start(environ: Mapping[str, str]) -> None:
     _start_injector(rec, run_env)
     if run_env.auto:
         from ettr.bootstrap.hooks import AutoHooks
-        from ettr.bootstrap.post_import import when_imported
+        from ettr.post_import import when_imported
 
         hooks = AutoHooks(rec)
         _started["hooks"] = hooks

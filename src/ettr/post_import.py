@@ -4,6 +4,9 @@ The bootstrap runs before the user's script has imported torch, and must not imp
 for a script that may never use it). `when_imported("torch", fn)` calls `fn(module)` once `import torch`
 has finished executing torch's `__init__`, before the importing code sees the module; if the module is
 already imported, at once. The finder leaves `sys.meta_path` as soon as nothing is left to watch.
+
+The one post-import mechanism of ettr (the bootstrap's torch hooks; compile support waits for
+`torch._dynamo` the same way). Imports nothing of ettr.
 """
 
 from __future__ import annotations
