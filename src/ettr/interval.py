@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SECONDS_PER_DAY = 86_400.0
+from ettr.constants import SECONDS_PER_DAY
+
+__all__ = ["SECONDS_PER_DAY", "IntervalModel", "curve", "optimal_interval_s"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,9 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ettr.constants import SECONDS_PER_DAY
 from ettr.events import Phase
 from ettr.publish.request import DTYPES, ModelSpec, PublishError, PublishRequest, request_id_for
 from ettr.publish.sample import SAMPLE_FILE, encode_sample, flatten_inputs, flatten_outputs, infer_inputs
+from ettr.recorder import RecorderProtocol
+from ettr.run_env import RunEnv
 
 logger = logging.getLogger("ettr")
 
@@ -108,7 +111,7 @@ class AnchorResult:
     """Inside mode: rank 0 built the artifact (or found it built). Always False in standalone mode."""
 
 
-def _default_recorder() -> Any:
+def _default_recorder() -> RecorderProtocol:
     import ettr
 
     return ettr.get_recorder()
@@ -205,8 +208,10 @@ def write_anchor(
     return storage.path(name), False
 
 
-def _job_id(config: PublishConfig, recorder: Any) -> str:
-    return config.job_id or getattr(recorder, "job_id", "") or os.environ.get("ETTR_JOB_ID") or "job"
+def _job_id(config: PublishConfig, recorder: RecorderProtocol) -> str:
+    """The configured id, else the recorder's, else the run's (`RunEnv`), else "job"."""
+    run_env = RunEnv.from_environ()
+    return config.job_id or recorder.job_id or (run_env.job_id if run_env else "") or "job"
 
 
 def publish_at_end(
@@ -215,7 +220,7 @@ def publish_at_end(
     step: int,
     config: PublishConfig,
     sample_inputs: Sequence[Any],
-    recorder: Any = None,
+    recorder: RecorderProtocol | None = None,
     state_dict: dict[str, Any] | None = None,
 ) -> AnchorResult:
     """Write the anchor checkpoint of `model` after `step`, enqueue its publish request, and (inside mode)
@@ -275,7 +280,7 @@ def publish_at_end(
                 inputs=specs,
                 artifact_dir=os.fspath(artifact_dir.absolute()),
                 run_dir=os.fspath(run_dir.absolute()) if run_dir is not None else None,
-                train_run_dir=os.fspath(rec.run_dir) if getattr(rec, "run_dir", None) else None,
+                train_run_dir=os.fspath(rec.run_dir) if rec.run_dir is not None else None,
                 dtype=config.dtype,
                 rtol=config.rtol,
                 atol=config.atol,
@@ -318,10 +323,11 @@ def publish_at_end(
 def _build_inside(queue: Any, request: PublishRequest) -> bool:
     """Build the artifact in this process, holding the request's claim so no publisher duplicates it."""
     from ettr.publish.artifact import build_artifact
+    from ettr.publish.queue import RequestState
 
-    claim = queue.try_claim(request.request_id, ttl_s=24 * 3600.0)
+    claim = queue.try_claim(request.request_id, ttl_s=SECONDS_PER_DAY)
     if claim is None:
-        return queue.status(request.request_id) == "done"
+        return queue.status(request.request_id) is RequestState.DONE
     try:
         result = build_artifact(request)
     except BaseException as exc:

@@ -17,16 +17,16 @@ from typing import Any
 
 from ettr.errors import UsageError
 from ettr.publish.queue import PublishQueue
-from ettr.publish.worker import PublishOutcome, PublishWorker, WorkerConfig
+from ettr.publish.worker import PublishOutcome, PublishStatus, PublishWorker, WorkerConfig
 
 
 def _line(outcome: PublishOutcome) -> str:
-    if outcome.status in ("published", "existing"):
+    if outcome.status in (PublishStatus.PUBLISHED, PublishStatus.EXISTING):
         err = (outcome.verification.get("exported_program") or {}).get("max_abs_err")
         verified = f"verified, max |diff| {err:.3g}" if isinstance(err, float) else "verified"
-        word = "published" if outcome.status == "published" else "already published"
+        word = "published" if outcome.status is PublishStatus.PUBLISHED else "already published"
         return f"{word} {outcome.request_id} -> {outcome.artifact_dir} ({verified}; books: {outcome.run_dir})"
-    if outcome.status == "lost":
+    if outcome.status is PublishStatus.LOST:
         return f"handed over {outcome.request_id}: another publisher took it over"
     return f"FAILED {outcome.request_id}: {outcome.error}"
 
@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
     if not outcomes and args.request is not None:
         finished = queue.result(args.request)
         status = queue.status(args.request)
-        if status in ("done", "failed") and finished is not None:
+        if status is not None and status.finished and finished is not None:
             where = finished.get("artifact_dir") or finished.get("error")
             print(f"{args.request} is {status} already: {where}", file=out)
         else:
@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
                 {
                     "queue": str(queue_dir.absolute()),
                     "outcomes": [o.to_json() for o in outcomes],
-                    "num_published": sum(1 for o in outcomes if o.status == "published"),
+                    "num_published": sum(1 for o in outcomes if o.status is PublishStatus.PUBLISHED),
                     "num_failed": num_failed,
                     "finished": finished,
                 }

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,24 @@ from ettr.publish.request import PublishError, PublishRequest
 
 logger = logging.getLogger("ettr")
 
-_REQUESTS, _CLAIMS, _DONE, _FAILED = "requests", "claims", "done", "failed"
+_REQUESTS, _CLAIMS, _DONE, _FAILED = "requests", "claims", "done", "failed"  # the queue's directories
+
+
+class RequestState(StrEnum):
+    """Where a request stands in the queue (`PublishQueue.status`)."""
+
+    PENDING = "pending"
+    """Enqueued; nobody holds a claim."""
+    CLAIMED = "claimed"
+    """A publisher holds a claim (live or stale)."""
+    DONE = "done"
+    """Published: the artifact is committed."""
+    FAILED = "failed"
+    """Given up, with a reason."""
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestState.DONE, RequestState.FAILED)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -106,16 +124,16 @@ class PublishQueue:
         return create_exclusive(self._path(_REQUESTS, request.request_id), request.to_json())
 
     # -- reading -----------------------------------------------------------------------------------------
-    def status(self, request_id: str) -> str | None:
-        """`done`, `failed`, `claimed`, `pending`, or None for an unknown id."""
+    def status(self, request_id: str) -> RequestState | None:
+        """Where the request stands (`RequestState`), or None for an unknown id."""
         if self._path(_DONE, request_id).is_file():
-            return "done"
+            return RequestState.DONE
         if self._path(_FAILED, request_id).is_file():
-            return "failed"
+            return RequestState.FAILED
         if self._path(_CLAIMS, request_id).is_file():
-            return "claimed"
+            return RequestState.CLAIMED
         if self._path(_REQUESTS, request_id).is_file():
-            return "pending"
+            return RequestState.PENDING
         return None
 
     def pending(self) -> list[str]:
@@ -200,7 +218,8 @@ class PublishQueue:
         }
         if not create_exclusive(path, json.dumps(body).encode()):
             return None  # another publisher claimed it between our look and our create
-        if self.status(request_id) in ("done", "failed"):  # finished while we looked: nothing to do
+        state = self.status(request_id)
+        if state is not None and state.finished:  # finished while we looked: nothing to do
             self.release(Claim(request_id, token, attempt, now, first_ts))
             return None
         summary = None

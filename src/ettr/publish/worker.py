@@ -22,6 +22,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +58,25 @@ class WorkerConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
 
-@dataclass(frozen=True)
+class PublishStatus(StrEnum):
+    """What happened to one request a worker claimed."""
+
+    PUBLISHED = "published"
+    """Built now."""
+    EXISTING = "existing"
+    """The artifact was already there (a parallel build committed first)."""
+    FAILED = "failed"
+    """This request is given up (the queue says why)."""
+    LOST = "lost"
+    """Taken over by another publisher mid-build; that one finishes it."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PublishOutcome:
     """What happened to one request this worker claimed."""
 
     request_id: str
-    status: str
-    """`published` (built now), `existing` (the artifact was already there), `failed`, or `lost` (taken
-    over by another publisher mid-build; that one finishes it)."""
+    status: PublishStatus
     attempt: int
     artifact_dir: str | None = None
     run_dir: str | None = None
@@ -73,7 +85,7 @@ class PublishOutcome:
 
     @property
     def ok(self) -> bool:
-        return self.status in ("published", "existing", "lost")
+        return self.status is not PublishStatus.FAILED
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -146,7 +158,9 @@ class PublishWorker:
             request = self.queue.load(request_id)
         except PublishError as exc:
             self.queue.fail(claim, str(exc))
-            return PublishOutcome(request_id, "failed", claim.attempt, error=str(exc))
+            return PublishOutcome(
+                request_id=request_id, status=PublishStatus.FAILED, attempt=claim.attempt, error=str(exc)
+            )
         books = PublishBooks(request, command=self._command)
         try:
             if claim.attempt >= self.config.max_attempts:
@@ -154,7 +168,11 @@ class PublishWorker:
                 books.close_abandoned(reason)
                 self.queue.fail(claim, reason, {"run_dir": request.run_dir})
                 return PublishOutcome(
-                    request_id, "failed", claim.attempt, run_dir=request.run_dir, error=reason
+                    request_id=request_id,
+                    status=PublishStatus.FAILED,
+                    attempt=claim.attempt,
+                    run_dir=request.run_dir,
+                    error=reason,
                 )
             books.begin(claim)
             self._fault("claimed")
@@ -179,7 +197,12 @@ class PublishWorker:
                 )
             except LostClaim as exc:
                 books.end(ok=False, reason=str(exc), final=False)
-                return PublishOutcome(request.request_id, "lost", claim.attempt, run_dir=request.run_dir)
+                return PublishOutcome(
+                    request_id=request.request_id,
+                    status=PublishStatus.LOST,
+                    attempt=claim.attempt,
+                    run_dir=request.run_dir,
+                )
             except Exception as exc:  # noqa: BLE001 - any failure of a build ends this request, with its reason
                 reason = str(exc) if isinstance(exc, PublishError) else f"{type(exc).__name__}: {exc}"
                 logger.warning("ettr: publishing %s failed: %s", request.request_id, reason)
@@ -187,7 +210,11 @@ class PublishWorker:
                 if self.queue.owns(claim):
                     self.queue.fail(claim, reason, {"run_dir": request.run_dir})
                 return PublishOutcome(
-                    request.request_id, "failed", claim.attempt, run_dir=request.run_dir, error=reason
+                    request_id=request.request_id,
+                    status=PublishStatus.FAILED,
+                    attempt=claim.attempt,
+                    run_dir=request.run_dir,
+                    error=reason,
                 )
         self._fault("committed")
         verification = result.manifest.get("verification", {})
@@ -202,9 +229,13 @@ class PublishWorker:
             },
         )
         books.end(ok=True, artifact_dir=result.path)
-        status = "published" if result.created else "existing"
         return PublishOutcome(
-            request.request_id, status, claim.attempt, result.path, request.run_dir, verification=verification
+            request_id=request.request_id,
+            status=PublishStatus.PUBLISHED if result.created else PublishStatus.EXISTING,
+            attempt=claim.attempt,
+            artifact_dir=result.path,
+            run_dir=request.run_dir,
+            verification=verification,
         )
 
     def drain(self, *, only: str | None = None, max_requests: int | None = None) -> list[PublishOutcome]:

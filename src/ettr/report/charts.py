@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 from ettr.accounting import Loss, classify
 from ettr.accounting.model import AttemptReport, EttReport, Recovery
+from ettr.constants import SECONDS_PER_DAY
 from ettr.events import PHASE_BUCKET, Bucket, Outcome, Phase
 
 BUCKET_COLORS: Mapping[Bucket, str] = MappingProxyType(
@@ -154,7 +155,7 @@ def nice_step_s(span_s: float, *, max_ticks: int = 8) -> float:
     for step in _NICE_STEPS_S:
         if span_s / step <= max_ticks:
             return float(step)
-    return 86400.0 * math.ceil(span_s / 86400.0 / max_ticks)
+    return SECONDS_PER_DAY * math.ceil(span_s / SECONDS_PER_DAY / max_ticks)
 
 
 def fmt_tick(t_s: float, step_s: float) -> str:
