@@ -68,7 +68,7 @@ class LostClaim(Exception):
     """Another publisher took the request over while this one built it; this build was discarded."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ArtifactResult:
     """What a build produced."""
 
@@ -182,7 +182,7 @@ def build_artifact(
     final = Path(request.artifact_dir)
     existing = read_manifest(final)
     if existing is not None:
-        return ArtifactResult(str(final), False, existing)
+        return ArtifactResult(path=str(final), created=False, manifest=existing)
     dtype = torch.bfloat16 if request.dtype == "bfloat16" else torch.float32
     rtol, atol = tolerances(request.dtype, request.rtol, request.atol)
     begin_ts = time.time()
@@ -257,12 +257,14 @@ def build_artifact(
                 existing = read_manifest(final)
                 if existing is None:
                     raise
-                return ArtifactResult(str(final), False, existing)  # a parallel build committed first
+                return ArtifactResult(
+                    path=str(final), created=False, manifest=existing
+                )  # a parallel build committed first
             fsync_dir(final.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return ArtifactResult(str(final), True, manifest)
+    return ArtifactResult(path=str(final), created=True, manifest=manifest)
 
 
 def _remove_dead_builds(final: Path) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -168,6 +168,7 @@ class _Metric:
     value: Callable[[EttReport], float | None]
     fmt: Callable[[float | None], str]
     delta: Callable[[float], str]
+    _: KW_ONLY
     higher_is_better: bool | None  # None: neither (no good/bad colour)
 
 
@@ -184,22 +185,32 @@ def _delta_s(d: float) -> str:
 
 
 _METRICS = (
-    _Metric("ETT", lambda r: r.ett_pct, _fmt_pct_or_dash, lambda d: f"{d:+.1f} pp", True),
-    _Metric("idleness", lambda r: r.idleness_pct, _fmt_pct_or_dash, lambda d: f"{d:+.1f} pp", False),
-    _Metric("failure", lambda r: r.failure_pct, _fmt_pct_or_dash, lambda d: f"{d:+.1f} pp", False),
-    _Metric("effective training", lambda r: r.effective_training_s, fmt_s, _delta_s, True),
-    _Metric("wall time", lambda r: r.wall_s, fmt_s, _delta_s, None),
-    _Metric("time to start (TTS)", lambda r: r.tts_s, fmt_s, _delta_s, False),
-    _Metric("mean time to recover (TTR)", lambda r: r.mean_ttr_s, fmt_s, _delta_s, False),
-    _Metric("failures", lambda r: r.num_failures, _fmt_count, lambda d: f"{d:+.0f}", None),
+    _Metric("ETT", lambda r: r.ett_pct, _fmt_pct_or_dash, lambda d: f"{d:+.1f} pp", higher_is_better=True),
+    _Metric(
+        "idleness",
+        lambda r: r.idleness_pct,
+        _fmt_pct_or_dash,
+        lambda d: f"{d:+.1f} pp",
+        higher_is_better=False,
+    ),
+    _Metric(
+        "failure", lambda r: r.failure_pct, _fmt_pct_or_dash, lambda d: f"{d:+.1f} pp", higher_is_better=False
+    ),
+    _Metric("effective training", lambda r: r.effective_training_s, fmt_s, _delta_s, higher_is_better=True),
+    _Metric("wall time", lambda r: r.wall_s, fmt_s, _delta_s, higher_is_better=None),
+    _Metric("time to start (TTS)", lambda r: r.tts_s, fmt_s, _delta_s, higher_is_better=False),
+    _Metric("mean time to recover (TTR)", lambda r: r.mean_ttr_s, fmt_s, _delta_s, higher_is_better=False),
+    _Metric("failures", lambda r: r.num_failures, _fmt_count, lambda d: f"{d:+.0f}", higher_is_better=None),
     _Metric(
         "lost steps",
         lambda r: sum(a.lost_steps for a in r.attempts),
         _fmt_count,
         lambda d: f"{d:+.0f}",
-        False,
+        higher_is_better=False,
     ),
-    _Metric("recompiles", lambda r: len(r.recompiles), _fmt_count, lambda d: f"{d:+.0f}", False),
+    _Metric(
+        "recompiles", lambda r: len(r.recompiles), _fmt_count, lambda d: f"{d:+.0f}", higher_is_better=False
+    ),
 )
 
 
@@ -243,7 +254,9 @@ def _comparison(reports: Sequence[EttReport], names: Sequence[str]) -> str:
             f"<td>{esc(fmt_s(r.buckets_s[b]))} · {esc(fmt_pct(r.bucket_pct(b)))}</td>" for r in reports
         )
         # More effective training is better; more of any other bucket is worse.
-        metric = _Metric(b.value, _bucket_seconds(b), fmt_s, _delta_s, b is Bucket.EFFECTIVE_TRAINING)
+        metric = _Metric(
+            b.value, _bucket_seconds(b), fmt_s, _delta_s, higher_is_better=b is Bucket.EFFECTIVE_TRAINING
+        )
         deltas = "".join(_delta_cell(reports[0].buckets_s[b], r.buckets_s[b], metric) for r in reports[1:])
         swatch = f'<span class="sw" style="background:{BUCKET_COLORS[b]}"></span>'
         rows.append(
