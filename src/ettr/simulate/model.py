@@ -1,0 +1,289 @@
+"""The discrete-event model of one job's life, and many seeded runs of it.
+
+An attempt starts (the first after scheduling and hardware set-up, later ones after a relaunch gap), goes
+through its start-up components, then trains: `interval_s` of training, a save that blocks the loop
+`blocking_s` (plus any wait for the previous persist), again. A save becomes durable `persist_s` after its
+blocking ends; an interruption rolls the job back to the newest durable save. Interruptions are node
+failures (any time the job holds its nodes: start-up, training, relaunch) and scheduler preemptions (the
+job saves and exits when it handles them). Between interruptions the timeline is arithmetic, so a run costs
+one loop iteration per interruption, not per step or save. Each run ends in the report's own buckets.
+Pure: no I/O, no clock; randomness only from the seeded generators it is given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ettr.events import Bucket
+from ettr.simulate.params import JobParams
+from ettr.simulate.streams import EventStream, failure_source, preemption_source
+
+_BUCKET_INDEX = {bucket: i for i, bucket in enumerate(Bucket)}
+_B = _BUCKET_INDEX
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScriptedFault:
+    """One interruption of a replayed job, at the same point of its attempt as in the measured run."""
+
+    preemption: bool
+    """A scheduler preemption (SIGTERM); else a failure."""
+    in_startup: bool
+    """It came before the attempt's first step."""
+    after_s: float
+    """Seconds into the attempt's start-up (`in_startup`), else training seconds of progress the attempt
+    made (its steps since it resumed, times the step time)."""
+    tail_s: float = 0.0
+    """Seconds from the interruption (the attempt's last step) to its end: detection, or the exit save."""
+    saved_on_exit: bool = False
+    """The attempt committed a checkpoint of its last step before exiting (save-then-exit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """One simulated run, in the report's terms."""
+
+    buckets_s: tuple[float, ...]
+    """Seconds per bucket, in the order of `ettr.events.Bucket`; they sum to `wall_s`."""
+    wall_s: float
+    num_failures: int
+    """Attempts that did not complete (failures and preemptions), as the report counts them."""
+    num_preemptions: int
+    tts_s: float | None
+    ttr_s: tuple[float, ...]
+    kept_s: float
+    """Training seconds of progress kept at the end."""
+
+    @property
+    def ett_pct(self) -> float:
+        return 100.0 * self.buckets_s[_B[Bucket.EFFECTIVE_TRAINING]] / self.wall_s if self.wall_s else 0.0
+
+
+def _first_save_s(params: JobParams, resumed_s: float) -> float:
+    """Training seconds from an attempt's training start to its first save."""
+    interval = params.interval_s
+    if not params.interval_global:
+        return interval
+    k = math.floor(resumed_s / interval + 1e-9) + 1
+    return k * interval - resumed_s
+
+
+def _split(elapsed_s: float, first_s: float, params: JobParams) -> tuple[float, float, float]:
+    """Training seconds, blocking seconds, and durable progress (training seconds) `elapsed_s` of wall time
+    after the training start of an attempt whose first save comes after `first_s` of training."""
+    if elapsed_s <= first_s:
+        return elapsed_s, 0.0, 0.0
+    interval, save = params.interval_s, params.save_cost_s
+    cycle = interval + save
+    j = math.floor((elapsed_s - first_s) / cycle)
+    r = elapsed_s - first_s - j * cycle
+    if r < save:
+        train, block = first_s + j * interval, j * save + r
+    else:
+        train, block = first_s + j * interval + (r - save), (j + 1) * save
+    # Save i (1-based) ends its blocking at first + (i - 1) * cycle + save and is durable persist later.
+    durable_at = elapsed_s - first_s - save - params.persist_s
+    num_durable = math.floor(durable_at / cycle + 1e-12) + 1 if durable_at >= 0 else 0
+    kept = first_s + (num_durable - 1) * interval if num_durable > 0 else 0.0
+    return train, block, min(kept, train)
+
+
+def _wall_for_progress(progress_s: float, first_s: float, params: JobParams) -> float:
+    """Wall seconds after the training start at which the attempt has trained `progress_s` (saves taken
+    at points of progress strictly before it included)."""
+    if progress_s <= first_s:
+        return progress_s
+    num_saves = math.ceil((progress_s - first_s) / params.interval_s - 1e-12)
+    return progress_s + max(num_saves, 1) * params.save_cost_s
+
+
+def simulate_run(
+    params: JobParams,
+    failures: EventStream,
+    preemptions: EventStream,
+    script: tuple[ScriptedFault, ...] | None = None,
+) -> RunResult:
+    """One run of the job. With `script` the interruptions are those (one per attempt, in order) and the
+    streams are not used: a replay of a measured job."""
+    acc = [0.0] * len(_BUCKET_INDEX)
+    horizon = math.inf if params.duration_s is None else params.duration_s
+    train_end = horizon - params.shutdown_s if params.duration_s is not None else math.inf
+    work = math.inf if params.work_s is None else params.work_s
+    acc[_B[Bucket.SCHEDULING]] = min(params.scheduling_s, horizon)
+    t = min(params.scheduling_s, horizon)
+    allocated = t
+    acc[_B[Bucket.HARDWARE_SETUP]] = min(params.hardware_setup_s, horizon - t)
+    t += acc[_B[Bucket.HARDWARE_SETUP]]
+    kept = 0.0
+    attempt = 0
+    num_failures = num_preemptions = 0
+    tts: float | None = None
+    ttrs: list[float] = []
+    pending_detections: list[float] = []
+    gap = 0.0
+    done = False
+    while not done and t < horizon:
+        # Start-up: the relaunch gap (later attempts), then the start-up components.
+        startup = params.first_startup if attempt == 0 else params.restart_startup
+        pieces = ((_B[Bucket.RESTART], gap),) + tuple((_B[Bucket(n)], s) for n, s in startup.components())
+        startup_end = t + gap + startup.total_s
+        fault = _next_fault(params, script, attempt, failures, preemptions, t, None, gap)
+        stop = min(fault[0], horizon)
+        if stop < startup_end:
+            _spend(acc, pieces, stop - t)
+            if stop >= horizon:
+                break
+            _spend_last(acc, pieces, stop - t, fault[2])  # detection: still start-up time
+            preempted = fault[1]
+            num_failures += 1
+            num_preemptions += preempted
+            t = stop + fault[2]
+            pending_detections.append(t)
+            gap = _gap(params, preempted)
+            attempt += 1
+            continue
+        _spend(acc, pieces, startup_end - t)
+        t = startup_end
+        if tts is None:
+            tts = t - allocated
+        ttrs.extend(t - d for d in pending_detections)
+        pending_detections.clear()
+        # Training.
+        first = _first_save_s(params, kept)
+        need = work - kept
+        finish = t + _wall_for_progress(need, first, params) if need < math.inf else math.inf
+        finish = min(finish, train_end)
+        fault = _next_fault(params, script, attempt, failures, preemptions, t, first, 0.0)
+        if fault[0] >= finish:
+            train, block, _durable = _split(max(0.0, finish - t), first, params)
+            acc[_B[Bucket.EFFECTIVE_TRAINING]] += train
+            acc[_B[Bucket.CHECKPOINT_BLOCKING]] += block
+            kept += train
+            t = max(t, finish)
+            shutdown = min(params.shutdown_s, horizon - t)
+            acc[_B[Bucket.SHUTDOWN]] += shutdown
+            t += shutdown
+            done = True
+            break
+        stop, preempted, tail, saved = fault
+        train, block, durable = _split(stop - t, first, params)
+        acc[_B[Bucket.CHECKPOINT_BLOCKING]] += block
+        if preempted and saved:
+            # Save-then-exit: the save's blocking, then the wait for its persist before the process exits,
+            # which the report counts as the failed attempt's tail (wasted progress).
+            exit_s = tail if script is not None else params.blocking_s + params.persist_s
+            exit_blocking = min(params.blocking_s, exit_s)
+            acc[_B[Bucket.EFFECTIVE_TRAINING]] += train
+            acc[_B[Bucket.CHECKPOINT_BLOCKING]] += exit_blocking
+            acc[_B[Bucket.WASTED_PROGRESS]] += exit_s - exit_blocking
+            kept += train
+            t = stop + exit_s
+        else:
+            acc[_B[Bucket.EFFECTIVE_TRAINING]] += durable
+            acc[_B[Bucket.WASTED_PROGRESS]] += train - durable + tail
+            kept += durable
+            t = stop + tail
+        num_failures += 1
+        num_preemptions += preempted
+        pending_detections.append(t)
+        gap = _gap(params, preempted)
+        attempt += 1
+    wall = math.fsum(acc)
+    return RunResult(
+        buckets_s=tuple(acc),
+        wall_s=wall,
+        num_failures=num_failures,
+        num_preemptions=num_preemptions,
+        tts_s=tts,
+        ttr_s=tuple(ttrs),
+        kept_s=kept,
+    )
+
+
+def _gap(params: JobParams, preempted: bool) -> float:
+    if preempted and params.preempt_requeue_s is not None:
+        return params.preempt_requeue_s
+    return params.restart_gap_s
+
+
+def _spend(acc: list[float], pieces: tuple[tuple[int, float], ...], seconds: float) -> None:
+    """Give `seconds` to the start-up pieces in order (a start-up cut short fills only its first ones)."""
+    for index, length in pieces:
+        if seconds <= 0:
+            return
+        used = min(length, seconds)
+        acc[index] += used
+        seconds -= used
+
+
+def _spend_last(
+    acc: list[float], pieces: tuple[tuple[int, float], ...], into_s: float, extra_s: float
+) -> None:
+    """Give `extra_s` (detection) to the start-up piece that was running `into_s` seconds in."""
+    if extra_s <= 0:
+        return
+    start = 0.0
+    chosen = pieces[0][0]
+    for index, length in pieces:
+        if length > 0 and start <= into_s:
+            chosen = index
+        start += length
+    acc[chosen] += extra_s
+
+
+def _next_fault(
+    params: JobParams,
+    script: tuple[ScriptedFault, ...] | None,
+    attempt: int,
+    failures: EventStream,
+    preemptions: EventStream,
+    t: float,
+    first_save_s: float | None,
+    gap_s: float,
+) -> tuple[float, bool, float, bool]:
+    """(time, is a preemption, detection seconds, saves on exit) of the attempt's next interruption after
+    `t`; `first_save_s` is None in start-up (then `t` is the end of the previous attempt, `gap_s` before the
+    attempt's start), else `t` is its training start."""
+    if script is not None:
+        if attempt >= len(script):
+            return math.inf, False, 0.0, False
+        fault = script[attempt]
+        if first_save_s is None:
+            if not fault.in_startup:
+                return math.inf, False, 0.0, False
+            return t + gap_s + fault.after_s, fault.preemption, fault.tail_s, fault.saved_on_exit
+        if fault.in_startup:  # already fired in start-up
+            return math.inf, False, 0.0, False
+        at = t + _wall_for_progress(fault.after_s, first_save_s, params)
+        return at, fault.preemption, fault.tail_s, fault.saved_on_exit
+    failure_at = failures.next_after(t)
+    preempt_at = preemptions.next_after(t)
+    if preempt_at < failure_at:
+        return preempt_at, True, 0.0, params.handles_preemption
+    return failure_at, False, params.detection_s, False
+
+
+def run_generators(seed: int, run_index: int) -> tuple[np.random.Generator, np.random.Generator]:
+    """The (failures, preemptions) generators of one run: independent of how many runs there are."""
+    failures, preemptions = np.random.SeedSequence([seed, run_index]).spawn(2)
+    return np.random.default_rng(failures), np.random.default_rng(preemptions)
+
+
+def simulate_seeded(params: JobParams, *, seed: int, run_index: int) -> RunResult:
+    """Run `run_index` of the seeded family `seed` (the same failure times for any policy of the job)."""
+    failure_rng, preempt_rng = run_generators(seed, run_index)
+    hint = params.duration_s if params.duration_s is not None else 2.0 * (params.work_s or 0.0)
+    failures = EventStream(
+        failure_source(
+            failure_rng,
+            num_nodes=params.num_nodes,
+            per_node_day=params.failures_per_node_day,
+            shape=params.weibull_shape,
+        ),
+        hint,
+    )
+    preemptions = EventStream(preemption_source(preempt_rng, params.preemptions_per_day), hint)
+    return simulate_run(params, failures, preemptions)

@@ -1,0 +1,271 @@
+"""A job's profile, measured from its ledger: the costs the simulator needs, and its own interruptions.
+
+`profile_from_events(events, report)` is pure (the report is `ettr.accounting.compute` of the events);
+`load_profile(run_dir)` reads a run directory the way `ettr report` does. What it measures:
+step time (training region less blocking, per step), each start-up bucket of the first and of later
+attempts, blocking and persist per save, the interval (steps between commits), the failure and preemption
+rates, the relaunch gap, detection (last step to attempt end) and shutdown; and, for replay, where each
+attempt was interrupted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ettr.accounting import AttemptReport, EttReport
+from ettr.events import Bucket, Event, EventKind, Outcome, Phase
+from ettr.simulate.model import ScriptedFault
+from ettr.simulate.params import SECONDS_PER_DAY, JobParams, Startup
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """What a run directory says about its job, as simulator parameters plus its own interruptions."""
+
+    params: JobParams
+    script: tuple[ScriptedFault, ...]
+    measured_ett_pct: float
+    measured_buckets_pct: dict[str, float]
+    measured_wall_s: float
+    num_steps: int
+    interval_steps: int | None
+    notes: tuple[str, ...]
+    """What could not be measured and what was assumed instead."""
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.params
+        return {
+            "step_s": p.step_s,
+            "gpus": p.gpus,
+            "gpus_per_node": p.gpus_per_node,
+            "interval_s": p.interval_s,
+            "interval_steps": self.interval_steps,
+            "blocking_s": p.blocking_s,
+            "persist_s": p.persist_s,
+            "failures_per_node_day": p.failures_per_node_day,
+            "preemptions_per_day": p.preemptions_per_day,
+            "first_startup_s": _startup_dict(p.first_startup),
+            "restart_startup_s": _startup_dict(p.restart_startup),
+            "restart_gap_s": p.restart_gap_s,
+            "detection_s": p.detection_s,
+            "shutdown_s": p.shutdown_s,
+            "num_steps": self.num_steps,
+            "notes": list(self.notes),
+        }
+
+
+def _startup_dict(s: Startup) -> dict[str, float]:
+    return {"init": s.init_s, "compile": s.compile_s, "restore": s.restore_s, "data_wait": s.data_wait_s}
+
+
+def _mean_startup(attempts: Sequence[AttemptReport]) -> Startup | None:
+    if not attempts:
+        return None
+
+    def mean(bucket: Bucket) -> float:
+        return statistics.fmean(a.buckets_s[bucket] for a in attempts)
+
+    return Startup(
+        init_s=mean(Bucket.INIT),
+        compile_s=mean(Bucket.COMPILE),
+        restore_s=mean(Bucket.RESTORE),
+        data_wait_s=mean(Bucket.DATA_WAIT),
+    )
+
+
+def _per_attempt_rank_events(events: Sequence[Event], report: EttReport) -> dict[int, list[Event]]:
+    ref = {a.index: a.reference_rank for a in report.attempts}
+    out: dict[int, list[Event]] = defaultdict(list)
+    for e in events:
+        if e.rank >= 0 and ref.get(e.attempt) == e.rank:
+            out[e.attempt].append(e)
+    return out
+
+
+def _phase_spans(events: Sequence[Event], phase: Phase) -> list[float]:
+    """Durations of the `phase` spans of one rank's events (PHASE_END carries its begin ts as `value`)."""
+    spans = []
+    for e in events:
+        if e.kind is EventKind.PHASE_END and e.phase is phase and e.value is not None:
+            spans.append(max(0.0, e.ts - e.value))
+    return spans
+
+
+def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
+    """The profile of one job. Raises ValueError when the job never trained (nothing to measure)."""
+    notes: list[str] = []
+    by_attempt = _per_attempt_rank_events(events, report)
+    trained = [a for a in report.attempts if a.trained]
+    if not trained:
+        raise ValueError("the job never completed a step: there is no step time to measure")
+    # Step time: the training region, less its blocking and other phases, per step.
+    train_s = 0.0
+    num_steps = 0
+    last_step_ts: dict[int, float] = {}
+    for a in trained:
+        steps = [e.ts for e in by_attempt[a.index] if e.kind is EventKind.STEP]
+        if not steps or a.training_start_ts is None:
+            continue
+        last_step_ts[a.index] = max(steps)
+        region = max(steps) - a.training_start_ts
+        blocked = _blocked_in(by_attempt[a.index], a.training_start_ts, max(steps))
+        train_s += max(0.0, region - blocked)
+        # Progress in global steps (the step counter), not the number of markers.
+        num_steps += max(1, (a.last_step or 0) - (a.resumed_from_step or 0))
+    step_s = train_s / num_steps if num_steps and train_s > 0 else 1e-3
+    # Saves: blocking (and waiting) per save, persist per save, steps between commits.
+    blocking: list[float] = []
+    persists: list[float] = []
+    for a in trained:
+        rank_events = by_attempt[a.index]
+        blocking += _phase_spans(rank_events, Phase.CHECKPOINT_BLOCKING)
+        persists += _phase_spans(rank_events, Phase.CHECKPOINT_PERSIST)
+    waits = sum(sum(_phase_spans(by_attempt[a.index], Phase.CHECKPOINT_WAIT)) for a in trained)
+    blocking_s = (sum(blocking) + waits) / len(blocking) if blocking else 0.0
+    persist_s = statistics.fmean(persists) if persists else 0.0
+    final_step = max((a.last_step or 0) for a in report.attempts)
+    interval_steps, interval_global = _interval_steps(report, final_step)
+    if interval_steps is None:
+        notes.append("no checkpoint was committed during training: the interval is the whole job")
+    # Start-up of the first and of later attempts, relaunch gaps, detection.
+    first = report.attempts[0]
+    later = [a for a in report.attempts[1:] if a.trained]
+    first_startup = _mean_startup([first]) or Startup()
+    restart_startup = _mean_startup(later)
+    if restart_startup is None:
+        restart_startup = first_startup
+        notes.append("no later attempt trained: restarts assumed to start up like the first attempt")
+    gaps_fail: list[float] = []
+    gaps_preempt: list[float] = []
+    script: list[ScriptedFault] = []
+    tails: list[float] = []
+    for prev, nxt in zip(report.attempts, report.attempts[1:], strict=False):
+        gap = max(0.0, nxt.start_ts - prev.end_ts)
+        (gaps_preempt if prev.outcome is Outcome.PREEMPTED else gaps_fail).append(gap)
+    for a in report.attempts:
+        if a.outcome is Outcome.COMPLETED:
+            continue
+        preempted = a.outcome is Outcome.PREEMPTED
+        if a.index not in last_step_ts:
+            script.append(ScriptedFault(preemption=preempted, in_startup=True, after_s=a.duration_s))
+            continue
+        tail = max(0.0, a.end_ts - last_step_ts[a.index])
+        done_steps = (a.last_step or 0) - (a.resumed_from_step or 0)
+        saved = preempted and any(
+            c.attempt == a.index and c.step == a.last_step for c in report.checkpoint_commits
+        )
+        if not preempted:
+            tails.append(tail)
+        script.append(
+            ScriptedFault(
+                preemption=preempted,
+                in_startup=False,
+                after_s=max(0, done_steps) * step_s,
+                tail_s=tail,
+                saved_on_exit=saved,
+            )
+        )
+    wall_days = report.wall_s / SECONDS_PER_DAY if report.wall_s > 0 else 0.0
+    num_preempted = sum(1 for a in report.attempts if a.outcome is Outcome.PREEMPTED)
+    num_failed = report.num_failures - num_preempted
+    gpus = _world_size(events)
+    interval_s = (interval_steps or final_step or 1) * step_s
+    params = JobParams(
+        gpus=gpus,
+        gpus_per_node=gpus,
+        failures_per_node_day=num_failed / wall_days if wall_days else 0.0,
+        preemptions_per_day=num_preempted / wall_days if wall_days else 0.0,
+        handles_preemption=any(f.saved_on_exit for f in script if f.preemption) or not num_preempted,
+        step_s=step_s,
+        interval_s=interval_s,
+        interval_global=interval_global,
+        blocking_s=blocking_s,
+        persist_s=persist_s,
+        scheduling_s=report.buckets_s[Bucket.SCHEDULING],
+        hardware_setup_s=report.buckets_s[Bucket.HARDWARE_SETUP],
+        first_startup=first_startup,
+        restart_startup=restart_startup,
+        restart_gap_s=statistics.fmean(gaps_fail) if gaps_fail else 0.0,
+        preempt_requeue_s=statistics.fmean(gaps_preempt) if gaps_preempt else None,
+        detection_s=statistics.fmean(tails) if tails else 0.0,
+        shutdown_s=report.buckets_s[Bucket.SHUTDOWN],
+        duration_s=None,
+        work_s=max(final_step, 1) * step_s,
+    )
+    if report.buckets_s[Bucket.OTHER] > 0:
+        notes.append(f"{report.buckets_s[Bucket.OTHER]:.1f} s of 'other' (eval...) is not modelled")
+    if report.in_progress:
+        notes.append("the job is still running (or its supervisor was killed): profiled so far")
+    return Profile(
+        params=params,
+        script=tuple(script),
+        measured_ett_pct=report.ett_pct,
+        measured_buckets_pct={b.value: report.bucket_pct(b) for b in Bucket},
+        measured_wall_s=report.wall_s,
+        num_steps=final_step,
+        interval_steps=interval_steps,
+        notes=tuple(notes),
+    )
+
+
+def _interval_steps(report: EttReport, final_step: int) -> tuple[int | None, bool]:
+    """(steps between saves, whether saves fall on multiples of it). Commits of the job's final step (the
+    save at the end) and of a preempted attempt's last step (save-then-exit) are not the interval's."""
+    exits = {(a.index, a.last_step) for a in report.attempts if a.outcome is Outcome.PREEMPTED}
+    steps = sorted(
+        {
+            c.step
+            for c in report.checkpoint_commits
+            if c.step is not None and c.step > 0 and c.step != final_step and (c.attempt, c.step) not in exits
+        }
+    )
+    if not steps:
+        return None, False
+    gcd = math.gcd(*steps)
+    diffs = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    if not diffs or gcd * 2 > statistics.median(diffs):
+        return gcd, True  # every save on a multiple of one step interval (`step % N == 0`)
+    return int(statistics.median(diffs)), False
+
+
+def _blocked_in(rank_events: Sequence[Event], start_ts: float, end_ts: float) -> float:
+    """Seconds of checkpoint blocking/waiting and eval/other phases inside [start_ts, end_ts]."""
+    total = 0.0
+    for e in rank_events:
+        if e.kind is EventKind.PHASE_END and e.value is not None and e.phase in _NOT_STEPS:
+            total += max(0.0, min(e.ts, end_ts) - max(e.value, start_ts))
+    return total
+
+
+_NOT_STEPS = frozenset(
+    {Phase.CHECKPOINT_BLOCKING, Phase.CHECKPOINT_WAIT, Phase.EVAL, Phase.OTHER, Phase.PUBLISH}
+)
+
+
+def _world_size(events: Sequence[Event]) -> int:
+    sizes = [
+        int(e.data["world_size"])
+        for e in events
+        if e.kind is EventKind.PROCESS_START and e.data and isinstance(e.data.get("world_size"), int)
+    ]
+    ranks = {e.rank for e in events if e.rank >= 0}
+    return max(sizes + [len(ranks), 1])
+
+
+def load_profile(run_dir: str | os.PathLike[str]) -> Profile:
+    """The profile of a run directory (raises `UsageError` for a directory `ettr report` cannot read)."""
+    from ettr.report.load import load
+
+    events, report = load(run_dir)
+    return profile_from_events(events, report)
+
+
+def with_duration(params: JobParams, duration_s: float) -> JobParams:
+    """The job run for a wall-time window instead of its own number of steps."""
+    return replace(params, duration_s=duration_s, work_s=None)
