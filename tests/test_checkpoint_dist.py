@@ -22,7 +22,7 @@ from ettr.checkpoint import (
     open_storage,
 )
 from ettr.recorder import Recorder
-from mp_util import run_ranks, start_ranks
+from ettr.testing.spawn import run_ranks, start_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ettr.checkpoint.commit import list_checkpoints
 from ettr.checkpoint.storage import LocalStorage
-from ettr.checkpoint.toyjob import ToyJob, reference_digests, restore_digest
+from ettr.testing.toyjob import ToyJob, reference_digests, restore_digest
 from ettr.events import EventKind
 
 
@@ -51,7 +51,7 @@ def _child_main(job: ToyJob, run_dir: str, started: Any, ready_after_step: int) 
     import logging
     import warnings
 
-    import ettr.checkpoint.toyjob as toyjob
+    import ettr.testing.toyjob as toyjob
     from ettr.ledger import open_ledger
     from ettr.recorder import Recorder
 
@@ -123,7 +123,7 @@ class TrialRunner:
         self.hidden, self.num_steps, self.every_steps, self.mode = hidden, num_steps, every_steps, mode
         self._rng = random.Random(seed)
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["ettr.checkpoint.toyjob", "ettr.recorder", "ettr.ledger"])
+        self._context.set_forkserver_preload(["ettr.testing.toyjob", "ettr.recorder", "ettr.ledger"])
         self._reference = reference_digests(ToyJob(root="-", hidden=hidden, num_steps=num_steps))
         self._chain = 0
         self._root: Path | None = None

@@ -5,7 +5,7 @@ Used by the fault tests and `benchmarks/checkpoint_faults.py` (and handy as a de
 and Python's global generators each step — so a resume that forgets any part of the state ends with
 different parameters. Runs single-threaded so that its arithmetic is reproducible across processes.
 
-    python -m ettr.checkpoint.toyjob --root DIR --steps 40 [--every 5] [--out FINAL.pt]
+    python -m ettr.testing.toyjob --root DIR --steps 40 [--every 5] [--out FINAL.pt]
         [--kill-after-step N] [--kill-at POINT [--kill-on-save K]] [--preemptible] [--mode thread|process]
 
 `--kill-after-step` and `--kill-at` end the process with SIGKILL (after step N; or at a persist point of
@@ -203,7 +203,7 @@ def run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ettr.checkpoint.toyjob", description=__doc__.splitlines()[0]
+        prog="python -m ettr.testing.toyjob", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--root", required=True)
     parser.add_argument("--steps", type=int, default=40)
