@@ -226,10 +226,19 @@ def test_a_wheel_ships_the_reference_job(tmp_path):
     """`ettr demo` from a wheel: the job's files are inside it, where `find_train_script` looks."""
     import zipfile
 
+    import shutil
+
     root = Path(__file__).resolve().parents[1]
+    source = tmp_path / "src-copy"  # a copy: the build leaves build/ and egg-info beside the sources
+    for part in ("src", "examples"):
+        shutil.copytree(
+            root / part, source / part, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
-        + [str(root)],
+        + [str(source)],
         capture_output=True,
         text=True,
         timeout=280,
