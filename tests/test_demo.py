@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import ettr
 from ettr import demo
 from ettr.accounting import compute
 from ettr.errors import UsageError
@@ -224,9 +223,8 @@ def test_an_install_without_the_reference_job_says_so(monkeypatch, tmp_path):
 @pytest.mark.timeout(300)
 def test_a_wheel_ships_the_reference_job(tmp_path):
     """`ettr demo` from a wheel: the job's files are inside it, where `find_train_script` looks."""
-    import zipfile
-
     import shutil
+    import zipfile
 
     root = Path(__file__).resolve().parents[1]
     source = tmp_path / "src-copy"  # a copy: the build leaves build/ and egg-info beside the sources
