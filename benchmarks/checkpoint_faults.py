@@ -27,8 +27,8 @@ import tempfile
 import time
 import warnings
 
-from ettr.testing.faults import TrialResult, TrialRunner
 from ettr.checkpoint.writer import FAULT_POINTS
+from ettr.testing.faults import TrialResult, TrialRunner
 
 
 def _say(text: str) -> None:

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from ettr.testing.faults import TrialRunner
-from ettr.testing.toyjob import ToyJob, reference_digests
 from ettr.checkpoint.writer import FAULT_POINTS
 from ettr.events import EventKind
 from ettr.ledger import open_ledger
+from ettr.testing.faults import TrialRunner
+from ettr.testing.toyjob import ToyJob, reference_digests
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

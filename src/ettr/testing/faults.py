@@ -24,8 +24,8 @@ from typing import Any
 
 from ettr.checkpoint.commit import list_checkpoints
 from ettr.checkpoint.storage import LocalStorage
-from ettr.testing.toyjob import ToyJob, reference_digests, restore_digest
 from ettr.events import EventKind
+from ettr.testing.toyjob import ToyJob, reference_digests, restore_digest
 
 
 @dataclass(frozen=True)

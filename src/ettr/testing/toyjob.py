@@ -28,12 +28,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ettr.checkpoint.base import CheckpointConfig, CheckpointRecorder
+from ettr.checkpoint.base import CheckpointConfig
 from ettr.checkpoint.manager import CheckpointManager
 from ettr.checkpoint.policy import IntervalConfig
 from ettr.checkpoint.sampler import ResumableSampler
 from ettr.checkpoint.state import TrainState
 from ettr.checkpoint.writer import FAULT_POINTS
+from ettr.recorder import RecorderProtocol
 
 NUM_SAMPLES = 200
 NUM_FEATURES = 16
@@ -169,7 +170,7 @@ def restore_digest(root: str, *, hidden: int, seed: int = 0) -> tuple[int | None
 
 
 def run(
-    job: ToyJob, *, recorder: CheckpointRecorder | None = None, on_step: Callable[[int], None] | None = None
+    job: ToyJob, *, recorder: RecorderProtocol | None = None, on_step: Callable[[int], None] | None = None
 ) -> str:
     """Run (or resume) the job to `num_steps`; returns the final state digest."""
     state, loader, _ = _build(job)
@@ -185,13 +186,13 @@ def run(
         import ettr
 
         recorder = ettr.get_recorder()
-    with CheckpointManager(config, state, recorder=recorder) as manager:
+    with CheckpointManager.create(config, state, recorder=recorder) as manager:
         step = manager.restore() or 0
         batches = _batches(loader)
         while step < job.num_steps:
             _train_step(state, *next(batches))
             step += 1
-            recorder.step(step)  # type: ignore[attr-defined]
+            recorder.step(step)
             manager.after_step(step)
             if on_step is not None:
                 on_step(step)
