@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ettr.atomic import atomic_write
 from ettr.checkpoint.base import CheckpointConfig
 from ettr.checkpoint.manager import CheckpointManager
 from ettr.checkpoint.policy import IntervalConfig
@@ -245,8 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     digest = run(job, on_step=on_step)
     if args.out:
-        with open(args.out, "w") as stream:
-            stream.write(digest + "\n")
+        atomic_write(args.out, digest + "\n")
     print(f"done {args.steps} steps, digest {digest}", flush=True)
     return 0
 
