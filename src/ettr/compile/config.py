@@ -66,9 +66,8 @@ class CompileConfig:
         env = os.environ if environ is None else environ
         if env.get("ETTR_COMPILE", "1").strip().lower() in ("0", "off", "false", "no"):
             return None
-        store: str | None = env.get("ETTR_COMPILE_STORE", DEFAULT_STORE).strip() or DEFAULT_STORE
-        if store.lower() in ("off", "none", "0"):
-            store = None
+        store_text = env.get("ETTR_COMPILE_STORE", DEFAULT_STORE).strip() or DEFAULT_STORE
+        store: str | None = None if store_text.lower() in ("off", "none", "0") else store_text
         secret = env.get("ETTR_COMPILE_STORE_SECRET") or None
 
         def number(name: str, default: float, kind: type) -> Any:

@@ -81,7 +81,7 @@ def from_pgo() -> list[DynamicSource]:
         state = pgo._CODE_STATE
         if not state:
             return []
-        found = []
+        found: list[DynamicSource] = []
         for code_state in state.values():
             for source, entry in code_state.automatic_dynamic.items():
                 size = entry.size
@@ -148,7 +148,7 @@ def load(path: str | os.PathLike[str]) -> tuple[tuple[DynamicSource, ...], list[
         payload = json.loads(Path(path).read_text())
         if payload.get("schema") != SCHEMA:
             return (), []
-        reasons = [r for r in payload.get("reasons", []) if isinstance(r, Mapping)]
+        reasons = [dict(r) for r in payload.get("reasons", []) if isinstance(r, Mapping)]
         return parse_many(payload.get("sources", [])), reasons
     except (OSError, ValueError, AttributeError):
         return (), []

@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,7 +118,7 @@ class StoreRestorer:
         store: CompileStore,
         key: StoreKey,
         available: Any,
-        head_meta: dict[str, Any],
+        head_meta: Mapping[str, Any],
         dirs: tuple[Path, Path] | None,
     ) -> dict[str, Any]:
         cache_dir, header_dir = dirs if dirs is not None else (None, None)

@@ -66,11 +66,12 @@ def _child_main(job: ToyJob, run_dir: str, started: Any, ready_after_step: int) 
     recorder = Recorder(open_ledger(run_dir), run_dir=run_dir)
     try:
         steps_here = itertools.count(1)  # steps of this process (a resumed job starts at a later global step)
-        toyjob.run(
-            job,
-            recorder=recorder,
-            on_step=lambda step: next(steps_here) >= ready_after_step and started.set(),
-        )
+
+        def on_step(step: int) -> None:
+            if next(steps_here) >= ready_after_step:
+                started.set()
+
+        toyjob.run(job, recorder=recorder, on_step=on_step)
     finally:
         recorder.close()  # a multiprocessing child skips atexit: write what is queued before exiting
 
