@@ -1,8 +1,8 @@
 """SIGKILL trials against ettr's checkpointing: does a resume ever load an incomplete or corrupt checkpoint?
 
-Each trial runs the deterministic toy job (`ettr.checkpoint.toyjob`, saving after every step so that a
+Each trial runs the deterministic toy job (`ettr.testing.toyjob`, saving after every step so that a
 persist is almost always in flight) in a real process, kills it with SIGKILL, and restores its checkpoint
-root as the next attempt would (`ettr.checkpoint.faults.TrialRunner`). Kinds of trial:
+root as the next attempt would (`ettr.testing.faults.TrialRunner`). Kinds of trial:
     random    SIGKILL at a uniformly random moment of the run (thread-mode persist)
     point     SIGKILL inside the persist at a named point: after the data files, after DCP's metadata,
               before the manifest, halfway through writing it, right after its rename
@@ -27,8 +27,8 @@ import tempfile
 import time
 import warnings
 
-from ettr.checkpoint.faults import TrialResult, TrialRunner
 from ettr.checkpoint.writer import FAULT_POINTS
+from ettr.testing.faults import TrialResult, TrialRunner
 
 
 def _say(text: str) -> None:

@@ -253,7 +253,7 @@ def measure_slowdown(state: TrainState, workdir: str, mode: str, num_saves: int)
         root=os.path.join(workdir, f"slowdown-{mode}"), interval=IntervalConfig(every_steps=10**9), mode=mode
     )
     quiet, busy, persists = [], [], []
-    with CheckpointManager(config, state, recorder=Recorder(None)) as manager:
+    with CheckpointManager.create(config, state, recorder=Recorder(None)) as manager:
         manager.save(0, wait=True)  # warm-up: buffers (and in process mode the checkpoint process) start here
         for save_index in range(1, num_saves + 1):
             # quiet samples on both sides of every persist: the shared machine's own noise hits both sets

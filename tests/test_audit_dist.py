@@ -26,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Not tests/mp_util.run_ranks: it initialises the process group before the body runs, and here the
+# Not ettr.testing.spawn.run_ranks: it initialises the process group before the body runs, and here the
 # audit must be installed first to see init_process_group itself.
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
     rec = Recorder(MemoryLedger(), rank=rank, world_size=WORLD_SIZE, flush_interval_s=60)

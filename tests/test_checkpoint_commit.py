@@ -21,6 +21,7 @@ from ettr.checkpoint.commit import (
     verify,
 )
 from ettr.checkpoint.storage import FsspecStorage, LocalStorage, open_storage
+from ettr.testing.memory_storage import MemoryStorage
 
 
 def _write_checkpoint(
@@ -36,10 +37,12 @@ def _write_checkpoint(
     return list(files)
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "dict"])
 def storage(request, tmp_path):
     if request.param == "local":
         return LocalStorage(tmp_path / "ckpt")
+    if request.param == "dict":
+        return MemoryStorage()  # the fake of ettr.testing: no fsspec
     return FsspecStorage(f"memory://ettr-test-{uuid.uuid4().hex}")
 
 

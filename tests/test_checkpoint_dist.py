@@ -22,7 +22,7 @@ from ettr.checkpoint import (
     open_storage,
 )
 from ettr.recorder import Recorder
-from mp_util import run_ranks, start_ranks
+from ettr.testing.spawn import run_ranks, start_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,7 @@ def _run(
 
 def _manager(root: str, state: TrainState, mode: str, **kwargs) -> CheckpointManager:
     config = CheckpointConfig(root=root, interval=IntervalConfig(every_steps=3), mode=mode, **kwargs)
-    return CheckpointManager(config, state, recorder=Recorder(None))
+    return CheckpointManager.create(config, state, recorder=Recorder(None))
 
 
 def _first_run(rank: int, world_size: int, root: str) -> dict:

@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from ettr.checkpoint.faults import TrialRunner
-from ettr.checkpoint.toyjob import ToyJob, reference_digests
 from ettr.checkpoint.writer import FAULT_POINTS
 from ettr.events import EventKind
 from ettr.ledger import open_ledger
+from ettr.testing.faults import TrialRunner
+from ettr.testing.toyjob import ToyJob, reference_digests
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 ETTR = [sys.executable, "-m", "ettr.cli"]
-TOYJOB = [sys.executable, "-m", "ettr.checkpoint.toyjob"]
+TOYJOB = [sys.executable, "-m", "ettr.testing.toyjob"]
 
 
 def _env() -> dict[str, str]:

@@ -25,6 +25,7 @@ from ettr.checkpoint import (
     TrainState,
     find_latest,
     list_checkpoints,
+    read_failure_history,
     step_dir_name,
     verify,
 )
@@ -407,7 +408,7 @@ def test_preemption_saves_at_the_step_boundary_and_exits_143(tmp_path):
     rec = ProbeRecorder(tmp_path)
     state = _model_state()
     config = _config(tmp_path, interval=IntervalConfig(every_steps=100), handle_preemption=True)
-    manager = CheckpointManager(config, state, recorder=rec)
+    manager = CheckpointManager.create(config, state, recorder=rec)
     try:
         for step in range(1, 4):
             _train(state)
@@ -429,7 +430,7 @@ def test_a_real_sigterm_preempts_at_the_next_boundary_and_the_handler_is_restore
     previous = signal.getsignal(signal.SIGTERM)
     state = _model_state()
     config = _config(tmp_path, interval=IntervalConfig(every_steps=100), handle_preemption=True)
-    manager = CheckpointManager(config, state, recorder=Recorder(None))
+    manager = CheckpointManager.create(config, state, recorder=Recorder(None))
     try:
         _train(state)
         assert not manager.after_step(1)
@@ -473,7 +474,10 @@ def test_auto_interval_reads_the_job_failures_from_the_ledger(tmp_path):
     )
     rec = Recorder(open_ledger(run_dir), run_dir=run_dir)
     try:
-        with CheckpointManager(config, _model_state(), recorder=rec, clock=lambda: 100.0) as manager:
+        history = read_failure_history(run_dir)  # the caller's ledger read, handed to the manager
+        with CheckpointManager(
+            config, _model_state(), recorder=rec, failure_history=history, clock=lambda: 100.0
+        ) as manager:
             rate = manager.policy.failures_per_day(100.0)
     finally:
         rec.close()
@@ -531,7 +535,7 @@ if __name__ == "__main__":
     config = CheckpointConfig(
         root=sys.argv[1], interval=IntervalConfig(every_steps=1), mode="process", fault_hook=WherePersisted(sys.argv[3])
     )
-    with CheckpointManager(config, TrainState(model=model, optimizer=opt), recorder=Recorder(None)) as m:
+    with CheckpointManager.create(config, TrainState(model=model, optimizer=opt), recorder=Recorder(None)) as m:
         assert m.save(1, wait=True)
         model.weight.data.add_(1.0)
         opt.step()

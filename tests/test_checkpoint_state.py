@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 
 from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, ResumableSampler, TrainState
 from ettr.checkpoint.state import capture_rng, restore_rng
-from ettr.checkpoint.toyjob import ToyJob, _batches, _build, _train_step, reference_digests, state_digest
 from ettr.recorder import NullRecorder
+from ettr.testing.toyjob import ToyJob, _batches, _build, _train_step, reference_digests, state_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

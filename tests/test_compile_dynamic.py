@@ -8,9 +8,10 @@ import pytest
 
 from ettr.compile import dynamic
 from ettr.compile.dynamic import DynamicSource
-from ettr.compile.report import render, summarize
 from ettr.compile.session import STORE_MARK
+from ettr.compile.summary import summarize
 from ettr.events import Event, EventKind, Phase
+from ettr.report.compile_text import render
 
 
 @pytest.mark.parametrize(

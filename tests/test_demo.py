@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import ettr
 from ettr import demo
 from ettr.accounting import compute
 from ettr.errors import UsageError
@@ -207,12 +206,49 @@ def test_the_job_publishes_its_model_inside_when_asked(tmp_path):
 def test_the_reference_job_is_found_in_the_source_checkout():
     script = demo.find_train_script()
     assert script.name == "train.py" and script.parent.name == "dlrm" and script.is_file()
+    assert script.resolve() == (EXAMPLES / "dlrm" / "train.py").resolve()  # one copy: the example
 
 
-def test_without_a_source_checkout_the_demo_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr(ettr, "__file__", str(tmp_path / "site-packages" / "ettr" / "__init__.py"))
-    with pytest.raises(UsageError, match="reference job is not where a source checkout has it"):
+def test_an_install_without_the_reference_job_says_so(monkeypatch, tmp_path):
+    import ettr._examples
+
+    monkeypatch.setattr(
+        ettr._examples, "__file__", str(tmp_path / "site-packages" / "ettr" / "_examples" / "x.py")
+    )
+    with pytest.raises(UsageError, match="the reference job is missing from this install of ettr"):
         demo.find_train_script()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_wheel_ships_the_reference_job(tmp_path):
+    """`ettr demo` from a wheel: the job's files are inside it, where `find_train_script` looks."""
+    import shutil
+    import zipfile
+
+    root = Path(__file__).resolve().parents[1]
+    source = tmp_path / "src-copy"  # a copy: the build leaves build/ and egg-info beside the sources
+    for part in ("src", "examples"):
+        shutil.copytree(
+            root / part, source / part, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+        + [str(source)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("ettr-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    job = {p.name for p in (EXAMPLES / "dlrm").glob("*.py")}
+    assert {"train.py", "checkpointing.py", "data.py", "model.py"} <= job
+    assert {f"ettr/_examples/dlrm/{name}" for name in job} <= names
+    assert "ettr/_examples/__init__.py" in names and "ettr/demo.py" in names
 
 
 def test_prepare_clears_an_earlier_demo_but_refuses_a_directory_it_did_not_make(tmp_path):

@@ -197,7 +197,7 @@ def _collection(*, weighted: bool = False):
 def test_plain_embedding_bags_pool_exactly_like_torchrec_and_export(weighted):
     from torchrec import KeyedJaggedTensor
 
-    from ettr.publish.export import PlainEmbeddingBags
+    from ettr.publish.torchrec_export import PlainEmbeddingBags
 
     collection = _collection(weighted=weighted)
     batch = 5

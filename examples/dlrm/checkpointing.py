@@ -264,7 +264,7 @@ class EttrCheckpointer:
         # every_steps=0 (no periodic saves) still needs an interval: one that never comes in this job.
         interval = IntervalConfig(every_steps=every_steps or 2**62)
         config = CheckpointConfig(root=ckpt_dir, interval=interval, keep_last=2, handle_preemption=True)
-        self._manager = CheckpointManager(config, ettr_state)
+        self._manager = CheckpointManager.create(config, ettr_state)  # collective: every rank
 
     def restore(self) -> int | None:
         return self._manager.restore()

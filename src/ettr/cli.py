@@ -200,7 +200,7 @@ def _add_compile_report(p: argparse.ArgumentParser) -> None:
 
 
 def _compile_report(args: argparse.Namespace) -> int:
-    from ettr.compile.report import load, render
+    from ettr.report.compile_text import load, render
 
     summary = load(args.run_dir)
     print(json.dumps(summary, indent=2) if args.json else render(summary))

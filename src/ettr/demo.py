@@ -4,7 +4,8 @@ the terminal and in pictures (`DIR/report.html`). See docs/demo.md.
 
     ettr demo [--quick] [--out DIR]      # DIR defaults to runs/demo
 
-Each side is `ettr run -- torchrun --nproc-per-node 2 examples/dlrm/train.py ...` into `DIR/<side>`:
+Each side is `ettr run -- torchrun --nproc-per-node 2 .../ettr/_examples/dlrm/train.py ...` (the
+repository's `examples/dlrm`, shipped in the package) into `DIR/<side>`:
 attempt 0 is preempted at one step (`--inject preempt@step=M`: SIGTERM to the whole job; `ettr run` exits
 143 and the demo requeues the job, as a scheduler would), attempt 1 crashes at a later step
 (`--inject crash@step=N,attempt=1`; the supervisor restarts it), attempt 2 completes. Every number printed is read back from the two run
@@ -141,14 +142,15 @@ OPTIMIZED = Side(
 
 
 def find_train_script() -> Path:
-    """`examples/dlrm/train.py` of the source checkout ettr is installed from (an editable install)."""
-    import ettr
+    """The reference job's `train.py`, shipped inside the package (`ettr/_examples/dlrm`, the repository's
+    `examples/dlrm`), so that any install of ettr finds it: a wheel, or a source checkout."""
+    import ettr._examples
 
-    script = Path(ettr.__file__).resolve().parents[2] / "examples" / "dlrm" / "train.py"
+    script = Path(ettr._examples.__file__).resolve().parent / "dlrm" / "train.py"
     if not script.is_file():
         raise UsageError(
-            f"ettr demo: the reference job is not where a source checkout has it ({script}); run the demo "
-            "from a checkout of ettr installed in editable mode (make demo)"
+            f"ettr demo: the reference job is missing from this install of ettr ({script}); reinstall ettr "
+            "(pip install ettr, or make demo in a source checkout)"
         )
     return script
 

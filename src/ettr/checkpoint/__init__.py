@@ -18,9 +18,12 @@ from ettr.checkpoint.commit import (
     list_checkpoints,
     verify,
 )
+from ettr.checkpoint.coordination import Coordinator
+from ettr.checkpoint.history import FailureHistory, read_failure_history
 from ettr.checkpoint.manager import CheckpointManager
 from ettr.checkpoint.policy import IntervalConfig, IntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
+from ettr.checkpoint.resume import ResumeChoice, choose_checkpoint
 from ettr.checkpoint.sampler import ResumableSampler
 from ettr.checkpoint.state import TrainState, capture_rng, restore_rng
 from ettr.checkpoint.storage import FsspecStorage, LocalStorage, open_storage
@@ -32,6 +35,8 @@ __all__ = [
     "CheckpointInvalid",
     "CheckpointManager",
     "CheckpointStorage",
+    "Coordinator",
+    "FailureHistory",
     "FsspecStorage",
     "IntervalConfig",
     "IntervalPolicy",
@@ -40,14 +45,17 @@ __all__ = [
     "PersistMode",
     "PreemptionWatcher",
     "Resolution",
+    "ResumeChoice",
     "ResumableSampler",
     "TrainState",
     "apply_retention",
     "capture_rng",
+    "choose_checkpoint",
     "find_latest",
     "lease",
     "list_checkpoints",
     "open_storage",
+    "read_failure_history",
     "restore_rng",
     "step_dir_name",
     "verify",

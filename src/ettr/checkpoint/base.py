@@ -1,8 +1,8 @@
 """What the checkpoint package is configured with and what it needs from the rest of ettr.
 
-`CheckpointConfig` is the manager's one configuration object; `CheckpointRecorder` is the part of
-`ettr.recorder.Recorder` the manager writes through (tests pass an in-memory fake); `CheckpointStorage`
-is the seam to where checkpoints live (`ettr.checkpoint.storage` has the local and fsspec backends).
+`CheckpointConfig` is the manager's one configuration object; `CheckpointStorage` is the seam to where
+checkpoints live (`ettr.checkpoint.storage` has the local and fsspec backends, `ettr.testing.memory_storage`
+the dict-backed fake). The manager writes through `ettr.recorder.RecorderProtocol`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, BinaryIO, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, runtime_checkable
 
 from ettr.checkpoint.policy import IntervalConfig
-from ettr.events import Phase
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 MANIFEST_NAME = "ettr-manifest.json"
 """The commit marker of one checkpoint: written last, after every data file is durable."""
@@ -116,47 +118,14 @@ class CheckpointConfig:
             raise ValueError(f"lease_ttl_s must be a finite number of seconds > 0, got {self.lease_ttl_s}")
 
 
-class CheckpointRecorder(Protocol):
-    """What the checkpoint manager needs of `ettr.recorder.Recorder` (thread-safe, never raises)."""
-
-    rank: int
-    world_size: int
-    run_dir: Any
-
-    def phase(
-        self, phase: Phase | str, *, step: int | None = None, **data: Any
-    ) -> AbstractContextManager[Any]: ...
-
-    def span(
-        self,
-        phase: Phase | str,
-        begin_ts: float,
-        end_ts: float | None = None,
-        *,
-        step: int | None = None,
-        **data: Any,
-    ) -> None: ...
-
-    def resumed_from(self, step: int | None) -> None: ...
-
-    def checkpoint_committed(self, step: int, path: str | os.PathLike[str]) -> None: ...
-
-    def checkpoint_error(
-        self, step: int | None, path: str | os.PathLike[str], error: BaseException | str
-    ) -> None: ...
-
-    def mark(self, name: str, **data: Any) -> None: ...
-
-    def flush(self, timeout_s: float = 5.0) -> None: ...
-
-
 @runtime_checkable
 class CheckpointStorage(Protocol):
     """The place checkpoints live, addressed by paths relative to its root (`step_000000010/x.distcp`).
 
     Every write that returns is durable (fsync'd, or an object store's completed upload); `write_atomic`
-    makes the file appear whole or not at all. Implementations must be picklable (the process-mode persist
-    receives one).
+    makes the file appear whole or not at all. A backend hands out the DCP writer and reader that suit it
+    (`dcp_writer`, `dcp_reader`): nothing outside it knows which backend it is. Implementations must be
+    picklable for the process-mode persist (which receives one).
     """
 
     @property
@@ -181,7 +150,8 @@ class CheckpointStorage(Protocol):
 
     def write_atomic(self, rel: str, data: bytes, *, on_partial: Callable[[], None] | None = None) -> None:
         """Write `data` to a temporary name, make it durable, then rename it to `rel`.
-        `on_partial` is called once half the data is written (fault-injection tests)."""
+        `on_partial` is called while the data is written but not yet visible as `rel` (fault-injection
+        tests); an exception from it leaves nothing behind."""
         ...
 
     def make_durable(self, rel_dir: str) -> None:
@@ -198,8 +168,13 @@ class CheckpointStorage(Protocol):
 
     def rename(self, rel: str, new_rel: str) -> None: ...
 
-    def mtime(self, rel: str) -> float | None:
-        """Modification time (Unix seconds) of a file, None if missing or unknown."""
+    def dcp_writer(self, rel_dir: str, *, thread_count: int = 1) -> StorageWriter:
+        """A DCP StorageWriter into directory `rel_dir` whose `write_data` returns once the files are
+        durable (one file per rank, `thread_count` writer threads each)."""
+        ...
+
+    def dcp_reader(self, rel_dir: str) -> StorageReader:
+        """A DCP StorageReader of directory `rel_dir`."""
         ...
 
 

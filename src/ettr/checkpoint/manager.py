@@ -10,9 +10,16 @@ coordinator commits it with a manifest (see `commit`). The persist is recorded a
 rename is durable, as CHECKPOINT_COMMIT; a failed persist as CHECKPOINT_ERROR, and training goes on.
 `restore` loads the newest checkpoint that verifies (RESTORE, then RESUMED).
 
+The manager orchestrates parts of one concept each: `coordination.Coordinator` (the process groups and
+the three collectives), `resume.choose_checkpoint` (which checkpoint to load: pure over storage),
+`persist.AsyncPersister` (staging and the background persist), `writer.CommittingWriter` (the commit),
+`policy.IntervalPolicy` (when). Its constructor is not collective and reads nothing but the checkpoint
+root; `CheckpointManager.create` is the explicit collective step (groups, SIGTERM handler).
+
     state = TrainState(model=model, optimizer=opt, lr_scheduler=sched, data=sampler)
     config = CheckpointConfig(root="ckpt", interval=IntervalConfig.parse("auto"), handle_preemption=True)
-    with CheckpointManager(config, state) as ckpt:
+    history = read_failure_history(ettr.get_recorder().run_dir)   # the auto interval's ledger read
+    with CheckpointManager.create(config, state, failure_history=history) as ckpt:   # collective
         start = ckpt.restore() or 0
         for step in range(start + 1, num_steps + 1):
             train_step()
@@ -28,38 +35,34 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from ettr.checkpoint.base import (
     CheckpointConfig,
     CheckpointError,
-    CheckpointRecorder,
+    CheckpointStorage,
     PersistMode,
     describe_error,
     step_dir_name,
 )
-from ettr.checkpoint.commit import (
-    apply_retention,
-    find_latest,
-    lease,
-    list_checkpoints,
-    quarantine,
-    verify,
-)
-from ettr.checkpoint.policy import IntervalPolicy, count_failures
+from ettr.checkpoint.commit import apply_retention, lease, list_checkpoints, verify
+from ettr.checkpoint.coordination import Coordinator
+from ettr.checkpoint.history import FailureHistory
+from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks
+from ettr.checkpoint.policy import IntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
-from ettr.checkpoint.staging import ReusedStager
+from ettr.checkpoint.resume import choose_checkpoint
 from ettr.checkpoint.state import TrainState, saved_top_level_keys
 from ettr.checkpoint.storage import open_storage
 from ettr.checkpoint.writer import make_reader, make_writer
 from ettr.events import Phase
+from ettr.recorder import RecorderProtocol
 
 logger = logging.getLogger("ettr")
 
@@ -75,34 +78,30 @@ class _Inflight:
     committed: bool = False
 
 
-def _default_recorder() -> CheckpointRecorder:
+def _default_recorder() -> RecorderProtocol:
     import ettr
 
     return ettr.get_recorder()
 
 
-def _read_job_failures(run_dir: Any) -> tuple[int, float]:
-    """(failed attempts so far, job age in seconds) from the job's ledger."""
-    from ettr.ledger import open_ledger
-
-    ledger = open_ledger(run_dir, create=False)
-    try:
-        events = ledger.read()
-    finally:
-        ledger.close()
-    num_failures, first_ts = count_failures(events)
-    return num_failures, (time.time() - first_ts) if first_ts is not None else 0.0
-
-
 class CheckpointManager:
-    """Saves and restores one process's `TrainState` (every rank of a job makes one; that is collective).
+    """Saves and restores one process's `TrainState` (every rank of a job makes one).
+
+    The constructor is not collective, creates no process group, reads no ledger and installs no signal
+    handler: `create` is the collective step that makes those parts; tests and single processes may pass
+    their own. The manager closes the coordinator and the preemption watcher it is given.
 
     Args:
         config: where, how and when to save.
         state: what to save.
         recorder: where phases and commits are recorded (default: `ettr.get_recorder()`).
-        process_group: the group to checkpoint over (default: a new gloo group of all ranks, so that the
-            background persist never shares a communicator with training collectives).
+        coordinator: the ranks and groups (default: a lone process; a job of several ranks, or the
+            process persist mode, needs one from `Coordinator.create`, which `create` makes).
+        storage: where checkpoints live (default: `open_storage(config.root, config.storage_options)`).
+        preemption: the SIGTERM watcher `after_step` acts on (`create` installs one when
+            `config.handle_preemption`).
+        failure_history: this job's failures so far, for the `auto` interval (`history.read_failure_history`;
+            None: the prior alone).
         clock: monotonic seconds for the interval policy (tests pass a fake).
     """
 
@@ -111,63 +110,84 @@ class CheckpointManager:
         config: CheckpointConfig,
         state: TrainState,
         *,
-        recorder: CheckpointRecorder | None = None,
-        process_group: dist.ProcessGroup | None = None,
+        recorder: RecorderProtocol | None = None,
+        coordinator: Coordinator | None = None,
+        storage: CheckpointStorage | None = None,
+        preemption: PreemptionWatcher | None = None,
+        failure_history: FailureHistory | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        coordinator = coordinator if coordinator is not None else Coordinator.single()
+        _check_parts(config, coordinator, preemption)
         self.config = config
         self.state = state
         self._rec = recorder if recorder is not None else _default_recorder()
         self._clock = clock
-        self._owns_default_group = False
-        if config.mode is PersistMode.PROCESS and not dist.is_initialized():
-            # DCP's checkpoint process is set up over a process group; a single process gets its own.
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            self._owns_default_group = True
-        self._distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self._distributed else 0
-        self.world_size = dist.get_world_size() if self._distributed else 1
-        self._pg = None
-        self._control_pg = None
-        if self._distributed:
-            self._pg = process_group if process_group is not None else dist.new_group(backend="gloo")
-            if self.world_size > 1:
-                self._control_pg = dist.new_group(backend="gloo")
-        self.storage = open_storage(config.root, config.storage_options)
+        self._coord = coordinator
+        self.rank = coordinator.rank
+        self.world_size = coordinator.world_size
+        self.storage = storage if storage is not None else open_storage(config.root, config.storage_options)
         # Overlap only where a hook can guard it: the optimizer's step is where the copied tensors change.
         self.overlapping = config.overlap_staging and state.optimizer is not None
         """Whether saves return before the copy of the model and optimizer tensors is complete."""
-        self._stager = ReusedStager(
+        self._persister = AsyncPersister(
+            mode=PersistMode(config.mode),
+            coordinator=coordinator,
+            overlap=self.overlapping,
             pin_memory=torch.cuda.is_available(),
-            share_memory=config.mode is PersistMode.PROCESS,
-            background_keys=OVERLAPPED_KEYS if self.overlapping else (),
         )
-        self._staging: tuple[Future[Any], int] | None = None  # the copy still running, and its step
-        self._hooks = self._install_staging_hooks() if self.overlapping else []
-        self._persist_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ettr-ckpt-persist")
-        self.policy = IntervalPolicy(config.interval, now_s=clock(), **self._failure_history())
-        self._preemption = PreemptionWatcher().install() if config.handle_preemption else None
+        self._hooks = install_staging_hooks(state, self.wait_staged) if self.overlapping else []
+        history = failure_history if config.interval.auto and failure_history is not None else None
+        self.policy = IntervalPolicy(
+            config.interval,
+            now_s=clock(),
+            num_failures=history.num_failures if history else 0,
+            job_age_s=history.job_age_s if history else 0.0,
+        )
+        self._preemption = preemption
         self._inflight: _Inflight | None = None
-        self._saving_step = -1
         self.last_committed_step: int | None = None
         """The newest step this manager committed or restored (None: none yet)."""
         self._existing_steps = {c.step for c in list_checkpoints(self.storage)}
         self._warned_earlier_run = False
         self._closed = False
 
-    def _failure_history(self) -> dict[str, Any]:
-        """This job's failures so far, for the auto interval (nothing when not auto or without a ledger)."""
-        run_dir = getattr(self._rec, "run_dir", None)
-        if not self.config.interval.auto or run_dir is None:
-            return {}
+    @classmethod
+    def create(
+        cls,
+        config: CheckpointConfig,
+        state: TrainState,
+        *,
+        recorder: RecorderProtocol | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        failure_history: FailureHistory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> CheckpointManager:
+        """Make this rank's manager with its parts. Collective: every rank of the job calls it.
+
+        Makes the checkpoint's gloo groups (`Coordinator.create`: `process_group` to checkpoint over, by
+        default a new group of all ranks; a single-rank default group for the process mode in a process
+        without torch.distributed) and, with `config.handle_preemption`, installs the SIGTERM handler
+        (call from the main thread). `failure_history` is the caller's ledger read for the auto interval.
+        """
+        coordinator = Coordinator.create(mode=config.mode, process_group=process_group)
+        preemption = None
         try:
-            num_failures, job_age_s = _read_job_failures(run_dir)
-        except Exception as exc:  # telemetry must not stop training: fall back to the prior alone
-            logger.warning(
-                "ettr: cannot read the failure history from %s (%s); using the prior", run_dir, exc
+            preemption = PreemptionWatcher().install() if config.handle_preemption else None
+            return cls(
+                config,
+                state,
+                recorder=recorder,
+                coordinator=coordinator,
+                preemption=preemption,
+                failure_history=failure_history,
+                clock=clock,
             )
-            return {}
-        return {"num_failures": num_failures, "job_age_s": job_age_s}
+        except BaseException:
+            if preemption is not None:
+                preemption.close()
+            coordinator.close()
+            raise
 
     # -- saving -----------------------------------------------------------------------------------------
     def after_step(self, step: int) -> bool:
@@ -179,12 +199,9 @@ class CheckpointManager:
         """
         save_now = self.policy.should_save(step, self._clock())
         preempt = self._preemption is not None and self._preemption.requested
-        if self._control_pg is not None and (
-            self.policy.config.every_steps is None or self._preemption is not None
-        ):
-            flags = torch.tensor([int(save_now), int(preempt)], dtype=torch.int32)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_pg)
-            save_now, preempt = bool(flags[0]), bool(flags[1])
+        if self.policy.config.every_steps is None or self._preemption is not None:
+            # Time and signals differ between ranks: every rank leaves with the same decision.
+            save_now, preempt = self._coord.agree(save_now, preempt)
         if preempt:
             self._exit_preempted(step)
         if save_now:
@@ -215,7 +232,6 @@ class CheckpointManager:
         return self.wait() if wait else True
 
     def _start_save(self, step: int, wait_s: float) -> bool:
-        self._saving_step = step
         name = step_dir_name(step)
         path = self.storage.path(name)
         begin_s = self._clock()
@@ -230,7 +246,7 @@ class CheckpointManager:
                     num_io_threads=self.config.num_io_threads,
                     fault_hook=self.config.fault_hook,
                 )
-                upload = self._launch(state_dict, writer)
+                upload = self._persister.launch(state_dict, writer, step=step)
             except Exception as exc:
                 logger.warning("ettr: checkpoint of step %d could not start (%s)", step, describe_error(exc))
                 self._rec.checkpoint_error(step, path, describe_error(exc))
@@ -243,14 +259,6 @@ class CheckpointManager:
         _checkpoint_in_progress()
         return True
 
-    def _install_staging_hooks(self) -> list[Any]:
-        """Wait for an overlapped copy before the first thing that changes the copied tensors."""
-        assert self.state.optimizer is not None
-        hooks = [self.state.optimizer.register_step_pre_hook(lambda *args: self.wait_staged())]
-        if _updates_buffers_in_forward(self.state.model):
-            hooks.append(self.state.model.register_forward_pre_hook(lambda *args: self.wait_staged()))
-        return hooks
-
     def wait_staged(self) -> None:
         """Block until the copy of the last save is complete (recorded as CHECKPOINT_BLOCKING if it was not).
 
@@ -258,10 +266,9 @@ class CheckpointManager:
         in place anywhere else between a save and the next optimizer step. Cheap when there is nothing to
         wait for; never raises (a failed copy fails the save's persist, which is recorded).
         """
-        pending = self._staging
+        pending = self._persister.pending_staging()
         if pending is None:
             return
-        self._staging = None
         future, step = pending
         if future.done():
             return
@@ -272,37 +279,6 @@ class CheckpointManager:
             except BaseException:  # noqa: BLE001 - the persist reports it
                 pass
         self.policy.add_cost(self._clock() - begin_s)
-
-    def _launch(self, state_dict: dict[str, Any], writer: Any) -> Future[Any]:
-        """Copy `state_dict` into the reused staging buffers, then start the persist; returns its future.
-
-        The copy is complete when this returns (the blocking part): the next optimizer step may change the
-        tensors in place. Thread mode is DCP's thread-mode async save composed here, so that the persist's
-        `dcp.save` is called by ettr (the bootstrap's hooks then leave it to us to record).
-        """
-        if self.config.mode is PersistMode.PROCESS:
-            result = dcp.async_save(
-                state_dict,
-                storage_writer=writer,
-                async_stager=self._stager,
-                process_group=self._pg,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                no_dist=not self._distributed,
-            )
-            if isinstance(result, AsyncSaveResponse):  # an overlapped copy: DCP hands it over when done
-                self._staging = (result.staging_completion, self._saving_step)
-                return result.upload_completion
-            return result
-        staged = self._stager.stage(state_dict)
-        if isinstance(staged, Future):
-            self._staging = (staged, self._saving_step)
-        return self._persist_executor.submit(self._persist, staged, writer)
-
-    def _persist(self, staged: dict[str, Any] | Future[dict[str, Any]], writer: Any) -> Any:
-        """The background persist of thread mode: DCP writes the staged copy; the writer commits."""
-        if isinstance(staged, Future):
-            staged = staged.result()
-        return dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
 
     def _prepare_directory(self, step: int) -> None:
         """Clear a directory this step would be written into that an earlier run left behind."""
@@ -321,8 +297,7 @@ class CheckpointManager:
                 "ettr: replacing checkpoint directory %s left by an earlier run", step_dir_name(step)
             )
             self.storage.remove_tree(step_dir_name(step))
-        if self._pg is not None and self.world_size > 1:
-            dist.barrier(group=self._pg)  # no rank writes before rank 0 has cleared it
+        self._coord.barrier()  # no rank writes before rank 0 has cleared it
         self._existing_steps.discard(step)
 
     def _on_persisted(self, inflight: _Inflight, future: Future[Any]) -> None:
@@ -427,7 +402,12 @@ class CheckpointManager:
             with lease(self.storage, name) if self.rank == 0 else contextlib.nullcontext():
                 reader = make_reader(self.storage, chosen)
                 target = self.state.load_target(saved_top_level_keys(reader.read_metadata()))
-                dcp.load(target, storage_reader=reader, process_group=self._pg, no_dist=not self._distributed)
+                dcp.load(
+                    target,
+                    storage_reader=reader,
+                    process_group=self._coord.process_group,
+                    no_dist=not self._coord.distributed,
+                )
                 loaded_step = self.state.load(target)
         if loaded_step != chosen:
             raise CheckpointError(f"{name} holds the state of step {loaded_step}, not {chosen}")
@@ -446,20 +426,11 @@ class CheckpointManager:
         """Rank 0 picks the checkpoint and cleans what cannot be used; every rank learns the result."""
         result: list[Any] = [None, []]
         if self.rank == 0:
-            resolution = find_latest(self.storage, checksums=self.config.verify_checksums, at_most=step)
-            chosen = resolution.latest.step if resolution.latest is not None else None
-            if step is not None and chosen != step:
-                chosen = None
-            for name, reason in resolution.skipped:
-                self._rec.mark("checkpoint_skipped", checkpoint=name, reason=reason)
-                if any(c.name == name and c.has_manifest for c in list_checkpoints(self.storage)):
-                    moved = quarantine(self.storage, name)
-                    logger.warning("ettr: moved corrupt checkpoint %s aside to %s", name, moved)
-                else:
-                    self.storage.remove_tree(name)
-            result = [chosen, [c.step for c in list_checkpoints(self.storage)]]
-        if self._pg is not None and self.world_size > 1:
-            dist.broadcast_object_list(result, src=0, group=self._pg)
+            choice = choose_checkpoint(
+                self.storage, recorder=self._rec, step=step, checksums=self.config.verify_checksums
+            )
+            result = [choice.step, list(choice.existing_steps)]
+        result = self._coord.broadcast_from_0(result)
         return result[0], result[1]
 
     # -- preemption and shutdown ------------------------------------------------------------------------
@@ -483,29 +454,14 @@ class CheckpointManager:
             hook.remove()
         if self._preemption is not None:
             self._preemption.close()
-        self._persist_executor.shutdown(wait=True)
-        self._stager.close()
-        if self._owns_default_group:
-            _shutdown_checkpoint_process()
-            dist.destroy_process_group()
+        self._persister.close()
+        self._coord.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-OVERLAPPED_KEYS = ("model", "optim")
-"""Top-level `TrainState` entries whose copy may overlap the next forward and backward (the optimizer step
-pre-hook protects them); the small pickled parts and user `extra` Statefuls are copied at once."""
-
-
-def _updates_buffers_in_forward(model: torch.nn.Module) -> bool:
-    """Whether a forward pass changes the model's buffers (batch norm's running statistics)."""
-    from torch.nn.modules.batchnorm import _NormBase
-
-    return any(isinstance(m, _NormBase) and m.track_running_stats for m in model.modules())
 
 
 def _checkpoint_in_progress() -> None:
@@ -515,11 +471,23 @@ def _checkpoint_in_progress() -> None:
     checkpoint_in_progress()
 
 
-def _shutdown_checkpoint_process() -> None:
-    """Stop DCP's checkpoint process (it is bound to the process group we are about to destroy)."""
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
-    process = executor._CHECKPOINT_PROCESS
-    if process is not None:
-        executor._CHECKPOINT_PROCESS = None
-        del process
+def _check_parts(
+    config: CheckpointConfig, coordinator: Coordinator, preemption: PreemptionWatcher | None
+) -> None:
+    """Refuse a manager whose parts cannot do what its config asks (a silent lone rank of a real job)."""
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if several and coordinator.world_size == 1:
+        raise CheckpointError(
+            "this job has several ranks: make the manager with CheckpointManager.create(...) (collective), "
+            "or pass coordinator=Coordinator.create()"
+        )
+    if PersistMode(config.mode) is PersistMode.PROCESS and not coordinator.distributed:
+        raise CheckpointError(
+            "the process persist mode needs a process group: make the manager with "
+            "CheckpointManager.create(...), or pass coordinator=Coordinator.create(mode='process')"
+        )
+    if config.handle_preemption and preemption is None:
+        raise CheckpointError(
+            "handle_preemption=True needs the SIGTERM handler: make the manager with "
+            "CheckpointManager.create(...), or pass preemption=PreemptionWatcher().install()"
+        )

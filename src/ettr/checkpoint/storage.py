@@ -1,34 +1,26 @@
 """Where checkpoints live: a local directory (with fsync of files and directories) or any fsspec URL.
 
-Both backends implement `ettr.checkpoint.base.CheckpointStorage`. `open_storage` picks one from the
-root: a plain path or a `file://` URL is local; anything else goes through fsspec (an optional
-dependency, imported only then). The fsspec `memory://` filesystem doubles as the in-memory fake.
+Both backends implement `ettr.checkpoint.base.CheckpointStorage`, and each hands out the DCP writer and
+reader that suit it (callers never ask which backend they hold). `open_storage` picks one from the root: a
+plain path or a `file://` URL is local; anything else goes through fsspec (an optional dependency, imported
+only then). Local files are written through `ettr.atomic`; fsspec backends keep their own durable close.
+The dict-backed fake for tests is `ettr.testing.memory_storage.MemoryStorage` (no optional extra needed).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ettr.checkpoint.base import MANIFEST_NAME
+from ettr.atomic import fsync_dir, write_temp
+from ettr.checkpoint.base import MANIFEST_NAME, CheckpointError
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except (
-        OSError
-    ) as exc:  # some filesystems cannot fsync a directory; their renames are then as durable as they get
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 
 def _tmp_name(rel: str) -> str:
@@ -79,28 +71,21 @@ class LocalStorage:
         final = self.path(rel)
         directory = os.path.dirname(final)
         os.makedirs(directory, exist_ok=True)
-        tmp = self.path(_tmp_name(rel))
+        tmp = write_temp(final, data)  # ettr.atomic: exclusive, never through a symlink, fsync'd
         try:
-            with open(tmp, "wb") as stream:
-                half = len(data) // 2
-                stream.write(data[:half])
-                if on_partial is not None:
-                    stream.flush()
-                    on_partial()
-                stream.write(data[half:])
-                stream.flush()
-                os.fsync(stream.fileno())
+            if on_partial is not None:
+                on_partial()  # the data is in a temporary file, not yet visible under its name
             os.replace(tmp, final)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             raise
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
     def make_durable(self, rel_dir: str) -> None:
         full = self.path(rel_dir)
-        _fsync_dir(full)
-        _fsync_dir(os.path.dirname(full.rstrip(os.sep)) or os.sep)
+        fsync_dir(full)
+        fsync_dir(os.path.dirname(full.rstrip(os.sep)) or os.sep)
 
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -110,18 +95,25 @@ class LocalStorage:
         full = self.path(rel_dir)
         if os.path.exists(os.path.join(full, MANIFEST_NAME)):
             os.remove(os.path.join(full, MANIFEST_NAME))
-            _fsync_dir(full)
+            fsync_dir(full)
         shutil.rmtree(full, ignore_errors=True)
 
     def rename(self, rel: str, new_rel: str) -> None:
         os.replace(self.path(rel), self.path(new_rel))
-        _fsync_dir(os.path.dirname(self.path(new_rel)))
+        fsync_dir(os.path.dirname(self.path(new_rel)))
 
-    def mtime(self, rel: str) -> float | None:
-        try:
-            return os.stat(self.path(rel)).st_mtime
-        except OSError:
-            return None
+    def dcp_writer(self, rel_dir: str, *, thread_count: int = 1) -> StorageWriter:
+        """DCP's local writer: one file per rank, each fsync'd before `write_data` returns."""
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        return FileSystemWriter(
+            self.path(rel_dir), single_file_per_rank=True, sync_files=True, thread_count=thread_count
+        )
+
+    def dcp_reader(self, rel_dir: str) -> StorageReader:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(self.path(rel_dir))
 
 
 class FsspecStorage:
@@ -204,12 +196,21 @@ class FsspecStorage:
     def rename(self, rel: str, new_rel: str) -> None:
         self._fs.mv(self._full(rel), self._full(new_rel), recursive=True)
 
-    def mtime(self, rel: str) -> float | None:
+    def dcp_writer(self, rel_dir: str, *, thread_count: int = 1) -> StorageWriter:
+        """DCP's fsspec writer. Object stores make a file durable when it is closed; DCP's fsync fallback
+        (os.sync) would only flush this machine's unrelated dirty pages, so it is off."""
         try:
-            modified = self._fs.modified(self._full(rel))
-        except (FileNotFoundError, NotImplementedError, OSError):
-            return None
-        return modified.timestamp() if modified is not None else None
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise CheckpointError(f"{self._url} needs fsspec: pip install 'ettr[io]'") from None
+        return FsspecWriter(
+            self.path(rel_dir), single_file_per_rank=True, sync_files=False, thread_count=thread_count
+        )
+
+    def dcp_reader(self, rel_dir: str) -> StorageReader:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(self.path(rel_dir))
 
 
 def is_local(root: str | os.PathLike[str]) -> bool:

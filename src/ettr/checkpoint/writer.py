@@ -1,10 +1,11 @@
-"""DCP storage writers that commit: after DCP's own `finish`, the coordinator writes ettr's manifest.
+"""A DCP storage writer that commits: after DCP's own `finish`, the coordinator writes ettr's manifest.
 
-The writers are DCP's `FileSystemWriter` / `FsspecWriter` with one change: `finish` — which DCP calls on
-the coordinator rank once every rank's `write_data` has returned, i.e. once every data file is written
-and fsync'd — goes on to `commit.commit`: checksums of every file and the manifest, written last. So the
-commit happens wherever the persist runs (a thread, or DCP's checkpoint process), and a save's upload
-future completes only after the manifest rename is durable.
+`CommittingWriter` wraps the DCP writer its storage hands out (`CheckpointStorage.dcp_writer`: DCP's
+`FileSystemWriter` for a local directory, its `FsspecWriter` for an object store) and delegates every call
+to it, with one addition: `finish` — which DCP calls on the coordinator rank once every rank's `write_data`
+has returned, i.e. once every data file is written and durable — goes on to `commit.commit`: checksums of
+every file and the manifest, written last. So the commit happens wherever the persist runs (a thread, or
+DCP's checkpoint process), and a save's upload future completes only after the manifest rename is durable.
 
 In the process mode the persist outlives nothing: a persist process whose trainer died stops before it
 commits (its parent pid changes), and a watchdog thread ends it soon after.
@@ -17,15 +18,14 @@ import threading
 import time
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _metadata_fn
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from ettr.checkpoint.base import CheckpointError, CheckpointStorage, FaultHook, step_dir_name
 from ettr.checkpoint.commit import commit
-from ettr.checkpoint.storage import LocalStorage
 
 FAULT_POINTS = ("data_written", "metadata_written", "manifest_begin", "manifest_partial", "manifest_renamed")
 """Where `CheckpointConfig.fault_hook` is called during a persist, in order (the first on every rank, the
@@ -42,89 +42,95 @@ def _exit_when_orphaned(owner_pid: int) -> None:
         time.sleep(_ORPHAN_POLL_S)
 
 
-class _CommitMixin:
-    """Adds the commit to a DCP writer. Set up by `make_writer`."""
+def _start_orphan_watchdog(owner_pid: int) -> None:
+    global _watchdog_started
+    if os.getpid() != owner_pid and not _watchdog_started:
+        # We run in DCP's checkpoint process: end it if the trainer dies (a daemon process is only
+        # reaped at a clean exit of its parent, not after a SIGKILL).
+        _watchdog_started = True
+        threading.Thread(
+            target=_exit_when_orphaned, args=(owner_pid,), name="ettr-orphan-watch", daemon=True
+        ).start()
 
-    _ettr_storage: CheckpointStorage
-    _ettr_step: int
-    _ettr_world_size: int
-    _ettr_hook: FaultHook | None
-    _ettr_owner_pid: int
 
-    def _ettr_setup(
-        self, storage: CheckpointStorage, step: int, world_size: int, fault_hook: FaultHook | None
+class CommittingWriter(StorageWriter):
+    """Delegates to the storage's own DCP writer, then commits the checkpoint of `step` in `finish`.
+
+    Args:
+        inner: the DCP writer that writes the data files (from `storage.dcp_writer`).
+        storage: where the checkpoint is (the manifest goes beside the data).
+        step: the checkpoint's step.
+        world_size: ranks that wrote it (recorded in the manifest).
+        fault_hook: fault-injection tests only (`FAULT_POINTS`).
+    """
+
+    def __init__(
+        self,
+        inner: StorageWriter,
+        *,
+        storage: CheckpointStorage,
+        step: int,
+        world_size: int,
+        fault_hook: FaultHook | None = None,
     ) -> None:
-        self._ettr_storage = storage
-        self._ettr_step = step
-        self._ettr_world_size = world_size
-        self._ettr_hook = fault_hook
-        self._ettr_owner_pid = os.getpid()
+        self.inner = inner
+        self.storage = storage
+        self.step = step
+        self.world_size = world_size
+        self.fault_hook = fault_hook
+        self.owner_pid = os.getpid()
 
-    def _ettr_fault(self, point: str) -> None:
-        if self._ettr_hook is not None:
-            self._ettr_hook(point)
+    def _fault(self, point: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(point)
 
-    def _ettr_check_owner(self) -> None:
-        if os.getpid() != self._ettr_owner_pid and os.getppid() != self._ettr_owner_pid:
-            raise CheckpointError(f"the training process {self._ettr_owner_pid} is gone; not committing")
+    def _check_owner(self) -> None:
+        if os.getpid() != self.owner_pid and os.getppid() != self.owner_pid:
+            raise CheckpointError(f"the training process {self.owner_pid} is gone; not committing")
+
+    # -- DCP's StorageWriter, delegated ------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.inner.reset(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # made for one directory by its storage; never chosen by DCP from an id
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        global _watchdog_started
-        if os.getpid() != self._ettr_owner_pid and not _watchdog_started:
-            # We run in DCP's checkpoint process: end it if the trainer dies (a daemon process is only
-            # reaped at a clean exit of its parent, not after a SIGKILL).
-            _watchdog_started = True
-            threading.Thread(
-                target=_exit_when_orphaned,
-                args=(self._ettr_owner_pid,),
-                name="ettr-orphan-watch",
-                daemon=True,
-            ).start()
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)  # type: ignore[misc]
+        _start_orphan_watchdog(self.owner_pid)
+        self.inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
-        future = super().write_data(plan, planner)  # type: ignore[misc]
-        future.wait()  # DCP's file writer completes synchronously; this keeps the hook after the data
-        self._ettr_fault("data_written")
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return self.inner.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return self.inner.prepare_global_plan(plans)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return self.inner.storage_meta()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future = self.inner.write_data(plan, planner)
+        future.wait()  # DCP's file writers complete synchronously; this keeps the hook after the data
+        self._fault("data_written")
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self._ettr_check_owner()
-        super().finish(metadata, results)  # type: ignore[misc]
-        self._ettr_fault("metadata_written")
+        self._check_owner()
+        self.inner.finish(metadata, results)
+        self._fault("metadata_written")
         names = {_metadata_fn}
         for rank_results in results:
             for result in rank_results:
                 names.add(result.storage_data.relative_path)
-        commit(
-            self._ettr_storage,
-            self._ettr_step,
-            names,
-            world_size=self._ettr_world_size,
-            fault_hook=self._ettr_commit_point,
-        )
+        commit(self.storage, self.step, names, world_size=self.world_size, fault_hook=self._commit_point)
 
-    def _ettr_commit_point(self, point: str) -> None:
+    def _commit_point(self, point: str) -> None:
         if point == "manifest_begin":
             # Checked last thing before the manifest: a persist whose trainer died meanwhile never commits
             # (nobody would record the commit, and the next attempt may already be scanning the root).
-            self._ettr_check_owner()
-        self._ettr_fault(point)
-
-
-class CommitFileSystemWriter(_CommitMixin, FileSystemWriter):
-    """DCP's local-filesystem writer (fsync of every file) that commits with an ettr manifest."""
-
-
-try:  # fsspec is an optional dependency (the `io` extra)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as _FsspecWriter
-except ImportError:  # pragma: no cover - depends on the environment
-    _FsspecWriter = None
-
-if _FsspecWriter is not None:
-
-    class CommitFsspecWriter(_CommitMixin, _FsspecWriter):  # type: ignore[valid-type,misc]
-        """DCP's fsspec writer (object stores) that commits with an ettr manifest."""
+            self._check_owner()
+        self._fault(point)
 
 
 def make_writer(
@@ -134,33 +140,12 @@ def make_writer(
     world_size: int,
     num_io_threads: int = 1,
     fault_hook: FaultHook | None = None,
-) -> Any:
+) -> CommittingWriter:
     """A DCP StorageWriter for the checkpoint of `step` that commits in its `finish`."""
-    path = storage.path(step_dir_name(step))
-    writer: Any
-    if isinstance(storage, LocalStorage):
-        writer = CommitFileSystemWriter(
-            path, single_file_per_rank=True, sync_files=True, thread_count=num_io_threads
-        )
-    else:
-        if _FsspecWriter is None:
-            raise CheckpointError(f"{storage.url} needs fsspec: pip install 'ettr[io]'")
-        # Object stores make a file durable when it is closed; DCP's fsync fallback (os.sync) would only
-        # flush this machine's unrelated dirty pages.
-        writer = CommitFsspecWriter(
-            path, single_file_per_rank=True, sync_files=False, thread_count=num_io_threads
-        )
-    writer._ettr_setup(storage, step, world_size, fault_hook)
-    return writer
+    inner = storage.dcp_writer(step_dir_name(step), thread_count=num_io_threads)
+    return CommittingWriter(inner, storage=storage, step=step, world_size=world_size, fault_hook=fault_hook)
 
 
-def make_reader(storage: CheckpointStorage, step: int) -> Any:
+def make_reader(storage: CheckpointStorage, step: int) -> StorageReader:
     """A DCP StorageReader for the checkpoint of `step`."""
-    path = storage.path(step_dir_name(step))
-    if isinstance(storage, LocalStorage):
-        from torch.distributed.checkpoint import FileSystemReader
-
-        return FileSystemReader(path)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(path)
+    return storage.dcp_reader(step_dir_name(step))

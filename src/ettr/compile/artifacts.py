@@ -25,10 +25,11 @@ import hashlib
 import io
 import os
 import tarfile
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from ettr.atomic import atomic_write
 
 INDUCTOR_ARCHIVE = "inductor_cache.tar"
 HEADERS_ARCHIVE = "precompiled_headers.tar"
@@ -168,20 +169,9 @@ def unpack_dir(data: bytes, dest: Path) -> UnpackResult:
             target.parent.mkdir(parents=True, exist_ok=True)
             source = tar.extractfile(m)
             assert source is not None  # a regular file always has content
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    while chunk := source.read(1 << 20):
-                        f.write(chunk)
-                os.chmod(tmp, (m.mode & 0o755) | 0o600)
-                os.utime(tmp, (m.mtime, m.mtime))
-                os.replace(tmp, target)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            # The member is in memory already (the archive is); ettr.atomic makes it appear whole.
+            atomic_write(target, source.read(), mode=(m.mode & 0o755) | 0o600)
+            os.utime(target, (m.mtime, m.mtime))
             written += 1
             num_bytes += m.size
     return UnpackResult(num_written=written, num_present=present, bytes_written=num_bytes)

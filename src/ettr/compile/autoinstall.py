@@ -15,10 +15,13 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ettr.compile.config import CompileConfig, default_user_key, private_cache_dir
 from ettr.compile.session import CompileSession
+
+if TYPE_CHECKING:
+    from ettr.recorder import RecorderProtocol
 
 logger = logging.getLogger("ettr")
 
@@ -76,7 +79,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             pass
 
 
-def _start_session(rec: Any, config: CompileConfig) -> None:
+def _start_session(rec: RecorderProtocol, config: CompileConfig) -> None:
     global _session
     with _lock:
         if _session is not None:
@@ -86,7 +89,7 @@ def _start_session(rec: Any, config: CompileConfig) -> None:
         _session = session
 
 
-def autoinstall(rec: Any = None, *, config: CompileConfig | None = None) -> bool:
+def autoinstall(rec: RecorderProtocol | None = None, *, config: CompileConfig | None = None) -> bool:
     """Arrange for this process's compilations to be recorded, restored and saved. Never raises.
 
     Args:

@@ -8,14 +8,18 @@ the new object or nothing, never a torn one.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Protocol
 
+from ettr.atomic import atomic_write
+
 
 class StoreBackend(Protocol):
     """Blob storage under one root. Paths are relative, `/`-separated, without `..`."""
+
+    compress: bool
+    """Whether archives should be compressed before they are written here (worth it over a network)."""
 
     def read(self, path: str) -> bytes:
         """The object's bytes. Raises `FileNotFoundError` when it does not exist."""
@@ -48,6 +52,8 @@ def _check(path: str) -> str:
 class LocalBackend:
     """A directory on a local or mounted file system: write to a temporary file, fsync, rename."""
 
+    compress = False  # a local disk reads uncompressed archives faster than it would decompress them
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser()
 
@@ -57,27 +63,7 @@ class LocalBackend:
     def write(self, path: str, data: bytes) -> None:
         target = self.root / _check(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        try:  # make the rename itself durable
-            dir_fd = os.open(target.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except OSError:
-            pass
+        atomic_write(target, data)  # tmp -> fsync -> rename -> dir fsync
 
     def list(self, prefix: str) -> list[str]:
         folder = self.root / _check(prefix) if prefix else self.root
@@ -104,6 +90,8 @@ class LocalBackend:
 class FsspecBackend:
     """Any fsspec URL (`s3://bucket/prefix`, `gs://...`, `memory://...`). Object stores replace an object
     atomically on put, which is the commit this store needs; fsspec is imported on first use."""
+
+    compress = True
 
     def __init__(self, url: str) -> None:
         import fsspec
@@ -153,6 +141,8 @@ class FsspecBackend:
 
 class MemoryBackend:
     """In-memory fake for tests (thread-safe); `objects` maps paths to bytes."""
+
+    compress = True  # as a remote store would be
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}

@@ -77,9 +77,8 @@ class CompileConfig:
         env = os.environ if environ is None else environ
         if env.get(COMPILE_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
             return None
-        store: str | None = env.get(COMPILE_STORE_ENV, DEFAULT_STORE).strip() or DEFAULT_STORE
-        if store.lower() in ("off", "none", "0"):
-            store = None
+        store_text = env.get(COMPILE_STORE_ENV, DEFAULT_STORE).strip() or DEFAULT_STORE
+        store: str | None = None if store_text.lower() in ("off", "none", "0") else store_text
         secret = env.get(COMPILE_STORE_SECRET_ENV) or None
 
         def number(name: str, default: float, kind: type) -> Any:

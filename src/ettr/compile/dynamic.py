@@ -14,12 +14,13 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ettr.atomic import atomic_write
 
 logger = logging.getLogger("ettr")
 
@@ -80,7 +81,7 @@ def from_pgo() -> list[DynamicSource]:
         state = pgo._CODE_STATE
         if not state:
             return []
-        found = []
+        found: list[DynamicSource] = []
         for code_state in state.values():
             for source, entry in code_state.automatic_dynamic.items():
                 size = entry.size
@@ -147,7 +148,7 @@ def load(path: str | os.PathLike[str]) -> tuple[tuple[DynamicSource, ...], list[
         payload = json.loads(Path(path).read_text())
         if payload.get("schema") != SCHEMA:
             return (), []
-        reasons = [r for r in payload.get("reasons", []) if isinstance(r, Mapping)]
+        reasons = [dict(r) for r in payload.get("reasons", []) if isinstance(r, Mapping)]
         return parse_many(payload.get("sources", [])), reasons
     except (OSError, ValueError, AttributeError):
         return (), []
@@ -174,15 +175,5 @@ def save(
         "updated_ts": time.time(),
     }
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=1)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(target, json.dumps(payload, indent=1))
     return merged

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ettr.atomic import atomic_write
 
 SCHEMA = "ettr.batch-spec/1"
 FILENAME = "batch_spec.json"
@@ -177,17 +178,7 @@ def save_spec(path: str | os.PathLike[str], spec: BatchSpec) -> None:
     """Write `spec` to `path` atomically."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(spec_to_json(spec), f, indent=1)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(target, json.dumps(spec_to_json(spec), indent=1))
 
 
 def load_spec(path: str | os.PathLike[str]) -> BatchSpec | None:

@@ -16,9 +16,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ettr.events import EventKind, Phase
+
+if TYPE_CHECKING:
+    from ettr.recorder import RecorderProtocol
 
 logger = logging.getLogger("ettr")
 
@@ -72,7 +75,7 @@ class CompileHooks:
 
     def __init__(
         self,
-        rec: Any,
+        rec: RecorderProtocol,
         *,
         before_first_compile: Callable[[], None] | None = None,
         after_compile: Callable[[CompileRecord], None] | None = None,

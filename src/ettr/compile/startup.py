@@ -23,10 +23,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ettr.compile import fastbatch
 from ettr.events import Phase
+
+if TYPE_CHECKING:
+    from ettr.compile.session import CompileSession
+    from ettr.recorder import RecorderProtocol
 
 logger = logging.getLogger("ettr")
 
@@ -68,10 +72,10 @@ class _Task:
             self.done.set()
 
 
-def _resolve_spec(spec: Any, rec: Any, session: Any) -> tuple[Any, str]:
+def _resolve_spec(spec: Any, rec: RecorderProtocol, session: CompileSession | None) -> tuple[Any, str]:
     if spec is not None:
         return spec, "given"
-    run_dir = getattr(rec, "run_dir", None)
+    run_dir = rec.run_dir
     if run_dir is not None:
         cached = fastbatch.load_spec(fastbatch.job_file(run_dir))
         if cached is not None:
@@ -103,7 +107,7 @@ def fast_start(
     *,
     restore: Callable[[], Any] | None = None,
     spec: Any = None,
-    rec: Any = None,
+    rec: RecorderProtocol | None = None,
     device: Any = None,
 ) -> StartupResult:
     """Run the compile warm-up on a synthetic batch while `first_batch()` and `restore()` run on helper
@@ -170,14 +174,16 @@ def fast_start(
     )
 
 
-def _record(rec: Any, part: str, phase: Phase, begin_ts: float, end_ts: float, spec_source: str) -> None:
+def _record(
+    rec: RecorderProtocol, part: str, phase: Phase, begin_ts: float, end_ts: float, spec_source: str
+) -> None:
     try:
         rec.span(phase, begin_ts, end_ts, source="fast_start", part=part, spec_source=spec_source)
     except Exception as exc:
         logger.debug("ettr: cannot record the %s phase: %s", part, exc)
 
 
-def _remember_spec(rec: Any, session: Any, batch: Any, used: Any) -> None:
+def _remember_spec(rec: RecorderProtocol, session: CompileSession | None, batch: Any, used: Any) -> None:
     # The next attempt (run directory) and later jobs (store, at the session's next save) start from it.
     try:
         real = fastbatch.spec_of(batch)
@@ -189,8 +195,8 @@ def _remember_spec(rec: Any, session: Any, batch: Any, used: Any) -> None:
             "ettr: the first real batch differs in shape from the fast batch; the first step compiles"
         )
     try:
-        run_dir = getattr(rec, "run_dir", None)
-        if run_dir is not None and getattr(rec, "rank", 0) == 0:
+        run_dir = rec.run_dir
+        if run_dir is not None and rec.rank == 0:
             fastbatch.save_spec(fastbatch.job_file(run_dir), real)
         if session is not None:
             session.batch_spec = fastbatch.spec_to_json(real)

@@ -130,18 +130,6 @@ def _plain_keys(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def _anchor_writer(storage: Any, name: str) -> Any:
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    from ettr.checkpoint.storage import LocalStorage
-
-    if isinstance(storage, LocalStorage):
-        return FileSystemWriter(storage.path(name), single_file_per_rank=True, sync_files=True)
-    from torch.distributed.checkpoint import FsspecWriter
-
-    return FsspecWriter(storage.path(name), single_file_per_rank=True, sync_files=False)
-
-
 def write_anchor(
     state: dict[str, Any],
     *,
@@ -185,7 +173,7 @@ def write_anchor(
         return storage.path(name), True
     try:
         dcp.save(
-            {ANCHOR_STATE_KEY: state}, storage_writer=_anchor_writer(storage, name), no_dist=not distributed
+            {ANCHOR_STATE_KEY: state}, storage_writer=storage.dcp_writer(name), no_dist=not distributed
         )
     except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure (a BaseException)
         raise PublishError(

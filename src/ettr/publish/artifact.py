@@ -171,7 +171,7 @@ def build_artifact(
     trained model's outputs; LostClaim if `still_owner()` turns False before the commit (nothing is
     written then).
     """
-    from ettr.publish.export import (
+    from ettr.publish.torchrec_export import (
         PlainInputs,
         detach_views,
         export_program,

@@ -5,7 +5,7 @@ Used by the fault tests and `benchmarks/checkpoint_faults.py` (and handy as a de
 and Python's global generators each step — so a resume that forgets any part of the state ends with
 different parameters. Runs single-threaded so that its arithmetic is reproducible across processes.
 
-    python -m ettr.checkpoint.toyjob --root DIR --steps 40 [--every 5] [--out FINAL.pt]
+    python -m ettr.testing.toyjob --root DIR --steps 40 [--every 5] [--out FINAL.pt]
         [--kill-after-step N] [--kill-at POINT [--kill-on-save K]] [--preemptible] [--mode thread|process]
 
 `--kill-after-step` and `--kill-at` end the process with SIGKILL (after step N; or at a persist point of
@@ -28,12 +28,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ettr.checkpoint.base import CheckpointConfig, CheckpointRecorder
+from ettr.atomic import atomic_write
+from ettr.checkpoint.base import CheckpointConfig
 from ettr.checkpoint.manager import CheckpointManager
 from ettr.checkpoint.policy import IntervalConfig
 from ettr.checkpoint.sampler import ResumableSampler
 from ettr.checkpoint.state import TrainState
 from ettr.checkpoint.writer import FAULT_POINTS
+from ettr.recorder import RecorderProtocol
 
 NUM_SAMPLES = 200
 NUM_FEATURES = 16
@@ -169,7 +171,7 @@ def restore_digest(root: str, *, hidden: int, seed: int = 0) -> tuple[int | None
 
 
 def run(
-    job: ToyJob, *, recorder: CheckpointRecorder | None = None, on_step: Callable[[int], None] | None = None
+    job: ToyJob, *, recorder: RecorderProtocol | None = None, on_step: Callable[[int], None] | None = None
 ) -> str:
     """Run (or resume) the job to `num_steps`; returns the final state digest."""
     state, loader, _ = _build(job)
@@ -185,13 +187,13 @@ def run(
         import ettr
 
         recorder = ettr.get_recorder()
-    with CheckpointManager(config, state, recorder=recorder) as manager:
+    with CheckpointManager.create(config, state, recorder=recorder) as manager:
         step = manager.restore() or 0
         batches = _batches(loader)
         while step < job.num_steps:
             _train_step(state, *next(batches))
             step += 1
-            recorder.step(step)  # type: ignore[attr-defined]
+            recorder.step(step)
             manager.after_step(step)
             if on_step is not None:
                 on_step(step)
@@ -203,7 +205,7 @@ def run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ettr.checkpoint.toyjob", description=__doc__.splitlines()[0]
+        prog="python -m ettr.testing.toyjob", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--root", required=True)
     parser.add_argument("--steps", type=int, default=40)
@@ -244,8 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     digest = run(job, on_step=on_step)
     if args.out:
-        with open(args.out, "w") as stream:
-            stream.write(digest + "\n")
+        atomic_write(args.out, digest + "\n")
     print(f"done {args.steps} steps, digest {digest}", flush=True)
     return 0
 

@@ -1,6 +1,6 @@
 """Real multi-process tests over gloo: run a function on N ranks, each a fresh spawned process.
 
-    from mp_util import run_ranks
+    from ettr.testing.spawn import run_ranks
 
     def _body(rank: int, world_size: int, root: str) -> float:   # module level: it is pickled by name
         ...                                                       # the default group is initialised (gloo)

@@ -1,12 +1,11 @@
-"""`ettr compile-report RUN_DIR`: what torch.compile cost a job, why it recompiled, and what was learned.
+"""What torch.compile cost a job, why it recompiled, and what was learned: the compile summary.
 
-`summarize` is pure (events and the learned files in, a JSON-ready dict out); `load` reads a run
-directory; `render` prints the summary for a terminal.
+`summarize` is pure (events and the learned files in, a JSON-ready dict out). `ettr compile-report` reads a
+run directory and prints it with `ettr.report.compile_text`.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -73,56 +72,3 @@ def summarize(
         "num_learned_reasons": len(learned_reasons),
         "batch_spec": None if batch_spec is None else fastbatch.spec_to_json(batch_spec)["spec"],
     }
-
-
-def load(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The compile summary of a run directory. Raises `ettr.errors.UsageError` for a bad directory."""
-    from ettr.report.load import read_events
-
-    events = read_events(run_dir)
-    return summarize(
-        events,
-        learned=dynamic.load(dynamic.job_file(run_dir)),
-        batch_spec=fastbatch.load_spec(fastbatch.job_file(run_dir)),
-    )
-
-
-def _store_line(action: Mapping[str, Any]) -> str:
-    what = f"{action.get('action', '?')} {action.get('status', '?')}"
-    size = action.get("entry_bytes", action.get("loaded_bytes"))
-    details = []
-    if size is not None:
-        details.append(f"{size / 1e6:.1f} MB")
-    if action.get("duration_s") is not None:
-        details.append(f"{action['duration_s']:.2f} s")
-    if action.get("error"):
-        details.append(str(action["error"]))
-    return what + (f" ({', '.join(details)})" if details else "")
-
-
-def render(summary: Mapping[str, Any]) -> str:
-    """The summary as lines of text for a terminal."""
-    lines = ["compile report"]
-    if not summary["attempts"]:
-        lines.append("  no compilation was recorded (torch.compile not used, or compile support off)")
-    for a in summary["attempts"]:
-        fast = f", fast-batch warm-up {a['fast_start_compile_s']:.1f} s" if a["fast_start_compile_s"] else ""
-        lines.append(
-            f"  attempt {a['attempt']}: {a['num_compiles']} compilations, {a['compile_s']:.1f} s compiling"
-            f"{fast}, {a['num_recompiles']} recompiles"
-        )
-        for action in a["store"]:
-            lines.append(f"    store: {_store_line(action)}")
-    if summary["recompile_reasons"]:
-        lines.append("recompile reasons (most frequent first):")
-        for item in summary["recompile_reasons"]:
-            lines.append(f"  {item['count']} x {item['reason']}")
-    if summary["learned_dynamic_sources"]:
-        lines.append("learned dynamic inputs (applied to the next attempt and later jobs):")
-        lines.append(f'  TORCH_COMPILE_DYNAMIC_SOURCES="{summary["torch_compile_dynamic_sources"]}"')
-    else:
-        lines.append("learned dynamic inputs: none")
-    lines.append(
-        "fast-batch spec: " + ("kept from the first real batch" if summary["batch_spec"] else "none")
-    )
-    return "\n".join(lines)

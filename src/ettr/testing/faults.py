@@ -24,8 +24,8 @@ from typing import Any
 
 from ettr.checkpoint.commit import list_checkpoints
 from ettr.checkpoint.storage import LocalStorage
-from ettr.checkpoint.toyjob import ToyJob, reference_digests, restore_digest
 from ettr.events import EventKind
+from ettr.testing.toyjob import ToyJob, reference_digests, restore_digest
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def _child_main(job: ToyJob, run_dir: str, started: Any, ready_after_step: int) 
     import logging
     import warnings
 
-    import ettr.checkpoint.toyjob as toyjob
+    import ettr.testing.toyjob as toyjob
     from ettr.ledger import open_ledger
     from ettr.recorder import Recorder
 
@@ -66,11 +66,12 @@ def _child_main(job: ToyJob, run_dir: str, started: Any, ready_after_step: int) 
     recorder = Recorder(open_ledger(run_dir), run_dir=run_dir)
     try:
         steps_here = itertools.count(1)  # steps of this process (a resumed job starts at a later global step)
-        toyjob.run(
-            job,
-            recorder=recorder,
-            on_step=lambda step: next(steps_here) >= ready_after_step and started.set(),
-        )
+
+        def on_step(step: int) -> None:
+            if next(steps_here) >= ready_after_step:
+                started.set()
+
+        toyjob.run(job, recorder=recorder, on_step=on_step)
     finally:
         recorder.close()  # a multiprocessing child skips atexit: write what is queued before exiting
 
@@ -123,7 +124,7 @@ class TrialRunner:
         self.hidden, self.num_steps, self.every_steps, self.mode = hidden, num_steps, every_steps, mode
         self._rng = random.Random(seed)
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["ettr.checkpoint.toyjob", "ettr.recorder", "ettr.ledger"])
+        self._context.set_forkserver_preload(["ettr.testing.toyjob", "ettr.recorder", "ettr.ledger"])
         self._reference = reference_digests(ToyJob(root="-", hidden=hidden, num_steps=num_steps))
         self._chain = 0
         self._root: Path | None = None

@@ -1,0 +1,113 @@
+"""Async persist: the staged copy of a save, and the background write of it (a thread or DCP's process).
+
+`AsyncPersister.launch` copies a state dict into the reused staging buffers (`staging.ReusedStager`) and
+starts the persist, returning its future; the copy of the model and optimizer tensors may still be running
+(`pending_staging`), and the staging hooks (`install_staging_hooks`) wait for it before the first thing
+that changes those tensors. Thread mode is DCP's thread-mode async save composed here, so that the
+persist's `dcp.save` is called by ettr (the bootstrap's hooks then leave it to us to record).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.storage import StorageWriter
+from torch.utils.hooks import RemovableHandle
+
+from ettr.checkpoint.base import PersistMode
+from ettr.checkpoint.coordination import Coordinator
+from ettr.checkpoint.staging import ReusedStager
+from ettr.checkpoint.state import TrainState
+
+OVERLAPPED_KEYS = ("model", "optim")
+"""Top-level `TrainState` entries whose copy may overlap the next forward and backward (the optimizer step
+pre-hook protects them); the small pickled parts and user `extra` Statefuls are copied at once."""
+
+
+class AsyncPersister:
+    """Stages and persists saves of one process, one at a time (the manager waits for the previous one).
+
+    Args:
+        mode: where the persist runs.
+        coordinator: the process group DCP writes over.
+        overlap: let the copy of `OVERLAPPED_KEYS` run in the background (see `pending_staging`).
+        pin_memory: stage into pinned memory (where the state lives on a GPU).
+    """
+
+    def __init__(
+        self, *, mode: PersistMode, coordinator: Coordinator, overlap: bool, pin_memory: bool
+    ) -> None:
+        self.mode = mode
+        self._coordinator = coordinator
+        self.stager = ReusedStager(
+            pin_memory=pin_memory,
+            share_memory=mode is PersistMode.PROCESS,
+            background_keys=OVERLAPPED_KEYS if overlap else (),
+        )
+        self._staging: tuple[Future[Any], int] | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ettr-ckpt-persist")
+
+    def launch(self, state_dict: dict[str, Any], writer: StorageWriter, *, step: int) -> Future[Any]:
+        """Copy `state_dict` into the reused staging buffers, then start the persist; returns its future.
+
+        The copy of everything but the overlapped keys is complete when this returns (the blocking part).
+        """
+        coord = self._coordinator
+        if self.mode is PersistMode.PROCESS:
+            result = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                async_stager=self.stager,
+                process_group=coord.process_group,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                no_dist=not coord.distributed,
+            )
+            if isinstance(result, AsyncSaveResponse):  # an overlapped copy: DCP hands it over when done
+                self._staging = (result.staging_completion, step)
+                return result.upload_completion
+            return result
+        staged = self.stager.stage(state_dict)
+        if isinstance(staged, Future):
+            self._staging = (staged, step)
+        return self._executor.submit(self._persist, staged, writer)
+
+    def _persist(self, staged: dict[str, Any] | Future[dict[str, Any]], writer: StorageWriter) -> Any:
+        """The background persist of thread mode: DCP writes the staged copy; the writer commits."""
+        if isinstance(staged, Future):
+            staged = staged.result()
+        coord = self._coordinator
+        return dcp.save(
+            staged, storage_writer=writer, process_group=coord.process_group, no_dist=not coord.distributed
+        )
+
+    def pending_staging(self) -> tuple[Future[Any], int] | None:
+        """The overlapped copy still to wait for (its future and step), handed over once; None if none."""
+        pending, self._staging = self._staging, None
+        return pending
+
+    def close(self) -> None:
+        """Wait for the persist thread and release the staging buffers."""
+        self._executor.shutdown(wait=True)
+        self.stager.close()
+
+
+def install_staging_hooks(state: TrainState, wait_staged: Callable[[], None]) -> list[RemovableHandle]:
+    """Call `wait_staged` before the first thing that changes the copied tensors: the optimizer's step
+    (and, for models with running statistics, the forward). Returns the hooks, for `remove()`."""
+    assert state.optimizer is not None, "overlapped staging needs an optimizer step to guard"
+    hooks = [state.optimizer.register_step_pre_hook(lambda *args: wait_staged())]
+    if _updates_buffers_in_forward(state.model):
+        hooks.append(state.model.register_forward_pre_hook(lambda *args: wait_staged()))
+    return hooks
+
+
+def _updates_buffers_in_forward(model: torch.nn.Module) -> bool:
+    """Whether a forward pass changes the model's buffers (batch norm's running statistics)."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return any(isinstance(m, _NormBase) and m.track_running_stats for m in model.modules())

@@ -1,0 +1,57 @@
+"""The choice of the checkpoint to resume from: the newest that verifies, and the clean-up of what cannot be.
+
+Pure over storage (no torch.distributed, no process group): the manager runs `choose_checkpoint` on rank 0
+and broadcasts the result. Newer directories that do not verify are dealt with on the way: an incomplete
+one (no manifest: a crash mid-persist) is deleted, a corrupt one (a manifest that does not verify) is moved
+aside for inspection; each is recorded as a `checkpoint_skipped` mark naming it and the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ettr.checkpoint.base import CheckpointStorage
+from ettr.checkpoint.commit import find_latest, list_checkpoints, quarantine
+from ettr.recorder import RecorderProtocol
+
+logger = logging.getLogger("ettr")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeChoice:
+    """What to resume from, and what is left in the root after the clean-up."""
+
+    step: int | None
+    """The step to load (None: nothing usable; with an exact step asked for, that step did not verify)."""
+    existing_steps: tuple[int, ...]
+    """Steps of every checkpoint directory under the root afterwards, oldest first."""
+
+
+def choose_checkpoint(
+    storage: CheckpointStorage,
+    *,
+    recorder: RecorderProtocol,
+    step: int | None = None,
+    checksums: bool = True,
+) -> ResumeChoice:
+    """The newest checkpoint that verifies (or exactly `step`), after removing newer unusable ones.
+
+    Args:
+        storage: the checkpoint root.
+        recorder: where each skipped directory is recorded (`checkpoint_skipped` marks).
+        step: resume exactly from this step (None: the newest that verifies).
+        checksums: re-read every file and check its CRC-32 (else sizes only).
+    """
+    resolution = find_latest(storage, checksums=checksums, at_most=step)
+    chosen = resolution.latest.step if resolution.latest is not None else None
+    if step is not None and chosen != step:
+        chosen = None
+    for name, reason in resolution.skipped:
+        recorder.mark("checkpoint_skipped", checkpoint=name, reason=reason)
+        if any(c.name == name and c.has_manifest for c in list_checkpoints(storage)):
+            moved = quarantine(storage, name)
+            logger.warning("ettr: moved corrupt checkpoint %s aside to %s", name, moved)
+        else:
+            storage.remove_tree(name)
+    return ResumeChoice(step=chosen, existing_steps=tuple(c.step for c in list_checkpoints(storage)))

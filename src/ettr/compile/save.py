@@ -1,0 +1,172 @@
+"""Saving what this process compiled and learned (part of `CompileSession`).
+
+`StoreSaver.persist_learned` writes the dynamic sources learned so far and the recompile reasons not yet
+written to the run directory (`<run_dir>/compile/dynamic.json`, for the next attempt); `save` does that
+and then saves the artifacts to the store if anything changed since the last save or restore. Only the
+`save_rank` process writes either. Neither raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ettr.compile import artifacts, dynamic
+from ettr.compile.config import CompileConfig
+from ettr.compile.hooks import CompileHooks
+from ettr.compile.key import StoreKey
+from ettr.compile.restore import EntryView, MarkFn
+from ettr.compile.store import CompileStore
+from ettr.recorder import RecorderProtocol
+
+logger = logging.getLogger("ettr")
+
+
+class StoreSaver:
+    """Writes learned sources to the run directory and artifacts to the store (see the module docstring).
+
+    Args:
+        rec: this process's recorder (`run_dir`, `rank`, `attempt`, `job_id`).
+        config: `save_rank`, `include_megacache`.
+        hooks: the compile records and recompile reasons seen so far.
+        store: the store, opened on first use (None: no store configured).
+        key: the entry's key.
+        view: what the store holds (shared with the restorer).
+        mark: where each save is reported.
+    """
+
+    def __init__(
+        self,
+        *,
+        rec: RecorderProtocol,
+        config: CompileConfig,
+        hooks: CompileHooks,
+        store: Callable[[], CompileStore | None],
+        key: Callable[[], StoreKey],
+        view: EntryView,
+        mark: MarkFn,
+    ) -> None:
+        self._rec, self._config, self._hooks = rec, config, hooks
+        self._store, self._key, self._view, self._mark = store, key, view, mark
+        self._lock = threading.Lock()
+        self._num_reasons_written = 0
+        self._sources_written: tuple[dynamic.DynamicSource, ...] = ()
+        self.last_save: dict[str, Any] | None = None
+        """The last save's report (status saved | error, sizes, time); None before (and for a skipped one)."""
+
+    @property
+    def saves_here(self) -> bool:
+        """Whether this process is the one that writes (`save_rank`, or every process when None)."""
+        return self._config.save_rank is None or self._rec.rank == self._config.save_rank
+
+    def learned_sources(
+        self, applied: tuple[dynamic.DynamicSource, ...]
+    ) -> tuple[dynamic.DynamicSource, ...]:
+        """Dynamic sources learned in this process (PGO profile and recompile reasons) plus `applied`."""
+        from_reasons = [s for reason in self._hooks.recompile_reasons for s in dynamic.from_reason(reason)]
+        return dynamic.merge(applied, dynamic.from_pgo(), from_reasons)
+
+    def persist_learned(
+        self, applied: tuple[dynamic.DynamicSource, ...]
+    ) -> tuple[dynamic.DynamicSource, ...]:
+        """Write the learned sources and the recompile reasons not written yet to the job's file
+        (`save_rank` only). Returns the learned sources."""
+        sources = self.learned_sources(applied)
+        run_dir = self._rec.run_dir
+        with self._lock:
+            records = [r for r in self._hooks.records if r.recompile_reason][self._num_reasons_written :]
+            if not self.saves_here or run_dir is None or (sources == self._sources_written and not records):
+                return sources
+            attempt = self._rec.attempt
+            reasons = [
+                {
+                    "ts": r.begin_ts,
+                    "reason": r.recompile_reason,
+                    "compile_id": r.compile_id,
+                    "attempt": attempt,
+                }
+                for r in records
+            ]
+            dynamic.save(dynamic.job_file(run_dir), sources, reasons)
+            self._num_reasons_written += len(records)
+            self._sources_written = sources
+        return sources
+
+    def save(
+        self,
+        *,
+        reason: str,
+        applied: tuple[dynamic.DynamicSource, ...],
+        batch_spec: Mapping[str, Any] | None,
+    ) -> bool:
+        """Persist what was learned, then save the artifacts if the entry would change. Returns True when
+        it saved; never raises (a failure is logged, reported as an error mark, and False)."""
+        begin = time.time()
+        saved = False
+        try:
+            sources = self.persist_learned(applied)
+            store = self._store()
+            if store is None or not self.saves_here:
+                return False
+            spec = batch_spec if batch_spec is not None else self._view.meta.get("batch_spec")
+            state = (
+                artifacts.collect_fingerprint(),
+                tuple(s.render() for s in sources),
+                json.dumps(spec, sort_keys=True),
+            )
+            if state == self._view.saved_state:
+                return False
+            info = self._save_entry(store, sources, spec, reason)
+            self._view.saved_state = state
+            saved = True
+            info["duration_s"] = time.time() - begin
+        except Exception as exc:
+            info = {
+                "action": "save",
+                "status": "error",
+                "reason": reason,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
+            logger.warning("ettr: saving compile artifacts failed (%s); the next start compiles again", exc)
+        self.last_save = info
+        self._mark(begin, info)
+        return saved
+
+    def _save_entry(
+        self,
+        store: CompileStore,
+        sources: tuple[dynamic.DynamicSource, ...],
+        spec: Any,
+        reason: str,
+    ) -> dict[str, Any]:
+        collected = artifacts.collect(
+            include_megacache=self._config.include_megacache,
+            compress=store.backend.compress,
+        )
+        files = collected.files
+        stored = dynamic.parse_many(self._view.meta.get("dynamic_sources", []))
+        meta = {
+            "archives": collected.listing,
+            "dynamic_sources": [s.render() for s in dynamic.merge(sources, stored)],
+            "job_id": self._rec.job_id,
+            "attempt": self._rec.attempt,
+            "num_compiles": len(self._hooks.records),
+            "num_recompiles": len(self._hooks.recompile_reasons),
+        }
+        if spec is not None:
+            meta["batch_spec"] = spec
+        key = self._key()
+        size = store.save(key, files, meta=meta)
+        return {
+            "action": "save",
+            "status": "saved",
+            "reason": reason,
+            "digest": key.digest,
+            "entry_bytes": size,
+            "artifacts": sorted(files),
+            "location": store.backend.describe(),
+        }
