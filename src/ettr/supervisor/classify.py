@@ -118,6 +118,9 @@ def classify(
     if hung_after_s is not None:
         outcome = Outcome.HUNG
         reason = f"no progress and no heartbeat for {hung_after_s:.1f} s; {how}"
+    elif preempted_by == signal.SIGINT:
+        outcome = Outcome.INTERRUPTED
+        reason = f"interrupted (SIGINT forwarded to the job); {how}"
     elif preempted_by is not None:
         outcome = Outcome.PREEMPTED
         reason = f"{signal_name(preempted_by)} forwarded to the job; {how}"
