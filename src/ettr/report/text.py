@@ -147,7 +147,7 @@ def _delta(values: Sequence[float | None], fmt: str) -> str:
     return ("+" if change >= 0 else "") + fmt.format(change)
 
 
-_SHOWN_FAILURE_KEYS = ("exception", "message", "stderr_tail", "reason", "process_failure")
+_SHOWN_FAILURE_KEYS = ("exception", "message", "stderr_tail", "reason", "process_failure", "injected")
 
 
 def _failure_lines(index: int, outcome: str, failure: Mapping[str, Any], num_tail: int = 3) -> list[str]:
@@ -165,7 +165,9 @@ def _failure_lines(index: int, outcome: str, failure: Mapping[str, Any], num_tai
     if isinstance(tail, list) and tail:
         lines.append("    last stderr lines:")
         lines += [f"      {str(line)[:200]}" for line in tail[-num_tail:]]
-    rest = {k: v for k, v in failure.items() if k not in _SHOWN_FAILURE_KEYS and v not in (None, False, [], "")}
+    rest = {
+        k: v for k, v in failure.items() if k not in _SHOWN_FAILURE_KEYS and v not in (None, False, [], "")
+    }
     if rest:
         lines.append(f"    {_compact(rest)}")
     return lines
