@@ -132,7 +132,9 @@ def naive_bucket(t: float, report: EttReport, events: list[Event]) -> Bucket:
     if winner is not None:
         return Bucket(winner)
     if t >= steps[-1][0]:
-        return Bucket.SHUTDOWN if completed else Bucket.WASTED_PROGRESS
+        stopped = a.outcome in (Outcome.PREEMPTED, Outcome.INTERRUPTED)
+        all_kept = max(s for _, s in steps) <= keep_up_to(position, report, events)
+        return Bucket.SHUTDOWN if completed or (stopped and all_kept) else Bucket.WASTED_PROGRESS
     step = steps[bisect.bisect_right([s for s, _ in steps], t)][1]
     return (
         Bucket.EFFECTIVE_TRAINING if step <= keep_up_to(position, report, events) else Bucket.WASTED_PROGRESS

@@ -70,14 +70,20 @@ def _add_run(p: argparse.ArgumentParser) -> None:
         "WHEN step=N|time=S|checkpoint (repeatable)",
     )
     p.add_argument(
-        "--hang-timeout", type=_positive_float, help="seconds without progress that count as a hang"
+        "--hang-timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="seconds without progress that count as a hang (default 300, armed after the first sign of life)",
     )
     p.add_argument("--submitted-at", type=parse_time, metavar="TIME", help="when the job was submitted")
     p.add_argument(
         "--allocated-at", type=parse_time, metavar="TIME", help="when its resources were allocated"
     )
     p.add_argument("--no-auto", action="store_true", help="no zero-code instrumentation of Python children")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...] (python or torchrun)")
+    p.add_argument(
+        "command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]", help="python or torchrun command"
+    )
+    p.usage = "%(prog)s [options] -- COMMAND [ARGS...]"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -111,6 +117,7 @@ def _report(args: argparse.Namespace) -> int:
         from ettr.report.html import write_html
 
         write_html(reports, args.html)
+        print(f"ettr report: wrote {args.html}", file=sys.stderr)
     if args.json:
         # Segments (the full timeline) can run to megabytes for long jobs; the HTML report draws them.
         payload = [to_dict(r, include_segments=False) for r in reports]
@@ -258,12 +265,55 @@ _COMMANDS: dict[
 }
 
 
+_EXAMPLES = {
+    "run": """examples:
+  ettr run -- python train.py                        # zero-code: record, restart up to 3 times
+  ettr run --max-restarts 5 --inject crash@step=50 -- torchrun --nproc-per-node 2 train.py
+  ettr run --run-dir runs/my-job -- python train.py  # a requeue: the same run dir continues the job
+the hang timeout is 300 s without progress (armed after the first sign of life) unless --hang-timeout""",
+    "report": """examples:
+  ettr report runs/my-job                    # terminal report
+  ettr report runs/my-job --json             # the ettr.report/1 schema
+  ettr report runs/base runs/opt --html cmp.html   # compare runs, write an HTML page""",
+    "interval": """examples:
+  ettr interval --blocking 15 --failures-per-day 3          # ~15.5 min
+  ettr interval --blocking 2 --failures-per-day 10 --json""",
+    "demo": """examples:
+  ettr demo                 # baseline vs optimized reference job (several minutes)
+  ettr demo --quick --out /tmp/demo""",
+    "publish": """examples:
+  ettr publish runs/publish-queue           # build every queued artifact, then exit
+  ettr publish runs/publish-queue --watch   # keep serving the queue as a worker""",
+    "compile-report": """examples:
+  ettr compile-report runs/my-job
+  ettr compile-report runs/my-job --json""",
+}
+
+
+def _version() -> str:
+    from ettr import __version__
+
+    return f"ettr {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ettr", description="Effective Training Time for PyTorch jobs.")
+    parser = _Parser(
+        prog="ettr",
+        description="Effective Training Time for PyTorch jobs.",
+        epilog="run 'ettr COMMAND --help' for a command's flags and examples",
+    )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
     for name, (help_text, add, _handler) in _COMMANDS.items():
-        # argparse %-formats `help` (not `description`): a literal % must be doubled there.
-        add(sub.add_parser(name, help=help_text.replace("%", "%%"), description=help_text))
+        sub_parser = sub.add_parser(
+            name,
+            # argparse %-formats `help` (not `description`): a literal % must be doubled there.
+            help=help_text.replace("%", "%%"),
+            description=help_text,
+            epilog=_EXAMPLES.get(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        add(sub_parser)
     return parser
 
 

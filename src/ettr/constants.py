@@ -10,6 +10,8 @@ EXIT_USAGE = 2
 """Every command: bad usage or bad input (one line on stderr)."""
 EXIT_PREEMPTED = 143
 """128 + SIGTERM: preempted and not restarted (`ettr run`), or a job that saved on SIGTERM and exits."""
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT: `ettr run` interrupted by the user (Ctrl-C) and not restarted, as a shell reports it."""
 
 SECONDS_PER_HOUR = 3_600.0
 SECONDS_PER_DAY = 86_400.0

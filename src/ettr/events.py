@@ -122,6 +122,7 @@ class Outcome(StrEnum):
     FAILED = "failed"
     PREEMPTED = "preempted"
     HUNG = "hung"
+    INTERRUPTED = "interrupted"  # stopped by the user (SIGINT / Ctrl-C): neither a failure nor a preemption
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from ettr.errors import UsageError
-from ettr.events import EventKind
+from ettr.events import Event, EventKind
 from ettr.run_env import INJECT_ENV, RunEnv
 
 if TYPE_CHECKING:
@@ -337,6 +337,16 @@ class Injector:
             self._actions.hang()
         else:
             self._actions.preempt(self._preempt_wait_s if on_training_thread else 0.0)
+
+
+def unfired_specs(specs: Sequence[FaultSpec], events: Iterable[Event]) -> list[FaultSpec]:
+    """The specs of `specs` that no process recorded firing (the `inject` MARK) in `events`."""
+    fired = {
+        e.data.get("spec")
+        for e in events
+        if e.kind is EventKind.MARK and e.data is not None and e.data.get("name") == "inject"
+    }
+    return [spec for spec in specs if str(spec) not in fired]
 
 
 _active: Injector | None = None

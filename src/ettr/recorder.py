@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ettr.events import URGENT_KINDS, Event, EventKind, Phase
 from ettr.ledger import Ledger
+from ettr.ledger.rows import as_int
 from ettr.tracing import dynamo_is_tracing
 from ettr.warn import WarnOnce
 
@@ -245,6 +246,10 @@ class Recorder:
         try:
             if dynamo_is_tracing():  # a record while Dynamo traces would break the user's graph
                 return
+            if step is not None and type(step) is not int:
+                step = self._step_number(step)
+                if step is None:
+                    return
             if ts is None:
                 ts = time.time()
             if self.enabled:
@@ -294,6 +299,11 @@ class Recorder:
 
         `auto=True` is for the zero-code bootstrap: its guesses stop once user code calls `step` itself.
         """
+        if type(step) is not int:
+            coerced = self._step_number(step)
+            if coerced is None:
+                return
+            step = coerced
         if auto:
             if self.explicit_steps:
                 return
@@ -306,6 +316,14 @@ class Recorder:
                 listener(step)
             except Exception as exc:
                 self._warn_once("step listener", exc)
+
+    def _step_number(self, step: Any) -> int | None:
+        # numpy ints and 0-d integer tensors (Adam's state['step']) are step numbers; anything else is dropped.
+        try:
+            return as_int(step)
+        except (TypeError, ValueError, RuntimeError):
+            self._warn_once("step number", TypeError(f"{type(step).__name__} {step!r:.40} is not an integer"))
+            return None
 
     def training_started(self) -> None:
         """The training loop begins now (ends the start-up region of this attempt)."""

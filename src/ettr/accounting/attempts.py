@@ -397,7 +397,7 @@ def _mark_kept_steps(attempts: list[Attempt], commits: list[CheckpointCommit]) -
             committed = [c.step for c in commits if c.ts <= final_ts and c.step is not None]
             keep = float(max(committed)) if committed else -math.inf
         attempt.keep_up_to_step = keep
-        attempt.lost_steps = sum(1 for step in attempt.step_numbers if step > keep)
+        attempt.lost_steps = len({step for step in attempt.step_numbers if step > keep})
 
 
 def data_of(event: Event) -> Mapping[str, Any]:

@@ -140,7 +140,7 @@ def _attempt_report(attempt: Attempt, buckets: Mapping[Bucket, list[float]] | No
         lost_steps=attempt.lost_steps,
         buckets_s=MappingProxyType({b: math.fsum(buckets[b]) if buckets else 0.0 for b in Bucket}),
         training_start_ts=attempt.training_start_ts,
-        num_steps=len(attempt.step_numbers),
+        num_steps=len(set(attempt.step_numbers)),  # a step recorded twice (hook and script) is one step
         reference_rank=attempt.reference_rank,
         closed_by_accounting=attempt.closed_by_accounting,
         failure=None if attempt.failure is None else MappingProxyType(dict(attempt.failure)),

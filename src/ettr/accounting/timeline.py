@@ -102,10 +102,23 @@ def _base_regions(attempt: Attempt, *, is_last: bool) -> tuple[list[float], list
     if attempt.outcome == Outcome.COMPLETED:
         buckets.append(Bucket.SHUTDOWN)
         regions.append(_LOCKED if is_last else _TRAINING)
+    elif _stopped_with_everything_kept(attempt):
+        # A clean preemption (or Ctrl-C) whose every step was kept: nothing after its last step was lost,
+        # the time to the end is its save and teardown.
+        buckets.append(Bucket.SHUTDOWN)
+        regions.append(_TRAINING)
     else:  # from the last step to the failure (including its detection): progress that was lost
         buckets.append(wasted)
         regions.append(_TRAINING)
     return ends, buckets, regions
+
+
+def _stopped_with_everything_kept(attempt: Attempt) -> bool:
+    return (
+        attempt.outcome in (Outcome.PREEMPTED, Outcome.INTERRUPTED)
+        and bool(attempt.step_numbers)
+        and max(attempt.step_numbers) <= attempt.keep_up_to_step
+    )
 
 
 def _sweep_attempt(segments: list[list], attempt: Attempt, *, is_last: bool) -> None:

@@ -129,11 +129,10 @@ class CheckpointHooks:
         before_training = self.steps.num_steps == 0 and not self.rec.explicit_steps
         if step is None and not before_training:
             return
-        if self.rec.is_open(Phase.RESTORE):  # the script records its own restore and resume step
-            if step is not None and before_training:
-                self.steps.resumed(step)
-            return
-        self.rec.span(Phase.RESTORE, begin, step=step, path=path)
+        # Inside the script's own RESTORE phase the span is the script's; the resume is still recorded (a
+        # later `ettr.resumed_from` by the script wins: the accounting takes an attempt's last RESUMED).
+        if not self.rec.is_open(Phase.RESTORE):
+            self.rec.span(Phase.RESTORE, begin, step=step, path=path)
         if step is not None and before_training and not self._resumed:
             self._resumed = True
             self.steps.resumed(step)

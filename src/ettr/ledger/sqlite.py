@@ -7,17 +7,16 @@ checksums make recovery ignore a torn final frame, so a crash mid-write never co
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sqlite3
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from ettr.events import SCHEMA_VERSION, Event, EventKind, Phase
+from ettr.events import SCHEMA_VERSION, Event
 from ettr.ledger.base import LedgerError
+from ettr.ledger.rows import from_row, to_row
 
 logger = logging.getLogger("ettr")
 
@@ -39,15 +38,6 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_by_attempt ON events (attempt, ts);
 """
 
-_KINDS = {k.value: k for k in EventKind}
-_PHASES = {p.value: p for p in Phase}
-
-
-def _row(event: Event) -> tuple[Any, ...]:
-    data = None if event.data is None else json.dumps(event.data, default=str, separators=(",", ":"))
-    phase = None if event.phase is None else event.phase.value
-    return (event.ts, event.kind.value, event.attempt, event.rank, phase, event.step, event.value, data)
-
 
 class SqliteLedger:
     """A `Ledger` in `run_dir/ledger.db`.
@@ -66,6 +56,8 @@ class SqliteLedger:
         if create:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._num_dropped = 0
+        self.num_skipped = 0  # rows the last read() could not use
         try:
             self._conn = sqlite3.connect(
                 self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
@@ -85,7 +77,11 @@ class SqliteLedger:
             row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         except sqlite3.DatabaseError as exc:
             raise LedgerError(f"{self.path} is not a readable ettr ledger ({exc})") from None
-        if row is None or int(row[0]) > SCHEMA_VERSION:
+        try:
+            version = None if row is None else int(row[0])
+        except (TypeError, ValueError):
+            version = None
+        if version is None or version > SCHEMA_VERSION:
             found = "none" if row is None else row[0]
             raise LedgerError(
                 f"{self.path}: ledger schema {found} is not supported (need <= {SCHEMA_VERSION})"
@@ -94,7 +90,16 @@ class SqliteLedger:
     def append(self, events: Sequence[Event]) -> None:
         if not events:
             return
-        rows = [_row(e) for e in events]
+        rows = []
+        for event in events:
+            try:
+                rows.append(to_row(event))
+            except (TypeError, ValueError, OverflowError) as exc:  # one bad event never costs its batch
+                self._num_dropped += 1
+                if self._num_dropped == 1:
+                    logger.warning("ettr: %s: dropped an event that cannot be stored (%s)", self.path, exc)
+        if not rows:
+            return
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -118,17 +123,13 @@ class SqliteLedger:
                 raise LedgerError(f"{self.path} cannot be read ({exc})") from None
         events: list[Event] = []
         num_skipped = 0
-        for ts, kind, attempt, rank, phase, step, value, data in rows:
-            kind_enum = _KINDS.get(kind)
-            phase_enum = None if phase is None else _PHASES.get(phase)
-            if kind_enum is None or (phase is not None and phase_enum is None):
-                num_skipped += 1  # written by a newer ettr: keep reading what we understand
-                continue
-            try:
-                payload = None if data is None else json.loads(data)
-            except ValueError:
-                payload, num_skipped = None, num_skipped + 1
-            events.append(Event(kind_enum, ts, attempt, rank, phase_enum, step, value, payload))
+        for row in rows:
+            event = from_row(*row)
+            if event is None:  # written by a newer ettr, or damaged: keep reading what we understand
+                num_skipped += 1
+            else:
+                events.append(event)
+        self.num_skipped = num_skipped
         if num_skipped:
             logger.warning("ettr: %s: skipped %d unreadable ledger records", self.path, num_skipped)
         return events

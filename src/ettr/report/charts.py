@@ -51,6 +51,7 @@ OUTCOME_COLORS: Mapping[Outcome, str] = MappingProxyType(
         Outcome.FAILED: "#d62728",
         Outcome.PREEMPTED: "#f07f19",
         Outcome.HUNG: "#9c2f8a",
+        Outcome.INTERRUPTED: "#7f7f7f",
     }
 )
 

@@ -57,7 +57,7 @@ def render(report: EttReport) -> str:
     lines += _table(header, rows, indent="  ", left=frozenset({1})) if rows else ["  (no attempt recorded)"]
     for a in report.attempts:
         if a.failure:
-            lines.append(f"  attempt {a.index} {a.outcome.value}: {_compact(a.failure)}")
+            lines += _failure_lines(a.index, a.outcome.value, a.failure)
 
     lines += ["", "phases (reference rank, raw seconds; they may overlap)"]
     if report.phases_s:
@@ -145,6 +145,32 @@ def _delta(values: Sequence[float | None], fmt: str) -> str:
         return "-"
     change = second - first
     return ("+" if change >= 0 else "") + fmt.format(change)
+
+
+_SHOWN_FAILURE_KEYS = ("exception", "message", "stderr_tail", "reason", "process_failure", "injected")
+
+
+def _failure_lines(index: int, outcome: str, failure: Mapping[str, Any], num_tail: int = 3) -> list[str]:
+    """`attempt 1 failed: exit status 1` / `ValueError: bad batch` / the last stderr lines / the rest."""
+    process = failure.get("process_failure")
+    process = process if isinstance(process, Mapping) else {}
+    exception = failure.get("exception") or process.get("exception")
+    message = failure.get("message") or process.get("message")
+    reason = failure.get("reason")
+    lines = [f"  attempt {index} {outcome}: {reason}" if reason else f"  attempt {index} {outcome}"]
+    if exception:
+        where = f" (rank {process['rank']})" if "rank" in process else ""
+        lines.append(f"    {exception}: {message}{where}" if message else f"    {exception}{where}")
+    tail = failure.get("stderr_tail")
+    if isinstance(tail, list) and tail:
+        lines.append("    last stderr lines:")
+        lines += [f"      {str(line)[:200]}" for line in tail[-num_tail:]]
+    rest = {
+        k: v for k, v in failure.items() if k not in _SHOWN_FAILURE_KEYS and v not in (None, False, [], "")
+    }
+    if rest:
+        lines.append(f"    {_compact(rest)}")
+    return lines
 
 
 def _compact(data: Mapping[str, Any], limit: int = 160) -> str:

@@ -34,6 +34,8 @@ class AttemptEnd:
     """One line for people: what ended the attempt."""
     exception: str | None = None
     """Type name of the Python exception that ended a training process, when known."""
+    message: str | None = None
+    """That exception's message, when known (`Type: message` is what people look for)."""
     oom: bool = False
     """The attempt ran out of memory (an OOM exception, or the kernel's OOM killer)."""
     stderr_tail: tuple[str, ...] = field(default_factory=tuple)
@@ -49,6 +51,7 @@ class AttemptEnd:
             "signal": self.signal,
             "reason": self.reason,
             "exception": self.exception,
+            "message": self.message,
             "oom": self.oom,
             "stderr_tail": list(self.stderr_tail),
             "injected": self.injected,
@@ -62,8 +65,8 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def exception_from_stderr(lines: Sequence[str]) -> str | None:
-    """The exception type of the last Python traceback in `lines` (None if there is none)."""
+def exception_line_from_stderr(lines: Sequence[str]) -> tuple[str, str | None] | None:
+    """(type, message) of the last Python traceback's exception line in `lines` (None if there is none)."""
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
     if not starts:
         return None
@@ -71,10 +74,18 @@ def exception_from_stderr(lines: Sequence[str]) -> str | None:
     for line in lines[starts[-1] + 1 :]:
         if line[:1].isspace():
             continue
-        match = _EXCEPTION_LINE.match(line.strip())
+        text = line.strip()
+        match = _EXCEPTION_LINE.match(text)
         if match:
-            found = match.group(1).rsplit(".", 1)[-1]
+            _, _, message = text.partition(":")
+            found = (match.group(1).rsplit(".", 1)[-1], message.strip() or None)
     return found
+
+
+def exception_from_stderr(lines: Sequence[str]) -> str | None:
+    """The exception type of the last Python traceback in `lines` (None if there is none)."""
+    found = exception_line_from_stderr(lines)
+    return None if found is None else found[0]
 
 
 def classify(
@@ -98,16 +109,20 @@ def classify(
     """
     sig = -returncode if returncode < 0 else None
     exit_code = 128 + sig if sig is not None else returncode
-    exception = None
+    exception: str | None = None
+    message: str | None = None
     injected = None
     for e in events:
         data = e.data or {}
         if e.kind is EventKind.FAILURE and exception is None and data.get("exception"):
             exception = str(data["exception"])
+            message = str(data["message"])[:500] if data.get("message") else None
         elif e.kind is EventKind.MARK and data.get("name") == "inject" and injected is None:
             injected = str(data.get("spec"))
     if exception is None and returncode != 0:
-        exception = exception_from_stderr(stderr_tail)
+        found = exception_line_from_stderr(stderr_tail)
+        if found is not None:
+            exception, message = found
     tail_text = "\n".join(stderr_tail)
     oom = (
         (sig == signal.SIGKILL and oom_killed)
@@ -118,6 +133,9 @@ def classify(
     if hung_after_s is not None:
         outcome = Outcome.HUNG
         reason = f"no progress and no heartbeat for {hung_after_s:.1f} s; {how}"
+    elif preempted_by == signal.SIGINT:
+        outcome = Outcome.INTERRUPTED
+        reason = f"interrupted (SIGINT forwarded to the job); {how}"
     elif preempted_by is not None:
         outcome = Outcome.PREEMPTED
         reason = f"{signal_name(preempted_by)} forwarded to the job; {how}"
@@ -140,6 +158,7 @@ def classify(
         signal=signal_name(sig) if sig is not None else None,
         reason=reason,
         exception=exception,
+        message=message,
         oom=oom,
         stderr_tail=tuple(stderr_tail),
         injected=injected,

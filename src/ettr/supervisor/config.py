@@ -3,9 +3,43 @@
 from __future__ import annotations
 
 import math
+import re
+import time
 from dataclasses import dataclass
 
 from ettr.inject import FaultSpec
+
+JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+"""A job id: a letter or digit, then letters, digits and `._+-` (128 at most): safe as a directory name and
+in a shell command, never `.` or `..`."""
+
+_CLOCK_SKEW_S = 300.0  # how far in the future a given time may be (clocks of submit hosts differ a little)
+
+
+def check_job_id(job_id: str) -> str:
+    """`job_id` if it is a safe id (see JOB_ID_PATTERN); ValueError saying what is allowed otherwise."""
+    if not JOB_ID_PATTERN.fullmatch(job_id):
+        raise ValueError(
+            f"job_id {job_id!r} is not allowed (use letters, digits and ._+- , starting with a letter or "
+            "digit, at most 128 characters)"
+        )
+    return job_id
+
+
+def check_job_times(submitted_at: float | None, allocated_at: float | None, *, now: float) -> None:
+    """Refuse times that cannot be: not finite, in the future, or an allocation before the submission."""
+    for name, value in (("submitted-at", submitted_at), ("allocated-at", allocated_at)):
+        if value is None:
+            continue
+        if not math.isfinite(value):
+            raise ValueError(f"--{name} {value} is not a time")
+        if value > now + _CLOCK_SKEW_S:
+            raise ValueError(f"--{name} is {value - now:.0f} s in the future (give when it happened)")
+    if submitted_at is not None and allocated_at is not None and allocated_at < submitted_at:
+        raise ValueError(
+            f"--allocated-at is {submitted_at - allocated_at:.0f} s before --submitted-at "
+            "(a job is allocated after it is submitted)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,5 +96,6 @@ class RunConfig:
             self.hang_timeout_s > 0 and math.isfinite(self.hang_timeout_s)
         ):
             raise ValueError(f"hang_timeout_s must be a finite number > 0, got {self.hang_timeout_s}")
-        if self.job_id is not None and (not self.job_id or "/" in self.job_id):
-            raise ValueError(f"job_id must be a non-empty name without '/', got {self.job_id!r}")
+        if self.job_id is not None:
+            check_job_id(self.job_id)
+        check_job_times(self.submitted_at, self.allocated_at, now=time.time())

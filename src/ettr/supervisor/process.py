@@ -22,6 +22,13 @@ from ettr.procs import descendants, libc_prctl, set_parent_death_signal, start_t
 logger = logging.getLogger("ettr")
 
 
+def _stdin_is_terminal() -> bool:
+    try:
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
 class AttemptProcess:
     """The running command of one attempt.
 
@@ -39,7 +46,15 @@ class AttemptProcess:
         parent = os.getpid()
         prctl = libc_prctl()  # resolved before the fork: the child only calls it
 
+        # Without a terminal, the job gets a process group of its own: a signal to the supervisor's group
+        # (`kill -INT -PGID`, a CI runner) then reaches the job once, forwarded by the supervisor, not twice.
+        # On a terminal it stays in the foreground group, so that it may read the terminal (pdb) and a
+        # Ctrl-C reaches it directly (the supervisor then does not forward it).
+        own_group = not _stdin_is_terminal()
+
         def in_child() -> None:  # runs between fork and exec: the supervisor has no other thread then
+            if own_group:
+                os.setpgid(0, 0)
             set_parent_death_signal(signal.SIGKILL, prctl)
             if os.getppid() != parent:  # the supervisor died before the line above took effect
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -26,10 +27,11 @@ from types import FrameType
 from typing import Any
 
 from ettr.closing import recorded_job_id
-from ettr.constants import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED
+from ettr.constants import EXIT_COMPLETED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.heartbeat import latest_heartbeat
+from ettr.inject import FaultKind, unfired_specs
 from ettr.ledger import LedgerError, open_ledger
 from ettr.procs import start_ticks
 from ettr.supervisor import books
@@ -95,8 +97,15 @@ class Supervisor:
             previous = self._ledger.read()
         except (LedgerError, OSError) as exc:
             raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {exc}") from None
+        recorded_id = recorded_job_id(previous)
         if self.config.job_id is None:  # a requeued job continues under the id it started with
-            self.job_id = recorded_job_id(previous) or self.job_id
+            self.job_id = recorded_id or self.job_id
+        elif recorded_id is not None and recorded_id != self.config.job_id:
+            self._ledger.close()
+            raise UsageError(
+                f"ettr run: {self.run_dir} holds job {recorded_id!r}, not {self.config.job_id!r} "
+                "(give another --run-dir, or drop --job-id to continue that job)"
+            )
         live = books.live_supervisor(previous)
         if live is not None:
             self._ledger.close()
@@ -108,6 +117,9 @@ class Supervisor:
         if closing:
             self._ledger.append(closing)
             _say(f"closed {len(closing)} attempt(s) a killed supervisor left open in {self.run_dir}")
+        first_attempt = books.next_attempt(previous)
+        if previous:
+            _say(f"continuing job {self.job_id} in {self.run_dir} (attempt {first_attempt})")
         cfg = self.config
         times = job_times(submitted_at=cfg.submitted_at, allocated_at=cfg.allocated_at)
         known = {e.kind for e in previous}
@@ -128,7 +140,7 @@ class Supervisor:
             inject=[str(s) for s in cfg.inject],
             auto=cfg.auto,
         )
-        return books.next_attempt(previous)
+        return first_attempt
 
     # -- signals -----------------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -219,6 +231,20 @@ class Supervisor:
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
         )
 
+    def _stopped_status(self) -> int:
+        return EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED
+
+    def _say_unfired(self) -> None:
+        if not self.config.inject:
+            return
+        try:
+            events = self._ledger.read()
+        except Exception:
+            return
+        for spec in unfired_specs(self.config.inject, events):
+            why = "" if self.config.auto else " (--no-auto: only an instrumented process can fire it)"
+            _say(f"injected fault {spec} never fired{why}")
+
     def _last_activity(self, attempt: int) -> float | None:
         probe = getattr(self._ledger, "last_activity", None)
         return None if probe is None else probe(attempt)
@@ -236,6 +262,11 @@ class Supervisor:
         cfg = self.config
         _check_command(cfg.command)
         first = self._open_books()
+        if cfg.hang_timeout_s is None and any(s.kind is FaultKind.HANG for s in cfg.inject):
+            _say(
+                f"a hang is injected without --hang-timeout: it is detected after the default "
+                f"{cfg.default_hang_timeout_s:g} s without progress"
+            )
         previous_handlers = self._install_signals()
         status = EXIT_FAILED
         num_attempts = 0
@@ -243,7 +274,7 @@ class Supervisor:
         try:
             for restart in range(cfg.max_restarts + 1):
                 if self._signal is not None:
-                    status = EXIT_PREEMPTED
+                    status = self._stopped_status()
                     break
                 attempt = first + restart
                 num_attempts += 1
@@ -254,7 +285,7 @@ class Supervisor:
                     break
                 if self._signal is not None:
                     _say(f"attempt {attempt} {last.outcome}: {last.reason}; not restarting")
-                    status = EXIT_PREEMPTED
+                    status = self._stopped_status()
                     break
                 if restart == cfg.max_restarts:
                     _say(f"attempt {attempt} {last.outcome}: {last.reason}; no restarts left")
@@ -279,8 +310,13 @@ class Supervisor:
                 num_attempts=num_attempts,
                 outcome=None if last is None else last.outcome.value,
             )
+            self._say_unfired()
             self._ledger.close()
-        _say(f"job {self.job_id} ended with status {status}; report: ettr report {self.run_dir}")
+        run_dir = shlex.quote(str(self.run_dir))
+        _say(f"job {self.job_id} ended with status {status}; report: ettr report {run_dir}")
+        if status in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+            command = shlex.join(["ettr", "run", "--run-dir", str(self.run_dir), "--", *self.config.command])
+            _say(f"to continue it (a requeue): {command}")
         return status
 
 

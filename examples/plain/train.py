@@ -1,0 +1,45 @@
+"""A plain PyTorch job that knows nothing of ettr: `ettr run -- python examples/plain/train.py`.
+
+It trains a small MLP on synthetic data, saves a checkpoint every `--save-every` steps (to a temporary file,
+renamed into place, so a crash mid-save never leaves a half-written checkpoint) and resumes from it when it
+starts again, which is all `ettr run` needs to restart it after a failure and to tell kept from lost work.
+"""
+
+import argparse
+import os
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--ckpt", default="checkpoints/plain.pt")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    start = 0
+    if os.path.exists(args.ckpt):  # resume: ettr sees this load and records the step it resumes from
+        state = torch.load(args.ckpt)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+    for step in range(start, args.steps):
+        x = torch.randn(256, 32)
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()  # ettr counts optimizer steps as training steps
+        if (step + 1) % args.save_every == 0:
+            os.makedirs(os.path.dirname(args.ckpt) or ".", exist_ok=True)
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
+            torch.save(state, args.ckpt + ".tmp")
+            os.replace(args.ckpt + ".tmp", args.ckpt)  # the checkpoint is complete only now
+    print(f"trained {args.steps} steps, loss {loss.item():.4f}")
+
+
+if __name__ == "__main__":
+    main()
