@@ -280,10 +280,12 @@ def test_rank_tracks_hold_phases_steps_commits_and_failures() -> None:
 def test_odd_event_data_becomes_plain_json() -> None:
     events = job_events()
     events.append(Event(K.MARK, T0 + 6, 0, 0, data={"name": "odd", "x": math.nan, "obj": object()}))
+    events.append(Event(K.MARK, math.nan, 0, 0, data={"name": "no time"}))  # left out, as the accounting does
     trace = to_trace(events, report_of(events))
     check_trace(trace)
     (mark,) = _by(trace, ph="i", name="mark: odd")
     assert mark["args"]["x"] is None and isinstance(mark["args"]["obj"], str)
+    assert not _by(trace, name="mark: no time")
 
 
 @settings(max_examples=60, deadline=None)

@@ -23,6 +23,7 @@ Timestamps are integer microseconds from the trace origin (the job's wall start,
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter
@@ -71,7 +72,8 @@ def to_trace(events: Iterable[Event], report: EttReport) -> dict[str, Any]:
     `events` are the job's events (any order) and `report` is `accounting.compute` of them. Complete events
     ("X") carry ``dur >= 0``; on each track they are emitted by start time and properly nested.
     """
-    ordered = sorted(events, key=attrgetter("ts"))
+    # As the accounting: an event without a finite time cannot be placed.
+    ordered = sorted((e for e in events if math.isfinite(e.ts)), key=attrgetter("ts"))
     origin = min([report.wall_start_ts, *(e.ts for e in ordered[:1])])
 
     def us(ts: float) -> int:
@@ -86,9 +88,13 @@ def to_trace(events: Iterable[Event], report: EttReport) -> dict[str, Any]:
     out += _thread(PID_SUPERVISOR, TID_ATTEMPTS, "attempts", 0)
     out += _thread(PID_SUPERVISOR, TID_SUPERVISOR_EVENTS, "supervisor events", 1)
     out += _supervisor(ordered, report, us)
-    ranks = sorted({e.rank for e in ordered if e.rank >= 0})
+    by_rank: dict[int, list[Event]] = {}
+    for e in ordered:
+        if e.rank >= 0:
+            by_rank.setdefault(e.rank, []).append(e)
+    ranks = sorted(by_rank)
     for rank in ranks:
-        out += _rank(rank, [e for e in ordered if e.rank == rank], report, us)
+        out += _rank(rank, by_rank[rank], report, us)
     return {
         "traceEvents": out,
         "displayTimeUnit": "ms",
@@ -243,9 +249,11 @@ def _rank(rank: int, ordered: Sequence[Event], report: EttReport, us: _Clock) ->
     out = _process(pid, f"rank {rank}", 10 + rank)
     spans = {a.index: (a.start_ts, a.end_ts) for a in report.attempts}
     phases: list[tuple[int, int, str, dict[str, Any]]] = []
-    for attempt in sorted({e.attempt for e in ordered}):
+    by_attempt: dict[int, list[Event]] = {}
+    for e in ordered:
+        by_attempt.setdefault(e.attempt, []).append(e)
+    for attempt, mine in sorted(by_attempt.items()):
         start_ts, end_ts = spans.get(attempt, (report.wall_start_ts, report.wall_end_ts))
-        mine = [e for e in ordered if e.attempt == attempt]
         for begin, end, phase, name in pair_phases(mine, start_ts, end_ts):
             bucket = PHASE_BUCKET.get(phase) if phase is not None else None
             # As the accounting: a background phase (persist) or an unknown one keeps its raw duration only.
