@@ -145,9 +145,11 @@ def test_an_unknown_tts_or_no_recovery_writes_no_made_up_value(tmp_path: Path) -
 
 def test_run_logdirs_one_run_in_dir_several_in_unique_subdirs(tmp_path: Path) -> None:
     assert run_logdirs(tmp_path, ["a"]) == [tmp_path]
-    assert run_logdirs(tmp_path, ["a", "b/../x", "a"]) == [
+    # Labels come from report.labels.run_labels: "a/job" is a nested run; odd characters become "_".
+    assert run_logdirs(tmp_path, ["a", "b/job", "c d/job", "a"]) == [
         tmp_path / "a",
-        tmp_path / "b_.._x",
+        tmp_path / "b" / "job",
+        tmp_path / "c_d" / "job",
         tmp_path / "a-2",
     ]
 

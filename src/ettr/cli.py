@@ -124,12 +124,13 @@ def _report(args: argparse.Namespace) -> int:
     loaded = [load(d) for d in args.run_dirs]
     reports = [report for _events, report in loaded]
     from ettr.report.json import to_dict
+    from ettr.report.labels import run_labels
     from ettr.report.text import render, render_comparison
 
     if args.html:
         from ettr.report.html import write_html
 
-        write_html(reports, args.html)
+        write_html(reports, args.html, labels=run_labels(args.run_dirs))
     if args.trace:
         from ettr.report.trace import write_trace
 
@@ -151,7 +152,7 @@ def _report(args: argparse.Namespace) -> int:
             print("\ninit communication audit (start-up collectives and process groups, per init stage)")
             print(audit)
     else:
-        print(render_comparison(reports))
+        print(render_comparison(reports, labels=run_labels(args.run_dirs)))
     return 0
 
 

@@ -29,6 +29,7 @@ from ettr.accounting import EttReport
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import Bucket
+from ettr.report.labels import run_labels
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,18 +97,19 @@ def require_tensorboard() -> None:
         ) from None
 
 
-def run_logdirs(logdir: str | os.PathLike[str], names: Sequence[str]) -> list[Path]:
-    """Where each run's event file goes: `logdir` itself for one run; for several, one subdirectory per run
-    (TensorBoard shows each as a run), named after `names` (the run directories' names), made unique."""
+def run_logdirs(logdir: str | os.PathLike[str], labels: Sequence[str]) -> list[Path]:
+    """Where each run's event file goes: `logdir` itself for one run; for several, one directory per run
+    (TensorBoard shows each as a run) at `labels` (`report.labels.run_labels` of the run directories: `a/job`
+    is the nested `logdir/a/job`), a repeated one suffixed `-2`, `-3`..."""
     root = Path(logdir)
-    if len(names) == 1:
+    if len(labels) == 1:
         return [root]
     seen: dict[str, int] = {}
     out = []
-    for name in names:
-        safe = _safe(name) or "run"
-        seen[safe] = seen.get(safe, 0) + 1
-        out.append(root / (safe if seen[safe] == 1 else f"{safe}-{seen[safe]}"))
+    for label in labels:
+        rel = "/".join(p for p in (_safe(part) for part in label.split("/")) if p) or "run"
+        seen[rel] = seen.get(rel, 0) + 1
+        out.append(root / (rel if seen[rel] == 1 else f"{rel}-{seen[rel]}"))
     return out
 
 
@@ -116,8 +118,8 @@ def write_runs(
 ) -> list[Path]:
     """What `ettr report RUN_DIR... --tensorboard DIR` writes: each report's event file in its
     `run_logdirs` directory (DIR itself for one run). Returns the files written."""
-    names = [Path(d).absolute().name for d in run_dirs]
-    return [write_tensorboard(r, d) for r, d in zip(reports, run_logdirs(logdir, names), strict=True)]
+    labels = run_labels(run_dirs)
+    return [write_tensorboard(r, d) for r, d in zip(reports, run_logdirs(logdir, labels), strict=True)]
 
 
 def write_tensorboard(report: EttReport, logdir: str | os.PathLike[str]) -> Path:
