@@ -288,6 +288,26 @@ def test_odd_event_data_becomes_plain_json() -> None:
     assert not _by(trace, name="mark: no time")
 
 
+def test_failures_before_any_training_nest_their_windows() -> None:
+    """Attempts 0 and 1 die in start-up; attempt 2 trains: the TTS and both TTR windows end together."""
+    ev = [sup(K.JOB_ALLOCATED, 0), sup(K.SUPERVISOR_START, 1)]
+    for attempt, start in ((0, 2.0), (1, 6.0)):
+        ev += [sup(K.ATTEMPT_START, start, attempt), *span(Phase.INIT, start + 0.5, 2.0, attempt=attempt)]
+        ev += [sup(K.ATTEMPT_END, start + 3.0, attempt, outcome="failed", exit_code=1)]
+    ev += [sup(K.ATTEMPT_START, 10, 2), *span(Phase.INIT, 10.5, 1.0, attempt=2)]
+    ev += [Event(K.STEP, T0 + 12 + n, 2, 0, step=n) for n in range(1, 6)]
+    ev += [
+        sup(K.ATTEMPT_END, 17, 2, outcome="completed", exit_code=0),
+        sup(K.JOB_END, 17.5, 2, exit_status=0),
+    ]
+    report = report_of(ev)
+    trace = to_trace(ev, report)
+    check_trace(trace)
+    windows = _by(trace, ph="X", cat="window")
+    assert sorted(w["dur"] / 1e6 for w in windows) == pytest.approx(sorted([report.tts_s, *report.ttr_s]))
+    assert len(windows) == 1 + len(report.ttr_s) and len({w["ts"] + w["dur"] for w in windows}) == 1
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20)), max_size=30))
 def test_lanes_never_partly_overlap(raw: list[tuple[int, int]]) -> None:

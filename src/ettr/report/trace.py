@@ -47,6 +47,7 @@ PID_RANK_BASE = 100
 """The process id of rank R's track group is PID_RANK_BASE + R."""
 
 TID_BUCKETS, TID_WINDOWS = 1, 2
+"""Accounting process: the bucket track, then the windows (and their extra lanes, tids 3, 4, ...)."""
 TID_ATTEMPTS, TID_SUPERVISOR_EVENTS = 1, 2
 TID_RANK_EVENTS = 1000
 """Rank processes: phase lanes are tids 1, 2, ...; instants go to this tid."""
@@ -186,18 +187,21 @@ def _accounting(report: EttReport, us: _Clock) -> list[dict[str, Any]]:
             out.append(
                 {"ph": "C", "name": "ETT % so far", "pid": PID_ACCOUNTING, "tid": 0, "ts": end, "args": value}
             )
+    windows: list[tuple[int, int, str, dict[str, Any]]] = []
     window = tts_window(report)
     if window is not None and report.tts_s is not None:
-        args = {"tts_s": report.tts_s}
-        out.append(
-            _complete(PID_ACCOUNTING, TID_WINDOWS, "TTS", "window", us(window[0]), us(window[1]), args)
-        )
+        windows.append((us(window[0]), us(window[1]), "TTS", {"tts_s": report.tts_s}))
     for n, rec in enumerate(recoveries(report)):
         if rec.detected_ts is None or rec.training_ts is None:
             continue  # the report's TTR could not be matched to its failure: no window to draw
         name = f"TTR #{n + 1}" + (f" (after attempt {rec.failed.index})" if rec.failed else "")
-        start, end = us(rec.detected_ts), us(rec.training_ts)
-        out.append(_complete(PID_ACCOUNTING, TID_WINDOWS, name, "window", start, end, {"ttr_s": rec.ttr_s}))
+        windows.append((us(rec.detected_ts), us(rec.training_ts), name, {"ttr_s": rec.ttr_s}))
+    windows.sort(key=lambda w: (w[0], -w[1]))
+    lanes = _lanes([(b, e) for b, e, _n, _a in windows])
+    for lane in sorted(set(lanes) - {1}):  # windows that overlap without nesting: more lanes
+        out += _thread(PID_ACCOUNTING, TID_WINDOWS + lane - 1, f"TTS / TTR windows (lane {lane})", lane)
+    for (begin, end, name, args), lane in zip(windows, lanes, strict=True):
+        out.append(_complete(PID_ACCOUNTING, TID_WINDOWS + lane - 1, name, "window", begin, end, args))
     return out
 
 
