@@ -291,7 +291,8 @@ def _rank(rank: int, ordered: Sequence[Event], report: EttReport, us: _Clock) ->
 def _rank_name(e: Event) -> str:
     name = _RANK_INSTANTS[e.kind]
     if e.kind is EventKind.RESUMED:
-        return f"resumed from step {e.step}" if e.step is not None else "resumed from scratch"
+        # No step: from scratch, or a step the instrumentation could not know (its data says which).
+        return f"resumed from step {e.step}" if e.step is not None else "resumed (no step recorded)"
     if e.kind in (EventKind.CHECKPOINT_COMMIT, EventKind.CHECKPOINT_ERROR) and e.step is not None:
         return f"{name} (step {e.step})"
     if e.kind is EventKind.MARK:
