@@ -21,7 +21,7 @@ CONTRACT_FLAGS = {
         "--allocated-at",
         "--no-auto",
     },
-    "report": {"--json", "--html"},
+    "report": {"--json", "--html", "--trace", "--tensorboard"},
     "interval": {"--blocking", "--failures-per-day", "--train-hours", "--json"},
     "demo": {"--quick", "--out"},
     "publish": {"--watch", "--poll-interval", "--lease-ttl", "--max-attempts", "--request", "--json"},
@@ -44,7 +44,7 @@ FROZEN_COMMAND_LINE = {
         },
         ["command"],
     ),
-    "report": ({"--json", "--html"}, ["run_dirs"]),
+    "report": ({"--json", "--html", "--trace", "--tensorboard"}, ["run_dirs"]),
     "interval": ({"--blocking", "--failures-per-day", "--train-hours", "--json"}, []),
     "demo": ({"--quick", "--out"}, []),
     "publish": (

@@ -103,21 +103,49 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several compare them)")
     p.add_argument("--json", action="store_true", help="print the ettr.report/1 JSON (an array for several)")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
+    p.add_argument(
+        "--trace", metavar="FILE", help="also write a Chrome/Perfetto trace of the job (one RUN_DIR)"
+    )
+    p.add_argument(
+        "--tensorboard", metavar="DIR", help="also write TensorBoard scalars to DIR (several: a run each)"
+    )
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = (
+        "examples:\n  ettr report runs/job-1\n  ettr report runs/job-1 --trace job-1.trace.json   "
+        "# open in ui.perfetto.dev\n  ettr report runs/a runs/b --tensorboard tb/   # tensorboard --logdir tb/"
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
     from ettr.report.load import read_run
 
+    if args.trace and len(args.run_dirs) > 1:
+        raise UsageError(
+            "ettr report: --trace takes one RUN_DIR (a trace is one job's timeline; run once per job)"
+        )
+    if args.tensorboard:
+        from ettr.report.tensorboard import require_tensorboard
+
+        require_tensorboard()
     loaded = [read_run(d) for d in args.run_dirs]
     reports = [report for _events, report in loaded]
     from ettr.report.json import to_dict
+    from ettr.report.labels import run_labels
     from ettr.report.text import render, render_comparison
 
     if args.html:
         from ettr.report.html import write_html
 
-        write_html(reports, args.html)
+        write_html(reports, args.html, labels=run_labels(args.run_dirs))
         print(f"ettr report: wrote {args.html}", file=sys.stderr)
+    if args.trace:
+        from ettr.report.trace import write_trace
+
+        write_trace(loaded[0][0], reports[0], args.trace)
+    if args.tensorboard:
+        from ettr.report.tensorboard import write_runs
+
+        write_runs(reports, args.run_dirs, args.tensorboard)
     if args.json:
         # Segments (the full timeline) can run to megabytes for long jobs; the HTML report draws them.
         payload = [to_dict(r, include_segments=False) for r in reports]
@@ -131,7 +159,7 @@ def _report(args: argparse.Namespace) -> int:
             print("\ninit communication audit (start-up collectives and process groups, per init stage)")
             print(audit)
     else:
-        print(render_comparison(reports))
+        print(render_comparison(reports, labels=run_labels(args.run_dirs)))
     return 0
 
 

@@ -542,7 +542,7 @@ def main(args: argparse.Namespace) -> int:
     print(render_comparison(reports, labels=list(SIDES)))
     print(explain(reports[0], reports[1], published=workload.publish))
     html = out / "report.html"
-    write_html(reports, html)
+    write_html(reports, html, labels=list(SIDES))
     print(f"\nreport: {html}   (again: ettr report {jobs[0].run_dir} {jobs[1].run_dir})")
     if failed:
         print(f"ettr demo: {' and '.join(failed)} did not complete; see its log", file=sys.stderr)

@@ -348,6 +348,10 @@ def _pair_phases(
     return clipped
 
 
+pair_phases = _pair_phases
+"""The same pairing for renderers that draw phases (the trace export), so they draw what is attributed."""
+
+
 def _remove_last(stack: list[float], value: float) -> None:
     for i in range(len(stack) - 1, -1, -1):
         if stack[i] == value:

@@ -41,14 +41,17 @@ _ASSETS = Path(__file__).parent
 _IDLE_ONLY_BUCKETS = (Bucket.SCHEDULING, Bucket.HARDWARE_SETUP, Bucket.CHECKPOINT_BLOCKING, Bucket.SHUTDOWN)
 
 
-def write_html(reports: Sequence[EttReport], path: str | os.PathLike[str]) -> None:
+def write_html(
+    reports: Sequence[EttReport], path: str | os.PathLike[str], *, labels: Sequence[str] | None = None
+) -> None:
     """Write the report of `reports` (one job, or several to compare; the first is the baseline) to `path`.
+    `labels` name the runs (`ettr report` gives the run directories' names); default: their job ids.
 
     Written with `ettr.atomic.atomic_write` (a temporary file beside `path`, fsync'd and renamed into place),
     so a reader never sees half a page. Raises `UsageError` (one line) when `path` cannot be written,
     `ValueError` when `reports` is empty.
     """
-    text = render_html(reports)
+    text = render_html(reports, labels=labels)
     target = Path(path)
     try:
         atomic_write(target, text)
@@ -63,11 +66,11 @@ def _bucket_seconds(bucket: Bucket) -> Callable[[EttReport], float]:
     return seconds
 
 
-def render_html(reports: Sequence[EttReport]) -> str:
-    """The whole page as a string (see the module docstring for what it shows)."""
+def render_html(reports: Sequence[EttReport], *, labels: Sequence[str] | None = None) -> str:
+    """The whole page as a string (see the module docstring for what it shows); `labels` as `write_html`."""
     if not reports:
         raise ValueError("render_html needs at least one report")
-    names = run_names(reports)
+    names = run_names(reports, labels)
     title = " vs ".join(names)
     parts = [
         "<!DOCTYPE html>",
@@ -95,13 +98,15 @@ def render_html(reports: Sequence[EttReport]) -> str:
     return "\n".join(parts)
 
 
-def run_names(reports: Sequence[EttReport]) -> list[str]:
-    """The job ids, made unique by a ` (2)`, ` (3)`... suffix where they repeat."""
+def run_names(reports: Sequence[EttReport], labels: Sequence[str] | None = None) -> list[str]:
+    """`labels` (default: the job ids), made unique by a ` (2)`, ` (3)`... suffix where they repeat."""
+    if labels is not None and len(labels) != len(reports):
+        raise ValueError(f"{len(labels)} labels for {len(reports)} reports")
     seen: dict[str, int] = {}
     names = []
-    for r in reports:
-        seen[r.job_id] = seen.get(r.job_id, 0) + 1
-        names.append(r.job_id if seen[r.job_id] == 1 else f"{r.job_id} ({seen[r.job_id]})")
+    for name in labels if labels is not None else [r.job_id for r in reports]:
+        seen[name] = seen.get(name, 0) + 1
+        names.append(name if seen[name] == 1 else f"{name} ({seen[name]})")
     return names
 
 
@@ -133,8 +138,9 @@ def _header(reports: Sequence[EttReport], names: Sequence[str]) -> str:
     lines = []
     for r, name in zip(reports, names, strict=True):
         live = '<span class="badge live">in progress</span>' if r.in_progress else ""
+        job = f" · job {esc(r.job_id)}" if r.job_id and r.job_id != name else ""
         lines.append(
-            f"<b>{esc(name)}</b> · started {_utc(r.wall_start_ts)} · wall {esc(fmt_s(r.wall_s))}{live}"
+            f"<b>{esc(name)}</b>{job} · started {_utc(r.wall_start_ts)} · wall {esc(fmt_s(r.wall_s))}{live}"
         )
     heading = "Effective Training Time" + (" — comparison" if len(reports) > 1 else "")
     return f'<header><h1>{heading}</h1><p class="sub">{"<br>".join(lines)}</p></header>'
@@ -263,8 +269,8 @@ def _comparison(reports: Sequence[EttReport], names: Sequence[str]) -> str:
             f'<tr><td><span data-bucket="{b.value}">{swatch} {esc(bucket_label(b))}</span></td>{cells}{deltas}</tr>'
         )
     return (
-        f'<table class="compare"><thead><tr><th class="text">metric</th>{head}</tr></thead>'
-        f"<tbody>{''.join(rows)}</tbody></table>"
+        f'<div class="wide"><table class="compare"><thead><tr><th class="text">metric</th>{head}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
     )
 
 
@@ -370,7 +376,7 @@ def _attempts_table(r: EttReport) -> str:
     head = (
         '<tr><th>#</th><th class="text">outcome</th><th>exit code</th><th>resumed from</th><th>last step</th>'
         "<th>lost steps</th><th>steps</th><th>start</th><th>duration</th><th>training from</th>"
-        '<th class="text">share of wall time</th><th class="text">details</th></tr>'
+        '<th class="text">share of wall time</th></tr>'
     )
     rows = []
     for a in r.attempts:
@@ -389,8 +395,10 @@ def _attempts_table(r: EttReport) -> str:
             f"<td>{_dash(a.exit_code)}</td><td>{_dash(a.resumed_from_step)}</td><td>{_dash(a.last_step)}</td>"
             f"<td>{a.lost_steps}</td><td>{a.num_steps}</td><td>+{esc(fmt_s(a.start_ts - r.wall_start_ts))}</td>"
             f"<td>{esc(fmt_s(a.duration_s))}</td><td>{esc(train)}</td>"
-            f'<td class="text"><span class="mini">{mini}</span></td><td class="text">{esc(details)}</td></tr>'
+            f'<td class="text"><span class="mini">{mini}</span></td></tr>'
         )
+        if details:  # a row of its own: the full width of the table, not a squeezed last column
+            rows.append(f'<tr class="details"><td class="text" colspan="11">{esc(details)}</td></tr>')
     if not rows:
         return '<p class="note">No attempt recorded.</p>'
     return f'<table class="attempts"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'
