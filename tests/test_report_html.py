@@ -22,8 +22,9 @@ import pytest
 from ettr.accounting import EttReport, compute
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Phase
-from ettr.report.charts import BUCKET_COLORS, fmt_s, pieces_between, recoveries, tts_window
 from ettr.report.html import render_html, run_names, write_html
+from ettr.report.startup_charts import pieces_between, recoveries, tts_window
+from ettr.report.svg import BUCKET_COLORS, fmt_s
 
 T0 = 1_700_000_000.0
 EVIL = "<script>alert('x')</script> & \"quoted\""

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ettr.events import Event, EventKind
-from ettr.ledger import open_ledger
+from ettr.ledger import LedgerError, open_ledger, read_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -210,9 +210,10 @@ def test_a_sigkilled_supervisor_leaves_a_reportable_run_that_the_next_one_contin
     try:
 
         def far_enough() -> list[Event]:
-            if not (run_dir / "ledger.db").exists():
+            try:  # the supervisor may be creating the ledger right now (the file exists, no schema yet)
+                events = read_ledger(run_dir)
+            except LedgerError:
                 return []
-            events = open_ledger(run_dir, create=False).read()
             return events if any(e.kind is EventKind.STEP and e.step >= 12 for e in events) else []
 
         events = _wait_for(far_enough, 120, "step 12")

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from ettr.publish.request import DTYPES, ModelSpec, PublishError, PublishRequest
 from ettr.publish.sample import SAMPLE_FILE, encode_sample, flatten_inputs, flatten_outputs, infer_inputs
 from ettr.recorder import RecorderProtocol
 from ettr.run_env import RunEnv
+
+if TYPE_CHECKING:
+    from ettr.publish.queue import PublishQueue
 
 logger = logging.getLogger("ettr")
 
@@ -223,9 +226,7 @@ def publish_at_end(
     rank = dist.get_rank() if distributed else 0
     specs = infer_inputs(sample_inputs, config.input_names)
     job_id = _job_id(config, rec)
-    anchor_root = os.fspath(config.anchor_root)
-    if "://" not in anchor_root:  # the publisher may run elsewhere: give it an absolute path
-        anchor_root = os.path.abspath(anchor_root)
+    anchor_root = _absolute_root(config.anchor_root)
     request_id = request_id_for(job_id, anchor_root, step)
     queue_dir = Path(config.queue_dir)
     artifact_dir = Path(config.artifact_root or queue_dir / "artifacts") / request_id
@@ -233,13 +234,7 @@ def publish_at_end(
     run_dir = None if inside else Path(config.run_root or queue_dir / "runs") / request_id
     with rec.phase(Phase.PUBLISH, step=step, mode=str(config.mode)):
         began = time.time()
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                outputs = flatten_outputs(model(*sample_inputs))
-        finally:
-            model.train(was_training)
+        outputs = _trained_outputs(model, sample_inputs)
         sample = encode_sample(flatten_inputs(sample_inputs, specs), outputs) if rank == 0 else None
         state = _plain_keys(model, state_dict if state_dict is not None else model.state_dict())
         anchor_path, reused = write_anchor(
@@ -254,8 +249,6 @@ def publish_at_end(
         built = False
         failure: BaseException | None = None
         if rank == 0:
-            from ettr.publish.queue import PublishQueue
-
             request = PublishRequest(
                 request_id=request_id,
                 job_id=job_id,
@@ -272,18 +265,14 @@ def publish_at_end(
                 atol=config.atol,
                 created_ts=time.time(),
             )
-            queue = PublishQueue(queue_dir)
-            enqueued = queue.enqueue(request)
-            rec.mark(
-                "publish_enqueued",
-                request_id=request_id,
-                anchor=anchor_path,
-                queue=os.fspath(queue_dir.absolute()),
-                publish_run_dir=request.run_dir,
-                enqueued=enqueued,
-                reused_anchor=reused,
+            queue = _enqueue(
+                rec,
+                queue_dir,
+                request,
+                anchor_path=anchor_path,
+                reused=reused,
                 anchor_s=anchor_s,
-                mode=str(config.mode),
+                mode=config.mode,
             )
             if inside:
                 try:
@@ -306,7 +295,53 @@ def publish_at_end(
     )
 
 
-def _build_inside(queue: Any, request: PublishRequest) -> bool:
+def _absolute_root(root: str | os.PathLike[str]) -> str:
+    """The anchor root as the publisher must see it: a local path made absolute (it may run elsewhere)."""
+    text = os.fspath(root)
+    return text if "://" in text else os.path.abspath(text)
+
+
+def _trained_outputs(model: torch.nn.Module, sample_inputs: Sequence[Any]) -> Any:
+    """The trained model's flattened outputs on the sample batch (eval mode, no grad; mode restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return flatten_outputs(model(*sample_inputs))
+    finally:
+        model.train(was_training)
+
+
+def _enqueue(
+    rec: RecorderProtocol,
+    queue_dir: Path,
+    request: PublishRequest,
+    *,
+    anchor_path: str,
+    reused: bool,
+    anchor_s: float,
+    mode: PublishMode,
+) -> PublishQueue:
+    """Enqueue `request` (idempotent) and record a `publish_enqueued` mark; the queue."""
+    from ettr.publish.queue import PublishQueue
+
+    queue = PublishQueue(queue_dir)
+    enqueued = queue.enqueue(request)
+    rec.mark(
+        "publish_enqueued",
+        request_id=request.request_id,
+        anchor=anchor_path,
+        queue=os.fspath(queue_dir.absolute()),
+        publish_run_dir=request.run_dir,
+        enqueued=enqueued,
+        reused_anchor=reused,
+        anchor_s=anchor_s,
+        mode=str(mode),
+    )
+    return queue
+
+
+def _build_inside(queue: PublishQueue, request: PublishRequest) -> bool:
     """Build the artifact in this process, holding the request's claim so no publisher duplicates it."""
     from ettr.publish.artifact import build_artifact
     from ettr.publish.queue import RequestState

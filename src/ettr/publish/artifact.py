@@ -188,18 +188,9 @@ def build_artifact(
     begin_ts = time.time()
 
     with stage("load"):
-        model, inputs, expected, unused = load_anchor(request)
+        model, inputs, expected, unused, loaded = _load_checked(request)
         specs = request.inputs
         args = [inputs[name] for spec in specs for name in spec.tensor_names]
-        with torch.no_grad():
-            outputs = flatten_outputs(model(*_model_args(inputs, specs)))
-        rtol32, atol32 = tolerances("float32")
-        loaded = compare(outputs, expected, rtol=rtol32, atol=atol32)
-        if not loaded.ok:
-            raise PublishError(
-                f"the model built by {request.model.factory} from the anchor does not reproduce the trained "
-                f"model's outputs ({loaded.detail}); does the factory build the model that was trained?"
-            )
         weights = _weights_for_safetensors(model.state_dict(), dtype)
 
     with stage("export"):
@@ -224,19 +215,9 @@ def build_artifact(
     try:
         with stage("verify"):
             torch.export.save(program, tmp / PROGRAM_FILE)
-            reloaded = torch.export.load(tmp / PROGRAM_FILE).module()
-            with torch.no_grad():
-                exported = compare(flatten_outputs(reloaded(*args)), expected, rtol=rtol, atol=atol)
-                sub_batch = _check_sub_batch(
-                    reloaded, wrapper, inputs, specs, num_samples, static_reason, rtol, atol
-                )
-            if not exported.ok:
-                raise PublishError(
-                    f"the exported program does not reproduce the trained model's outputs ({exported.detail}; "
-                    f"rtol {rtol}, atol {atol})"
-                )
-            if sub_batch is not None and not sub_batch.ok:
-                raise PublishError(f"the exported program is wrong on a smaller batch ({sub_batch.detail})")
+            exported, sub_batch = _verify_saved_program(
+                tmp / PROGRAM_FILE, wrapper, inputs, expected, specs, num_samples, static_reason, rtol, atol
+            )
 
         with stage("write"):
             _write_files(tmp, request, weights, inputs, expected, specs, static_reason)
@@ -257,14 +238,57 @@ def build_artifact(
                 existing = read_manifest(final)
                 if existing is None:
                     raise
-                return ArtifactResult(
-                    path=str(final), created=False, manifest=existing
-                )  # a parallel build committed first
+                # A parallel build committed first.
+                return ArtifactResult(path=str(final), created=False, manifest=existing)
             fsync_dir(final.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return ArtifactResult(path=str(final), created=True, manifest=manifest)
+
+
+def _load_checked(
+    request: PublishRequest,
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor], list[str], Comparison]:
+    """The model rebuilt from the anchor, checked against the trained model's outputs on the sample."""
+    model, inputs, expected, unused = load_anchor(request)
+    with torch.no_grad():
+        outputs = flatten_outputs(model(*_model_args(inputs, request.inputs)))
+    rtol32, atol32 = tolerances("float32")
+    loaded = compare(outputs, expected, rtol=rtol32, atol=atol32)
+    if not loaded.ok:
+        raise PublishError(
+            f"the model built by {request.model.factory} from the anchor does not reproduce the trained "
+            f"model's outputs ({loaded.detail}); does the factory build the model that was trained?"
+        )
+    return model, inputs, expected, unused, loaded
+
+
+def _verify_saved_program(
+    path: Path,
+    wrapper: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    specs: Any,
+    num_samples: int | None,
+    static_reason: str | None,
+    rtol: float,
+    atol: float,
+) -> tuple[Comparison, Comparison | None]:
+    """The saved program, loaded back, against the trained outputs (and on half the batch when dynamic)."""
+    args = [inputs[name] for spec in specs for name in spec.tensor_names]
+    reloaded = torch.export.load(path).module()
+    with torch.no_grad():
+        exported = compare(flatten_outputs(reloaded(*args)), expected, rtol=rtol, atol=atol)
+        sub_batch = _check_sub_batch(reloaded, wrapper, inputs, specs, num_samples, static_reason, rtol, atol)
+    if not exported.ok:
+        raise PublishError(
+            f"the exported program does not reproduce the trained model's outputs ({exported.detail}; "
+            f"rtol {rtol}, atol {atol})"
+        )
+    if sub_batch is not None and not sub_batch.ok:
+        raise PublishError(f"the exported program is wrong on a smaller batch ({sub_batch.detail})")
+    return exported, sub_batch
 
 
 def _remove_dead_builds(final: Path) -> None:

@@ -18,23 +18,18 @@ from ettr.accounting.model import EttReport
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import Bucket
-from ettr.report.charts import (
+from ettr.report.charts import bucket_bars_svg, failure_summary, share_bar_svg, timeline_svg
+from ettr.report.startup_charts import phase_bars_svg, ttr_svg, tts_waterfall_svg
+from ettr.report.svg import (
     BUCKET_COLORS,
     FAILURE_BUCKETS,
     OUTCOME_COLORS,
     STARTUP_BUCKETS,
-    bucket_bars_svg,
     bucket_label,
     esc,
-    failure_summary,
     fmt_pct,
     fmt_s,
-    phase_bars_svg,
-    share_bar_svg,
     svg_defs,
-    timeline_svg,
-    ttr_svg,
-    tts_waterfall_svg,
 )
 
 _ASSETS = Path(__file__).parent

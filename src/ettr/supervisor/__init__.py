@@ -4,9 +4,10 @@
     status = run(RunConfig(command=("python", "train.py"), max_restarts=3))
 
 Modules: `config` (RunConfig), `supervise` (the loop), `launch` (command line, torchrun's fresh
-rendezvous, environment), `process` (process tree, stderr tail, parent-death signal), `watchdog` and
-`heartbeat` (hangs), `classify` (why an attempt ended), `books` (live supervisor, closing a killed one's
-attempts), `jobinfo` (job id, Slurm times). Imports nothing heavy: training processes import `heartbeat`.
+rendezvous, the attempt's `RunEnv`), `process` (process tree, stderr tail), `watchdog` (hangs, from the
+ledger and `ettr.heartbeat`), `classify` (why an attempt ended), `books` (requeue, closing a killed one's
+attempts), `jobinfo` (job id, Slurm times). Training processes import nothing from here: what they share
+with the supervisor is `ettr.run_env`, `ettr.procs` and `ettr.heartbeat`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Progress is the newest event a training process of the attempt wrote to the ledger (the recorder writes at
 least every 0.5 s while there is something to write); heartbeats are the training-thread samples of
-`ettr.supervisor.heartbeat`. Both come from the training thread's own activity, so a process whose helper
+`ettr.heartbeat`. Both come from the training thread's own activity, so a process whose helper
 threads are fine while its training thread is stuck is still caught.
 """
 
