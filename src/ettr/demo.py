@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from ettr.accounting import EttReport
 from ettr.constants import EXIT_PREEMPTED
 from ettr.errors import UsageError
-from ettr.events import Bucket, Event, EventKind, Outcome
+from ettr.events import Event, EventKind, Outcome
+from ettr.report.demo_text import explain
 from ettr.run_env import COMPILE_SETTLE_S_ENV, COMPILE_STORE_ENV, ENV_PREFIX
 
 PREEMPTED_EXIT_STATUS = EXIT_PREEMPTED
@@ -445,77 +445,11 @@ def run_jobs(runs: Sequence[JobRun], display: ProgressDisplay) -> None:
             run.stop()
 
 
-# -- the story in numbers --------------------------------------------------------------------------------
-def _recovery_s(report: EttReport, bucket: Bucket) -> float:
-    return sum(a.buckets_s[bucket] for a in report.attempts[1:])
-
-
-def explain(baseline: EttReport, optimized: EttReport, *, published: bool = True) -> str:
-    """Where the two runs differ, bucket by bucket, read from their reports (`published`: the runs ended
-    by publishing, inside the baseline job and standalone for the optimized one)."""
-    gain = optimized.ett_pct - baseline.ett_pct
-    lines = [
-        f"optimized vs baseline: ETT {optimized.ett_pct:.1f}% vs {baseline.ett_pct:.1f}% ({gain:+.1f} points), "
-        f"wall {optimized.wall_s:.0f} s vs {baseline.wall_s:.0f} s"
-    ]
-    lost = [sum(a.lost_steps for a in r.attempts) for r in (baseline, optimized)]
-    rows: list[tuple[str, float | None, float | None, str]] = [
-        (
-            "checkpoint_blocking",
-            baseline.buckets_s[Bucket.CHECKPOINT_BLOCKING],
-            optimized.buckets_s[Bucket.CHECKPOINT_BLOCKING],
-            "async saves: the loop waits only for the copy",
-        ),
-        (
-            "compile in recoveries",
-            _recovery_s(baseline, Bucket.COMPILE),
-            _recovery_s(optimized, Bucket.COMPILE),
-            "artifacts restored from ettr's compile store",
-        ),
-        (
-            "init",
-            baseline.buckets_s[Bucket.INIT],
-            optimized.buckets_s[Bucket.INIT],
-            "start-up outside compile, restore and data",
-        ),
-        (
-            "data_wait",
-            baseline.buckets_s[Bucket.DATA_WAIT],
-            optimized.buckets_s[Bucket.DATA_WAIT],
-            "loader workers warm up while the model is built",
-        ),
-        (
-            "wasted_progress",
-            baseline.buckets_s[Bucket.WASTED_PROGRESS],
-            optimized.buckets_s[Bucket.WASTED_PROGRESS],
-            "the preemption saves before exiting",
-        ),
-        (
-            "shutdown",
-            baseline.buckets_s[Bucket.SHUTDOWN],
-            optimized.buckets_s[Bucket.SHUTDOWN],
-            "the artifact is built by a publish job of its own" if published else "final save and teardown",
-        ),
-        ("TTS", baseline.tts_s, optimized.tts_s, "time to the first step of attempt 0"),
-        ("mean TTR", baseline.mean_ttr_s, optimized.mean_ttr_s, "failure detected -> training again"),
-    ]
-    for name, before, after, why in rows:
-        if before is None or after is None or max(before, after) < 0.05:
-            continue
-        verdict = why if after < before else "(not lower this time)"
-        if name == "wasted_progress":  # the seconds hide how much work each side redid
-            verdict += f"; steps redone {lost[0]} -> {lost[1]}"
-        lines.append(f"  {name:<22}{before:7.1f} s -> {after:6.1f} s   {verdict}")
-    if gain <= 0:
-        lines.append("  the optimized run's ETT% is not higher this time (a busy machine? run it again)")
-    return "\n".join(lines)
-
-
 def main(args: argparse.Namespace) -> int:
     """`ettr demo [--quick] [--out DIR]`: run both sides, print the comparison, write DIR/report.html.
 
     Returns 0 when both jobs completed, 1 otherwise. Raises UsageError for an unusable --out or when the
-    reference job is not in a source checkout.
+    reference job is missing from this install.
     """
     from ettr.report.html import write_html
     from ettr.report.load import load_report

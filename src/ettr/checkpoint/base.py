@@ -89,7 +89,8 @@ class CheckpointConfig:
     Without an optimizer in the `TrainState` there is no step to guard, and saves do not overlap. False:
     every save returns with the copy complete."""
     handle_preemption: bool = False
-    """Install a SIGTERM handler: save at the next step boundary, flush the recorder, exit with 143."""
+    """Act on SIGTERM: save at the next step boundary, flush the recorder, exit with 143. The handler is
+    installed by `CheckpointManager.create` (a manager built directly is given its `preemption=` watcher)."""
     lease_ttl_s: float = 3600.0
     """How long a reader's lease on a checkpoint protects it from retention (a crashed reader's lease
     expires after this)."""

@@ -125,16 +125,16 @@ class MemoryStorage:
         writer = _FileSystemWriter(
             self.path(rel_dir), single_file_per_rank=True, sync_files=False, thread_count=thread_count
         )
-        writer.fs = _dict_file_system(self)  # type: ignore[assignment]
-        writer.path = self.path(rel_dir)  # type: ignore[assignment]
+        writer.fs = _dict_file_system(self)
+        writer.path = self.path(rel_dir)
         return writer
 
     def dcp_reader(self, rel_dir: str) -> StorageReader:
         from torch.distributed.checkpoint import FileSystemReader
 
         reader = FileSystemReader(self.path(rel_dir))
-        reader.fs = _dict_file_system(self)  # type: ignore[assignment]
-        reader.path = self.path(rel_dir)  # type: ignore[assignment]
+        reader.fs = _dict_file_system(self)
+        reader.path = self.path(rel_dir)
         return reader
 
 
