@@ -240,27 +240,28 @@ class Recorder:
     ) -> None:
         """Queue one event (timestamp now unless `ts` is given) and tell the listeners. Costs an append;
         never raises."""
-        listeners = self._listeners
-        if not self.enabled and not listeners:
-            return
-        try:
-            if dynamo_is_tracing():  # a record while Dynamo traces would break the user's graph
-                return
-            if step is not None and type(step) is not int:
-                step = self._step_number(step)
-                if step is None:
+        if self.enabled:
+            try:
+                if dynamo_is_tracing():  # a record while Dynamo traces would break the user's graph
                     return
-            if ts is None:
-                ts = time.time()
-            if self.enabled:
+                if step is not None and type(step) is not int:
+                    step = self._step_number(step)
+                    if step is None:
+                        return
+                if ts is None:
+                    ts = time.time()
                 self._queue.append((kind, ts, phase, step, value, data))
                 if kind in URGENT_KINDS:
                     self._wake.set()
-        except Exception as exc:  # pragma: no cover - defensive
-            self._warn_once("record", exc)
+            except Exception as exc:  # pragma: no cover - defensive
+                self._warn_once("record", exc)
+                return
+        elif not self._listeners or dynamo_is_tracing():
             return
+        listeners = self._listeners
         if listeners:
-            self._notify(listeners, Event(kind, ts, self.attempt, self.rank, phase, step, value, data))
+            event_ts = time.time() if ts is None else ts
+            self._notify(listeners, Event(kind, event_ts, self.attempt, self.rank, phase, step, value, data))
 
     def _notify(self, listeners: tuple[EventListener, ...], event: Event) -> None:
         for listener in listeners:

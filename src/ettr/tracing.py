@@ -25,4 +25,4 @@ def dynamo_is_tracing() -> bool:
         compiler = torch.compiler
         check = getattr(compiler, "is_dynamo_compiling", None) or compiler.is_compiling
         _check = check
-    return bool(check())
+    return check()
