@@ -24,6 +24,9 @@ from ettr.simulate.streams import EventStream, failure_source, preemption_source
 _BUCKET_INDEX = {bucket: i for i, bucket in enumerate(Bucket)}
 _B = _BUCKET_INDEX
 
+MAX_INTERRUPTIONS = 2_000_000
+"""A run that needs more interruptions than this to finish is refused (it would not finish in any time)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ScriptedFault:
@@ -126,6 +129,11 @@ def simulate_run(
     gap = 0.0
     done = False
     while not done and t < horizon:
+        if num_failures > MAX_INTERRUPTIONS:
+            raise ValueError(
+                f"a run passed {MAX_INTERRUPTIONS:,} interruptions: the job makes (almost) no progress at "
+                "this failure rate; lower the rate or the restart cost"
+            )
         # Start-up: the relaunch gap (later attempts), then the start-up components.
         startup = params.first_startup if attempt == 0 else params.restart_startup
         pieces = ((_B[Bucket.RESTART], gap),) + tuple((_B[Bucket(n)], s) for n, s in startup.components())

@@ -200,6 +200,11 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
     )
     if report.buckets_s[Bucket.OTHER] > 0:
         notes.append(f"{report.buckets_s[Bucket.OTHER]:.1f} s of 'other' (eval...) is not modelled")
+    if (num_failed or num_preempted) and report.wall_s < SECONDS_PER_DAY:
+        notes.append(
+            f"failure and preemption rates measured over {report.wall_s / 60:.1f} min of wall time: "
+            "not a rate to extrapolate (give --failures-per-node-day for a real one)"
+        )
     if report.in_progress:
         notes.append("the job is still running (or its supervisor was killed): profiled so far")
     return Profile(
