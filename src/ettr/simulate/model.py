@@ -128,6 +128,9 @@ def simulate_run(
     pending_detections: list[float] = []
     gap = 0.0
     done = False
+    first_total, later_total = params.first_startup.total_s, params.restart_startup.total_s
+    first_pieces = _pieces(params, True, 0.0)
+    later_pieces = {g: _pieces(params, False, g) for g in (_gap(params, False), _gap(params, True))}
     while not done and t < horizon:
         if num_failures > MAX_INTERRUPTIONS:
             raise ValueError(
@@ -135,9 +138,8 @@ def simulate_run(
                 "this failure rate; lower the rate or the restart cost"
             )
         # Start-up: the relaunch gap (later attempts), then the start-up components.
-        startup = params.first_startup if attempt == 0 else params.restart_startup
-        pieces = ((_B[Bucket.RESTART], gap),) + tuple((_B[Bucket(n)], s) for n, s in startup.components())
-        startup_end = t + gap + startup.total_s
+        pieces = first_pieces if attempt == 0 else later_pieces[gap]
+        startup_end = t + gap + (first_total if attempt == 0 else later_total)
         fault = _next_fault(params, script, attempt, failures, preemptions, t, None, gap)
         stop = min(fault[0], horizon)
         if stop < startup_end:
@@ -209,6 +211,12 @@ def simulate_run(
         ttr_s=tuple(ttrs),
         kept_s=kept,
     )
+
+
+def _pieces(params: JobParams, first: bool, gap: float) -> tuple[tuple[int, float], ...]:
+    """(bucket index, seconds) of an attempt's way to its first step: the relaunch gap, then start-up."""
+    startup = params.first_startup if first else params.restart_startup
+    return ((_B[Bucket.RESTART], gap),) + tuple((_B[Bucket(n)], s) for n, s in startup.components())
 
 
 def _gap(params: JobParams, preempted: bool) -> float:
