@@ -100,6 +100,8 @@ def test_fleet_experiment_lowest_cost_loses_less() -> None:
         (["--sweep", "interval", "--sweep-values", "60,abc"], "--sweep-values"),
         (["--checkpoint-blocking-s", "0", "--interval", "auto"], "needs a save cost"),
         (["--gpus", "many"], "not a whole number"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--weibull-shape", "0.7", "--gpus", "80000000"], "drawn per node"),
         (["--mtbf-hours", "0.0001", "--runs", "1000", "--duration-hours", "720"], "simulated interruptions"),
     ],
 )
@@ -109,3 +111,18 @@ def test_bad_parameters_are_one_line_and_status_2(args: list[str], words: str) -
     assert done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in done.stderr
+
+
+CONTRACT_FLAGS = (
+    "--from", "--replay", "--gpus", "--gpus-per-node", "--failures-per-node-day", "--mtbf-hours",
+    "--restart-s", "--checkpoint-blocking-s", "--interval-s", "--interval", "--duration-hours", "--step-s",
+    "--runs", "--seed", "--sweep", "--json", "--html",
+)  # fmt: skip
+
+
+def test_help_lists_the_contract_flags_and_examples() -> None:
+    done = run("--help")
+    assert done.returncode == 0
+    for flag in CONTRACT_FLAGS:
+        assert f"{flag} " in done.stdout or f"{flag}\n" in done.stdout, flag
+    assert "examples:" in done.stdout and "--replay" in done.stdout

@@ -121,6 +121,8 @@ def _finite_non_negative(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.seed < 0:
+        raise _fail(f"--seed must be >= 0, got {args.seed}")
     for name in ("mtbf_hours", "duration_hours", "step_s", "interval_s", "weibull_shape"):
         if getattr(args, name) == 0:
             raise _fail(f"--{name.replace('_', '-')} must be > 0")
@@ -186,13 +188,21 @@ def build_params(args: argparse.Namespace, base: JobParams | None) -> tuple[JobP
         changes["first_startup"] = Startup(init_s=args.startup_s)
     if args.duration_hours is not None:
         changes.update(duration_s=args.duration_hours * 3600.0, work_s=None)
-    auto = args.interval == "auto" or (args.interval_s is None and args.from_dir is None)
+    explicit_auto = args.interval == "auto"
+    auto = explicit_auto or (args.interval_s is None and args.from_dir is None)
     if auto:
         changes["interval_s"] = 1.0  # placeholder inside the job until the optimum is known below
     try:
         params = replace(base, **changes)
         if auto:
-            params = replace(params, interval_s=_auto_interval(params))
+            try:
+                params = replace(params, interval_s=_auto_interval(params))
+            except ValueError:
+                if explicit_auto:
+                    raise
+                # No optimum (no failures, or saves that cost nothing): the default interval, 30 min.
+                limit = params.duration_s if params.duration_s is not None else params.work_s or 1800.0
+                params, auto = replace(params, interval_s=min(DEFAULT_INTERVAL_S, limit)), False
     except ValueError as exc:
         raise _fail(f"{exc} (see --help)") from None
     return params, auto
@@ -213,11 +223,19 @@ def _auto_interval(params: JobParams) -> float:
 
 MAX_INTERRUPTIONS_PER_COMMAND = 30_000_000
 """About a minute of simulation on one core; more is refused with a line saying why."""
+MAX_WEIBULL_NODES = 1_000_000
+DEFAULT_INTERVAL_S = 1800.0
+"""The interval when none is given and the model has no optimum (no failures, or free saves)."""
 
 
 def check_cost(params: JobParams, *, runs: int, points: int = 1) -> None:
     """Refuse (ValueError) a simulation that could not finish: a job that would almost never keep progress,
     or so many interruptions in all that it would run for minutes."""
+    if params.weibull_shape != 1.0 and params.num_nodes > MAX_WEIBULL_NODES:
+        raise ValueError(
+            f"Weibull failures are drawn per node: {params.num_nodes:,} nodes is more than "
+            f"{MAX_WEIBULL_NODES:,} (use --weibull-shape 1, or fewer GPUs)"
+        )
     rate = (params.failures_per_day + params.preemptions_per_day) / SECONDS_PER_DAY
     exposure = params.interval_s + params.save_cost_s + params.restart_s
     if params.work_s is not None and rate * exposure > 30:
