@@ -7,6 +7,7 @@ and the fleet experiment's two policies. Written with `ettr.atomic.atomic_write`
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,10 +50,12 @@ def _sweep_svg(sweep: Sweep) -> str:
     if y_hi - y_lo < 1e-9:
         y_lo, y_hi = y_lo - 1, y_hi + 1
     x_lo, x_hi = min(xs), max(xs)
-    span = x_hi - x_lo or 1.0
+    log = x_lo > 0 and x_hi / x_lo > 8  # geometric sweeps read best on a log axis
+    scale = math.log if log else float
+    span = scale(x_hi) - scale(x_lo) or 1.0
 
     def x(v: float) -> float:
-        return _PAD + (v - x_lo) / span * (_W - 2 * _PAD)
+        return _PAD + (scale(v) - scale(x_lo)) / span * (_W - 2 * _PAD)
 
     def y(v: float) -> float:
         return _H - _PAD - (v - y_lo) / (y_hi - y_lo) * (_H - 2 * _PAD)
@@ -85,7 +88,9 @@ def _sweep_svg(sweep: Sweep) -> str:
     parts.append(
         f'<text x="{_PAD:.0f}" y="{_H - 12:.0f}" font-size="12">{x_lo:.6g} {unit}</text>'
         f'<text x="{_W - _PAD:.0f}" y="{_H - 12:.0f}" font-size="12" text-anchor="end">{x_hi:.6g} {unit}</text>'
-        f'<text x="4" y="{_PAD - 8:.0f}" font-size="12">ETT % ({y_lo:.2f} to {y_hi:.2f})</text></svg>'
+        f'<text x="4" y="{_PAD - 8:.0f}" font-size="12">ETT % ({y_lo:.2f} to {y_hi:.2f})'
+        + ("; log scale" if log else "")
+        + "</text></svg>"
     )
     return "".join(parts)
 

@@ -345,7 +345,7 @@ def _title(params: JobParams, args: argparse.Namespace) -> str:
     )
     return (
         f"ettr simulate ({source}): {size}, {span}, {params.failures_per_day:.3g} failures/day, "
-        f"save blocks {params.blocking_s:g} s"
+        f"save blocks {params.blocking_s:.3g} s"
     )
 
 
