@@ -133,3 +133,26 @@ def test_weibull_nodes_of_shape_one_fail_at_the_poisson_rate() -> None:
 def test_bad_parameters_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         JobParams(**bad)  # type: ignore[arg-type]
+
+
+def test_a_replayed_job_that_gave_up_ends_after_its_last_failure() -> None:
+    script = (ScriptedFault(preemption=False, in_startup=False, after_s=15.0, ends_job=True),)
+    r = simulate_run(job(shutdown_s=1.0, restart_gap_s=5.0), NONE, NONE, script)
+    assert r.num_failures == 1 and b(r, Bucket.RESTART) == 0.0 and b(r, Bucket.SHUTDOWN) == 1.0
+    assert b(r, Bucket.EFFECTIVE_TRAINING) == pytest.approx(10.0) and r.kept_s == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize(("shape", "more"), [(0.6, True), (2.0, False)])
+def test_fresh_weibull_nodes_fail_more_early_when_decreasing_hazard(shape: float, more: bool) -> None:
+    import numpy as np
+
+    # Renewal function bounds: M(t) >= t/mu for decreasing hazard (k < 1), <= t/mu for increasing (k > 1).
+    counts = [
+        len(
+            WeibullNodesSource(np.random.default_rng(i), num_nodes=200, per_node_day=0.1, shape=shape).draw(
+                0.0, 86_400.0
+            )
+        )
+        for i in range(200)
+    ]
+    assert bool(np.mean(counts) > 20.0) is more  # 200 nodes x 0.1/day x 1 day at the long-run rate

@@ -43,6 +43,8 @@ class ScriptedFault:
     """Seconds from the interruption (the attempt's last step) to its end: detection, or the exit save."""
     saved_on_exit: bool = False
     """The attempt committed a checkpoint of its last step before exiting (save-then-exit)."""
+    ends_job: bool = False
+    """The job ended after it (its restarts were used up, or it was not requeued)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +156,9 @@ def simulate_run(
             pending_detections.append(t)
             gap = _gap(params, preempted)
             attempt += 1
+            if script is not None and script[attempt - 1].ends_job:
+                acc[_B[Bucket.SHUTDOWN]] += params.shutdown_s
+                break
             continue
         _spend(acc, pieces, startup_end - t)
         t = startup_end
@@ -201,6 +206,9 @@ def simulate_run(
         pending_detections.append(t)
         gap = _gap(params, preempted)
         attempt += 1
+        if script is not None and script[attempt - 1].ends_job:
+            acc[_B[Bucket.SHUTDOWN]] += params.shutdown_s
+            break
     wall = math.fsum(acc)
     return RunResult(
         buckets_s=tuple(acc),

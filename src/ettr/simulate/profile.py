@@ -171,6 +171,8 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
                 saved_on_exit=saved,
             )
         )
+    if script and report.attempts[-1].outcome is not Outcome.COMPLETED:
+        script[-1] = replace(script[-1], ends_job=True)
     wall_days = report.wall_s / SECONDS_PER_DAY if report.wall_s > 0 else 0.0
     num_preempted = sum(1 for a in report.attempts if a.outcome is Outcome.PREEMPTED)
     num_failed = report.num_failures - num_preempted
