@@ -343,8 +343,9 @@ def _title(params: JobParams, args: argparse.Namespace) -> str:
         if params.duration_s is not None
         else f"{(params.work_s or 0) / params.step_s:.0f} steps"
     )
+    preempt = f", {params.preemptions_per_day:.3g} preemptions/day" if params.preemptions_per_day else ""
     return (
-        f"ettr simulate ({source}): {size}, {span}, {params.failures_per_day:.3g} failures/day, "
+        f"ettr simulate ({source}): {size}, {span}, {params.failures_per_day:.3g} failures/day{preempt}, "
         f"save blocks {params.blocking_s:.3g} s"
     )
 

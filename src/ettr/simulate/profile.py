@@ -241,7 +241,7 @@ def _caveats(report: EttReport, num_interruptions: int) -> list[str]:
     if num_interruptions and report.wall_s < SECONDS_PER_DAY:
         notes.append(
             f"failure and preemption rates measured over {report.wall_s / 60:.1f} min of wall time: "
-            "not a rate to extrapolate (give --failures-per-node-day for a real one)"
+            "not rates to extrapolate (give --failures-per-node-day and --preemptions-per-day)"
         )
     if report.in_progress:
         notes.append("the job is still running (or its supervisor was killed): profiled so far")
