@@ -126,3 +126,23 @@ def test_help_lists_the_contract_flags_and_examples() -> None:
     for flag in CONTRACT_FLAGS:
         assert f"{flag} " in done.stdout or f"{flag}\n" in done.stdout, flag
     assert "examples:" in done.stdout and "--replay" in done.stdout
+
+
+def test_from_a_run_directory_replay_and_what_if(tmp_path: Path) -> None:
+    from ettr.ledger import open_ledger
+    from test_simulate_profile import make_job
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ledger = open_ledger(run_dir)
+    ledger.append(make_job())
+    ledger.close()
+    out = run_json("--from", str(run_dir), "--replay")
+    assert out["replay"] is True and out["num_failures_mean"] == 1
+    assert out["ett_pct"] == pytest.approx(out["measured"]["ett_pct"])
+    assert out["profile"]["interval_steps"] == 4 and out["profile"]["step_s"] == pytest.approx(1.0)
+    # What-if: the same job on 64 GPUs for a day at a real failure rate, every flag over the profile.
+    what_if = run_json("--from", str(run_dir), "--gpus", "64", "--gpus-per-node", "4", "--failures-per-node-day",
+                       "0.5", "--preemptions-per-day", "0", "--duration-hours", "24", "--runs", "20")  # fmt: skip
+    assert what_if["gpus"] == 64 and what_if["interval_s"] == pytest.approx(4.0)
+    assert what_if["num_failures_mean"] == pytest.approx(8.0, rel=0.5)  # 16 nodes x 0.5/day
