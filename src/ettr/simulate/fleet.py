@@ -61,6 +61,33 @@ class FleetRun:
     num_preemptions: int
 
 
+def choose_victims(
+    policy: str,
+    *,
+    running: np.ndarray,
+    unsaved_s: np.ndarray,
+    recovery_s: np.ndarray,
+    gpus: np.ndarray,
+    need_gpus: float,
+    rng: np.random.Generator,
+) -> list[int]:
+    """The jobs (ids from `running`) to preempt until `need_gpus` are free: in random order, or by the
+    lowest preemption cost, (unsaved work + recovery) x GPUs, cheapest first."""
+    if policy == "random":
+        order = rng.permutation(running.size)
+    elif policy == "lowest_cost":
+        order = np.argsort((unsaved_s + recovery_s) * gpus, kind="stable")
+    else:
+        raise ValueError(f"unknown victim policy {policy!r} (one of {', '.join(POLICIES)})")
+    victims, freed = [], 0.0
+    for i in order.tolist():
+        if freed >= need_gpus:
+            break
+        victims.append(int(running[i]))
+        freed += float(gpus[i])
+    return victims
+
+
 def _run(params: FleetParams, policy: str, seed: int, run_index: int) -> FleetRun:
     jobs_rng, demand_rng, pick_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence([seed, run_index]).spawn(3)
@@ -86,17 +113,17 @@ def _run(params: FleetParams, policy: str, seed: int, run_index: int) -> FleetRu
             continue
         since = np.maximum(0.0, t - anchor[running])
         unsaved = since - np.floor(since / interval[running]) * interval[running]
-        if policy == "random":
-            order = running[pick_rng.permutation(running.size)]
-        else:
-            cost = (unsaved + recovery[running]) * gpus[running]
-            order = running[np.argsort(cost, kind="stable")]
         unsaved_of = dict(zip(running.tolist(), unsaved.tolist(), strict=True))
-        freed = 0.0
-        for j in order.tolist():
-            if freed >= params.demand_gpus:
-                break
-            freed += gpus[j]
+        victims = choose_victims(
+            policy,
+            running=running,
+            unsaved_s=unsaved,
+            recovery_s=recovery[running],
+            gpus=gpus[running],
+            need_gpus=params.demand_gpus,
+            rng=pick_rng,
+        )
+        for j in victims:
             num_preemptions += 1
             trained[j] += t - train_from[j]
             unsaved_lost[j] += unsaved_of[j]
