@@ -124,3 +124,19 @@ def test_llama3_interruption_rate_at_16384_gpus() -> None:
     )
     assert 100 - s.ett_pct == pytest.approx(expected_waste, abs=0.3)
     assert 85.0 < s.ett_pct < 95.0
+
+
+def test_async_saves_keep_the_optimum_the_persist_only_adds_loss() -> None:
+    # 1 s blocking, 60 s persist: a failure in a persist loses one more interval, about `persist` whatever T.
+    params = JobParams(
+        gpus=8, failures_per_node_day=3.0, blocking_s=1.0, persist_s=60.0, interval_s=600.0,
+        duration_s=30 * SECONDS_PER_DAY,
+    )  # fmt: skip
+    best = optimal_interval_for(params)
+    assert best == pytest.approx(optimal_interval_s(save_cost_s=1.0, failures_per_day=3.0))
+    sweep = sweep_interval(params, default_intervals(params, 9), runs=60, seed=3)
+    assert sweep.fitted_optimum_interval_s == pytest.approx(best, rel=0.1)
+    # The same blocking with a durable-at-once save loses less: the persist's window costs progress.
+    at_best = simulate(replace(params, interval_s=best), runs=60, seed=3)
+    instant = simulate(replace(params, interval_s=best, persist_s=0.0), runs=60, seed=3)
+    assert at_best.buckets_pct["wasted_progress"] > instant.buckets_pct["wasted_progress"]
