@@ -14,7 +14,7 @@ from ettr.checkpoint.policy import (
     failure_rate_per_day,
 )
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
-from ettr.interval import optimal_interval_s
+from ettr.simulate import optimal_interval_s
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,7 @@ def test_auto_saves_at_once_to_measure_then_uses_the_optimum():
     assert policy.interval_s(0.0) == 0.0
     assert policy.should_save(1, now_s=0.0)
     policy.observe_save(cost_s=0.5, now_s=1.0)
-    expected = optimal_interval_s(0.5, policy.failures_per_day(1.0), train_hours=24.0)
+    expected = optimal_interval_s(save_cost_s=0.5, failures_per_day=policy.failures_per_day(1.0))
     assert policy.interval_s(1.0) == pytest.approx(expected)
     assert not policy.should_save(2, now_s=1.0 + expected - 1.0)
     # (the rate, and so the interval, drifts as the job ages: 1 % later is comfortably past it)
@@ -124,7 +124,7 @@ def test_auto_uses_the_median_of_recent_costs():
     policy = IntervalPolicy(IntervalConfig(auto=True, window=3), now_s=0.0)
     for cost in (100.0, 0.2, 0.3, 0.4):  # the first save's one-off cost falls out of the window
         policy.observe_save(cost_s=cost, now_s=0.0)
-    expected = optimal_interval_s(0.3, policy.failures_per_day(0.0))
+    expected = optimal_interval_s(save_cost_s=0.3, failures_per_day=policy.failures_per_day(0.0))
     assert policy.interval_s(0.0) == pytest.approx(expected)
 
 

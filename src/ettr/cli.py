@@ -6,6 +6,7 @@ Bad usage or bad input never shows a traceback: one line on stderr and exit stat
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -289,6 +290,11 @@ _COMMANDS: dict[
         "compile time, recompile reasons and learned dynamic inputs of a run",
         _add_compile_report,
         _compile_report,
+    ),
+    "simulate": (
+        "what-if ETT of a job at any scale, fed by its own ledger",
+        lambda p: importlib.import_module("ettr.simulate.command").add_arguments(p),
+        lambda args: importlib.import_module("ettr.simulate.command").main(args),
     ),
 }
 

@@ -1,6 +1,6 @@
 """When to save: a fixed interval in steps or seconds, or `auto`, the interval that wastes the least.
 
-`auto` uses the checkpoint-interval model of `ettr.interval` (T* = sqrt(2 * D * b / f)) with `b` the
+`auto` uses the model of `ettr.simulate` (`optimal_interval_s`, ~ sqrt(2 * D * b / f)) with `b` the
 measured cost of a save to the training loop (blocking plus any wait for the previous save) and `f` the
 failure rate: the user's prior, updated with the failures this job's ledger has seen so far. The interval
 is recomputed after every save and as the job's wall time grows, and is never shorter than the time a
@@ -164,9 +164,10 @@ class IntervalPolicy:
             return 0.0  # save at the first boundary: the only way to learn what a save costs here
         # A save that costs nothing measurable still has some cost; keep the model's domain (> 0).
         cost_s = max(statistics.median(self._costs_s), 1e-6)
-        from ettr.interval import optimal_interval_s
+        from ettr.simulate import optimal_interval_s  # the simulator's model: one source of truth
 
-        best_s = optimal_interval_s(cost_s, self.failures_per_day(now_s), train_hours=cfg.train_hours)
+        per_train_day = self.failures_per_day(now_s) * 24.0 / cfg.train_hours
+        best_s = optimal_interval_s(save_cost_s=cost_s, failures_per_day=per_train_day)
         floor_s = statistics.median(self._persists_s) if self._persists_s else 0.0
         return max(best_s, floor_s)
 

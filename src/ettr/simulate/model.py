@@ -24,6 +24,9 @@ from ettr.simulate.streams import EventStream, failure_source, preemption_source
 _BUCKET_INDEX = {bucket: i for i, bucket in enumerate(Bucket)}
 _B = _BUCKET_INDEX
 
+MAX_INTERRUPTIONS = 2_000_000
+"""A run that needs more interruptions than this to finish is refused (it would not finish in any time)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ScriptedFault:
@@ -40,6 +43,8 @@ class ScriptedFault:
     """Seconds from the interruption (the attempt's last step) to its end: detection, or the exit save."""
     saved_on_exit: bool = False
     """The attempt committed a checkpoint of its last step before exiting (save-then-exit)."""
+    ends_job: bool = False
+    """The job ended after it (its restarts were used up, or it was not requeued)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +105,137 @@ def _wall_for_progress(progress_s: float, first_s: float, params: JobParams) -> 
     return progress_s + max(num_saves, 1) * params.save_cost_s
 
 
+class _Run:
+    """The state of one run as its loop goes: the clock, the buckets, progress kept, attempts."""
+
+    __slots__ = (
+        "acc", "allocated", "attempt", "failures", "first_pieces", "gap", "horizon", "kept", "later_pieces",
+        "num_failures", "num_preemptions", "params", "pending", "preemptions", "script", "t", "train_end",
+        "tts", "ttrs", "work",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        params: JobParams,
+        failures: EventStream,
+        preemptions: EventStream,
+        script: tuple[ScriptedFault, ...] | None,
+    ) -> None:
+        self.params, self.failures, self.preemptions, self.script = params, failures, preemptions, script
+        self.acc = [0.0] * len(_BUCKET_INDEX)
+        self.horizon = math.inf if params.duration_s is None else params.duration_s
+        self.train_end = self.horizon - params.shutdown_s
+        self.work = math.inf if params.work_s is None else params.work_s
+        self.first_pieces = _pieces(params, True, 0.0)
+        self.later_pieces = {g: _pieces(params, False, g) for g in (_gap(params, False), _gap(params, True))}
+        # Scheduling and hardware set-up: no failures counted before the job holds its nodes.
+        self.acc[_B[Bucket.SCHEDULING]] = self.t = min(params.scheduling_s, self.horizon)
+        self.allocated = self.t
+        self.acc[_B[Bucket.HARDWARE_SETUP]] = min(params.hardware_setup_s, self.horizon - self.t)
+        self.t += self.acc[_B[Bucket.HARDWARE_SETUP]]
+        self.kept, self.attempt, self.gap = 0.0, 0, 0.0
+        self.num_failures = self.num_preemptions = 0
+        self.tts: float | None = None
+        self.ttrs: list[float] = []
+        self.pending: list[float] = []
+
+    def next_fault(self, first_save_s: float | None, gap_s: float) -> tuple[float, bool, float, bool]:
+        return _next_fault(
+            self.params,
+            self.script,
+            self.attempt,
+            self.failures,
+            self.preemptions,
+            self.t,
+            first_save_s,
+            gap_s,
+        )
+
+    def interrupted(self, preempted: bool) -> bool:
+        """Book an interruption that ended the attempt at `t`; True when the job ends with it (replay)."""
+        self.num_failures += 1
+        self.num_preemptions += preempted
+        self.pending.append(self.t)
+        self.gap = _gap(self.params, preempted)
+        self.attempt += 1
+        if self.script is not None and self.script[self.attempt - 1].ends_job:
+            self.acc[_B[Bucket.SHUTDOWN]] += self.params.shutdown_s
+            return True
+        return False
+
+    def start_up(self) -> bool | None:
+        """The relaunch gap (later attempts) and start-up components: None when training starts, else
+        whether the job ends (True: the window closed or a replay ended; False: interrupted, go on)."""
+        params, acc, first = self.params, self.acc, self.attempt == 0
+        pieces = self.first_pieces if first else self.later_pieces[self.gap]
+        total = params.first_startup.total_s if first else params.restart_startup.total_s
+        startup_end = self.t + self.gap + total
+        at, preempted, detection_s, _saved = self.next_fault(None, self.gap)
+        stop = min(at, self.horizon)
+        if stop < startup_end:
+            _spend(acc, pieces, stop - self.t)
+            if stop >= self.horizon:
+                return True
+            _spend_last(acc, pieces, stop - self.t, detection_s)  # detection: still start-up time
+            self.t = stop + detection_s
+            return self.interrupted(preempted)
+        _spend(acc, pieces, startup_end - self.t)
+        self.t = startup_end
+        if self.tts is None:
+            self.tts = self.t - self.allocated
+        self.ttrs.extend(self.t - d for d in self.pending)
+        self.pending.clear()
+        return None
+
+    def train(self) -> bool:
+        """Train from the training start at `t` until the job ends (True) or is interrupted (False)."""
+        params, acc = self.params, self.acc
+        first = _first_save_s(params, self.kept)
+        need = self.work - self.kept
+        finish = self.t + _wall_for_progress(need, first, params) if need < math.inf else math.inf
+        finish = min(finish, self.train_end)
+        stop, preempted, tail, saved = self.next_fault(first, 0.0)
+        if stop >= finish:
+            train, block, _durable = _split(max(0.0, finish - self.t), first, params)
+            acc[_B[Bucket.EFFECTIVE_TRAINING]] += train
+            acc[_B[Bucket.CHECKPOINT_BLOCKING]] += block
+            self.kept += train
+            self.t = max(self.t, finish)
+            shutdown = min(params.shutdown_s, self.horizon - self.t)
+            acc[_B[Bucket.SHUTDOWN]] += shutdown
+            self.t += shutdown
+            return True
+        train, block, durable = _split(stop - self.t, first, params)
+        acc[_B[Bucket.CHECKPOINT_BLOCKING]] += block
+        if preempted and saved:
+            # Save-then-exit: the save's blocking, then the wait for its persist before the process exits,
+            # which the report counts as the failed attempt's tail (wasted progress).
+            exit_s = tail if self.script is not None else params.blocking_s + params.persist_s
+            exit_blocking = min(params.blocking_s, exit_s)
+            acc[_B[Bucket.EFFECTIVE_TRAINING]] += train
+            acc[_B[Bucket.CHECKPOINT_BLOCKING]] += exit_blocking
+            acc[_B[Bucket.WASTED_PROGRESS]] += exit_s - exit_blocking
+            self.kept += train
+            self.t = stop + exit_s
+        else:
+            acc[_B[Bucket.EFFECTIVE_TRAINING]] += durable
+            acc[_B[Bucket.WASTED_PROGRESS]] += train - durable + tail
+            self.kept += durable
+            self.t = stop + tail
+        return self.interrupted(preempted)
+
+    def result(self) -> RunResult:
+        return RunResult(
+            buckets_s=tuple(self.acc),
+            wall_s=math.fsum(self.acc),
+            num_failures=self.num_failures,
+            num_preemptions=self.num_preemptions,
+            tts_s=self.tts,
+            ttr_s=tuple(self.ttrs),
+            kept_s=self.kept,
+        )
+
+
 def simulate_run(
     params: JobParams,
     failures: EventStream,
@@ -108,99 +244,25 @@ def simulate_run(
 ) -> RunResult:
     """One run of the job. With `script` the interruptions are those (one per attempt, in order) and the
     streams are not used: a replay of a measured job."""
-    acc = [0.0] * len(_BUCKET_INDEX)
-    horizon = math.inf if params.duration_s is None else params.duration_s
-    train_end = horizon - params.shutdown_s if params.duration_s is not None else math.inf
-    work = math.inf if params.work_s is None else params.work_s
-    acc[_B[Bucket.SCHEDULING]] = min(params.scheduling_s, horizon)
-    t = min(params.scheduling_s, horizon)
-    allocated = t
-    acc[_B[Bucket.HARDWARE_SETUP]] = min(params.hardware_setup_s, horizon - t)
-    t += acc[_B[Bucket.HARDWARE_SETUP]]
-    kept = 0.0
-    attempt = 0
-    num_failures = num_preemptions = 0
-    tts: float | None = None
-    ttrs: list[float] = []
-    pending_detections: list[float] = []
-    gap = 0.0
-    done = False
-    while not done and t < horizon:
-        # Start-up: the relaunch gap (later attempts), then the start-up components.
-        startup = params.first_startup if attempt == 0 else params.restart_startup
-        pieces = ((_B[Bucket.RESTART], gap),) + tuple((_B[Bucket(n)], s) for n, s in startup.components())
-        startup_end = t + gap + startup.total_s
-        fault = _next_fault(params, script, attempt, failures, preemptions, t, None, gap)
-        stop = min(fault[0], horizon)
-        if stop < startup_end:
-            _spend(acc, pieces, stop - t)
-            if stop >= horizon:
-                break
-            _spend_last(acc, pieces, stop - t, fault[2])  # detection: still start-up time
-            preempted = fault[1]
-            num_failures += 1
-            num_preemptions += preempted
-            t = stop + fault[2]
-            pending_detections.append(t)
-            gap = _gap(params, preempted)
-            attempt += 1
-            continue
-        _spend(acc, pieces, startup_end - t)
-        t = startup_end
-        if tts is None:
-            tts = t - allocated
-        ttrs.extend(t - d for d in pending_detections)
-        pending_detections.clear()
-        # Training.
-        first = _first_save_s(params, kept)
-        need = work - kept
-        finish = t + _wall_for_progress(need, first, params) if need < math.inf else math.inf
-        finish = min(finish, train_end)
-        fault = _next_fault(params, script, attempt, failures, preemptions, t, first, 0.0)
-        if fault[0] >= finish:
-            train, block, _durable = _split(max(0.0, finish - t), first, params)
-            acc[_B[Bucket.EFFECTIVE_TRAINING]] += train
-            acc[_B[Bucket.CHECKPOINT_BLOCKING]] += block
-            kept += train
-            t = max(t, finish)
-            shutdown = min(params.shutdown_s, horizon - t)
-            acc[_B[Bucket.SHUTDOWN]] += shutdown
-            t += shutdown
-            done = True
+    run = _Run(params, failures, preemptions, script)
+    while run.t < run.horizon:
+        if run.num_failures > MAX_INTERRUPTIONS:
+            raise ValueError(
+                f"a run passed {MAX_INTERRUPTIONS:,} interruptions: the job makes (almost) no progress at "
+                "this failure rate; lower the rate or the restart cost"
+            )
+        ended = run.start_up()
+        if ended is None:
+            ended = run.train()
+        if ended:
             break
-        stop, preempted, tail, saved = fault
-        train, block, durable = _split(stop - t, first, params)
-        acc[_B[Bucket.CHECKPOINT_BLOCKING]] += block
-        if preempted and saved:
-            # Save-then-exit: the save's blocking, then the wait for its persist before the process exits,
-            # which the report counts as the failed attempt's tail (wasted progress).
-            exit_s = tail if script is not None else params.blocking_s + params.persist_s
-            exit_blocking = min(params.blocking_s, exit_s)
-            acc[_B[Bucket.EFFECTIVE_TRAINING]] += train
-            acc[_B[Bucket.CHECKPOINT_BLOCKING]] += exit_blocking
-            acc[_B[Bucket.WASTED_PROGRESS]] += exit_s - exit_blocking
-            kept += train
-            t = stop + exit_s
-        else:
-            acc[_B[Bucket.EFFECTIVE_TRAINING]] += durable
-            acc[_B[Bucket.WASTED_PROGRESS]] += train - durable + tail
-            kept += durable
-            t = stop + tail
-        num_failures += 1
-        num_preemptions += preempted
-        pending_detections.append(t)
-        gap = _gap(params, preempted)
-        attempt += 1
-    wall = math.fsum(acc)
-    return RunResult(
-        buckets_s=tuple(acc),
-        wall_s=wall,
-        num_failures=num_failures,
-        num_preemptions=num_preemptions,
-        tts_s=tts,
-        ttr_s=tuple(ttrs),
-        kept_s=kept,
-    )
+    return run.result()
+
+
+def _pieces(params: JobParams, first: bool, gap: float) -> tuple[tuple[int, float], ...]:
+    """(bucket index, seconds) of an attempt's way to its first step: the relaunch gap, then start-up."""
+    startup = params.first_startup if first else params.restart_startup
+    return ((_B[Bucket.RESTART], gap),) + tuple((_B[Bucket(n)], s) for n, s in startup.components())
 
 
 def _gap(params: JobParams, preempted: bool) -> float:

@@ -131,6 +131,11 @@ class JobParams:
                 )
         if self.work_s is not None:
             _check("work", self.work_s, positive=True)
+            if self.interval_s > self.work_s * (1 + 1e-9):
+                raise ValueError(
+                    f"checkpoint interval {self.interval_s:g} s is longer than the job's training "
+                    f"({self.work_s:g} s): no checkpoint would ever be taken"
+                )
 
     @property
     def num_nodes(self) -> int:

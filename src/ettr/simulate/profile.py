@@ -97,14 +97,11 @@ def _phase_spans(events: Sequence[Event], phase: Phase) -> list[float]:
     return spans
 
 
-def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
-    """The profile of one job. Raises ValueError when the job never trained (nothing to measure)."""
-    notes: list[str] = []
-    by_attempt = _per_attempt_rank_events(events, report)
-    trained = [a for a in report.attempts if a.trained]
-    if not trained:
-        raise ValueError("the job never completed a step: there is no step time to measure")
-    # Step time: the training region, less its blocking and other phases, per step.
+def _step_time(
+    trained: Sequence[AttemptReport], by_attempt: dict[int, list[Event]]
+) -> tuple[float, dict[int, float]]:
+    """Seconds per step (each attempt's training region less its blocking and eval phases, per global
+    step of progress) and each attempt's last STEP time."""
     train_s = 0.0
     num_steps = 0
     last_step_ts: dict[int, float] = {}
@@ -114,40 +111,32 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
             continue
         last_step_ts[a.index] = max(steps)
         region = max(steps) - a.training_start_ts
-        blocked = _blocked_in(by_attempt[a.index], a.training_start_ts, max(steps))
-        train_s += max(0.0, region - blocked)
+        train_s += max(0.0, region - _blocked_in(by_attempt[a.index], a.training_start_ts, max(steps)))
         # Progress in global steps (the step counter), not the number of markers.
         num_steps += max(1, (a.last_step or 0) - (a.resumed_from_step or 0))
-    step_s = train_s / num_steps if num_steps and train_s > 0 else 1e-3
-    # Saves: blocking (and waiting) per save, persist per save, steps between commits.
+    return (train_s / num_steps if num_steps and train_s > 0 else 1e-3), last_step_ts
+
+
+def _save_costs(trained: Sequence[AttemptReport], by_attempt: dict[int, list[Event]]) -> tuple[float, float]:
+    """(blocking plus waiting per save, persist per save) of the reference ranks."""
     blocking: list[float] = []
     persists: list[float] = []
+    waits = 0.0
     for a in trained:
         rank_events = by_attempt[a.index]
         blocking += _phase_spans(rank_events, Phase.CHECKPOINT_BLOCKING)
         persists += _phase_spans(rank_events, Phase.CHECKPOINT_PERSIST)
-    waits = sum(sum(_phase_spans(by_attempt[a.index], Phase.CHECKPOINT_WAIT)) for a in trained)
+        waits += sum(_phase_spans(rank_events, Phase.CHECKPOINT_WAIT))
     blocking_s = (sum(blocking) + waits) / len(blocking) if blocking else 0.0
-    persist_s = statistics.fmean(persists) if persists else 0.0
-    final_step = max((a.last_step or 0) for a in report.attempts)
-    interval_steps, interval_global = _interval_steps(report, final_step)
-    if interval_steps is None:
-        notes.append("no checkpoint was committed during training: the interval is the whole job")
-    # Start-up of the first and of later attempts, relaunch gaps, detection.
-    first = report.attempts[0]
-    later = [a for a in report.attempts[1:] if a.trained]
-    first_startup = _mean_startup([first]) or Startup()
-    restart_startup = _mean_startup(later)
-    if restart_startup is None:
-        restart_startup = first_startup
-        notes.append("no later attempt trained: restarts assumed to start up like the first attempt")
-    gaps_fail: list[float] = []
-    gaps_preempt: list[float] = []
+    return blocking_s, (statistics.fmean(persists) if persists else 0.0)
+
+
+def _script(
+    report: EttReport, last_step_ts: dict[int, float], step_s: float
+) -> tuple[list[ScriptedFault], list[float]]:
+    """The job's interruptions as a replay script, and the detection tail of each failure."""
     script: list[ScriptedFault] = []
     tails: list[float] = []
-    for prev, nxt in zip(report.attempts, report.attempts[1:], strict=False):
-        gap = max(0.0, nxt.start_ts - prev.end_ts)
-        (gaps_preempt if prev.outcome is Outcome.PREEMPTED else gaps_fail).append(gap)
     for a in report.attempts:
         if a.outcome is Outcome.COMPLETED:
             continue
@@ -171,11 +160,45 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
                 saved_on_exit=saved,
             )
         )
+    if script and report.attempts[-1].outcome is not Outcome.COMPLETED:
+        script[-1] = replace(script[-1], ends_job=True)
+    return script, tails
+
+
+def _gaps(report: EttReport) -> tuple[list[float], list[float]]:
+    """End of an attempt to the start of the next: after failures, and after preemptions (requeues)."""
+    after_failure: list[float] = []
+    after_preemption: list[float] = []
+    for prev, nxt in zip(report.attempts, report.attempts[1:], strict=False):
+        gap = max(0.0, nxt.start_ts - prev.end_ts)
+        (after_preemption if prev.outcome is Outcome.PREEMPTED else after_failure).append(gap)
+    return after_failure, after_preemption
+
+
+def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
+    """The profile of one job. Raises ValueError when the job never trained (nothing to measure)."""
+    notes: list[str] = []
+    by_attempt = _per_attempt_rank_events(events, report)
+    trained = [a for a in report.attempts if a.trained]
+    if not trained:
+        raise ValueError("the job never completed a step: there is no step time to measure")
+    step_s, last_step_ts = _step_time(trained, by_attempt)
+    blocking_s, persist_s = _save_costs(trained, by_attempt)
+    final_step = max((a.last_step or 0) for a in report.attempts)
+    interval_steps, interval_global = _interval_steps(report, final_step)
+    if interval_steps is None:
+        notes.append("no checkpoint was committed during training: the interval is the whole job")
+    first_startup = _mean_startup([report.attempts[0]]) or Startup()
+    restart_startup = _mean_startup([a for a in report.attempts[1:] if a.trained])
+    if restart_startup is None:
+        restart_startup = first_startup
+        notes.append("no later attempt trained: restarts assumed to start up like the first attempt")
+    gaps_fail, gaps_preempt = _gaps(report)
+    script, tails = _script(report, last_step_ts, step_s)
     wall_days = report.wall_s / SECONDS_PER_DAY if report.wall_s > 0 else 0.0
     num_preempted = sum(1 for a in report.attempts if a.outcome is Outcome.PREEMPTED)
     num_failed = report.num_failures - num_preempted
     gpus = _world_size(events)
-    interval_s = (interval_steps or final_step or 1) * step_s
     params = JobParams(
         gpus=gpus,
         gpus_per_node=gpus,
@@ -183,7 +206,7 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
         preemptions_per_day=num_preempted / wall_days if wall_days else 0.0,
         handles_preemption=any(f.saved_on_exit for f in script if f.preemption) or not num_preempted,
         step_s=step_s,
-        interval_s=interval_s,
+        interval_s=(interval_steps or final_step or 1) * step_s,
         interval_global=interval_global,
         blocking_s=blocking_s,
         persist_s=persist_s,
@@ -198,10 +221,7 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
         duration_s=None,
         work_s=max(final_step, 1) * step_s,
     )
-    if report.buckets_s[Bucket.OTHER] > 0:
-        notes.append(f"{report.buckets_s[Bucket.OTHER]:.1f} s of 'other' (eval...) is not modelled")
-    if report.in_progress:
-        notes.append("the job is still running (or its supervisor was killed): profiled so far")
+    notes += _caveats(report, num_failed + num_preempted)
     return Profile(
         params=params,
         script=tuple(script),
@@ -212,6 +232,20 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
         interval_steps=interval_steps,
         notes=tuple(notes),
     )
+
+
+def _caveats(report: EttReport, num_interruptions: int) -> list[str]:
+    notes = []
+    if report.buckets_s[Bucket.OTHER] > 0:
+        notes.append(f"{report.buckets_s[Bucket.OTHER]:.1f} s of 'other' (eval...) is not modelled")
+    if num_interruptions and report.wall_s < SECONDS_PER_DAY:
+        notes.append(
+            f"failure and preemption rates measured over {report.wall_s / 60:.1f} min of wall time: "
+            "not rates to extrapolate (give --failures-per-node-day and --preemptions-per-day)"
+        )
+    if report.in_progress:
+        notes.append("the job is still running (or its supervisor was killed): profiled so far")
+    return notes
 
 
 def _interval_steps(report: EttReport, final_step: int) -> tuple[int | None, bool]:

@@ -1,0 +1,438 @@
+"""`ettr simulate`: what-if ETT of a job from flags or from its own ledger (`--from RUN_DIR`).
+
+The argparse front is `add_arguments`; `main` builds the job's `JobParams` (a measured profile, then the
+flags over it), runs the model and prints a table, or one JSON object with `--json`. Bad parameters are
+one line on stderr and exit status 2 (a `UsageError`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import replace
+from typing import Any
+
+from ettr.errors import UsageError
+from ettr.simulate.analytic import optimal_interval_for
+from ettr.simulate.params import SECONDS_PER_DAY, JobParams, Startup
+
+LLAMA3_FAILURES_PER_NODE_DAY = 466 / 54 / (16_384 / 8)
+"""The default failure rate: Llama 3's 466 interruptions in 54 days on 16,384 GPUs (8 per node)."""
+
+EPILOG = """examples:
+  ettr simulate --failures-per-node-day 3 --checkpoint-blocking-s 15 --interval auto
+  ettr simulate --mtbf-hours 6 --checkpoint-blocking-s 300 --restart-s 600 --sweep interval
+  ettr simulate --gpus 16384 --duration-hours 720 --restart-s 600 --checkpoint-blocking-s 30 --json
+  ettr simulate --from runs/job1 --gpus 2048 --duration-hours 336 --compare
+  ettr simulate --from runs/job1 --replay          # the job's own failures: predicted vs measured
+  ettr simulate --fleet-experiment --json          # preemption victims: random vs lowest cost
+"""
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+    p.add_argument(
+        "--from", dest="from_dir", metavar="RUN_DIR", help="measure the job's profile from its ledger"
+    )
+    p.add_argument("--replay", action="store_true", help="with --from: re-create the job's own failures")
+    p.add_argument("--gpus", type=_int, metavar="N", help="GPUs of the job (8; --from: the job's)")
+    p.add_argument("--gpus-per-node", type=_int, metavar="G", help="GPUs per node (8)")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument(
+        "--failures-per-node-day", type=_float, metavar="F", help="failures per node per day (Llama 3's rate)"
+    )
+    rate.add_argument("--mtbf-hours", type=_float, metavar="H", help="the job's mean time between failures")
+    p.add_argument(
+        "--restart-s", type=_float, metavar="S", help="whole cost of one restart, lost work excluded (0)"
+    )
+    p.add_argument(
+        "--checkpoint-blocking-s", type=_float, metavar="S", help="seconds a save blocks training (15)"
+    )
+    interval = p.add_mutually_exclusive_group()
+    interval.add_argument("--interval-s", type=_float, metavar="S", help="training seconds between saves")
+    interval.add_argument("--interval", choices=["auto"], help="auto: the model's optimum (the default)")
+    p.add_argument(
+        "--duration-hours", type=_float, metavar="H", help="wall time of the job (24; --from: its steps)"
+    )
+    p.add_argument("--step-s", type=_float, metavar="S", help="seconds per step (1; --from: measured)")
+    p.add_argument("--runs", type=_int, default=200, metavar="N", help="seeded runs (200)")
+    p.add_argument("--seed", type=_int, default=0, metavar="N", help="seed of the runs (0)")
+    p.add_argument("--sweep", choices=["interval", "gpus"], help="sweep a parameter; print the optimum")
+    p.add_argument("--sweep-values", metavar="V,V,...", help="the swept values (default: around the optimum)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    extra = p.add_argument_group("beyond the contract's flags")
+    extra.add_argument("--persist-s", type=_float, metavar="S", help="async persist after the blocking (0)")
+    extra.add_argument(
+        "--weibull-shape", type=_float, metavar="K", help="per-node Weibull shape (1: exponential)"
+    )
+    extra.add_argument(
+        "--preemptions-per-day", type=_float, metavar="P", help="scheduler preemptions per day (0)"
+    )
+    extra.add_argument("--no-save-on-preempt", action="store_true", help="a preemption loses unsaved work")
+    extra.add_argument("--startup-s", type=_float, metavar="S", help="first attempt's start-up (init; 0)")
+    extra.add_argument("--shutdown-s", type=_float, metavar="S", help="last step to the job's end (0)")
+    extra.add_argument("--compare", action="store_true", help="policies side by side (sync/async, ...)")
+    extra.add_argument(
+        "--async-blocking-s", type=_float, metavar="S", help="--compare: async save's blocking"
+    )
+    extra.add_argument(
+        "--cached-compile-s", type=_float, metavar="S", help="--compare: compile on a cache hit"
+    )
+    extra.add_argument("--publish-s", type=_float, metavar="S", help="--compare: in-job publishing cost")
+    extra.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page of the charts")
+    extra.add_argument(
+        "--fleet-experiment", action="store_true", help="preemption victims: random vs lowest cost"
+    )
+    extra.add_argument("--fleet-jobs", type=_int, metavar="M", help="--fleet-experiment: jobs (32)")
+    extra.add_argument(
+        "--demands-per-day", type=_float, metavar="D", help="--fleet-experiment: demands/day (24)"
+    )
+    extra.add_argument(
+        "--demand-gpus", type=_int, metavar="N", help="--fleet-experiment: GPUs per demand (256)"
+    )
+
+
+def _fail(message: str) -> UsageError:
+    return UsageError(f"ettr simulate: {message}")
+
+
+def _finite_non_negative(args: argparse.Namespace) -> None:
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not (math.isfinite(value) and value >= 0):
+            flag = "--" + name.replace("_", "-")
+            raise _fail(f"{flag} must be a finite number >= 0, got {value} (see --help)")
+    for name in ("gpus", "gpus_per_node", "runs", "fleet_jobs", "demand_gpus"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.seed < 0:
+        raise _fail(f"--seed must be >= 0, got {args.seed}")
+    for name in ("mtbf_hours", "duration_hours", "step_s", "interval_s", "weibull_shape"):
+        if getattr(args, name) == 0:
+            raise _fail(f"--{name.replace('_', '-')} must be > 0")
+
+
+def _scaled_restart(params: JobParams, restart_s: float) -> dict[str, Any]:
+    """Split a whole restart cost like the profile splits its own (all relaunch gap when it has none)."""
+    total = params.restart_s
+    if total <= 0:
+        return {"restart_gap_s": restart_s, "detection_s": 0.0, "restart_startup": Startup()}
+    f = restart_s / total
+    s = params.restart_startup
+    return {
+        "restart_gap_s": params.restart_gap_s * f,
+        "detection_s": params.detection_s * f,
+        "restart_startup": Startup(
+            init_s=s.init_s * f,
+            compile_s=s.compile_s * f,
+            restore_s=s.restore_s * f,
+            data_wait_s=s.data_wait_s * f,
+        ),
+    }
+
+
+def build_params(args: argparse.Namespace, base: JobParams | None) -> tuple[JobParams, bool]:
+    """The job's parameters (the profile `base`, else defaults, then the flags); and whether the interval
+    is `auto`. Raises UsageError."""
+    changes: dict[str, Any] = {}
+    if base is None:
+        base = JobParams(
+            failures_per_node_day=LLAMA3_FAILURES_PER_NODE_DAY, blocking_s=15.0, duration_s=SECONDS_PER_DAY
+        )
+    if args.gpus is not None:
+        changes["gpus"] = args.gpus
+    if args.gpus_per_node is not None:
+        changes["gpus_per_node"] = args.gpus_per_node
+    gpus = changes.get("gpus", base.gpus)
+    per_node = changes.get("gpus_per_node", base.gpus_per_node)
+    num_nodes = -(-gpus // per_node)
+    if args.failures_per_node_day is not None:
+        changes["failures_per_node_day"] = args.failures_per_node_day
+    if args.mtbf_hours is not None:
+        changes["failures_per_node_day"] = 24.0 / args.mtbf_hours / num_nodes
+    if args.restart_s is not None:
+        changes.update(_scaled_restart(base, args.restart_s))
+    simple = {
+        "checkpoint_blocking_s": "blocking_s",
+        "persist_s": "persist_s",
+        "step_s": "step_s",
+        "weibull_shape": "weibull_shape",
+        "preemptions_per_day": "preemptions_per_day",
+        "shutdown_s": "shutdown_s",
+        "interval_s": "interval_s",
+    }
+    for flag, field in simple.items():
+        if getattr(args, flag) is not None:
+            changes[field] = getattr(args, flag)
+    if args.interval_s is not None:
+        changes["interval_global"] = False
+    if args.no_save_on_preempt:
+        changes["handles_preemption"] = False
+    if args.startup_s is not None:
+        changes["first_startup"] = Startup(init_s=args.startup_s)
+    if args.duration_hours is not None:
+        changes.update(duration_s=args.duration_hours * 3600.0, work_s=None)
+    explicit_auto = args.interval == "auto"
+    auto = explicit_auto or (args.interval_s is None and args.from_dir is None)
+    if auto:
+        changes["interval_s"] = 1.0  # placeholder inside the job until the optimum is known below
+    try:
+        params = replace(base, **changes)
+        if auto:
+            try:
+                params = replace(params, interval_s=_auto_interval(params))
+            except ValueError:
+                if explicit_auto:
+                    raise
+                # No optimum (no failures, or saves that cost nothing): the default interval, 30 min.
+                limit = params.duration_s if params.duration_s is not None else params.work_s or 1800.0
+                params, auto = replace(params, interval_s=min(DEFAULT_INTERVAL_S, limit)), False
+    except ValueError as exc:
+        raise _fail(f"{exc} (see --help)") from None
+    return params, auto
+
+
+def _auto_interval(params: JobParams) -> float:
+    if params.blocking_s <= 0:
+        raise ValueError("--interval auto needs a save cost: give --checkpoint-blocking-s above 0")
+    if params.failures_per_day <= 0 and (params.preemptions_per_day <= 0 or params.handles_preemption):
+        raise ValueError(
+            "--interval auto needs failures: give --failures-per-node-day or --mtbf-hours above 0"
+        )
+    best = optimal_interval_for(params)
+    if params.duration_s is not None:
+        best = min(best, params.duration_s)
+    return best
+
+
+MAX_INTERRUPTIONS_PER_COMMAND = 30_000_000
+"""About a minute of simulation on one core; more is refused with a line saying why."""
+MAX_WEIBULL_NODES = 1_000_000
+DEFAULT_INTERVAL_S = 1800.0
+"""The interval when none is given and the model has no optimum (no failures, or free saves)."""
+
+
+def check_cost(params: JobParams, *, runs: int, points: int = 1) -> None:
+    """Refuse (ValueError) a simulation that could not finish: a job that would almost never keep progress,
+    or so many interruptions in all that it would run for minutes."""
+    if params.weibull_shape != 1.0 and params.num_nodes > MAX_WEIBULL_NODES:
+        raise ValueError(
+            f"Weibull failures are drawn per node: {params.num_nodes:,} nodes is more than "
+            f"{MAX_WEIBULL_NODES:,} (use --weibull-shape 1, or fewer GPUs)"
+        )
+    rate = (params.failures_per_day + params.preemptions_per_day) / SECONDS_PER_DAY
+    exposure = params.interval_s + params.save_cost_s + params.restart_s
+    if params.work_s is not None and rate * exposure > 30:
+        raise ValueError(
+            f"at {rate * SECONDS_PER_DAY:.3g} interruptions/day a {exposure:.3g} s checkpoint cycle and restart "
+            "almost never completes: the job would not finish (lower the rate, the interval or the restart)"
+        )
+    wall = (
+        params.duration_s if params.duration_s is not None else (params.work_s or 0.0) * 2 + params.restart_s
+    )
+    total = rate * wall * runs * points
+    if total > MAX_INTERRUPTIONS_PER_COMMAND:
+        raise ValueError(
+            f"that is about {total:,.0f} simulated interruptions ({rate * SECONDS_PER_DAY:.3g}/day over "
+            f"{wall / SECONDS_PER_DAY:.3g} days, {runs} runs x {points} points); lower --runs, or give a "
+            "real failure rate (a short test run measures a meaningless one: --failures-per-node-day)"
+        )
+
+
+def _sweep_values(args: argparse.Namespace, integer: bool) -> list[float] | None:
+    if args.sweep_values is None:
+        return None
+    try:
+        values = [float(v) for v in args.sweep_values.split(",") if v.strip()]
+    except ValueError:
+        raise _fail(f"--sweep-values {args.sweep_values!r}: give numbers separated by commas") from None
+    if not values or any(not (math.isfinite(v) and v > 0) for v in values):
+        raise _fail("--sweep-values must be finite numbers > 0")
+    if integer and any(v != int(v) for v in values):
+        raise _fail("--sweep-values for gpus must be whole numbers")
+    return values
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    if args.replay and args.from_dir is None:
+        raise _fail("--replay needs --from RUN_DIR (the job whose failures to replay)")
+    if args.replay and (args.sweep or args.compare):
+        raise _fail("--replay replays one job; it does not go with --sweep or --compare")
+    if args.sweep and args.compare:
+        raise _fail("give either --sweep or --compare, not both")
+    if args.sweep_values is not None and not args.sweep:
+        raise _fail("--sweep-values needs --sweep interval|gpus")
+    if args.sweep == "interval" and args.interval_s is not None:
+        raise _fail("--sweep interval sweeps the interval; leave out --interval-s")
+
+
+def main(args: argparse.Namespace) -> int:
+    _finite_non_negative(args)
+    if args.fleet_experiment:
+        return _fleet(args)
+    _check_combinations(args)
+    profile = None
+    if args.from_dir is not None:
+        from ettr.simulate.profile import load_profile
+
+        try:
+            profile = load_profile(args.from_dir)
+        except (ValueError, UsageError) as exc:
+            raise _fail(f"{exc}" if isinstance(exc, UsageError) else f"{args.from_dir}: {exc}") from None
+    params, auto = build_params(args, profile.params if profile else None)
+    try:
+        if not args.replay:
+            num_points = 21 if args.sweep == "interval" else 12 if args.sweep else 6 if args.compare else 1
+            scale = -(-16_384 // params.gpus_per_node) / params.num_nodes if args.sweep == "gpus" else 1
+            check_cost(params, runs=args.runs, points=int(num_points * max(1.0, scale / 4)))
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    payload: dict[str, Any]
+    html_parts: dict[str, Any] = {}
+    if args.replay:
+        assert profile is not None
+        payload, text, html_parts = _replay(params, profile)
+    elif args.sweep:
+        payload, text, html_parts = _sweep(args, params, auto)
+    elif args.compare:
+        payload, text, html_parts = _compare(args, params)
+    else:
+        from ettr.simulate.render import render_summary
+        from ettr.simulate.summary import simulate
+
+        summary = simulate(params, runs=args.runs, seed=args.seed)
+        payload = summary.to_dict()
+        text = render_summary(summary, title=_title(params, args))
+        html_parts = {"summaries": [("simulated", summary)]}
+    if profile is not None:
+        payload["profile"] = profile.to_dict()
+    if args.html:
+        from ettr.report.simulate_html import write_simulate_html
+
+        write_simulate_html(args.html, title=_title(params, args), **html_parts)
+    if args.json:
+        print(json.dumps(payload, indent=2))
+    else:
+        print(text)
+        if profile is not None and profile.notes:
+            print("\n".join(f"  note: {n}" for n in profile.notes))
+    return 0
+
+
+def _title(params: JobParams, args: argparse.Namespace) -> str:
+    source = f"profile of {args.from_dir}" if args.from_dir else "flags"
+    size = f"{params.gpus} GPUs ({params.num_nodes} nodes)"
+    span = (
+        f"{params.duration_s / 3600:g} h of wall time"
+        if params.duration_s is not None
+        else f"{(params.work_s or 0) / params.step_s:.0f} steps"
+    )
+    preempt = f", {params.preemptions_per_day:.3g} preemptions/day" if params.preemptions_per_day else ""
+    return (
+        f"ettr simulate ({source}): {size}, {span}, {params.failures_per_day:.3g} failures/day{preempt}, "
+        f"save blocks {params.blocking_s:.3g} s"
+    )
+
+
+def _replay(params: JobParams, profile: Any) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    from ettr.simulate.render import render_replay
+    from ettr.simulate.summary import replay
+
+    predicted = replay(params, profile.script)
+    payload = predicted.to_dict()
+    payload["replay"] = True
+    payload["measured"] = {
+        "ett_pct": profile.measured_ett_pct,
+        "buckets_pct": profile.measured_buckets_pct,
+        "wall_s": profile.measured_wall_s,
+    }
+    text = "replay of the job's own failures\n" + render_replay(
+        predicted, profile.measured_ett_pct, profile.measured_buckets_pct
+    )
+    return payload, text, {"summaries": [("replayed", predicted)], "measured": profile.measured_buckets_pct}
+
+
+def _sweep(
+    args: argparse.Namespace, params: JobParams, auto: bool
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    from ettr.simulate.render import render_sweep
+    from ettr.simulate.sweep import default_gpus, default_intervals, sweep_gpus, sweep_interval
+
+    if args.sweep == "interval":
+        values = _sweep_values(args, integer=False) or default_intervals(params)
+        if params.duration_s is not None and max(values) > params.duration_s:
+            raise _fail(
+                f"--sweep-values: an interval of {max(values):g} s is longer than the job "
+                f"({params.duration_s:g} s)"
+            )
+        sweep = sweep_interval(params, values, runs=args.runs, seed=args.seed)
+    else:
+        gpu_values = [int(v) for v in (_sweep_values(args, integer=True) or default_gpus(params))]
+        sweep = sweep_gpus(params, gpu_values, runs=args.runs, seed=args.seed, auto_interval=auto)
+    text = (
+        _title(params, args) + f"\nsweep of the {args.sweep} ({args.runs} runs each)\n" + render_sweep(sweep)
+    )
+    return sweep.to_dict(), text, {"sweep": sweep}
+
+
+def _compare(args: argparse.Namespace, params: JobParams) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    from ettr.simulate.render import render_policies
+    from ettr.simulate.sweep import PolicyOptions, compare_policies
+
+    try:
+        options = PolicyOptions(
+            async_blocking_s=args.async_blocking_s,
+            cached_compile_s=args.cached_compile_s,
+            publish_s=args.publish_s or 0.0,
+        )
+        rows, skipped = compare_policies(params, options, runs=args.runs, seed=args.seed)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    payload = {
+        "policies": [{"policy": name, **s.to_dict()} for name, s in rows],
+        "not_compared": skipped,
+    }
+    text = _title(params, args) + f"\npolicies side by side ({args.runs} runs each)\n"
+    return payload, text + render_policies(rows, skipped), {"summaries": rows}
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from ettr.simulate.fleet import FleetParams, fleet_experiment
+    from ettr.simulate.render import render_fleet
+
+    changes: dict[str, Any] = {}
+    if args.fleet_jobs is not None:
+        changes["num_jobs"] = args.fleet_jobs
+    if args.demands_per_day is not None:
+        changes["demands_per_day"] = args.demands_per_day
+    if args.demand_gpus is not None:
+        changes["demand_gpus"] = args.demand_gpus
+    if args.duration_hours is not None:
+        changes["duration_s"] = args.duration_hours * 3600.0
+    try:
+        params = FleetParams(**changes)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    result = fleet_experiment(params, runs=args.runs, seed=args.seed)
+    if args.html:
+        from ettr.report.simulate_html import write_simulate_html
+
+        write_simulate_html(args.html, title="ettr simulate --fleet-experiment", fleet=result)
+    print(json.dumps(result, indent=2) if args.json else render_fleet(result))
+    return 0

@@ -1,0 +1,85 @@
+"""Profiles from a ledger (pure: events -> accounting -> profile), checked on a hand-built job, and the
+replay of that job reproducing its own report."""
+
+from __future__ import annotations
+
+import pytest
+
+from ettr.accounting import compute
+from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
+from ettr.simulate.profile import profile_from_events
+from ettr.simulate.summary import replay
+
+K = EventKind
+
+
+def attempt(events: list[Event], index: int, t: float, *, first: int, last: int, resumed: int | None,
+            crash_tail: float | None) -> float:  # fmt: skip
+    """One attempt from `t`: 2 s init, then 1 s steps first..last, a 0.5 s save after every 4th step."""
+    events.append(Event(K.ATTEMPT_START, t, index, SUPERVISOR_RANK))
+    events.append(Event(K.PROCESS_START, t, index, 0, data={"world_size": 4}))
+    events.append(Event(K.PHASE_END, t + 2.0, index, 0, phase=Phase.INIT, value=t))
+    if resumed is not None:
+        events.append(Event(K.RESUMED, t + 2.0, index, 0, step=resumed))
+    t += 2.0
+    for step in range(first, last + 1):
+        t += 1.0
+        events.append(Event(K.STEP, t, index, 0, step=step))
+        if step % 4 == 0 and step != last:
+            events.append(Event(K.PHASE_END, t + 0.5, index, 0, phase=Phase.CHECKPOINT_BLOCKING, value=t))
+            events.append(Event(K.CHECKPOINT_COMMIT, t + 0.5, index, 0, step=step))
+            t += 0.5
+    if crash_tail is None:
+        events.append(Event(K.ATTEMPT_END, t + 1.0, index, SUPERVISOR_RANK, data={"outcome": "completed"}))
+        return t + 1.0
+    end = t + crash_tail
+    events.append(
+        Event(K.ATTEMPT_END, end, index, SUPERVISOR_RANK, data={"outcome": "failed", "exit_code": 1})
+    )
+    return end
+
+
+def make_job() -> list[Event]:
+    events = [Event(K.SUPERVISOR_START, 0.0, 0, SUPERVISOR_RANK)]
+    end0 = attempt(events, 0, 0.0, first=1, last=10, resumed=None, crash_tail=1.5)  # commit 8; lose 9, 10
+    end1 = attempt(events, 1, end0 + 3.0, first=9, last=16, resumed=8, crash_tail=None)
+    events.append(Event(K.JOB_END, end1 + 0.5, 0, SUPERVISOR_RANK, data={"exit_status": 0}))
+    return events
+
+
+def test_profile_measures_the_hand_built_job() -> None:
+    events = make_job()
+    report = compute(events, max(e.ts for e in events))
+    profile = profile_from_events(events, report)
+    p = profile.params
+    assert p.step_s == pytest.approx(1.0)
+    assert profile.interval_steps == 4 and p.interval_global and p.interval_s == pytest.approx(4.0)
+    assert p.blocking_s == pytest.approx(0.5) and p.persist_s == 0.0
+    assert p.first_startup.init_s == pytest.approx(2.0) and p.restart_startup.init_s == pytest.approx(2.0)
+    assert p.restart_gap_s == pytest.approx(3.0) and p.detection_s == pytest.approx(1.5)
+    assert p.gpus == 4 and p.work_s == pytest.approx(16.0)
+    assert [(f.preemption, f.in_startup, f.after_s) for f in profile.script] == [(False, False, 10.0)]
+
+
+def test_replay_of_the_hand_built_job_reproduces_its_report() -> None:
+    events = make_job()
+    report = compute(events, max(e.ts for e in events))
+    profile = profile_from_events(events, report)
+    predicted = replay(profile.params, profile.script)
+    # One step time, one start-up, one gap: the model redraws this job to the last bit.
+    assert predicted.ett_pct == pytest.approx(report.ett_pct)
+    assert predicted.wall_s == pytest.approx(report.wall_s)
+    for bucket, pct in profile.measured_buckets_pct.items():
+        assert predicted.buckets_pct[bucket] == pytest.approx(pct, abs=1e-9), bucket
+    assert predicted.tts_s_mean == pytest.approx(report.tts_s)
+    assert predicted.mean_ttr_s == pytest.approx(report.mean_ttr_s)
+
+
+def test_a_job_that_never_trained_has_no_profile() -> None:
+    events = [
+        Event(K.SUPERVISOR_START, 0.0, 0, SUPERVISOR_RANK),
+        Event(K.ATTEMPT_START, 1.0, 0, SUPERVISOR_RANK),
+        Event(K.ATTEMPT_END, 5.0, 0, SUPERVISOR_RANK, data={"outcome": "failed", "exit_code": 1}),
+    ]
+    with pytest.raises(ValueError, match="never completed a step"):
+        profile_from_events(events, compute(events, 5.0))
