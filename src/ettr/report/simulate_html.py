@@ -16,7 +16,8 @@ from typing import Any
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import Bucket
-from ettr.report.charts import BUCKET_COLORS, bucket_label, esc, share_bar_svg, svg_defs
+from ettr.report.charts import share_bar_svg
+from ettr.report.svg import BUCKET_COLORS, bucket_label, esc, svg_defs
 from ettr.simulate.summary import Summary
 from ettr.simulate.sweep import Sweep
 
