@@ -11,9 +11,11 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.ledger import Ledger, LedgerError, open_ledger
 from ettr.recorder import NullRecorder, Recorder, host_name, process_start_time
+from ettr.supervisor.launch import LEDGER_ENV
 
 logger = logging.getLogger("ettr")
 
@@ -28,17 +30,29 @@ def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
         return default
 
 
+def _open_process_ledger(environ: Mapping[str, str], run_dir: str) -> Ledger:
+    """The ledger `ETTR_LEDGER` names (spilling to the run directory when it is a server), else the run
+    directory's own."""
+    url = environ.get(LEDGER_ENV)
+    if not url:
+        return open_ledger(run_dir)
+    from ettr.ledger.url import open_for_run
+
+    job_id = environ.get("ETTR_JOB_ID") or Path(run_dir).name
+    return open_for_run(url, job_id=job_id, run_dir=run_dir, supervisor=False)
+
+
 def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
-    """A Recorder for this process from `ETTR_RUN_DIR`, `ETTR_ATTEMPT`, `ETTR_JOB_ID` and torchrun's
+    """A Recorder for this process from `ETTR_RUN_DIR`, `ETTR_LEDGER`, `ETTR_ATTEMPT`, `ETTR_JOB_ID`, torchrun's
     `RANK`/`WORLD_SIZE`/`LOCAL_RANK`; a NullRecorder when `ETTR_RUN_DIR` is unset or unusable."""
     environ = os.environ if environ is None else environ
     run_dir = environ.get("ETTR_RUN_DIR")
     if not run_dir:
         return NullRecorder()
     try:
-        ledger = open_ledger(run_dir)
-    except (LedgerError, OSError) as exc:
-        logger.warning("ettr: cannot open the ledger in %s (%s); recording is off", run_dir, exc)
+        ledger = _open_process_ledger(environ, run_dir)
+    except (LedgerError, OSError, UsageError) as exc:
+        logger.warning("ettr: cannot open the ledger of %s (%s); recording is off", run_dir, exc)
         return NullRecorder()
     rec = Recorder(
         ledger,

@@ -57,6 +57,25 @@ def load(run_dir: str | os.PathLike[str]) -> tuple[list[Event], EttReport]:
     return events, compute(events, report_time(events), job_id=job_id_of(events, run_dir))
 
 
+def load_from_ledger(url: str, job_id: str) -> tuple[list[Event], EttReport]:
+    """The events of job `job_id` in the ledger at `url` and its report. Raises `UsageError`."""
+    from ettr.ledger.url import open_url
+
+    try:
+        ledger = open_url(url, job_id=job_id, create=False)
+    except UsageError as exc:
+        raise UsageError(f"ettr report: {exc}") from None
+    try:
+        events = ledger.read()
+    except LedgerError as exc:
+        raise UsageError(f"ettr report: {exc}") from None
+    finally:
+        ledger.close()
+    if not events:
+        raise UsageError(f"ettr report: job {job_id!r} has no events in the ledger yet")
+    return events, compute(events, report_time(events), job_id=job_id)
+
+
 def load_report(run_dir: str | os.PathLike[str]) -> EttReport:
     """The report of one run directory, as `ettr report` shows it."""
     return load(run_dir)[1]

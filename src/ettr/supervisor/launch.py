@@ -23,6 +23,9 @@ AUTO_ENV = "ETTR_AUTO"
 LAUNCHER_ENV = "ETTR_LAUNCHER"
 """The kind of command (`Launcher`), so the bootstrap knows which processes are the training ranks."""
 
+LEDGER_ENV = "ETTR_LEDGER"
+"""The ledger URL (`ettr run --ledger`); unset: the run directory's SQLite file."""
+
 INSTRUMENTED_ENV = "ETTR_INSTRUMENTED_PID"
 """Set by the bootstrap in the process it instruments, so that its own children (data loader workers,
 compile workers) are not taken for training processes; cleared for every new attempt."""
@@ -190,6 +193,7 @@ def attempt_launch(
     inject: Sequence[FaultSpec] = (),
     auto: bool = True,
     base_env: Mapping[str, str] | None = None,
+    ledger_url: str | None = None,
 ) -> AttemptLaunch:
     """The command line and environment of attempt `attempt` (see the module docstring)."""
     launcher = detect_launcher(command)
@@ -209,6 +213,9 @@ def attempt_launch(
         }
     )
     env.pop(INJECT_ENV, None)
+    env.pop(LEDGER_ENV, None)
+    if ledger_url:
+        env[LEDGER_ENV] = ledger_url
     env.pop(INSTRUMENTED_ENV, None)
     if inject:
         env[INJECT_ENV] = encode_specs(inject)

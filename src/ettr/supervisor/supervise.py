@@ -27,7 +27,9 @@ from typing import Any
 
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
-from ettr.ledger import LedgerError, open_ledger
+from ettr.ledger import Ledger, LedgerError, open_ledger
+from ettr.ledger.postgres import redact
+from ettr.ledger.spill import SpillingLedger
 from ettr.supervisor import books
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
@@ -91,7 +93,10 @@ class Supervisor:
     def _open_books(self) -> int:
         """Open the ledger, close what a killed predecessor left open; the first attempt's index."""
         try:
-            self._ledger = open_ledger(self.run_dir)
+            if self.config.ledger_url:
+                self._ledger = self._open_url_ledger(self.config.ledger_url)
+            else:
+                self._ledger = open_ledger(self.run_dir)
             previous = self._ledger.read()
         except (LedgerError, OSError) as exc:
             raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {exc}") from None
@@ -130,6 +135,23 @@ class Supervisor:
         )
         return books.next_attempt(previous)
 
+    def _open_url_ledger(self, url: str) -> Ledger:
+        from ettr.ledger.url import open_for_run
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            return open_for_run(url, job_id=self.job_id, run_dir=self.run_dir, supervisor=True)
+        except UsageError as exc:
+            raise UsageError(f"ettr run: {exc}") from None
+
+    def _close_books(self) -> None:
+        if isinstance(self._ledger, SpillingLedger):
+            if self._ledger.backlog or self._ledger.server_down:
+                _say(f"delivering spilled ledger events (up to {self.config.ledger_drain_s:g} s)")
+            self._ledger.close(drain_timeout_s=self.config.ledger_drain_s)
+        else:
+            self._ledger.close()
+
     # -- signals -----------------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._num_signals += 1
@@ -154,6 +176,7 @@ class Supervisor:
             started_at=started,
             inject=cfg.inject,
             auto=cfg.auto,
+            ledger_url=cfg.ledger_url,
         )
         oom_before = oom_kill_count()
         try:
@@ -279,8 +302,13 @@ class Supervisor:
                 num_attempts=num_attempts,
                 outcome=None if last is None else last.outcome.value,
             )
-            self._ledger.close()
-        _say(f"job {self.job_id} ended with status {status}; report: ettr report {self.run_dir}")
+            self._close_books()
+        where = (
+            f"--ledger {redact(cfg.ledger_url)} --job-id {self.job_id}"
+            if cfg.ledger_url
+            else str(self.run_dir)
+        )
+        _say(f"job {self.job_id} ended with status {status}; report: ettr report {where}")
         return status
 
 
