@@ -12,9 +12,8 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[object]:
-    """A running private PostgreSQL server (`ettr.testing.postgres.PostgresServer`), removed at the end.
+def start_postgres_or_skip() -> object:
+    """A started private PostgreSQL server (`ettr.testing.postgres.PostgresServer`); the caller removes it.
 
     Outside CI a machine that cannot start one skips the test with the reason; under CI (`CI=true`) that
     is a failure: the project's CI provides the server.
@@ -34,10 +33,27 @@ def postgres_server() -> Iterator[object]:
         if _in_ci():
             pytest.fail(f"CI=true but no PostgreSQL server could be started: {exc}")
         pytest.skip(f"no PostgreSQL server can be started here ({exc}); `make postgres` installs one")
+    return server
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[object]:
+    """The session's PostgreSQL server, removed at the end (see `start_postgres_or_skip`)."""
+    server = start_postgres_or_skip()
     try:
         yield server
     finally:
-        server.remove()
+        server.remove()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[object]:
+    """A PostgreSQL server of this test alone (it may stop and start it)."""
+    server = start_postgres_or_skip()
+    try:
+        yield server
+    finally:
+        server.remove()  # type: ignore[attr-defined]
 
 
 @pytest.fixture

@@ -75,13 +75,9 @@ class CheckpointHooks:
             found: dict[str, int] = {}
             run_dir = getattr(self.rec, "run_dir", None)
             if run_dir is not None:
-                from ettr.ledger import open_ledger
+                from ettr.ledger import read_run_events
 
-                ledger = open_ledger(run_dir, create=False)
-                try:
-                    events = ledger.read()
-                finally:
-                    ledger.close()
+                events = read_run_events(run_dir)
                 for e in events:
                     path = (e.data or {}).get("path")
                     if (

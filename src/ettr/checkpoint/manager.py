@@ -83,13 +83,9 @@ def _default_recorder() -> CheckpointRecorder:
 
 def _read_job_failures(run_dir: Any) -> tuple[int, float]:
     """(failed attempts so far, job age in seconds) from the job's ledger."""
-    from ettr.ledger import open_ledger
+    from ettr.ledger import read_run_events
 
-    ledger = open_ledger(run_dir, create=False)
-    try:
-        events = ledger.read()
-    finally:
-        ledger.close()
+    events = read_run_events(run_dir)
     num_failures, first_ts = count_failures(events)
     return num_failures, (time.time() - first_ts) if first_ts is not None else 0.0
 

@@ -258,7 +258,6 @@ class SpillingLedger:
                 raise LedgerError(f"cannot spill ledger events to {self.spill_dir} ({exc})") from None
             self._seq += len(records)
             self._start_delivery()
-            self._wake.set()
 
     def read(self) -> list[Event]:
         """The job's events from the server (delivering what this node spilled first). Raises `LedgerError`
