@@ -92,17 +92,21 @@ def report_s(argv: list[str], runs: int) -> float:
 
 
 # -- 3. the training thread's cost -------------------------------------------------------------------------
-def event_cost_us(ledger, num_events: int, runs: int) -> float:  # type: ignore[no-untyped-def]
-    rec = Recorder(ledger, flush_interval_s=0.5)
-    costs = []
+def event_cost_us(ledgers: dict[str, object], num_events: int, runs: int) -> dict[str, float]:
+    """Median cost of `Recorder.step` per event with each ledger behind the Recorder, runs interleaved
+    (so that the load of a shared machine hits both alike); the writer thread drains meanwhile."""
+    recorders = {name: Recorder(ledger, flush_interval_s=0.5) for name, ledger in ledgers.items()}  # type: ignore[arg-type]
+    costs: dict[str, list[float]] = {name: [] for name in ledgers}
     for _ in range(runs):
-        t0 = time.perf_counter()
-        for i in range(num_events):
-            rec.step(i)
-        costs.append((time.perf_counter() - t0) / num_events * 1e6)
-        rec.flush(timeout_s=60)
-    rec.close()
-    return statistics.median(costs)
+        for name, rec in recorders.items():
+            t0 = time.perf_counter()
+            for i in range(num_events):
+                rec.step(i)
+            costs[name].append((time.perf_counter() - t0) / num_events * 1e6)
+            rec.flush(timeout_s=60)
+    for rec in recorders.values():
+        rec.close()
+    return {name: statistics.median(values) for name, values in costs.items()}
 
 
 # -- 4. the spill path -----------------------------------------------------------------------------------
@@ -229,8 +233,9 @@ def main() -> None:
                     node="bench",
                 )
 
-            result["event_cost_us_postgres"] = event_cost_us(spilling(), 100_000, 5)
-            result["event_cost_us_sqlite"] = event_cost_us(open_ledger(work / "cost"), 100_000, 5)
+            cost = event_cost_us({"postgres": spilling(), "sqlite": open_ledger(work / "cost")}, 100_000, 7)
+            result["event_cost_us_postgres"] = cost["postgres"]
+            result["event_cost_us_sqlite"] = cost["sqlite"]
             print(
                 f"training-thread cost per event: PostgreSQL {result['event_cost_us_postgres']:.2f} us, "
                 f"SQLite {result['event_cost_us_sqlite']:.2f} us"

@@ -255,7 +255,7 @@ def _conninfo(url: str) -> str:
     if "statement_timeout" not in options:
         params["options"] = f"{options} -c statement_timeout={_STATEMENT_TIMEOUT_MS}".strip()
     params.setdefault("application_name", "ettr")
-    return make_conninfo(**params)
+    return make_conninfo("", **params)
 
 
 def _check_schema(conn: Any, url: str, *, create: bool) -> None:

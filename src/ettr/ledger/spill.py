@@ -335,7 +335,10 @@ class SpillingLedger:
             server = self._server
             if server is None:
                 server = self._connect()
-            server.last_activity(-1)
+            try:
+                server.last_activity(-1)
+            except Exception:  # the first call after a restart finds the old connection dead: once more
+                server.last_activity(-1)
         except Exception:
             return False
         with self._lock:
