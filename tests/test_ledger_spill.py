@@ -229,3 +229,26 @@ def test_spill_write_failure_is_a_ledger_error_and_leaves_no_half_batch(tmp_path
     with pytest.raises(LedgerError, match="cannot spill"):
         ledger.append(_steps(0, 2))
     ledger.close()
+
+
+def test_background_connect_never_makes_the_constructor_wait(tmp_path):
+    server = FakeServer()
+    gate = threading.Event()
+    connecting = threading.Event()
+
+    def connect() -> FakeServer:
+        connecting.set()
+        if not gate.wait(30):
+            raise LedgerError("never let through")
+        return server
+
+    ledger = SpillingLedger(
+        connect, job_id="j", spill_dir=tmp_path / "spill", node="n", background_connect=True
+    )
+    assert connecting.wait(10) and not gate.is_set()  # constructed while the connection is still pending
+    writer = threading.Thread(target=ledger.append, args=(_steps(0, 3),))
+    writer.start()  # the Recorder's writer thread: waits for the pending connection
+    gate.set()
+    writer.join(30)
+    assert sorted(e.step for e in server.read()) == [0, 1, 2] and not ledger.backlog
+    ledger.close()

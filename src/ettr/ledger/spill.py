@@ -164,6 +164,9 @@ class SpillingLedger:
         node: the host written with each event.
         adopt_orphans: also deliver spill files whose writer died (the supervisor's ledger).
         retry_interval_s: how often the delivery thread tries the server during an outage.
+        background_connect: connect on the delivery thread, so that making the ledger never waits for the
+            server (a training process builds it at start-up, on its training thread); the first `append`
+            (on the Recorder's writer thread) waits for that connection, at most `connect_wait_s`.
     """
 
     def __init__(
@@ -175,6 +178,8 @@ class SpillingLedger:
         node: str,
         adopt_orphans: bool = False,
         retry_interval_s: float = 2.0,
+        background_connect: bool = False,
+        connect_wait_s: float = 15.0,
     ) -> None:
         if not retry_interval_s > 0:
             raise ValueError(f"retry_interval_s must be > 0, got {retry_interval_s}")
@@ -194,10 +199,12 @@ class SpillingLedger:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._scan: dict[Path, tuple[int, dict[int, float]]] = {}
-        try:
-            self._server = connect()
-        except Exception as exc:
-            self._mark_down(exc)
+        self._connected = threading.Event()
+        self._connect_wait_s = connect_wait_s
+        if background_connect:
+            self._start_delivery()  # its first act is to connect
+        else:
+            self._first_connect()
         if adopt_orphans:
             self._start_delivery()
         atexit.register(self.close)
@@ -229,6 +236,14 @@ class SpillingLedger:
             self._thread = threading.Thread(target=self._deliver_loop, name="ettr-ledger-spill", daemon=True)
             self._thread.start()
 
+    def _first_connect(self) -> None:
+        try:
+            self._server = self._connect()
+        except Exception as exc:
+            self._mark_down(exc)
+        finally:
+            self._connected.set()
+
     def _forget_in_child(self) -> None:
         self._closed, self._thread, self._file, self._server = True, None, None, None
 
@@ -238,6 +253,8 @@ class SpillingLedger:
         neither can be written (the caller may retry the same events)."""
         if not events:
             return
+        if not self._connected.is_set():
+            self._connected.wait(self._connect_wait_s)
         with self._lock:
             first = self._seq
             records = [KeyedEvent(self.writer, first + i, self.node, e) for i, e in enumerate(events)]
@@ -383,6 +400,8 @@ class SpillingLedger:
         return all_done
 
     def _deliver_loop(self) -> None:
+        if not self._connected.is_set():
+            self._first_connect()
         while not self._closed:
             self._wake.wait(self._retry_interval_s)
             self._wake.clear()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 from ettr.errors import UsageError
 from ettr.ledger.base import Ledger, LedgerError
@@ -39,13 +39,16 @@ def scheme_of(url: str) -> str:
 
 
 def sqlite_path(url: str) -> Path:
-    """The file of a `sqlite:///PATH` URL (a run directory means its ledger.db). Raises `UsageError`."""
-    parts = urlsplit(url)
-    if parts.netloc not in ("", "localhost"):
+    """The file of a `sqlite:///PATH` URL: PATH relative to the current directory, absolute with a fourth
+    slash (`sqlite:////abs/ledger.db`, as in SQLAlchemy); a run directory means its ledger.db. Raises
+    `UsageError`."""
+    prefix = "sqlite:///"
+    if not url.lower().startswith(prefix):
         raise UsageError(f"ledger URL {url!r}: a SQLite ledger is a local file (write sqlite:///PATH)")
-    path = Path(unquote(parts.path))
-    if not parts.path or parts.path == "/":
+    text = unquote(url[len(prefix) :])
+    if not text.strip("/"):
         raise UsageError(f"ledger URL {url!r} names no file (write sqlite:///PATH/TO/ledger.db)")
+    path = Path(text)
     return path / LEDGER_FILENAME if path.is_dir() else path
 
 
@@ -140,4 +143,5 @@ def open_for_run(
         node=node,
         adopt_orphans=supervisor,
         retry_interval_s=retry_interval_s,
+        background_connect=not supervisor,
     )
