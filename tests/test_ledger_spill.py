@@ -11,6 +11,8 @@ import time
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ettr.events import Event, EventKind
 from ettr.ledger import LedgerError
@@ -252,3 +254,49 @@ def test_background_connect_never_makes_the_constructor_wait(tmp_path):
     writer.join(30)
     assert sorted(e.step for e in server.read()) == [0, 1, 2] and not ledger.backlog
     ledger.close()
+
+
+_ops = st.lists(
+    st.sampled_from(["append", "append", "append", "down", "up", "ambiguous", "deliver", "crash"]),
+    min_size=1,
+    max_size=30,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_ops)
+def test_any_mix_of_outages_and_crashes_stores_every_event_exactly_once(tmp_path_factory, ops):
+    """Writers come and go (a crash drops one without closing it), the server goes away and comes back, a
+    commit's answer gets lost: once the server is up and the supervisor has delivered, every event appended
+    is stored exactly once."""
+    tmp_path = tmp_path_factory.mktemp("spill")
+    server = FakeServer()
+    writers = [_ledger(server, tmp_path, retry_interval_s=3600)]
+    num_appended = 0
+    for op in ops:
+        if op == "append":
+            writers[-1].append(_steps(num_appended, 3))
+            num_appended += 3
+        elif op == "down":
+            server.up = False
+        elif op == "up":
+            server.up = True
+        elif op == "ambiguous":
+            server.commit_then_fail = True
+        elif op == "deliver":
+            writers[-1].deliver()
+        elif op == "crash":  # the process dies: its flock goes, its file stays; a new writer takes over
+            crashed = writers[-1]
+            crashed._closed = True
+            if crashed._file is not None:
+                os.close(crashed._file._fd)
+                crashed._file = None
+            writers.append(_ledger(server, tmp_path, retry_interval_s=3600))
+    server.up, server.commit_then_fail = True, False
+    for writer in writers:
+        writer.close()
+    supervisor = _ledger(server, tmp_path, adopt_orphans=True, retry_interval_s=3600)
+    assert supervisor.deliver()
+    supervisor.close()
+    steps = sorted(r.event.step for r in server.rows.values())
+    assert steps == list(range(num_appended))

@@ -301,13 +301,15 @@ class SpillingLedger:
         return latest
 
     def close(self, drain_timeout_s: float = 0.0) -> None:
-        """Deliver what is pending (trying for up to `drain_timeout_s`, at least once), then stop. What cannot
-        be delivered stays in the spill file for the supervisor or the next run. Idempotent."""
+        """Deliver what is pending (trying for up to `drain_timeout_s`), then stop. With no drain time and the
+        server known to be away, nothing is tried: a training process exits at once and what is pending stays
+        in the spill file for the supervisor or the next run. Idempotent."""
         if self._closed:
             return
-        deadline = time.monotonic() + drain_timeout_s
-        while not self.deliver() and time.monotonic() < deadline:
-            time.sleep(min(self._retry_interval_s, max(0.0, deadline - time.monotonic())))
+        if drain_timeout_s > 0 or not self._down:
+            deadline = time.monotonic() + drain_timeout_s
+            while not self.deliver() and time.monotonic() < deadline:
+                time.sleep(min(self._retry_interval_s, max(0.0, deadline - time.monotonic())))
         with self._lock:
             self._closed = True
             self._wake.set()
@@ -352,10 +354,12 @@ class SpillingLedger:
             server = self._server
             if server is None:
                 server = self._connect()
-            try:
                 server.last_activity(-1)
-            except Exception:  # the first call after a restart finds the old connection dead: once more
-                server.last_activity(-1)
+            else:
+                try:
+                    server.last_activity(-1)
+                except Exception:  # the first call after a restart finds the old connection dead: once more
+                    server.last_activity(-1)
         except Exception:
             return False
         with self._lock:
