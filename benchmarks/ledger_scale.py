@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from ettr.events import Event, EventKind
-from ettr.ledger import open_ledger
+from ettr.ledger import MemoryLedger, open_ledger
 from ettr.ledger.postgres import PostgresLedger
 from ettr.ledger.spill import SpillingLedger, read_spill, spill_dir
 from ettr.recorder import Recorder
@@ -233,12 +233,14 @@ def main() -> None:
                     node="bench",
                 )
 
-            cost = event_cost_us({"postgres": spilling(), "sqlite": open_ledger(work / "cost")}, 100_000, 7)
+            ledgers = {"postgres": spilling(), "sqlite": open_ledger(work / "cost"), "memory": MemoryLedger()}
+            cost = event_cost_us(ledgers, 100_000, 7)
             result["event_cost_us_postgres"] = cost["postgres"]
             result["event_cost_us_sqlite"] = cost["sqlite"]
+            result["event_cost_us_memory"] = cost["memory"]  # the Recorder alone: the floor on this machine
             print(
                 f"training-thread cost per event: PostgreSQL {result['event_cost_us_postgres']:.2f} us, "
-                f"SQLite {result['event_cost_us_sqlite']:.2f} us"
+                f"SQLite {result['event_cost_us_sqlite']:.2f} us, in-memory ledger {cost['memory']:.2f} us"
             )
             if server is not None:
                 found = outage(server, work, outage_s=args.outage_s, rate=args.outage_rate)
