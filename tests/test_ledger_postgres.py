@@ -92,6 +92,7 @@ def test_wrong_password_and_unreachable_server_are_one_clear_line(postgres_serve
     with pytest.raises(UsageError, match="unknown scheme 'mysql'"):
         open_url("mysql://h/x", job_id="j")
     assert redact("postgresql://u:secret@h:5/d") == "postgresql://u:***@h:5/d"
+    assert redact("postgresql://u:secret@h:5/d", mask=None) == "postgresql://u@h:5/d"
 
 
 def test_cli_bad_ledger_urls_exit_2_with_one_line(postgres_server, tmp_path):

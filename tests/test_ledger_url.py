@@ -70,12 +70,15 @@ def test_run_and_report_through_a_sqlite_url(tmp_path):
     report = json.loads(rep.stdout)
     assert report["job_id"] == "job7" and [a["outcome"] for a in report["attempts"]] == ["completed"]
     assert report["attempts"][0]["last_step"] == 3
+    via_dir = _ettr("report", str(tmp_path / "run"), "--json")  # the run dir points at its books
+    assert via_dir.returncode == 0, via_dir.stderr
+    assert json.loads(via_dir.stdout)["attempts"] == report["attempts"]
     for argv in (
         ["report", "--ledger", url, "--job-id", "other"],
         ["report", "--ledger", url],
         ["report", "--job-id", "job7"],
         ["report", str(tmp_path / "run"), "--ledger", url, "--job-id", "job7"],
-        ["run", "--ledger", url, "--job-id", "other", "--", sys.executable, "-c", "pass"],
+        ["run", "--run-dir", str(tmp_path / "r2"), "--ledger", url, "--job-id", "other", "--", "true"],
     ):
         bad = _ettr(*argv)
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, (argv, bad.stderr)

@@ -84,8 +84,8 @@ CREATE TEMP TABLE IF NOT EXISTS ettr_incoming ON COMMIT DELETE ROWS AS
 """
 
 
-def redact(url: str) -> str:
-    """`url` with its password (if any) replaced by `***`, for messages."""
+def redact(url: str, *, mask: str | None = "***") -> str:
+    """`url` with its password (if any) replaced by `mask` (for messages), or dropped with `mask=None`."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -94,7 +94,8 @@ def redact(url: str) -> str:
         return url
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    secret = "" if mask is None else f":{mask}"
+    return urlunsplit(parts._replace(netloc=f"{user}{secret}@{netloc}"))
 
 
 def _one_line(exc: BaseException) -> str:

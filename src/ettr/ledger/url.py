@@ -11,11 +11,13 @@ file, unreachable server, wrong password, unknown job, a schema from a newer ett
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
 from urllib.parse import unquote
 
+from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.ledger.base import Ledger, LedgerError
 from ettr.ledger.postgres import PostgresLedger, redact
@@ -145,3 +147,27 @@ def open_for_run(
         retry_interval_s=retry_interval_s,
         background_connect=not supervisor,
     )
+
+
+POINTER_FILENAME = "ledger-url.json"
+"""Left in a run directory whose books are at a URL, so that `ettr report RUN_DIR` finds them."""
+
+
+def write_pointer(run_dir: str | os.PathLike[str], url: str, *, job_id: str) -> None:
+    """Record in `run_dir` where its books are: the URL without its password (libpq takes that from
+    PGPASSWORD or ~/.pgpass), a SQLite path made absolute."""
+    if scheme_of(url) == "sqlite":
+        url = "sqlite:///" + str(sqlite_path(url).absolute())
+    else:
+        url = redact(url, mask=None)
+    payload = json.dumps({"url": url, "job_id": job_id}) + "\n"
+    atomic_write(Path(run_dir) / POINTER_FILENAME, payload)
+
+
+def read_pointer(run_dir: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """(url, job_id) of a run directory whose books are at a URL; None if it keeps its own."""
+    try:
+        found = json.loads((Path(run_dir) / POINTER_FILENAME).read_text())
+        return str(found["url"]), str(found["job_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -21,6 +21,11 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
     if not path.is_dir():
         raise UsageError(f"{path}: not a directory (give the run directory of an ettr job)")
     if not ledger_path(path).is_file():
+        from ettr.ledger.url import read_pointer
+
+        pointer = read_pointer(path)
+        if pointer is not None:  # its books are at a URL (`ettr run --ledger`)
+            return load_from_ledger(*pointer)[0]
         raise UsageError(f"{path}: not an ettr run directory (no {ledger_path(path).name} inside)")
     try:
         ledger = open_ledger(path, create=False)

@@ -136,13 +136,15 @@ class Supervisor:
         return books.next_attempt(previous)
 
     def _open_url_ledger(self, url: str) -> Ledger:
-        from ettr.ledger.url import open_for_run
+        from ettr.ledger.url import open_for_run, write_pointer
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            return open_for_run(url, job_id=self.job_id, run_dir=self.run_dir, supervisor=True)
+            ledger = open_for_run(url, job_id=self.job_id, run_dir=self.run_dir, supervisor=True)
         except UsageError as exc:
             raise UsageError(f"ettr run: {exc}") from None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_pointer(self.run_dir, url, job_id=self.job_id)  # `ettr report RUN_DIR` finds the books
+        return ledger
 
     def _close_books(self) -> None:
         if isinstance(self._ledger, SpillingLedger):
