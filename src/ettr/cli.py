@@ -58,11 +58,6 @@ def _positive_float(text: str) -> float:
 
 # -- ettr run --------------------------------------------------------------------------------------------
 def _add_run(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = """examples:
-  ettr run -- python train.py
-  ettr run --job-id exp7 --ledger postgresql://ettr@db.example.com/ettr -- torchrun --nproc-per-node 8 train.py
-  ettr run --ledger sqlite:///shared/books/exp7.db --job-id exp7 -- python train.py"""
     p.add_argument("--run-dir", help="where the ledger and logs go (default runs/<job-id>)")
     p.add_argument("--job-id", help="the job's id (default: a fresh one)")
     p.add_argument("--max-restarts", type=_non_negative_int, default=3, help="restarts after failures (3)")
@@ -104,11 +99,6 @@ def _run(args: argparse.Namespace) -> int:
 
 # -- ettr report -----------------------------------------------------------------------------------------
 def _add_report(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = """examples:
-  ettr report runs/exp7
-  ettr report runs/baseline runs/optimized --html compare.html
-  ettr report --ledger postgresql://ettr@db.example.com/ettr --job-id exp7 --json"""
     p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories (several compare them)")
     p.add_argument("--ledger", metavar="URL", help="report a job from a ledger URL instead (with --job-id)")
     p.add_argument(
@@ -119,18 +109,9 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ettr.report.load import load, load_from_ledger
+    from ettr.report.load import load_requested
 
-    if args.ledger:
-        if args.run_dirs or not args.job_id:
-            raise UsageError("ettr report: give --ledger URL --job-id ID (and no RUN_DIR)")
-        loaded = [load_from_ledger(args.ledger, job_id) for job_id in args.job_id]
-    elif args.job_id:
-        raise UsageError("ettr report: --job-id needs --ledger URL (a RUN_DIR names its job itself)")
-    elif not args.run_dirs:
-        raise UsageError("ettr report: give RUN_DIR... or --ledger URL --job-id ID")
-    else:
-        loaded = [load(d) for d in args.run_dirs]
+    loaded = load_requested(args.run_dirs, ledger_url=args.ledger, job_ids=args.job_id)
     reports = [report for _events, report in loaded]
     from ettr.report.json import to_dict
     from ettr.report.text import render, render_comparison

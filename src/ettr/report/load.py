@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ettr.accounting import EttReport, compute
@@ -79,6 +80,21 @@ def load_from_ledger(url: str, job_id: str) -> tuple[list[Event], EttReport]:
     if not events:
         raise UsageError(f"ettr report: job {job_id!r} has no events in the ledger yet")
     return events, compute(events, report_time(events), job_id=job_id)
+
+
+def load_requested(
+    run_dirs: Sequence[str], *, ledger_url: str | None, job_ids: Sequence[str] | None
+) -> list[tuple[list[Event], EttReport]]:
+    """What `ettr report` was asked for: RUN_DIRs, or jobs of a ledger URL. Raises `UsageError`."""
+    if ledger_url:
+        if run_dirs or not job_ids:
+            raise UsageError("ettr report: give --ledger URL --job-id ID (and no RUN_DIR)")
+        return [load_from_ledger(ledger_url, job_id) for job_id in job_ids]
+    if job_ids:
+        raise UsageError("ettr report: --job-id needs --ledger URL (a RUN_DIR names its job itself)")
+    if not run_dirs:
+        raise UsageError("ettr report: give RUN_DIR... or --ledger URL --job-id ID")
+    return [load(d) for d in run_dirs]
 
 
 def load_report(run_dir: str | os.PathLike[str]) -> EttReport:
