@@ -4,7 +4,9 @@
    `--batch` events as a Recorder's writer thread does, to one job in PostgreSQL and in one SQLite file;
 2. `ettr report --json` (the whole command, start-up included) for one job of `--report-events` (1M)
    events, read from PostgreSQL (`--ledger URL --job-id`) and from a run directory's SQLite;
-3. the training thread's cost per event (`Recorder.step`) with either ledger behind the Recorder;
+3. the training thread's cost per event (`Recorder.step`) with either ledger (and an in-memory one, the floor)
+   behind the Recorder: at `--outage-rate` events/s as a training loop makes them, and 100k back to back
+   (the writer thread then competes for the GIL all the time: a stress figure, noisy on a loaded machine);
 4. the spill path: a Recorder writing `--outage-rate` events/s through `SpillingLedger` while the server is
    stopped for `--outage-s` (30) seconds; the catch-up time is from the server's restart until every
    spilled event is on it, checked exactly once each.
@@ -92,21 +94,36 @@ def report_s(argv: list[str], runs: int) -> float:
 
 
 # -- 3. the training thread's cost -------------------------------------------------------------------------
-def event_cost_us(ledgers: dict[str, object], num_events: int, runs: int) -> dict[str, float]:
-    """Median cost of `Recorder.step` per event with each ledger behind the Recorder, runs interleaved
-    (so that the load of a shared machine hits both alike); the writer thread drains meanwhile."""
+def event_cost_us(ledgers: dict[str, object], *, rate: int, seconds: float, burst: int) -> dict[str, float]:
+    """Median cost of `Recorder.step` per event with each ledger behind the Recorder, the ledgers taking turns
+    (so that the load of a shared machine hits them alike), the writer thread draining meanwhile.
+
+    `name`: at `rate` events/s (bursts of rate/10 events, then 0.1 s of "compute"): a training loop's cost.
+    `name_burst`: `burst` events back to back, so the writer thread competes for the GIL the whole time.
+    """
     recorders = {name: Recorder(ledger, flush_interval_s=0.5) for name, ledger in ledgers.items()}  # type: ignore[arg-type]
-    costs: dict[str, list[float]] = {name: [] for name in ledgers}
-    for _ in range(runs):
+    paced: dict[str, list[float]] = {name: [] for name in ledgers}
+    bursts: dict[str, list[float]] = {name: [] for name in ledgers}
+    per_burst = max(1, rate // 10)
+    for _ in range(3):
         for name, rec in recorders.items():
+            end = time.monotonic() + seconds / 3
+            while time.monotonic() < end:
+                t0 = time.perf_counter()
+                for i in range(per_burst):
+                    rec.step(i)
+                paced[name].append((time.perf_counter() - t0) / per_burst * 1e6)
+                time.sleep(0.1)
             t0 = time.perf_counter()
-            for i in range(num_events):
+            for i in range(burst):
                 rec.step(i)
-            costs[name].append((time.perf_counter() - t0) / num_events * 1e6)
+            bursts[name].append((time.perf_counter() - t0) / burst * 1e6)
             rec.flush(timeout_s=60)
     for rec in recorders.values():
         rec.close()
-    return {name: statistics.median(values) for name, values in costs.items()}
+    result = {name: statistics.median(values) for name, values in paced.items()}
+    result.update({f"{name}_burst": statistics.median(values) for name, values in bursts.items()})
+    return result
 
 
 # -- 4. the spill path -----------------------------------------------------------------------------------
@@ -181,7 +198,9 @@ def main() -> None:
     parser.add_argument("--report-events", type=int, default=1_000_000)
     parser.add_argument("--report-runs", type=int, default=3)
     parser.add_argument("--outage-s", type=float, default=30.0)
-    parser.add_argument("--outage-rate", type=int, default=2000, help="events/s written during the outage")
+    parser.add_argument(
+        "--outage-rate", type=int, default=2000, help="events/s of the training loop (cost and outage parts)"
+    )
     parser.add_argument("--postgres-url", help="an existing server to measure (no outage part)")
     args = parser.parse_args()
 
@@ -234,13 +253,15 @@ def main() -> None:
                 )
 
             ledgers = {"postgres": spilling(), "sqlite": open_ledger(work / "cost"), "memory": MemoryLedger()}
-            cost = event_cost_us(ledgers, 100_000, 7)
-            result["event_cost_us_postgres"] = cost["postgres"]
-            result["event_cost_us_sqlite"] = cost["sqlite"]
-            result["event_cost_us_memory"] = cost["memory"]  # the Recorder alone: the floor on this machine
+            cost = event_cost_us(ledgers, rate=args.outage_rate, seconds=6.0, burst=100_000)
+            for name in ("postgres", "sqlite", "memory"):  # memory: the Recorder alone, the floor here
+                result[f"event_cost_us_{name}"] = cost[name]
+                result[f"event_cost_burst_us_{name}"] = cost[f"{name}_burst"]
             print(
-                f"training-thread cost per event: PostgreSQL {result['event_cost_us_postgres']:.2f} us, "
-                f"SQLite {result['event_cost_us_sqlite']:.2f} us, in-memory ledger {cost['memory']:.2f} us"
+                f"training-thread cost per event at {args.outage_rate} events/s: PostgreSQL "
+                f"{cost['postgres']:.2f} us, SQLite {cost['sqlite']:.2f} us, in-memory {cost['memory']:.2f} us; "
+                f"100k back to back: {cost['postgres_burst']:.2f} / {cost['sqlite_burst']:.2f} / "
+                f"{cost['memory_burst']:.2f} us"
             )
             if server is not None:
                 found = outage(server, work, outage_s=args.outage_s, rate=args.outage_rate)
