@@ -29,7 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 from ettr.events import SCHEMA_VERSION as EVENT_SCHEMA_VERSION
 from ettr.events import Event
 from ettr.ledger.base import LedgerError
-from ettr.ledger.codec import KeyedEvent, from_row, to_row
+from ettr.ledger.codec import KeyedEvent, events_from_rows, to_row
 
 logger = logging.getLogger("ettr")
 
@@ -222,11 +222,9 @@ class PostgresLedger:
                 " WHERE job_id = %s ORDER BY id",
                 (self.job_id,),
             ).fetchall()
-        events = [e for row in rows if (e := from_row(*row)) is not None]
-        if len(events) < len(rows):
-            logger.warning(
-                "ettr: job %s: skipped %d unreadable ledger records", self.job_id, len(rows) - len(events)
-            )
+        events, num_bad = events_from_rows(rows)
+        if num_bad:
+            logger.warning("ettr: job %s: skipped %d unreadable ledger records", self.job_id, num_bad)
         return events
 
     def last_activity(self, attempt: int) -> float | None:
