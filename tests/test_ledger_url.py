@@ -83,3 +83,20 @@ def test_run_and_report_through_a_sqlite_url(tmp_path):
         bad = _ettr(*argv)
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, (argv, bad.stderr)
         assert bad.stderr.startswith("ettr"), bad.stderr
+
+
+def test_no_postgres_skips_outside_ci_and_fails_under_ci(monkeypatch):
+    import ettr.testing.postgres as pg
+    from conftest import start_postgres_or_skip
+
+    class Unavailable:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise pg.PostgresUnavailable("no PostgreSQL server binaries (initdb, pg_ctl) found")
+
+    monkeypatch.setattr(pg, "PostgresServer", Unavailable)
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="no PostgreSQL server can be started here"):
+        start_postgres_or_skip()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true but no PostgreSQL server could be started"):
+        start_postgres_or_skip()
