@@ -152,3 +152,21 @@ def test_a_dead_connection_is_reopened(postgres_url):
         ledger.append([Event(EventKind.STEP, 1.0, step=1)])
     ledger.append([Event(EventKind.STEP, 2.0, step=2)])
     assert [e.step for e in ledger.read()] == [2]
+
+
+def test_a_row_the_server_refuses_is_kept_aside_and_the_rest_stored(postgres_url, tmp_path):
+    from ettr.ledger.spill import SpillingLedger
+
+    ledger = SpillingLedger(
+        lambda: PostgresLedger(postgres_url, job_id="j", create=True),
+        job_id="j",
+        spill_dir=tmp_path / "spill",
+        node="n",
+    )
+    events = [Event(EventKind.STEP, float(i), step=i) for i in range(10)]
+    events[4] = Event(EventKind.STEP, 4.0, step=2**70)  # out of range for bigint: a DataError
+    ledger.append(events)
+    assert not ledger.server_down
+    assert sorted(e.step for e in ledger.read()) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert len(list((tmp_path / "spill").glob("*.rejected"))) == 1
+    ledger.close()

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ettr.events import Event, EventKind
-from ettr.ledger import LedgerError
+from ettr.ledger import LedgerError, LedgerRejected
 from ettr.ledger.codec import KeyedEvent
 from ettr.ledger.spill import SpillingLedger, read_spill
 
@@ -190,7 +190,7 @@ _KILLED = """
 import sys
 from ettr.events import Event, EventKind
 from ettr.ledger.spill import SpillingLedger
-from ettr.ledger import LedgerError
+from ettr.ledger import LedgerError, LedgerRejected
 
 def connect():
     raise LedgerError("down")
@@ -300,3 +300,27 @@ def test_any_mix_of_outages_and_crashes_stores_every_event_exactly_once(tmp_path
     supervisor.close()
     steps = sorted(r.event.step for r in server.rows.values())
     assert steps == list(range(num_appended))
+
+
+class PickyServer(FakeServer):
+    """Refuses, as data it cannot store, any batch holding an event with step 13 (the whole transaction)."""
+
+    def insert(self, records: Sequence[KeyedEvent], *, may_repeat: bool = True) -> None:
+        if any(r.event.step == 13 for r in records):
+            raise LedgerRejected("invalid input value")
+        super().insert(records, may_repeat=may_repeat)
+
+
+def test_an_event_the_server_refuses_holds_back_nothing_else_and_is_kept(tmp_path):
+    server = PickyServer()
+    ledger = _ledger(server, tmp_path)
+    ledger.append(_steps(0, 20))  # a first try, refused as a whole: split until only step 13 is left
+    assert not ledger.server_down and not ledger.backlog
+    server.up = False
+    ledger.append(_steps(20, 5))
+    server.up = True
+    assert ledger.deliver()
+    assert sorted(e.step for e in server.read()) == [s for s in range(25) if s != 13]
+    (kept,) = (tmp_path / "spill").glob("*.rejected")
+    assert [json.loads(line)[6] for line in kept.read_text().splitlines()] == [13]
+    ledger.close()

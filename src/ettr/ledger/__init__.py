@@ -6,12 +6,13 @@ import os
 from pathlib import Path
 
 from ettr.events import Event
-from ettr.ledger.base import Ledger, LedgerError, MemoryLedger
+from ettr.ledger.base import Ledger, LedgerError, LedgerRejected, MemoryLedger
 from ettr.ledger.sqlite import LEDGER_FILENAME, SqliteLedger
 
 __all__ = [
     "Ledger",
     "LedgerError",
+    "LedgerRejected",
     "MemoryLedger",
     "SqliteLedger",
     "open_ledger",

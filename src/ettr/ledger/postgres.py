@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ettr.events import SCHEMA_VERSION as EVENT_SCHEMA_VERSION
 from ettr.events import Event
-from ettr.ledger.base import LedgerError
+from ettr.ledger.base import LedgerError, LedgerRejected
 from ettr.ledger.codec import KeyedEvent, events_from_rows, to_row
 
 logger = logging.getLogger("ettr")
@@ -165,9 +165,12 @@ class PostgresLedger:
                 with self._conn.transaction():
                     yield self._conn
             except psycopg.Error as exc:
+                message = f"ledger {redact(self.url)}: {_one_line(exc)}"
+                if isinstance(exc, psycopg.DataError | psycopg.IntegrityError):
+                    raise LedgerRejected(message) from None
                 if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
                     self._drop()
-                raise LedgerError(f"ledger {redact(self.url)}: {_one_line(exc)}") from None
+                raise LedgerError(message) from None
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None

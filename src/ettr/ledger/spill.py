@@ -31,7 +31,7 @@ from typing import Protocol
 
 from ettr.atomic import fsync_dir
 from ettr.events import Event
-from ettr.ledger.base import LedgerError
+from ettr.ledger.base import LedgerError, LedgerRejected
 from ettr.ledger.codec import KeyedEvent, from_row, to_row
 from ettr.ledger.postgres import new_writer_id
 
@@ -260,7 +260,7 @@ class SpillingLedger:
             records = [KeyedEvent(self.writer, first + i, self.node, e) for i, e in enumerate(events)]
             if not self._down and not self.backlog and self._server is not None:
                 try:
-                    self._server.insert(records, may_repeat=False)
+                    self._keep_rejected(_store(self._server, records, may_repeat=False))
                     self._seq += len(records)
                     return
                 except Exception as exc:
@@ -341,7 +341,7 @@ class SpillingLedger:
         with self._lock:
             if self.backlog and self._file is not None and self._server is not None:
                 try:
-                    _insert_chunked(self._server, self._file.records())
+                    self._keep_rejected(_store_chunked(self._server, self._file.records()))
                 except Exception as exc:
                     self._mark_down(exc)
                     return False
@@ -392,7 +392,7 @@ class SpillingLedger:
                 if not path.exists():
                     continue  # delivered by another adopter between our listing and our lock
                 try:
-                    _insert_chunked(server, read_spill(path)[1])
+                    self._keep_rejected(_store_chunked(server, read_spill(path)[1]))
                 except Exception as exc:
                     self._mark_down(exc)
                     all_done = False
@@ -402,6 +402,22 @@ class SpillingLedger:
             finally:
                 os.close(fd)
         return all_done
+
+    def _keep_rejected(self, records: Sequence[KeyedEvent]) -> None:
+        """Events the server refused: kept beside the spill files (`<writer>.rejected`, same line format) for
+        a person to look at, never retried, never dropped silently."""
+        if not records:
+            return
+        path = self.spill_dir / f"{self.writer}.rejected"
+        logger.warning("ettr: the ledger server refused %d event(s); kept in %s", len(records), path)
+        try:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            with open(path, "ab") as f:
+                f.write(_encode(records))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            logger.warning("ettr: could not keep the refused events (%s)", exc)
 
     def _deliver_loop(self) -> None:
         if not self._connected.is_set():
@@ -456,6 +472,23 @@ class SpillingLedger:
         return latest
 
 
-def _insert_chunked(server: ServerLedger, records: Sequence[KeyedEvent]) -> None:
+def _store(server: ServerLedger, records: Sequence[KeyedEvent], *, may_repeat: bool) -> list[KeyedEvent]:
+    """Insert `records`; the ones the server refuses as data (found by halving) are returned, not raised,
+    so that one unstorable event never holds back the rest. An outage still raises `LedgerError`."""
+    try:
+        server.insert(records, may_repeat=may_repeat)
+        return []
+    except LedgerRejected:
+        if len(records) == 1:
+            return list(records)
+    middle = len(records) // 2
+    return _store(server, records[:middle], may_repeat=True) + _store(
+        server, records[middle:], may_repeat=True
+    )
+
+
+def _store_chunked(server: ServerLedger, records: Sequence[KeyedEvent]) -> list[KeyedEvent]:
+    rejected: list[KeyedEvent] = []
     for start in range(0, len(records), _DELIVERY_CHUNK):
-        server.insert(records[start : start + _DELIVERY_CHUNK], may_repeat=True)
+        rejected += _store(server, records[start : start + _DELIVERY_CHUNK], may_repeat=True)
+    return rejected
