@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.ettr-installed
 
-.PHONY: install test test-fast demo lint typecheck bench clean chromium
+.PHONY: install test test-fast demo lint typecheck bench clean chromium postgres
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,12 +16,12 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q fbgemm-gpu-cpu==1.8.0
 	$(PIP) install -q --no-deps torchrec==1.8.0
-	$(PIP) install -q -e '.[rec,io,dev]'
+	$(PIP) install -q -e '.[rec,io,dev,postgres,export]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-test: install chromium
+test: install chromium postgres
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The inner loop: every test not marked slow (no multi-process trials, no compile-heavy runs).
@@ -34,6 +34,16 @@ chromium:
 	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 			chromium fonts-dejavu-core; \
+	fi
+
+# The shared-ledger tests start a throwaway PostgreSQL server (tests/conftest.py) from the server binaries:
+# install Debian's when they are missing and we may (root with apt-get, as in CI). Elsewhere those tests are
+# skipped with a message, except under CI=true, where they fail.
+postgres:
+	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1 \
+		&& [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			postgresql; \
 	fi
 
 demo: install

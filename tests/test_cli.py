@@ -37,6 +37,7 @@ FROZEN_COMMAND_LINE = {
             "--hang-timeout",
             "--inject",
             "--job-id",
+            "--ledger",
             "--max-restarts",
             "--no-auto",
             "--run-dir",
@@ -44,7 +45,7 @@ FROZEN_COMMAND_LINE = {
         },
         ["command"],
     ),
-    "report": ({"--html", "--json", "--tensorboard", "--trace"}, ["run_dirs"]),
+    "report": ({"--html", "--job-id", "--json", "--ledger", "--tensorboard", "--trace"}, ["run_dirs"]),
     "interval": ({"--blocking", "--failures-per-day", "--json", "--train-hours"}, []),
     "demo": ({"--out", "--quick"}, []),
     "publish": (

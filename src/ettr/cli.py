@@ -82,6 +82,11 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-auto", action="store_true", help="no zero-code instrumentation of Python children")
     p.add_argument(
+        "--ledger",
+        metavar="URL",
+        help="where the books go: sqlite:///PATH or postgresql://USER@HOST/DB (default: RUN_DIR/ledger.db)",
+    )
+    p.add_argument(
         "command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]", help="python or torchrun command"
     )
     p.usage = "%(prog)s [options] -- COMMAND [ARGS...]"
@@ -101,7 +106,11 @@ def _run(args: argparse.Namespace) -> int:
 
 # -- ettr report -----------------------------------------------------------------------------------------
 def _add_report(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several compare them)")
+    p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories (several compare them)")
+    p.add_argument("--ledger", metavar="URL", help="report a job from a ledger URL instead (with --job-id)")
+    p.add_argument(
+        "--job-id", metavar="ID", help="with --ledger: the job to report (repeatable)", action="append"
+    )
     p.add_argument("--json", action="store_true", help="print the ettr.report/1 JSON (an array for several)")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
     p.add_argument(
@@ -118,7 +127,7 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ettr.report.load import read_run
+    from ettr.report.load import load_requested
 
     if args.trace and len(args.run_dirs) > 1:
         raise UsageError(
@@ -128,7 +137,7 @@ def _report(args: argparse.Namespace) -> int:
         from ettr.report.tensorboard import require_tensorboard
 
         require_tensorboard()
-    loaded = [read_run(d) for d in args.run_dirs]
+    loaded = load_requested(args.run_dirs, ledger_url=args.ledger, job_ids=args.job_id)
     reports = [report for _events, report in loaded]
     from ettr.report.json import to_dict
     from ettr.report.labels import run_labels

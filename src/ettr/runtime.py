@@ -13,6 +13,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ettr.constants import EXIT_COMPLETED, EXIT_FAILED
+from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.ledger import Ledger, LedgerError, open_ledger
 from ettr.procs import process_start_time
@@ -25,6 +26,17 @@ _lock = threading.Lock()
 _default: Recorder | None = None
 
 
+def _open_process_ledger(run_env: RunEnv) -> Ledger:
+    """The ledger `ETTR_LEDGER` names (spilling to the run directory when it is a server), else the run
+    directory's own."""
+    if not run_env.ledger_url:
+        return open_ledger(run_env.run_dir)
+    from ettr.ledger.url import open_for_run
+
+    job_id = run_env.job_id or Path(run_env.run_dir).name
+    return open_for_run(run_env.ledger_url, job_id=job_id, run_dir=str(run_env.run_dir), supervisor=False)
+
+
 def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
     """A Recorder for this process from its run (`RunEnv`: `ETTR_RUN_DIR`, `ETTR_ATTEMPT`, `ETTR_JOB_ID`) and
     torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK`; a NullRecorder when `ETTR_RUN_DIR` is unset or unusable.
@@ -35,9 +47,9 @@ def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
         return NullRecorder()
     ranks = RankEnv.from_environ(environ)
     try:
-        ledger = open_ledger(run_env.run_dir)
-    except (LedgerError, OSError) as exc:
-        logger.warning("ettr: cannot open the ledger in %s (%s); recording is off", run_env.run_dir, exc)
+        ledger = _open_process_ledger(run_env)
+    except (LedgerError, OSError, UsageError) as exc:
+        logger.warning("ettr: cannot open the ledger of %s (%s); recording is off", run_env.run_dir, exc)
         return NullRecorder()
     rec = Recorder(
         ledger,

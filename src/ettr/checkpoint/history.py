@@ -51,14 +51,10 @@ def read_failure_history(run_dir: str | os.PathLike[str] | None) -> FailureHisto
     """The failure history in the ledger of `run_dir` (None: no run directory, or an unreadable ledger)."""
     if run_dir is None:
         return None
-    from ettr.ledger import open_ledger
+    from ettr.ledger import read_run_events  # the job's books, wherever `ettr run --ledger` put them
 
     try:
-        ledger = open_ledger(run_dir, create=False)
-        try:
-            events = ledger.read()
-        finally:
-            ledger.close()
+        events = read_run_events(run_dir)
     except Exception as exc:  # telemetry must not stop training: fall back to the prior alone
         logger.warning("ettr: cannot read the failure history from %s (%s); using the prior", run_dir, exc)
         return None

@@ -6,17 +6,19 @@ import os
 from pathlib import Path
 
 from ettr.events import Event
-from ettr.ledger.base import Ledger, LedgerError, MemoryLedger
+from ettr.ledger.base import Ledger, LedgerError, LedgerRejected, MemoryLedger
 from ettr.ledger.sqlite import LEDGER_FILENAME, SqliteLedger
 
 __all__ = [
     "Ledger",
     "LedgerError",
+    "LedgerRejected",
     "MemoryLedger",
     "SqliteLedger",
     "open_ledger",
     "ledger_path",
     "read_ledger",
+    "read_run_events",
 ]
 
 
@@ -30,13 +32,38 @@ def open_ledger(run_dir: str | os.PathLike[str], *, create: bool = True) -> Sqli
     return SqliteLedger(ledger_path(run_dir), create=create)
 
 
-def read_ledger(run_dir: str | os.PathLike[str]) -> list[Event]:
-    """Every event of an existing run directory's ledger, in append order (open, read, close).
-
-    Raises `LedgerError` when there is no ledger or it cannot be read (callers decide how loud to be).
-    """
-    ledger = open_ledger(run_dir, create=False)
+def _read_all(ledger: Ledger) -> list[Event]:
     try:
         return ledger.read()
     finally:
         ledger.close()
+
+
+def read_ledger(run_dir: str | os.PathLike[str]) -> list[Event]:
+    """Every event of an existing run directory's SQLite ledger, in append order (open, read, close).
+
+    Raises `LedgerError` when there is no ledger or it cannot be read (callers decide how loud to be).
+    """
+    return _read_all(open_ledger(run_dir, create=False))
+
+
+def read_run_events(run_dir: str | os.PathLike[str]) -> list[Event]:
+    """Every event so far of the job whose run directory is `run_dir`, wherever its books are.
+
+    Inside a job that `ettr run --ledger URL` supervises (`ETTR_LEDGER` set for this very run directory)
+    they are read from that URL, else from the run directory's SQLite file. Raises `LedgerError`.
+    """
+    from ettr.run_env import RunEnv
+
+    run_env = RunEnv.from_environ()
+    own = run_env is not None and os.path.realpath(run_env.run_dir) == os.path.realpath(run_dir)
+    if run_env is not None and own and run_env.ledger_url:
+        from ettr.errors import UsageError
+        from ettr.ledger.url import open_url
+
+        try:
+            ledger: Ledger = open_url(run_env.ledger_url, job_id=run_env.job_id or Path(run_dir).name)
+        except UsageError as exc:
+            raise LedgerError(str(exc)) from None
+        return _read_all(ledger)
+    return read_ledger(run_dir)

@@ -13,6 +13,10 @@ class LedgerError(Exception):
     """The ledger cannot be opened or read (missing, not a ledger, newer schema)."""
 
 
+class LedgerRejected(LedgerError):
+    """The server is there but refused these rows (data it cannot store): retrying them will not help."""
+
+
 @runtime_checkable
 class Ledger(Protocol):
     """Append-only event storage shared by every process of one job.

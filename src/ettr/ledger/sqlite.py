@@ -7,6 +7,7 @@ checksums make recovery ignore a torn final frame, so a crash mid-write never co
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sqlite3
@@ -141,6 +142,21 @@ class SqliteLedger:
                 "SELECT max(ts) FROM events WHERE attempt = ? AND rank >= 0", (attempt,)
             ).fetchone()
         return None if row is None else row[0]
+
+    def job_id(self) -> str | None:
+        """The job id its first supervisor recorded (None: no supervisor has written yet)."""
+        with self._lock:
+            try:
+                row = self._conn.execute(
+                    "SELECT data FROM events WHERE kind = 'supervisor_start' ORDER BY id LIMIT 1"
+                ).fetchone()
+            except sqlite3.DatabaseError as exc:
+                raise LedgerError(f"{self.path} cannot be read ({exc})") from None
+        try:
+            held = None if row is None or row[0] is None else json.loads(row[0]).get("job_id")
+        except (ValueError, AttributeError):
+            return None
+        return None if held is None else str(held)
 
     def close(self) -> None:
         with self._lock:

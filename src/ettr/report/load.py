@@ -26,6 +26,11 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
     if not path.is_dir():
         raise UsageError(f"{path}: not a directory (give the run directory of an ettr job)")
     if not ledger_path(path).is_file():
+        from ettr.ledger.url import read_pointer
+
+        pointer = read_pointer(path)
+        if pointer is not None:  # its books are at a URL (`ettr run --ledger`)
+            return load_from_ledger(*pointer)[0]
         raise UsageError(f"{path}: not an ettr run directory (no {ledger_path(path).name} inside)")
     try:
         events = read_ledger(path)
@@ -54,6 +59,40 @@ def read_run(run_dir: str | os.PathLike[str]) -> tuple[list[Event], EttReport]:
     """The events of one run directory and its report, as `ettr report` shows it."""
     events = read_events(run_dir)
     return events, compute(events, report_time(events), job_id=job_id_of(events, run_dir))
+
+
+def load_from_ledger(url: str, job_id: str) -> tuple[list[Event], EttReport]:
+    """The events of job `job_id` in the ledger at `url` and its report. Raises `UsageError`."""
+    from ettr.ledger.url import open_url
+
+    try:
+        ledger = open_url(url, job_id=job_id, create=False)
+    except UsageError as exc:
+        raise UsageError(f"ettr report: {exc}") from None
+    try:
+        events = ledger.read()
+    except LedgerError as exc:
+        raise UsageError(f"ettr report: {exc}") from None
+    finally:
+        ledger.close()
+    if not events:
+        raise UsageError(f"ettr report: job {job_id!r} has no events in the ledger yet")
+    return events, compute(events, report_time(events), job_id=job_id)
+
+
+def load_requested(
+    run_dirs: Sequence[str], *, ledger_url: str | None, job_ids: Sequence[str] | None
+) -> list[tuple[list[Event], EttReport]]:
+    """What `ettr report` was asked for: RUN_DIRs, or jobs of a ledger URL. Raises `UsageError`."""
+    if ledger_url:
+        if run_dirs or not job_ids:
+            raise UsageError("ettr report: give --ledger URL --job-id ID (and no RUN_DIR)")
+        return [load_from_ledger(ledger_url, job_id) for job_id in job_ids]
+    if job_ids:
+        raise UsageError("ettr report: --job-id needs --ledger URL (a RUN_DIR names its job itself)")
+    if not run_dirs:
+        raise UsageError("ettr report: give RUN_DIR... or --ledger URL --job-id ID")
+    return [load(d) for d in run_dirs]
 
 
 def load_report(run_dir: str | os.PathLike[str]) -> EttReport:

@@ -53,6 +53,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             submitted_at=args.submitted_at,
             allocated_at=args.allocated_at,
             auto=not args.no_auto,
+            ledger_url=args.ledger,
         )
     except ValueError as exc:
         raise UsageError(f"ettr run: {exc}") from None

@@ -66,6 +66,11 @@ class RunConfig:
     """Unix time its resources were allocated (else from Slurm, else unknown)."""
     auto: bool = True
     """Zero-code instrumentation of Python children (`--no-auto` turns it off)."""
+    ledger_url: str | None = None
+    """Where the books go (`--ledger`: `sqlite:///PATH` or `postgresql://...`); None: the run directory's
+    SQLite file. Training processes get it as `ETTR_LEDGER`."""
+    ledger_drain_s: float = 60.0
+    """At the job's end, how long to keep trying to deliver events spilled during a server outage."""
     backoff_s: float = 0.5
     """Wait before the first restart; it doubles for each further one."""
     max_backoff_s: float = 30.0
@@ -84,7 +89,7 @@ class RunConfig:
             raise ValueError("command must not be empty")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        for name in ("backoff_s", "max_backoff_s", "grace_s", "hang_kill_grace_s"):
+        for name in ("backoff_s", "max_backoff_s", "grace_s", "hang_kill_grace_s", "ledger_drain_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")

@@ -32,7 +32,9 @@ from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.heartbeat import latest_heartbeat
 from ettr.inject import FaultKind, unfired_specs
-from ettr.ledger import LedgerError, open_ledger
+from ettr.ledger import Ledger, LedgerError, open_ledger
+from ettr.ledger.postgres import redact
+from ettr.ledger.spill import SpillingLedger
 from ettr.procs import start_ticks
 from ettr.supervisor import books
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
@@ -93,7 +95,10 @@ class Supervisor:
     def _open_books(self) -> int:
         """Open the ledger, close what a killed predecessor left open; the first attempt's index."""
         try:
-            self._ledger = open_ledger(self.run_dir)
+            if self.config.ledger_url:
+                self._ledger = self._open_url_ledger(self.config.ledger_url)
+            else:
+                self._ledger = open_ledger(self.run_dir)
             previous = self._ledger.read()
         except (LedgerError, OSError) as exc:
             raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {exc}") from None
@@ -142,6 +147,25 @@ class Supervisor:
         )
         return first_attempt
 
+    def _open_url_ledger(self, url: str) -> Ledger:
+        from ettr.ledger.url import open_for_run, write_pointer
+
+        try:
+            ledger = open_for_run(url, job_id=self.job_id, run_dir=self.run_dir, supervisor=True)
+        except UsageError as exc:
+            raise UsageError(f"ettr run: {exc}") from None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_pointer(self.run_dir, url, job_id=self.job_id)  # `ettr report RUN_DIR` finds the books
+        return ledger
+
+    def _close_books(self) -> None:
+        if isinstance(self._ledger, SpillingLedger):
+            if self._ledger.backlog or self._ledger.server_down:
+                _say(f"delivering spilled ledger events (up to {self.config.ledger_drain_s:g} s)")
+            self._ledger.close(drain_timeout_s=self.config.ledger_drain_s)
+        else:
+            self._ledger.close()
+
     # -- signals -----------------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._num_signals += 1
@@ -166,6 +190,7 @@ class Supervisor:
             started_at=started,
             inject=cfg.inject,
             auto=cfg.auto,
+            ledger_url=cfg.ledger_url,
         )
         oom_before = oom_kill_count()
         try:
@@ -311,11 +336,15 @@ class Supervisor:
                 outcome=None if last is None else last.outcome.value,
             )
             self._say_unfired()
-            self._ledger.close()
-        run_dir = shlex.quote(str(self.run_dir))
-        _say(f"job {self.job_id} ended with status {status}; report: ettr report {run_dir}")
+            self._close_books()
+        if cfg.ledger_url:
+            where = f"--ledger {shlex.quote(redact(cfg.ledger_url))} --job-id {shlex.quote(self.job_id)}"
+        else:
+            where = shlex.quote(str(self.run_dir))
+        _say(f"job {self.job_id} ended with status {status}; report: ettr report {where}")
         if status in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
-            command = shlex.join(["ettr", "run", "--run-dir", str(self.run_dir), "--", *self.config.command])
+            ledger = ["--ledger", redact(cfg.ledger_url)] if cfg.ledger_url else []
+            command = shlex.join(["ettr", "run", "--run-dir", str(self.run_dir), *ledger, "--", *cfg.command])
             _say(f"to continue it (a requeue): {command}")
         return status
 

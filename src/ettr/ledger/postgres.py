@@ -1,0 +1,300 @@
+"""PostgreSQL ledger: many jobs, many machines, one schema (`ettr`), for a fleet's shared books.
+
+Tables (layout version `SCHEMA_VERSION`, kept in `ettr.meta` like the SQLite ledger's):
+
+    ettr.meta    key -> value: schema_version, event_schema_version
+    ettr.jobs    job_id (primary key), created_ts, host, run_dir      -- one row per job, for the fleet
+    ettr.events  id, job_id, node, writer, seq, ts, kind, attempt, rank, phase, step, value, data (JSON text)
+                 unique (writer, seq): the idempotency key, so a batch delivered twice is stored once
+
+Indexes serve one job's events in append order (`job_id, id`), the supervisor's hang probe (the newest
+training-process event of an attempt, `job_id, attempt, ts` over rank >= 0), and the fleet (`jobs.created_ts`).
+Every call is bounded in time (connect, statement and TCP timeouts added to the URL unless it sets them), so
+a dead server fails fast; `ettr.ledger.spill.SpillingLedger` turns that failure into a local spill.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from ettr.events import SCHEMA_VERSION as EVENT_SCHEMA_VERSION
+from ettr.events import Event
+from ettr.ledger.base import LedgerError, LedgerRejected
+from ettr.ledger.codec import KeyedEvent, events_from_rows, to_row
+
+logger = logging.getLogger("ettr")
+
+SCHEMA_VERSION = 1
+"""Version of the table layout below; a ledger written by a newer layout is refused."""
+
+_TIMEOUTS = {
+    "connect_timeout": "3",  # seconds (libpq's minimum is 2)
+    "keepalives": "1",
+    "keepalives_idle": "5",
+    "keepalives_interval": "2",
+    "keepalives_count": "2",
+    "tcp_user_timeout": "5000",  # ms: unacknowledged data on a dead link fails the call
+}
+_STATEMENT_TIMEOUT_MS = 10_000
+_ADVISORY_LOCK = 0x65747472  # 'ettr': serializes concurrent schema creation
+
+_SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS ettr;
+CREATE TABLE IF NOT EXISTS ettr.meta (key text PRIMARY KEY, value text NOT NULL);
+CREATE TABLE IF NOT EXISTS ettr.jobs (
+    job_id     text PRIMARY KEY,
+    created_ts double precision NOT NULL,
+    host       text NOT NULL,
+    run_dir    text
+);
+CREATE INDEX IF NOT EXISTS jobs_by_created ON ettr.jobs (created_ts);
+CREATE TABLE IF NOT EXISTS ettr.events (
+    id      bigserial PRIMARY KEY,
+    job_id  text NOT NULL,
+    node    text NOT NULL,
+    writer  text NOT NULL,
+    seq     bigint NOT NULL,
+    ts      double precision NOT NULL,
+    kind    text NOT NULL,
+    attempt integer NOT NULL,
+    rank    integer NOT NULL,
+    phase   text,
+    step    bigint,
+    value   double precision,
+    data    text,
+    UNIQUE (writer, seq)
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON ettr.events (job_id, id);
+CREATE INDEX IF NOT EXISTS events_activity ON ettr.events (job_id, attempt, ts) WHERE rank >= 0;
+"""
+
+_COLUMNS = "job_id, node, writer, seq, ts, kind, attempt, rank, phase, step, value, data"
+_INCOMING = f"""
+CREATE TEMP TABLE IF NOT EXISTS ettr_incoming ON COMMIT DELETE ROWS AS
+    SELECT {_COLUMNS} FROM ettr.events WITH NO DATA
+"""
+
+
+def redact(url: str, *, mask: str | None = "***") -> str:
+    """`url` with its password (if any) replaced by `mask` (for messages), or dropped with `mask=None`."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    secret = "" if mask is None else f":{mask}"
+    return urlunsplit(parts._replace(netloc=f"{user}{secret}@{netloc}"))
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def new_writer_id() -> str:
+    """A writer id unique across hosts, processes and ledger objects (the first half of the event key)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+class PostgresLedger:
+    """The events of one job (`job_id`) in a PostgreSQL database.
+
+    Args:
+        url: a libpq URL (`postgresql://user:password@host:port/dbname?...`).
+        job_id: the job whose events this object appends and reads.
+        create: create the schema if missing and register the job; otherwise a missing schema or an unknown
+            job is a `LedgerError`.
+        run_dir: recorded with the job (where its logs and spill files are).
+        node: the host name stored with each event (default this host's).
+
+    Raises `LedgerError` (one line, password redacted) when the server cannot be reached or the schema is
+    from a newer ettr. Thread-safe; one connection, re-opened after a failure.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        job_id: str,
+        create: bool = False,
+        run_dir: str | os.PathLike[str] | None = None,
+        node: str | None = None,
+    ) -> None:
+        if not job_id:
+            raise LedgerError("a PostgreSQL ledger needs a job id")
+        self.url = url
+        self.job_id = job_id
+        self.node = node or socket.gethostname()
+        self._conninfo = _conninfo(url)
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._writer = new_writer_id()
+        self._seq = 0
+        with self._connection() as conn:
+            _check_schema(conn, url, create=create)
+            if create:
+                conn.execute(
+                    "INSERT INTO ettr.jobs (job_id, created_ts, host, run_dir) VALUES (%s, %s, %s, %s)"
+                    " ON CONFLICT (job_id) DO NOTHING",
+                    (job_id, time.time(), self.node, None if run_dir is None else os.fspath(run_dir)),
+                )
+            elif conn.execute("SELECT 1 FROM ettr.jobs WHERE job_id = %s", (job_id,)).fetchone() is None:
+                raise LedgerError(f"{redact(url)} holds no job {job_id!r}")
+
+    # -- connection ----------------------------------------------------------------------------------------
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        """The connection inside one transaction (committed on success); failures become `LedgerError`."""
+        import psycopg
+
+        with self._lock:
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = psycopg.connect(self._conninfo, autocommit=True)
+                with self._conn.transaction():
+                    yield self._conn
+            except psycopg.Error as exc:
+                message = f"ledger {redact(self.url)}: {_one_line(exc)}"
+                if isinstance(exc, psycopg.DataError | psycopg.IntegrityError):
+                    raise LedgerRejected(message) from None
+                if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+                    self._drop()
+                raise LedgerError(message) from None
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    # -- Ledger ----------------------------------------------------------------------------------------------
+    def append(self, events: Sequence[Event]) -> None:
+        """Append `events` in one transaction under this object's own keys (durable on return).
+
+        A failed call may still have committed (the connection died after COMMIT was sent): a caller that
+        retries must not use `append` again but hand the same keys to `insert` (`SpillingLedger` does).
+        """
+        if not events:
+            return
+        with self._lock:
+            first, self._seq = self._seq, self._seq + len(events)
+        records = [KeyedEvent(self._writer, first + i, self.node, e) for i, e in enumerate(events)]
+        self.insert(records, may_repeat=False)
+
+    def insert(self, records: Sequence[KeyedEvent], *, may_repeat: bool = True) -> None:
+        """Store `records` in one transaction; records whose key is already stored are skipped.
+
+        `may_repeat=False` promises that no record was ever handed to the server before (a first try):
+        they are then copied straight into the table, about twice as fast as the de-duplicating path.
+        """
+        if not records:
+            return
+        job_id = self.job_id
+        with self._connection() as conn:
+            target = "ettr.events"
+            if may_repeat:
+                conn.execute(_INCOMING)
+                target = "ettr_incoming"
+            with conn.cursor().copy(f"COPY {target} ({_COLUMNS}) FROM STDIN") as copy:
+                write_row = copy.write_row
+                for r in records:
+                    write_row((job_id, r.node, r.writer, r.seq, *to_row(r.event)))
+            if may_repeat:
+                conn.execute(
+                    f"INSERT INTO ettr.events ({_COLUMNS}) SELECT {_COLUMNS} FROM ettr_incoming"
+                    " ORDER BY writer, seq ON CONFLICT (writer, seq) DO NOTHING"
+                )
+
+    def read(self) -> list[Event]:
+        with self._connection() as conn:
+            rows = conn.execute(
+                "SELECT ts, kind, attempt, rank, phase, step, value, data FROM ettr.events"
+                " WHERE job_id = %s ORDER BY id",
+                (self.job_id,),
+            ).fetchall()
+        events, num_bad = events_from_rows(rows)
+        if num_bad:
+            logger.warning("ettr: job %s: skipped %d unreadable ledger records", self.job_id, num_bad)
+        return events
+
+    def last_activity(self, attempt: int) -> float | None:
+        """Latest timestamp of a training-process event (rank >= 0) of `attempt`, or None (hang detection)."""
+        with self._connection() as conn:
+            row = conn.execute(
+                "SELECT max(ts) FROM ettr.events WHERE job_id = %s AND attempt = %s AND rank >= 0",
+                (self.job_id, attempt),
+            ).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+def _conninfo(url: str) -> str:
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        params = conninfo_to_dict(url)
+    except Exception as exc:
+        raise LedgerError(f"{redact(url)} is not a PostgreSQL URL ({_one_line(exc)})") from None
+    for key, value in _TIMEOUTS.items():
+        params.setdefault(key, value)
+    options = str(params.get("options") or "")
+    if "statement_timeout" not in options:
+        params["options"] = f"{options} -c statement_timeout={_STATEMENT_TIMEOUT_MS}".strip()
+    params.setdefault("application_name", "ettr")
+    return make_conninfo("", **params)
+
+
+def _check_schema(conn: Any, url: str, *, create: bool) -> None:
+    """Create the schema (with `create`) and refuse one from a newer ettr."""
+    if conn.execute("SELECT to_regclass('ettr.meta')").fetchone()[0] is None:
+        if not create:
+            raise LedgerError(f"{redact(url)} holds no ettr ledger (no schema 'ettr')")
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_ADVISORY_LOCK,))
+        conn.execute(_SCHEMA)
+        conn.execute(
+            "INSERT INTO ettr.meta (key, value) VALUES ('schema_version', %s), ('event_schema_version', %s)"
+            " ON CONFLICT (key) DO NOTHING",
+            (str(SCHEMA_VERSION), str(EVENT_SCHEMA_VERSION)),
+        )
+    found = dict(conn.execute("SELECT key, value FROM ettr.meta").fetchall())
+    for key, ours in (("schema_version", SCHEMA_VERSION), ("event_schema_version", EVENT_SCHEMA_VERSION)):
+        value = found.get(key)
+        try:
+            newer = value is None or int(value) > ours
+        except ValueError:
+            newer = True
+        if newer:
+            raise LedgerError(
+                f"{redact(url)}: ledger {key.replace('_', ' ')} {value or 'none'} is not supported by this "
+                f"ettr (need <= {ours}; upgrade ettr)"
+            )
+
+
+def list_jobs(url: str) -> list[str]:
+    """The job ids in the ledger at `url`, oldest first. Raises `LedgerError`."""
+    import psycopg
+
+    try:
+        with psycopg.connect(_conninfo(url)) as conn:
+            _check_schema(conn, url, create=False)
+            return [
+                row[0] for row in conn.execute("SELECT job_id FROM ettr.jobs ORDER BY created_ts, job_id")
+            ]
+    except psycopg.Error as exc:
+        raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None

@@ -1,0 +1,494 @@
+"""Spill to the run directory: a Ledger over a shared server that never makes its caller wait for an outage.
+
+    append(events) -> each event gets a key (writer id, seq)
+        server up, nothing spilled:  one transaction on the server (a first try: bounded by its timeouts)
+        otherwise:                   one fsync'd append to RUN_DIR/ledger-spill/<writer>.jsonl
+    a delivery thread (started at the first failure) pings the server every `retry_interval_s`; once it
+    answers, the spill file is delivered with ON CONFLICT DO NOTHING and cut back to its header
+
+So an outage costs the caller one failed call (seconds at most, on the Recorder's writer thread, never the
+training thread); afterwards appends are local until the server is back. Every event keeps its key from its
+first try to its delivery, so one that reached the server before a connection died is not stored twice, and
+none is lost: it is on the server or in an fsync'd spill file. A file whose writer died (its flock is free)
+is an orphan; a SpillingLedger made with `adopt_orphans` (the supervisor's) delivers orphans of its job.
+
+Spill file: line 1 a header `{"spill": 1, "job_id", "writer", "node"}`, then one JSON array per event:
+`[seq, ts, kind, attempt, rank, phase, step, value, data]`. A torn last line (a crash mid-write) is skipped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from ettr.atomic import fsync_dir
+from ettr.events import Event
+from ettr.ledger.base import LedgerError, LedgerRejected
+from ettr.ledger.codec import KeyedEvent, from_row, to_row
+from ettr.ledger.postgres import new_writer_id
+
+logger = logging.getLogger("ettr")
+
+SPILL_DIRNAME = "ledger-spill"
+_SUFFIX = ".jsonl"
+_DELIVERY_CHUNK = 50_000
+
+
+class ServerLedger(Protocol):
+    """What SpillingLedger needs of the shared server (`PostgresLedger` is one; tests use fakes)."""
+
+    job_id: str
+
+    def insert(self, records: Sequence[KeyedEvent], *, may_repeat: bool = True) -> None: ...
+
+    def read(self) -> list[Event]: ...
+
+    def last_activity(self, attempt: int) -> float | None: ...
+
+    def close(self) -> None: ...
+
+
+def spill_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """Where the spill files of a run directory live."""
+    return Path(run_dir) / SPILL_DIRNAME
+
+
+def _header(path: Path) -> dict[str, object] | None:
+    try:
+        with open(path, "rb") as f:
+            header = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    return header if isinstance(header, dict) and header.get("spill") == 1 else None
+
+
+def read_spill(path: Path) -> tuple[dict[str, object], list[KeyedEvent]]:
+    """The header and the records of a spill file (torn or unreadable lines skipped)."""
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    try:
+        header = json.loads(lines[0])
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or header.get("spill") != 1:
+        raise LedgerError(f"{path} is not an ettr spill file")
+    writer, node = str(header["writer"]), str(header.get("node", ""))
+    records: list[KeyedEvent] = []
+    num_bad = 0
+    for line in lines[1:]:
+        if not line:
+            continue
+        try:
+            seq, *row = json.loads(line)
+            event = from_row(*row)
+        except (ValueError, TypeError):
+            event = None
+        if event is None:
+            num_bad += 1
+            continue
+        records.append(KeyedEvent(writer, int(seq), node, event))
+    if num_bad > 1 or (num_bad == 1 and lines[-1]):  # one torn last line is a crash mid-write: expected
+        logger.warning("ettr: %s: skipped %d unreadable spill records", path, num_bad)
+    return header, records
+
+
+def _encode(records: Sequence[KeyedEvent]) -> bytes:
+    lines = [json.dumps([r.seq, *to_row(r.event)], separators=(",", ":")) for r in records]
+    return ("\n".join(lines) + "\n").encode()
+
+
+class _SpillFile:
+    """This writer's own spill file: created exclusively, flock'd for life, appended and fsync'd."""
+
+    def __init__(self, directory: Path, *, job_id: str, writer: str, node: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"{writer}{_SUFFIX}"
+        temp = directory / f".{writer}.tmp"
+        self._fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            header = {"spill": 1, "job_id": job_id, "writer": writer, "node": node}
+            self._header_len = os.write(self._fd, (json.dumps(header) + "\n").encode())
+            os.fsync(self._fd)
+            os.rename(temp, self.path)  # visible to adopters only once locked and headed
+            fsync_dir(directory)
+        except BaseException:
+            os.close(self._fd)
+            temp.unlink(missing_ok=True)
+            raise
+        self.has_records = False
+
+    def append(self, records: Sequence[KeyedEvent]) -> None:
+        data = _encode(records)
+        size = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
+        except OSError:
+            os.ftruncate(self._fd, size)  # no half batch: the caller retries the whole of it
+            raise
+        self.has_records = True
+
+    def records(self) -> list[KeyedEvent]:
+        return read_spill(self.path)[1]
+
+    def cut(self) -> None:
+        """Everything in the file is delivered: keep only the header."""
+        os.ftruncate(self._fd, self._header_len)
+        os.fsync(self._fd)
+        self.has_records = False
+
+    def close(self, *, remove: bool) -> None:
+        if remove:
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)  # releases the flock: what is left is an orphan for the supervisor
+
+
+class SpillingLedger:
+    """A `Ledger` that writes to a shared server and spills to `spill_dir` while the server is away.
+
+    Args:
+        connect: makes the server ledger (called again after a failure; may raise).
+        job_id: the job (spill files name it; orphans of other jobs are left alone).
+        spill_dir: this run directory's spill directory (`spill_dir(run_dir)`).
+        node: the host written with each event.
+        adopt_orphans: also deliver spill files whose writer died (the supervisor's ledger).
+        retry_interval_s: how often the delivery thread tries the server during an outage.
+        background_connect: connect on the delivery thread, so that making the ledger never waits for the
+            server (a training process builds it at start-up, on its training thread); the first `append`
+            (on the Recorder's writer thread) waits for that connection, at most `connect_wait_s`.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], ServerLedger],
+        *,
+        job_id: str,
+        spill_dir: str | os.PathLike[str],
+        node: str,
+        adopt_orphans: bool = False,
+        retry_interval_s: float = 2.0,
+        background_connect: bool = False,
+        connect_wait_s: float = 15.0,
+    ) -> None:
+        if not retry_interval_s > 0:
+            raise ValueError(f"retry_interval_s must be > 0, got {retry_interval_s}")
+        self.job_id = job_id
+        self.spill_dir = Path(spill_dir)
+        self.node = node
+        self.writer = new_writer_id()
+        self._connect = connect
+        self._adopt = adopt_orphans
+        self._retry_interval_s = retry_interval_s
+        self._lock = threading.RLock()
+        self._server: ServerLedger | None = None
+        self._down = False
+        self._file: _SpillFile | None = None
+        self._seq = 0
+        self._closed = False
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._scan: dict[Path, tuple[int, dict[int, float]]] = {}
+        self._connected = threading.Event()
+        self._connect_wait_s = connect_wait_s
+        if background_connect:
+            self._start_delivery()  # its first act is to connect
+        else:
+            self._first_connect()
+        if adopt_orphans:
+            self._start_delivery()
+        atexit.register(self.close)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget_in_child)
+
+    # -- state -------------------------------------------------------------------------------------------
+    @property
+    def backlog(self) -> bool:
+        """Whether this writer has spilled events not yet delivered."""
+        return self._file is not None and self._file.has_records
+
+    @property
+    def server_down(self) -> bool:
+        return self._down
+
+    def _mark_down(self, exc: BaseException) -> None:
+        if not self._down:
+            logger.warning(
+                "ettr: ledger server unreachable (%s); events spill to %s until it is back",
+                exc,
+                self.spill_dir,
+            )
+        self._down = True
+        self._start_delivery()
+
+    def _start_delivery(self) -> None:
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._deliver_loop, name="ettr-ledger-spill", daemon=True)
+            self._thread.start()
+
+    def _first_connect(self) -> None:
+        try:
+            self._server = self._connect()
+        except Exception as exc:
+            self._mark_down(exc)
+        finally:
+            self._connected.set()
+
+    def _forget_in_child(self) -> None:
+        self._closed, self._thread, self._file, self._server = True, None, None, None
+
+    # -- Ledger --------------------------------------------------------------------------------------------
+    def append(self, events: Sequence[Event]) -> None:
+        """Durable on return: on the server, or in the fsync'd spill file. Raises `LedgerError` only when
+        neither can be written (the caller may retry the same events)."""
+        if not events:
+            return
+        if not self._connected.is_set():
+            self._connected.wait(self._connect_wait_s)
+        with self._lock:
+            first = self._seq
+            records = [KeyedEvent(self.writer, first + i, self.node, e) for i, e in enumerate(events)]
+            if not self._down and not self.backlog and self._server is not None:
+                try:
+                    self._keep_rejected(_store(self._server, records, may_repeat=False))
+                    self._seq += len(records)
+                    return
+                except Exception as exc:
+                    self._mark_down(exc)
+            try:
+                if self._file is None:
+                    self._file = _SpillFile(
+                        self.spill_dir, job_id=self.job_id, writer=self.writer, node=self.node
+                    )
+                self._file.append(records)
+            except OSError as exc:
+                raise LedgerError(f"cannot spill ledger events to {self.spill_dir} ({exc})") from None
+            self._seq += len(records)
+            self._start_delivery()
+
+    def read(self) -> list[Event]:
+        """The job's events from the server (delivering what this node spilled first). Raises `LedgerError`
+        while the server is away: a partial history would be taken for the whole."""
+        if self._down or self._server is None:
+            raise LedgerError(
+                f"the ledger server is unreachable; {self.spill_dir} holds the events meanwhile"
+            )
+        self.deliver()
+        return self._server.read()
+
+    def last_activity(self, attempt: int) -> float | None:
+        """Newest training-process event of `attempt` on the server or in this node's spill files."""
+        latest = self._spilled_activity(attempt)
+        server = self._server
+        if not self._down and server is not None:
+            try:
+                found = server.last_activity(attempt)
+            except Exception as exc:
+                self._mark_down(exc)
+            else:
+                if found is not None and (latest is None or found > latest):
+                    latest = found
+        return latest
+
+    def close(self, drain_timeout_s: float = 0.0) -> None:
+        """Deliver what is pending (trying for up to `drain_timeout_s`), then stop. With no drain time and the
+        server known to be away, nothing is tried: a training process exits at once and what is pending stays
+        in the spill file for the supervisor or the next run. Idempotent."""
+        if self._closed:
+            return
+        if drain_timeout_s > 0 or not self._down:
+            deadline = time.monotonic() + drain_timeout_s
+            while not self.deliver() and time.monotonic() < deadline:
+                time.sleep(min(self._retry_interval_s, max(0.0, deadline - time.monotonic())))
+        with self._lock:
+            self._closed = True
+            self._wake.set()
+            if self._file is not None:
+                pending = self._file.has_records
+                self._file.close(remove=not pending)
+                if pending:
+                    logger.warning(
+                        "ettr: %s keeps undelivered ledger events; they are delivered when the server is back "
+                        "and an ettr supervisor of this job runs in this run directory",
+                        self._file.path,
+                    )
+                self._file = None
+            if self._server is not None:
+                self._server.close()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+    # -- delivery ------------------------------------------------------------------------------------------
+    def deliver(self) -> bool:
+        """Try once to deliver this writer's backlog (and orphans, with `adopt_orphans`). True when nothing
+        is left to deliver."""
+        if self._closed:
+            return True
+        if self._down or self._server is None:
+            if not self._ping():
+                return False
+        with self._lock:
+            if self.backlog and self._file is not None and self._server is not None:
+                try:
+                    self._keep_rejected(_store_chunked(self._server, self._file.records()))
+                except Exception as exc:
+                    self._mark_down(exc)
+                    return False
+                self._file.cut()
+        return self._deliver_orphans() if self._adopt else True
+
+    def _ping(self) -> bool:
+        """Whether the server answers now (reconnecting if needed); clears the outage when it does."""
+        try:
+            server = self._server
+            if server is None:
+                server = self._connect()
+                server.last_activity(-1)
+            else:
+                try:
+                    server.last_activity(-1)
+                except Exception:  # the first call after a restart finds the old connection dead: once more
+                    server.last_activity(-1)
+        except Exception:
+            return False
+        with self._lock:
+            self._server = server
+            if self._down:
+                logger.warning("ettr: ledger server is back; delivering spilled events")
+            self._down = False
+        return True
+
+    def _deliver_orphans(self) -> bool:
+        server = self._server
+        if server is None:
+            return False
+        all_done = True
+        for path in self._spill_files():
+            if self._file is not None and path == self._file.path:
+                continue
+            header = _header(path)
+            if header is None or header.get("job_id") != self.job_id:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its writer is alive and delivers it itself
+                if not path.exists():
+                    continue  # delivered by another adopter between our listing and our lock
+                try:
+                    self._keep_rejected(_store_chunked(server, read_spill(path)[1]))
+                except Exception as exc:
+                    self._mark_down(exc)
+                    all_done = False
+                    break
+                path.unlink(missing_ok=True)
+                self._scan.pop(path, None)
+            finally:
+                os.close(fd)
+        return all_done
+
+    def _keep_rejected(self, records: Sequence[KeyedEvent]) -> None:
+        """Events the server refused: kept beside the spill files (`<writer>.rejected`, same line format) for
+        a person to look at, never retried, never dropped silently."""
+        if not records:
+            return
+        path = self.spill_dir / f"{self.writer}.rejected"
+        logger.warning("ettr: the ledger server refused %d event(s); kept in %s", len(records), path)
+        try:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            with open(path, "ab") as f:
+                f.write(_encode(records))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            logger.warning("ettr: could not keep the refused events (%s)", exc)
+
+    def _deliver_loop(self) -> None:
+        if not self._connected.is_set():
+            self._first_connect()
+        while not self._closed:
+            self._wake.wait(self._retry_interval_s)
+            self._wake.clear()
+            if self._closed:
+                break
+            try:
+                self.deliver()
+            except Exception as exc:  # never let the thread die: the next round tries again
+                logger.warning("ettr: ledger spill delivery failed (%s)", exc)
+
+    # -- reading the spill files (hang detection during an outage) -----------------------------------------
+    def _spill_files(self) -> Iterator[Path]:
+        try:
+            names = sorted(os.listdir(self.spill_dir))
+        except OSError:
+            return
+        for name in names:
+            if name.endswith(_SUFFIX) and not name.startswith("."):
+                yield self.spill_dir / name
+
+    def _spilled_activity(self, attempt: int) -> float | None:
+        """Newest ts of a rank >= 0 event of `attempt` in this directory's spill files (read incrementally)."""
+        latest: float | None = None
+        for path in self._spill_files():
+            offset, newest = self._scan.get(path, (0, {}))
+            try:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size < offset:
+                        offset = 0  # cut after a delivery: what it said stays true
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            end = chunk.rfind(b"\n") + 1
+            for line in chunk[:end].split(b"\n"):
+                try:
+                    item = json.loads(line) if line else None
+                except ValueError:
+                    continue
+                if isinstance(item, list) and len(item) == 9 and isinstance(item[4], int) and item[4] >= 0:
+                    a, ts = item[3], float(item[1])
+                    newest[a] = max(ts, newest.get(a, ts))
+            self._scan[path] = (offset + end, newest)
+            found = newest.get(attempt)
+            if found is not None and (latest is None or found > latest):
+                latest = found
+        return latest
+
+
+def _store(server: ServerLedger, records: Sequence[KeyedEvent], *, may_repeat: bool) -> list[KeyedEvent]:
+    """Insert `records`; the ones the server refuses as data (found by halving) are returned, not raised,
+    so that one unstorable event never holds back the rest. An outage still raises `LedgerError`."""
+    try:
+        server.insert(records, may_repeat=may_repeat)
+        return []
+    except LedgerRejected:
+        if len(records) == 1:
+            return list(records)
+    middle = len(records) // 2
+    return _store(server, records[:middle], may_repeat=True) + _store(
+        server, records[middle:], may_repeat=True
+    )
+
+
+def _store_chunked(server: ServerLedger, records: Sequence[KeyedEvent]) -> list[KeyedEvent]:
+    rejected: list[KeyedEvent] = []
+    for start in range(0, len(records), _DELIVERY_CHUNK):
+        rejected += _store(server, records[start : start + _DELIVERY_CHUNK], may_repeat=True)
+    return rejected

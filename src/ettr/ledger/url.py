@@ -1,0 +1,173 @@
+"""Ledger URLs: `sqlite:///PATH` (one job's SQLite file) and `postgresql://...` (many jobs on a server).
+
+    open_url(url, job_id=..., create=...)   the job's ledger, for reading (reports, fleet) or writing
+    list_jobs(url)                          the job ids a ledger holds
+    open_for_run(url, job_id=..., run_dir=...)   what `ettr run` and its training processes write through:
+                                            a PostgreSQL ledger is wrapped in `SpillingLedger`
+
+Every failure is an `ettr.errors.UsageError` with one line (password redacted): unknown scheme, missing
+file, unreachable server, wrong password, unknown job, a schema from a newer ettr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from urllib.parse import unquote
+
+from ettr.atomic import atomic_write
+from ettr.errors import UsageError
+from ettr.ledger.base import Ledger, LedgerError
+from ettr.ledger.postgres import PostgresLedger, redact
+from ettr.ledger.postgres import list_jobs as _postgres_jobs
+from ettr.ledger.sqlite import LEDGER_FILENAME, SqliteLedger
+
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+
+
+def scheme_of(url: str) -> str:
+    """`sqlite` or `postgresql` for a URL ettr can open. Raises `UsageError`."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme == "sqlite":
+        return "sqlite"
+    if scheme in POSTGRES_SCHEMES:
+        return "postgresql"
+    raise UsageError(
+        f"ledger URL {redact(url)!r}: unknown scheme {scheme or '(none)'!r} "
+        "(give sqlite:///PATH or postgresql://USER@HOST[:PORT]/DBNAME)"
+    )
+
+
+def sqlite_path(url: str) -> Path:
+    """The file of a `sqlite:///PATH` URL: PATH relative to the current directory, absolute with a fourth
+    slash (`sqlite:////abs/ledger.db`, as in SQLAlchemy); a run directory means its ledger.db. Raises
+    `UsageError`."""
+    prefix = "sqlite:///"
+    if not url.lower().startswith(prefix):
+        raise UsageError(f"ledger URL {url!r}: a SQLite ledger is a local file (write sqlite:///PATH)")
+    text = unquote(url[len(prefix) :])
+    if not text.strip("/"):
+        raise UsageError(f"ledger URL {url!r} names no file (write sqlite:///PATH/TO/ledger.db)")
+    path = Path(text)
+    return path / LEDGER_FILENAME if path.is_dir() else path
+
+
+def _sqlite(url: str, *, job_id: str, create: bool) -> SqliteLedger:
+    path = sqlite_path(url)
+    if not create and not path.is_file():
+        raise UsageError(f"ledger {url}: no such file {path}")
+    try:
+        ledger = SqliteLedger(path, create=create)
+    except (LedgerError, OSError) as exc:
+        raise UsageError(f"ledger {url}: {exc}") from None
+    held = ledger.job_id()
+    if held is not None and held != job_id:
+        ledger.close()
+        raise UsageError(f"ledger {url} holds job {held!r}, not {job_id!r} (a SQLite ledger holds one job)")
+    return ledger
+
+
+def _postgres(url: str, **kwargs: object) -> PostgresLedger:
+    try:
+        return PostgresLedger(url, **kwargs)  # type: ignore[arg-type]
+    except LedgerError as exc:
+        raise UsageError(f"{exc} (check the URL, the server and the password)") from None
+    except ImportError:
+        raise UsageError("a postgresql:// ledger needs psycopg 3 (pip install 'ettr[postgres]')") from None
+
+
+def open_url(url: str, *, job_id: str, create: bool = False) -> Ledger:
+    """The ledger of job `job_id` at `url`; `create` makes the file or schema and registers the job.
+    Raises `UsageError` (one line)."""
+    if not job_id:
+        raise UsageError("a ledger URL needs a job id (give --job-id)")
+    if scheme_of(url) == "sqlite":
+        return _sqlite(url, job_id=job_id, create=create)
+    return _postgres(url, job_id=job_id, create=create)
+
+
+def list_jobs(url: str) -> list[str]:
+    """The ids of the jobs the ledger at `url` holds, oldest first. Raises `UsageError`."""
+    if scheme_of(url) == "sqlite":
+        path = sqlite_path(url)
+        if not path.is_file():
+            raise UsageError(f"ledger {url}: no such file {path}")
+        try:
+            ledger = SqliteLedger(path, create=False)
+        except LedgerError as exc:
+            raise UsageError(f"ledger {url}: {exc}") from None
+        try:
+            held = ledger.job_id()
+        finally:
+            ledger.close()
+        return [] if held is None else [held]
+    try:
+        return _postgres_jobs(url)
+    except LedgerError as exc:
+        raise UsageError(f"{exc} (check the URL, the server and the password)") from None
+
+
+def open_for_run(
+    url: str,
+    *,
+    job_id: str,
+    run_dir: str | os.PathLike[str],
+    supervisor: bool,
+    retry_interval_s: float = 2.0,
+) -> Ledger:
+    """The ledger one process of a running job writes through.
+
+    SQLite: the file itself. PostgreSQL: a `SpillingLedger` spilling to `run_dir`. The supervisor's
+    (`supervisor=True`) creates the schema and the job, needs the server now (it reads the job's history;
+    `UsageError` otherwise) and delivers orphaned spill files; a training process's never fails for the
+    server (recording spills until it answers).
+    """
+    from ettr.ledger.spill import SpillingLedger, spill_dir
+
+    if scheme_of(url) == "sqlite":
+        return _sqlite(url, job_id=job_id, create=True)
+    node = socket.gethostname()
+    first = _postgres(url, job_id=job_id, create=True, run_dir=run_dir, node=node) if supervisor else None
+
+    def connect() -> PostgresLedger:
+        nonlocal first
+        if first is not None:
+            made, first = first, None
+            return made
+        return PostgresLedger(url, job_id=job_id, create=True, run_dir=run_dir, node=node)
+
+    return SpillingLedger(
+        connect,
+        job_id=job_id,
+        spill_dir=spill_dir(run_dir),
+        node=node,
+        adopt_orphans=supervisor,
+        retry_interval_s=retry_interval_s,
+        background_connect=not supervisor,
+    )
+
+
+POINTER_FILENAME = "ledger-url.json"
+"""Left in a run directory whose books are at a URL, so that `ettr report RUN_DIR` finds them."""
+
+
+def write_pointer(run_dir: str | os.PathLike[str], url: str, *, job_id: str) -> None:
+    """Record in `run_dir` where its books are: the URL without its password (libpq takes that from
+    PGPASSWORD or ~/.pgpass), a SQLite path made absolute."""
+    if scheme_of(url) == "sqlite":
+        url = "sqlite:///" + str(sqlite_path(url).absolute())
+    else:
+        url = redact(url, mask=None)
+    payload = json.dumps({"url": url, "job_id": job_id}) + "\n"
+    atomic_write(Path(run_dir) / POINTER_FILENAME, payload)
+
+
+def read_pointer(run_dir: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """(url, job_id) of a run directory whose books are at a URL; None if it keeps its own."""
+    try:
+        found = json.loads((Path(run_dir) / POINTER_FILENAME).read_text())
+        return str(found["url"]), str(found["job_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,125 @@
+"""A throwaway PostgreSQL server for tests and benchmarks: initdb in a temp dir, start, stop, remove.
+
+Uses the server binaries of the machine (`pg_ctl`, `initdb`: on PATH, in `$ETTR_PG_BIN`, or Debian's
+`/usr/lib/postgresql/<version>/bin`). PostgreSQL refuses to run as root; as root the server runs as the
+`postgres` user (`runuser`). TCP on 127.0.0.1 asks for a password (scram), so tests can try a wrong one.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+USER = "ettr"
+PASSWORD = "ettr-test-password"
+
+
+class PostgresUnavailable(RuntimeError):
+    """No PostgreSQL server can be started here (no binaries, or root without a `postgres` user)."""
+
+
+def find_bin_dir() -> Path:
+    """The directory holding `initdb` and `pg_ctl`. Raises `PostgresUnavailable`."""
+    candidates = [os.environ.get("ETTR_PG_BIN", "")]
+    found = shutil.which("pg_ctl")
+    candidates.append(os.path.dirname(found) if found else "")
+    candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
+    for directory in candidates:
+        if directory and os.access(os.path.join(directory, "initdb"), os.X_OK):
+            return Path(directory)
+    raise PostgresUnavailable("no PostgreSQL server binaries (initdb, pg_ctl) found; install postgresql")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PostgresServer:
+    """One private server. `start()` (initdb on first use), `stop()`, `remove()`; `url` to connect.
+
+    Args:
+        base_dir: where its data directory and socket go (default a fresh temp dir).
+        port: the TCP port on 127.0.0.1 (default a free one).
+        durable: fsync commits as a production server does (benchmarks); tests run without (faster).
+    """
+
+    def __init__(
+        self,
+        base_dir: str | os.PathLike[str] | None = None,
+        *,
+        port: int | None = None,
+        durable: bool = False,
+    ) -> None:
+        self.durable = durable
+        self.bin_dir = find_bin_dir()
+        self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="ettr-pg-"))
+        self.data_dir = self.base_dir / "data"
+        self.port = port or _free_port()
+        self._run_as: list[str] = []
+        if os.geteuid() == 0:
+            try:
+                pwd.getpwnam("postgres")
+            except KeyError:
+                raise PostgresUnavailable(
+                    "running as root and there is no 'postgres' user to run the server"
+                ) from None
+            self._run_as = ["runuser", "-u", "postgres", "--"]
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://{USER}:{PASSWORD}@127.0.0.1:{self.port}/postgres"
+
+    def url_with_password(self, password: str) -> str:
+        return f"postgresql://{USER}:{password}@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *argv: str | os.PathLike[str], timeout_s: float = 60.0) -> None:
+        cmd = [*self._run_as, *map(str, argv)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            detail = " ".join((done.stderr or done.stdout).split())[-400:]
+            raise PostgresUnavailable(f"{' '.join(cmd)} failed ({done.returncode}): {detail}")
+
+    def _initdb(self) -> None:
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        pwfile = self.base_dir / "pwfile"
+        pwfile.write_text(PASSWORD + "\n")
+        if self._run_as:
+            owner = pwd.getpwnam("postgres")
+            for path in (self.base_dir, pwfile):
+                os.chown(path, owner.pw_uid, owner.pw_gid)
+        self._run(
+            self.bin_dir / "initdb", "-D", self.data_dir, "-U", USER, "--pwfile", pwfile,
+            "--auth-local=trust", "--auth-host=scram-sha-256", "-E", "UTF8", "--no-sync",
+        )  # fmt: skip
+
+    def start(self) -> None:
+        """Start the server (creating its data directory the first time). Raises `PostgresUnavailable`."""
+        if not (self.data_dir / "PG_VERSION").is_file():
+            self._initdb()
+        options = f"-p {self.port} -k {self.base_dir} -c listen_addresses=127.0.0.1 -c max_connections=200"
+        if not self.durable:
+            options += " -c fsync=off -c synchronous_commit=off"
+        self._run(
+            self.bin_dir / "pg_ctl", "-D", self.data_dir, "-o", options, "-l", self.base_dir / "server.log",
+            "-w", "-t", "60", "start",
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        """Stop the server now (fast: sessions are ended, what was committed stays)."""
+        if (self.data_dir / "postmaster.pid").exists():
+            self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-m", "fast", "-w", "stop")
+
+    def remove(self) -> None:
+        """Stop the server and delete its files."""
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.base_dir, ignore_errors=True)

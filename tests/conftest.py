@@ -1,0 +1,72 @@
+"""Shared fixtures: a throwaway PostgreSQL server for the ledger tests (session-scoped)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def start_postgres_or_skip() -> object:
+    """A started private PostgreSQL server (`ettr.testing.postgres.PostgresServer`); the caller removes it.
+
+    Outside CI a machine that cannot start one skips the test with the reason; under CI (`CI=true`) that
+    is a failure: the project's CI provides the server.
+    """
+    from ettr.testing.postgres import PostgresServer, PostgresUnavailable
+
+    try:
+        import psycopg  # noqa: F401
+    except ImportError as exc:
+        if _in_ci():
+            pytest.fail(f"CI=true but psycopg is not installed ({exc}); install '.[postgres]'")
+        pytest.skip("psycopg 3 is not installed (pip install 'ettr[postgres]')")
+    try:
+        server = PostgresServer()
+        server.start()
+    except PostgresUnavailable as exc:
+        if _in_ci():
+            pytest.fail(f"CI=true but no PostgreSQL server could be started: {exc}")
+        pytest.skip(f"no PostgreSQL server can be started here ({exc}); `make postgres` installs one")
+    return server
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[object]:
+    """The session's PostgreSQL server, removed at the end (see `start_postgres_or_skip`)."""
+    server = start_postgres_or_skip()
+    try:
+        yield server
+    finally:
+        server.remove()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[object]:
+    """A PostgreSQL server of this test alone (it may stop and start it)."""
+    server = start_postgres_or_skip()
+    try:
+        yield server
+    finally:
+        server.remove()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def postgres_url(postgres_server: object) -> str:
+    """The URL of the session's PostgreSQL server (a fresh database per test keeps tests apart)."""
+    import uuid
+
+    import psycopg
+
+    from ettr.testing.postgres import PostgresServer
+
+    assert isinstance(postgres_server, PostgresServer)
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres_server.url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return postgres_server.url.rsplit("/", 1)[0] + f"/{name}"

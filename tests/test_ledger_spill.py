@@ -1,0 +1,326 @@
+"""SpillingLedger with an in-memory server that can go away: spill, deliver, exactly once, orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ettr.events import Event, EventKind
+from ettr.ledger import LedgerError, LedgerRejected
+from ettr.ledger.codec import KeyedEvent
+from ettr.ledger.spill import SpillingLedger, read_spill
+
+
+class FakeServer:
+    """A keyed server: `up` switches it; `commit_then_fail` stores the next insert and then raises."""
+
+    def __init__(self, job_id: str = "j") -> None:
+        self.job_id = job_id
+        self.rows: dict[tuple[str, int], KeyedEvent] = {}
+        self.up = True
+        self.commit_then_fail = False
+        self.num_inserts = 0
+        self.lock = threading.Lock()
+
+    def _check(self) -> None:
+        if not self.up:
+            raise LedgerError("server is down")
+
+    def insert(self, records: Sequence[KeyedEvent], *, may_repeat: bool = True) -> None:
+        with self.lock:
+            self._check()
+            self.num_inserts += 1
+            for r in records:
+                key = (r.writer, r.seq)
+                assert may_repeat or key not in self.rows, "a first try must never repeat a key"
+                self.rows.setdefault(key, r)
+            if self.commit_then_fail:
+                self.commit_then_fail = False
+                raise LedgerError("connection lost after COMMIT")
+
+    def read(self) -> list[Event]:
+        self._check()
+        return [r.event for r in self.rows.values()]
+
+    def last_activity(self, attempt: int) -> float | None:
+        self._check()
+        found = [r.event.ts for r in self.rows.values() if r.event.attempt == attempt and r.event.rank >= 0]
+        return max(found, default=None)
+
+    def close(self) -> None:
+        pass
+
+
+def _steps(first: int, n: int, attempt: int = 0) -> list[Event]:
+    return [Event(EventKind.STEP, 1000.0 + i, attempt, 0, step=i) for i in range(first, first + n)]
+
+
+def _ledger(server: FakeServer, tmp_path, **kwargs) -> SpillingLedger:
+    kwargs.setdefault("retry_interval_s", 0.05)
+    return SpillingLedger(
+        lambda: server, job_id=server.job_id, spill_dir=tmp_path / "spill", node="n", **kwargs
+    )
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_up_server_gets_events_directly_and_nothing_is_spilled(tmp_path):
+    server = FakeServer()
+    ledger = _ledger(server, tmp_path)
+    ledger.append(_steps(0, 10))
+    assert sorted(e.step for e in ledger.read()) == list(range(10))
+    assert not (tmp_path / "spill").exists()
+    ledger.close()
+
+
+def test_an_outage_spills_and_the_return_delivers_every_event_once(tmp_path):
+    server = FakeServer()
+    ledger = _ledger(server, tmp_path)
+    ledger.append(_steps(0, 5))
+    server.up = False
+    ledger.append(_steps(5, 5))  # fails on the server, goes to the spill file
+    num_tries = server.num_inserts
+    ledger.append(_steps(10, 5))  # while down: straight to the file, the server is not asked
+    assert server.num_inserts == num_tries and ledger.backlog
+    spilled = list((tmp_path / "spill").glob("*.jsonl"))
+    assert len(spilled) == 1 and [r.event.step for r in read_spill(spilled[0])[1]] == list(range(5, 15))
+    with pytest.raises(LedgerError, match="unreachable"):
+        ledger.read()
+    server.up = True
+    _wait_for(lambda: not ledger.backlog)
+    ledger.append(_steps(15, 5))
+    assert sorted(e.step for e in ledger.read()) == list(range(20))
+    ledger.close()
+    assert not spilled[0].exists()  # delivered and removed at close
+
+
+def test_a_batch_committed_before_the_connection_died_is_not_stored_twice(tmp_path):
+    server = FakeServer()
+    ledger = _ledger(server, tmp_path)
+    server.commit_then_fail = True
+    ledger.append(_steps(0, 10))  # stored, but the caller saw a failure: spilled with the same keys
+    assert ledger.backlog
+    _wait_for(lambda: not ledger.backlog)
+    assert sorted(e.step for e in ledger.read()) == list(range(10))
+    assert len(server.rows) == 10
+    ledger.close()
+
+
+def test_a_server_down_at_start_does_not_fail_the_writer(tmp_path):
+    server = FakeServer()
+    server.up = False
+    calls = []
+
+    def connect() -> FakeServer:
+        calls.append(1)
+        if not server.up:
+            raise LedgerError("connection refused")
+        return server
+
+    ledger = SpillingLedger(
+        connect, job_id="j", spill_dir=tmp_path / "spill", node="n", retry_interval_s=0.05
+    )
+    ledger.append(_steps(0, 3))
+    assert ledger.server_down and ledger.backlog
+    server.up = True
+    _wait_for(lambda: not ledger.backlog)
+    assert sorted(e.step for e in server.read()) == [0, 1, 2] and len(calls) >= 2
+    ledger.close()
+
+
+def test_last_activity_reads_the_spill_files_during_an_outage(tmp_path):
+    server = FakeServer()
+    ledger = _ledger(server, tmp_path, retry_interval_s=60)
+    ledger.append(_steps(0, 3, attempt=1))  # ts 1000..1002 on the server
+    assert ledger.last_activity(1) == 1002.0
+    server.up = False
+    ledger.append([Event(EventKind.STEP, 2000.0, 1, 0, step=3), Event(EventKind.ATTEMPT_END, 3000.0, 1, -1)])
+    assert ledger.last_activity(1) == 2000.0  # the supervisor's own event is no sign of life
+    assert ledger.last_activity(0) is None
+    ledger.close()
+
+
+def test_undelivered_events_stay_on_disk_and_the_supervisor_adopts_them(tmp_path):
+    server = FakeServer()
+    server.up = False
+    trainer = _ledger(server, tmp_path)
+    trainer.append(_steps(0, 4))
+    trainer.close()  # the server is still away: the file stays, unlocked (an orphan)
+    (orphan,) = (tmp_path / "spill").glob("*.jsonl")
+    other_job = FakeServer(job_id="other")
+    assert _ledger(other_job, tmp_path, adopt_orphans=True).deliver()  # not its job: left alone
+    assert orphan.exists() and not other_job.rows
+    server.up = True
+    supervisor = _ledger(server, tmp_path, adopt_orphans=True)
+    assert supervisor.deliver()
+    assert sorted(e.step for e in server.read()) == [0, 1, 2, 3] and not orphan.exists()
+    supervisor.close()
+
+
+def test_a_live_writers_file_is_not_adopted(tmp_path):
+    server = FakeServer()
+    server.up = False
+    trainer = _ledger(server, tmp_path, retry_interval_s=60)
+    trainer.append(_steps(0, 2))
+    server.up = True
+    supervisor = _ledger(server, tmp_path, adopt_orphans=True, retry_interval_s=60)
+    supervisor.deliver()
+    assert not server.rows  # the trainer is alive: it delivers its own file
+    assert trainer.deliver()
+    assert len(server.rows) == 2
+    trainer.close()
+    supervisor.close()
+
+
+_KILLED = """
+import sys
+from ettr.events import Event, EventKind
+from ettr.ledger.spill import SpillingLedger
+from ettr.ledger import LedgerError, LedgerRejected
+
+def connect():
+    raise LedgerError("down")
+
+ledger = SpillingLedger(connect, job_id="j", spill_dir=sys.argv[1], node="n", retry_interval_s=60)
+for i in range(50):
+    ledger.append([Event(EventKind.STEP, 1.0 + i, 0, 0, step=i)])
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_killed_writers_spill_is_complete_and_a_torn_line_is_skipped(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, str(tmp_path / "spill")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    proc.kill()
+    proc.wait(30)
+    (path,) = (tmp_path / "spill").glob("*.jsonl")
+    with open(path, "ab") as f:
+        f.write(json.dumps([50, 99.0, "step", 0, 0, None, 50, None]).encode()[:-5])  # torn mid-write
+    server = FakeServer()
+    supervisor = _ledger(server, tmp_path, adopt_orphans=True)
+    assert supervisor.deliver()
+    assert sorted(e.step for e in server.read()) == list(range(50))
+    supervisor.close()
+
+
+def test_spill_write_failure_is_a_ledger_error_and_leaves_no_half_batch(tmp_path):
+    server = FakeServer()
+    server.up = False
+    blocker = tmp_path / "spill"
+    blocker.write_text("a file where the spill directory should be")
+    ledger = _ledger(server, tmp_path)
+    with pytest.raises(LedgerError, match="cannot spill"):
+        ledger.append(_steps(0, 2))
+    ledger.close()
+
+
+def test_background_connect_never_makes_the_constructor_wait(tmp_path):
+    server = FakeServer()
+    gate = threading.Event()
+    connecting = threading.Event()
+
+    def connect() -> FakeServer:
+        connecting.set()
+        if not gate.wait(30):
+            raise LedgerError("never let through")
+        return server
+
+    ledger = SpillingLedger(
+        connect, job_id="j", spill_dir=tmp_path / "spill", node="n", background_connect=True
+    )
+    assert connecting.wait(10) and not gate.is_set()  # constructed while the connection is still pending
+    writer = threading.Thread(target=ledger.append, args=(_steps(0, 3),))
+    writer.start()  # the Recorder's writer thread: waits for the pending connection
+    gate.set()
+    writer.join(30)
+    assert sorted(e.step for e in server.read()) == [0, 1, 2] and not ledger.backlog
+    ledger.close()
+
+
+_ops = st.lists(
+    st.sampled_from(["append", "append", "append", "down", "up", "ambiguous", "deliver", "crash"]),
+    min_size=1,
+    max_size=30,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_ops)
+def test_any_mix_of_outages_and_crashes_stores_every_event_exactly_once(tmp_path_factory, ops):
+    """Writers come and go (a crash drops one without closing it), the server goes away and comes back, a
+    commit's answer gets lost: once the server is up and the supervisor has delivered, every event appended
+    is stored exactly once."""
+    tmp_path = tmp_path_factory.mktemp("spill")
+    server = FakeServer()
+    writers = [_ledger(server, tmp_path, retry_interval_s=3600)]
+    num_appended = 0
+    for op in ops:
+        if op == "append":
+            writers[-1].append(_steps(num_appended, 3))
+            num_appended += 3
+        elif op == "down":
+            server.up = False
+        elif op == "up":
+            server.up = True
+        elif op == "ambiguous":
+            server.commit_then_fail = True
+        elif op == "deliver":
+            writers[-1].deliver()
+        elif op == "crash":  # the process dies: its flock goes, its file stays; a new writer takes over
+            crashed = writers[-1]
+            crashed._closed = True
+            if crashed._file is not None:
+                os.close(crashed._file._fd)
+                crashed._file = None
+            writers.append(_ledger(server, tmp_path, retry_interval_s=3600))
+    server.up, server.commit_then_fail = True, False
+    for writer in writers:
+        writer.close()
+    supervisor = _ledger(server, tmp_path, adopt_orphans=True, retry_interval_s=3600)
+    assert supervisor.deliver()
+    supervisor.close()
+    steps = sorted(r.event.step for r in server.rows.values())
+    assert steps == list(range(num_appended))
+
+
+class PickyServer(FakeServer):
+    """Refuses, as data it cannot store, any batch holding an event with step 13 (the whole transaction)."""
+
+    def insert(self, records: Sequence[KeyedEvent], *, may_repeat: bool = True) -> None:
+        if any(r.event.step == 13 for r in records):
+            raise LedgerRejected("invalid input value")
+        super().insert(records, may_repeat=may_repeat)
+
+
+def test_an_event_the_server_refuses_holds_back_nothing_else_and_is_kept(tmp_path):
+    server = PickyServer()
+    ledger = _ledger(server, tmp_path)
+    ledger.append(_steps(0, 20))  # a first try, refused as a whole: split until only step 13 is left
+    assert not ledger.server_down and not ledger.backlog
+    server.up = False
+    ledger.append(_steps(20, 5))
+    server.up = True
+    assert ledger.deliver()
+    assert sorted(e.step for e in server.read()) == [s for s in range(25) if s != 13]
+    (kept,) = (tmp_path / "spill").glob("*.rejected")
+    assert [json.loads(line)[6] for line in kept.read_text().splitlines()] == [13]
+    ledger.close()

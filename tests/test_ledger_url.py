@@ -1,0 +1,102 @@
+"""Ledger URLs without a server: sqlite:/// files, schemes, and `ettr run/report --ledger sqlite:///...`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ettr.errors import UsageError
+from ettr.events import SUPERVISOR_RANK, Event, EventKind
+from ettr.ledger.url import list_jobs, open_url, scheme_of, sqlite_path
+
+
+def test_schemes():
+    assert scheme_of("sqlite:///x.db") == "sqlite"
+    assert scheme_of("postgresql://h/d") == scheme_of("postgres://h/d") == "postgresql"
+    for bad in ("mysql://h/d", "/just/a/path", "", "http://x"):
+        with pytest.raises(UsageError, match="unknown scheme"):
+            scheme_of(bad)
+
+
+def test_sqlite_paths(tmp_path):
+    assert sqlite_path(f"sqlite:///{tmp_path}/books.db") == tmp_path / "books.db"
+    assert sqlite_path(f"sqlite:///{tmp_path}") == tmp_path / "ledger.db"  # a run directory
+    assert sqlite_path("sqlite:///runs/j/books.db").as_posix() == "runs/j/books.db"  # relative
+    for bad in ("sqlite://", "sqlite:///", "sqlite://otherhost/x.db"):
+        with pytest.raises(UsageError):
+            sqlite_path(bad)
+
+
+def test_a_sqlite_file_holds_one_job(tmp_path):
+    url = f"sqlite:///{tmp_path}/books.db"
+    with pytest.raises(UsageError, match="no such file"):
+        open_url(url, job_id="a")
+    with pytest.raises(UsageError, match="no such file"):
+        list_jobs(url)
+    ledger = open_url(url, job_id="a", create=True)
+    assert list_jobs(url) == []
+    ledger.append([Event(EventKind.SUPERVISOR_START, 1.0, 0, SUPERVISOR_RANK, data={"job_id": "a"})])
+    ledger.close()
+    assert list_jobs(url) == ["a"]
+    assert len(open_url(url, job_id="a").read()) == 1
+    with pytest.raises(UsageError, match="holds job 'a', not 'b'"):
+        open_url(url, job_id="b")
+    (tmp_path / "junk.db").write_bytes(b"not sqlite" * 100)
+    with pytest.raises(UsageError):
+        open_url(f"sqlite:///{tmp_path}/junk.db", job_id="a")
+
+
+def _ettr(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    return subprocess.run(
+        [sys.executable, "-m", "ettr.cli", *argv], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_run_and_report_through_a_sqlite_url(tmp_path):
+    url = f"sqlite:///{tmp_path}/books/job7.db"
+    script = "import ettr\nfor i in range(3): ettr.step(i + 1)\nimport os; print(os.environ['ETTR_LEDGER'])"
+    done = _ettr("run", "--run-dir", str(tmp_path / "run"), "--job-id", "job7", "--ledger", url,
+                 "--", sys.executable, "-c", script)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == url  # the children got ETTR_LEDGER
+    assert not (tmp_path / "run" / "ledger.db").exists()  # the books went to the URL
+    rep = _ettr("report", "--ledger", url, "--job-id", "job7", "--json")
+    assert rep.returncode == 0, rep.stderr
+    report = json.loads(rep.stdout)
+    assert report["job_id"] == "job7" and [a["outcome"] for a in report["attempts"]] == ["completed"]
+    assert report["attempts"][0]["last_step"] == 3
+    via_dir = _ettr("report", str(tmp_path / "run"), "--json")  # the run dir points at its books
+    assert via_dir.returncode == 0, via_dir.stderr
+    assert json.loads(via_dir.stdout)["attempts"] == report["attempts"]
+    for argv in (
+        ["report", "--ledger", url, "--job-id", "other"],
+        ["report", "--ledger", url],
+        ["report", "--job-id", "job7"],
+        ["report", str(tmp_path / "run"), "--ledger", url, "--job-id", "job7"],
+        ["run", "--run-dir", str(tmp_path / "r2"), "--ledger", url, "--job-id", "other", "--", "true"],
+    ):
+        bad = _ettr(*argv)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, (argv, bad.stderr)
+        assert bad.stderr.startswith("ettr"), bad.stderr
+
+
+def test_no_postgres_skips_outside_ci_and_fails_under_ci(monkeypatch):
+    import ettr.testing.postgres as pg
+    from conftest import start_postgres_or_skip
+
+    class Unavailable:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise pg.PostgresUnavailable("no PostgreSQL server binaries (initdb, pg_ctl) found")
+
+    monkeypatch.setattr(pg, "PostgresServer", Unavailable)
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="no PostgreSQL server can be started here"):
+        start_postgres_or_skip()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true but no PostgreSQL server could be started"):
+        start_postgres_or_skip()
