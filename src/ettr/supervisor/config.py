@@ -30,6 +30,8 @@ class RunConfig:
     """Unix time the job was submitted (else from Slurm, else unknown)."""
     allocated_at: float | None = None
     """Unix time its resources were allocated (else from Slurm, else unknown)."""
+    family: str | None = None
+    """The job family for fleet views (default derived from the command: `ettr.family.derive_family`)."""
     auto: bool = True
     """Zero-code instrumentation of Python children (`--no-auto` turns it off)."""
     backoff_s: float = 0.5
@@ -62,5 +64,11 @@ class RunConfig:
             self.hang_timeout_s > 0 and math.isfinite(self.hang_timeout_s)
         ):
             raise ValueError(f"hang_timeout_s must be a finite number > 0, got {self.hang_timeout_s}")
+        if self.family is not None:
+            from ettr.family import valid_family
+
+            problem = valid_family(self.family)
+            if problem:
+                raise ValueError(f"family {problem}, got {self.family!r}")
         if self.job_id is not None and (not self.job_id or "/" in self.job_id):
             raise ValueError(f"job_id must be a non-empty name without '/', got {self.job_id!r}")

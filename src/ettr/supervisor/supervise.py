@@ -27,6 +27,7 @@ from typing import Any
 
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+from ettr.family import FAMILY_ENV, derive_family
 from ettr.ledger import LedgerError, open_ledger
 from ettr.supervisor import books
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
@@ -75,6 +76,7 @@ class Supervisor:
         self.config = config
         self.job_id = config.job_id or default_job_id()
         self.run_dir = Path(config.run_dir or Path("runs") / self.job_id).absolute()
+        self.family = config.family or derive_family(config.command)
         self._signal: int | None = None
         self._num_signals = 0
         self._wake = threading.Event()
@@ -124,6 +126,7 @@ class Supervisor:
             launcher=detect_launcher(cfg.command).value,
             max_restarts=cfg.max_restarts,
             job_id=self.job_id,
+            family=self.family,
             hang_timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
             inject=[str(s) for s in cfg.inject],
             auto=cfg.auto,
@@ -157,7 +160,7 @@ class Supervisor:
         )
         oom_before = oom_kill_count()
         try:
-            proc = AttemptProcess(launch.argv, launch.env)
+            proc = AttemptProcess(launch.argv, {**launch.env, FAMILY_ENV: self.family})
         except OSError as exc:
             self._append(EventKind.ATTEMPT_START, attempt=attempt, ts=started, command=list(launch.argv))
             return AttemptEnd(outcome=Outcome.FAILED, exit_code=127, reason=f"cannot start: {exc}")

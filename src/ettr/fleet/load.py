@@ -1,0 +1,212 @@
+"""Reading many jobs: run directories found under the given paths, or every job of a shared ledger URL.
+
+The I/O half of `ettr fleet` and `ettr serve`: events in, one `JobSummary` per job out (the math is
+`ettr.accounting` and the rest of `ettr.fleet`). Run directories are read in parallel worker processes
+when there are many; a `SummaryCache` keeps the summaries of finished jobs whose ledger did not change, so
+that a `/metrics` scrape re-reads only what moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+from ettr.accounting import compute
+from ettr.errors import UsageError
+from ettr.events import Event, EventKind
+from ettr.family import UNKNOWN_FAMILY, derive_family
+from ettr.fleet.model import JobSummary, count_gpus, summarize
+from ettr.ledger import LedgerError, ledger_path, open_ledger
+
+logger = logging.getLogger("ettr")
+
+_PARALLEL_FROM = 16
+"""Below this many run directories, reading them in this process is faster than starting workers."""
+
+
+def family_of(events: Iterable[Event]) -> str:
+    """The family the supervisor recorded (`ettr run --family`, or derived from its command at the time);
+    for run directories of an older ettr, derived from the recorded command."""
+    command = None
+    for e in events:
+        if e.kind is EventKind.SUPERVISOR_START and e.data:
+            if e.data.get("family"):
+                return str(e.data["family"])
+            if command is None and isinstance(e.data.get("command"), list):
+                command = [str(c) for c in e.data["command"]]
+    return derive_family(command) if command else UNKNOWN_FAMILY
+
+
+def is_running(events: Sequence[Event]) -> bool:
+    """Whether the job is running now: no JOB_END after its last supervisor start, and that supervisor is
+    alive (checked by pid on this host; a supervisor on another host is taken to be alive)."""
+    from ettr.supervisor.books import live_supervisor
+
+    start = None
+    for e in events:
+        if e.kind is EventKind.SUPERVISOR_START:
+            start = e
+        elif e.kind is EventKind.JOB_END:
+            start = None
+    if start is None:
+        return False
+    host = (start.data or {}).get("host")
+    if host and host != socket.gethostname():
+        return True
+    return live_supervisor(events) is not None
+
+
+def summarize_events(events: Sequence[Event], *, job_id: str, source: str, now: float) -> JobSummary:
+    """One job's summary: a running job is closed at `now`, any other at the last event it recorded."""
+    running = is_running(events)
+    last_ts = max(e.ts for e in events)
+    report = compute(events, max(last_ts, now) if running else last_ts, job_id=job_id)
+    gpus, gpus_source = count_gpus(events)
+    return summarize(
+        report, family=family_of(events), source=source, gpus=gpus, gpus_source=gpus_source, running=running
+    )
+
+
+def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """Run directories given, or found under the given folders (at any depth; a run directory's own
+    subfolders are not searched). Raises `UsageError` for a missing path or when none is found."""
+    found: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        if not path.exists():
+            raise UsageError(f"{path}: no such file or directory (give run directories or folders of them)")
+        if ledger_path(path).is_file():
+            found.append(path)
+            continue
+        if not path.is_dir():
+            raise UsageError(f"{path}: not a directory (give run directories or folders of them)")
+        for root, dirs, _files in os.walk(path):
+            dirs.sort()
+            here = Path(root)
+            if ledger_path(here).is_file():
+                found.append(here)
+                dirs.clear()
+            else:
+                dirs[:] = [d for d in dirs if not d.startswith(".")]
+    if not found:
+        raise UsageError(f"no ettr run directory (with a ledger.db) in {', '.join(map(str, paths))}")
+    unique = list(dict.fromkeys(p.absolute() for p in found))
+    return unique
+
+
+def _ledger_signature(run_dir: Path) -> tuple[int, ...]:
+    out: list[int] = []
+    for suffix in ("", "-wal"):
+        try:
+            st = os.stat(str(ledger_path(run_dir)) + suffix)
+            out += [st.st_mtime_ns, st.st_size]
+        except OSError:
+            out += [0, 0]
+    return tuple(out)
+
+
+def load_run_dir(run_dir: Path, now: float) -> JobSummary | str:
+    """The summary of one run directory, or why it cannot be read (a fleet skips it, saying so)."""
+    from ettr.report.load import job_id_of
+
+    try:
+        ledger = open_ledger(run_dir, create=False)
+        try:
+            events = ledger.read()
+        finally:
+            ledger.close()
+    except (LedgerError, OSError) as exc:
+        return f"{run_dir}: {exc}"
+    if not events:
+        return f"{run_dir}: the ledger holds no events yet"
+    return summarize_events(events, job_id=job_id_of(events, run_dir), source=str(run_dir), now=now)
+
+
+class SummaryCache:
+    """Summaries of finished jobs by run directory, valid while the ledger files keep their size and time."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Path, tuple[tuple[int, ...], JobSummary]] = {}
+
+    def get(self, run_dir: Path) -> JobSummary | None:
+        entry = self._entries.get(run_dir)
+        if entry is None or entry[0] != _ledger_signature(run_dir):
+            return None
+        return entry[1]
+
+    def put(self, run_dir: Path, signature: tuple[int, ...], summary: JobSummary) -> None:
+        if not summary.running:  # a running job's figures move with the clock
+            self._entries[run_dir] = (signature, summary)
+
+
+def load_run_dirs(
+    run_dirs: Sequence[Path], *, now: float, workers: int | None = None, cache: SummaryCache | None = None
+) -> tuple[list[JobSummary], list[str]]:
+    """Summaries of `run_dirs` (in their order) and the problems of those that could not be read."""
+    results: dict[Path, JobSummary | str] = {}
+    todo: list[Path] = []
+    signatures: dict[Path, tuple[int, ...]] = {}
+    for run_dir in run_dirs:
+        signatures[run_dir] = _ledger_signature(run_dir)
+        cached = cache.get(run_dir) if cache is not None else None
+        if cached is not None:
+            results[run_dir] = cached
+        else:
+            todo.append(run_dir)
+    num_workers = min(workers or os.cpu_count() or 1, len(todo))
+    if num_workers > 1 and len(todo) >= _PARALLEL_FROM:
+        # forkserver: the caller may run threads (ettr serve), which fork does not copy safely.
+        with ProcessPoolExecutor(num_workers, mp_context=get_context("forkserver")) as pool:
+            chunk = max(1, len(todo) // (num_workers * 8))
+            for run_dir, result in zip(
+                todo, pool.map(load_run_dir, todo, [now] * len(todo), chunksize=chunk), strict=True
+            ):
+                results[run_dir] = result
+    else:
+        for run_dir in todo:
+            results[run_dir] = load_run_dir(run_dir, now)
+    summaries, problems = [], []
+    for run_dir in run_dirs:
+        result = results[run_dir]
+        if isinstance(result, str):
+            problems.append(result)
+            continue
+        summaries.append(result)
+        if cache is not None:
+            cache.put(run_dir, signatures[run_dir], result)
+    return summaries, problems
+
+
+def load_ledger_url(url: str, *, now: float) -> tuple[list[JobSummary], list[str]]:
+    """Summaries of every job in a shared ledger (`sqlite:///PATH` or `postgresql://...`)."""
+    try:
+        from ettr.ledger.url import list_jobs, open_url
+    except ImportError:
+        raise UsageError(
+            f"{url}: this ettr has no shared-ledger support (ettr.ledger.url); give run directories instead"
+        ) from None
+    try:
+        job_ids = list_jobs(url)
+    except (LedgerError, OSError, ValueError) as exc:
+        raise UsageError(f"{url}: cannot list its jobs ({exc})") from None
+    summaries, problems = [], []
+    for job_id in job_ids:
+        try:
+            ledger = open_url(url, job_id=job_id)
+            try:
+                events = ledger.read()
+            finally:
+                ledger.close()
+        except (LedgerError, OSError, ValueError) as exc:
+            problems.append(f"{url} job {job_id}: {exc}")
+            continue
+        if events:
+            summaries.append(summarize_events(events, job_id=job_id, source=url, now=now))
+    if not summaries and not problems:
+        raise UsageError(f"{url}: the ledger holds no jobs yet")
+    return summaries, problems
