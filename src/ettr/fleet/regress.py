@@ -6,7 +6,8 @@ for each candidate first-changed job k (with at least `min_baseline` jobs before
 median of the jobs before k and the noise is their median absolute deviation (MAD, x1.4826 ~ one standard
 deviation for normal noise). Job k and the median of jobs k..newest must both be worse than the baseline by
 
-* at least `z_threshold` robust standard deviations (beyond the family's own noise),
+* at least `z_threshold` x (1 + 1/m) robust standard deviations, m the number of jobs k..newest (beyond the
+  family's own noise; a lone newest job is weaker evidence and must clear twice the threshold),
 * at least `min_rel_change` of the baseline, and
 * at least `min_abs_s` seconds (`min_abs_pct` points for ETT%),
 
@@ -106,9 +107,12 @@ METRICS: tuple[_Metric, ...] = (
 )
 
 
-def _worse_by(config: RegressionConfig, metric: _Metric, baseline: float, sigma: float, value: float) -> bool:
+def _worse_by(
+    config: RegressionConfig, metric: _Metric, baseline: float, sigma: float, value: float, num_after: int
+) -> bool:
     delta = (value - baseline) if metric.worse_when_higher else (baseline - value)
-    if delta <= 0 or delta < config.z_threshold * sigma:
+    # Fewer changed jobs are weaker evidence: a lone newest job must clear twice the z threshold.
+    if delta <= 0 or delta < config.z_threshold * (1 + 1 / num_after) * sigma:
         return False
     if metric.percent:
         return delta >= config.min_abs_pct
@@ -124,12 +128,13 @@ def _series_regression(
         baseline = statistics.median(base)
         sigma = MAD_TO_SIGMA * statistics.median(abs(v - baseline) for v in base)
         tail = values[k:]
-        if not _worse_by(config, metric, baseline, sigma, values[k]):
+        n = len(tail)
+        if not _worse_by(config, metric, baseline, sigma, values[k], n):
             continue
         value = statistics.median(tail)
-        if not _worse_by(config, metric, baseline, sigma, value):
+        if not _worse_by(config, metric, baseline, sigma, value, n):
             continue
-        if 2 * sum(_worse_by(config, metric, baseline, sigma, v) for v in tail) < len(tail):
+        if 2 * sum(_worse_by(config, metric, baseline, sigma, v, n) for v in tail) < n:
             continue
         sign = 1.0 if metric.worse_when_higher else -1.0
         return Regression(

@@ -40,6 +40,9 @@ class JobSpec:
     running: bool = False
     """Leave the job open (no JOB_END) with a live supervisor pid (this process's)."""
     host: str | None = None
+    """The supervisor's host (default this one; another host's supervisor is taken to be alive)."""
+    supervisor_pid: int | None = None
+    """The supervisor's pid (default: one no process has, or with `running` this process's)."""
 
 
 def _end_data(kind: str) -> dict:
@@ -59,7 +62,7 @@ def job_events(spec: JobSpec) -> list[Event]:
 
     t = spec.start_ts
     sup = SUPERVISOR_RANK
-    pid = os.getpid() if spec.running else DEAD_PID
+    pid = spec.supervisor_pid or (os.getpid() if spec.running else DEAD_PID)
     events = [
         Event(
             K.SUPERVISOR_START,
