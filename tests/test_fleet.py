@@ -22,6 +22,12 @@ from ettr.testing.fleet import JobSpec, job_events, write_job
 T0 = 1_700_000_000.0
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """`ettr fleet` caches summaries under $XDG_CACHE_HOME: keep each test's to itself."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 def _report(spec: JobSpec):
     events = job_events(spec)
     return compute(events, max(e.ts for e in events), job_id=spec.job_id)
@@ -311,3 +317,32 @@ def test_an_unreadable_run_dir_is_skipped_and_named(runs, capsys):
     captured = capsys.readouterr()
     assert "skipped" in captured.err and "broken" in captured.err
     assert len(json.loads(captured.out)["problems"]) == 1
+
+
+def test_a_second_run_reads_finished_jobs_from_the_cache_until_a_ledger_changes(runs, tmp_path, capsys):
+    from ettr.events import SUPERVISOR_RANK, Event, EventKind
+    from ettr.ledger import open_ledger
+
+    cache = tmp_path / "cache" / "ettr" / "fleet"
+    assert main(["fleet", str(runs), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert len(list(cache.glob("*.json"))) == 10
+    for path in cache.glob("*.json"):  # poison the numbers: a second run must read them, not the ledgers
+        data = json.loads(path.read_text())
+        data["summary"]["tts_s"] = -1.0
+        path.write_text(json.dumps(data))
+    assert main(["fleet", str(runs), "--json"]) == 0
+    assert {j["tts_s"] for j in json.loads(capsys.readouterr().out)["jobs"]} == {-1.0}
+    assert main(["fleet", str(runs), "--json", "--no-cache"]) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    ledger = open_ledger(runs / "a0", create=False)  # a requeued job appends: its entry is stale
+    ledger.append([Event(EventKind.MARK, T0 + 10**5, 0, SUPERVISOR_RANK, data={"name": "x"})])
+    ledger.close()
+    assert main(["fleet", str(runs), "--json"]) == 0
+    tts = {j["job_id"]: j["tts_s"] for j in json.loads(capsys.readouterr().out)["jobs"]}
+    assert tts["a0"] == first["jobs"][0]["tts_s"] and tts["a1"] == -1.0
+    (cache / "garbage.json").write_text("{")
+    for path in cache.glob("*.json"):
+        path.write_text("not json")
+    assert main(["fleet", str(runs), "--json"]) == 0  # an unreadable cache only costs time
+    assert json.loads(capsys.readouterr().out)["jobs"] == first["jobs"]

@@ -21,6 +21,12 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "train_phases.py")
 ETTR = [sys.executable, "-m", "ettr.cli"]
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """`ettr fleet` caches summaries under $XDG_CACHE_HOME: keep each test's to itself."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
 

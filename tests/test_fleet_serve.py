@@ -16,6 +16,11 @@ from ettr.testing.fleet import JobSpec, write_job
 T0 = 1_700_000_000.0
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def runs(tmp_path):
     for i in range(5):
@@ -41,7 +46,7 @@ def test_scrape_parses_and_equals_fleet_json(runs, capsys):
 
     assert main(["fleet", str(runs), "--json"]) == 0
     fleet = json.loads(capsys.readouterr().out)
-    args = argparse.Namespace(run_dirs=[str(runs)], ledger=None, workers=1)
+    args = argparse.Namespace(run_dirs=[str(runs)], ledger=None, workers=1, no_cache=True)
     server = start_server(loader(args), port=0, addr="127.0.0.1")
     try:
         samples = _scrape(server.port)

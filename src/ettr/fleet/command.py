@@ -12,9 +12,13 @@ import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from ettr.errors import UsageError
 from ettr.fleet.model import JobSummary
+
+if TYPE_CHECKING:
+    from ettr.fleet.load import SummaryCache
 
 FLEET_EPILOG = """examples:
   ettr fleet runs/                        every run directory under runs/: table of ETT, buckets, families
@@ -69,6 +73,13 @@ def _add_sources(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories, or folders holding them")
     p.add_argument("--ledger", metavar="URL", help="a shared ledger: sqlite:///PATH or postgresql://...")
     p.add_argument("--workers", type=_count, metavar="N", help="processes reading run directories (all CPUs)")
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="summaries of finished jobs are kept here, so each ledger is read once "
+        "(default $XDG_CACHE_HOME/ettr/fleet, i.e. ~/.cache/ettr/fleet)",
+    )
+    p.add_argument("--no-cache", action="store_true", help="read every ledger, keep nothing")
 
 
 def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,18 +111,28 @@ def check_sources(cmd: str, args: argparse.Namespace) -> None:
         raise UsageError(f"ettr {cmd}: give run directories or --ledger URL (one of the two)")
 
 
+def make_cache(args: argparse.Namespace) -> SummaryCache:
+    """The summary cache the flags ask for (in memory only with --no-cache)."""
+    from pathlib import Path
+
+    from ettr.fleet.load import SummaryCache, default_cache_dir
+
+    if getattr(args, "no_cache", False):
+        return SummaryCache()
+    given = getattr(args, "cache_dir", None)
+    return SummaryCache(Path(given) if given else default_cache_dir())
+
+
 def load_jobs(
-    args: argparse.Namespace, *, now: float, cache: object | None = None
+    args: argparse.Namespace, *, now: float, cache: SummaryCache | None = None
 ) -> tuple[list[JobSummary], list[str]]:
     """The jobs the flags name, and the problems of those that could not be read."""
-    from ettr.fleet.load import SummaryCache, find_run_dirs, load_ledger_url, load_run_dirs
+    from ettr.fleet.load import find_run_dirs, load_ledger_url, load_run_dirs
 
     if args.ledger:
         return load_ledger_url(args.ledger, now=now)
     run_dirs = find_run_dirs(args.run_dirs)
-    return load_run_dirs(
-        run_dirs, now=now, workers=args.workers, cache=cache if isinstance(cache, SummaryCache) else None
-    )
+    return load_run_dirs(run_dirs, now=now, workers=args.workers, cache=cache or make_cache(args))
 
 
 def fleet_main(args: argparse.Namespace) -> int:

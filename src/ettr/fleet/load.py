@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 from ettr.accounting import compute
 from ettr.errors import UsageError
@@ -127,21 +128,82 @@ def load_run_dir(run_dir: Path, now: float) -> JobSummary | str:
     return summarize_events(events, job_id=job_id_of(events, run_dir), source=str(run_dir), now=now)
 
 
+CACHE_VERSION = 1
+"""Bumped whenever a summary of the same ledger could come out different (accounting rules, fields)."""
+
+
+def default_cache_dir() -> Path:
+    """Where `ettr fleet` keeps summaries of finished jobs: $XDG_CACHE_HOME/ettr/fleet (~/.cache/...)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ettr" / "fleet"
+
+
 class SummaryCache:
-    """Summaries of finished jobs by run directory, valid while the ledger files keep their size and time."""
+    """Summaries of finished jobs by run directory, valid while the ledger files keep their size and time.
 
-    def __init__(self) -> None:
+    In memory (`ettr serve` between scrapes) and, with a `directory`, on disk as one small JSON file per run
+    directory (`ettr fleet` run again, e.g. by cron): a finished job's ledger does not change, so its
+    events are read and accounted once. A running job is never cached (its figures move with the clock).
+    A cache file that cannot be read or written is ignored: the cache only ever saves time.
+    """
+
+    def __init__(self, directory: Path | None = None) -> None:
         self._entries: dict[Path, tuple[tuple[int, ...], JobSummary]] = {}
+        self.directory = directory
 
-    def get(self, run_dir: Path) -> JobSummary | None:
-        entry = self._entries.get(run_dir)
-        if entry is None or entry[0] != _ledger_signature(run_dir):
+    def _file(self, run_dir: Path) -> Path | None:
+        if self.directory is None:
             return None
-        return entry[1]
+        import hashlib
+
+        digest = hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:32]
+        return self.directory / f"{digest}.json"
+
+    def get(self, run_dir: Path, signature: tuple[int, ...]) -> JobSummary | None:
+        entry = self._entries.get(run_dir)
+        if entry is not None and entry[0] == signature:
+            return entry[1]
+        path = self._file(run_dir)
+        if path is None:
+            return None
+        import json
+
+        from ettr.fleet.model import summary_from_json
+
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("key") != self._key(run_dir, signature):
+                return None
+            summary = summary_from_json(data["summary"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        self._entries[run_dir] = (signature, summary)
+        return summary
+
+    @staticmethod
+    def _key(run_dir: Path, signature: tuple[int, ...]) -> list[Any]:
+        from ettr.fleet.model import version
+
+        return [CACHE_VERSION, version(), str(run_dir.absolute()), list(signature)]
 
     def put(self, run_dir: Path, signature: tuple[int, ...], summary: JobSummary) -> None:
-        if not summary.running:  # a running job's figures move with the clock
-            self._entries[run_dir] = (signature, summary)
+        if summary.running or self._entries.get(run_dir, (None,))[0] == signature:
+            return
+        self._entries[run_dir] = (signature, summary)
+        path = self._file(run_dir)
+        if path is None:
+            return
+        import json
+
+        from ettr.atomic import atomic_write
+        from ettr.fleet.model import summary_to_json
+
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            payload = {"key": self._key(run_dir, signature), "summary": summary_to_json(summary)}
+            atomic_write(path, json.dumps(payload, allow_nan=True))
+        except (OSError, ValueError) as exc:
+            logger.debug("ettr fleet: cannot cache %s (%s)", run_dir, exc)
 
 
 def load_run_dirs(
@@ -153,7 +215,7 @@ def load_run_dirs(
     signatures: dict[Path, tuple[int, ...]] = {}
     for run_dir in run_dirs:
         signatures[run_dir] = _ledger_signature(run_dir)
-        cached = cache.get(run_dir) if cache is not None else None
+        cached = cache.get(run_dir, signatures[run_dir]) if cache is not None else None
         if cached is not None:
             results[run_dir] = cached
         else:
@@ -185,7 +247,10 @@ def load_run_dirs(
 def load_ledger_url(url: str, *, now: float) -> tuple[list[JobSummary], list[str]]:
     """Summaries of every job in a shared ledger (`sqlite:///PATH` or `postgresql://...`)."""
     try:
-        from ettr.ledger.url import list_jobs, open_url
+        from ettr.ledger.url import (  # type: ignore[import-not-found, unused-ignore]
+            list_jobs,
+            open_url,
+        )
     except ImportError:
         raise UsageError(
             f"{url}: this ettr has no shared-ledger support (ettr.ledger.url); give run directories instead"

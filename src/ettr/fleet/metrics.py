@@ -17,26 +17,17 @@ from prometheus_client.registry import Collector
 from ettr.accounting import Cause
 from ettr.events import Bucket
 from ettr.fleet.aggregate import totals
-from ettr.fleet.model import JobSummary
+from ettr.fleet.model import JobSummary, version
 from ettr.fleet.preempt import preemption_costs
 from ettr.fleet.regress import find_regressions
 
 JOB_LABELS = ("job", "family")
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("ettr")
-    except Exception:  # not installed as a distribution (a source checkout on PYTHONPATH)
-        return "unknown"
-
-
 def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int = 0) -> list[Metric]:
     """Every metric of the fleet of `jobs` at time `now`."""
     build = InfoMetricFamily("ettr_build", "ettr that serves these metrics")
-    build.add_metric([], {"version": _version()})
+    build.add_metric([], {"version": version()})
     fleet = totals(jobs)
     out: list[Metric] = [build]
 
@@ -104,9 +95,9 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
             restarts.add_metric([*labels, c.value], float(num_restarts[c]))
         if j.running and j.last_commit_ts is not None:
             since_commit.add_metric(labels, max(0.0, now - j.last_commit_ts))
-    for c in preemption_costs(jobs, now):
-        unsaved.add_metric([c.job_id, c.family], c.unsaved_s)
-        cost.add_metric([c.job_id, c.family], c.cost_gpu_s)
+    for price in preemption_costs(jobs, now):
+        unsaved.add_metric([price.job_id, price.family], price.unsaved_s)
+        cost.add_metric([price.job_id, price.family], price.cost_gpu_s)
     per_family = dict.fromkeys(sorted({j.family for j in jobs}), 0)
     for r in find_regressions(jobs):
         per_family[r.family] += 1

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
-from ettr.accounting import EttReport, FailureCause
+from ettr.accounting import Cause, EttReport, FailureCause
 from ettr.events import Bucket, Event, EventKind
 
 GPUS_WORLD_SIZE = "world_size"
@@ -111,3 +112,36 @@ def summarize(
         last_commit_ts=max(commits) if commits else None,
         progress_start_ts=None if last is None else last.training_start_ts,
     )
+
+
+def version() -> str:
+    """The installed ettr's version ("unknown" from a source checkout that is not installed)."""
+    try:
+        from importlib.metadata import version as distribution_version
+
+        return distribution_version("ettr")
+    except Exception:  # not installed as a distribution (a source checkout on PYTHONPATH)
+        return "unknown"
+
+
+_FIELDS = frozenset(f.name for f in fields(JobSummary))
+
+
+def summary_to_json(summary: JobSummary) -> dict[str, Any]:
+    """`summary` as plain JSON data (for the on-disk cache); `summary_from_json` reverses it exactly."""
+    out = asdict(summary)
+    out["buckets_s"] = {b.value: v for b, v in summary.buckets_s.items()}
+    out["failures"] = [{**asdict(f), "cause": f.cause.value} for f in summary.failures]
+    out["ttr_s"] = list(summary.ttr_s)
+    return out
+
+
+def summary_from_json(data: Mapping[str, Any]) -> JobSummary:
+    """The `JobSummary` of `summary_to_json`'s output. Raises KeyError/ValueError/TypeError when malformed."""
+    if set(data) != _FIELDS:
+        raise ValueError("not a JobSummary of this version")
+    values = dict(data)
+    values["buckets_s"] = {Bucket(k): float(v) for k, v in data["buckets_s"].items()}
+    values["failures"] = tuple(FailureCause(**{**f, "cause": Cause(f["cause"])}) for f in data["failures"])
+    values["ttr_s"] = tuple(float(t) for t in data["ttr_s"])
+    return JobSummary(**values)

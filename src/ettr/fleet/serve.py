@@ -57,10 +57,9 @@ def start_server(
 
 def loader(args: argparse.Namespace) -> Callable[[float], tuple[list[JobSummary], list[str]]]:
     """The scrape-time loader of the flags' sources, with a cache of finished jobs."""
-    from ettr.fleet.command import load_jobs
-    from ettr.fleet.load import SummaryCache
+    from ettr.fleet.command import load_jobs, make_cache
 
-    cache = SummaryCache()
+    cache = make_cache(args)
     lock = threading.Lock()  # one load at a time: concurrent scrapes would read every ledger twice
 
     def load(now: float) -> tuple[list[JobSummary], list[str]]:

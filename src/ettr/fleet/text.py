@@ -23,7 +23,7 @@ def _dist(d: Distribution) -> str:
 
 
 def _group_rows(groups: Mapping[str, Totals]) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for name, t in groups.items():
         rows.append(
             (
