@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import urllib.request
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -105,3 +107,21 @@ def test_running_jobs_export_unsaved_work_and_time_since_commit(tmp_path):
     assert since == pytest.approx(now - jobs[0].last_commit_ts)
     assert unsaved == pytest.approx(since)  # it committed after it began training
     assert metrics["ettr_preemption_cost_gpu_seconds"].samples[0].value >= unsaved
+
+
+def test_grafana_dashboard_queries_only_metrics_that_are_served(runs):
+    import re
+
+    from ettr.fleet.load import find_run_dirs, load_run_dirs
+    from ettr.fleet.metrics import metric_families
+
+    jobs, _ = load_run_dirs(find_run_dirs([runs]), now=T0)
+    jobs = [*jobs, replace(jobs[0], job_id="live", running=True, in_progress=True, last_commit_ts=T0)]
+    served = {s.name for m in metric_families(jobs, T0 + 10) for s in m.samples}
+    dashboard = json.loads(
+        (Path(__file__).parent.parent / "docs" / "grafana" / "ettr-fleet.json").read_text()
+    )
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"])
+    used = {name for e in exprs for name in re.findall(r"\bettr_[a-z_]+", e)}
+    assert used and used <= served, used - served

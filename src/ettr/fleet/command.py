@@ -72,7 +72,12 @@ def _port(text: str) -> int:
 def _add_sources(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories, or folders holding them")
     p.add_argument("--ledger", metavar="URL", help="a shared ledger: sqlite:///PATH or postgresql://...")
-    p.add_argument("--workers", type=_count, metavar="N", help="processes reading run directories (all CPUs)")
+    p.add_argument(
+        "--workers",
+        type=_count,
+        metavar="N",
+        help="processes reading run directories (default: half the CPUs)",
+    )
     p.add_argument(
         "--cache-dir",
         metavar="DIR",

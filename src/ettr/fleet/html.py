@@ -102,7 +102,7 @@ def trend_svg(report: FleetReport) -> str:
 def days_svg(report: FleetReport) -> str:
     """ETT% per UTC day (GPU-weighted), one bar per day."""
     days = list(report.days.items())
-    left, top, plot_h = 50.0, 10.0, 140.0
+    left, top, plot_h = 50.0, 18.0, 140.0
     width = (_W - left - 10) / max(1, len(days))
     body = []
     for i, (day, t) in enumerate(days):
@@ -113,6 +113,11 @@ def days_svg(report: FleetReport) -> str:
             f'fill="{BUCKET_COLORS[Bucket.EFFECTIVE_TRAINING]}"><title>{esc(f"{day}: ETT {fmt_pct(t.ett_pct)}, {t.num_jobs} jobs")}'
             "</title></rect>"
         )
+        if width >= 36:
+            body.append(
+                f'<text x="{_n(x + width / 2)}" y="{_n(top + plot_h - h - 4)}" text-anchor="middle" fill="#222" '
+                f'font-size="11">{esc(fmt_pct(t.ett_pct))}</text>'
+            )
         if width >= 60 or i % max(1, int(60 // max(width, 1))) == 0:
             body.append(
                 f'<text x="{_n(x + width / 2)}" y="{_n(top + plot_h + 14)}" text-anchor="middle" fill="#666" '

@@ -9,22 +9,29 @@ that a `/metrics` scrape re-reads only what moved.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 from ettr.accounting import compute
 from ettr.errors import UsageError
-from ettr.events import Event, EventKind
+from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.family import UNKNOWN_FAMILY, derive_family
-from ettr.fleet.model import JobSummary, count_gpus, summarize
+from ettr.fleet.model import GPUS_ASSUMED, GPUS_RANKS, GPUS_WORLD_SIZE, JobSummary, summarize
 from ettr.ledger import LedgerError, ledger_path, open_ledger
 
 logger = logging.getLogger("ettr")
+
+_STEP = EventKind.STEP
+_SUPERVISOR_START = EventKind.SUPERVISOR_START
+_JOB_END = EventKind.JOB_END
+_PROCESS_START = EventKind.PROCESS_START
 
 _PARALLEL_FROM = 16
 """Below this many run directories, reading them in this process is faster than starting workers."""
@@ -43,17 +50,53 @@ def family_of(events: Iterable[Event]) -> str:
     return derive_family(command) if command else UNKNOWN_FAMILY
 
 
-def is_running(events: Sequence[Event]) -> bool:
+@dataclass(frozen=True, slots=True)
+class _Scan:
+    last_ts: float
+    gpus: int
+    gpus_source: str
+    open_start: Event | None
+    """The last SUPERVISOR_START when no JOB_END followed it."""
+
+
+def _scan(events: Sequence[Event]) -> _Scan:
+    """One pass over the events for what the fleet needs beyond the report (the job's size, the open
+    supervisor start, the last timestamp)."""
+    last_ts = -math.inf
+    world = 0
+    ranks: set[int] = set()
+    start: Event | None = None
+    for e in events:
+        if e.ts > last_ts:
+            last_ts = e.ts
+        kind = e.kind
+        if kind is _STEP:
+            ranks.add(e.rank)
+        elif kind is _SUPERVISOR_START:
+            start = e
+        elif kind is _JOB_END:
+            start = None
+        elif kind is _PROCESS_START and e.rank >= 0:
+            ranks.add(e.rank)
+            size = (e.data or {}).get("world_size")
+            if isinstance(size, int) and not isinstance(size, bool) and size > world:
+                world = size
+    ranks.discard(SUPERVISOR_RANK)
+    if world > 0:
+        gpus, source = world, GPUS_WORLD_SIZE
+    elif ranks:
+        gpus, source = len(ranks), GPUS_RANKS
+    else:
+        gpus, source = 1, GPUS_ASSUMED
+    return _Scan(last_ts=last_ts, gpus=gpus, gpus_source=source, open_start=start)
+
+
+def is_running(events: Sequence[Event], open_start: Event | None = None) -> bool:
     """Whether the job is running now: no JOB_END after its last supervisor start, and that supervisor is
     alive (checked by pid on this host; a supervisor on another host is taken to be alive)."""
     from ettr.supervisor.books import live_supervisor
 
-    start = None
-    for e in events:
-        if e.kind is EventKind.SUPERVISOR_START:
-            start = e
-        elif e.kind is EventKind.JOB_END:
-            start = None
+    start = open_start if open_start is not None else _scan(events).open_start
     if start is None:
         return False
     host = (start.data or {}).get("host")
@@ -64,12 +107,16 @@ def is_running(events: Sequence[Event]) -> bool:
 
 def summarize_events(events: Sequence[Event], *, job_id: str, source: str, now: float) -> JobSummary:
     """One job's summary: a running job is closed at `now`, any other at the last event it recorded."""
-    running = is_running(events)
-    last_ts = max(e.ts for e in events)
-    report = compute(events, max(last_ts, now) if running else last_ts, job_id=job_id)
-    gpus, gpus_source = count_gpus(events)
+    scan = _scan(events)
+    running = scan.open_start is not None and is_running(events, scan.open_start)
+    report = compute(events, max(scan.last_ts, now) if running else scan.last_ts, job_id=job_id)
     return summarize(
-        report, family=family_of(events), source=source, gpus=gpus, gpus_source=gpus_source, running=running
+        report,
+        family=family_of(events),
+        source=source,
+        gpus=scan.gpus,
+        gpus_source=scan.gpus_source,
+        running=running,
     )
 
 
@@ -220,7 +267,9 @@ def load_run_dirs(
             results[run_dir] = cached
         else:
             todo.append(run_dir)
-    num_workers = min(workers or os.cpu_count() or 1, len(todo))
+    # Default: half the CPUs (SMT siblings and the rest of the machine keep the other half); on a small
+    # machine that is one, and reading in this process beats starting workers.
+    num_workers = min(workers or max(1, (os.cpu_count() or 1) // 2), len(todo))
     if num_workers > 1 and len(todo) >= _PARALLEL_FROM:
         # forkserver: the caller may run threads (ettr serve), which fork does not copy safely.
         with ProcessPoolExecutor(num_workers, mp_context=get_context("forkserver")) as pool:

@@ -51,9 +51,6 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     ratio = gauge("ettr_effective_training_ratio", "effective training time / wall time of the job")
     wall = counter("ettr_wall_seconds", "wall time of the job")
     bucket_s = counter("ettr_bucket_seconds", "wall time of the job in each bucket", (*JOB_LABELS, "bucket"))
-    bucket_gpu_s = counter(
-        "ettr_bucket_gpu_seconds", "wall time x GPUs of the job in each bucket", (*JOB_LABELS, "bucket")
-    )
     gpus = gauge("ettr_gpus", "GPUs (ranks, its world size) of the job")
     running = gauge("ettr_running", "1 while the job runs")
     tts = gauge("ettr_time_to_start_seconds", "allocation to the first training step")
@@ -77,7 +74,6 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
         wall.add_metric(labels, j.wall_s)
         for b in Bucket:
             bucket_s.add_metric([*labels, b.value], j.buckets_s[b])
-            bucket_gpu_s.add_metric([*labels, b.value], j.buckets_s[b] * j.gpus)
         gpus.add_metric(labels, float(j.gpus))
         running.add_metric(labels, 1.0 if j.running else 0.0)
         if j.tts_s is not None:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from ettr.accounting import Cause, EttReport, FailureCause
-from ettr.events import Bucket, Event, EventKind
+from ettr.events import Bucket
 
 GPUS_WORLD_SIZE = "world_size"
 """`gpus` is the world size the job's training processes recorded (one rank per accelerator)."""
 GPUS_RANKS = "ranks"
-"""`gpus` is the number of distinct ranks that wrote events (no world size recorded)."""
+"""`gpus` is the number of distinct ranks that started or stepped (no world size recorded)."""
 GPUS_ASSUMED = "assumed"
 """Nothing said how many ranks ran: `gpus` is 1."""
 
@@ -63,25 +64,6 @@ class JobSummary:
         return self.wall_s * self.gpus
 
 
-def count_gpus(events: Iterable[Event]) -> tuple[int, str]:
-    """The job's size: the largest world size a training process recorded, else its distinct ranks."""
-    world = 0
-    ranks: set[int] = set()
-    for e in events:
-        if e.rank < 0:
-            continue
-        ranks.add(e.rank)
-        if e.kind is EventKind.PROCESS_START and e.data:
-            size = e.data.get("world_size")
-            if isinstance(size, int) and not isinstance(size, bool) and size > world:
-                world = size
-    if world > 0:
-        return world, GPUS_WORLD_SIZE
-    if ranks:
-        return len(ranks), GPUS_RANKS
-    return 1, GPUS_ASSUMED
-
-
 def summarize(
     report: EttReport, *, family: str, source: str, gpus: int, gpus_source: str, running: bool
 ) -> JobSummary:
@@ -114,6 +96,7 @@ def summarize(
     )
 
 
+@functools.cache
 def version() -> str:
     """The installed ettr's version ("unknown" from a source checkout that is not installed)."""
     try:

@@ -19,6 +19,7 @@ since is not reported either (the jobs after the fix pull the median back). Pure
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -110,22 +111,40 @@ METRICS: tuple[_Metric, ...] = (
 def _worse_by(
     config: RegressionConfig, metric: _Metric, baseline: float, sigma: float, value: float, num_after: int
 ) -> bool:
+    if not _big_enough(config, metric, baseline, value):
+        return False
     delta = (value - baseline) if metric.worse_when_higher else (baseline - value)
     # Fewer changed jobs are weaker evidence: a lone newest job must clear twice the z threshold.
-    if delta <= 0 or delta < config.z_threshold * (1 + 1 / num_after) * sigma:
+    return delta >= config.z_threshold * (1 + 1 / num_after) * sigma
+
+
+def _big_enough(config: RegressionConfig, metric: _Metric, baseline: float, value: float) -> bool:
+    """The change is worse and large enough to matter, whatever the noise."""
+    delta = (value - baseline) if metric.worse_when_higher else (baseline - value)
+    if delta <= 0:
         return False
     if metric.percent:
         return delta >= config.min_abs_pct
     return delta >= config.min_abs_s and delta >= config.min_rel_change * abs(baseline)
 
 
+def _median_of_sorted(ordered: Sequence[float]) -> float:
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def _series_regression(
     family: str, metric: _Metric, series: Sequence[tuple[JobSummary, float]], config: RegressionConfig
 ) -> Regression | None:
     values = [v for _, v in series]
+    base = sorted(values[: config.min_baseline])
     for k in range(config.min_baseline, len(values)):
-        base = values[:k]
-        baseline = statistics.median(base)
+        if k > config.min_baseline:
+            bisect.insort(base, values[k - 1])
+        baseline = _median_of_sorted(base)
+        if not _big_enough(config, metric, baseline, values[k]):
+            continue  # most jobs: no need for the MAD
         sigma = MAD_TO_SIGMA * statistics.median(abs(v - baseline) for v in base)
         tail = values[k:]
         n = len(tail)
@@ -147,7 +166,7 @@ def _series_regression(
             first_value=values[k],
             robust_z=sign * (value - baseline) / sigma if sigma > 0 else None,
             num_baseline_jobs=k,
-            num_changed_jobs=len(tail),
+            num_changed_jobs=n,
         )
     return None
 
