@@ -109,9 +109,9 @@ def main() -> None:
     parser.add_argument("--no-sequential", action="store_true", help="skip the one-worker run")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    workers = os.cpu_count() or 1
+    workers = max(1, (os.cpu_count() or 1) // 2)  # what ettr fleet uses by default
     root = Path(args.cache_dir or Path(tempfile.gettempdir()) / f"ettr-fleet-bench-{args.jobs}-{args.events}")
-    generate_s = generate(root, args.jobs, args.events, workers)
+    generate_s = generate(root, args.jobs, args.events, os.cpu_count() or 1)
     print(f"fleet of {args.jobs} jobs / {args.events} events in {root}"
           + (f" (generated in {generate_s:.1f} s)" if generate_s else " (cached)"), file=sys.stderr)  # fmt: skip
 

@@ -20,11 +20,14 @@ CONTRACT_FLAGS = {
         "--submitted-at",
         "--allocated-at",
         "--no-auto",
+        "--family",
     },
     "report": {"--json", "--html"},
     "interval": {"--blocking", "--failures-per-day", "--train-hours", "--json"},
     "demo": {"--quick", "--out"},
     "publish": {"--watch", "--poll-interval", "--lease-ttl", "--max-attempts", "--request", "--json"},
+    "fleet": {"--ledger", "--since", "--check", "--preempt-order", "--need-gpus", "--json", "--html"},
+    "serve": {"--ledger", "--port"},
 }
 
 

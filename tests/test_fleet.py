@@ -346,3 +346,95 @@ def test_a_second_run_reads_finished_jobs_from_the_cache_until_a_ledger_changes(
         path.write_text("not json")
     assert main(["fleet", str(runs), "--json"]) == 0  # an unreadable cache only costs time
     assert json.loads(capsys.readouterr().out)["jobs"] == first["jobs"]
+
+
+# -- the fleet's read of a ledger ----------------------------------------------------------------------------
+def _random_job(rng: random.Random) -> list:
+    """A job whose ranks write steps and phases out of step with each other; some attempts lack rank 0, some
+    have no supervisor, some events share timestamps."""
+    from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
+
+    events = []
+    t = T0
+    supervised = rng.random() < 0.5
+    if supervised:
+        events.append(Event(EventKind.SUPERVISOR_START, t, 0, SUPERVISOR_RANK, data={"pid": 1}))
+    for attempt in range(rng.choice((1, 2, 3, 3))):
+        ranks = rng.sample(range(4), rng.randint(2, 4))
+        if supervised:
+            events.append(Event(EventKind.ATTEMPT_START, t, attempt, SUPERVISOR_RANK))
+        for rank in ranks:
+            events.append(
+                Event(EventKind.PROCESS_START, t + rng.random(), attempt, rank, data={"world_size": 4})
+            )
+        for n in range(rng.randint(0, 30)):
+            t += rng.choice((0.0, 0.1, 0.5))
+            for rank in ranks:
+                kind = rng.choice(
+                    (EventKind.STEP, EventKind.STEP, EventKind.PHASE_BEGIN, EventKind.PHASE_END)
+                )
+                phase = (
+                    None
+                    if kind is EventKind.STEP
+                    else rng.choice((Phase.INIT, Phase.COMPILE, Phase.CHECKPOINT_BLOCKING))
+                )
+                value = t - 0.05 if kind is EventKind.PHASE_END else None
+                events.append(
+                    Event(
+                        kind,
+                        t + rng.random() * 0.2,
+                        attempt,
+                        rank,
+                        phase,
+                        n if kind is EventKind.STEP else None,
+                        value,
+                    )
+                )
+            if rng.random() < 0.1:
+                events.append(
+                    Event(
+                        EventKind.CHECKPOINT_COMMIT, t, attempt, rng.choice(ranks), step=n, data={"path": "p"}
+                    )
+                )
+        if rng.random() < 0.3:
+            events.append(Event(EventKind.RESUMED, t, attempt, rng.choice(ranks), step=rng.randint(0, 5)))
+        if rng.random() < 0.5:  # a straggler rank steps after the others
+            events.append(Event(EventKind.STEP, t + 0.5, attempt, max(ranks), step=99))
+        t += 1.0
+        if supervised and rng.random() < 0.8:
+            events.append(
+                Event(
+                    EventKind.ATTEMPT_END,
+                    t,
+                    attempt,
+                    SUPERVISOR_RANK,
+                    data={"outcome": "failed", "exit_code": 1},
+                )
+            )
+    if supervised and rng.random() < 0.7:
+        events.append(Event(EventKind.JOB_END, t + 1, 0, SUPERVISOR_RANK, data={"exit_status": 1}))
+    rng.shuffle(events)  # append order is not time order across processes
+    return events
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_fleets_read_gives_the_same_report_as_the_full_ledger(seed, tmp_path):
+    from ettr.fleet.read import read_for_accounting
+    from ettr.ledger import open_ledger
+    from ettr.report.json import to_dict
+
+    rng = random.Random(seed)
+    if seed % 4 == 0:
+        spec = JobSpec(job_id="j", world_size=rng.choice((2, 8)), fail_at_steps=(30,), num_steps=60)
+        write_job(tmp_path, spec)
+    else:
+        ledger = open_ledger(tmp_path)
+        ledger.append(_random_job(rng))
+        ledger.close()
+    ledger = open_ledger(tmp_path, create=False)
+    full = ledger.read()
+    ledger.close()
+    fewer = read_for_accounting(tmp_path)
+    assert len(fewer) <= len(full)
+    now = max(e.ts for e in full) + 5
+    assert to_dict(compute(fewer, now, job_id="j")) == to_dict(compute(full, now, job_id="j"))

@@ -24,7 +24,7 @@ from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.family import UNKNOWN_FAMILY, derive_family
 from ettr.fleet.model import GPUS_ASSUMED, GPUS_RANKS, GPUS_WORLD_SIZE, JobSummary, summarize
-from ettr.ledger import LedgerError, ledger_path, open_ledger
+from ettr.ledger import LedgerError, ledger_path
 
 logger = logging.getLogger("ettr")
 
@@ -160,14 +160,11 @@ def _ledger_signature(run_dir: Path) -> tuple[int, ...]:
 
 def load_run_dir(run_dir: Path, now: float) -> JobSummary | str:
     """The summary of one run directory, or why it cannot be read (a fleet skips it, saying so)."""
+    from ettr.fleet.read import read_for_accounting
     from ettr.report.load import job_id_of
 
     try:
-        ledger = open_ledger(run_dir, create=False)
-        try:
-            events = ledger.read()
-        finally:
-            ledger.close()
+        events = read_for_accounting(run_dir)
     except (LedgerError, OSError) as exc:
         return f"{run_dir}: {exc}"
     if not events:
