@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import replace
 
 import pytest
@@ -279,7 +280,10 @@ def test_fleet_since_and_html(runs, tmp_path, capsys):
 
 def test_preempt_order_from_run_dirs(tmp_path, capsys):
     runs = tmp_path / "runs"
-    elsewhere = dict(running=True, host="another-host", num_steps=40, ckpt_every=20)
+    # Jobs of a supervisor on another host, active a minute ago: running (their pids cannot be checked).
+    elsewhere = dict(
+        running=True, host="another-host", num_steps=40, ckpt_every=20, start_ts=time.time() - 80
+    )
     write_job(runs / "committed", JobSpec(job_id="committed", **elsewhere))  # committed at its last step
     write_job(runs / "uncommitted", JobSpec(job_id="uncommitted", **{**elsewhere, "num_steps": 39}))
     write_job(runs / "done", JobSpec(job_id="done"))
@@ -289,6 +293,22 @@ def test_preempt_order_from_run_dirs(tmp_path, capsys):
     assert order["victims"] == ["committed"] and order["enough"] is True
     assert main(["fleet", str(runs), "--preempt-order"]) == 0
     assert "cheapest first" in capsys.readouterr().out
+    assert main(["fleet", str(runs), "--json"]) == 0
+    jobs = {j["job_id"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
+    assert jobs["committed"]["running"] and jobs["committed"]["num_failures"] == 0  # running is not failing
+    assert jobs["committed"]["failures"] == []
+
+
+def test_a_silent_job_of_another_hosts_supervisor_is_not_running(tmp_path, capsys):
+    spec = JobSpec(
+        job_id="lost", running=True, host="another-host", num_steps=10, start_ts=time.time() - 3600
+    )
+    write_job(tmp_path / "lost", spec)  # its supervisor was lost an hour ago without a JOB_END
+    assert main(["fleet", str(tmp_path), "--json"]) == 0
+    (job,) = json.loads(capsys.readouterr().out)["jobs"]
+    assert job["in_progress"] and not job["running"]
+    assert job["wall_s"] < 60  # closed at its last event, not stretched to now
+    assert job["failures"][0]["cause"] == "unknown"
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,7 @@ def test_real_runs_preempt_order_prefers_the_job_that_just_committed(tmp_path):
         committed, uncommitted = order["order"]
         assert committed["unsaved_s"] < uncommitted["unsaved_s"]
         assert committed["gpus"] == 1 and committed["recovery_source"] in ("tts", "family_tts")
+        assert all(ready.read_text() == "train_phases" for _, ready in jobs.values())  # ETTR_FAMILY
     finally:
         for proc, _ in jobs.values():
             proc.send_signal(signal.SIGTERM)

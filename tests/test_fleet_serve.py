@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -95,10 +96,9 @@ def test_running_jobs_export_unsaved_work_and_time_since_commit(tmp_path):
     from ettr.fleet.load import find_run_dirs, load_run_dirs
     from ettr.fleet.metrics import metric_families
 
-    write_job(
-        tmp_path / "r", JobSpec(job_id="r", running=True, host="elsewhere", num_steps=30, ckpt_every=20)
-    )
-    now = T0 + 10_000
+    now = time.time()
+    spec = JobSpec(job_id="r", running=True, host="elsewhere", num_steps=30, ckpt_every=20, start_ts=now - 60)
+    write_job(tmp_path / "r", spec)
     jobs, problems = load_run_dirs(find_run_dirs([tmp_path]), now=now)
     assert not problems and jobs[0].running
     metrics = {m.name: m for m in metric_families(jobs, now)}

@@ -6,6 +6,7 @@ alive without training (a running job a scheduler may preempt), after touching `
 """
 
 import argparse
+import os
 import pathlib
 import time
 
@@ -30,7 +31,7 @@ def main() -> None:
             ettr.checkpoint_committed(n, f"ckpt/step-{n}")
     ettr.get_recorder().flush()
     if args.ready_file:
-        pathlib.Path(args.ready_file).touch()
+        pathlib.Path(args.ready_file).write_text(os.environ.get("ETTR_FAMILY", ""))
     time.sleep(args.hold_s)
 
 

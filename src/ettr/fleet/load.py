@@ -91,24 +91,51 @@ def _scan(events: Sequence[Event]) -> _Scan:
     return _Scan(last_ts=last_ts, gpus=gpus, gpus_source=source, open_start=start)
 
 
-def is_running(events: Sequence[Event], open_start: Event | None = None) -> bool:
+STALE_MARGIN_S = 60.0
+"""A supervisor on another host is taken to be alive while its job was active within its hang timeout plus
+this margin (its own watchdog would have ended a job silent for longer, and recorded it)."""
+
+
+def is_running(
+    events: Sequence[Event],
+    open_start: Event | None = None,
+    *,
+    now: float | None = None,
+    last_activity_ts: float | None = None,
+) -> bool:
     """Whether the job is running now: no JOB_END after its last supervisor start, and that supervisor is
-    alive (checked by pid on this host; a supervisor on another host is taken to be alive)."""
+    alive: checked by pid on this host; on another host, taken to be alive while the job was active
+    (`last_activity_ts`) within its hang timeout plus `STALE_MARGIN_S` of `now`."""
     from ettr.supervisor.books import live_supervisor
 
     start = open_start if open_start is not None else _scan(events).open_start
     if start is None:
         return False
-    host = (start.data or {}).get("host")
+    data = start.data or {}
+    host = data.get("host")
     if host and host != socket.gethostname():
-        return True
+        if now is None or last_activity_ts is None:
+            return True
+        timeout = data.get("hang_timeout_s")
+        timeout_s = float(timeout) if isinstance(timeout, int | float) and timeout > 0 else 300.0
+        return now - last_activity_ts <= timeout_s + STALE_MARGIN_S
     return live_supervisor(events) is not None
 
 
-def summarize_events(events: Sequence[Event], *, job_id: str, source: str, now: float) -> JobSummary:
+def summarize_events(
+    events: Sequence[Event], *, job_id: str, source: str, now: float, run_dir: Path | None = None
+) -> JobSummary:
     """One job's summary: a running job is closed at `now`, any other at the last event it recorded."""
     scan = _scan(events)
-    running = scan.open_start is not None and is_running(events, scan.open_start)
+    running = False
+    if scan.open_start is not None:
+        activity = scan.last_ts
+        if run_dir is not None:
+            from ettr.supervisor.heartbeat import latest_heartbeat
+
+            beat = latest_heartbeat(run_dir, max(e.attempt for e in events))
+            activity = max(activity, beat) if beat is not None else activity
+        running = is_running(events, scan.open_start, now=now, last_activity_ts=activity)
     report = compute(events, max(scan.last_ts, now) if running else scan.last_ts, job_id=job_id)
     return summarize(
         report,
@@ -148,13 +175,16 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
 
 
 def _ledger_signature(run_dir: Path) -> tuple[int, ...]:
+    """What changes when events are appended: the database file's and its WAL's modification time and size.
+    An empty WAL counts as none: a reader may create one, and it holds no event."""
     out: list[int] = []
     for suffix in ("", "-wal"):
         try:
             st = os.stat(str(ledger_path(run_dir)) + suffix)
-            out += [st.st_mtime_ns, st.st_size]
         except OSError:
             out += [0, 0]
+            continue
+        out += [st.st_mtime_ns, st.st_size] if st.st_size or not suffix else [0, 0]
     return tuple(out)
 
 
@@ -169,7 +199,9 @@ def load_run_dir(run_dir: Path, now: float) -> JobSummary | str:
         return f"{run_dir}: {exc}"
     if not events:
         return f"{run_dir}: the ledger holds no events yet"
-    return summarize_events(events, job_id=job_id_of(events, run_dir), source=str(run_dir), now=now)
+    return summarize_events(
+        events, job_id=job_id_of(events, run_dir), source=str(run_dir), now=now, run_dir=run_dir
+    )
 
 
 CACHE_VERSION = 1

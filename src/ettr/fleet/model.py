@@ -70,6 +70,10 @@ def summarize(
     """The fleet's view of one job's report."""
     commits = [c.ts for c in report.checkpoint_commits]
     last = report.attempts[-1] if report.attempts else None
+    failures = tuple(report.failures)
+    if running and last is not None and last.closed_by_accounting:
+        # The attempt running now has not failed: the report only closed it at the report time.
+        failures = tuple(f for f in failures if f.attempt != last.index)
     return JobSummary(
         job_id=report.job_id,
         family=family,
@@ -84,9 +88,9 @@ def summarize(
         failure_pct=report.failure_pct,
         tts_s=report.tts_s,
         ttr_s=tuple(report.ttr_s),
-        num_failures=report.num_failures,
+        num_failures=report.num_failures - (len(report.failures) - len(failures)),
         buckets_s=dict(report.buckets_s),  # a plain dict: summaries cross process boundaries (pickle)
-        failures=tuple(report.failures),
+        failures=failures,
         num_attempts=len(report.attempts),
         last_attempt=None if last is None else last.index,
         in_progress=report.in_progress,
