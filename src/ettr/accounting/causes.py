@@ -117,9 +117,10 @@ def classify_failure(attempt: AttemptReport) -> tuple[Cause, str]:
     if hit is not None:
         return Cause.INFRA, f"the distributed runtime or hardware: {hit!r} in its output"
     if sig:
-        return Cause.INFRA, f"killed by {sig} from outside the training code ({reason or 'no reason'})"
+        what = reason if reason.startswith("killed by") else f"killed by {sig}"
+        return Cause.INFRA, f"{what} (a signal from outside the training code)"
     if exception:
-        return Cause.USER, f"exception {exception} in the training code ({reason or 'no reason'})"
+        return Cause.USER, f"exception {exception} in the training code" + (f" ({reason})" if reason else "")
     if reason.startswith(_USER_START_FAILURE):
         return Cause.USER, reason
     if attempt.closed_by_accounting:
