@@ -70,6 +70,10 @@ def test_causes_from_the_supervisors_classification():
     )
     assert classify_failure(attempt(process_failure={"exception": "KeyError"}))[0] is Cause.USER
     assert classify_failure(attempt(signal="SIGBUS"))[0] is Cause.INFRA
+    lost = attempt(
+        signal=None, closed_from_ledger=True, reason="its supervisor was lost (killed) while it ran"
+    )
+    assert classify_failure(lost)[0] is Cause.INFRA
     assert classify_failure(attempt(reason="cannot start: [Errno 2]", code=127))[0] is Cause.USER
     assert classify_failure(attempt(reason="exit status 3"))[0] is Cause.UNKNOWN
     assert classify_failure(attempt(closed=True))[0] is Cause.UNKNOWN

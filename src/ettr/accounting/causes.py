@@ -8,10 +8,12 @@ FAILURE events recorded, as kept in `AttemptReport.failure`. The rules, first ma
 3. the kernel's OOM killer (SIGKILL while the cgroup's oom_kill counter rose) -> infra;
 4. an exception or stderr text of the distributed runtime (collective timeout, NCCL/gloo error,
    rendezvous or store failure, connection reset by a peer, ECC/Xid) -> infra;
-5. death by another signal (SIGKILL, SIGBUS, SIGSEGV, ...: the system, a node agent, native code) -> infra;
-6. a Python exception in the training code (including CUDA out-of-memory raised to the script) -> user;
-7. the process could not be started -> user (a bad command line);
-8. anything else (a bare non-zero exit status, an attempt no end was recorded for) -> unknown.
+5. the supervisor itself was lost while the attempt ran (a later supervisor closed it from the ledger: node
+   loss, or the whole job killed) -> infra;
+6. death by another signal (SIGKILL, SIGBUS, SIGSEGV, ...: the system, a node agent, native code) -> infra;
+7. a Python exception in the training code (including CUDA out-of-memory raised to the script) -> user;
+8. the process could not be started -> user (a bad command line);
+9. anything else (a bare non-zero exit status, an attempt no end was recorded for) -> unknown.
 
 Meta's NoF counts infra failures only; `ettr` counts every failure in `num_failures` and the infra ones in
 `num_infra_failures`.
@@ -116,6 +118,11 @@ def classify_failure(attempt: AttemptReport) -> tuple[Cause, str]:
     hit = next((t for t in _INFRA_TEXT for line in texts if t in line), None)
     if hit is not None:
         return Cause.INFRA, f"the distributed runtime or hardware: {hit!r} in its output"
+    if failure.get("closed_from_ledger"):
+        return (
+            Cause.INFRA,
+            f"its supervisor was lost while it ran (node loss or the whole job killed): {reason}",
+        )
     if sig:
         what = reason if reason.startswith("killed by") else f"killed by {sig}"
         return Cause.INFRA, f"{what} (a signal from outside the training code)"
