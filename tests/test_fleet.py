@@ -325,6 +325,7 @@ def test_a_silent_job_of_another_hosts_supervisor_is_not_running(tmp_path, capsy
         (["fleet", "{tmp}", "--since", "yesterday"], "is not a time"),
         (["serve", "/nonexistent/runs"], "no such file or directory"),
         (["serve", "{tmp}", "--port", "99999"], "not a port number"),
+        (["fleet", "--ledger", "sqlite:///{tmp}/x.db"], "sqlite:///"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
@@ -332,6 +333,7 @@ def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith(f"ettr {argv[0]}")
 
 
 def test_an_unreadable_run_dir_is_skipped_and_named(runs, capsys):

@@ -129,15 +129,21 @@ def make_cache(args: argparse.Namespace) -> SummaryCache:
 
 
 def load_jobs(
-    args: argparse.Namespace, *, now: float, cache: SummaryCache | None = None
+    args: argparse.Namespace, *, now: float, cache: SummaryCache | None = None, cmd: str = "fleet"
 ) -> tuple[list[JobSummary], list[str]]:
-    """The jobs the flags name, and the problems of those that could not be read."""
+    """The jobs the flags name, and the problems of those that could not be read. Raises `UsageError`
+    (`ettr CMD: ...`) when the sources are unusable."""
     from ettr.fleet.load import find_run_dirs, load_ledger_url, load_run_dirs
 
-    if args.ledger:
-        return load_ledger_url(args.ledger, now=now)
-    run_dirs = find_run_dirs(args.run_dirs)
-    return load_run_dirs(run_dirs, now=now, workers=args.workers, cache=cache or make_cache(args))
+    try:
+        if args.ledger:
+            return load_ledger_url(args.ledger, now=now)
+        run_dirs = find_run_dirs(args.run_dirs)
+        return load_run_dirs(run_dirs, now=now, workers=args.workers, cache=cache or make_cache(args))
+    except UsageError as exc:
+        if str(exc).startswith("ettr "):
+            raise
+        raise UsageError(f"ettr {cmd}: {exc}") from None
 
 
 def fleet_main(args: argparse.Namespace) -> int:

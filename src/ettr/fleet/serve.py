@@ -65,7 +65,7 @@ def loader(args: argparse.Namespace) -> Callable[[float], tuple[list[JobSummary]
     def load(now: float) -> tuple[list[JobSummary], list[str]]:
         with lock:
             try:
-                return load_jobs(args, now=now, cache=cache)
+                return load_jobs(args, now=now, cache=cache, cmd="serve")
             except UsageError as exc:  # e.g. the folder is empty for now: serve what there is (nothing)
                 return [], [str(exc)]
 
