@@ -42,7 +42,12 @@ def start_server(
     load: Callable[[float], tuple[list[JobSummary], list[str]]], *, port: int, addr: str = "127.0.0.1"
 ) -> MetricsServer:
     """Serve the metrics of `load(now)` at http://addr:port/metrics (port 0: any free port)."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise UsageError(
+            "ettr serve: needs prometheus-client (install it: pip install 'ettr[fleet]')"
+        ) from None
 
     from ettr.fleet.metrics import FleetCollector
 
