@@ -89,6 +89,12 @@ def test_scrape_parses_and_equals_fleet_json(runs, capsys):
     assert by_job("ettr_restarts_total", cause="user")["u"] == 1.0
     assert {s.labels["family"]: s.value for s in samples["ettr_regressions"]} == {"alpha": 0.0, "beta": 0.0}
     assert samples["ettr_jobs"][0].value == len(jobs)
+    fleet_buckets = {s.labels["bucket"]: s.value for s in samples["ettr_fleet_bucket_gpu_seconds_total"]}
+    assert fleet_buckets == pytest.approx(
+        {b: h * 3600 for b, h in fleet["bucket_gpu_hours"].items()}, rel=1e-12
+    )
+    fleet_failures = {s.labels["cause"]: s.value for s in samples["ettr_fleet_failures_total"]}
+    assert fleet_failures == {c: float(n) for c, n in fleet["num_failures_by_cause"].items()}
     assert samples["ettr_build_info"][0].value == 1.0
 
 

@@ -48,6 +48,14 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     gauge("ettr_jobs_unreadable", "run directories or jobs that could not be read", ()).add_metric(
         [], float(num_problems)
     )
+    fleet_buckets = counter(
+        "ettr_fleet_bucket_gpu_seconds", "wall time x GPUs of all jobs in each bucket", ("bucket",)
+    )
+    for b in Bucket:
+        fleet_buckets.add_metric([b.value], fleet.bucket_gpu_s[b])
+    fleet_failures = counter("ettr_fleet_failures", "failures of all jobs by cause", ("cause",))
+    for c in Cause:
+        fleet_failures.add_metric([c.value], float(fleet.failures_by_cause[c]))
     ratio = gauge("ettr_effective_training_ratio", "effective training time / wall time of the job")
     wall = counter("ettr_wall_seconds", "wall time of the job")
     bucket_s = counter("ettr_bucket_seconds", "wall time of the job in each bucket", (*JOB_LABELS, "bucket"))
