@@ -464,3 +464,17 @@ def test_the_fleets_read_gives_the_same_report_as_the_full_ledger(seed, tmp_path
     assert len(fewer) <= len(full)
     now = max(e.ts for e in full) + 5
     assert to_dict(compute(fewer, now, job_id="j")) == to_dict(compute(full, now, job_id="j"))
+
+
+@pytest.mark.slow
+def test_worker_processes_read_the_same_summaries(tmp_path):
+    from ettr.fleet.load import find_run_dirs, load_run_dirs
+
+    for i in range(16):
+        spec = JobSpec(job_id=f"w{i}", start_ts=T0 + i, num_steps=20, world_size=1 + i % 3,
+                       fail_at_steps=(10,) if i % 5 == 0 else ())  # fmt: skip
+        write_job(tmp_path / f"w{i}", spec)
+    run_dirs = find_run_dirs([tmp_path])
+    alone, _ = load_run_dirs(run_dirs, now=T0, workers=1)
+    pooled, problems = load_run_dirs(run_dirs, now=T0, workers=2)
+    assert not problems and pooled == alone and len(pooled) == 16
