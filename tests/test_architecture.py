@@ -15,6 +15,8 @@ FORBIDDEN = {
     "report": ("ettr.supervisor", "ettr.cli"),
     "checkpoint": ("ettr.supervisor", "ettr.cli"),
     "compile": ("ettr.supervisor", "ettr.cli"),
+    "fleet": ("ettr.supervisor", "ettr.cli", "ettr.recorder", "ettr.runtime"),
+    "simulate": ("ettr.supervisor", "ettr.cli", "ettr.recorder", "ettr.runtime", "ettr.fleet"),
     "accounting": ("ettr.supervisor", "ettr.cli", "ettr.report", "ettr.recorder", "ettr.runtime"),
     "events": ("ettr.",),
     "run_env": ("ettr.",),

@@ -20,11 +20,14 @@ CONTRACT_FLAGS = {
         "--submitted-at",
         "--allocated-at",
         "--no-auto",
+        "--family",
     },
     "report": {"--json", "--html", "--trace", "--tensorboard"},
     "interval": {"--blocking", "--failures-per-day", "--train-hours", "--json"},
     "demo": {"--quick", "--out"},
     "publish": {"--watch", "--poll-interval", "--lease-ttl", "--max-attempts", "--request", "--json"},
+    "fleet": {"--ledger", "--since", "--check", "--preempt-order", "--need-gpus", "--json", "--html"},
+    "serve": {"--ledger", "--port"},
 }
 
 
@@ -34,6 +37,7 @@ FROZEN_COMMAND_LINE = {
     "run": (
         {
             "--allocated-at",
+            "--family",
             "--hang-timeout",
             "--inject",
             "--job-id",
@@ -90,6 +94,22 @@ FROZEN_COMMAND_LINE = {
         },
         [],
     ),
+    "fleet": (
+        {
+            "--cache-dir",
+            "--check",
+            "--html",
+            "--json",
+            "--ledger",
+            "--need-gpus",
+            "--no-cache",
+            "--preempt-order",
+            "--since",
+            "--workers",
+        },
+        ["run_dirs"],
+    ),
+    "serve": ({"--addr", "--cache-dir", "--ledger", "--no-cache", "--port", "--workers"}, ["run_dirs"]),
 }
 _HELP = {"-h", "--help"}
 

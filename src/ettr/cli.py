@@ -81,6 +81,7 @@ def _add_run(p: argparse.ArgumentParser) -> None:
         "--allocated-at", type=parse_time, metavar="TIME", help="when its resources were allocated"
     )
     p.add_argument("--no-auto", action="store_true", help="no zero-code instrumentation of Python children")
+    p.add_argument("--family", help="job family for `ettr fleet` (default: the script or module name)")
     p.add_argument(
         "--ledger",
         metavar="URL",
@@ -283,6 +284,16 @@ def _publish(args: argparse.Namespace) -> int:
     return publish(args)
 
 
+def _lazy(module: str, name: str) -> Callable:
+    """`module.name`, imported when first called (the CLI imports no command's module up front)."""
+
+    def call(arg):  # type: ignore[no-untyped-def]
+
+        return getattr(importlib.import_module(module), name)(arg)
+
+    return call
+
+
 _COMMANDS: dict[
     str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 ] = {
@@ -302,8 +313,18 @@ _COMMANDS: dict[
     ),
     "simulate": (
         "what-if ETT of a job at any scale, fed by its own ledger",
-        lambda p: importlib.import_module("ettr.simulate.command").add_arguments(p),
-        lambda args: importlib.import_module("ettr.simulate.command").main(args),
+        _lazy("ettr.simulate.command", "add_arguments"),
+        _lazy("ettr.simulate.command", "main"),
+    ),
+    "fleet": (
+        "ETT across many jobs: families, regressions, failure causes, preemption order",
+        _lazy("ettr.fleet.command", "add_fleet_arguments"),
+        _lazy("ettr.fleet.command", "fleet_main"),
+    ),
+    "serve": (
+        "Prometheus /metrics of many jobs (run directories or a shared ledger)",
+        _lazy("ettr.fleet.command", "add_serve_arguments"),
+        _lazy("ettr.fleet.command", "serve_main"),
     ),
 }
 

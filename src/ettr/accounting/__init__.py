@@ -4,6 +4,7 @@ Pure math: no I/O, no clock reads (`now` is a parameter). Every instant of wall 
 bucket of `ettr.events.Bucket` by the rules of docs/buckets.md; the renderers live in `ettr.report`.
 """
 
+from ettr.accounting.causes import Cause, FailureCause
 from ettr.accounting.compute import Loss, classify, compute
 from ettr.accounting.model import (
     AttemptReport,
@@ -18,8 +19,10 @@ from ettr.accounting.timeline import PRECEDENCE
 
 __all__ = [
     "AttemptReport",
+    "Cause",
     "CheckpointCommit",
     "EttReport",
+    "FailureCause",
     "Loss",
     "PRECEDENCE",
     "Recompile",

@@ -9,6 +9,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from ettr.accounting.attempts import Attempt, data_of, gather, resolve_attempts, wall_bounds
+from ettr.accounting.causes import failure_causes
 from ettr.accounting.model import AttemptReport, EttReport, Recovery, TtsWindow
 from ettr.accounting.timeline import build_segments
 from ettr.events import Bucket, Event, Outcome, Phase
@@ -122,6 +123,7 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         job_exit_status=_exit_status(job_end_data),
         tts_window=tts_window,
         recoveries=recoveries,
+        failures=failure_causes(attempt_reports),
     )
 
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ettr.accounting.causes import Cause, FailureCause
 from ettr.events import Bucket, Outcome
 
 
@@ -171,6 +172,13 @@ class EttReport:
     recoveries: tuple[Recovery, ...] = ()
     """The failures behind `ttr_s`, one each, in order: which attempt failed, when it was detected, and
     which attempt trained again when."""
+    failures: tuple[FailureCause, ...] = ()
+    """One per failure (`num_failures`): its cause, evidence and TTR (rules in `ettr.accounting.causes`)."""
+
+    @property
+    def num_infra_failures(self) -> int:
+        """Failures from the infrastructure (Meta's NoF)."""
+        return sum(1 for f in self.failures if f.cause is Cause.INFRA)
 
     @property
     def mean_ttr_s(self) -> float | None:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ettr.accounting import AttemptReport, EttReport
+from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
 
 SCHEMA = "ettr.report/1"
@@ -24,7 +25,8 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     effective_training_s, idleness_s, failure_s, submitted_ts, allocated_ts, supervisor_start_ts,
     job_exit_status, phases_s, recompiles, checkpoint_commits, tts_window (origin_ts, training_start_ts,
     attempt; null when no attempt trained), recoveries (one per `ttr_s` entry: failed_attempt, outcome,
-    detected_ts, recovered_attempt, training_start_ts, ttr_s) and, unless `include_segments` is False (a
+    detected_ts, recovered_attempt, training_start_ts, ttr_s), failures (attempt, cause, evidence,
+    ttr_s), num_failures_by_cause, ttr_s_by_cause, num_infra_failures and, unless `include_segments` is False (a
     long job with per-step phases has millions), segments as [start_ts, end_ts, bucket, attempt] lists.
     """
     out: dict[str, Any] = {
@@ -77,6 +79,13 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
             }
             for r in report.recoveries
         ],
+        "failures": [
+            {"attempt": f.attempt, "cause": f.cause.value, "evidence": f.evidence, "ttr_s": f.ttr_s}
+            for f in report.failures
+        ],
+        "num_failures_by_cause": {c.value: n for c, n in count_by_cause(report.failures).items()},
+        "ttr_s_by_cause": {c.value: list(v) for c, v in ttr_by_cause(report.failures).items()},
+        "num_infra_failures": report.num_infra_failures,
     }
     if include_segments:
         out["segments"] = [[s.start_ts, s.end_ts, s.bucket.value, s.attempt] for s in report.segments]

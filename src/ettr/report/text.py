@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ettr.accounting import EttReport
+from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
 
 BAR_WIDTH = 40
@@ -22,6 +23,17 @@ def summary_line(report: EttReport) -> str:
         f"ETT {report.ett_pct:.1f}% | idle {report.idleness_pct:.1f}% | failure {report.failure_pct:.1f}% | "
         f"wall {report.wall_s:.1f} s | TTS {_seconds(report.tts_s)} | TTR {ttr} | failures {report.num_failures}"
     )
+
+
+def causes_line(report: EttReport) -> str:
+    """`failures by cause (NoF, mean TTR): infra 1 (12.3 s) | user 1 (-)`: the causes that occurred."""
+    counts, ttrs = count_by_cause(report.failures), ttr_by_cause(report.failures)
+    parts = [
+        f"{cause.value} {n} ({_seconds(sum(ttrs[cause]) / len(ttrs[cause]) if ttrs[cause] else None)})"
+        for cause, n in counts.items()
+        if n
+    ]
+    return "failures by cause (NoF, mean TTR): " + (" | ".join(parts) if parts else "none")
 
 
 def render(report: EttReport) -> str:
@@ -58,6 +70,9 @@ def render(report: EttReport) -> str:
     for a in report.attempts:
         if a.failure:
             lines += _failure_lines(a.index, a.outcome.value, a.failure)
+    if report.failures:
+        lines += ["", causes_line(report)]
+        lines += [f"  attempt {f.attempt}: {f.cause.value}: {f.evidence}" for f in report.failures]
 
     lines += ["", "phases (reference rank, raw seconds; they may overlap)"]
     if report.phases_s:

@@ -52,6 +52,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             hang_timeout_s=args.hang_timeout,
             submitted_at=args.submitted_at,
             allocated_at=args.allocated_at,
+            family=getattr(args, "family", None),
             auto=not args.no_auto,
             ledger_url=args.ledger,
         )

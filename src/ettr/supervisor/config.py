@@ -64,6 +64,8 @@ class RunConfig:
     """Unix time the job was submitted (else from Slurm, else unknown)."""
     allocated_at: float | None = None
     """Unix time its resources were allocated (else from Slurm, else unknown)."""
+    family: str | None = None
+    """The job family for fleet views (default derived from the command: `ettr.family.derive_family`)."""
     auto: bool = True
     """Zero-code instrumentation of Python children (`--no-auto` turns it off)."""
     ledger_url: str | None = None
@@ -101,6 +103,12 @@ class RunConfig:
             self.hang_timeout_s > 0 and math.isfinite(self.hang_timeout_s)
         ):
             raise ValueError(f"hang_timeout_s must be a finite number > 0, got {self.hang_timeout_s}")
+        if self.family is not None:
+            from ettr.family import valid_family
+
+            problem = valid_family(self.family)
+            if problem:
+                raise ValueError(f"family {problem}, got {self.family!r}")
         if self.job_id is not None:
             check_job_id(self.job_id)
         check_job_times(self.submitted_at, self.allocated_at, now=time.time())

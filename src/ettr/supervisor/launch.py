@@ -169,6 +169,7 @@ def attempt_launch(
     auto: bool = True,
     base_env: Mapping[str, str] | None = None,
     ledger_url: str | None = None,
+    family: str | None = None,
 ) -> AttemptLaunch:
     """The command line and environment of attempt `attempt` (see the module docstring)."""
     launcher = detect_launcher(command)
@@ -185,6 +186,7 @@ def attempt_launch(
         auto=auto,
         launcher=launcher,
         ledger_url=ledger_url,
+        family=family,
     )
     inherited = os.environ if base_env is None else base_env
     env = {name: value for name, value in inherited.items() if name not in LAUNCHER_CLEARS}

@@ -30,6 +30,7 @@ from ettr.closing import recorded_job_id
 from ettr.constants import EXIT_COMPLETED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+from ettr.family import derive_family
 from ettr.heartbeat import latest_heartbeat
 from ettr.inject import FaultKind, unfired_specs
 from ettr.ledger import Ledger, LedgerError, open_ledger
@@ -79,6 +80,7 @@ class Supervisor:
         self.config = config
         self.job_id = config.job_id or default_job_id()
         self.run_dir = Path(config.run_dir or Path("runs") / self.job_id).absolute()
+        self.family = config.family or derive_family(config.command)
         self._signal: int | None = None
         self._num_signals = 0
         self._wake = threading.Event()
@@ -141,6 +143,7 @@ class Supervisor:
             launcher=detect_launcher(cfg.command).value,
             max_restarts=cfg.max_restarts,
             job_id=self.job_id,
+            family=self.family,
             hang_timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
             inject=[str(s) for s in cfg.inject],
             auto=cfg.auto,
@@ -191,6 +194,7 @@ class Supervisor:
             inject=cfg.inject,
             auto=cfg.auto,
             ledger_url=cfg.ledger_url,
+            family=self.family,
         )
         oom_before = oom_kill_count()
         try:

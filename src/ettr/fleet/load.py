@@ -1,0 +1,355 @@
+"""Reading many jobs: run directories found under the given paths, or every job of a shared ledger URL.
+
+The I/O half of `ettr fleet` and `ettr serve`: events in, one `JobSummary` per job out (the math is
+`ettr.accounting` and the rest of `ettr.fleet`). Run directories are read in parallel worker processes
+when there are many; a `SummaryCache` keeps the summaries of finished jobs whose ledger did not change, so
+that a `/metrics` scrape re-reads only what moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from ettr.accounting import compute
+from ettr.errors import UsageError
+from ettr.events import SUPERVISOR_RANK, Event, EventKind
+from ettr.family import UNKNOWN_FAMILY, derive_family
+from ettr.fleet.model import GPUS_ASSUMED, GPUS_RANKS, GPUS_WORLD_SIZE, JobSummary, summarize
+from ettr.ledger import LedgerError, ledger_path
+
+logger = logging.getLogger("ettr")
+
+_STEP = EventKind.STEP
+_SUPERVISOR_START = EventKind.SUPERVISOR_START
+_JOB_END = EventKind.JOB_END
+_PROCESS_START = EventKind.PROCESS_START
+
+_PARALLEL_FROM = 16
+"""Below this many run directories, reading them in this process is faster than starting workers."""
+
+
+def family_of(events: Iterable[Event]) -> str:
+    """The family the supervisor recorded (`ettr run --family`, or derived from its command at the time);
+    for run directories of an older ettr, derived from the recorded command."""
+    command = None
+    for e in events:
+        if e.kind is EventKind.SUPERVISOR_START and e.data:
+            if e.data.get("family"):
+                return str(e.data["family"])
+            if command is None and isinstance(e.data.get("command"), list):
+                command = [str(c) for c in e.data["command"]]
+    return derive_family(command) if command else UNKNOWN_FAMILY
+
+
+@dataclass(frozen=True, slots=True)
+class _Scan:
+    last_ts: float
+    gpus: int
+    gpus_source: str
+    open_start: Event | None
+    """The last SUPERVISOR_START when no JOB_END followed it."""
+
+
+def _scan(events: Sequence[Event]) -> _Scan:
+    """One pass over the events for what the fleet needs beyond the report (the job's size, the open
+    supervisor start, the last timestamp)."""
+    last_ts = -math.inf
+    world = 0
+    ranks: set[int] = set()
+    start: Event | None = None
+    for e in events:
+        if e.ts > last_ts:
+            last_ts = e.ts
+        kind = e.kind
+        if kind is _STEP:
+            ranks.add(e.rank)
+        elif kind is _SUPERVISOR_START:
+            start = e
+        elif kind is _JOB_END:
+            start = None
+        elif kind is _PROCESS_START and e.rank >= 0:
+            ranks.add(e.rank)
+            size = (e.data or {}).get("world_size")
+            if isinstance(size, int) and not isinstance(size, bool) and size > world:
+                world = size
+    ranks.discard(SUPERVISOR_RANK)
+    if world > 0:
+        gpus, source = world, GPUS_WORLD_SIZE
+    elif ranks:
+        gpus, source = len(ranks), GPUS_RANKS
+    else:
+        gpus, source = 1, GPUS_ASSUMED
+    return _Scan(last_ts=last_ts, gpus=gpus, gpus_source=source, open_start=start)
+
+
+STALE_MARGIN_S = 60.0
+"""A supervisor on another host is taken to be alive while its job was active within its hang timeout plus
+this margin (its own watchdog would have ended a job silent for longer, and recorded it)."""
+
+
+def is_running(
+    events: Sequence[Event],
+    open_start: Event | None = None,
+    *,
+    now: float | None = None,
+    last_activity_ts: float | None = None,
+) -> bool:
+    """Whether the job is running now: no JOB_END after its last supervisor start, and that supervisor is
+    alive: checked by pid on this host; on another host, taken to be alive while the job was active
+    (`last_activity_ts`) within its hang timeout plus `STALE_MARGIN_S` of `now`."""
+    from ettr.closing import live_supervisor
+
+    start = open_start if open_start is not None else _scan(events).open_start
+    if start is None:
+        return False
+    data = start.data or {}
+    host = data.get("host")
+    if host and host != socket.gethostname():
+        if now is None or last_activity_ts is None:
+            return True
+        timeout = data.get("hang_timeout_s")
+        timeout_s = float(timeout) if isinstance(timeout, int | float) and timeout > 0 else 300.0
+        return now - last_activity_ts <= timeout_s + STALE_MARGIN_S
+    return live_supervisor(events) is not None
+
+
+def summarize_events(
+    events: Sequence[Event], *, job_id: str, source: str, now: float, run_dir: Path | None = None
+) -> JobSummary:
+    """One job's summary: a running job is closed at `now`, any other at the last event it recorded."""
+    scan = _scan(events)
+    running = False
+    if scan.open_start is not None:
+        activity = scan.last_ts
+        if run_dir is not None:
+            from ettr.heartbeat import latest_heartbeat
+
+            beat = latest_heartbeat(run_dir, max(e.attempt for e in events))
+            activity = max(activity, beat) if beat is not None else activity
+        running = is_running(events, scan.open_start, now=now, last_activity_ts=activity)
+    report = compute(events, max(scan.last_ts, now) if running else scan.last_ts, job_id=job_id)
+    return summarize(
+        report,
+        family=family_of(events),
+        source=source,
+        gpus=scan.gpus,
+        gpus_source=scan.gpus_source,
+        running=running,
+    )
+
+
+def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """Run directories given, or found under the given folders (at any depth; a run directory's own
+    subfolders are not searched). Raises `UsageError` for a missing path or when none is found."""
+    found: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        if not path.exists():
+            raise UsageError(f"{path}: no such file or directory (give run directories or folders of them)")
+        if ledger_path(path).is_file():
+            found.append(path)
+            continue
+        if not path.is_dir():
+            raise UsageError(f"{path}: not a directory (give run directories or folders of them)")
+        for root, dirs, _files in os.walk(path):
+            dirs.sort()
+            here = Path(root)
+            if ledger_path(here).is_file():
+                found.append(here)
+                dirs.clear()
+            else:
+                dirs[:] = [d for d in dirs if not d.startswith(".")]
+    if not found:
+        raise UsageError(f"no ettr run directory (with a ledger.db) in {', '.join(map(str, paths))}")
+    unique = list(dict.fromkeys(p.absolute() for p in found))
+    return unique
+
+
+def _ledger_signature(run_dir: Path) -> tuple[int, ...]:
+    """What changes when events are appended: the database file's and its WAL's modification time and size.
+    An empty WAL counts as none: a reader may create one, and it holds no event."""
+    out: list[int] = []
+    for suffix in ("", "-wal"):
+        try:
+            st = os.stat(str(ledger_path(run_dir)) + suffix)
+        except OSError:
+            out += [0, 0]
+            continue
+        out += [st.st_mtime_ns, st.st_size] if st.st_size or not suffix else [0, 0]
+    return tuple(out)
+
+
+def load_run_dir(run_dir: Path, now: float) -> JobSummary | str:
+    """The summary of one run directory, or why it cannot be read (a fleet skips it, saying so)."""
+    from ettr.fleet.read import read_for_accounting
+    from ettr.report.load import job_id_of
+
+    try:
+        events = read_for_accounting(run_dir)
+    except (LedgerError, OSError) as exc:
+        return f"{run_dir}: {exc}"
+    if not events:
+        return f"{run_dir}: the ledger holds no events yet"
+    return summarize_events(
+        events, job_id=job_id_of(events, run_dir), source=str(run_dir), now=now, run_dir=run_dir
+    )
+
+
+CACHE_VERSION = 1
+"""Bumped whenever a summary of the same ledger could come out different (accounting rules, fields)."""
+
+
+def default_cache_dir() -> Path:
+    """Where `ettr fleet` keeps summaries of finished jobs: $XDG_CACHE_HOME/ettr/fleet (~/.cache/...)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ettr" / "fleet"
+
+
+class SummaryCache:
+    """Summaries of finished jobs by run directory, valid while the ledger files keep their size and time.
+
+    In memory (`ettr serve` between scrapes) and, with a `directory`, on disk as one small JSON file per run
+    directory (`ettr fleet` run again, e.g. by cron): a finished job's ledger does not change, so its
+    events are read and accounted once. A running job is never cached (its figures move with the clock).
+    A cache file that cannot be read or written is ignored: the cache only ever saves time.
+    """
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self._entries: dict[Path, tuple[tuple[int, ...], JobSummary]] = {}
+        self.directory = directory
+
+    def _file(self, run_dir: Path) -> Path | None:
+        if self.directory is None:
+            return None
+        import hashlib
+
+        digest = hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:32]
+        return self.directory / f"{digest}.json"
+
+    def get(self, run_dir: Path, signature: tuple[int, ...]) -> JobSummary | None:
+        entry = self._entries.get(run_dir)
+        if entry is not None and entry[0] == signature:
+            return entry[1]
+        path = self._file(run_dir)
+        if path is None:
+            return None
+        import json
+
+        from ettr.fleet.model import summary_from_json
+
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("key") != self._key(run_dir, signature):
+                return None
+            summary = summary_from_json(data["summary"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        self._entries[run_dir] = (signature, summary)
+        return summary
+
+    @staticmethod
+    def _key(run_dir: Path, signature: tuple[int, ...]) -> list[Any]:
+        from ettr.fleet.model import version
+
+        return [CACHE_VERSION, version(), str(run_dir.absolute()), list(signature)]
+
+    def put(self, run_dir: Path, signature: tuple[int, ...], summary: JobSummary) -> None:
+        if summary.running or self._entries.get(run_dir, (None,))[0] == signature:
+            return
+        self._entries[run_dir] = (signature, summary)
+        path = self._file(run_dir)
+        if path is None:
+            return
+        import json
+
+        from ettr.atomic import atomic_write
+        from ettr.fleet.model import summary_to_json
+
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            payload = {"key": self._key(run_dir, signature), "summary": summary_to_json(summary)}
+            atomic_write(path, json.dumps(payload, allow_nan=True))
+        except (OSError, ValueError) as exc:
+            logger.debug("ettr fleet: cannot cache %s (%s)", run_dir, exc)
+
+
+def load_run_dirs(
+    run_dirs: Sequence[Path], *, now: float, workers: int | None = None, cache: SummaryCache | None = None
+) -> tuple[list[JobSummary], list[str]]:
+    """Summaries of `run_dirs` (in their order) and the problems of those that could not be read."""
+    results: dict[Path, JobSummary | str] = {}
+    todo: list[Path] = []
+    signatures: dict[Path, tuple[int, ...]] = {}
+    for run_dir in run_dirs:
+        signatures[run_dir] = _ledger_signature(run_dir)
+        cached = cache.get(run_dir, signatures[run_dir]) if cache is not None else None
+        if cached is not None:
+            results[run_dir] = cached
+        else:
+            todo.append(run_dir)
+    # Default: half the CPUs (SMT siblings and the rest of the machine keep the other half); on a small
+    # machine that is one, and reading in this process beats starting workers.
+    num_workers = min(workers or max(1, (os.cpu_count() or 1) // 2), len(todo))
+    if num_workers > 1 and len(todo) >= _PARALLEL_FROM:
+        # forkserver: the caller may run threads (ettr serve), which fork does not copy safely.
+        with ProcessPoolExecutor(num_workers, mp_context=get_context("forkserver")) as pool:
+            chunk = max(1, len(todo) // (num_workers * 8))
+            for run_dir, result in zip(
+                todo, pool.map(load_run_dir, todo, [now] * len(todo), chunksize=chunk), strict=True
+            ):
+                results[run_dir] = result
+    else:
+        for run_dir in todo:
+            results[run_dir] = load_run_dir(run_dir, now)
+    summaries, problems = [], []
+    for run_dir in run_dirs:
+        result = results[run_dir]
+        if isinstance(result, str):
+            problems.append(result)
+            continue
+        summaries.append(result)
+        if cache is not None:
+            cache.put(run_dir, signatures[run_dir], result)
+    return summaries, problems
+
+
+def load_ledger_url(url: str, *, now: float) -> tuple[list[JobSummary], list[str]]:
+    """Summaries of every job in a shared ledger (`sqlite:///PATH` or `postgresql://...`)."""
+    try:
+        from ettr.ledger.url import (  # type: ignore[import-not-found, unused-ignore]
+            list_jobs,
+            open_url,
+        )
+    except ImportError:
+        raise UsageError(
+            f"{url}: this ettr has no shared-ledger support (ettr.ledger.url); give run directories instead"
+        ) from None
+    try:
+        job_ids = list_jobs(url)
+    except (LedgerError, OSError, ValueError) as exc:
+        raise UsageError(f"{url}: cannot list its jobs ({exc})") from None
+    summaries, problems = [], []
+    for job_id in job_ids:
+        try:
+            ledger = open_url(url, job_id=job_id)
+            try:
+                events = ledger.read()
+            finally:
+                ledger.close()
+        except (LedgerError, OSError, ValueError) as exc:
+            problems.append(f"{url} job {job_id}: {exc}")
+            continue
+        if events:
+            summaries.append(summarize_events(events, job_id=job_id, source=url, now=now))
+    if not summaries and not problems:
+        raise UsageError(f"{url}: the ledger holds no jobs yet")
+    return summaries, problems

@@ -1,0 +1,131 @@
+"""The Prometheus metrics of a fleet: metric families built from `JobSummary`s at scrape time.
+
+Names follow Prometheus conventions: base units (seconds, ratios 0..1), `_total` for counters, one
+`ettr_` prefix; labels are only `job`, `family`, `bucket` and `cause` (bounded: never step, rank or
+attempt), plus `version` on `ettr_build_info`. Each number is the same as in `ettr fleet --json`
+(ETT% / 100 for the ratios).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ettr.accounting import Cause
+from ettr.events import Bucket
+from ettr.fleet.aggregate import totals
+from ettr.fleet.model import JobSummary, version
+from ettr.fleet.preempt import preemption_costs
+from ettr.fleet.regress import find_regressions
+
+JOB_LABELS = ("job", "family")
+
+
+def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int = 0) -> list[Metric]:
+    """Every metric of the fleet of `jobs` at time `now`."""
+    build = InfoMetricFamily("ettr_build", "ettr that serves these metrics")
+    build.add_metric([], {"version": version()})
+    fleet = totals(jobs)
+    out: list[Metric] = [build]
+
+    def gauge(name: str, doc: str, labels: Sequence[str] = JOB_LABELS) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(labels))
+        out.append(g)
+        return g
+
+    def counter(name: str, doc: str, labels: Sequence[str] = JOB_LABELS) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(labels))
+        out.append(c)
+        return c
+
+    gauge(
+        "ettr_fleet_effective_training_ratio", "effective training / wall time, weighted by GPUs", ()
+    ).add_metric([], fleet.ett_pct / 100.0)
+    gauge("ettr_jobs", "jobs known", ()).add_metric([], float(len(jobs)))
+    gauge("ettr_jobs_unreadable", "run directories or jobs that could not be read", ()).add_metric(
+        [], float(num_problems)
+    )
+    fleet_buckets = counter(
+        "ettr_fleet_bucket_gpu_seconds", "wall time x GPUs of all jobs in each bucket", ("bucket",)
+    )
+    for b in Bucket:
+        fleet_buckets.add_metric([b.value], fleet.bucket_gpu_s[b])
+    fleet_failures = counter("ettr_fleet_failures", "failures of all jobs by cause", ("cause",))
+    for c in Cause:
+        fleet_failures.add_metric([c.value], float(fleet.failures_by_cause[c]))
+    ratio = gauge("ettr_effective_training_ratio", "effective training time / wall time of the job")
+    wall = counter("ettr_wall_seconds", "wall time of the job")
+    bucket_s = counter("ettr_bucket_seconds", "wall time of the job in each bucket", (*JOB_LABELS, "bucket"))
+    gpus = gauge("ettr_gpus", "GPUs (ranks, its world size) of the job")
+    running = gauge("ettr_running", "1 while the job runs")
+    tts = gauge("ettr_time_to_start_seconds", "allocation to the first training step")
+    ttr = gauge("ettr_mean_time_to_recover_seconds", "mean of failure detected to training again")
+    failures = counter("ettr_failures", "failures of the job by cause", (*JOB_LABELS, "cause"))
+    restarts = counter(
+        "ettr_restarts", "restarts of the job by the cause of the failure", (*JOB_LABELS, "cause")
+    )
+    unsaved = gauge(
+        "ettr_unsaved_work_seconds", "training time since the last checkpoint commit (running jobs)"
+    )
+    since_commit = gauge(
+        "ettr_time_since_last_commit_seconds", "time since the job's last checkpoint commit (running jobs)"
+    )
+    cost = gauge(
+        "ettr_preemption_cost_gpu_seconds", "(unsaved work + recovery time) x GPUs, if preempted now"
+    )
+    for j in jobs:
+        labels = [j.job_id, j.family]
+        ratio.add_metric(labels, j.ett_pct / 100.0)
+        wall.add_metric(labels, j.wall_s)
+        for b in Bucket:
+            bucket_s.add_metric([*labels, b.value], j.buckets_s[b])
+        gpus.add_metric(labels, float(j.gpus))
+        running.add_metric(labels, 1.0 if j.running else 0.0)
+        if j.tts_s is not None:
+            tts.add_metric(labels, j.tts_s)
+        if j.mean_ttr_s is not None:
+            ttr.add_metric(labels, j.mean_ttr_s)
+        num_failures = dict.fromkeys(Cause, 0)
+        num_restarts = dict.fromkeys(Cause, 0)
+        for f in j.failures:
+            num_failures[f.cause] += 1
+            if j.last_attempt is not None and f.attempt < j.last_attempt:
+                num_restarts[f.cause] += 1
+        for c in Cause:
+            failures.add_metric([*labels, c.value], float(num_failures[c]))
+            restarts.add_metric([*labels, c.value], float(num_restarts[c]))
+        if j.running and j.last_commit_ts is not None:
+            since_commit.add_metric(labels, max(0.0, now - j.last_commit_ts))
+    for price in preemption_costs(jobs, now):
+        unsaved.add_metric([price.job_id, price.family], price.unsaved_s)
+        cost.add_metric([price.job_id, price.family], price.cost_gpu_s)
+    per_family = dict.fromkeys(sorted({j.family for j in jobs}), 0)
+    for r in find_regressions(jobs):
+        per_family[r.family] += 1
+    regressions = gauge(
+        "ettr_regressions", "metrics of the family that regressed (ettr fleet --check)", ["family"]
+    )
+    for family, n in per_family.items():
+        regressions.add_metric([family], float(n))
+    return out
+
+
+class FleetCollector(Collector):
+    """Loads the fleet at each scrape (`load(now)` -> jobs, problems) and yields its metrics."""
+
+    def __init__(
+        self,
+        load: Callable[[float], tuple[list[JobSummary], list[str]]],
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._load = load
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        now = self._clock()
+        jobs, problems = self._load(now)
+        yield from metric_families(jobs, now, num_problems=len(problems))

@@ -1,0 +1,134 @@
+"""`JobSummary`: what the fleet keeps of one job's `EttReport` (small, picklable, no timeline)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ettr.accounting import Cause, EttReport, FailureCause
+from ettr.events import Bucket
+
+GPUS_WORLD_SIZE = "world_size"
+"""`gpus` is the world size the job's training processes recorded (one rank per accelerator)."""
+GPUS_RANKS = "ranks"
+"""`gpus` is the number of distinct ranks that started or stepped (no world size recorded)."""
+GPUS_ASSUMED = "assumed"
+"""Nothing said how many ranks ran: `gpus` is 1."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSummary:
+    """One job as the fleet sees it: the report's figures, its family and size, and its checkpoint state.
+
+    `gpus` counts the job's ranks (its world size): one rank per GPU in a GPU job; a CPU job's ranks count
+    the same way, so its "GPU-hours" are rank-hours (`gpus_source` says where the number came from).
+    """
+
+    job_id: str
+    family: str
+    source: str
+    """Where it was read from: a run directory, or a ledger URL."""
+    gpus: int
+    gpus_source: str
+    wall_start_ts: float
+    wall_end_ts: float
+    wall_s: float
+    ett_pct: float
+    idleness_pct: float
+    failure_pct: float
+    tts_s: float | None
+    ttr_s: tuple[float, ...]
+    num_failures: int
+    buckets_s: Mapping[Bucket, float]
+    failures: tuple[FailureCause, ...]
+    num_attempts: int
+    last_attempt: int | None
+    """Index of the job's last attempt (a failure of an earlier one was restarted)."""
+    in_progress: bool
+    """No JOB_END recorded."""
+    running: bool
+    """Believed to be running now (in progress, and its supervisor is alive or on another host)."""
+    last_commit_ts: float | None
+    """The newest checkpoint commit of the job, any attempt."""
+    progress_start_ts: float | None
+    """When the last attempt's training began (its work before that was restored or redone)."""
+
+    @property
+    def mean_ttr_s(self) -> float | None:
+        return sum(self.ttr_s) / len(self.ttr_s) if self.ttr_s else None
+
+    @property
+    def gpu_s(self) -> float:
+        return self.wall_s * self.gpus
+
+
+def summarize(
+    report: EttReport, *, family: str, source: str, gpus: int, gpus_source: str, running: bool
+) -> JobSummary:
+    """The fleet's view of one job's report."""
+    commits = [c.ts for c in report.checkpoint_commits]
+    last = report.attempts[-1] if report.attempts else None
+    failures = tuple(report.failures)
+    if running and last is not None and last.closed_by_accounting:
+        # The attempt running now has not failed: the report only closed it at the report time.
+        failures = tuple(f for f in failures if f.attempt != last.index)
+    return JobSummary(
+        job_id=report.job_id,
+        family=family,
+        source=source,
+        gpus=gpus,
+        gpus_source=gpus_source,
+        wall_start_ts=report.wall_start_ts,
+        wall_end_ts=report.wall_end_ts,
+        wall_s=report.wall_s,
+        ett_pct=report.ett_pct,
+        idleness_pct=report.idleness_pct,
+        failure_pct=report.failure_pct,
+        tts_s=report.tts_s,
+        ttr_s=tuple(report.ttr_s),
+        num_failures=report.num_failures - (len(report.failures) - len(failures)),
+        buckets_s=dict(report.buckets_s),  # a plain dict: summaries cross process boundaries (pickle)
+        failures=failures,
+        num_attempts=len(report.attempts),
+        last_attempt=None if last is None else last.index,
+        in_progress=report.in_progress,
+        running=running,
+        last_commit_ts=max(commits) if commits else None,
+        progress_start_ts=None if last is None else last.training_start_ts,
+    )
+
+
+@functools.cache
+def version() -> str:
+    """The installed ettr's version ("unknown" from a source checkout that is not installed)."""
+    try:
+        from importlib.metadata import version as distribution_version
+
+        return distribution_version("ettr")
+    except Exception:  # not installed as a distribution (a source checkout on PYTHONPATH)
+        return "unknown"
+
+
+_FIELDS = frozenset(f.name for f in fields(JobSummary))
+
+
+def summary_to_json(summary: JobSummary) -> dict[str, Any]:
+    """`summary` as plain JSON data (for the on-disk cache); `summary_from_json` reverses it exactly."""
+    out = asdict(summary)
+    out["buckets_s"] = {b.value: v for b, v in summary.buckets_s.items()}
+    out["failures"] = [{**asdict(f), "cause": f.cause.value} for f in summary.failures]
+    out["ttr_s"] = list(summary.ttr_s)
+    return out
+
+
+def summary_from_json(data: Mapping[str, Any]) -> JobSummary:
+    """The `JobSummary` of `summary_to_json`'s output. Raises KeyError/ValueError/TypeError when malformed."""
+    if set(data) != _FIELDS:
+        raise ValueError("not a JobSummary of this version")
+    values = dict(data)
+    values["buckets_s"] = {Bucket(k): float(v) for k, v in data["buckets_s"].items()}
+    values["failures"] = tuple(FailureCause(**{**f, "cause": Cause(f["cause"])}) for f in data["failures"])
+    values["ttr_s"] = tuple(float(t) for t in data["ttr_s"])
+    return JobSummary(**values)

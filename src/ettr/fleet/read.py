@@ -1,0 +1,94 @@
+"""Reading a run directory's SQLite ledger for the fleet: every event the accounting looks at, and only
+the first and last STEP/phase events of the ranks it does not draw the timeline from.
+
+The accounting draws each attempt's timeline from one reference rank (the lowest rank that wrote anything
+in that attempt, i.e. rank 0 when present: docs/buckets.md); of the other ranks it uses only their first
+and last timestamps and their non-step events (process starts, failures, commits, recompiles, resumes). A
+job of N ranks writes N STEP events per step, so skipping the rest reads about 1/N of a large job's
+events, and the report is the same: `tests/test_fleet.py` checks `compute` of this read equals `compute`
+of `SqliteLedger.read()` on every job it builds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sqlite3
+from pathlib import Path
+
+from ettr.events import Event, EventKind, Phase
+from ettr.ledger import LedgerError, ledger_path
+
+logger = logging.getLogger("ettr")
+
+_KINDS = {k.value: k for k in EventKind}
+_PHASES = {p.value: p for p in Phase}
+_QUERY = "SELECT ts, kind, attempt, rank, phase, step, value, data FROM events ORDER BY id"
+_SKIPPABLE = frozenset({EventKind.STEP.value, EventKind.PHASE_BEGIN.value, EventKind.PHASE_END.value})
+
+
+def read_for_accounting(run_dir: Path) -> list[Event]:
+    """The events of `run_dir`'s ledger that `ettr.accounting.compute` uses, in append order (see the
+    module docstring). Raises `LedgerError` when the ledger cannot be read."""
+    path = ledger_path(run_dir)
+    if not path.is_file():
+        raise LedgerError(f"no ledger at {path}")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30.0)
+        try:
+            version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            from ettr.events import SCHEMA_VERSION
+
+            if version is None or int(version[0]) > SCHEMA_VERSION:
+                raise LedgerError(f"{path}: ledger schema {version and version[0]} is not supported")
+            rows = conn.execute(_QUERY).fetchall()
+        finally:
+            conn.close()
+    except (sqlite3.DatabaseError, ValueError) as exc:
+        raise LedgerError(f"{path} is not a readable ettr ledger ({exc})") from None
+    # Per attempt, the reference rank (the lowest that wrote anything); per (attempt, rank) its first and
+    # last finite timestamps: the only things the accounting takes from the other ranks' steps and phases.
+    reference: dict[int, int] = {}
+    first: dict[tuple[int, int], float] = {}
+    last: dict[tuple[int, int], float] = {}
+    for ts, kind, attempt, rank, phase, *_ in rows:
+        if (
+            rank < 0
+            or not math.isfinite(ts)
+            or kind not in _KINDS
+            or (phase is not None and phase not in _PHASES)
+        ):
+            continue  # only what the ledger's own read() would return counts
+        if rank < reference.get(attempt, rank + 1):
+            reference[attempt] = rank
+        key = (attempt, rank)
+        if ts < first.get(key, math.inf):
+            first[key] = ts
+        if ts > last.get(key, -math.inf):
+            last[key] = ts
+    events: list[Event] = []
+    num_skipped = 0
+    kinds, phases, loads, skippable = _KINDS, _PHASES, json.loads, _SKIPPABLE
+    for ts, kind, attempt, rank, phase, step, value, data in rows:
+        if (
+            kind in skippable
+            and rank >= 0
+            and rank != reference.get(attempt)
+            and ts != first.get((attempt, rank))
+            and ts != last.get((attempt, rank))
+        ):
+            continue
+        kind_enum = kinds.get(kind)
+        phase_enum = None if phase is None else phases.get(phase)
+        if kind_enum is None or (phase is not None and phase_enum is None):
+            num_skipped += 1  # written by a newer ettr: keep reading what we understand
+            continue
+        try:
+            payload = None if data is None else loads(data)
+        except ValueError:
+            payload, num_skipped = None, num_skipped + 1
+        events.append(Event(kind_enum, ts, attempt, rank, phase_enum, step, value, payload))
+    if num_skipped:
+        logger.warning("ettr: %s: skipped %d unreadable ledger records", path, num_skipped)
+    return events

@@ -1,0 +1,194 @@
+"""Regression detection per job family: each job's TTS, mean TTR, ETT% and start-up/overhead buckets
+against the family's own history, robust to noise.
+
+Method (docs/fleet.md says why this and not a change-point library): jobs of a family in order of start;
+for each candidate first-changed job k (with at least `min_baseline` jobs before it), the baseline is the
+median of the jobs before k and the noise is their median absolute deviation (MAD, x1.4826 ~ one standard
+deviation for normal noise). Job k and the median of jobs k..newest must both be worse than the baseline by
+
+* at least `z_threshold` x (1 + 1/m) robust standard deviations, m the number of jobs k..newest (beyond the
+  family's own noise; a lone newest job is weaker evidence and must clear twice the threshold),
+* at least `min_rel_change` of the baseline, and
+* at least `min_abs_s` seconds (`min_abs_pct` points for ETT%),
+
+and at least half of jobs k..newest must be. The earliest such k is the first changed job. Jobs without a
+JOB_END (running, or their supervisor was lost) are left out: their figures are not final. A lone spike
+followed by normal jobs is not a regression (the median after it is normal); a change that was fixed
+since is not reported either (the jobs after the fix pull the median back). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ettr.events import Bucket
+from ettr.fleet.model import JobSummary
+
+MAD_TO_SIGMA = 1.4826
+"""MAD x this estimates the standard deviation of normally distributed noise."""
+
+# Buckets that move only because a failure happened: failures are counted and classified, and what each
+# recovery costs is checked as mean_ttr_s; effective training grows with the job's length, not a regression.
+_NOT_CHECKED = frozenset({Bucket.EFFECTIVE_TRAINING, Bucket.WASTED_PROGRESS, Bucket.RESTART})
+CHECKED_BUCKETS = tuple(b for b in Bucket if b not in _NOT_CHECKED)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegressionConfig:
+    """How big and how sure a change must be to be reported."""
+
+    min_baseline: int = 3
+    """Jobs of the family before the first changed one, at least."""
+    z_threshold: float = 4.0
+    """Robust z-score (change / (1.4826 x MAD of the baseline)) a change must reach."""
+    min_rel_change: float = 0.25
+    """Smallest change relative to the baseline (0.25 = 25%) for seconds metrics."""
+    min_abs_s: float = 1.0
+    """Smallest change in seconds for seconds metrics (timing jitter of short phases stays below it)."""
+    min_abs_pct: float = 10.0
+    """Smallest drop of ETT%, in percentage points. Large, because ETT% of short jobs swings with start-up
+    jitter that no single bucket shows; a real cause usually shows as a bucket, TTS or TTR regression too."""
+
+    def __post_init__(self) -> None:
+        if self.min_baseline < 2:
+            raise ValueError(f"min_baseline must be >= 2 (a MAD needs jobs), got {self.min_baseline}")
+        for name in ("z_threshold", "min_rel_change", "min_abs_s", "min_abs_pct"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Regression:
+    """A sustained change for the worse of one metric in one family."""
+
+    family: str
+    metric: str
+    """`tts_s`, `mean_ttr_s`, `ett_pct` or a bucket name (its seconds)."""
+    job_id: str
+    """The first job where it changed."""
+    first_job_start_ts: float
+    baseline: float
+    """Median of the jobs before `job_id`."""
+    value: float
+    """Median of `job_id` and the jobs after it."""
+    first_value: float
+    """The value of `job_id` itself."""
+    robust_z: float | None
+    """(value - baseline) / (1.4826 x MAD), signed so that worse is positive; None when the MAD is 0."""
+    num_baseline_jobs: int
+    num_changed_jobs: int
+    """Jobs from `job_id` to the newest."""
+
+    @property
+    def change(self) -> float:
+        return self.value - self.baseline
+
+
+@dataclass(frozen=True, slots=True)
+class _Metric:
+    name: str
+    value: Callable[[JobSummary], float | None]
+    worse_when_higher: bool
+    percent: bool
+
+
+def _bucket_metric(bucket: Bucket) -> _Metric:
+    return _Metric(bucket.value, lambda j: j.buckets_s[bucket], True, False)
+
+
+METRICS: tuple[_Metric, ...] = (
+    _Metric("tts_s", lambda j: j.tts_s, True, False),
+    _Metric("mean_ttr_s", lambda j: j.mean_ttr_s, True, False),
+    _Metric("ett_pct", lambda j: j.ett_pct, False, True),
+    *(_bucket_metric(b) for b in CHECKED_BUCKETS),
+)
+
+
+def _worse_by(
+    config: RegressionConfig, metric: _Metric, baseline: float, sigma: float, value: float, num_after: int
+) -> bool:
+    if not _big_enough(config, metric, baseline, value):
+        return False
+    delta = (value - baseline) if metric.worse_when_higher else (baseline - value)
+    # Fewer changed jobs are weaker evidence: a lone newest job must clear twice the z threshold.
+    return delta >= config.z_threshold * (1 + 1 / num_after) * sigma
+
+
+def _big_enough(config: RegressionConfig, metric: _Metric, baseline: float, value: float) -> bool:
+    """The change is worse and large enough to matter, whatever the noise."""
+    delta = (value - baseline) if metric.worse_when_higher else (baseline - value)
+    if delta <= 0:
+        return False
+    if metric.percent:
+        return delta >= config.min_abs_pct
+    return delta >= config.min_abs_s and delta >= config.min_rel_change * abs(baseline)
+
+
+def _median_of_sorted(ordered: Sequence[float]) -> float:
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _series_regression(
+    family: str, metric: _Metric, series: Sequence[tuple[JobSummary, float]], config: RegressionConfig
+) -> Regression | None:
+    values = [v for _, v in series]
+    base = sorted(values[: config.min_baseline])
+    for k in range(config.min_baseline, len(values)):
+        if k > config.min_baseline:
+            bisect.insort(base, values[k - 1])
+        baseline = _median_of_sorted(base)
+        if not _big_enough(config, metric, baseline, values[k]):
+            continue  # most jobs: no need for the MAD
+        sigma = MAD_TO_SIGMA * statistics.median(abs(v - baseline) for v in base)
+        tail = values[k:]
+        n = len(tail)
+        if not _worse_by(config, metric, baseline, sigma, values[k], n):
+            continue
+        value = statistics.median(tail)
+        if not _worse_by(config, metric, baseline, sigma, value, n):
+            continue
+        if 2 * sum(_worse_by(config, metric, baseline, sigma, v, n) for v in tail) < n:
+            continue
+        sign = 1.0 if metric.worse_when_higher else -1.0
+        return Regression(
+            family=family,
+            metric=metric.name,
+            job_id=series[k][0].job_id,
+            first_job_start_ts=series[k][0].wall_start_ts,
+            baseline=baseline,
+            value=value,
+            first_value=values[k],
+            robust_z=sign * (value - baseline) / sigma if sigma > 0 else None,
+            num_baseline_jobs=k,
+            num_changed_jobs=n,
+        )
+    return None
+
+
+def find_regressions(jobs: Sequence[JobSummary], config: RegressionConfig | None = None) -> list[Regression]:
+    """Every metric of every family that changed for the worse (see the module docstring), by family and
+    then by how large the change is relative to the baseline."""
+    config = config or RegressionConfig()
+    families: dict[str, list[JobSummary]] = {}
+    for j in sorted(jobs, key=lambda j: (j.wall_start_ts, j.job_id)):
+        if not j.in_progress:  # a running job's figures are not final; a lost one's books are not whole
+            families.setdefault(j.family, []).append(j)
+    found: list[Regression] = []
+    for family in sorted(families):
+        for metric in METRICS:
+            series = [(j, v) for j in families[family] if (v := metric.value(j)) is not None]
+            regression = _series_regression(family, metric, series, config)
+            if regression is not None:
+                found.append(regression)
+
+    def severity(r: Regression) -> float:
+        return abs(r.change) / abs(r.baseline) if r.baseline else math.inf
+
+    return sorted(found, key=lambda r: (r.family, -severity(r), r.metric))

@@ -1,0 +1,120 @@
+"""The terminal view of a `FleetReport`: fleet line, costliest buckets, families, days, worst jobs,
+failures by cause, regressions; and the preemption order. Plain ASCII columns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ettr.accounting import Cause
+from ettr.fleet.aggregate import Distribution, FleetReport, Totals
+from ettr.fleet.preempt import PreemptCost
+from ettr.fleet.regress import Regression
+from ettr.report.text import _table
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _dist(d: Distribution) -> str:
+    if not d.count:
+        return "-"
+    return f"p50 {_s(d.p50)} s, p90 {_s(d.p90)} s, max {_s(d.max)} s (n={d.count})"
+
+
+def _group_rows(groups: Mapping[str, Totals]) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
+    for name, t in groups.items():
+        rows.append(
+            (
+                name,
+                str(t.num_jobs),
+                f"{t.wall_gpu_s / 3600:.2f}",
+                f"{t.ett_pct:.1f}",
+                f"{t.idleness_pct:.1f}",
+                f"{t.failure_pct:.1f}",
+                str(t.num_failures),
+                _s(t.tts.p50),
+                _s(t.ttr.p50),
+            )
+        )
+    return rows
+
+
+_GROUP_HEADER = ("", "jobs", "gpu_h", "ETT%", "idle%", "fail%", "NoF", "TTS p50", "TTR p50")
+
+
+def regression_line(r: Regression) -> str:
+    unit = "%" if r.metric == "ett_pct" else " s"
+    return (
+        f"{r.family}: {r.metric} {r.baseline:.2f}{unit} -> {r.value:.2f}{unit} from job {r.job_id} "
+        f"({r.num_changed_jobs} job(s) since, baseline of {r.num_baseline_jobs})"
+    )
+
+
+def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
+    t = report.fleet
+    lines = [
+        f"fleet: {t.num_jobs} jobs, {t.wall_gpu_s / 3600:.2f} GPU-hours (wall x gpus) | ETT {t.ett_pct:.1f}% | "
+        f"idle {t.idleness_pct:.1f}% | failure {t.failure_pct:.1f}% | failures {t.num_failures} "
+        f"(infra {t.failures_by_cause[Cause.INFRA]})",
+        f"  TTS {_dist(t.tts)}",
+        f"  TTR {_dist(t.ttr)}",
+        "",
+        "lost GPU-hours by bucket (costliest first)",
+    ]
+    if report.costliest_buckets:
+        lines += [f"  {b.value:<22}{h:>10.3f}" for b, h in report.costliest_buckets]
+    else:
+        lines.append("  (none)")
+    lines += ["", "failures by cause (NoF, TTR p50)"]
+    causes = [(c, n) for c, n in t.failures_by_cause.items() if n]
+    lines += [f"  {c.value:<12}{n:>5}   {_s(t.ttr_by_cause[c].p50)} s" for c, n in causes] or ["  (none)"]
+    groups = (
+        ("families", "family", report.families),
+        ("days (UTC)", "day", report.days),
+        ("weeks (ISO, UTC)", "week", report.weeks),
+    )
+    for title, column, group in groups:
+        lines += ["", title]
+        lines += _table((column, *_GROUP_HEADER[1:]), _group_rows(group), indent="  ")
+    lines += ["", "worst jobs (lowest ETT%)"]
+    rows = [(j.job_id, j.family, f"{j.ett_pct:.1f}", f"{j.gpu_s / 3600:.2f}", str(j.gpus), str(j.num_failures))
+            for j in report.worst_jobs]  # fmt: skip
+    lines += _table(
+        ("job", "family", "ETT%", "gpu_h", "gpus", "NoF"), rows, indent="  ", left=frozenset({0, 1})
+    )
+    lines += ["", f"regressions ({len(report.regressions)})"]
+    lines += [f"  {regression_line(r)}" for r in report.regressions] or ["  (none)"]
+    if problems:
+        lines += ["", f"not read ({len(problems)})"] + [f"  {p}" for p in problems]
+    return "\n".join(lines) + "\n"
+
+
+def render_preempt(
+    costs: Sequence[PreemptCost], victims: Sequence[PreemptCost] | None, need: int | None
+) -> str:
+    if not costs:
+        return "no running job to preempt\n"
+    rows = [
+        (
+            str(i + 1),
+            c.job_id,
+            c.family,
+            str(c.gpus),
+            f"{c.cost_gpu_s:.1f}",
+            f"{c.unsaved_s:.1f}",
+            _s(c.recovery_s),
+            c.recovery_source,
+        )
+        for i, c in enumerate(costs)
+    ]
+    header = ("#", "job", "family", "gpus", "cost_gpu_s", "unsaved_s", "recovery_s", "recovery_from")
+    lines = ["preemption order (cheapest first; cost = (unsaved_s + recovery_s) x gpus)"]
+    lines += _table(header, rows, indent="  ", left=frozenset({1, 2, 7}))
+    if need is not None:
+        chosen = list(victims or ())
+        freed = sum(c.gpus for c in chosen)
+        verdict = "enough" if freed >= need else f"NOT enough: only {freed} GPUs run in preemptible jobs"
+        lines.append(f"victims for {need} GPUs: {' '.join(c.job_id for c in chosen) or '-'} ({verdict})")
+    return "\n".join(lines) + "\n"

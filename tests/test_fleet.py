@@ -1,0 +1,480 @@
+"""ettr fleet: failure causes, families, regressions (stable families stay quiet), preemption order, and
+the CLI over synthetic run directories written through the ledger API."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import replace
+
+import pytest
+
+from ettr.accounting import Cause, compute
+from ettr.cli import main
+from ettr.events import Bucket
+from ettr.family import derive_family
+from ettr.fleet.aggregate import build_fleet, quantile
+from ettr.fleet.model import JobSummary
+from ettr.fleet.preempt import choose_victims, preemption_costs
+from ettr.fleet.regress import RegressionConfig, find_regressions
+from ettr.testing.fleet import JobSpec, job_events, write_job
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """`ettr fleet` caches summaries under $XDG_CACHE_HOME: keep each test's to itself."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _report(spec: JobSpec):
+    events = job_events(spec)
+    return compute(events, max(e.ts for e in events), job_id=spec.job_id)
+
+
+# -- failure causes ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kind", "cause"),
+    [("user", Cause.USER), ("infra", Cause.INFRA), ("preemption", Cause.PREEMPTION), ("hang", Cause.HANG)],
+)
+def test_each_failure_gets_its_cause_evidence_and_ttr(kind, cause):
+    report = _report(JobSpec(job_id="j", fail_at_steps=(30, 60), failure_kind=kind))
+    assert report.num_failures == 2
+    assert [f.cause for f in report.failures] == [cause, cause]
+    assert all(f.evidence for f in report.failures)
+    assert [f.ttr_s for f in report.failures] == pytest.approx(list(report.ttr_s))
+    assert report.num_infra_failures == (2 if cause is Cause.INFRA else 0)
+
+
+def test_causes_from_the_supervisors_classification():
+    from ettr.accounting.causes import classify_failure
+    from ettr.accounting.model import AttemptReport
+    from ettr.events import Outcome
+
+    def attempt(outcome=Outcome.FAILED, closed=False, **failure):
+        return AttemptReport(index=0, start_ts=0, end_ts=1, outcome=outcome, exit_code=failure.pop("code", 1),
+                             resumed_from_step=None, last_step=None, lost_steps=0, buckets_s={},
+                             training_start_ts=None, num_steps=0, reference_rank=None,
+                             closed_by_accounting=closed, failure=failure, phases_s={})  # fmt: skip
+
+    assert classify_failure(attempt(signal="SIGKILL", oom=True))[0] is Cause.INFRA
+    assert "OOM" in classify_failure(attempt(signal="SIGKILL", oom=True))[1]
+    assert classify_failure(attempt(exception="OutOfMemoryError", oom=True))[0] is Cause.USER  # CUDA OOM
+    assert classify_failure(attempt(exception="DistBackendError"))[0] is Cause.INFRA
+    tail = ["[E] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5)", "RuntimeError: x"]
+    assert classify_failure(attempt(exception="RuntimeError", stderr_tail=tail))[0] is Cause.INFRA
+    assert (
+        classify_failure(attempt(exception="ValueError", reason="exit status 1: ValueError"))[0] is Cause.USER
+    )
+    assert classify_failure(attempt(process_failure={"exception": "KeyError"}))[0] is Cause.USER
+    assert classify_failure(attempt(signal="SIGBUS"))[0] is Cause.INFRA
+    lost = attempt(
+        signal=None, closed_from_ledger=True, reason="its supervisor was lost (killed) while it ran"
+    )
+    assert classify_failure(lost)[0] is Cause.INFRA
+    assert classify_failure(attempt(reason="cannot start: [Errno 2]", code=127))[0] is Cause.USER
+    assert classify_failure(attempt(reason="exit status 3"))[0] is Cause.UNKNOWN
+    assert classify_failure(attempt(closed=True))[0] is Cause.UNKNOWN
+    assert classify_failure(attempt(Outcome.PREEMPTED, signal="SIGTERM"))[0] is Cause.PREEMPTION
+    assert classify_failure(attempt(Outcome.HUNG))[0] is Cause.HANG
+
+
+def test_report_json_and_text_show_failures_by_cause():
+    from ettr.report.json import to_dict
+    from ettr.report.text import render
+
+    report = _report(JobSpec(job_id="j", fail_at_steps=(30,), failure_kind="infra"))
+    out = to_dict(report, include_segments=False)
+    assert out["num_failures_by_cause"]["infra"] == 1 and out["num_infra_failures"] == 1
+    assert out["ttr_s_by_cause"]["infra"] == pytest.approx(list(report.ttr_s))
+    assert out["failures"][0]["cause"] == "infra"
+    assert "failures by cause (NoF, mean TTR): infra 1" in render(report)
+
+
+# -- families ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("command", "family"),
+    [
+        (["python", "train.py", "--lr", "3"], "train"),
+        (["/usr/bin/python3", "-u", "jobs/pretrain.py"], "pretrain"),
+        (["python", "-m", "mypkg.train", "--x"], "mypkg.train"),
+        (["torchrun", "--nproc-per-node", "8", "--standalone", "scripts/ft.py", "-c", "a.yaml"], "ft"),
+        (["torchrun", "--nnodes=2", "--rdzv-endpoint", "h:1", "-m", "mypkg.train"], "mypkg.train"),
+        (["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "x/t.py"], "t"),
+        (["./launch.sh", "1"], "launch.sh"),
+        (["python", "-c", "print(1)"], "python"),
+    ],
+)
+def test_family_is_derived_from_the_command_not_its_arguments(command, family):
+    assert derive_family(command) == family
+
+
+# -- regressions ---------------------------------------------------------------------------------------------
+def _summary(
+    i: int, family: str = "f", *, compile_s: float = 3.0, init_s: float = 5.0, **extra
+) -> JobSummary:
+    buckets = dict.fromkeys(Bucket, 0.0)
+    buckets.update({Bucket.COMPILE: compile_s, Bucket.INIT: init_s, Bucket.EFFECTIVE_TRAINING: 100.0})
+    wall = sum(buckets.values())
+    fields = dict(job_id=f"{family}-{i}", family=family, source="x", gpus=1, gpus_source="world_size",
+                  wall_start_ts=T0 + i * 100, wall_end_ts=T0 + i * 100 + wall, wall_s=wall,
+                  ett_pct=100.0 * 100 / wall, idleness_pct=100 - 100.0 * 100 / wall, failure_pct=0.0,
+                  tts_s=compile_s + init_s, ttr_s=(), num_failures=0, buckets_s=buckets, failures=(),
+                  num_attempts=1, last_attempt=0, in_progress=False, running=False, last_commit_ts=None,
+                  progress_start_ts=None)  # fmt: skip
+    fields.update(extra)
+    return JobSummary(**fields)
+
+
+def test_compile_doubling_from_one_job_on_is_flagged_at_that_job():
+    rng = random.Random(3)
+    jobs = [_summary(i, compile_s=3.0 * rng.uniform(0.95, 1.05) * (2 if i >= 6 else 1)) for i in range(9)]
+    found = find_regressions(jobs)
+    compile_ = next(r for r in found if r.metric == "compile")
+    assert compile_.job_id == "f-6" and compile_.family == "f"
+    assert compile_.baseline == pytest.approx(3.0, rel=0.06) and compile_.value == pytest.approx(
+        6.0, rel=0.06
+    )
+    assert found[0].metric == "compile"  # the largest relative change first
+    assert {r.metric for r in found} <= {"compile", "tts_s", "ett_pct"}
+
+
+def test_a_change_in_the_newest_job_alone_is_flagged():
+    jobs = [_summary(i) for i in range(5)] + [_summary(5, compile_s=6.0)]
+    assert [(r.metric, r.job_id) for r in find_regressions(jobs) if r.metric == "compile"] == [
+        ("compile", "f-5")
+    ]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stable_noisy_families_are_not_flagged(seed):
+    rng = random.Random(seed)
+    # Real timing noise: +-15% jitter and a rare slow start-up (a loaded machine) that does not persist.
+    jobs = []
+    for i in range(12):
+        slow = 1.5 if rng.random() < 0.1 and i < 11 else 1.0
+        jobs.append(
+            _summary(i, compile_s=3.0 * rng.uniform(0.85, 1.15), init_s=5.0 * rng.uniform(0.85, 1.15) * slow)
+        )
+    assert find_regressions(jobs) == []
+
+
+def test_a_spike_is_not_a_regression_and_a_fixed_one_is_no_longer_reported():
+    spike = [_summary(i, compile_s=9.0 if i == 4 else 3.0) for i in range(8)]
+    assert find_regressions(spike) == []
+    fixed = [_summary(i, compile_s=6.0 if 4 <= i < 6 else 3.0) for i in range(12)]
+    assert find_regressions(fixed) == []
+
+
+def test_families_are_judged_against_their_own_history_only():
+    jobs = [_summary(i, "fast", compile_s=1.0) for i in range(5)] + [
+        _summary(i, "slow", compile_s=30.0) for i in range(5)
+    ]
+    assert find_regressions(jobs) == []
+    with pytest.raises(ValueError, match="min_baseline"):
+        RegressionConfig(min_baseline=1)
+
+
+def test_running_jobs_are_not_judged_yet():
+    jobs = [_summary(i) for i in range(5)] + [_summary(5, compile_s=9.0, in_progress=True, running=True)]
+    assert find_regressions(jobs) == []
+
+
+# -- aggregation ---------------------------------------------------------------------------------------------
+def test_fleet_shares_are_weighted_by_wall_time_times_gpus():
+    small = _summary(0, "a", gpus=1)
+    big = replace(_summary(1, "b", compile_s=50.0), gpus=8)
+    report = build_fleet([small, big])
+    expected = (small.ett_pct * small.wall_s + big.ett_pct * big.wall_s * 8) / (small.wall_s + big.wall_s * 8)
+    assert report.fleet.ett_pct == pytest.approx(expected)
+    assert report.fleet.bucket_gpu_s[Bucket.COMPILE] == pytest.approx(3.0 + 50.0 * 8)
+    assert report.costliest_buckets[0][0] is Bucket.COMPILE
+    assert report.worst_jobs[0].job_id == big.job_id
+    assert set(report.families) == {"a", "b"}
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+
+
+# -- preemption ----------------------------------------------------------------------------------------------
+def test_a_job_that_just_committed_is_cheaper_to_preempt():
+    now = T0 + 1000
+    base = dict(in_progress=True, running=True, progress_start_ts=T0 + 100, ttr_s=(20.0,))
+    just = _summary(0, last_commit_ts=now - 2, **base)
+    stale = _summary(1, last_commit_ts=now - 300, **base)
+    never = _summary(2, last_commit_ts=None, **base)
+    done = _summary(3)  # finished: not a candidate
+    costs = preemption_costs([stale, never, done, just], now)
+    assert [c.job_id for c in costs] == ["f-0", "f-1", "f-2"]
+    assert costs[0].unsaved_s == pytest.approx(2.0) and costs[0].recovery_s == 20.0
+    assert costs[0].cost_gpu_s == pytest.approx(22.0)
+    assert costs[2].unsaved_s == pytest.approx(900.0)  # never committed: everything since it began training
+    victims, enough = choose_victims(costs, 2)
+    assert [v.job_id for v in victims] == ["f-0", "f-1"] and enough
+    assert choose_victims(costs, 10)[1] is False
+
+
+def test_recovery_time_falls_back_to_the_family_then_to_tts():
+    now = T0 + 1000
+    history = _summary(0, ttr_s=(40.0, 60.0))
+    fresh = _summary(1, in_progress=True, running=True, progress_start_ts=now - 10)
+    lonely = _summary(2, "other", in_progress=True, running=True, progress_start_ts=now - 10)
+    costs = {c.job_id: c for c in preemption_costs([history, fresh, lonely], now)}
+    assert costs["f-1"].recovery_source == "family_ttr" and costs["f-1"].recovery_s == 50.0
+    assert costs["other-2"].recovery_source == "tts" and costs["other-2"].recovery_s == lonely.tts_s
+
+
+# -- the command over run directories ------------------------------------------------------------------------
+@pytest.fixture
+def runs(tmp_path):
+    for i in range(6):
+        write_job(tmp_path / "runs" / f"a{i}", JobSpec(job_id=f"a{i}", family="alpha", start_ts=T0 + i * 1000,
+                                                       compile_s=6.0 if i >= 4 else 3.0))  # fmt: skip
+    for i in range(4):
+        spec = JobSpec(job_id=f"b{i}", family="beta", start_ts=T0 + i * 1000 + 50, world_size=4,
+                       fail_at_steps=(30,) if i == 2 else (), failure_kind="infra")  # fmt: skip
+        write_job(tmp_path / "runs" / "nested" / f"b{i}", spec)
+    return tmp_path / "runs"
+
+
+def test_fleet_json_has_the_contract_keys_and_finds_the_regression(runs, capsys):
+    assert main(["fleet", str(runs), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schema"] == "ettr.fleet/1"
+    assert len(out["jobs"]) == 10
+    for job in out["jobs"]:
+        assert {"job_id", "family", "wall_s", "ett_pct", "tts_s", "num_failures", "gpus", "start_ts"} <= set(
+            job
+        )
+    assert {j["job_id"]: j["gpus"] for j in out["jobs"]}["b0"] == 4
+    wall_gpu = sum(j["wall_s"] * j["gpus"] for j in out["jobs"])
+    assert out["ett_pct"] == pytest.approx(
+        sum(j["ett_pct"] * j["wall_s"] * j["gpus"] for j in out["jobs"]) / wall_gpu
+    )
+    assert out["num_failures_by_cause"]["infra"] == 1
+    compile_ = [r for r in out["regressions"] if r["metric"] == "compile"]
+    assert len(compile_) == 1 and compile_[0]["job_id"] == "a4" and compile_[0]["family"] == "alpha"
+    assert {"job_id", "family", "metric", "baseline", "value"} <= set(compile_[0])
+    assert compile_[0]["baseline"] == pytest.approx(3.0) and compile_[0]["value"] == pytest.approx(6.0)
+    assert all(r["family"] == "alpha" for r in out["regressions"])  # beta is stable (one infra failure)
+    assert set(out["families"]) == {"alpha", "beta"}
+
+
+def test_fleet_check_exit_status(runs, tmp_path, capsys):
+    assert main(["fleet", str(runs), "--check"]) == 1
+    text = capsys.readouterr().out
+    assert "alpha: compile 3.00 s -> 6.00 s from job a4" in text
+    assert main(["fleet", str(runs / "nested"), "--check"]) == 0  # beta alone: stable
+    assert main(["fleet", str(runs / "a0"), str(runs / "a1"), "--check"]) == 0  # one run dir each, too short
+
+
+def test_fleet_since_and_html(runs, tmp_path, capsys):
+    page = tmp_path / "fleet.html"
+    assert main(["fleet", str(runs), "--since", str(T0 + 3500), "--json", "--html", str(page)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(j["job_id"] for j in out["jobs"]) == ["a4", "a5"]
+    assert [r["job_id"] for r in out["regressions"] if r["metric"] == "compile"] == ["a4"]
+    html = page.read_text()
+    assert (
+        html.startswith("<!DOCTYPE html>")
+        and "regression-mark" in html
+        and "http" not in html.replace("http://www.w3.org/2000/svg", "")
+    )
+
+
+def test_preempt_order_from_run_dirs(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    # Jobs of a supervisor on another host, active a minute ago: running (their pids cannot be checked).
+    elsewhere = dict(
+        running=True, host="another-host", num_steps=40, ckpt_every=20, start_ts=time.time() - 80
+    )
+    write_job(runs / "committed", JobSpec(job_id="committed", **elsewhere))  # committed at its last step
+    write_job(runs / "uncommitted", JobSpec(job_id="uncommitted", **{**elsewhere, "num_steps": 39}))
+    write_job(runs / "done", JobSpec(job_id="done"))
+    assert main(["fleet", str(runs), "--preempt-order", "--need-gpus", "1", "--json"]) == 0
+    order = json.loads(capsys.readouterr().out)["preempt_order"]
+    assert [o["job_id"] for o in order["order"]] == ["committed", "uncommitted"]
+    assert order["victims"] == ["committed"] and order["enough"] is True
+    assert main(["fleet", str(runs), "--preempt-order"]) == 0
+    assert "cheapest first" in capsys.readouterr().out
+    assert main(["fleet", str(runs), "--json"]) == 0
+    jobs = {j["job_id"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
+    assert jobs["committed"]["running"] and jobs["committed"]["num_failures"] == 0  # running is not failing
+    assert jobs["committed"]["failures"] == []
+
+
+def test_a_silent_job_of_another_hosts_supervisor_is_not_running(tmp_path, capsys):
+    spec = JobSpec(
+        job_id="lost", running=True, host="another-host", num_steps=10, start_ts=time.time() - 3600
+    )
+    write_job(tmp_path / "lost", spec)  # its supervisor was lost an hour ago without a JOB_END
+    assert main(["fleet", str(tmp_path), "--json"]) == 0
+    (job,) = json.loads(capsys.readouterr().out)["jobs"]
+    assert job["in_progress"] and not job["running"]
+    assert job["wall_s"] < 60  # closed at its last event, not stretched to now
+    assert job["failures"][0]["cause"] == "unknown"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["fleet"], "give run directories or --ledger"),
+        (["fleet", "/nonexistent/runs"], "no such file or directory"),
+        (["fleet", "{tmp}"], "no ettr run directory"),
+        (["fleet", "{tmp}", "--need-gpus", "2"], "--need-gpus goes with --preempt-order"),
+        (["fleet", "{tmp}", "--since", "yesterday"], "is not a time"),
+        (["serve", "/nonexistent/runs"], "no such file or directory"),
+        (["serve", "{tmp}", "--port", "99999"], "not a port number"),
+        (["fleet", "--ledger", "sqlite:///{tmp}/x.db"], "sqlite:///"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith(f"ettr {argv[0]}")
+
+
+def test_an_unreadable_run_dir_is_skipped_and_named(runs, capsys):
+    (runs / "broken").mkdir()
+    (runs / "broken" / "ledger.db").write_bytes(b"not a database at all" * 100)
+    assert main(["fleet", str(runs), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped" in captured.err and "broken" in captured.err
+    assert len(json.loads(captured.out)["problems"]) == 1
+
+
+def test_a_second_run_reads_finished_jobs_from_the_cache_until_a_ledger_changes(runs, tmp_path, capsys):
+    from ettr.events import SUPERVISOR_RANK, Event, EventKind
+    from ettr.ledger import open_ledger
+
+    cache = tmp_path / "cache" / "ettr" / "fleet"
+    assert main(["fleet", str(runs), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert len(list(cache.glob("*.json"))) == 10
+    for path in cache.glob("*.json"):  # poison the numbers: a second run must read them, not the ledgers
+        data = json.loads(path.read_text())
+        data["summary"]["tts_s"] = -1.0
+        path.write_text(json.dumps(data))
+    assert main(["fleet", str(runs), "--json"]) == 0
+    assert {j["tts_s"] for j in json.loads(capsys.readouterr().out)["jobs"]} == {-1.0}
+    assert main(["fleet", str(runs), "--json", "--no-cache"]) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    ledger = open_ledger(runs / "a0", create=False)  # a requeued job appends: its entry is stale
+    ledger.append([Event(EventKind.MARK, T0 + 10**5, 0, SUPERVISOR_RANK, data={"name": "x"})])
+    ledger.close()
+    assert main(["fleet", str(runs), "--json"]) == 0
+    tts = {j["job_id"]: j["tts_s"] for j in json.loads(capsys.readouterr().out)["jobs"]}
+    assert tts["a0"] == first["jobs"][0]["tts_s"] and tts["a1"] == -1.0
+    (cache / "garbage.json").write_text("{")
+    for path in cache.glob("*.json"):
+        path.write_text("not json")
+    assert main(["fleet", str(runs), "--json"]) == 0  # an unreadable cache only costs time
+    assert json.loads(capsys.readouterr().out)["jobs"] == first["jobs"]
+
+
+# -- the fleet's read of a ledger ----------------------------------------------------------------------------
+def _random_job(rng: random.Random) -> list:
+    """A job whose ranks write steps and phases out of step with each other; some attempts lack rank 0, some
+    have no supervisor, some events share timestamps."""
+    from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
+
+    events = []
+    t = T0
+    supervised = rng.random() < 0.5
+    if supervised:
+        events.append(Event(EventKind.SUPERVISOR_START, t, 0, SUPERVISOR_RANK, data={"pid": 1}))
+    for attempt in range(rng.choice((1, 2, 3, 3))):
+        ranks = rng.sample(range(4), rng.randint(2, 4))
+        if supervised:
+            events.append(Event(EventKind.ATTEMPT_START, t, attempt, SUPERVISOR_RANK))
+        for rank in ranks:
+            events.append(
+                Event(EventKind.PROCESS_START, t + rng.random(), attempt, rank, data={"world_size": 4})
+            )
+        for n in range(rng.randint(0, 30)):
+            t += rng.choice((0.0, 0.1, 0.5))
+            for rank in ranks:
+                kind = rng.choice(
+                    (EventKind.STEP, EventKind.STEP, EventKind.PHASE_BEGIN, EventKind.PHASE_END)
+                )
+                phase = (
+                    None
+                    if kind is EventKind.STEP
+                    else rng.choice((Phase.INIT, Phase.COMPILE, Phase.CHECKPOINT_BLOCKING))
+                )
+                value = t - 0.05 if kind is EventKind.PHASE_END else None
+                events.append(
+                    Event(
+                        kind,
+                        t + rng.random() * 0.2,
+                        attempt,
+                        rank,
+                        phase,
+                        n if kind is EventKind.STEP else None,
+                        value,
+                    )
+                )
+            if rng.random() < 0.1:
+                events.append(
+                    Event(
+                        EventKind.CHECKPOINT_COMMIT, t, attempt, rng.choice(ranks), step=n, data={"path": "p"}
+                    )
+                )
+        if rng.random() < 0.3:
+            events.append(Event(EventKind.RESUMED, t, attempt, rng.choice(ranks), step=rng.randint(0, 5)))
+        if rng.random() < 0.5:  # a straggler rank steps after the others
+            events.append(Event(EventKind.STEP, t + 0.5, attempt, max(ranks), step=99))
+        t += 1.0
+        if supervised and rng.random() < 0.8:
+            events.append(
+                Event(
+                    EventKind.ATTEMPT_END,
+                    t,
+                    attempt,
+                    SUPERVISOR_RANK,
+                    data={"outcome": "failed", "exit_code": 1},
+                )
+            )
+    if supervised and rng.random() < 0.7:
+        events.append(Event(EventKind.JOB_END, t + 1, 0, SUPERVISOR_RANK, data={"exit_status": 1}))
+    rng.shuffle(events)  # append order is not time order across processes
+    return events
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_fleets_read_gives_the_same_report_as_the_full_ledger(seed, tmp_path):
+    from ettr.fleet.read import read_for_accounting
+    from ettr.ledger import open_ledger
+    from ettr.report.json import to_dict
+
+    rng = random.Random(seed)
+    if seed % 4 == 0:
+        spec = JobSpec(job_id="j", world_size=rng.choice((2, 8)), fail_at_steps=(30,), num_steps=60)
+        write_job(tmp_path, spec)
+    else:
+        ledger = open_ledger(tmp_path)
+        ledger.append(_random_job(rng))
+        ledger.close()
+    ledger = open_ledger(tmp_path, create=False)
+    full = ledger.read()
+    ledger.close()
+    fewer = read_for_accounting(tmp_path)
+    assert len(fewer) <= len(full)
+    now = max(e.ts for e in full) + 5
+    assert to_dict(compute(fewer, now, job_id="j")) == to_dict(compute(full, now, job_id="j"))
+
+
+@pytest.mark.slow
+def test_worker_processes_read_the_same_summaries(tmp_path):
+    from ettr.fleet.load import find_run_dirs, load_run_dirs
+
+    for i in range(16):
+        spec = JobSpec(job_id=f"w{i}", start_ts=T0 + i, num_steps=20, world_size=1 + i % 3,
+                       fail_at_steps=(10,) if i % 5 == 0 else ())  # fmt: skip
+        write_job(tmp_path / f"w{i}", spec)
+    run_dirs = find_run_dirs([tmp_path])
+    alone, _ = load_run_dirs(run_dirs, now=T0, workers=1)
+    pooled, problems = load_run_dirs(run_dirs, now=T0, workers=2)
+    assert not problems and pooled == alone and len(pooled) == 16

@@ -1,0 +1,133 @@
+"""ettr serve: a real scrape of /metrics on a loopback port, parsed with prometheus-client's own parser,
+equals `ettr fleet --json` number for number; labels stay within job, family, bucket, cause."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ettr.cli import main
+from ettr.testing.fleet import JobSpec, write_job
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def runs(tmp_path):
+    for i in range(5):
+        spec = JobSpec(job_id=f"j{i}", family="alpha" if i < 3 else "beta", start_ts=T0 + i * 500,
+                       world_size=1 + i % 2, fail_at_steps=(40,) if i == 1 else (), failure_kind="infra")  # fmt: skip
+        write_job(tmp_path / f"j{i}", spec)
+    write_job(tmp_path / "u", JobSpec(job_id="u", family="beta", start_ts=T0 + 3000, fail_at_steps=(10,)))
+    return tmp_path
+
+
+def _scrape(port: int) -> dict[str, list]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def test_scrape_parses_and_equals_fleet_json(runs, capsys):
+    from ettr.fleet.serve import loader, start_server
+
+    assert main(["fleet", str(runs), "--json"]) == 0
+    fleet = json.loads(capsys.readouterr().out)
+    args = argparse.Namespace(run_dirs=[str(runs)], ledger=None, workers=1, no_cache=True)
+    server = start_server(loader(args), port=0, addr="127.0.0.1")
+    try:
+        samples = _scrape(server.port)
+        again = _scrape(server.port)  # the second scrape comes from the cache of finished jobs
+    finally:
+        server.close()
+    assert {k: [(s.labels, s.value) for s in v] for k, v in samples.items()} == {
+        k: [(s.labels, s.value) for s in v] for k, v in again.items()
+    }
+    allowed = {"job", "family", "bucket", "cause"}
+    for name, rows in samples.items():
+        for s in rows:
+            assert set(s.labels) <= (allowed | {"version"} if name == "ettr_build_info" else allowed), name
+
+    def by_job(name: str, **match) -> dict[str, float]:
+        rows = [s for s in samples[name] if all(s.labels.get(k) == v for k, v in match.items())]
+        return {s.labels["job"]: s.value for s in rows}
+
+    jobs = {j["job_id"]: j for j in fleet["jobs"]}
+    assert samples["ettr_fleet_effective_training_ratio"][0].value == pytest.approx(
+        fleet["ett_pct"] / 100, rel=1e-12
+    )
+    assert by_job("ettr_effective_training_ratio") == pytest.approx(
+        {k: j["ett_pct"] / 100 for k, j in jobs.items()}
+    )
+    assert by_job("ettr_gpus") == {k: j["gpus"] for k, j in jobs.items()}
+    assert by_job("ettr_wall_seconds_total") == {k: j["wall_s"] for k, j in jobs.items()}
+    for bucket in ("compile", "init", "effective_training", "wasted_progress", "checkpoint_blocking"):
+        assert by_job("ettr_bucket_seconds_total", bucket=bucket) == {
+            k: j["buckets_s"][bucket] for k, j in jobs.items()
+        }
+    assert by_job("ettr_time_to_start_seconds") == {k: j["tts_s"] for k, j in jobs.items()}
+    for cause in ("infra", "user", "preemption", "hang", "unknown"):
+        expected = {k: float(sum(f["cause"] == cause for f in j["failures"])) for k, j in jobs.items()}
+        assert by_job("ettr_failures_total", cause=cause) == expected
+    assert by_job("ettr_failures_total", cause="infra")["j1"] == 1.0
+    assert by_job("ettr_restarts_total", cause="user")["u"] == 1.0
+    assert {s.labels["family"]: s.value for s in samples["ettr_regressions"]} == {"alpha": 0.0, "beta": 0.0}
+    assert samples["ettr_jobs"][0].value == len(jobs)
+    fleet_buckets = {s.labels["bucket"]: s.value for s in samples["ettr_fleet_bucket_gpu_seconds_total"]}
+    assert fleet_buckets == pytest.approx(
+        {b: h * 3600 for b, h in fleet["bucket_gpu_hours"].items()}, rel=1e-12
+    )
+    fleet_failures = {s.labels["cause"]: s.value for s in samples["ettr_fleet_failures_total"]}
+    assert fleet_failures == {c: float(n) for c, n in fleet["num_failures_by_cause"].items()}
+    assert samples["ettr_build_info"][0].value == 1.0
+
+
+def test_running_jobs_export_unsaved_work_and_time_since_commit(tmp_path):
+    from ettr.fleet.load import find_run_dirs, load_run_dirs
+    from ettr.fleet.metrics import metric_families
+
+    now = time.time()
+    spec = JobSpec(job_id="r", running=True, host="elsewhere", num_steps=30, ckpt_every=20, start_ts=now - 60)
+    write_job(tmp_path / "r", spec)
+    jobs, problems = load_run_dirs(find_run_dirs([tmp_path]), now=now)
+    assert not problems and jobs[0].running
+    metrics = {m.name: m for m in metric_families(jobs, now)}
+    since = metrics["ettr_time_since_last_commit_seconds"].samples[0].value
+    unsaved = metrics["ettr_unsaved_work_seconds"].samples[0].value
+    assert since == pytest.approx(now - jobs[0].last_commit_ts)
+    assert unsaved == pytest.approx(since)  # it committed after it began training
+    assert metrics["ettr_preemption_cost_gpu_seconds"].samples[0].value >= unsaved
+
+
+def test_grafana_dashboard_queries_only_metrics_that_are_served(runs):
+    import re
+
+    from ettr.fleet.load import find_run_dirs, load_run_dirs
+    from ettr.fleet.metrics import metric_families
+
+    jobs, _ = load_run_dirs(find_run_dirs([runs]), now=T0)
+    jobs = [*jobs, replace(jobs[0], job_id="live", running=True, in_progress=True, last_commit_ts=T0)]
+    served = {s.name for m in metric_families(jobs, T0 + 10) for s in m.samples}
+    dashboard = json.loads(
+        (Path(__file__).parent.parent / "docs" / "grafana" / "ettr-fleet.json").read_text()
+    )
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"])
+    used = {name for e in exprs for name in re.findall(r"\bettr_[a-z_]+", e)}
+    assert used and used <= served, used - served
