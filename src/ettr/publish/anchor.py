@@ -169,9 +169,7 @@ def write_anchor(
     if decision[0]:
         return storage.path(name), True
     try:
-        dcp.save(
-            {ANCHOR_STATE_KEY: state}, storage_writer=storage.dcp_writer(name), no_dist=not distributed
-        )
+        dcp.save({ANCHOR_STATE_KEY: state}, storage_writer=storage.dcp_writer(name), no_dist=not distributed)
     except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure (a BaseException)
         raise PublishError(
             f"cannot write the anchor {storage.path(name)}: {describe_error(exc)[:500]}"
