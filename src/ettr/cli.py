@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ettr.errors import UsageError
 
@@ -284,10 +284,10 @@ def _publish(args: argparse.Namespace) -> int:
     return publish(args)
 
 
-def _lazy(module: str, name: str) -> Callable:
+def _lazy(module: str, name: str) -> Callable[[Any], Any]:
     """`module.name`, imported when first called (the CLI imports no command's module up front)."""
 
-    def call(arg):  # type: ignore[no-untyped-def]
+    def call(arg: Any) -> Any:
 
         return getattr(importlib.import_module(module), name)(arg)
 

@@ -272,7 +272,7 @@ def publish_at_end(
                 anchor_path=anchor_path,
                 reused=reused,
                 anchor_s=anchor_s,
-                mode=config.mode,
+                mode=PublishMode(config.mode),
             )
             if inside:
                 try:

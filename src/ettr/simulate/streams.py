@@ -37,7 +37,7 @@ class PoissonSource:
         size = int(expected + 4.0 * math.sqrt(expected) + 16)
         gaps = self._rng.exponential(1.0 / self._rate_per_s, size)
         times = start_s + np.cumsum(gaps)
-        return times.tolist()  # type: ignore[no-any-return]
+        return list(times.tolist())
 
 
 class WeibullNodesSource:
@@ -64,7 +64,7 @@ class WeibullNodesSource:
         if not found:
             return []
         times = np.sort(np.concatenate(found))
-        return times[times > start_s].tolist()  # type: ignore[no-any-return]
+        return list(times[times > start_s].tolist())
 
 
 class EventStream:
