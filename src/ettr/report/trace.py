@@ -35,8 +35,8 @@ from ettr.accounting.attempts import pair_phases
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import PHASE_BUCKET, SUPERVISOR_RANK, Bucket, Event, EventKind
-from ettr.report.startup_charts import recoveries, tts_window
 from ettr.report.json import _plain as plain
+from ettr.report.startup_charts import recoveries, tts_window
 
 SCHEMA = "ettr.trace/1"
 """`otherData.schema` of the traces this module writes."""
