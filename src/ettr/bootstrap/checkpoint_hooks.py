@@ -76,9 +76,9 @@ class CheckpointHooks:
             found: dict[str, int] = {}
             run_dir = self.rec.run_dir
             if run_dir is not None:
-                from ettr.ledger import read_ledger
+                from ettr.ledger import read_run_events
 
-                for e in read_ledger(run_dir):
+                for e in read_run_events(run_dir):
                     path = (e.data or {}).get("path")
                     if (
                         e.kind is EventKind.CHECKPOINT_COMMIT

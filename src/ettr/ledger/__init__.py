@@ -16,7 +16,7 @@ __all__ = [
     "SqliteLedger",
     "open_ledger",
     "ledger_path",
-    "read_ledger",
+    "read_run_events",
 ]
 
 
@@ -30,10 +30,12 @@ def open_ledger(run_dir: str | os.PathLike[str], *, create: bool = True) -> Sqli
     return SqliteLedger(ledger_path(run_dir), create=create)
 
 
-def read_ledger(run_dir: str | os.PathLike[str]) -> list[Event]:
-    """Every event of an existing run directory's ledger, in append order (open, read, close).
+def read_run_events(run_dir: str | os.PathLike[str]) -> list[Event]:
+    """Every event so far of the job whose run directory is `run_dir`, in append order (open, read, close).
 
-    Raises `LedgerError` when there is no ledger or it cannot be read (callers decide how loud to be).
+    The one read of a run's books. Raises `LedgerError` when there is no ledger or it cannot be read
+    (callers decide how loud to be). (The shared-ledger work reads the `ETTR_LEDGER` URL here instead when
+    this process runs inside that very run.)
     """
     ledger = open_ledger(run_dir, create=False)
     try:

@@ -168,6 +168,8 @@ def attempt_launch(
     inject: Sequence[FaultSpec] = (),
     auto: bool = True,
     base_env: Mapping[str, str] | None = None,
+    ledger_url: str | None = None,
+    family: str | None = None,
 ) -> AttemptLaunch:
     """The command line and environment of attempt `attempt` (see the module docstring)."""
     launcher = detect_launcher(command)
@@ -183,6 +185,8 @@ def attempt_launch(
         inject=encode_specs(inject) if inject else None,
         auto=auto,
         launcher=launcher,
+        ledger_url=ledger_url,
+        family=family,
     )
     inherited = os.environ if base_env is None else base_env
     env = {name: value for name, value in inherited.items() if name not in LAUNCHER_CLEARS}
