@@ -24,10 +24,6 @@ install: $(STAMP)
 test: install chromium postgres
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# The inner loop: every test not marked slow (no multi-process trials, no compile-heavy runs).
-test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
-
 # The HTML report's browser test renders the page in headless Chromium: install Debian's when it is missing
 # and we may (root with apt-get, as in CI). Elsewhere that test is skipped.
 chromium:
@@ -53,9 +49,15 @@ lint: install typecheck
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
 
-# mypy on src/ettr, configured in pyproject.toml ([tool.mypy]).
+# mypy on src/ettr, configured in pyproject.toml ([tool.mypy]); installed here (the `typecheck` extra) if missing.
+.PHONY: typecheck test-fast
 typecheck: install
+	@$(PY) -c "import mypy" 2>/dev/null || $(PIP) install -q 'mypy>=1.10'
 	$(PY) -m mypy
+
+# The inner loop: every test not marked slow (no multi-process trials, no compile-heavy runs).
+test-fast: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 bench: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

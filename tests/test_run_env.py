@@ -95,7 +95,7 @@ def test_the_launcher_writes_the_run_env_and_clears_what_must_not_leak(tmp_path)
         attempt=1,
         started_at=12.5,
         auto=False,
-        base_env={"ETTR_INJECT": "[]", INSTRUMENTED_ENV: "9", "KEEP": "1"},
+        base_env={"ETTR_INJECT": "[]", INSTRUMENTED_ENV: "9", "ETTR_LEDGER": "sqlite:///x", "KEEP": "1"},
     )
     env = RunEnv.from_environ(launch.env)
     assert env == RunEnv(
@@ -108,6 +108,18 @@ def test_the_launcher_writes_the_run_env_and_clears_what_must_not_leak(tmp_path)
         launcher=Launcher.PYTHON,
     )
     assert launch.env["KEEP"] == "1" and launch.env["PYTHONPATH"].startswith(str(pythonpath_dir()))
+    shared = attempt_launch(
+        ["python", "train.py"],
+        run_dir=tmp_path,
+        job_id="j",
+        attempt=0,
+        started_at=1.0,
+        ledger_url="postgresql://db/ettr",
+        family="dlrm",
+        base_env={},
+    )
+    env = RunEnv.from_environ(shared.env)
+    assert env is not None and (env.ledger_url, env.family) == ("postgresql://db/ettr", "dlrm")
 
 
 def test_sitecustomize_spells_the_same_names_as_the_contract():

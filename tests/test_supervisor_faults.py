@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ettr.events import Event, EventKind
-from ettr.ledger import LedgerError, open_ledger, read_ledger
+from ettr.ledger import LedgerError, open_ledger, read_run_events
 
 pytestmark = pytest.mark.slow
 
@@ -211,7 +211,7 @@ def test_a_sigkilled_supervisor_leaves_a_reportable_run_that_the_next_one_contin
 
         def far_enough() -> list[Event]:
             try:  # the supervisor may be creating the ledger right now (the file exists, no schema yet)
-                events = read_ledger(run_dir)
+                events = read_run_events(run_dir)
             except LedgerError:
                 return []
             return events if any(e.kind is EventKind.STEP and e.step >= 12 for e in events) else []

@@ -231,12 +231,12 @@ def prepare(out: Path) -> list[Job]:
 # -- watching a job through its ledger -------------------------------------------------------------------
 def read_events(run_dir: Path) -> list[Event]:
     """The events recorded so far (empty before the supervisor created the ledger). Never raises."""
-    from ettr.ledger import ledger_path, read_ledger
+    from ettr.ledger import ledger_path, read_run_events
 
     if not ledger_path(run_dir).is_file():
         return []
     try:
-        return read_ledger(run_dir)
+        return read_run_events(run_dir)
     except Exception:  # being created or written right now: the next tick reads it
         return []
 

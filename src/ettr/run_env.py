@@ -64,9 +64,10 @@ COMPILE_SETTLE_S_ENV = "ETTR_COMPILE_SETTLE_S"
 COMPILE_PRIVATE_CACHE_ENV = "ETTR_COMPILE_PRIVATE_CACHE"
 """`0` keeps inductor's shared cache directory instead of a per-workload one."""
 
-LAUNCHER_CLEARS = (INJECT_ENV, INSTRUMENTED_ENV, LEDGER_ENV)
+LAUNCHER_CLEARS = (INJECT_ENV, INSTRUMENTED_ENV, LEDGER_ENV, FAMILY_ENV)
 """Names the launcher removes from the environment it inherits before adding an attempt's own: a nested
-or re-run `ettr run` must not pass its parent's faults, instrumentation marker or ledger URL on."""
+or re-run `ettr run` must not pass its parent's faults, instrumentation marker, ledger or family on (the
+attempt's own come from its `RunEnv`)."""
 
 # -- torchrun's names (set by torchrun, read here only) ----------------------------------------------------
 RANK_ENV, WORLD_SIZE_ENV, LOCAL_RANK_ENV = "RANK", "WORLD_SIZE", "LOCAL_RANK"

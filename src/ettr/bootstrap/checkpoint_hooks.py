@@ -78,8 +78,7 @@ class CheckpointHooks:
             if run_dir is not None:
                 from ettr.ledger import read_run_events
 
-                events = read_run_events(run_dir)
-                for e in events:
+                for e in read_run_events(run_dir):
                     path = (e.data or {}).get("path")
                     if (
                         e.kind is EventKind.CHECKPOINT_COMMIT

@@ -17,7 +17,6 @@ __all__ = [
     "SqliteLedger",
     "open_ledger",
     "ledger_path",
-    "read_ledger",
     "read_run_events",
 ]
 
@@ -39,14 +38,6 @@ def _read_all(ledger: Ledger) -> list[Event]:
         ledger.close()
 
 
-def read_ledger(run_dir: str | os.PathLike[str]) -> list[Event]:
-    """Every event of an existing run directory's SQLite ledger, in append order (open, read, close).
-
-    Raises `LedgerError` when there is no ledger or it cannot be read (callers decide how loud to be).
-    """
-    return _read_all(open_ledger(run_dir, create=False))
-
-
 def read_run_events(run_dir: str | os.PathLike[str]) -> list[Event]:
     """Every event so far of the job whose run directory is `run_dir`, wherever its books are.
 
@@ -66,4 +57,4 @@ def read_run_events(run_dir: str | os.PathLike[str]) -> list[Event]:
         except UsageError as exc:
             raise LedgerError(str(exc)) from None
         return _read_all(ledger)
-    return read_ledger(run_dir)
+    return _read_all(open_ledger(run_dir, create=False))

@@ -15,7 +15,7 @@ from ettr.accounting import EttReport, compute
 from ettr.closing import live_supervisor, recorded_job_id
 from ettr.errors import UsageError
 from ettr.events import Event
-from ettr.ledger import LedgerError, ledger_path, read_ledger
+from ettr.ledger import LedgerError, ledger_path, read_run_events
 
 
 def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
@@ -33,7 +33,7 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
             return load_from_ledger(*pointer)[0]
         raise UsageError(f"{path}: not an ettr run directory (no {ledger_path(path).name} inside)")
     try:
-        events = read_ledger(path)
+        events = read_run_events(path)
     except LedgerError as exc:
         raise UsageError(str(exc)) from None
     if not events:
