@@ -95,6 +95,16 @@ def _start(environ: Mapping[str, str]) -> None:
         _started["hooks"] = hooks
         when_imported("torch", hooks.on_torch)
         when_imported("torch.distributed.checkpoint", hooks.on_dcp)
+        _watch_frameworks(hooks)
+
+
+def _watch_frameworks(hooks: Any) -> None:
+    from ettr.bootstrap.frameworks import TRAINER_MODULES, FrameworkHooks
+    from ettr.bootstrap.post_import import when_imported
+
+    frameworks = FrameworkHooks(hooks.rec, guard=hooks.guard, patcher=hooks.patcher)
+    for name in TRAINER_MODULES:
+        when_imported(name, frameworks.on_import)
 
 
 def _start_injector(rec: Any, environ: Mapping[str, str]) -> None:
