@@ -95,6 +95,7 @@ def _start(environ: Mapping[str, str]) -> None:
         _started["hooks"] = hooks
         when_imported("torch", hooks.on_torch)
         when_imported("torch.distributed.checkpoint", hooks.on_dcp)
+        when_imported("safetensors.torch", hooks.on_safetensors)
         _watch_frameworks(hooks)
 
 

@@ -48,9 +48,9 @@ def render(report: EttReport) -> str:
             _dash(a.exit_code),
             f"{a.start_ts - report.wall_start_ts:.1f}",
             f"{a.duration_s:.1f}",
-            _dash(a.resumed_from_step),
-            _dash(a.last_step),
-            str(a.lost_steps),
+            "unknown" if a.resumed_step_unknown else _dash(a.resumed_from_step),
+            "unknown" if a.resumed_step_unknown else _dash(a.last_step),
+            f"~{a.lost_steps}" if a.lost_steps_estimated else str(a.lost_steps),
         )
         for a in report.attempts
     ]
@@ -58,6 +58,11 @@ def render(report: EttReport) -> str:
     for a in report.attempts:
         if a.failure:
             lines.append(f"  attempt {a.index} {a.outcome.value}: {_compact(a.failure)}")
+        if a.resumed_step_unknown:
+            lines.append(
+                f"  attempt {a.index} resumed from an unknown step: {a.resumed_step_unknown}; '~' lost steps"
+                " are estimated from the latest checkpoint committed before it"
+            )
 
     lines += ["", "phases (reference rank, raw seconds; they may overlap)"]
     if report.phases_s:
