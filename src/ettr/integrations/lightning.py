@@ -248,7 +248,11 @@ def install_on(trainer: Any, recorder: RecorderProtocol | None = None) -> EttrCa
         if isinstance(callback, EttrCallback):
             return callback
     callback = EttrCallback(recorder)
-    # First, as a user's own callback would be (Lightning keeps checkpoint callbacks last): its step mark
-    # then precedes that step's save, as it does when the user adds it.
-    trainer.callbacks.insert(0, callback)
+    # Where a user's own callback would be: after the others, before the checkpoint callbacks (Lightning
+    # keeps those last), so that its step mark precedes that step's save as it does when added by hand.
+    callbacks = trainer.callbacks
+    position = next(
+        (i for i, c in enumerate(callbacks) if isinstance(c, pl.callbacks.Checkpoint)), len(callbacks)
+    )
+    callbacks.insert(position, callback)
     return callback
