@@ -10,10 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from ettr.bootstrap.frameworks import FrameworkHooks
+from ettr.bootstrap.hooks import Guard, Patcher
+from ettr.events import EventKind, Phase
+from ettr.ledger import MemoryLedger
+from ettr.recorder import Recorder
 from framework_truth import SCRIPTS, check_against_truth, report, run_ettr, summary
 
-pytest.importorskip("lightning")
-pytestmark = pytest.mark.slow
+pl = pytest.importorskip("lightning.pytorch")
+torch = pytest.importorskip("torch")
+slow = pytest.mark.slow
 
 SCRIPT = str(SCRIPTS / "train_lightning.py")
 
@@ -25,6 +31,7 @@ def lightning(tmp_path: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+@slow
 @pytest.mark.parametrize("explicit", [False, True], ids=["zero-code", "explicit-callback"])
 def test_crash_between_checkpoints_resumes_from_the_last_one(tmp_path: Path, explicit: bool) -> None:
     run_dir = tmp_path / "run"
@@ -43,6 +50,7 @@ def test_crash_between_checkpoints_resumes_from_the_last_one(tmp_path: Path, exp
     assert phases["restore"] > 0 and phases["eval"] > 0 and phases["train_module_creation"] > 0
 
 
+@slow
 def test_preemption_then_requeue(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = run_ettr(
@@ -57,6 +65,7 @@ def test_preemption_then_requeue(tmp_path: Path) -> None:
     check_against_truth(rep, tmp_path / "seen.jsonl", ["preempted", "completed"])
 
 
+@slow
 def test_async_checkpoint_io_is_blocking_plus_persist(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = run_ettr("run", "--run-dir", str(run_dir), "--", *lightning(tmp_path, "--async-save"))
@@ -67,6 +76,7 @@ def test_async_checkpoint_io_is_blocking_plus_persist(tmp_path: Path) -> None:
     assert phases["checkpoint_blocking"] > 0 and phases["checkpoint_persist"] > 0
 
 
+@slow
 def test_ddp_on_two_cpu_ranks(tmp_path: Path) -> None:
     from mp_util import free_port
 
@@ -82,3 +92,72 @@ def test_ddp_on_two_cpu_ranks(tmp_path: Path) -> None:
     check_against_truth(rep, tmp_path / "seen.jsonl", ["failed", "completed"])
     ranks = {c["rank"] for c in rep["checkpoint_commits"]}
     assert ranks == {0}  # rank 0 writes Lightning's checkpoints and commits them, once
+
+
+# -- in process: the callback on a real Trainer, and the bootstrap's installation -----------------------------
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _fit(tmp_path: Path, callbacks: list, ckpt_path: str | None = None, max_steps: int = 6) -> pl.Trainer:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=4)
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_last=True, save_top_k=-1)
+    trainer = pl.Trainer(
+        max_steps=max_steps, accelerator="cpu", callbacks=[every, *callbacks], logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_Tiny(), data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_the_callback_records_the_framework_step_resume_and_one_commit_per_checkpoint(tmp_path: Path) -> None:
+    from ettr.integrations.lightning import EttrCallback
+
+    ledger = MemoryLedger()
+    rec = Recorder(ledger, attempt=0)
+    _fit(tmp_path, [EttrCallback(rec)])
+    rec.flush()
+    events = ledger.read()
+    assert [e.step for e in events if e.kind is EventKind.STEP] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in events if e.kind is EventKind.CHECKPOINT_COMMIT] == [3, 6]  # + last.ckpt as marks
+    assert [e.data["step"] for e in events if e.kind is EventKind.MARK] == [3, 6]
+    assert [e.step for e in events if e.kind is EventKind.RESUMED] == [None]
+
+    rec = Recorder(ledger, attempt=1)
+    _fit(tmp_path, [EttrCallback(rec)], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), max_steps=9)
+    rec.flush()
+    events = [e for e in ledger.read() if e.attempt == 1]
+    assert [e.step for e in events if e.kind is EventKind.RESUMED] == [6]
+    assert [e.step for e in events if e.kind is EventKind.STEP] == [7, 8, 9]
+    restores = [e for e in events if e.kind is EventKind.PHASE_END and e.phase is Phase.RESTORE]
+    assert {e.data["stage"] for e in restores} == {"modules", "training_state"}
+    assert all(e.ts >= e.value for e in restores)
+
+
+def test_the_bootstrap_gives_every_trainer_exactly_one_callback(tmp_path: Path) -> None:
+    import lightning.pytorch.trainer.trainer as trainer_module
+
+    from ettr.integrations.lightning import EttrCallback
+
+    rec = Recorder(MemoryLedger())
+    patcher = Patcher()
+    FrameworkHooks(rec, guard=Guard(), patcher=patcher).on_import(trainer_module)
+    try:
+        mine = EttrCallback(rec)
+        explicit = pl.Trainer(callbacks=[mine], logger=False)
+        plain = pl.Trainer(logger=False)
+        assert [c for c in explicit.callbacks if isinstance(c, EttrCallback)] == [mine]
+        assert sum(isinstance(c, EttrCallback) for c in plain.callbacks) == 1
+    finally:
+        patcher.undo()
+    assert not any(isinstance(c, EttrCallback) for c in pl.Trainer(logger=False).callbacks)

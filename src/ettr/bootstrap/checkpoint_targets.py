@@ -70,8 +70,8 @@ class BufferSave:
     thread_id: int
     target: str | None = None  # the file opened for writing after it (renamed: its new name)
 
-    def opened_for_write(self, path: str) -> None:
-        if self.target is None:
+    def opened_for_write(self, path: str | None) -> None:
+        if self.target is None and path is not None:
             self.target = path
 
     def renamed(self, src: str | None, dst: str | None) -> None:

@@ -10,7 +10,8 @@ used instead, never a second. Recorded, through the public Recorder API only:
                gradient accumulation, manual optimization and a resumed loop are all right); the bootstrap's
                own step counting stops
   resume       RESUMED(global step of the restored loops), or RESUMED(None) for a fresh start
-  init         `strategy.setup` (model wrapping, optimizers) as TRAIN_MODULE_CREATION
+  init         the module's `setup` + `configure_model` (model build) and `strategy.setup` (model wrapping,
+               optimizers) as TRAIN_MODULE_CREATION; under the bootstrap, `Trainer.__init__` as INIT_PLUGINS
   restore      reading the checkpoint and restoring modules, callbacks, optimizers and loops as RESTORE
   data_wait    the first batch of the first training epoch
   eval         the sanity check and every validation loop as EVAL
@@ -67,6 +68,7 @@ class EttrCallback(pl.Callback):
         self._first_epoch_ts: float | None = None
         self._eval_begin_ts: float | None = None
         self._train_end_ts: float | None = None
+        self._setup_ts: float | None = None
 
     @property
     def rec(self) -> RecorderProtocol:
@@ -80,6 +82,7 @@ class EttrCallback(pl.Callback):
             return
         self._commits = CheckpointCommits(self.rec)
         self._restored, self._last_step, self._first_epoch_ts = False, None, None
+        self._setup_ts = time.time()  # the module's own setup and configure_model follow this hook
         connector = getattr(trainer, "_checkpoint_connector", None)
         if connector is not None:
             self._wrap(connector, "_restore_modules_and_callbacks", self._restoring_modules)
@@ -110,9 +113,17 @@ class EttrCallback(pl.Callback):
 
         self._undo.append(undo)
 
+    def _model_built(self) -> None:
+        """The LightningModule's `setup` and `configure_model` ran from our `setup` hook to now (the
+        first restore or the strategy set-up, whichever comes first): the model build, an init sub-stage."""
+        begin, self._setup_ts = self._setup_ts, None
+        if begin is not None:
+            self.rec.span(Phase.TRAIN_MODULE_CREATION, begin, framework=_FRAMEWORK, stage="module_setup")
+
     def _phase_call(self, phase: Phase, stage: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> Any:
+                self._model_built()
                 with self.rec.phase(phase, framework=_FRAMEWORK, stage=stage):
                     return original(*args, **kwargs)
 
@@ -122,6 +133,7 @@ class EttrCallback(pl.Callback):
 
     def _restoring_modules(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def call(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
+            self._model_built()
             if not checkpoint_path:
                 return original(checkpoint_path, *args, **kwargs)
             with self.rec.phase(
