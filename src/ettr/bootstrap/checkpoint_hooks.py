@@ -241,7 +241,7 @@ class CheckpointHooks:
         if self._recorded_elsewhere():
             return
         if self._buffer_save is not None:
-            self._settle_buffer_save()
+            self._settle_buffer_save(keep_open_hook=True)
         self._buffer_save = BufferSave(step, begin, time.time(), threading.get_ident())
         if self._open_original is None:
             original = builtins.open
@@ -264,9 +264,9 @@ class CheckpointHooks:
             self._atexit = True
             atexit.register(self.guard.call, "checkpoint buffer", self._settle_buffer_save)
 
-    def _settle_buffer_save(self) -> None:
+    def _settle_buffer_save(self, *, keep_open_hook: bool = False) -> None:
         pending, self._buffer_save = self._buffer_save, None
-        if self._open_original is not None:
+        if self._open_original is not None and not keep_open_hook:
             builtins.open = self._open_original
             self._open_original = None
         if pending is None or pending.target is None:
