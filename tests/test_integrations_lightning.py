@@ -51,6 +51,18 @@ def test_crash_between_checkpoints_resumes_from_the_last_one(tmp_path: Path, exp
 
 
 @slow
+def test_a_crash_while_a_checkpoint_is_written_loses_that_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_ettr(
+        "run", "--run-dir", str(run_dir), "--inject", "crash@checkpoint", "--", *lightning(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rep = report(run_dir)
+    assert summary(rep) == [("failed", None, 10, 10), ("completed", None, 60, 0)]
+    assert [c["attempt"] for c in rep["checkpoint_commits"]] == [1] * 6
+
+
+@slow
 def test_preemption_then_requeue(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = run_ettr(

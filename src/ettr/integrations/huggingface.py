@@ -33,6 +33,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ettr import inject
 from ettr.events import Phase
 from ettr.integrations._commits import CheckpointCommits
 from ettr.recorder import RecorderProtocol
@@ -114,6 +115,7 @@ class EttrCallback(TrainerCallback):
                 step = trainer.state.global_step
                 path = _checkpoint_dir(trainer.args, step)
                 with self.rec.phase(Phase.CHECKPOINT_BLOCKING, step=step, path=path):
+                    inject.checkpoint_in_progress()  # `--inject KIND@checkpoint` fires here, before the write
                     result = original(*args, **kwargs)
                 if getattr(trainer.args, "should_save", True):
                     self.commits.committed(step, path)

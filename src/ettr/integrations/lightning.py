@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ettr import inject
 from ettr.events import Phase
 from ettr.integrations._commits import CheckpointCommits
 from ettr.recorder import RecorderProtocol
@@ -160,6 +161,7 @@ class EttrCallback(pl.Callback):
             def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
                 step = trainer.global_step
                 with self.rec.phase(Phase.CHECKPOINT_BLOCKING, step=step, path=str(filepath)):
+                    inject.checkpoint_in_progress()  # `--inject KIND@checkpoint` fires here, before the write
                     result = original(filepath, *args, **kwargs)
                 if not _is_async(trainer.strategy.checkpoint_io):
                     self._committed(trainer, step, filepath)
