@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 
 from ettr import inject
 from ettr.events import Phase
-from ettr.integrations._commits import CheckpointCommits
+from ettr.integrations._commits import CheckpointCommits, never_raises
 from ettr.recorder import RecorderProtocol
 
 _FRAMEWORK = "huggingface"
@@ -126,6 +126,7 @@ class EttrCallback(TrainerCallback):
         return make
 
     # -- hooks -----------------------------------------------------------------------------------------------
+    @never_raises
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         rec = self.rec
         rec.explicit_steps = True  # the Trainer's global step from now on; the bootstrap's counting stops
@@ -136,10 +137,12 @@ class EttrCallback(TrainerCallback):
         self._first_epoch_ts = None
         self._last_hook_ts = time.time()
 
+    @never_raises
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._first_epoch_ts is None:
             self._first_epoch_ts = time.time()
 
+    @never_raises
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         begin = self._first_epoch_ts
         if begin is not None and begin > 0:
@@ -149,6 +152,7 @@ class EttrCallback(TrainerCallback):
                 self.rec.span(Phase.DATA_WAIT, begin, framework=_FRAMEWORK)
             self._first_epoch_ts = 0.0
 
+    @never_raises
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
         if step != self._last_step:
@@ -156,14 +160,17 @@ class EttrCallback(TrainerCallback):
             self.rec.step(step)
         self._last_hook_ts = time.time()
 
+    @never_raises
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._last_hook_ts = time.time()
 
+    @never_raises
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._attached and self._last_hook_ts is not None:
             self.rec.span(Phase.EVAL, self._last_hook_ts, framework=_FRAMEWORK, stage="evaluate")
         self._last_hook_ts = time.time()
 
+    @never_raises
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._attached and self._last_hook_ts is not None:
             step, path = state.global_step, _checkpoint_dir(args, state.global_step)

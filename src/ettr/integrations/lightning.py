@@ -35,7 +35,7 @@ from typing import Any
 
 from ettr import inject
 from ettr.events import Phase
-from ettr.integrations._commits import CheckpointCommits
+from ettr.integrations._commits import CheckpointCommits, never_raises
 from ettr.recorder import RecorderProtocol
 
 try:
@@ -78,6 +78,7 @@ class EttrCallback(pl.Callback):
         return self._recorder
 
     # -- set-up: the instance wrappers ---------------------------------------------------------------------
+    @never_raises
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._undo or stage != "fit":
             return
@@ -191,19 +192,24 @@ class EttrCallback(pl.Callback):
             self._commits.committed(step, os.path.abspath(os.fspath(path)))
 
     # -- hooks -----------------------------------------------------------------------------------------------
+    @never_raises
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
         self._restored = True
 
+    @never_raises
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval_begin_ts = time.time()
 
+    @never_raises
     def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval_end("sanity_check")
 
+    @never_raises
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self._eval_begin_ts = time.time()
 
+    @never_raises
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self._eval_end("validation")
@@ -213,6 +219,7 @@ class EttrCallback(pl.Callback):
             self.rec.span(Phase.EVAL, self._eval_begin_ts, framework=_FRAMEWORK, stage=stage)
             self._eval_begin_ts = None
 
+    @never_raises
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rec = self.rec
         rec.explicit_steps = True  # the framework's global step from now on; the bootstrap's counting stops
@@ -220,10 +227,12 @@ class EttrCallback(pl.Callback):
         rec.resumed_from(step if self._restored and step > 0 else None)
         self._last_step = step
 
+    @never_raises
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._first_epoch_ts is None:
             self._first_epoch_ts = time.time()
 
+    @never_raises
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -231,6 +240,7 @@ class EttrCallback(pl.Callback):
             self.rec.span(Phase.DATA_WAIT, self._first_epoch_ts, framework=_FRAMEWORK)
             self._first_epoch_ts = 0.0  # done for this fit
 
+    @never_raises
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -239,9 +249,11 @@ class EttrCallback(pl.Callback):
             self._last_step = step
             self.rec.step(step)
 
+    @never_raises
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train_end_ts = time.time()
 
+    @never_raises
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
