@@ -16,7 +16,7 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q fbgemm-gpu-cpu==1.8.0
 	$(PIP) install -q --no-deps torchrec==1.8.0
-	$(PIP) install -q -e '.[rec,io,dev,postgres,export,fleet]'
+	$(PIP) install -q -e '.[rec,io,dev,postgres,export,fleet,frameworks]'
 	touch $(STAMP)
 
 install: $(STAMP)

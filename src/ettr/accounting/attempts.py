@@ -79,6 +79,8 @@ class Attempt:
     training_start_ts: float | None = None
     resumed_from_step: int | None = None
     resume_recorded: bool = False  # a RESUMED event exists (its step may be None: from scratch)
+    resumed_step_unknown: str | None = None  # why its resume step is unknown (RESUMED's data.unknown)
+    lost_steps_estimated: bool = False  # kept steps estimated: the next attempt's resume step is unknown
     keep_up_to_step: float = math.inf  # steps <= this are kept
     lost_steps: int = 0
 
@@ -305,6 +307,9 @@ def _resolve_one(
     if resumed is not None:
         attempt.resume_recorded = True
         attempt.resumed_from_step = resumed.step
+        unknown = data_of(resumed).get("unknown") if resumed.step is None else None
+        if unknown is not None:
+            attempt.resumed_step_unknown = str(unknown) or "unknown"
     attempt.training_start_ts = _training_start(attempt, explicit_start)
     return attempt
 
@@ -389,11 +394,19 @@ def _mark_kept_steps(attempts: list[Attempt], commits: list[CheckpointCommit]) -
     """The kept-step rule. Steps <= R are kept, where R is the step that the next attempt which got as far
     as deciding (it recorded RESUMED or completed a step) resumed from (-inf: from scratch). With no such
     later attempt: all kept if the attempt is the last and completed, else R is the highest checkpoint
-    committed by the end of the job's last attempt (-inf if none)."""
+    committed by the end of the job's last attempt (-inf if none). A decider whose resume step is unknown
+    (RESUMED with `data.unknown`) gives an estimate instead: the highest checkpoint committed before it
+    started (-inf if none), and `lost_steps_estimated` says so; so does an attempt whose own resume step is
+    unknown (its step numbers count from an unknown base)."""
     final_ts = attempts[-1].end_ts if attempts else -math.inf
     for position, attempt in enumerate(attempts):
         decider = next((a for a in attempts[position + 1 :] if a.resume_recorded or a.step_ts), None)
-        if decider is not None:
+        attempt.lost_steps_estimated = attempt.resumed_step_unknown is not None
+        if decider is not None and decider.resumed_step_unknown is not None:
+            before = [c.step for c in commits if c.ts <= decider.start_ts and c.step is not None]
+            keep = float(max(before)) if before else -math.inf
+            attempt.lost_steps_estimated = True
+        elif decider is not None:
             keep = -math.inf if decider.resumed_from_step is None else float(decider.resumed_from_step)
         elif position == len(attempts) - 1 and attempt.outcome == Outcome.COMPLETED:
             keep = math.inf

@@ -138,7 +138,9 @@ def _attempt_report(attempt: Attempt, buckets: Mapping[Bucket, list[float]] | No
         outcome=attempt.outcome,
         exit_code=attempt.exit_code,
         resumed_from_step=attempt.resumed_from_step,
-        last_step=max(attempt.step_numbers) if attempt.step_numbers else None,
+        last_step=max(attempt.step_numbers)
+        if attempt.step_numbers and not attempt.resumed_step_unknown
+        else None,
         lost_steps=attempt.lost_steps,
         buckets_s=MappingProxyType({b: math.fsum(buckets[b]) if buckets else 0.0 for b in Bucket}),
         training_start_ts=attempt.training_start_ts,
@@ -147,6 +149,8 @@ def _attempt_report(attempt: Attempt, buckets: Mapping[Bucket, list[float]] | No
         closed_by_accounting=attempt.closed_by_accounting,
         failure=None if attempt.failure is None else MappingProxyType(dict(attempt.failure)),
         phases_s=MappingProxyType({name: math.fsum(phases[name]) for name in _phase_order(phases)}),
+        resumed_step_unknown=attempt.resumed_step_unknown,
+        lost_steps_estimated=attempt.lost_steps_estimated,
     )
 
 

@@ -84,6 +84,12 @@ class AttemptReport:
     reason, ...) and the first FAILURE a training process reported (`process_failure`); else None."""
     phases_s: Mapping[str, float]
     """Raw phase durations of its reference rank, clipped to the attempt (phases may overlap)."""
+    resumed_step_unknown: str | None = None
+    """Why the step it resumed from is unknown (it loaded a checkpoint the instrumentation could not place);
+    `resumed_from_step` and `last_step` are then None rather than a wrong number. None when known."""
+    lost_steps_estimated: bool = False
+    """True when `lost_steps` (and its wasted/effective split) is an estimate: the next attempt's resume
+    step is unknown, so the latest checkpoint committed before it started stands in for it."""
 
     @property
     def duration_s(self) -> float:

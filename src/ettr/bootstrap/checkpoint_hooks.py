@@ -11,14 +11,34 @@ first load) is a RESTORE span and RESUMED(step) — the attempt's global steps t
 Other loads before the first step are RESTORE spans too (pretrained weights); later unmatched loads are the
 script's business (data, evaluation) and not recorded.
 
-Only path-like targets are checkpoints (a save to a BytesIO is serialization, not a checkpoint); calls made
-by ettr's own modules (the checkpoint manager records itself) and nested calls (dcp writing through
-torch.save) are not recorded twice. `--inject KIND@checkpoint` fires inside the save, before the data is
+Targets: a path, or an open file (its `name`, or an fsspec file's `path`), is a checkpoint file. A save to an
+in-memory buffer is a checkpoint only once the buffer is written to a file (Lightning's pattern: `torch.save`
+to a BytesIO, then the bytes to a file opened for writing, maybe renamed into place); until the next optimizer
+step the first binary file this thread opens for writing is taken as that target, and the save is committed
+at that step (or at exit) as the file's final name, its blocking span ending when the file was last written.
+A buffer never written to a file is serialization, not a checkpoint. safetensors' `save_file`/`load_file`
+are checkpoint files too.
+
+One checkpoint, several files: the first file saved at a global step commits that step; further files of the
+same step (HF's optimizer.pt, scheduler.pt, ...; Lightning's `last.ckpt`) are `checkpoint_file` marks, each
+with its own blocking span, so a later attempt loading any of them is matched and the checkpoint counts once.
+
+Unknown resume: in a later attempt, a load before the first step that matches no earlier file, of a file
+written during this job (not pretrained weights, which predate it) or of an in-memory buffer, is a resume
+whose step the hooks did not see. The step is taken from the loaded object's own `global_step` (or `step`,
+`iteration`, `iter_num`) when it has one; else RESUMED(None) carries `data.unknown`, the reason, and the
+report says the resumed step is unknown instead of claiming a start from scratch.
+
+Calls made by ettr's own modules (the checkpoint manager records itself) and nested calls (dcp writing
+through torch.save) are not recorded twice; nor are saves and loads inside a phase that user code or a
+framework callback records itself. `--inject KIND@checkpoint` fires inside the save, before the data is
 written, so that checkpoint never commits.
 """
 
 from __future__ import annotations
 
+import atexit
+import builtins
 import os
 import threading
 import time
@@ -27,18 +47,17 @@ from types import ModuleType
 from typing import Any
 
 from ettr import inject
+from ettr.bootstrap.checkpoint_targets import BufferSave, is_binary_write, is_buffer, path_of, step_in
 from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
 from ettr.events import EventKind, Phase
+from ettr.integrations._commits import CHECKPOINT_FILE_MARK
 from ettr.recorder import RecorderProtocol
+
+_OWN_PHASES = (Phase.CHECKPOINT_BLOCKING, Phase.CHECKPOINT_PERSIST)
 
 
 def _path_of(target: Any) -> str | None:
-    if isinstance(target, (str, os.PathLike)):
-        try:
-            return os.path.realpath(os.fspath(target))
-        except (TypeError, ValueError):
-            return None
-    return None
+    return path_of(target)
 
 
 def _dcp_path(kwargs: dict[str, Any], storage_key: str) -> str | None:
@@ -59,8 +78,14 @@ class CheckpointHooks:
         self.guard = guard
         self._local = threading.local()
         self._pending_renames: dict[str, int] = {}  # saved path -> step, until renamed or superseded
-        self._earlier_commits: dict[str, int] | None = None
+        self._earlier_files: dict[str, int] | None = None
+        self._job_start_ts: float | None = None
         self._resumed = False
+        self._unknown_resume: tuple[str, tuple[str, int] | None] | None = None  # (reason, step in the object)
+        self._committed_steps: set[int] = set()
+        self._buffer_save: BufferSave | None = None
+        self._open_original: Callable[..., Any] | None = None
+        self._atexit = False
         self._async_paths: set[str] = set()  # async saves in flight: their inner save is not another one
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
@@ -71,24 +96,31 @@ class CheckpointHooks:
         self._local.busy = value
 
     def earlier_commits(self) -> dict[str, int]:
-        """path -> step of the checkpoints committed by earlier attempts of this job (read once)."""
-        if self._earlier_commits is None:
+        """path -> step of every file of the checkpoints that earlier attempts of this job committed (read
+        once: CHECKPOINT_COMMIT paths and `checkpoint_file` marks)."""
+        if self._earlier_files is None:
             found: dict[str, int] = {}
             run_dir = self.rec.run_dir
             if run_dir is not None:
                 from ettr.ledger import read_run_events
 
-                for e in read_run_events(run_dir):
-                    path = (e.data or {}).get("path")
-                    if (
-                        e.kind is EventKind.CHECKPOINT_COMMIT
-                        and e.attempt < self.rec.attempt
-                        and e.step is not None
-                        and path
-                    ):
-                        found[os.path.realpath(str(path))] = e.step
-            self._earlier_commits = found
-        return self._earlier_commits
+                events = read_run_events(run_dir)  # the job's books, wherever `ettr run --ledger` put them
+                if events:
+                    self._job_start_ts = min(e.ts for e in events)
+                for e in events:
+                    data = e.data or {}
+                    if e.attempt >= self.rec.attempt:
+                        continue
+                    if e.kind is EventKind.CHECKPOINT_COMMIT:
+                        step, path = e.step, data.get("path")
+                    elif e.kind is EventKind.MARK and data.get("name") == CHECKPOINT_FILE_MARK:
+                        step, path = data.get("step"), data.get("path")
+                    else:
+                        continue
+                    if isinstance(step, int) and path:
+                        found[os.path.realpath(str(path))] = step
+            self._earlier_files = found
+        return self._earlier_files
 
     def _quiet(self, call: Callable[[], Any]) -> Any:
         """Run a call ettr's own code made (it records itself): nested calls are not recorded either."""
@@ -115,37 +147,130 @@ class CheckpointHooks:
             self._async_paths.discard(path)
         return result
 
+    def _recorded_elsewhere(self) -> bool:
+        """User code or a framework callback records this save itself (and commits it when it is durable)."""
+        return any(self.rec.is_open(phase) for phase in _OWN_PHASES)
+
+    def _commit(self, step: int, path: str) -> None:
+        """One commit per checkpoint: the first file of a step commits it, later ones are marks."""
+        if step in self._committed_steps:
+            self.rec.mark(CHECKPOINT_FILE_MARK, step=step, path=path)
+        else:
+            self._committed_steps.add(step)
+            self.rec.checkpoint_committed(step, path)
+
     def _saved(self, path: str, step: int, begin: float) -> None:
-        if self.rec.is_open(Phase.CHECKPOINT_BLOCKING):
-            return  # the script records its own saves (and commits them when they are durable)
+        if self._recorded_elsewhere():
+            return
         self.rec.span(Phase.CHECKPOINT_BLOCKING, begin, step=step, path=path)
-        self.rec.checkpoint_committed(step, path)
+        self._commit(step, path)
         if len(self._pending_renames) > 64:
             self._pending_renames.clear()
         self._pending_renames[path] = step
 
-    def _loaded(self, path: str, begin: float) -> None:
-        step = self.earlier_commits().get(path)
+    def _loaded(self, path: str | None, begin: float, loaded: Any) -> None:
+        step = self.earlier_commits().get(path) if path is not None else None
         before_training = self.steps.num_steps == 0 and not self.rec.explicit_steps
         if step is None and not before_training:
             return
         # Inside the script's own RESTORE phase the span is the script's; the resume is still recorded (a
         # later `ettr.resumed_from` by the script wins: the accounting takes an attempt's last RESUMED).
         if not self.rec.is_open(Phase.RESTORE):
-            self.rec.span(Phase.RESTORE, begin, step=step, path=path)
-        if step is not None and before_training and not self._resumed:
+            self.rec.span(
+                Phase.RESTORE, begin, step=step, path=path if path is not None else "<in-memory buffer>"
+            )
+        if self._resumed or not before_training:
+            return
+        if step is not None:
+            self._resume_at(step)
+        elif self.rec.attempt > 0 and self._unknown_resume is None:
+            reason = self._unmatched_reason(path)
+            if reason is not None:
+                self._unknown_resume = (reason, step_in(loaded))
+
+    def _unmatched_reason(self, path: str | None) -> str | None:
+        """Why a load before training in a later attempt may be a resume the hooks cannot place (None: it
+        is not one, e.g. pretrained weights that predate the job)."""
+        if path is None:
+            return "the checkpoint was loaded from an in-memory buffer"
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            mtime = None
+        start = self._job_start_ts
+        if mtime is not None and start is not None and mtime < start:
+            return None
+        return f"{path} was loaded but no earlier attempt was seen saving it"
+
+    def _resume_at(self, step: int) -> None:
+        self._resumed = True
+        self.steps.resumed(step)
+        self.rec.resumed_from(step)
+
+    def before_step(self) -> None:
+        """Called at each optimizer step, before it is counted: settle what start-up left open."""
+        if self._buffer_save is not None:
+            self._settle_buffer_save()
+        if self._unknown_resume is not None and not self._resumed:
+            reason, found = self._unknown_resume
+            self._unknown_resume = None
             self._resumed = True
-            self.steps.resumed(step)
-            self.rec.resumed_from(step)
+            if found is not None:
+                self.steps.resumed(found[1])
+                self.rec.resumed_from(found[1])
+            else:
+                self.rec.record(EventKind.RESUMED, data={"unknown": reason})
 
     def _renamed(self, src: Any, dst: Any) -> None:
+        source, target = _path_of(src), _path_of(dst)
+        if self._buffer_save is not None:
+            self._buffer_save.renamed(source, target)
         if not self._pending_renames:
             return
-        source = _path_of(src)
         step = self._pending_renames.pop(source, None) if source is not None else None
-        target = _path_of(dst)
         if step is not None and target is not None:
-            self.rec.checkpoint_committed(step, target)
+            self._commit(step, target)
+
+    # -- in-memory buffers written to a file ----------------------------------------------------------------
+    def _buffer_saved(self, step: int, begin: float) -> None:
+        if self._recorded_elsewhere():
+            return
+        if self._buffer_save is not None:
+            self._settle_buffer_save(keep_open_hook=True)
+        self._buffer_save = BufferSave(step, begin, time.time(), threading.get_ident())
+        if self._open_original is None:
+            original = builtins.open
+            self._open_original = original
+            hooks = self
+
+            def open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:  # noqa: A001
+                result = original(file, mode, *args, **kwargs)
+                pending = hooks._buffer_save
+                if (
+                    pending is not None
+                    and pending.thread_id == threading.get_ident()
+                    and is_binary_write(mode)
+                ):
+                    hooks.guard.call("checkpoint buffer", lambda: pending.opened_for_write(_path_of(result)))
+                return result
+
+            builtins.open = open
+        if not self._atexit:
+            self._atexit = True
+            atexit.register(self.guard.call, "checkpoint buffer", self._settle_buffer_save)
+
+    def _settle_buffer_save(self, *, keep_open_hook: bool = False) -> None:
+        pending, self._buffer_save = self._buffer_save, None
+        if self._open_original is not None and not keep_open_hook:
+            builtins.open = self._open_original
+            self._open_original = None
+        if pending is None or pending.target is None:
+            return  # never written to a file: serialization, not a checkpoint
+        end = pending.written_until()
+        self.rec.span(
+            Phase.CHECKPOINT_BLOCKING, pending.begin_ts, end, step=pending.step, path=pending.target
+        )
+        self._commit(pending.step, pending.target)
 
     # -- torch.save / torch.load ---------------------------------------------------------------------------
     def install_torch(self, torch: ModuleType) -> None:
@@ -159,6 +284,8 @@ class CheckpointHooks:
                     return hooks._quiet(lambda: original(obj, f, *args, **kwargs))
                 path = _path_of(f)
                 if path is None:
+                    if is_buffer(f):
+                        return hooks._timed_buffer_save(lambda: original(obj, f, *args, **kwargs))
                     return original(obj, f, *args, **kwargs)
                 return hooks._timed_save(path, lambda: original(obj, f, *args, **kwargs))
 
@@ -171,7 +298,7 @@ class CheckpointHooks:
                 if called_from_ettr():
                     return hooks._quiet(lambda: original(f, *args, **kwargs))
                 path = _path_of(f)
-                if path is None:
+                if path is None and not is_buffer(f):
                     return original(f, *args, **kwargs)
                 return hooks._timed_load(path, lambda: original(f, *args, **kwargs))
 
@@ -185,7 +312,7 @@ class CheckpointHooks:
         def make_rename(original: Callable[..., Any]) -> Callable[..., Any]:
             def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
                 result = original(src, dst, *args, **kwargs)
-                if hooks._pending_renames:
+                if hooks._pending_renames or hooks._buffer_save is not None:
                     hooks.guard.call("checkpoint rename", hooks._renamed, src, dst)
                 return result
 
@@ -193,6 +320,36 @@ class CheckpointHooks:
 
         self.patcher.wrap(os, "replace", make_rename)
         self.patcher.wrap(os, "rename", make_rename)
+        self.patcher.on_undo(lambda: self.guard.call("checkpoint buffer", self._settle_buffer_save))
+
+    def install_safetensors(self, module: ModuleType) -> None:
+        """safetensors.torch: `save_file` and `load_file` are checkpoint files like torch.save/load's."""
+        hooks = self
+
+        def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
+            def save_file(tensors: Any, filename: Any, *args: Any, **kwargs: Any) -> Any:
+                path = _path_of(filename)
+                if hooks._busy() or path is None:
+                    return original(tensors, filename, *args, **kwargs)
+                if called_from_ettr():
+                    return hooks._quiet(lambda: original(tensors, filename, *args, **kwargs))
+                return hooks._timed_save(path, lambda: original(tensors, filename, *args, **kwargs))
+
+            return save_file
+
+        def make_load(original: Callable[..., Any]) -> Callable[..., Any]:
+            def load_file(filename: Any, *args: Any, **kwargs: Any) -> Any:
+                path = _path_of(filename)
+                if hooks._busy() or path is None:
+                    return original(filename, *args, **kwargs)
+                if called_from_ettr():
+                    return hooks._quiet(lambda: original(filename, *args, **kwargs))
+                return hooks._timed_load(path, lambda: original(filename, *args, **kwargs))
+
+            return load_file
+
+        self.patcher.wrap(module, "save_file", make_save)
+        self.patcher.wrap(module, "load_file", make_load)
 
     def _timed_save(self, path: str, call: Callable[[], Any]) -> Any:
         step = self.guard.call("checkpoint save", lambda: self.steps.current_step)
@@ -218,14 +375,26 @@ class CheckpointHooks:
             self.guard.call("checkpoint save", self._saved, path, step, begin)
         return result
 
-    def _timed_load(self, path: str, call: Callable[[], Any]) -> Any:
+    def _timed_buffer_save(self, call: Callable[[], Any]) -> Any:
+        step = self.guard.call("checkpoint save", lambda: self.steps.current_step)
         begin = time.time()
         self._set_busy(True)
         try:
             result = call()
         finally:
             self._set_busy(False)
-        self.guard.call("checkpoint load", self._loaded, path, begin)
+        if step is not None:
+            self.guard.call("checkpoint buffer", self._buffer_saved, step, begin)
+        return result
+
+    def _timed_load(self, path: str | None, call: Callable[[], Any]) -> Any:
+        begin = time.time()
+        self._set_busy(True)
+        try:
+            result = call()
+        finally:
+            self._set_busy(False)
+        self.guard.call("checkpoint load", self._loaded, path, begin, result)
         return result
 
     # -- torch.distributed.checkpoint ----------------------------------------------------------------------
@@ -308,7 +477,7 @@ class CheckpointHooks:
                     error = fut.exception()
                     rec.span(Phase.CHECKPOINT_PERSIST, staged, step=step, path=path)
                     if error is None:
-                        rec.checkpoint_committed(step, path)
+                        self._commit(step, path)
                     else:
                         rec.checkpoint_error(step, path, error)
 

@@ -7,7 +7,8 @@ Installed once torch is imported (see `post_import`), each hook wraps one torch 
   process group     torch.distributed.init_process_group -> PROCESS_GROUP_INIT span
   first batch       the first `__next__` of the first DataLoader iterator -> GET_FIRST_BATCH_DATA span,
                     after which the original method is put back (no cost per batch)
-  checkpoints       torch.save / torch.load / dcp.save / dcp.async_save / dcp.load (`checkpoint_hooks`)
+  checkpoints       torch.save / torch.load (paths, open files, in-memory buffers written to a file),
+                    safetensors' save_file / load_file, dcp.save / dcp.async_save / dcp.load (`checkpoint_hooks`)
   compile           `ettr.compile.autoinstall(rec)` when that module exists
 
 Every hook is guarded: an error inside one is logged once and the user's call proceeds untouched. The
@@ -150,10 +151,10 @@ class AutoHooks:
         """Called once `import torch` finished: install every hook that needs only torch."""
         from ettr.bootstrap.checkpoint_hooks import CheckpointHooks
 
+        self.checkpoints = CheckpointHooks(self.rec, self.steps, guard=self.guard, patcher=self.patcher)
         self.guard.call("optimizer step", self._install_optimizer_hook, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
         self.guard.call("first batch", self._install_first_batch_hook, torch)
-        self.checkpoints = CheckpointHooks(self.rec, self.steps, guard=self.guard, patcher=self.patcher)
         self.guard.call("torch.save/load", self.checkpoints.install_torch, torch)
         dcp = sys.modules.get("torch.distributed.checkpoint")
         if dcp is not None:
@@ -165,13 +166,19 @@ class AutoHooks:
         if self.checkpoints is not None:
             self.guard.call("dcp", self.checkpoints.install_dcp, dcp)
 
+    def on_safetensors(self, module: ModuleType) -> None:
+        """Called once `safetensors.torch` is imported (its files are checkpoint files too)."""
+        if self.checkpoints is not None:
+            self.guard.call("safetensors", self.checkpoints.install_safetensors, module)
+
     def _install_optimizer_hook(self, torch: ModuleType) -> None:
         # `torch.optim` deletes its submodule names; the module itself is imported by then.
         register = importlib.import_module("torch.optim.optimizer").register_optimizer_step_post_hook
-        guard, counter = self.guard, self.steps
+        guard, counter, checkpoints = self.guard, self.steps, self.checkpoints
 
         def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             try:
+                checkpoints.before_step()  # settles a buffered save or an unplaced resume first
                 counter.on_step(optimizer, args, kwargs)
             except Exception as exc:
                 guard.failed("optimizer step", exc)

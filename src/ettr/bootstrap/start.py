@@ -95,6 +95,17 @@ def _start(environ: Mapping[str, str]) -> None:
         _started["hooks"] = hooks
         when_imported("torch", hooks.on_torch)
         when_imported("torch.distributed.checkpoint", hooks.on_dcp)
+        when_imported("safetensors.torch", hooks.on_safetensors)
+        _watch_frameworks(hooks)
+
+
+def _watch_frameworks(hooks: Any) -> None:
+    from ettr.bootstrap.frameworks import TRAINER_MODULES, FrameworkHooks
+    from ettr.bootstrap.post_import import when_imported
+
+    frameworks = FrameworkHooks(hooks.rec, guard=hooks.guard, patcher=hooks.patcher)
+    for name in TRAINER_MODULES:
+        when_imported(name, frameworks.on_import)
 
 
 def _start_injector(rec: RecorderProtocol, run_env: RunEnv) -> None:

@@ -114,6 +114,8 @@ def _attempt(attempt: AttemptReport) -> dict[str, Any]:
         "reference_rank": attempt.reference_rank,
         "closed_by_accounting": attempt.closed_by_accounting,
         "phases_s": dict(attempt.phases_s),
+        "resumed_step_unknown": attempt.resumed_step_unknown,
+        "lost_steps_estimated": attempt.lost_steps_estimated,
     }
     if attempt.failure is not None:
         out["failure"] = dict(attempt.failure)

@@ -60,9 +60,9 @@ def render(report: EttReport) -> str:
             _dash(a.exit_code),
             f"{a.start_ts - report.wall_start_ts:.1f}",
             f"{a.duration_s:.1f}",
-            _dash(a.resumed_from_step),
-            _dash(a.last_step),
-            str(a.lost_steps),
+            "unknown" if a.resumed_step_unknown else _dash(a.resumed_from_step),
+            "unknown" if a.resumed_step_unknown else _dash(a.last_step),
+            f"~{a.lost_steps}" if a.lost_steps_estimated else str(a.lost_steps),
         )
         for a in report.attempts
     ]
@@ -70,6 +70,11 @@ def render(report: EttReport) -> str:
     for a in report.attempts:
         if a.failure:
             lines += _failure_lines(a.index, a.outcome.value, a.failure)
+        if a.resumed_step_unknown:
+            lines.append(
+                f"  attempt {a.index} resumed from an unknown step: {a.resumed_step_unknown}; '~' lost steps"
+                " are estimated from the latest checkpoint committed before it"
+            )
     if report.failures:
         lines += ["", causes_line(report)]
         lines += [f"  attempt {f.attempt}: {f.cause.value}: {f.evidence}" for f in report.failures]

@@ -1,0 +1,216 @@
+"""The bootstrap's checkpoint hooks on the patterns frameworks use: saves through file objects and in-memory
+buffers written to a file (Lightning), one checkpoint of several files (HF), safetensors, and a resume whose
+step the hooks cannot know (reported as unknown, never as a start from scratch)."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ettr.accounting import compute
+from ettr.bootstrap.checkpoint_targets import is_binary_write, path_of, step_in
+from ettr.events import Event, EventKind, Outcome, Phase
+from ettr.ledger import open_ledger
+from ettr.recorder import Recorder
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def hooked(tmp_path: Path) -> Iterator[tuple[Any, Recorder, Any]]:
+    """Attempt 1 of a job whose attempt 0 (from t=1.0) committed `earlier.pt` at step 5."""
+    from ettr.bootstrap.hooks import AutoHooks
+
+    ledger = open_ledger(tmp_path / "run")
+    earlier = tmp_path / "earlier.pt"
+    torch.save({"w": torch.zeros(2)}, earlier)
+    ledger.append([Event(EventKind.CHECKPOINT_COMMIT, 1.0, 0, 0, step=5, data={"path": str(earlier)})])
+    rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=1, rank=0)
+    hooks = AutoHooks(rec)
+    hooks.on_torch(torch)
+    try:
+        yield hooks, rec, ledger
+    finally:
+        hooks.uninstall()
+        rec.close()
+
+
+def _events(rec: Recorder, ledger: Any, *kinds: EventKind) -> list[Event]:
+    rec.flush()
+    return [e for e in ledger.read() if e.rank >= 0 and e.attempt == rec.attempt and e.kind in kinds]
+
+
+def _step(optimizer: Any, model: Any) -> None:
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+
+
+def test_target_helpers() -> None:
+    assert path_of("a/b.pt") == os.path.realpath("a/b.pt")
+    assert path_of(io.BytesIO()) is None and path_of(3) is None
+    with open(os.devnull, "wb") as f:
+        assert path_of(f) == os.path.realpath(os.devnull)
+    assert is_binary_write("wb") and is_binary_write("r+b") and not is_binary_write("rb")
+    assert not is_binary_write("w")
+    assert step_in({"global_step": 30, "step": 2}) == ("global_step", 30)
+    assert step_in({"step": True}) is None and step_in([1]) is None and step_in({"epoch": 3}) is None
+
+
+def test_a_buffer_written_to_a_file_and_renamed_is_one_checkpoint(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.load(tmp_path / "earlier.pt")  # resumes at 5
+    _step(optimizer, model)  # step 6
+    # Lightning's _atomic_save: serialize to memory, write the bytes to a temporary file, move it into place.
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    final = tmp_path / "epoch=0-step=6.ckpt"
+    with open(str(final) + ".part", "wb") as f:
+        f.write(buffer.getvalue())
+    os.replace(str(final) + ".part", final)
+    torch.save({"not": "a checkpoint"}, io.BytesIO())  # never written anywhere
+    _step(optimizer, model)  # step 7 settles both
+    commits = _events(rec, ledger, EventKind.CHECKPOINT_COMMIT)
+    assert [(c.step, Path(c.data["path"]).name) for c in commits] == [(6, final.name)]
+    spans = [e for e in _events(rec, ledger, EventKind.PHASE_END) if e.phase is Phase.CHECKPOINT_BLOCKING]
+    assert len(spans) == 1 and spans[0].ts >= spans[0].value and spans[0].step == 6
+    assert not hasattr(builtins.open, "__wrapped__") and builtins.open is io.open  # given back
+
+
+def test_file_objects_and_several_files_of_one_checkpoint(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with open(tmp_path / "earlier.pt", "rb") as f:  # an open file: matched by its name
+        torch.load(f)
+    _step(optimizer, model)
+    folder = tmp_path / "checkpoint-6"
+    folder.mkdir()
+    with open(folder / "model.pt", "wb") as f:
+        torch.save(model.state_dict(), f)
+    torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+    commits = _events(rec, ledger, EventKind.CHECKPOINT_COMMIT)
+    marks = _events(rec, ledger, EventKind.MARK)
+    assert [e.step for e in _events(rec, ledger, EventKind.RESUMED)] == [5]
+    assert [(c.step, Path(c.data["path"]).name) for c in commits] == [(6, "model.pt")]
+    assert [(m.data["step"], Path(m.data["path"]).name) for m in marks] == [(6, "optimizer.pt")]
+    blocking = [e for e in _events(rec, ledger, EventKind.PHASE_END) if e.phase is Phase.CHECKPOINT_BLOCKING]
+    assert len(blocking) == 2  # each file's time is blocking time
+
+
+def test_a_later_attempt_loading_any_file_of_a_checkpoint_resumes_from_its_step(tmp_path: Path) -> None:
+    from ettr.bootstrap.hooks import AutoHooks
+
+    folder = tmp_path / "checkpoint-10"
+    folder.mkdir()
+    torch.save({"x": 1}, folder / "optimizer.pt")
+    ledger = open_ledger(tmp_path / "run")
+    ledger.append(
+        [
+            Event(EventKind.CHECKPOINT_COMMIT, 1.0, 0, 0, step=10, data={"path": str(folder / "model.pt")}),
+            Event(EventKind.MARK, 1.1, 0, 0, data={"name": "checkpoint_file", "step": 10, "path": str(folder / "optimizer.pt")}),
+        ]
+    )  # fmt: skip
+    rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=1)
+    hooks = AutoHooks(rec)
+    hooks.on_torch(torch)
+    try:
+        torch.load(folder / "optimizer.pt")
+        rec.flush()
+        assert [e.step for e in ledger.read() if e.kind is EventKind.RESUMED] == [10]
+    finally:
+        hooks.uninstall()
+        rec.close()
+
+
+def test_safetensors_files_are_checkpoint_files(hooked: tuple[Any, Recorder, Any], tmp_path: Path) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    hooks, rec, ledger = hooked
+    hooks.on_safetensors(safetensors_torch)
+    safetensors_torch.save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    assert torch.equal(safetensors_torch.load_file(str(tmp_path / "model.safetensors"))["w"], torch.ones(2))
+    commits = _events(rec, ledger, EventKind.CHECKPOINT_COMMIT)
+    assert [Path(c.data["path"]).name for c in commits] == ["model.safetensors"]
+    restores = [e for e in _events(rec, ledger, EventKind.PHASE_END) if e.phase is Phase.RESTORE]
+    assert len(restores) == 1
+
+
+def test_an_unplaceable_resume_is_unknown_or_read_from_the_checkpoint(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pretrained = tmp_path / "pretrained.pt"
+    torch.save({"w": 1}, pretrained)
+    os.utime(pretrained, (0.5, 0.5))  # older than the job (which began at t=1.0): not a resume
+    torch.load(pretrained)
+    unseen = tmp_path / "unseen.pt"
+    torch.save({"w": 2}, unseen)  # written during the job by something the hooks did not see
+    torch.load(unseen)
+    _step(optimizer, model)
+    resumed = _events(rec, ledger, EventKind.RESUMED)
+    assert [(e.step, "no earlier attempt was seen saving it" in e.data["unknown"]) for e in resumed] == [
+        (None, True)
+    ]
+    assert [e.step for e in _events(rec, ledger, EventKind.STEP)] == [1]  # counted from an unknown base
+
+
+def test_a_resume_step_named_in_the_loaded_checkpoint_is_used(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffer = io.BytesIO()
+    torch.save({"global_step": 30, "state_dict": model.state_dict()}, buffer)
+    buffer.seek(0)
+    torch.load(buffer)  # loaded from memory: no path to match, but it names its step
+    _step(optimizer, model)
+    assert [e.step for e in _events(rec, ledger, EventKind.RESUMED)] == [30]
+    assert [e.step for e in _events(rec, ledger, EventKind.STEP)] == [31]
+
+
+def test_the_report_says_unknown_and_estimates_the_lost_steps() -> None:
+    def attempt(index: int, start: float, end: float, outcome: str, steps: range) -> list[Event]:
+        events = [
+            Event(EventKind.ATTEMPT_START, start, index, -1),
+            Event(EventKind.PROCESS_START, start, index, 0),
+            *(Event(EventKind.STEP, start + 1 + i, index, 0, step=s) for i, s in enumerate(steps)),
+            Event(EventKind.ATTEMPT_END, end, index, -1, data={"outcome": outcome, "exit_code": 0 if outcome == "completed" else 1}),
+        ]  # fmt: skip
+        return events
+
+    events = [
+        Event(EventKind.SUPERVISOR_START, 0.0, 0, -1),
+        *attempt(0, 0.0, 20.0, "failed", range(1, 15)),
+        Event(EventKind.CHECKPOINT_COMMIT, 11.5, 0, 0, step=10, data={"path": "/c/10"}),
+        *attempt(1, 21.0, 40.0, "completed", range(1, 11)),
+        Event(
+            EventKind.RESUMED, 21.5, 1, 0, data={"unknown": "/c/x was loaded but no earlier attempt saved it"}
+        ),
+        Event(EventKind.JOB_END, 40.0, 0, -1, data={"exit_status": 0}),
+    ]
+    report = compute(events, 40.0)
+    first, second = report.attempts
+    assert second.resumed_from_step is None and second.last_step is None
+    assert "no earlier attempt" in (second.resumed_step_unknown or "")
+    assert first.outcome is Outcome.FAILED and first.lost_steps == 4 and first.lost_steps_estimated
+    from ettr.report.json import to_dict
+    from ettr.report.text import render
+
+    attempts = to_dict(report)["attempts"]
+    assert attempts[1]["resumed_step_unknown"] and attempts[1]["resumed_from_step"] is None
+    assert attempts[0]["lost_steps_estimated"] is True
+    assert "resumed from an unknown step" in render(report)
