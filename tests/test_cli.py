@@ -24,7 +24,17 @@ CONTRACT_FLAGS = {
     "report": {"--json", "--html", "--trace", "--tensorboard"},
     "interval": {"--blocking", "--failures-per-day", "--train-hours", "--json"},
     "demo": {"--quick", "--out"},
-    "publish": {"--watch", "--poll-interval", "--lease-ttl", "--max-attempts", "--request", "--json"},
+    "publish": {
+        "--watch",
+        "--poll-interval",
+        "--lease-ttl",
+        "--max-attempts",
+        "--request",
+        "--json",
+        "--allow-factory",
+        "--root",
+        "--allow-pythonpath",
+    },
 }
 
 
@@ -48,7 +58,17 @@ FROZEN_COMMAND_LINE = {
     "interval": ({"--blocking", "--failures-per-day", "--train-hours", "--json"}, []),
     "demo": ({"--quick", "--out"}, []),
     "publish": (
-        {"--watch", "--poll-interval", "--lease-ttl", "--max-attempts", "--request", "--json"},
+        {
+            "--watch",
+            "--poll-interval",
+            "--lease-ttl",
+            "--max-attempts",
+            "--request",
+            "--json",
+            "--allow-factory",
+            "--root",
+            "--allow-pythonpath",
+        },
         ["queue_dir"],
     ),
     "compile-report": ({"--json"}, ["run_dir"]),

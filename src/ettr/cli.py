@@ -265,6 +265,27 @@ def _add_publish(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--request", metavar="ID", help="publish only this request")
     p.add_argument("--json", action="store_true", help="end with one JSON object of what was published")
+    p.add_argument(
+        "--allow-factory",
+        action="append",
+        default=[],
+        metavar="MODULE:CALLABLE|MODULE.*",
+        help="model code a request may name (repeatable; entry points in ettr.publish_factories count too)",
+    )
+    p.add_argument(
+        "--root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="anchors, artifacts and run dirs must lie here (repeatable; default: the queue's parent dir)",
+    )
+    p.add_argument(
+        "--allow-pythonpath",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a request's pythonpath entries may lie here (repeatable; default: none beyond sys.path)",
+    )
 
 
 def _publish(args: argparse.Namespace) -> int:
@@ -310,8 +331,10 @@ the hang timeout is 300 s without progress (armed after the first sign of life) 
   ettr demo                 # baseline vs optimized reference job (several minutes)
   ettr demo --quick --out /tmp/demo""",
     "publish": """examples:
-  ettr publish runs/publish-queue           # build every queued artifact, then exit
-  ettr publish runs/publish-queue --watch   # keep serving the queue as a worker""",
+  ettr publish runs/publish-queue --allow-factory 'mypkg.models.*'      # build every queued artifact
+  ettr publish runs/publish-queue --allow-factory mypkg.models:build --watch   # serve the queue
+  ettr publish q --allow-factory 'dlrm.*' --allow-pythonpath examples --root /data/publish
+see docs/trust.md: a request names only allowed model code, and paths inside the roots""",
     "compile-report": """examples:
   ettr compile-report runs/my-job
   ettr compile-report runs/my-job --json""",

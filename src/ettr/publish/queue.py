@@ -20,10 +20,12 @@ Needs a POSIX filesystem with atomic rename and hard links (local disk, NFS); no
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from typing import Any
 
 from ettr.atomic import atomic_write, create_exclusive
 from ettr.procs import pid_alive, start_ticks
-from ettr.publish.request import PublishError, PublishRequest
+from ettr.publish.request import MAX_REQUEST_BYTES, PublishError, PublishRequest, parse_json
 
 logger = logging.getLogger("ettr")
 
@@ -60,10 +62,32 @@ class RequestState(StrEnum):
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        body = json.loads(path.read_bytes())
-    except (FileNotFoundError, ValueError):
+        body = parse_json(_read_untrusted(path))
+    except (OSError, ValueError, RecursionError, PublishError):
         return None
     return body if isinstance(body, dict) else None
+
+
+def _carried_over(previous: dict[str, Any] | None, now: float) -> tuple[int, float]:
+    """(attempt, first claimed ts) of a claim taking over `previous` (a garbled one counts as attempt 0)."""
+    if previous is None:
+        return 0, now
+    attempt, first_ts = previous.get("attempt"), previous.get("first_claimed_ts")
+    attempt = attempt if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt >= 0 else 0
+    valid_ts = isinstance(first_ts, (int, float)) and not isinstance(first_ts, bool) and first_ts <= now
+    return attempt + 1, float(first_ts) if valid_ts else now
+
+
+def _read_untrusted(path: Path) -> bytes:
+    """A request file's bytes: never through a symlink, never more than the size a request may have."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_REQUEST_BYTES + 1)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -159,9 +183,12 @@ class PublishQueue:
             self._path(_FAILED, request_id, ".request.json"),
         ):
             try:
-                return PublishRequest.from_json(path.read_bytes())
+                data = _read_untrusted(path)
             except FileNotFoundError:
                 continue
+            except OSError as exc:  # a symlink planted in the queue, a directory, unreadable
+                raise PublishError(f"cannot read request file {path.name} ({exc.strerror or exc})") from None
+            return PublishRequest.from_json(data)
         raise PublishError(f"no publish request {request_id!r} in {self.root}")
 
     def result(self, request_id: str) -> dict[str, Any] | None:
@@ -202,8 +229,7 @@ class PublishQueue:
             previous = current
         now = self._clock()
         token = uuid.uuid4().hex
-        attempt = int(previous.get("attempt", 0)) + 1 if previous else 0
-        first_ts = float(previous.get("first_claimed_ts", now)) if previous else now
+        attempt, first_ts = _carried_over(previous, now)
         body = {
             "request_id": request_id,
             "token": token,
