@@ -9,6 +9,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from ettr.accounting.attempts import Attempt, data_of, gather, resolve_attempts, wall_bounds
+from ettr.accounting.fence import fence
 from ettr.accounting.model import AttemptReport, EttReport, Recovery, TtsWindow
 from ettr.accounting.timeline import build_segments
 from ettr.events import Bucket, Event, Outcome, Phase
@@ -60,7 +61,8 @@ def compute(events: Iterable[Event], now: float, *, job_id: str = "") -> EttRepo
 
 
 def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
-    job = gather(events)
+    kept, num_fenced = fence(events)
+    job = gather(kept)
     wall_start, wall_end = wall_bounds(job, now)
     attempts = resolve_attempts(job, wall_start, wall_end)
     segments = build_segments(job, attempts, wall_start, wall_end)
@@ -122,6 +124,7 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         job_exit_status=_exit_status(job_end_data),
         tts_window=tts_window,
         recoveries=recoveries,
+        num_fenced_events=num_fenced,
     )
 
 

@@ -171,6 +171,9 @@ class EttReport:
     recoveries: tuple[Recovery, ...] = ()
     """The failures behind `ttr_s`, one each, in order: which attempt failed, when it was detected, and
     which attempt trained again when."""
+    num_fenced_events: int = 0
+    """Events of training processes recorded after their attempt had ended (orphans), not counted
+    (`ettr.accounting.fence`)."""
 
     @property
     def mean_ttr_s(self) -> float | None:

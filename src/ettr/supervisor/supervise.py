@@ -34,7 +34,7 @@ from ettr.heartbeat import latest_heartbeat
 from ettr.inject import FaultKind, unfired_specs
 from ettr.ledger import LedgerError, open_ledger
 from ettr.procs import start_ticks
-from ettr.supervisor import books
+from ettr.supervisor import books, containment
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times
@@ -113,6 +113,8 @@ class Supervisor:
                 f"ettr run: {self.run_dir} is in use by a running supervisor (pid {live}); "
                 "give another --run-dir or --job-id"
             )
+        if self._kill_leftovers():
+            previous = self._ledger.read()  # they may have written until killed: close after their last
         closing = books.closing_events(previous)
         if closing:
             self._ledger.append(closing)
@@ -142,6 +144,27 @@ class Supervisor:
         )
         return first_attempt
 
+    def _kill_leftovers(self) -> bool:
+        """Before a requeue continues the job: kill the processes a killed supervisor left running here (they
+        would keep writing the previous attempt's events and checkpoints). Refuses (UsageError) if any
+        survive. Whether there were any."""
+        found = containment.leftovers(self.run_dir)
+        if not found:
+            return False
+        pids = ", ".join(str(f.pid) for f in found)
+        attempts = ", ".join(sorted({f.attempt for f in found}))
+        alive = containment.kill_all((f.pid, f.start_ticks) for f in found)
+        if alive:
+            self._ledger.close()
+            raise UsageError(
+                f"ettr run: processes {', '.join(map(str, alive))} of attempt {attempts} of this job still run "
+                "and cannot be killed by this user (end them, then run again)"
+            )
+        _say(
+            f"killed {len(found)} process(es) of attempt {attempts} left running by a killed supervisor (pids {pids})"
+        )
+        return True
+
     # -- signals -----------------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._num_signals += 1
@@ -168,6 +191,7 @@ class Supervisor:
             auto=cfg.auto,
         )
         oom_before = oom_kill_count()
+        sweep = containment.AttemptSweep(self.run_dir, attempt)
         try:
             proc = AttemptProcess(launch.argv, launch.env)
         except OSError as exc:
@@ -216,10 +240,16 @@ class Supervisor:
                 killed = True
             if now - snapshot_at >= 1.0:
                 proc.remember_tree()
+                sweep.reap_adopted(exclude=proc.pid)
                 snapshot_at = now
             self._wake.wait(cfg.poll_interval_s)
             self._wake.clear()
         proc.kill_leftovers()
+        swept = sweep.run(exclude=proc.pid)
+        if swept:
+            _say(
+                f"attempt {attempt}: killed {len(swept)} process(es) that outlived it (pids {', '.join(map(str, swept))})"
+            )
         proc.finish()
         oom_after = oom_kill_count()
         return classify(
@@ -261,6 +291,7 @@ class Supervisor:
         """Supervise the job to its end; the contract's exit status (0, 1 or 143)."""
         cfg = self.config
         _check_command(cfg.command)
+        containment.become_subreaper()  # orphans of the job re-parent here, so the sweep finds them
         first = self._open_books()
         if cfg.hang_timeout_s is None and any(s.kind is FaultKind.HANG for s in cfg.inject):
             _say(
