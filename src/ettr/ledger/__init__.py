@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ettr.events import Event
@@ -17,6 +19,7 @@ __all__ = [
     "open_ledger",
     "ledger_path",
     "read_ledger",
+    "rebuild_ledger",
 ]
 
 
@@ -40,3 +43,21 @@ def read_ledger(run_dir: str | os.PathLike[str]) -> list[Event]:
         return ledger.read()
     finally:
         ledger.close()
+
+
+def rebuild_ledger(run_dir: str | os.PathLike[str], events: Sequence[Event]) -> tuple[SqliteLedger, Path]:
+    """Set a damaged ledger aside (`ledger.db.damaged-<time>`, with its -wal and -shm) and start a fresh one
+    holding `events` (what could still be read from it). Returns (the new ledger, where the old one went).
+    For a writer that can read the ledger but no longer write it (a flipped bit in its structure). Raises
+    `LedgerError` / OSError."""
+    path = ledger_path(run_dir)
+    aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+    for suffix in ("-wal", "-shm", ""):
+        try:
+            os.replace(f"{path}{suffix}", f"{aside}{suffix}")
+        except FileNotFoundError:
+            pass
+    ledger = SqliteLedger(path, create=True)
+    for start in range(0, len(events), 5000):
+        ledger.append(events[start : start + 5000])
+    return ledger, aside
