@@ -6,6 +6,7 @@ Bad usage or bad input never shows a traceback: one line on stderr and exit stat
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -368,19 +369,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_BAD_PATH_ERRNOS = frozenset(
+    {errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.EINVAL, errno.EACCES}
+)
+"""An OSError with one of these escaping a command is bad input (exit 2); any other is a failure (exit 1)."""
+
+
+def _one_line(text: str) -> str:
+    """`text` with control characters (a newline or carriage return in a user's argument) escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    command = "ettr"
     try:
         args = build_parser().parse_args(argv)
         if args.cmd is None:
             raise UsageError("ettr: no command given (one of: " + ", ".join(_COMMANDS) + "; see --help)")
+        command = f"ettr {args.cmd}"
         return _COMMANDS[args.cmd][2](args)
     except UsageError as exc:
-        print(f"ettr: error: {exc}" if not str(exc).startswith("ettr") else f"{exc}", file=sys.stderr)
+        message = _one_line(str(exc))
+        print(f"ettr: error: {message}" if not message.startswith("ettr") else message, file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # a path the system refuses (too long, not a directory, ...): still one line
+        where = f" ({_one_line(str(exc.filename))[:200]})" if exc.filename else ""
+        print(f"{command}: {_one_line(exc.strerror or str(exc))}{where}", file=sys.stderr)
+        return 2 if exc.errno in _BAD_PATH_ERRNOS else 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""Fuzz the command line (issue 12 item 8): random argv for every subcommand gives exit status 0, 1 or 2
+and never a traceback. Commands that would run for minutes are kept short: `run` always names a program
+that does not exist, `publish` never gets `--watch`, and `demo` is only given argv it must refuse."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ettr.cli import _COMMANDS, build_parser
+from ettr.cli import main as cli_main
+
+
+def _flags(command: str) -> list[str]:
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    parser = sub.choices[command]
+    return sorted(
+        o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"
+    )
+
+
+_VALUES = st.sampled_from(
+    ["0", "-1", "1", "3.5", "nan", "inf", "-inf", "1e400", "9" * 400, "", " ", "x", "--", "-", "\x00", "é",
+     "2026-13-45T99:99", "runs", "/dev/null", "/", "/nonexistent/dir", "a" * 5000, "kill@step=1", "crash@",
+     "sqlite:///nonexistent/x.db", "torch.nn.*", "os:system"]
+) | st.text(max_size=12)  # fmt: skip
+
+
+def _argv(command: str, flags: list[str], tmp: Path):
+    chosen = (
+        st.lists(st.tuples(st.sampled_from(flags), _VALUES, st.booleans()), max_size=5)
+        if flags
+        else st.just([])
+    )
+    positional = st.lists(_VALUES | st.just(str(tmp)), max_size=3)
+
+    def build(items, args):
+        argv = [command]
+        for flag, value, with_value in items:
+            argv += [flag, value] if with_value else [flag]
+        argv += args
+        if command == "run":
+            argv += ["--", "/nonexistent/ettr-fuzz-program"]
+        if command == "publish":
+            argv = [a for a in argv if a != "--watch"]
+        if command == "demo":
+            argv += ["--no-such-flag"]
+        return argv
+
+    return st.builds(build, chosen, positional)
+
+
+_CAN_RUN = sorted(_COMMANDS)
+
+
+@pytest.mark.parametrize("command", _CAN_RUN)
+def test_random_argv_never_gives_a_traceback(command, tmp_path, capsys):
+    flags = _flags(command)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(argv=_argv(command, flags, tmp_path))
+    def check(argv):
+        try:
+            status = cli_main(argv)
+        except SystemExit as exc:  # --help, --version
+            status = exc.code
+        captured = capsys.readouterr()
+        assert status in (0, 1, 2), (argv, status, captured.err[-2000:])
+        assert "Traceback" not in captured.err, (argv, captured.err[-3000:])
+        if status == 2:
+            assert len(captured.err.strip().splitlines()) == 1, (argv, captured.err[-3000:])
+
+    check()
