@@ -23,6 +23,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -74,8 +75,9 @@ def _carried_over(previous: dict[str, Any] | None, now: float) -> tuple[int, flo
         return 0, now
     attempt, first_ts = previous.get("attempt"), previous.get("first_claimed_ts")
     attempt = attempt if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt >= 0 else 0
-    valid_ts = isinstance(first_ts, (int, float)) and not isinstance(first_ts, bool) and first_ts <= now
-    return attempt + 1, float(first_ts) if valid_ts else now
+    if isinstance(first_ts, (int, float)) and not isinstance(first_ts, bool) and math.isfinite(first_ts):
+        return attempt + 1, float(first_ts)
+    return attempt + 1, now
 
 
 def _read_untrusted(path: Path) -> bytes:
