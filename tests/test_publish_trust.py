@@ -181,6 +181,16 @@ def test_any_malformed_request_is_failed_moved_aside_and_never_blocks_the_queue(
     assert worker(tmp_path).drain() == []  # nothing left that a publisher would retry
 
 
+@pytest.mark.parametrize("name", ["a" * 250, "two words", "new\nline", "semi;colon"])
+def test_a_file_whose_name_is_no_request_id_is_moved_aside_unread(tmp_path, name):
+    good = enqueue_linear(tmp_path)
+    plant(tmp_path, name, request_body(tmp_path, good))
+    outcomes = worker(tmp_path).drain()
+    assert [(o.request_id, o.status) for o in outcomes] == [(good, "published")]
+    assert not (tmp_path / "queue" / "requests" / f"{name}.json").exists()
+    assert [p.name for p in (tmp_path / "queue" / "failed").glob(".rejected-*.request.json")]
+
+
 def test_a_watching_publisher_survives_a_malformed_request(tmp_path):
     good = enqueue_linear(tmp_path)
     plant(tmp_path, "nested", "[" * 200_000)

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import math
 import os
+import re
 import socket
 import stat
 import time
@@ -42,6 +44,8 @@ from ettr.publish.request import MAX_REQUEST_BYTES, PublishError, PublishRequest
 logger = logging.getLogger("ettr")
 
 _REQUESTS, _CLAIMS, _DONE, _FAILED = "requests", "claims", "done", "failed"  # the queue's directories
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+"""What a request id (and so its file name) may be; anything else is moved aside unread."""
 
 
 class RequestState(StrEnum):
@@ -170,12 +174,31 @@ class PublishQueue:
                 if path.name.startswith("."):
                     continue
                 request_id = path.name[: -len(".json")]
+                if not _SAFE_ID.match(request_id):
+                    self._reject(path)  # not a name a request can have: out of the way, unread
+                    continue
                 if self._path(_DONE, request_id).is_file() or self._path(_FAILED, request_id).is_file():
-                    self._archive(request_id)  # a publisher died between finishing and tidying up
+                    with contextlib.suppress(OSError):
+                        self._archive(request_id)  # a publisher died between finishing and tidying up
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     entries.append((path.stat().st_mtime, request_id))
         return [request_id for _, request_id in sorted(entries)]
+
+    def _reject(self, path: Path) -> None:
+        """Move a file whose name no request id has (too long, odd characters) to `failed/.rejected-*`,
+        with a note of its name; never raises."""
+        digest = hashlib.sha1(os.fsencode(path.name)).hexdigest()[:16]
+        aside = self.root / _FAILED / f".rejected-{digest}.request.json"
+        note = {"name": path.name[:300], "error": "not a request id: use [A-Za-z0-9_.-], at most 200"}
+        try:
+            (self.root / _FAILED).mkdir(parents=True, exist_ok=True)
+            atomic_write(aside.with_name(f".rejected-{digest}.json"), json.dumps(note).encode())
+            os.replace(path, aside)
+        except OSError as exc:
+            logger.warning("ettr: cannot move aside publish request file %r (%s)", path.name[:80], exc)
+            return
+        logger.warning("ettr: moved publish request file %r aside: not a request id", path.name[:80])
 
     def load(self, request_id: str) -> PublishRequest:
         """The request of `request_id` (queued or finished). Raises PublishError if unknown or unreadable."""
