@@ -254,3 +254,40 @@ def test_a_recorder_on_a_real_full_disk_loses_nothing_once_space_frees(tmp_path)
         ledger.close()
         steps = [e.step for e in read_ledger(mount / "run") if e.kind is EventKind.STEP]
         assert steps == list(range(1, 20_001))
+
+
+def test_ettr_run_continues_a_job_whose_ledger_has_rows_of_the_wrong_type(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    killed_job(run_dir)
+    conn = sqlite3.connect(run_dir / "ledger.db")
+    bad = [
+        (T0 + 5, "step", "zero", 0, None, "seven", None, None),  # text where integers belong
+        (T0 + 6, "attempt_start", 0, 0, "no-such-phase", None, None, "[1, 2]"),
+        (b"\x00" * 3, "step", 0, 0, None, 2**62, None, "{"),
+        (T0 + 7, "step", 0, 0, None, 3, "not a number", '{"x": 1e999}'),
+    ]
+    conn.executemany(
+        "INSERT INTO events (ts, kind, attempt, rank, phase, step, value, data) VALUES (?,?,?,?,?,?,?,?)", bad
+    )
+    conn.commit()
+    conn.close()
+    assert cli_main(["report", str(run_dir), "--json"]) == 0
+    capsys.readouterr()
+    assert cli_main(["run", "--run-dir", str(run_dir), "--max-restarts", "0", "--", "true"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "continuing job flip" in err
+    events = read_ledger(run_dir)
+    assert [e.attempt for e in events if e.kind is EventKind.ATTEMPT_START] == [0, 1]
+
+
+def test_a_ledger_with_a_non_integer_schema_version_is_refused_in_one_line(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    killed_job(run_dir)
+    conn = sqlite3.connect(run_dir / "ledger.db")
+    conn.execute("UPDATE meta SET value = 'one' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    for argv in (["report", str(run_dir)], ["run", "--run-dir", str(run_dir), "--", "true"]):
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "schema" in err, err
