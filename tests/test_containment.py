@@ -157,3 +157,17 @@ def test_the_sweep_of_an_attempt_spares_other_attempts_and_runs(tmp_path):
         other.wait()
         mine.kill()
         mine.wait()
+
+
+def test_a_requeue_spares_processes_no_supervisor_started(tmp_path):
+    # A shell that exported ETTR_RUN_DIR by hand, and one whose supervisor is alive, are not leftovers.
+    env = {**_env(), "ETTR_RUN_DIR": str(tmp_path)}
+    by_hand = subprocess.Popen(["sleep", "60"], env=env)
+    live = subprocess.Popen(["sleep", "60"], env={**env, "ETTR_SUPERVISOR_PID": str(os.getppid())})
+    dead = subprocess.Popen(["sleep", "60"], env={**env, "ETTR_SUPERVISOR_PID": str(2**22 + 11)})
+    try:
+        assert [leftover.pid for leftover in leftovers(tmp_path)] == [dead.pid]
+    finally:
+        for proc in (by_hand, live, dead):
+            proc.kill()
+            proc.wait()

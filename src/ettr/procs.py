@@ -178,3 +178,13 @@ def children(pid: int) -> list[int]:
     except OSError:
         return []
     return [int(e) for e in entries if e.isdigit() and _parent_pid(e) == pid]
+
+
+def ancestors(pid: int) -> list[int]:
+    """The parent, grandparent, ... of `pid` up to init, from /proc; empty where /proc is missing."""
+    found: list[int] = []
+    parent = _parent_pid(pid)
+    while parent is not None and parent > 0 and parent not in found:
+        found.append(parent)
+        parent = _parent_pid(parent)
+    return found

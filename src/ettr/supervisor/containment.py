@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ettr.procs import children, pid_alive, processes_with_env, set_child_subreaper, start_ticks
+from ettr.procs import ancestors, children, pid_alive, processes_with_env, set_child_subreaper, start_ticks
 from ettr.run_env import ATTEMPT_ENV, RUN_DIR_ENV, SUPERVISOR_PID_ENV
 
 logger = logging.getLogger("ettr")
@@ -56,10 +56,13 @@ def leftovers(run_dir: str | os.PathLike[str]) -> list[Leftover]:
     """Processes on this host started for `run_dir` by a supervisor that no longer runs (it was killed and
     the processes escaped its parent-death signal)."""
     found = []
+    mine = set(ancestors(os.getpid()))
     for pid, ticks, env in processes_with_env({RUN_DIR_ENV: str(Path(run_dir))}):
         supervisor = env.get(SUPERVISOR_PID_ENV, "")
-        supervisor_pid = int(supervisor) if supervisor.isdigit() else 0
-        if supervisor_pid == os.getpid() or (supervisor_pid > 0 and pid_alive(supervisor_pid, None)):
+        if not supervisor.isdigit() or pid in mine:
+            continue  # not started by a supervisor (a shell that exported ETTR_RUN_DIR), or our own caller
+        supervisor_pid = int(supervisor)
+        if supervisor_pid == os.getpid() or pid_alive(supervisor_pid, None):
             continue  # ours, or a live supervisor's (it keeps its own books)
         found.append(Leftover(pid, ticks, env.get(ATTEMPT_ENV, "?")))
     return found
