@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -52,12 +53,23 @@ def rebuild_ledger(run_dir: str | os.PathLike[str], events: Sequence[Event]) -> 
     `LedgerError` / OSError."""
     path = ledger_path(run_dir)
     aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+    moved = []
     for suffix in ("-wal", "-shm", ""):
         try:
             os.replace(f"{path}{suffix}", f"{aside}{suffix}")
+            moved.append(suffix)
         except FileNotFoundError:
             pass
-    ledger = SqliteLedger(path, create=True)
-    for start in range(0, len(events), 5000):
-        ledger.append(events[start : start + 5000])
+    try:
+        ledger = SqliteLedger(path, create=True)
+        for start in range(0, len(events), 5000):
+            ledger.append(events[start : start + 5000])
+    except BaseException:  # no fresh ledger after all: put the damaged one back, as it was
+        for suffix in ("-wal", "-shm", ""):
+            with contextlib.suppress(OSError):
+                os.remove(f"{path}{suffix}")
+        for suffix in moved:
+            with contextlib.suppress(OSError):
+                os.replace(f"{aside}{suffix}", f"{path}{suffix}")
+        raise
     return ledger, aside

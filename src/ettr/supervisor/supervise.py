@@ -170,8 +170,12 @@ class Supervisor:
         opening.append(Event(EventKind.SUPERVISOR_START, time.time(), 0, SUPERVISOR_RANK, data=start))
         try:  # the first write: a ledger that reads but cannot be written is found here
             self._ledger.append(opening)
-        except (sqlite3.DatabaseError, LedgerError, OSError) as exc:
+        except sqlite3.OperationalError as exc:  # full, locked, read-only: not damage; the job goes on
+            _say(f"could not record the job's start in {self.run_dir} ({describe_os_error(exc)})")
+        except (sqlite3.DatabaseError, LedgerError) as exc:  # malformed: damaged structure
             self._salvage(previous, opening, exc)
+        except OSError as exc:
+            _say(f"could not record the job's start in {self.run_dir} ({describe_os_error(exc)})")
         if closing:
             _say(f"closed {len(closing)} attempt(s) a killed supervisor left open in {self.run_dir}")
         if previous:
