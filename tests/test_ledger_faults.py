@@ -291,3 +291,43 @@ def test_a_ledger_with_a_non_integer_schema_version_is_refused_in_one_line(tmp_p
         assert cli_main(argv) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "schema" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_job_that_fills_the_ledgers_disk_is_still_recorded_as_completed(tmp_path):
+    """The probe's case: the run directory's disk is full when the attempt ends; space comes back a moment
+    later (retention, an operator). The end events wait for it instead of being dropped."""
+    import json
+    import sys
+    import threading
+
+    with tmpfs(tmp_path / "small", "3m") as mount:
+        filled = tmp_path / "filled"
+        script = f"head -c 100000000 /dev/zero > {mount}/filler 2>/dev/null; touch {filled}; exit 0"
+
+        def free_space_later() -> None:
+            deadline = time.monotonic() + 60
+            while not filled.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.5)
+            (mount / "filler").unlink(missing_ok=True)
+
+        helper = threading.Thread(target=free_space_later, daemon=True)
+        helper.start()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+        done = subprocess.run(
+            [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(mount / "run"), "--max-restarts", "0",
+             "--", "bash", "-c", script],
+            capture_output=True, text=True, timeout=90, env=env,
+        )  # fmt: skip
+        helper.join(5)
+        assert done.returncode == 0, done.stderr[-2000:]
+        rep = json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "ettr.cli", "report", str(mount / "run"), "--json"],
+                capture_output=True, text=True, timeout=60, env=env, check=True,
+            ).stdout
+        )  # fmt: skip
+        assert [a["outcome"] for a in rep["attempts"]] == ["completed"]
+        assert rep["job_exit_status"] == 0 and not rep["in_progress"]
