@@ -75,3 +75,30 @@ def test_random_argv_never_gives_a_traceback(command, tmp_path, capsys):
             assert len(captured.err.strip().splitlines()) == 1, (argv, captured.err[-3000:])
 
     check()
+
+
+@pytest.mark.parametrize("stdout", ["closed", "read-only"])
+def test_a_closed_or_read_only_stdout_is_one_line_not_a_silent_success(tmp_path, stdout):
+    import os
+    import subprocess
+    import sys
+
+    def arrange() -> None:
+        os.close(1)
+        if stdout == "read-only":
+            os.open(os.devnull, os.O_RDONLY)  # takes fd 1, as `1</dev/null` does
+
+    argv = [
+        sys.executable,
+        "-m",
+        "ettr.cli",
+        "interval",
+        "--blocking",
+        "10",
+        "--failures-per-day",
+        "3",
+        "--json",
+    ]
+    done = subprocess.run(argv, stderr=subprocess.PIPE, text=True, preexec_fn=arrange, timeout=60)
+    assert done.returncode in (1, 2) and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "standard output" in done.stderr, done.stderr

@@ -369,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NO_RESULT_ON_STDOUT = frozenset({"run", "demo"})
+"""Commands whose result is not what they print (a job's exit status, files): they run with stdout closed."""
+
 _BAD_PATH_ERRNOS = frozenset(
     {errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.EINVAL, errno.EACCES}
 )
@@ -387,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd is None:
             raise UsageError("ettr: no command given (one of: " + ", ".join(_COMMANDS) + "; see --help)")
         command = f"ettr {args.cmd}"
+        if sys.stdout is None and args.cmd not in _NO_RESULT_ON_STDOUT:  # started with `>&-`
+            raise UsageError(f"{command}: standard output is closed, its result would be lost (redirect it)")
         return _COMMANDS[args.cmd][2](args)
     except UsageError as exc:
         message = _one_line(str(exc))
@@ -396,7 +401,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except OSError as exc:  # a path the system refuses (too long, not a directory, ...): still one line
         where = f" ({_one_line(str(exc.filename))[:200]})" if exc.filename else ""
-        print(f"{command}: {_one_line(exc.strerror or str(exc))}{where}", file=sys.stderr)
+        what = _one_line(exc.strerror or str(exc))
+        if exc.errno == errno.EBADF and not exc.filename:  # `1</dev/null`: stdout open, but not for writing
+            what = f"cannot write standard output ({what})"
+        print(f"{command}: {what}{where}", file=sys.stderr)
         return 2 if exc.errno in _BAD_PATH_ERRNOS else 1
     except KeyboardInterrupt:
         return 130
