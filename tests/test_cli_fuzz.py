@@ -102,3 +102,13 @@ def test_a_closed_or_read_only_stdout_is_one_line_not_a_silent_success(tmp_path,
     done = subprocess.run(argv, stderr=subprocess.PIPE, text=True, preexec_fn=arrange, timeout=60)
     assert done.returncode in (1, 2) and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "standard output" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "blocking, failures",
+    [("5e-324", "1e308"), ("1e308", "5e-324"), ("1e300", "1e300"), ("100000", "100")],
+)
+def test_extreme_interval_inputs_are_one_line_never_infinity(blocking, failures, capsys):
+    assert cli_main(["interval", "--blocking", blocking, "--failures-per-day", failures, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -185,8 +186,23 @@ def _interval(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(f"ettr interval: {exc}") from None
-    best = model.optimal_interval_s
-    points = curve(model)
+    try:  # extreme inputs (1e308, 5e-324) overflow or underflow the model: say so, never print Infinity
+        best = model.optimal_interval_s
+        points = curve(model)
+        numbers = [best, model.wasted_pct(best), model.wasted_s(best), model.daly_interval_s, model.mtbf_s]
+        numbers += [x for point in points for x in point]
+    except (ValueError, ZeroDivisionError, OverflowError):
+        numbers = [math.nan]
+    if not all(math.isfinite(x) and x >= 0 for x in numbers) or not best > 0:
+        raise UsageError(
+            f"ettr interval: --blocking {args.blocking:g} with --failures-per-day {args.failures_per_day:g} "
+            "is outside the numbers the model can compute (give values of real jobs)"
+        )
+    if model.wasted_pct(best) > 100.0:
+        raise UsageError(
+            f"ettr interval: a checkpoint blocking {args.blocking:g} s with a failure every "
+            f"{model.mtbf_s:g} s on average: no checkpoint interval keeps the job making progress"
+        )
     if args.json:
         print(
             json.dumps(
