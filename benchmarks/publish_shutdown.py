@@ -37,6 +37,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+PUBLISHER_ALLOWS = ("--allow-factory", "dlrm.model.*", "--allow-pythonpath", str(EXAMPLES))
+"""What the publisher lets requests run: the example's model code (docs/trust.md)."""
 ETTR = Path(sys.executable).with_name("ettr")
 
 
@@ -186,7 +188,10 @@ def one_run(work: Path, mode: str, index: int, args: argparse.Namespace) -> dict
     if mode == "standalone":
         begin = time.time()
         out = subprocess.run(
-            [str(ETTR), "publish", str(base / "queue"), "--json"], capture_output=True, text=True, timeout=900
+            [str(ETTR), "publish", str(base / "queue"), "--json", *PUBLISHER_ALLOWS],
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         if out.returncode != 0:
             raise SystemExit(

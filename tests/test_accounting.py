@@ -485,3 +485,22 @@ def test_malformed_events_are_tolerated() -> None:
     r = s.report(now=7)
     assert r.attempts[0].last_step == 3 and r.checkpoint_commits[0].path is None and r.job_exit_status is None
     assert_buckets(r, {Bucket.INIT: 2, Bucket.EFFECTIVE_TRAINING: 3, Bucket.SHUTDOWN: 2})
+
+
+def test_events_of_an_attempt_after_its_end_are_fenced_and_counted() -> None:
+    """An orphan of attempt 0 keeps stepping after attempt 0 was closed and attempt 1 started: its steps
+    count neither as attempt 0's progress nor stretch it; within the grace they still count."""
+
+    def stream(orphan: bool) -> Stream:
+        s = Stream().sup(EventKind.SUPERVISOR_START, 0).attempt(0, 0, 10, "failed", -9)
+        s.steps(0, 1, 5, t_first=3)  # 3..7
+        s.add(EventKind.STEP, 11, 0, step=6)  # within the grace (end 10 + 2 s): recorded before the exit
+        s.attempt(1, 12, 30, "completed", 0).steps(1, 6, 20, t_first=14)
+        if orphan:
+            s.steps(0, 7, 26, t_first=13)  # the orphan of attempt 0, 20 steps while attempt 1 runs
+        return s.sup(EventKind.JOB_END, 30, exit_status=0)
+
+    clean, fenced = stream(False).report(), stream(True).report()
+    assert clean.num_fenced_events == 0 and fenced.num_fenced_events == 20
+    assert fenced.buckets_s == clean.buckets_s and fenced.attempts == clean.attempts
+    assert fenced.attempts[0].last_step == 6

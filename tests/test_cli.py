@@ -53,7 +53,17 @@ FROZEN_COMMAND_LINE = {
     "interval": ({"--blocking", "--failures-per-day", "--json", "--train-hours"}, []),
     "demo": ({"--out", "--quick"}, []),
     "publish": (
-        {"--json", "--lease-ttl", "--max-attempts", "--poll-interval", "--request", "--watch"},
+        {
+            "--allow-factory",
+            "--allow-pythonpath",
+            "--json",
+            "--lease-ttl",
+            "--max-attempts",
+            "--poll-interval",
+            "--request",
+            "--root",
+            "--watch",
+        },
         ["queue_dir"],
     ),
     "compile-report": ({"--json"}, ["run_dir"]),

@@ -31,10 +31,18 @@ from ettr.publish import (
     publish_at_end,
 )
 from ettr.publish.artifact import LostClaim, read_manifest
+from ettr.publish.policy import PublishPolicy
 from ettr.publish.sample import SAMPLE_FILE
 from ettr.recorder import Recorder
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def allow_torch_nn(queue_dir) -> PublishPolicy:
+    """The publisher's policy these tests run under: torch.nn layers, paths under the queue's parent."""
+    return PublishPolicy.for_queue(queue_dir, allow=["torch.nn.*"], entry_points=False)
+
+
 LINEAR = ModelSpec(factory="torch.nn:Linear", config={"in_features": 4, "out_features": 3})
 
 
@@ -75,7 +83,7 @@ def test_standalone_publish_leaves_the_work_to_the_publisher_and_builds_one_arti
     marks = [e.data for e in events if e.kind is EventKind.MARK]
     assert marks[0]["name"] == "publish_enqueued" and marks[0]["request_id"] == result.request_id
 
-    worker = PublishWorker(config.queue_dir)
+    worker = PublishWorker(config.queue_dir, policy=allow_torch_nn(config.queue_dir))
     (outcome,) = worker.drain()
     assert outcome.status == "published" and outcome.artifact_dir == result.artifact_dir
     assert worker.drain() == []  # processed once: nothing left
@@ -109,7 +117,7 @@ def test_inside_mode_builds_before_returning_and_no_publisher_repeats_it(tmp_pat
     assert result.built and result.publish_run_dir is None
     assert load_artifact(result.artifact_dir).check().ok
     assert PublishQueue(config.queue_dir).status(result.request_id) == "done"
-    assert PublishWorker(config.queue_dir).drain() == []
+    assert PublishWorker(config.queue_dir, policy=allow_torch_nn(config.queue_dir)).drain() == []
 
 
 def test_an_anchor_already_committed_is_reused_and_an_incomplete_one_replaced(tmp_path):
@@ -152,7 +160,7 @@ def test_a_parallel_build_that_commits_first_wins_and_ours_is_dropped(tmp_path):
 def test_a_model_that_does_not_reproduce_the_trained_outputs_fails_with_the_reason(tmp_path):
     wrong = ModelSpec(factory="torch.nn:Linear", config={"in_features": 4, "out_features": 3, "bias": False})
     result, config, _, _ = linear_job(tmp_path, spec=wrong)
-    (outcome,) = PublishWorker(config.queue_dir).drain()
+    (outcome,) = PublishWorker(config.queue_dir, policy=allow_torch_nn(config.queue_dir)).drain()
     assert outcome.status == "failed" and "does not reproduce the trained model's outputs" in outcome.error
     queue = PublishQueue(config.queue_dir)
     assert queue.status(result.request_id) == "failed"
@@ -262,7 +270,10 @@ def test_a_dlrm_publishes_in_bfloat16_with_a_dynamic_batch(tmp_path, monkeypatch
     result = publish_at_end(
         model, step=3, config=publish, sample_inputs=(batch.dense, kjt), recorder=Recorder(None)
     )
-    (outcome,) = PublishWorker(publish.queue_dir).drain()
+    (outcome,) = PublishWorker(
+        publish.queue_dir,
+        policy=PublishPolicy.for_queue(publish.queue_dir, allow=["dlrm.*"], pythonpath_roots=[str(EXAMPLES)]),
+    ).drain()
     assert outcome.status == "published", outcome.error
     published = load_artifact(result.artifact_dir)
     assert published.config["dtype"] == "bfloat16" and published.config["dynamic_batch"]

@@ -105,7 +105,8 @@ def test_a_sharded_two_rank_dlrm_publishes_standalone_and_the_artifact_predicts_
     job_end = next(e for e in train_events if e.kind is EventKind.JOB_END)
     assert len(publish_spans) == 1 and publish_spans[0].ts <= job_end.ts
 
-    out = _run([ETTR, "publish", str(queue_dir), "--json"], timeout_s=240)
+    allow = ["--allow-factory", "dlrm.*", "--allow-pythonpath", str(ROOT / "examples")]
+    out = _run([ETTR, "publish", str(queue_dir), "--json", *allow], timeout_s=240)
     (outcome,) = json.loads(out.stdout)["outcomes"]
     assert outcome["status"] == "published"
     assert outcome["verification"]["loaded_model"]["max_abs_err"] < 1e-4  # resharded = trained, sharded model

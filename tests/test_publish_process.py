@@ -19,18 +19,24 @@ import torch
 
 from ettr.ledger import open_ledger
 from ettr.publish import ModelSpec, PublishConfig, PublishQueue, PublishWorker, WorkerConfig, publish_at_end
+from ettr.publish.policy import PublishPolicy
 from ettr.recorder import Recorder
 
 ETTR = str(Path(sys.executable).with_name("ettr"))
+ALLOW = ("--allow-factory", "torch.nn.*")
+"""The one flag these publishers need: the requests' model is a torch.nn layer."""
+
 KILL_AT = """
 import os, signal, sys
+from ettr.publish.policy import PublishPolicy
 from ettr.publish.worker import PublishWorker
 
 def hook(point):
     if point == sys.argv[2]:
         os.kill(os.getpid(), signal.SIGKILL)
 
-PublishWorker(sys.argv[1], fault_hook=hook).drain()
+policy = PublishPolicy.for_queue(sys.argv[1], allow=["torch.nn.*"])
+PublishWorker(sys.argv[1], fault_hook=hook, policy=policy).drain()
 """
 
 
@@ -87,7 +93,7 @@ def test_a_killed_publisher_is_retried_by_the_next_and_one_artifact_results(tmp_
         assert [p.name for p in artifacts.iterdir()] == [request_id]
 
     out = subprocess.run(
-        [ETTR, "publish", str(config.queue_dir), "--json"],
+        [ETTR, "publish", str(config.queue_dir), "--json", *ALLOW],
         capture_output=True,
         text=True,
         env=_env(),
@@ -113,7 +119,11 @@ def test_a_killed_publisher_is_retried_by_the_next_and_one_artifact_results(tmp_
 def test_a_request_whose_publishers_keep_dying_is_given_up(tmp_path):
     request_id, config = enqueue_linear(tmp_path)
     kill_publisher_at(Path(config.queue_dir), "load")
-    (outcome,) = PublishWorker(config.queue_dir, WorkerConfig(max_attempts=1)).drain()
+    (outcome,) = PublishWorker(
+        config.queue_dir,
+        WorkerConfig(max_attempts=1),
+        policy=PublishPolicy.for_queue(config.queue_dir, allow=["torch.nn.*"]),
+    ).drain()
     assert outcome.status == "failed" and "died" in outcome.error
     queue = PublishQueue(config.queue_dir)
     assert queue.status(request_id) == "failed"
@@ -127,7 +137,7 @@ def test_two_publishers_racing_on_one_queue_build_one_artifact(tmp_path):
     request_id, config = enqueue_linear(tmp_path)
     procs = [
         subprocess.Popen(
-            [ETTR, "publish", str(config.queue_dir), "--json"],
+            [ETTR, "publish", str(config.queue_dir), "--json", *ALLOW],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -148,7 +158,7 @@ def test_a_watching_publisher_publishes_requests_as_they_arrive_and_stops_on_sig
     queue_dir = tmp_path / "queue"
     PublishQueue(queue_dir, create=True)
     watcher = subprocess.Popen(
-        [ETTR, "publish", str(queue_dir), "--watch", "--poll-interval", "0.2"],
+        [ETTR, "publish", str(queue_dir), "--watch", "--poll-interval", "0.2", *ALLOW],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
     )  # fmt: skip
     timer = threading.Timer(150, watcher.kill)  # a hung watcher fails the test instead of hanging it

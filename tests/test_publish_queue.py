@@ -238,15 +238,23 @@ def test_failing_records_the_error_and_never_retries(tmp_path):
     assert queue.load(request.request_id) == request
 
 
+ALLOW = ("--allow-factory", "torch.nn.*")
+
+
 @pytest.mark.parametrize(
     "argv",
     [
         ["publish"],
         ["publish", "/definitely/not/a/queue"],
-        ["publish", "QUEUE", "--lease-ttl", "0"],
-        ["publish", "QUEUE", "--max-attempts", "0"],
-        ["publish", "QUEUE", "--request", "nope"],
-        ["publish", "QUEUE", "--watch", "--request", "x"],
+        ["publish", "QUEUE", "--lease-ttl", "0", *ALLOW],
+        ["publish", "QUEUE", "--max-attempts", "0", *ALLOW],
+        ["publish", "QUEUE", "--request", "nope", *ALLOW],
+        ["publish", "QUEUE", "--request", "../../etc/passwd", *ALLOW],
+        ["publish", "QUEUE", "--watch", "--request", "x", *ALLOW],
+        ["publish", "QUEUE"],  # no factory allowed: the operator forgot the flag
+        ["publish", "QUEUE", "--allow-factory", "os:system;rm"],
+        ["publish", "QUEUE", "--allow-factory", "*"],
+        ["publish", "QUEUE", *ALLOW, "--root", "relative\0dir"],
     ],
 )
 def test_bad_publish_usage_is_one_line_and_status_2(tmp_path, argv, capsys):
@@ -262,7 +270,7 @@ def test_bad_publish_usage_is_one_line_and_status_2(tmp_path, argv, capsys):
 
 def test_publish_on_an_empty_queue_says_so_and_succeeds(tmp_path, capsys):
     queue = PublishQueue(tmp_path / "q", create=True)
-    assert cli_main(["publish", str(queue.root), "--json"]) == 0
+    assert cli_main(["publish", str(queue.root), "--json", *ALLOW]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["outcomes"] == []
     assert "nothing to publish" in captured.err

@@ -6,8 +6,10 @@ Bad usage or bad input never shows a traceback: one line on stderr and exit stat
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -195,8 +197,23 @@ def _interval(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(f"ettr interval: {exc}") from None
-    best = model.optimal_interval_s
-    points = curve(model)
+    try:  # extreme inputs (1e308, 5e-324) overflow or underflow the model: say so, never print Infinity
+        best = model.optimal_interval_s
+        points = curve(model)
+        numbers = [best, model.wasted_pct(best), model.wasted_s(best), model.daly_interval_s, model.mtbf_s]
+        numbers += [x for point in points for x in point]
+    except (ValueError, ZeroDivisionError, OverflowError):
+        numbers = [math.nan]
+    if not all(math.isfinite(x) and x >= 0 for x in numbers) or not best > 0:
+        raise UsageError(
+            f"ettr interval: --blocking {args.blocking:g} with --failures-per-day {args.failures_per_day:g} "
+            "is outside the numbers the model can compute (give values of real jobs)"
+        )
+    if model.wasted_pct(best) > 100.0:
+        raise UsageError(
+            f"ettr interval: a checkpoint blocking {args.blocking:g} s with a failure every "
+            f"{model.mtbf_s:g} s on average: no checkpoint interval keeps the job making progress"
+        )
     if args.json:
         print(
             json.dumps(
@@ -276,6 +293,27 @@ def _add_publish(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--request", metavar="ID", help="publish only this request")
     p.add_argument("--json", action="store_true", help="end with one JSON object of what was published")
+    p.add_argument(
+        "--allow-factory",
+        action="append",
+        default=[],
+        metavar="MODULE:CALLABLE|MODULE.*",
+        help="model code a request may name (repeatable; entry points in ettr.publish_factories count too)",
+    )
+    p.add_argument(
+        "--root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="anchors, artifacts and run dirs must lie here (repeatable; default: the queue's parent dir)",
+    )
+    p.add_argument(
+        "--allow-pythonpath",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a request's pythonpath entries may lie here (repeatable; default: none beyond sys.path)",
+    )
 
 
 def _publish(args: argparse.Namespace) -> int:
@@ -346,8 +384,10 @@ the hang timeout is 300 s without progress (armed after the first sign of life) 
   ettr demo                 # baseline vs optimized reference job (several minutes)
   ettr demo --quick --out /tmp/demo""",
     "publish": """examples:
-  ettr publish runs/publish-queue           # build every queued artifact, then exit
-  ettr publish runs/publish-queue --watch   # keep serving the queue as a worker""",
+  ettr publish runs/publish-queue --allow-factory 'mypkg.models.*'      # build every queued artifact
+  ettr publish runs/publish-queue --allow-factory mypkg.models:build --watch   # serve the queue
+  ettr publish q --allow-factory 'dlrm.*' --allow-pythonpath examples --root /data/publish
+see docs/trust.md: a request names only allowed model code, and paths inside the roots""",
     "compile-report": """examples:
   ettr compile-report runs/my-job
   ettr compile-report runs/my-job --json""",
@@ -381,19 +421,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NO_RESULT_ON_STDOUT = frozenset({"run", "demo"})
+"""Commands whose result is not what they print (a job's exit status, files): they run with stdout closed."""
+
+_BAD_PATH_ERRNOS = frozenset(
+    {errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.EINVAL, errno.EACCES}
+)
+"""An OSError with one of these escaping a command is bad input (exit 2); any other is a failure (exit 1)."""
+
+
+def _one_line(text: str) -> str:
+    """`text` with control characters (a newline or carriage return in a user's argument) escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    command = "ettr"
     try:
         args = build_parser().parse_args(argv)
         if args.cmd is None:
             raise UsageError("ettr: no command given (one of: " + ", ".join(_COMMANDS) + "; see --help)")
+        command = f"ettr {args.cmd}"
+        if sys.stdout is None and args.cmd not in _NO_RESULT_ON_STDOUT:  # started with `>&-`
+            raise UsageError(f"{command}: standard output is closed, its result would be lost (redirect it)")
         return _COMMANDS[args.cmd][2](args)
     except UsageError as exc:
-        print(f"ettr: error: {exc}" if not str(exc).startswith("ettr") else f"{exc}", file=sys.stderr)
+        message = _one_line(str(exc))
+        print(f"ettr: error: {message}" if not message.startswith("ettr") else message, file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # a path the system refuses (too long, not a directory, ...): still one line
+        where = f" ({_one_line(str(exc.filename))[:200]})" if exc.filename else ""
+        what = _one_line(exc.strerror or str(exc))
+        if exc.errno == errno.EBADF and not exc.filename:  # `1</dev/null`: stdout open, but not for writing
+            what = f"cannot write standard output ({what})"
+        print(f"{command}: {what}{where}", file=sys.stderr)
+        return 2 if exc.errno in _BAD_PATH_ERRNOS else 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

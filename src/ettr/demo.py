@@ -416,7 +416,12 @@ def drop_bulk(jobs: Sequence[Job]) -> int:
 def run_publish_job(job: Job, display: ProgressDisplay) -> int:
     """The standalone publish job of `job` (`ettr publish` on its queue): builds the inference artifact from
     the anchor the training job left, in a process and run directory of its own. Returns its status."""
+    import ettr._examples
+
+    # The demo's model code (dlrm, shipped in the package) is all this publisher lets its requests run.
+    examples = Path(ettr._examples.__file__).resolve().parent
     command = [sys.executable, "-m", "ettr.cli", "publish", str(job.publish_queue)]
+    command += ["--allow-factory", "dlrm.model.*", "--allow-pythonpath", str(examples)]
     began = time.monotonic()
     with open(job.work_dir / "publish.log", "ab") as log:
         status = subprocess.run(

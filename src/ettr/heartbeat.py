@@ -46,6 +46,16 @@ def _stack_fingerprint(frame: FrameType | None, depth: int = 6) -> tuple[tuple[i
     return tuple(marks)
 
 
+def _touch(path: Path) -> None:
+    """Create `path` if missing and mark it now; never through a symlink planted at its name."""
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
+    try:
+        os.utime(fd)
+    finally:
+        os.close(fd)
+
+
 class MainThreadHeartbeat:
     """Touches this process's heartbeat file whenever the training thread's stack has changed.
 
@@ -69,7 +79,7 @@ class MainThreadHeartbeat:
         """Beat once now and start the sampler (a daemon thread). Never raises."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.touch()
+            _touch(self.path)
         except OSError:
             return  # no place to beat: the supervisor then goes by events alone
         self._thread = threading.Thread(target=self._run, name="ettr-heartbeat", daemon=True)
@@ -90,10 +100,10 @@ class MainThreadHeartbeat:
             return False
         self._last = fingerprint
         try:
-            os.utime(self.path)
+            os.utime(self.path, follow_symlinks=False)
         except OSError:
             try:
-                self.path.touch()
+                _touch(self.path)
             except OSError:
                 return False
         return True

@@ -1,4 +1,5 @@
-"""Processes on this host, from /proc: start ticks, liveness, descendants, and the parent-death signal.
+"""Processes on this host, from /proc: start ticks, liveness, descendants, environments, and the
+parent-death and child-subreaper settings.
 
 The one place ettr reads `/proc/<pid>/stat`. A pid alone does not name a process for long (pids are
 reused), so whoever records a pid to check later records its start ticks beside it
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _PROC = "/proc"
 
 Prctl = Callable[[int, int, int, int, int], int]
@@ -123,3 +125,66 @@ def set_parent_death_signal(sig: int = signal.SIGKILL, prctl: Prctl | None = Non
     if prctl is None:
         return False
     return bool(prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
+
+
+def set_child_subreaper(prctl: Prctl | None = None) -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux `PR_SET_CHILD_SUBREAPER`): a process
+    whose parent exits (a double fork, a shell's child) is re-parented here instead of to init, so it stays
+    a descendant. Whether set. The caller must then reap what it adopts."""
+    prctl = prctl or libc_prctl()
+    if prctl is None:
+        return False
+    return bool(prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+
+
+def environ_of(pid: int) -> dict[str, str] | None:
+    """The environment process `pid` was started with (`/proc/<pid>/environ`); None if unreadable (gone,
+    another user's, no /proc)."""
+    try:
+        with open(f"{_PROC}/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def processes_with_env(wanted: dict[str, str]) -> list[tuple[int, int | None, dict[str, str]]]:
+    """(pid, start ticks, environment) of every process on this host (but this one) whose environment has
+    every `wanted` variable with that value; empty where /proc is missing."""
+    try:
+        entries = os.listdir(_PROC)
+    except OSError:
+        return []
+    found = []
+    me = os.getpid()
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        env = environ_of(int(entry))
+        if env is not None and all(env.get(k) == v for k, v in wanted.items()):
+            found.append((int(entry), start_ticks(int(entry)), env))
+    return found
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` right now (zombies included); empty where /proc is missing."""
+    try:
+        entries = os.listdir(_PROC)
+    except OSError:
+        return []
+    return [int(e) for e in entries if e.isdigit() and _parent_pid(e) == pid]
+
+
+def ancestors(pid: int) -> list[int]:
+    """The parent, grandparent, ... of `pid` up to init, from /proc; empty where /proc is missing."""
+    found: list[int] = []
+    parent = _parent_pid(pid)
+    while parent is not None and parent > 0 and parent not in found:
+        found.append(parent)
+        parent = _parent_pid(parent)
+    return found

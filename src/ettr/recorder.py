@@ -34,6 +34,10 @@ from ettr.warn import WarnOnce
 logger = logging.getLogger("ettr")
 
 _MAX_QUEUED = 2_000_000  # beyond this (a ledger that cannot be written for long) the oldest are dropped
+MAX_BATCH = 2000
+CLOSE_RETRY_S = 2.0
+"""How long `close` keeps retrying a failing ledger before the rest of the queue is given up."""
+"""Most events one ledger transaction of the writer holds (a few hundred KB)."""
 
 EventListener = Callable[[Event], None]
 """Called with each recorded event, synchronously, on the thread that recorded it."""
@@ -402,6 +406,14 @@ class Recorder:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         self.flush()
+        # The ledger failed (a full disk, a lock held long): try again a little before giving up, in
+        # bounded batches, so that what the disk can take still lands.
+        deadline = time.monotonic() + CLOSE_RETRY_S
+        while self._queue and time.monotonic() < deadline:
+            time.sleep(0.1)
+            self.flush()
+        if self._queue:
+            logger.warning("ettr: %d events could not be written to the ledger at exit", len(self._queue))
 
     def _writer(self) -> None:
         while not self._closed:
@@ -414,25 +426,30 @@ class Recorder:
                     self._drain_lock.release()
 
     def _drain(self) -> None:
-        if not self._queue or self._ledger is None:
+        """Append what is queued, oldest first, in transactions of at most `MAX_BATCH` events; stop at the
+        first failure and keep the rest for the next try. A backlog (the ledger was full or locked for a
+        while) thus goes in as the ledger takes it, never as one huge transaction that fails whole."""
+        if self._ledger is None:
             return
-        batch: list[tuple[Any, ...]] = []
         popleft = self._queue.popleft
-        try:
-            while True:
-                batch.append(popleft())
-        except IndexError:
-            pass
         attempt, rank = self.attempt, self.rank
-        events = [Event(k, t, attempt, rank, p, s, v, d) for (k, t, p, s, v, d) in batch]
-        try:
-            self._ledger.append(events)
-        except Exception as exc:
-            self._warn_once("ledger append", exc)
-            # Keep them for the next try, oldest first; a ledger that stays broken must not eat memory.
-            self._queue.extendleft(reversed(batch))
-            while len(self._queue) > _MAX_QUEUED:
-                self._queue.popleft()
+        while self._queue:
+            batch: list[tuple[Any, ...]] = []
+            try:
+                while len(batch) < MAX_BATCH:
+                    batch.append(popleft())
+            except IndexError:
+                pass
+            events = [Event(k, t, attempt, rank, p, s, v, d) for (k, t, p, s, v, d) in batch]
+            try:
+                self._ledger.append(events)
+            except Exception as exc:
+                self._warn_once("ledger append", exc)
+                # Keep them for the next try, oldest first; a ledger that stays broken must not eat memory.
+                self._queue.extendleft(reversed(batch))
+                while len(self._queue) > _MAX_QUEUED:
+                    self._queue.popleft()
+                return
 
     def _disable_in_child(self) -> None:
         self.enabled = False

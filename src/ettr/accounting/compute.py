@@ -10,6 +10,7 @@ from types import MappingProxyType
 
 from ettr.accounting.attempts import Attempt, data_of, gather, resolve_attempts, wall_bounds
 from ettr.accounting.causes import failure_causes
+from ettr.accounting.fence import fence
 from ettr.accounting.model import AttemptReport, EttReport, Recovery, TtsWindow
 from ettr.accounting.timeline import build_segments
 from ettr.events import Bucket, Event, Outcome, Phase
@@ -61,7 +62,8 @@ def compute(events: Iterable[Event], now: float, *, job_id: str = "") -> EttRepo
 
 
 def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
-    job = gather(events)
+    kept, num_fenced = fence(events)
+    job = gather(kept)
     wall_start, wall_end = wall_bounds(job, now)
     attempts = resolve_attempts(job, wall_start, wall_end)
     segments = build_segments(job, attempts, wall_start, wall_end)
@@ -124,6 +126,7 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         tts_window=tts_window,
         recoveries=recoveries,
         failures=failure_causes(attempt_reports),
+        num_fenced_events=num_fenced,
     )
 
 

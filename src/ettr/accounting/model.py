@@ -186,6 +186,10 @@ class EttReport:
         """Failures from the infrastructure (Meta's NoF)."""
         return sum(1 for f in self.failures if f.cause is Cause.INFRA)
 
+    num_fenced_events: int = 0
+    """Events of training processes recorded after their attempt had ended (orphans), not counted
+    (`ettr.accounting.fence`)."""
+
     @property
     def mean_ttr_s(self) -> float | None:
         return sum(self.ttr_s) / len(self.ttr_s) if self.ttr_s else None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ettr.events import Event
@@ -18,6 +21,7 @@ __all__ = [
     "open_ledger",
     "ledger_path",
     "read_run_events",
+    "rebuild_ledger",
 ]
 
 
@@ -58,3 +62,32 @@ def read_run_events(run_dir: str | os.PathLike[str]) -> list[Event]:
             raise LedgerError(str(exc)) from None
         return _read_all(ledger)
     return _read_all(open_ledger(run_dir, create=False))
+
+
+def rebuild_ledger(run_dir: str | os.PathLike[str], events: Sequence[Event]) -> tuple[SqliteLedger, Path]:
+    """Set a damaged ledger aside (`ledger.db.damaged-<time>`, with its -wal and -shm) and start a fresh one
+    holding `events` (what could still be read from it). Returns (the new ledger, where the old one went).
+    For a writer that can read the ledger but no longer write it (a flipped bit in its structure). Raises
+    `LedgerError` / OSError."""
+    path = ledger_path(run_dir)
+    aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+    moved = []
+    for suffix in ("-wal", "-shm", ""):
+        try:
+            os.replace(f"{path}{suffix}", f"{aside}{suffix}")
+            moved.append(suffix)
+        except FileNotFoundError:
+            pass
+    try:
+        ledger = SqliteLedger(path, create=True)
+        for start in range(0, len(events), 5000):
+            ledger.append(events[start : start + 5000])
+    except BaseException:  # no fresh ledger after all: put the damaged one back, as it was
+        for suffix in ("-wal", "-shm", ""):
+            with contextlib.suppress(OSError):
+                os.remove(f"{path}{suffix}")
+        for suffix in moved:
+            with contextlib.suppress(OSError):
+                os.replace(f"{aside}{suffix}", f"{path}{suffix}")
+        raise
+    return ledger, aside

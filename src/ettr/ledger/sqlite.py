@@ -7,17 +7,19 @@ checksums make recovery ignore a torn final frame, so a crash mid-write never co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sqlite3
 import threading
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
 from ettr.events import SCHEMA_VERSION, Event
 from ettr.ledger.base import LedgerError
-from ettr.ledger.rows import from_row, to_row
+from ettr.ledger.rows import Row, from_row, to_row
 
 logger = logging.getLogger("ettr")
 
@@ -58,26 +60,27 @@ class SqliteLedger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._num_dropped = 0
+        self._busy_timeout_s = busy_timeout_s
         self.num_skipped = 0  # rows the last read() could not use
+        self.read_only = False
+        """Opened read-only (`create=False` on a file or directory this process cannot write)."""
+        self.num_reopened = 0
+        """How often a lost write-ahead log made this ledger reopen its connection."""
         try:
-            self._conn = sqlite3.connect(
-                self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
-            )
-            self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
             if create:
+                self._conn = self._connect()
                 self._conn.execute("PRAGMA journal_mode = WAL")
-            # NORMAL in WAL mode: a committed transaction survives a crash of the process (not of the OS),
-            # which is the durability the contract asks for, at a fraction of FULL's fsync cost.
-            self._conn.execute("PRAGMA synchronous = NORMAL")
-            if create:
                 self._conn.executescript(_SCHEMA)
                 self._conn.execute(
                     "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
-            row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            else:
+                row = self._probe()
         except sqlite3.DatabaseError as exc:
             raise LedgerError(f"{self.path} is not a readable ettr ledger ({exc})") from None
+        self._wal_inode = self._current_wal_inode()
         try:
             version = None if row is None else int(row[0])
         except (TypeError, ValueError):
@@ -87,6 +90,67 @@ class SqliteLedger:
             raise LedgerError(
                 f"{self.path}: ledger schema {found} is not supported (need <= {SCHEMA_VERSION})"
             )
+
+    def _connect(self, uri: str | None = None) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            uri or self.path,
+            timeout=self._busy_timeout_s,
+            isolation_level=None,
+            check_same_thread=False,
+            uri=uri is not None,
+        )
+        conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
+        # NORMAL in WAL mode: a committed transaction survives a crash of the process (not of the OS),
+        # which is the durability the contract asks for, at a fraction of FULL's fsync cost.
+        conn.execute("PRAGMA synchronous = NORMAL")
+        return conn
+
+    def _probe(self) -> tuple[str] | None:
+        """The schema row of an existing ledger; falls back to a read-only connection (mode=ro, then
+        immutable: a read-only mount or a directory where the -shm cannot be made) when the normal one
+        cannot read. Raises sqlite3.DatabaseError."""
+        query = "SELECT value FROM meta WHERE key = 'schema_version'"
+        try:
+            self._conn = self._connect()
+            return self._conn.execute(query).fetchone()
+        except sqlite3.OperationalError as first:
+            with contextlib.suppress(AttributeError, sqlite3.DatabaseError):
+                self._conn.close()
+            where = "file:" + urllib.parse.quote(str(self.path.absolute()))
+            for options in ("?mode=ro", "?mode=ro&immutable=1"):
+                conn = None
+                try:
+                    conn = self._connect(where + options)
+                    row = conn.execute(query).fetchone()
+                except sqlite3.OperationalError:
+                    if conn is not None:
+                        conn.close()
+                    continue
+                self._conn, self.read_only = conn, True
+                return row
+            raise first
+
+    def _current_wal_inode(self) -> int | None:
+        try:
+            return os.stat(f"{self.path}-wal").st_ino
+        except OSError:
+            return None
+
+    def _wal_lost(self) -> bool:
+        """Whether the write-ahead log this connection uses was deleted (or replaced) under it."""
+        return self._wal_inode is not None and self._current_wal_inode() != self._wal_inode
+
+    def _reopen(self, why: str) -> None:
+        """Save what only this connection's (deleted) log holds into the database, then reconnect."""
+        with contextlib.suppress(sqlite3.DatabaseError):
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with contextlib.suppress(sqlite3.DatabaseError):
+            self._conn.close()
+        self._conn = self._connect()
+        self._conn.execute("SELECT count(*) FROM meta").fetchone()
+        self._wal_inode = self._current_wal_inode()
+        self.num_reopened += 1
+        logger.warning("ettr: %s: %s; reopened the ledger", self.path, why)
 
     def append(self, events: Sequence[Event]) -> None:
         if not events:
@@ -102,17 +166,32 @@ class SqliteLedger:
         if not rows:
             return
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
+            if self._wal_lost():
+                self._reopen("its write-ahead log was deleted")
             try:
-                self._conn.executemany(
-                    "INSERT INTO events (ts, kind, attempt, rank, phase, step, value, data)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    rows,
-                )
-            except BaseException:
+                self._insert(rows)
+            except sqlite3.OperationalError as exc:
+                # A log deleted under another connection reads as an I/O error here: reconnect, retry once.
+                if "disk I/O" not in str(exc) and not self._wal_lost():
+                    raise
+                self._reopen(f"writing failed ({exc})")
+                self._insert(rows)
+
+    def _insert(self, rows: list[Row]) -> None:
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._conn.executemany(
+                "INSERT INTO events (ts, kind, attempt, rank, phase, step, value, data)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+        except BaseException:
+            with contextlib.suppress(sqlite3.DatabaseError):
                 self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+            raise
+        self._conn.execute("COMMIT")
+        if self._wal_inode is None:
+            self._wal_inode = self._current_wal_inode()
 
     def read(self) -> list[Event]:
         with self._lock:

@@ -35,7 +35,7 @@ import torch
 
 from ettr.atomic import atomic_write, fsync_dir, fsync_file
 from ettr.procs import pid_alive
-from ettr.publish.request import PublishError, PublishRequest
+from ettr.publish.request import PublishError, PublishRequest, ResolvedCheck
 from ettr.publish.sample import (
     SAMPLE_FILE,
     Comparison,
@@ -96,7 +96,7 @@ def _sha256(path: Path) -> str:
 
 
 def load_anchor(
-    request: PublishRequest,
+    request: PublishRequest, check_resolved: ResolvedCheck | None = None
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
     """Build the plain model and load the anchor into it (resharded to this one process, on CPU).
 
@@ -118,7 +118,7 @@ def load_anchor(
             verify(storage, name, checksums=True)
         except (CheckpointInvalid, OSError) as exc:
             raise PublishError(f"anchor {storage.path(name)} is not usable: {exc}") from None
-        model = request.model.build()
+        model = request.model.build(check_resolved)
         if not isinstance(model, torch.nn.Module):
             raise PublishError(f"{request.model.factory} returned a {type(model).__name__}, not an nn.Module")
         model = model.to("cpu").eval()
@@ -163,13 +163,14 @@ def build_artifact(
     *,
     stage: Stage = _no_stage,
     still_owner: Callable[[], bool] = lambda: True,
+    check_resolved: ResolvedCheck | None = None,
 ) -> ArtifactResult:
     """Publish `request`: the artifact directory at `request.artifact_dir`, built once.
 
     If a complete artifact is already there, returns it (`created=False`) without building. Raises
     PublishError when the anchor or model is unusable or the exported program does not reproduce the
     trained model's outputs; LostClaim if `still_owner()` turns False before the commit (nothing is
-    written then).
+    written then). `check_resolved` vets the imported factory and config type (a publisher's policy).
     """
     from ettr.publish.torchrec_export import (
         PlainInputs,
@@ -188,7 +189,7 @@ def build_artifact(
     begin_ts = time.time()
 
     with stage("load"):
-        model, inputs, expected, unused, loaded = _load_checked(request)
+        model, inputs, expected, unused, loaded = _load_checked(request, check_resolved)
         specs = request.inputs
         args = [inputs[name] for spec in specs for name in spec.tensor_names]
         weights = _weights_for_safetensors(model.state_dict(), dtype)
@@ -248,10 +249,10 @@ def build_artifact(
 
 
 def _load_checked(
-    request: PublishRequest,
+    request: PublishRequest, check_resolved: ResolvedCheck | None = None
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor], list[str], Comparison]:
     """The model rebuilt from the anchor, checked against the trained model's outputs on the sample."""
-    model, inputs, expected, unused = load_anchor(request)
+    model, inputs, expected, unused = load_anchor(request, check_resolved)
     with torch.no_grad():
         outputs = flatten_outputs(model(*_model_args(inputs, request.inputs)))
     rtol32, atol32 = tolerances("float32")

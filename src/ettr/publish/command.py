@@ -1,7 +1,8 @@
 """`ettr publish QUEUE_DIR`: the command's work (the argparse front is `ettr.cli`).
 
 Exit status: 0 when every request this run handled was published (or was already), 1 when one failed,
-2 for bad usage (no such queue, unknown request). With `--json` the per-request lines go to stderr and
+2 for bad usage (no such queue, unknown request, no factory allowed). What requests may name (model
+code, paths) is the operator's `PublishPolicy` (`--allow-factory`, `--allow-pythonpath`, `--root`). With `--json` the per-request lines go to stderr and
 stdout holds one JSON object.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 import threading
@@ -16,8 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from ettr.errors import UsageError
+from ettr.publish.policy import PublishPolicy, parse_allow_entry
 from ettr.publish.queue import PublishQueue
 from ettr.publish.worker import PublishOutcome, PublishStatus, PublishWorker, WorkerConfig
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 
 
 def _line(outcome: PublishOutcome) -> str:
@@ -42,7 +47,20 @@ def main(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(f"ettr publish: {exc}") from None
+    try:
+        policy = PublishPolicy.for_queue(
+            queue_dir,
+            allow=[parse_allow_entry(entry) for entry in args.allow_factory],
+            roots=args.root,
+            pythonpath_roots=args.allow_pythonpath,
+        )
+    except ValueError as exc:
+        raise UsageError(f"ettr publish: {exc}") from None
     queue = PublishQueue(queue_dir)
+    if args.request is not None and not _SAFE_ID.match(args.request):
+        raise UsageError(
+            f"ettr publish: --request {args.request!r} is not a request id (letters, digits, _.-)"
+        )
     if args.request is not None and queue.status(args.request) is None:
         raise UsageError(f"ettr publish: no request {args.request!r} in {queue_dir}")
     if args.watch and args.request is not None:
@@ -52,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     def show(outcome: PublishOutcome) -> None:
         print(_line(outcome), file=out, flush=True)
 
-    worker = PublishWorker(queue_dir, config, command=["ettr", "publish", *sys.argv[2:]])
+    worker = PublishWorker(queue_dir, config, policy=policy, command=["ettr", "publish", *sys.argv[2:]])
     if args.watch:
         stop = threading.Event()
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())

@@ -20,10 +20,15 @@ Needs a POSIX filesystem with atomic rename and hard links (local disk, NFS); no
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import logging
+import math
 import os
+import re
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -34,11 +39,13 @@ from typing import Any
 
 from ettr.atomic import atomic_write, create_exclusive
 from ettr.procs import pid_alive, start_ticks
-from ettr.publish.request import PublishError, PublishRequest
+from ettr.publish.request import MAX_REQUEST_BYTES, PublishError, PublishRequest, parse_json
 
 logger = logging.getLogger("ettr")
 
 _REQUESTS, _CLAIMS, _DONE, _FAILED = "requests", "claims", "done", "failed"  # the queue's directories
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+"""What a request id (and so its file name) may be; anything else is moved aside unread."""
 
 
 class RequestState(StrEnum):
@@ -60,10 +67,33 @@ class RequestState(StrEnum):
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        body = json.loads(path.read_bytes())
-    except (FileNotFoundError, ValueError):
+        body = parse_json(_read_untrusted(path))
+    except (OSError, ValueError, RecursionError, PublishError):
         return None
     return body if isinstance(body, dict) else None
+
+
+def _carried_over(previous: dict[str, Any] | None, now: float) -> tuple[int, float]:
+    """(attempt, first claimed ts) of a claim taking over `previous` (a garbled one counts as attempt 0)."""
+    if previous is None:
+        return 0, now
+    attempt, first_ts = previous.get("attempt"), previous.get("first_claimed_ts")
+    attempt = attempt if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt >= 0 else 0
+    if isinstance(first_ts, (int, float)) and not isinstance(first_ts, bool) and math.isfinite(first_ts):
+        return attempt + 1, float(first_ts)
+    return attempt + 1, now
+
+
+def _read_untrusted(path: Path) -> bytes:
+    """A request file's bytes: never through a symlink, never more than the size a request may have."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_REQUEST_BYTES + 1)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -144,12 +174,31 @@ class PublishQueue:
                 if path.name.startswith("."):
                     continue
                 request_id = path.name[: -len(".json")]
+                if not _SAFE_ID.match(request_id):
+                    self._reject(path)  # not a name a request can have: out of the way, unread
+                    continue
                 if self._path(_DONE, request_id).is_file() or self._path(_FAILED, request_id).is_file():
-                    self._archive(request_id)  # a publisher died between finishing and tidying up
+                    with contextlib.suppress(OSError):
+                        self._archive(request_id)  # a publisher died between finishing and tidying up
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     entries.append((path.stat().st_mtime, request_id))
         return [request_id for _, request_id in sorted(entries)]
+
+    def _reject(self, path: Path) -> None:
+        """Move a file whose name no request id has (too long, odd characters) to `failed/.rejected-*`,
+        with a note of its name; never raises."""
+        digest = hashlib.sha1(os.fsencode(path.name)).hexdigest()[:16]
+        aside = self.root / _FAILED / f".rejected-{digest}.request.json"
+        note = {"name": path.name[:300], "error": "not a request id: use [A-Za-z0-9_.-], at most 200"}
+        try:
+            (self.root / _FAILED).mkdir(parents=True, exist_ok=True)
+            atomic_write(aside.with_name(f".rejected-{digest}.json"), json.dumps(note).encode())
+            os.replace(path, aside)
+        except OSError as exc:
+            logger.warning("ettr: cannot move aside publish request file %r (%s)", path.name[:80], exc)
+            return
+        logger.warning("ettr: moved publish request file %r aside: not a request id", path.name[:80])
 
     def load(self, request_id: str) -> PublishRequest:
         """The request of `request_id` (queued or finished). Raises PublishError if unknown or unreadable."""
@@ -159,9 +208,12 @@ class PublishQueue:
             self._path(_FAILED, request_id, ".request.json"),
         ):
             try:
-                return PublishRequest.from_json(path.read_bytes())
+                data = _read_untrusted(path)
             except FileNotFoundError:
                 continue
+            except OSError as exc:  # a symlink planted in the queue, a directory, unreadable
+                raise PublishError(f"cannot read request file {path.name} ({exc.strerror or exc})") from None
+            return PublishRequest.from_json(data)
         raise PublishError(f"no publish request {request_id!r} in {self.root}")
 
     def result(self, request_id: str) -> dict[str, Any] | None:
@@ -202,8 +254,7 @@ class PublishQueue:
             previous = current
         now = self._clock()
         token = uuid.uuid4().hex
-        attempt = int(previous.get("attempt", 0)) + 1 if previous else 0
-        first_ts = float(previous.get("first_claimed_ts", now)) if previous else now
+        attempt, first_ts = _carried_over(previous, now)
         body = {
             "request_id": request_id,
             "token": token,

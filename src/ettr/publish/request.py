@@ -16,7 +16,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -27,14 +27,23 @@ DTYPES = ("float32", "bfloat16")
 
 _FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
+MAX_REQUEST_BYTES = 1 << 20
+"""A request file larger than this is refused unread (requests are a few KB)."""
+MAX_JSON_DEPTH = 32
+"""Nesting deeper than this is refused before parsing (a model config is a few levels deep)."""
+
+ResolvedCheck = Callable[[str, Any], None]
+"""Called with (import path, object) after each import of `ModelSpec.build`; raises PublishError to refuse."""
 
 
 class PublishError(Exception):
     """Publishing cannot go on for a reason a retry would not fix; the message says what and what to do."""
 
 
-def resolve(path: str) -> Any:
-    """The object named by `"package.module:attribute"` (the attribute may be dotted). Raises PublishError."""
+def resolve(path: str, check: ResolvedCheck | None = None) -> Any:
+    """The object named by `"package.module:attribute"` (the attribute may be dotted). Raises PublishError.
+
+    `check(path, obj)` is called on the result (a publisher's policy refuses objects from elsewhere)."""
     module_name, _, attribute = path.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -47,6 +56,8 @@ def resolve(path: str) -> Any:
             obj = getattr(obj, part)
         except AttributeError:
             raise PublishError(f"{module_name!r} has no attribute {attribute!r} (from {path!r})") from None
+    if check is not None:
+        check(path, obj)
     return obj
 
 
@@ -76,17 +87,19 @@ class ModelSpec:
             raise ValueError(f"config must be JSON-serialisable ({exc})") from None
         object.__setattr__(self, "pythonpath", tuple(str(p) for p in self.pythonpath))
 
-    def build(self) -> Any:
-        """Import the factory (and config type) and build the model. Raises PublishError."""
+    def build(self, check: ResolvedCheck | None = None) -> Any:
+        """Import the factory (and config type) and build the model. Raises PublishError.
+
+        `check` vets each imported object (`PublishPolicy.check_resolved`)."""
         for entry in self.pythonpath:
             if entry not in sys.path:
                 sys.path.insert(0, entry)
-        factory = resolve(self.factory)
+        factory = resolve(self.factory, check)
         config = dict(self.config)
         try:
             if self.config_type is None:
                 return factory(**config)
-            config_cls = resolve(self.config_type)
+            config_cls = resolve(self.config_type, check)
             if dataclasses.is_dataclass(config_cls):
                 # JSON has no tuples; frozen configs use them for sequences.
                 config = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
@@ -104,11 +117,12 @@ class ModelSpec:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> ModelSpec:
+        config = _get(body, "config", dict, {})
         return cls(
-            factory=body["factory"],
-            config=dict(body.get("config") or {}),
-            config_type=body.get("config_type"),
-            pythonpath=tuple(body.get("pythonpath") or ()),
+            factory=_get(body, "factory", str),
+            config=config,
+            config_type=_get(body, "config_type", (str, type(None)), None),
+            pythonpath=tuple(_strings(body, "pythonpath")),
         )
 
 
@@ -161,10 +175,10 @@ class InputSpec:
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> InputSpec:
         return cls(
-            name=body["name"],
-            kind=InputKind(body.get("kind", "tensor")),
-            keys=tuple(body.get("keys") or ()),
-            weighted=bool(body.get("weighted", False)),
+            name=_get(body, "name", str),
+            kind=InputKind(_get(body, "kind", str, "tensor")),
+            keys=tuple(_strings(body, "keys")),
+            weighted=_get(body, "weighted", bool, False),
         )
 
 
@@ -257,29 +271,97 @@ class PublishRequest:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> PublishRequest:
-        """Parse a request. Raises PublishError for anything that is not a valid request."""
+        """Parse a request. Raises PublishError (and nothing else) for anything that is not a valid request:
+        wrong types, missing fields, non-finite or huge numbers, deep nesting, an unknown format."""
         try:
-            body = json.loads(data)
+            body = parse_json(data)
+            if not isinstance(body, dict):
+                raise PublishError(f"not a publish request (a JSON {type(body).__name__}, not an object)")
             if body.get("format") != REQUEST_FORMAT:
-                raise PublishError(f"not a publish request (format {body.get('format')!r})")
+                raise PublishError(f"not a publish request (format {str(body.get('format'))[:80]!r})")
+            model = _get(body, "model", dict)
+            inputs = _get(body, "inputs", list)
+            if not all(isinstance(i, dict) for i in inputs):
+                raise ValueError("inputs must be a list of objects")
             return cls(
-                request_id=body["request_id"],
-                job_id=body["job_id"],
-                anchor_root=body["anchor_root"],
-                step=int(body["step"]),
-                world_size=int(body["world_size"]),
-                model=ModelSpec.from_json(body["model"]),
-                inputs=tuple(InputSpec.from_json(i) for i in body["inputs"]),
-                artifact_dir=body["artifact_dir"],
-                run_dir=body.get("run_dir"),
-                train_run_dir=body.get("train_run_dir"),
-                dtype=body.get("dtype", "float32"),
-                state_key=body.get("state_key", "model"),
-                rtol=body.get("rtol"),
-                atol=body.get("atol"),
-                created_ts=float(body.get("created_ts") or 0.0),
+                request_id=_get(body, "request_id", str),
+                job_id=_get(body, "job_id", str),
+                anchor_root=_get(body, "anchor_root", str),
+                step=_get(body, "step", int),
+                world_size=_get(body, "world_size", int),
+                model=ModelSpec.from_json(model),
+                inputs=tuple(InputSpec.from_json(i) for i in inputs),
+                artifact_dir=_get(body, "artifact_dir", str),
+                run_dir=_get(body, "run_dir", (str, type(None)), None),
+                train_run_dir=_get(body, "train_run_dir", (str, type(None)), None),
+                dtype=_get(body, "dtype", str, "float32"),
+                state_key=_get(body, "state_key", str, "model"),
+                rtol=_number(body, "rtol"),
+                atol=_number(body, "atol"),
+                created_ts=_number(body, "created_ts") or 0.0,
             )
         except PublishError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise PublishError(f"unreadable publish request ({type(exc).__name__}: {exc})") from None
+        except Exception as exc:  # noqa: BLE001 - a request is untrusted input: any failure is "unreadable"
+            raise PublishError(
+                f"unreadable publish request ({type(exc).__name__}: {str(exc)[:300]})"
+            ) from None
+
+
+_MISSING: Any = object()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a request may hold")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of range")
+    return value
+
+
+def parse_json(data: bytes | str) -> Any:
+    """`json.loads` for untrusted input: size and nesting bounded, no NaN/Infinity, no overflowing floats.
+    Raises ValueError (or PublishError for an oversized body)."""
+    if len(data) > MAX_REQUEST_BYTES:
+        raise PublishError(f"a request of {len(data)} bytes is too large (at most {MAX_REQUEST_BYTES})")
+    body = json.loads(data, parse_float=_finite_float, parse_constant=_reject_constant)
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return body
+
+
+def _get(body: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], default: Any = _MISSING) -> Any:
+    """`body[key]`, checked to be of `kinds` (bool is not an int here); `default` when absent."""
+    if key not in body:
+        if default is _MISSING:
+            raise ValueError(f"missing field {key!r}")
+        return default
+    value = body[key]
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, bool) and bool not in kinds:
+        raise ValueError(f"field {key!r} must be {' or '.join(k.__name__ for k in kinds)}, got a bool")
+    if not isinstance(value, kinds):
+        raise ValueError(
+            f"field {key!r} must be {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
+        )
+    return value
+
+
+def _strings(body: Mapping[str, Any], key: str) -> list[str]:
+    values = _get(body, key, (list, type(None)), None) or []
+    if not all(isinstance(v, str) for v in values):
+        raise ValueError(f"field {key!r} must be a list of strings")
+    return values
+
+
+def _number(body: Mapping[str, Any], key: str) -> float | None:
+    value = _get(body, key, (int, float, type(None)), None)
+    return None if value is None else float(value)

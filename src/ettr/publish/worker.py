@@ -28,6 +28,7 @@ from typing import Any
 
 from ettr.publish.artifact import LostClaim, build_artifact
 from ettr.publish.books import PublishBooks
+from ettr.publish.policy import PublishPolicy
 from ettr.publish.queue import Claim, PublishQueue
 from ettr.publish.request import PublishError
 
@@ -132,6 +133,8 @@ class PublishWorker:
     Args:
         queue_dir: the queue (`PublishConfig.queue_dir` of the training job).
         config: lease, retry and polling settings.
+        policy: which model code and paths a request may name (`PublishPolicy.for_queue`); a request
+            outside it is failed before anything of it is imported or written.
         fault_hook: tests only: called with each of `FAULT_POINTS` as the build reaches it.
         command: how this worker was started (recorded in the publish jobs' books).
     """
@@ -141,11 +144,13 @@ class PublishWorker:
         queue_dir: str | Path,
         config: WorkerConfig | None = None,
         *,
+        policy: PublishPolicy,
         fault_hook: Callable[[str], None] | None = None,
         command: list[str] | None = None,
     ) -> None:
         self.queue = PublishQueue(queue_dir)
         self.config = config or WorkerConfig()
+        self.policy = policy
         self._fault = fault_hook or (lambda point: None)
         self._command = command if command is not None else list(sys.argv)
 
@@ -156,7 +161,9 @@ class PublishWorker:
             return None
         try:
             request = self.queue.load(request_id)
-        except PublishError as exc:
+            self.policy.check(request, file_id=request_id)
+        except PublishError as exc:  # malformed or outside the policy: failed, moved aside, never retried
+            logger.warning("ettr: refusing publish request %s: %s", request_id, exc)
             self.queue.fail(claim, str(exc))
             return PublishOutcome(
                 request_id=request_id, status=PublishStatus.FAILED, attempt=claim.attempt, error=str(exc)
@@ -193,6 +200,7 @@ class PublishWorker:
                 result = build_artifact(
                     request,
                     stage=stage,
+                    check_resolved=self.policy.check_resolved,
                     still_owner=lambda: not heartbeat.lost.is_set() and self.queue.owns(claim),
                 )
             except LostClaim as exc:
@@ -246,10 +254,21 @@ class PublishWorker:
                 continue
             if max_requests is not None and len(outcomes) >= max_requests:
                 break
-            outcome = self.process(request_id)
+            outcome = self._process_contained(request_id)
             if outcome is not None:
                 outcomes.append(outcome)
         return outcomes
+
+    def _process_contained(self, request_id: str) -> PublishOutcome | None:
+        """`process`, but a failure of one request (even of the queue's own files) never stops the others."""
+        try:
+            return self.process(request_id)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not block the ones queued after it
+            reason = f"{type(exc).__name__}: {str(exc)[:500]}"
+            logger.warning("ettr: publish request %s could not be handled: %s", request_id, reason)
+            return PublishOutcome(
+                request_id=request_id, status=PublishStatus.FAILED, attempt=-1, error=reason
+            )
 
     def watch(
         self,

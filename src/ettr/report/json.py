@@ -23,7 +23,8 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     Contract keys first (schema, job_id, wall_s, ett_pct, idleness_pct, failure_pct, tts_s, ttr_s,
     num_failures, buckets_s, attempts), then the extras: in_progress, wall_start_ts, wall_end_ts,
     effective_training_s, idleness_s, failure_s, submitted_ts, allocated_ts, supervisor_start_ts,
-    job_exit_status, phases_s, recompiles, checkpoint_commits, tts_window (origin_ts, training_start_ts,
+    job_exit_status, num_fenced_events (training events recorded after their attempt ended, not counted),
+    phases_s, recompiles, checkpoint_commits, tts_window (origin_ts, training_start_ts,
     attempt; null when no attempt trained), recoveries (one per `ttr_s` entry: failed_attempt, outcome,
     detected_ts, recovered_attempt, training_start_ts, ttr_s), failures (attempt, cause, evidence,
     ttr_s), num_failures_by_cause, ttr_s_by_cause, num_infra_failures and, unless `include_segments` is False (a
@@ -52,6 +53,7 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         "allocated_ts": report.allocated_ts,
         "supervisor_start_ts": report.supervisor_start_ts,
         "job_exit_status": report.job_exit_status,
+        "num_fenced_events": report.num_fenced_events,
         "phases_s": dict(report.phases_s),
         "recompiles": [
             {"ts": r.ts, "attempt": r.attempt, "rank": r.rank, "reason": r.reason, "data": _plain(r.data)}

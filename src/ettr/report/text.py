@@ -42,6 +42,11 @@ def render(report: EttReport) -> str:
     if report.in_progress:
         title += "  (in progress: no job end recorded; closed at the report time)"
     lines = [title, summary_line(report), ""]
+    if report.num_fenced_events:
+        lines[-1:-1] = [
+            f"note: {report.num_fenced_events} event(s) recorded by training processes after their attempt "
+            "had ended (orphaned processes) are not counted"
+        ]
 
     lines.append(f"{'bucket':<22}{'seconds':>11}{'%':>8}")
     for bucket in Bucket:

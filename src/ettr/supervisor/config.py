@@ -85,13 +85,23 @@ class RunConfig:
     """The hang timeout when `hang_timeout_s` is not given."""
     poll_interval_s: float = 0.1
     """How often the supervisor looks at the attempt."""
+    end_retry_s: float = 60.0
+    """How long an end event (ATTEMPT_END, JOB_END) the ledger refuses (a full disk) is retried before the
+    supervisor gives up on it with a line on stderr."""
 
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("command must not be empty")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        for name in ("backoff_s", "max_backoff_s", "grace_s", "hang_kill_grace_s", "ledger_drain_s"):
+        for name in (
+            "backoff_s",
+            "max_backoff_s",
+            "grace_s",
+            "hang_kill_grace_s",
+            "ledger_drain_s",
+            "end_retry_s",
+        ):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")

@@ -13,12 +13,15 @@ directory holds everything up to that instant.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import shlex
 import shutil
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 import time
@@ -33,11 +36,11 @@ from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.family import derive_family
 from ettr.heartbeat import latest_heartbeat
 from ettr.inject import FaultKind, unfired_specs
-from ettr.ledger import Ledger, LedgerError, open_ledger
+from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.ledger.postgres import redact
 from ettr.ledger.spill import SpillingLedger
 from ettr.procs import start_ticks
-from ettr.supervisor import books
+from ettr.supervisor import books, containment
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times
@@ -48,6 +51,15 @@ from ettr.supervisor.watchdog import HangWatchdog
 logger = logging.getLogger("ettr")
 
 _FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def describe_os_error(exc: BaseException) -> str:
+    """An error in a few words, a full disk said as such."""
+    errno_ = getattr(exc, "errno", None)
+    text = str(exc)
+    if errno_ == errno.ENOSPC or "database or disk is full" in text:
+        return f"no space left on the device (ENOSPC): {text}"
+    return f"{type(exc).__name__}: {text}"
 
 
 def _say(message: str) -> None:
@@ -88,11 +100,29 @@ class Supervisor:
 
     # -- the books ---------------------------------------------------------------------------------------
     def _append(self, kind: EventKind, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
+        """Record one event. The end events (ATTEMPT_END, JOB_END) are retried for up to `end_retry_s` (a
+        full disk, a locked ledger): without them a completed job reads as failed. Never raises."""
         event = Event(kind, time.time() if ts is None else ts, attempt, SUPERVISOR_RANK, data=data or None)
-        try:
-            self._ledger.append([event])
-        except Exception as exc:  # the job matters more than its books
-            logger.warning("ettr: could not record %s (%s)", kind.value, exc)
+        patient = kind in (EventKind.ATTEMPT_END, EventKind.JOB_END)
+        deadline = time.monotonic() + (self.config.end_retry_s if patient else 0.0)
+        pause_s = 0.1
+        while True:
+            try:
+                self._ledger.append([event])
+                return
+            except Exception as exc:  # the job matters more than its books
+                if time.monotonic() + pause_s > deadline:
+                    cause = describe_os_error(exc)
+                    if patient:
+                        _say(
+                            f"could not record {kind.value} of attempt {attempt} in {self.run_dir} "
+                            f"({cause}); gave up after {self.config.end_retry_s:g} s"
+                        )
+                    else:
+                        logger.warning("ettr: could not record %s (%s)", kind.value, cause)
+                    return
+            time.sleep(pause_s)
+            pause_s = min(2.0, pause_s * 2)
 
     def _open_books(self) -> int:
         """Open the ledger, close what a killed predecessor left open; the first attempt's index."""
@@ -120,35 +150,83 @@ class Supervisor:
                 f"ettr run: {self.run_dir} is in use by a running supervisor (pid {live}); "
                 "give another --run-dir or --job-id"
             )
+        if self._kill_leftovers():
+            previous = self._ledger.read()  # they may have written until killed: close after their last
         closing = books.closing_events(previous)
-        if closing:
-            self._ledger.append(closing)
-            _say(f"closed {len(closing)} attempt(s) a killed supervisor left open in {self.run_dir}")
         first_attempt = books.next_attempt(previous)
-        if previous:
-            _say(f"continuing job {self.job_id} in {self.run_dir} (attempt {first_attempt})")
         cfg = self.config
         times = job_times(submitted_at=cfg.submitted_at, allocated_at=cfg.allocated_at)
         known = {e.kind for e in previous}
+        opening = list(closing)
         if times.submitted_at is not None and EventKind.JOB_SUBMITTED not in known:
-            self._append(EventKind.JOB_SUBMITTED, ts=times.submitted_at)
+            opening.append(Event(EventKind.JOB_SUBMITTED, times.submitted_at, 0, SUPERVISOR_RANK))
         if times.allocated_at is not None and EventKind.JOB_ALLOCATED not in known:
-            self._append(EventKind.JOB_ALLOCATED, ts=times.allocated_at)
-        self._append(
-            EventKind.SUPERVISOR_START,
-            pid=os.getpid(),
-            pid_start_ticks=start_ticks(os.getpid()),
-            host=socket.gethostname(),
-            command=list(cfg.command),
-            launcher=detect_launcher(cfg.command).value,
-            max_restarts=cfg.max_restarts,
-            job_id=self.job_id,
-            family=self.family,
-            hang_timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
-            inject=[str(s) for s in cfg.inject],
-            auto=cfg.auto,
-        )
+            opening.append(Event(EventKind.JOB_ALLOCATED, times.allocated_at, 0, SUPERVISOR_RANK))
+        start = {
+            "pid": os.getpid(),
+            "pid_start_ticks": start_ticks(os.getpid()),
+            "host": socket.gethostname(),
+            "command": list(cfg.command),
+            "launcher": detect_launcher(cfg.command).value,
+            "max_restarts": cfg.max_restarts,
+            "job_id": self.job_id,
+            "family": self.family,
+            "hang_timeout_s": cfg.hang_timeout_s or cfg.default_hang_timeout_s,
+            "inject": [str(s) for s in cfg.inject],
+            "auto": cfg.auto,
+        }
+        opening.append(Event(EventKind.SUPERVISOR_START, time.time(), 0, SUPERVISOR_RANK, data=start))
+        try:  # the first write: a ledger that reads but cannot be written is found here
+            self._ledger.append(opening)
+        except sqlite3.OperationalError as exc:  # full, locked, read-only: not damage; the job goes on
+            _say(f"could not record the job's start in {self.run_dir} ({describe_os_error(exc)})")
+        except (sqlite3.DatabaseError, LedgerError) as exc:  # malformed: damaged structure
+            self._salvage(previous, opening, exc)
+        except OSError as exc:
+            _say(f"could not record the job's start in {self.run_dir} ({describe_os_error(exc)})")
+        if closing:
+            _say(f"closed {len(closing)} attempt(s) a killed supervisor left open in {self.run_dir}")
+        if previous:
+            _say(f"continuing job {self.job_id} in {self.run_dir} (attempt {first_attempt})")
         return first_attempt
+
+    def _salvage(self, previous: list[Event], opening: list[Event], exc: BaseException) -> None:
+        """The ledger reads but cannot be written (damaged): keep it aside, continue in a fresh one holding
+        every event that could be read. Raises UsageError if even that fails."""
+        with contextlib.suppress(Exception):
+            self._ledger.close()
+        try:
+            self._ledger, aside = rebuild_ledger(self.run_dir, [*previous, *opening])
+        except (sqlite3.DatabaseError, LedgerError, OSError) as again:
+            raise UsageError(
+                f"ettr run: the ledger in {self.run_dir} is damaged ({exc}) and cannot be rebuilt ({again}); "
+                "move ledger.db aside to start the books afresh"
+            ) from None
+        _say(
+            f"the ledger in {self.run_dir} is damaged ({exc}); kept it as {aside.name} and continue with "
+            f"the {len(previous)} event(s) that could be read"
+        )
+
+    def _kill_leftovers(self) -> bool:
+        """Before a requeue continues the job: kill the processes a killed supervisor left running here (they
+        would keep writing the previous attempt's events and checkpoints). Refuses (UsageError) if any
+        survive. Whether there were any."""
+        found = containment.leftovers(self.run_dir)
+        if not found:
+            return False
+        pids = ", ".join(str(f.pid) for f in found)
+        attempts = ", ".join(sorted({f.attempt for f in found}))
+        alive = containment.kill_all((f.pid, f.start_ticks) for f in found)
+        if alive:
+            self._ledger.close()
+            raise UsageError(
+                f"ettr run: processes {', '.join(map(str, alive))} of attempt {attempts} of this job still run "
+                "and cannot be killed by this user (end them, then run again)"
+            )
+        _say(
+            f"killed {len(found)} process(es) of attempt {attempts} left running by a killed supervisor (pids {pids})"
+        )
+        return True
 
     def _open_url_ledger(self, url: str) -> Ledger:
         from ettr.ledger.url import open_for_run, write_pointer
@@ -197,6 +275,7 @@ class Supervisor:
             family=self.family,
         )
         oom_before = oom_kill_count()
+        sweep = containment.AttemptSweep(self.run_dir, attempt)
         try:
             proc = AttemptProcess(launch.argv, launch.env)
         except OSError as exc:
@@ -245,10 +324,16 @@ class Supervisor:
                 killed = True
             if now - snapshot_at >= 1.0:
                 proc.remember_tree()
+                sweep.reap_adopted(exclude=proc.pid)
                 snapshot_at = now
             self._wake.wait(cfg.poll_interval_s)
             self._wake.clear()
         proc.kill_leftovers()
+        swept = sweep.run(exclude=proc.pid)
+        if swept:
+            _say(
+                f"attempt {attempt}: killed {len(swept)} process(es) that outlived it (pids {', '.join(map(str, swept))})"
+            )
         proc.finish()
         oom_after = oom_kill_count()
         return classify(
@@ -290,6 +375,7 @@ class Supervisor:
         """Supervise the job to its end; the contract's exit status (0, 1 or 143)."""
         cfg = self.config
         _check_command(cfg.command)
+        containment.become_subreaper()  # orphans of the job re-parent here, so the sweep finds them
         first = self._open_books()
         if cfg.hang_timeout_s is None and any(s.kind is FaultKind.HANG for s in cfg.inject):
             _say(
