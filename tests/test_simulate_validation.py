@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from ettr.constants import SECONDS_PER_DAY
 from ettr.interval import IntervalModel
 from ettr.simulate.analytic import (
     expected_wall_s,
@@ -18,7 +19,7 @@ from ettr.simulate.analytic import (
     steady_state_waste_fraction,
 )
 from ettr.simulate.model import simulate_seeded
-from ettr.simulate.params import SECONDS_PER_DAY, JobParams
+from ettr.simulate.params import JobParams
 from ettr.simulate.summary import simulate
 from ettr.simulate.sweep import default_intervals, sweep_interval
 

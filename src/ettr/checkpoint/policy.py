@@ -18,11 +18,11 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ettr.constants import SECONDS_PER_DAY
 from ettr.events import Event, EventKind, Outcome
 
 logger = logging.getLogger("ettr")
 
-SECONDS_PER_DAY = 86_400.0
 
 _DURATION_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
 

@@ -15,9 +15,11 @@ import threading
 from types import FrameType
 from typing import Any
 
+from ettr.constants import EXIT_PREEMPTED
+
 logger = logging.getLogger("ettr")
 
-PREEMPTED_EXIT_STATUS = 143
+PREEMPTED_EXIT_STATUS = EXIT_PREEMPTED
 """128 + SIGTERM: the exit status of a process that stopped because it was told to."""
 
 

@@ -1,24 +1,21 @@
 """The one entry point the zero-code bootstrap calls at process start: `autoinstall(rec)`.
 
 It costs nothing in a process that never compiles: it only waits for `torch._dynamo` to be imported
-(which `torch.compile` does on first use and `import torch` does not) through a one-shot import hook,
+(which `torch.compile` does on first use and `import torch` does not) through `ettr.post_import`,
 and then starts a `CompileSession` (hooks, restore before the first compile, save after it settles).
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 from ettr.compile.config import CompileConfig, default_user_key, private_cache_dir
 from ettr.compile.session import CompileSession
+from ettr.post_import import when_imported
 
 if TYPE_CHECKING:
     from ettr.recorder import RecorderProtocol
@@ -29,61 +26,15 @@ _TRIGGER_MODULE = "torch._dynamo"
 
 _lock = threading.Lock()
 _session: CompileSession | None = None
-_finder: _AfterImport | None = None
+_armed: int | None = None  # the generation whose post-import watch is waiting for torch._dynamo
+_generation = 0
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `callback` once, right after module `name` has finished importing, then leaves sys.meta_path."""
-
-    def __init__(self, name: str, callback: Callable[[], None]) -> None:
-        self.name = name
-        self.callback = callback
-        self._busy = False
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.name or self._busy:
-            return None
-        self._busy = True
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            for finder in sys.meta_path:  # another finder may own it (zipimport, editable installs)
-                if spec is not None:
-                    break
-                if finder is not self and hasattr(finder, "find_spec"):
-                    spec = finder.find_spec(fullname, path, target)
-        finally:
-            self._busy = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        loader = spec.loader
-        original_exec = loader.exec_module
-        finder = self
-
-        def exec_module(module: ModuleType) -> None:
-            original_exec(module)
-            finder.remove()
-            try:
-                finder.callback()
-            except Exception as exc:  # never break the user's import
-                logger.warning("ettr: compile hooks not installed (%s: %s)", type(exc).__name__, exc)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-    def remove(self) -> None:
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-
-
-def _start_session(rec: RecorderProtocol, config: CompileConfig) -> None:
+def _start_session(rec: RecorderProtocol, config: CompileConfig, generation: int | None = None) -> None:
     global _session
     with _lock:
-        if _session is not None:
-            return
+        if _session is not None or (generation is not None and generation != _generation):
+            return  # started already, or armed before a reset (tests)
         session = CompileSession(rec, config)
         session.start()
         _session = session
@@ -109,7 +60,7 @@ def autoinstall(rec: RecorderProtocol | None = None, *, config: CompileConfig | 
     directory at each recompile. Unless `TORCHINDUCTOR_CACHE_DIR` is set (or torch._inductor is already
     imported), it points inductor at a cache directory of the workload's own (`private_cache_dir`).
     """
-    global _finder
+    global _armed
     try:
         if config is None:
             config = CompileConfig.from_env()
@@ -121,11 +72,11 @@ def autoinstall(rec: RecorderProtocol | None = None, *, config: CompileConfig | 
             rec = get_recorder()
         _use_private_cache_dir(config)
         with _lock:
-            if _session is not None or _finder is not None:
+            if _session is not None or _armed is not None:
                 return True
             if _TRIGGER_MODULE not in sys.modules:
-                _finder = _AfterImport(_TRIGGER_MODULE, lambda: _start_session(rec, config))
-                sys.meta_path.insert(0, _finder)
+                generation = _armed = _generation
+                when_imported(_TRIGGER_MODULE, lambda _module: _start_session(rec, config, generation))
                 return True
         _start_session(rec, config)
         return True
@@ -152,11 +103,10 @@ def current_session() -> CompileSession | None:
 
 def _reset_for_tests() -> None:
     """Forget the process's session and import hook (tests only; does not uninstall Dynamo callbacks)."""
-    global _session, _finder
+    global _session, _armed, _generation
     with _lock:
-        if _finder is not None:
-            _finder.remove()
         if _session is not None:
             _session.hooks.uninstall()
         _session = None
-        _finder = None
+        _armed = None
+        _generation += 1  # a watch armed before the reset starts nothing

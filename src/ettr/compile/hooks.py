@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ettr.events import EventKind, Phase
+from ettr.tracing import dynamo_is_tracing
+from ettr.warn import WarnOnce
 
 if TYPE_CHECKING:
     from ettr.recorder import RecorderProtocol
@@ -54,15 +56,6 @@ def _recompile_reason() -> str | None:
         return None
 
 
-def _is_compiling() -> bool:
-    try:
-        import torch
-
-        return bool(torch.compiler.is_compiling())
-    except Exception:
-        return False
-
-
 class CompileHooks:
     """Dynamo compile callbacks that record into a Recorder (never raise into compilation).
 
@@ -88,7 +81,7 @@ class CompileHooks:
         self._pending: list[CompileRecord] = []
         self._started_first = False
         self._installed = False
-        self._warned: set[str] = set()
+        self._warn_once = WarnOnce("ettr: compile hook ({what}) failed ({error}); compiling goes on")
         self.records: list[CompileRecord] = []
         """Every compilation seen so far, in end order."""
         self.last_end_ts: float | None = None
@@ -174,7 +167,7 @@ class CompileHooks:
     # -- emission (outside compilation) ------------------------------------------------------------------
     def quiet(self) -> bool:
         """True when no compilation runs, so the Recorder would not drop an event recorded now."""
-        return not self._open and not _is_compiling()
+        return not self._open and not dynamo_is_tracing()  # the Recorder drops events only then
 
     def emit_pending(self) -> int:
         """Record the pending compilations if none is running now. Returns how many were recorded."""
@@ -202,10 +195,3 @@ class CompileHooks:
             except Exception as exc:
                 self._warn_once("emit", exc)
         return len(batch)
-
-    def _warn_once(self, what: str, exc: BaseException) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            logger.warning(
-                "ettr: compile hook (%s) failed (%s: %s); compiling goes on", what, type(exc).__name__, exc
-            )

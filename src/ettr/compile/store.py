@@ -24,6 +24,7 @@ from typing import Any
 
 from ettr.compile.backend import StoreBackend, open_backend
 from ettr.compile.key import StoreKey
+from ettr.constants import DEFAULT_STORE_MAX_BYTES
 
 logger = logging.getLogger("ettr")
 
@@ -42,7 +43,7 @@ class StoreConfig:
 
     location: str
     """A directory path or an fsspec URL (`s3://bucket/prefix`)."""
-    max_bytes: int = 8 * 1024**3
+    max_bytes: int = DEFAULT_STORE_MAX_BYTES
     """Bound on the total size of all entries; least recently used entries are evicted past it."""
     secret: bytes | None = field(default=None, repr=False)
     """HMAC key: when set, manifests are signed on save and unsigned or mis-signed ones are refused."""
@@ -98,7 +99,9 @@ class CompileStore:
         secret: HMAC key; when given, only entries signed with it are loaded.
     """
 
-    def __init__(self, backend: StoreBackend, *, max_bytes: int = 8 * 1024**3, secret: bytes | None = None):
+    def __init__(
+        self, backend: StoreBackend, *, max_bytes: int = DEFAULT_STORE_MAX_BYTES, secret: bytes | None = None
+    ):
         self.backend = backend
         self.max_bytes = max_bytes
         self._secret = secret

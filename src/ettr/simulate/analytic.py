@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 
-from ettr.simulate.params import SECONDS_PER_DAY, JobParams
+from ettr.constants import SECONDS_PER_DAY
+from ettr.simulate.params import JobParams
 
 
 def _recovery_s(lam: float, detection_s: float, relaunch_s: float) -> float:

@@ -13,9 +13,10 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from ettr.constants import SECONDS_PER_DAY
 from ettr.errors import UsageError
 from ettr.simulate.analytic import optimal_interval_for
-from ettr.simulate.params import SECONDS_PER_DAY, JobParams, Startup
+from ettr.simulate.params import JobParams, Startup
 
 LLAMA3_FAILURES_PER_NODE_DAY = 466 / 54 / (16_384 / 8)
 """The default failure rate: Llama 3's 466 interruptions in 54 days on 16,384 GPUs (8 per node)."""

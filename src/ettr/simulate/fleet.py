@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ettr.simulate.params import SECONDS_PER_DAY
+from ettr.constants import SECONDS_PER_DAY
 from ettr.simulate.summary import Z95
 
 POLICIES = ("random", "lowest_cost")

@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-SECONDS_PER_DAY = 86_400.0
-
 STARTUP_COMPONENTS = ("init", "compile", "restore", "data_wait")
 """The start-up buckets of an attempt, in the order an attempt goes through them."""
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ettr.accounting import AttemptReport, EttReport
+from ettr.constants import SECONDS_PER_DAY
 from ettr.events import Bucket, Event, EventKind, Outcome, Phase
 from ettr.simulate.model import ScriptedFault
-from ettr.simulate.params import SECONDS_PER_DAY, JobParams, Startup
+from ettr.simulate.params import JobParams, Startup
 
 
 @dataclass(frozen=True, kw_only=True)

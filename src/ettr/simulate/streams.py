@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ettr.simulate.params import SECONDS_PER_DAY
+from ettr.constants import SECONDS_PER_DAY
 
 
 class IntervalSource(Protocol):
