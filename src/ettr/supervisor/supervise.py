@@ -195,6 +195,7 @@ class Supervisor:
             auto=cfg.auto,
             ledger_url=cfg.ledger_url,
             family=self.family,
+            port=self._rendezvous_port(attempt),
         )
         oom_before = oom_kill_count()
         try:
@@ -216,6 +217,7 @@ class Supervisor:
         )
         forwarded: int | None = None
         hung_after_s: float | None = None
+        peer_reason: str | None = None
         kill_at = float("inf")
         killed = False
         snapshot_at = 0.0
@@ -240,6 +242,12 @@ class Supervisor:
                     _say(f"attempt {attempt}: no progress for {hung_after_s:.1f} s: hung, killing it")
                     proc.signal_tree(signal.SIGTERM)
                     kill_at = now + cfg.hang_kill_grace_s
+            if forwarded is None and hung_after_s is None and peer_reason is None:
+                peer_reason = self._peer_check(attempt, now, started)
+                if peer_reason is not None:
+                    _say(f"attempt {attempt}: {peer_reason}: ending this node's part")
+                    proc.signal_tree(signal.SIGTERM)
+                    kill_at = now + cfg.hang_kill_grace_s
             if now >= kill_at and not killed:
                 proc.signal_tree(signal.SIGKILL)
                 killed = True
@@ -251,7 +259,7 @@ class Supervisor:
         proc.kill_leftovers()
         proc.finish()
         oom_after = oom_kill_count()
-        return classify(
+        end = classify(
             returncode=returncode,
             stderr_tail=proc.stderr_tail(),
             events=self._attempt_events(attempt),
@@ -259,6 +267,24 @@ class Supervisor:
             hung_after_s=hung_after_s,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
         )
+        return self._settle(attempt, end, peer_reason)
+
+    # -- hooks of a multi-node job (`multinode.py`); one node alone: no peers ----------------------------------
+    def _rendezvous_port(self, attempt: int) -> int | None:
+        """The rendezvous port of `attempt` agreed with the peers (None: pick one locally)."""
+        return None
+
+    def _peer_check(self, attempt: int, now: float, started: float) -> str | None:
+        """Why a peer ends this attempt (None: carry on); called every poll."""
+        return None
+
+    def _settle(self, attempt: int, end: AttemptEnd, peer_reason: str | None) -> AttemptEnd:
+        """The attempt's end once the peers' parts are known."""
+        return end
+
+    def _restarts_used(self) -> int:
+        """Restarts spent before this supervisor started (a job-wide budget reads them from the ledger)."""
+        return 0
 
     def _stopped_status(self) -> int:
         return EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED
@@ -300,12 +326,13 @@ class Supervisor:
         status = EXIT_FAILED
         num_attempts = 0
         last: AttemptEnd | None = None
+        used = self._restarts_used()
         try:
-            for restart in range(cfg.max_restarts + 1):
+            for restart in range(used, cfg.max_restarts + 1):
                 if self._signal is not None:
                     status = self._stopped_status()
                     break
-                attempt = first + restart
+                attempt = first + restart - used
                 num_attempts += 1
                 last = self._run_attempt(attempt)
                 self._append(EventKind.ATTEMPT_END, attempt=attempt, **last.to_data())
@@ -354,5 +381,9 @@ class Supervisor:
 
 
 def run(config: RunConfig) -> int:
-    """Supervise `config.command` per the contract; returns the exit status (raises `UsageError`)."""
-    return Supervisor(config).run()
+    """Supervise `config.command` per the contract; returns the exit status (raises `UsageError`).
+
+    A torchrun command with `--nnodes N > 1` gets a node's supervisor (`multinode.py`)."""
+    from ettr.supervisor.multinode import supervisor_for
+
+    return supervisor_for(config).run()
