@@ -37,7 +37,7 @@ from ettr.ledger import Ledger, LedgerError, open_ledger
 from ettr.ledger.postgres import redact
 from ettr.ledger.spill import SpillingLedger
 from ettr.procs import start_ticks
-from ettr.supervisor import books
+from ettr.supervisor import books, slurm
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times
@@ -47,7 +47,7 @@ from ettr.supervisor.watchdog import HangWatchdog
 
 logger = logging.getLogger("ettr")
 
-_FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, slurm.WARNING_SIGNAL)
 
 
 def _say(message: str) -> None:
@@ -125,6 +125,9 @@ class Supervisor:
             self._ledger.append(closing)
             _say(f"closed {len(closing)} attempt(s) a killed supervisor left open in {self.run_dir}")
         first_attempt = books.next_attempt(previous)
+        note = slurm.restart_count_note(previous, os.environ)
+        if note:
+            _say(note)
         if previous:
             _say(f"continuing job {self.job_id} in {self.run_dir} (attempt {first_attempt})")
         cfg = self.config
@@ -231,8 +234,10 @@ class Supervisor:
                     # SIGINT would interrupt the job's own KeyboardInterrupt handling.
                     _say(f"got {name} from the terminal: the job got it too; SIGKILL in {cfg.grace_s:g} s")
                 else:
-                    _say(f"got {name}: forwarding it to the job, SIGKILL in {cfg.grace_s:g} s")
-                    proc.signal_tree(forwarded)
+                    sent = slurm.forwarded_signal(forwarded)
+                    as_ = "" if sent == forwarded else f" as {signal.Signals(sent).name}"
+                    _say(f"got {name}: forwarding it to the job{as_}, SIGKILL in {cfg.grace_s:g} s")
+                    proc.signal_tree(sent)
                 kill_at = now + cfg.grace_s
             if self._num_signals >= 2:
                 kill_at = min(kill_at, now)  # asked twice: no more grace
@@ -373,6 +378,8 @@ class Supervisor:
         else:
             where = shlex.quote(str(self.run_dir))
         _say(f"job {self.job_id} ended with status {status}; report: ettr report {where}")
+        if self._signal == slurm.WARNING_SIGNAL and status == EXIT_PREEMPTED:
+            _say(slurm.requeue(os.environ))
         if status in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
             ledger = ["--ledger", redact(cfg.ledger_url)] if cfg.ledger_url else []
             command = shlex.join(["ettr", "run", "--run-dir", str(self.run_dir), *ledger, "--", *cfg.command])
