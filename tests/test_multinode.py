@@ -83,8 +83,16 @@ def _summary(rep: dict[str, Any]) -> list[tuple[Any, ...]]:
     return [(a["outcome"], a["resumed_from_step"], a["last_step"]) for a in rep["attempts"]]
 
 
-def test_a_crash_on_node_1_restarts_both_nodes_together(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """One ledger both nodes write to: a shared SQLite file, or the session's PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    return str(request.getfixturevalue("postgres_url"))
+
+
+def test_a_crash_on_node_1_restarts_both_nodes_together(tmp_path: Path, ledger_url: str) -> None:
+    url = ledger_url
     leader = _node(tmp_path, url, 0)
     follower = _node(tmp_path, url, 1, "--inject", "crash@step=6,rank=1")
     (status0, err0), (status1, err1) = _finish(leader), _finish(follower)
