@@ -4,12 +4,14 @@ port rewrite, SIGUSR1 and the SLURM_RESTART_COUNT cross-check."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 
 from ettr.accounting import compute
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
+from ettr.ledger import MemoryLedger
 from ettr.supervisor import peers, slurm
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.launch import torchrun_command, torchrun_options
@@ -142,3 +144,19 @@ def test_slurm_warning_becomes_sigterm_and_restart_count_is_cross_checked() -> N
     assert slurm.restart_count_note([], {"SLURM_RESTART_COUNT": "1"}) is None  # not inside Slurm
     assert "not a number" in (slurm.restart_count_note([], {**env, "SLURM_RESTART_COUNT": "x"}) or "")
     assert "outside a Slurm job" in slurm.requeue({})
+
+
+def test_the_peers_read_only_the_supervisors_events(tmp_path: Path) -> None:
+    from ettr.ledger.sqlite import SqliteLedger
+    from ettr.supervisor.multinode import _supervisor_events
+
+    ledger = SqliteLedger(tmp_path / "ledger.db")
+    events = [
+        _sup(EventKind.ATTEMPT_START, 0, 1.0),
+        Event(EventKind.STEP, 2.0, 0, 0, step=1),
+        peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=3.0),
+    ]
+    ledger.append(events)
+    assert _supervisor_events(ledger) == [events[0], events[2]]
+    assert _supervisor_events(MemoryLedger(events)) == [events[0], events[2]]  # no narrow query: filtered
+    ledger.close()

@@ -30,7 +30,7 @@ from typing import Any
 
 from ettr.constants import EXIT_FAILED
 from ettr.errors import UsageError
-from ettr.events import EventKind, Outcome
+from ettr.events import Event, EventKind, Outcome
 from ettr.ledger import LedgerError, open_ledger
 from ettr.procs import pid_alive, start_ticks
 from ettr.supervisor import peers
@@ -57,6 +57,13 @@ def node_role_of(config: RunConfig) -> NodeRole | None:
     if not (config.job_id or os.environ.get("SLURM_JOB_ID")):
         raise UsageError("ettr run: a multi-node job needs --job-id ID, the same on every node")
     return role
+
+
+def _supervisor_events(ledger: Any) -> list[Event]:
+    """The supervisors' events (rank < 0) in append order: a narrow query where the ledger has one (SQLite,
+    PostgreSQL, spilling), so that peers polling a long job do not read every training event each time."""
+    read = getattr(ledger, "read_supervisor", None)
+    return read() if read is not None else [e for e in ledger.read() if e.rank < 0]
 
 
 def supervisor_for(config: RunConfig) -> Supervisor:
@@ -97,7 +104,7 @@ class _Node(Supervisor):
             return None
         self._looked_at = now
         try:
-            self._view = peers.peer_view(self._ledger.read())
+            self._view = peers.peer_view(_supervisor_events(self._ledger))
         except Exception as exc:
             _say(f"cannot read the ledger to see the peers ({exc}); trying again")
             return None
@@ -218,7 +225,7 @@ class Follower(_Node):
                     f"supervisor (pid {pid}); give each node its own --node-rank"
                 )
         self._mark_start(0)
-        self._start_index = len(previous)
+        self._start_index = sum(1 for e in previous if e.rank < 0)  # positions in `_supervisor_events`
         self._rejoin_guard(peers.peer_view(previous))
         return 0
 
