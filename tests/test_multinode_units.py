@@ -160,3 +160,19 @@ def test_the_peers_read_only_the_supervisors_events(tmp_path: Path) -> None:
     assert _supervisor_events(ledger) == [events[0], events[2]]
     assert _supervisor_events(MemoryLedger(events)) == [events[0], events[2]]  # no narrow query: filtered
     ledger.close()
+
+
+def test_bad_multi_node_command_lines_are_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from ettr.cli import main
+
+    bad = [
+        (["run", "--job-id", "x", "--", *TORCHRUN, "t.py"], "needs --ledger URL"),
+        (
+            ["run", "--job-id", "x", "--ledger", "sqlite:///x.db", "--", "torchrun", "--nnodes=1:3", "t.py"],
+            "elastic",
+        ),
+    ]
+    for argv, what in bad:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert what in err and "\n" not in err and err.startswith("ettr run: ")

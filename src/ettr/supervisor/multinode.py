@@ -148,9 +148,13 @@ class Leader(_Node):
 
     def _restarts_used(self) -> int:
         try:
-            return peers.restarts_used(self._ledger.read())
+            used = peers.restarts_used(self._ledger.read())
         except Exception:
             return 0
+        if used:
+            left = max(0, self.config.max_restarts - used)
+            _say(f"the ledger shows {used} restart(s) of job {self.job_id} already spent: {left} left")
+        return used
 
     def _rendezvous_port(self, attempt: int) -> int | None:
         port = free_port("0.0.0.0")
