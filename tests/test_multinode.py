@@ -33,12 +33,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _node(tmp: Path, url: str, rank: int, *extra: str) -> subprocess.Popen[str]:
+def _node(tmp: Path, url: str, rank: int, *extra: str, steps: int = 10) -> subprocess.Popen[str]:
     # Each node names its own address: the rendezvous orders nodes by it, so node 1 holds global rank 1.
     torchrun = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
         "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400",
-        f"--local-addr=127.0.0.{rank + 1}", DDP, "--ckpt-dir", str(tmp / "ckpt"), "--num-steps", "10",
+        f"--local-addr=127.0.0.{rank + 1}", DDP, "--ckpt-dir", str(tmp / "ckpt"), "--num-steps", str(steps),
         "--save-every", "4", "--step-s", "0.1",
     ]  # fmt: skip
     argv = [*ETTR, "run", "--run-dir", str(tmp / f"node{rank}"), "--ledger", url, "--job-id", JOB]
@@ -145,3 +145,28 @@ def test_a_sigkilled_supervisor_on_node_1_is_detected_and_the_job_continues(tmp_
     # The replacement did not rejoin the attempt its predecessor died in, and joined the next one.
     joined = _marks(events, peers.NODE_ATTEMPT_START)
     assert (0, 1) in joined and joined.count((0, 1)) == 1 and (rep["attempts"][-1]["index"], 1) in joined
+
+
+def test_a_silent_supervisor_is_lost_after_the_peer_timeout(tmp_path: Path) -> None:
+    # SIGSTOP: node 1's supervisor stops writing heartbeats while its processes train on; only the peer
+    # timeout can tell. Then it is SIGKILLed (its processes die with it) and a new one takes its place.
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    leader = _node(tmp_path, url, 0, steps=150)
+    follower = _node(tmp_path, url, 1, steps=150)
+    _wait_step(url, 5)
+    follower.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while not any(e.kind is EventKind.ATTEMPT_END for e in _events(url)):
+        assert time.monotonic() < deadline, "node 0 never noticed node 1's silence"
+        time.sleep(0.2)  # another process makes this true; nothing to await on
+    follower.send_signal(signal.SIGKILL)
+    follower.communicate(timeout=30)
+    replacement = _node(tmp_path, url, 1, steps=150)
+    (status0, err0), (status1, err1) = _finish(leader), _finish(replacement)
+    assert (status0, status1) == (0, 0), err0 + err1
+    end = next(e for e in _events(url) if e.kind is EventKind.ATTEMPT_END)
+    assert end.data["outcome"] == "failed"
+    assert "node 1's supervisor is silent for over 4 s (lost)" in end.data["reason"]
+    rep = _report(url)
+    assert [a["outcome"] for a in rep["attempts"]] == ["failed", "completed"]
+    assert rep["attempts"][-1]["resumed_from_step"] is not None and rep["attempts"][-1]["last_step"] == 150
