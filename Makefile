@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.ettr-installed
 
-.PHONY: install test test-fast demo lint typecheck bench clean chromium postgres
+.PHONY: install test test-fast demo lint typecheck bench clean chromium postgres slurm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,7 @@ $(STAMP): $(PY) pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install chromium postgres
+test: install chromium postgres slurm
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The HTML report's browser test renders the page in headless Chromium: install Debian's when it is missing
@@ -40,6 +40,16 @@ postgres:
 		&& [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 			postgresql; \
+	fi
+
+# The Slurm tests start a throwaway single-node cluster (ettr.testing.slurm, tests/conftest.py) from Debian's
+# daemons: install them when they are missing and we may (root with apt-get, as in CI). Elsewhere those tests
+# are skipped with a message, except under CI=true, where they fail.
+slurm:
+	@if ! command -v slurmctld >/dev/null 2>&1 && ! test -x /usr/sbin/slurmctld \
+		&& [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			slurmctld slurmd slurm-client munge; \
 	fi
 
 demo: install

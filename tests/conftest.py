@@ -70,3 +70,26 @@ def postgres_url(postgres_server: object) -> str:
     with psycopg.connect(postgres_server.url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     return postgres_server.url.rsplit("/", 1)[0] + f"/{name}"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[object]:
+    """A single-node Slurm cluster for the session (`ettr.testing.slurm.SlurmCluster`), removed at the end.
+
+    Outside CI a machine that cannot start one (not root, no slurm packages) skips the test with the reason;
+    under CI (`CI=true`) that is a failure: `make test` runs `make slurm`, which installs the daemons.
+    """
+    from ettr.testing.slurm import SlurmCluster, SlurmUnavailable
+
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+    except SlurmUnavailable as exc:
+        cluster.remove()
+        if _in_ci():
+            pytest.fail(f"CI=true but no Slurm cluster could be started: {exc}")
+        pytest.skip(f"no Slurm cluster can be started here ({exc}); `make slurm` installs the daemons")
+    try:
+        yield cluster
+    finally:
+        cluster.remove()

@@ -44,6 +44,7 @@ FROZEN_COMMAND_LINE = {
             "--ledger",
             "--max-restarts",
             "--no-auto",
+            "--peer-timeout",
             "--run-dir",
             "--submitted-at",
         },

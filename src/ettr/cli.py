@@ -90,6 +90,12 @@ def _add_run(p: argparse.ArgumentParser) -> None:
         help="where the books go: sqlite:///PATH or postgresql://USER@HOST/DB (default: RUN_DIR/ledger.db)",
     )
     p.add_argument(
+        "--peer-timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="multi-node jobs: silence after which a node's supervisor counts as lost (default 60)",
+    )
+    p.add_argument(
         "command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]", help="python or torchrun command"
     )
     p.usage = "%(prog)s [options] -- COMMAND [ARGS...]"
@@ -372,6 +378,8 @@ _EXAMPLES = {
   ettr run -- python train.py                        # zero-code: record, restart up to 3 times
   ettr run --max-restarts 5 --inject crash@step=50 -- torchrun --nproc-per-node 2 train.py
   ettr run --run-dir runs/my-job -- python train.py  # a requeue: the same run dir continues the job
+  ettr run --ledger postgresql://ettr@db/ettr --job-id J -- torchrun --nnodes 2 --node-rank R \
+      --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29400 train.py   # on each node R
 the hang timeout is 300 s without progress (armed after the first sign of life) unless --hang-timeout""",
     "report": """examples:
   ettr report runs/my-job                    # terminal report

@@ -230,6 +230,16 @@ class PostgresLedger:
             logger.warning("ettr: job %s: skipped %d unreadable ledger records", self.job_id, num_bad)
         return events
 
+    def read_supervisor(self) -> list[Event]:
+        """The supervisors' own events (rank < 0), in append order: what peers of a multi-node job poll."""
+        with self._connection() as conn:
+            rows = conn.execute(
+                "SELECT ts, kind, attempt, rank, phase, step, value, data FROM ettr.events"
+                " WHERE job_id = %s AND rank < 0 ORDER BY id",
+                (self.job_id,),
+            ).fetchall()
+        return events_from_rows(rows)[0]
+
     def last_activity(self, attempt: int) -> float | None:
         """Latest timestamp of a training-process event (rank >= 0) of `attempt`, or None (hang detection)."""
         with self._connection() as conn:

@@ -286,6 +286,16 @@ class SpillingLedger:
         self.deliver()
         return self._server.read()
 
+    def read_supervisor(self) -> list[Event]:
+        """The supervisors' own events (rank < 0) from the server; raises `LedgerError` like `read`."""
+        if self._down or self._server is None:
+            raise LedgerError(
+                f"the ledger server is unreachable; {self.spill_dir} holds the events meanwhile"
+            )
+        self.deliver()
+        reader = getattr(self._server, "read_supervisor", None)
+        return reader() if reader is not None else [e for e in self._server.read() if e.rank < 0]
+
     def last_activity(self, attempt: int) -> float | None:
         """Newest training-process event of `attempt` on the server or in this node's spill files."""
         latest = self._spilled_activity(attempt)

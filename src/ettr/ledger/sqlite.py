@@ -214,6 +214,18 @@ class SqliteLedger:
             logger.warning("ettr: %s: skipped %d unreadable ledger records", self.path, num_skipped)
         return events
 
+    def read_supervisor(self) -> list[Event]:
+        """The supervisors' own events (rank < 0), in append order: what peers of a multi-node job poll."""
+        with self._lock:
+            try:
+                rows = self._conn.execute(
+                    "SELECT ts, kind, attempt, rank, phase, step, value, data FROM events WHERE rank < 0"
+                    " ORDER BY id"
+                ).fetchall()
+            except sqlite3.DatabaseError as exc:
+                raise LedgerError(f"{self.path} cannot be read ({exc})") from None
+        return [e for e in (from_row(*row) for row in rows) if e is not None]
+
     def last_activity(self, attempt: int) -> float | None:
         """Latest timestamp of a training-process event (rank >= 0) of `attempt`, or None (hang detection)."""
         with self._lock:

@@ -55,6 +55,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             family=getattr(args, "family", None),
             auto=not args.no_auto,
             ledger_url=args.ledger,
+            **({"peer_timeout_s": args.peer_timeout} if getattr(args, "peer_timeout", None) else {}),
         )
     except ValueError as exc:
         raise UsageError(f"ettr run: {exc}") from None

@@ -88,6 +88,12 @@ class RunConfig:
     end_retry_s: float = 60.0
     """How long an end event (ATTEMPT_END, JOB_END) the ledger refuses (a full disk) is retried before the
     supervisor gives up on it with a line on stderr."""
+    peer_timeout_s: float = 60.0
+    """Multi-node jobs: how long a node's supervisor may be silent in the ledger before its peers count it
+    lost and end the attempt (`--peer-timeout`)."""
+    follower_wait_s: float = 600.0
+    """Multi-node jobs: how long a node other than 0 waits for an attempt to join while node 0's supervisor
+    is silent, before it gives up (exit 1)."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -105,7 +111,7 @@ class RunConfig:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        for name in ("default_hang_timeout_s", "poll_interval_s"):
+        for name in ("default_hang_timeout_s", "poll_interval_s", "peer_timeout_s", "follower_wait_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")

@@ -109,15 +109,23 @@ def _torchrun_split(command: Sequence[str]) -> tuple[int, list[tuple[str, str | 
     return i, options
 
 
+def torchrun_options(command: Sequence[str]) -> list[tuple[str, str | None]]:
+    """torchrun's own options in a torchrun command line, as (name, value) pairs ([] for other commands)."""
+    if detect_launcher(command) is not Launcher.TORCHRUN:
+        return []
+    return _torchrun_split(command)[1]
+
+
 def _norm(name: str) -> str:
     return name.replace("_", "-")
 
 
-def torchrun_command(command: Sequence[str], port: int) -> list[str]:
+def torchrun_command(command: Sequence[str], port: int, *, any_host: bool = False) -> list[str]:
     """`command` (a torchrun command line) with a fresh rendezvous on `port` and `--max-restarts=0`.
 
     `--standalone` already picks a fresh port per torchrun; a `--rdzv-endpoint` on another host is left as
-    is (every node would need the same new port, which one supervisor cannot arrange).
+    is (every node would need the same new port, which one supervisor cannot arrange) unless `any_host`: the
+    supervisors of a multi-node job agreed on `port` through the ledger (`multinode.py`).
     """
     script_at, options = _torchrun_split(command)
     prefix = list(command[: _launcher_args_at(command)])
@@ -135,7 +143,7 @@ def torchrun_command(command: Sequence[str], port: int) -> list[str]:
         if norm == "--rdzv-endpoint" and value is not None and "--standalone" not in names:
             host, _, _old = value.rpartition(":")
             host = host or value
-            if host.strip("[]") in _LOCAL_HOSTS or host == socket.gethostname():
+            if any_host or host.strip("[]") in _LOCAL_HOSTS or host == socket.gethostname():
                 value = f"{host}:{port}"
         out.append((name, value))
     out.append(("--max-restarts", "0"))
@@ -170,12 +178,14 @@ def attempt_launch(
     base_env: Mapping[str, str] | None = None,
     ledger_url: str | None = None,
     family: str | None = None,
+    port: int | None = None,
 ) -> AttemptLaunch:
-    """The command line and environment of attempt `attempt` (see the module docstring)."""
+    """The command line and environment of attempt `attempt` (see the module docstring); `port`: the
+    rendezvous port the nodes of a multi-node job agreed on."""
     launcher = detect_launcher(command)
     argv = list(command)
     if launcher is Launcher.TORCHRUN:
-        argv = torchrun_command(command, free_port())
+        argv = torchrun_command(command, port if port is not None else free_port(), any_host=port is not None)
     run_env = RunEnv(
         run_dir=run_dir,
         job_id=job_id,

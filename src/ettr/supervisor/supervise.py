@@ -40,7 +40,7 @@ from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.ledger.postgres import redact
 from ettr.ledger.spill import SpillingLedger
 from ettr.procs import start_ticks
-from ettr.supervisor import books, containment
+from ettr.supervisor import books, containment, slurm
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times
@@ -50,7 +50,7 @@ from ettr.supervisor.watchdog import HangWatchdog
 
 logger = logging.getLogger("ettr")
 
-_FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, slurm.WARNING_SIGNAL)
 
 
 def describe_os_error(exc: BaseException) -> str:
@@ -154,6 +154,9 @@ class Supervisor:
             previous = self._ledger.read()  # they may have written until killed: close after their last
         closing = books.closing_events(previous)
         first_attempt = books.next_attempt(previous)
+        note = slurm.restart_count_note(previous, os.environ)
+        if note:
+            _say(note)
         cfg = self.config
         times = job_times(submitted_at=cfg.submitted_at, allocated_at=cfg.allocated_at)
         known = {e.kind for e in previous}
@@ -273,6 +276,7 @@ class Supervisor:
             auto=cfg.auto,
             ledger_url=cfg.ledger_url,
             family=self.family,
+            port=self._rendezvous_port(attempt),
         )
         oom_before = oom_kill_count()
         sweep = containment.AttemptSweep(self.run_dir, attempt)
@@ -295,6 +299,7 @@ class Supervisor:
         )
         forwarded: int | None = None
         hung_after_s: float | None = None
+        peer_reason: str | None = None
         kill_at = float("inf")
         killed = False
         snapshot_at = 0.0
@@ -308,8 +313,10 @@ class Supervisor:
                     # SIGINT would interrupt the job's own KeyboardInterrupt handling.
                     _say(f"got {name} from the terminal: the job got it too; SIGKILL in {cfg.grace_s:g} s")
                 else:
-                    _say(f"got {name}: forwarding it to the job, SIGKILL in {cfg.grace_s:g} s")
-                    proc.signal_tree(forwarded)
+                    sent = slurm.forwarded_signal(forwarded)
+                    as_ = "" if sent == forwarded else f" as {signal.Signals(sent).name}"
+                    _say(f"got {name}: forwarding it to the job{as_}, SIGKILL in {cfg.grace_s:g} s")
+                    proc.signal_tree(sent)
                 kill_at = now + cfg.grace_s
             if self._num_signals >= 2:
                 kill_at = min(kill_at, now)  # asked twice: no more grace
@@ -317,6 +324,12 @@ class Supervisor:
                 hung_after_s = watchdog.check(now)
                 if hung_after_s is not None:
                     _say(f"attempt {attempt}: no progress for {hung_after_s:.1f} s: hung, killing it")
+                    proc.signal_tree(signal.SIGTERM)
+                    kill_at = now + cfg.hang_kill_grace_s
+            if forwarded is None and hung_after_s is None and peer_reason is None:
+                peer_reason = self._peer_check(attempt, now, started)
+                if peer_reason is not None:
+                    _say(f"attempt {attempt}: {peer_reason}: ending this node's part")
                     proc.signal_tree(signal.SIGTERM)
                     kill_at = now + cfg.hang_kill_grace_s
             if now >= kill_at and not killed:
@@ -336,7 +349,7 @@ class Supervisor:
             )
         proc.finish()
         oom_after = oom_kill_count()
-        return classify(
+        end = classify(
             returncode=returncode,
             stderr_tail=proc.stderr_tail(),
             events=self._attempt_events(attempt),
@@ -344,6 +357,24 @@ class Supervisor:
             hung_after_s=hung_after_s,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
         )
+        return self._settle(attempt, end, peer_reason)
+
+    # -- hooks of a multi-node job (`multinode.py`); one node alone: no peers ----------------------------------
+    def _rendezvous_port(self, attempt: int) -> int | None:
+        """The rendezvous port of `attempt` agreed with the peers (None: pick one locally)."""
+        return None
+
+    def _peer_check(self, attempt: int, now: float, started: float) -> str | None:
+        """Why a peer ends this attempt (None: carry on); called every poll."""
+        return None
+
+    def _settle(self, attempt: int, end: AttemptEnd, peer_reason: str | None) -> AttemptEnd:
+        """The attempt's end once the peers' parts are known."""
+        return end
+
+    def _restarts_used(self) -> int:
+        """Restarts spent before this supervisor started (a job-wide budget reads them from the ledger)."""
+        return 0
 
     def _stopped_status(self) -> int:
         return EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED
@@ -386,12 +417,13 @@ class Supervisor:
         status = EXIT_FAILED
         num_attempts = 0
         last: AttemptEnd | None = None
+        used = self._restarts_used()
         try:
-            for restart in range(cfg.max_restarts + 1):
+            for restart in range(used, cfg.max_restarts + 1):
                 if self._signal is not None:
                     status = self._stopped_status()
                     break
-                attempt = first + restart
+                attempt = first + restart - used
                 num_attempts += 1
                 last = self._run_attempt(attempt)
                 self._append(EventKind.ATTEMPT_END, attempt=attempt, **last.to_data())
@@ -432,6 +464,8 @@ class Supervisor:
         else:
             where = shlex.quote(str(self.run_dir))
         _say(f"job {self.job_id} ended with status {status}; report: ettr report {where}")
+        if self._signal == slurm.WARNING_SIGNAL and status == EXIT_PREEMPTED:
+            _say(slurm.requeue(os.environ))
         if status in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
             ledger = ["--ledger", redact(cfg.ledger_url)] if cfg.ledger_url else []
             command = shlex.join(["ettr", "run", "--run-dir", str(self.run_dir), *ledger, "--", *cfg.command])
@@ -440,5 +474,9 @@ class Supervisor:
 
 
 def run(config: RunConfig) -> int:
-    """Supervise `config.command` per the contract; returns the exit status (raises `UsageError`)."""
-    return Supervisor(config).run()
+    """Supervise `config.command` per the contract; returns the exit status (raises `UsageError`).
+
+    A torchrun command with `--nnodes N > 1` gets a node's supervisor (`multinode.py`)."""
+    from ettr.supervisor.multinode import supervisor_for
+
+    return supervisor_for(config).run()

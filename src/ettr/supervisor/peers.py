@@ -1,0 +1,222 @@
+"""What the supervisors of a multi-node job tell each other through the ledger (pure: no I/O, no clock).
+
+A torchrun job with `--nnodes N` (N > 1) runs one `ettr run` per node, all on one ledger URL and job id.
+Node rank 0's supervisor is the job's *leader*: it alone writes the contract's supervisor events
+(SUPERVISOR_START, ATTEMPT_START/END, JOB_END), so the books read like a one-supervisor job whose ranks
+happen to live on several hosts. Every supervisor, the leader included, writes node marks (kind MARK,
+rank -1, `data.name` below, `data.node_rank`):
+
+    node_start          pid, pid_start_ticks, host, nnodes        (a supervisor of that node began)
+    node_heartbeat      every `heartbeat interval` while it lives  (peers detect a SIGKILLed supervisor)
+    rendezvous          port: the rendezvous port of that attempt  (leader only, before its ATTEMPT_START)
+    node_attempt_start  pid, command                               (that node launched its part)
+    node_attempt_end    outcome, exit_code, reason, ...            (that node's part ended)
+    node_end            exit_status                                (that supervisor ended)
+
+The accounting files rank -1 marks under their attempt and never places them, so they do not change a
+report's buckets (`ettr.accounting.attempts.gather`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+
+NODE_START = "node_start"
+NODE_HEARTBEAT = "node_heartbeat"
+RENDEZVOUS = "rendezvous"
+NODE_ATTEMPT_START = "node_attempt_start"
+NODE_ATTEMPT_END = "node_attempt_end"
+NODE_END = "node_end"
+NODE_MARKS = frozenset(
+    {NODE_START, NODE_HEARTBEAT, RENDEZVOUS, NODE_ATTEMPT_START, NODE_ATTEMPT_END, NODE_END}
+)
+
+_RESTART_OUTCOMES = frozenset({Outcome.FAILED.value, Outcome.HUNG.value})
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeRole:
+    """Where this supervisor sits in a multi-node job."""
+
+    node_rank: int
+    nnodes: int
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 2:
+            raise ValueError(f"a multi-node job has at least 2 nodes, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1}")
+
+    @property
+    def leader(self) -> bool:
+        """Node rank 0 leads: it picks each attempt's rendezvous port and keeps the job's books."""
+        return self.node_rank == 0
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """The other nodes' ranks."""
+        return tuple(r for r in range(self.nnodes) if r != self.node_rank)
+
+
+def node_role(options: Sequence[tuple[str, str | None]]) -> NodeRole | None:
+    """The role named by torchrun's options ((name, value) pairs), or None for a one-node job.
+
+    `--nnodes N` or `N:N`; an elastic range (`1:4`) is refused: the attempts of an elastic job cannot be
+    job-wide when the set of nodes changes. `--node-rank` defaults to 0, as in torchrun.
+    """
+    values = {name.replace("_", "-"): value for name, value in options}
+    nnodes_text = values.get("--nnodes") or "1"
+    low, _, high = nnodes_text.partition(":")
+    try:
+        nnodes = int(low)
+        if high and int(high) != nnodes:
+            raise ValueError(f"elastic --nnodes {nnodes_text} is not supported with ettr (give one number)")
+        node_rank = int(values.get("--node-rank") or "0")
+    except ValueError as exc:
+        if "elastic" in str(exc):
+            raise
+        raise ValueError(f"--nnodes {nnodes_text!r} / --node-rank must be integers") from None
+    if nnodes <= 1:
+        return None
+    return NodeRole(node_rank=node_rank, nnodes=nnodes)
+
+
+def node_mark(name: str, *, node_rank: int, attempt: int, ts: float, **data: Any) -> Event:
+    """A node mark (see the module docstring)."""
+    return Event(
+        EventKind.MARK, ts, attempt, SUPERVISOR_RANK, data={"name": name, "node_rank": node_rank, **data}
+    )
+
+
+def _mark(event: Event) -> tuple[str, int] | None:
+    if event.kind is not EventKind.MARK or event.rank != SUPERVISOR_RANK or not event.data:
+        return None
+    name, node = event.data.get("name"), event.data.get("node_rank")
+    if name not in NODE_MARKS or not isinstance(node, int):
+        return None
+    return str(name), node
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerView:
+    """What the ledger says about the job's nodes and attempts, as of one read."""
+
+    ports: Mapping[int, int] = field(default_factory=dict)
+    """attempt -> its rendezvous port (the latest published)."""
+    ended: Mapping[int, Event] = field(default_factory=dict)
+    """attempt -> the leader's ATTEMPT_END."""
+    node_ends: Mapping[tuple[int, int], Mapping[str, Any]] = field(default_factory=dict)
+    """(attempt, node) -> that node's node_attempt_end data."""
+    node_joined: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    """(attempt, node) -> pid of the supervisor that launched that node's part."""
+    last_beat: Mapping[int, float] = field(default_factory=dict)
+    """node -> time of its supervisor's latest sign of life."""
+    job_end_at: int | None = None
+    """Index (in the events read) of the latest JOB_END."""
+    job_end_status: int | None = None
+    """Its exit status."""
+
+
+def peer_view(events: Sequence[Event]) -> PeerView:
+    """Read the node marks and the leader's attempt ends out of a job's events (in append order)."""
+    ports: dict[int, int] = {}
+    ended: dict[int, Event] = {}
+    node_ends: dict[tuple[int, int], Mapping[str, Any]] = {}
+    joined: dict[tuple[int, int], int] = {}
+    beats: dict[int, float] = {}
+    job_end_at: int | None = None
+    status: int | None = None
+    for index, e in enumerate(events):
+        if e.rank != SUPERVISOR_RANK:
+            continue
+        if e.kind is EventKind.ATTEMPT_END:
+            ended.setdefault(e.attempt, e)
+            continue
+        if e.kind is EventKind.JOB_END:
+            job_end_at = index
+            raw = (e.data or {}).get("exit_status")
+            status = raw if isinstance(raw, int) else None
+            continue
+        mark = _mark(e)
+        if mark is None:
+            continue
+        name, node = mark
+        data = e.data or {}
+        beats[node] = max(beats.get(node, e.ts), e.ts)
+        if name == RENDEZVOUS and isinstance(data.get("port"), int):
+            ports[e.attempt] = int(data["port"])
+        elif name == NODE_ATTEMPT_START:
+            pid = data.get("supervisor_pid")
+            joined[(e.attempt, node)] = pid if isinstance(pid, int) else -1
+        elif name == NODE_ATTEMPT_END:
+            node_ends.setdefault((e.attempt, node), data)
+    return PeerView(
+        ports=ports,
+        ended=ended,
+        node_ends=node_ends,
+        node_joined=joined,
+        last_beat=beats,
+        job_end_at=job_end_at,
+        job_end_status=status,
+    )
+
+
+def lost_peers(
+    view: PeerView, peers: Sequence[int], *, since: float, now: float, timeout_s: float
+) -> list[int]:
+    """Peers whose supervisor was alive at or after `since` (an attempt's start) and has been silent for
+    more than `timeout_s`. A peer silent since before `since` is not lost *in this attempt*: the attempt's
+    rendezvous waits for it (torchrun's own rendezvous timeout ends that wait)."""
+    lost = []
+    for node in peers:
+        beat = view.last_beat.get(node)
+        if beat is not None and beat >= since and now - beat > timeout_s:
+            lost.append(node)
+    return lost
+
+
+def failed_peer(view: PeerView, attempt: int, peers: Sequence[int]) -> tuple[int, Mapping[str, Any]] | None:
+    """The first peer whose part of `attempt` ended other than completed, with its node_attempt_end data."""
+    for node in peers:
+        data = view.node_ends.get((attempt, node))
+        if data is not None and data.get("outcome") != Outcome.COMPLETED.value:
+            return node, data
+    return None
+
+
+def open_attempt(view: PeerView, *, after: int) -> int | None:
+    """The newest attempt > `after` with a published rendezvous and no ATTEMPT_END (one to join)."""
+    open_ = [a for a in view.ports if a > after and a not in view.ended]
+    return max(open_) if open_ else None
+
+
+def restarts_used(events: Sequence[Event]) -> int:
+    """Restarts the job has already spent: its attempts that ended failed or hung (the ledger's budget,
+    shared by every supervisor that ever led the job)."""
+    return sum(1 for e in _first_ends(events) if (e.data or {}).get("outcome") in _RESTART_OUTCOMES)
+
+
+def _first_ends(events: Sequence[Event]) -> list[Event]:
+    first: dict[int, Event] = {}
+    for e in events:
+        if e.kind is EventKind.ATTEMPT_END and e.rank == SUPERVISOR_RANK:
+            first.setdefault(e.attempt, e)
+    return list(first.values())
+
+
+def live_node_supervisor(events: Sequence[Event], node_rank: int) -> Mapping[str, Any] | None:
+    """The node_start data of the latest supervisor of `node_rank` that has not written node_end."""
+    current: Mapping[str, Any] | None = None
+    for e in events:
+        mark = _mark(e)
+        if mark is None or mark[1] != node_rank:
+            continue
+        if mark[0] == NODE_START:
+            current = e.data or {}
+        elif mark[0] == NODE_END:
+            current = None
+    return current

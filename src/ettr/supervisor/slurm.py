@@ -1,0 +1,83 @@
+"""Slurm's side of `ettr run`: the warning signal before a time limit, the requeue, the restart count.
+
+`sbatch --requeue --signal=B:USR1@T` sends SIGUSR1 to the batch shell T seconds before the time limit (or
+a preemption's kill). With `exec ettr run ...` the supervisor is that shell: it forwards SIGTERM to the job
+(whose preemption handler saves and exits, `ettr.checkpoint.preempt`), records the attempt as preempted,
+asks Slurm to requeue the job (`scontrol requeue $SLURM_JOB_ID`) and exits 143. The requeued run continues
+the books (same job id, same ledger); `SLURM_RESTART_COUNT` is then cross-checked against the ledger's
+earlier runs of the job, and a mismatch is said in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+
+from ettr.events import SUPERVISOR_RANK, Event, EventKind
+
+logger = logging.getLogger("ettr")
+
+WARNING_SIGNAL = signal.SIGUSR1
+"""The signal `--signal=B:USR1@T` sends before the kill."""
+
+
+def forwarded_signal(received: int) -> int:
+    """What the job gets when the supervisor receives `received`: Slurm's warning becomes SIGTERM (save,
+    then exit), everything else is forwarded as it is."""
+    return signal.SIGTERM if received == WARNING_SIGNAL else received
+
+
+def requeue(environ: Mapping[str, str], *, timeout_s: float = 10.0) -> str:
+    """Ask Slurm to requeue this job (after SIGUSR1); one line saying what happened."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return "got SIGUSR1 outside a Slurm job: not requeued"
+    exe = shutil.which("scontrol")
+    if exe is None:
+        return f"cannot requeue Slurm job {job}: scontrol is not on PATH"
+    try:
+        done = subprocess.run(
+            [exe, "requeue", job], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"scontrol requeue {job} failed ({exc})"
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip().splitlines()
+        return f"scontrol requeue {job} failed: {why[-1] if why else done.returncode}"
+    return f"asked Slurm to requeue job {job} (scontrol requeue)"
+
+
+def earlier_runs(events: Sequence[Event]) -> int:
+    """How many supervisors of this job started before (each Slurm run of it starts one on node 0)."""
+    return sum(1 for e in events if e.kind is EventKind.SUPERVISOR_START and e.rank == SUPERVISOR_RANK)
+
+
+def num_attempts(events: Sequence[Event]) -> int:
+    """The attempts the ledger holds."""
+    return len({e.attempt for e in events if e.kind is EventKind.ATTEMPT_START})
+
+
+def restart_count_note(events: Sequence[Event], environ: Mapping[str, str]) -> str | None:
+    """One line when `SLURM_RESTART_COUNT` disagrees with the ledger's earlier runs of the job, else None.
+
+    Slurm counts the job's requeues; the ledger counts the supervisors that ran it. They differ when a run
+    died before its supervisor wrote anything, or when the ledger is not the one the earlier runs used.
+    """
+    raw = environ.get("SLURM_RESTART_COUNT")
+    if raw is None or not environ.get("SLURM_JOB_ID"):
+        return None
+    try:
+        slurm = int(raw)
+    except ValueError:
+        return f"SLURM_RESTART_COUNT={raw!r} is not a number; not cross-checked with the ledger"
+    runs = earlier_runs(events)
+    if slurm == runs:
+        return None
+    return (
+        f"Slurm says job {environ['SLURM_JOB_ID']} was restarted {slurm} time(s) (SLURM_RESTART_COUNT) but "
+        f"the ledger holds {runs} earlier run(s) of it ({num_attempts(events)} attempt(s)): "
+        "a run died before its books began, or this is not the ledger the earlier runs used"
+    )

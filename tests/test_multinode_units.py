@@ -1,0 +1,178 @@
+"""The pure parts of multi-node jobs and Slurm: node roles, the peers' view of the ledger, the budget, the
+port rewrite, SIGUSR1 and the SLURM_RESTART_COUNT cross-check."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from ettr.accounting import compute
+from ettr.errors import UsageError
+from ettr.events import SUPERVISOR_RANK, Event, EventKind
+from ettr.ledger import MemoryLedger
+from ettr.supervisor import peers, slurm
+from ettr.supervisor.config import RunConfig
+from ettr.supervisor.launch import torchrun_command, torchrun_options
+from ettr.supervisor.multinode import Follower, Leader, node_role_of, supervisor_for
+from ettr.supervisor.supervise import Supervisor
+
+TORCHRUN = [
+    "torchrun",
+    "--nnodes=2",
+    "--node-rank",
+    "1",
+    "--rdzv-backend=c10d",
+    "--rdzv-endpoint=node0:29400",
+]
+
+
+def _sup(kind: EventKind, attempt: int, ts: float, **data: object) -> Event:
+    return Event(kind, ts, attempt, SUPERVISOR_RANK, data=data or None)
+
+
+def test_node_role_from_torchrun_options() -> None:
+    role = peers.node_role(torchrun_options([*TORCHRUN, "train.py"]))
+    assert role is not None and (role.node_rank, role.nnodes, role.leader, role.peers) == (1, 2, False, (0,))
+    assert peers.node_role(torchrun_options(["torchrun", "--nproc-per-node=2", "train.py"])) is None
+    assert peers.node_role(torchrun_options(["python", "train.py", "--nnodes=2"])) is None  # the script's
+    assert peers.node_role([("--nnodes", "3:3"), ("--node_rank", "2")]) == peers.NodeRole(
+        node_rank=2, nnodes=3
+    )
+    with pytest.raises(ValueError, match="elastic"):
+        peers.node_role([("--nnodes", "1:4")])
+    with pytest.raises(ValueError, match="not in 0..1"):
+        peers.node_role([("--nnodes", "2"), ("--node-rank", "2")])
+
+
+def test_a_multi_node_job_needs_a_shared_ledger_and_job_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    command = (*TORCHRUN, "train.py")
+    with pytest.raises(UsageError, match="needs --ledger URL"):
+        node_role_of(RunConfig(command=command, job_id="j"))
+    with pytest.raises(UsageError, match="needs --job-id"):
+        node_role_of(RunConfig(command=command, ledger_url="sqlite:///x.db"))
+    cfg = RunConfig(command=command, ledger_url="sqlite:///x.db", job_id="j")
+    assert isinstance(supervisor_for(cfg), Follower)
+    leader = RunConfig(
+        command=tuple(a if a != "1" else "0" for a in command), ledger_url="sqlite:///x", job_id="j"
+    )
+    assert isinstance(supervisor_for(leader), Leader)
+    assert type(supervisor_for(RunConfig(command=("python", "t.py")))) is Supervisor
+
+
+def test_the_agreed_port_replaces_a_remote_endpoint() -> None:
+    out = torchrun_command([*TORCHRUN, "train.py"], 31234, any_host=True)
+    assert "--rdzv-endpoint=node0:31234" in out and out[-1] == "train.py"
+    assert "--rdzv-endpoint=node0:29400" in torchrun_command([*TORCHRUN, "train.py"], 31234)
+
+
+def test_peer_view_reads_ports_ends_beats_and_the_job_end() -> None:
+    events = [
+        peers.node_mark(peers.NODE_START, node_rank=1, attempt=0, ts=1.0),
+        peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=0, ts=2.0, port=100),
+        peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=3.0, supervisor_pid=7),
+        peers.node_mark(peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=4.0, outcome="failed", reason="x"),
+        _sup(EventKind.ATTEMPT_END, 0, 5.0, outcome="failed"),
+        peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=1, ts=6.0, port=200),
+        peers.node_mark(peers.NODE_HEARTBEAT, node_rank=0, attempt=1, ts=7.0),
+    ]
+    view = peers.peer_view(events)
+    assert dict(view.ports) == {0: 100, 1: 200}
+    assert set(view.ended) == {0} and view.node_joined[(0, 1)] == 7
+    assert peers.failed_peer(view, 0, [1]) == (
+        1,
+        {"name": "node_attempt_end", "node_rank": 1, "outcome": "failed", "reason": "x"},
+    )
+    assert peers.failed_peer(view, 1, [1]) is None
+    assert peers.open_attempt(view, after=-1) == 1 and peers.open_attempt(view, after=1) is None
+    assert view.last_beat == {0: 7.0, 1: 4.0}
+    # Node 1 beat during the attempt (since=3) and went silent; node 0 is fresh.
+    assert peers.lost_peers(view, [0, 1], since=3.0, now=10.0, timeout_s=4.0) == [1]
+    # Silent since before the attempt began: not lost in it (its rendezvous waits for it).
+    assert peers.lost_peers(view, [1], since=5.0, now=100.0, timeout_s=4.0) == []
+    assert view.job_end_at is None
+    ended = peers.peer_view([*events, _sup(EventKind.JOB_END, 1, 8.0, exit_status=0)])
+    assert (ended.job_end_at, ended.job_end_status) == (len(events), 0)
+
+
+def test_the_restart_budget_is_the_ledgers() -> None:
+    events = [
+        _sup(EventKind.ATTEMPT_END, 0, 1.0, outcome="failed"),
+        _sup(EventKind.ATTEMPT_END, 0, 1.5, outcome="failed"),  # written twice: counted once
+        _sup(EventKind.ATTEMPT_END, 1, 2.0, outcome="hung"),
+        _sup(EventKind.ATTEMPT_END, 2, 3.0, outcome="preempted"),  # a preemption spends no restart
+    ]
+    assert peers.restarts_used(events) == 2
+
+
+def test_a_restarted_node_supervisor_is_found_live_until_its_end() -> None:
+    start = peers.node_mark(peers.NODE_START, node_rank=1, attempt=0, ts=1.0, pid=5, host="h")
+    assert peers.live_node_supervisor([start], 1) == start.data
+    assert peers.live_node_supervisor([start], 2) is None
+    end = peers.node_mark(peers.NODE_END, node_rank=1, attempt=0, ts=2.0)
+    assert peers.live_node_supervisor([start, end], 1) is None
+
+
+def test_node_marks_do_not_change_the_report() -> None:
+    base = [
+        _sup(EventKind.SUPERVISOR_START, 0, 0.0),
+        _sup(EventKind.ATTEMPT_START, 0, 1.0),
+        Event(EventKind.STEP, 2.0, 0, 0, step=1),
+        Event(EventKind.STEP, 3.0, 0, 1, step=1),
+        _sup(EventKind.ATTEMPT_END, 0, 4.0, outcome="completed", exit_code=0),
+        _sup(EventKind.JOB_END, 0, 5.0, exit_status=0),
+    ]
+    marks = [
+        peers.node_mark(peers.NODE_HEARTBEAT, node_rank=n, attempt=0, ts=t)
+        for n in (0, 1)
+        for t in (0.5, 3.5)
+    ]
+    assert compute(base, now=9.0).buckets_s == compute(base + marks, now=9.0).buckets_s
+
+
+def test_slurm_warning_becomes_sigterm_and_restart_count_is_cross_checked() -> None:
+    assert slurm.forwarded_signal(signal.SIGUSR1) == signal.SIGTERM
+    assert slurm.forwarded_signal(signal.SIGINT) == signal.SIGINT
+    runs = [_sup(EventKind.SUPERVISOR_START, 0, 0.0), _sup(EventKind.ATTEMPT_START, 0, 1.0)]
+    env = {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"}
+    assert slurm.restart_count_note(runs, env) is None
+    note = slurm.restart_count_note([], env)
+    assert note is not None and "restarted 1 time(s)" in note and "0 earlier run(s)" in note
+    assert "\n" not in note
+    assert slurm.restart_count_note([], {"SLURM_RESTART_COUNT": "1"}) is None  # not inside Slurm
+    assert "not a number" in (slurm.restart_count_note([], {**env, "SLURM_RESTART_COUNT": "x"}) or "")
+    assert "outside a Slurm job" in slurm.requeue({})
+
+
+def test_the_peers_read_only_the_supervisors_events(tmp_path: Path) -> None:
+    from ettr.ledger.sqlite import SqliteLedger
+    from ettr.supervisor.multinode import _supervisor_events
+
+    ledger = SqliteLedger(tmp_path / "ledger.db")
+    events = [
+        _sup(EventKind.ATTEMPT_START, 0, 1.0),
+        Event(EventKind.STEP, 2.0, 0, 0, step=1),
+        peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=3.0),
+    ]
+    ledger.append(events)
+    assert _supervisor_events(ledger) == [events[0], events[2]]
+    assert _supervisor_events(MemoryLedger(events)) == [events[0], events[2]]  # no narrow query: filtered
+    ledger.close()
+
+
+def test_bad_multi_node_command_lines_are_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from ettr.cli import main
+
+    bad = [
+        (["run", "--job-id", "x", "--", *TORCHRUN, "t.py"], "needs --ledger URL"),
+        (
+            ["run", "--job-id", "x", "--ledger", "sqlite:///x.db", "--", "torchrun", "--nnodes=1:3", "t.py"],
+            "elastic",
+        ),
+    ]
+    for argv, what in bad:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert what in err and "\n" not in err and err.startswith("ettr run: ")

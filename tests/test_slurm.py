@@ -1,0 +1,144 @@
+"""`ettr run` inside real Slurm batch jobs (a single-node cluster from `ettr.testing.slurm`, started by the
+`slurm_cluster` fixture): a requeue by `scontrol requeue`, and Slurm's SIGUSR1 warning (save, exit,
+requeue). Each job keeps one report across its runs: attempts, the pending time as `scheduling`, the resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ettr.events import EventKind
+from ettr.ledger import open_ledger
+
+pytestmark = pytest.mark.slow
+
+PLAIN = str(Path(__file__).parent / "scripts" / "train_plain.py")
+
+
+def _script(tmp: Path) -> Path:
+    py = sys.executable
+    run_dir, ckpt = tmp / "run", tmp / "ckpt"
+    body = f"""#!/bin/bash
+#SBATCH --requeue
+#SBATCH --open-mode=append
+# The supervisor is the batch shell itself (exec), so that Slurm's signals reach it.
+exec {py} -m ettr.cli run --run-dir {run_dir} -- {py} {PLAIN} --ckpt-dir {ckpt} --num-steps 30 \\
+    --save-every 5 --step-s 0.2
+"""
+    path = tmp / "job.sh"
+    path.write_text(body)
+    path.chmod(0o755)
+    return path
+
+
+def _submit(cluster: Any, tmp: Path) -> str:
+    env = {k: v for k, v in cluster.env().items() if not k.startswith("ETTR_")}
+    done = subprocess.run(
+        ["sbatch", "--parsable", "-o", str(tmp / "slurm.out"), str(_script(tmp))],
+        capture_output=True, text=True, env=env, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def _state(cluster: Any, job: str) -> str:
+    out = cluster.run("scontrol", "show", "job", "-o", job).stdout
+    fields = dict(t.split("=", 1) for t in out.split() if "=" in t)
+    return fields.get("JobState", "")
+
+
+def _wait(condition: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.3)  # other processes (Slurm, the job) make this true; nothing to await on
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _steps(run_dir: Path) -> int:
+    try:
+        ledger = open_ledger(run_dir, create=False)
+    except Exception:
+        return 0
+    try:
+        return max((e.step or 0 for e in ledger.read() if e.kind is EventKind.STEP), default=0)
+    finally:
+        ledger.close()
+
+
+def _start_now(cluster: Any, job: str) -> None:
+    """A requeued job waits ~2 minutes (its BeginTime): start it now (again, should Slurm set it again
+    while the first run's batch step winds down)."""
+
+    def running_again() -> bool:
+        out = cluster.run("scontrol", "show", "job", "-o", job).stdout
+        if "JobState=PENDING" in out and "Reason=BeginTime" in out:
+            cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+        return "JobState=RUNNING" in out and "Restarts=0" not in out
+
+    _wait(running_again, 60, f"job {job} running again")
+
+
+def _report(run_dir: Path) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "report", str(run_dir), "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rep = json.loads(done.stdout)
+    assert math.fsum(rep["buckets_s"].values()) == pytest.approx(rep["wall_s"], rel=1e-6, abs=1e-6)
+    return rep
+
+
+def _check_one_report(rep: dict[str, Any], job: str, pended_s: float) -> None:
+    assert rep["job_id"] == job
+    first, last = rep["attempts"][0], rep["attempts"][-1]
+    assert first["outcome"] == "preempted" and last["outcome"] == "completed"
+    assert last["resumed_from_step"] is not None and last["resumed_from_step"] >= 5
+    assert last["last_step"] == 30
+    # The time the requeued job pended is the scheduler's: `scheduling`, at least what the test waited.
+    assert rep["buckets_s"]["scheduling"] >= pended_s * 0.5
+
+
+def test_a_requeued_batch_job_keeps_one_report(slurm_cluster: Any, tmp_path: Path) -> None:
+    job = _submit(slurm_cluster, tmp_path)
+    _wait(lambda: _steps(tmp_path / "run") >= 8, 90, "step 8")
+    requeued_at = time.time()
+    done = slurm_cluster.run("scontrol", "requeue", job)
+    assert done.returncode == 0, done.stderr
+    _start_now(slurm_cluster, job)
+    pended = time.time() - requeued_at
+    _wait(lambda: _state(slurm_cluster, job) == "COMPLETED", 120, f"job {job} completed")
+    out = (tmp_path / "slurm.out").read_text()
+    assert "continuing job" in out and "SLURM_RESTART_COUNT" not in out  # Slurm and the ledger agree
+    _check_one_report(_report(tmp_path / "run"), job, pended * 0.5)
+
+
+def test_slurms_warning_signal_saves_exits_and_requeues(slurm_cluster: Any, tmp_path: Path) -> None:
+    job = _submit(slurm_cluster, tmp_path)
+    _wait(lambda: _steps(tmp_path / "run") >= 8, 90, "step 8")
+    # What `--signal=B:USR1@T` sends T seconds before the time limit, sent now.
+    warned_at = time.time()
+    done = slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
+    assert done.returncode == 0, done.stderr
+    _wait(lambda: "asked Slurm to requeue" in (tmp_path / "slurm.out").read_text(), 60, "the requeue")
+    _start_now(slurm_cluster, job)
+    pended = time.time() - warned_at
+    _wait(lambda: _state(slurm_cluster, job) == "COMPLETED", 120, f"job {job} completed")
+    out = (tmp_path / "slurm.out").read_text()
+    assert "got SIGUSR1: forwarding it to the job as SIGTERM" in out
+    assert "SLURM_RESTART_COUNT" not in out
+    rep = _report(tmp_path / "run")
+    _check_one_report(rep, job, pended * 0.5)
+    assert rep["attempts"][0]["exit_code"] == 143
+    assert os.path.exists(tmp_path / "run")
