@@ -1,6 +1,7 @@
 """Fuzz the command line (issue 12 item 8): random argv for every subcommand gives exit status 0, 1 or 2
 and never a traceback. Commands that would run for minutes are kept short: `run` always names a program
-that does not exist, `publish` never gets `--watch`, and `demo` is only given argv it must refuse."""
+that does not exist, `publish` never gets `--watch`, `demo` and `serve` are only given argv they must refuse,
+and `simulate` ends with a small run count and duration."""
 
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ def _argv(command: str, flags: list[str], tmp: Path):
             argv += ["--", "/nonexistent/ettr-fuzz-program"]
         if command == "publish":
             argv = [a for a in argv if a != "--watch"]
-        if command == "demo":
+        if command in ("demo", "serve"):  # a demo runs for minutes, a server until stopped
             argv += ["--no-such-flag"]
+        if command == "simulate":  # the last flag wins: keep each example to a small simulation
+            argv += ["--runs", "2", "--duration-hours", "24"]
         return argv
 
     return st.builds(build, chosen, positional)
