@@ -199,7 +199,7 @@ def run(
                 on_step(step)
             if step == job.kill_after_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-        manager.save(step, wait=True)
+        manager.finish(step)  # raises (non-zero exit) if the final save does not commit
     return state_digest(state)
 
 
