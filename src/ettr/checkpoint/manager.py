@@ -59,7 +59,7 @@ from ettr.checkpoint.policy import IntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
 from ettr.checkpoint.resume import choose_checkpoint, set_aside
 from ettr.checkpoint.space import make_room
-from ettr.checkpoint.state import TrainState, saved_top_level_keys
+from ettr.checkpoint.state import TrainState, saved_top_level_keys, trusted_pickles
 from ettr.checkpoint.storage import open_storage
 from ettr.checkpoint.trust import resolve_secret, retry_transient, verified_reader
 from ettr.checkpoint.writer import make_writer
@@ -469,7 +469,8 @@ class CheckpointManager:
                             process_group=self._coord.process_group,
                             no_dist=not self._coord.distributed,
                         )
-                        return self.state.load(target)
+                        with trusted_pickles(self._secret is not None):
+                            return self.state.load(target)
 
                     loaded_step = retry_transient(load, what=f"loading {name}")
         except Exception as exc:  # noqa: BLE001 - any failure to load falls back to an older checkpoint
