@@ -473,8 +473,10 @@ class CheckpointManager:
                             return self.state.load(target)
 
                     loaded_step = retry_transient(load, what=f"loading {name}")
-        except Exception as exc:  # noqa: BLE001 - any failure to load falls back to an older checkpoint
-            return describe_error(exc)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any failure to load (DCP's CheckpointException is a
+            return describe_error(exc)  # BaseException) falls back to an older checkpoint
         if loaded_step != chosen:
             return f"{name} holds the state of step {loaded_step}, not {chosen}"
         return ""

@@ -49,6 +49,10 @@ def resolve_secret(secret: bytes | None) -> bytes | None:
 
 def is_transient(exc: BaseException) -> bool:
     """Whether `exc` (or what it wraps) is an I/O error that may go away on a retry."""
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: one error per rank
+    if isinstance(failures, dict) and failures:
+        inner = [w[0] if isinstance(w, tuple) else w for w in failures.values()]
+        return all(isinstance(e, BaseException) and is_transient(e) for e in inner)
     seen = 0
     current: BaseException | None = exc
     while current is not None and seen < 8:
@@ -73,7 +77,9 @@ def retry_transient(
     for attempt in range(1, attempts + 1):
         try:
             return operation()
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if attempt == attempts or not is_transient(exc):
                 raise
             logger.warning(
