@@ -247,3 +247,16 @@ def test_a_failed_final_save_raises_naming_enospc(tmp_path):
     errors = [e for e in rec._ledger.read() if e.kind is EventKind.CHECKPOINT_ERROR]
     assert errors and "ENOSPC (No space left on device)" in json.dumps(errors[0].data)
     rec.close()
+
+
+def test_a_publish_anchor_is_signed_with_the_key(tmp_path, monkeypatch):
+    from ettr.publish.anchor import write_anchor
+
+    monkeypatch.setenv(SECRET_ENV, KEY.decode())
+    state = {"w": torch.ones(4)}
+    path, reused = write_anchor(state, step=5, anchor_root=tmp_path, sample=None)
+    assert not reused
+    storage = LocalStorage(tmp_path)
+    assert verify(storage, step_dir_name(5), secret=KEY).extra["kind"] == "publish-anchor"
+    with pytest.raises(CheckpointInvalid, match="HMAC"):
+        verify(storage, step_dir_name(5), secret=b"not the key")
