@@ -260,3 +260,22 @@ def test_a_publish_anchor_is_signed_with_the_key(tmp_path, monkeypatch):
     assert verify(storage, step_dir_name(5), secret=KEY).extra["kind"] == "publish-anchor"
     with pytest.raises(CheckpointInvalid, match="HMAC"):
         verify(storage, step_dir_name(5), secret=b"not the key")
+
+
+def test_the_report_shows_checkpoint_errors_with_their_cause():
+    from ettr.accounting import compute
+    from ettr.events import Event
+    from ettr.report.html import render_html
+    from ettr.report.json import to_dict
+    from ettr.report.text import render as render_text
+
+    cause = "rank 0: ENOSPC (No space left on device): /ckpt/step_000000004/__0_0.distcp"
+    events = [
+        Event(ts=1.0, kind=EventKind.STEP, step=1),
+        Event(ts=2.0, kind=EventKind.CHECKPOINT_ERROR, step=4, data={"path": "/ckpt/x", "error": cause}),
+    ]
+    report = compute(events, now=3.0, job_id="j")
+    assert [c.error for c in report.checkpoint_errors] == [cause]
+    assert "ENOSPC (No space left on device)" in render_text(report)
+    assert json.loads(json.dumps(to_dict(report)))["checkpoint_errors"][0]["error"] == cause
+    assert "Checkpoint errors" in render_html([report]) and "ENOSPC" in render_html([report])
