@@ -279,3 +279,19 @@ def test_the_report_shows_checkpoint_errors_with_their_cause():
     assert "ENOSPC (No space left on device)" in render_text(report)
     assert json.loads(json.dumps(to_dict(report)))["checkpoint_errors"][0]["error"] == cause
     assert "Checkpoint errors" in render_html([report]) and "ENOSPC" in render_html([report])
+
+
+class _UserThing:
+    def __init__(self) -> None:
+        self.value = 7
+
+
+def test_pickled_parts_load_weights_only_unless_the_checkpoint_is_signed():
+    from ettr.checkpoint.state import _dumps, _loads, capture_rng, trusted_pickles
+
+    assert _loads(_dumps({"rng": capture_rng(), "step": 3}))["step"] == 3  # numpy RNG state allow-listed
+    foreign = _dumps({"data": _UserThing()})
+    with pytest.raises(CheckpointInvalid, match="weights_only"):
+        _loads(foreign)
+    with trusted_pickles(True):
+        assert _loads(foreign)["data"].value == 7
