@@ -273,7 +273,7 @@ class EttrCheckpointer:
         self._manager.after_step(step)
 
     def save(self, step: int) -> None:
-        self._manager.save(step, wait=True)
+        self._manager.finish(step)  # raises CheckpointError (the job exits non-zero) if it fails
 
     def close(self) -> None:
         self._manager.close()

@@ -9,6 +9,7 @@ from ettr.accounting.compute import Loss, classify, compute
 from ettr.accounting.model import (
     AttemptReport,
     CheckpointCommit,
+    CheckpointFailure,
     EttReport,
     Recompile,
     Recovery,
@@ -21,6 +22,7 @@ __all__ = [
     "AttemptReport",
     "Cause",
     "CheckpointCommit",
+    "CheckpointFailure",
     "EttReport",
     "FailureCause",
     "Loss",

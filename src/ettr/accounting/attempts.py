@@ -14,7 +14,7 @@ from math import isfinite
 from operator import attrgetter, itemgetter
 from typing import Any
 
-from ettr.accounting.model import CheckpointCommit, Recompile
+from ettr.accounting.model import CheckpointCommit, CheckpointFailure, Recompile
 from ettr.events import Event, EventKind, Outcome, Phase
 
 _JOB_SUBMITTED = EventKind.JOB_SUBMITTED
@@ -57,6 +57,7 @@ class JobEvents:
     earliest_ts: float | None = None
     attempts: dict[int, RawAttempt] = field(default_factory=dict)
     commits: list[CheckpointCommit] = field(default_factory=list)
+    checkpoint_errors: list[CheckpointFailure] = field(default_factory=list)
     recompiles: list[Recompile] = field(default_factory=list)
 
 
@@ -140,6 +141,19 @@ def gather(events: Iterable[Event]) -> JobEvents:
                     rank=e.rank,
                     step=e.step,
                     path=None if path is None else str(path),
+                )
+            )
+        elif kind == EventKind.CHECKPOINT_ERROR:
+            data = data_of(e)
+            path = data.get("path")
+            job.checkpoint_errors.append(
+                CheckpointFailure(
+                    ts=e.ts,
+                    attempt=e.attempt,
+                    rank=e.rank,
+                    step=e.step,
+                    path=None if path is None else str(path),
+                    error=str(data.get("error", ""))[:500],
                 )
             )
         elif kind == EventKind.RECOMPILE:

@@ -119,6 +119,7 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         segments=tuple(segments),
         recompiles=tuple(job.recompiles),
         checkpoint_commits=tuple(job.commits),
+        checkpoint_errors=tuple(sorted(job.checkpoint_errors, key=lambda c: c.ts)),
         submitted_ts=job.submitted_ts,
         allocated_ts=job.allocated_ts,
         supervisor_start_ts=job.supervisor_start_ts,

@@ -51,6 +51,19 @@ class CheckpointCommit:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointFailure:
+    """A CHECKPOINT_ERROR event: the save of `step` failed, with its cause (`ENOSPC (No space left on
+    device): ...` for a full disk)."""
+
+    ts: float
+    attempt: int
+    rank: int
+    step: int | None
+    path: str | None
+    error: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AttemptReport:
     """One attempt (one launch of the training command) and its share of the job's wall time."""
 
@@ -180,6 +193,8 @@ class EttReport:
     which attempt trained again when."""
     failures: tuple[FailureCause, ...] = ()
     """One per failure (`num_failures`): its cause, evidence and TTR (rules in `ettr.accounting.causes`)."""
+    checkpoint_errors: tuple[CheckpointFailure, ...] = ()
+    """Every failed checkpoint save, in order, with its cause."""
 
     @property
     def num_infra_failures(self) -> int:

@@ -7,6 +7,7 @@ the dict-backed fake). The manager writes through `ettr.recorder.RecorderProtoco
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -96,6 +97,10 @@ class CheckpointConfig:
     expires after this)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the fsspec filesystem of `root` (credentials, endpoint)."""
+    secret: bytes | None = field(default=None, repr=False)
+    """HMAC key of the manifests: each commit is signed and a manifest whose signature does not verify
+    is never loaded. None: the `ETTR_CHECKPOINT_SECRET` environment variable if set, else unsigned (the
+    CRC-32 then guards against corruption, not against someone who can write the root)."""
     fault_hook: FaultHook | None = None
     """Fault-injection tests only: called with a point name during each persist; must be picklable for
     the process mode. None in real jobs."""
@@ -115,6 +120,8 @@ class CheckpointConfig:
             raise ValueError(f"mode must be 'thread' or 'process', got {self.mode!r}") from None
         if self.num_io_threads < 1:
             raise ValueError(f"num_io_threads must be >= 1, got {self.num_io_threads}")
+        if self.secret is not None and not (isinstance(self.secret, bytes) and self.secret):
+            raise ValueError("secret must be non-empty bytes when given")
         if not (self.lease_ttl_s > 0 and math.isfinite(self.lease_ttl_s)):
             raise ValueError(f"lease_ttl_s must be a finite number of seconds > 0, got {self.lease_ttl_s}")
 
@@ -179,16 +186,39 @@ class CheckpointStorage(Protocol):
         ...
 
 
+def describe_os_error(exc: OSError) -> str:
+    """`ENOSPC (No space left on device): <path>`: the errno's name said, not only its number."""
+    if exc.errno is None:
+        return f"{type(exc).__name__}: {exc}"
+    name = errno.errorcode.get(exc.errno, str(exc.errno))
+    standard = os.strerror(exc.errno)
+    said = f": {exc.strerror}" if exc.strerror and exc.strerror != standard else ""
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{name} ({standard}){said}{where}"
+
+
+def _describe_one(exc: BaseException) -> str:
+    current: BaseException | None = exc
+    for _ in range(8):  # the OSError under DCP's or our wrappers says the cause best
+        if isinstance(current, OSError) and current.errno is not None:
+            return describe_os_error(current)
+        if current is None:
+            break
+        current = current.__cause__ or current.__context__
+    return f"{type(exc).__name__}: {exc}"
+
+
 def describe_error(exc: BaseException) -> str:
-    """One line for a failed save or load: DCP's CheckpointException carries a traceback per rank."""
+    """One line for a failed save or load: DCP's CheckpointException carries a traceback per rank; an
+    OSError anywhere in the chain is named by its errno (`ENOSPC (No space left on device): path`)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         parts = []
         for rank, wrapped in sorted(failures.items()):
             inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+            parts.append(f"rank {rank}: {_describe_one(inner)}")
         return "; ".join(parts)
-    return f"{type(exc).__name__}: {exc}"
+    return _describe_one(exc)
 
 
 def iter_chunks(stream: BinaryIO, chunk_bytes: int = 8 << 20) -> Iterator[bytes]:

@@ -16,6 +16,9 @@ is written to a temporary name, fsync'd, and renamed into place (the directory f
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -31,6 +34,7 @@ from ettr.checkpoint.base import (
     MANIFEST_NAME,
     CheckpointInvalid,
     CheckpointStorage,
+    describe_os_error,
     iter_chunks,
     parse_step_dir,
     step_dir_name,
@@ -40,6 +44,11 @@ logger = logging.getLogger("ettr")
 
 MANIFEST_FORMAT = "ettr.checkpoint/1"
 LEASE_PREFIX = ".ettr-lease-"
+_PICKLED_SUFFIXES = (".metadata",)
+"""Files that are unpickled on load: always checksummed before a load, whatever `checksums` says."""
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR})
+"""I/O errors retried (bounded, with back-off) before a checkpoint is declared unreadable."""
+VERIFY_ATTEMPTS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +77,9 @@ class Manifest:
     def num_bytes(self) -> int:
         return sum(entry.size for entry in self.files.values())
 
-    def to_json(self) -> bytes:
-        body = {
+    def to_json(self, secret: bytes | None = None) -> bytes:
+        """The manifest's bytes; with `secret`, signed (an HMAC-SHA256 of the body, under the CRC)."""
+        body: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "step": self.step,
             "created_ts": self.created_ts,
@@ -77,12 +87,15 @@ class Manifest:
             "files": {name: {"size": e.size, "crc32": e.crc32} for name, e in sorted(self.files.items())},
             "extra": self.extra,
         }
+        if secret is not None:
+            body["hmac"] = _body_hmac(body, secret)
         body["manifest_crc32"] = _body_crc(body)
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> Manifest:
-        """Parse and self-check a manifest. Raises CheckpointInvalid."""
+    def from_json(cls, data: bytes, secret: bytes | None = None) -> Manifest:
+        """Parse and self-check a manifest; with `secret`, also check its signature. Raises
+        CheckpointInvalid (an unsigned manifest is refused when a key is given)."""
         try:
             body = json.loads(data)
             claimed = body.pop("manifest_crc32")
@@ -90,6 +103,14 @@ class Manifest:
                 raise CheckpointInvalid(f"unknown manifest format {body.get('format')!r}")
             if claimed != _body_crc(body):
                 raise CheckpointInvalid("the manifest's own checksum does not match (corrupt manifest)")
+            if secret is not None:
+                signature = body.pop("hmac", None)
+                if not isinstance(signature, str) or not hmac.compare_digest(
+                    signature, _body_hmac(body, secret)
+                ):
+                    raise CheckpointInvalid(
+                        "the manifest's HMAC does not verify with this job's key (unsigned or forged)"
+                    )
             files = {
                 str(name): FileEntry(size=int(e["size"]), crc32=int(e["crc32"]))
                 for name, e in body["files"].items()
@@ -111,6 +132,12 @@ def _body_crc(body: dict[str, Any]) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
+def _body_hmac(body: dict[str, Any], secret: bytes) -> str:
+    unsigned = {k: v for k, v in body.items() if k not in ("hmac", "manifest_crc32")}
+    canonical = json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret, canonical, hashlib.sha256).hexdigest()
+
+
 def file_crc32(storage: CheckpointStorage, rel: str) -> tuple[int, int]:
     """(size, CRC-32) of one stored file, read in chunks (zlib releases the GIL while it sums)."""
     crc, size = 0, 0
@@ -129,10 +156,12 @@ def commit(
     world_size: int = 1,
     extra: dict[str, Any] | None = None,
     fault_hook: Callable[[str], None] | None = None,
+    secret: bytes | None = None,
 ) -> Manifest:
     """Make the checkpoint of `step` visible: sum its files, then write its manifest durably, last.
 
-    Call only after every file in `file_names` is complete and durable. Returns the manifest written.
+    Call only after every file in `file_names` is complete and durable. Returns the manifest written
+    (signed with `secret` when given).
     """
     hook = fault_hook or (lambda point: None)
     name = step_dir_name(step)
@@ -146,17 +175,20 @@ def commit(
     )
     hook("manifest_begin")
     storage.write_atomic(
-        f"{name}/{MANIFEST_NAME}", manifest.to_json(), on_partial=lambda: hook("manifest_partial")
+        f"{name}/{MANIFEST_NAME}", manifest.to_json(secret), on_partial=lambda: hook("manifest_partial")
     )
     hook("manifest_renamed")
     return manifest
 
 
-def verify(storage: CheckpointStorage, name: str, *, checksums: bool = True) -> Manifest:
+def verify(
+    storage: CheckpointStorage, name: str, *, checksums: bool = True, secret: bytes | None = None
+) -> Manifest:
     """The manifest of checkpoint directory `name` if the checkpoint is complete and intact.
 
-    Raises CheckpointInvalid saying what is wrong (no manifest, corrupt manifest, a missing, truncated
-    or changed file).
+    Raises CheckpointInvalid saying what is wrong (no manifest, corrupt or, with `secret`, unsigned or
+    forged manifest, a missing, truncated or changed file). Pickled files (DCP's `.metadata`) have their
+    CRC-32 checked even without `checksums`.
     """
     step = parse_step_dir(name)
     if step is None:
@@ -165,7 +197,7 @@ def verify(storage: CheckpointStorage, name: str, *, checksums: bool = True) -> 
         raw = storage.read_bytes(f"{name}/{MANIFEST_NAME}")
     except FileNotFoundError:
         raise CheckpointInvalid("no manifest (incomplete: the save never committed)") from None
-    manifest = Manifest.from_json(raw)
+    manifest = Manifest.from_json(raw, secret)
     if manifest.step != step:
         raise CheckpointInvalid(f"the manifest is for step {manifest.step}, not {step}")
     if not manifest.files:
@@ -179,8 +211,8 @@ def verify(storage: CheckpointStorage, name: str, *, checksums: bool = True) -> 
             raise CheckpointInvalid(
                 f"{file_name} has {size} bytes, the manifest says {entry.size} (truncated?)"
             )
-    if checksums:
-        for file_name, entry in manifest.files.items():
+    for file_name, entry in manifest.files.items():
+        if checksums or file_name.endswith(_PICKLED_SUFFIXES):
             size, crc = file_crc32(storage, f"{name}/{file_name}")
             if size != entry.size or crc != entry.crc32:
                 raise CheckpointInvalid(f"{file_name} fails its CRC-32 check (corrupt data)")
@@ -218,18 +250,24 @@ class Resolution:
 
 
 def find_latest(
-    storage: CheckpointStorage, *, checksums: bool = True, at_most: int | None = None
+    storage: CheckpointStorage,
+    *,
+    checksums: bool = True,
+    at_most: int | None = None,
+    secret: bytes | None = None,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> Resolution:
-    """The newest checkpoint that verifies (at step <= `at_most` if given).
+    """The newest checkpoint that verifies (at step <= `at_most` if given; signed with `secret` if given).
 
-    Each newer directory that does not verify is skipped with a warning naming it and the reason.
+    Each newer directory that does not verify is skipped with a warning naming it and the reason. A
+    transient I/O error (EIO, EAGAIN, ETIMEDOUT) is retried with back-off before the directory is skipped.
     """
     skipped: list[tuple[str, str]] = []
     for ckpt in reversed(list_checkpoints(storage)):
         if at_most is not None and ckpt.step > at_most:
             continue
         try:
-            manifest = verify(storage, ckpt.name, checksums=checksums)
+            manifest = _verify_retrying(storage, ckpt.name, checksums=checksums, secret=secret, sleep=sleep)
         except CheckpointInvalid as exc:
             logger.warning(
                 "ettr: skipping checkpoint %s in %s: %s; trying an older one", ckpt.name, storage.url, exc
@@ -240,10 +278,37 @@ def find_latest(
             logger.warning(
                 "ettr: skipping checkpoint %s in %s: cannot read it (%s)", ckpt.name, storage.url, exc
             )
-            skipped.append((ckpt.name, f"unreadable: {exc}"))
+            skipped.append((ckpt.name, f"unreadable: {describe_os_error(exc)}"))
             continue
         return Resolution(manifest, tuple(skipped))
     return Resolution(None, tuple(skipped))
+
+
+def _verify_retrying(
+    storage: CheckpointStorage,
+    name: str,
+    *,
+    checksums: bool,
+    secret: bytes | None,
+    sleep: Callable[[float], None],
+) -> Manifest:
+    delay = 0.05
+    for attempt in range(1, VERIFY_ATTEMPTS + 1):
+        try:
+            return verify(storage, name, checksums=checksums, secret=secret)
+        except OSError as exc:
+            if attempt == VERIFY_ATTEMPTS or exc.errno not in TRANSIENT_ERRNOS:
+                raise
+            logger.warning(
+                "ettr: reading checkpoint %s: transient error (%s); retry %d of %d",
+                name,
+                describe_os_error(exc),
+                attempt,
+                VERIFY_ATTEMPTS - 1,
+            )
+            sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # -- readers' leases --------------------------------------------------------------------------------------

@@ -57,10 +57,12 @@ from ettr.checkpoint.history import FailureHistory
 from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks
 from ettr.checkpoint.policy import IntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
-from ettr.checkpoint.resume import choose_checkpoint
-from ettr.checkpoint.state import TrainState, saved_top_level_keys
+from ettr.checkpoint.resume import choose_checkpoint, set_aside
+from ettr.checkpoint.space import make_room
+from ettr.checkpoint.state import TrainState, saved_top_level_keys, trusted_pickles
 from ettr.checkpoint.storage import open_storage
-from ettr.checkpoint.writer import make_reader, make_writer
+from ettr.checkpoint.trust import resolve_secret, retry_transient, verified_reader
+from ettr.checkpoint.writer import make_writer
 from ettr.events import Phase
 from ettr.recorder import RecorderProtocol
 
@@ -76,6 +78,7 @@ class _Inflight:
     begin_ts: float
     done: threading.Event = field(default_factory=threading.Event)
     committed: bool = False
+    error: str = ""
 
 
 def _default_recorder() -> RecorderProtocol:
@@ -127,6 +130,8 @@ class CheckpointManager:
         self.rank = coordinator.rank
         self.world_size = coordinator.world_size
         self.storage = storage if storage is not None else open_storage(config.root, config.storage_options)
+        self._secret = resolve_secret(config.secret)
+        self._last_error = ""
         # Overlap only where a hook can guard it: the optimizer's step is where the copied tensors change.
         self.overlapping = config.overlap_staging and state.optimizer is not None
         """Whether saves return before the copy of the model and optimizer tensors is complete."""
@@ -238,6 +243,8 @@ class CheckpointManager:
         with self._rec.phase(Phase.CHECKPOINT_BLOCKING, step=step):
             try:
                 self._prepare_directory(step)
+                if self.rank == 0:
+                    make_room(self.storage, protected_steps=(step,), lease_ttl_s=self.config.lease_ttl_s)
                 state_dict = self.state.state_dict(step, world_size=self.world_size)
                 writer = make_writer(
                     self.storage,
@@ -245,11 +252,13 @@ class CheckpointManager:
                     world_size=self.world_size,
                     num_io_threads=self.config.num_io_threads,
                     fault_hook=self.config.fault_hook,
+                    secret=self._secret,
                 )
                 upload = self._persister.launch(state_dict, writer, step=step)
             except Exception as exc:
-                logger.warning("ettr: checkpoint of step %d could not start (%s)", step, describe_error(exc))
-                self._rec.checkpoint_error(step, path, describe_error(exc))
+                self._last_error = describe_error(exc)
+                logger.warning("ettr: checkpoint of step %d could not start (%s)", step, self._last_error)
+                self._rec.checkpoint_error(step, path, self._last_error)
                 return False
         end_s = self._clock()
         self.policy.observe_save(cost_s=(end_s - begin_s) + wait_s, now_s=end_s)
@@ -327,12 +336,13 @@ class CheckpointManager:
                     if removed:
                         logger.info("ettr: retention removed %s", ", ".join(removed))
             else:
+                inflight.error = describe_error(error)
                 logger.warning(
                     "ettr: checkpoint of step %d failed (%s); training continues from the previous one",
                     inflight.step,
-                    describe_error(error),
+                    inflight.error,
                 )
-                self._rec.checkpoint_error(inflight.step, inflight.path, describe_error(error))
+                self._rec.checkpoint_error(inflight.step, inflight.path, inflight.error)
                 if self.rank == 0:
                     self._discard_failed(inflight.step)
         except Exception as exc:  # pragma: no cover - defensive: never leave waiters hanging
@@ -354,6 +364,17 @@ class CheckpointManager:
             self.storage.remove_tree(name)
         except OSError as exc:
             logger.warning("ettr: cannot remove the failed checkpoint %s (%s)", name, exc)
+
+    def finish(self, step: int) -> None:
+        """The final save: save `step`, wait for its commit, and raise CheckpointError (so that the job
+        exits non-zero) if it did not commit, naming the cause (`ENOSPC (No space left on device)`)."""
+        if self.save(step, wait=True):
+            return
+        inflight = self._inflight
+        cause = inflight.error if inflight is not None and inflight.step == step else self._last_error
+        raise CheckpointError(
+            f"the final checkpoint of step {step} in {self.storage.url} failed: {cause or 'unknown cause'}"
+        )
 
     @property
     def persisting(self) -> bool:
@@ -383,38 +404,43 @@ class CheckpointManager:
         """Load the newest checkpoint that verifies (or exactly `step`); returns its step, None if none.
 
         Newer checkpoint directories that are incomplete are deleted and corrupt ones moved aside, each
-        with a warning naming it. Collective. Raises CheckpointError if `step` is given and does not verify.
+        with a warning naming it. A checkpoint that verifies but fails to load (after retries of
+        transient I/O errors) is moved aside with a `checkpoint_skipped` mark and the next older one is
+        tried; when none loads, the job starts from scratch with a loud warning. Collective. Raises
+        CheckpointError if `step` is given and does not verify or load.
         """
         self.wait()
         scanning_begin = time.time()
-        chosen, existing = self._choose_checkpoint(step)
-        self._existing_steps = set(existing)
-        self._warned_earlier_run = True
-        if chosen is None:
+        at_most = step
+        while True:
+            chosen, existing = self._choose_checkpoint(step, at_most)
+            self._existing_steps = set(existing)
+            self._warned_earlier_run = True
+            if chosen is None or (step is not None and chosen != step):
+                if step is not None:
+                    raise CheckpointError(
+                        f"checkpoint step {step} in {self.storage.url} is missing or does not verify"
+                    )
+                if at_most is not None:
+                    logger.error("ettr: no checkpoint in %s loads: starting from scratch", self.storage.url)
+                self._rec.resumed_from(None)
+                return None
+            error = self._load(chosen)
+            failed = self._coord.agree(bool(error))[0]
+            if not failed:
+                break
+            reason = f"load failed: {error or 'on another rank'}"
+            logger.warning("ettr: checkpoint %s %s; trying an older one", step_dir_name(chosen), reason)
+            if self.rank == 0:
+                set_aside(self.storage, step_dir_name(chosen), reason, recorder=self._rec)
+            self._coord.barrier()
             if step is not None:
-                raise CheckpointError(
-                    f"checkpoint step {step} in {self.storage.url} is missing or does not verify"
-                )
-            self._rec.resumed_from(None)
-            return None
-        name = step_dir_name(chosen)
-        with self._rec.phase(Phase.RESTORE, step=chosen):
-            with lease(self.storage, name) if self.rank == 0 else contextlib.nullcontext():
-                reader = make_reader(self.storage, chosen)
-                target = self.state.load_target(saved_top_level_keys(reader.read_metadata()))
-                dcp.load(
-                    target,
-                    storage_reader=reader,
-                    process_group=self._coord.process_group,
-                    no_dist=not self._coord.distributed,
-                )
-                loaded_step = self.state.load(target)
-        if loaded_step != chosen:
-            raise CheckpointError(f"{name} holds the state of step {loaded_step}, not {chosen}")
+                raise CheckpointError(f"checkpoint step {step} in {self.storage.url}: {reason}")
+            at_most = chosen - 1
         logger.info(
             "ettr: restored step %d from %s in %.2f s",
             chosen,
-            self.storage.path(name),
+            self.storage.path(step_dir_name(chosen)),
             time.time() - scanning_begin,
         )
         self.last_committed_step = chosen
@@ -422,12 +448,50 @@ class CheckpointManager:
         self._rec.resumed_from(chosen)
         return chosen
 
-    def _choose_checkpoint(self, step: int | None) -> tuple[int | None, list[int]]:
+    def _load(self, chosen: int) -> str:
+        """Load checkpoint `chosen` into the state; returns "" or what went wrong (never raises for a
+        checkpoint that cannot be loaded: the caller falls back to an older one)."""
+        name = step_dir_name(chosen)
+        try:
+            with self._rec.phase(Phase.RESTORE, step=chosen):
+                with lease(self.storage, name) if self.rank == 0 else contextlib.nullcontext():
+                    manifest = retry_transient(
+                        lambda: verify(self.storage, name, checksums=False, secret=self._secret),
+                        what=f"reading {name}",
+                    )
+                    reader = verified_reader(self.storage, name, manifest)
+                    target = self.state.load_target(saved_top_level_keys(reader.read_metadata()))
+
+                    def load() -> int:
+                        dcp.load(
+                            target,
+                            storage_reader=verified_reader(self.storage, name, manifest),
+                            process_group=self._coord.process_group,
+                            no_dist=not self._coord.distributed,
+                        )
+                        with trusted_pickles(self._secret is not None):
+                            return self.state.load(target)
+
+                    loaded_step = retry_transient(load, what=f"loading {name}")
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any failure to load (DCP's CheckpointException is a
+            return describe_error(exc)  # BaseException) falls back to an older checkpoint
+        if loaded_step != chosen:
+            return f"{name} holds the state of step {loaded_step}, not {chosen}"
+        return ""
+
+    def _choose_checkpoint(self, step: int | None, at_most: int | None) -> tuple[int | None, list[int]]:
         """Rank 0 picks the checkpoint and cleans what cannot be used; every rank learns the result."""
         result: list[Any] = [None, []]
         if self.rank == 0:
             choice = choose_checkpoint(
-                self.storage, recorder=self._rec, step=step, checksums=self.config.verify_checksums
+                self.storage,
+                recorder=self._rec,
+                step=step,
+                at_most=at_most,
+                checksums=self.config.verify_checksums,
+                secret=self._secret,
             )
             result = [choice.step, list(choice.existing_steps)]
         result = self._coord.broadcast_from_0(result)

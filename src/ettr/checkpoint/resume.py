@@ -33,7 +33,9 @@ def choose_checkpoint(
     *,
     recorder: RecorderProtocol,
     step: int | None = None,
+    at_most: int | None = None,
     checksums: bool = True,
+    secret: bytes | None = None,
 ) -> ResumeChoice:
     """The newest checkpoint that verifies (or exactly `step`), after removing newer unusable ones.
 
@@ -41,17 +43,26 @@ def choose_checkpoint(
         storage: the checkpoint root.
         recorder: where each skipped directory is recorded (`checkpoint_skipped` marks).
         step: resume exactly from this step (None: the newest that verifies).
-        checksums: re-read every file and check its CRC-32 (else sizes only).
+        at_most: consider only steps <= this (a fallback after a newer one failed to load).
+        checksums: re-read every file and check its CRC-32 (else sizes only; pickled files always).
+        secret: HMAC key the manifest must be signed with (None: not checked).
     """
-    resolution = find_latest(storage, checksums=checksums, at_most=step)
+    limit = step if at_most is None else at_most if step is None else min(step, at_most)
+    resolution = find_latest(storage, checksums=checksums, at_most=limit, secret=secret)
     chosen = resolution.latest.step if resolution.latest is not None else None
     if step is not None and chosen != step:
         chosen = None
     for name, reason in resolution.skipped:
-        recorder.mark("checkpoint_skipped", checkpoint=name, reason=reason)
-        if any(c.name == name and c.has_manifest for c in list_checkpoints(storage)):
-            moved = quarantine(storage, name)
-            logger.warning("ettr: moved corrupt checkpoint %s aside to %s", name, moved)
-        else:
-            storage.remove_tree(name)
+        set_aside(storage, name, reason, recorder=recorder)
     return ResumeChoice(step=chosen, existing_steps=tuple(c.step for c in list_checkpoints(storage)))
+
+
+def set_aside(storage: CheckpointStorage, name: str, reason: str, *, recorder: RecorderProtocol) -> None:
+    """Record a `checkpoint_skipped` mark for `name`; move it aside if it has a manifest (corrupt or
+    unloadable: kept for inspection), else delete it (incomplete)."""
+    recorder.mark("checkpoint_skipped", checkpoint=name, reason=reason)
+    if any(c.name == name and c.has_manifest for c in list_checkpoints(storage)):
+        moved = quarantine(storage, name)
+        logger.warning("ettr: moved checkpoint %s aside to %s (%s)", name, moved, reason)
+    else:
+        storage.remove_tree(name)

@@ -19,14 +19,19 @@ Layout of the saved state dict (top-level keys):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import io
 import logging
+import pickle
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
+
+from ettr.checkpoint.base import CheckpointInvalid
 
 logger = logging.getLogger("ettr")
 
@@ -39,8 +44,50 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _numpy_safe_globals() -> list[Any]:
+    """What NumPy's random state needs under `weights_only=True` (arrays and their dtypes)."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return []
+    found: list[Any] = [np.ndarray, np.dtype]
+    reconstruct = getattr(getattr(np, "_core", None), "multiarray", None)
+    if reconstruct is not None:
+        found.append(reconstruct._reconstruct)
+    found.extend(type(np.dtype(name)) for name in ("uint32", "int64", "float64", "bool"))
+    return found
+
+
 def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+    """Unpickle one of the small pickled parts with `weights_only=True` (tensors, containers, numbers,
+    strings, NumPy arrays). A part holding other types (a user sampler's own classes) is loaded with
+    `weights_only=False` only inside `trusted_pickles(True)` (the manager: a manifest whose HMAC verified
+    with this job's key); otherwise it is refused."""
+    try:
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if not _TRUSTED.get():
+            raise CheckpointInvalid(
+                "a pickled part of the checkpoint holds types weights_only=True refuses "
+                f"({str(exc).splitlines()[-1][:200]}); set a checkpoint secret (CheckpointConfig.secret or "
+                "ETTR_CHECKPOINT_SECRET) so that signed checkpoints may load them"
+            ) from None
+        return torch.load(io.BytesIO(data), weights_only=False)
+
+
+_TRUSTED: contextvars.ContextVar[bool] = contextvars.ContextVar("ettr_trusted_pickles", default=False)
+
+
+@contextlib.contextmanager
+def trusted_pickles(trusted: bool) -> Iterator[None]:
+    """While the block runs, pickled parts that `weights_only=True` refuses may load (a checkpoint whose
+    manifest HMAC verified with this job's key)."""
+    token = _TRUSTED.set(trusted)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
 
 
 def capture_rng() -> dict[str, Any]:

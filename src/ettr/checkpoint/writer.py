@@ -62,6 +62,7 @@ class CommittingWriter(StorageWriter):
         step: the checkpoint's step.
         world_size: ranks that wrote it (recorded in the manifest).
         fault_hook: fault-injection tests only (`FAULT_POINTS`).
+        secret: HMAC key the manifest is signed with (None: unsigned).
     """
 
     def __init__(
@@ -72,8 +73,10 @@ class CommittingWriter(StorageWriter):
         step: int,
         world_size: int,
         fault_hook: FaultHook | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.inner = inner
+        self.secret = secret
         self.storage = storage
         self.step = step
         self.world_size = world_size
@@ -123,7 +126,14 @@ class CommittingWriter(StorageWriter):
         for rank_results in results:
             for result in rank_results:
                 names.add(result.storage_data.relative_path)
-        commit(self.storage, self.step, names, world_size=self.world_size, fault_hook=self._commit_point)
+        commit(
+            self.storage,
+            self.step,
+            names,
+            world_size=self.world_size,
+            fault_hook=self._commit_point,
+            secret=self.secret,
+        )
 
     def _commit_point(self, point: str) -> None:
         if point == "manifest_begin":
@@ -140,10 +150,13 @@ def make_writer(
     world_size: int,
     num_io_threads: int = 1,
     fault_hook: FaultHook | None = None,
+    secret: bytes | None = None,
 ) -> CommittingWriter:
-    """A DCP StorageWriter for the checkpoint of `step` that commits in its `finish`."""
+    """A DCP StorageWriter for the checkpoint of `step` that commits (signed with `secret`) in `finish`."""
     inner = storage.dcp_writer(step_dir_name(step), thread_count=num_io_threads)
-    return CommittingWriter(inner, storage=storage, step=step, world_size=world_size, fault_hook=fault_hook)
+    return CommittingWriter(
+        inner, storage=storage, step=step, world_size=world_size, fault_hook=fault_hook, secret=secret
+    )
 
 
 def make_reader(storage: CheckpointStorage, step: int) -> StorageReader:

@@ -30,6 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ettr.atomic import atomic_write
+from ettr.compile.safety import (
+    UnpackLimits,
+    UnsafeLocation,
+    check_private_dir,
+    no_symlink_below,
+    read_no_follow,
+)
 
 INDUCTOR_ARCHIVE = "inductor_cache.tar"
 HEADERS_ARCHIVE = "precompiled_headers.tar"
@@ -114,9 +121,12 @@ def pack_dir(
         for rel, _st in members:
             try:
                 info = tar.gettarinfo(root / rel, arcname=str(rel))
-                with open(root / rel, "rb") as f:
-                    tar.addfile(info, f)
-            except OSError:  # vanished between walk and add: it was transient
+                if not info.isfile():
+                    continue  # a symlink planted since the walk: never followed, never packed
+                data = read_no_follow(root / rel)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            except OSError:  # vanished between walk and add, or a symlink: skipped
                 continue
             listing[str(rel)] = info.size
     return buffer.getvalue(), listing
@@ -144,24 +154,31 @@ class UnpackResult:
     bytes_written: int
 
 
-def unpack_dir(data: bytes, dest: Path) -> UnpackResult:
+def unpack_dir(data: bytes, dest: Path, *, limits: UnpackLimits | None = None) -> UnpackResult:
     """Unpack a `pack_dir` archive into `dest`. Raises `ValueError` on a member that is not a plain
-    relative file or folder (the archive is refused as a whole before anything is written)."""
+    relative file or folder, or on an archive that expands past `limits` (default:
+    `UnpackLimits.from_env()`): the archive is refused as a whole before anything is written. Never
+    follows a symlink already in `dest` (raises `UnsafeLocation`, a PermissionError)."""
+    limits = limits if limits is not None else UnpackLimits.from_env()
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
         members = tar.getmembers()
         for m in members:
             rel = PurePosixPath(m.name)
             if rel.is_absolute() or ".." in rel.parts or not (m.isfile() or m.isdir()):
                 raise ValueError(f"archive member {m.name!r} is not a plain relative file")
+        limits.check(len(data), [(m.name, m.size) for m in members if m.isfile()])
         written = present = num_bytes = 0
+        if dest.is_symlink():
+            raise UnsafeLocation(f"{dest} is a symlink; ettr does not unpack through it")
         dest.mkdir(parents=True, exist_ok=True)
+        check_private_dir(dest)  # kernels land here: someone else's directory is refused
         for m in members:
-            target = dest / m.name
+            target = no_symlink_below(dest, m.name)
             if m.isdir():
                 target.mkdir(parents=True, exist_ok=True)
                 continue
             try:
-                if target.stat().st_size == m.size:
+                if os.lstat(target).st_size == m.size:
                     present += 1
                     continue
             except FileNotFoundError:

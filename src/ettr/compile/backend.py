@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ettr.atomic import atomic_write
+from ettr.compile.safety import ensure_private_dir, no_symlink_below, read_no_follow
 
 
 class StoreBackend(Protocol):
@@ -50,25 +51,45 @@ def _check(path: str) -> str:
 
 
 class LocalBackend:
-    """A directory on a local or mounted file system: write to a temporary file, fsync, rename."""
+    """A directory on a local or mounted file system: write to a temporary file, fsync, rename.
+
+    The root must be this user's own and writable by no one else (`ettr.compile.safety`: created 0700
+    when missing; refused (`UnsafeLocation`, a PermissionError) when owned by someone else, group- or
+    world-writable, or a symlink); no symlink inside it is followed."""
 
     compress = False  # a local disk reads uncompressed archives faster than it would decompress them
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser()
+        self._checked = False
+
+    def _safe(self, path: str, *, create: bool = False) -> Path:
+        if not self._checked:
+            if create:
+                ensure_private_dir(self.root)
+            elif self.root.exists() or self.root.is_symlink():
+                ensure_private_dir(self.root)
+            else:
+                return self.root / _check(path)  # nothing there yet: nothing to read
+            self._checked = True
+        return no_symlink_below(self.root, _check(path))
 
     def read(self, path: str) -> bytes:
-        return (self.root / _check(path)).read_bytes()
+        return read_no_follow(self._safe(path))
 
     def write(self, path: str, data: bytes) -> None:
-        target = self.root / _check(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(target, data)  # tmp -> fsync -> rename -> dir fsync
+        target = self._safe(path, create=True)
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        atomic_write(target, data)  # tmp -> fsync -> rename (over a link, never through it) -> dir fsync
 
     def list(self, prefix: str) -> list[str]:
-        folder = self.root / _check(prefix) if prefix else self.root
+        folder = self._safe(prefix) if prefix else self.root
+        if not prefix and self.root.exists():
+            self._safe("x")  # the root's own check
         try:
-            return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+            return sorted(
+                p.name for p in folder.iterdir() if not p.name.startswith(".") and not p.is_symlink()
+            )
         except (FileNotFoundError, NotADirectoryError):
             return []
 

@@ -28,6 +28,14 @@ from ettr.run_env import (
 )
 
 DEFAULT_STORE = "~/.cache/ettr/compile"
+"""The store without `ETTR_COMPILE_STORE` (or `$XDG_CACHE_HOME/ettr/compile` when that is set): private
+to the user (created 0700; a directory others could write is refused, see `ettr.compile.safety`)."""
+
+
+def default_store(env: Mapping[str, str] | None = None) -> str:
+    """`$XDG_CACHE_HOME/ettr/compile` when XDG_CACHE_HOME is an absolute path, else `DEFAULT_STORE`."""
+    xdg = (os.environ if env is None else env).get("XDG_CACHE_HOME", "")
+    return os.path.join(xdg, "ettr", "compile") if os.path.isabs(xdg) else DEFAULT_STORE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +85,8 @@ class CompileConfig:
         env = os.environ if environ is None else environ
         if env.get(COMPILE_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
             return None
-        store_text = env.get(COMPILE_STORE_ENV, DEFAULT_STORE).strip() or DEFAULT_STORE
+        fallback = default_store(env)
+        store_text = env.get(COMPILE_STORE_ENV, fallback).strip() or fallback
         store: str | None = None if store_text.lower() in ("off", "none", "0") else store_text
         secret = env.get(COMPILE_STORE_SECRET_ENV) or None
 

@@ -37,6 +37,11 @@ class EntryRefused(Exception):
     """A stored entry exists but must not be loaded (foreign key, bad checksum, bad signature)."""
 
 
+class EntryUnreadable(EntryRefused):
+    """A stored entry whose manifest cannot be parsed at all (corrupt, nested past any sane depth):
+    garbage that eviction removes."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StoreConfig:
     """Where the store lives and how big it may grow."""
@@ -194,8 +199,10 @@ class CompileStore:
                     raise ValueError("bad blob name")
                 int(info["size_bytes"]), str(info["sha256"])
             float(manifest["created_ts"])
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise EntryRefused(f"entry {digest}: unreadable manifest ({exc})") from None
+            if not isinstance(manifest.get("key", {}), dict):
+                raise ValueError("key is not an object")
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise EntryUnreadable(f"entry {digest}: unreadable manifest ({type(exc).__name__})") from None
         if self._secret is not None:
             expected = hmac.new(self._secret, _canonical(manifest), hashlib.sha256).hexdigest()
             if not hmac.compare_digest(str(manifest.get("hmac", "")), expected):
@@ -209,19 +216,25 @@ class CompileStore:
         except Exception as exc:  # the entry is fine; only its LRU age is stale
             logger.debug("ettr: cannot record use of %s: %s", digest, exc)
 
-    def entries(self) -> list[EntryInfo]:
-        """All committed entries that can be read (refused or half-written ones are skipped)."""
+    def entries(self, *, unreadable: list[str] | None = None) -> list[EntryInfo]:
+        """All committed entries that can be read (refused or half-written ones are skipped; the digests
+        of those whose manifest cannot be parsed are appended to `unreadable`)."""
         infos = []
         for digest in self.backend.list(""):
             try:
                 manifest = self._manifest(digest)
-            except EntryRefused:
-                manifest = None
+            except EntryUnreadable:
+                if unreadable is not None:
+                    unreadable.append(digest)
+                continue
+            except (EntryRefused, OSError, ValueError) as exc:
+                logger.debug("ettr: compile store entry %s skipped: %s", digest, exc)
+                continue
             if manifest is None:
                 continue
             try:
                 used_ts = float(self.backend.read(f"{digest}/{USED}"))
-            except (FileNotFoundError, ValueError):
+            except (OSError, ValueError):
                 used_ts = float(manifest["created_ts"])
             infos.append(
                 EntryInfo(
@@ -237,18 +250,30 @@ class CompileStore:
     def evict(self, *, keep: str | None = None) -> list[str]:
         """Delete least recently used entries until the total is within `max_bytes` (never `keep`).
         Returns the digests deleted."""
-        infos = sorted(self.entries(), key=lambda e: e.used_ts)
-        total = sum(e.size_bytes for e in infos)
+        unreadable: list[str] = []
+        infos = sorted(self.entries(unreadable=unreadable), key=lambda e: e.used_ts)
         evicted = []
+        for digest in unreadable:  # garbage: never loadable, and it must not stop the rest
+            if digest != keep and self._delete_quietly(digest):
+                evicted.append(digest)
+        total = sum(e.size_bytes for e in infos)
         for info in infos:
             if total <= self.max_bytes:
                 break
             if info.digest == keep:
                 continue
-            self.delete(info.digest)
-            total -= info.size_bytes
-            evicted.append(info.digest)
+            if self._delete_quietly(info.digest):
+                total -= info.size_bytes
+                evicted.append(info.digest)
         return evicted
+
+    def _delete_quietly(self, digest: str) -> bool:
+        try:
+            self.delete(digest)
+        except (OSError, ValueError) as exc:
+            logger.warning("ettr: cannot evict compile store entry %s (%s)", digest, exc)
+            return False
+        return True
 
     def delete(self, digest: str) -> None:
         """Remove an entry: the manifest first (it stops existing), then its blobs."""

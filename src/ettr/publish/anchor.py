@@ -83,6 +83,9 @@ class PublishConfig:
     """The training job's id (default: the recorder's, `ETTR_JOB_ID`, else "job")."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for a remote `anchor_root`."""
+    secret: bytes | None = field(default=None, repr=False)
+    """HMAC key the anchor's manifest is signed with (None: `ETTR_CHECKPOINT_SECRET` if set). The
+    publisher checks it with the `ETTR_CHECKPOINT_SECRET` it is started with: set the same key there."""
 
     def __post_init__(self) -> None:
         if not os.fspath(self.anchor_root) or not os.fspath(self.queue_dir):
@@ -141,13 +144,15 @@ def write_anchor(
     sample: bytes | None,
     extra: dict[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
+    secret: bytes | None = None,
 ) -> tuple[str, bool]:
     """Write and commit the anchor of `step` (collective when torch.distributed is initialised).
 
     Every rank saves its part of `state` (its shards) under key `model`; rank 0 adds `sample` (its
     sample batch file) and commits with a manifest written last (`ettr.checkpoint.commit.commit`). An
     anchor of `step` that is already committed is kept, not rewritten. Returns (path, reused); every
-    rank returns only after the commit.
+    rank returns only after the commit. The manifest is signed with `secret` (default:
+    `ETTR_CHECKPOINT_SECRET`) when there is one.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -155,7 +160,9 @@ def write_anchor(
     from ettr.checkpoint.base import MANIFEST_NAME, CheckpointInvalid, describe_error, step_dir_name
     from ettr.checkpoint.commit import LEASE_PREFIX, commit, verify
     from ettr.checkpoint.storage import open_storage
+    from ettr.checkpoint.trust import resolve_secret
 
+    secret = resolve_secret(secret)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world_size = dist.get_world_size() if distributed else 1
@@ -164,7 +171,7 @@ def write_anchor(
     decision = [False]
     if rank == 0:
         try:
-            verify(storage, name, checksums=False)
+            verify(storage, name, checksums=False, secret=secret)
             decision[0] = True
         except CheckpointInvalid:
             if storage.list_dir(name):
@@ -191,7 +198,8 @@ def write_anchor(
             and not entry.startswith(LEASE_PREFIX)
             and not entry.endswith(".tmp")
         ]
-        commit(storage, step, files, world_size=world_size, extra={"kind": "publish-anchor", **(extra or {})})
+        extra = {"kind": "publish-anchor", **(extra or {})}
+        commit(storage, step, files, world_size=world_size, extra=extra, secret=secret)
     if distributed and world_size > 1:
         dist.barrier()  # no rank reports the anchor before it is committed
     return storage.path(name), False
@@ -244,6 +252,7 @@ def publish_at_end(
             sample=sample,
             extra={"job_id": job_id, "request_id": request_id},
             storage_options=config.storage_options,
+            secret=config.secret,
         )
         anchor_s = time.time() - began
         built = False

@@ -95,6 +95,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _metadata(reader: Any) -> Any:
+    from ettr.checkpoint.base import CheckpointInvalid
+
+    try:
+        return reader.read_metadata()
+    except (CheckpointInvalid, OSError) as exc:
+        raise PublishError(f"anchor metadata refused: {exc}") from None
+
+
 def load_anchor(
     request: PublishRequest, check_resolved: ResolvedCheck | None = None
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
@@ -109,13 +118,15 @@ def load_anchor(
     from ettr.checkpoint.base import CheckpointInvalid, describe_error, step_dir_name
     from ettr.checkpoint.commit import lease, verify
     from ettr.checkpoint.storage import open_storage
-    from ettr.checkpoint.writer import make_reader
+    from ettr.checkpoint.trust import resolve_secret, verified_reader
 
     storage = open_storage(request.anchor_root)
     name = step_dir_name(request.step)
     with lease(storage, name):
         try:
-            verify(storage, name, checksums=True)
+            # signed with ETTR_CHECKPOINT_SECRET when the publisher has one; DCP's pickled metadata is
+            # read only through verified_reader (checked against this manifest, allow-listed classes)
+            manifest = verify(storage, name, checksums=True, secret=resolve_secret(None))
         except (CheckpointInvalid, OSError) as exc:
             raise PublishError(f"anchor {storage.path(name)} is not usable: {exc}") from None
         model = request.model.build(check_resolved)
@@ -123,14 +134,16 @@ def load_anchor(
             raise PublishError(f"{request.model.factory} returned a {type(model).__name__}, not an nn.Module")
         model = model.to("cpu").eval()
         target = model.state_dict()
-        reader = make_reader(storage, request.step)
+        reader = verified_reader(storage, name, manifest)
         prefix = f"{request.state_key}."
         saved = {
-            fqn[len(prefix) :] for fqn in reader.read_metadata().state_dict_metadata if fqn.startswith(prefix)
+            fqn[len(prefix) :] for fqn in _metadata(reader).state_dict_metadata if fqn.startswith(prefix)
         }
         try:
             dcp.load(
-                {request.state_key: target}, storage_reader=make_reader(storage, request.step), no_dist=True
+                {request.state_key: target},
+                storage_reader=verified_reader(storage, name, manifest),
+                no_dist=True,
             )
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; say it in one line
             raise PublishError(

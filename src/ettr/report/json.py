@@ -63,6 +63,17 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
             {"ts": c.ts, "attempt": c.attempt, "rank": c.rank, "step": c.step, "path": c.path}
             for c in report.checkpoint_commits
         ],
+        "checkpoint_errors": [
+            {
+                "ts": c.ts,
+                "attempt": c.attempt,
+                "rank": c.rank,
+                "step": c.step,
+                "path": c.path,
+                "error": c.error,
+            }
+            for c in report.checkpoint_errors
+        ],
         "tts_window": None
         if report.tts_window is None
         else {

@@ -96,6 +96,12 @@ def render(report: EttReport) -> str:
         lines.append(
             f"checkpoint commits {len(report.checkpoint_commits)}{last} | recompiles {len(report.recompiles)}"
         )
+    if report.checkpoint_errors:
+        lines.append(f"checkpoint errors {len(report.checkpoint_errors)}:")
+        for c in report.checkpoint_errors[-5:]:
+            lines.append(f"  step {c.step} (attempt {c.attempt}, rank {c.rank}): {c.error}")
+        if len(report.checkpoint_errors) > 5:
+            lines.append(f"  ... and {len(report.checkpoint_errors) - 5} earlier")
     return "\n".join(lines) + "\n"
 
 

@@ -158,14 +158,17 @@ def reference_digests(job: ToyJob) -> dict[int, str]:
     return digests
 
 
-def restore_digest(root: str, *, hidden: int, seed: int = 0) -> tuple[int | None, str | None]:
-    """Restore the newest checkpoint under `root` the way a resumed job would: (step, state digest)."""
+def restore_digest(
+    root: str, *, hidden: int, seed: int = 0, storage: Any = None
+) -> tuple[int | None, str | None]:
+    """Restore the newest checkpoint under `root` (through `storage` if given, a fault-injecting one)
+    the way a resumed job would: (step, state digest)."""
     from ettr.recorder import NullRecorder
 
     job = ToyJob(root=root, hidden=hidden, seed=seed)
     state, _, _ = _build(job)
     config = CheckpointConfig(root=root, interval=IntervalConfig(every_steps=1))
-    with CheckpointManager(config, state, recorder=NullRecorder()) as manager:
+    with CheckpointManager(config, state, recorder=NullRecorder(), storage=storage) as manager:
         step = manager.restore()
     return step, (state_digest(state) if step is not None else None)
 
@@ -199,7 +202,7 @@ def run(
                 on_step(step)
             if step == job.kill_after_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-        manager.save(step, wait=True)
+        manager.finish(step)  # raises (non-zero exit) if the final save does not commit
     return state_digest(state)
 
 
