@@ -12,9 +12,9 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from typing import Any, NoReturn
 
+from ettr.argtypes import parse_time
 from ettr.errors import UsageError
 
 
@@ -23,20 +23,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message} (see --help)")
-
-
-def parse_time(text: str) -> float:
-    """TIME: a Unix timestamp in seconds or an ISO-8601 string (naive means local time)."""
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a time (give Unix seconds or ISO-8601, e.g. 2026-11-29T20:52:00Z)"
-        ) from None
 
 
 def _non_negative_int(text: str) -> int:

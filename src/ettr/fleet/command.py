@@ -11,9 +11,9 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from datetime import datetime
 from typing import TYPE_CHECKING
 
+from ettr.argtypes import parse_time
 from ettr.errors import UsageError
 from ettr.fleet.model import JobSummary
 
@@ -33,20 +33,6 @@ SERVE_EPILOG = """examples:
   ettr serve runs/ --port 9464            Prometheus metrics at http://0.0.0.0:9464/metrics
   ettr serve --ledger postgresql://ettr@db/ettr --port 9464 --addr 127.0.0.1
 """
-
-
-def _time(text: str) -> float:
-    """TIME: Unix seconds or ISO-8601 (the same rule as every ettr command)."""
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a time (give Unix seconds or ISO-8601, e.g. 2026-11-29T20:52:00Z)"
-        ) from None
 
 
 def _count(text: str) -> int:
@@ -92,7 +78,7 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = FLEET_EPILOG
     _add_sources(p)
-    p.add_argument("--since", type=_time, metavar="TIME", help="only jobs started at or after TIME")
+    p.add_argument("--since", type=parse_time, metavar="TIME", help="only jobs started at or after TIME")
     p.add_argument("--check", action="store_true", help="exit 1 when a regression is found, 0 when none")
     p.add_argument("--preempt-order", action="store_true", help="running jobs, cheapest to preempt first")
     p.add_argument(
