@@ -11,6 +11,7 @@ from types import MappingProxyType
 from ettr.accounting.attempts import Attempt, data_of, gather, resolve_attempts, wall_bounds
 from ettr.accounting.causes import failure_causes
 from ettr.accounting.model import AttemptReport, EttReport, Recovery, TtsWindow
+from ettr.accounting.slowdown import AttemptSteps, step_slowdown
 from ettr.accounting.timeline import build_segments
 from ettr.events import Bucket, Event, Outcome, Phase
 
@@ -124,6 +125,7 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         tts_window=tts_window,
         recoveries=recoveries,
         failures=failure_causes(attempt_reports),
+        slowdown=step_slowdown(AttemptSteps(a.index, a.step_ts, a.phases, a.step_numbers) for a in attempts),
     )
 
 
