@@ -151,3 +151,39 @@ def test_renderings_carry_it() -> None:
     no_persist = compute(_job(steady=0.1, busy=0.1, windows=[]), now=T0)
     assert to_dict(no_persist)["step_slowdown"] is None
     assert "step slowdown" not in text.render(no_persist)
+
+
+def test_auto_interval_counts_the_slowdown_as_save_cost() -> None:
+    from ettr.checkpoint.policy import IntervalConfig, IntervalPolicy
+    from ettr.simulate import optimal_interval_s
+
+    config = IntervalConfig(auto=True, failures_per_day=4.0)
+    plain, slowed = IntervalPolicy(config, now_s=0.0), IntervalPolicy(config, now_s=0.0)
+    for policy in (plain, slowed):
+        policy.observe_save(cost_s=0.5, now_s=0.0)
+    slowed.observe_slowdown(30.0)  # a persist that made the steps beside it 30 s slower in all
+    rate = plain.failures_per_day(0.0)
+    assert plain.interval_s(0.0) == approx(optimal_interval_s(save_cost_s=0.5, failures_per_day=rate))
+    assert slowed.interval_s(0.0) == approx(optimal_interval_s(save_cost_s=30.5, failures_per_day=rate))
+    assert slowed.interval_s(0.0) > 5 * plain.interval_s(0.0)  # sqrt(61): the interval auto chooses moves
+    small = IntervalPolicy(config, now_s=0.0)
+    small.observe_save(cost_s=0.5, now_s=0.0)
+    small.observe_slowdown(0.0)
+    assert small.interval_s(0.0) == plain.interval_s(0.0)
+    with pytest.raises(ValueError, match="slowdown"):
+        optimal_interval_s(save_cost_s=1.0, failures_per_day=1.0, slowdown_s_per_save=-1.0)
+
+
+def test_meter_measures_a_persists_extra_step_time() -> None:
+    from ettr.checkpoint.slowdown_meter import SlowdownMeter
+
+    meter = SlowdownMeter(warmup_steps=3)
+    now, results = 0.0, []
+    for i in range(60):
+        persisting = 30 <= i < 40
+        now += 0.3 if persisting else 0.1
+        results.append(meter.on_step(now, persisting=persisting))
+    finished = [r for r in results if r is not None]
+    assert finished == [approx(10 * 0.2)]
+    meter.reset()  # the next interval is not a step's: no sample from it
+    assert meter.on_step(now + 100.0, persisting=False) is None
