@@ -9,6 +9,7 @@ persist's `dcp.save` is called by ettr (the bootstrap's hooks then leave it to u
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -21,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ettr.checkpoint.base import PersistMode
 from ettr.checkpoint.coordination import Coordinator
+from ettr.checkpoint.priority import lower_priority, lower_this_thread
 from ettr.checkpoint.staging import ReusedStager
 from ettr.checkpoint.state import TrainState
 
@@ -50,7 +52,11 @@ class AsyncPersister:
             background_keys=OVERLAPPED_KEYS if overlap else (),
         )
         self._staging: tuple[Future[Any], int] | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ettr-ckpt-persist")
+        # the persist thread (thread mode) runs nicer than training, from its first task on
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ettr-ckpt-persist", initializer=lower_this_thread
+        )
+        self._lowered_pids: set[int] = set()
 
     def launch(self, state_dict: dict[str, Any], writer: StorageWriter, *, step: int) -> Future[Any]:
         """Copy `state_dict` into the reused staging buffers, then start the persist; returns its future.
@@ -59,6 +65,7 @@ class AsyncPersister:
         """
         coord = self._coordinator
         if self.mode is PersistMode.PROCESS:
+            before = {p.pid for p in multiprocessing.active_children()}
             result = dcp.async_save(
                 state_dict,
                 storage_writer=writer,
@@ -67,6 +74,7 @@ class AsyncPersister:
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 no_dist=not coord.distributed,
             )
+            self._lower_new_children(before)
             if isinstance(result, AsyncSaveResponse):  # an overlapped copy: DCP hands it over when done
                 self._staging = (result.staging_completion, step)
                 return result.upload_completion
@@ -75,6 +83,14 @@ class AsyncPersister:
         if isinstance(staged, Future):
             self._staging = (staged, step)
         return self._executor.submit(self._persist, staged, writer)
+
+    def _lower_new_children(self, before: set[int]) -> None:
+        """The checkpoint process DCP started (on the first save) runs nicer than training."""
+        for child in multiprocessing.active_children():
+            pid = child.pid
+            if pid is not None and pid not in before and pid not in self._lowered_pids:
+                self._lowered_pids.add(pid)
+                lower_priority(pid, whole_process=True)
 
     def _persist(self, staged: dict[str, Any] | Future[dict[str, Any]], writer: StorageWriter) -> Any:
         """The background persist of thread mode: DCP writes the staged copy; the writer commits."""
