@@ -336,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         default=32,
         help="batch of the forward/backward after each save (default 32)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (default 0: torch's own choice); on a busy machine with few cores the "
+        "default oversubscribes them and the thread-mode figure measures that contention",
+    )
     parser.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
     args = parser.parse_args(argv)
@@ -343,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--size-gib must be > 0, --saves and --slowdown-saves >= 1")
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.checkpoint").setLevel(logging.ERROR)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp(prefix="ettr-stall-", dir=args.dir)
     try:
         state, num_bytes = build_state(args.size_gib)
@@ -390,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "ratios": ratios,
             "state_bytes": num_bytes,
+            "intra_op_threads": torch.get_num_threads(),
             "num_saves": args.saves,
             "first_save_s": extras["first_save_s"],
             "ettr_persist_s": extras["ettr_persist_s"],

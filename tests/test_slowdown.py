@@ -187,3 +187,65 @@ def test_meter_measures_a_persists_extra_step_time() -> None:
     assert finished == [approx(10 * 0.2)]
     meter.reset()  # the next interval is not a step's: no sample from it
     assert meter.on_step(now + 100.0, persisting=False) is None
+
+
+@pytest.mark.slow
+def test_process_mode_job_report_matches_its_own_measurement(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ettr.report.load import read_run
+
+    script = Path(__file__).parent / "scripts" / "train_persist_slowdown.py"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    own = json.loads(done.stdout.strip().splitlines()[-1])
+    _, report = read_run(tmp_path)
+    s = report.slowdown
+    assert s is not None and s.inflation is not None and len(s.saves) == 5  # warm-up save + 4 rounds
+    assert own["num_busy"] > 0
+    # the same steps, classified by the ledger's persist spans; 8%: other load on a shared machine moves the
+    # few steps the two leave out differently
+    assert s.inflation == pytest.approx(own["direct"], rel=0.08)
+    # the checkpoint process runs nicer than the training process
+    assert own["children_nice"] and all(n > own["own_nice"] for n in own["children_nice"])
+
+
+def test_lower_this_thread_leaves_the_caller_alone() -> None:
+    import os
+    import threading
+
+    from ettr.checkpoint.priority import io_priority, lower_this_thread
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: dict[str, int | None] = {}
+
+    def worker() -> None:
+        tid = threading.get_native_id()
+        seen["lowered"] = int(lower_this_thread())
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+        seen["io"] = io_priority(tid)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    if own >= 19:
+        pytest.skip("already at the lowest CPU priority")
+    assert seen["lowered"] == 1 and seen["nice"] == min(19, own + 10)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own  # training's thread keeps its priority
+    if seen["io"] is not None:
+        assert seen["io"] == (2 << 13) | 7
