@@ -9,7 +9,6 @@ persist's `dcp.save` is called by ettr (the bootstrap's hooks then leave it to u
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -65,7 +64,6 @@ class AsyncPersister:
         """
         coord = self._coordinator
         if self.mode is PersistMode.PROCESS:
-            before = {p.pid for p in multiprocessing.active_children()}
             result = dcp.async_save(
                 state_dict,
                 storage_writer=writer,
@@ -74,7 +72,7 @@ class AsyncPersister:
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 no_dist=not coord.distributed,
             )
-            self._lower_new_children(before)
+            self._lower_checkpoint_process()
             if isinstance(result, AsyncSaveResponse):  # an overlapped copy: DCP hands it over when done
                 self._staging = (result.staging_completion, step)
                 return result.upload_completion
@@ -84,13 +82,19 @@ class AsyncPersister:
             self._staging = (staged, step)
         return self._executor.submit(self._persist, staged, writer)
 
-    def _lower_new_children(self, before: set[int]) -> None:
-        """The checkpoint process DCP started (on the first save) runs nicer than training."""
-        for child in multiprocessing.active_children():
-            pid = child.pid
-            if pid is not None and pid not in before and pid not in self._lowered_pids:
-                self._lowered_pids.add(pid)
-                lower_priority(pid, whole_process=True)
+    def _lower_checkpoint_process(self) -> None:
+        """DCP's checkpoint process runs nicer than training once it exists (DCP starts it in a thread
+        during the first save, so the first persist may still run at training's priority). Its pid comes
+        from DCP's module state, which is private: where that changed, the process keeps its priority."""
+        try:
+            from torch.distributed.checkpoint import _async_process_executor as executor
+
+            pid = executor._CHECKPOINT_PROCESS._save_process.pid  # type: ignore[union-attr]
+        except (ImportError, AttributeError):
+            return
+        if isinstance(pid, int) and pid not in self._lowered_pids:
+            self._lowered_pids.add(pid)
+            lower_priority(pid, whole_process=True)
 
     def _persist(self, staged: dict[str, Any] | Future[dict[str, Any]], writer: StorageWriter) -> Any:
         """The background persist of thread mode: DCP writes the staged copy; the writer commits."""
