@@ -15,14 +15,16 @@ seconds the loop is blocked per save:
 After every save the next training step's forward and backward of the same model run (untimed), for every
 method alike; each save's persist is finished before the next measurement, so none includes a wait for it.
 
-Then the step slowdown: the median time of a small training step while the manager's background persist
-of the 1 GiB state runs, divided by its median time with nothing in the background, for the thread and
-the process persist modes.
+Then the step slowdown, for the thread and the process persist modes: in one process, interleaved rounds
+of "persist running" (a save of the 1 GiB state, then steps until its persist ends) and "no persist" (as
+many steps), each after the same few untimed steps, the order flipped every round; the median time of a
+small training step in the first kind over its median in the second. The run's events go through a
+Recorder into a ledger, and the report's own figure (`EttReport.slowdown.inflation`) is printed beside.
 
     python benchmarks/checkpoint_stall.py [--size-gib 1.0] [--saves 3] [--dir DIR] [--json]
 
 `--json` ends with one object: blocking_s {torch_save, dcp_save, dcp_async_save, ettr, ettr_no_overlap,
-memcpy_limit}, step_slowdown {thread, process}, and the ratios and extras it is judged by.
+memcpy_limit}, step_slowdown {thread, process} (direct), report_step_slowdown {thread, process}, and the ratios and extras it is judged by.
 """
 
 from __future__ import annotations
@@ -236,43 +238,82 @@ def _step_fn() -> Callable[[], None]:
     return step
 
 
-def _timed_steps(step: Callable[[], None], until: Callable[[], bool], max_steps: int) -> list[float]:
-    times = []
-    while len(times) < max_steps and not until():
-        begin = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - begin)
-    return times
+def _timed_step(step: Callable[[], None], rec: Recorder, number: int) -> float:
+    begin = time.perf_counter()
+    step()
+    elapsed = time.perf_counter() - begin
+    rec.step(number)
+    return elapsed
 
 
-def measure_slowdown(state: TrainState, workdir: str, mode: str, num_saves: int) -> dict[str, float]:
+def measure_slowdown(state: TrainState, workdir: str, mode: str, num_rounds: int) -> dict[str, float]:
+    """One process, interleaved rounds of "persist running" and "no persist", each after the same few
+    untimed steps, the order flipped every round; the run's events go through a Recorder into a ledger,
+    and the report's own figure (`EttReport.slowdown`) is computed beside the direct one."""
+    from ettr.accounting import compute
+    from ettr.ledger import open_ledger, read_ledger
+
     step = _step_fn()
-    for _ in range(5):
-        step()
+    run_dir = os.path.join(workdir, f"run-{mode}")
+    os.makedirs(run_dir)
+    rec = Recorder(open_ledger(run_dir), run_dir=run_dir, job_id=f"stall-{mode}")
     config = CheckpointConfig(
         root=os.path.join(workdir, f"slowdown-{mode}"), interval=IntervalConfig(every_steps=10**9), mode=mode
     )
-    quiet, busy, persists = [], [], []
-    with CheckpointManager.create(config, state, recorder=Recorder(None)) as manager:
-        manager.save(0, wait=True)  # warm-up: buffers (and in process mode the checkpoint process) start here
-        for save_index in range(1, num_saves + 1):
-            # quiet samples on both sides of every persist: the shared machine's own noise hits both sets
-            quiet += _timed_steps(step, lambda: False, 20)
-            begin = time.perf_counter()
-            manager.save(save_index)
-            busy += _timed_steps(step, lambda: not manager.persisting, 10_000)
-            assert manager.wait(), f"a {mode}-mode save failed"
-            persists.append(time.perf_counter() - begin)
-            quiet += _timed_steps(step, lambda: False, 20)
+    quiet: list[float] = []
+    busy: list[float] = []
+    persists: list[float] = []
+    number = 0
+
+    def steps(count: int, into: list[float] | None) -> int:
+        nonlocal number
+        for _ in range(count):
+            number += 1
+            elapsed = _timed_step(step, rec, number)
+            if into is not None:
+                into.append(elapsed)
+        return count
+
+    with CheckpointManager.create(config, state, recorder=rec) as manager:
+        steps(10, None)
+        manager.save(number, wait=True)  # warm-up: buffers (and in process mode the checkpoint process)
+        last_busy = 20
+        for round_index in range(num_rounds):
+            for busy_turn in (True, False) if round_index % 2 == 0 else (False, True):
+                steps(3, None)  # the same warm-up before either kind of phase
+                if not busy_turn:
+                    steps(last_busy, quiet)
+                    continue
+                begin = time.perf_counter()
+                manager.save(number)
+                steps(1, None)  # this step waits for the rest of the staging copy: blocking, not slowdown
+                count = 0
+                while manager.persisting:
+                    count += steps(1, busy)
+                assert manager.wait(), f"a {mode}-mode save failed"
+                persists.append(time.perf_counter() - begin)
+                last_busy = max(count, 5)
+    rec.close()
+    events = read_ledger(run_dir)
+    report = compute(events, now=max(e.ts for e in events))
+    found = report.slowdown
     quiet_s, busy_s = statistics.median(quiet), statistics.median(busy) if busy else float("nan")
+    direct = busy_s / quiet_s
+    reported = found.inflation if found is not None and found.inflation is not None else float("nan")
     _say(
-        f"{mode} mode: step {quiet_s * 1e3:.1f} ms alone, {busy_s * 1e3:.1f} ms during persist "
-        f"({len(busy)} steps over {num_saves} persists, median persist {statistics.median(persists):.2f} s)"
+        f"{mode} mode: step {quiet_s * 1e3:.2f} ms alone, {busy_s * 1e3:.2f} ms during persist "
+        f"({len(busy)} busy / {len(quiet)} quiet steps over {num_rounds} rounds, median persist "
+        f"{statistics.median(persists):.2f} s); the report says {reported:.3f}x"
     )
     return {
-        "slowdown": busy_s / quiet_s,
+        "slowdown": direct,
+        "report_slowdown": reported,
+        "report_over_direct": reported / direct,
+        "report_extra_s": found.extra_s if found is not None and found.extra_s is not None else float("nan"),
         "quiet_step_s": quiet_s,
         "busy_step_s": busy_s,
+        "num_busy_steps": len(busy),
+        "num_quiet_steps": len(quiet),
         "persist_s": statistics.median(persists),
     }
 
@@ -284,13 +325,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--saves", type=int, default=3, help="measured saves per method (default 3)")
     parser.add_argument(
-        "--slowdown-saves", type=int, default=2, help="persists per mode for the step slowdown (default 2)"
+        "--slowdown-saves",
+        type=int,
+        default=6,
+        help="interleaved rounds (one persist each) per mode for the step slowdown (default 6)",
     )
     parser.add_argument(
         "--step-batch",
         type=int,
         default=32,
         help="batch of the forward/backward after each save (default 32)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (default 0: torch's own choice); on a busy machine with few cores the "
+        "default oversubscribes them and the thread-mode figure measures that contention",
     )
     parser.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
@@ -299,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--size-gib must be > 0, --saves and --slowdown-saves >= 1")
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.checkpoint").setLevel(logging.ERROR)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp(prefix="ettr-stall-", dir=args.dir)
     try:
         state, num_bytes = build_state(args.size_gib)
@@ -325,19 +378,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  ettr first save (allocates its staging buffers once): {extras['first_save_s']['ettr']:.3f} s")
     print(f"  ettr persist (overlapped with training), median: {extras['ettr_persist_s']:.2f} s")
-    print("step time during a background persist / without (and the persist's own time meanwhile):")
+    print(
+        "step time during a background persist / without, interleaved rounds (direct | the report's own"
+        " figure from the run's ledger):"
+    )
     for name, result in (("thread", thread), ("process", process)):
         print(
-            f"  {name:8s} {result['slowdown']:.2f}x   ({result['quiet_step_s'] * 1e3:.1f} -> "
-            f"{result['busy_step_s'] * 1e3:.1f} ms per step; persist {result['persist_s']:.2f} s "
-            f"vs {extras['ettr_persist_s']:.2f} s with an idle loop)"
+            f"  {name:8s} {result['slowdown']:.3f}x | report {result['report_slowdown']:.3f}x "
+            f"(report/direct {result['report_over_direct']:.3f}; {result['quiet_step_s'] * 1e3:.2f} -> "
+            f"{result['busy_step_s'] * 1e3:.2f} ms per step over {result['num_busy_steps']} steps; "
+            f"persist {result['persist_s']:.2f} s vs {extras['ettr_persist_s']:.2f} s with an idle loop)"
         )
     if args.json:
         result = {
             "blocking_s": blocking,
             "step_slowdown": {"thread": thread["slowdown"], "process": process["slowdown"]},
+            "report_step_slowdown": {
+                "thread": thread["report_slowdown"],
+                "process": process["report_slowdown"],
+            },
             "ratios": ratios,
             "state_bytes": num_bytes,
+            "intra_op_threads": torch.get_num_threads(),
             "num_saves": args.saves,
             "first_save_s": extras["first_save_s"],
             "ettr_persist_s": extras["ettr_persist_s"],

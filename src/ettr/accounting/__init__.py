@@ -16,6 +16,7 @@ from ettr.accounting.model import (
     Segment,
     TtsWindow,
 )
+from ettr.accounting.slowdown import PersistSlowdown, StepSlowdown
 from ettr.accounting.timeline import PRECEDENCE
 
 __all__ = [
@@ -27,9 +28,11 @@ __all__ = [
     "FailureCause",
     "Loss",
     "PRECEDENCE",
+    "PersistSlowdown",
     "Recompile",
     "Recovery",
     "Segment",
+    "StepSlowdown",
     "TtsWindow",
     "classify",
     "compute",

@@ -12,6 +12,7 @@ from ettr.accounting.attempts import Attempt, data_of, gather, resolve_attempts,
 from ettr.accounting.causes import failure_causes
 from ettr.accounting.fence import fence
 from ettr.accounting.model import AttemptReport, EttReport, Recovery, TtsWindow
+from ettr.accounting.slowdown import AttemptSteps, step_slowdown
 from ettr.accounting.timeline import build_segments
 from ettr.events import Bucket, Event, Outcome, Phase
 
@@ -128,6 +129,7 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         recoveries=recoveries,
         failures=failure_causes(attempt_reports),
         num_fenced_events=num_fenced,
+        slowdown=step_slowdown(AttemptSteps(a.index, a.step_ts, a.phases, a.step_numbers) for a in attempts),
     )
 
 

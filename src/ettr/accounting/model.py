@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ettr.accounting.causes import Cause, FailureCause
+from ettr.accounting.slowdown import StepSlowdown
 from ettr.events import Bucket, Outcome
 
 
@@ -195,6 +196,9 @@ class EttReport:
     """One per failure (`num_failures`): its cause, evidence and TTR (rules in `ettr.accounting.causes`)."""
     checkpoint_errors: tuple[CheckpointFailure, ...] = ()
     """Every failed checkpoint save, in order, with its cause."""
+    slowdown: StepSlowdown | None = None
+    """Step-time inflation while checkpoints persisted, per save and in total (`ettr.accounting.slowdown`);
+    None when the job recorded no persist. Beside the buckets, not in them."""
 
     @property
     def num_infra_failures(self) -> int:

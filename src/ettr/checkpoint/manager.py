@@ -58,6 +58,7 @@ from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks
 from ettr.checkpoint.policy import IntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
 from ettr.checkpoint.resume import choose_checkpoint, set_aside
+from ettr.checkpoint.slowdown_meter import SlowdownMeter
 from ettr.checkpoint.space import make_room
 from ettr.checkpoint.state import TrainState, saved_top_level_keys, trusted_pickles
 from ettr.checkpoint.storage import open_storage
@@ -149,6 +150,7 @@ class CheckpointManager:
             num_failures=history.num_failures if history else 0,
             job_age_s=history.job_age_s if history else 0.0,
         )
+        self._meter = SlowdownMeter()  # what persists cost the steps beside them (auto interval)
         self._preemption = preemption
         self._inflight: _Inflight | None = None
         self.last_committed_step: int | None = None
@@ -202,7 +204,11 @@ class CheckpointManager:
         `SystemExit(143)`. Collective when the job has several ranks and the decision depends on time or
         signals (every rank must call it at every step). Returns whether a save was started.
         """
-        save_now = self.policy.should_save(step, self._clock())
+        now_s = self._clock()
+        extra_s = self._meter.on_step(now_s, persisting=self.persisting)
+        if extra_s is not None:
+            self.policy.observe_slowdown(extra_s)
+        save_now = self.policy.should_save(step, now_s)
         preempt = self._preemption is not None and self._preemption.requested
         if self.policy.config.every_steps is None or self._preemption is not None:
             # Time and signals differ between ranks: every rank leaves with the same decision.
@@ -210,6 +216,7 @@ class CheckpointManager:
         if preempt:
             self._exit_preempted(step)
         if save_now:
+            self._meter.reset()  # the next interval holds the save's blocking and staging wait: not a step
             return self.save(step)
         return False
 

@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ettr.checkpoint.base import PersistMode
 from ettr.checkpoint.coordination import Coordinator
+from ettr.checkpoint.priority import lower_priority, lower_this_thread
 from ettr.checkpoint.staging import ReusedStager
 from ettr.checkpoint.state import TrainState
 
@@ -50,7 +51,11 @@ class AsyncPersister:
             background_keys=OVERLAPPED_KEYS if overlap else (),
         )
         self._staging: tuple[Future[Any], int] | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ettr-ckpt-persist")
+        # the persist thread (thread mode) runs nicer than training, from its first task on
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ettr-ckpt-persist", initializer=lower_this_thread
+        )
+        self._lowered_pids: set[int] = set()
 
     def launch(self, state_dict: dict[str, Any], writer: StorageWriter, *, step: int) -> Future[Any]:
         """Copy `state_dict` into the reused staging buffers, then start the persist; returns its future.
@@ -67,6 +72,7 @@ class AsyncPersister:
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 no_dist=not coord.distributed,
             )
+            self._lower_checkpoint_process()
             if isinstance(result, AsyncSaveResponse):  # an overlapped copy: DCP hands it over when done
                 self._staging = (result.staging_completion, step)
                 return result.upload_completion
@@ -75,6 +81,20 @@ class AsyncPersister:
         if isinstance(staged, Future):
             self._staging = (staged, step)
         return self._executor.submit(self._persist, staged, writer)
+
+    def _lower_checkpoint_process(self) -> None:
+        """DCP's checkpoint process runs nicer than training once it exists (DCP starts it in a thread
+        during the first save, so the first persist may still run at training's priority). Its pid comes
+        from DCP's module state, which is private: where that changed, the process keeps its priority."""
+        try:
+            from torch.distributed.checkpoint import _async_process_executor as executor
+
+            pid = executor._CHECKPOINT_PROCESS._save_process.pid  # type: ignore[union-attr]
+        except (ImportError, AttributeError):
+            return
+        if isinstance(pid, int) and pid not in self._lowered_pids:
+            self._lowered_pids.add(pid)
+            lower_priority(pid, whole_process=True)
 
     def _persist(self, staged: dict[str, Any] | Future[dict[str, Any]], writer: StorageWriter) -> Any:
         """The background persist of thread mode: DCP writes the staged copy; the writer commits."""

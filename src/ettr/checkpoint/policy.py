@@ -1,7 +1,8 @@
 """When to save: a fixed interval in steps or seconds, or `auto`, the interval that wastes the least.
 
 `auto` uses the model of `ettr.simulate` (`optimal_interval_s`, ~ sqrt(2 * D * b / f)) with `b` the
-measured cost of a save to the training loop (blocking plus any wait for the previous save) and `f` the
+measured cost of a save to the training loop (blocking plus any wait for the previous save, plus the extra
+step time its background persist caused, `observe_slowdown`) and `f` the
 failure rate: the user's prior, updated with the failures this job's ledger has seen so far. The interval
 is recomputed after every save and as the job's wall time grows, and is never shorter than the time a
 persist takes (a save that has to wait for the previous one would block the loop). Pure apart from the
@@ -125,6 +126,7 @@ class IntervalPolicy:
         self._job_start_s = now_s - max(0.0, job_age_s)
         self._costs_s: deque[float] = deque(maxlen=config.window)
         self._persists_s: deque[float] = deque(maxlen=config.window)
+        self._slowdowns_s: deque[float] = deque(maxlen=config.window)
 
     def reset(self, now_s: float) -> None:
         """Start the interval afresh (after a restore or a save made outside the policy)."""
@@ -143,6 +145,10 @@ class IntervalPolicy:
     def observe_persist(self, persist_s: float) -> None:
         """A background persist finished after `persist_s` seconds (committed or not)."""
         self._persists_s.append(max(0.0, persist_s))
+
+    def observe_slowdown(self, extra_s: float) -> None:
+        """A persist slowed the steps beside it by `extra_s` seconds in all (part of that save's cost)."""
+        self._slowdowns_s.append(max(0.0, extra_s))
 
     def failures_per_day(self, now_s: float) -> float:
         """The failure rate the auto interval uses now."""
@@ -167,7 +173,10 @@ class IntervalPolicy:
         from ettr.simulate import optimal_interval_s  # the simulator's model: one source of truth
 
         per_train_day = self.failures_per_day(now_s) * 24.0 / cfg.train_hours
-        best_s = optimal_interval_s(save_cost_s=cost_s, failures_per_day=per_train_day)
+        slowdown_s = statistics.median(self._slowdowns_s) if self._slowdowns_s else 0.0
+        best_s = optimal_interval_s(
+            save_cost_s=cost_s, failures_per_day=per_train_day, slowdown_s_per_save=slowdown_s
+        )
         floor_s = statistics.median(self._persists_s) if self._persists_s else 0.0
         return max(best_s, floor_s)
 

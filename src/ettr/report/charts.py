@@ -76,7 +76,8 @@ def timeline_svg(report: EttReport, *, scale_s: float | None = None) -> str:
 
     `scale_s` is the span the axis shows (several reports drawn with the same value share a scale); the
     default is the report's own wall time. Markers: ▼ at the end of an attempt that did not complete, ticks
-    under a row for checkpoint commits, ◆ above it for recompiles. Hatched: start-up time of later attempts.
+    under a row for checkpoint commits, a thin bar below them per persist window (its title: the step
+    slowdown inside it), ◆ above it for recompiles. Hatched: start-up time of later attempts.
     """
     scale = max(scale_s if scale_s is not None else report.wall_s, report.wall_s, 1e-9)
     origin = report.wall_start_ts
@@ -165,12 +166,43 @@ def _markers(
             f'<line x1="{fmt_num(x(c.ts))}" x2="{fmt_num(x(c.ts))}" y1="{fmt_num(yc)}" y2="{fmt_num(yc + 6)}" stroke="#1d3f73" '
             f'stroke-width="1.5"><title>{esc(title)}</title></line>'
         )
+    body.extend(_persist_markers(report, x, y, row_of, row_h))
     for r in _thin(report.recompiles, 400):
         xr, yr = x(r.ts), y(r.attempt if r.attempt in row_of else None) - 5
         title = f"recompile at +{r.ts - origin:.3f} s (rank {r.rank}): {r.reason or 'no reason given'}"
         body.append(
             f'<path d="M{fmt_num(xr)} {fmt_num(yr - 4)}l4 4l-4 4l-4-4z" fill="{BUCKET_COLORS[Bucket.COMPILE]}" '
             f'stroke="#fff" stroke-width="0.8"><title>{esc(title)}</title></path>'
+        )
+    return body
+
+
+def _persist_markers(
+    report: EttReport,
+    x: Callable[[float], float],
+    y: Callable[[int | None], float],
+    row_of: Mapping[int | None, int],
+    row_h: float,
+) -> list[str]:
+    """A thin bar under the row for each persist window, its title the steps' inflation inside it; red from
+    a 10% slowdown on, grey when unknown."""
+    if report.slowdown is None:
+        return []
+    origin = report.wall_start_ts
+    body = []
+    for save in _thin(report.slowdown.saves, 400):
+        yp = y(save.attempt if save.attempt in row_of else None) + row_h + 8
+        if save.inflation is None:
+            what, color = "step slowdown unknown (no steps measured)", "#9aa3ad"
+        else:
+            extra = f", {save.extra_s:.2f} s extra" if save.extra_s is not None else ""
+            what = f"steps {save.inflation:.2f}x the steady step time ({save.num_steps} steps{extra})"
+            color = "#c0392b" if save.inflation >= 1.10 else "#5b7fa6"
+        title = f"checkpoint persist +{save.start_ts - origin:.3f} s → +{save.end_ts - origin:.3f} s: {what}"
+        x0 = x(save.start_ts)
+        body.append(
+            f'<rect class="persist" x="{fmt_num(x0)}" y="{fmt_num(yp)}" width="{fmt_num(max(x(save.end_ts) - x0, 1.0))}" '
+            f'height="3" fill="{color}"><title>{esc(title)}</title></rect>'
         )
     return body
 

@@ -11,6 +11,7 @@ from typing import Any
 from ettr.accounting import EttReport
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
+from ettr.report.slowdown import text_lines as slowdown_lines
 
 BAR_WIDTH = 40
 """Characters of a bar that stands for 100% of wall time."""
@@ -36,8 +37,9 @@ def causes_line(report: EttReport) -> str:
     return "failures by cause (NoF, mean TTR): " + (" | ".join(parts) if parts else "none")
 
 
-def render(report: EttReport) -> str:
-    """The readable report of one job: summary line, buckets with bars, attempts, raw phase durations."""
+def render(report: EttReport, *, per_save: bool = False) -> str:
+    """The readable report of one job: summary line, buckets with bars, attempts, raw phase durations,
+    and the step slowdown while persisting (per save when `per_save` or when it is large)."""
     title = f"job {report.job_id}" if report.job_id else "job"
     if report.in_progress:
         title += "  (in progress: no job end recorded; closed at the report time)"
@@ -102,6 +104,9 @@ def render(report: EttReport) -> str:
             lines.append(f"  step {c.step} (attempt {c.attempt}, rank {c.rank}): {c.error}")
         if len(report.checkpoint_errors) > 5:
             lines.append(f"  ... and {len(report.checkpoint_errors) - 5} earlier")
+    slowdown = slowdown_lines(report.slowdown, wall_start_ts=report.wall_start_ts, per_save=per_save)
+    if slowdown:
+        lines += ["", *slowdown]
     return "\n".join(lines) + "\n"
 
 

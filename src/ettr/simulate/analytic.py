@@ -65,8 +65,12 @@ def optimal_interval_s(
     failures_per_day: float,
     restart_s: float = 0.0,
     min_interval_s: float = 0.0,
+    slowdown_s_per_save: float = 0.0,
 ) -> float:
     """The checkpoint interval (training seconds between saves) that wastes the least in the model.
+
+    `slowdown_s_per_save` is the training time a save's background persist costs by slowing the steps
+    beside it (`EttReport.slowdown`'s extra seconds per save): part of the save's cost like its blocking.
 
     `save_cost_s` is what one save costs the loop (blocking plus waiting), `failures_per_day` the job's
     interruption rate, `restart_s` the whole cost of one restart; the result is never below
@@ -77,6 +81,11 @@ def optimal_interval_s(
         raise ValueError(f"save cost must be a finite number of seconds > 0, got {save_cost_s}")
     if not (failures_per_day > 0 and math.isfinite(failures_per_day)):
         raise ValueError(f"failures per day must be > 0, got {failures_per_day}")
+    if not (slowdown_s_per_save >= 0 and math.isfinite(slowdown_s_per_save)):
+        raise ValueError(
+            f"slowdown per save must be a finite number of seconds >= 0, got {slowdown_s_per_save}"
+        )
+    save_cost_s += slowdown_s_per_save
     lam = failures_per_day / SECONDS_PER_DAY
 
     def cost(log_t: float) -> float:
