@@ -175,7 +175,8 @@ class CheckpointHooks:
             return
         # Inside the script's own RESTORE phase the span is the script's; the resume is still recorded (a
         # later `ettr.resumed_from` by the script wins: the accounting takes an attempt's last RESUMED).
-        if not self.rec.is_open(Phase.RESTORE):
+        owned = self.rec.is_open(Phase.RESTORE)  # a script's or framework's own restore phase
+        if not owned:
             self.rec.span(
                 Phase.RESTORE, begin, step=step, path=path if path is not None else "<in-memory buffer>"
             )
@@ -183,7 +184,8 @@ class CheckpointHooks:
             return
         if step is not None:
             self._resume_at(step)
-        elif self.rec.attempt > 0 and self._unknown_resume is None:
+        elif not owned and self.rec.attempt > 0 and self._unknown_resume is None:
+            # Inside an owned restore phase the owner says where it resumed (the frameworks' callbacks do)
             reason = self._unmatched_reason(path)
             if reason is not None:
                 self._unknown_resume = (reason, step_in(loaded))

@@ -101,7 +101,7 @@ def _start(environ: Mapping[str, str]) -> None:
 
 def _watch_frameworks(hooks: Any) -> None:
     from ettr.bootstrap.frameworks import TRAINER_MODULES, FrameworkHooks
-    from ettr.bootstrap.post_import import when_imported
+    from ettr.post_import import when_imported
 
     frameworks = FrameworkHooks(hooks.rec, guard=hooks.guard, patcher=hooks.patcher)
     for name in TRAINER_MODULES:
