@@ -90,7 +90,7 @@ def test_async_checkpoint_io_is_blocking_plus_persist(tmp_path: Path) -> None:
 
 @slow
 def test_ddp_on_two_cpu_ranks(tmp_path: Path) -> None:
-    from mp_util import free_port
+    from ettr.testing.spawn import free_port
 
     run_dir = tmp_path / "run"
     torchrun = [
