@@ -8,6 +8,22 @@ from collections.abc import Iterator
 import pytest
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every test (and every process it starts) gets a fresh per-user cache: the compile store and the fleet's
+    summary cache default to $XDG_CACHE_HOME/ettr, which would otherwise carry entries from earlier runs into
+    tests that expect an empty store."""
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = previous
+
+
 def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
