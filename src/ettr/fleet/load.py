@@ -188,11 +188,17 @@ def _ledger_signature(run_dir: Path) -> tuple[int, ...]:
     return tuple(out)
 
 
-def load_run_dir(run_dir: Path, now: float) -> JobSummary | str:
-    """The summary of one run directory, or why it cannot be read (a fleet skips it, saying so)."""
+def load_run_dir(run_dir: Path, now: float, use_stored: bool = True) -> JobSummary | str:
+    """The summary of one run directory, or why it cannot be read (a fleet skips it, saying so): the one its
+    supervisor stored at job end while the ledger holds exactly the rows it was computed from
+    (`ettr.fleet.stored`), else computed from the events."""
     from ettr.fleet.read import read_for_accounting
+    from ettr.fleet.stored import load_stored
     from ettr.report.load import job_id_of
 
+    stored = load_stored(run_dir) if use_stored else None
+    if stored is not None:
+        return stored
     try:
         events = read_for_accounting(run_dir)
     except (LedgerError, OSError) as exc:
@@ -283,9 +289,17 @@ class SummaryCache:
 
 
 def load_run_dirs(
-    run_dirs: Sequence[Path], *, now: float, workers: int | None = None, cache: SummaryCache | None = None
+    run_dirs: Sequence[Path],
+    *,
+    now: float,
+    workers: int | None = None,
+    cache: SummaryCache | None = None,
+    use_stored: bool = True,
 ) -> tuple[list[JobSummary], list[str]]:
-    """Summaries of `run_dirs` (in their order) and the problems of those that could not be read."""
+    """Summaries of `run_dirs` (in their order) and the problems of those that could not be read; with
+    `use_stored=False` every job is accounted from its events (no stored summary, no cache)."""
+    if not use_stored:
+        cache = None
     results: dict[Path, JobSummary | str] = {}
     todo: list[Path] = []
     signatures: dict[Path, tuple[int, ...]] = {}
@@ -304,12 +318,14 @@ def load_run_dirs(
         with ProcessPoolExecutor(num_workers, mp_context=get_context("forkserver")) as pool:
             chunk = max(1, len(todo) // (num_workers * 8))
             for run_dir, result in zip(
-                todo, pool.map(load_run_dir, todo, [now] * len(todo), chunksize=chunk), strict=True
+                todo,
+                pool.map(load_run_dir, todo, [now] * len(todo), [use_stored] * len(todo), chunksize=chunk),
+                strict=True,
             ):
                 results[run_dir] = result
     else:
         for run_dir in todo:
-            results[run_dir] = load_run_dir(run_dir, now)
+            results[run_dir] = load_run_dir(run_dir, now, use_stored)
     summaries, problems = [], []
     for run_dir in run_dirs:
         result = results[run_dir]
@@ -322,12 +338,14 @@ def load_run_dirs(
     return summaries, problems
 
 
-def load_ledger_url(url: str, *, now: float) -> tuple[list[JobSummary], list[str]]:
-    """Summaries of every job in a shared ledger (`sqlite:///PATH` or `postgresql://...`)."""
+def load_ledger_url(url: str, *, now: float, use_stored: bool = True) -> tuple[list[JobSummary], list[str]]:
+    """Summaries of every job in a shared ledger (`sqlite:///PATH` or `postgresql://...`): a finished job's
+    stored summary while the ledger holds exactly the rows it was computed from, else from its events."""
     try:
         from ettr.ledger.url import (  # type: ignore[import-not-found, unused-ignore]
             list_jobs,
             open_url,
+            scheme_of,
         )
     except ImportError:
         raise UsageError(
@@ -337,8 +355,23 @@ def load_ledger_url(url: str, *, now: float) -> tuple[list[JobSummary], list[str
         job_ids = list_jobs(url)
     except (LedgerError, OSError, ValueError) as exc:
         raise UsageError(f"{url}: cannot list its jobs ({exc})") from None
+    from ettr.fleet.stored import decode
+
+    stored: dict[str, Any] = {}
+    if use_stored and scheme_of(url) == "postgresql":
+        from ettr.ledger.postgres import read_summaries
+
+        try:
+            stored = read_summaries(url)
+        except LedgerError as exc:
+            logger.info("ettr fleet: %s: no stored summaries read (%s); reading every job's events", url, exc)
     summaries, problems = [], []
     for job_id in job_ids:
+        if job_id in stored:
+            summary = decode(stored[job_id][0], stored[job_id][1], source=url)
+            if summary is not None and summary.job_id == job_id:
+                summaries.append(summary)
+                continue
         try:
             ledger = open_url(url, job_id=job_id)
             try:

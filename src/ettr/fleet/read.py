@@ -19,18 +19,25 @@ from pathlib import Path
 
 from ettr.events import Event, EventKind, Phase
 from ettr.ledger import LedgerError, ledger_path
+from ettr.ledger.base import LedgerMark
 
 logger = logging.getLogger("ettr")
 
 _KINDS = {k.value: k for k in EventKind}
 _PHASES = {p.value: p for p in Phase}
-_QUERY = "SELECT ts, kind, attempt, rank, phase, step, value, data FROM events ORDER BY id"
+_QUERY = "SELECT ts, kind, attempt, rank, phase, step, value, data, id FROM events ORDER BY id"
+_MARK = "SELECT count(*), coalesce(max(id), 0) FROM events"
 _SKIPPABLE = frozenset({EventKind.STEP.value, EventKind.PHASE_BEGIN.value, EventKind.PHASE_END.value})
 
 
 def read_for_accounting(run_dir: Path) -> list[Event]:
     """The events of `run_dir`'s ledger that `ettr.accounting.compute` uses, in append order (see the
     module docstring). Raises `LedgerError` when the ledger cannot be read."""
+    return read_marked(run_dir)[0]
+
+
+def _query(run_dir: Path, query: str) -> list[tuple]:
+    """The rows of `query` on `run_dir`'s ledger (read-only, schema checked). Raises `LedgerError`."""
     path = ledger_path(run_dir)
     if not path.is_file():
         raise LedgerError(f"no ledger at {path}")
@@ -42,11 +49,24 @@ def read_for_accounting(run_dir: Path) -> list[Event]:
 
             if version is None or int(version[0]) > SCHEMA_VERSION:
                 raise LedgerError(f"{path}: ledger schema {version and version[0]} is not supported")
-            rows = conn.execute(_QUERY).fetchall()
+            return conn.execute(query).fetchall()
         finally:
             conn.close()
     except (sqlite3.DatabaseError, ValueError) as exc:
         raise LedgerError(f"{path} is not a readable ettr ledger ({exc})") from None
+
+
+def current_mark(run_dir: Path) -> LedgerMark:
+    """The mark of every row `run_dir`'s ledger holds now (one indexed count). Raises `LedgerError`."""
+    count, last = _query(run_dir, _MARK)[0]
+    return LedgerMark(int(count), int(last))
+
+
+def read_marked(run_dir: Path) -> tuple[list[Event], LedgerMark]:
+    """`read_for_accounting`'s events and the mark of the rows they were read from (the same read)."""
+    path = ledger_path(run_dir)
+    rows = _query(run_dir, _QUERY)
+    mark = LedgerMark(len(rows), int(rows[-1][8]) if rows else 0)
     # Per attempt, the reference rank (the lowest that wrote anything); per (attempt, rank) its first and
     # last finite timestamps: the only things the accounting takes from the other ranks' steps and phases.
     reference: dict[int, int] = {}
@@ -70,7 +90,7 @@ def read_for_accounting(run_dir: Path) -> list[Event]:
     events: list[Event] = []
     num_skipped = 0
     kinds, phases, loads, skippable = _KINDS, _PHASES, json.loads, _SKIPPABLE
-    for ts, kind, attempt, rank, phase, step, value, data in rows:
+    for ts, kind, attempt, rank, phase, step, value, data, _id in rows:
         if (
             kind in skippable
             and rank >= 0
@@ -91,4 +111,4 @@ def read_for_accounting(run_dir: Path) -> list[Event]:
         events.append(Event(kind_enum, ts, attempt, rank, phase_enum, step, value, payload))
     if num_skipped:
         logger.warning("ettr: %s: skipped %d unreadable ledger records", path, num_skipped)
-    return events
+    return events, mark

@@ -6,6 +6,9 @@ Tables (layout version `SCHEMA_VERSION`, kept in `ettr.meta` like the SQLite led
     ettr.jobs    job_id (primary key), created_ts, host, run_dir      -- one row per job, for the fleet
     ettr.events  id, job_id, node, writer, seq, ts, kind, attempt, rank, phase, step, value, data (JSON text)
                  unique (writer, seq): the idempotency key, so a batch delivered twice is stored once
+    ettr.summaries  job_id (primary key), num_rows, last_id, body (text), written_ts -- a finished job's
+                 summary for the fleet, stored by its supervisor with the mark of the rows it was computed
+                 from (`ettr.fleet.stored`); created on first use, so older ledgers need no migration
 
 Indexes serve one job's events in append order (`job_id, id`), the supervisor's hang probe (the newest
 training-process event of an attempt, `job_id, attempt, ts` over rank >= 0), and the fleet (`jobs.created_ts`).
@@ -28,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ettr.events import SCHEMA_VERSION as EVENT_SCHEMA_VERSION
 from ettr.events import Event
-from ettr.ledger.base import LedgerError, LedgerRejected
+from ettr.ledger.base import LedgerError, LedgerMark, LedgerRejected
 from ettr.ledger.codec import KeyedEvent, events_from_rows, to_row
 
 logger = logging.getLogger("ettr")
@@ -75,6 +78,16 @@ CREATE TABLE IF NOT EXISTS ettr.events (
 );
 CREATE INDEX IF NOT EXISTS events_by_job ON ettr.events (job_id, id);
 CREATE INDEX IF NOT EXISTS events_activity ON ettr.events (job_id, attempt, ts) WHERE rank >= 0;
+"""
+
+_SUMMARIES = """
+CREATE TABLE IF NOT EXISTS ettr.summaries (
+    job_id     text PRIMARY KEY,
+    num_rows   bigint NOT NULL,
+    last_id    bigint NOT NULL,
+    body       text NOT NULL,
+    written_ts double precision NOT NULL
+);
 """
 
 _COLUMNS = "job_id, node, writer, seq, ts, kind, attempt, rank, phase, step, value, data"
@@ -230,6 +243,33 @@ class PostgresLedger:
             logger.warning("ettr: job %s: skipped %d unreadable ledger records", self.job_id, num_bad)
         return events
 
+    def read_marked(self) -> tuple[list[Event], LedgerMark]:
+        """`read()` and the mark of the rows it read (the same statement): what a stored summary is keyed by."""
+        with self._connection() as conn:
+            rows = conn.execute(
+                "SELECT ts, kind, attempt, rank, phase, step, value, data, id FROM ettr.events"
+                " WHERE job_id = %s ORDER BY id",
+                (self.job_id,),
+            ).fetchall()
+        mark = LedgerMark(len(rows), int(rows[-1][8]) if rows else 0)
+        events, num_bad = events_from_rows(row[:8] for row in rows)
+        if num_bad:
+            logger.warning("ettr: job %s: skipped %d unreadable ledger records", self.job_id, num_bad)
+        return events, mark
+
+    def store_summary(self, mark: LedgerMark, body: str) -> None:
+        """Store this job's summary `body`, computed from the rows `mark` describes (replacing an older one)."""
+        with self._connection() as conn:
+            if conn.execute("SELECT to_regclass('ettr.summaries')").fetchone()[0] is None:
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_ADVISORY_LOCK,))
+                conn.execute(_SUMMARIES)
+            conn.execute(
+                "INSERT INTO ettr.summaries (job_id, num_rows, last_id, body, written_ts)"
+                " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (job_id) DO UPDATE SET num_rows = EXCLUDED.num_rows,"
+                " last_id = EXCLUDED.last_id, body = EXCLUDED.body, written_ts = EXCLUDED.written_ts",
+                (self.job_id, mark.num_rows, mark.last_id, body, time.time()),
+            )
+
     def read_supervisor(self) -> list[Event]:
         """The supervisors' own events (rank < 0), in append order: what peers of a multi-node job poll."""
         with self._connection() as conn:
@@ -308,3 +348,28 @@ def list_jobs(url: str) -> list[str]:
             ]
     except psycopg.Error as exc:
         raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None
+
+
+def read_summaries(url: str) -> dict[str, tuple[str, LedgerMark]]:
+    """Every stored summary in the ledger at `url` whose job still holds exactly the rows it was computed
+    from: job id -> (body, mark). One statement: each summarized job's rows are counted on the
+    `(job_id, id)` index. Raises `LedgerError`."""
+    import psycopg
+
+    try:
+        with psycopg.connect(_conninfo(url)) as conn:
+            _check_schema(conn, url, create=False)
+            if conn.execute("SELECT to_regclass('ettr.summaries')").fetchone()[0] is None:
+                return {}
+            rows = conn.execute(
+                "SELECT s.job_id, s.body, s.num_rows, s.last_id, c.num_rows, c.last_id FROM ettr.summaries s"
+                " CROSS JOIN LATERAL (SELECT count(*) AS num_rows, coalesce(max(e.id), 0) AS last_id"
+                " FROM ettr.events e WHERE e.job_id = s.job_id) c"
+            ).fetchall()
+    except psycopg.Error as exc:
+        raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None
+    return {
+        job_id: (body, LedgerMark(int(n), int(last)))
+        for job_id, body, n, last, now_n, now_last in rows
+        if (n, last) == (now_n, now_last)
+    }

@@ -1,0 +1,176 @@
+"""Summaries stored at job end (`ettr.fleet.stored`): equal to what `ettr report` says of the job, used only
+while the ledger holds exactly the rows they were computed from, recomputed from the events otherwise."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import replace
+
+import pytest
+
+from ettr.events import SUPERVISOR_RANK, Event, EventKind
+from ettr.fleet.load import load_ledger_url, load_run_dir, load_run_dirs
+from ettr.fleet.stored import load_stored, store_at_job_end, store_run_dir, summary_path
+from ettr.ledger import open_ledger
+from ettr.testing.fleet import JobSpec, write_job, write_job_url
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _spec(i: int, rng: random.Random) -> JobSpec:
+    return JobSpec(
+        job_id=f"job-{i}",
+        family=rng.choice(("a", "b")),
+        start_ts=T0 + 1000 * i,
+        world_size=rng.choice((1, 2, 4)),
+        num_steps=rng.randrange(20, 120),
+        ckpt_every=rng.choice((10, 25)),
+        fail_at_steps=tuple(sorted(rng.sample(range(5, 20), rng.randrange(0, 3)))),
+        failure_kind=rng.choice(("user", "infra", "preemption", "hang")),
+    )
+
+
+def _from_events(run_dir):
+    summary = load_run_dir(run_dir, time.time(), use_stored=False)
+    assert not isinstance(summary, str), summary
+    return summary
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_stored_summary_equals_the_report_and_the_events(seed, tmp_path):
+    from ettr.report.load import read_run
+
+    rng = random.Random(seed)
+    run_dir = write_job(tmp_path / "run", _spec(seed, rng))
+    assert summary_path(run_dir).is_file()
+    stored = load_stored(run_dir)
+    assert stored is not None
+    assert stored == _from_events(run_dir)
+    _events, report = read_run(run_dir)  # what `ettr report RUN_DIR` shows
+    assert stored.job_id == report.job_id
+    assert stored.ett_pct == report.ett_pct and stored.wall_s == report.wall_s
+    assert dict(stored.buckets_s) == dict(report.buckets_s)
+    assert stored.tts_s == report.tts_s and stored.ttr_s == tuple(report.ttr_s)
+    assert stored.num_failures == report.num_failures and stored.failures == tuple(report.failures)
+
+
+def test_an_event_appended_after_the_summary_makes_it_stale(tmp_path):
+    run_dir = write_job(tmp_path / "run", JobSpec(job_id="j", num_steps=40))
+    before = load_stored(run_dir)
+    assert before is not None and not before.in_progress
+    ledger = open_ledger(run_dir)  # a requeue: a new supervisor starts the job again
+    last = ledger.read()[-1].ts
+    ledger.append([
+        Event(EventKind.SUPERVISOR_START, last + 5, 1, SUPERVISOR_RANK, data={"pid": 2**22 + 7}),
+        Event(EventKind.ATTEMPT_START, last + 6, 1, SUPERVISOR_RANK, data={"pid": 2**22 + 8}),
+        Event(EventKind.STEP, last + 9, 1, 0, step=41),
+    ])  # fmt: skip
+    ledger.close()
+    assert load_stored(run_dir) is None
+    now = time.time()
+    fleet = load_run_dir(run_dir, now)
+    assert fleet == _from_events(run_dir) and fleet != before
+    assert not isinstance(fleet, str) and fleet.in_progress and fleet.wall_end_ts > before.wall_end_ts
+
+
+def test_a_row_added_with_an_older_id_is_caught_by_the_count(tmp_path):
+    from ettr.fleet.read import current_mark
+
+    run_dir = write_job(tmp_path / "run", JobSpec(job_id="j", num_steps=30))
+    mark = current_mark(run_dir)
+    import sqlite3
+
+    with sqlite3.connect(run_dir / "ledger.db") as conn:  # a gap in the ids, filled later
+        low = conn.execute("SELECT min(id) FROM events").fetchone()[0]
+        conn.execute("DELETE FROM events WHERE id = ?", (low,))
+    store_run_dir(run_dir)
+    with sqlite3.connect(run_dir / "ledger.db") as conn:
+        conn.execute(
+            "INSERT INTO events (id, ts, kind, attempt, rank) VALUES (?, ?, 'supervisor_start', 0, -1)",
+            (low, T0),
+        )
+    assert current_mark(run_dir) == mark  # same count and last id as at the first store...
+    assert load_stored(run_dir) is None  # ...but not as at the summary's: recomputed
+
+
+def test_a_summary_of_another_accounting_or_malformed_is_not_used(tmp_path):
+    run_dir = write_job(tmp_path / "run", JobSpec(job_id="j", num_steps=30))
+    path = summary_path(run_dir)
+    data = json.loads(path.read_text())
+    data["key"][1] += 1  # written by another accounting version (CACHE_VERSION)
+    path.write_text(json.dumps(data))
+    assert load_stored(run_dir) is None
+    path.write_text("{not json")
+    assert load_stored(run_dir) is None
+    assert load_run_dir(run_dir, time.time()) == _from_events(run_dir)
+
+
+def test_a_running_job_stores_nothing_and_storing_never_raises(tmp_path):
+    run_dir = write_job(tmp_path / "run", JobSpec(job_id="j", num_steps=30, running=True))
+    assert not summary_path(run_dir).exists()
+    assert store_run_dir(run_dir) is None
+    store_at_job_end(tmp_path / "nothing-here", ledger_url=None, job_id="x")  # no ledger: logged, no raise
+    store_at_job_end(tmp_path, ledger_url="postgresql://nobody@127.0.0.1:1/x", job_id="x")
+
+
+def test_the_fleet_uses_stored_summaries_and_names_jobs_as_the_report_does(tmp_path):
+    from ettr.closing import recorded_job_id
+
+    specs = [_spec(i, random.Random(i)) for i in range(4)]
+    for spec in specs:
+        write_job(tmp_path / spec.job_id, spec)
+    dirs = sorted(tmp_path.glob("job-*"))
+    stored, problems = load_run_dirs(dirs, now=time.time())
+    events, _ = load_run_dirs(dirs, now=time.time(), use_stored=False)
+    assert not problems and stored == events
+    # Moved: the source is where the fleet found it now.
+    moved = tmp_path / "moved"
+    shutil.move(str(dirs[0]), moved)
+    summary = load_stored(moved)
+    assert summary is not None and summary.source == str(moved) and summary.job_id == specs[0].job_id
+    # A job whose supervisor recorded no job id is named after its directory, as `ettr report` names it.
+    anon = tmp_path / "anon"
+    ledger = open_ledger(anon)
+    from ettr.testing.fleet import job_events
+
+    plain = [replace(e, data={k: v for k, v in e.data.items() if k != "job_id"}) if e.data else e
+             for e in job_events(JobSpec(job_id="ignored", num_steps=20))]  # fmt: skip
+    assert recorded_job_id(plain) is None
+    ledger.append(plain)
+    ledger.close()
+    store_run_dir(anon)
+    renamed = tmp_path / "renamed"
+    anon.rename(renamed)
+    summary = load_stored(renamed)
+    assert summary is not None and summary.job_id == "renamed" == _from_events(renamed).job_id
+
+
+def test_postgres_stored_summaries_equal_the_events_and_go_stale(postgres_url):
+    from ettr.ledger.url import open_url
+
+    rng = random.Random(3)
+    specs = [_spec(i, rng) for i in range(5)]
+    write_job_url(postgres_url, specs[0], close=False)  # finished, but its supervisor stored nothing
+    for spec in specs[1:]:
+        write_job_url(postgres_url, spec)
+    from ettr.ledger.postgres import read_summaries
+
+    assert sorted(read_summaries(postgres_url)) == sorted(s.job_id for s in specs[1:])
+    stored, problems = load_ledger_url(postgres_url, now=time.time())
+    events, _ = load_ledger_url(postgres_url, now=time.time(), use_stored=False)
+    assert not problems and stored == events and len(stored) == 5
+    ledger = open_url(postgres_url, job_id=specs[1].job_id)  # a late delivered spill
+    last = max(e.ts for e in ledger.read())
+    ledger.append([Event(EventKind.MARK, last + 1.0, 0, 0, data={"late": True})])
+    ledger.close()
+    assert specs[1].job_id not in read_summaries(postgres_url)
+    again, _ = load_ledger_url(postgres_url, now=time.time())
+    assert again == load_ledger_url(postgres_url, now=time.time(), use_stored=False)[0]
