@@ -48,6 +48,7 @@ _TIMEOUTS = {
     "tcp_user_timeout": "5000",  # ms: unacknowledged data on a dead link fails the call
 }
 _STATEMENT_TIMEOUT_MS = 10_000
+_SUMMARY_CHECK_TIMEOUT_MS = 120_000
 _ADVISORY_LOCK = 0x65747472  # 'ettr': serializes concurrent schema creation
 
 _SCHEMA = """
@@ -361,6 +362,8 @@ def read_summaries(url: str) -> dict[str, tuple[str, LedgerMark]]:
             _check_schema(conn, url, create=False)
             if conn.execute("SELECT to_regclass('ettr.summaries')").fetchone()[0] is None:
                 return {}
+            # One count over every summarized job's rows: a fleet's worth of index entries, not one job's.
+            conn.execute(f"SET statement_timeout = {_SUMMARY_CHECK_TIMEOUT_MS}")
             rows = conn.execute(
                 "SELECT s.job_id, s.body, s.num_rows, s.last_id, c.num_rows, c.last_id FROM ettr.summaries s"
                 " CROSS JOIN LATERAL (SELECT count(*) AS num_rows, coalesce(max(e.id), 0) AS last_id"
