@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -338,13 +338,43 @@ def load_run_dirs(
     return summaries, problems
 
 
+def _events_of_jobs(url: str, job_ids: Sequence[str]) -> Iterator[tuple[str, list[Event] | str]]:
+    """Each job's events for the accounting, or why they cannot be read: a PostgreSQL ledger over one
+    connection, the server leaving out the rows the accounting does not use (`ettr.fleet.read`); another
+    ledger through `open_url`."""
+    from ettr.ledger.url import open_url, scheme_of
+
+    if scheme_of(url) == "postgresql" and job_ids:
+        from ettr.fleet.read import read_postgres_marked
+        from ettr.ledger.postgres import connect
+
+        try:
+            with connect(url) as conn:
+                for job_id in job_ids:
+                    try:
+                        yield job_id, read_postgres_marked(conn, job_id)[0]
+                    except LedgerError as exc:
+                        yield job_id, f"{url} job {job_id}: {exc}"
+        except LedgerError as exc:
+            raise UsageError(f"{url}: cannot read its jobs ({exc})") from None
+        return
+    for job_id in job_ids:
+        try:
+            ledger = open_url(url, job_id=job_id)
+            try:
+                yield job_id, ledger.read()
+            finally:
+                ledger.close()
+        except (LedgerError, OSError, ValueError) as exc:
+            yield job_id, f"{url} job {job_id}: {exc}"
+
+
 def load_ledger_url(url: str, *, now: float, use_stored: bool = True) -> tuple[list[JobSummary], list[str]]:
     """Summaries of every job in a shared ledger (`sqlite:///PATH` or `postgresql://...`): a finished job's
     stored summary while the ledger holds exactly the rows it was computed from, else from its events."""
     try:
         from ettr.ledger.url import (  # type: ignore[import-not-found, unused-ignore]
             list_jobs,
-            open_url,
             scheme_of,
         )
     except ImportError:
@@ -365,24 +395,20 @@ def load_ledger_url(url: str, *, now: float, use_stored: bool = True) -> tuple[l
             stored = read_summaries(url)
         except LedgerError as exc:
             logger.info("ettr fleet: %s: no stored summaries read (%s); reading every job's events", url, exc)
-    summaries, problems = [], []
+    results: dict[str, JobSummary | str | None] = {}
     for job_id in job_ids:
         if job_id in stored:
             summary = decode(stored[job_id][0], stored[job_id][1], source=url)
             if summary is not None and summary.job_id == job_id:
-                summaries.append(summary)
-                continue
-        try:
-            ledger = open_url(url, job_id=job_id)
-            try:
-                events = ledger.read()
-            finally:
-                ledger.close()
-        except (LedgerError, OSError, ValueError) as exc:
-            problems.append(f"{url} job {job_id}: {exc}")
-            continue
-        if events:
-            summaries.append(summarize_events(events, job_id=job_id, source=url, now=now))
+                results[job_id] = summary
+    todo = [job_id for job_id in job_ids if job_id not in results]
+    for job_id, events in _events_of_jobs(url, todo):
+        if isinstance(events, str):
+            results[job_id] = events
+        else:
+            results[job_id] = summarize_events(events, job_id=job_id, source=url, now=now) if events else None
+    summaries = [r for r in (results[j] for j in job_ids) if isinstance(r, JobSummary)]
+    problems = [r for r in (results[j] for j in job_ids) if isinstance(r, str)]
     if not summaries and not problems:
         raise UsageError(f"{url}: the ledger holds no jobs yet")
     return summaries, problems

@@ -16,6 +16,7 @@ import logging
 import math
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 from ettr.events import Event, EventKind, Phase
 from ettr.ledger import LedgerError, ledger_path
@@ -111,4 +112,47 @@ def read_marked(run_dir: Path) -> tuple[list[Event], LedgerMark]:
         events.append(Event(kind_enum, ts, attempt, rank, phase_enum, step, value, payload))
     if num_skipped:
         logger.warning("ettr: %s: skipped %d unreadable ledger records", path, num_skipped)
+    return events, mark
+
+
+# The same choice made by the server (PostgreSQL): only the rows kept above leave it, with the mark of every
+# row of the job from the same statement. `ok` is what the ledger's own read would return (a kind and phase
+# this ettr knows, a finite time, a training process's rank).
+_PG_QUERY = """
+SELECT ts, kind, attempt, rank, phase, step, value, data, num_rows, last_id FROM (
+    SELECT e.*,
+        count(*) OVER () AS num_rows,
+        max(id) OVER () AS last_id,
+        min(rank) FILTER (WHERE ok) OVER (PARTITION BY attempt) AS ref,
+        min(ts) FILTER (WHERE ok) OVER (PARTITION BY attempt, rank) AS first_ts,
+        max(ts) FILTER (WHERE ok) OVER (PARTITION BY attempt, rank) AS last_ts
+    FROM (
+        SELECT id, ts, kind, attempt, rank, phase, step, value, data,
+            (rank >= 0 AND ts > '-Infinity' AND ts < 'Infinity' AND kind = ANY(%(kinds)s)
+             AND (phase IS NULL OR phase = ANY(%(phases)s))) AS ok
+        FROM ettr.events WHERE job_id = %(job_id)s
+    ) e
+) x
+WHERE NOT (kind = ANY(%(skippable)s) AND rank >= 0 AND rank IS DISTINCT FROM ref
+           AND ts IS DISTINCT FROM first_ts AND ts IS DISTINCT FROM last_ts)
+ORDER BY id
+"""
+
+
+def read_postgres_marked(conn: Any, job_id: str) -> tuple[list[Event], LedgerMark]:
+    """`read_marked` for job `job_id` of a PostgreSQL ledger on `conn` (`ettr.ledger.postgres.connect`):
+    the server leaves out the rows the accounting does not use. Raises `LedgerError`."""
+    import psycopg
+
+    from ettr.ledger.codec import events_from_rows
+
+    params = {"kinds": list(_KINDS), "phases": list(_PHASES), "skippable": list(_SKIPPABLE), "job_id": job_id}
+    try:
+        rows = conn.execute(_PG_QUERY, params).fetchall()
+    except psycopg.Error as exc:
+        raise LedgerError(f"job {job_id}: {' '.join(str(exc).split())}") from None
+    mark = LedgerMark(int(rows[0][8]), int(rows[0][9])) if rows else LedgerMark(0, 0)
+    events, num_bad = events_from_rows(row[:8] for row in rows)
+    if num_bad:
+        logger.warning("ettr: job %s: skipped %d unreadable ledger records", job_id, num_bad)
     return events, mark

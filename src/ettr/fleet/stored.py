@@ -106,16 +106,18 @@ def store_run_dir(run_dir: str | os.PathLike[str]) -> JobSummary | None:
 def store_url(url: str, job_id: str) -> JobSummary | None:
     """Account the finished job `job_id` of the PostgreSQL ledger at `url` once and store its summary in the
     ledger. Returns it, or None when the job is not finished. Raises `LedgerError`."""
-    from ettr.ledger.postgres import PostgresLedger
+    from ettr.fleet.read import read_postgres_marked
+    from ettr.ledger.postgres import PostgresLedger, connect
 
-    ledger = PostgresLedger(url, job_id=job_id)
-    try:
-        events, mark = ledger.read_marked()
-        summary = summarize_finished(events, job_id=job_id, source=url)
-        if summary is not None:
+    with connect(url) as conn:
+        events, mark = read_postgres_marked(conn, job_id)
+    summary = summarize_finished(events, job_id=job_id, source=url)
+    if summary is not None:
+        ledger = PostgresLedger(url, job_id=job_id)
+        try:
             ledger.store_summary(mark, encode(summary, mark, job_id_recorded=True))
-    finally:
-        ledger.close()
+        finally:
+            ledger.close()
     return summary
 
 

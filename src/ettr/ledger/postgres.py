@@ -244,20 +244,6 @@ class PostgresLedger:
             logger.warning("ettr: job %s: skipped %d unreadable ledger records", self.job_id, num_bad)
         return events
 
-    def read_marked(self) -> tuple[list[Event], LedgerMark]:
-        """`read()` and the mark of the rows it read (the same statement): what a stored summary is keyed by."""
-        with self._connection() as conn:
-            rows = conn.execute(
-                "SELECT ts, kind, attempt, rank, phase, step, value, data, id FROM ettr.events"
-                " WHERE job_id = %s ORDER BY id",
-                (self.job_id,),
-            ).fetchall()
-        mark = LedgerMark(len(rows), int(rows[-1][8]) if rows else 0)
-        events, num_bad = events_from_rows(row[:8] for row in rows)
-        if num_bad:
-            logger.warning("ettr: job %s: skipped %d unreadable ledger records", self.job_id, num_bad)
-        return events, mark
-
     def store_summary(self, mark: LedgerMark, body: str) -> None:
         """Store this job's summary `body`, computed from the rows `mark` describes (replacing an older one)."""
         with self._connection() as conn:
@@ -376,3 +362,17 @@ def read_summaries(url: str) -> dict[str, tuple[str, LedgerMark]]:
         for job_id, body, n, last, now_n, now_last in rows
         if (n, last) == (now_n, now_last)
     }
+
+
+@contextmanager
+def connect(url: str) -> Iterator[Any]:
+    """One autocommit connection to the ledger at `url` (schema checked), for reads over many jobs (the
+    fleet); psycopg errors become `LedgerError` (one line, password redacted)."""
+    import psycopg
+
+    try:
+        with psycopg.connect(_conninfo(url), autocommit=True) as conn:
+            _check_schema(conn, url, create=False)
+            yield conn
+    except psycopg.Error as exc:
+        raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None
