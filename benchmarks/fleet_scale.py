@@ -72,12 +72,13 @@ def _close(run_dir: Path) -> None:
 
 def generate(root: Path, num_jobs: int, num_events: int, workers: int) -> float | None:
     marker = root / "COMPLETE.json"
-    params = {"num_jobs": num_jobs, "num_events": num_events, "version": 3}
+    params = {"num_jobs": num_jobs, "num_events": num_events, "version": 4}
     found = json.loads(marker.read_text()) if marker.is_file() else None
     if found == params:
         return None
     start = time.perf_counter()
-    if found == {**params, "version": 2}:  # the same events, written before jobs stored summaries at end
+    if found in ({**params, "version": 2}, {**params, "version": 3}):  # the same events, stored earlier
+        # Jobs end again: each summary stored as the supervisor stores it at job end (idempotent).
         with ProcessPoolExecutor(workers) as pool:
             list(pool.map(_close, sorted(root.glob("job-*")), chunksize=8))
         atomic_write(marker, json.dumps(params))

@@ -209,3 +209,23 @@ def test_the_servers_filtered_read_gives_the_same_report_as_the_full_ledger(post
         now = max(e.ts for e in full) + 5
         assert to_dict(compute(fewer, now, job_id="j")) == to_dict(compute(full, now, job_id="j")), seed
     assert reduced > 0  # the filter did leave rows out
+
+
+def test_unchanged_ledger_files_are_trusted_without_opening_the_database(tmp_path, monkeypatch):
+    import ettr.fleet.read as read
+
+    run_dir = write_job(tmp_path / "run", JobSpec(job_id="j", num_steps=30))
+    expected = _from_events(run_dir)
+
+    def no_open(_run_dir):
+        raise AssertionError("the database was opened")
+
+    monkeypatch.setattr(read, "current_mark", no_open)
+    assert load_stored(run_dir) == expected
+    ledger = open_ledger(run_dir)  # anything appended changes the files: the rows are counted again
+    ledger.append([Event(EventKind.MARK, T0 + 1e5, 0, 0, data={"late": True})])
+    ledger.close()
+    with pytest.raises(AssertionError, match="opened"):
+        load_stored(run_dir)
+    monkeypatch.undo()
+    assert load_stored(run_dir) is None

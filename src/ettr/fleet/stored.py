@@ -46,23 +46,41 @@ def _key(mark: LedgerMark) -> list[Any]:
     return [FORMAT, CACHE_VERSION, version(), mark.num_rows, mark.last_id]
 
 
-def encode(summary: JobSummary, mark: LedgerMark, *, job_id_recorded: bool) -> str:
-    """The stored form of `summary`, computed from the rows `mark` describes."""
+def encode(
+    summary: JobSummary,
+    mark: LedgerMark,
+    *,
+    job_id_recorded: bool,
+    files: list[int] | None = None,
+) -> str:
+    """The stored form of `summary`, computed from the rows `mark` describes; `files` is the ledger files'
+    identity, size and time while they held exactly those rows (`file_signature`), if known."""
     payload = {
         "key": _key(mark),
         "job_id_recorded": job_id_recorded,
+        "files": files,
         "summary": summary_to_json(summary),
     }
     return json.dumps(payload, allow_nan=True, separators=(",", ":"))
 
 
+def file_signature(run_dir: Path) -> list[int]:
+    """What changes when a run directory's ledger changes: the database file's device and inode (a rebuilt
+    ledger is a new file) and its and its write-ahead log's size and modification time."""
+    from ettr.fleet.load import _ledger_signature
+    from ettr.ledger import ledger_path
+
+    st = os.stat(ledger_path(run_dir))
+    return [st.st_dev, st.st_ino, *_ledger_signature(run_dir)]
+
+
 def decode(
-    text: str | bytes, mark: LedgerMark, *, source: str, run_dir: Path | None = None
+    text: str | bytes | Mapping[str, Any], mark: LedgerMark, *, source: str, run_dir: Path | None = None
 ) -> JobSummary | None:
     """The stored summary in `text` if it was computed from exactly the rows `mark` describes now (by this
     accounting), with `source` as the fleet names it; None when stale, from another ettr, or malformed."""
     try:
-        data = json.loads(text)
+        data = text if isinstance(text, Mapping) else json.loads(text)
         if not isinstance(data, Mapping) or data.get("key") != _key(mark):
             return None
         summary = summary_from_json(data["summary"])
@@ -94,12 +112,15 @@ def store_run_dir(run_dir: str | os.PathLike[str]) -> JobSummary | None:
     from ettr.fleet.read import read_marked
 
     path = Path(run_dir)
+    before = file_signature(path)
     events, mark = read_marked(path)
+    files = before if file_signature(path) == before else None  # nothing appended while reading
     recorded = recorded_job_id(events)
     summary = summarize_finished(events, job_id=recorded or path.absolute().name, source=str(path))
     if summary is None:
         return None
-    atomic_write(summary_path(path), encode(summary, mark, job_id_recorded=recorded is not None))
+    text = encode(summary, mark, job_id_recorded=recorded is not None, files=files)
+    atomic_write(summary_path(path), text)
     return summary
 
 
@@ -138,15 +159,22 @@ def store_at_job_end(run_dir: str | os.PathLike[str], *, ledger_url: str | None,
 
 
 def load_stored(run_dir: Path) -> JobSummary | None:
-    """The stored summary of `run_dir` if its ledger still holds exactly the rows it was computed from."""
+    """The stored summary of `run_dir` if its ledger still holds exactly the rows it was computed from:
+    when the ledger files are the very ones, unchanged in size and time, that held those rows at the
+    store, without opening the database; else by counting its rows now."""
     from ettr.fleet.read import current_mark
 
     try:
-        text = summary_path(run_dir).read_bytes()
-    except OSError:
+        data = json.loads(summary_path(run_dir).read_bytes())
+        key = data["key"]
+        mark = None
+        if data.get("files") is not None and data["files"] == file_signature(run_dir):
+            mark = LedgerMark(int(key[3]), int(key[4]))
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
-    try:
-        mark = current_mark(run_dir)
-    except (LedgerError, OSError):
-        return None
-    return decode(text, mark, source=str(run_dir), run_dir=run_dir)
+    if mark is None:
+        try:
+            mark = current_mark(run_dir)
+        except (LedgerError, OSError):
+            return None
+    return decode(data, mark, source=str(run_dir), run_dir=run_dir)
