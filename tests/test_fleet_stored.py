@@ -229,3 +229,44 @@ def test_unchanged_ledger_files_are_trusted_without_opening_the_database(tmp_pat
         load_stored(run_dir)
     monkeypatch.undo()
     assert load_stored(run_dir) is None
+
+
+def _ettr_run(tmp_path, *flags: str) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).parent / "scripts" / "train_phases.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(tmp_path / "run"), "--job-id", "real",
+         *flags, "--", sys.executable, script, "--compile-s", "0.2", "--steps", "6"],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_real_job_stores_its_summary_at_its_end(tmp_path):
+    from ettr.report.json import to_dict
+    from ettr.report.load import read_run
+
+    _ettr_run(tmp_path)
+    run_dir = tmp_path / "run"
+    stored = load_stored(run_dir)
+    assert stored is not None and stored == _from_events(run_dir)
+    report = to_dict(read_run(run_dir)[1])  # `ettr report --json`
+    assert stored.job_id == report["job_id"] == "real"
+    assert stored.ett_pct == pytest.approx(report["ett_pct"])
+
+
+@pytest.mark.slow
+def test_a_real_job_on_postgres_stores_its_summary_there(tmp_path, postgres_url):
+    from ettr.ledger.postgres import read_summaries
+
+    _ettr_run(tmp_path, "--ledger", postgres_url)
+    assert "real" in read_summaries(postgres_url)
+    assert not summary_path(tmp_path / "run").exists()
+    stored, _ = load_ledger_url(postgres_url, now=time.time())
+    assert stored == load_ledger_url(postgres_url, now=time.time(), use_stored=False)[0]
