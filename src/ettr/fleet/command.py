@@ -27,6 +27,7 @@ FLEET_EPILOG = """examples:
   ettr fleet runs/ --check                exit 1 when a family regressed (cron, CI)
   ettr fleet --ledger postgresql://ettr@db/ettr --since 2026-11-24
   ettr fleet runs/ --preempt-order --need-gpus 16 --json | jq -r '.preempt_order.victims[]'
+  ettr fleet runs/ --from-events --no-cache   every job accounted from its events (an audit)
 """
 
 SERVE_EPILOG = """examples:
@@ -71,6 +72,12 @@ def _add_sources(p: argparse.ArgumentParser) -> None:
         "(default $XDG_CACHE_HOME/ettr/fleet, i.e. ~/.cache/ettr/fleet)",
     )
     p.add_argument("--no-cache", action="store_true", help="read every ledger, keep nothing")
+    p.add_argument(
+        "--from-events",
+        action="store_true",
+        help="account every job from its events, ignoring the summaries supervisors stored at job end "
+        "(an audit; the figures are the same, only slower)",
+    )
 
 
 def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
@@ -122,10 +129,13 @@ def load_jobs(
     from ettr.fleet.load import find_run_dirs, load_ledger_url, load_run_dirs
 
     try:
+        use_stored = not getattr(args, "from_events", False)
         if args.ledger:
-            return load_ledger_url(args.ledger, now=now)
+            return load_ledger_url(args.ledger, now=now, use_stored=use_stored)
         run_dirs = find_run_dirs(args.run_dirs)
-        return load_run_dirs(run_dirs, now=now, workers=args.workers, cache=cache or make_cache(args))
+        return load_run_dirs(
+            run_dirs, now=now, workers=args.workers, cache=cache or make_cache(args), use_stored=use_stored
+        )
     except UsageError as exc:
         if str(exc).startswith("ettr "):
             raise

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -188,11 +188,17 @@ def _ledger_signature(run_dir: Path) -> tuple[int, ...]:
     return tuple(out)
 
 
-def load_run_dir(run_dir: Path, now: float) -> JobSummary | str:
-    """The summary of one run directory, or why it cannot be read (a fleet skips it, saying so)."""
+def load_run_dir(run_dir: Path, now: float, use_stored: bool = True) -> JobSummary | str:
+    """The summary of one run directory, or why it cannot be read (a fleet skips it, saying so): the one its
+    supervisor stored at job end while the ledger holds exactly the rows it was computed from
+    (`ettr.fleet.stored`), else computed from the events."""
     from ettr.fleet.read import read_for_accounting
+    from ettr.fleet.stored import load_stored
     from ettr.report.load import job_id_of
 
+    stored = load_stored(run_dir) if use_stored else None
+    if stored is not None:
+        return stored
     try:
         events = read_for_accounting(run_dir)
     except (LedgerError, OSError) as exc:
@@ -283,9 +289,17 @@ class SummaryCache:
 
 
 def load_run_dirs(
-    run_dirs: Sequence[Path], *, now: float, workers: int | None = None, cache: SummaryCache | None = None
+    run_dirs: Sequence[Path],
+    *,
+    now: float,
+    workers: int | None = None,
+    cache: SummaryCache | None = None,
+    use_stored: bool = True,
 ) -> tuple[list[JobSummary], list[str]]:
-    """Summaries of `run_dirs` (in their order) and the problems of those that could not be read."""
+    """Summaries of `run_dirs` (in their order) and the problems of those that could not be read; with
+    `use_stored=False` every job is accounted from its events (no stored summary, no cache)."""
+    if not use_stored:
+        cache = None
     results: dict[Path, JobSummary | str] = {}
     todo: list[Path] = []
     signatures: dict[Path, tuple[int, ...]] = {}
@@ -304,12 +318,14 @@ def load_run_dirs(
         with ProcessPoolExecutor(num_workers, mp_context=get_context("forkserver")) as pool:
             chunk = max(1, len(todo) // (num_workers * 8))
             for run_dir, result in zip(
-                todo, pool.map(load_run_dir, todo, [now] * len(todo), chunksize=chunk), strict=True
+                todo,
+                pool.map(load_run_dir, todo, [now] * len(todo), [use_stored] * len(todo), chunksize=chunk),
+                strict=True,
             ):
                 results[run_dir] = result
     else:
         for run_dir in todo:
-            results[run_dir] = load_run_dir(run_dir, now)
+            results[run_dir] = load_run_dir(run_dir, now, use_stored)
     summaries, problems = [], []
     for run_dir in run_dirs:
         result = results[run_dir]
@@ -322,12 +338,44 @@ def load_run_dirs(
     return summaries, problems
 
 
-def load_ledger_url(url: str, *, now: float) -> tuple[list[JobSummary], list[str]]:
-    """Summaries of every job in a shared ledger (`sqlite:///PATH` or `postgresql://...`)."""
+def _events_of_jobs(url: str, job_ids: Sequence[str]) -> Iterator[tuple[str, list[Event] | str]]:
+    """Each job's events for the accounting, or why they cannot be read: a PostgreSQL ledger over one
+    connection, the server leaving out the rows the accounting does not use (`ettr.fleet.read`); another
+    ledger through `open_url`."""
+    from ettr.ledger.url import open_url, scheme_of
+
+    if scheme_of(url) == "postgresql" and job_ids:
+        from ettr.fleet.read import read_postgres_marked
+        from ettr.ledger.postgres import connect
+
+        try:
+            with connect(url) as conn:
+                for job_id in job_ids:
+                    try:
+                        yield job_id, read_postgres_marked(conn, job_id)[0]
+                    except LedgerError as exc:
+                        yield job_id, f"{url} job {job_id}: {exc}"
+        except LedgerError as exc:
+            raise UsageError(f"{url}: cannot read its jobs ({exc})") from None
+        return
+    for job_id in job_ids:
+        try:
+            ledger = open_url(url, job_id=job_id)
+            try:
+                yield job_id, ledger.read()
+            finally:
+                ledger.close()
+        except (LedgerError, OSError, ValueError) as exc:
+            yield job_id, f"{url} job {job_id}: {exc}"
+
+
+def load_ledger_url(url: str, *, now: float, use_stored: bool = True) -> tuple[list[JobSummary], list[str]]:
+    """Summaries of every job in a shared ledger (`sqlite:///PATH` or `postgresql://...`): a finished job's
+    stored summary while the ledger holds exactly the rows it was computed from, else from its events."""
     try:
         from ettr.ledger.url import (  # type: ignore[import-not-found, unused-ignore]
             list_jobs,
-            open_url,
+            scheme_of,
         )
     except ImportError:
         raise UsageError(
@@ -337,19 +385,30 @@ def load_ledger_url(url: str, *, now: float) -> tuple[list[JobSummary], list[str
         job_ids = list_jobs(url)
     except (LedgerError, OSError, ValueError) as exc:
         raise UsageError(f"{url}: cannot list its jobs ({exc})") from None
-    summaries, problems = [], []
-    for job_id in job_ids:
+    from ettr.fleet.stored import decode
+
+    stored: dict[str, Any] = {}
+    if use_stored and scheme_of(url) == "postgresql":
+        from ettr.ledger.postgres import read_summaries
+
         try:
-            ledger = open_url(url, job_id=job_id)
-            try:
-                events = ledger.read()
-            finally:
-                ledger.close()
-        except (LedgerError, OSError, ValueError) as exc:
-            problems.append(f"{url} job {job_id}: {exc}")
-            continue
-        if events:
-            summaries.append(summarize_events(events, job_id=job_id, source=url, now=now))
+            stored = read_summaries(url)
+        except LedgerError as exc:
+            logger.info("ettr fleet: %s: no stored summaries read (%s); reading every job's events", url, exc)
+    results: dict[str, JobSummary | str | None] = {}
+    for job_id in job_ids:
+        if job_id in stored:
+            summary = decode(stored[job_id][0], stored[job_id][1], source=url)
+            if summary is not None and summary.job_id == job_id:
+                results[job_id] = summary
+    todo = [job_id for job_id in job_ids if job_id not in results]
+    for job_id, events in _events_of_jobs(url, todo):
+        if isinstance(events, str):
+            results[job_id] = events
+        else:
+            results[job_id] = summarize_events(events, job_id=job_id, source=url, now=now) if events else None
+    summaries = [r for r in (results[j] for j in job_ids) if isinstance(r, JobSummary)]
+    problems = [r for r in (results[j] for j in job_ids) if isinstance(r, str)]
     if not summaries and not problems:
         raise UsageError(f"{url}: the ledger holds no jobs yet")
     return summaries, problems

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ettr.events import Event
@@ -15,6 +16,16 @@ class LedgerError(Exception):
 
 class LedgerRejected(LedgerError):
     """The server is there but refused these rows (data it cannot store): retrying them will not help."""
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerMark:
+    """Which rows of one job's books a read saw: how many, and the id of the last (ids only grow). Two reads
+    with equal marks saw the same rows of an append-only ledger; the count also catches a row committed
+    late with a lower id (PostgreSQL hands out ids before commit)."""
+
+    num_rows: int
+    last_id: int
 
 
 @runtime_checkable

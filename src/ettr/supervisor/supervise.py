@@ -459,6 +459,9 @@ class Supervisor:
             )
             self._say_unfired()
             self._close_books()
+            from ettr.fleet.stored import store_at_job_end  # the fleet's summary, once (docs/fleet.md)
+
+            store_at_job_end(self.run_dir, ledger_url=cfg.ledger_url, job_id=self.job_id)
         if cfg.ledger_url:
             where = f"--ledger {shlex.quote(redact(cfg.ledger_url))} --job-id {shlex.quote(self.job_id)}"
         else:

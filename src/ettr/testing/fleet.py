@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
+from ettr.fleet.stored import store_at_job_end
 from ettr.ledger import open_ledger
 
 K = EventKind
@@ -133,8 +134,11 @@ def job_events(spec: JobSpec) -> list[Event]:
         return events
 
 
-def write_job(run_dir: str | os.PathLike[str], spec: JobSpec, *, batch: int = 50_000) -> Path:
-    """Append the events of `spec` to `run_dir`'s ledger (created), in batches; returns the run directory."""
+def write_job(
+    run_dir: str | os.PathLike[str], spec: JobSpec, *, batch: int = 50_000, close: bool = True
+) -> Path:
+    """Append the events of `spec` to `run_dir`'s ledger (created), in batches, and with `close` store the
+    finished job's fleet summary as its supervisor does at job end; returns the run directory."""
     events = job_events(spec)
     ledger = open_ledger(run_dir)
     try:
@@ -142,4 +146,21 @@ def write_job(run_dir: str | os.PathLike[str], spec: JobSpec, *, batch: int = 50
             ledger.append(events[i : i + batch])
     finally:
         ledger.close()
+    if close:
+        store_at_job_end(run_dir, ledger_url=None, job_id=spec.job_id)
     return Path(run_dir)
+
+
+def write_job_url(url: str, spec: JobSpec, *, batch: int = 50_000, close: bool = True) -> None:
+    """`write_job` into the shared ledger at `url` (job `spec.job_id`, registered), as `ettr run --ledger`."""
+    from ettr.ledger.url import open_url
+
+    events = job_events(spec)
+    ledger = open_url(url, job_id=spec.job_id, create=True)
+    try:
+        for i in range(0, len(events), batch):
+            ledger.append(events[i : i + batch])
+    finally:
+        ledger.close()
+    if close:
+        store_at_job_end(Path("."), ledger_url=url, job_id=spec.job_id)
