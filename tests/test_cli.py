@@ -109,6 +109,7 @@ FROZEN_COMMAND_LINE = {
         {
             "--cache-dir",
             "--check",
+            "--from-events",
             "--html",
             "--json",
             "--ledger",
@@ -120,7 +121,10 @@ FROZEN_COMMAND_LINE = {
         },
         ["run_dirs"],
     ),
-    "serve": ({"--addr", "--cache-dir", "--ledger", "--no-cache", "--port", "--workers"}, ["run_dirs"]),
+    "serve": (
+        {"--addr", "--cache-dir", "--from-events", "--ledger", "--no-cache", "--port", "--workers"},
+        ["run_dirs"],
+    ),
 }
 _HELP = {"-h", "--help"}
 
