@@ -81,7 +81,15 @@ def test_each_side_gets_the_same_job_and_failures_but_its_own_features(tmp_path)
     assert o[o.index("--ckpt-mode") :] == [
         "--ckpt-mode",
         "ettr",
+        "--ckpt-auto",
+        "--failures-per-day",
+        "1440",
+        "--failure-prior-days",
+        f"{60 / 86400:.9g}",
         "--overlap-startup",
+        "--plan-cache",
+        str(tmp_path / "w" / "plan-cache"),
+        "--fast-exit",
         "--publish",
         "standalone",
     ]
@@ -89,6 +97,21 @@ def test_each_side_gets_the_same_job_and_failures_but_its_own_features(tmp_path)
     assert opt.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "w" / "compile-store")
     quick = base.command(demo.QUICK, script)
     assert "--no-compile" in quick and quick[-2:] == ["--publish", "none"]
+    stored = demo.Job(
+        side=demo.OPTIMIZED, run_dir=tmp_path / "o", work_dir=tmp_path / "w", store_dir=tmp_path / "s"
+    )
+    assert stored.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "s")
+
+
+def test_the_warm_up_job_is_the_same_model_without_failures_or_checkpoints(tmp_path):
+    warmup = demo.Job(
+        side=demo.WARMUP, run_dir=tmp_path / "warmup", work_dir=tmp_path / "ww", store_dir=tmp_path / "s"
+    )
+    command = warmup.warmup_command(demo.DEFAULT, Path("train.py"))
+    assert "--inject" not in command and "--compile" in command
+    assert command[command.index("--steps") + 1] == str(demo.WARMUP_STEPS)
+    assert command[command.index("--ckpt-every") + 1] == "0" and "--no-resume" in command
+    assert warmup.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "s")
 
 
 # -- what the demo needs of the reference job (examples/dlrm/train.py) ------------------------------------
@@ -256,9 +279,12 @@ def test_prepare_clears_an_earlier_demo_but_refuses_a_directory_it_did_not_make(
     (tmp_path / "baseline" / "ledger.db").write_text("old")
     (tmp_path / "optimized-work" / "checkpoints").mkdir(parents=True)
     (tmp_path / "keep.txt").write_text("mine")
-    jobs = demo.prepare(tmp_path)
-    assert [j.run_dir.name for j in jobs] == ["baseline", "optimized"]
+    (tmp_path / "compile-store" / "abc").mkdir(parents=True)
+    (tmp_path / "compile-store" / "abc" / "manifest.json").write_text("{}")
+    jobs, warmup = demo.prepare(tmp_path)
+    assert [j.run_dir.name for j in jobs] == ["baseline", "optimized"] and warmup.run_dir.name == "warmup"
     assert not (tmp_path / "baseline").exists() and (tmp_path / "keep.txt").read_text() == "mine"
+    assert demo.store_entries(tmp_path / "compile-store") == 1  # kept warm for the next demo
     assert (tmp_path / "optimized-work").is_dir() and not any((tmp_path / "optimized-work").iterdir())
 
     (tmp_path / "optimized").mkdir()
