@@ -387,6 +387,10 @@ def test_the_explanation_reads_every_difference_from_the_reports():
 
 
 # -- the real thing --------------------------------------------------------------------------------------
+QUICK_MARGIN_POINTS = 5.0
+"""How much higher the quick demo's optimized ETT% must be (see docs/demo.md for the margins measured)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_ettr_demo_quick_end_to_end(tmp_path):
@@ -414,9 +418,17 @@ def test_ettr_demo_quick_end_to_end(tmp_path):
     assert all(a.lost_steps > 0 for a in baseline.attempts[:2])
     assert optimized.attempts[0].lost_steps == 0, "the optimized run saves when it is preempted"
 
-    assert optimized.ett_pct > baseline.ett_pct, proc.stdout
-    assert optimized.buckets_s[Bucket.CHECKPOINT_BLOCKING] < baseline.buckets_s[Bucket.CHECKPOINT_BLOCKING]
+    # The margin: in runs here the quick demo's optimized side came out QUICK_MARGIN_POINTS+ points higher.
+    assert optimized.ett_pct > baseline.ett_pct + QUICK_MARGIN_POINTS, proc.stdout
+    # The auto interval saves more often than the baseline's fixed one, each save blocking for less.
+    per_save = [
+        r.buckets_s[Bucket.CHECKPOINT_BLOCKING] / max(1, len(r.checkpoint_commits))
+        for r in (baseline, optimized)
+    ]
+    assert per_save[1] < per_save[0], per_save
+    assert len(optimized.checkpoint_commits) > len(baseline.checkpoint_commits)
     assert optimized.buckets_s[Bucket.DATA_WAIT] < baseline.buckets_s[Bucket.DATA_WAIT]
+    assert sum(a.lost_steps for a in optimized.attempts) < sum(a.lost_steps for a in baseline.attempts)
     # The bulk is gone, the books are not.
     assert not any((out / "baseline-work" / name).exists() for name in demo.BULK)
     assert (out / "optimized-work" / "job.log").is_file()
@@ -426,3 +438,5 @@ def test_ettr_demo_quick_end_to_end(tmp_path):
     # The comparison printed is the one of these run directories.
     assert f"{baseline.ett_pct:.1f}" in proc.stdout and f"{optimized.ett_pct:.1f}" in proc.stdout
     assert "optimized vs baseline: ETT" in proc.stdout and "requeueing the job" in proc.stdout
+    assert "what each technique bought" in proc.stdout and "replay" in proc.stdout
+    assert 'id="story"' in html

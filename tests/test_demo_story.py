@@ -154,3 +154,48 @@ def test_a_run_that_never_trained_has_no_replay_and_says_so(tmp_path):
     )
     assert [r.side for r in story.replays] == ["optimized"]
     assert any(n.startswith("baseline: no profile") for n in story.notes)
+
+
+@pytest.mark.slow
+def test_the_demo_page_tells_the_story_in_headless_chromium(tmp_path):
+    from ettr.ledger import open_ledger
+    from ettr.report.html import write_html
+    from ettr.report.load import load_report
+    from test_report_html import _console_errors, _Doc, _has_colour, _png_rgb, _run_chromium
+
+    for name, events in (("baseline", BASE), ("optimized", OPT)):
+        ledger = open_ledger(tmp_path / name)
+        ledger.append(events)
+        ledger.close()
+    story = demo_story.build_story(
+        tmp_path / "baseline", tmp_path / "optimized", fleet=demo_story.FleetScale(runs=2, days=1.0)
+    )
+    reports = [load_report(tmp_path / n) for n in ("baseline", "optimized")]
+    page = tmp_path / "report.html"
+    write_html(reports, page, labels=["baseline", "optimized"], extra_sections=story_sections(story))
+
+    dom = _run_chromium(tmp_path, "--dump-dom", page.as_uri())
+    assert dom.returncode == 0 and _console_errors(dom.stderr) == [], dom.stderr[-2000:]
+    doc = _Doc(dom.stdout)
+    assert next(a for t, a in doc.tags if t == "html").get("data-ettr-script") == "ok"
+    assert any(t == "section" and a.get("id") == "story" for t, a in doc.tags)
+    # The story comes right after the headline: technique table, the TTS steps, recoveries, projection.
+    text = dom.stdout
+    assert text.index('id="story"') < text.index('id="timeline"')
+    for heading in (
+        "what each technique bought",
+        "baseline → each technique → optimized",
+        "Time to recover, by bucket",
+        "Projection",
+    ):
+        assert heading in text, heading
+
+    shot = tmp_path / "shot.png"
+    result = _run_chromium(
+        tmp_path, f"--screenshot={shot}", "--window-size=1200,2400", "--hide-scrollbars", page.as_uri()
+    )
+    assert result.returncode == 0 and shot.is_file(), result.stderr[-2000:]
+    rgb = _png_rgb(shot.read_bytes())
+    # The technique waterfall paints its savings green and its totals slate; the TTR bars in bucket colours.
+    assert _has_colour(rgb, "#2ca02c", min_pixels=200) and _has_colour(rgb, "#39424e", min_pixels=200)
+    assert _has_colour(rgb, "#6b5fc7", min_pixels=100)  # compile, in the recovery bars

@@ -277,7 +277,8 @@ def exit_now(status: int) -> NoReturn:
 
     A scheduler's grace period is for saving: tearing TorchRec, fbgemm and gloo down at interpreter exit
     takes seconds here. So compile artifacts not stored yet are stored, the recorder is flushed, and the
-    process ends without that teardown (its loader workers end on their own once it is gone). The same
+    process ends without that teardown; its loader workers are killed rather than stopped and joined
+    (they would end on their own within a second, holding the job's output open until then). The same
     at the end of a job with `--fast-exit`, once the final state is committed.
     """
     import ettr.compile
@@ -285,6 +286,10 @@ def exit_now(status: int) -> NoReturn:
     session = ettr.compile.current_session()
     if session is not None:
         session.close()
+    import multiprocessing
+
+    for child in multiprocessing.active_children():  # loader workers: nothing left for them to do
+        child.kill()
     ettr.get_recorder().flush()
     sys.stdout.flush()
     sys.stderr.flush()

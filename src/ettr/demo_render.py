@@ -88,11 +88,11 @@ def story_lines(story: Story) -> list[str]:
             lines.append(f"  {side:<10} {text}")
         lines.append("  " + _audit_delta(story))
     lines += ["", "the simulator's replay of each run's own failures (ettr simulate --from RUN --replay):"]
-    for r in story.replays:
-        verdict = "within" if r.ok else "NOT within"
+    for rp in story.replays:
+        verdict = "within" if rp.ok else "NOT within"
         lines.append(
-            f"  {r.side:<10} measured ETT {r.measured_ett_pct:.1f}%, predicted {r.predicted_ett_pct:.1f}% "
-            f"({r.predicted_ett_pct - r.measured_ett_pct:+.1f} points: {verdict} 2)"
+            f"  {rp.side:<10} measured ETT {rp.measured_ett_pct:.1f}%, predicted {rp.predicted_ett_pct:.1f}% "
+            f"({rp.predicted_ett_pct - rp.measured_ett_pct:+.1f} points: {verdict} 2)"
         )
     lines += ["", f"projected from the measured profiles to {_fleet_title(story.fleet)}:"]
     for p in story.projection:
@@ -237,8 +237,9 @@ def _projection_table(story: Story) -> str:
 def story_sections(story: Story) -> list[str]:
     """The story's sections for report.html (placed after the headline)."""
     css = (
-        "<style>table.story{border-collapse:collapse;margin:.5em 0}table.story td,table.story th{border:1px solid "
-        "#ddd;padding:3px 8px;font-size:13px}table.story td.num{text-align:right}</style>"
+        "<style>table.story{border-collapse:collapse;margin:.5em 0;width:100%;table-layout:auto}"
+        "table.story td,table.story th{border:1px solid #ddd;padding:3px 8px;font-size:13px;text-align:left;"
+        "white-space:normal}table.story td.num{text-align:right;white-space:nowrap}</style>"
     )
     parts = [
         css,
