@@ -182,7 +182,7 @@ def _technique_table(story: Story) -> str:
 def _recovery_svg(story: Story) -> str:
     """Each failure's TTR on both sides as stacked bars by bucket."""
     rows = [
-        (f"failure {r.index} ({r.outcome}) {side}", spent)
+        (f"#{r.index} {r.outcome} · {side}", spent)
         for r in story.recoveries
         for side, spent in (("baseline", r.baseline), ("optimized", r.optimized))
     ]
@@ -254,6 +254,15 @@ def story_sections(story: Story) -> list[str]:
             _technique_waterfall_svg(story),
         ]
     if story.recoveries:
-        parts += ["<h3>Time to recover, by bucket</h3>", _recovery_svg(story)]
+        legend = " ".join(
+            f'<span style="display:inline-block;width:10px;height:10px;background:{BUCKET_COLORS[b]}"></span> '
+            f"{esc(b.value)}"
+            for b in _RECOVERY_BUCKETS
+        )
+        parts += [
+            "<h3>Time to recover, by bucket</h3>",
+            _recovery_svg(story),
+            f'<p class="note">{legend}</p>',
+        ]
     parts += [_projection_table(story), "</section>"]
     return ["".join(parts)]
