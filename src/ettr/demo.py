@@ -254,8 +254,17 @@ class Job:
         return env
 
 
-WARMUP = Side(name="warmup", ckpt_mode="ettr", overlap_startup=True, compile_store=True, publish="none")
-"""The earlier job of the same model that warms the compile store (no checkpoints, no failures)."""
+WARMUP = Side(
+    name="warmup",
+    ckpt_mode="ettr",
+    overlap_startup=True,
+    compile_store=True,
+    publish="standalone",
+    fast_exit=True,
+)
+"""The earlier job of the same model that warms the compile store (no checkpoints, no failures). It ends
+as the real job does, publishing (its request is never built), so the store also holds the graphs of the
+model's inference forward that publishing runs, not only the training step's."""
 WARMUP_STEPS = 100
 """Enough steps for the compile session to settle and store its artifacts before the job ends."""
 
@@ -363,10 +372,13 @@ def run_publish_job(job: Job, display: ProgressDisplay) -> int:
     the anchor the training job left, in a process and run directory of its own. Returns its status."""
     import ettr._examples
 
-    # The demo's model code (dlrm, shipped in the package) is all this publisher lets its requests run.
+    # The demo's model code (dlrm, shipped in the package) is all this publisher lets its requests run: the
+    # package's copy, and where it really lives when that is a link (a source checkout's examples/).
     examples = Path(ettr._examples.__file__).resolve().parent
     command = [sys.executable, "-m", "ettr.cli", "publish", str(job.publish_queue)]
-    command += ["--allow-factory", "dlrm.model.*", "--allow-pythonpath", str(examples)]
+    command += ["--allow-factory", "dlrm.model.*"]
+    for allowed in dict.fromkeys([examples, (examples / "dlrm").resolve().parent]):
+        command += ["--allow-pythonpath", str(allowed)]
     began = time.monotonic()
     with open(job.work_dir / "publish.log", "ab") as log:
         status = subprocess.run(
