@@ -99,7 +99,7 @@ QUICK = Workload(
 three minutes here."""
 
 DEFAULT = Workload(
-    steps=4000,
+    steps=5000,
     ckpt_every=1000,
     num_rows=100_000,
     compile=True,
@@ -108,8 +108,9 @@ DEFAULT = Workload(
     crash_step=3400,
     publish=True,
 )
-"""The full demo: the dense tower compiled; ~100 s of training per side (~25 ms a step here), so that a
-healthy job is mostly training and each start-up is a small part of it, as in a job that trains for hours."""
+"""The full demo: the dense tower compiled; ~125 s of training per side (~25 ms a step here), so that a
+healthy job is mostly training and each start-up is a small part of it, as in a job that trains for hours.
+The failures come in the first 3,400 steps; the last 1,600 are healthy training on both sides."""
 
 AUTO_FAILURES_PER_DAY = 1440.0
 """The `auto` interval's prior on the optimized side: a failure a minute, the rate this demo injects (two in
