@@ -162,6 +162,11 @@ def test_command_line_flags_are_frozen_for_the_demo():
         "--no-overlap-startup",
         "--ettr-run-dir",
         "--summary-out",
+        "--ckpt-auto",
+        "--failures-per-day",
+        "--failure-prior-days",
+        "--plan-cache",
+        "--fast-exit",
     } <= flags
 
 
@@ -170,6 +175,8 @@ def test_command_line_flags_are_frozen_for_the_demo():
     [
         (["--steps", "0"], "--steps must be at least 1"),
         (["--ckpt-mode", "bogus"], "invalid choice"),
+        (["--ckpt-auto"], "--ckpt-auto needs --ckpt-mode ettr"),
+        (["--ckpt-mode", "ettr", "--ckpt-auto", "--failures-per-day", "0"], "must be positive"),
         (["--steps", "ten"], "invalid int value"),
     ],
 )
