@@ -294,6 +294,28 @@ def test_prepare_clears_an_earlier_demo_but_refuses_a_directory_it_did_not_make(
     assert (tmp_path / "optimized" / "notes.md").exists()
 
 
+def test_prepare_refuses_a_run_directory_a_live_supervisor_still_writes(tmp_path):
+    import socket
+
+    from ettr.ledger import open_ledger
+    from ettr.procs import start_ticks
+
+    ledger = open_ledger(tmp_path / "baseline")
+    pid = os.getppid()  # a live process that is not this one, standing in for an earlier demo's `ettr run`
+    data = {"pid": pid, "host": socket.gethostname(), "pid_start_ticks": start_ticks(pid)}
+    ledger.append([Event(EventKind.SUPERVISOR_START, T0, 0, SUPERVISOR_RANK, data=data)])
+    ledger.close()
+    with pytest.raises(UsageError, match=f"still in use by a running `ettr run` \\(pid {pid}\\)"):
+        demo.prepare(tmp_path)
+    assert (tmp_path / "baseline" / "ledger.db").is_file()
+
+
+def test_a_sigterm_stops_the_demo_through_its_finally_blocks():
+    with pytest.raises(SystemExit) as stopped:
+        demo._exit_on_sigterm(signal.SIGTERM, None)
+    assert stopped.value.code == 143
+
+
 def test_a_bad_out_is_one_line_and_exit_status_2(tmp_path, capsys):
     from ettr.cli import main
 

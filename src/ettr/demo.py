@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ettr.closing import live_supervisor
 from ettr.constants import EXIT_PREEMPTED
 from ettr.demo_progress import JobState, ProgressDisplay, read_events
 from ettr.errors import UsageError
@@ -281,6 +283,12 @@ def prepare(out: Path) -> tuple[list[Job], Job]:
     for job in jobs:
         if job.run_dir.is_dir() and any(job.run_dir.iterdir()) and not (job.run_dir / "ledger.db").is_file():
             raise UsageError(f"ettr demo: {job.run_dir} is not an ettr run directory; choose another --out")
+        # A supervisor of an earlier demo still running there would write into the new run's books.
+        if (job.run_dir / "ledger.db").is_file() and (pid := live_supervisor(read_events(job.run_dir))):
+            raise UsageError(
+                f"ettr demo: {job.run_dir} is still in use by a running `ettr run` (pid {pid}); stop it or "
+                "wait for it, or choose another --out"
+            )
     try:
         for job in jobs:
             shutil.rmtree(job.run_dir, ignore_errors=True)
@@ -438,12 +446,25 @@ def warm_up_store(warmup: Job, workload: Workload, script: Path, display: Progre
     display.note(f"compile store: {store_entries(store)} entries in {store} after the warm-up job")
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(args: argparse.Namespace) -> int:
     """`ettr demo [--quick] [--out DIR]`: run both sides, print the comparison, write DIR/report.html.
 
     Returns 0 when both jobs completed, 1 otherwise. Raises UsageError for an unusable --out or when the
     reference job is missing from this install.
     """
+    # Stopped by a scheduler or `kill`: stop the running job too (run_jobs' `finally`), never orphan it.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     from ettr.demo_render import story_lines, story_sections
     from ettr.demo_story import build_story
     from ettr.report.html import write_html
