@@ -81,7 +81,15 @@ def test_each_side_gets_the_same_job_and_failures_but_its_own_features(tmp_path)
     assert o[o.index("--ckpt-mode") :] == [
         "--ckpt-mode",
         "ettr",
+        "--ckpt-auto",
+        "--failures-per-day",
+        "1440",
+        "--failure-prior-days",
+        f"{60 / 86400:.9g}",
         "--overlap-startup",
+        "--plan-cache",
+        str(tmp_path / "w" / "plan-cache"),
+        "--fast-exit",
         "--publish",
         "standalone",
     ]
@@ -89,6 +97,21 @@ def test_each_side_gets_the_same_job_and_failures_but_its_own_features(tmp_path)
     assert opt.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "w" / "compile-store")
     quick = base.command(demo.QUICK, script)
     assert "--no-compile" in quick and quick[-2:] == ["--publish", "none"]
+    stored = demo.Job(
+        side=demo.OPTIMIZED, run_dir=tmp_path / "o", work_dir=tmp_path / "w", store_dir=tmp_path / "s"
+    )
+    assert stored.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "s")
+
+
+def test_the_warm_up_job_is_the_same_model_without_failures_or_checkpoints(tmp_path):
+    warmup = demo.Job(
+        side=demo.WARMUP, run_dir=tmp_path / "warmup", work_dir=tmp_path / "ww", store_dir=tmp_path / "s"
+    )
+    command = warmup.warmup_command(demo.DEFAULT, Path("train.py"))
+    assert "--inject" not in command and "--compile" in command
+    assert command[command.index("--steps") + 1] == str(demo.WARMUP_STEPS)
+    assert command[command.index("--ckpt-every") + 1] == "0" and "--no-resume" in command
+    assert warmup.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "s")
 
 
 # -- what the demo needs of the reference job (examples/dlrm/train.py) ------------------------------------
@@ -256,9 +279,12 @@ def test_prepare_clears_an_earlier_demo_but_refuses_a_directory_it_did_not_make(
     (tmp_path / "baseline" / "ledger.db").write_text("old")
     (tmp_path / "optimized-work" / "checkpoints").mkdir(parents=True)
     (tmp_path / "keep.txt").write_text("mine")
-    jobs = demo.prepare(tmp_path)
-    assert [j.run_dir.name for j in jobs] == ["baseline", "optimized"]
+    (tmp_path / "compile-store" / "abc").mkdir(parents=True)
+    (tmp_path / "compile-store" / "abc" / "manifest.json").write_text("{}")
+    jobs, warmup = demo.prepare(tmp_path)
+    assert [j.run_dir.name for j in jobs] == ["baseline", "optimized"] and warmup.run_dir.name == "warmup"
     assert not (tmp_path / "baseline").exists() and (tmp_path / "keep.txt").read_text() == "mine"
+    assert demo.store_entries(tmp_path / "compile-store") == 1  # kept warm for the next demo
     assert (tmp_path / "optimized-work").is_dir() and not any((tmp_path / "optimized-work").iterdir())
 
     (tmp_path / "optimized").mkdir()
@@ -266,6 +292,28 @@ def test_prepare_clears_an_earlier_demo_but_refuses_a_directory_it_did_not_make(
     with pytest.raises(UsageError, match="is not an ettr run directory"):
         demo.prepare(tmp_path)
     assert (tmp_path / "optimized" / "notes.md").exists()
+
+
+def test_prepare_refuses_a_run_directory_a_live_supervisor_still_writes(tmp_path):
+    import socket
+
+    from ettr.ledger import open_ledger
+    from ettr.procs import start_ticks
+
+    ledger = open_ledger(tmp_path / "baseline")
+    pid = os.getppid()  # a live process that is not this one, standing in for an earlier demo's `ettr run`
+    data = {"pid": pid, "host": socket.gethostname(), "pid_start_ticks": start_ticks(pid)}
+    ledger.append([Event(EventKind.SUPERVISOR_START, T0, 0, SUPERVISOR_RANK, data=data)])
+    ledger.close()
+    with pytest.raises(UsageError, match=f"still in use by a running `ettr run` \\(pid {pid}\\)"):
+        demo.prepare(tmp_path)
+    assert (tmp_path / "baseline" / "ledger.db").is_file()
+
+
+def test_a_sigterm_stops_the_demo_through_its_finally_blocks():
+    with pytest.raises(SystemExit) as stopped:
+        demo._exit_on_sigterm(signal.SIGTERM, None)
+    assert stopped.value.code == 143
 
 
 def test_a_bad_out_is_one_line_and_exit_status_2(tmp_path, capsys):
@@ -361,6 +409,10 @@ def test_the_explanation_reads_every_difference_from_the_reports():
 
 
 # -- the real thing --------------------------------------------------------------------------------------
+QUICK_MARGIN_POINTS = 5.0
+"""How much higher the quick demo's optimized ETT% must be (see docs/demo.md for the margins measured)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_ettr_demo_quick_end_to_end(tmp_path):
@@ -388,9 +440,17 @@ def test_ettr_demo_quick_end_to_end(tmp_path):
     assert all(a.lost_steps > 0 for a in baseline.attempts[:2])
     assert optimized.attempts[0].lost_steps == 0, "the optimized run saves when it is preempted"
 
-    assert optimized.ett_pct > baseline.ett_pct, proc.stdout
-    assert optimized.buckets_s[Bucket.CHECKPOINT_BLOCKING] < baseline.buckets_s[Bucket.CHECKPOINT_BLOCKING]
+    # The margin: in runs here the quick demo's optimized side came out QUICK_MARGIN_POINTS+ points higher.
+    assert optimized.ett_pct > baseline.ett_pct + QUICK_MARGIN_POINTS, proc.stdout
+    # The auto interval saves more often than the baseline's fixed one, each save blocking for less.
+    per_save = [
+        r.buckets_s[Bucket.CHECKPOINT_BLOCKING] / max(1, len(r.checkpoint_commits))
+        for r in (baseline, optimized)
+    ]
+    assert per_save[1] < per_save[0], per_save
+    assert len(optimized.checkpoint_commits) > len(baseline.checkpoint_commits)
     assert optimized.buckets_s[Bucket.DATA_WAIT] < baseline.buckets_s[Bucket.DATA_WAIT]
+    assert sum(a.lost_steps for a in optimized.attempts) < sum(a.lost_steps for a in baseline.attempts)
     # The bulk is gone, the books are not.
     assert not any((out / "baseline-work" / name).exists() for name in demo.BULK)
     assert (out / "optimized-work" / "job.log").is_file()
@@ -400,3 +460,5 @@ def test_ettr_demo_quick_end_to_end(tmp_path):
     # The comparison printed is the one of these run directories.
     assert f"{baseline.ett_pct:.1f}" in proc.stdout and f"{optimized.ett_pct:.1f}" in proc.stdout
     assert "optimized vs baseline: ETT" in proc.stdout and "requeueing the job" in proc.stdout
+    assert "what each technique bought" in proc.stdout and "replay" in proc.stdout
+    assert 'id="story"' in html

@@ -162,6 +162,11 @@ def test_command_line_flags_are_frozen_for_the_demo():
         "--no-overlap-startup",
         "--ettr-run-dir",
         "--summary-out",
+        "--ckpt-auto",
+        "--failures-per-day",
+        "--failure-prior-days",
+        "--plan-cache",
+        "--fast-exit",
     } <= flags
 
 
@@ -170,6 +175,8 @@ def test_command_line_flags_are_frozen_for_the_demo():
     [
         (["--steps", "0"], "--steps must be at least 1"),
         (["--ckpt-mode", "bogus"], "invalid choice"),
+        (["--ckpt-auto"], "--ckpt-auto needs --ckpt-mode ettr"),
+        (["--ckpt-mode", "ettr", "--ckpt-auto", "--failures-per-day", "0"], "must be positive"),
         (["--steps", "ten"], "invalid int value"),
     ],
 )
@@ -179,3 +186,33 @@ def test_bad_command_lines_exit_2_with_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and err.startswith("train.py: ")
+
+
+# -- the sharding plan, computed once (dlrm.plan_cache) ---------------------------------------------------
+def test_a_plan_is_read_back_by_key_and_a_damaged_or_missing_one_means_plan_again(tmp_path):
+    from dlrm.plan_cache import PlanCache
+
+    plan = {"tables": [("t0", "row_wise", [0, 1])]}  # any picklable plan; TorchRec's is a dataclass tree
+    cache = PlanCache(tmp_path / "plans", key="k1")
+    assert cache.load_agreed(1) is None
+    cache.store(plan, rank=1)  # only rank 0 writes
+    assert cache.load_agreed(1) is None
+    cache.store(plan, rank=0)
+    assert cache.load_agreed(1) == plan and PlanCache(tmp_path / "plans", key="k1").load_agreed(1) == plan
+    assert cache.path is not None and cache.path.stat().st_mode & 0o777 == 0o600
+    assert PlanCache(tmp_path / "plans", key="k2").load_agreed(1) is None  # another model or world size
+    cache.path.write_bytes(b"not a pickle")
+    assert cache.load_agreed(1) is None
+    off = PlanCache(None, key="k1")
+    off.store(plan, rank=0)
+    assert off.load_agreed(1) is None
+
+
+def test_the_plan_key_changes_with_the_model_and_the_world_size():
+    pytest.importorskip("torchrec")
+    from dlrm.model import DlrmConfig
+    from dlrm.plan_cache import plan_key
+
+    small, big = DlrmConfig(num_rows=10), DlrmConfig(num_rows=20)
+    assert plan_key(small, 2) == plan_key(DlrmConfig(num_rows=10), 2)
+    assert len({plan_key(small, 2), plan_key(big, 2), plan_key(small, 4)}) == 3

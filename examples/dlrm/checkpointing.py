@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -238,6 +239,21 @@ def _copy_into(target: Any, loaded: Any) -> Any:
     return loaded
 
 
+@dataclass(frozen=True, kw_only=True)
+class AutoInterval:
+    """The `auto` checkpoint interval's prior: how often jobs like this one fail (the job's own ledger
+    updates it with the failures it has seen)."""
+
+    failures_per_day: float
+    """Failures per day of wall time."""
+    prior_days: float
+    """Days of observation the prior is worth."""
+
+    def __post_init__(self) -> None:
+        if not (self.failures_per_day > 0 and self.prior_days > 0):
+            raise ValueError("failures_per_day and prior_days must be positive")
+
+
 class EttrCheckpointer:
     """The `Checkpointer` seam over `ettr.checkpoint.CheckpointManager`.
 
@@ -253,18 +269,26 @@ class EttrCheckpointer:
         dense: torch.nn.Module,
         every_steps: int,
         rank: int,
+        auto: AutoInterval | None = None,
     ) -> None:
         from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig
         from ettr.checkpoint import TrainState as EttrTrainState
+        from ettr.checkpoint.history import read_failure_history
 
         # DCP's get_state_dict knows neither DistributedModelParallel nor TorchRec's fused in-backward
         # optimizer, so the TorchRec state goes in as an `extra` Stateful. The manager also wants a plain
         # module as `model`: the dense part serves (saved twice that way; a few hundred KB).
         ettr_state = EttrTrainState(model=dense, extra={"dlrm": RankLocalState(state, rank=rank)})
-        # every_steps=0 (no periodic saves) still needs an interval: one that never comes in this job.
-        interval = IntervalConfig(every_steps=every_steps or 2**62)
+        history = None
+        if auto is not None:  # the prior, updated with the failures this job's ledger has seen so far
+            interval = IntervalConfig(
+                auto=True, failures_per_day=auto.failures_per_day, prior_days=auto.prior_days
+            )
+            history = read_failure_history(ettr.get_recorder().run_dir)
+        else:  # every_steps=0 (no periodic saves) still needs an interval: one that never comes in this job
+            interval = IntervalConfig(every_steps=every_steps or 2**62)
         config = CheckpointConfig(root=ckpt_dir, interval=interval, keep_last=2, handle_preemption=True)
-        self._manager = CheckpointManager.create(config, ettr_state)  # collective: every rank
+        self._manager = CheckpointManager.create(config, ettr_state, failure_history=history)  # collective
 
     def restore(self) -> int | None:
         return self._manager.restore()
@@ -288,15 +312,19 @@ def make_checkpointer(
     every_steps: int,
     rank: int,
     world_size: int,
+    auto: AutoInterval | None = None,
 ) -> Checkpointer:
     """The checkpointer of `--ckpt-mode` (`sync` or `ettr`). Collective for `ettr` (it makes groups).
 
-    `dense` is the replicated (not sharded) part of the model; only `ettr` needs it.
+    `dense` is the replicated (not sharded) part of the model; only `ettr` needs it. `auto` (ettr only):
+    the auto interval instead of every `every_steps`.
     """
+    if auto is not None and mode != "ettr":
+        raise ValueError("the auto interval needs the ettr checkpoint mode")
     if mode == "sync":
         return TorchSaveCheckpointer(
             ckpt_dir, state, every_steps=every_steps, rank=rank, world_size=world_size
         )
     if mode == "ettr":
-        return EttrCheckpointer(ckpt_dir, state, dense=dense, every_steps=every_steps, rank=rank)
+        return EttrCheckpointer(ckpt_dir, state, dense=dense, every_steps=every_steps, rank=rank, auto=auto)
     raise ValueError(f"checkpoint mode must be sync or ettr, got {mode!r}")

@@ -48,8 +48,9 @@ import torch.distributed as dist
 import ettr
 import ettr.audit
 import ettr.report.audit
-from dlrm.checkpointing import Checkpointer, make_checkpointer
+from dlrm.checkpointing import AutoInterval, Checkpointer, make_checkpointer
 from dlrm.data import ClickBatch, ClickDataConfig, ResumeGate, make_loader
+from dlrm.plan_cache import PlanCache, plan_key
 from ettr.errors import UsageError
 from ettr.events import Event, EventKind
 
@@ -82,6 +83,14 @@ class TrainConfig:
     """Checkpoint every this many steps (0: never)."""
     ckpt_mode: str = "sync"
     """`sync` (torch.save per rank, training waits) or `ettr` (the ettr checkpoint manager)."""
+    ckpt_auto: bool = False
+    """`ettr` mode: let the manager's `auto` interval choose when to save (from the measured save cost and
+    the failure rate: `failures_per_day`, updated with the failures this job's ledger has seen) instead of
+    every `ckpt_every` steps."""
+    failures_per_day: float = 1.0
+    """`--ckpt-auto`: the prior failure rate of jobs like this one, per day of wall time."""
+    failure_prior_days: float = 1.0
+    """`--ckpt-auto`: how many days of observation that prior is worth."""
     ckpt_dir: str = "checkpoints/dlrm"
     """Where checkpoints go and are resumed from."""
     resume: bool = True
@@ -99,6 +108,13 @@ class TrainConfig:
     usual shared caches (warm after the first run on this machine)."""
     overlap_startup: bool = False
     """Start the loader workers before the model is built, so their start-up is hidden behind it."""
+    plan_cache: str | None = None
+    """Directory of computed TorchRec sharding plans: the plan of this model and world size is computed
+    (collectively) once, then read back by every later attempt and job (`dlrm.plan_cache`). None: plan
+    at every start-up."""
+    fast_exit: bool = False
+    """After the final save is committed (and the anchor written), end the processes without tearing
+    down what the job no longer needs (loader workers, process groups, TorchRec, the interpreter)."""
     log_every: int = 25
     """Print the mean loss every this many steps."""
     audit: bool = True
@@ -118,6 +134,10 @@ class TrainConfig:
             raise ValueError("--num-workers, --ckpt-every and --worker-startup-s must be >= 0")
         if self.ckpt_mode not in ("sync", "ettr"):
             raise ValueError(f"--ckpt-mode must be sync or ettr, got {self.ckpt_mode!r}")
+        if self.ckpt_auto and self.ckpt_mode != "ettr":
+            raise ValueError("--ckpt-auto needs --ckpt-mode ettr (the auto interval is the ettr manager's)")
+        if not (self.failures_per_day > 0 and self.failure_prior_days > 0):
+            raise ValueError("--failures-per-day and --failure-prior-days must be positive")
         if self.publish not in ("inside", "standalone", "none"):
             raise ValueError(f"--publish must be inside, standalone or none, got {self.publish!r}")
 
@@ -141,12 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--compile", action=argparse.BooleanOptionalAction, default=d.compile, help="compile the dense tower")
     add("--ckpt-every", type=int, default=d.ckpt_every, help="checkpoint every N steps (0: never)")
     add("--ckpt-mode", choices=("sync", "ettr"), default=d.ckpt_mode, help="how checkpoints are written")
+    add(
+        "--ckpt-auto", action=argparse.BooleanOptionalAction, default=d.ckpt_auto, help="auto interval (ettr)"
+    )
+    add("--failures-per-day", type=float, default=d.failures_per_day, help="--ckpt-auto: prior failure rate")
+    add("--failure-prior-days", type=float, default=d.failure_prior_days, help="--ckpt-auto: prior's weight")
     add("--ckpt-dir", default=d.ckpt_dir, help="checkpoint directory")
     add("--resume", action=argparse.BooleanOptionalAction, default=d.resume, help="resume from the latest")
     add("--publish", choices=("inside", "standalone", "none"), default=d.publish, help="inference publishing")
     add("--publish-dir", default=d.publish_dir, help="anchors/ and queue/ of publishing")
     add("--compile-cache", default=d.compile_cache, help="root of per-attempt (cold) inductor caches")
     add("--overlap-startup", action=argparse.BooleanOptionalAction, default=d.overlap_startup)
+    add("--plan-cache", default=d.plan_cache, help="directory of computed sharding plans (reused)")
+    add("--fast-exit", action=argparse.BooleanOptionalAction, default=d.fast_exit, help="skip the teardown")
     add("--log-every", type=int, default=d.log_every, help="print the loss every N steps")
     add("--audit", action=argparse.BooleanOptionalAction, default=d.audit, help="audit start-up collectives")
     add("--ettr-run-dir", default=d.ettr_run_dir, help="record here without `ettr run`")
@@ -246,17 +273,23 @@ def leave_sigterm_to_the_trainer(worker_id: int) -> None:
 
 
 def exit_now(status: int) -> NoReturn:
-    """End the process at once, after a preemption save committed the state.
+    """End the process at once, after a save committed the state (a preemption's, or the final one).
 
     A scheduler's grace period is for saving: tearing TorchRec, fbgemm and gloo down at interpreter exit
     takes seconds here. So compile artifacts not stored yet are stored, the recorder is flushed, and the
-    process ends without that teardown (its loader workers end on their own once it is gone).
+    process ends without that teardown; its loader workers are killed rather than stopped and joined
+    (they would end on their own within a second, holding the job's output open until then). The same
+    at the end of a job with `--fast-exit`, once the final state is committed.
     """
     import ettr.compile
 
     session = ettr.compile.current_session()
     if session is not None:
         session.close()
+    import multiprocessing
+
+    for child in multiprocessing.active_children():  # loader workers: nothing left for them to do
+        child.kill()
     ettr.get_recorder().flush()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -350,7 +383,11 @@ def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tupl
             kernel_config=KernelConfig(compute_device="cpu"),
         )
         planner = EmbeddingShardingPlanner(topology=topology)
-        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+        cache = PlanCache(config.plan_cache, key=plan_key(model_config(config), world_size))
+        plan = cache.load_agreed(world_size)
+        if plan is None:  # computed once (collectively), then read back by every later start-up
+            plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+            cache.store(plan, rank=int(os.environ.get("RANK", "0")))
     with clock.part("shard"):
         sharded = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
     dense_optimizer = KeyedOptimizerWrapper(
@@ -446,6 +483,11 @@ def run(config: TrainConfig) -> int:
                 every_steps=config.ckpt_every,
                 rank=rank,
                 world_size=world_size,
+                auto=AutoInterval(
+                    failures_per_day=config.failures_per_day, prior_days=config.failure_prior_days
+                )
+                if config.ckpt_auto
+                else None,
             )
     with clock.part("restore"):  # the checkpointer records the RESTORE phase and RESUMED itself
         if checkpointer is not None and config.resume:
@@ -503,12 +545,13 @@ def run(config: TrainConfig) -> int:
 
     with clock.phase(ettr.Phase.SHUTDOWN):
         if checkpointer is not None:
-            if config.ckpt_every and step > resumed_step:
+            if (config.ckpt_every or config.ckpt_auto) and step > resumed_step:
                 checkpointer.save(step)  # the final state (a no-op if the interval just saved it)
             checkpointer.close()
         if config.publish != "none" and step == config.steps:
             publish(model, step=step, config=config, data=data_config, rank=rank)
-        del batches  # stops the loader workers
+        if not config.fast_exit:
+            del batches  # stops the loader workers (and waits for them)
         summary = {
             "rank": rank,
             "world_size": world_size,
@@ -530,7 +573,12 @@ def run(config: TrainConfig) -> int:
         if rank == 0 and config.summary_out:
             Path(config.summary_out).parent.mkdir(parents=True, exist_ok=True)
             Path(config.summary_out).write_text(json.dumps(summary, indent=2))
-        dist.destroy_process_group()
+        if config.fast_exit:
+            dist.barrier()  # no rank leaves while a peer still needs it in a collective
+        else:
+            dist.destroy_process_group()
+    if config.fast_exit:  # the state is committed and the books flushed: nothing left to wait for
+        exit_now(0)
     return 0
 
 

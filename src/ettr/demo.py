@@ -17,17 +17,18 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
 
+from ettr.closing import live_supervisor
 from ettr.constants import EXIT_PREEMPTED
+from ettr.demo_progress import JobState, ProgressDisplay, read_events
 from ettr.errors import UsageError
-from ettr.events import Event, EventKind, Outcome
 from ettr.report.demo_text import explain
 from ettr.run_env import COMPILE_SETTLE_S_ENV, COMPILE_STORE_ENV, ENV_PREFIX
 
@@ -77,37 +78,47 @@ class Workload:
 
     def describe(self) -> str:
         return (
-            f"DLRM on 2 ranks, {self.steps} steps, {'compiled' if self.compile else 'eager'}, checkpoint every "
-            f"{self.ckpt_every} steps ({self.num_rows} rows x 12 tables); failures: preempted at step "
+            f"DLRM on 2 ranks, {self.steps} steps, {'compiled' if self.compile else 'eager'} ({self.num_rows} "
+            f"rows x 12 tables); checkpoints: baseline every {self.ckpt_every} steps (sync), optimized `auto` "
+            f"(async; prior {AUTO_FAILURES_PER_DAY:g} failures/day worth {AUTO_PRIOR_DAYS * 86_400:g} s, then "
+            "the ledger's); failures: preempted at step "
             f"{self.preempt_step} (attempt 0), crash at step {self.crash_step} (attempt 1)"
             + ("; then publishing" if self.publish else "")
         )
 
 
 QUICK = Workload(
-    steps=200,
-    ckpt_every=80,
+    steps=1200,
+    ckpt_every=400,
     num_rows=100_000,
     compile=False,
     worker_startup_s=5.0,
-    preempt_step=140,
-    crash_step=195,
+    preempt_step=700,
+    crash_step=1100,
     publish=False,
 )
-"""`--quick` (the test suite runs it): eager and without publishing, so that six launches fit in about two
-minutes here."""
+"""`--quick` (the test suite runs it): eager and without publishing, so that six launches fit in about
+three minutes here."""
 
 DEFAULT = Workload(
-    steps=300,
-    ckpt_every=100,
+    steps=5000,
+    ckpt_every=1000,
     num_rows=100_000,
     compile=True,
     worker_startup_s=2.5,
-    preempt_step=165,
-    crash_step=290,
+    preempt_step=1700,
+    crash_step=3400,
     publish=True,
 )
-"""The full demo: the dense tower compiled, so recoveries show what restoring compile artifacts saves."""
+"""The full demo: the dense tower compiled; ~125 s of training per side (~25 ms a step here), so that a
+healthy job is mostly training and each start-up is a small part of it, as in a job that trains for hours.
+The failures come in the first 3,400 steps; the last 1,600 are healthy training on both sides."""
+
+AUTO_FAILURES_PER_DAY = 1440.0
+"""The `auto` interval's prior on the optimized side: a failure a minute, the rate this demo injects (two in
+a job of two to four minutes), as a fleet's history of jobs like this one would give it."""
+AUTO_PRIOR_DAYS = 60.0 / 86_400
+"""...worth a minute of observation, so the failures the job's own ledger records soon outweigh it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,10 +137,24 @@ class Side:
     """Publishing the trained model at the end: `inside` the training job (it builds the inference
     artifact before it ends) or `standalone` (it writes the anchor and ends; `ettr publish` builds the
     artifact afterwards, as a job of its own)."""
+    auto_interval: bool = False
+    """Checkpoint when ettr's `auto` interval says (measured save cost, failure rate from the ledger)
+    instead of every `Workload.ckpt_every` steps."""
+    plan_cache: bool = False
+    """Compute the TorchRec sharding plan once (attempt 0) and read it back in every later attempt."""
+    fast_exit: bool = False
+    """End the processes once the final state is committed, without tearing down what is no longer needed."""
 
-    def train_args(self, *, publish: bool) -> list[str]:
+    def train_args(self, *, publish: bool, work_dir: Path) -> list[str]:
         args = ["--ckpt-mode", self.ckpt_mode]
+        if self.auto_interval:
+            args += ["--ckpt-auto", "--failures-per-day", f"{AUTO_FAILURES_PER_DAY:g}"]
+            args += ["--failure-prior-days", f"{AUTO_PRIOR_DAYS:.9g}"]
         args.append("--overlap-startup" if self.overlap_startup else "--no-overlap-startup")
+        if self.plan_cache:
+            args += ["--plan-cache", str(work_dir / "plan-cache")]
+        if self.fast_exit:
+            args.append("--fast-exit")
         return [*args, "--publish", self.publish if publish else "none"]
 
 
@@ -137,7 +162,14 @@ BASELINE = Side(
     name="baseline", ckpt_mode="sync", overlap_startup=False, compile_store=False, publish="inside"
 )
 OPTIMIZED = Side(
-    name="optimized", ckpt_mode="ettr", overlap_startup=True, compile_store=True, publish="standalone"
+    name="optimized",
+    ckpt_mode="ettr",
+    overlap_startup=True,
+    compile_store=True,
+    publish="standalone",
+    auto_interval=True,
+    plan_cache=True,
+    fast_exit=True,
 )
 
 
@@ -167,7 +199,9 @@ class Job:
     side: Side
     run_dir: Path
     work_dir: Path
-    """Checkpoints, per-attempt compile caches, the compile store and the job's log (beside the run dir)."""
+    """Checkpoints, per-attempt compile caches, the plan cache and the job's log (beside the run dir)."""
+    store_dir: Path | None = None
+    """ettr's compile store (with `side.compile_store`): shared with the warm-up job, kept between demos."""
 
     @property
     def log_path(self) -> Path:
@@ -178,11 +212,22 @@ class Job:
         return self.work_dir / "publish" / "queue"
 
     def command(self, workload: Workload, script: Path) -> list[str]:
+        """`ettr run ... -- torchrun ... train.py ...` of this side, with the workload's failures."""
         run = [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(self.run_dir)]
         run += ["--job-id", f"demo-{self.side.name}", "--max-restarts", "3", "--hang-timeout", "180"]
         for spec in workload.injections():
             run += ["--inject", spec]
         train = [str(script), "--steps", str(workload.steps), "--ckpt-every", str(workload.ckpt_every)]
+        return self._command(run, train, workload, script)
+
+    def warmup_command(self, workload: Workload, script: Path) -> list[str]:
+        """A short healthy job of the same model (no checkpoints, no failures): it fills the compile store."""
+        run = [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(self.run_dir)]
+        run += ["--job-id", f"demo-{self.side.name}", "--max-restarts", "0", "--hang-timeout", "180"]
+        train = [str(script), "--steps", str(WARMUP_STEPS), "--ckpt-every", "0", "--no-resume"]
+        return self._command(run, train, workload, script)
+
+    def _command(self, run: list[str], train: list[str], workload: Workload, script: Path) -> list[str]:
         train += ["--ckpt-dir", str(self.work_dir / "checkpoints"), "--num-rows", str(workload.num_rows)]
         train += ["--worker-startup-s", str(workload.worker_startup_s), "--log-every", "50"]
         train += ["--publish-dir", str(self.work_dir / "publish")]
@@ -197,7 +242,7 @@ class Job:
             "--nproc-per-node",
             "2",
             *train,
-            *self.side.train_args(publish=workload.publish),
+            *self.side.train_args(publish=workload.publish, work_dir=self.work_dir),
         ]
 
     def environment(self) -> dict[str, str]:
@@ -205,19 +250,45 @@ class Job:
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         env["PYTHONUNBUFFERED"] = "1"
         if self.side.compile_store:
-            env[COMPILE_STORE_ENV] = str(self.work_dir / "compile-store")  # empty at the start
+            env[COMPILE_STORE_ENV] = str(self.store_dir or self.work_dir / "compile-store")
             env[COMPILE_SETTLE_S_ENV] = "1"  # store the artifacts soon after the first compile
         else:
             env[COMPILE_STORE_ENV] = "off"
         return env
 
 
-def prepare(out: Path) -> list[Job]:
-    """The two jobs under `out`, after removing what an earlier demo left there (and nothing else)."""
-    jobs = [Job(side=s, run_dir=out / s.name, work_dir=out / f"{s.name}-work") for s in (BASELINE, OPTIMIZED)]
+WARMUP = Side(
+    name="warmup",
+    ckpt_mode="ettr",
+    overlap_startup=True,
+    compile_store=True,
+    publish="standalone",
+    fast_exit=True,
+)
+"""The earlier job of the same model that warms the compile store (no checkpoints, no failures). It ends
+as the real job does, publishing (its request is never built), so the store also holds the graphs of the
+model's inference forward that publishing runs, not only the training step's."""
+WARMUP_STEPS = 100
+"""Enough steps for the compile session to settle and store its artifacts before the job ends."""
+
+
+def prepare(out: Path) -> tuple[list[Job], Job]:
+    """The two jobs under `out` and the store's warm-up job, after removing what an earlier demo left
+    there (and nothing else: the compile store `out/compile-store` is kept, warm, for the next demo)."""
+    store = out / "compile-store"
+    jobs = [
+        Job(side=s, run_dir=out / s.name, work_dir=out / f"{s.name}-work", store_dir=store)
+        for s in (BASELINE, OPTIMIZED, WARMUP)
+    ]
     for job in jobs:
         if job.run_dir.is_dir() and any(job.run_dir.iterdir()) and not (job.run_dir / "ledger.db").is_file():
             raise UsageError(f"ettr demo: {job.run_dir} is not an ettr run directory; choose another --out")
+        # A supervisor of an earlier demo still running there would write into the new run's books.
+        if (job.run_dir / "ledger.db").is_file() and (pid := live_supervisor(read_events(job.run_dir))):
+            raise UsageError(
+                f"ettr demo: {job.run_dir} is still in use by a running `ettr run` (pid {pid}); stop it or "
+                "wait for it, or choose another --out"
+            )
     try:
         for job in jobs:
             shutil.rmtree(job.run_dir, ignore_errors=True)
@@ -225,128 +296,20 @@ def prepare(out: Path) -> list[Job]:
             job.work_dir.mkdir(parents=True)
     except OSError as exc:
         raise UsageError(f"ettr demo: cannot use {out} ({exc.strerror or exc})") from None
-    return jobs
-
-
-# -- watching a job through its ledger -------------------------------------------------------------------
-def read_events(run_dir: Path) -> list[Event]:
-    """The events recorded so far (empty before the supervisor created the ledger). Never raises."""
-    from ettr.ledger import ledger_path, read_run_events
-
-    if not ledger_path(run_dir).is_file():
-        return []
-    try:
-        return read_run_events(run_dir)
-    except Exception:  # being created or written right now: the next tick reads it
-        return []
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobState:
-    """Where a job is, from its events: its latest attempt, what rank 0 does, its step."""
-
-    attempt: int | None
-    stage: str
-    """The latest open phase of rank 0, `training`, `starting`, or how the attempt ended."""
-    step: int
-    """Highest step rank 0 completed in this attempt (0: none yet)."""
-    num_failures: int
-
-    @classmethod
-    def of(cls, events: Sequence[Event]) -> JobState:
-        starts = [e for e in events if e.kind is EventKind.ATTEMPT_START]
-        if not starts:
-            return cls(attempt=None, stage="starting", step=0, num_failures=0)
-        attempt = starts[-1].attempt
-        num_failures, step, outcome = 0, 0, None
-        open_phases: dict[tuple[str, float], float] = {}
-        for e in events:
-            if e.kind is EventKind.ATTEMPT_END:
-                num_failures += (e.data or {}).get("outcome") not in (None, Outcome.COMPLETED)
-                outcome = (e.data or {}).get("outcome") if e.attempt == attempt else outcome
-            if e.attempt != attempt or e.rank != 0:
-                continue
-            if e.kind is EventKind.STEP and e.step is not None:
-                step = max(step, e.step)
-            elif e.kind is EventKind.PHASE_BEGIN and e.phase is not None:
-                open_phases[(str(e.phase), e.ts)] = e.ts
-            elif e.kind is EventKind.PHASE_END and e.phase is not None and e.value is not None:
-                open_phases.pop((str(e.phase), e.value), None)
-        if outcome is not None:
-            stage = str(outcome)
-        elif open_phases:
-            stage = max(open_phases.items(), key=lambda item: item[1])[0][0]
-        else:
-            stage = "training" if step else "starting"
-        return cls(attempt=attempt, stage=stage, step=step, num_failures=num_failures)
-
-    def text(self, total_steps: int) -> str:
-        attempt = "-" if self.attempt is None else str(self.attempt)
-        return f"attempt {attempt}  {self.stage:<21} step {self.step:>4}/{total_steps}  failures {self.num_failures}"
-
-
-class ProgressDisplay:
-    """Shows what is running. On a terminal: one line, rewritten at every tick, with every running job.
-    Otherwise: a plain line per job when its attempt or stage changes, and every `plain_every_s` while
-    only its step moves."""
-
-    def __init__(
-        self,
-        stream: TextIO,
-        *,
-        tty: bool | None = None,
-        plain_every_s: float = 10.0,
-        columns: int | None = None,
-    ) -> None:
-        self.stream = stream
-        self.tty = stream.isatty() if tty is None else tty
-        self.plain_every_s = plain_every_s
-        self.columns = columns
-        """Width of the terminal line (None: the terminal's width when drawing)."""
-        self._current: dict[str, str] = {}
-        self._shown: dict[str, tuple[object, ...]] = {}
-        self._shown_at: dict[str, float] = {}
-        self._width = 0
-
-    def show(self, name: str, state: JobState, total_steps: int, elapsed_s: float) -> None:
-        if self.tty:
-            attempt = "-" if state.attempt is None else state.attempt
-            self._current[name] = (
-                f"{name}: attempt {attempt} {state.stage} step {state.step}/{total_steps} {elapsed_s:.0f} s"
-            )
-            columns = self.columns or shutil.get_terminal_size().columns
-            line = " | ".join(self._current.values())[: columns - 1]
-            self.stream.write("\r" + line.ljust(self._width))
-            self._width = len(line)
-            self.stream.flush()
-            return
-        key = (state.attempt, state.stage)
-        now = time.monotonic()
-        shown = self._shown.get(name, ())
-        if key != shown[:2] or (state.step != shown[2] and now - self._shown_at[name] >= self.plain_every_s):
-            print(f"{name:<9}  {state.text(total_steps)}  {elapsed_s:5.0f} s", file=self.stream, flush=True)
-            self._shown[name], self._shown_at[name] = (*key, state.step), now
-
-    def note(self, text: str) -> None:
-        """A line of its own (below the rewritten line, which the next tick draws again)."""
-        if self.tty and self._width:
-            self.stream.write("\n")
-            self._width = 0
-        print(text, file=self.stream, flush=True)
-
-    def done(self, name: str) -> None:
-        """`name` is no longer running: drop it from the terminal line."""
-        self._current.pop(name, None)
+    return jobs[:2], jobs[2]
 
 
 class JobRun:
     """One side's run in progress: launches `ettr run`, and launches it again on the same run directory
     after a preemption (exit 143), as a scheduler requeues a job. `tick` moves it on; it never blocks."""
 
-    def __init__(self, job: Job, workload: Workload, script: Path) -> None:
+    def __init__(
+        self, job: Job, workload: Workload, script: Path, *, command: list[str] | None = None
+    ) -> None:
         self.job = job
         self.workload = workload
-        self.command = job.command(workload, script)
+        self.command = command if command is not None else job.command(workload, script)
+        self.total_steps = workload.steps if command is None else WARMUP_STEPS
         self.status: int | None = None
         """`ettr run`'s last exit status once the job is over (None while it runs)."""
         self._proc: subprocess.Popen[bytes] | None = None
@@ -374,7 +337,7 @@ class JobRun:
             return
         returncode = self._proc.poll()
         state = JobState.of(read_events(self.job.run_dir))
-        display.show(self.job.side.name, state, self.workload.steps, self.elapsed_s)
+        display.show(self.job.side.name, state, self.total_steps, self.elapsed_s)
         name = self.job.side.name
         if returncode is None:
             return
@@ -418,10 +381,13 @@ def run_publish_job(job: Job, display: ProgressDisplay) -> int:
     the anchor the training job left, in a process and run directory of its own. Returns its status."""
     import ettr._examples
 
-    # The demo's model code (dlrm, shipped in the package) is all this publisher lets its requests run.
+    # The demo's model code (dlrm, shipped in the package) is all this publisher lets its requests run: the
+    # package's copy, and where it really lives when that is a link (a source checkout's examples/).
     examples = Path(ettr._examples.__file__).resolve().parent
     command = [sys.executable, "-m", "ettr.cli", "publish", str(job.publish_queue)]
-    command += ["--allow-factory", "dlrm.model.*", "--allow-pythonpath", str(examples)]
+    command += ["--allow-factory", "dlrm.model.*"]
+    for allowed in dict.fromkeys([examples, (examples / "dlrm").resolve().parent]):
+        command += ["--allow-pythonpath", str(allowed)]
     began = time.monotonic()
     with open(job.work_dir / "publish.log", "ab") as log:
         status = subprocess.run(
@@ -450,12 +416,57 @@ def run_jobs(runs: Sequence[JobRun], display: ProgressDisplay) -> None:
             run.stop()
 
 
+def store_entries(store: Path) -> int:
+    """Committed entries of the compile store at `store` (an entry exists once its manifest does)."""
+    return sum(1 for _ in store.glob("*/manifest.json")) if store.is_dir() else 0
+
+
+def warm_up_store(warmup: Job, workload: Workload, script: Path, display: ProgressDisplay) -> None:
+    """Warm the optimized side's compile store as a fleet's is warm: by an earlier job of the same model.
+    Runs that job (a short one, counted in neither side) unless an earlier demo's warm-up left the store
+    warm; says which."""
+    store = warmup.store_dir
+    assert store is not None
+    if (found := store_entries(store)) > 0:
+        display.note(
+            f"compile store: warm from an earlier demo's warm-up job ({store}: {found} entries; delete it to "
+            "warm it again); its time is counted in neither side"
+        )
+        return
+    display.note(
+        f"compile store: empty; warming it with an earlier job of the same model ({WARMUP_STEPS} steps, "
+        f"{warmup.run_dir}); its time is counted in neither side"
+    )
+    run = JobRun(warmup, workload, script, command=warmup.warmup_command(workload, script))
+    run_jobs([run], display)
+    if run.status != 0:
+        display.note(
+            f"compile store: the warm-up job failed (log: {warmup.log_path}); attempt 0 compiles cold"
+        )
+    display.note(f"compile store: {store_entries(store)} entries in {store} after the warm-up job")
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(args: argparse.Namespace) -> int:
     """`ettr demo [--quick] [--out DIR]`: run both sides, print the comparison, write DIR/report.html.
 
     Returns 0 when both jobs completed, 1 otherwise. Raises UsageError for an unusable --out or when the
     reference job is missing from this install.
     """
+    # Stopped by a scheduler or `kill`: stop the running job too (run_jobs' `finally`), never orphan it.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from ettr.demo_render import story_lines, story_sections
+    from ettr.demo_story import build_story
     from ettr.report.html import write_html
     from ettr.report.load import load_report
     from ettr.report.text import render_comparison
@@ -463,9 +474,11 @@ def main(args: argparse.Namespace) -> int:
     workload = QUICK if args.quick else DEFAULT
     out = Path(args.out)
     script = find_train_script()
-    jobs = prepare(out)
+    jobs, warmup = prepare(out)
     display = ProgressDisplay(sys.stdout)
     print(f"ettr demo{' --quick' if args.quick else ''}: {workload.describe()}", flush=True)
+    if workload.compile:  # the store as a fleet has it: warm from an earlier job of the same model
+        warm_up_store(warmup, workload, script, display)
     runs = [JobRun(job, workload, script) for job in jobs]
     run_jobs(runs, display)
     failed = [run.job.side.name for run in runs if run.status != 0]
@@ -474,14 +487,16 @@ def main(args: argparse.Namespace) -> int:
         standalone = workload.publish and run.job.side.publish == "standalone"
         if standalone and run.status == 0 and run_publish_job(run.job, display):
             failed.append(f"the publish job of {run.job.side.name}")
-    freed = drop_bulk(jobs)
+    freed = drop_bulk([*jobs, warmup])
     print(f"removed {freed / 1e9:.1f} GB of checkpoints, anchors, artifacts and compile caches (logs kept)")
     reports = [load_report(job.run_dir) for job in jobs]
     print()
     print(render_comparison(reports, labels=list(SIDES)))
     print(explain(reports[0], reports[1], published=workload.publish))
+    story = build_story(jobs[0].run_dir, jobs[1].run_dir)
+    print("\n".join(story_lines(story)))
     html = out / "report.html"
-    write_html(reports, html, labels=list(SIDES))
+    write_html(reports, html, labels=list(SIDES), extra_sections=story_sections(story))
     print(f"\nreport: {html}   (again: ettr report {jobs[0].run_dir} {jobs[1].run_dir})")
     if failed:
         print(f"ettr demo: {' and '.join(failed)} did not complete; see its log", file=sys.stderr)

@@ -22,12 +22,19 @@ def explain(baseline: EttReport, optimized: EttReport, *, published: bool = True
         f"wall {optimized.wall_s:.0f} s vs {baseline.wall_s:.0f} s"
     ]
     lost = [sum(a.lost_steps for a in r.attempts) for r in (baseline, optimized)]
+    saves = [len(r.checkpoint_commits) for r in (baseline, optimized)]
     rows: list[tuple[str, float | None, float | None, str]] = [
         (
             "checkpoint_blocking",
             baseline.buckets_s[Bucket.CHECKPOINT_BLOCKING],
             optimized.buckets_s[Bucket.CHECKPOINT_BLOCKING],
             "async saves: the loop waits only for the copy",
+        ),
+        (
+            "compile",
+            baseline.buckets_s[Bucket.COMPILE],
+            optimized.buckets_s[Bucket.COMPILE],
+            "artifacts restored from ettr's compile store, warm from an earlier job",
         ),
         (
             "compile in recoveries",
@@ -68,6 +75,8 @@ def explain(baseline: EttReport, optimized: EttReport, *, published: bool = True
         verdict = why if after < before else "(not lower this time)"
         if name == "wasted_progress":  # the seconds hide how much work each side redid
             verdict += f"; steps redone {lost[0]} -> {lost[1]}"
+        if name == "checkpoint_blocking":  # the auto interval may save more often, each save cheaper
+            verdict += f"; saves {saves[0]} -> {saves[1]}"
         lines.append(f"  {name:<22}{before:7.1f} s -> {after:6.1f} s   {verdict}")
     if gain <= 0:
         lines.append("  the optimized run's ETT% is not higher this time (a busy machine? run it again)")

@@ -37,16 +37,21 @@ _IDLE_ONLY_BUCKETS = (Bucket.SCHEDULING, Bucket.HARDWARE_SETUP, Bucket.CHECKPOIN
 
 
 def write_html(
-    reports: Sequence[EttReport], path: str | os.PathLike[str], *, labels: Sequence[str] | None = None
+    reports: Sequence[EttReport],
+    path: str | os.PathLike[str],
+    *,
+    labels: Sequence[str] | None = None,
+    extra_sections: Sequence[str] = (),
 ) -> None:
     """Write the report of `reports` (one job, or several to compare; the first is the baseline) to `path`.
     `labels` name the runs (`ettr report` gives the run directories' names); default: their job ids.
+    `extra_sections` (HTML, e.g. `ettr demo`'s story) are placed after the headline.
 
     Written with `ettr.atomic.atomic_write` (a temporary file beside `path`, fsync'd and renamed into place),
     so a reader never sees half a page. Raises `UsageError` (one line) when `path` cannot be written,
     `ValueError` when `reports` is empty.
     """
-    text = render_html(reports, labels=labels)
+    text = render_html(reports, labels=labels, extra_sections=extra_sections)
     target = Path(path)
     try:
         atomic_write(target, text)
@@ -61,7 +66,9 @@ def _bucket_seconds(bucket: Bucket) -> Callable[[EttReport], float]:
     return seconds
 
 
-def render_html(reports: Sequence[EttReport], *, labels: Sequence[str] | None = None) -> str:
+def render_html(
+    reports: Sequence[EttReport], *, labels: Sequence[str] | None = None, extra_sections: Sequence[str] = ()
+) -> str:
     """The whole page as a string (see the module docstring for what it shows); `labels` as `write_html`."""
     if not reports:
         raise ValueError("render_html needs at least one report")
@@ -77,6 +84,7 @@ def render_html(reports: Sequence[EttReport], *, labels: Sequence[str] | None = 
         "<main>",
         _header(reports, names),
         _headline_section(reports, names),
+        *extra_sections,
         _timeline_section(reports, names),
         _buckets_section(reports, names),
         _tts_section(reports, names),

@@ -1,0 +1,85 @@
+"""The TorchRec sharding plan, computed once and reused: start-up work not repeated on every attempt.
+
+`EmbeddingShardingPlanner.collective_plan` enumerates, estimates and partitions every table on rank 0 and
+broadcasts the result; the plan depends only on the model's tables, the world size and the TorchRec
+version, so a job's later attempts (and later jobs of the same model) get the same plan back. The cache
+keeps it, one file per key, committed whole (`ettr.atomic.atomic_write`) by rank 0:
+
+    cache = PlanCache(directory, key=plan_key(model_config, world_size))
+    plan = cache.load_agreed(world_size)          # collective: one all_reduce, so every rank agrees
+    if plan is None:
+        plan = planner.collective_plan(model, sharders, group)
+        cache.store(plan, rank=rank)
+
+Every rank reads the file itself, so the directory must be one every rank sees (the job's own storage).
+The ranks agree (one small all_reduce) whether all of them found it, so that a rank missing the file
+never leaves its peers waiting in a different collective: then all of them plan again. The file is this
+job's own, written by rank 0 with mode 0600 and read with `pickle` (a plan holds TorchRec's dataclasses);
+do not point `--plan-cache` at a directory others can write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ettr.atomic import atomic_write
+
+logger = logging.getLogger("dlrm")
+
+
+def plan_key(model_config: Any, world_size: int) -> str:
+    """What the plan depends on: the model's dataclass config, the world size, the TorchRec version."""
+    import torchrec
+
+    fields = {
+        "model": asdict(model_config),
+        "world_size": world_size,
+        "torchrec": getattr(torchrec, "__version__", "?"),
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class PlanCache:
+    """Plans by key in `directory` (None: a cache that never has one and stores nothing)."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None, *, key: str) -> None:
+        self.path = None if directory is None else Path(directory) / f"plan-{key}.pickle"
+
+    def _load(self) -> Any | None:
+        if self.path is None or not self.path.is_file():
+            return None
+        try:
+            return pickle.loads(self.path.read_bytes())
+        except Exception as exc:  # a damaged or foreign file: plan again (and overwrite it)
+            logger.warning("dlrm: ignoring the sharding plan in %s (%s)", self.path, exc)
+            return None
+
+    def load_agreed(self, world_size: int) -> Any | None:
+        """The cached plan when every rank has it, else None on every rank. Collective when
+        `world_size > 1` and torch.distributed is initialized."""
+        plan = self._load()
+        if self.path is None or world_size == 1 or not dist.is_initialized():
+            return plan
+        found = torch.tensor([0 if plan is None else 1], dtype=torch.int32)
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)
+        return plan if int(found.item()) == 1 else None
+
+    def store(self, plan: Any, *, rank: int) -> None:
+        """Rank 0 commits the plan (never raises: a plan not cached is computed again next time)."""
+        if self.path is None or rank != 0:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.path, pickle.dumps(plan), mode=0o600)
+        except Exception as exc:
+            logger.warning("dlrm: could not cache the sharding plan in %s (%s)", self.path, exc)

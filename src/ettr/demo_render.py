@@ -1,0 +1,268 @@
+"""`ettr demo`'s story (`ettr.demo_story.Story`) as terminal lines and as HTML sections for report.html.
+
+Pure: a story in, text out. The HTML uses the report's SVG vocabulary (`ettr.report.svg`), so the bucket
+colours are the same as in the rest of the page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ettr.demo_story import Audit, FleetScale, Story
+from ettr.events import Bucket
+from ettr.report.svg import (
+    BUCKET_COLORS,
+    LABEL_W,
+    RIGHT_W,
+    WIDTH,
+    esc,
+    fmt_s,
+    rect_element,
+    svg_element,
+    text_element,
+)
+
+_RECOVERY_BUCKETS = (
+    Bucket.RESTART,
+    Bucket.INIT,
+    Bucket.COMPILE,
+    Bucket.RESTORE,
+    Bucket.DATA_WAIT,
+    Bucket.OTHER,
+)
+
+
+def _fleet_title(fleet: FleetScale) -> str:
+    return (
+        f"{fleet.gpus:,} GPUs for {fleet.days:g} days at {fleet.failures_per_node_day:.3g} failures per "
+        f"node-day ({fleet.source})"
+    )
+
+
+def _breakdown(spent: Mapping[Bucket, float]) -> str:
+    parts = [f"{b.value} {spent[b]:.1f}" for b in _RECOVERY_BUCKETS if spent.get(b, 0.0) >= 0.05]
+    return ", ".join(parts) or "-"
+
+
+# -- text -------------------------------------------------------------------------------------------------
+def story_lines(story: Story) -> list[str]:
+    """The story for the terminal: technique shares, TTS steps, TTRs, the audit, replay, projection."""
+    lines = [
+        "",
+        "what each technique bought (seconds of its buckets, whole job; share of the wall time saved):",
+    ]
+    for g in story.techniques:
+        if max(abs(g.baseline_s), abs(g.optimized_s)) < 0.05:
+            continue
+        share = (
+            f"{g.share_pct:5.1f}% ({g.points:+.1f} pts)"
+            if g.share_pct is not None and g.points is not None
+            else "   -"
+        )
+        lines.append(
+            f"  {g.technique.name:<34}{g.baseline_s:7.1f} s -> {g.optimized_s:6.1f} s  {share:<18} "
+            f"{g.technique.mechanism}"
+        )
+    if story.tts_steps:
+        steps = " ".join(
+            f"{s.label} {s.seconds:.1f} s" if s.total else f"{s.seconds:+.1f} ({s.label})"
+            for s in story.tts_steps
+        )
+        lines += ["", f"time to start, step by step: {steps}"]
+    if story.recoveries:
+        lines += ["", "time to recover, by bucket (seconds):"]
+        for r in story.recoveries:
+            b, o = sum(r.baseline.values()), sum(r.optimized.values())
+            lines.append(f"  failure {r.index} ({r.outcome}): baseline {b:.1f} s [{_breakdown(r.baseline)}]")
+            lines.append(
+                f"  {'':<{len(str(r.index)) + len(r.outcome) + 12}}optimized {o:.1f} s [{_breakdown(r.optimized)}]"
+            )
+    if story.audits:
+        lines += [
+            "",
+            "init audit, rank 0, per attempt (collectives / process groups created / seconds in them):",
+        ]
+        for side in ("baseline", "optimized"):
+            rows = [a for a in story.audits if a.side == side]
+            text = "; ".join(f"a{a.attempt} {a.num_calls} / {a.num_groups} / {a.total_s:.2f} s" for a in rows)
+            lines.append(f"  {side:<10} {text}")
+        lines.append("  " + _audit_delta(story))
+    lines += ["", "the simulator's replay of each run's own failures (ettr simulate --from RUN --replay):"]
+    for rp in story.replays:
+        verdict = "within" if rp.ok else "NOT within"
+        lines.append(
+            f"  {rp.side:<10} measured ETT {rp.measured_ett_pct:.1f}%, predicted {rp.predicted_ett_pct:.1f}% "
+            f"({rp.predicted_ett_pct - rp.measured_ett_pct:+.1f} points: {verdict} 2)"
+        )
+    lines += ["", f"projected from the measured profiles to {_fleet_title(story.fleet)}:"]
+    for p in story.projection:
+        ttr = fmt_s(p.mean_ttr_s)
+        lines.append(
+            f"  {p.side:<10} ETT {p.ett_pct:.1f}% (95% CI {p.ett_pct_ci95[0]:.1f}-{p.ett_pct_ci95[1]:.1f}), "
+            f"checkpoint every {fmt_s(p.interval_s)}, {p.num_failures_mean:.0f} failures, mean TTR {ttr}"
+        )
+    lines += [f"  ({n})" for n in story.notes]
+    return lines
+
+
+def _audit_delta(story: Story) -> str:
+    """Which collective ops the optimized side's later attempts no longer call (or call more)."""
+    later = {
+        side: [a for a in story.audits if a.side == side and a.attempt > 0]
+        for side in ("baseline", "optimized")
+    }
+    if not later["baseline"] or not later["optimized"]:
+        return "(no later attempt to compare)"
+
+    def mean_ops(rows: Sequence[Audit]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for a in rows:
+            for op, n in a.ops.items():
+                out[op] = out.get(op, 0.0) + n / len(rows)
+        return out
+
+    b, o = mean_ops(later["baseline"]), mean_ops(later["optimized"])
+    diffs = [
+        f"{op} {b.get(op, 0):g} -> {o.get(op, 0):g}"
+        for op in sorted(set(b) | set(o))
+        if b.get(op, 0) != o.get(op, 0)
+    ]
+    return "later attempts, per attempt: " + (", ".join(diffs) if diffs else "the same calls on both sides")
+
+
+# -- HTML -------------------------------------------------------------------------------------------------
+def _technique_waterfall_svg(story: Story) -> str:
+    """Baseline TTS, each technique's change (down: saved, up: cost), optimized TTS."""
+    steps = story.tts_steps
+    row_h, gap = 20.0, 6.0
+    plot_w = WIDTH - LABEL_W - RIGHT_W
+    running, top = 0.0, 0.0
+    for s in steps:
+        running = s.seconds if s.total else running + s.seconds
+        top = max(top, running)
+    scale = max(top, 1e-9)
+    body: list[str] = []
+    y, running = 4.0, 0.0
+    for s in steps:
+        if s.total:
+            start, end, color = 0.0, s.seconds, "#39424e"
+            running = s.seconds
+        else:
+            start, end = sorted((running, running + s.seconds))
+            color = "#2ca02c" if s.seconds < 0 else "#d62728"
+            running += s.seconds
+        x0 = LABEL_W + start / scale * plot_w
+        w = max((end - start) / scale * plot_w, 0.8)
+        label = f"{s.seconds:.1f} s" if s.total else f"{s.seconds:+.1f} s"
+        body.append(text_element(0, y + 14, s.label, extra=' font-weight="700"' if s.total else ""))
+        body.append(rect_element(x0, y, w, row_h, color, f"{s.label}: {label}"))
+        body.append(text_element(x0 + w + 6, y + 14, label, fill="#444", extra=' font-size="11"'))
+        y += row_h + gap
+    return svg_element(y + 4, body, label="time to start: baseline, each technique, optimized")
+
+
+def _technique_table(story: Story) -> str:
+    rows = []
+    for g in story.techniques:
+        share = f"{g.share_pct:.1f}%" if g.share_pct is not None else "—"
+        points = f"{g.points:+.1f}" if g.points is not None else "—"
+        buckets = ", ".join(b.value for b in g.technique.buckets)
+        rows.append(
+            f"<tr><td>{esc(g.technique.name)}</td><td>{esc(buckets)}</td><td class=num>{g.baseline_s:.1f}</td>"
+            f"<td class=num>{g.optimized_s:.1f}</td><td class=num>{g.saved_s:+.1f}</td><td class=num>{share}</td>"
+            f"<td class=num>{points}</td><td>{esc(g.technique.mechanism)}</td></tr>"
+        )
+    head = (
+        "<tr><th>technique</th><th>buckets</th><th>baseline s</th><th>optimized s</th><th>saved s</th>"
+        "<th>share of the saving</th><th>ETT points</th><th>mechanism</th></tr>"
+    )
+    return f'<table class="story">{head}{"".join(rows)}</table>'
+
+
+def _recovery_svg(story: Story) -> str:
+    """Each failure's TTR on both sides as stacked bars by bucket."""
+    rows = [
+        (f"#{r.index} {r.outcome} · {side}", spent)
+        for r in story.recoveries
+        for side, spent in (("baseline", r.baseline), ("optimized", r.optimized))
+    ]
+    top = max((sum(s.values()) for _, s in rows), default=0.0)
+    plot_w = WIDTH - LABEL_W - RIGHT_W
+    body: list[str] = []
+    y = 4.0
+    for label, spent in rows:
+        x = LABEL_W
+        body.append(text_element(0, y + 14, label))
+        for b in _RECOVERY_BUCKETS:
+            seconds = spent.get(b, 0.0)
+            if seconds <= 0:
+                continue
+            w = seconds / max(top, 1e-9) * plot_w
+            body.append(
+                rect_element(
+                    x, y, max(w, 0.8), 20.0, BUCKET_COLORS[b], f"{b.value}: {seconds:.2f} s", bucket=b
+                )
+            )
+            x += w
+        body.append(
+            text_element(x + 6, y + 14, fmt_s(sum(spent.values())), fill="#444", extra=' font-size="11"')
+        )
+        y += 26.0
+    return svg_element(y + 4, body, label="time to recover by bucket, both sides")
+
+
+def _projection_table(story: Story) -> str:
+    rows = "".join(
+        f"<tr><td>{esc(p.side)}</td><td class=num>{p.ett_pct:.1f}%</td>"
+        f"<td class=num>{p.ett_pct_ci95[0]:.1f}–{p.ett_pct_ci95[1]:.1f}</td><td class=num>{esc(fmt_s(p.interval_s))}</td>"
+        f"<td class=num>{p.num_failures_mean:.0f}</td><td class=num>{esc(fmt_s(p.mean_ttr_s))}</td></tr>"
+        for p in story.projection
+    )
+    replays = "".join(
+        f"<tr><td>{esc(r.side)}</td><td class=num>{r.measured_ett_pct:.1f}%</td><td class=num>{r.predicted_ett_pct:.1f}%</td>"
+        f"<td class=num>{r.predicted_ett_pct - r.measured_ett_pct:+.1f}</td><td>{'yes' if r.ok else 'no'}</td></tr>"
+        for r in story.replays
+    )
+    return (
+        "<h3>Replay: does the simulator predict this run?</h3>"
+        '<table class="story"><tr><th>side</th><th>measured ETT</th><th>replayed ETT</th><th>difference</th>'
+        f"<th>within 2 points</th></tr>{replays}</table>"
+        f"<h3>Projection: {esc(_fleet_title(story.fleet))}</h3>"
+        '<table class="story"><tr><th>side</th><th>ETT</th><th>95% CI</th><th>checkpoint interval</th>'
+        f"<th>failures</th><th>mean TTR</th></tr>{rows}</table>"
+        + "".join(f'<p class="note">{esc(n)}</p>' for n in story.notes)
+    )
+
+
+def story_sections(story: Story) -> list[str]:
+    """The story's sections for report.html (placed after the headline)."""
+    css = (
+        "<style>table.story{border-collapse:collapse;margin:.5em 0;width:100%;table-layout:auto}"
+        "table.story td,table.story th{border:1px solid #ddd;padding:3px 8px;font-size:13px;text-align:left;"
+        "white-space:normal}table.story td.num{text-align:right;white-space:nowrap}</style>"
+    )
+    parts = [
+        css,
+        '<section id="story"><h2>The story: what each technique bought</h2>',
+        '<p class="note">Seconds of each technique\'s buckets over the whole job, both sides, and its share of the '
+        "wall time the optimized side saved (ETT points in proportion).</p>",
+        _technique_table(story),
+    ]
+    if story.tts_steps:
+        parts += [
+            "<h3>Time to start: baseline → each technique → optimized</h3>",
+            _technique_waterfall_svg(story),
+        ]
+    if story.recoveries:
+        legend = " ".join(
+            f'<span style="display:inline-block;width:10px;height:10px;background:{BUCKET_COLORS[b]}"></span> '
+            f"{esc(b.value)}"
+            for b in _RECOVERY_BUCKETS
+        )
+        parts += [
+            "<h3>Time to recover, by bucket</h3>",
+            _recovery_svg(story),
+            f'<p class="note">{legend}</p>',
+        ]
+    parts += [_projection_table(story), "</section>"]
+    return ["".join(parts)]

@@ -1,0 +1,201 @@
+"""`ettr demo`'s story: technique shares, the TTS steps, recoveries and audits, read from reports and events;
+the replay check and the fleet projection through the simulator; the text and HTML that show them."""
+
+from __future__ import annotations
+
+import pytest
+
+from ettr import demo_story
+from ettr.accounting import compute
+from ettr.audit import MARK_NAME
+from ettr.demo_render import story_lines, story_sections
+from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Outcome, Phase
+
+T0 = 1_700_000_000.0
+
+
+def _job(*, init_s: float, compile_s: float, blocking_s: float, groups: int) -> list[Event]:
+    """Attempt 0 starts up (init, compile), trains, saves, is preempted; attempt 1 starts up and completes."""
+    rows = []
+    for attempt, start in ((0, 0.0), (1, 100.0)):
+        t = start
+        rows.append(Event(EventKind.ATTEMPT_START, T0 + t, attempt, SUPERVISOR_RANK))
+        rows.append(
+            Event(
+                EventKind.PHASE_END,
+                T0 + t + init_s,
+                attempt,
+                0,
+                phase=Phase.TRAIN_MODULE_CREATION,
+                value=T0 + t,
+            )
+        )
+        t += init_s
+        rows.append(
+            Event(EventKind.PHASE_END, T0 + t + compile_s, attempt, 0, phase=Phase.COMPILE, value=T0 + t)
+        )
+        t += compile_s
+        data = {"name": MARK_NAME, "num_calls": 3 + groups, "num_groups_created": groups, "total_s": 0.1}
+        data["stages"] = {
+            "init_plugins": {"new_group": {"num_calls": groups}},
+            "pre_train": {"barrier": {"num_calls": 3}},
+        }
+        rows.append(Event(EventKind.MARK, T0 + t, attempt, 0, data=data))
+        if attempt == 1:
+            rows.append(Event(EventKind.RESUMED, T0 + t, attempt, 0, step=20))
+        rows.append(Event(EventKind.TRAINING_START, T0 + t, attempt, 0))
+        first = 21 if attempt else 1
+        for step in range(first, first + 20):
+            t += 1.0
+            rows.append(Event(EventKind.STEP, T0 + t, attempt, 0, step=step))
+            if step == 20:
+                rows.append(
+                    Event(
+                        EventKind.PHASE_END,
+                        T0 + t + blocking_s,
+                        attempt,
+                        0,
+                        phase=Phase.CHECKPOINT_BLOCKING,
+                        value=T0 + t,
+                    )
+                )
+                t += blocking_s
+                rows.append(
+                    Event(EventKind.CHECKPOINT_COMMIT, T0 + t, attempt, 0, step=20, data={"path": "p"})
+                )
+        outcome = Outcome.PREEMPTED if attempt == 0 else Outcome.COMPLETED
+        rows.append(
+            Event(EventKind.ATTEMPT_END, T0 + t + 0.5, attempt, SUPERVISOR_RANK, data={"outcome": outcome})
+        )
+    return rows
+
+
+def _report(events: list[Event]):
+    return compute(events, max(e.ts for e in events), job_id="j")
+
+
+BASE = _job(init_s=8.0, compile_s=30.0, blocking_s=2.0, groups=1)
+OPT = _job(init_s=7.0, compile_s=3.0, blocking_s=0.2, groups=3)
+
+
+def test_every_bucket_but_training_belongs_to_exactly_one_technique():
+    owned = [b for t in demo_story.TECHNIQUES for b in t.buckets]
+    assert len(owned) == len(set(owned))
+    assert set(owned) == set(Bucket) - {Bucket.EFFECTIVE_TRAINING}
+
+
+def test_technique_shares_add_up_to_the_wall_time_saved_and_the_gain():
+    baseline, optimized = _report(BASE), _report(OPT)
+    gains = demo_story.technique_gains(baseline, optimized)
+    by_name = {g.technique.name: g for g in gains}
+    compile_gain = by_name["compile store (warm)"]
+    assert compile_gain.baseline_s == pytest.approx(60.0) and compile_gain.optimized_s == pytest.approx(6.0)
+    saved = sum(g.saved_s for g in gains)
+    assert saved == pytest.approx(baseline.wall_s - optimized.wall_s, abs=1e-6)  # same training on both
+    assert sum(g.share_pct or 0 for g in gains) == pytest.approx(100.0)
+    assert sum(g.points or 0 for g in gains) == pytest.approx(optimized.ett_pct - baseline.ett_pct)
+
+
+def test_the_tts_steps_go_from_the_baseline_to_the_optimized_tts():
+    baseline, optimized = _report(BASE), _report(OPT)
+    steps = demo_story.tts_steps(baseline, optimized)
+    assert steps[0].total and steps[0].seconds == pytest.approx(baseline.tts_s)
+    assert steps[-1].total and steps[-1].seconds == pytest.approx(optimized.tts_s)
+    assert steps[0].seconds + sum(s.seconds for s in steps[1:-1]) == pytest.approx(steps[-1].seconds)
+    assert [s.label for s in steps[1:-1]] == ["compile store (warm)", "start-up not repeated"]
+
+
+def test_recoveries_and_audits_are_read_per_failure_and_attempt():
+    baseline, optimized = _report(BASE), _report(OPT)
+    (pair,) = demo_story.recovery_pairs(baseline, optimized)
+    assert pair.outcome == "preempted"
+    assert pair.baseline[Bucket.COMPILE] == pytest.approx(30.0) and pair.optimized[
+        Bucket.COMPILE
+    ] == pytest.approx(3.0)
+    audits = demo_story.audits("optimized", OPT)
+    assert [(a.attempt, a.num_groups, a.ops["new_group"]) for a in audits] == [(0, 3, 3), (1, 3, 3)]
+
+
+def test_the_story_replays_and_projects_both_run_directories(tmp_path):
+    from ettr.ledger import open_ledger
+
+    for name, events in (("baseline", BASE), ("optimized", OPT)):
+        ledger = open_ledger(tmp_path / name)
+        ledger.append(events)
+        ledger.close()
+    fleet = demo_story.FleetScale(runs=3, days=1.0)
+    story = demo_story.build_story(tmp_path / "baseline", tmp_path / "optimized", fleet=fleet)
+    assert [r.side for r in story.replays] == ["baseline", "optimized"]
+    for r in story.replays:
+        assert 0 < r.predicted_ett_pct <= 100 and 0 < r.measured_ett_pct <= 100
+    assert [p.side for p in story.projection] == ["baseline", "optimized"]
+    assert story.projection[1].ett_pct > story.projection[0].ett_pct  # cheaper saves and recoveries
+
+    text = "\n".join(story_lines(story))
+    assert "what each technique bought" in text and "replay" in text and "1,024 GPUs for 1 days" in text
+    assert "new_group 1 -> 3" in text  # the audit shows the optimized side's extra groups, honestly
+    (html,) = story_sections(story)
+    assert 'id="story"' in html and "<svg" in html and "Projection" in html
+
+
+def test_a_run_that_never_trained_has_no_replay_and_says_so(tmp_path):
+    from ettr.ledger import open_ledger
+
+    never = [
+        Event(EventKind.ATTEMPT_START, T0, 0, SUPERVISOR_RANK),
+        Event(EventKind.ATTEMPT_END, T0 + 5, 0, SUPERVISOR_RANK, data={"outcome": Outcome.FAILED}),
+    ]
+    for name, events in (("baseline", never), ("optimized", OPT)):
+        ledger = open_ledger(tmp_path / name)
+        ledger.append(events)
+        ledger.close()
+    story = demo_story.build_story(
+        tmp_path / "baseline", tmp_path / "optimized", fleet=demo_story.FleetScale(runs=2, days=1.0)
+    )
+    assert [r.side for r in story.replays] == ["optimized"]
+    assert any(n.startswith("baseline: no profile") for n in story.notes)
+
+
+@pytest.mark.slow
+def test_the_demo_page_tells_the_story_in_headless_chromium(tmp_path):
+    from ettr.ledger import open_ledger
+    from ettr.report.html import write_html
+    from ettr.report.load import load_report
+    from test_report_html import _console_errors, _Doc, _has_colour, _png_rgb, _run_chromium
+
+    for name, events in (("baseline", BASE), ("optimized", OPT)):
+        ledger = open_ledger(tmp_path / name)
+        ledger.append(events)
+        ledger.close()
+    story = demo_story.build_story(
+        tmp_path / "baseline", tmp_path / "optimized", fleet=demo_story.FleetScale(runs=2, days=1.0)
+    )
+    reports = [load_report(tmp_path / n) for n in ("baseline", "optimized")]
+    page = tmp_path / "report.html"
+    write_html(reports, page, labels=["baseline", "optimized"], extra_sections=story_sections(story))
+
+    dom = _run_chromium(tmp_path, "--dump-dom", page.as_uri())
+    assert dom.returncode == 0 and _console_errors(dom.stderr) == [], dom.stderr[-2000:]
+    doc = _Doc(dom.stdout)
+    assert next(a for t, a in doc.tags if t == "html").get("data-ettr-script") == "ok"
+    assert any(t == "section" and a.get("id") == "story" for t, a in doc.tags)
+    # The story comes right after the headline: technique table, the TTS steps, recoveries, projection.
+    text = dom.stdout
+    assert text.index('id="story"') < text.index('id="timeline"')
+    for heading in (
+        "what each technique bought",
+        "baseline → each technique → optimized",
+        "Time to recover, by bucket",
+        "Projection",
+    ):
+        assert heading in text, heading
+
+    shot = tmp_path / "shot.png"
+    result = _run_chromium(
+        tmp_path, f"--screenshot={shot}", "--window-size=1200,2400", "--hide-scrollbars", page.as_uri()
+    )
+    assert result.returncode == 0 and shot.is_file(), result.stderr[-2000:]
+    rgb = _png_rgb(shot.read_bytes())
+    # The technique waterfall paints its savings green and its totals slate; the TTR bars in bucket colours.
+    assert _has_colour(rgb, "#2ca02c", min_pixels=200) and _has_colour(rgb, "#39424e", min_pixels=200)
+    assert _has_colour(rgb, "#6b5fc7", min_pixels=100)  # compile, in the recovery bars
