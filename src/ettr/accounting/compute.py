@@ -12,6 +12,7 @@ from ettr.accounting.attempts import Attempt, data_of, gather, resolve_attempts,
 from ettr.accounting.causes import failure_causes
 from ettr.accounting.model import AttemptReport, EttReport, Recovery, TtsWindow
 from ettr.accounting.timeline import build_segments
+from ettr.accounting.ttr import breakdowns
 from ettr.events import Bucket, Event, Outcome, Phase
 
 
@@ -91,6 +92,12 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
     attempt_reports = tuple(_attempt_report(a, by_attempt.get(a.index)) for a in attempts)
     tts_window = _tts_window(job.allocated_ts, job.supervisor_start_ts, wall_start, attempt_reports)
     recoveries = _recoveries(attempt_reports)
+    ttr_parts, tts_parts = breakdowns(
+        {i: raw.rank_events for i, raw in job.attempts.items()},
+        attempts,
+        [(r.failed.index, r.recovered.index) for r in recoveries],
+        None if tts_window is None else (tts_window.origin_ts, tts_window.attempt),
+    )
     job_phases: dict[str, list[float]] = {}
     for report in attempt_reports:
         for name, seconds in report.phases_s.items():
@@ -124,6 +131,8 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         tts_window=tts_window,
         recoveries=recoveries,
         failures=failure_causes(attempt_reports),
+        ttr_parts=ttr_parts,
+        tts_parts=tts_parts,
     )
 
 

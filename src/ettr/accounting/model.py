@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ettr.accounting.causes import Cause, FailureCause
+from ettr.accounting.ttr import RecoveryParts
 from ettr.events import Bucket, Outcome
 
 
@@ -174,6 +175,10 @@ class EttReport:
     which attempt trained again when."""
     failures: tuple[FailureCause, ...] = ()
     """One per failure (`num_failures`): its cause, evidence and TTR (rules in `ettr.accounting.causes`)."""
+    ttr_parts: tuple[RecoveryParts, ...] = ()
+    """Where each recovery's time went, failure to first step (`ettr.accounting.ttr`), one per recovery."""
+    tts_parts: RecoveryParts | None = None
+    """Where the time to start went, its origin to the first step; None when no attempt trained."""
 
     @property
     def num_infra_failures(self) -> int:

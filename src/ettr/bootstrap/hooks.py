@@ -149,6 +149,9 @@ class AutoHooks:
     def on_torch(self, torch: ModuleType) -> None:
         """Called once `import torch` finished: install every hook that needs only torch."""
         from ettr.bootstrap.checkpoint_hooks import CheckpointHooks
+        from ettr.constants import IMPORTS_MARK
+
+        self.guard.call("imports", self.rec.mark, IMPORTS_MARK, module="torch")  # the TTR's imports part
 
         self.guard.call("optimizer step", self._install_optimizer_hook, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)

@@ -11,6 +11,7 @@ from typing import Any
 from ettr.accounting import EttReport
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
+from ettr.report import ttr_parts
 
 BAR_WIDTH = 40
 """Characters of a bar that stands for 100% of wall time."""
@@ -70,6 +71,7 @@ def render(report: EttReport) -> str:
     for a in report.attempts:
         if a.failure:
             lines += _failure_lines(a.index, a.outcome.value, a.failure)
+    lines += ttr_parts.text_lines(report)
     if report.failures:
         lines += ["", causes_line(report)]
         lines += [f"  attempt {f.attempt}: {f.cause.value}: {f.evidence}" for f in report.failures]

@@ -4,7 +4,7 @@
     for each attempt, until it completes, is preempted, or restarts run out:
         ATTEMPT_START; run the command; watch for exit, a forwarded SIGTERM/SIGINT, or a hang
         ATTEMPT_END (outcome, exit code, signal, reason, exception, OOM, stderr tail)
-        back off (0.5 s, doubling) before the next attempt
+        back off before the next attempt (none before the first restart after progress; 0.5 s, doubling)
     JOB_END; exit 0 completed, 1 failed after the restarts, 143 preempted
 
 Each event is appended to the ledger at once (durable on return), so whatever kills the supervisor, the run
@@ -27,7 +27,14 @@ from types import FrameType
 from typing import Any
 
 from ettr.closing import recorded_job_id
-from ettr.constants import EXIT_COMPLETED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED
+from ettr.constants import (
+    BACKOFF_MARK,
+    EXIT_COMPLETED,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    FAILURE_DETECTED_MARK,
+)
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.family import derive_family
@@ -43,6 +50,7 @@ from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times
 from ettr.supervisor.launch import attempt_launch, detect_launcher
 from ettr.supervisor.process import AttemptProcess
+from ettr.supervisor.restart import ExitWaker, backoff_wait_s, trained
 from ettr.supervisor.watchdog import HangWatchdog
 
 logger = logging.getLogger("ettr")
@@ -85,6 +93,7 @@ class Supervisor:
         self._num_signals = 0
         self._wake = threading.Event()
         self._ledger: Any = None
+        self._made_progress = False  # the last attempt completed a step (see restart.backoff_wait_s)
 
     # -- the books ---------------------------------------------------------------------------------------
     def _append(self, kind: EventKind, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
@@ -219,6 +228,8 @@ class Supervisor:
         kill_at = float("inf")
         killed = False
         snapshot_at = 0.0
+        waker = ExitWaker(proc.pid, self._wake)  # the loop wakes the instant the command exits
+        detected_at: float | None = None  # when the supervisor knew the attempt was over (hang: at once)
         while (returncode := proc.poll()) is None:
             now = time.time()
             if self._signal is not None and forwarded is None and hung_after_s is None:
@@ -237,6 +248,7 @@ class Supervisor:
             if forwarded is None and hung_after_s is None:
                 hung_after_s = watchdog.check(now)
                 if hung_after_s is not None:
+                    detected_at = now
                     _say(f"attempt {attempt}: no progress for {hung_after_s:.1f} s: hung, killing it")
                     proc.signal_tree(signal.SIGTERM)
                     kill_at = now + cfg.hang_kill_grace_s
@@ -248,13 +260,19 @@ class Supervisor:
                 snapshot_at = now
             self._wake.wait(cfg.poll_interval_s)
             self._wake.clear()
+        self._append(
+            EventKind.MARK, attempt=attempt, ts=detected_at, name=FAILURE_DETECTED_MARK, returncode=returncode
+        )
+        waker.close()
         proc.kill_leftovers()
         proc.finish()
         oom_after = oom_kill_count()
+        events = self._attempt_events(attempt)
+        self._made_progress = trained(events)
         return classify(
             returncode=returncode,
             stderr_tail=proc.stderr_tail(),
-            events=self._attempt_events(attempt),
+            events=events,
             preempted_by=forwarded,
             hung_after_s=hung_after_s,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
@@ -320,7 +338,13 @@ class Supervisor:
                     _say(f"attempt {attempt} {last.outcome}: {last.reason}; no restarts left")
                     status = EXIT_FAILED
                     break
-                wait_s = min(cfg.max_backoff_s, cfg.backoff_s * 2**restart)
+                wait_s = backoff_wait_s(
+                    restart,
+                    outcome=last.outcome,
+                    made_progress=self._made_progress,
+                    backoff_s=cfg.backoff_s,
+                    max_backoff_s=cfg.max_backoff_s,
+                )
                 _say(
                     f"attempt {attempt} {last.outcome}: {last.reason}; "
                     f"restarting in {wait_s:g} s ({restart + 1} of {cfg.max_restarts})"
@@ -329,6 +353,7 @@ class Supervisor:
                 while self._signal is None and (left := deadline - time.monotonic()) > 0:
                     self._wake.wait(left)
                     self._wake.clear()
+                self._append(EventKind.MARK, attempt=attempt, name=BACKOFF_MARK, wait_s=wait_s)
         finally:
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
