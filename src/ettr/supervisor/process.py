@@ -100,6 +100,10 @@ class AttemptProcess:
         for pid, ticks in descendants(self.pid):
             self._known.setdefault(pid, ticks)
 
+    def known_tree(self) -> dict[int, int | None]:
+        """The descendants noted so far (pid -> start ticks), alive or not."""
+        return dict(self._known)
+
     def signal_tree(self, sig: int) -> None:
         """Send `sig` to the command and every descendant (known now or seen earlier)."""
         self.remember_tree()

@@ -2,7 +2,10 @@
 
 `ExitWaker` waits on a pidfd (Linux >= 5.3, `os.pidfd_open`) on a helper thread and sets the supervisor's
 wake event when the attempt's process exits, so the loop learns of a dead attempt at once instead of on its
-next polling tick (the tick stays as the fallback where pidfds are missing). `backoff_wait_s` skips the wait
+next polling tick (the tick stays as the fallback where pidfds are missing). `PeerFailureWatch` sees a
+rank die under a launcher that outlives it (torchrun): once a process of the attempt's tree is gone and a
+training process recorded a FAILURE, the supervisor stops the rest at once instead of waiting for the
+launcher's own monitoring and teardown. `backoff_wait_s` skips the wait
 before the first restart of a failure that looks transient (the attempt had trained: a crash in the middle
 of training, not a script that cannot start) and doubles it for later restarts, as before.
 """
@@ -13,9 +16,12 @@ import logging
 import os
 import select
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 
 from ettr.events import Event, EventKind, Outcome
+from ettr.procs import start_ticks
+from ettr.supervisor.classify import AttemptEnd
 
 logger = logging.getLogger("ettr")
 
@@ -64,6 +70,55 @@ class ExitWaker:
             except OSError:
                 pass
         self._pidfd = None
+
+
+def _gone(pid: int, ticks: int | None) -> bool:
+    """Whether process (`pid`, `ticks`) has exited: its /proc entry is gone, reused, or a zombie."""
+    if start_ticks(pid) != ticks:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"Z"
+    except (OSError, ValueError):
+        return True
+
+
+class PeerFailureWatch:
+    """Whether a rank of the attempt died with a FAILURE on record, while its launcher still runs.
+
+    `check(tree)` with the attempt's known descendants ((pid, start ticks), e.g. `AttemptProcess.known_tree`)
+    notices processes that have exited since the last call; only then does it ask `failure_recorded()` (a
+    ledger read), so a healthy attempt costs a few /proc reads per tick. A process that ends without a
+    FAILURE (a data loader worker, a clean exit) changes nothing.
+    """
+
+    def __init__(self, failure_recorded: Callable[[], bool]) -> None:
+        self._failure_recorded = failure_recorded
+        self._seen_gone: set[tuple[int, int | None]] = set()
+
+    def check(self, tree: Mapping[int, int | None]) -> bool:
+        new = [(pid, t) for pid, t in tree.items() if t is not None and (pid, t) not in self._seen_gone]
+        died = [key for key in new if _gone(*key)]
+        if not died:
+            return False
+        self._seen_gone.update(died)
+        try:
+            return self._failure_recorded()
+        except Exception as exc:  # the books cannot tell: leave it to the launcher
+            logger.debug("ettr: cannot read the ledger for a failure (%s)", exc)
+            return False
+
+
+def stopped_after_peer_failure(end: AttemptEnd) -> AttemptEnd:
+    """`end` of an attempt the supervisor stopped because a rank failed: a failure, never a preemption
+    (the SIGTERM that stopped the launcher was ours)."""
+    if end.outcome is not Outcome.PREEMPTED:
+        return end
+    what = f": {end.exception}" if end.exception else ""
+    return replace(
+        end, outcome=Outcome.FAILED, reason=f"a rank failed{what}; ettr stopped the rest ({end.reason})"
+    )
 
 
 def trained(events: Iterable[Event]) -> bool:

@@ -50,7 +50,13 @@ from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times
 from ettr.supervisor.launch import attempt_launch, detect_launcher
 from ettr.supervisor.process import AttemptProcess
-from ettr.supervisor.restart import ExitWaker, backoff_wait_s, trained
+from ettr.supervisor.restart import (
+    ExitWaker,
+    PeerFailureWatch,
+    backoff_wait_s,
+    stopped_after_peer_failure,
+    trained,
+)
 from ettr.supervisor.watchdog import HangWatchdog
 
 logger = logging.getLogger("ettr")
@@ -230,6 +236,10 @@ class Supervisor:
         snapshot_at = 0.0
         waker = ExitWaker(proc.pid, self._wake)  # the loop wakes the instant the command exits
         detected_at: float | None = None  # when the supervisor knew the attempt was over (hang: at once)
+        peer_failed = False
+        peers = PeerFailureWatch(
+            lambda: any(e.kind is EventKind.FAILURE for e in self._attempt_events(attempt))
+        )
         while (returncode := proc.poll()) is None:
             now = time.time()
             if self._signal is not None and forwarded is None and hung_after_s is None:
@@ -252,6 +262,14 @@ class Supervisor:
                     _say(f"attempt {attempt}: no progress for {hung_after_s:.1f} s: hung, killing it")
                     proc.signal_tree(signal.SIGTERM)
                     kill_at = now + cfg.hang_kill_grace_s
+            if forwarded is None and hung_after_s is None and detected_at is None:
+                if peers.check(proc.known_tree()):
+                    detected_at, peer_failed = now, True
+                    _say(
+                        f"attempt {attempt}: a rank failed; stopping the others (SIGKILL in {cfg.hang_kill_grace_s:g} s)"
+                    )
+                    proc.signal_tree(signal.SIGTERM)
+                    kill_at = now + cfg.hang_kill_grace_s
             if now >= kill_at and not killed:
                 proc.signal_tree(signal.SIGKILL)
                 killed = True
@@ -269,7 +287,7 @@ class Supervisor:
         oom_after = oom_kill_count()
         events = self._attempt_events(attempt)
         self._made_progress = trained(events)
-        return classify(
+        end = classify(
             returncode=returncode,
             stderr_tail=proc.stderr_tail(),
             events=events,
@@ -277,6 +295,7 @@ class Supervisor:
             hung_after_s=hung_after_s,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
         )
+        return stopped_after_peer_failure(end) if peer_failed else end
 
     def _stopped_status(self) -> int:
         return EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED
