@@ -36,9 +36,17 @@ class AttemptProcess:
         argv: the command line.
         env: its environment.
         tail_bytes: how much of the end of its stderr to keep for the failure record.
+        pass_fds: file descriptors the command inherits (a warm standby's request pipe).
     """
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, tail_bytes: int = 16384) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        tail_bytes: int = 16384,
+        pass_fds: Sequence[int] = (),
+    ) -> None:
         self._tail = bytearray()
         self._tail_bytes = tail_bytes
         self._tail_lock = threading.Lock()
@@ -60,7 +68,12 @@ class AttemptProcess:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         self.proc = subprocess.Popen(
-            list(argv), env=dict(env), stderr=subprocess.PIPE, preexec_fn=in_child, close_fds=True
+            list(argv),
+            env=dict(env),
+            stderr=subprocess.PIPE,
+            preexec_fn=in_child,
+            close_fds=True,
+            pass_fds=tuple(pass_fds),
         )
         self.pid = self.proc.pid
         self._tee = threading.Thread(target=self._copy_stderr, name="ettr-stderr-tee", daemon=True)

@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -44,7 +45,7 @@ from ettr.ledger import Ledger, LedgerError, open_ledger
 from ettr.ledger.postgres import redact
 from ettr.ledger.spill import SpillingLedger
 from ettr.procs import start_ticks
-from ettr.supervisor import books
+from ettr.supervisor import books, standby
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times
@@ -99,6 +100,8 @@ class Supervisor:
         self._num_signals = 0
         self._wake = threading.Event()
         self._ledger: Any = None
+        self._standby: standby.Standby | None = None  # the next attempt's process, started ahead
+        self._restarts_left = 0
         self._made_progress = False  # the last attempt completed a step (see restart.backoff_wait_s)
 
     # -- the books ---------------------------------------------------------------------------------------
@@ -213,7 +216,7 @@ class Supervisor:
         )
         oom_before = oom_kill_count()
         try:
-            proc = AttemptProcess(launch.argv, launch.env)
+            proc = self._take_standby(launch.argv, launch.env) or AttemptProcess(launch.argv, launch.env)
         except OSError as exc:
             self._append(EventKind.ATTEMPT_START, attempt=attempt, ts=started, command=list(launch.argv))
             return AttemptEnd(outcome=Outcome.FAILED, exit_code=127, reason=f"cannot start: {exc}")
@@ -273,6 +276,10 @@ class Supervisor:
             if now >= kill_at and not killed:
                 proc.signal_tree(signal.SIGKILL)
                 killed = True
+            if now - started >= standby.STANDBY_AFTER_S and self._standby is None and self._restarts_left:
+                if standby.enabled():
+                    self._standby = standby.Standby.start(launch.argv, launch.env)
+                self._restarts_left = 0 if self._standby is None else self._restarts_left  # tried once
             if now - snapshot_at >= 1.0:
                 proc.remember_tree()
                 snapshot_at = now
@@ -296,6 +303,11 @@ class Supervisor:
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
         )
         return stopped_after_peer_failure(end) if peer_failed else end
+
+    def _take_standby(self, argv: Sequence[str], env: Mapping[str, str]) -> AttemptProcess | None:
+        """The warm standby's process for this attempt, if it fits (else it is discarded: a cold start)."""
+        ready, self._standby = self._standby, None
+        return None if ready is None else ready.hand_over(argv, env)
 
     def _stopped_status(self) -> int:
         return EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED
@@ -344,6 +356,7 @@ class Supervisor:
                     break
                 attempt = first + restart
                 num_attempts += 1
+                self._restarts_left = cfg.max_restarts - restart
                 last = self._run_attempt(attempt)
                 self._append(EventKind.ATTEMPT_END, attempt=attempt, **last.to_data())
                 if last.outcome is Outcome.COMPLETED:
@@ -374,6 +387,8 @@ class Supervisor:
                     self._wake.clear()
                 self._append(EventKind.MARK, attempt=attempt, name=BACKOFF_MARK, wait_s=wait_s)
         finally:
+            if self._standby is not None:
+                self._standby.discard()
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
             self._append(
