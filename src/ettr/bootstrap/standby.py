@@ -62,7 +62,7 @@ def main() -> None:
         from ettr.bootstrap.start import start
 
         # The attempt's process starts now, at the hand-over, not when this standby was spawned.
-        ettr.runtime.process_start_time = lambda: handed_at  # type: ignore[assignment]
+        ettr.runtime.process_start_time = lambda: handed_at
         start()
         ettr.runtime.get_recorder().mark(
             "standby", spawned_at=SPAWNED_AT, warm_at=warm_at, handed_at=handed_at, pid=os.getpid()

@@ -117,10 +117,11 @@ class AttemptProcess:
         """The descendants noted so far (pid -> start ticks), alive or not."""
         return dict(self._known)
 
-    def signal_tree(self, sig: int) -> None:
-        """Send `sig` to the command and every descendant (known now or seen earlier)."""
+    def signal_tree(self, sig: int, *, include_command: bool = True) -> None:
+        """Send `sig` to the command (unless not `include_command`) and every descendant (known now or seen
+        earlier)."""
         self.remember_tree()
-        targets = [(self.pid, None)] + list(self._known.items())
+        targets = ([(self.pid, None)] if include_command else []) + list(self._known.items())
         for pid, ticks in targets:
             if pid != self.pid and ticks is not None and start_ticks(pid) != ticks:
                 continue  # gone, and the pid may belong to someone else now

@@ -63,6 +63,9 @@ from ettr.supervisor.watchdog import HangWatchdog
 logger = logging.getLogger("ettr")
 
 _FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_FLUSH_WINDOW_S = 0.6
+"""After a rank failed, how long the others may still run before they are stopped: a Recorder writes its
+events within 0.5 s, so their last steps are in the books."""
 
 
 def _say(message: str) -> None:
@@ -240,6 +243,7 @@ class Supervisor:
         waker = ExitWaker(proc.pid, self._wake)  # the loop wakes the instant the command exits
         detected_at: float | None = None  # when the supervisor knew the attempt was over (hang: at once)
         peer_failed = False
+        stop_at = float("inf")
         peers = PeerFailureWatch(
             lambda: any(e.kind is EventKind.FAILURE for e in self._attempt_events(attempt))
         )
@@ -268,11 +272,12 @@ class Supervisor:
             if forwarded is None and hung_after_s is None and detected_at is None:
                 if peers.check(proc.known_tree()):
                     detected_at, peer_failed = now, True
-                    _say(
-                        f"attempt {attempt}: a rank failed; stopping the others (SIGKILL in {cfg.hang_kill_grace_s:g} s)"
-                    )
-                    proc.signal_tree(signal.SIGTERM)
-                    kill_at = now + cfg.hang_kill_grace_s
+                    stop_at = now + _FLUSH_WINDOW_S  # the other ranks' last events reach the ledger first
+            if peer_failed and forwarded is None and hung_after_s is None and now >= stop_at:
+                _say(f"attempt {attempt}: a rank failed; stopping the others (SIGKILL in {cfg.grace_s:g} s)")
+                # The launcher itself is left to see its workers end and report the failure as usual.
+                proc.signal_tree(signal.SIGTERM, include_command=False)
+                kill_at, stop_at = now + cfg.grace_s, float("inf")
             if now >= kill_at and not killed:
                 proc.signal_tree(signal.SIGKILL)
                 killed = True
