@@ -1,0 +1,78 @@
+"""A warm standby: a Python process that has done its start-up (interpreter, `import torch`, ettr) ahead of
+the next attempt, and becomes that attempt's `python SCRIPT ARGS...` once told to.
+
+    python -m ettr.bootstrap.standby FD     (started by the supervisor, `ettr.supervisor.standby`)
+
+It reads one JSON object from the pipe FD (stdin stays the job's): {"argv": [python, script, args...], "env": {...}, "cwd": "..."}, the
+attempt's complete command line, environment and directory. It then replaces its whole environment by
+that one, runs ettr's bootstrap for the attempt (recorder, heartbeat, injector, torch hooks) and the script
+as `__main__` (`runpy.run_path`), with `sys.argv` and `sys.path[0]` as `python SCRIPT` would set them. EOF
+on the pipe without a request (the supervisor discarded it) exits 0 at once. The supervisor only hands over an
+attempt whose environment, apart from the per-attempt `ETTR_*` names, equals the one this process was
+started with (what `import torch` may have read), so it never runs with stale state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+SPAWNED_AT = time.time()
+
+
+def _warm_up() -> None:
+    """The start-up done ahead: `import torch` and the modules ettr's bootstrap will need."""
+    try:
+        import torch  # noqa: F401
+
+        import ettr.bootstrap.hooks  # noqa: F401
+        import ettr.bootstrap.start  # noqa: F401
+        import ettr.runtime  # noqa: F401
+    except Exception as exc:  # the attempt then pays for what is missing, as a cold start would
+        print(f"ettr: standby warm-up incomplete ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
+def _read_request(fd: int) -> dict | None:
+    with os.fdopen(fd, "rb") as pipe:
+        raw = pipe.read()
+    if not raw.strip():
+        return None
+    return json.loads(raw)
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    _warm_up()
+    warm_at = time.time()
+    request = _read_request(fd)
+    if request is None:
+        return
+    handed_at = time.time()
+    argv, env, cwd = list(request["argv"]), dict(request["env"]), str(request["cwd"])
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    script = argv[1]
+    sys.argv = argv[1:]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        import ettr.runtime
+        from ettr.bootstrap.start import start
+
+        # The attempt's process starts now, at the hand-over, not when this standby was spawned.
+        ettr.runtime.process_start_time = lambda: handed_at
+        start()
+        ettr.runtime.get_recorder().mark(
+            "standby", spawned_at=SPAWNED_AT, warm_at=warm_at, handed_at=handed_at, pid=os.getpid()
+        )
+    except Exception as exc:
+        print(f"ettr: standby bootstrap failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+    import runpy
+
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
