@@ -64,6 +64,10 @@ COMPILE_SETTLE_S_ENV = "ETTR_COMPILE_SETTLE_S"
 COMPILE_PRIVATE_CACHE_ENV = "ETTR_COMPILE_PRIVATE_CACHE"
 """`0` keeps inductor's shared cache directory instead of a per-workload one."""
 
+AGENT_ENV = "ETTR_AGENT"
+"""The supervisor's setting: `torchrun` makes a single-node torchrun command run under the real torchrun
+instead of ettr's own agent (`ettr.supervisor.agent`)."""
+
 LAUNCHER_CLEARS = (INJECT_ENV, INSTRUMENTED_ENV, LEDGER_ENV, FAMILY_ENV)
 """Names the launcher removes from the environment it inherits before adding an attempt's own: a nested
 or re-run `ettr run` must not pass its parent's faults, instrumentation marker, ledger or family on (the

@@ -1,12 +1,14 @@
 """A warm standby: a Python process that has done its start-up (interpreter, `import torch`, ettr) ahead of
 the next attempt, and becomes that attempt's `python SCRIPT ARGS...` once told to.
 
-    python -m ettr.bootstrap.standby FD     (started by the supervisor, `ettr.supervisor.standby`)
+    python [-u] -m ettr.bootstrap.standby FD     (started by the supervisor, `ettr.supervisor.standby`)
 
-It reads one JSON object from the pipe FD (stdin stays the job's): {"argv": [python, script, args...], "env": {...}, "cwd": "..."}, the
+It reads one JSON object from the pipe FD (stdin stays the job's): {"argv": [python, [-u,] script | -m
+module, args...], "env": {...}, "cwd": "..."}, the
 attempt's complete command line, environment and directory. It then replaces its whole environment by
 that one, runs ettr's bootstrap for the attempt (recorder, heartbeat, injector, torch hooks) and the script
-as `__main__` (`runpy.run_path`), with `sys.argv` and `sys.path[0]` as `python SCRIPT` would set them. EOF
+(or module) as `__main__` (`runpy.run_path` / `run_module`), with `sys.argv` and `sys.path[0]` as `python
+SCRIPT` (`python -m MODULE`) would set them. EOF
 on the pipe without a request (the supervisor discarded it) exits 0 at once. The supervisor only hands over an
 attempt whose environment, apart from the per-attempt `ETTR_*` names, equals the one this process was
 started with (what `import torch` may have read), so it never runs with stale state.
@@ -54,9 +56,13 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    script = argv[1]
-    sys.argv = argv[1:]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    at = 1
+    while argv[at] == "-u":  # the standby was started with the same options (`ettr.supervisor.standby`)
+        at += 1
+    module = argv[at + 1] if argv[at] == "-m" else None
+    script = argv[at]
+    sys.argv = argv[at + 1 :] if module else argv[at:]
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
     try:
         import ettr.runtime
         from ettr.bootstrap.start import start
@@ -71,7 +77,10 @@ def main() -> None:
         print(f"ettr: standby bootstrap failed ({type(exc).__name__}: {exc})", file=sys.stderr)
     import runpy
 
-    runpy.run_path(script, run_name="__main__")
+    if module is not None:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import logging
 import os
 import select
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from ettr.events import Event, EventKind, Outcome
@@ -27,16 +27,24 @@ logger = logging.getLogger("ettr")
 
 
 class ExitWaker:
-    """Sets `wake` once process `pid` (a child of ours) has exited. `close()` when done with it."""
+    """Sets `wake` each time one of `pids` (children of ours) exits. `close()` when done with it."""
 
-    def __init__(self, pid: int, wake: threading.Event) -> None:
+    def __init__(self, pids: int | Sequence[int], wake: threading.Event) -> None:
         self._wake = wake
         self._pidfd: int | None = None
+        self._pidfds: list[int] = []
         self._cancel_r, self._cancel_w = -1, -1
         try:
-            self._pidfd = os.pidfd_open(pid)
+            for pid in [pids] if isinstance(pids, int) else pids:
+                self._pidfds.append(os.pidfd_open(pid))
         except (AttributeError, OSError) as exc:  # an old kernel or Python: the polling tick does it
-            logger.debug("ettr: no pidfd for %s (%s); polling for its exit", pid, exc)
+            logger.debug("ettr: no pidfd for %s (%s); polling for its exit", pids, exc)
+            for fd in self._pidfds:
+                os.close(fd)
+            self._pidfds = []
+            return
+        self._pidfd = self._pidfds[0] if self._pidfds else None
+        if self._pidfd is None:
             return
         self._cancel_r, self._cancel_w = os.pipe()
         self._thread = threading.Thread(target=self._wait, name="ettr-exit-waker", daemon=True)
@@ -48,12 +56,15 @@ class ExitWaker:
         return self._pidfd is not None
 
     def _wait(self) -> None:
-        assert self._pidfd is not None
-        try:
-            ready, _, _ = select.select([self._pidfd, self._cancel_r], [], [])
-        except (OSError, ValueError):
-            return
-        if self._pidfd in ready:
+        waiting = list(self._pidfds)
+        while waiting:
+            try:
+                ready, _, _ = select.select([*waiting, self._cancel_r], [], [])
+            except (OSError, ValueError):
+                return
+            if self._cancel_r in ready:
+                return
+            waiting = [fd for fd in waiting if fd not in ready]
             self._wake.set()
 
     def close(self) -> None:
@@ -64,12 +75,12 @@ class ExitWaker:
         except OSError:
             pass
         self._thread.join(1.0)
-        for fd in (self._pidfd, self._cancel_r, self._cancel_w):
+        for fd in (*self._pidfds, self._cancel_r, self._cancel_w):
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self._pidfd = None
+        self._pidfd, self._pidfds = None, []
 
 
 def _gone(pid: int, ticks: int | None) -> bool:

@@ -5,11 +5,14 @@ While an attempt runs (and restarts remain), the supervisor starts `python -m et
 with the environment the next attempt will have, less the per-attempt `ETTR_*` names; it does its
 interpreter start-up and `import torch`, then waits on the pipe FD. The next attempt takes it over only
 when everything is as a cold start would have it:
-  * the command is `PYTHON SCRIPT.py ARGS...` (no interpreter options, no `-m`/`-c`; torchrun and other
-    launchers always start cold) and PYTHON is the standby's interpreter;
-  * its environment without `ETTR_*` equals the standby's (anything `import torch` may have read), and
-    the working directory is the same;
-  * the standby is still alive and waiting.
+  * the command is `PYTHON [-u] SCRIPT.py ARGS...` or `PYTHON [-u] -m MODULE ARGS...` (no other
+    interpreter options, no `-c`; launchers such as the real torchrun always start cold) and PYTHON and
+    its options are the standby's;
+  * its environment without `ETTR_*` (and the `per_attempt` names given at the start: a torchrun
+    worker's MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_ERROR_FILE) equals the standby's
+    (anything `import torch` may have read), and the working directory is the same;
+  * the standby is still alive, waiting, and was never handed an attempt (one standby, one attempt).
+ettr's own torchrun agent (`ettr.supervisor.workers`) keeps one standby per local rank.
 Otherwise the standby is discarded (EOF on its pipe, then SIGKILL) and the attempt starts cold. The
 hand-over sends the complete environment, so the attempt never sees a stale one. `ETTR_STANDBY=0` in the
 supervisor's environment turns standbys off.
@@ -40,39 +43,67 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     return (os.environ if environ is None else environ).get(STANDBY_ENV, "1") != "0"
 
 
-def _stable_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if not k.startswith(_PER_ATTEMPT_PREFIX)}
+def _stable_env(env: Mapping[str, str], per_attempt: frozenset[str] = frozenset()) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith(_PER_ATTEMPT_PREFIX) and k not in per_attempt}
 
 
-def _interpreter(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
-    """The resolved Python of a `PYTHON SCRIPT.py ...` command, None for anything else."""
+_OPTIONS = frozenset({"-u"})
+"""Interpreter options a standby reproduces (it is started with them): torchrun's workers run `python -u`."""
+
+
+def _interpreter(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The resolved Python and its options of a `PYTHON [-u] SCRIPT.py ...` or `PYTHON [-u] -m MODULE ...`
+    command, None for anything else."""
     if len(argv) < 2 or not os.path.basename(argv[0]).startswith("python"):
         return None
-    script = argv[1]
-    if script.startswith("-") or not script.endswith(".py") or not os.path.isfile(script):
+    at = 1
+    while at < len(argv) and argv[at] in _OPTIONS:
+        at += 1
+    if at >= len(argv):
+        return None
+    target = argv[at]
+    if target == "-m":
+        if at + 1 >= len(argv) or not argv[at + 1] or argv[at + 1].startswith("-"):
+            return None
+    elif target.startswith("-") or not target.endswith(".py") or not os.path.isfile(target):
         return None
     found = shutil.which(argv[0], path=env.get("PATH"))
-    return None if found is None else os.path.abspath(found)  # not realpath: a venv's python is a link
+    if found is None:
+        return None
+    return (os.path.abspath(found), *argv[1:at])  # not realpath: a venv's python is a link
 
 
 class Standby:
     """One standby process for the next attempt of `argv` under `env` (the current attempt's launch)."""
 
-    def __init__(self, process: AttemptProcess, write_fd: int, python: str, env: dict[str, str], cwd: str):
+    def __init__(
+        self,
+        process: AttemptProcess,
+        write_fd: int,
+        python: tuple[str, ...],
+        env: dict[str, str],
+        cwd: str,
+        per_attempt: frozenset[str] = frozenset(),
+    ):
         self.process, self._write_fd, self.python, self.env, self.cwd = process, write_fd, python, env, cwd
+        self.per_attempt = per_attempt
 
     @classmethod
-    def start(cls, argv: Sequence[str], env: Mapping[str, str]) -> Standby | None:
-        """A standby for a command like `argv` (None: not a plain Python script, or it cannot start)."""
+    def start(
+        cls, argv: Sequence[str], env: Mapping[str, str], *, per_attempt: frozenset[str] = frozenset()
+    ) -> Standby | None:
+        """A standby for a command like `argv` (None: not a plain Python script or module, or it cannot
+        start). `per_attempt`: names beside `ETTR_*` that the next attempt sets anew (a torchrun worker's
+        MASTER_PORT): left out of the standby's environment, received at the hand-over."""
         python = _interpreter(argv, env)
         if python is None:
             return None
-        stable = _stable_env(env)
+        stable = _stable_env(env, per_attempt)
         read_fd, write_fd = os.pipe()
         try:
             os.set_inheritable(read_fd, True)
             process = AttemptProcess(
-                [python, "-m", "ettr.bootstrap.standby", str(read_fd)], stable, pass_fds=[read_fd]
+                [*python, "-m", "ettr.bootstrap.standby", str(read_fd)], stable, pass_fds=[read_fd]
             )
         except OSError as exc:
             os.close(write_fd)
@@ -80,7 +111,7 @@ class Standby:
             return None
         finally:
             os.close(read_fd)
-        return cls(process, write_fd, python, stable, os.getcwd())
+        return cls(process, write_fd, python, stable, os.getcwd(), per_attempt)
 
     @property
     def pids(self) -> list[int]:
@@ -92,12 +123,15 @@ class Standby:
         return (
             self.process.poll() is None
             and _interpreter(argv, env) == self.python
-            and _stable_env(env) == self.env
+            and self._write_fd >= 0
+            and _stable_env(env, self.per_attempt) == self.env
             and os.getcwd() == self.cwd
         )
 
     def hand_over(self, argv: Sequence[str], env: Mapping[str, str]) -> AttemptProcess | None:
         """Give the standby the attempt; its process, or None (discarded: start cold)."""
+        if self._write_fd < 0:
+            return None  # handed over already: it runs (or ran) another attempt
         if not self.fits(argv, env):
             self.discard()
             return None

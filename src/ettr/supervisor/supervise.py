@@ -48,11 +48,11 @@ from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.ledger.postgres import redact
 from ettr.ledger.spill import SpillingLedger
 from ettr.procs import start_ticks
-from ettr.supervisor import books, containment, slurm, standby
+from ettr.supervisor import agent, books, containment, slurm, standby
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times
-from ettr.supervisor.launch import attempt_launch, detect_launcher
+from ettr.supervisor.launch import AttemptLaunch, attempt_launch, detect_launcher, free_port
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.restart import (
     ExitWaker,
@@ -62,6 +62,7 @@ from ettr.supervisor.restart import (
     trained,
 )
 from ettr.supervisor.watchdog import HangWatchdog
+from ettr.supervisor.workers import StandbyGroup, WorkerGroup
 
 logger = logging.getLogger("ettr")
 
@@ -115,7 +116,9 @@ class Supervisor:
         self._num_signals = 0
         self._wake = threading.Event()
         self._ledger: Any = None
-        self._standby: standby.Standby | None = None  # the next attempt's process, started ahead
+        self._standby: standby.Standby | StandbyGroup | None = None  # the next attempt's, started ahead
+        self._agent: agent.WorkerSpec | None | bool = False  # False: not parsed yet (`_worker_spec`)
+        self._workers: tuple[list[list[str]], list[dict[str, str]]] = ([], [])  # the attempt's, per rank
         self._restarts_left = 0
         self._made_progress = False  # the last attempt completed a step (see restart.backoff_wait_s)
 
@@ -302,12 +305,24 @@ class Supervisor:
         oom_before = oom_kill_count()
         sweep = containment.AttemptSweep(self.run_dir, attempt)
         try:
-            proc = self._take_standby(launch.argv, launch.env) or AttemptProcess(launch.argv, launch.env)
+            spec = self._worker_spec()
+            if spec is not None:
+                group = self._start_workers(spec, attempt, launch)
+                sweep.spare(group.pids)  # the group reaps its workers; the sweep must not
+                proc: AttemptProcess | WorkerGroup = group
+            else:
+                proc = self._take_standby(launch.argv, launch.env) or AttemptProcess(launch.argv, launch.env)
         except OSError as exc:
             self._append(EventKind.ATTEMPT_START, attempt=attempt, ts=started, command=list(launch.argv))
             return AttemptEnd(outcome=Outcome.FAILED, exit_code=127, reason=f"cannot start: {exc}")
+        workers = {"agent": "ettr", "worker_pids": proc.pids} if isinstance(proc, WorkerGroup) else {}
         self._append(
-            EventKind.ATTEMPT_START, attempt=attempt, ts=started, pid=proc.pid, command=list(launch.argv)
+            EventKind.ATTEMPT_START,
+            attempt=attempt,
+            ts=started,
+            pid=proc.pid,
+            command=list(launch.argv),
+            **workers,
         )
         watchdog = HangWatchdog(
             timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
@@ -324,7 +339,8 @@ class Supervisor:
         kill_at = float("inf")
         killed = False
         snapshot_at = 0.0
-        waker = ExitWaker(proc.pid, self._wake)  # the loop wakes the instant the command exits
+        # the loop wakes the instant the command (each worker) exits
+        waker = ExitWaker(proc.pids if isinstance(proc, WorkerGroup) else [proc.pid], self._wake)
         detected_at: float | None = None  # when the supervisor knew the attempt was over (hang: at once)
         peer_failed = False
         stop_at = float("inf")
@@ -361,8 +377,13 @@ class Supervisor:
                     _say(f"attempt {attempt}: {peer_reason}: ending this node's part")
                     proc.signal_tree(signal.SIGTERM)
                     kill_at = now + cfg.hang_kill_grace_s
-            if forwarded is None and hung_after_s is None and detected_at is None:
-                if peers.check(proc.known_tree()):
+            if (
+                forwarded is None
+                and hung_after_s is None
+                and detected_at is None
+                and isinstance(proc, AttemptProcess)
+            ):
+                if peers.check(proc.known_tree()):  # (a WorkerGroup stops the rest itself)
                     detected_at, peer_failed = now, True
                     stop_at = now + _FLUSH_WINDOW_S  # the other ranks' last events reach the ledger first
             if peer_failed and forwarded is None and hung_after_s is None and now >= stop_at:
@@ -374,9 +395,8 @@ class Supervisor:
                 proc.signal_tree(signal.SIGKILL)
                 killed = True
             if now - started >= standby.STANDBY_AFTER_S and self._standby is None and self._restarts_left:
-                if standby.enabled():
-                    self._standby = standby.Standby.start(launch.argv, launch.env)
-                    sweep.spare(self._standby.pids if self._standby else ())
+                self._standby = self._start_standby(launch, proc)
+                sweep.spare(self._standby.pids if self._standby else ())
                 self._restarts_left = 0 if self._standby is None else self._restarts_left  # tried once
             if now - snapshot_at >= 1.0:
                 proc.remember_tree()
@@ -384,6 +404,8 @@ class Supervisor:
                 snapshot_at = now
             self._wake.wait(cfg.poll_interval_s)
             self._wake.clear()
+        if detected_at is None and isinstance(proc, WorkerGroup):
+            detected_at = proc.failed_at  # the instant the group saw its failed worker exit
         self._append(
             EventKind.MARK, attempt=attempt, ts=detected_at, name=FAILURE_DETECTED_MARK, returncode=returncode
         )
@@ -428,7 +450,62 @@ class Supervisor:
     def _take_standby(self, argv: Sequence[str], env: Mapping[str, str]) -> AttemptProcess | None:
         """The warm standby's process for this attempt, if it fits (else it is discarded: a cold start)."""
         ready, self._standby = self._standby, None
+        if isinstance(ready, StandbyGroup):
+            ready.discard()
+            return None
         return None if ready is None else ready.hand_over(argv, env)
+
+    def _start_standby(
+        self, launch: AttemptLaunch, proc: AttemptProcess | WorkerGroup
+    ) -> standby.Standby | StandbyGroup | None:
+        """The next attempt's process(es), started now (None: standbys are off, or the command has none)."""
+        if not standby.enabled():
+            return None
+        if isinstance(proc, WorkerGroup):
+            argvs, envs = self._workers
+            return StandbyGroup.start(argvs, envs, per_attempt=agent.PER_ATTEMPT_NAMES)
+        return standby.Standby.start(launch.argv, launch.env)
+
+    # -- ettr as the torchrun agent (`agent.py`, `workers.py`) -------------------------------------------------
+    def _worker_spec(self) -> agent.WorkerSpec | None:
+        """The workers ettr starts itself for a single-node static torchrun command (None: run the command
+        as is); says once why a torchrun command keeps the real torchrun."""
+        if self._agent is False:
+            command = self.config.command
+            found = None if agent.forced_torchrun() else agent.parse(command)
+            self._agent = found if isinstance(found, agent.WorkerSpec) else None
+            if isinstance(found, str) and detect_launcher(command).value == "torchrun":
+                _say(f"runs the real torchrun ({found}): each restart starts it cold")
+            elif found is None and detect_launcher(command).value == "torchrun":
+                _say("runs the real torchrun (ETTR_AGENT=torchrun): each restart starts it cold")
+        return self._agent if isinstance(self._agent, agent.WorkerSpec) else None
+
+    def _start_workers(self, spec: agent.WorkerSpec, attempt: int, launch: AttemptLaunch) -> WorkerGroup:
+        """Attempt `attempt`'s workers, in the warm standbys where they fit. Raises OSError."""
+        port = self._rendezvous_port(attempt) or free_port()
+        cfg = self.config
+        argvs, envs = [], []
+        for rank in range(spec.nproc):
+            error_file = agent.error_file(self.run_dir, attempt, rank)
+            error_file.parent.mkdir(parents=True, exist_ok=True)
+            argvs.append(list(spec.argv))
+            envs.append(
+                agent.worker_env(
+                    spec,
+                    launch.env,
+                    local_rank=rank,
+                    port=port,
+                    restart_count=cfg.max_restarts - self._restarts_left,
+                    max_restarts=cfg.max_restarts,
+                    error_file=error_file,
+                )
+            )
+        self._workers = (argvs, envs)
+        ready, self._standby = self._standby, None
+        if ready is not None and not isinstance(ready, StandbyGroup):
+            ready.discard()
+            ready = None
+        return WorkerGroup.start(argvs, envs, standbys=ready, teardown_grace_s=cfg.hang_kill_grace_s)
 
     def _stopped_status(self) -> int:
         return EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED
