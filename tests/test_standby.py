@@ -69,3 +69,35 @@ def test_no_standby_for_torchrun_or_modules(tmp_path: Path) -> None:
     assert Standby.start([sys.executable, "-m", "torch.distributed.run", str(PROBE)], env) is None
     assert Standby.start(["torchrun", "--nproc-per-node", "2", str(PROBE)], env) is None
     assert Standby.start([sys.executable, str(tmp_path / "missing.py")], env) is None
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+def test_a_standby_never_sees_a_per_attempt_value_before_its_hand_over(tmp_path: Path) -> None:
+    """What the standby's start-up could read is only what the next attempt shares with this one; the
+    per-attempt names arrive with the hand-over, and a standby serves one attempt, never a second."""
+    out = tmp_path / "p.jsonl"
+    argv = [sys.executable, "-u", str(PROBE), str(out)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "ETTR_ATTEMPT": "1",
+        "MASTER_PORT": "1111",
+        "PROBE": "a",
+    }
+    names = frozenset({"MASTER_PORT"})
+    ready = Standby.start(argv, env, per_attempt=names)
+    assert ready is not None
+    started_with = _environ_of(ready.process.pid)
+    assert "MASTER_PORT" not in started_with and not any(k.startswith("ETTR_") for k in started_with)
+    assert ready.fits(argv, {**env, "MASTER_PORT": "2222", "ETTR_ATTEMPT": "2"})
+    assert not ready.fits(argv, {**env, "PROBE": "b"})
+    running = ready.hand_over(argv, {**env, "MASTER_PORT": "2222", "ETTR_ATTEMPT": "2"})
+    assert running is ready.process
+    assert ready.hand_over(argv, {**env, "ETTR_ATTEMPT": "3"}) is None  # used: not handed a second attempt
+    assert running.wait(120) == 0  # ... and the first one was left to run to its end
+    (seen,) = lines(out)
+    assert (seen["attempt"], seen["probe"], seen["argv"]) == ("2", "a", [str(PROBE), str(out)])

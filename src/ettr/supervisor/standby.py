@@ -51,6 +51,9 @@ _OPTIONS = frozenset({"-u"})
 """Interpreter options a standby reproduces (it is started with them): torchrun's workers run `python -u`."""
 
 
+_LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch"})
+
+
 def _interpreter(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...] | None:
     """The resolved Python and its options of a `PYTHON [-u] SCRIPT.py ...` or `PYTHON [-u] -m MODULE ...`
     command, None for anything else."""
@@ -65,6 +68,8 @@ def _interpreter(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]
     if target == "-m":
         if at + 1 >= len(argv) or not argv[at + 1] or argv[at + 1].startswith("-"):
             return None
+        if argv[at + 1] in _LAUNCHER_MODULES:
+            return None  # the real torchrun: its workers are not this process
     elif target.startswith("-") or not target.endswith(".py") or not os.path.isfile(target):
         return None
     found = shutil.which(argv[0], path=env.get("PATH"))
