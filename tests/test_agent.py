@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,91 @@ def test_from_one_attempt_to_the_next_only_the_per_attempt_names_change() -> Non
         first, second = _env(spec, rank, port=1111, restart=0), _env(spec, rank, port=2222, restart=1)
         changed = {k for k in first.keys() | second.keys() if first.get(k) != second.get(k)}
         assert changed - {k for k in changed if k.startswith("ETTR_")} == PER_ATTEMPT_NAMES
+
+
+class FakeWorker:
+    """An AttemptProcess stand-in: `code` is what poll() returns; signals are recorded (SIGTERM/SIGKILL
+    end it with -signal)."""
+
+    def __init__(self, pid: int, *, stops_on: tuple[int, ...] = (15, 9)) -> None:
+        self.pid, self.code, self.signals, self._stops_on = pid, None, [], stops_on
+
+    def poll(self):
+        return self.code
+
+    def signal_tree(self, sig, *, include_command=True):
+        self.signals.append(int(sig))
+        if int(sig) in self._stops_on and self.code is None:
+            self.code = -int(sig)
+
+    def stderr_tail(self, num_lines=20):
+        return [f"tail of {self.pid}"]
+
+
+def test_the_first_failed_worker_is_the_attempts_failure_and_the_rest_are_stopped_after_the_flush() -> None:
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [FakeWorker(10), FakeWorker(11), FakeWorker(12)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    assert group.poll() is None and group.failed_rank is None
+    workers[1].code = 3
+    assert group.poll() is None  # SIGTERM to ranks 0 and 2 at once (no flush window here) ...
+    assert group.poll() == 3  # ... and once they are gone, the attempt's status is rank 1's
+    assert group.failed_rank == 1 and group.failed_at is not None
+    assert workers[0].signals == [15] and workers[2].signals == [15] and workers[1].signals == []
+    assert group.stderr_tail() == ["tail of 11"]
+
+
+def test_workers_that_ignore_sigterm_get_sigkill_after_the_grace() -> None:
+    from ettr.supervisor.workers import WorkerGroup
+
+    stubborn = FakeWorker(20, stops_on=(9,))
+    failed = FakeWorker(21)
+    group = WorkerGroup([stubborn, failed], flush_s=0.0, teardown_grace_s=0.05)
+    failed.code = 1
+    assert group.poll() is None and stubborn.signals == [15]
+    time.sleep(0.1)  # the grace is wall-clock time
+    assert group.poll() is None and stubborn.signals == [15, 9]
+    assert group.poll() == 1
+
+
+def test_after_a_forwarded_signal_the_group_sends_no_sigterm_of_its_own() -> None:
+    """A preempted job's ranks save on the supervisor's SIGTERM; a second one would interrupt the save."""
+    from ettr.supervisor.workers import WorkerGroup
+
+    saving = FakeWorker(30, stops_on=())
+    quick = FakeWorker(31, stops_on=())
+    group = WorkerGroup([saving, quick], flush_s=0.0, teardown_grace_s=0.0)
+    group.signal_tree(15)
+    quick.code = 143  # done saving, exits 143 (128 + SIGTERM)
+    assert group.poll() is None and saving.signals == [15]  # no second SIGTERM
+    saving.code = 143
+    assert group.poll() == 143
+
+
+def test_a_group_where_every_worker_exits_0_completes() -> None:
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [FakeWorker(40), FakeWorker(41)]
+    group = WorkerGroup(workers)
+    workers[0].code = 0
+    assert group.poll() is None and workers[1].signals == []  # rank 0 done first: rank 1 is left to finish
+    workers[1].code = 0
+    assert group.poll() == 0 and group.failed_rank is None
+
+
+def test_the_supervisor_says_once_why_it_keeps_the_real_torchrun(monkeypatch, capsys) -> None:
+    from ettr.supervisor.config import RunConfig
+    from ettr.supervisor.supervise import Supervisor
+
+    multi = Supervisor(RunConfig(command=(*RUN, "--nnodes", "1", "--tee", "3", "t.py")))
+    assert multi._worker_spec() is None and multi._worker_spec() is None
+    assert capsys.readouterr().err.count("runs the real torchrun (torchrun option --tee)") == 1
+    monkeypatch.setenv("ETTR_AGENT", "torchrun")
+    forced = Supervisor(RunConfig(command=(*RUN, "--standalone", "t.py")))
+    assert forced._worker_spec() is None
+    assert "ETTR_AGENT=torchrun" in capsys.readouterr().err
+    monkeypatch.delenv("ETTR_AGENT")
+    assert isinstance(
+        Supervisor(RunConfig(command=(*RUN, "--standalone", "t.py")))._worker_spec(), WorkerSpec
+    )
