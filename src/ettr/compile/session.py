@@ -284,4 +284,4 @@ def _on_first_torch_compile(callback: Callable[[], None]) -> None:
         return original(*args, **kwargs)
 
     functools.update_wrapper(compile_, original)
-    torch.compile = compile_  # type: ignore[assignment]
+    torch.compile = compile_
