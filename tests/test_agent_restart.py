@@ -72,3 +72,36 @@ def test_a_failed_rank_restarts_both_ranks_in_their_warm_standbys(tmp_path: Path
     assert ranks == sorted((a, r, seen[f"{a}-{r}.json"]["pid"]) for a in (0, 1) for r in (0, 1))
     end = next(e.data for e in events if e.kind is EventKind.ATTEMPT_END and e.attempt == 0)
     assert (end["outcome"], end["exit_code"]) == ("failed", 3)  # the failed rank's status; rank 0 was stopped
+
+
+DDP = ROOT / "tests" / "scripts" / "train_ddp.py"
+
+
+@pytest.mark.parametrize(
+    ("inject", "extra", "status", "first"),
+    [
+        ("kill@step=6,rank=1", [], 0, ("failed", 137)),  # the dead rank's SIGKILL, not a torchrun exit 1
+        ("hang@step=6,rank=1", ["--hang-timeout", "30"], 0, ("hung", None)),  # 30: a loaded import torch
+        ("preempt@step=6", [], 143, ("preempted", None)),
+    ],
+)
+def test_faults_hangs_and_preemption_under_the_agent(
+    tmp_path: Path, inject: str, extra: list[str], status: int, first: tuple
+) -> None:
+    run_dir = tmp_path / "run"
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(DDP),
+        "--ckpt-dir", str(tmp_path / "ckpt"), "--num-steps", "10", "--save-every", "4", "--step-s", "0.05",
+    ]  # fmt: skip
+    done = run_ettr("run", "--run-dir", str(run_dir), "--inject", inject, *extra, "--", *torchrun)
+    assert done.returncode == status, done.stderr
+    events = read_run_events(run_dir)
+    ends = [e.data for e in events if e.kind is EventKind.ATTEMPT_END]
+    assert ends[0]["outcome"] == first[0] and (first[1] is None or ends[0]["exit_code"] == first[1])
+    if status == 0:
+        assert [e["outcome"] for e in ends] == [first[0], "completed"]
+        resumed = [e for e in events if e.kind is EventKind.RESUMED and e.attempt == 1]
+        assert resumed  # from the checkpoint of step 4, by both ranks
+    else:
+        assert len(ends) == 1 and "forwarding it to the job" in done.stderr
+    assert {(e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START} >= {(0, 0), (0, 1)}

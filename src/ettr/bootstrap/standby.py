@@ -1,7 +1,8 @@
 """A warm standby: a Python process that has done its start-up (interpreter, `import torch`, ettr) ahead of
 the next attempt, and becomes that attempt's `python SCRIPT ARGS...` once told to.
 
-    python [-u] -m ettr.bootstrap.standby FD     (started by the supervisor, `ettr.supervisor.standby`)
+    python [-u] -m ettr.bootstrap.standby FD [MODULE,MODULE...]   (started by `ettr.supervisor.standby`;
+                                                                    the modules are imported ahead too)
 
 It reads one JSON object from the pipe FD (stdin stays the job's): {"argv": [python, [-u,] script | -m
 module, args...], "env": {...}, "cwd": "..."}, the
@@ -24,11 +25,16 @@ import time
 SPAWNED_AT = time.time()
 
 
-def _warm_up() -> None:
-    """The start-up done ahead: `import torch` and the modules ettr's bootstrap will need."""
+def _warm_up(modules: list[str]) -> None:
+    """The start-up done ahead: `import torch` (and `modules`, given by the supervisor) and the modules
+    ettr's bootstrap will need. Imports only: no tensor is made, no random state drawn."""
+    import importlib
+
     try:
         import torch  # noqa: F401
 
+        for name in modules:
+            importlib.import_module(name)
         import ettr.bootstrap.hooks  # noqa: F401
         import ettr.bootstrap.start  # noqa: F401
         import ettr.runtime  # noqa: F401
@@ -46,7 +52,7 @@ def _read_request(fd: int) -> dict | None:
 
 def main() -> None:
     fd = int(sys.argv[1])
-    _warm_up()
+    _warm_up([name for name in sys.argv[2:3] for name in name.split(",") if name])
     warm_at = time.time()
     request = _read_request(fd)
     if request is None:

@@ -95,11 +95,17 @@ class Standby:
 
     @classmethod
     def start(
-        cls, argv: Sequence[str], env: Mapping[str, str], *, per_attempt: frozenset[str] = frozenset()
+        cls,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        per_attempt: frozenset[str] = frozenset(),
+        warm_modules: Sequence[str] = (),
     ) -> Standby | None:
         """A standby for a command like `argv` (None: not a plain Python script or module, or it cannot
         start). `per_attempt`: names beside `ETTR_*` that the next attempt sets anew (a torchrun worker's
-        MASTER_PORT): left out of the standby's environment, received at the hand-over."""
+        MASTER_PORT): left out of the standby's environment, received at the hand-over. `warm_modules`:
+        imported ahead beside torch (what the attempt will import anyway)."""
         python = _interpreter(argv, env)
         if python is None:
             return None
@@ -108,7 +114,9 @@ class Standby:
         try:
             os.set_inheritable(read_fd, True)
             process = AttemptProcess(
-                [*python, "-m", "ettr.bootstrap.standby", str(read_fd)], stable, pass_fds=[read_fd]
+                [*python, "-m", "ettr.bootstrap.standby", str(read_fd), ",".join(warm_modules)],
+                stable,
+                pass_fds=[read_fd],
             )
         except OSError as exc:
             os.close(write_fd)

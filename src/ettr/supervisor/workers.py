@@ -23,6 +23,10 @@ from collections.abc import Sequence
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.standby import Standby
 
+WARM_MODULES = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
+"""Imported ahead by a worker's standby beside torch: what a DDP/FSDP job imports anyway (constructing
+DistributedDataParallel imports torch._dynamo, seconds of a cold restart). Imports only, no compile-store
+look-up (that waits for `torch.compile`)."""
 FLUSH_WINDOW_S = 0.6
 """After a worker failed, how long the others may still run: a Recorder writes its events within 0.5 s."""
 
@@ -159,7 +163,10 @@ class StandbyGroup:
         cls, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, per_attempt: frozenset[str]
     ) -> StandbyGroup | None:
         """Standbys for workers like `argvs`/`envs` (this attempt's); None when none could start."""
-        started = [Standby.start(a, e, per_attempt=per_attempt) for a, e in zip(argvs, envs, strict=True)]
+        started = [
+            Standby.start(a, e, per_attempt=per_attempt, warm_modules=WARM_MODULES)
+            for a, e in zip(argvs, envs, strict=True)
+        ]
         return cls(started) if any(s is not None for s in started) else None
 
     @property
