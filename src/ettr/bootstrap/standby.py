@@ -52,7 +52,7 @@ def _read_request(fd: int) -> dict | None:
 
 def main() -> None:
     fd = int(sys.argv[1])
-    _warm_up([name for name in sys.argv[2:3] for name in name.split(",") if name])
+    _warm_up([name for name in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if name])
     warm_at = time.time()
     request = _read_request(fd)
     if request is None:
