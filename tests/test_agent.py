@@ -224,3 +224,16 @@ def test_the_supervisor_says_once_why_it_keeps_the_real_torchrun(monkeypatch, ca
     assert isinstance(
         Supervisor(RunConfig(command=(*RUN, "--standalone", "t.py")))._worker_spec(), WorkerSpec
     )
+
+
+def test_a_marked_failed_exit_is_the_failure_at_once_and_its_teardown_is_cut_short(tmp_path: Path) -> None:
+    from ettr.supervisor.workers import WorkerGroup
+
+    tearing_down, other = FakeWorker(50), FakeWorker(51)
+    markers = [tmp_path / "failed-pid-50", tmp_path / "failed-pid-51"]
+    group = WorkerGroup([tearing_down, other], flush_s=0.0, teardown_grace_s=60.0, exit_markers=markers)
+    assert group.poll() is None and group.failed_rank is None
+    markers[0].touch()  # rank 0's uncaught exception: recorded, exit handlers done, interpreter teardown left
+    assert group.poll() is None
+    assert group.failed_rank == 0 and tearing_down.signals == [9] and other.signals == [15]
+    assert group.poll() == 1  # Python's status after an uncaught exception, not the SIGKILL

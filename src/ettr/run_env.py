@@ -220,6 +220,13 @@ def heartbeat_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
     return Path(run_dir) / HEARTBEAT_DIRNAME / f"attempt-{attempt}"
 
 
+def failed_exit_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
+    """Written by a torchrun worker `pid` that ends on an uncaught exception once its Python-level exit is
+    done (atexit handlers ran, its failure is in the ledger); ettr's agent then need not wait for the
+    interpreter's teardown (`ettr.supervisor.workers`)."""
+    return Path(run_dir) / "agent" / f"attempt-{attempt}" / f"failed-pid-{pid}"
+
+
 def heartbeat_path(run_dir: str | os.PathLike[str], attempt: int, rank: int, pid: int | None = None) -> Path:
     """The heartbeat file of process `pid` (default: this one) of `rank` in attempt `attempt`."""
     return heartbeat_dir(run_dir, attempt) / f"rank-{rank}-pid-{os.getpid() if pid is None else pid}"

@@ -505,7 +505,14 @@ class Supervisor:
         if ready is not None and not isinstance(ready, StandbyGroup):
             ready.discard()
             ready = None
-        return WorkerGroup.start(argvs, envs, standbys=ready, teardown_grace_s=cfg.hang_kill_grace_s)
+        return WorkerGroup.start(
+            argvs,
+            envs,
+            standbys=ready,
+            teardown_grace_s=cfg.hang_kill_grace_s,
+            run_dir=self.run_dir,
+            attempt=attempt,
+        )
 
     def _stopped_status(self) -> int:
         return EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED

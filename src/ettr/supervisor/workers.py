@@ -5,7 +5,11 @@ processes, each an `AttemptProcess` of its own (own process group, parent-death 
 from warm standbys where they fit. Like torchrun's agent it ends the group when a worker fails: the first
 worker to exit non-zero is the failure (its exit status and stderr are the attempt's); after a short flush
 window (the other ranks' recorders write their last events) the others get SIGTERM, then SIGKILL after
-`teardown_grace_s`. A signal the supervisor forwards (preemption) goes to every worker and the group then
+`teardown_grace_s`. A worker that ended on an uncaught exception marks it once its Python-level exit is
+done (`ettr.run_env.failed_exit_path`, written by the bootstrap's last atexit handler): the group counts
+the failure from then and SIGKILLs that worker's interpreter teardown (seconds of freeing modules under
+load) instead of waiting for it; its status then reads 1, what Python exits with after an uncaught
+exception. A signal the supervisor forwards (preemption) goes to every worker and the group then
 sends no SIGTERM of its own (a rank saving on SIGTERM is not interrupted by a second one). The group's exit
 status: 0 when every worker exited 0, else the failed worker's.
 
@@ -19,7 +23,9 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+from ettr.run_env import failed_exit_path
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.standby import Standby
 
@@ -41,6 +47,7 @@ class WorkerGroup:
         teardown_grace_s: float = 5.0,
         flush_s: float = FLUSH_WINDOW_S,
         warm: Sequence[bool] = (),
+        exit_markers: Sequence[Path] = (),
     ) -> None:
         if not procs:
             raise ValueError("WorkerGroup needs at least one worker")
@@ -58,6 +65,15 @@ class WorkerGroup:
         self._stop_at = float("inf")
         self._kill_at = float("inf")
         self._returncode: int | None = None
+        self._markers = list(exit_markers)
+        self._cut_short: int | None = None  # the rank stopped after its failed exit was marked
+
+    def _marked_failed(self) -> int | None:
+        """A rank whose failed exit is marked (`ettr.run_env.failed_exit_path`) while it still runs."""
+        for rank, marker in enumerate(self._markers):
+            if self.procs[rank].poll() is None and marker.exists():
+                return rank
+        return None
 
     @classmethod
     def start(
@@ -67,9 +83,11 @@ class WorkerGroup:
         *,
         standbys: StandbyGroup | None = None,
         teardown_grace_s: float = 5.0,
+        run_dir: Path | None = None,
+        attempt: int = 0,
     ) -> WorkerGroup:
-        """Start worker r as `argvs[r]` under `envs[r]`, in its standby where it fits. Raises OSError (the
-        workers started so far are killed)."""
+        """Start worker r as `argvs[r]` under `envs[r]`, in its standby where it fits (`run_dir`, `attempt`:
+        where the workers mark a failed exit). Raises OSError (the workers started so far are killed)."""
         ready = standbys.hand_over(argvs, envs) if standbys is not None else [None] * len(argvs)
         procs: list[AttemptProcess] = []
         try:
@@ -79,7 +97,12 @@ class WorkerGroup:
             for p in [*procs, *(w for w in ready if w is not None and w not in procs)]:
                 p.signal_tree(signal.SIGKILL)
             raise
-        return cls(procs, teardown_grace_s=teardown_grace_s, warm=[w is not None for w in ready])
+        return cls(
+            procs,
+            teardown_grace_s=teardown_grace_s,
+            warm=[w is not None for w in ready],
+            exit_markers=[failed_exit_path(run_dir, attempt, p.pid) for p in procs] if run_dir else [],
+        )
 
     @property
     def pids(self) -> list[int]:
@@ -94,6 +117,11 @@ class WorkerGroup:
         now = time.time()
         if self.failed_rank is None:
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            marked = None if failed or self._signalled else self._marked_failed()
+            if marked is not None:
+                # Only the interpreter's teardown is left (seconds under load): end it, status 1 as Python's.
+                self.procs[marked].signal_tree(signal.SIGKILL)
+                self._cut_short, failed = marked, [marked]
             if failed:
                 self.failed_rank, self.failed_at = failed[0], now
                 self._stop_at = now + self._flush_s
@@ -105,7 +133,12 @@ class WorkerGroup:
             self._kill_at = float("inf")
         if any(c is None for c in codes):
             return None
-        self._returncode = 0 if self.failed_rank is None else codes[self.failed_rank]
+        if self.failed_rank is None:
+            self._returncode = 0
+        elif self.failed_rank == self._cut_short:
+            self._returncode = 1  # what the interpreter exits with after an uncaught exception
+        else:
+            self._returncode = codes[self.failed_rank]
         return self._returncode
 
     def _signal_others(self, sig: int) -> None:
