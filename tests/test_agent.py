@@ -237,3 +237,18 @@ def test_a_marked_failed_exit_is_the_failure_at_once_and_its_teardown_is_cut_sho
     assert group.poll() is None
     assert group.failed_rank == 0 and tearing_down.signals == [9] and other.signals == [15]
     assert group.poll() == 1  # Python's status after an uncaught exception, not the SIGKILL
+
+
+def test_workers_whose_python_exit_is_done_are_exiting_not_hung(tmp_path: Path) -> None:
+    from ettr.supervisor.workers import WorkerGroup
+
+    a, b = FakeWorker(60), FakeWorker(61)
+    failed = [tmp_path / "failed-pid-60", tmp_path / "failed-pid-61"]
+    exited = [tmp_path / "exited-pid-60", tmp_path / "exited-pid-61"]
+    group = WorkerGroup([a, b], exit_markers=failed, exited_markers=exited)
+    assert not group.exiting()
+    exited[0].touch()
+    assert not group.exiting()  # rank 1 still trains (or hangs): the watchdog keeps watching
+    b.code = 0
+    assert group.exiting()  # rank 1 is done; rank 0 only tears its interpreter down
+    assert group.poll() is None and a.signals == []  # a clean exit is left to finish on its own

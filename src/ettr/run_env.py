@@ -227,6 +227,12 @@ def failed_exit_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) ->
     return Path(run_dir) / "agent" / f"attempt-{attempt}" / f"failed-pid-{pid}"
 
 
+def exited_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
+    """Written, like `failed_exit_path`, by a torchrun worker whose Python-level exit is done without an
+    uncaught exception: what it still does is the interpreter's teardown, not training (no hang)."""
+    return Path(run_dir) / "agent" / f"attempt-{attempt}" / f"exited-pid-{pid}"
+
+
 def heartbeat_path(run_dir: str | os.PathLike[str], attempt: int, rank: int, pid: int | None = None) -> Path:
     """The heartbeat file of process `pid` (default: this one) of `rank` in attempt `attempt`."""
     return heartbeat_dir(run_dir, attempt) / f"rank-{rank}-pid-{os.getpid() if pid is None else pid}"

@@ -105,17 +105,17 @@ def _start(environ: Mapping[str, str]) -> None:
 def _mark_failed_exit_last(run_env: RunEnv) -> None:
     """After every other exit handler (atexit runs the first registered last; this is registered before
     the recorder's and the script's), a process that ends on an uncaught exception writes
-    `failed_exit_path`: only the interpreter's teardown is left, which ettr's agent need not wait for."""
+    `failed_exit_path`: only the interpreter's teardown is left, which ettr's agent need not wait for;
+    any other exit writes `exited_path` (its teardown is not a hang)."""
     import atexit
 
     def mark() -> None:
-        if not _started.get("uncaught"):
-            return
         try:
             from ettr.atomic import create_exclusive
-            from ettr.run_env import failed_exit_path
+            from ettr.run_env import exited_path, failed_exit_path
 
-            path = failed_exit_path(run_env.run_dir, run_env.attempt, os.getpid())
+            where = failed_exit_path if _started.get("uncaught") else exited_path
+            path = where(run_env.run_dir, run_env.attempt, os.getpid())
             path.parent.mkdir(parents=True, exist_ok=True)
             create_exclusive(path, b"")
         except Exception:

@@ -364,7 +364,8 @@ class Supervisor:
                 kill_at = now + cfg.grace_s
             if self._num_signals >= 2:
                 kill_at = min(kill_at, now)  # asked twice: no more grace
-            if forwarded is None and hung_after_s is None:
+            exiting = isinstance(proc, WorkerGroup) and proc.exiting()  # teardown after the last step
+            if forwarded is None and hung_after_s is None and not exiting:
                 hung_after_s = watchdog.check(now)
                 if hung_after_s is not None:
                     detected_at = now

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ettr.run_env import failed_exit_path
+from ettr.run_env import exited_path, failed_exit_path
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.standby import Standby
 
@@ -48,6 +48,7 @@ class WorkerGroup:
         flush_s: float = FLUSH_WINDOW_S,
         warm: Sequence[bool] = (),
         exit_markers: Sequence[Path] = (),
+        exited_markers: Sequence[Path] = (),
     ) -> None:
         if not procs:
             raise ValueError("WorkerGroup needs at least one worker")
@@ -66,7 +67,16 @@ class WorkerGroup:
         self._kill_at = float("inf")
         self._returncode: int | None = None
         self._markers = list(exit_markers)
+        self._exited = list(exited_markers)
         self._cut_short: int | None = None  # the rank stopped after its failed exit was marked
+
+    def exiting(self) -> bool:
+        """Whether every worker still running has done its Python-level exit (only the interpreter's
+        teardown is left: seconds under load, and no heartbeat; not a hang)."""
+        if not self._exited:
+            return False
+        running = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        return bool(running) and all(self._exited[r].exists() or self._markers[r].exists() for r in running)
 
     def _marked_failed(self) -> int | None:
         """A rank whose failed exit is marked (`ettr.run_env.failed_exit_path`) while it still runs."""
@@ -102,6 +112,7 @@ class WorkerGroup:
             teardown_grace_s=teardown_grace_s,
             warm=[w is not None for w in ready],
             exit_markers=[failed_exit_path(run_dir, attempt, p.pid) for p in procs] if run_dir else [],
+            exited_markers=[exited_path(run_dir, attempt, p.pid) for p in procs] if run_dir else [],
         )
 
     @property
