@@ -18,3 +18,11 @@ SECONDS_PER_DAY = 86_400.0
 
 DEFAULT_STORE_MAX_BYTES = 8 * 1024**3
 """Size bound of a compile-artifact store unless configured otherwise (8 GiB)."""
+
+# Milestones of a restart, recorded as MARK events and read by `ettr.accounting.ttr` (the TTR's parts).
+FAILURE_DETECTED_MARK = "failure_detected"
+"""Supervisor MARK (attempt = the failed one): when the supervisor learned the attempt had ended."""
+BACKOFF_MARK = "restart_backoff"
+"""Supervisor MARK (attempt = the failed one) at the end of its wait before the next attempt; data: wait_s."""
+IMPORTS_MARK = "imports_done"
+"""Training-process MARK: `import torch` finished in this process (ettr's bootstrap ran before it)."""

@@ -64,6 +64,10 @@ COMPILE_SETTLE_S_ENV = "ETTR_COMPILE_SETTLE_S"
 COMPILE_PRIVATE_CACHE_ENV = "ETTR_COMPILE_PRIVATE_CACHE"
 """`0` keeps inductor's shared cache directory instead of a per-workload one."""
 
+AGENT_ENV = "ETTR_AGENT"
+"""The supervisor's setting: `torchrun` makes a single-node torchrun command run under the real torchrun
+instead of ettr's own agent (`ettr.supervisor.agent`)."""
+
 LAUNCHER_CLEARS = (INJECT_ENV, INSTRUMENTED_ENV, LEDGER_ENV, FAMILY_ENV)
 """Names the launcher removes from the environment it inherits before adding an attempt's own: a nested
 or re-run `ettr run` must not pass its parent's faults, instrumentation marker, ledger or family on (the
@@ -214,6 +218,19 @@ HEARTBEAT_DIRNAME = "heartbeats"
 def heartbeat_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
     """The directory holding attempt `attempt`'s heartbeat files."""
     return Path(run_dir) / HEARTBEAT_DIRNAME / f"attempt-{attempt}"
+
+
+def failed_exit_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
+    """Written by a torchrun worker `pid` that ends on an uncaught exception once its Python-level exit is
+    done (atexit handlers ran, its failure is in the ledger); ettr's agent then need not wait for the
+    interpreter's teardown (`ettr.supervisor.workers`)."""
+    return Path(run_dir) / "agent" / f"attempt-{attempt}" / f"failed-pid-{pid}"
+
+
+def exited_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
+    """Written, like `failed_exit_path`, by a torchrun worker whose Python-level exit is done without an
+    uncaught exception: what it still does is the interpreter's teardown, not training (no hang)."""
+    return Path(run_dir) / "agent" / f"attempt-{attempt}" / f"exited-pid-{pid}"
 
 
 def heartbeat_path(run_dir: str | os.PathLike[str], attempt: int, rank: int, pid: int | None = None) -> Path:

@@ -14,6 +14,7 @@ from ettr.accounting.fence import fence
 from ettr.accounting.model import AttemptReport, EttReport, Recovery, TtsWindow
 from ettr.accounting.slowdown import AttemptSteps, step_slowdown
 from ettr.accounting.timeline import build_segments
+from ettr.accounting.ttr import breakdowns
 from ettr.events import Bucket, Event, Outcome, Phase
 
 
@@ -94,6 +95,12 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
     attempt_reports = tuple(_attempt_report(a, by_attempt.get(a.index)) for a in attempts)
     tts_window = _tts_window(job.allocated_ts, job.supervisor_start_ts, wall_start, attempt_reports)
     recoveries = _recoveries(attempt_reports)
+    ttr_parts, tts_parts = breakdowns(
+        {i: raw.rank_events for i, raw in job.attempts.items()},
+        attempts,
+        [(r.failed.index, r.recovered.index) for r in recoveries],
+        None if tts_window is None else (tts_window.origin_ts, tts_window.attempt),
+    )
     job_phases: dict[str, list[float]] = {}
     for report in attempt_reports:
         for name, seconds in report.phases_s.items():
@@ -130,6 +137,8 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         failures=failure_causes(attempt_reports),
         num_fenced_events=num_fenced,
         slowdown=step_slowdown(AttemptSteps(a.index, a.step_ts, a.phases, a.step_numbers) for a in attempts),
+        ttr_parts=ttr_parts,
+        tts_parts=tts_parts,
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from ettr.accounting.causes import Cause, FailureCause
 from ettr.accounting.slowdown import StepSlowdown
+from ettr.accounting.ttr import RecoveryParts
 from ettr.events import Bucket, Outcome
 
 
@@ -199,6 +200,10 @@ class EttReport:
     slowdown: StepSlowdown | None = None
     """Step-time inflation while checkpoints persisted, per save and in total (`ettr.accounting.slowdown`);
     None when the job recorded no persist. Beside the buckets, not in them."""
+    ttr_parts: tuple[RecoveryParts, ...] = ()
+    """Where each recovery's time went, failure to first step (`ettr.accounting.ttr`), one per recovery."""
+    tts_parts: RecoveryParts | None = None
+    """Where the time to start went, its origin to the first step; None when no attempt trained."""
 
     @property
     def num_infra_failures(self) -> int:

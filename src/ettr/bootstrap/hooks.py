@@ -150,6 +150,9 @@ class AutoHooks:
     def on_torch(self, torch: ModuleType) -> None:
         """Called once `import torch` finished: install every hook that needs only torch."""
         from ettr.bootstrap.checkpoint_hooks import CheckpointHooks
+        from ettr.constants import IMPORTS_MARK
+
+        self.guard.call("imports", self.rec.mark, IMPORTS_MARK, module="torch")  # the TTR's imports part
 
         self.checkpoints = CheckpointHooks(self.rec, self.steps, guard=self.guard, patcher=self.patcher)
         self.guard.call("optimizer step", self._install_optimizer_hook, torch)

@@ -44,6 +44,7 @@ def _install_excepthook(rec: RecorderProtocol) -> None:
             if not issubclass(exc_type, (SystemExit, KeyboardInterrupt)):
                 rec.failure(exc)
                 rec.flush(timeout_s=2.0)
+                _started["uncaught"] = True
         except Exception:
             pass
         previous(exc_type, exc, tb)
@@ -69,6 +70,8 @@ def _start(environ: Mapping[str, str]) -> None:
     from ettr.runtime import get_recorder
 
     run_env = RunEnv.from_environ(environ)
+    if run_env is not None and run_env.launcher is Launcher.TORCHRUN:
+        _mark_failed_exit_last(run_env)
     rec = get_recorder()  # records PROCESS_START
     _started["recorder"] = rec
     if not rec.enabled or run_env is None:
@@ -97,6 +100,28 @@ def _start(environ: Mapping[str, str]) -> None:
         when_imported("torch.distributed.checkpoint", hooks.on_dcp)
         when_imported("safetensors.torch", hooks.on_safetensors)
         _watch_frameworks(hooks)
+
+
+def _mark_failed_exit_last(run_env: RunEnv) -> None:
+    """After every other exit handler (atexit runs the first registered last; this is registered before
+    the recorder's and the script's), a process that ends on an uncaught exception writes
+    `failed_exit_path`: only the interpreter's teardown is left, which ettr's agent need not wait for;
+    any other exit writes `exited_path` (its teardown is not a hang)."""
+    import atexit
+
+    def mark() -> None:
+        try:
+            from ettr.atomic import create_exclusive
+            from ettr.run_env import exited_path, failed_exit_path
+
+            where = failed_exit_path if _started.get("uncaught") else exited_path
+            path = where(run_env.run_dir, run_env.attempt, os.getpid())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            create_exclusive(path, b"")
+        except Exception:
+            pass
+
+    atexit.register(mark)
 
 
 def _watch_frameworks(hooks: Any) -> None:

@@ -16,11 +16,12 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ettr.compile import artifacts, dynamic
@@ -105,9 +106,15 @@ class CompileSession:
         atexit.register(self.close)
         if self.config.store is None:
             return
+        # `torch._dynamo` is imported by much that never compiles (DDP, for one): the store is not even
+        # looked up until the program calls `torch.compile` (or compiles through a name bound earlier, in
+        # which case the first compilation restores, as `prepare` does).
+        _on_first_torch_compile(self._restore_in_background)
+
+    def _restore_in_background(self) -> None:
         # Restore on a helper thread from now on, so the unpacking overlaps whatever the program does
         # before its first compilation (which waits for it). Key and directories are looked up here, on
-        # the importing thread: the helper only reads, checks and writes files.
+        # the calling thread: the helper only reads, checks and writes files.
         try:
             digest = self.key.digest
             dirs = (artifacts.inductor_cache_dir(), artifacts.headers_dir())
@@ -257,3 +264,24 @@ class CompileSession:
             return False
         self._dirty = False
         return self._saver.save(reason=reason, applied=self.applied_sources, batch_spec=self.batch_spec)
+
+
+def _on_first_torch_compile(callback: Callable[[], None]) -> None:
+    """Run `callback` (once, never raising into the caller) when `torch.compile` is first called."""
+    import torch
+
+    original = torch.compile
+    fired = threading.Event()
+
+    def compile_(*args: Any, **kwargs: Any) -> Any:
+        if not fired.is_set():
+            fired.set()
+            torch.compile = original  # one look-up is all it is for
+            try:
+                callback()
+            except Exception as exc:
+                logger.debug("ettr: compile store restore not started (%s)", exc)
+        return original(*args, **kwargs)
+
+    functools.update_wrapper(compile_, original)
+    torch.compile = compile_

@@ -18,6 +18,7 @@ from ettr.accounting.model import EttReport
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import Bucket
+from ettr.report import ttr_parts
 from ettr.report.charts import bucket_bars_svg, failure_summary, share_bar_svg, timeline_svg
 from ettr.report.startup_charts import phase_bars_svg, ttr_svg, tts_waterfall_svg
 from ettr.report.svg import (
@@ -367,7 +368,11 @@ def _ttr_section(reports: Sequence[EttReport], names: Sequence[str]) -> str:
         chart = ttr_svg(r)
         text = chart if chart is not None else '<p class="note">No failure to recover from.</p>'
         body.append(f'<div class="run">{_run_heading(name, many)}{text}</div>')
-    note = "From the failure's detection to the first training step after it, split by bucket."
+    body.append(ttr_parts.html_table(reports, names))
+    note = (
+        "From the failure's detection to the first training step after it, split by bucket; the table splits "
+        "the start and each recovery (failure to first step) into the parts of a restart."
+    )
     return _section("ttr", "Time to recover", "".join(body), esc(note))
 
 

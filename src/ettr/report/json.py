@@ -13,6 +13,7 @@ from typing import Any
 from ettr.accounting import AttemptReport, EttReport
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
+from ettr.report import ttr_parts
 from ettr.report.slowdown import to_json as slowdown_json
 
 SCHEMA = "ettr.report/1"
@@ -29,7 +30,9 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     attempt; null when no attempt trained), recoveries (one per `ttr_s` entry: failed_attempt, outcome,
     detected_ts, recovered_attempt, training_start_ts, ttr_s), failures (attempt, cause, evidence,
     ttr_s), num_failures_by_cause, ttr_s_by_cause, num_infra_failures, step_slowdown (null without a
-    persist: steady_step_s, persist_step_s, inflation, extra_s, num_quiet_steps, num_busy_steps, saves) and, unless `include_segments` is False (a
+    persist: steady_step_s, persist_step_s, inflation, extra_s, num_quiet_steps, num_busy_steps, saves),
+    ttr_parts (one per recovery) and tts_parts (`ettr.report.ttr_parts.to_json`: where each second from
+    failure to first step went) and, unless `include_segments` is False (a
     long job with per-step phases has millions), segments as [start_ts, end_ts, bucket, attempt] lists.
     """
     out: dict[str, Any] = {
@@ -102,6 +105,8 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         "ttr_s_by_cause": {c.value: list(v) for c, v in ttr_by_cause(report.failures).items()},
         "num_infra_failures": report.num_infra_failures,
         "step_slowdown": slowdown_json(report.slowdown),
+        "ttr_parts": [ttr_parts.to_json(p) for p in report.ttr_parts],
+        "tts_parts": ttr_parts.to_json(report.tts_parts),
     }
     if include_segments:
         out["segments"] = [[s.start_ts, s.end_ts, s.bucket.value, s.attempt] for s in report.segments]

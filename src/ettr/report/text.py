@@ -11,6 +11,7 @@ from typing import Any
 from ettr.accounting import EttReport
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
+from ettr.report import ttr_parts
 from ettr.report.slowdown import text_lines as slowdown_lines
 
 BAR_WIDTH = 40
@@ -82,6 +83,7 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
                 f"  attempt {a.index} resumed from an unknown step: {a.resumed_step_unknown}; '~' lost steps"
                 " are estimated from the latest checkpoint committed before it"
             )
+    lines += ttr_parts.text_lines(report)
     if report.failures:
         lines += ["", causes_line(report)]
         lines += [f"  attempt {f.attempt}: {f.cause.value}: {f.evidence}" for f in report.failures]

@@ -117,6 +117,10 @@ class AttemptSweep:
         }
         self._children_before = set(children(os.getpid()))
 
+    def spare(self, pids: Iterable[int]) -> None:
+        """Children started during the attempt that are not the attempt's (warm standbys of the next one)."""
+        self._children_before.update(pids)
+
     def targets(self, exclude: int | None = None) -> list[tuple[int, int | None]]:
         """(pid, start ticks) of the attempt's processes still present (`exclude`: the attempt's own pid,
         which its Popen reaps)."""

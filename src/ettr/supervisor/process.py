@@ -36,9 +36,17 @@ class AttemptProcess:
         argv: the command line.
         env: its environment.
         tail_bytes: how much of the end of its stderr to keep for the failure record.
+        pass_fds: file descriptors the command inherits (a warm standby's request pipe).
     """
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, tail_bytes: int = 16384) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        tail_bytes: int = 16384,
+        pass_fds: Sequence[int] = (),
+    ) -> None:
         self._tail = bytearray()
         self._tail_bytes = tail_bytes
         self._tail_lock = threading.Lock()
@@ -60,7 +68,12 @@ class AttemptProcess:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         self.proc = subprocess.Popen(
-            list(argv), env=dict(env), stderr=subprocess.PIPE, preexec_fn=in_child, close_fds=True
+            list(argv),
+            env=dict(env),
+            stderr=subprocess.PIPE,
+            preexec_fn=in_child,
+            close_fds=True,
+            pass_fds=tuple(pass_fds),
         )
         self.pid = self.proc.pid
         self._tee = threading.Thread(target=self._copy_stderr, name="ettr-stderr-tee", daemon=True)
@@ -100,10 +113,15 @@ class AttemptProcess:
         for pid, ticks in descendants(self.pid):
             self._known.setdefault(pid, ticks)
 
-    def signal_tree(self, sig: int) -> None:
-        """Send `sig` to the command and every descendant (known now or seen earlier)."""
+    def known_tree(self) -> dict[int, int | None]:
+        """The descendants noted so far (pid -> start ticks), alive or not."""
+        return dict(self._known)
+
+    def signal_tree(self, sig: int, *, include_command: bool = True) -> None:
+        """Send `sig` to the command (unless not `include_command`) and every descendant (known now or seen
+        earlier)."""
         self.remember_tree()
-        targets = [(self.pid, None)] + list(self._known.items())
+        targets = ([(self.pid, None)] if include_command else []) + list(self._known.items())
         for pid, ticks in targets:
             if pid != self.pid and ticks is not None and start_ticks(pid) != ticks:
                 continue  # gone, and the pid may belong to someone else now

@@ -4,7 +4,7 @@
     for each attempt, until it completes, is preempted, or restarts run out:
         ATTEMPT_START; run the command; watch for exit, a forwarded SIGTERM/SIGINT, or a hang
         ATTEMPT_END (outcome, exit code, signal, reason, exception, OOM, stderr tail)
-        back off (0.5 s, doubling) before the next attempt
+        back off before the next attempt (none before the first restart after progress; 0.5 s, doubling)
     JOB_END; exit 0 completed, 1 failed after the restarts, 143 preempted
 
 Each event is appended to the ledger at once (durable on return), so whatever kills the supervisor, the run
@@ -25,12 +25,20 @@ import sqlite3
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from ettr.closing import recorded_job_id
-from ettr.constants import EXIT_COMPLETED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED
+from ettr.constants import (
+    BACKOFF_MARK,
+    EXIT_COMPLETED,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    FAILURE_DETECTED_MARK,
+)
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.family import derive_family
@@ -40,17 +48,28 @@ from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.ledger.postgres import redact
 from ettr.ledger.spill import SpillingLedger
 from ettr.procs import start_ticks
-from ettr.supervisor import books, containment, slurm
+from ettr.supervisor import agent, books, containment, slurm, standby
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times
-from ettr.supervisor.launch import attempt_launch, detect_launcher
+from ettr.supervisor.launch import AttemptLaunch, attempt_launch, detect_launcher, free_port
 from ettr.supervisor.process import AttemptProcess
+from ettr.supervisor.restart import (
+    ExitWaker,
+    PeerFailureWatch,
+    backoff_wait_s,
+    stopped_after_peer_failure,
+    trained,
+)
 from ettr.supervisor.watchdog import HangWatchdog
+from ettr.supervisor.workers import StandbyGroup, WorkerGroup
 
 logger = logging.getLogger("ettr")
 
 _FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, slurm.WARNING_SIGNAL)
+_FLUSH_WINDOW_S = 0.6
+"""After a rank failed, how long the others may still run before they are stopped: a Recorder writes its
+events within 0.5 s, so their last steps are in the books."""
 
 
 def describe_os_error(exc: BaseException) -> str:
@@ -97,6 +116,11 @@ class Supervisor:
         self._num_signals = 0
         self._wake = threading.Event()
         self._ledger: Any = None
+        self._standby: standby.Standby | StandbyGroup | None = None  # the next attempt's, started ahead
+        self._agent: agent.WorkerSpec | None | bool = False  # False: not parsed yet (`_worker_spec`)
+        self._workers: tuple[list[list[str]], list[dict[str, str]]] = ([], [])  # the attempt's, per rank
+        self._restarts_left = 0
+        self._made_progress = False  # the last attempt completed a step (see restart.backoff_wait_s)
 
     # -- the books ---------------------------------------------------------------------------------------
     def _append(self, kind: EventKind, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
@@ -281,12 +305,24 @@ class Supervisor:
         oom_before = oom_kill_count()
         sweep = containment.AttemptSweep(self.run_dir, attempt)
         try:
-            proc = AttemptProcess(launch.argv, launch.env)
+            spec = self._worker_spec()
+            if spec is not None:
+                group = self._start_workers(spec, attempt, launch)
+                sweep.spare(group.pids)  # the group reaps its workers; the sweep must not
+                proc: AttemptProcess | WorkerGroup = group
+            else:
+                proc = self._take_standby(launch.argv, launch.env) or AttemptProcess(launch.argv, launch.env)
         except OSError as exc:
             self._append(EventKind.ATTEMPT_START, attempt=attempt, ts=started, command=list(launch.argv))
             return AttemptEnd(outcome=Outcome.FAILED, exit_code=127, reason=f"cannot start: {exc}")
+        workers = {"agent": "ettr", "worker_pids": proc.pids} if isinstance(proc, WorkerGroup) else {}
         self._append(
-            EventKind.ATTEMPT_START, attempt=attempt, ts=started, pid=proc.pid, command=list(launch.argv)
+            EventKind.ATTEMPT_START,
+            attempt=attempt,
+            ts=started,
+            pid=proc.pid,
+            command=list(launch.argv),
+            **workers,
         )
         watchdog = HangWatchdog(
             timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
@@ -303,6 +339,14 @@ class Supervisor:
         kill_at = float("inf")
         killed = False
         snapshot_at = 0.0
+        # the loop wakes the instant the command (each worker) exits
+        waker = ExitWaker(proc.pids if isinstance(proc, WorkerGroup) else [proc.pid], self._wake)
+        detected_at: float | None = None  # when the supervisor knew the attempt was over (hang: at once)
+        peer_failed = False
+        stop_at = float("inf")
+        peers = PeerFailureWatch(
+            lambda: any(e.kind is EventKind.FAILURE for e in self._attempt_events(attempt))
+        )
         while (returncode := proc.poll()) is None:
             now = time.time()
             if self._signal is not None and forwarded is None and hung_after_s is None:
@@ -320,9 +364,11 @@ class Supervisor:
                 kill_at = now + cfg.grace_s
             if self._num_signals >= 2:
                 kill_at = min(kill_at, now)  # asked twice: no more grace
-            if forwarded is None and hung_after_s is None:
+            exiting = isinstance(proc, WorkerGroup) and proc.exiting()  # teardown after the last step
+            if forwarded is None and hung_after_s is None and not exiting:
                 hung_after_s = watchdog.check(now)
                 if hung_after_s is not None:
+                    detected_at = now
                     _say(f"attempt {attempt}: no progress for {hung_after_s:.1f} s: hung, killing it")
                     proc.signal_tree(signal.SIGTERM)
                     kill_at = now + cfg.hang_kill_grace_s
@@ -332,15 +378,39 @@ class Supervisor:
                     _say(f"attempt {attempt}: {peer_reason}: ending this node's part")
                     proc.signal_tree(signal.SIGTERM)
                     kill_at = now + cfg.hang_kill_grace_s
+            if (
+                forwarded is None
+                and hung_after_s is None
+                and detected_at is None
+                and isinstance(proc, AttemptProcess)
+            ):
+                if peers.check(proc.known_tree()):  # (a WorkerGroup stops the rest itself)
+                    detected_at, peer_failed = now, True
+                    stop_at = now + _FLUSH_WINDOW_S  # the other ranks' last events reach the ledger first
+            if peer_failed and forwarded is None and hung_after_s is None and now >= stop_at:
+                _say(f"attempt {attempt}: a rank failed; stopping the others (SIGKILL in {cfg.grace_s:g} s)")
+                # The launcher itself is left to see its workers end and report the failure as usual.
+                proc.signal_tree(signal.SIGTERM, include_command=False)
+                kill_at, stop_at = now + cfg.grace_s, float("inf")
             if now >= kill_at and not killed:
                 proc.signal_tree(signal.SIGKILL)
                 killed = True
+            if now - started >= standby.STANDBY_AFTER_S and self._standby is None and self._restarts_left:
+                self._standby = self._start_standby(launch, proc)
+                sweep.spare(self._standby.pids if self._standby else ())
+                self._restarts_left = 0 if self._standby is None else self._restarts_left  # tried once
             if now - snapshot_at >= 1.0:
                 proc.remember_tree()
                 sweep.reap_adopted(exclude=proc.pid)
                 snapshot_at = now
             self._wake.wait(cfg.poll_interval_s)
             self._wake.clear()
+        if detected_at is None and isinstance(proc, WorkerGroup):
+            detected_at = proc.failed_at  # the instant the group saw its failed worker exit
+        self._append(
+            EventKind.MARK, attempt=attempt, ts=detected_at, name=FAILURE_DETECTED_MARK, returncode=returncode
+        )
+        waker.close()
         proc.kill_leftovers()
         swept = sweep.run(exclude=proc.pid)
         if swept:
@@ -349,15 +419,17 @@ class Supervisor:
             )
         proc.finish()
         oom_after = oom_kill_count()
+        events = self._attempt_events(attempt)
+        self._made_progress = trained(events)
         end = classify(
             returncode=returncode,
             stderr_tail=proc.stderr_tail(),
-            events=self._attempt_events(attempt),
+            events=events,
             preempted_by=forwarded,
             hung_after_s=hung_after_s,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
         )
-        return self._settle(attempt, end, peer_reason)
+        return self._settle(attempt, stopped_after_peer_failure(end) if peer_failed else end, peer_reason)
 
     # -- hooks of a multi-node job (`multinode.py`); one node alone: no peers ----------------------------------
     def _rendezvous_port(self, attempt: int) -> int | None:
@@ -375,6 +447,73 @@ class Supervisor:
     def _restarts_used(self) -> int:
         """Restarts spent before this supervisor started (a job-wide budget reads them from the ledger)."""
         return 0
+
+    def _take_standby(self, argv: Sequence[str], env: Mapping[str, str]) -> AttemptProcess | None:
+        """The warm standby's process for this attempt, if it fits (else it is discarded: a cold start)."""
+        ready, self._standby = self._standby, None
+        if isinstance(ready, StandbyGroup):
+            ready.discard()
+            return None
+        return None if ready is None else ready.hand_over(argv, env)
+
+    def _start_standby(
+        self, launch: AttemptLaunch, proc: AttemptProcess | WorkerGroup
+    ) -> standby.Standby | StandbyGroup | None:
+        """The next attempt's process(es), started now (None: standbys are off, or the command has none)."""
+        if not standby.enabled():
+            return None
+        if isinstance(proc, WorkerGroup):
+            argvs, envs = self._workers
+            return StandbyGroup.start(argvs, envs, per_attempt=agent.PER_ATTEMPT_NAMES)
+        return standby.Standby.start(launch.argv, launch.env)
+
+    # -- ettr as the torchrun agent (`agent.py`, `workers.py`) -------------------------------------------------
+    def _worker_spec(self) -> agent.WorkerSpec | None:
+        """The workers ettr starts itself for a single-node static torchrun command (None: run the command
+        as is); says once why a torchrun command keeps the real torchrun."""
+        if self._agent is False:
+            command = self.config.command
+            found = None if agent.forced_torchrun() else agent.parse(command)
+            self._agent = found if isinstance(found, agent.WorkerSpec) else None
+            if isinstance(found, str) and detect_launcher(command).value == "torchrun":
+                _say(f"runs the real torchrun ({found}): each restart starts it cold")
+            elif found is None and detect_launcher(command).value == "torchrun":
+                _say("runs the real torchrun (ETTR_AGENT=torchrun): each restart starts it cold")
+        return self._agent if isinstance(self._agent, agent.WorkerSpec) else None
+
+    def _start_workers(self, spec: agent.WorkerSpec, attempt: int, launch: AttemptLaunch) -> WorkerGroup:
+        """Attempt `attempt`'s workers, in the warm standbys where they fit. Raises OSError."""
+        port = self._rendezvous_port(attempt) or free_port()
+        cfg = self.config
+        argvs, envs = [], []
+        for rank in range(spec.nproc):
+            error_file = agent.error_file(self.run_dir, attempt, rank)
+            error_file.parent.mkdir(parents=True, exist_ok=True)
+            argvs.append(list(spec.argv))
+            envs.append(
+                agent.worker_env(
+                    spec,
+                    launch.env,
+                    local_rank=rank,
+                    port=port,
+                    restart_count=cfg.max_restarts - self._restarts_left,
+                    max_restarts=cfg.max_restarts,
+                    error_file=error_file,
+                )
+            )
+        self._workers = (argvs, envs)
+        ready, self._standby = self._standby, None
+        if ready is not None and not isinstance(ready, StandbyGroup):
+            ready.discard()
+            ready = None
+        return WorkerGroup.start(
+            argvs,
+            envs,
+            standbys=ready,
+            teardown_grace_s=cfg.hang_kill_grace_s,
+            run_dir=self.run_dir,
+            attempt=attempt,
+        )
 
     def _stopped_status(self) -> int:
         return EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED
@@ -425,6 +564,7 @@ class Supervisor:
                     break
                 attempt = first + restart - used
                 num_attempts += 1
+                self._restarts_left = cfg.max_restarts - restart
                 last = self._run_attempt(attempt)
                 self._append(EventKind.ATTEMPT_END, attempt=attempt, **last.to_data())
                 if last.outcome is Outcome.COMPLETED:
@@ -438,7 +578,13 @@ class Supervisor:
                     _say(f"attempt {attempt} {last.outcome}: {last.reason}; no restarts left")
                     status = EXIT_FAILED
                     break
-                wait_s = min(cfg.max_backoff_s, cfg.backoff_s * 2**restart)
+                wait_s = backoff_wait_s(
+                    restart,
+                    outcome=last.outcome,
+                    made_progress=self._made_progress,
+                    backoff_s=cfg.backoff_s,
+                    max_backoff_s=cfg.max_backoff_s,
+                )
                 _say(
                     f"attempt {attempt} {last.outcome}: {last.reason}; "
                     f"restarting in {wait_s:g} s ({restart + 1} of {cfg.max_restarts})"
@@ -447,7 +593,10 @@ class Supervisor:
                 while self._signal is None and (left := deadline - time.monotonic()) > 0:
                     self._wake.wait(left)
                     self._wake.clear()
+                self._append(EventKind.MARK, attempt=attempt, name=BACKOFF_MARK, wait_s=wait_s)
         finally:
+            if self._standby is not None:
+                self._standby.discard()
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
             self._append(

@@ -1,0 +1,264 @@
+"""Time to recover (and to start) broken into its parts. Pure: no I/O, no clock.
+
+A recovery runs from the failure to the first training step of the next attempt that trained. Its parts, in
+the order they happen, each from one milestone to the next (a missing milestone gives its time to the next
+part, so the parts always add up to the whole):
+
+    detection      the failure (first FAILURE of any rank) -> the supervisor knew (its `failure_detected`
+                   MARK, else ATTEMPT_END); None when no rank recorded the failure (SIGKILL, lost node)
+    teardown       -> ATTEMPT_END of the failed attempt (the rest of its processes gone)
+    backoff        -> the end of the supervisor's wait (its `restart_backoff` MARK, else ATTEMPT_START)
+    relaunch       -> the first PROCESS_START of the next attempt (fork/exec, a launcher's own start-up and
+                   rendezvous, e.g. torchrun's agent)
+    imports        -> the `imports_done` MARK of the reference rank (interpreter, site, `import torch`,
+                   ettr's bootstrap); 0 when not recorded (its time then falls into the parts after it)
+    then to the training start, each instant goes to the first of these that is open on the reference rank:
+    compile        COMPILE phases
+    restore        RESTORE phases (checkpoint load)
+    first_batch    GET_FIRST_BATCH_DATA / DATA_WAIT phases (data fast-forward and the first batch)
+    process_group  PROCESS_GROUP_INIT phases (rendezvous of the ranks)
+    other_init     the rest: the script's own set-up (model, optimizer, anything unrecorded)
+    first_step     the training start -> the first STEP (the first step, slower than the others)
+
+The contract's TTR (`EttReport.ttr_s`) runs from ATTEMPT_END to the training start: backoff through
+other_init. `RecoveryParts.total_s` is the whole (from the failure, or from detection when the failure
+time is unknown, to the first step). TTS gets the same parts after `before_launch` (its origin -> the
+first attempt's ATTEMPT_START), with `launch` instead of relaunch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Protocol
+
+from ettr.constants import BACKOFF_MARK, FAILURE_DETECTED_MARK, IMPORTS_MARK
+from ettr.events import Event, EventKind, Phase
+
+RECOVERY_PARTS = (
+    "detection",
+    "teardown",
+    "backoff",
+    "relaunch",
+    "imports",
+    "compile",
+    "restore",
+    "first_batch",
+    "process_group",
+    "other_init",
+    "first_step",
+)
+"""The parts of a recovery, in the order they happen."""
+STARTUP_PARTS = ("before_launch", "launch", *RECOVERY_PARTS[4:])
+"""The parts of the time to start."""
+
+_IN_PROCESS = (  # (part, phases), the first open one takes the instant
+    ("compile", frozenset({Phase.COMPILE})),
+    ("restore", frozenset({Phase.RESTORE})),
+    ("first_batch", frozenset({Phase.GET_FIRST_BATCH_DATA, Phase.DATA_WAIT})),
+    ("process_group", frozenset({Phase.PROCESS_GROUP_INIT})),
+)
+
+Span = tuple[float, float, Phase | None, str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecoveryParts:
+    """Where the time of one recovery (or of the start) went; `parts_s` in the order of the parts."""
+
+    failed_attempt: int | None
+    """The attempt that failed; None for the time to start."""
+    recovered_attempt: int
+    start_ts: float
+    """The failure (else its detection), or the TTS origin."""
+    first_step_ts: float
+    parts_s: Mapping[str, float | None]
+    """Seconds per part (RECOVERY_PARTS or STARTUP_PARTS); a part the events cannot tell is None."""
+
+    @property
+    def total_s(self) -> float:
+        return self.first_step_ts - self.start_ts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptMilestones:
+    """What the parts are computed from, for one attempt (filled by `milestones`)."""
+
+    index: int
+    start_ts: float
+    end_ts: float
+    failure_ts: float | None
+    detected_ts: float | None
+    backoff_end_ts: float | None
+    process_start_ts: float | None
+    imports_ts: float | None
+    training_start_ts: float | None
+    first_step_ts: float | None
+    phases: Sequence[Span]
+
+
+def milestones(
+    *,
+    index: int,
+    start_ts: float,
+    end_ts: float,
+    rank_events: Mapping[int, Sequence[Event]],
+    reference_rank: int | None,
+    training_start_ts: float | None,
+    first_step_ts: float | None,
+    phases: Sequence[Span],
+) -> AttemptMilestones:
+    """The milestones of one attempt from its events (supervisor events under rank -1)."""
+    failures = [e.ts for r, evs in rank_events.items() if r >= 0 for e in evs if e.kind == EventKind.FAILURE]
+    starts = [
+        e.ts for r, evs in rank_events.items() if r >= 0 for e in evs if e.kind == EventKind.PROCESS_START
+    ]
+    supervisor = rank_events.get(-1, ())
+    reference = rank_events.get(reference_rank, ()) if reference_rank is not None else ()
+    return AttemptMilestones(
+        index=index,
+        start_ts=start_ts,
+        end_ts=end_ts,
+        failure_ts=min(failures) if failures else None,
+        detected_ts=_first_mark(supervisor, FAILURE_DETECTED_MARK),
+        backoff_end_ts=_first_mark(supervisor, BACKOFF_MARK),
+        process_start_ts=min(starts) if starts else None,
+        imports_ts=_first_mark(reference, IMPORTS_MARK),
+        training_start_ts=training_start_ts,
+        first_step_ts=first_step_ts,
+        phases=phases,
+    )
+
+
+def _first_mark(events: Iterable[Event], name: str) -> float | None:
+    for e in events:
+        if e.kind == EventKind.MARK and e.data is not None and e.data.get("name") == name:
+            return e.ts
+    return None
+
+
+def recovery_parts(failed: AttemptMilestones, recovered: AttemptMilestones) -> RecoveryParts | None:
+    """The parts of the recovery from `failed` to `recovered` (which trained); None if it did not train."""
+    if recovered.training_start_ts is None or recovered.first_step_ts is None:
+        return None
+    end = failed.end_ts
+    detected = min(failed.detected_ts, end) if failed.detected_ts is not None else end
+    failure = failed.failure_ts if failed.failure_ts is not None and failed.failure_ts <= detected else None
+    parts: dict[str, float | None] = {
+        "detection": None if failure is None else detected - failure,
+        "teardown": end - detected,
+    }
+    backoff_end = failed.backoff_end_ts if failed.backoff_end_ts is not None else recovered.start_ts
+    cursor = max(end, min(backoff_end, recovered.training_start_ts))
+    parts["backoff"] = cursor - end
+    cursor = _startup(parts, recovered, cursor, "relaunch")
+    return RecoveryParts(
+        failed_attempt=failed.index,
+        recovered_attempt=recovered.index,
+        start_ts=detected if failure is None else failure,
+        first_step_ts=max(cursor, recovered.first_step_ts),
+        parts_s=MappingProxyType(parts),
+    )
+
+
+def startup_parts(origin_ts: float, attempt: AttemptMilestones) -> RecoveryParts | None:
+    """The parts of the time to start: `origin_ts` to the first step of `attempt` (None if it did not train)."""
+    if attempt.training_start_ts is None or attempt.first_step_ts is None:
+        return None
+    launch = min(max(origin_ts, attempt.start_ts), attempt.training_start_ts)
+    parts: dict[str, float | None] = {"before_launch": launch - origin_ts}
+    cursor = _startup(parts, attempt, launch, "launch")
+    return RecoveryParts(
+        failed_attempt=None,
+        recovered_attempt=attempt.index,
+        start_ts=origin_ts,
+        first_step_ts=max(cursor, attempt.first_step_ts),
+        parts_s=MappingProxyType(parts),
+    )
+
+
+def _startup(parts: dict[str, float | None], a: AttemptMilestones, cursor: float, launch: str) -> float:
+    """Fill the parts from `cursor` (the launch) to `a`'s first step; returns the first step's time."""
+    assert a.training_start_ts is not None and a.first_step_ts is not None
+    start = a.training_start_ts
+
+    def advance(to: float | None) -> float:
+        return cursor if to is None else max(cursor, min(to, start))
+
+    after = advance(a.process_start_ts)
+    parts[launch], cursor = after - cursor, after
+    after = advance(a.imports_ts)
+    parts["imports"], cursor = after - cursor, after
+    parts.update(_sweep(a.phases, cursor, start))
+    parts["first_step"] = max(0.0, a.first_step_ts - start)
+    return max(start, a.first_step_ts)
+
+
+def _sweep(phases: Sequence[Span], begin: float, end: float) -> dict[str, float]:
+    """[begin, end) split among the in-process parts: each instant to the first part with a phase open."""
+    names = [name for name, _ in _IN_PROCESS]
+    spans: list[tuple[float, float, int]] = []
+    for b, f, phase, _ in phases:
+        for priority, (_, members) in enumerate(_IN_PROCESS):
+            if phase in members:
+                b2, f2 = max(b, begin), min(f, end)
+                if f2 > b2:
+                    spans.append((b2, f2, priority))
+    out = dict.fromkeys([*names, "other_init"], 0.0)
+    if end <= begin:
+        return out
+    cuts = sorted({begin, end, *(s[0] for s in spans), *(s[1] for s in spans)})
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        open_ = [p for b, f, p in spans if b <= lo and f >= hi]
+        out[names[min(open_)] if open_ else "other_init"] += hi - lo
+    return out
+
+
+class ResolvedAttempt(Protocol):
+    """What `breakdowns` reads of a resolved attempt (`ettr.accounting.attempts.Attempt`)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def start_ts(self) -> float: ...
+    @property
+    def end_ts(self) -> float: ...
+    @property
+    def reference_rank(self) -> int | None: ...
+    @property
+    def training_start_ts(self) -> float | None: ...
+    @property
+    def step_ts(self) -> Sequence[float]: ...
+    @property
+    def phases(self) -> Sequence[Span]: ...
+
+
+def breakdowns(
+    raw_events: Mapping[int, Mapping[int, Sequence[Event]]],
+    attempts: Sequence[ResolvedAttempt],
+    recovered_pairs: Sequence[tuple[int, int]],
+    tts: tuple[float, int] | None,
+) -> tuple[tuple[RecoveryParts, ...], RecoveryParts | None]:
+    """The parts of each recovery ((failed index, recovered index) pairs) and of the start ((origin, attempt
+    index) or None), from the resolved attempts and the raw events of each attempt by rank."""
+    by_index = {
+        a.index: milestones(
+            index=a.index,
+            start_ts=a.start_ts,
+            end_ts=a.end_ts,
+            rank_events=raw_events.get(a.index, {}),
+            reference_rank=a.reference_rank,
+            training_start_ts=a.training_start_ts,
+            first_step_ts=a.step_ts[0] if a.step_ts else None,
+            phases=a.phases,
+        )
+        for a in attempts
+    }
+    found = []
+    for failed, recovered in recovered_pairs:
+        parts = recovery_parts(by_index[failed], by_index[recovered])
+        if parts is not None:
+            found.append(parts)
+    start = None if tts is None else startup_parts(tts[0], by_index[tts[1]])
+    return tuple(found), start

@@ -1,0 +1,93 @@
+"""A warm standby: a Python process that has done its start-up (interpreter, `import torch`, ettr) ahead of
+the next attempt, and becomes that attempt's `python SCRIPT ARGS...` once told to.
+
+    python [-u] -m ettr.bootstrap.standby FD [MODULE,MODULE...]   (started by `ettr.supervisor.standby`;
+                                                                    the modules are imported ahead too)
+
+It reads one JSON object from the pipe FD (stdin stays the job's): {"argv": [python, [-u,] script | -m
+module, args...], "env": {...}, "cwd": "..."}, the
+attempt's complete command line, environment and directory. It then replaces its whole environment by
+that one, runs ettr's bootstrap for the attempt (recorder, heartbeat, injector, torch hooks) and the script
+(or module) as `__main__` (`runpy.run_path` / `run_module`), with `sys.argv` and `sys.path[0]` as `python
+SCRIPT` (`python -m MODULE`) would set them. EOF
+on the pipe without a request (the supervisor discarded it) exits 0 at once. The supervisor only hands over an
+attempt whose environment, apart from the per-attempt `ETTR_*` names, equals the one this process was
+started with (what `import torch` may have read), so it never runs with stale state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+SPAWNED_AT = time.time()
+
+
+def _warm_up(modules: list[str]) -> None:
+    """The start-up done ahead: `import torch` (and `modules`, given by the supervisor) and the modules
+    ettr's bootstrap will need. Imports only: no tensor is made, no random state drawn."""
+    import importlib
+
+    try:
+        import torch  # noqa: F401
+
+        for name in modules:
+            importlib.import_module(name)
+        import ettr.bootstrap.hooks  # noqa: F401
+        import ettr.bootstrap.start  # noqa: F401
+        import ettr.runtime  # noqa: F401
+    except Exception as exc:  # the attempt then pays for what is missing, as a cold start would
+        print(f"ettr: standby warm-up incomplete ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
+def _read_request(fd: int) -> dict | None:
+    with os.fdopen(fd, "rb") as pipe:
+        raw = pipe.read()
+    if not raw.strip():
+        return None
+    return json.loads(raw)
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    _warm_up([name for name in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if name])
+    warm_at = time.time()
+    request = _read_request(fd)
+    if request is None:
+        return
+    handed_at = time.time()
+    argv, env, cwd = list(request["argv"]), dict(request["env"]), str(request["cwd"])
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    at = 1
+    while argv[at] == "-u":  # the standby was started with the same options (`ettr.supervisor.standby`)
+        at += 1
+    module = argv[at + 1] if argv[at] == "-m" else None
+    script = argv[at]
+    sys.argv = argv[at + 1 :] if module else argv[at:]
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
+    try:
+        import ettr.runtime
+        from ettr.bootstrap.start import start
+
+        # The attempt's process starts now, at the hand-over, not when this standby was spawned.
+        ettr.runtime.process_start_time = lambda: handed_at
+        start()
+        ettr.runtime.get_recorder().mark(
+            "standby", spawned_at=SPAWNED_AT, warm_at=warm_at, handed_at=handed_at, pid=os.getpid()
+        )
+    except Exception as exc:
+        print(f"ettr: standby bootstrap failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+    import runpy
+
+    if module is not None:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The parts of each recovery and of the start (`EttReport.ttr_parts`, `tts_parts`) for every renderer:
+the JSON objects, the text table and the HTML table. Parts the events cannot tell are shown as unknown."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ettr.accounting.model import EttReport
+from ettr.accounting.ttr import RECOVERY_PARTS, STARTUP_PARTS, RecoveryParts
+from ettr.report.svg import esc, fmt_s
+
+
+def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
+    """`{failed_attempt, recovered_attempt, start_ts, first_step_ts, total_s, parts_s}` (parts in order)."""
+    if parts is None:
+        return None
+    return {
+        "failed_attempt": parts.failed_attempt,
+        "recovered_attempt": parts.recovered_attempt,
+        "start_ts": parts.start_ts,
+        "first_step_ts": parts.first_step_ts,
+        "total_s": parts.total_s,
+        "parts_s": dict(parts.parts_s),
+    }
+
+
+_NOT_A_PART = ""
+"""A cell for a part that the column does not have (back-off in the start, launch in a recovery)."""
+
+Cell = float | None | str
+
+
+def _cell(v: Cell) -> str:
+    return v if isinstance(v, str) else "?" if v is None else fmt_s(v)
+
+
+def _rows(report: EttReport) -> tuple[list[str], list[tuple[str, list[Cell]]]]:
+    """Column titles and (part, seconds per column) rows: TTS first, then each recovery."""
+    columns: list[RecoveryParts] = ([report.tts_parts] if report.tts_parts else []) + list(report.ttr_parts)
+    titles = [
+        "start" if c.failed_attempt is None else f"{c.failed_attempt}->{c.recovered_attempt}" for c in columns
+    ]
+    names = [
+        n
+        for n in dict.fromkeys((*STARTUP_PARTS[:2], *RECOVERY_PARTS))
+        if any(n in c.parts_s for c in columns)
+    ]
+    rows = [(n, [c.parts_s[n] if n in c.parts_s else _NOT_A_PART for c in columns]) for n in names]
+    rows.append(("total (to first step)", list[Cell]([c.total_s for c in columns])))
+    return titles, rows
+
+
+def text_lines(report: EttReport) -> list[str]:
+    """A table: one column for the start, one per recovery; `?` for a part the events cannot tell."""
+    if report.tts_parts is None and not report.ttr_parts:
+        return []
+    titles, rows = _rows(report)
+
+    def cell(v: Cell) -> str:
+        return v if isinstance(v, str) else "?" if v is None else f"{v:.2f}"
+
+    width = max(len(n) for n, _ in rows) + 2
+    lines = ["", "time to start / recover by part (s; attempt a->b: failure of a to the first step of b)"]
+    lines.append("  " + " " * width + "".join(f"{t:>10}" for t in titles))
+    lines += ["  " + f"{n:<{width}}" + "".join(f"{cell(v):>10}" for v in vals) for n, vals in rows]
+    return lines
+
+
+def html_table(reports: Sequence[EttReport], names: Sequence[str]) -> str:
+    """The same table per run, as HTML (empty when no run has a start or recovery to break down)."""
+    out = []
+    for report, name in zip(reports, names, strict=True):
+        if report.tts_parts is None and not report.ttr_parts:
+            continue
+        titles, rows = _rows(report)
+        head = "".join(f"<th>{esc(t)}</th>" for t in titles)
+        body = "".join(
+            f"<tr><td>{esc(n)}</td>" + "".join(f"<td>{esc(_cell(v))}</td>" for v in vals) + "</tr>"
+            for n, vals in rows
+        )
+        label = f"<p><b>{esc(name)}</b></p>" if len(reports) > 1 else ""
+        out.append(f'{label}<table class="parts"><tr><th>part</th>{head}</tr>{body}</table>')
+    return "".join(out)

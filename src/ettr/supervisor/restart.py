@@ -1,0 +1,152 @@
+"""The fast path of a restart: wake the supervisor the instant its child exits, and the back-off rule.
+
+`ExitWaker` waits on a pidfd (Linux >= 5.3, `os.pidfd_open`) on a helper thread and sets the supervisor's
+wake event when the attempt's process exits, so the loop learns of a dead attempt at once instead of on its
+next polling tick (the tick stays as the fallback where pidfds are missing). `PeerFailureWatch` sees a
+rank die under a launcher that outlives it (torchrun): once a process of the attempt's tree is gone and a
+training process recorded a FAILURE, the supervisor stops the rest at once instead of waiting for the
+launcher's own monitoring and teardown. `backoff_wait_s` skips the wait
+before the first restart of a failure that looks transient (the attempt had trained: a crash in the middle
+of training, not a script that cannot start) and doubles it for later restarts, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+
+from ettr.events import Event, EventKind, Outcome
+from ettr.procs import start_ticks
+from ettr.supervisor.classify import AttemptEnd
+
+logger = logging.getLogger("ettr")
+
+
+class ExitWaker:
+    """Sets `wake` each time one of `pids` (children of ours) exits. `close()` when done with it."""
+
+    def __init__(self, pids: int | Sequence[int], wake: threading.Event) -> None:
+        self._wake = wake
+        self._pidfd: int | None = None
+        self._pidfds: list[int] = []
+        self._cancel_r, self._cancel_w = -1, -1
+        try:
+            for pid in [pids] if isinstance(pids, int) else pids:
+                self._pidfds.append(os.pidfd_open(pid))
+        except (AttributeError, OSError) as exc:  # an old kernel or Python: the polling tick does it
+            logger.debug("ettr: no pidfd for %s (%s); polling for its exit", pids, exc)
+            for fd in self._pidfds:
+                os.close(fd)
+            self._pidfds = []
+            return
+        self._pidfd = self._pidfds[0] if self._pidfds else None
+        if self._pidfd is None:
+            return
+        self._cancel_r, self._cancel_w = os.pipe()
+        self._thread = threading.Thread(target=self._wait, name="ettr-exit-waker", daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> bool:
+        """Whether the exit wakes the loop (False: only the polling tick sees it)."""
+        return self._pidfd is not None
+
+    def _wait(self) -> None:
+        waiting = list(self._pidfds)
+        while waiting:
+            try:
+                ready, _, _ = select.select([*waiting, self._cancel_r], [], [])
+            except (OSError, ValueError):
+                return
+            if self._cancel_r in ready:
+                return
+            waiting = [fd for fd in waiting if fd not in ready]
+            self._wake.set()
+
+    def close(self) -> None:
+        if self._pidfd is None:
+            return
+        try:
+            os.write(self._cancel_w, b"x")
+        except OSError:
+            pass
+        self._thread.join(1.0)
+        for fd in (*self._pidfds, self._cancel_r, self._cancel_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._pidfd, self._pidfds = None, []
+
+
+def _gone(pid: int, ticks: int | None) -> bool:
+    """Whether process (`pid`, `ticks`) has exited: its /proc entry is gone, reused, or a zombie."""
+    if start_ticks(pid) != ticks:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"Z"
+    except (OSError, ValueError):
+        return True
+
+
+class PeerFailureWatch:
+    """Whether a rank of the attempt died with a FAILURE on record, while its launcher still runs.
+
+    `check(tree)` with the attempt's known descendants ((pid, start ticks), e.g. `AttemptProcess.known_tree`)
+    notices processes that have exited since the last call; only then does it ask `failure_recorded()` (a
+    ledger read), so a healthy attempt costs a few /proc reads per tick. A process that ends without a
+    FAILURE (a data loader worker, a clean exit) changes nothing.
+    """
+
+    def __init__(self, failure_recorded: Callable[[], bool]) -> None:
+        self._failure_recorded = failure_recorded
+        self._seen_gone: set[tuple[int, int | None]] = set()
+
+    def check(self, tree: Mapping[int, int | None]) -> bool:
+        new = [(pid, t) for pid, t in tree.items() if t is not None and (pid, t) not in self._seen_gone]
+        died = [key for key in new if _gone(*key)]
+        if not died:
+            return False
+        self._seen_gone.update(died)
+        try:
+            return self._failure_recorded()
+        except Exception as exc:  # the books cannot tell: leave it to the launcher
+            logger.debug("ettr: cannot read the ledger for a failure (%s)", exc)
+            return False
+
+
+def stopped_after_peer_failure(end: AttemptEnd) -> AttemptEnd:
+    """`end` of an attempt the supervisor stopped because a rank failed: a failure, never a preemption
+    (the SIGTERM that stopped the launcher was ours)."""
+    if end.outcome is not Outcome.PREEMPTED:
+        return end
+    what = f": {end.exception}" if end.exception else ""
+    return replace(
+        end, outcome=Outcome.FAILED, reason=f"a rank failed{what}; ettr stopped the rest ({end.reason})"
+    )
+
+
+def trained(events: Iterable[Event]) -> bool:
+    """Whether a training process of the attempt completed a step (its failure came after progress)."""
+    return any(e.kind == EventKind.STEP and e.rank >= 0 for e in events)
+
+
+def backoff_wait_s(
+    restart: int, *, outcome: Outcome, made_progress: bool, backoff_s: float, max_backoff_s: float
+) -> float:
+    """Seconds to wait before restart number `restart` + 1 (0-based `restart`).
+
+    No wait before the first restart of a failure that looks transient (a failed or hung attempt that had
+    trained); otherwise `backoff_s` doubling per restart, at most `max_backoff_s` (a job that fails again
+    and again, or cannot start at all, is not restarted in a tight loop).
+    """
+    transient = made_progress and outcome in (Outcome.FAILED, Outcome.HUNG)
+    if restart == 0 and transient:
+        return 0.0
+    return min(max_backoff_s, backoff_s * 2**restart)

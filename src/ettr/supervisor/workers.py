@@ -1,0 +1,239 @@
+"""The workers of one attempt under ettr's own torchrun agent (`ettr.supervisor.agent`), and their standbys.
+
+`WorkerGroup` stands where an `AttemptProcess` stands in the supervisor loop (same methods): N worker
+processes, each an `AttemptProcess` of its own (own process group, parent-death SIGKILL, stderr tee), taken
+from warm standbys where they fit. Like torchrun's agent it ends the group when a worker fails: the first
+worker to exit non-zero is the failure (its exit status and stderr are the attempt's); after a short flush
+window (the other ranks' recorders write their last events) the others get SIGTERM, then SIGKILL after
+`teardown_grace_s`. A worker that ended on an uncaught exception marks it once its Python-level exit is
+done (`ettr.run_env.failed_exit_path`, written by the bootstrap's last atexit handler): the group counts
+the failure from then and SIGKILLs that worker's interpreter teardown (seconds of freeing modules under
+load) instead of waiting for it; its status then reads 1, what Python exits with after an uncaught
+exception. A signal the supervisor forwards (preemption) goes to every worker and the group then
+sends no SIGTERM of its own (a rank saving on SIGTERM is not interrupted by a second one). The group's exit
+status: 0 when every worker exited 0, else the failed worker's.
+
+`StandbyGroup` is one `Standby` per local rank, started with rank r's environment less the per-attempt
+names; at the next attempt each rank whose standby fits is handed its complete environment, the others
+start cold.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ettr.run_env import exited_path, failed_exit_path
+from ettr.supervisor.process import AttemptProcess
+from ettr.supervisor.standby import Standby
+
+WARM_MODULES = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
+"""Imported ahead by a worker's standby beside torch: what a DDP/FSDP job imports anyway (constructing
+DistributedDataParallel imports torch._dynamo, seconds of a cold restart). Imports only, no compile-store
+look-up (that waits for `torch.compile`)."""
+FLUSH_WINDOW_S = 0.6
+"""After a worker failed, how long the others may still run: a Recorder writes its events within 0.5 s."""
+
+
+class WorkerGroup:
+    """The running workers of one attempt (see the module docstring)."""
+
+    def __init__(
+        self,
+        procs: Sequence[AttemptProcess],
+        *,
+        teardown_grace_s: float = 5.0,
+        flush_s: float = FLUSH_WINDOW_S,
+        warm: Sequence[bool] = (),
+        exit_markers: Sequence[Path] = (),
+        exited_markers: Sequence[Path] = (),
+    ) -> None:
+        if not procs:
+            raise ValueError("WorkerGroup needs at least one worker")
+        self.procs = list(procs)
+        self.warm = list(warm) or [False] * len(self.procs)
+        """Per rank: whether it came from a warm standby."""
+        self.pid = self.procs[0].pid
+        self._teardown_grace_s = teardown_grace_s
+        self._flush_s = flush_s
+        self.failed_rank: int | None = None
+        """The local rank whose non-zero exit ended the group (None: none failed)."""
+        self.failed_at: float | None = None
+        """When the group saw that worker's exit."""
+        self._signalled = False
+        self._stop_at = float("inf")
+        self._kill_at = float("inf")
+        self._returncode: int | None = None
+        self._markers = list(exit_markers)
+        self._exited = list(exited_markers)
+        self._cut_short: int | None = None  # the rank stopped after its failed exit was marked
+
+    def exiting(self) -> bool:
+        """Whether every worker still running has done its Python-level exit (only the interpreter's
+        teardown is left: seconds under load, and no heartbeat; not a hang)."""
+        if not self._exited:
+            return False
+        running = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        return bool(running) and all(self._exited[r].exists() or self._markers[r].exists() for r in running)
+
+    def _marked_failed(self) -> int | None:
+        """A rank whose failed exit is marked (`ettr.run_env.failed_exit_path`) while it still runs."""
+        for rank, marker in enumerate(self._markers):
+            if self.procs[rank].poll() is None and marker.exists():
+                return rank
+        return None
+
+    @classmethod
+    def start(
+        cls,
+        argvs: Sequence[Sequence[str]],
+        envs: Sequence[dict[str, str]],
+        *,
+        standbys: StandbyGroup | None = None,
+        teardown_grace_s: float = 5.0,
+        run_dir: Path | None = None,
+        attempt: int = 0,
+    ) -> WorkerGroup:
+        """Start worker r as `argvs[r]` under `envs[r]`, in its standby where it fits (`run_dir`, `attempt`:
+        where the workers mark a failed exit). Raises OSError (the workers started so far are killed)."""
+        ready = standbys.hand_over(argvs, envs) if standbys is not None else [None] * len(argvs)
+        procs: list[AttemptProcess] = []
+        try:
+            for argv, env, warm in zip(argvs, envs, ready, strict=True):
+                procs.append(warm or AttemptProcess(argv, env))
+        except OSError:
+            for p in [*procs, *(w for w in ready if w is not None and w not in procs)]:
+                p.signal_tree(signal.SIGKILL)
+            raise
+        return cls(
+            procs,
+            teardown_grace_s=teardown_grace_s,
+            warm=[w is not None for w in ready],
+            exit_markers=[failed_exit_path(run_dir, attempt, p.pid) for p in procs] if run_dir else [],
+            exited_markers=[exited_path(run_dir, attempt, p.pid) for p in procs] if run_dir else [],
+        )
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def poll(self) -> int | None:
+        """The group's exit status once every worker has exited, else None; drives the teardown after a
+        failure (call it often: the supervisor loop does, waking on each exit)."""
+        if self._returncode is not None:
+            return self._returncode
+        codes = [p.poll() for p in self.procs]
+        now = time.time()
+        if self.failed_rank is None:
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            marked = None if failed or self._signalled else self._marked_failed()
+            if marked is not None:
+                # Only the interpreter's teardown is left (seconds under load): end it, status 1 as Python's.
+                self.procs[marked].signal_tree(signal.SIGKILL)
+                self._cut_short, failed = marked, [marked]
+            if failed:
+                self.failed_rank, self.failed_at = failed[0], now
+                self._stop_at = now + self._flush_s
+        if self.failed_rank is not None and not self._signalled and now >= self._stop_at:
+            self._signal_others(signal.SIGTERM)
+            self._stop_at, self._kill_at = float("inf"), now + self._teardown_grace_s
+        if now >= self._kill_at:
+            self._signal_others(signal.SIGKILL)
+            self._kill_at = float("inf")
+        if any(c is None for c in codes):
+            return None
+        if self.failed_rank is None:
+            self._returncode = 0
+        elif self.failed_rank == self._cut_short:
+            self._returncode = 1  # what the interpreter exits with after an uncaught exception
+        else:
+            self._returncode = codes[self.failed_rank]
+        return self._returncode
+
+    def _signal_others(self, sig: int) -> None:
+        for r, p in enumerate(self.procs):
+            if r != self.failed_rank:
+                p.signal_tree(sig)
+
+    def remember_tree(self) -> None:
+        for p in self.procs:
+            p.remember_tree()
+
+    def known_tree(self) -> dict[int, int | None]:
+        tree: dict[int, int | None] = {}
+        for p in self.procs:
+            tree.update(p.known_tree())
+        return tree
+
+    def signal_tree(self, sig: int, *, include_command: bool = True) -> None:
+        """`sig` to every worker (unless not `include_command`) and their descendants; from then on the
+        group sends no SIGTERM of its own."""
+        if sig != signal.SIGKILL:
+            self._signalled = True
+        for p in self.procs:
+            p.signal_tree(sig, include_command=include_command)
+
+    def kill_leftovers(self) -> None:
+        for p in self.procs:
+            p.kill_leftovers()
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        return code
+
+    def finish(self, timeout_s: float = 2.0) -> None:
+        for p in self.procs:
+            p.finish(timeout_s)
+
+    def stderr_tail(self, num_lines: int = 20) -> list[str]:
+        """The failed worker's last stderr lines (rank 0's when none failed)."""
+        return self.procs[self.failed_rank or 0].stderr_tail(num_lines)
+
+
+class StandbyGroup:
+    """One warm standby per local rank for the next attempt (see the module docstring)."""
+
+    def __init__(self, standbys: Sequence[Standby | None]) -> None:
+        self.standbys = list(standbys)
+
+    @classmethod
+    def start(
+        cls, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, per_attempt: frozenset[str]
+    ) -> StandbyGroup | None:
+        """Standbys for workers like `argvs`/`envs` (this attempt's); None when none could start."""
+        started = [
+            Standby.start(a, e, per_attempt=per_attempt, warm_modules=WARM_MODULES)
+            for a, e in zip(argvs, envs, strict=True)
+        ]
+        return cls(started) if any(s is not None for s in started) else None
+
+    @property
+    def pids(self) -> list[int]:
+        return [pid for s in self.standbys if s is not None for pid in s.pids]
+
+    def hand_over(
+        self, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]]
+    ) -> list[AttemptProcess | None]:
+        """Per rank, the standby's process now running worker r (None: start it cold). Standbys of ranks
+        beyond `argvs` are discarded."""
+        out: list[AttemptProcess | None] = []
+        for r, argv in enumerate(argvs):
+            ready = self.standbys[r] if r < len(self.standbys) else None
+            out.append(None if ready is None else ready.hand_over(argv, envs[r]))
+        for extra in self.standbys[len(argvs) :]:
+            if extra is not None:
+                extra.discard()
+        self.standbys = []
+        return out
+
+    def discard(self) -> None:
+        for s in self.standbys:
+            if s is not None:
+                s.discard()
+        self.standbys = []

@@ -1,0 +1,254 @@
+"""ettr's own torchrun agent: a torchrun command line read into a worker spec, the fallbacks, the workers'
+environment (`ettr.supervisor.agent`). Pure and fast; the real restart is in test_agent_restart.py."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ettr.supervisor import agent
+from ettr.supervisor.agent import PER_ATTEMPT_NAMES, WorkerSpec, parse, worker_env
+
+PY = os.path.abspath(sys.executable)
+RUN = [sys.executable, "-m", "torch.distributed.run"]
+ENV = {"PATH": os.environ.get("PATH", "")}
+
+
+def test_a_standalone_command_becomes_n_workers_running_python_u_script() -> None:
+    spec = parse(
+        [*RUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "job.py", "--lr", "1"], ENV
+    )
+    assert spec == WorkerSpec(nproc=2, argv=(PY, "-u", "job.py", "--lr", "1"))
+
+
+@pytest.mark.parametrize(
+    ("options", "argv_tail", "fields"),
+    [
+        (["--nnodes", "1", "--nproc_per_node=4"], ["t.py"], {"nproc": 4}),
+        (["--nnodes=1:1", "--node-rank", "0", "--master-addr", "localhost"], ["t.py"], {"master_addr": "localhost"}),
+        (["--standalone", "-m"], ["pkg.train", "x"], {}),
+        (["--standalone", "--no-python"], ["./train.sh", "x"], {}),
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "j7"], ["t.py"], {"run_id": "j7"}),
+        (["--standalone", "--role", "trainer", "--monitor-interval", "1", "--start-method", "fork"], ["t.py"], {"role": "trainer"}),
+    ],
+)  # fmt: skip
+def test_the_supported_forms(options: list[str], argv_tail: list[str], fields: dict) -> None:
+    spec = parse([*RUN, *options, *argv_tail], ENV)
+    assert isinstance(spec, WorkerSpec), spec
+    if "--no-python" in options:
+        assert spec.argv == tuple(argv_tail)
+    elif "-m" in options:
+        assert spec.argv == (PY, "-u", "-m", *argv_tail)
+    else:
+        assert spec.argv == (PY, "-u", *argv_tail)
+    for name, value in fields.items():
+        assert getattr(spec, name) == value
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [*RUN, "--nnodes", "2", "--nproc-per-node", "2", "t.py"],
+        [*RUN, "--nnodes", "1:2", "t.py"],
+        [*RUN, "--standalone", "--nproc-per-node", "gpu", "t.py"],
+        [*RUN, "--standalone", "--tee", "3", "t.py"],
+        [*RUN, "--standalone", "--redirects", "3", "t.py"],
+        [*RUN, "--standalone", "--log-dir", "/tmp/x", "t.py"],
+        [*RUN, "--standalone", "--local-ranks-filter", "0", "t.py"],
+        [*RUN, "--standalone", "--run-path", "t.py"],
+        [*RUN, "--standalone", "--virtual-local-rank", "t.py"],
+        [*RUN, "--nnodes", "1", "--rdzv-endpoint", "node7:29500", "t.py"],
+        [*RUN, "--nnodes", "1", "--master-addr", "10.1.2.3", "t.py"],
+        [*RUN, "--nnodes", "1", "--node-rank", "1", "t.py"],
+        [*RUN, "--standalone", "--rdzv-conf", "timeout=5", "t.py"],
+        [*RUN, "--standalone", "--no-python", "-m", "pkg"],
+        [*RUN, "--standalone", "--some-future-flag", "1", "t.py"],
+        [*RUN, "--standalone"],
+        [sys.executable, "-X", "dev", "-m", "torch.distributed.run", "--standalone", "t.py"],
+        [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node", "2", "t.py"],
+        [sys.executable, "t.py"],
+    ],
+)
+def test_anything_not_reproduced_exactly_keeps_the_real_torchrun(command: list[str]) -> None:
+    reason = parse(command, ENV)
+    assert isinstance(reason, str) and reason
+
+
+def test_the_torchrun_script_gives_its_interpreter_and_python_exec_overrides_it(tmp_path: Path) -> None:
+    script = tmp_path / "torchrun"
+    script.write_text(f"#!{PY}\nimport sys\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    env = {"PATH": str(tmp_path)}
+    assert parse(["torchrun", "--standalone", "t.py"], env) == WorkerSpec(nproc=1, argv=(PY, "-u", "t.py"))
+    spec = parse(["torchrun", "--standalone", "t.py"], {**env, "PYTHON_EXEC": "/opt/py"})
+    assert isinstance(spec, WorkerSpec) and spec.argv[0] == "/opt/py"
+    script.write_text("#!/usr/bin/env python\n")  # which python that is depends on PATH: not known for sure
+    assert isinstance(parse(["torchrun", "--standalone", "t.py"], env), str)
+
+
+def test_ettr_agent_torchrun_forces_the_real_torchrun() -> None:
+    assert agent.forced_torchrun({"ETTR_AGENT": "torchrun"})
+    assert not agent.forced_torchrun({})
+    assert not agent.forced_torchrun({"ETTR_AGENT": "ettr"})
+
+
+def _env(spec: WorkerSpec, rank: int, *, port: int, restart: int, inherited: dict | None = None) -> dict:
+    base = {"PATH": "/bin", "ETTR_ATTEMPT": str(restart)}
+    return worker_env(
+        spec, base, local_rank=rank, port=port, restart_count=restart, max_restarts=3,
+        error_file=f"/run/agent/attempt-{restart}/{rank}/error.json", inherited=inherited or {},
+    )  # fmt: skip
+
+
+def test_the_workers_get_torchruns_environment() -> None:
+    spec = WorkerSpec(nproc=2, argv=(PY, "-u", "t.py"), run_id="j1", role="trainer")
+    env = _env(spec, 1, port=4242, restart=1)
+    expected = {
+        "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0", "ROLE_RANK": "1", "ROLE_NAME": "trainer",
+        "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4242", "TORCHELASTIC_RESTART_COUNT": "1",
+        "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RUN_ID": "j1", "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1", "PATH": "/bin",
+        "TORCHELASTIC_ERROR_FILE": "/run/agent/attempt-1/1/error.json", "ETTR_ATTEMPT": "1",
+    }  # fmt: skip
+    assert env == expected
+
+
+def test_omp_num_threads_is_set_only_as_torchrun_sets_it() -> None:
+    many, one = WorkerSpec(nproc=2, argv=("x",)), WorkerSpec(nproc=1, argv=("x",))
+    assert "OMP_NUM_THREADS" not in _env(one, 0, port=1, restart=0)
+    kept = worker_env(
+        many, {"OMP_NUM_THREADS": "8"}, local_rank=0, port=1, restart_count=0, max_restarts=0,
+        error_file="e", inherited={"OMP_NUM_THREADS": "8"},
+    )  # fmt: skip
+    assert kept["OMP_NUM_THREADS"] == "8"
+
+
+def test_from_one_attempt_to_the_next_only_the_per_attempt_names_change() -> None:
+    """What a warm standby may receive late: everything else it saw at start-up is the next attempt's."""
+    spec = WorkerSpec(nproc=2, argv=(PY, "-u", "t.py"))
+    for rank in (0, 1):
+        first, second = _env(spec, rank, port=1111, restart=0), _env(spec, rank, port=2222, restart=1)
+        changed = {k for k in first.keys() | second.keys() if first.get(k) != second.get(k)}
+        assert changed - {k for k in changed if k.startswith("ETTR_")} == PER_ATTEMPT_NAMES
+
+
+class FakeWorker:
+    """An AttemptProcess stand-in: `code` is what poll() returns; signals are recorded (SIGTERM/SIGKILL
+    end it with -signal)."""
+
+    def __init__(self, pid: int, *, stops_on: tuple[int, ...] = (15, 9)) -> None:
+        self.pid, self.code, self.signals, self._stops_on = pid, None, [], stops_on
+
+    def poll(self):
+        return self.code
+
+    def signal_tree(self, sig, *, include_command=True):
+        self.signals.append(int(sig))
+        if int(sig) in self._stops_on and self.code is None:
+            self.code = -int(sig)
+
+    def stderr_tail(self, num_lines=20):
+        return [f"tail of {self.pid}"]
+
+
+def test_the_first_failed_worker_is_the_attempts_failure_and_the_rest_are_stopped_after_the_flush() -> None:
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [FakeWorker(10), FakeWorker(11), FakeWorker(12)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    assert group.poll() is None and group.failed_rank is None
+    workers[1].code = 3
+    assert group.poll() is None  # SIGTERM to ranks 0 and 2 at once (no flush window here) ...
+    assert group.poll() == 3  # ... and once they are gone, the attempt's status is rank 1's
+    assert group.failed_rank == 1 and group.failed_at is not None
+    assert workers[0].signals == [15] and workers[2].signals == [15] and workers[1].signals == []
+    assert group.stderr_tail() == ["tail of 11"]
+
+
+def test_workers_that_ignore_sigterm_get_sigkill_after_the_grace() -> None:
+    from ettr.supervisor.workers import WorkerGroup
+
+    stubborn = FakeWorker(20, stops_on=(9,))
+    failed = FakeWorker(21)
+    group = WorkerGroup([stubborn, failed], flush_s=0.0, teardown_grace_s=0.05)
+    failed.code = 1
+    assert group.poll() is None and stubborn.signals == [15]
+    time.sleep(0.1)  # the grace is wall-clock time
+    assert group.poll() is None and stubborn.signals == [15, 9]
+    assert group.poll() == 1
+
+
+def test_after_a_forwarded_signal_the_group_sends_no_sigterm_of_its_own() -> None:
+    """A preempted job's ranks save on the supervisor's SIGTERM; a second one would interrupt the save."""
+    from ettr.supervisor.workers import WorkerGroup
+
+    saving = FakeWorker(30, stops_on=())
+    quick = FakeWorker(31, stops_on=())
+    group = WorkerGroup([saving, quick], flush_s=0.0, teardown_grace_s=0.0)
+    group.signal_tree(15)
+    quick.code = 143  # done saving, exits 143 (128 + SIGTERM)
+    assert group.poll() is None and saving.signals == [15]  # no second SIGTERM
+    saving.code = 143
+    assert group.poll() == 143
+
+
+def test_a_group_where_every_worker_exits_0_completes() -> None:
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [FakeWorker(40), FakeWorker(41)]
+    group = WorkerGroup(workers)
+    workers[0].code = 0
+    assert group.poll() is None and workers[1].signals == []  # rank 0 done first: rank 1 is left to finish
+    workers[1].code = 0
+    assert group.poll() == 0 and group.failed_rank is None
+
+
+def test_the_supervisor_says_once_why_it_keeps_the_real_torchrun(monkeypatch, capsys) -> None:
+    from ettr.supervisor.config import RunConfig
+    from ettr.supervisor.supervise import Supervisor
+
+    multi = Supervisor(RunConfig(command=(*RUN, "--nnodes", "1", "--tee", "3", "t.py")))
+    assert multi._worker_spec() is None and multi._worker_spec() is None
+    assert capsys.readouterr().err.count("runs the real torchrun (torchrun option --tee)") == 1
+    monkeypatch.setenv("ETTR_AGENT", "torchrun")
+    forced = Supervisor(RunConfig(command=(*RUN, "--standalone", "t.py")))
+    assert forced._worker_spec() is None
+    assert "ETTR_AGENT=torchrun" in capsys.readouterr().err
+    monkeypatch.delenv("ETTR_AGENT")
+    assert isinstance(
+        Supervisor(RunConfig(command=(*RUN, "--standalone", "t.py")))._worker_spec(), WorkerSpec
+    )
+
+
+def test_a_marked_failed_exit_is_the_failure_at_once_and_its_teardown_is_cut_short(tmp_path: Path) -> None:
+    from ettr.supervisor.workers import WorkerGroup
+
+    tearing_down, other = FakeWorker(50), FakeWorker(51)
+    markers = [tmp_path / "failed-pid-50", tmp_path / "failed-pid-51"]
+    group = WorkerGroup([tearing_down, other], flush_s=0.0, teardown_grace_s=60.0, exit_markers=markers)
+    assert group.poll() is None and group.failed_rank is None
+    markers[0].touch()  # rank 0's uncaught exception: recorded, exit handlers done, interpreter teardown left
+    assert group.poll() is None
+    assert group.failed_rank == 0 and tearing_down.signals == [9] and other.signals == [15]
+    assert group.poll() == 1  # Python's status after an uncaught exception, not the SIGKILL
+
+
+def test_workers_whose_python_exit_is_done_are_exiting_not_hung(tmp_path: Path) -> None:
+    from ettr.supervisor.workers import WorkerGroup
+
+    a, b = FakeWorker(60), FakeWorker(61)
+    failed = [tmp_path / "failed-pid-60", tmp_path / "failed-pid-61"]
+    exited = [tmp_path / "exited-pid-60", tmp_path / "exited-pid-61"]
+    group = WorkerGroup([a, b], exit_markers=failed, exited_markers=exited)
+    assert not group.exiting()
+    exited[0].touch()
+    assert not group.exiting()  # rank 1 still trains (or hangs): the watchdog keeps watching
+    b.code = 0
+    assert group.exiting()  # rank 1 is done; rank 0 only tears its interpreter down
+    assert group.poll() is None and a.signals == []  # a clean exit is left to finish on its own

@@ -1,0 +1,103 @@
+"""Warm standby (`ettr.supervisor.standby`, `ettr.bootstrap.standby`) with real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ettr.events import EventKind
+from ettr.ledger import read_run_events
+from ettr.supervisor.standby import Standby
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = ROOT / "tests" / "scripts" / "standby_probe.py"
+
+
+def run_ettr(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "ettr.cli", *args], env=full, capture_output=True, text=True, timeout=300
+    )
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_restart_runs_in_the_standby_with_the_new_attempts_environment(tmp_path: Path) -> None:
+    out = tmp_path / "probe.jsonl"
+    done = run_ettr(
+        "run", "--run-dir", str(tmp_path / "run"), "--max-restarts", "1", "--",
+        sys.executable, str(PROBE), str(out), "x",
+        env={"PROBE": "same"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    first, second = lines(out)
+    assert (first["attempt"], second["attempt"]) == ("0", "1")  # the hand-over's environment, not a stale one
+    assert second["argv"] == [str(PROBE), str(out), "x"] and second["name"] == "__main__"
+    assert second["path0"] == str(PROBE.parent) and second["probe"] == "same"
+    events = read_run_events(tmp_path / "run")
+    marks = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "standby"]
+    assert [m.attempt for m in marks] == [1] and marks[0].data["pid"] == second["pid"]
+    starts = {e.attempt: e.ts for e in events if e.kind is EventKind.PROCESS_START}
+    attempt_start = next(e.ts for e in events if e.kind is EventKind.ATTEMPT_START and e.attempt == 1)
+    assert starts[1] >= attempt_start  # the process of attempt 1 starts at the hand-over
+
+
+def test_a_standby_is_discarded_when_the_environment_differs(tmp_path: Path) -> None:
+    argv = [sys.executable, str(PROBE), str(tmp_path / "p.jsonl")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_ATTEMPT": "1", "PROBE": "a"}
+    ready = Standby.start(argv, env)
+    assert ready is not None
+    assert ready.fits(argv, {**env, "ETTR_ATTEMPT": "2"})  # per-attempt names may differ
+    assert not ready.fits(argv, {**env, "PROBE": "b"})
+    assert not ready.fits([sys.executable, "-u", *argv[1:]], env)
+    assert ready.hand_over(argv, {**env, "PROBE": "b"}) is None
+    assert ready.process.poll() is not None  # gone: never runs the attempt
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_no_standby_for_torchrun_or_modules(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    assert Standby.start([sys.executable, "-m", "torch.distributed.run", str(PROBE)], env) is None
+    assert Standby.start(["torchrun", "--nproc-per-node", "2", str(PROBE)], env) is None
+    assert Standby.start([sys.executable, str(tmp_path / "missing.py")], env) is None
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+def test_a_standby_never_sees_a_per_attempt_value_before_its_hand_over(tmp_path: Path) -> None:
+    """What the standby's start-up could read is only what the next attempt shares with this one; the
+    per-attempt names arrive with the hand-over, and a standby serves one attempt, never a second."""
+    out = tmp_path / "p.jsonl"
+    argv = [sys.executable, "-u", str(PROBE), str(out)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "ETTR_ATTEMPT": "1",
+        "MASTER_PORT": "1111",
+        "PROBE": "a",
+    }
+    names = frozenset({"MASTER_PORT"})
+    ready = Standby.start(argv, env, per_attempt=names)
+    assert ready is not None
+    started_with = _environ_of(ready.process.pid)
+    assert "MASTER_PORT" not in started_with and not any(k.startswith("ETTR_") for k in started_with)
+    assert ready.fits(argv, {**env, "MASTER_PORT": "2222", "ETTR_ATTEMPT": "2"})
+    assert not ready.fits(argv, {**env, "PROBE": "b"})
+    running = ready.hand_over(argv, {**env, "MASTER_PORT": "2222", "ETTR_ATTEMPT": "2"})
+    assert running is ready.process
+    assert ready.hand_over(argv, {**env, "ETTR_ATTEMPT": "3"}) is None  # used: not handed a second attempt
+    assert running.wait(120) == 0  # ... and the first one was left to run to its end
+    (seen,) = lines(out)
+    assert (seen["attempt"], seen["probe"], seen["argv"]) == ("2", "a", [str(PROBE), str(out)])

@@ -1,0 +1,150 @@
+"""TTR and TTS broken into parts (`ettr.accounting.ttr`): pure, from hand-made events."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ettr.accounting import compute
+from ettr.accounting.ttr import RECOVERY_PARTS, STARTUP_PARTS
+from ettr.constants import BACKOFF_MARK, FAILURE_DETECTED_MARK, IMPORTS_MARK
+from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
+from ettr.report import json as report_json
+from ettr.report import text as report_text
+from ettr.report.html import render_html
+
+S = SUPERVISOR_RANK
+
+
+def sup(kind: EventKind, ts: float, attempt: int, **data: object) -> Event:
+    return Event(kind, ts, attempt, S, data=data or None)
+
+
+def mark(ts: float, attempt: int, rank: int, name: str) -> Event:
+    return Event(EventKind.MARK, ts, attempt, rank, data={"name": name})
+
+
+def phase(name: Phase, begin: float, end: float, attempt: int, rank: int = 0) -> list[Event]:
+    return [
+        Event(EventKind.PHASE_BEGIN, begin, attempt, rank, phase=name),
+        Event(EventKind.PHASE_END, end, attempt, rank, phase=name, value=begin),
+    ]
+
+
+def attempt_events(attempt: int, t0: float, *, steps: range, imports: bool = True) -> list[Event]:
+    """One rank-0 start-up: process start t0+1, imports t0+3, pg t0+3..4, restore 4.5..5, first step 6."""
+    ev = [Event(EventKind.PROCESS_START, t0 + 1, attempt, 0, data={"pid": 1})]
+    if imports:
+        ev.append(mark(t0 + 3, attempt, 0, IMPORTS_MARK))
+    ev += phase(Phase.PROCESS_GROUP_INIT, t0 + 3, t0 + 4, attempt)
+    ev += phase(Phase.RESTORE, t0 + 4.5, t0 + 5, attempt)
+    ev.append(Event(EventKind.TRAINING_START, t0 + 5.5, attempt, 0))
+    ev += [Event(EventKind.STEP, t0 + 6 + i * 0.1, attempt, 0, step=s) for i, s in enumerate(steps)]
+    return ev
+
+
+def job(*, detected: bool = True, backoff: bool = True, failure: bool = True) -> list[Event]:
+    ev = [sup(EventKind.SUPERVISOR_START, 0.0, 0), sup(EventKind.ATTEMPT_START, 0.0, 0)]
+    ev += attempt_events(0, 0.0, steps=range(1, 11))
+    if failure:
+        ev.append(Event(EventKind.FAILURE, 7.0, 0, 1, data={"exception": "RuntimeError"}))
+    if detected:
+        ev.append(mark(7.25, 0, S, FAILURE_DETECTED_MARK))
+    ev.append(sup(EventKind.ATTEMPT_END, 7.5, 0, outcome="failed", exit_code=1))
+    if backoff:
+        ev.append(mark(8.0, 0, S, BACKOFF_MARK))
+    ev.append(sup(EventKind.ATTEMPT_START, 8.25, 1))
+    ev += attempt_events(1, 8.25, steps=range(6, 11))
+    ev.append(sup(EventKind.ATTEMPT_END, 20.0, 1, outcome="completed", exit_code=0))
+    ev.append(sup(EventKind.JOB_END, 20.0, 1, exit_status=0))
+    return ev
+
+
+def test_recovery_parts_follow_the_milestones_and_add_up():
+    report = compute(job(), now=30.0)
+    (parts,) = report.ttr_parts
+    assert (parts.failed_attempt, parts.recovered_attempt) == (0, 1)
+    assert list(parts.parts_s) == list(RECOVERY_PARTS)
+    expected = {
+        "detection": 0.25,
+        "teardown": 0.25,
+        "backoff": 0.5,
+        "relaunch": 1.25,  # back-off end 8.0 -> process start 9.25
+        "imports": 2.0,
+        "compile": 0.0,
+        "restore": 0.5,
+        "first_batch": 0.0,
+        "process_group": 1.0,
+        "other_init": 1.0,  # 12.25..12.75 and 13.25..13.75: the script's own set-up
+        "first_step": 0.5,
+    }
+    assert parts.parts_s == pytest.approx(expected)
+    assert parts.start_ts == 7.0 and parts.first_step_ts == pytest.approx(14.25)
+    assert math.fsum(v for v in parts.parts_s.values() if v is not None) == pytest.approx(parts.total_s)
+    # The contract's TTR is the part from ATTEMPT_END to the training start.
+    contract = sum(parts.parts_s[n] for n in RECOVERY_PARTS[2:-1])  # type: ignore[misc]
+    assert report.ttr_s == (pytest.approx(contract),)
+
+
+def test_tts_parts():
+    report = compute(job(), now=30.0)
+    tts = report.tts_parts
+    assert tts is not None and list(tts.parts_s) == list(STARTUP_PARTS)
+    assert tts.parts_s["launch"] == pytest.approx(1.0)
+    assert tts.parts_s["imports"] == pytest.approx(2.0)
+    assert tts.parts_s["process_group"] == pytest.approx(1.0)
+    assert tts.total_s == pytest.approx(6.0)
+
+
+def test_missing_milestones_give_their_time_to_the_next_part_and_unknown_failure_is_none():
+    (parts,) = compute(job(detected=False, backoff=False, failure=False), now=30.0).ttr_parts
+    assert parts.parts_s["detection"] is None  # a SIGKILLed rank records no failure: unknown, not 0
+    assert parts.parts_s["teardown"] == 0.0  # detection = ATTEMPT_END without the supervisor's mark
+    assert parts.parts_s["backoff"] == pytest.approx(0.75)  # ATTEMPT_END -> ATTEMPT_START
+    assert parts.parts_s["relaunch"] == pytest.approx(1.0)
+    assert parts.start_ts == 7.5
+    assert math.fsum(v for v in parts.parts_s.values() if v is not None) == pytest.approx(parts.total_s)
+
+
+def test_without_imports_mark_its_time_goes_to_the_in_process_parts():
+    events = [
+        e for e in job() if not (e.kind == EventKind.MARK and e.data and e.data["name"] == IMPORTS_MARK)
+    ]
+    (parts,) = compute(events, now=30.0).ttr_parts
+    assert parts.parts_s["imports"] == 0.0
+    assert parts.parts_s["other_init"] == pytest.approx(3.0)
+
+
+def test_overlapping_phases_are_counted_once_compile_first():
+    events = job() + phase(Phase.COMPILE, 12.5, 13.5, 1)  # overlaps the restore 12.75..13.25
+    (parts,) = compute(events, now=30.0).ttr_parts
+    assert parts.parts_s["compile"] == pytest.approx(1.0)
+    assert parts.parts_s["restore"] == pytest.approx(0.0)
+    assert math.fsum(v for v in parts.parts_s.values() if v is not None) == pytest.approx(parts.total_s)
+
+
+def test_out_of_order_clocks_never_give_negative_parts():
+    events = job() + [mark(30.0, 1, 0, "late")]
+    skewed = [
+        Event(e.kind, 5.0, e.attempt, e.rank, data=e.data)
+        if e.kind == EventKind.PROCESS_START and e.attempt == 1
+        else e
+        for e in events
+    ]
+    (parts,) = compute(skewed, now=40.0).ttr_parts
+    assert all(v is None or v >= 0 for v in parts.parts_s.values())
+
+
+def test_no_recovery_no_parts_and_renderers_show_them():
+    only_first = [e for e in job() if e.attempt == 0 and e.kind != EventKind.ATTEMPT_END]
+    assert compute(only_first, now=30.0).ttr_parts == ()
+    report = compute(job(), now=30.0)
+    data = json.loads(json.dumps(report_json.to_dict(report)))
+    assert data["ttr_parts"][0]["parts_s"]["backoff"] == pytest.approx(0.5)
+    assert data["tts_parts"]["total_s"] == pytest.approx(6.0)
+    assert data["ttr_s"] == [pytest.approx(report.ttr_s[0])]  # the contract's keys stay as they were
+    text = report_text.render(report)
+    assert "recover by part" in text and "relaunch" in text
+    assert 'class="parts"' in render_html([report])
