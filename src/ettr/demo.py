@@ -30,7 +30,9 @@ from ettr.constants import EXIT_PREEMPTED
 from ettr.demo_progress import JobState, ProgressDisplay, read_events
 from ettr.errors import UsageError
 from ettr.report.demo_text import explain
-from ettr.run_env import COMPILE_SETTLE_S_ENV, COMPILE_STORE_ENV, ENV_PREFIX
+from ettr.run_env import AGENT_ENV, COMPILE_SETTLE_S_ENV, COMPILE_STORE_ENV, ENV_PREFIX
+from ettr.supervisor.agent import FORCE_TORCHRUN
+from ettr.supervisor.standby import STANDBY_ENV
 
 PREEMPTED_EXIT_STATUS = EXIT_PREEMPTED
 """`ettr run`'s status for a preempted job: the scheduler (here, the demo) requeues it."""
@@ -144,6 +146,9 @@ class Side:
     """Compute the TorchRec sharding plan once (attempt 0) and read it back in every later attempt."""
     fast_exit: bool = False
     """End the processes once the final state is committed, without tearing down what is no longer needed."""
+    warm_restart: bool = False
+    """Restart through ettr's own single-node agent with warm standby workers (interpreter and imports done
+    ahead); else every attempt relaunches the real torchrun and its workers cold."""
 
     def train_args(self, *, publish: bool, work_dir: Path) -> list[str]:
         args = ["--ckpt-mode", self.ckpt_mode]
@@ -170,6 +175,7 @@ OPTIMIZED = Side(
     auto_interval=True,
     plan_cache=True,
     fast_exit=True,
+    warm_restart=True,
 )
 
 
@@ -254,6 +260,9 @@ class Job:
             env[COMPILE_SETTLE_S_ENV] = "1"  # store the artifacts soon after the first compile
         else:
             env[COMPILE_STORE_ENV] = "off"
+        if not self.side.warm_restart:  # a plain job: the real torchrun, cold on every attempt
+            env[AGENT_ENV] = FORCE_TORCHRUN
+            env[STANDBY_ENV] = "0"
         return env
 
 

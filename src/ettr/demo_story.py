@@ -49,7 +49,7 @@ TECHNIQUES = (
     ),
     Technique(
         name="start-up not repeated",
-        mechanism="sharding plan computed once and read back (rest of init: imports, process groups)",
+        mechanism="sharding plan computed once and read back; restarts in warm standbys (imports done ahead)",
         buckets=(Bucket.INIT,),
     ),
     Technique(
@@ -69,7 +69,7 @@ TECHNIQUES = (
     ),
     Technique(
         name="relaunch",
-        mechanism="failure detected -> next attempt's processes (same supervisor on both sides)",
+        mechanism="failure -> next attempt: torchrun relaunched cold vs ettr's agent handing over to standbys",
         buckets=(Bucket.RESTART, Bucket.OTHER, Bucket.SCHEDULING, Bucket.HARDWARE_SETUP),
     ),
 )
