@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
 from ettr.fleet.stored import store_at_job_end
-from ettr.ledger import open_ledger
+from ettr.ledger import Ledger, open_ledger
 
 K = EventKind
 DEAD_PID = 2**22 + 12345
@@ -139,13 +139,7 @@ def write_job(
 ) -> Path:
     """Append the events of `spec` to `run_dir`'s ledger (created), in batches, and with `close` store the
     finished job's fleet summary as its supervisor does at job end; returns the run directory."""
-    events = job_events(spec)
-    ledger = open_ledger(run_dir)
-    try:
-        for i in range(0, len(events), batch):
-            ledger.append(events[i : i + batch])
-    finally:
-        ledger.close()
+    _append_all(open_ledger(run_dir), job_events(spec), batch)
     if close:
         store_at_job_end(run_dir, ledger_url=None, job_id=spec.job_id)
     return Path(run_dir)
@@ -155,12 +149,15 @@ def write_job_url(url: str, spec: JobSpec, *, batch: int = 50_000, close: bool =
     """`write_job` into the shared ledger at `url` (job `spec.job_id`, registered), as `ettr run --ledger`."""
     from ettr.ledger.url import open_url
 
-    events = job_events(spec)
-    ledger = open_url(url, job_id=spec.job_id, create=True)
+    _append_all(open_url(url, job_id=spec.job_id, create=True), job_events(spec), batch)
+    if close:
+        store_at_job_end(Path("."), ledger_url=url, job_id=spec.job_id)
+
+
+def _append_all(ledger: Ledger, events: list[Event], batch: int) -> None:
+    """Append `events` in batches of `batch`, then close the ledger."""
     try:
         for i in range(0, len(events), batch):
             ledger.append(events[i : i + batch])
     finally:
         ledger.close()
-    if close:
-        store_at_job_end(Path("."), ledger_url=url, job_id=spec.job_id)
