@@ -27,6 +27,7 @@ def main() -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
+    loss = None  # a resume at the last step trains nothing
     for step in range(start, args.steps):
         x = torch.randn(256, 32)
         loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
@@ -38,7 +39,7 @@ def main() -> None:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
             torch.save(state, args.ckpt + ".tmp")
             os.replace(args.ckpt + ".tmp", args.ckpt)  # the checkpoint is complete only now
-    print(f"trained {args.steps} steps, loss {loss.item():.4f}")
+    print(f"trained {args.steps} steps" + ("" if loss is None else f", loss {loss.item():.4f}"))
 
 
 if __name__ == "__main__":
