@@ -51,6 +51,35 @@ def test_the_restart_runs_in_the_standby_with_the_new_attempts_environment(tmp_p
     assert starts[1] >= attempt_start  # the process of attempt 1 starts at the hand-over
 
 
+def test_the_standby_starts_only_once_the_attempt_has_trained(tmp_path: Path) -> None:
+    # Started during the attempt's start-up, it would compete with it for the CPU.
+    out = tmp_path / "probe.jsonl"
+    done = run_ettr(
+        "run", "--run-dir", str(tmp_path / "run"), "--max-restarts", "1", "--",
+        sys.executable, str(PROBE), str(out),
+        env={"PROBE_BEFORE_S": "4"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    events = read_run_events(tmp_path / "run")
+    first_step = min(e.ts for e in events if e.kind is EventKind.STEP and e.attempt == 0)
+    attempt_start = next(e.ts for e in events if e.kind is EventKind.ATTEMPT_START and e.attempt == 0)
+    mark = next(e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "standby")
+    assert first_step - attempt_start > 4  # the start-up was longer than STANDBY_AFTER_S
+    assert mark.data["spawned_at"] >= first_step
+
+
+def test_a_standby_is_due_after_the_first_step_or_the_fallback_delay() -> None:
+    from ettr.supervisor import standby
+
+    def never() -> bool:
+        raise AssertionError("asked before STANDBY_AFTER_S")
+
+    assert not standby.due(0.5, never)
+    assert not standby.due(standby.STANDBY_AFTER_S + 1, lambda: False)
+    assert standby.due(standby.STANDBY_AFTER_S + 1, lambda: True)
+    assert standby.due(standby.STANDBY_FALLBACK_S, lambda: False)
+
+
 def test_a_standby_is_discarded_when_the_environment_differs(tmp_path: Path) -> None:
     argv = [sys.executable, str(PROBE), str(tmp_path / "p.jsonl")]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_ATTEMPT": "1", "PROBE": "a"}

@@ -233,6 +233,25 @@ def exited_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path
     return Path(run_dir) / "agent" / f"attempt-{attempt}" / f"exited-pid-{pid}"
 
 
+TRAINED_PREFIX = "trained-pid-"
+
+
+def trained_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
+    """Written by training process `pid` once it recorded its first step: its start-up is over. The
+    supervisor starts the next attempt's warm standbys only then (`has_trained`), so that they never compete
+    with a start-up for the CPU."""
+    return Path(run_dir) / "agent" / f"attempt-{attempt}" / f"{TRAINED_PREFIX}{pid}"
+
+
+def has_trained(run_dir: str | os.PathLike[str], attempt: int) -> bool:
+    """Whether any process of `attempt` wrote its `trained_path` (one directory listing)."""
+    try:
+        with os.scandir(Path(run_dir) / "agent" / f"attempt-{attempt}") as entries:
+            return any(entry.name.startswith(TRAINED_PREFIX) for entry in entries)
+    except OSError:
+        return False
+
+
 def heartbeat_path(run_dir: str | os.PathLike[str], attempt: int, rank: int, pid: int | None = None) -> Path:
     """The heartbeat file of process `pid` (default: this one) of `rank` in attempt `attempt`."""
     return heartbeat_dir(run_dir, attempt) / f"rank-{rank}-pid-{os.getpid() if pid is None else pid}"

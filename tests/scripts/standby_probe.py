@@ -22,6 +22,11 @@ with open(out, "a") as f:
         )
         + "\n"
     )
+time_before = float(os.environ.get("PROBE_BEFORE_S", "0"))  # a longer start-up before the first step
+if time_before and os.environ.get("ETTR_ATTEMPT") == "0":
+    import time
+
+    time.sleep(time_before)
 model = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model(torch.ones(1, 2)).sum().backward()

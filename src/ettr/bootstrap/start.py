@@ -90,6 +90,7 @@ def _start(environ: Mapping[str, str]) -> None:
         beat.start()
         _started["heartbeat"] = beat
     _start_injector(rec, run_env)
+    _mark_first_step(rec, run_env)
     if run_env.auto:
         from ettr.bootstrap.hooks import AutoHooks
         from ettr.post_import import when_imported
@@ -100,6 +101,29 @@ def _start(environ: Mapping[str, str]) -> None:
         when_imported("torch.distributed.checkpoint", hooks.on_dcp)
         when_imported("safetensors.torch", hooks.on_safetensors)
         _watch_frameworks(hooks)
+
+
+def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
+    """At this process's first step, write `trained_path`: the supervisor then knows that the start-up is
+    over and starts the next attempt's standbys (`ettr.supervisor.standby`). One file, once."""
+    from ettr.run_env import trained_path
+
+    path = trained_path(run_env.run_dir, run_env.attempt, os.getpid())
+    done = False
+
+    def on_step(step: int) -> None:
+        nonlocal done
+        if done:
+            return
+        done = True
+        try:  # an empty marker: nothing to make durable, so no fsync on the training thread
+            path.parent.mkdir(parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+            os.close(os.open(path, flags, 0o644))
+        except OSError:
+            pass  # there already, or no place for it: the supervisor then waits for its fallback delay
+
+    rec.add_step_listener(on_step)
 
 
 def _mark_failed_exit_last(run_env: RunEnv) -> None:

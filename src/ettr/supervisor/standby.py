@@ -25,15 +25,24 @@ import logging
 import os
 import shutil
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ettr.supervisor.process import AttemptProcess
 
 logger = logging.getLogger("ettr")
 
 STANDBY_AFTER_S = 2.0
-"""How long after an attempt's start its standby is started (so that it does not slow the attempt's own
-start-up down)."""
+"""The earliest an attempt's standby is started, after the attempt's start."""
+STANDBY_FALLBACK_S = 60.0
+"""The standby is started once the attempt has trained (its first step: `ettr.run_env.has_trained`), so
+that its interpreter start-up and `import torch` never compete with the attempt's own start-up for the
+CPU; for an attempt that records no step, this long after its start."""
+
+
+def due(elapsed_s: float, trained: Callable[[], bool]) -> bool:
+    """Whether an attempt `elapsed_s` into its run should have its standby started now; `trained` tells
+    whether it has trained yet (asked only once `STANDBY_AFTER_S` have passed)."""
+    return elapsed_s >= STANDBY_AFTER_S and (elapsed_s >= STANDBY_FALLBACK_S or trained())
 STANDBY_ENV = "ETTR_STANDBY"
 """`ETTR_STANDBY=0` (the supervisor's environment) turns warm standbys off."""
 _PER_ATTEMPT_PREFIX = "ETTR_"

@@ -48,6 +48,7 @@ from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.ledger.postgres import redact
 from ettr.ledger.spill import SpillingLedger
 from ettr.procs import start_ticks
+from ettr.run_env import has_trained
 from ettr.supervisor import agent, books, containment, slurm, standby
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
@@ -395,7 +396,11 @@ class Supervisor:
             if now >= kill_at and not killed:
                 proc.signal_tree(signal.SIGKILL)
                 killed = True
-            if now - started >= standby.STANDBY_AFTER_S and self._standby is None and self._restarts_left:
+            if (
+                self._standby is None
+                and self._restarts_left
+                and standby.due(now - started, lambda: has_trained(self.run_dir, attempt))
+            ):
                 self._standby = self._start_standby(launch, proc)
                 sweep.spare(self._standby.pids if self._standby else ())
                 self._restarts_left = 0 if self._standby is None else self._restarts_left  # tried once
