@@ -101,6 +101,33 @@ def test_save_on_one_node_restore_on_a_fresh_one_skip_on_the_same_one(node, tmp_
     rec.close()
 
 
+def test_a_save_only_session_leaves_its_artifacts_and_restores_nothing(node, tmp_path):
+    store = CompileStore(MemoryBackend())
+    cache, _headers = node("first")
+    (cache / "ab").mkdir(parents=True)
+    (cache / "ab" / "kernel.so").write_bytes(b"k" * 100)
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    rec.close()
+
+    cache2, _ = node("fresh")
+    seeding, rec = _session(store, tmp_path, restore=False)
+    seeding.prepare()
+    assert seeding.last_restore is None and not (cache2 / "ab" / "kernel.so").exists()  # compiles cold
+    cache2.mkdir(parents=True)
+    (cache2 / "cd.so").write_bytes(b"c" * 10)
+    _compiled_something(seeding)
+    assert seeding.save() is True  # ... and leaves what it compiled for the jobs after it
+    rec.close()
+
+    cache3, _ = node("third")
+    later, rec = _session(store, tmp_path)
+    later.prepare()
+    assert later.last_restore["status"] == "hit" and (cache3 / "cd.so").read_bytes() == b"c" * 10
+    rec.close()
+
+
 def test_a_tampered_entry_is_refused_and_nothing_is_unpacked(node, tmp_path):
     backend = MemoryBackend()
     store = CompileStore(backend)
@@ -186,6 +213,8 @@ def test_config_from_env():
     assert config.store is None and config.user_key == "model-a" and config.settle_s == 2.5
     assert config.max_store_bytes == 8 * 1024**3 and config.secret == b"k"
     assert CompileConfig.from_env({}).store == "~/.cache/ettr/compile"
+    assert CompileConfig.from_env({}).restore is True
+    assert CompileConfig.from_env({"ETTR_COMPILE_RESTORE": "0"}).restore is False
     with pytest.raises(ValueError, match="settle_s"):
         CompileConfig(settle_s=-1)
 
@@ -215,3 +244,31 @@ def test_the_first_batch_spec_travels_to_later_jobs_through_the_store(node, tmp_
     assert result.spec_source == "store" and shapes == [(4, 3)]
     assert fastbatch.load_spec(fastbatch.job_file(tmp_path / "job-2" / "run")) == fastbatch.spec_of(real)
     rec.close()
+
+
+def test_ranks_restoring_into_one_directory_take_turns(tmp_path):
+    import threading
+    import time
+
+    cache = tmp_path / "inductor"
+    order: list[str] = []
+    held = threading.Event()
+
+    def first() -> None:
+        with artifacts.restore_lock(cache):
+            held.set()
+            time.sleep(0.3)
+            order.append("first done")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    held.wait(5)
+    with artifacts.restore_lock(cache):  # a second process (here: descriptor) waits for the first
+        order.append("second in")
+    thread.join()
+    assert order == ["first done", "second in"]
+    assert oct(cache.stat().st_mode & 0o777) == oct(0o700)
+    (tmp_path / "a-file").write_text("")
+    with artifacts.restore_lock(tmp_path / "a-file" / "x", timeout_s=0.1):  # no place for a lock: goes on
+        order.append("unlocked")
+    assert order[-1] == "unlocked"

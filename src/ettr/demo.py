@@ -30,7 +30,13 @@ from ettr.constants import EXIT_PREEMPTED
 from ettr.demo_progress import JobState, ProgressDisplay, read_events
 from ettr.errors import UsageError
 from ettr.report.demo_text import explain
-from ettr.run_env import AGENT_ENV, COMPILE_SETTLE_S_ENV, COMPILE_STORE_ENV, ENV_PREFIX
+from ettr.run_env import (
+    AGENT_ENV,
+    COMPILE_RESTORE_ENV,
+    COMPILE_SETTLE_S_ENV,
+    COMPILE_STORE_ENV,
+    ENV_PREFIX,
+)
 from ettr.supervisor.agent import FORCE_TORCHRUN
 from ettr.supervisor.standby import STANDBY_ENV
 
@@ -133,8 +139,10 @@ class Side:
     """`sync` (torch.save per rank while training waits) or `ettr` (async; saves on SIGTERM, exits 143)."""
     overlap_startup: bool
     """Start the loader workers before the model is built, so their warm-up hides behind it."""
-    compile_store: bool
-    """Restore compile artifacts from ettr's compile store (else every attempt compiles cold)."""
+    compile_store: str
+    """ettr's compile store: `restore` (artifacts of earlier jobs of the same model are restored, and what
+    this job compiles is saved) or `save` (every attempt compiles cold, as without a store; what it
+    compiles is saved for the jobs after it, as every job of a fleet leaves its artifacts)."""
     publish: str
     """Publishing the trained model at the end: `inside` the training job (it builds the inference
     artifact before it ends) or `standalone` (it writes the anchor and ends; `ettr publish` builds the
@@ -164,13 +172,15 @@ class Side:
 
 
 BASELINE = Side(
-    name="baseline", ckpt_mode="sync", overlap_startup=False, compile_store=False, publish="inside"
+    name="baseline", ckpt_mode="sync", overlap_startup=False, compile_store="save", publish="inside"
 )
+"""The plain job. It runs first, and leaves its compile artifacts in the store: it is the optimized
+side's earlier job of the same model."""
 OPTIMIZED = Side(
     name="optimized",
     ckpt_mode="ettr",
     overlap_startup=True,
-    compile_store=True,
+    compile_store="restore",
     publish="standalone",
     auto_interval=True,
     plan_cache=True,
@@ -207,7 +217,8 @@ class Job:
     work_dir: Path
     """Checkpoints, per-attempt compile caches, the plan cache and the job's log (beside the run dir)."""
     store_dir: Path | None = None
-    """ettr's compile store (with `side.compile_store`): shared with the warm-up job, kept between demos."""
+    """ettr's compile store: the baseline saves into it, the optimized side restores from it; kept between
+    demos."""
 
     @property
     def log_path(self) -> Path:
@@ -224,13 +235,6 @@ class Job:
         for spec in workload.injections():
             run += ["--inject", spec]
         train = [str(script), "--steps", str(workload.steps), "--ckpt-every", str(workload.ckpt_every)]
-        return self._command(run, train, workload, script)
-
-    def warmup_command(self, workload: Workload, script: Path) -> list[str]:
-        """A short healthy job of the same model (no checkpoints, no failures): it fills the compile store."""
-        run = [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(self.run_dir)]
-        run += ["--job-id", f"demo-{self.side.name}", "--max-restarts", "0", "--hang-timeout", "180"]
-        train = [str(script), "--steps", str(WARMUP_STEPS), "--ckpt-every", "0", "--no-resume"]
         return self._command(run, train, workload, script)
 
     def _command(self, run: list[str], train: list[str], workload: Workload, script: Path) -> list[str]:
@@ -255,39 +259,23 @@ class Job:
         # Nothing of an enclosing ettr run leaks in (the demo itself may run under one).
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         env["PYTHONUNBUFFERED"] = "1"
-        if self.side.compile_store:
-            env[COMPILE_STORE_ENV] = str(self.store_dir or self.work_dir / "compile-store")
-            env[COMPILE_SETTLE_S_ENV] = "1"  # store the artifacts soon after the first compile
-        else:
-            env[COMPILE_STORE_ENV] = "off"
+        env[COMPILE_STORE_ENV] = str(self.store_dir or self.work_dir / "compile-store")
+        env[COMPILE_SETTLE_S_ENV] = "1"  # store the artifacts soon after the first compile
+        if self.side.compile_store == "save":
+            env[COMPILE_RESTORE_ENV] = "0"  # cold in every attempt; saved for the jobs after it
         if not self.side.warm_restart:  # a plain job: the real torchrun, cold on every attempt
             env[AGENT_ENV] = FORCE_TORCHRUN
             env[STANDBY_ENV] = "0"
         return env
 
 
-WARMUP = Side(
-    name="warmup",
-    ckpt_mode="ettr",
-    overlap_startup=True,
-    compile_store=True,
-    publish="standalone",
-    fast_exit=True,
-)
-"""The earlier job of the same model that warms the compile store (no checkpoints, no failures). It ends
-as the real job does, publishing (its request is never built), so the store also holds the graphs of the
-model's inference forward that publishing runs, not only the training step's."""
-WARMUP_STEPS = 100
-"""Enough steps for the compile session to settle and store its artifacts before the job ends."""
-
-
-def prepare(out: Path) -> tuple[list[Job], Job]:
-    """The two jobs under `out` and the store's warm-up job, after removing what an earlier demo left
-    there (and nothing else: the compile store `out/compile-store` is kept, warm, for the next demo)."""
+def prepare(out: Path) -> list[Job]:
+    """The two jobs under `out`, after removing what an earlier demo left there (and nothing else: the
+    compile store `out/compile-store` is kept for the next demo)."""
     store = out / "compile-store"
     jobs = [
         Job(side=s, run_dir=out / s.name, work_dir=out / f"{s.name}-work", store_dir=store)
-        for s in (BASELINE, OPTIMIZED, WARMUP)
+        for s in (BASELINE, OPTIMIZED)
     ]
     for job in jobs:
         if job.run_dir.is_dir() and any(job.run_dir.iterdir()) and not (job.run_dir / "ledger.db").is_file():
@@ -305,20 +293,18 @@ def prepare(out: Path) -> tuple[list[Job], Job]:
             job.work_dir.mkdir(parents=True)
     except OSError as exc:
         raise UsageError(f"ettr demo: cannot use {out} ({exc.strerror or exc})") from None
-    return jobs[:2], jobs[2]
+    return jobs
 
 
 class JobRun:
     """One side's run in progress: launches `ettr run`, and launches it again on the same run directory
     after a preemption (exit 143), as a scheduler requeues a job. `tick` moves it on; it never blocks."""
 
-    def __init__(
-        self, job: Job, workload: Workload, script: Path, *, command: list[str] | None = None
-    ) -> None:
+    def __init__(self, job: Job, workload: Workload, script: Path) -> None:
         self.job = job
         self.workload = workload
-        self.command = command if command is not None else job.command(workload, script)
-        self.total_steps = workload.steps if command is None else WARMUP_STEPS
+        self.command = job.command(workload, script)
+        self.total_steps = workload.steps
         self.status: int | None = None
         """`ettr run`'s last exit status once the job is over (None while it runs)."""
         self._proc: subprocess.Popen[bytes] | None = None
@@ -430,29 +416,15 @@ def store_entries(store: Path) -> int:
     return sum(1 for _ in store.glob("*/manifest.json")) if store.is_dir() else 0
 
 
-def warm_up_store(warmup: Job, workload: Workload, script: Path, display: ProgressDisplay) -> None:
-    """Warm the optimized side's compile store as a fleet's is warm: by an earlier job of the same model.
-    Runs that job (a short one, counted in neither side) unless an earlier demo's warm-up left the store
-    warm; says which."""
-    store = warmup.store_dir
-    assert store is not None
-    if (found := store_entries(store)) > 0:
-        display.note(
-            f"compile store: warm from an earlier demo's warm-up job ({store}: {found} entries; delete it to "
-            "warm it again); its time is counted in neither side"
-        )
-        return
+def say_store(store: Path, display: ProgressDisplay) -> None:
+    """Say where the optimized side's compile artifacts come from: the store, as a fleet's is warm."""
+    found = store_entries(store)
+    kept = f"{found} entries from earlier demos" if found else "empty"
     display.note(
-        f"compile store: empty; warming it with an earlier job of the same model ({WARMUP_STEPS} steps, "
-        f"{warmup.run_dir}); its time is counted in neither side"
+        f"compile store: {store} ({kept}). The baseline runs first and compiles cold in every attempt; what "
+        "it compiles is saved there (never restored by it). The optimized side restores it: the artifacts "
+        "of an earlier job of the same model, as a fleet's store holds them"
     )
-    run = JobRun(warmup, workload, script, command=warmup.warmup_command(workload, script))
-    run_jobs([run], display)
-    if run.status != 0:
-        display.note(
-            f"compile store: the warm-up job failed (log: {warmup.log_path}); attempt 0 compiles cold"
-        )
-    display.note(f"compile store: {store_entries(store)} entries in {store} after the warm-up job")
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -483,11 +455,11 @@ def _main(args: argparse.Namespace) -> int:
     workload = QUICK if args.quick else DEFAULT
     out = Path(args.out)
     script = find_train_script()
-    jobs, warmup = prepare(out)
+    jobs = prepare(out)
     display = ProgressDisplay(sys.stdout)
     print(f"ettr demo{' --quick' if args.quick else ''}: {workload.describe()}", flush=True)
-    if workload.compile:  # the store as a fleet has it: warm from an earlier job of the same model
-        warm_up_store(warmup, workload, script, display)
+    if workload.compile:
+        say_store(out / "compile-store", display)
     runs = [JobRun(job, workload, script) for job in jobs]
     run_jobs(runs, display)
     failed = [run.job.side.name for run in runs if run.status != 0]
@@ -496,7 +468,7 @@ def _main(args: argparse.Namespace) -> int:
         standalone = workload.publish and run.job.side.publish == "standalone"
         if standalone and run.status == 0 and run_publish_job(run.job, display):
             failed.append(f"the publish job of {run.job.side.name}")
-    freed = drop_bulk([*jobs, warmup])
+    freed = drop_bulk(jobs)
     print(f"removed {freed / 1e9:.1f} GB of checkpoints, anchors, artifacts and compile caches (logs kept)")
     reports = [load_report(job.run_dir) for job in jobs]
     print()

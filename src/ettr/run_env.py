@@ -61,6 +61,9 @@ COMPILE_STORE_SECRET_ENV = "ETTR_COMPILE_STORE_SECRET"
 """HMAC key for compile-store manifests."""
 COMPILE_SETTLE_S_ENV = "ETTR_COMPILE_SETTLE_S"
 """Seconds without compilation before the artifacts are stored."""
+COMPILE_RESTORE_ENV = "ETTR_COMPILE_RESTORE"
+"""`0`: save artifacts to the store but never restore from it (the job compiles cold, as without a
+store, and leaves its artifacts for the jobs after it)."""
 COMPILE_PRIVATE_CACHE_ENV = "ETTR_COMPILE_PRIVATE_CACHE"
 """`0` keeps inductor's shared cache directory instead of a per-workload one."""
 

@@ -21,11 +21,14 @@ a node that still has them (a restart on the same machine) skips reading the arc
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import os
 import tarfile
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -34,6 +37,7 @@ from ettr.compile.safety import (
     UnpackLimits,
     UnsafeLocation,
     check_private_dir,
+    ensure_private_dir,
     no_symlink_below,
     read_no_follow,
 )
@@ -130,6 +134,39 @@ def pack_dir(
                 continue
             listing[str(rel)] = info.size
     return buffer.getvalue(), listing
+
+
+RESTORE_LOCK_TIMEOUT_S = 120.0
+"""The longest a restore waits for another process restoring into the same directory, before it goes on
+(unpacking is safe beside another: every file appears whole)."""
+
+
+@contextlib.contextmanager
+def restore_lock(cache_dir: Path, *, timeout_s: float = RESTORE_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold the node's restore lock of `cache_dir` (`cache_dir/locks/ettr-restore.lock`, an flock: released
+    when its holder ends, however it ends). Never raises for the lock itself: without one (no place for
+    the file, or `timeout_s` spent waiting) the restore goes on unlocked."""
+    fd = -1
+    try:
+        ensure_private_dir(cache_dir)  # as unpacking would create it (0700)
+        (cache_dir / "locks").mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(cache_dir / "locks" / "ettr-restore.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.02)
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)  # releases the flock
 
 
 def present(listing: Mapping[str, int] | None, dest: Path) -> bool:

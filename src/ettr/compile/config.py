@@ -21,6 +21,7 @@ from ettr.run_env import (
     COMPILE_ENV,
     COMPILE_KEY_ENV,
     COMPILE_PRIVATE_CACHE_ENV,
+    COMPILE_RESTORE_ENV,
     COMPILE_SETTLE_S_ENV,
     COMPILE_STORE_ENV,
     COMPILE_STORE_MAX_BYTES_ENV,
@@ -50,6 +51,9 @@ class CompileConfig:
     """Size bound of the whole store (least recently used entries are evicted)."""
     secret: bytes | None = field(default=None, repr=False)
     """HMAC key for store manifests (only signed entries load when set)."""
+    restore: bool = True
+    """Restore the store's entry before the first compilation; False: only save to the store (the job
+    compiles cold, as without a store, and leaves its artifacts for later jobs)."""
     settle_s: float = 10.0
     """Save once no compilation has run for this long."""
     save_at_exit: bool = True
@@ -80,7 +84,7 @@ class CompileConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> CompileConfig | None:
         """Config from `ETTR_COMPILE` (`0` turns everything off: returns None), `ETTR_COMPILE_STORE`
-        (`off` for no store), `ETTR_COMPILE_KEY`, `ETTR_COMPILE_STORE_MAX_BYTES`,
+        (`off` for no store), `ETTR_COMPILE_RESTORE` (`0`: save only), `ETTR_COMPILE_KEY`, `ETTR_COMPILE_STORE_MAX_BYTES`,
         `ETTR_COMPILE_STORE_SECRET`, `ETTR_COMPILE_SETTLE_S`. Malformed numbers fall back to defaults."""
         env = os.environ if environ is None else environ
         if env.get(COMPILE_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
@@ -101,6 +105,7 @@ class CompileConfig:
             store=store,
             private_cache_dir=env.get(COMPILE_PRIVATE_CACHE_ENV, "1").strip().lower()
             not in ("0", "off", "false"),
+            restore=env.get(COMPILE_RESTORE_ENV, "1").strip().lower() not in ("0", "off", "false", "no"),
             user_key=env.get(COMPILE_KEY_ENV, ""),
             max_store_bytes=number(COMPILE_STORE_MAX_BYTES_ENV, DEFAULT_STORE_MAX_BYTES, int)
             or DEFAULT_STORE_MAX_BYTES,

@@ -127,6 +127,21 @@ class StoreRestorer:
             artifacts.INDUCTOR_ARCHIVE: cache_dir or artifacts.inductor_cache_dir(),
             artifacts.HEADERS_ARCHIVE: header_dir or artifacts.headers_dir(),
         }
+        # The ranks of a node restore into the same directories: one unpacks, the others wait for it and
+        # then find the files there, rather than all reading and writing the same ~150 MB at once.
+        with artifacts.restore_lock(targets[artifacts.INDUCTOR_ARCHIVE]):
+            return self._restore_unless_present(store, key, available, listing, targets, dirs)
+
+    def _restore_unless_present(
+        self,
+        store: CompileStore,
+        key: StoreKey,
+        available: Any,
+        listing: Mapping[str, Any],
+        targets: Mapping[str, Path],
+        dirs: tuple[Path, Path] | None,
+    ) -> dict[str, Any]:
+        cache_dir, header_dir = dirs if dirs is not None else (None, None)
         # Archives whose files are all still here (a restart on the same node) are not even read.
         skipped = {n for n, d in targets.items() if n in available and artifacts.present(listing.get(n), d)}
         wanted = set(available) - skipped

@@ -104,7 +104,7 @@ class CompileSession:
         except Exception as exc:  # a recorder without listeners: the background thread emits instead
             logger.debug("ettr: no step listener: %s", exc)
         atexit.register(self.close)
-        if self.config.store is None:
+        if self.config.store is None or not self.config.restore:
             return
         # `torch._dynamo` is imported by much that never compiles (DDP, for one): the store is not even
         # looked up until the program calls `torch.compile` (or compiles through a name bound earlier, in
@@ -176,7 +176,8 @@ class CompileSession:
                 torch.compiler.config.job_id = pgo_job_id(self.user_key)
         except Exception as exc:
             logger.debug("ettr: cannot set the PGO job id: %s", exc)
-        self._restorer.restore_once(None, timeout_s=self.config.restore_timeout_s)
+        if self.config.restore:
+            self._restorer.restore_once(None, timeout_s=self.config.restore_timeout_s)
         megacache = self._restorer.take_megacache()
         if megacache is not None:
             try:
