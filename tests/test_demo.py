@@ -93,25 +93,17 @@ def test_each_side_gets_the_same_job_and_failures_but_its_own_features(tmp_path)
         "--publish",
         "standalone",
     ]
-    assert base.environment()["ETTR_COMPILE_STORE"] == "off"
+    # The baseline compiles cold in every attempt and leaves its artifacts for the optimized side.
+    assert base.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "w" / "compile-store")
+    assert base.environment()["ETTR_COMPILE_RESTORE"] == "0"
     assert opt.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "w" / "compile-store")
+    assert "ETTR_COMPILE_RESTORE" not in opt.environment()
     quick = base.command(demo.QUICK, script)
     assert "--no-compile" in quick and quick[-2:] == ["--publish", "none"]
     stored = demo.Job(
         side=demo.OPTIMIZED, run_dir=tmp_path / "o", work_dir=tmp_path / "w", store_dir=tmp_path / "s"
     )
     assert stored.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "s")
-
-
-def test_the_warm_up_job_is_the_same_model_without_failures_or_checkpoints(tmp_path):
-    warmup = demo.Job(
-        side=demo.WARMUP, run_dir=tmp_path / "warmup", work_dir=tmp_path / "ww", store_dir=tmp_path / "s"
-    )
-    command = warmup.warmup_command(demo.DEFAULT, Path("train.py"))
-    assert "--inject" not in command and "--compile" in command
-    assert command[command.index("--steps") + 1] == str(demo.WARMUP_STEPS)
-    assert command[command.index("--ckpt-every") + 1] == "0" and "--no-resume" in command
-    assert warmup.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "s")
 
 
 # -- what the demo needs of the reference job (examples/dlrm/train.py) ------------------------------------
@@ -281,10 +273,10 @@ def test_prepare_clears_an_earlier_demo_but_refuses_a_directory_it_did_not_make(
     (tmp_path / "keep.txt").write_text("mine")
     (tmp_path / "compile-store" / "abc").mkdir(parents=True)
     (tmp_path / "compile-store" / "abc" / "manifest.json").write_text("{}")
-    jobs, warmup = demo.prepare(tmp_path)
-    assert [j.run_dir.name for j in jobs] == ["baseline", "optimized"] and warmup.run_dir.name == "warmup"
+    jobs = demo.prepare(tmp_path)
+    assert [j.run_dir.name for j in jobs] == ["baseline", "optimized"]
     assert not (tmp_path / "baseline").exists() and (tmp_path / "keep.txt").read_text() == "mine"
-    assert demo.store_entries(tmp_path / "compile-store") == 1  # kept warm for the next demo
+    assert demo.store_entries(tmp_path / "compile-store") == 1  # kept for the next demo
     assert (tmp_path / "optimized-work").is_dir() and not any((tmp_path / "optimized-work").iterdir())
 
     (tmp_path / "optimized").mkdir()

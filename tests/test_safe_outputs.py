@@ -109,3 +109,17 @@ def test_the_heartbeat_never_touches_through_a_planted_symlink(tmp_path):
     second.start()
     second.stop()
     assert missing.is_file()
+
+
+def test_a_write_that_need_not_be_durable_is_still_whole_and_skips_fsync(tmp_path, monkeypatch):
+    import os
+
+    from ettr import atomic
+
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    atomic.atomic_write(tmp_path / "cache.bin", memoryview(b"abcdef")[1:4], durable=False)
+    assert (tmp_path / "cache.bin").read_bytes() == b"bcd" and synced == []
+    assert [p.name for p in tmp_path.iterdir()] == ["cache.bin"]  # no temporary left behind
+    atomic.atomic_write(tmp_path / "data.bin", b"x")
+    assert len(synced) == 2  # the file and its directory

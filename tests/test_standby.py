@@ -43,6 +43,8 @@ def test_the_restart_runs_in_the_standby_with_the_new_attempts_environment(tmp_p
     assert (first["attempt"], second["attempt"]) == ("0", "1")  # the hand-over's environment, not a stale one
     assert second["argv"] == [str(PROBE), str(out), "x"] and second["name"] == "__main__"
     assert second["path0"] == str(PROBE.parent) and second["probe"] == "same"
+    # The installed packages attempt 0 had imported by its first step were imported ahead in the standby.
+    assert (first["preloaded"], second["preloaded"]) == (False, True)
     events = read_run_events(tmp_path / "run")
     marks = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "standby"]
     assert [m.attempt for m in marks] == [1] and marks[0].data["pid"] == second["pid"]
@@ -130,3 +132,28 @@ def test_a_standby_never_sees_a_per_attempt_value_before_its_hand_over(tmp_path:
     assert running.wait(120) == 0  # ... and the first one was left to run to its end
     (seen,) = lines(out)
     assert (seen["attempt"], seen["probe"], seen["argv"]) == ("2", "a", [str(PROBE), str(out)])
+
+
+def test_the_first_step_marker_names_installed_packages_only(tmp_path: Path, monkeypatch) -> None:
+    import site
+    import types
+
+    from ettr.bootstrap.start import installed_packages
+    from ettr.run_env import trained_modules, trained_path
+
+    installed = os.path.join(site.getsitepackages()[0], "fakepkg", "__init__.py")
+    modules = {
+        "fakepkg": types.SimpleNamespace(__file__=installed),
+        "fakepkg.sub": types.SimpleNamespace(__file__=installed),  # submodules: the package is enough
+        "mine": types.SimpleNamespace(__file__=str(tmp_path / "mine.py")),  # the script's own code
+        "ettr": types.SimpleNamespace(__file__=installed),  # imported by every standby anyway
+        "builtin": types.SimpleNamespace(),
+    }
+    assert installed_packages(modules) == ["fakepkg"]
+    marker = trained_path(tmp_path, 3, 42)
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"modules": ["torchrec", "fbgemm_gpu", "not a name"]}))
+    (marker.parent / "trained-pid-43").write_text("torn")
+    (marker.parent / "trained-pid-44").write_text("")
+    assert trained_modules(tmp_path, 3) == ["fbgemm_gpu", "torchrec"]
+    assert trained_modules(tmp_path, 4) == []

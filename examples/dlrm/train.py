@@ -107,9 +107,7 @@ class TrainConfig:
     unless ettr's compile store (`ETTR_COMPILE_STORE` under `ettr run`) restores the artifacts. None: the
     usual shared caches (warm after the first run on this machine)."""
     overlap_startup: bool = False
-    """Start the loader workers before the model is built, so their start-up is hidden behind it; with
-    `compile`, call `torch.compile` on the dense tower as soon as it exists, so ettr's compile-store restore
-    (which starts there) runs while the model is sharded."""
+    """Start the loader workers before the model is built, so their start-up is hidden behind it."""
     plan_cache: str | None = None
     """Directory of computed TorchRec sharding plans: the plan of this model and world size is computed
     (collectively) once, then read back by every later attempt and job (`dlrm.plan_cache`). None: plan
@@ -378,11 +376,6 @@ def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tupl
 
     _apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": config.lr})
     dense_tower = model.dense_tower
-    if config.compile and config.overlap_startup:
-        # Compiling is lazy (at the tower's first call, in COMPILE), but `torch.compile` is what starts
-        # ettr's compile-store restore: called now, the restore runs while the model is planned, sharded
-        # and restored.
-        dense_tower.compile(dynamic=False)
     sharders = [EmbeddingBagCollectionSharder()]
     with clock.part("plan"):
         topology = TopologyFactory.create_topology(
@@ -413,8 +406,7 @@ def compile_dense_tower(dense_tower: torch.nn.Module, data: ClickDataConfig, emb
     The gradient is taken w.r.t. the input only, so no parameter gradient is accumulated and DDP's
     hooks do not fire; the graphs compiled here are the ones the loop uses (no recompile at step 1).
     """
-    if getattr(dense_tower, "_compiled_call_impl", None) is None:  # not compiled ahead (--overlap-startup)
-        dense_tower.compile(dynamic=False)
+    dense_tower.compile(dynamic=False)
     dense = torch.zeros(data.batch_size, data.num_dense)
     pooled = torch.zeros(data.batch_size, data.num_tables, embedding_dim, requires_grad=True)
     torch.autograd.grad(dense_tower(dense, pooled).sum(), pooled)

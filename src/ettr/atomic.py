@@ -46,8 +46,11 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_temp(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644) -> Path:
-    """Write `data` durably to a new temporary file beside `path` and return its name (not yet renamed).
+def write_temp(
+    path: str | os.PathLike[str], data: bytes | memoryview | str, *, mode: int = 0o644, durable: bool = True
+) -> Path:
+    """Write `data` durably (without `durable`: not fsync'd) to a new temporary file beside `path` and return
+    its name (not yet renamed).
 
     The temporary name is random and created with O_EXCL | O_NOFOLLOW, so a file or symlink planted under a
     predictable name is never written through.
@@ -61,7 +64,8 @@ def write_temp(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -78,22 +82,28 @@ def _refuse_non_regular(target: Path) -> None:
         raise OSError(errno.EEXIST, "exists and is not a regular file; not replaced", str(target))
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644) -> None:
+def atomic_write(
+    path: str | os.PathLike[str], data: bytes | memoryview | str, *, mode: int = 0o644, durable: bool = True
+) -> None:
     """Replace `path` with `data` whole or not at all, durably (tmp -> fsync -> rename -> dir fsync).
+
+    `durable=False` leaves out both fsyncs: for copies of data kept elsewhere (a cache restored from its
+    store), which a process crash still never shows half-written but a power loss may leave short.
 
     Refuses (OSError EEXIST) to replace anything at `path` that is not a regular file: a symlink, a
     directory or a device node stays as it is.
     """
     target = Path(path)
     _refuse_non_regular(target)
-    tmp = write_temp(target, data, mode=mode)
+    tmp = write_temp(target, data, mode=mode, durable=durable)
     try:
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    fsync_dir(target.parent)
+    if durable:
+        fsync_dir(target.parent)
 
 
 def create_exclusive(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644) -> bool:

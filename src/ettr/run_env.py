@@ -255,6 +255,22 @@ def has_trained(run_dir: str | os.PathLike[str], attempt: int) -> bool:
         return False
 
 
+def trained_modules(run_dir: str | os.PathLike[str], attempt: int) -> list[str]:
+    """The installed packages the processes of `attempt` had imported by their first step (what their
+    `trained_path` files list), sorted; [] when none is known. Unreadable or malformed files are skipped."""
+    import json
+
+    names: set[str] = set()
+    for path in (Path(run_dir) / "agent" / f"attempt-{attempt}").glob(f"{TRAINED_PREFIX}*"):
+        try:
+            found = json.loads(path.read_bytes() or b"{}").get("modules", [])
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, list):
+            names.update(n for n in found if isinstance(n, str) and n.isidentifier())
+    return sorted(names)
+
+
 def heartbeat_path(run_dir: str | os.PathLike[str], attempt: int, rank: int, pid: int | None = None) -> Path:
     """The heartbeat file of process `pid` (default: this one) of `rank` in attempt `attempt`."""
     return heartbeat_dir(run_dir, attempt) / f"rank-{rank}-pid-{os.getpid() if pid is None else pid}"

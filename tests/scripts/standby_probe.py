@@ -5,7 +5,9 @@ import json
 import os
 import sys
 
-import torch
+preloaded = "pytest" in sys.modules  # an installed package this script imports (a standby imports it ahead)
+import pytest  # noqa: E402,F401
+import torch  # noqa: E402
 
 out = sys.argv[1]
 with open(out, "a") as f:
@@ -18,6 +20,7 @@ with open(out, "a") as f:
                 "name": __name__,
                 "pid": os.getpid(),
                 "probe": os.environ.get("PROBE"),
+                "preloaded": preloaded,
             }
         )
         + "\n"

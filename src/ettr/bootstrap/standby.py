@@ -26,20 +26,22 @@ SPAWNED_AT = time.time()
 
 
 def _warm_up(modules: list[str]) -> None:
-    """The start-up done ahead: `import torch` (and `modules`, given by the supervisor) and the modules
-    ettr's bootstrap will need. Imports only: no tensor is made, no random state drawn."""
+    """The start-up done ahead: `import torch`, `modules` (given by the supervisor: torch's parts and the
+    installed packages the last attempt had imported by its first step) and the modules ettr's bootstrap
+    will need. Imports only: no tensor is made, no random state drawn. The working directory is off the
+    path meanwhile, so a module there never stands in for an installed package of the same name."""
     import importlib
 
+    first = sys.path.pop(0) if sys.path else None  # `-m` put the working directory first
     try:
-        import torch  # noqa: F401
-
-        for name in modules:
-            importlib.import_module(name)
-        import ettr.bootstrap.hooks  # noqa: F401
-        import ettr.bootstrap.start  # noqa: F401
-        import ettr.runtime  # noqa: F401
-    except Exception as exc:  # the attempt then pays for what is missing, as a cold start would
-        print(f"ettr: standby warm-up incomplete ({type(exc).__name__}: {exc})", file=sys.stderr)
+        for name in ["torch", *modules, "ettr.bootstrap.hooks", "ettr.bootstrap.start", "ettr.runtime"]:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # the attempt then pays for it, as a cold start would
+                print(f"ettr: standby warm-up skipped {name} ({type(exc).__name__}: {exc})", file=sys.stderr)
+    finally:
+        if first is not None:
+            sys.path.insert(0, first)
 
 
 def _read_request(fd: int) -> dict | None:

@@ -103,9 +103,31 @@ def _start(environ: Mapping[str, str]) -> None:
         _watch_frameworks(hooks)
 
 
+MAX_WARM_MODULES = 64
+"""The most installed packages a `trained_path` file names for the next attempt's standby."""
+
+
+def installed_packages(modules: Mapping[str, Any] | None = None) -> list[str]:
+    """Top-level packages imported so far that were installed (their file under a site-packages
+    directory: never the script's own modules, never a PYTHONPATH checkout), ettr and torch aside (a
+    standby imports those anyway), sorted, at most `MAX_WARM_MODULES`."""
+    import site
+
+    roots = tuple(os.path.join(p, "") for p in (*site.getsitepackages(), site.getusersitepackages()))
+    found = []
+    for name, module in list((sys.modules if modules is None else modules).items()):
+        if "." in name or name.startswith("_") or name in ("ettr", "torch", "__main__"):
+            continue
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and path.startswith(roots):
+            found.append(name)
+    return sorted(found)[:MAX_WARM_MODULES]
+
+
 def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
     """At this process's first step, write `trained_path`: the supervisor then knows that the start-up is
-    over and starts the next attempt's standbys (`ettr.supervisor.standby`). One file, once."""
+    over and starts the next attempt's standbys (`ettr.supervisor.standby`), which import ahead the
+    installed packages the file names (`installed_packages`). One file, once."""
     from ettr.run_env import trained_path
 
     path = trained_path(run_env.run_dir, run_env.attempt, os.getpid())
@@ -116,11 +138,18 @@ def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
         if done:
             return
         done = True
-        try:  # an empty marker: nothing to make durable, so no fsync on the training thread
+        try:  # a hint, not a record: not fsync'd on the training thread
+            import json
+
+            payload = json.dumps({"modules": installed_packages()}).encode()
             path.parent.mkdir(parents=True, exist_ok=True)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-            os.close(os.open(path, flags, 0o644))
-        except OSError:
+            fd = os.open(path, flags, 0o644)
+            try:
+                os.write(fd, payload)
+            finally:
+                os.close(fd)
+        except Exception:
             pass  # there already, or no place for it: the supervisor then waits for its fallback delay
 
     rec.add_step_listener(on_step)

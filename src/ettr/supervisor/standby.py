@@ -43,6 +43,8 @@ def due(elapsed_s: float, trained: Callable[[], bool]) -> bool:
     """Whether an attempt `elapsed_s` into its run should have its standby started now; `trained` tells
     whether it has trained yet (asked only once `STANDBY_AFTER_S` have passed)."""
     return elapsed_s >= STANDBY_AFTER_S and (elapsed_s >= STANDBY_FALLBACK_S or trained())
+
+
 STANDBY_ENV = "ETTR_STANDBY"
 """`ETTR_STANDBY=0` (the supervisor's environment) turns warm standbys off."""
 _PER_ATTEMPT_PREFIX = "ETTR_"

@@ -48,7 +48,7 @@ from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.ledger.postgres import redact
 from ettr.ledger.spill import SpillingLedger
 from ettr.procs import start_ticks
-from ettr.run_env import has_trained
+from ettr.run_env import has_trained, trained_modules
 from ettr.supervisor import agent, books, containment, slurm, standby
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
@@ -401,7 +401,7 @@ class Supervisor:
                 and self._restarts_left
                 and standby.due(now - started, lambda: has_trained(self.run_dir, attempt))
             ):
-                self._standby = self._start_standby(launch, proc)
+                self._standby = self._start_standby(launch, proc, attempt)
                 sweep.spare(self._standby.pids if self._standby else ())
                 self._restarts_left = 0 if self._standby is None else self._restarts_left  # tried once
             if now - snapshot_at >= 1.0:
@@ -462,15 +462,16 @@ class Supervisor:
         return None if ready is None else ready.hand_over(argv, env)
 
     def _start_standby(
-        self, launch: AttemptLaunch, proc: AttemptProcess | WorkerGroup
+        self, launch: AttemptLaunch, proc: AttemptProcess | WorkerGroup, attempt: int
     ) -> standby.Standby | StandbyGroup | None:
         """The next attempt's process(es), started now (None: standbys are off, or the command has none)."""
         if not standby.enabled():
             return None
+        learned = trained_modules(self.run_dir, attempt)  # what this attempt imported before training
         if isinstance(proc, WorkerGroup):
             argvs, envs = self._workers
-            return StandbyGroup.start(argvs, envs, per_attempt=agent.PER_ATTEMPT_NAMES)
-        return standby.Standby.start(launch.argv, launch.env)
+            return StandbyGroup.start(argvs, envs, per_attempt=agent.PER_ATTEMPT_NAMES, warm_modules=learned)
+        return standby.Standby.start(launch.argv, launch.env, warm_modules=learned)
 
     # -- ettr as the torchrun agent (`agent.py`, `workers.py`) -------------------------------------------------
     def _worker_spec(self) -> agent.WorkerSpec | None:

@@ -204,11 +204,18 @@ class StandbyGroup:
 
     @classmethod
     def start(
-        cls, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, per_attempt: frozenset[str]
+        cls,
+        argvs: Sequence[Sequence[str]],
+        envs: Sequence[dict[str, str]],
+        *,
+        per_attempt: frozenset[str],
+        warm_modules: Sequence[str] = (),
     ) -> StandbyGroup | None:
-        """Standbys for workers like `argvs`/`envs` (this attempt's); None when none could start."""
+        """Standbys for workers like `argvs`/`envs` (this attempt's), importing `WARM_MODULES` and
+        `warm_modules` ahead; None when none could start."""
+        modules = list(dict.fromkeys([*WARM_MODULES, *warm_modules]))
         started = [
-            Standby.start(a, e, per_attempt=per_attempt, warm_modules=WARM_MODULES)
+            Standby.start(a, e, per_attempt=per_attempt, warm_modules=modules)
             for a, e in zip(argvs, envs, strict=True)
         ]
         return cls(started) if any(s is not None for s in started) else None
