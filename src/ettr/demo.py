@@ -1,3 +1,18 @@
+DEFAULT = Workload(
+    steps=2400,
+    ckpt_every=500,
+    num_rows=50_000,
+    compile=True,
+    worker_startup_s=2.5,
+    preempt_step=800,
+    crash_step=1700,
+    publish=True,
+)
+"""The full demo: the dense tower compiled; ~100 s of training per side (~42 ms a step here, both ranks on
+the two cores), so that a healthy job is mostly training and each start-up is a small part of it, as in a
+job that trains for hours. The failures come in the first 1,700 steps; the last 700 are healthy training
+on both sides. The whole demo takes about 7.5 minutes here."""
+
 """`ettr demo`: the reference DLRM job run twice with the same failures — once as a plain trainer runs it
 (the baseline), once with ettr's recovery features (the optimized run) — then both reports side by side in
 the terminal and in pictures (`DIR/report.html`). See docs/demo.md.
@@ -371,9 +386,43 @@ def drop_bulk(jobs: Sequence[Job]) -> int:
     return freed
 
 
-def run_publish_job(job: Job, display: ProgressDisplay) -> int:
+class PublishJob:
     """The standalone publish job of `job` (`ettr publish` on its queue): builds the inference artifact from
-    the anchor the training job left, in a process and run directory of its own. Returns its status."""
+    the anchor the training job left, in a process and run directory of its own. `start` launches it;
+    `finish` waits for it, says how it went and returns its status."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._began = 0.0
+
+    def start(self) -> None:
+        self._began = time.monotonic()
+        with open(self.job.work_dir / "publish.log", "ab") as log:
+            self._proc = subprocess.Popen(
+                publish_command(self.job), stdout=log, stderr=subprocess.STDOUT, env=self.job.environment()
+            )
+
+    def finish(self, display: ProgressDisplay) -> int:
+        assert self._proc is not None
+        status = self._proc.wait()
+        job = self.job
+        runs = sorted((job.publish_queue / "runs").glob("*"))
+        where = f"its run directory: {runs[-1]}" if runs else f"log: {job.work_dir / 'publish.log'}"
+        display.note(
+            f"{job.side.name}: standalone publish job (ettr publish) exited {status} after "
+            f"{time.monotonic() - self._began:.0f} s, outside the training job's wall time ({where})"
+        )
+        return status
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=60)
+
+
+def publish_command(job: Job) -> list[str]:
+    """`ettr publish` on `job`'s queue, allowed to run the demo's model code only."""
     import ettr._examples
 
     # The demo's model code (dlrm, shipped in the package) is all this publisher lets its requests run: the
@@ -383,18 +432,7 @@ def run_publish_job(job: Job, display: ProgressDisplay) -> int:
     command += ["--allow-factory", "dlrm.model.*"]
     for allowed in dict.fromkeys([examples, (examples / "dlrm").resolve().parent]):
         command += ["--allow-pythonpath", str(allowed)]
-    began = time.monotonic()
-    with open(job.work_dir / "publish.log", "ab") as log:
-        status = subprocess.run(
-            command, stdout=log, stderr=subprocess.STDOUT, env=job.environment()
-        ).returncode
-    runs = sorted((job.publish_queue / "runs").glob("*"))
-    where = f"its run directory: {runs[-1]}" if runs else f"log: {job.work_dir / 'publish.log'}"
-    display.note(
-        f"{job.side.name}: standalone publish job (ettr publish) exited {status} after "
-        f"{time.monotonic() - began:.0f} s, outside the training job's wall time ({where})"
-    )
-    return status
+    return command
 
 
 def run_jobs(runs: Sequence[JobRun], display: ProgressDisplay) -> None:
@@ -463,18 +501,29 @@ def _main(args: argparse.Namespace) -> int:
     runs = [JobRun(job, workload, script) for job in jobs]
     run_jobs(runs, display)
     failed = [run.job.side.name for run in runs if run.status != 0]
-    # After both training jobs, so that it never shares the machine with one of them.
-    for run in runs:
-        standalone = workload.publish and run.job.side.publish == "standalone"
-        if standalone and run.status == 0 and run_publish_job(run.job, display):
-            failed.append(f"the publish job of {run.job.side.name}")
+    # After both training jobs, so that it never shares the machine with one of them; the books are read
+    # meanwhile (they are closed: the publish job changes nothing in them).
+    publishers = [
+        PublishJob(run.job)
+        for run in runs
+        if workload.publish and run.job.side.publish == "standalone" and run.status == 0
+    ]
+    try:
+        for publisher in publishers:
+            publisher.start()
+        reports = [load_report(job.run_dir) for job in jobs]
+        story = build_story(jobs[0].run_dir, jobs[1].run_dir)
+        for publisher in publishers:
+            if publisher.finish(display):
+                failed.append(f"the publish job of {publisher.job.side.name}")
+    finally:
+        for publisher in publishers:
+            publisher.stop()
     freed = drop_bulk(jobs)
     print(f"removed {freed / 1e9:.1f} GB of checkpoints, anchors, artifacts and compile caches (logs kept)")
-    reports = [load_report(job.run_dir) for job in jobs]
     print()
     print(render_comparison(reports, labels=list(SIDES)))
     print(explain(reports[0], reports[1], published=workload.publish))
-    story = build_story(jobs[0].run_dir, jobs[1].run_dir)
     print("\n".join(story_lines(story)))
     html = out / "report.html"
     write_html(reports, html, labels=list(SIDES), extra_sections=story_sections(story))
