@@ -239,6 +239,7 @@ def test_a_file_replaced_by_the_user_is_unknown_and_the_report_says_so(tmp_path:
     [(step, why)] = _resumed(run_dir, 1, ckpt)
     assert step is None and "none of the saves recorded" in why
     from ettr.accounting import compute
+    from ettr.report.html import render_html
     from ettr.report.json import to_dict
     from ettr.report.text import render
 
@@ -247,3 +248,5 @@ def test_a_file_replaced_by_the_user_is_unknown_and_the_report_says_so(tmp_path:
     second = to_dict(report)["attempts"][1]
     assert second["resumed_from_step"] is None and "none of the saves" in second["resumed_step_unknown"]
     assert "attempt 1 resumed from an unknown step" in render(report)
+    page = render_html([report])
+    assert "<td>unknown</td><td>unknown</td>" in page and "resumed from an unknown step" in page
