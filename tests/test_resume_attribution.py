@@ -152,8 +152,13 @@ def test_file_identity_follows_the_bytes_and_the_write_not_the_name(tmp_path: Pa
     folder.mkdir()
     (folder / "__0_0.distcp").write_bytes(b"shard")
     before = file_identity(str(folder))
-    (folder / ".metadata").write_bytes(b"meta")
+    (folder / "__1_0.distcp").write_bytes(b"shard")
     assert before is not None and file_identity(str(folder)) not in (None, before)
+    (folder / ".metadata").write_bytes(b"meta")  # a DCP checkpoint: its .metadata is what the save left
+    dcp = file_identity(str(folder))
+    assert dcp == file_identity(str(folder / ".metadata"))
+    (folder / "notes.json").write_text("{}")  # written beside it by the script afterwards
+    assert file_identity(str(folder)) == dcp
 
 
 torch = pytest.importorskip("torch")

@@ -1,8 +1,9 @@
 """Which recorded save a loaded checkpoint file is, for the zero-code resume attribution.
 
 A save hook records, with each checkpoint file it commits, the file's identity as the save left it
-(`file_identity`: size, mtime in ns and a hash of its first and last 64 KiB; for a directory, such as a
-torch.distributed.checkpoint one, a hash of its top-level entries' names, sizes and mtimes). At a load in a
+(`file_identity`: size, mtime in ns and a hash of its first and last 64 KiB; for a torch.distributed.checkpoint
+directory, that of its `.metadata`, written last by the save, so files the script adds beside it later do not
+count; for another directory, a hash of its top-level entries' names, sizes and mtimes). At a load in a
 later attempt, `SaveIndex.attribute` ties the file on disk to the saves recorded for its path: a step only when every
 save that can be the file names that same step. Several ranks or attempts that saved one path at different
 steps and cannot be told apart, or a file that is none of the recorded saves (rewritten by a writer whose
@@ -37,6 +38,9 @@ IDENTITY_KEY = "identity"
 SAMPLE_BYTES = 64 * 1024
 """Bytes hashed at each end of a file."""
 
+DCP_METADATA = ".metadata"
+"""The file a torch.distributed.checkpoint save writes last into its directory (it indexes the shards)."""
+
 _MAX_ENTRIES = 10_000  # a directory listing beyond this is not worth hashing: no identity
 
 
@@ -48,7 +52,10 @@ def file_identity(path: str) -> str | None:
     try:
         info = os.stat(path)
         if stat.S_ISDIR(info.st_mode):
-            return _directory_identity(path)
+            metadata = os.path.join(path, DCP_METADATA)
+            if not os.path.isfile(metadata):
+                return _directory_identity(path)
+            path, info = metadata, os.stat(metadata)  # a DCP checkpoint: what its save wrote last
         digest = hashlib.blake2b(digest_size=16)
         with open(path, "rb") as f:
             digest.update(f.read(SAMPLE_BYTES))
