@@ -111,6 +111,10 @@ def test_saves_without_an_identity_are_trusted_only_when_they_agree() -> None:
     unreadable = remote.attribute("s3://b/a.pt", None)  # no identity to compare at the load
     assert unreadable is not None and unreadable.step is None
     assert _index(_commit(2, "s3://b/a.pt", "A")).attribute("s3://b/a.pt", None) == Attribution(2)
+    upgraded = _index(_commit(2, "/c/a.pt", None), _commit(4, "/c/a.pt", "B", attempt=1), attempt=2)
+    assert upgraded.attribute("/c/a.pt", "B") == Attribution(4)
+    rewritten = upgraded.attribute("/c/a.pt", "C")  # not attempt 1's save; nothing says it is attempt 0's
+    assert rewritten is not None and rewritten.step is None
 
 
 def test_the_file_of_a_save_is_that_save_under_another_name_and_twins_are_unknown() -> None:

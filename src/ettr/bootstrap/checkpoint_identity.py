@@ -10,9 +10,9 @@ steps and cannot be told apart, or a file that is none of the recorded saves (re
 save was never recorded, a save torn mid-write, a file replaced or copied in by the user), give an unknown
 step with the reason -- never another save's step.
 
-A save recorded without an identity (by an older ettr, or a file that could not be read at the time) can be
-any file: it is a candidate whatever is on disk. So is every save of a file whose identity cannot be read at
-the load (a remote fsspec URL). The torch.save zip format ends with its central directory, which holds the
+Saves recorded without an identity (by an older ettr, or a remote fsspec URL, which is not read back) give
+their step when they all name one and no save of that path left an identity; so do the saves of a file whose
+identity cannot be read at the load. The torch.save zip format ends with its central directory, which holds the
 CRC-32 of every record, so for it the tail hash covers the whole content.
 
 A file whose identity is exactly that of a recorded save is that save even under another name (a save to a
@@ -132,7 +132,11 @@ class SaveIndex:
         writers = _writers(saves)
         if exact:
             return Attribution(None, f"{path} is the same file as saves at steps {steps} ({writers})")
-        possible = {s.step for s in saves if s.identity is None or on_disk is None}
+        # No exact match. Had a save of this path left an identity, the file is not that save, and a save
+        # without one cannot be told from a rewrite either; only when none left one (or the file cannot be
+        # read now) are the recorded saves all there is to go on.
+        unidentified = on_disk is None or all(s.identity is None for s in saves)
+        possible = {s.step for s in saves} if unidentified else set()
         if len(possible) == 1:
             return Attribution(possible.pop())
         if possible:
