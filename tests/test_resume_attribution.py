@@ -152,6 +152,8 @@ def test_file_identity_follows_the_bytes_and_the_write_not_the_name(tmp_path: Pa
     os.utime(tmp_path / "b.pt", ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with the mtime put back
     assert file_identity(str(tmp_path / "b.pt")) != identity
     assert file_identity(str(tmp_path / "gone.pt")) is None and file_identity("s3://bucket/a.pt") is None
+    os.mkfifo(tmp_path / "pipe")
+    assert file_identity(str(tmp_path / "pipe")) is None and file_identity(os.devnull) is None  # never blocks
     folder = tmp_path / "dcp"
     folder.mkdir()
     (folder / "__0_0.distcp").write_bytes(b"shard")

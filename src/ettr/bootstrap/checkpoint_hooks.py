@@ -6,8 +6,10 @@ is renamed into place (`torch.save(tmp)` then `os.replace(tmp, final)`) commits 
 rename. `dcp.async_save` blocks for the staging only: its call is the blocking span, and the commit (with
 a CHECKPOINT_PERSIST span for the overlapped upload) comes when its future completes.
 
-Loads: a load whose path matches a checkpoint committed by an earlier attempt (read from the ledger at the
-first load) is a RESTORE span and RESUMED(step) — the attempt's global steps then count on from that step.
+Loads: a load of a file that an earlier attempt's save left (read from the ledger at the first load; tied to
+that save by the identity each commit records, see `checkpoint_identity`) is a RESTORE span and
+RESUMED(step) — the attempt's global steps then count on from that step. A file of a path several saves
+wrote that cannot be tied to saves of one step is a resume of unknown step (below), never another save's.
 Other loads before the first step are RESTORE spans too (pretrained weights); later unmatched loads are the
 script's business (data, evaluation) and not recorded.
 

@@ -2,21 +2,20 @@
 
 A save hook records, with each checkpoint file it commits, the file's identity as the save left it
 (`file_identity`: size, mtime in ns and a hash of its first and last 64 KiB; for a torch.distributed.checkpoint
-directory, that of its `.metadata`, written last by the save, so files the script adds beside it later do not
-count; for another directory, a hash of its top-level entries' names, sizes and mtimes). At a load in a
-later attempt, `SaveIndex.attribute` ties the file on disk to the saves recorded for its path: a step only when every
-save that can be the file names that same step. Several ranks or attempts that saved one path at different
-steps and cannot be told apart, or a file that is none of the recorded saves (rewritten by a writer whose
-save was never recorded, a save torn mid-write, a file replaced or copied in by the user), give an unknown
-step with the reason -- never another save's step.
+directory, that of its `.metadata`, written last by the save, so files the script adds beside it later do
+not count; for another directory, a hash of its top-level entries' names, sizes and mtimes). At a load in a
+later attempt, `SaveIndex.attribute` ties the file on disk to the recorded saves: a step only when the saves
+it can be all name that step. Several ranks or attempts that saved one path at different steps and cannot be
+told apart, or a file that is none of the recorded saves (rewritten by a writer whose save was never
+recorded, a save torn mid-write, a file replaced or copied in by the user), give an unknown step with the
+reason -- never another save's step.
 
-Saves recorded without an identity (by an older ettr, or a remote fsspec URL, which is not read back) give
-their step when they all name one and no save of that path left an identity; so do the saves of a file whose
-identity cannot be read at the load. The torch.save zip format ends with its central directory, which holds the
-CRC-32 of every record, so for it the tail hash covers the whole content.
-
-A file whose identity is exactly that of a recorded save is that save even under another name (a save to a
-temporary file whose rename into place was never recorded: its rank was killed first).
+A file whose identity is exactly that of a recorded save is that save, even under another name (a save to a
+temporary file whose rename into place was never recorded: its rank was killed first). Saves recorded
+without an identity (by an older ettr, or to a remote fsspec URL, which is not read back) give their step
+when they all name one and no save of that path left an identity; so do the saves of a file whose identity
+cannot be read at the load. The torch.save zip format ends with its central directory, which holds the
+CRC-32 of every record, so for it the tail hash follows the whole content.
 
 `file_identity` reads a file (at most 128 KiB); `SaveIndex` is pure.
 """
@@ -56,6 +55,8 @@ def file_identity(path: str) -> str | None:
             if not os.path.isfile(metadata):
                 return _directory_identity(path)
             path, info = metadata, os.stat(metadata)  # a DCP checkpoint: what its save wrote last
+        if not stat.S_ISREG(info.st_mode):
+            return None  # a device or a pipe: nothing to read back (a FIFO's open would block)
         digest = hashlib.blake2b(digest_size=16)
         with open(path, "rb") as f:
             digest.update(f.read(SAMPLE_BYTES))
