@@ -6,8 +6,10 @@ is renamed into place (`torch.save(tmp)` then `os.replace(tmp, final)`) commits 
 rename. `dcp.async_save` blocks for the staging only: its call is the blocking span, and the commit (with
 a CHECKPOINT_PERSIST span for the overlapped upload) comes when its future completes.
 
-Loads: a load whose path matches a checkpoint committed by an earlier attempt (read from the ledger at the
-first load) is a RESTORE span and RESUMED(step) — the attempt's global steps then count on from that step.
+Loads: a load of a file that an earlier attempt's save left (read from the ledger at the first load; tied to
+that save by the identity each commit records, see `checkpoint_identity`) is a RESTORE span and
+RESUMED(step) — the attempt's global steps then count on from that step. A file of a path several saves
+wrote that cannot be tied to saves of one step is a resume of unknown step (below), never another save's.
 Other loads before the first step are RESTORE spans too (pretrained weights); later unmatched loads are the
 script's business (data, evaluation) and not recorded.
 
@@ -47,9 +49,10 @@ from types import ModuleType
 from typing import Any
 
 from ettr import inject
+from ettr.bootstrap.checkpoint_identity import IDENTITY_KEY, Attribution, SaveIndex, file_identity
 from ettr.bootstrap.checkpoint_targets import BufferSave, is_binary_write, is_buffer, path_of, step_in
 from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
-from ettr.events import EventKind, Phase
+from ettr.events import Event, EventKind, Phase
 from ettr.integrations._commits import CHECKPOINT_FILE_MARK
 from ettr.recorder import RecorderProtocol
 
@@ -78,7 +81,7 @@ class CheckpointHooks:
         self.guard = guard
         self._local = threading.local()
         self._pending_renames: dict[str, int] = {}  # saved path -> step, until renamed or superseded
-        self._earlier_files: dict[str, int] | None = None
+        self._earlier: SaveIndex | None = None
         self._job_start_ts: float | None = None
         self._resumed = False
         self._unknown_resume: tuple[str, tuple[str, int] | None] | None = None  # (reason, step in the object)
@@ -95,32 +98,22 @@ class CheckpointHooks:
     def _set_busy(self, value: bool) -> None:
         self._local.busy = value
 
-    def earlier_commits(self) -> dict[str, int]:
-        """path -> step of every file of the checkpoints that earlier attempts of this job committed (read
-        once: CHECKPOINT_COMMIT paths and `checkpoint_file` marks)."""
-        if self._earlier_files is None:
-            found: dict[str, int] = {}
-            run_dir = self.rec.run_dir
-            if run_dir is not None:
+    def earlier_commits(self) -> SaveIndex:
+        """Every file of the checkpoints that earlier attempts of this job committed, with the step and the
+        identity each save left (read once: CHECKPOINT_COMMIT paths and `checkpoint_file` marks)."""
+        if self._earlier is None:
+            events: list[Event] = []
+            if self.rec.run_dir is not None:
                 from ettr.ledger import read_run_events
 
-                events = read_run_events(run_dir)  # the job's books, wherever `ettr run --ledger` put them
+                # the job's books, wherever `ettr run --ledger` put them
+                events = read_run_events(self.rec.run_dir)
                 if events:
                     self._job_start_ts = min(e.ts for e in events)
-                for e in events:
-                    data = e.data or {}
-                    if e.attempt >= self.rec.attempt:
-                        continue
-                    if e.kind is EventKind.CHECKPOINT_COMMIT:
-                        step, path = e.step, data.get("path")
-                    elif e.kind is EventKind.MARK and data.get("name") == CHECKPOINT_FILE_MARK:
-                        step, path = data.get("step"), data.get("path")
-                    else:
-                        continue
-                    if isinstance(step, int) and path:
-                        found[os.path.realpath(str(path))] = step
-            self._earlier_files = found
-        return self._earlier_files
+            self._earlier = SaveIndex.from_events(
+                events, before_attempt=self.rec.attempt, file_mark=CHECKPOINT_FILE_MARK
+            )
+        return self._earlier
 
     def _quiet(self, call: Callable[[], Any]) -> Any:
         """Run a call ettr's own code made (it records itself): nested calls are not recorded either."""
@@ -152,12 +145,17 @@ class CheckpointHooks:
         return any(self.rec.is_open(phase) for phase in _OWN_PHASES)
 
     def _commit(self, step: int, path: str) -> None:
-        """One commit per checkpoint: the first file of a step commits it, later ones are marks."""
+        """One commit per checkpoint: the first file of a step commits it, later ones are marks. Each carries
+        the file's identity as this save left it, which a later attempt's load is matched against."""
+        identity = file_identity(path)
         if step in self._committed_steps:
-            self.rec.mark(CHECKPOINT_FILE_MARK, step=step, path=path)
+            self.rec.mark(CHECKPOINT_FILE_MARK, step=step, path=path, **{IDENTITY_KEY: identity})
         else:
             self._committed_steps.add(step)
-            self.rec.checkpoint_committed(step, path)
+            # `rec.checkpoint_committed`'s event, with the identity beside the path (an added data key)
+            self.rec.record(
+                EventKind.CHECKPOINT_COMMIT, step=step, data={"path": path, IDENTITY_KEY: identity}
+            )
 
     def _saved(self, path: str, step: int, begin: float) -> None:
         if self._recorded_elsewhere():
@@ -168,10 +166,21 @@ class CheckpointHooks:
             self._pending_renames.clear()
         self._pending_renames[path] = step
 
+    def _attribution(self, path: str | None, before_training: bool) -> Attribution | None:
+        """Which earlier save the loaded file is (None: none of this job's saves). Only a file saved under
+        this path, or any file loaded before training in a later attempt, is fingerprinted."""
+        if path is None:
+            return None
+        earlier = self.earlier_commits()
+        if path not in earlier and not (before_training and self.rec.attempt > 0 and earlier.by_identity):
+            return None
+        return earlier.attribute(path, file_identity(path))
+
     def _loaded(self, path: str | None, begin: float, loaded: Any) -> None:
-        step = self.earlier_commits().get(path) if path is not None else None
         before_training = self.steps.num_steps == 0 and not self.rec.explicit_steps
-        if step is None and not before_training:
+        found = self._attribution(path, before_training)
+        step = found.step if found is not None else None
+        if found is None and not before_training:
             return
         # Inside the script's own RESTORE phase the span is the script's; the resume is still recorded (a
         # later `ettr.resumed_from` by the script wins: the accounting takes an attempt's last RESUMED).
@@ -186,7 +195,7 @@ class CheckpointHooks:
             self._resume_at(step)
         elif not owned and self.rec.attempt > 0 and self._unknown_resume is None:
             # Inside an owned restore phase the owner says where it resumed (the frameworks' callbacks do)
-            reason = self._unmatched_reason(path)
+            reason = found.reason if found is not None else self._unmatched_reason(path)
             if reason is not None:
                 self._unknown_resume = (reason, step_in(loaded))
 

@@ -14,7 +14,7 @@ from dataclasses import KW_ONLY, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ettr.accounting.model import EttReport
+from ettr.accounting.model import AttemptReport, EttReport
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import Bucket
@@ -153,6 +153,7 @@ def _header(reports: Sequence[EttReport], names: Sequence[str]) -> str:
 
 def _cards(r: EttReport) -> str:
     lost_steps = sum(a.lost_steps for a in r.attempts)
+    estimated = "~" if any(a.lost_steps_estimated for a in r.attempts) else ""
     cards = [
         ("ett", "ETT", fmt_pct(r.ett_pct), f"{fmt_s(r.effective_training_s)} of effective training"),
         ("", "idleness", fmt_pct(r.idleness_pct), f"{fmt_s(r.idleness_s)} lost without a failure"),
@@ -160,7 +161,12 @@ def _cards(r: EttReport) -> str:
         ("", "wall time", fmt_s(r.wall_s), "first known timestamp to job end"),
         ("", "time to start", fmt_s(r.tts_s), "allocation to the first training step"),
         ("", "mean TTR", fmt_s(r.mean_ttr_s), f"{len(r.ttr_s)} recovered failure(s)"),
-        ("fail" if r.num_failures else "", "failures", str(r.num_failures), f"{lost_steps} step(s) lost"),
+        (
+            "fail" if r.num_failures else "",
+            "failures",
+            str(r.num_failures),
+            f"{estimated}{lost_steps} step(s) lost",
+        ),
     ]
     return (
         '<div class="cards">'
@@ -381,6 +387,10 @@ def _dash(v: object) -> str:
     return "—" if v is None else esc(v)
 
 
+def _unknown_or(a: AttemptReport, v: object) -> str:
+    return "unknown" if a.resumed_step_unknown else _dash(v)
+
+
 def _attempts_table(r: EttReport) -> str:
     head = (
         '<tr><th>#</th><th class="text">outcome</th><th>exit code</th><th>resumed from</th><th>last step</th>'
@@ -391,6 +401,10 @@ def _attempts_table(r: EttReport) -> str:
     for a in r.attempts:
         train = "—" if a.training_start_ts is None else f"+{fmt_s(a.training_start_ts - r.wall_start_ts)}"
         details = failure_summary(a, max_chars=300)
+        if a.resumed_step_unknown:  # as the text report: unknown, never a dash that reads "from scratch"
+            details = f"resumed from an unknown step: {a.resumed_step_unknown}" + (
+                "; " + details if details else ""
+            )
         if a.closed_by_accounting:
             details = "closed by the accounting (no attempt end recorded)" + (
                 "; " + details if details else ""
@@ -401,8 +415,10 @@ def _attempts_table(r: EttReport) -> str:
         rows.append(
             f"<tr><td>{a.index}</td>"
             f'<td class="text"><span class="outcome" style="color:{OUTCOME_COLORS[a.outcome]}">{esc(a.outcome.value)}</span></td>'
-            f"<td>{_dash(a.exit_code)}</td><td>{_dash(a.resumed_from_step)}</td><td>{_dash(a.last_step)}</td>"
-            f"<td>{a.lost_steps}</td><td>{a.num_steps}</td><td>+{esc(fmt_s(a.start_ts - r.wall_start_ts))}</td>"
+            f"<td>{_dash(a.exit_code)}</td>"
+            f"<td>{_unknown_or(a, a.resumed_from_step)}</td><td>{_unknown_or(a, a.last_step)}</td>"
+            f"<td>{'~' if a.lost_steps_estimated else ''}{a.lost_steps}</td><td>{a.num_steps}</td>"
+            f"<td>+{esc(fmt_s(a.start_ts - r.wall_start_ts))}</td>"
             f"<td>{esc(fmt_s(a.duration_s))}</td><td>{esc(train)}</td>"
             f'<td class="text"><span class="mini">{mini}</span></td></tr>'
         )

@@ -81,7 +81,8 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
         if a.resumed_step_unknown:
             lines.append(
                 f"  attempt {a.index} resumed from an unknown step: {a.resumed_step_unknown}; '~' lost steps"
-                " are estimated from the latest checkpoint committed before it"
+                " are estimated from the latest checkpoint committed before it (a lower bound when it loaded"
+                " one of the job's checkpoints)"
             )
     lines += ttr_parts.text_lines(report)
     if report.failures:
