@@ -1,18 +1,3 @@
-DEFAULT = Workload(
-    steps=2400,
-    ckpt_every=500,
-    num_rows=50_000,
-    compile=True,
-    worker_startup_s=2.5,
-    preempt_step=800,
-    crash_step=1700,
-    publish=True,
-)
-"""The full demo: the dense tower compiled; ~100 s of training per side (~42 ms a step here, both ranks on
-the two cores), so that a healthy job is mostly training and each start-up is a small part of it, as in a
-job that trains for hours. The failures come in the first 1,700 steps; the last 700 are healthy training
-on both sides. The whole demo takes about 7.5 minutes here."""
-
 """`ettr demo`: the reference DLRM job run twice with the same failures — once as a plain trainer runs it
 (the baseline), once with ettr's recovery features (the optimized run) — then both reports side by side in
 the terminal and in pictures (`DIR/report.html`). See docs/demo.md.
@@ -124,22 +109,23 @@ QUICK = Workload(
 three minutes here."""
 
 DEFAULT = Workload(
-    steps=5000,
-    ckpt_every=1000,
-    num_rows=100_000,
+    steps=2400,
+    ckpt_every=500,
+    num_rows=50_000,
     compile=True,
     worker_startup_s=2.5,
-    preempt_step=1700,
-    crash_step=3400,
+    preempt_step=800,
+    crash_step=1700,
     publish=True,
 )
-"""The full demo: the dense tower compiled; ~125 s of training per side (~25 ms a step here), so that a
-healthy job is mostly training and each start-up is a small part of it, as in a job that trains for hours.
-The failures come in the first 3,400 steps; the last 1,600 are healthy training on both sides."""
+"""The full demo: the dense tower compiled; ~100 s of training per side (~42 ms a step here, both ranks on
+the two cores), so that a healthy job is mostly training and each start-up is a small part of it, as in a
+job that trains for hours. The failures come in the first 1,700 steps; the last 700 are healthy training
+on both sides. The whole demo takes about 7.5 minutes here."""
 
 AUTO_FAILURES_PER_DAY = 1440.0
 """The `auto` interval's prior on the optimized side: a failure a minute, the rate this demo injects (two in
-a job of two to four minutes), as a fleet's history of jobs like this one would give it."""
+a job of two to three minutes), as a fleet's history of jobs like this one would give it."""
 AUTO_PRIOR_DAYS = 60.0 / 86_400
 """...worth a minute of observation, so the failures the job's own ledger records soon outweigh it."""
 
