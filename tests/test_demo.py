@@ -396,6 +396,7 @@ def test_the_explanation_reads_every_difference_from_the_reports():
     assert re.search(r"checkpoint_blocking +2\.0 s -> +0\.1 s +async saves", text)
     assert re.search(r"compile in recoveries +30\.0 s -> +3\.0 s +artifacts restored", text)
     assert "not higher" not in text
+    assert re.search(r"effective_training +\d+\.\d s -> +\d+\.\d s +the same steps", text)
     worse = demo.explain(optimized, baseline)
     assert "(not lower this time)" in worse and "ETT% is not higher this time" in worse
 

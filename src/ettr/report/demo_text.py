@@ -77,7 +77,31 @@ def explain(baseline: EttReport, optimized: EttReport, *, published: bool = True
             verdict += f"; steps redone {lost[0]} -> {lost[1]}"
         if name == "checkpoint_blocking":  # the auto interval may save more often, each save cheaper
             verdict += f"; saves {saves[0]} -> {saves[1]}"
+            if after >= before and all(saves) and after / saves[1] < before / saves[0]:
+                verdict = (
+                    f"{why}: {before / saves[0]:.2f} -> {after / saves[1]:.2f} s a save; the auto interval "
+                    f"saves {saves[1]} times instead of {saves[0]}"
+                )
         lines.append(f"  {name:<22}{before:7.1f} s -> {after:6.1f} s   {verdict}")
+    lines.extend(_training_lines(baseline, optimized))
     if gain <= 0:
         lines.append("  the optimized run's ETT% is not higher this time (a busy machine? run it again)")
     return "\n".join(lines)
+
+
+def _training_lines(baseline: EttReport, optimized: EttReport) -> list[str]:
+    """`effective_training` of the two sides, and why it differs for the same steps: the optimized side's
+    steps run slower while a save persists beside them (counted as training, as ETT counts them)."""
+    before = baseline.buckets_s[Bucket.EFFECTIVE_TRAINING]
+    after = optimized.buckets_s[Bucket.EFFECTIVE_TRAINING]
+    line = f"  {'effective_training':<22}{before:7.1f} s -> {after:6.1f} s   the same steps"
+    slow = optimized.slowdown
+    if slow is not None and slow.extra_s is not None and slow.inflation is not None:
+        line += (
+            f"; of the difference, {slow.extra_s:.1f} s are steps slowed {slow.inflation:.2f}x while "
+            f"{len(slow.saves)} async saves persisted beside them (in ETT: they still train)"
+        )
+        rest = after - before - slow.extra_s
+        if rest >= 0.5:
+            line += f"; the other {rest:.1f} s: steps slower outside the persists (not attributed)"
+    return [line]
