@@ -45,6 +45,8 @@ def test_the_restart_runs_in_the_standby_with_the_new_attempts_environment(tmp_p
     assert second["path0"] == str(PROBE.parent) and second["probe"] == "same"
     # The installed packages attempt 0 had imported by its first step were imported ahead in the standby.
     assert (first["preloaded"], second["preloaded"]) == (False, True)
+    # It warmed up at idle priority (as root here) and trains at the normal one, as a cold start does.
+    assert second["policy"] == first["policy"] == os.SCHED_OTHER
     events = read_run_events(tmp_path / "run")
     marks = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "standby"]
     assert [m.attempt for m in marks] == [1] and marks[0].data["pid"] == second["pid"]
@@ -83,10 +85,17 @@ def test_a_standby_is_due_after_the_first_step_or_the_fallback_delay() -> None:
 
 
 def test_a_standby_is_discarded_when_the_environment_differs(tmp_path: Path) -> None:
+    import time
+
     argv = [sys.executable, str(PROBE), str(tmp_path / "p.jsonl")]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_ATTEMPT": "1", "PROBE": "a"}
     ready = Standby.start(argv, env)
     assert ready is not None
+    if os.geteuid() == 0:  # it may return to normal scheduling: it waits at idle priority
+        deadline = time.monotonic() + 20
+        while os.sched_getscheduler(ready.process.pid) != os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.sched_getscheduler(ready.process.pid) == os.SCHED_IDLE
     assert ready.fits(argv, {**env, "ETTR_ATTEMPT": "2"})  # per-attempt names may differ
     assert not ready.fits(argv, {**env, "PROBE": "b"})
     assert not ready.fits([sys.executable, "-u", *argv[1:]], env)

@@ -21,6 +21,7 @@ with open(out, "a") as f:
                 "pid": os.getpid(),
                 "probe": os.environ.get("PROBE"),
                 "preloaded": preloaded,
+                "policy": os.sched_getscheduler(0),
             }
         )
         + "\n"
