@@ -261,3 +261,26 @@ def test_a_file_replaced_by_the_user_is_unknown_and_the_report_says_so(tmp_path:
     assert "attempt 1 resumed from an unknown step" in render(report)
     page = render_html([report])
     assert "<td>unknown</td><td>unknown</td>" in page and "resumed from an unknown step" in page
+
+
+def test_a_load_while_the_books_cannot_be_read_is_a_resume_of_unknown_step_never_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A ledger server away when a restart loads its checkpoint (found by test_ledger_outage): the load was
+    # once taken for pretrained weights, and the attempt's steps counted from 1.
+    import ettr.ledger
+    from ettr.ledger import LedgerError
+
+    run_dir, ckpt, plain = tmp_path / "run", tmp_path / "ckpt.pt", tmp_path / "plain.pt"
+    with _hooked(run_dir, attempt=0):
+        _train(2)
+        _save_renamed({"w": torch.zeros(2), "step": 2}, ckpt)
+        _save_renamed({"w": torch.zeros(2)}, plain)
+
+    def away(run_dir: Any) -> list[Event]:
+        raise LedgerError("the ledger server is unreachable")
+
+    monkeypatch.setattr(ettr.ledger, "read_run_events", away)
+    assert _resumed(run_dir, 1, ckpt) == [(2, None)]  # the object's own step
+    [(step, why)] = _resumed(run_dir, 2, plain)
+    assert step is None and "could not be read" in why and "unreachable" in why

@@ -83,6 +83,7 @@ class CheckpointHooks:
         self._pending_renames: dict[str, int] = {}  # saved path -> step, until renamed or superseded
         self._earlier: SaveIndex | None = None
         self._job_start_ts: float | None = None
+        self._books_unreadable: str | None = None  # why the last read of the job's books failed
         self._resumed = False
         self._unknown_resume: tuple[str, tuple[str, int] | None] | None = None  # (reason, step in the object)
         self._committed_steps: set[int] = set()
@@ -104,10 +105,14 @@ class CheckpointHooks:
         if self._earlier is None:
             events: list[Event] = []
             if self.rec.run_dir is not None:
-                from ettr.ledger import read_run_events
+                from ettr.ledger import LedgerError, read_run_events
 
-                # the job's books, wherever `ettr run --ledger` put them
-                events = read_run_events(self.rec.run_dir)
+                try:  # the job's books, wherever `ettr run --ledger` put them
+                    events = read_run_events(self.rec.run_dir)
+                except LedgerError as exc:  # a ledger server away: nothing is known, so nothing is ruled out
+                    self._books_unreadable = str(exc)
+                    return SaveIndex.from_events((), before_attempt=0, file_mark=CHECKPOINT_FILE_MARK)
+                self._books_unreadable = None
                 if events:
                     self._job_start_ts = min(e.ts for e in events)
             self._earlier = SaveIndex.from_events(
@@ -204,6 +209,8 @@ class CheckpointHooks:
         is not one, e.g. pretrained weights that predate the job)."""
         if path is None:
             return "the checkpoint was loaded from an in-memory buffer"
+        if self._books_unreadable is not None:
+            return f"{path} was loaded while the job's books could not be read ({self._books_unreadable})"
         try:
             mtime = os.stat(path).st_mtime
         except OSError:
