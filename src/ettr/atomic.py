@@ -106,10 +106,13 @@ def atomic_write(
         fsync_dir(target.parent)
 
 
-def create_exclusive(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644) -> bool:
-    """Create `path` with `data` unless something is there (atomic, whole, durable); whether we created it."""
+def create_exclusive(
+    path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644, durable: bool = True
+) -> bool:
+    """Create `path` with `data` unless something is there (atomic, whole, durable unless `durable=False`,
+    as for `atomic_write`); whether we created it."""
     target = Path(path)
-    tmp = write_temp(target, data, mode=mode)
+    tmp = write_temp(target, data, mode=mode, durable=durable)
     try:
         os.link(tmp, target)
     except FileExistsError:
@@ -117,5 +120,6 @@ def create_exclusive(path: str | os.PathLike[str], data: bytes | str, *, mode: i
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-    fsync_dir(target.parent)
+    if durable:
+        fsync_dir(target.parent)
     return True

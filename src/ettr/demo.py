@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from ettr.closing import live_supervisor
 from ettr.constants import EXIT_PREEMPTED
@@ -140,7 +141,7 @@ class Side:
     """`sync` (torch.save per rank while training waits) or `ettr` (async; saves on SIGTERM, exits 143)."""
     overlap_startup: bool
     """Start the loader workers before the model is built, so their warm-up hides behind it."""
-    compile_store: str
+    compile_store: Literal["save", "restore"]
     """ettr's compile store: `restore` (artifacts of earlier jobs of the same model are restored, and what
     this job compiles is saved) or `save` (every attempt compiles cold, as without a store; what it
     compiles is saved for the jobs after it, as every job of a fleet leaves its artifacts)."""

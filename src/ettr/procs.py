@@ -188,3 +188,12 @@ def ancestors(pid: int) -> list[int]:
         found.append(parent)
         parent = _parent_pid(parent)
     return found
+
+
+def tasks(pid: int) -> list[int]:
+    """The thread ids (tasks) of process `pid`, from /proc; `[pid]` where they cannot be listed (Linux keeps
+    scheduling settings such as nice and the policy per task)."""
+    try:
+        return [int(name) for name in os.listdir(f"{_PROC}/{pid}/task")]
+    except (OSError, ValueError):
+        return [pid]

@@ -223,17 +223,22 @@ def heartbeat_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
     return Path(run_dir) / HEARTBEAT_DIRNAME / f"attempt-{attempt}"
 
 
+def agent_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
+    """Where the processes of `attempt` leave their marker files for the supervisor (`RUN_DIR/agent/attempt-N`)."""
+    return Path(run_dir) / "agent" / f"attempt-{attempt}"
+
+
 def failed_exit_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
     """Written by a torchrun worker `pid` that ends on an uncaught exception once its Python-level exit is
     done (atexit handlers ran, its failure is in the ledger); ettr's agent then need not wait for the
     interpreter's teardown (`ettr.supervisor.workers`)."""
-    return Path(run_dir) / "agent" / f"attempt-{attempt}" / f"failed-pid-{pid}"
+    return agent_dir(run_dir, attempt) / f"failed-pid-{pid}"
 
 
 def exited_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
     """Written, like `failed_exit_path`, by a torchrun worker whose Python-level exit is done without an
     uncaught exception: what it still does is the interpreter's teardown, not training (no hang)."""
-    return Path(run_dir) / "agent" / f"attempt-{attempt}" / f"exited-pid-{pid}"
+    return agent_dir(run_dir, attempt) / f"exited-pid-{pid}"
 
 
 TRAINED_PREFIX = "trained-pid-"
@@ -243,13 +248,13 @@ def trained_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Pat
     """Written by training process `pid` once it recorded its first step: its start-up is over. The
     supervisor starts the next attempt's warm standbys only then (`has_trained`), so that they never compete
     with a start-up for the CPU."""
-    return Path(run_dir) / "agent" / f"attempt-{attempt}" / f"{TRAINED_PREFIX}{pid}"
+    return agent_dir(run_dir, attempt) / f"{TRAINED_PREFIX}{pid}"
 
 
 def has_trained(run_dir: str | os.PathLike[str], attempt: int) -> bool:
     """Whether any process of `attempt` wrote its `trained_path` (one directory listing)."""
     try:
-        with os.scandir(Path(run_dir) / "agent" / f"attempt-{attempt}") as entries:
+        with os.scandir(agent_dir(run_dir, attempt)) as entries:
             return any(entry.name.startswith(TRAINED_PREFIX) for entry in entries)
     except OSError:
         return False
@@ -261,7 +266,7 @@ def trained_modules(run_dir: str | os.PathLike[str], attempt: int) -> list[str]:
     import json
 
     names: set[str] = set()
-    for path in (Path(run_dir) / "agent" / f"attempt-{attempt}").glob(f"{TRAINED_PREFIX}*"):
+    for path in agent_dir(run_dir, attempt).glob(f"{TRAINED_PREFIX}*"):
         try:
             found = json.loads(path.read_bytes() or b"{}").get("modules", [])
         except (OSError, ValueError, AttributeError):

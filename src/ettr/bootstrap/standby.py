@@ -65,11 +65,9 @@ def _idle_while_warming() -> Callable[[], None] | None:
         return None
 
     def back_to_normal() -> None:  # threads started during the warm-up inherited SCHED_IDLE too
-        try:
-            tids = [int(name) for name in os.listdir("/proc/self/task")]
-        except OSError:
-            tids = [0]
-        for tid in tids:
+        from ettr.procs import tasks
+
+        for tid in tasks(os.getpid()):
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(tid, normal, os.sched_param(0))
 

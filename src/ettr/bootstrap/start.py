@@ -138,17 +138,14 @@ def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
         if done:
             return
         done = True
-        try:  # a hint, not a record: not fsync'd on the training thread
+        try:
             import json
 
-            payload = json.dumps({"modules": installed_packages()}).encode()
+            from ettr.atomic import create_exclusive
+
             path.parent.mkdir(parents=True, exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-            fd = os.open(path, flags, 0o644)
-            try:
-                os.write(fd, payload)
-            finally:
-                os.close(fd)
+            # a hint, not a record: not fsync'd on the training thread
+            create_exclusive(path, json.dumps({"modules": installed_packages()}), durable=False)
         except Exception:
             pass  # there already, or no place for it: the supervisor then waits for its fallback delay
 

@@ -15,6 +15,8 @@ import os
 import platform
 import threading
 
+from ettr.procs import tasks
+
 logger = logging.getLogger("ettr")
 
 NICE_STEP = 10
@@ -30,7 +32,7 @@ _LOWEST_BE_LEVEL = 7
 def lower_priority(pid: int, *, whole_process: bool = False) -> bool:
     """Lower the CPU and I/O priority of task `pid` (every task of process `pid` with `whole_process`).
     Returns whether the CPU priority was lowered for at least one task."""
-    tids = _tasks(pid) if whole_process else [pid]
+    tids = tasks(pid) if whole_process else [pid]
     lowered = False
     for tid in tids:
         lowered = _nice(tid) or lowered
@@ -41,13 +43,6 @@ def lower_priority(pid: int, *, whole_process: bool = False) -> bool:
 def lower_this_thread() -> bool:
     """Lower the priority of the calling thread only (Linux: nice and ioprio are per thread)."""
     return lower_priority(threading.get_native_id())
-
-
-def _tasks(pid: int) -> list[int]:
-    try:
-        return [int(name) for name in os.listdir(f"/proc/{pid}/task")]
-    except (OSError, ValueError):
-        return [pid]
 
 
 def _nice(tid: int) -> bool:

@@ -141,7 +141,7 @@ class StoreRestorer:
         targets: Mapping[str, Path],
         dirs: tuple[Path, Path] | None,
     ) -> dict[str, Any]:
-        cache_dir, header_dir = dirs if dirs is not None else (None, None)
+        cache_dir, header_dir = dirs if dirs is not None else (None, None)  # None: the restore looks them up
         # Archives whose files are all still here (a restart on the same node) are not even read.
         skipped = {n for n, d in targets.items() if n in available and artifacts.present(listing.get(n), d)}
         wanted = set(available) - skipped
