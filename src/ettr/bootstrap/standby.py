@@ -40,7 +40,12 @@ def _warm_up(modules: list[str]) -> None:
             try:
                 importlib.import_module(name)
             except Exception as exc:  # the attempt then pays for it, as a cold start would
-                print(f"ettr: standby warm-up skipped {name} ({type(exc).__name__}: {exc})", file=sys.stderr)
+                # Said for torch and ettr only: a learned package that will not import here (a namespace
+                # package a .pth file set up, say) is the attempt's business, not a line in the job's log.
+                if name == "torch" or name.startswith("ettr."):
+                    print(
+                        f"ettr: standby warm-up skipped {name} ({type(exc).__name__}: {exc})", file=sys.stderr
+                    )
     finally:
         if first is not None:
             sys.path.insert(0, first)
