@@ -429,6 +429,59 @@ def test_submitted_without_allocation_is_other() -> None:
     assert r.tts_s == pytest.approx(1)  # from the supervisor start (allocation unknown)
 
 
+def _requeued_job(submitted_at: float | None, allocated_at: float | None) -> Stream:
+    """Submitted 0, allocated 2, supervisor 3; attempt 0 [4, 10] preempted after committing step 4; a
+    requeued run's supervisor starts at 20 (with its run's own times), attempt 1 [21, 25] completes."""
+    s = (
+        Stream()
+        .sup(EventKind.JOB_SUBMITTED, 0)
+        .sup(EventKind.JOB_ALLOCATED, 2)
+        .sup(EventKind.SUPERVISOR_START, 3)
+    )
+    s.attempt(0, 4, 10, "preempted", 143).steps(0, 1, 4, t_first=6)
+    s.add(EventKind.CHECKPOINT_COMMIT, 9.5, 0, step=4)
+    run = {
+        k: T0 + v
+        for k, v in (("submitted_at", submitted_at), ("allocated_at", allocated_at))
+        if v is not None
+    }
+    s.sup(EventKind.SUPERVISOR_START, 20, **run)
+    s.attempt(1, 21, 25, "completed", 0).add(EventKind.RESUMED, 21.5, 1, step=4).steps(1, 5, 6, t_first=23)
+    return s.sup(EventKind.JOB_END, 25, 1, exit_status=0)
+
+
+def test_a_requeued_runs_wait_is_scheduling() -> None:
+    r = _requeued_job(submitted_at=11, allocated_at=17).report()
+    assert_invariants(r)
+    later = r.attempts[1].buckets_s
+    assert later[Bucket.SCHEDULING] == pytest.approx(6)  # 11 -> 17: in the queue
+    assert later[Bucket.HARDWARE_SETUP] == pytest.approx(3)  # 17 -> 20: allocated, the supervisor not yet up
+    assert later[Bucket.RESTART] == pytest.approx(1 + 1)  # 10 -> 11 (until the requeue), 20 -> 21 (relaunch)
+    assert r.attempts[0].buckets_s[Bucket.SCHEDULING] == pytest.approx(2)  # the first submission's
+    assert r.buckets_s[Bucket.SCHEDULING] == pytest.approx(2 + 6)
+    # What the preemption cost stays failure, as it was when the whole gap was `restart`.
+    assert classify(Bucket.SCHEDULING, attempt_position=1) is Loss.FAILURE
+    assert classify(Bucket.SCHEDULING, attempt_position=0) is Loss.IDLENESS
+    as_restart = _requeued_job(submitted_at=None, allocated_at=None).report()
+    assert as_restart.attempts[1].buckets_s[Bucket.RESTART] == pytest.approx(11)
+    assert r.failure_pct == pytest.approx(as_restart.failure_pct)
+    assert r.ett_pct == pytest.approx(as_restart.ett_pct)
+
+
+def test_a_requeued_runs_times_are_clamped_to_the_gap() -> None:
+    # Slurm's times are whole seconds: a submission "before" the attempt's end, an allocation after the
+    # supervisor's start, are clamped; an allocation alone is set-up, its wait before it restart.
+    early = _requeued_job(submitted_at=9, allocated_at=22).report()
+    assert early.attempts[1].buckets_s[Bucket.SCHEDULING] == pytest.approx(10)  # 10 -> 20
+    assert early.attempts[1].buckets_s[Bucket.HARDWARE_SETUP] == 0.0
+    assert_invariants(early)
+    alone = _requeued_job(submitted_at=None, allocated_at=17).report()
+    assert alone.attempts[1].buckets_s[Bucket.SCHEDULING] == 0.0
+    assert alone.attempts[1].buckets_s[Bucket.HARDWARE_SETUP] == pytest.approx(3)
+    assert alone.attempts[1].buckets_s[Bucket.RESTART] == pytest.approx(7 + 1)
+    assert_invariants(alone)
+
+
 def test_a_new_attempt_after_job_end_reopens_the_job() -> None:
     s = Stream().sup(EventKind.SUPERVISOR_START, 0)
     s.attempt(0, 0, 4, "completed", 0).steps(0, 1, 2, t_first=2).sup(EventKind.JOB_END, 4, exit_status=0)
@@ -460,18 +513,14 @@ def test_empty_and_zero_wall() -> None:
 
 
 def test_idleness_and_failure_split_of_start_up_buckets() -> None:
-    for bucket in (Bucket.INIT, Bucket.COMPILE, Bucket.RESTORE, Bucket.DATA_WAIT):
+    # scheduling and hardware_setup of a later attempt: a requeued run's wait (what a preemption cost).
+    recovery = (Bucket.INIT, Bucket.COMPILE, Bucket.RESTORE, Bucket.DATA_WAIT, Bucket.SCHEDULING)
+    for bucket in (*recovery, Bucket.HARDWARE_SETUP):
         assert classify(bucket, attempt_position=0) is Loss.IDLENESS
         assert classify(bucket, attempt_position=1) is Loss.FAILURE
     for bucket in (Bucket.WASTED_PROGRESS, Bucket.RESTART):
         assert classify(bucket, attempt_position=0) is Loss.FAILURE
-    for bucket in (
-        Bucket.SCHEDULING,
-        Bucket.HARDWARE_SETUP,
-        Bucket.CHECKPOINT_BLOCKING,
-        Bucket.SHUTDOWN,
-        Bucket.OTHER,
-    ):
+    for bucket in (Bucket.CHECKPOINT_BLOCKING, Bucket.SHUTDOWN, Bucket.OTHER):
         assert classify(bucket, attempt_position=3) is Loss.IDLENESS
     assert classify(Bucket.EFFECTIVE_TRAINING, attempt_position=2) is Loss.EFFECTIVE
 

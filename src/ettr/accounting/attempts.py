@@ -59,6 +59,17 @@ class JobEvents:
     commits: list[CheckpointCommit] = field(default_factory=list)
     checkpoint_errors: list[CheckpointFailure] = field(default_factory=list)
     recompiles: list[Recompile] = field(default_factory=list)
+    runs: list[RunStart] = field(default_factory=list)  # every SUPERVISOR_START, in time order
+
+
+@dataclass(frozen=True, slots=True)
+class RunStart:
+    """A supervisor's start, with the submission and allocation of its run when it recorded them (a requeued
+    run's own: Slurm resets SubmitTime at a requeue)."""
+
+    ts: float
+    submitted_ts: float | None
+    allocated_ts: float | None
 
 
 @dataclass(slots=True)
@@ -109,6 +120,9 @@ def gather(events: Iterable[Event]) -> JobEvents:
             elif kind == _SUPERVISOR_START:
                 if job.supervisor_start_ts is None:
                     job.supervisor_start_ts = e.ts
+                job.runs.append(
+                    RunStart(e.ts, _finite(e.data, "submitted_at"), _finite(e.data, "allocated_at"))
+                )
             else:  # JOB_END: the last one wins (a resumed supervisor may end the job again)
                 job.job_end = e
                 attempts_at_end = set(attempts)
@@ -455,3 +469,11 @@ def _as_int(value: Any) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         return None
+
+
+def _finite(data: Any, key: str) -> float | None:
+    """`data[key]` as a finite number, else None (a missing, damaged or foreign value)."""
+    value = data.get(key) if isinstance(data, Mapping) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if isfinite(value) else None

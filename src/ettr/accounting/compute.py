@@ -28,6 +28,9 @@ class Loss(StrEnum):
 
 _ALWAYS_FAILURE = frozenset({Bucket.WASTED_PROGRESS, Bucket.RESTART})
 _STARTUP_BUCKETS = frozenset({Bucket.INIT, Bucket.COMPILE, Bucket.RESTORE, Bucket.DATA_WAIT})
+# A requeued run's wait in the queue and its set-up: before the job's first attempt they are the job's cost of
+# starting; between attempts, what a preemption cost.
+_RECOVERY_BUCKETS = _STARTUP_BUCKETS | {Bucket.SCHEDULING, Bucket.HARDWARE_SETUP}
 _PHASE_ORDER = {phase.value: i for i, phase in enumerate(Phase)}
 
 
@@ -35,12 +38,13 @@ def classify(bucket: Bucket, *, attempt_position: int) -> Loss:
     """Whether time in `bucket` of the attempt at `attempt_position` (0 = the job's first attempt, which
     also owns the time before it) is effective training, idleness or failure.
 
-    Start-up buckets (init, compile, restore, data_wait) are idleness in the first attempt and failure in
-    later ones; wasted_progress and restart are always failure; everything else is idleness.
+    Start-up buckets (init, compile, restore, data_wait) and the scheduler's (scheduling, hardware_setup: a
+    requeued run's wait) are idleness in the first attempt and failure in later ones; wasted_progress and
+    restart are always failure; everything else is idleness.
     """
     if bucket == Bucket.EFFECTIVE_TRAINING:
         return Loss.EFFECTIVE
-    if bucket in _ALWAYS_FAILURE or (bucket in _STARTUP_BUCKETS and attempt_position >= 1):
+    if bucket in _ALWAYS_FAILURE or (bucket in _RECOVERY_BUCKETS and attempt_position >= 1):
         return Loss.FAILURE
     return Loss.IDLENESS
 

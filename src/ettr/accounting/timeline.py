@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import itemgetter
 
-from ettr.accounting.attempts import Attempt, JobEvents
+from ettr.accounting.attempts import Attempt, JobEvents, RunStart
 from ettr.accounting.model import Segment
 from ettr.events import PHASE_BUCKET, Bucket, Outcome
 
@@ -64,11 +64,27 @@ def build_segments(
 
     for position, attempt in enumerate(attempts):
         if position > 0:
-            _add(segments, attempts[position - 1].end_ts, attempt.start_ts, Bucket.RESTART, attempt.index)
+            _add_gap(segments, attempts[position - 1].end_ts, attempt.start_ts, attempt.index, job.runs)
         _sweep_attempt(segments, attempt, is_last=position == len(attempts) - 1)
     if attempts:
         _add(segments, attempts[-1].end_ts, wall_end, Bucket.SHUTDOWN, attempts[-1].index)
     return [Segment(*s) for s in segments]
+
+
+def _add_gap(segments: list[list], start: float, end: float, attempt: int, runs: Sequence[RunStart]) -> None:
+    """The gap between two attempts: `restart`, except a requeued run's own wait in the scheduler's queue
+    (`scheduling`, submitted -> allocated, both known) and its hardware set-up (allocated -> supervisor
+    start), when a supervisor started in the gap with its run's times."""
+    run = next((r for r in runs if start < r.ts <= end), None)
+    if run is None or run.allocated_ts is None:
+        _add(segments, start, end, Bucket.RESTART, attempt)
+        return
+    allocated = min(max(run.allocated_ts, start), run.ts)
+    queued = allocated if run.submitted_ts is None else min(max(run.submitted_ts, start), allocated)
+    _add(segments, start, queued, Bucket.RESTART, attempt)  # teardown until the requeue
+    _add(segments, queued, allocated, Bucket.SCHEDULING, attempt)
+    _add(segments, allocated, run.ts, Bucket.HARDWARE_SETUP, attempt)
+    _add(segments, run.ts, end, Bucket.RESTART, attempt)  # the supervisor's relaunch
 
 
 def _add(segments: list[list], start: float, end: float, bucket: Bucket, attempt: int | None) -> None:

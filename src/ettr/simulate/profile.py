@@ -211,8 +211,9 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
         interval_global=interval_global,
         blocking_s=blocking_s,
         persist_s=persist_s,
-        scheduling_s=report.buckets_s[Bucket.SCHEDULING],
-        hardware_setup_s=report.buckets_s[Bucket.HARDWARE_SETUP],
+        # The first submission's (a requeued run's wait is in the preemption's gap, preempt_requeue_s).
+        scheduling_s=report.attempts[0].buckets_s[Bucket.SCHEDULING],
+        hardware_setup_s=report.attempts[0].buckets_s[Bucket.HARDWARE_SETUP],
         first_startup=first_startup,
         restart_startup=restart_startup,
         restart_gap_s=statistics.fmean(gaps_fail) if gaps_fail else 0.0,

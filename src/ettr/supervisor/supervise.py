@@ -203,6 +203,11 @@ class Supervisor:
             "inject": [str(s) for s in cfg.inject],
             "auto": cfg.auto,
         }
+        if previous:  # a requeued run: its own wait in the queue (Slurm resets SubmitTime at a requeue)
+            if times.submitted_at is not None:
+                start["submitted_at"] = times.submitted_at
+            if times.allocated_at is not None:
+                start["allocated_at"] = times.allocated_at
         opening.append(Event(EventKind.SUPERVISOR_START, time.time(), 0, SUPERVISOR_RANK, data=start))
         try:  # the first write: a ledger that reads but cannot be written is found here
             self._ledger.append(opening)
