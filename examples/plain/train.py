@@ -37,8 +37,9 @@ def main() -> None:
         if (step + 1) % args.save_every == 0:
             os.makedirs(os.path.dirname(args.ckpt) or ".", exist_ok=True)
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
-            torch.save(state, args.ckpt + ".tmp")
-            os.replace(args.ckpt + ".tmp", args.ckpt)  # the checkpoint is complete only now
+            tmp = f"{args.ckpt}.tmp-{os.getpid()}"  # one per process: ranks of a torchrun job never share it
+            torch.save(state, tmp)
+            os.replace(tmp, args.ckpt)  # the checkpoint is complete only now
     print(f"trained {args.steps} steps" + ("" if loss is None else f", loss {loss.item():.4f}"))
 
 
