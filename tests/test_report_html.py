@@ -459,3 +459,38 @@ def test_browser_check_sees_script_errors(tmp_path):
 )
 def test_durations_read_as_people_write_them(seconds, text):
     assert fmt_s(seconds) == text
+
+
+def test_a_requeued_runs_wait_is_drawn_as_recovery() -> None:
+    # Attempt 0 preempted at 10; the requeued run was submitted at 11, allocated at 17, its supervisor up at
+    # 20: attempt 1's `scheduling` is failure (what the preemption cost), hatched like a later start-up.
+    from ettr.report.charts import counts_as_recovery, timeline_svg
+
+    def ev(kind: EventKind, t: float, attempt: int = 0, rank: int = SUPERVISOR_RANK, **kw) -> Event:
+        return Event(kind, T0 + t, attempt, rank, **kw)
+
+    events = [
+        ev(EventKind.JOB_SUBMITTED, 0),
+        ev(EventKind.JOB_ALLOCATED, 2),
+        ev(EventKind.SUPERVISOR_START, 3),
+        ev(EventKind.ATTEMPT_START, 4),
+        *(ev(EventKind.STEP, 5 + i, rank=0, step=i + 1) for i in range(4)),
+        ev(EventKind.CHECKPOINT_COMMIT, 8.5, rank=0, step=4),
+        ev(EventKind.ATTEMPT_END, 10, data={"outcome": "preempted", "exit_code": 143}),
+        ev(EventKind.SUPERVISOR_START, 20, 0, data={"submitted_at": T0 + 11, "allocated_at": T0 + 17}),
+        ev(EventKind.ATTEMPT_START, 21, 1),
+        ev(EventKind.RESUMED, 21.5, 1, rank=0, step=4),
+        *(ev(EventKind.STEP, 23 + i, 1, rank=0, step=5 + i) for i in range(2)),
+        ev(EventKind.ATTEMPT_END, 25, 1, data={"outcome": "completed", "exit_code": 0}),
+        ev(EventKind.JOB_END, 25, 1, data={"exit_status": 0}),
+    ]
+    report = compute(events, T0 + 25)
+    assert report.attempts[1].buckets_s[Bucket.SCHEDULING] == pytest.approx(6)
+    assert counts_as_recovery(Bucket.SCHEDULING, 1) and not counts_as_recovery(Bucket.SCHEDULING, 0)
+    assert not counts_as_recovery(Bucket.RESTART, 1)  # failure in any attempt: its own colour says so
+    svg = timeline_svg(report)
+    titles = re.findall(r"<title>([^<]*)</title>", svg)
+    later = [t for t in titles if t.startswith("attempt 1 · ") and "scheduling" in t.lower()]
+    first = [t for t in titles if t.startswith("attempt 0 · ") and "scheduling" in t.lower()]
+    assert later and all("counted as failure (recovery)" in t for t in later), titles
+    assert first and not any("counted as failure" in t for t in first), titles

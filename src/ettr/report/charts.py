@@ -20,7 +20,6 @@ from ettr.report.svg import (
     LABEL_W,
     OUTCOME_COLORS,
     RIGHT_W,
-    STARTUP_BUCKETS,
     WIDTH,
     bucket_label,
     clip_text,
@@ -38,9 +37,13 @@ from ettr.report.svg import (
 
 # -- timeline ------------------------------------------------------------------------------------------------
 def counts_as_recovery(bucket: Bucket, attempt_position: int) -> bool:
-    """Start-up time of an attempt after the first counts to failure (recovery), not idleness: the
-    accounting's `classify` decides, so the picture cannot disagree with the numbers."""
-    return bucket in STARTUP_BUCKETS and classify(bucket, attempt_position=attempt_position) is Loss.FAILURE
+    """Time of a bucket that is idleness in the first attempt but failure in this one (recovery: the start-up
+    of a later attempt, a requeued run's wait in the queue): the accounting's `classify` decides, so the
+    picture cannot disagree with the numbers."""
+    return (
+        classify(bucket, attempt_position=0) is Loss.IDLENESS
+        and classify(bucket, attempt_position=attempt_position) is Loss.FAILURE
+    )
 
 
 def _attempt_label(a: AttemptReport) -> str:

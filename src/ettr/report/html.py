@@ -310,7 +310,7 @@ def _legend() -> str:
             "failure",
             [item(b) for b in Bucket if b in FAILURE_BUCKETS]
             + [
-                '<span class="item"><span class="sw hatch"></span>start-up of a later attempt (recovery)</span>'
+                '<span class="item"><span class="sw hatch"></span>start-up (or requeue wait) of a later attempt (recovery)</span>'
             ],
         ),
     ]
