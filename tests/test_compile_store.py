@@ -220,6 +220,24 @@ def test_archives_round_trip_and_skip_locks(tmp_path):
         assert artifacts.fingerprint(src) == artifacts.fingerprint(dest)
 
 
+def test_a_grown_pgo_profile_alone_is_nothing_new_to_save_but_is_packed(tmp_path):
+    # torch adds an entry to the PGO profile in every process: a warm job that compiled nothing new must
+    # not save its whole entry again; a new kernel file does change the digest, and the profile is packed.
+    root = tmp_path / "cache"
+    (root / "dynamo").mkdir(parents=True)
+    (root / "fxgraph").mkdir()
+    (root / "fxgraph" / "g1").write_bytes(b"graph")
+    profile = root / "dynamo" / "code_state_ettr-abc_None_.pkl"
+    profile.write_bytes(b"p" * 300)
+    before = artifacts.fingerprint(root)
+    profile.write_bytes(b"p" * 500)
+    assert artifacts.fingerprint(root) == before
+    (root / "fxgraph" / "g2").write_bytes(b"new graph")
+    assert artifacts.fingerprint(root) != before
+    _, listing = artifacts.pack_dir(root, compress=False)
+    assert listing["dynamo/code_state_ettr-abc_None_.pkl"] == 500
+
+
 @pytest.mark.parametrize("name", ["../evil.so", "/abs/evil.so"])
 def test_archives_with_escaping_paths_are_refused(tmp_path, name):
     buffer = io.BytesIO()

@@ -99,12 +99,23 @@ def _walk(root: Path, exclude: Path | None) -> list[tuple[PurePosixPath, os.stat
 
 def fingerprint(root: Path, *, exclude: Path | None = None) -> str:
     """Cheap digest of a directory's file names and sizes (no content read). Modification times are left
-    out: a cache hit may rewrite a file with the same content, which is no reason to save again."""
+    out: a cache hit may rewrite a file with the same content, which is no reason to save again.
+
+    The PGO profiles (`dynamo/code_state_*`) are left out too: torch adds an entry to them in every
+    process (a wrapper's `closure_hash` differs from one process to the next), so a warm job that compiled
+    nothing new would save its whole entry again (463 MB for a small MLP with the precompiled header). A
+    profile that learns something real comes with a recompile, whose new cache files change the digest,
+    and the save then packs the profile too."""
     h = hashlib.sha256()
     if root.is_dir():
         for rel, st in _walk(root, exclude):
-            h.update(f"{rel}\0{st.st_size}\n".encode())
+            if not _is_pgo_profile(rel):
+                h.update(f"{rel}\0{st.st_size}\n".encode())
     return h.hexdigest()[:16]
+
+
+def _is_pgo_profile(rel: PurePosixPath) -> bool:
+    return rel.name.startswith("code_state_") and "dynamo" in rel.parts
 
 
 def pack_dir(
