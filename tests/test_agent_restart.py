@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ettr.compile.config import private_cache_dir
 from ettr.events import EventKind
 from ettr.ledger import read_run_events
 
@@ -55,6 +56,9 @@ def test_a_failed_rank_restarts_both_ranks_in_their_warm_standbys(tmp_path: Path
             assert env["TORCHELASTIC_MAX_RESTARTS"] == "1" and env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
             assert env["OMP_NUM_THREADS"] == "1" and env["ROLE_NAME"] == "default"
             assert env["TORCHELASTIC_ERROR_FILE"].startswith(str(run_dir / "agent" / f"attempt-{attempt}"))
+            # The workload's own inductor cache directory, in the standby too: its warm-up imported
+            # torch._dynamo, which left inductor's default directory (every workload's) in its environment.
+            assert env["TORCHINDUCTOR_CACHE_DIR"] == private_cache_dir(str(PROBE))
             ports.add((attempt, env["MASTER_PORT"]))
     assert len({port for _, port in ports}) == 2  # a fresh rendezvous port per attempt
     events = read_run_events(run_dir)

@@ -112,6 +112,9 @@ def main() -> None:
     try:
         import ettr.runtime
         from ettr.bootstrap.start import start
+        from ettr.compile.autoinstall import after_warm_up
+
+        after_warm_up()  # the workload's inductor cache directory, as a cold start picks it
 
         # The attempt's process starts now, at the hand-over, not when this standby was spawned.
         ettr.runtime.process_start_time = lambda: handed_at

@@ -28,6 +28,17 @@ _lock = threading.Lock()
 _session: CompileSession | None = None
 _armed: int | None = None  # the generation whose post-import watch is waiting for torch._dynamo
 _generation = 0
+_warm_imports_only = False  # torch._inductor was imported by a standby's warm-up, which compiled nothing
+
+
+def after_warm_up() -> None:
+    """Called by a warm standby (`ettr.bootstrap.standby`) at its hand-over, before the bootstrap: its
+    warm-up imported torch._dynamo (so torch._inductor) and compiled nothing, and importing
+    `torch._dynamo.package` left inductor's *default* cache directory in the environment it has since
+    replaced by the attempt's. The workload's own cache directory is then chosen as at a cold start, not
+    left to the default that every workload of the node shares (whose files a save would pack)."""
+    global _warm_imports_only
+    _warm_imports_only = True
 
 
 def _start_session(rec: RecorderProtocol, config: CompileConfig, generation: int | None = None) -> None:
@@ -86,11 +97,12 @@ def autoinstall(rec: RecorderProtocol | None = None, *, config: CompileConfig | 
 
 
 def _use_private_cache_dir(config: CompileConfig) -> None:
-    # Only before inductor has looked at its cache directory: a process must not split its files.
+    # Only before inductor has looked at its cache directory: a process must not split its files. A
+    # standby's warm-up imported inductor without compiling (`after_warm_up`): nothing was put there yet.
     if (
         not config.private_cache_dir
         or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        or "torch._inductor" in sys.modules
+        or ("torch._inductor" in sys.modules and not _warm_imports_only)
     ):
         return
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = private_cache_dir(config.user_key or default_user_key())
@@ -103,7 +115,8 @@ def current_session() -> CompileSession | None:
 
 def _reset_for_tests() -> None:
     """Forget the process's session and import hook (tests only; does not uninstall Dynamo callbacks)."""
-    global _session, _armed, _generation
+    global _session, _armed, _generation, _warm_imports_only
+    _warm_imports_only = False
     with _lock:
         if _session is not None:
             _session.hooks.uninstall()
