@@ -23,6 +23,9 @@ PROBE = ROOT / "tests" / "scripts" / "agent_probe.py"
 def run_ettr(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
     full.pop("OMP_NUM_THREADS", None)
+    # An earlier test's compile in this pytest process leaves inductor's default directory here (inductor
+    # writes it into os.environ): the job must choose its cache directory itself, as a user's would.
+    full.pop("TORCHINDUCTOR_CACHE_DIR", None)
     return subprocess.run(
         [sys.executable, "-m", "ettr.cli", *args], env=full, capture_output=True, text=True, timeout=600
     )
