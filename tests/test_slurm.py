@@ -85,19 +85,20 @@ def _start_now(cluster: Any, job: str) -> float:
     the job FAILS. Slurm's own BeginTime delay exists for this; the test waits 2 s of it.
 
     The seconds the job was seen pending (a lower bound of its wait in the queue)."""
-    pending_since: list[float] = []
+    pending_since: float | None = None
 
     def running_again() -> bool:
+        nonlocal pending_since
         out = cluster.run("scontrol", "show", "job", "-o", job).stdout
         if "JobState=PENDING" in out and "Reason=BeginTime" in out:
-            pending_since.append(time.monotonic())
-            if time.monotonic() - pending_since[0] >= 2.0:
+            pending_since = time.monotonic() if pending_since is None else pending_since
+            if time.monotonic() - pending_since >= 2.0:
                 cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
         assert "JobState=FAILED" not in out, f"the requeued job failed: {out.strip()}"
         return "JobState=RUNNING" in out and "Restarts=0" not in out
 
     _wait(running_again, 60, f"job {job} running again")
-    return time.monotonic() - pending_since[0] if pending_since else 0.0
+    return 0.0 if pending_since is None else time.monotonic() - pending_since
 
 
 def _report(run_dir: Path) -> dict[str, Any]:

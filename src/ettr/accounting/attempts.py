@@ -120,8 +120,9 @@ def gather(events: Iterable[Event]) -> JobEvents:
             elif kind == _SUPERVISOR_START:
                 if job.supervisor_start_ts is None:
                     job.supervisor_start_ts = e.ts
+                data = data_of(e)
                 job.runs.append(
-                    RunStart(e.ts, _finite(e.data, "submitted_at"), _finite(e.data, "allocated_at"))
+                    RunStart(e.ts, _finite(data.get("submitted_at")), _finite(data.get("allocated_at")))
                 )
             else:  # JOB_END: the last one wins (a resumed supervisor may end the job again)
                 job.job_end = e
@@ -471,9 +472,8 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
-def _finite(data: Any, key: str) -> float | None:
-    """`data[key]` as a finite number, else None (a missing, damaged or foreign value)."""
-    value = data.get(key) if isinstance(data, Mapping) else None
+def _finite(value: Any) -> float | None:
+    """`value` as a finite number, else None (a missing, damaged or foreign value)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if isfinite(value) else None
