@@ -34,6 +34,29 @@ def test_memory_ledger_is_a_ledger():
     assert [e.step for e in ledger.read()] == [1]
 
 
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+def test_every_local_backend_answers_what_callers_need(tmp_path, backend):
+    """The Ledger Protocol's members, the same way on each backend: callers never ask for a concrete class."""
+    from ettr.ledger import Ledger, LedgerHealth
+
+    ledger: Ledger = MemoryLedger() if backend == "memory" else open_ledger(tmp_path)
+    assert isinstance(ledger, Ledger)
+    events = [
+        Event(EventKind.ATTEMPT_START, 1.0, 0, SUPERVISOR_RANK),
+        Event(EventKind.STEP, 2.0, 0, 0, step=1),
+        Event(EventKind.STEP, 3.5, 0, 1, step=1),
+        Event(EventKind.ATTEMPT_END, 4.0, 0, SUPERVISOR_RANK),
+        Event(EventKind.ATTEMPT_START, 5.0, 1, SUPERVISOR_RANK),
+    ]
+    ledger.append(events)
+    assert ledger.read_supervisor() == [events[0], events[3], events[4]]
+    assert ledger.last_activity(0) == 3.5  # training processes only: not the supervisor's ATTEMPT_END
+    assert ledger.last_activity(1) is None
+    assert ledger.health() == LedgerHealth() and not ledger.health().pending
+    ledger.close(drain_timeout_s=5.0)  # nothing held back: returns at once
+    ledger.close()
+
+
 def test_missing_and_foreign_files_are_ledger_errors(tmp_path):
     with pytest.raises(LedgerError):
         open_ledger(tmp_path / "nope", create=False)

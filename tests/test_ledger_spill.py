@@ -51,6 +51,9 @@ class FakeServer:
         self._check()
         return [r.event for r in self.rows.values()]
 
+    def read_supervisor(self) -> list[Event]:
+        return [e for e in self.read() if e.rank < 0]
+
     def last_activity(self, attempt: int) -> float | None:
         self._check()
         found = [r.event.ts for r in self.rows.values() if r.event.attempt == attempt and r.event.rank >= 0]
@@ -136,8 +139,10 @@ def test_a_server_down_at_start_does_not_fail_the_writer(tmp_path):
     )
     ledger.append(_steps(0, 3))
     assert ledger.server_down and ledger.backlog
+    assert ledger.health().server_down and ledger.health().backlog and ledger.health().pending
     server.up = True
     _wait_for(lambda: not ledger.backlog)
+    assert not ledger.health().pending
     assert sorted(e.step for e in server.read()) == [0, 1, 2] and len(calls) >= 2
     ledger.close()
 

@@ -9,12 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ettr.events import Event
-from ettr.ledger.base import Ledger, LedgerError, LedgerRejected, MemoryLedger
+from ettr.ledger.base import Ledger, LedgerError, LedgerHealth, LedgerRejected, MemoryLedger
 from ettr.ledger.sqlite import LEDGER_FILENAME, SqliteLedger
 
 __all__ = [
     "Ledger",
     "LedgerError",
+    "LedgerHealth",
     "LedgerRejected",
     "MemoryLedger",
     "SqliteLedger",
@@ -30,8 +31,9 @@ def ledger_path(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / LEDGER_FILENAME
 
 
-def open_ledger(run_dir: str | os.PathLike[str], *, create: bool = True) -> SqliteLedger:
-    """Open (and with `create`, make) the ledger of a run directory. Raises `LedgerError`."""
+def open_ledger(run_dir: str | os.PathLike[str], *, create: bool = True) -> Ledger:
+    """Open (and with `create`, make) the run directory's own ledger (`RUN_DIR/ledger.db`). Raises
+    `LedgerError`."""
     return SqliteLedger(ledger_path(run_dir), create=create)
 
 

@@ -28,20 +28,69 @@ class LedgerMark:
     last_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class LedgerHealth:
+    """Whether a ledger's writes are in its books now. A local ledger (SQLite, memory) is always healthy; a
+    ledger over a shared server reports an outage and what it holds back meanwhile (`SpillingLedger`)."""
+
+    server_down: bool = False
+    """The shared server does not answer (down, unreachable or stalled): appends go to local spill files."""
+    backlog: bool = False
+    """Events written through this ledger (or adopted from a dead writer of its job) are not on the server yet."""
+
+    @property
+    def pending(self) -> bool:
+        """Something is waiting for the server: `close(drain_timeout_s=...)` would try to deliver it."""
+        return self.server_down or self.backlog
+
+
 @runtime_checkable
 class Ledger(Protocol):
-    """Append-only event storage shared by every process of one job.
+    """Append-only event storage shared by every process of one job: what every caller may use, whatever
+    the backend (SQLite in the run directory, PostgreSQL through its spill files, memory in tests).
 
     `append` writes all given events in one transaction and returns once they are durable against a crash of
     the calling process. `read` returns every event in append order. Both may be called from several
-    processes at once.
+    processes at once. Every method raises `LedgerError` (never a backend's own exception) when the books
+    cannot be used.
     """
 
     def append(self, events: Sequence[Event]) -> None: ...
 
     def read(self) -> list[Event]: ...
 
-    def close(self) -> None: ...
+    def read_supervisor(self) -> list[Event]:
+        """The supervisors' own events (rank < 0) in append order: what the peers of a multi-node job poll
+        (a narrow query where the backend has one)."""
+        ...
+
+    def last_activity(self, attempt: int) -> float | None:
+        """The newest timestamp of a training-process event (rank >= 0) of `attempt` of this job, or None:
+        the supervisor's hang probe. Never waits on an unavailable server (a shared ledger answers from what
+        it spilled); ignores what other jobs wrote."""
+        ...
+
+    def health(self) -> LedgerHealth:
+        """Whether writes reach the books now, and whether events wait for a server (cheap; no I/O)."""
+        ...
+
+    def close(self, drain_timeout_s: float = 0.0) -> None:
+        """Release the ledger. With `drain_timeout_s` > 0 a ledger holding events back for a server tries to
+        deliver them for up to that long first (the supervisor at job end); what is left stays durable
+        where it was spilled. Idempotent; a local ledger has nothing to drain."""
+        ...
+
+
+def supervisor_events(events: Sequence[Event]) -> list[Event]:
+    """The supervisors' events (rank < 0) of `events`, in order: `read_supervisor` of a backend with no
+    narrower query."""
+    return [e for e in events if e.rank < 0]
+
+
+def latest_activity(events: Sequence[Event], attempt: int) -> float | None:
+    """`last_activity` over events in memory."""
+    found = [e.ts for e in events if e.attempt == attempt and e.rank >= 0]
+    return max(found) if found else None
 
 
 class MemoryLedger:
@@ -59,5 +108,14 @@ class MemoryLedger:
         with self._lock:
             return list(self._events)
 
-    def close(self) -> None:
+    def read_supervisor(self) -> list[Event]:
+        return supervisor_events(self.read())
+
+    def last_activity(self, attempt: int) -> float | None:
+        return latest_activity(self.read(), attempt)
+
+    def health(self) -> LedgerHealth:
+        return LedgerHealth()
+
+    def close(self, drain_timeout_s: float = 0.0) -> None:
         pass

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ettr.events import SCHEMA_VERSION as EVENT_SCHEMA_VERSION
 from ettr.events import Event
-from ettr.ledger.base import LedgerError, LedgerMark, LedgerRejected
+from ettr.ledger.base import LedgerError, LedgerHealth, LedgerMark, LedgerRejected
 from ettr.ledger.codec import KeyedEvent, events_from_rows, to_row
 
 logger = logging.getLogger("ettr")
@@ -276,7 +276,11 @@ class PostgresLedger:
             ).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
-    def close(self) -> None:
+    def health(self) -> LedgerHealth:
+        """Not held back: a failed call raises (`SpillingLedger` turns that into spilling)."""
+        return LedgerHealth()
+
+    def close(self, drain_timeout_s: float = 0.0) -> None:
         with self._lock:
             self._drop()
 

@@ -31,7 +31,7 @@ from typing import Protocol
 
 from ettr.atomic import fsync_dir
 from ettr.events import Event
-from ettr.ledger.base import LedgerError, LedgerRejected
+from ettr.ledger.base import LedgerError, LedgerHealth, LedgerRejected
 from ettr.ledger.codec import KeyedEvent, from_row, to_row
 from ettr.ledger.postgres import new_writer_id
 
@@ -50,6 +50,8 @@ class ServerLedger(Protocol):
     def insert(self, records: Sequence[KeyedEvent], *, may_repeat: bool = True) -> None: ...
 
     def read(self) -> list[Event]: ...
+
+    def read_supervisor(self) -> list[Event]: ...
 
     def last_activity(self, attempt: int) -> float | None: ...
 
@@ -221,6 +223,10 @@ class SpillingLedger:
     def server_down(self) -> bool:
         return self._down
 
+    def health(self) -> LedgerHealth:
+        """The outage and the backlog as the Ledger Protocol reports them (no I/O)."""
+        return LedgerHealth(server_down=self._down, backlog=self.backlog)
+
     def _mark_down(self, exc: BaseException) -> None:
         if not self._down:
             logger.warning(
@@ -293,8 +299,7 @@ class SpillingLedger:
                 f"the ledger server is unreachable; {self.spill_dir} holds the events meanwhile"
             )
         self.deliver()
-        reader = getattr(self._server, "read_supervisor", None)
-        return reader() if reader is not None else [e for e in self._server.read() if e.rank < 0]
+        return self._server.read_supervisor()
 
     def last_activity(self, attempt: int) -> float | None:
         """Newest training-process event of `attempt` on the server or in this node's spill files."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ettr.events import SCHEMA_VERSION, Event
-from ettr.ledger.base import LedgerError
+from ettr.ledger.base import LedgerError, LedgerHealth
 from ettr.ledger.rows import Row, from_row, to_row
 
 logger = logging.getLogger("ettr")
@@ -229,10 +229,17 @@ class SqliteLedger:
     def last_activity(self, attempt: int) -> float | None:
         """Latest timestamp of a training-process event (rank >= 0) of `attempt`, or None (hang detection)."""
         with self._lock:
-            row = self._conn.execute(
-                "SELECT max(ts) FROM events WHERE attempt = ? AND rank >= 0", (attempt,)
-            ).fetchone()
-        return None if row is None else row[0]
+            try:
+                row = self._conn.execute(
+                    "SELECT max(ts) FROM events WHERE attempt = ? AND rank >= 0", (attempt,)
+                ).fetchone()
+            except sqlite3.DatabaseError as exc:
+                raise LedgerError(f"{self.path} cannot be read ({exc})") from None
+        return None if row is None or row[0] is None else float(row[0])
+
+    def health(self) -> LedgerHealth:
+        """A local file: always in the books (a failed write raises from `append`)."""
+        return LedgerHealth()
 
     def job_id(self) -> str | None:
         """The job id its first supervisor recorded (None: no supervisor has written yet)."""
@@ -249,6 +256,7 @@ class SqliteLedger:
             return None
         return None if held is None else str(held)
 
-    def close(self) -> None:
+    def close(self, drain_timeout_s: float = 0.0) -> None:
+        """Close the connection (nothing is held back: `drain_timeout_s` is accepted for the Protocol)."""
         with self._lock:
             self._conn.close()
