@@ -128,8 +128,8 @@ def test_render_shows_summary_every_bucket_attempts_and_phases() -> None:
         assert re.search(rf"^  {bucket.value} +\d+\.\d +\d+\.\d%", text, re.M), bucket
     rows = [line.split() for line in text.splitlines() if re.match(r"^  [01]  ", line)]
     assert rows == [
-        ["0", "failed", "1", "2.0", "12.0", "-", "10", "4"],
-        ["1", "completed", "0", "16.0", "14.0", "6", "16", "0"],
+        ["0", "failed", "1", "2.0", "12.0", "-", "10", "4", "1.000", "1.000"],
+        ["1", "completed", "0", "16.0", "14.0", "6", "16", "0", "1.000", "1.000"],
     ]
     assert re.search(r"^  compile +1\.0$", text, re.M)
     assert "in progress" not in text and "recompiles 1" in text

@@ -17,6 +17,7 @@ from ettr.accounting.model import (
     TtsWindow,
 )
 from ettr.accounting.slowdown import PersistSlowdown, StepSlowdown
+from ettr.accounting.steptime import StepTime
 from ettr.accounting.timeline import PRECEDENCE
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "Recovery",
     "Segment",
     "StepSlowdown",
+    "StepTime",
     "TtsWindow",
     "classify",
     "compute",

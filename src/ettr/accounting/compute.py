@@ -13,6 +13,7 @@ from ettr.accounting.causes import failure_causes
 from ettr.accounting.fence import fence
 from ettr.accounting.model import AttemptReport, EttReport, Recovery, TtsWindow
 from ettr.accounting.slowdown import AttemptSteps, step_slowdown
+from ettr.accounting.steptime import kept_step_times, step_time
 from ettr.accounting.timeline import build_segments
 from ettr.accounting.ttr import breakdowns
 from ettr.events import Bucket, Event, Outcome, Phase
@@ -96,7 +97,12 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
     def pct(seconds: float) -> float:
         return seconds / wall_s * 100.0 if wall_s > 0 else 0.0
 
-    attempt_reports = tuple(_attempt_report(a, by_attempt.get(a.index)) for a in attempts)
+    kept_times = {
+        a.index: kept_step_times(a.step_ts, a.step_numbers, a.phases, a.keep_up_to_step) for a in attempts
+    }
+    attempt_reports = tuple(
+        _attempt_report(a, by_attempt.get(a.index), kept_times[a.index]) for a in attempts
+    )
     tts_window = _tts_window(job.allocated_ts, job.supervisor_start_ts, wall_start, attempt_reports)
     recoveries = _recoveries(attempt_reports)
     ttr_parts, tts_parts = breakdowns(
@@ -143,10 +149,13 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         slowdown=step_slowdown(AttemptSteps(a.index, a.step_ts, a.phases, a.step_numbers) for a in attempts),
         ttr_parts=ttr_parts,
         tts_parts=tts_parts,
+        step_time=step_time([d for times in kept_times.values() for d in times]),
     )
 
 
-def _attempt_report(attempt: Attempt, buckets: Mapping[Bucket, list[float]] | None) -> AttemptReport:
+def _attempt_report(
+    attempt: Attempt, buckets: Mapping[Bucket, list[float]] | None, kept_times: list[float]
+) -> AttemptReport:
     phases: dict[str, list[float]] = {}
     for begin, end, _, name in attempt.phases:
         phases.setdefault(name, []).append(end - begin)
@@ -170,6 +179,7 @@ def _attempt_report(attempt: Attempt, buckets: Mapping[Bucket, list[float]] | No
         phases_s=MappingProxyType({name: math.fsum(phases[name]) for name in _phase_order(phases)}),
         resumed_step_unknown=attempt.resumed_step_unknown,
         lost_steps_estimated=attempt.lost_steps_estimated,
+        step_time=step_time(kept_times),
     )
 
 

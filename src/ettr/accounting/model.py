@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from ettr.accounting.causes import Cause, FailureCause
 from ettr.accounting.slowdown import StepSlowdown
+from ettr.accounting.steptime import NO_STEP_TIME, StepTime
 from ettr.accounting.ttr import RecoveryParts
 from ettr.events import Bucket, Outcome
 
@@ -105,10 +106,22 @@ class AttemptReport:
     lost_steps_estimated: bool = False
     """True when `lost_steps` (and its wasted/effective split) is an estimate: the next attempt's resume
     step is unknown, so the latest checkpoint committed before it started stands in for it."""
+    step_time: StepTime = NO_STEP_TIME
+    """Time per kept step of its reference rank: median, p90 (`ettr.accounting.steptime`)."""
 
     @property
     def duration_s(self) -> float:
         return self.end_ts - self.start_ts
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Median seconds per kept step (the contract's `step_time_s`); None when none was timed."""
+        return self.step_time.median_s
+
+    @property
+    def num_kept_steps(self) -> int:
+        """Its steps whose progress was kept."""
+        return self.num_steps - self.lost_steps
 
     @property
     def trained(self) -> bool:
@@ -213,6 +226,18 @@ class EttReport:
     num_fenced_events: int = 0
     """Events of training processes recorded after their attempt had ended (orphans), not counted
     (`ettr.accounting.fence`)."""
+    step_time: StepTime = NO_STEP_TIME
+    """Time per kept step over every attempt's kept steps: median, p90 (`ettr.accounting.steptime`)."""
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Median seconds per kept step (the contract's `step_time_s`); None when none was timed."""
+        return self.step_time.median_s
+
+    @property
+    def num_kept_steps(self) -> int:
+        """Steps whose progress was kept, over every attempt."""
+        return sum(a.num_kept_steps for a in self.attempts)
 
     @property
     def mean_ttr_s(self) -> float | None:

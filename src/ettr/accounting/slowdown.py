@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ettr.accounting.steptime import blocking_spans, overlaps_any, step_intervals, union
 from ettr.events import Phase
 
 WARMUP_STEPS = 3
@@ -37,8 +38,6 @@ WARMUP_STEPS = 3
 
 BUSY_FRACTION = 0.5
 """An interval is busy when at least this share of it lies inside a persist window."""
-
-_NOT_BLOCKING = frozenset({Phase.CHECKPOINT_PERSIST, Phase.DATA_WAIT, Phase.GET_FIRST_BATCH_DATA})
 
 
 class AttemptSteps(NamedTuple):
@@ -105,9 +104,9 @@ def step_slowdown(attempts: Iterable[AttemptSteps]) -> StepSlowdown | None:
     for attempt in attempts:
         merged = _merged_windows(attempt.phases)
         busy_lists: list[list[float]] = [[] for _ in merged]
-        blocking = _union((b, e) for b, e, phase, _ in attempt.phases if phase not in _NOT_BLOCKING)
+        blocking = blocking_spans(attempt.phases)
         for begin, end in _intervals(attempt.step_ts, attempt.step_numbers):
-            if end <= begin or _overlaps_any(blocking, begin, end):
+            if end <= begin or overlaps_any(blocking, begin, end):
                 continue
             index, inside = _inside(merged, begin, end)
             if inside == 0.0:
@@ -155,26 +154,11 @@ def _ratio(value: float | None, base: float | None) -> float | None:
 
 def _intervals(step_ts: Sequence[float], step_numbers: Sequence[int]) -> list[tuple[float, float]]:
     """Consecutive STEP intervals of one attempt, without its first `WARMUP_STEPS`."""
-    if len(step_numbers) == len(step_ts):
-        keep = [i for i in range(len(step_ts)) if i == 0 or step_numbers[i] != step_numbers[i - 1]]
-        step_ts = [step_ts[i] for i in keep]
-    pairs = list(zip(step_ts, step_ts[1:], strict=False))
-    return pairs[WARMUP_STEPS:]
+    return [(begin, end) for _, begin, end in step_intervals(step_ts, step_numbers)][WARMUP_STEPS:]
 
 
 def _merged_windows(phases: Sequence[tuple[float, float, Phase | None, str]]) -> list[tuple[float, float]]:
-    return _union((b, e) for b, e, phase, _ in phases if phase is Phase.CHECKPOINT_PERSIST)
-
-
-def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Disjoint spans in order covering the non-empty ones given (overlapping ones merged)."""
-    merged: list[tuple[float, float]] = []
-    for begin, end in sorted(s for s in spans if s[1] > s[0]):
-        if merged and begin <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((begin, end))
-    return merged
+    return union((b, e) for b, e, phase, _ in phases if phase is Phase.CHECKPOINT_PERSIST)
 
 
 def _inside(windows: list[tuple[float, float]], begin: float, end: float) -> tuple[int, float]:
@@ -191,9 +175,3 @@ def _inside(windows: list[tuple[float, float]], begin: float, end: float) -> tup
             if overlap > best:
                 best, best_index = overlap, index
     return best_index, total
-
-
-def _overlaps_any(spans: list[tuple[float, float]], begin: float, end: float) -> bool:
-    """Whether any of the disjoint, ordered `spans` overlaps the open interval (begin, end): O(log n)."""
-    last = bisect.bisect_left(spans, (end, -math.inf)) - 1  # the last span beginning before `end`
-    return last >= 0 and spans[last][1] > begin

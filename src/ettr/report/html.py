@@ -18,7 +18,7 @@ from ettr.accounting.model import AttemptReport, EttReport
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import Bucket
-from ettr.report import ttr_parts
+from ettr.report import steptime, ttr_parts
 from ettr.report.charts import bucket_bars_svg, failure_summary, share_bar_svg, timeline_svg
 from ettr.report.startup_charts import phase_bars_svg, ttr_svg, tts_waterfall_svg
 from ettr.report.svg import (
@@ -162,6 +162,12 @@ def _cards(r: EttReport) -> str:
         ("", "time to start", fmt_s(r.tts_s), "allocation to the first training step"),
         ("", "mean TTR", fmt_s(r.mean_ttr_s), f"{len(r.ttr_s)} recovered failure(s)"),
         (
+            "",
+            "time per step",
+            _fmt_step(r.step_time.median_s),
+            f"kept steps: {steptime.summary(r.step_time)}",
+        ),
+        (
             "fail" if r.num_failures else "",
             "failures",
             str(r.num_failures),
@@ -201,6 +207,14 @@ def _delta_s(d: float) -> str:
     return ("+" if d > 0 else "-" if d < 0 else "±") + fmt_s(abs(d))
 
 
+def _fmt_step(v: float | None) -> str:
+    return "—" if v is None else steptime.fmt_step(v)
+
+
+def _delta_step(d: float) -> str:
+    return ("+" if d > 0 else "-" if d < 0 else "±") + steptime.fmt_step(abs(d))
+
+
 _METRICS = (
     _Metric("ETT", lambda r: r.ett_pct, _fmt_pct_or_dash, lambda d: f"{d:+.1f} pp", higher_is_better=True),
     _Metric(
@@ -217,6 +231,23 @@ _METRICS = (
     _Metric("wall time", lambda r: r.wall_s, fmt_s, _delta_s, higher_is_better=None),
     _Metric("time to start (TTS)", lambda r: r.tts_s, fmt_s, _delta_s, higher_is_better=False),
     _Metric("mean time to recover (TTR)", lambda r: r.mean_ttr_s, fmt_s, _delta_s, higher_is_better=False),
+    _Metric(
+        "time per kept step (median)",
+        lambda r: r.step_time.median_s,
+        _fmt_step,
+        _delta_step,
+        higher_is_better=False,
+    ),
+    _Metric(
+        "time per kept step (p90)",
+        lambda r: r.step_time.p90_s,
+        _fmt_step,
+        _delta_step,
+        higher_is_better=False,
+    ),
+    _Metric(
+        "kept steps", lambda r: r.num_kept_steps, _fmt_count, lambda d: f"{d:+.0f}", higher_is_better=None
+    ),
     _Metric("failures", lambda r: r.num_failures, _fmt_count, lambda d: f"{d:+.0f}", higher_is_better=None),
     _Metric(
         "lost steps",
@@ -279,9 +310,11 @@ def _comparison(reports: Sequence[EttReport], names: Sequence[str]) -> str:
         rows.append(
             f'<tr><td><span data-bucket="{b.value}">{swatch} {esc(bucket_label(b))}</span></td>{cells}{deltas}</tr>'
         )
+    warnings = steptime.speed_warnings(names, [r.step_time.median_s for r in reports])
     return (
         f'<div class="wide"><table class="compare"><thead><tr><th class="text">metric</th>{head}</tr></thead>'
         f"<tbody>{''.join(rows)}</tbody></table></div>"
+        + "".join(f'<p class="warn">{esc(w)}</p>' for w in warnings)
     )
 
 
@@ -391,11 +424,18 @@ def _unknown_or(a: AttemptReport, v: object) -> str:
     return "unknown" if a.resumed_step_unknown else _dash(v)
 
 
+def _step_cell(a: AttemptReport) -> str:
+    """`49.2 ms (61.0 ms)`: median and p90 per kept step; `—` when none was timed."""
+    if a.step_time.median_s is None:
+        return "—"
+    return f"{steptime.fmt_step(a.step_time.median_s)} ({steptime.fmt_step(a.step_time.p90_s)})"
+
+
 def _attempts_table(r: EttReport) -> str:
     head = (
         '<tr><th>#</th><th class="text">outcome</th><th>exit code</th><th>resumed from</th><th>last step</th>'
-        "<th>lost steps</th><th>steps</th><th>start</th><th>duration</th><th>training from</th>"
-        '<th class="text">share of wall time</th></tr>'
+        "<th>lost steps</th><th>steps</th><th>step (p90)</th><th>start</th><th>duration</th>"
+        '<th>training from</th><th class="text">share of wall time</th></tr>'
     )
     rows = []
     for a in r.attempts:
@@ -410,7 +450,7 @@ def _attempts_table(r: EttReport) -> str:
                 "; " + details if details else ""
             )
         mini = share_bar_svg(
-            a.buckets_s, width=160, height=12, labels=False, title_prefix=f"attempt {a.index} · "
+            a.buckets_s, width=120, height=12, labels=False, title_prefix=f"attempt {a.index} · "
         )
         rows.append(
             f"<tr><td>{a.index}</td>"
@@ -418,12 +458,13 @@ def _attempts_table(r: EttReport) -> str:
             f"<td>{_dash(a.exit_code)}</td>"
             f"<td>{_unknown_or(a, a.resumed_from_step)}</td><td>{_unknown_or(a, a.last_step)}</td>"
             f"<td>{'~' if a.lost_steps_estimated else ''}{a.lost_steps}</td><td>{a.num_steps}</td>"
+            f"<td>{esc(_step_cell(a))}</td>"
             f"<td>+{esc(fmt_s(a.start_ts - r.wall_start_ts))}</td>"
             f"<td>{esc(fmt_s(a.duration_s))}</td><td>{esc(train)}</td>"
             f'<td class="text"><span class="mini">{mini}</span></td></tr>'
         )
         if details:  # a row of its own: the full width of the table, not a squeezed last column
-            rows.append(f'<tr class="details"><td class="text" colspan="11">{esc(details)}</td></tr>')
+            rows.append(f'<tr class="details"><td class="text" colspan="12">{esc(details)}</td></tr>')
     if not rows:
         return '<p class="note">No attempt recorded.</p>'
     return f'<table class="attempts"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'

@@ -13,7 +13,7 @@ from typing import Any
 from ettr.accounting import AttemptReport, EttReport
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
-from ettr.report import ttr_parts
+from ettr.report import steptime, ttr_parts
 from ettr.report.slowdown import to_json as slowdown_json
 
 SCHEMA = "ettr.report/1"
@@ -23,7 +23,9 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     """The `ettr.report/1` object of `report`.
 
     Contract keys first (schema, job_id, wall_s, ett_pct, idleness_pct, failure_pct, tts_s, ttr_s,
-    num_failures, buckets_s, attempts), then the extras: in_progress, wall_start_ts, wall_end_ts,
+    num_failures, buckets_s, attempts, step_time_s — median seconds per kept step, null when none, also in
+    each attempt), then the extras: step_time_p90_s and num_timed_steps (top level and per attempt),
+    num_kept_steps, in_progress, wall_start_ts, wall_end_ts,
     effective_training_s, idleness_s, failure_s, submitted_ts, allocated_ts, supervisor_start_ts,
     job_exit_status, num_fenced_events (training events recorded after their attempt ended, not counted),
     phases_s, recompiles, checkpoint_commits, tts_window (origin_ts, training_start_ts,
@@ -47,6 +49,9 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         "num_failures": report.num_failures,
         "buckets_s": _buckets(report.buckets_s),
         "attempts": [_attempt(a) for a in report.attempts],
+        # Added in the third wave: median time per kept step (null when none), then its extras.
+        **steptime.to_json(report.step_time),
+        "num_kept_steps": report.num_kept_steps,
         # Extras beyond the contract.
         "in_progress": report.in_progress,
         "wall_start_ts": report.wall_start_ts,
@@ -128,6 +133,7 @@ def _attempt(attempt: AttemptReport) -> dict[str, Any]:
         "last_step": attempt.last_step,
         "lost_steps": attempt.lost_steps,
         "buckets_s": _buckets(attempt.buckets_s),
+        **steptime.to_json(attempt.step_time),
         # Extras beyond the contract.
         "duration_s": attempt.duration_s,
         "training_start_ts": attempt.training_start_ts,

@@ -11,7 +11,7 @@ from typing import Any
 from ettr.accounting import EttReport
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
-from ettr.report import ttr_parts
+from ettr.report import steptime, ttr_parts
 from ettr.report.slowdown import text_lines as slowdown_lines
 
 BAR_WIDTH = 40
@@ -44,7 +44,7 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
     title = f"job {report.job_id}" if report.job_id else "job"
     if report.in_progress:
         title += "  (in progress: no job end recorded; closed at the report time)"
-    lines = [title, summary_line(report), ""]
+    lines = [title, summary_line(report), f"step time: {steptime.summary(report.step_time)}", ""]
     if report.num_fenced_events:
         lines[-1:-1] = [
             f"note: {report.num_fenced_events} event(s) recorded by training processes after their attempt "
@@ -60,7 +60,18 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
     )
 
     lines += ["", "attempts (start offset from wall start)"]
-    header = ("#", "outcome", "exit", "start_s", "duration_s", "resumed_from", "last_step", "lost_steps")
+    header = (
+        "#",
+        "outcome",
+        "exit",
+        "start_s",
+        "duration_s",
+        "resumed_from",
+        "last_step",
+        "lost_steps",
+        "step_s",
+        "step_p90_s",
+    )
     rows = [
         (
             str(a.index),
@@ -71,6 +82,8 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
             "unknown" if a.resumed_step_unknown else _dash(a.resumed_from_step),
             "unknown" if a.resumed_step_unknown else _dash(a.last_step),
             f"~{a.lost_steps}" if a.lost_steps_estimated else str(a.lost_steps),
+            _step_s(a.step_time.median_s),
+            _step_s(a.step_time.p90_s),
         )
         for a in report.attempts
     ]
@@ -114,9 +127,10 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
 
 
 def render_comparison(reports: Sequence[EttReport], *, labels: Sequence[str] | None = None) -> str:
-    """Several reports side by side: ETT %, idleness, failure, wall, TTS, mean TTR, failures, and every
-    bucket (seconds and % of wall). With exactly two reports a last column gives the change (second minus
-    first). `labels` name the columns (default: job ids)."""
+    """Several reports side by side: ETT %, idleness, failure, wall, TTS, mean TTR, failures, the time per
+    kept step (median, p90) and every bucket (seconds and % of wall). With exactly two reports a last column
+    gives the change (second minus first; relative for step times). `labels` name the columns (default: job
+    ids). A warning follows for each run whose median step time differs from the first's by more than 10%."""
     if labels is None:
         labels = [r.job_id or f"#{i}" for i, r in enumerate(reports)]
     if len(labels) != len(reports):
@@ -137,12 +151,22 @@ def render_comparison(reports: Sequence[EttReport], *, labels: Sequence[str] | N
     for name, values, fmt in metrics:
         cells = [("-" if v is None else fmt.format(v)) for v in values]
         rows.append((name, *cells, *((_delta(values, fmt),) if with_delta else ())))
+    speeds = [
+        ("step time median", [r.step_time.median_s for r in reports]),
+        ("step time p90", [r.step_time.p90_s for r in reports]),
+    ]
+    for name, step_values in speeds:
+        cells = [steptime.fmt_step(v) for v in step_values]
+        change = (steptime.fmt_change(*step_values),) if with_delta else ()
+        rows.append((name, *cells, *change))
+    rows.append(("kept steps", *(str(r.num_kept_steps) for r in reports), *(("",) if with_delta else ())))
     rows.append(("buckets: seconds (% of wall)", *([""] * (len(header) - 1))))
     for bucket in Bucket:
         values = [r.buckets_s[bucket] for r in reports]
         cells = [f"{v:.1f} ({r.bucket_pct(bucket):.1f}%)" for v, r in zip(values, reports, strict=True)]
         rows.append((f"  {bucket.value}", *cells, *((_delta(values, "{:.1f}"),) if with_delta else ())))
-    return "\n".join(_table(header, rows, indent="")) + "\n"
+    warnings = steptime.speed_warnings(list(labels), [r.step_time.median_s for r in reports])
+    return "\n".join([*_table(header, rows, indent=""), *warnings]) + "\n"
 
 
 def _table(
@@ -172,6 +196,11 @@ def _bar(pct: float) -> str:
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
+
+
+def _step_s(value: float | None) -> str:
+    """Seconds per step for a table column: `0.049`, `1.000`, `12.3`; `-` when unknown."""
+    return "-" if value is None else f"{value:.3f}" if value < 10 else f"{value:.1f}"
 
 
 def _dash(value: Any) -> str:
