@@ -478,3 +478,24 @@ def test_worker_processes_read_the_same_summaries(tmp_path):
     alone, _ = load_run_dirs(run_dirs, now=T0, workers=1)
     pooled, problems = load_run_dirs(run_dirs, now=T0, workers=2)
     assert not problems and pooled == alone and len(pooled) == 16
+
+
+# -- step speed ----------------------------------------------------------------------------------------------
+def test_jobs_whose_steps_ran_more_than_10_percent_off_their_family_are_listed():
+    from ettr.fleet.aggregate import build_fleet
+    from ettr.fleet.json import to_dict
+    from ettr.fleet.text import render
+
+    jobs = [_summary(i, step_time_s=0.050) for i in range(3)]
+    jobs += [_summary(3, step_time_s=0.081), _summary(4, step_time_s=0.054)]  # +62%, +8%
+    jobs += [_summary(0, "g", step_time_s=1.0), _summary(1, "lone", step_time_s=9.0)]  # g, lone: one job each
+    jobs += [_summary(5, step_time_s=None)]  # unknown: not compared, and it does not move the median
+    report = build_fleet(jobs)
+    assert [(o.job_id, round(o.change, 2)) for o in report.step_speed] == [("f-3", 0.62)]
+    assert report.step_speed[0].family_step_time_s == 0.050 and report.step_speed[0].num_family_jobs == 5
+    data = to_dict(report)
+    assert data["step_speed_outliers"][0]["job_id"] == "f-3"
+    assert {j["job_id"]: j["step_time_s"] for j in data["jobs"]}["f-5"] is None
+    text = render(report)
+    assert "warning: f-3 (f): median step 81.0 ms, 62% slower than its family's 50.0 ms (of 5 jobs)" in text
+    assert "step speed" in render(build_fleet(jobs[:3])) and "(none)" in render(build_fleet(jobs[:3]))

@@ -16,6 +16,7 @@ from ettr.accounting import Cause
 from ettr.events import Bucket
 from ettr.fleet.model import JobSummary
 from ettr.fleet.regress import Regression
+from ettr.fleet.stepspeed import StepSpeedOutlier, step_speed_outliers
 
 NUM_WORST_JOBS = 10
 
@@ -125,6 +126,8 @@ class FleetReport:
     costliest_buckets: tuple[tuple[Bucket, float], ...]
     """Lost buckets by GPU-hours, most first (zero ones left out)."""
     regressions: tuple[Regression, ...]
+    step_speed: tuple[StepSpeedOutlier, ...] = ()
+    """Jobs whose median step time is more than 10% off their family's (`ettr.fleet.stepspeed`)."""
 
 
 def day_of(ts: float) -> str:
@@ -158,4 +161,5 @@ def build_fleet(jobs: Sequence[JobSummary], regressions: Sequence[Regression] = 
         worst_jobs=tuple(worst[:NUM_WORST_JOBS]),
         costliest_buckets=tuple((b, h) for b, h in costly if h > 0),
         regressions=tuple(regressions),
+        step_speed=step_speed_outliers(ordered),
     )

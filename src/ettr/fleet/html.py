@@ -16,8 +16,9 @@ from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import Bucket
 from ettr.fleet.aggregate import Distribution, FleetReport
-from ettr.fleet.text import regression_line
+from ettr.fleet.text import regression_line, step_speed_line
 from ettr.report.charts import BUCKET_COLORS, esc, fmt_pct, fmt_s, share_bar_svg
+from ettr.report.steptime import fmt_step
 
 _W = 1000.0
 _FONT = 'font-family="system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif"'
@@ -241,11 +242,26 @@ def render_html(report: FleetReport) -> str:
     else:
         parts.append("<p>None: every family is within its own noise.</p>")
     parts.append("</section>")
+    parts.append(
+        f'<section id="step-speed"><h2>Step speed ({len(report.step_speed)} job(s) off their family)</h2>'
+    )
+    if report.step_speed:
+        parts.append(
+            '<p class="muted">ETT% is a share of time: a job whose steps ran slower shows more effective '
+            "training for the same work. These jobs' median step time is more than 10% off their family's.</p>"
+        )
+        parts.append("<p>" + "<br>".join(esc(step_speed_line(o)) for o in report.step_speed) + "</p>")
+    else:
+        parts.append("<p>None: every job's median step time is within 10% of its family's.</p>")
+    parts.append("</section>")
     parts.append("<section><h2>Worst jobs (lowest ETT%)</h2><table>")
-    parts.append("<tr><th>job</th><th>family</th><th>ETT%</th><th>GPU-hours</th><th>failures</th></tr>")
+    parts.append(
+        "<tr><th>job</th><th>family</th><th>ETT%</th><th>GPU-hours</th><th>failures</th><th>step</th></tr>"
+    )
     parts += [
         f'<tr><td data-ts="{j.wall_start_ts!r}">{esc(j.job_id)}</td><td>{esc(j.family)}</td>'
-        f"<td>{j.ett_pct:.1f}</td><td>{j.gpu_s / 3600:.3f}</td><td>{j.num_failures}</td></tr>"
+        f"<td>{j.ett_pct:.1f}</td><td>{j.gpu_s / 3600:.3f}</td><td>{j.num_failures}</td>"
+        f"<td>{esc(fmt_step(j.step_time_s))}</td></tr>"
         for j in report.worst_jobs
     ]
     parts.append("</table></section>")

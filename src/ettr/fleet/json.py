@@ -55,6 +55,8 @@ def job_dict(j: JobSummary) -> dict[str, Any]:
         "running": j.running,
         "last_commit_ts": j.last_commit_ts,
         "source": j.source,
+        "step_time_s": j.step_time_s,
+        "step_time_p90_s": j.step_time_p90_s,
     }
 
 
@@ -134,6 +136,17 @@ def to_dict(
         "days": {name: totals_dict(v) for name, v in report.days.items()},
         "weeks": {name: totals_dict(v) for name, v in report.weeks.items()},
         "problems": list(problems),
+        "step_speed_outliers": [
+            {
+                "job_id": o.job_id,
+                "family": o.family,
+                "step_time_s": o.step_time_s,
+                "family_step_time_s": o.family_step_time_s,
+                "change": o.change,
+                "num_family_jobs": o.num_family_jobs,
+            }
+            for o in report.step_speed
+        ],
     }
     if preempt is not None:
         out["preempt_order"] = dict(preempt)

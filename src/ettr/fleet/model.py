@@ -54,6 +54,9 @@ class JobSummary:
     """The newest checkpoint commit of the job, any attempt."""
     progress_start_ts: float | None
     """When the last attempt's training began (its work before that was restored or redone)."""
+    step_time_s: float | None = None
+    """Median seconds per kept step (the report's `step_time_s`); None when none was timed."""
+    step_time_p90_s: float | None = None
 
     @property
     def mean_ttr_s(self) -> float | None:
@@ -97,6 +100,8 @@ def summarize(
         running=running,
         last_commit_ts=max(commits) if commits else None,
         progress_start_ts=None if last is None else last.training_start_ts,
+        step_time_s=report.step_time.median_s,
+        step_time_p90_s=report.step_time.p90_s,
     )
 
 

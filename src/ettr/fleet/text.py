@@ -9,6 +9,8 @@ from ettr.accounting import Cause
 from ettr.fleet.aggregate import Distribution, FleetReport, Totals
 from ettr.fleet.preempt import PreemptCost
 from ettr.fleet.regress import Regression
+from ettr.fleet.stepspeed import StepSpeedOutlier
+from ettr.report.steptime import SPEED_TOLERANCE, fmt_step
 from ettr.report.text import _table
 
 
@@ -52,6 +54,15 @@ def regression_line(r: Regression) -> str:
     )
 
 
+def step_speed_line(o: StepSpeedOutlier) -> str:
+    pace = "slower" if o.change > 0 else "faster"
+    return (
+        f"{o.job_id} ({o.family}): median step {fmt_step(o.step_time_s)}, {abs(o.change) * 100:.0f}% {pace} "
+        f"than its family's {fmt_step(o.family_step_time_s)} (of {o.num_family_jobs} jobs): its ETT% is not "
+        "comparable with theirs"
+    )
+
+
 def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
     t = report.fleet
     lines = [
@@ -79,13 +90,15 @@ def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
         lines += ["", title]
         lines += _table((column, *_GROUP_HEADER[1:]), _group_rows(group), indent="  ")
     lines += ["", "worst jobs (lowest ETT%)"]
-    rows = [(j.job_id, j.family, f"{j.ett_pct:.1f}", f"{j.gpu_s / 3600:.2f}", str(j.gpus), str(j.num_failures))
-            for j in report.worst_jobs]  # fmt: skip
+    rows = [(j.job_id, j.family, f"{j.ett_pct:.1f}", f"{j.gpu_s / 3600:.2f}", str(j.gpus), str(j.num_failures),
+             fmt_step(j.step_time_s)) for j in report.worst_jobs]  # fmt: skip
     lines += _table(
-        ("job", "family", "ETT%", "gpu_h", "gpus", "NoF"), rows, indent="  ", left=frozenset({0, 1})
+        ("job", "family", "ETT%", "gpu_h", "gpus", "NoF", "step"), rows, indent="  ", left=frozenset({0, 1})
     )
     lines += ["", f"regressions ({len(report.regressions)})"]
     lines += [f"  {regression_line(r)}" for r in report.regressions] or ["  (none)"]
+    lines += ["", f"step speed: jobs more than {SPEED_TOLERANCE:.0%} off their family's median step time"]
+    lines += [f"  warning: {step_speed_line(o)}" for o in report.step_speed] or ["  (none)"]
     if problems:
         lines += ["", f"not read ({len(problems)})"] + [f"  {p}" for p in problems]
     return "\n".join(lines) + "\n"
