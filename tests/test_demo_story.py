@@ -14,7 +14,9 @@ from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Outcome, Phas
 T0 = 1_700_000_000.0
 
 
-def _job(*, init_s: float, compile_s: float, blocking_s: float, groups: int) -> list[Event]:
+def _job(
+    *, init_s: float, compile_s: float, blocking_s: float, groups: int, step_s: float = 1.0
+) -> list[Event]:
     """Attempt 0 starts up (init, compile), trains, saves, is preempted; attempt 1 starts up and completes."""
     rows = []
     for attempt, start in ((0, 0.0), (1, 100.0)):
@@ -46,7 +48,7 @@ def _job(*, init_s: float, compile_s: float, blocking_s: float, groups: int) -> 
         rows.append(Event(EventKind.TRAINING_START, T0 + t, attempt, 0))
         first = 21 if attempt else 1
         for step in range(first, first + 20):
-            t += 1.0
+            t += step_s
             rows.append(Event(EventKind.STEP, T0 + t, attempt, 0, step=step))
             if step == 20:
                 rows.append(
@@ -105,6 +107,52 @@ def test_the_tts_steps_go_from_the_baseline_to_the_optimized_tts():
     assert [s.label for s in steps[1:-1]] == ["compile store (warm)", "start-up not repeated"]
 
 
+def test_the_gain_at_equal_step_speed_takes_out_what_slower_steps_added():
+    """Both sides keep 40 steps. Baseline: 1 s a step, wall 158.5, ETT 40/158.5. Optimized: 1.6 s a step,
+    wall 142.5, ETT 64/142.5; at the baseline's pace its training is 40 s and its wall 142.5 - 64 + 40."""
+    baseline = _report(BASE)
+    optimized = _report(_job(init_s=7.0, compile_s=3.0, blocking_s=0.2, groups=3, step_s=1.6))
+    e = demo_story.equal_speed(baseline, optimized)
+    assert e is not None and e.num_kept_steps == 40
+    assert e.baseline_step_s == pytest.approx(1.0) and e.optimized_step_s == pytest.approx(1.6)
+    assert e.baseline_median_step_s == pytest.approx(1.0) and e.optimized_median_step_s == pytest.approx(1.6)
+    assert e.wall_s == pytest.approx(142.5) and e.wall_at_baseline_s == pytest.approx(118.5)
+    assert e.baseline_wall_s == pytest.approx(158.5)
+    assert e.ett_pct == pytest.approx(64 / 142.5 * 100)
+    assert e.ett_at_baseline_pct == pytest.approx(40 / 118.5 * 100)
+    assert e.baseline_ett_pct == pytest.approx(40 / 158.5 * 100)
+    assert e.gain_points == pytest.approx((40 / 118.5 - 40 / 158.5) * 100)
+    assert e.from_speed_points == pytest.approx((64 / 142.5 - 40 / 118.5) * 100)  # 11.2 of the 19.7 points
+
+    from ettr.demo_render import equal_speed_lines
+
+    text = "\n".join(equal_speed_lines(e))
+    assert "the same work: wall 118.5 s instead of 142.5 s (baseline 158.5 s" in text
+    assert "ETT 33.8% instead of 44.9%: +8.5 points over the baseline's 25.2%, not +19.7" in text
+    assert "11.2 of the +19.7 points came from slower steps" in text
+    # The same speed on both sides: the raw gain is the gain.
+    same = demo_story.equal_speed(baseline, _report(OPT))
+    assert same is not None and same.from_speed_points == pytest.approx(0.0, abs=1e-9)
+    assert "none of the gain came from a step-speed difference" in "\n".join(equal_speed_lines(same))
+    # Faster optimized steps hide part of the gain instead.
+    fast = demo_story.equal_speed(
+        baseline, _report(_job(init_s=7.0, compile_s=3.0, blocking_s=0.2, groups=3, step_s=0.5))
+    )
+    assert fast is not None and fast.from_speed_points < 0
+    assert "faster steps hid" in "\n".join(equal_speed_lines(fast))
+
+
+def test_no_kept_step_no_equal_speed_figure():
+    never = [
+        Event(EventKind.ATTEMPT_START, T0, 0, SUPERVISOR_RANK),
+        Event(EventKind.ATTEMPT_END, T0 + 5, 0, SUPERVISOR_RANK, data={"outcome": Outcome.FAILED}),
+    ]
+    from ettr.demo_render import equal_speed_lines
+
+    assert demo_story.equal_speed(_report(never), _report(OPT)) is None
+    assert equal_speed_lines(None)[-1] == "at equal step speed: unknown (a side kept no step)"
+
+
 def test_recoveries_and_audits_are_read_per_failure_and_attempt():
     baseline, optimized = _report(BASE), _report(OPT)
     (pair,) = demo_story.recovery_pairs(baseline, optimized)
@@ -134,8 +182,10 @@ def test_the_story_replays_and_projects_both_run_directories(tmp_path):
     text = "\n".join(story_lines(story))
     assert "what each technique bought" in text and "replay" in text and "1,024 GPUs for 1 days" in text
     assert "new_group 1 -> 3" in text  # the audit shows the optimized side's extra groups, honestly
+    assert "at equal step speed" in text and "none of the gain came from a step-speed difference" in text
     (html,) = story_sections(story)
     assert 'id="story"' in html and "<svg" in html and "Projection" in html
+    assert "At equal step speed" in html
 
 
 def test_a_run_that_never_trained_has_no_replay_and_says_so(tmp_path):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ettr.demo_story import Audit, FleetScale, Story
+from ettr.demo_story import Audit, EqualSpeed, FleetScale, Story
 from ettr.events import Bucket
+from ettr.report.steptime import fmt_step
 from ettr.report.svg import (
     BUCKET_COLORS,
     LABEL_W,
@@ -44,10 +45,36 @@ def _breakdown(spent: Mapping[Bucket, float]) -> str:
     return ", ".join(parts) or "-"
 
 
+def equal_speed_lines(e: EqualSpeed | None) -> list[str]:
+    """The gain at equal step speed: the wall time of the same work, the ETT at the baseline's pace, and how
+    much of the raw gain came from the step-speed difference."""
+    if e is None:
+        return ["", "at equal step speed: unknown (a side kept no step)"]
+    medians = f"medians {fmt_step(e.baseline_median_step_s)} vs {fmt_step(e.optimized_median_step_s)}"
+    if e.from_speed_points >= 0.05:
+        part = f"{e.from_speed_points:.1f} of the {e.raw_gain_points:+.1f} points came from slower steps"
+    elif e.from_speed_points <= -0.05:
+        part = f"faster steps hid {-e.from_speed_points:.1f} points of the gain"
+    else:
+        part = "none of the gain came from a step-speed difference"
+    return [
+        "",
+        f"at equal step speed (the optimized side's {e.num_kept_steps} kept steps at the baseline's "
+        f"{fmt_step(e.baseline_step_s)} of effective training a step, not its own {fmt_step(e.optimized_step_s)}; "
+        f"{medians}):",
+        f"  the same work: wall {e.wall_at_baseline_s:.1f} s instead of {e.wall_s:.1f} s (baseline "
+        f"{e.baseline_wall_s:.1f} s; training {e.effective_at_baseline_s:.1f} s instead of {e.effective_s:.1f} s)",
+        f"  ETT {e.ett_at_baseline_pct:.1f}% instead of {e.ett_pct:.1f}%: {e.gain_points:+.1f} points over the "
+        f"baseline's {e.baseline_ett_pct:.1f}%, not {e.raw_gain_points:+.1f}; {part}",
+    ]
+
+
 # -- text -------------------------------------------------------------------------------------------------
 def story_lines(story: Story) -> list[str]:
-    """The story for the terminal: technique shares, TTS steps, TTRs, the audit, replay, projection."""
+    """The story for the terminal: the gain at equal step speed, technique shares, TTS steps, TTRs, the
+    audit, replay, projection."""
     lines = [
+        *equal_speed_lines(story.equal_speed),
         "",
         "what each technique bought (seconds of its buckets, whole job; share of the wall time saved):",
     ]
@@ -234,6 +261,33 @@ def _projection_table(story: Story) -> str:
     )
 
 
+def _equal_speed_html(e: EqualSpeed | None) -> str:
+    if e is None:
+        return '<h3>At equal step speed</h3><p class="note">Unknown: a side kept no step.</p>'
+    rows = "".join(
+        f"<tr><td>{esc(name)}</td><td class=num>{esc(measured)}</td><td class=num>{esc(equal)}</td></tr>"
+        for name, measured, equal in (
+            ("effective training per kept step", fmt_step(e.optimized_step_s), fmt_step(e.baseline_step_s)),
+            ("effective training", fmt_s(e.effective_s), fmt_s(e.effective_at_baseline_s)),
+            (
+                "wall time (baseline: " + fmt_s(e.baseline_wall_s) + ")",
+                fmt_s(e.wall_s),
+                fmt_s(e.wall_at_baseline_s),
+            ),
+            ("ETT", f"{e.ett_pct:.1f}%", f"{e.ett_at_baseline_pct:.1f}%"),
+            ("gain over the baseline", f"{e.raw_gain_points:+.1f} points", f"{e.gain_points:+.1f} points"),
+        )
+    )
+    lines = equal_speed_lines(e)
+    return (
+        "<h3>At equal step speed</h3>"
+        f'<p class="note">ETT% is a share of time: slower steps raise it for the same work. The optimized side '
+        f"with its {e.num_kept_steps} kept steps at the baseline's pace, every other second as measured.</p>"
+        '<table class="story"><tr><th></th><th>optimized, measured</th><th>at the baseline\'s step time</th></tr>'
+        f"{rows}</table><p>{esc(lines[-1].strip())}</p>"
+    )
+
+
 def story_sections(story: Story) -> list[str]:
     """The story's sections for report.html (placed after the headline)."""
     css = (
@@ -264,5 +318,5 @@ def story_sections(story: Story) -> list[str]:
             _recovery_svg(story),
             f'<p class="note">{legend}</p>',
         ]
-    parts += [_projection_table(story), "</section>"]
+    parts += [_equal_speed_html(story.equal_speed), _projection_table(story), "</section>"]
     return ["".join(parts)]

@@ -12,6 +12,7 @@ about either side. The text lines are `ettr.report.demo_text.story_lines`, the p
     story.audits          # per side and attempt: start-up collectives and process groups (rank 0)
     story.replays         # per side: the simulator's replay of the run's own failures vs the measured ETT
     story.projection      # both sides at FLEET scale, from their measured profiles
+    story.equal_speed     # the gain at equal step speed: how much of the raw gain came from slower steps
 """
 
 from __future__ import annotations
@@ -162,6 +163,46 @@ class Projected:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EqualSpeed:
+    """The optimized side at the baseline's pace: its kept steps timed at the baseline's effective training
+    per kept step, every other second as measured (`equal_speed`)."""
+
+    baseline_step_s: float
+    """The baseline's effective training per kept step (its mean pace; what ETT counts per step)."""
+    optimized_step_s: float
+    baseline_median_step_s: float | None
+    optimized_median_step_s: float | None
+    num_kept_steps: int
+    """The optimized side's kept steps."""
+    effective_s: float
+    """Its effective training as measured."""
+    effective_at_baseline_s: float
+    """Its kept steps at the baseline's pace."""
+    wall_s: float
+    wall_at_baseline_s: float
+    """Its wall time with its kept steps at the baseline's pace: the wall time of the same work."""
+    baseline_wall_s: float
+    baseline_ett_pct: float
+    ett_pct: float
+    ett_at_baseline_pct: float
+    """The ETT the optimized side would have at the baseline's step time."""
+
+    @property
+    def raw_gain_points(self) -> float:
+        return self.ett_pct - self.baseline_ett_pct
+
+    @property
+    def gain_points(self) -> float:
+        """The gain at equal step speed."""
+        return self.ett_at_baseline_pct - self.baseline_ett_pct
+
+    @property
+    def from_speed_points(self) -> float:
+        """The part of the raw gain that came from the step-speed difference (positive: slower steps)."""
+        return self.raw_gain_points - self.gain_points
+
+
+@dataclass(frozen=True, kw_only=True)
 class Story:
     techniques: tuple[TechniqueGain, ...]
     tts_steps: tuple[Step, ...]
@@ -172,6 +213,8 @@ class Story:
     fleet: FleetScale
     notes: tuple[str, ...]
     """What could not be computed, and why."""
+    equal_speed: EqualSpeed | None = None
+    """The gain at equal step speed; None when a side kept no step."""
 
 
 # -- pure parts -------------------------------------------------------------------------------------------
@@ -201,6 +244,37 @@ def technique_gains(baseline: EttReport, optimized: EttReport) -> tuple[Techniqu
             )
         )
     return tuple(out)
+
+
+def equal_speed(baseline: EttReport, optimized: EttReport) -> EqualSpeed | None:
+    """The optimized side as if its kept steps ran at the baseline's pace (None when a side kept no step).
+
+    ETT% is a share of time: slower steps raise it for the same work. The pace of a side is its effective
+    training per kept step (the mean, which is exactly what its ETT counts; the medians are kept beside it).
+    Every other second of the optimized side (start-up, saves, recoveries, steps that were redone) stays as
+    measured, so the wall time at the baseline's pace is the wall time of the same work at equal step speed."""
+    if baseline.num_kept_steps <= 0 or optimized.num_kept_steps <= 0:
+        return None
+    base_step = baseline.effective_training_s / baseline.num_kept_steps
+    effective_at_base = optimized.num_kept_steps * base_step
+    wall_at_base = optimized.wall_s - optimized.effective_training_s + effective_at_base
+    if not wall_at_base > 0:
+        return None
+    return EqualSpeed(
+        baseline_step_s=base_step,
+        optimized_step_s=optimized.effective_training_s / optimized.num_kept_steps,
+        baseline_median_step_s=baseline.step_time_s,
+        optimized_median_step_s=optimized.step_time_s,
+        num_kept_steps=optimized.num_kept_steps,
+        effective_s=optimized.effective_training_s,
+        effective_at_baseline_s=effective_at_base,
+        wall_s=optimized.wall_s,
+        wall_at_baseline_s=wall_at_base,
+        baseline_wall_s=baseline.wall_s,
+        baseline_ett_pct=baseline.ett_pct,
+        ett_pct=optimized.ett_pct,
+        ett_at_baseline_pct=effective_at_base / wall_at_base * 100.0,
+    )
 
 
 def tts_buckets(report: EttReport) -> dict[Bucket, float]:
@@ -345,4 +419,5 @@ def build_story(
         projection=tuple(projection),
         fleet=fleet,
         notes=tuple(notes),
+        equal_speed=equal_speed(baseline, optimized),
     )
