@@ -148,3 +148,31 @@ def test_no_recovery_no_parts_and_renderers_show_them():
     text = report_text.render(report)
     assert "recover by part" in text and "relaunch" in text
     assert 'class="parts"' in render_html([report])
+
+
+def test_the_headline_and_the_table_show_one_ttr_each_labelled():
+    """The headline's TTR (failed attempt's end -> training start) is a row of the parts table, equal to it;
+    the table's total (failure -> first step) is labelled as such, in text, HTML and JSON."""
+    report = compute(job(), now=30.0)
+    (parts,) = report.ttr_parts
+    assert parts.headline_s == pytest.approx(report.ttr_s[0]) == pytest.approx(14.0 - 7.5 - 0.25)
+    assert report.tts_parts is not None and report.tts_parts.headline_s == pytest.approx(report.tts_s)
+    assert parts.total_s == pytest.approx(7.25) and parts.failure_known
+    data = json.loads(json.dumps(report_json.to_dict(report)))
+    entry = data["ttr_parts"][0]
+    assert entry["headline_s"] == pytest.approx(data["ttr_s"][0])
+    assert entry["headline_measures"] == data["ttr_measures"] and "training start" in data["ttr_measures"]
+    assert entry["total_measures"] == "failure -> first step"
+    assert data["tts_parts"]["headline_s"] == pytest.approx(data["tts_s"])
+    text = report_text.render(report)
+    row = next(line for line in text.splitlines() if line.strip().startswith("= TTS / TTR (headline)"))
+    assert row.split()[-2:] == ["5.50", "6.25"]  # TTS 5.5 and TTR 6.25, as in the summary line
+    assert "TTS 5.5 s | TTR 6.2 s" in report_text.summary_line(report)
+    page = render_html([report])
+    assert "= TTS / TTR (headline)" in page and "failed attempt&#x27;s end" in page
+    # Without a recorded failure the whole starts at the detection, and says so.
+    (unknown,) = compute(job(detected=False, backoff=False, failure=False), now=30.0).ttr_parts
+    assert not unknown.failure_known
+    assert report_json.to_dict(compute(job(failure=False), now=30.0))["ttr_parts"][0]["total_measures"] == (
+        "failure detected -> first step (failure time unknown)"
+    )

@@ -20,10 +20,14 @@ part, so the parts always add up to the whole):
     other_init     the rest: the script's own set-up (model, optimizer, anything unrecorded)
     first_step     the training start -> the first STEP (the first step, slower than the others)
 
-The contract's TTR (`EttReport.ttr_s`) runs from ATTEMPT_END to the training start: backoff through
-other_init. `RecoveryParts.total_s` is the whole (from the failure, or from detection when the failure
-time is unknown, to the first step). TTS gets the same parts after `before_launch` (its origin -> the
-first attempt's ATTEMPT_START), with `launch` instead of relaunch.
+Two spans, each labelled wherever it is shown (docs/buckets.md, "TTS, TTR"):
+- the headline (`RecoveryParts.headline_s`, equal to the contract's TTR in `EttReport.ttr_s`): the failed
+  attempt's end (ATTEMPT_END: the failure detected and its processes gone) to the training start of the
+  attempt that recovered, i.e. backoff through other_init;
+- the whole (`RecoveryParts.total_s`): from the failure (or from its detection when the failure time is
+  unknown: `failure_known`) to the first step.
+TTS gets the same parts after `before_launch` (its origin -> the first attempt's ATTEMPT_START), with
+`launch` instead of relaunch; its headline (the contract's TTS) runs from the origin to the training start.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ RECOVERY_PARTS = (
 """The parts of a recovery, in the order they happen."""
 STARTUP_PARTS = ("before_launch", "launch", *RECOVERY_PARTS[4:])
 """The parts of the time to start."""
+BEFORE_HEADLINE = frozenset({"detection", "teardown"})
+"""Parts of a recovery before the headline TTR starts (the failure -> the failed attempt's end)."""
+AFTER_HEADLINE = frozenset({"first_step"})
+"""Parts after the headline TTR/TTS ends (the training start -> the first step)."""
 
 _IN_PROCESS = (  # (part, phases), the first open one takes the instant
     ("compile", frozenset({Phase.COMPILE})),
@@ -75,10 +83,23 @@ class RecoveryParts:
     first_step_ts: float
     parts_s: Mapping[str, float | None]
     """Seconds per part (RECOVERY_PARTS or STARTUP_PARTS); a part the events cannot tell is None."""
+    headline_start_ts: float = 0.0
+    """Where the headline TTR/TTS starts: the failed attempt's end, or the TTS origin."""
+    training_start_ts: float = 0.0
+    """Where the headline ends: the training start of the attempt that recovered (or started)."""
+    failure_known: bool = True
+    """Whether `start_ts` is the failure itself (False: no rank recorded it, the whole starts at detection)."""
 
     @property
     def total_s(self) -> float:
+        """The whole: failure (else detection) or origin -> the first step."""
         return self.first_step_ts - self.start_ts
+
+    @property
+    def headline_s(self) -> float:
+        """The span the headline shows (the contract's TTR or TTS): `headline_start_ts` -> training start;
+        the parts between detection/teardown and first_step add up to it."""
+        return self.training_start_ts - self.headline_start_ts
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,6 +180,9 @@ def recovery_parts(failed: AttemptMilestones, recovered: AttemptMilestones) -> R
         start_ts=detected if failure is None else failure,
         first_step_ts=max(cursor, recovered.first_step_ts),
         parts_s=MappingProxyType(parts),
+        headline_start_ts=end,
+        training_start_ts=recovered.training_start_ts,
+        failure_known=failure is not None,
     )
 
 
@@ -175,6 +199,8 @@ def startup_parts(origin_ts: float, attempt: AttemptMilestones) -> RecoveryParts
         start_ts=origin_ts,
         first_step_ts=max(cursor, attempt.first_step_ts),
         parts_s=MappingProxyType(parts),
+        headline_start_ts=origin_ts,
+        training_start_ts=attempt.training_start_ts,
     )
 
 

@@ -159,8 +159,13 @@ def _cards(r: EttReport) -> str:
         ("", "idleness", fmt_pct(r.idleness_pct), f"{fmt_s(r.idleness_s)} lost without a failure"),
         ("fail", "failure", fmt_pct(r.failure_pct), f"{fmt_s(r.failure_s)} lost to failures"),
         ("", "wall time", fmt_s(r.wall_s), "first known timestamp to job end"),
-        ("", "time to start", fmt_s(r.tts_s), "allocation to the first training step"),
-        ("", "mean TTR", fmt_s(r.mean_ttr_s), f"{len(r.ttr_s)} recovered failure(s)"),
+        ("", "time to start", fmt_s(r.tts_s), "allocation (else supervisor start) to the training start"),
+        (
+            "",
+            "mean TTR",
+            fmt_s(r.mean_ttr_s),
+            f"{len(r.ttr_s)} recovered failure(s); each from the failed attempt's end to the training start",
+        ),
         (
             "",
             "time per step",
@@ -396,7 +401,9 @@ def _tts_section(reports: Sequence[EttReport], names: Sequence[str]) -> str:
                 f"{phases}</details>"
             )
         body.append(f'<div class="run">{"".join(parts)}</div>')
-    note = "Allocation (else supervisor start) to the first training step, piece by piece in the order they happened."
+    note = (
+        "Allocation (else supervisor start) to the training start, piece by piece in the order they happened."
+    )
     return _section("tts", "Time to start", "".join(body), esc(note))
 
 
@@ -409,8 +416,10 @@ def _ttr_section(reports: Sequence[EttReport], names: Sequence[str]) -> str:
         body.append(f'<div class="run">{_run_heading(name, many)}{text}</div>')
     body.append(ttr_parts.html_table(reports, names))
     note = (
-        "From the failure's detection to the first training step after it, split by bucket; the table splits "
-        "the start and each recovery (failure to first step) into the parts of a restart."
+        "Each bar: the report's TTR, from the failed attempt's end (the failure detected, its processes gone) "
+        "to the training start of the attempt that recovered, split by bucket. The table splits the start and "
+        f"each recovery into the parts of a restart: its '{ttr_parts.HEADLINE_ROW}' row is that same span (the "
+        "headline's TTS and TTR), its total runs from the failure itself to the first step."
     )
     return _section("ttr", "Time to recover", "".join(body), esc(note))
 

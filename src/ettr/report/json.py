@@ -34,7 +34,8 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     ttr_s), num_failures_by_cause, ttr_s_by_cause, num_infra_failures, step_slowdown (null without a
     persist: steady_step_s, persist_step_s, inflation, extra_s, num_quiet_steps, num_busy_steps, saves),
     ttr_parts (one per recovery) and tts_parts (`ettr.report.ttr_parts.to_json`: where each second from
-    failure to first step went) and, unless `include_segments` is False (a
+    failure to first step went, with `headline_s`, equal to that recovery's `ttr_s`), tts_measures and
+    ttr_measures (what the headline `tts_s` and `ttr_s` measure, in words) and, unless `include_segments` is False (a
     long job with per-step phases has millions), segments as [start_ts, end_ts, bucket, attempt] lists.
     """
     out: dict[str, Any] = {
@@ -112,6 +113,8 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         "step_slowdown": slowdown_json(report.slowdown),
         "ttr_parts": [ttr_parts.to_json(p) for p in report.ttr_parts],
         "tts_parts": ttr_parts.to_json(report.tts_parts),
+        "tts_measures": ttr_parts.TTS_MEASURES,
+        "ttr_measures": ttr_parts.TTR_MEASURES,
     }
     if include_segments:
         out["segments"] = [[s.start_ts, s.end_ts, s.bucket.value, s.attempt] for s in report.segments]

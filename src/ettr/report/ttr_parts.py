@@ -1,5 +1,9 @@
 """The parts of each recovery and of the start (`EttReport.ttr_parts`, `tts_parts`) for every renderer:
-the JSON objects, the text table and the HTML table. Parts the events cannot tell are shown as unknown."""
+the JSON objects, the text table and the HTML table. Parts the events cannot tell are shown as unknown.
+
+Two spans are shown, each labelled: the headline's (the report's TTS and TTR: the origin, or the failed
+attempt's end, to the training start; a row of its own, equal to the summary's figure) and the whole
+(failure, else its detection, or the origin, to the first step)."""
 
 from __future__ import annotations
 
@@ -10,9 +14,29 @@ from ettr.accounting.model import EttReport
 from ettr.accounting.ttr import RECOVERY_PARTS, STARTUP_PARTS, RecoveryParts
 from ettr.report.svg import esc, fmt_s
 
+HEADLINE_ROW = "= TTS / TTR (headline)"
+"""The row holding the headline's span: origin or the failed attempt's end -> training start."""
+TOTAL_ROW = "total (to first step)"
+TTS_MEASURES = "allocation (else supervisor start, else wall start) -> training start of the first attempt"
+TTR_MEASURES = "the failed attempt's end (failure detected, its processes gone) -> training start of the next"
+"""What the headline TTS and each headline TTR measure (JSON `tts_measures`, `ttr_measures`)."""
+
+
+def total_measures(parts: RecoveryParts) -> str:
+    """What `total_s` of `parts` measures."""
+    if parts.failed_attempt is None:
+        return "allocation (else supervisor start) -> first step"
+    return (
+        "failure -> first step"
+        if parts.failure_known
+        else "failure detected -> first step (failure time unknown)"
+    )
+
 
 def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
-    """`{failed_attempt, recovered_attempt, start_ts, first_step_ts, total_s, parts_s}` (parts in order)."""
+    """`{failed_attempt, recovered_attempt, start_ts, first_step_ts, total_s, total_measures, headline_s,
+    headline_start_ts, training_start_ts, headline_measures, parts_s}` (parts in order). `headline_s` is the
+    report's TTR (or TTS) for this recovery: the parts from backoff (or before_launch) through other_init."""
     if parts is None:
         return None
     return {
@@ -21,6 +45,11 @@ def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
         "start_ts": parts.start_ts,
         "first_step_ts": parts.first_step_ts,
         "total_s": parts.total_s,
+        "total_measures": total_measures(parts),
+        "headline_s": parts.headline_s,
+        "headline_start_ts": parts.headline_start_ts,
+        "training_start_ts": parts.training_start_ts,
+        "headline_measures": TTS_MEASURES if parts.failed_attempt is None else TTR_MEASURES,
         "parts_s": dict(parts.parts_s),
     }
 
@@ -46,8 +75,12 @@ def _rows(report: EttReport) -> tuple[list[str], list[tuple[str, list[Cell]]]]:
         for n in dict.fromkeys((*STARTUP_PARTS[:2], *RECOVERY_PARTS))
         if any(n in c.parts_s for c in columns)
     ]
-    rows = [(n, [c.parts_s[n] if n in c.parts_s else _NOT_A_PART for c in columns]) for n in names]
-    rows.append(("total (to first step)", list[Cell]([c.total_s for c in columns])))
+    rows: list[tuple[str, list[Cell]]] = []
+    for n in names:
+        if n == "first_step":
+            rows.append((HEADLINE_ROW, list[Cell]([c.headline_s for c in columns])))
+        rows.append((n, [c.parts_s[n] if n in c.parts_s else _NOT_A_PART for c in columns]))
+    rows.append((TOTAL_ROW, list[Cell]([c.total_s for c in columns])))
     return titles, rows
 
 
@@ -61,7 +94,11 @@ def text_lines(report: EttReport) -> list[str]:
         return v if isinstance(v, str) else "?" if v is None else f"{v:.2f}"
 
     width = max(len(n) for n, _ in rows) + 2
-    lines = ["", "time to start / recover by part (s; attempt a->b: failure of a to the first step of b)"]
+    lines = [
+        "",
+        "time to start / recover by part (s; a->b: failure of attempt a to the first step of b)",
+        f"  '{HEADLINE_ROW}': the headline's span, allocation or the failed attempt's end -> training start",
+    ]
     lines.append("  " + " " * width + "".join(f"{t:>10}" for t in titles))
     lines += ["  " + f"{n:<{width}}" + "".join(f"{cell(v):>10}" for v in vals) for n, vals in rows]
     return lines
