@@ -12,16 +12,22 @@ import pytest
 def _private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every test (and every process it starts) gets a fresh per-user cache: the compile store and the fleet's
     summary cache default to $XDG_CACHE_HOME/ettr, which would otherwise carry entries from earlier runs into
-    tests that expect an empty store."""
-    previous = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    tests that expect an empty store. Likewise a fresh checkpoint key ring (ETTR_CHECKPOINT_KEY_DIR), so that
+    no test makes or reads keys in the real ~/.config."""
+    fresh = {
+        "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg-cache")),
+        "ETTR_CHECKPOINT_KEY_DIR": str(tmp_path_factory.mktemp("checkpoint-keys") / "ring"),
+    }
+    previous = {name: os.environ.get(name) for name in fresh}
+    os.environ.update(fresh)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop("XDG_CACHE_HOME", None)
-        else:
-            os.environ["XDG_CACHE_HOME"] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _in_ci() -> bool:

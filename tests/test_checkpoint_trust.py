@@ -286,12 +286,50 @@ class _UserThing:
         self.value = 7
 
 
-def test_pickled_parts_load_weights_only_unless_the_checkpoint_is_signed():
-    from ettr.checkpoint.state import _dumps, _loads, capture_rng, trusted_pickles
+def test_pickled_parts_load_weights_only_whoever_signed_them():
+    from ettr.checkpoint.state import _dumps, _loads, capture_rng
+    from ettr.checkpoint.trust import UnsafePickle
 
     assert _loads(_dumps({"rng": capture_rng(), "step": 3}))["step"] == 3  # numpy RNG state allow-listed
     foreign = _dumps({"data": _UserThing()})
-    with pytest.raises(CheckpointInvalid, match="weights_only"):
+    with pytest.raises(UnsafePickle, match="safe_globals"):
         _loads(foreign)
-    with trusted_pickles(True):
-        assert _loads(foreign)["data"].value == 7
+    assert _loads(foreign, (_UserThing,))["data"].value == 7  # allowed by the job, in code
+    with pytest.raises(UnsafePickle):
+        _loads(foreign)  # and only while it is asked for
+
+
+class _UserSampler:
+    """A data position whose state holds the user's own class."""
+
+    def __init__(self) -> None:
+        self.thing = _UserThing()
+
+    def state_dict(self) -> dict:
+        return {"thing": self.thing}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.thing = state["thing"]
+
+
+def test_a_jobs_own_class_needs_safe_globals_and_a_missing_one_stops_the_restore(tmp_path):
+    def manager(rec, sampler, **kwargs):
+        config = CheckpointConfig(root=tmp_path, interval=IntervalConfig(every_steps=1), **kwargs)
+        model = torch.nn.Linear(4, 2)
+        return CheckpointManager(config, TrainState(model=model, data=sampler), recorder=rec)
+
+    rec = Recorder(MemoryLedger())
+    sampler = _UserSampler()
+    sampler.thing.value = 11
+    with manager(rec, sampler) as ckpt:
+        assert ckpt.save(3, wait=True)
+    restored = _UserSampler()
+    with manager(rec, restored, safe_globals=(_UserThing,)) as ckpt:
+        assert ckpt.restore() == 3
+    assert restored.thing.value == 11
+    # Without it, the job's own signed checkpoint is not quietly skipped (and later deleted by retention):
+    with manager(rec, _UserSampler()) as ckpt:
+        with pytest.raises(CheckpointError, match="safe_globals"):
+            ckpt.restore()
+    assert (tmp_path / step_dir_name(3) / MANIFEST_NAME).exists()
+    rec.close()

@@ -57,6 +57,7 @@ FROZEN_COMMAND_LINE = {
         {
             "--allow-factory",
             "--allow-pythonpath",
+            "--allow-unsigned",
             "--json",
             "--lease-ttl",
             "--max-attempts",

@@ -306,6 +306,12 @@ def _add_publish(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a request's pythonpath entries may lie here (repeatable; default: none beyond sys.path)",
     )
+    p.add_argument(
+        "--allow-unsigned",
+        action="store_true",
+        help="load anchors this publisher's key ring cannot authenticate (unsigned, or another user's key); "
+        "nothing in an anchor runs as code either way",
+    )
 
 
 def _publish(args: argparse.Namespace) -> int:

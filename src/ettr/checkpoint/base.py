@@ -50,6 +50,12 @@ class CheckpointInvalid(CheckpointError):
     """A checkpoint directory is incomplete or corrupt: it must not be resumed from."""
 
 
+class CheckpointRefused(CheckpointInvalid):
+    """An intact checkpoint this job does not load unless asked: unsigned in a root whose checkpoints are
+    signed, signed with a key this job's ring lacks, or written into another root. Skipped, never moved
+    aside or deleted by a restore (the message says how to ask for it)."""
+
+
 class PersistMode(StrEnum):
     """Where the background persist of a save runs."""
 
@@ -98,9 +104,25 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the fsspec filesystem of `root` (credentials, endpoint)."""
     secret: bytes | None = field(default=None, repr=False)
-    """HMAC key of the manifests: each commit is signed and a manifest whose signature does not verify
-    is never loaded. None: the `ETTR_CHECKPOINT_SECRET` environment variable if set, else unsigned (the
-    CRC-32 then guards against corruption, not against someone who can write the root)."""
+    """HMAC key the manifests are signed with. None: the `ETTR_CHECKPOINT_SECRET` environment variable if
+    set, else this user's own key (`ettr.checkpoint.keys`: made on first use in a private directory outside
+    every checkpoint root). Every key that signed is kept in that key ring, so older checkpoints stay
+    verifiable when the key changes; a manifest signed with a ring key whose HMAC does not verify is never
+    loaded (docs/trust.md)."""
+    allow_unsigned: bool = False
+    """Load checkpoints that are unsigned, or signed with a key the ring does not hold, without
+    authentication (the explicit downgrade; also `ETTR_CHECKPOINT_ALLOW_UNSIGNED=1`). Off: such a
+    checkpoint is refused in a root this user signed checkpoints in. Either way nothing in a checkpoint is
+    unpickled as code."""
+    resume_foreign: bool = False
+    """Resume from a checkpoint whose manifest names another root than this one (copied or moved in from
+    another job); also `ETTR_CHECKPOINT_RESUME_FOREIGN=1`. Off: it is refused, and left where it is."""
+    job_id: str | None = None
+    """The job named in every manifest this manager commits (None: the recorder's job id)."""
+    safe_globals: tuple[Any, ...] = ()
+    """Classes (and functions) the pickled parts of the state may hold beyond tensors, containers,
+    numbers, strings and NumPy's RNG state: a user sampler's own class, say. They are allowed to
+    `torch.load(weights_only=True)` while loading; nothing a checkpoint names is ever allowed."""
     fault_hook: FaultHook | None = None
     """Fault-injection tests only: called with a point name during each persist; must be picklable for
     the process mode. None in real jobs."""
@@ -122,6 +144,9 @@ class CheckpointConfig:
             raise ValueError(f"num_io_threads must be >= 1, got {self.num_io_threads}")
         if self.secret is not None and not (isinstance(self.secret, bytes) and self.secret):
             raise ValueError("secret must be non-empty bytes when given")
+        object.__setattr__(self, "safe_globals", tuple(self.safe_globals))
+        if not all(callable(obj) for obj in self.safe_globals):
+            raise ValueError("safe_globals must hold classes or functions (what weights_only may build)")
         if not (self.lease_ttl_s > 0 and math.isfinite(self.lease_ttl_s)):
             raise ValueError(f"lease_ttl_s must be a finite number of seconds > 0, got {self.lease_ttl_s}")
 

@@ -33,12 +33,14 @@ from typing import Any
 from ettr.checkpoint.base import (
     MANIFEST_NAME,
     CheckpointInvalid,
+    CheckpointRefused,
     CheckpointStorage,
     describe_os_error,
     iter_chunks,
     parse_step_dir,
     step_dir_name,
 )
+from ettr.checkpoint.keys import key_id
 
 logger = logging.getLogger("ettr")
 
@@ -61,13 +63,25 @@ class FileEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """The commit record of one checkpoint."""
+    """The commit record of one checkpoint: its files, and who wrote it where (job, root, signing key)."""
 
     step: int
     files: dict[str, FileEntry]
     created_ts: float
     world_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    job_id: str | None = None
+    """The job that wrote it (None: not recorded, as by ettr before it named jobs)."""
+    root: str | None = None
+    """The checkpoint root it was written into (`root_identity`; None: not recorded)."""
+    key_id: str | None = None
+    """The id of the key that signed it (`keys.key_id`; None: unsigned, or signed without an id)."""
+    signature: str | None = field(default=None, repr=False)
+    """Its HMAC-SHA256 (hex), as read; checked by `admission`, or by `from_json` given a key."""
+    signed_body: bytes = field(default=b"", repr=False, compare=False)
+    """The canonical bytes the signature covers."""
+    digest: str = field(default="", compare=False)
+    """SHA-256 of the manifest file's bytes (which manifest was admitted, for the other ranks)."""
 
     @property
     def name(self) -> str:
@@ -78,7 +92,7 @@ class Manifest:
         return sum(entry.size for entry in self.files.values())
 
     def to_json(self, secret: bytes | None = None) -> bytes:
-        """The manifest's bytes; with `secret`, signed (an HMAC-SHA256 of the body, under the CRC)."""
+        """The manifest's bytes; with `secret`, signed (an HMAC-SHA256 of the body, the key's id in it)."""
         body: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "step": self.step,
@@ -87,55 +101,98 @@ class Manifest:
             "files": {name: {"size": e.size, "crc32": e.crc32} for name, e in sorted(self.files.items())},
             "extra": self.extra,
         }
+        if self.job_id is not None:
+            body["job_id"] = self.job_id
+        if self.root is not None:
+            body["root"] = self.root
         if secret is not None:
+            body["key_id"] = key_id(secret)
             body["hmac"] = _body_hmac(body, secret)
         body["manifest_crc32"] = _body_crc(body)
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
+    def signed_with(self, key: bytes) -> bool:
+        """Whether the signature read is the HMAC of its body under `key`."""
+        if not isinstance(self.signature, str):
+            return False
+        expected = hmac.new(key, self.signed_body, hashlib.sha256).hexdigest()
+        return hmac.compare_digest(self.signature, expected)
+
     @classmethod
     def from_json(cls, data: bytes, secret: bytes | None = None) -> Manifest:
-        """Parse and self-check a manifest; with `secret`, also check its signature. Raises
-        CheckpointInvalid (an unsigned manifest is refused when a key is given)."""
+        """Parse and self-check a manifest; with `secret`, also check that it is signed with that key.
+        Raises CheckpointInvalid (an unsigned manifest is refused when a key is given)."""
         try:
             body = json.loads(data)
+            if not isinstance(body, dict):
+                raise TypeError("not a JSON object")
             claimed = body.pop("manifest_crc32")
             if body.get("format") != MANIFEST_FORMAT:
                 raise CheckpointInvalid(f"unknown manifest format {body.get('format')!r}")
             if claimed != _body_crc(body):
                 raise CheckpointInvalid("the manifest's own checksum does not match (corrupt manifest)")
-            if secret is not None:
-                signature = body.pop("hmac", None)
-                if not isinstance(signature, str) or not hmac.compare_digest(
-                    signature, _body_hmac(body, secret)
-                ):
-                    raise CheckpointInvalid(
-                        "the manifest's HMAC does not verify with this job's key (unsigned or forged)"
-                    )
+            signature = body.get("hmac")
             files = {
-                str(name): FileEntry(size=int(e["size"]), crc32=int(e["crc32"]))
+                str(name): FileEntry(size=_count(e["size"]), crc32=_count(e["crc32"]))
                 for name, e in body["files"].items()
             }
-            return cls(
-                step=int(body["step"]),
+            manifest = cls(
+                step=_count(body["step"]),
                 files=files,
                 created_ts=float(body["created_ts"]),
-                world_size=int(body.get("world_size", 1)),
+                world_size=_count(body.get("world_size", 1)),
                 extra=dict(body.get("extra") or {}),
+                job_id=_optional_text(body.get("job_id")),
+                root=_optional_text(body.get("root")),
+                key_id=_optional_text(body.get("key_id")),
+                signature=signature if isinstance(signature, str) else None,
+                signed_body=_canonical_unsigned(body),
+                digest=hashlib.sha256(data).hexdigest(),
             )
         except CheckpointInvalid:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CheckpointInvalid(f"unreadable manifest ({type(exc).__name__}: {exc})") from None
+        if secret is not None and not manifest.signed_with(secret):
+            raise CheckpointInvalid(
+                "the manifest's HMAC does not verify with this job's key (unsigned or forged)"
+            )
+        return manifest
+
+
+def _count(value: Any) -> int:
+    """A non-negative integer from JSON (not a bool, not a float)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _optional_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a string")
+    return value
 
 
 def _body_crc(body: dict[str, Any]) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
-def _body_hmac(body: dict[str, Any], secret: bytes) -> str:
+def _canonical_unsigned(body: dict[str, Any]) -> bytes:
     unsigned = {k: v for k, v in body.items() if k not in ("hmac", "manifest_crc32")}
-    canonical = json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(secret, canonical, hashlib.sha256).hexdigest()
+    return json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _body_hmac(body: dict[str, Any], secret: bytes) -> str:
+    return hmac.new(secret, _canonical_unsigned(body), hashlib.sha256).hexdigest()
+
+
+def root_identity(url: str) -> str:
+    """How a manifest names its root: the real path of a local root (symlinks resolved), else its URL."""
+    if "://" in url and not url.startswith("file://"):
+        return url.rstrip("/")
+    return os.path.realpath(url.removeprefix("file://"))
 
 
 def file_crc32(storage: CheckpointStorage, rel: str) -> tuple[int, int]:
@@ -157,11 +214,12 @@ def commit(
     extra: dict[str, Any] | None = None,
     fault_hook: Callable[[str], None] | None = None,
     secret: bytes | None = None,
+    job_id: str | None = None,
 ) -> Manifest:
     """Make the checkpoint of `step` visible: sum its files, then write its manifest durably, last.
 
     Call only after every file in `file_names` is complete and durable. Returns the manifest written
-    (signed with `secret` when given).
+    (naming `job_id` and this root; signed with `secret` when given).
     """
     hook = fault_hook or (lambda point: None)
     name = step_dir_name(step)
@@ -171,7 +229,13 @@ def commit(
         size, crc = file_crc32(storage, f"{name}/{file_name}")
         files[file_name] = FileEntry(size=size, crc32=crc)
     manifest = Manifest(
-        step=step, files=files, created_ts=time.time(), world_size=world_size, extra=dict(extra or {})
+        step=step,
+        files=files,
+        created_ts=time.time(),
+        world_size=world_size,
+        extra=dict(extra or {}),
+        job_id=job_id,
+        root=root_identity(storage.url),
     )
     hook("manifest_begin")
     storage.write_atomic(
@@ -182,13 +246,19 @@ def commit(
 
 
 def verify(
-    storage: CheckpointStorage, name: str, *, checksums: bool = True, secret: bytes | None = None
+    storage: CheckpointStorage,
+    name: str,
+    *,
+    checksums: bool = True,
+    secret: bytes | None = None,
+    admit: Callable[[Manifest], Any] | None = None,
 ) -> Manifest:
     """The manifest of checkpoint directory `name` if the checkpoint is complete and intact.
 
     Raises CheckpointInvalid saying what is wrong (no manifest, corrupt or, with `secret`, unsigned or
     forged manifest, a missing, truncated or changed file). Pickled files (DCP's `.metadata`) have their
-    CRC-32 checked even without `checksums`.
+    CRC-32 checked even without `checksums`. `admit` (an `admission.Admission`) is asked about the
+    manifest before any file is read: it raises CheckpointRefused for one this job does not load.
     """
     step = parse_step_dir(name)
     if step is None:
@@ -200,13 +270,28 @@ def verify(
     manifest = Manifest.from_json(raw, secret)
     if manifest.step != step:
         raise CheckpointInvalid(f"the manifest is for step {manifest.step}, not {step}")
+    if admit is not None:
+        admit(manifest)
+    verify_files(storage, name, manifest, checksums=checksums)
+    return manifest
+
+
+def verify_files(
+    storage: CheckpointStorage, name: str, manifest: Manifest, *, checksums: bool = True
+) -> None:
+    """Check that every file `manifest` lists is in directory `name` with its size (and CRC-32: with
+    `checksums`, and always for pickled files). Raises CheckpointInvalid."""
     if not manifest.files:
         raise CheckpointInvalid("the manifest lists no files")
     present = storage.list_dir(name)
     for file_name, entry in manifest.files.items():
+        if "/" in file_name or file_name in ("", ".", ".."):
+            raise CheckpointInvalid(
+                f"the manifest lists {file_name!r}, which is not a file of the checkpoint"
+            )
         size = present.get(file_name, -1)
         if size is None or size < 0:
-            raise CheckpointInvalid(f"{file_name} is missing")
+            raise CheckpointInvalid(f"{file_name} is missing (or not a regular file)")
         if size != entry.size:
             raise CheckpointInvalid(
                 f"{file_name} has {size} bytes, the manifest says {entry.size} (truncated?)"
@@ -216,7 +301,6 @@ def verify(
             size, crc = file_crc32(storage, f"{name}/{file_name}")
             if size != entry.size or crc != entry.crc32:
                 raise CheckpointInvalid(f"{file_name} fails its CRC-32 check (corrupt data)")
-    return manifest
 
 
 @dataclass(frozen=True)
@@ -242,11 +326,15 @@ def list_checkpoints(storage: CheckpointStorage) -> list[CheckpointDir]:
 
 @dataclass(frozen=True)
 class Resolution:
-    """What `find_latest` found: the checkpoint to resume from (None: none usable) and what it skipped."""
+    """What `find_latest` found: the checkpoint to resume from (None: none usable) and what it passed over."""
 
     latest: Manifest | None
     skipped: tuple[tuple[str, str], ...] = ()
-    """(directory name, reason) of each newer directory that was not usable."""
+    """(directory name, reason) of each newer directory that was not usable (incomplete or corrupt)."""
+    refused: tuple[tuple[str, str], ...] = ()
+    """(directory name, reason) of each newer intact checkpoint `admit` refused (left where it is)."""
+    verdict: Any = None
+    """What `admit` said of `latest` (an `admission.Verdict`; None without `admit`)."""
 
 
 def find_latest(
@@ -255,19 +343,34 @@ def find_latest(
     checksums: bool = True,
     at_most: int | None = None,
     secret: bytes | None = None,
+    admit: Callable[[Manifest], Any] | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Resolution:
-    """The newest checkpoint that verifies (at step <= `at_most` if given; signed with `secret` if given).
+    """The newest checkpoint that verifies (at step <= `at_most` if given; signed with `secret` if given;
+    admitted by `admit` if given).
 
     Each newer directory that does not verify is skipped with a warning naming it and the reason. A
     transient I/O error (EIO, EAGAIN, ETIMEDOUT) is retried with back-off before the directory is skipped.
     """
     skipped: list[tuple[str, str]] = []
+    refused: list[tuple[str, str]] = []
+    verdicts: list[Any] = []
+
+    def admitting(manifest: Manifest) -> None:
+        verdicts.append(admit(manifest) if admit is not None else None)
+
     for ckpt in reversed(list_checkpoints(storage)):
         if at_most is not None and ckpt.step > at_most:
             continue
+        verdicts.clear()
         try:
-            manifest = _verify_retrying(storage, ckpt.name, checksums=checksums, secret=secret, sleep=sleep)
+            manifest = _verify_retrying(
+                storage, ckpt.name, checksums=checksums, secret=secret, admit=admitting, sleep=sleep
+            )
+        except CheckpointRefused as exc:
+            logger.warning("ettr: not resuming from checkpoint %s in %s: %s", ckpt.name, storage.url, exc)
+            refused.append((ckpt.name, str(exc)))
+            continue
         except CheckpointInvalid as exc:
             logger.warning(
                 "ettr: skipping checkpoint %s in %s: %s; trying an older one", ckpt.name, storage.url, exc
@@ -280,8 +383,8 @@ def find_latest(
             )
             skipped.append((ckpt.name, f"unreadable: {describe_os_error(exc)}"))
             continue
-        return Resolution(manifest, tuple(skipped))
-    return Resolution(None, tuple(skipped))
+        return Resolution(manifest, tuple(skipped), tuple(refused), verdicts[-1] if verdicts else None)
+    return Resolution(None, tuple(skipped), tuple(refused))
 
 
 def _verify_retrying(
@@ -290,12 +393,13 @@ def _verify_retrying(
     *,
     checksums: bool,
     secret: bytes | None,
+    admit: Callable[[Manifest], Any] | None,
     sleep: Callable[[float], None],
 ) -> Manifest:
     delay = 0.05
     for attempt in range(1, VERIFY_ATTEMPTS + 1):
         try:
-            return verify(storage, name, checksums=checksums, secret=secret)
+            return verify(storage, name, checksums=checksums, secret=secret, admit=admit)
         except OSError as exc:
             if attempt == VERIFY_ATTEMPTS or exc.errno not in TRANSIENT_ERRNOS:
                 raise

@@ -43,26 +43,29 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ettr.checkpoint.admission import ALLOW_UNSIGNED_ENV, RESUME_FOREIGN_ENV, Admission, env_flag
 from ettr.checkpoint.base import (
     CheckpointConfig,
     CheckpointError,
+    CheckpointInvalid,
     CheckpointStorage,
     PersistMode,
     describe_error,
     step_dir_name,
 )
-from ettr.checkpoint.commit import apply_retention, lease, list_checkpoints, verify
+from ettr.checkpoint.commit import Manifest, apply_retention, lease, list_checkpoints, root_identity, verify
 from ettr.checkpoint.coordination import Coordinator
 from ettr.checkpoint.history import FailureHistory
+from ettr.checkpoint.keys import KeyRing
 from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks
 from ettr.checkpoint.policy import IntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
 from ettr.checkpoint.resume import choose_checkpoint, set_aside
 from ettr.checkpoint.slowdown_meter import SlowdownMeter
 from ettr.checkpoint.space import make_room
-from ettr.checkpoint.state import TrainState, saved_top_level_keys, trusted_pickles
+from ettr.checkpoint.state import TrainState, saved_top_level_keys
 from ettr.checkpoint.storage import open_storage
-from ettr.checkpoint.trust import resolve_secret, retry_transient, verified_reader
+from ettr.checkpoint.trust import SafeLoadPlanner, UnsafePickle, retry_transient, verified_reader
 from ettr.checkpoint.writer import make_writer
 from ettr.events import Phase
 from ettr.recorder import RecorderProtocol
@@ -131,7 +134,11 @@ class CheckpointManager:
         self.rank = coordinator.rank
         self.world_size = coordinator.world_size
         self.storage = storage if storage is not None else open_storage(config.root, config.storage_options)
-        self._secret = resolve_secret(config.secret)
+        self._root = root_identity(self.storage.url)
+        self._job_id = config.job_id or self._rec.job_id
+        # Rank 0 signs (it commits) and chooses what to resume from; the other ranks load what it admitted.
+        self._ring = KeyRing.open(config.secret, create=True) if self.rank == 0 else KeyRing(signing=None)
+        self._root_registered = False
         self._last_error = ""
         # Overlap only where a hook can guard it: the optimizer's step is where the copied tensors change.
         self.overlapping = config.overlap_staging and state.optimizer is not None
@@ -259,7 +266,8 @@ class CheckpointManager:
                     world_size=self.world_size,
                     num_io_threads=self.config.num_io_threads,
                     fault_hook=self.config.fault_hook,
-                    secret=self._secret,
+                    secret=self._ring.signing,
+                    job_id=self._job_id,
                 )
                 upload = self._persister.launch(state_dict, writer, step=step)
             except Exception as exc:
@@ -334,6 +342,9 @@ class CheckpointManager:
                 self.last_committed_step = inflight.step
                 if self.rank == 0:
                     self._rec.checkpoint_committed(inflight.step, inflight.path)
+                    if self._ring.signing is not None and not self._root_registered:
+                        self._ring.register_root(self._root)  # from now on, unsigned here is a forgery
+                        self._root_registered = True
                     removed = apply_retention(
                         self.storage,
                         self.config.keep_last,
@@ -420,7 +431,7 @@ class CheckpointManager:
         scanning_begin = time.time()
         at_most = step
         while True:
-            chosen, existing = self._choose_checkpoint(step, at_most)
+            chosen, existing, digest, authenticated = self._choose_checkpoint(step, at_most)
             self._existing_steps = set(existing)
             self._warned_earlier_run = True
             if chosen is None or (step is not None and chosen != step):
@@ -432,8 +443,13 @@ class CheckpointManager:
                     logger.error("ettr: no checkpoint in %s loads: starting from scratch", self.storage.url)
                 self._rec.resumed_from(None)
                 return None
-            error = self._load(chosen)
-            failed = self._coord.agree(bool(error))[0]
+            error, fatal = self._load(chosen, digest, authenticated=authenticated)
+            failed, fatal = self._coord.agree(bool(error), fatal)
+            if fatal:
+                raise CheckpointError(
+                    f"checkpoint {step_dir_name(chosen)} in {self.storage.url}, signed by this job's key, does "
+                    f"not load: {error or 'on another rank'}"
+                )
             if not failed:
                 break
             reason = f"load failed: {error or 'on another rank'}"
@@ -455,15 +471,23 @@ class CheckpointManager:
         self._rec.resumed_from(chosen)
         return chosen
 
-    def _load(self, chosen: int) -> str:
-        """Load checkpoint `chosen` into the state; returns "" or what went wrong (never raises for a
-        checkpoint that cannot be loaded: the caller falls back to an older one)."""
+    def _load(self, chosen: int, digest: str, *, authenticated: bool) -> tuple[str, bool]:
+        """Load checkpoint `chosen` (the one whose manifest rank 0 admitted: `digest`) into the state;
+        returns ("", False) or what went wrong, and whether that is fatal: a pickled part refused by
+        `weights_only` in an authenticated checkpoint is the job's own type missing from
+        `CheckpointConfig.safe_globals`, not a reason to fall back (never raises otherwise)."""
         name = step_dir_name(chosen)
+        allowed = self.config.safe_globals
+
+        def admitted(manifest: Manifest) -> None:
+            if manifest.digest != digest:
+                raise CheckpointInvalid(f"the manifest of {name} changed after it was chosen")
+
         try:
             with self._rec.phase(Phase.RESTORE, step=chosen):
                 with lease(self.storage, name) if self.rank == 0 else contextlib.nullcontext():
                     manifest = retry_transient(
-                        lambda: verify(self.storage, name, checksums=False, secret=self._secret),
+                        lambda: verify(self.storage, name, checksums=False, admit=admitted),
                         what=f"reading {name}",
                     )
                     reader = verified_reader(self.storage, name, manifest)
@@ -473,24 +497,36 @@ class CheckpointManager:
                         dcp.load(
                             target,
                             storage_reader=verified_reader(self.storage, name, manifest),
+                            planner=SafeLoadPlanner(allowed=allowed),
                             process_group=self._coord.process_group,
                             no_dist=not self._coord.distributed,
                         )
-                        with trusted_pickles(self._secret is not None):
-                            return self.state.load(target)
+                        return self.state.load(target, allowed=allowed)
 
                     loaded_step = retry_transient(load, what=f"loading {name}")
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure to load (DCP's CheckpointException is a
-            return describe_error(exc)  # BaseException) falls back to an older checkpoint
+            refused = _unsafe_pickle_in(exc)  # BaseException) falls back to an older checkpoint
+            return describe_error(refused or exc), refused is not None and authenticated
         if loaded_step != chosen:
-            return f"{name} holds the state of step {loaded_step}, not {chosen}"
-        return ""
+            return f"{name} holds the state of step {loaded_step}, not {chosen}", False
+        return "", False
 
-    def _choose_checkpoint(self, step: int | None, at_most: int | None) -> tuple[int | None, list[int]]:
-        """Rank 0 picks the checkpoint and cleans what cannot be used; every rank learns the result."""
-        result: list[Any] = [None, []]
+    def _admission(self) -> Admission:
+        return Admission(
+            ring=self._ring,
+            root=self._root,
+            allow_unsigned=self.config.allow_unsigned or env_flag(ALLOW_UNSIGNED_ENV),
+            resume_foreign=self.config.resume_foreign or env_flag(RESUME_FOREIGN_ENV),
+        )
+
+    def _choose_checkpoint(
+        self, step: int | None, at_most: int | None
+    ) -> tuple[int | None, list[int], str, bool]:
+        """Rank 0 picks the checkpoint and cleans what cannot be used; every rank learns the result:
+        (step, existing steps, the admitted manifest's digest, whether it was authenticated)."""
+        result: list[Any] = [None, [], "", False]
         if self.rank == 0:
             choice = choose_checkpoint(
                 self.storage,
@@ -498,11 +534,16 @@ class CheckpointManager:
                 step=step,
                 at_most=at_most,
                 checksums=self.config.verify_checksums,
-                secret=self._secret,
+                admit=self._admission(),
             )
-            result = [choice.step, list(choice.existing_steps)]
+            result = [
+                choice.step,
+                list(choice.existing_steps),
+                choice.manifest.digest if choice.manifest is not None else "",
+                bool(choice.verdict is not None and choice.verdict.authenticated),
+            ]
         result = self._coord.broadcast_from_0(result)
-        return result[0], result[1]
+        return result[0], result[1], result[2], result[3]
 
     # -- preemption and shutdown ------------------------------------------------------------------------
     def _exit_preempted(self, step: int) -> None:
@@ -533,6 +574,24 @@ class CheckpointManager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _unsafe_pickle_in(exc: BaseException) -> UnsafePickle | None:
+    """The UnsafePickle behind a failed load (DCP wraps it in a CheckpointException per rank), if any."""
+    seen: list[BaseException] = [exc]
+    index = 0
+    while index < len(seen) and index < 32:
+        current = seen[index]
+        index += 1
+        if isinstance(current, UnsafePickle):
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            seen.extend(w[0] if isinstance(w, tuple) else w for w in failures.values() if w is not None)
+        for linked in (current.__cause__, current.__context__):
+            if isinstance(linked, BaseException):
+                seen.append(linked)
+    return None
 
 
 def _checkpoint_in_progress() -> None:

@@ -3,16 +3,20 @@
 Pure over storage (no torch.distributed, no process group): the manager runs `choose_checkpoint` on rank 0
 and broadcasts the result. Newer directories that do not verify are dealt with on the way: an incomplete
 one (no manifest: a crash mid-persist) is deleted, a corrupt one (a manifest that does not verify) is moved
-aside for inspection; each is recorded as a `checkpoint_skipped` mark naming it and the reason.
+aside for inspection; each is recorded as a `checkpoint_skipped` mark naming it and the reason. An intact
+one the job's `admission.Admission` refuses (unsigned in a signed root, a key the ring lacks, another
+root's) is left where it is, with a `checkpoint_refused` mark and a warning saying how to ask for it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from ettr.checkpoint.base import CheckpointStorage
-from ettr.checkpoint.commit import find_latest, list_checkpoints, quarantine
+from ettr.checkpoint.base import CheckpointStorage, step_dir_name
+from ettr.checkpoint.commit import Manifest, find_latest, list_checkpoints, quarantine
 from ettr.recorder import RecorderProtocol
 
 logger = logging.getLogger("ettr")
@@ -26,6 +30,10 @@ class ResumeChoice:
     """The step to load (None: nothing usable; with an exact step asked for, that step did not verify)."""
     existing_steps: tuple[int, ...]
     """Steps of every checkpoint directory under the root afterwards, oldest first."""
+    manifest: Manifest | None = None
+    """The chosen checkpoint's manifest, as admitted (None: nothing chosen)."""
+    verdict: Any = None
+    """What the admission said of it (`admission.Verdict`; None without one)."""
 
 
 def choose_checkpoint(
@@ -36,6 +44,7 @@ def choose_checkpoint(
     at_most: int | None = None,
     checksums: bool = True,
     secret: bytes | None = None,
+    admit: Callable[[Manifest], Any] | None = None,
 ) -> ResumeChoice:
     """The newest checkpoint that verifies (or exactly `step`), after removing newer unusable ones.
 
@@ -46,15 +55,29 @@ def choose_checkpoint(
         at_most: consider only steps <= this (a fallback after a newer one failed to load).
         checksums: re-read every file and check its CRC-32 (else sizes only; pickled files always).
         secret: HMAC key the manifest must be signed with (None: not checked).
+        admit: the job's `admission.Admission` (None: every intact checkpoint is admitted).
     """
     limit = step if at_most is None else at_most if step is None else min(step, at_most)
-    resolution = find_latest(storage, checksums=checksums, at_most=limit, secret=secret)
+    resolution = find_latest(storage, checksums=checksums, at_most=limit, secret=secret, admit=admit)
     chosen = resolution.latest.step if resolution.latest is not None else None
     if step is not None and chosen != step:
         chosen = None
     for name, reason in resolution.skipped:
         set_aside(storage, name, reason, recorder=recorder)
-    return ResumeChoice(step=chosen, existing_steps=tuple(c.step for c in list_checkpoints(storage)))
+    for name, reason in resolution.refused:
+        recorder.mark("checkpoint_refused", checkpoint=name, reason=reason)
+    verdict = resolution.verdict
+    if chosen is not None and verdict is not None and not getattr(verdict, "authenticated", True):
+        logger.warning(
+            "ettr: resuming from %s without authentication: %s", step_dir_name(chosen), verdict.note
+        )
+        recorder.mark("checkpoint_unauthenticated", checkpoint=step_dir_name(chosen), reason=verdict.note)
+    return ResumeChoice(
+        step=chosen,
+        existing_steps=tuple(c.step for c in list_checkpoints(storage)),
+        manifest=resolution.latest if chosen is not None else None,
+        verdict=verdict if chosen is not None else None,
+    )
 
 
 def set_aside(storage: CheckpointStorage, name: str, reason: str, *, recorder: RecorderProtocol) -> None:

@@ -19,19 +19,16 @@ Layout of the saved state dict (top-level keys):
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import io
 import logging
-import pickle
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ettr.checkpoint.base import CheckpointInvalid
+from ettr.checkpoint.trust import load_pickled
 
 logger = logging.getLogger("ettr")
 
@@ -44,50 +41,11 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _numpy_safe_globals() -> list[Any]:
-    """What NumPy's random state needs under `weights_only=True` (arrays and their dtypes)."""
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        return []
-    found: list[Any] = [np.ndarray, np.dtype]
-    reconstruct = getattr(getattr(np, "_core", None), "multiarray", None)
-    if reconstruct is not None:
-        found.append(reconstruct._reconstruct)
-    found.extend(type(np.dtype(name)) for name in ("uint32", "int64", "float64", "bool"))
-    return found
-
-
-def _loads(data: bytes) -> Any:
+def _loads(data: bytes, allowed: tuple[Any, ...] = ()) -> Any:
     """Unpickle one of the small pickled parts with `weights_only=True` (tensors, containers, numbers,
-    strings, NumPy arrays). A part holding other types (a user sampler's own classes) is loaded with
-    `weights_only=False` only inside `trusted_pickles(True)` (the manager: a manifest whose HMAC verified
-    with this job's key); otherwise it is refused."""
-    try:
-        with torch.serialization.safe_globals(_numpy_safe_globals()):
-            return torch.load(io.BytesIO(data), weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if not _TRUSTED.get():
-            raise CheckpointInvalid(
-                "a pickled part of the checkpoint holds types weights_only=True refuses "
-                f"({str(exc).splitlines()[-1][:200]}); set a checkpoint secret (CheckpointConfig.secret or "
-                "ETTR_CHECKPOINT_SECRET) so that signed checkpoints may load them"
-            ) from None
-        return torch.load(io.BytesIO(data), weights_only=False)
-
-
-_TRUSTED: contextvars.ContextVar[bool] = contextvars.ContextVar("ettr_trusted_pickles", default=False)
-
-
-@contextlib.contextmanager
-def trusted_pickles(trusted: bool) -> Iterator[None]:
-    """While the block runs, pickled parts that `weights_only=True` refuses may load (a checkpoint whose
-    manifest HMAC verified with this job's key)."""
-    token = _TRUSTED.set(trusted)
-    try:
-        yield
-    finally:
-        _TRUSTED.reset(token)
+    strings, NumPy's RNG state, and the classes in `allowed`: `CheckpointConfig.safe_globals`). Anything
+    else is refused (`trust.UnsafePickle`), whoever signed the checkpoint: nothing in it runs as code."""
+    return load_pickled(io.BytesIO(data), allowed)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -208,8 +166,9 @@ class TrainState:
             target[self._rank_key()] = b""
         return target
 
-    def load(self, loaded: dict[str, Any]) -> int:
-        """Apply a state dict DCP loaded into `load_target`'s result; returns the step it was saved at."""
+    def load(self, loaded: dict[str, Any], *, allowed: tuple[Any, ...] = ()) -> int:
+        """Apply a state dict DCP loaded into `load_target`'s result; returns the step it was saved at.
+        Its pickled parts load with `weights_only=True`, accepting also the classes in `allowed`."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         if "optim" in loaded and self.optimizer is not None:
@@ -219,17 +178,17 @@ class TrainState:
         else:
             set_model_state_dict(self.model, loaded["model"])
             if "optim_plain" in loaded and self.optimizer is not None:
-                self.optimizer.load_state_dict(_loads(loaded["optim_plain"]))
+                self.optimizer.load_state_dict(_loads(loaded["optim_plain"], allowed))
         if "scheduler" in loaded and self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(_loads(loaded["scheduler"]))
+            self.lr_scheduler.load_state_dict(_loads(loaded["scheduler"], allowed))
         if "extra" in loaded:
             for name, obj in self.extra.items():
                 if name in loaded["extra"]:
                     obj.load_state_dict(loaded["extra"][name])
-        meta = _loads(loaded["meta"])
+        meta = _loads(loaded["meta"], allowed)
         key = self._rank_key()
         if key in loaded:
-            per_rank = _loads(loaded[key])
+            per_rank = _loads(loaded[key], allowed)
             if self.data is not None and "data" in per_rank:
                 self.data.load_state_dict(per_rank["data"])
             if self.capture_rng_states and "rng" in per_rank:

@@ -63,6 +63,7 @@ class CommittingWriter(StorageWriter):
         world_size: ranks that wrote it (recorded in the manifest).
         fault_hook: fault-injection tests only (`FAULT_POINTS`).
         secret: HMAC key the manifest is signed with (None: unsigned).
+        job_id: the job the manifest names.
     """
 
     def __init__(
@@ -74,9 +75,11 @@ class CommittingWriter(StorageWriter):
         world_size: int,
         fault_hook: FaultHook | None = None,
         secret: bytes | None = None,
+        job_id: str | None = None,
     ) -> None:
         self.inner = inner
         self.secret = secret
+        self.job_id = job_id
         self.storage = storage
         self.step = step
         self.world_size = world_size
@@ -133,6 +136,7 @@ class CommittingWriter(StorageWriter):
             world_size=self.world_size,
             fault_hook=self._commit_point,
             secret=self.secret,
+            job_id=self.job_id,
         )
 
     def _commit_point(self, point: str) -> None:
@@ -151,11 +155,19 @@ def make_writer(
     num_io_threads: int = 1,
     fault_hook: FaultHook | None = None,
     secret: bytes | None = None,
+    job_id: str | None = None,
 ) -> CommittingWriter:
-    """A DCP StorageWriter for the checkpoint of `step` that commits (signed with `secret`) in `finish`."""
+    """A DCP StorageWriter for the checkpoint of `step` that commits (signed with `secret`, naming
+    `job_id`) in `finish`."""
     inner = storage.dcp_writer(step_dir_name(step), thread_count=num_io_threads)
     return CommittingWriter(
-        inner, storage=storage, step=step, world_size=world_size, fault_hook=fault_hook, secret=secret
+        inner,
+        storage=storage,
+        step=step,
+        world_size=world_size,
+        fault_hook=fault_hook,
+        secret=secret,
+        job_id=job_id,
     )
 
 

@@ -84,8 +84,9 @@ class PublishConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for a remote `anchor_root`."""
     secret: bytes | None = field(default=None, repr=False)
-    """HMAC key the anchor's manifest is signed with (None: `ETTR_CHECKPOINT_SECRET` if set). The
-    publisher checks it with the `ETTR_CHECKPOINT_SECRET` it is started with: set the same key there."""
+    """HMAC key the anchor's manifest is signed with (None: `ETTR_CHECKPOINT_SECRET` if set, else the
+    user's own key ring, `ettr.checkpoint.keys`). A publisher run by the same user finds the key in the same
+    ring; one run by another user needs the key (`ETTR_CHECKPOINT_SECRET`) or `--allow-unsigned`."""
 
     def __post_init__(self) -> None:
         if not os.fspath(self.anchor_root) or not os.fspath(self.queue_dir):
@@ -151,31 +152,35 @@ def write_anchor(
     Every rank saves its part of `state` (its shards) under key `model`; rank 0 adds `sample` (its
     sample batch file) and commits with a manifest written last (`ettr.checkpoint.commit.commit`). An
     anchor of `step` that is already committed is kept, not rewritten. Returns (path, reused); every
-    rank returns only after the commit. The manifest is signed with `secret` (default:
-    `ETTR_CHECKPOINT_SECRET`) when there is one.
+    rank returns only after the commit. The manifest names the job (`extra["job_id"]`) and the root, and
+    is signed with `secret` (default: `ETTR_CHECKPOINT_SECRET`, else the user's own key: see
+    `ettr.checkpoint.keys`); an anchor already there is reused only if it passes the same admission a
+    publisher applies.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from ettr.checkpoint.admission import Admission
     from ettr.checkpoint.base import MANIFEST_NAME, CheckpointInvalid, describe_error, step_dir_name
-    from ettr.checkpoint.commit import LEASE_PREFIX, commit, verify
+    from ettr.checkpoint.commit import LEASE_PREFIX, commit, root_identity, verify
+    from ettr.checkpoint.keys import KeyRing
     from ettr.checkpoint.storage import open_storage
-    from ettr.checkpoint.trust import resolve_secret
 
-    secret = resolve_secret(secret)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world_size = dist.get_world_size() if distributed else 1
     storage = open_storage(anchor_root, storage_options)
     name = step_dir_name(step)
+    root = root_identity(storage.url)
+    ring = KeyRing.open(secret, create=True) if rank == 0 else KeyRing(signing=None)
     decision = [False]
     if rank == 0:
         try:
-            verify(storage, name, checksums=False, secret=secret)
+            verify(storage, name, checksums=False, admit=Admission(ring=ring, root=root, what="anchor"))
             decision[0] = True
         except CheckpointInvalid:
             if storage.list_dir(name):
-                logger.warning("ettr: replacing the incomplete anchor %s", storage.path(name))
+                logger.warning("ettr: replacing the anchor %s (incomplete or not ours)", storage.path(name))
                 storage.remove_tree(name)
     if distributed and world_size > 1:
         dist.broadcast_object_list(decision, src=0)
@@ -199,7 +204,18 @@ def write_anchor(
             and not entry.endswith(".tmp")
         ]
         extra = {"kind": "publish-anchor", **(extra or {})}
-        commit(storage, step, files, world_size=world_size, extra=extra, secret=secret)
+        job_id = extra.get("job_id")
+        commit(
+            storage,
+            step,
+            files,
+            world_size=world_size,
+            extra=extra,
+            secret=ring.signing,
+            job_id=job_id if isinstance(job_id, str) else None,
+        )
+        if ring.signing is not None:
+            ring.register_root(root)
     if distributed and world_size > 1:
         dist.barrier()  # no rank reports the anchor before it is committed
     return storage.path(name), False

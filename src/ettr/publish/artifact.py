@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -105,28 +106,39 @@ def _metadata(reader: Any) -> Any:
 
 
 def load_anchor(
-    request: PublishRequest, check_resolved: ResolvedCheck | None = None
+    request: PublishRequest, check_resolved: ResolvedCheck | None = None, *, allow_unsigned: bool = False
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
     """Build the plain model and load the anchor into it (resharded to this one process, on CPU).
 
-    Returns (model in eval mode, sample inputs, the trained model's outputs, anchor keys the model did not
-    use). Holds a lease on the anchor while reading it, so retention cannot delete it underneath.
+    The anchor must verify (sizes, CRC-32s) and be signed with a key of the publisher's ring
+    (`ETTR_CHECKPOINT_SECRET`, or its key directory), unless `allow_unsigned`
+    (or `ETTR_CHECKPOINT_ALLOW_UNSIGNED=1`); either way nothing in it is unpickled as code (the exact
+    allow-list of `.metadata`, `weights_only=True` for every pickled object). Returns (model in eval
+    mode, sample inputs, the trained model's outputs, anchor keys the model did not use). Holds a lease
+    on the anchor while reading it, so retention cannot delete it underneath.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from ettr.checkpoint.admission import ALLOW_UNSIGNED_ENV, Admission, env_flag
     from ettr.checkpoint.base import CheckpointInvalid, describe_error, step_dir_name
-    from ettr.checkpoint.commit import lease, verify
+    from ettr.checkpoint.commit import lease, root_identity, verify
+    from ettr.checkpoint.keys import KeyRing
     from ettr.checkpoint.storage import open_storage
-    from ettr.checkpoint.trust import resolve_secret, verified_reader
+    from ettr.checkpoint.trust import SafeLoadPlanner, verified_reader
 
     storage = open_storage(request.anchor_root)
     name = step_dir_name(request.step)
+    admission = Admission(
+        ring=KeyRing.open(create=False),
+        root=root_identity(storage.url),
+        allow_unsigned=allow_unsigned or env_flag(ALLOW_UNSIGNED_ENV),
+        resume_foreign=True,  # the request names the anchor's root: where it was written is not asked
+        what="anchor",
+    )
     with lease(storage, name):
         try:
-            # signed with ETTR_CHECKPOINT_SECRET when the publisher has one; DCP's pickled metadata is
-            # read only through verified_reader (checked against this manifest, allow-listed classes)
-            manifest = verify(storage, name, checksums=True, secret=resolve_secret(None))
+            manifest = verify(storage, name, checksums=True, admit=admission)
         except (CheckpointInvalid, OSError) as exc:
             raise PublishError(f"anchor {storage.path(name)} is not usable: {exc}") from None
         model = request.model.build(check_resolved)
@@ -143,6 +155,7 @@ def load_anchor(
             dcp.load(
                 {request.state_key: target},
                 storage_reader=verified_reader(storage, name, manifest),
+                planner=SafeLoadPlanner(),
                 no_dist=True,
             )
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; say it in one line
@@ -177,13 +190,15 @@ def build_artifact(
     stage: Stage = _no_stage,
     still_owner: Callable[[], bool] = lambda: True,
     check_resolved: ResolvedCheck | None = None,
+    allow_unsigned: bool = False,
 ) -> ArtifactResult:
     """Publish `request`: the artifact directory at `request.artifact_dir`, built once.
 
     If a complete artifact is already there, returns it (`created=False`) without building. Raises
     PublishError when the anchor or model is unusable or the exported program does not reproduce the
     trained model's outputs; LostClaim if `still_owner()` turns False before the commit (nothing is
-    written then). `check_resolved` vets the imported factory and config type (a publisher's policy).
+    written then). `check_resolved` vets the imported factory and config type (a publisher's policy);
+    `allow_unsigned` loads an anchor the publisher's key ring cannot authenticate (`load_anchor`).
     """
     from ettr.publish.torchrec_export import (
         PlainInputs,
@@ -202,7 +217,9 @@ def build_artifact(
     begin_ts = time.time()
 
     with stage("load"):
-        model, inputs, expected, unused, loaded = _load_checked(request, check_resolved)
+        model, inputs, expected, unused, loaded = _load_checked(
+            request, check_resolved, allow_unsigned=allow_unsigned
+        )
         specs = request.inputs
         args = [inputs[name] for spec in specs for name in spec.tensor_names]
         weights = _weights_for_safetensors(model.state_dict(), dtype)
@@ -228,9 +245,21 @@ def build_artifact(
     tmp.mkdir()
     try:
         with stage("verify"):
-            torch.export.save(program, tmp / PROGRAM_FILE)
+            # The program is reloaded from the bytes this build wrote, never from the file: the file lies
+            # under the roots, which requesters can write, and torch.export.load unpickles.
+            saved = io.BytesIO()
+            torch.export.save(program, saved)
+            atomic_write(tmp / PROGRAM_FILE, saved.getvalue())
             exported, sub_batch = _verify_saved_program(
-                tmp / PROGRAM_FILE, wrapper, inputs, expected, specs, num_samples, static_reason, rtol, atol
+                io.BytesIO(saved.getvalue()),
+                wrapper,
+                inputs,
+                expected,
+                specs,
+                num_samples,
+                static_reason,
+                rtol,
+                atol,
             )
 
         with stage("write"):
@@ -262,10 +291,10 @@ def build_artifact(
 
 
 def _load_checked(
-    request: PublishRequest, check_resolved: ResolvedCheck | None = None
+    request: PublishRequest, check_resolved: ResolvedCheck | None = None, *, allow_unsigned: bool = False
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor], list[str], Comparison]:
     """The model rebuilt from the anchor, checked against the trained model's outputs on the sample."""
-    model, inputs, expected, unused = load_anchor(request, check_resolved)
+    model, inputs, expected, unused = load_anchor(request, check_resolved, allow_unsigned=allow_unsigned)
     with torch.no_grad():
         outputs = flatten_outputs(model(*_model_args(inputs, request.inputs)))
     rtol32, atol32 = tolerances("float32")
@@ -279,7 +308,7 @@ def _load_checked(
 
 
 def _verify_saved_program(
-    path: Path,
+    path: Path | io.BytesIO,
     wrapper: torch.nn.Module,
     inputs: dict[str, torch.Tensor],
     expected: dict[str, torch.Tensor],

@@ -53,6 +53,7 @@ def main(args: argparse.Namespace) -> int:
             allow=[parse_allow_entry(entry) for entry in args.allow_factory],
             roots=args.root,
             pythonpath_roots=args.allow_pythonpath,
+            allow_unsigned=getattr(args, "allow_unsigned", False),
         )
     except ValueError as exc:
         raise UsageError(f"ettr publish: {exc}") from None

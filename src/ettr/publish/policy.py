@@ -83,6 +83,10 @@ class PublishPolicy:
     """Directories (or URL prefixes) a request's anchor, artifact and run directory must lie in."""
     pythonpath_roots: tuple[str, ...] = ()
     """Directories a request's `pythonpath` entries may lie in (besides the publisher's own sys.path)."""
+    allow_unsigned: bool = False
+    """Load anchors that are unsigned, or signed with a key the publisher's ring lacks, without
+    authentication (`--allow-unsigned`; `ETTR_CHECKPOINT_ALLOW_UNSIGNED=1`). Nothing in an anchor runs as
+    code either way (docs/trust.md)."""
 
     def __post_init__(self) -> None:
         for entry in self.allowed_factories:
@@ -109,6 +113,7 @@ class PublishPolicy:
         roots: Sequence[str] = (),
         pythonpath_roots: Sequence[str] = (),
         entry_points: bool = True,
+        allow_unsigned: bool = False,
     ) -> PublishPolicy:
         """A policy with the documented defaults: roots default to the directory holding the queue; the
         installed entry points are allowed too unless `entry_points=False`. Raises ValueError."""
@@ -118,6 +123,7 @@ class PublishPolicy:
             allowed_factories=(*allow, *(entry_point_factories() if entry_points else ())),
             roots=tuple(given_roots or [default_root]),
             pythonpath_roots=tuple(os.path.abspath(p) for p in pythonpath_roots),
+            allow_unsigned=allow_unsigned,
         )
 
     # -- checks ------------------------------------------------------------------------------------------

@@ -201,6 +201,7 @@ class PublishWorker:
                     request,
                     stage=stage,
                     check_resolved=self.policy.check_resolved,
+                    allow_unsigned=self.policy.allow_unsigned,
                     still_owner=lambda: not heartbeat.lost.is_set() and self.queue.owns(claim),
                 )
             except LostClaim as exc:
