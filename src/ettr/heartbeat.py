@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -63,12 +64,20 @@ class MainThreadHeartbeat:
         path: the heartbeat file.
         interval_s: how often the training thread is sampled.
         thread_id: the training thread (default: the main thread).
+        stands_down: asked before each beat; True: this process turned out not to be a rank (a Python
+            program that started torchrun: its workers beat), and it beats no more.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, interval_s: float = 0.5, thread_id: int | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        interval_s: float = 0.5,
+        thread_id: int | None = None,
+        stands_down: Callable[[], bool] | None = None,
     ):
         self.path = Path(path)
+        self._stands_down = stands_down
         self.interval_s = interval_s
         self._thread_id = threading.main_thread().ident if thread_id is None else thread_id
         self._stop = threading.Event()
@@ -99,6 +108,9 @@ class MainThreadHeartbeat:
         if fingerprint == self._last:
             return False
         self._last = fingerprint
+        if self._stands_down is not None and self._stands_down():
+            self._stop.set()  # a launcher's stack moving says nothing of its ranks
+            return False
         try:
             os.utime(self.path, follow_symlinks=False)
         except OSError:

@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -249,6 +249,8 @@ class Injector:
         attempt_started_at: Unix time the attempt started, the origin of `time=S` (default: now).
         actions: how faults are carried out (tests pass a fake).
         preempt_wait_s: how long the training thread waits for a preemption's SIGTERM to arrive.
+        stands_down: asked before a fault fires; True: this process turned out not to be a rank (a
+            Python program that started torchrun, whose workers are the ranks), and fires nothing.
     """
 
     def __init__(
@@ -259,8 +261,10 @@ class Injector:
         attempt_started_at: float | None = None,
         actions: FaultActions | None = None,
         preempt_wait_s: float = 30.0,
+        stands_down: Callable[[], bool] | None = None,
     ) -> None:
         self._recorder = recorder
+        self._stands_down = stands_down
         self._mine = [s for s in specs if s.attempt == recorder.attempt and s.rank == recorder.rank]
         self._fired: set[FaultSpec] = set()
         self._lock = threading.Lock()
@@ -321,6 +325,8 @@ class Injector:
     def _fire(self, spec: FaultSpec, where: str, *, on_training_thread: bool, claimed: bool = False) -> None:
         if not claimed and not self._claim(spec):
             return
+        if self._stands_down is not None and self._stands_down():
+            return  # not a rank after all: its torchrun's workers are, and fire it
         self._pending_hang = None
         print(f"ettr: injecting {spec.kind} at {where} ({spec})", file=sys.stderr, flush=True)
         self._recorder.record(EventKind.MARK, data={"name": "inject", "spec": str(spec), "at": where})

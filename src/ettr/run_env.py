@@ -13,7 +13,7 @@ mtime of the attempt's directory. Imports nothing of ettr.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -37,7 +37,9 @@ INJECT_ENV = "ETTR_INJECT"
 AUTO_ENV = "ETTR_AUTO"
 """'1' when the bootstrap should install the zero-code hooks, '0' for `--no-auto`."""
 LAUNCHER_ENV = "ETTR_LAUNCHER"
-"""The kind of command (`Launcher`), so the bootstrap knows which processes are the training ranks."""
+"""The kind of command (`Launcher`), so the bootstrap knows which processes are the training ranks. A
+torchrun started inside the job (by a shell script, a Makefile, a Python program) sets it to `torchrun` in
+its own environment, so that its workers are the ranks (`runs_torchrun`, `ettr.bootstrap.start`)."""
 LEDGER_ENV = "ETTR_LEDGER"
 """A ledger URL (`sqlite:///PATH`, `postgresql://...`) given to `ettr run --ledger`; absent: the run dir's."""
 FAMILY_ENV = "ETTR_FAMILY"
@@ -88,6 +90,49 @@ class Launcher(StrEnum):
     PYTHON = "python"
     TORCHRUN = "torchrun"
     OTHER = "other"
+
+
+def python_module(command: Sequence[str]) -> tuple[str | None, int]:
+    """For `python [options] -m MODULE ...`: MODULE and the index after it; else (None, 0)."""
+    i = 1
+    while i < len(command):
+        token = command[i]
+        if token == "-m":
+            return (command[i + 1], i + 2) if i + 1 < len(command) else (None, 0)
+        if token.startswith("-m"):
+            return token[2:], i + 1
+        if token in ("-X", "-W"):
+            i += 2
+            continue
+        if not token.startswith("-") or token in ("-", "-c") or token.startswith("-c"):
+            return None, 0  # a script, stdin or -c: not a module
+        i += 1
+    return None, 0
+
+
+TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def detect_launcher(command: Sequence[str]) -> Launcher:
+    """`torchrun ...` / `python -m torch.distributed.run ...` is TORCHRUN; `python ...` is PYTHON."""
+    if not command:
+        return Launcher.OTHER
+    program = os.path.basename(command[0])
+    if program == "torchrun":
+        return Launcher.TORCHRUN
+    if program.startswith("python"):
+        module, _ = python_module(command)
+        return Launcher.TORCHRUN if module in TORCHRUN_MODULES else Launcher.PYTHON
+    return Launcher.OTHER
+
+
+def runs_torchrun(orig_argv: Sequence[str]) -> bool:
+    """Whether a Python process started as `orig_argv` (`sys.orig_argv`: the interpreter first) is a
+    torchrun launcher: `torchrun ...` (the console script, run by its `#!` interpreter) or `python [options]
+    -m torch.distributed.run|launch ...`. Its workers are the training ranks, never the launcher itself."""
+    if len(orig_argv) > 1 and os.path.basename(orig_argv[1]) == "torchrun":
+        return True
+    return detect_launcher(orig_argv) is Launcher.TORCHRUN
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -239,6 +284,13 @@ def exited_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path
     """Written, like `failed_exit_path`, by a torchrun worker whose Python-level exit is done without an
     uncaught exception: what it still does is the interpreter's teardown, not training (no hang)."""
     return agent_dir(run_dir, attempt) / f"exited-pid-{pid}"
+
+
+def launcher_parent_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
+    """Written by a torchrun launcher started inside the job (`runs_torchrun`) whose parent chain holds the
+    instrumented Python process `pid` (a Python program that started torchrun): that process is a launcher
+    too, not a rank; it fires no fault and stops beating once this exists (`ettr.bootstrap.start`)."""
+    return agent_dir(run_dir, attempt) / f"launcher-parent-pid-{pid}"
 
 
 TRAINED_PREFIX = "trained-pid-"

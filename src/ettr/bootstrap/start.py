@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -52,10 +52,25 @@ def _install_excepthook(rec: RecorderProtocol) -> None:
     sys.excepthook = excepthook
 
 
-def start(environ: Mapping[str, str] | None = None) -> None:
-    """Instrument this process if it is a training process of an `ettr run` (idempotent, never raises)."""
+def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str] | None = None) -> None:
+    """Instrument this process if it is a training process of an `ettr run` (idempotent, never raises);
+    a torchrun launcher started inside the job (`argv`, default `sys.orig_argv`) is never instrumented: its
+    workers are (`hand_ranks_to_workers`)."""
     environ = os.environ if environ is None else environ
-    if _started or not is_training_process(environ, os.getpid()):
+    if _started:
+        return
+    from ettr.run_env import RUN_DIR_ENV, runs_torchrun
+
+    if environ.get(RUN_DIR_ENV) and runs_torchrun(getattr(sys, "orig_argv", []) if argv is None else argv):
+        _started["launcher"] = True
+        try:
+            hand_ranks_to_workers(environ, os.getpid())
+        except Exception as exc:
+            logger.warning(
+                "ettr: could not hand the ranks to torchrun's workers (%s: %s)", type(exc).__name__, exc
+            )
+        return
+    if not is_training_process(environ, os.getpid()):
         return
     try:
         _start(environ)
@@ -63,6 +78,27 @@ def start(environ: Mapping[str, str] | None = None) -> None:
         logger.warning(
             "ettr: bootstrap failed (%s: %s); the script runs uninstrumented", type(exc).__name__, exc
         )
+
+
+def hand_ranks_to_workers(environ: MutableMapping[str, str], pid: int) -> None:
+    """In a torchrun launcher (`pid`) that something inside the job started -- a shell script, a Makefile,
+    a Python program -- make its workers the training ranks: `ETTR_LAUNCHER=torchrun` (the bootstrap then
+    instruments the processes that carry TORCHELASTIC_RUN_ID, each with its own RANK) and no instrumented
+    marker inherited from a Python program above it (which would leave the workers alone as that
+    program's children). That program, instrumented as the first Python process of the attempt, is told
+    that it is a launcher too (`launcher_parent_path`): it fires no fault and stops beating."""
+    from ettr.atomic import create_exclusive
+    from ettr.run_env import INSTRUMENTED_ENV, LAUNCHER_ENV, Launcher, RunEnv, launcher_parent_path
+
+    run_env = RunEnv.from_environ(environ)
+    environ.pop(INSTRUMENTED_ENV, None)
+    environ[LAUNCHER_ENV] = Launcher.TORCHRUN.value
+    parent = None if run_env is None else run_env.instrumented_pid
+    if run_env is None or parent is None or parent == pid:  # none above it, or it exec'd into torchrun
+        return
+    path = launcher_parent_path(run_env.run_dir, run_env.attempt, parent)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    create_exclusive(path, str(pid).encode(), durable=False)  # False: a second torchrun of that program
 
 
 def _start(environ: Mapping[str, str]) -> None:
@@ -83,13 +119,14 @@ def _start(environ: Mapping[str, str]) -> None:
 
         set_parent_death_signal()
     _install_excepthook(rec)
+    launches = _launches_torchrun(run_env)
     if rec.run_dir is not None:
         from ettr.heartbeat import MainThreadHeartbeat
 
-        beat = MainThreadHeartbeat(heartbeat_path(rec.run_dir, rec.attempt, rec.rank))
+        beat = MainThreadHeartbeat(heartbeat_path(rec.run_dir, rec.attempt, rec.rank), stands_down=launches)
         beat.start()
         _started["heartbeat"] = beat
-    _start_injector(rec, run_env)
+    _start_injector(rec, run_env, stands_down=launches)
     _mark_first_step(rec, run_env)
     if run_env.auto:
         from ettr.bootstrap.hooks import AutoHooks
@@ -183,13 +220,28 @@ def _watch_frameworks(hooks: Any) -> None:
         when_imported(name, frameworks.on_import)
 
 
-def _start_injector(rec: RecorderProtocol, run_env: RunEnv) -> None:
+def _launches_torchrun(run_env: RunEnv) -> Callable[[], bool] | None:
+    """For a process that may start a torchrun of its own (not a torchrun worker): whether it did, so that
+    it is a launcher and not a rank (`hand_ranks_to_workers` says so in `launcher_parent_path`)."""
+    from ettr.run_env import Launcher, launcher_parent_path
+
+    if run_env.launcher is Launcher.TORCHRUN:
+        return None
+    path = launcher_parent_path(run_env.run_dir, run_env.attempt, os.getpid())
+    return path.exists
+
+
+def _start_injector(
+    rec: RecorderProtocol, run_env: RunEnv, *, stands_down: Callable[[], bool] | None = None
+) -> None:
     from ettr import inject
 
     specs = inject.decode_specs(run_env.inject)
     if not specs:
         return
-    injector = inject.Injector(specs, rec, attempt_started_at=run_env.attempt_started_at)
+    injector = inject.Injector(
+        specs, rec, attempt_started_at=run_env.attempt_started_at, stands_down=stands_down
+    )
     if injector.specs:
         inject.install(injector)
         injector.start()

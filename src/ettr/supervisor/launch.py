@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ettr.bootstrap import pythonpath_dir
 from ettr.inject import FaultSpec, encode_specs
-from ettr.run_env import LAUNCHER_CLEARS, Launcher, RunEnv
+from ettr.run_env import LAUNCHER_CLEARS, Launcher, RunEnv, detect_launcher
+from ettr.run_env import python_module as _python_module
 
 # torchrun options that take no value (everything else before the script takes one).
 _TORCHRUN_FLAGS = frozenset(
@@ -37,45 +38,11 @@ _TORCHRUN_FLAGS = frozenset(
 _LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1", "0.0.0.0"})
 
 
-def _python_module(command: Sequence[str]) -> tuple[str | None, int]:
-    """For `python [options] -m MODULE ...`: MODULE and the index after it; else (None, 0)."""
-    i = 1
-    while i < len(command):
-        token = command[i]
-        if token == "-m":
-            return (command[i + 1], i + 2) if i + 1 < len(command) else (None, 0)
-        if token.startswith("-m"):
-            return token[2:], i + 1
-        if token in ("-X", "-W"):
-            i += 2
-            continue
-        if not token.startswith("-") or token in ("-", "-c") or token.startswith("-c"):
-            return None, 0  # a script, stdin or -c: not a module
-        i += 1
-    return None, 0
-
-
-_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-
-
 def _launcher_args_at(command: Sequence[str]) -> int:
     """Index of torchrun's first own argument in a torchrun command line."""
     if os.path.basename(command[0]) == "torchrun":
         return 1
     return _python_module(command)[1]
-
-
-def detect_launcher(command: Sequence[str]) -> Launcher:
-    """`torchrun ...` / `python -m torch.distributed.run ...` is TORCHRUN; `python ...` is PYTHON."""
-    if not command:
-        return Launcher.OTHER
-    program = os.path.basename(command[0])
-    if program == "torchrun":
-        return Launcher.TORCHRUN
-    if program.startswith("python"):
-        module, _ = _python_module(command)
-        return Launcher.TORCHRUN if module in _TORCHRUN_MODULES else Launcher.PYTHON
-    return Launcher.OTHER
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -12,6 +12,18 @@ def _ettr_bootstrap() -> None:
     env = os.environ
     if not env.get("ETTR_RUN_DIR"):
         return
+    import sys
+
+    argv = getattr(sys, "orig_argv", None) or []
+    if any("torchrun" in a or "torch.distributed." in a for a in argv[1:6]):
+        # Perhaps a torchrun launcher that the job started itself (a shell script, a Makefile, a Python
+        # program): never a rank; `ettr.bootstrap.start` makes its workers the ranks.
+        try:
+            from ettr.bootstrap.start import start
+        except Exception:
+            return
+        start()
+        return
     # Cheap pre-checks mirroring `ettr.run_env.RunEnv.is_training_process`, so that the children of a
     # training process (data loader, compile workers) do not even import ettr. The names are spelled out
     # (RUN_DIR_ENV, INSTRUMENTED_ENV, LAUNCHER_ENV, TORCHELASTIC_RUN_ID_ENV of `ettr.run_env`; a test keeps

@@ -1,0 +1,237 @@
+"""A torchrun that the job starts itself -- from a shell script, a Makefile, a Python program -- is a
+launcher, never a rank: its workers are the ranks, with their own rank numbers, and `--inject` fires in them.
+
+The fast tests use a stand-in `torchrun` (a Python script of that name that starts two workers with
+torchrun's TORCHELASTIC_RUN_ID and RANK); the slow one runs the real torchrun under `ettr run -- bash`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ettr.bootstrap import pythonpath_dir
+from ettr.bootstrap.start import hand_ranks_to_workers
+from ettr.events import EventKind
+from ettr.ledger import open_ledger, read_run_events
+from ettr.run_env import launcher_parent_path, runs_torchrun
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A stand-in torchrun: starts two workers as torchrun does (TORCHELASTIC_RUN_ID, RANK), waits for them.
+FAKE_TORCHRUN = f"""#!{sys.executable}
+import os, subprocess, sys
+out = sys.argv[1]
+code = (
+    "import json, os, sys; "
+    "import ettr.runtime as rt; "
+    "mine = os.environ.get('ETTR_INSTRUMENTED_PID') == str(os.getpid()); "
+    "rank = rt.get_recorder().rank if mine else None; "
+    "open(sys.argv[1], 'w').write(json.dumps({{'pid': os.getpid(), 'instrumented': mine, 'rank': rank}}))"
+)
+workers = [
+    subprocess.Popen(
+        [sys.executable, "-c", code, os.path.join(out, f"worker-{{r}}.json")],
+        env={{**os.environ, "TORCHELASTIC_RUN_ID": "none", "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"}},
+    )
+    for r in range(2)
+]
+with open(os.path.join(out, "launcher.json"), "w") as f:
+    f.write('{{"pid": %d, "instrumented": %s}}' % (os.getpid(), "true" if "ettr.runtime" in sys.modules else "false"))
+sys.exit(max(w.wait() for w in workers))
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/venv/bin/python", "/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], True),
+        (["python3", "-m", "torch.distributed.run", "--standalone", "train.py"], True),
+        (["python", "-u", "-mtorch.distributed.launch", "train.py"], True),
+        (["python", "train.py", "torchrun"], False),
+        (["python", "torchrun_notes.py"], False),
+        (["python", "-c", "import torch.distributed.run"], False),
+        (["python"], False),
+    ],
+)
+def test_a_torchrun_launcher_is_told_by_its_command_line(argv: list[str], expected: bool) -> None:
+    assert runs_torchrun(argv) is expected
+
+
+def test_the_launcher_hands_the_ranks_to_its_workers_and_tells_the_program_above_it(tmp_path: Path) -> None:
+    environ = {
+        "ETTR_RUN_DIR": str(tmp_path),
+        "ETTR_ATTEMPT": "2",
+        "ETTR_LAUNCHER": "python",
+        "ETTR_INSTRUMENTED_PID": "41",  # the Python program that started this torchrun
+    }
+    hand_ranks_to_workers(environ, 42)
+    assert environ["ETTR_LAUNCHER"] == "torchrun" and "ETTR_INSTRUMENTED_PID" not in environ
+    assert launcher_parent_path(tmp_path, 2, 41).read_text() == "42"
+    alone = {"ETTR_RUN_DIR": str(tmp_path), "ETTR_ATTEMPT": "2", "ETTR_LAUNCHER": "other"}
+    hand_ranks_to_workers(alone, 43)  # started by a shell: nobody above it to tell
+    assert alone["ETTR_LAUNCHER"] == "torchrun"
+    assert sorted(p.name for p in launcher_parent_path(tmp_path, 2, 0).parent.iterdir()) == [
+        "launcher-parent-pid-41"
+    ]
+
+
+def test_a_program_that_turned_out_to_be_a_launcher_fires_no_fault_and_stops_beating(tmp_path: Path) -> None:
+    from ettr.heartbeat import MainThreadHeartbeat
+    from ettr.inject import FaultActions, Injector, parse_spec
+
+    launched = tmp_path / "launcher-parent-pid-1"
+    fired: list[str] = []
+
+    class Actions(FaultActions):
+        def crash(self) -> None:
+            fired.append("crash")
+
+    class Rec:
+        attempt, rank = 0, 0
+
+        def add_step_listener(self, listener: object) -> None:
+            self.listener = listener
+
+        def record(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def flush(self, timeout_s: float = 5.0) -> None:
+            pass
+
+    rec = Rec()
+    spec = [parse_spec("crash@step=2"), parse_spec("crash@step=3")]
+    Injector(spec, rec, actions=Actions(), stands_down=launched.exists).start()  # type: ignore[arg-type]
+    rec.listener(2)
+    launched.touch()  # its torchrun started: the workers are the ranks
+    rec.listener(3)
+    assert fired == ["crash"]
+
+    path = tmp_path / "beat"
+    launched.unlink()
+    beat = MainThreadHeartbeat(path, stands_down=launched.exists)
+    path.touch()
+    assert beat.sample() is True  # news: the first look
+    launched.touch()
+    beat._last = None  # the stack moved again
+    assert beat.sample() is False and beat._stop.is_set()  # no beat, and the sampler ends
+
+
+def _job_env(run_dir: Path, bin_dir: Path, launcher: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env.update(
+        PYTHONPATH=f"{pythonpath_dir()}{os.pathsep}{ROOT / 'src'}",
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        ETTR_RUN_DIR=str(run_dir),
+        ETTR_ATTEMPT="0",
+        ETTR_AUTO="0",
+        ETTR_LAUNCHER=launcher,
+    )
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.mark.parametrize("parent", ["bash", "make", "python"])
+def test_the_workers_of_a_torchrun_started_inside_the_job_are_the_ranks(tmp_path: Path, parent: str) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    torchrun = bin_dir / "torchrun"
+    torchrun.write_text(FAKE_TORCHRUN)
+    torchrun.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_dir = tmp_path / "run"
+    if parent == "bash":
+        command = ["bash", "-c", f"cd {tmp_path} && torchrun {out}"]
+    elif parent == "make":
+        (tmp_path / "Makefile").write_text(f"train:\n\ttorchrun {out}\n")
+        command = ["make", "-s", "-C", str(tmp_path), "train"]
+    else:  # a Python program, itself the attempt's first (instrumented) Python process
+        launch = tmp_path / "launch.py"
+        launch.write_text(
+            textwrap.dedent(
+                f"""
+                import json, os, subprocess, sys
+                with open({str(out / "program.json")!r}, "w") as f:
+                    json.dump({{"pid": os.getpid(), "instrumented": os.environ.get("ETTR_INSTRUMENTED_PID") == str(os.getpid())}}, f)
+                subprocess.run(["torchrun", {str(out)!r}], check=True)
+                """
+            )
+        )
+        command = [sys.executable, str(launch)]
+    if parent == "make" and subprocess.run(["which", "make"], capture_output=True).returncode != 0:
+        pytest.skip("no make on this machine")
+    done = subprocess.run(
+        command, env=_job_env(run_dir, bin_dir, "python" if parent == "python" else "other"), timeout=120
+    )
+    assert done.returncode == 0
+    launcher = json.loads((out / "launcher.json").read_text())
+    workers = [json.loads((out / f"worker-{r}.json").read_text()) for r in range(2)]
+    assert not launcher["instrumented"]  # never a rank (not even ettr's recorder imported)
+    assert [(w["instrumented"], w["rank"]) for w in workers] == [(True, 0), (True, 1)]
+    starts = {
+        (e.rank, e.data["pid"]) for e in open_ledger(run_dir).read() if e.kind is EventKind.PROCESS_START
+    }
+    worker_starts = {(r, w["pid"]) for r, w in enumerate(workers)}
+    if parent == "python":
+        program = json.loads((out / "program.json").read_text())
+        assert program["instrumented"]  # the first Python process: instrumented before it started torchrun
+        assert starts == worker_starts | {(0, program["pid"])}
+        # ... and then told that it is a launcher: it fires no fault and stops beating
+        assert launcher_parent_path(run_dir, 0, program["pid"]).read_text() == str(launcher["pid"])
+    else:
+        assert starts == worker_starts
+
+
+DDP = ROOT / "tests" / "scripts" / "train_ddp.py"
+
+
+@pytest.mark.slow
+def test_a_bash_wrapper_around_torchrun_is_recorded_rank_by_rank_and_faults_fire_in_the_workers(
+    tmp_path: Path,
+) -> None:
+    wrapper = tmp_path / "run_ddp.sh"
+    ckpt = tmp_path / "ckpt"
+    wrapper.write_text(
+        textwrap.dedent(
+            f"""\
+            #!/bin/bash
+            set -e
+            RESUME=""
+            if ls {ckpt}/step-*.pt >/dev/null 2>&1; then RESUME=yes; fi
+            echo "resume: ${{RESUME:-no}}"
+            {sys.executable} -m torch.distributed.run --nproc-per-node 2 {DDP} --ckpt-dir {ckpt} \\
+                --num-steps 10 --save-every 4 --step-s 0.05
+            """
+        )
+    )
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject", "crash@step=6,rank=1",
+         "--", "bash", str(wrapper)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "never fired" not in done.stderr
+    events = read_run_events(run_dir)
+    ranks = {(e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START}
+    assert ranks == {(0, 0), (0, 1), (1, 0), (1, 1)}  # the workers, torchrun's launcher never
+    fired = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"]
+    assert [(e.attempt, e.rank) for e in fired] == [(0, 1)]
+    ends = [e.data["outcome"] for e in events if e.kind is EventKind.ATTEMPT_END]
+    assert ends == ["failed", "completed"]
+    last_step = {(a, r): max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (a, r))
+                 for a, r in ranks}  # fmt: skip
+    assert last_step[(0, 1)] == 6 and last_step[(1, 0)] == last_step[(1, 1)] == 10
+    resumed = {e.step for e in events if e.kind is EventKind.RESUMED and e.attempt == 1}
+    assert resumed == {4}
