@@ -186,3 +186,82 @@ def test_the_first_step_marker_names_installed_packages_only(tmp_path: Path, mon
     (marker.parent / "trained-pid-44").write_text("")
     assert trained_modules(tmp_path, 3) == ["fbgemm_gpu", "torchrec"]
     assert trained_modules(tmp_path, 4) == []
+
+
+# What a script or module sees of how it was started, and whether it finds a file beside itself after a chdir.
+_SEEN = """
+import json, os, sys
+seen = {
+    "file": __file__, "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
+    "code_file": sys._getframe().f_code.co_filename, "loader": getattr(__loader__, "path", None),
+    "cached": globals().get("__cached__"), "package": __package__, "spec": getattr(__spec__, "origin", None),
+    "main": sys.modules["__main__"].__dict__ is globals(), "standby_globals": "_warm_up" in globals(),
+}
+here = os.path.dirname(__file__)
+os.chdir("/")
+with open(os.path.join(here, "beside.txt")) as f:
+    seen["beside"] = f.read()
+with open(os.environ["SEEN_OUT"], "w") as f:
+    json.dump(seen, f)
+"""
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        ["code/train.py", "--x", "1"],
+        ["./code/../code/train.py"],
+        ["link.py"],
+        ["-m", "train"],
+        ["-m", "pkg.mod"],
+    ],
+)
+def test_the_standby_runs_the_attempt_as_a_cold_start_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: list[str]
+) -> None:
+    """The same absolute `__file__`, `sys.argv`, working directory and `sys.path[0]` as `python ...`: a script
+    that changes directory and reads a file beside itself works in both (it failed on every warm restart)."""
+    code = tmp_path / "code"
+    (code / "pkg").mkdir(parents=True)
+    for where in (code / "train.py", code / "pkg" / "mod.py"):
+        where.write_text(_SEEN)
+        (where.parent / "beside.txt").write_text("found")
+    (code / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "link.py").symlink_to(code / "train.py")
+    (tmp_path / "beside.txt").write_text("found")  # beside the link: where its __file__ says it is
+    monkeypatch.chdir(code if form[0] == "-m" else tmp_path)
+    argv = [sys.executable, *form]
+    out = tmp_path / "seen.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "SEEN_OUT": str(out)}
+    env.pop("ETTR_RUN_DIR", None)
+    subprocess.run(argv, env=env, check=True, timeout=120)
+    cold = json.loads(out.read_text())
+    out.unlink()
+    ready = Standby.start(argv, env)
+    assert ready is not None
+    running = ready.hand_over(argv, env)
+    assert running is not None and running.wait(120) == 0
+    running.finish()
+    warm = json.loads(out.read_text())
+    assert warm == cold
+    assert cold["beside"] == "found" and os.path.isabs(cold["file"]) and cold["main"]
+    assert not warm["standby_globals"]  # a fresh __main__, not the standby's own module
+
+
+def test_a_script_that_fails_in_a_standby_prints_the_traceback_of_a_cold_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "fail.py").write_text("def inner():\n    raise ValueError('boom')\n\n\ninner()\n")
+    monkeypatch.chdir(tmp_path)
+    argv = [sys.executable, "fail.py"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("ETTR_RUN_DIR", None)
+    cold = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    ready = Standby.start(argv, env)
+    assert ready is not None
+    running = ready.hand_over(argv, env)
+    assert running is not None
+    status = running.wait(120)
+    running.finish()
+    assert status == cold.returncode == 1
+    assert running.stderr_tail() == cold.stderr.splitlines()[-20:]  # no frame of ettr's own

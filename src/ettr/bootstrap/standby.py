@@ -8,8 +8,8 @@ It reads one JSON object from the pipe FD (stdin stays the job's): {"argv": [pyt
 module, args...], "env": {...}, "cwd": "..."}, the
 attempt's complete command line, environment and directory. It then replaces its whole environment by
 that one, runs ettr's bootstrap for the attempt (recorder, heartbeat, injector, torch hooks) and the script
-(or module) as `__main__` (`runpy.run_path` / `run_module`), with `sys.argv` and `sys.path[0]` as `python
-SCRIPT` (`python -m MODULE`) would set them. EOF
+(or module) as `__main__` in a fresh `__main__` module, with the same absolute `__file__`, `sys.argv`, working
+directory and `sys.path[0]` as `python SCRIPT` (`python -m MODULE`) would have (`_as_main`). EOF
 on the pipe without a request (the supervisor discarded it) exits 0 at once. The supervisor only hands over an
 attempt whose environment, apart from the per-attempt `ETTR_*` names, equals the one this process was
 started with (what `import torch` may have read), so it never runs with stale state.
@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import types
 from collections.abc import Callable
 
 SPAWNED_AT = time.time()
@@ -106,9 +107,7 @@ def main() -> None:
     while argv[at] == "-u":  # the standby was started with the same options (`ettr.supervisor.standby`)
         at += 1
     module = argv[at + 1] if argv[at] == "-m" else None
-    script = argv[at]
-    sys.argv = argv[at + 1 :] if module else argv[at:]
-    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
+    run_attempt = _as_main(module, argv[at + 1 :] if module else argv[at:])
     try:
         import ettr.runtime
         from ettr.bootstrap.start import start
@@ -129,12 +128,87 @@ def main() -> None:
         )
     except Exception as exc:
         print(f"ettr: standby bootstrap failed ({type(exc).__name__}: {exc})", file=sys.stderr)
-    import runpy
+    run_attempt()
 
+
+def _fresh_main_module() -> types.ModuleType:
+    """A new `__main__` in `sys.modules`, as the interpreter makes it before it runs a script: the
+    standby's own module (this one) is not the script's namespace."""
+    import builtins
+    import importlib.machinery
+
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __builtins__=builtins, __loader__=importlib.machinery.BuiltinImporter, __annotations__={}
+    )
+    sys.modules["__main__"] = main
+    return main
+
+
+def _module_origin(name: str) -> str | None:
+    """The file `python -m NAME` would run, found on `sys.path` without importing anything (a package's
+    `__init__` runs only once the attempt runs it, after ettr's bootstrap, as at a cold start); None when
+    it cannot be told that way (a namespace or import-hooked package: runpy then sets `sys.argv[0]`)."""
+    import importlib.machinery
+
+    path: list[str] | None = sys.path
+    spec = None
+    for part in name.split("."):
+        spec = importlib.machinery.PathFinder.find_spec(part, path)
+        if spec is None:
+            return None
+        path = list(spec.submodule_search_locations or [])
+    if spec is not None and spec.submodule_search_locations:  # a package: its __main__
+        spec = importlib.machinery.PathFinder.find_spec("__main__", list(spec.submodule_search_locations))
+    return spec.origin if spec is not None and spec.has_location else None
+
+
+def _as_main(module: str | None, args: list[str]) -> Callable[[], None]:
+    """Set `sys.argv`, `sys.path[0]` and `__main__` as `python SCRIPT ARGS` (`args[0]` is the script) or
+    `python -m MODULE ARGS` (`module`; `args[0]` is its name) would have them; returns what runs it.
+
+    A script's `__file__` (and its code's file name, its loader's path) is the script joined to the working
+    directory, `sys.argv[0]` the script as given, `sys.path[0]` the directory of the script with links
+    resolved. A module's `sys.argv[0]` is its file, `sys.path[0]` the working directory; it runs as
+    `python -m` runs it (`runpy._run_module_as_main`). Checked against a cold start in tests/test_standby.py."""
     if module is not None:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    else:
-        runpy.run_path(script, run_name="__main__")
+        import runpy
+
+        sys.argv = list(args)
+        sys.path[0] = os.getcwd()
+        sys.argv[0] = _module_origin(module) or sys.argv[0]  # ettr's compile key reads it before runpy would
+        _fresh_main_module()
+        return lambda: runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]
+    import importlib.machinery
+    import io
+
+    script = args[0]
+    path = os.path.join(os.getcwd(), script)  # not normalized, as CPython makes the script's path absolute
+    sys.argv = list(args)
+    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    main = _fresh_main_module()
+    main.__dict__.update(
+        __file__=path, __cached__=None, __loader__=importlib.machinery.SourceFileLoader("__main__", path)
+    )
+
+    def run() -> None:
+        with io.open_code(path) as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)
+        try:
+            exec(code, main.__dict__)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            # The script's traceback as a cold start prints it: from the script's own frame on.
+            tb = exc.__traceback__
+            while tb is not None and tb.tb_frame.f_code is not code:
+                tb = tb.tb_next
+            if tb is not None:
+                exc.with_traceback(tb)  # the default hook prints the exception's own traceback
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+            sys.exit(1)
+
+    return run
 
 
 if __name__ == "__main__":
