@@ -245,6 +245,46 @@ def test_preemption_keeps_only_committed_progress() -> None:
     assert r.failure_pct == pytest.approx(4.4 / 12.5 * 100)
 
 
+def test_evaluation_of_kept_work_is_evaluation_and_of_lost_work_wasted() -> None:
+    """docs/buckets.md, "Evaluation": an evaluation evaluates the state after the step before it."""
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 1, 15, "failed", 1)
+    s.phase(0, Phase.EVAL, 2, 3)  # before the first step (start-up region): evaluation
+    s.steps(0, 1, 4, t_first=4)  # 4..7; training start max(3, 4 - 1) = 3
+    s.phase(0, Phase.EVAL, 7, 8)  # of the state after step 4, which is kept: evaluation
+    s.phase(0, Phase.CHECKPOINT_BLOCKING, 8, 8.5)
+    s.add(EventKind.CHECKPOINT_COMMIT, 8.5, step=4)
+    s.steps(0, 5, 8, t_first=9.5)  # 9.5..12.5: lost
+    s.phase(0, Phase.EVAL, 12.5, 13.5)  # of the state after step 8, which was rolled back: wasted
+    s.steps(0, 9, 9, t_first=14.5)
+    s.attempt(1, 17, 25, "completed", 0)
+    s.add(EventKind.RESUMED, 17.5, 1, step=4)
+    s.phase(1, Phase.EVAL, 18, 19)  # the evaluation a resume repeats: evaluation (idleness) in any attempt
+    s.steps(1, 5, 8, t_first=20)  # 20..23
+    s.phase(1, Phase.EVAL, 23.5, 24.5)  # the final evaluation, in the completed job's tail
+    s.sup(EventKind.JOB_END, 25.5, exit_status=0)
+    r = s.report()
+    assert_buckets(
+        r,
+        {
+            Bucket.INIT: 1 + 1 + 1,
+            Bucket.EVALUATION: 1 + 1 + 1 + 1,
+            Bucket.EFFECTIVE_TRAINING: 4 + 4,
+            Bucket.CHECKPOINT_BLOCKING: 0.5,
+            Bucket.WASTED_PROGRESS: 1 + 3 + 2 + 0.5,
+            Bucket.RESTART: 2,
+            Bucket.SHUTDOWN: 1 + 0.5,
+        },
+    )
+    a0, a1 = r.attempts
+    assert (a0.lost_steps, a1.resumed_from_step, a1.lost_steps) == (5, 4, 0)
+    assert a0.buckets_s[Bucket.EVALUATION] == pytest.approx(2)
+    assert a1.buckets_s[Bucket.EVALUATION] == pytest.approx(2)
+    assert a1.training_start_ts == pytest.approx(T0 + 19)  # after the repeated evaluation
+    assert r.idleness_s == pytest.approx(2 + 4 + 0.5 + 1.5)  # attempt 1's evaluation is idleness too
+    assert r.failure_s == pytest.approx(6.5 + 2 + 1)
+
+
 def test_job_without_steps_is_all_start_up_and_has_no_tts() -> None:
     s = Stream().sup(EventKind.SUPERVISOR_START, 0)
     s.attempt(0, 1, 10, "failed", 1)
@@ -315,7 +355,7 @@ def test_lone_phase_end_is_a_full_span_and_open_begin_closes_at_attempt_end() ->
     s.lone_end(0, Phase.EVAL, None, 7)  # no value and nothing open: nothing to attribute
     s.add(EventKind.TRAINING_START, 7)
     s.steps(0, 1, 5, t_first=8)  # 8..12
-    s.phase(0, Phase.EVAL, 12.5, None)  # open: closed at the attempt end, but the tail is shutdown
+    s.phase(0, Phase.OTHER, 12.5, None)  # open: closed at the attempt end, but the tail is shutdown
     s.phase(0, Phase.EVAL, 9.5, 10)
     s.sup(EventKind.JOB_END, 20, exit_status=0)
     r = s.report()
@@ -326,12 +366,12 @@ def test_lone_phase_end_is_a_full_span_and_open_begin_closes_at_attempt_end() ->
             Bucket.COMPILE: 3,
             Bucket.RESTORE: 2,
             Bucket.EFFECTIVE_TRAINING: 4.5,
-            Bucket.OTHER: 0.5,
+            Bucket.EVALUATION: 0.5,
             Bucket.SHUTDOWN: 8,
         },
     )
     assert r.attempts[0].training_start_ts == T0 + 7  # the explicit TRAINING_START
-    assert r.phases_s["eval"] == pytest.approx(8)  # raw: the open eval runs to the attempt end
+    assert r.phases_s["other"] == pytest.approx(7.5)  # raw: the open phase runs to the attempt end
 
 
 def test_reference_rank_is_the_lowest_when_rank_0_is_silent() -> None:
@@ -520,7 +560,8 @@ def test_idleness_and_failure_split_of_start_up_buckets() -> None:
         assert classify(bucket, attempt_position=1) is Loss.FAILURE
     for bucket in (Bucket.WASTED_PROGRESS, Bucket.RESTART):
         assert classify(bucket, attempt_position=0) is Loss.FAILURE
-    for bucket in (Bucket.CHECKPOINT_BLOCKING, Bucket.SHUTDOWN, Bucket.OTHER):
+    for bucket in (Bucket.CHECKPOINT_BLOCKING, Bucket.SHUTDOWN, Bucket.OTHER, Bucket.EVALUATION):
+        assert classify(bucket, attempt_position=0) is Loss.IDLENESS
         assert classify(bucket, attempt_position=3) is Loss.IDLENESS
     assert classify(Bucket.EFFECTIVE_TRAINING, attempt_position=2) is Loss.EFFECTIVE
 

@@ -16,7 +16,16 @@ from ettr.events import PHASE_BUCKET, SUPERVISOR_RANK, Bucket, Event, EventKind,
 T0 = 1_700_000_000.0
 K = EventKind
 # The precedence of docs/buckets.md, highest first, written out again rather than imported.
-PRECEDENCE = ["checkpoint_blocking", "compile", "restore", "data_wait", "shutdown", "other", "init"]
+PRECEDENCE = [
+    "checkpoint_blocking",
+    "compile",
+    "restore",
+    "evaluation",
+    "data_wait",
+    "shutdown",
+    "other",
+    "init",
+]
 STARTUP_AS_INIT = {"checkpoint_blocking", "shutdown", "other"}
 
 
@@ -128,18 +137,22 @@ def naive_bucket(t: float, report: EttReport, events: list[Event]) -> Bucket:
         return Bucket(winner)
     is_last = position == len(attempts) - 1
     completed = a.outcome == Outcome.COMPLETED
+    keep = keep_up_to(position, report, events)
+    # An evaluation evaluates the state after the step before it: kept -> evaluation, else rolled back.
+    index = bisect.bisect_right([s for s, _ in steps], t)
+    before = steps[index - 1][1] if index > 0 else None
+    if winner == "evaluation":
+        return Bucket.EVALUATION if before is None or before <= keep else Bucket.WASTED_PROGRESS
     if t >= steps[-1][0] and completed and is_last:
         return Bucket.SHUTDOWN
     if winner is not None:
         return Bucket(winner)
     if t >= steps[-1][0]:
         stopped = a.outcome in (Outcome.PREEMPTED, Outcome.INTERRUPTED)
-        all_kept = max(s for _, s in steps) <= keep_up_to(position, report, events)
+        all_kept = max(s for _, s in steps) <= keep
         return Bucket.SHUTDOWN if completed or (stopped and all_kept) else Bucket.WASTED_PROGRESS
-    step = steps[bisect.bisect_right([s for s, _ in steps], t)][1]
-    return (
-        Bucket.EFFECTIVE_TRAINING if step <= keep_up_to(position, report, events) else Bucket.WASTED_PROGRESS
-    )
+    step = steps[index][1]
+    return Bucket.EFFECTIVE_TRAINING if step <= keep else Bucket.WASTED_PROGRESS
 
 
 def keep_up_to(position: int, report: EttReport, events: list[Event]) -> float:

@@ -114,6 +114,7 @@ def baseline_events(job_id: str = "baseline") -> Job:
     j.t += 20.0
     j.startup(2, compile_s=30.0, restore_from=80)
     j.train(2, 81, 140, step_s=1.0, ckpt_every=20, block_s=6.0)
+    j.phase(2, Phase.EVAL, 4.0)  # the final validation: evaluation, though in the completed job's tail
     j.phase(2, Phase.SHUTDOWN, 5.0)
     j.sup(EventKind.ATTEMPT_END, 2, outcome="completed", exit_code=0)
     j.t += 1.0

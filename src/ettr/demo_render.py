@@ -29,6 +29,7 @@ _RECOVERY_BUCKETS = (
     Bucket.COMPILE,
     Bucket.RESTORE,
     Bucket.DATA_WAIT,
+    Bucket.EVALUATION,
     Bucket.OTHER,
 )
 

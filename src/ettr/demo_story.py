@@ -69,6 +69,11 @@ TECHNIQUES = (
         buckets=(Bucket.SHUTDOWN,),
     ),
     Technique(
+        name="evaluation (no technique)",
+        mechanism="the job's own evaluation passes: the same work on both sides",
+        buckets=(Bucket.EVALUATION,),
+    ),
+    Technique(
         name="relaunch",
         mechanism="failure -> next attempt: torchrun relaunched cold vs ettr's agent handing over to standbys",
         buckets=(Bucket.RESTART, Bucket.OTHER, Bucket.SCHEDULING, Bucket.HARDWARE_SETUP),

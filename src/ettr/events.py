@@ -33,6 +33,7 @@ class Bucket(StrEnum):
     RESTART = "restart"
     SHUTDOWN = "shutdown"
     OTHER = "other"
+    EVALUATION = "evaluation"  # added in the third wave: evaluation/validation passes in kept work
 
 
 class Phase(StrEnum):
@@ -59,7 +60,7 @@ class Phase(StrEnum):
     # End of the job and anything else.
     SHUTDOWN = "shutdown"
     PUBLISH = "publish"
-    EVAL = "eval"
+    EVAL = "eval"  # evaluation / validation passes (books into `evaluation`)
     OTHER = "other"
 
 
@@ -80,7 +81,7 @@ PHASE_BUCKET: Mapping[Phase, Bucket | None] = {
     Phase.CHECKPOINT_PERSIST: None,  # overlapped with training: raw duration only
     Phase.SHUTDOWN: Bucket.SHUTDOWN,
     Phase.PUBLISH: Bucket.SHUTDOWN,
-    Phase.EVAL: Bucket.OTHER,
+    Phase.EVAL: Bucket.EVALUATION,
     Phase.OTHER: Bucket.OTHER,
 }
 

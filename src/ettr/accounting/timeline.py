@@ -17,6 +17,7 @@ PRECEDENCE: tuple[Bucket, ...] = (
     Bucket.CHECKPOINT_BLOCKING,
     Bucket.COMPILE,
     Bucket.RESTORE,
+    Bucket.EVALUATION,
     Bucket.DATA_WAIT,
     Bucket.SHUTDOWN,
     Bucket.OTHER,
@@ -25,6 +26,7 @@ PRECEDENCE: tuple[Bucket, ...] = (
 """Buckets that phases map to, highest precedence first: where phases overlap, the first one wins."""
 
 _CLASS = {bucket: i for i, bucket in enumerate(PRECEDENCE)}
+_EVAL_CLASS = _CLASS[Bucket.EVALUATION]
 # Before the training loop starts, checkpointing, shutdown and "other" phases are part of start-up.
 _STARTUP_BUCKET = tuple(
     Bucket.INIT if b in (Bucket.CHECKPOINT_BLOCKING, Bucket.SHUTDOWN, Bucket.OTHER) else b for b in PRECEDENCE
@@ -33,7 +35,7 @@ _STARTUP_BUCKET = tuple(
 # Kinds of region inside an attempt: what phases may override there.
 _STARTUP = 0  # [attempt start, training start): default init; phases map through _STARTUP_BUCKET
 _TRAINING = 1  # step intervals and the tail after the last step: phases override by PRECEDENCE
-_LOCKED = 2  # shutdown tail of a completed last attempt: shutdown whatever phases say
+_LOCKED = 2  # shutdown tail of a completed last attempt: shutdown whatever phases say, but evaluation
 
 
 def build_segments(
@@ -98,23 +100,34 @@ def _add(segments: list[list], start: float, end: float, bucket: Bucket, attempt
     segments.append([start, end, bucket, attempt])
 
 
-def _base_regions(attempt: Attempt, *, is_last: bool) -> tuple[list[float], list[Bucket], list[int]]:
-    """The region defaults of an attempt as consecutive pieces (end, default bucket, region kind)."""
+def _base_regions(
+    attempt: Attempt, *, is_last: bool
+) -> tuple[list[float], list[Bucket], list[int], list[Bucket]]:
+    """The region defaults of an attempt as consecutive pieces (end, default bucket, region kind, bucket of an
+    evaluation there). An evaluation evaluates the state after the step before it: `evaluation` if that
+    step was kept (or it is the state the attempt started from), else `wasted_progress`, rolled back with
+    the steps around it."""
     end = attempt.end_ts
+    evaluation, wasted = Bucket.EVALUATION, Bucket.WASTED_PROGRESS
     if attempt.training_start_ts is None:
-        return [end], [Bucket.INIT], [_STARTUP]
-    ends, buckets, regions = [attempt.training_start_ts], [Bucket.INIT], [_STARTUP]
+        return [end], [Bucket.INIT], [_STARTUP], [evaluation]
+    ends, buckets, regions, evals = [attempt.training_start_ts], [Bucket.INIT], [_STARTUP], [evaluation]
     keep = attempt.keep_up_to_step
-    effective, wasted = Bucket.EFFECTIVE_TRAINING, Bucket.WASTED_PROGRESS
+    effective = Bucket.EFFECTIVE_TRAINING
+    previous: int | None = None  # the step before this interval (None: the state the attempt started from)
     for ts, step in zip(attempt.step_ts, attempt.step_numbers, strict=True):
         bucket = effective if step <= keep else wasted
-        if buckets[-1] is bucket and regions[-1] == _TRAINING:
+        evaluated = evaluation if previous is None or previous <= keep else wasted
+        previous = step
+        if buckets[-1] is bucket and regions[-1] == _TRAINING and evals[-1] is evaluated:
             ends[-1] = ts
         else:
             ends.append(ts)
             buckets.append(bucket)
             regions.append(_TRAINING)
+            evals.append(evaluated)
     ends.append(end)
+    evals.append(evaluation if previous is None or previous <= keep else wasted)
     if attempt.outcome == Outcome.COMPLETED:
         buckets.append(Bucket.SHUTDOWN)
         regions.append(_LOCKED if is_last else _TRAINING)
@@ -126,7 +139,7 @@ def _base_regions(attempt: Attempt, *, is_last: bool) -> tuple[list[float], list
     else:  # from the last step to the failure (including its detection): progress that was lost
         buckets.append(wasted)
         regions.append(_TRAINING)
-    return ends, buckets, regions
+    return ends, buckets, regions, evals
 
 
 def _stopped_with_everything_kept(attempt: Attempt) -> bool:
@@ -138,7 +151,7 @@ def _stopped_with_everything_kept(attempt: Attempt) -> bool:
 
 
 def _sweep_attempt(segments: list[list], attempt: Attempt, *, is_last: bool) -> None:
-    ends, buckets, regions = _base_regions(attempt, is_last=is_last)
+    ends, buckets, regions, evals = _base_regions(attempt, is_last=is_last)
     edges: list[tuple[float, int, int]] = []
     for begin, end, phase, _ in attempt.phases:
         bucket = PHASE_BUCKET.get(phase) if phase is not None else None
@@ -165,10 +178,12 @@ def _sweep_attempt(segments: list[list], attempt: Attempt, *, is_last: bool) -> 
         if j < num_edges and edges[j][0] < upto:
             upto = edges[j][0]
         bucket, region = buckets[i], regions[i]
-        if region != _LOCKED:
-            for cls in range(num_classes):
-                if counts[cls] > 0:
+        for cls in range(num_classes):
+            if counts[cls] > 0:
+                if cls == _EVAL_CLASS:
+                    bucket = evals[i]
+                elif region != _LOCKED:
                     bucket = _STARTUP_BUCKET[cls] if region == _STARTUP else PRECEDENCE[cls]
-                    break
+                break
         _add(segments, cursor, upto, bucket, index)
         cursor = upto

@@ -210,8 +210,9 @@ def load_run_dir(run_dir: Path, now: float, use_stored: bool = True) -> JobSumma
     )
 
 
-CACHE_VERSION = 1
-"""Bumped whenever a summary of the same ledger could come out different (accounting rules, fields)."""
+CACHE_VERSION = 2
+"""Bumped whenever a summary of the same ledger could come out different (accounting rules, fields).
+2: the `evaluation` bucket."""
 
 
 def default_cache_dir() -> Path:

@@ -227,7 +227,13 @@ def share_bar_svg(buckets_s: Mapping[Bucket, float], *, width: float = WIDTH, he
         title = f"{title_prefix}{bucket_label(bucket)}: {fmt_exact_s(seconds)} ({fmt_pct(pct)})"
         body.append(rect_element(x, 0, max(w, 0.5), height, BUCKET_COLORS[bucket], title, bucket=bucket))
         if labels and w >= 42:
-            dark = bucket in (Bucket.SCHEDULING, Bucket.DATA_WAIT, Bucket.OTHER, Bucket.HARDWARE_SETUP)
+            dark = bucket in (
+                Bucket.SCHEDULING,
+                Bucket.DATA_WAIT,
+                Bucket.OTHER,
+                Bucket.HARDWARE_SETUP,
+                Bucket.EVALUATION,
+            )
             body.append(
                 text_element(
                     x + w / 2,

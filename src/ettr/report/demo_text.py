@@ -61,6 +61,12 @@ def explain(baseline: EttReport, optimized: EttReport, *, published: bool = True
             "the preemption saves before exiting",
         ),
         (
+            "evaluation",
+            baseline.buckets_s[Bucket.EVALUATION],
+            optimized.buckets_s[Bucket.EVALUATION],
+            "the job's own evaluation passes (no technique acts on them)",
+        ),
+        (
             "shutdown",
             baseline.buckets_s[Bucket.SHUTDOWN],
             optimized.buckets_s[Bucket.SHUTDOWN],
@@ -72,7 +78,7 @@ def explain(baseline: EttReport, optimized: EttReport, *, published: bool = True
     for name, before, after, why in rows:
         if before is None or after is None or max(before, after) < 0.05:
             continue
-        verdict = why if after < before else "(not lower this time)"
+        verdict = why if after < before or name == "evaluation" else "(not lower this time)"
         if name == "wasted_progress":  # the seconds hide how much work each side redid
             verdict += f"; steps redone {lost[0]} -> {lost[1]}"
         if name == "checkpoint_blocking":  # the auto interval may save more often, each save cheaper

@@ -340,7 +340,11 @@ def _legend() -> str:
     def item(b: Bucket) -> str:
         return f'<span data-bucket="{b.value}"><span class="sw" style="background:{BUCKET_COLORS[b]}"></span>{esc(bucket_label(b))}</span>'
 
-    idle = [b for b in Bucket if b in _IDLE_ONLY_BUCKETS or b in STARTUP_BUCKETS or b is Bucket.OTHER]
+    idle = [
+        b
+        for b in Bucket
+        if b in _IDLE_ONLY_BUCKETS or b in STARTUP_BUCKETS or b in (Bucket.OTHER, Bucket.EVALUATION)
+    ]
     groups = [
         ("training", [item(Bucket.EFFECTIVE_TRAINING)]),
         ("idleness", [item(b) for b in idle]),

@@ -26,6 +26,8 @@ BUCKET_COLORS: Mapping[Bucket, str] = MappingProxyType(
         Bucket.CHECKPOINT_BLOCKING: "#1d3f73",
         Bucket.SHUTDOWN: "#6f7c8c",
         Bucket.OTHER: "#b5b5b5",
+        # Evaluation: idleness too, but work the job asked for (olive, apart from the start-up blues).
+        Bucket.EVALUATION: "#bcbd22",
         # The time that counts.
         Bucket.EFFECTIVE_TRAINING: "#2ca02c",
         # Failure: warm colours.

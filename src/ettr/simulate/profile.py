@@ -238,8 +238,9 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
 
 def _caveats(report: EttReport, num_interruptions: int) -> list[str]:
     notes = []
-    if report.buckets_s[Bucket.OTHER] > 0:
-        notes.append(f"{report.buckets_s[Bucket.OTHER]:.1f} s of 'other' (eval...) is not modelled")
+    for bucket in (Bucket.EVALUATION, Bucket.OTHER):
+        if report.buckets_s[bucket] > 0:
+            notes.append(f"{report.buckets_s[bucket]:.1f} s of '{bucket.value}' is not modelled")
     if num_interruptions and report.wall_s < SECONDS_PER_DAY:
         notes.append(
             f"failure and preemption rates measured over {report.wall_s / 60:.1f} min of wall time: "
