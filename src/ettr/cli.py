@@ -10,6 +10,7 @@ import errno
 import importlib
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -64,9 +65,17 @@ def _add_run(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="seconds without progress that count as a hang (default 300, armed after the first sign of life)",
     )
-    p.add_argument("--submitted-at", type=parse_time, metavar="TIME", help="when the job was submitted")
     p.add_argument(
-        "--allocated-at", type=parse_time, metavar="TIME", help="when its resources were allocated"
+        "--submitted-at",
+        type=parse_time,
+        metavar="TIME",
+        help="when the job was submitted: Unix seconds (1764650000) or ISO-8601 (2026-12-02T05:50:00+00:00)",
+    )
+    p.add_argument(
+        "--allocated-at",
+        type=parse_time,
+        metavar="TIME",
+        help="when its resources were allocated (same formats as --submitted-at)",
     )
     p.add_argument("--no-auto", action="store_true", help="no zero-code instrumentation of Python children")
     p.add_argument("--family", help="job family for `ettr fleet` (default: the script or module name)")
@@ -101,8 +110,17 @@ def _run(args: argparse.Namespace) -> int:
 
 # -- ettr report -----------------------------------------------------------------------------------------
 def _add_report(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories (several compare them)")
-    p.add_argument("--ledger", metavar="URL", help="report a job from a ledger URL instead (with --job-id)")
+    p.add_argument(
+        "run_dirs",
+        nargs="*",
+        metavar="RUN_DIR",
+        help="run directories (several compare them; none: the newest under ./runs)",
+    )
+    p.add_argument(
+        "--ledger",
+        metavar="URL",
+        help="report a job from a ledger URL instead (with --job-id; alone: list its jobs)",
+    )
     p.add_argument(
         "--job-id", metavar="ID", help="with --ledger: the job to report (repeatable)", action="append"
     )
@@ -132,6 +150,8 @@ def _report(args: argparse.Namespace) -> int:
         from ettr.report.tensorboard import require_tensorboard
 
         require_tensorboard()
+    if args.ledger and not args.job_id and not args.run_dirs:
+        return _list_ledger_jobs(args.ledger, as_json=args.json)
     loaded = load_requested(args.run_dirs, ledger_url=args.ledger, job_ids=args.job_id)
     reports = [report for _events, report in loaded]
     from ettr.report.json import to_dict
@@ -147,16 +167,25 @@ def _report(args: argparse.Namespace) -> int:
         from ettr.report.trace import write_trace
 
         write_trace(loaded[0][0], reports[0], args.trace)
+        print(f"ettr report: wrote {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
     if args.tensorboard:
         from ettr.report.tensorboard import write_runs
 
         write_runs(reports, args.run_dirs, args.tensorboard)
+        print(
+            f"ettr report: wrote TensorBoard scalars to {args.tensorboard} (tensorboard --logdir {args.tensorboard})",
+            file=sys.stderr,
+        )
     if args.json:
         # Segments (the full timeline) can run to megabytes for long jobs; the HTML report draws them.
         payload = [to_dict(r, include_segments=False) for r in reports]
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
     elif len(reports) == 1:
         print(render(reports[0]))
+        from ettr.report.hints import no_step_hints
+
+        for hint in no_step_hints(loaded[0][0], reports[0]):
+            print(f"\nnote: {hint}")
         from ettr.report.audit import render as render_audit
 
         audit = render_audit(loaded[0][0])
@@ -168,16 +197,40 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _list_ledger_jobs(url: str, *, as_json: bool) -> int:
+    """`ettr report --ledger URL` without --job-id: the jobs the ledger holds, oldest first."""
+    from ettr.ledger.url import list_jobs
+
+    jobs = list_jobs(url)
+    if as_json:
+        print(json.dumps({"jobs": jobs}))
+    elif not jobs:
+        print("no jobs in this ledger yet")
+    else:
+        print(f"{len(jobs)} job(s); report one with: ettr report --ledger URL --job-id ID")
+        for job_id in jobs:
+            print(f"  {job_id}")
+    return 0
+
+
 # -- ettr interval ---------------------------------------------------------------------------------------
 def _add_interval(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--blocking", type=_positive_float, required=True, metavar="SECONDS", help="blocking per save"
     )
-    p.add_argument("--failures-per-day", type=_positive_float, required=True, metavar="F")
+    p.add_argument(
+        "--failures-per-day",
+        type=_positive_float,
+        required=True,
+        metavar="F",
+        help="interruptions of the whole job per day (failures and preemptions; all its nodes together)",
+    )
     p.add_argument(
         "--train-hours", type=_positive_float, default=24.0, metavar="H", help="training hours/day"
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (optimal_interval_s, wasted_pct, ...)"
+    )
 
 
 def _interval(args: argparse.Namespace) -> int:
@@ -435,6 +488,20 @@ def _one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+_OWN_PREFIX = re.compile(r"^(ettr(?: [a-z][a-z-]*)?): (?:error: )?")
+
+
+def _error_line(command: str, message: str) -> str:
+    """One error line in the one style every command uses: `ettr COMMAND: what was wrong; what to do`.
+
+    Messages raised deep inside a command may carry a prefix of their own (`ettr run: `, `ettr: `); the line
+    names the command once: the one that was run, or the message's own where the command line did not parse."""
+    own = _OWN_PREFIX.match(message)
+    if own is None:
+        return f"{command}: {message}"
+    return f"{own.group(1) if command == 'ettr' else command}: {message[own.end() :]}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     command = "ettr"
     try:
@@ -446,8 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"{command}: standard output is closed, its result would be lost (redirect it)")
         return _COMMANDS[args.cmd][2](args)
     except UsageError as exc:
-        message = _one_line(str(exc))
-        print(f"ettr: error: {message}" if not message.startswith("ettr") else message, file=sys.stderr)
+        print(_error_line(command, _one_line(str(exc))), file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0
