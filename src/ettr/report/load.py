@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -85,14 +86,50 @@ def load_requested(
 ) -> list[tuple[list[Event], EttReport]]:
     """What `ettr report` was asked for: RUN_DIRs, or jobs of a ledger URL. Raises `UsageError`."""
     if ledger_url:
-        if run_dirs or not job_ids:
+        if run_dirs:
             raise UsageError("ettr report: give --ledger URL --job-id ID (and no RUN_DIR)")
+        if not job_ids:
+            raise UsageError(
+                "ettr report: --ledger URL needs --job-id ID (`ettr report --ledger URL` lists them)"
+            )
         return [load_from_ledger(ledger_url, job_id) for job_id in job_ids]
     if job_ids:
         raise UsageError("ettr report: --job-id needs --ledger URL (a RUN_DIR names its job itself)")
     if not run_dirs:
-        raise UsageError("ettr report: give RUN_DIR... or --ledger URL --job-id ID")
+        newest = newest_run_dir(DEFAULT_RUNS_DIR)
+        if newest is None:
+            raise UsageError(
+                f"ettr report: give RUN_DIR... or --ledger URL --job-id ID (no run directory under "
+                f"./{DEFAULT_RUNS_DIR}/ to default to)"
+            )
+        print(f"ettr report: the newest run, {newest} (give RUN_DIR for another)", file=sys.stderr)
+        run_dirs = [str(newest)]
     return [load(d) for d in run_dirs]
+
+
+DEFAULT_RUNS_DIR = "runs"
+"""Where `ettr run` puts run directories by default (`runs/<job-id>`): `ettr report` alone reads the newest."""
+
+
+def newest_run_dir(parent: str | os.PathLike[str]) -> Path | None:
+    """The run directory under `parent` whose books changed last (a ledger.db, or a pointer to a ledger
+    URL); None if there is none. Unreadable entries are skipped."""
+    from ettr.ledger.url import POINTER_FILENAME
+
+    best: tuple[float, Path] | None = None
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return None
+    for entry in entries:
+        for name in ("ledger.db", POINTER_FILENAME):
+            try:
+                mtime = (entry / name).stat().st_mtime
+            except OSError:
+                continue
+            if best is None or mtime > best[0]:
+                best = (mtime, entry)
+    return None if best is None else best[1]
 
 
 def load_report(run_dir: str | os.PathLike[str]) -> EttReport:
