@@ -18,6 +18,7 @@ from ettr.report.svg import (
     WIDTH,
     esc,
     fmt_s,
+    fmt_signed,
     rect_element,
     svg_element,
     text_element,
@@ -83,7 +84,7 @@ def story_lines(story: Story) -> list[str]:
         if max(abs(g.baseline_s), abs(g.optimized_s)) < 0.05:
             continue
         share = (
-            f"{g.share_pct:5.1f}% ({g.points:+.1f} pts)"
+            f"{g.share_pct:5.1f}% ({fmt_signed(g.points)} pts)"
             if g.share_pct is not None and g.points is not None
             else "   -"
         )
@@ -93,7 +94,7 @@ def story_lines(story: Story) -> list[str]:
         )
     if story.tts_steps:
         steps = " ".join(
-            f"{s.label} {s.seconds:.1f} s" if s.total else f"{s.seconds:+.1f} ({s.label})"
+            f"{s.label} {s.seconds:.1f} s" if s.total else f"{fmt_signed(s.seconds)} ({s.label})"
             for s in story.tts_steps
         )
         lines += ["", f"time to start, step by step: {steps}"]
@@ -120,7 +121,7 @@ def story_lines(story: Story) -> list[str]:
         verdict = "within" if rp.ok else "NOT within"
         lines.append(
             f"  {rp.side:<10} measured ETT {rp.measured_ett_pct:.1f}%, predicted {rp.predicted_ett_pct:.1f}% "
-            f"({rp.predicted_ett_pct - rp.measured_ett_pct:+.1f} points: {verdict} 2)"
+            f"({fmt_signed(rp.predicted_ett_pct - rp.measured_ett_pct)} points: {verdict} 2)"
         )
     lines += ["", f"projected from the measured profiles to {_fleet_title(story.fleet)}:"]
     for p in story.projection:
@@ -181,7 +182,7 @@ def _technique_waterfall_svg(story: Story) -> str:
             running += s.seconds
         x0 = LABEL_W + start / scale * plot_w
         w = max((end - start) / scale * plot_w, 0.8)
-        label = f"{s.seconds:.1f} s" if s.total else f"{s.seconds:+.1f} s"
+        label = f"{s.seconds:.1f} s" if s.total else f"{fmt_signed(s.seconds)} s"
         body.append(text_element(0, y + 14, s.label, extra=' font-weight="700"' if s.total else ""))
         body.append(rect_element(x0, y, w, row_h, color, f"{s.label}: {label}"))
         body.append(text_element(x0 + w + 6, y + 14, label, fill="#444", extra=' font-size="11"'))
@@ -193,11 +194,11 @@ def _technique_table(story: Story) -> str:
     rows = []
     for g in story.techniques:
         share = f"{g.share_pct:.1f}%" if g.share_pct is not None else "—"
-        points = f"{g.points:+.1f}" if g.points is not None else "—"
+        points = fmt_signed(g.points) if g.points is not None else "—"
         buckets = ", ".join(b.value for b in g.technique.buckets)
         rows.append(
             f"<tr><td>{esc(g.technique.name)}</td><td>{esc(buckets)}</td><td class=num>{g.baseline_s:.1f}</td>"
-            f"<td class=num>{g.optimized_s:.1f}</td><td class=num>{g.saved_s:+.1f}</td><td class=num>{share}</td>"
+            f"<td class=num>{g.optimized_s:.1f}</td><td class=num>{fmt_signed(g.saved_s)}</td><td class=num>{share}</td>"
             f"<td class=num>{points}</td><td>{esc(g.technique.mechanism)}</td></tr>"
         )
     head = (
@@ -248,7 +249,7 @@ def _projection_table(story: Story) -> str:
     )
     replays = "".join(
         f"<tr><td>{esc(r.side)}</td><td class=num>{r.measured_ett_pct:.1f}%</td><td class=num>{r.predicted_ett_pct:.1f}%</td>"
-        f"<td class=num>{r.predicted_ett_pct - r.measured_ett_pct:+.1f}</td><td>{'yes' if r.ok else 'no'}</td></tr>"
+        f"<td class=num>{fmt_signed(r.predicted_ett_pct - r.measured_ett_pct)}</td><td>{'yes' if r.ok else 'no'}</td></tr>"
         for r in story.replays
     )
     return (

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ettr.accounting import EttReport
 from ettr.events import Bucket
+from ettr.report.svg import fmt_signed
 
 
 def _recovery_s(report: EttReport, bucket: Bucket) -> float:
@@ -18,7 +19,7 @@ def explain(baseline: EttReport, optimized: EttReport, *, published: bool = True
     by publishing, inside the baseline job and standalone for the optimized one)."""
     gain = optimized.ett_pct - baseline.ett_pct
     lines = [
-        f"optimized vs baseline: ETT {optimized.ett_pct:.1f}% vs {baseline.ett_pct:.1f}% ({gain:+.1f} points), "
+        f"optimized vs baseline: ETT {optimized.ett_pct:.1f}% vs {baseline.ett_pct:.1f}% ({fmt_signed(gain)} points), "
         f"wall {optimized.wall_s:.0f} s vs {baseline.wall_s:.0f} s"
     ]
     lost = [sum(a.lost_steps for a in r.attempts) for r in (baseline, optimized)]

@@ -30,6 +30,7 @@ from ettr.report.svg import (
     esc,
     fmt_pct,
     fmt_s,
+    fmt_signed,
     svg_defs,
 )
 
@@ -151,11 +152,25 @@ def _header(reports: Sequence[EttReport], names: Sequence[str]) -> str:
     return f'<header><h1>{heading}</h1><p class="sub">{"<br>".join(lines)}</p></header>'
 
 
+ETT_GOOD_PCT = 80.0
+ETT_FAIR_PCT = 50.0
+"""The ETT card is green from ETT_GOOD_PCT, amber from ETT_FAIR_PCT, red below (docs/reading-a-report.md)."""
+
+
+def _ett_class(ett_pct: float) -> str:
+    return "ett" if ett_pct >= ETT_GOOD_PCT else "ett fair" if ett_pct >= ETT_FAIR_PCT else "ett poor"
+
+
 def _cards(r: EttReport) -> str:
     lost_steps = sum(a.lost_steps for a in r.attempts)
     estimated = "~" if any(a.lost_steps_estimated for a in r.attempts) else ""
     cards = [
-        ("ett", "ETT", fmt_pct(r.ett_pct), f"{fmt_s(r.effective_training_s)} of effective training"),
+        (
+            _ett_class(r.ett_pct),
+            "ETT",
+            fmt_pct(r.ett_pct),
+            f"{fmt_s(r.effective_training_s)} of effective training",
+        ),
         ("", "idleness", fmt_pct(r.idleness_pct), f"{fmt_s(r.idleness_s)} lost without a failure"),
         ("fail", "failure", fmt_pct(r.failure_pct), f"{fmt_s(r.failure_s)} lost to failures"),
         ("", "wall time", fmt_s(r.wall_s), "first known timestamp to job end"),
@@ -221,16 +236,22 @@ def _delta_step(d: float) -> str:
 
 
 _METRICS = (
-    _Metric("ETT", lambda r: r.ett_pct, _fmt_pct_or_dash, lambda d: f"{d:+.1f} pp", higher_is_better=True),
+    _Metric(
+        "ETT", lambda r: r.ett_pct, _fmt_pct_or_dash, lambda d: f"{fmt_signed(d)} pp", higher_is_better=True
+    ),
     _Metric(
         "idleness",
         lambda r: r.idleness_pct,
         _fmt_pct_or_dash,
-        lambda d: f"{d:+.1f} pp",
+        lambda d: f"{fmt_signed(d)} pp",
         higher_is_better=False,
     ),
     _Metric(
-        "failure", lambda r: r.failure_pct, _fmt_pct_or_dash, lambda d: f"{d:+.1f} pp", higher_is_better=False
+        "failure",
+        lambda r: r.failure_pct,
+        _fmt_pct_or_dash,
+        lambda d: f"{fmt_signed(d)} pp",
+        higher_is_better=False,
     ),
     _Metric("effective training", lambda r: r.effective_training_s, fmt_s, _delta_s, higher_is_better=True),
     _Metric("wall time", lambda r: r.wall_s, fmt_s, _delta_s, higher_is_better=None),
@@ -251,18 +272,28 @@ _METRICS = (
         higher_is_better=False,
     ),
     _Metric(
-        "kept steps", lambda r: r.num_kept_steps, _fmt_count, lambda d: f"{d:+.0f}", higher_is_better=None
+        "kept steps",
+        lambda r: r.num_kept_steps,
+        _fmt_count,
+        lambda d: fmt_signed(d, 0),
+        higher_is_better=None,
     ),
-    _Metric("failures", lambda r: r.num_failures, _fmt_count, lambda d: f"{d:+.0f}", higher_is_better=None),
+    _Metric(
+        "failures", lambda r: r.num_failures, _fmt_count, lambda d: fmt_signed(d, 0), higher_is_better=None
+    ),
     _Metric(
         "lost steps",
         lambda r: sum(a.lost_steps for a in r.attempts),
         _fmt_count,
-        lambda d: f"{d:+.0f}",
+        lambda d: fmt_signed(d, 0),
         higher_is_better=False,
     ),
     _Metric(
-        "recompiles", lambda r: len(r.recompiles), _fmt_count, lambda d: f"{d:+.0f}", higher_is_better=False
+        "recompiles",
+        lambda r: len(r.recompiles),
+        _fmt_count,
+        lambda d: fmt_signed(d, 0),
+        higher_is_better=False,
     ),
 )
 
@@ -284,7 +315,7 @@ def _banner(reports: Sequence[EttReport], names: Sequence[str]) -> str:
     """ETT% of the baseline -> each other run, with the change in percentage points."""
     base = reports[0]
     others = " · ".join(
-        f"{esc(name)} <b>{esc(fmt_pct(r.ett_pct))}</b> ({esc(f'{r.ett_pct - base.ett_pct:+.1f} pp')})"
+        f"{esc(name)} <b>{esc(fmt_pct(r.ett_pct))}</b> ({esc(fmt_signed(r.ett_pct - base.ett_pct) + ' pp')})"
         for r, name in zip(reports[1:], names[1:], strict=True)
     )
     return f'<p class="banner">ETT% of {esc(names[0])} <b>{esc(fmt_pct(base.ett_pct))}</b> → {others}</p>'

@@ -99,6 +99,12 @@ def fmt_pct(pct: float) -> str:
     return f"{pct:.1f}%"
 
 
+def fmt_signed(change: float, digits: int = 1) -> str:
+    """A change with its sign, never `-0.0`: what rounds to zero reads `+0.0` (`-0.04` is no loss)."""
+    rounded = round(change, digits)
+    return f"{rounded + 0.0 if rounded else 0.0:+.{digits}f}"
+
+
 def bucket_label(bucket: Bucket) -> str:
     return bucket.value.replace("_", " ")
 

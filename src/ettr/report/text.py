@@ -13,6 +13,7 @@ from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
 from ettr.report import steptime, ttr_parts
 from ettr.report.slowdown import text_lines as slowdown_lines
+from ettr.report.svg import fmt_signed
 
 BAR_WIDTH = 40
 """Characters of a bar that stands for 100% of wall time."""
@@ -211,8 +212,7 @@ def _delta(values: Sequence[float | None], fmt: str) -> str:
     first, second = values
     if first is None or second is None:
         return "-"
-    change = second - first
-    return ("+" if change >= 0 else "") + fmt.format(change)
+    return fmt_signed(second - first, digits=int(fmt.split(".")[1][0]) if "." in fmt else 0)
 
 
 _SHOWN_FAILURE_KEYS = ("exception", "message", "stderr_tail", "reason", "process_failure", "injected")
