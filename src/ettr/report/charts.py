@@ -52,19 +52,40 @@ def _attempt_label(a: AttemptReport) -> str:
 
 
 def failure_summary(a: AttemptReport, *, max_chars: int = 160) -> str:
-    """One line on why an attempt did not complete: its ATTEMPT_END details and the process failure."""
-    if not a.failure:
+    """One line on why an attempt did not complete, in words: `exit status 1 — ValueError: bad batch (rank 1)
+    — injected crash@step=50 — OOM killer` (its ATTEMPT_END details and the process failure)."""
+    failure = a.failure
+    if not failure:
         return ""
+    process = failure.get("process_failure")
+    process = process if isinstance(process, Mapping) else {}
     parts = []
-    for key in sorted(a.failure):
-        value = a.failure[key]
-        if key == "process_failure" and isinstance(value, Mapping):
-            detail = ": ".join(str(value[k]) for k in ("exception", "message") if value.get(k))
-            if detail:
-                parts.append(detail)
-        elif value not in (None, "", {}):
-            parts.append(f"{key}={value}")
-    return clip_text("; ".join(parts), max_chars)
+    exception = failure.get("exception") or process.get("exception")
+    reason = str(failure.get("reason") or "")
+    if exception and reason.endswith(f": {exception}"):  # `exit status 1: ValueError`: said in full below
+        reason = reason[: -len(f": {exception}")]
+    if reason:
+        parts.append(reason)
+    message = failure.get("message") or process.get("message")
+    if exception:
+        where = f" (rank {process['rank']})" if "rank" in process else ""
+        parts.append(f"{exception}: {message}{where}" if message else f"{exception}{where}")
+    if failure.get("signal") and str(failure["signal"]) not in " ".join(parts):
+        parts.append(f"signal {failure['signal']}")
+    if failure.get("injected"):
+        parts.append(f"injected {failure['injected']}")
+    if failure.get("oom"):
+        parts.append("killed by the OOM killer")
+    tail = failure.get("stderr_tail")
+    if not exception and isinstance(tail, list) and tail:
+        parts.append(f"last stderr line: {str(tail[-1]).strip()}")
+    shown = {"reason", "exception", "message", "process_failure", "signal", "injected", "oom", "stderr_tail"}
+    shown |= {"outcome", "exit_code"}  # the table's own columns
+    for key in sorted(set(failure) - shown):
+        value = failure[key]
+        if value not in (None, "", {}, [], False):
+            parts.append(f"{key.replace('_', ' ')}: {value}")
+    return clip_text(" — ".join(parts), max_chars)
 
 
 def _thin(items: Sequence, limit: int) -> Sequence:
