@@ -36,6 +36,7 @@ from transformers import TrainerCallback
 from ettr import inject
 from ettr.events import Phase
 from ettr.integrations._commits import CheckpointCommits, never_raises
+from ettr.integrations._recorder import default_recorder
 from ettr.recorder import RecorderProtocol
 
 _FRAMEWORK = "huggingface"
@@ -46,12 +47,6 @@ _RESTORE_METHODS = (
     "_load_scaler",
     "_load_rng_state",
 )
-
-
-def _default_recorder() -> RecorderProtocol:
-    import ettr
-
-    return ettr.get_recorder()
 
 
 class EttrCallback(TrainerCallback):
@@ -73,7 +68,7 @@ class EttrCallback(TrainerCallback):
     @property
     def rec(self) -> RecorderProtocol:
         if self._recorder is None:
-            self._recorder = _default_recorder()
+            self._recorder = default_recorder("the Hugging Face EttrCallback")
         return self._recorder
 
     @property
@@ -202,6 +197,6 @@ def install_on(trainer: Any, recorder: RecorderProtocol | None = None) -> EttrCa
             callback.attach(trainer)
             return callback
     callback = EttrCallback(recorder)
-    trainer.add_callback(callback)
+    trainer.add_callback(callback)  # after the others: see docs/huggingface.md on a callback that raises
     callback.attach(trainer)
     return callback

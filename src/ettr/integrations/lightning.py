@@ -36,6 +36,7 @@ from typing import Any
 from ettr import inject
 from ettr.events import Phase
 from ettr.integrations._commits import CheckpointCommits, never_raises
+from ettr.integrations._recorder import default_recorder
 from ettr.recorder import RecorderProtocol
 
 try:
@@ -44,12 +45,6 @@ except ImportError:  # the older package name
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 _FRAMEWORK = "lightning"
-
-
-def _default_recorder() -> RecorderProtocol:
-    import ettr
-
-    return ettr.get_recorder()
 
 
 class EttrCallback(pl.Callback):
@@ -74,7 +69,7 @@ class EttrCallback(pl.Callback):
     @property
     def rec(self) -> RecorderProtocol:
         if self._recorder is None:
-            self._recorder = _default_recorder()
+            self._recorder = default_recorder("the Lightning EttrCallback")
         return self._recorder
 
     # -- set-up: the instance wrappers ---------------------------------------------------------------------
@@ -276,6 +271,8 @@ def install_on(trainer: Any, recorder: RecorderProtocol | None = None) -> EttrCa
     callback = EttrCallback(recorder)
     # Where a user's own callback would be: after the others, before the checkpoint callbacks (Lightning
     # keeps those last), so that its step mark precedes that step's save as it does when added by hand.
+    # An exception raised by a user's callback after the optimizer step ends the process before this one
+    # records that step (docs/lightning.md).
     callbacks = trainer.callbacks
     position = next(
         (i for i, c in enumerate(callbacks) if isinstance(c, pl.callbacks.Checkpoint)), len(callbacks)
