@@ -202,7 +202,9 @@ class FsspecStorage:
         try:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
         except ImportError:  # pragma: no cover - depends on the environment
-            raise CheckpointError(f"{self._url} needs fsspec: pip install 'ettr[io]'") from None
+            raise CheckpointError(
+                f"{self._url} needs fsspec (install it: pip install fsspec, and the filesystem's own package, e.g. s3fs or gcsfs)"
+            ) from None
         return FsspecWriter(
             self.path(rel_dir), single_file_per_rank=True, sync_files=False, thread_count=thread_count
         )

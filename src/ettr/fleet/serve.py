@@ -46,7 +46,7 @@ def start_server(
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError:
         raise UsageError(
-            "ettr serve: needs prometheus-client (install it: pip install 'ettr[fleet]')"
+            "ettr serve: needs prometheus-client (install it: pip install 'prometheus-client>=0.17')"
         ) from None
 
     from ettr.fleet.metrics import FleetCollector

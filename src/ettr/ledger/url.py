@@ -75,7 +75,9 @@ def _postgres(url: str, **kwargs: object) -> PostgresLedger:
     except LedgerError as exc:
         raise UsageError(f"{exc} (check the URL, the server and the password)") from None
     except ImportError:
-        raise UsageError("a postgresql:// ledger needs psycopg 3 (pip install 'ettr[postgres]')") from None
+        raise UsageError(
+            "a postgresql:// ledger needs psycopg 3 (install it: pip install 'psycopg[binary]>=3.1')"
+        ) from None
 
 
 def open_url(url: str, *, job_id: str, create: bool = False) -> Ledger:

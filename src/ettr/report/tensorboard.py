@@ -2,7 +2,7 @@
 
 `scalars(report)` is pure (an `EttReport` in, `Scalar`s out); `write_tensorboard` writes them as event
 files through `torch.utils.tensorboard.SummaryWriter` (imported only here, when asked for: TensorBoard is an
-optional extra, `pip install 'ettr[export]'`).
+optional extra: `pip install tensorboard`).
 
 Tags (docs/exports.md has the table):
 
@@ -92,8 +92,7 @@ def require_tensorboard() -> None:
         import torch.utils.tensorboard  # noqa: F401
     except ImportError:
         raise UsageError(
-            "ettr report: --tensorboard needs the tensorboard package "
-            "(pip install 'ettr[export]', or pip install tensorboard)"
+            "ettr report: --tensorboard needs the tensorboard package (install it: pip install tensorboard)"
         ) from None
 
 

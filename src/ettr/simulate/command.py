@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", choices=["interval", "gpus"], help="sweep a parameter; print the optimum")
     p.add_argument("--sweep-values", metavar="V,V,...", help="the swept values (default: around the optimum)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    extra = p.add_argument_group("beyond the contract's flags")
+    extra = p.add_argument_group("more options")
     extra.add_argument("--persist-s", type=_float, metavar="S", help="async persist after the blocking (0)")
     extra.add_argument(
         "--weibull-shape", type=_float, metavar="K", help="per-node Weibull shape (1: exponential)"
