@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,10 @@ def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[An
     ledger = open_ledger(run_dir)
     earlier = tmp_path / "earlier.pt"
     torch.save({"w": torch.zeros(2)}, earlier)
-    ledger.append([Event(EventKind.CHECKPOINT_COMMIT, 1.0, 0, 0, step=5, data={"path": str(earlier)})])
+    # attempt 0 committed step 5 a minute ago (a time near the others: the books skip one decades away)
+    ledger.append(
+        [Event(EventKind.CHECKPOINT_COMMIT, time.time() - 60, 0, 0, step=5, data={"path": str(earlier)})]
+    )
     rec = Recorder(ledger, run_dir=run_dir, attempt=1, rank=0)
     hooks = AutoHooks(rec)
     hooks.on_torch(torch)

@@ -82,10 +82,10 @@ def test_an_event_appended_after_the_summary_makes_it_stale(tmp_path):
 
 
 def test_a_row_added_with_an_older_id_is_caught_by_the_count(tmp_path):
-    from ettr.fleet.read import current_mark
+    from ettr.ledger import Books
 
     run_dir = write_job(tmp_path / "run", JobSpec(job_id="j", num_steps=30))
-    mark = current_mark(run_dir)
+    mark = Books(run_dir).mark()
     import sqlite3
 
     with sqlite3.connect(run_dir / "ledger.db") as conn:  # a gap in the ids, filled later
@@ -97,7 +97,7 @@ def test_a_row_added_with_an_older_id_is_caught_by_the_count(tmp_path):
             "INSERT INTO events (id, ts, kind, attempt, rank) VALUES (?, ?, 'supervisor_start', 0, -1)",
             (low, T0),
         )
-    assert current_mark(run_dir) == mark  # same count and last id as at the first store...
+    assert Books(run_dir).mark() == mark  # same count and last id as at the first store...
     assert load_stored(run_dir) is None  # ...but not as at the summary's: recomputed
 
 
@@ -177,13 +177,12 @@ def test_postgres_stored_summaries_equal_the_events_and_go_stale(postgres_url):
 
 
 def test_the_servers_filtered_read_gives_the_same_report_as_the_full_ledger(postgres_url):
-    """PostgreSQL leaves out the rows the accounting does not use (`ettr.fleet.read._PG_QUERY`): the report
+    """PostgreSQL leaves out the rows the accounting does not use (`ettr.ledger.accounted`): the report
     is the full read's, with rows of a newer ettr and shuffled append order among them."""
     import psycopg
 
     from ettr.accounting import compute
-    from ettr.fleet.read import read_postgres_marked
-    from ettr.ledger.postgres import PostgresLedger, connect
+    from ettr.ledger.postgres import PostgresLedger
     from ettr.report.json import to_dict
     from test_fleet import _random_job
 
@@ -201,9 +200,8 @@ def test_the_servers_filtered_read_gives_the_same_report_as_the_full_ledger(post
             )
         ledger.append(events[len(events) // 2 :])
         full = ledger.read()
+        fewer, mark = ledger.read_marked(for_accounting=True)
         ledger.close()
-        with connect(postgres_url) as conn:
-            fewer, mark = read_postgres_marked(conn, f"r{seed}")
         assert mark.num_rows == len(full) + 1 and len(fewer) <= len(full)
         reduced += len(fewer) < len(full)
         now = max(e.ts for e in full) + 5
@@ -212,15 +210,15 @@ def test_the_servers_filtered_read_gives_the_same_report_as_the_full_ledger(post
 
 
 def test_unchanged_ledger_files_are_trusted_without_opening_the_database(tmp_path, monkeypatch):
-    import ettr.fleet.read as read
+    from ettr.ledger.locate import Books
 
     run_dir = write_job(tmp_path / "run", JobSpec(job_id="j", num_steps=30))
     expected = _from_events(run_dir)
 
-    def no_open(_run_dir):
+    def no_open(_books):
         raise AssertionError("the database was opened")
 
-    monkeypatch.setattr(read, "current_mark", no_open)
+    monkeypatch.setattr(Books, "mark", no_open)
     assert load_stored(run_dir) == expected
     ledger = open_ledger(run_dir)  # anything appended changes the files: the rows are counted again
     ledger.append([Event(EventKind.MARK, T0 + 1e5, 0, 0, data={"late": True})])

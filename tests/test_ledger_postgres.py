@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import subprocess
 import sys
@@ -13,8 +14,8 @@ import pytest
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
 from ettr.ledger import LedgerError
-from ettr.ledger.codec import KeyedEvent
 from ettr.ledger.postgres import PostgresLedger, redact
+from ettr.ledger.rows import KeyedEvent
 from ettr.ledger.url import list_jobs, open_url
 
 
@@ -163,10 +164,24 @@ def test_a_row_the_server_refuses_is_kept_aside_and_the_rest_stored(postgres_url
         spill_dir=tmp_path / "spill",
         node="n",
     )
-    events = [Event(EventKind.STEP, float(i), step=i) for i in range(10)]
-    events[4] = Event(EventKind.STEP, 4.0, step=2**70)  # out of range for bigint: a DataError
+    ledger.append([Event(EventKind.STEP, 0.5, step=0)])  # the schema exists now
+    with psycopg.connect(postgres_url, autocommit=True) as conn:  # a server rule ettr does not know of
+        conn.execute("ALTER TABLE ettr.events ADD CONSTRAINT no_step_4 CHECK (step IS DISTINCT FROM 4)")
+    events = [Event(EventKind.STEP, float(i), step=i) for i in range(1, 10)]
+    events.append(Event(EventKind.STEP, 10.0, step=2**70))  # no step number: dropped before the server
     ledger.append(events)
     assert not ledger.server_down
     assert sorted(e.step for e in ledger.read()) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
-    assert len(list((tmp_path / "spill").glob("*.rejected"))) == 1
+    rejected = list((tmp_path / "spill").glob("*.rejected"))
+    assert len(rejected) == 1 and [r.event.step for r in read_spill_lines(rejected[0])] == [4]
     ledger.close()
+
+
+def read_spill_lines(path):
+    from ettr.ledger.rows import KeyedEvent, from_row
+
+    out = []
+    for line in path.read_bytes().splitlines():
+        seq, *row = json.loads(line)
+        out.append(KeyedEvent("w", seq, "n", from_row(*row)))
+    return out

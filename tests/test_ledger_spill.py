@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ettr.events import Event, EventKind
 from ettr.ledger import LedgerError, LedgerRejected
-from ettr.ledger.codec import KeyedEvent
+from ettr.ledger.rows import KeyedEvent
 from ettr.ledger.spill import SpillingLedger, read_spill
 
 

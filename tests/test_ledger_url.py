@@ -73,6 +73,9 @@ def test_run_and_report_through_a_sqlite_url(tmp_path):
     via_dir = _ettr("report", str(tmp_path / "run"), "--json")  # the run dir points at its books
     assert via_dir.returncode == 0, via_dir.stderr
     assert json.loads(via_dir.stdout)["attempts"] == report["attempts"]
+    fleet = _ettr("fleet", str(tmp_path), "--json")  # found by its pointer, read from its URL
+    assert fleet.returncode == 0, fleet.stderr
+    assert [j["job_id"] for j in json.loads(fleet.stdout)["jobs"]] == ["job7"]
     for argv in (
         ["report", "--ledger", url, "--job-id", "other"],
         ["report", "--ledger", url],
@@ -100,3 +103,35 @@ def test_no_postgres_skips_outside_ci_and_fails_under_ci(monkeypatch):
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI=true but no PostgreSQL server could be started"):
         start_postgres_or_skip()
+
+
+def test_one_rule_finds_a_run_directorys_books(tmp_path, monkeypatch):
+    """`ettr.ledger.locate`: the environment's URL inside the job, else RUN_DIR/ledger.db, else the pointer."""
+    from ettr.ledger import LedgerError, is_run_dir, locate, open_ledger
+    from ettr.ledger.url import write_pointer
+
+    for name in ("ETTR_RUN_DIR", "ETTR_LEDGER", "ETTR_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(LedgerError, match="not an ettr run directory"):
+        locate(run)
+    assert not is_run_dir(run)
+    url = f"sqlite:///{tmp_path}/books.db"
+    write_pointer(run, url, job_id="j")
+    books = locate(run)
+    assert is_run_dir(run) and books.url == f"sqlite:///{tmp_path}/books.db" and books.job_id == "j"
+    own = open_ledger(run)  # a run directory's own file comes before its pointer
+    own.close()
+    assert locate(run).url is None
+    env = {"ETTR_RUN_DIR": str(run), "ETTR_LEDGER": url, "ETTR_JOB_ID": "j"}
+    assert locate(run, environ=env).url == url  # inside the job: the environment's URL
+    with pytest.raises(LedgerError):  # ...for that very directory only
+        locate(tmp_path, environ=env)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "ledger-url.json").write_text('{"url": 5}')
+    with pytest.raises(LedgerError, match="ledger-url.json is not readable"):
+        locate(other)
+    bad = _ettr("report", str(other))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

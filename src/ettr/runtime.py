@@ -28,9 +28,7 @@ _default: Recorder | None = None
 
 def _open_process_ledger(run_env: RunEnv) -> Ledger:
     """The ledger `ETTR_LEDGER` names (spilling to the run directory when it is a server), else the run
-    directory's own."""
-    if not run_env.ledger_url:
-        return open_ledger(run_env.run_dir)
+    directory's own (`ettr.ledger.locate`'s rule for writers)."""
     from ettr.ledger.url import open_for_run
 
     job_id = run_env.job_id or Path(run_env.run_dir).name

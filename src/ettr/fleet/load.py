@@ -24,7 +24,7 @@ from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.family import UNKNOWN_FAMILY, derive_family
 from ettr.fleet.model import GPUS_ASSUMED, GPUS_RANKS, GPUS_WORLD_SIZE, JobSummary, summarize
-from ettr.ledger import LedgerError, ledger_path
+from ettr.ledger import LedgerError, is_run_dir, ledger_path
 
 logger = logging.getLogger("ettr")
 
@@ -155,7 +155,7 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
         path = Path(given)
         if not path.exists():
             raise UsageError(f"{path}: no such file or directory (give run directories or folders of them)")
-        if ledger_path(path).is_file():
+        if is_run_dir(path):
             found.append(path)
             continue
         if not path.is_dir():
@@ -163,20 +163,25 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
         for root, dirs, _files in os.walk(path):
             dirs.sort()
             here = Path(root)
-            if ledger_path(here).is_file():
+            if is_run_dir(here):
                 found.append(here)
                 dirs.clear()
             else:
                 dirs[:] = [d for d in dirs if not d.startswith(".")]
     if not found:
-        raise UsageError(f"no ettr run directory (with a ledger.db) in {', '.join(map(str, paths))}")
+        raise UsageError(
+            f"no ettr run directory (with a ledger.db or ledger-url.json) in {', '.join(map(str, paths))}"
+        )
     unique = list(dict.fromkeys(p.absolute() for p in found))
     return unique
 
 
 def _ledger_signature(run_dir: Path) -> tuple[int, ...]:
     """What changes when events are appended: the database file's and its WAL's modification time and size.
-    An empty WAL counts as none: a reader may create one, and it holds no event."""
+    An empty WAL counts as none: a reader may create one, and it holds no event. Empty for a run directory
+    whose books are at a URL (nothing here changes with them: never cached)."""
+    if not ledger_path(run_dir).is_file():
+        return ()
     out: list[int] = []
     for suffix in ("", "-wal"):
         try:
@@ -192,15 +197,15 @@ def load_run_dir(run_dir: Path, now: float, use_stored: bool = True) -> JobSumma
     """The summary of one run directory, or why it cannot be read (a fleet skips it, saying so): the one its
     supervisor stored at job end while the ledger holds exactly the rows it was computed from
     (`ettr.fleet.stored`), else computed from the events."""
-    from ettr.fleet.read import read_for_accounting
     from ettr.fleet.stored import load_stored
+    from ettr.ledger import locate
     from ettr.report.load import job_id_of
 
     stored = load_stored(run_dir) if use_stored else None
     if stored is not None:
         return stored
     try:
-        events = read_for_accounting(run_dir)
+        events = locate(run_dir).read_marked(for_accounting=True)[0]
     except (LedgerError, OSError) as exc:
         return f"{run_dir}: {exc}"
     if not events:
@@ -306,7 +311,9 @@ def load_run_dirs(
     signatures: dict[Path, tuple[int, ...]] = {}
     for run_dir in run_dirs:
         signatures[run_dir] = _ledger_signature(run_dir)
-        cached = cache.get(run_dir, signatures[run_dir]) if cache is not None else None
+        cached = (
+            cache.get(run_dir, signatures[run_dir]) if cache is not None and signatures[run_dir] else None
+        )
         if cached is not None:
             results[run_dir] = cached
         else:
@@ -334,28 +341,23 @@ def load_run_dirs(
             problems.append(result)
             continue
         summaries.append(result)
-        if cache is not None:
+        if cache is not None and signatures[run_dir]:
             cache.put(run_dir, signatures[run_dir], result)
     return summaries, problems
 
 
 def _events_of_jobs(url: str, job_ids: Sequence[str]) -> Iterator[tuple[str, list[Event] | str]]:
     """Each job's events for the accounting, or why they cannot be read: a PostgreSQL ledger over one
-    connection, the server leaving out the rows the accounting does not use (`ettr.fleet.read`); another
-    ledger through `open_url`."""
+    connection, the server leaving out the rows the accounting does not use (`ettr.ledger.accounted`);
+    another ledger through `open_url`."""
     from ettr.ledger.url import open_url, scheme_of
 
     if scheme_of(url) == "postgresql" and job_ids:
-        from ettr.fleet.read import read_postgres_marked
-        from ettr.ledger.postgres import connect
+        from ettr.ledger.postgres import read_jobs_marked
 
         try:
-            with connect(url) as conn:
-                for job_id in job_ids:
-                    try:
-                        yield job_id, read_postgres_marked(conn, job_id)[0]
-                    except LedgerError as exc:
-                        yield job_id, f"{url} job {job_id}: {exc}"
+            for job_id, found in read_jobs_marked(url, job_ids):
+                yield job_id, (f"{url} job {job_id}: {found}" if isinstance(found, LedgerError) else found[0])
         except LedgerError as exc:
             raise UsageError(f"{url}: cannot read its jobs ({exc})") from None
         return
@@ -366,7 +368,7 @@ def _events_of_jobs(url: str, job_ids: Sequence[str]) -> Iterator[tuple[str, lis
                 yield job_id, ledger.read()
             finally:
                 ledger.close()
-        except (LedgerError, OSError, ValueError) as exc:
+        except (LedgerError, UsageError, OSError, ValueError) as exc:
             yield job_id, f"{url} job {job_id}: {exc}"
 
 

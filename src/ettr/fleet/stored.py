@@ -109,11 +109,11 @@ def store_run_dir(run_dir: str | os.PathLike[str]) -> JobSummary | None:
     None when the job is not finished. Raises `LedgerError` / OSError."""
     from ettr.atomic import atomic_write
     from ettr.closing import recorded_job_id
-    from ettr.fleet.read import read_marked
+    from ettr.ledger import Books
 
     path = Path(run_dir)
     before = file_signature(path)
-    events, mark = read_marked(path)
+    events, mark = Books(path).read_marked(for_accounting=True)
     files = before if file_signature(path) == before else None  # nothing appended while reading
     recorded = recorded_job_id(events)
     summary = summarize_finished(events, job_id=recorded or path.absolute().name, source=str(path))
@@ -127,18 +127,16 @@ def store_run_dir(run_dir: str | os.PathLike[str]) -> JobSummary | None:
 def store_url(url: str, job_id: str) -> JobSummary | None:
     """Account the finished job `job_id` of the PostgreSQL ledger at `url` once and store its summary in the
     ledger. Returns it, or None when the job is not finished. Raises `LedgerError`."""
-    from ettr.fleet.read import read_postgres_marked
-    from ettr.ledger.postgres import PostgresLedger, connect
+    from ettr.ledger.postgres import PostgresLedger
 
-    with connect(url) as conn:
-        events, mark = read_postgres_marked(conn, job_id)
-    summary = summarize_finished(events, job_id=job_id, source=url)
-    if summary is not None:
-        ledger = PostgresLedger(url, job_id=job_id)
-        try:
+    ledger = PostgresLedger(url, job_id=job_id)
+    try:
+        events, mark = ledger.read_marked(for_accounting=True)
+        summary = summarize_finished(events, job_id=job_id, source=url)
+        if summary is not None:
             ledger.store_summary(mark, encode(summary, mark, job_id_recorded=True))
-        finally:
-            ledger.close()
+    finally:
+        ledger.close()
     return summary
 
 
@@ -162,7 +160,7 @@ def load_stored(run_dir: Path) -> JobSummary | None:
     """The stored summary of `run_dir` if its ledger still holds exactly the rows it was computed from:
     when the ledger files are the very ones, unchanged in size and time, that held those rows at the
     store, without opening the database; else by counting its rows now."""
-    from ettr.fleet.read import current_mark
+    from ettr.ledger import Books
 
     try:
         data = json.loads(summary_path(run_dir).read_bytes())
@@ -174,7 +172,7 @@ def load_stored(run_dir: Path) -> JobSummary | None:
         return None
     if mark is None:
         try:
-            mark = current_mark(run_dir)
+            mark = Books(run_dir).mark()
         except (LedgerError, OSError):
             return None
     return decode(data, mark, source=str(run_dir), run_dir=run_dir)

@@ -10,9 +10,13 @@ from pathlib import Path
 
 from ettr.events import Event
 from ettr.ledger.base import Ledger, LedgerError, LedgerHealth, LedgerRejected, MemoryLedger
-from ettr.ledger.sqlite import LEDGER_FILENAME, SqliteLedger
+from ettr.ledger.locate import Books, is_run_dir, ledger_path, locate
+from ettr.ledger.sqlite import SqliteLedger
 
 __all__ = [
+    "Books",
+    "is_run_dir",
+    "locate",
     "Ledger",
     "LedgerError",
     "LedgerHealth",
@@ -26,44 +30,17 @@ __all__ = [
 ]
 
 
-def ledger_path(run_dir: str | os.PathLike[str]) -> Path:
-    """Where the ledger of `run_dir` lives."""
-    return Path(run_dir) / LEDGER_FILENAME
-
-
 def open_ledger(run_dir: str | os.PathLike[str], *, create: bool = True) -> Ledger:
     """Open (and with `create`, make) the run directory's own ledger (`RUN_DIR/ledger.db`). Raises
     `LedgerError`."""
     return SqliteLedger(ledger_path(run_dir), create=create)
 
 
-def _read_all(ledger: Ledger) -> list[Event]:
-    try:
-        return ledger.read()
-    finally:
-        ledger.close()
-
-
 def read_run_events(run_dir: str | os.PathLike[str]) -> list[Event]:
-    """Every event so far of the job whose run directory is `run_dir`, wherever its books are.
-
-    Inside a job that `ettr run --ledger URL` supervises (`ETTR_LEDGER` set for this very run directory)
-    they are read from that URL, else from the run directory's SQLite file. Raises `LedgerError`.
-    """
-    from ettr.run_env import RunEnv
-
-    run_env = RunEnv.from_environ()
-    own = run_env is not None and os.path.realpath(run_env.run_dir) == os.path.realpath(run_dir)
-    if run_env is not None and own and run_env.ledger_url:
-        from ettr.errors import UsageError
-        from ettr.ledger.url import open_url
-
-        try:
-            ledger: Ledger = open_url(run_env.ledger_url, job_id=run_env.job_id or Path(run_dir).name)
-        except UsageError as exc:
-            raise LedgerError(str(exc)) from None
-        return _read_all(ledger)
-    return _read_all(open_ledger(run_dir, create=False))
+    """Every event so far of the job whose run directory is `run_dir`, wherever its books are
+    (`ettr.ledger.locate`: inside the job the URL of `ETTR_LEDGER`, else the run directory's own file,
+    else the URL its pointer names). Raises `LedgerError`."""
+    return locate(run_dir).read()
 
 
 def rebuild_ledger(run_dir: str | os.PathLike[str], events: Sequence[Event]) -> tuple[SqliteLedger, Path]:

@@ -31,8 +31,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ettr.events import SCHEMA_VERSION as EVENT_SCHEMA_VERSION
 from ettr.events import Event
+from ettr.ledger import accounted
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerMark, LedgerRejected
-from ettr.ledger.codec import KeyedEvent, events_from_rows, to_row
+from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, events_from_rows, storable_rows
 
 logger = logging.getLogger("ettr")
 
@@ -217,6 +218,13 @@ class PostgresLedger:
         if not records:
             return
         job_id = self.job_id
+        kept, error = storable_rows(r.event for r in records)
+        if error is not None:  # one bad event never costs its batch
+            logger.warning("ettr: job %s: dropped %d event(s) that cannot be stored (%s)",
+                           job_id, len(records) - len(kept), error)  # fmt: skip
+        rows = [(records[index], row) for index, row in kept]
+        if not rows:
+            return
         with self._connection() as conn:
             target = "ettr.events"
             if may_repeat:
@@ -224,8 +232,8 @@ class PostgresLedger:
                 target = "ettr_incoming"
             with conn.cursor().copy(f"COPY {target} ({_COLUMNS}) FROM STDIN") as copy:
                 write_row = copy.write_row
-                for r in records:
-                    write_row((job_id, r.node, r.writer, r.seq, *to_row(r.event)))
+                for r, row in rows:
+                    write_row((job_id, r.node, r.writer, r.seq, *row))
             if may_repeat:
                 conn.execute(
                     f"INSERT INTO ettr.events ({_COLUMNS}) SELECT {_COLUMNS} FROM ettr_incoming"
@@ -243,6 +251,12 @@ class PostgresLedger:
         if num_bad:
             logger.warning("ettr: job %s: skipped %d unreadable ledger records", self.job_id, num_bad)
         return events
+
+    def read_marked(self, *, for_accounting: bool = False) -> tuple[list[Event], LedgerMark]:
+        """The job's events and the mark of all its rows, from one statement; `for_accounting` leaves out, on
+        the server, the rows the accounting does not use (`ettr.ledger.accounted`). Raises `LedgerError`."""
+        with self._connection() as conn:
+            return _read_marked(conn, self.job_id, for_accounting=for_accounting)
 
     def store_summary(self, mark: LedgerMark, body: str) -> None:
         """Store this job's summary `body`, computed from the rows `mark` describes (replacing an older one)."""
@@ -368,15 +382,71 @@ def read_summaries(url: str) -> dict[str, tuple[str, LedgerMark]]:
     }
 
 
-@contextmanager
-def connect(url: str) -> Iterator[Any]:
-    """One autocommit connection to the ledger at `url` (schema checked), for reads over many jobs (the
-    fleet); psycopg errors become `LedgerError` (one line, password redacted)."""
+# The rows `ettr.ledger.accounted.select_rows` keeps, chosen by the server: only they leave it, with the mark
+# of every row of the job from the same statement. `ok` is what the codec would read (a kind and phase this
+# ettr knows, a time in range, a training process's rank).
+_ACCOUNTED = """
+SELECT ts, kind, attempt, rank, phase, step, value, data, num_rows, last_id FROM (
+    SELECT e.*,
+        count(*) OVER () AS num_rows,
+        max(id) OVER () AS last_id,
+        min(rank) FILTER (WHERE ok) OVER (PARTITION BY attempt) AS ref,
+        min(ts) FILTER (WHERE ok) OVER (PARTITION BY attempt, rank) AS first_ts,
+        max(ts) FILTER (WHERE ok) OVER (PARTITION BY attempt, rank) AS last_ts
+    FROM (
+        SELECT id, ts, kind, attempt, rank, phase, step, value, data,
+            (rank >= 0 AND ts >= %(min_ts)s AND ts <= %(max_ts)s AND kind = ANY(%(kinds)s)
+             AND (phase IS NULL OR phase = ANY(%(phases)s))) AS ok
+        FROM ettr.events WHERE job_id = %(job_id)s
+    ) e
+) x
+WHERE NOT (kind = ANY(%(skippable)s) AND rank >= 0 AND rank IS DISTINCT FROM ref
+           AND ts IS DISTINCT FROM first_ts AND ts IS DISTINCT FROM last_ts)
+ORDER BY id
+"""
+_WHOLE = """
+SELECT ts, kind, attempt, rank, phase, step, value, data, count(*) OVER (), max(id) OVER ()
+FROM ettr.events WHERE job_id = %(job_id)s ORDER BY id
+"""
+
+
+def _read_marked(conn: Any, job_id: str, *, for_accounting: bool) -> tuple[list[Event], LedgerMark]:
+    params = {
+        "kinds": list(accounted.KINDS),
+        "phases": list(accounted.PHASES),
+        "skippable": list(accounted.SKIPPABLE_KINDS),
+        "min_ts": MIN_TS,
+        "max_ts": MAX_TS,
+        "job_id": job_id,
+    }
+    rows = conn.execute(_ACCOUNTED if for_accounting else _WHOLE, params).fetchall()
+    mark = LedgerMark(int(rows[0][8]), int(rows[0][9])) if rows else LedgerMark(0, 0)
+    events, num_bad = events_from_rows(row[:8] for row in rows)
+    if num_bad:
+        logger.warning("ettr: job %s: skipped %d unreadable ledger records", job_id, num_bad)
+    return events, mark
+
+
+def read_jobs_marked(
+    url: str, job_ids: Sequence[str], *, for_accounting: bool = True
+) -> Iterator[tuple[str, tuple[list[Event], LedgerMark] | LedgerError]]:
+    """Each job's events and mark (`PostgresLedger.read_marked`) over one connection, or the `LedgerError`
+    that job's read met (the next job is still read). Raises `LedgerError` when the server cannot be used
+    at all."""
     import psycopg
 
     try:
         with psycopg.connect(_conninfo(url), autocommit=True) as conn:
             _check_schema(conn, url, create=False)
-            yield conn
+            for job_id in job_ids:
+                try:
+                    found: tuple[list[Event], LedgerMark] | LedgerError = _read_marked(
+                        conn, job_id, for_accounting=for_accounting
+                    )
+                except psycopg.OperationalError:
+                    raise
+                except psycopg.Error as exc:
+                    found = LedgerError(f"job {job_id}: {_one_line(exc)}")
+                yield job_id, found
     except psycopg.Error as exc:
         raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None

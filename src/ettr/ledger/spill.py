@@ -32,8 +32,8 @@ from typing import Protocol
 from ettr.atomic import fsync_dir
 from ettr.events import Event
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerRejected
-from ettr.ledger.codec import KeyedEvent, from_row, to_row
 from ettr.ledger.postgres import new_writer_id
+from ettr.ledger.rows import KeyedEvent, from_row, storable_rows
 
 logger = logging.getLogger("ettr")
 
@@ -103,8 +103,14 @@ def read_spill(path: Path) -> tuple[dict[str, object], list[KeyedEvent]]:
 
 
 def _encode(records: Sequence[KeyedEvent]) -> bytes:
-    lines = [json.dumps([r.seq, *to_row(r.event)], separators=(",", ":")) for r in records]
-    return ("\n".join(lines) + "\n").encode()
+    """Spill lines of the records that can be stored (the rest are left out, as every backend leaves them)."""
+    kept, error = storable_rows(r.event for r in records)
+    if error is not None:
+        logger.warning(
+            "ettr: dropped %d event(s) that cannot be stored (%s)", len(records) - len(kept), error
+        )
+    lines = [json.dumps([records[i].seq, *row], separators=(",", ":")) for i, row in kept]
+    return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
 class _SpillFile:
@@ -130,6 +136,8 @@ class _SpillFile:
 
     def append(self, records: Sequence[KeyedEvent]) -> None:
         data = _encode(records)
+        if not data:
+            return
         size = os.fstat(self._fd).st_size
         try:
             view = memoryview(data)

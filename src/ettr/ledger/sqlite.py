@@ -13,13 +13,15 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
 from ettr.events import SCHEMA_VERSION, Event
-from ettr.ledger.base import LedgerError, LedgerHealth
-from ettr.ledger.rows import Row, from_row, to_row
+from ettr.ledger.accounted import select_rows
+from ettr.ledger.base import LedgerError, LedgerHealth, LedgerMark
+from ettr.ledger.rows import FUTURE_MARGIN_S, MAX_TS, MIN_TS, Row, events_from_rows, storable_rows
 
 logger = logging.getLogger("ettr")
 
@@ -50,10 +52,21 @@ class SqliteLedger:
         create: create the file (and the run directory) if missing; otherwise a missing file is a
             `LedgerError`.
         busy_timeout_s: how long a writer waits for another process's transaction before failing.
+        read_only: open an existing ledger for reading only (`mode=ro`, then `immutable=1`): a reader of many
+            run directories (the fleet) never writes into them, not even a checkpoint of their logs.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, create: bool = True, busy_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        busy_timeout_s: float = 30.0,
+        read_only: bool = False,
+    ) -> None:
         self.path = Path(path)
+        if read_only and create:
+            raise ValueError("a read-only ledger is never created")
         if not create and not self.path.is_file():
             raise LedgerError(f"no ledger at {self.path}")
         if create:
@@ -77,7 +90,7 @@ class SqliteLedger:
                 )
                 row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             else:
-                row = self._probe()
+                row = self._probe(read_only=read_only)
         except sqlite3.DatabaseError as exc:
             raise LedgerError(f"{self.path} is not a readable ettr ledger ({exc})") from None
         self._wal_inode = self._current_wal_inode()
@@ -105,12 +118,14 @@ class SqliteLedger:
         conn.execute("PRAGMA synchronous = NORMAL")
         return conn
 
-    def _probe(self) -> tuple[str] | None:
+    def _probe(self, *, read_only: bool) -> tuple[str] | None:
         """The schema row of an existing ledger; falls back to a read-only connection (mode=ro, then
         immutable: a read-only mount or a directory where the -shm cannot be made) when the normal one
-        cannot read. Raises sqlite3.DatabaseError."""
+        cannot read, or goes there at once with `read_only`. Raises sqlite3.DatabaseError."""
         query = "SELECT value FROM meta WHERE key = 'schema_version'"
         try:
+            if read_only:
+                raise sqlite3.OperationalError("opened read-only")
             self._conn = self._connect()
             return self._conn.execute(query).fetchone()
         except sqlite3.OperationalError as first:
@@ -155,14 +170,12 @@ class SqliteLedger:
     def append(self, events: Sequence[Event]) -> None:
         if not events:
             return
-        rows = []
-        for event in events:
-            try:
-                rows.append(to_row(event))
-            except (TypeError, ValueError, OverflowError) as exc:  # one bad event never costs its batch
-                self._num_dropped += 1
-                if self._num_dropped == 1:
-                    logger.warning("ettr: %s: dropped an event that cannot be stored (%s)", self.path, exc)
+        kept, error = storable_rows(events)
+        if error is not None:  # one bad event never costs its batch
+            self._num_dropped += len(events) - len(kept)
+            if self._num_dropped == len(events) - len(kept):
+                logger.warning("ettr: %s: dropped an event that cannot be stored (%s)", self.path, error)
+        rows = [row for _index, row in kept]
         if not rows:
             return
         with self._lock:
@@ -193,49 +206,71 @@ class SqliteLedger:
         if self._wal_inode is None:
             self._wal_inode = self._current_wal_inode()
 
-    def read(self) -> list[Event]:
+    def _select(self, where: str = "") -> list[Event]:
         with self._lock:
             try:
                 rows = self._conn.execute(
-                    "SELECT ts, kind, attempt, rank, phase, step, value, data FROM events ORDER BY id"
+                    f"SELECT ts, kind, attempt, rank, phase, step, value, data FROM events {where} ORDER BY id"
                 ).fetchall()
             except sqlite3.DatabaseError as exc:
                 raise LedgerError(f"{self.path} cannot be read ({exc})") from None
-        events: list[Event] = []
-        num_skipped = 0
-        for row in rows:
-            event = from_row(*row)
-            if event is None:  # written by a newer ettr, or damaged: keep reading what we understand
-                num_skipped += 1
-            else:
-                events.append(event)
+        events, num_skipped = events_from_rows(rows)
         self.num_skipped = num_skipped
-        if num_skipped:
+        if num_skipped:  # written by a newer ettr, or damaged: keep reading what we understand
             logger.warning("ettr: %s: skipped %d unreadable ledger records", self.path, num_skipped)
         return events
 
-    def read_supervisor(self) -> list[Event]:
-        """The supervisors' own events (rank < 0), in append order: what peers of a multi-node job poll."""
+    def read(self) -> list[Event]:
+        return self._select()
+
+    def mark(self) -> LedgerMark:
+        """Which rows the ledger holds now (one indexed count). Raises `LedgerError`."""
+        with self._lock:
+            try:
+                count, last = self._conn.execute(
+                    "SELECT count(*), coalesce(max(id), 0) FROM events"
+                ).fetchone()
+            except sqlite3.DatabaseError as exc:
+                raise LedgerError(f"{self.path} cannot be read ({exc})") from None
+        return LedgerMark(int(count), int(last))
+
+    def read_marked(self, *, for_accounting: bool = False) -> tuple[list[Event], LedgerMark]:
+        """The events and the mark of the rows they were read from (the same read); `for_accounting` leaves
+        out the rows the accounting does not use (`ettr.ledger.accounted`). Raises `LedgerError`."""
         with self._lock:
             try:
                 rows = self._conn.execute(
-                    "SELECT ts, kind, attempt, rank, phase, step, value, data FROM events WHERE rank < 0"
-                    " ORDER BY id"
+                    "SELECT ts, kind, attempt, rank, phase, step, value, data, id FROM events ORDER BY id"
                 ).fetchall()
             except sqlite3.DatabaseError as exc:
                 raise LedgerError(f"{self.path} cannot be read ({exc})") from None
-        return [e for e in (from_row(*row) for row in rows) if e is not None]
+        mark = LedgerMark(len(rows), int(rows[-1][8]) if rows else 0)
+        if for_accounting:
+            rows = select_rows(rows)
+        events, num_skipped = events_from_rows(row[:8] for row in rows)
+        self.num_skipped = num_skipped
+        if num_skipped:
+            logger.warning("ettr: %s: skipped %d unreadable ledger records", self.path, num_skipped)
+        return events, mark
+
+    def read_supervisor(self) -> list[Event]:
+        """The supervisors' own events (rank < 0), in append order: what peers of a multi-node job poll."""
+        return self._select("WHERE rank < 0")
 
     def last_activity(self, attempt: int) -> float | None:
         """Latest timestamp of a training-process event (rank >= 0) of `attempt`, or None (hang detection)."""
         with self._lock:
             try:
                 row = self._conn.execute(
-                    "SELECT max(ts) FROM events WHERE attempt = ? AND rank >= 0", (attempt,)
+                    "SELECT max(ts) FROM events WHERE attempt = ? AND rank >= 0 AND ts BETWEEN ? AND ?",
+                    (attempt, MIN_TS, min(MAX_TS, time.time() + FUTURE_MARGIN_S)),
                 ).fetchone()
             except sqlite3.DatabaseError as exc:
                 raise LedgerError(f"{self.path} cannot be read ({exc})") from None
-        return None if row is None or row[0] is None else float(row[0])
+        try:
+            return None if row is None or row[0] is None else float(row[0])
+        except (TypeError, ValueError):
+            return None
 
     def health(self) -> LedgerHealth:
         """A local file: always in the books (a failed write raises from `append`)."""

@@ -20,6 +20,7 @@ from urllib.parse import unquote
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.ledger.base import Ledger, LedgerError
+from ettr.ledger.locate import POINTER_FILENAME, read_pointer
 from ettr.ledger.postgres import PostgresLedger, redact
 from ettr.ledger.postgres import list_jobs as _postgres_jobs
 from ettr.ledger.sqlite import LEDGER_FILENAME, SqliteLedger
@@ -80,7 +81,7 @@ def _postgres(url: str, **kwargs: object) -> PostgresLedger:
         ) from None
 
 
-def open_url(url: str, *, job_id: str, create: bool = False) -> Ledger:
+def open_url(url: str, *, job_id: str, create: bool = False) -> SqliteLedger | PostgresLedger:
     """The ledger of job `job_id` at `url`; `create` makes the file or schema and registers the job.
     Raises `UsageError` (one line)."""
     if not job_id:
@@ -112,22 +113,36 @@ def list_jobs(url: str) -> list[str]:
 
 
 def open_for_run(
-    url: str,
+    url: str | None,
     *,
     job_id: str,
     run_dir: str | os.PathLike[str],
     supervisor: bool,
     retry_interval_s: float = 2.0,
 ) -> Ledger:
-    """The ledger one process of a running job writes through.
+    """The ledger one process of a running job writes through (`ettr.ledger.locate`'s rule for writers).
 
-    SQLite: the file itself. PostgreSQL: a `SpillingLedger` spilling to `run_dir`. The supervisor's
-    (`supervisor=True`) creates the schema and the job, needs the server now (it reads the job's history;
-    `UsageError` otherwise) and delivers orphaned spill files; a training process's never fails for the
-    server (recording spills until it answers).
+    No URL: the run directory's own SQLite file. A SQLite URL: that file. PostgreSQL: a `SpillingLedger`
+    spilling to `run_dir`. The supervisor's (`supervisor=True`) creates the schema and the job, needs the
+    server now (it reads the job's history; `UsageError` otherwise), delivers orphaned spill files and
+    leaves the pointer (`ledger-url.json`) that lets `ettr report RUN_DIR` find the books; a training
+    process's never fails for the server (recording spills until it answers). Raises `UsageError`.
     """
     from ettr.ledger.spill import SpillingLedger, spill_dir
 
+    if url is None:
+        from ettr.ledger.locate import ledger_path
+
+        try:
+            return SqliteLedger(ledger_path(run_dir), create=True)
+        except (LedgerError, OSError) as exc:
+            raise UsageError(f"{run_dir}: {exc}") from None
+    if supervisor:
+        try:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            write_pointer(run_dir, url, job_id=job_id)
+        except OSError as exc:
+            raise UsageError(f"cannot write {Path(run_dir) / POINTER_FILENAME} ({exc})") from None
     if scheme_of(url) == "sqlite":
         return _sqlite(url, job_id=job_id, create=True)
     node = socket.gethostname()
@@ -151,10 +166,6 @@ def open_for_run(
     )
 
 
-POINTER_FILENAME = "ledger-url.json"
-"""Left in a run directory whose books are at a URL, so that `ettr report RUN_DIR` finds them."""
-
-
 def write_pointer(run_dir: str | os.PathLike[str], url: str, *, job_id: str) -> None:
     """Record in `run_dir` where its books are: the URL without its password (libpq takes that from
     PGPASSWORD or ~/.pgpass), a SQLite path made absolute."""
@@ -166,10 +177,13 @@ def write_pointer(run_dir: str | os.PathLike[str], url: str, *, job_id: str) -> 
     atomic_write(Path(run_dir) / POINTER_FILENAME, payload)
 
 
-def read_pointer(run_dir: str | os.PathLike[str]) -> tuple[str, str] | None:
-    """(url, job_id) of a run directory whose books are at a URL; None if it keeps its own."""
-    try:
-        found = json.loads((Path(run_dir) / POINTER_FILENAME).read_text())
-        return str(found["url"]), str(found["job_id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+__all__ = [
+    "POINTER_FILENAME",
+    "list_jobs",
+    "open_for_run",
+    "open_url",
+    "read_pointer",
+    "scheme_of",
+    "sqlite_path",
+    "write_pointer",
+]

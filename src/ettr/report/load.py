@@ -16,29 +16,25 @@ from ettr.accounting import EttReport, compute
 from ettr.closing import live_supervisor, recorded_job_id
 from ettr.errors import UsageError
 from ettr.events import Event
-from ettr.ledger import LedgerError, ledger_path, read_run_events
+from ettr.ledger import LedgerError, locate
 
 
 def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
-    """All events of a run directory. Raises `UsageError` (one clear line) for anything unusable."""
+    """All events of a run directory, wherever its books are (`ettr.ledger.locate`). Raises `UsageError`
+    (one clear line) for anything unusable."""
     path = Path(run_dir)
     if not path.exists():
         raise UsageError(f"{path}: no such run directory")
     if not path.is_dir():
         raise UsageError(f"{path}: not a directory (give the run directory of an ettr job)")
-    if not ledger_path(path).is_file():
-        from ettr.ledger.url import read_pointer
-
-        pointer = read_pointer(path)
-        if pointer is not None:  # its books are at a URL (`ettr run --ledger`)
-            return load_from_ledger(*pointer)[0]
-        raise UsageError(f"{path}: not an ettr run directory (no {ledger_path(path).name} inside)")
     try:
-        events = read_run_events(path)
+        books = locate(path)
+        events = books.read()
     except LedgerError as exc:
         raise UsageError(str(exc)) from None
     if not events:
-        raise UsageError(f"{path}: the ledger holds no events yet")
+        where = path if books.url is None else books.where
+        raise UsageError(f"{where}: the ledger holds no events yet")
     return events
 
 

@@ -1,0 +1,154 @@
+"""Where a run's books are: the one rule every reader and writer of a run directory follows.
+
+A run directory keeps its books in one of two places:
+- its own SQLite file, `RUN_DIR/ledger.db` (the default);
+- a ledger URL (`ettr run --ledger URL`), named by the pointer `RUN_DIR/ledger-url.json` (`{"url", "job_id"}`,
+  left by the supervisor) and, inside the job, by `ETTR_LEDGER` (with `ETTR_JOB_ID`).
+
+Readers (`locate`): inside the job (`ETTR_RUN_DIR` is this very directory and `ETTR_LEDGER` is set) the URL
+of the environment; else the run directory's own file when it has one; else its pointer. Writers
+(`ettr.ledger.url.open_for_run`): the URL when one is given, else the run directory's own file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ettr.events import Event
+from ettr.ledger.base import Ledger, LedgerError, LedgerMark
+from ettr.ledger.sqlite import LEDGER_FILENAME, SqliteLedger
+
+POINTER_FILENAME = "ledger-url.json"
+"""Left in a run directory whose books are at a URL, so that `ettr report RUN_DIR` finds them."""
+
+
+def ledger_path(run_dir: str | os.PathLike[str]) -> Path:
+    """Where the run directory's own ledger (SQLite) lives."""
+    return Path(run_dir) / LEDGER_FILENAME
+
+
+def pointer_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / POINTER_FILENAME
+
+
+def read_pointer(run_dir: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """(url, job_id) of a run directory whose books are at a URL; None if it has no readable pointer."""
+    try:
+        with open(pointer_path(run_dir), "rb") as f:
+            found = json.loads(f.read(65536))
+        url, job_id = found["url"], found["job_id"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    if not isinstance(url, str) or not isinstance(job_id, str) or not url or not job_id:
+        return None
+    return url, job_id
+
+
+def is_run_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` keeps a run's books (its own ledger file, or a pointer to a URL)."""
+    return ledger_path(path).is_file() or pointer_path(path).is_file()
+
+
+@dataclass(frozen=True, slots=True)
+class Books:
+    """Where one run's events are: the run directory's own SQLite file (`url` None) or job `job_id` of the
+    ledger at `url`."""
+
+    run_dir: Path
+    url: str | None = None
+    job_id: str | None = None
+
+    @property
+    def where(self) -> str:
+        """For messages: the file, or the URL (password hidden) and job."""
+        if self.url is None:
+            return str(ledger_path(self.run_dir))
+        from ettr.ledger.postgres import redact
+
+        return f"{redact(self.url)} job {self.job_id}"
+
+    def open(self) -> Ledger:
+        """The ledger, for reading (never created). Raises `LedgerError` (one line)."""
+        if self.url is None:
+            return SqliteLedger(ledger_path(self.run_dir), create=False)
+        from ettr.errors import UsageError
+        from ettr.ledger.url import open_url
+
+        try:
+            return open_url(self.url, job_id=self.job_id or self.run_dir.name)
+        except UsageError as exc:
+            raise LedgerError(str(exc)) from None
+
+    def read(self) -> list[Event]:
+        """Every event so far. Raises `LedgerError`."""
+        ledger = self.open()
+        try:
+            return ledger.read()
+        finally:
+            ledger.close()
+
+    def read_marked(self, *, for_accounting: bool = False) -> tuple[list[Event], LedgerMark]:
+        """The events and the mark of the rows they were read from; `for_accounting` leaves out the rows the
+        accounting does not use (`ettr.ledger.accounted`). The run directory's own file is opened read-only
+        (a reader of many run directories never writes into them). Raises `LedgerError`."""
+        if self.url is None:
+            own = SqliteLedger(ledger_path(self.run_dir), create=False, read_only=True)
+            try:
+                return own.read_marked(for_accounting=for_accounting)
+            finally:
+                own.close()
+        from ettr.errors import UsageError
+        from ettr.ledger.url import open_url
+
+        try:
+            ledger = open_url(self.url, job_id=self.job_id or self.run_dir.name)
+        except UsageError as exc:
+            raise LedgerError(str(exc)) from None
+        try:
+            return ledger.read_marked(for_accounting=for_accounting)
+        finally:
+            ledger.close()
+
+    def mark(self) -> LedgerMark:
+        """The mark of the rows the run directory's own ledger holds now. Raises `LedgerError`."""
+        if self.url is not None:
+            return self.read_marked()[1]
+        own = SqliteLedger(ledger_path(self.run_dir), create=False, read_only=True)
+        try:
+            return own.mark()
+        finally:
+            own.close()
+
+
+def locate(run_dir: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None) -> Books:
+    """Where the books of `run_dir` are (see the module docstring). Raises `LedgerError` for a directory that
+    keeps none."""
+    from ettr.run_env import RunEnv
+
+    path = Path(run_dir)
+    run_env = RunEnv.from_environ(environ)
+    if run_env is not None and run_env.ledger_url and _same_dir(run_env.run_dir, path):
+        return Books(path, run_env.ledger_url, run_env.job_id or path.absolute().name)
+    if ledger_path(path).is_file():
+        return Books(path)
+    pointer = read_pointer(path)
+    if pointer is not None:
+        return Books(path, *pointer)
+    if pointer_path(path).exists():
+        raise LedgerError(
+            f"{path}: its {POINTER_FILENAME} is not readable (a JSON object with url and job_id)"
+        )
+    raise LedgerError(
+        f"{path}: not an ettr run directory (no {LEDGER_FILENAME} or {POINTER_FILENAME} inside)"
+    )
+
+
+def _same_dir(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (OSError, ValueError):
+        return False
