@@ -73,12 +73,13 @@ def test_run_and_report_through_a_sqlite_url(tmp_path):
     via_dir = _ettr("report", str(tmp_path / "run"), "--json")  # the run dir points at its books
     assert via_dir.returncode == 0, via_dir.stderr
     assert json.loads(via_dir.stdout)["attempts"] == report["attempts"]
+    listed = _ettr("report", "--ledger", url)  # no --job-id: the jobs it holds, and how to report one
+    assert listed.returncode == 0 and "job7" in listed.stdout, listed.stderr
     fleet = _ettr("fleet", str(tmp_path), "--json")  # found by its pointer, read from its URL
     assert fleet.returncode == 0, fleet.stderr
     assert [j["job_id"] for j in json.loads(fleet.stdout)["jobs"]] == ["job7"]
     for argv in (
         ["report", "--ledger", url, "--job-id", "other"],
-        ["report", "--ledger", url],
         ["report", "--job-id", "job7"],
         ["report", str(tmp_path / "run"), "--ledger", url, "--job-id", "job7"],
         ["run", "--run-dir", str(tmp_path / "r2"), "--ledger", url, "--job-id", "other", "--", "true"],
