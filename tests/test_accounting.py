@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ettr.accounting import EttReport, Loss, classify, compute
+from ettr.accounting import EttReport, JobState, Loss, classify, compute
 from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Outcome, Phase
 
 T0 = 1_700_000_000.0  # realistic Unix times: the math must stay exact at this magnitude
@@ -300,29 +300,78 @@ def test_job_without_steps_is_all_start_up_and_has_no_tts() -> None:
     assert r.ett_pct == 0
 
 
-def test_run_killed_mid_write_is_closed_at_now() -> None:
+def _killed_mid_write() -> Stream:
     s = Stream().sup(EventKind.JOB_ALLOCATED, 0).sup(EventKind.SUPERVISOR_START, 2)
     s.sup(EventKind.ATTEMPT_START, 3)
     s.steps(0, 1, 5, t_first=5)  # 5..9
     s.add(EventKind.CHECKPOINT_COMMIT, 8.5, step=4)
     s.phase(0, Phase.CHECKPOINT_BLOCKING, 9.5, None)  # the save that was being written
-    r = s.report(now=11)
+    return s
+
+
+@pytest.mark.parametrize("alive", [None, False, True])
+def test_run_killed_mid_write_is_closed_at_now(alive: bool | None) -> None:
+    """No end recorded: whether the supervisor is alive (running), lost, or not known, the open attempt is
+    not a failure, keeps its steps so far (step 5 is at risk: after the last commit) and the time after its
+    last step that no phase explains is `other`."""
+    r = _killed_mid_write().report(now=11, supervisor_alive=alive)
     assert r.in_progress and r.wall_end_ts == T0 + 11
+    assert (
+        r.state
+        == {None: JobState.IN_PROGRESS, False: JobState.SUPERVISOR_LOST, True: JobState.RUNNING}[alive]
+    )
     assert_buckets(
         r,
         {
             Bucket.HARDWARE_SETUP: 2,
             Bucket.INIT: 2,
-            Bucket.EFFECTIVE_TRAINING: 4,
-            Bucket.WASTED_PROGRESS: 1 + 0.5,
+            Bucket.EFFECTIVE_TRAINING: 5,
+            Bucket.OTHER: 0.5,
             Bucket.CHECKPOINT_BLOCKING: 1.5,
         },
     )
     (a,) = r.attempts
-    assert (a.outcome, a.exit_code, a.closed_by_accounting) == (Outcome.FAILED, None, True)
-    assert a.end_ts == T0 + 11 and a.lost_steps == 1
+    outcome = Outcome.RUNNING if alive else Outcome.UNKNOWN
+    assert (a.outcome, a.exit_code, a.closed_by_accounting, a.failure) == (outcome, None, True, None)
+    assert a.end_ts == T0 + 11 and a.lost_steps == 0
+    assert r.num_failures == 0 and r.failures == () and r.failure_pct == 0
     assert r.phases_s["checkpoint_blocking"] == pytest.approx(1.5)
     assert r.tts_s == pytest.approx(4)  # allocated 0 -> training start 4
+    o = r.open_job
+    assert o is not None and (o.attempt, o.attempt_open, o.bucket) == (0, True, Bucket.CHECKPOINT_BLOCKING)
+    assert o.open_phases == ("checkpoint_blocking",) and o.last_event_ts == T0 + 9.5
+    assert (o.last_step, o.last_step_ts, o.last_commit_step, o.steps_at_risk) == (5, T0 + 9, 4, 1)
+
+
+def test_a_requeue_says_what_happened_to_the_lost_attempt() -> None:
+    """The requeue closes the lost attempt (failed, from the ledger) and resumes from step 4: now it is a
+    failure and step 5 is lost."""
+    s = _killed_mid_write()
+    s.sup(EventKind.ATTEMPT_END, 9.5, 0, outcome="failed", exit_code=None, closed_from_ledger=True)
+    s.sup(EventKind.SUPERVISOR_START, 20).attempt(1, 21, 30, "completed", 0)
+    s.add(EventKind.RESUMED, 22, 1, step=4).steps(1, 5, 8, t_first=24)
+    s.sup(EventKind.JOB_END, 31, 1, exit_status=0)
+    r = s.report(supervisor_alive=False)
+    assert r.state == JobState.ENDED and r.open_job is None
+    assert [a.outcome for a in r.attempts] == [Outcome.FAILED, Outcome.COMPLETED]
+    assert r.num_failures == 1 and r.attempts[0].lost_steps == 1
+    assert r.failures[0].cause.value == "infra"
+
+
+def test_a_running_job_between_attempts_is_restarting() -> None:
+    """Supervisor alive, attempt 0 failed, attempt 1 not started yet: the failure counts and the time since
+    is `restart`."""
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0).attempt(0, 1, 6, "failed", 1).steps(0, 1, 3, t_first=2)
+    r = s.report(now=10, supervisor_alive=True)
+    assert r.state == JobState.RUNNING and r.num_failures == 1
+    assert r.buckets_s[Bucket.RESTART] == pytest.approx(4)
+    assert r.open_job is not None and not r.open_job.attempt_open and r.open_job.bucket == Bucket.RESTART
+
+
+def test_a_failure_recorded_by_a_rank_of_the_open_attempt_counts() -> None:
+    s = _killed_mid_write().add(EventKind.FAILURE, 9.8, data={"exception": "RuntimeError"})
+    r = s.report(now=11, supervisor_alive=True)
+    assert r.attempts[0].outcome == Outcome.FAILED and r.num_failures == 1 and r.attempts[0].lost_steps == 1
 
 
 def test_open_attempt_is_closed_at_the_next_attempt_start() -> None:
@@ -403,11 +452,13 @@ def test_api_only_stream_without_supervisor() -> None:
     )
     assert ended.tts_s == pytest.approx(2)  # no allocation, no supervisor: from the wall start
 
-    # Without a job end, the run is open at `now`: nothing committed, so its steps would be lost.
+    # Without a job end, the run is open at `now`: not known to have failed, its steps kept so far, all five
+    # at risk (nothing committed); after its last step the books say nothing yet.
     live = stream().report(now=10)
     assert live.in_progress and live.attempts[0].end_ts == T0 + 10
-    assert live.attempts[0].outcome == Outcome.FAILED
-    assert_buckets(live, {Bucket.INIT: 2, Bucket.WASTED_PROGRESS: 5 + 2})
+    assert live.attempts[0].outcome == Outcome.UNKNOWN and live.num_failures == 0
+    assert_buckets(live, {Bucket.INIT: 2, Bucket.EFFECTIVE_TRAINING: 5, Bucket.OTHER: 2})
+    assert live.open_job is not None and live.open_job.steps_at_risk == 5
 
 
 def test_api_only_attempts_without_attempt_events() -> None:

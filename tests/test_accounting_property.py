@@ -100,7 +100,8 @@ def naive_bucket(t: float, report: EttReport, events: list[Event]) -> Bucket:
     inside = [a for a in attempts if a.start_ts <= t < a.end_ts]
     if not inside:
         if attempts and t >= attempts[-1].end_ts:
-            return Bucket.SHUTDOWN
+            failed = attempts[-1].outcome not in (Outcome.COMPLETED, Outcome.RUNNING, Outcome.UNKNOWN)
+            return Bucket.RESTART if report.in_progress and failed else Bucket.SHUTDOWN
         if attempts and t >= attempts[0].end_ts:
             return Bucket.RESTART
         first_start = attempts[0].start_ts if attempts else report.wall_end_ts
@@ -147,6 +148,8 @@ def naive_bucket(t: float, report: EttReport, events: list[Event]) -> Bucket:
         return Bucket.SHUTDOWN
     if winner is not None:
         return Bucket(winner)
+    if t >= steps[-1][0] and a.outcome in (Outcome.RUNNING, Outcome.UNKNOWN):
+        return Bucket.OTHER  # a job without an end: its open attempt's books say nothing after its last step
     if t >= steps[-1][0]:
         stopped = a.outcome in (Outcome.PREEMPTED, Outcome.INTERRUPTED)
         all_kept = max(s for _, s in steps) <= keep
@@ -162,7 +165,11 @@ def keep_up_to(position: int, report: EttReport, events: list[Event]) -> float:
         if resumed or later.num_steps:
             step = resumed[-1].step if resumed else None
             return -math.inf if step is None else step
-    if position == len(attempts) - 1 and attempts[position].outcome == Outcome.COMPLETED:
+    if position == len(attempts) - 1 and attempts[position].outcome in (
+        Outcome.COMPLETED,
+        Outcome.RUNNING,
+        Outcome.UNKNOWN,
+    ):
         return math.inf
     steps = [e.step for e in events if e.kind == K.CHECKPOINT_COMMIT and e.ts <= attempts[-1].end_ts]
     return max(steps, default=-math.inf)
@@ -189,14 +196,19 @@ def check_invariants(report: EttReport) -> None:
         assert 0 <= a.lost_steps <= a.num_steps
         previous_end = a.end_ts
     assert all(ttr >= 0 for ttr in report.ttr_s)
-    assert report.num_failures == sum(a.outcome != Outcome.COMPLETED for a in report.attempts)
+    not_failures = (Outcome.COMPLETED, Outcome.RUNNING, Outcome.UNKNOWN)
+    assert report.num_failures == sum(a.outcome not in not_failures for a in report.attempts)
+    # Only the last attempt of a job without an end can be open (running or unknown).
+    assert all(a.outcome not in not_failures[1:] for a in report.attempts[:-1])
+    if not report.in_progress:
+        assert all(a.outcome not in not_failures[1:] for a in report.attempts)
     # The TTS window and the recoveries are what tts_s and ttr_s measure (the charts draw these).
     assert (report.tts_window is None) == (report.tts_s is None)
     if report.tts_window is not None:
         assert report.tts_window.duration_s == report.tts_s
     assert tuple(r.ttr_s for r in report.recoveries) == report.ttr_s
     for r in report.recoveries:
-        assert r.failed.outcome != Outcome.COMPLETED and r.failed.index < r.recovered.index
+        assert r.failed.outcome not in not_failures and r.failed.index < r.recovered.index
         assert r.detected_ts == r.failed.end_ts and r.training_start_ts == r.recovered.training_start_ts
 
 
@@ -205,7 +217,8 @@ def test_random_streams_keep_the_invariants_and_match_the_naive_reading(seed: in
     rng = random.Random(seed)
     for _ in range(40):
         events, now = random_stream(rng)
-        report = compute(events, now, job_id="r")
+        alive = rng.choice([None, False, True])
+        report = compute(events, now, job_id="r", supervisor_alive=alive)
         check_invariants(report)
         counted, _ = fence(events)  # docs/buckets.md: events after their attempt's end do not count
         for seg in report.segments:
@@ -217,7 +230,7 @@ def test_random_streams_keep_the_invariants_and_match_the_naive_reading(seed: in
                     assert naive_bucket(t, report, counted) == seg.bucket, (seed, t - T0, seg)
         shuffled = list(events)
         rng.shuffle(shuffled)
-        assert compute(shuffled, now, job_id="r") == report
+        assert compute(shuffled, now, job_id="r", supervisor_alive=alive) == report
 
 
 def test_large_stream_adds_up() -> None:

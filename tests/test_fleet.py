@@ -312,7 +312,9 @@ def test_a_silent_job_of_another_hosts_supervisor_is_not_running(tmp_path, capsy
     (job,) = json.loads(capsys.readouterr().out)["jobs"]
     assert job["in_progress"] and not job["running"]
     assert job["wall_s"] < 60  # closed at its last event, not stretched to now
-    assert job["failures"][0]["cause"] == "unknown"
+    # Its supervisor is lost: how its open attempt ended is unknown, so no failure is counted until a requeue
+    # says what happened (docs/buckets.md, "Jobs without an end").
+    assert job["failures"] == [] and job["num_failures"] == 0
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import pytest
 
 from ettr.accounting import EttReport, compute
 from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Phase
+from ettr.report.html import render_html
 from ettr.report.json import SCHEMA, to_dict
 from ettr.report.text import render, render_comparison, summary_line
 
@@ -45,7 +46,7 @@ def sup(kind: EventKind, t: float, attempt: int = 0, **data) -> Event:
     return Event(kind, T0 + t, attempt, SUPERVISOR_RANK, data=data or None)
 
 
-def two_attempt_job(*, job_end: bool = True) -> EttReport:
+def two_attempt_job(*, job_end: bool = True, alive: bool | None = None) -> EttReport:
     """Attempt 0 trains steps 1..10 (2..11), crashes at 12; attempt 1 resumes step 6 and completes."""
     events = [sup(K.JOB_ALLOCATED, 0), sup(K.SUPERVISOR_START, 1), sup(K.ATTEMPT_START, 2)]
     events += [Event(K.PHASE_BEGIN, T0 + 2, 0, 0, phase=Phase.COMPILE)]
@@ -65,7 +66,7 @@ def two_attempt_job(*, job_end: bool = True) -> EttReport:
             sup(K.ATTEMPT_END, 30, 1, outcome="completed", exit_code=0),
             sup(K.JOB_END, 31, 1, exit_status=0),
         ]
-    return compute(events, T0 + 33, job_id="job-a")
+    return compute(events, T0 + 33, job_id="job-a", supervisor_alive=alive)
 
 
 def test_to_dict_has_the_contract_keys_in_order_and_types() -> None:
@@ -136,12 +137,42 @@ def test_render_shows_summary_every_bucket_attempts_and_phases() -> None:
 
 
 def test_render_of_a_live_job_and_of_nothing() -> None:
-    live = render(two_attempt_job(job_end=False))
-    assert "in progress" in live and "completed" not in live and "failed (open)" in live
+    unknown = render(two_attempt_job(job_end=False))
+    assert "in progress" in unknown and "completed" not in unknown and "failed (open)" not in unknown
+    assert re.search(r"^  1  unknown ", unknown, re.M)
     empty = render(compute([], T0, job_id="none"))
     assert "no attempt recorded" in empty and "TTS -" in empty and "TTR -" in empty
     for bucket in Bucket:
         assert bucket.value in empty
+
+
+def test_a_running_job_reads_running_and_a_lost_one_supervisor_lost() -> None:
+    """Attempt 1 runs (steps 7..16 after resuming from the commit of step 6): no failure counted for it,
+    its current work and its steps since the last checkpoint said; the same books with the supervisor gone
+    read "supervisor lost at" the last event."""
+    running = two_attempt_job(job_end=False, alive=True)
+    text = render(running)
+    title = text.splitlines()[0]
+    assert title.startswith("job job-a  (running: attempt 1: training; last step 16, 6.0 s before")
+    assert "10 step(s) after the last checkpoint, step 6 would be lost" in title
+    assert re.search(r"^  1  running ", text, re.M) and "failures 1" in summary_line(running)
+    data = to_dict(running)
+    assert data["state"] == "running" and data["attempts"][1]["outcome"] == "running"
+    assert data["open_job"]["steps_at_risk"] == 10 and data["open_job"]["bucket"] == "other"
+    assert data["num_failures"] == 1  # attempt 0's crash, not the attempt that runs
+    lost = two_attempt_job(job_end=False, alive=False)
+    title = render(lost).splitlines()[0]
+    assert "(supervisor lost at +27.0 s (2023-11-14 22:13:47 UTC, the last event in its books" in title
+    assert "no failure is counted until a requeue says what happened" in title
+    assert (
+        to_dict(lost)["state"] == "supervisor_lost" and to_dict(lost)["attempts"][1]["outcome"] == "unknown"
+    )
+    ended = to_dict(two_attempt_job())
+    assert ended["state"] == "ended" and ended["open_job"] is None
+    page = render_html([running, lost])
+    assert (
+        '<span class="badge live"' in page and ">running</span>" in page and ">supervisor lost</span>" in page
+    )
 
 
 def test_render_comparison_lists_every_metric_and_bucket() -> None:
@@ -156,7 +187,7 @@ def test_render_comparison_lists_every_metric_and_bucket() -> None:
             rf"^  {bucket.value} +\d+\.\d \(\d+\.\d%\) +\d+\.\d \(\d+\.\d%\) +[+-]\d+\.\d$", text, re.M
         )
     failures = next(line for line in text.splitlines() if line.startswith("failures"))
-    assert failures.split()[1:] == ["1", "2", "+1"]
+    assert failures.split()[1:] == ["1", "1", "+0"]  # b's open attempt is not a failure (not known to be)
     three = render_comparison([a, b, a])
     assert "change" not in three and three.splitlines()[0].split() == ["job-a", "job-a", "job-a"]
     with pytest.raises(ValueError):

@@ -22,6 +22,23 @@ def live_supervisor(events: Sequence[Event]) -> int | None:
     Its SUPERVISOR_START names its pid, host and start ticks; liveness follows `ettr.procs.pid_alive`.
     The calling process itself never counts (a supervisor started again on the same run directory).
     """
+    named = _open_supervisor(events)
+    if named is None or named[0] == os.getpid():
+        return None
+    pid, ticks = named
+    return pid if pid_alive(pid, ticks) else None
+
+
+def supervisor_alive(events: Sequence[Event]) -> bool | None:
+    """Whether the supervisor of a job without an end still runs, for the accounting's `supervisor_alive`:
+    True or False when the ledger names one on this host (`ettr.procs.pid_alive`); None when it names none
+    (or the job ended) or one on another host (it cannot be told from here)."""
+    named = _open_supervisor(events)
+    return None if named is None else pid_alive(*named)
+
+
+def _open_supervisor(events: Sequence[Event]) -> tuple[int, int | None] | None:
+    """(pid, start ticks) of the supervisor of the last run without a JOB_END, when on this host."""
     start = None
     for e in events:
         if e.kind is EventKind.SUPERVISOR_START:
@@ -31,10 +48,10 @@ def live_supervisor(events: Sequence[Event]) -> int | None:
     if start is None or not start.data:
         return None
     pid, host = start.data.get("pid"), start.data.get("host")
-    if not isinstance(pid, int) or pid == os.getpid() or (host and host != socket.gethostname()):
+    if not isinstance(pid, int) or isinstance(pid, bool) or (host and host != socket.gethostname()):
         return None
     ticks = start.data.get("pid_start_ticks")
-    return pid if pid_alive(pid, ticks if isinstance(ticks, int) else None) else None
+    return pid, ticks if isinstance(ticks, int) else None
 
 
 def recorded_job_id(events: Sequence[Event]) -> str | None:

@@ -124,6 +124,9 @@ class Outcome(StrEnum):
     PREEMPTED = "preempted"
     HUNG = "hung"
     INTERRUPTED = "interrupted"  # stopped by the user (SIGINT / Ctrl-C): neither a failure nor a preemption
+    # Given by the accounting only, never recorded: an attempt without an end, the last of a job without one.
+    RUNNING = "running"  # its supervisor is alive: the attempt is still running
+    UNKNOWN = "unknown"  # its supervisor was lost (or cannot be checked): how it ends is not known yet
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ bucket of `ettr.events.Bucket` by the rules of docs/buckets.md; the renderers li
 
 from ettr.accounting.causes import Cause, FailureCause
 from ettr.accounting.compute import Loss, classify, compute
+from ettr.accounting.liveness import JobState, OpenJob, counts_as_failure
 from ettr.accounting.model import (
     AttemptReport,
     CheckpointCommit,
@@ -27,7 +28,9 @@ __all__ = [
     "CheckpointFailure",
     "EttReport",
     "FailureCause",
+    "JobState",
     "Loss",
+    "OpenJob",
     "PRECEDENCE",
     "PersistSlowdown",
     "Recompile",
@@ -38,4 +41,5 @@ __all__ = [
     "TtsWindow",
     "classify",
     "compute",
+    "counts_as_failure",
 ]

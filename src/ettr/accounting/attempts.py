@@ -14,6 +14,7 @@ from math import isfinite
 from operator import attrgetter, itemgetter
 from typing import Any
 
+from ettr.accounting.liveness import NOT_ENDED
 from ettr.accounting.model import CheckpointCommit, CheckpointFailure, Recompile
 from ettr.events import Event, EventKind, Outcome, Phase
 
@@ -55,6 +56,7 @@ class JobEvents:
     supervisor_start_ts: float | None = None
     job_end: Event | None = None
     earliest_ts: float | None = None
+    latest_ts: float | None = None
     attempts: dict[int, RawAttempt] = field(default_factory=dict)
     commits: list[CheckpointCommit] = field(default_factory=list)
     checkpoint_errors: list[CheckpointFailure] = field(default_factory=list)
@@ -107,7 +109,7 @@ def gather(events: Iterable[Event]) -> JobEvents:
     ordered = sorted((e for e in events if isfinite(e.ts)), key=attrgetter("ts"))
     job = JobEvents()
     if ordered:
-        job.earliest_ts = ordered[0].ts
+        job.earliest_ts, job.latest_ts = ordered[0].ts, ordered[-1].ts
     attempts = job.attempts
     attempts_at_end: set[int] = set()
     for e in ordered:
@@ -212,11 +214,15 @@ def job_ended_normally(job: JobEvents) -> bool:
     return status is None or status == 0
 
 
-def resolve_attempts(job: JobEvents, wall_start: float, wall_end: float) -> list[Attempt]:
+def resolve_attempts(
+    job: JobEvents, wall_start: float, wall_end: float, *, supervisor_alive: bool | None = None
+) -> list[Attempt]:
     """Apply the span, outcome, reference-rank, training-start and kept-step rules to every attempt.
 
     Attempts are ordered by index; their spans are made monotone and disjoint inside the wall time (an
-    attempt cannot start before the previous one ended, nor end after the next one started).
+    attempt cannot start before the previous one ended, nor end after the next one started). The last
+    attempt of a job without an end, itself without one, is `running` when `supervisor_alive`, else
+    `unknown`, unless a rank recorded its failure (`ettr.accounting.liveness`).
     """
     indices = sorted(job.attempts)
     raws = [job.attempts[i] for i in indices]
@@ -240,6 +246,8 @@ def resolve_attempts(job: JobEvents, wall_start: float, wall_end: float) -> list
         end = max(start, min(end, next_start, wall_end))
         previous_end = end
         outcome, exit_code, failure = _outcome(raw, is_last=is_last, ended_normally=ended_normally)
+        if is_last and in_progress and raw.end_event is None and raw.failure_event is None:
+            outcome, failure = (Outcome.RUNNING if supervisor_alive else Outcome.UNKNOWN), None
         attempts.append(_resolve_one(raw, position, start, end, outcome, exit_code, failure))
     _mark_kept_steps(attempts, job.commits)
     return attempts
@@ -426,7 +434,8 @@ def _mark_kept_steps(attempts: list[Attempt], commits: list[CheckpointCommit]) -
     committed by the end of the job's last attempt (-inf if none). A decider whose resume step is unknown
     (RESUMED with `data.unknown`) gives an estimate instead: the highest checkpoint committed before it
     started (-inf if none), and `lost_steps_estimated` says so; so does an attempt whose own resume step is
-    unknown (its step numbers count from an unknown base)."""
+    unknown (its step numbers count from an unknown base). The open last attempt of a job without an end
+    (`running` or `unknown`) keeps all its steps so far: none is known to be lost yet."""
     final_ts = attempts[-1].end_ts if attempts else -math.inf
     for position, attempt in enumerate(attempts):
         decider = next((a for a in attempts[position + 1 :] if a.resume_recorded or a.step_ts), None)
@@ -437,7 +446,9 @@ def _mark_kept_steps(attempts: list[Attempt], commits: list[CheckpointCommit]) -
             attempt.lost_steps_estimated = True
         elif decider is not None:
             keep = -math.inf if decider.resumed_from_step is None else float(decider.resumed_from_step)
-        elif position == len(attempts) - 1 and attempt.outcome == Outcome.COMPLETED:
+        elif position == len(attempts) - 1 and (
+            attempt.outcome == Outcome.COMPLETED or attempt.outcome in NOT_ENDED
+        ):
             keep = math.inf
         else:
             committed = [c.step for c in commits if c.ts <= final_ts and c.step is not None]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from ettr.accounting.liveness import counts_as_failure
 from ettr.events import Outcome
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ def failure_causes(attempts: Sequence[AttemptReport]) -> tuple[FailureCause, ...
     each with the TTR of its recovery (the same rule as the report's `ttr_s`)."""
     out = []
     for position, attempt in enumerate(attempts):
-        if attempt.outcome is Outcome.COMPLETED:
+        if not counts_as_failure(attempt.outcome):
             continue
         cause, evidence = classify_failure(attempt)
         recovered = next((a for a in attempts[position + 1 :] if a.training_start_ts is not None), None)

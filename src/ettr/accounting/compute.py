@@ -8,15 +8,16 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from types import MappingProxyType
 
-from ettr.accounting.attempts import Attempt, data_of, gather, resolve_attempts, wall_bounds
+from ettr.accounting.attempts import Attempt, JobEvents, data_of, gather, resolve_attempts, wall_bounds
 from ettr.accounting.causes import failure_causes
 from ettr.accounting.fence import fence
-from ettr.accounting.model import AttemptReport, EttReport, Recovery, TtsWindow
+from ettr.accounting.liveness import NOT_ENDED, JobState, OpenJob, counts_as_failure, job_state, steps_after
+from ettr.accounting.model import AttemptReport, EttReport, Recovery, Segment, TtsWindow
 from ettr.accounting.slowdown import AttemptSteps, step_slowdown
 from ettr.accounting.steptime import kept_step_times, step_time
 from ettr.accounting.timeline import build_segments
 from ettr.accounting.ttr import breakdowns
-from ettr.events import Bucket, Event, Outcome, Phase
+from ettr.events import Bucket, Event, Phase
 
 
 class Loss(StrEnum):
@@ -50,29 +51,34 @@ def classify(bucket: Bucket, *, attempt_position: int) -> Loss:
     return Loss.IDLENESS
 
 
-def compute(events: Iterable[Event], now: float, *, job_id: str = "") -> EttReport:
+def compute(
+    events: Iterable[Event], now: float, *, job_id: str = "", supervisor_alive: bool | None = None
+) -> EttReport:
     """The ETT report of one job from all its events (supervisor and every rank, any order).
 
     `now` closes what the events leave open: the job's end when there is no JOB_END (pass the last event's
     ts for a dead job, the current time for a live one; the report then says `in_progress`), and attempts
-    or phases that never ended. The rules are in docs/buckets.md. Never reads the clock or any file.
+    or phases that never ended. `supervisor_alive` says, for a job without JOB_END, whether its supervisor
+    still runs (True: `running`; False: `supervisor_lost`; None: not known); an open last attempt is then
+    `running` or `unknown`, not a failure. The rules are in docs/buckets.md. Never reads the clock or any
+    file.
     """
     # A million events make a few million small objects and nothing cyclic: the cyclic collector would
     # rescan them over and over (about 40% of the time) to free nothing.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _compute(events, now, job_id)
+        return _compute(events, now, job_id, supervisor_alive)
     finally:
         if collecting:
             gc.enable()
 
 
-def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
+def _compute(events: Iterable[Event], now: float, job_id: str, supervisor_alive: bool | None) -> EttReport:
     kept, num_fenced = fence(events)
     job = gather(kept)
     wall_start, wall_end = wall_bounds(job, now)
-    attempts = resolve_attempts(job, wall_start, wall_end)
+    attempts = resolve_attempts(job, wall_start, wall_end, supervisor_alive=supervisor_alive)
     segments = build_segments(job, attempts, wall_start, wall_end)
     wall_s = wall_end - wall_start
 
@@ -130,7 +136,7 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         failure_s=failure_s,
         tts_s=None if tts_window is None else tts_window.duration_s,
         ttr_s=tuple(r.ttr_s for r in recoveries),
-        num_failures=sum(1 for a in attempts if a.outcome != Outcome.COMPLETED),
+        num_failures=sum(1 for a in attempts if counts_as_failure(a.outcome)),
         buckets_s=MappingProxyType({b: math.fsum(by_bucket[b]) for b in Bucket}),
         attempts=attempt_reports,
         phases_s=MappingProxyType({name: math.fsum(job_phases[name]) for name in _phase_order(job_phases)}),
@@ -150,6 +156,10 @@ def _compute(events: Iterable[Event], now: float, job_id: str) -> EttReport:
         ttr_parts=ttr_parts,
         tts_parts=tts_parts,
         step_time=step_time([d for times in kept_times.values() for d in times]),
+        state=job_state(ended=job.job_end is not None, supervisor_alive=supervisor_alive),
+        open_job=None
+        if job.job_end is not None
+        else _open_job(job, attempts, segments, job_state(ended=False, supervisor_alive=supervisor_alive)),
     )
 
 
@@ -208,7 +218,7 @@ def _recoveries(attempts: tuple[AttemptReport, ...]) -> tuple[Recovery, ...]:
     failed attempt's end) to that attempt's training start."""
     found = []
     for position, attempt in enumerate(attempts):
-        if attempt.outcome == Outcome.COMPLETED:
+        if not counts_as_failure(attempt.outcome):
             continue
         recovered = next((a for a in attempts[position + 1 :] if a.training_start_ts is not None), None)
         if recovered is not None and recovered.training_start_ts is not None:
@@ -221,6 +231,29 @@ def _recoveries(attempts: tuple[AttemptReport, ...]) -> tuple[Recovery, ...]:
                 )
             )
     return tuple(found)
+
+
+def _open_job(job: JobEvents, attempts: list[Attempt], segments: list[Segment], state: JobState) -> OpenJob:
+    """What a job without an end was doing at the end of its report."""
+    last = attempts[-1] if attempts else None
+    commits = [c.step for c in job.commits if c.step is not None]
+    last_commit = max(commits) if commits else None
+    attempt_open = last is not None and last.outcome in NOT_ENDED
+    end_ts = last.end_ts if last is not None else None
+    return OpenJob(
+        state=state,
+        last_event_ts=job.latest_ts,
+        attempt=None if last is None else last.index,
+        attempt_open=attempt_open,
+        bucket=segments[-1].bucket if segments else None,
+        open_phases=tuple(dict.fromkeys(name for _, end, _, name in last.phases if end == end_ts))
+        if attempt_open and last is not None
+        else (),
+        last_step=max(last.step_numbers) if last is not None and last.step_numbers else None,
+        last_step_ts=last.step_ts[-1] if last is not None and last.step_ts else None,
+        last_commit_step=last_commit,
+        steps_at_risk=steps_after(last.step_numbers, last_commit) if attempt_open and last is not None else 0,
+    )
 
 
 def _exit_status(data: Mapping | None) -> int | None:

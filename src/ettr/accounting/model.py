@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ettr.accounting.causes import Cause, FailureCause
+from ettr.accounting.liveness import JobState, OpenJob
 from ettr.accounting.slowdown import StepSlowdown
 from ettr.accounting.steptime import NO_STEP_TIME, StepTime
 from ettr.accounting.ttr import RecoveryParts
@@ -174,7 +175,7 @@ class EttReport:
     """JOB_END, else the `now` given to `compute`."""
     wall_s: float
     in_progress: bool
-    """True when the job recorded no JOB_END (live, or its supervisor was killed)."""
+    """True when the job recorded no JOB_END (running, or its supervisor was lost: `state` says which)."""
     ett_pct: float
     idleness_pct: float
     failure_pct: float
@@ -228,6 +229,10 @@ class EttReport:
     (`ettr.accounting.fence`)."""
     step_time: StepTime = NO_STEP_TIME
     """Time per kept step over every attempt's kept steps: median, p90 (`ettr.accounting.steptime`)."""
+    state: JobState = JobState.ENDED
+    """Ended, running, supervisor lost, or in progress (not known which) (`ettr.accounting.liveness`)."""
+    open_job: OpenJob | None = None
+    """For a job without an end: what it was doing when reported (None when it ended)."""
 
     @property
     def step_time_s(self) -> float | None:

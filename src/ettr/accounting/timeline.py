@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from operator import itemgetter
 
 from ettr.accounting.attempts import Attempt, JobEvents, RunStart
+from ettr.accounting.liveness import NOT_ENDED, counts_as_failure
 from ettr.accounting.model import Segment
 from ettr.events import PHASE_BUCKET, Bucket, Outcome
 
@@ -69,7 +70,11 @@ def build_segments(
             _add_gap(segments, attempts[position - 1].end_ts, attempt.start_ts, attempt.index, job.runs)
         _sweep_attempt(segments, attempt, is_last=position == len(attempts) - 1)
     if attempts:
-        _add(segments, attempts[-1].end_ts, wall_end, Bucket.SHUTDOWN, attempts[-1].index)
+        # After the last attempt: the job's shutdown, unless the job has no end yet and that attempt failed:
+        # then the supervisor is restarting it (or was lost while it did).
+        last = attempts[-1]
+        restarting = job.job_end is None and counts_as_failure(last.outcome)
+        _add(segments, last.end_ts, wall_end, Bucket.RESTART if restarting else Bucket.SHUTDOWN, last.index)
     return [Segment(*s) for s in segments]
 
 
@@ -131,6 +136,11 @@ def _base_regions(
     if attempt.outcome == Outcome.COMPLETED:
         buckets.append(Bucket.SHUTDOWN)
         regions.append(_LOCKED if is_last else _TRAINING)
+    elif attempt.outcome in NOT_ENDED:
+        # Still running (or how it ends is unknown): after its last step the books say nothing yet (a step in
+        # flight, or a hang not yet detected), unless a phase does.
+        buckets.append(Bucket.OTHER)
+        regions.append(_TRAINING)
     elif _stopped_with_everything_kept(attempt):
         # A clean preemption (or Ctrl-C) whose every step was kept: nothing after its last step was lost,
         # the time to the end is its save and teardown.

@@ -136,7 +136,12 @@ def summarize_events(
             beat = latest_heartbeat(run_dir, max(e.attempt for e in events))
             activity = max(activity, beat) if beat is not None else activity
         running = is_running(events, scan.open_start, now=now, last_activity_ts=activity)
-    report = compute(events, max(scan.last_ts, now) if running else scan.last_ts, job_id=job_id)
+    report = compute(
+        events,
+        max(scan.last_ts, now) if running else scan.last_ts,
+        job_id=job_id,
+        supervisor_alive=running if scan.open_start is not None else None,
+    )
     return summarize(
         report,
         family=family_of(events),

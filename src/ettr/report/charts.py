@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from ettr.accounting import Loss, classify
+from ettr.accounting import Loss, classify, counts_as_failure
 from ettr.accounting.model import AttemptReport, EttReport
-from ettr.events import Bucket, Outcome
+from ettr.events import Bucket
 from ettr.report.svg import (
     BUCKET_COLORS,
     HATCH_ID,
@@ -171,11 +171,11 @@ def _markers(
     row_of: Mapping[int | None, int],
     row_h: float,
 ) -> list[str]:
-    """▼ at the end of each attempt that did not complete, a tick per checkpoint commit, ◆ per recompile."""
+    """▼ at the end of each attempt that failed, a tick per checkpoint commit, ◆ per recompile."""
     origin = report.wall_start_ts
     body: list[str] = []
     for a in report.attempts:
-        if a.outcome is not Outcome.COMPLETED:
+        if counts_as_failure(a.outcome):
             xe, ye = x(a.end_ts), y(a.index) - 3
             body.append(
                 f'<path d="M{fmt_num(xe - 5)} {fmt_num(ye - 7)}h10l-5 7z" fill="{OUTCOME_COLORS[a.outcome]}">'

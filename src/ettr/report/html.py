@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 from ettr.accounting.model import AttemptReport, EttReport
@@ -21,6 +20,7 @@ from ettr.events import Bucket
 from ettr.report import steptime, ttr_parts
 from ettr.report.charts import bucket_bars_svg, failure_summary, share_bar_svg, timeline_svg
 from ettr.report.startup_charts import phase_bars_svg, ttr_svg, tts_waterfall_svg
+from ettr.report.status import BADGES, status, utc
 from ettr.report.svg import (
     BUCKET_COLORS,
     FAILURE_BUCKETS,
@@ -132,21 +132,20 @@ def _run_heading(name: str, many: bool) -> str:
     return f"<h3>{esc(name)}</h3>" if many else ""
 
 
-def _utc(ts: float) -> str:
-    try:
-        return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    except (OverflowError, OSError, ValueError):  # a nonsense timestamp must not cost the whole page
-        return f"at {ts!r}"
-
-
 # -- header and headline ----------------------------------------------------------------------------------
 def _header(reports: Sequence[EttReport], names: Sequence[str]) -> str:
     lines = []
     for r, name in zip(reports, names, strict=True):
-        live = '<span class="badge live">in progress</span>' if r.in_progress else ""
+        where = status(r)
+        live = (
+            f'<span class="badge live" title="{esc(where)}">{esc(BADGES[r.state])}</span>'
+            if where is not None
+            else ""
+        )
         job = f" · job {esc(r.job_id)}" if r.job_id and r.job_id != name else ""
         lines.append(
-            f"<b>{esc(name)}</b>{job} · started {_utc(r.wall_start_ts)} · wall {esc(fmt_s(r.wall_s))}{live}"
+            f"<b>{esc(name)}</b>{job} · started {utc(r.wall_start_ts)} · wall {esc(fmt_s(r.wall_s))}{live}"
+            + (f'<br><span class="state">{esc(where)}</span>' if where is not None else "")
         )
     heading = "Effective Training Time" + (" — comparison" if len(reports) > 1 else "")
     return f'<header><h1>{heading}</h1><p class="sub">{"<br>".join(lines)}</p></header>'

@@ -15,6 +15,7 @@ from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
 from ettr.report import steptime, ttr_parts
 from ettr.report.slowdown import to_json as slowdown_json
+from ettr.report.status import status
 
 SCHEMA = "ettr.report/1"
 
@@ -25,7 +26,9 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     Contract keys first (schema, job_id, wall_s, ett_pct, idleness_pct, failure_pct, tts_s, ttr_s,
     num_failures, buckets_s, attempts, step_time_s — median seconds per kept step, null when none, also in
     each attempt), then the extras: step_time_p90_s and num_timed_steps (top level and per attempt),
-    num_kept_steps, in_progress, wall_start_ts, wall_end_ts,
+    num_kept_steps, in_progress, state (ended | running | supervisor_lost | in_progress), open_job (null when
+    the job ended: state, status — the sentence the text report shows —, last_event_ts, attempt, attempt_open,
+    bucket, open_phases, last_step, last_step_ts, last_commit_step, steps_at_risk), wall_start_ts, wall_end_ts,
     effective_training_s, idleness_s, failure_s, submitted_ts, allocated_ts, supervisor_start_ts,
     job_exit_status, num_fenced_events (training events recorded after their attempt ended, not counted),
     phases_s, recompiles, checkpoint_commits, tts_window (origin_ts, training_start_ts,
@@ -55,6 +58,8 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         "num_kept_steps": report.num_kept_steps,
         # Extras beyond the contract.
         "in_progress": report.in_progress,
+        "state": report.state.value,
+        "open_job": _open_job(report),
         "wall_start_ts": report.wall_start_ts,
         "wall_end_ts": report.wall_end_ts,
         "effective_training_s": report.effective_training_s,
@@ -119,6 +124,25 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     if include_segments:
         out["segments"] = [[s.start_ts, s.end_ts, s.bucket.value, s.attempt] for s in report.segments]
     return _plain(out)
+
+
+def _open_job(report: EttReport) -> dict[str, Any] | None:
+    o = report.open_job
+    if o is None:
+        return None
+    return {
+        "state": o.state.value,
+        "status": status(report),
+        "last_event_ts": o.last_event_ts,
+        "attempt": o.attempt,
+        "attempt_open": o.attempt_open,
+        "bucket": None if o.bucket is None else o.bucket.value,
+        "open_phases": list(o.open_phases),
+        "last_step": o.last_step,
+        "last_step_ts": o.last_step_ts,
+        "last_commit_step": o.last_commit_step,
+        "steps_at_risk": o.steps_at_risk,
+    }
 
 
 def _buckets(buckets: Mapping[Bucket, float]) -> dict[str, float]:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ettr.accounting import EttReport, compute
-from ettr.closing import live_supervisor, recorded_job_id
+from ettr.closing import recorded_job_id, supervisor_alive
 from ettr.errors import UsageError
 from ettr.events import Event
 from ettr.ledger import LedgerError, locate
@@ -38,13 +38,24 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
     return events
 
 
-def report_time(events: Sequence[Event], *, wall_clock_s: float | None = None) -> float:
+def report_time(
+    events: Sequence[Event], *, wall_clock_s: float | None = None, alive: bool | None = None
+) -> float:
     """The `now` to close an unfinished job at: the current time while its supervisor still runs on this
-    host, else the last thing the ledger saw (a supervisor killed with SIGKILL left the books open)."""
+    host, else the last thing the ledger saw (a supervisor killed with SIGKILL left the books open).
+    `alive`: `supervisor_alive(events)` when the caller already asked."""
     last_ts = max(e.ts for e in events)
-    if live_supervisor(events) is None:
+    if not (supervisor_alive(events) if alive is None else alive):
         return last_ts
     return max(last_ts, time.time() if wall_clock_s is None else wall_clock_s)
+
+
+def compute_report(events: Sequence[Event], *, job_id: str) -> EttReport:
+    """The report of a job's events as `ettr report` shows it: closed now while its supervisor runs, else at
+    its last event, with the supervisor's liveness (`ettr.closing.supervisor_alive`) given to the
+    accounting so that a running job reads `running` and one whose supervisor died `supervisor lost`."""
+    alive = supervisor_alive(events)
+    return compute(events, report_time(events, alive=alive), job_id=job_id, supervisor_alive=alive)
 
 
 def job_id_of(events: Sequence[Event], run_dir: str | os.PathLike[str]) -> str:
@@ -55,7 +66,7 @@ def job_id_of(events: Sequence[Event], run_dir: str | os.PathLike[str]) -> str:
 def read_run(run_dir: str | os.PathLike[str]) -> tuple[list[Event], EttReport]:
     """The events of one run directory and its report, as `ettr report` shows it."""
     events = read_events(run_dir)
-    return events, compute(events, report_time(events), job_id=job_id_of(events, run_dir))
+    return events, compute_report(events, job_id=job_id_of(events, run_dir))
 
 
 def load_from_ledger(url: str, job_id: str) -> tuple[list[Event], EttReport]:
@@ -74,7 +85,7 @@ def load_from_ledger(url: str, job_id: str) -> tuple[list[Event], EttReport]:
         ledger.close()
     if not events:
         raise UsageError(f"ettr report: job {job_id!r} has no events in the ledger yet")
-    return events, compute(events, report_time(events), job_id=job_id)
+    return events, compute_report(events, job_id=job_id)
 
 
 def load_requested(

@@ -49,6 +49,8 @@ OUTCOME_COLORS: Mapping[Outcome, str] = MappingProxyType(
         Outcome.PREEMPTED: "#f07f19",
         Outcome.HUNG: "#9c2f8a",
         Outcome.INTERRUPTED: "#7f7f7f",
+        Outcome.RUNNING: "#1f77b4",
+        Outcome.UNKNOWN: "#8a5a00",
     }
 )
 

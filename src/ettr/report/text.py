@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ettr.accounting import EttReport
+from ettr.accounting import EttReport, counts_as_failure
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
 from ettr.report import steptime, ttr_parts
 from ettr.report.slowdown import text_lines as slowdown_lines
+from ettr.report.status import status
 from ettr.report.svg import fmt_signed
 
 BAR_WIDTH = 40
@@ -43,8 +44,9 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
     """The readable report of one job: summary line, buckets with bars, attempts, raw phase durations,
     and the step slowdown while persisting (per save when `per_save` or when it is large)."""
     title = f"job {report.job_id}" if report.job_id else "job"
-    if report.in_progress:
-        title += "  (in progress: no job end recorded; closed at the report time)"
+    where = status(report)
+    if where is not None:
+        title += f"  ({where})"
     lines = [title, summary_line(report), f"step time: {steptime.summary(report.step_time)}", ""]
     if report.num_fenced_events:
         lines[-1:-1] = [
@@ -76,7 +78,7 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
     rows = [
         (
             str(a.index),
-            a.outcome.value + (" (open)" if a.closed_by_accounting and a.outcome != "completed" else ""),
+            a.outcome.value + (" (open)" if a.closed_by_accounting and counts_as_failure(a.outcome) else ""),
             _dash(a.exit_code),
             f"{a.start_ts - report.wall_start_ts:.1f}",
             f"{a.duration_s:.1f}",
