@@ -134,7 +134,8 @@ def test_a_ledger_on_a_read_only_mount_is_reported(tmp_path, capsys):
         assert _mount("-o", "remount,ro", str(mount))
         assert cli_main(["report", str(mount / "run"), "--json"]) == 0
         out = capsys.readouterr().out
-        assert '"num_failures": 1' in out
+        # Its supervisor was SIGKILLed: the report is read, and says so (no failure counted until a requeue).
+        assert '"state": "supervisor_lost"' in out and '"num_failures": 0' in out
         ledger = open_ledger(mount / "run", create=False)
         assert ledger.read_only and len(ledger.read()) == 33
         ledger.close()
@@ -154,7 +155,7 @@ def test_a_ledger_in_a_directory_without_write_permission_is_reported(tmp_path, 
             assert cli_main(["report", str(run_dir), "--json"]) == 0
         else:
             assert cli_main(["report", str(run_dir), "--json"]) == 0
-        assert '"num_failures": 1' in capsys.readouterr().out
+        assert '"state": "supervisor_lost"' in capsys.readouterr().out
     finally:
         os.chmod(run_dir, 0o755)
 
