@@ -12,6 +12,7 @@ _DOING = {
     Bucket.EFFECTIVE_TRAINING: "training",
     Bucket.WASTED_PROGRESS: "training",
     Bucket.CHECKPOINT_BLOCKING: "saving a checkpoint (the loop waits)",
+    Bucket.EVALUATION: "evaluating",
     Bucket.INIT: "starting up",
     Bucket.COMPILE: "compiling",
     Bucket.RESTORE: "loading a checkpoint",
