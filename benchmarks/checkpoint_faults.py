@@ -14,7 +14,10 @@ root as the next attempt would (`ettr.testing.faults.TrialRunner`). Kinds of tri
     eio       a resume through storage whose next 1-3 reads raise EIO (`ettr.testing.disk_faults.
               FlakyStorage`): retried, the newest checkpoint loaded, nothing quarantined
 A resume is bad if restoring raises or the restored state differs bit-wise from the state an uninterrupted
-run had at that step; stale if it is older than the newest commit the ledger recorded.
+run had at that step; stale if it is older than the newest commit the ledger recorded. Resumes read the
+rank's memory copy of the newest commit where one checks out (`ettr.checkpoint.memory`: a kill between a
+commit and its memory copy leaves a stale copy, which must not be used), storage otherwise; the output
+counts both.
 
     python benchmarks/checkpoint_faults.py [--trials 100] [--process-trials 6] [--disk-trials 6]
         [--eio-trials 10] [--seed 0] [--json]
@@ -28,6 +31,7 @@ import argparse
 import collections
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     num_random = args.trials - num_point
     results: dict[str, list[TrialResult]] = {}
     with tempfile.TemporaryDirectory(prefix="ettr-faults-", dir=args.dir) as workdir:
+        os.environ["ETTR_MEMORY_DIR"] = f"{workdir}/memory"  # the killed jobs' memory copies go with it
         runner = TrialRunner(f"{workdir}/thread", seed=args.seed)
         _say(f"thread mode: a run trains and persists for {runner.calibrate():.2f} s after start-up")
         results["random"] = _run_kind(runner, "random", num_random, 0)
@@ -153,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         "killed_mid_persist": sum(r.exit_code == -9 and r.num_incomplete > 0 for r in everything),
         "finished_before_the_kill": sum(r.exit_code == 0 for r in everything),
         "resumed_from_scratch": sum(r.resumed_step is None for r in everything),
+        "resumed_from_memory": sum(r.restored_from == "memory" for r in everything),
+        "resumed_from_storage": sum(r.restored_from == "storage" for r in everything),
         "by_kind": {
             kind: {
                 "trials": len(rs),
@@ -176,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"  killed: {summary['killed']}, of them mid-persist: {summary['killed_mid_persist']}")
     print(f"  finished before the kill: {summary['finished_before_the_kill']}")
+    print(
+        f"  resumed from memory: {summary['resumed_from_memory']}, from storage: "
+        f"{summary['resumed_from_storage']}, from scratch: {summary['resumed_from_scratch']}"
+    )
     for kind, d in disk.items():
         if isinstance(d, dict):
             print(

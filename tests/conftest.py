@@ -30,6 +30,21 @@ def _private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
                 os.environ[name] = value
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_memory_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Memory copies of checkpoints (`ettr.checkpoint.memory`) go to a directory of the test session, not to
+    the machine's /dev/shm, where the copies of jobs a test kills would otherwise be left behind."""
+    previous = os.environ.get("ETTR_MEMORY_DIR")
+    os.environ["ETTR_MEMORY_DIR"] = str(tmp_path_factory.mktemp("ettr-memory"))
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("ETTR_MEMORY_DIR", None)
+        else:
+            os.environ["ETTR_MEMORY_DIR"] = previous
+
+
 def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 

@@ -137,7 +137,8 @@ def test_a_checkpoint_that_verifies_but_fails_to_load_falls_back(tmp_path):
     data[len(data) // 2 :] = bytes(len(data) - len(data) // 2)  # same size: passes a sizes-only check
     shard.write_bytes(bytes(data))
     rec = Recorder(MemoryLedger())
-    with _manager(tmp_path, rec, verify_checksums=False) as manager:
+    # storage's fall-back (the memory copy of step 2 is intact and would be restored instead)
+    with _manager(tmp_path, rec, verify_checksums=False, memory_copy=False) as manager:
         step = manager.restore()
     assert step == 1  # step 2 verified (sizes only) but did not load: it was set aside, step 1 loaded
     rec.flush()
@@ -152,7 +153,7 @@ def test_with_no_loadable_checkpoint_the_job_starts_from_scratch(tmp_path):
     shard = tmp_path / step_dir_name(1) / ".metadata"
     shard.write_bytes(b"\0" * shard.stat().st_size)  # same size: verify_checksums=False passes sizes
     rec = Recorder(MemoryLedger())
-    with _manager(tmp_path, rec, verify_checksums=False) as manager:
+    with _manager(tmp_path, rec, verify_checksums=False, memory_copy=False) as manager:
         assert manager.restore() is None  # never raises: no crash loop
     rec.close()
 

@@ -331,3 +331,50 @@ def trained_modules(run_dir: str | os.PathLike[str], attempt: int) -> list[str]:
 def heartbeat_path(run_dir: str | os.PathLike[str], attempt: int, rank: int, pid: int | None = None) -> Path:
     """The heartbeat file of process `pid` (default: this one) of `rank` in attempt `attempt`."""
     return heartbeat_dir(run_dir, attempt) / f"rank-{rank}-pid-{os.getpid() if pid is None else pid}"
+
+
+# -- memory copies of checkpoints (`ettr.checkpoint.memory`) -------------------------------------------------
+MEMORY_DIR_ENV = "ETTR_MEMORY_DIR"
+"""Where memory copies of checkpoints live (default: `/dev/shm/ettr-<uid>`: host memory that outlives the
+processes). Each checkpoint root's copies are in a directory of their own below it; its `owner` file names
+the run directory of the job that wrote them, and `ettr run` removes them when that job ends."""
+SHM_ROOT = Path("/dev/shm")
+MEMORY_OWNER_NAME = "owner"
+
+
+def memory_root(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The directory memory copies go under: `ETTR_MEMORY_DIR`, else `/dev/shm/ettr-<uid>`; None where there
+    is no shared-memory file system (then nothing is kept in memory)."""
+    environ = os.environ if environ is None else environ
+    explicit = environ.get(MEMORY_DIR_ENV, "").strip()
+    if explicit:
+        return Path(explicit)
+    if not SHM_ROOT.is_dir():
+        return None
+    uid = os.geteuid() if hasattr(os, "geteuid") else 0
+    return SHM_ROOT / f"ettr-{uid}"
+
+
+def memory_dirs_of_run(
+    run_dir: str | os.PathLike[str], environ: Mapping[str, str] | None = None
+) -> list[Path]:
+    """The memory-copy directories whose `owner` file names `run_dir` (what `ettr run` removes at the job's
+    end). Unreadable entries are skipped."""
+    root = memory_root(environ)
+    if root is None:
+        return []
+    want = os.path.abspath(os.fspath(run_dir))
+    found = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False) and (
+                (Path(entry.path) / MEMORY_OWNER_NAME).read_text(encoding="utf-8").strip() == want
+            ):
+                found.append(Path(entry.path))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return found

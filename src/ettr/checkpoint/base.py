@@ -126,6 +126,17 @@ class CheckpointConfig:
     fault_hook: FaultHook | None = None
     """Fault-injection tests only: called with a point name during each persist; must be picklable for
     the process mode. None in real jobs."""
+    memory_copy: bool = True
+    """Keep each rank's last committed checkpoint in host memory that outlives the process (`/dev/shm`,
+    `ettr.checkpoint.memory`): a restarted rank on the same host restores from it, after checking it is
+    the copy of the newest commit, instead of reading storage. Costs one copy of the rank's staged state
+    in shared memory (two while a new one is written), bounded by `memory_max_bytes` and the free space."""
+    memory_max_bytes: int | None = None
+    """The largest memory copy a rank keeps (None: bounded by the shared-memory file system's free space
+    alone, of which 1 GiB or a tenth is always left free)."""
+    memory_replicas: int = 1
+    """With several nodes, how many peers on other nodes also hold each rank's memory copy, so that a
+    replacement node restores from them (0: none). More replicas cost as many copies per holder."""
 
     def __post_init__(self) -> None:
         if not os.fspath(self.root):
@@ -149,6 +160,10 @@ class CheckpointConfig:
             raise ValueError("safe_globals must hold classes or functions (what weights_only may build)")
         if not (self.lease_ttl_s > 0 and math.isfinite(self.lease_ttl_s)):
             raise ValueError(f"lease_ttl_s must be a finite number of seconds > 0, got {self.lease_ttl_s}")
+        if self.memory_max_bytes is not None and self.memory_max_bytes < 0:
+            raise ValueError(f"memory_max_bytes must be >= 0 or None, got {self.memory_max_bytes}")
+        if self.memory_replicas < 0:
+            raise ValueError(f"memory_replicas must be >= 0, got {self.memory_replicas}")
 
 
 @runtime_checkable

@@ -56,12 +56,14 @@ from ettr.checkpoint.base import (
 from ettr.checkpoint.commit import Manifest, apply_retention, lease, list_checkpoints, root_identity, verify
 from ettr.checkpoint.coordination import Coordinator
 from ettr.checkpoint.history import FailureHistory
+from ettr.checkpoint.memory import MemoryCopies, fill, manifest_binding
 from ettr.checkpoint.keys import KeyRing
 from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks
 from ettr.checkpoint.policy import IntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
 from ettr.checkpoint.resume import choose_checkpoint, set_aside
 from ettr.checkpoint.slowdown_meter import SlowdownMeter
+from ettr.checkpoint.snapshot import Binding
 from ettr.checkpoint.space import make_room
 from ettr.checkpoint.state import TrainState, saved_top_level_keys
 from ettr.checkpoint.storage import open_storage
@@ -69,6 +71,7 @@ from ettr.checkpoint.trust import SafeLoadPlanner, UnsafePickle, retry_transient
 from ettr.checkpoint.writer import make_writer
 from ettr.events import Phase
 from ettr.recorder import RecorderProtocol
+from ettr.run_env import memory_root
 
 logger = logging.getLogger("ettr")
 
@@ -165,6 +168,11 @@ class CheckpointManager:
         self._existing_steps = {c.step for c in list_checkpoints(self.storage)}
         self._warned_earlier_run = False
         self._closed = False
+        self._finished = False
+        self.memory = _memory_copies(config, self.rank, self.storage.url, self._rec.run_dir)
+        """This rank's memory copies of the checkpoints (None: `memory_copy=False`, or no shared memory)."""
+        self.restored_from: str | None = None
+        """Where the last `restore` loaded from: "memory", "storage" (None: nothing restored)."""
 
     @classmethod
     def create(
@@ -353,6 +361,7 @@ class CheckpointManager:
                     )
                     if removed:
                         logger.info("ettr: retention removed %s", ", ".join(removed))
+                self._keep_in_memory(inflight.step)
             else:
                 inflight.error = describe_error(error)
                 logger.warning(
@@ -367,6 +376,24 @@ class CheckpointManager:
             logger.warning("ettr: accounting for checkpoint %d failed (%s)", inflight.step, exc)
         finally:
             inflight.done.set()
+
+    def _keep_in_memory(self, step: int) -> None:
+        """Write this rank's staged copy of committed `step` to its memory copy (the persist's thread; the
+        next save waits for it). Never raises."""
+        staged = self._persister.stager.last_staged
+        if self.memory is None or staged is None:
+            return
+        begin_s = time.monotonic()
+        try:
+            binding = manifest_binding(self.storage, step, self.world_size)
+        except OSError as exc:
+            logger.warning("ettr: no memory copy of step %d: its manifest cannot be read (%s)", step, exc)
+            self.memory.discard(self.memory.own_path())
+            return
+        kept = self.memory.keep(staged, binding)
+        logger.debug(
+            "ettr: memory copy of step %d: %d bytes in %.3f s", step, kept, time.monotonic() - begin_s
+        )
 
     def _discard_failed(self, step: int) -> None:
         """Remove what a failed persist left (space on a full disk), unless it committed after all."""
@@ -387,6 +414,7 @@ class CheckpointManager:
         """The final save: save `step`, wait for its commit, and raise CheckpointError (so that the job
         exits non-zero) if it did not commit, naming the cause (`ENOSPC (No space left on device)`)."""
         if self.save(step, wait=True):
+            self._finished = True
             return
         inflight = self._inflight
         cause = inflight.error if inflight is not None and inflight.step == step else self._last_error
@@ -429,6 +457,11 @@ class CheckpointManager:
         """
         self.wait()
         scanning_begin = time.time()
+        if self.memory is not None:
+            from_memory = self._restore_from_memory(step)
+            if from_memory is not None:
+                self._resumed(from_memory, "memory", scanning_begin)
+                return from_memory
         at_most = step
         while True:
             chosen, existing, digest, authenticated = self._choose_checkpoint(step, at_most)
@@ -460,16 +493,76 @@ class CheckpointManager:
             if step is not None:
                 raise CheckpointError(f"checkpoint step {step} in {self.storage.url}: {reason}")
             at_most = chosen - 1
-        logger.info(
-            "ettr: restored step %d from %s in %.2f s",
-            chosen,
-            self.storage.path(step_dir_name(chosen)),
-            time.time() - scanning_begin,
-        )
-        self.last_committed_step = chosen
-        self.policy.reset(self._clock())
-        self._rec.resumed_from(chosen)
+        self._resumed(chosen, "storage", scanning_begin)
         return chosen
+
+    def _resumed(self, step: int, source: str, begin_ts: float) -> None:
+        where = self.storage.path(step_dir_name(step)) if source == "storage" else source
+        logger.info("ettr: restored step %d from %s in %.2f s", step, where, time.time() - begin_ts)
+        self.restored_from = source
+        self.last_committed_step = step
+        self.policy.reset(self._clock())
+        self._rec.resumed_from(step)
+
+    def _restore_from_memory(self, step: int | None) -> int | None:
+        """Load the newest committed checkpoint (or exactly `step`) from every rank's memory copy; None when
+        any rank has none that checks out (then every rank reads storage). Collective."""
+        assert self.memory is not None
+        decision: list[Any] = [None, "", []]
+        if self.rank == 0:
+            decision = self._newest_commit(step)
+        decision = self._coord.broadcast_from_0(decision)
+        if decision[0] is None:
+            return None
+        binding = Binding(step=decision[0], manifest_sha256=decision[1], world_size=self.world_size)
+        found = self.memory.find(binding)
+        if self._coord.agree(found.snapshot is None)[0]:
+            if found.snapshot is None:
+                logger.info("ettr: rank %d: %s; restoring from storage", self.rank, found.reason)
+            else:
+                found.snapshot.close()
+            return None
+        assert found.snapshot is not None
+        error = ""
+        with self._rec.phase(Phase.RESTORE, step=binding.step, source="memory"):
+            try:
+                loaded = found.snapshot.load()
+                target = self.state.load_target(set(loaded))
+                fill(target, loaded)
+                del loaded
+                loaded_step = self.state.load(target, allowed=self.config.safe_globals)
+                if loaded_step != binding.step:
+                    error = f"the memory copy holds the state of step {loaded_step}, not {binding.step}"
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - any failure falls back to storage
+                error = describe_error(exc)
+            finally:
+                found.snapshot.close()
+        if self._coord.agree(bool(error))[0]:
+            logger.warning(
+                "ettr: restore from memory failed (%s); restoring from storage", error or "on another rank"
+            )
+            return None
+        self._existing_steps = set(decision[2])
+        self._warned_earlier_run = True
+        return binding.step
+
+    def _newest_commit(self, step: int | None) -> list[Any]:
+        """[step, manifest digest, every step under the root] of the newest committed checkpoint (or of
+        `step`) whose manifest verifies and is admitted (`admission`: the same checks as a restore from
+        storage, less the data files' CRC-32s, which the memory copy does not need); [None, "", []] when
+        there is none (the storage path then deals with what is there)."""
+        checkpoints = list_checkpoints(self.storage)
+        committed = [c for c in checkpoints if c.has_manifest and (step is None or c.step == step)]
+        if not committed:
+            return [None, "", []]
+        newest = committed[-1]
+        try:
+            manifest = verify(self.storage, newest.name, checksums=False, admit=self._admission())
+        except (CheckpointError, OSError):
+            return [None, "", []]
+        return [newest.step, manifest.digest, [c.step for c in checkpoints]]
 
     def _load(self, chosen: int, digest: str, *, authenticated: bool) -> tuple[str, bool]:
         """Load checkpoint `chosen` (the one whose manifest rank 0 admitted: `digest`) into the state;
@@ -484,7 +577,7 @@ class CheckpointManager:
                 raise CheckpointInvalid(f"the manifest of {name} changed after it was chosen")
 
         try:
-            with self._rec.phase(Phase.RESTORE, step=chosen):
+            with self._rec.phase(Phase.RESTORE, step=chosen, source="storage"):
                 with lease(self.storage, name) if self.rank == 0 else contextlib.nullcontext():
                     manifest = retry_transient(
                         lambda: verify(self.storage, name, checksums=False, admit=admitted),
@@ -568,6 +661,8 @@ class CheckpointManager:
             self._preemption.close()
         self._persister.close()
         self._coord.close()
+        if self._finished and self.memory is not None:
+            self.memory.remove_all()  # the job is complete: nothing will restore from it
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -599,6 +694,20 @@ def _checkpoint_in_progress() -> None:
     from ettr.inject import checkpoint_in_progress
 
     checkpoint_in_progress()
+
+
+def _memory_copies(
+    config: CheckpointConfig, rank: int, storage_url: str, run_dir: Any
+) -> MemoryCopies | None:
+    """This rank's memory copies of `config.root` (`ettr.run_env.memory_root`); None when off."""
+    if not config.memory_copy:
+        return None
+    root = memory_root()
+    if root is None:
+        return None
+    return MemoryCopies.for_root(
+        root, storage_url, rank=rank, owner=run_dir, max_bytes=config.memory_max_bytes
+    )
 
 
 def _check_parts(

@@ -52,6 +52,8 @@ class ReusedStager(AsyncStager):
         self._fallback = StateDictStager(pin_memory=self.pin_memory, share_memory=share_memory)
         self._executor: ThreadPoolExecutor | None = None
         self._stream: Any = None
+        self.last_staged: dict[str, Any] | None = None
+        """The last complete copy (its tensors are the reused buffers: valid until the next `stage`)."""
 
     @property
     def num_bytes(self) -> int:
@@ -70,7 +72,9 @@ class ReusedStager(AsyncStager):
         }
         if now_cuda[0]:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies are done after this
+        self.last_staged = None
         if not later:
+            self.last_staged = staged
             return staged
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ettr-ckpt-stage")
@@ -83,13 +87,14 @@ class ReusedStager(AsyncStager):
     def _stage_later(self, staged: dict[str, Any], later: dict[str, Any], queued: Any) -> dict[str, Any]:
         if queued is None:
             staged.update({k: self._stage(v, k, [False]) for k, v in later.items()})
-            return staged
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(queued)
-            staged.update({k: self._stage(v, k, [False]) for k, v in later.items()})
-        self._stream.synchronize()
+        else:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(queued)
+                staged.update({k: self._stage(v, k, [False]) for k, v in later.items()})
+            self._stream.synchronize()
+        self.last_staged = staged
         return staged
 
     def _buffer_for(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -126,5 +131,6 @@ class ReusedStager(AsyncStager):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self.last_staged = None
         self._buffers.clear()
         self._fallback.close()

@@ -25,7 +25,7 @@ from typing import Any
 from ettr.checkpoint.commit import list_checkpoints
 from ettr.checkpoint.storage import LocalStorage
 from ettr.events import EventKind
-from ettr.testing.toyjob import ToyJob, reference_digests, restore_digest
+from ettr.testing.toyjob import ToyJob, reference_digests, restore_from
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ class TrialResult:
     bad: bool
     stale: bool
     detail: str
+    restored_from: str | None = None
+    """Where the resume read the state: "memory" (the rank's memory copy), "storage", None (nothing)."""
 
 
 def _child_main(job: ToyJob, run_dir: str, started: Any, ready_after_step: int) -> None:
@@ -209,8 +211,9 @@ class TrialRunner:
         storage = LocalStorage(root / "ckpt")
         num_incomplete = sum(1 for c in list_checkpoints(storage) if not c.has_manifest)
         committed = _highest_commit(str(root))
+        source = None
         try:
-            step, digest = restore_digest(str(root / "ckpt"), hidden=self.hidden)
+            step, digest, source = restore_from(str(root / "ckpt"), hidden=self.hidden)
         except BaseException as exc:  # noqa: BLE001 - a resume that raises is exactly what we count
             step, digest, detail = None, None, f"restore raised {type(exc).__name__}: {exc}"
             bad = True
@@ -224,4 +227,6 @@ class TrialRunner:
         self._progress = step or 0
         if process.exitcode == 0 or bad or step == self.num_steps:
             self._root = None  # this chain is done (or broken): start the next trial afresh
-        return TrialResult(index, kill, process.exitcode, num_incomplete, step, committed, bad, stale, detail)
+        return TrialResult(
+            index, kill, process.exitcode, num_incomplete, step, committed, bad, stale, detail, source
+        )

@@ -163,6 +163,14 @@ def restore_digest(
 ) -> tuple[int | None, str | None]:
     """Restore the newest checkpoint under `root` (through `storage` if given, a fault-injecting one)
     the way a resumed job would: (step, state digest)."""
+    step, digest, _ = restore_from(root, hidden=hidden, seed=seed, storage=storage)
+    return step, digest
+
+
+def restore_from(
+    root: str, *, hidden: int, seed: int = 0, storage: Any = None
+) -> tuple[int | None, str | None, str | None]:
+    """`restore_digest` and where the state came from: (step, digest, "memory" | "storage" | None)."""
     from ettr.recorder import NullRecorder
 
     job = ToyJob(root=root, hidden=hidden, seed=seed)
@@ -170,7 +178,8 @@ def restore_digest(
     config = CheckpointConfig(root=root, interval=IntervalConfig(every_steps=1))
     with CheckpointManager(config, state, recorder=NullRecorder(), storage=storage) as manager:
         step = manager.restore()
-    return step, (state_digest(state) if step is not None else None)
+        source = manager.restored_from
+    return step, (state_digest(state) if step is not None else None), source
 
 
 def run(

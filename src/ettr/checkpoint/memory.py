@@ -1,0 +1,319 @@
+"""Memory copies: the last committed checkpoint of each rank kept in host memory that outlives the process.
+
+After a checkpoint of step N commits, each rank writes its staged state (the copy the save already made)
+to a snapshot file (`ettr.checkpoint.snapshot`) in shared memory — `/dev/shm/ettr-<uid>/ckpt-<hash of
+the root>/rank-<r>.snap` by default (`ettr.run_env.memory_root`) — bound to that commit: the snapshot records
+the SHA-256 of step N's manifest. A restarted rank on the same host (a new process: a crash, a SIGKILL, a
+restart in place) restores from it instead of reading storage, and only when every check passes: its
+step is the newest committed one in storage, its binding matches that manifest's bytes, its header (and
+HMAC with a key) and the CRC-32 of every payload byte verify. Otherwise the storage path runs as before.
+
+One file per rank, replaced whole (written under a temporary name, renamed over the old one), so at rest a
+rank holds one copy of its staged state and, while a new one is written, two; a copy that would leave
+less than `reserve_bytes` of the file system free, or exceed `max_bytes`, is not written (the old one is
+removed: it is stale once a newer step committed). With several nodes each rank also keeps the copies of
+its peers on other nodes (`held-rank-<r>.snap`, `ettr.checkpoint.memory_peers`), so that a replacement
+node restores from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ettr.checkpoint import snapshot
+from ettr.checkpoint.base import MANIFEST_NAME, CheckpointInvalid, CheckpointStorage, step_dir_name
+from ettr.checkpoint.snapshot import Binding, Snapshot
+from ettr.run_env import MEMORY_OWNER_NAME
+
+logger = logging.getLogger("ettr")
+
+DEFAULT_RESERVE_BYTES = 1 << 30
+"""Memory copies leave at least this much of the shared-memory file system free (or a tenth of it, if
+that is less)."""
+
+
+class UnsafeMemoryDir(PermissionError):
+    """The memory-copy directory is a symlink, another user's, or writable by others."""
+
+
+def _ensure_private(path: Path) -> None:
+    """Create `path` (0700, parents too) if missing; refuse it unless it is a real directory of this user
+    that nobody else may write (a copy read from it is restored into the training state)."""
+    if not os.path.lexists(path):
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeMemoryDir(f"{path} is not a directory (a symlink?); memory copies are not kept there")
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise UnsafeMemoryDir(f"{path} is owned by uid {st.st_uid}, not this user")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeMemoryDir(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def manifest_binding(storage: CheckpointStorage, step: int, world_size: int) -> Binding:
+    """The binding of step `step`'s committed checkpoint: the digest of its manifest's bytes as stored.
+    Raises OSError (FileNotFoundError: not committed)."""
+    data = storage.read_bytes(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+    return Binding(step=step, manifest_sha256=Binding.digest(data), world_size=world_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Found:
+    """A memory copy that passed every check, or why there is none."""
+
+    snapshot: Snapshot | None
+    reason: str = ""
+
+
+class MemoryCopies:
+    """One rank's memory copies of one checkpoint root.
+
+    Args:
+        directory: where this root's copies live (created private, 0700).
+        rank: this process's rank.
+        max_bytes: the largest copy kept (None: only the free-space reserve bounds it).
+        reserve_bytes: the shared-memory file system keeps at least min(this, a tenth of its size) free.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        rank: int,
+        max_bytes: int | None = None,
+        reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    ) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.max_bytes = max_bytes
+        self.reserve_bytes = reserve_bytes
+        self.last_kept_bytes = 0
+        """Size of the copy last written (0: none)."""
+        self.owner = ""
+        """The run directory written to the `owner` file with each copy ("" outside a run)."""
+
+    @classmethod
+    def for_root(
+        cls,
+        memory_root: Path,
+        storage_url: str,
+        *,
+        rank: int,
+        owner: str | os.PathLike[str] | None = None,
+        max_bytes: int | None = None,
+    ) -> MemoryCopies:
+        """The copies of the checkpoint root `storage_url` under `memory_root`; `owner`: the run directory
+        of the job writing them (`ettr run` removes its job's copies when the job ends)."""
+        key = hashlib.sha256(storage_url.encode()).hexdigest()[:16]
+        copies = cls(memory_root / f"ckpt-{key}", rank=rank, max_bytes=max_bytes)
+        copies.owner = "" if owner is None else os.path.abspath(os.fspath(owner))
+        return copies
+
+    def own_path(self) -> Path:
+        return self.directory / f"rank-{self.rank}.snap"
+
+    def held_path(self, rank: int) -> Path:
+        """Where the copy of peer `rank` is held here."""
+        return self.directory / f"held-rank-{rank}.snap"
+
+    # -- keeping ----------------------------------------------------------------------------------------------
+    def keep(self, state_dict: dict[str, Any], binding: Binding) -> int:
+        """Replace this rank's copy with `state_dict` (the staged state of the committed `binding`); returns
+        its size, 0 when it was not kept (too large, no room, not representable: the old copy is removed,
+        since a newer step has committed). Never raises for a copy that cannot be kept."""
+        path = self.own_path()
+        try:
+            size = snapshot.size_of(state_dict)
+            why = self._no_room(size)
+            if why:
+                self.discard(path)
+                logger.info("ettr: no memory copy of step %d (%s); restores read storage", binding.step, why)
+                self.last_kept_bytes = 0
+                return 0
+            written = self._write_into_place(
+                path,
+                lambda tmp: snapshot.write(
+                    tmp,
+                    state_dict,
+                    binding=binding,
+                    rank=self.rank,
+                    created_ts=time.time(),
+                ),
+            )
+        except snapshot.SnapshotUnsupported as exc:
+            self.discard(path)
+            logger.info("ettr: no memory copy of step %d (%s); restores read storage", binding.step, exc)
+            written = 0
+        except OSError as exc:
+            self.discard(path)
+            logger.warning(
+                "ettr: memory copy of step %d failed (%s); restores read storage", binding.step, exc
+            )
+            written = 0
+        self.last_kept_bytes = written
+        return written
+
+    def keep_held(self, rank: int, data: memoryview) -> bool:
+        """Hold peer `rank`'s snapshot bytes (as it sent them); its header is checked first. Returns whether
+        it was kept."""
+        path = self.held_path(rank)
+        try:
+            header = snapshot.parse_bytes(data)
+            if header.info.rank != rank:
+                raise CheckpointInvalid(f"a snapshot of rank {header.info.rank} sent as rank {rank}'s")
+            why = self._no_room(data.nbytes)
+            if why:
+                self.discard(path)
+                logger.info("ettr: not holding rank %d's memory copy (%s)", rank, why)
+                return False
+            self._write_into_place(path, lambda tmp: _write_bytes(tmp, data))
+        except (CheckpointInvalid, OSError) as exc:
+            self.discard(path)
+            logger.warning("ettr: not holding rank %d's memory copy (%s)", rank, exc)
+            return False
+        return True
+
+    def _no_room(self, size: int) -> str:
+        if self.max_bytes is not None and size > self.max_bytes:
+            return f"{size} bytes > the {self.max_bytes}-byte limit"
+        _ensure_private(self.directory.parent)
+        _ensure_private(self.directory)
+        self._write_owner()
+        fs = os.statvfs(self.directory)
+        free = fs.f_bavail * fs.f_frsize
+        reserve = min(self.reserve_bytes, fs.f_blocks * fs.f_frsize // 10)
+        if size + reserve > free:
+            return f"{size} bytes would leave less than {reserve} of {free} free in {self.directory}"
+        return ""
+
+    def _write_owner(self) -> None:
+        path = self.directory / MEMORY_OWNER_NAME
+        try:
+            if path.read_text(encoding="utf-8").strip() == self.owner:
+                return
+        except (OSError, UnicodeDecodeError):
+            pass
+        data = (self.owner + "\n").encode()
+        self._write_into_place(path, lambda tmp: _write_bytes(tmp, memoryview(data)))
+
+    def _write_into_place(self, path: Path, write: Any) -> int:
+        self._remove_strays(path)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            written = int(write(tmp))
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return written
+
+    def _remove_strays(self, path: Path) -> None:
+        """Temporary files of `path` a killed writer left behind."""
+        with contextlib.suppress(OSError), os.scandir(self.directory) as entries:
+            for entry in entries:
+                if entry.name.startswith(f".{path.name}.") and entry.name.endswith(".tmp"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+
+    # -- finding ----------------------------------------------------------------------------------------------
+    def find(self, binding: Binding, *, rank: int | None = None) -> Found:
+        """This rank's copy (or the copy held for peer `rank`) if it is the copy of `binding` and its header
+        verifies; the payload is checked by `Snapshot.load`. Never raises."""
+        path = self.own_path() if rank is None else self.held_path(rank)
+        want = self.rank if rank is None else rank
+        try:
+            _ensure_private(self.directory)
+            found = snapshot.open_snapshot(path)
+        except FileNotFoundError:
+            return Found(snapshot=None, reason="no memory copy")
+        except (CheckpointInvalid, OSError) as exc:
+            return Found(snapshot=None, reason=f"memory copy unusable: {exc}")
+        info = found.info
+        problem = ""
+        if info.rank != want:
+            problem = f"it is rank {info.rank}'s, not rank {want}'s"
+        elif info.binding.step != binding.step:
+            problem = f"it holds step {info.binding.step}, the newest commit is step {binding.step} (stale)"
+        elif info.binding.world_size != binding.world_size:
+            problem = f"it was saved by {info.binding.world_size} ranks, not {binding.world_size}"
+        elif info.binding.manifest_sha256 != binding.manifest_sha256:
+            problem = f"it belongs to another commit of step {binding.step} (manifest digest differs)"
+        if problem:
+            found.close()
+            return Found(snapshot=None, reason=f"memory copy not used: {problem}")
+        return Found(snapshot=found)
+
+    # -- removing ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def discard(path: Path) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+    def remove_all(self) -> None:
+        """Remove this rank's copy and the copies it holds for peers (the job is over for this rank)."""
+        self.discard(self.own_path())
+        with contextlib.suppress(OSError), os.scandir(self.directory) as entries:
+            for entry in entries:
+                if entry.name.startswith("held-rank-") or entry.name.startswith(f".rank-{self.rank}.snap."):
+                    self.discard(Path(entry.path))
+        with contextlib.suppress(OSError), os.scandir(self.directory) as entries:
+            if all(entry.name == MEMORY_OWNER_NAME for entry in entries):  # the last rank out
+                self.discard(self.directory / MEMORY_OWNER_NAME)
+                self.directory.rmdir()
+
+
+def _write_bytes(path: Path, data: memoryview) -> int:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        done = 0
+        while done < data.nbytes:
+            done += os.write(fd, data[done:])
+    finally:
+        os.close(fd)
+    return data.nbytes
+
+
+def fill(target: Any, loaded: Any, where: str = "") -> Any:
+    """Put `loaded` (a snapshot's state dict) into `target` (`TrainState.load_target`'s) the way DCP loads:
+    tensors are copied into the target's own tensors in place, other leaves are replaced. Raises
+    CheckpointInvalid where the two trees differ (a key missing, a shape or dtype that is not the target's)."""
+    import torch
+
+    if isinstance(target, dict):
+        if not isinstance(loaded, dict):
+            raise CheckpointInvalid(f"memory copy: {where or 'the state'} is not a dict")
+        for key in list(target):
+            if key not in loaded:
+                raise CheckpointInvalid(f"memory copy lacks {where}{key}")
+            target[key] = fill(target[key], loaded[key], f"{where}{key}.")
+        return target
+    if isinstance(target, list | tuple):
+        if not isinstance(loaded, list | tuple) or len(loaded) != len(target):
+            raise CheckpointInvalid(f"memory copy: {where.rstrip('.')} has another length")
+        items = [fill(t, v, f"{where}{i}.") for i, (t, v) in enumerate(zip(target, loaded, strict=True))]
+        if isinstance(target, list):
+            target[:] = items
+            return target
+        return tuple(items)
+    if isinstance(target, torch.Tensor):
+        if (
+            not isinstance(loaded, torch.Tensor)
+            or loaded.shape != target.shape
+            or loaded.dtype != target.dtype
+        ):
+            raise CheckpointInvalid(f"memory copy: {where.rstrip('.')} has another shape or dtype")
+        with torch.no_grad():
+            target.copy_(loaded)
+        return target
+    return loaded

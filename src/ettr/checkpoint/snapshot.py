@@ -1,0 +1,442 @@
+"""The snapshot file: one rank's staged state dict as raw tensor bytes under a JSON header, no pickle.
+
+A snapshot is what a memory copy (`ettr.checkpoint.memory`) keeps of a committed checkpoint, and what a
+peer sends over the network. It is read back without running anything it holds:
+
+    b"ETTRSNP1" | header length (8 bytes, little endian) | header (JSON) | zero padding to 64 | payload
+
+The header describes the state dict's tree (dicts, lists, tuples, strings, numbers, booleans, None, byte
+strings and tensors; dtypes from a fixed list), where each tensor's and byte string's bytes lie in the
+payload, the step and the commit it belongs to (`binding`: the SHA-256 of that step's manifest), the
+payload's CRC-32 and the header's own. With a key the header also carries an HMAC-SHA256 over all of it
+(the payload's CRC included). A reader checks, in order: magic, sizes, the header's CRC (and HMAC), that
+the binding is the one it expects, then the payload's CRC over every byte — a torn, truncated, stale or
+bit-flipped snapshot is refused before any of it is used. The byte strings are the pickled small parts of
+a `TrainState` (step, scheduler, RNG, data position), which `TrainState.load` decodes with
+`weights_only=True` as it does for a storage checkpoint.
+
+Anything else in a state dict (DTensor, ShardedTensor, arbitrary objects) cannot be written: `write`
+raises `SnapshotUnsupported` and the checkpoint is then restored from storage only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ettr.checkpoint.base import CheckpointInvalid
+
+MAGIC = b"ETTRSNP1"
+FORMAT = "ettr.snapshot/1"
+_ALIGN = 64
+_MAX_HEADER_BYTES = 64 << 20
+"""A header larger than this is refused before it is read (a forged length must not allocate gigabytes)."""
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class SnapshotUnsupported(ValueError):
+    """The state dict holds something a snapshot cannot represent (a DTensor, an arbitrary object)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Binding:
+    """What a snapshot is a copy of: the committed checkpoint of `step` whose manifest has this digest."""
+
+    step: int
+    manifest_sha256: str
+    world_size: int
+
+    @staticmethod
+    def digest(manifest_bytes: bytes) -> str:
+        """The digest a snapshot is bound to: SHA-256 of the manifest file's bytes as committed."""
+        return hashlib.sha256(manifest_bytes).hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotInfo:
+    """A snapshot's header, as read (and checked) from a file."""
+
+    binding: Binding
+    rank: int
+    num_bytes: int
+    """Size of the whole file."""
+    created_ts: float
+
+
+# -- the tree ---------------------------------------------------------------------------------------------
+
+
+class _Layout:
+    """Collects the tensors and byte strings of a state dict and gives each its place in the payload."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.blobs: list[bytes] = []
+
+    def encode(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {"d": [[self.encode_key(k), self.encode(v)] for k, v in value.items()]}
+        if isinstance(value, list):
+            return {"l": [self.encode(v) for v in value]}
+        if type(value) is tuple:
+            return {"t": [self.encode(v) for v in value]}
+        if type(value) in (torch.Tensor, torch.nn.Parameter):
+            return {"T": self._tensor(value)}
+        if isinstance(value, bytes | bytearray):
+            self.blobs.append(bytes(value))
+            return {"B": len(self.blobs) - 1}
+        if value is None:
+            return {"n": 0}
+        if isinstance(value, bool):
+            return {"b": value}
+        if isinstance(value, int):
+            return {"i": value}
+        if isinstance(value, float):
+            return {"f": value}
+        if isinstance(value, str):
+            return {"s": value}
+        raise SnapshotUnsupported(f"a snapshot cannot hold a {type(value).__module__}.{type(value).__name__}")
+
+    def encode_key(self, key: Any) -> Any:
+        if isinstance(key, str):
+            return key
+        if isinstance(key, int) and not isinstance(key, bool):
+            return {"i": key}
+        raise SnapshotUnsupported(f"a snapshot cannot hold a dict key of type {type(key).__name__}")
+
+    def _tensor(self, tensor: torch.Tensor) -> int:
+        if tensor.layout is not torch.strided or tensor.device.type != "cpu" or tensor.is_quantized:
+            raise SnapshotUnsupported(
+                f"a snapshot holds dense CPU tensors only, not {tensor.layout}/{tensor.device}"
+            )
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise SnapshotUnsupported(f"a snapshot cannot hold dtype {tensor.dtype}")
+        self.tensors.append(tensor.detach())
+        return len(self.tensors) - 1
+
+
+def _decode(node: Any, tensors: list[torch.Tensor], blobs: list[bytes]) -> Any:
+    if not isinstance(node, dict) or len(node) != 1:
+        raise CheckpointInvalid("snapshot header: malformed tree node")
+    ((tag, value),) = node.items()
+    if tag == "d" and isinstance(value, list):
+        out: dict[Any, Any] = {}
+        for pair in value:
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise CheckpointInvalid("snapshot header: malformed dict entry")
+            key = pair[0]
+            if isinstance(key, dict) and set(key) == {"i"} and type(key["i"]) is int:
+                key = key["i"]
+            elif not isinstance(key, str):
+                raise CheckpointInvalid("snapshot header: malformed dict key")
+            out[key] = _decode(pair[1], tensors, blobs)
+        return out
+    if tag in ("l", "t") and isinstance(value, list):
+        items = [_decode(v, tensors, blobs) for v in value]
+        return items if tag == "l" else tuple(items)
+    if tag in ("T", "B") and type(value) is int:
+        pool: list[Any] = tensors if tag == "T" else blobs
+        if not 0 <= value < len(pool):
+            raise CheckpointInvalid("snapshot header: reference out of range")
+        return pool[value]
+    if tag == "n":
+        return None
+    if tag == "b" and isinstance(value, bool):
+        return value
+    if tag == "i" and type(value) is int:
+        return value
+    if tag == "f" and isinstance(value, float | int) and not isinstance(value, bool):
+        return float(value)
+    if tag == "s" and isinstance(value, str):
+        return value
+    raise CheckpointInvalid(f"snapshot header: unknown tree node {tag!r}")
+
+
+# -- writing ----------------------------------------------------------------------------------------------
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a dense CPU tensor, without a copy when it is contiguous."""
+    flat = tensor.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _align(offset: int) -> int:
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _sign(body: dict[str, Any], secret: bytes) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret, canonical, hashlib.sha256).hexdigest()
+
+
+def _header_bytes(body: dict[str, Any], secret: bytes | None) -> bytes:
+    body = dict(body)
+    if secret is not None:
+        body["hmac"] = _sign(body, secret)
+    body["header_crc32"] = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def size_of(state_dict: dict[str, Any]) -> int:
+    """About how many bytes a snapshot of `state_dict` takes (its tensors' and byte strings' bytes).
+    Raises SnapshotUnsupported like `write`."""
+    layout = _Layout()
+    layout.encode(state_dict)
+    return sum(t.numel() * t.element_size() for t in layout.tensors) + sum(len(b) for b in layout.blobs)
+
+
+def write(
+    path: Path,
+    state_dict: dict[str, Any],
+    *,
+    binding: Binding,
+    rank: int,
+    created_ts: float,
+    secret: bytes | None = None,
+) -> int:
+    """Write a snapshot of `state_dict` to `path` (a new file: created exclusively, never through a
+    symlink); returns its size. The caller renames it into place. Raises SnapshotUnsupported, OSError."""
+    layout = _Layout()
+    tree = layout.encode(state_dict)
+    pieces: list[memoryview] = [_as_bytes(t) for t in layout.tensors] + [memoryview(b) for b in layout.blobs]
+    entries, offset = [], 0
+    for piece in pieces:
+        entries.append([offset, piece.nbytes])
+        offset = _align(offset + piece.nbytes)
+    tensors_meta = [
+        {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "at": entries[i]}
+        for i, t in enumerate(layout.tensors)
+    ]
+    blobs_meta = [{"at": entries[len(layout.tensors) + i]} for i in range(len(layout.blobs))]
+    payload_bytes = offset
+    crc = 0
+    for piece in pieces:
+        crc = zlib.crc32(piece, crc)
+    body = {
+        "format": FORMAT,
+        "step": binding.step,
+        "manifest_sha256": binding.manifest_sha256,
+        "world_size": binding.world_size,
+        "rank": rank,
+        "created_ts": created_ts,
+        "tree": tree,
+        "tensors": tensors_meta,
+        "blobs": blobs_meta,
+        "payload_bytes": payload_bytes,
+        "payload_crc32": crc,
+    }
+    header = _header_bytes(body, secret)
+    data_offset = _align(len(MAGIC) + 8 + len(header))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.ftruncate(fd, data_offset + payload_bytes)  # holes for the padding; tmpfs allocates on write
+        os.pwrite(fd, MAGIC + struct.pack("<Q", len(header)) + header, 0)
+        for (at, _), piece in zip(entries, pieces, strict=True):
+            _pwrite_all(fd, piece, data_offset + at)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
+    return data_offset + payload_bytes
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < data.nbytes:
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """A snapshot file mapped into memory whose header checked out (the payload is checked by `load`)."""
+
+    info: SnapshotInfo
+    _body: dict[str, Any]
+    _map: Any
+    """The bytes: a private writable mapping of the file, or a writable buffer (what a peer sent)."""
+    _data_offset: int
+
+    def close(self) -> None:
+        """Unmap the file (tensors `load` returned are views of it: copy them first). Where such a view is
+        still alive the mapping is left to be freed with it."""
+        if isinstance(self._map, mmap.mmap):
+            with contextlib.suppress(BufferError):
+                self._map.close()
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def raw(self) -> memoryview:
+        """The whole file's bytes (what a peer is sent)."""
+        return memoryview(self._map)
+
+    def load(self) -> dict[str, Any]:
+        """The state dict, after the payload's CRC-32 checked out. Its tensors and byte strings are views
+        of the mapped file: copy them before `close`. Raises CheckpointInvalid."""
+        body, data = self._body, self._data_offset
+        size = len(self._map)
+        if data + body["payload_bytes"] != size:
+            raise CheckpointInvalid(
+                f"snapshot is {size} bytes, its header says {data + body['payload_bytes']}"
+            )
+        view = memoryview(self._map)
+        crc = 0
+        for meta in [*body["tensors"], *body["blobs"]]:
+            at, nbytes = meta["at"]
+            crc = zlib.crc32(view[data + at : data + at + nbytes], crc)
+        if crc != body["payload_crc32"]:
+            raise CheckpointInvalid("snapshot payload fails its CRC-32 check (torn or corrupt)")
+        tensors = []
+        for meta in body["tensors"]:
+            at, nbytes = meta["at"]
+            dtype = DTYPES[meta["dtype"]]
+            count = nbytes // dtype.itemsize
+            flat = (
+                torch.frombuffer(self._map, dtype=dtype, count=count, offset=data + at)
+                if count
+                else torch.empty(0, dtype=dtype)
+            )
+            tensors.append(flat.reshape(meta["shape"]))
+        blobs = [bytes(view[data + m["at"][0] : data + m["at"][0] + m["at"][1]]) for m in body["blobs"]]
+        del view
+        try:
+            state = _decode(body["tree"], tensors, blobs)
+        except RecursionError:
+            raise CheckpointInvalid("snapshot header: the tree is nested too deeply") from None
+        if not isinstance(state, dict):
+            raise CheckpointInvalid("snapshot header: the state is not a dict")
+        return state
+
+
+def open_snapshot(path: Path, *, secret: bytes | None = None) -> Snapshot:
+    """Map a snapshot file and check its header (magic, sizes, CRC, HMAC with `secret`, entry bounds).
+    Raises CheckpointInvalid, or OSError (FileNotFoundError: no snapshot)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        size = os.fstat(fd).st_size
+        if size < len(MAGIC) + 8:
+            raise CheckpointInvalid("snapshot is truncated")
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        return parse_bytes(mapped, secret=secret)
+    except BaseException:
+        mapped.close()
+        raise
+
+
+def parse_bytes(mapped: Any, *, secret: bytes | None = None) -> Snapshot:
+    """A `Snapshot` over bytes already in memory (a mapped file, or a writable buffer a peer sent), its
+    header checked. Raises CheckpointInvalid."""
+    size = len(mapped)
+    if bytes(mapped[: len(MAGIC)]) != MAGIC:
+        raise CheckpointInvalid("not a snapshot (bad magic)")
+    (header_len,) = struct.unpack("<Q", mapped[len(MAGIC) : len(MAGIC) + 8])
+    if header_len > _MAX_HEADER_BYTES or len(MAGIC) + 8 + header_len > size:
+        raise CheckpointInvalid("snapshot header length is out of bounds (truncated?)")
+    raw = bytes(mapped[len(MAGIC) + 8 : len(MAGIC) + 8 + header_len])
+    body = _check_header(raw, secret)
+    data_offset = _align(len(MAGIC) + 8 + header_len)
+    for meta in [*body["tensors"], *body["blobs"]]:
+        at = meta.get("at") if isinstance(meta, dict) else None
+        if not (isinstance(at, list) and len(at) == 2 and all(type(v) is int and v >= 0 for v in at)):
+            raise CheckpointInvalid("snapshot header: malformed entry")
+        if at[0] + at[1] > body["payload_bytes"]:
+            raise CheckpointInvalid("snapshot header: an entry lies outside the payload")
+    for meta in body["tensors"]:
+        name = meta.get("dtype")
+        dtype = DTYPES.get(name) if isinstance(name, str) else None
+        shape = meta.get("shape")
+        if dtype is None or not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise CheckpointInvalid("snapshot header: malformed tensor entry")
+        if _numel(shape) * dtype.itemsize != meta["at"][1]:
+            raise CheckpointInvalid("snapshot header: a tensor's size does not match its shape")
+    info = SnapshotInfo(
+        binding=Binding(
+            step=body["step"], manifest_sha256=body["manifest_sha256"], world_size=body["world_size"]
+        ),
+        rank=body["rank"],
+        num_bytes=size,
+        created_ts=float(body["created_ts"]),
+    )
+    return Snapshot(info, body, mapped, data_offset)
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _check_header(raw: bytes, secret: bytes | None) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise CheckpointInvalid("snapshot header is not JSON (torn or corrupt)") from None
+    if not isinstance(body, dict):
+        raise CheckpointInvalid("snapshot header is not an object")
+    claimed = body.pop("header_crc32", None)
+    if claimed != zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()):
+        raise CheckpointInvalid("snapshot header fails its CRC-32 check (torn or corrupt)")
+    if secret is not None:
+        signature = body.pop("hmac", None)
+        if not isinstance(signature, str) or not hmac.compare_digest(signature, _sign(body, secret)):
+            raise CheckpointInvalid("snapshot header's HMAC does not verify with this job's key")
+    if body.get("format") != FORMAT:
+        raise CheckpointInvalid(f"unknown snapshot format {body.get('format')!r}")
+    for name, kind in (
+        ("step", int),
+        ("world_size", int),
+        ("rank", int),
+        ("payload_bytes", int),
+        ("payload_crc32", int),
+        ("manifest_sha256", str),
+        ("tensors", list),
+        ("blobs", list),
+    ):
+        if not isinstance(body.get(name), kind) or isinstance(body.get(name), bool):
+            raise CheckpointInvalid(f"snapshot header: {name} is missing or malformed")
+    if not isinstance(body.get("created_ts"), int | float):
+        raise CheckpointInvalid("snapshot header: created_ts is missing or malformed")
+    return body

@@ -1,0 +1,367 @@
+"""Memory copies of committed checkpoints: the snapshot format refuses torn, stale and forged copies, and a
+restore from memory gives exactly the state a restore from storage gives (docs/checkpointing.md)."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
+from ettr.checkpoint.base import MANIFEST_NAME, CheckpointInvalid, step_dir_name
+from ettr.checkpoint.memory import MemoryCopies, fill
+from ettr.checkpoint.snapshot import Binding, SnapshotUnsupported, open_snapshot, write
+from ettr.events import EventKind, Phase
+from ettr.ledger.base import MemoryLedger
+from ettr.run_env import memory_dirs_of_run, memory_root
+from ettr.testing import toyjob
+from ettr.testing.recorder import SyncRecorder
+
+BINDING = Binding(step=7, manifest_sha256="ab" * 32, world_size=1)
+
+
+def _state() -> dict[str, Any]:
+    return {
+        "model": {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.tensor(2.5)},
+        "optim": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, dtype=torch.bfloat16)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w", "b"], "fused": None}],
+        },
+        "flags": torch.tensor([True, False]),
+        "empty": torch.empty(0, 5, dtype=torch.int64),
+        "meta": b"\x80\x02pickled-bytes",
+        "name": "x",
+        "count": 4,
+        "inf": float("inf"),
+    }
+
+
+def _write(path: Path, state: dict[str, Any] | None = None, **kwargs: Any) -> int:
+    return write(path, state or _state(), binding=BINDING, rank=0, created_ts=1.0, **kwargs)
+
+
+def test_a_snapshot_gives_back_every_leaf_of_the_state(tmp_path: Path) -> None:
+    path = tmp_path / "s.snap"
+    _write(path)
+    with open_snapshot(path) as snap:
+        assert snap.info.binding == BINDING and snap.info.rank == 0
+        loaded = snap.load()
+        expected = _state()
+        assert torch.equal(loaded["model"]["w"], expected["model"]["w"])
+        assert loaded["model"]["b"].shape == () and float(loaded["model"]["b"]) == 2.5
+        assert loaded["optim"]["state"][0]["exp_avg"].dtype == torch.bfloat16  # an int key stays an int
+        assert loaded["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
+        assert loaded["optim"]["param_groups"][0]["fused"] is None
+        assert loaded["flags"].tolist() == [True, False] and loaded["empty"].shape == (0, 5)
+        assert loaded["meta"] == expected["meta"] and loaded["name"] == "x" and loaded["count"] == 4
+        assert loaded["inf"] == float("inf")
+        del loaded
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncate_payload", "truncate_header", "flip_payload", "flip_header", "magic", "header_length"]
+)
+def test_a_torn_or_flipped_snapshot_is_refused(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "s.snap"
+    size = _write(path)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate_payload":
+        data = data[: size - 3]
+    elif damage == "truncate_header":
+        data = data[:40]
+    elif damage == "flip_payload":
+        data[data.index(b"pickled-bytes")] ^= 0x10  # a byte of the state (padding between entries is unused)
+    elif damage == "flip_header":
+        data[30] ^= 0x01
+    elif damage == "magic":
+        data[0:8] = b"NOTSNAP!"
+    elif damage == "header_length":
+        data[8:16] = (1 << 40).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointInvalid):
+        with open_snapshot(path) as snap:
+            snap.load()
+
+
+def test_with_a_key_an_unsigned_or_forged_snapshot_is_refused(tmp_path: Path) -> None:
+    signed, unsigned = tmp_path / "signed.snap", tmp_path / "unsigned.snap"
+    _write(signed, secret=b"k1")
+    _write(unsigned)
+    with open_snapshot(signed, secret=b"k1") as snap:
+        snap.load()
+    with pytest.raises(CheckpointInvalid, match="HMAC"):
+        open_snapshot(unsigned, secret=b"k1")
+    with pytest.raises(CheckpointInvalid, match="HMAC"):
+        open_snapshot(signed, secret=b"another key")
+
+
+def test_what_a_snapshot_cannot_hold_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    class Custom:
+        pass
+
+    for bad in ({"x": Custom()}, {"x": torch.ones(2).to_sparse()}, {(1, 2): torch.ones(1)}):
+        with pytest.raises(SnapshotUnsupported):
+            _write(tmp_path / "bad.snap", bad)
+        assert not (tmp_path / "bad.snap").exists()
+
+
+def test_fill_loads_in_place_and_refuses_another_shape() -> None:
+    target = {"w": torch.zeros(2, 2), "meta": b"", "groups": [{"lr": 0.0}]}
+    live = target["w"]
+    fill(target, {"w": torch.ones(2, 2), "meta": b"m", "groups": [{"lr": 0.5}]})
+    assert target["w"] is live and torch.equal(live, torch.ones(2, 2))
+    assert target["meta"] == b"m" and target["groups"][0]["lr"] == 0.5
+    with pytest.raises(CheckpointInvalid, match="shape"):
+        fill({"w": torch.zeros(2, 2)}, {"w": torch.ones(3)})
+    with pytest.raises(CheckpointInvalid, match="lacks"):
+        fill({"w": torch.zeros(2)}, {})
+
+
+# -- the manager ----------------------------------------------------------------------------------------------
+
+
+class _Crash(Exception):
+    pass
+
+
+def _train_until_crash(root: Path, crash_after: int, *, every: int = 5, **config: Any) -> None:
+    """Run the toy job, saving every `every` steps, and crash (an exception) after step `crash_after`."""
+    job = toyjob.ToyJob(root=str(root), num_steps=40, every_steps=every, hidden=32)
+
+    def on_step(step: int) -> None:
+        if step == crash_after:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        toyjob.run(job, recorder=SyncRecorder(MemoryLedger()), on_step=on_step)
+
+
+def _restore(root: Path, **config: Any) -> tuple[int | None, str, str | None, SyncRecorder]:
+    """Restore `root` as a restarted toy job would: (step, state digest, where from, its recorder)."""
+    job = toyjob.ToyJob(root=str(root), hidden=32)
+    state, _, _ = toyjob._build(job)
+    recorder = SyncRecorder(MemoryLedger())
+    cfg = CheckpointConfig(root=str(root), interval=IntervalConfig(every_steps=5), **config)
+    with CheckpointManager(cfg, state, recorder=recorder) as manager:
+        step = manager.restore()
+        source = manager.restored_from
+    return step, toyjob.state_digest(state), source, recorder
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[int, str]:
+    return toyjob.reference_digests(toyjob.ToyJob(root="-", num_steps=40, hidden=32))
+
+
+def _copies(root: Path) -> MemoryCopies:
+    directory = memory_root()
+    assert directory is not None
+    return MemoryCopies.for_root(directory, str(root), rank=0)
+
+
+def test_a_restart_restores_from_memory_exactly_what_storage_holds(tmp_path: Path, reference: dict) -> None:
+    root = tmp_path / "ckpt"
+    _train_until_crash(root, 13)
+    assert _copies(root).own_path().is_file()
+    step, digest, source, recorder = _restore(root)
+    assert (step, source) == (10, "memory")
+    assert digest == reference[10]  # bit-identical to the uninterrupted run after step 10
+    restores = [e for e in recorder.events() if e.kind is EventKind.PHASE_END and e.phase is Phase.RESTORE]
+    assert [e.data.get("source") for e in restores] == ["memory"]
+    step, digest, source, _ = _restore(root, memory_copy=False)
+    assert (step, source, digest) == (10, "storage", reference[10])
+
+
+def test_a_stale_copy_is_never_used(tmp_path: Path, reference: dict) -> None:
+    """A rank killed between a commit and its memory copy leaves the copy of an older step."""
+    root = tmp_path / "ckpt"
+    _train_until_crash(root, 7)
+    old = tmp_path / "step5.snap"
+    shutil.copy(_copies(root).own_path(), old)
+    step, digest, source, _ = _restore(root)
+    assert (step, source) == (5, "memory")
+    shutil.rmtree(root)
+    _copies(root).own_path().unlink()
+    _train_until_crash(root, 12)  # commits 5 and 10 again
+    shutil.copy(old, _copies(root).own_path())  # ... but the copy is still step 5's
+    step, digest, source, _ = _restore(root)
+    assert (step, source, digest) == (10, "storage", reference[10])
+
+
+def test_a_copy_of_another_commit_of_the_same_step_is_not_used(tmp_path: Path, reference: dict) -> None:
+    root = tmp_path / "ckpt"
+    _train_until_crash(root, 12)
+    manifest = root / step_dir_name(10) / MANIFEST_NAME
+    # The same step committed again by another run (its own manifest): the copy is bound to the first one.
+    text = manifest.read_text().replace('"created_ts": ', '"created_ts": 1')
+    from ettr.checkpoint.commit import Manifest
+
+    parsed = Manifest.from_json(manifest.read_bytes())
+    recommitted = Manifest(step=parsed.step, files=parsed.files, created_ts=parsed.created_ts + 1.0)
+    manifest.write_bytes(recommitted.to_json())
+    assert manifest.read_text() != text
+    step, digest, source, _ = _restore(root)
+    assert (step, source, digest) == (10, "storage", reference[10])
+
+
+def test_a_corrupt_copy_falls_back_to_storage(tmp_path: Path, reference: dict) -> None:
+    root = tmp_path / "ckpt"
+    _train_until_crash(root, 12)
+    path = _copies(root).own_path()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    step, digest, source, _ = _restore(root)
+    assert (step, source, digest) == (10, "storage", reference[10])
+
+
+def test_a_forged_copy_whose_pickled_part_would_run_code_is_refused(tmp_path: Path, reference: dict) -> None:
+    """Every check a forger can recompute passes (CRCs, binding); the pickled part still never runs."""
+    root = tmp_path / "ckpt"
+    _train_until_crash(root, 12)
+    copies = _copies(root)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    with open_snapshot(copies.own_path()) as snap:
+        loaded = {k: _clone(v) for k, v in snap.load().items()}
+        binding = snap.info.binding
+    loaded["meta"] = pickle.dumps(Evil())
+    forged = tmp_path / "forged.snap"
+    write(forged, loaded, binding=binding, rank=0, created_ts=2.0)
+    os.replace(forged, copies.own_path())
+    step, digest, source, _ = _restore(root)
+    assert not marker.exists()
+    assert (step, source, digest) == (10, "storage", reference[10])
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value
+
+
+def test_the_copy_is_removed_when_the_job_completes(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run_dir = tmp_path / "run"
+    job = toyjob.ToyJob(root=str(root), num_steps=12, every_steps=5, hidden=32)
+    recorder = SyncRecorder(MemoryLedger(), run_dir=run_dir)
+    seen: list[bool] = []
+
+    def on_step(step: int) -> None:
+        if step == 11:
+            seen.append(_copies(root).own_path().is_file())
+            seen.append(memory_dirs_of_run(run_dir) == [_copies(root).directory])
+
+    toyjob.run(job, recorder=recorder, on_step=on_step)
+    assert seen == [True, True]
+    assert not _copies(root).directory.exists()
+
+
+def test_a_copy_over_its_limit_is_not_kept_and_the_old_one_goes(tmp_path: Path, reference: dict) -> None:
+    root = tmp_path / "ckpt"
+    _train_until_crash(root, 7)
+    assert _copies(root).own_path().is_file()
+    job = toyjob.ToyJob(root=str(root), num_steps=40, every_steps=5, hidden=32)
+    state, loader, _ = toyjob._build(job)
+    cfg = CheckpointConfig(root=str(root), interval=IntervalConfig(every_steps=5), memory_max_bytes=1024)
+    with CheckpointManager(cfg, state, recorder=SyncRecorder(MemoryLedger())) as manager:
+        assert manager.restore() == 5
+        manager.save(6, wait=True)
+    assert not _copies(root).own_path().exists()
+    step, digest, source, _ = _restore(root)
+    assert (step, source) == (6, "storage")
+
+
+def test_a_memory_copy_needs_a_private_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv("ETTR_MEMORY_DIR", str(shared))
+    root = tmp_path / "ckpt"
+    _train_until_crash(root, 7)  # the copy is refused, training is not disturbed
+    assert not any(p.suffix == ".snap" for p in shared.rglob("*"))
+    step, _, source, _ = _restore(root)
+    assert (step, source) == (5, "storage")
+
+
+def test_snapshot_bytes_round_trip_through_a_buffer(tmp_path: Path) -> None:
+    """What a peer sends (the file's bytes) parses the same as the file."""
+    from ettr.checkpoint.snapshot import parse_bytes
+
+    path = tmp_path / "s.snap"
+    _write(path)
+    snap = parse_bytes(bytearray(path.read_bytes()))
+    assert torch.equal(snap.load()["model"]["w"], _state()["model"]["w"])
+    buffer = io.BytesIO()
+    torch.save({"x": 1}, buffer)  # unrelated bytes are not a snapshot
+    with pytest.raises(CheckpointInvalid):
+        parse_bytes(bytearray(buffer.getvalue()))
+
+
+# -- two ranks ------------------------------------------------------------------------------------------------
+
+
+def _dist_state(rank: int, world_size: int) -> TrainState:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ettr.checkpoint import ResumableSampler
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = ResumableSampler(64, seed=0, rank=rank, world_size=world_size)
+    torch.manual_seed(100 + rank)
+    return TrainState(model=model, optimizer=optimizer, data=sampler)
+
+
+def _dist_digest(state: TrainState) -> list[bytes]:
+    """Plain bytes (tensors would travel back through shared memory that dies with the rank)."""
+    tensors = [*state.model.state_dict().values(), torch.get_rng_state()]
+    return [t.contiguous().numpy().tobytes() for t in tensors]
+
+
+def _dist_run(rank: int, world_size: int, root: str, train: bool) -> dict[str, Any]:
+    state = _dist_state(rank, world_size)
+    config = CheckpointConfig(root=root, interval=IntervalConfig(every_steps=3))
+    with CheckpointManager.create(config, state, recorder=SyncRecorder(MemoryLedger())) as manager:
+        restored = manager.restore()
+        if train:
+            for step in range(1, 5):
+                x = torch.randn(4, 8)
+                loss = state.model(x).pow(2).mean()
+                state.optimizer.zero_grad()
+                loss.backward()
+                state.optimizer.step()
+                manager.after_step(step)
+            manager.wait()
+        return {"restored": restored, "source": manager.restored_from, "state": _dist_digest(state)}
+
+
+@pytest.mark.slow
+def test_two_ranks_restore_from_memory_only_when_every_rank_has_its_copy(tmp_path: Path) -> None:
+    from ettr.testing.spawn import run_ranks
+
+    root = str(tmp_path / "ckpt")
+    run_ranks(_dist_run, 2, root, True, timeout_s=180)
+    from_memory = run_ranks(_dist_run, 2, root, False, timeout_s=180)
+    assert [(r["restored"], r["source"]) for r in from_memory] == [(3, "memory"), (3, "memory")]
+    copies = MemoryCopies.for_root(memory_root(), root, rank=1)  # type: ignore[arg-type]
+    copies.own_path().unlink()  # rank 1 lost its copy: both ranks read storage (one step for all)
+    from_storage = run_ranks(_dist_run, 2, root, False, timeout_s=180)
+    assert [(r["restored"], r["source"]) for r in from_storage] == [(3, "storage"), (3, "storage")]
+    for memory, storage in zip(from_memory, from_storage, strict=True):
+        assert memory["state"] == storage["state"]  # parameters and each rank's RNG, bit for bit
