@@ -89,18 +89,6 @@ def test_a_torn_or_flipped_snapshot_is_refused(tmp_path: Path, damage: str) -> N
             snap.load()
 
 
-def test_with_a_key_an_unsigned_or_forged_snapshot_is_refused(tmp_path: Path) -> None:
-    signed, unsigned = tmp_path / "signed.snap", tmp_path / "unsigned.snap"
-    _write(signed, secret=b"k1")
-    _write(unsigned)
-    with open_snapshot(signed, secret=b"k1") as snap:
-        snap.load()
-    with pytest.raises(CheckpointInvalid, match="HMAC"):
-        open_snapshot(unsigned, secret=b"k1")
-    with pytest.raises(CheckpointInvalid, match="HMAC"):
-        open_snapshot(signed, secret=b"another key")
-
-
 def test_what_a_snapshot_cannot_hold_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     class Custom:
         pass
@@ -198,14 +186,18 @@ def test_a_copy_of_another_commit_of_the_same_step_is_not_used(tmp_path: Path, r
     root = tmp_path / "ckpt"
     _train_until_crash(root, 12)
     manifest = root / step_dir_name(10) / MANIFEST_NAME
-    # The same step committed again by another run (its own manifest): the copy is bound to the first one.
-    text = manifest.read_text().replace('"created_ts": ', '"created_ts": 1')
+    # The same step committed again (another run into this root, signed with this user's key like the
+    # first): the copy is bound to the first commit's manifest.
+    from dataclasses import replace
+
     from ettr.checkpoint.commit import Manifest
+    from ettr.checkpoint.keys import KeyRing
 
     parsed = Manifest.from_json(manifest.read_bytes())
-    recommitted = Manifest(step=parsed.step, files=parsed.files, created_ts=parsed.created_ts + 1.0)
-    manifest.write_bytes(recommitted.to_json())
-    assert manifest.read_text() != text
+    recommitted = replace(parsed, created_ts=parsed.created_ts + 1.0)
+    before = manifest.read_bytes()
+    manifest.write_bytes(recommitted.to_json(KeyRing.open(None, create=True).signing))
+    assert manifest.read_bytes() != before
     step, digest, source, _ = _restore(root)
     assert (step, source, digest) == (10, "storage", reference[10])
 
@@ -365,3 +357,27 @@ def test_two_ranks_restore_from_memory_only_when_every_rank_has_its_copy(tmp_pat
     assert [(r["restored"], r["source"]) for r in from_storage] == [(3, "storage"), (3, "storage")]
     for memory, storage in zip(from_memory, from_storage, strict=True):
         assert memory["state"] == storage["state"]  # parameters and each rank's RNG, bit for bit
+
+
+def test_a_copy_of_a_commit_admission_refuses_is_not_used(tmp_path: Path) -> None:
+    """The newest manifest rewritten unsigned in a root this user signs in: storage refuses it, and so
+    does the memory path, though the copy's binding was rewritten to match."""
+    from dataclasses import replace
+
+    from ettr.checkpoint.commit import Manifest
+
+    root = tmp_path / "ckpt"
+    _train_until_crash(root, 12)
+    manifest = root / step_dir_name(10) / MANIFEST_NAME
+    parsed = Manifest.from_json(manifest.read_bytes())
+    unsigned = replace(parsed, key_id=None, signature=None).to_json()
+    manifest.write_bytes(unsigned)
+    copies = _copies(root)
+    with open_snapshot(copies.own_path()) as snap:  # the forger also rebinds the copy to it
+        loaded = {k: _clone(v) for k, v in snap.load().items()}
+    binding = Binding(step=10, manifest_sha256=Binding.digest(unsigned), world_size=1)
+    forged = tmp_path / "rebound.snap"
+    write(forged, loaded, binding=binding, rank=0, created_ts=3.0)
+    os.replace(forged, copies.own_path())
+    step, _, source, _ = _restore(root)
+    assert source != "memory" and step != 10

@@ -56,8 +56,8 @@ from ettr.checkpoint.base import (
 from ettr.checkpoint.commit import Manifest, apply_retention, lease, list_checkpoints, root_identity, verify
 from ettr.checkpoint.coordination import Coordinator
 from ettr.checkpoint.history import FailureHistory
-from ettr.checkpoint.memory import MemoryCopies, fill, manifest_binding
 from ettr.checkpoint.keys import KeyRing
+from ettr.checkpoint.memory import MemoryCopies, fill, manifest_binding
 from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks
 from ettr.checkpoint.policy import IntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher

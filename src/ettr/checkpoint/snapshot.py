@@ -8,8 +8,7 @@ peer sends over the network. It is read back without running anything it holds:
 The header describes the state dict's tree (dicts, lists, tuples, strings, numbers, booleans, None, byte
 strings and tensors; dtypes from a fixed list), where each tensor's and byte string's bytes lie in the
 payload, the step and the commit it belongs to (`binding`: the SHA-256 of that step's manifest), the
-payload's CRC-32 and the header's own. With a key the header also carries an HMAC-SHA256 over all of it
-(the payload's CRC included). A reader checks, in order: magic, sizes, the header's CRC (and HMAC), that
+payload's CRC-32 and the header's own. A reader checks, in order: magic, sizes, the header's CRC, that
 the binding is the one it expects, then the payload's CRC over every byte — a torn, truncated, stale or
 bit-flipped snapshot is refused before any of it is used. The byte strings are the pickled small parts of
 a `TrainState` (step, scheduler, RNG, data position), which `TrainState.load` decodes with
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import json
 import mmap
 import os
@@ -193,15 +191,8 @@ def _align(offset: int) -> int:
     return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _sign(body: dict[str, Any], secret: bytes) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(secret, canonical, hashlib.sha256).hexdigest()
-
-
-def _header_bytes(body: dict[str, Any], secret: bytes | None) -> bytes:
+def _header_bytes(body: dict[str, Any]) -> bytes:
     body = dict(body)
-    if secret is not None:
-        body["hmac"] = _sign(body, secret)
     body["header_crc32"] = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
@@ -221,7 +212,6 @@ def write(
     binding: Binding,
     rank: int,
     created_ts: float,
-    secret: bytes | None = None,
 ) -> int:
     """Write a snapshot of `state_dict` to `path` (a new file: created exclusively, never through a
     symlink); returns its size. The caller renames it into place. Raises SnapshotUnsupported, OSError."""
@@ -254,7 +244,7 @@ def write(
         "payload_bytes": payload_bytes,
         "payload_crc32": crc,
     }
-    header = _header_bytes(body, secret)
+    header = _header_bytes(body)
     data_offset = _align(len(MAGIC) + 8 + len(header))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags, 0o600)
@@ -346,8 +336,8 @@ class Snapshot:
         return state
 
 
-def open_snapshot(path: Path, *, secret: bytes | None = None) -> Snapshot:
-    """Map a snapshot file and check its header (magic, sizes, CRC, HMAC with `secret`, entry bounds).
+def open_snapshot(path: Path) -> Snapshot:
+    """Map a snapshot file and check its header (magic, sizes, CRC, entry bounds).
     Raises CheckpointInvalid, or OSError (FileNotFoundError: no snapshot)."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags)
@@ -359,13 +349,13 @@ def open_snapshot(path: Path, *, secret: bytes | None = None) -> Snapshot:
     finally:
         os.close(fd)
     try:
-        return parse_bytes(mapped, secret=secret)
+        return parse_bytes(mapped)
     except BaseException:
         mapped.close()
         raise
 
 
-def parse_bytes(mapped: Any, *, secret: bytes | None = None) -> Snapshot:
+def parse_bytes(mapped: Any) -> Snapshot:
     """A `Snapshot` over bytes already in memory (a mapped file, or a writable buffer a peer sent), its
     header checked. Raises CheckpointInvalid."""
     size = len(mapped)
@@ -375,7 +365,7 @@ def parse_bytes(mapped: Any, *, secret: bytes | None = None) -> Snapshot:
     if header_len > _MAX_HEADER_BYTES or len(MAGIC) + 8 + header_len > size:
         raise CheckpointInvalid("snapshot header length is out of bounds (truncated?)")
     raw = bytes(mapped[len(MAGIC) + 8 : len(MAGIC) + 8 + header_len])
-    body = _check_header(raw, secret)
+    body = _check_header(raw)
     data_offset = _align(len(MAGIC) + 8 + header_len)
     for meta in [*body["tensors"], *body["blobs"]]:
         at = meta.get("at") if isinstance(meta, dict) else None
@@ -409,7 +399,7 @@ def _numel(shape: list[int]) -> int:
     return count
 
 
-def _check_header(raw: bytes, secret: bytes | None) -> dict[str, Any]:
+def _check_header(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
@@ -419,10 +409,6 @@ def _check_header(raw: bytes, secret: bytes | None) -> dict[str, Any]:
     claimed = body.pop("header_crc32", None)
     if claimed != zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()):
         raise CheckpointInvalid("snapshot header fails its CRC-32 check (torn or corrupt)")
-    if secret is not None:
-        signature = body.pop("hmac", None)
-        if not isinstance(signature, str) or not hmac.compare_digest(signature, _sign(body, secret)):
-            raise CheckpointInvalid("snapshot header's HMAC does not verify with this job's key")
     if body.get("format") != FORMAT:
         raise CheckpointInvalid(f"unknown snapshot format {body.get('format')!r}")
     for name, kind in (
