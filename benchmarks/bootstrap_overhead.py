@@ -6,12 +6,17 @@
    Then `python -c "import torch"` plain and instrumented (`--torch-starts` each): most of what the bootstrap
    imports, torch imports anyway.
 2. Per call, in this process, hooks installed vs not (median of `--runs` blocks of `--calls` calls):
-   `optimizer.step()` of a tiny model (the step hook) and `torch.save` to a BytesIO (a pass-through).
+   `optimizer.step()` of a tiny model (the step hook), `torch.save` to a BytesIO (a pass-through),
+   `model.train()` of a 48-module model (what a Hugging Face Trainer calls every step: never wrapped outside
+   an evaluation) and one evaluation of it (`eval()`, two forward passes under no_grad, `train()`: the
+   zero-code evaluation hooks' cost per evaluation, off the training steps).
 
 `--json` ends with one object: startup_plain_s, startup_outside_run_s, startup_worker_s,
 startup_instrumented_s, import_torch_plain_s, import_torch_instrumented_s, import_torch_overhead_ratio,
 optimizer_step_plain_us, optimizer_step_hooked_us, step_hook_overhead_us,
-save_bytesio_plain_us, save_bytesio_hooked_us, save_hook_overhead_us.
+save_bytesio_plain_us, save_bytesio_hooked_us, save_hook_overhead_us, module_train_plain_us,
+module_train_hooked_us, module_train_overhead_us, evaluation_plain_us, evaluation_hooked_us,
+evaluation_overhead_us.
 """
 
 from __future__ import annotations
@@ -92,22 +97,51 @@ def main() -> None:
         def save() -> None:
             torch.save(state, io.BytesIO())
 
+        net = torch.nn.Sequential(
+            *(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(16))
+        )
+        net_optimizer = torch.optim.SGD(net.parameters(), lr=0.0)  # built before the hooks: registered below
+        batch = torch.zeros(2, 8)
+
+        def train_mode() -> None:
+            net.train()
+
+        def evaluation() -> None:
+            net.eval()
+            with torch.no_grad():
+                net(batch)
+                net(batch)
+            net.train()
+
         rec = Recorder(open_ledger(Path(tmp) / "bench"), run_dir=Path(tmp) / "bench")
         hooks = AutoHooks(rec)
-        timings: dict[str, list[float]] = {"step": [], "step_hooked": [], "save": [], "save_hooked": []}
+        names = ("step", "save", "train", "evaluation")
+        timings: dict[str, list[float]] = {k: [] for name in names for k in (name, f"{name}_hooked")}
         try:
             for _ in range(args.runs):  # plain and hooked blocks alternate, so load hits both alike
                 timings["step"].append(_per_call_us(optimizer.step, args.calls, 1))
                 timings["save"].append(_per_call_us(save, args.calls // 4, 1))
+                timings["train"].append(_per_call_us(train_mode, args.calls // 4, 1))
+                timings["evaluation"].append(_per_call_us(evaluation, args.calls // 8, 1))
+                hooks = AutoHooks(rec)
                 hooks.on_torch(torch)
+                evals = getattr(hooks, "evals", None)  # the evaluation hooks (an ettr that has them)
+                if evals is not None:
+                    evals.trained.add(net_optimizer)
                 timings["step_hooked"].append(_per_call_us(optimizer.step, args.calls, 1))
                 timings["save_hooked"].append(_per_call_us(save, args.calls // 4, 1))
+                timings["train_hooked"].append(_per_call_us(train_mode, args.calls // 4, 1))
+                timings["evaluation_hooked"].append(_per_call_us(evaluation, args.calls // 8, 1))
                 hooks.uninstall()
         finally:
             hooks.uninstall()
             rec.close()
         step_plain, step_hooked, save_plain, save_hooked = (
             statistics.median(timings[k]) for k in ("step", "step_hooked", "save", "save_hooked")
+        )
+        train_plain, train_hooked, eval_plain, eval_hooked = (
+            statistics.median(timings[k])
+            for k in ("train", "train_hooked", "evaluation", "evaluation_hooked")
         )
 
     figures = {
@@ -124,6 +158,12 @@ def main() -> None:
         "save_bytesio_plain_us": save_plain,
         "save_bytesio_hooked_us": save_hooked,
         "save_hook_overhead_us": save_hooked - save_plain,
+        "module_train_plain_us": train_plain,
+        "module_train_hooked_us": train_hooked,
+        "module_train_overhead_us": train_hooked - train_plain,
+        "evaluation_plain_us": eval_plain,
+        "evaluation_hooked_us": eval_hooked,
+        "evaluation_overhead_us": eval_hooked - eval_plain,
     }
     print("interpreter start-up (median)")
     print(f"  plain python                      {startup['plain'] * 1e3:8.1f} ms")
@@ -141,6 +181,12 @@ def main() -> None:
     )
     print(
         f"  torch.save(BytesIO)         {save_plain:8.2f} us {save_hooked:8.2f} us {save_hooked - save_plain:8.2f} us"
+    )
+    print(
+        f"  model.train() (48 modules)  {train_plain:8.2f} us {train_hooked:8.2f} us {train_hooked - train_plain:8.2f} us"
+    )
+    print(
+        f"  one evaluation              {eval_plain:8.2f} us {eval_hooked:8.2f} us {eval_hooked - eval_plain:8.2f} us"
     )
     if args.json:
         print(json.dumps(figures))

@@ -9,6 +9,7 @@ Installed once torch is imported (see `post_import`), each hook wraps one torch 
                     after which the original method is put back (no cost per batch)
   checkpoints       torch.save / torch.load (paths, open files, in-memory buffers written to a file),
                     safetensors' save_file / load_file, dcp.save / dcp.async_save / dcp.load (`checkpoint_hooks`)
+  evaluation        `eval()` of a module an optimizer trains -> EVAL span until its `train()` (`eval_hooks`)
   compile           `ettr.compile.autoinstall(rec)` when that module exists
 
 Every hook is guarded: an error inside one is logged once and the user's call proceeds untouched. The
@@ -145,17 +146,21 @@ class AutoHooks:
         self._lock = threading.Lock()
         self.patcher = Patcher()
         self.checkpoints: Any = None
+        self.evals: Any = None
 
     # -- installation (post-import callbacks) -------------------------------------------------------------
     def on_torch(self, torch: ModuleType) -> None:
         """Called once `import torch` finished: install every hook that needs only torch."""
         from ettr.bootstrap.checkpoint_hooks import CheckpointHooks
+        from ettr.bootstrap.eval_hooks import EvalHooks
         from ettr.constants import IMPORTS_MARK
 
         self.guard.call("imports", self.rec.mark, IMPORTS_MARK, module="torch")  # the TTR's imports part
 
         self.checkpoints = CheckpointHooks(self.rec, self.steps, guard=self.guard, patcher=self.patcher)
+        self.evals = EvalHooks(self.rec, guard=self.guard, patcher=self.patcher)
         self.guard.call("optimizer step", self._install_optimizer_hook, torch)
+        self.guard.call("evaluation", self.evals.install, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
         self.guard.call("first batch", self._install_first_batch_hook, torch)
         self.guard.call("torch.save/load", self.checkpoints.install_torch, torch)
@@ -177,11 +182,13 @@ class AutoHooks:
     def _install_optimizer_hook(self, torch: ModuleType) -> None:
         # `torch.optim` deletes its submodule names; the module itself is imported by then.
         register = importlib.import_module("torch.optim.optimizer").register_optimizer_step_post_hook
-        guard, counter, checkpoints = self.guard, self.steps, self.checkpoints
+        guard, counter, checkpoints, evals = self.guard, self.steps, self.checkpoints, self.evals
 
         def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             try:
                 checkpoints.before_step()  # settles a buffered save or an unplaced resume first
+                if evals.open is not None:  # a step in eval mode ends an evaluation
+                    evals.before_step()
                 counter.on_step(optimizer, args, kwargs)
             except Exception as exc:
                 guard.failed("optimizer step", exc)

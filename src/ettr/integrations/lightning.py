@@ -14,7 +14,7 @@ used instead, never a second. Recorded, through the public Recorder API only:
                optimizers) as TRAIN_MODULE_CREATION; under the bootstrap, `Trainer.__init__` as INIT_PLUGINS
   restore      reading the checkpoint and restoring modules, callbacks, optimizers and loops as RESTORE
   data_wait    the first batch of the first training epoch
-  eval         the sanity check and every validation loop as EVAL
+  eval         the sanity check and every validation loop as EVAL (open from its start to its end)
   checkpoints  each `trainer.save_checkpoint` as one CHECKPOINT_BLOCKING span (dump + write, every file); one
                CHECKPOINT_COMMIT per checkpoint, from global rank 0 once its file is written; with
                `AsyncCheckpointIO` the blocking span is the hand-off and the write is a CHECKPOINT_PERSIST span
@@ -62,7 +62,7 @@ class EttrCallback(pl.Callback):
         self._last_step: int | None = None
         self._restored = False
         self._first_epoch_ts: float | None = None
-        self._eval_begin_ts: float | None = None
+        self._eval_phase: Any = None  # the open EVAL phase of a validation loop or the sanity check
         self._train_end_ts: float | None = None
         self._setup_ts: float | None = None
 
@@ -193,26 +193,40 @@ class EttrCallback(pl.Callback):
 
     @never_raises
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval_begin_ts = time.time()
+        self._eval_begin("sanity_check")
 
     @never_raises
     def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval_end("sanity_check")
+        self._eval_end()
 
     @never_raises
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._eval_begin_ts = time.time()
+            self._eval_begin("validation")
 
     @never_raises
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._eval_end("validation")
+            self._eval_end()
 
-    def _eval_end(self, stage: str) -> None:
-        if self._eval_begin_ts is not None:
-            self.rec.span(Phase.EVAL, self._eval_begin_ts, framework=_FRAMEWORK, stage=stage)
-            self._eval_begin_ts = None
+    @never_raises
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._eval_end()
+
+    def _eval_begin(self, stage: str) -> None:
+        # An open phase (PHASE_BEGIN now): an evaluation cut short by a kill stays on the books, and the
+        # bootstrap's own evaluation detection sees it is recorded here.
+        self._eval_end()
+        phase = self.rec.phase(Phase.EVAL, framework=_FRAMEWORK, stage=stage)
+        phase.__enter__()
+        self._eval_phase = phase
+
+    def _eval_end(self) -> None:
+        phase, self._eval_phase = self._eval_phase, None
+        if phase is not None:
+            phase.__exit__(None, None, None)
 
     @never_raises
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,0 +1,288 @@
+"""Zero-code evaluation: an unmodified script's evaluation passes, recorded as EVAL phases.
+
+An evaluation is the trained model (a module holding parameters an optimizer trains) switched to eval mode,
+run forward, and switched back, with no optimizer step in between:
+
+  begins   at `module.eval()` on a trained module (`nn.Module.eval` is wrapped: one call per evaluation,
+           never per submodule, never per step)
+  ends     at `train()` on it (`nn.Module.train` is wrapped only while an evaluation is open, so a script
+           that calls `model.train()` every step pays nothing); or, left in eval mode, at the end of its last
+           forward pass with grad disabled before the next optimizer step (the step's own forward is
+           training); or at the end of its last forward pass when the process exits in eval mode (the final
+           validation of a script that never switches back)
+  counts   only with a forward pass in between: `eval()` for a save or an export is not an evaluation, nor
+           is training in eval mode (forward passes with grad enabled, then an optimizer step)
+
+While an evaluation is open, a forward pre-hook and a forward hook on that module time its passes (removed at
+its end: the training loop never runs them). They are left off where Dynamo could trace them (a module
+compiled in place, or any module once something was compiled, except `torch.compile`'s own wrapper, which
+calls its hooks eagerly): there the evaluation is recorded at its `train()` or at exit, and one that an
+optimizer step ends is not recorded (nothing tells it from training in eval mode).
+
+The PHASE_BEGIN (dated at the `eval()` call) is recorded at the first pass with grad disabled, so that an
+evaluation cut short by a SIGKILL is still on the books; the PHASE_END at the evaluation's end. An
+evaluation inside a phase that user code or a framework callback records itself (`ettr.phase(EVAL)`, the
+Lightning and Hugging Face integrations) is theirs: nothing is recorded twice. Errors are logged once and
+never reach the script (`Guard`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from ettr.bootstrap.hooks import Guard, Patcher
+from ettr.events import EventKind, Phase
+from ettr.recorder import RecorderProtocol
+from ettr.tracing import dynamo_is_tracing
+
+_DATA = {"source": "zero_code"}
+"""`data` of the phases recorded here (the script's own and the frameworks' carry theirs)."""
+
+
+class TrainedModules:
+    """Which modules hold parameters that an optimizer trains (optimizers are registered as they are built)."""
+
+    def __init__(self) -> None:
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._key: frozenset[tuple[int, int]] | None = None
+        self._param_ids: frozenset[int] = frozenset()
+        self._answers: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+    def add(self, optimizer: Any) -> None:
+        self._optimizers.add(optimizer)
+
+    def trains(self, module: Any) -> bool:
+        """Whether an optimizer trains any of `module`'s parameters (answers are kept per module until the
+        optimizers or their parameter groups change)."""
+        optimizers = list(self._optimizers)
+        key = frozenset((id(o), sum(len(g["params"]) for g in o.param_groups)) for o in optimizers)
+        if key != self._key:
+            self._key = key
+            self._param_ids = frozenset(
+                id(p) for o in optimizers for g in o.param_groups for p in g["params"]
+            )
+            self._answers = weakref.WeakKeyDictionary()
+        answer = self._answers.get(module)
+        if answer is None:
+            ids = self._param_ids
+            answer = bool(ids) and any(id(p) in ids for p in module.parameters())
+            self._answers[module] = answer
+        return answer
+
+
+@dataclass(slots=True)
+class _Evaluation:
+    """One evaluation in progress."""
+
+    module: Any
+    begin_ts: float
+    hooked: bool  # its forward passes are timed (else: only eval() and train() are seen)
+    handles: list[Any] = field(default_factory=list)
+    begun: bool = False  # PHASE_BEGIN recorded
+    num_passes: int = 0  # forward passes in eval mode, grad enabled or not
+    last_pass_end_ts: float | None = None
+    last_no_grad_end_ts: float | None = None
+
+
+class EvalHooks:
+    """Records the evaluation passes of one process (see the module docstring)."""
+
+    def __init__(self, rec: RecorderProtocol, *, guard: Guard, patcher: Patcher) -> None:
+        self.rec = rec
+        self.guard = guard
+        self.patcher = patcher
+        self.trained = TrainedModules()
+        self.open: _Evaluation | None = None
+        self._torch: ModuleType | None = None
+        self._train_original: Callable[..., Any] | None = None
+        self._train_wrapper: Callable[..., Any] | None = None
+        self._atexit = False
+
+    # -- installation -----------------------------------------------------------------------------------------
+    def install(self, torch: ModuleType) -> None:
+        """Wrap `Optimizer.__init__` (to know what is trained) and `nn.Module.eval`."""
+        self._torch = torch
+        hooks = self
+
+        def make_init(original: Callable[..., Any]) -> Callable[..., Any]:
+            def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+                original(optimizer, *args, **kwargs)
+                hooks.guard.call("evaluation", hooks.trained.add, optimizer)
+
+            return __init__
+
+        def make_eval(original: Callable[..., Any]) -> Callable[..., Any]:
+            def eval(module: Any) -> Any:  # noqa: A001 - nn.Module's own name
+                result = original(module)
+                hooks.guard.call("evaluation", hooks.evaluating, module)
+                return result
+
+            return eval
+
+        self.patcher.wrap(torch.optim.Optimizer, "__init__", make_init)
+        self.patcher.wrap(torch.nn.Module, "eval", make_eval)
+        self.patcher.on_undo(self._discard)
+
+    # -- the evaluation's life ----------------------------------------------------------------------------------
+    def evaluating(self, module: Any) -> None:
+        """`module.eval()` was called: an evaluation begins if an optimizer trains the module."""
+        if self.open is not None or self.rec.is_open(Phase.EVAL) or dynamo_is_tracing():
+            return
+        if not self.trained.trains(module):
+            return
+        evaluation = _Evaluation(module=module, begin_ts=time.time(), hooked=self._hookable(module))
+        if evaluation.hooked:
+            try:
+                evaluation.handles = [
+                    module.register_forward_pre_hook(self._before_pass),
+                    module.register_forward_hook(self._after_pass),
+                ]
+            except Exception:  # a module that takes no hooks (a scripted one): eval() and train() only
+                for handle in evaluation.handles:
+                    handle.remove()
+                evaluation.handles, evaluation.hooked = [], False
+        self.open = evaluation
+        self._wrap_train()
+        if not self._atexit:
+            self._atexit = True
+            atexit.register(self.guard.call, "evaluation", self.at_exit)
+
+    def _before_pass(self, module: Any, args: Any) -> None:
+        try:
+            evaluation = self.open
+            if evaluation is None or module is not evaluation.module:
+                return
+            evaluation.num_passes += 1
+            if evaluation.begun or self._grad_enabled():
+                return
+            if self.rec.is_open(Phase.EVAL):  # the script or a framework records this evaluation itself
+                self._end(None)
+                return
+            evaluation.begun = True
+            self.rec.record(EventKind.PHASE_BEGIN, phase=Phase.EVAL, data=_DATA, ts=evaluation.begin_ts)
+        except Exception as exc:
+            self.guard.failed("evaluation", exc)
+
+    def _after_pass(self, module: Any, args: Any, output: Any) -> None:
+        try:
+            evaluation = self.open
+            if evaluation is None or module is not evaluation.module:
+                return
+            now = time.time()
+            evaluation.last_pass_end_ts = now
+            if not self._grad_enabled():
+                evaluation.last_no_grad_end_ts = now
+        except Exception as exc:
+            self.guard.failed("evaluation", exc)
+
+    def trained_again(self, module: Any) -> None:
+        """`module.train(True)` was called during an evaluation: it ends now if that is the evaluated module
+        (or another module with trained parameters, as when the script switches the wrapped model back)."""
+        evaluation = self.open
+        if evaluation is None:
+            return
+        if module is evaluation.module or self.trained.trains(module):
+            unseen = evaluation.hooked and evaluation.num_passes == 0  # eval() for a save, an export...
+            self._end(None if unseen else time.time())
+
+    def before_step(self) -> None:
+        """An optimizer step is being counted while the model is in eval mode: the evaluation (its passes with
+        grad disabled) ended before this step's forward pass; without them it was training in eval mode."""
+        evaluation = self.open
+        if evaluation is None:
+            return
+        self._end(evaluation.last_no_grad_end_ts if evaluation.hooked else None)
+
+    def at_exit(self) -> None:
+        """The process ends in eval mode (a final validation): the evaluation ends with its last pass."""
+        evaluation = self.open
+        if evaluation is None:
+            return
+        self._end(evaluation.last_pass_end_ts if evaluation.hooked else time.time())
+
+    def _end(self, end_ts: float | None) -> None:
+        """Close the open evaluation: recorded up to `end_ts`, or dropped (None: it was not one)."""
+        evaluation, self.open = self.open, None
+        self._unwrap_train()
+        if evaluation is None:
+            return
+        for handle in evaluation.handles:
+            handle.remove()
+        if end_ts is None or end_ts <= evaluation.begin_ts:
+            if evaluation.begun:  # an empty span: the begin stays paired, nothing is attributed
+                end_ts = evaluation.begin_ts
+            else:
+                return
+        if self.rec.is_open(Phase.EVAL) and not evaluation.begun:
+            return
+        self.rec.record(
+            EventKind.PHASE_END, phase=Phase.EVAL, value=evaluation.begin_ts, data=_DATA, ts=end_ts
+        )
+
+    def _discard(self) -> None:
+        """Uninstalled (tests): forget an open evaluation and put `nn.Module.train` back."""
+        evaluation, self.open = self.open, None
+        if evaluation is not None:
+            for handle in evaluation.handles:
+                handle.remove()
+        self._unwrap_train()
+
+    # -- nn.Module.train, wrapped only while an evaluation is open ---------------------------------------------
+    def _wrap_train(self) -> None:
+        torch = self._torch
+        if torch is None or self._train_original is not None:
+            return
+        module_class = torch.nn.Module
+        original = module_class.__dict__["train"]
+        hooks = self
+
+        def train(module: Any, mode: bool = True) -> Any:
+            result = original(module, mode)
+            if mode and hooks.open is not None:
+                hooks.guard.call("evaluation", hooks.trained_again, module)
+            return result
+
+        train.__wrapped__ = original  # type: ignore[attr-defined]
+        train.__doc__ = original.__doc__
+        self._train_original, self._train_wrapper = original, train
+        module_class.train = train
+
+    def _unwrap_train(self) -> None:
+        torch, original = self._torch, self._train_original
+        if torch is None or original is None:
+            return
+        if torch.nn.Module.__dict__.get("train") is self._train_wrapper:
+            torch.nn.Module.train = original
+        self._train_original = self._train_wrapper = None
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def _grad_enabled(self) -> bool:
+        torch = self._torch
+        return bool(torch is not None and torch.is_grad_enabled())
+
+    def _hookable(self, module: Any) -> bool:
+        """Whether forward hooks on `module` run eagerly, where Dynamo cannot see them (a hook Dynamo traces
+        would change the compiled graph's guards and cost recompiles)."""
+        torch = self._torch
+        if torch is None:
+            return False
+        if type(module).__name__ == "OptimizedModule":  # torch.compile's wrapper: its own hooks run eagerly
+            return True
+        if getattr(module, "_compiled_call_impl", None) is not None:  # compiled in place (Module.compile)
+            return False
+        if isinstance(module, torch.jit.ScriptModule):
+            return False
+        dynamo_utils = sys.modules.get("torch._dynamo.utils")
+        if dynamo_utils is None:
+            return True
+        try:
+            return not dynamo_utils.counters["frames"]["total"]  # nothing compiled so far
+        except Exception:
+            return False

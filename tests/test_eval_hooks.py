@@ -1,0 +1,183 @@
+"""The zero-code evaluation hooks (`ettr.bootstrap.eval_hooks`), installed in this process on a real recorder
+and removed again: what counts as an evaluation, where it begins and ends, and what costs nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ettr.events import Event, EventKind, Phase
+from ettr.ledger import open_ledger
+from ettr.recorder import Recorder
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Recorder, Any]]:
+    from ettr.bootstrap.hooks import AutoHooks
+
+    try:
+        import ettr.compile
+
+        monkeypatch.setattr(ettr.compile, "autoinstall", lambda rec: None)
+    except ImportError:
+        pass
+    original_train = torch.nn.Module.__dict__["train"]
+    original_eval = torch.nn.Module.__dict__["eval"]
+    ledger = open_ledger(tmp_path / "run")
+    rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=0, rank=0)
+    hooks = AutoHooks(rec)
+    hooks.on_torch(torch)
+    try:
+        yield hooks, rec, ledger
+    finally:
+        hooks.uninstall()
+        rec.close()
+        assert torch.nn.Module.__dict__["train"] is original_train
+        assert torch.nn.Module.__dict__["eval"] is original_eval
+
+
+def _evals(rec: Recorder, ledger: Any) -> list[Event]:
+    rec.flush()
+    return [e for e in ledger.read() if e.phase is Phase.EVAL]
+
+
+def _spans(events: list[Event]) -> list[tuple[float, float]]:
+    return [(e.value, e.ts) for e in events if e.kind is EventKind.PHASE_END]
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
+
+    def forward(self, x: Any) -> Any:
+        return self.body(x)
+
+
+def _train_step(model: Any, optimizer: Any) -> None:
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_eval_then_train_around_no_grad_passes_is_one_evaluation(hooked: tuple[Any, Recorder, Any]) -> None:
+    hooks, rec, ledger = hooked
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train_step(model, optimizer)
+    before = time.time()
+    model.eval()
+    with torch.no_grad():
+        first = time.time()
+        for _ in range(3):
+            model(torch.randn(2, 4))
+        last = time.time()
+    model.train()
+    after = time.time()
+    _train_step(model, optimizer)
+
+    events = _evals(rec, ledger)
+    assert [e.kind for e in events] == [EventKind.PHASE_BEGIN, EventKind.PHASE_END]
+    begin, end = events[0].ts, events[1].ts
+    assert events[1].value == begin  # the pair: begin dated at eval(), recorded at the first pass
+    assert before <= begin <= first and last <= end <= after
+    assert events[0].data == {"source": "zero_code"}
+    assert model.training
+    assert "__wrapped__" not in vars(torch.nn.Module.train)  # wrapped only while an evaluation is open
+
+
+def test_what_is_not_an_evaluation(hooked: tuple[Any, Recorder, Any]) -> None:
+    hooks, rec, ledger = hooked
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    teacher = Net()  # no optimizer trains it
+    teacher.eval()
+    with torch.no_grad():
+        teacher(torch.randn(2, 4))
+    assert hooks.evals.open is None
+    model.eval()  # for a save: no forward pass
+    torch.save(model.state_dict(), Path(rec.run_dir) / "weights.pt")
+    model.train()
+    model.eval()  # training in eval mode: grad-enabled passes, then an optimizer step
+    _train_step(model, optimizer)
+    assert hooks.evals.open is None and "__wrapped__" not in vars(torch.nn.Module.train)
+    _train_step(model, optimizer)
+    with rec.phase(Phase.EVAL):  # the script records it itself: not twice
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        model.train()
+    events = _evals(rec, ledger)
+    assert [(e.kind, e.data) for e in events] == [(EventKind.PHASE_BEGIN, None), (EventKind.PHASE_END, None)]
+
+
+def test_left_in_eval_mode_it_ends_with_its_last_pass_before_the_next_step(
+    hooked: tuple[Any, Recorder, Any],
+) -> None:
+    hooks, rec, ledger = hooked
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.eval()  # a script that never switches back (it trains in eval mode afterwards)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+        last = time.time()
+    between = time.time()
+    _train_step(model, optimizer)
+    [(begin, end)] = _spans(_evals(rec, ledger))
+    assert begin <= end <= last <= between
+
+
+def test_the_final_evaluation_ends_with_its_last_pass_at_exit(hooked: tuple[Any, Recorder, Any]) -> None:
+    hooks, rec, ledger = hooked
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, optimizer)
+    model.eval()  # like pytorch/examples' mnist: test() switches to eval, the script ends there
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+        last = time.time()
+    after = time.time()
+    hooks.evals.at_exit()  # what atexit runs (before the recorder's own close)
+    [(begin, end)] = _spans(_evals(rec, ledger))
+    assert begin <= end <= last <= after
+    assert "__wrapped__" not in vars(torch.nn.Module.train)
+
+
+def test_where_dynamo_could_trace_the_hooks_only_eval_and_train_are_seen(
+    hooked: tuple[Any, Recorder, Any],
+) -> None:
+    hooks, rec, ledger = hooked
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model._compiled_call_impl = model._call_impl  # as Module.compile() leaves it: hooks would be traced
+    model.eval()
+    assert hooks.evals.open is not None and not hooks.evals.open.hooked
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    before_train = time.time()
+    model.train()
+    after_train = time.time()
+    model.eval()
+    _train_step(model, optimizer)  # a step ends it: evaluation or training in eval mode? Not recorded.
+    [(begin, end)] = _spans(_evals(rec, ledger))
+    assert begin <= before_train <= end <= after_train
+
+
+def test_the_trained_set_follows_the_optimizers_parameter_groups() -> None:
+    from ettr.bootstrap.eval_hooks import TrainedModules
+
+    trained = TrainedModules()
+    head, body = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+    trained.add(optimizer)
+    assert trained.trains(head) and not trained.trains(body)
+    optimizer.add_param_group({"params": body.parameters()})  # unfrozen later: now trained too
+    assert trained.trains(body)
+    assert not trained.trains(torch.nn.ReLU())  # no parameters
