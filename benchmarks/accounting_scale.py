@@ -4,7 +4,8 @@ The stream is a long two-rank job with 4 attempts (3 failures), a data wait and 
 iteration, a blocking checkpoint every 100 steps and a commit after it. Prints the median of `--runs`
 timings per size, the 1M/250k ratio (about 4 for O(n log n); 16 would be quadratic), and the cost of the
 renderers at 1M events. `--json` ends with one object: report_250k_s, report_500k_s, report_1m_s,
-ratio_1m_over_250k, to_dict_1m_s, render_1m_s, num_segments_1m.
+ratio_1m_over_250k, to_dict_1m_s, render_1m_s, num_segments_1m, runs, quick. `--quick` (what CI runs):
+one timing per size, the same sizes.
 """
 
 from __future__ import annotations
@@ -59,28 +60,33 @@ def synthetic_job(num_events: int) -> list[Event]:
     return events
 
 
-def median_time(fn, num_runs: int) -> float:
-    timings = []
+def median_time(fn, num_runs: int):  # type: ignore[no-untyped-def]
+    """(median seconds of `num_runs` calls of fn, the last call's result)."""
+    timings, result = [], None
     for _ in range(num_runs):
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         timings.append(time.perf_counter() - t0)
-    return statistics.median(timings)
+    return statistics.median(timings), result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="timings per size (median is printed)")
     parser.add_argument("--json", action="store_true", help="end with one JSON object of the figures")
+    parser.add_argument("--quick", action="store_true", help="one timing per size (CI's check that it runs)")
     args = parser.parse_args()
+    if args.quick:
+        args.runs = 1
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
 
-    figures: dict[str, float] = {}
+    figures: dict[str, float | int | bool] = {}
     reports = {}
     for label, n in (("250k", 250_000), ("500k", 500_000), ("1m", 1_000_000)):
         events = synthetic_job(n)
         now = events[-1].ts
-        seconds = median_time(lambda events=events, now=now: compute(events, now), args.runs)
-        reports[label] = compute(events, now)
+        seconds, reports[label] = median_time(lambda events=events, now=now: compute(events, now), args.runs)
         figures[f"report_{label}_s"] = seconds
         print(
             f"compute  {len(events):>9,} events  {seconds:7.3f} s  ({seconds / len(events) * 1e6:.2f} us/event)"
@@ -88,9 +94,10 @@ def main() -> None:
     figures["ratio_1m_over_250k"] = figures["report_1m_s"] / figures["report_250k_s"]
     print(f"ratio 1M / 250k: {figures['ratio_1m_over_250k']:.2f} (4.0 = linear)")
     big = reports["1m"]
-    figures["to_dict_1m_s"] = median_time(lambda: to_dict(big, include_segments=False), args.runs)
-    figures["render_1m_s"] = median_time(lambda: render(big), args.runs)
+    figures["to_dict_1m_s"] = median_time(lambda: to_dict(big, include_segments=False), args.runs)[0]
+    figures["render_1m_s"] = median_time(lambda: render(big), args.runs)[0]
     figures["num_segments_1m"] = len(big.segments)
+    figures["runs"], figures["quick"] = args.runs, args.quick
     print(f"to_dict (no segments) {figures['to_dict_1m_s']:.4f} s | render {figures['render_1m_s']:.4f} s")
     print(
         f"1M-event job: {len(big.segments):,} timeline segments | {big.ett_pct:.1f}% ETT | wall {big.wall_s:.0f} s"

@@ -25,6 +25,7 @@ Recorder into a ledger, and the report's own figure (`EttReport.slowdown.inflati
 
 `--json` ends with one object: blocking_s {torch_save, dcp_save, dcp_async_save, ettr, ettr_no_overlap,
 memcpy_limit}, step_slowdown {thread, process} (direct), report_step_slowdown {thread, process}, and the ratios and extras it is judged by.
+`--quick` (what CI runs): a 0.05 GiB state, one save per method, one slowdown round per mode.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ def measure_slowdown(state: TrainState, workdir: str, mode: str, num_rounds: int
     untimed steps, the order flipped every round; the run's events go through a Recorder into a ledger,
     and the report's own figure (`EttReport.slowdown`) is computed beside the direct one."""
     from ettr.accounting import compute
-    from ettr.ledger import open_ledger, read_ledger
+    from ettr.ledger import open_ledger, read_run_events
 
     step = _step_fn()
     run_dir = os.path.join(workdir, f"run-{mode}")
@@ -294,7 +295,7 @@ def measure_slowdown(state: TrainState, workdir: str, mode: str, num_rounds: int
                 persists.append(time.perf_counter() - begin)
                 last_busy = max(count, 5)
     rec.close()
-    events = read_ledger(run_dir)
+    events = read_run_events(run_dir)
     report = compute(events, now=max(e.ts for e in events))
     found = report.slowdown
     quiet_s, busy_s = statistics.median(quiet), statistics.median(busy) if busy else float("nan")
@@ -345,7 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    parser.add_argument(
+        "--quick", action="store_true", help="a small state, one round (CI's check that it runs)"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.size_gib, args.saves, args.slowdown_saves = 0.05, 1, 1
     if args.size_gib <= 0 or args.saves < 1 or args.slowdown_saves < 1:
         parser.error("--size-gib must be > 0, --saves and --slowdown-saves >= 1")
     warnings.filterwarnings("ignore")
@@ -405,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             "ettr_persist_s": extras["ettr_persist_s"],
             "next_step_compute_s": extras["next_step_compute_s"],
             "slowdown_detail": {"thread": thread, "process": process},
+            "quick": args.quick,
         }
         print(json.dumps(result))
     return 0

@@ -23,7 +23,9 @@ the longest of (compile, data-loader warm-up, checkpoint read) each measured alo
 
 `--json` ends with one object: first_step_s {cold, megacache, ettr_store} (medians), tts_s {sequential,
 overlapped, longest_phase} (medians), ratios, phases_s, process_cpu_s (CPU seconds of each run's process
-tree: steadier than wall time when others load the machine), runs (every measurement), config.
+tree: steadier than wall time when others load the machine), runs (every measurement), config. `--quick` (what
+CI runs): one round, a 1 s data-loader warm-up, an 8 MB checkpoint read in 0.5 s, and one TMPDIR for the
+round's processes (inductor's precompiled header, minutes of a loaded machine, is built once: by the cold run).
 """
 
 from __future__ import annotations
@@ -215,10 +217,12 @@ def _child(args: argparse.Namespace) -> None:
 # -- the orchestration (parent) --------------------------------------------------------------------------
 def _run_child(variant: str, work: Path, opts: argparse.Namespace, **paths: str | bool) -> dict:
     fresh = Path(tempfile.mkdtemp(prefix=f"{variant}-", dir=work))
-    (fresh / "tmp").mkdir()
+    # Quick mode: one TMPDIR for all, so inductor's precompiled header is built once (by the cold run).
+    tmp = work / "shared-tmp" if opts.quick else fresh / "tmp"
+    tmp.mkdir(exist_ok=True)
     env = {
         **os.environ,
-        "TMPDIR": str(fresh / "tmp"),
+        "TMPDIR": str(tmp),
         "TORCHINDUCTOR_CACHE_DIR": str(fresh / "inductor"),
         "PYTHONUNBUFFERED": "1",
     }
@@ -285,6 +289,9 @@ def main() -> None:
     parser.add_argument("--data-warmup-s", type=float, default=10.0, help="data-loader workers' start-up")
     parser.add_argument("--ckpt-read-s", type=float, default=5.0, help="time to read the checkpoint")
     parser.add_argument("--ckpt-mb", type=int, default=128, help="checkpoint size")
+    parser.add_argument(
+        "--quick", action="store_true", help="one round, short waits (CI's check that it runs)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
@@ -295,6 +302,8 @@ def main() -> None:
     if args.child:
         _child(args)
         return
+    if args.quick:
+        args.runs, args.data_warmup_s, args.ckpt_read_s, args.ckpt_mb = 1, 1.0, 0.5, 8
     if args.runs < 1 or args.layers < 1 or args.data_warmup_s < 0 or args.ckpt_read_s <= 0:
         parser.error("--runs and --layers must be >= 1, --data-warmup-s >= 0, --ckpt-read-s > 0")
 
@@ -394,6 +403,7 @@ def main() -> None:
                         "ckpt_mb": args.ckpt_mb,
                         "wall_s": round(time.time() - began, 1),
                     },
+                    "quick": args.quick,
                 }
             )
         )

@@ -14,7 +14,9 @@ takes a while). The default, 1M events, keeps the run to a few minutes on a load
 with one object: num_jobs, num_events, workers, fleet_s (median, every ledger read), fleet_runs_s, events_per_s, fleet_cached_s (finished jobs from the
 cache of a previous run),
 fleet_sequential_s (one worker, for the ratio), parallel_speedup, scrape_cold_s, scrape_warm_s (median),
-metrics_bytes, num_series, generate_s (null when the cache was reused), goal_10m_events_under_10s.
+metrics_bytes, num_series, generate_s (null when the cache was reused), goal_10m_events_under_10s, quick.
+`--quick` (what CI runs): 20 jobs / 20,000 events, one timed run, generated afresh in a temporary directory
+that is removed at the end (the PostgreSQL half too, when a server can be started here).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -172,7 +175,7 @@ def _postgres(args: argparse.Namespace, per_job_events: int) -> dict | None:
     """The PostgreSQL half: the same fleet in a private server's ledger (kept under a temp dir)."""
     from ettr.testing.postgres import PostgresServer, PostgresUnavailable
 
-    base = Path(tempfile.gettempdir()) / f"ettr-fleet-bench-pg-{args.jobs}-{args.events}"
+    base = Path(args.pg_dir or Path(tempfile.gettempdir()) / f"ettr-fleet-bench-pg-{args.jobs}-{args.events}")
     try:
         server = PostgresServer(base, durable=True)
         server.start()
@@ -217,7 +220,27 @@ def main() -> None:
         help="also time one --from-events read (default: below 5M events; at 10M it takes minutes)",
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--quick", action="store_true", help="a small fleet, generated afresh (CI's check that it runs)"
+    )
     args = parser.parse_args()
+    args.pg_dir = None
+    if args.quick:
+        args.jobs, args.events, args.runs = 20, 20_000, 1
+        # Each its own directory in the temp dir: the PostgreSQL server may run as another user (under root),
+        # which must reach its directory.
+        args.cache_dir = tempfile.mkdtemp(prefix="ettr-fleet-quick-")
+        args.pg_dir = tempfile.mkdtemp(prefix="ettr-fleet-quick-pg-")
+        try:
+            run(args)
+        finally:
+            shutil.rmtree(args.cache_dir, ignore_errors=True)
+            shutil.rmtree(args.pg_dir, ignore_errors=True)
+        return
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     if args.from_events is None:
         args.from_events = args.events < 5_000_000
     workers = max(1, (os.cpu_count() or 1) // 2)  # what ettr fleet uses by default
@@ -277,6 +300,7 @@ def main() -> None:
         "goal_10m_events_under_10s_postgres": (
             (postgres["fleet_s"] < 10.0) if big and postgres is not None else None
         ),
+        "quick": args.quick,
     }
     _say(
         f"ettr fleet over {args.jobs} jobs / {num_events} events: run dirs {fleet_s:.2f} s median "

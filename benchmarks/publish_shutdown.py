@@ -15,7 +15,9 @@ inside_shutdown_s, standalone_shutdown_s, shutdown_ratio, saved_s_per_job, insid
 standalone_publish_phase_s (the training job's PUBLISH span: the build vs anchor + enqueue), publish_job_wall_s,
 publish_job_work_s (its wall less the queue wait), inside_wall_s, standalone_wall_s, num_repeats.
 
-    python benchmarks/publish_shutdown.py [--repeats 3] [--steps 20] [--json]
+    python benchmarks/publish_shutdown.py [--repeats 3] [--steps 20] [--json] [--quick]
+
+`--quick` (what CI runs): one run of each mode, 5 steps, 4 tables of 2,000 rows.
 
 `python benchmarks/publish_shutdown.py job ...` is the training job itself (what torchrun runs; the
 publish tests run it too).
@@ -226,9 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-rows", type=int, default=20000, help="rows per table (8 x 20000 x 32 = 20 MB)")
     parser.add_argument("--keep", metavar="DIR", help="keep the run directories here (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="end with one JSON object of the figures")
+    parser.add_argument("--quick", action="store_true", help="one small run of each mode (CI's check)")
     args = parser.parse_args(argv)
     if args.cmd == "job":
         return run_job(args)
+    if args.quick:
+        args.repeats, args.steps, args.num_tables, args.num_rows = 1, 5, 4, 2000
+    if args.repeats < 1 or args.steps < 1 or args.num_tables < 1 or args.num_rows < 1:
+        parser.error("--repeats, --steps, --num-tables and --num-rows must be >= 1")
 
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ettr-publish-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -263,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "standalone_wall_s": median("standalone", "wall_s"),
         "num_repeats": args.repeats,
         "world_size": args.world_size,
+        "quick": args.quick,
     }
     print(
         f"\ntraining job shutdown (median of {args.repeats}): inside {inside:.2f} s, standalone {standalone:.2f} s "

@@ -2,8 +2,9 @@
 
 Prints the per-event cost of `Recorder.step` / `Recorder.phase` with the writer thread running against
 the real SQLite ledger (median of several runs), and how long `accounting.compute` takes on a 1M-event
-stream with restarts, phases and checkpoints. `--json` ends with one object: event_cost_us,
-phase_cost_us, report_1m_events_s, ledger_write_1m_events_s.
+stream with restarts, phases and checkpoints (`--events`). `--json` ends with one object: event_cost_us,
+phase_cost_us, report_1m_events_s, ledger_write_1m_events_s, ledger_read_1m_events_s (each for `num_events`
+events), num_events, quick. `--quick` (what CI runs): 200,000 events, one run of 20,000 recorder calls.
 """
 
 from __future__ import annotations
@@ -83,9 +84,15 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="a small run (CI's check that it runs)")
     args = parser.parse_args()
+    num_calls = 100_000
+    if args.quick:
+        args.events, args.runs, num_calls = 200_000, 1, 20_000
+    if args.events < 1000 or args.runs < 1:
+        parser.error("--events must be >= 1000 and --runs >= 1")
 
-    step_us, phase_us = event_cost_us(100_000, args.runs)
+    step_us, phase_us = event_cost_us(num_calls, args.runs)
     events = synthetic_job(args.events)
     report_costs = []
     for _ in range(3):
@@ -121,6 +128,7 @@ def main() -> None:
                     "ledger_write_1m_events_s": round(write_s, 3),
                     "ledger_read_1m_events_s": round(read_s, 3),
                     "num_events": len(events),
+                    "quick": args.quick,
                 }
             )
         )

@@ -1,13 +1,15 @@
 """Time to recover: plain `torchrun --max-restarts 1` against `ettr run -- torchrun ...`, side by side.
 
-The job (`benchmarks/recovery_job.py`, 2-rank gloo DDP, a checkpoint every 10 steps) fails once on rank 1 at
+The job (`benchmarks/jobs/recovery_job.py`, 2-rank gloo DDP, a checkpoint every 10 steps) fails once on rank 1 at
 step 25 (`--faults`: crash = an exception, kill = SIGKILL, hang = blocks forever); the two launchers run
 interleaved, `--trials` times each per fault. A recovery succeeded when the command exited 0 having trained
 to the last step after the fault. TTR is measured the same way for both, from the job's own timestamps: the
 fault to the first step completed by the next attempt. For ettr it also gives the ledger's parts
 (`EttReport.ttr_parts`: detection, teardown, backoff, relaunch, imports, ..., first step), median per part.
 
-    python benchmarks/recovery.py [--trials 3] [--faults crash,kill] [--json]
+    python benchmarks/recovery.py [--trials 3] [--faults crash,kill] [--json] [--quick]
+
+`--quick` (what CI runs): one trial of each launcher on a crash.
 
 `--json` ends with one object: per fault and launcher, trials, recovered, median and worst TTR (s), each
 trial's TTR, and for ettr the median seconds per part.
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-JOB = HERE / "recovery_job.py"
+JOB = HERE / "jobs" / "recovery_job.py"
 NUM_STEPS = 35
 
 
@@ -148,7 +150,10 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=180.0, help="a trial still running then failed")
     parser.add_argument("--hang-timeout-s", type=float, default=3.0, help="ettr run --hang-timeout for hang")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="one crash trial per launcher (CI's check)")
     args = parser.parse_args()
+    if args.quick:
+        args.trials, args.faults = 1, "crash"
     faults = [f for f in args.faults.split(",") if f]
     bad = [f for f in faults if f not in ("crash", "kill", "hang")]
     if bad or args.trials < 1:
@@ -170,6 +175,7 @@ def main() -> int:
         "benchmark": "recovery",
         "trials": args.trials,
         "faults": {f: {launcher: _summary(ts) for launcher, ts in by.items()} for f, by in results.items()},
+        "quick": args.quick,
     }
     for fault, by in summary["faults"].items():
         for launcher, s in by.items():
