@@ -216,7 +216,12 @@ def _list_ledger_jobs(url: str, *, as_json: bool) -> int:
 # -- ettr interval ---------------------------------------------------------------------------------------
 def _add_interval(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--blocking", type=_positive_float, required=True, metavar="SECONDS", help="blocking per save"
+        "--blocking",
+        type=_positive_float,
+        required=True,
+        metavar="SECONDS",
+        help="what one save costs the training loop: its blocking (plus any wait for the previous save and "
+        "the step time its background persist costs)",
     )
     p.add_argument(
         "--failures-per-day",
@@ -226,7 +231,7 @@ def _add_interval(p: argparse.ArgumentParser) -> None:
         help="interruptions of the whole job per day (failures and preemptions; all its nodes together)",
     )
     p.add_argument(
-        "--train-hours", type=_positive_float, default=24.0, metavar="H", help="training hours/day"
+        "--train-hours", type=_positive_float, default=24.0, metavar="H", help="training hours/day (24)"
     )
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (optimal_interval_s, wasted_pct, ...)"
@@ -245,7 +250,8 @@ def _interval(args: argparse.Namespace) -> int:
     try:  # extreme inputs (1e308, 5e-324) overflow or underflow the model: say so, never print Infinity
         best = model.optimal_interval_s
         points = curve(model)
-        numbers = [best, model.wasted_pct(best), model.wasted_s(best), model.daly_interval_s, model.mtbf_s]
+        numbers = [best, model.wasted_pct(best), model.wasted_s(best), model.mtbf_s]
+        numbers += [model.young_interval_s, model.daly_interval_s]
         numbers += [x for point in points for x in point]
     except (ValueError, ZeroDivisionError, OverflowError):
         numbers = [math.nan]
@@ -254,7 +260,7 @@ def _interval(args: argparse.Namespace) -> int:
             f"ettr interval: --blocking {args.blocking:g} with --failures-per-day {args.failures_per_day:g} "
             "is outside the numbers the model can compute (give values of real jobs)"
         )
-    if model.wasted_pct(best) > 100.0:
+    if model.wasted_pct(best) >= 99.995:  # shows as 100.00%: nothing is kept
         raise UsageError(
             f"ettr interval: a checkpoint blocking {args.blocking:g} s with a failure every "
             f"{model.mtbf_s:g} s on average: no checkpoint interval keeps the job making progress"
@@ -266,7 +272,7 @@ def _interval(args: argparse.Namespace) -> int:
                     "optimal_interval_s": best,
                     "wasted_pct": model.wasted_pct(best),
                     "wasted_s_per_day": model.wasted_s(best),
-                    "young_interval_s": best,
+                    "young_interval_s": model.young_interval_s,
                     "daly_interval_s": model.daly_interval_s,
                     "mtbf_s": model.mtbf_s,
                     "curve": [{"interval_s": t, "wasted_pct": w} for t, w in points],
@@ -276,11 +282,12 @@ def _interval(args: argparse.Namespace) -> int:
         return 0
     print(
         f"optimal checkpoint interval: {best:.0f} s ({best / 60:.1f} min) -> "
-        f"{model.wasted_pct(best):.2f}% of training time wasted ({model.wasted_s(best) / 60:.1f} min/day)"
+        f"{model.wasted_pct(best):.2f}% of training time wasted ({model.wasted_s(best) / 60:.1f} min/day; "
+        "restarts not counted)"
     )
     print(
-        f"  Daly's higher-order optimum: {model.daly_interval_s:.0f} s; mean time between failures: "
-        f"{model.mtbf_s / 3600:.1f} h"
+        f"  first-order forms: Young {model.young_interval_s:.0f} s, Daly {model.daly_interval_s:.0f} s; "
+        f"mean time between failures: {model.mtbf_s / 3600:.1f} h (docs/interval.md)"
     )
     print("  interval        wasted")
     for interval_s, wasted in points:
@@ -431,7 +438,7 @@ the hang timeout is 300 s without progress (armed after the first sign of life) 
   ettr report runs/my-job --json             # the ettr.report/1 schema
   ettr report runs/base runs/opt --html cmp.html   # compare runs, write an HTML page""",
     "interval": """examples:
-  ettr interval --blocking 15 --failures-per-day 3          # ~15.5 min
+  ettr interval --blocking 15 --failures-per-day 3          # ~15.3 min
   ettr interval --blocking 2 --failures-per-day 10 --json""",
     "demo": """examples:
   ettr demo                 # baseline vs optimized reference job (several minutes)

@@ -1,8 +1,9 @@
 """When to save: a fixed interval in steps or seconds, or `auto`, the interval that wastes the least.
 
-`auto` uses the model of `ettr.simulate` (`optimal_interval_s`, ~ sqrt(2 * D * b / f)) with `b` the
-measured cost of a save to the training loop (blocking plus any wait for the previous save, plus the extra
-step time its background persist caused, `observe_slowdown`) and `f` the
+`auto` uses the one interval model, `ettr.interval.optimal_interval_s` (what `ettr interval` and the
+simulator use too; about sqrt(2 * D * b / f) when saves are cheap) with `b` the measured cost of a save to the
+training loop (blocking plus any wait for the previous save, plus the extra step time its background persist
+caused, `observe_slowdown`) and `f` the
 failure rate: the user's prior, updated with the failures this job's ledger has seen so far. The interval
 is recomputed after every save and as the job's wall time grows, and is never shorter than the time a
 persist takes (a save that has to wait for the previous one would block the loop). Pure apart from the
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from ettr.constants import SECONDS_PER_DAY
 from ettr.events import Event, EventKind, Outcome
+from ettr.interval import optimal_interval_s
 
 logger = logging.getLogger("ettr")
 
@@ -170,8 +172,6 @@ class IntervalPolicy:
             return 0.0  # save at the first boundary: the only way to learn what a save costs here
         # A save that costs nothing measurable still has some cost; keep the model's domain (> 0).
         cost_s = max(statistics.median(self._costs_s), 1e-6)
-        from ettr.simulate import optimal_interval_s  # the simulator's model: one source of truth
-
         per_train_day = self.failures_per_day(now_s) * 24.0 / cfg.train_hours
         slowdown_s = statistics.median(self._slowdowns_s) if self._slowdowns_s else 0.0
         best_s = optimal_interval_s(

@@ -2,7 +2,7 @@
 published results (docs/simulate.md).
 
 params (JobParams), streams (seeded failure/preemption times), model (one run), summary (many runs),
-analytic (the closed form and `optimal_interval_s`, which `checkpoint`'s `auto` interval uses), profile
+analytic (the closed form; `optimal_interval_s` is `ettr.interval`'s, the one interval model), profile
 (from a run directory), sweep (sweeps and policy comparison), fleet (preemption victims), render, command.
 Only the light, pure `optimal_interval_s` is imported here; the rest (numpy) on use.
 """
