@@ -27,8 +27,8 @@ from ettr.cli import main as cli_main
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.ledger import MemoryLedger, open_ledger, read_run_events
 from ettr.recorder import MAX_BATCH, Recorder
+from ettr.supervisor.books import JobBooks
 from ettr.supervisor.config import RunConfig
-from ettr.supervisor.supervise import Supervisor
 
 T0 = 1_700_000_000.0
 
@@ -223,13 +223,13 @@ def test_the_supervisor_retries_its_end_events_until_written(tmp_path, capsys, s
     ledger = FullDiskLedger()
     ledger.full = False
     ledger.room = 0  # every append fails ...
-    supervisor = Supervisor(RunConfig(command=("true",), run_dir=str(tmp_path), end_retry_s=1.0))
-    supervisor._ledger = ledger
+    config = RunConfig(command=("true",), run_dir=str(tmp_path), end_retry_s=1.0)
+    books = JobBooks(config, run_dir=tmp_path, job_id="j", family="f", ledger=ledger)
     if not stays_full:  # ... until space is freed a moment later
         import threading
 
         threading.Timer(0.3, lambda: setattr(ledger, "room", 10)).start()
-    supervisor._append(EventKind.JOB_END, attempt=0, exit_status=0)
+    books.append(EventKind.JOB_END, attempt=0, exit_status=0)
     written = [e.kind for e in ledger.read()]
     err = capsys.readouterr().err
     if stays_full:

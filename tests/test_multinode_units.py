@@ -11,7 +11,7 @@ import pytest
 from ettr.accounting import compute
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
-from ettr.ledger import MemoryLedger
+from ettr.ledger import Ledger, MemoryLedger
 from ettr.supervisor import peers, slurm
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.launch import torchrun_command, torchrun_options
@@ -148,7 +148,7 @@ def test_slurm_warning_becomes_sigterm_and_restart_count_is_cross_checked() -> N
 
 def test_the_peers_read_only_the_supervisors_events(tmp_path: Path) -> None:
     from ettr.ledger.sqlite import SqliteLedger
-    from ettr.supervisor.multinode import _supervisor_events
+    from ettr.supervisor.books import JobBooks
 
     ledger = SqliteLedger(tmp_path / "ledger.db")
     events = [
@@ -157,8 +157,14 @@ def test_the_peers_read_only_the_supervisors_events(tmp_path: Path) -> None:
         peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=3.0),
     ]
     ledger.append(events)
-    assert _supervisor_events(ledger) == [events[0], events[2]]
-    assert _supervisor_events(MemoryLedger(events)) == [events[0], events[2]]  # no narrow query: filtered
+    config = RunConfig(command=("python", "t.py"))
+
+    def books(ledger: Ledger) -> JobBooks:
+        return JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger)
+
+    assert books(ledger).supervisor_events() == [events[0], events[2]]
+    no_narrow_query = MemoryLedger(events)
+    assert books(no_narrow_query).supervisor_events() == [events[0], events[2]]
     ledger.close()
 
 

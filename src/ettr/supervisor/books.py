@@ -1,20 +1,52 @@
-"""Keeping the books across supervisors: find a live one, and close what a killed one left open.
+"""A job's books, as one supervisor keeps them: open, salvage, append, read, close, summarise.
 
-A supervisor killed with SIGKILL leaves its last attempt without ATTEMPT_END (its processes die with it:
-see `process.py`). `ettr report` closes such a job in memory at the last thing the ledger saw. A supervisor
-started again on the same run directory (a requeued job) first writes the missing ATTEMPT_END, at the last
-event of that attempt, so the books it continues are closed on disk too.
+`JobBooks` is the only supervisor code that touches the ledger. It opens the books of a new or requeued job
+(closing the attempt a killed supervisor left open, after killing what that supervisor left running),
+salvages a damaged SQLite ledger, appends the supervisor's events (the end events patiently: without them a
+completed job reads as failed), answers the questions the rest of the supervisor asks of the books (the
+attempt's training events, its last activity, whether a rank recorded a FAILURE), and closes them (delivering
+what a server outage spilled, then storing the fleet's summary).
+
+A node of a multi-node job other than node 0 `join`s the books instead of opening them: it reads them and
+writes node marks (`ettr.supervisor.peers`), never the job's own events.
+
+A supervisor killed with SIGKILL leaves its last attempt without ATTEMPT_END. `ettr report` closes such a job in
+memory at the last thing the ledger saw; a supervisor started again on the same run directory (a requeued job)
+first writes the missing ATTEMPT_END, at the last event of that attempt, so the books it continues are closed on
+disk too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import socket
+import sqlite3
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from ettr.closing import closing_events as close_open_attempts
-from ettr.closing import live_supervisor
-from ettr.events import Event, EventKind
+from ettr.closing import live_supervisor, recorded_job_id
+from ettr.errors import UsageError
+from ettr.events import SUPERVISOR_RANK, Event, EventKind
+from ettr.inject import FaultSpec, unfired_specs
+from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
+from ettr.procs import start_ticks
+from ettr.supervisor import containment, peers, slurm
+from ettr.supervisor.config import RunConfig
+from ettr.supervisor.jobinfo import job_times
+from ettr.supervisor.launch import detect_launcher
+from ettr.supervisor.messages import describe_os_error, say
 
-__all__ = ["closing_events", "live_supervisor", "next_attempt"]
+__all__ = ["JobBooks", "closing_events", "live_supervisor", "next_attempt"]
+
+logger = logging.getLogger("ettr")
+
+_PATIENT_KINDS = frozenset({EventKind.ATTEMPT_END, EventKind.JOB_END})
+"""Retried for up to `RunConfig.end_retry_s`: without them a completed job reads as failed."""
 
 
 def closing_events(events: Sequence[Event]) -> list[Event]:
@@ -30,3 +62,299 @@ def next_attempt(events: Sequence[Event]) -> int:
     """The index the next attempt of this job gets (0 for a new job)."""
     used = (e.attempt for e in events if e.kind is EventKind.ATTEMPT_START or e.rank >= 0)
     return 1 + max(used, default=-1)
+
+
+class JobBooks:
+    """The books of one job, as its supervisor on this node keeps them (see the module docstring).
+
+    Args:
+        config: the run (ledger URL, command, times, end-event patience).
+        run_dir: the run directory (absolute).
+        job_id: the job's id as given or made up; `open` replaces a made-up one by the id a requeued run
+            directory already holds (read `job_id` after `open`).
+        family: the job family recorded in SUPERVISOR_START.
+        ledger: books already open (an in-memory ledger in tests); else `open` or `join` opens them.
+    """
+
+    def __init__(
+        self, config: RunConfig, *, run_dir: Path, job_id: str, family: str, ledger: Ledger | None = None
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.job_id = job_id
+        self.family = family
+        self._ledger = ledger
+        self._node_rank: int | None = None  # set by `join`: this node writes node marks only
+
+    # -- opening -----------------------------------------------------------------------------------------
+    def _connect(self) -> list[Event]:
+        """Open the ledger (the run directory's, or `--ledger URL`'s) and read what it holds."""
+        if self._ledger is None:
+            url = self.config.ledger_url
+            self._ledger = self._open_url(url) if url else open_ledger(self.run_dir)
+        return self._ledger.read()
+
+    def _open_url(self, url: str) -> Ledger:
+        from ettr.ledger.url import open_for_run, write_pointer
+
+        try:
+            ledger = open_for_run(url, job_id=self.job_id, run_dir=self.run_dir, supervisor=True)
+        except UsageError as exc:
+            raise UsageError(f"ettr run: {exc}") from None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_pointer(self.run_dir, url, job_id=self.job_id)  # `ettr report RUN_DIR` finds the books
+        return ledger
+
+    def open(self) -> int:
+        """Open the job's books (a new job, or a requeued one: its earlier attempts closed, its leftover
+        processes killed) and record the supervisor's start; the first attempt's index. Raises UsageError
+        (one line) when the run directory cannot be used."""
+        try:
+            previous = self._connect()
+        except (LedgerError, OSError) as exc:
+            raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {exc}") from None
+        recorded_id = recorded_job_id(previous)
+        if self.config.job_id is None:  # a requeued job continues under the id it started with
+            self.job_id = recorded_id or self.job_id
+        elif recorded_id is not None and recorded_id != self.config.job_id:
+            self.drop()
+            raise UsageError(
+                f"ettr run: {self.run_dir} holds job {recorded_id!r}, not {self.config.job_id!r} "
+                "(give another --run-dir, or drop --job-id to continue that job)"
+            )
+        live = live_supervisor(previous)
+        if live is not None:
+            self.drop()
+            raise UsageError(
+                f"ettr run: {self.run_dir} is in use by a running supervisor (pid {live}); "
+                "give another --run-dir or --job-id"
+            )
+        if self._kill_leftovers():
+            previous = self.read()  # they may have written until killed: close after their last
+        closing = closing_events(previous)
+        first_attempt = next_attempt(previous)
+        note = slurm.restart_count_note(previous, os.environ)
+        if note:
+            say(note)
+        opening = [*closing, *self._opening_events(previous)]
+        try:  # the first write: a ledger that reads but cannot be written is found here
+            self._writer().append(opening)
+        except sqlite3.OperationalError as exc:  # full, locked, read-only: not damage; the job goes on
+            say(f"could not record the job's start in {self.run_dir} ({describe_os_error(exc)})")
+        except (sqlite3.DatabaseError, LedgerError) as exc:  # malformed: damaged structure
+            self._salvage(previous, opening, exc)
+        except OSError as exc:
+            say(f"could not record the job's start in {self.run_dir} ({describe_os_error(exc)})")
+        if closing:
+            say(f"closed {len(closing)} attempt(s) a killed supervisor left open in {self.run_dir}")
+        if previous:
+            say(f"continuing job {self.job_id} in {self.run_dir} (attempt {first_attempt})")
+        return first_attempt
+
+    def _opening_events(self, previous: Sequence[Event]) -> list[Event]:
+        """JOB_SUBMITTED / JOB_ALLOCATED where first known, and SUPERVISOR_START."""
+        cfg = self.config
+        times = job_times(submitted_at=cfg.submitted_at, allocated_at=cfg.allocated_at)
+        known = {e.kind for e in previous}
+        opening = []
+        if times.submitted_at is not None and EventKind.JOB_SUBMITTED not in known:
+            opening.append(Event(EventKind.JOB_SUBMITTED, times.submitted_at, 0, SUPERVISOR_RANK))
+        if times.allocated_at is not None and EventKind.JOB_ALLOCATED not in known:
+            opening.append(Event(EventKind.JOB_ALLOCATED, times.allocated_at, 0, SUPERVISOR_RANK))
+        start: dict[str, Any] = {
+            "pid": os.getpid(),
+            "pid_start_ticks": start_ticks(os.getpid()),
+            "host": socket.gethostname(),
+            "command": list(cfg.command),
+            "launcher": detect_launcher(cfg.command).value,
+            "max_restarts": cfg.max_restarts,
+            "job_id": self.job_id,
+            "family": self.family,
+            "hang_timeout_s": cfg.hang_timeout_s or cfg.default_hang_timeout_s,
+            "inject": [str(s) for s in cfg.inject],
+            "auto": cfg.auto,
+        }
+        if previous:  # a requeued run: its own wait in the queue (Slurm resets SubmitTime at a requeue)
+            if times.submitted_at is not None:
+                start["submitted_at"] = times.submitted_at
+            if times.allocated_at is not None:
+                start["allocated_at"] = times.allocated_at
+        opening.append(Event(EventKind.SUPERVISOR_START, time.time(), 0, SUPERVISOR_RANK, data=start))
+        return opening
+
+    def join(self, node_rank: int) -> list[Event]:
+        """Join the books of a multi-node job as node `node_rank` (not 0): read them; from now on `append`
+        writes this node's marks instead of the job's events. What they hold. Raises UsageError."""
+        try:
+            previous = self._connect()
+        except (LedgerError, OSError) as exc:
+            raise UsageError(f"ettr run: cannot use the ledger of job {self.job_id}: {exc}") from None
+        self._node_rank = node_rank
+        return previous
+
+    def _salvage(self, previous: list[Event], opening: list[Event], exc: BaseException) -> None:
+        """The ledger reads but cannot be written (damaged): keep it aside, continue in a fresh one holding
+        every event that could be read. Raises UsageError if even that fails."""
+        self.drop()
+        try:
+            self._ledger, aside = rebuild_ledger(self.run_dir, [*previous, *opening])
+        except (sqlite3.DatabaseError, LedgerError, OSError) as again:
+            raise UsageError(
+                f"ettr run: the ledger in {self.run_dir} is damaged ({exc}) and cannot be rebuilt ({again}); "
+                "move ledger.db aside to start the books afresh"
+            ) from None
+        say(
+            f"the ledger in {self.run_dir} is damaged ({exc}); kept it as {aside.name} and continue with "
+            f"the {len(previous)} event(s) that could be read"
+        )
+
+    def _kill_leftovers(self) -> bool:
+        """Before a requeue continues the job: kill the processes a killed supervisor left running here (they
+        would keep writing the previous attempt's events and checkpoints). Refuses (UsageError) if any
+        survive. Whether there were any."""
+        found = containment.leftovers(self.run_dir)
+        if not found:
+            return False
+        pids = ", ".join(str(f.pid) for f in found)
+        attempts = ", ".join(sorted({f.attempt for f in found}))
+        alive = containment.kill_all((f.pid, f.start_ticks) for f in found)
+        if alive:
+            self.drop()
+            raise UsageError(
+                f"ettr run: processes {', '.join(map(str, alive))} of attempt {attempts} of this job still run "
+                "and cannot be killed by this user (end them, then run again)"
+            )
+        say(
+            f"killed {len(found)} process(es) of attempt {attempts} left running by a killed supervisor (pids {pids})"
+        )
+        return True
+
+    # -- writing -----------------------------------------------------------------------------------------
+    def _writer(self) -> Ledger:
+        if self._ledger is None:
+            raise LedgerError("the books are not open")
+        return self._ledger
+
+    @property
+    def keeps_job_events(self) -> bool:
+        """Whether this supervisor writes the job's own events (one node, or node 0 of several)."""
+        return self._node_rank is None
+
+    def append(self, kind: EventKind, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
+        """Record one of the job's events. The end events (ATTEMPT_END, JOB_END) are retried for up to
+        `end_retry_s` (a full disk, a locked ledger). A node that joined the books records its attempt's start
+        and end as node marks and nothing else. Never raises."""
+        event = Event(kind, time.time() if ts is None else ts, attempt, SUPERVISOR_RANK, data=data or None)
+        if self._node_rank is not None:
+            self._append_node_part(event)
+            return
+        patient = kind in _PATIENT_KINDS
+        deadline = time.monotonic() + (self.config.end_retry_s if patient else 0.0)
+        pause_s = 0.1
+        while True:
+            try:
+                self._writer().append([event])
+                return
+            except Exception as exc:  # the job matters more than its books
+                if time.monotonic() + pause_s > deadline:
+                    cause = describe_os_error(exc)
+                    if patient:
+                        say(
+                            f"could not record {kind.value} of attempt {attempt} in {self.run_dir} "
+                            f"({cause}); gave up after {self.config.end_retry_s:g} s"
+                        )
+                    else:
+                        logger.warning("ettr: could not record %s (%s)", kind.value, cause)
+                    return
+            time.sleep(pause_s)
+            pause_s = min(2.0, pause_s * 2)
+
+    def _append_node_part(self, event: Event) -> None:
+        assert self._node_rank is not None
+        data = dict(event.data or {})
+        if event.kind is EventKind.ATTEMPT_START:
+            name = peers.NODE_ATTEMPT_START
+            data["supervisor_pid"] = os.getpid()
+        elif event.kind is EventKind.ATTEMPT_END:
+            name = peers.NODE_ATTEMPT_END
+        else:
+            return  # the job's own events are node 0's
+        self.mark(name, attempt=event.attempt, node_rank=self._node_rank, **data)
+
+    def mark(self, name: str, *, attempt: int, node_rank: int, **data: Any) -> None:
+        """Record a node mark (`ettr.supervisor.peers`); a failure is said, never raised."""
+        event = peers.node_mark(name, node_rank=node_rank, attempt=attempt, ts=time.time(), **data)
+        try:
+            self._writer().append([event])
+        except Exception as exc:  # the job matters more than its books
+            say(f"could not record {name} ({exc})")
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def read(self) -> list[Event]:
+        """Every event of the job (raises LedgerError / OSError when the books cannot be read)."""
+        return self._writer().read()
+
+    def supervisor_events(self) -> list[Event]:
+        """The supervisors' events (rank < 0) in append order: a narrow query where the ledger has one (SQLite,
+        PostgreSQL, spilling), so that peers polling a long job do not read every training event each time.
+        Raises like `read`."""
+        ledger = self._writer()
+        # SEAM(books): the Ledger Protocol has no narrow read yet; asked of the backends that have one.
+        narrow = getattr(ledger, "read_supervisor", None)
+        return narrow() if narrow is not None else [e for e in ledger.read() if e.rank < 0]
+
+    def attempt_events(self, attempt: int) -> list[Event]:
+        """The training processes' events of `attempt` ([] when the books cannot be read)."""
+        try:
+            events = self.read()
+        except Exception:
+            return []
+        return [e for e in events if e.attempt == attempt and e.rank >= 0]
+
+    def failure_recorded(self, attempt: int) -> bool:
+        """Whether a training process of `attempt` recorded a FAILURE."""
+        return any(e.kind is EventKind.FAILURE for e in self.attempt_events(attempt))
+
+    def last_activity(self, attempt: int) -> float | None:
+        """The newest training-process event of `attempt` (hang detection), None where unknown."""
+        # SEAM(books): `last_activity` is not in the Ledger Protocol yet.
+        probe = getattr(self._ledger, "last_activity", None)
+        return None if probe is None else probe(attempt)
+
+    def unfired(self, specs: Sequence[FaultSpec]) -> list[FaultSpec]:
+        """The `--inject` specs no process of the job fired ([] when the books cannot be read)."""
+        if not specs:
+            return []
+        try:
+            events = self.read()
+        except Exception:
+            return []
+        return list(unfired_specs(specs, events))
+
+    # -- closing -----------------------------------------------------------------------------------------
+    def drop(self) -> None:
+        """Close the ledger without waiting to deliver anything (a start refused before the job began)."""
+        if self._ledger is not None:
+            with contextlib.suppress(Exception):
+                self._ledger.close()
+
+    def close(self) -> None:
+        """Close the books, first delivering what a server outage spilled (up to `ledger_drain_s`)."""
+        from ettr.ledger.spill import SpillingLedger
+
+        ledger = self._ledger
+        if ledger is None:
+            return
+        # SEAM(books): the drain on close is not in the Ledger Protocol yet.
+        if isinstance(ledger, SpillingLedger):
+            if ledger.backlog or ledger.server_down:
+                say(f"delivering spilled ledger events (up to {self.config.ledger_drain_s:g} s)")
+            ledger.close(drain_timeout_s=self.config.ledger_drain_s)
+        else:
+            ledger.close()
+
+    def store_summary(self) -> None:
+        """Store the finished job's summary for the fleet, once, where its events are (never raises)."""
+        from ettr.fleet.stored import store_at_job_end  # docs/fleet.md
+
+        store_at_job_end(self.run_dir, ledger_url=self.config.ledger_url, job_id=self.job_id)

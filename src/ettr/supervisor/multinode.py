@@ -30,8 +30,7 @@ from typing import Any
 
 from ettr.constants import EXIT_FAILED
 from ettr.errors import UsageError
-from ettr.events import Event, EventKind, Outcome
-from ettr.ledger import LedgerError, open_ledger
+from ettr.events import EventKind, Outcome
 from ettr.procs import pid_alive, start_ticks
 from ettr.supervisor import peers
 from ettr.supervisor.classify import AttemptEnd
@@ -59,13 +58,6 @@ def node_role_of(config: RunConfig) -> NodeRole | None:
     return role
 
 
-def _supervisor_events(ledger: Any) -> list[Event]:
-    """The supervisors' events (rank < 0) in append order: a narrow query where the ledger has one (SQLite,
-    PostgreSQL, spilling), so that peers polling a long job do not read every training event each time."""
-    read = getattr(ledger, "read_supervisor", None)
-    return read() if read is not None else [e for e in ledger.read() if e.rank < 0]
-
-
 def supervisor_for(config: RunConfig) -> Supervisor:
     """The supervisor for `config`: a plain one, or node 0's leader, or another node's follower."""
     role = node_role_of(config)
@@ -87,11 +79,7 @@ class _Node(Supervisor):
         self._peer_end: dict[str, Any] = {}
 
     def _mark(self, name: str, *, attempt: int, **data: Any) -> None:
-        event = peers.node_mark(name, node_rank=self.role.node_rank, attempt=attempt, ts=time.time(), **data)
-        try:
-            self._ledger.append([event])
-        except Exception as exc:  # the job matters more than its books
-            _say(f"could not record {name} ({exc})")
+        self.books.mark(name, attempt=attempt, node_rank=self.role.node_rank, **data)
 
     def _beat(self, attempt: int, now: float) -> None:
         if now - self._beat_at >= self._interval:
@@ -104,7 +92,7 @@ class _Node(Supervisor):
             return None
         self._looked_at = now
         try:
-            self._view = peers.peer_view(_supervisor_events(self._ledger))
+            self._view = peers.peer_view(self.books.supervisor_events())
         except Exception as exc:
             _say(f"cannot read the ledger to see the peers ({exc}); trying again")
             return None
@@ -148,7 +136,7 @@ class Leader(_Node):
 
     def _restarts_used(self) -> int:
         try:
-            used = peers.restarts_used(self._ledger.read())
+            used = peers.restarts_used(self.books.read())
         except Exception:
             return 0
         if used:
@@ -209,12 +197,7 @@ class Follower(_Node):
     """Node rank R > 0: joins the attempts node 0 opens, reports its part, ends with the job's status."""
 
     def _open_books(self) -> int:
-        url = self.config.ledger_url
-        try:
-            self._ledger = self._open_url_ledger(url) if url else open_ledger(self.run_dir)
-            previous = self._ledger.read()
-        except (LedgerError, OSError) as exc:
-            raise UsageError(f"ettr run: cannot use the ledger of job {self.job_id}: {exc}") from None
+        previous = self.books.join(self.role.node_rank)
         live = peers.live_node_supervisor(previous, self.role.node_rank)
         if live is not None and live.get("host") == socket.gethostname():
             pid, ticks = live.get("pid"), live.get("pid_start_ticks")
@@ -223,7 +206,7 @@ class Follower(_Node):
                 and pid != os.getpid()
                 and pid_alive(pid, ticks if isinstance(ticks, int) else None)
             ):
-                self._ledger.close()
+                self.books.drop()
                 raise UsageError(
                     f"ettr run: node {self.role.node_rank} of job {self.job_id} already has a running "
                     f"supervisor (pid {pid}); give each node its own --node-rank"
@@ -248,13 +231,6 @@ class Follower(_Node):
                     reason=f"node {node}'s supervisor was lost (killed) while this attempt ran",
                 )
         self._done = max(joined, default=-1)
-
-    def _append(self, kind: EventKind, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
-        # A follower's books are node marks; the job's own events are the leader's.
-        if kind is EventKind.ATTEMPT_START:
-            self._mark(peers.NODE_ATTEMPT_START, attempt=attempt, supervisor_pid=os.getpid(), **data)
-        elif kind is EventKind.ATTEMPT_END:
-            self._mark(peers.NODE_ATTEMPT_END, attempt=attempt, **data)
 
     def _rendezvous_port(self, attempt: int) -> int | None:
         return self._view.ports.get(attempt)

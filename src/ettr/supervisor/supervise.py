@@ -13,16 +13,11 @@ directory holds everything up to that instant.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import os
 import shlex
 import shutil
 import signal
-import socket
-import sqlite3
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -30,7 +25,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ettr.closing import recorded_job_id
 from ettr.constants import (
     BACKOFF_MARK,
     EXIT_COMPLETED,
@@ -40,20 +34,19 @@ from ettr.constants import (
     FAILURE_DETECTED_MARK,
 )
 from ettr.errors import UsageError
-from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+from ettr.events import EventKind, Outcome
 from ettr.family import derive_family
 from ettr.heartbeat import latest_heartbeat
-from ettr.inject import FaultKind, unfired_specs
-from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
+from ettr.inject import FaultKind
 from ettr.ledger.postgres import redact
-from ettr.ledger.spill import SpillingLedger
-from ettr.procs import start_ticks
 from ettr.run_env import has_trained, trained_modules
-from ettr.supervisor import agent, books, containment, slurm, standby
+from ettr.supervisor import agent, containment, slurm, standby
+from ettr.supervisor.books import JobBooks
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
-from ettr.supervisor.jobinfo import default_job_id, job_times
+from ettr.supervisor.jobinfo import default_job_id
 from ettr.supervisor.launch import AttemptLaunch, attempt_launch, detect_launcher, free_port
+from ettr.supervisor.messages import say
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.restart import (
     ExitWaker,
@@ -73,17 +66,7 @@ _FLUSH_WINDOW_S = 0.6
 events within 0.5 s, so their last steps are in the books."""
 
 
-def describe_os_error(exc: BaseException) -> str:
-    """An error in a few words, a full disk said as such."""
-    errno_ = getattr(exc, "errno", None)
-    text = str(exc)
-    if errno_ == errno.ENOSPC or "database or disk is full" in text:
-        return f"no space left on the device (ENOSPC): {text}"
-    return f"{type(exc).__name__}: {text}"
-
-
-def _say(message: str) -> None:
-    print(f"ettr: {message}", file=sys.stderr, flush=True)
+_say = say
 
 
 def _check_command(command: tuple[str, ...]) -> None:
@@ -110,175 +93,33 @@ class Supervisor:
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
-        self.job_id = config.job_id or default_job_id()
-        self.run_dir = Path(config.run_dir or Path("runs") / self.job_id).absolute()
+        job_id = config.job_id or default_job_id()
+        self.run_dir = Path(config.run_dir or Path("runs") / job_id).absolute()
         self.family = config.family or derive_family(config.command)
+        self.books = JobBooks(config, run_dir=self.run_dir, job_id=job_id, family=self.family)
         self._signal: int | None = None
         self._num_signals = 0
         self._wake = threading.Event()
-        self._ledger: Any = None
         self._standby: standby.Standby | StandbyGroup | None = None  # the next attempt's, started ahead
         self._agent: agent.WorkerSpec | None | bool = False  # False: not parsed yet (`_worker_spec`)
         self._workers: tuple[list[list[str]], list[dict[str, str]]] = ([], [])  # the attempt's, per rank
         self._restarts_left = 0
         self._made_progress = False  # the last attempt completed a step (see restart.backoff_wait_s)
 
-    # -- the books ---------------------------------------------------------------------------------------
+    # -- the books (`books.py`) -----------------------------------------------------------------------------
+    @property
+    def job_id(self) -> str:
+        return self.books.job_id
+
     def _append(self, kind: EventKind, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
-        """Record one event. The end events (ATTEMPT_END, JOB_END) are retried for up to `end_retry_s` (a
-        full disk, a locked ledger): without them a completed job reads as failed. Never raises."""
-        event = Event(kind, time.time() if ts is None else ts, attempt, SUPERVISOR_RANK, data=data or None)
-        patient = kind in (EventKind.ATTEMPT_END, EventKind.JOB_END)
-        deadline = time.monotonic() + (self.config.end_retry_s if patient else 0.0)
-        pause_s = 0.1
-        while True:
-            try:
-                self._ledger.append([event])
-                return
-            except Exception as exc:  # the job matters more than its books
-                if time.monotonic() + pause_s > deadline:
-                    cause = describe_os_error(exc)
-                    if patient:
-                        _say(
-                            f"could not record {kind.value} of attempt {attempt} in {self.run_dir} "
-                            f"({cause}); gave up after {self.config.end_retry_s:g} s"
-                        )
-                    else:
-                        logger.warning("ettr: could not record %s (%s)", kind.value, cause)
-                    return
-            time.sleep(pause_s)
-            pause_s = min(2.0, pause_s * 2)
+        self.books.append(kind, attempt=attempt, ts=ts, **data)
 
     def _open_books(self) -> int:
-        """Open the ledger, close what a killed predecessor left open; the first attempt's index."""
-        try:
-            if self.config.ledger_url:
-                self._ledger = self._open_url_ledger(self.config.ledger_url)
-            else:
-                self._ledger = open_ledger(self.run_dir)
-            previous = self._ledger.read()
-        except (LedgerError, OSError) as exc:
-            raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {exc}") from None
-        recorded_id = recorded_job_id(previous)
-        if self.config.job_id is None:  # a requeued job continues under the id it started with
-            self.job_id = recorded_id or self.job_id
-        elif recorded_id is not None and recorded_id != self.config.job_id:
-            self._ledger.close()
-            raise UsageError(
-                f"ettr run: {self.run_dir} holds job {recorded_id!r}, not {self.config.job_id!r} "
-                "(give another --run-dir, or drop --job-id to continue that job)"
-            )
-        live = books.live_supervisor(previous)
-        if live is not None:
-            self._ledger.close()
-            raise UsageError(
-                f"ettr run: {self.run_dir} is in use by a running supervisor (pid {live}); "
-                "give another --run-dir or --job-id"
-            )
-        if self._kill_leftovers():
-            previous = self._ledger.read()  # they may have written until killed: close after their last
-        closing = books.closing_events(previous)
-        first_attempt = books.next_attempt(previous)
-        note = slurm.restart_count_note(previous, os.environ)
-        if note:
-            _say(note)
-        cfg = self.config
-        times = job_times(submitted_at=cfg.submitted_at, allocated_at=cfg.allocated_at)
-        known = {e.kind for e in previous}
-        opening = list(closing)
-        if times.submitted_at is not None and EventKind.JOB_SUBMITTED not in known:
-            opening.append(Event(EventKind.JOB_SUBMITTED, times.submitted_at, 0, SUPERVISOR_RANK))
-        if times.allocated_at is not None and EventKind.JOB_ALLOCATED not in known:
-            opening.append(Event(EventKind.JOB_ALLOCATED, times.allocated_at, 0, SUPERVISOR_RANK))
-        start = {
-            "pid": os.getpid(),
-            "pid_start_ticks": start_ticks(os.getpid()),
-            "host": socket.gethostname(),
-            "command": list(cfg.command),
-            "launcher": detect_launcher(cfg.command).value,
-            "max_restarts": cfg.max_restarts,
-            "job_id": self.job_id,
-            "family": self.family,
-            "hang_timeout_s": cfg.hang_timeout_s or cfg.default_hang_timeout_s,
-            "inject": [str(s) for s in cfg.inject],
-            "auto": cfg.auto,
-        }
-        if previous:  # a requeued run: its own wait in the queue (Slurm resets SubmitTime at a requeue)
-            if times.submitted_at is not None:
-                start["submitted_at"] = times.submitted_at
-            if times.allocated_at is not None:
-                start["allocated_at"] = times.allocated_at
-        opening.append(Event(EventKind.SUPERVISOR_START, time.time(), 0, SUPERVISOR_RANK, data=start))
-        try:  # the first write: a ledger that reads but cannot be written is found here
-            self._ledger.append(opening)
-        except sqlite3.OperationalError as exc:  # full, locked, read-only: not damage; the job goes on
-            _say(f"could not record the job's start in {self.run_dir} ({describe_os_error(exc)})")
-        except (sqlite3.DatabaseError, LedgerError) as exc:  # malformed: damaged structure
-            self._salvage(previous, opening, exc)
-        except OSError as exc:
-            _say(f"could not record the job's start in {self.run_dir} ({describe_os_error(exc)})")
-        if closing:
-            _say(f"closed {len(closing)} attempt(s) a killed supervisor left open in {self.run_dir}")
-        if previous:
-            _say(f"continuing job {self.job_id} in {self.run_dir} (attempt {first_attempt})")
-        return first_attempt
-
-    def _salvage(self, previous: list[Event], opening: list[Event], exc: BaseException) -> None:
-        """The ledger reads but cannot be written (damaged): keep it aside, continue in a fresh one holding
-        every event that could be read. Raises UsageError if even that fails."""
-        with contextlib.suppress(Exception):
-            self._ledger.close()
-        try:
-            self._ledger, aside = rebuild_ledger(self.run_dir, [*previous, *opening])
-        except (sqlite3.DatabaseError, LedgerError, OSError) as again:
-            raise UsageError(
-                f"ettr run: the ledger in {self.run_dir} is damaged ({exc}) and cannot be rebuilt ({again}); "
-                "move ledger.db aside to start the books afresh"
-            ) from None
-        _say(
-            f"the ledger in {self.run_dir} is damaged ({exc}); kept it as {aside.name} and continue with "
-            f"the {len(previous)} event(s) that could be read"
-        )
-
-    def _kill_leftovers(self) -> bool:
-        """Before a requeue continues the job: kill the processes a killed supervisor left running here (they
-        would keep writing the previous attempt's events and checkpoints). Refuses (UsageError) if any
-        survive. Whether there were any."""
-        found = containment.leftovers(self.run_dir)
-        if not found:
-            return False
-        pids = ", ".join(str(f.pid) for f in found)
-        attempts = ", ".join(sorted({f.attempt for f in found}))
-        alive = containment.kill_all((f.pid, f.start_ticks) for f in found)
-        if alive:
-            self._ledger.close()
-            raise UsageError(
-                f"ettr run: processes {', '.join(map(str, alive))} of attempt {attempts} of this job still run "
-                "and cannot be killed by this user (end them, then run again)"
-            )
-        _say(
-            f"killed {len(found)} process(es) of attempt {attempts} left running by a killed supervisor (pids {pids})"
-        )
-        return True
-
-    def _open_url_ledger(self, url: str) -> Ledger:
-        from ettr.ledger.url import open_for_run, write_pointer
-
-        try:
-            ledger = open_for_run(url, job_id=self.job_id, run_dir=self.run_dir, supervisor=True)
-        except UsageError as exc:
-            raise UsageError(f"ettr run: {exc}") from None
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_pointer(self.run_dir, url, job_id=self.job_id)  # `ettr report RUN_DIR` finds the books
-        return ledger
+        """Open the books (closing what a killed predecessor left open); the first attempt's index."""
+        return self.books.open()
 
     def _close_books(self) -> None:
-        if isinstance(self._ledger, SpillingLedger):
-            if self._ledger.backlog or self._ledger.server_down:
-                _say(f"delivering spilled ledger events (up to {self.config.ledger_drain_s:g} s)")
-            self._ledger.close(drain_timeout_s=self.config.ledger_drain_s)
-        else:
-            self._ledger.close()
+        self.books.close()
 
     # -- signals -----------------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -333,7 +174,7 @@ class Supervisor:
         watchdog = HangWatchdog(
             timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
             probes=[
-                lambda: self._last_activity(attempt),
+                lambda: self.books.last_activity(attempt),
                 lambda: latest_heartbeat(self.run_dir, attempt),
             ],
             started_at=started,
@@ -350,9 +191,7 @@ class Supervisor:
         detected_at: float | None = None  # when the supervisor knew the attempt was over (hang: at once)
         peer_failed = False
         stop_at = float("inf")
-        peers = PeerFailureWatch(
-            lambda: any(e.kind is EventKind.FAILURE for e in self._attempt_events(attempt))
-        )
+        peers = PeerFailureWatch(lambda: self.books.failure_recorded(attempt))
         while (returncode := proc.poll()) is None:
             now = time.time()
             if self._signal is not None and forwarded is None and hung_after_s is None:
@@ -429,7 +268,7 @@ class Supervisor:
             )
         proc.finish()
         oom_after = oom_kill_count()
-        events = self._attempt_events(attempt)
+        events = self.books.attempt_events(attempt)
         self._made_progress = trained(events)
         end = classify(
             returncode=returncode,
@@ -530,26 +369,9 @@ class Supervisor:
         return EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED
 
     def _say_unfired(self) -> None:
-        if not self.config.inject:
-            return
-        try:
-            events = self._ledger.read()
-        except Exception:
-            return
-        for spec in unfired_specs(self.config.inject, events):
+        for spec in self.books.unfired(self.config.inject):
             why = "" if self.config.auto else " (--no-auto: only an instrumented process can fire it)"
             _say(f"injected fault {spec} never fired{why}")
-
-    def _last_activity(self, attempt: int) -> float | None:
-        probe = getattr(self._ledger, "last_activity", None)
-        return None if probe is None else probe(attempt)
-
-    def _attempt_events(self, attempt: int) -> list[Event]:
-        try:
-            events = self._ledger.read()
-        except Exception:
-            return []
-        return [e for e in events if e.attempt == attempt and e.rank >= 0]
 
     # -- the job -----------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -619,9 +441,7 @@ class Supervisor:
             )
             self._say_unfired()
             self._close_books()
-            from ettr.fleet.stored import store_at_job_end  # the fleet's summary, once (docs/fleet.md)
-
-            store_at_job_end(self.run_dir, ledger_url=cfg.ledger_url, job_id=self.job_id)
+            self.books.store_summary()
         if cfg.ledger_url:
             where = f"--ledger {shlex.quote(redact(cfg.ledger_url))} --job-id {shlex.quote(self.job_id)}"
         else:
