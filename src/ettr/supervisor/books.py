@@ -240,7 +240,7 @@ class JobBooks:
         """Whether this supervisor writes the job's own events (one node, or node 0 of several)."""
         return self._node_rank is None
 
-    def append(self, kind: EventKind, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
+    def append(self, kind: EventKind, /, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
         """Record one of the job's events. The end events (ATTEMPT_END, JOB_END) are retried for up to
         `end_retry_s` (a full disk, a locked ledger). A node that joined the books records its attempt's start
         and end as node marks and nothing else. Never raises."""
@@ -295,13 +295,9 @@ class JobBooks:
         return self._writer().read()
 
     def supervisor_events(self) -> list[Event]:
-        """The supervisors' events (rank < 0) in append order: a narrow query where the ledger has one (SQLite,
-        PostgreSQL, spilling), so that peers polling a long job do not read every training event each time.
-        Raises like `read`."""
-        ledger = self._writer()
-        # SEAM(books): the Ledger Protocol has no narrow read yet; asked of the backends that have one.
-        narrow = getattr(ledger, "read_supervisor", None)
-        return narrow() if narrow is not None else [e for e in ledger.read() if e.rank < 0]
+        """The supervisors' events (rank < 0) in append order (a narrow query: peers polling a long job do not
+        read every training event each time). Raises like `read`."""
+        return self._writer().read_supervisor()
 
     def attempt_events(self, attempt: int) -> list[Event]:
         """The training processes' events of `attempt` ([] when the books cannot be read)."""
@@ -317,13 +313,12 @@ class JobBooks:
 
     def last_activity(self, attempt: int) -> float | None:
         """The newest training-process event of `attempt` (hang detection), None where unknown."""
-        # SEAM(books): `last_activity` is not in the Ledger Protocol yet.
-        probe = getattr(self._ledger, "last_activity", None)
-        return None if probe is None else probe(attempt)
+        return None if self._ledger is None else self._ledger.last_activity(attempt)
 
     def unfired(self, specs: Sequence[FaultSpec]) -> list[FaultSpec]:
-        """The `--inject` specs no process of the job fired ([] when the books cannot be read)."""
-        if not specs:
+        """The `--inject` specs no process of the job fired ([] when the books cannot be read, and on a node
+        that joined the books: node 0 says it)."""
+        if not specs or not self.keeps_job_events:
             return []
         try:
             events = self.read()
@@ -340,21 +335,18 @@ class JobBooks:
 
     def close(self) -> None:
         """Close the books, first delivering what a server outage spilled (up to `ledger_drain_s`)."""
-        from ettr.ledger.spill import SpillingLedger
-
         ledger = self._ledger
         if ledger is None:
             return
-        # SEAM(books): the drain on close is not in the Ledger Protocol yet.
-        if isinstance(ledger, SpillingLedger):
-            if ledger.backlog or ledger.server_down:
-                say(f"delivering spilled ledger events (up to {self.config.ledger_drain_s:g} s)")
-            ledger.close(drain_timeout_s=self.config.ledger_drain_s)
-        else:
-            ledger.close()
+        if ledger.health().pending:
+            say(f"delivering spilled ledger events (up to {self.config.ledger_drain_s:g} s)")
+        ledger.close(drain_timeout_s=self.config.ledger_drain_s)
 
     def store_summary(self) -> None:
-        """Store the finished job's summary for the fleet, once, where its events are (never raises)."""
+        """Store the finished job's summary for the fleet, once, where its events are (never raises; node 0
+        of a multi-node job stores it)."""
+        if not self.keeps_job_events:
+            return
         from ettr.fleet.stored import store_at_job_end  # docs/fleet.md
 
         store_at_job_end(self.run_dir, ledger_url=self.config.ledger_url, job_id=self.job_id)
