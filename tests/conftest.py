@@ -12,11 +12,12 @@ import pytest
 def _private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every test (and every process it starts) gets a fresh per-user cache: the compile store and the fleet's
     summary cache default to $XDG_CACHE_HOME/ettr, which would otherwise carry entries from earlier runs into
-    tests that expect an empty store. Likewise a fresh checkpoint key ring (ETTR_CHECKPOINT_KEY_DIR), so that
-    no test makes or reads keys in the real ~/.config."""
+    tests that expect an empty store. Likewise a fresh $XDG_CONFIG_HOME, where the checkpoint key ring lives
+    by default (ettr.checkpoint.keys), so that no test, nor any process a test starts with the ETTR_*
+    variables left out, makes or reads keys in the real ~/.config."""
     fresh = {
         "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg-cache")),
-        "ETTR_CHECKPOINT_KEY_DIR": str(tmp_path_factory.mktemp("checkpoint-keys") / "ring"),
+        "XDG_CONFIG_HOME": str(tmp_path_factory.mktemp("xdg-config")),
     }
     previous = {name: os.environ.get(name) for name in fresh}
     os.environ.update(fresh)
