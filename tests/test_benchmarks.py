@@ -64,7 +64,10 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "recovery.py": (
         "faults.crash.torchrun.recovered", "faults.crash.ettr.median_ttr_s", "faults.crash.ettr.parts_median_s",
     ),
-    "simulate_speed.py": ("scale_s", "scale_job_days_per_s", "scale_interruptions", "sweep_s", "sweep_job_days_per_s"),
+    "simulate_speed.py": (
+        "scale_s", "scale_job_days_per_s", "scale_interruptions", "scalar_scale_s", "scale_speedup", "big_s",
+        "big_job_days_per_s", "big_interruptions", "scalar_big_s", "big_speedup", "sweep_s", "sweep_job_days_per_s",
+    ),
 }  # fmt: skip
 
 # Quick modes that start real jobs, compile, or a database server: minutes on a loaded machine (`make test-fast`

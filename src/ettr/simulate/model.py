@@ -334,8 +334,8 @@ def run_generators(seed: int, run_index: int) -> tuple[np.random.Generator, np.r
     return np.random.default_rng(failures), np.random.default_rng(preemptions)
 
 
-def simulate_seeded(params: JobParams, *, seed: int, run_index: int) -> RunResult:
-    """Run `run_index` of the seeded family `seed` (the same failure times for any policy of the job)."""
+def seeded_streams(params: JobParams, *, seed: int, run_index: int) -> tuple[EventStream, EventStream]:
+    """The (failures, preemptions) streams of run `run_index` of the seeded family `seed`."""
     failure_rng, preempt_rng = run_generators(seed, run_index)
     hint = params.duration_s if params.duration_s is not None else 2.0 * (params.work_s or 0.0)
     failures = EventStream(
@@ -347,5 +347,9 @@ def simulate_seeded(params: JobParams, *, seed: int, run_index: int) -> RunResul
         ),
         hint,
     )
-    preemptions = EventStream(preemption_source(preempt_rng, params.preemptions_per_day), hint)
-    return simulate_run(params, failures, preemptions)
+    return failures, EventStream(preemption_source(preempt_rng, params.preemptions_per_day), hint)
+
+
+def simulate_seeded(params: JobParams, *, seed: int, run_index: int) -> RunResult:
+    """Run `run_index` of the seeded family `seed` (the same failure times for any policy of the job)."""
+    return simulate_run(params, *seeded_streams(params, seed=seed, run_index=run_index))

@@ -19,7 +19,7 @@ from ettr.constants import SECONDS_PER_DAY
 class IntervalSource(Protocol):
     """Draws the times of the next events after `start_s`, in order, covering at least `[start_s, end_s)`."""
 
-    def draw(self, start_s: float, end_s: float) -> list[float]: ...
+    def draw(self, start_s: float, end_s: float) -> np.ndarray: ...
 
 
 class PoissonSource:
@@ -30,14 +30,13 @@ class PoissonSource:
         self._rng = rng
         self._rate_per_s = per_day / SECONDS_PER_DAY
 
-    def draw(self, start_s: float, end_s: float) -> list[float]:
+    def draw(self, start_s: float, end_s: float) -> np.ndarray:
         if self._rate_per_s <= 0:
-            return []
+            return np.empty(0)
         expected = (end_s - start_s) * self._rate_per_s
         size = int(expected + 4.0 * math.sqrt(expected) + 16)
         gaps = self._rng.exponential(1.0 / self._rate_per_s, size)
-        times = start_s + np.cumsum(gaps)
-        return list(times.tolist())
+        return start_s + np.cumsum(gaps)
 
 
 class WeibullNodesSource:
@@ -53,7 +52,7 @@ class WeibullNodesSource:
         self._scale = SECONDS_PER_DAY / per_node_day / math.gamma(1.0 + 1.0 / shape)
         self._next = self._scale * rng.weibull(shape, num_nodes)
 
-    def draw(self, start_s: float, end_s: float) -> list[float]:
+    def draw(self, start_s: float, end_s: float) -> np.ndarray:
         found: list[np.ndarray] = []
         while True:
             due = self._next < end_s
@@ -62,24 +61,43 @@ class WeibullNodesSource:
             found.append(self._next[due].copy())
             self._next[due] += self._scale * self._rng.weibull(self._shape, int(due.sum()))
         if not found:
-            return []
+            return np.empty(0)
         times = np.sort(np.concatenate(found))
-        return list(times[times > start_s].tolist())
+        return times[times > start_s]
 
 
 class EventStream:
-    """The next event strictly after a time, drawing more from its source as the job's clock runs on."""
+    """The next event strictly after a time, drawing more from its source as the job's clock runs on.
+
+    The times come in blocks from the source; a block is drawn when every time of the last one has passed,
+    from the last time drawn to the time asked plus the block length (so what is drawn depends only on the
+    times asked, in order). `next_after` serves the scalar loop, `block_after` the batched one: both draw
+    the same blocks for the same questions."""
 
     def __init__(self, source: IntervalSource | None, horizon_hint_s: float) -> None:
         self._source = source
-        self._times: list[float] = []
+        self._block: np.ndarray = np.empty(0)
+        self._times: list[float] | None = []  # the block as a list, for the scalar loop (None: not made yet)
         self._index = 0
         self._covered_s = 0.0
         self._block_s = max(horizon_hint_s, 1.0)
 
+    def _draw_after(self, t: float) -> None:
+        """The next block (the current one has no time after `t`)."""
+        assert self._source is not None
+        block = self._block
+        start = float(block[-1]) if len(block) else self._covered_s
+        end = max(t, self._covered_s) + self._block_s
+        self._block = self._source.draw(start, end)
+        self._times = None
+        self._covered_s = end
+        self._index = 0
+
     def next_after(self, t: float) -> float:
         if self._source is None:
             return math.inf
+        if self._times is None:
+            self._times = self._block.tolist()
         times = self._times
         i = self._index
         while True:
@@ -88,15 +106,23 @@ class EventStream:
             if i < len(times):
                 self._index = i
                 return times[i]
-            # Exhausted: draw the next block (a Poisson block may cover less than asked; loop again).
-            start = times[-1] if times else self._covered_s
-            end = max(t, self._covered_s) + self._block_s
-            more = self._source.draw(start, end)
-            self._covered_s = end
-            times = self._times = more
+            # Exhausted: draw the next block (a block may cover less than asked, or be empty; loop again).
+            self._draw_after(t)
+            times = self._times = self._block.tolist()
             i = 0
-            if not more and isinstance(self._source, WeibullNodesSource):
-                continue
+
+    def block_after(self, t: float) -> np.ndarray | None:
+        """The times already drawn after `t` (drawing the next block first when none is left, as
+        `next_after(t)` would), in order; None for a stream with no source (never an event). Successive
+        `next_after` calls with growing times return these until they run out (`ettr.simulate.batch`)."""
+        if self._source is None:
+            return None
+        while True:
+            i = int(np.searchsorted(self._block, t, side="right"))
+            if i < len(self._block):
+                self._index = i
+                return self._block[i:]
+            self._draw_after(t)
 
 
 def failure_source(

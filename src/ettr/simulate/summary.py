@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ettr.events import Bucket
+from ettr.simulate.batch import simulate_batch
 from ettr.simulate.model import RunResult, ScriptedFault, simulate_run, simulate_seeded
 from ettr.simulate.params import JobParams
 from ettr.simulate.streams import EventStream
@@ -65,19 +66,46 @@ def _mean_ci(values: np.ndarray) -> tuple[float, tuple[float, float]]:
     return mean, (mean - half, mean + half)
 
 
+BATCH_MIN_RUNS = 64
+"""From this many runs `simulate` advances them together (`ettr.simulate.batch`, one round of array operations
+per interruption); fewer runs go through the scalar loop one by one, which is cheaper for them. Both give the
+same runs."""
+
+
 def summarize(params: JobParams, results: Sequence[RunResult]) -> Summary:
     """Means and intervals of `results` (runs of `params`)."""
-    buckets = np.array([r.buckets_s for r in results], dtype=float)
-    walls = np.array([r.wall_s for r in results], dtype=float)
+    ttrs = [x for r in results for x in r.ttr_s]
+    return _summary(
+        params,
+        buckets=np.array([r.buckets_s for r in results], dtype=float),
+        walls=np.array([r.wall_s for r in results], dtype=float),
+        num_failures=np.array([r.num_failures for r in results], dtype=float),
+        num_preemptions=np.array([r.num_preemptions for r in results], dtype=float),
+        tts=np.array([np.nan if r.tts_s is None else r.tts_s for r in results], dtype=float),
+        ttr_sum_s=math.fsum(ttrs),
+        ttr_count=len(ttrs),
+    )
+
+
+def _summary(
+    params: JobParams,
+    *,
+    buckets: np.ndarray,
+    walls: np.ndarray,
+    num_failures: np.ndarray,
+    num_preemptions: np.ndarray,
+    tts: np.ndarray,
+    ttr_sum_s: float,
+    ttr_count: int,
+) -> Summary:
     safe_walls = np.where(walls > 0, walls, 1.0)
     shares = 100.0 * buckets / safe_walls[:, None]
     ett = shares[:, list(Bucket).index(Bucket.EFFECTIVE_TRAINING)]
     ett_mean, ett_ci = _mean_ci(ett)
     wall_mean, wall_ci = _mean_ci(walls)
-    tts = [r.tts_s for r in results if r.tts_s is not None]
-    ttrs = [x for r in results for x in r.ttr_s]
+    started = tts[~np.isnan(tts)]
     return Summary(
-        num_runs=len(results),
+        num_runs=len(walls),
         interval_s=params.interval_s,
         ett_pct=ett_mean,
         ett_pct_ci95=ett_ci,
@@ -86,10 +114,10 @@ def summarize(params: JobParams, results: Sequence[RunResult]) -> Summary:
         buckets_s={b.value: float(buckets[:, i].mean()) for i, b in enumerate(Bucket)},
         wall_s=wall_mean,
         wall_s_ci95=wall_ci,
-        num_failures_mean=float(np.mean([r.num_failures for r in results])),
-        num_preemptions_mean=float(np.mean([r.num_preemptions for r in results])),
-        tts_s_mean=float(np.mean(tts)) if tts else None,
-        mean_ttr_s=float(np.mean(ttrs)) if ttrs else None,
+        num_failures_mean=float(num_failures.mean()),
+        num_preemptions_mean=float(num_preemptions.mean()),
+        tts_s_mean=float(started.mean()) if len(started) else None,
+        mean_ttr_s=ttr_sum_s / ttr_count if ttr_count else None,
         gpus=params.gpus,
     )
 
@@ -98,7 +126,19 @@ def simulate(params: JobParams, *, runs: int, seed: int) -> Summary:
     """`runs` seeded runs of the job (run i of seed s is the same whatever `runs` is)."""
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
-    return summarize(params, [simulate_seeded(params, seed=seed, run_index=i) for i in range(runs)])
+    if runs < BATCH_MIN_RUNS:
+        return summarize(params, [simulate_seeded(params, seed=seed, run_index=i) for i in range(runs)])
+    batch = simulate_batch(params, seed=seed, runs=runs)
+    return _summary(
+        params,
+        buckets=batch.buckets_s,
+        walls=batch.wall_s,
+        num_failures=batch.num_failures.astype(float),
+        num_preemptions=batch.num_preemptions.astype(float),
+        tts=batch.tts_s,
+        ttr_sum_s=float(batch.ttr_sum_s.sum()),
+        ttr_count=int(batch.ttr_count.sum()),
+    )
 
 
 def replay(params: JobParams, script: tuple[ScriptedFault, ...]) -> Summary:
