@@ -24,5 +24,8 @@ FAILURE_DETECTED_MARK = "failure_detected"
 """Supervisor MARK (attempt = the failed one): when the supervisor learned the attempt had ended."""
 BACKOFF_MARK = "restart_backoff"
 """Supervisor MARK (attempt = the failed one) at the end of its wait before the next attempt; data: wait_s."""
+RELAUNCH_MARK = "relaunch"
+"""Supervisor MARK (attempt = the one started) at its start: how its process(es) were started and why
+(`ettr.supervisor.standby.Relaunch`: data path warm|promoted|cold, why, and per rank under ettr's agent)."""
 IMPORTS_MARK = "imports_done"
 """Training-process MARK: `import torch` finished in this process (ettr's bootstrap ran before it)."""

@@ -47,6 +47,15 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time process `pid` has used so far, user and system (None: no such process, or no /proc)."""
+    fields = _stat_fields(pid)
+    try:
+        return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (ValueError, IndexError, OSError):  # fields 14 and 15 of stat(5)
+        return None
+
+
 def _parent_pid(pid: int | str) -> int | None:
     fields = _stat_fields(pid)
     try:
@@ -188,6 +197,47 @@ def ancestors(pid: int) -> list[int]:
         found.append(parent)
         parent = _parent_pid(parent)
     return found
+
+
+def idle_scheduling(pid: int) -> bool:
+    """Put process `pid` at `SCHED_IDLE` (CPU only when nothing else wants it), only where it may return to
+    `SCHED_OTHER` afterwards: tried both ways first (privilege, CAP_SYS_NICE or the process's RLIMIT_NICE
+    decide it). Threads it starts later inherit the policy. Whether it is idle now; never raises (Linux)."""
+    idle, normal = getattr(os, "SCHED_IDLE", None), getattr(os, "SCHED_OTHER", None)
+    if idle is None or normal is None or not hasattr(os, "sched_setscheduler"):
+        return False
+    try:
+        os.sched_setscheduler(pid, idle, os.sched_param(0))
+        os.sched_setscheduler(pid, normal, os.sched_param(0))  # the way back must work, or it stays normal
+        os.sched_setscheduler(pid, idle, os.sched_param(0))
+    except OSError:
+        try:
+            os.sched_setscheduler(pid, normal, os.sched_param(0))
+        except OSError:
+            pass
+        return False
+    return True
+
+
+def normal_scheduling(pid: int) -> bool:
+    """Every thread of process `pid` that is at `SCHED_IDLE` back to `SCHED_OTHER` (twice over the task
+    list: a thread started meanwhile by one not yet moved inherits the idle policy). Whether none is left
+    idle; never raises."""
+    idle, normal = getattr(os, "SCHED_IDLE", None), getattr(os, "SCHED_OTHER", None)
+    if idle is None or normal is None or not hasattr(os, "sched_setscheduler"):
+        return True
+    left = False
+    for _ in range(2):
+        left = False
+        for tid in tasks(pid):
+            try:
+                if os.sched_getscheduler(tid) == idle:
+                    os.sched_setscheduler(tid, normal, os.sched_param(0))
+            except ProcessLookupError:
+                continue  # a thread that ended meanwhile
+            except OSError:
+                left = True
+    return not left
 
 
 def tasks(pid: int) -> list[int]:

@@ -313,8 +313,8 @@ def has_trained(run_dir: str | os.PathLike[str], attempt: int) -> bool:
 
 
 def trained_modules(run_dir: str | os.PathLike[str], attempt: int) -> list[str]:
-    """The installed packages the processes of `attempt` had imported by their first step (what their
-    `trained_path` files list), sorted; [] when none is known. Unreadable or malformed files are skipped."""
+    """The installed packages (and slow parts of torch, dotted) the processes of `attempt` had imported by
+    their first step (what their `trained_path` files list), sorted; [] when none is known. Unreadable or malformed files are skipped."""
     import json
 
     names: set[str] = set()
@@ -324,7 +324,9 @@ def trained_modules(run_dir: str | os.PathLike[str], attempt: int) -> list[str]:
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(found, list):
-            names.update(n for n in found if isinstance(n, str) and n.isidentifier())
+            names.update(
+                n for n in found if isinstance(n, str) and all(p.isidentifier() for p in n.split("."))
+            )
     return sorted(names)
 
 

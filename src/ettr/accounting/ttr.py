@@ -9,7 +9,9 @@ part, so the parts always add up to the whole):
     teardown       -> ATTEMPT_END of the failed attempt (the rest of its processes gone)
     backoff        -> the end of the supervisor's wait (its `restart_backoff` MARK, else ATTEMPT_START)
     relaunch       -> the first PROCESS_START of the next attempt (fork/exec, a launcher's own start-up and
-                   rendezvous, e.g. torchrun's agent)
+                   rendezvous, e.g. torchrun's agent; in a warm standby, the rest of its warm-up). Which
+                   path ran and why (`relaunch_path`, `relaunch_why`: warm | promoted | cold) comes from
+                   the supervisor's `relaunch` MARK of the next attempt
     imports        -> the `imports_done` MARK of the reference rank (interpreter, site, `import torch`,
                    ettr's bootstrap); 0 when not recorded (its time then falls into the parts after it)
     then to the training start, each instant goes to the first of these that is open on the reference rank:
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
-from ettr.constants import BACKOFF_MARK, FAILURE_DETECTED_MARK, IMPORTS_MARK
+from ettr.constants import BACKOFF_MARK, FAILURE_DETECTED_MARK, IMPORTS_MARK, RELAUNCH_MARK
 from ettr.events import Event, EventKind, Phase
 
 RECOVERY_PARTS = (
@@ -89,6 +91,12 @@ class RecoveryParts:
     """Where the headline ends: the training start of the attempt that recovered (or started)."""
     failure_known: bool = True
     """Whether `start_ts` is the failure itself (False: no rank recorded it, the whole starts at detection)."""
+    relaunch_path: str | None = None
+    """How the next attempt's process(es) started (the supervisor's `relaunch` MARK): `warm` (a standby that
+    had done its warm-up), `promoted` (a standby still warming, promoted to normal priority), `cold`;
+    None when not recorded."""
+    relaunch_why: str | None = None
+    """Why that path, in a few words (None when not recorded)."""
 
     @property
     def total_s(self) -> float:
@@ -117,6 +125,8 @@ class AttemptMilestones:
     training_start_ts: float | None
     first_step_ts: float | None
     phases: Sequence[Span]
+    relaunch: Mapping[str, object] | None = None
+    """The supervisor's `relaunch` MARK data of this attempt (path, why), if recorded."""
 
 
 def milestones(
@@ -149,6 +159,7 @@ def milestones(
         training_start_ts=training_start_ts,
         first_step_ts=first_step_ts,
         phases=phases,
+        relaunch=_first_mark_data(supervisor, RELAUNCH_MARK),
     )
 
 
@@ -157,6 +168,17 @@ def _first_mark(events: Iterable[Event], name: str) -> float | None:
         if e.kind == EventKind.MARK and e.data is not None and e.data.get("name") == name:
             return e.ts
     return None
+
+
+def _first_mark_data(events: Iterable[Event], name: str) -> Mapping[str, object] | None:
+    for e in events:
+        if e.kind == EventKind.MARK and isinstance(e.data, Mapping) and e.data.get("name") == name:
+            return e.data
+    return None
+
+
+def _text(value: object) -> str | None:
+    return value[:500] if isinstance(value, str) else None
 
 
 def recovery_parts(failed: AttemptMilestones, recovered: AttemptMilestones) -> RecoveryParts | None:
@@ -183,6 +205,8 @@ def recovery_parts(failed: AttemptMilestones, recovered: AttemptMilestones) -> R
         headline_start_ts=end,
         training_start_ts=recovered.training_start_ts,
         failure_known=failure is not None,
+        relaunch_path=_text((recovered.relaunch or {}).get("path")),
+        relaunch_why=_text((recovered.relaunch or {}).get("why")),
     )
 
 

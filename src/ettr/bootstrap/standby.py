@@ -1,12 +1,16 @@
 """A warm standby: a Python process that has done its start-up (interpreter, `import torch`, ettr) ahead of
 the next attempt, and becomes that attempt's `python SCRIPT ARGS...` once told to.
 
-    python [-u] -m ettr.bootstrap.standby FD [MODULE,MODULE...]   (started by `ettr.supervisor.standby`;
-                                                                    the modules are imported ahead too)
+    python [-u] -m ettr.bootstrap.standby FD [MODULE,MODULE...] [STATUS_FD]
+        (started by `ettr.supervisor.standby`; the modules are imported ahead too)
 
-It reads one JSON object from the pipe FD (stdin stays the job's): {"argv": [python, [-u,] script | -m
-module, args...], "env": {...}, "cwd": "..."}, the
-attempt's complete command line, environment and directory. It then replaces its whole environment by
+It says how far it is on STATUS_FD: `w` once its warm-up is done (it waits for the attempt then), `h` once
+it has the attempt's request (it starts running it), so that the supervisor knows, at a failure, whether
+the standby is ready or still warming, and can say what the next attempt waits for. The supervisor sets its
+priority: SCHED_IDLE while it warms up behind a training attempt, every thread back to normal when it is
+handed an attempt (`ettr.supervisor.standby`). It reads one JSON
+object from the pipe FD (stdin stays the job's): {"argv": [python, [-u,] script | -m module, args...],
+"env": {...}, "cwd": "..."}, the attempt's complete command line, environment and directory. It then replaces its whole environment by
 that one, runs ettr's bootstrap for the attempt (recorder, heartbeat, injector, torch hooks) and the script
 (or module) as `__main__` in a fresh `__main__` module, with the same absolute `__file__`, `sys.argv`, working
 directory and `sys.path[0]` as `python SCRIPT` (`python -m MODULE`) would have (`_as_main`). EOF
@@ -52,34 +56,6 @@ def _warm_up(modules: list[str]) -> None:
             sys.path.insert(0, first)
 
 
-def _idle_while_warming() -> Callable[[], None] | None:
-    """Do the warm-up at `SCHED_IDLE` (CPU only when nothing else wants it): the attempt this standby waits
-    behind is training, and its steps must not pay for the next attempt's imports. Only where this process
-    may return to `SCHED_OTHER` afterwards (tried both ways first: privilege, CAP_SYS_NICE or RLIMIT_NICE
-    decide it); returns what restores every thread's normal scheduling at the hand-over, or None (the
-    warm-up then runs at normal priority). Linux only; never raises."""
-    idle, normal = getattr(os, "SCHED_IDLE", None), getattr(os, "SCHED_OTHER", None)
-    if idle is None or normal is None or not hasattr(os, "sched_setscheduler"):
-        return None
-    try:
-        os.sched_setscheduler(0, idle, os.sched_param(0))
-        os.sched_setscheduler(0, normal, os.sched_param(0))  # the way back must work, or we stay normal
-        os.sched_setscheduler(0, idle, os.sched_param(0))
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, normal, os.sched_param(0))
-        return None
-
-    def back_to_normal() -> None:  # threads started during the warm-up inherited SCHED_IDLE too
-        from ettr.procs import tasks
-
-        for tid in tasks(os.getpid()):
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(tid, normal, os.sched_param(0))
-
-    return back_to_normal
-
-
 def _read_request(fd: int) -> dict | None:
     with os.fdopen(fd, "rb") as pipe:
         raw = pipe.read()
@@ -88,17 +64,29 @@ def _read_request(fd: int) -> dict | None:
     return json.loads(raw)
 
 
+def _say(status_fd: int | None, what: bytes) -> None:
+    if status_fd is not None:
+        with contextlib.suppress(OSError):  # the supervisor stopped listening: nothing to tell
+            os.write(status_fd, what)
+
+
 def main() -> None:
     fd = int(sys.argv[1])
-    back_to_normal = _idle_while_warming()
+    status_fd = int(sys.argv[3]) if len(sys.argv) > 3 else None
     _warm_up([name for name in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if name])
     warm_at = time.time()
+    _say(status_fd, b"w")
     request = _read_request(fd)
-    if back_to_normal is not None:
-        back_to_normal()  # the attempt runs at the priority a cold start would have
+    from ettr.procs import normal_scheduling
+
+    normal_scheduling(os.getpid())  # the supervisor did (`Standby.take`); the attempt runs as a cold start
     if request is None:
         return
     handed_at = time.time()
+    _say(status_fd, b"h")
+    if status_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(status_fd)  # the attempt's script never sees it
     argv, env, cwd = list(request["argv"]), dict(request["env"]), str(request["cwd"])
     os.environ.clear()
     os.environ.update(env)
@@ -124,7 +112,6 @@ def main() -> None:
             warm_at=warm_at,
             handed_at=handed_at,
             pid=os.getpid(),
-            idle_warm_up=back_to_normal is not None,
         )
     except Exception as exc:
         print(f"ettr: standby bootstrap failed ({type(exc).__name__}: {exc})", file=sys.stderr)

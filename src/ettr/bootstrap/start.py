@@ -140,6 +140,10 @@ def _start(environ: Mapping[str, str]) -> None:
         _watch_frameworks(hooks)
 
 
+TORCH_PARTS = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
+"""Parts of torch that take seconds to import beyond `import torch`: a trained attempt's marker names those
+it had imported (building DistributedDataParallel imports torch._dynamo), so that its standbys import
+them ahead only when a cold start would import them too."""
 MAX_WARM_MODULES = 64
 """The most installed packages a `trained_path` file names for the next attempt's standby."""
 
@@ -164,7 +168,8 @@ def installed_packages(modules: Mapping[str, Any] | None = None) -> list[str]:
 def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
     """At this process's first step, write `trained_path`: the supervisor then knows that the start-up is
     over and starts the next attempt's standbys (`ettr.supervisor.standby`), which import ahead the
-    installed packages the file names (`installed_packages`). One file, once."""
+    installed packages and the slow parts of torch the file names (`installed_packages`, `TORCH_PARTS`).
+    One file, once."""
     from ettr.run_env import trained_path
 
     path = trained_path(run_env.run_dir, run_env.attempt, os.getpid())
@@ -182,7 +187,8 @@ def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
 
             path.parent.mkdir(parents=True, exist_ok=True)
             # a hint, not a record: not fsync'd on the training thread
-            create_exclusive(path, json.dumps({"modules": installed_packages()}), durable=False)
+            learned = [*installed_packages(), *(name for name in TORCH_PARTS if name in sys.modules)]
+            create_exclusive(path, json.dumps({"modules": learned}), durable=False)
         except Exception:
             pass  # there already, or no place for it: the supervisor then waits for its fallback delay
 

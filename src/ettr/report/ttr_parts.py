@@ -17,6 +17,9 @@ from ettr.report.svg import esc, fmt_s
 HEADLINE_ROW = "= TTS / TTR (headline)"
 """The row holding the headline's span: origin or the failed attempt's end -> training start."""
 TOTAL_ROW = "total (to first step)"
+RELAUNCH_PATH_ROW = "  (relaunch path)"
+"""The row saying how each relaunch started its process(es): warm | promoted | cold (why: below the text
+table, in the HTML cell's title)."""
 TTS_MEASURES = "allocation (else supervisor start, else wall start) -> training start of the first attempt"
 TTR_MEASURES = "the failed attempt's end (failure detected, its processes gone) -> training start of the next"
 """What the headline TTS and each headline TTR measure (JSON `tts_measures`, `ttr_measures`)."""
@@ -51,6 +54,8 @@ def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
         "training_start_ts": parts.training_start_ts,
         "headline_measures": TTS_MEASURES if parts.failed_attempt is None else TTR_MEASURES,
         "parts_s": dict(parts.parts_s),
+        "relaunch_path": parts.relaunch_path,
+        "relaunch_why": parts.relaunch_why,
     }
 
 
@@ -80,6 +85,8 @@ def _rows(report: EttReport) -> tuple[list[str], list[tuple[str, list[Cell]]]]:
         if n == "first_step":
             rows.append((HEADLINE_ROW, list[Cell]([c.headline_s for c in columns])))
         rows.append((n, [c.parts_s[n] if n in c.parts_s else _NOT_A_PART for c in columns]))
+        if n == "relaunch" and any(c.relaunch_path for c in columns):
+            rows.append((RELAUNCH_PATH_ROW, list[Cell]([c.relaunch_path or _NOT_A_PART for c in columns])))
     rows.append((TOTAL_ROW, list[Cell]([c.total_s for c in columns])))
     return titles, rows
 
@@ -101,6 +108,11 @@ def text_lines(report: EttReport) -> list[str]:
     ]
     lines.append("  " + " " * width + "".join(f"{t:>10}" for t in titles))
     lines += ["  " + f"{n:<{width}}" + "".join(f"{cell(v):>10}" for v in vals) for n, vals in rows]
+    lines += [
+        f"  relaunch {p.failed_attempt}->{p.recovered_attempt}: {p.relaunch_path} ({p.relaunch_why})"
+        for p in report.ttr_parts
+        if p.relaunch_path and p.relaunch_why
+    ]
     return lines
 
 
@@ -112,8 +124,17 @@ def html_table(reports: Sequence[EttReport], names: Sequence[str]) -> str:
             continue
         titles, rows = _rows(report)
         head = "".join(f"<th>{esc(t)}</th>" for t in titles)
+        columns = ([report.tts_parts] if report.tts_parts else []) + list(report.ttr_parts)
+        whys = [c.relaunch_why or "" for c in columns]
         body = "".join(
-            f"<tr><td>{esc(n)}</td>" + "".join(f"<td>{esc(_cell(v))}</td>" for v in vals) + "</tr>"
+            f"<tr><td>{esc(n)}</td>"
+            + "".join(
+                f'<td title="{esc(why)}">{esc(_cell(v))}</td>'
+                if n == RELAUNCH_PATH_ROW and why
+                else f"<td>{esc(_cell(v))}</td>"
+                for v, why in zip(vals, whys, strict=True)
+            )
+            + "</tr>"
             for n, vals in rows
         )
         label = f"<p><b>{esc(name)}</b></p>" if len(reports) > 1 else ""

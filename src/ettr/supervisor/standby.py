@@ -16,6 +16,16 @@ ettr's own torchrun agent (`ettr.supervisor.workers`) keeps one standby per loca
 Otherwise the standby is discarded (EOF on its pipe, then SIGKILL) and the attempt starts cold. The
 hand-over sends the complete environment, so the attempt never sees a stale one. `ETTR_STANDBY=0` in the
 supervisor's environment turns standbys off.
+
+A restart never waits on a standby at idle priority (`Standby.take`). The standby says on a status pipe when
+its warm-up is done; at the next attempt a *warm* one takes the attempt at once (path `warm`); one *still
+warming* (it warms up at SCHED_IDLE, which gets no CPU while the cores are busy) is first promoted to normal
+priority, every thread, and then takes it (path `promoted`): what it has left to do is part of what a cold
+start would do from the beginning at that same priority, so it is ready no later than a cold start begun at
+that moment, and racing the two on the same cores would only slow both. A standby that cannot be promoted
+is dropped and the attempt starts cold at once (path `cold`, as for no standby, one that does not fit or
+one that died), and each path says why (`Relaunch`, recorded in the supervisor's `relaunch` MARK). While an
+attempt waits more than a second for a promoted standby, the console says so (`WarmUpNotice`).
 """
 
 from __future__ import annotations
@@ -23,10 +33,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import shutil
 import signal
+import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
+from ettr.procs import cpu_seconds, idle_scheduling, normal_scheduling
 from ettr.supervisor.process import AttemptProcess
 
 logger = logging.getLogger("ettr")
@@ -89,6 +106,48 @@ def _interpreter(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]
     return (os.path.abspath(found), *argv[1:at])  # not realpath: a venv's python is a link
 
 
+RelaunchPath = Literal["warm", "promoted", "cold"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Relaunch:
+    """How an attempt's process was started, and why (the supervisor's `relaunch` MARK; the TTR's relaunch
+    part shows it)."""
+
+    path: RelaunchPath
+    """`warm`: a standby that had done its warm-up took the attempt; `promoted`: a standby still warming,
+    promoted to normal priority, took it; `cold`: a new process."""
+    why: str
+    """In a few words: why this path."""
+    ranks: tuple[tuple[int, RelaunchPath, str], ...] = ()
+    """Per local rank of ettr's torchrun agent: (rank, path, why); empty for one process."""
+
+    def to_data(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"path": self.path, "why": self.why}
+        if self.ranks:
+            data["ranks"] = [{"rank": r, "path": p, "why": w} for r, p, w in self.ranks]
+        return data
+
+    @classmethod
+    def of_ranks(cls, ranks: Sequence[Relaunch]) -> Relaunch:
+        """One relaunch of several ranks: the slowest path among them (a job trains once all ranks do)."""
+        order: tuple[RelaunchPath, ...] = ("cold", "promoted", "warm")
+        path = next(p for p in order if any(r.path == p for r in ranks))
+        whys = sorted({r.why for r in ranks if r.path == path})
+        return cls(
+            path=path, why="; ".join(whys), ranks=tuple((i, r.path, r.why) for i, r in enumerate(ranks))
+        )
+
+
+def no_standby_reason(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """Why an attempt that found no standby starts cold."""
+    if not enabled():
+        return f"standbys are off ({STANDBY_ENV}=0)"
+    if _interpreter(argv, env) is None:
+        return "not a plain `python SCRIPT` / `python -m MODULE` command: it always starts cold"
+    return "no standby was ready: the previous attempt ended before its standby was due (its first step)"
+
+
 class Standby:
     """One standby process for the next attempt of `argv` under `env` (the current attempt's launch)."""
 
@@ -100,9 +159,18 @@ class Standby:
         env: dict[str, str],
         cwd: str,
         per_attempt: frozenset[str] = frozenset(),
+        status_fd: int = -1,
     ):
         self.process, self._write_fd, self.python, self.env, self.cwd = process, write_fd, python, env, cwd
         self.per_attempt = per_attempt
+        self._status_fd = status_fd
+        self.spawned_at = time.time()
+        self.idle = False
+        """Whether it warms up at SCHED_IDLE (set by `start` where the process may be promoted back)."""
+        self.warm_at: float | None = None
+        """When the standby said its warm-up was done (None: not yet, as far as the supervisor read)."""
+        self.handed_at: float | None = None
+        """When the standby said it had the attempt's request and started running it."""
 
     @classmethod
     def start(
@@ -122,45 +190,131 @@ class Standby:
             return None
         stable = _stable_env(env, per_attempt)
         read_fd, write_fd = os.pipe()
+        status_read, status_write = os.pipe()
         try:
             os.set_inheritable(read_fd, True)
+            os.set_inheritable(status_write, True)
+            os.set_blocking(status_read, False)
             process = AttemptProcess(
-                [*python, "-m", "ettr.bootstrap.standby", str(read_fd), ",".join(warm_modules)],
+                [
+                    *python,
+                    "-m",
+                    "ettr.bootstrap.standby",
+                    str(read_fd),
+                    ",".join(warm_modules),
+                    str(status_write),
+                ],
                 stable,
-                pass_fds=[read_fd],
+                pass_fds=[read_fd, status_write],
             )
         except OSError as exc:
             os.close(write_fd)
+            os.close(status_read)
             logger.debug("ettr: no standby (%s)", exc)
             return None
         finally:
             os.close(read_fd)
-        return cls(process, write_fd, python, stable, os.getcwd(), per_attempt)
+            os.close(status_write)
+        standby = cls(process, write_fd, python, stable, os.getcwd(), per_attempt, status_read)
+        # Its warm-up must not slow the training attempt it waits behind: idle priority, where it may be
+        # promoted back (`take`); set here, before its interpreter starts a second thread.
+        standby.idle = idle_scheduling(process.pid)
+        return standby
 
     @property
     def pids(self) -> list[int]:
         """The standby's process ids (not the running attempt's, whatever the end-of-attempt sweep sees)."""
         return [self.process.pid]
 
+    def misfit(self, argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+        """Why the attempt (`argv`, `env`) may not run in this standby, None when it may (see the module
+        docstring)."""
+        if self._write_fd < 0:
+            return "the standby was handed an attempt already"
+        if self.process.poll() is not None:
+            return f"the standby had exited (status {self.process.poll()})"
+        if _interpreter(argv, env) != self.python:
+            return "another interpreter or command than the standby's"
+        stable = _stable_env(env, self.per_attempt)
+        if stable != self.env:
+            changed = sorted(k for k in stable.keys() | self.env.keys() if stable.get(k) != self.env.get(k))
+            return f"the environment changed ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+        if os.getcwd() != self.cwd:
+            return "the working directory changed"
+        return None
+
     def fits(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether the attempt (`argv`, `env`) may run in this standby (see the module docstring)."""
-        return (
-            self.process.poll() is None
-            and _interpreter(argv, env) == self.python
-            and self._write_fd >= 0
-            and _stable_env(env, self.per_attempt) == self.env
-            and os.getcwd() == self.cwd
-        )
+        return self.misfit(argv, env) is None
+
+    def poll_status(self, timeout_s: float = 0.0) -> None:
+        """Read what the standby said on its status pipe (`warm_at`, `handed_at`), waiting up to `timeout_s`."""
+        if self._status_fd < 0:
+            return
+        try:
+            if timeout_s > 0:
+                select.select([self._status_fd], [], [], timeout_s)
+            said = os.read(self._status_fd, 64)
+        except BlockingIOError:
+            return
+        except OSError:
+            said = b""
+        now = time.time()
+        if b"w" in said and self.warm_at is None:
+            self.warm_at = now
+        if b"h" in said and self.handed_at is None:
+            self.handed_at = now
+        if not said:  # EOF: the standby closed it (running the attempt) or is gone
+            self._close_status()
+
+    @property
+    def warm(self) -> bool:
+        """Whether the standby has said that its warm-up is done."""
+        self.poll_status()
+        return self.warm_at is not None
+
+    def take(self, argv: Sequence[str], env: Mapping[str, str]) -> tuple[AttemptProcess | None, Relaunch]:
+        """Start the attempt (`argv`, `env`) in this standby if it fits: at once if it is warm, else once
+        promoted to normal priority (see the module docstring). Its process and the path (None: the standby
+        is discarded and the caller starts the attempt cold, at once)."""
+        misfit = self.misfit(argv, env)
+        if misfit is not None:
+            if self._write_fd >= 0:  # not the running attempt's process: end it
+                self.discard()
+            return None, Relaunch(path="cold", why=f"standby dropped: {misfit}")
+        if self.warm:
+            ready_s = time.time() - (self.warm_at or time.time())
+            relaunch = Relaunch(path="warm", why=f"standby ready (warm {ready_s:.1f} s before)")
+        else:
+            age_s, cpu_s = time.time() - self.spawned_at, cpu_seconds(self.process.pid)
+            used = "" if cpu_s is None else f"{cpu_s:.1f} s of CPU in "
+            if not normal_scheduling(self.process.pid):
+                self.discard()
+                return None, Relaunch(
+                    path="cold",
+                    why=f"standby still warming ({used}{age_s:.1f} s), could not be promoted: dropped",
+                )
+            done = "promoted to normal priority" if self.idle else "at normal priority already"
+            where = "at idle priority" if self.idle else "at normal priority"
+            relaunch = Relaunch(
+                path="promoted", why=f"standby still warming ({used}{age_s:.1f} s {where}): {done}"
+            )
+        process = self.hand_over(argv, env)
+        if process is None:
+            return None, Relaunch(path="cold", why="standby gone at the hand-over: dropped")
+        return process, relaunch
 
     def hand_over(self, argv: Sequence[str], env: Mapping[str, str]) -> AttemptProcess | None:
-        """Give the standby the attempt; its process, or None (discarded: start cold)."""
+        """Give the standby the attempt, every thread at normal priority first (one still warming finishes
+        its warm-up so, then runs it: `take` says which); its process, or None (discarded: start cold)."""
         if self._write_fd < 0:
             return None  # handed over already: it runs (or ran) another attempt
-        if not self.fits(argv, env):
+        if not self.fits(argv, env) or not normal_scheduling(self.process.pid):
             self.discard()
             return None
         request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": self.cwd}).encode()
         try:
+            _make_room(self._write_fd, len(request))  # a standby still warming reads it only later
             view = memoryview(request)
             while view:
                 view = view[os.write(self._write_fd, view) :]
@@ -176,13 +330,119 @@ class Standby:
         if fd >= 0:
             os.close(fd)
 
+    def _close_status(self) -> None:
+        fd, self._status_fd = self._status_fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Forget the status pipe (the standby runs an attempt now, or is gone); never raises."""
+        try:
+            self._close_status()
+        except OSError:
+            pass
+
     def discard(self) -> None:
         """EOF to the standby (it exits), then SIGKILL; never raises."""
         try:
             self._close_pipe()
+            self._close_status()
         except OSError:
             pass
         if self.process.poll() is None:
+            # A process at idle priority gets no CPU on a busy machine, not even to run its own exit after
+            # a SIGKILL: back to normal first, so that discarding it never holds up the restart.
+            normal_scheduling(self.process.pid)
             self.process.signal_tree(signal.SIGKILL)
         self.process.wait(5.0)
         self.process.finish(1.0)
+
+
+def relaunch(
+    ready: Standby | None, argv: Sequence[str], env: Mapping[str, str], *, attempt: int
+) -> tuple[AttemptProcess, Relaunch]:
+    """Attempt `attempt`'s process for `argv`, `env`: in the standby `ready` when it fits (`Standby.take`;
+    a promoted one gets a `WarmUpNotice`), else started cold at once. Raises OSError (a cold start that
+    cannot start)."""
+    process, how = (
+        (None, Relaunch(path="cold", why=no_standby_reason(argv, env)))
+        if ready is None
+        else ready.take(argv, env)
+    )
+    if process is None:
+        return AttemptProcess(argv, env), how
+    assert ready is not None
+    if how.path == "promoted":
+        WarmUpNotice(attempt, [("the attempt", ready)]).start()  # ends once the standby runs the attempt
+    else:
+        ready.close()
+    return process, how
+
+
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Linux; Python 3.10+ names it)
+
+
+def _make_room(fd: int, size: int) -> None:
+    """A pipe that holds `size` bytes, so that writing a request to a standby still warming never blocks the
+    supervisor (a pipe holds 64 KiB by default; an environment is rarely larger). Raises OSError."""
+    if size <= 60_000:
+        return
+    import fcntl
+
+    fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", _F_SETPIPE_SZ), size + 4096)
+
+
+class WarmUpNotice:
+    """Says on the console what an attempt waits for while promoted standbys finish their warm-up: once a
+    wait passes `after_s` (`ettr: attempt N: waiting for ...`), and again when they are ready. A daemon
+    thread; `stop()` ends it (the attempt ended). Each standby is read by this thread only."""
+
+    def __init__(
+        self,
+        attempt: int,
+        waiting: Sequence[tuple[str, Standby]],
+        *,
+        after_s: float = 1.0,
+        limit_s: float = 3600,
+    ) -> None:
+        self._attempt, self._waiting, self._after_s, self._limit_s = attempt, list(waiting), after_s, limit_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if not self._waiting:
+            return
+        self._thread = threading.Thread(target=self._run, name="ettr-warm-up-notice", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        for _, standby in self._waiting:
+            standby.close()
+
+    def _run(self) -> None:
+        began = time.monotonic()
+        said = False
+        pending = list(self._waiting)
+        while pending and not self._stop.is_set() and time.monotonic() - began < self._limit_s:
+            for who, standby in list(pending):
+                standby.poll_status(timeout_s=0.1 / len(pending))
+                if standby.handed_at is not None or standby.process.poll() is not None:
+                    pending.remove((who, standby))
+                    standby.close()
+            waited_s = time.monotonic() - began
+            if pending and not said and waited_s >= self._after_s:
+                names = ", ".join(who for who, _ in pending)
+                _say(
+                    f"attempt {self._attempt}: waiting for the standby of {names} to finish its warm-up "
+                    "(interpreter, import torch; promoted to normal priority at the restart)"
+                )
+                said = True
+        if said and not pending:
+            _say(f"attempt {self._attempt}: standby ready after {time.monotonic() - began:.1f} s")
+
+
+def _say(message: str) -> None:
+    print(f"ettr: {message}", file=sys.stderr, flush=True)

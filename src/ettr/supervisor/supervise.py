@@ -32,6 +32,7 @@ from ettr.constants import (
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     FAILURE_DETECTED_MARK,
+    RELAUNCH_MARK,
 )
 from ettr.errors import UsageError
 from ettr.events import EventKind, Outcome
@@ -105,6 +106,7 @@ class Supervisor:
         self._workers: tuple[list[list[str]], list[dict[str, str]]] = ([], [])  # the attempt's, per rank
         self._restarts_left = 0
         self._made_progress = False  # the last attempt completed a step (see restart.backoff_wait_s)
+        self._launched = False  # an attempt was started (the first one starts cold: nothing ran before it)
 
     # -- the books (`books.py`) -----------------------------------------------------------------------------
     @property
@@ -157,8 +159,9 @@ class Supervisor:
                 group = self._start_workers(spec, attempt, launch)
                 sweep.spare(group.pids)  # the group reaps its workers; the sweep must not
                 proc: AttemptProcess | WorkerGroup = group
+                relaunch = group.relaunch
             else:
-                proc = self._take_standby(launch.argv, launch.env) or AttemptProcess(launch.argv, launch.env)
+                proc, relaunch = self._relaunch(launch.argv, launch.env, attempt)
         except OSError as exc:
             self._append(EventKind.ATTEMPT_START, attempt=attempt, ts=started, command=list(launch.argv))
             return AttemptEnd(outcome=Outcome.FAILED, exit_code=127, reason=f"cannot start: {exc}")
@@ -171,6 +174,10 @@ class Supervisor:
             command=list(launch.argv),
             **workers,
         )
+        if not self._launched:
+            relaunch = standby.Relaunch(path="cold", why="the first attempt this supervisor started")
+        self._launched = True
+        self._append(EventKind.MARK, attempt=attempt, ts=started, name=RELAUNCH_MARK, **relaunch.to_data())
         watchdog = HangWatchdog(
             timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
             probes=[
@@ -297,13 +304,15 @@ class Supervisor:
         """Restarts spent before this supervisor started (a job-wide budget reads them from the ledger)."""
         return 0
 
-    def _take_standby(self, argv: Sequence[str], env: Mapping[str, str]) -> AttemptProcess | None:
-        """The warm standby's process for this attempt, if it fits (else it is discarded: a cold start)."""
+    def _relaunch(
+        self, argv: Sequence[str], env: Mapping[str, str], attempt: int
+    ) -> tuple[AttemptProcess, standby.Relaunch]:
+        """This attempt's process, in the standby when it fits (`standby.relaunch`), else started cold."""
         ready, self._standby = self._standby, None
         if isinstance(ready, StandbyGroup):
             ready.discard()
-            return None
-        return None if ready is None else ready.hand_over(argv, env)
+            ready = None
+        return standby.relaunch(ready, argv, env, attempt=attempt)
 
     def _start_standby(
         self, launch: AttemptLaunch, proc: AttemptProcess | WorkerGroup, attempt: int

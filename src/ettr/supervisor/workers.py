@@ -14,8 +14,9 @@ sends no SIGTERM of its own (a rank saving on SIGTERM is not interrupted by a se
 status: 0 when every worker exited 0, else the failed worker's.
 
 `StandbyGroup` is one `Standby` per local rank, started with rank r's environment less the per-attempt
-names; at the next attempt each rank whose standby fits is handed its complete environment, the others
-start cold.
+names; at the next attempt each rank whose standby fits takes its complete environment (`Standby.take`: at
+once when warm, promoted to normal priority when still warming), the others start cold at once. The
+group's `relaunch` says which path each rank took and why.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from pathlib import Path
 
 from ettr.run_env import exited_path, failed_exit_path
 from ettr.supervisor.process import AttemptProcess
-from ettr.supervisor.standby import Standby
+from ettr.supervisor.standby import Relaunch, Standby, WarmUpNotice
 
 WARM_MODULES = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
-"""Imported ahead by a worker's standby beside torch: what a DDP/FSDP job imports anyway (constructing
-DistributedDataParallel imports torch._dynamo, seconds of a cold restart). Imports only, no compile-store
-look-up (that waits for `torch.compile`)."""
+"""Imported ahead by a worker's standby beside torch when the attempt's first-step markers name nothing
+(else what they name: `ettr.bootstrap.start.TORCH_PARTS` it had imported and its installed packages, so that
+a standby promoted at a failure has no more to do than a cold start): what a DDP/FSDP job imports anyway
+(constructing DistributedDataParallel imports torch._dynamo, seconds of a cold restart). Imports only, no
+compile-store look-up (that waits for `torch.compile`)."""
 FLUSH_WINDOW_S = 0.6
 """After a worker failed, how long the others may still run: a Recorder writes its events within 0.5 s."""
 
@@ -69,6 +72,10 @@ class WorkerGroup:
         self._markers = list(exit_markers)
         self._exited = list(exited_markers)
         self._cut_short: int | None = None  # the rank stopped after its failed exit was marked
+        self.relaunch = Relaunch(path="cold", why="no standbys")
+        """How the workers were started (`StandbyGroup.take`)."""
+        self.notice: WarmUpNotice | None = None
+        """Says on the console when the workers wait for promoted standbys (stopped by `finish`)."""
 
     def exiting(self) -> bool:
         """Whether every worker still running has done its Python-level exit (only the interpreter's
@@ -98,22 +105,30 @@ class WorkerGroup:
     ) -> WorkerGroup:
         """Start worker r as `argvs[r]` under `envs[r]`, in its standby where it fits (`run_dir`, `attempt`:
         where the workers mark a failed exit). Raises OSError (the workers started so far are killed)."""
-        ready = standbys.hand_over(argvs, envs) if standbys is not None else [None] * len(argvs)
+        if standbys is not None:
+            ready, relaunch, notice = standbys.take(argvs, envs, attempt=attempt)
+        else:
+            ready, notice = [None] * len(argvs), None
+            relaunch = Relaunch(path="cold", why="no standbys were ready")
         procs: list[AttemptProcess] = []
         try:
             for argv, env, warm in zip(argvs, envs, ready, strict=True):
                 procs.append(warm or AttemptProcess(argv, env))
         except OSError:
+            if notice is not None:
+                notice.stop()
             for p in [*procs, *(w for w in ready if w is not None and w not in procs)]:
                 p.signal_tree(signal.SIGKILL)
             raise
-        return cls(
+        group = cls(
             procs,
             teardown_grace_s=teardown_grace_s,
             warm=[w is not None for w in ready],
             exit_markers=[failed_exit_path(run_dir, attempt, p.pid) for p in procs] if run_dir else [],
             exited_markers=[exited_path(run_dir, attempt, p.pid) for p in procs] if run_dir else [],
         )
+        group.relaunch, group.notice = relaunch, notice
+        return group
 
     @property
     def pids(self) -> list[int]:
@@ -188,6 +203,8 @@ class WorkerGroup:
         return code
 
     def finish(self, timeout_s: float = 2.0) -> None:
+        if self.notice is not None:
+            self.notice.stop()
         for p in self.procs:
             p.finish(timeout_s)
 
@@ -211,9 +228,10 @@ class StandbyGroup:
         per_attempt: frozenset[str],
         warm_modules: Sequence[str] = (),
     ) -> StandbyGroup | None:
-        """Standbys for workers like `argvs`/`envs` (this attempt's), importing `WARM_MODULES` and
-        `warm_modules` ahead; None when none could start."""
-        modules = list(dict.fromkeys([*WARM_MODULES, *warm_modules]))
+        """Standbys for workers like `argvs`/`envs` (this attempt's), importing `warm_modules` ahead (what
+        the attempt had imported by its first step), `WARM_MODULES` when it is not known; None when none
+        could start."""
+        modules = list(dict.fromkeys(warm_modules or WARM_MODULES))
         started = [
             Standby.start(a, e, per_attempt=per_attempt, warm_modules=modules)
             for a, e in zip(argvs, envs, strict=True)
@@ -224,20 +242,36 @@ class StandbyGroup:
     def pids(self) -> list[int]:
         return [pid for s in self.standbys if s is not None for pid in s.pids]
 
-    def hand_over(
-        self, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]]
-    ) -> list[AttemptProcess | None]:
-        """Per rank, the standby's process now running worker r (None: start it cold). Standbys of ranks
-        beyond `argvs` are discarded."""
+    def take(
+        self, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, attempt: int = 0
+    ) -> tuple[list[AttemptProcess | None], Relaunch, WarmUpNotice | None]:
+        """Per rank, the standby's process now running worker r (None: start it cold, at once), how the
+        ranks were relaunched, and the console notice of promoted standbys (started; None: none). Standbys
+        of ranks beyond `argvs` are discarded."""
         out: list[AttemptProcess | None] = []
+        paths: list[Relaunch] = []
+        waiting: list[tuple[str, Standby]] = []
         for r, argv in enumerate(argvs):
             ready = self.standbys[r] if r < len(self.standbys) else None
-            out.append(None if ready is None else ready.hand_over(argv, envs[r]))
+            if ready is None:
+                out.append(None)
+                paths.append(Relaunch(path="cold", why="no standby for this rank"))
+                continue
+            process, relaunch = ready.take(argv, envs[r])
+            out.append(process)
+            paths.append(relaunch)
+            if relaunch.path == "promoted":
+                waiting.append((f"rank {r}", ready))
+            else:
+                ready.close()
         for extra in self.standbys[len(argvs) :]:
             if extra is not None:
                 extra.discard()
         self.standbys = []
-        return out
+        notice = WarmUpNotice(attempt, waiting) if waiting else None
+        if notice is not None:
+            notice.start()
+        return out, Relaunch.of_ranks(paths), notice
 
     def discard(self) -> None:
         for s in self.standbys:
