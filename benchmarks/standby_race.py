@@ -1,7 +1,7 @@
 """A restart never waits on a cold standby: `ettr run`'s default restart path (warm standbys) against
 `ETTR_STANDBY=0`, side by side, on a busy machine and on a quiet one.
 
-The job (`benchmarks/recovery_job.py`, 2-rank gloo DDP under ettr's own torchrun agent, a checkpoint every
+The job (`benchmarks/jobs/recovery_job.py`, 2-rank gloo DDP under ettr's own torchrun agent, a checkpoint every
 10 steps) trains for `--train-s` seconds (its steps sleep, as a GPU job's CPU does) and then fails once on
 rank 1 (`crash`: an exception). Its standbys start at its first step, at SCHED_IDLE. `busy` runs
 `--busy` extra CPU-bound processes beside it (two by default: on this 2-core machine the standbys then get
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-JOB = HERE / "recovery_job.py"
+JOB = HERE / "jobs" / "recovery_job.py"
 MODES = ("standby", "off")
 STEP_S = 0.05
 
@@ -139,7 +139,9 @@ def main() -> int:
     parser.add_argument("--busy", type=int, default=2, help="extra CPU-bound processes in the busy condition")
     parser.add_argument("--train-s", type=float, default=12.0, help="training before the crash (s)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="a trial still running then failed")
-    parser.add_argument("--quick", action="store_true", help="one trial each, 3 s of training")
+    parser.add_argument(
+        "--quick", action="store_true", help="one trial per mode and condition, 3 s of training"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]

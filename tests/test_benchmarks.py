@@ -68,13 +68,17 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "scale_s", "scale_job_days_per_s", "scale_interruptions", "scalar_scale_s", "scale_speedup", "big_s",
         "big_job_days_per_s", "big_interruptions", "scalar_big_s", "big_speedup", "sweep_s", "sweep_job_days_per_s",
     ),
+    "standby_race.py": (
+        "busy.standby.median_ttr_s", "busy.off.median_ttr_s", "busy.ratio", "quiet.standby.median_ttr_s",
+        "quiet.off.median_ttr_s", "quiet.ratio",
+    ),
 }  # fmt: skip
 
 # Quick modes that start real jobs, compile, or a database server: minutes on a loaded machine (`make test-fast`
 # leaves them out; `make test` runs them).
 SLOW = {
     "accounting_scale.py", "checkpoint_faults.py", "checkpoint_stall.py", "compile_start.py", "fleet_scale.py",
-    "ledger_scale.py", "publish_shutdown.py", "recovery.py",
+    "ledger_scale.py", "publish_shutdown.py", "recovery.py", "standby_race.py",
 }  # fmt: skip
 NEEDS_POSTGRES = {"ledger_scale.py"}
 QUICK_TIMEOUT_S = 1200
