@@ -33,6 +33,7 @@ __all__ = [
     "mark",
     "phase",
     "get_recorder",
+    "resilient",
     "resumed_from",
     "step",
     "training_started",
@@ -54,6 +55,14 @@ def init(run_dir: str | os.PathLike[str], *, job_id: str | None = None) -> Recor
     from ettr.runtime import init as _init
 
     return _init(run_dir, job_id=job_id)
+
+
+def resilient(fn: Any = None, *, config: Any = None) -> Any:
+    """Run a training function so that a rank's failure restarts it in place (`ettr.inplace.resilient`:
+    `ettr.resilient(train)()` or `@ettr.resilient`; `train(gen)` gets an `ettr.inplace.Generation`)."""
+    from ettr.inplace import resilient as _resilient
+
+    return _resilient(fn, config=config)
 
 
 def phase(name: Phase | str, *, step: int | None = None, **data: Any) -> Any:

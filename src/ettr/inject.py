@@ -265,6 +265,8 @@ class Injector:
     ) -> None:
         self._recorder = recorder
         self._stands_down = stands_down
+        self._specs = list(specs)
+        self._listening = False
         self._mine = [s for s in specs if s.attempt == recorder.attempt and s.rank == recorder.rank]
         self._fired: set[FaultSpec] = set()
         self._lock = threading.Lock()
@@ -283,7 +285,9 @@ class Injector:
         """Register the step listener and start the timers (call once, on the training thread)."""
         if not self._mine:
             return
-        self._recorder.add_step_listener(self.on_step)
+        if not self._listening:
+            self._recorder.add_step_listener(self.on_step)
+            self._listening = True
         for spec in self._mine:
             if spec.trigger is Trigger.TIME:
                 delay_s = max(0.0, self._origin_s + (spec.time_s or 0.0) - time.time())
@@ -292,6 +296,19 @@ class Injector:
                 timer.name = "ettr-inject"
                 timer.start()
                 self._timers.append(timer)
+
+    def continue_attempt(self, attempt_started_at: float) -> None:
+        """The process goes on in the recorder's (new) attempt, restarted in place: the faults of that
+        attempt replace those of the previous one, `time=S` counted from `attempt_started_at`."""
+        for timer in self._timers:
+            timer.cancel()
+        self._timers = []
+        self._pending_hang = None
+        self._mine = [
+            s for s in self._specs if s.attempt == self._recorder.attempt and s.rank == self._recorder.rank
+        ]
+        self._origin_s = attempt_started_at
+        self.start()
 
     def on_step(self, step: int) -> None:
         """Step listener: fire `step=N` faults once step N has completed; a pending timed hang blocks here."""

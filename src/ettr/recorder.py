@@ -393,6 +393,18 @@ class Recorder:
             finally:
                 self._drain_lock.release()
 
+    def set_attempt(self, attempt: int) -> None:
+        """This process goes on in attempt `attempt` (restarted in place: `ettr.inplace`). What was recorded
+        before is written first, as the previous attempt's; events from now on are the new one's."""
+        if self.enabled and self._drain_lock.acquire(timeout=5.0):
+            try:
+                self._drain()
+                self.attempt = attempt
+            finally:
+                self._drain_lock.release()
+        else:
+            self.attempt = attempt
+
     def close(self) -> None:
         """Flush, stop the writer thread and remove the process hooks. Idempotent."""
         if self._closed or not self.enabled:

@@ -380,3 +380,35 @@ def memory_dirs_of_run(
         except (OSError, UnicodeDecodeError):
             continue
     return found
+
+
+# -- restart in place (`ettr.inplace`): what ettr's agent and the workers of a resilient job tell each other ----
+INPLACE_ENV = "ETTR_INPLACE"
+"""`1` in the workers of an agent that restarts a resilient job in place: on a rank's failure it keeps the other
+workers running, books the next attempt and starts a replacement for a rank that died."""
+INPLACE_STORE_ENV = "ETTR_INPLACE_STORE"
+"""The rendezvous store every generation of a resilient job re-forms its process group over, one that
+outlives any rank: `file:///PATH` (a FileStore: one host) or `tcp://HOST:PORT` (a TCPStore server)."""
+
+
+def inplace_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """Where ettr's agent and the workers of a resilient job leave their in-place files."""
+    return Path(run_dir) / "agent" / "inplace"
+
+
+def inplace_next_path(run_dir: str | os.PathLike[str]) -> Path:
+    """Written (atomically) by the agent when it restarts the job in place: JSON {"attempt": A, "replaced":
+    [ranks it started anew]}; the surviving workers wait for an attempt above theirs and join it."""
+    return inplace_dir(run_dir) / "next-attempt"
+
+
+def inplace_ready_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
+    """Written by worker `pid` once it runs inside `ettr.resilient` in `attempt`: the agent restarts an
+    attempt in place only while every worker has one."""
+    return agent_dir(run_dir, attempt) / f"inplace-ready-pid-{pid}"
+
+
+def inplace_failed_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
+    """Written by worker `pid` whose training failed in `attempt` while the process lives on (an exception
+    the wrapper caught): JSON {"rank", "error"}; the agent restarts the job in place as after a death."""
+    return agent_dir(run_dir, attempt) / f"inplace-failed-pid-{pid}"

@@ -110,6 +110,7 @@ def _start(environ: Mapping[str, str]) -> None:
         _mark_failed_exit_last(run_env)
     rec = get_recorder()  # records PROCESS_START
     _started["recorder"] = rec
+    _started["run_env"] = run_env
     if not rec.enabled or run_env is None:
         return
     os.environ[INSTRUMENTED_ENV] = str(os.getpid())
@@ -208,7 +209,8 @@ def _mark_failed_exit_last(run_env: RunEnv) -> None:
             from ettr.run_env import exited_path, failed_exit_path
 
             where = failed_exit_path if _started.get("uncaught") else exited_path
-            path = where(run_env.run_dir, run_env.attempt, os.getpid())
+            now = _started.get("run_env") or run_env  # the attempt it is in now (`continue_attempt`)
+            path = where(now.run_dir, now.attempt, os.getpid())
             path.parent.mkdir(parents=True, exist_ok=True)
             create_exclusive(path, b"")
         except Exception:
@@ -252,3 +254,39 @@ def _start_injector(
         inject.install(injector)
         injector.start()
         _started["injector"] = injector
+
+
+def continue_attempt(attempt: int) -> None:
+    """This training process goes on in attempt `attempt`: ettr's agent restarted the job in place
+    (`ettr.inplace`) and booked the next attempt while this process lives on. Its events, heartbeat,
+    first-step marker, exit markers and injected faults become the new attempt's. Never raises."""
+    import dataclasses
+    import time
+
+    from ettr.run_env import ATTEMPT_ENV, heartbeat_path
+
+    try:
+        os.environ[ATTEMPT_ENV] = str(attempt)
+        rec = _started.get("recorder")
+        run_env = _started.get("run_env")
+        if rec is None or run_env is None:
+            return
+        rec.set_attempt(attempt)
+        run_env = dataclasses.replace(run_env, attempt=attempt, attempt_started_at=time.time())
+        _started["run_env"] = run_env
+        beat = _started.get("heartbeat")
+        if beat is not None and rec.run_dir is not None:
+            from ettr.heartbeat import MainThreadHeartbeat
+
+            beat.stop()
+            beat = MainThreadHeartbeat(heartbeat_path(rec.run_dir, attempt, rec.rank))
+            beat.start()
+            _started["heartbeat"] = beat
+        _mark_first_step(rec, run_env)
+        injector = _started.get("injector")
+        if injector is not None:
+            injector.continue_attempt(run_env.attempt_started_at)
+        else:
+            _start_injector(rec, run_env)
+    except Exception as exc:
+        logger.warning("ettr: could not move this process's books to attempt %d (%s)", attempt, exc)

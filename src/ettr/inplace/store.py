@@ -1,0 +1,124 @@
+"""The rendezvous store of a resilient job: one that outlives any of its ranks.
+
+Every generation re-forms the process group over this store (under a prefix of its own), so it must not
+live inside a rank that may die. Which one, in order:
+
+1. `ETTR_INPLACE_STORE` (set by ettr's agent): `file:///PATH`, a FileStore (one host), or `tcp://HOST:PORT`,
+   a TCPStore someone else serves;
+2. under torchrun's agent (`TORCHELASTIC_USE_AGENT_STORE=True`): the agent's own TCPStore at
+   MASTER_ADDR:MASTER_PORT, which outlives the workers (under a prefix of the run id and restart count);
+3. all ranks on this host (`LOCAL_WORLD_SIZE == WORLD_SIZE`): a FileStore in shared memory
+   (`ettr.run_env.memory_root`), whose fresh name rank 0 hands the others through the usual env:// store;
+4. otherwise the env:// TCPStore rank 0 serves: a failure of rank 0 then ends the job (no in-place restart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ettr.run_env import INPLACE_STORE_ENV, memory_root
+
+_PATH_KEY = "ettr/inplace/filestore"
+_OPENED_KEY = "ettr/inplace/filestore-opened"
+
+
+class StoreUnavailable(RuntimeError):
+    """The job's rendezvous store cannot be opened."""
+
+
+@dataclass
+class JobStore:
+    """The store, what it is (for messages), and whether this process should delete its file at the end."""
+
+    store: dist.Store
+    describe: str
+    survives_rank_0: bool
+    """Whether the store outlives rank 0 (False: rank 0 serves it)."""
+    owned_path: Path | None = None
+    """A FileStore this rank made (rank 0, case 3): deleted by `close`."""
+
+    def close(self) -> None:
+        if self.owned_path is not None:
+            with contextlib.suppress(OSError):
+                self.owned_path.unlink()
+
+
+def open_job_store(
+    *, rank: int, world_size: int, timeout_s: float, environ: Mapping[str, str] | None = None
+) -> JobStore:
+    """Open (or, rank 0 where it serves it, create) the job's store. Collective in cases 3 and 4."""
+    env = os.environ if environ is None else environ
+    timeout = datetime.timedelta(seconds=timeout_s)
+    explicit = env.get(INPLACE_STORE_ENV, "").strip()
+    if explicit:
+        return _explicit(explicit, timeout)
+    host, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "")
+    if not port.isdigit():
+        raise StoreUnavailable(
+            "MASTER_PORT is not set: start the job with torchrun (or set ETTR_INPLACE_STORE)"
+        )
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        agent_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        # The agent's store outlives its workers: the keys of a restart of the job (new workers) must
+        # not meet those of the processes before it.
+        launch = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store: dist.Store = dist.PrefixStore(f"ettr/{launch}/", agent_store)
+        return JobStore(store, f"torchrun's agent store at {host}:{port}", survives_rank_0=True)
+    bootstrap = dist.TCPStore(
+        host, int(port), world_size=world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    local_world = env.get("LOCAL_WORLD_SIZE", "")
+    root = memory_root(env)
+    if local_world == str(world_size) and root is not None:
+        return _local_file_store(bootstrap, rank=rank, world_size=world_size, root=root, timeout=timeout)
+    return JobStore(bootstrap, f"rank 0's store at {host}:{port}", survives_rank_0=False)
+
+
+def _explicit(url: str, timeout: datetime.timedelta) -> JobStore:
+    if url.startswith("file://"):
+        path = url.removeprefix("file://")
+        store: dist.Store = dist.FileStore(path, -1)
+        store.set_timeout(timeout)
+        return JobStore(store, f"the FileStore {path}", survives_rank_0=True)
+    if url.startswith("tcp://"):
+        host, _, port = url.removeprefix("tcp://").rpartition(":")
+        if not port.isdigit():
+            raise StoreUnavailable(f"{INPLACE_STORE_ENV}={url!r}: expected tcp://HOST:PORT")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        return JobStore(store, f"the TCPStore at {host}:{port}", survives_rank_0=True)
+    raise StoreUnavailable(f"{INPLACE_STORE_ENV}={url!r}: expected file:///PATH or tcp://HOST:PORT")
+
+
+def _local_file_store(
+    bootstrap: dist.Store, *, rank: int, world_size: int, root: Path, timeout: datetime.timedelta
+) -> JobStore:
+    """A FileStore under `root` with a fresh name (a stale file of an earlier job is never reused), made
+    by rank 0 and handed to the others through the bootstrap store; rank 0 keeps serving that until every
+    rank has opened the file."""
+    owned = None
+    if rank == 0:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owned = root / f"inplace-{os.getpid()}-{secrets.token_hex(6)}.store"
+        bootstrap.set(_PATH_KEY, str(owned))
+        path = str(owned)
+    else:
+        path = bootstrap.get(_PATH_KEY).decode()
+    store = dist.FileStore(path, -1)
+    store.set_timeout(timeout)
+    bootstrap.add(_OPENED_KEY, 1)
+    if rank == 0:  # the others must have read the name before rank 0's server goes
+        deadline = time.monotonic() + timeout.total_seconds()
+        while bootstrap.add(_OPENED_KEY, 0) < world_size:
+            if time.monotonic() > deadline:
+                raise StoreUnavailable("not every rank opened the job's FileStore in time")
+            time.sleep(0.005)
+    return JobStore(store, f"the FileStore {path}", survives_rank_0=True, owned_path=owned)

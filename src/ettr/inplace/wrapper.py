@@ -1,0 +1,301 @@
+"""`ettr.resilient`: run a training function so that a rank's failure restarts it in place.
+
+    def train(gen: ettr.Generation) -> None:        # the default process group is set up (gen.rank, ...)
+        model = DistributedDataParallel(build_model())
+        with CheckpointManager.create(config, TrainState(model=model, ...)) as ckpt:
+            step = ckpt.restore() or 0              # every generation: from memory where it can
+            while step < num_steps:
+                ...
+            ckpt.finish(step)
+
+    ettr.resilient(train)()                         # or @ettr.resilient on `train`
+
+Each call of `train` is a generation. When it raises on any rank — its own error, or a collective failing
+because a peer died or failed — the surviving processes do not exit: `train` unwinds (its `with` blocks
+close), the wrapper tears the process groups down (so peers blocked on this rank fail at once), waits for
+the next generation (`generations`), joins it with the failed rank's replacement on fresh store keys
+(`rendezvous`) and calls `train` again, which restores the last commit (from memory: `ettr.checkpoint.
+memory`). Where a failure cannot be recovered in place (no next generation in `rendezvous_timeout_s`, more
+than `max_restarts`, a SystemExit such as a preemption's 143) the process exits with it, and the launcher's
+process restart follows.
+
+Under `ettr run`, in-place restarts need ettr's own torchrun agent (it sets `ETTR_INPLACE=1`): it books each
+one as an attempt and starts a replacement for a rank that died. Under any other supervision (the real
+torchrun under `ettr run`, several nodes) the wrapper runs `train` once and a failure ends the process as
+without it, so that every recovery is in the books. Without `ettr run`, a failure a process survives (an
+exception) is restarted in place among the same processes; a rank that died is not replaced, so its peers
+time out and exit, and torchrun restarts the job.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ettr.inplace import rendezvous
+from ettr.inplace.config import InPlaceConfig
+from ettr.inplace.generations import AgentGenerations, Generations, GenerationTimeout, StoreGenerations
+from ettr.inplace.store import JobStore, open_job_store
+from ettr.run_env import INPLACE_ENV, RankEnv, RunEnv
+
+logger = logging.getLogger("ettr")
+
+T = TypeVar("T")
+
+_PEER_FAILURE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket Timeout|Timed out waiting|"
+    r"NCCL communicator was aborted|ProcessGroup.*(abort|shut ?down)|Connection refused",
+    re.IGNORECASE,
+)
+"""What a collective says when it failed because of a peer (it died, failed or left): not this rank's own
+failure."""
+
+
+@dataclass(kw_only=True)
+class Generation:
+    """One run of the training function: where it stands (see the module docstring)."""
+
+    index: int
+    """The generation's number (under ettr's agent: the attempt of the job's books)."""
+    rank: int
+    world_size: int
+    store: dist.Store
+    """This generation's own keys in the job's store (for a rendezvous of the function's own)."""
+    keep: dict[str, Any] = field(default_factory=dict)
+    """Objects this process keeps from one generation to the next (datasets, an unwrapped model): the same
+    dict every call. A replacement process starts with it empty. Nothing that holds a process group
+    (DistributedDataParallel, a CheckpointManager) may be kept: its connections would stay open."""
+    restarts: int = 0
+    """In-place restarts this process has taken part in before this generation."""
+
+
+def resilient(fn: Callable[..., T] | None = None, *, config: InPlaceConfig | None = None) -> Any:
+    """`fn(gen, *args, **kwargs)` restarted in place on failures (see the module docstring). Use as
+    `ettr.resilient(fn)(*args)`, `@ettr.resilient` or `@ettr.resilient(config=InPlaceConfig(...))`."""
+    if fn is None:
+        return lambda f: resilient(f, config=config)
+    settings = config or InPlaceConfig()
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        return _Runner(settings).run(fn, args, kwargs)
+
+    return run
+
+
+class _Runner:
+    def __init__(self, config: InPlaceConfig) -> None:
+        self.config = config
+        self.backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        ranks = RankEnv.from_environ()
+        self.rank, self.world_size = ranks.rank, ranks.world_size
+        self.run_env = RunEnv.from_environ()
+
+    def run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        supervised = self.run_env is not None and self.run_env.supervisor_pid is not None
+        if supervised and os.environ.get(INPLACE_ENV) != "1":
+            return self._once(fn, args, kwargs)
+        job_store = open_job_store(
+            rank=self.rank, world_size=self.world_size, timeout_s=self.config.rendezvous_timeout_s
+        )
+        generations: Generations
+        if supervised:
+            assert self.run_env is not None
+            generations = AgentGenerations(Path(self.run_env.run_dir), self.run_env.attempt)
+        else:
+            generations = StoreGenerations(job_store.store)
+        try:
+            return self._loop(fn, args, kwargs, job_store, generations)
+        finally:
+            if dist.is_initialized():
+                rendezvous.leave(self.backend)
+            if self.rank == 0:
+                job_store.close()
+
+    def _once(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        """Under a supervisor that cannot restart in place: one generation, over the usual env:// store."""
+        dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size)
+        gen = Generation(
+            index=self.run_env.attempt if self.run_env else 0,
+            rank=self.rank,
+            world_size=self.world_size,
+            store=rendezvous.generation_store(dist.distributed_c10d._get_default_store(), 0),
+        )
+        try:
+            return fn(gen, *args, **kwargs)
+        finally:
+            rendezvous.leave(self.backend)
+
+    def _loop(
+        self,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        job_store: JobStore,
+        generations: Generations,
+    ) -> T:
+        # DistributedDataParallel imports torch._dynamo on first use; imported while a process group exists,
+        # it keeps references to that group for good, so a failed generation's connections would never
+        # close. Import it before the first group forms.
+        import torch._dynamo  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
+
+        import ettr
+
+        gc.freeze()  # what exists now (imports, the script's set-up) is never scanned by the teardown's collect
+        keep: dict[str, Any] = {}
+        generation = generations.first()
+        restarts = 0
+        failure: _Failure | None = None
+        while True:
+            try:
+                joined = rendezvous.join(
+                    job_store.store,
+                    generation,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    backend=self.backend,
+                    timeout_s=self.config.rendezvous_timeout_s,
+                    collective_timeout_s=self.config.collective_timeout_s,
+                    moved_on=generations.moved_on,
+                )
+            except rendezvous.GenerationMovedOn:
+                generation = self._next(generations, generation, failure, "overtaken while it formed")
+                continue
+            generations.joined(generation)
+            if failure is not None:
+                _record_rejoined(generation, failure, joined)
+            gen = Generation(
+                index=generation,
+                rank=self.rank,
+                world_size=self.world_size,
+                store=rendezvous.generation_store(job_store.store, generation),
+                keep=keep,
+                restarts=restarts,
+            )
+            try:
+                result = fn(gen, *args, **kwargs)
+                del gen
+                if self._completed(job_store.store, generation, generations):
+                    return result
+                failure = _Failure(
+                    time.time(), time.monotonic(), "a peer failed after this rank finished", False
+                )
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                del gen
+                failure = self._failed(exc, generation, generations)
+            failure.teardown_s, released = rendezvous.leave(self.backend)
+            if not released:
+                # Its connections stay open: peers blocked on this rank would wait for the collective
+                # timeout. Exiting closes them; the launcher's restart (or the agent's replacement) follows.
+                ettr.get_recorder().mark("inplace_gave_up", generation=generation, reason="group held")
+                ettr.get_recorder().flush(timeout_s=2.0)
+                raise InPlaceGaveUp(
+                    "ettr: the failed generation's process group is still referenced (kept across "
+                    f"generations in Generation.keep, or by a module imported meanwhile); exiting: {failure.error}"
+                )
+            restarts += 1
+            if restarts > self.config.max_restarts:
+                ettr.get_recorder().mark("inplace_gave_up", generation=generation, restarts=restarts - 1)
+                raise InPlaceGaveUp(
+                    f"ettr: {restarts - 1} in-place restarts used up (InPlaceConfig.max_restarts); "
+                    f"exiting: {failure.error}"
+                )
+            generation = self._next(generations, generation, failure, failure.error)
+
+    def _failed(self, exc: Exception, generation: int, generations: Generations) -> _Failure:
+        """Record a failure of `generation` on this rank: its own (this rank's error) or a peer's."""
+        import ettr
+
+        text = f"{type(exc).__name__}: {exc}"
+        own = not (_PEER_FAILURE.search(str(exc)) or generations.moved_on(generation))
+        rec = ettr.get_recorder()
+        if own:
+            rec.failure(exc)
+            rec.flush(timeout_s=2.0)
+        logger.warning(
+            "ettr: generation %d failed on rank %d (%s); restarting in place",
+            generation,
+            self.rank,
+            text.splitlines()[0][:300],
+        )
+        exc.__traceback__ = None  # its frames hold the failed generation's objects (and process groups)
+        return _Failure(time.time(), time.monotonic(), text[:2000], own)
+
+    def _next(self, generations: Generations, generation: int, failure: _Failure | None, error: str) -> int:
+        begin = time.monotonic()
+        try:
+            found = generations.after_failure(
+                generation, rank=self.rank, error=error, timeout_s=self.config.rendezvous_timeout_s
+            )
+        except GenerationTimeout as exc:
+            raise InPlaceGaveUp(f"ettr: no in-place restart ({exc}); exiting") from None
+        if failure is not None:
+            failure.wait_s += time.monotonic() - begin
+        self._continue_as(found)
+        return found
+
+    def _continue_as(self, generation: int) -> None:
+        """Under ettr's agent the next generation is the next attempt: this process's books go on in it."""
+        if self.run_env is None or os.environ.get(INPLACE_ENV) != "1":
+            return
+        from ettr.bootstrap.start import continue_attempt
+
+        continue_attempt(generation)
+
+    def _completed(self, store: dist.Store, generation: int, generations: Generations) -> bool:
+        """After `fn` returned here: wait until every rank's returned (True), or a newer generation began
+        (False: a peer failed after this rank finished, and the job goes on without the result)."""
+        keys = rendezvous.generation_store(store, generation)
+        keys.add("done", 1)
+        while int(keys.add("done", 0)) < self.world_size:
+            if generations.moved_on(generation):
+                return False
+            time.sleep(0.005)
+        return True
+
+
+class InPlaceGaveUp(RuntimeError):
+    """A failure could not be recovered in place: the process exits with it (a process restart follows)."""
+
+
+@dataclass
+class _Failure:
+    ts: float
+    """When this rank saw the failure (Unix time)."""
+    monotonic: float
+    error: str
+    own: bool
+    """This rank's own failure (not a peer's seen through a collective)."""
+    teardown_s: float = 0.0
+    wait_s: float = 0.0
+
+
+def _record_rejoined(generation: int, failure: _Failure, joined: rendezvous.Joined) -> None:
+    """The parts of this rank's in-place restart, as a MARK of the generation it joined."""
+    import ettr
+
+    ettr.get_recorder().mark(
+        "inplace_restart",
+        generation=generation,
+        failed_ts=failure.ts,
+        own_failure=failure.own,
+        teardown_s=round(failure.teardown_s, 6),
+        wait_s=round(failure.wait_s, 6),
+        rendezvous_s=round(joined.wait_s, 6),
+        process_group_s=round(joined.init_s, 6),
+        seconds=round(time.monotonic() - failure.monotonic, 6),
+    )

@@ -1,0 +1,150 @@
+"""A deterministic 2+-rank DDP job under `ettr.resilient`, with one fault on purpose: for the in-place tests
+and `benchmarks/recovery.py`.
+
+    torchrun --standalone --nproc-per-node 2 -m ettr.testing.resilient_job --ckpt-dir DIR --timings LOG \\
+        [--steps 40] [--every 5] [--fault raise|exit|kill] [--fail-at 17] [--fail-rank 1] [--no-resilient]
+
+Every rank trains the same DDP model on its own shard of a fixed dataset (`ResumableSampler`), saving with
+ettr's `CheckpointManager` every `--every` steps (memory copies on). The fault fires once per job (a marker
+beside the log) on `--fail-rank` right after step `--fail-at`: `raise` (an exception the process survives),
+`exit` (`os._exit(1)`: the process dies) or `kill` (SIGKILL). `--no-resilient` runs the same training
+without the wrapper (the process restart baseline). Each line of `--timings` is JSON: {"ev": "start" | "step" |
+"fault" | "restored" | "done", "ts", "pid", "rank", "step", ...}; "done" carries the final state's digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import zlib
+from typing import Any
+
+import torch
+
+NUM_SAMPLES = 512
+FEATURES = 16
+
+
+def log(path: str, **fields: Any) -> None:
+    line = json.dumps({"ts": time.time(), "pid": os.getpid(), **fields})
+    with open(path, "a") as f:  # one short O_APPEND write per line: the ranks' lines never interleave
+        f.write(line + "\n")
+
+
+def _fire(args: argparse.Namespace, rank: int, step: int) -> None:
+    try:
+        os.close(os.open(args.log + ".fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # once per job
+    log(args.log, ev="fault", rank=rank, step=step, kind=args.fault)
+    if args.fault == "raise":
+        raise RuntimeError(f"injected failure at step {step}")
+    if args.fault == "exit":
+        os._exit(1)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def digest(model: torch.nn.Module) -> str:
+    crc = 0
+    for tensor in model.state_dict().values():
+        crc = zlib.crc32(tensor.detach().contiguous().numpy().tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def train(rank: int, world_size: int, args: argparse.Namespace) -> str:
+    """One generation: build, restore (memory first), train to the end; returns the final digest."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ettr
+    from ettr.checkpoint import (
+        CheckpointConfig,
+        CheckpointManager,
+        IntervalConfig,
+        ResumableSampler,
+        TrainState,
+    )
+
+    torch.manual_seed(0)
+    data = torch.randn(NUM_SAMPLES, FEATURES, generator=torch.Generator().manual_seed(1))
+    targets = data.sum(dim=1, keepdim=True).sin()
+    model = DistributedDataParallel(
+        torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 1)
+        )
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = ResumableSampler(NUM_SAMPLES, seed=0, rank=rank, world_size=world_size)
+    loader = DataLoader(
+        TensorDataset(data, targets), batch_size=8, sampler=sampler, generator=torch.Generator()
+    )
+    state = TrainState(model=model, optimizer=optimizer, data=sampler)
+    config = CheckpointConfig(
+        root=args.ckpt_dir, interval=IntervalConfig(every_steps=args.every), keep_last=2
+    )
+    with CheckpointManager.create(config, state) as ckpt:
+        step = ckpt.restore() or 0
+        log(args.log, ev="restored", rank=rank, step=step, source=ckpt.restored_from)
+        dist.barrier()
+        while step < args.steps:
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                time.sleep(args.step_s)
+                optimizer.step()
+                step += 1
+                ettr.step(step)
+                log(args.log, ev="step", rank=rank, step=step)
+                if args.fault != "none" and rank == args.fail_rank and step == args.fail_at:
+                    _fire(args, rank, step)
+                ckpt.after_step(step)
+                if step == args.steps:
+                    break
+        ckpt.finish(step)
+    return digest(model.module)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ettr.testing.resilient_job")
+    parser.add_argument("--ckpt-dir", required=True)
+    parser.add_argument("--timings", dest="log", required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--fault", choices=("none", "raise", "exit", "kill"), default="none")
+    parser.add_argument("--fail-at", type=int, default=17)
+    parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower step)")
+    parser.add_argument("--resilient", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--rendezvous-timeout-s", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    log(args.log, ev="start", rank=rank, step=None)
+    if args.resilient:
+        import ettr
+        from ettr.inplace import InPlaceConfig
+
+        config = InPlaceConfig(rendezvous_timeout_s=args.rendezvous_timeout_s)
+        result = ettr.resilient(lambda gen: train(gen.rank, gen.world_size, args), config=config)()
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        try:
+            result = train(rank, world_size, args)
+        finally:
+            dist.destroy_process_group()
+    log(args.log, ev="done", rank=rank, step=args.steps, digest=result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

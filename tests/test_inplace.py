@@ -1,0 +1,175 @@
+"""Restart in place (`ettr.inplace`): the generation protocol with fakes, and real torchrun jobs whose rank
+fails and recovers without the other rank exiting, ending bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from ettr.inplace import InPlaceConfig
+from ettr.inplace.generations import AgentGenerations, GenerationTimeout, StoreGenerations
+from ettr.inplace.rendezvous import GenerationMovedOn, RendezvousTimeout, join, leave
+from ettr.run_env import inplace_failed_path, inplace_next_path, inplace_ready_path
+
+
+def test_the_config_refuses_what_cannot_work() -> None:
+    with pytest.raises(ValueError, match="max_restarts"):
+        InPlaceConfig(max_restarts=-1)
+    with pytest.raises(ValueError, match="rendezvous_timeout_s"):
+        InPlaceConfig(rendezvous_timeout_s=0)
+    with pytest.raises(ValueError, match="backend"):
+        InPlaceConfig(backend="mpi")
+
+
+def test_a_failed_generation_moves_the_store_counter_on_once() -> None:
+    store = dist.HashStore()
+    ranks = [StoreGenerations(store), StoreGenerations(store)]
+    assert [g.first() for g in ranks] == [0, 0]
+    found: list[int] = []
+    threads = [
+        threading.Thread(target=lambda g=g: found.append(g.after_failure(0, rank=0, error="x", timeout_s=30)))
+        for g in ranks
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert found == [1, 1]  # both ranks reported generation 0's failure: one generation, not two
+    assert ranks[0].moved_on(0) and not ranks[0].moved_on(1)
+    assert StoreGenerations(store).first() == 1  # a process joining later joins the current one
+
+
+def test_no_next_generation_in_time_gives_up() -> None:
+    class Stuck(StoreGenerations):
+        def moved_on(self, generation: int) -> bool:
+            return False
+
+    store = dist.HashStore()
+    store.add("ettr/inplace/0/failed", 1)  # another rank already reported it (so this one does not move on)
+    with pytest.raises(GenerationTimeout):
+        Stuck(store).after_failure(0, rank=1, error="x", timeout_s=0.05)
+
+
+def test_under_the_agent_a_generation_is_the_attempt_it_books(tmp_path: Path) -> None:
+    generations = AgentGenerations(tmp_path, 3, pid=4242)
+    assert generations.first() == 3
+    generations.joined(3)
+    assert inplace_ready_path(tmp_path, 3, 4242).exists()
+    assert not generations.moved_on(3)
+
+    def agent() -> None:  # sees the failure marker, books attempt 4, says so
+        while not inplace_failed_path(tmp_path, 3, 4242).exists():
+            time.sleep(0.001)
+        inplace_next_path(tmp_path).parent.mkdir(parents=True, exist_ok=True)
+        inplace_next_path(tmp_path).write_text(json.dumps({"attempt": 4, "replaced": []}))
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    assert generations.after_failure(3, rank=1, error="ValueError: x", timeout_s=30) == 4
+    thread.join()
+    failed = json.loads(inplace_failed_path(tmp_path, 3, 4242).read_text())
+    assert failed == {"rank": 1, "error": "ValueError: x"}
+    assert generations.moved_on(3) and not generations.moved_on(4)
+    inplace_next_path(tmp_path).write_text("{not json")  # a torn file is no answer
+    assert generations.next_attempt() is None
+
+
+def test_a_generation_forms_only_with_every_rank_and_leaves_for_a_newer_one() -> None:
+    store = dist.HashStore()
+    with pytest.raises(RendezvousTimeout, match="1 of 2"):
+        join(store, 0, rank=0, world_size=2, backend="gloo", timeout_s=0.05, collective_timeout_s=5,
+             moved_on=lambda g: False)  # fmt: skip
+    with pytest.raises(GenerationMovedOn):
+        join(store, 1, rank=0, world_size=2, backend="gloo", timeout_s=30, collective_timeout_s=5,
+             moved_on=lambda g: True)  # fmt: skip
+
+
+def test_leaving_releases_the_group_unless_something_holds_it() -> None:
+    store = dist.HashStore()
+    joined = join(store, 0, rank=0, world_size=1, backend="gloo", timeout_s=30, collective_timeout_s=5,
+                  moved_on=lambda g: False)  # fmt: skip
+    assert joined.wait_s >= 0 and dist.is_initialized()
+    _, released = leave("gloo")
+    assert released and not dist.is_initialized()
+    join(store, 1, rank=0, world_size=1, backend="gloo", timeout_s=30, collective_timeout_s=5,
+         moved_on=lambda g: False)  # fmt: skip
+    kept = dist.distributed_c10d._get_default_group()  # what Generation.keep holding a DDP would do
+    _, released = leave("gloo")
+    assert not released
+    del kept
+
+
+# -- real jobs ------------------------------------------------------------------------------------------------
+
+
+def _torchrun(tmp_path: Path, *job_args: str, max_restarts: int = 0, timeout_s: float = 600) -> Any:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ETTR_MEMORY_DIR": str(tmp_path / "memory")}
+    for name in [n for n in env if n.startswith("ETTR_") and n != "ETTR_MEMORY_DIR"]:
+        env.pop(name)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", str(max_restarts), "-m", "ettr.testing.resilient_job",
+        "--ckpt-dir", str(tmp_path / "ckpt"), "--timings", str(tmp_path / "log.jsonl"), *job_args,
+    ]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def _events(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
+    work = tmp_path_factory.mktemp("uninterrupted")
+    proc = _torchrun(work, "--fault", "none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    digests = {e["digest"] for e in _events(work) if e["ev"] == "done"}
+    assert len(digests) == 1
+    return digests.pop()
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_restarts_in_place_and_ends_bit_identical(
+    tmp_path: Path, uninterrupted: str
+) -> None:
+    proc = _torchrun(tmp_path, "--fault", "raise", "--fail-at", "17")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = _events(tmp_path)
+    starts = {e["pid"] for e in events if e["ev"] == "start"}
+    assert len(starts) == 2  # no process exited or started anew
+    restored = [e for e in events if e["ev"] == "restored" and e["step"]]
+    assert sorted((e["rank"], e["step"], e["source"]) for e in restored) == [
+        (0, 15, "memory"),
+        (1, 15, "memory"),
+    ]
+    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted}
+    assert not any((tmp_path / "memory").rglob("*.snap"))  # the completed job removed its copies
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_without_an_agent_to_replace_it_falls_back_to_a_process_restart(
+    tmp_path: Path, uninterrupted: str
+) -> None:
+    """Nobody replaces the dead rank: its peer gives up after the rendezvous timeout and exits, torchrun
+    restarts both, and they restore from memory."""
+    proc = _torchrun(
+        tmp_path, "--fault", "kill", "--fail-at", "17", "--rendezvous-timeout-s", "3", max_restarts=1
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = _events(tmp_path)
+    assert len({e["pid"] for e in events if e["ev"] == "start"}) == 4  # both ranks started again
+    restored = [e for e in events if e["ev"] == "restored" and e["step"]]
+    # the newest commit when rank 1 died: 15 if its persist had committed (an async save), else 10; memory
+    # copies of it on both ranks unless the kill came between the commit and rank 1's copy
+    assert len(restored) == 2 and len({(e["step"], e["source"]) for e in restored}) == 1
+    assert restored[0]["step"] in (10, 15) and restored[0]["source"] in ("memory", "storage")
+    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted}
