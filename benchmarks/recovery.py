@@ -1,18 +1,28 @@
-"""Time to recover: plain `torchrun --max-restarts 1` against `ettr run -- torchrun ...`, side by side.
+"""Time to recover a 2-rank job: plain torchrun, ettr's process restart (from storage, from memory) and ettr's
+restart in place, interleaved, after a crash and a SIGKILL.
 
-The job (`benchmarks/jobs/recovery_job.py`, 2-rank gloo DDP, a checkpoint every 10 steps) fails once on rank 1 at
-step 25 (`--faults`: crash = an exception, kill = SIGKILL, hang = blocks forever); the two launchers run
-interleaved, `--trials` times each per fault. A recovery succeeded when the command exited 0 having trained
-to the last step after the fault. TTR is measured the same way for both, from the job's own timestamps: the
-fault to the first step completed by the next attempt. For ettr it also gives the ledger's parts
-(`EttReport.ttr_parts`: detection, teardown, backoff, relaunch, imports, ..., first step), median per part.
+The job (`ettr.testing.resilient_job`: 2-rank gloo DDP, ettr's CheckpointManager, a checkpoint every 10 steps,
+35 steps) fails once on rank 1 after step 25: `crash` raises an exception, `kill` SIGKILLs the rank. Launchers:
+    torchrun      `torchrun --max-restarts 1`, the job without memory copies (restores from storage)
+    ettr          `ettr run --max-restarts 1 -- torchrun ...`, no memory copies: ettr's process restart
+    ettr_memory   the same with memory copies: the restarted ranks restore from memory
+    ettr_inplace  the job under `ettr.resilient`; run by `torchrun --max-restarts 1` until ettr's agent restarts
+                  in place (docs/inplace.md): a crash is restarted in place among the same processes, a killed
+                  rank is not replaced, so its peer gives up after `--rendezvous-timeout-s` and torchrun
+                  restarts both (from memory)
+A recovery succeeded when the command exited 0, trained to the last step after the fault, and both ranks end
+with the parameters of an uninterrupted run (`bad_resumes` counts the others). TTR is measured the same way
+for all, from the job's own timestamps: the fault to the first step completed after the post-fault restore,
+split into `detect_relaunch_s` (fault -> the generation or process that recovers starts training: detection,
+teardown, relaunch, imports, rendezvous), `build_restore_s` (model, checkpoint manager and restore) and
+`first_step_s`. For the ettr launchers the ledger's parts (`EttReport.ttr_parts`) are given too.
 
-    python benchmarks/recovery.py [--trials 3] [--faults crash,kill] [--json] [--quick]
+    python benchmarks/recovery.py [--trials 10] [--faults crash,kill] [--launchers ...] [--hidden 512] [--json]
 
-`--quick` (what CI runs): one trial of each launcher on a crash.
+`--quick` (what CI runs): one crash trial of each launcher with a small model.
 
-`--json` ends with one object: per fault and launcher, trials, recovered, median and worst TTR (s), each
-trial's TTR, and for ettr the median seconds per part.
+`--json` ends with one object: `faults.<fault>.<launcher>`: trials, recovered, bad_resumes, median and worst TTR
+(s), each trial's TTR, parts_median_s (the log's parts, and for ettr the ledger's), restored_from (counts).
 """
 
 from __future__ import annotations
@@ -29,20 +39,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-JOB = HERE / "jobs" / "recovery_job.py"
-NUM_STEPS = 35
+LAUNCHERS = ("torchrun", "ettr", "ettr_memory", "ettr_inplace")
+FAULTS = {"crash": "raise", "kill": "kill"}
+NUM_STEPS, EVERY, FAIL_AT = 35, 10, 25
 
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def _job_args(work: Path, fault: str) -> list[str]:
-    return [
-        str(JOB), "--ckpt-dir", str(work / "ckpt"), "--timings", str(work / "log.jsonl"),
-        "--num-steps", str(NUM_STEPS), "--fault", fault,
-    ]  # fmt: skip
 
 
 def _torchrun(max_restarts: int) -> list[str]:
@@ -50,70 +53,124 @@ def _torchrun(max_restarts: int) -> list[str]:
             "--max-restarts", str(max_restarts)]  # fmt: skip
 
 
-def _command(launcher: str, work: Path, fault: str, hang_timeout_s: float) -> list[str]:
-    if launcher == "torchrun":
-        return [*_torchrun(1), *_job_args(work, fault)]
+def _job(work: Path, launcher: str, fault: str, args: argparse.Namespace) -> list[str]:
+    job = [
+        "-m", "ettr.testing.resilient_job", "--ckpt-dir", str(work / "ckpt"), "--timings", str(work / "log.jsonl"),
+        "--steps", str(NUM_STEPS), "--every", str(EVERY), "--fail-at", str(FAIL_AT), "--fail-rank", "1",
+        "--fault", fault, "--hidden", str(args.hidden), "--step-s", f"{args.step_s:g}",
+        "--rendezvous-timeout-s", f"{args.rendezvous_timeout_s:g}",
+    ]  # fmt: skip
+    if launcher != "ettr_inplace":
+        job.append("--no-resilient")
+    if launcher in ("torchrun", "ettr"):
+        job.append("--no-memory-copy")
+    return job
+
+
+def _command(launcher: str, work: Path, fault: str, args: argparse.Namespace) -> list[str]:
+    job = _job(work, launcher, fault, args)
+    if launcher in ("torchrun", "ettr_inplace"):
+        return [*_torchrun(1), *job]
     ettr = [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(work / "run"), "--max-restarts", "1"]
-    if fault == "hang":
-        ettr += ["--hang-timeout", f"{hang_timeout_s:g}"]
-    return [*ettr, "--", *_torchrun(0), *_job_args(work, fault)]
+    return [*ettr, "--", *_torchrun(0), *job]
 
 
-def _measure(log: Path) -> tuple[bool, float | None]:
-    """(trained to the last step after the fault, fault -> first step of the next attempt) from the log."""
-    lines = (
-        [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
-    )
+def _measure(log: Path) -> dict[str, Any]:
+    """From the job's log: trained to the end after the fault, TTR and its parts, where the restore read,
+    and the final digests."""
+    lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.exists() else []
     fault = next((e for e in lines if e["ev"] == "fault"), None)
+    out: dict[str, Any] = {"done": False, "ttr_s": None, "parts_s": {}, "restored_from": None, "digests": []}
+    out["digests"] = sorted({e["digest"] for e in lines if e["ev"] == "done"})
     if fault is None:
-        return False, None
-    before = {e["pid"] for e in lines if e["ts"] <= fault["ts"]}
-    after = [e for e in lines if e["ev"] == "step" and e["pid"] not in before]
-    done = any(e["step"] == NUM_STEPS for e in after)
-    first = min((e["ts"] for e in after), default=None)
-    return done, None if first is None else first - fault["ts"]
+        return out
+    after = [e for e in lines if e["ts"] > fault["ts"]]
+    restored = [e for e in after if e["ev"] == "restored"]
+    if not restored:
+        return out
+    last_restore = max(restored, key=lambda e: e["ts"])
+    steps = [e for e in after if e["ev"] == "step" and e["ts"] > last_restore["ts"]]
+    trains = [e for e in after if e["ev"] == "train" and e["ts"] <= last_restore["ts"]]
+    out["done"] = any(e["step"] == NUM_STEPS for e in steps)
+    out["restored_from"] = last_restore.get("source") or "nothing"
+    if steps and trains:
+        first_step = min(e["ts"] for e in steps)
+        train = max(e["ts"] for e in trains)  # the later of the two ranks starting the recovering generation
+        out["ttr_s"] = first_step - fault["ts"]
+        out["parts_s"] = {
+            "detect_relaunch_s": train - fault["ts"],
+            "build_restore_s": last_restore["ts"] - train,
+            "first_step_s": first_step - last_restore["ts"],
+        }
+    return out
 
 
-def _ettr_parts(run_dir: Path) -> dict[str, float | None] | None:
+def _ledger_parts(run_dir: Path) -> dict[str, float]:
     from ettr.report.load import read_run
 
     try:
         _, report = read_run(run_dir)
     except Exception as exc:
         _say(f"  cannot read {run_dir}: {exc}")
-        return None
+        return {}
     if not report.ttr_parts:
-        return None
-    parts = dict(report.ttr_parts[0].parts_s)
-    parts["total_s"] = report.ttr_parts[0].total_s
+        return {}
+    parts = {f"ledger_{k}": v for k, v in report.ttr_parts[0].parts_s.items() if v is not None}
+    parts["ledger_total_s"] = report.ttr_parts[0].total_s
     return parts
 
 
-def _trial(launcher: str, fault: str, timeout_s: float, hang_timeout_s: float) -> dict[str, Any]:
+def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str | None) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"ettr-recovery-{launcher}-"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(work / "memory"))
     started = time.monotonic()
     try:
         proc = subprocess.run(
-            _command(launcher, work, fault, hang_timeout_s),
+            _command(launcher, work, FAULTS.get(fault, fault), args),
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            timeout=timeout_s,
+            timeout=args.timeout_s,
             check=False,
         )
         rc: int | None = proc.returncode
         tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:]
     except subprocess.TimeoutExpired:
-        rc, tail = None, [f"timed out after {timeout_s:g} s"]
-    done, ttr = _measure(work / "log.jsonl")
-    result = {"rc": rc, "recovered": rc == 0 and done, "ttr_s": ttr, "wall_s": time.monotonic() - started}
-    if launcher == "ettr":
-        result["parts_s"] = _ettr_parts(work / "run")
+        rc, tail = None, [f"timed out after {args.timeout_s:g} s"]
+    found = _measure(work / "log.jsonl")
+    bad = reference is not None and bool(found["digests"]) and found["digests"] != [reference]
+    result = {
+        "rc": rc,
+        "recovered": rc == 0 and found["done"] and not bad,
+        "bad_resume": bad,
+        "ttr_s": found["ttr_s"],
+        "parts_s": found["parts_s"],
+        "restored_from": found["restored_from"],
+        "wall_s": time.monotonic() - started,
+    }
+    if launcher.startswith("ettr") and (work / "run").exists():
+        result["parts_s"] = {**found["parts_s"], **_ledger_parts(work / "run")}
     if not result["recovered"]:
-        result["why"] = tail[0] if tail else ""
+        result["why"] = "final state differs from the uninterrupted run" if bad else (tail[0] if tail else "")
     shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def _reference(args: argparse.Namespace) -> str | None:
+    """The final digest of an uninterrupted run of the same job."""
+    work = Path(tempfile.mkdtemp(prefix="ettr-recovery-reference-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(work / "memory"))
+    try:
+        subprocess.run(
+            [*_torchrun(0), *_job(work, "torchrun", "none", args)], env=env, capture_output=True,
+            timeout=args.timeout_s, check=False,
+        )  # fmt: skip
+        digests = _measure(work / "log.jsonl")["digests"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return digests[0] if len(digests) == 1 else None
 
 
 def _summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -121,20 +178,20 @@ def _summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "trials": len(trials),
         "recovered": sum(1 for t in trials if t["recovered"]),
+        "bad_resumes": sum(1 for t in trials if t["bad_resume"]),
         "median_ttr_s": statistics.median(ttrs) if ttrs else None,
         "worst_ttr_s": max(ttrs) if ttrs else None,
         "ttr_s": [None if t["ttr_s"] is None else round(t["ttr_s"], 3) for t in trials],
+        "restored_from": {},
     }
-    parts = [t["parts_s"] for t in trials if t.get("parts_s") and t["recovered"]]
+    for t in trials:
+        source = t["restored_from"] or "none"
+        out["restored_from"][source] = out["restored_from"].get(source, 0) + 1
+    parts = [t["parts_s"] for t in trials if t["recovered"] and t["parts_s"]]
     if parts:
         names = list(dict.fromkeys(n for p in parts for n in p))
         out["parts_median_s"] = {
-            n: (
-                round(statistics.median(vs), 3)
-                if (vs := [p[n] for p in parts if p.get(n) is not None])
-                else None
-            )
-            for n in names
+            n: round(statistics.median(vs), 3) for n in names if (vs := [p[n] for p in parts if n in p])
         }
     return out
 
@@ -143,51 +200,73 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--trials", type=int, default=10, help="trials per launcher and fault")
+    parser.add_argument("--faults", default="crash,kill", help="comma-separated: crash, kill")
     parser.add_argument(
-        "--trials", type=int, default=3, help="trials per launcher and fault (10 for the issue)"
+        "--launchers", default=",".join(LAUNCHERS), help="comma-separated: " + ", ".join(LAUNCHERS)
     )
-    parser.add_argument("--faults", default="crash,kill", help="comma-separated: crash, kill, hang")
-    parser.add_argument("--timeout-s", type=float, default=180.0, help="a trial still running then failed")
-    parser.add_argument("--hang-timeout-s", type=float, default=3.0, help="ettr run --hang-timeout for hang")
+    parser.add_argument(
+        "--hidden", type=int, default=512, help="the model's width (state ~ 3 x 17 x hidden floats)"
+    )
+    parser.add_argument("--step-s", type=float, default=0.02, help="sleep per step")
+    parser.add_argument(
+        "--rendezvous-timeout-s", type=float, default=5.0, help="ettr_inplace: a dead rank's wait"
+    )
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="a trial still running then failed")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="one crash trial per launcher (CI's check)")
+    parser.add_argument(
+        "--quick", action="store_true", help="one crash trial per launcher, a small model (CI)"
+    )
     args = parser.parse_args()
     if args.quick:
-        args.trials, args.faults = 1, "crash"
+        args.trials, args.faults, args.hidden = 1, "crash", 64
     faults = [f for f in args.faults.split(",") if f]
-    bad = [f for f in faults if f not in ("crash", "kill", "hang")]
-    if bad or args.trials < 1:
-        print(
-            f"recovery.py: bad --faults {bad} or --trials (crash, kill, hang; trials >= 1)", file=sys.stderr
-        )
+    launchers = [name for name in args.launchers.split(",") if name]
+    bad = [f for f in faults if f not in FAULTS] + [name for name in launchers if name not in LAUNCHERS]
+    if bad or args.trials < 1 or args.hidden < 1:
+        print(f"recovery.py: bad --faults/--launchers {bad}, or --trials/--hidden below 1", file=sys.stderr)
         return 2
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {f: {"torchrun": [], "ettr": []} for f in faults}
+    reference = _reference(args)
+    if reference is None:
+        _say("the uninterrupted reference run failed: final states are not compared")
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {
+        f: {name: [] for name in launchers} for f in faults
+    }
     for i in range(args.trials):
         for fault in faults:
-            order = ("torchrun", "ettr") if i % 2 == 0 else ("ettr", "torchrun")  # interleaved
+            order = launchers[i % len(launchers) :] + launchers[: i % len(launchers)]  # interleaved, rotated
             for launcher in order:
-                r = _trial(launcher, fault, args.timeout_s, args.hang_timeout_s)
+                r = _trial(launcher, fault, args, reference)
                 results[fault][launcher].append(r)
-                ttr = "-" if r["ttr_s"] is None else f"{r['ttr_s']:.2f} s"
+                ttr = "-" if r["ttr_s"] is None else f"{r['ttr_s']:.3f} s"
                 why = "" if r["recovered"] else f" ({r.get('why', '')[:100]})"
-                _say(f"trial {i} {fault:<5} {launcher:<8} recovered={r['recovered']} ttr={ttr}{why}")
+                _say(
+                    f"trial {i} {fault:<5} {launcher:<12} recovered={r['recovered']} ttr={ttr} "
+                    f"restored from {r['restored_from']}{why}"
+                )
     summary = {
         "benchmark": "recovery",
         "trials": args.trials,
-        "faults": {f: {launcher: _summary(ts) for launcher, ts in by.items()} for f, by in results.items()},
+        "hidden": args.hidden,
+        "reference_digest": reference,
+        "inplace_launcher": "torchrun --max-restarts 1 (ettr's agent does not restart in place yet)",
+        "faults": {f: {name: _summary(ts) for name, ts in by.items()} for f, by in results.items()},
+        "bad_resumes": sum(1 for by in results.values() for ts in by.values() for t in ts if t["bad_resume"]),
         "quick": args.quick,
     }
     for fault, by in summary["faults"].items():
         for launcher, s in by.items():
-            med = "-" if s["median_ttr_s"] is None else f"{s['median_ttr_s']:.2f} s"
-            worst = "-" if s["worst_ttr_s"] is None else f"{s['worst_ttr_s']:.2f} s"
+            med = "-" if s["median_ttr_s"] is None else f"{s['median_ttr_s']:.3f} s"
+            worst = "-" if s["worst_ttr_s"] is None else f"{s['worst_ttr_s']:.3f} s"
             print(
-                f"{fault:<5} {launcher:<8} recovered {s['recovered']}/{s['trials']}  median TTR {med}  worst {worst}"
+                f"{fault:<5} {launcher:<12} recovered {s['recovered']}/{s['trials']}  median TTR {med}  worst {worst}"
+                f"  restored from {s['restored_from']}"
             )
             if "parts_median_s" in s:
                 print(
                     "      parts (median s): " + ", ".join(f"{n} {v}" for n, v in s["parts_median_s"].items())
                 )
+    print(f"bad resumes (final state not an uninterrupted run's): {summary['bad_resumes']}")
     if args.json:
         print(json.dumps(summary))
     return 0

@@ -63,6 +63,8 @@ FIGURES: dict[str, tuple[str, ...]] = {
     # trial count is checked, ettr's recovery and its parts are figures.
     "recovery.py": (
         "faults.crash.torchrun.recovered", "faults.crash.ettr.median_ttr_s", "faults.crash.ettr.parts_median_s",
+        "faults.crash.ettr_memory.median_ttr_s", "faults.crash.ettr_memory.restored_from",
+        "faults.crash.ettr_inplace.median_ttr_s", "faults.crash.ettr_inplace.parts_median_s", "bad_resumes",
     ),
     "simulate_speed.py": (
         "scale_s", "scale_job_days_per_s", "scale_interruptions", "scalar_scale_s", "scale_speedup", "big_s",

@@ -2,14 +2,17 @@
 and `benchmarks/recovery.py`.
 
     torchrun --standalone --nproc-per-node 2 -m ettr.testing.resilient_job --ckpt-dir DIR --timings LOG \\
-        [--steps 40] [--every 5] [--fault raise|exit|kill] [--fail-at 17] [--fail-rank 1] [--no-resilient]
+        [--steps 40] [--every 5] [--fault raise|exit|kill] [--fail-at 17] [--fail-rank 1]
+        [--no-resilient] [--no-memory-copy] [--hidden 64] [--step-s 0]
 
 Every rank trains the same DDP model on its own shard of a fixed dataset (`ResumableSampler`), saving with
 ettr's `CheckpointManager` every `--every` steps (memory copies on). The fault fires once per job (a marker
 beside the log) on `--fail-rank` right after step `--fail-at`: `raise` (an exception the process survives),
 `exit` (`os._exit(1)`: the process dies) or `kill` (SIGKILL). `--no-resilient` runs the same training
-without the wrapper (the process restart baseline). Each line of `--timings` is JSON: {"ev": "start" | "step" |
-"fault" | "restored" | "done", "ts", "pid", "rank", "step", ...}; "done" carries the final state's digest.
+without the wrapper (the process restart baseline); `--no-memory-copy` restores from storage. Each line of
+`--timings` is JSON: {"ev": "start" | "train" | "step" | "fault" | "restored" | "done", "ts", "pid", "rank",
+"step", ...}; "train" starts a generation (`generation`: its index, -1 without the wrapper), "restored" says
+from where (`source`), "done" carries the final state's digest.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def digest(model: torch.nn.Module) -> str:
     return f"{crc:08x}"
 
 
-def train(rank: int, world_size: int, args: argparse.Namespace) -> str:
+def train(rank: int, world_size: int, args: argparse.Namespace, generation: int = -1) -> str:
     """One generation: build, restore (memory first), train to the end; returns the final digest."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -71,6 +74,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> str:
         TrainState,
     )
 
+    log(args.log, ev="train", rank=rank, step=None, generation=generation)
     torch.manual_seed(0)
     data = torch.randn(NUM_SAMPLES, FEATURES, generator=torch.Generator().manual_seed(1))
     targets = data.sum(dim=1, keepdim=True).sin()
@@ -86,7 +90,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> str:
     )
     state = TrainState(model=model, optimizer=optimizer, data=sampler)
     config = CheckpointConfig(
-        root=args.ckpt_dir, interval=IntervalConfig(every_steps=args.every), keep_last=2
+        root=args.ckpt_dir,
+        interval=IntervalConfig(every_steps=args.every),
+        keep_last=2,
+        memory_copy=args.memory_copy,
     )
     with CheckpointManager.create(config, state) as ckpt:
         step = ckpt.restore() or 0
@@ -124,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower step)")
     parser.add_argument("--resilient", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--rendezvous-timeout-s", type=float, default=120.0)
+    parser.add_argument(
+        "--memory-copy", action=argparse.BooleanOptionalAction, default=True, help="restore from memory"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -133,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         from ettr.inplace import InPlaceConfig
 
         config = InPlaceConfig(rendezvous_timeout_s=args.rendezvous_timeout_s)
-        result = ettr.resilient(lambda gen: train(gen.rank, gen.world_size, args), config=config)()
+        result = ettr.resilient(lambda gen: train(gen.rank, gen.world_size, args, gen.index), config=config)()
     else:
         import torch.distributed as dist
 
