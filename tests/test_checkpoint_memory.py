@@ -381,3 +381,30 @@ def test_a_copy_of_a_commit_admission_refuses_is_not_used(tmp_path: Path) -> Non
     os.replace(forged, copies.own_path())
     step, _, source, _ = _restore(root)
     assert source != "memory" and step != 10
+
+
+# -- peers on other nodes ---------------------------------------------------------------------------------------
+
+
+def _node_run(rank: int, world_size: int, base: str, root: str, train: bool) -> dict[str, Any]:
+    """A rank of a job of `world_size` one-rank nodes; each node's shared memory is its own directory."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["ETTR_MEMORY_DIR"] = os.path.join(base, f"node-{rank}")
+    return _dist_run(rank, world_size, root, train)
+
+
+@pytest.mark.slow
+def test_a_replacement_node_restores_from_the_copy_its_peer_holds(tmp_path: Path) -> None:
+    from ettr.testing.spawn import run_ranks
+
+    base, root = str(tmp_path / "shm"), str(tmp_path / "ckpt")
+    run_ranks(_node_run, 2, base, root, True, timeout_s=180)
+    assert any((tmp_path / "shm" / "node-0").rglob("held-rank-1.snap"))  # rank 0 holds rank 1's copy
+    assert any((tmp_path / "shm" / "node-1").rglob("held-rank-0.snap"))
+    shutil.rmtree(tmp_path / "shm" / "node-1")  # node 1 is lost with its memory; a replacement takes its place
+    restored = run_ranks(_node_run, 2, base, root, False, timeout_s=180)
+    assert [(r["restored"], r["source"]) for r in restored] == [(3, "memory"), (3, "peer")]
+    from_storage = run_ranks(_dist_run, 2, root, False, timeout_s=180)  # (no memory copies in this dir)
+    assert [r["source"] for r in from_storage] == ["storage", "storage"]
+    for peer, storage in zip(restored, from_storage, strict=True):
+        assert peer["state"] == storage["state"]  # bit for bit, each rank's RNG included

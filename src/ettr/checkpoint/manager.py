@@ -57,7 +57,8 @@ from ettr.checkpoint.commit import Manifest, apply_retention, lease, list_checkp
 from ettr.checkpoint.coordination import Coordinator
 from ettr.checkpoint.history import FailureHistory
 from ettr.checkpoint.keys import KeyRing
-from ettr.checkpoint.memory import MemoryCopies, fill, manifest_binding
+from ettr.checkpoint.memory import Found, MemoryCopies, fill, manifest_binding
+from ettr.checkpoint.memory_peers import PeerPlan, fetch, replicate
 from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks
 from ettr.checkpoint.policy import IntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
@@ -169,10 +170,17 @@ class CheckpointManager:
         self._warned_earlier_run = False
         self._closed = False
         self._finished = False
+        self._memory_source = "memory"
         self.memory = _memory_copies(config, self.rank, self.storage.url, self._rec.run_dir)
         """This rank's memory copies of the checkpoints (None: `memory_copy=False`, or no shared memory)."""
+        self._peers = (
+            PeerPlan.from_environ(self.rank, self.world_size, config.memory_replicas)
+            if self.memory is not None and coordinator.distributed
+            else None
+        )
         self.restored_from: str | None = None
-        """Where the last `restore` loaded from: "memory", "storage" (None: nothing restored)."""
+        """Where the last `restore` loaded from: "memory" (this rank's copy), "peer" (a copy a rank on
+        another node held), "storage" (None: nothing restored)."""
 
     @classmethod
     def create(
@@ -381,19 +389,24 @@ class CheckpointManager:
         """Write this rank's staged copy of committed `step` to its memory copy (the persist's thread; the
         next save waits for it). Never raises."""
         staged = self._persister.stager.last_staged
-        if self.memory is None or staged is None:
+        if self.memory is None:
             return
         begin_s = time.monotonic()
+        binding: Binding | None = None
         try:
             binding = manifest_binding(self.storage, step, self.world_size)
         except OSError as exc:
             logger.warning("ettr: no memory copy of step %d: its manifest cannot be read (%s)", step, exc)
             self.memory.discard(self.memory.own_path())
-            return
         kept = self.memory.keep(staged, binding)
         logger.debug(
             "ettr: memory copy of step %d: %d bytes in %.3f s", step, kept, time.monotonic() - begin_s
         )
+        if self._peers is not None:  # collective: every rank takes part, with its copy or without one
+            try:
+                replicate(self._peers, self.memory, binding if kept else None, self._coord.process_group)
+            except Exception as exc:
+                logger.warning("ettr: peer copies of step %d failed (%s)", step, exc)
 
     def _discard_failed(self, step: int) -> None:
         """Remove what a failed persist left (space on a full disk), unless it committed after all."""
@@ -460,7 +473,7 @@ class CheckpointManager:
         if self.memory is not None:
             from_memory = self._restore_from_memory(step)
             if from_memory is not None:
-                self._resumed(from_memory, "memory", scanning_begin)
+                self._resumed(from_memory, self._memory_source, scanning_begin)
                 return from_memory
         at_most = step
         while True:
@@ -516,6 +529,13 @@ class CheckpointManager:
             return None
         binding = Binding(step=decision[0], manifest_sha256=decision[1], world_size=self.world_size)
         found = self.memory.find(binding)
+        source = "memory"
+        if self._peers is not None:
+            received = fetch(
+                self._peers, self.memory, binding, found.snapshot is not None, self._coord.process_group
+            )
+            if received is not None:
+                found, source = Found(snapshot=received), "peer"
         if self._coord.agree(found.snapshot is None)[0]:
             if found.snapshot is None:
                 logger.info("ettr: rank %d: %s; restoring from storage", self.rank, found.reason)
@@ -524,7 +544,7 @@ class CheckpointManager:
             return None
         assert found.snapshot is not None
         error = ""
-        with self._rec.phase(Phase.RESTORE, step=binding.step, source="memory"):
+        with self._rec.phase(Phase.RESTORE, step=binding.step, source=source):
             try:
                 loaded = found.snapshot.load()
                 target = self.state.load_target(set(loaded))
@@ -546,6 +566,7 @@ class CheckpointManager:
             return None
         self._existing_steps = set(decision[2])
         self._warned_earlier_run = True
+        self._memory_source = source
         return binding.step
 
     def _newest_commit(self, step: int | None) -> list[Any]:

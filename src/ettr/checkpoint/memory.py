@@ -126,11 +126,15 @@ class MemoryCopies:
         return self.directory / f"held-rank-{rank}.snap"
 
     # -- keeping ----------------------------------------------------------------------------------------------
-    def keep(self, state_dict: dict[str, Any], binding: Binding) -> int:
+    def keep(self, state_dict: dict[str, Any] | None, binding: Binding | None) -> int:
         """Replace this rank's copy with `state_dict` (the staged state of the committed `binding`); returns
         its size, 0 when it was not kept (too large, no room, not representable: the old copy is removed,
         since a newer step has committed). Never raises for a copy that cannot be kept."""
         path = self.own_path()
+        if state_dict is None or binding is None:
+            self.discard(path)
+            self.last_kept_bytes = 0
+            return 0
         try:
             size = snapshot.size_of(state_dict)
             why = self._no_room(size)
