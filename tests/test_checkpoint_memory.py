@@ -401,7 +401,9 @@ def test_a_replacement_node_restores_from_the_copy_its_peer_holds(tmp_path: Path
     run_ranks(_node_run, 2, base, root, True, timeout_s=180)
     assert any((tmp_path / "shm" / "node-0").rglob("held-rank-1.snap"))  # rank 0 holds rank 1's copy
     assert any((tmp_path / "shm" / "node-1").rglob("held-rank-0.snap"))
-    shutil.rmtree(tmp_path / "shm" / "node-1")  # node 1 is lost with its memory; a replacement takes its place
+    shutil.rmtree(
+        tmp_path / "shm" / "node-1"
+    )  # node 1 is lost with its memory; a replacement takes its place
     restored = run_ranks(_node_run, 2, base, root, False, timeout_s=180)
     assert [(r["restored"], r["source"]) for r in restored] == [(3, "memory"), (3, "peer")]
     from_storage = run_ranks(_dist_run, 2, root, False, timeout_s=180)  # (no memory copies in this dir)
