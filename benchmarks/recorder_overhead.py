@@ -2,8 +2,10 @@
 
 Prints the per-event cost of `Recorder.step` / `Recorder.phase` with the writer thread running against
 the real SQLite ledger (median of several runs), and how long `accounting.compute` takes on a 1M-event
-stream with restarts, phases and checkpoints (`--events`). `--json` ends with one object: event_cost_us,
-phase_cost_us, report_1m_events_s, ledger_write_1m_events_s, ledger_read_1m_events_s (each for `num_events`
+stream with restarts, phases and checkpoints (`--events`), and what the slow-rank check adds on the training
+thread: the bootstrap's backward hook (noting the rank's arrival at the gradient sync; its own cost, around a
+no-op) and a step that carries an arrival. `--json` ends with one object: event_cost_us, phase_cost_us,
+backward_hook_cost_us, step_with_arrival_cost_us, report_1m_events_s, ledger_write_1m_events_s, ledger_read_1m_events_s (each for `num_events`
 events), num_events, quick. `--quick` (what CI runs): 200,000 events, one run of 20,000 recorder calls.
 """
 
@@ -38,6 +40,41 @@ def event_cost_us(num_events: int, num_runs: int) -> tuple[float, float]:
             rec.flush()
         rec.close()
     return statistics.median(step_costs), statistics.median(phase_costs)
+
+
+def arrival_cost_us(num_calls: int, num_runs: int) -> tuple[float, float]:
+    """(the backward hook's own cost per backward, the cost of note_arrival + step per step), in us."""
+    import types
+
+    from ettr.bootstrap.hooks import AutoHooks
+
+    hook_costs, step_costs = [], []
+    with tempfile.TemporaryDirectory() as run_dir:
+        rec = Recorder(open_ledger(run_dir), run_dir=run_dir, flush_interval_s=0.5)
+        fake = types.SimpleNamespace(backward=lambda *args, **kwargs: None)
+        direct = fake.backward
+        hooks = AutoHooks(rec)
+        hooks._install_backward_hook(types.SimpleNamespace(autograd=fake))  # noqa: SLF001 - the hook alone
+        wrapped = fake.backward
+        assert wrapped is not direct
+        for _ in range(num_runs):
+            t0 = time.perf_counter()
+            for _ in range(num_calls):
+                direct()
+            base = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(num_calls):
+                wrapped()
+            hook_costs.append((time.perf_counter() - t0 - base) / num_calls * 1e6)
+            t0 = time.perf_counter()
+            for i in range(num_calls):
+                rec.note_arrival()
+                rec.step(i)
+            step_costs.append((time.perf_counter() - t0) / num_calls * 1e6)
+            rec.flush()
+        hooks.uninstall()
+        rec.close()
+    return statistics.median(hook_costs), statistics.median(step_costs)
 
 
 def synthetic_job(num_events: int) -> list[Event]:
@@ -93,6 +130,7 @@ def main() -> None:
         parser.error("--events must be >= 1000 and --runs >= 1")
 
     step_us, phase_us = event_cost_us(num_calls, args.runs)
+    hook_us, arrival_step_us = arrival_cost_us(num_calls, args.runs)
     events = synthetic_job(args.events)
     report_costs = []
     for _ in range(3):
@@ -117,6 +155,10 @@ def main() -> None:
         f"report from {len(events):,} events: {statistics.median(report_costs):.2f} s "
         f"(ETT {report.ett_pct:.1f}%, {report.num_failures} failures)"
     )
+    print(
+        f"slow-rank check: backward hook {hook_us:.2f} us per backward, step() with an arrival "
+        f"{arrival_step_us:.2f} us"
+    )
     print(f"ledger: write {write_s:.2f} s, read {read_s:.2f} s for {len(events):,} events")
     if args.json:
         print(
@@ -124,6 +166,8 @@ def main() -> None:
                 {
                     "event_cost_us": round(step_us, 3),
                     "phase_cost_us": round(phase_us, 3),
+                    "backward_hook_cost_us": round(hook_us, 3),
+                    "step_with_arrival_cost_us": round(arrival_step_us, 3),
                     "report_1m_events_s": round(statistics.median(report_costs), 3),
                     "ledger_write_1m_events_s": round(write_s, 3),
                     "ledger_read_1m_events_s": round(read_s, 3),

@@ -50,7 +50,10 @@ FROZEN_COMMAND_LINE = {
         },
         ["command"],
     ),
-    "report": ({"--html", "--job-id", "--json", "--ledger", "--tensorboard", "--trace"}, ["run_dirs"]),
+    "report": (
+        {"--html", "--job-id", "--json", "--ledger", "--tensorboard", "--trace", "--window"},
+        ["run_dirs"],
+    ),
     "interval": ({"--blocking", "--failures-per-day", "--json", "--train-hours"}, []),
     "demo": ({"--out", "--quick"}, []),
     "publish": (
@@ -123,7 +126,16 @@ FROZEN_COMMAND_LINE = {
         ["run_dirs"],
     ),
     "serve": (
-        {"--addr", "--cache-dir", "--from-events", "--ledger", "--no-cache", "--port", "--workers"},
+        {
+            "--addr",
+            "--cache-dir",
+            "--from-events",
+            "--ledger",
+            "--no-cache",
+            "--port",
+            "--window",
+            "--workers",
+        },
         ["run_dirs"],
     ),
 }

@@ -464,7 +464,13 @@ def test_the_fleets_read_gives_the_same_report_as_the_full_ledger(seed, tmp_path
     fewer = Books(tmp_path).read_marked(for_accounting=True)[0]
     assert len(fewer) <= len(full)
     now = max(e.ts for e in full) + 5
-    assert to_dict(compute(fewer, now, job_id="j")) == to_dict(compute(full, now, job_id="j"))
+    few, whole = to_dict(compute(fewer, now, job_id="j")), to_dict(compute(full, now, job_id="j"))
+    # Everything but the slow-rank check, which needs every rank's steps: the fewer rows cannot tell it, and
+    # say so (unknown, not "none").
+    assert not few["rank_speed"]["checked"] or few["rank_speed"] == whole["rank_speed"]
+    for data in (few, whole):
+        del data["rank_speed"], data["slow_steps"]["straggler_s"]
+    assert few == whole
 
 
 @pytest.mark.slow

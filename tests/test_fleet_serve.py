@@ -131,3 +131,44 @@ def test_grafana_dashboard_queries_only_metrics_that_are_served(runs):
     exprs.append(dashboard["templating"]["list"][1]["query"])
     used = {name for e in exprs for name in re.findall(r"\bettr_[a-z_]+", e)}
     assert used and used <= served, used - served
+
+
+def test_serve_gives_the_windowed_ett_and_the_fleet_lists_jobs_with_stragglers(tmp_path, capsys):
+    """`ettr serve --window 600`: each job's ETT over its last 10 minutes beside the cumulative ratio; a job
+    whose rank 1 straggled is listed by the fleet (from the summary stored at its end, which read every rank)
+    and exported with the time it waited."""
+    from ettr.fleet.serve import loader, start_server
+    from ettr.fleet.stored import store_run_dir
+    from ettr.ledger import open_ledger
+    from test_stragglers import _two_hours
+    from test_stragglers import job as rank_job
+
+    for name, events in (("long", _two_hours()), ("slow", rank_job(slow={1: (101, 200, 0.05)}))):
+        ledger = open_ledger(tmp_path / "runs" / name)
+        ledger.append(events)
+        ledger.close()
+        assert store_run_dir(tmp_path / "runs" / name) is not None
+    assert main(["fleet", str(tmp_path / "runs"), "--json"]) == 0
+    fleet = json.loads(capsys.readouterr().out)
+    (listed,) = fleet["jobs_with_stragglers"]
+    assert listed["job_id"] == "slow" and listed["stragglers"][0].startswith("rank 1 (host h0) slower than")
+    jobs = {j["job_id"]: j for j in fleet["jobs"]}
+    assert jobs["long"]["stragglers"] is None  # one rank: nothing to compare
+    assert jobs["long"]["window_s"] == 3600 and jobs["long"]["window_ett_pct"] == pytest.approx(1600 / 36)
+    assert main(["fleet", str(tmp_path / "runs")]) == 0
+    assert "jobs with stragglers (1; ranks not compared in 1 job(s))" in capsys.readouterr().out
+
+    args = argparse.Namespace(
+        run_dirs=[str(tmp_path / "runs")], ledger=None, workers=1, no_cache=True, window=600.0
+    )
+    server = start_server(loader(args), port=0, addr="127.0.0.1")
+    try:
+        samples = _scrape(server.port)
+    finally:
+        server.close()
+    window = {s.labels["job"]: s.value for s in samples["ettr_window_effective_training_ratio"]}
+    assert window["long"] == pytest.approx(1.0)  # its last 10 minutes trained
+    assert samples["ettr_window_seconds"][0].value == 600
+    assert {s.labels["job"]: s.value for s in samples["ettr_stragglers"]} == {"slow": 1.0}
+    (waited,) = samples["ettr_straggler_wait_seconds_total"]
+    assert waited.labels["job"] == "slow" and waited.value == pytest.approx(listed["lost_s"])

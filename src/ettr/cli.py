@@ -132,6 +132,13 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensorboard", metavar="DIR", help="also write TensorBoard scalars to DIR (several: a run each)"
     )
+    p.add_argument(
+        "--window",
+        type=_positive_float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="the windowed ETT's window: ETT over the last SECONDS of wall time (default 3600)",
+    )
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = (
         "examples:\n  ettr report runs/job-1\n  ettr report runs/job-1 --trace job-1.trace.json   "
@@ -152,7 +159,7 @@ def _report(args: argparse.Namespace) -> int:
         require_tensorboard()
     if args.ledger and not args.job_id and not args.run_dirs:
         return _list_ledger_jobs(args.ledger, as_json=args.json)
-    loaded = load_requested(args.run_dirs, ledger_url=args.ledger, job_ids=args.job_id)
+    loaded = load_requested(args.run_dirs, ledger_url=args.ledger, job_ids=args.job_id, window_s=args.window)
     reports = [report for _events, report in loaded]
     from ettr.report.json import to_dict
     from ettr.report.labels import run_labels

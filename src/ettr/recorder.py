@@ -136,6 +136,8 @@ class RecorderProtocol(Protocol):
 
     def step(self, step: int, *, auto: bool = False) -> None: ...
 
+    def note_arrival(self) -> None: ...
+
     def training_started(self) -> None: ...
 
     def resumed_from(self, step: int | None) -> None: ...
@@ -196,6 +198,7 @@ class Recorder:
         self.enabled = ledger is not None
         self.last_step: int | None = None
         self.explicit_steps = False
+        self._arrival_ts: float | None = None  # see note_arrival
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self._wake = threading.Event()
         self._drain_lock = threading.Lock()
@@ -315,12 +318,20 @@ class Recorder:
         else:
             self.explicit_steps = True
         self.last_step = step
-        self.record(EventKind.STEP, step=step)
+        arrival, self._arrival_ts = self._arrival_ts, None
+        self.record(EventKind.STEP, step=step, value=arrival)
         for listener in self._step_listeners:
             try:
                 listener(step)
             except Exception as exc:
                 self._warn_once("step listener", exc)
+
+    def note_arrival(self) -> None:
+        """This rank is ready for its step's gradient sync now (the bootstrap calls it as a backward pass
+        starts): the next STEP carries the time as its `value`, so the accounting can tell which rank its
+        peers waited for (`ettr.accounting.stragglers`). The last call before a STEP wins (gradient
+        accumulation: the micro-batch whose backward syncs). A time read and an attribute set; never raises."""
+        self._arrival_ts = time.time()
 
     def _step_number(self, step: Any) -> int | None:
         # numpy ints and 0-d integer tensors (Adam's state['step']) are step numbers; anything else is dropped.

@@ -18,10 +18,19 @@ from ettr.accounting.model import (
     TtsWindow,
 )
 from ettr.accounting.slowdown import PersistSlowdown, StepSlowdown
+from ettr.accounting.slowsteps import SlowSteps, Warmup
 from ettr.accounting.steptime import StepTime
+from ettr.accounting.stragglers import RankSpeed, Straggler
 from ettr.accounting.timeline import PRECEDENCE
+from ettr.accounting.window import DEFAULT_WINDOW_S, EttWindow
 
 __all__ = [
+    "DEFAULT_WINDOW_S",
+    "EttWindow",
+    "RankSpeed",
+    "SlowSteps",
+    "Straggler",
+    "Warmup",
     "AttemptReport",
     "Cause",
     "CheckpointCommit",

@@ -14,9 +14,12 @@ from ettr.accounting.fence import fence
 from ettr.accounting.liveness import NOT_ENDED, JobState, OpenJob, counts_as_failure, job_state, steps_after
 from ettr.accounting.model import AttemptReport, EttReport, Recovery, Segment, TtsWindow
 from ettr.accounting.slowdown import AttemptSteps, step_slowdown
+from ettr.accounting.slowsteps import slow_steps
 from ettr.accounting.steptime import kept_step_times, step_time
+from ettr.accounting.stragglers import rank_speed
 from ettr.accounting.timeline import build_segments
 from ettr.accounting.ttr import breakdowns
+from ettr.accounting.window import DEFAULT_WINDOW_S, check_window, ett_window
 from ettr.events import Bucket, Event, Phase
 
 
@@ -52,7 +55,12 @@ def classify(bucket: Bucket, *, attempt_position: int) -> Loss:
 
 
 def compute(
-    events: Iterable[Event], now: float, *, job_id: str = "", supervisor_alive: bool | None = None
+    events: Iterable[Event],
+    now: float,
+    *,
+    job_id: str = "",
+    supervisor_alive: bool | None = None,
+    window_s: float = DEFAULT_WINDOW_S,
 ) -> EttReport:
     """The ETT report of one job from all its events (supervisor and every rank, any order).
 
@@ -60,21 +68,25 @@ def compute(
     ts for a dead job, the current time for a live one; the report then says `in_progress`), and attempts
     or phases that never ended. `supervisor_alive` says, for a job without JOB_END, whether its supervisor
     still runs (True: `running`; False: `supervisor_lost`; None: not known); an open last attempt is then
-    `running` or `unknown`, not a failure. The rules are in docs/buckets.md. Never reads the clock or any
-    file.
+    `running` or `unknown`, not a failure. `window_s` is the length of `EttReport.window` (ETT over the
+    last `window_s` of wall time; ValueError unless positive). The rules are in docs/buckets.md. Never reads
+    the clock or any file.
     """
+    window_s = check_window(window_s)
     # A million events make a few million small objects and nothing cyclic: the cyclic collector would
     # rescan them over and over (about 40% of the time) to free nothing.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _compute(events, now, job_id, supervisor_alive)
+        return _compute(events, now, job_id, supervisor_alive, window_s)
     finally:
         if collecting:
             gc.enable()
 
 
-def _compute(events: Iterable[Event], now: float, job_id: str, supervisor_alive: bool | None) -> EttReport:
+def _compute(
+    events: Iterable[Event], now: float, job_id: str, supervisor_alive: bool | None, window_s: float
+) -> EttReport:
     kept, num_fenced = fence(events)
     job = gather(kept)
     wall_start, wall_end = wall_bounds(job, now)
@@ -122,6 +134,8 @@ def _compute(events: Iterable[Event], now: float, job_id: str, supervisor_alive:
         for name, seconds in report.phases_s.items():
             job_phases.setdefault(name, []).append(seconds)
     job_end_data = data_of(job.job_end) if job.job_end is not None else None
+    slowdown = step_slowdown(AttemptSteps(a.index, a.step_ts, a.phases, a.step_numbers) for a in attempts)
+    ranks = rank_speed({i: raw.rank_events for i, raw in job.attempts.items()})
     return EttReport(
         job_id=job_id,
         wall_start_ts=wall_start,
@@ -152,10 +166,21 @@ def _compute(events: Iterable[Event], now: float, job_id: str, supervisor_alive:
         recoveries=recoveries,
         failures=failure_causes(attempt_reports),
         num_fenced_events=num_fenced,
-        slowdown=step_slowdown(AttemptSteps(a.index, a.step_ts, a.phases, a.step_numbers) for a in attempts),
+        slowdown=slowdown,
         ttr_parts=ttr_parts,
         tts_parts=tts_parts,
         step_time=step_time([d for times in kept_times.values() for d in times]),
+        rank_speed=ranks,
+        slow_steps=slow_steps(
+            [(a.index, a.position, kept_times[a.index]) for a in attempts], slowdown, ranks
+        ),
+        window=ett_window(
+            segments,
+            wall_start,
+            wall_end,
+            window_s,
+            lambda bucket, owner: loss_of[bucket, position_of.get(owner, 0) > 0].value,
+        ),
         state=job_state(ended=job.job_end is not None, supervisor_alive=supervisor_alive),
         open_job=None
         if job.job_end is not None

@@ -13,8 +13,11 @@ from typing import Any, NamedTuple
 from ettr.accounting.causes import Cause, FailureCause
 from ettr.accounting.liveness import JobState, OpenJob
 from ettr.accounting.slowdown import StepSlowdown
+from ettr.accounting.slowsteps import SlowSteps
 from ettr.accounting.steptime import NO_STEP_TIME, StepTime
+from ettr.accounting.stragglers import RankSpeed
 from ettr.accounting.ttr import RecoveryParts
+from ettr.accounting.window import EttWindow
 from ettr.events import Bucket, Outcome
 
 
@@ -233,6 +236,14 @@ class EttReport:
     """Ended, running, supervisor lost, or in progress (not known which) (`ettr.accounting.liveness`)."""
     open_job: OpenJob | None = None
     """For a job without an end: what it was doing when reported (None when it ended)."""
+    rank_speed: RankSpeed | None = None
+    """Slow ranks: ranks (or nodes) persistently later than their peers at the gradient sync, and what
+    waiting for them cost (`ettr.accounting.stragglers`); `checked` False when it could not be told."""
+    slow_steps: SlowSteps | None = None
+    """Step time beyond the job's steady step: warm-ups after restarts, persists, waiting for slow ranks
+    (`ettr.accounting.slowsteps`); beside ETT, not in the buckets."""
+    window: EttWindow | None = None
+    """ETT over the last hour (or the window asked for) of wall time (`ettr.accounting.window`)."""
 
     @property
     def step_time_s(self) -> float | None:

@@ -4,6 +4,8 @@ Installed once torch is imported (see `post_import`), each hook wraps one torch 
 
   optimizer steps   torch.optim's global step post-hook: STEP(n) with n = resumed step + the number of steps
                     of the first optimizer seen; stops once user code calls `ettr.step` itself
+  backward          torch.autograd.backward (what Tensor.backward calls): the rank's arrival at its step's
+                    gradient sync, carried by the next STEP (`Recorder.note_arrival`; slow ranks)
   process group     torch.distributed.init_process_group -> PROCESS_GROUP_INIT span
   first batch       the first `__next__` of the first DataLoader iterator -> GET_FIRST_BATCH_DATA span,
                     after which the original method is put back (no cost per batch)
@@ -31,6 +33,7 @@ from typing import Any
 
 from ettr.events import Phase
 from ettr.recorder import RecorderProtocol
+from ettr.tracing import dynamo_is_tracing
 from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
@@ -163,6 +166,7 @@ class AutoHooks:
         self.guard.call("evaluation", self.evals.install, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
         self.guard.call("first batch", self._install_first_batch_hook, torch)
+        self.guard.call("backward", self._install_backward_hook, torch)
         self.guard.call("torch.save/load", self.checkpoints.install_torch, torch)
         dcp = sys.modules.get("torch.distributed.checkpoint")
         if dcp is not None:
@@ -218,6 +222,20 @@ class AutoHooks:
         patched = dist.distributed_c10d.init_process_group
         if getattr(dist, "init_process_group", None) is getattr(patched, _ORIGINAL, None):
             self.patcher.set(dist, "init_process_group", patched)
+
+    def _install_backward_hook(self, torch: ModuleType) -> None:
+        # Tensor.backward calls torch.autograd.backward through the module attribute: one wrapper sees both.
+        note = self.rec.note_arrival
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                if not dynamo_is_tracing():
+                    note()
+                return original(*args, **kwargs)
+
+            return backward
+
+        self.patcher.wrap(torch.autograd, "backward", make)
 
     def _install_first_batch_hook(self, torch: ModuleType) -> None:
         base = torch.utils.data.dataloader._BaseDataLoaderIter  # noqa: SLF001 - the one shared __next__

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ettr.accounting.window import DEFAULT_WINDOW_S
 from ettr.argtypes import parse_time
 from ettr.errors import UsageError
 from ettr.fleet.model import JobSummary
@@ -43,6 +44,16 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of seconds > 0")
     return value
 
 
@@ -102,6 +113,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add_sources(p)
     p.add_argument("--port", type=_port, default=9464, metavar="P", help="port of /metrics (9464)")
     p.add_argument("--addr", default="0.0.0.0", help="address to listen on (0.0.0.0)")
+    p.add_argument(
+        "--window",
+        type=_seconds,
+        default=DEFAULT_WINDOW_S,
+        metavar="SECONDS",
+        help="the windowed ETT's window: each job's ETT over its last SECONDS of wall time (3600)",
+    )
 
 
 def check_sources(cmd: str, args: argparse.Namespace) -> None:
@@ -130,11 +148,17 @@ def load_jobs(
 
     try:
         use_stored = not getattr(args, "from_events", False)
+        window_s = getattr(args, "window", None) or DEFAULT_WINDOW_S
         if args.ledger:
-            return load_ledger_url(args.ledger, now=now, use_stored=use_stored)
+            return load_ledger_url(args.ledger, now=now, use_stored=use_stored, window_s=window_s)
         run_dirs = find_run_dirs(args.run_dirs)
         return load_run_dirs(
-            run_dirs, now=now, workers=args.workers, cache=cache or make_cache(args), use_stored=use_stored
+            run_dirs,
+            now=now,
+            workers=args.workers,
+            cache=cache or make_cache(args),
+            use_stored=use_stored,
+            window_s=window_s,
         )
     except UsageError as exc:
         if str(exc).startswith("ettr "):

@@ -242,6 +242,21 @@ def render_html(report: FleetReport) -> str:
     else:
         parts.append("<p>None: every family is within its own noise.</p>")
     parts.append("</section>")
+    with_stragglers = [j for j in report.jobs if j.stragglers]
+    parts.append(f'<section id="stragglers"><h2>Jobs with stragglers ({len(with_stragglers)})</h2>')
+    if with_stragglers:
+        parts += [
+            f"<p><b>{esc(j.job_id)}</b> ({esc(j.family)}): "
+            + "<br>".join(esc(s) for s in j.stragglers or ())
+            + "</p>"
+            for j in with_stragglers
+        ]
+    else:
+        unchecked = sum(1 for j in report.jobs if j.stragglers is None)
+        parts.append(
+            f"<p>None found (ranks not compared in {unchecked} job(s): one rank, or still running).</p>"
+        )
+    parts.append("</section>")
     parts.append(
         f'<section id="step-speed"><h2>Step speed ({len(report.step_speed)} job(s) off their family)</h2>'
     )

@@ -57,6 +57,10 @@ def job_dict(j: JobSummary) -> dict[str, Any]:
         "source": j.source,
         "step_time_s": j.step_time_s,
         "step_time_p90_s": j.step_time_p90_s,
+        "window_s": j.window_s,
+        "window_ett_pct": j.window_ett_pct,
+        "stragglers": None if j.stragglers is None else list(j.stragglers),
+        "straggler_lost_s": j.straggler_lost_s,
     }
 
 
@@ -136,6 +140,17 @@ def to_dict(
         "days": {name: totals_dict(v) for name, v in report.days.items()},
         "weeks": {name: totals_dict(v) for name, v in report.weeks.items()},
         "problems": list(problems),
+        "jobs_with_stragglers": [
+            {
+                "job_id": j.job_id,
+                "family": j.family,
+                "stragglers": list(j.stragglers),
+                "lost_s": j.straggler_lost_s,
+            }
+            for j in report.jobs
+            if j.stragglers
+        ],
+        "num_jobs_ranks_not_compared": sum(1 for j in report.jobs if j.stragglers is None),
         "step_speed_outliers": [
             {
                 "job_id": o.job_id,

@@ -14,12 +14,12 @@ import os
 import socket
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from ettr.accounting import compute
+from ettr.accounting import DEFAULT_WINDOW_S, compute
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.family import UNKNOWN_FAMILY, derive_family
@@ -123,9 +123,16 @@ def is_running(
 
 
 def summarize_events(
-    events: Sequence[Event], *, job_id: str, source: str, now: float, run_dir: Path | None = None
+    events: Sequence[Event],
+    *,
+    job_id: str,
+    source: str,
+    now: float,
+    run_dir: Path | None = None,
+    window_s: float = DEFAULT_WINDOW_S,
 ) -> JobSummary:
-    """One job's summary: a running job is closed at `now`, any other at the last event it recorded."""
+    """One job's summary: a running job is closed at `now`, any other at the last event it recorded;
+    `window_s` is the window of its windowed ETT."""
     scan = _scan(events)
     running = False
     if scan.open_start is not None:
@@ -141,6 +148,7 @@ def summarize_events(
         max(scan.last_ts, now) if running else scan.last_ts,
         job_id=job_id,
         supervisor_alive=running if scan.open_start is not None else None,
+        window_s=window_s,
     )
     return summarize(
         report,
@@ -198,7 +206,9 @@ def _ledger_signature(run_dir: Path) -> tuple[int, ...]:
     return tuple(out)
 
 
-def load_run_dir(run_dir: Path, now: float, use_stored: bool = True) -> JobSummary | str:
+def load_run_dir(
+    run_dir: Path, now: float, use_stored: bool = True, window_s: float = DEFAULT_WINDOW_S
+) -> JobSummary | str:
     """The summary of one run directory, or why it cannot be read (a fleet skips it, saying so): the one its
     supervisor stored at job end while the ledger holds exactly the rows it was computed from
     (`ettr.fleet.stored`), else computed from the events."""
@@ -207,22 +217,38 @@ def load_run_dir(run_dir: Path, now: float, use_stored: bool = True) -> JobSumma
     from ettr.report.load import job_id_of
 
     stored = load_stored(run_dir) if use_stored else None
-    if stored is not None:
+    if stored is not None and stored.window_s == window_s:  # stored with another window: recompute
         return stored
     try:
-        events = locate(run_dir).read_marked(for_accounting=True)[0]
+        # Without a stored summary only the rows the accounting needs; an audit (`use_stored=False`) reads
+        # every row, as the stored summary was computed from: the slow-rank check needs every rank's steps.
+        events = locate(run_dir).read_marked(for_accounting=use_stored)[0]
     except (LedgerError, OSError) as exc:
         return f"{run_dir}: {exc}"
     if not events:
         return f"{run_dir}: the ledger holds no events yet"
-    return summarize_events(
-        events, job_id=job_id_of(events, run_dir), source=str(run_dir), now=now, run_dir=run_dir
+    summary = summarize_events(
+        events,
+        job_id=job_id_of(events, run_dir),
+        source=str(run_dir),
+        now=now,
+        run_dir=run_dir,
+        window_s=window_s,
     )
+    return _with_ranks_of(stored, summary)
 
 
-CACHE_VERSION = 2
+def _with_ranks_of(stored: JobSummary | None, summary: JobSummary) -> JobSummary:
+    """`summary` with the slow-rank check of `stored` (a summary of the very same rows, stored for another
+    window), which read every rank's steps where `summary` read only the reference rank's."""
+    if stored is None or summary.stragglers is not None:
+        return summary
+    return replace(summary, stragglers=stored.stragglers, straggler_lost_s=stored.straggler_lost_s)
+
+
+CACHE_VERSION = 3
 """Bumped whenever a summary of the same ledger could come out different (accounting rules, fields).
-2: the `evaluation` bucket."""
+2: the `evaluation` bucket. 3: step time, windowed ETT, stragglers."""
 
 
 def default_cache_dir() -> Path:
@@ -306,9 +332,11 @@ def load_run_dirs(
     workers: int | None = None,
     cache: SummaryCache | None = None,
     use_stored: bool = True,
+    window_s: float = DEFAULT_WINDOW_S,
 ) -> tuple[list[JobSummary], list[str]]:
     """Summaries of `run_dirs` (in their order) and the problems of those that could not be read; with
-    `use_stored=False` every job is accounted from its events (no stored summary, no cache)."""
+    `use_stored=False` every job is accounted from its events (no stored summary, no cache); `window_s`
+    is the window of their windowed ETT (a cached summary of another window is not used)."""
     if not use_stored:
         cache = None
     results: dict[Path, JobSummary | str] = {}
@@ -319,7 +347,7 @@ def load_run_dirs(
         cached = (
             cache.get(run_dir, signatures[run_dir]) if cache is not None and signatures[run_dir] else None
         )
-        if cached is not None:
+        if cached is not None and cached.window_s == window_s:
             results[run_dir] = cached
         else:
             todo.append(run_dir)
@@ -332,13 +360,20 @@ def load_run_dirs(
             chunk = max(1, len(todo) // (num_workers * 8))
             for run_dir, result in zip(
                 todo,
-                pool.map(load_run_dir, todo, [now] * len(todo), [use_stored] * len(todo), chunksize=chunk),
+                pool.map(
+                    load_run_dir,
+                    todo,
+                    [now] * len(todo),
+                    [use_stored] * len(todo),
+                    [window_s] * len(todo),
+                    chunksize=chunk,
+                ),
                 strict=True,
             ):
                 results[run_dir] = result
     else:
         for run_dir in todo:
-            results[run_dir] = load_run_dir(run_dir, now, use_stored)
+            results[run_dir] = load_run_dir(run_dir, now, use_stored, window_s)
     summaries, problems = [], []
     for run_dir in run_dirs:
         result = results[run_dir]
@@ -351,7 +386,9 @@ def load_run_dirs(
     return summaries, problems
 
 
-def _events_of_jobs(url: str, job_ids: Sequence[str]) -> Iterator[tuple[str, list[Event] | str]]:
+def _events_of_jobs(
+    url: str, job_ids: Sequence[str], *, for_accounting: bool = True
+) -> Iterator[tuple[str, list[Event] | str]]:
     """Each job's events for the accounting, or why they cannot be read: a PostgreSQL ledger over one
     connection, the server leaving out the rows the accounting does not use (`ettr.ledger.accounted`);
     another ledger through `open_url`."""
@@ -361,7 +398,7 @@ def _events_of_jobs(url: str, job_ids: Sequence[str]) -> Iterator[tuple[str, lis
         from ettr.ledger.postgres import read_jobs_marked
 
         try:
-            for job_id, found in read_jobs_marked(url, job_ids):
+            for job_id, found in read_jobs_marked(url, job_ids, for_accounting=for_accounting):
                 yield job_id, (f"{url} job {job_id}: {found}" if isinstance(found, LedgerError) else found[0])
         except LedgerError as exc:
             raise UsageError(f"{url}: cannot read its jobs ({exc})") from None
@@ -377,7 +414,9 @@ def _events_of_jobs(url: str, job_ids: Sequence[str]) -> Iterator[tuple[str, lis
             yield job_id, f"{url} job {job_id}: {exc}"
 
 
-def load_ledger_url(url: str, *, now: float, use_stored: bool = True) -> tuple[list[JobSummary], list[str]]:
+def load_ledger_url(
+    url: str, *, now: float, use_stored: bool = True, window_s: float = DEFAULT_WINDOW_S
+) -> tuple[list[JobSummary], list[str]]:
     """Summaries of every job in a shared ledger (`sqlite:///PATH` or `postgresql://...`): a finished job's
     stored summary while the ledger holds exactly the rows it was computed from, else from its events."""
     try:
@@ -404,17 +443,28 @@ def load_ledger_url(url: str, *, now: float, use_stored: bool = True) -> tuple[l
         except LedgerError as exc:
             logger.info("ettr fleet: %s: no stored summaries read (%s); reading every job's events", url, exc)
     results: dict[str, JobSummary | str | None] = {}
+    other_window: dict[str, JobSummary] = {}
     for job_id in job_ids:
         if job_id in stored:
             summary = decode(stored[job_id][0], stored[job_id][1], source=url)
             if summary is not None and summary.job_id == job_id:
-                results[job_id] = summary
+                if summary.window_s == window_s:
+                    results[job_id] = summary
+                else:
+                    other_window[job_id] = summary
     todo = [job_id for job_id in job_ids if job_id not in results]
-    for job_id, events in _events_of_jobs(url, todo):
+    for job_id, events in _events_of_jobs(url, todo, for_accounting=use_stored):
         if isinstance(events, str):
             results[job_id] = events
         else:
-            results[job_id] = summarize_events(events, job_id=job_id, source=url, now=now) if events else None
+            results[job_id] = (
+                _with_ranks_of(
+                    other_window.get(job_id),
+                    summarize_events(events, job_id=job_id, source=url, now=now, window_s=window_s),
+                )
+                if events
+                else None
+            )
     summaries = [r for r in (results[j] for j in job_ids) if isinstance(r, JobSummary)]
     problems = [r for r in (results[j] for j in job_ids) if isinstance(r, str)]
     if not summaries and not problems:

@@ -57,6 +57,16 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     for c in Cause:
         fleet_failures.add_metric([c.value], float(fleet.failures_by_cause[c]))
     ratio = gauge("ettr_effective_training_ratio", "effective training time / wall time of the job")
+    window_ratio = gauge(
+        "ettr_window_effective_training_ratio",
+        "effective training / wall time over the job's last ettr_window_seconds (all of it when shorter)",
+    )
+    window_length = gauge("ettr_window_seconds", "the window of ettr_window_effective_training_ratio", ())
+    straggler_wait = counter(
+        "ettr_straggler_wait_seconds",
+        "time the job waited for its slow ranks (jobs whose ranks were compared)",
+    )
+    stragglers = gauge("ettr_stragglers", "slow ranks or nodes found (jobs whose ranks were compared)")
     wall = counter("ettr_wall_seconds", "wall time of the job")
     bucket_s = counter("ettr_bucket_seconds", "wall time of the job in each bucket", (*JOB_LABELS, "bucket"))
     gpus = gauge("ettr_gpus", "GPUs (ranks, its world size) of the job")
@@ -79,6 +89,11 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     for j in jobs:
         labels = [j.job_id, j.family]
         ratio.add_metric(labels, j.ett_pct / 100.0)
+        if j.window_ett_pct is not None:
+            window_ratio.add_metric(labels, j.window_ett_pct / 100.0)
+        if j.stragglers is not None:
+            stragglers.add_metric(labels, float(len(j.stragglers)))
+            straggler_wait.add_metric(labels, j.straggler_lost_s or 0.0)
         wall.add_metric(labels, j.wall_s)
         for b in Bucket:
             bucket_s.add_metric([*labels, b.value], j.buckets_s[b])
@@ -99,6 +114,9 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
             restarts.add_metric([*labels, c.value], float(num_restarts[c]))
         if j.running and j.last_commit_ts is not None:
             since_commit.add_metric(labels, max(0.0, now - j.last_commit_ts))
+    windows = {j.window_s for j in jobs}
+    if len(windows) == 1:
+        window_length.add_metric([], windows.pop())
     for price in preemption_costs(jobs, now):
         unsaved.add_metric([price.job_id, price.family], price.unsaved_s)
         cost.add_metric([price.job_id, price.family], price.cost_gpu_s)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ettr.accounting import Cause, EttReport, FailureCause
+from ettr.accounting import DEFAULT_WINDOW_S, Cause, EttReport, FailureCause
 from ettr.events import Bucket
 
 GPUS_WORLD_SIZE = "world_size"
@@ -57,6 +57,16 @@ class JobSummary:
     step_time_s: float | None = None
     """Median seconds per kept step (the report's `step_time_s`); None when none was timed."""
     step_time_p90_s: float | None = None
+    window_s: float = DEFAULT_WINDOW_S
+    """The window of `window_ett_pct` (`ettr serve --window`; the report's `ett_window`)."""
+    window_ett_pct: float | None = None
+    """ETT over the last `window_s` of the job's wall time (all of it when shorter)."""
+    stragglers: tuple[str, ...] | None = None
+    """Its slow ranks or nodes, one line each (`ettr.report.slow.straggler_line`); () when its ranks were
+    compared and none straggled; None when they could not be (one rank, or only the reference rank's steps
+    were read: a running job, or one without a summary stored at its end)."""
+    straggler_lost_s: float | None = None
+    """Time the job waited for its slow ranks; None when not checked."""
 
     @property
     def mean_ttr_s(self) -> float | None:
@@ -102,7 +112,20 @@ def summarize(
         progress_start_ts=None if last is None else last.training_start_ts,
         step_time_s=report.step_time.median_s,
         step_time_p90_s=report.step_time.p90_s,
+        window_s=report.window.window_s if report.window is not None else DEFAULT_WINDOW_S,
+        window_ett_pct=report.window.ett_pct if report.window is not None else None,
+        stragglers=_stragglers(report),
+        straggler_lost_s=None if report.rank_speed is None else report.rank_speed.lost_s,
     )
+
+
+def _stragglers(report: EttReport) -> tuple[str, ...] | None:
+    from ettr.report.slow import straggler_line
+
+    ranks = report.rank_speed
+    if ranks is None or not ranks.checked:
+        return None
+    return tuple(straggler_line(s, report.wall_start_ts) for s in ranks.stragglers)
 
 
 @functools.cache
@@ -136,4 +159,6 @@ def summary_from_json(data: Mapping[str, Any]) -> JobSummary:
     values["buckets_s"] = {Bucket(k): float(v) for k, v in data["buckets_s"].items()}
     values["failures"] = tuple(FailureCause(**{**f, "cause": Cause(f["cause"])}) for f in data["failures"])
     values["ttr_s"] = tuple(float(t) for t in data["ttr_s"])
+    if data["stragglers"] is not None:
+        values["stragglers"] = tuple(str(s) for s in data["stragglers"])
     return JobSummary(**values)

@@ -113,7 +113,8 @@ def store_run_dir(run_dir: str | os.PathLike[str]) -> JobSummary | None:
 
     path = Path(run_dir)
     before = file_signature(path)
-    events, mark = Books(path).read_marked(for_accounting=True)
+    # Every row, not only the reference rank's steps: the other ranks' steps tell its slow ranks.
+    events, mark = Books(path).read_marked()
     files = before if file_signature(path) == before else None  # nothing appended while reading
     recorded = recorded_job_id(events)
     summary = summarize_finished(events, job_id=recorded or path.absolute().name, source=str(path))
@@ -131,7 +132,7 @@ def store_url(url: str, job_id: str) -> JobSummary | None:
 
     ledger = PostgresLedger(url, job_id=job_id)
     try:
-        events, mark = ledger.read_marked(for_accounting=True)
+        events, mark = ledger.read_marked()  # every rank's steps: they tell its slow ranks
         summary = summarize_finished(events, job_id=job_id, source=url)
         if summary is not None:
             ledger.store_summary(mark, encode(summary, mark, job_id_recorded=True))

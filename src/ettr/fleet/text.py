@@ -97,6 +97,15 @@ def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
     )
     lines += ["", f"regressions ({len(report.regressions)})"]
     lines += [f"  {regression_line(r)}" for r in report.regressions] or ["  (none)"]
+    with_stragglers = [j for j in report.jobs if j.stragglers]
+    unchecked = sum(1 for j in report.jobs if j.stragglers is None)
+    lines += ["", f"jobs with stragglers ({len(with_stragglers)}; ranks not compared in {unchecked} job(s))"]
+    for j in with_stragglers:
+        lost = f", waited {j.straggler_lost_s:.1f} s" if j.straggler_lost_s is not None else ""
+        lines.append(f"  {j.job_id} ({j.family}{lost}):")
+        lines += [f"    {line}" for line in j.stragglers or ()]
+    if not with_stragglers:
+        lines.append("  (none)")
     lines += ["", f"step speed: jobs more than {SPEED_TOLERANCE:.0%} off their family's median step time"]
     lines += [f"  warning: {step_speed_line(o)}" for o in report.step_speed] or ["  (none)"]
     if problems:

@@ -17,7 +17,7 @@ from ettr.accounting.model import AttemptReport, EttReport
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import Bucket
-from ettr.report import steptime, ttr_parts
+from ettr.report import slow, steptime, ttr_parts, window
 from ettr.report.charts import bucket_bars_svg, failure_summary, share_bar_svg, timeline_svg
 from ettr.report.startup_charts import phase_bars_svg, ttr_svg, tts_waterfall_svg
 from ettr.report.status import BADGES, status, utc
@@ -358,7 +358,9 @@ def _headline_section(reports: Sequence[EttReport], names: Sequence[str]) -> str
     body = [_banner(reports, names)] if many else []
     for r, name in zip(reports, names, strict=True):
         bar = share_bar_svg(r.buckets_s, title_prefix=f"{name} · ")
-        body.append(f'<div class="run">{_run_heading(name, many)}{_cards(r)}{bar}</div>')
+        windowed = window.line(r)
+        extra = (f'<p class="slow">{esc(windowed)}</p>' if windowed else "") + slow.html(r)
+        body.append(f'<div class="run">{_run_heading(name, many)}{_cards(r)}{bar}{extra}</div>')
     if many:
         body.append(f'<div class="run"><h3>Side by side</h3>{_comparison(reports, names)}</div>')
     note = "ETT% + idleness% + failure% = 100% of wall time."

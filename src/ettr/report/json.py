@@ -13,7 +13,7 @@ from typing import Any
 from ettr.accounting import AttemptReport, EttReport
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
-from ettr.report import steptime, ttr_parts
+from ettr.report import slow, steptime, ttr_parts, window
 from ettr.report.slowdown import to_json as slowdown_json
 from ettr.report.status import status
 
@@ -26,7 +26,8 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     Contract keys first (schema, job_id, wall_s, ett_pct, idleness_pct, failure_pct, tts_s, ttr_s,
     num_failures, buckets_s, attempts, step_time_s — median seconds per kept step, null when none, also in
     each attempt), then the extras: step_time_p90_s and num_timed_steps (top level and per attempt),
-    num_kept_steps, in_progress, state (ended | running | supervisor_lost | in_progress), open_job (null when
+    num_kept_steps, ett_window (ETT over the last hour or the window asked for: `ettr.report.window`),
+    rank_speed (slow ranks: `ettr.report.slow`), slow_steps (step time beyond the steady step), in_progress, state (ended | running | supervisor_lost | in_progress), open_job (null when
     the job ended: state, status — the sentence the text report shows —, last_event_ts, attempt, attempt_open,
     bucket, open_phases, last_step, last_step_ts, last_commit_step, steps_at_risk), wall_start_ts, wall_end_ts,
     effective_training_s, idleness_s, failure_s, submitted_ts, allocated_ts, supervisor_start_ts,
@@ -56,6 +57,9 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         # Added in the third wave: median time per kept step (null when none), then its extras.
         **steptime.to_json(report.step_time),
         "num_kept_steps": report.num_kept_steps,
+        "ett_window": window.to_json(report.window),
+        "rank_speed": slow.rank_speed_json(report.rank_speed),
+        "slow_steps": slow.slow_steps_json(report.slow_steps),
         # Extras beyond the contract.
         "in_progress": report.in_progress,
         "state": report.state.value,

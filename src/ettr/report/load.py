@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ettr.accounting import EttReport, compute
+from ettr.accounting import DEFAULT_WINDOW_S, EttReport, compute
 from ettr.closing import recorded_job_id, supervisor_alive
 from ettr.errors import UsageError
 from ettr.events import Event
@@ -50,12 +50,14 @@ def report_time(
     return max(last_ts, time.time() if wall_clock_s is None else wall_clock_s)
 
 
-def compute_report(events: Sequence[Event], *, job_id: str) -> EttReport:
+def compute_report(events: Sequence[Event], *, job_id: str, window_s: float = DEFAULT_WINDOW_S) -> EttReport:
     """The report of a job's events as `ettr report` shows it: closed now while its supervisor runs, else at
     its last event, with the supervisor's liveness (`ettr.closing.supervisor_alive`) given to the
-    accounting so that a running job reads `running` and one whose supervisor died `supervisor lost`."""
+    accounting so that a running job reads `running` and one whose supervisor died `supervisor lost`;
+    `window_s`: the windowed ETT's window (the last hour by default)."""
     alive = supervisor_alive(events)
-    return compute(events, report_time(events, alive=alive), job_id=job_id, supervisor_alive=alive)
+    now = report_time(events, alive=alive)
+    return compute(events, now, job_id=job_id, supervisor_alive=alive, window_s=window_s)
 
 
 def job_id_of(events: Sequence[Event], run_dir: str | os.PathLike[str]) -> str:
@@ -63,13 +65,17 @@ def job_id_of(events: Sequence[Event], run_dir: str | os.PathLike[str]) -> str:
     return recorded_job_id(events) or Path(run_dir).absolute().name
 
 
-def read_run(run_dir: str | os.PathLike[str]) -> tuple[list[Event], EttReport]:
+def read_run(
+    run_dir: str | os.PathLike[str], *, window_s: float = DEFAULT_WINDOW_S
+) -> tuple[list[Event], EttReport]:
     """The events of one run directory and its report, as `ettr report` shows it."""
     events = read_events(run_dir)
-    return events, compute_report(events, job_id=job_id_of(events, run_dir))
+    return events, compute_report(events, job_id=job_id_of(events, run_dir), window_s=window_s)
 
 
-def load_from_ledger(url: str, job_id: str) -> tuple[list[Event], EttReport]:
+def load_from_ledger(
+    url: str, job_id: str, *, window_s: float = DEFAULT_WINDOW_S
+) -> tuple[list[Event], EttReport]:
     """The events of job `job_id` in the ledger at `url` and its report. Raises `UsageError`."""
     from ettr.ledger.url import open_url
 
@@ -85,11 +91,15 @@ def load_from_ledger(url: str, job_id: str) -> tuple[list[Event], EttReport]:
         ledger.close()
     if not events:
         raise UsageError(f"ettr report: job {job_id!r} has no events in the ledger yet")
-    return events, compute_report(events, job_id=job_id)
+    return events, compute_report(events, job_id=job_id, window_s=window_s)
 
 
 def load_requested(
-    run_dirs: Sequence[str], *, ledger_url: str | None, job_ids: Sequence[str] | None
+    run_dirs: Sequence[str],
+    *,
+    ledger_url: str | None,
+    job_ids: Sequence[str] | None,
+    window_s: float = DEFAULT_WINDOW_S,
 ) -> list[tuple[list[Event], EttReport]]:
     """What `ettr report` was asked for: RUN_DIRs, or jobs of a ledger URL. Raises `UsageError`."""
     if ledger_url:
@@ -99,7 +109,7 @@ def load_requested(
             raise UsageError(
                 "ettr report: --ledger URL needs --job-id ID (`ettr report --ledger URL` lists them)"
             )
-        return [load_from_ledger(ledger_url, job_id) for job_id in job_ids]
+        return [load_from_ledger(ledger_url, job_id, window_s=window_s) for job_id in job_ids]
     if job_ids:
         raise UsageError("ettr report: --job-id needs --ledger URL (a RUN_DIR names its job itself)")
     if not run_dirs:
@@ -111,7 +121,7 @@ def load_requested(
             )
         print(f"ettr report: the newest run, {newest} (give RUN_DIR for another)", file=sys.stderr)
         run_dirs = [str(newest)]
-    return [load(d) for d in run_dirs]
+    return [read_run(d, window_s=window_s) for d in run_dirs]
 
 
 DEFAULT_RUNS_DIR = "runs"

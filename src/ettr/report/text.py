@@ -11,7 +11,7 @@ from typing import Any
 from ettr.accounting import EttReport, counts_as_failure
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.events import Bucket
-from ettr.report import steptime, ttr_parts
+from ettr.report import slow, steptime, ttr_parts, window
 from ettr.report.slowdown import text_lines as slowdown_lines
 from ettr.report.status import status
 from ettr.report.svg import fmt_signed
@@ -47,7 +47,11 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
     where = status(report)
     if where is not None:
         title += f"  ({where})"
-    lines = [title, summary_line(report), f"step time: {steptime.summary(report.step_time)}", ""]
+    lines = [title, summary_line(report)]
+    windowed = window.line(report)
+    if windowed is not None:
+        lines.append(windowed)
+    lines += [f"step time: {steptime.summary(report.step_time)}", *slow.text_lines(report), ""]
     if report.num_fenced_events:
         lines[-1:-1] = [
             f"note: {report.num_fenced_events} event(s) recorded by training processes after their attempt "
