@@ -78,7 +78,7 @@ def text_lines(report: EttReport) -> list[str]:
     """The slow-ranks and slow-steps lines of the text report."""
     lines = []
     r = report.rank_speed
-    if r is not None:
+    if r is not None and (r.checked or r.num_ranks >= 2):  # one rank: nothing to say
         if not r.checked:
             lines.append(f"slow ranks: not checked ({r.reason})")
         elif not r.stragglers:

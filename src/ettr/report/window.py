@@ -35,16 +35,12 @@ def fmt_window(seconds: float) -> str:
 
 
 def line(report: EttReport) -> str | None:
-    """`ETT over the last 1 h: 71.2% (idle 9.0%, failure 19.8%) | cumulative 83.1%`; the whole job when it is
-    shorter than the window."""
+    """`ETT over the last 1 h: 71.2% (idle 9.0%, failure 19.8%) | cumulative 83.1%`; None when the job is no
+    longer than the window (the window is then the whole job: the summary line already says it)."""
     w = report.window
-    if w is None:
+    if w is None or w.covered_s < w.window_s or report.wall_s <= w.window_s:
         return None
-    if w.covered_s < w.window_s:
-        span = f"over the whole job ({w.covered_s:.1f} s, shorter than the {fmt_window(w.window_s)} window)"
-    else:
-        span = f"over the last {fmt_window(w.window_s)}"
     return (
-        f"ETT {span}: {w.ett_pct:.1f}% (idle {w.idleness_pct:.1f}%, failure {w.failure_pct:.1f}%) | "
-        f"cumulative {report.ett_pct:.1f}%"
+        f"ETT over the last {fmt_window(w.window_s)}: {w.ett_pct:.1f}% (idle {w.idleness_pct:.1f}%, "
+        f"failure {w.failure_pct:.1f}%) | cumulative {report.ett_pct:.1f}%"
     )
