@@ -58,7 +58,10 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "publish_shutdown.py": (
         "inside_shutdown_s", "standalone_shutdown_s", "shutdown_ratio", "saved_s_per_job", "publish_job_wall_s",
     ),
-    "recorder_overhead.py": ("event_cost_us", "phase_cost_us", "report_1m_events_s", "ledger_write_1m_events_s"),
+    "recorder_overhead.py": (
+        "event_cost_us", "phase_cost_us", "backward_hook_cost_us", "step_with_arrival_cost_us",
+        "report_1m_events_s", "ledger_write_1m_events_s",
+    ),
     # Plain torchrun's own recovery is a result, not ettr's to guarantee (under load it sometimes fails): its
     # trial count is checked, ettr's recovery and its parts are figures.
     "recovery.py": (
