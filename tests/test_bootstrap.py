@@ -110,6 +110,44 @@ def test_sitecustomize_instruments_the_training_process_but_not_its_children(tmp
     assert list((run_dir / "heartbeats" / "attempt-3").iterdir())
 
 
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_torchrun_worker_that_fails_ends_without_the_interpreter_teardown(
+    tmp_path: Path, fails: bool
+) -> None:
+    """Every launcher above it waited for that teardown (seconds under load); an ordinary exit keeps it."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env.update(
+        PYTHONPATH=str(pythonpath_dir()), ETTR_RUN_DIR=str(run_dir), ETTR_ATTEMPT="0", ETTR_AUTO="0",
+        ETTR_LAUNCHER="torchrun", TORCHELASTIC_RUN_ID="none", RANK="1",
+    )  # fmt: skip
+    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).resolve().parents[1] / "src")  # this ettr
+    torn_down = tmp_path / "torn-down"
+    code = textwrap.dedent(
+        f"""
+        class Teardown:
+            def __del__(self, open=open):  # builtins are gone by then
+                open({str(torn_down)!r}, "w").close()
+        keep = Teardown()  # freed only by the interpreter's teardown
+        print("last words", flush=False)
+        if {fails}:
+            raise ValueError("boom")
+        """
+    )
+    done = _python(code, env, tmp_path)
+    assert done.stdout == "last words\n"  # flushed before the early end
+    events = open_ledger(run_dir).read()
+    agent = run_dir / "agent" / "attempt-0"
+    if fails:
+        assert done.returncode == 1 and "ValueError: boom" in done.stderr
+        assert not torn_down.exists()  # no teardown
+        assert [e.data["exception"] for e in events if e.kind is EventKind.FAILURE] == ["ValueError"]
+        assert [p.name.split("-")[0] for p in agent.iterdir()] == ["failed"]
+    else:
+        assert done.returncode == 0 and torn_down.exists()
+        assert [p.name.split("-")[0] for p in agent.iterdir()] == ["exited"]
+
+
 # -- the torch hooks, in this process --------------------------------------------------------------------
 @pytest.fixture
 def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Recorder, Any]]:

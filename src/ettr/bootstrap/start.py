@@ -199,22 +199,33 @@ def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
 def _mark_failed_exit_last(run_env: RunEnv) -> None:
     """After every other exit handler (atexit runs the first registered last; this is registered before
     the recorder's and the script's), a process that ends on an uncaught exception writes
-    `failed_exit_path`: only the interpreter's teardown is left, which ettr's agent need not wait for;
-    any other exit writes `exited_path` (its teardown is not a hang)."""
+    `failed_exit_path` and ends at once with status 1 (what Python exits with then): only the
+    interpreter's teardown was left -- freeing torch's modules, seconds under load, during which a
+    launcher above it (ettr's agent, the real torchrun, a torchrun in a shell script) and so the restart
+    would wait; ettr's agent used to SIGKILL it at that point, others waited. Any other exit writes
+    `exited_path` (its teardown is not a hang) and exits as usual (its status is not known here)."""
     import atexit
 
     def mark() -> None:
+        uncaught = bool(_started.get("uncaught"))
         try:
             from ettr.atomic import create_exclusive
             from ettr.run_env import exited_path, failed_exit_path
 
-            where = failed_exit_path if _started.get("uncaught") else exited_path
+            where = failed_exit_path if uncaught else exited_path
             now = _started.get("run_env") or run_env  # the attempt it is in now (`continue_attempt`)
             path = where(now.run_dir, now.attempt, os.getpid())
             path.parent.mkdir(parents=True, exist_ok=True)
             create_exclusive(path, b"")
         except Exception:
             pass
+        if uncaught:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(1)
 
     atexit.register(mark)
 
