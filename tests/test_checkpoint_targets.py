@@ -7,6 +7,7 @@ from __future__ import annotations
 import builtins
 import io
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from ettr.accounting import compute
-from ettr.bootstrap.checkpoint_targets import is_binary_write, path_of, step_in
+from ettr.bootstrap.checkpoint_targets import holds_training_state, is_binary_write, path_of, step_in
 from ettr.events import Event, EventKind, Outcome, Phase
 from ettr.ledger import open_ledger
 from ettr.recorder import Recorder
@@ -24,13 +25,16 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture
 def hooked(tmp_path: Path) -> Iterator[tuple[Any, Recorder, Any]]:
-    """Attempt 1 of a job whose attempt 0 (from t=1.0) committed `earlier.pt` at step 5."""
+    """Attempt 1 of a job whose attempt 0 (from a minute ago) committed `earlier.pt` at step 5."""
     from ettr.bootstrap.hooks import AutoHooks
 
     ledger = open_ledger(tmp_path / "run")
     earlier = tmp_path / "earlier.pt"
     torch.save({"w": torch.zeros(2)}, earlier)
-    ledger.append([Event(EventKind.CHECKPOINT_COMMIT, 1.0, 0, 0, step=5, data={"path": str(earlier)})])
+    # A minute ago, not at t=1.0: the ledger skips a row decades from the job's other rows.
+    ledger.append(
+        [Event(EventKind.CHECKPOINT_COMMIT, time.time() - 60, 0, 0, step=5, data={"path": str(earlier)})]
+    )
     rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=1, rank=0)
     hooks = AutoHooks(rec)
     hooks.on_torch(torch)
@@ -115,12 +119,13 @@ def test_a_later_attempt_loading_any_file_of_a_checkpoint_resumes_from_its_step(
 
     folder = tmp_path / "checkpoint-10"
     folder.mkdir()
-    torch.save({"x": 1}, folder / "optimizer.pt")
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    torch.save(optimizer.state_dict(), folder / "optimizer.pt")  # what HF's optimizer.pt holds
     ledger = open_ledger(tmp_path / "run")
     ledger.append(
         [
-            Event(EventKind.CHECKPOINT_COMMIT, 1.0, 0, 0, step=10, data={"path": str(folder / "model.pt")}),
-            Event(EventKind.MARK, 1.1, 0, 0, data={"name": "checkpoint_file", "step": 10, "path": str(folder / "optimizer.pt")}),
+            Event(EventKind.CHECKPOINT_COMMIT, time.time() - 60, 0, 0, step=10, data={"path": str(folder / "model.pt")}),
+            Event(EventKind.MARK, time.time() - 59, 0, 0, data={"name": "checkpoint_file", "step": 10, "path": str(folder / "optimizer.pt")}),
         ]
     )  # fmt: skip
     rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=1)
@@ -147,6 +152,89 @@ def test_safetensors_files_are_checkpoint_files(hooked: tuple[Any, Recorder, Any
     assert len(restores) == 1
 
 
+def test_what_holds_training_state_and_what_is_data() -> None:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = [
+        model,
+        model.state_dict(),  # weight, bias
+        torch.nn.Sequential(model).state_dict(),  # 0.weight: a parameter path
+        optimizer,
+        optimizer.state_dict(),
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": 5},  # nanoGPT's
+        {"model": {"w": torch.zeros(2)}},  # any tensors under a model key
+        {"w": torch.zeros(2)},  # a tensor under a name that could be a parameter's: counted as state
+        [{"state_dict": model.state_dict()}],
+        torch.nn.Parameter(torch.zeros(2)),
+    ]
+    data = [
+        torch.zeros(3),
+        (torch.zeros(3), torch.zeros(3)),
+        [torch.zeros(2)] * 1000,
+        {"x": torch.zeros(2), "y": torch.zeros(2)},
+        {"input_ids": torch.zeros(2), "attention_mask": torch.zeros(2), "labels": torch.zeros(2)},
+        torch.utils.data.TensorDataset(torch.zeros(3), torch.zeros(3)),
+        {"vocab": {"a": 1}, "w": 1},  # no tensor at all
+    ]
+    assert [holds_training_state(x) for x in state] == [True] * len(state)
+    assert [holds_training_state(x) for x in data] == [False] * len(data)
+
+
+def test_a_load_of_data_is_start_up_work_never_a_restore_or_a_resume(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    hooks, rec, ledger = hooked  # attempt 1; attempt 0 committed earlier.pt at step 5
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    unseen_save = torch.save.__ettr_original__  # written during the job by something the hooks did not see
+    tokens = tmp_path / "tokens.pt"
+    unseen_save(torch.arange(100), tokens)
+    samples = tmp_path / "samples.pt"
+    unseen_save({"x": torch.zeros(8, 4), "y": torch.zeros(8)}, samples)
+    pretrained = tmp_path / "pretrained.pt"
+    unseen_save(model.state_dict(), pretrained)
+    os.utime(pretrained, (0.5, 0.5))  # older than the job: weights, not a resume
+    torch.load(tokens)
+    torch.load(samples)
+    torch.load(pretrained)
+    torch.load(tmp_path / "earlier.pt")  # the job's own checkpoint: the resume
+    _step(optimizer, model)
+    restores = [e.data["path"] for e in _events(rec, ledger, EventKind.PHASE_END) if e.phase is Phase.RESTORE]
+    assert [Path(p).name for p in restores] == ["pretrained.pt", "earlier.pt"]
+    assert [(e.step, e.data) for e in _events(rec, ledger, EventKind.RESUMED)] == [(5, None)]
+    assert [e.step for e in _events(rec, ledger, EventKind.STEP)] == [6]
+
+
+def test_a_data_file_the_job_saved_never_hides_the_real_resume(tmp_path: Path) -> None:
+    from ettr.bootstrap.hooks import AutoHooks
+
+    cache, ckpt = tmp_path / "tokens.pt", tmp_path / "ckpt.pt"
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ledger = open_ledger(tmp_path / "run")
+    for attempt in (0, 1):
+        rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=attempt, rank=0)
+        hooks = AutoHooks(rec)
+        hooks.on_torch(torch)
+        try:
+            if attempt == 0:
+                torch.save(
+                    torch.arange(10), cache
+                )  # a tokenization cache, saved at step 0 (taken for a commit)
+                for _ in range(3):
+                    _step(optimizer, model)
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, ckpt)
+            else:
+                torch.load(cache)  # matches attempt 0's save of step 0, but holds only data
+                torch.load(ckpt)  # the checkpoint of step 3: the resume
+                _step(optimizer, model)
+                assert [e.step for e in _events(rec, ledger, EventKind.RESUMED)] == [3]
+                assert [e.step for e in _events(rec, ledger, EventKind.STEP)] == [4]
+        finally:
+            hooks.uninstall()
+            rec.close()
+
+
 def test_an_unplaceable_resume_is_unknown_or_read_from_the_checkpoint(
     hooked: tuple[Any, Recorder, Any], tmp_path: Path
 ) -> None:
@@ -154,11 +242,11 @@ def test_an_unplaceable_resume_is_unknown_or_read_from_the_checkpoint(
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     pretrained = tmp_path / "pretrained.pt"
-    torch.save({"w": 1}, pretrained)
-    os.utime(pretrained, (0.5, 0.5))  # older than the job (which began at t=1.0): not a resume
+    torch.save({"w": torch.zeros(2)}, pretrained)
+    os.utime(pretrained, (0.5, 0.5))  # older than the job (which began a minute ago): not a resume
     torch.load(pretrained)
     unseen = tmp_path / "unseen.pt"
-    torch.save({"w": 2}, unseen)  # written during the job by something the hooks did not see
+    torch.save({"w": torch.ones(2)}, unseen)  # written during the job by something the hooks did not see
     torch.load(unseen)
     _step(optimizer, model)
     resumed = _events(rec, ledger, EventKind.RESUMED)

@@ -40,11 +40,14 @@ def _evaluations(seen: list[dict[str, Any]], kept: dict[int, float]) -> tuple[fl
 
 @pytest.mark.slow
 def test_a_crash_keeps_the_evaluations_of_kept_steps_and_wastes_the_others(tmp_path: Path) -> None:
-    run_dir, observe = tmp_path / "run", tmp_path / "seen.jsonl"
+    import torch
+
+    run_dir, observe, data = tmp_path / "run", tmp_path / "seen.jsonl", tmp_path / "inputs.pt"
+    torch.save(torch.randn(256, 16), data)  # a data set the script loads at start: start-up, not a restore
     done = run_ettr(
         "run", "--run-dir", str(run_dir), "--inject", "crash@step=17", "--",
         sys.executable, SCRIPT, "--ckpt", str(tmp_path / "ckpt.pt"), "--observe", str(observe),
-        "--num-steps", "20", "--eval-every", "5", "--save-every", "10",
+        "--num-steps", "20", "--eval-every", "5", "--save-every", "10", "--data", str(data),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rep = report(run_dir)
@@ -57,6 +60,9 @@ def test_a_crash_keeps_the_evaluations_of_kept_steps_and_wastes_the_others(tmp_p
     assert rep["attempts"][0]["buckets_s"]["wasted_progress"] >= lost_inner  # the evaluation of step 15
     assert rep["attempts"][1]["buckets_s"]["evaluation"] > 0  # the one the resume repeated, and the final one
     assert rep["phases_s"]["eval"] >= kept_inner + lost_inner - EPS
+    # The data set's load is start-up work in both attempts; only the checkpoint's is a restore.
+    assert "restore" not in rep["attempts"][0]["phases_s"] and rep["attempts"][0]["buckets_s"]["restore"] == 0
+    assert rep["attempts"][1]["buckets_s"]["restore"] > 0
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ does): `model.eval()`, `--eval-iters` forward passes under `torch.no_grad()`, `m
 At start it resumes from that file if it exists. The loop ends at the top of iteration `--num-steps`, after
 its evaluation: the job's final evaluation. With `--final-eval-in-eval-mode` that one never switches back
 (pytorch/examples' mnist ends in eval mode). Sleeps stand in for a bigger model (`--step-s` per step,
-`--pass-s` per evaluation pass).
+`--pass-s` per evaluation pass); `--data` names a tensor of inputs, loaded at start with torch.load.
 
 `--observe FILE` appends what the script's own clock saw: "resumed", each "step" (t0: its start after the
 evaluation and save, t1: after optimizer.step), each "eval" (t0 before eval(), t1 after train(); step: the
@@ -35,11 +35,13 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.05)
     parser.add_argument("--pass-s", type=float, default=0.05)
     parser.add_argument("--final-eval-in-eval-mode", action="store_true")
+    parser.add_argument("--data", help="a tensor of inputs saved with torch.save, loaded at start")
     parser.add_argument("--observe")
     args = parser.parse_args()
     observed = Observed(args.observe)
 
     torch.manual_seed(0)
+    inputs = torch.load(args.data) if args.data else torch.randn(64, 16)  # data, not a checkpoint
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     iter_num = 0
@@ -75,7 +77,7 @@ def main() -> None:
         if last:
             break
         begin = time.time()
-        x = torch.randn(8, 16)
+        x = inputs[torch.randint(len(inputs), (8,))]
         loss = model(x).pow(2).mean()
         loss.backward()
         time.sleep(args.step_s)

@@ -10,8 +10,10 @@ Loads: a load of a file that an earlier attempt's save left (read from the ledge
 that save by the identity each commit records, see `checkpoint_identity`) is a RESTORE span and
 RESUMED(step) — the attempt's global steps then count on from that step. A file of a path several saves
 wrote that cannot be tied to saves of one step is a resume of unknown step (below), never another save's.
-Other loads before the first step are RESTORE spans too (pretrained weights); later unmatched loads are the
-script's business (data, evaluation) and not recorded.
+Other loads before the first step of an object that holds a model's or an optimizer's state
+(`checkpoint_targets.holds_training_state`: pretrained weights) are RESTORE spans too; a load of data
+(tensors, a dataset: no such state) that no save of this job left is start-up work, recorded as nothing (its
+time is `init`) and never a resume; later unmatched loads are the script's business and not recorded.
 
 Targets: a path, or an open file (its `name`, or an fsspec file's `path`), is a checkpoint file. A save to an
 in-memory buffer is a checkpoint only once the buffer is written to a file (Lightning's pattern: `torch.save`
@@ -50,7 +52,14 @@ from typing import Any
 
 from ettr import inject
 from ettr.bootstrap.checkpoint_identity import IDENTITY_KEY, Attribution, SaveIndex, file_identity
-from ettr.bootstrap.checkpoint_targets import BufferSave, is_binary_write, is_buffer, path_of, step_in
+from ettr.bootstrap.checkpoint_targets import (
+    BufferSave,
+    holds_training_state,
+    is_binary_write,
+    is_buffer,
+    path_of,
+    step_in,
+)
 from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
 from ettr.events import Event, EventKind, Phase
 from ettr.integrations._commits import CHECKPOINT_FILE_MARK
@@ -86,6 +95,7 @@ class CheckpointHooks:
         self._books_unreadable: str | None = None  # why the last read of the job's books failed
         self._resumed = False
         self._unknown_resume: tuple[str, tuple[str, int] | None] | None = None  # (reason, step in the object)
+        self._data_resume: int | None = None  # the step of a data file an earlier attempt saved, if loaded
         self._committed_steps: set[int] = set()
         self._buffer_save: BufferSave | None = None
         self._open_original: Callable[..., Any] | None = None
@@ -181,7 +191,8 @@ class CheckpointHooks:
             return None
         return earlier.attribute(path, file_identity(path))
 
-    def _loaded(self, path: str | None, begin: float, loaded: Any) -> None:
+    def _loaded(self, path: str | None, begin: float, loaded: Any, *, state: bool | None = None) -> None:
+        """A load returned `loaded` (`state`: whether it holds training state, when the caller knows)."""
         before_training = self.steps.num_steps == 0 and not self.rec.explicit_steps
         found = self._attribution(path, before_training)
         step = found.step if found is not None else None
@@ -190,13 +201,21 @@ class CheckpointHooks:
         # Inside the script's own RESTORE phase the span is the script's; the resume is still recorded (a
         # later `ettr.resumed_from` by the script wins: the accounting takes an attempt's last RESUMED).
         owned = self.rec.is_open(Phase.RESTORE)  # a script's or framework's own restore phase
+        holds_state = owned or (holds_training_state(loaded) if state is None else state)
+        if found is None and not holds_state:
+            return  # data no save of this job left: start-up work (init), not a restore nor a resume
         if not owned:
             self.rec.span(
                 Phase.RESTORE, begin, step=step, path=path if path is not None else "<in-memory buffer>"
             )
         if self._resumed or not before_training:
             return
-        if step is not None:
+        if step is not None and not holds_state:
+            # Data this job saved at `step` (a cache written by an earlier attempt): its step is the resume only
+            # if no load of training state says otherwise by the first step.
+            if self._data_resume is None:
+                self._data_resume = step
+        elif step is not None:
             self._resume_at(step)
         elif not owned and self.rec.attempt > 0 and self._unknown_resume is None:
             # Inside an owned restore phase the owner says where it resumed (the frameworks' callbacks do)
@@ -238,6 +257,10 @@ class CheckpointHooks:
                 self.rec.resumed_from(found[1])
             else:
                 self.rec.record(EventKind.RESUMED, data={"unknown": reason})
+        if self._data_resume is not None:
+            step, self._data_resume = self._data_resume, None
+            if not self._resumed:
+                self._resume_at(step)
 
     def _renamed(self, src: Any, dst: Any) -> None:
         source, target = _path_of(src), _path_of(dst)
@@ -362,7 +385,8 @@ class CheckpointHooks:
                     return original(filename, *args, **kwargs)
                 if called_from_ettr():
                     return hooks._quiet(lambda: original(filename, *args, **kwargs))
-                return hooks._timed_load(path, lambda: original(filename, *args, **kwargs))
+                # a safetensors file is a model's weights (its format holds nothing else of a checkpoint)
+                return hooks._timed_load(path, lambda: original(filename, *args, **kwargs), state=True)
 
             return load_file
 
@@ -405,14 +429,14 @@ class CheckpointHooks:
             self.guard.call("checkpoint buffer", self._buffer_saved, step, begin)
         return result
 
-    def _timed_load(self, path: str | None, call: Callable[[], Any]) -> Any:
+    def _timed_load(self, path: str | None, call: Callable[[], Any], *, state: bool | None = None) -> Any:
         begin = time.time()
         self._set_busy(True)
         try:
             result = call()
         finally:
             self._set_busy(False)
-        self.guard.call("checkpoint load", self._loaded, path, begin, result)
+        self.guard.call("checkpoint load", lambda: self._loaded(path, begin, result, state=state))
         return result
 
     # -- torch.distributed.checkpoint ----------------------------------------------------------------------
@@ -454,7 +478,8 @@ class CheckpointHooks:
                 path = _dcp_path(kwargs, "storage_reader")
                 if path is None:
                     return original(state_dict, *args, **kwargs)
-                return hooks._timed_load(path, lambda: original(state_dict, *args, **kwargs))
+                # DCP loads into the state dict it is given: training state, whatever it returns
+                return hooks._timed_load(path, lambda: original(state_dict, *args, **kwargs), state=True)
 
             return load
 
