@@ -48,6 +48,22 @@ def test_a_failure_rolls_back_to_the_last_durable_save() -> None:
     assert math.fsum(r.buckets_s) == pytest.approx(r.wall_s)
 
 
+def test_evaluation_comes_with_each_training_second_and_is_lost_with_it() -> None:
+    # 0.25 s of evaluation per training second: 30 s of work take 37.5 s of training and evaluation; the saves
+    # fall after every 10 s of work (12.5 s stretched).
+    r = simulate_run(job(eval_s_per_train_s=0.25), NONE, NONE)
+    assert b(r, Bucket.EFFECTIVE_TRAINING) == pytest.approx(30.0)
+    assert b(r, Bucket.EVALUATION) == pytest.approx(7.5)
+    assert b(r, Bucket.CHECKPOINT_BLOCKING) == 2.0 and r.kept_s == pytest.approx(30.0)
+    # A failure after 15 s of work (18.75 s stretched): 5 s of work and its 1.25 s of evaluation are lost.
+    script = (ScriptedFault(preemption=False, in_startup=False, after_s=15.0),)
+    r = simulate_run(job(eval_s_per_train_s=0.25), NONE, NONE, script)
+    assert b(r, Bucket.WASTED_PROGRESS) == pytest.approx(6.25)
+    assert b(r, Bucket.EFFECTIVE_TRAINING) == pytest.approx(30.0)
+    assert b(r, Bucket.EVALUATION) == pytest.approx(7.5)
+    assert math.fsum(r.buckets_s) == pytest.approx(r.wall_s)
+
+
 def test_a_failure_before_the_persist_ends_loses_that_checkpoint() -> None:
     # Async: the save of 10 blocks 1 s and is durable 3 s later (at wall 14); a failure at wall 13.5 loses it.
     params = job(persist_s=3.0)

@@ -5,15 +5,17 @@ through its start-up components, then trains: `interval_s` of training, a save t
 `blocking_s` (plus any wait for the previous persist), again. A save becomes durable `persist_s` after its
 blocking ends; an interruption rolls the job back to the newest durable save. Interruptions are node
 failures (any time the job holds its nodes: start-up, training, relaunch) and scheduler preemptions (the
-job saves and exits when it handles them). Between interruptions the timeline is arithmetic, so a run costs
-one loop iteration per interruption, not per step or save. Each run ends in the report's own buckets.
+job saves and exits when it handles them). Evaluation inside the loop (`eval_s_per_train_s`) stretches the
+training: every training second comes with its evaluation, kept or lost with it. Between interruptions the
+timeline is arithmetic, so a run costs one loop iteration per interruption, not per step or save. Each run
+ends in the report's own buckets.
 Pure: no I/O, no clock; randomness only from the seeded generators it is given.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -244,6 +246,9 @@ def simulate_run(
 ) -> RunResult:
     """One run of the job. With `script` the interruptions are those (one per attempt, in order) and the
     streams are not used: a replay of a measured job."""
+    stretch = 1.0 + params.eval_s_per_train_s
+    if stretch != 1.0:
+        params, script = _with_evaluation(params, script, stretch)
     run = _Run(params, failures, preemptions, script)
     while run.t < run.horizon:
         if run.num_failures > MAX_INTERRUPTIONS:
@@ -256,7 +261,34 @@ def simulate_run(
             ended = run.train()
         if ended:
             break
-    return run.result()
+    result = run.result()
+    return result if stretch == 1.0 else _split_evaluation(result, stretch)
+
+
+def _with_evaluation(
+    params: JobParams, script: tuple[ScriptedFault, ...] | None, stretch: float
+) -> tuple[JobParams, tuple[ScriptedFault, ...] | None]:
+    """The job with each training second stretched by its evaluation (progress, the interval and the
+    scripted faults' progress in the same stretched seconds); `_split_evaluation` takes it apart again."""
+    stretched = replace(
+        params,
+        eval_s_per_train_s=0.0,
+        step_s=params.step_s * stretch,
+        interval_s=params.interval_s * stretch,
+        work_s=None if params.work_s is None else params.work_s * stretch,
+    )
+    if script is not None:
+        script = tuple(f if f.in_startup else replace(f, after_s=f.after_s * stretch) for f in script)
+    return stretched, script
+
+
+def _split_evaluation(result: RunResult, stretch: float) -> RunResult:
+    """Kept stretched training -> effective training and evaluation (lost evaluation stays wasted)."""
+    buckets = list(result.buckets_s)
+    kept = buckets[_B[Bucket.EFFECTIVE_TRAINING]]
+    buckets[_B[Bucket.EFFECTIVE_TRAINING]] = kept / stretch
+    buckets[_B[Bucket.EVALUATION]] += kept - kept / stretch
+    return replace(result, buckets_s=tuple(buckets), kept_s=result.kept_s / stretch)
 
 
 def _pieces(params: JobParams, first: bool, gap: float) -> tuple[tuple[int, float], ...]:

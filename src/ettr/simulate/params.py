@@ -65,6 +65,10 @@ class JobParams:
     """The job saves a checkpoint on SIGTERM and exits (save-then-exit); else a preemption is a failure."""
     step_s: float = 1.0
     """Seconds per optimizer step (progress is counted in training seconds; steps for display only)."""
+    eval_s_per_train_s: float = 0.0
+    """Seconds of evaluation per second of training: evaluation passes inside the loop, in proportion to the
+    training (an evaluation every N steps). Booked as `evaluation`, or as `wasted_progress` with the training
+    around it when a failure rolls it back."""
     interval_s: float = 1800.0
     """Training seconds between two saves (the checkpoint interval)."""
     interval_global: bool = False
@@ -111,6 +115,7 @@ class JobParams:
             "restart_gap_s",
             "detection_s",
             "shutdown_s",
+            "eval_s_per_train_s",
         ):
             _check(name.replace("_", " "), getattr(self, name))
         _check("weibull shape", self.weibull_shape, positive=True)

@@ -2,7 +2,8 @@
 
 `profile_from_events(events, report)` is pure (the report is `ettr.accounting.compute` of the events);
 `load_profile(run_dir)` reads a run directory the way `ettr report` does. What it measures:
-step time (training region less blocking, per step), each start-up bucket of the first and of later
+step time (training region less blocking and evaluation, per step), evaluation per second of training,
+each start-up bucket of the first and of later
 attempts, blocking and persist per save, the interval (steps between commits), the failure and preemption
 rates, the relaunch gap, detection (last step to attempt end) and shutdown; and, for replay, where each
 attempt was interrupted.
@@ -43,6 +44,7 @@ class Profile:
         p = self.params
         return {
             "step_s": p.step_s,
+            "eval_s_per_train_s": p.eval_s_per_train_s,
             "gpus": p.gpus,
             "gpus_per_node": p.gpus_per_node,
             "interval_s": p.interval_s,
@@ -207,6 +209,7 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
         preemptions_per_day=num_preempted / wall_days if wall_days else 0.0,
         handles_preemption=any(f.saved_on_exit for f in script if f.preemption) or not num_preempted,
         step_s=step_s,
+        eval_s_per_train_s=_eval_ratio(report),
         interval_s=(interval_steps or final_step or 1) * step_s,
         interval_global=interval_global,
         blocking_s=blocking_s,
@@ -238,9 +241,8 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
 
 def _caveats(report: EttReport, num_interruptions: int) -> list[str]:
     notes = []
-    for bucket in (Bucket.EVALUATION, Bucket.OTHER):
-        if report.buckets_s[bucket] > 0:
-            notes.append(f"{report.buckets_s[bucket]:.1f} s of '{bucket.value}' is not modelled")
+    if report.buckets_s[Bucket.OTHER] > 0:
+        notes.append(f"{report.buckets_s[Bucket.OTHER]:.1f} s of 'other' is not modelled")
     if num_interruptions and report.wall_s < SECONDS_PER_DAY:
         notes.append(
             f"failure and preemption rates measured over {report.wall_s / 60:.1f} min of wall time: "
@@ -249,6 +251,13 @@ def _caveats(report: EttReport, num_interruptions: int) -> list[str]:
     if report.in_progress:
         notes.append("the job is still running (or its supervisor was killed): profiled so far")
     return notes
+
+
+def _eval_ratio(report: EttReport) -> float:
+    """Evaluation seconds per second of training, both of kept work (the evaluation a resume repeats before
+    its first step counts too: it comes with the training)."""
+    effective = report.buckets_s[Bucket.EFFECTIVE_TRAINING]
+    return report.buckets_s[Bucket.EVALUATION] / effective if effective > 0 else 0.0
 
 
 def _interval_steps(report: EttReport, final_step: int) -> tuple[int | None, bool]:
