@@ -77,6 +77,7 @@ def test_recovery_parts_follow_the_milestones_and_add_up():
         "restore": 0.5,
         "first_batch": 0.0,
         "process_group": 1.0,
+        "evaluation": 0.0,
         "other_init": 1.0,  # 12.25..12.75 and 13.25..13.75: the script's own set-up
         "first_step": 0.5,
     }
@@ -115,6 +116,14 @@ def test_without_imports_mark_its_time_goes_to_the_in_process_parts():
     (parts,) = compute(events, now=30.0).ttr_parts
     assert parts.parts_s["imports"] == 0.0
     assert parts.parts_s["other_init"] == pytest.approx(3.0)
+
+
+def test_the_evaluation_a_resume_repeats_before_its_first_step_is_its_own_part():
+    events = job() + phase(Phase.EVAL, 13.25, 13.75, 1)  # nanoGPT evaluates again at the resumed iteration
+    (parts,) = compute(events, now=30.0).ttr_parts
+    assert parts.parts_s["evaluation"] == pytest.approx(0.5)
+    assert parts.parts_s["other_init"] == pytest.approx(0.5)
+    assert math.fsum(v for v in parts.parts_s.values() if v is not None) == pytest.approx(parts.total_s)
 
 
 def test_overlapping_phases_are_counted_once_compile_first():

@@ -19,6 +19,7 @@ part, so the parts always add up to the whole):
     restore        RESTORE phases (checkpoint load)
     first_batch    GET_FIRST_BATCH_DATA / DATA_WAIT phases (data fast-forward and the first batch)
     process_group  PROCESS_GROUP_INIT phases (rendezvous of the ranks)
+    evaluation     EVAL phases (the evaluation a resumed script repeats before its first step)
     other_init     the rest: the script's own set-up (model, optimizer, anything unrecorded)
     first_step     the training start -> the first STEP (the first step, slower than the others)
 
@@ -52,6 +53,7 @@ RECOVERY_PARTS = (
     "restore",
     "first_batch",
     "process_group",
+    "evaluation",
     "other_init",
     "first_step",
 )
@@ -68,6 +70,7 @@ _IN_PROCESS = (  # (part, phases), the first open one takes the instant
     ("restore", frozenset({Phase.RESTORE})),
     ("first_batch", frozenset({Phase.GET_FIRST_BATCH_DATA, Phase.DATA_WAIT})),
     ("process_group", frozenset({Phase.PROCESS_GROUP_INIT})),
+    ("evaluation", frozenset({Phase.EVAL})),
 )
 
 Span = tuple[float, float, Phase | None, str]
