@@ -185,3 +185,50 @@ def test_the_headline_and_the_table_show_one_ttr_each_labelled():
     assert report_json.to_dict(compute(job(failure=False), now=30.0))["ttr_parts"][0]["total_measures"] == (
         "failure detected -> first step (failure time unknown)"
     )
+
+
+def test_each_recovery_says_how_it_was_recovered():
+    """cold by default; warm when the relaunch took standbys; in_place when the agent said so at the attempt's
+    start; requeue when a new supervisor run came between the two attempts (it wins over the relaunch path)."""
+    from ettr.accounting.ttr import RECOVERY_KINDS
+    from ettr.constants import RECOVERY_MARK, RELAUNCH_MARK
+
+    assert [p.kind for p in compute(job(), now=30.0).ttr_parts] == ["cold_restart"]
+    assert compute(job(), now=30.0).tts_parts.kind is None
+
+    warm = job() + [
+        Event(EventKind.MARK, 8.3, 1, S, data={"name": RELAUNCH_MARK, "path": "warm", "why": "x"})
+    ]
+    assert [p.kind for p in compute(warm, now=30.0).ttr_parts] == ["warm_restart"]
+    in_place = job() + [Event(EventKind.MARK, 8.3, 1, S, data={"name": RECOVERY_MARK, "kind": "in_place"})]
+    assert [p.kind for p in compute(in_place, now=30.0).ttr_parts] == ["in_place"]
+    requeued = warm + [sup(EventKind.SUPERVISOR_START, 8.0, 0)]
+    assert [p.kind for p in compute(requeued, now=30.0).ttr_parts] == ["requeue"]
+    found = report_json.to_dict(compute(in_place, now=30.0))
+    assert [p["kind"] for p in found["ttr_parts"]] == ["in_place"] and found["tts_parts"]["kind"] is None
+    assert all(
+        p["kind"] in RECOVERY_KINDS for p in report_json.to_dict(compute(requeued, now=30.0))["ttr_parts"]
+    )
+    text = "\n".join(report_text.render(compute(in_place, now=30.0)).splitlines())
+    assert "recovery kind" in text and "in_place" in text
+    assert "in_place" in render_html([compute(in_place, now=30.0)])
+
+
+def test_the_fleet_counts_recoveries_by_kind():
+    from ettr.constants import RECOVERY_MARK
+    from ettr.fleet.aggregate import totals
+    from ettr.fleet.json import job_dict, totals_dict
+    from ettr.fleet.model import summarize, summary_from_json, summary_to_json
+
+    in_place = job() + [Event(EventKind.MARK, 8.3, 1, S, data={"name": RECOVERY_MARK, "kind": "in_place"})]
+    jobs = [
+        summarize(
+            compute(events, now=30.0), family="f", source=name, gpus=2, gpus_source="ranks", running=False
+        )
+        for name, events in (("a", job()), ("b", in_place))
+    ]
+    assert [j.recoveries for j in jobs] == [(("cold_restart", 6.25),), (("in_place", 6.25),)]
+    assert summary_from_json(json.loads(json.dumps(summary_to_json(jobs[1])))) == jobs[1]
+    assert job_dict(jobs[1])["recoveries"] == [{"kind": "in_place", "ttr_s": 6.25}]
+    by_kind = totals_dict(totals(jobs))["ttr_s_by_kind"]
+    assert sorted(by_kind) == ["cold_restart", "in_place"] and by_kind["in_place"]["count"] == 1

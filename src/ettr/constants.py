@@ -27,5 +27,9 @@ BACKOFF_MARK = "restart_backoff"
 RELAUNCH_MARK = "relaunch"
 """Supervisor MARK (attempt = the one started) at its start: how its process(es) were started and why
 (`ettr.supervisor.standby.Relaunch`: data path warm|promoted|cold, why, and per rank under ettr's agent)."""
+RECOVERY_MARK = "recovery"
+"""Supervisor MARK (attempt = the one started) of an attempt that recovers a failure in a way the relaunch does
+not say: data kind (`in_place`: the job's other processes went on, the failed rank was replaced), replaced
+(ranks started anew)."""
 IMPORTS_MARK = "imports_done"
 """Training-process MARK: `import torch` finished in this process (ettr's bootstrap ran before it)."""

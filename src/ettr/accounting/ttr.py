@@ -23,6 +23,12 @@ part, so the parts always add up to the whole):
     other_init     the rest: the script's own set-up (model, optimizer, anything unrecorded)
     first_step     the training start -> the first STEP (the first step, slower than the others)
 
+Each recovery has a kind (`RecoveryParts.kind`, one of `RECOVERY_KINDS`): `in_place` when the attempt that
+recovered was a restart in place (the supervisor's `recovery` MARK of that attempt says `kind: "in_place"`:
+ettr's agent kept the other processes and replaced the failed rank), `requeue` when a new supervisor run started between the two
+attempts (a scheduler's requeue), `warm_restart` when the relaunch took warm standbys (`relaunch` path warm
+or promoted), else `cold_restart`.
+
 Two spans, each labelled wherever it is shown (docs/buckets.md, "TTS, TTR"):
 - the headline (`RecoveryParts.headline_s`, equal to the contract's TTR in `EttReport.ttr_s`): the failed
   attempt's end (ATTEMPT_END: the failure detected and its processes gone) to the training start of the
@@ -40,7 +46,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
-from ettr.constants import BACKOFF_MARK, FAILURE_DETECTED_MARK, IMPORTS_MARK, RELAUNCH_MARK
+from ettr.constants import BACKOFF_MARK, FAILURE_DETECTED_MARK, IMPORTS_MARK, RECOVERY_MARK, RELAUNCH_MARK
 from ettr.events import Event, EventKind, Phase
 
 RECOVERY_PARTS = (
@@ -64,6 +70,10 @@ BEFORE_HEADLINE = frozenset({"detection", "teardown"})
 """Parts of a recovery before the headline TTR starts (the failure -> the failed attempt's end)."""
 AFTER_HEADLINE = frozenset({"first_step"})
 """Parts after the headline TTR/TTS ends (the training start -> the first step)."""
+RECOVERY_KINDS = ("in_place", "warm_restart", "cold_restart", "requeue")
+"""How a failure was recovered (the contract's `kind` beside the TTR parts)."""
+IN_PLACE = "in_place"
+"""The `kind` of the supervisor's `recovery` MARK of an attempt that restarted the job in place."""
 
 _IN_PROCESS = (  # (part, phases), the first open one takes the instant
     ("compile", frozenset({Phase.COMPILE})),
@@ -100,6 +110,8 @@ class RecoveryParts:
     None when not recorded."""
     relaunch_why: str | None = None
     """Why that path, in a few words (None when not recorded)."""
+    kind: str | None = None
+    """How the failure was recovered, one of `RECOVERY_KINDS` (None for the time to start)."""
 
     @property
     def total_s(self) -> float:
@@ -130,6 +142,8 @@ class AttemptMilestones:
     phases: Sequence[Span]
     relaunch: Mapping[str, object] | None = None
     """The supervisor's `relaunch` MARK data of this attempt (path, why), if recorded."""
+    recovery: str | None = None
+    """The `kind` of the supervisor's `recovery` MARK of this attempt (`in_place`), if recorded."""
 
 
 def milestones(
@@ -163,6 +177,7 @@ def milestones(
         first_step_ts=first_step_ts,
         phases=phases,
         relaunch=_first_mark_data(supervisor, RELAUNCH_MARK),
+        recovery=_text((_first_mark_data(supervisor, RECOVERY_MARK) or {}).get("kind")),
     )
 
 
@@ -184,8 +199,22 @@ def _text(value: object) -> str | None:
     return value[:500] if isinstance(value, str) else None
 
 
-def recovery_parts(failed: AttemptMilestones, recovered: AttemptMilestones) -> RecoveryParts | None:
-    """The parts of the recovery from `failed` to `recovered` (which trained); None if it did not train."""
+def recovery_kind(failed: AttemptMilestones, recovered: AttemptMilestones, *, requeued: bool) -> str:
+    """How `recovered` recovered `failed`'s failure (see the module docstring); `requeued`: a new supervisor
+    run started between them."""
+    if recovered.recovery == IN_PLACE:
+        return IN_PLACE
+    if requeued:
+        return "requeue"
+    path = (recovered.relaunch or {}).get("path")
+    return "warm_restart" if path in ("warm", "promoted") else "cold_restart"
+
+
+def recovery_parts(
+    failed: AttemptMilestones, recovered: AttemptMilestones, *, requeued: bool = False
+) -> RecoveryParts | None:
+    """The parts of the recovery from `failed` to `recovered` (which trained); None if it did not train.
+    `requeued`: a new supervisor run started between them (its kind is then `requeue`)."""
     if recovered.training_start_ts is None or recovered.first_step_ts is None:
         return None
     end = failed.end_ts
@@ -210,6 +239,7 @@ def recovery_parts(failed: AttemptMilestones, recovered: AttemptMilestones) -> R
         failure_known=failure is not None,
         relaunch_path=_text((recovered.relaunch or {}).get("path")),
         relaunch_why=_text((recovered.relaunch or {}).get("why")),
+        kind=recovery_kind(failed, recovered, requeued=requeued),
     )
 
 
@@ -292,9 +322,11 @@ def breakdowns(
     attempts: Sequence[ResolvedAttempt],
     recovered_pairs: Sequence[tuple[int, int]],
     tts: tuple[float, int] | None,
+    run_starts: Sequence[float] = (),
 ) -> tuple[tuple[RecoveryParts, ...], RecoveryParts | None]:
     """The parts of each recovery ((failed index, recovered index) pairs) and of the start ((origin, attempt
-    index) or None), from the resolved attempts and the raw events of each attempt by rank."""
+    index) or None), from the resolved attempts and the raw events of each attempt by rank. `run_starts`:
+    when each supervisor run started (a recovery across one is a requeue)."""
     by_index = {
         a.index: milestones(
             index=a.index,
@@ -310,7 +342,9 @@ def breakdowns(
     }
     found = []
     for failed, recovered in recovered_pairs:
-        parts = recovery_parts(by_index[failed], by_index[recovered])
+        before, after = by_index[failed], by_index[recovered]
+        requeued = any(before.end_ts <= ts <= after.start_ts for ts in run_starts)
+        parts = recovery_parts(before, after, requeued=requeued)
         if parts is not None:
             found.append(parts)
     start = None if tts is None else startup_parts(tts[0], by_index[tts[1]])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ettr.accounting import Cause
@@ -71,6 +71,8 @@ class Totals:
     tts: Distribution
     ttr: Distribution
     ttr_by_cause: Mapping[Cause, Distribution]
+    ttr_by_kind: Mapping[str, Distribution] = field(default_factory=dict)
+    """Headline TTR of the recoveries of each kind (in_place, warm_restart, cold_restart, requeue) seen."""
 
     @property
     def lost_gpu_hours(self) -> dict[Bucket, float]:
@@ -106,7 +108,16 @@ def totals(jobs: Sequence[JobSummary]) -> Totals:
         tts=Distribution.of([j.tts_s for j in jobs if j.tts_s is not None]),
         ttr=Distribution.of([t for j in jobs for t in j.ttr_s]),
         ttr_by_cause={c: Distribution.of(v) for c, v in ttr_cause.items()},
+        ttr_by_kind=_by_kind(jobs),
     )
+
+
+def _by_kind(jobs: Sequence[JobSummary]) -> dict[str, Distribution]:
+    found: dict[str, list[float]] = {}
+    for j in jobs:
+        for kind, ttr_s in j.recoveries:
+            found.setdefault(kind, []).append(ttr_s)
+    return {kind: Distribution.of(values) for kind, values in sorted(found.items())}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

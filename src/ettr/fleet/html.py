@@ -215,7 +215,16 @@ def render_html(report: FleetReport) -> str:
     tts = histogram_svg([j.tts_s for j in report.jobs if j.tts_s is not None], "TTS distribution", "#3b6fb6")
     ttr = histogram_svg([x for j in report.jobs for x in j.ttr_s], "TTR distribution", "#f07f19")
     parts.append(f"<section><h2>Time to start</h2><p>{esc(_dist(t.tts))}</p>{tts or ''}</section>")
-    parts.append(f"<section><h2>Time to recover</h2><p>{esc(_dist(t.ttr))}</p>{ttr or ''}</section>")
+    kinds = "".join(
+        f"<tr><td>{esc(kind)}</td><td>{d.count}</td><td>{esc(fmt_s(d.p50))}</td><td>{esc(fmt_s(d.max))}</td></tr>"
+        for kind, d in t.ttr_by_kind.items()
+    )
+    by_kind = (
+        f"<table><tr><th>recovery kind</th><th>recoveries</th><th>TTR p50</th><th>TTR max</th></tr>{kinds}</table>"
+        if kinds
+        else ""
+    )
+    parts.append(f"<section><h2>Time to recover</h2><p>{esc(_dist(t.ttr))}</p>{by_kind}{ttr or ''}</section>")
     parts.append(
         "<section><h2>Failures by cause</h2><table><tr><th>cause</th><th>NoF</th><th>TTR p50</th></tr>"
     )

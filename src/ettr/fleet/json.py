@@ -61,6 +61,7 @@ def job_dict(j: JobSummary) -> dict[str, Any]:
         "window_ett_pct": j.window_ett_pct,
         "stragglers": None if j.stragglers is None else list(j.stragglers),
         "straggler_lost_s": j.straggler_lost_s,
+        "recoveries": [{"kind": kind, "ttr_s": ttr_s} for kind, ttr_s in j.recoveries],
     }
 
 
@@ -96,6 +97,7 @@ def totals_dict(t: Totals) -> dict[str, Any]:
         "tts_s": distribution(t.tts),
         "ttr_s": distribution(t.ttr),
         "ttr_s_by_cause": {c.value: distribution(d) for c, d in t.ttr_by_cause.items()},
+        "ttr_s_by_kind": {kind: distribution(d) for kind, d in t.ttr_by_kind.items()},
     }
 
 

@@ -67,6 +67,9 @@ class JobSummary:
     were read: a running job, or one without a summary stored at its end)."""
     straggler_lost_s: float | None = None
     """Time the job waited for its slow ranks; None when not checked."""
+    recoveries: tuple[tuple[str, float], ...] = ()
+    """(kind, headline TTR s) of each recovered failure that trained again (`RecoveryParts.kind`: in_place,
+    warm_restart, cold_restart, requeue)."""
 
     @property
     def mean_ttr_s(self) -> float | None:
@@ -116,6 +119,7 @@ def summarize(
         window_ett_pct=report.window.ett_pct if report.window is not None else None,
         stragglers=_stragglers(report),
         straggler_lost_s=None if report.rank_speed is None else report.rank_speed.lost_s,
+        recoveries=tuple((p.kind or "cold_restart", p.headline_s) for p in report.ttr_parts),
     )
 
 
@@ -148,6 +152,7 @@ def summary_to_json(summary: JobSummary) -> dict[str, Any]:
     out["buckets_s"] = {b.value: v for b, v in summary.buckets_s.items()}
     out["failures"] = [{**asdict(f), "cause": f.cause.value} for f in summary.failures]
     out["ttr_s"] = list(summary.ttr_s)
+    out["recoveries"] = [list(r) for r in summary.recoveries]
     return out
 
 
@@ -161,4 +166,5 @@ def summary_from_json(data: Mapping[str, Any]) -> JobSummary:
     values["ttr_s"] = tuple(float(t) for t in data["ttr_s"])
     if data["stragglers"] is not None:
         values["stragglers"] = tuple(str(s) for s in data["stragglers"])
+    values["recoveries"] = tuple((str(k), float(s)) for k, s in data["recoveries"])
     return JobSummary(**values)

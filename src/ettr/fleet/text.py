@@ -71,6 +71,7 @@ def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
         f"(infra {t.failures_by_cause[Cause.INFRA]})",
         f"  TTS {_dist(t.tts)}",
         f"  TTR {_dist(t.ttr)}",
+        *[f"    {kind:<13} {_dist(d)}" for kind, d in t.ttr_by_kind.items()],
         "",
         "lost GPU-hours by bucket (costliest first)",
     ]

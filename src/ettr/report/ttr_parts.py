@@ -17,6 +17,8 @@ from ettr.report.svg import esc, fmt_s
 HEADLINE_ROW = "= TTS / TTR (headline)"
 """The row holding the headline's span: origin or the failed attempt's end -> training start."""
 TOTAL_ROW = "total (to first step)"
+KIND_ROW = "recovery kind"
+"""The row saying how each failure was recovered: in_place | warm_restart | cold_restart | requeue."""
 RELAUNCH_PATH_ROW = "  (relaunch path)"
 """The row saying how each relaunch started its process(es): warm | promoted | cold (why: below the text
 table, in the HTML cell's title)."""
@@ -38,7 +40,8 @@ def total_measures(parts: RecoveryParts) -> str:
 
 def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
     """`{failed_attempt, recovered_attempt, start_ts, first_step_ts, total_s, total_measures, headline_s,
-    headline_start_ts, training_start_ts, headline_measures, parts_s}` (parts in order). `headline_s` is the
+    headline_start_ts, training_start_ts, headline_measures, parts_s, relaunch_path, relaunch_why, kind}`
+    (parts in order; `kind`: how the failure was recovered, `RECOVERY_KINDS`; null for the start). `headline_s` is the
     report's TTR (or TTS) for this recovery: the parts from backoff (or before_launch) through other_init."""
     if parts is None:
         return None
@@ -56,6 +59,7 @@ def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
         "parts_s": dict(parts.parts_s),
         "relaunch_path": parts.relaunch_path,
         "relaunch_why": parts.relaunch_why,
+        "kind": parts.kind,
     }
 
 
@@ -75,12 +79,14 @@ def _rows(report: EttReport) -> tuple[list[str], list[tuple[str, list[Cell]]]]:
     titles = [
         "start" if c.failed_attempt is None else f"{c.failed_attempt}->{c.recovered_attempt}" for c in columns
     ]
+    rows: list[tuple[str, list[Cell]]] = []
+    if report.ttr_parts:
+        rows.append((KIND_ROW, list[Cell]([c.kind or _NOT_A_PART for c in columns])))
     names = [
         n
         for n in dict.fromkeys((*STARTUP_PARTS[:2], *RECOVERY_PARTS))
         if any(n in c.parts_s for c in columns)
     ]
-    rows: list[tuple[str, list[Cell]]] = []
     for n in names:
         if n == "first_step":
             rows.append((HEADLINE_ROW, list[Cell]([c.headline_s for c in columns])))
