@@ -190,6 +190,23 @@ def test_the_workers_of_a_torchrun_started_inside_the_job_are_the_ranks(tmp_path
         assert starts == worker_starts
 
 
+def test_a_single_python_process_behind_a_shell_is_still_the_one_rank(tmp_path: Path) -> None:
+    out = tmp_path / "seen.json"
+    (tmp_path / "train.py").write_text(
+        "import json, os, sys\n"
+        "import ettr.runtime as rt\n"
+        f"json.dump({{'mine': os.environ.get('ETTR_INSTRUMENTED_PID') == str(os.getpid()), "
+        f"'rank': rt.get_recorder().rank}}, open({str(out)!r}, 'w'))\n"
+    )
+    run_dir = tmp_path / "run"
+    command = ["bash", "-c", f"cd {tmp_path} && {sys.executable} train.py"]
+    done = subprocess.run(command, env=_job_env(run_dir, tmp_path, "other"), timeout=120)
+    assert done.returncode == 0
+    assert json.loads(out.read_text()) == {"mine": True, "rank": 0}
+    starts = [e for e in open_ledger(run_dir).read() if e.kind is EventKind.PROCESS_START]
+    assert [e.rank for e in starts] == [0]
+
+
 DDP = ROOT / "tests" / "scripts" / "train_ddp.py"
 
 

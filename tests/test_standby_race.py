@@ -156,7 +156,7 @@ def test_several_ranks_relaunch_as_their_slowest_path() -> None:
         Relaunch(path="promoted", why="standby still warming"),
     ]
     both = Relaunch.of_ranks(ranks)
-    assert (both.path, both.why) == ("promoted", "standby still warming")
+    assert (both.path, both.why) == ("promoted", "standby still warming (rank 1)")
     assert both.to_data()["ranks"] == [
         {"rank": 0, "path": "warm", "why": "standby ready (2.0 s before)"},
         {"rank": 1, "path": "promoted", "why": "standby still warming"},

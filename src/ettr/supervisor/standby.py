@@ -130,22 +130,24 @@ class Relaunch:
 
     @classmethod
     def of_ranks(cls, ranks: Sequence[Relaunch]) -> Relaunch:
-        """One relaunch of several ranks: the slowest path among them (a job trains once all ranks do)."""
+        """One relaunch of several ranks: the slowest path among them (a job trains once all ranks do), why
+        as the first such rank says it, with the ranks that took it (each rank's own in `ranks`)."""
         order: tuple[RelaunchPath, ...] = ("cold", "promoted", "warm")
         path = next(p for p in order if any(r.path == p for r in ranks))
-        whys = sorted({r.why for r in ranks if r.path == path})
-        return cls(
-            path=path, why="; ".join(whys), ranks=tuple((i, r.path, r.why) for i, r in enumerate(ranks))
-        )
+        took = [i for i, r in enumerate(ranks) if r.path == path]
+        why = ranks[took[0]].why
+        if len(ranks) > 1:
+            why += f" (rank{'s' if len(took) > 1 else ''} {', '.join(map(str, took))})"
+        return cls(path=path, why=why, ranks=tuple((i, r.path, r.why) for i, r in enumerate(ranks)))
 
 
-def no_standby_reason(argv: Sequence[str], env: Mapping[str, str]) -> str:
-    """Why an attempt that found no standby starts cold."""
+def no_standby_reason(argv: Sequence[str] | None, env: Mapping[str, str]) -> str:
+    """Why an attempt (`argv`; None: the workers of ettr's agent) that found no standby starts cold."""
     if not enabled():
         return f"standbys are off ({STANDBY_ENV}=0)"
-    if _interpreter(argv, env) is None:
+    if argv is not None and _interpreter(argv, env) is None:
         return "not a plain `python SCRIPT` / `python -m MODULE` command: it always starts cold"
-    return "no standby was ready: the previous attempt ended before its standby was due (its first step)"
+    return "no standby: the previous attempt ended before its standby was due (its first step)"
 
 
 class Standby:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ettr.run_env import exited_path, failed_exit_path
 from ettr.supervisor.process import AttemptProcess
-from ettr.supervisor.standby import Relaunch, Standby, WarmUpNotice
+from ettr.supervisor.standby import Relaunch, Standby, WarmUpNotice, no_standby_reason
 
 WARM_MODULES = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
 """Imported ahead by a worker's standby beside torch when the attempt's first-step markers name nothing
@@ -72,7 +72,7 @@ class WorkerGroup:
         self._markers = list(exit_markers)
         self._exited = list(exited_markers)
         self._cut_short: int | None = None  # the rank stopped after its failed exit was marked
-        self.relaunch = Relaunch(path="cold", why="no standbys")
+        self.relaunch = Relaunch(path="cold", why="started as it is")
         """How the workers were started (`StandbyGroup.take`)."""
         self.notice: WarmUpNotice | None = None
         """Says on the console when the workers wait for promoted standbys (stopped by `finish`)."""
@@ -109,7 +109,7 @@ class WorkerGroup:
             ready, relaunch, notice = standbys.take(argvs, envs, attempt=attempt)
         else:
             ready, notice = [None] * len(argvs), None
-            relaunch = Relaunch(path="cold", why="no standbys were ready")
+            relaunch = Relaunch(path="cold", why=no_standby_reason(None, envs[0] if envs else {}))
         procs: list[AttemptProcess] = []
         try:
             for argv, env, warm in zip(argvs, envs, ready, strict=True):
