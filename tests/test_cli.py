@@ -92,6 +92,7 @@ FROZEN_COMMAND_LINE = {
             "--interval-s",
             "--json",
             "--mtbf-hours",
+            "--recovery",
             "--no-save-on-preempt",
             "--persist-s",
             "--preemptions-per-day",

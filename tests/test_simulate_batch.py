@@ -11,9 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ettr.events import Bucket
 from ettr.simulate.batch import simulate_batch
+from ettr.simulate.model import _BUCKET_INDEX as BUCKET_INDEX
 from ettr.simulate.model import simulate_seeded
-from ettr.simulate.params import JobParams, Startup
+from ettr.simulate.params import JobParams, RecoveryKind, Startup
 from ettr.simulate.summary import BATCH_MIN_RUNS, simulate, summarize
 
 
@@ -65,6 +67,18 @@ BASE = JobParams(
         {"failures_per_node_day": 0.0},
         {"scheduling_s": 4 * 86_400.0},  # the window closes before the job is allocated
         {"shutdown_s": 3 * 86_400.0 - 10.0},  # the window closes in start-up
+        # recovery kinds: most failures restarted in place at 2 s, some warm, the rest at restart_s
+        {
+            "recovery_kinds": (
+                RecoveryKind(name="in_place", cost_s=2.0, share=0.7),
+                RecoveryKind(name="warm_restart", cost_s=60.0, share=0.2),
+            )
+        },  # fmt: skip
+        {
+            "recovery_kinds": (RecoveryKind(name="in_place", cost_s=0.0, share=1.0),),
+            "preemptions_per_day": 5.0,
+            "failures_per_node_day": 20.0,
+        },  # fmt: skip
     ],
 )
 def test_the_batch_gives_the_scalar_loops_runs(changes: dict[str, object]) -> None:
@@ -157,3 +171,24 @@ def test_simulate_picks_an_engine_by_size_and_both_summarise_alike() -> None:
     # and the first runs of a family are the same however many runs there are
     assert simulate(params, runs=2, seed=5).num_runs == 2
     assert np.isfinite(batched.ett_pct)
+
+
+def test_recovery_kinds_cost_what_they_say_for_the_share_they_cover() -> None:
+    """Restarting 80% of failures in place at 2 s instead of 360 s leaves the failures where they were (the
+    same seeded times) and cuts the restart time by about that share; shares above 1 are refused."""
+    plain = simulate_batch(BASE, seed=3, runs=200)
+    kinds = (RecoveryKind(name="in_place", cost_s=2.0, share=0.8),)
+    fast = simulate_batch(replace(BASE, recovery_kinds=kinds), seed=3, runs=200)
+    restart = [BUCKET_INDEX[b] for b in (Bucket.RESTART, Bucket.RESTORE)]  # (init: the first start-up too)
+    slow_s, fast_s = plain.buckets_s[:, restart].sum(), fast.buckets_s[:, restart].sum()
+    assert 0.1 < fast_s / slow_s < 0.35  # ~20% of the failures still pay the full restart
+    assert fast.num_failures.sum() == plain.num_failures.sum()  # (restarts never cut short by a failure here)
+    everything = replace(BASE, recovery_kinds=(RecoveryKind(name="in_place", cost_s=20.0, share=1.0),))
+    assert simulate_batch(everything, seed=3, runs=20).buckets_s[:, restart].sum() == pytest.approx(
+        0.0, abs=1e-6
+    )
+    with pytest.raises(ValueError, match="more than 1"):
+        replace(BASE, recovery_kinds=(RecoveryKind(name="in_place", cost_s=1.0, share=0.6),
+                                      RecoveryKind(name="requeue", cost_s=1.0, share=0.6)))  # fmt: skip
+    with pytest.raises(ValueError, match="recovery kind"):
+        RecoveryKind(name="teleport", cost_s=1.0, share=0.1)

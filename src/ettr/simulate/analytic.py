@@ -30,6 +30,8 @@ def expected_wall_s(params: JobParams) -> float:
         raise ValueError("the closed form holds for exponential failures, no preemption and persist 0")
     if params.interval_global:
         raise ValueError("the closed form holds for a time interval (interval_global=False)")
+    if params.recovery_kinds:
+        raise ValueError("the closed form holds for one restart cost (no recovery kinds)")
     lam = params.failures_per_day / SECONDS_PER_DAY
     rec = recovery_s(
         lam, detection_s=params.detection_s, relaunch_s=params.restart_gap_s + params.restart_startup.total_s
@@ -67,6 +69,6 @@ def optimal_interval_for(params: JobParams) -> float:
     return optimal_interval_s(
         save_cost_s=max(params.blocking_s, 1e-6),
         failures_per_day=rate,
-        restart_s=params.restart_s,
+        restart_s=params.mean_restart_s,
         min_interval_s=params.persist_s,
     )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ettr.events import Bucket
-from ettr.simulate.model import MAX_INTERRUPTIONS, seeded_streams
+from ettr.simulate.model import MAX_INTERRUPTIONS, kind_draws, seeded_streams
 from ettr.simulate.params import JobParams
 from ettr.simulate.streams import EventStream
 
@@ -162,12 +162,21 @@ def simulate_batch(params: JobParams, *, seed: int, runs: int) -> BatchResult:
     exit_blocking = min(p.blocking_s, exit_s)
     # An attempt's way to its first step, by kind: 0 the first attempt, 1 after a failure (the relaunch gap),
     # 2 after a preemption (the requeue).
+    # 3 + k: after a failure recovered by recovery kind k (`JobParams.recovery_kinds`, at its own cost).
     requeue_s = p.preempt_requeue_s if p.preempt_requeue_s is not None else p.restart_gap_s
-    gaps = np.array([0.0, p.restart_gap_s, requeue_s])
-    startup_totals = np.array([p.first_startup.total_s, p.restart_startup.total_s, p.restart_startup.total_s])
+    ways = [p.kind_restart(k) for k in p.recovery_kinds]
+    gaps = np.array([0.0, p.restart_gap_s, requeue_s, *(gap for gap, _ in ways)])
+    startup_totals = np.array(
+        [p.first_startup.total_s, p.restart_startup.total_s, p.restart_startup.total_s]
+        + [startup.total_s for _, startup in ways]
+    )
     first_parts = [s for _, s in p.first_startup.components()]
     later_parts = [s for _, s in p.restart_startup.components()]
-    pieces_by_kind = np.array([[0.0, *first_parts], [gaps[1], *later_parts], [gaps[2], *later_parts]])
+    pieces_by_kind = np.array(
+        [[0.0, *first_parts], [gaps[1], *later_parts], [gaps[2], *later_parts]]
+        + [[gap, *(s for _, s in startup.components())] for gap, startup in ways]
+    )
+    draws = [d for i in range(runs) if (d := kind_draws(p, seed=seed, run_index=i)) is not None]
     starts_by_kind = np.cumsum(pieces_by_kind, axis=1) - pieces_by_kind
 
     # Scheduling and hardware set-up: the same for every run; no failures before the job holds its nodes.
@@ -182,7 +191,7 @@ def simulate_batch(params: JobParams, *, seed: int, runs: int) -> BatchResult:
 
     # Results, by run; and the state of the runs still going (`ids`: their run indices). Buckets are rows.
     out_acc = np.zeros((len(_B), runs))
-    out_started = np.zeros((3, runs))
+    out_started = np.zeros((len(gaps), runs))
     out_kept = np.zeros(runs)
     out_failures = np.zeros(runs, dtype=np.int64)
     out_preempts = np.zeros(runs, dtype=np.int64)
@@ -192,7 +201,7 @@ def simulate_batch(params: JobParams, *, seed: int, runs: int) -> BatchResult:
 
     ids = np.arange(runs)
     acc = np.zeros((len(_B), runs))
-    started = np.zeros((3, runs))  # start-ups completed, by kind: their pieces are booked at the end
+    started = np.zeros((len(gaps), runs))  # start-ups completed, by kind: their pieces are booked at the end
     t = np.full(runs, t0)
     kept = np.zeros(runs)
     kind = np.zeros(runs, dtype=np.int64)
@@ -300,6 +309,11 @@ def simulate_batch(params: JobParams, *, seed: int, runs: int) -> BatchResult:
         pending_count += interrupted
         pending_sum += np.where(interrupted, t, 0.0)
         kind = np.where(interrupted, np.where(was_preempted, 2, 1), kind)
+        if draws:  # each failure's recovery kind, drawn in the run's order as the scalar loop does
+            for row in np.flatnonzero(interrupted & ~was_preempted):
+                chosen = draws[ids[row]].draw()
+                if chosen is not None:
+                    kind[row] = 3 + chosen
 
         if ended.any():
             done, ids_done = np.flatnonzero(ended), ids[ended]

@@ -16,7 +16,7 @@ from typing import Any
 from ettr.constants import SECONDS_PER_DAY
 from ettr.errors import UsageError
 from ettr.simulate.analytic import optimal_interval_for
-from ettr.simulate.params import JobParams, Startup
+from ettr.simulate.params import JobParams, RecoveryKind, Startup
 
 LLAMA3_FAILURES_PER_NODE_DAY = 466 / 54 / (16_384 / 8)
 """The default failure rate: Llama 3's 466 interruptions in 54 days on 16,384 GPUs (8 per node)."""
@@ -25,6 +25,7 @@ EPILOG = """examples:
   ettr simulate --failures-per-node-day 3 --checkpoint-blocking-s 15 --interval auto
   ettr simulate --mtbf-hours 6 --checkpoint-blocking-s 300 --restart-s 600 --sweep interval
   ettr simulate --gpus 16384 --duration-hours 720 --restart-s 600 --checkpoint-blocking-s 30 --json
+  ettr simulate --gpus 10000 --restart-s 600 --recovery in_place=2:0.8 --json   # what restart in place is worth
   ettr simulate --from runs/job1 --gpus 2048 --duration-hours 336 --compare
   ettr simulate --from runs/job1 --replay          # the job's own failures: predicted vs measured
   ettr simulate --fleet-experiment --json          # preemption victims: random vs lowest cost
@@ -45,6 +46,15 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
 
 
+def _recovery(text: str) -> RecoveryKind:
+    name, _, rest = text.partition("=")
+    cost, _, share = rest.partition(":")
+    try:
+        return RecoveryKind(name=name.strip(), cost_s=float(cost), share=float(share))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc} (expected KIND=SECONDS:SHARE)") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
@@ -61,6 +71,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rate.add_argument("--mtbf-hours", type=_float, metavar="H", help="the job's mean time between failures")
     p.add_argument(
         "--restart-s", type=_float, metavar="S", help="whole cost of one restart, lost work excluded (0)"
+    )
+    p.add_argument(
+        "--recovery",
+        action="append",
+        type=_recovery,
+        metavar="KIND=S:SHARE",
+        help="a way failures are recovered (in_place, warm_restart, cold_restart, requeue) at S s each, for "
+        "SHARE of the failures (0..1; repeatable); the others cost --restart-s",
     )
     p.add_argument(
         "--checkpoint-blocking-s", type=_float, metavar="S", help="seconds a save blocks training (15)"
@@ -169,6 +187,8 @@ def build_params(args: argparse.Namespace, base: JobParams | None) -> tuple[JobP
         changes["failures_per_node_day"] = 24.0 / args.mtbf_hours / num_nodes
     if args.restart_s is not None:
         changes.update(_scaled_restart(base, args.restart_s))
+    if args.recovery:
+        changes["recovery_kinds"] = tuple(args.recovery)
     simple = {
         "checkpoint_blocking_s": "blocking_s",
         "persist_s": "persist_s",
@@ -323,6 +343,11 @@ def main(args: argparse.Namespace) -> int:
         html_parts = {"summaries": [("simulated", summary)]}
     if profile is not None:
         payload["profile"] = profile.to_dict()
+    if params.recovery_kinds:
+        payload["recovery_kinds"] = [
+            {"kind": k.name, "cost_s": k.cost_s, "share": k.share} for k in params.recovery_kinds
+        ]
+        payload["restart_s"], payload["mean_restart_s"] = params.restart_s, params.mean_restart_s
     if args.html:
         from ettr.report.simulate_html import write_simulate_html
 
@@ -345,9 +370,13 @@ def _title(params: JobParams, args: argparse.Namespace) -> str:
         else f"{(params.work_s or 0) / params.step_s:.0f} steps"
     )
     preempt = f", {params.preemptions_per_day:.3g} preemptions/day" if params.preemptions_per_day else ""
+    kinds = "".join(
+        f"; {k.share:.0%} of failures {k.name} at {k.cost_s:.3g} s" for k in params.recovery_kinds
+    )
+    restart = f", restart {params.restart_s:.3g} s{kinds}" if kinds else ""
     return (
         f"ettr simulate ({source}): {size}, {span}, {params.failures_per_day:.3g} failures/day{preempt}, "
-        f"save blocks {params.blocking_s:.3g} s"
+        f"save blocks {params.blocking_s:.3g} s{restart}"
     )
 
 

@@ -14,13 +14,14 @@ Pure: no I/O, no clock; randomness only from the seeded generators it is given.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ettr.events import Bucket
-from ettr.simulate.params import JobParams
+from ettr.simulate.params import JobParams, RecoveryKind
 from ettr.simulate.streams import EventStream, failure_source, preemption_source
 
 _BUCKET_INDEX = {bucket: i for i, bucket in enumerate(Bucket)}
@@ -111,9 +112,9 @@ class _Run:
     """The state of one run as its loop goes: the clock, the buckets, progress kept, attempts."""
 
     __slots__ = (
-        "acc", "allocated", "attempt", "failures", "first_pieces", "gap", "horizon", "kept", "later_pieces",
-        "num_failures", "num_preemptions", "params", "pending", "preemptions", "script", "t", "train_end",
-        "tts", "ttrs", "work",
+        "acc", "allocated", "attempt", "failures", "first_pieces", "gap", "horizon", "kept", "kind_ways", "kinds",
+        "later_pieces", "next_pieces", "next_total", "num_failures", "num_preemptions", "params", "pending",
+        "preemptions", "script", "t", "train_end", "tts", "ttrs", "work",
     )  # fmt: skip
 
     def __init__(
@@ -122,8 +123,11 @@ class _Run:
         failures: EventStream,
         preemptions: EventStream,
         script: tuple[ScriptedFault, ...] | None,
+        kinds: KindDraws | None = None,
     ) -> None:
         self.params, self.failures, self.preemptions, self.script = params, failures, preemptions, script
+        self.kinds = kinds if params.recovery_kinds and script is None else None
+        self.kind_ways = [_kind_way(params, k) for k in params.recovery_kinds]
         self.acc = [0.0] * len(_BUCKET_INDEX)
         self.horizon = math.inf if params.duration_s is None else params.duration_s
         self.train_end = self.horizon - params.shutdown_s
@@ -136,6 +140,7 @@ class _Run:
         self.acc[_B[Bucket.HARDWARE_SETUP]] = min(params.hardware_setup_s, self.horizon - self.t)
         self.t += self.acc[_B[Bucket.HARDWARE_SETUP]]
         self.kept, self.attempt, self.gap = 0.0, 0, 0.0
+        self.next_pieces, self.next_total = self.first_pieces, params.first_startup.total_s
         self.num_failures = self.num_preemptions = 0
         self.tts: float | None = None
         self.ttrs: list[float] = []
@@ -159,6 +164,11 @@ class _Run:
         self.num_preemptions += preempted
         self.pending.append(self.t)
         self.gap = _gap(self.params, preempted)
+        self.next_pieces, self.next_total = self.later_pieces[self.gap], self.params.restart_startup.total_s
+        if not preempted and self.kinds is not None:
+            chosen = self.kinds.draw()
+            if chosen is not None:  # a failure this kind recovers, at its own cost
+                self.gap, self.next_pieces, self.next_total = self.kind_ways[chosen]
         self.attempt += 1
         if self.script is not None and self.script[self.attempt - 1].ends_job:
             self.acc[_B[Bucket.SHUTDOWN]] += self.params.shutdown_s
@@ -169,8 +179,8 @@ class _Run:
         """The relaunch gap (later attempts) and start-up components: None when training starts, else
         whether the job ends (True: the window closed or a replay ended; False: interrupted, go on)."""
         params, acc, first = self.params, self.acc, self.attempt == 0
-        pieces = self.first_pieces if first else self.later_pieces[self.gap]
-        total = params.first_startup.total_s if first else params.restart_startup.total_s
+        pieces = self.first_pieces if first else self.next_pieces
+        total = params.first_startup.total_s if first else self.next_total
         startup_end = self.t + self.gap + total
         at, preempted, detection_s, _saved = self.next_fault(None, self.gap)
         stop = min(at, self.horizon)
@@ -243,13 +253,15 @@ def simulate_run(
     failures: EventStream,
     preemptions: EventStream,
     script: tuple[ScriptedFault, ...] | None = None,
+    kinds: KindDraws | None = None,
 ) -> RunResult:
     """One run of the job. With `script` the interruptions are those (one per attempt, in order) and the
-    streams are not used: a replay of a measured job."""
+    streams are not used: a replay of a measured job. `kinds`: which recovery kind each failure gets
+    (`params.recovery_kinds`; None: every failure costs `restart_s`)."""
     stretch = 1.0 + params.eval_s_per_train_s
     if stretch != 1.0:
         params, script = _with_evaluation(params, script, stretch)
-    run = _Run(params, failures, preemptions, script)
+    run = _Run(params, failures, preemptions, script, kinds)
     while run.t < run.horizon:
         if run.num_failures > MAX_INTERRUPTIONS:
             raise ValueError(
@@ -295,6 +307,37 @@ def _pieces(params: JobParams, first: bool, gap: float) -> tuple[tuple[int, floa
     """(bucket index, seconds) of an attempt's way to its first step: the relaunch gap, then start-up."""
     startup = params.first_startup if first else params.restart_startup
     return ((_B[Bucket.RESTART], gap),) + tuple((_B[Bucket(n)], s) for n, s in startup.components())
+
+
+def _kind_way(params: JobParams, kind: RecoveryKind) -> tuple[float, tuple[tuple[int, float], ...], float]:
+    """(relaunch gap, pieces, start-up total) of one recovery of `kind`."""
+    gap, startup = params.kind_restart(kind)
+    pieces = ((_B[Bucket.RESTART], gap),) + tuple((_B[Bucket(n)], s) for n, s in startup.components())
+    return gap, pieces, startup.total_s
+
+
+class KindDraws:
+    """Which recovery kind each failure of one run gets, in order: a uniform draw from a generator of its
+    own, against the kinds' cumulative shares (None: no kind covers it; it costs `restart_s`)."""
+
+    def __init__(self, kinds: tuple[RecoveryKind, ...], rng: np.random.Generator) -> None:
+        self._bounds = list(itertools.accumulate(k.share for k in kinds))
+        self._rng = rng
+
+    def draw(self) -> int | None:
+        u = float(self._rng.random())
+        for index, bound in enumerate(self._bounds):
+            if u < bound:
+                return index
+        return None
+
+
+def kind_draws(params: JobParams, *, seed: int, run_index: int) -> KindDraws | None:
+    """The kind draws of run `run_index` of the seeded family `seed` (None without recovery kinds)."""
+    if not params.recovery_kinds:
+        return None
+    stream = np.random.SeedSequence([seed, run_index]).spawn(3)[2]  # the third after failures, preemptions
+    return KindDraws(params.recovery_kinds, np.random.default_rng(stream))
 
 
 def _gap(params: JobParams, preempted: bool) -> float:
@@ -384,4 +427,5 @@ def seeded_streams(params: JobParams, *, seed: int, run_index: int) -> tuple[Eve
 
 def simulate_seeded(params: JobParams, *, seed: int, run_index: int) -> RunResult:
     """Run `run_index` of the seeded family `seed` (the same failure times for any policy of the job)."""
-    return simulate_run(params, *seeded_streams(params, seed=seed, run_index=run_index))
+    kinds = kind_draws(params, seed=seed, run_index=run_index)
+    return simulate_run(params, *seeded_streams(params, seed=seed, run_index=run_index), kinds=kinds)

@@ -47,6 +47,33 @@ class Startup:
         )
 
 
+RECOVERY_KIND_NAMES = ("in_place", "warm_restart", "cold_restart", "requeue")
+"""How a failure can be recovered (the report's `kind` of each recovery)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryKind:
+    """One way failures are recovered, what one such recovery costs and how many failures it covers."""
+
+    name: str
+    """One of `RECOVERY_KIND_NAMES`."""
+    cost_s: float
+    """The whole cost of one recovery of this kind, lost work excluded (as `restart_s`): detection, then the
+    rest split like the job's own restart (relaunch gap and start-up components in its proportions)."""
+    share: float
+    """The fraction of failures (not preemptions) recovered this way; failures no kind covers cost
+    `restart_s`."""
+
+    def __post_init__(self) -> None:
+        if self.name not in RECOVERY_KIND_NAMES:
+            raise ValueError(
+                f"recovery kind must be one of {', '.join(RECOVERY_KIND_NAMES)}, got {self.name!r}"
+            )
+        _check(f"{self.name} cost", self.cost_s)
+        if not (math.isfinite(self.share) and 0.0 <= self.share <= 1.0):
+            raise ValueError(f"{self.name} share must be between 0 and 1, got {self.share}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobParams:
     """One job's costs, failure rates and checkpoint policy (see docs/simulate.md for each)."""
@@ -99,6 +126,9 @@ class JobParams:
     """Wall-time window of the job (from submission); exactly one of `duration_s` and `work_s`."""
     work_s: float | None = None
     """Training seconds of progress the job must keep to finish."""
+    recovery_kinds: tuple[RecoveryKind, ...] = ()
+    """Ways failures are recovered that cost other than `restart_s` (a restart in place, a warm restart),
+    each with its share of the failures: each failure draws its kind (a seeded stream of its own per run)."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -123,6 +153,11 @@ class JobParams:
         _check("checkpoint interval", self.interval_s, positive=True)
         if self.preempt_requeue_s is not None:
             _check("preempt requeue", self.preempt_requeue_s)
+        names = [k.name for k in self.recovery_kinds]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each recovery kind may be given once, got {', '.join(names)}")
+        if math.fsum(k.share for k in self.recovery_kinds) > 1.0 + 1e-9:
+            raise ValueError("the recovery kinds' shares add up to more than 1 (of all failures)")
         if (self.duration_s is None) == (self.work_s is None):
             raise ValueError("give exactly one of a duration (wall time) and an amount of work (steps)")
         if self.duration_s is not None:
@@ -153,6 +188,29 @@ class JobParams:
     def restart_s(self) -> float:
         """The whole cost of one restart, lost work excluded: detection, relaunch, start-up to the first step."""
         return self.detection_s + self.restart_gap_s + self.restart_startup.total_s
+
+    @property
+    def mean_restart_s(self) -> float:
+        """The mean cost of one failure's recovery, lost work excluded: `restart_s`, or with recovery kinds
+        each kind's cost for its share of the failures and `restart_s` for the rest."""
+        covered = math.fsum(k.share for k in self.recovery_kinds)
+        return math.fsum(k.share * k.cost_s for k in self.recovery_kinds) + (1.0 - covered) * self.restart_s
+
+    def kind_restart(self, kind: RecoveryKind) -> tuple[float, Startup]:
+        """(relaunch gap, start-up) of one recovery of `kind`: its cost less the detection, split like the
+        job's own restart (all of it relaunch when the job's restart has no relaunch or start-up)."""
+        rest = max(0.0, kind.cost_s - self.detection_s)
+        total = self.restart_gap_s + self.restart_startup.total_s
+        if total <= 0:
+            return rest, Startup()
+        f = rest / total
+        s = self.restart_startup
+        return self.restart_gap_s * f, Startup(
+            init_s=s.init_s * f,
+            compile_s=s.compile_s * f,
+            restore_s=s.restore_s * f,
+            data_wait_s=s.data_wait_s * f,
+        )
 
     @property
     def save_cost_s(self) -> float:
