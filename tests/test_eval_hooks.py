@@ -117,6 +117,27 @@ def test_what_is_not_an_evaluation(hooked: tuple[Any, Recorder, Any]) -> None:
     assert [(e.kind, e.data) for e in events] == [(EventKind.PHASE_BEGIN, None), (EventKind.PHASE_END, None)]
 
 
+def test_a_module_trained_in_eval_mode_is_not_watched_again(hooked: tuple[Any, Recorder, Any]) -> None:
+    hooks, rec, ledger = hooked
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    norm = model[1]
+    for _ in range(3):  # a fine-tuning loop that freezes its BatchNorm statistics at every step
+        model.train()
+        norm.eval()
+        if _ == 0:
+            assert hooks.evals.open is not None  # the first time it looks like an evaluation's start
+        else:
+            assert hooks.evals.open is None  # then a step showed it trains in eval mode: not watched again
+        _train_step(model, optimizer)
+    model.eval()  # the whole model is still watched
+    assert hooks.evals.open is not None
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    model.train()
+    assert len(_spans(_evals(rec, ledger))) == 1
+
+
 def test_left_in_eval_mode_it_ends_with_its_last_pass_before_the_next_step(
     hooked: tuple[Any, Recorder, Any],
 ) -> None:

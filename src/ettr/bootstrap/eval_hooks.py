@@ -11,7 +11,8 @@ run forward, and switched back, with no optimizer step in between:
            training); or at the end of its last forward pass when the process exits in eval mode (the final
            validation of a script that never switches back)
   counts   only with a forward pass in between: `eval()` for a save or an export is not an evaluation, nor
-           is training in eval mode (forward passes with grad enabled, then an optimizer step)
+           is training in eval mode (forward passes with grad enabled, then an optimizer step; such a module's
+           `eval()` is not watched again: BatchNorm layers a fine-tuning script freezes every step)
 
 While an evaluation is open, a forward pre-hook and a forward hook on that module time its passes (removed at
 its end: the training loop never runs them). They are left off where Dynamo could trace them (a module
@@ -100,6 +101,9 @@ class EvalHooks:
         self.patcher = patcher
         self.trained = TrainedModules()
         self.open: _Evaluation | None = None
+        # Modules seen training in eval mode (BatchNorm layers a fine-tuning script freezes every step): their
+        # eval() is not watched again, so that such a loop pays one set lookup a call, not an evaluation's set-up.
+        self._trains_in_eval_mode: weakref.WeakSet[Any] = weakref.WeakSet()
         self._torch: ModuleType | None = None
         self._train_original: Callable[..., Any] | None = None
         self._train_wrapper: Callable[..., Any] | None = None
@@ -135,7 +139,7 @@ class EvalHooks:
         """`module.eval()` was called: an evaluation begins if an optimizer trains the module."""
         if self.open is not None or self.rec.is_open(Phase.EVAL) or dynamo_is_tracing():
             return
-        if not self.trained.trains(module):
+        if module in self._trains_in_eval_mode or not self.trained.trains(module):
             return
         evaluation = _Evaluation(module=module, begin_ts=time.time(), hooked=self._hookable(module))
         if evaluation.hooked:
@@ -198,6 +202,8 @@ class EvalHooks:
         evaluation = self.open
         if evaluation is None:
             return
+        if evaluation.hooked and evaluation.num_passes and evaluation.last_no_grad_end_ts is None:
+            self._trains_in_eval_mode.add(evaluation.module)
         self._end(evaluation.last_no_grad_end_ts if evaluation.hooked else None)
 
     def at_exit(self) -> None:
