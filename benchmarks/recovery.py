@@ -17,12 +17,20 @@ split into `detect_relaunch_s` (fault -> the generation or process that recovers
 teardown, relaunch, imports, rendezvous), `build_restore_s` (model, checkpoint manager and restore) and
 `first_step_s`. For the ettr launchers the ledger's parts (`EttReport.ttr_parts`) are given too.
 
-    python benchmarks/recovery.py [--trials 10] [--faults crash,kill] [--launchers ...] [--hidden 512] [--json]
+Then `--kill-trials` SIGKILL trials of restart in place (`ettr.testing.inplace_faults`): the job restarts in
+place after a raise on rank 1, and a random rank is SIGKILLed at a random moment, half of them aimed at that
+recovery; a launcher of the harness's own restarts both ranks after a death. Each trial must end with the
+parameters of an uninterrupted run.
 
-`--quick` (what CI runs): one crash trial of each launcher with a small model.
+    python benchmarks/recovery.py [--trials 10] [--faults crash,kill] [--launchers ...] [--hidden 512]
+        [--kill-trials 100] [--json]
+
+`--quick` (what CI runs): one crash trial of each launcher with a small model, 2 kill trials.
 
 `--json` ends with one object: `faults.<fault>.<launcher>`: trials, recovered, bad_resumes, median and worst TTR
-(s), each trial's TTR, parts_median_s (the log's parts, and for ettr the ledger's), restored_from (counts).
+(s), each trial's TTR, parts_median_s (the log's parts, and for ettr the ledger's), restored_from (counts);
+`kill_trials`: trials, completed, bad_resumes, landed (counts: before_raise, recovery, after_recovery,
+not_fired), process_restarts, restored_from; `bad_resumes`: of everything.
 """
 
 from __future__ import annotations
@@ -173,6 +181,36 @@ def _reference(args: argparse.Namespace) -> str | None:
     return digests[0] if len(digests) == 1 else None
 
 
+def _kill_trials(count: int) -> dict[str, Any]:
+    from ettr.testing.inplace_faults import InPlaceTrialRunner
+
+    with tempfile.TemporaryDirectory(prefix="ettr-inplace-kills-") as workdir:
+        runner = InPlaceTrialRunner(workdir, seed=count)
+        _say(f"kill trials: the job trains {runner.calibrate():.2f} s with its raise and no kill")
+        trials = []
+        for i in range(count):
+            t = runner.run_trial(i, during_recovery=i % 2 == 0)
+            trials.append(t)
+            if t.bad or not t.completed:
+                _say(f"  kill trial {i}: {t}")
+            if (i + 1) % 10 == 0:
+                _say(f"  {i + 1} kill trials done")
+    landed: dict[str, int] = {}
+    sources: dict[str, int] = {}
+    for t in trials:
+        landed[t.kill_landed] = landed.get(t.kill_landed, 0) + 1
+        for source in t.restored_from:
+            sources[source] = sources.get(source, 0) + 1
+    return {
+        "trials": len(trials),
+        "completed": sum(t.completed for t in trials),
+        "bad_resumes": sum(t.bad for t in trials),
+        "landed": landed,
+        "process_restarts": sum(t.launches - 1 for t in trials),
+        "restored_from": sources,
+    }
+
+
 def _summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
     ttrs = [t["ttr_s"] for t in trials if t["recovered"] and t["ttr_s"] is not None]
     out: dict[str, Any] = {
@@ -213,13 +251,14 @@ def main() -> int:
         "--rendezvous-timeout-s", type=float, default=5.0, help="ettr_inplace: a dead rank's wait"
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="a trial still running then failed")
+    parser.add_argument("--kill-trials", type=int, default=100, help="in-place SIGKILL trials (0: none)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--quick", action="store_true", help="one crash trial per launcher, a small model (CI)"
     )
     args = parser.parse_args()
     if args.quick:
-        args.trials, args.faults, args.hidden = 1, "crash", 64
+        args.trials, args.faults, args.hidden, args.kill_trials = 1, "crash", 64, 2
     faults = [f for f in args.faults.split(",") if f]
     launchers = [name for name in args.launchers.split(",") if name]
     bad = [f for f in faults if f not in FAULTS] + [name for name in launchers if name not in LAUNCHERS]
@@ -244,6 +283,7 @@ def main() -> int:
                     f"trial {i} {fault:<5} {launcher:<12} recovered={r['recovered']} ttr={ttr} "
                     f"restored from {r['restored_from']}{why}"
                 )
+    kills = _kill_trials(args.kill_trials) if args.kill_trials > 0 else None
     summary = {
         "benchmark": "recovery",
         "trials": args.trials,
@@ -251,7 +291,9 @@ def main() -> int:
         "reference_digest": reference,
         "inplace_launcher": "torchrun --max-restarts 1 (ettr's agent does not restart in place yet)",
         "faults": {f: {name: _summary(ts) for name, ts in by.items()} for f, by in results.items()},
-        "bad_resumes": sum(1 for by in results.values() for ts in by.values() for t in ts if t["bad_resume"]),
+        "kill_trials": kills,
+        "bad_resumes": sum(1 for by in results.values() for ts in by.values() for t in ts if t["bad_resume"])
+        + (kills["bad_resumes"] if kills else 0),
         "quick": args.quick,
     }
     for fault, by in summary["faults"].items():
@@ -266,6 +308,12 @@ def main() -> int:
                 print(
                     "      parts (median s): " + ", ".join(f"{n} {v}" for n, v in s["parts_median_s"].items())
                 )
+    if kills is not None:
+        print(
+            f"kill trials: {kills['trials']} SIGKILLs ({kills['landed']}), completed {kills['completed']}, "
+            f"bad resumes {kills['bad_resumes']}, process restarts {kills['process_restarts']}, restores after "
+            f"the raise from {kills['restored_from']}"
+        )
     print(f"bad resumes (final state not an uninterrupted run's): {summary['bad_resumes']}")
     if args.json:
         print(json.dumps(summary))

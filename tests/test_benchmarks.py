@@ -68,6 +68,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "faults.crash.torchrun.recovered", "faults.crash.ettr.median_ttr_s", "faults.crash.ettr.parts_median_s",
         "faults.crash.ettr_memory.median_ttr_s", "faults.crash.ettr_memory.restored_from",
         "faults.crash.ettr_inplace.median_ttr_s", "faults.crash.ettr_inplace.parts_median_s", "bad_resumes",
+        "kill_trials.trials", "kill_trials.bad_resumes", "kill_trials.completed", "kill_trials.landed",
     ),
     "simulate_speed.py": (
         "scale_s", "scale_job_days_per_s", "scale_interruptions", "scalar_scale_s", "scale_speedup", "big_s",

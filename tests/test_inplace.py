@@ -173,3 +173,16 @@ def test_a_rank_that_dies_without_an_agent_to_replace_it_falls_back_to_a_process
     assert len(restored) == 2 and len({(e["step"], e["source"]) for e in restored}) == 1
     assert restored[0]["step"] in (10, 15) and restored[0]["source"] in ("memory", "storage")
     assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted}
+
+
+@pytest.mark.slow
+def test_kills_during_an_in_place_recovery_never_change_the_final_state(tmp_path: Path) -> None:
+    """A few of benchmarks/recovery.py's kill trials (it runs 100): a rank SIGKILLed during the in-place
+    recovery after a raise, or anywhere; the job ends with an uninterrupted run's parameters."""
+    from ettr.testing.inplace_faults import InPlaceTrialRunner
+
+    runner = InPlaceTrialRunner(tmp_path, seed=7)
+    runner.calibrate()
+    trials = [runner.run_trial(i, during_recovery=i < 2) for i in range(3)]
+    assert all(t.completed and not t.bad for t in trials), trials
+    assert all(t.kill_landed != "not_fired" for t in trials[:2])

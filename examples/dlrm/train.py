@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 import ettr
 import ettr.audit
+import ettr.inplace
 import ettr.report.audit
 from dlrm.checkpointing import AutoInterval, Checkpointer, make_checkpointer
 from dlrm.data import ClickBatch, ClickDataConfig, ResumeGate, make_loader
@@ -115,6 +116,9 @@ class TrainConfig:
     fast_exit: bool = False
     """After the final save is committed (and the anchor written), end the processes without tearing
     down what the job no longer needs (loader workers, process groups, TorchRec, the interpreter)."""
+    inplace: bool = False
+    """Restart in place (`ettr.resilient`): on a rank's failure the other ranks keep their processes, re-form the
+    process group with its replacement and restore the last commit from memory (with `--ckpt-mode ettr`)."""
     log_every: int = 25
     """Print the mean loss every this many steps."""
     audit: bool = True
@@ -174,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--overlap-startup", action=argparse.BooleanOptionalAction, default=d.overlap_startup)
     add("--plan-cache", default=d.plan_cache, help="directory of computed sharding plans (reused)")
     add("--fast-exit", action=argparse.BooleanOptionalAction, default=d.fast_exit, help="skip the teardown")
+    add("--inplace", action=argparse.BooleanOptionalAction, default=d.inplace, help="restart in place")
     add("--log-every", type=int, default=d.log_every, help="print the loss every N steps")
     add("--audit", action=argparse.BooleanOptionalAction, default=d.audit, help="audit start-up collectives")
     add("--ettr-run-dir", default=d.ettr_run_dir, help="record here without `ettr run`")
@@ -456,8 +461,25 @@ def run(config: TrainConfig) -> int:
 
     with clock.phase(ettr.Phase.DEVICE_INIT):
         torch.manual_seed(config.seed)
-    with clock.phase(ettr.Phase.PROCESS_GROUP_INIT):
-        init_process_group(rank, world_size)
+    if config.inplace:
+        # Each generation makes its process group (the wrapper), model, checkpointer and loader anew.
+        status = ettr.inplace.resilient(
+            lambda gen: _generation(config, data_config, clock, audit, gen.rank, gen.world_size)
+        )()
+    else:
+        with clock.phase(ettr.Phase.PROCESS_GROUP_INIT):
+            init_process_group(rank, world_size)
+        status = _generation(config, data_config, clock, audit, rank, world_size)
+    if config.fast_exit:  # the state is committed and the books flushed: nothing left to wait for
+        exit_now(status)
+    return status
+
+
+def _generation(
+    config: TrainConfig, data_config: ClickDataConfig, clock: StageClock, audit: Any, rank: int, world_size: int
+) -> int:
+    """From the data pipeline to the end of training over the process group there is (one generation of a
+    job restarted in place, or the whole of one that is not)."""
     with clock.phase(ettr.Phase.PREPROC_CREATION):
         gate = ResumeGate() if config.overlap_startup else None
         batches: Iterator[ClickBatch] | None = None
@@ -575,10 +597,8 @@ def run(config: TrainConfig) -> int:
             Path(config.summary_out).write_text(json.dumps(summary, indent=2))
         if config.fast_exit:
             dist.barrier()  # no rank leaves while a peer still needs it in a collective
-        else:
+        elif not config.inplace:  # (the wrapper tears its own process groups down)
             dist.destroy_process_group()
-    if config.fast_exit:  # the state is committed and the books flushed: nothing left to wait for
-        exit_now(0)
     return 0
 
 

@@ -160,16 +160,17 @@ class _Runner:
         failure: _Failure | None = None
         while True:
             try:
-                joined = rendezvous.join(
-                    job_store.store,
-                    generation,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    backend=self.backend,
-                    timeout_s=self.config.rendezvous_timeout_s,
-                    collective_timeout_s=self.config.collective_timeout_s,
-                    moved_on=generations.moved_on,
-                )
+                with ettr.get_recorder().phase(ettr.Phase.PROCESS_GROUP_INIT, generation=generation):
+                    joined = rendezvous.join(
+                        job_store.store,
+                        generation,
+                        rank=self.rank,
+                        world_size=self.world_size,
+                        backend=self.backend,
+                        timeout_s=self.config.rendezvous_timeout_s,
+                        collective_timeout_s=self.config.collective_timeout_s,
+                        moved_on=generations.moved_on,
+                    )
             except rendezvous.GenerationMovedOn:
                 generation = self._next(generations, generation, failure, "overtaken while it formed")
                 continue
