@@ -144,10 +144,8 @@ class EvalHooks:
         evaluation = _Evaluation(module=module, begin_ts=time.time(), hooked=self._hookable(module))
         if evaluation.hooked:
             try:
-                evaluation.handles = [
-                    module.register_forward_pre_hook(self._before_pass),
-                    module.register_forward_hook(self._after_pass),
-                ]
+                evaluation.handles.append(module.register_forward_pre_hook(self._before_pass))
+                evaluation.handles.append(module.register_forward_hook(self._after_pass))
             except Exception:  # a module that takes no hooks (a scripted one): eval() and train() only
                 for handle in evaluation.handles:
                     handle.remove()
