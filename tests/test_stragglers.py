@@ -319,3 +319,16 @@ for step in range(1, 61):
     opt.step()
 dist.destroy_process_group()
 """
+
+
+def test_a_rank_without_arrivals_for_a_while_is_not_read_as_late():
+    """Rank 1's first 80 steps carry no arrival (say its backward was not hooked yet): those steps are not
+    compared, rather than its STEP time (after the sync) read against its peer's arrival (before it)."""
+    events = [
+        Event(e.kind, e.ts, e.attempt, e.rank, e.phase, e.step, None, e.data)
+        if e.kind is EventKind.STEP and e.rank == 1 and e.step <= 80
+        else e
+        for e in job()
+    ]
+    speed = report(events).rank_speed
+    assert speed.source == "arrival" and speed.stragglers == () and speed.num_compared_steps == 120

@@ -148,7 +148,7 @@ class _Attempt:
         )
         self.source = "arrival" if with_arrivals else "step"
         common = sorted(k for k in set().union(*(set(v) for v in steps.values())) if _count(steps, k) >= 2)
-        self.steps = common
+        self.steps: list[int] = []
         self.arrivals: list[dict[int, float]] = []
         for k in common:
             row = {}
@@ -156,8 +156,13 @@ class _Attempt:
                 found = steps[r].get(k)
                 if found is not None:
                     ts, arrival = found
-                    row[r] = arrival if with_arrivals and arrival is not None else ts
-            self.arrivals.append(row)
+                    if not with_arrivals:
+                        row[r] = ts
+                    elif arrival is not None:  # never an arrival beside a STEP time: that would read as late
+                        row[r] = arrival
+            if len(row) >= 2:
+                self.steps.append(k)
+                self.arrivals.append(row)
         reference = steps[self.ranks[0]] if self.ranks else {}
         self.step_ts = {k: ts for k, (ts, _) in reference.items()}  # the lowest rank's STEP times
         self.step_s = _median_interval(self.step_ts, sorted(self.step_ts))
