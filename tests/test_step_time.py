@@ -120,10 +120,40 @@ def test_a_comparison_warns_when_step_speed_differs_by_more_than_10_percent() ->
 
     base, slow, close = _job(1.0, "a"), _job(1.62, "b"), _job(1.08, "c")
     text = render_comparison([base, slow])
-    assert "warning: b's steps ran 62% slower than a's (median 1.62 s vs 1.00 s a step)" in text
+    assert (
+        "warning: b's steps ran at another speed than a's (median 1.62 s vs 1.00 s a step (+62%), effective "
+        "training 1.59 s vs 1.00 s per kept step (+59%)): ETT% counts step time as effective training, so its "
+        "slower steps raise it for the same work; compare the time per step too"
+    ) in text
     assert re.search(r"^step time median +1\.00 s +1\.62 s +\+62%$", text, re.M), text
+    assert re.search(r"^training per kept step +1\.00 s +1\.59 s +\+59%$", text, re.M), text
     assert "warning" not in render_comparison([base, close])  # 8%: within the tolerance
-    assert "ran 38% faster" in render_comparison([slow, base])
+    assert "so its faster steps lower it" in render_comparison([slow, base])
     page = render_html([base, slow])
-    assert 'class="warn"' in page and "62% slower" in page
+    assert 'class="warn"' in page and "(+62%)" in page
     assert 'class="warn"' not in render_html([base, close])
+
+
+def test_a_heavy_tail_is_warned_about_even_when_the_medians_agree() -> None:
+    """Same median, but a tenth of b's steps take ten times as long (say, beside persists): its effective
+    training per kept step is 1.9x, which is what its ETT counts."""
+    from ettr.report.text import render_comparison
+
+    def tailed(job_id: str, tail: bool):
+        s = Stream()
+        s.sup(EventKind.SUPERVISOR_START, 0)
+        t = 2.0
+        s.add(EventKind.TRAINING_START, 1, 0)
+        for step in range(1, 101):
+            t += 1.0 if not tail or step % 10 else 10.0
+            s.add(EventKind.STEP, t, 0, step=step)
+        s.attempt(0, 1, t + 1, "completed", 0)
+        s.sup(EventKind.JOB_END, t + 2, 0, exit_status=0)
+        return s.report(job_id=job_id)
+
+    a, b = tailed("a", False), tailed("b", True)
+    assert a.step_time_s == b.step_time_s == 1.0
+    assert b.training_per_kept_step_s == pytest.approx(1.91)  # (2 s to the first step + 99 others) / 100
+    text = render_comparison([a, b])
+    assert "a step (+0%), effective training 1.91 s vs 1.01 s per kept step (+89%)" in text
+    assert "so its slower steps raise it for the same work" in text

@@ -256,6 +256,13 @@ class EttReport:
         return sum(a.num_kept_steps for a in self.attempts)
 
     @property
+    def training_per_kept_step_s(self) -> float | None:
+        """Effective training per kept step: the mean pace, exactly what ETT counts per step (a heavy tail of
+        slow steps moves it where the median does not); None without a kept step."""
+        kept = self.num_kept_steps
+        return self.effective_training_s / kept if kept > 0 else None
+
+    @property
     def mean_ttr_s(self) -> float | None:
         return sum(self.ttr_s) / len(self.ttr_s) if self.ttr_s else None
 

@@ -271,6 +271,13 @@ _METRICS = (
         higher_is_better=False,
     ),
     _Metric(
+        "effective training per kept step",
+        lambda r: r.training_per_kept_step_s,
+        _fmt_step,
+        _delta_step,
+        higher_is_better=False,
+    ),
+    _Metric(
         "kept steps",
         lambda r: r.num_kept_steps,
         _fmt_count,
@@ -345,7 +352,7 @@ def _comparison(reports: Sequence[EttReport], names: Sequence[str]) -> str:
         rows.append(
             f'<tr><td><span data-bucket="{b.value}">{swatch} {esc(bucket_label(b))}</span></td>{cells}{deltas}</tr>'
         )
-    warnings = steptime.speed_warnings(names, [r.step_time.median_s for r in reports])
+    warnings = steptime.speed_warnings(names, reports)
     return (
         f'<div class="wide"><table class="compare"><thead><tr><th class="text">metric</th>{head}</tr></thead>'
         f"<tbody>{''.join(rows)}</tbody></table></div>"

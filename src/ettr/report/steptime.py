@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ettr.accounting import EttReport
 from ettr.accounting.steptime import StepTime, relative_change
 
 SPEED_TOLERANCE = 0.10
@@ -47,20 +48,35 @@ def fmt_change(base: float | None, value: float | None) -> str:
     return "-" if change is None else f"{change * 100:+.0f}%"
 
 
-def speed_warnings(names: Sequence[str], step_times: Sequence[float | None]) -> list[str]:
-    """One line per run whose median step time differs from the first run's by more than
-    `SPEED_TOLERANCE`: what ETT% then means. Empty when they agree (or are unknown)."""
-    base_name, base = names[0], step_times[0]
+def speed_warnings(names: Sequence[str], reports: Sequence[EttReport]) -> list[str]:
+    """One line per run whose steps ran at another speed than the first run's by more than
+    `SPEED_TOLERANCE`, by the median step time or by the effective training per kept step (the mean: what
+    ETT counts): what ETT% then means. Empty when they agree (or are unknown)."""
+    base_name, base = names[0], reports[0]
     lines = []
-    for name, value in zip(names[1:], step_times[1:], strict=True):
-        change = relative_change(base, value)
-        if change is None or abs(change) <= SPEED_TOLERANCE:
+    for name, r in zip(names[1:], reports[1:], strict=True):
+        median = relative_change(base.step_time.median_s, r.step_time.median_s)
+        mean = relative_change(base.training_per_kept_step_s, r.training_per_kept_step_s)
+        if all(c is None or abs(c) <= SPEED_TOLERANCE for c in (median, mean)):
             continue
-        pace = "slower" if change > 0 else "faster"
+        figures = (
+            f"median {fmt_step(r.step_time.median_s)} vs {fmt_step(base.step_time.median_s)} a step"
+            f" ({fmt_change(base.step_time.median_s, r.step_time.median_s)}), effective training "
+            f"{fmt_step(r.training_per_kept_step_s)} vs {fmt_step(base.training_per_kept_step_s)} per kept step"
+            f" ({fmt_change(base.training_per_kept_step_s, r.training_per_kept_step_s)})"
+        )
+        if mean is None or abs(mean) <= SPEED_TOLERANCE:
+            effect = "the time ETT counts per step is about the same, so ETT% still compares"
+        elif mean > 0:
+            effect = (
+                "ETT% counts step time as effective training, so its slower steps raise it for the same work"
+            )
+        else:
+            effect = (
+                "ETT% counts step time as effective training, so its faster steps lower it for the same work"
+            )
         lines.append(
-            f"warning: {name}'s steps ran {abs(change) * 100:.0f}% {pace} than {base_name}'s (median "
-            f"{fmt_step(value)} vs {fmt_step(base)} a step): ETT% counts step time as effective training, so "
-            f"{'slower steps raise' if change > 0 else 'faster steps lower'} it for the same work; "
+            f"warning: {name}'s steps ran at another speed than {base_name}'s ({figures}): {effect}; "
             "compare the time per step too"
         )
     return lines

@@ -161,6 +161,7 @@ def render_comparison(reports: Sequence[EttReport], *, labels: Sequence[str] | N
     speeds = [
         ("step time median", [r.step_time.median_s for r in reports]),
         ("step time p90", [r.step_time.p90_s for r in reports]),
+        ("training per kept step", [r.training_per_kept_step_s for r in reports]),
     ]
     for name, step_values in speeds:
         cells = [steptime.fmt_step(v) for v in step_values]
@@ -172,7 +173,7 @@ def render_comparison(reports: Sequence[EttReport], *, labels: Sequence[str] | N
         values = [r.buckets_s[bucket] for r in reports]
         cells = [f"{v:.1f} ({r.bucket_pct(bucket):.1f}%)" for v, r in zip(values, reports, strict=True)]
         rows.append((f"  {bucket.value}", *cells, *((_delta(values, "{:.1f}"),) if with_delta else ())))
-    warnings = steptime.speed_warnings(list(labels), [r.step_time.median_s for r in reports])
+    warnings = steptime.speed_warnings(list(labels), reports)
     return "\n".join([*_table(header, rows, indent=""), *warnings]) + "\n"
 
 
