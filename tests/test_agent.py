@@ -209,21 +209,25 @@ def test_a_group_where_every_worker_exits_0_completes() -> None:
     assert group.poll() == 0 and group.failed_rank is None
 
 
-def test_the_supervisor_says_once_why_it_keeps_the_real_torchrun(monkeypatch, capsys) -> None:
+def test_the_supervisor_says_once_why_it_keeps_the_real_torchrun(monkeypatch, capsys, tmp_path) -> None:
+    from ettr.supervisor.attempt import CommandKind
     from ettr.supervisor.config import RunConfig
-    from ettr.supervisor.supervise import Supervisor
+    from ettr.supervisor.supervise import kind_for
+    from ettr.supervisor.workers import WorkerGroupKind
 
-    multi = Supervisor(RunConfig(command=(*RUN, "--nnodes", "1", "--tee", "3", "t.py")))
-    assert multi._worker_spec() is None and multi._worker_spec() is None
+    multi = kind_for(RunConfig(command=(*RUN, "--nnodes", "1", "--tee", "3", "t.py")), tmp_path)
+    assert isinstance(multi, CommandKind)
     assert capsys.readouterr().err.count("runs the real torchrun (torchrun option --tee)") == 1
     monkeypatch.setenv("ETTR_AGENT", "torchrun")
-    forced = Supervisor(RunConfig(command=(*RUN, "--standalone", "t.py")))
-    assert forced._worker_spec() is None
+    forced = kind_for(RunConfig(command=(*RUN, "--standalone", "t.py")), tmp_path)
+    assert isinstance(forced, CommandKind)
     assert "ETTR_AGENT=torchrun" in capsys.readouterr().err
     monkeypatch.delenv("ETTR_AGENT")
-    assert isinstance(
-        Supervisor(RunConfig(command=(*RUN, "--standalone", "t.py")))._worker_spec(), WorkerSpec
-    )
+    agent_kind = kind_for(RunConfig(command=(*RUN, "--standalone", "t.py")), tmp_path)
+    assert isinstance(agent_kind, WorkerGroupKind) and isinstance(agent_kind.spec, WorkerSpec)
+    assert capsys.readouterr().err == ""
+    plain = kind_for(RunConfig(command=(sys.executable, "t.py")), tmp_path)
+    assert isinstance(plain, CommandKind) and capsys.readouterr().err == ""
 
 
 def test_a_marked_failed_exit_is_the_failure_at_once_and_its_teardown_is_cut_short(tmp_path: Path) -> None:

@@ -15,8 +15,9 @@ from ettr.ledger import Ledger, MemoryLedger
 from ettr.supervisor import peers, slurm
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.launch import torchrun_command, torchrun_options
-from ettr.supervisor.multinode import Follower, Leader, node_role_of, supervisor_for
-from ettr.supervisor.supervise import Supervisor
+from ettr.supervisor.multinode import FollowerPeers, LeaderPeers, node_role_of
+from ettr.supervisor.peers import NoPeers
+from ettr.supervisor.supervise import supervisor_for
 
 TORCHRUN = [
     "torchrun",
@@ -54,12 +55,13 @@ def test_a_multi_node_job_needs_a_shared_ledger_and_job_id(monkeypatch: pytest.M
     with pytest.raises(UsageError, match="needs --job-id"):
         node_role_of(RunConfig(command=command, ledger_url="sqlite:///x.db"))
     cfg = RunConfig(command=command, ledger_url="sqlite:///x.db", job_id="j")
-    assert isinstance(supervisor_for(cfg), Follower)
+    follower = supervisor_for(cfg).peers
+    assert isinstance(follower, FollowerPeers) and not follower.leads and follower.node_rank == 1
     leader = RunConfig(
         command=tuple(a if a != "1" else "0" for a in command), ledger_url="sqlite:///x", job_id="j"
     )
-    assert isinstance(supervisor_for(leader), Leader)
-    assert type(supervisor_for(RunConfig(command=("python", "t.py")))) is Supervisor
+    assert isinstance(supervisor_for(leader).peers, LeaderPeers) and supervisor_for(leader).peers.leads
+    assert isinstance(supervisor_for(RunConfig(command=("python", "t.py"))).peers, NoPeers)
 
 
 def test_the_agreed_port_replaces_a_remote_endpoint() -> None:

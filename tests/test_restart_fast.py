@@ -10,13 +10,8 @@ import time
 from ettr.events import Event, EventKind, Outcome
 from ettr.procs import start_ticks
 from ettr.supervisor.classify import AttemptEnd
-from ettr.supervisor.restart import (
-    ExitWaker,
-    PeerFailureWatch,
-    backoff_wait_s,
-    stopped_after_peer_failure,
-    trained,
-)
+from ettr.supervisor.policy import backoff_wait_s
+from ettr.supervisor.restart import ExitWaker, PeerFailureWatch, stopped_after_peer_failure, trained
 
 
 def test_no_backoff_before_the_first_restart_after_progress_and_doubling_after():

@@ -3,11 +3,15 @@
     from ettr.supervisor import RunConfig, run
     status = run(RunConfig(command=("python", "train.py"), max_restarts=3))
 
-Modules: `config` (RunConfig), `supervise` (the loop), `launch` (command line, torchrun's fresh
-rendezvous, the attempt's `RunEnv`), `process` (process tree, stderr tail), `watchdog` (hangs, from the
-ledger and `ettr.heartbeat`), `classify` (why an attempt ended), `books` (requeue, closing a killed one's
-attempts), `jobinfo` (job id, Slurm times). Training processes import nothing from here: what they share
-with the supervisor is `ettr.run_env`, `ettr.procs` and `ettr.heartbeat`.
+Modules: `config` (RunConfig), `supervise` (the parts put together, the loop over attempts), `books`
+(JobBooks: the only way to the ledger), `attempt` (the Attempt and AttemptKind Protocols, the plain
+command), `workers` + `agent` (ettr as torchrun's agent), `runner` (one attempt, driving the pure `watch`),
+`policy` (the pure restart policy), `peers` + `multinode` (the other nodes), `signals`, `launch` (command
+line, torchrun's fresh rendezvous, the attempt's `RunEnv`), `process` (process tree, stderr tail),
+`watchdog` (hangs, from the ledger and `ettr.heartbeat`), `classify` (why an attempt ended), `containment`,
+`standby`, `restart`, `slurm`, `jobinfo` (job id, Slurm times), `messages`. Training processes import
+nothing from here: what they share with the supervisor is `ettr.run_env`, `ettr.procs` and
+`ettr.heartbeat`.
 """
 
 from __future__ import annotations

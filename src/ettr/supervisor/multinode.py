@@ -1,4 +1,5 @@
-"""One supervisor per node of a multi-node torchrun job, coordinated through the shared ledger.
+"""The nodes of a multi-node torchrun job, as the `Peers` (`ettr.supervisor.peers`) handed to each node's
+supervisor: node 0's `LeaderPeers`, the others' `FollowerPeers`, coordinated through the shared ledger.
 
     node 0 (leader)                                    node R > 0 (follower)
     SUPERVISOR_START, node_start                       node_start
@@ -30,14 +31,16 @@ from typing import Any
 
 from ettr.constants import EXIT_FAILED
 from ettr.errors import UsageError
-from ettr.events import EventKind, Outcome
+from ettr.events import Outcome
 from ettr.procs import pid_alive, start_ticks
 from ettr.supervisor import peers
+from ettr.supervisor.books import JobBooks
 from ettr.supervisor.classify import AttemptEnd
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.launch import free_port, torchrun_options
-from ettr.supervisor.peers import NodeRole, PeerView
-from ettr.supervisor.supervise import Supervisor, _check_command, _say
+from ettr.supervisor.messages import say
+from ettr.supervisor.peers import NodeRole, NoPeers, Peers, PeerView, Turn
+from ettr.supervisor.signals import SupervisorSignals
 
 
 def node_role_of(config: RunConfig) -> NodeRole | None:
@@ -58,48 +61,58 @@ def node_role_of(config: RunConfig) -> NodeRole | None:
     return role
 
 
-def supervisor_for(config: RunConfig) -> Supervisor:
-    """The supervisor for `config`: a plain one, or node 0's leader, or another node's follower."""
+def peers_for(config: RunConfig) -> Peers:
+    """The peers of the job `config` runs: none, or this node as node 0's leader or another's follower."""
     role = node_role_of(config)
     if role is None:
-        return Supervisor(config)
-    return Leader(config, role) if role.leader else Follower(config, role)
+        return NoPeers()
+    return LeaderPeers(config, role) if role.leader else FollowerPeers(config, role)
 
 
-class _Node(Supervisor):
+class _Node:
     """What the leader and the followers share: node marks, heartbeats, a cached view of the peers."""
 
     def __init__(self, config: RunConfig, role: NodeRole) -> None:
-        super().__init__(config)
+        self.config = config
         self.role = role
-        self._interval = min(10.0, max(0.2, config.peer_timeout_s / 4))
+        self.interval_s = min(10.0, max(0.2, config.peer_timeout_s / 4))
+        self.view = PeerView()
+        self.peer_end: dict[str, Any] = {}  # the data of the peer's end that ended this node's part
+        self._books: JobBooks | None = None
         self._beat_at = 0.0
         self._looked_at = 0.0
-        self._view = PeerView()
-        self._peer_end: dict[str, Any] = {}
 
-    def _mark(self, name: str, *, attempt: int, **data: Any) -> None:
+    @property
+    def books(self) -> JobBooks:
+        if self._books is None:
+            raise RuntimeError("the peers are asked before the books are open")
+        return self._books
+
+    def attach(self, books: JobBooks) -> None:
+        self._books = books
+
+    def mark(self, name: str, *, attempt: int, **data: Any) -> None:
         self.books.mark(name, attempt=attempt, node_rank=self.role.node_rank, **data)
 
-    def _beat(self, attempt: int, now: float) -> None:
-        if now - self._beat_at >= self._interval:
+    def beat(self, attempt: int, now: float) -> None:
+        if now - self._beat_at >= self.interval_s:
             self._beat_at = now
-            self._mark(peers.NODE_HEARTBEAT, attempt=attempt)
+            self.mark(peers.NODE_HEARTBEAT, attempt=attempt)
 
-    def _look(self, now: float, *, force: bool = False) -> PeerView | None:
+    def look(self, now: float, *, force: bool = False) -> PeerView | None:
         """A fresh view every heartbeat interval (None between looks)."""
-        if not force and now - self._looked_at < self._interval:
+        if not force and now - self._looked_at < self.interval_s:
             return None
         self._looked_at = now
         try:
-            self._view = peers.peer_view(self.books.supervisor_events())
+            self.view = peers.peer_view(self.books.supervisor_events())
         except Exception as exc:
-            _say(f"cannot read the ledger to see the peers ({exc}); trying again")
+            say(f"cannot read the ledger to see the peers ({exc}); trying again")
             return None
-        return self._view
+        return self.view
 
-    def _mark_start(self, attempt: int) -> None:
-        self._mark(
+    def mark_start(self, attempt: int) -> None:
+        self.mark(
             peers.NODE_START,
             attempt=attempt,
             pid=os.getpid(),
@@ -108,8 +121,9 @@ class _Node(Supervisor):
             nnodes=self.role.nnodes,
         )
 
-    def _peer_ended(self, end: AttemptEnd, reason: str) -> AttemptEnd:
-        data = self._peer_end
+    def peer_ended(self, end: AttemptEnd, reason: str) -> AttemptEnd:
+        """`end` of this node's part, ended because of the peer whose end is `peer_end`."""
+        data = self.peer_end
         outcome = Outcome.HUNG if data.get("outcome") == Outcome.HUNG.value else Outcome.FAILED
         exit_code = data.get("exit_code")
         return replace(
@@ -122,83 +136,109 @@ class _Node(Supervisor):
         )
 
 
-class Leader(_Node):
-    """Node rank 0: keeps the job's books (the contract's supervisor events) and picks each rendezvous."""
+class LeaderPeers:
+    """This node is node 0: it keeps the job's books (the contract's supervisor events) and picks each
+    rendezvous; its peers are the other nodes."""
 
-    def _open_books(self) -> int:
-        first = super()._open_books()
-        self._mark_start(first)
+    leads = True
+
+    def __init__(self, config: RunConfig, role: NodeRole) -> None:
+        self.node = _Node(config, role)
+        self.node_rank = role.node_rank
+
+    def open(self, books: JobBooks) -> int:
+        self.node.attach(books)
+        first = books.open()
+        self.node.mark_start(first)
         return first
 
-    def _close_books(self) -> None:
-        self._mark(peers.NODE_END, attempt=0)
-        super()._close_books()
-
-    def _restarts_used(self) -> int:
+    def restarts_used(self) -> int:
+        node = self.node
         try:
-            used = peers.restarts_used(self.books.read())
+            used = peers.restarts_used(node.books.read())
         except Exception:
             return 0
         if used:
-            left = max(0, self.config.max_restarts - used)
-            _say(f"the ledger shows {used} restart(s) of job {self.job_id} already spent: {left} left")
+            left = max(0, node.config.max_restarts - used)
+            say(f"the ledger shows {used} restart(s) of job {node.books.job_id} already spent: {left} left")
         return used
 
-    def _rendezvous_port(self, attempt: int) -> int | None:
+    def rendezvous_port(self, attempt: int) -> int | None:
         port = free_port("0.0.0.0")
-        self._mark(peers.RENDEZVOUS, attempt=attempt, port=port)
-        self._peer_end = {}
+        self.node.mark(peers.RENDEZVOUS, attempt=attempt, port=port)
+        self.node.peer_end = {}
         return port
 
-    def _peer_check(self, attempt: int, now: float, started: float) -> str | None:
-        self._beat(attempt, now)
-        view = self._look(now)
-        return None if view is None else self._peer_trouble(view, attempt, now, started)
+    def check(self, attempt: int, now: float, started: float) -> str | None:
+        self.node.beat(attempt, now)
+        view = self.node.look(now)
+        return None if view is None else self._trouble(view, attempt, now, started)
 
-    def _peer_trouble(self, view: PeerView, attempt: int, now: float, started: float) -> str | None:
-        failed = peers.failed_peer(view, attempt, self.role.peers)
+    def _trouble(self, view: PeerView, attempt: int, now: float, started: float) -> str | None:
+        node = self.node
+        failed = peers.failed_peer(view, attempt, node.role.peers)
         if failed is not None:
-            node, data = failed
-            self._peer_end = dict(data)
-            return f"node {node}'s part ended {data.get('outcome')}: {data.get('reason')}"
-        lost = peers.lost_peers(
-            view, self.role.peers, since=started, now=now, timeout_s=self.config.peer_timeout_s
-        )
+            rank, data = failed
+            node.peer_end = dict(data)
+            return f"node {rank}'s part ended {data.get('outcome')}: {data.get('reason')}"
+        timeout_s = node.config.peer_timeout_s
+        lost = peers.lost_peers(view, node.role.peers, since=started, now=now, timeout_s=timeout_s)
         if lost:
-            self._peer_end = {}
-            return f"node {lost[0]}'s supervisor is silent for over {self.config.peer_timeout_s:g} s (lost)"
+            node.peer_end = {}
+            return f"node {lost[0]}'s supervisor is silent for over {timeout_s:g} s (lost)"
         return None
 
-    def _settle(self, attempt: int, end: AttemptEnd, peer_reason: str | None) -> AttemptEnd:
+    def settle(
+        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+    ) -> AttemptEnd:
+        node = self.node
         if peer_reason is not None:
-            return self._peer_ended(end, peer_reason)
+            return node.peer_ended(end, peer_reason)
         if end.outcome is not Outcome.COMPLETED:
             return end
         # This node's part completed: the attempt completed when every peer's part did.
         started = time.time()
         while True:
             now = time.time()
-            self._beat(attempt, now)
-            view = self._look(now, force=True)
+            node.beat(attempt, now)
+            view = node.look(now, force=True)
             if view is not None:
-                trouble = self._peer_trouble(view, attempt, now, started - self.config.peer_timeout_s)
+                trouble = self._trouble(view, attempt, now, started - node.config.peer_timeout_s)
                 if trouble is not None:
-                    _say(f"attempt {attempt}: {trouble}")
-                    return self._peer_ended(end, trouble)
-                if all((attempt, n) in view.node_ends for n in self.role.peers):
+                    say(f"attempt {attempt}: {trouble}")
+                    return node.peer_ended(end, trouble)
+                if all((attempt, n) in view.node_ends for n in node.role.peers):
                     return end
-            if self._signal is not None:
+            if signals.first is not None:
                 return end
-            self._wake.wait(self._interval)
-            self._wake.clear()
+            signals.wait(node.interval_s)
+
+    def turn(self, after: int, now: float) -> Turn:
+        return Turn(attempt=after + 1)
+
+    def close(self, status: int, *, last_attempt: int) -> None:
+        self.node.mark(peers.NODE_END, attempt=0)
 
 
-class Follower(_Node):
-    """Node rank R > 0: joins the attempts node 0 opens, reports its part, ends with the job's status."""
+class FollowerPeers:
+    """This node is node R > 0: it joins the attempts node 0 opens, reports its part, ends with the job's
+    status."""
 
-    def _open_books(self) -> int:
-        previous = self.books.join(self.role.node_rank)
-        live = peers.live_node_supervisor(previous, self.role.node_rank)
+    leads = False
+
+    def __init__(self, config: RunConfig, role: NodeRole) -> None:
+        self.node = _Node(config, role)
+        self.node_rank = role.node_rank
+        self._done = -1  # the latest attempt this node joined under an earlier supervisor
+        self._start_index = 0  # positions in the supervisors' events: a JOB_END before it is an earlier run's
+        self._waiting_since: float | None = None
+
+    def open(self, books: JobBooks) -> int:
+        node = self.node
+        node.attach(books)
+        rank = node.role.node_rank
+        previous = books.join(rank)
+        live = peers.live_node_supervisor(previous, rank)
         if live is not None and live.get("host") == socket.gethostname():
             pid, ticks = live.get("pid"), live.get("pid_start_ticks")
             if (
@@ -206,108 +246,88 @@ class Follower(_Node):
                 and pid != os.getpid()
                 and pid_alive(pid, ticks if isinstance(ticks, int) else None)
             ):
-                self.books.drop()
+                books.drop()
                 raise UsageError(
-                    f"ettr run: node {self.role.node_rank} of job {self.job_id} already has a running "
+                    f"ettr run: node {rank} of job {books.job_id} already has a running "
                     f"supervisor (pid {pid}); give each node its own --node-rank"
                 )
-        self._mark_start(0)
-        self._start_index = sum(1 for e in previous if e.rank < 0)  # positions in `_supervisor_events`
+        node.mark_start(0)
+        self._start_index = sum(1 for e in previous if e.rank < 0)
         self._rejoin_guard(peers.peer_view(previous))
-        return 0
+        return self._done + 1
 
     def _rejoin_guard(self, view: PeerView) -> None:
         """Attempts this node joined under an earlier supervisor (SIGKILLed) are not joined again: their
         rendezvous is gone. Say so at once, so that the leader need not wait for the peer timeout."""
-        node = self.role.node_rank
-        joined = [a for (a, n) in view.node_joined if n == node]
+        rank = self.node.role.node_rank
+        joined = [a for (a, n) in view.node_joined if n == rank]
         for attempt in joined:
-            if attempt not in view.ended and (attempt, node) not in view.node_ends:
-                self._mark(
+            if attempt not in view.ended and (attempt, rank) not in view.node_ends:
+                self.node.mark(
                     peers.NODE_ATTEMPT_END,
                     attempt=attempt,
                     outcome=Outcome.FAILED.value,
                     exit_code=None,
-                    reason=f"node {node}'s supervisor was lost (killed) while this attempt ran",
+                    reason=f"node {rank}'s supervisor was lost (killed) while this attempt ran",
                 )
         self._done = max(joined, default=-1)
 
-    def _rendezvous_port(self, attempt: int) -> int | None:
-        return self._view.ports.get(attempt)
+    def restarts_used(self) -> int:
+        return 0  # the leader counts the job's restarts
 
-    def _peer_check(self, attempt: int, now: float, started: float) -> str | None:
-        self._beat(attempt, now)
-        view = self._look(now)
+    def rendezvous_port(self, attempt: int) -> int | None:
+        return self.node.view.ports.get(attempt)
+
+    def check(self, attempt: int, now: float, started: float) -> str | None:
+        node = self.node
+        node.beat(attempt, now)
+        view = node.look(now)
         if view is None:
             return None
         ended = view.ended.get(attempt)
         if ended is not None:
             data = ended.data or {}
-            self._peer_end = dict(data)
+            node.peer_end = dict(data)
             return f"node 0 ended attempt {attempt} ({data.get('outcome')}: {data.get('reason')})"
         if self._leader_lost(view, now):
-            self._peer_end = {}
-            return f"node 0's supervisor is silent for over {self.config.peer_timeout_s:g} s (lost)"
+            node.peer_end = {}
+            return f"node 0's supervisor is silent for over {node.config.peer_timeout_s:g} s (lost)"
         return None
 
     def _leader_lost(self, view: PeerView, now: float) -> bool:
         beat = view.last_beat.get(0)
-        return beat is not None and now - beat > self.config.peer_timeout_s
+        return beat is not None and now - beat > self.node.config.peer_timeout_s
 
-    def _settle(self, attempt: int, end: AttemptEnd, peer_reason: str | None) -> AttemptEnd:
+    def settle(
+        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+    ) -> AttemptEnd:
         if peer_reason is None:
             return end
-        if self._peer_end.get("outcome") == Outcome.COMPLETED.value and end.outcome is Outcome.COMPLETED:
+        if self.node.peer_end.get("outcome") == Outcome.COMPLETED.value and end.outcome is Outcome.COMPLETED:
             return end
-        return self._peer_ended(end, peer_reason)
+        return self.node.peer_ended(end, peer_reason)
 
-    def run(self) -> int:
-        """Follow the job's attempts to its end; the job's exit status (as the leader wrote it)."""
-        _check_command(self.config.command)
-        self._open_books()
-        handlers = self._install_signals()
-        status = EXIT_FAILED
-        try:
-            status = self._follow()
-        finally:
-            import signal
+    def turn(self, after: int, now: float) -> Turn:
+        node = self.node
+        view = node.look(now, force=True) or node.view
+        if view.job_end_at is not None and view.job_end_at >= self._start_index:
+            return Turn(status=view.job_end_status if view.job_end_status is not None else EXIT_FAILED)
+        attempt = peers.open_attempt(view, after=after)
+        if attempt is not None:
+            say(f"node {node.role.node_rank}: joining attempt {attempt} (port {view.ports[attempt]})")
+            self._waiting_since = None
+            return Turn(attempt=attempt)
+        if self._waiting_since is None:
+            self._waiting_since = now
+            say(f"node {node.role.node_rank}: waiting for node 0 to open the next attempt")
+        waited = now - self._waiting_since
+        if waited > node.config.follower_wait_s and (
+            view.last_beat.get(0) is None or self._leader_lost(view, now)
+        ):
+            say(f"no attempt from node 0's supervisor for {waited:.0f} s; giving up")
+            return Turn(status=EXIT_FAILED)
+        node.beat(max(after, 0), now)
+        return Turn(wait_s=node.interval_s)
 
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-            self._mark(peers.NODE_END, attempt=max(self._done, 0), exit_status=status)
-            self._close_books()
-        _say(f"node {self.role.node_rank} of job {self.job_id} ended with status {status}")
-        return status
-
-    def _follow(self) -> int:
-        cfg = self.config
-        waiting_since = time.monotonic()
-        announced = False
-        while True:
-            if self._signal is not None:
-                return self._stopped_status()
-            now = time.time()
-            view = self._look(now, force=True) or self._view
-            if view.job_end_at is not None and view.job_end_at >= self._start_index:
-                return view.job_end_status if view.job_end_status is not None else EXIT_FAILED
-            attempt = peers.open_attempt(view, after=self._done)
-            if attempt is not None:
-                _say(f"node {self.role.node_rank}: joining attempt {attempt} (port {view.ports[attempt]})")
-                end = self._run_attempt(attempt)
-                self._append(EventKind.ATTEMPT_END, attempt=attempt, **end.to_data())
-                self._done = attempt
-                waiting_since = time.monotonic()
-                announced = False
-                continue
-            if not announced:
-                _say(f"node {self.role.node_rank}: waiting for node 0 to open the next attempt")
-                announced = True
-            waited = time.monotonic() - waiting_since
-            if waited > cfg.follower_wait_s and (
-                view.last_beat.get(0) is None or self._leader_lost(view, now)
-            ):
-                _say(f"no attempt from node 0's supervisor for {waited:.0f} s; giving up")
-                return EXIT_FAILED
-            self._beat(max(self._done, 0), now)
-            self._wake.wait(self._interval)
-            self._wake.clear()
+    def close(self, status: int, *, last_attempt: int) -> None:
+        self.node.mark(peers.NODE_END, attempt=max(last_attempt, 0), exit_status=status)

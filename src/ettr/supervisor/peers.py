@@ -15,15 +15,23 @@ rank -1, `data.name` below, `data.node_rank`):
 
 The accounting files rank -1 marks under their attempt and never places them, so they do not change a
 report's buckets (`ettr.accounting.attempts.gather`).
+
+`Peers` is the seam a supervisor sees its peers through (handed in, never subclassed): `NoPeers` for a job on
+one node, `ettr.supervisor.multinode`'s leader and followers for several.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+
+if TYPE_CHECKING:
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+    from ettr.supervisor.signals import SupervisorSignals
 
 NODE_START = "node_start"
 NODE_HEARTBEAT = "node_heartbeat"
@@ -220,3 +228,83 @@ def live_node_supervisor(events: Sequence[Event], node_rank: int) -> Mapping[str
         elif mark[0] == NODE_END:
             current = None
     return current
+
+
+@dataclass(frozen=True, kw_only=True)
+class Turn:
+    """What a node that does not lead does next: join `attempt`, end with the job's `status`, or wait."""
+
+    attempt: int | None = None
+    status: int | None = None
+    wait_s: float = 0.0
+
+
+class Peers(Protocol):
+    """The other supervisors of this job, as this node's supervisor sees them."""
+
+    leads: bool
+    """Whether this node decides the job's attempts and keeps its books (one node, or node 0)."""
+    node_rank: int
+    """This node's rank in the job (0 on one node)."""
+
+    def open(self, books: JobBooks) -> int:
+        """Open (or join) the job's books as this node's role requires; the first attempt this node runs."""
+        ...
+
+    def restarts_used(self) -> int:
+        """Restarts of the job spent before this supervisor started (a job-wide budget)."""
+        ...
+
+    def rendezvous_port(self, attempt: int) -> int | None:
+        """The rendezvous port of `attempt` agreed with the peers (None: pick one locally)."""
+        ...
+
+    def check(self, attempt: int, now: float, started: float) -> str | None:
+        """Why a peer ends this attempt (None: carry on); asked every poll while the attempt runs."""
+        ...
+
+    def settle(
+        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+    ) -> AttemptEnd:
+        """The attempt's end once the peers' parts are known."""
+        ...
+
+    def turn(self, after: int, now: float) -> Turn:
+        """For a node that does not lead: what to do after attempt `after` (a leading node opens
+        `after + 1` itself)."""
+        ...
+
+    def close(self, status: int, *, last_attempt: int) -> None:
+        """This node's supervisor ends with `status`, the latest attempt it ran being `last_attempt` (-1: none);
+        before its books close."""
+        ...
+
+
+class NoPeers:
+    """A job on one node: nobody else to ask."""
+
+    leads = True
+    node_rank = 0
+
+    def open(self, books: JobBooks) -> int:
+        return books.open()
+
+    def restarts_used(self) -> int:
+        return 0
+
+    def rendezvous_port(self, attempt: int) -> int | None:
+        return None
+
+    def check(self, attempt: int, now: float, started: float) -> str | None:
+        return None
+
+    def settle(
+        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+    ) -> AttemptEnd:
+        return end
+
+    def turn(self, after: int, now: float) -> Turn:
+        return Turn(attempt=after + 1)
+
+    def close(self, status: int, *, last_attempt: int) -> None:
+        pass

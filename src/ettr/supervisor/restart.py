@@ -1,13 +1,12 @@
-"""The fast path of a restart: wake the supervisor the instant its child exits, and the back-off rule.
+"""The fast path of a restart: wake the supervisor the instant its child exits, see a dead rank at once.
 
 `ExitWaker` waits on a pidfd (Linux >= 5.3, `os.pidfd_open`) on a helper thread and sets the supervisor's
 wake event when the attempt's process exits, so the loop learns of a dead attempt at once instead of on its
 next polling tick (the tick stays as the fallback where pidfds are missing). `PeerFailureWatch` sees a
 rank die under a launcher that outlives it (torchrun): once a process of the attempt's tree is gone and a
 training process recorded a FAILURE, the supervisor stops the rest at once instead of waiting for the
-launcher's own monitoring and teardown. `backoff_wait_s` skips the wait
-before the first restart of a failure that looks transient (the attempt had trained: a crash in the middle
-of training, not a script that cannot start) and doubles it for later restarts, as before.
+launcher's own monitoring and teardown. The back-off before a restart is the restart policy's
+(`ettr.supervisor.policy`).
 """
 
 from __future__ import annotations
@@ -135,18 +134,3 @@ def stopped_after_peer_failure(end: AttemptEnd) -> AttemptEnd:
 def trained(events: Iterable[Event]) -> bool:
     """Whether a training process of the attempt completed a step (its failure came after progress)."""
     return any(e.kind == EventKind.STEP and e.rank >= 0 for e in events)
-
-
-def backoff_wait_s(
-    restart: int, *, outcome: Outcome, made_progress: bool, backoff_s: float, max_backoff_s: float
-) -> float:
-    """Seconds to wait before restart number `restart` + 1 (0-based `restart`).
-
-    No wait before the first restart of a failure that looks transient (a failed or hung attempt that had
-    trained); otherwise `backoff_s` doubling per restart, at most `max_backoff_s` (a job that fails again
-    and again, or cannot start at all, is not restarted in a tight loop).
-    """
-    transient = made_progress and outcome in (Outcome.FAILED, Outcome.HUNG)
-    if restart == 0 and transient:
-        return 0.0
-    return min(max_backoff_s, backoff_s * 2**restart)

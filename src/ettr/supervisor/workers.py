@@ -16,7 +16,10 @@ status: 0 when every worker exited 0, else the failed worker's.
 `StandbyGroup` is one `Standby` per local rank, started with rank r's environment less the per-attempt
 names; at the next attempt each rank whose standby fits takes its complete environment (`Standby.take`: at
 once when warm, promoted to normal priority when still warming), the others start cold at once. The
-group's `relaunch` says which path each rank took and why.
+group's `relaunch` says which path each rank took and why. `WorkerGroupKind` is the supervisor's way to
+start them (an `ettr.supervisor.attempt.AttemptKind`): each attempt a `WorkerGroup` of the torchrun command's
+workers (`ettr.supervisor.agent.WorkerSpec`), in the `StandbyGroup` it prepared while the attempt before
+trained.
 """
 
 from __future__ import annotations
@@ -25,10 +28,17 @@ import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ettr.run_env import exited_path, failed_exit_path
+from ettr.supervisor import agent, standby
+from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.standby import Relaunch, Standby, WarmUpNotice, no_standby_reason
+from ettr.supervisor.watch import Exited, Exiting
+
+if TYPE_CHECKING:
+    from ettr.supervisor.attempt import AttemptEvent, AttemptPlan
 
 WARM_MODULES = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
 """Imported ahead by a worker's standby beside torch when the attempt's first-step markers name nothing
@@ -133,6 +143,17 @@ class WorkerGroup:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    def start_data(self) -> dict[str, Any]:
+        return {"agent": "ettr", "worker_pids": self.pids}
+
+    def events(self) -> list[AttemptEvent]:
+        """`Exited` (at the failed worker's exit) once every worker is gone, else `Exiting` while only their
+        interpreters' teardown is left (drives the teardown after a failure: see `poll`)."""
+        returncode = self.poll()
+        if returncode is not None:
+            return [Exited(returncode, at=self.failed_at)]
+        return [Exiting()] if self.exiting() else []
 
     def poll(self) -> int | None:
         """The group's exit status once every worker has exited, else None; drives the teardown after a
@@ -278,3 +299,68 @@ class StandbyGroup:
             if s is not None:
                 s.discard()
         self.standbys = []
+
+
+class WorkerGroupKind:
+    """The attempts of a single-node static torchrun command, with ettr as its agent (an `AttemptKind`).
+
+    Args:
+        spec: the workers (`ettr.supervisor.agent.parse`).
+        run_dir: where the workers write their error files and exit markers.
+        max_restarts: the job's restarts (TORCHELASTIC_MAX_RESTARTS).
+        teardown_grace_s: after SIGTERM to the other workers of a failed one, how long before SIGKILL.
+    """
+
+    def __init__(
+        self, spec: agent.WorkerSpec, *, run_dir: Path, max_restarts: int, teardown_grace_s: float
+    ) -> None:
+        self.spec = spec
+        self._run_dir = run_dir
+        self._max_restarts = max_restarts
+        self._teardown_grace_s = teardown_grace_s
+        self._standbys: StandbyGroup | None = None
+        self._workers: tuple[list[list[str]], list[dict[str, str]]] = ([], [])  # the last attempt's, per rank
+
+    def start(self, plan: AttemptPlan) -> WorkerGroup:
+        """The attempt's workers, in the warm standbys where they fit. Raises OSError."""
+        port = plan.port or free_port()
+        argvs, envs = [], []
+        for rank in range(self.spec.nproc):
+            error_file = agent.error_file(self._run_dir, plan.attempt, rank)
+            error_file.parent.mkdir(parents=True, exist_ok=True)
+            argvs.append(list(self.spec.argv))
+            envs.append(
+                agent.worker_env(
+                    self.spec,
+                    plan.launch.env,
+                    local_rank=rank,
+                    port=port,
+                    restart_count=plan.restarts_done,
+                    max_restarts=self._max_restarts,
+                    error_file=error_file,
+                )
+            )
+        self._workers = (argvs, envs)
+        ready, self._standbys = self._standbys, None
+        return WorkerGroup.start(
+            argvs,
+            envs,
+            standbys=ready,
+            teardown_grace_s=self._teardown_grace_s,
+            run_dir=self._run_dir,
+            attempt=plan.attempt,
+        )
+
+    def prepare_next(self, *, warm_modules: Sequence[str] = ()) -> list[int]:
+        argvs, envs = self._workers
+        if not argvs or self._standbys is not None or not standby.enabled():
+            return []
+        self._standbys = StandbyGroup.start(
+            argvs, envs, per_attempt=agent.PER_ATTEMPT_NAMES, warm_modules=warm_modules
+        )
+        return [] if self._standbys is None else self._standbys.pids
+
+    def discard(self) -> None:
+        ready, self._standbys = self._standbys, None
+        if ready is not None:
+            ready.discard()

@@ -1,0 +1,249 @@
+"""One attempt from its launch to its classified end: the driver around `AttemptWatch`.
+
+    launch (RunEnv, the agreed port) -> kind.start -> ATTEMPT_START
+    every poll (or at once when a process exits or a signal arrives):
+        the attempt's events, the supervisor's signals, the hang watchdog, the peers
+            -> AttemptWatch.step -> say / signal the attempt
+        the next attempt's warm standby once this one trains; the process tree noted every second
+    FAILURE_DETECTED mark; leftovers killed, the attempt's marker swept; classify; the peers settle it
+
+The driver does the I/O, the watch decides (`ettr.supervisor.watch`). Every collaborator is handed in (books,
+kind, peers, signals, the clock), so the loop runs in a unit test with a fake attempt and a fake clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ettr.constants import FAILURE_DETECTED_MARK, RELAUNCH_MARK
+from ettr.events import EventKind, Outcome
+from ettr.heartbeat import latest_heartbeat
+from ettr.run_env import has_trained, trained_modules
+from ettr.supervisor import standby
+from ettr.supervisor.attempt import Attempt, AttemptKind, AttemptPlan
+from ettr.supervisor.books import JobBooks
+from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
+from ettr.supervisor.config import RunConfig
+from ettr.supervisor.containment import AttemptSweep
+from ettr.supervisor.launch import attempt_launch
+from ettr.supervisor.messages import say
+from ettr.supervisor.peers import Peers
+from ettr.supervisor.policy import EndedAttempt
+from ettr.supervisor.restart import ExitWaker, stopped_after_peer_failure, trained
+from ettr.supervisor.signals import SupervisorSignals
+from ettr.supervisor.standby import Relaunch
+from ettr.supervisor.watch import (
+    AttemptWatch,
+    Exited,
+    Exiting,
+    Hung,
+    PeerLost,
+    RankFailed,
+    Say,
+    SendSignal,
+    Signalled,
+    Tick,
+    WatchConfig,
+    WatchEvent,
+    WatchState,
+)
+from ettr.supervisor.watchdog import HangWatchdog
+
+_SNAPSHOT_EVERY_S = 1.0
+"""How often the attempt's process tree is noted (and adopted orphans that exited are reaped)."""
+
+
+class Sweep(Protocol):
+    """The end-of-attempt sweep (`ettr.supervisor.containment.AttemptSweep`)."""
+
+    def spare(self, pids: Iterable[int]) -> None: ...
+
+    def reap_adopted(self, exclude: int | None = None) -> None: ...
+
+    def run(self, exclude: int | None = None) -> list[int]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptParts:
+    """Everything one attempt's driver works with (the supervisor makes one per job)."""
+
+    config: RunConfig
+    books: JobBooks
+    kind: AttemptKind
+    peers: Peers
+    signals: SupervisorSignals
+    family: str
+    clock: Callable[[], float] = time.time
+    sweep: Callable[[int], Sweep] | None = None
+    """Makes the attempt's end-of-attempt sweep (default: `AttemptSweep` of the run directory)."""
+
+
+class AttemptRunner:
+    """Runs attempts of one job, each to its classified end (see the module docstring)."""
+
+    def __init__(self, parts: AttemptParts) -> None:
+        self.parts = parts
+        cfg = parts.config
+        self._launched = False  # an attempt was started (the first one starts cold: nothing ran before it)
+        self.watch = AttemptWatch(WatchConfig(grace_s=cfg.grace_s, hang_kill_grace_s=cfg.hang_kill_grace_s))
+
+    def run(self, attempt: int, *, restarts_done: int = 0, restarts_left: int = 0) -> EndedAttempt:
+        """Run attempt `attempt` (`restarts_done` before it; a warm standby is prepared only while
+        `restarts_left`); how it ended."""
+        p = self.parts
+        cfg, books = p.config, p.books
+        started = p.clock()
+        port = p.peers.rendezvous_port(attempt)
+        launch = attempt_launch(
+            cfg.command,
+            run_dir=books.run_dir,
+            job_id=books.job_id,
+            attempt=attempt,
+            started_at=started,
+            inject=cfg.inject,
+            auto=cfg.auto,
+            ledger_url=cfg.ledger_url,
+            family=p.family,
+            port=port,
+        )
+        plan = AttemptPlan(
+            attempt=attempt,
+            launch=launch,
+            port=port,
+            restarts_done=restarts_done,
+            failure_recorded=lambda: books.failure_recorded(attempt),
+        )
+        oom_before = oom_kill_count()
+        sweep = p.sweep(attempt) if p.sweep is not None else AttemptSweep(books.run_dir, attempt)
+        try:
+            running = p.kind.start(plan)
+        except OSError as exc:
+            books.append(EventKind.ATTEMPT_START, attempt=attempt, ts=started, command=list(launch.argv))
+            end = AttemptEnd(outcome=Outcome.FAILED, exit_code=127, reason=f"cannot start: {exc}")
+            return EndedAttempt(attempt=attempt, end=end, made_progress=False)
+        sweep.spare(running.pids)  # the attempt reaps its own processes; the sweep must not
+        books.append(
+            EventKind.ATTEMPT_START,
+            attempt=attempt,
+            ts=started,
+            pid=running.pid,
+            command=list(launch.argv),
+            **running.start_data(),
+        )
+        relaunch = running.relaunch
+        if not self._launched:
+            relaunch = Relaunch(path="cold", why="the first attempt this supervisor started")
+        self._launched = True
+        books.append(EventKind.MARK, attempt=attempt, ts=started, name=RELAUNCH_MARK, **relaunch.to_data())
+        state = self._watch(running, attempt, started=started, sweep=sweep, restarts_left=restarts_left)
+        assert state.returncode is not None
+        books.append(
+            EventKind.MARK,
+            attempt=attempt,
+            ts=state.detected_at,
+            name=FAILURE_DETECTED_MARK,
+            returncode=state.returncode,
+        )
+        running.kill_leftovers()
+        swept = sweep.run(exclude=running.pid)
+        if swept:
+            pids = ", ".join(map(str, swept))
+            say(f"attempt {attempt}: killed {len(swept)} process(es) that outlived it (pids {pids})")
+        running.finish()
+        oom_after = oom_kill_count()
+        events = books.attempt_events(attempt)
+        end = classify(
+            returncode=state.returncode,
+            stderr_tail=running.stderr_tail(),
+            events=events,
+            preempted_by=state.forwarded,
+            hung_after_s=state.hung_after_s,
+            oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
+        )
+        if state.rank_failed:
+            end = stopped_after_peer_failure(end)
+        end = p.peers.settle(attempt, end, state.peer_reason, p.signals)
+        return EndedAttempt(attempt=attempt, end=end, made_progress=trained(events))
+
+    def _watch(
+        self, running: Attempt, attempt: int, *, started: float, sweep: Sweep, restarts_left: int
+    ) -> WatchState:
+        """Watch `running` until it exits; the watch's last state."""
+        p = self.parts
+        cfg = p.config
+        dog = HangWatchdog(
+            timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
+            probes=[
+                lambda: p.books.last_activity(attempt),
+                lambda: latest_heartbeat(p.books.run_dir, attempt),
+            ],
+            started_at=started,
+            armed_at_start=cfg.hang_timeout_s is not None,
+        )
+        state = self.watch.start(attempt)
+        standby_tried = restarts_left <= 0
+        snapshot_at = float("-inf")
+        waker = ExitWaker(running.pids, p.signals.wake)  # the loop wakes the instant a process exits
+        try:
+            while True:
+                now = p.clock()
+                state = self._look(state, running, dog, now=now, started=started)
+                if state.done:
+                    return state
+                if not standby_tried and standby.due(
+                    now - started, lambda: has_trained(p.books.run_dir, attempt)
+                ):
+                    standby_tried = True
+                    learned = trained_modules(p.books.run_dir, attempt)  # imported before training
+                    sweep.spare(p.kind.prepare_next(warm_modules=learned))
+                if now - snapshot_at >= _SNAPSHOT_EVERY_S:
+                    running.remember_tree()
+                    sweep.reap_adopted(exclude=running.pid)
+                    snapshot_at = now
+                p.signals.wait(cfg.poll_interval_s)
+        finally:
+            waker.close()
+
+    def _look(
+        self, state: WatchState, running: Attempt, dog: HangWatchdog, *, now: float, started: float
+    ) -> WatchState:
+        """One look at everything the watch listens to, in a fixed order: the attempt's exit, a signal, the
+        attempt's teardown, a hang, the peers, a failed rank, the deadlines."""
+        p = self.parts
+        happened = running.events()
+        exited = [e for e in happened if isinstance(e, Exited)]
+        if exited:
+            return self._step(state, exited[0], now, running)
+        signals = p.signals
+        if signals.first is not None and signals.count > state.signals_seen:
+            first = signals.first
+            state = self._step(
+                state, Signalled(first, signals.count, signals.from_terminal(first)), now, running
+            )
+        if any(isinstance(e, Exiting) for e in happened):
+            state = self._step(state, Exiting(), now, running)
+        if state.watching_hangs:
+            silence_s = dog.check(now)
+            if silence_s is not None:
+                state = self._step(state, Hung(silence_s), now, running)
+        if state.watching_peers:
+            reason = p.peers.check(state.attempt, now, started)
+            if reason is not None:
+                state = self._step(state, PeerLost(reason), now, running)
+        if any(isinstance(e, RankFailed) for e in happened):
+            state = self._step(state, RankFailed(), now, running)
+        return self._step(state, Tick(), now, running)
+
+    def _step(self, state: WatchState, event: WatchEvent, now: float, running: Attempt) -> WatchState:
+        """Step the watch; do what it says."""
+        state, actions = self.watch.step(state, event, now)
+        for action in actions:
+            match action:
+                case Say():
+                    say(action.text)
+                case SendSignal():
+                    running.signal_tree(action.signum, include_command=action.include_launcher)
+        return state

@@ -1,0 +1,271 @@
+"""The watch over one running attempt, as a pure state machine: `step(state, event, now) -> (state, actions)`.
+
+Events come from the attempt (`Exited`, `Exiting`, `RankFailed`: `ettr.supervisor.attempt.Attempt.events`),
+from the supervisor's signal handlers (`Signalled`), from the hang watchdog (`Hung`), from the other nodes of a
+multi-node job (`PeerLost`), and from the clock (`Tick`, every poll). Actions are what the driver does for the
+watch (`Say` a line, `SendSignal` to the attempt). No I/O and no clock: `now` is a parameter, so the rules are
+tested with a fake attempt and a fake clock (tests/test_attempt_watch.py).
+
+The rules:
+- a signal to the supervisor (the first) is forwarded to the job (Slurm's SIGUSR1 as SIGTERM), unless it is a
+  terminal's Ctrl-C, which the job got already; SIGKILL follows `grace_s` later; a second signal kills at once;
+- no progress for the hang timeout (`Hung`, not while the attempt only tears its processes down): SIGTERM,
+  SIGKILL `hang_kill_grace_s` later;
+- a peer node's part ended or its supervisor was lost (`PeerLost`): this node's part is ended the same way;
+- a rank died with a FAILURE on record while its launcher still runs (`RankFailed`): after `flush_window_s`
+  (the other ranks' recorders write their last events) the rest of the tree gets SIGTERM, the launcher
+  itself is left to report the failure; SIGKILL `grace_s` later;
+- whichever comes first decides: after a forwarded signal or a hang nothing else is acted on (but a second
+  signal), and the attempt's end is classified from what the watch saw (`WatchState`).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import dataclass, replace
+
+from ettr.supervisor.slurm import forwarded_signal
+
+
+# -- events ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Signalled:
+    """The supervisor has received `count` signals so far, the first being `signum`."""
+
+    signum: int
+    count: int
+    from_terminal: bool = False
+    """A Ctrl-C the terminal delivered to the whole foreground process group, the job included."""
+
+
+@dataclass(frozen=True)
+class Hung:
+    """The hang watchdog saw no progress and no heartbeat for `silence_s`."""
+
+    silence_s: float
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """Another node ends this attempt (its part failed, or its supervisor is lost): `reason`, for people."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    """A process of the attempt died with a FAILURE on record while its launcher runs on."""
+
+
+@dataclass(frozen=True)
+class Exiting:
+    """Every process of the attempt still running has done its Python-level exit (only interpreter
+    teardown is left: no heartbeat beats, and that is not a hang)."""
+
+
+@dataclass(frozen=True)
+class Exited:
+    """The attempt is over: `returncode` (negative: killed by that signal); `at`, when the attempt itself
+    knew its failure (ettr's agent: the failed worker's exit), if earlier than the supervisor's look."""
+
+    returncode: int
+    at: float | None = None
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed (every poll): deadlines fall due."""
+
+
+WatchEvent = Signalled | Hung | PeerLost | RankFailed | Exiting | Exited | Tick
+
+
+# -- actions --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Say:
+    """Tell the person watching (one `ettr:` line)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class SendSignal:
+    """Send `signum` to the attempt's processes (all of them; without the launcher: its workers only)."""
+
+    signum: int
+    include_launcher: bool = True
+
+
+WatchAction = Say | SendSignal
+
+
+# -- the machine ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class WatchConfig:
+    """The watch's deadlines."""
+
+    grace_s: float = 10.0
+    """After a forwarded signal, or SIGTERM to the rest of a failed rank's job: how long before SIGKILL."""
+    hang_kill_grace_s: float = 3.0
+    """After SIGTERM to a hung attempt (or to this node's part when a peer ends it): how long before SIGKILL."""
+    flush_window_s: float = 0.6
+    """After a rank failed, how long the others may still run: a Recorder writes its events within 0.5 s."""
+
+    def __post_init__(self) -> None:
+        for name in ("grace_s", "hang_kill_grace_s", "flush_window_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+_NEVER = math.inf
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchState:
+    """What the watch knows of one attempt."""
+
+    attempt: int
+    forwarded: int | None = None
+    """The signal the supervisor received and passed on (the attempt is being preempted or interrupted)."""
+    hung_after_s: float | None = None
+    """The silence after which the attempt was declared hung."""
+    peer_reason: str | None = None
+    """Why another node ended this attempt."""
+    rank_failed: bool = False
+    """A rank failed while its launcher ran, and the supervisor stopped the rest."""
+    exiting: bool = False
+    detected_at: float | None = None
+    """When the supervisor knew the attempt was over (a hang: at once; a failed rank: at its death)."""
+    signals_seen: int = 0
+    stop_others_at: float = _NEVER
+    kill_at: float = _NEVER
+    killed: bool = False
+    returncode: int | None = None
+    """Set once the attempt exited: the watch is done."""
+
+    @property
+    def done(self) -> bool:
+        return self.returncode is not None
+
+    @property
+    def stopping(self) -> bool:
+        """Ending on the supervisor's own terms (a forwarded signal, a hang): nothing else is acted on."""
+        return self.forwarded is not None or self.hung_after_s is not None
+
+    @property
+    def watching_hangs(self) -> bool:
+        """Whether a `Hung` would be acted on (the driver need not read the watchdog otherwise)."""
+        return not self.done and not self.stopping and not self.exiting
+
+    @property
+    def watching_peers(self) -> bool:
+        """Whether a `PeerLost` would be acted on (the driver need not ask the peers otherwise)."""
+        return not self.done and not self.stopping and self.peer_reason is None
+
+    @property
+    def watching_ranks(self) -> bool:
+        """Whether a `RankFailed` would be acted on."""
+        return not self.done and not self.stopping and self.detected_at is None
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class AttemptWatch:
+    """The rules above, as `step(state, event, now) -> (state, actions)`; keeps no state of its own."""
+
+    def __init__(self, config: WatchConfig | None = None) -> None:
+        self.config = config or WatchConfig()
+
+    def start(self, attempt: int) -> WatchState:
+        return WatchState(attempt=attempt)
+
+    def step(self, state: WatchState, event: WatchEvent, now: float) -> tuple[WatchState, list[WatchAction]]:
+        """The state after `event` at `now`, and what to do about it."""
+        if state.done:
+            return state, []
+        match event:
+            case Exited():
+                detected = state.detected_at if state.detected_at is not None else event.at
+                return replace(state, returncode=event.returncode, detected_at=detected), []
+            case Signalled():
+                return self._signalled(state, event, now)
+            case Hung():
+                return self._hung(state, event, now)
+            case PeerLost():
+                return self._peer_lost(state, event, now)
+            case RankFailed():
+                if not state.watching_ranks:
+                    return state, []
+                stop_at = now + self.config.flush_window_s
+                return replace(state, rank_failed=True, detected_at=now, stop_others_at=stop_at), []
+            case Exiting():
+                return replace(state, exiting=True), []
+            case Tick():
+                return self._tick(state, now)
+        raise TypeError(f"not a watch event: {event!r}")
+
+    def _signalled(
+        self, state: WatchState, event: Signalled, now: float
+    ) -> tuple[WatchState, list[WatchAction]]:
+        actions: list[WatchAction] = []
+        if event.count <= state.signals_seen:
+            return state, actions
+        state = replace(state, signals_seen=event.count)
+        if not state.stopping:
+            grace = self.config.grace_s
+            name = _signal_name(event.signum)
+            if event.from_terminal:
+                # Ctrl-C: the terminal signalled our whole process group, the job included; a second SIGINT
+                # would interrupt the job's own KeyboardInterrupt handling.
+                actions.append(
+                    Say(f"got {name} from the terminal: the job got it too; SIGKILL in {grace:g} s")
+                )
+            else:
+                sent = forwarded_signal(event.signum)
+                as_ = "" if sent == event.signum else f" as {_signal_name(sent)}"
+                actions.append(Say(f"got {name}: forwarding it to the job{as_}, SIGKILL in {grace:g} s"))
+                actions.append(SendSignal(sent))
+            state = replace(state, forwarded=event.signum, kill_at=now + grace)
+        if event.count >= 2:
+            state = replace(state, kill_at=min(state.kill_at, now))  # asked twice: no more grace
+        return state, actions
+
+    def _hung(self, state: WatchState, event: Hung, now: float) -> tuple[WatchState, list[WatchAction]]:
+        if not state.watching_hangs:
+            return state, []
+        text = f"attempt {state.attempt}: no progress for {event.silence_s:.1f} s: hung, killing it"
+        state = replace(
+            state, hung_after_s=event.silence_s, detected_at=now, kill_at=now + self.config.hang_kill_grace_s
+        )
+        return state, [Say(text), SendSignal(signal.SIGTERM)]
+
+    def _peer_lost(
+        self, state: WatchState, event: PeerLost, now: float
+    ) -> tuple[WatchState, list[WatchAction]]:
+        if not state.watching_peers:
+            return state, []
+        state = replace(state, peer_reason=event.reason, kill_at=now + self.config.hang_kill_grace_s)
+        text = f"attempt {state.attempt}: {event.reason}: ending this node's part"
+        return state, [Say(text), SendSignal(signal.SIGTERM)]
+
+    def _tick(self, state: WatchState, now: float) -> tuple[WatchState, list[WatchAction]]:
+        actions: list[WatchAction] = []
+        if state.rank_failed and not state.stopping and now >= state.stop_others_at:
+            grace = self.config.grace_s
+            actions.append(
+                Say(f"attempt {state.attempt}: a rank failed; stopping the others (SIGKILL in {grace:g} s)")
+            )
+            # The launcher itself is left to see its workers end and report the failure as usual.
+            actions.append(SendSignal(signal.SIGTERM, include_launcher=False))
+            state = replace(state, kill_at=now + grace, stop_others_at=_NEVER)
+        if now >= state.kill_at and not state.killed:
+            actions.append(SendSignal(signal.SIGKILL))
+            state = replace(state, killed=True)
+        return state, actions

@@ -1,0 +1,418 @@
+"""The supervisor's loop in pieces, without processes: the pure `AttemptWatch` and `RestartPolicy`, and the
+`AttemptRunner` driving a fake `Attempt` with a fake clock (no sleeping, no timing)."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ettr.constants import FAILURE_DETECTED_MARK, RELAUNCH_MARK
+from ettr.events import Event, EventKind, Outcome
+from ettr.ledger import MemoryLedger
+from ettr.supervisor.attempt import AttemptEvent, AttemptPlan
+from ettr.supervisor.books import JobBooks
+from ettr.supervisor.classify import AttemptEnd
+from ettr.supervisor.config import RunConfig
+from ettr.supervisor.peers import NoPeers
+from ettr.supervisor.policy import EndedAttempt, RestartPolicy
+from ettr.supervisor.runner import AttemptParts, AttemptRunner
+from ettr.supervisor.signals import SupervisorSignals
+from ettr.supervisor.standby import Relaunch
+from ettr.supervisor.watch import (
+    AttemptWatch,
+    Exited,
+    Exiting,
+    Hung,
+    PeerLost,
+    RankFailed,
+    Say,
+    SendSignal,
+    Signalled,
+    Tick,
+    WatchConfig,
+)
+
+TERM, KILL = int(signal.SIGTERM), int(signal.SIGKILL)
+WATCH = AttemptWatch(WatchConfig(grace_s=10.0, hang_kill_grace_s=3.0, flush_window_s=0.6))
+
+
+def sent(actions: Iterable[object]) -> list[tuple[int, bool]]:
+    return [(a.signum, a.include_launcher) for a in actions if isinstance(a, SendSignal)]
+
+
+def said(actions: Iterable[object]) -> list[str]:
+    return [a.text for a in actions if isinstance(a, Say)]
+
+
+# -- AttemptWatch --------------------------------------------------------------------------------------------
+def test_a_signal_is_forwarded_then_sigkill_after_the_grace() -> None:
+    state = WATCH.start(4)
+    state, actions = WATCH.step(state, Signalled(TERM, 1), 100.0)
+    assert sent(actions) == [(TERM, True)] and "forwarding it to the job" in said(actions)[0]
+    assert state.forwarded == TERM and state.stopping and not state.watching_hangs
+    state, actions = WATCH.step(state, Tick(), 109.9)
+    assert actions == []
+    state, actions = WATCH.step(state, Tick(), 110.0)
+    assert sent(actions) == [(KILL, True)]
+    state, actions = WATCH.step(state, Tick(), 120.0)
+    assert actions == []  # killed once
+    state, _ = WATCH.step(state, Exited(-KILL), 121.0)
+    assert state.done and state.returncode == -KILL and state.forwarded == TERM
+
+
+def test_slurms_warning_goes_to_the_job_as_sigterm_and_a_terminals_ctrl_c_is_not_sent_again() -> None:
+    _, actions = WATCH.step(WATCH.start(0), Signalled(int(signal.SIGUSR1), 1), 1.0)
+    assert sent(actions) == [(TERM, True)] and "as SIGTERM" in said(actions)[0]
+    state, actions = WATCH.step(WATCH.start(0), Signalled(int(signal.SIGINT), 1, from_terminal=True), 1.0)
+    assert sent(actions) == [] and "from the terminal" in said(actions)[0]
+    assert state.forwarded == signal.SIGINT and state.kill_at == 11.0
+
+
+def test_a_second_signal_kills_at_once_and_the_same_count_is_not_news() -> None:
+    state, _ = WATCH.step(WATCH.start(0), Signalled(TERM, 1), 1.0)
+    state, actions = WATCH.step(state, Signalled(TERM, 1), 2.0)
+    assert actions == [] and state.kill_at == 11.0
+    state, actions = WATCH.step(state, Signalled(TERM, 2), 3.0)
+    assert actions == [] and state.kill_at == 3.0
+    _, actions = WATCH.step(state, Tick(), 3.0)
+    assert sent(actions) == [(KILL, True)]
+
+
+def test_a_hang_is_sigterm_then_sigkill_and_stops_everything_else() -> None:
+    state, actions = WATCH.step(WATCH.start(2), Hung(6.5), 50.0)
+    assert sent(actions) == [(TERM, True)] and said(actions) == [
+        "attempt 2: no progress for 6.5 s: hung, killing it"
+    ]
+    assert state.hung_after_s == 6.5 and state.detected_at == 50.0
+    assert not (state.watching_hangs or state.watching_peers or state.watching_ranks)
+    for late in (Hung(9.0), PeerLost("node 1 lost"), RankFailed()):
+        assert WATCH.step(state, late, 51.0) == (state, [])
+    state, actions = WATCH.step(state, Signalled(TERM, 1), 51.0)
+    assert actions == [] and state.forwarded is None  # a hung attempt is not preempted
+    _, actions = WATCH.step(state, Tick(), 53.0)
+    assert sent(actions) == [(KILL, True)]
+
+
+def test_no_hang_while_the_attempt_only_tears_down() -> None:
+    state, _ = WATCH.step(WATCH.start(0), Exiting(), 1.0)
+    assert not state.watching_hangs
+    assert WATCH.step(state, Hung(400.0), 2.0) == (state, [])
+
+
+def test_a_peer_ends_this_nodes_part_once() -> None:
+    state, actions = WATCH.step(WATCH.start(1), PeerLost("node 1's part ended failed: x"), 5.0)
+    assert sent(actions) == [(TERM, True)] and "ending this node's part" in said(actions)[0]
+    assert state.peer_reason is not None and state.kill_at == 8.0 and state.detected_at is None
+    assert WATCH.step(state, PeerLost("again"), 6.0) == (state, [])
+
+
+def test_a_failed_rank_stops_the_rest_after_the_flush_window_leaving_the_launcher() -> None:
+    state, actions = WATCH.step(WATCH.start(0), RankFailed(), 10.0)
+    assert actions == [] and state.rank_failed and state.detected_at == 10.0
+    state, actions = WATCH.step(state, Tick(), 10.5)
+    assert actions == []  # the others' recorders still write their last events
+    state, actions = WATCH.step(state, Tick(), 10.6)
+    assert sent(actions) == [(TERM, False)] and "a rank failed" in said(actions)[0]
+    state, actions = WATCH.step(state, Tick(), 20.5)
+    assert actions == []
+    state, actions = WATCH.step(state, Tick(), 20.6)
+    assert sent(actions) == [(KILL, True)]
+    state, _ = WATCH.step(state, Exited(1, at=99.0), 21.0)
+    assert state.detected_at == 10.0  # the failed rank's death, not the launcher's exit
+
+
+def test_a_preemption_during_the_flush_window_is_a_preemption() -> None:
+    state, _ = WATCH.step(WATCH.start(0), RankFailed(), 10.0)
+    state, actions = WATCH.step(state, Signalled(TERM, 1), 10.1)
+    assert sent(actions) == [(TERM, True)]
+    _, actions = WATCH.step(state, Tick(), 11.0)
+    assert actions == []  # no second SIGTERM to the rest: the forwarded one is theirs
+
+
+def test_the_exit_is_detected_when_the_attempt_saw_it() -> None:
+    state, _ = WATCH.step(WATCH.start(0), Exited(3, at=7.0), 9.0)
+    assert state.done and state.detected_at == 7.0
+    assert WATCH.step(state, Signalled(TERM, 1), 10.0) == (state, [])
+
+
+def test_watch_config_refuses_bad_graces() -> None:
+    with pytest.raises(ValueError, match="grace_s"):
+        WatchConfig(grace_s=-1)
+
+
+# -- RestartPolicy -------------------------------------------------------------------------------------------
+def ended(outcome: Outcome, *, progress: bool = True, attempt: int = 0) -> EndedAttempt:
+    return EndedAttempt(attempt=attempt, end=AttemptEnd(outcome=outcome, exit_code=1), made_progress=progress)
+
+
+def test_the_restart_policy() -> None:
+    policy = RestartPolicy(max_restarts=2, backoff_s=0.5, max_backoff_s=30.0)
+    done = policy.decide(ended(Outcome.COMPLETED), restarts_used=0, signalled=signal.SIGTERM)
+    assert (done.restart, done.exit_status) == (False, 0)
+    first = policy.decide(ended(Outcome.FAILED), restarts_used=0)
+    assert (first.restart, first.wait_s, first.why) == (True, 0.0, "restarting in 0 s (1 of 2)")
+    cannot_start = policy.decide(ended(Outcome.FAILED, progress=False), restarts_used=0)
+    assert cannot_start.wait_s == 0.5
+    second = policy.decide(ended(Outcome.HUNG), restarts_used=1)
+    assert (second.restart, second.wait_s) == (True, 1.0)
+    out = policy.decide(ended(Outcome.FAILED), restarts_used=2)
+    assert (out.restart, out.exit_status, out.why) == (False, 1, "no restarts left")
+    preempted = policy.decide(ended(Outcome.PREEMPTED), restarts_used=0, signalled=signal.SIGTERM)
+    assert (preempted.restart, preempted.exit_status) == (False, 143)
+    interrupted = policy.decide(ended(Outcome.INTERRUPTED), restarts_used=0, signalled=signal.SIGINT)
+    assert interrupted.exit_status == 130
+    assert policy.may_start(2) and not policy.may_start(3)
+    with pytest.raises(ValueError, match="max_restarts"):
+        RestartPolicy(max_restarts=-1)
+
+
+# -- AttemptRunner with a fake attempt and a fake clock --------------------------------------------------------
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeSignals(SupervisorSignals):
+    """Waiting advances the fake clock; `at` delivers a signal when the clock passes a time."""
+
+    def __init__(self, clock: FakeClock, at: dict[float, int] | None = None) -> None:
+        super().__init__()
+        self.clock = clock
+        self.at = dict(at or {})
+
+    def wait(self, timeout_s: float) -> None:
+        self.clock.now += timeout_s
+        for when in sorted(self.at):
+            if self.clock.now >= when:
+                self._on_signal(self.at.pop(when), None)
+
+
+class FakeAttempt:
+    """Exits with `code` at `exits_at`; after SIGTERM to all of it, exits as `on_term` says ((delay, code);
+    None: ignores it); after SIGTERM to all but the launcher, as `on_rest_term` says; at once on SIGKILL."""
+
+    def __init__(
+        self,
+        clock: FakeClock,
+        *,
+        exits_at: float | None = None,
+        code: int = 0,
+        on_term: tuple[float, int] | None = (0.0, -TERM),
+        on_rest_term: tuple[float, int] | None = None,
+        rank_failed_at: float | None = None,
+    ) -> None:
+        self.clock, self.exits_at, self.code = clock, exits_at, code
+        self.on_term, self.on_rest_term, self.rank_failed_at = on_term, on_rest_term, rank_failed_at
+        self.pid = 4242
+        self.relaunch = Relaunch(path="cold", why="a fake starts cold")
+        self.signals: list[tuple[float, int, bool]] = []
+        self.returncode: int | None = None
+
+    @property
+    def pids(self) -> Sequence[int]:
+        return []
+
+    def start_data(self) -> dict[str, Any]:
+        return {"kind": "fake"}
+
+    def events(self) -> list[AttemptEvent]:
+        if self.returncode is None and self.exits_at is not None and self.clock.now >= self.exits_at:
+            self.returncode = self.code
+        if self.returncode is not None:
+            return [Exited(self.returncode)]
+        if self.rank_failed_at is not None and self.clock.now >= self.rank_failed_at:
+            self.rank_failed_at = None
+            return [RankFailed()]
+        return []
+
+    def signal_tree(self, sig: int, *, include_command: bool = True) -> None:
+        self.signals.append((self.clock.now, sig, include_command))
+        reaction = self.on_term if include_command else self.on_rest_term
+        if sig == KILL:
+            self.returncode = -KILL
+        elif sig == TERM and reaction is not None:
+            delay, code = reaction
+            self.exits_at, self.code = self.clock.now + delay, code
+
+    def remember_tree(self) -> None:
+        pass
+
+    def kill_leftovers(self) -> None:
+        pass
+
+    def finish(self, timeout_s: float = 2.0) -> None:
+        pass
+
+    def stderr_tail(self, num_lines: int = 20) -> list[str]:
+        return ["the end"]
+
+
+class FakeKind:
+    def __init__(self, attempt: FakeAttempt) -> None:
+        self.attempt, self.plans, self.prepared = attempt, [], 0
+
+    def start(self, plan: AttemptPlan) -> FakeAttempt:
+        self.plans.append(plan)
+        return self.attempt
+
+    def prepare_next(self, *, warm_modules: Sequence[str] = ()) -> list[int]:
+        self.prepared += 1
+        return []
+
+    def discard(self) -> None:
+        pass
+
+
+class NoSweep:
+    def spare(self, pids: Iterable[int]) -> None:
+        pass
+
+    def reap_adopted(self, exclude: int | None = None) -> None:
+        pass
+
+    def run(self, exclude: int | None = None) -> list[int]:
+        return []
+
+
+class ActiveLedger(MemoryLedger):
+    """A ledger whose training activity can be set (what the hang watchdog reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.activity: float | None = None
+
+    def last_activity(self, attempt: int) -> float | None:
+        return self.activity
+
+
+def runner_for(
+    tmp_path: Path,
+    attempt: FakeAttempt,
+    clock: FakeClock,
+    signals: FakeSignals,
+    kind: FakeKind | None = None,
+    **config: Any,
+) -> tuple[AttemptRunner, ActiveLedger, FakeKind]:
+    cfg = RunConfig(command=("python", "train.py"), run_dir=str(tmp_path), **config)
+    ledger = ActiveLedger()
+    books = JobBooks(cfg, run_dir=tmp_path, job_id="j", family="train", ledger=ledger)
+    kind = kind or FakeKind(attempt)
+    parts = AttemptParts(
+        config=cfg, books=books, kind=kind, peers=NoPeers(), signals=signals, family="train",
+        clock=clock, sweep=lambda attempt: NoSweep(),
+    )  # fmt: skip
+    return AttemptRunner(parts), ledger, kind
+
+
+def supervisor_events(ledger: MemoryLedger, kind: EventKind) -> list[Event]:
+    return [e for e in ledger.read() if e.kind is kind]
+
+
+def marks(ledger: MemoryLedger, name: str) -> list[Event]:
+    return [e for e in supervisor_events(ledger, EventKind.MARK) if (e.data or {}).get("name") == name]
+
+
+def test_the_runner_books_a_completed_attempt(tmp_path: Path) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, exits_at=1005.0)
+    runner, ledger, kind = runner_for(tmp_path, fake, clock, FakeSignals(clock))
+    ended = runner.run(0, restarts_done=0, restarts_left=3)
+    assert ended.end.outcome is Outcome.COMPLETED and not ended.made_progress
+    (plan,) = kind.plans
+    (start,) = supervisor_events(ledger, EventKind.ATTEMPT_START)
+    assert start.ts == 1000.0 and start.data == {
+        "pid": 4242,
+        "command": list(plan.launch.argv),
+        "kind": "fake",
+    }
+    (detected,) = marks(ledger, FAILURE_DETECTED_MARK)
+    assert detected.data == {"name": FAILURE_DETECTED_MARK, "returncode": 0}
+    assert detected.ts >= 1005.0 and plan.launch.env["ETTR_ATTEMPT"] == "0" and fake.signals == []
+    assert kind.prepared == 0  # no step, and not 60 s in: no standby yet
+    (relaunch,) = marks(ledger, RELAUNCH_MARK)
+    assert relaunch.data == {
+        "name": RELAUNCH_MARK,
+        "path": "cold",
+        "why": "the first attempt this supervisor started",
+    }
+
+
+def test_the_next_attempts_standby_is_prepared_once_while_restarts_remain(tmp_path: Path) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, exits_at=1070.0)
+    runner, _, kind = runner_for(tmp_path, fake, clock, FakeSignals(clock))
+    runner.run(0, restarts_left=1)
+    assert kind.prepared == 1
+    clock, none_left = FakeClock(), FakeAttempt(clock, exits_at=1070.0)
+    runner, _, kind = runner_for(tmp_path, none_left, clock, FakeSignals(clock))
+    runner.run(0, restarts_left=0)
+    assert kind.prepared == 0
+
+
+def test_the_runner_kills_a_hung_attempt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, on_term=None)  # ignores SIGTERM: SIGKILL after the hang grace
+    runner, ledger, _ = runner_for(
+        tmp_path, fake, clock, FakeSignals(clock), hang_timeout_s=5.0, poll_interval_s=0.25
+    )
+    ledger.activity = 1002.0  # the last sign of life
+    ended = runner.run(1)
+    assert ended.end.outcome is Outcome.HUNG and ended.end.exit_code == 137
+    assert "no progress and no heartbeat for 5.2 s; killed by SIGKILL" in ended.end.reason
+    (term_at, term, _), (kill_at, kill, _) = fake.signals
+    assert (term, kill, term_at, kill_at) == (TERM, KILL, 1007.25, 1010.25)
+    (detected,) = marks(ledger, FAILURE_DETECTED_MARK)
+    assert detected.ts == 1007.25
+    assert "attempt 1: no progress for 5.2 s: hung, killing it" in capsys.readouterr().err
+
+
+def test_the_runner_forwards_a_preemption(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, on_term=(1.0, 0))  # saves for 1 s on SIGTERM, then exits 0
+    runner, _, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock, at={1003.0: TERM}))
+    ended = runner.run(0, restarts_left=2)
+    assert [(s, whole) for _, s, whole in fake.signals] == [(TERM, True)]  # done within the grace
+    assert ended.end.outcome is Outcome.PREEMPTED
+    assert "got SIGTERM: forwarding it to the job, SIGKILL in 10 s" in capsys.readouterr().err
+
+
+def test_a_second_signal_kills_at_once(tmp_path: Path) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, on_term=None)
+    runner, _, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock, at={1003.0: TERM, 1004.0: TERM}))
+    ended = runner.run(0)
+    (_, first, _), (killed_at, second, _) = fake.signals
+    assert (first, second) == (TERM, KILL) and killed_at == pytest.approx(1004.0, abs=0.11)
+    assert ended.end.outcome is Outcome.PREEMPTED and ended.end.signal == "SIGKILL"
+
+
+def test_the_runner_stops_the_rest_after_a_failed_rank(tmp_path: Path) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, rank_failed_at=1001.0, on_rest_term=(0.5, 1))  # the launcher then exits 1
+    runner, ledger, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock))
+    ended = runner.run(0)
+    ((at, sig, whole),) = fake.signals
+    assert (sig, whole) == (TERM, False) and at == pytest.approx(1001.6)
+    assert ended.end.outcome is Outcome.FAILED and ended.end.exit_code == 1
+    (detected,) = marks(ledger, FAILURE_DETECTED_MARK)
+    assert detected.ts == pytest.approx(1001.0)  # the rank's death, not the launcher's exit
+
+
+def test_an_attempt_that_cannot_start_is_a_failure_with_its_start_booked(tmp_path: Path) -> None:
+    class Broken(FakeKind):
+        def start(self, plan: AttemptPlan) -> FakeAttempt:
+            raise FileNotFoundError("no such file: python")
+
+    clock = FakeClock()
+    fake = FakeAttempt(clock)
+    runner, ledger, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock), kind=Broken(fake))
+    ended = runner.run(0)
+    assert (ended.end.outcome, ended.end.exit_code) == (Outcome.FAILED, 127)
+    assert "cannot start" in ended.end.reason and supervisor_events(ledger, EventKind.ATTEMPT_START)
