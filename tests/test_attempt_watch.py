@@ -373,6 +373,19 @@ def test_the_runner_kills_a_hung_attempt(tmp_path: Path, capsys: pytest.CaptureF
     assert "attempt 1: no progress for 5.2 s: hung, killing it" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("forged", [0.0, 1e12])
+def test_the_runner_ignores_activity_that_cannot_be_this_attempts(tmp_path: Path, forged: float) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, exits_at=1400.0)
+    runner, ledger, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock))
+    ledger.activity = forged  # another job's spill file, a bit flip: no sign of life of this attempt
+    assert runner.run(0).end.outcome is Outcome.COMPLETED and fake.signals == []
+    fake = FakeAttempt(clock := FakeClock(), on_term=None)
+    runner, ledger, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock), hang_timeout_s=5.0)
+    ledger.activity = forged
+    assert runner.run(0).end.outcome is Outcome.HUNG  # never kept alive by it either
+
+
 def test_the_runner_forwards_a_preemption(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     clock = FakeClock()
     fake = FakeAttempt(clock, on_term=(1.0, 0))  # saves for 1 s on SIGTERM, then exits 0

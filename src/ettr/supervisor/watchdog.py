@@ -3,7 +3,8 @@
 Progress is the newest event a training process of the attempt wrote to the ledger (the recorder writes at
 least every 0.5 s while there is something to write); heartbeats are the training-thread samples of
 `ettr.heartbeat`. Both come from the training thread's own activity, so a process whose helper
-threads are fine while its training thread is stuck is still caught.
+threads are fine while its training thread is stuck is still caught. A time that cannot be the attempt's
+(`CLOCK_SKEW_S` before its start, or after now) is no sign of life.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from collections.abc import Callable, Sequence
 
 ActivityProbe = Callable[[], "float | None"]
 """Returns the Unix time of the latest sign of life it knows of, or None."""
+
+CLOCK_SKEW_S = 60.0
+"""A sign of life dated more than this before the attempt's start or after now is not the attempt's (another
+job's spill file, a damaged row, a host whose clock is far off): it neither arms the watchdog nor keeps the
+attempt alive."""
 
 
 class HangWatchdog:
@@ -41,6 +47,7 @@ class HangWatchdog:
         self.timeout_s = timeout_s
         self._probes = tuple(probes)
         self._latest: float | None = started_at if armed_at_start else None
+        self._earliest = started_at - CLOCK_SKEW_S
         self._min_interval_s = min_interval_s
         self._checked_at = float("-inf")
 
@@ -69,5 +76,7 @@ class HangWatchdog:
                 ts = probe()
             except Exception:  # a probe that cannot be read says nothing
                 ts = None
-            if ts is not None and (self._latest is None or ts > self._latest):
+            if ts is None or not self._earliest <= ts <= now + CLOCK_SKEW_S:
+                continue  # none, or not a time of this attempt (NaN included)
+            if self._latest is None or ts > self._latest:
                 self._latest = ts
