@@ -152,6 +152,7 @@ class FakeWorker:
         self.signals.append(int(sig))
         if int(sig) in self._stops_on and self.code is None:
             self.code = -int(sig)
+        return [self.pid]
 
     def stderr_tail(self, num_lines=20):
         return [f"tail of {self.pid}"]

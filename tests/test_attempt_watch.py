@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from ettr.supervisor.signals import SupervisorSignals
 from ettr.supervisor.standby import Relaunch
 from ettr.supervisor.watch import (
     AttemptWatch,
+    Drained,
     Exited,
     Exiting,
     Hung,
@@ -214,6 +215,8 @@ class FakeAttempt:
         self.relaunch = Relaunch(path="cold", why="a fake starts cold")
         self.signals: list[tuple[float, int, bool]] = []
         self.returncode: int | None = None
+        self.child_until: float | None = None  # a child that outlives the command runs until then
+        self.child_saves_s = 2.0  # ... or until this long after a SIGTERM that reaches it
 
     @property
     def pids(self) -> Sequence[int]:
@@ -232,14 +235,25 @@ class FakeAttempt:
             return [RankFailed()]
         return []
 
-    def signal_tree(self, sig: int, *, include_command: bool = True) -> None:
+    def signal_tree(self, sig: int, *, include_command: bool = True) -> list[int]:
         self.signals.append((self.clock.now, sig, include_command))
         reaction = self.on_term if include_command else self.on_rest_term
         if sig == KILL:
-            self.returncode = -KILL
+            self.returncode = -KILL if self.returncode is None else self.returncode
+            self.child_until = None
+        elif sig == TERM and self.returncode is not None and self.child_until is not None:
+            self.child_until = min(self.child_until, self.clock.now + self.child_saves_s)
         elif sig == TERM and reaction is not None:
             delay, code = reaction
             self.exits_at, self.code = self.clock.now + delay, code
+            if include_command and self.child_until is not None:  # the whole tree got it
+                self.child_until = min(self.child_until, self.clock.now + self.child_saves_s)
+        return [self.pid]
+
+    def alive(self) -> list[int]:
+        """A child (the python a wrapper started) may outlive the command until `child_until`."""
+        running = self.child_until is not None and self.clock.now < self.child_until
+        return [4243] if running and self.returncode is not None else []
 
     def remember_tree(self) -> None:
         pass
@@ -273,6 +287,12 @@ class FakeKind:
 class NoSweep:
     def spare(self, pids: Iterable[int]) -> None:
         pass
+
+    def alive(self, exclude: Collection[int] = ()) -> list[int]:
+        return []
+
+    def signal(self, sig: int, exclude: Collection[int] = ()) -> list[int]:
+        return []
 
     def reap_adopted(self, exclude: int | None = None) -> None:
         pass
@@ -429,3 +449,45 @@ def test_an_attempt_that_cannot_start_is_a_failure_with_its_start_booked(tmp_pat
     ended = runner.run(0)
     assert (ended.end.outcome, ended.end.exit_code) == (Outcome.FAILED, 127)
     assert "cannot start" in ended.end.reason and supervisor_events(ledger, EventKind.ATTEMPT_START)
+
+
+# -- the rest of the grace for what outlives the command ---------------------------------------------------------
+def test_what_outlives_a_signalled_wrapper_has_the_rest_of_the_grace() -> None:
+    state, _ = WATCH.step(WATCH.start(0), Signalled(TERM, 1), 100.0)
+    state, actions = WATCH.step(state, Exited(-TERM, outlived=True), 100.05)  # bash died at once
+    assert actions == [] and state.draining and not state.done and state.kill_at == 110.0
+    state, actions = WATCH.step(state, Tick(), 102.0)
+    assert actions == []  # python still saves: no SIGKILL, no second SIGTERM
+    state, _ = WATCH.step(state, Drained(), 102.1)
+    assert state.done and state.returncode == -TERM and state.forwarded == TERM
+
+
+def test_what_outlives_the_grace_is_killed_then() -> None:
+    state, _ = WATCH.step(WATCH.start(0), Signalled(TERM, 1), 100.0)
+    state, _ = WATCH.step(state, Exited(-TERM, outlived=True), 100.05)
+    state, actions = WATCH.step(state, Tick(), 110.0)
+    assert sent(actions) == [(KILL, True)] and state.done
+
+
+def test_what_outlives_a_command_that_ended_on_its_own_is_asked_to_stop() -> None:
+    state, actions = WATCH.step(WATCH.start(3), Exited(0, outlived=True), 50.0)
+    assert sent(actions) == [(TERM, True)] and "outlived its command" in said(actions)[0]
+    assert state.kill_at == 53.0 and state.draining and state.returncode == 0
+    state, actions = WATCH.step(state, Signalled(TERM, 1), 51.0)
+    assert actions == [] and state.forwarded is None  # asked already; its end was not a preemption
+    state, actions = WATCH.step(state, Signalled(TERM, 2), 51.5)
+    assert state.kill_at == 51.5
+    _, actions = WATCH.step(state, Tick(), 51.5)
+    assert sent(actions) == [(KILL, True)]
+
+
+def test_the_runner_lets_the_python_behind_a_dead_wrapper_finish_its_save(tmp_path: Path) -> None:
+    clock = FakeClock()
+    wrapper = FakeAttempt(clock, on_term=(0.0, -TERM))  # bash dies of the SIGTERM at once ...
+    wrapper.child_until = float("inf")  # ... while the python it started runs on, saving 2 s once asked
+    runner, ledger, _ = runner_for(tmp_path, wrapper, clock, FakeSignals(clock, at={1003.0: TERM}))
+    ended = runner.run(0)
+    assert [s for _, s, _ in wrapper.signals] == [TERM]  # never SIGKILLed: the save completed
+    assert clock.now == pytest.approx(1005.0, abs=0.11) and ended.end.outcome is Outcome.PREEMPTED
+    (detected,) = marks(ledger, FAILURE_DETECTED_MARK)
+    assert detected.ts == pytest.approx(1003.0, abs=0.11)  # the wrapper's death, not the save's end

@@ -308,3 +308,48 @@ def test_a_command_that_cannot_run_is_bad_usage(tmp_path: Path) -> None:
     assert done.stderr.count("\n") == 1 and "cannot execute" in done.stderr and "Traceback" not in done.stderr
     nothing = run_ettr("run", "--run-dir", str(tmp_path / "run"))
     assert nothing.returncode == 2 and "no command given" in nothing.stderr
+
+
+SAVING_ON_SIGTERM = """
+import os, pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+(out.parent / "ready").write_text(str(os.getpid()))
+while not stop:
+    time.sleep(0.05)
+with open(out.with_suffix(".tmp"), "w") as f:  # the final save: a second of writing
+    for i in range(10):
+        f.write(f"part {i}\\n"); f.flush(); time.sleep(0.1)
+os.replace(out.with_suffix(".tmp"), out)
+sys.exit(143)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_the_python_behind_a_shell_wrapper_finishes_its_save_on_a_preemption(
+    tmp_path: Path, sig: int
+) -> None:
+    # bash runs python without exec and dies of the SIGTERM at once: python gets it too, and the rest of the
+    # grace to save (it was SIGKILLed ~60 ms after bash, mid-save, as "a process that outlived it").
+    script, wrapper, saved = tmp_path / "train.py", tmp_path / "wrap.sh", tmp_path / "out" / "ckpt"
+    saved.parent.mkdir()
+    script.write_text(SAVING_ON_SIGTERM)
+    wrapper.write_text(f"#!/bin/bash\n{sys.executable} {script} {saved}\necho wrapper done\n")
+    wrapper.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    supervisor = subprocess.Popen(
+        [*ETTR, "run", "--run-dir", str(tmp_path / "run"), "--", str(wrapper)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: (saved.parent / "ready").exists(), 120, "the script to start")
+        supervisor.send_signal(sig)
+        _, err = supervisor.communicate(timeout=120)
+    finally:
+        supervisor.kill()
+    assert supervisor.returncode == 143, err
+    assert saved.read_text().splitlines()[-1] == "part 9", err  # the save completed
+    assert "outlived" not in err
+    (end,) = supervisor_events(tmp_path / "run", EventKind.ATTEMPT_END)
+    assert (end.data or {})["outcome"] == "preempted"

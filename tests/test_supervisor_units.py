@@ -327,3 +327,32 @@ def test_python_options_before_the_torchrun_module_are_kept() -> None:
         "--max-restarts=0", "--master-port=3", "t.py",
     ]  # fmt: skip
     assert detect_launcher(["python3", "-c", "import x", "-m", "torch.distributed.run"]) is Launcher.PYTHON
+
+
+# -- signals ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT])
+def test_a_signal_before_the_first_attempt_ends_the_job_with_its_books_closed(
+    tmp_path: Path, sig: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ettr.ledger import read_run_events
+    from ettr.supervisor.supervise import Supervisor
+
+    marker = tmp_path / "never-ran"
+    supervisor = Supervisor(RunConfig(command=("touch", str(marker)), run_dir=str(tmp_path / "run")))
+    supervisor.signals._on_signal(sig, None)  # arrived while `ettr run` was starting
+    status = supervisor.run()
+    assert status == (130 if sig == signal.SIGINT else 143) and not marker.exists()
+    events = read_run_events(tmp_path / "run")
+    assert [e.kind for e in events] == [EventKind.SUPERVISOR_START, EventKind.JOB_END]
+    assert events[-1].data == {"exit_status": status, "num_attempts": 0, "outcome": None}
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_hangups_and_quits_reach_the_job_as_sigterm() -> None:
+    from ettr.supervisor.signals import HANDLED, forwarded_signal
+
+    assert {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT} <= set(HANDLED)
+    assert [forwarded_signal(s) for s in (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGTERM)] == [
+        signal.SIGTERM
+    ] * 4
+    assert forwarded_signal(signal.SIGINT) == signal.SIGINT

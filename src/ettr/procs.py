@@ -98,6 +98,17 @@ def pid_alive(pid: int, recorded_ticks: int | None) -> bool:
     return start_ticks(pid) == recorded_ticks
 
 
+def running(pid: int, recorded_ticks: int | None) -> bool:
+    """Whether the process recorded as (`pid`, `recorded_ticks`) still runs: `pid_alive`, and not a zombie
+    (a process that exited and waits for its parent to collect its status is not running)."""
+    if not pid_alive(pid, recorded_ticks):
+        return False
+    fields = _stat_fields(pid)
+    if fields is None:
+        return not os.path.isdir(_PROC)  # no /proc: `pid_alive` is all there is
+    return fields[0] != b"Z"
+
+
 def descendants(root: int) -> list[tuple[int, int | None]]:
     """(pid, start ticks) of every live descendant of `root`, from /proc; empty where /proc is missing."""
     try:

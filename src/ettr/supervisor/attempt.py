@@ -5,7 +5,7 @@ and the plain kind: the command as one process tree.
     running = kind.start(plan)                  # raises OSError: the attempt could not start
     while ...:                                  # the supervisor's driver (`runner.py`)
         for event in running.events(): ...      # Exited / Exiting / RankFailed, fed to the AttemptWatch
-        running.signal_tree(sig)                # what the watch decided
+        running.signal_tree(sig)                # what the watch decided (and the job's other processes)
     running.kill_leftovers(); running.finish(); running.stderr_tail()
     kind.prepare_next(warm_modules=...)         # the next attempt's warm standby, while this one trains
 
@@ -73,8 +73,13 @@ class Attempt(Protocol):
         record while its launcher runs."""
         ...
 
-    def signal_tree(self, sig: int, *, include_command: bool = True) -> None:
-        """`sig` to every process of the attempt (unless not `include_command`: to all but the launcher)."""
+    def signal_tree(self, sig: int, *, include_command: bool = True) -> list[int]:
+        """`sig` to every process of the attempt (unless not `include_command`: to all but the launcher),
+        those whose parent died included; the pids it was sent to."""
+        ...
+
+    def alive(self) -> list[int]:
+        """Its processes still running (not zombies), those whose parent died included."""
         ...
 
     def remember_tree(self) -> None:
@@ -143,8 +148,11 @@ class CommandAttempt:
             return [Exited(returncode)]
         return [RankFailed()] if self._ranks.check(self.process.known_tree()) else []
 
-    def signal_tree(self, sig: int, *, include_command: bool = True) -> None:
-        self.process.signal_tree(sig, include_command=include_command)
+    def signal_tree(self, sig: int, *, include_command: bool = True) -> list[int]:
+        return self.process.signal_tree(sig, include_command=include_command)
+
+    def alive(self) -> list[int]:
+        return self.process.alive()
 
     def remember_tree(self) -> None:
         self.process.remember_tree()

@@ -24,11 +24,19 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ettr.procs import ancestors, children, pid_alive, processes_with_env, set_child_subreaper, start_ticks
+from ettr.procs import (
+    ancestors,
+    children,
+    pid_alive,
+    processes_with_env,
+    running,
+    set_child_subreaper,
+    start_ticks,
+)
 from ettr.run_env import ATTEMPT_ENV, RUN_DIR_ENV, SUPERVISOR_PID_ENV
 
 logger = logging.getLogger("ettr")
@@ -79,20 +87,10 @@ def kill_all(targets: Iterable[tuple[int, int | None]], *, wait_s: float = KILL_
     deadline = time.monotonic() + wait_s
     while True:
         reap(pid for pid, _ in targets)
-        alive = [pid for pid, ticks in targets if _running(pid, ticks)]
+        alive = [pid for pid, ticks in targets if running(pid, ticks)]
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.05)
-
-
-def _running(pid: int, ticks: int | None) -> bool:
-    if not pid_alive(pid, ticks):
-        return False
-    try:  # a zombie is dead: only its parent's wait is missing
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 def reap(pids: Iterable[int]) -> None:
@@ -131,17 +129,34 @@ class AttemptSweep:
         found.pop(exclude or -1, None)
         return sorted(found.items())
 
+    def alive(self, exclude: Collection[int] = ()) -> list[int]:
+        """The attempt's processes still running (not zombies), but `exclude`."""
+        return [pid for pid, ticks in self.targets() if pid not in exclude and running(pid, ticks)]
+
+    def signal(self, sig: int, exclude: Collection[int] = ()) -> list[int]:
+        """Send `sig` to the attempt's processes still running but `exclude` (those reached already): orphans
+        adopted by the supervisor, processes that carry the marker out of the attempt's tree. The pids
+        it was sent to."""
+        sent = []
+        for pid in self.alive(exclude):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+                sent.append(pid)
+        return sent
+
     def reap_adopted(self, exclude: int | None = None) -> None:
         """Reap orphans adopted during the attempt that have exited already (no zombies pile up)."""
         reap(
             pid
             for pid in children(os.getpid())
-            if pid not in self._children_before and pid != exclude and not _running(pid, None)
+            if pid not in self._children_before and pid != exclude and not running(pid, None)
         )
 
     def run(self, exclude: int | None = None) -> list[int]:
-        """Kill every process of the attempt still there; the pids it swept."""
-        targets = self.targets(exclude)
+        """Kill every process of the attempt still running (adopted orphans that exited are only reaped); the
+        pids it killed."""
+        self.reap_adopted(exclude)
+        targets = [(pid, ticks) for pid, ticks in self.targets(exclude) if running(pid, ticks)]
         if targets:
             alive = kill_all(targets)
             if alive:

@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 
-from ettr.procs import descendants, libc_prctl, set_parent_death_signal, start_ticks
+from ettr.procs import descendants, libc_prctl, running, set_parent_death_signal, start_ticks
 
 logger = logging.getLogger("ettr")
 
@@ -117,11 +117,12 @@ class AttemptProcess:
         """The descendants noted so far (pid -> start ticks), alive or not."""
         return dict(self._known)
 
-    def signal_tree(self, sig: int, *, include_command: bool = True) -> None:
+    def signal_tree(self, sig: int, *, include_command: bool = True) -> list[int]:
         """Send `sig` to the command (unless not `include_command`) and every descendant (known now or seen
-        earlier)."""
+        earlier, also after its parent died); the pids it was sent to."""
         self.remember_tree()
         targets = ([(self.pid, None)] if include_command else []) + list(self._known.items())
+        sent = []
         for pid, ticks in targets:
             if pid != self.pid and ticks is not None and start_ticks(pid) != ticks:
                 continue  # gone, and the pid may belong to someone else now
@@ -130,7 +131,16 @@ class AttemptProcess:
             try:
                 os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
-                pass
+                continue
+            sent.append(pid)
+        return sent
+
+    def alive(self) -> list[int]:
+        """The processes of the tree still running (not zombies): the command, then its descendants known
+        now or seen earlier."""
+        self.remember_tree()
+        found = [self.pid] if self.proc.poll() is None else []
+        return found + [pid for pid, ticks in self._known.items() if pid != self.pid and running(pid, ticks)]
 
     def kill_leftovers(self) -> None:
         """SIGKILL descendants that outlived the command (a worker orphaned by a dead torchrun)."""

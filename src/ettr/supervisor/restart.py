@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from ettr.events import Event, EventKind, Outcome
-from ettr.procs import start_ticks
+from ettr.procs import running
 from ettr.supervisor.classify import AttemptEnd
 
 logger = logging.getLogger("ettr")
@@ -82,18 +82,6 @@ class ExitWaker:
         self._pidfd, self._pidfds = None, []
 
 
-def _gone(pid: int, ticks: int | None) -> bool:
-    """Whether process (`pid`, `ticks`) has exited: its /proc entry is gone, reused, or a zombie."""
-    if start_ticks(pid) != ticks:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"Z"
-    except (OSError, ValueError):
-        return True
-
-
 class PeerFailureWatch:
     """Whether a rank of the attempt died with a FAILURE on record, while its launcher still runs.
 
@@ -109,7 +97,7 @@ class PeerFailureWatch:
 
     def check(self, tree: Mapping[int, int | None]) -> bool:
         new = [(pid, t) for pid, t in tree.items() if t is not None and (pid, t) not in self._seen_gone]
-        died = [key for key in new if _gone(*key)]
+        died = [key for key in new if not running(*key)]
         if not died:
             return False
         self._seen_gone.update(died)

@@ -14,8 +14,8 @@ kind, peers, signals, the clock), so the loop runs in a unit test with a fake at
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ettr.constants import FAILURE_DETECTED_MARK, RELAUNCH_MARK
@@ -37,6 +37,7 @@ from ettr.supervisor.signals import SupervisorSignals
 from ettr.supervisor.standby import Relaunch
 from ettr.supervisor.watch import (
     AttemptWatch,
+    Drained,
     Exited,
     Exiting,
     Hung,
@@ -57,9 +58,13 @@ _SNAPSHOT_EVERY_S = 1.0
 
 
 class Sweep(Protocol):
-    """The end-of-attempt sweep (`ettr.supervisor.containment.AttemptSweep`)."""
+    """The attempt's processes outside its own tree (`ettr.supervisor.containment.AttemptSweep`)."""
 
     def spare(self, pids: Iterable[int]) -> None: ...
+
+    def alive(self, exclude: Collection[int] = ()) -> list[int]: ...
+
+    def signal(self, sig: int, exclude: Collection[int] = ()) -> list[int]: ...
 
     def reap_adopted(self, exclude: int | None = None) -> None: ...
 
@@ -190,7 +195,7 @@ class AttemptRunner:
         try:
             while True:
                 now = p.clock()
-                state = self._look(state, running, dog, now=now, started=started)
+                state = self._look(state, running, sweep, dog, now=now, started=started)
                 if state.done:
                     return state
                 if not standby_tried and standby.due(
@@ -208,42 +213,59 @@ class AttemptRunner:
             waker.close()
 
     def _look(
-        self, state: WatchState, running: Attempt, dog: HangWatchdog, *, now: float, started: float
+        self,
+        state: WatchState,
+        running: Attempt,
+        sweep: Sweep,
+        dog: HangWatchdog,
+        *,
+        now: float,
+        started: float,
     ) -> WatchState:
-        """One look at everything the watch listens to, in a fixed order: the attempt's exit, a signal, the
-        attempt's teardown, a hang, the peers, a failed rank, the deadlines."""
+        """One look at everything the watch listens to, in a fixed order: the attempt's exit (then whether
+        anything of the job outlived it), a signal, the attempt's teardown, a hang, the peers, a failed rank,
+        the deadlines."""
         p = self.parts
         happened = running.events()
         exited = [e for e in happened if isinstance(e, Exited)]
-        if exited:
-            return self._step(state, exited[0], now, running)
+        if exited and not state.exited:
+            outlived = bool(running.alive() or sweep.alive(exclude=running.pids))
+            state = self._step(state, replace(exited[0], outlived=outlived), now, running, sweep)
+            if state.done:
+                return state
+        elif state.draining and not (running.alive() or sweep.alive(exclude=running.pids)):
+            return self._step(state, Drained(), now, running, sweep)
         signals = p.signals
         if signals.first is not None and signals.count > state.signals_seen:
             first = signals.first
             state = self._step(
-                state, Signalled(first, signals.count, signals.from_terminal(first)), now, running
+                state, Signalled(first, signals.count, signals.from_terminal(first)), now, running, sweep
             )
         if any(isinstance(e, Exiting) for e in happened):
-            state = self._step(state, Exiting(), now, running)
+            state = self._step(state, Exiting(), now, running, sweep)
         if state.watching_hangs:
             silence_s = dog.check(now)
             if silence_s is not None:
-                state = self._step(state, Hung(silence_s), now, running)
+                state = self._step(state, Hung(silence_s), now, running, sweep)
         if state.watching_peers:
             reason = p.peers.check(state.attempt, now, started)
             if reason is not None:
-                state = self._step(state, PeerLost(reason), now, running)
+                state = self._step(state, PeerLost(reason), now, running, sweep)
         if any(isinstance(e, RankFailed) for e in happened):
-            state = self._step(state, RankFailed(), now, running)
-        return self._step(state, Tick(), now, running)
+            state = self._step(state, RankFailed(), now, running, sweep)
+        return self._step(state, Tick(), now, running, sweep)
 
-    def _step(self, state: WatchState, event: WatchEvent, now: float, running: Attempt) -> WatchState:
-        """Step the watch; do what it says."""
+    def _step(
+        self, state: WatchState, event: WatchEvent, now: float, running: Attempt, sweep: Sweep
+    ) -> WatchState:
+        """Step the watch; do what it says. A signal goes to the whole job: the attempt's own tree, then what
+        of the job is outside it (orphans adopted by the supervisor, processes carrying the attempt's marker)."""
         state, actions = self.watch.step(state, event, now)
         for action in actions:
             match action:
                 case Say():
                     say(action.text)
                 case SendSignal():
-                    running.signal_tree(action.signum, include_command=action.include_launcher)
+                    reached = running.signal_tree(action.signum, include_command=action.include_launcher)
+                    sweep.signal(action.signum, exclude={*reached, *running.pids})
         return state

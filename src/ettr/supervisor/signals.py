@@ -2,8 +2,10 @@
 
 The handler only notes the signal (the first one received, and how many so far) and sets the wake event; the
 loop decides what to do (`ettr.supervisor.watch`: forward it to the job, SIGKILL after the grace, at once on
-a second one). SIGTERM (a scheduler, `kill`), SIGINT (Ctrl-C) and SIGUSR1 (Slurm's warning before the time
-limit) are handled.
+a second one). SIGTERM (a scheduler, `kill`), SIGINT (Ctrl-C), SIGUSR1 (Slurm's warning before the time
+limit), SIGHUP (a dropped ssh session) and SIGQUIT are handled; the job gets each as SIGTERM (its save-and-exit
+signal), but SIGINT, which it gets as SIGINT. The supervisor installs them before it opens the job's books and
+keeps them until it has closed them, so a signal at any moment ends the job with its books closed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from typing import Any
 
 from ettr.supervisor import slurm
 
-HANDLED = (signal.SIGTERM, signal.SIGINT, slurm.WARNING_SIGNAL)
+HANDLED = (signal.SIGTERM, signal.SIGINT, slurm.WARNING_SIGNAL, signal.SIGHUP, signal.SIGQUIT)
+_AS_SIGTERM = frozenset({signal.SIGHUP, signal.SIGQUIT})
+
+
+def forwarded_signal(received: int) -> int:
+    """What the job gets when the supervisor receives `received` (see the module docstring)."""
+    return signal.SIGTERM if received in _AS_SIGTERM else slurm.forwarded_signal(received)
 
 
 class SupervisorSignals:

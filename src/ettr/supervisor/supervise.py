@@ -97,7 +97,17 @@ class Supervisor:
         return self.books.job_id
 
     def run(self) -> int:
-        """Supervise the job to its end; the contract's exit status (0, 1, 130 or 143). Raises UsageError."""
+        """Supervise the job to its end; the contract's exit status (0, 1, 130 or 143). Raises UsageError.
+
+        The signal handlers are in place from the first instant to the last: a signal before the first
+        attempt ends the job at once with its books opened and closed (no traceback, nothing left open)."""
+        self.signals.install()
+        try:
+            return self._run()
+        finally:
+            self.signals.restore()
+
+    def _run(self) -> int:
         cfg = self.config
         _check_command(cfg.command)
         containment.become_subreaper()  # orphans of the job re-parent here, so the sweep finds them
@@ -118,13 +128,11 @@ class Supervisor:
                 family=self.family,
             )
         )
-        self.signals.install()
         status = EXIT_FAILED
         try:
             status = self._lead(runner, first) if self.peers.leads else self._follow(runner, first)
         finally:
             kind.discard()
-            self.signals.restore()
             last = self._ended[-1] if self._ended else None
             self.books.append(
                 EventKind.JOB_END,

@@ -7,8 +7,8 @@ watch (`Say` a line, `SendSignal` to the attempt). No I/O and no clock: `now` is
 tested with a fake attempt and a fake clock (tests/test_attempt_watch.py).
 
 The rules:
-- a signal to the supervisor (the first) is forwarded to the job (Slurm's SIGUSR1 as SIGTERM), unless it is a
-  terminal's Ctrl-C, which the job got already; SIGKILL follows `grace_s` later; a second signal kills at once;
+- a signal to the supervisor (the first) is forwarded to the whole job (SIGUSR1, SIGHUP, SIGQUIT as SIGTERM),
+  unless it is a terminal's Ctrl-C, which the job got already; SIGKILL follows `grace_s` later; a second signal kills at once;
 - no progress for the hang timeout (`Hung`, not while the attempt only tears its processes down): SIGTERM,
   SIGKILL `hang_kill_grace_s` later;
 - a peer node's part ended or its supervisor was lost (`PeerLost`): this node's part is ended the same way;
@@ -16,7 +16,11 @@ The rules:
   (the other ranks' recorders write their last events) the rest of the tree gets SIGTERM, the launcher
   itself is left to report the failure; SIGKILL `grace_s` later;
 - whichever comes first decides: after a forwarded signal or a hang nothing else is acted on (but a second
-  signal), and the attempt's end is classified from what the watch saw (`WatchState`).
+  signal), and the attempt's end is classified from what the watch saw (`WatchState`);
+- when the command exits while processes of the job still run (a shell wrapper dies of the SIGTERM while the
+  python it started saves its checkpoint), they get the rest of the grace before any SIGKILL: if the job was
+  asked to stop already, until the deadline it was given then; else they are asked now (SIGTERM) and get
+  `hang_kill_grace_s`. The watch is done when none is left (`Drained`) or the deadline passed.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import math
 import signal
 from dataclasses import dataclass, replace
 
-from ettr.supervisor.slurm import forwarded_signal
+from ettr.supervisor.signals import forwarded_signal
 
 
 # -- events ---------------------------------------------------------------------------------------------------
@@ -66,11 +70,18 @@ class Exiting:
 
 @dataclass(frozen=True)
 class Exited:
-    """The attempt is over: `returncode` (negative: killed by that signal); `at`, when the attempt itself
-    knew its failure (ettr's agent: the failed worker's exit), if earlier than the supervisor's look."""
+    """The attempt's command is over: `returncode` (negative: killed by that signal); `at`, when the attempt
+    itself knew its failure (ettr's agent: the failed worker's exit), if earlier than the supervisor's look;
+    `outlived`: processes of the job still run (a wrapper died before the python it started)."""
 
     returncode: int
     at: float | None = None
+    outlived: bool = False
+
+
+@dataclass(frozen=True)
+class Drained:
+    """No process of the attempt is left."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,7 @@ class Tick:
     """Time passed (every poll): deadlines fall due."""
 
 
-WatchEvent = Signalled | Hung | PeerLost | RankFailed | Exiting | Exited | Tick
+WatchEvent = Signalled | Hung | PeerLost | RankFailed | Exiting | Exited | Drained | Tick
 
 
 # -- actions --------------------------------------------------------------------------------------------------
@@ -137,16 +148,26 @@ class WatchState:
     """A rank failed while its launcher ran, and the supervisor stopped the rest."""
     exiting: bool = False
     detected_at: float | None = None
-    """When the supervisor knew the attempt was over (a hang: at once; a failed rank: at its death)."""
+    """When the supervisor knew the attempt was over (a hang: at once; a failed rank: at its death; else the
+    command's exit)."""
     signals_seen: int = 0
     stop_others_at: float = _NEVER
     kill_at: float = _NEVER
     killed: bool = False
     returncode: int | None = None
-    """Set once the attempt exited: the watch is done."""
+    """The command's status, once it exited."""
+    draining: bool = False
+    """The command exited and processes of the job still run: they get the rest of the grace."""
+    asked: bool = False
+    """The job was asked to stop (SIGTERM, or the terminal's SIGINT): a process still running has its grace."""
 
     @property
     def done(self) -> bool:
+        """The command exited and nothing of the job runs any more (or it was SIGKILLed)."""
+        return self.returncode is not None and not self.draining
+
+    @property
+    def exited(self) -> bool:
         return self.returncode is not None
 
     @property
@@ -157,17 +178,17 @@ class WatchState:
     @property
     def watching_hangs(self) -> bool:
         """Whether a `Hung` would be acted on (the driver need not read the watchdog otherwise)."""
-        return not self.done and not self.stopping and not self.exiting
+        return not self.exited and not self.stopping and not self.exiting
 
     @property
     def watching_peers(self) -> bool:
         """Whether a `PeerLost` would be acted on (the driver need not ask the peers otherwise)."""
-        return not self.done and not self.stopping and self.peer_reason is None
+        return not self.exited and not self.stopping and self.peer_reason is None
 
     @property
     def watching_ranks(self) -> bool:
         """Whether a `RankFailed` would be acted on."""
-        return not self.done and not self.stopping and self.detected_at is None
+        return not self.exited and not self.stopping and self.detected_at is None
 
 
 def _signal_name(signum: int) -> str:
@@ -192,8 +213,9 @@ class AttemptWatch:
             return state, []
         match event:
             case Exited():
-                detected = state.detected_at if state.detected_at is not None else event.at
-                return replace(state, returncode=event.returncode, detected_at=detected), []
+                return self._exited(state, event, now)
+            case Drained():
+                return replace(state, draining=False), []
             case Signalled():
                 return self._signalled(state, event, now)
             case Hung():
@@ -211,6 +233,21 @@ class AttemptWatch:
                 return self._tick(state, now)
         raise TypeError(f"not a watch event: {event!r}")
 
+    def _exited(self, state: WatchState, event: Exited, now: float) -> tuple[WatchState, list[WatchAction]]:
+        if state.exited:
+            return state, []
+        detected = state.detected_at
+        if detected is None:  # known no earlier than now: its exit, or what the attempt saw before it
+            detected = event.at if event.at is not None else now
+        state = replace(state, returncode=event.returncode, detected_at=detected, draining=event.outlived)
+        if not event.outlived or state.asked:
+            return state, []  # what is left got the job's signal already, and has the rest of its grace
+        # The command ended on its own and left processes running: they are asked to stop, then killed.
+        grace = self.config.hang_kill_grace_s
+        state = replace(state, kill_at=now + grace, stop_others_at=_NEVER, asked=True)
+        text = f"attempt {state.attempt}: processes outlived its command: SIGTERM to them, SIGKILL in {grace:g} s"
+        return state, [Say(text), SendSignal(signal.SIGTERM)]
+
     def _signalled(
         self, state: WatchState, event: Signalled, now: float
     ) -> tuple[WatchState, list[WatchAction]]:
@@ -218,6 +255,14 @@ class AttemptWatch:
         if event.count <= state.signals_seen:
             return state, actions
         state = replace(state, signals_seen=event.count)
+        if state.exited:
+            # Its end is known: a signal now only hurries what is left of it.
+            if not state.asked:
+                actions.append(SendSignal(forwarded_signal(event.signum)))
+                state = replace(state, kill_at=min(state.kill_at, now + self.config.grace_s), asked=True)
+            if event.count >= 2:
+                state = replace(state, kill_at=now)
+            return state, actions
         if not state.stopping:
             grace = self.config.grace_s
             name = _signal_name(event.signum)
@@ -232,7 +277,7 @@ class AttemptWatch:
                 as_ = "" if sent == event.signum else f" as {_signal_name(sent)}"
                 actions.append(Say(f"got {name}: forwarding it to the job{as_}, SIGKILL in {grace:g} s"))
                 actions.append(SendSignal(sent))
-            state = replace(state, forwarded=event.signum, kill_at=now + grace)
+            state = replace(state, forwarded=event.signum, kill_at=now + grace, asked=True)
         if event.count >= 2:
             state = replace(state, kill_at=min(state.kill_at, now))  # asked twice: no more grace
         return state, actions
@@ -242,7 +287,11 @@ class AttemptWatch:
             return state, []
         text = f"attempt {state.attempt}: no progress for {event.silence_s:.1f} s: hung, killing it"
         state = replace(
-            state, hung_after_s=event.silence_s, detected_at=now, kill_at=now + self.config.hang_kill_grace_s
+            state,
+            hung_after_s=event.silence_s,
+            detected_at=now,
+            kill_at=now + self.config.hang_kill_grace_s,
+            asked=True,
         )
         return state, [Say(text), SendSignal(signal.SIGTERM)]
 
@@ -251,7 +300,9 @@ class AttemptWatch:
     ) -> tuple[WatchState, list[WatchAction]]:
         if not state.watching_peers:
             return state, []
-        state = replace(state, peer_reason=event.reason, kill_at=now + self.config.hang_kill_grace_s)
+        state = replace(
+            state, peer_reason=event.reason, kill_at=now + self.config.hang_kill_grace_s, asked=True
+        )
         text = f"attempt {state.attempt}: {event.reason}: ending this node's part"
         return state, [Say(text), SendSignal(signal.SIGTERM)]
 
@@ -264,8 +315,10 @@ class AttemptWatch:
             )
             # The launcher itself is left to see its workers end and report the failure as usual.
             actions.append(SendSignal(signal.SIGTERM, include_launcher=False))
-            state = replace(state, kill_at=now + grace, stop_others_at=_NEVER)
+            state = replace(state, kill_at=now + grace, stop_others_at=_NEVER, asked=True)
         if now >= state.kill_at and not state.killed:
             actions.append(SendSignal(signal.SIGKILL))
             state = replace(state, killed=True)
+        if state.killed and state.draining:
+            state = replace(state, draining=False)  # what is left is swept
         return state, actions

@@ -203,13 +203,16 @@ class WorkerGroup:
             tree.update(p.known_tree())
         return tree
 
-    def signal_tree(self, sig: int, *, include_command: bool = True) -> None:
+    def signal_tree(self, sig: int, *, include_command: bool = True) -> list[int]:
         """`sig` to every worker (unless not `include_command`) and their descendants; from then on the
-        group sends no SIGTERM of its own."""
+        group sends no SIGTERM of its own. The pids it was sent to."""
         if sig != signal.SIGKILL:
             self._signalled = True
-        for p in self.procs:
-            p.signal_tree(sig, include_command=include_command)
+        return [pid for p in self.procs for pid in p.signal_tree(sig, include_command=include_command)]
+
+    def alive(self) -> list[int]:
+        """The workers and their descendants still running."""
+        return [pid for p in self.procs for pid in p.alive()]
 
     def kill_leftovers(self) -> None:
         for p in self.procs:
