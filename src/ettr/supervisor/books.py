@@ -95,15 +95,13 @@ class JobBooks:
         return self._ledger.read()
 
     def _open_url(self, url: str) -> Ledger:
-        from ettr.ledger.url import open_for_run, write_pointer
+        """The shared ledger at `url` (it leaves the pointer that lets `ettr report RUN_DIR` find the books)."""
+        from ettr.ledger.url import open_for_run
 
         try:
-            ledger = open_for_run(url, job_id=self.job_id, run_dir=self.run_dir, supervisor=True)
+            return open_for_run(url, job_id=self.job_id, run_dir=self.run_dir, supervisor=True)
         except UsageError as exc:
             raise UsageError(f"ettr run: {exc}") from None
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_pointer(self.run_dir, url, job_id=self.job_id)  # `ettr report RUN_DIR` finds the books
-        return ledger
 
     def open(self) -> int:
         """Open the job's books (a new job, or a requeued one: its earlier attempts closed, its leftover
