@@ -114,11 +114,15 @@ def test_a_requeue_after_a_killed_supervisor_kills_the_orphaned_trainer_and_fenc
         while _num_steps(run_dir, 0) < 5 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _num_steps(run_dir, 0) >= 5
+        # The supervisor's guard would end the trainer (test below): it is killed first, as a `kill -9` of
+        # every process of the user's would, so that the trainer outlives its supervisor.
+        (guard,) = _guards_of(supervisor.pid)
+        os.kill(guard, signal.SIGKILL)
         supervisor.kill()  # SIGKILL: no books closed, bash dies of its parent-death signal
         supervisor.wait(10)
         time.sleep(1.0)
         orphans = leftovers(run_dir)
-        assert orphans, "the trainer did not outlive its supervisor: nothing to test"  # the probe's finding
+        assert orphans, "the trainer did not outlive its supervisor: nothing to test"
         requeue = subprocess.run(
             [*ETTR, "run", "--run-dir", str(run_dir), "--max-restarts", "0", "--", sys.executable, str(trainer), "3"],
             capture_output=True, text=True, timeout=120, env=_env(),
@@ -132,6 +136,49 @@ def test_a_requeue_after_a_killed_supervisor_kills_the_orphaned_trainer_and_fenc
         late = [e for e in events if e.attempt == 0 and e.rank >= 0 and e.ts > end_0.ts]
         assert late == []
         assert [e.attempt for e in events if e.kind is EventKind.ATTEMPT_START] == [0, 1]
+    finally:
+        for orphan in leftovers(run_dir):
+            os.kill(orphan.pid, signal.SIGKILL)
+
+
+def _guards_of(supervisor: int) -> list[int]:
+    """The pids of the guards (`ettr.supervisor.guard`) the supervisor `supervisor` started."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            parent = int(Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"ettr.supervisor.guard" in cmdline and parent == supervisor:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_no_trainer_outlives_a_sigkilled_supervisor_behind_a_wrapper(tmp_path):
+    # PDEATHSIG ends bash (the supervisor's child); the python it started is ended by the supervisor's guard.
+    trainer = tmp_path / "train.py"
+    trainer.write_text(TRAINER)
+    run_dir = tmp_path / "run"
+    command = ["bash", "-c", f"{sys.executable} {trainer} 20000; true"]
+    supervisor = subprocess.Popen(
+        [*ETTR, "run", "--run-dir", str(run_dir), "--max-restarts", "0", "--", *command],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while _num_steps(run_dir, 0) < 5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _num_steps(run_dir, 0) >= 5
+        assert len(_guards_of(supervisor.pid)) == 1
+        supervisor.kill()
+        supervisor.wait(10)
+        deadline = time.monotonic() + 60
+        while leftovers(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the guard acts on the pipe's EOF; a loaded machine may be slow to run it
+        assert leftovers(run_dir) == []
+        assert not [p for p in _with_cmdline(str(trainer))]
     finally:
         for orphan in leftovers(run_dir):
             os.kill(orphan.pid, signal.SIGKILL)

@@ -28,6 +28,7 @@ from ettr.supervisor.books import JobBooks
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.containment import AttemptSweep
+from ettr.supervisor.guard import JobGuard
 from ettr.supervisor.launch import attempt_launch
 from ettr.supervisor.messages import say
 from ettr.supervisor.peers import Peers
@@ -84,6 +85,8 @@ class AttemptParts:
     clock: Callable[[], float] = time.time
     sweep: Callable[[int], Sweep] | None = None
     """Makes the attempt's end-of-attempt sweep (default: `AttemptSweep` of the run directory)."""
+    guard: JobGuard | None = None
+    """Ends the attempt's processes if the supervisor is killed (`ettr.supervisor.guard`)."""
 
 
 class AttemptRunner:
@@ -130,6 +133,8 @@ class AttemptRunner:
             end = AttemptEnd(outcome=Outcome.FAILED, exit_code=127, reason=f"cannot start: {exc}")
             return EndedAttempt(attempt=attempt, end=end, made_progress=False)
         sweep.spare(running.pids)  # the attempt reaps its own processes; the sweep must not
+        if p.guard is not None:
+            p.guard.watch(running.pids)
         books.append(
             EventKind.ATTEMPT_START,
             attempt=attempt,
@@ -158,6 +163,8 @@ class AttemptRunner:
             pids = ", ".join(map(str, swept))
             say(f"attempt {attempt}: killed {len(swept)} process(es) that outlived it (pids {pids})")
         running.finish()
+        if p.guard is not None:
+            p.guard.forget(running.pids)
         oom_after = oom_kill_count()
         events = books.attempt_events(attempt)
         end = classify(

@@ -36,6 +36,7 @@ from ettr.supervisor import agent, containment, slurm
 from ettr.supervisor.attempt import AttemptKind, CommandKind
 from ettr.supervisor.books import JobBooks
 from ettr.supervisor.config import RunConfig
+from ettr.supervisor.guard import JobGuard
 from ettr.supervisor.jobinfo import default_job_id
 from ettr.supervisor.launch import detect_launcher
 from ettr.supervisor.messages import say
@@ -118,6 +119,7 @@ class Supervisor:
                 f"{cfg.default_hang_timeout_s:g} s without progress"
             )
         kind = kind_for(cfg, self.run_dir)
+        guard = JobGuard.start(self.run_dir)  # no process of the job outlives a SIGKILLed supervisor
         runner = AttemptRunner(
             AttemptParts(
                 config=cfg,
@@ -126,6 +128,7 @@ class Supervisor:
                 peers=self.peers,
                 signals=self.signals,
                 family=self.family,
+                guard=guard,
             )
         )
         status = EXIT_FAILED
@@ -133,6 +136,8 @@ class Supervisor:
             status = self._lead(runner, first) if self.peers.leads else self._follow(runner, first)
         finally:
             kind.discard()
+            if guard is not None:
+                guard.close()
             last = self._ended[-1] if self._ended else None
             self.books.append(
                 EventKind.JOB_END,
