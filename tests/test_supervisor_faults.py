@@ -353,3 +353,25 @@ def test_the_python_behind_a_shell_wrapper_finishes_its_save_on_a_preemption(
     assert "outlived" not in err
     (end,) = supervisor_events(tmp_path / "run", EventKind.ATTEMPT_END)
     assert (end.data or {})["outcome"] == "preempted"
+
+
+@pytest.mark.parametrize("closed", [(1,), (1, 2), (0, 1, 2)])
+def test_a_closed_stdout_is_not_a_failure_of_the_job(tmp_path: Path, closed: tuple[int, ...]) -> None:
+    # `ettr run ... >&-`: the job writes to stdout (and stderr); it used to inherit a closed fd 1, or the
+    # supervisor's next file on it (echo: "write error: Bad file descriptor", the job booked failed).
+    run_dir = tmp_path / "run"
+    command = ["bash", "-c", "set -e; echo to stderr >&2; echo to stdout"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+
+    def close_fds() -> None:
+        for fd in closed:
+            os.close(fd)
+
+    done = subprocess.run(
+        [*ETTR, "run", "--run-dir", str(run_dir), "--max-restarts", "0", "--", *command],
+        env=env, preexec_fn=close_fds, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0
+    (end,) = supervisor_events(run_dir, EventKind.ATTEMPT_END)
+    assert (end.data or {})["outcome"] == "completed"
+    assert report(run_dir)["attempts"][0]["outcome"] == "completed"  # the ledger took none of the output

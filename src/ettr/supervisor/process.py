@@ -22,6 +22,28 @@ from ettr.procs import descendants, libc_prctl, running, set_parent_death_signal
 logger = logging.getLogger("ettr")
 
 
+def open_standard_fds() -> list[int]:
+    """Open /dev/null on whichever of fds 0, 1, 2 is closed (`ettr run ... >&-`); the fds it opened.
+
+    Otherwise the next file the supervisor opens (a pipe, the ledger itself) takes the lowest free number, and
+    the job inherits it as its stdout: a print failed with EBADF (the job was booked failed), or wrote into that
+    file. With /dev/null the job's output is discarded, as the closed stdout asked."""
+    opened = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+        if null != fd:  # a lower fd was closed too and took it: put it where it belongs
+            os.dup2(null, fd)
+            os.close(null)
+        os.set_inheritable(fd, True)  # the job's standard fd (os.open makes close-on-exec fds)
+        opened.append(fd)
+    return opened
+
+
 def _stdin_is_terminal() -> bool:
     try:
         return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()

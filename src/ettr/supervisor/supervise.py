@@ -43,6 +43,7 @@ from ettr.supervisor.messages import say
 from ettr.supervisor.multinode import peers_for
 from ettr.supervisor.peers import NoPeers, Peers
 from ettr.supervisor.policy import EndedAttempt, RestartPolicy, stopped_status
+from ettr.supervisor.process import open_standard_fds
 from ettr.supervisor.runner import AttemptParts, AttemptRunner
 from ettr.supervisor.signals import SupervisorSignals
 from ettr.supervisor.workers import WorkerGroupKind
@@ -102,6 +103,7 @@ class Supervisor:
 
         The signal handlers are in place from the first instant to the last: a signal before the first
         attempt ends the job at once with its books opened and closed (no traceback, nothing left open)."""
+        open_standard_fds()  # before any file is opened: a closed stdout must not become the job's ledger
         self.signals.install()
         try:
             return self._run()
