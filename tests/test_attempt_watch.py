@@ -225,6 +225,12 @@ class FakeAttempt:
     def start_data(self) -> dict[str, Any]:
         return {"kind": "fake"}
 
+    def describe(self) -> str:
+        return "a fake"
+
+    def failed_pids(self) -> list[int]:
+        return []
+
     def events(self) -> list[AttemptEvent]:
         if self.returncode is None and self.exits_at is not None and self.clock.now >= self.exits_at:
             self.returncode = self.code

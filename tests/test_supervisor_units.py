@@ -356,3 +356,106 @@ def test_hangups_and_quits_reach_the_job_as_sigterm() -> None:
         signal.SIGTERM
     ] * 4
     assert forwarded_signal(signal.SIGINT) == signal.SIGINT
+
+
+# -- what the failure line says ---------------------------------------------------------------------------
+def _rank_start(rank: int, pid: int) -> Event:
+    return Event(EventKind.PROCESS_START, 1.0, 0, rank, data={"pid": pid})
+
+
+def test_a_ddp_kill_of_rank_1_blames_rank_1_not_rank_0s_connection_error() -> None:
+    lost_peer = Event(
+        EventKind.FAILURE, 2.0, 0, 0,
+        data={"exception": "DistBackendError", "message": "Connection closed by peer [127.0.0.1]:29500"},
+    )  # fmt: skip
+    events = [_rank_start(0, 100), _rank_start(1, 101), lost_peer]
+    # ettr's agent: rank 1's worker exited first (SIGKILL); its status is the attempt's.
+    agent = classify(returncode=-signal.SIGKILL, events=events, failed_pids=[101])
+    assert agent.reason == "killed by SIGKILL (rank 1)" and agent.exception is None
+    # The real torchrun: the supervisor saw rank 1's process die first; torchrun's summary has its status.
+    summary = [
+        "Root Cause (first observed failure):", "[0]:", "  time      : 2026-12-02_07:00:00",
+        "  rank      : 1 (local_rank: 1)", "  exitcode  : -9 (pid: 101)",
+        "  traceback : Signal 9 (SIGKILL) received by PID 101",
+    ]  # fmt: skip
+    torchrun = classify(returncode=1, events=events, failed_pids=[77, 101, 100], stderr_tail=summary)
+    assert torchrun.signal == "SIGKILL" and torchrun.exception is None
+    assert torchrun.reason == "killed by SIGKILL (the launcher exited 1) (rank 1)"
+    # Without knowing who died first, the recorded failure is all there is (as before).
+    unknown = classify(returncode=1, events=events)
+    assert unknown.exception == "DistBackendError" and unknown.reason == "exit status 1: DistBackendError"
+    # The failed rank's own exception wins over the peer's.
+    own = Event(EventKind.FAILURE, 1.5, 0, 1, data={"exception": "ValueError", "message": "bad batch"})
+    crashed = classify(returncode=1, events=[*events, own], failed_pids=[101])
+    assert (crashed.exception, crashed.message) == (
+        "ValueError",
+        "bad batch",
+    ) and "(rank 1)" in crashed.reason
+
+
+def test_a_sigkill_behind_a_shell_wrapper_is_said_as_such() -> None:
+    wrapped = classify(returncode=137, wrapper=True, oom_killed=True)
+    assert wrapped.signal == "SIGKILL" and wrapped.exit_code == 137 and wrapped.oom
+    assert wrapped.reason.startswith("killed by SIGKILL (behind its shell wrapper, which exited 137)")
+    terminated = classify(returncode=143, wrapper=True)
+    assert terminated.outcome is Outcome.PREEMPTED  # a SIGTERM nobody asked the supervisor for
+    assert classify(returncode=137).reason == "exit status 137"  # a program's own status stays one
+    assert classify(returncode=3, wrapper=True).reason == "exit status 3"
+
+
+def test_shell_commands_are_told_from_programs(tmp_path: Path) -> None:
+    from ettr.supervisor.launch import is_shell_command
+
+    script, env_script, python_script = tmp_path / "a.sh", tmp_path / "b", tmp_path / "c"
+    script.write_text("#!/bin/bash\npython train.py\n")
+    env_script.write_text("#!/usr/bin/env sh\n")
+    python_script.write_text("#!/usr/bin/env python3\n")
+    assert is_shell_command(["bash", "-c", "x"]) and is_shell_command(["/bin/sh", "run.sh"])
+    assert is_shell_command([str(script)]) and is_shell_command([str(env_script)])
+    assert not is_shell_command([str(python_script)]) and not is_shell_command(["python", "t.py"])
+    assert not is_shell_command([str(tmp_path / "missing")]) and not is_shell_command([])
+
+
+def test_the_failure_line_carries_the_exception_message() -> None:
+    from ettr.supervisor.classify import AttemptEnd
+    from ettr.supervisor.messages import ended_line
+
+    end = classify(
+        returncode=1,
+        events=[
+            Event(EventKind.FAILURE, 1.0, 0, 0, data={"exception": "ValueError", "message": "bad\nbatch"})
+        ],
+    )
+    assert ended_line(2, end, "restarting in 0 s (1 of 3)") == (
+        "attempt 2 failed: exit status 1: ValueError: bad; restarting in 0 s (1 of 3)"
+    )
+    long = AttemptEnd(
+        outcome=Outcome.FAILED, exit_code=1, reason="exit status 1: E", exception="E", message="x" * 999
+    )
+    assert len(ended_line(0, long, "no restarts left")) < 300
+
+
+def test_during_a_ledger_outage_the_attempts_failure_is_read_from_the_spill_files(tmp_path: Path) -> None:
+    import json
+
+    from ettr.ledger import LedgerError, MemoryLedger
+    from ettr.ledger.rows import to_row
+    from ettr.ledger.spill import spill_dir
+
+    class Away(MemoryLedger):
+        def read(self) -> list[Event]:
+            raise LedgerError("the ledger server is unreachable")
+
+    failure = Event(
+        EventKind.FAILURE, 5.0, 3, 0, data={"exception": "InjectedCrash", "message": "crash@step=7"}
+    )
+    directory = spill_dir(tmp_path)
+    directory.mkdir()
+    for job, name in (("j", "w1.jsonl"), ("other", "w2.jsonl")):
+        header = {"spill": 1, "job_id": job, "writer": name, "node": "h"}
+        (directory / name).write_text(json.dumps(header) + "\n" + json.dumps([0, *to_row(failure)]) + "\n")
+    job_books = books.JobBooks(
+        RunConfig(command=("true",)), run_dir=tmp_path, job_id="j", family="f", ledger=Away()
+    )
+    assert job_books.attempt_events(3) == [failure]  # this job's file only
+    assert job_books.failure_recorded(3) and not job_books.failure_recorded(4)

@@ -66,6 +66,10 @@ class Attempt(Protocol):
         """What ATTEMPT_START records about this kind beside pid and command."""
         ...
 
+    def describe(self) -> str:
+        """What was started, for people (`pid 4242, in a warm standby`)."""
+        ...
+
     def events(self) -> list[AttemptEvent]:
         """What happened since the last call (called every poll; it drives the attempt's own teardown, such as
         ettr's agent stopping the other workers after a failed one): `Exited` once it is over, else
@@ -80,6 +84,11 @@ class Attempt(Protocol):
 
     def alive(self) -> list[int]:
         """Its processes still running (not zombies), those whose parent died included."""
+        ...
+
+    def failed_pids(self) -> list[int]:
+        """Its processes in the order they were seen to end before it did (the failed worker first): the
+        failed rank is the first of them that is a rank (`classify`)."""
         ...
 
     def remember_tree(self) -> None:
@@ -142,6 +151,10 @@ class CommandAttempt:
     def start_data(self) -> dict[str, Any]:
         return {}
 
+    def describe(self) -> str:
+        where = {"warm": ", in a warm standby", "promoted": ", in a standby promoted from its warm-up"}
+        return f"pid {self.pid}" + where.get(self.relaunch.path, "")
+
     def events(self) -> list[AttemptEvent]:
         returncode = self.process.poll()
         if returncode is not None:
@@ -153,6 +166,9 @@ class CommandAttempt:
 
     def alive(self) -> list[int]:
         return self.process.alive()
+
+    def failed_pids(self) -> list[int]:
+        return list(self._ranks.died)
 
     def remember_tree(self) -> None:
         self.process.remember_tree()

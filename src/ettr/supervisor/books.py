@@ -298,12 +298,31 @@ class JobBooks:
         return self._writer().read_supervisor()
 
     def attempt_events(self, attempt: int) -> list[Event]:
-        """The training processes' events of `attempt` ([] when the books cannot be read)."""
+        """The training processes' events of `attempt`. While the books cannot be read (a ledger server
+        outage), what this job's processes spilled in the run directory: the attempt's FAILURE is there."""
         try:
             events = self.read()
         except Exception:
-            return []
+            events = self._spilled()
         return [e for e in events if e.attempt == attempt and e.rank >= 0]
+
+    def _spilled(self) -> list[Event]:
+        """The events of this job in the run directory's spill files (`ettr.ledger.spill`)."""
+        from ettr.ledger.spill import read_spill, spill_dir
+
+        try:
+            paths = sorted(p for p in spill_dir(self.run_dir).iterdir() if not p.name.startswith("."))
+        except OSError:
+            return []
+        found: list[Event] = []
+        for path in paths:
+            try:
+                header, records = read_spill(path)
+            except (LedgerError, OSError):
+                continue  # not a spill file, or gone (delivered) meanwhile
+            if header.get("job_id") == self.job_id:  # another job's file says nothing of this one
+                found.extend(record.event for record in records)
+        return sorted(found, key=lambda e: e.ts)
 
     def failure_recorded(self, attempt: int) -> bool:
         """Whether a training process of `attempt` recorded a FAILURE."""

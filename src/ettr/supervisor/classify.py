@@ -29,7 +29,9 @@ class AttemptEnd:
     exit_code: int | None
     """The command's exit status; for a death by signal, 128 + the signal number (as a shell reports it)."""
     signal: str | None = None
-    """Name of the signal that ended the command (SIGKILL, ...), if one did."""
+    """Name of the signal that ended the command (SIGKILL, ...), if one did: the command itself, what its
+    shell wrapper ran (a shell exits 128 + N after its child's death by signal N), or the failed rank behind
+    a launcher (torchrun's failure summary)."""
     reason: str = ""
     """One line for people: what ended the attempt."""
     exception: str | None = None
@@ -82,6 +84,34 @@ def exception_line_from_stderr(lines: Sequence[str]) -> tuple[str, str | None] |
     return found
 
 
+_TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\b")
+_TORCHRUN_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\b")
+
+
+def torchrun_exitcodes(lines: Sequence[str]) -> dict[int, int]:
+    """rank -> exit code of the failed workers that torchrun's failure summary (ChildFailedError) lists in
+    `lines` (negative: killed by that signal)."""
+    found: dict[int, int] = {}
+    rank: int | None = None
+    for line in lines:
+        if match := _TORCHRUN_RANK.match(line):
+            rank = int(match.group(1))
+        elif (match := _TORCHRUN_EXITCODE.match(line)) and rank is not None:
+            found.setdefault(rank, int(match.group(1)))
+            rank = None
+    return found
+
+
+def _wrapped_signal(returncode: int) -> int | None:
+    """The signal N a shell's exit status 128 + N names, if it is one."""
+    if not 128 < returncode < 128 + 65:
+        return None
+    try:
+        return int(signal.Signals(returncode - 128))
+    except ValueError:
+        return None
+
+
 def exception_from_stderr(lines: Sequence[str]) -> str | None:
     """The exception type of the last Python traceback in `lines` (None if there is none)."""
     found = exception_line_from_stderr(lines)
@@ -96,40 +126,74 @@ def classify(
     preempted_by: int | None = None,
     hung_after_s: float | None = None,
     oom_killed: bool = False,
+    failed_pids: Sequence[int] = (),
+    wrapper: bool = False,
 ) -> AttemptEnd:
     """Classify how an attempt ended.
 
     Args:
         returncode: `Popen.returncode` (negative: killed by that signal).
         stderr_tail: the last lines of its stderr.
-        events: the attempt's events from training processes (FAILURE and `inject` marks are used).
+        events: the attempt's events from training processes (FAILURE, PROCESS_START and `inject` marks are
+            used).
         preempted_by: the signal the supervisor received and forwarded (the attempt was preempted).
         hung_after_s: set when the hang watchdog killed the attempt: the silence it saw.
         oom_killed: the cgroup's OOM-kill counter rose during the attempt.
+        failed_pids: the attempt's processes in the order they were seen to end (ettr's agent: the failed
+            worker; under a launcher, the ranks the supervisor saw die). The first of them that is a rank is
+            the failure: its exception, not the connection error another rank died of after it.
+        wrapper: the command is a shell, whose exit status 128 + N says that what it ran died of signal N.
     """
     sig = -returncode if returncode < 0 else None
     exit_code = 128 + sig if sig is not None else returncode
+    rank_of = {
+        e.data["pid"]: e.rank
+        for e in events
+        if e.kind is EventKind.PROCESS_START and e.data and isinstance(e.data.get("pid"), int)
+    }
+    root = next((rank_of[pid] for pid in failed_pids if pid in rank_of), None)
+    failures = [e for e in events if e.kind is EventKind.FAILURE and (e.data or {}).get("exception")]
+    blamed = [e for e in failures if root is None or e.rank == root]
     exception: str | None = None
     message: str | None = None
-    injected = None
-    for e in events:
-        data = e.data or {}
-        if e.kind is EventKind.FAILURE and exception is None and data.get("exception"):
-            exception = str(data["exception"])
-            message = str(data["message"])[:500] if data.get("message") else None
-        elif e.kind is EventKind.MARK and data.get("name") == "inject" and injected is None:
-            injected = str(data.get("spec"))
-    if exception is None and returncode != 0:
+    if blamed:
+        data = blamed[0].data or {}
+        exception = str(data["exception"])
+        message = str(data["message"])[:500] if data.get("message") else None
+    injected = next(
+        (
+            str((e.data or {}).get("spec"))
+            for e in events
+            if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"
+        ),
+        None,
+    )
+    if exception is None and returncode != 0 and not (root is not None and failures):
+        # (a traceback in stderr is the failed rank's own unless another rank recorded its failure)
         found = exception_line_from_stderr(stderr_tail)
         if found is not None:
             exception, message = found
+    behind = None  # the signal that ended what the command ran: its shell's 128 + N, torchrun's summary
+    if sig is None and returncode != 0:
+        if wrapper:
+            behind = _wrapped_signal(returncode)
+        elif root is not None and torchrun_exitcodes(stderr_tail).get(root, 0) < 0:
+            behind = -torchrun_exitcodes(stderr_tail)[root]
     tail_text = "\n".join(stderr_tail)
     oom = (
-        (sig == signal.SIGKILL and oom_killed)
+        (signal.SIGKILL in (sig, behind) and oom_killed)
         or exception in _OOM_EXCEPTIONS
         or (returncode != 0 and any(t in tail_text for t in _OOM_TEXT))
     )
-    how = f"killed by {signal_name(sig)}" if sig is not None else f"exit status {returncode}"
+    if sig is not None:
+        how = f"killed by {signal_name(sig)}"
+    elif behind is not None and wrapper:
+        how = f"killed by {signal_name(behind)} (behind its shell wrapper, which exited {returncode})"
+    elif behind is not None:
+        how = f"killed by {signal_name(behind)} (the launcher exited {returncode})"
+    else:
+        how = f"exit status {returncode}"
+    ended_by = sig if sig is not None else behind
     if hung_after_s is not None:
         outcome = Outcome.HUNG
         reason = f"no progress and no heartbeat for {hung_after_s:.1f} s; {how}"
@@ -142,20 +206,22 @@ def classify(
     elif returncode == 0:
         outcome = Outcome.COMPLETED
         reason = "completed"
-    elif sig == signal.SIGTERM:
+    elif ended_by == signal.SIGTERM:
         # Nobody asked the supervisor to stop, yet the job got SIGTERM: a scheduler or an operator
         # preempting it directly. Counted as a preemption, and restarted like a failure.
         outcome = Outcome.PREEMPTED
         reason = f"{how}, not asked of the supervisor (a scheduler or an operator)"
     else:
         outcome = Outcome.FAILED
+        if root is not None and len(set(rank_of.values())) > 1:
+            how += f" (rank {root})"  # the rank that failed first, not one that lost it as a peer
         reason = how + (" (out of memory)" if oom else "") + (f": {exception}" if exception else "")
     if injected:
         reason += f" [injected {injected}]"
     return AttemptEnd(
         outcome=outcome,
         exit_code=exit_code,
-        signal=signal_name(sig) if sig is not None else None,
+        signal=signal_name(ended_by) if ended_by is not None else None,
         reason=reason,
         exception=exception,
         message=message,

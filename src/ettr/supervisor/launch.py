@@ -45,6 +45,30 @@ def _launcher_args_at(command: Sequence[str]) -> int:
     return _python_module(command)[1]
 
 
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "busybox"})
+
+
+def is_shell_command(command: Sequence[str]) -> bool:
+    """Whether `command` runs a shell (`bash -c ...`, `sh run.sh`, `./run.sh` with a shell's `#!` line): its
+    exit status 128 + N then says that what it ran died of signal N."""
+    if not command:
+        return False
+    if os.path.basename(command[0]) in _SHELLS:
+        return True
+    try:
+        with open(command[0], "rb") as f:
+            first = f.readline(256).decode(errors="replace")
+    except OSError:
+        return False
+    if not first.startswith("#!"):
+        return False
+    words = first[2:].split()
+    names = [os.path.basename(w) for w in words[:2]]  # `#!/bin/bash`, `#!/usr/bin/env bash`
+    return bool(names) and (
+        names[0] in _SHELLS or (names[0] == "env" and len(names) > 1 and names[1] in _SHELLS)
+    )
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

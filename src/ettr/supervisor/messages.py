@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import errno
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ettr.supervisor.classify import AttemptEnd
+
+_MESSAGE_CHARS = 240
 
 
 def say(message: str) -> None:
@@ -16,6 +22,39 @@ def say(message: str) -> None:
         print(f"ettr: {message}", file=sys.stderr, flush=True)
     except (OSError, ValueError):
         pass
+
+
+def ended_line(attempt: int, end: AttemptEnd, then: str) -> str:
+    """`attempt 3 failed: exit status 1: ValueError: bad batch [injected ...]; restarting in 0 s (1 of 3)`:
+    the attempt's recorded reason with the exception's message after its name (first line, shortened)."""
+    reason = end.reason
+    if end.exception and end.message:
+        text = end.message.strip().splitlines()[0] if end.message.strip() else ""
+        if len(text) > _MESSAGE_CHARS:
+            text = text[: _MESSAGE_CHARS - 3] + "..."
+        named = f": {end.exception}"
+        if text and named in reason:
+            at = reason.index(named) + len(named)
+            reason = f"{reason[:at]}: {text}{reason[at:]}"
+    return f"attempt {attempt} {end.outcome}: {reason}; {then}"
+
+
+class Progress:
+    """When a wait worth telling about has lasted `after_s`, and every `every_s` after: `due(now)` is True.
+
+    `ettr run` is never silent for long: a restart's back-off, a job given its grace to exit, node 0 waiting
+    for its peers each say where they stand while they last."""
+
+    def __init__(self, started_at: float, *, after_s: float = 5.0, every_s: float = 10.0) -> None:
+        self.started_at = started_at
+        self._next = started_at + after_s
+        self._every_s = every_s
+
+    def due(self, now: float) -> bool:
+        if now < self._next:
+            return False
+        self._next = now + self._every_s
+        return True
 
 
 def describe_os_error(exc: BaseException) -> str:

@@ -38,7 +38,7 @@ from ettr.supervisor.books import JobBooks
 from ettr.supervisor.classify import AttemptEnd
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.launch import free_port, torchrun_options
-from ettr.supervisor.messages import say
+from ettr.supervisor.messages import Progress, say
 from ettr.supervisor.peers import NodeRole, NoPeers, Peers, PeerView, Turn
 from ettr.supervisor.signals import SupervisorSignals
 
@@ -198,6 +198,7 @@ class LeaderPeers:
             return end
         # This node's part completed: the attempt completed when every peer's part did.
         started = time.time()
+        waiting = Progress(started)
         while True:
             now = time.time()
             node.beat(attempt, now)
@@ -207,8 +208,14 @@ class LeaderPeers:
                 if trouble is not None:
                     say(f"attempt {attempt}: {trouble}")
                     return node.peer_ended(end, trouble)
-                if all((attempt, n) in view.node_ends for n in node.role.peers):
+                running = [n for n in node.role.peers if (attempt, n) not in view.node_ends]
+                if not running:
                     return end
+                if waiting.due(now):
+                    nodes = ", ".join(map(str, running))
+                    say(
+                        f"attempt {attempt}: this node's part completed; waiting for node(s) {nodes} to end theirs"
+                    )
             if signals.first is not None:
                 return end
             signals.wait(node.interval_s)
@@ -232,6 +239,7 @@ class FollowerPeers:
         self._done = -1  # the latest attempt this node joined under an earlier supervisor
         self._start_index = 0  # positions in the supervisors' events: a JOB_END before it is an earlier run's
         self._waiting_since: float | None = None
+        self._waiting: Progress | None = None
 
     def open(self, books: JobBooks) -> int:
         node = self.node
@@ -318,9 +326,11 @@ class FollowerPeers:
             self._waiting_since = None
             return Turn(attempt=attempt)
         if self._waiting_since is None:
-            self._waiting_since = now
+            self._waiting_since, self._waiting = now, Progress(now, after_s=10.0, every_s=30.0)
             say(f"node {node.role.node_rank}: waiting for node 0 to open the next attempt")
         waited = now - self._waiting_since
+        if self._waiting is not None and self._waiting.due(now):
+            say(f"node {node.role.node_rank}: still waiting for node 0 ({waited:.0f} s)")
         if waited > node.config.follower_wait_s and (
             view.last_beat.get(0) is None or self._leader_lost(view, now)
         ):

@@ -29,8 +29,8 @@ from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.containment import AttemptSweep
 from ettr.supervisor.guard import JobGuard
-from ettr.supervisor.launch import attempt_launch
-from ettr.supervisor.messages import say
+from ettr.supervisor.launch import attempt_launch, is_shell_command
+from ettr.supervisor.messages import Progress, say
 from ettr.supervisor.peers import Peers
 from ettr.supervisor.policy import EndedAttempt
 from ettr.supervisor.restart import ExitWaker, stopped_after_peer_failure, trained
@@ -148,6 +148,7 @@ class AttemptRunner:
             relaunch = Relaunch(path="cold", why="the first attempt this supervisor started")
         self._launched = True
         books.append(EventKind.MARK, attempt=attempt, ts=started, name=RELAUNCH_MARK, **relaunch.to_data())
+        say(f"attempt {attempt} started: {running.describe()}")
         state = self._watch(running, attempt, started=started, sweep=sweep, restarts_left=restarts_left)
         assert state.returncode is not None
         books.append(
@@ -174,6 +175,8 @@ class AttemptRunner:
             preempted_by=state.forwarded,
             hung_after_s=state.hung_after_s,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
+            failed_pids=running.failed_pids(),
+            wrapper=is_shell_command(launch.argv),
         )
         if state.rank_failed:
             end = stopped_after_peer_failure(end)
@@ -196,6 +199,7 @@ class AttemptRunner:
             armed_at_start=cfg.hang_timeout_s is not None,
         )
         state = self.watch.start(attempt)
+        waiting: Progress | None = None  # for the job to exit, once asked to
         standby_tried = restarts_left <= 0
         snapshot_at = float("-inf")
         waker = ExitWaker(running.pids, p.signals.wake)  # the loop wakes the instant a process exits
@@ -205,6 +209,12 @@ class AttemptRunner:
                 state = self._look(state, running, sweep, dog, now=now, started=started)
                 if state.done:
                     return state
+                if state.asked and not state.killed:
+                    waiting = waiting or Progress(now)
+                    if waiting.due(now):
+                        what = "what outlived its command" if state.exited else "the job"
+                        left_s = max(0.0, state.kill_at - now)
+                        say(f"attempt {attempt}: waiting for {what} to exit (SIGKILL in {left_s:.0f} s)")
                 if not standby_tried and standby.due(
                     now - started, lambda: has_trained(p.books.run_dir, attempt)
                 ):

@@ -39,7 +39,7 @@ from ettr.supervisor.config import RunConfig
 from ettr.supervisor.guard import JobGuard
 from ettr.supervisor.jobinfo import default_job_id
 from ettr.supervisor.launch import detect_launcher
-from ettr.supervisor.messages import say
+from ettr.supervisor.messages import Progress, ended_line, say
 from ettr.supervisor.multinode import peers_for
 from ettr.supervisor.peers import NoPeers, Peers
 from ettr.supervisor.policy import EndedAttempt, RestartPolicy, stopped_status
@@ -175,13 +175,16 @@ class Supervisor:
             self._ended.append(ended)
             end = ended.end
             if end.outcome is not Outcome.COMPLETED:
-                say(f"attempt {attempt} {end.outcome}: {end.reason}; {decision.why}")
+                say(ended_line(attempt, end, decision.why))
             if not decision.restart:
                 assert decision.exit_status is not None
                 return decision.exit_status
             deadline = time.monotonic() + decision.wait_s
+            waiting = Progress(time.monotonic())
             while self.signals.first is None and (wait_s := deadline - time.monotonic()) > 0:
-                self.signals.wait(wait_s)
+                self.signals.wait(min(wait_s, 1.0))
+                if waiting.due(time.monotonic()) and deadline - time.monotonic() > 1.0:
+                    say(f"attempt {attempt + 1} starts in {deadline - time.monotonic():.0f} s (back-off)")
             self.books.append(EventKind.MARK, attempt=attempt, name=BACKOFF_MARK, wait_s=decision.wait_s)
             restarts += 1
             attempt += 1

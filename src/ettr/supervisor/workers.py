@@ -147,6 +147,11 @@ class WorkerGroup:
     def start_data(self) -> dict[str, Any]:
         return {"agent": "ettr", "worker_pids": self.pids}
 
+    def describe(self) -> str:
+        num_warm = sum(self.warm)
+        warm = f", {num_warm} in warm standbys" if num_warm else ""
+        return f"{len(self.procs)} worker(s), pids {', '.join(map(str, self.pids))}{warm}"
+
     def events(self) -> list[AttemptEvent]:
         """`Exited` (at the failed worker's exit) once every worker is gone, else `Exiting` while only their
         interpreters' teardown is left (drives the teardown after a failure: see `poll`)."""
@@ -213,6 +218,10 @@ class WorkerGroup:
     def alive(self) -> list[int]:
         """The workers and their descendants still running."""
         return [pid for p in self.procs for pid in p.alive()]
+
+    def failed_pids(self) -> list[int]:
+        """The worker whose failure ended the group."""
+        return [] if self.failed_rank is None else [self.procs[self.failed_rank].pid]
 
     def kill_leftovers(self) -> None:
         for p in self.procs:
