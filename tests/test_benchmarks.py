@@ -41,6 +41,10 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "report_step_slowdown.thread", "report_step_slowdown.process", "ratios.ettr_over_memcpy",
         "ratios.torch_save_over_ettr",
     ),
+    "compile_store.py": (
+        "store_bytes", "unshared_bytes", "size_ratio", "first_save_s", "later_save_s_median",
+        "later_unshared_save_s_median",
+    ),
     "compile_start.py": (
         "first_step_s.cold", "first_step_s.megacache", "first_step_s.ettr_store", "tts_s.sequential",
         "tts_s.overlapped", "tts_s.longest_phase", "ratios.ettr_store_over_cold",
@@ -83,8 +87,8 @@ FIGURES: dict[str, tuple[str, ...]] = {
 # Quick modes that start real jobs, compile, or a database server: minutes on a loaded machine (`make test-fast`
 # leaves them out; `make test` runs them).
 SLOW = {
-    "accounting_scale.py", "checkpoint_faults.py", "checkpoint_stall.py", "compile_start.py", "fleet_scale.py",
-    "ledger_scale.py", "publish_shutdown.py", "recovery.py", "standby_race.py",
+    "accounting_scale.py", "checkpoint_faults.py", "checkpoint_stall.py", "compile_start.py", "compile_store.py",
+    "fleet_scale.py", "ledger_scale.py", "publish_shutdown.py", "recovery.py", "standby_race.py",
 }  # fmt: skip
 NEEDS_POSTGRES = {"ledger_scale.py"}
 QUICK_TIMEOUT_S = 1200

@@ -145,13 +145,14 @@ def test_a_warm_start_from_the_store_reuses_compiled_kernels(tmp_path):
         if e.kind is EventKind.MARK and e.data.get("action") == "save"
     ]
     assert saves and saves[-1]["status"] == "saved"
-    assert {"inductor_cache.tar", "precompiled_headers.tar"} <= set(saves[-1]["artifacts"])
+    assert "inductor_cache" in saves[-1]["artifacts"]
+    assert saves[-1]["headers"] in ("saved", "shared")  # the build's header: in its own entry
 
     warm, _ = _run_job(
         tmp_path, tmp_path / "warm", 0, backend="inductor", shapes="4", store=store, mode="inference"
     )
     assert warm["restore"]["status"] == "hit"
-    assert "inductor_cache.tar" in warm["restore"]["restored"]
+    assert "inductor_cache" in warm["restore"]["restored"]
     assert warm["fxgraph_cache_hit"] >= 1 and warm["fxgraph_cache_miss"] == 0
 
 

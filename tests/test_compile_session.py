@@ -3,6 +3,7 @@ refuse a tampered entry, save only what changed, and never raise."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from ettr.compile.backend import MemoryBackend  # noqa: E402
 from ettr.compile.hooks import CompileRecord  # noqa: E402
 from ettr.compile.key import StoreKey  # noqa: E402
 from ettr.compile.session import STORE_MARK, CompileConfig, CompileSession  # noqa: E402
-from ettr.compile.store import CompileStore  # noqa: E402
+from ettr.compile.store import CompileStore, blob_path  # noqa: E402
 from ettr.events import EventKind  # noqa: E402
 from ettr.ledger import MemoryLedger  # noqa: E402
 from ettr.recorder import Recorder  # noqa: E402
@@ -137,10 +138,8 @@ def test_a_tampered_entry_is_refused_and_nothing_is_unpacked(node, tmp_path):
     first, rec = _session(store, tmp_path)
     first.save()
     rec.close()
-    manifest = json.loads(backend.read(f"{KEY.digest}/manifest.json"))
-    blob = manifest["files"][artifacts.INDUCTOR_ARCHIVE]["blob"]
-    evil, _ = artifacts.pack_dir(cache, compress=False)
-    backend.write(f"{KEY.digest}/{blob}", evil.replace(b"good", b"evil"))
+    stored = store.head(KEY).artifacts[artifacts.INDUCTOR_ARCHIVE]["kernel.so"]
+    backend.write(blob_path(stored.sha256, compressed=backend.compress), gzip.compress(b"evil"))
 
     cache2, _ = node("fresh")
     fresh, rec = _session(store, tmp_path)
@@ -148,6 +147,45 @@ def test_a_tampered_entry_is_refused_and_nothing_is_unpacked(node, tmp_path):
     assert fresh.last_restore["status"] == "refused"
     assert not (cache2 / "kernel.so").exists()
     rec.close()
+
+
+def test_a_new_workload_restores_its_builds_precompiled_headers(node, tmp_path):
+    # The header is the same for every model of one torch/compiler build: it is saved once, under the
+    # build's key, and a workload that never ran before gets it (inductor does not build it again).
+    backend = CountingBackend()
+    store = CompileStore(backend)
+    cache, headers = node("first")
+    cache.mkdir(parents=True)
+    (cache / "a.so").write_bytes(b"a" * 10)
+    headers.mkdir(parents=True)
+    (headers / "prefix.h.gch").write_bytes(b"h" * 1000)
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    assert first.last_save["headers"] == "saved"
+    rec.close()
+
+    other = StoreKey(**{**{k: v for k, v in KEY.components().items() if k != "key_version"}, "user_key": "b"})
+    cache2, headers2 = node("second")
+    session = CompileSession(
+        Recorder(MemoryLedger(), run_dir=tmp_path / "run2", flush_interval_s=60),
+        CompileConfig(store="memory", include_megacache=False, save_at_exit=False),
+        store=store,
+        key=other,
+    )
+    session.prepare()
+    assert session.last_restore["status"] == "miss"  # no entry of its own yet ...
+    assert session.last_restore["restored"] == [artifacts.HEADERS_ARCHIVE]  # ... but the build's header
+    assert (headers2 / "prefix.h.gch").read_bytes() == b"h" * 1000
+    cache2.mkdir(parents=True, exist_ok=True)
+    (cache2 / "b.so").write_bytes(b"b" * 10)
+    _compiled_something(session)
+    backend.reads.clear()
+    assert session.save() is True
+    assert session.last_save["headers"] == "shared"  # listed already: not read, not written again
+    assert not any("prefix" in path for path in backend.reads)
+    usage = store.usage()
+    assert usage.num_entries == 3 and usage.stored_bytes == 10 + 10 + 1000
 
 
 def test_learned_sources_go_to_the_run_directory_and_the_store(node, tmp_path):
@@ -168,7 +206,7 @@ def test_learned_sources_go_to_the_run_directory_and_the_store(node, tmp_path):
     assert first.save() is True
     saved = json.loads((tmp_path / "run" / "compile" / "dynamic.json").read_text())
     assert saved["sources"] == ["L['x']:0"]
-    assert store.load(KEY, names=set()).meta["dynamic_sources"] == ["L['x']:0"]
+    assert store.head(KEY).meta["dynamic_sources"] == ["L['x']:0"]
     rec.close()
 
     with torch.compiler.config.patch(dynamic_sources=""):

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import io
+import gzip
 import json
-import tarfile
 
 import pytest
 
 from ettr.compile import artifacts
 from ettr.compile.backend import FsspecBackend, LocalBackend, MemoryBackend, open_backend
 from ettr.compile.key import StoreKey, current_key
-from ettr.compile.store import CompileStore, EntryRefused, StoreConfig
+from ettr.compile.store import CompileStore, EntryRefused, StoreConfig, blob_path
 
 
 def _key(user_key: str = "job", torch_version: str = "2.13.0") -> StoreKey:
@@ -35,92 +34,135 @@ def backend(request, tmp_path):
     return FsspecBackend(f"memory://ettr-test-{tmp_path.name}")
 
 
+def _files(store: CompileStore, key: StoreKey) -> dict[str, dict[str, bytes]] | None:
+    """Every file of `key`'s entry, read and checked (None: no entry)."""
+    entry = store.head(key)
+    if entry is None:
+        return None
+    return {name: {rel: store.read(f) for rel, f in tree.items()} for name, tree in entry.artifacts.items()}
+
+
+def _blob_paths(backend) -> list[str]:
+    return [
+        f"blobs/{shard}/{name}" for shard in backend.list("blobs") for name in backend.list(f"blobs/{shard}")
+    ]
+
+
 def test_save_then_load_returns_the_same_artifacts_and_meta(backend):
     store = CompileStore(backend)
-    files = {"a.bin": b"kernel" * 100, "b.tar.gz": b"\x00\x01" * 10}
-    size = store.save(_key(), files, meta={"dynamic_sources": ["L['x']:0"]})
-    entry = store.load(_key())
-    assert entry is not None
-    assert dict(entry.files) == files and size == entry.size_bytes
+    artifacts_ = {"cache": {"ab/kernel.so": b"kernel" * 100, "graph": b"\x00\x01" * 10}, "mega": {"m": b"m"}}
+    result = store.save(_key(), artifacts_, meta={"dynamic_sources": ["L['x']:0"]})
+    assert _files(store, _key()) == artifacts_
+    entry = store.head(_key())
+    assert result.entry_bytes == entry.size_bytes == 600 + 20 + 1 and result.num_files == 3
     assert entry.meta == {"dynamic_sources": ["L['x']:0"]}
-    assert store.load(_key(), names={"a.bin"}).files == {"a.bin": files["a.bin"]}
+    assert entry.artifacts["cache"]["ab/kernel.so"].size == 600
+
+
+def test_identical_files_are_stored_once_across_entries(backend):
+    store = CompileStore(backend)
+    header = b"H" * 5000  # the precompiled header: the same for every model of one build
+    first = store.save(_key("model-a"), {"cache": {"k.so": b"a kernel", "h.gch": header}})
+    second = store.save(_key("model-b"), {"cache": {"k.so": b"b kernel", "h.gch": header}})
+    assert first.written_bytes == 5000 + 8 and second.written_bytes == 8  # the header was not written again
+    assert len(_blob_paths(backend)) == 3
+    usage = store.usage()
+    assert usage.num_entries == 2 and usage.entries_bytes == 2 * 5008 and usage.stored_bytes == 5016
+    store.delete(_key("model-a").digest)
+    store.evict()  # the shared blob stays: model-b still names it
+    assert _files(store, _key("model-b"))["cache"]["h.gch"] == header
+    with backend.lock(exclusive=True, wait=False) as held:
+        can_lock = held is not None
+    # a store with locks deletes model-a's own kernel at once; an object store only once it has aged
+    assert len(_blob_paths(backend)) == (2 if can_lock else 3)
 
 
 def test_other_keys_miss(backend):
     store = CompileStore(backend)
-    store.save(_key(), {"a": b"1"})
-    assert store.load(_key(user_key="other")) is None
-    assert store.load(_key(torch_version="2.12.0")) is None
+    store.save(_key(), {"a": {"a": b"1"}})
+    assert store.head(_key(user_key="other")) is None
+    assert store.head(_key(torch_version="2.12.0")) is None
 
 
 def test_an_entry_written_for_another_key_is_refused():
     backend = MemoryBackend()
     store = CompileStore(backend)
-    store.save(_key(torch_version="2.12.0"), {"a": b"old kernels"})
+    store.save(_key(torch_version="2.12.0"), {"a": {"a": b"old kernels"}})
     # Someone copies the entry under the digest of our key (a foreign entry in our slot).
     foreign, ours = _key(torch_version="2.12.0").digest, _key().digest
     for path, data in list(backend.objects.items()):
         backend.objects[path.replace(foreign, ours)] = data.replace(foreign.encode(), ours.encode())
     with pytest.raises(EntryRefused, match="another key"):
-        store.load(_key())
+        store.head(_key())
 
 
-def test_a_tampered_artifact_is_refused(backend):
+def test_a_tampered_or_missing_file_is_refused(backend):
     store = CompileStore(backend)
-    store.save(_key(), {"a": b"good kernel"})
-    manifest = json.loads(backend.read(f"{_key().digest}/manifest.json"))
-    blob = manifest["files"]["a"]["blob"]
-    backend.write(f"{_key().digest}/{blob}", b"evil kernel")
+    store.save(_key(), {"a": {"a": b"good kernel"}})
+    stored = store.head(_key()).artifacts["a"]["a"]
+    path = blob_path(stored.sha256, compressed=backend.compress)
+    original = backend.read(path)
+    backend.write(path, gzip.compress(b"evil kernel") if backend.compress else b"evil kernel")
     with pytest.raises(EntryRefused, match="checksum"):
-        store.load(_key())
+        store.read(stored)
+    backend.write(path, gzip.compress(b"x" * 10**6) if backend.compress else b"x")
+    with pytest.raises(EntryRefused):
+        store.read(stored)  # a bomb, or a short file: refused either way
+    backend.delete(path)
+    assert store.missing({"a": stored}) == ["a"]
+    with pytest.raises(EntryRefused, match="missing"):
+        store.read(stored)
+    backend.write(path, original)
+    assert store.read(stored) == b"good kernel"
 
 
-def test_a_missing_artifact_or_garbled_manifest_is_refused():
+def test_a_garbled_or_older_manifest_is_unreadable():
     backend = MemoryBackend()
     store = CompileStore(backend)
-    store.save(_key(), {"a": b"x"})
+    store.save(_key(), {"a": {"a": b"x"}})
     digest = _key().digest
     manifest = json.loads(backend.read(f"{digest}/manifest.json"))
-    backend.delete(f"{digest}/{manifest['files']['a']['blob']}")
-    with pytest.raises(EntryRefused, match="missing"):
-        store.load(_key())
-    backend.write(f"{digest}/manifest.json", b"{not json")
-    with pytest.raises(EntryRefused, match="unreadable"):
-        store.load(_key())
+    for broken in (
+        b"{not json",
+        json.dumps({**manifest, "schema": "ettr.compile-store/1"}).encode(),  # the tar-archive layout
+        json.dumps({**manifest, "created_ts": 1e400}).encode(),
+        json.dumps({**manifest, "artifacts": {"a": {"../x": manifest["artifacts"]["a"]["a"]}}}).encode(),
+        json.dumps(
+            {**manifest, "artifacts": {"a": {"a": {**manifest["artifacts"]["a"]["a"], "size": 1e400}}}}
+        ).encode(),
+    ):
+        backend.write(f"{digest}/manifest.json", broken)
+        with pytest.raises(EntryRefused, match="unreadable"):
+            store.head(_key())
 
 
 def test_with_a_secret_only_entries_signed_with_it_load():
     backend = MemoryBackend()
-    CompileStore(backend).save(_key(), {"a": b"unsigned"})
+    CompileStore(backend).save(_key(), {"a": {"a": b"unsigned"}})
     signed = CompileStore(backend, secret=b"s3cret")
     with pytest.raises(EntryRefused, match="signature"):
-        signed.load(_key())
-    signed.save(_key(), {"a": b"signed"})
-    assert signed.load(_key()).files["a"] == b"signed"
+        signed.head(_key())
+    signed.save(_key(), {"a": {"a": b"signed"}})
+    assert _files(signed, _key())["a"]["a"] == b"signed"
     with pytest.raises(EntryRefused, match="signature"):
-        CompileStore(backend, secret=b"another").load(_key())
-    # Editing the manifest (say, to match a swapped artifact) breaks its signature.
+        CompileStore(backend, secret=b"another").head(_key())
+    # Editing the manifest (say, to point at a swapped file) breaks its signature.
     digest = _key().digest
     manifest = json.loads(backend.read(f"{digest}/manifest.json"))
-    manifest["files"]["a"]["size_bytes"] = 4
+    manifest["artifacts"]["a"]["a"]["size"] = 4
     backend.write(f"{digest}/manifest.json", json.dumps(manifest).encode())
     with pytest.raises(EntryRefused, match="signature"):
-        signed.load(_key())
+        signed.head(_key())
 
 
-def test_saving_again_replaces_the_entry_and_drops_its_old_blobs():
+def test_saving_again_replaces_the_entry_and_eviction_drops_what_nothing_names():
     backend = MemoryBackend()
     store = CompileStore(backend)
-    store.save(_key(), {"a": b"v1", "b": b"only in v1"})
-    store.save(_key(), {"a": b"v2"})
-    assert store.load(_key()).files == {"a": b"v2"}
-    assert sorted(backend.list(_key().digest)) == sorted(
-        [
-            "manifest.json",
-            "used",
-            json.loads(backend.read(f"{_key().digest}/manifest.json"))["files"]["a"]["blob"],
-        ]
-    )
+    store.save(_key(), {"a": {"a": b"v1", "b": b"only in v1"}})
+    store.save(_key(), {"a": {"a": b"v2"}})
+    assert _files(store, _key()) == {"a": {"a": b"v2"}}
+    assert len(_blob_paths(backend)) == 1  # v1's files went at the save's eviction (nothing names them)
+    assert sorted(backend.list(_key().digest)) == ["manifest.json", "used"]
 
 
 def test_least_recently_used_entries_are_evicted_past_the_size_bound(backend, monkeypatch):
@@ -128,20 +170,43 @@ def test_least_recently_used_entries_are_evicted_past_the_size_bound(backend, mo
     monkeypatch.setattr("ettr.compile.store.time.time", lambda: float(next(clock)))
     store = CompileStore(backend, max_bytes=250)
     for name in ("one", "two", "three"):
-        store.save(_key(name), {"a": b"x" * 80})
-    store.load(_key("one"))  # "one" is now the most recently used
-    store.save(_key("four"), {"a": b"x" * 80})
+        store.save(_key(name), {"a": {"a": name.encode().ljust(80, b".")}})
+    store.head(_key("one"))  # "one" is now the most recently used
+    store.save(_key("four"), {"a": {"a": b"four".ljust(80, b".")}})
     remaining = {e.user_key for e in store.entries()}
     assert remaining == {"one", "three", "four"}
-    assert store.load(_key("two")) is None
-    assert sum(e.size_bytes for e in store.entries()) <= 250
+    assert store.head(_key("two")) is None
+    assert store.usage().stored_bytes <= 250
+
+
+def test_the_bound_counts_a_shared_file_once(backend):
+    store = CompileStore(backend, max_bytes=1000)
+    shared = b"S" * 900
+    for name in ("one", "two", "three"):
+        store.save(_key(name), {"a": {"h": shared, "k": name.encode()}})
+    assert {e.user_key for e in store.entries()} == {"one", "two", "three"}  # 900 + 3 + 3 + 5 bytes
 
 
 def test_an_entry_bigger_than_the_bound_is_kept_alone():
     store = CompileStore(MemoryBackend(), max_bytes=10)
-    store.save(_key("small"), {"a": b"x" * 5})
-    store.save(_key("big"), {"a": b"x" * 50})
+    store.save(_key("small"), {"a": {"a": b"x" * 5}})
+    store.save(_key("big"), {"a": {"a": b"y" * 50}})
     assert [e.user_key for e in store.entries()] == ["big"]
+
+
+def test_files_are_read_from_paths_without_following_symlinks(tmp_path):
+    store = CompileStore(MemoryBackend())
+    (tmp_path / "k.so").write_bytes(b"kernel")
+    (tmp_path / "k.so").chmod(0o700)
+    (tmp_path / "secret").write_bytes(b"private")
+    (tmp_path / "link").symlink_to(tmp_path / "secret")
+    store.save(_key(), {"a": {"k.so": tmp_path / "k.so"}})
+    stored = store.head(_key()).artifacts["a"]["k.so"]
+    assert store.read(stored) == b"kernel" and stored.mode == 0o700
+    with pytest.raises(OSError):
+        store.save(_key(), {"a": {"link": tmp_path / "link"}})
+    with pytest.raises(ValueError):
+        store.save(_key(), {"a": {"../escape": b"x"}})
 
 
 def test_local_backend_leaves_no_temporary_files(tmp_path):
@@ -200,29 +265,30 @@ def test_current_key_names_this_torch_and_python():
     assert current_key(user_key="u", device_type="cpu") == key
 
 
-def test_archives_round_trip_and_skip_locks(tmp_path):
+def test_trees_skip_locks_temporaries_and_round_trip(tmp_path):
     src = tmp_path / "src"
     (src / "ab").mkdir(parents=True)
     (src / "ab" / "kernel.so").write_bytes(b"\x7fELF" * 10)
     (src / "locks").mkdir()
     (src / "locks" / "x.lock").write_text("")
     (src / "fxgraph.tmp").write_text("partial")
-    for compress in (True, False):
-        data, listing = artifacts.pack_dir(src, compress=compress)
-        assert listing == {"ab/kernel.so": 40}
-        dest = tmp_path / f"dest-{compress}"
-        assert not artifacts.present(listing, dest)
-        result = artifacts.unpack_dir(data, dest)
-        assert (dest / "ab" / "kernel.so").read_bytes() == b"\x7fELF" * 10
-        assert not (dest / "locks").exists() and not (dest / "fxgraph.tmp").exists()
-        assert result.num_written == 1 and artifacts.present(listing, dest)
-        assert artifacts.unpack_dir(data, dest).num_present == 1  # already there: left alone
-        assert artifacts.fingerprint(src) == artifacts.fingerprint(dest)
+    tree = artifacts.tree(src)
+    assert list(tree) == ["ab/kernel.so"]
+    store = CompileStore(MemoryBackend())
+    store.save(_key(), {"cache": tree})
+    files = store.head(_key()).artifacts["cache"]
+    dest = tmp_path / "dest"
+    assert not artifacts.present(files, dest)
+    result = artifacts.restore_tree(files, dest, store.read)
+    assert (dest / "ab" / "kernel.so").read_bytes() == b"\x7fELF" * 10
+    assert result.num_written == 1 and artifacts.present(files, dest)
+    assert artifacts.restore_tree(files, dest, store.read).num_present == 1  # already there: left alone
+    assert artifacts.fingerprint(src) == artifacts.fingerprint(dest)
 
 
-def test_a_grown_pgo_profile_alone_is_nothing_new_to_save_but_is_packed(tmp_path):
+def test_a_grown_pgo_profile_alone_is_nothing_new_to_save_but_is_saved(tmp_path):
     # torch adds an entry to the PGO profile in every process: a warm job that compiled nothing new must
-    # not save its whole entry again; a new kernel file does change the digest, and the profile is packed.
+    # not save its whole entry again; a new kernel file does change the digest, and the profile is saved.
     root = tmp_path / "cache"
     (root / "dynamo").mkdir(parents=True)
     (root / "fxgraph").mkdir()
@@ -234,28 +300,10 @@ def test_a_grown_pgo_profile_alone_is_nothing_new_to_save_but_is_packed(tmp_path
     assert artifacts.fingerprint(root) == before
     (root / "fxgraph" / "g2").write_bytes(b"new graph")
     assert artifacts.fingerprint(root) != before
-    _, listing = artifacts.pack_dir(root, compress=False)
-    assert listing["dynamo/code_state_ettr-abc_None_.pkl"] == 500
+    assert "dynamo/code_state_ettr-abc_None_.pkl" in artifacts.tree(root)
 
 
-@pytest.mark.parametrize("name", ["../evil.so", "/abs/evil.so"])
-def test_archives_with_escaping_paths_are_refused(tmp_path, name):
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        info = tarfile.TarInfo(name)
-        info.size = 3
-        tar.addfile(info, io.BytesIO(b"bad"))
-    with pytest.raises(ValueError, match="plain relative"):
-        artifacts.unpack_dir(buffer.getvalue(), tmp_path / "dest")
-    assert not (tmp_path / "evil.so").exists()
-
-
-def test_archives_with_links_are_refused(tmp_path):
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        info = tarfile.TarInfo("link")
-        info.type = tarfile.SYMTYPE
-        info.linkname = "/etc/passwd"
-        tar.addfile(info)
-    with pytest.raises(ValueError):
-        artifacts.unpack_dir(buffer.getvalue(), tmp_path / "dest")
+def test_the_headers_key_is_the_build_without_the_workload():
+    a, b = _key("model-a"), _key("model-b")
+    assert a.headers_key() == b.headers_key() and a.headers_key().digest != a.digest
+    assert _key(torch_version="2.12.0").headers_key() != a.headers_key()

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import gzip
-import io
+import json
 import os
-import tarfile
 from pathlib import Path
 
 import pytest
 
-from ettr.compile.artifacts import pack_dir, unpack_dir
-from ettr.compile.backend import LocalBackend
+from ettr.compile.artifacts import restore_tree, tree
+from ettr.compile.backend import LocalBackend, MemoryBackend
 from ettr.compile.config import CompileConfig, default_store
 from ettr.compile.key import StoreKey
 from ettr.compile.safety import UnpackLimits, UnsafeLocation, check_private_dir
-from ettr.compile.store import CompileStore
+from ettr.compile.store import CompileStore, EntryRefused, StoredFile, blob_path
 
 
 def _key(user_key: str) -> StoreKey:
@@ -29,63 +28,62 @@ def _key(user_key: str) -> StoreKey:
     )
 
 
-def _tar(members: dict[str, bytes], *, compress: bool = False) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz" if compress else "w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+def _stored(tmp_path: Path, files: dict[str, bytes]) -> tuple[CompileStore, dict[str, StoredFile]]:
+    store = CompileStore(MemoryBackend())
+    store.save(_key("t"), {"a": files})
+    return store, dict(store.head(_key("t")).artifacts["a"])
 
 
-def test_a_bomb_is_refused_before_anything_is_written(tmp_path):
-    bomb = _tar({"k.so": bytes(200 * 1024**2)}, compress=True)
-    assert len(bomb) < 300 * 1024  # ~200 KB packed
-    dest = tmp_path / "cache"
-    with pytest.raises(ValueError, match="expands"):
-        unpack_dir(bomb, dest)
-    assert not dest.exists() or not any(dest.iterdir())
-
-
-def test_per_file_and_total_limits_are_configurable(tmp_path):
-    archive = _tar({"a": b"x" * 1000, "b": b"y" * 1000})
-    with pytest.raises(ValueError, match="member 'a'"):
-        unpack_dir(archive, tmp_path / "d1", limits=UnpackLimits(max_file_bytes=500))
+def test_limits_are_checked_before_anything_is_written(tmp_path):
+    store, files = _stored(tmp_path, {"a": b"x" * 1000, "b": b"y" * 1000})
+    with pytest.raises(ValueError, match="'a'"):
+        restore_tree(files, tmp_path / "d1", store.read, limits=UnpackLimits(max_file_bytes=500))
     with pytest.raises(ValueError, match="2000 bytes"):
-        unpack_dir(archive, tmp_path / "d2", limits=UnpackLimits(max_total_bytes=1500))
-    assert unpack_dir(archive, tmp_path / "d3").num_written == 2
+        restore_tree(files, tmp_path / "d2", store.read, limits=UnpackLimits(max_total_bytes=1500))
+    assert not (tmp_path / "d1").exists() and not (tmp_path / "d2").exists()
+    assert restore_tree(files, tmp_path / "d3", store.read).num_written == 2
     assert UnpackLimits.from_env({"ETTR_COMPILE_UNPACK_MAX_BYTES": "10"}).max_total_bytes == 10
 
 
-def test_unpacking_never_follows_a_symlink_in_the_cache_dir(tmp_path):
+def test_a_compressed_bomb_is_refused(tmp_path):
+    store = CompileStore(MemoryBackend())  # compresses, as a remote store does
+    store.save(_key("t"), {"a": {"k.so": b"small"}})
+    stored = store.head(_key("t")).artifacts["a"]["k.so"]
+    bomb = gzip.compress(bytes(200 * 1024**2))
+    assert len(bomb) < 300 * 1024  # ~200 KB packed
+    store.backend.write(blob_path(stored.sha256, compressed=True), bomb)
+    with pytest.raises(EntryRefused, match="expands"):
+        store.read(stored)
+
+
+def test_restoring_never_follows_a_symlink_in_the_cache_dir(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     dest = tmp_path / "cache"
     dest.mkdir()
     (dest / "sub").symlink_to(outside)
+    store, files = _stored(tmp_path, {"sub/kernel.py": b"print('x')"})
     with pytest.raises(UnsafeLocation):
-        unpack_dir(_tar({"sub/kernel.py": b"print('x')"}), dest)
+        restore_tree(files, dest, store.read)
     assert not any(outside.iterdir())
     # a symlink at a file's own name is refused too; its target is untouched
     target = outside / "victim"
     target.write_bytes(b"keep")
     (dest / "k.py").symlink_to(target)
+    store, files = _stored(tmp_path, {"k.py": b"new"})
     with pytest.raises(UnsafeLocation):
-        unpack_dir(_tar({"k.py": b"new"}), dest)
+        restore_tree(files, dest, store.read)
     assert target.read_bytes() == b"keep"
 
 
-def test_packing_skips_symlinks(tmp_path):
+def test_collecting_skips_symlinks(tmp_path):
     secret = tmp_path / "secret"
     secret.write_bytes(b"private key")
     root = tmp_path / "cache"
     root.mkdir()
     (root / "real.py").write_bytes(b"code")
     (root / "link.py").symlink_to(secret)
-    data, listing = pack_dir(root, compress=False)
-    assert list(listing) == ["real.py"]
-    assert b"private key" not in data
+    assert list(tree(root)) == ["real.py"]
 
 
 def test_the_store_root_is_created_private_and_others_refused(tmp_path):
@@ -124,20 +122,33 @@ def test_default_store_is_under_the_users_cache():
     assert config is not None and config.store == "/x/cache/ettr/compile"
 
 
-def test_a_nested_or_corrupt_manifest_never_breaks_eviction(tmp_path):
+def test_a_nested_corrupt_or_absurd_manifest_never_breaks_eviction(tmp_path):
     store = CompileStore(LocalBackend(tmp_path / "store"), max_bytes=1500)
     keys = [_key(f"job{i}") for i in range(3)]
     for k in keys[:2]:
-        store.save(k, {"a": b"x" * 600})
+        store.save(k, {"a": {"a": k.user_key.encode().ljust(600, b".")}})
     root = tmp_path / "store"
-    (root / "nested").mkdir()
-    (root / "nested" / "manifest.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
-    (root / "corrupt").mkdir()
-    (root / "corrupt" / "manifest.json").write_bytes(gzip.compress(b"not json"))
-    store.save(keys[2], {"a": b"x" * 600})  # evicts past 1500 bytes: must not raise
+    bad = {
+        "nested": b"[" * 100_000 + b"]" * 100_000,
+        "corrupt": gzip.compress(b"not json"),
+        "absurd": json.dumps(
+            {
+                "schema": "ettr.compile-store/2",
+                "digest": f"{2:032x}",  # its own folder's: refused for the size alone
+                "key": {},
+                "created_ts": 1.0,
+                "artifacts": {"a": {"a": {"sha256": "0" * 64, "size": 10**400, "mode": 420, "mtime": 0}}},
+            }
+        ).encode(),
+    }
+    for index, body in enumerate(bad.values()):
+        digest = f"{index:032x}"  # looks like an entry: the store must read, refuse and remove it
+        (root / digest).mkdir()
+        (root / digest / "manifest.json").write_bytes(body)
+    store.save(keys[2], {"a": {"a": b"job2".ljust(600, b".")}})  # evicts past 1500 bytes: must not raise
     names = set(os.listdir(root))
-    assert "nested" not in names and "corrupt" not in names
-    assert store.load(keys[2]) is not None
+    assert not any(f"{index:032x}" in names for index in range(len(bad)))
+    assert store.head(keys[2]) is not None
     assert sum(1 for k in keys if (root / k.digest).exists()) == 2
 
 

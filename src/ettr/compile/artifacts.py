@@ -1,22 +1,23 @@
 """What a compiled job leaves behind that makes the next start fast, and putting it back.
 
-Three artifacts, by name in a store entry:
+Three artifacts, by name in a store entry, each a tree of files (relative path -> file):
 
-* `inductor_cache.tar` — inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`): FX-graph and
-  AOTAutograd cache entries, the compiled C++/Triton kernels themselves, and the PGO profile
-  (`dynamo/code_state_*`, written when `torch.compiler.config.job_id` is set).
-* `precompiled_headers.tar` — inductor's precompiled C++ header (~150 MB, ~27 MB gzip'd). It lives under
-  `$TMPDIR/torchinductor_$USER`, outside the cache directory, and inductor rebuilds it (seconds) before it
-  even looks for a cached kernel, so a warm start without it is still slow on CPU.
-* `megacache.bin` — `torch.compiler.save_cache_artifacts()`, PyTorch's portable archive. On CPU it does
-  not carry compiled kernels; it is loaded only when the cache directory archive is absent.
+* `inductor_cache` — inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`): FX-graph and AOTAutograd
+  cache entries, the compiled C++/Triton kernels themselves, and the PGO profile (`dynamo/code_state_*`,
+  written when `torch.compiler.config.job_id` is set).
+* `precompiled_headers` — inductor's precompiled C++ header. It lives under `$TMPDIR/torchinductor_$USER`,
+  outside the cache directory, and inductor rebuilds it (seconds) before it even looks for a cached
+  kernel, so a warm start without it is still slow on CPU. It is the same for every model of one
+  torch/compiler build: the store keeps it once (`store`: files are stored by content).
+* `megacache` — `torch.compiler.save_cache_artifacts()`, PyTorch's portable archive (one file). On CPU
+  it does not carry compiled kernels; it is loaded only when the cache directory is absent from the entry.
 
-Archives are tar files, gzip'd or not (`collect(compress=...)`: gzip costs ~1.5 s to pack and ~0.7 s to
-unpack the header, and saves ~130 MB of transfer; worth it for remote stores, not for a local disk). They
-are unpacked defensively: regular files and folders only, no absolute or `..` paths, each file written to
-a temporary name and renamed, files already present with the same size left alone (several ranks may
-restore into one directory at once). `listing` records each archive's files and sizes, so a restore onto
-a node that still has them (a restart on the same machine) skips reading the archive at all.
+`collect` names the files (read by the store, never through a symlink); `restore_tree` writes an entry's
+files back defensively: plain relative paths only (the store checks them), never through a symlink
+already in the directory, each file written to a temporary name and renamed, files already present with
+the same size left alone (several ranks may restore into one directory at once), everything bounded by
+`UnpackLimits` before anything is written. A restore onto a node that still has every file (a restart on
+the same machine) reads nothing but the manifest.
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import io
 import os
-import tarfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -39,16 +38,15 @@ from ettr.compile.safety import (
     check_private_dir,
     ensure_private_dir,
     no_symlink_below,
-    read_no_follow,
 )
+from ettr.compile.store import FileSource, StoredFile, safe_relative
 
-INDUCTOR_ARCHIVE = "inductor_cache.tar"
-HEADERS_ARCHIVE = "precompiled_headers.tar"
-MEGACACHE = "megacache.bin"
+INDUCTOR_ARCHIVE = "inductor_cache"
+HEADERS_ARCHIVE = "precompiled_headers"
+MEGACACHE = "megacache"
 ARTIFACT_NAMES = frozenset({INDUCTOR_ARCHIVE, HEADERS_ARCHIVE, MEGACACHE})
 
 _HEADERS_DIRNAME = "precompiled_headers"
-_COMPRESS_LEVEL = 1  # level 1 packs the 150 MB header to ~27 MB in ~1.5 s; higher levels gain little
 
 
 def inductor_cache_dir() -> Path:
@@ -118,33 +116,12 @@ def _is_pgo_profile(rel: PurePosixPath) -> bool:
     return rel.name.startswith("code_state_") and "dynamo" in rel.parts
 
 
-def pack_dir(
-    root: Path, *, exclude: Path | None = None, compress: bool = True
-) -> tuple[bytes, dict[str, int]] | None:
-    """A tar (gzip'd with `compress`) of the regular files under `root`, and its listing (relative path ->
-    size). None when there are no files."""
+def tree(root: Path, *, exclude: Path | None = None) -> dict[str, FileSource]:
+    """The regular files under `root` (relative path -> path), without locks, temporaries or symlinks:
+    what the store saves of a directory (it reads each file without following a symlink)."""
     if not root.is_dir():
-        return None
-    members = _walk(root, exclude)
-    if not members:
-        return None
-    buffer = io.BytesIO()
-    listing: dict[str, int] = {}
-    mode = "w:gz" if compress else "w"
-    kwargs = {"compresslevel": _COMPRESS_LEVEL} if compress else {}
-    with tarfile.open(fileobj=buffer, mode=mode, **kwargs) as tar:  # type: ignore[call-overload]
-        for rel, _st in members:
-            try:
-                info = tar.gettarinfo(root / rel, arcname=str(rel))
-                if not info.isfile():
-                    continue  # a symlink planted since the walk: never followed, never packed
-                data = read_no_follow(root / rel)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-            except OSError:  # vanished between walk and add, or a symlink: skipped
-                continue
-            listing[str(rel)] = info.size
-    return buffer.getvalue(), listing
+        return {}
+    return {str(rel): root / rel for rel, _st in _walk(root, exclude)}
 
 
 RESTORE_LOCK_TIMEOUT_S = 120.0
@@ -180,13 +157,13 @@ def restore_lock(cache_dir: Path, *, timeout_s: float = RESTORE_LOCK_TIMEOUT_S) 
             os.close(fd)  # releases the flock
 
 
-def present(listing: Mapping[str, int] | None, dest: Path) -> bool:
-    """True when every file of an archive's `listing` is in `dest` with its size (nothing to unpack)."""
-    if not listing:
+def present(files: Mapping[str, StoredFile] | None, dest: Path) -> bool:
+    """True when every file of an artifact is in `dest` with its size (nothing to restore)."""
+    if not files:
         return False
-    for rel, size in listing.items():
+    for rel, stored in files.items():
         try:
-            if (dest / rel).stat().st_size != size:
+            if (dest / rel).stat().st_size != stored.size:
                 return False
         except OSError:
             return False
@@ -195,88 +172,78 @@ def present(listing: Mapping[str, int] | None, dest: Path) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class UnpackResult:
-    """What unpacking an archive did."""
+    """What restoring an artifact did."""
 
     num_written: int
     num_present: int
     bytes_written: int
 
 
-def unpack_dir(data: bytes, dest: Path, *, limits: UnpackLimits | None = None) -> UnpackResult:
-    """Unpack a `pack_dir` archive into `dest`. Raises `ValueError` on a member that is not a plain
-    relative file or folder, or on an archive that expands past `limits` (default:
-    `UnpackLimits.from_env()`): the archive is refused as a whole before anything is written. Never
-    follows a symlink already in `dest` (raises `UnsafeLocation`, a PermissionError)."""
+def restore_tree(
+    files: Mapping[str, StoredFile],
+    dest: Path,
+    read: Callable[[StoredFile], bytes],
+    *,
+    limits: UnpackLimits | None = None,
+) -> UnpackResult:
+    """Write an artifact's files into `dest`, each read (and checked) by `read`. Raises `ValueError` for a
+    path that is not plain and relative, or for files past `limits` (default: `UnpackLimits.from_env()`),
+    before anything is written; never follows a symlink already in `dest` (raises `UnsafeLocation`, a
+    PermissionError). Files already there with their size are left alone."""
     limits = limits if limits is not None else UnpackLimits.from_env()
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
-        members = tar.getmembers()
-        for m in members:
-            rel = PurePosixPath(m.name)
-            if rel.is_absolute() or ".." in rel.parts or not (m.isfile() or m.isdir()):
-                raise ValueError(f"archive member {m.name!r} is not a plain relative file")
-        limits.check(len(data), [(m.name, m.size) for m in members if m.isfile()])
-        written = present = num_bytes = 0
-        plain = data[:2] != b"\x1f\x8b"  # not gzip'd: a member's bytes are a slice of the archive
-        view = memoryview(data)
-        if dest.is_symlink():
-            raise UnsafeLocation(f"{dest} is a symlink; ettr does not unpack through it")
-        dest.mkdir(parents=True, exist_ok=True)
-        check_private_dir(dest)  # kernels land here: someone else's directory is refused
-        for m in members:
-            target = no_symlink_below(dest, m.name)
-            if m.isdir():
-                target.mkdir(parents=True, exist_ok=True)
+    for rel in files:
+        if not safe_relative(rel):
+            raise ValueError(f"stored file {rel!r} is not a plain relative path")
+    sizes = [(rel, stored.size) for rel, stored in files.items()]
+    limits.check(sum(size for _, size in sizes), sizes)
+    if dest.is_symlink():
+        raise UnsafeLocation(f"{dest} is a symlink; ettr does not restore through it")
+    dest.mkdir(parents=True, exist_ok=True)
+    check_private_dir(dest)  # kernels land here: someone else's directory is refused
+    written = num_present = num_bytes = 0
+    for rel, stored in sorted(files.items()):
+        target = no_symlink_below(dest, rel)
+        try:
+            if os.lstat(target).st_size == stored.size:
+                num_present += 1
                 continue
-            try:
-                if os.lstat(target).st_size == m.size:
-                    present += 1
-                    continue
-            except FileNotFoundError:
-                pass
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if plain:
-                if m.offset_data + m.size > len(data):
-                    raise ValueError(f"archive member {m.name!r} is truncated")
-                content: bytes | memoryview = view[m.offset_data : m.offset_data + m.size]
-            else:
-                source = tar.extractfile(m)
-                assert source is not None  # a regular file always has content
-                content = source.read()
-            # ettr.atomic makes it appear whole. Not fsync'd: the store keeps the archive, and a file left
-            # short by a power loss is unpacked again (`present` compares sizes).
-            atomic_write(target, content, mode=(m.mode & 0o755) | 0o600, durable=False)
-            os.utime(target, (m.mtime, m.mtime))
-            written += 1
-            num_bytes += m.size
-    return UnpackResult(num_written=written, num_present=present, bytes_written=num_bytes)
+        except FileNotFoundError:
+            pass
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = read(stored)
+        # ettr.atomic makes it appear whole. Not fsync'd: the store keeps the file, and one left short by
+        # a power loss is restored again (`present` compares sizes).
+        atomic_write(target, data, mode=(stored.mode & 0o755) | 0o600, durable=False)
+        os.utime(target, (stored.mtime, stored.mtime))
+        written += 1
+        num_bytes += stored.size
+    return UnpackResult(num_written=written, num_present=num_present, bytes_written=num_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Collected:
-    """Artifacts by name, and the listing of each archive (relative path -> size)."""
+    """This process's artifacts: the workload's (inductor's cache directory, the megacache archive) and the
+    build's (the precompiled headers: the same for every workload of one torch/compiler build)."""
 
-    files: dict[str, bytes]
-    listing: dict[str, dict[str, int]]
+    artifacts: dict[str, dict[str, FileSource]]
+    headers: dict[str, FileSource]
+    """Empty when this process used no precompiled header."""
 
 
-def collect(*, include_megacache: bool = True, compress: bool = True) -> Collected:
+def collect(*, include_megacache: bool = True) -> Collected:
     """This process's compile artifacts (call when no compilation is running)."""
-    files: dict[str, bytes] = {}
-    listing: dict[str, dict[str, int]] = {}
     headers = headers_dir()
-    packs = [(INDUCTOR_ARCHIVE, pack_dir(inductor_cache_dir(), exclude=headers, compress=compress))]
-    if used_precompiled_headers():
-        packs.append((HEADERS_ARCHIVE, pack_dir(headers, compress=compress)))
-    for name, packed in packs:
-        if packed is not None:
-            files[name], listing[name] = packed
+    found: dict[str, dict[str, FileSource]] = {}
+    cache = tree(inductor_cache_dir(), exclude=headers)
+    if cache:
+        found[INDUCTOR_ARCHIVE] = cache
     if include_megacache:
         import torch
 
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None and saved[0]:
-            files[MEGACACHE] = saved[0]
-    return Collected(files=files, listing=listing)
+            found[MEGACACHE] = {MEGACACHE: bytes(saved[0])}
+    return Collected(artifacts=found, headers=tree(headers) if used_precompiled_headers() else {})
 
 
 def used_precompiled_headers() -> bool:
@@ -297,46 +264,6 @@ def collect_fingerprint(cache_dir: Path | None = None, header_dir: Path | None =
     """Changes whenever `collect` would return something new (kernel or header files added)."""
     headers = header_dir or headers_dir()
     return fingerprint(cache_dir or inductor_cache_dir(), exclude=headers) + fingerprint(headers)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RestoreResult:
-    """Which artifacts were put back and how much was written."""
-
-    restored: tuple[str, ...]
-    num_files: int
-    bytes_written: int
-
-
-def restore(
-    files: Mapping[str, bytes], *, cache_dir: Path | None = None, header_dir: Path | None = None
-) -> RestoreResult:
-    """Put verified artifacts back before compiling: the cache directory and headers when present, else
-    the megacache archive. Raises `ValueError` for a malformed archive.
-
-    With `cache_dir` and `header_dir` given, the directories are not looked up and torch is not touched
-    unless the megacache is loaded (`needs_megacache` tells): a helper thread can unpack while the main
-    thread goes on, then the main thread calls `load_megacache`."""
-    restored: list[str] = []
-    num_files = num_bytes = 0
-    if INDUCTOR_ARCHIVE in files:
-        result = unpack_dir(files[INDUCTOR_ARCHIVE], cache_dir or inductor_cache_dir())
-        restored.append(INDUCTOR_ARCHIVE)
-        num_files, num_bytes = num_files + result.num_written, num_bytes + result.bytes_written
-    if HEADERS_ARCHIVE in files:
-        result = unpack_dir(files[HEADERS_ARCHIVE], header_dir or headers_dir())
-        restored.append(HEADERS_ARCHIVE)
-        num_files, num_bytes = num_files + result.num_written, num_bytes + result.bytes_written
-    if needs_megacache(files) and (cache_dir is None or header_dir is None):
-        load_megacache(files[MEGACACHE])
-        restored.append(MEGACACHE)
-        num_bytes += len(files[MEGACACHE])
-    return RestoreResult(restored=tuple(restored), num_files=num_files, bytes_written=num_bytes)
-
-
-def needs_megacache(files: Mapping[str, bytes]) -> bool:
-    """True when the megacache is the only way to restore these artifacts (no cache directory archive)."""
-    return INDUCTOR_ARCHIVE not in files and MEGACACHE in files
 
 
 def load_megacache(data: bytes) -> None:

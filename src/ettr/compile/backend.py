@@ -1,14 +1,21 @@
 """Where the compile store keeps its bytes: a local directory (default), any fsspec URL, or memory (tests).
 
-The store needs five operations on slash-separated relative paths; each backend implements them with
+The store needs a few operations on slash-separated relative paths; each backend implements them with
 the one guarantee the commit protocol relies on: `write` is atomic, so a reader sees the old object,
-the new object or nothing, never a torn one.
+the new object or nothing, never a torn one. A backend that can lock the store across processes (a
+local directory: an flock) lets eviction delete unreferenced files at once; one that cannot (an object
+store) says so, and eviction then waits for them to age (`store.UNREFERENCED_GRACE_S`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
@@ -36,6 +43,20 @@ class StoreBackend(Protocol):
 
     def delete(self, path: str) -> None:
         """Remove the object; a missing one is not an error."""
+        ...
+
+    def exists(self, path: str) -> bool:
+        """Whether the object exists."""
+        ...
+
+    def age_s(self, path: str) -> float | None:
+        """Seconds since the object was last written (None: unknown)."""
+        ...
+
+    def lock(self, *, exclusive: bool, wait: bool) -> AbstractContextManager[bool | None]:
+        """Hold the store's lock while the block runs (shared by saves and restores, exclusive for
+        eviction); yields True when held, False when `wait` is False and another holder has it, None
+        when this backend cannot lock across processes."""
         ...
 
     def describe(self) -> str:
@@ -104,6 +125,34 @@ class LocalBackend:
             except OSError:
                 pass
 
+    def exists(self, path: str) -> bool:
+        try:
+            return os.lstat(self._safe(path)).st_size >= 0
+        except FileNotFoundError:
+            return False
+
+    def age_s(self, path: str) -> float | None:
+        try:
+            return time.time() - os.lstat(self._safe(path)).st_mtime
+        except OSError:
+            return None
+
+    @contextlib.contextmanager
+    def lock(self, *, exclusive: bool, wait: bool) -> Iterator[bool | None]:
+        """An flock on `<root>/.lock` (released when its holder ends, however it ends)."""
+        self._safe("x", create=True)  # the root: made private, or refused
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+            try:
+                fcntl.flock(fd, mode if wait else mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # releases the flock
+
     def describe(self) -> str:
         return str(self.root)
 
@@ -156,6 +205,26 @@ class FsspecBackend:
         except FileNotFoundError:
             pass
 
+    def exists(self, path: str) -> bool:
+        return bool(self._fs.exists(self._full(path)))
+
+    def age_s(self, path: str) -> float | None:
+        try:
+            info = self._fs.info(self._full(path))
+        except (OSError, ValueError):
+            return None
+        stamp = info.get("mtime") or info.get("LastModified") or info.get("created")
+        if hasattr(stamp, "timestamp"):
+            stamp = stamp.timestamp()
+        try:
+            return time.time() - float(stamp) if stamp is not None else None
+        except (TypeError, ValueError):
+            return None
+
+    @contextlib.contextmanager
+    def lock(self, *, exclusive: bool, wait: bool) -> Iterator[bool | None]:
+        yield None  # object stores have no locks: eviction waits for unreferenced files to age
+
     def describe(self) -> str:
         return self.url
 
@@ -167,7 +236,9 @@ class MemoryBackend:
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
+        self.written_ts: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._store_lock = _ReadersWriterLock()
 
     def read(self, path: str) -> bytes:
         with self._lock:
@@ -179,6 +250,7 @@ class MemoryBackend:
     def write(self, path: str, data: bytes) -> None:
         with self._lock:
             self.objects[_check(path)] = bytes(data)
+            self.written_ts[path] = time.time()
 
     def list(self, prefix: str) -> list[str]:
         head = f"{prefix}/" if prefix else ""
@@ -189,9 +261,56 @@ class MemoryBackend:
     def delete(self, path: str) -> None:
         with self._lock:
             self.objects.pop(path, None)
+            self.written_ts.pop(path, None)
+
+    def exists(self, path: str) -> bool:
+        with self._lock:
+            return path in self.objects
+
+    def age_s(self, path: str) -> float | None:
+        with self._lock:
+            written = self.written_ts.get(path)
+        return None if written is None else time.time() - written
+
+    def lock(self, *, exclusive: bool, wait: bool) -> AbstractContextManager[bool | None]:
+        return self._store_lock.hold(exclusive=exclusive, wait=wait)
 
     def describe(self) -> str:
         return "memory"
+
+
+class _ReadersWriterLock:
+    """Shared and exclusive holders in one process (the memory backend's store lock)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextlib.contextmanager
+    def hold(self, *, exclusive: bool, wait: bool) -> Iterator[bool | None]:
+        with self._cond:
+            while self._writer or (exclusive and self._readers):
+                if not wait:
+                    break
+                self._cond.wait()
+            held = not (self._writer or (exclusive and self._readers))
+            if held and exclusive:
+                self._writer = True
+            elif held:
+                self._readers += 1
+        if not held:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with self._cond:
+                if exclusive:
+                    self._writer = False
+                else:
+                    self._readers -= 1
+                self._cond.notify_all()
 
 
 def open_backend(location: str | os.PathLike[str]) -> StoreBackend:

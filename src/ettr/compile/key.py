@@ -18,6 +18,9 @@ from typing import Any
 KEY_VERSION = 1
 """Bumped when the meaning of a component changes (entries of another version never match)."""
 
+HEADERS_USER_KEY = "ettr:precompiled-headers"
+"""The user key of a build's precompiled-header entry (`StoreKey.headers_key`): the same for every workload."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class StoreKey:
@@ -44,6 +47,18 @@ class StoreKey:
     def components(self) -> dict[str, str]:
         """The key as a JSON-ready mapping (what manifests record and loads compare)."""
         return {"key_version": str(KEY_VERSION), **asdict(self)}
+
+    def headers_key(self) -> StoreKey:
+        """The key of this build's precompiled headers: every component but the workload. Inductor's header
+        is the same for every model of one torch/compiler build, so it is stored, and restored, per build."""
+        return StoreKey(
+            torch_version=self.torch_version,
+            python_version=self.python_version,
+            platform=self.platform,
+            device_type=self.device_type,
+            inductor_config=self.inductor_config,
+            user_key=HEADERS_USER_KEY,
+        )
 
     @property
     def digest(self) -> str:

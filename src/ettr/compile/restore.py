@@ -1,10 +1,12 @@
 """Restoring a compile store entry onto this node, before the first compilation (part of `CompileSession`).
 
 `StoreRestorer.restore_once` restores at most once per process, whoever calls first: the session's helper
-thread at start-up (so the unpacking overlaps whatever the program does before it compiles), or the first
-compilation itself, which waits for a running restore at most `restore_timeout_s`. Archives whose files are
-all still on this node (a restart on the same node) are not even read. What the store holds afterwards is
-kept in the shared `EntryView`, which the saver compares against so that an unchanged entry is not saved.
+thread at start-up (so the writing overlaps whatever the program does before it compiles), or the first
+compilation itself, which waits for a running restore at most `restore_timeout_s`. Two entries are
+restored: the workload's (inductor's cache directory, else the megacache archive) and the build's
+precompiled headers (`StoreKey.headers_key`), which a workload's first job gets too. Artifacts whose files
+are all still on this node (a restart on the same node) are not even read. What the store holds afterwards
+is kept in the shared `EntryView`, which the saver compares against so that an unchanged entry is not saved.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from ettr.compile import artifacts, dynamic
 from ettr.compile.key import StoreKey
-from ettr.compile.store import CompileStore, EntryRefused
+from ettr.compile.store import CompileStore, EntryRefused, StoredFile, StoreEntry
 
 logger = logging.getLogger("ettr")
 
@@ -98,11 +100,12 @@ class StoreRestorer:
         try:
             key = self._key()
             info["digest"] = key.digest
-            head = store.load(key, names=set())  # the verified manifest alone
-            if head is None:
+            entry = store.head(key)
+            headers = _headers_entry(store, key, info)
+            if entry is None and headers is None:
                 info["status"] = "miss"
             else:
-                info.update(self._restore_entry(store, key, head.available, head.meta, dirs))
+                info.update(self._restore_entry(store, entry, headers, dirs))
         except EntryRefused as exc:
             info.update(status="refused", error=str(exc))
             logger.warning("ettr: compile store entry refused: %s", exc)
@@ -116,56 +119,85 @@ class StoreRestorer:
     def _restore_entry(
         self,
         store: CompileStore,
-        key: StoreKey,
-        available: Any,
-        head_meta: Mapping[str, Any],
+        entry: StoreEntry | None,
+        headers: StoreEntry | None,
         dirs: tuple[Path, Path] | None,
     ) -> dict[str, Any]:
         cache_dir, header_dir = dirs if dirs is not None else (None, None)
-        listing = head_meta.get("archives", {})
         targets = {
             artifacts.INDUCTOR_ARCHIVE: cache_dir or artifacts.inductor_cache_dir(),
             artifacts.HEADERS_ARCHIVE: header_dir or artifacts.headers_dir(),
         }
-        # The ranks of a node restore into the same directories: one unpacks, the others wait for it and
+        # The ranks of a node restore into the same directories: one writes, the others wait for it and
         # then find the files there, rather than all reading and writing the same ~150 MB at once.
-        with artifacts.restore_lock(targets[artifacts.INDUCTOR_ARCHIVE]):
-            return self._restore_unless_present(store, key, available, listing, targets, dirs)
+        with artifacts.restore_lock(targets[artifacts.INDUCTOR_ARCHIVE]), store.reading():
+            return self._restore_unless_present(store, entry, headers, targets, dirs)
 
     def _restore_unless_present(
         self,
         store: CompileStore,
-        key: StoreKey,
-        available: Any,
-        listing: Mapping[str, Any],
+        entry: StoreEntry | None,
+        headers: StoreEntry | None,
         targets: Mapping[str, Path],
         dirs: tuple[Path, Path] | None,
     ) -> dict[str, Any]:
-        cache_dir, header_dir = dirs if dirs is not None else (None, None)  # None: the restore looks them up
-        # Archives whose files are all still here (a restart on the same node) are not even read.
-        skipped = {n for n, d in targets.items() if n in available and artifacts.present(listing.get(n), d)}
-        wanted = set(available) - skipped
-        if artifacts.INDUCTOR_ARCHIVE in available:
-            wanted.discard(artifacts.MEGACACHE)
-        entry = store.load(key, names=wanted)
-        if entry is None:
-            raise EntryRefused("entry vanished while it was read")
-        result = artifacts.restore(entry.files, cache_dir=cache_dir, header_dir=header_dir)
-        restored = list(result.restored)
-        if dirs is not None and artifacts.needs_megacache(entry.files):
-            self._megacache = entry.files[artifacts.MEGACACHE]  # loaded on the compiling thread
-            restored.append(artifacts.MEGACACHE)
-        self._view.meta = dict(entry.meta)
-        stored = dynamic.parse_many(self._view.meta.get("dynamic_sources", []))
-        self._view.saved_state = (
-            artifacts.collect_fingerprint(*dirs) if dirs else artifacts.collect_fingerprint(),
-            tuple(s.render() for s in stored),
-            json.dumps(self._view.meta.get("batch_spec"), sort_keys=True),
-        )
+        trees: dict[str, Mapping[str, StoredFile]] = dict(entry.artifacts) if entry is not None else {}
+        if headers is not None and artifacts.HEADERS_ARCHIVE in headers.artifacts:
+            trees[artifacts.HEADERS_ARCHIVE] = headers.artifacts[artifacts.HEADERS_ARCHIVE]
+        # Artifacts whose files are all still here (a restart on the same node) are not even read.
+        skipped = {n for n, d in targets.items() if n in trees and artifacts.present(trees[n], d)}
+        restored: list[str] = []
+        num_files = num_bytes = 0
+        extra: dict[str, Any] = {}
+        for name in (artifacts.INDUCTOR_ARCHIVE, artifacts.HEADERS_ARCHIVE):
+            if name not in trees or name in skipped:
+                continue
+            try:
+                missing = store.missing(trees[name])
+                if missing:
+                    raise EntryRefused(f"{name}: {len(missing)} stored files are missing (e.g. {missing[0]})")
+                result = artifacts.restore_tree(trees[name], targets[name], store.read)
+            except EntryRefused as exc:
+                if name != artifacts.HEADERS_ARCHIVE:
+                    raise
+                extra["headers_error"] = str(exc)  # the build's headers: inductor builds them again
+                logger.warning("ettr: compile store precompiled headers not restored: %s", exc)
+                continue
+            restored.append(name)
+            num_files, num_bytes = num_files + result.num_written, num_bytes + result.bytes_written
+        if artifacts.INDUCTOR_ARCHIVE not in trees and artifacts.MEGACACHE in trees:
+            stored = trees[artifacts.MEGACACHE].get(artifacts.MEGACACHE)
+            if stored is not None:
+                data = store.read(stored)
+                if dirs is not None:
+                    self._megacache = data  # loaded on the compiling thread
+                else:
+                    artifacts.load_megacache(data)
+                restored.append(artifacts.MEGACACHE)
+                num_bytes += len(data)
+        if entry is not None:
+            self._view.meta = dict(entry.meta)
+            stored_sources = dynamic.parse_many(self._view.meta.get("dynamic_sources", []))
+            self._view.saved_state = (
+                artifacts.collect_fingerprint(*dirs) if dirs else artifacts.collect_fingerprint(),
+                tuple(s.render() for s in stored_sources),
+                json.dumps(self._view.meta.get("batch_spec"), sort_keys=True),
+            )
         return {
             "already_present": sorted(skipped),
-            "status": "hit",
+            "status": "hit" if entry is not None else "miss",
             "restored": restored,
-            "num_files": result.num_files,
-            "loaded_bytes": entry.size_bytes,
+            "num_files": num_files,
+            "loaded_bytes": num_bytes,
+            **extra,
         }
+
+
+def _headers_entry(store: CompileStore, key: StoreKey, info: dict[str, Any]) -> StoreEntry | None:
+    """The build's precompiled-header entry (None when there is none or it is refused: said in `info`)."""
+    try:
+        return store.head(key.headers_key())
+    except EntryRefused as exc:
+        info["headers_error"] = str(exc)
+        logger.warning("ettr: compile store precompiled headers refused: %s", exc)
+        return None

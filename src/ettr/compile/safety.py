@@ -71,6 +71,11 @@ def no_symlink_below(root: Path, rel: str | PurePosixPath) -> Path:
 
 def read_no_follow(path: Path) -> bytes:
     """The bytes of a regular file, opened without following a symlink at its name."""
+    return read_no_follow_stat(path)[0]
+
+
+def read_no_follow_stat(path: Path) -> tuple[bytes, os.stat_result]:
+    """The bytes of a regular file and its stat, opened without following a symlink at its name."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
@@ -79,9 +84,10 @@ def read_no_follow(path: Path) -> bytes:
             raise UnsafeLocation(f"{path} is a symlink; ettr does not follow it") from exc
         raise
     with os.fdopen(fd, "rb") as stream:
-        if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+        st = os.fstat(stream.fileno())
+        if not stat.S_ISREG(st.st_mode):
             raise UnsafeLocation(f"{path} is not a regular file")
-        return stream.read()
+        return stream.read(), st
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -20,7 +22,7 @@ from ettr.compile.config import CompileConfig
 from ettr.compile.hooks import CompileHooks
 from ettr.compile.key import StoreKey
 from ettr.compile.restore import EntryView, MarkFn
-from ettr.compile.store import CompileStore
+from ettr.compile.store import CompileStore, EntryRefused
 from ettr.recorder import RecorderProtocol
 
 logger = logging.getLogger("ettr")
@@ -143,14 +145,9 @@ class StoreSaver:
         spec: Any,
         reason: str,
     ) -> dict[str, Any]:
-        collected = artifacts.collect(
-            include_megacache=self._config.include_megacache,
-            compress=store.backend.compress,
-        )
-        files = collected.files
+        collected = artifacts.collect(include_megacache=self._config.include_megacache)
         stored = dynamic.parse_many(self._view.meta.get("dynamic_sources", []))
         meta = {
-            "archives": collected.listing,
             "dynamic_sources": [s.render() for s in dynamic.merge(sources, stored)],
             "job_id": self._rec.job_id,
             "attempt": self._rec.attempt,
@@ -160,13 +157,74 @@ class StoreSaver:
         if spec is not None:
             meta["batch_spec"] = spec
         key = self._key()
-        size = store.save(key, files, meta=meta)
-        return {
+        result = store.save(key, collected.artifacts, meta=meta)
+        info: dict[str, Any] = {
             "action": "save",
             "status": "saved",
             "reason": reason,
             "digest": key.digest,
-            "entry_bytes": size,
-            "artifacts": sorted(files),
+            "entry_bytes": result.entry_bytes,
+            "written_bytes": result.written_bytes,
+            "artifacts": sorted(collected.artifacts),
             "location": store.backend.describe(),
         }
+        info.update(save_headers(store, key, collected.headers))
+        _say_store_once(store, info)
+        return info
+
+
+def save_headers(store: CompileStore, key: StoreKey, headers: Mapping[str, Any]) -> dict[str, Any]:
+    """Add this process's precompiled headers to its build's entry (`StoreKey.headers_key`), unless the
+    entry already lists every one of them with its size: then nothing is read. Header variants other jobs
+    added are kept. Returns what it did, for the save's report."""
+    if not headers:
+        return {}
+    build = key.headers_key()
+    try:
+        existing = store.head(build)
+    except EntryRefused:
+        existing = None  # replaced by this save
+    have = dict(existing.artifacts.get(artifacts.HEADERS_ARCHIVE, {})) if existing is not None else {}
+    local: dict[str, Any] = {}
+    for rel, source in headers.items():
+        try:
+            size = os.lstat(source).st_size if isinstance(source, os.PathLike) else len(source)
+        except OSError:
+            continue  # removed since it was listed
+        if rel not in have or have[rel].size != size:
+            local[rel] = source
+    if not local:
+        return {"headers": "shared", "headers_digest": build.digest}
+    kept = {rel: stored for rel, stored in have.items() if not store.missing({rel: stored})}
+    result = store.save(
+        build, {artifacts.HEADERS_ARCHIVE: {**kept, **local}}, meta={"kind": "precompiled-headers"}
+    )
+    return {
+        "headers": "saved",
+        "headers_digest": build.digest,
+        "headers_bytes": result.entry_bytes,
+        "headers_written_bytes": result.written_bytes,
+    }
+
+
+_said: set[str] = set()
+_said_lock = threading.Lock()
+
+
+def _say_store_once(store: CompileStore, info: dict[str, Any]) -> None:
+    """Print the store's location and size once per process (the first save): a user learns where the
+    artifacts go and how big the store is. Never raises."""
+    where = store.backend.describe()
+    with _said_lock:
+        if where in _said:
+            return
+        _said.add(where)
+    try:
+        usage = store.usage()
+        info["store_bytes"] = usage.stored_bytes
+        sys.stderr.write(
+            f"ettr: compile store {where}: {usage.describe()}; bound {store.max_bytes / 1e9:.1f} GB "
+            "(ETTR_COMPILE_STORE moves it, =off turns it off)\n"
+        )
+    except Exception as exc:  # a report line must not turn a save into an error
+        logger.debug("ettr: cannot describe the compile store (%s)", exc)

@@ -1,45 +1,74 @@
-"""The compile artifact store: keyed entries, written atomically, verified before loading, LRU-bounded.
+"""The compile artifact store: files stored once by content, entries committed by a manifest, LRU-bounded.
 
 Layout under the store root (any `StoreBackend`):
 
-    <digest>/<name>-<sha16>   artifact blobs (content-named, so a new save never overwrites a live one)
-    <digest>/manifest.json    the commit marker, written last: key components, blob names, SHA-256, sizes
+    blobs/<2 hex>/<sha256>    one file's bytes, named by the SHA-256 of its content (gzip'd on a store that
+                              asks for compression: `<sha256>.gz`). A file that is the same in several
+                              entries — inductor's precompiled header, the same for every model of one
+                              torch/compiler build, or any identical kernel — is stored once.
+    <digest>/manifest.json    an entry's commit marker, written last: its key, every file of each artifact
+                              (relative path -> SHA-256, size, mode, mtime) and its metadata
     <digest>/used             Unix time of the last save or load (least-recently-used eviction)
+    .lock                     a local store's lock: saves and restores hold it shared, eviction exclusive
 
-An entry exists once its manifest does. Loading reads the manifest, refuses it unless its key
-components equal the expected ones (and, with a secret, unless its HMAC verifies), then checks every
-blob against its SHA-256. Artifacts are compiled code, so anything that does not verify is refused.
+An entry exists once its manifest does. Blobs are immutable: a save writes the blobs it needs that are
+missing — each atomically under its final name, so two writers of one blob write the same bytes — and
+then its manifest (an atomic replace: of two concurrent saves of one key, the last one's entry is the
+entry, whole). Only eviction deletes: least recently used entries (manifest first) until the store fits
+`max_bytes`, counting each blob once however many entries share it; then blobs no remaining manifest
+names — on a local store only while no save or restore holds the lock, on a store without locks only
+when older than `UNREFERENCED_GRACE_S`. A manifest that cannot be parsed never stops that: it is garbage,
+removed on the way.
+
+Loading reads the manifest, refuses it unless its key components equal the expected ones (and, with a
+secret, unless its HMAC verifies); every blob read is checked against its SHA-256 and size. Artifacts
+are compiled code, so anything that does not verify is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
+import math
+import re
 import time
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ettr.compile.backend import StoreBackend, open_backend
 from ettr.compile.key import StoreKey
+from ettr.compile.safety import read_no_follow_stat
 from ettr.constants import DEFAULT_STORE_MAX_BYTES
 
 logger = logging.getLogger("ettr")
 
-MANIFEST_SCHEMA = "ettr.compile-store/1"
+MANIFEST_SCHEMA = "ettr.compile-store/2"
 MANIFEST = "manifest.json"
 USED = "used"
+BLOBS = "blobs"
+UNREFERENCED_GRACE_S = 3600.0
+"""On a store without locks (an object store), a blob no manifest names is deleted only when older than
+this: a save in flight may have written it and not yet its manifest."""
+
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_GZIP_LEVEL = 1
 
 
 class EntryRefused(Exception):
-    """A stored entry exists but must not be loaded (foreign key, bad checksum, bad signature)."""
+    """A stored entry exists but must not be loaded (foreign key, bad checksum, bad signature, missing blob)."""
 
 
 class EntryUnreadable(EntryRefused):
-    """A stored entry whose manifest cannot be parsed at all (corrupt, nested past any sane depth):
-    garbage that eviction removes."""
+    """A stored entry whose manifest cannot be parsed at all (corrupt, an older format, nested past any
+    sane depth): garbage that eviction removes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +78,8 @@ class StoreConfig:
     location: str
     """A directory path or an fsspec URL (`s3://bucket/prefix`)."""
     max_bytes: int = DEFAULT_STORE_MAX_BYTES
-    """Bound on the total size of all entries; least recently used entries are evicted past it."""
+    """Bound on the store's size (each stored file counted once); least recently used entries are evicted
+    past it."""
     secret: bytes | None = field(default=None, repr=False)
     """HMAC key: when set, manifests are signed on save and unsigned or mis-signed ones are refused."""
 
@@ -63,6 +93,49 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StoredFile:
+    """One file of an artifact, as its entry's manifest records it."""
+
+    sha256: str
+    size: int
+    mode: int = 0o644
+    mtime: float = 0.0
+
+
+FileSource = bytes | Path | StoredFile
+"""What a file to save is: its bytes, a path (read without following a symlink), or a file the store
+already holds (referenced again, not read: its blob must exist)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreEntry:
+    """A verified entry's manifest: its artifacts' files (read them with `CompileStore.read`) and metadata."""
+
+    digest: str
+    artifacts: Mapping[str, Mapping[str, StoredFile]]
+    """Artifact name -> relative path -> file."""
+    meta: Mapping[str, Any]
+    created_ts: float
+
+    @property
+    def size_bytes(self) -> int:
+        """The entry's files in all (what restoring it everywhere would write)."""
+        return sum(f.size for tree in self.artifacts.values() for f in tree.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveResult:
+    """What a save stored."""
+
+    entry_bytes: int
+    """The entry's files in all."""
+    num_files: int
+    written_bytes: int
+    """Bytes of new content this save wrote (files the store did not hold yet)."""
+    num_written: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class EntryInfo:
     """One committed entry, as listed for eviction and reports."""
 
@@ -71,28 +144,53 @@ class EntryInfo:
     used_ts: float
     created_ts: float
     user_key: str
+    blobs: Mapping[str, int] = field(default_factory=dict)
+    """SHA-256 -> size of every file the entry names."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class StoreEntry:
-    """A verified entry: its artifacts by name, and the metadata saved with them."""
+class StoreUsage:
+    """What the store holds (`CompileStore.usage`)."""
 
-    digest: str
-    files: Mapping[str, bytes]
-    """The artifacts loaded (all of them, or those asked for)."""
-    available: frozenset[str]
-    """Names of every artifact in the entry, loaded or not."""
-    meta: Mapping[str, Any]
-    created_ts: float
+    location: str
+    num_entries: int
+    entries_bytes: int
+    """The entries' files in all, as if each entry kept its own copy."""
+    stored_bytes: int
+    """What the store keeps: each distinct file once."""
 
-    @property
-    def size_bytes(self) -> int:
-        return sum(len(b) for b in self.files.values())
+    def describe(self) -> str:
+        return (
+            f"{_human(self.stored_bytes)} in {self.num_entries} "
+            f"{'entry' if self.num_entries == 1 else 'entries'} "
+            f"({_human(self.entries_bytes)} of files before sharing)"
+        )
+
+
+def _human(num_bytes: int) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"  # pragma: no cover
 
 
 def _canonical(manifest: Mapping[str, Any]) -> bytes:
     body = {k: v for k, v in manifest.items() if k != "hmac"}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def blob_path(sha256: str, *, compressed: bool) -> str:
+    """Where the blob of content `sha256` lives in the store."""
+    return f"{BLOBS}/{sha256[:2]}/{sha256}{'.gz' if compressed else ''}"
+
+
+def safe_relative(rel: str) -> bool:
+    """Whether `rel` is a plain relative path (no absolute, `.`, `..`, empty parts or NUL)."""
+    if not isinstance(rel, str) or not rel or "\0" in rel or "\\" in rel or rel.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in rel.split("/"))
 
 
 class CompileStore:
@@ -118,72 +216,107 @@ class CompileStore:
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(
-        self, key: StoreKey, files: Mapping[str, bytes], *, meta: Mapping[str, Any] | None = None
-    ) -> int:
-        """Commit `files` (name -> bytes) as the entry of `key`, replacing the previous one atomically;
-        then evict least recently used entries past `max_bytes`. Returns the entry's size in bytes."""
-        digest = key.digest
-        blobs: dict[str, dict[str, Any]] = {}
-        for name, data in sorted(files.items()):
-            if not name or "/" in name or name in (MANIFEST, USED):
-                raise ValueError(f"bad artifact name {name!r}")
-            sha = hashlib.sha256(data).hexdigest()
-            blob = f"{name}-{sha[:16]}"
-            self.backend.write(f"{digest}/{blob}", data)
-            blobs[name] = {"blob": blob, "sha256": sha, "size_bytes": len(data)}
-        now = time.time()
-        manifest: dict[str, Any] = {
-            "schema": MANIFEST_SCHEMA,
-            "digest": digest,
-            "key": key.components(),
-            "created_ts": now,
-            "files": blobs,
-            "meta": dict(meta or {}),
-        }
-        if self._secret is not None:
-            manifest["hmac"] = hmac.new(self._secret, _canonical(manifest), hashlib.sha256).hexdigest()
-        self.backend.write(f"{digest}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
-        self._touch(digest, now)
-        # Blobs of the replaced manifest are garbage now; a reader still holding it fails its check (a miss).
-        live = {b["blob"] for b in blobs.values()} | {MANIFEST, USED}
-        for name in self.backend.list(digest):
-            if name not in live:
-                self.backend.delete(f"{digest}/{name}")
-        self.evict(keep=digest)
-        return sum(b["size_bytes"] for b in blobs.values())
+        self,
+        key: StoreKey,
+        artifacts: Mapping[str, Mapping[str, FileSource]],
+        *,
+        meta: Mapping[str, Any] | None = None,
+    ) -> SaveResult:
+        """Commit `artifacts` (artifact name -> relative path -> bytes or a file) as the entry of `key`,
+        replacing the previous one atomically; then evict least recently used entries past `max_bytes`.
+        Files the store already holds (by content) are not written again."""
+        listing: dict[str, dict[str, dict[str, Any]]] = {}
+        written = num_written = total = num_files = 0
+        with self.backend.lock(exclusive=False, wait=True):
+            for name, tree in sorted(artifacts.items()):
+                if not _ARTIFACT_NAME.match(name):
+                    raise ValueError(f"bad artifact name {name!r}")
+                files: dict[str, dict[str, Any]] = {}
+                for rel, source in sorted(tree.items()):
+                    if not safe_relative(rel):
+                        raise ValueError(f"bad file name {rel!r} in artifact {name}")
+                    if isinstance(source, StoredFile):
+                        if self.missing({rel: source}):
+                            raise EntryRefused(f"{name}/{rel}: its stored file is missing")
+                        sha, size, mode, mtime = source.sha256, source.size, source.mode, source.mtime
+                    else:
+                        data, mode, mtime = _read_source(source)
+                        sha, size = hashlib.sha256(data).hexdigest(), len(data)
+                        if self._put_blob(sha, data):
+                            written += size
+                            num_written += 1
+                        del data
+                    files[rel] = {"sha256": sha, "size": size, "mode": mode, "mtime": mtime}
+                    total += size
+                    num_files += 1
+                listing[name] = files
+            now = time.time()
+            manifest: dict[str, Any] = {
+                "schema": MANIFEST_SCHEMA,
+                "digest": key.digest,
+                "key": key.components(),
+                "created_ts": now,
+                "artifacts": listing,
+                "meta": dict(meta or {}),
+            }
+            if self._secret is not None:
+                manifest["hmac"] = hmac.new(self._secret, _canonical(manifest), hashlib.sha256).hexdigest()
+            self.backend.write(f"{key.digest}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+            self._touch(key.digest, now)
+        self.evict(keep=key.digest)
+        return SaveResult(
+            entry_bytes=total, num_files=num_files, written_bytes=written, num_written=num_written
+        )
+
+    def _put_blob(self, sha: str, data: bytes) -> bool:
+        """Store `data` as blob `sha` unless the store holds it; whether it was written."""
+        path = blob_path(sha, compressed=self.backend.compress)
+        if self.backend.exists(path):
+            return False
+        payload = zlib.compress(data, _GZIP_LEVEL, wbits=31) if self.backend.compress else data
+        self.backend.write(path, payload)
+        return True
 
     # -- loading -----------------------------------------------------------------------------------------
-    def load(self, key: StoreKey, *, names: set[str] | None = None) -> StoreEntry | None:
-        """The verified entry of `key` (only the artifacts in `names`, when given), or None when there is
-        none. Raises `EntryRefused` when one exists but fails any check."""
+    def head(self, key: StoreKey) -> StoreEntry | None:
+        """The verified manifest of `key`'s entry (no file is read), or None when there is none. Raises
+        `EntryRefused` when one exists but was written for another key or fails its signature."""
         digest = key.digest
         manifest = self._manifest(digest)
         if manifest is None:
             return None
         if manifest.get("key") != key.components():
             raise EntryRefused(f"entry {digest} was written for another key: {manifest.get('key')}")
-        wanted = (
-            manifest["files"]
-            if names is None
-            else {n: manifest["files"][n] for n in names & set(manifest["files"])}
-        )
-        files: dict[str, bytes] = {}
-        for name, info in wanted.items():
-            try:
-                data = self.backend.read(f"{digest}/{info['blob']}")
-            except FileNotFoundError:
-                raise EntryRefused(f"entry {digest}: artifact {name} is missing") from None
-            if len(data) != info["size_bytes"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
-                raise EntryRefused(f"entry {digest}: artifact {name} does not match its checksum")
-            files[name] = data
         self._touch(digest, time.time())
-        return StoreEntry(
-            digest=digest,
-            files=files,
-            available=frozenset(manifest["files"]),
-            meta=manifest.get("meta", {}),
-            created_ts=manifest["created_ts"],
-        )
+        return _entry(digest, manifest)
+
+    def read(self, stored: StoredFile) -> bytes:
+        """The bytes of one file of a verified entry, checked against its SHA-256 and size. Raises
+        `EntryRefused` when the blob is missing or does not match."""
+        path = blob_path(stored.sha256, compressed=self.backend.compress)
+        try:
+            data = self.backend.read(path)
+        except FileNotFoundError:
+            raise EntryRefused(f"stored file {stored.sha256[:16]} is missing") from None
+        if self.backend.compress:
+            data = _gunzip(data, stored.size)
+        if len(data) != stored.size or hashlib.sha256(data).hexdigest() != stored.sha256:
+            raise EntryRefused(f"stored file {stored.sha256[:16]} does not match its checksum")
+        return data
+
+    def missing(self, files: Mapping[str, StoredFile]) -> list[str]:
+        """The names among `files` whose blob the store does not hold (checked before restoring)."""
+        return [
+            rel
+            for rel, stored in files.items()
+            if not self.backend.exists(blob_path(stored.sha256, compressed=self.backend.compress))
+        ]
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Hold the store's shared lock while the block reads an entry's files (eviction waits)."""
+        with self.backend.lock(exclusive=False, wait=True):
+            yield
 
     def _manifest(self, digest: str) -> dict[str, Any] | None:
         try:
@@ -192,16 +325,8 @@ class CompileStore:
             return None
         try:
             manifest = json.loads(raw)
-            if manifest.get("schema") != MANIFEST_SCHEMA or manifest.get("digest") != digest:
-                raise ValueError("unknown schema or digest")
-            for info in manifest["files"].values():
-                if not isinstance(info["blob"], str) or "/" in info["blob"]:
-                    raise ValueError("bad blob name")
-                int(info["size_bytes"]), str(info["sha256"])
-            float(manifest["created_ts"])
-            if not isinstance(manifest.get("key", {}), dict):
-                raise ValueError("key is not an object")
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            _check_manifest(manifest, digest)
+        except Exception as exc:  # anything at all in a damaged manifest: garbage, never a crash
             raise EntryUnreadable(f"entry {digest}: unreadable manifest ({type(exc).__name__})") from None
         if self._secret is not None:
             expected = hmac.new(self._secret, _canonical(manifest), hashlib.sha256).hexdigest()
@@ -216,56 +341,110 @@ class CompileStore:
         except Exception as exc:  # the entry is fine; only its LRU age is stale
             logger.debug("ettr: cannot record use of %s: %s", digest, exc)
 
+    def _digests(self) -> list[str]:
+        return [name for name in self.backend.list("") if _DIGEST.match(name)]
+
     def entries(self, *, unreadable: list[str] | None = None) -> list[EntryInfo]:
         """All committed entries that can be read (refused or half-written ones are skipped; the digests
-        of those whose manifest cannot be parsed are appended to `unreadable`)."""
+        of those whose manifest cannot be parsed are appended to `unreadable`). Never raises for one
+        entry."""
         infos = []
-        for digest in self.backend.list(""):
+        for digest in self._digests():
             try:
                 manifest = self._manifest(digest)
+                if manifest is None:
+                    continue
+                entry = _entry(digest, manifest)
+                try:
+                    used_ts = float(self.backend.read(f"{digest}/{USED}"))
+                    if not math.isfinite(used_ts):
+                        raise ValueError("not finite")
+                except (OSError, ValueError):
+                    used_ts = entry.created_ts
+                blobs = {f.sha256: f.size for tree in entry.artifacts.values() for f in tree.values()}
+                infos.append(
+                    EntryInfo(
+                        digest=digest,
+                        size_bytes=entry.size_bytes,
+                        used_ts=used_ts,
+                        created_ts=entry.created_ts,
+                        user_key=str(manifest["key"].get("user_key", "")),
+                        blobs=blobs,
+                    )
+                )
             except EntryUnreadable:
                 if unreadable is not None:
                     unreadable.append(digest)
-                continue
-            except (EntryRefused, OSError, ValueError) as exc:
+            except Exception as exc:  # refused, unreadable file, anything: skip this one, keep going
                 logger.debug("ettr: compile store entry %s skipped: %s", digest, exc)
-                continue
-            if manifest is None:
-                continue
-            try:
-                used_ts = float(self.backend.read(f"{digest}/{USED}"))
-            except (OSError, ValueError):
-                used_ts = float(manifest["created_ts"])
-            infos.append(
-                EntryInfo(
-                    digest=digest,
-                    size_bytes=sum(int(f["size_bytes"]) for f in manifest["files"].values()),
-                    used_ts=used_ts,
-                    created_ts=float(manifest["created_ts"]),
-                    user_key=str(manifest.get("key", {}).get("user_key", "")),
-                )
-            )
         return infos
 
-    def evict(self, *, keep: str | None = None) -> list[str]:
-        """Delete least recently used entries until the total is within `max_bytes` (never `keep`).
-        Returns the digests deleted."""
-        unreadable: list[str] = []
-        infos = sorted(self.entries(unreadable=unreadable), key=lambda e: e.used_ts)
-        evicted = []
-        for digest in unreadable:  # garbage: never loadable, and it must not stop the rest
-            if digest != keep and self._delete_quietly(digest):
-                evicted.append(digest)
-        total = sum(e.size_bytes for e in infos)
+    def usage(self) -> StoreUsage:
+        """The entries and what the store keeps for them (each distinct file once)."""
+        infos = self.entries()
+        stored: dict[str, int] = {}
         for info in infos:
-            if total <= self.max_bytes:
-                break
-            if info.digest == keep:
-                continue
-            if self._delete_quietly(info.digest):
-                total -= info.size_bytes
+            stored.update(info.blobs)
+        return StoreUsage(
+            location=self.backend.describe(),
+            num_entries=len(infos),
+            entries_bytes=sum(i.size_bytes for i in infos),
+            stored_bytes=sum(stored.values()),
+        )
+
+    def evict(self, *, keep: str | None = None) -> list[str]:
+        """Delete least recently used entries until the store (each file once) fits `max_bytes` (never
+        `keep`), unreadable entries, and blobs no remaining entry names. Returns the digests deleted.
+        Skipped (returns []) while another process saves or restores on a local store: the next save
+        evicts."""
+        with self.backend.lock(exclusive=True, wait=False) as held:
+            if held is False:
+                return []
+            unreadable: list[str] = []
+            infos = sorted(self.entries(unreadable=unreadable), key=lambda e: e.used_ts)
+            evicted = []
+            for digest in unreadable:  # garbage: never loadable, and it must not stop the rest
+                if digest != keep and self._delete_quietly(digest):
+                    evicted.append(digest)
+            counts: dict[str, int] = {}
+            sizes: dict[str, int] = {}
+            for info in infos:
+                for sha, size in info.blobs.items():
+                    counts[sha] = counts.get(sha, 0) + 1
+                    sizes[sha] = size
+            total = sum(sizes.values())
+            for info in infos:
+                if total <= self.max_bytes:
+                    break
+                if info.digest == keep or not self._delete_quietly(info.digest):
+                    continue
                 evicted.append(info.digest)
-        return evicted
+                for sha in info.blobs:
+                    counts[sha] -= 1
+                    if counts[sha] == 0:
+                        total -= sizes[sha]
+            live = {sha for sha, count in counts.items() if count > 0}
+            self._collect_garbage(live, locked=held is True)
+            return evicted
+
+    def _collect_garbage(self, live: set[str], *, locked: bool) -> None:
+        """Delete the blobs no entry names (under the exclusive lock: all of them; without locks: those
+        older than `UNREFERENCED_GRACE_S`)."""
+        suffix = ".gz" if self.backend.compress else ""
+        for shard in self.backend.list(BLOBS):
+            for name in self.backend.list(f"{BLOBS}/{shard}"):
+                sha = name.removesuffix(suffix) if suffix else name
+                if sha in live and name == sha + suffix:
+                    continue
+                path = f"{BLOBS}/{shard}/{name}"
+                try:
+                    if not locked:
+                        age = self.backend.age_s(path)
+                        if age is None or age < UNREFERENCED_GRACE_S:
+                            continue
+                    self.backend.delete(path)
+                except (OSError, ValueError) as exc:
+                    logger.debug("ettr: cannot delete unreferenced blob %s (%s)", path, exc)
 
     def _delete_quietly(self, digest: str) -> bool:
         try:
@@ -276,8 +455,86 @@ class CompileStore:
         return True
 
     def delete(self, digest: str) -> None:
-        """Remove an entry: the manifest first (it stops existing), then its blobs."""
+        """Remove an entry: the manifest first (it stops existing), then what else its folder holds (its
+        blobs stay until no entry names them)."""
         self.backend.delete(f"{digest}/{MANIFEST}")
         for name in self.backend.list(digest):
             self.backend.delete(f"{digest}/{name}")
         self.backend.delete(digest)
+
+
+def _read_source(source: FileSource) -> tuple[bytes, int, float]:
+    """(bytes, permission bits, mtime) of a file to save."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), 0o644, 0.0
+    if not isinstance(source, Path):
+        raise TypeError(f"cannot save a {type(source).__name__} as a file")
+    data, st = read_no_follow_stat(source)
+    return data, st.st_mode & 0o7777, st.st_mtime
+
+
+def _gunzip(data: bytes, size: int) -> bytes:
+    """A gzip'd blob's content, refusing one that expands past its recorded size (a bomb)."""
+    try:
+        inflater = zlib.decompressobj(wbits=31)
+        out = inflater.decompress(data, size + 1)
+    except zlib.error as exc:
+        raise EntryRefused(f"a stored file cannot be decompressed ({exc})") from None
+    if len(out) > size or not inflater.eof:
+        raise EntryRefused("a stored file expands past its recorded size")
+    return out
+
+
+def _check_manifest(manifest: Any, digest: str) -> None:
+    """Raise (anything) unless `manifest` is a well-formed schema-2 manifest of entry `digest`."""
+    if not isinstance(manifest, dict):
+        raise TypeError("not an object")
+    if manifest.get("schema") != MANIFEST_SCHEMA or manifest.get("digest") != digest:
+        raise ValueError("unknown schema or digest")
+    key = manifest["key"]
+    if not isinstance(key, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in key.items()
+    ):
+        raise TypeError("key is not an object of strings")
+    created = manifest["created_ts"]
+    if type(created) not in (int, float) or not math.isfinite(created):
+        raise ValueError("bad created_ts")
+    if not isinstance(manifest.get("meta", {}), dict):
+        raise TypeError("meta is not an object")
+    artifacts = manifest["artifacts"]
+    if not isinstance(artifacts, dict):
+        raise TypeError("artifacts is not an object")
+    for name, files in artifacts.items():
+        if not isinstance(name, str) or not _ARTIFACT_NAME.match(name) or not isinstance(files, dict):
+            raise ValueError("bad artifact")
+        for rel, info in files.items():
+            if not safe_relative(rel) or not isinstance(info, dict):
+                raise ValueError("bad file name")
+            if not isinstance(info.get("sha256"), str) or not _SHA256.match(info["sha256"]):
+                raise ValueError("bad sha256")
+            size, mode, mtime = info.get("size"), info.get("mode", 0o644), info.get("mtime", 0.0)
+            if type(size) is not int or size < 0 or type(mode) is not int or not 0 <= mode <= 0o7777:
+                raise ValueError("bad size or mode")
+            if type(mtime) not in (int, float) or not math.isfinite(mtime):
+                raise ValueError("bad mtime")
+
+
+def _entry(digest: str, manifest: Mapping[str, Any]) -> StoreEntry:
+    artifacts = {
+        name: {
+            rel: StoredFile(
+                sha256=info["sha256"],
+                size=info["size"],
+                mode=info.get("mode", 0o644),
+                mtime=float(info.get("mtime", 0.0)),
+            )
+            for rel, info in files.items()
+        }
+        for name, files in manifest["artifacts"].items()
+    }
+    return StoreEntry(
+        digest=digest,
+        artifacts=artifacts,
+        meta=dict(manifest.get("meta", {})),
+        created_ts=float(manifest["created_ts"]),
+    )

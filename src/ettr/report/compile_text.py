@@ -31,6 +31,10 @@ def _store_line(action: Mapping[str, Any]) -> str:
     details = []
     if size is not None:
         details.append(f"{size / 1e6:.1f} MB")
+    if action.get("written_bytes") is not None:
+        details.append(f"{action['written_bytes'] / 1e6:.1f} MB of it new to the store")
+    if action.get("headers"):
+        details.append(f"precompiled headers {action['headers']}")
     if action.get("duration_s") is not None:
         details.append(f"{action['duration_s']:.2f} s")
     if action.get("error"):
