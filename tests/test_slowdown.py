@@ -214,13 +214,23 @@ def test_process_mode_job_report_matches_its_own_measurement(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     own = json.loads(done.stdout.strip().splitlines()[-1])
-    _, report = read_run(tmp_path)
+    events, report = read_run(tmp_path)
     s = report.slowdown
     assert s is not None and s.inflation is not None and len(s.saves) == 5  # warm-up save + 4 rounds
-    assert own["num_busy"] > 0
-    # the same steps, classified by the ledger's persist spans; 8%: other load on a shared machine moves the
-    # few steps the two leave out differently
-    assert s.inflation == pytest.approx(own["direct"], rel=0.08)
+    assert own["num_busy"] > 0 and s.num_busy_steps > 0
+    # What the two agree on whatever the load (the ratio itself is a figure of benchmarks/checkpoint_stall.py):
+    # every step the job timed with no persist running lies outside every persist window of the ledger, so the
+    # report counts it quiet; every step the report counts busy is one the job took while a persist ran (or the
+    # one right after save(), which the job leaves out of both).
+    step_ts = {e.step: e.ts for e in events if e.kind is EventKind.STEP and e.rank == 0 and e.attempt == 0}
+    windows = [(save.start_ts, save.end_ts) for save in s.saves]
+    quiet_steps = [number for number, kind in own["kinds"] if kind == "quiet"]
+    for number in quiet_steps:
+        begin, end = step_ts[number - 1], step_ts[number]
+        assert all(end <= w_begin or begin >= w_end for w_begin, w_end in windows), number
+    assert s.num_quiet_steps >= len(quiet_steps)
+    num_busy_turns = len(s.saves) - 1
+    assert s.num_busy_steps <= own["num_busy"] + num_busy_turns
     # the checkpoint process runs nicer than the training process
     assert own["children_nice"] and all(n > own["own_nice"] for n in own["children_nice"])
 
