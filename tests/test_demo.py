@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ettr import demo
 from ettr.accounting import compute
+from ettr.demo import app as demo
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Outcome, Phase
 from ettr.report.load import load_report
@@ -225,10 +225,12 @@ def test_the_reference_job_is_found_in_the_source_checkout():
 
 
 def test_an_install_without_the_reference_job_says_so(monkeypatch, tmp_path):
-    import ettr._examples
+    import ettr.demo._examples
 
     monkeypatch.setattr(
-        ettr._examples, "__file__", str(tmp_path / "site-packages" / "ettr" / "_examples" / "x.py")
+        ettr.demo._examples,
+        "__file__",
+        str(tmp_path / "site-packages" / "ettr" / "demo" / "_examples" / "x.py"),
     )
     with pytest.raises(UsageError, match="the reference job is missing from this install of ettr"):
         demo.find_train_script()
@@ -262,8 +264,8 @@ def test_a_wheel_ships_the_reference_job(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     job = {p.name for p in (EXAMPLES / "dlrm").glob("*.py")}
     assert {"train.py", "checkpointing.py", "data.py", "model.py"} <= job
-    assert {f"ettr/_examples/dlrm/{name}" for name in job} <= names
-    assert "ettr/_examples/__init__.py" in names and "ettr/demo.py" in names
+    assert {f"ettr/demo/_examples/dlrm/{name}" for name in job} <= names
+    assert "ettr/demo/_examples/__init__.py" in names and "ettr/demo/app.py" in names
 
 
 def test_prepare_clears_an_earlier_demo_but_refuses_a_directory_it_did_not_make(tmp_path):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from ettr import demo_story
 from ettr.accounting import compute
 from ettr.audit import MARK_NAME
-from ettr.demo_render import story_lines, story_sections
+from ettr.demo import story as demo_story
+from ettr.demo.render import story_lines, story_sections
 from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Outcome, Phase
 
 T0 = 1_700_000_000.0
@@ -124,7 +124,7 @@ def test_the_gain_at_equal_step_speed_takes_out_what_slower_steps_added():
     assert e.gain_points == pytest.approx((40 / 118.5 - 40 / 158.5) * 100)
     assert e.from_speed_points == pytest.approx((64 / 142.5 - 40 / 118.5) * 100)  # 11.2 of the 19.7 points
 
-    from ettr.demo_render import equal_speed_lines
+    from ettr.demo.render import equal_speed_lines
 
     text = "\n".join(equal_speed_lines(e))
     assert "the same work: wall 118.5 s instead of 142.5 s (baseline 158.5 s" in text
@@ -147,7 +147,7 @@ def test_no_kept_step_no_equal_speed_figure():
         Event(EventKind.ATTEMPT_START, T0, 0, SUPERVISOR_RANK),
         Event(EventKind.ATTEMPT_END, T0 + 5, 0, SUPERVISOR_RANK, data={"outcome": Outcome.FAILED}),
     ]
-    from ettr.demo_render import equal_speed_lines
+    from ettr.demo.render import equal_speed_lines
 
     assert demo_story.equal_speed(_report(never), _report(OPT)) is None
     assert equal_speed_lines(None)[-1] == "at equal step speed: unknown (a side kept no step)"

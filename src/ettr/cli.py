@@ -310,7 +310,7 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ettr.demo import main as demo
+    from ettr.demo.app import main as demo
 
     return demo(args)
 

@@ -2,8 +2,7 @@
 the init audit before and after, and both sides projected to a fleet-scale job through `ettr.simulate`.
 
 Everything is read from the two run directories' reports and events (`build_story`); nothing is assumed
-about either side. The text lines are `ettr.report.demo_text.story_lines`, the pictures
-`ettr.report.demo_html`.
+about either side. Its text lines and pictures are `ettr.demo.render` (`story_lines`, `story_sections`).
 
     story = build_story(baseline_dir, optimized_dir)
     story.techniques      # per technique: the buckets it acts on, seconds on each side, share of the gain

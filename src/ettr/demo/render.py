@@ -1,4 +1,4 @@
-"""`ettr demo`'s story (`ettr.demo_story.Story`) as terminal lines and as HTML sections for report.html.
+"""`ettr demo`'s story (`ettr.demo.story.Story`) as terminal lines and as HTML sections for report.html.
 
 Pure: a story in, text out. The HTML uses the report's SVG vocabulary (`ettr.report.svg`), so the bucket
 colours are the same as in the rest of the page.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ettr.demo_story import Audit, EqualSpeed, FleetScale, Story
+from ettr.demo.story import Audit, EqualSpeed, FleetScale, Story
 from ettr.events import Bucket
 from ettr.report.steptime import fmt_step
 from ettr.report.svg import (

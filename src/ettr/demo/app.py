@@ -4,7 +4,7 @@ the terminal and in pictures (`DIR/report.html`). See docs/demo.md.
 
     ettr demo [--quick] [--out DIR]      # DIR defaults to runs/demo
 
-Each side is `ettr run -- torchrun --nproc-per-node 2 .../ettr/_examples/dlrm/train.py ...` (the
+Each side is `ettr run -- torchrun --nproc-per-node 2 .../ettr/demo/_examples/dlrm/train.py ...` (the
 repository's `examples/dlrm`, shipped in the package) into `DIR/<side>`:
 attempt 0 is preempted at one step (`--inject preempt@step=M`: SIGTERM to the whole job; `ettr run` exits
 143 and the demo requeues the job, as a scheduler would), attempt 1 crashes at a later step
@@ -28,9 +28,9 @@ from typing import Literal
 
 from ettr.closing import live_supervisor
 from ettr.constants import EXIT_PREEMPTED
-from ettr.demo_progress import JobState, ProgressDisplay, read_events
+from ettr.demo.explain import explain
+from ettr.demo.progress import JobState, ProgressDisplay, read_events
 from ettr.errors import UsageError
-from ettr.report.demo_text import explain
 from ettr.run_env import (
     AGENT_ENV,
     COMPILE_RESTORE_ENV,
@@ -192,11 +192,11 @@ OPTIMIZED = Side(
 
 
 def find_train_script() -> Path:
-    """The reference job's `train.py`, shipped inside the package (`ettr/_examples/dlrm`, the repository's
+    """The reference job's `train.py`, shipped inside the package (`ettr/demo/_examples/dlrm`, the repository's
     `examples/dlrm`), so that any install of ettr finds it: a wheel, or a source checkout."""
-    import ettr._examples
+    import ettr.demo._examples
 
-    script = Path(ettr._examples.__file__).resolve().parent / "dlrm" / "train.py"
+    script = Path(ettr.demo._examples.__file__).resolve().parent / "dlrm" / "train.py"
     if not script.is_file():
         raise UsageError(
             f"ettr demo: the reference job is missing from this install of ettr ({script}); reinstall ettr "
@@ -410,11 +410,11 @@ class PublishJob:
 
 def publish_command(job: Job) -> list[str]:
     """`ettr publish` on `job`'s queue, allowed to run the demo's model code only."""
-    import ettr._examples
+    import ettr.demo._examples
 
     # The demo's model code (dlrm, shipped in the package) is all this publisher lets its requests run: the
     # package's copy, and where it really lives when that is a link (a source checkout's examples/).
-    examples = Path(ettr._examples.__file__).resolve().parent
+    examples = Path(ettr.demo._examples.__file__).resolve().parent
     command = [sys.executable, "-m", "ettr.cli", "publish", str(job.publish_queue)]
     command += ["--allow-factory", "dlrm.model.*"]
     for allowed in dict.fromkeys([examples, (examples / "dlrm").resolve().parent]):
@@ -471,8 +471,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from ettr.demo_render import story_lines, story_sections
-    from ettr.demo_story import build_story
+    from ettr.demo.render import story_lines, story_sections
+    from ettr.demo.story import build_story
     from ettr.report.html import write_html
     from ettr.report.load import load_report
     from ettr.report.text import render_comparison
