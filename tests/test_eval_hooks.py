@@ -29,6 +29,7 @@ def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[An
         pass
     original_train = torch.nn.Module.__dict__["train"]
     original_eval = torch.nn.Module.__dict__["eval"]
+    original_getstate = torch.nn.Module.__dict__["__getstate__"]
     ledger = open_ledger(tmp_path / "run")
     rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=0, rank=0)
     hooks = AutoHooks(rec)
@@ -40,6 +41,7 @@ def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[An
         rec.close()
         assert torch.nn.Module.__dict__["train"] is original_train
         assert torch.nn.Module.__dict__["eval"] is original_eval
+        assert torch.nn.Module.__dict__["__getstate__"] is original_getstate
 
 
 def _evals(rec: Recorder, ledger: Any) -> list[Event]:
@@ -202,3 +204,48 @@ def test_the_trained_set_follows_the_optimizers_parameter_groups() -> None:
     optimizer.add_param_group({"params": body.parameters()})  # unfrozen later: now trained too
     assert trained.trains(body)
     assert not trained.trains(torch.nn.ReLU())  # no parameters
+
+
+def test_a_whole_module_saved_or_copied_during_an_evaluation_carries_no_hooks(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    """Scripts save the whole model (`torch.save(model)`) or copy it (`copy.deepcopy`, an EMA) after a
+    validation, often still in eval mode: ettr's hooks on it must not travel (they hold the recorder, which
+    cannot be pickled), and the evaluation goes on being timed."""
+    import copy
+    import pickle
+
+    hooks, rec, ledger = hooked
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, optimizer)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    assert model._forward_pre_hooks and model._forward_hooks  # the evaluation is being timed
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    twin = copy.deepcopy(model)
+    pickled = pickle.loads(pickle.dumps(model))
+    for other in (loaded, twin, pickled):
+        assert not other._forward_pre_hooks and not other._forward_hooks
+        assert not other.training
+        assert torch.equal(other.body[0].weight, model.body[0].weight)
+    assert model._forward_pre_hooks and model._forward_hooks  # still timed: the copies took nothing away
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    model.train()
+    assert len(_spans(_evals(rec, ledger))) == 1
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    # A module with hooks of its own keeps them in its copies; only ettr's are left out.
+    model.register_forward_hook(_user_hook)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    copied = copy.deepcopy(model)
+    assert list(copied._forward_hooks.values()) == [_user_hook] and not copied._forward_pre_hooks
+    model.train()
+
+
+def _user_hook(module: Any, args: Any, output: Any) -> None:
+    return None

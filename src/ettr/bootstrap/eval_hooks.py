@@ -15,7 +15,9 @@ run forward, and switched back, with no optimizer step in between:
            `eval()` is not watched again: BatchNorm layers a fine-tuning script freezes every step)
 
 While an evaluation is open, a forward pre-hook and a forward hook on that module time its passes (removed at
-its end: the training loop never runs them). They are left off where Dynamo could trace them (a module
+its end: the training loop never runs them). They never travel with the module: `nn.Module.__getstate__` is
+wrapped while they are on it, so a `torch.save(model)`, a pickle or a `copy.deepcopy` (an EMA) of the module
+mid-evaluation holds the script's own hooks only (ettr's hold the recorder, which cannot be pickled). They are left off where Dynamo could trace them (a module
 compiled in place, or any module once something was compiled, except `torch.compile`'s own wrapper, which
 calls its hooks eagerly): there the evaluation is recorded at its `train()` or at exit, and one that an
 optimizer step ends is not recorded (nothing tells it from training in eval mode).
@@ -45,6 +47,15 @@ from ettr.tracing import dynamo_is_tracing
 
 _DATA = {"source": "zero_code"}
 """`data` of the phases recorded here (the script's own and the frameworks' carry theirs)."""
+
+
+def _without_hooks(state: dict[str, Any], handle_ids: set[int]) -> dict[str, Any]:
+    """A module's pickled state (a copy of its `__dict__`) without the forward hooks `handle_ids` name."""
+    for key in ("_forward_pre_hooks", "_forward_hooks"):
+        registered = state.get(key)
+        if registered and not handle_ids.isdisjoint(registered):
+            state[key] = type(registered)((k, v) for k, v in registered.items() if k not in handle_ids)
+    return state
 
 
 class TrainedModules:
@@ -105,8 +116,8 @@ class EvalHooks:
         # eval() is not watched again, so that such a loop pays one set lookup a call, not an evaluation's set-up.
         self._trains_in_eval_mode: weakref.WeakSet[Any] = weakref.WeakSet()
         self._torch: ModuleType | None = None
-        self._train_original: Callable[..., Any] | None = None
-        self._train_wrapper: Callable[..., Any] | None = None
+        # nn.Module attributes wrapped while an evaluation is open: name -> (original, wrapper)
+        self._wrapped: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self._atexit = False
 
     # -- installation -----------------------------------------------------------------------------------------
@@ -151,7 +162,7 @@ class EvalHooks:
                     handle.remove()
                 evaluation.handles, evaluation.hooked = [], False
         self.open = evaluation
-        self._wrap_train()
+        self._wrap_while_open()
         if not self._atexit:
             self._atexit = True
             atexit.register(self.guard.call, "evaluation", self.at_exit)
@@ -214,7 +225,7 @@ class EvalHooks:
     def _end(self, end_ts: float | None) -> None:
         """Close the open evaluation: recorded up to `end_ts`, or dropped (None: it was not one)."""
         evaluation, self.open = self.open, None
-        self._unwrap_train()
+        self._unwrap()
         if evaluation is None:
             return
         for handle in evaluation.handles:
@@ -236,35 +247,51 @@ class EvalHooks:
         if evaluation is not None:
             for handle in evaluation.handles:
                 handle.remove()
-        self._unwrap_train()
+        self._unwrap()
 
-    # -- nn.Module.train, wrapped only while an evaluation is open ---------------------------------------------
-    def _wrap_train(self) -> None:
+    # -- nn.Module.train and __getstate__, wrapped only while an evaluation is open ---------------------------
+    def _wrap_while_open(self) -> None:
+        """Wrap `train` (to see the evaluation end) and, while its passes are timed, `__getstate__` (so that
+        the hooks on the module stay out of its pickles and copies)."""
         torch = self._torch
-        if torch is None or self._train_original is not None:
+        if torch is None or self._wrapped:
             return
-        module_class = torch.nn.Module
-        original = module_class.__dict__["train"]
         hooks = self
+        module_class = torch.nn.Module
+        original_train = module_class.__dict__["train"]
+        original_getstate = module_class.__dict__["__getstate__"]
 
         def train(module: Any, mode: bool = True) -> Any:
-            result = original(module, mode)
+            result = original_train(module, mode)
             if mode and hooks.open is not None:
                 hooks.guard.call("evaluation", hooks.trained_again, module)
             return result
 
-        train.__wrapped__ = original  # type: ignore[attr-defined]
-        train.__doc__ = original.__doc__
-        self._train_original, self._train_wrapper = original, train
-        module_class.train = train
+        def __getstate__(module: Any) -> Any:
+            state = original_getstate(module)
+            evaluation = hooks.open
+            if evaluation is not None and module is evaluation.module and evaluation.handles:
+                state = _without_hooks(state, {handle.id for handle in evaluation.handles})
+            return state
 
-    def _unwrap_train(self) -> None:
-        torch, original = self._torch, self._train_original
-        if torch is None or original is None:
+        wrappers: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+            "train": (original_train, train)
+        }
+        if self.open is not None and self.open.handles:
+            wrappers["__getstate__"] = (original_getstate, __getstate__)
+        for name, (original, wrapper) in wrappers.items():
+            wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+            wrapper.__doc__ = original.__doc__
+            setattr(module_class, name, wrapper)
+        self._wrapped = wrappers
+
+    def _unwrap(self) -> None:
+        torch, wrapped, self._wrapped = self._torch, self._wrapped, {}
+        if torch is None:
             return
-        if torch.nn.Module.__dict__.get("train") is self._train_wrapper:
-            torch.nn.Module.train = original
-        self._train_original = self._train_wrapper = None
+        for name, (original, wrapper) in wrapped.items():
+            if torch.nn.Module.__dict__.get(name) is wrapper:
+                setattr(torch.nn.Module, name, original)
 
     # -- helpers ----------------------------------------------------------------------------------------------
     def _grad_enabled(self) -> bool:
