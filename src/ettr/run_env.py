@@ -261,6 +261,8 @@ class RankEnv:
 
 # -- heartbeat files ---------------------------------------------------------------------------------------
 HEARTBEAT_DIRNAME = "heartbeats"
+STEP_TAIL_DIRNAME = "steps"
+"""Where training processes keep their last steps (`ettr.steptail`: `RUN_DIR/steps/rank-R-pid-P`)."""
 
 
 def heartbeat_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:

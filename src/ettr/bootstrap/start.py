@@ -127,6 +127,7 @@ def _start(environ: Mapping[str, str]) -> None:
         beat = MainThreadHeartbeat(heartbeat_path(rec.run_dir, rec.attempt, rec.rank), stands_down=launches)
         beat.start()
         _started["heartbeat"] = beat
+        _keep_step_tail(rec)  # a launcher takes no steps: it writes none
     _start_injector(rec, run_env, stands_down=launches)
     _mark_first_step(rec, run_env)
     if run_env.auto:
@@ -164,6 +165,16 @@ def installed_packages(modules: Mapping[str, Any] | None = None) -> list[str]:
         if isinstance(path, str) and path.startswith(roots):
             found.append(name)
     return sorted(found)[:MAX_WARM_MODULES]
+
+
+def _keep_step_tail(rec: RecorderProtocol) -> None:
+    """Note every step in this process's step tail (`ettr.steptail`), for the supervisor to recover the steps
+    a kill takes before the recorder writes them."""
+    from ettr.steptail import StepTail, tail_path
+
+    assert rec.run_dir is not None
+    tail = StepTail(tail_path(rec.run_dir, rec.rank))
+    rec.add_step_listener(lambda step: tail.note(rec.attempt, step))
 
 
 def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:

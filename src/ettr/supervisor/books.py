@@ -35,6 +35,7 @@ from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.inject import FaultSpec, unfired_specs
 from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.procs import start_ticks
+from ettr.steptail import read_tails, unrecorded_steps
 from ettr.supervisor import containment, peers, slurm
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import job_times
@@ -266,6 +267,29 @@ class JobBooks:
                     return
             time.sleep(pause_s)
             pause_s = min(2.0, pause_s * 2)
+
+    def record_unrecorded_steps(self, attempt: int, events: Sequence[Event]) -> list[Event]:
+        """After `attempt`'s processes are gone: record the steps they took but died before writing (a SIGKILL,
+        a SIGTERM without a handler; `ettr.steptail`), as their ranks' STEP events at the times they were
+        taken. `events`: the attempt's training events in the books. Returns what it recorded. Never raises."""
+        if not self.keeps_job_events:
+            return []
+        try:
+            recorded = [
+                (e.rank, e.step, e.ts) for e in events if e.kind is EventKind.STEP and e.step is not None
+            ]
+            missing = unrecorded_steps(read_tails(self.run_dir, attempt), recorded)
+            if not missing:
+                return []
+            found = [
+                Event(EventKind.STEP, ts, attempt, rank, step=step, data={"source": "step_tail"})
+                for rank, step, ts in missing
+            ]
+            self._writer().append(found)
+        except Exception as exc:  # the job matters more than its books
+            logger.warning("ettr: could not record the steps of attempt %d after its end (%s)", attempt, exc)
+            return []
+        return found
 
     def _append_node_part(self, event: Event) -> None:
         assert self._node_rank is not None

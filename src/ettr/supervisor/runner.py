@@ -168,6 +168,7 @@ class AttemptRunner:
             p.guard.forget(running.pids)
         oom_after = oom_kill_count()
         events = books.attempt_events(attempt)
+        events += books.record_unrecorded_steps(attempt, events)
         end = classify(
             returncode=state.returncode,
             stderr_tail=running.stderr_tail(),

@@ -1,0 +1,77 @@
+"""Step tails (`ettr.steptail`): the steps a killed process took but never wrote are recovered after its
+attempt, so that lost steps are exact after a SIGKILL or a SIGTERM without a handler."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ettr.steptail import RING_SLOTS, StepTail, read_tails, tail_path, unrecorded_steps
+from framework_truth import report, run_ettr
+
+
+def test_a_tail_keeps_the_last_steps_of_its_attempt(tmp_path: Path) -> None:
+    tail = StepTail(tail_path(tmp_path, rank=3, pid=11))
+    for step in range(1, 11):
+        tail.note(0, step)
+    (steps,) = read_tails(tmp_path, 0).values()
+    assert [s for s, _ in steps] == list(range(1, 11))
+    assert [ts for _, ts in steps] == sorted(ts for _, ts in steps)
+    assert list(read_tails(tmp_path, 0)) == [3] and read_tails(tmp_path, 1) == {}
+    for step in range(11, 11 + 2 * RING_SLOTS):  # a long attempt: the ring holds the newest
+        tail.note(0, step)
+    (steps,) = read_tails(tmp_path, 0).values()
+    assert [s for s, _ in steps] == list(range(11 + RING_SLOTS, 11 + 2 * RING_SLOTS))
+    tail.note(1, 500)  # restarted in place: a fresh ring for the new attempt
+    assert read_tails(tmp_path, 0) == {} and [s for s, _ in read_tails(tmp_path, 1)[3]] == [500]
+
+
+def test_what_the_books_lack_is_what_is_after_each_ranks_last_recorded_step() -> None:
+    tails = {0: [(4, 1.0), (5, 2.0), (6, 3.0)], 1: [(5, 2.5), (6, 0.5)], 2: [(1, 9.0)]}
+    recorded = [(0, 4, 1.0), (0, 5, 2.0), (1, 5, 2.5)]
+    # rank 1's step 6 is older than its recorded step 5: a slot cut short, dropped; rank 2 recorded nothing
+    assert unrecorded_steps(tails, recorded) == [(0, 6, 3.0), (2, 1, 9.0)]
+    assert unrecorded_steps({}, recorded) == []
+
+
+def test_foreign_or_short_files_in_the_tail_directory_are_ignored(tmp_path: Path) -> None:
+    tail = StepTail(tail_path(tmp_path, rank=0, pid=1))
+    tail.note(0, 7)
+    folder = tail_path(tmp_path, rank=0, pid=1).parent
+    (folder / "rank-1-pid-2").write_bytes(b"short")
+    (folder / "rank-2-pid-3").write_bytes(bytes(4096))  # no header
+    (folder / "notes.txt").write_text("hello")
+    assert {rank: [s for s, _ in steps] for rank, steps in read_tails(tmp_path, 0).items()} == {0: [7]}
+
+
+KILLED_AFTER_ITS_STEPS = """
+import json, os, signal, sys, torch
+log = open(sys.argv[1], "w")
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(1, 41):
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    log.write(json.dumps({"step": step}) + "\\n"); log.flush()
+os.kill(os.getpid(), signal.SIG%s)  # at once, as a scheduler's SIGTERM to a script without a handler
+"""
+
+
+@pytest.mark.parametrize("sig", ["KILL", "TERM"])
+def test_steps_a_killed_process_never_wrote_are_on_the_books(tmp_path: Path, sig: str) -> None:
+    pytest.importorskip("torch")
+    script, seen, run_dir = tmp_path / "train.py", tmp_path / "seen.jsonl", tmp_path / "run"
+    script.write_text(KILLED_AFTER_ITS_STEPS % sig)
+    done = run_ettr(
+        "run", "--run-dir", str(run_dir), "--max-restarts", "0", "--", sys.executable, str(script), str(seen)
+    )
+    assert done.returncode != 0, done.stderr[-2000:]
+    last_seen = json.loads(seen.read_text().splitlines()[-1])["step"]
+    rep = report(run_dir)
+    (attempt,) = rep["attempts"]
+    assert last_seen == 40 and attempt["last_step"] == last_seen, done.stderr[-2000:]
+    assert attempt["num_steps"] == 40
