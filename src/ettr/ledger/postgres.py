@@ -12,8 +12,11 @@ Tables (layout version `SCHEMA_VERSION`, kept in `ettr.meta` like the SQLite led
 
 Indexes serve one job's events in append order (`job_id, id`), the supervisor's hang probe (the newest
 training-process event of an attempt, `job_id, attempt, ts` over rank >= 0), and the fleet (`jobs.created_ts`).
-Every call is bounded in time (connect, statement and TCP timeouts added to the URL unless it sets them), so
-a dead server fails fast; `ettr.ledger.spill.SpillingLedger` turns that failure into a local spill.
+Every call is bounded in time, so a dead or stalled server fails fast: connect, statement and TCP timeouts
+are added to the URL unless it sets them (a dead server, a lost link, a lock held long), and a client-side
+watchdog (`ettr.ledger.watchdog`) ends any call that outlives `call_timeout_s` (a server that is alive but
+not answering: stopped processes keep TCP up, so no TCP timeout fires and its statement timeout cannot run).
+`ettr.ledger.spill.SpillingLedger` turns that failure into a local spill.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -34,6 +37,7 @@ from ettr.events import Event
 from ettr.ledger import accounted
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerMark, LedgerRejected
 from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, events_from_rows, storable_rows
+from ettr.ledger.watchdog import WATCHDOG, BoundedCall, shutdown_socket
 
 logger = logging.getLogger("ettr")
 
@@ -50,6 +54,10 @@ _TIMEOUTS = {
 }
 _STATEMENT_TIMEOUT_MS = 10_000
 _SUMMARY_CHECK_TIMEOUT_MS = 120_000
+CALL_TIMEOUT_S = 15.0
+"""The client-side bound of one call (a transaction, a read): the server's statement timeout plus a margin,
+so that a slow statement on a live server gets the server's own error first."""
+_SUMMARY_CHECK_CALL_TIMEOUT_S = _SUMMARY_CHECK_TIMEOUT_MS / 1000 + 10.0
 _ADVISORY_LOCK = 0x65747472  # 'ettr': serializes concurrent schema creation
 
 _SCHEMA = """
@@ -132,9 +140,12 @@ class PostgresLedger:
             job is a `LedgerError`.
         run_dir: recorded with the job (where its logs and spill files are).
         node: the host name stored with each event (default this host's).
+        call_timeout_s: the most one call may take, connecting aside (bounded by `connect_timeout`): past
+            it the connection is cut and the call raises `LedgerError`, as for a dead server.
 
-    Raises `LedgerError` (one line, password redacted) when the server cannot be reached or the schema is
-    from a newer ettr. Thread-safe; one connection, re-opened after a failure.
+    Raises `LedgerError` (one line, password redacted) when the server cannot be reached, does not answer
+    within the bounds, or the schema is from a newer ettr. Thread-safe; one connection, re-opened after a
+    failure.
     """
 
     def __init__(
@@ -145,10 +156,14 @@ class PostgresLedger:
         create: bool = False,
         run_dir: str | os.PathLike[str] | None = None,
         node: str | None = None,
+        call_timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
         if not job_id:
             raise LedgerError("a PostgreSQL ledger needs a job id")
+        if not call_timeout_s > 0:
+            raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s}")
         self.url = url
+        self.call_timeout_s = call_timeout_s
         self.job_id = job_id
         self.node = node or socket.gethostname()
         self._conninfo = _conninfo(url)
@@ -170,16 +185,23 @@ class PostgresLedger:
     # -- connection ----------------------------------------------------------------------------------------
     @contextmanager
     def _connection(self) -> Iterator[Any]:
-        """The connection inside one transaction (committed on success); failures become `LedgerError`."""
+        """The connection inside one transaction (committed on success), bounded by `call_timeout_s`;
+        failures become `LedgerError`."""
         import psycopg
 
         with self._lock:
+            call: BoundedCall | None = None
             try:
                 if self._conn is None or self._conn.closed:
-                    self._conn = psycopg.connect(self._conninfo, autocommit=True)
-                with self._conn.transaction():
+                    self._conn = psycopg.connect(self._conninfo, autocommit=True)  # bounded: connect_timeout
+                with _bounded(self._conn, self.call_timeout_s) as call, self._conn.transaction():
                     yield self._conn
-            except psycopg.Error as exc:
+            except Exception as exc:
+                if call is not None and call.fired:
+                    self._drop()
+                    raise LedgerError(_stalled(self.url, call)) from None
+                if not isinstance(exc, psycopg.Error):
+                    raise
                 message = f"ledger {redact(self.url)}: {_one_line(exc)}"
                 if isinstance(exc, psycopg.DataError | psycopg.IntegrityError):
                     raise LedgerRejected(message) from None
@@ -295,8 +317,38 @@ class PostgresLedger:
         return LedgerHealth()
 
     def close(self, drain_timeout_s: float = 0.0) -> None:
-        with self._lock:
+        """Close the connection. A call still in flight on another thread (a delivery waiting on a stalled
+        server) is cut at once rather than waited for."""
+        if not self._lock.acquire(timeout=0.2):
+            conn = self._conn
+            if conn is not None:
+                _cut(conn)
+            self._lock.acquire()
+        try:
             self._drop()
+        finally:
+            self._lock.release()
+
+
+def _bounded(conn: Any, seconds: float) -> AbstractContextManager[BoundedCall]:
+    """Cut `conn`'s socket if the body takes more than `seconds` (the call then raises, as on a dead link)."""
+    return WATCHDOG.bound(seconds, lambda: _cut(conn))
+
+
+def _cut(conn: Any) -> None:
+    """Shut down `conn`'s socket: a call blocked on it fails at once."""
+    try:
+        fd = conn.fileno()
+    except Exception:  # closed meanwhile: nothing to cut
+        return
+    shutdown_socket(fd)
+
+
+def _stalled(url: str, call: BoundedCall) -> str:
+    return (
+        f"ledger {redact(url)}: no answer within {call.seconds:g} s (the server is stalled or overloaded); "
+        "the connection was cut"
+    )
 
 
 def _conninfo(url: str) -> str:
@@ -345,13 +397,16 @@ def list_jobs(url: str) -> list[str]:
     """The job ids in the ledger at `url`, oldest first. Raises `LedgerError`."""
     import psycopg
 
+    call: BoundedCall | None = None
     try:
-        with psycopg.connect(_conninfo(url)) as conn:
+        with psycopg.connect(_conninfo(url), autocommit=True) as conn, _bounded(conn, CALL_TIMEOUT_S) as call:
             _check_schema(conn, url, create=False)
             return [
                 row[0] for row in conn.execute("SELECT job_id FROM ettr.jobs ORDER BY created_ts, job_id")
             ]
     except psycopg.Error as exc:
+        if call is not None and call.fired:
+            raise LedgerError(_stalled(url, call)) from None
         raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None
 
 
@@ -361,8 +416,12 @@ def read_summaries(url: str) -> dict[str, tuple[str, LedgerMark]]:
     parallel scan beat 1,000 index-only counts by about a third). Raises `LedgerError`."""
     import psycopg
 
+    call: BoundedCall | None = None
     try:
-        with psycopg.connect(_conninfo(url)) as conn:
+        with (
+            psycopg.connect(_conninfo(url), autocommit=True) as conn,
+            _bounded(conn, _SUMMARY_CHECK_CALL_TIMEOUT_S) as call,
+        ):
             _check_schema(conn, url, create=False)
             if (conn.execute("SELECT to_regclass('ettr.summaries')").fetchone() or (None,))[0] is None:
                 return {}
@@ -374,6 +433,8 @@ def read_summaries(url: str) -> dict[str, tuple[str, LedgerMark]]:
                 " GROUP BY job_id) c ON c.job_id = s.job_id"
             ).fetchall()
     except psycopg.Error as exc:
+        if call is not None and call.fired:
+            raise LedgerError(_stalled(url, call)) from None
         raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None
     return {
         job_id: (body, LedgerMark(int(n), int(last)))
@@ -435,18 +496,23 @@ def read_jobs_marked(
     at all."""
     import psycopg
 
+    call: BoundedCall | None = None
     try:
         with psycopg.connect(_conninfo(url), autocommit=True) as conn:
-            _check_schema(conn, url, create=False)
+            with _bounded(conn, CALL_TIMEOUT_S) as call:
+                _check_schema(conn, url, create=False)
             for job_id in job_ids:
                 try:
-                    found: tuple[list[Event], LedgerMark] | LedgerError = _read_marked(
-                        conn, job_id, for_accounting=for_accounting
-                    )
+                    with _bounded(conn, CALL_TIMEOUT_S) as call:  # each read, not the caller's time between
+                        found: tuple[list[Event], LedgerMark] | LedgerError = _read_marked(
+                            conn, job_id, for_accounting=for_accounting
+                        )
                 except psycopg.OperationalError:
                     raise
                 except psycopg.Error as exc:
                     found = LedgerError(f"job {job_id}: {_one_line(exc)}")
                 yield job_id, found
     except psycopg.Error as exc:
+        if call is not None and call.fired:
+            raise LedgerError(_stalled(url, call)) from None
         raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None

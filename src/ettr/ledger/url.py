@@ -21,11 +21,15 @@ from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.ledger.base import Ledger, LedgerError
 from ettr.ledger.locate import POINTER_FILENAME, read_pointer
-from ettr.ledger.postgres import PostgresLedger, redact
+from ettr.ledger.postgres import CALL_TIMEOUT_S, PostgresLedger, redact
 from ettr.ledger.postgres import list_jobs as _postgres_jobs
 from ettr.ledger.sqlite import LEDGER_FILENAME, SqliteLedger
 
 POSTGRES_SCHEMES = ("postgresql", "postgres")
+TRAINING_CALL_TIMEOUT_S = 5.0
+"""A training process's bound on one call to the server (`PostgresLedger.call_timeout_s`): its events are
+appended in batches that take milliseconds, and its exit waits for the call in flight, so a stalled server
+costs it at most this before its events go to the spill file."""
 
 
 def scheme_of(url: str) -> str:
@@ -153,7 +157,14 @@ def open_for_run(
         if first is not None:
             made, first = first, None
             return made
-        return PostgresLedger(url, job_id=job_id, create=True, run_dir=run_dir, node=node)
+        return PostgresLedger(
+            url,
+            job_id=job_id,
+            create=True,
+            run_dir=run_dir,
+            node=node,
+            call_timeout_s=CALL_TIMEOUT_S if supervisor else TRAINING_CALL_TIMEOUT_S,
+        )
 
     return SpillingLedger(
         connect,

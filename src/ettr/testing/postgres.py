@@ -11,6 +11,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -64,6 +65,7 @@ class PostgresServer:
         self.data_dir = self.base_dir / "data"
         self.port = port or _free_port()
         self._run_as: list[str] = []
+        self._paused: list[int] = []
         if os.geteuid() == 0:
             try:
                 pwd.getpwnam("postgres")
@@ -117,8 +119,44 @@ class PostgresServer:
         if (self.data_dir / "postmaster.pid").exists():
             self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-m", "fast", "-w", "stop")
 
+    def pids(self) -> list[int]:
+        """The postmaster's pid and its children's (the server's processes), or [] when it is not running."""
+        try:
+            postmaster = int((self.data_dir / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return []
+        found = [postmaster]
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == postmaster:
+                found.append(int(name))
+        return found
+
+    def pause(self) -> None:
+        """Stall the server: SIGSTOP every process of it. TCP stays up (the kernel still accepts and
+        acknowledges), but nothing answers: neither TCP timeouts nor the server's statement timeout fire."""
+        self._paused = self.pids()
+        for pid in self._paused:
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo `pause` (SIGCONT to the processes it stopped, and any of the server's now)."""
+        for pid in {*self._paused, *self.pids()}:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self._paused = []
+
     def remove(self) -> None:
         """Stop the server and delete its files."""
+        self.resume()  # a stalled server cannot stop
         try:
             self.stop()
         finally:
