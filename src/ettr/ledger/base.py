@@ -18,6 +18,11 @@ class LedgerRejected(LedgerError):
     """The server is there but refused these rows (data it cannot store): retrying them will not help."""
 
 
+class LedgerStalled(LedgerError):
+    """The server did not answer within the call's bound (`ettr.ledger.watchdog`): it is stalled or overloaded,
+    and trying again at once will not help."""
+
+
 @dataclass(frozen=True, slots=True)
 class LedgerMark:
     """Which rows of one job's books a read saw: how many, and the id of the last (ids only grow). Two reads

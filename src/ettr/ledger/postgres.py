@@ -35,7 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 from ettr.events import SCHEMA_VERSION as EVENT_SCHEMA_VERSION
 from ettr.events import Event
 from ettr.ledger import accounted
-from ettr.ledger.base import LedgerError, LedgerHealth, LedgerMark, LedgerRejected
+from ettr.ledger.base import LedgerError, LedgerHealth, LedgerMark, LedgerRejected, LedgerStalled
 from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, events_from_rows, storable_rows
 from ettr.ledger.watchdog import WATCHDOG, BoundedCall, shutdown_socket
 
@@ -199,7 +199,7 @@ class PostgresLedger:
             except Exception as exc:
                 if call is not None and call.fired:
                     self._drop()
-                    raise LedgerError(_stalled(self.url, call)) from None
+                    raise LedgerStalled(_stalled(self.url, call)) from None
                 if not isinstance(exc, psycopg.Error):
                     raise
                 message = f"ledger {redact(self.url)}: {_one_line(exc)}"
@@ -317,17 +317,9 @@ class PostgresLedger:
         return LedgerHealth()
 
     def close(self, drain_timeout_s: float = 0.0) -> None:
-        """Close the connection. A call still in flight on another thread (a delivery waiting on a stalled
-        server) is cut at once rather than waited for."""
-        if not self._lock.acquire(timeout=0.2):
-            conn = self._conn
-            if conn is not None:
-                _cut(conn)
-            self._lock.acquire()
-        try:
+        """Close the connection, after the call in flight on another thread, if any (at most its bound)."""
+        with self._lock:
             self._drop()
-        finally:
-            self._lock.release()
 
 
 def _bounded(conn: Any, seconds: float) -> AbstractContextManager[BoundedCall]:
@@ -406,7 +398,7 @@ def list_jobs(url: str) -> list[str]:
             ]
     except psycopg.Error as exc:
         if call is not None and call.fired:
-            raise LedgerError(_stalled(url, call)) from None
+            raise LedgerStalled(_stalled(url, call)) from None
         raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None
 
 
@@ -434,7 +426,7 @@ def read_summaries(url: str) -> dict[str, tuple[str, LedgerMark]]:
             ).fetchall()
     except psycopg.Error as exc:
         if call is not None and call.fired:
-            raise LedgerError(_stalled(url, call)) from None
+            raise LedgerStalled(_stalled(url, call)) from None
         raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None
     return {
         job_id: (body, LedgerMark(int(n), int(last)))
@@ -514,5 +506,5 @@ def read_jobs_marked(
                 yield job_id, found
     except psycopg.Error as exc:
         if call is not None and call.fired:
-            raise LedgerError(_stalled(url, call)) from None
+            raise LedgerStalled(_stalled(url, call)) from None
         raise LedgerError(f"ledger {redact(url)}: {_one_line(exc)}") from None

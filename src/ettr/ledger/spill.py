@@ -31,7 +31,7 @@ from typing import Protocol
 
 from ettr.atomic import fsync_dir
 from ettr.events import Event
-from ettr.ledger.base import LedgerError, LedgerHealth, LedgerRejected
+from ettr.ledger.base import LedgerError, LedgerHealth, LedgerRejected, LedgerStalled
 from ettr.ledger.postgres import new_writer_id
 from ettr.ledger.rows import KeyedEvent, from_row, storable_rows
 
@@ -209,6 +209,7 @@ class SpillingLedger:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._scan: dict[Path, tuple[int, dict[int, float]]] = {}
+        self._orphans_lock = threading.Lock()
         self._connected = threading.Event()
         self._connect_wait_s = connect_wait_s
         if background_connect:
@@ -369,7 +370,12 @@ class SpillingLedger:
                     self._mark_down(exc)
                     return False
                 self._file.cut()
-        return self._deliver_orphans() if self._adopt else True
+        if not self._adopt:
+            return True
+        # One pass at a time: a file this object's delivery thread holds is not another writer's, and
+        # `close` must wait for that pass instead of taking the file for a live writer's.
+        with self._orphans_lock:
+            return self._deliver_orphans()
 
     def _ping(self) -> bool:
         """Whether the server answers now (reconnecting if needed); clears the outage when it does."""
@@ -381,6 +387,8 @@ class SpillingLedger:
             else:
                 try:
                     server.last_activity(-1)
+                except LedgerStalled:  # no answer within the bound: still stalled, no second wait
+                    raise
                 except Exception:  # the first call after a restart finds the old connection dead: once more
                     server.last_activity(-1)
         except Exception:
