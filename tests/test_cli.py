@@ -37,6 +37,7 @@ FROZEN_COMMAND_LINE = {
     "run": (
         {
             "--allocated-at",
+            "--continue-job",
             "--family",
             "--hang-timeout",
             "--inject",

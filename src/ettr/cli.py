@@ -85,6 +85,12 @@ def _add_run(p: argparse.ArgumentParser) -> None:
         help="where the books go: sqlite:///PATH or postgresql://USER@HOST/DB (default: RUN_DIR/ledger.db)",
     )
     p.add_argument(
+        "--continue-job",
+        action="store_true",
+        help="with --ledger and --job-id: add this run to that job although another run directory started it "
+        "(a requeue elsewhere); without it such a job id is refused",
+    )
+    p.add_argument(
         "--peer-timeout",
         type=_positive_float,
         metavar="SECONDS",

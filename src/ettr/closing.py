@@ -62,6 +62,38 @@ def recorded_job_id(events: Sequence[Event]) -> str | None:
     return None
 
 
+def foreign_run(
+    events: Sequence[Event],
+    *,
+    run_dir: str | os.PathLike[str],
+    command: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+) -> str | None:
+    """Why the job in `events` is another run's, not one this run (`run_dir`, `command`) may continue; None
+    when it may: a requeue is the same run directory, or the same Slurm job (`SLURM_JOB_ID`). Books from an
+    ettr that recorded no run directory are continued by the same command. A job id reused by an unrelated
+    run would otherwise merge two jobs' books (their attempts, their wall time) into one report."""
+    environ = os.environ if environ is None else environ
+    last = None
+    for e in events:
+        if e.kind is EventKind.SUPERVISOR_START and e.rank == SUPERVISOR_RANK and isinstance(e.data, dict):
+            last = e.data
+    if last is None:
+        return None
+    slurm_job = environ.get("SLURM_JOB_ID")
+    if slurm_job and last.get("slurm_job_id") == slurm_job:
+        return None
+    recorded_dir = last.get("run_dir")
+    if isinstance(recorded_dir, str):
+        if os.path.realpath(recorded_dir) == os.path.realpath(run_dir):
+            return None
+        return f"run directory {recorded_dir}"
+    recorded_command = last.get("command")
+    if not isinstance(recorded_command, list) or list(recorded_command) == list(command):
+        return None
+    return "command " + " ".join(str(part) for part in recorded_command)
+
+
 def closing_events(
     events: Sequence[Event],
     *,

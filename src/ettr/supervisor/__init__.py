@@ -59,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             family=getattr(args, "family", None),
             auto=not args.no_auto,
             ledger_url=args.ledger,
+            continue_job=bool(getattr(args, "continue_job", False)),
             **({"peer_timeout_s": args.peer_timeout} if getattr(args, "peer_timeout", None) else {}),
         )
     except ValueError as exc:

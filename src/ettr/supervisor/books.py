@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from ettr.closing import closing_events as close_open_attempts
-from ettr.closing import live_supervisor, recorded_job_id
+from ettr.closing import foreign_run, live_supervisor, recorded_job_id
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.inject import FaultSpec, unfired_specs
 from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
+from ettr.ledger.postgres import redact
 from ettr.procs import start_ticks
 from ettr.steptail import read_tails, unrecorded_steps
 from ettr.supervisor import containment, peers, slurm
@@ -121,6 +122,13 @@ class JobBooks:
                 f"ettr run: {self.run_dir} holds job {recorded_id!r}, not {self.config.job_id!r} "
                 "(give another --run-dir, or drop --job-id to continue that job)"
             )
+        foreign = None if self.config.continue_job else self._foreign(previous)
+        if foreign is not None:
+            self.drop()
+            raise UsageError(
+                f"ettr run: job {self.job_id!r} in {self._where()} belongs to another run ({foreign}); "
+                "give another --job-id, or --continue-job to add this run's attempts to that job"
+            )
         live = live_supervisor(previous)
         if live is not None:
             self.drop()
@@ -150,6 +158,16 @@ class JobBooks:
             say(f"continuing job {self.job_id} in {self.run_dir} (attempt {first_attempt})")
         return first_attempt
 
+    def _foreign(self, previous: Sequence[Event]) -> str | None:
+        """Why books under a shared ledger URL are another run's (None: a requeue of this one). The run
+        directory's own ledger is this run's by where it is."""
+        if not self.config.ledger_url:
+            return None
+        return foreign_run(previous, run_dir=self.run_dir, command=self.config.command)
+
+    def _where(self) -> str:
+        return redact(self.config.ledger_url or str(self.run_dir))
+
     def _opening_events(self, previous: Sequence[Event]) -> list[Event]:
         """JOB_SUBMITTED / JOB_ALLOCATED where first known, and SUPERVISOR_START."""
         cfg = self.config
@@ -165,6 +183,7 @@ class JobBooks:
             "pid_start_ticks": start_ticks(os.getpid()),
             "host": socket.gethostname(),
             "command": list(cfg.command),
+            "run_dir": str(self.run_dir),
             "launcher": detect_launcher(cfg.command).value,
             "max_restarts": cfg.max_restarts,
             "job_id": self.job_id,
@@ -173,6 +192,8 @@ class JobBooks:
             "inject": [str(s) for s in cfg.inject],
             "auto": cfg.auto,
         }
+        if os.environ.get("SLURM_JOB_ID"):
+            start["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
         if previous:  # a requeued run: its own wait in the queue (Slurm resets SubmitTime at a requeue)
             if times.submitted_at is not None:
                 start["submitted_at"] = times.submitted_at

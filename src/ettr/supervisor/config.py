@@ -71,6 +71,10 @@ class RunConfig:
     ledger_url: str | None = None
     """Where the books go (`--ledger`: `sqlite:///PATH` or `postgresql://...`); None: the run directory's
     SQLite file. Training processes get it as `ETTR_LEDGER`."""
+    continue_job: bool = False
+    """Add this run's attempts to the books of `job_id` in a shared ledger even when another run directory
+    (another command, for books that name none) started them (`--continue-job`). Without it such a job id is
+    refused: a requeue is the same run directory, or the same Slurm job."""
     ledger_drain_s: float = 60.0
     """At the job's end, how long to keep trying to deliver events spilled during a server outage."""
     backoff_s: float = 0.5
