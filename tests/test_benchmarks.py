@@ -78,6 +78,10 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "scale_s", "scale_job_days_per_s", "scale_interruptions", "scalar_scale_s", "scale_speedup", "big_s",
         "big_job_days_per_s", "big_interruptions", "scalar_big_s", "big_speedup", "sweep_s", "sweep_job_days_per_s",
     ),
+    "training_yield.py": (
+        "slowdown.persist_thread", "slowdown.persist_process", "slowdown.standby", "slowdown.compile_store",
+        "slowdown.ledger", "worst", "burners",
+    ),
     "standby_race.py": (
         "busy.standby.median_ttr_s", "busy.off.median_ttr_s", "busy.ratio", "quiet.standby.median_ttr_s",
         "quiet.off.median_ttr_s", "quiet.ratio",
@@ -89,6 +93,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
 SLOW = {
     "accounting_scale.py", "checkpoint_faults.py", "checkpoint_stall.py", "compile_start.py", "compile_store.py",
     "fleet_scale.py", "ledger_scale.py", "publish_shutdown.py", "recovery.py", "standby_race.py",
+    "training_yield.py",
 }  # fmt: skip
 NEEDS_POSTGRES = {"ledger_scale.py"}
 QUICK_TIMEOUT_S = 1200

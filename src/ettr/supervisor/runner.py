@@ -36,6 +36,7 @@ from ettr.supervisor.policy import EndedAttempt
 from ettr.supervisor.restart import ExitWaker, stopped_after_peer_failure, trained
 from ettr.supervisor.signals import SupervisorSignals
 from ettr.supervisor.standby import Relaunch
+from ettr.supervisor.startwait import StartupWait
 from ettr.supervisor.watch import (
     AttemptWatch,
     Drained,
@@ -56,6 +57,8 @@ from ettr.supervisor.watchdog import HangWatchdog
 
 _SNAPSHOT_EVERY_S = 1.0
 """How often the attempt's process tree is noted (and adopted orphans that exited are reaped)."""
+_TRAINED_READ_EVERY_S = 0.5
+"""How often, at most, the console's start-up line looks whether the attempt has trained (a listing)."""
 
 
 class Sweep(Protocol):
@@ -201,6 +204,8 @@ class AttemptRunner:
         )
         state = self.watch.start(attempt)
         waiting: Progress | None = None  # for the job to exit, once asked to
+        starting = StartupWait(attempt, started, path=running.relaunch.path)  # the console before step 1
+        trained_read_at = float("-inf")
         standby_tried = restarts_left <= 0
         snapshot_at = float("-inf")
         waker = ExitWaker(running.pids, p.signals.wake)  # the loop wakes the instant a process exits
@@ -210,6 +215,11 @@ class AttemptRunner:
                 state = self._look(state, running, sweep, dog, now=now, started=started)
                 if state.done:
                     return state
+                if starting.due(now) and now - trained_read_at >= _TRAINED_READ_EVERY_S:
+                    trained_read_at = now
+                    line = starting.check(now, trained=has_trained(p.books.run_dir, attempt))
+                    if line is not None:
+                        say(line)
                 if state.asked and not state.killed:
                     waiting = waiting or Progress(now)
                     if waiting.due(now):

@@ -1,0 +1,101 @@
+"""The console while an attempt starts: what it waits for once a second has passed without a training step,
+again at growing intervals, and when the first step came (pure, on a fake clock; the end-to-end line is
+checked in test_supervisor_e2e.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ettr.supervisor.startwait import LATER_LINES_S, StartupWait
+
+
+def _lines(
+    wait: StartupWait, times: list[float], *, trained_from: float = float("inf")
+) -> list[tuple[float, str]]:
+    said = []
+    for now in times:
+        if wait.due(now):
+            line = wait.check(now, trained=now >= trained_from)
+            if line is not None:
+                said.append((now, line))
+    return said
+
+
+def test_a_quick_start_says_nothing() -> None:
+    wait = StartupWait(1, 100.0, path="warm")
+    assert _lines(wait, [100.2, 100.5, 100.9, 101.5], trained_from=100.8) == []
+    assert wait.done and not wait.due(200.0)
+
+
+def test_a_slow_cold_start_says_what_it_waits_for_then_when_it_trained() -> None:
+    wait = StartupWait(2, 0.0, path="cold")
+    ticks = [i * 0.5 for i in range(1, 60)]  # polls every 0.5 s up to 29.5 s; first step at 14 s
+    said = _lines(wait, ticks, trained_from=14.0)
+    assert said == [
+        (
+            1.0,
+            "attempt 2: waiting for its first training step (cold start: interpreter, imports, model build, restore)",
+        ),
+        (
+            10.0,
+            "attempt 2: still no training step after 10 s (cold start: interpreter, imports, model build, restore)",
+        ),
+        (14.0, "attempt 2: first training step 14.0 s after its start"),
+    ]
+
+
+def test_a_start_that_never_trains_is_said_at_growing_intervals() -> None:
+    wait = StartupWait(0, 0.0, path="promoted")
+    said = _lines(wait, [float(t) for t in range(1, 1500)])
+    assert [t for t, _ in said] == [1.0, *LATER_LINES_S, LATER_LINES_S[-1] * 2, LATER_LINES_S[-1] * 3, 1200.0]
+    assert "standby promoted from its warm-up" in said[0][1]
+
+
+def test_a_late_look_skips_the_lines_it_missed() -> None:
+    wait = StartupWait(1, 0.0, path="in_place")
+    assert wait.check(45.0, trained=False) == (
+        "attempt 1: waiting for its first training step (restart in place: rejoining the process group, restore)"
+    )
+    assert not wait.due(45.0) or wait.check(45.0, trained=False) is None  # next at 60 s, not 10 s and 30 s
+    assert wait.check(60.0, trained=False) is not None
+
+
+def test_an_unknown_path_still_says_start_up() -> None:
+    wait = StartupWait(3, 0.0, path="requeue")
+    assert wait.check(2.0, trained=False) == "attempt 3: waiting for its first training step (start-up)"
+
+
+SLOW_START = """
+import time
+
+import ettr
+
+time.sleep(2.5)  # the start-up: past the first second without a step
+ettr.step(1)
+time.sleep(3.0)  # room for the supervisor to see the step before the job ends
+ettr.step(2)
+"""
+
+
+@pytest.mark.slow
+def test_ettr_run_says_what_a_slow_start_waits_for(tmp_path: Path) -> None:
+    script = tmp_path / "slow_start.py"
+    script.write_text(SLOW_START)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(tmp_path / "run"), "--", sys.executable,
+         str(script)],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ettr: attempt 0: ")]
+    assert lines[0] == (
+        "ettr: attempt 0: waiting for its first training step (cold start: interpreter, imports, model build, "
+        "restore)"
+    ), done.stderr
+    assert any(line.startswith("ettr: attempt 0: first training step ") for line in lines), done.stderr
