@@ -263,6 +263,43 @@ def test_the_copy_is_removed_when_the_job_completes(tmp_path: Path) -> None:
     assert not _copies(root).directory.exists()
 
 
+def test_one_ranks_clean_up_never_removes_a_file_another_rank_is_writing(tmp_path: Path) -> None:
+    """Every rank writes the shared `owner` file; a rank removing the temporary files a kill left behind
+    removed another rank's temporary `owner` mid-write, whose rename then failed and its copy with it."""
+    mine, other = (MemoryCopies(tmp_path / "copies", rank=r) for r in (0, 1))
+    mine.owner = other.owner = "/runs/job"
+    assert mine.keep(_state(), BINDING) > 0
+    in_flight = mine.directory / ".owner.r1.0123456789ab.tmp"  # rank 1 is writing the owner file now
+    in_flight.write_text("/runs/job\n")
+    stray = mine.directory / ".rank-0.snap.r0.0123456789ab.tmp"  # rank 0 was killed writing its copy
+    stray.write_bytes(b"torn")
+    (mine.directory / "owner").unlink()  # rank 0 writes the owner file again
+    assert mine.keep(_state(), BINDING) > 0
+    assert in_flight.exists() and not stray.exists()
+    assert (mine.directory / "owner").read_text().strip() == "/runs/job"
+
+
+@pytest.mark.slow
+def test_a_job_that_failed_for_good_leaves_nothing_in_shared_memory(tmp_path: Path) -> None:
+    """`ettr run` removes its job's memory copies at the job's end whatever the outcome (a completed job's
+    ranks remove their own; a failed one's copies stayed in /dev/shm until a reboot)."""
+    import subprocess
+    import sys
+
+    memory = tmp_path / "memory"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env["ETTR_MEMORY_DIR"] = str(memory)
+    command = [
+        sys.executable, "-m", "ettr", "run", "--run-dir", str(tmp_path / "run"), "--max-restarts", "0",
+        "--inject", "crash@step=12", "--", sys.executable, "-m", "ettr.testing.toyjob",
+        "--root", str(tmp_path / "ckpt"), "--steps", "20", "--every", "5",
+    ]  # fmt: skip
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "InjectedCrash" in proc.stderr  # it failed after the commit of step 10 and its memory copy
+    assert memory.is_dir() and not any(memory.iterdir())
+
+
 def test_a_copy_over_its_limit_is_not_kept_and_the_old_one_goes(tmp_path: Path, reference: dict) -> None:
     root = tmp_path / "ckpt"
     _train_until_crash(root, 7)

@@ -13,6 +13,7 @@ mtime of the attempt's directory. Imports nothing of ettr.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -382,6 +383,20 @@ def memory_dirs_of_run(
         except (OSError, UnicodeDecodeError):
             continue
     return found
+
+
+def remove_memory_dirs_of_run(
+    run_dir: str | os.PathLike[str], environ: Mapping[str, str] | None = None
+) -> list[Path]:
+    """Remove the memory copies (and the in-place store, `ettr.supervisor.inplace`) of the job of `run_dir` from
+    shared memory: what `ettr run` does when the job ends, whatever its outcome, so nothing stays in
+    /dev/shm. Returns what was removed; never raises (an entry it cannot remove is left)."""
+    removed = []
+    for path in memory_dirs_of_run(run_dir, environ):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            removed.append(path)
+    return removed
 
 
 # -- restart in place (`ettr.inplace`): what ettr's agent and the workers of a resilient job tell each other ----

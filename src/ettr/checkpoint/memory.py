@@ -211,7 +211,7 @@ class MemoryCopies:
 
     def _write_into_place(self, path: Path, write: Any) -> int:
         self._remove_strays(path)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        tmp = path.with_name(f"{self._stray_prefix(path)}{secrets.token_hex(6)}.tmp")
         try:
             written = int(write(tmp))
             os.replace(tmp, path)
@@ -221,11 +221,18 @@ class MemoryCopies:
             raise
         return written
 
+    def _stray_prefix(self, path: Path) -> str:
+        # The rank is in the name: every rank writes the shared `owner` file, and one rank's clean-up must
+        # never remove another's temporary file while it is being written (its rename then failed, and
+        # with it that rank's memory copy).
+        return f".{path.name}.r{self.rank}."
+
     def _remove_strays(self, path: Path) -> None:
-        """Temporary files of `path` a killed writer left behind."""
+        """Temporary files of `path` this rank left behind when it was killed writing them."""
+        prefix = self._stray_prefix(path)
         with contextlib.suppress(OSError), os.scandir(self.directory) as entries:
             for entry in entries:
-                if entry.name.startswith(f".{path.name}.") and entry.name.endswith(".tmp"):
+                if entry.name.startswith(prefix) and entry.name.endswith(".tmp"):
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
 
