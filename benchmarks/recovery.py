@@ -6,16 +6,25 @@ The job (`ettr.testing.resilient_job`: 2-rank gloo DDP, ettr's CheckpointManager
     torchrun      `torchrun --max-restarts 1`, the job without memory copies (restores from storage)
     ettr          `ettr run --max-restarts 1 -- torchrun ...`, no memory copies: ettr's process restart
     ettr_memory   the same with memory copies: the restarted ranks restore from memory
-    ettr_inplace  the job under `ettr.resilient`; run by `torchrun --max-restarts 1` until ettr's agent restarts
-                  in place (docs/inplace.md): a crash is restarted in place among the same processes, a killed
-                  rank is not replaced, so its peer gives up after `--rendezvous-timeout-s` and torchrun
-                  restarts both (from memory)
+    ettr_inplace  the job under `ettr.resilient`, run by `ettr run --max-restarts 1 -- torchrun ...`: ettr's
+                  agent restarts it in place (docs/inplace.md): after a crash the same processes go on, a
+                  killed rank is replaced (from its warm standby) and joins the survivor; memory copies on
+    torchrun_inplace  (not run unless named) the job under `ettr.resilient` run by `torchrun --max-restarts 1`:
+                  a crash is restarted in place among the same processes, a killed rank is not replaced, so
+                  its peer gives up after `--rendezvous-timeout-s` and torchrun restarts both (from memory)
+The rank fails once it has trained `--fail-after-s` (default 15 s: a job that trained a while, whose warm
+standbys are ready; the first 25 steps take well under that).
 A recovery succeeded when the command exited 0, trained to the last step after the fault, and both ranks end
 with the parameters of an uninterrupted run (`bad_resumes` counts the others). TTR is measured the same way
 for all, from the job's own timestamps: the fault to the first step completed after the post-fault restore,
 split into `detect_relaunch_s` (fault -> the generation or process that recovers starts training: detection,
 teardown, relaunch, imports, rendezvous), `build_restore_s` (model, checkpoint manager and restore) and
 `first_step_s`. For the ettr launchers the ledger's parts (`EttReport.ttr_parts`) are given too.
+
+Then `--node-trials` node losses of a two-node job (two `ettr run` agents on this machine, one rank each,
+a shared SQLite ledger, each node's shared memory a directory of its own), with memory copies and without:
+once the job has committed twice, node 1's supervisor and rank are SIGKILLed and its shared memory removed; a
+replacement node joins; rank 1 restores from the copy node 0 holds for it (`peer`), or from storage.
 
 Then `--kill-trials` SIGKILL trials of restart in place (`ettr.testing.inplace_faults`): the job restarts in
 place after a raise on rank 1, and a random rank is SIGKILLed at a random moment, half of them aimed at that
@@ -25,17 +34,19 @@ parameters of an uninterrupted run.
     python benchmarks/recovery.py [--trials 10] [--faults crash,kill] [--launchers ...] [--hidden 512]
         [--kill-trials 100] [--json]
 
-`--quick` (what CI runs): one crash trial of each launcher with a small model, 2 kill trials.
+`--quick` (what CI runs): one crash trial of each launcher with a small model, one node loss (memory), 2
+kill trials.
 
 `--json` ends with one object: `faults.<fault>.<launcher>`: trials, recovered, bad_resumes, median and worst TTR
 (s), each trial's TTR, parts_median_s (the log's parts, and for ettr the ledger's), restored_from (counts);
-`kill_trials`: trials, completed, bad_resumes, landed (counts: before_raise, recovery, after_recovery,
+`node_loss.<memory|storage>`: the same figures per variant; `kill_trials`: trials, completed, bad_resumes, landed (counts: before_raise, recovery, after_recovery,
 not_fired), process_restarts, restored_from; `bad_resumes`: of everything.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -48,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 LAUNCHERS = ("torchrun", "ettr", "ettr_memory", "ettr_inplace")
+EXTRA_LAUNCHERS = ("torchrun_inplace",)
 FAULTS = {"crash": "raise", "kill": "kill"}
 NUM_STEPS, EVERY, FAIL_AT = 35, 10, 25
 
@@ -66,9 +78,11 @@ def _job(work: Path, launcher: str, fault: str, args: argparse.Namespace) -> lis
         "-m", "ettr.testing.resilient_job", "--ckpt-dir", str(work / "ckpt"), "--timings", str(work / "log.jsonl"),
         "--steps", str(NUM_STEPS), "--every", str(EVERY), "--fail-at", str(FAIL_AT), "--fail-rank", "1",
         "--fault", fault, "--hidden", str(args.hidden), "--step-s", f"{args.step_s:g}",
-        "--rendezvous-timeout-s", f"{args.rendezvous_timeout_s:g}",
+        "--fail-after-s", f"{args.fail_after_s:g}",
     ]  # fmt: skip
-    if launcher != "ettr_inplace":
+    if launcher == "torchrun_inplace":  # nobody replaces a dead rank: its peer gives up after this
+        job += ["--rendezvous-timeout-s", f"{args.rendezvous_timeout_s:g}"]
+    if not launcher.endswith("_inplace"):
         job.append("--no-resilient")
     if launcher in ("torchrun", "ettr"):
         job.append("--no-memory-copy")
@@ -77,7 +91,7 @@ def _job(work: Path, launcher: str, fault: str, args: argparse.Namespace) -> lis
 
 def _command(launcher: str, work: Path, fault: str, args: argparse.Namespace) -> list[str]:
     job = _job(work, launcher, fault, args)
-    if launcher in ("torchrun", "ettr_inplace"):
+    if launcher.startswith("torchrun"):
         return [*_torchrun(1), *job]
     ettr = [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(work / "run"), "--max-restarts", "1"]
     return [*ettr, "--", *_torchrun(0), *job]
@@ -123,8 +137,11 @@ def _ledger_parts(run_dir: Path) -> dict[str, float]:
         return {}
     if not report.ttr_parts:
         return {}
-    parts = {f"ledger_{k}": v for k, v in report.ttr_parts[0].parts_s.items() if v is not None}
-    parts["ledger_total_s"] = report.ttr_parts[0].total_s
+    first = report.ttr_parts[0]
+    parts: dict[str, Any] = {f"ledger_{k}": v for k, v in first.parts_s.items() if v is not None}
+    parts["ledger_total_s"] = first.total_s
+    parts["ledger_kind"] = first.kind
+    parts["ledger_relaunch_path"] = first.relaunch_path
     return parts
 
 
@@ -158,7 +175,10 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
         "wall_s": time.monotonic() - started,
     }
     if launcher.startswith("ettr") and (work / "run").exists():
-        result["parts_s"] = {**found["parts_s"], **_ledger_parts(work / "run")}
+        ledger = _ledger_parts(work / "run")
+        result["kind"] = ledger.pop("ledger_kind", None)
+        result["relaunch_path"] = ledger.pop("ledger_relaunch_path", None)
+        result["parts_s"] = {**found["parts_s"], **ledger}
     if not result["recovered"]:
         result["why"] = "final state differs from the uninterrupted run" if bad else (tail[0] if tail else "")
     shutil.rmtree(work, ignore_errors=True)
@@ -179,6 +199,108 @@ def _reference(args: argparse.Namespace) -> str | None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return digests[0] if len(digests) == 1 else None
+
+
+def _wait_for(predicate: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)  # another process makes it true
+    return False
+
+
+def _node_loss_trial(memory: bool, args: argparse.Namespace, reference: str | None) -> dict[str, Any]:
+    """Two nodes on this machine (two `ettr run` of one `torchrun --nnodes 2` job, one rank each, a shared
+    SQLite ledger, each node's shared memory a directory of its own). Once the job has trained past its
+    second commit, node 1 is lost: its supervisor and its rank SIGKILLed and its shared memory gone; a
+    replacement node 1 (a new `ettr run`, as a scheduler would start) joins, and both restore — rank 1
+    from the copy node 0 holds for it (`memory_replicas`), or from storage without memory copies."""
+    work = Path(tempfile.mkdtemp(prefix=f"ettr-recovery-node-{'memory' if memory else 'storage'}-"))
+    log = work / "log.jsonl"
+    url, port = f"sqlite:///{work / 'ledger.db'}", _free_port()
+    job = [
+        "-m", "ettr.testing.resilient_job", "--no-resilient", "--ckpt-dir", str(work / "ckpt"),
+        "--timings", str(log), "--steps", str(NUM_STEPS), "--every", str(EVERY), "--fault", "none",
+        "--hidden", str(args.hidden), "--step-s", f"{args.step_s * 10:g}",
+    ]  # fmt: skip
+    if not memory:
+        job.append("--no-memory-copy")
+
+    def node(rank: int) -> subprocess.Popen[bytes]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+        env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", ETTR_MEMORY_DIR=str(work / f"memory{rank}"))
+        command = [
+            sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(work / f"node{rank}"), "--ledger", url,
+            "--job-id", "node-loss", "--peer-timeout", "4", "--max-restarts", "2", "--",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+            "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--local-addr=127.0.0.{rank + 1}", *job,
+        ]  # fmt: skip
+        return subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
+
+    def events() -> list[dict[str, Any]]:
+        if not log.exists():
+            return []
+        return [json.loads(x) for x in log.read_text().splitlines() if x.strip().endswith("}")]
+
+    started = time.monotonic()
+    nodes = [node(0), node(1)]
+    result: dict[str, Any] = {"memory": memory}
+    try:
+        past = 2 * EVERY + 3  # two commits (and their copies, and the peers' copies of them) are in
+        if not _wait_for(
+            lambda: any(e["ev"] == "step" and e["step"] >= past for e in events()), args.timeout_s
+        ):
+            raise TimeoutError(f"the job did not reach step {past}")
+        ranks = {e["rank"]: e["pid"] for e in events() if e["ev"] == "start"}
+        fault_ts = time.time()
+        os.killpg(nodes[1].pid, 9)  # the node is gone: its supervisor, its rank, its shared memory
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ranks[1], 9)
+        shutil.rmtree(work / "memory1", ignore_errors=True)
+        with open(log, "a") as f:
+            f.write(
+                json.dumps({"ts": fault_ts, "pid": ranks[1], "ev": "fault", "rank": 1, "step": None}) + "\n"
+            )
+        nodes[1].wait()
+        nodes[1] = node(1)  # the replacement node
+        for n in nodes:
+            n.wait(timeout=args.timeout_s)
+        rc: int | None = nodes[0].returncode if nodes[1].returncode == 0 else nodes[1].returncode
+        tail = (nodes[0].stderr.read() if nodes[0].stderr else b"").decode(errors="replace").splitlines()[-1:]
+    except (TimeoutError, subprocess.TimeoutExpired) as exc:
+        rc, tail = None, [str(exc)]
+        for n in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(n.pid, 9)
+    found = _measure(log)
+    after = [e for e in events() if e["ev"] == "restored" and e.get("step")]
+    bad = reference is not None and bool(found["digests"]) and found["digests"] != [reference]
+    result.update(
+        rc=rc,
+        recovered=rc == 0 and found["done"] and not bad,
+        bad_resume=bad,
+        ttr_s=found["ttr_s"],
+        parts_s=found["parts_s"],
+        restored_from=found["restored_from"],
+        restored_by_rank={str(e["rank"]): e["source"] for e in after},
+        wall_s=time.monotonic() - started,
+    )
+    if not result["recovered"]:
+        result["why"] = "final state differs from the uninterrupted run" if bad else (tail[0] if tail else "")
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _kill_trials(count: int) -> dict[str, Any]:
@@ -225,6 +347,10 @@ def _summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
     for t in trials:
         source = t["restored_from"] or "none"
         out["restored_from"][source] = out["restored_from"].get(source, 0) + 1
+    for key in ("kind", "relaunch_path"):
+        seen = [t[key] or "none" for t in trials if key in t]
+        if seen:
+            out[key + "s"] = {v: seen.count(v) for v in dict.fromkeys(seen)}
     parts = [t["parts_s"] for t in trials if t["recovered"] and t["parts_s"]]
     if parts:
         names = list(dict.fromkeys(n for p in parts for n in p))
@@ -241,17 +367,28 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=10, help="trials per launcher and fault")
     parser.add_argument("--faults", default="crash,kill", help="comma-separated: crash, kill")
     parser.add_argument(
-        "--launchers", default=",".join(LAUNCHERS), help="comma-separated: " + ", ".join(LAUNCHERS)
+        "--launchers",
+        default=",".join(LAUNCHERS),
+        help="comma-separated: " + ", ".join((*LAUNCHERS, *EXTRA_LAUNCHERS)),
     )
     parser.add_argument(
         "--hidden", type=int, default=512, help="the model's width (state ~ 3 x 17 x hidden floats)"
     )
     parser.add_argument("--step-s", type=float, default=0.02, help="sleep per step")
     parser.add_argument(
-        "--rendezvous-timeout-s", type=float, default=5.0, help="ettr_inplace: a dead rank's wait"
+        "--rendezvous-timeout-s", type=float, default=5.0, help="torchrun_inplace: a dead rank's wait"
+    )
+    parser.add_argument(
+        "--fail-after-s",
+        type=float,
+        default=15.0,
+        help="the fault waits until the rank has trained this long",
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="a trial still running then failed")
     parser.add_argument("--kill-trials", type=int, default=100, help="in-place SIGKILL trials (0: none)")
+    parser.add_argument(
+        "--node-trials", type=int, default=3, help="node losses of a two-node job, with and without memory"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--quick", action="store_true", help="one crash trial per launcher, a small model (CI)"
@@ -259,12 +396,15 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.trials, args.faults, args.hidden, args.kill_trials = 1, "crash", 64, 2
+        args.fail_after_s, args.node_trials = 0.0, 1
     faults = [f for f in args.faults.split(",") if f]
     launchers = [name for name in args.launchers.split(",") if name]
-    bad = [f for f in faults if f not in FAULTS] + [name for name in launchers if name not in LAUNCHERS]
+    known = (*LAUNCHERS, *EXTRA_LAUNCHERS)
+    bad = [f for f in faults if f not in FAULTS] + [name for name in launchers if name not in known]
     if bad or args.trials < 1 or args.hidden < 1:
         print(f"recovery.py: bad --faults/--launchers {bad}, or --trials/--hidden below 1", file=sys.stderr)
         return 2
+    load_start = [round(x, 1) for x in os.getloadavg()]
     reference = _reference(args)
     if reference is None:
         _say("the uninterrupted reference run failed: final states are not compared")
@@ -283,16 +423,31 @@ def main() -> int:
                     f"trial {i} {fault:<5} {launcher:<12} recovered={r['recovered']} ttr={ttr} "
                     f"restored from {r['restored_from']}{why}"
                 )
+    node_loss: dict[str, list[dict[str, Any]]] = {"memory": [], "storage": []}
+    for i in range(args.node_trials):
+        for variant in ("memory", "storage")[: 1 if args.quick else 2]:
+            r = _node_loss_trial(variant == "memory", args, reference)
+            node_loss[variant].append(r)
+            ttr = "-" if r["ttr_s"] is None else f"{r['ttr_s']:.3f} s"
+            why = "" if r["recovered"] else f" ({r.get('why', '')[:100]})"
+            _say(
+                f"node loss {i} {variant:<7} recovered={r['recovered']} ttr={ttr} restored "
+                f"{r['restored_by_rank']}{why}"
+            )
     kills = _kill_trials(args.kill_trials) if args.kill_trials > 0 else None
     summary = {
         "benchmark": "recovery",
         "trials": args.trials,
         "hidden": args.hidden,
         "reference_digest": reference,
-        "inplace_launcher": "torchrun --max-restarts 1 (ettr's agent does not restart in place yet)",
+        "fail_after_s": args.fail_after_s,
+        "load_avg_start": load_start,
+        "load_avg_end": [round(x, 1) for x in os.getloadavg()],
         "faults": {f: {name: _summary(ts) for name, ts in by.items()} for f, by in results.items()},
+        "node_loss": {v: _summary(ts) for v, ts in node_loss.items() if ts},
         "kill_trials": kills,
         "bad_resumes": sum(1 for by in results.values() for ts in by.values() for t in ts if t["bad_resume"])
+        + sum(1 for ts in node_loss.values() for t in ts if t["bad_resume"])
         + (kills["bad_resumes"] if kills else 0),
         "quick": args.quick,
     }
@@ -302,12 +457,20 @@ def main() -> int:
             worst = "-" if s["worst_ttr_s"] is None else f"{s['worst_ttr_s']:.3f} s"
             print(
                 f"{fault:<5} {launcher:<12} recovered {s['recovered']}/{s['trials']}  median TTR {med}  worst {worst}"
-                f"  restored from {s['restored_from']}"
+                f"  restored from {s['restored_from']}" + (f"  kinds {s['kinds']}" if "kinds" in s else "")
             )
             if "parts_median_s" in s:
                 print(
                     "      parts (median s): " + ", ".join(f"{n} {v}" for n, v in s["parts_median_s"].items())
                 )
+    for variant, s in summary["node_loss"].items():
+        med = "-" if s["median_ttr_s"] is None else f"{s['median_ttr_s']:.3f} s"
+        worst = "-" if s["worst_ttr_s"] is None else f"{s['worst_ttr_s']:.3f} s"
+        by_rank = [t["restored_by_rank"] for t in node_loss[variant]]
+        print(
+            f"node loss ({variant}) recovered {s['recovered']}/{s['trials']}  median TTR {med}  worst {worst}"
+            f"  restored (rank: source) {by_rank}"
+        )
     if kills is not None:
         print(
             f"kill trials: {kills['trials']} SIGKILLs ({kills['landed']}), completed {kills['completed']}, "
@@ -315,6 +478,7 @@ def main() -> int:
             f"the raise from {kills['restored_from']}"
         )
     print(f"bad resumes (final state not an uninterrupted run's): {summary['bad_resumes']}")
+    print(f"load average (1, 5, 15 min) at the start {load_start}, at the end {summary['load_avg_end']}")
     if args.json:
         print(json.dumps(summary))
     return 0

@@ -257,3 +257,84 @@ def test_workers_whose_python_exit_is_done_are_exiting_not_hung(tmp_path: Path) 
     b.code = 0
     assert group.exiting()  # rank 1 is done; rank 0 only tears its interpreter down
     assert group.poll() is None and a.signals == []  # a clean exit is left to finish on its own
+
+
+# -- restart in place (ettr.supervisor.inplace) ---------------------------------------------------------------
+class KeptWorker(FakeWorker):
+    def kill_leftovers(self) -> None:
+        self.signals.append(9)
+
+    def finish(self, timeout_s: float = 2.0) -> None:
+        pass
+
+
+def _joined(run_dir: Path, attempt: int, *workers: FakeWorker) -> None:
+    from ettr.run_env import inplace_ready_path
+
+    for w in workers:
+        path = inplace_ready_path(run_dir, attempt, w.pid)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+
+
+def test_a_dead_worker_whose_peers_joined_the_attempt_is_recovered_in_place(tmp_path: Path) -> None:
+    from ettr.supervisor.inplace import InPlaceCheck
+    from ettr.supervisor.watch import Continued
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [KeptWorker(40), KeptWorker(41), KeptWorker(42)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 0)
+    _joined(tmp_path, 0, *workers)
+    workers[1].code = -9
+    assert group.poll() is None and group.events() == [Continued(-9, at=group.failed_at)]
+    assert group.events() == []  # said once
+    assert all(w.signals == [] for w in workers)  # nothing torn down
+    assert group.failed_pids() == [41] and group.stderr_tail() == ["tail of 41"]
+    replacement = KeptWorker(43)
+    group.continue_as(1, {1: replacement}, tmp_path)
+    assert group.pids == [40, 43, 42] and workers[1].signals == [9]  # the dead one's leftovers swept
+    _joined(tmp_path, 1, workers[0], replacement)  # worker 42 has not joined attempt 1 yet ...
+    replacement.code = 1
+    assert group.poll() is None and workers[0].signals == [15] and workers[2].signals == [15]
+    assert group.poll() == 1  # ... so a failure now is a process restart, as without in place
+
+
+def test_a_failure_the_worker_survived_goes_on_in_place_with_nothing_replaced(tmp_path: Path) -> None:
+    from ettr.run_env import inplace_failed_path
+    from ettr.supervisor.inplace import InPlace, InPlaceCheck
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [KeptWorker(50), KeptWorker(51)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 3)
+    _joined(tmp_path, 3, *workers)
+    assert group.poll() is None and group.continued is None
+    inplace_failed_path(tmp_path, 3, 51).touch()
+    assert group.poll() is None
+    assert group.continued == InPlace(failed_rank=1, returncode=1, dead=())
+
+
+def test_a_dead_worker_whose_peers_never_joined_is_a_process_restart(tmp_path: Path) -> None:
+    from ettr.supervisor.inplace import InPlaceCheck
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [KeptWorker(60), KeptWorker(61)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 0)  # a script without ettr.resilient: no worker joins
+    workers[0].code = 1
+    assert group.poll() is None and group.continued is None and workers[1].signals == [15]
+    assert group.poll() == 1
+
+
+def test_the_in_place_store_is_owned_by_the_run_and_removed_with_it(tmp_path: Path) -> None:
+    from ettr.run_env import INPLACE_STORE_ENV, remove_memory_dirs_of_run
+    from ettr.supervisor.inplace import enabled, store_env
+
+    environ = {"ETTR_MEMORY_DIR": str(tmp_path / "shm")}
+    env = store_env(tmp_path / "run", environ)
+    store = Path(env[INPLACE_STORE_ENV].removeprefix("file://"))
+    assert env["ETTR_INPLACE"] == "1" and store.parent.is_dir() and store.parent.parent == tmp_path / "shm"
+    assert remove_memory_dirs_of_run(tmp_path / "run", environ) == [store.parent]
+    assert not store.parent.exists()
+    assert enabled({}) and not enabled({"ETTR_INPLACE": "0"})

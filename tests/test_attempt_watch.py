@@ -24,6 +24,7 @@ from ettr.supervisor.signals import SupervisorSignals
 from ettr.supervisor.standby import Relaunch
 from ettr.supervisor.watch import (
     AttemptWatch,
+    Continued,
     Drained,
     Exited,
     Exiting,
@@ -138,6 +139,16 @@ def test_the_exit_is_detected_when_the_attempt_saw_it() -> None:
     state, _ = WATCH.step(WATCH.start(0), Exited(3, at=7.0), 9.0)
     assert state.done and state.detected_at == 7.0
     assert WATCH.step(state, Signalled(TERM, 1), 10.0) == (state, [])
+
+
+def test_an_attempt_that_goes_on_in_place_ends_at_once_and_nothing_is_signalled() -> None:
+    state, actions = WATCH.step(WATCH.start(2), Continued(-9, at=5.0), 5.2)
+    assert actions == [] and state.done and state.continued and state.returncode == -9
+    assert state.detected_at == 5.0
+    assert WATCH.step(state, Tick(), 100.0) == (state, [])  # no SIGKILL deadline follows
+    stopping, _ = WATCH.step(WATCH.start(2), Signalled(TERM, 1), 1.0)
+    state, actions = WATCH.step(stopping, Continued(1), 1.1)
+    assert actions == [] and not state.continued  # a job being stopped is not restarted in place
 
 
 def test_watch_config_refuses_bad_graces() -> None:

@@ -186,3 +186,47 @@ def test_kills_during_an_in_place_recovery_never_change_the_final_state(tmp_path
     trials = [runner.run_trial(i, during_recovery=i < 2) for i in range(3)]
     assert all(t.completed and not t.bad for t in trials), trials
     assert all(t.kill_landed != "not_fired" for t in trials[:2])
+
+
+# -- under ettr run: ettr's agent books the restart in place and replaces a dead rank ----------------------------
+def _ettr_run(tmp_path: Path, *job_args: str, timeout_s: float = 600) -> Any:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(tmp_path / "memory"))
+    command = [
+        sys.executable, "-m", "ettr", "run", "--run-dir", str(tmp_path / "run"), "--",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "ettr.testing.resilient_job",
+        "--ckpt-dir", str(tmp_path / "ckpt"), "--timings", str(tmp_path / "log.jsonl"), *job_args,
+    ]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def _report(run_dir: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ettr", "report", str(run_dir), "--json"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+def test_under_ettr_run_a_failed_rank_is_recovered_in_place_and_booked_so(
+    tmp_path: Path, uninterrupted: str, fault: str
+) -> None:
+    """A SIGKILLed rank is replaced (a new process joins the survivor), a raise is restarted among the same
+    processes; either way the surviving process lives on, the books show one failure recovered `in_place`,
+    and the job ends bit-identical with nothing left in shared memory."""
+    proc = _ettr_run(tmp_path, "--fault", fault, "--fail-at", "17")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attempt 1 continues in place" in proc.stderr
+    events = _events(tmp_path)
+    starts = [e for e in events if e["ev"] == "start"]
+    assert len(starts) == (3 if fault == "kill" else 2)  # only the dead rank started anew
+    survivor = next(e["pid"] for e in starts if e["rank"] == 0)
+    assert any(e["ev"] == "done" and e["pid"] == survivor for e in events)
+    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted}
+    report = _report(tmp_path / "run")
+    assert report["num_failures"] == 1 and len(report["attempts"]) == 2
+    assert [p["kind"] for p in report["ttr_parts"]] == ["in_place"]
+    assert not any((tmp_path / "memory").iterdir())  # copies and the in-place store removed at the job's end

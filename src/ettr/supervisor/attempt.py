@@ -25,9 +25,9 @@ from ettr.supervisor import standby
 from ettr.supervisor.launch import AttemptLaunch
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.restart import PeerFailureWatch
-from ettr.supervisor.watch import Exited, Exiting, RankFailed
+from ettr.supervisor.watch import Continued, Exited, Exiting, RankFailed
 
-AttemptEvent = Exited | Exiting | RankFailed
+AttemptEvent = Exited | Exiting | RankFailed | Continued
 """What an attempt itself tells the watch (`ettr.supervisor.watch`)."""
 
 
@@ -74,7 +74,8 @@ class Attempt(Protocol):
         """What happened since the last call (called every poll; it drives the attempt's own teardown, such as
         ettr's agent stopping the other workers after a failed one): `Exited` once it is over, else
         `Exiting` while only interpreter teardown is left, `RankFailed` when a rank died with a FAILURE on
-        record while its launcher runs."""
+        record while its launcher runs, `Continued` when a failure is recovered in place (its processes go
+        on into the next attempt: `AttemptKind.continue_in_place`)."""
         ...
 
     def signal_tree(self, sig: int, *, include_command: bool = True) -> list[int]:
@@ -118,6 +119,12 @@ class AttemptKind(Protocol):
     def prepare_next(self, *, warm_modules: Sequence[str] = ()) -> Sequence[int]:
         """Start the next attempt's standby ahead, like the attempt started last (`warm_modules`: imported
         ahead beside torch); its pids (the sweep spares them), empty when none started."""
+        ...
+
+    def continue_in_place(self, running: Attempt, plan: AttemptPlan) -> Attempt:
+        """Go on with `plan` in `running`'s processes after it said `Continued` (a restart in place: its
+        dead processes replaced, the others told to join). Raises OSError. Only a kind whose attempts say
+        `Continued` is asked."""
         ...
 
     def discard(self) -> None:
@@ -202,6 +209,9 @@ class CommandKind:
             return []
         self._standby = standby.Standby.start(self._last.argv, self._last.env, warm_modules=warm_modules)
         return [] if self._standby is None else self._standby.pids
+
+    def continue_in_place(self, running: Attempt, plan: AttemptPlan) -> Attempt:
+        raise OSError("a command's attempt never goes on in place")  # it never says `Continued`
 
     def discard(self) -> None:
         ready, self._standby = self._standby, None

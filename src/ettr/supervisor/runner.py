@@ -13,12 +13,13 @@ kind, peers, signals, the clock), so the loop runs in a unit test with a fake at
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from ettr.constants import FAILURE_DETECTED_MARK, RELAUNCH_MARK
+from ettr.constants import FAILURE_DETECTED_MARK, RECOVERY_MARK, RELAUNCH_MARK
 from ettr.events import EventKind, Outcome
 from ettr.heartbeat import latest_heartbeat
 from ettr.run_env import has_trained, trained_modules
@@ -39,6 +40,7 @@ from ettr.supervisor.standby import Relaunch
 from ettr.supervisor.startwait import StartupWait
 from ettr.supervisor.watch import (
     AttemptWatch,
+    Continued,
     Drained,
     Exited,
     Exiting,
@@ -99,6 +101,7 @@ class AttemptRunner:
         self.parts = parts
         cfg = parts.config
         self._launched = False  # an attempt was started (the first one starts cold: nothing ran before it)
+        self._continuing: Attempt | None = None  # an attempt whose processes go on in place into the next
         self.watch = AttemptWatch(WatchConfig(grace_s=cfg.grace_s, hang_kill_grace_s=cfg.hang_kill_grace_s))
 
     def run(self, attempt: int, *, restarts_done: int = 0, restarts_left: int = 0) -> EndedAttempt:
@@ -129,9 +132,16 @@ class AttemptRunner:
         )
         oom_before = oom_kill_count()
         sweep = p.sweep(attempt) if p.sweep is not None else AttemptSweep(books.run_dir, attempt)
+        continuing, self._continuing = self._continuing, None
         try:
-            running = p.kind.start(plan)
+            if continuing is not None:
+                running = p.kind.continue_in_place(continuing, plan)
+            else:
+                running = p.kind.start(plan)
         except OSError as exc:
+            if continuing is not None:
+                self._continuing = continuing
+                self.release()
             books.append(EventKind.ATTEMPT_START, attempt=attempt, ts=started, command=list(launch.argv))
             end = AttemptEnd(outcome=Outcome.FAILED, exit_code=127, reason=f"cannot start: {exc}")
             return EndedAttempt(attempt=attempt, end=end, made_progress=False)
@@ -151,7 +161,12 @@ class AttemptRunner:
             relaunch = Relaunch(path="cold", why="the first attempt this supervisor started")
         self._launched = True
         books.append(EventKind.MARK, attempt=attempt, ts=started, name=RELAUNCH_MARK, **relaunch.to_data())
-        say(f"attempt {attempt} started: {running.describe()}")
+        if continuing is not None:  # the TTR's kind: the job's other processes went on
+            books.append(EventKind.MARK, attempt=attempt, ts=started, name=RECOVERY_MARK, kind="in_place")
+        if continuing is not None:
+            say(f"attempt {attempt} continues in place: {running.describe()}; {running.relaunch.why}")
+        else:
+            say(f"attempt {attempt} started: {running.describe()}")
         state = self._watch(running, attempt, started=started, sweep=sweep, restarts_left=restarts_left)
         assert state.returncode is not None
         books.append(
@@ -161,14 +176,17 @@ class AttemptRunner:
             name=FAILURE_DETECTED_MARK,
             returncode=state.returncode,
         )
-        running.kill_leftovers()
-        swept = sweep.run(exclude=running.pid)
-        if swept:
-            pids = ", ".join(map(str, swept))
-            say(f"attempt {attempt}: killed {len(swept)} process(es) that outlived it (pids {pids})")
-        running.finish()
-        if p.guard is not None:
-            p.guard.forget(running.pids)
+        if state.continued:  # its processes go on into the next attempt: nothing is torn down
+            self._continuing = running
+        else:
+            running.kill_leftovers()
+            swept = sweep.run(exclude=running.pid)
+            if swept:
+                pids = ", ".join(map(str, swept))
+                say(f"attempt {attempt}: killed {len(swept)} process(es) that outlived it (pids {pids})")
+            running.finish()
+            if p.guard is not None:
+                p.guard.forget(running.pids)
         oom_after = oom_kill_count()
         events = books.attempt_events(attempt)
         events += books.record_unrecorded_steps(attempt, events)
@@ -186,6 +204,23 @@ class AttemptRunner:
             end = stopped_after_peer_failure(end)
         end = p.peers.settle(attempt, end, state.peer_reason, p.signals)
         return EndedAttempt(attempt=attempt, end=end, made_progress=trained(events))
+
+    def release(self) -> None:
+        """End the processes an attempt left running for an in-place restart that will not come (the job
+        stops: no restarts left, a signal); never raises."""
+        running, self._continuing = self._continuing, None
+        if running is None:
+            return
+        p = self.parts
+        running.signal_tree(signal.SIGTERM)
+        deadline = time.monotonic() + p.config.hang_kill_grace_s
+        while running.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running.kill_leftovers()
+        running.events()  # reaps the workers
+        running.finish()
+        if p.guard is not None:
+            p.guard.forget(running.pids)
 
     def _watch(
         self, running: Attempt, attempt: int, *, started: float, sweep: Sweep, restarts_left: int
@@ -263,6 +298,11 @@ class AttemptRunner:
                 return state
         elif state.draining and not (running.alive() or sweep.alive(exclude=running.pids)):
             return self._step(state, Drained(), now, running, sweep)
+        for event in happened:
+            if isinstance(event, Continued):
+                state = self._step(state, event, now, running, sweep)
+                if state.done:
+                    return state
         signals = p.signals
         if signals.first is not None and signals.count > state.signals_seen:
             first = signals.first

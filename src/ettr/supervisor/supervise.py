@@ -31,7 +31,7 @@ from ettr.events import EventKind, Outcome
 from ettr.family import derive_family
 from ettr.inject import FaultKind
 from ettr.ledger.postgres import redact
-from ettr.run_env import Launcher
+from ettr.run_env import Launcher, remove_memory_dirs_of_run
 from ettr.supervisor import agent, containment, slurm
 from ettr.supervisor.attempt import AttemptKind, CommandKind
 from ettr.supervisor.books import JobBooks
@@ -137,6 +137,7 @@ class Supervisor:
         try:
             status = self._lead(runner, first) if self.peers.leads else self._follow(runner, first)
         finally:
+            runner.release()  # processes kept for an in-place restart that did not come
             kind.discard()
             if guard is not None:
                 guard.close()
@@ -152,6 +153,7 @@ class Supervisor:
                 why = "" if cfg.auto else " (--no-auto: only an instrumented process can fire it)"
                 say(f"injected fault {spec} never fired{why}")
             self.peers.close(status, last_attempt=first - 1 if last is None else last.attempt)
+            remove_memory_dirs_of_run(self.run_dir)  # the job is over: nothing of it stays in /dev/shm
             self.books.close()
             self.books.store_summary()
         self._say_end(status)

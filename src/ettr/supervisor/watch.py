@@ -12,6 +12,8 @@ The rules:
 - no progress for the hang timeout (`Hung`, not while the attempt only tears its processes down): SIGTERM,
   SIGKILL `hang_kill_grace_s` later;
 - a peer node's part ended or its supervisor was lost (`PeerLost`): this node's part is ended the same way;
+- a worker failed and the others go on in place (`Continued`, ettr's agent with a resilient job): the attempt is
+  over at once, nothing is signalled (its processes carry on into the next attempt);
 - a rank died with a FAILURE on record while its launcher still runs (`RankFailed`): after `flush_window_s`
   (the other ranks' recorders write their last events) the rest of the tree gets SIGTERM, the launcher
   itself is left to report the failure; SIGKILL `grace_s` later;
@@ -80,6 +82,16 @@ class Exited:
 
 
 @dataclass(frozen=True)
+class Continued:
+    """A worker failed and the attempt's other processes go on in place (`ettr.supervisor.inplace`): the
+    attempt is over as far as the books go (`returncode`: the failed worker's; `at`: when the attempt saw
+    it), but nothing is torn down; the next attempt continues in the same processes."""
+
+    returncode: int
+    at: float | None = None
+
+
+@dataclass(frozen=True)
 class Drained:
     """No process of the attempt is left."""
 
@@ -89,7 +101,7 @@ class Tick:
     """Time passed (every poll): deadlines fall due."""
 
 
-WatchEvent = Signalled | Hung | PeerLost | RankFailed | Exiting | Exited | Drained | Tick
+WatchEvent = Signalled | Hung | PeerLost | RankFailed | Exiting | Exited | Continued | Drained | Tick
 
 
 # -- actions --------------------------------------------------------------------------------------------------
@@ -160,6 +172,8 @@ class WatchState:
     """The command exited and processes of the job still run: they get the rest of the grace."""
     asked: bool = False
     """The job was asked to stop (SIGTERM, or the terminal's SIGINT): a process still running has its grace."""
+    continued: bool = False
+    """The attempt ended in a failure its other processes survived: the next attempt goes on in them."""
 
     @property
     def done(self) -> bool:
@@ -216,6 +230,11 @@ class AttemptWatch:
                 return self._exited(state, event, now)
             case Drained():
                 return replace(state, draining=False), []
+            case Continued():
+                if state.exited or state.stopping:
+                    return state, []
+                at = event.at if event.at is not None else now
+                return replace(state, returncode=event.returncode, detected_at=at, continued=True), []
             case Signalled():
                 return self._signalled(state, event, now)
             case Hung():

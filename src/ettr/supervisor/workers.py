@@ -13,11 +13,8 @@ exception. A signal the supervisor forwards (preemption) goes to every worker an
 sends no SIGTERM of its own (a rank saving on SIGTERM is not interrupted by a second one). The group's exit
 status: 0 when every worker exited 0, else the failed worker's.
 
-`StandbyGroup` is one `Standby` per local rank, started with rank r's environment less the per-attempt
-names; at the next attempt each rank whose standby fits takes its complete environment (`Standby.take`: at
-once when warm, promoted to normal priority when still warming), the others start cold at once. The
-group's `relaunch` says which path each rank took and why. `WorkerGroupKind` is the supervisor's way to
-start them (an `ettr.supervisor.attempt.AttemptKind`): each attempt a `WorkerGroup` of the torchrun command's
+`StandbyGroup` (`ettr.supervisor.standby_group`) is one `Standby` per local rank. `WorkerGroupKind` is the
+supervisor's way to start them (an `ettr.supervisor.attempt.AttemptKind`): each attempt a `WorkerGroup` of the torchrun command's
 workers (`ettr.supervisor.agent.WorkerSpec`), in the `StandbyGroup` it prepared while the attempt before
 trained.
 """
@@ -31,21 +28,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ettr.run_env import exited_path, failed_exit_path
-from ettr.supervisor import agent, standby
+from ettr.supervisor import agent, inplace, standby
+from ettr.supervisor.inplace import InPlace, InPlaceCheck
 from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
-from ettr.supervisor.standby import Relaunch, Standby, WarmUpNotice, no_standby_reason
-from ettr.supervisor.watch import Exited, Exiting
+from ettr.supervisor.standby import Relaunch, WarmUpNotice, no_standby_reason
+from ettr.supervisor.standby_group import StandbyGroup
+from ettr.supervisor.watch import Continued, Exited, Exiting
 
 if TYPE_CHECKING:
-    from ettr.supervisor.attempt import AttemptEvent, AttemptPlan
+    from ettr.supervisor.attempt import Attempt, AttemptEvent, AttemptPlan
 
-WARM_MODULES = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
-"""Imported ahead by a worker's standby beside torch when the attempt's first-step markers name nothing
-(else what they name: `ettr.bootstrap.start.TORCH_PARTS` it had imported and its installed packages, so that
-a standby promoted at a failure has no more to do than a cold start): what a DDP/FSDP job imports anyway
-(constructing DistributedDataParallel imports torch._dynamo, seconds of a cold restart). Imports only, no
-compile-store look-up (that waits for `torch.compile`)."""
 FLUSH_WINDOW_S = 0.6
 """After a worker failed, how long the others may still run: a Recorder writes its events within 0.5 s."""
 
@@ -86,6 +79,12 @@ class WorkerGroup:
         """How the workers were started (`StandbyGroup.take`)."""
         self.notice: WarmUpNotice | None = None
         """Says on the console when the workers wait for promoted standbys (stopped by `finish`)."""
+        self.inplace: InPlaceCheck | None = None
+        """Set for a job whose workers may be restarted in place (`ettr.supervisor.inplace`)."""
+        self.continued: InPlace | None = None
+        """A failure the attempt goes on from in place (its other workers keep running)."""
+        self._continued_told = False
+        self._gone: list[AttemptProcess] = []  # replaced workers, whose stderr is still collected
 
     def exiting(self) -> bool:
         """Whether every worker still running has done its Python-level exit (only the interpreter's
@@ -153,11 +152,15 @@ class WorkerGroup:
         return f"{len(self.procs)} worker(s), pids {', '.join(map(str, self.pids))}{warm}"
 
     def events(self) -> list[AttemptEvent]:
-        """`Exited` (at the failed worker's exit) once every worker is gone, else `Exiting` while only their
-        interpreters' teardown is left (drives the teardown after a failure: see `poll`)."""
+        """`Exited` (at the failed worker's exit) once every worker is gone, `Continued` once when a failure
+        is recovered in place, else `Exiting` while only their interpreters' teardown is left (drives the
+        teardown after a failure: see `poll`)."""
         returncode = self.poll()
         if returncode is not None:
             return [Exited(returncode, at=self.failed_at)]
+        if self.continued is not None and not self._continued_told:
+            self._continued_told = True
+            return [Continued(self.continued.returncode, at=self.failed_at)]
         return [Exiting()] if self.exiting() else []
 
     def poll(self) -> int | None:
@@ -167,6 +170,8 @@ class WorkerGroup:
             return self._returncode
         codes = [p.poll() for p in self.procs]
         now = time.time()
+        if self.continued is not None:
+            return None  # the runner books it and replaces the dead (`continue_as`); nothing is torn down
         if self.failed_rank is None:
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             marked = None if failed or self._signalled else self._marked_failed()
@@ -174,6 +179,11 @@ class WorkerGroup:
                 # Only the interpreter's teardown is left (seconds under load): end it, status 1 as Python's.
                 self.procs[marked].signal_tree(signal.SIGKILL)
                 self._cut_short, failed = marked, [marked]
+            if self.inplace is not None and not self._signalled:
+                found = self.inplace.check(self.pids, codes, failed)
+                if found is not None:
+                    self.continued, self.failed_at = found, now
+                    return None
             if failed:
                 self.failed_rank, self.failed_at = failed[0], now
                 self._stop_at = now + self._flush_s
@@ -220,8 +230,24 @@ class WorkerGroup:
         return [pid for p in self.procs for pid in p.alive()]
 
     def failed_pids(self) -> list[int]:
-        """The worker whose failure ended the group."""
-        return [] if self.failed_rank is None else [self.procs[self.failed_rank].pid]
+        """The worker whose failure ended the group (or is recovered in place)."""
+        rank = self.continued.failed_rank if self.continued is not None else self.failed_rank
+        return [] if rank is None else [self.procs[rank].pid]
+
+    def continue_as(self, attempt: int, replacements: dict[int, AttemptProcess], run_dir: Path) -> None:
+        """The group goes on as attempt `attempt` after an in-place recovery: the dead workers' replacements
+        take their ranks, the markers are the new attempt's."""
+        for rank, process in replacements.items():
+            old = self.procs[rank]
+            old.kill_leftovers()
+            self._gone.append(old)
+            self.procs[rank] = process
+            self.warm[rank] = False
+        self.pid = self.procs[0].pid
+        self.continued, self._continued_told, self.failed_at = None, False, None
+        self._markers = [failed_exit_path(run_dir, attempt, p.pid) for p in self.procs]
+        self._exited = [exited_path(run_dir, attempt, p.pid) for p in self.procs]
+        self.inplace = InPlaceCheck(run_dir, attempt)
 
     def kill_leftovers(self) -> None:
         for p in self.procs:
@@ -238,79 +264,13 @@ class WorkerGroup:
     def finish(self, timeout_s: float = 2.0) -> None:
         if self.notice is not None:
             self.notice.stop()
-        for p in self.procs:
+        for p in [*self._gone, *self.procs]:
             p.finish(timeout_s)
 
     def stderr_tail(self, num_lines: int = 20) -> list[str]:
         """The failed worker's last stderr lines (rank 0's when none failed)."""
-        return self.procs[self.failed_rank or 0].stderr_tail(num_lines)
-
-
-class StandbyGroup:
-    """One warm standby per local rank for the next attempt (see the module docstring)."""
-
-    def __init__(self, standbys: Sequence[Standby | None]) -> None:
-        self.standbys = list(standbys)
-
-    @classmethod
-    def start(
-        cls,
-        argvs: Sequence[Sequence[str]],
-        envs: Sequence[dict[str, str]],
-        *,
-        per_attempt: frozenset[str],
-        warm_modules: Sequence[str] = (),
-    ) -> StandbyGroup | None:
-        """Standbys for workers like `argvs`/`envs` (this attempt's), importing `warm_modules` ahead (what
-        the attempt had imported by its first step), `WARM_MODULES` when it is not known; None when none
-        could start."""
-        modules = list(dict.fromkeys(warm_modules or WARM_MODULES))
-        started = [
-            Standby.start(a, e, per_attempt=per_attempt, warm_modules=modules)
-            for a, e in zip(argvs, envs, strict=True)
-        ]
-        return cls(started) if any(s is not None for s in started) else None
-
-    @property
-    def pids(self) -> list[int]:
-        return [pid for s in self.standbys if s is not None for pid in s.pids]
-
-    def take(
-        self, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, attempt: int = 0
-    ) -> tuple[list[AttemptProcess | None], Relaunch, WarmUpNotice | None]:
-        """Per rank, the standby's process now running worker r (None: start it cold, at once), how the
-        ranks were relaunched, and the console notice of promoted standbys (started; None: none). Standbys
-        of ranks beyond `argvs` are discarded."""
-        out: list[AttemptProcess | None] = []
-        paths: list[Relaunch] = []
-        waiting: list[tuple[str, Standby]] = []
-        for r, argv in enumerate(argvs):
-            ready = self.standbys[r] if r < len(self.standbys) else None
-            if ready is None:
-                out.append(None)
-                paths.append(Relaunch(path="cold", why="no standby for this rank"))
-                continue
-            process, relaunch = ready.take(argv, envs[r])
-            out.append(process)
-            paths.append(relaunch)
-            if relaunch.path == "promoted":
-                waiting.append((f"rank {r}", ready))
-            else:
-                ready.close()
-        for extra in self.standbys[len(argvs) :]:
-            if extra is not None:
-                extra.discard()
-        self.standbys = []
-        notice = WarmUpNotice(attempt, waiting) if waiting else None
-        if notice is not None:
-            notice.start()
-        return out, Relaunch.of_ranks(paths), notice
-
-    def discard(self) -> None:
-        for s in self.standbys:
-            if s is not None:
-                s.discard()
-        self.standbys = []
+        rank = self.continued.failed_rank if self.continued is not None else self.failed_rank
+        return self.procs[rank or 0].stderr_tail(num_lines)
 
 
 class WorkerGroupKind:
@@ -332,29 +292,38 @@ class WorkerGroupKind:
         self._teardown_grace_s = teardown_grace_s
         self._standbys: StandbyGroup | None = None
         self._workers: tuple[list[list[str]], list[dict[str, str]]] = ([], [])  # the last attempt's, per rank
+        self._port = 0
+        self._inplace_env: dict[str, str] | None = None  # the workers' in-place variables (None: off)
+        if inplace.enabled():
+            try:
+                self._inplace_env = inplace.store_env(run_dir)
+            except OSError:
+                self._inplace_env = None
+
+    def _env(self, plan: AttemptPlan, rank: int, port: int) -> dict[str, str]:
+        error_file = agent.error_file(self._run_dir, plan.attempt, rank)
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        env = agent.worker_env(
+            self.spec,
+            plan.launch.env,
+            local_rank=rank,
+            port=port,
+            restart_count=plan.restarts_done,
+            max_restarts=self._max_restarts,
+            error_file=error_file,
+        )
+        if self._inplace_env is not None:
+            env.update(self._inplace_env)
+        return env
 
     def start(self, plan: AttemptPlan) -> WorkerGroup:
         """The attempt's workers, in the warm standbys where they fit. Raises OSError."""
-        port = plan.port or free_port()
-        argvs, envs = [], []
-        for rank in range(self.spec.nproc):
-            error_file = agent.error_file(self._run_dir, plan.attempt, rank)
-            error_file.parent.mkdir(parents=True, exist_ok=True)
-            argvs.append(list(self.spec.argv))
-            envs.append(
-                agent.worker_env(
-                    self.spec,
-                    plan.launch.env,
-                    local_rank=rank,
-                    port=port,
-                    restart_count=plan.restarts_done,
-                    max_restarts=self._max_restarts,
-                    error_file=error_file,
-                )
-            )
+        self._port = port = plan.port or free_port()
+        argvs = [list(self.spec.argv) for _ in range(self.spec.nproc)]
+        envs = [self._env(plan, rank, port) for rank in range(self.spec.nproc)]
         self._workers = (argvs, envs)
         ready, self._standbys = self._standbys, None
-        return WorkerGroup.start(
+        group = WorkerGroup.start(
             argvs,
             envs,
             standbys=ready,
@@ -362,9 +331,48 @@ class WorkerGroupKind:
             run_dir=self._run_dir,
             attempt=plan.attempt,
         )
+        if self._inplace_env is not None:
+            group.inplace = InPlaceCheck(self._run_dir, plan.attempt)
+        return group
+
+    def continue_in_place(self, running: Attempt, plan: AttemptPlan) -> WorkerGroup:
+        """Attempt `plan.attempt` goes on in `running`'s workers after a failure they survived: each dead
+        worker is replaced (from its warm standby where it fits), then the survivors are told to join the
+        new attempt (`ettr.supervisor.inplace.announce`). Raises OSError (no replacement could start)."""
+        assert isinstance(running, WorkerGroup) and running.continued is not None
+        dead = running.continued.dead
+        replacements: dict[int, AttemptProcess] = {}
+        paths: list[Relaunch] = []
+        argvs, envs = self._workers
+        for rank in dead:
+            env = self._env(plan, rank, self._port)
+            if self._standbys is not None:
+                process, how = self._standbys.take_rank(rank, argvs[rank], env)
+            else:
+                process = AttemptProcess(argvs[rank], env)
+                how = Relaunch(path="cold", why=no_standby_reason(None, env))
+            replacements[rank], paths = process, [*paths, how]
+            envs[rank] = env
+        running.continue_as(plan.attempt, replacements, self._run_dir)
+        inplace.announce(self._run_dir, plan.attempt, sorted(replacements))
+        if paths:
+            slowest = Relaunch.of_ranks(paths)
+            which = ", ".join(map(str, sorted(replacements)))
+            running.relaunch = Relaunch(
+                path=slowest.path,
+                why=f"in place: rank {which} replaced ({slowest.why}), the others went on",
+                ranks=tuple((r, p.path, p.why) for r, p in zip(sorted(replacements), paths, strict=True)),
+            )
+        else:
+            running.relaunch = Relaunch(path="warm", why="in place: every worker went on, none replaced")
+        return running
 
     def prepare_next(self, *, warm_modules: Sequence[str] = ()) -> list[int]:
         argvs, envs = self._workers
+        if argvs and self._standbys is not None and standby.enabled():
+            return self._standbys.fill(
+                argvs, envs, per_attempt=agent.PER_ATTEMPT_NAMES, warm_modules=warm_modules
+            )
         if not argvs or self._standbys is not None or not standby.enabled():
             return []
         self._standbys = StandbyGroup.start(

@@ -3,12 +3,13 @@ and `benchmarks/recovery.py`.
 
     torchrun --standalone --nproc-per-node 2 -m ettr.testing.resilient_job --ckpt-dir DIR --timings LOG \\
         [--steps 40] [--every 5] [--fault raise|exit|kill] [--fail-at 17] [--fail-rank 1]
-        [--no-resilient] [--no-memory-copy] [--hidden 64] [--step-s 0]
+        [--no-resilient] [--no-memory-copy] [--hidden 64] [--step-s 0] [--fail-after-s 0]
 
 Every rank trains the same DDP model on its own shard of a fixed dataset (`ResumableSampler`), saving with
 ettr's `CheckpointManager` every `--every` steps (memory copies on). The fault fires once per job (a marker
 beside the log) on `--fail-rank` right after step `--fail-at`: `raise` (an exception the process survives),
-`exit` (`os._exit(1)`: the process dies) or `kill` (SIGKILL). `--no-resilient` runs the same training
+`exit` (`os._exit(1)`: the process dies) or `kill` (SIGKILL); with `--fail-after-s` it first waits until the
+process has trained that long (since its first step) (a job that trained a while, whose supervisor's warm standbys are ready). `--no-resilient` runs the same training
 without the wrapper (the process restart baseline); `--no-memory-copy` restores from storage. Each line of
 `--timings` is JSON: {"ev": "start" | "train" | "step" | "fault" | "restored" | "done", "ts", "pid", "rank",
 "step", ...}; "train" starts a generation (`generation`: its index, -1 without the wrapper), "restored" says
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+_TRAINING = {"since": 0.0}  # when this process completed its first step
 NUM_SAMPLES = 512
 FEATURES = 16
 
@@ -44,6 +46,9 @@ def _fire(args: argparse.Namespace, rank: int, step: int) -> None:
         os.close(os.open(args.log + ".fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return  # once per job
+    wait_s = args.fail_after_s - (time.time() - _TRAINING["since"])
+    if wait_s > 0:  # a job that has trained a while: its supervisor's warm standbys are ready
+        time.sleep(wait_s)
     log(args.log, ev="fault", rank=rank, step=step, kind=args.fault)
     if args.fault == "raise":
         raise RuntimeError(f"injected failure at step {step}")
@@ -109,6 +114,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, generation: int 
                 step += 1
                 ettr.step(step)
                 log(args.log, ev="step", rank=rank, step=step)
+                _TRAINING["since"] = _TRAINING["since"] or time.time()
                 if args.fault != "none" and rank == args.fail_rank and step == args.fail_at:
                     _fire(args, rank, step)
                 ckpt.after_step(step)
@@ -131,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower step)")
     parser.add_argument("--resilient", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--rendezvous-timeout-s", type=float, default=120.0)
+    parser.add_argument(
+        "--fail-after-s", type=float, default=0.0, help="the fault waits until the process has trained this long"
+    )
     parser.add_argument(
         "--memory-copy", action=argparse.BooleanOptionalAction, default=True, help="restore from memory"
     )

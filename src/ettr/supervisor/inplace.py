@@ -1,0 +1,105 @@
+"""Restart in place, the agent's side: when a worker of a resilient job fails, ettr's agent keeps the others.
+
+The workers' side is `ettr.inplace` (docs/inplace.md). Under ettr's torchrun agent every worker gets
+`ETTR_INPLACE=1` and `ETTR_INPLACE_STORE` (a FileStore in shared memory that outlives any rank, made here once
+per supervisor run and removed with the job's memory copies at its end). A worker running `ettr.resilient`
+says it has joined attempt A's process group (`inplace_ready_path`), and a failure it survived
+(`inplace_failed_path`). `InPlaceCheck` decides, when a worker died or said it failed, whether the attempt
+can go on in place: only when every worker still running had joined the attempt (so it is inside the
+wrapper, waiting for the next generation) — a failure before that, or during an in-place recovery, takes
+the process restart as before. Then the supervisor books the attempt's end and the next attempt (a
+recovery of kind `in_place`), starts a replacement for each worker that died (from its warm standby) and
+writes the next attempt's number (`announce`), which the survivors wait for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ettr.atomic import atomic_write
+from ettr.run_env import (
+    INPLACE_ENV,
+    INPLACE_STORE_ENV,
+    MEMORY_OWNER_NAME,
+    inplace_failed_path,
+    inplace_next_path,
+    inplace_ready_path,
+    memory_root,
+)
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ettr's agent restarts resilient jobs in place (`ETTR_INPLACE=0` in the supervisor's
+    environment turns it off: every failure then takes a process restart)."""
+    return (os.environ if environ is None else environ).get(INPLACE_ENV, "").strip() != "0"
+
+
+def store_env(run_dir: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The workers' in-place variables: `ETTR_INPLACE=1` and a fresh FileStore for the job's generations, in
+    shared memory (in the run directory where there is none), owned by `run_dir` so that the job's end
+    removes it (`ettr.run_env.remove_memory_dirs_of_run`)."""
+    root = memory_root(environ)
+    if root is not None:
+        directory = root / f"inplace-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700)
+            (directory / MEMORY_OWNER_NAME).write_text(os.path.abspath(run_dir) + "\n", encoding="utf-8")
+        except OSError:
+            root = None
+    if root is None:
+        directory = run_dir / "agent" / "inplace" / f"store-{os.getpid()}-{secrets.token_hex(6)}"
+        directory.mkdir(parents=True, exist_ok=True)
+    return {INPLACE_ENV: "1", INPLACE_STORE_ENV: f"file://{directory / 'store'}"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class InPlace:
+    """A failure of the attempt that its other workers survive: the attempt goes on in place."""
+
+    failed_rank: int
+    """The rank whose failure it is (the first that died, else the first that said it failed)."""
+    returncode: int
+    """The failed worker's exit status (negative: the signal); 1 for a failure it survived."""
+    dead: tuple[int, ...]
+    """Local ranks whose processes are gone: each gets a replacement."""
+
+
+class InPlaceCheck:
+    """Whether a failure in attempt `attempt` can be recovered in place (see the module docstring)."""
+
+    def __init__(self, run_dir: Path, attempt: int) -> None:
+        self.run_dir = run_dir
+        self.attempt = attempt
+
+    def joined(self, pid: int) -> bool:
+        return inplace_ready_path(self.run_dir, self.attempt, pid).exists()
+
+    def said_failed(self, pid: int) -> bool:
+        return inplace_failed_path(self.run_dir, self.attempt, pid).exists()
+
+    def check(self, pids: Sequence[int], codes: Sequence[int | None], dead: Sequence[int]) -> InPlace | None:
+        """`pids`/`codes`: per local rank, the worker and its exit status (None: running); `dead`: the ranks
+        that failed by exiting. The in-place recovery to run, or None (the process restart, or no failure)."""
+        running = [r for r, c in enumerate(codes) if c is None and r not in dead]
+        if not running or not all(self.joined(pids[r]) for r in running):
+            return None
+        if dead:
+            code = codes[dead[0]]
+            return InPlace(failed_rank=dead[0], returncode=1 if code is None else code, dead=tuple(dead))
+        said = [r for r in running if self.said_failed(pids[r])]
+        if not said:
+            return None
+        return InPlace(failed_rank=said[0], returncode=1, dead=())
+
+
+def announce(run_dir: Path, attempt: int, replaced: Sequence[int]) -> None:
+    """Tell the surviving workers that the job goes on in attempt `attempt` (they join it)."""
+    path = inplace_next_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps({"attempt": attempt, "replaced": list(replaced)}).encode(), durable=False)

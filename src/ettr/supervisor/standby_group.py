@@ -1,0 +1,123 @@
+"""One warm standby per local rank of ettr's torchrun agent (`ettr.supervisor.workers`): `StandbyGroup`.
+
+Each rank's `ettr.supervisor.standby.Standby` is started with rank r's environment less the per-attempt
+names; at the next attempt each rank whose standby fits takes its complete environment (`take`: at once
+when warm, promoted to normal priority when still warming), the others start cold at once. An in-place
+recovery takes only the dead rank's (`take_rank`), and `fill` starts the missing ones again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ettr.supervisor.process import AttemptProcess
+from ettr.supervisor.standby import Relaunch, Standby, WarmUpNotice
+
+WARM_MODULES = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
+"""Imported ahead by a worker's standby beside torch when the attempt's first-step markers name nothing
+(else what they name: `ettr.bootstrap.start.TORCH_PARTS` it had imported and its installed packages, so that
+a standby promoted at a failure has no more to do than a cold start): what a DDP/FSDP job imports anyway
+(constructing DistributedDataParallel imports torch._dynamo, seconds of a cold restart). Imports only, no
+compile-store look-up (that waits for `torch.compile`)."""
+
+
+class StandbyGroup:
+    """One warm standby per local rank for the next attempt (see the module docstring)."""
+
+    def __init__(self, standbys: Sequence[Standby | None]) -> None:
+        self.standbys = list(standbys)
+
+    @classmethod
+    def start(
+        cls,
+        argvs: Sequence[Sequence[str]],
+        envs: Sequence[dict[str, str]],
+        *,
+        per_attempt: frozenset[str],
+        warm_modules: Sequence[str] = (),
+    ) -> StandbyGroup | None:
+        """Standbys for workers like `argvs`/`envs` (this attempt's), importing `warm_modules` ahead (what
+        the attempt had imported by its first step), `WARM_MODULES` when it is not known; None when none
+        could start."""
+        modules = list(dict.fromkeys(warm_modules or WARM_MODULES))
+        started = [
+            Standby.start(a, e, per_attempt=per_attempt, warm_modules=modules)
+            for a, e in zip(argvs, envs, strict=True)
+        ]
+        return cls(started) if any(s is not None for s in started) else None
+
+    @property
+    def pids(self) -> list[int]:
+        return [pid for s in self.standbys if s is not None for pid in s.pids]
+
+    def take(
+        self, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, attempt: int = 0
+    ) -> tuple[list[AttemptProcess | None], Relaunch, WarmUpNotice | None]:
+        """Per rank, the standby's process now running worker r (None: start it cold, at once), how the
+        ranks were relaunched, and the console notice of promoted standbys (started; None: none). Standbys
+        of ranks beyond `argvs` are discarded."""
+        out: list[AttemptProcess | None] = []
+        paths: list[Relaunch] = []
+        waiting: list[tuple[str, Standby]] = []
+        for r, argv in enumerate(argvs):
+            ready = self.standbys[r] if r < len(self.standbys) else None
+            if ready is None:
+                out.append(None)
+                paths.append(Relaunch(path="cold", why="no standby for this rank"))
+                continue
+            process, relaunch = ready.take(argv, envs[r])
+            out.append(process)
+            paths.append(relaunch)
+            if relaunch.path == "promoted":
+                waiting.append((f"rank {r}", ready))
+            else:
+                ready.close()
+        for extra in self.standbys[len(argvs) :]:
+            if extra is not None:
+                extra.discard()
+        self.standbys = []
+        notice = WarmUpNotice(attempt, waiting) if waiting else None
+        if notice is not None:
+            notice.start()
+        return out, Relaunch.of_ranks(paths), notice
+
+    def take_rank(
+        self, rank: int, argv: Sequence[str], env: dict[str, str]
+    ) -> tuple[AttemptProcess, Relaunch]:
+        """Rank `rank`'s replacement in an in-place recovery: its standby where it fits, else a cold start
+        (raises OSError); the other ranks keep theirs."""
+        ready = self.standbys[rank] if rank < len(self.standbys) else None
+        if ready is not None:
+            self.standbys[rank] = None
+            process, relaunch = ready.take(argv, env)
+            ready.close()
+            if process is not None:
+                return process, relaunch
+        else:
+            relaunch = Relaunch(path="cold", why="no standby for this rank")
+        return AttemptProcess(argv, env), relaunch
+
+    def fill(
+        self,
+        argvs: Sequence[Sequence[str]],
+        envs: Sequence[dict[str, str]],
+        *,
+        per_attempt: frozenset[str],
+        warm_modules: Sequence[str] = (),
+    ) -> list[int]:
+        """Start the standbys of ranks that have none (taken by an in-place recovery); their pids."""
+        modules = list(dict.fromkeys(warm_modules or WARM_MODULES))
+        self.standbys += [None] * (len(argvs) - len(self.standbys))
+        started: list[int] = []
+        for r, (argv, env) in enumerate(zip(argvs, envs, strict=True)):
+            if self.standbys[r] is None:
+                made = Standby.start(argv, env, per_attempt=per_attempt, warm_modules=modules)
+                self.standbys[r] = made
+                started += [] if made is None else made.pids
+        return started
+
+    def discard(self) -> None:
+        for s in self.standbys:
+            if s is not None:
+                s.discard()
+        self.standbys = []
