@@ -138,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resilient", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--rendezvous-timeout-s", type=float, default=120.0)
     parser.add_argument(
-        "--fail-after-s", type=float, default=0.0, help="the fault waits until the process has trained this long"
+        "--fail-after-s",
+        type=float,
+        default=0.0,
+        help="the fault waits until the process has trained this long",
     )
     parser.add_argument(
         "--memory-copy", action=argparse.BooleanOptionalAction, default=True, help="restore from memory"
