@@ -59,7 +59,7 @@ def test_scrape_parses_and_equals_fleet_json(runs, capsys):
     assert {k: [(s.labels, s.value) for s in v] for k, v in samples.items()} == {
         k: [(s.labels, s.value) for s in v] for k, v in again.items()
     }
-    allowed = {"job", "family", "bucket", "cause"}
+    allowed = {"job", "family", "name", "bucket", "cause"}
     for name, rows in samples.items():
         for s in rows:
             assert set(s.labels) <= (allowed | {"version"} if name == "ettr_build_info" else allowed), name

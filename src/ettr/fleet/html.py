@@ -76,7 +76,7 @@ def trend_svg(report: FleetReport) -> str:
         x = left + (i * step if len(jobs) > 1 else plot_w / 2)
         y = top + plot_h * (1 - max(0.0, min(100.0, j.ett_pct)) / 100)
         by_family.setdefault(j.family, []).append((x, y))
-        title = f"{j.job_id} ({j.family}): ETT {fmt_pct(j.ett_pct)}, wall {fmt_s(j.wall_s)}, {j.gpus} GPU(s)"
+        title = f"{j.label} ({j.family}): ETT {fmt_pct(j.ett_pct)}, wall {fmt_s(j.wall_s)}, {j.gpus} GPU(s)"
         ring = (
             f'<circle cx="{_n(x)}" cy="{_n(y)}" r="8" fill="none" stroke="#d62728" stroke-width="2" '
             'class="regression-mark"/>'
@@ -241,7 +241,7 @@ def render_html(report: FleetReport) -> str:
         parts += [
             f'<tr class="regression"><td>{esc(r.family)}</td><td class="l">{esc(r.metric)}</td>'
             f'<td>{r.baseline:.2f}</td><td class="bad">{r.value:.2f}</td>'
-            f'<td class="l" data-ts="{r.first_job_start_ts!r}">{esc(r.job_id)}</td></tr>'
+            f'<td class="l" data-ts="{r.first_job_start_ts!r}">{esc(r.label)}</td></tr>'
             for r in report.regressions
         ]
         parts.append("</table>")
@@ -255,7 +255,7 @@ def render_html(report: FleetReport) -> str:
     parts.append(f'<section id="stragglers"><h2>Jobs with stragglers ({len(with_stragglers)})</h2>')
     if with_stragglers:
         parts += [
-            f"<p><b>{esc(j.job_id)}</b> ({esc(j.family)}): "
+            f"<p><b>{esc(j.label)}</b> ({esc(j.family)}): "
             + "<br>".join(esc(s) for s in j.stragglers or ())
             + "</p>"
             for j in with_stragglers
@@ -283,7 +283,7 @@ def render_html(report: FleetReport) -> str:
         "<tr><th>job</th><th>family</th><th>ETT%</th><th>GPU-hours</th><th>failures</th><th>step</th></tr>"
     )
     parts += [
-        f'<tr><td data-ts="{j.wall_start_ts!r}">{esc(j.job_id)}</td><td>{esc(j.family)}</td>'
+        f'<tr><td data-ts="{j.wall_start_ts!r}">{esc(j.label)}</td><td>{esc(j.family)}</td>'
         f"<td>{j.ett_pct:.1f}</td><td>{j.gpu_s / 3600:.3f}</td><td>{j.num_failures}</td>"
         f"<td>{esc(fmt_step(j.step_time_s))}</td></tr>"
         for j in report.worst_jobs

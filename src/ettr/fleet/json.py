@@ -39,6 +39,7 @@ def job_dict(j: JobSummary) -> dict[str, Any]:
         "gpus": j.gpus,
         "start_ts": j.wall_start_ts,
         # Extras beyond the contract.
+        "name": j.name,
         "end_ts": j.wall_end_ts,
         "idleness_pct": j.idleness_pct,
         "failure_pct": j.failure_pct,
@@ -73,6 +74,7 @@ def regression_dict(r: Regression) -> dict[str, Any]:
         "baseline": r.baseline,
         "value": r.value,
         # Extras beyond the contract.
+        "name": r.name,
         "change": r.change,
         "first_value": r.first_value,
         "robust_z": r.robust_z,
@@ -104,6 +106,7 @@ def totals_dict(t: Totals) -> dict[str, Any]:
 def preempt_dict(c: PreemptCost) -> dict[str, Any]:
     return {
         "job_id": c.job_id,
+        "name": c.name,
         "family": c.family,
         "gpus": c.gpus,
         "cost_gpu_s": c.cost_gpu_s,
@@ -135,7 +138,13 @@ def to_dict(
         "lost_gpu_hours": {b.value: h for b, h in t.lost_gpu_hours.items()},
         "costliest_buckets": [{"bucket": b.value, "gpu_hours": h} for b, h in report.costliest_buckets],
         "worst_jobs": [
-            {"job_id": j.job_id, "family": j.family, "ett_pct": j.ett_pct, "gpu_hours": j.gpu_s / 3600.0}
+            {
+                "job_id": j.job_id,
+                "name": j.name,
+                "family": j.family,
+                "ett_pct": j.ett_pct,
+                "gpu_hours": j.gpu_s / 3600.0,
+            }
             for j in report.worst_jobs
         ],
         "families": {name: totals_dict(v) for name, v in report.families.items()},
@@ -145,6 +154,7 @@ def to_dict(
         "jobs_with_stragglers": [
             {
                 "job_id": j.job_id,
+                "name": j.name,
                 "family": j.family,
                 "stragglers": list(j.stragglers),
                 "lost_s": j.straggler_lost_s,
@@ -156,6 +166,7 @@ def to_dict(
         "step_speed_outliers": [
             {
                 "job_id": o.job_id,
+                "name": o.name,
                 "family": o.family,
                 "step_time_s": o.step_time_s,
                 "family_step_time_s": o.family_step_time_s,

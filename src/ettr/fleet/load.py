@@ -122,6 +122,20 @@ def is_running(
     return live_supervisor(events) is not None
 
 
+def name_of(events: Iterable[Event], run_dir: Path | None = None) -> str:
+    """What a person calls the job: the name of `run_dir` (where it was read), else of the run directory its
+    last supervisor recorded (a job read from a shared ledger); "" when neither is known."""
+    if run_dir is not None:
+        return Path(run_dir).absolute().name
+    recorded = ""
+    for e in events:
+        if e.kind is EventKind.SUPERVISOR_START and e.rank == SUPERVISOR_RANK and isinstance(e.data, dict):
+            found = e.data.get("run_dir")
+            if isinstance(found, str) and found:
+                recorded = found
+    return Path(recorded).name if recorded else ""
+
+
 def summarize_events(
     events: Sequence[Event],
     *,
@@ -154,6 +168,7 @@ def summarize_events(
         report,
         family=family_of(events),
         source=source,
+        name=name_of(events, run_dir),
         gpus=scan.gpus,
         gpus_source=scan.gpus_source,
         running=running,
@@ -380,6 +395,8 @@ def load_run_dirs(
         if isinstance(result, str):
             problems.append(result)
             continue
+        if not result.name:  # stored or cached before names
+            result = replace(result, name=name_of((), run_dir))
         summaries.append(result)
         if cache is not None and signatures[run_dir]:
             cache.put(run_dir, signatures[run_dir], result)

@@ -1,8 +1,9 @@
 """The Prometheus metrics of a fleet: metric families built from `JobSummary`s at scrape time.
 
 Names follow Prometheus conventions: base units (seconds, ratios 0..1), `_total` for counters, one
-`ettr_` prefix; labels are only `job`, `family`, `bucket` and `cause` (bounded: never step, rank or
-attempt), plus `version` on `ettr_build_info`. Each number is the same as in `ettr fleet --json`
+`ettr_` prefix; labels are only `job`, `family`, `name` (the run directory's name: what a person calls a job
+whose id was generated), `bucket` and `cause` (bounded: never step, rank or attempt), plus `version` on
+`ettr_build_info`. Each number is the same as in `ettr fleet --json`
 (ETT% / 100 for the ratios).
 """
 
@@ -21,7 +22,7 @@ from ettr.fleet.model import JobSummary, version
 from ettr.fleet.preempt import preemption_costs
 from ettr.fleet.regress import find_regressions
 
-JOB_LABELS = ("job", "family")
+JOB_LABELS = ("job", "family", "name")
 
 
 def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int = 0) -> list[Metric]:
@@ -87,7 +88,7 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
         "ettr_preemption_cost_gpu_seconds", "(unsaved work + recovery time) x GPUs, if preempted now"
     )
     for j in jobs:
-        labels = [j.job_id, j.family]
+        labels = [j.job_id, j.family, j.name]
         ratio.add_metric(labels, j.ett_pct / 100.0)
         if j.window_ett_pct is not None:
             window_ratio.add_metric(labels, j.window_ett_pct / 100.0)
@@ -118,8 +119,8 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     if len(windows) == 1:
         window_length.add_metric([], windows.pop())
     for price in preemption_costs(jobs, now):
-        unsaved.add_metric([price.job_id, price.family], price.unsaved_s)
-        cost.add_metric([price.job_id, price.family], price.cost_gpu_s)
+        unsaved.add_metric([price.job_id, price.family, price.name], price.unsaved_s)
+        cost.add_metric([price.job_id, price.family, price.name], price.cost_gpu_s)
     per_family = dict.fromkeys(sorted({j.family for j in jobs}), 0)
     for r in find_regressions(jobs):
         per_family[r.family] += 1

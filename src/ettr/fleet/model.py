@@ -70,6 +70,14 @@ class JobSummary:
     recoveries: tuple[tuple[str, float], ...] = ()
     """(kind, headline TTR s) of each recovered failure that trained again (`RecoveryParts.kind`: in_place,
     warm_restart, cold_restart, requeue)."""
+    name: str = ""
+    """What a person calls the job: the name of its run directory (the one read, else the one its supervisor
+    recorded); "" when unknown. A generated job id (`job-20261202-012743-11158`) says nothing to a person."""
+
+    @property
+    def label(self) -> str:
+        """The job as a person reads it: `job_label(job_id, name)`."""
+        return job_label(self.job_id, self.name)
 
     @property
     def mean_ttr_s(self) -> float | None:
@@ -80,8 +88,20 @@ class JobSummary:
         return self.wall_s * self.gpus
 
 
+def job_label(job_id: str, name: str) -> str:
+    """`name (job_id)` when the job has a name its id does not already say, else the id."""
+    return f"{name} ({job_id})" if name and name != job_id else job_id
+
+
 def summarize(
-    report: EttReport, *, family: str, source: str, gpus: int, gpus_source: str, running: bool
+    report: EttReport,
+    *,
+    family: str,
+    source: str,
+    gpus: int,
+    gpus_source: str,
+    running: bool,
+    name: str = "",
 ) -> JobSummary:
     """The fleet's view of one job's report."""
     commits = [c.ts for c in report.checkpoint_commits]
@@ -120,6 +140,7 @@ def summarize(
         stragglers=_stragglers(report),
         straggler_lost_s=None if report.rank_speed is None else report.rank_speed.lost_s,
         recoveries=tuple((p.kind or "cold_restart", p.headline_s) for p in report.ttr_parts),
+        name=name,
     )
 
 
@@ -158,9 +179,10 @@ def summary_to_json(summary: JobSummary) -> dict[str, Any]:
 
 def summary_from_json(data: Mapping[str, Any]) -> JobSummary:
     """The `JobSummary` of `summary_to_json`'s output. Raises KeyError/ValueError/TypeError when malformed."""
-    if set(data) != _FIELDS:
+    if not _FIELDS - {"name"} <= set(data) <= _FIELDS:  # one stored before names: the same, nameless
         raise ValueError("not a JobSummary of this version")
     values = dict(data)
+    values["name"] = str(data.get("name", ""))
     values["buckets_s"] = {Bucket(k): float(v) for k, v in data["buckets_s"].items()}
     values["failures"] = tuple(FailureCause(**{**f, "cause": Cause(f["cause"])}) for f in data["failures"])
     values["ttr_s"] = tuple(float(t) for t in data["ttr_s"])

@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ettr.fleet.model import JobSummary
+from ettr.fleet.model import JobSummary, job_label
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +35,12 @@ class PreemptCost:
     recovery_source: str
     """mean_ttr | family_ttr | tts | family_tts | unknown."""
     cost_gpu_s: float
+    name: str = ""
+    """The job's name (`JobSummary.name`)."""
+
+    @property
+    def label(self) -> str:
+        return job_label(self.job_id, self.name)
 
     @property
     def since_commit_s(self) -> float:
@@ -87,6 +93,7 @@ def preemption_costs(jobs: Sequence[JobSummary], now: float) -> list[PreemptCost
                 recovery_s=recovery,
                 recovery_source=source,
                 cost_gpu_s=(unsaved + (recovery or 0.0)) * j.gpus,
+                name=j.name,
             )
         )
     return sorted(out, key=lambda c: (c.cost_gpu_s, c.unsaved_s, c.job_id))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ettr.events import Bucket
-from ettr.fleet.model import JobSummary
+from ettr.fleet.model import JobSummary, job_label
 
 MAD_TO_SIGMA = 1.4826
 """MAD x this estimates the standard deviation of normally distributed noise."""
@@ -83,6 +83,12 @@ class Regression:
     num_baseline_jobs: int
     num_changed_jobs: int
     """Jobs from `job_id` to the newest."""
+    name: str = ""
+    """The first job's name (`JobSummary.name`)."""
+
+    @property
+    def label(self) -> str:
+        return job_label(self.job_id, self.name)
 
     @property
     def change(self) -> float:
@@ -168,6 +174,7 @@ def _series_regression(
             robust_z=sign * (value - baseline) / sigma if sigma > 0 else None,
             num_baseline_jobs=k,
             num_changed_jobs=n,
+            name=series[k][0].name,
         )
     return None
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ettr.accounting.steptime import relative_change
-from ettr.fleet.model import JobSummary
+from ettr.fleet.model import JobSummary, job_label
 from ettr.report.steptime import SPEED_TOLERANCE
 
 
@@ -27,6 +27,12 @@ class StepSpeedOutlier:
     """The median of the family's jobs' median step times (this job included)."""
     num_family_jobs: int
     """Jobs of the family with a known step time."""
+    name: str = ""
+    """The job's name (`JobSummary.name`)."""
+
+    @property
+    def label(self) -> str:
+        return job_label(self.job_id, self.name)
 
     @property
     def change(self) -> float:
@@ -55,6 +61,7 @@ def step_speed_outliers(jobs: Sequence[JobSummary]) -> tuple[StepSpeedOutlier, .
                 step_time_s=j.step_time_s,
                 family_step_time_s=family,
                 num_family_jobs=len(by_family[j.family]),
+                name=j.name,
             )
         )
     return tuple(out)

@@ -91,7 +91,8 @@ def decode(
     job_id = summary.job_id
     if run_dir is not None and not data.get("job_id_recorded", True):
         job_id = run_dir.absolute().name  # named after its directory, as `ettr report` names it
-    return replace(summary, source=source, job_id=job_id)
+    name = run_dir.absolute().name if run_dir is not None else summary.name  # the directory it is read in
+    return replace(summary, source=source, job_id=job_id, name=name)
 
 
 def summarize_finished(events: Any, *, job_id: str, source: str) -> JobSummary | None:

@@ -49,7 +49,7 @@ _GROUP_HEADER = ("", "jobs", "gpu_h", "ETT%", "idle%", "fail%", "NoF", "TTS p50"
 def regression_line(r: Regression) -> str:
     unit = "%" if r.metric == "ett_pct" else " s"
     return (
-        f"{r.family}: {r.metric} {r.baseline:.2f}{unit} -> {r.value:.2f}{unit} from job {r.job_id} "
+        f"{r.family}: {r.metric} {r.baseline:.2f}{unit} -> {r.value:.2f}{unit} from job {r.label} "
         f"({r.num_changed_jobs} job(s) since, baseline of {r.num_baseline_jobs})"
     )
 
@@ -57,7 +57,7 @@ def regression_line(r: Regression) -> str:
 def step_speed_line(o: StepSpeedOutlier) -> str:
     pace = "slower" if o.change > 0 else "faster"
     return (
-        f"{o.job_id} ({o.family}): median step {fmt_step(o.step_time_s)}, {abs(o.change) * 100:.0f}% {pace} "
+        f"{o.label} ({o.family}): median step {fmt_step(o.step_time_s)}, {abs(o.change) * 100:.0f}% {pace} "
         f"than its family's {fmt_step(o.family_step_time_s)} (of {o.num_family_jobs} jobs): its ETT% is not "
         "comparable with theirs"
     )
@@ -91,7 +91,7 @@ def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
         lines += ["", title]
         lines += _table((column, *_GROUP_HEADER[1:]), _group_rows(group), indent="  ")
     lines += ["", "worst jobs (lowest ETT%)"]
-    rows = [(j.job_id, j.family, f"{j.ett_pct:.1f}", f"{j.gpu_s / 3600:.2f}", str(j.gpus), str(j.num_failures),
+    rows = [(j.label, j.family, f"{j.ett_pct:.1f}", f"{j.gpu_s / 3600:.2f}", str(j.gpus), str(j.num_failures),
              fmt_step(j.step_time_s)) for j in report.worst_jobs]  # fmt: skip
     lines += _table(
         ("job", "family", "ETT%", "gpu_h", "gpus", "NoF", "step"), rows, indent="  ", left=frozenset({0, 1})
@@ -103,7 +103,7 @@ def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
     lines += ["", f"jobs with stragglers ({len(with_stragglers)}; ranks not compared in {unchecked} job(s))"]
     for j in with_stragglers:
         lost = f", waited {j.straggler_lost_s:.1f} s" if j.straggler_lost_s is not None else ""
-        lines.append(f"  {j.job_id} ({j.family}{lost}):")
+        lines.append(f"  {j.label} ({j.family}{lost}):")
         lines += [f"    {line}" for line in j.stragglers or ()]
     if not with_stragglers:
         lines.append("  (none)")
@@ -122,7 +122,7 @@ def render_preempt(
     rows = [
         (
             str(i + 1),
-            c.job_id,
+            c.label,
             c.family,
             str(c.gpus),
             f"{c.cost_gpu_s:.1f}",
@@ -139,5 +139,5 @@ def render_preempt(
         chosen = list(victims or ())
         freed = sum(c.gpus for c in chosen)
         verdict = "enough" if freed >= need else f"NOT enough: only {freed} GPUs run in preemptible jobs"
-        lines.append(f"victims for {need} GPUs: {' '.join(c.job_id for c in chosen) or '-'} ({verdict})")
+        lines.append(f"victims for {need} GPUs: {' '.join(c.label for c in chosen) or '-'} ({verdict})")
     return "\n".join(lines) + "\n"
