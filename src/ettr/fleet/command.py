@@ -32,8 +32,8 @@ FLEET_EPILOG = """examples:
 """
 
 SERVE_EPILOG = """examples:
-  ettr serve runs/ --port 9464            Prometheus metrics at http://0.0.0.0:9464/metrics
-  ettr serve --ledger postgresql://ettr@db/ettr --port 9464 --addr 127.0.0.1
+  ettr serve runs/ --port 9464            Prometheus metrics at http://127.0.0.1:9464/metrics
+  ettr serve --ledger postgresql://ettr@db/ettr --port 9464 --addr 0.0.0.0   (every interface)
 """
 
 
@@ -112,7 +112,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = SERVE_EPILOG
     _add_sources(p)
     p.add_argument("--port", type=_port, default=9464, metavar="P", help="port of /metrics (9464)")
-    p.add_argument("--addr", default="0.0.0.0", help="address to listen on (0.0.0.0)")
+    p.add_argument(
+        "--addr",
+        default="127.0.0.1",
+        help="address to listen on (127.0.0.1: this host only; 0.0.0.0 for every interface)",
+    )
     p.add_argument(
         "--window",
         type=_seconds,

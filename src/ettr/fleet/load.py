@@ -23,7 +23,15 @@ from ettr.accounting import DEFAULT_WINDOW_S, compute
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.family import UNKNOWN_FAMILY, derive_family
-from ettr.fleet.model import GPUS_ASSUMED, GPUS_RANKS, GPUS_WORLD_SIZE, JobSummary, summarize
+from ettr.fleet.model import (
+    GPUS_ASSUMED,
+    GPUS_RANKS,
+    GPUS_WORLD_SIZE,
+    MAX_GPUS,
+    JobSummary,
+    check_summary,
+    summarize,
+)
 from ettr.ledger import LedgerError, is_run_dir, ledger_path
 
 logger = logging.getLogger("ettr")
@@ -79,8 +87,8 @@ def _scan(events: Sequence[Event]) -> _Scan:
         elif kind is _PROCESS_START and e.rank >= 0:
             ranks.add(e.rank)
             size = (e.data or {}).get("world_size")
-            if isinstance(size, int) and not isinstance(size, bool) and size > world:
-                world = size
+            if isinstance(size, int) and not isinstance(size, bool) and world < size <= MAX_GPUS:
+                world = size  # a larger one is damage, not a world size
     ranks.discard(SUPERVISOR_RANK)
     if world > 0:
         gpus, source = world, GPUS_WORLD_SIZE
@@ -226,7 +234,16 @@ def load_run_dir(
 ) -> JobSummary | str:
     """The summary of one run directory, or why it cannot be read (a fleet skips it, saying so): the one its
     supervisor stored at job end while the ledger holds exactly the rows it was computed from
-    (`ettr.fleet.stored`), else computed from the events."""
+    (`ettr.fleet.stored`), else computed from the events. Never raises: one damaged run directory is one
+    line of a fleet's problems, never the end of the fleet."""
+    try:
+        return _load_run_dir(run_dir, now, use_stored, window_s)
+    except Exception as exc:  # noqa: BLE001 - whatever else a damaged directory does, the others go on
+        logger.debug("ettr fleet: %s", run_dir, exc_info=True)
+        return f"{run_dir}: cannot be accounted ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def _load_run_dir(run_dir: Path, now: float, use_stored: bool, window_s: float) -> JobSummary | str:
     from ettr.fleet.stored import load_stored
     from ettr.ledger import locate
     from ettr.report.load import job_id_of
@@ -250,6 +267,7 @@ def load_run_dir(
         run_dir=run_dir,
         window_s=window_s,
     )
+    check_summary(summary)  # what damaged events could still make impossible is a problem, not a figure
     return _with_ranks_of(stored, summary)
 
 
@@ -300,12 +318,13 @@ class SummaryCache:
         path = self._file(run_dir)
         if path is None:
             return None
-        import json
 
         from ettr.fleet.model import summary_from_json
+        from ettr.fleet.stored import MAX_SUMMARY_BYTES
+        from ettr.untrusted import read_json_file
 
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = read_json_file(path, MAX_SUMMARY_BYTES)
             if data.get("key") != self._key(run_dir, signature):
                 return None
             summary = summary_from_json(data["summary"])
@@ -335,7 +354,7 @@ class SummaryCache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             payload = {"key": self._key(run_dir, signature), "summary": summary_to_json(summary)}
-            atomic_write(path, json.dumps(payload, allow_nan=True))
+            atomic_write(path, json.dumps(payload, allow_nan=False))
         except (OSError, ValueError) as exc:
             logger.debug("ettr fleet: cannot cache %s (%s)", run_dir, exc)
 
@@ -449,7 +468,7 @@ def load_ledger_url(
         job_ids = list_jobs(url)
     except (LedgerError, OSError, ValueError) as exc:
         raise UsageError(f"{url}: cannot list its jobs ({exc})") from None
-    from ettr.fleet.stored import decode
+    from ettr.fleet.stored import Untrusted, decode
 
     stored: dict[str, Any] = {}
     if use_stored and scheme_of(url) == "postgresql":
@@ -463,7 +482,11 @@ def load_ledger_url(
     other_window: dict[str, JobSummary] = {}
     for job_id in job_ids:
         if job_id in stored:
-            summary = decode(stored[job_id][0], stored[job_id][1], source=url)
+            try:
+                summary = decode(stored[job_id][0], stored[job_id][1], source=url)
+            except Untrusted as exc:  # its events are read instead
+                logger.warning("ettr fleet: %s job %s: its stored summary is not used (%s)", url, job_id, exc)
+                summary = None
             if summary is not None and summary.job_id == job_id:
                 if summary.window_s == window_s:
                     results[job_id] = summary
@@ -473,15 +496,17 @@ def load_ledger_url(
     for job_id, events in _events_of_jobs(url, todo, for_accounting=use_stored):
         if isinstance(events, str):
             results[job_id] = events
+        elif events:
+            try:
+                summary = summarize_events(events, job_id=job_id, source=url, now=now, window_s=window_s)
+                check_summary(summary)
+            except Exception as exc:  # noqa: BLE001 - one damaged job is one problem line, the others go on
+                logger.debug("ettr fleet: %s job %s", url, job_id, exc_info=True)
+                results[job_id] = f"{url} job {job_id}: cannot be accounted ({type(exc).__name__}: {exc})"
+            else:
+                results[job_id] = _with_ranks_of(other_window.get(job_id), summary)
         else:
-            results[job_id] = (
-                _with_ranks_of(
-                    other_window.get(job_id),
-                    summarize_events(events, job_id=job_id, source=url, now=now, window_s=window_s),
-                )
-                if events
-                else None
-            )
+            results[job_id] = None
     summaries = [r for r in (results[j] for j in job_ids) if isinstance(r, JobSummary)]
     problems = [r for r in (results[j] for j in job_ids) if isinstance(r, str)]
     if not summaries and not problems:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -178,15 +179,128 @@ def summary_to_json(summary: JobSummary) -> dict[str, Any]:
 
 
 def summary_from_json(data: Mapping[str, Any]) -> JobSummary:
-    """The `JobSummary` of `summary_to_json`'s output. Raises KeyError/ValueError/TypeError when malformed."""
-    if not _FIELDS - {"name"} <= set(data) <= _FIELDS:  # one stored before names: the same, nameless
-        raise ValueError("not a JobSummary of this version")
+    """The `JobSummary` of `summary_to_json`'s output, validated (`check_summary`): a stored summary or a
+    cache entry may be damaged or forged. Raises KeyError/ValueError/TypeError when malformed."""
+    if not isinstance(data, Mapping) or not _FIELDS - {"name"} <= set(data) <= _FIELDS:
+        raise ValueError("not a JobSummary of this version")  # one stored before names: the same, nameless
     values = dict(data)
     values["name"] = str(data.get("name", ""))
-    values["buckets_s"] = {Bucket(k): float(v) for k, v in data["buckets_s"].items()}
-    values["failures"] = tuple(FailureCause(**{**f, "cause": Cause(f["cause"])}) for f in data["failures"])
-    values["ttr_s"] = tuple(float(t) for t in data["ttr_s"])
+    values["buckets_s"] = {Bucket(k): _number(v) for k, v in _mapping(data["buckets_s"]).items()}
+    values["failures"] = tuple(
+        FailureCause(**{**_mapping(f), "cause": Cause(_mapping(f)["cause"])})
+        for f in _sequence(data["failures"])
+    )
+    values["ttr_s"] = tuple(_number(t) for t in _sequence(data["ttr_s"]))
     if data["stragglers"] is not None:
-        values["stragglers"] = tuple(str(s) for s in data["stragglers"])
-    values["recoveries"] = tuple((str(k), float(s)) for k, s in data["recoveries"])
-    return JobSummary(**values)
+        values["stragglers"] = tuple(str(s) for s in _sequence(data["stragglers"]))
+    values["recoveries"] = tuple((str(k), _number(s)) for k, s in _sequence(data["recoveries"]))
+    summary = JobSummary(**values)
+    check_summary(summary)
+    return summary
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError("not an object")
+    return value
+
+
+def _sequence(value: Any) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        raise TypeError("not a list")
+    return list(value)
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{value!r:.40} is not a number")
+    out = float(value)  # OverflowError (a ValueError's kin) for an int past a float's range
+    if not math.isfinite(out):
+        raise ValueError("not a finite number")
+    return out
+
+
+MAX_GPUS = 1 << 24
+"""As many ranks as a ledger row may name (`ettr.ledger.rows.MAX_RANK`)."""
+MAX_TS = 1e10
+"""Times are Unix seconds before 2286 (as `ettr.ledger.rows.MAX_TS`)."""
+MAX_COUNT = 1_000_000
+"""No job restarts or fails a million times (as `ettr.ledger.rows.MAX_ATTEMPT`)."""
+MAX_TEXT = 4096
+_TOLERANCE = 1e-6
+
+
+def check_summary(summary: JobSummary) -> None:
+    """Raise ValueError unless every figure of `summary` is one `summarize` could have made: finite numbers
+    in range, times of this era, shares of 0..100 %, buckets that partition its wall time, the ETT% that its
+    buckets give. (A summary crafted to be consistent passes: whose it is says `ettr.fleet.stored`.)"""
+
+    def finite(
+        name: str, value: Any, low: float = 0.0, high: float = math.inf, *, optional: bool = False
+    ) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name} is not a number")
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ValueError(f"{name} is out of range") from None
+        if not (math.isfinite(number) and low <= number <= high):
+            raise ValueError(f"{name} = {number!r:.40} is out of range")
+
+    def count(name: str, value: Any, low: int, high: int, *, optional: bool = False) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} = {value!r:.40} is not a count in {low}..{high}")
+
+    for name in ("job_id", "name", "family", "source", "gpus_source"):
+        text = getattr(summary, name)
+        if not isinstance(text, str) or len(text) > MAX_TEXT:
+            raise ValueError(f"{name} is not a short text")
+    if summary.gpus_source not in (GPUS_WORLD_SIZE, GPUS_RANKS, GPUS_ASSUMED):
+        raise ValueError(f"gpus_source {summary.gpus_source!r:.40} is unknown")
+    count("gpus", summary.gpus, 1, MAX_GPUS)
+    count("num_failures", summary.num_failures, 0, MAX_COUNT)
+    count("num_attempts", summary.num_attempts, 0, MAX_COUNT)
+    count("last_attempt", summary.last_attempt, 0, MAX_COUNT, optional=True)
+    for name in ("in_progress", "running"):
+        if not isinstance(getattr(summary, name), bool):
+            raise ValueError(f"{name} is not true or false")
+    finite("wall_start_ts", summary.wall_start_ts, 0.0, MAX_TS)
+    finite("wall_end_ts", summary.wall_end_ts, summary.wall_start_ts, MAX_TS)
+    finite("wall_s", summary.wall_s, 0.0, MAX_TS)
+    for name in ("last_commit_ts", "progress_start_ts"):
+        finite(name, getattr(summary, name), 0.0, MAX_TS, optional=True)
+    for name in ("ett_pct", "idleness_pct", "failure_pct"):
+        finite(name, getattr(summary, name), 0.0, 100.0 + _TOLERANCE)
+    finite("window_ett_pct", summary.window_ett_pct, 0.0, 100.0 + _TOLERANCE, optional=True)
+    finite("window_s", summary.window_s, _TOLERANCE, MAX_TS)
+    for name in ("tts_s", "step_time_s", "step_time_p90_s", "straggler_lost_s"):
+        finite(name, getattr(summary, name), 0.0, MAX_TS, optional=True)
+    lists = (summary.ttr_s, summary.failures, summary.recoveries, summary.stragglers or ())
+    if any(len(items) > MAX_COUNT for items in lists):
+        raise ValueError("more entries than a job has")
+    for ttr in (*summary.ttr_s, *(s for _kind, s in summary.recoveries)):
+        finite("ttr_s", ttr, 0.0, MAX_TS)
+    for failure in summary.failures:
+        count("failures.attempt", failure.attempt, 0, MAX_COUNT)
+        finite("failures.ttr_s", failure.ttr_s, 0.0, MAX_TS, optional=True)
+        if not isinstance(failure.evidence, str):
+            raise ValueError("failures.evidence is not text")
+    if set(summary.buckets_s) != set(Bucket):
+        raise ValueError("buckets_s does not name every bucket once")
+    for bucket, seconds in summary.buckets_s.items():
+        finite(f"buckets_s.{bucket.value}", seconds, 0.0, MAX_TS)
+    # The report's invariants (EttReport): its buckets partition its wall time, its shares add up to 100 %.
+    slack = 1e-3 + 1e-6 * summary.wall_s
+    if abs(summary.wall_end_ts - summary.wall_start_ts - summary.wall_s) > slack:
+        raise ValueError("wall_s is not the time from wall_start_ts to wall_end_ts")
+    if abs(sum(summary.buckets_s.values()) - summary.wall_s) > slack:
+        raise ValueError("buckets_s do not add up to wall_s")
+    if summary.wall_s > 0:
+        shares = summary.ett_pct + summary.idleness_pct + summary.failure_pct
+        effective = summary.buckets_s[Bucket.EFFECTIVE_TRAINING] / summary.wall_s * 100.0
+        if abs(shares - 100.0) > 1e-3 or abs(effective - summary.ett_pct) > 1e-3:
+            raise ValueError("ett_pct is not what its buckets give")

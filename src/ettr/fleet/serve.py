@@ -1,24 +1,93 @@
 """`ettr serve`: a Prometheus `/metrics` endpoint over run directories or a shared ledger.
 
 Each scrape re-reads the fleet; finished jobs whose ledger did not change come from a cache, so a scrape
-costs about the running jobs' events. Uses prometheus-client's own HTTP server (a thread).
+costs about the running jobs' events. It listens on 127.0.0.1 unless an address is given, and a client can
+hold it only so long: at most `MAX_CONNECTIONS` requests are served at once (more are closed at once), each
+connection gets `READ_TIMEOUT_S` per read and `REQUEST_DEADLINE_S` in all (a slowloris or an HTTP/0.9
+client that never ends its request line is cut off), and the listen backlog is bounded.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from ettr.errors import UsageError
 from ettr.fleet.model import JobSummary
 
 logger = logging.getLogger("ettr")
+
+DEFAULT_ADDR = "127.0.0.1"
+"""Where `ettr serve` listens unless `--addr` says otherwise (the contract: never every interface by default)."""
+MAX_CONNECTIONS = 16
+"""Requests served at once; a connection beyond them is closed at once (Prometheus retries the next scrape)."""
+BACKLOG = 32
+"""Connections the kernel queues before they are accepted."""
+READ_TIMEOUT_S = 10.0
+"""The longest one read of a request may wait for its client."""
+REQUEST_DEADLINE_S = 120.0
+"""The longest a connection is kept, reading, loading and writing (a scrape of a large fleet takes seconds)."""
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Logs nothing per request; every read waits at most `READ_TIMEOUT_S` (`StreamRequestHandler.timeout`)."""
+
+    timeout = READ_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+class BoundedServer(ThreadingMixIn, WSGIServer):
+    """A WSGI server with a thread per request, at most `MAX_CONNECTIONS` of them, each connection closed
+    after `REQUEST_DEADLINE_S` whatever its client does."""
+
+    daemon_threads = True
+    request_queue_size = BACKLOG
+    allow_reuse_address = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # busy: refused at once, never queued without bound
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        deadline = threading.Timer(REQUEST_DEADLINE_S, _cut, (request,))
+        deadline.daemon = True
+        deadline.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            deadline.cancel()
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("ettr serve: a request from %s failed", client_address, exc_info=True)
+
+
+def _cut(request: socket.socket) -> None:
+    """End a connection that outlived its deadline (its thread's blocked read or write then returns)."""
+    with contextlib.suppress(OSError):
+        request.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass
@@ -39,11 +108,11 @@ class MetricsServer:
 
 
 def start_server(
-    load: Callable[[float], tuple[list[JobSummary], list[str]]], *, port: int, addr: str = "127.0.0.1"
+    load: Callable[[float], tuple[list[JobSummary], list[str]]], *, port: int, addr: str = DEFAULT_ADDR
 ) -> MetricsServer:
     """Serve the metrics of `load(now)` at http://addr:port/metrics (port 0: any free port)."""
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, make_wsgi_app
     except ImportError:
         raise UsageError(
             "ettr serve: needs prometheus-client (install it: pip install 'prometheus-client>=0.17')"
@@ -54,9 +123,19 @@ def start_server(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(load))
     try:
-        httpd, thread = start_http_server(port, addr=addr, registry=registry)
-    except OSError as exc:
-        raise UsageError(f"ettr serve: cannot listen on {addr}:{port} ({exc.strerror or exc})") from None
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, sockaddr = infos[0]
+
+        class Server(BoundedServer):
+            address_family = family
+
+        httpd = Server((sockaddr[0], port), _QuietHandler)
+    except (OSError, UnicodeError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise UsageError(f"ettr serve: cannot listen on {addr}:{port} ({why})") from None
+    httpd.set_app(make_wsgi_app(registry))
+    thread = threading.Thread(target=httpd.serve_forever, name="ettr-serve", daemon=True)
+    thread.start()
     return MetricsServer(httpd=httpd, thread=thread)
 
 
@@ -73,6 +152,9 @@ def loader(args: argparse.Namespace) -> Callable[[float], tuple[list[JobSummary]
                 return load_jobs(args, now=now, cache=cache, cmd="serve")
             except UsageError as exc:  # e.g. the folder is empty for now: serve what there is (nothing)
                 return [], [str(exc)]
+            except Exception as exc:  # noqa: BLE001 - a scrape says what failed, never an HTTP 500
+                logger.warning("ettr serve: this scrape read no jobs (%s: %s)", type(exc).__name__, exc)
+                return [], [f"{type(exc).__name__}: {exc}"]
 
     return load
 

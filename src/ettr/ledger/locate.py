@@ -12,7 +12,6 @@ of the environment; else the run directory's own file when it has one; else its 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,9 +36,10 @@ def pointer_path(run_dir: str | os.PathLike[str]) -> Path:
 
 def read_pointer(run_dir: str | os.PathLike[str]) -> tuple[str, str] | None:
     """(url, job_id) of a run directory whose books are at a URL; None if it has no readable pointer."""
-    try:
-        with open(pointer_path(run_dir), "rb") as f:
-            found = json.loads(f.read(65536))
+    from ettr.untrusted import read_json_file
+
+    try:  # never through a symlink, never a FIFO (it would block), at most 64 KiB
+        found = read_json_file(pointer_path(run_dir), 65536)
         url, job_id = found["url"], found["job_id"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None

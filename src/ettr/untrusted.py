@@ -1,0 +1,87 @@
+"""Reading small files that anyone who can write a run directory may have written: bounded, never blocking.
+
+A run directory's `fleet-summary.json`, a fleet cache entry or a pointer file is read by tools (`ettr fleet`,
+`ettr serve`, `ettr report`) that must go on when one of them is damaged or forged. So a read never follows a
+symlink (`/dev/zero` behind a link would fill memory), never opens a FIFO or device (a FIFO blocks for ever),
+never reads more than its caller's bound, and a JSON document nested deeper than a bound, or holding a NaN or
+an infinity, is refused as malformed instead of raising `RecursionError` in whoever walks it next.
+Every refusal is an `OSError` (the file) or a `ValueError` (its content): one line a caller can list.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import stat
+from typing import Any
+
+_FLAGS = (
+    os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+)
+
+MAX_JSON_DEPTH = 32
+"""Deeper JSON than this is damage: ettr writes flat records (a summary nests three levels)."""
+
+
+def read_small_file(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """The bytes of the regular file `path`, at most `max_bytes` of them. Raises OSError (ELOOP for a
+    symlink, EINVAL for a FIFO, device or directory, EFBIG for a larger file) and never blocks."""
+    fd = os.open(path, _FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if st.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # it grew while read
+        raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
+    return data
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number ettr writes")
+
+
+def loads_bounded(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """`json.loads(text)` for untrusted text: NaN and infinities refused, nesting bounded by `max_depth`
+    (checked before parsing, so a 100,000-level document costs one scan). Raises ValueError."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"not UTF-8 ({exc.reason})") from None
+    if _depth(text) > max_depth:
+        raise ValueError(f"nested deeper than {max_depth} levels")
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:  # cannot happen below the bound; kept so no caller ever sees one
+        raise ValueError("nested too deep") from None
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _depth(text: str) -> int:
+    """The deepest bracket nesting of JSON `text` (brackets inside strings do not count)."""
+    if "[" not in text and "{" not in text:
+        return 0
+    depth = deepest = 0
+    for match in _BRACKET.finditer(_STRING.sub("", text)):
+        if match.group() in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def read_json_file(path: str | os.PathLike[str], max_bytes: int, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """`loads_bounded` of `read_small_file(path, max_bytes)`. Raises OSError or ValueError."""
+    return loads_bounded(read_small_file(path, max_bytes), max_depth=max_depth)

@@ -1,0 +1,315 @@
+"""One bad input, one line, the rest goes on (issue 25 item 3): a fleet of good jobs beside run directories
+damaged or forged in every way the probe tried. `ettr fleet` (text, JSON, HTML) and `ettr serve`'s /metrics
+never raise, never hang, keep every good job, and never trust a summary that is forged, NaN or out of range:
+the job is accounted from its events (or listed as not read), the same figures `--from-events` gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sqlite3
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ettr.cli import main
+from ettr.fleet.load import load_run_dir
+from ettr.fleet.stored import REJECTED_SUFFIX, load_stored, summary_path
+from ettr.testing.fleet import JobSpec, write_job
+
+T0 = 1_700_000_000.0
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads(summary_path(run_dir).read_text())
+
+
+def _forge(run_dir: Path) -> None:
+    """A consistent forgery: ETT 99.9% with buckets that add up, signed by no key of the reader."""
+    data = _summary(run_dir)
+    s = data["summary"]
+    s["buckets_s"] = {b: 0.0 for b in s["buckets_s"]}
+    s["buckets_s"]["effective_training"] = s["wall_s"] * 0.999
+    s["buckets_s"]["other"] = s["wall_s"] * 0.001
+    s["ett_pct"], s["idleness_pct"], s["failure_pct"] = 99.9, 0.1, 0.0
+    data.pop("signature", None)
+    summary_path(run_dir).write_text(json.dumps(data))
+
+
+def _resign_forgery(run_dir: Path) -> None:
+    """The same forgery with the signature's key id kept and its hmac left as it was: it does not verify."""
+    signature = _summary(run_dir)["signature"]
+    _forge(run_dir)
+    data = _summary(run_dir)
+    data["signature"] = signature
+    summary_path(run_dir).write_text(json.dumps(data))
+
+
+def _text_edit(old: str, new: str):
+    def edit(run_dir: Path) -> None:
+        text = summary_path(run_dir).read_text()
+        assert old in text
+        summary_path(run_dir).write_text(text.replace(old, new, 1))
+
+    return edit
+
+
+def _replace_summary(content: bytes):
+    def edit(run_dir: Path) -> None:
+        summary_path(run_dir).write_bytes(content)
+
+    return edit
+
+
+def _summary_node(make):
+    def edit(run_dir: Path) -> None:
+        summary_path(run_dir).unlink()
+        make(summary_path(run_dir))
+
+    return edit
+
+
+def _rows(sql: str, *params):
+    def edit(run_dir: Path) -> None:
+        summary_path(run_dir).unlink()
+        with sqlite3.connect(run_dir / "ledger.db") as db:
+            db.execute(sql, params)
+        db.close()
+
+    return edit
+
+
+def _ledger_file(content: bytes):
+    def edit(run_dir: Path) -> None:
+        summary_path(run_dir).unlink()
+        (run_dir / "ledger.db").write_bytes(content)
+
+    return edit
+
+
+def _pointer(run_dir: Path) -> None:
+    summary_path(run_dir).unlink()
+    (run_dir / "ledger.db").unlink()
+    (run_dir / "ledger-url.json").write_text(DEEP)
+
+
+DAMAGE = {
+    # the stored summary
+    "forged": _forge,
+    "forged_signed": _resign_forgery,
+    "nan": _text_edit('"ett_pct":', '"ett_pct":NaN,"x":'),
+    "huge_gpus": _text_edit('"gpus":1,', '"gpus":1' + "0" * 400 + ","),
+    "negative": _text_edit('"wall_s":', '"wall_s":-5,"x":'),
+    "nested": _replace_summary(DEEP.encode()),
+    "nested_inside": _text_edit('"files":', '"x":' + DEEP + ',"files":'),
+    "binary": _replace_summary(bytes(range(256)) * 4),
+    "empty": _replace_summary(b""),
+    "fifo": _summary_node(os.mkfifo),
+    "dev_zero": _summary_node(lambda p: os.symlink("/dev/zero", p)),
+    "directory": _summary_node(os.mkdir),
+    # the ledger's rows (no stored summary: the events are read)
+    "row_gpus": _rows(
+        "update events set data=? where kind='process_start'", '{"world_size":1' + "0" * 400 + "}"
+    ),
+    "row_nested": _rows("update events set data=? where kind='process_start'", '{"world_size":' + DEEP + "}"),
+    "row_attempt": _rows("update events set attempt=9223372036854775807 where kind='step' and step=60"),
+    "row_ts": _rows("update events set ts=1e300 where kind='step' and step=61"),
+    "row_nan_ts": _rows("update events set ts='NaN' where kind='step' and step=62"),
+    # the ledger file and the pointer
+    "not_a_db": _ledger_file(b"SQLite format 3\0" + bytes(4000)),
+    "empty_db": _ledger_file(b""),
+    "pointer": _pointer,
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Two good jobs and a failed job to damage (copied, then damaged, by each test)."""
+    root = tmp_path_factory.mktemp("fleet")
+    write_job(root / "good0", JobSpec(job_id="good0", start_ts=T0))
+    write_job(root / "good1", JobSpec(job_id="good1", start_ts=T0 + 1000, fail_at_steps=(30,)))
+    template = write_job(root / "template", JobSpec(job_id="x", start_ts=T0 + 2000, fail_at_steps=(50, 80)))
+    truth = load_run_dir(template, time.time(), use_stored=False)
+    return root, truth
+
+
+def _damaged(root: Path, dest: Path, names=tuple(DAMAGE)) -> Path:
+    """A copy of the template job per damage in `names`, each damaged, under `dest`; with the good jobs."""
+    for good in ("good0", "good1"):
+        shutil.copytree(root / good, dest / good)
+    for name in names:
+        shutil.copytree(root / "template", dest / "damaged" / name)
+        DAMAGE[name](dest / "damaged" / name)
+    return dest
+
+
+def _fleet_json(*argv: str, capsys) -> tuple[dict, str]:
+    assert main(["fleet", *argv, "--json", "--no-cache"]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return json.loads(captured.out), captured.err
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGE))
+def test_one_damaged_run_directory_is_one_problem_and_the_others_go_on(fleet, name, tmp_path, capsys):
+    root, truth = fleet
+    run_dir = _damaged(root, tmp_path, (name,)) / "damaged" / name
+    out, err = _fleet_json(str(root / "good0"), str(root / "good1"), str(run_dir), capsys=capsys)
+    jobs = {j["job_id"]: j for j in out["jobs"]}
+    assert {"good0", "good1"} <= set(jobs)
+    others = [j for j in out["jobs"] if j["job_id"] not in ("good0", "good1")]
+    if others:  # accounted from its events: never the forged or damaged figures
+        (job,) = others
+        assert job["ett_pct"] < 99 and job["gpus"] < 1000
+        if name not in ("row_attempt", "row_ts", "row_nan_ts"):  # a damaged row is left out of the figures
+            assert job["ett_pct"] == pytest.approx(truth.ett_pct)
+    else:
+        assert len(out["problems"]) == 1 and str(run_dir) in out["problems"][0]
+    assert all(len(line) < 1000 for line in err.splitlines())
+    # Quarantined once: a second read meets no bad summary, and says nothing more of it.
+    if summary_path(run_dir).with_name(summary_path(run_dir).name + REJECTED_SUFFIX).exists():
+        assert not os.path.lexists(summary_path(run_dir))
+    again, _err = _fleet_json(str(root / "good0"), str(root / "good1"), str(run_dir), capsys=capsys)
+    assert again["jobs"] == out["jobs"]
+
+
+def test_text_and_html_of_the_whole_damaged_fleet(fleet, tmp_path, capsys):
+    root, _truth = fleet
+    copy = _damaged(root, tmp_path / "copy")
+    html = tmp_path / "fleet.html"
+    assert main(["fleet", str(copy), "--no-cache", "--html", str(html)]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    read = len(DAMAGE) - captured.err.count("ettr fleet: skipped ")  # each one not read: one line
+    assert captured.out.startswith(f"fleet: {2 + read} jobs,")
+    assert "good0" in html.read_text() and "good1" in html.read_text()
+    forged_ett = [line for line in captured.out.splitlines() if "99.9" in line]
+    assert not forged_ett, forged_ett
+
+
+def test_a_forged_summary_does_not_move_the_fleets_ett(fleet, tmp_path, capsys):
+    root, _truth = fleet
+    honest = tmp_path / "honest"
+    write_job(honest, JobSpec(job_id="honest", start_ts=T0 + 3000, fail_at_steps=(20, 40, 60)))
+    before, _ = _fleet_json(str(root / "good0"), str(honest), capsys=capsys)
+    _forge(honest)
+    assert load_stored(honest) is None
+    after, _ = _fleet_json(str(root / "good0"), str(honest), capsys=capsys)
+    assert after["ett_pct"] == before["ett_pct"] < 99
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fuzzed_summaries_never_raise_and_never_differ_from_the_events(fleet, seed, tmp_path):
+    """Random byte edits of a signed summary: it is used only when it still verifies (then it is the
+    events' figures), else the events are read: the result is always the truth."""
+    root, _ = fleet
+    run_dir = tmp_path / "run"
+    write_job(run_dir, JobSpec(job_id="fuzz", start_ts=T0, fail_at_steps=(40,)))
+    truth = load_run_dir(run_dir, time.time(), use_stored=False)
+    rng = random.Random(seed)
+    raw = bytearray(summary_path(run_dir).read_bytes())
+    for _ in range(rng.randrange(1, 4)):
+        at = rng.randrange(len(raw))
+        choice = rng.randrange(3)
+        if choice == 0:
+            raw[at] = rng.randrange(256)
+        elif choice == 1:
+            del raw[at : at + rng.randrange(1, 20)]
+        else:
+            raw[at:at] = rng.choice([b"[" * 5000, b"NaN", b"1e999", b"9" * 500, b'"', b"{}"])
+    summary_path(run_dir).write_bytes(bytes(raw))
+    result = load_run_dir(run_dir, time.time())
+    assert result == truth
+
+
+def test_serve_scrapes_stay_200_beside_damaged_run_directories(fleet, tmp_path):
+    pytest.importorskip("prometheus_client")
+    from argparse import Namespace
+
+    from ettr.fleet.serve import loader, start_server
+
+    root, _truth = fleet
+    copy = _damaged(root, tmp_path / "copy")
+    args = Namespace(run_dirs=[str(copy)], ledger=None, workers=1, cache_dir=None, no_cache=True,
+                     from_events=False, window=3600.0)  # fmt: skip
+    server = start_server(loader(args), port=0)
+    try:
+        for _ in range(2):
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=120) as response:
+                assert response.status == 200
+                body = response.read().decode()
+            assert 'job="good0"' in body and 'job="good1"' in body
+    finally:
+        server.close()
+
+
+# -- ettr serve: where it listens, and what a client cannot do to it ------------------------------------------
+def _serve(tmp_path, fleet):
+    from argparse import Namespace
+
+    from ettr.fleet.serve import loader, start_server
+
+    root, _truth = fleet
+    args = Namespace(run_dirs=[str(root / "good0")], ledger=None, workers=1, cache_dir=None, no_cache=True,
+                     from_events=False, window=3600.0)  # fmt: skip
+    return start_server(loader(args), port=0)
+
+
+def test_serve_listens_on_localhost_unless_told(fleet, tmp_path):
+    pytest.importorskip("prometheus_client")
+    from ettr.cli import build_parser
+
+    args = build_parser().parse_args(["serve", str(tmp_path)])
+    assert args.addr == "127.0.0.1"
+    server = _serve(tmp_path, fleet)
+    try:
+        assert server.httpd.server_address[0] == "127.0.0.1"
+    finally:
+        server.close()
+
+
+def test_serve_cuts_off_clients_that_never_finish_and_is_bounded(fleet, tmp_path, monkeypatch):
+    """A slowloris (a byte now and then, never a whole request), an HTTP/0.9 request line without its end,
+    and more idle connections than it serves at once: each is closed by the server, and a real scrape
+    still gets its metrics afterwards."""
+    pytest.importorskip("prometheus_client")
+    import socket
+
+    from ettr.fleet import serve
+
+    monkeypatch.setattr(serve._QuietHandler, "timeout", 0.5)
+    monkeypatch.setattr(serve, "REQUEST_DEADLINE_S", 2.0)
+    server = _serve(tmp_path, fleet)
+    try:
+        idle = [
+            socket.create_connection(("127.0.0.1", server.port)) for _ in range(serve.MAX_CONNECTIONS + 8)
+        ]
+        for sock in idle[:2]:
+            sock.sendall(b"GET /metrics")  # HTTP/0.9 style, and never the line's end
+        slow = idle[2]
+        slow.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        for sock in idle:
+            sock.settimeout(60)
+        # Every connection is closed by the server (refused at once when over the bound, or timed out):
+        # the read returns (b"" or a reset) instead of waiting for ever.
+        for sock in idle:
+            try:
+                while sock.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass
+            sock.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=120) as response:
+            assert response.status == 200 and 'job="good0"' in response.read().decode()
+    finally:
+        server.close()
