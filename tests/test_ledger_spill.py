@@ -329,3 +329,75 @@ def test_an_event_the_server_refuses_holds_back_nothing_else_and_is_kept(tmp_pat
     (kept,) = (tmp_path / "spill").glob("*.rejected")
     assert [json.loads(line)[6] for line in kept.read_text().splitlines()] == [13]
     ledger.close()
+
+
+# -- other jobs' and damaged spill files (issue 25 item 3) ---------------------------------------------------
+def _plant(directory, name: str, header: object, lines: list) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(header) + "\n" + "".join(json.dumps(line) + "\n" for line in lines)
+    (directory / name).write_text(text)
+
+
+def test_another_jobs_spill_file_is_no_sign_of_life_and_is_not_delivered(tmp_path):
+    """A spill file of another job in this run directory (a reused directory, a copy, a forgery): its
+    times say nothing of this job (one of 1970 read as 'no progress for 1.8e9 s'; one of 2286 would hide a
+    hang for ever), and its events are not this job's to deliver."""
+    server = FakeServer("mine")
+    ledger = _ledger(server, tmp_path, adopt_orphans=True)
+    try:
+        header = {"spill": 1, "job_id": "theirs", "writer": "w-theirs", "node": "n"}
+        step = lambda ts: [7, ts, "step", 0, 0, None, 1, None, None]  # noqa: E731
+        _plant(tmp_path / "spill", "w-old.jsonl", header, [step(1.0)])
+        _plant(tmp_path / "spill", "w-new.jsonl", header, [step(9.9e9)])
+        server.up = False
+        assert ledger.last_activity(0) is None
+        ledger.append(_steps(0, 3))
+        assert ledger.last_activity(0) == 1002.0
+        server.up = True
+        _wait_for(ledger.deliver)
+        assert {r.writer for r in server.rows.values()} == {ledger.writer}
+        assert (tmp_path / "spill" / "w-old.jsonl").exists()  # left to its own job
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["no_writer", "bad_header", "bad_seq", "not_rows", "nested", "fifo"],
+)
+def test_a_damaged_orphan_is_set_aside_once_and_never_holds_the_job_end(tmp_path, damage):
+    """A malformed orphan spill file of this job is delivered as far as it can be read, or renamed aside
+    (`.bad`) once; closing the ledger then has nothing left to wait for (it waited its whole drain time,
+    60 s, at every job end)."""
+    server = FakeServer("j")
+    spill = tmp_path / "spill"
+    good = [3, 1000.0, "step", 0, 0, None, 1, None, None]
+    header = {"spill": 1, "job_id": "j", "writer": "w-dead", "node": "n"}
+    if damage == "no_writer":
+        _plant(spill, "w-dead.jsonl", {"spill": 1, "job_id": "j"}, [good])
+    elif damage == "bad_header":
+        _plant(spill, "w-dead.jsonl", {"spill": 1, "job_id": "j", "writer": ["w"] * 40}, [good])
+    elif damage == "bad_seq":
+        _plant(spill, "w-dead.jsonl", header, [["x", *good[1:]], [10**400, *good[1:]], good])
+    elif damage == "not_rows":
+        _plant(spill, "w-dead.jsonl", header, [{"a": 1}, 5, "x", good])
+    elif damage == "nested":
+        spill.mkdir(parents=True)
+        (spill / "w-dead.jsonl").write_text(json.dumps(header) + "\n" + "[" * 100_000 + "\n")
+    else:
+        spill.mkdir(parents=True)
+        os.mkfifo(spill / "w-dead.jsonl")
+    ledger = _ledger(server, tmp_path, adopt_orphans=True)
+    start = time.monotonic()
+    assert ledger.deliver()
+    ledger.close(drain_timeout_s=60.0)
+    assert time.monotonic() - start < 30.0  # nothing waited for the drain's 60 s
+    left = sorted(p.name for p in spill.iterdir())
+    if damage == "fifo":  # names no job: left alone, and never opened in a way that blocks
+        assert left == ["w-dead.jsonl"]
+    elif damage in ("no_writer", "bad_header"):  # cannot be read at all: kept aside for a person
+        assert left == ["w-dead.jsonl.bad"]
+    else:  # its readable records delivered, its damaged lines skipped
+        assert left == []
+    if damage in ("bad_seq", "not_rows"):
+        assert [r.seq for r in server.rows.values()] == [3]

@@ -19,10 +19,13 @@ Spill file: line 1 a header `{"spill": 1, "job_id", "writer", "node"}`, then one
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import json
 import logging
+import math
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +36,8 @@ from ettr.atomic import fsync_dir
 from ettr.events import Event
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerRejected, LedgerStalled
 from ettr.ledger.postgres import new_writer_id
-from ettr.ledger.rows import KeyedEvent, from_row, storable_rows
+from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, from_row, storable_rows
+from ettr.untrusted import loads_bounded
 
 logger = logging.getLogger("ettr")
 
@@ -63,25 +67,46 @@ def spill_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / SPILL_DIRNAME
 
 
+_MAX_HEADER_BYTES = 65536
+
+
+def _open_regular(path: Path) -> int:
+    """A descriptor of the regular file `path`: never through a symlink, never a FIFO (it would block).
+    Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
+
+
 def _header(path: Path) -> dict[str, object] | None:
+    """The header of a spill file, or None when it is not one (no writer or job named, damaged, not a file)."""
     try:
-        with open(path, "rb") as f:
-            header = json.loads(f.readline())
+        fd = _open_regular(path)
+        with os.fdopen(fd, "rb") as f:
+            header = loads_bounded(f.readline(_MAX_HEADER_BYTES))
     except (OSError, ValueError):
         return None
-    return header if isinstance(header, dict) and header.get("spill") == 1 else None
+    if not isinstance(header, dict) or header.get("spill") != 1:
+        return None
+    if not isinstance(header.get("writer"), str) or not isinstance(header.get("job_id"), str):
+        return None
+    return header
 
 
 def read_spill(path: Path) -> tuple[dict[str, object], list[KeyedEvent]]:
-    """The header and the records of a spill file (torn or unreadable lines skipped)."""
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    try:
-        header = json.loads(lines[0])
-    except ValueError:
-        header = None
-    if not isinstance(header, dict) or header.get("spill") != 1:
+    """The header and the records of a spill file (torn or unreadable lines skipped). Raises LedgerError
+    when it is not a spill file."""
+    header = _header(path)
+    if header is None:
         raise LedgerError(f"{path} is not an ettr spill file")
+    try:
+        fd = _open_regular(path)
+        with os.fdopen(fd, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as exc:
+        raise LedgerError(f"{path} cannot be read ({exc})") from exc
     writer, node = str(header["writer"]), str(header.get("node", ""))
     records: list[KeyedEvent] = []
     num_bad = 0
@@ -89,14 +114,16 @@ def read_spill(path: Path) -> tuple[dict[str, object], list[KeyedEvent]]:
         if not line:
             continue
         try:
-            seq, *row = json.loads(line)
+            seq, *row = loads_bounded(line)
+            if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63:
+                raise ValueError("not a sequence number")
             event = from_row(*row)
         except (ValueError, TypeError):
             event = None
         if event is None:
             num_bad += 1
             continue
-        records.append(KeyedEvent(writer, int(seq), node, event))
+        records.append(KeyedEvent(writer, seq, node, event))
     if num_bad > 1 or (num_bad == 1 and lines[-1]):  # one torn last line is a crash mid-write: expected
         logger.warning("ettr: %s: skipped %d unreadable spill records", path, num_bad)
     return header, records
@@ -409,11 +436,15 @@ class SpillingLedger:
             if self._file is not None and path == self._file.path:
                 continue
             header = _header(path)
-            if header is None or header.get("job_id") != self.job_id:
+            if header is None:
+                if _is_ours_but_damaged(path, self.job_id):
+                    _set_aside(path, LedgerError("its header is not an ettr spill file's"))
                 continue
+            if header.get("job_id") != self.job_id:
+                continue  # another job's: left to it
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
+                fd = _open_regular(path)
+            except OSError:
                 continue
             try:
                 try:
@@ -423,7 +454,12 @@ class SpillingLedger:
                 if not path.exists():
                     continue  # delivered by another adopter between our listing and our lock
                 try:
-                    self._keep_rejected(_store_chunked(server, read_spill(path)[1]))
+                    records = read_spill(path)[1]
+                except LedgerError as exc:  # damage, not an outage: set aside once, never retried
+                    _set_aside(path, exc)
+                    continue
+                try:
+                    self._keep_rejected(_store_chunked(server, records))
                 except Exception as exc:
                     self._mark_down(exc)
                     all_done = False
@@ -477,9 +513,13 @@ class SpillingLedger:
         """Newest ts of a rank >= 0 event of `attempt` in this directory's spill files (read incrementally)."""
         latest: float | None = None
         for path in self._spill_files():
+            if path not in self._scan:
+                header = _header(path)
+                if header is None or header.get("job_id") != self.job_id:
+                    continue  # another job's times say nothing of this one (nor do a damaged file's)
             offset, newest = self._scan.get(path, (0, {}))
             try:
-                with open(path, "rb") as f:
+                with os.fdopen(_open_regular(path), "rb") as f:
                     size = os.fstat(f.fileno()).st_size
                     if size < offset:
                         offset = 0  # cut after a delivery: what it said stays true
@@ -490,10 +530,10 @@ class SpillingLedger:
             end = chunk.rfind(b"\n") + 1
             for line in chunk[:end].split(b"\n"):
                 try:
-                    item = json.loads(line) if line else None
+                    item = loads_bounded(line) if line else None
                 except ValueError:
                     continue
-                if isinstance(item, list) and len(item) == 9 and isinstance(item[4], int) and item[4] >= 0:
+                if _is_activity(item):
                     a, ts = item[3], float(item[1])
                     newest[a] = max(ts, newest.get(a, ts))
             self._scan[path] = (offset + end, newest)
@@ -501,6 +541,44 @@ class SpillingLedger:
             if found is not None and (latest is None or found > latest):
                 latest = found
         return latest
+
+
+def _is_activity(item: object) -> bool:
+    """Whether a spill line is a training process's event with a time that can be one (a rank >= 0, an
+    attempt number, a finite time of this era)."""
+    if not isinstance(item, list) or len(item) != 9:
+        return False
+    _seq, ts, _kind, attempt, rank = item[:5]
+    return (
+        isinstance(rank, int)
+        and rank >= 0
+        and isinstance(attempt, int)
+        and isinstance(ts, int | float)
+        and not isinstance(ts, bool)
+        and math.isfinite(ts)
+        and MIN_TS <= ts <= MAX_TS
+    )
+
+
+def _is_ours_but_damaged(path: Path, job_id: str) -> bool:
+    """Whether an unreadable spill file names this job (then this job's adopter sets it aside; a file that
+    names no job, or another, is left alone)."""
+    try:
+        with os.fdopen(_open_regular(path), "rb") as f:
+            first = f.readline(_MAX_HEADER_BYTES)
+    except OSError:
+        return False
+    return json.dumps(job_id).encode() in first
+
+
+def _set_aside(path: Path, why: BaseException) -> None:
+    """Rename a damaged spill file of this job to `<name>.bad` (kept for a person; never read again)."""
+    try:
+        os.replace(path, path.with_name(path.name + ".bad"))
+    except OSError as exc:
+        logger.warning("ettr: %s is damaged (%s) and cannot be set aside (%s)", path, why, exc)
+        return
+    logger.warning("ettr: %s is damaged (%s); set aside as %s.bad, not delivered", path, why, path.name)
 
 
 def _store(server: ServerLedger, records: Sequence[KeyedEvent], *, may_repeat: bool) -> list[KeyedEvent]:
