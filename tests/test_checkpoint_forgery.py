@@ -64,11 +64,15 @@ def _forge(kind: str, directory: Path, command: str, secret: bytes | None = None
         forge.plant_bytes_item(directory, "meta", forge.torch_save_payload(command), secret=secret)
     elif kind == "tensor-as-bytes":  # a tensor's entry turned into a pickled object
         forge.plant_bytes_item(directory, "model.", forge.torch_save_payload(command), secret=secret)
+    elif kind in OPCODES:
+        forge.plant_metadata(directory, forge.opcode_payloads(command)[kind], secret=secret)
     else:  # pragma: no cover
         raise AssertionError(kind)
 
 
 FORGERIES = ["dotted-global", "load-from-bytes", "bytes-item", "tensor-as-bytes"]
+OPCODES = sorted(forge.opcode_payloads("true"))
+"""Re-probe variants (issue 25): other opcodes and globals a `.metadata` could use to reach a callable."""
 
 
 @pytest.mark.parametrize("kind", FORGERIES)
@@ -82,7 +86,7 @@ def test_a_forged_checkpoint_never_runs_code_without_a_key(tmp_path, kind, monke
     assert step == 1  # the forged newest one was refused, the one before it loaded
 
 
-@pytest.mark.parametrize("kind", FORGERIES)
+@pytest.mark.parametrize("kind", FORGERIES + OPCODES)
 def test_even_loaded_without_authentication_a_forgery_runs_nothing(tmp_path, kind, monkeypatch):
     # The explicit downgrade lets the unsigned forgery past the signature check: the allow-lists alone
     # must stop it (it is then refused as corrupt and moved aside).

@@ -59,6 +59,43 @@ def dotted_global_payload(command: str) -> bytes:
     )
 
 
+def opcode_payloads(command: str) -> dict[str, bytes]:
+    """Other ways a `.metadata` pickle can reach a callable, each running `command` if it resolves: the
+    protocol-2 GLOBAL and protocol-0 INST opcodes with a dotted name under an allowed module, a builtin by
+    STACK_GLOBAL, an extension code (EXT1), torch's rebuild-from-type hook, a persistent id, and an
+    allowed callable (`_get_layout`) handed the command."""
+    dotted = b"torch.distributed.checkpoint.filesystem\nos.system\n"
+    return {
+        "global-opcode": b"\x80\x02c" + dotted + _unicode(command) + b"\x85R.",
+        "inst-opcode": b"(" + _unicode(command) + b"i" + dotted + b".",
+        "builtin-eval": b"\x80\x04"
+        + _unicode("builtins")
+        + _unicode("eval")
+        + b"\x93"
+        + _unicode(f"__import__('os').system({command!r})")
+        + b"\x85R.",
+        "extension-code": b"\x80\x02\x82\x01.",
+        "rebuild-from-type": b"\x80\x04"
+        + _unicode("torch._tensor")
+        + _unicode("_rebuild_from_type_v2")
+        + b"\x93"
+        + b"("
+        + _unicode("os")
+        + _unicode("system")
+        + b"\x93"
+        + _unicode(command)
+        + b"\x85"
+        + b"t\x81.",
+        "persistent-id": b"\x80\x02" + _unicode(command) + b"Q.",
+        "allowed-callable": b"\x80\x04"
+        + _unicode("torch.serialization")
+        + _unicode("_get_layout")
+        + b"\x93"
+        + _unicode(command)
+        + b"\x85R.",
+    }
+
+
 def torch_save_payload(command: str) -> bytes:
     """`torch.save` of an object that runs `command` when loaded with `weights_only=False`."""
     buffer = io.BytesIO()
