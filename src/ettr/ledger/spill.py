@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ettr.atomic import fsync_dir
 from ettr.events import Event
@@ -530,7 +530,7 @@ class SpillingLedger:
             end = chunk.rfind(b"\n") + 1
             for line in chunk[:end].split(b"\n"):
                 try:
-                    item = loads_bounded(line) if line else None
+                    item: Any = loads_bounded(line) if line else None
                 except ValueError:
                     continue
                 if _is_activity(item):
