@@ -115,3 +115,95 @@ def test_extreme_interval_inputs_are_one_line_never_infinity(blocking, failures,
     assert cli_main(["interval", "--blocking", blocking, "--failures-per-day", failures, "--json"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+
+
+_HUGE = "9" * 400
+_SIMULATE_EDGES = [
+    ["--gpus", _HUGE], ["--gpus", "100000001"], ["--gpus-per-node", _HUGE], ["--runs", "1000000000"],
+    ["--runs", _HUGE], ["--seed", _HUGE, "--runs", "2"], ["--duration-hours", "1e300"],
+    ["--duration-hours", "1e400"], ["--duration-hours", "87601"], ["--mtbf-hours", "1e-300"],
+    ["--mtbf-hours", "0.0003"], ["--failures-per-node-day", "1e300"], ["--failures-per-node-day", "5e-324"],
+    ["--failures-per-node-day", "1e6"], ["--preemptions-per-day", "5e-324"], ["--preemptions-per-day", "1e7"],
+    ["--checkpoint-blocking-s", "1e300"], ["--restart-s", "1e300"], ["--step-s", "1e-300"],
+    ["--interval-s", "1e-300", "--failures-per-node-day", "0"], ["--weibull-shape", "1e-300"],
+    ["--weibull-shape", "0.01", "--gpus", "16384"], ["--weibull-shape", "1e300"],
+    ["--failures-per-node-day", "1e-6", "--weibull-shape", "2"], ["--gpus", "-1"], ["--runs", "-1"],
+    ["--restart-s", "nan"], ["--restart-s", "inf"], ["--restart-s", "-1"], ["--restart-s", ""],
+    ["--gpus", ""], ["--sweep", "gpus", "--sweep-values", "1e30"], ["--sweep", "gpus", "--sweep-values", "80000000"],
+    ["--sweep", "interval", "--sweep-values", ",".join(str(i) for i in range(1, 500))],
+    ["--sweep", "interval", "--sweep-values", "1e-300"], ["--sweep", "interval", "--sweep-values", "nan"],
+    ["--sweep", "interval", "--sweep-values", ""], ["--sweep", "gpus", "--runs", "10000"],
+    ["--recovery", "in_place=1e400:0.5"], ["--recovery", "=:"], ["--recovery", "in_place=nan:nan"],
+    ["--recovery", "in_place=-1:0.5"], ["--recovery", ""], ["--recovery", "in_place=1:" + _HUGE],
+    ["--fleet-experiment", "--fleet-jobs", "1000000000"], ["--fleet-experiment", "--demands-per-day", "1e9"],
+    ["--fleet-experiment", "--demands-per-day", "5e-324", "--runs", "2"],
+    ["--fleet-experiment", "--duration-hours", "87600"], ["--fleet-experiment", "--runs", "10000"],
+    ["--fleet-experiment", "--demand-gpus", _HUGE],
+    ["--from", "/nonexistent/dir"], ["--from", "/"], ["--from", "/dev/null"], ["--from", ""],
+    ["--replay"], ["--from", "/nonexistent", "--replay", "--sweep", "gpus"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", _SIMULATE_EDGES, ids=lambda a: " ".join(a)[:60])
+def test_simulate_edges_are_bounded_and_one_line(argv, capsys):
+    """Huge, tiny, non-finite and empty numbers, bad recovery specs and bad run directories: exit status 0
+    (a bounded answer) or 2 with one line, never a traceback; each returns in seconds (a loop over an
+    infinite gap, or billions of runs, used to hang here)."""
+    status = cli_main(["simulate", *argv])
+    captured = capsys.readouterr()
+    assert status in (0, 2), (argv, status, captured.err[-2000:])
+    assert "Traceback" not in captured.err
+    if status == 2:
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err[-2000:]
+    else:
+        assert captured.out.strip() and not captured.err.strip(), captured.err[-2000:]
+
+
+def _damaged_run(tmp: Path, sql: str | None = None, ledger_bytes: bytes | None = None) -> Path:
+    """A real run directory's shape (a hand-built 20-step job with a crash), then damaged."""
+    import sqlite3
+
+    from test_simulate_from import hand_built_run
+
+    run_dir = hand_built_run(tmp / "run", crash=True)
+    if sql is not None:
+        with sqlite3.connect(run_dir / "ledger.db") as db:
+            db.executescript(sql)
+    if ledger_bytes is not None:
+        (run_dir / "ledger.db").write_bytes(ledger_bytes)
+        for extra in ("ledger.db-wal", "ledger.db-shm"):
+            (run_dir / extra).unlink(missing_ok=True)
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"sql": "UPDATE events SET attempt=9223372036854775807 WHERE kind='step' AND step=20"},
+        {"sql": "UPDATE events SET ts=1e308 WHERE kind='step' AND step=3"},
+        {"sql": "UPDATE events SET data='" + "[" * 5000 + "]" * 5000 + "' WHERE kind='process_start'"},
+        {"sql": 'UPDATE events SET data=\'{"world_size": ' + "9" * 30 + "}' WHERE kind='process_start'"},
+        {"sql": "UPDATE events SET step=-5 WHERE kind='step'"},
+        {"sql": "UPDATE events SET kind='bogus' WHERE kind='attempt_end'"},
+        {"sql": "UPDATE events SET step=9223372036854775807 WHERE kind='step' AND step=20"},
+        {"sql": "DELETE FROM events WHERE kind='step'"},
+        {"sql": "UPDATE events SET value='nan', ts='x'"},
+        {"sql": "DROP TABLE events"},
+        {"ledger_bytes": b"\x00garbage" * 500},
+        {"ledger_bytes": b""},
+    ],
+    ids=lambda d: next(iter(d.values()))[:40] if d else "",
+)
+@pytest.mark.parametrize(
+    "mode", [[], ["--replay"], ["--gpus", "2048", "--duration-hours", "336", "--compare"]]
+)
+def test_simulate_from_a_damaged_run_is_an_answer_or_one_line(tmp_path, capsys, damage, mode):
+    run_dir = _damaged_run(tmp_path, **damage)
+    status = cli_main(["simulate", "--from", str(run_dir), "--runs", "20", *mode])
+    captured = capsys.readouterr()
+    assert status in (0, 2), (damage, status, captured.err[-2000:])
+    assert "Traceback" not in captured.err
+    if status == 2:
+        assert len(captured.err.strip().splitlines()) == 1, captured.err[-2000:]
+    else:
+        assert "ETT" in captured.out

@@ -98,7 +98,8 @@ def optimal_interval_s(
         slowdown_s_per_save: training time a save's background persist costs by slowing the steps beside it
             (`EttReport.slowdown`'s extra seconds per save), part of the save's cost like its blocking.
 
-    Raises ValueError for a save cost or failure rate that is not a finite number > 0.
+    Raises ValueError for a save cost or failure rate that is not a finite number > 0, or a pair out of
+    range (a rate so small its mean gap overflows; a save hundreds of times the mean time between failures).
     """
     if not (save_cost_s > 0 and math.isfinite(save_cost_s)):
         raise ValueError(f"save cost must be a finite number of seconds > 0, got {save_cost_s}")
@@ -113,10 +114,18 @@ def optimal_interval_s(
 
     def cost(log_t: float) -> float:
         t = math.exp(log_t)
-        return math.expm1(lam * (t + save_cost_s)) / t  # the recovery factor is common to every t
+        try:
+            return math.expm1(lam * (t + save_cost_s)) / t  # the recovery factor is common to every t
+        except OverflowError:  # a cycle hundreds of failure times long: never the optimum
+            return math.inf
 
     # Golden-section search on log(t); the cost is unimodal in t. Bracket: Young's optimum / 100 .. x 100.
-    young = math.sqrt(2.0 * save_cost_s / lam)
+    young = math.sqrt(2.0 * save_cost_s / lam) if lam > 0 else math.inf
+    if not (0 < young < math.inf):
+        raise ValueError(
+            f"no checkpoint interval can be computed for a {save_cost_s:g} s save at {failures_per_day:g} "
+            "failures per day (numbers out of range)"
+        )
     lo, hi = math.log(young / 100.0), math.log(young * 100.0)
     ratio = (math.sqrt(5.0) - 1.0) / 2.0
     a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
@@ -133,6 +142,11 @@ def optimal_interval_s(
         if hi - lo < 1e-10:
             break
     del restart_s  # documented above: a common factor of the cost
+    if not math.isfinite(min(fa, fb)):
+        raise ValueError(
+            f"a {save_cost_s:g} s save at {failures_per_day:g} failures per day: every interval is hundreds "
+            "of times the mean time between failures, so no interval makes progress"
+        )
     return max(math.exp((lo + hi) / 2.0), min_interval_s)
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+import time
 from dataclasses import replace
 from typing import Any
 
 from ettr.constants import SECONDS_PER_DAY
 from ettr.errors import UsageError
 from ettr.simulate.analytic import optimal_interval_for
-from ettr.simulate.params import JobParams, RecoveryKind, Startup
+from ettr.simulate.params import DEFAULT_GPUS_PER_NODE, MAX_GPUS, JobParams, RecoveryKind, Startup
 
 LLAMA3_FAILURES_PER_NODE_DAY = 466 / 54 / (16_384 / 8)
 """The default failure rate: Llama 3's 466 interruptions in 54 days on 16,384 GPUs (8 per node)."""
@@ -131,20 +133,73 @@ def _fail(message: str) -> UsageError:
     return UsageError(f"ettr simulate: {message}")
 
 
-def _finite_non_negative(args: argparse.Namespace) -> None:
+MAX_RUNS = 10_000
+"""Seeded runs per simulated job: 1,000 give a 95% interval of a few hundredths of a point."""
+MAX_RUN_POINTS = 50_000
+"""Runs times the points of a sweep or rows of a comparison (each run costs about a millisecond)."""
+MAX_SECONDS = 10 * 365 * SECONDS_PER_DAY
+"""Any time flag (seconds) and the window (`--duration-hours`) at most ten years."""
+MAX_PER_DAY = 1_000_000.0
+"""Any rate flag (per day) at most a million: an event every 86 ms."""
+WEIBULL_SHAPES = (0.25, 20.0)
+"""Shapes outside these make a node's mean life a sum of absurdly many (or almost equal) lifetimes."""
+MAX_SWEEP_POINTS = 100
+MAX_FLEET_JOBS = 100_000
+
+_SECONDS_FLAGS = (
+    "restart_s", "checkpoint_blocking_s", "interval_s", "step_s", "persist_s", "startup_s", "shutdown_s",
+    "async_blocking_s", "cached_compile_s", "publish_s",
+)  # fmt: skip
+_PER_DAY_FLAGS = ("failures_per_node_day", "preemptions_per_day", "demands_per_day")
+_COUNT_FLAGS = {
+    "gpus": MAX_GPUS,
+    "gpus_per_node": MAX_GPUS,
+    "runs": MAX_RUNS,
+    "fleet_jobs": MAX_FLEET_JOBS,
+    "demand_gpus": MAX_GPUS,
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Every number in its range, before any work: one line naming the flag (UsageError)."""
     for name, value in vars(args).items():
         if isinstance(value, float) and not (math.isfinite(value) and value >= 0):
-            flag = "--" + name.replace("_", "-")
-            raise _fail(f"{flag} must be a finite number >= 0, got {value} (see --help)")
-    for name in ("gpus", "gpus_per_node", "runs", "fleet_jobs", "demand_gpus"):
+            raise _fail(f"{_flag(name)} must be a finite number >= 0, got {value} (see --help)")
+    for name, most in _COUNT_FLAGS.items():
         value = getattr(args, name)
-        if value is not None and value < 1:
-            raise _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and not 1 <= value <= most:
+            raise _fail(f"{_flag(name)} must be between 1 and {most:,}, got {_short(value)}")
     if args.seed < 0:
-        raise _fail(f"--seed must be >= 0, got {args.seed}")
+        raise _fail(f"--seed must be >= 0, got {_short(args.seed)}")
     for name in ("mtbf_hours", "duration_hours", "step_s", "interval_s", "weibull_shape"):
         if getattr(args, name) == 0:
-            raise _fail(f"--{name.replace('_', '-')} must be > 0")
+            raise _fail(f"{_flag(name)} must be > 0")
+    for name in _SECONDS_FLAGS:
+        value = getattr(args, name)
+        if value is not None and value > MAX_SECONDS:
+            raise _fail(f"{_flag(name)} must be at most {MAX_SECONDS:,.0f} s (ten years), got {value:g}")
+    for name in ("duration_hours", "mtbf_hours"):
+        value = getattr(args, name)
+        if value is not None and value * 3600 > MAX_SECONDS:
+            raise _fail(f"{_flag(name)} must be at most {MAX_SECONDS / 3600:,.0f} (ten years), got {value:g}")
+    if args.mtbf_hours is not None and args.mtbf_hours * 3600 < 1.0:
+        raise _fail(f"--mtbf-hours must be at least one second ({1 / 3600:.2g} h), got {args.mtbf_hours:g}")
+    for name in _PER_DAY_FLAGS:
+        value = getattr(args, name)
+        if value is not None and value > MAX_PER_DAY:
+            raise _fail(f"{_flag(name)} must be at most {MAX_PER_DAY:,.0f} a day, got {value:g}")
+    low, high = WEIBULL_SHAPES
+    if args.weibull_shape is not None and not low <= args.weibull_shape <= high:
+        raise _fail(f"--weibull-shape must be between {low:g} and {high:g}, got {args.weibull_shape:g}")
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
 
 
 def _scaled_restart(params: JobParams, restart_s: float) -> dict[str, Any]:
@@ -215,6 +270,12 @@ def build_params(args: argparse.Namespace, base: JobParams | None) -> tuple[JobP
         changes["interval_s"] = 1.0  # placeholder inside the job until the optimum is known below
     try:
         params = replace(base, **changes)
+        job_rate = params.failures_per_day + params.preemptions_per_day
+        if job_rate > MAX_PER_DAY:
+            raise ValueError(
+                f"{job_rate:,.3g} interruptions a day for {params.gpus:,} GPUs ({params.num_nodes:,} nodes) is "
+                f"more than {MAX_PER_DAY:,.0f} (one every 86 ms): no job trains at that rate"
+            )
         if auto:
             try:
                 params = replace(params, interval_s=_auto_interval(params))
@@ -242,8 +303,12 @@ def _auto_interval(params: JobParams) -> float:
     return best
 
 
-MAX_INTERRUPTIONS_PER_COMMAND = 30_000_000
-"""About a minute of simulation on one core; more is refused with a line saying why."""
+MAX_INTERRUPTIONS_PER_COMMAND = 4_000_000
+"""About 15 s of simulation on one busy core (1.6 million took 6 s at a load average of 19); more is refused
+with a line saying why."""
+MAX_FLEET_WORK = 10_000_000
+"""The fleet experiment's demands x (jobs + 10) x runs x 2 policies: about 10 s on one core (its default
+is 2.8 million)."""
 MAX_WEIBULL_NODES = 1_000_000
 DEFAULT_INTERVAL_S = 1800.0
 """The interval when none is given and the model has no optimum (no failures, or free saves)."""
@@ -251,7 +316,12 @@ DEFAULT_INTERVAL_S = 1800.0
 
 def check_cost(params: JobParams, *, runs: int, points: int = 1) -> None:
     """Refuse (ValueError) a simulation that could not finish: a job that would almost never keep progress,
-    or so many interruptions in all that it would run for minutes."""
+    or so many runs or interruptions in all that it would run for minutes. `params` is the costliest point
+    (the largest job of a sweep)."""
+    if runs * points > MAX_RUN_POINTS:
+        raise ValueError(
+            f"{runs:,} runs x {points} points is more than {MAX_RUN_POINTS:,} simulated runs in all: lower --runs"
+        )
     if params.weibull_shape != 1.0 and params.num_nodes > MAX_WEIBULL_NODES:
         raise ValueError(
             f"Weibull failures are drawn per node: {params.num_nodes:,} nodes is more than "
@@ -267,12 +337,14 @@ def check_cost(params: JobParams, *, runs: int, points: int = 1) -> None:
     wall = (
         params.duration_s if params.duration_s is not None else (params.work_s or 0.0) * 2 + params.restart_s
     )
-    total = rate * wall * runs * points
+    # Nodes fresh at submission with a shape below 1 fail early and often (about k^-1.5 times the mean rate).
+    early = params.weibull_shape**-1.5 if params.weibull_shape < 1 else 1.0
+    total = rate * early * wall * runs * points
     if total > MAX_INTERRUPTIONS_PER_COMMAND:
         raise ValueError(
             f"that is about {total:,.0f} simulated interruptions ({rate * SECONDS_PER_DAY:.3g}/day over "
-            f"{wall / SECONDS_PER_DAY:.3g} days, {runs} runs x {points} points); lower --runs, or give a "
-            "real failure rate (a short test run measures a meaningless one: --failures-per-node-day)"
+            f"{wall / SECONDS_PER_DAY:.3g} days, {runs} runs x {points} points); lower --runs, "
+            "--duration-hours or the failure rate (--failures-per-node-day)"
         )
 
 
@@ -285,9 +357,34 @@ def _sweep_values(args: argparse.Namespace, integer: bool) -> list[float] | None
         raise _fail(f"--sweep-values {args.sweep_values!r}: give numbers separated by commas") from None
     if not values or any(not (math.isfinite(v) and v > 0) for v in values):
         raise _fail("--sweep-values must be finite numbers > 0")
+    if len(values) > MAX_SWEEP_POINTS:
+        raise _fail(f"--sweep-values: at most {MAX_SWEEP_POINTS} values, got {len(values)}")
+    if not integer and max(values) > MAX_SECONDS:
+        raise _fail(f"--sweep-values: an interval of at most {MAX_SECONDS:,.0f} s (ten years)")
     if integer and any(v != int(v) for v in values):
         raise _fail("--sweep-values for gpus must be whole numbers")
     return values
+
+
+def _check_work(args: argparse.Namespace, params: JobParams) -> None:
+    """Refuse (UsageError) what could not finish in a minute or so, before any of it runs."""
+    worst, points = params, 6 if args.compare else 1
+    if args.sweep == "interval":
+        values = _sweep_values(args, integer=False)
+        points = len(values) if values else 21
+    elif args.sweep == "gpus":
+        from ettr.simulate.sweep import default_gpus
+
+        gpu_values = [int(v) for v in (_sweep_values(args, integer=True) or default_gpus(params))]
+        points = len(gpu_values)
+        if max(gpu_values) > MAX_GPUS:
+            raise _fail(f"--sweep-values: at most {MAX_GPUS:,} GPUs, got {max(gpu_values):g}")
+        # Every point at the largest size bounds the whole sweep's interruptions.
+        worst = replace(params, gpus=max(max(gpu_values), params.gpus))
+    try:
+        check_cost(worst, runs=args.runs, points=points)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
 
 
 def _check_combinations(args: argparse.Namespace) -> None:
@@ -304,7 +401,7 @@ def _check_combinations(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    _finite_non_negative(args)
+    _check_ranges(args)
     if args.fleet_experiment:
         return _fleet(args)
     _check_combinations(args)
@@ -316,14 +413,10 @@ def main(args: argparse.Namespace) -> int:
             profile = load_profile(args.from_dir)
         except (ValueError, UsageError) as exc:
             raise _fail(f"{exc}" if isinstance(exc, UsageError) else f"{args.from_dir}: {exc}") from None
-    params, auto = build_params(args, profile.params if profile else None)
-    try:
-        if not args.replay:
-            num_points = 21 if args.sweep == "interval" else 12 if args.sweep else 6 if args.compare else 1
-            scale = -(-16_384 // params.gpus_per_node) / params.num_nodes if args.sweep == "gpus" else 1
-            check_cost(params, runs=args.runs, points=int(num_points * max(1.0, scale / 4)))
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
+    base, assumed = _assumed(args, profile) if profile is not None else (None, None)
+    params, auto = build_params(args, base)
+    if not args.replay:
+        _check_work(args, params)
     payload: dict[str, Any]
     html_parts: dict[str, Any] = {}
     if args.replay:
@@ -343,6 +436,8 @@ def main(args: argparse.Namespace) -> int:
         html_parts = {"summaries": [("simulated", summary)]}
     if profile is not None:
         payload["profile"] = profile.to_dict()
+    if assumed is not None:
+        payload["assumed"] = assumed
     if params.recovery_kinds:
         payload["recovery_kinds"] = [
             {"kind": k.name, "cost_s": k.cost_s, "share": k.share} for k in params.recovery_kinds
@@ -355,10 +450,69 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(payload, indent=2))
     else:
+        if assumed is not None:  # under the title: what the numbers rest on
+            title, _, rest = text.partition("\n")
+            text = f"{title}\n  assumed: {assumed['note']}" + (f"\n{rest}" if rest else "")
         print(text)
         if profile is not None and profile.notes:
             print("\n".join(f"  note: {n}" for n in profile.notes))
     return 0
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 2 * SECONDS_PER_DAY:
+        return f"{seconds / SECONDS_PER_DAY:.1f} days"
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.0f} s"
+
+
+def _assumed(args: argparse.Namespace, profile: Any) -> tuple[JobParams, dict[str, Any] | None]:
+    """The profile's parameters with what a run cannot tell replaced by defaults, and what was assumed
+    (None: nothing): a failure rate from a run shorter than a day or without a failure (a 3-minute run with
+    one crash would mean ~500 failures a day), a preemption rate from a run shorter than a day, and the
+    node size (a profiled host is no node of the simulated cluster). Flags always win; a replay replays
+    the run's own interruptions and assumes nothing."""
+    params = profile.params
+    if args.replay:
+        return params, None
+    changes: dict[str, Any] = {}
+    said: list[str] = []
+    flags: list[str] = []
+    if args.failures_per_node_day is None and args.mtbf_hours is None and not profile.failure_rate_measured:
+        changes["failures_per_node_day"] = LLAMA3_FAILURES_PER_NODE_DAY
+        said.append(
+            f"Llama 3's failure rate ({LLAMA3_FAILURES_PER_NODE_DAY:.2g} per node-day: 466 in 54 days on "
+            "16,384 GPUs)"
+        )
+        flags.append("--failures-per-node-day")
+    if args.preemptions_per_day is None and profile.num_preempted and not profile.preemption_rate_measured:
+        changes["preemptions_per_day"] = 0.0
+        said.append("no preemptions")
+        flags.append("--preemptions-per-day")
+    if args.gpus_per_node is None and (said or (args.gpus or params.gpus) > DEFAULT_GPUS_PER_NODE):
+        said.append(f"{DEFAULT_GPUS_PER_NODE} GPUs per node")
+        flags.append("--gpus-per-node")
+    if not said:
+        return params, None
+    run, ran = args.from_dir, _duration(profile.measured_wall_s)
+    if not changes:
+        why = f"the node size of {run} is not known"
+    elif profile.num_failed == 0 and not profile.num_preempted:
+        why = f"{run} ran {ran} without a failure: no rate to extrapolate"
+    else:
+        seen = f"{profile.num_failed} failure{'s' if profile.num_failed != 1 else ''}"
+        if profile.num_preempted:
+            seen += f" and {profile.num_preempted} preemption{'s' if profile.num_preempted != 1 else ''}"
+        why = f"{run} ran {ran} with {seen}: no rate to extrapolate"
+    listed = ", ".join(said[:-1]) + (" and " if len(said) > 1 else "") + said[-1]
+    assumed: dict[str, Any] = dict(changes)
+    if "--gpus-per-node" in flags:
+        assumed["gpus_per_node"] = DEFAULT_GPUS_PER_NODE
+    assumed["note"] = f"{listed} ({why}; give {', '.join(flags)} for your cluster's)"
+    return replace(params, **changes), assumed
 
 
 def _title(params: JobParams, args: argparse.Namespace) -> str:
@@ -378,6 +532,30 @@ def _title(params: JobParams, args: argparse.Namespace) -> str:
         f"ettr simulate ({source}): {size}, {span}, {params.failures_per_day:.3g} failures/day{preempt}, "
         f"save blocks {params.blocking_s:.3g} s{restart}"
     )
+
+
+class _Progress:
+    """A line on stderr after a point of a sweep or comparison once it has run for a second, then at most
+    every few seconds: a long sweep is never silent, a quick one says nothing."""
+
+    QUIET_S = 1.0
+    EVERY_S = 3.0
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._start = time.monotonic()
+        self._last = -math.inf
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        elapsed = now - self._start
+        if elapsed >= self.QUIET_S and now - self._last >= self.EVERY_S and done < total:
+            self._last = now
+            print(
+                f"ettr simulate: {done} of {total} {self._what} done ({elapsed:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _replay(params: JobParams, profile: Any) -> tuple[dict[str, Any], str, dict[str, Any]]:
@@ -411,10 +589,19 @@ def _sweep(
                 f"--sweep-values: an interval of {max(values):g} s is longer than the job "
                 f"({params.duration_s:g} s)"
             )
-        sweep = sweep_interval(params, values, runs=args.runs, seed=args.seed)
+        sweep = sweep_interval(
+            params, values, runs=args.runs, seed=args.seed, on_point=_Progress("intervals")
+        )
     else:
         gpu_values = [int(v) for v in (_sweep_values(args, integer=True) or default_gpus(params))]
-        sweep = sweep_gpus(params, gpu_values, runs=args.runs, seed=args.seed, auto_interval=auto)
+        sweep = sweep_gpus(
+            params,
+            gpu_values,
+            runs=args.runs,
+            seed=args.seed,
+            auto_interval=auto,
+            on_point=_Progress("sizes"),
+        )
     text = (
         _title(params, args) + f"\nsweep of the {args.sweep} ({args.runs} runs each)\n" + render_sweep(sweep)
     )
@@ -431,7 +618,9 @@ def _compare(args: argparse.Namespace, params: JobParams) -> tuple[dict[str, Any
             cached_compile_s=args.cached_compile_s,
             publish_s=args.publish_s or 0.0,
         )
-        rows, skipped = compare_policies(params, options, runs=args.runs, seed=args.seed)
+        rows, skipped = compare_policies(
+            params, options, runs=args.runs, seed=args.seed, on_point=_Progress("policies")
+        )
     except ValueError as exc:
         raise _fail(str(exc)) from None
     payload = {
@@ -459,6 +648,13 @@ def _fleet(args: argparse.Namespace) -> int:
         params = FleetParams(**changes)
     except ValueError as exc:
         raise _fail(str(exc)) from None
+    demands = params.demands_per_day * params.duration_s / SECONDS_PER_DAY
+    work = demands * (params.num_jobs + 10) * args.runs * 2
+    if work > MAX_FLEET_WORK:
+        raise _fail(
+            f"{demands:,.0f} demands x {params.num_jobs:,} jobs x {args.runs} runs is too much to simulate here "
+            "(lower --runs, --fleet-jobs, --demands-per-day or --duration-hours)"
+        )
     result = fleet_experiment(params, runs=args.runs, seed=args.seed)
     if args.html:
         from ettr.report.simulate_html import write_simulate_html

@@ -104,7 +104,7 @@ def _run(params: FleetParams, policy: str, seed: int, run_index: int) -> FleetRu
     horizon = params.duration_s
     rate = params.demands_per_day / SECONDS_PER_DAY
     t, num_preemptions = 0.0, 0
-    while True:
+    while rate > 0:  # a rate that underflows to 0 (5e-324 a day) is no demand at all
         t += demand_rng.exponential(1.0 / rate)
         if t >= horizon:
             break

@@ -10,6 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+DEFAULT_GPUS_PER_NODE = 8
+"""GPUs per node unless told otherwise (`--gpus-per-node`): the usual training node."""
+
+MAX_GPUS = 100_000_000
+"""More GPUs than any cluster: a larger job (a flag, or a world size read from a damaged ledger) is refused."""
+
 STARTUP_COMPONENTS = ("init", "compile", "restore", "data_wait")
 """The start-up buckets of an attempt, in the order an attempt goes through them."""
 
@@ -80,7 +86,7 @@ class JobParams:
 
     gpus: int = 8
     """GPUs of the job."""
-    gpus_per_node: int = 8
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     """GPUs per node; failures are per node, so the job's rate grows with its node count."""
     failures_per_node_day: float = 0.0
     """Failures (interruptions that roll the job back) per node per day of wall time."""

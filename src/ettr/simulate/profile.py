@@ -23,7 +23,11 @@ from ettr.accounting import AttemptReport, EttReport
 from ettr.constants import SECONDS_PER_DAY
 from ettr.events import Bucket, Event, EventKind, Outcome, Phase
 from ettr.simulate.model import ScriptedFault
-from ettr.simulate.params import JobParams, Startup
+from ettr.simulate.params import DEFAULT_GPUS_PER_NODE, MAX_GPUS, JobParams, Startup
+
+RATE_MIN_WALL_S = SECONDS_PER_DAY
+"""A run shorter than this measures no failure or preemption rate worth extrapolating: a few minutes with one
+crash would mean thousands of failures a day. `ettr simulate --from` assumes its default rates then."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +43,20 @@ class Profile:
     interval_steps: int | None
     notes: tuple[str, ...]
     """What could not be measured and what was assumed instead."""
+    num_failed: int = 0
+    """Attempts that failed (not preempted): what the failure rate was measured from."""
+    num_preempted: int = 0
+    """Attempts preempted: what the preemption rate was measured from."""
+
+    @property
+    def failure_rate_measured(self) -> bool:
+        """Whether the run measured a failure rate to extrapolate: a day or more of wall time with failures."""
+        return self.measured_wall_s >= RATE_MIN_WALL_S and self.num_failed > 0
+
+    @property
+    def preemption_rate_measured(self) -> bool:
+        """Whether the run's preemptions (if any) are a rate: a day or more of wall time."""
+        return self.measured_wall_s >= RATE_MIN_WALL_S
 
     def to_dict(self) -> dict[str, Any]:
         p = self.params
@@ -59,6 +77,9 @@ class Profile:
             "detection_s": p.detection_s,
             "shutdown_s": p.shutdown_s,
             "num_steps": self.num_steps,
+            "wall_s": self.measured_wall_s,
+            "num_failed": self.num_failed,
+            "num_preempted": self.num_preempted,
             "notes": list(self.notes),
         }
 
@@ -202,10 +223,12 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
     num_preempted = sum(1 for a in report.attempts if a.outcome is Outcome.PREEMPTED)
     num_failed = report.num_failures - num_preempted
     gpus = _world_size(events)
+    # A node of the usual 8 GPUs, not the profiled host: a 1-process test run is no 1-GPU node.
+    num_nodes = -(-gpus // DEFAULT_GPUS_PER_NODE)
     params = JobParams(
         gpus=gpus,
-        gpus_per_node=gpus,
-        failures_per_node_day=num_failed / wall_days if wall_days else 0.0,
+        gpus_per_node=DEFAULT_GPUS_PER_NODE,
+        failures_per_node_day=num_failed / wall_days / num_nodes if wall_days else 0.0,
         preemptions_per_day=num_preempted / wall_days if wall_days else 0.0,
         handles_preemption=any(f.saved_on_exit for f in script if f.preemption) or not num_preempted,
         step_s=step_s,
@@ -226,7 +249,7 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
         duration_s=None,
         work_s=max(final_step, 1) * step_s,
     )
-    notes += _caveats(report, num_failed + num_preempted)
+    notes += _caveats(report)
     return Profile(
         params=params,
         script=tuple(script),
@@ -236,18 +259,15 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
         num_steps=final_step,
         interval_steps=interval_steps,
         notes=tuple(notes),
+        num_failed=num_failed,
+        num_preempted=num_preempted,
     )
 
 
-def _caveats(report: EttReport, num_interruptions: int) -> list[str]:
+def _caveats(report: EttReport) -> list[str]:
     notes = []
     if report.buckets_s[Bucket.OTHER] > 0:
         notes.append(f"{report.buckets_s[Bucket.OTHER]:.1f} s of 'other' is not modelled")
-    if num_interruptions and report.wall_s < SECONDS_PER_DAY:
-        notes.append(
-            f"failure and preemption rates measured over {report.wall_s / 60:.1f} min of wall time: "
-            "not rates to extrapolate (give --failures-per-node-day and --preemptions-per-day)"
-        )
     if report.in_progress:
         notes.append("the job is still running (or its supervisor was killed): profiled so far")
     return notes
@@ -298,7 +318,10 @@ def _world_size(events: Sequence[Event]) -> int:
     sizes = [
         int(e.data["world_size"])
         for e in events
-        if e.kind is EventKind.PROCESS_START and e.data and isinstance(e.data.get("world_size"), int)
+        if e.kind is EventKind.PROCESS_START
+        and e.data
+        and isinstance(e.data.get("world_size"), int)
+        and 1 <= e.data["world_size"] <= MAX_GPUS  # a damaged row's 10**26 is no job's size
     ]
     ranks = {e.rank for e in events if e.rank >= 0}
     return max(sizes + [len(ranks), 1])

@@ -32,10 +32,13 @@ def render_summary(s: Summary, *, title: str) -> str:
         f"  checkpoint interval {_dur(s.interval_s)}; {s.gpus} GPUs; wall {_dur(s.wall_s)}; "
         f"failures {s.num_failures_mean:.2f} (of which preemptions {s.num_preemptions_mean:.2f}); "
         f"TTS {_dur(s.tts_s_mean)}; mean TTR {_dur(s.mean_ttr_s)}",
-        "  bucket                      mean s      % of wall",
+        "  bucket                 mean s per run  mean % of wall",
     ]
     for b in Bucket:
-        lines.append(f"  {b.value:24s} {s.buckets_s[b.value]:11.1f}  {s.buckets_pct[b.value]:10.2f}%")
+        lines.append(f"  {b.value:24s} {s.buckets_s[b.value]:12.1f}  {s.buckets_pct[b.value]:13.2f}%")
+    lines.append(
+        "  (mean s: averaged over the runs; mean %: each run's share of its own wall time, averaged)"
+    )
     return "\n".join(lines)
 
 

@@ -54,6 +54,11 @@ class WeibullNodesSource:
 
     def draw(self, start_s: float, end_s: float) -> np.ndarray:
         found: list[np.ndarray] = []
+        # Nothing due in the window: cover up to the soonest failure at once, instead of one empty window
+        # after another (a node that lives a thousand years is a million windows of a day away).
+        soonest = float(self._next.min())
+        if soonest >= end_s:
+            end_s = math.nextafter(soonest, math.inf)
         while True:
             due = self._next < end_s
             if not due.any():
@@ -129,7 +134,7 @@ def failure_source(
     rng: np.random.Generator, *, num_nodes: int, per_node_day: float, shape: float
 ) -> IntervalSource | None:
     """Node failures of a job: Poisson when lifetimes are exponential, else per-node Weibull renewals."""
-    if per_node_day <= 0:
+    if not _occurs(per_node_day):
         return None
     if shape == 1.0:
         return PoissonSource(rng, per_node_day * num_nodes)
@@ -137,4 +142,10 @@ def failure_source(
 
 
 def preemption_source(rng: np.random.Generator, per_day: float) -> IntervalSource | None:
-    return PoissonSource(rng, per_day) if per_day > 0 else None
+    return PoissonSource(rng, per_day) if _occurs(per_day) else None
+
+
+def _occurs(per_day: float) -> bool:
+    """Whether events at `per_day` ever come: a rate so small that its mean gap is no finite number of
+    seconds (5e-324 a day) is none at all."""
+    return per_day > 0 and math.isfinite(SECONDS_PER_DAY / per_day)

@@ -7,7 +7,7 @@ preemption times at every interval, so the differences between points are the po
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -97,22 +97,40 @@ def _fit_optimum(values: Sequence[float], wastes: Sequence[float]) -> float | No
     return best if min(values) <= best <= max(values) else None
 
 
-def sweep_interval(params: JobParams, values: Sequence[float], *, runs: int, seed: int) -> Sweep:
-    points = tuple(
-        SweepPoint(value=v, summary=simulate(replace(params, interval_s=v), runs=runs, seed=seed))
-        for v in values
-    )
+OnPoint = Callable[[int, int], None]
+"""Told (points done, points in all) after each point of a sweep or row of a comparison: progress."""
+
+
+def _no_progress(done: int, total: int) -> None:
+    del done, total
+
+
+def sweep_interval(
+    params: JobParams, values: Sequence[float], *, runs: int, seed: int, on_point: OnPoint = _no_progress
+) -> Sweep:
+    points = []
+    for v in values:
+        points.append(
+            SweepPoint(value=v, summary=simulate(replace(params, interval_s=v), runs=runs, seed=seed))
+        )
+        on_point(len(points), len(values))
     wastes = [100.0 - p.summary.ett_pct for p in points]
     return Sweep(
         name="interval",
-        points=points,
+        points=tuple(points),
         optimum_interval_s=_optimum_or_none(params),
         fitted_optimum_interval_s=_fit_optimum([p.value for p in points], wastes),
     )
 
 
 def sweep_gpus(
-    params: JobParams, values: Sequence[int], *, runs: int, seed: int, auto_interval: bool
+    params: JobParams,
+    values: Sequence[int],
+    *,
+    runs: int,
+    seed: int,
+    auto_interval: bool,
+    on_point: OnPoint = _no_progress,
 ) -> Sweep:
     """The job at each size, its per-node failure rate kept; with `auto_interval`, each at its optimum."""
     points = []
@@ -124,6 +142,7 @@ def sweep_gpus(
                 limit = scaled.duration_s if scaled.duration_s is not None else math.inf
                 scaled = replace(scaled, interval_s=min(best, limit))
         points.append(SweepPoint(value=gpus, summary=simulate(scaled, runs=runs, seed=seed)))
+        on_point(len(points), len(values))
     return Sweep(name="gpus", points=tuple(points), optimum_interval_s=None, fitted_optimum_interval_s=None)
 
 
@@ -189,7 +208,11 @@ def policy_variants(
 
 
 def compare_policies(
-    params: JobParams, options: PolicyOptions, *, runs: int, seed: int
+    params: JobParams, options: PolicyOptions, *, runs: int, seed: int, on_point: OnPoint = _no_progress
 ) -> tuple[list[tuple[str, Summary]], list[str]]:
     rows, skipped = policy_variants(params, options)
-    return [(name, simulate(p, runs=runs, seed=seed)) for name, p in rows], skipped
+    done: list[tuple[str, Summary]] = []
+    for name, p in rows:
+        done.append((name, simulate(p, runs=runs, seed=seed)))
+        on_point(len(done), len(rows))
+    return done, skipped
