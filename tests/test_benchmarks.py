@@ -80,6 +80,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     ),
     "training_yield.py": (
         "slowdown.persist_thread", "slowdown.persist_process", "slowdown.standby", "slowdown.compile_store",
+        "slowdown.compile_store_unlowered",
         "slowdown.ledger", "worst", "burners",
     ),
     "standby_race.py": (

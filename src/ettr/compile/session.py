@@ -32,6 +32,7 @@ from ettr.compile.restore import STORE_MARK, EntryView, StoreRestorer
 from ettr.compile.save import StoreSaver
 from ettr.compile.store import CompileStore, StoreConfig
 from ettr.events import EventKind
+from ettr.procs import lower_this_thread
 from ettr.recorder import RecorderProtocol
 
 logger = logging.getLogger("ettr")
@@ -221,6 +222,10 @@ class CompileSession:
             self._emit()
 
     def _background(self) -> None:
+        # The settle save (hashing, writing the store's files) runs nicer than training, with the lowest
+        # best-effort I/O priority, as the async persist does: on a busy node it takes the cores training
+        # leaves. The exit save runs on the closing thread, at its priority.
+        lower_this_thread()
         while not self._closed:
             self._wake.wait(0.5)
             self._wake.clear()
