@@ -230,3 +230,34 @@ def test_under_ettr_run_a_failed_rank_is_recovered_in_place_and_booked_so(
     assert report["num_failures"] == 1 and len(report["attempts"]) == 2
     assert [p["kind"] for p in report["ttr_parts"]] == ["in_place"]
     assert not any((tmp_path / "memory").iterdir())  # copies and the in-place store removed at the job's end
+
+
+def test_zero_code_steps_are_counted_again_in_a_new_generation() -> None:
+    """An unmodified script's steps come from its first optimizer; in a restart in place the survivor's next
+    generation makes a new one (the first is gone): it is counted, from the generation's resume."""
+    from ettr.bootstrap.hooks import StepCounter
+
+    class Rec:
+        explicit_steps, last_step = False, None
+
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def step(self, step: int, *, auto: bool = False) -> None:
+            self.steps.append(step)
+
+    class Optimizer:
+        pass
+
+    rec = Rec()
+    counter = StepCounter(rec)  # type: ignore[arg-type]
+    first = Optimizer()
+    for _ in range(3):
+        counter.on_step(first, (), {})
+    del first  # the failed generation's optimizer is gone with its generation
+    counter.new_generation()
+    counter.resumed(2)  # the new generation restored the checkpoint of step 2
+    second = Optimizer()
+    counter.on_step(second, (), {})
+    counter.on_step(second, (), {})
+    assert rec.steps == [1, 2, 3, 3, 4]

@@ -239,6 +239,10 @@ class CheckpointHooks:
             return None
         return f"{path} was loaded but no earlier attempt was seen saving it"
 
+    def new_generation(self) -> None:
+        """A restart in place: the next generation's first load of training state is its resume again."""
+        self._resumed, self._unknown_resume, self._data_resume = False, None, None
+
     def _resume_at(self, step: int) -> None:
         self._resumed = True
         self.steps.resumed(step)

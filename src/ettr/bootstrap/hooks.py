@@ -127,6 +127,12 @@ class StepCounter:
         self.num_steps += 1
         self._rec.step(self.base_step + self.num_steps, auto=True)
 
+    def new_generation(self) -> None:
+        """A restart in place (`ettr.inplace`): the next generation makes its optimizer anew and resumes
+        from a checkpoint, so the count starts again from its resume (the earlier optimizer is gone: a
+        count kept for it would never move again)."""
+        self._first, self.base_step, self.num_steps = None, 0, 0
+
     def resumed(self, step: int) -> None:
         """The state was restored as of after `step`: later steps count on from there."""
         self.base_step = step - self.num_steps
@@ -150,6 +156,13 @@ class AutoHooks:
         self.patcher = Patcher()
         self.checkpoints: Any = None
         self.evals: Any = None
+
+    def new_generation(self) -> None:
+        """This process goes on in a new generation of a job restarted in place: its steps are counted
+        from the generation's resume, which is detected again. Never raises."""
+        self.guard.call("optimizer step", self.steps.new_generation)
+        if self.checkpoints is not None:
+            self.guard.call("torch.save/load", self.checkpoints.new_generation)
 
     # -- installation (post-import callbacks) -------------------------------------------------------------
     def on_torch(self, torch: ModuleType) -> None:

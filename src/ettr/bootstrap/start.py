@@ -305,6 +305,9 @@ def continue_attempt(attempt: int) -> None:
             beat.start()
             _started["heartbeat"] = beat
         _mark_first_step(rec, run_env)
+        hooks = _started.get("hooks")
+        if hooks is not None:  # zero-code steps: the new generation's optimizer, counted from its resume
+            hooks.new_generation()
         injector = _started.get("injector")
         if injector is not None:
             injector.continue_attempt(run_env.attempt_started_at)
