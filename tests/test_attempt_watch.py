@@ -19,9 +19,9 @@ from ettr.supervisor.classify import AttemptEnd
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.peers import NoPeers
 from ettr.supervisor.policy import EndedAttempt, RestartPolicy
+from ettr.supervisor.relaunch import Relaunch
 from ettr.supervisor.runner import AttemptParts, AttemptRunner
 from ettr.supervisor.signals import SupervisorSignals
-from ettr.supervisor.standby import Relaunch
 from ettr.supervisor.watch import (
     AttemptWatch,
     Continued,

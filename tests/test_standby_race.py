@@ -25,7 +25,8 @@ from ettr.events import SUPERVISOR_RANK, EventKind
 from ettr.ledger import read_run_events
 from ettr.procs import normal_scheduling, tasks
 from ettr.supervisor.process import AttemptProcess
-from ettr.supervisor.standby import Relaunch, Standby, WarmUpNotice
+from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
+from ettr.supervisor.standby import Standby
 
 ROOT = Path(__file__).resolve().parent.parent
 

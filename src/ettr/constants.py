@@ -26,7 +26,7 @@ BACKOFF_MARK = "restart_backoff"
 """Supervisor MARK (attempt = the failed one) at the end of its wait before the next attempt; data: wait_s."""
 RELAUNCH_MARK = "relaunch"
 """Supervisor MARK (attempt = the one started) at its start: how its process(es) were started and why
-(`ettr.supervisor.standby.Relaunch`: data path warm|promoted|cold, why, and per rank under ettr's agent)."""
+(`ettr.supervisor.relaunch.Relaunch`: data path warm|promoted|cold, why, and per rank under ettr's agent)."""
 RECOVERY_MARK = "recovery"
 """Supervisor MARK (attempt = the one started) of an attempt that recovers a failure in a way the relaunch does
 not say: data kind (`in_place`: the job's other processes went on, the failed rank was replaced), replaced

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from ettr.supervisor import standby
 from ettr.supervisor.launch import AttemptLaunch
 from ettr.supervisor.process import AttemptProcess
+from ettr.supervisor.relaunch import Relaunch
 from ettr.supervisor.restart import PeerFailureWatch
 from ettr.supervisor.watch import Continued, Exited, Exiting, RankFailed
 
@@ -52,7 +53,7 @@ class Attempt(Protocol):
 
     pid: int
     """The process ATTEMPT_START names (the command; ettr's agent: the first worker)."""
-    relaunch: standby.Relaunch
+    relaunch: Relaunch
     """How it was started (a warm standby, a standby promoted from its warm-up, cold) and why: the
     attempt's `relaunch` MARK."""
 
@@ -144,11 +145,11 @@ class CommandAttempt:
         process: AttemptProcess,
         *,
         failure_recorded: Callable[[], bool],
-        relaunch: standby.Relaunch | None = None,
+        relaunch: Relaunch | None = None,
     ) -> None:
         self.process = process
         self.pid = process.pid
-        self.relaunch = relaunch or standby.Relaunch(path="cold", why="started cold")
+        self.relaunch = relaunch or Relaunch(path="cold", why="started cold")
         self._ranks = PeerFailureWatch(failure_recorded)
 
     @property

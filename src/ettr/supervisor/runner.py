@@ -34,9 +34,9 @@ from ettr.supervisor.launch import attempt_launch, is_shell_command
 from ettr.supervisor.messages import Progress, say
 from ettr.supervisor.peers import Peers
 from ettr.supervisor.policy import EndedAttempt
+from ettr.supervisor.relaunch import Relaunch
 from ettr.supervisor.restart import ExitWaker, stopped_after_peer_failure, trained
 from ettr.supervisor.signals import SupervisorSignals
-from ettr.supervisor.standby import Relaunch
 from ettr.supervisor.startwait import StartupWait
 from ettr.supervisor.watch import (
     AttemptWatch,

@@ -24,8 +24,9 @@ priority, every thread, and then takes it (path `promoted`): what it has left to
 start would do from the beginning at that same priority, so it is ready no later than a cold start begun at
 that moment, and racing the two on the same cores would only slow both. A standby that cannot be promoted
 is dropped and the attempt starts cold at once (path `cold`, as for no standby, one that does not fit or
-one that died), and each path says why (`Relaunch`, recorded in the supervisor's `relaunch` MARK). While an
-attempt waits more than a second for a promoted standby, the console says so (`WarmUpNotice`).
+one that died), and each path says why (`ettr.supervisor.relaunch.Relaunch`, recorded in the supervisor's
+`relaunch` MARK). While an attempt waits more than a second for a promoted standby, the console says so
+(`ettr.supervisor.relaunch.WarmUpNotice`).
 """
 
 from __future__ import annotations
@@ -36,15 +37,12 @@ import os
 import select
 import shutil
 import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
 
 from ettr.procs import cpu_seconds, idle_scheduling, normal_scheduling
 from ettr.supervisor.process import AttemptProcess
+from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
 
 logger = logging.getLogger("ettr")
 
@@ -104,41 +102,6 @@ def _interpreter(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]
     if found is None:
         return None
     return (os.path.abspath(found), *argv[1:at])  # not realpath: a venv's python is a link
-
-
-RelaunchPath = Literal["warm", "promoted", "cold"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Relaunch:
-    """How an attempt's process was started, and why (the supervisor's `relaunch` MARK; the TTR's relaunch
-    part shows it)."""
-
-    path: RelaunchPath
-    """`warm`: a standby that had done its warm-up took the attempt; `promoted`: a standby still warming,
-    promoted to normal priority, took it; `cold`: a new process."""
-    why: str
-    """In a few words: why this path."""
-    ranks: tuple[tuple[int, RelaunchPath, str], ...] = ()
-    """Per local rank of ettr's torchrun agent: (rank, path, why); empty for one process."""
-
-    def to_data(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"path": self.path, "why": self.why}
-        if self.ranks:
-            data["ranks"] = [{"rank": r, "path": p, "why": w} for r, p, w in self.ranks]
-        return data
-
-    @classmethod
-    def of_ranks(cls, ranks: Sequence[Relaunch]) -> Relaunch:
-        """One relaunch of several ranks: the slowest path among them (a job trains once all ranks do), why
-        as the first such rank says it, with the ranks that took it (each rank's own in `ranks`)."""
-        order: tuple[RelaunchPath, ...] = ("cold", "promoted", "warm")
-        path = next(p for p in order if any(r.path == p for r in ranks))
-        took = [i for i, r in enumerate(ranks) if r.path == path]
-        why = ranks[took[0]].why
-        if len(ranks) > 1:
-            why += f" (rank{'s' if len(took) > 1 else ''} {', '.join(map(str, took))})"
-        return cls(path=path, why=why, ranks=tuple((i, r.path, r.why) for i, r in enumerate(ranks)))
 
 
 def no_standby_reason(argv: Sequence[str] | None, env: Mapping[str, str]) -> str:
@@ -392,59 +355,3 @@ def _make_room(fd: int, size: int) -> None:
     import fcntl
 
     fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", _F_SETPIPE_SZ), size + 4096)
-
-
-class WarmUpNotice:
-    """Says on the console what an attempt waits for while promoted standbys finish their warm-up: once a
-    wait passes `after_s` (`ettr: attempt N: waiting for ...`), and again when they are ready. A daemon
-    thread; `stop()` ends it (the attempt ended). Each standby is read by this thread only."""
-
-    def __init__(
-        self,
-        attempt: int,
-        waiting: Sequence[tuple[str, Standby]],
-        *,
-        after_s: float = 1.0,
-        limit_s: float = 3600,
-    ) -> None:
-        self._attempt, self._waiting, self._after_s, self._limit_s = attempt, list(waiting), after_s, limit_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if not self._waiting:
-            return
-        self._thread = threading.Thread(target=self._run, name="ettr-warm-up-notice", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(2.0)
-        for _, standby in self._waiting:
-            standby.close()
-
-    def _run(self) -> None:
-        began = time.monotonic()
-        said = False
-        pending = list(self._waiting)
-        while pending and not self._stop.is_set() and time.monotonic() - began < self._limit_s:
-            for who, standby in list(pending):
-                standby.poll_status(timeout_s=0.1 / len(pending))
-                if standby.handed_at is not None or standby.process.poll() is not None:
-                    pending.remove((who, standby))
-                    standby.close()
-            waited_s = time.monotonic() - began
-            if pending and not said and waited_s >= self._after_s:
-                names = ", ".join(who for who, _ in pending)
-                _say(
-                    f"attempt {self._attempt}: waiting for the standby of {names} to finish its warm-up "
-                    "(interpreter, import torch; promoted to normal priority at the restart)"
-                )
-                said = True
-        if said and not pending:
-            _say(f"attempt {self._attempt}: standby ready after {time.monotonic() - began:.1f} s")
-
-
-def _say(message: str) -> None:
-    print(f"ettr: {message}", file=sys.stderr, flush=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ettr.supervisor.process import AttemptProcess
-from ettr.supervisor.standby import Relaunch, Standby, WarmUpNotice
+from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
+from ettr.supervisor.standby import Standby
 
 WARM_MODULES = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
 """Imported ahead by a worker's standby beside torch when the attempt's first-step markers name nothing

@@ -16,7 +16,7 @@ STARTING = {
     "promoted": "in a standby promoted from its warm-up: the rest of its imports, model build, restore",
     "in_place": "restart in place: rejoining the process group, restore",
 }
-"""What an attempt does before its first step, by its relaunch path (`standby.Relaunch.path`)."""
+"""What an attempt does before its first step, by its relaunch path (`relaunch.Relaunch.path`)."""
 
 FIRST_LINE_S = 1.0
 """The first line once the attempt has run this long without a training step."""

@@ -32,7 +32,8 @@ from ettr.supervisor import agent, inplace, standby
 from ettr.supervisor.inplace import InPlace, InPlaceCheck
 from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
-from ettr.supervisor.standby import Relaunch, WarmUpNotice, no_standby_reason
+from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
+from ettr.supervisor.standby import no_standby_reason
 from ettr.supervisor.standby_group import StandbyGroup
 from ettr.supervisor.watch import Continued, Exited, Exiting
 
