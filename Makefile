@@ -42,7 +42,7 @@ postgres:
 			postgresql; \
 	fi
 
-# The Slurm tests start a throwaway single-node cluster (ettr.testing.slurm, tests/conftest.py) from Debian's
+# The Slurm tests start a throwaway single-node cluster (tests/slurm_cluster.py, tests/conftest.py) from Debian's
 # daemons: install them when they are missing and we may (root with apt-get, as in CI). Elsewhere those tests
 # are skipped with a message, except under CI=true, where they fail.
 slurm:

@@ -173,7 +173,8 @@ def count_events(root: Path) -> int:
 
 def _postgres(args: argparse.Namespace, per_job_events: int) -> dict | None:
     """The PostgreSQL half: the same fleet in a private server's ledger (kept under a temp dir)."""
-    from ettr.testing.postgres import PostgresServer, PostgresUnavailable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' server launcher
+    from pg_server import PostgresServer, PostgresUnavailable
 
     base = Path(args.pg_dir or Path(tempfile.gettempdir()) / f"ettr-fleet-bench-pg-{args.jobs}-{args.events}")
     try:

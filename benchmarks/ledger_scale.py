@@ -218,7 +218,8 @@ def main() -> int:
     if args.postgres_url:
         url = args.postgres_url
     else:
-        from ettr.testing.postgres import PostgresServer, PostgresUnavailable
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' server launcher
+        from pg_server import PostgresServer, PostgresUnavailable
 
         try:
             server = PostgresServer(durable=True)

@@ -51,12 +51,12 @@ def _in_ci() -> bool:
 
 
 def start_postgres_or_skip() -> object:
-    """A started private PostgreSQL server (`ettr.testing.postgres.PostgresServer`); the caller removes it.
+    """A started private PostgreSQL server (`tests/pg_server.py`: `PostgresServer`); the caller removes it.
 
     Outside CI a machine that cannot start one skips the test with the reason; under CI (`CI=true`) that
     is a failure: the project's CI provides the server.
     """
-    from ettr.testing.postgres import PostgresServer, PostgresUnavailable
+    from pg_server import PostgresServer, PostgresUnavailable
 
     try:
         import psycopg  # noqa: F401
@@ -101,7 +101,7 @@ def postgres_url(postgres_server: object) -> str:
 
     import psycopg
 
-    from ettr.testing.postgres import PostgresServer
+    from pg_server import PostgresServer
 
     assert isinstance(postgres_server, PostgresServer)
     name = f"t_{uuid.uuid4().hex[:12]}"
@@ -112,12 +112,12 @@ def postgres_url(postgres_server: object) -> str:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[object]:
-    """A single-node Slurm cluster for the session (`ettr.testing.slurm.SlurmCluster`), removed at the end.
+    """A single-node Slurm cluster for the session (`tests/slurm_cluster.py`: `SlurmCluster`), removed at the end.
 
     Outside CI a machine that cannot start one (not root, no slurm packages) skips the test with the reason;
     under CI (`CI=true`) that is a failure: `make test` runs `make slurm`, which installs the daemons.
     """
-    from ettr.testing.slurm import SlurmCluster, SlurmUnavailable
+    from slurm_cluster import SlurmCluster, SlurmUnavailable
 
     cluster = SlurmCluster()
     try:

@@ -20,7 +20,6 @@ import pytest
 
 from ettr.events import EventKind
 from ettr.ledger.url import open_url
-from ettr.testing.postgres import PASSWORD
 
 pytestmark = pytest.mark.slow
 
@@ -95,10 +94,10 @@ def test_stopping_postgres_mid_run_loses_no_event_and_stores_none_twice(private_
     ]
     assert math.fsum(rep["buckets_s"].values()) == pytest.approx(rep["wall_s"], rel=1e-6)
     # The run directory points at its books (the URL without its password: libpq takes it from PGPASSWORD).
-    assert "ettr-test-password" not in (run_dir / "ledger-url.json").read_text()
+    assert server.password not in (run_dir / "ledger-url.json").read_text()
     via_dir = subprocess.run(
         [*ETTR, "report", str(run_dir), "--json"], capture_output=True, text=True, timeout=120,
-        env={**_env(), "PGPASSWORD": PASSWORD},
+        env={**_env(), "PGPASSWORD": server.password},
     )  # fmt: skip
     assert via_dir.returncode == 0, via_dir.stderr
     assert json.loads(via_dir.stdout)["attempts"] == rep["attempts"]

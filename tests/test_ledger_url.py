@@ -90,7 +90,7 @@ def test_run_and_report_through_a_sqlite_url(tmp_path):
 
 
 def test_no_postgres_skips_outside_ci_and_fails_under_ci(monkeypatch):
-    import ettr.testing.postgres as pg
+    import pg_server as pg
     from conftest import start_postgres_or_skip
 
     class Unavailable:

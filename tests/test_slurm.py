@@ -1,4 +1,4 @@
-"""`ettr run` inside real Slurm batch jobs (a single-node cluster from `ettr.testing.slurm`, started by the
+"""`ettr run` inside real Slurm batch jobs (a single-node cluster from `tests/slurm_cluster.py`, started by the
 `slurm_cluster` fixture): a requeue by `scontrol requeue`, and Slurm's SIGUSR1 warning (save, exit,
 requeue). Each job keeps one report across its runs: attempts, the pending time as `scheduling`, the resume."""
 

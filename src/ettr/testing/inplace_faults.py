@@ -18,11 +18,12 @@ import os
 import random
 import shutil
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ettr.supervisor.launch import free_port
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,6 @@ class InPlaceTrial:
     restored_from: tuple[str, ...]
     """Where each restore after the raise read the state (per rank and generation)."""
     detail: str = ""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rank_main(argv: list[str], env: dict[str, str]) -> None:
@@ -124,7 +119,7 @@ class InPlaceTrialRunner:
         ]  # fmt: skip
 
     def _launch(self, trial: Path, fault: str) -> list[Any]:
-        port = _free_port()
+        port = free_port()
         procs = []
         for rank in range(2):
             env = {

@@ -19,7 +19,6 @@ traceback or exit status, and kills all ranks if any fails or the timeout passes
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -28,12 +27,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from ettr.supervisor.launch import free_port
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["RankFailed", "free_port", "run_ranks", "start_ranks"]
 
 
 class RankFailed(AssertionError):

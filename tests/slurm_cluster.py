@@ -1,5 +1,6 @@
 """A throwaway single-node Slurm cluster for tests: munged, slurmctld and slurmd from Debian's packages
-(`make slurm` installs them), configured in a temporary directory.
+(`make slurm` installs them), configured in a temporary directory. It lives with the tests and is not part of
+the ettr package (it runs its daemons as root).
 
     cluster = SlurmCluster(); cluster.start()      # raises SlurmUnavailable with the reason
     done = cluster.run("sbatch", "--parsable", "job.sh")
@@ -15,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ettr.atomic import atomic_write
+from ettr.supervisor.launch import free_port
 
 _SBIN = ("/usr/sbin", "/usr/bin", "/sbin")
 
@@ -38,12 +39,6 @@ def _find(name: str) -> str:
     if found is None:
         raise SlurmUnavailable(f"{name} is not installed (`make slurm` installs Debian's slurm packages)")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def slurm_conf(directory: Path, *, ctld_port: int, slurmd_port: int, cpus: int = 2) -> str:
@@ -112,9 +107,7 @@ class SlurmCluster:
         munged, slurmctld, slurmd = _find("munged"), _find("slurmctld"), _find("slurmd")
         for sub in ("state", "spool"):
             (self.dir / sub).mkdir()
-        atomic_write(
-            self.conf, slurm_conf(self.dir, ctld_port=_free_port(), slurmd_port=_free_port()).encode()
-        )
+        atomic_write(self.conf, slurm_conf(self.dir, ctld_port=free_port(), slurmd_port=free_port()).encode())
         self._start_munged(munged)
         env = self.env()
         self._daemons.append(

@@ -1,8 +1,11 @@
-"""A throwaway PostgreSQL server for tests and benchmarks: initdb in a temp dir, start, stop, remove.
+"""A throwaway PostgreSQL server for tests and benchmarks: initdb in a temp dir, start, stop, remove. It lives
+with the tests and is not part of the ettr package.
 
 Uses the server binaries of the machine (`pg_ctl`, `initdb`: on PATH, in `$ETTR_PG_BIN`, or Debian's
 `/usr/lib/postgresql/<version>/bin`). PostgreSQL refuses to run as root; as root the server runs as the
-`postgres` user (`runuser`). TCP on 127.0.0.1 asks for a password (scram), so tests can try a wrong one.
+`postgres` user (`runuser`). TCP on 127.0.0.1 asks for a password (scram), so tests can try a wrong one; each
+server has its own random password (`PostgresServer.password`, kept 0600 in the server's 0700 directory, where
+its Unix socket lives too, so that a kept server starts again).
 """
 
 from __future__ import annotations
@@ -10,15 +13,16 @@ from __future__ import annotations
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
 
+from ettr.supervisor.launch import free_port
+
 USER = "ettr"
-PASSWORD = "ettr-test-password"
 
 
 class PostgresUnavailable(RuntimeError):
@@ -35,12 +39,6 @@ def find_bin_dir() -> Path:
         if directory and os.access(os.path.join(directory, "initdb"), os.X_OK):
             return Path(directory)
     raise PostgresUnavailable("no PostgreSQL server binaries (initdb, pg_ctl) found; install postgresql")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PostgresServer:
@@ -63,7 +61,14 @@ class PostgresServer:
         self.bin_dir = find_bin_dir()
         self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="ettr-pg-"))
         self.data_dir = self.base_dir / "data"
-        self.port = port or _free_port()
+        self.port = port or free_port()
+        self._password_file = self.base_dir / "password"
+        self.password = (
+            self._password_file.read_text().strip()
+            if self._password_file.is_file()
+            else secrets.token_urlsafe(24)
+        )
+        """This server's password for `USER`: random per server (nothing fixed to guess), kept beside it."""
         self._run_as: list[str] = []
         self._paused: list[int] = []
         if os.geteuid() == 0:
@@ -77,7 +82,7 @@ class PostgresServer:
 
     @property
     def url(self) -> str:
-        return f"postgresql://{USER}:{PASSWORD}@127.0.0.1:{self.port}/postgres"
+        return f"postgresql://{USER}:{self.password}@127.0.0.1:{self.port}/postgres"
 
     def url_with_password(self, password: str) -> str:
         return f"postgresql://{USER}:{password}@127.0.0.1:{self.port}/postgres"
@@ -90,15 +95,18 @@ class PostgresServer:
             raise PostgresUnavailable(f"{' '.join(cmd)} failed ({done.returncode}): {detail}")
 
     def _initdb(self) -> None:
+        # Private: the Unix socket (trusted, `--auth-local=trust`) and the password file live here.
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        pwfile = self.base_dir / "pwfile"
-        pwfile.write_text(PASSWORD + "\n")
+        self.base_dir.chmod(0o700)
+        fd = os.open(self._password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(self.password + "\n")
         if self._run_as:
             owner = pwd.getpwnam("postgres")
-            for path in (self.base_dir, pwfile):
+            for path in (self.base_dir, self._password_file):
                 os.chown(path, owner.pw_uid, owner.pw_gid)
         self._run(
-            self.bin_dir / "initdb", "-D", self.data_dir, "-U", USER, "--pwfile", pwfile,
+            self.bin_dir / "initdb", "-D", self.data_dir, "-U", USER, "--pwfile", self._password_file,
             "--auth-local=trust", "--auth-host=scram-sha-256", "-E", "UTF8", "--no-sync",
         )  # fmt: skip
 
@@ -106,6 +114,10 @@ class PostgresServer:
         """Start the server (creating its data directory the first time). Raises `PostgresUnavailable`."""
         if not (self.data_dir / "PG_VERSION").is_file():
             self._initdb()
+        elif not self._password_file.is_file():
+            raise PostgresUnavailable(
+                f"{self.data_dir} holds a server without its password file; remove {self.base_dir} to start afresh"
+            )
         options = f"-p {self.port} -k {self.base_dir} -c listen_addresses=127.0.0.1 -c max_connections=200"
         if not self.durable:
             options += " -c fsync=off -c synchronous_commit=off"
