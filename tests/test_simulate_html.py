@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ettr.report.simulate_html import render_simulate_html, write_simulate_html
+from ettr.simulate.html import render_simulate_html, write_simulate_html
 from ettr.simulate.params import JobParams
 from ettr.simulate.summary import simulate
 from ettr.simulate.sweep import sweep_interval

@@ -459,3 +459,23 @@ def test_during_a_ledger_outage_the_attempts_failure_is_read_from_the_spill_file
     )
     assert job_books.attempt_events(3) == [failure]  # this job's file only
     assert job_books.failure_recorded(3) and not job_books.failure_recorded(4)
+
+
+# -- the job's end ----------------------------------------------------------------------------------------
+def test_the_job_end_hook_runs_once_after_the_books_close_and_a_failing_one_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    from ettr.ledger import read_run_events
+    from ettr.supervisor.supervise import Supervisor
+
+    calls: list[tuple[Path, str | None, str, list[EventKind]]] = []
+
+    def hook(run_dir: Path, *, ledger_url: str | None, job_id: str) -> None:
+        calls.append((run_dir, ledger_url, job_id, [e.kind for e in read_run_events(run_dir)]))
+        raise RuntimeError("a broken hook")
+
+    config = RunConfig(command=("true",), run_dir=str(tmp_path / "run"), job_id="j1", max_restarts=0)
+    assert Supervisor(config, at_job_end=hook).run() == 0
+    ((run_dir, ledger_url, job_id, kinds),) = calls
+    assert (run_dir, ledger_url, job_id) == ((tmp_path / "run").absolute(), None, "j1")
+    assert kinds[-1] is EventKind.JOB_END  # the books were complete when it ran

@@ -109,9 +109,10 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         raise UsageError("ettr run: no command given (usage: ettr run [options] -- COMMAND [ARGS...])")
     args.command = command
+    from ettr.fleet.stored import store_at_job_end  # the job's fleet summary, stored once (docs/fleet.md)
     from ettr.supervisor import main as supervise
 
-    return supervise(args)
+    return supervise(args, at_job_end=store_at_job_end)
 
 
 # -- ettr report -----------------------------------------------------------------------------------------

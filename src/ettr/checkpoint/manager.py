@@ -18,7 +18,7 @@ root; `CheckpointManager.create` is the explicit collective step (groups, SIGTER
 
     state = TrainState(model=model, optimizer=opt, lr_scheduler=sched, data=sampler)
     config = CheckpointConfig(root="ckpt", interval=IntervalConfig.parse("auto"), handle_preemption=True)
-    history = read_failure_history(ettr.get_recorder().run_dir)   # the auto interval's ledger read
+    history = read_failure_history(get_recorder().run_dir)   # the auto interval's ledger read
     with CheckpointManager.create(config, state, failure_history=history) as ckpt:   # collective
         start = ckpt.restore() or 0
         for step in range(start + 1, num_steps + 1):
@@ -90,9 +90,9 @@ class _Inflight:
 
 
 def _default_recorder() -> RecorderProtocol:
-    import ettr
+    from ettr.runtime import get_recorder
 
-    return ettr.get_recorder()
+    return get_recorder()
 
 
 class CheckpointManager:
@@ -105,7 +105,7 @@ class CheckpointManager:
     Args:
         config: where, how and when to save.
         state: what to save.
-        recorder: where phases and commits are recorded (default: `ettr.get_recorder()`).
+        recorder: where phases and commits are recorded (default: `get_recorder()`).
         coordinator: the ranks and groups (default: a lone process; a job of several ranks, or the
             process persist mode, needs one from `Coordinator.create`, which `create` makes).
         storage: where checkpoints live (default: `open_storage(config.root, config.storage_options)`).

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ettr.events import Phase
 from ettr.inplace import rendezvous
 from ettr.inplace.config import InPlaceConfig
 from ettr.inplace.generations import AgentGenerations, Generations, GenerationTimeout, StoreGenerations
@@ -151,7 +152,7 @@ class _Runner:
         import torch._dynamo  # noqa: F401
         import torch.nn.parallel  # noqa: F401
 
-        import ettr
+        from ettr.runtime import get_recorder
 
         gc.freeze()  # what exists now (imports, the script's set-up) is never scanned by the teardown's collect
         keep: dict[str, Any] = {}
@@ -160,7 +161,7 @@ class _Runner:
         failure: _Failure | None = None
         while True:
             try:
-                with ettr.get_recorder().phase(ettr.Phase.PROCESS_GROUP_INIT, generation=generation):
+                with get_recorder().phase(Phase.PROCESS_GROUP_INIT, generation=generation):
                     joined = rendezvous.join(
                         job_store.store,
                         generation,
@@ -202,15 +203,15 @@ class _Runner:
             if not released:
                 # Its connections stay open: peers blocked on this rank would wait for the collective
                 # timeout. Exiting closes them; the launcher's restart (or the agent's replacement) follows.
-                ettr.get_recorder().mark("inplace_gave_up", generation=generation, reason="group held")
-                ettr.get_recorder().flush(timeout_s=2.0)
+                get_recorder().mark("inplace_gave_up", generation=generation, reason="group held")
+                get_recorder().flush(timeout_s=2.0)
                 raise InPlaceGaveUp(
                     "ettr: the failed generation's process group is still referenced (kept across "
                     f"generations in Generation.keep, or by a module imported meanwhile); exiting: {failure.error}"
                 )
             restarts += 1
             if restarts > self.config.max_restarts:
-                ettr.get_recorder().mark("inplace_gave_up", generation=generation, restarts=restarts - 1)
+                get_recorder().mark("inplace_gave_up", generation=generation, restarts=restarts - 1)
                 raise InPlaceGaveUp(
                     f"ettr: {restarts - 1} in-place restarts used up (InPlaceConfig.max_restarts); "
                     f"exiting: {failure.error}"
@@ -219,11 +220,11 @@ class _Runner:
 
     def _failed(self, exc: Exception, generation: int, generations: Generations) -> _Failure:
         """Record a failure of `generation` on this rank: its own (this rank's error) or a peer's."""
-        import ettr
+        from ettr.runtime import get_recorder
 
         text = f"{type(exc).__name__}: {exc}"
         own = not (_PEER_FAILURE.search(str(exc)) or generations.moved_on(generation))
-        rec = ettr.get_recorder()
+        rec = get_recorder()
         if own:
             rec.failure(exc)
             rec.flush(timeout_s=2.0)
@@ -287,9 +288,9 @@ class _Failure:
 
 def _record_rejoined(generation: int, failure: _Failure, joined: rendezvous.Joined) -> None:
     """The parts of this rank's in-place restart, as a MARK of the generation it joined."""
-    import ettr
+    from ettr.runtime import get_recorder
 
-    ettr.get_recorder().mark(
+    get_recorder().mark(
         "inplace_restart",
         generation=generation,
         failed_ts=failure.ts,

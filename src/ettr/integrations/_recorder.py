@@ -13,10 +13,10 @@ _records_nothing = WarnOnce(
 
 
 def default_recorder(callback: str) -> RecorderProtocol:
-    """This process's recorder (`ettr.get_recorder()`); says once, naming `callback`, if it records nothing."""
-    import ettr
+    """This process's recorder (`get_recorder()`); says once, naming `callback`, if it records nothing."""
+    from ettr.runtime import get_recorder
 
-    recorder = ettr.get_recorder()
+    recorder = get_recorder()
     if not recorder.enabled:
         _records_nothing(callback)
     return recorder

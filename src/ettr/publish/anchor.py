@@ -119,9 +119,9 @@ class AnchorResult:
 
 
 def _default_recorder() -> RecorderProtocol:
-    import ettr
+    from ettr.runtime import get_recorder
 
-    return ettr.get_recorder()
+    return get_recorder()
 
 
 def _plain_keys(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:

@@ -444,7 +444,7 @@ def main(args: argparse.Namespace) -> int:
         ]
         payload["restart_s"], payload["mean_restart_s"] = params.restart_s, params.mean_restart_s
     if args.html:
-        from ettr.report.simulate_html import write_simulate_html
+        from ettr.simulate.html import write_simulate_html
 
         write_simulate_html(args.html, title=_title(params, args), **html_parts)
     if args.json:
@@ -657,7 +657,7 @@ def _fleet(args: argparse.Namespace) -> int:
         )
     result = fleet_experiment(params, runs=args.runs, seed=args.seed)
     if args.html:
-        from ettr.report.simulate_html import write_simulate_html
+        from ettr.simulate.html import write_simulate_html
 
         write_simulate_html(args.html, title="ettr simulate --fleet-experiment", fleet=result)
     print(json.dumps(result, indent=2) if args.json else render_fleet(result))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ettr.supervisor.config import RunConfig
+    from ettr.supervisor.supervise import JobEndHook
 
 __all__ = ["RunConfig", "config_from_args", "main", "run"]
 
@@ -33,11 +34,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ettr.supervisor' has no attribute {name!r}")
 
 
-def run(config: RunConfig) -> int:
-    """Supervise `config.command` per the contract; the exit status (0, 1 or 143). Raises `UsageError`."""
+def run(config: RunConfig, *, at_job_end: JobEndHook | None = None) -> int:
+    """Supervise `config.command` per the contract; the exit status (0, 1 or 143). Raises `UsageError`.
+    `at_job_end` runs once the books are closed (`ettr.cli` stores the job's fleet summary so)."""
     from ettr.supervisor.supervise import run as _run
 
-    return _run(config)
+    return _run(config, at_job_end=at_job_end)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -66,6 +68,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise UsageError(f"ettr run: {exc}") from None
 
 
-def main(args: argparse.Namespace) -> int:
-    """`ettr run` with parsed flags (called by `ettr.cli`)."""
-    return run(config_from_args(args))
+def main(args: argparse.Namespace, *, at_job_end: JobEndHook | None = None) -> int:
+    """`ettr run` with parsed flags (called by `ettr.cli`, which hands in the fleet's summary store)."""
+    return run(config_from_args(args), at_job_end=at_job_end)

@@ -403,12 +403,3 @@ class JobBooks:
         if ledger.health().pending:
             say(f"delivering spilled ledger events (up to {self.config.ledger_drain_s:g} s)")
         ledger.close(drain_timeout_s=self.config.ledger_drain_s)
-
-    def store_summary(self) -> None:
-        """Store the finished job's summary for the fleet, once, where its events are (never raises; node 0
-        of a multi-node job stores it)."""
-        if not self.keeps_job_events:
-            return
-        from ettr.fleet.stored import store_at_job_end  # docs/fleet.md
-
-        store_at_job_end(self.run_dir, ledger_url=self.config.ledger_url, job_id=self.job_id)

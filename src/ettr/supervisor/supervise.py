@@ -19,11 +19,13 @@ directory holds everything up to that instant.
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import shutil
 import time
 from pathlib import Path
+from typing import Protocol
 
 from ettr.constants import BACKOFF_MARK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from ettr.errors import UsageError
@@ -77,12 +79,25 @@ def kind_for(config: RunConfig, run_dir: Path) -> AttemptKind:
     return CommandKind()
 
 
+logger = logging.getLogger("ettr")
+
+
+class JobEndHook(Protocol):
+    """What runs once a job's books are closed, on the node that keeps its events: `ettr.cli` hands in the
+    fleet's `store_at_job_end` (the job's summary, stored once), so the supervisor never imports the fleet."""
+
+    def __call__(self, run_dir: Path, *, ledger_url: str | None, job_id: str) -> None: ...
+
+
 class Supervisor:
     """Runs one job per `RunConfig` on this node (see the module docstring). Use once:
     `Supervisor(config, peers=...).run()`; `peers` defaults to none (a job on one node)."""
 
-    def __init__(self, config: RunConfig, *, peers: Peers | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, *, peers: Peers | None = None, at_job_end: JobEndHook | None = None
+    ) -> None:
         self.config = config
+        self.at_job_end = at_job_end
         job_id = config.job_id or default_job_id()
         self.run_dir = Path(config.run_dir or Path("runs") / job_id).absolute()
         self.family = config.family or derive_family(config.command)
@@ -155,9 +170,18 @@ class Supervisor:
             self.peers.close(status, last_attempt=first - 1 if last is None else last.attempt)
             remove_memory_dirs_of_run(self.run_dir)  # the job is over: nothing of it stays in /dev/shm
             self.books.close()
-            self.books.store_summary()
+            self._job_ended()
         self._say_end(status)
         return status
+
+    def _job_ended(self) -> None:
+        """Call the `at_job_end` hook once the books are closed (node 0 of a multi-node job); never raises."""
+        if self.at_job_end is None or not self.books.keeps_job_events:
+            return
+        try:
+            self.at_job_end(self.run_dir, ledger_url=self.config.ledger_url, job_id=self.job_id)
+        except Exception as exc:  # noqa: BLE001 - what follows the job never fails it
+            logger.info("ettr: the job-end hook failed (%s)", exc)
 
     def _lead(self, runner: AttemptRunner, first: int) -> int:
         """Run attempts from `first` until the policy stops the job; its exit status."""
@@ -226,12 +250,12 @@ class Supervisor:
             say(f"to continue it (a requeue): {command}")
 
 
-def supervisor_for(config: RunConfig) -> Supervisor:
+def supervisor_for(config: RunConfig, *, at_job_end: JobEndHook | None = None) -> Supervisor:
     """The supervisor of `config` on this node, with its peers: none, or the other nodes of a multi-node
     torchrun job (`ettr.supervisor.multinode`). Raises UsageError for a bad multi-node command."""
-    return Supervisor(config, peers=peers_for(config))
+    return Supervisor(config, peers=peers_for(config), at_job_end=at_job_end)
 
 
-def run(config: RunConfig) -> int:
+def run(config: RunConfig, *, at_job_end: JobEndHook | None = None) -> int:
     """Supervise `config.command` per the contract; returns the exit status (raises `UsageError`)."""
-    return supervisor_for(config).run()
+    return supervisor_for(config, at_job_end=at_job_end).run()

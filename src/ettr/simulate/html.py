@@ -21,7 +21,7 @@ from ettr.report.svg import BUCKET_COLORS, bucket_label, esc, svg_defs
 from ettr.simulate.summary import Summary
 from ettr.simulate.sweep import Sweep
 
-_ASSETS = Path(__file__).parent
+_ASSETS = Path(__file__).resolve().parent.parent / "report"  # the report's stylesheet
 _W, _H, _PAD = 900.0, 320.0, 50.0
 
 
