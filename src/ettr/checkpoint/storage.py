@@ -407,12 +407,6 @@ class FsspecStorage:
         return FsspecReader(self.path(rel_dir))
 
 
-def is_local(root: str | os.PathLike[str]) -> bool:
-    """Whether `root` is a local path (no URL scheme, or `file://`)."""
-    text = os.fspath(root)
-    return "://" not in text or text.startswith("file://")
-
-
 def open_storage(
     root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
 ) -> LocalStorage | FsspecStorage:

@@ -25,7 +25,6 @@ import contextlib
 import functools
 import io
 import logging
-import os
 import pickle
 import time
 import zlib
@@ -49,14 +48,6 @@ METADATA_NAME = ".metadata"
 """DCP's pickled metadata file in each checkpoint directory."""
 
 T = TypeVar("T")
-
-
-def resolve_secret(secret: bytes | None) -> bytes | None:
-    """The explicit HMAC key: `secret` when given, else `ETTR_CHECKPOINT_SECRET` (UTF-8), else None."""
-    if secret is not None:
-        return secret
-    text = os.environ.get(SECRET_ENV, "")
-    return text.encode() if text else None
 
 
 def is_transient(exc: BaseException) -> bool:

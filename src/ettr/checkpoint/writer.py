@@ -21,7 +21,7 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import _metadata_fn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ettr.checkpoint.base import CheckpointError, CheckpointStorage, FaultHook, step_dir_name
@@ -169,8 +169,3 @@ def make_writer(
         secret=secret,
         job_id=job_id,
     )
-
-
-def make_reader(storage: CheckpointStorage, step: int) -> StorageReader:
-    """A DCP StorageReader for the checkpoint of `step`."""
-    return storage.dcp_reader(step_dir_name(step))

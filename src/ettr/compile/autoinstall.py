@@ -111,15 +111,3 @@ def _use_private_cache_dir(config: CompileConfig) -> None:
 def current_session() -> CompileSession | None:
     """The session `autoinstall` started in this process, if any (None before `torch._dynamo` loads)."""
     return _session
-
-
-def _reset_for_tests() -> None:
-    """Forget the process's session and import hook (tests only; does not uninstall Dynamo callbacks)."""
-    global _session, _armed, _generation, _warm_imports_only
-    _warm_imports_only = False
-    with _lock:
-        if _session is not None:
-            _session.hooks.uninstall()
-        _session = None
-        _armed = None
-        _generation += 1  # a watch armed before the reset starts nothing

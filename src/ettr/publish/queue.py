@@ -220,10 +220,6 @@ class PublishQueue:
         """The done or failed record of `request_id` (None while unfinished)."""
         return _read_json(self._path(_DONE, request_id)) or _read_json(self._path(_FAILED, request_id))
 
-    def claim_info(self, request_id: str) -> dict[str, Any] | None:
-        """The current claim's body (owner pid, host, renewal time), or None."""
-        return _read_json(self._path(_CLAIMS, request_id))
-
     # -- claims ------------------------------------------------------------------------------------------
     def is_stale(self, body: dict[str, Any]) -> bool:
         """Whether a claim's owner is dead (this host) or its lease has expired (any host)."""
