@@ -7,7 +7,6 @@ the dict-backed fake). The manager writes through `ettr.recorder.RecorderProtoco
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 import re
@@ -18,6 +17,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, runtime_checkable
 
 from ettr.checkpoint.policy import IntervalConfig
+from ettr.errors import describe_os_error
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -224,17 +224,6 @@ class CheckpointStorage(Protocol):
     def dcp_reader(self, rel_dir: str) -> StorageReader:
         """A DCP StorageReader of directory `rel_dir`."""
         ...
-
-
-def describe_os_error(exc: OSError) -> str:
-    """`ENOSPC (No space left on device): <path>`: the errno's name said, not only its number."""
-    if exc.errno is None:
-        return f"{type(exc).__name__}: {exc}"
-    name = errno.errorcode.get(exc.errno, str(exc.errno))
-    standard = os.strerror(exc.errno)
-    said = f": {exc.strerror}" if exc.strerror and exc.strerror != standard else ""
-    where = f": {exc.filename}" if exc.filename else ""
-    return f"{name} ({standard}){said}{where}"
 
 
 def _describe_one(exc: BaseException) -> str:

@@ -6,9 +6,13 @@ stderr) passes through unchanged around these lines.
 
 from __future__ import annotations
 
-import errno
 import sys
 from typing import TYPE_CHECKING
+
+from ettr.errors import describe_os_error
+
+# describe_os_error is ettr.errors', named here too for the supervisor's parts
+__all__ = ["Progress", "describe_os_error", "ended_line", "say"]
 
 if TYPE_CHECKING:
     from ettr.supervisor.classify import AttemptEnd
@@ -55,12 +59,3 @@ class Progress:
             return False
         self._next = now + self._every_s
         return True
-
-
-def describe_os_error(exc: BaseException) -> str:
-    """An error in a few words, a full disk said as such."""
-    errno_ = getattr(exc, "errno", None)
-    text = str(exc)
-    if errno_ == errno.ENOSPC or "database or disk is full" in text:
-        return f"no space left on the device (ENOSPC): {text}"
-    return f"{type(exc).__name__}: {text}"
