@@ -98,7 +98,7 @@ class CheckpointHooks:
         self._data_resume: int | None = None  # the step of a data file an earlier attempt saved, if loaded
         self._committed_steps: set[int] = set()
         self._buffer_save: BufferSave | None = None
-        self._open_original: Callable[..., Any] | None = None
+        self._give_back_open: Callable[[], None] | None = None  # while a buffer save may be written
         self._atexit = False
         self._async_paths: set[str] = set()  # async saves in flight: their inner save is not another one
 
@@ -283,32 +283,35 @@ class CheckpointHooks:
         if self._buffer_save is not None:
             self._settle_buffer_save(keep_open_hook=True)
         self._buffer_save = BufferSave(step, begin, time.time(), threading.get_ident())
-        if self._open_original is None:
-            original = builtins.open
-            self._open_original = original
+        if self._give_back_open is None:
             hooks = self
 
-            def open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:  # noqa: A001
-                result = original(file, mode, *args, **kwargs)
-                pending = hooks._buffer_save
-                if (
-                    pending is not None
-                    and pending.thread_id == threading.get_ident()
-                    and is_binary_write(mode)
-                ):
-                    hooks.guard.call("checkpoint buffer", lambda: pending.opened_for_write(_path_of(result)))
-                return result
+            def make_open(original: Callable[..., Any]) -> Callable[..., Any]:
+                def open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:  # noqa: A001
+                    result = original(file, mode, *args, **kwargs)
+                    pending = hooks._buffer_save
+                    if (
+                        pending is not None
+                        and pending.thread_id == threading.get_ident()
+                        and is_binary_write(mode)
+                    ):
+                        hooks.guard.call(
+                            "checkpoint buffer", lambda: pending.opened_for_write(_path_of(result))
+                        )
+                    return result
 
-            builtins.open = open
+                return open
+
+            self._give_back_open = self.patcher.wrap_for_now(builtins, "open", make_open)
         if not self._atexit:
             self._atexit = True
             atexit.register(self.guard.call, "checkpoint buffer", self._settle_buffer_save)
 
     def _settle_buffer_save(self, *, keep_open_hook: bool = False) -> None:
         pending, self._buffer_save = self._buffer_save, None
-        if self._open_original is not None and not keep_open_hook:
-            builtins.open = self._open_original
-            self._open_original = None
+        if self._give_back_open is not None and not keep_open_hook:
+            give_back, self._give_back_open = self._give_back_open, None
+            give_back()
         if pending is None or pending.target is None:
             return  # never written to a file: serialization, not a checkpoint
         end = pending.written_until()

@@ -75,17 +75,23 @@ class Patcher:
 
     def wrap(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
         """Replace `owner.name` by `make(original)` unless it is already ours; whether it did."""
+        return self.wrap_for_now(owner, name, make) is not None
+
+    def wrap_for_now(
+        self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+    ) -> Callable[[], None] | None:
+        """`wrap`, for a while: the callable it returns puts `owner.name` back at once (else `undo` does);
+        None when `owner.name` is missing or already ours."""
         original = getattr(owner, name, None)
         if original is None or getattr(original, _ORIGINAL, None) is not None:
-            return False
+            return None
         wrapper = make(original)
         functools.update_wrapper(wrapper, original)
         setattr(wrapper, _ORIGINAL, original)
-        self.set(owner, name, wrapper)
-        return True
+        return self.set(owner, name, wrapper)
 
-    def set(self, owner: Any, name: str, value: Any) -> None:
-        """`setattr(owner, name, value)`, undoably."""
+    def set(self, owner: Any, name: str, value: Any) -> Callable[[], None]:
+        """`setattr(owner, name, value)`, undoably; the callable it returns undoes this one now (once)."""
         had, old = hasattr(owner, name), getattr(owner, name, None)
         setattr(owner, name, value)
 
@@ -95,7 +101,13 @@ class Patcher:
             else:
                 delattr(owner, name)
 
+        def give_back() -> None:
+            if restore in self._undo:  # not undone yet
+                self._undo.remove(restore)
+                restore()
+
         self._undo.append(restore)
+        return give_back
 
     def on_undo(self, fn: Callable[[], None]) -> None:
         """Call `fn` on `undo` (removing a registered hook)."""
