@@ -32,7 +32,6 @@ never reach the script (`Guard`).
 from __future__ import annotations
 
 import atexit
-import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from ettr import torch_compat
 from ettr.bootstrap.hooks import Guard, Patcher
 from ettr.events import EventKind, Phase
 from ettr.recorder import RecorderProtocol
@@ -310,10 +310,5 @@ class EvalHooks:
             return False
         if isinstance(module, torch.jit.ScriptModule):
             return False
-        dynamo_utils = sys.modules.get("torch._dynamo.utils")
-        if dynamo_utils is None:
-            return True
-        try:
-            return not dynamo_utils.counters["frames"]["total"]  # nothing compiled so far
-        except Exception:
-            return False
+        compiled = torch_compat.dynamo_frames_compiled()
+        return compiled == 0  # nothing compiled so far (None: cannot tell, so not eager)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from ettr import torch_compat
 from ettr.events import Phase
 from ettr.recorder import RecorderProtocol
 from ettr.tracing import dynamo_is_tracing
@@ -263,7 +264,7 @@ class AutoHooks:
         self.patcher.wrap(torch.autograd, "backward", make)
 
     def _install_first_batch_hook(self, torch: ModuleType) -> None:
-        base = torch.utils.data.dataloader._BaseDataLoaderIter  # noqa: SLF001 - the one shared __next__
+        base = torch_compat.dataloader_iter_base()  # the one shared __next__
         original = base.__next__
         rec, guard, hooks = self.rec, self.guard, self
 

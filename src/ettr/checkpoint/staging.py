@@ -25,8 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import AsyncStager
+
+from ettr import torch_compat
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), complex)
 
@@ -49,7 +50,9 @@ class ReusedStager(AsyncStager):
         self.share_memory = share_memory
         self.background_keys = frozenset(background_keys)
         self._buffers: dict[str, torch.Tensor] = {}
-        self._fallback = StateDictStager(pin_memory=self.pin_memory, share_memory=share_memory)
+        self._fallback = torch_compat.state_dict_stager_class()(
+            pin_memory=self.pin_memory, share_memory=share_memory
+        )
         self._executor: ThreadPoolExecutor | None = None
         self._stream: Any = None
         self.last_staged: dict[str, Any] | None = None

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from ettr import torch_compat
 from ettr.atomic import fsync_dir, write_temp
 from ettr.checkpoint.base import MANIFEST_NAME, CheckpointError
 
@@ -392,7 +393,7 @@ class FsspecStorage:
         """DCP's fsspec writer. Object stores make a file durable when it is closed; DCP's fsync fallback
         (os.sync) would only flush this machine's unrelated dirty pages, so it is off."""
         try:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+            FsspecWriter = torch_compat.fsspec_writer_class()
         except ImportError:  # pragma: no cover - depends on the environment
             raise CheckpointError(
                 f"{self._url} needs fsspec (install it: pip install fsspec, and the filesystem's own package, e.g. s3fs or gcsfs)"
@@ -402,9 +403,7 @@ class FsspecStorage:
         )
 
     def dcp_reader(self, rel_dir: str) -> StorageReader:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(self.path(rel_dir))
+        return torch_compat.fsspec_reader_class()(self.path(rel_dir))
 
 
 def open_storage(

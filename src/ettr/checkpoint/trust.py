@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
+from ettr import torch_compat
 from ettr.checkpoint.base import CheckpointError, CheckpointInvalid, CheckpointStorage
 from ettr.checkpoint.commit import TRANSIENT_ERRNOS
 
@@ -313,9 +314,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         loaded = load_pickled(value, self.allowed)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            torch_compat.set_element(
+                self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded
+            )
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
 

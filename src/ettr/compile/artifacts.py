@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from ettr import torch_compat
 from ettr.atomic import atomic_write
 from ettr.compile.safety import (
     UnpackLimits,
@@ -51,22 +52,15 @@ _HEADERS_DIRNAME = "precompiled_headers"
 
 def inductor_cache_dir() -> Path:
     """The cache directory inductor uses in this process (creates it, as inductor would)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir())
+    return Path(torch_compat.inductor_cache_dir())
 
 
 def headers_dir() -> Path:
     """Where inductor keeps precompiled headers (fixed when its codecache module was imported)."""
-    import sys
-
-    codecache = sys.modules.get("torch._inductor.codecache")
-    header_dir = getattr(codecache, "_HEADER_DIR", None)
+    header_dir = torch_compat.inductor_header_dir()
     if header_dir:
         return Path(header_dir)
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return Path(default_cache_dir()) / _HEADERS_DIRNAME
+    return Path(torch_compat.inductor_default_cache_dir()) / _HEADERS_DIRNAME
 
 
 def _skip(rel: PurePosixPath) -> bool:
@@ -249,15 +243,8 @@ def collect(*, include_megacache: bool = True) -> Collected:
 def used_precompiled_headers() -> bool:
     """Whether this process's inductor used a precompiled header (C++ kernels); when it did not (other
     backends, GPU-only kernels), the node's shared header directory is none of this job's business."""
-    import sys
-
-    codecache = sys.modules.get("torch._inductor.codecache")
-    if codecache is None:
-        return False
-    cache_info = getattr(getattr(codecache, "_precompile_header", None), "cache_info", None)
-    if cache_info is None:  # inductor changed: keep the headers rather than risk a slow warm start
-        return True
-    return cache_info().currsize > 0
+    used = torch_compat.inductor_used_precompiled_header()
+    return True if used is None else used  # inductor changed: keep the headers rather than risk a slow start
 
 
 def collect_fingerprint(cache_dir: Path | None = None, header_dir: Path | None = None) -> str:

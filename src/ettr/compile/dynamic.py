@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ettr import torch_compat
 from ettr.atomic import atomic_write
 
 logger = logging.getLogger("ettr")
@@ -76,9 +77,7 @@ def from_pgo() -> list[DynamicSource]:
     """Sources this process's PGO profile has marked automatically dynamic (empty if Dynamo's profile
     is unavailable; it is internal to torch and may move)."""
     try:
-        from torch._dynamo import pgo
-
-        state = pgo._CODE_STATE
+        state, auto_dynamic = torch_compat.pgo_profile()
         if not state:
             return []
         found: list[DynamicSource] = []
@@ -87,9 +86,9 @@ def from_pgo() -> list[DynamicSource]:
                 size = entry.size
                 if isinstance(size, tuple):
                     found.extend(
-                        DynamicSource(source, dim) for dim, s in enumerate(size) if s is pgo.auto_dynamic
+                        DynamicSource(source, dim) for dim, s in enumerate(size) if s is auto_dynamic
                     )
-                elif entry.scalar is pgo.auto_dynamic:
+                elif entry.scalar is auto_dynamic:
                     # A scalar profile has size and stride auto_dynamic whatever its value: only its
                     # scalar field says whether the value itself varied (as in pgo._collect_dynamic_sources).
                     found.append(DynamicSource(source))

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ettr import torch_compat
 from ettr.events import EventKind, Phase
 from ettr.tracing import dynamo_is_tracing
 from ettr.warn import WarnOnce
@@ -46,14 +47,7 @@ class CompileRecord:
 
 
 def _recompile_reason() -> str | None:
-    # Set by Dynamo in the metrics context before the compile callbacks run (convert_frame._compile).
-    try:
-        from torch._dynamo.utils import get_metrics_context
-
-        reason = get_metrics_context()._metrics.get("recompile_reason")
-        return None if reason is None else str(reason)
-    except Exception:
-        return None
+    return torch_compat.dynamo_recompile_reason()
 
 
 class CompileHooks:
@@ -91,8 +85,7 @@ class CompileHooks:
         """Register the callbacks with Dynamo (imports `torch._dynamo`). Idempotent."""
         if self._installed:
             return
-        from torch._dynamo.callback import callback_handler
-
+        callback_handler = torch_compat.dynamo_callback_handler()
         callback_handler.register_start_callback(self._on_start)
         callback_handler.register_end_callback(self._on_end)
         self._installed = True
@@ -101,8 +94,7 @@ class CompileHooks:
         """Unregister the callbacks (pending records stay until `emit_pending`)."""
         if not self._installed:
             return
-        from torch._dynamo.callback import callback_handler
-
+        callback_handler = torch_compat.dynamo_callback_handler()
         for remove, fn in (
             (callback_handler.remove_start_callback, self._on_start),
             (callback_handler.remove_end_callback, self._on_end),

@@ -15,6 +15,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ettr import torch_compat
+
 KEY_VERSION = 1
 """Bumped when the meaning of a component changes (entries of another version never match)."""
 
@@ -95,8 +97,7 @@ def _device_tag(device_type: str) -> str:
 
 def inductor_config_digest() -> str:
     """Digest of `torch._inductor.config`'s portable settings (imports inductor's config module)."""
-    from torch._inductor import config as inductor_config
-
+    inductor_config = torch_compat.inductor_config()
     portable: dict[str, Any] = inductor_config.save_config_portable()
     canonical = json.dumps(portable, sort_keys=True, default=repr)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

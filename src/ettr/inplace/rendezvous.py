@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ettr import torch_compat
+
 logger = logging.getLogger("ettr")
 
 _POLL_S = 0.002
@@ -93,7 +95,7 @@ def leave(backend: str) -> tuple[float, bool]:
     and whether the default group was released (False: something still holds it, so its connections stay
     open and a peer blocked on this rank would wait for the collective timeout). Never raises."""
     begin = time.monotonic()
-    default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    default = torch_compat.default_group()
     try:
         if dist.is_initialized():
             if backend == "nccl":

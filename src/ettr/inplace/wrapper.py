@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ettr import torch_compat
 from ettr.events import Phase
 from ettr.inplace import rendezvous
 from ettr.inplace.config import InPlaceConfig
@@ -131,7 +132,7 @@ class _Runner:
             index=self.run_env.attempt if self.run_env else 0,
             rank=self.rank,
             world_size=self.world_size,
-            store=rendezvous.generation_store(dist.distributed_c10d._get_default_store(), 0),
+            store=rendezvous.generation_store(torch_compat.default_store(), 0),
         )
         try:
             return fn(gen, *args, **kwargs)

@@ -1,0 +1,161 @@
+"""Every private torch API ettr calls, in one place, so that a torch release that moves one breaks one file.
+
+Each function names the private thing it reaches, what ettr uses it for, and what it does when torch no
+longer has it (raise ImportError for a part ettr cannot work without, else None or a safe answer). Nothing
+here imports torch when this module is imported, and it imports nothing of ettr. Module *names* that ettr
+watches for (`torch._dynamo` for the compile session's post-import hook, standbys' warm imports) are names,
+not calls, and stay with their users.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+# -- torch.distributed.checkpoint ----------------------------------------------------------------------------
+
+
+def fsspec_writer_class() -> Any:
+    """DCP's `FsspecWriter` (`torch.distributed.checkpoint._fsspec_filesystem`): the writer of checkpoints
+    on object stores. Raises ImportError without fsspec (or if DCP moved it)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter
+
+
+def fsspec_reader_class() -> Any:
+    """DCP's `FsspecReader`, the reader beside `fsspec_writer_class`. Raises ImportError."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader
+
+
+def state_dict_stager_class() -> Any:
+    """DCP's `StateDictStager` (`_state_dict_stager`): the staging copy `ReusedStager` falls back to (it caches
+    its buffers the way DCP's async save does). Raises ImportError."""
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    return StateDictStager
+
+
+def set_element(root: Any, path: Any, value: Any) -> None:
+    """DCP's `_traverse.set_element`: put `value` at `path` of a nested state dict, as DCP's default load
+    planner does for a flattened state dict (`SafeLoadPlanner`). Raises ImportError."""
+    from torch.distributed.checkpoint._traverse import set_element as set_
+
+    set_(root, path, value)
+
+
+# -- inductor --------------------------------------------------------------------------------------------------
+
+
+def inductor_cache_dir() -> str:
+    """The cache directory inductor uses in this process (`_inductor.runtime.cache_dir_utils.cache_dir`;
+    creates it, as inductor would). Raises ImportError."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return str(cache_dir())
+
+
+def inductor_default_cache_dir() -> str:
+    """Inductor's default cache directory (without `TORCHINDUCTOR_CACHE_DIR`). Raises ImportError."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return str(default_cache_dir())
+
+
+def inductor_header_dir() -> str | None:
+    """Where inductor keeps its precompiled headers (`codecache._HEADER_DIR`, fixed when its codecache module
+    was imported); None when that module is not imported yet or has no such setting."""
+    codecache = sys.modules.get("torch._inductor.codecache")
+    header_dir = getattr(codecache, "_HEADER_DIR", None)
+    return str(header_dir) if header_dir else None
+
+
+def inductor_used_precompiled_header() -> bool | None:
+    """Whether this process's inductor used a precompiled header (`codecache._precompile_header`'s cache):
+    False when inductor's codecache is not imported, None when inductor changed and cannot tell."""
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is None:
+        return False
+    cache_info = getattr(getattr(codecache, "_precompile_header", None), "cache_info", None)
+    if cache_info is None:
+        return None
+    return bool(cache_info().currsize > 0)
+
+
+def inductor_config() -> Any:
+    """`torch._inductor.config` (its portable settings key the compile store). Raises ImportError."""
+    from torch._inductor import config
+
+    return config
+
+
+# -- dynamo ----------------------------------------------------------------------------------------------------
+
+
+def dynamo_callback_handler() -> Any:
+    """Dynamo's `callback_handler` (`torch._dynamo.callback`): start and end callbacks around every
+    compilation (imports `torch._dynamo`). Raises ImportError."""
+    from torch._dynamo.callback import callback_handler
+
+    return callback_handler
+
+
+def dynamo_recompile_reason() -> str | None:
+    """Why Dynamo is compiling now, if it recompiles (set in its metrics context before the compile callbacks
+    run: `convert_frame._compile`); None when it says nothing or cannot be read."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+        return None if reason is None else str(reason)
+    except Exception:
+        return None
+
+
+def dynamo_frames_compiled() -> int | None:
+    """How many frames Dynamo has compiled in this process (`torch._dynamo.utils.counters`), without
+    importing Dynamo: 0 when it is not imported, None when its counters cannot be read."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    if dynamo_utils is None:
+        return 0
+    try:
+        return int(dynamo_utils.counters["frames"]["total"])
+    except Exception:
+        return None
+
+
+def pgo_profile() -> tuple[Mapping[Any, Any], Any]:
+    """Dynamo's profile-guided dynamism (`torch._dynamo.pgo`): this process's code states (`_CODE_STATE`,
+    empty when none) and the `auto_dynamic` marker its entries carry. Raises ImportError (or
+    AttributeError when pgo changed)."""
+    from torch._dynamo import pgo
+
+    return pgo._CODE_STATE or {}, pgo.auto_dynamic
+
+
+# -- torch.utils.data, torch.distributed -------------------------------------------------------------------------
+
+
+def dataloader_iter_base() -> Any:
+    """`torch.utils.data.dataloader._BaseDataLoaderIter`: the one `__next__` every DataLoader iterator
+    shares (the bootstrap times the first batch there)."""
+    import torch.utils.data.dataloader as dataloader
+
+    return dataloader._BaseDataLoaderIter
+
+
+def default_store() -> Any:
+    """The default process group's store (`distributed_c10d._get_default_store`)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def default_group() -> Any:
+    """The default process group (`distributed_c10d._get_default_group`), None when there is none."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
