@@ -92,22 +92,17 @@ class _PhaseSpan:
         )
 
 
-@runtime_checkable
-class RecorderProtocol(Protocol):
-    """What a component needs of a recorder: the seam every `rec` parameter is typed with.
-
-    `Recorder` (queue + writer thread) is the real one; `NullRecorder` records nothing; tests use the
-    synchronous recorder in `ettr.testing`. Every method must be cheap and must never raise.
+class EventSink(Protocol):
+    """The narrow seam most components need of a recorder: write events (`record`, `phase`, `span`, `mark`),
+    `flush`, and who writes them (`attempt`, `rank`, `run_dir`, `job_id`). Every `RecorderProtocol` is
+    one; a component that needs more (checkpoint commits, step listeners, the step counter) takes the
+    whole `RecorderProtocol`. Every method must be cheap and must never raise.
     """
 
-    enabled: bool
     attempt: int
     rank: int
-    world_size: int
     run_dir: Path | None
     job_id: str
-    last_step: int | None
-    explicit_steps: bool
 
     def record(
         self,
@@ -132,6 +127,26 @@ class RecorderProtocol(Protocol):
         **data: Any,
     ) -> None: ...
 
+    def mark(self, name: str, **data: Any) -> None: ...
+
+    def flush(self, timeout_s: float = 5.0) -> None: ...
+
+
+@runtime_checkable
+class RecorderProtocol(EventSink, Protocol):
+    """What the training side needs of a recorder: the `EventSink`, and the step counter, checkpoint and
+    failure events, listeners, the lifecycle. The type of every `rec` parameter that needs more than
+    the sink.
+
+    `Recorder` (queue + writer thread) is the real one; `NullRecorder` records nothing; tests use the
+    synchronous recorder in `ettr.testing`. Every method must be cheap and must never raise.
+    """
+
+    enabled: bool
+    world_size: int
+    last_step: int | None
+    explicit_steps: bool
+
     def is_open(self, phase: Phase) -> bool: ...
 
     def step(self, step: int, *, auto: bool = False) -> None: ...
@@ -152,15 +167,11 @@ class RecorderProtocol(Protocol):
 
     def failure(self, exc: BaseException) -> None: ...
 
-    def mark(self, name: str, **data: Any) -> None: ...
-
     def add_step_listener(self, listener: Callable[[int], None]) -> None: ...
 
     def add_listener(self, listener: EventListener) -> None: ...
 
     def remove_listener(self, listener: EventListener) -> None: ...
-
-    def flush(self, timeout_s: float = 5.0) -> None: ...
 
     def close(self) -> None: ...
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ettr.bootstrap.hooks import Guard, Patcher
 from ettr.events import Phase
-from ettr.recorder import RecorderProtocol
+from ettr.recorder import EventSink
 
 TRAINER_MODULES: dict[str, str] = {
     "lightning.pytorch.trainer.trainer": "ettr.integrations.lightning",
@@ -30,7 +30,7 @@ TRAINER_MODULES: dict[str, str] = {
 class FrameworkHooks:
     """Wraps `Trainer.__init__` of each framework module it is given (`on_import`, a post-import callback)."""
 
-    def __init__(self, rec: RecorderProtocol, *, guard: Guard, patcher: Patcher) -> None:
+    def __init__(self, rec: EventSink, *, guard: Guard, patcher: Patcher) -> None:
         self.rec = rec
         self.guard = guard
         self.patcher = patcher

@@ -17,7 +17,7 @@ from typing import Any
 
 from ettr.checkpoint.base import CheckpointStorage, step_dir_name
 from ettr.checkpoint.commit import Manifest, find_latest, list_checkpoints, quarantine
-from ettr.recorder import RecorderProtocol
+from ettr.recorder import EventSink
 
 logger = logging.getLogger("ettr")
 
@@ -39,7 +39,7 @@ class ResumeChoice:
 def choose_checkpoint(
     storage: CheckpointStorage,
     *,
-    recorder: RecorderProtocol,
+    recorder: EventSink,
     step: int | None = None,
     at_most: int | None = None,
     checksums: bool = True,
@@ -80,7 +80,7 @@ def choose_checkpoint(
     )
 
 
-def set_aside(storage: CheckpointStorage, name: str, reason: str, *, recorder: RecorderProtocol) -> None:
+def set_aside(storage: CheckpointStorage, name: str, reason: str, *, recorder: EventSink) -> None:
     """Record a `checkpoint_skipped` mark for `name`; move it aside if it has a manifest (corrupt or
     unloadable: kept for inspection), else delete it (incomplete)."""
     recorder.mark("checkpoint_skipped", checkpoint=name, reason=reason)

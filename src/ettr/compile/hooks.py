@@ -24,7 +24,7 @@ from ettr.tracing import dynamo_is_tracing
 from ettr.warn import WarnOnce
 
 if TYPE_CHECKING:
-    from ettr.recorder import RecorderProtocol
+    from ettr.recorder import EventSink
 
 logger = logging.getLogger("ettr")
 
@@ -62,7 +62,7 @@ class CompileHooks:
 
     def __init__(
         self,
-        rec: RecorderProtocol,
+        rec: EventSink,
         *,
         before_first_compile: Callable[[], None] | None = None,
         after_compile: Callable[[CompileRecord], None] | None = None,

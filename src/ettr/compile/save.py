@@ -23,7 +23,7 @@ from ettr.compile.hooks import CompileHooks
 from ettr.compile.key import StoreKey
 from ettr.compile.restore import EntryView, MarkFn
 from ettr.compile.store import CompileStore, EntryRefused
-from ettr.recorder import RecorderProtocol
+from ettr.recorder import EventSink
 
 logger = logging.getLogger("ettr")
 
@@ -44,7 +44,7 @@ class StoreSaver:
     def __init__(
         self,
         *,
-        rec: RecorderProtocol,
+        rec: EventSink,
         config: CompileConfig,
         hooks: CompileHooks,
         store: Callable[[], CompileStore | None],

@@ -30,7 +30,7 @@ from ettr.events import Phase
 
 if TYPE_CHECKING:
     from ettr.compile.session import CompileSession
-    from ettr.recorder import RecorderProtocol
+    from ettr.recorder import EventSink
 
 logger = logging.getLogger("ettr")
 
@@ -72,7 +72,7 @@ class _Task:
             self.done.set()
 
 
-def _resolve_spec(spec: Any, rec: RecorderProtocol, session: CompileSession | None) -> tuple[Any, str]:
+def _resolve_spec(spec: Any, rec: EventSink, session: CompileSession | None) -> tuple[Any, str]:
     if spec is not None:
         return spec, "given"
     run_dir = rec.run_dir
@@ -107,7 +107,7 @@ def fast_start(
     *,
     restore: Callable[[], Any] | None = None,
     spec: Any = None,
-    rec: RecorderProtocol | None = None,
+    rec: EventSink | None = None,
     device: Any = None,
 ) -> StartupResult:
     """Run the compile warm-up on a synthetic batch while `first_batch()` and `restore()` run on helper
@@ -175,7 +175,7 @@ def fast_start(
 
 
 def _record(
-    rec: RecorderProtocol, part: str, phase: Phase, begin_ts: float, end_ts: float, spec_source: str
+    rec: EventSink, part: str, phase: Phase, begin_ts: float, end_ts: float, spec_source: str
 ) -> None:
     try:
         rec.span(phase, begin_ts, end_ts, source="fast_start", part=part, spec_source=spec_source)
@@ -183,7 +183,7 @@ def _record(
         logger.debug("ettr: cannot record the %s phase: %s", part, exc)
 
 
-def _remember_spec(rec: RecorderProtocol, session: CompileSession | None, batch: Any, used: Any) -> None:
+def _remember_spec(rec: EventSink, session: CompileSession | None, batch: Any, used: Any) -> None:
     # The next attempt (run directory) and later jobs (store, at the session's next save) start from it.
     try:
         real = fastbatch.spec_of(batch)

@@ -34,7 +34,7 @@ from ettr.constants import SECONDS_PER_DAY
 from ettr.events import Phase
 from ettr.publish.request import DTYPES, ModelSpec, PublishError, PublishRequest, request_id_for
 from ettr.publish.sample import SAMPLE_FILE, encode_sample, flatten_inputs, flatten_outputs, infer_inputs
-from ettr.recorder import RecorderProtocol
+from ettr.recorder import EventSink
 from ettr.run_env import RunEnv
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class AnchorResult:
     """Inside mode: rank 0 built the artifact (or found it built). Always False in standalone mode."""
 
 
-def _default_recorder() -> RecorderProtocol:
+def _default_recorder() -> EventSink:
     from ettr.runtime import get_recorder
 
     return get_recorder()
@@ -221,7 +221,7 @@ def write_anchor(
     return storage.path(name), False
 
 
-def _job_id(config: PublishConfig, recorder: RecorderProtocol) -> str:
+def _job_id(config: PublishConfig, recorder: EventSink) -> str:
     """The configured id, else the recorder's, else the run's (`RunEnv`), else "job"."""
     run_env = RunEnv.from_environ()
     return config.job_id or recorder.job_id or (run_env.job_id if run_env else "") or "job"
@@ -233,7 +233,7 @@ def publish_at_end(
     step: int,
     config: PublishConfig,
     sample_inputs: Sequence[Any],
-    recorder: RecorderProtocol | None = None,
+    recorder: EventSink | None = None,
     state_dict: dict[str, Any] | None = None,
 ) -> AnchorResult:
     """Write the anchor checkpoint of `model` after `step`, enqueue its publish request, and (inside mode)
@@ -338,7 +338,7 @@ def _trained_outputs(model: torch.nn.Module, sample_inputs: Sequence[Any]) -> An
 
 
 def _enqueue(
-    rec: RecorderProtocol,
+    rec: EventSink,
     queue_dir: Path,
     request: PublishRequest,
     *,
