@@ -7,6 +7,8 @@ from ettr.checkpoint.base import (
     CheckpointInvalid,
     CheckpointStorage,
     PersistMode,
+    ReadableStorage,
+    WritableStorage,
     step_dir_name,
 )
 from ettr.checkpoint.commit import (
@@ -35,6 +37,8 @@ __all__ = [
     "CheckpointInvalid",
     "CheckpointManager",
     "CheckpointStorage",
+    "ReadableStorage",
+    "WritableStorage",
     "Coordinator",
     "FailureHistory",
     "FsspecStorage",

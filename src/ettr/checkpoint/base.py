@@ -166,15 +166,9 @@ class CheckpointConfig:
             raise ValueError(f"memory_replicas must be >= 0, got {self.memory_replicas}")
 
 
-@runtime_checkable
-class CheckpointStorage(Protocol):
-    """The place checkpoints live, addressed by paths relative to its root (`step_000000010/x.distcp`).
-
-    Every write that returns is durable (fsync'd, or an object store's completed upload); `write_atomic`
-    makes the file appear whole or not at all. A backend hands out the DCP writer and reader that suit it
-    (`dcp_writer`, `dcp_reader`): nothing outside it knows which backend it is. Implementations must be
-    picklable for the process-mode persist (which receives one).
-    """
+class ReadableStorage(Protocol):
+    """The read side of a checkpoint storage (6 members): where it is, what it holds, the bytes of a file,
+    and the DCP reader that suits it. What verifying, listing and choosing a checkpoint need."""
 
     @property
     def url(self) -> str:
@@ -195,6 +189,15 @@ class CheckpointStorage(Protocol):
         ...
 
     def read_bytes(self, rel: str) -> bytes: ...
+
+    def dcp_reader(self, rel_dir: str) -> StorageReader:
+        """A DCP StorageReader of directory `rel_dir`."""
+        ...
+
+
+class WritableStorage(Protocol):
+    """The write side of a checkpoint storage (6 members): whole files, durable names, removal, renames,
+    and the DCP writer that suits it."""
 
     def write_atomic(self, rel: str, data: bytes, *, on_partial: Callable[[], None] | None = None) -> None:
         """Write `data` to a temporary name, make it durable, then rename it to `rel`.
@@ -221,9 +224,17 @@ class CheckpointStorage(Protocol):
         durable (one file per rank, `thread_count` writer threads each)."""
         ...
 
-    def dcp_reader(self, rel_dir: str) -> StorageReader:
-        """A DCP StorageReader of directory `rel_dir`."""
-        ...
+
+@runtime_checkable
+class CheckpointStorage(ReadableStorage, WritableStorage, Protocol):
+    """The place checkpoints live, addressed by paths relative to its root (`step_000000010/x.distcp`): its
+    read side and its write side. Code that only reads takes a `ReadableStorage`.
+
+    Every write that returns is durable (fsync'd, or an object store's completed upload); `write_atomic`
+    makes the file appear whole or not at all. A backend hands out the DCP writer and reader that suit it
+    (`dcp_writer`, `dcp_reader`): nothing outside it knows which backend it is. Implementations must be
+    picklable for the process-mode persist (which receives one).
+    """
 
 
 def _describe_one(exc: BaseException) -> str:

@@ -35,6 +35,7 @@ from ettr.checkpoint.base import (
     CheckpointInvalid,
     CheckpointRefused,
     CheckpointStorage,
+    ReadableStorage,
     describe_os_error,
     iter_chunks,
     parse_step_dir,
@@ -195,7 +196,7 @@ def root_identity(url: str) -> str:
     return os.path.realpath(url.removeprefix("file://"))
 
 
-def file_crc32(storage: CheckpointStorage, rel: str) -> tuple[int, int]:
+def file_crc32(storage: ReadableStorage, rel: str) -> tuple[int, int]:
     """(size, CRC-32) of one stored file, read in chunks (zlib releases the GIL while it sums)."""
     crc, size = 0, 0
     with storage.open_read(rel) as stream:
@@ -246,7 +247,7 @@ def commit(
 
 
 def verify(
-    storage: CheckpointStorage,
+    storage: ReadableStorage,
     name: str,
     *,
     checksums: bool = True,
@@ -276,9 +277,7 @@ def verify(
     return manifest
 
 
-def verify_files(
-    storage: CheckpointStorage, name: str, manifest: Manifest, *, checksums: bool = True
-) -> None:
+def verify_files(storage: ReadableStorage, name: str, manifest: Manifest, *, checksums: bool = True) -> None:
     """Check that every file `manifest` lists is in directory `name` with its size (and CRC-32: with
     `checksums`, and always for pickled files). Raises CheckpointInvalid."""
     if not manifest.files:
@@ -312,7 +311,7 @@ class CheckpointDir:
     has_manifest: bool
 
 
-def list_checkpoints(storage: CheckpointStorage) -> list[CheckpointDir]:
+def list_checkpoints(storage: ReadableStorage) -> list[CheckpointDir]:
     """Every checkpoint directory under the root, oldest step first."""
     found = []
     for entry, size in storage.list_dir("").items():
@@ -338,7 +337,7 @@ class Resolution:
 
 
 def find_latest(
-    storage: CheckpointStorage,
+    storage: ReadableStorage,
     *,
     checksums: bool = True,
     at_most: int | None = None,
@@ -388,7 +387,7 @@ def find_latest(
 
 
 def _verify_retrying(
-    storage: CheckpointStorage,
+    storage: ReadableStorage,
     name: str,
     *,
     checksums: bool,
@@ -418,7 +417,7 @@ def _verify_retrying(
 # -- readers' leases --------------------------------------------------------------------------------------
 
 
-def _lease_is_live(storage: CheckpointStorage, rel: str, now_s: float, ttl_s: float) -> bool:
+def _lease_is_live(storage: ReadableStorage, rel: str, now_s: float, ttl_s: float) -> bool:
     try:
         taken_ts = float(json.loads(storage.read_bytes(rel))["ts"])
     except (FileNotFoundError, ValueError, KeyError, TypeError):
@@ -426,7 +425,7 @@ def _lease_is_live(storage: CheckpointStorage, rel: str, now_s: float, ttl_s: fl
     return now_s - taken_ts < ttl_s
 
 
-def is_leased(storage: CheckpointStorage, name: str, *, ttl_s: float, now_s: float | None = None) -> bool:
+def is_leased(storage: ReadableStorage, name: str, *, ttl_s: float, now_s: float | None = None) -> bool:
     """Whether a reader holds a live lease on checkpoint directory `name`."""
     now_s = time.time() if now_s is None else now_s
     return any(

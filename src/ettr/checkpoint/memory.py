@@ -30,7 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from ettr.checkpoint import snapshot
-from ettr.checkpoint.base import MANIFEST_NAME, CheckpointInvalid, CheckpointStorage, step_dir_name
+from ettr.checkpoint.base import (
+    MANIFEST_NAME,
+    CheckpointInvalid,
+    ReadableStorage,
+    step_dir_name,
+)
 from ettr.checkpoint.snapshot import Binding, Snapshot
 from ettr.run_env import MEMORY_OWNER_NAME
 
@@ -59,7 +64,7 @@ def _ensure_private(path: Path) -> None:
         raise UnsafeMemoryDir(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
 
 
-def manifest_binding(storage: CheckpointStorage, step: int, world_size: int) -> Binding:
+def manifest_binding(storage: ReadableStorage, step: int, world_size: int) -> Binding:
     """The binding of step `step`'s committed checkpoint: the digest of its manifest's bytes as stored.
     Raises OSError (FileNotFoundError: not committed)."""
     data = storage.read_bytes(f"{step_dir_name(step)}/{MANIFEST_NAME}")

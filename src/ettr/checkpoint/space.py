@@ -14,7 +14,7 @@ import logging
 import shutil
 from collections.abc import Callable, Iterable
 
-from ettr.checkpoint.base import MANIFEST_NAME, CheckpointError, CheckpointStorage
+from ettr.checkpoint.base import MANIFEST_NAME, CheckpointError, CheckpointStorage, ReadableStorage
 from ettr.checkpoint.commit import Manifest, is_leased, list_checkpoints, verify
 
 logger = logging.getLogger("ettr")
@@ -25,7 +25,7 @@ MARGIN = 1.10
 FreeBytes = Callable[[CheckpointStorage], int | None]
 
 
-def local_free_bytes(storage: CheckpointStorage) -> int | None:
+def local_free_bytes(storage: ReadableStorage) -> int | None:
     """Free bytes on the file system of a local root (None: not a local root, or unknown)."""
     root = getattr(storage, "root", None)
     if not isinstance(root, str):
@@ -36,7 +36,7 @@ def local_free_bytes(storage: CheckpointStorage) -> int | None:
         return None
 
 
-def estimate_save_bytes(storage: CheckpointStorage) -> int | None:
+def estimate_save_bytes(storage: ReadableStorage) -> int | None:
     """The expected size of the next save: the newest committed checkpoint's, with a margin."""
     for ckpt in reversed(list_checkpoints(storage)):
         if not ckpt.has_manifest:

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ettr import torch_compat
-from ettr.checkpoint.base import CheckpointError, CheckpointInvalid, CheckpointStorage
+from ettr.checkpoint.base import CheckpointError, CheckpointInvalid, ReadableStorage
 from ettr.checkpoint.commit import TRANSIENT_ERRNOS
 
 logger = logging.getLogger("ettr")
@@ -338,7 +338,7 @@ class VerifiedReader(StorageReader):
         self,
         inner: StorageReader,
         *,
-        storage: CheckpointStorage,
+        storage: ReadableStorage,
         name: str,
         expected: tuple[int, int],
         files: Mapping[str, int] | None = None,
@@ -390,7 +390,7 @@ class VerifiedReader(StorageReader):
         return self.inner.read_data(plan, planner)
 
 
-def verified_reader(storage: CheckpointStorage, name: str, manifest: Any) -> VerifiedReader:
+def verified_reader(storage: ReadableStorage, name: str, manifest: Any) -> VerifiedReader:
     """The DCP reader of checkpoint `name` whose manifest `manifest` verified."""
     entry = manifest.files.get(METADATA_NAME)
     if entry is None:
