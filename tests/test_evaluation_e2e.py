@@ -72,8 +72,13 @@ def test_a_final_evaluation_left_in_eval_mode_ends_with_its_last_pass(tmp_path: 
         "run", "--run-dir", str(run_dir), "--",
         sys.executable, SCRIPT, "--ckpt", str(tmp_path / "ckpt.pt"), "--observe", str(observe),
         "--num-steps", "10", "--eval-every", "5", "--save-every", "5", "--final-eval-in-eval-mode",
+        "--save-model", str(tmp_path / "model.pt"),
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]  # the whole model pickled in mid-evaluation
+    import torch
+
+    saved = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert not saved.training and not saved._forward_pre_hooks and not saved._forward_hooks
     rep = report(run_dir)
     assert summary(rep) == [("completed", None, 10, 0)]
     seen = _seen(observe)

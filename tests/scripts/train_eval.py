@@ -35,6 +35,10 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.05)
     parser.add_argument("--pass-s", type=float, default=0.05)
     parser.add_argument("--final-eval-in-eval-mode", action="store_true")
+    parser.add_argument(
+        "--save-model",
+        help="at the end, torch.save the whole model (still in eval mode with --final-eval-in-eval-mode)",
+    )
     parser.add_argument("--data", help="a tensor of inputs saved with torch.save, loaded at start")
     parser.add_argument("--observe")
     args = parser.parse_args()
@@ -85,6 +89,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         observed.write("step", iter_num, begin)
+    if args.save_model:
+        torch.save(model, args.save_model)  # the whole module, as image-classification examples do
     print(f"trained to iteration {iter_num}", flush=True)
 
 
