@@ -158,3 +158,15 @@ def test_cli_bad_input_is_one_line_and_status_2(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("save_cost_s", "failures_per_day"), [(1.0, 5e-324), (1e300, 1.0), (1.0, 1e300), (1e-300, 1e300)]
+)
+def test_pairs_out_of_range_are_its_value_error_not_an_overflow(save_cost_s, failures_per_day):
+    """A rate whose mean gap overflows, or a save hundreds of failure times long: the documented ValueError
+    (callers turn it into one line), never OverflowError or ZeroDivisionError."""
+    from ettr.interval import optimal_interval_s
+
+    with pytest.raises(ValueError):
+        optimal_interval_s(save_cost_s=save_cost_s, failures_per_day=failures_per_day)
