@@ -99,6 +99,7 @@ def _serve(argv: list[str], cwd: Path, env: dict[str, str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a dozen commands, each a fresh interpreter; a loaded machine takes minutes
 def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
     ettr = shutil.which("ettr", path=str(Path(sys.executable).parent))
     assert ettr, "the ettr command is not installed beside this python"
