@@ -223,6 +223,18 @@ def test_nothing_in_the_library_imports_an_app_or_a_harness():
             assert not {t.split(".")[0] for t in targets} & {"cli", "demo", "testing"}, part
 
 
+MAX_SUPERVISOR_LINES = 400
+"""issue 23: the supervisor in small parts, one concept per file; a file that grows past this is split."""
+
+
+def test_no_file_of_the_supervisor_is_over_400_lines():
+    sizes = {
+        p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in (SRC / "supervisor").glob("*.py")
+    }
+    long = {name: n for name, n in sizes.items() if n > MAX_SUPERVISOR_LINES}
+    assert not long, f"split by concept (docs/architecture.md, supervisor/): {long}"
+
+
 # -- the checks can fail ---------------------------------------------------------------------------------------
 TABLE = """## Which imports may go which way
 ```

@@ -1,11 +1,12 @@
-"""A job's books, as one supervisor keeps them: open, salvage, append, read, close, summarise.
+"""A job's books, as one supervisor keeps them: open, salvage, append, read, close.
 
 `JobBooks` is the only supervisor code that touches the ledger. It opens the books of a new or requeued job
 (closing the attempt a killed supervisor left open, after killing what that supervisor left running),
 salvages a damaged SQLite ledger, appends the supervisor's events (the end events patiently: without them a
 completed job reads as failed), answers the questions the rest of the supervisor asks of the books (the
 attempt's training events, its last activity, whether a rank recorded a FAILURE), and closes them (delivering
-what a server outage spilled, then storing the fleet's summary).
+what a server outage spilled; `ettr.cli`'s job-end hook then stores the fleet's summary). What it writes
+when it opens them is `ettr.supervisor.opening`'s.
 
 A node of a multi-node job other than node 0 `join`s the books instead of opening them: it reads them and
 writes node marks (`ettr.supervisor.peers`), never the job's own events.
@@ -21,27 +22,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import sqlite3
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ettr.closing import closing_events as close_open_attempts
 from ettr.closing import foreign_run, live_supervisor, recorded_job_id
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.inject import FaultSpec, unfired_specs
 from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.ledger.postgres import redact
-from ettr.procs import start_ticks
 from ettr.steptail import read_tails, unrecorded_steps
 from ettr.supervisor import containment, peers, slurm
 from ettr.supervisor.config import RunConfig
-from ettr.supervisor.jobinfo import job_times
-from ettr.supervisor.launch import detect_launcher
 from ettr.supervisor.messages import describe_os_error, say
+from ettr.supervisor.opening import closing_events, next_attempt, opening_events
 
 __all__ = ["JobBooks", "closing_events", "live_supervisor", "next_attempt"]
 
@@ -49,21 +46,6 @@ logger = logging.getLogger("ettr")
 
 _PATIENT_KINDS = frozenset({EventKind.ATTEMPT_END, EventKind.JOB_END})
 """Retried for up to `RunConfig.end_retry_s`: without them a completed job reads as failed."""
-
-
-def closing_events(events: Sequence[Event]) -> list[Event]:
-    """ATTEMPT_END events for the attempts that were started and never ended, each at its last event."""
-    return close_open_attempts(
-        events,
-        reason="its supervisor was lost (killed) while it ran; closed from the ledger",
-        extra={"signal": None},
-    )
-
-
-def next_attempt(events: Sequence[Event]) -> int:
-    """The index the next attempt of this job gets (0 for a new job)."""
-    used = (e.attempt for e in events if e.kind is EventKind.ATTEMPT_START or e.rank >= 0)
-    return 1 + max(used, default=-1)
 
 
 class JobBooks:
@@ -143,7 +125,12 @@ class JobBooks:
         note = slurm.restart_count_note(previous, os.environ)
         if note:
             say(note)
-        opening = [*closing, *self._opening_events(previous)]
+        opening = [
+            *closing,
+            *opening_events(
+                self.config, run_dir=self.run_dir, job_id=self.job_id, family=self.family, previous=previous
+            ),
+        ]
         try:  # the first write: a ledger that reads but cannot be written is found here
             self._writer().append(opening)
         except sqlite3.OperationalError as exc:  # full, locked, read-only: not damage; the job goes on
@@ -167,40 +154,6 @@ class JobBooks:
 
     def _where(self) -> str:
         return redact(self.config.ledger_url or str(self.run_dir))
-
-    def _opening_events(self, previous: Sequence[Event]) -> list[Event]:
-        """JOB_SUBMITTED / JOB_ALLOCATED where first known, and SUPERVISOR_START."""
-        cfg = self.config
-        times = job_times(submitted_at=cfg.submitted_at, allocated_at=cfg.allocated_at)
-        known = {e.kind for e in previous}
-        opening = []
-        if times.submitted_at is not None and EventKind.JOB_SUBMITTED not in known:
-            opening.append(Event(EventKind.JOB_SUBMITTED, times.submitted_at, 0, SUPERVISOR_RANK))
-        if times.allocated_at is not None and EventKind.JOB_ALLOCATED not in known:
-            opening.append(Event(EventKind.JOB_ALLOCATED, times.allocated_at, 0, SUPERVISOR_RANK))
-        start: dict[str, Any] = {
-            "pid": os.getpid(),
-            "pid_start_ticks": start_ticks(os.getpid()),
-            "host": socket.gethostname(),
-            "command": list(cfg.command),
-            "run_dir": str(self.run_dir),
-            "launcher": detect_launcher(cfg.command).value,
-            "max_restarts": cfg.max_restarts,
-            "job_id": self.job_id,
-            "family": self.family,
-            "hang_timeout_s": cfg.hang_timeout_s or cfg.default_hang_timeout_s,
-            "inject": [str(s) for s in cfg.inject],
-            "auto": cfg.auto,
-        }
-        if os.environ.get("SLURM_JOB_ID"):
-            start["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
-        if previous:  # a requeued run: its own wait in the queue (Slurm resets SubmitTime at a requeue)
-            if times.submitted_at is not None:
-                start["submitted_at"] = times.submitted_at
-            if times.allocated_at is not None:
-                start["allocated_at"] = times.allocated_at
-        opening.append(Event(EventKind.SUPERVISOR_START, time.time(), 0, SUPERVISOR_RANK, data=start))
-        return opening
 
     def join(self, node_rank: int) -> list[Event]:
         """Join the books of a multi-node job as node `node_rank` (not 0): read them; from now on `append`
