@@ -338,3 +338,16 @@ def test_the_in_place_store_is_owned_by_the_run_and_removed_with_it(tmp_path: Pa
     assert remove_memory_dirs_of_run(tmp_path / "run", environ) == [store.parent]
     assert not store.parent.exists()
     assert enabled({}) and not enabled({"ETTR_INPLACE": "0"})
+
+
+def test_a_worker_kind_that_starts_nothing_leaves_nothing_in_shared_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The in-place store is made at the first start (under a supervisor, which removes it at the job's
+    end), not when the kind is made: a kind only inspected leaked a directory into /dev/shm."""
+    from ettr.supervisor.workers import WorkerGroupKind
+
+    monkeypatch.setenv("ETTR_MEMORY_DIR", str(tmp_path / "shm"))
+    spec = WorkerSpec(nproc=2, argv=(sys.executable, "t.py"))
+    WorkerGroupKind(spec, run_dir=tmp_path / "run", max_restarts=1, teardown_grace_s=1.0)
+    assert not (tmp_path / "shm").exists()

@@ -295,11 +295,7 @@ class WorkerGroupKind:
         self._workers: tuple[list[list[str]], list[dict[str, str]]] = ([], [])  # the last attempt's, per rank
         self._port = 0
         self._inplace_env: dict[str, str] | None = None  # the workers' in-place variables (None: off)
-        if inplace.enabled():
-            try:
-                self._inplace_env = inplace.store_env(run_dir)
-            except OSError:
-                self._inplace_env = None
+        self._inplace_tried = False  # made at the first start: a kind that starts nothing leaves nothing
 
     def _env(self, plan: AttemptPlan, rank: int, port: int) -> dict[str, str]:
         error_file = agent.error_file(self._run_dir, plan.attempt, rank)
@@ -319,6 +315,13 @@ class WorkerGroupKind:
 
     def start(self, plan: AttemptPlan) -> WorkerGroup:
         """The attempt's workers, in the warm standbys where they fit. Raises OSError."""
+        if not self._inplace_tried:
+            self._inplace_tried = True
+            if inplace.enabled():
+                try:
+                    self._inplace_env = inplace.store_env(self._run_dir)
+                except OSError:
+                    self._inplace_env = None
         self._port = port = plan.port or free_port()
         argvs = [list(self.spec.argv) for _ in range(self.spec.nproc)]
         envs = [self._env(plan, rank, port) for rank in range(self.spec.nproc)]
