@@ -313,3 +313,21 @@ def test_serve_cuts_off_clients_that_never_finish_and_is_bounded(fleet, tmp_path
             assert response.status == 200 and 'job="good0"' in response.read().decode()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("cmd", ["fleet", "serve"])
+@pytest.mark.parametrize("given", ["", "/dev/zero", "fifo", "file"])
+def test_a_cache_dir_that_is_not_a_directory_is_one_line(fleet, tmp_path, capsys, cmd, given):
+    root, _truth = fleet
+    if given == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+    if given == "file":
+        (tmp_path / "file").write_text("x")
+    if given in ("fifo", "file"):
+        given = str(tmp_path / given)
+    assert (
+        main([cmd, str(root / "good0"), "--cache-dir", given, "--port", "0"][: 4 if cmd == "fleet" else 6])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith(f"ettr {cmd}: --cache-dir") and len(err.splitlines()) == 1

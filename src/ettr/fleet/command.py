@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -140,6 +141,12 @@ def make_cache(args: argparse.Namespace) -> SummaryCache:
     if getattr(args, "no_cache", False):
         return SummaryCache()
     given = getattr(args, "cache_dir", None)
+    if given is not None:
+        path = Path(given)
+        if not given or (os.path.lexists(path) and not path.is_dir()):
+            raise UsageError(
+                f"--cache-dir {given!r}: not a directory (give a folder for the cache, or --no-cache)"
+            )
     return SummaryCache(Path(given) if given else default_cache_dir())
 
 
