@@ -155,7 +155,10 @@ class PostgresServer:
         acknowledges), but nothing answers: neither TCP timeouts nor the server's statement timeout fire."""
         self._paused = self.pids()
         for pid in self._paused:
-            os.kill(pid, signal.SIGSTOP)
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:  # a session's backend that ended between the listing and now
+                pass
 
     def resume(self) -> None:
         """Undo `pause` (SIGCONT to the processes it stopped, and any of the server's now)."""
