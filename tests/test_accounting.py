@@ -181,8 +181,9 @@ def test_crash_then_hang_then_completion() -> None:
             Bucket.RESTORE: 2,
             Bucket.DATA_WAIT: 1,
             Bucket.EFFECTIVE_TRAINING: 10 + 2 + 20,
-            Bucket.WASTED_PROGRESS: (10 + 2) + (3 + 21),
-            Bucket.RESTART: 4 + 2,
+            # attempt 0: steps 11-20 + 24 -> its FAILURE at 25; 25 -> its end 26 is teardown (restart)
+            Bucket.WASTED_PROGRESS: (10 + 1) + (3 + 21),
+            Bucket.RESTART: 1 + 4 + 2,
             Bucket.SHUTDOWN: 5,
         },
     )
@@ -198,7 +199,7 @@ def test_crash_then_hang_then_completion() -> None:
     assert r.num_failures == 2
     assert r.effective_training_s == pytest.approx(32)
     assert r.idleness_s == pytest.approx(4 + 5)  # attempt 0's start-up (with the supervisor's) + shutdown
-    assert r.failure_s == pytest.approx(36 + 6 + (2 + 2) + (1 + 7 + 1))
+    assert r.failure_s == pytest.approx(35 + 7 + (2 + 2) + (1 + 7 + 1))
     assert a0.failure == {
         "reason": "exit status 1",
         "process_failure": {"exception": "RuntimeError", "message": "boom", "rank": 0, "ts": T0 + 25},
@@ -209,7 +210,8 @@ def test_crash_then_hang_then_completion() -> None:
             **{b: 0.0 for b in Bucket},
             Bucket.INIT: 4,
             Bucket.EFFECTIVE_TRAINING: 10,
-            Bucket.WASTED_PROGRESS: 12,
+            Bucket.WASTED_PROGRESS: 11,
+            Bucket.RESTART: 1,
         }
     )
     assert a1.buckets_s[Bucket.RESTART] == pytest.approx(4) and a2.buckets_s[Bucket.RESTART] == pytest.approx(
@@ -218,6 +220,51 @@ def test_crash_then_hang_then_completion() -> None:
     assert [(x.attempt, x.reason) for x in r.recompiles] == [(2, "dynamic shape")]
     assert all(a.reference_rank == 0 for a in r.attempts)
     assert "compile" not in a0.phases_s  # rank 1's compile is not in the raw phases either
+
+
+def _two_rank_crash(*, failure: bool, detected: float | None) -> Stream:
+    """A 2-rank attempt 0 (1 -> 30) with steps 1..10 at 5..14, commit of step 4; attempt 1 resumes step 4."""
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 1, 30, "failed", 1)
+    for rank in (0, 1):
+        s.steps(0, 1, 10, t_first=5, rank=rank)
+    s.add(EventKind.CHECKPOINT_COMMIT, 8.5, step=4, data={"path": "c4"})
+    if failure:  # rank 1 raised at 20; torchrun and rank 0 took 10 s to die
+        s.add(EventKind.FAILURE, 20, rank=1, data={"exception": "RuntimeError"})
+    if detected is not None:
+        s.sup(EventKind.MARK, detected, name="failure_detected", returncode=1)
+    s.attempt(1, 32, 40, "completed", 0).add(EventKind.RESUMED, 33, 1, step=4)
+    s.steps(1, 5, 10, t_first=34)  # 34..39
+    return s.sup(EventKind.JOB_END, 41, 1, exit_status=0)
+
+
+def test_the_teardown_after_a_ranks_failure_is_restart() -> None:
+    r = _two_rank_crash(failure=True, detected=29.5).report()
+    # Attempt 0: init 1 (0 -> 1) + 3 (1 -> training start 4), effective 4 (steps 1-4), wasted 6 (steps 5-10,
+    # 8 -> 14) + 6 (14 -> rank 1's FAILURE at 20), restart 10 (20 -> its end 30) + 2 (30 -> 32).
+    assert_buckets(
+        r,
+        {
+            Bucket.INIT: 1 + 3 + 1,
+            Bucket.EFFECTIVE_TRAINING: 4 + 6,
+            Bucket.WASTED_PROGRESS: 6 + 6,
+            Bucket.RESTART: 10 + 2,
+            Bucket.SHUTDOWN: 1 + 1,  # last step 39 -> 40, 40 -> job end 41
+        },
+    )
+    assert r.attempts[0].buckets_s[Bucket.RESTART] == pytest.approx(10)
+    assert r.ttr_s == pytest.approx((33 - 30,))  # the headline still starts at the attempt's end
+
+
+def test_without_a_failure_the_detection_starts_the_teardown_and_unknown_keeps_it_wasted() -> None:
+    # SIGKILL: no rank recorded it; the supervisor saw the death at 25 (its failure_detected MARK).
+    r = _two_rank_crash(failure=False, detected=25).report()
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 11)
+    assert r.buckets_s[Bucket.RESTART] == pytest.approx(5 + 2)
+    # Nothing says when it failed (books without the supervisor's MARK): to the end, as before.
+    r = _two_rank_crash(failure=False, detected=None).report()
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 16)
+    assert r.buckets_s[Bucket.RESTART] == pytest.approx(2)
 
 
 def test_preemption_keeps_only_committed_progress() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ettr.accounting.liveness import NOT_ENDED
 from ettr.accounting.model import CheckpointCommit, CheckpointFailure, Recompile
+from ettr.constants import FAILURE_DETECTED_MARK
 from ettr.events import Event, EventKind, Outcome, Phase
 
 _JOB_SUBMITTED = EventKind.JOB_SUBMITTED
@@ -97,6 +98,7 @@ class Attempt:
     lost_steps_estimated: bool = False  # kept steps estimated: the next attempt's resume step is unknown
     keep_up_to_step: float = math.inf  # steps <= this are kept
     lost_steps: int = 0
+    failure_ts: float | None = None  # the failure instant (`failure_instant`); None when not known
 
     @property
     def trained(self) -> bool:
@@ -348,7 +350,24 @@ def _resolve_one(
         if unknown is not None:
             attempt.resumed_step_unknown = str(unknown) or "unknown"
     attempt.training_start_ts = _training_start(attempt, explicit_start)
+    if outcome != Outcome.COMPLETED and outcome not in NOT_ENDED:
+        attempt.failure_ts = failure_instant(raw.rank_events, start, end)
     return attempt
+
+
+def failure_instant(rank_events: Mapping[int, list[Event]], start: float, end: float) -> float | None:
+    """The failure-instant rule: when the books say an attempt's failure happened, the earliest of the first
+    `FAILURE` a training rank recorded (its exception) and the supervisor's `failure_detected` MARK (a hang:
+    the watchdog's firing; a rank ettr watched: its death; else the command's exit), clamped to [start, end].
+    None when neither was recorded (a SIGKILL no one saw, books written by other tools)."""
+    found = [e.ts for r, evs in rank_events.items() if r >= 0 for e in evs if e.kind == EventKind.FAILURE]
+    for e in rank_events.get(-1, ()):
+        if e.kind == EventKind.MARK and data_of(e).get("name") == FAILURE_DETECTED_MARK:
+            found.append(e.ts)
+            break
+    if not found:
+        return None
+    return min(max(min(found), start), end)
 
 
 def _pair_phases(

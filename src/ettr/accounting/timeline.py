@@ -37,6 +37,7 @@ _STARTUP_BUCKET = tuple(
 _STARTUP = 0  # [attempt start, training start): default init; phases map through _STARTUP_BUCKET
 _TRAINING = 1  # step intervals and the tail after the last step: phases override by PRECEDENCE
 _LOCKED = 2  # shutdown tail of a completed last attempt: shutdown whatever phases say, but evaluation
+_TORN_DOWN = 3  # failure instant -> attempt end of a failed attempt: `restart`, whatever phases say
 
 
 def build_segments(
@@ -68,7 +69,9 @@ def build_segments(
     for position, attempt in enumerate(attempts):
         if position > 0:
             _add_gap(segments, attempts[position - 1].end_ts, attempt.start_ts, attempt.index, job.runs)
-        _sweep_attempt(segments, attempt, is_last=position == len(attempts) - 1)
+        _sweep_attempt(
+            segments, attempt, is_last=position == len(attempts) - 1, job_restarting=job.job_end is None
+        )
     if attempts:
         # After the last attempt: the job's shutdown, unless the job has no end yet and that attempt failed:
         # then the supervisor is restarting it (or was lost while it did).
@@ -106,7 +109,7 @@ def _add(segments: list[list], start: float, end: float, bucket: Bucket, attempt
 
 
 def _base_regions(
-    attempt: Attempt, *, is_last: bool
+    attempt: Attempt, *, is_last: bool, job_restarting: bool = False
 ) -> tuple[list[float], list[Bucket], list[int], list[Bucket]]:
     """The region defaults of an attempt as consecutive pieces (end, default bucket, region kind, bucket of an
     evaluation there). An evaluation evaluates the state after the step before it: `evaluation` if that
@@ -146,10 +149,28 @@ def _base_regions(
         # the time to the end is its save and teardown.
         buckets.append(Bucket.SHUTDOWN)
         regions.append(_TRAINING)
-    else:  # from the last step to the failure (including its detection): progress that was lost
+    else:  # from the last step to the failure: progress that was lost
+        failure = _teardown_from(attempt, is_last=is_last, job_restarting=job_restarting)
         buckets.append(wasted)
         regions.append(_TRAINING)
+        if failure is not None and failure < end:
+            # After the failure, the teardown (the other processes dying, the launcher exiting): `restart`.
+            ends[-1] = max(failure, ends[-2])  # a failure before the last recorded step: from that step
+            ends.append(end)
+            evals.append(evals[-1])
+            buckets.append(Bucket.RESTART)
+            regions.append(_TORN_DOWN)
     return ends, buckets, regions, evals
+
+
+def _teardown_from(attempt: Attempt, *, is_last: bool, job_restarting: bool) -> float | None:
+    """Where a failed attempt's teardown starts (its failure instant), or None: unknown, or a preemption that
+    no attempt followed (its time to the end stays as before)."""
+    if attempt.failure_ts is None:
+        return None
+    if attempt.outcome in (Outcome.PREEMPTED, Outcome.INTERRUPTED) and is_last and not job_restarting:
+        return None
+    return attempt.failure_ts
 
 
 def _stopped_with_everything_kept(attempt: Attempt) -> bool:
@@ -160,8 +181,10 @@ def _stopped_with_everything_kept(attempt: Attempt) -> bool:
     )
 
 
-def _sweep_attempt(segments: list[list], attempt: Attempt, *, is_last: bool) -> None:
-    ends, buckets, regions, evals = _base_regions(attempt, is_last=is_last)
+def _sweep_attempt(
+    segments: list[list], attempt: Attempt, *, is_last: bool, job_restarting: bool = False
+) -> None:
+    ends, buckets, regions, evals = _base_regions(attempt, is_last=is_last, job_restarting=job_restarting)
     edges: list[tuple[float, int, int]] = []
     for begin, end, phase, _ in attempt.phases:
         bucket = PHASE_BUCKET.get(phase) if phase is not None else None
@@ -188,7 +211,7 @@ def _sweep_attempt(segments: list[list], attempt: Attempt, *, is_last: bool) -> 
         if j < num_edges and edges[j][0] < upto:
             upto = edges[j][0]
         bucket, region = buckets[i], regions[i]
-        for cls in range(num_classes):
+        for cls in range(num_classes if region != _TORN_DOWN else 0):
             if counts[cls] > 0:
                 if cls == _EVAL_CLASS:
                     bucket = evals[i]
