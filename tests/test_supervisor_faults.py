@@ -125,7 +125,8 @@ def test_hang_is_detected_killed_and_recovered(tmp_path: Path) -> None:
     rep = report(run_dir)
     assert summary(rep) == [("hung", 143, None, 7, 2), ("completed", 0, 5, 12, 0)]
     assert rep["num_failures"] == 1
-    # From the last kept step to the kill: the lost steps and the whole silence are wasted.
+    # From the last kept step to the watchdog firing: the lost steps and the whole silence are wasted (the
+    # SIGTERM grace after it is restart).
     assert rep["buckets_s"]["wasted_progress"] >= hang_timeout_s + 2 * STEP_S
     end = supervisor_events(run_dir, EventKind.ATTEMPT_END)[0].data or {}
     assert "no progress and no heartbeat" in end["reason"]
