@@ -157,27 +157,32 @@ def test_watch_config_refuses_bad_graces() -> None:
 
 
 # -- RestartPolicy -------------------------------------------------------------------------------------------
-def ended(outcome: Outcome, *, progress: bool = True, attempt: int = 0) -> EndedAttempt:
-    return EndedAttempt(attempt=attempt, end=AttemptEnd(outcome=outcome, exit_code=1), made_progress=progress)
+def ended(
+    outcome: Outcome, *, progress: bool = True, attempt: int = 0, step: int | None = None
+) -> EndedAttempt:
+    if progress and step is None:
+        step = 10 * (attempt + 1)  # each attempt a little further
+    end = AttemptEnd(outcome=outcome, exit_code=1)
+    return EndedAttempt(attempt=attempt, end=end, made_progress=progress, last_step=step)
 
 
 def test_the_restart_policy() -> None:
     policy = RestartPolicy(max_restarts=2, backoff_s=0.5, max_backoff_s=30.0)
-    done = policy.decide(ended(Outcome.COMPLETED), restarts_used=0, signalled=signal.SIGTERM)
+    done = policy.decide(ended(Outcome.COMPLETED), signalled=signal.SIGTERM)
     assert (done.restart, done.exit_status) == (False, 0)
-    first = policy.decide(ended(Outcome.FAILED), restarts_used=0)
+    first = policy.decide(ended(Outcome.FAILED))
     assert (first.restart, first.wait_s, first.why) == (True, 0.0, "restarting in 0 s (1 of 2)")
-    cannot_start = policy.decide(ended(Outcome.FAILED, progress=False), restarts_used=0)
+    cannot_start = policy.decide(ended(Outcome.FAILED, progress=False))
     assert cannot_start.wait_s == 0.5
-    second = policy.decide(ended(Outcome.HUNG), restarts_used=1)
+    second = policy.decide(ended(Outcome.HUNG, attempt=1), history=[ended(Outcome.FAILED)])
     assert (second.restart, second.wait_s) == (True, 1.0)
-    out = policy.decide(ended(Outcome.FAILED), restarts_used=2)
+    history = [ended(Outcome.FAILED), ended(Outcome.HUNG, attempt=1)]
+    out = policy.decide(ended(Outcome.FAILED, attempt=2), history=history)
     assert (out.restart, out.exit_status, out.why) == (False, 1, "no restarts left")
-    preempted = policy.decide(ended(Outcome.PREEMPTED), restarts_used=0, signalled=signal.SIGTERM)
+    preempted = policy.decide(ended(Outcome.PREEMPTED), signalled=signal.SIGTERM)
     assert (preempted.restart, preempted.exit_status) == (False, 143)
-    interrupted = policy.decide(ended(Outcome.INTERRUPTED), restarts_used=0, signalled=signal.SIGINT)
+    interrupted = policy.decide(ended(Outcome.INTERRUPTED), signalled=signal.SIGINT)
     assert interrupted.exit_status == 130
-    assert policy.may_start(2) and not policy.may_start(3)
     with pytest.raises(ValueError, match="max_restarts"):
         RestartPolicy(max_restarts=-1)
 

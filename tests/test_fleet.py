@@ -75,7 +75,9 @@ def test_causes_from_the_supervisors_classification():
     )
     assert classify_failure(lost)[0] is Cause.INFRA
     assert classify_failure(attempt(reason="cannot start: [Errno 2]", code=127))[0] is Cause.USER
-    assert classify_failure(attempt(reason="exit status 3"))[0] is Cause.UNKNOWN
+    assert classify_failure(attempt(reason="exit status 3"))[0] is Cause.USER  # before its first step
+    trained = replace(attempt(reason="exit status 3"), training_start_ts=0.5, last_step=4)
+    assert classify_failure(trained)[0] is Cause.UNKNOWN  # a bare exit status after training
     assert classify_failure(attempt(closed=True))[0] is Cause.UNKNOWN
     assert classify_failure(attempt(Outcome.PREEMPTED, signal="SIGTERM"))[0] is Cause.PREEMPTION
     assert classify_failure(attempt(Outcome.HUNG))[0] is Cause.HANG

@@ -4,7 +4,7 @@ Pure math: no I/O, no clock reads (`now` is a parameter). Every instant of wall 
 bucket of `ettr.events.Bucket` by the rules of docs/buckets.md; the renderers live in `ettr.report`.
 """
 
-from ettr.accounting.causes import Cause, FailureCause
+from ettr.accounting.causes import Cause, Detail, FailureCause
 from ettr.accounting.compute import Loss, classify, compute
 from ettr.accounting.liveness import JobState, OpenJob, counts_as_failure
 from ettr.accounting.model import (
@@ -33,6 +33,7 @@ __all__ = [
     "Warmup",
     "AttemptReport",
     "Cause",
+    "Detail",
     "CheckpointCommit",
     "CheckpointFailure",
     "EttReport",

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from ettr.accounting import Cause
+from ettr.accounting import Cause, Detail
 from ettr.events import Bucket
 from ettr.fleet.model import JobSummary
 from ettr.fleet.regress import Regression
@@ -72,6 +72,8 @@ class Totals:
     ttr: Distribution
     ttr_by_cause: Mapping[Cause, Distribution]
     ttr_by_kind: Mapping[str, Distribution] = field(default_factory=dict)
+    failures_by_detail: Mapping[Detail, int] = field(default_factory=dict)
+    """Failures per detail (`ettr.causes.Detail`: oom_killed, startup, ...), every detail present."""
     """Headline TTR of the recoveries of each kind (in_place, warm_restart, cold_restart, requeue) seen."""
 
     @property
@@ -89,10 +91,12 @@ def totals(jobs: Sequence[JobSummary]) -> Totals:
         return math.fsum(part(j) * j.gpu_s for j in jobs) / wall_gpu_s if wall_gpu_s > 0 else 0.0
 
     by_cause = dict.fromkeys(Cause, 0)
+    by_detail = dict.fromkeys(Detail, 0)
     ttr_cause: dict[Cause, list[float]] = {c: [] for c in Cause}
     for j in jobs:
         for f in j.failures:
             by_cause[f.cause] += 1
+            by_detail[f.detail] += 1
             if f.ttr_s is not None:
                 ttr_cause[f.cause].append(f.ttr_s)
     return Totals(
@@ -109,6 +113,7 @@ def totals(jobs: Sequence[JobSummary]) -> Totals:
         ttr=Distribution.of([t for j in jobs for t in j.ttr_s]),
         ttr_by_cause={c: Distribution.of(v) for c, v in ttr_cause.items()},
         ttr_by_kind=_by_kind(jobs),
+        failures_by_detail=by_detail,
     )
 
 

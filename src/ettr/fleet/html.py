@@ -232,7 +232,11 @@ def render_html(report: FleetReport) -> str:
         f"<tr><td>{esc(c.value)}</td><td>{n}</td><td>{esc(fmt_s(t.ttr_by_cause[c].p50))}</td></tr>"
         for c, n in t.failures_by_cause.items()
     ]
-    parts.append("</table></section>")
+    parts.append("</table>")
+    details = ", ".join(f"{d.value} {n}" for d, n in t.failures_by_detail.items() if n)
+    if details:
+        parts.append(f"<p>What happened: {esc(details)}</p>")
+    parts.append("</section>")
     parts.append(f'<section id="regressions"><h2>Regressions ({len(report.regressions)})</h2>')
     if report.regressions:
         parts.append(

@@ -48,7 +48,13 @@ def job_dict(j: JobSummary) -> dict[str, Any]:
         "gpus_source": j.gpus_source,
         "buckets_s": {b.value: j.buckets_s[b] for b in Bucket},
         "failures": [
-            {"attempt": f.attempt, "cause": f.cause.value, "evidence": f.evidence, "ttr_s": f.ttr_s}
+            {
+                "attempt": f.attempt,
+                "cause": f.cause.value,
+                "detail": f.detail.value,
+                "evidence": f.evidence,
+                "ttr_s": f.ttr_s,
+            }
             for f in j.failures
         ],
         "num_attempts": j.num_attempts,
@@ -96,6 +102,7 @@ def totals_dict(t: Totals) -> dict[str, Any]:
         "num_failures": t.num_failures,
         "num_infra_failures": t.failures_by_cause[Cause.INFRA],
         "num_failures_by_cause": {c.value: n for c, n in t.failures_by_cause.items()},
+        "num_failures_by_detail": {d.value: n for d, n in t.failures_by_detail.items()},
         "tts_s": distribution(t.tts),
         "ttr_s": distribution(t.ttr),
         "ttr_s_by_cause": {c.value: distribution(d) for c, d in t.ttr_by_cause.items()},

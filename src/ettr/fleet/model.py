@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ettr.accounting import DEFAULT_WINDOW_S, Cause, EttReport, FailureCause
+from ettr.accounting import DEFAULT_WINDOW_S, Cause, Detail, EttReport, FailureCause
 from ettr.events import Bucket
 
 GPUS_WORLD_SIZE = "world_size"
@@ -172,7 +172,9 @@ def summary_to_json(summary: JobSummary) -> dict[str, Any]:
     """`summary` as plain JSON data (for the on-disk cache); `summary_from_json` reverses it exactly."""
     out = asdict(summary)
     out["buckets_s"] = {b.value: v for b, v in summary.buckets_s.items()}
-    out["failures"] = [{**asdict(f), "cause": f.cause.value} for f in summary.failures]
+    out["failures"] = [
+        {**asdict(f), "cause": f.cause.value, "detail": f.detail.value} for f in summary.failures
+    ]
     out["ttr_s"] = list(summary.ttr_s)
     out["recoveries"] = [list(r) for r in summary.recoveries]
     return out
@@ -187,7 +189,13 @@ def summary_from_json(data: Mapping[str, Any]) -> JobSummary:
     values["name"] = str(data.get("name", ""))
     values["buckets_s"] = {Bucket(k): _number(v) for k, v in _mapping(data["buckets_s"]).items()}
     values["failures"] = tuple(
-        FailureCause(**{**_mapping(f), "cause": Cause(_mapping(f)["cause"])})
+        FailureCause(
+            **{
+                **_mapping(f),
+                "cause": Cause(_mapping(f)["cause"]),
+                "detail": Detail(_mapping(f).get("detail", "unknown")),
+            }
+        )
         for f in _sequence(data["failures"])
     )
     values["ttr_s"] = tuple(_number(t) for t in _sequence(data["ttr_s"]))

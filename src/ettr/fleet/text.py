@@ -82,6 +82,9 @@ def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
     lines += ["", "failures by cause (NoF, TTR p50)"]
     causes = [(c, n) for c, n in t.failures_by_cause.items() if n]
     lines += [f"  {c.value:<12}{n:>5}   {_s(t.ttr_by_cause[c].p50)} s" for c, n in causes] or ["  (none)"]
+    details = [f"{d.value} {n}" for d, n in t.failures_by_detail.items() if n]
+    if details:
+        lines.append("  what happened: " + ", ".join(details))
     groups = (
         ("families", "family", report.families),
         ("days (UTC)", "day", report.days),

@@ -490,9 +490,13 @@ def _attempts_table(r: EttReport) -> str:
         '<th>training from</th><th class="text">share of wall time</th></tr>'
     )
     rows = []
+    causes = {f.attempt: f for f in r.failures}
     for a in r.attempts:
         train = "—" if a.training_start_ts is None else f"+{fmt_s(a.training_start_ts - r.wall_start_ts)}"
         details = failure_summary(a, max_chars=300)
+        if a.index in causes:
+            why = causes[a.index]
+            details = f"cause: {why.cause.value} ({why.detail.value})" + ("; " + details if details else "")
         if a.resumed_step_unknown:  # as the text report: unknown, never a dash that reads "from scratch"
             details = f"resumed from an unknown step: {a.resumed_step_unknown}" + (
                 "; " + details if details else ""

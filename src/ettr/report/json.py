@@ -113,7 +113,13 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
             for r in report.recoveries
         ],
         "failures": [
-            {"attempt": f.attempt, "cause": f.cause.value, "evidence": f.evidence, "ttr_s": f.ttr_s}
+            {
+                "attempt": f.attempt,
+                "cause": f.cause.value,
+                "detail": f.detail.value,
+                "evidence": f.evidence,
+                "ttr_s": f.ttr_s,
+            }
             for f in report.failures
         ],
         "num_failures_by_cause": {c.value: n for c, n in count_by_cause(report.failures).items()},

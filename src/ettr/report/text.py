@@ -107,7 +107,10 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
     lines += ttr_parts.text_lines(report)
     if report.failures:
         lines += ["", causes_line(report)]
-        lines += [f"  attempt {f.attempt}: {f.cause.value}: {f.evidence}" for f in report.failures]
+        lines += [
+            f"  attempt {f.attempt}: {f.cause.value} ({f.detail.value}): {f.evidence}"
+            for f in report.failures
+        ]
 
     lines += ["", "phases (reference rank, raw seconds; they may overlap)"]
     if report.phases_s:

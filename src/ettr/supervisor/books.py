@@ -39,6 +39,7 @@ from ettr.supervisor import containment, peers, slurm
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.messages import describe_os_error, say
 from ettr.supervisor.opening import closing_events, next_attempt, opening_events
+from ettr.supervisor.policy import EndedAttempt, ended_attempts
 
 __all__ = ["JobBooks", "closing_events", "live_supervisor", "next_attempt"]
 
@@ -321,6 +322,15 @@ class JobBooks:
             if header.get("job_id") == self.job_id:  # another job's file says nothing of this one
                 found.extend(record.event for record in records)
         return sorted(found, key=lambda e: e.ts)
+
+    def history(self) -> list[EndedAttempt]:
+        """The job's ended attempts in its books, oldest first ([] when they cannot be read): what the restart
+        policy decides with after a requeue."""
+        try:
+            return ended_attempts(self.read())
+        except Exception as exc:  # the job matters more than its books
+            logger.warning("ettr: cannot read the job's earlier attempts (%s)", exc)
+            return []
 
     def failure_recorded(self, attempt: int) -> bool:
         """Whether a training process of `attempt` recorded a FAILURE."""

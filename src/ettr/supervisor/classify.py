@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,33 @@ class AttemptEnd:
     """The last lines the command wrote to stderr."""
     injected: str | None = None
     """The `--inject` fault that fired in this attempt, if any."""
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> AttemptEnd:
+        """The classification an ATTEMPT_END recorded (`to_data`), read back from the books: any field may be
+        missing or of the wrong type (an older version, a damaged row); what cannot be read is left out."""
+
+        def text(key: str) -> str | None:
+            value = data.get(key)
+            return value[:500] if isinstance(value, str) else None
+
+        try:
+            outcome = Outcome(data.get("outcome"))
+        except ValueError:
+            outcome = Outcome.UNKNOWN
+        code = data.get("exit_code")
+        tail = data.get("stderr_tail")
+        return cls(
+            outcome=outcome,
+            exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
+            signal=text("signal"),
+            reason=text("reason") or "",
+            exception=text("exception"),
+            message=text("message"),
+            oom=data.get("oom") is True,
+            stderr_tail=tuple(str(line) for line in tail[-20:]) if isinstance(tail, list) else (),
+            injected=text("injected"),
+        )
 
     def to_data(self) -> dict[str, Any]:
         """The ATTEMPT_END event's `data`."""

@@ -81,6 +81,9 @@ class RunConfig:
     """Wait before the first restart; it doubles for each further one."""
     max_backoff_s: float = 30.0
     """The longest wait between attempts."""
+    max_restarts_without_progress: int = 2
+    """Restarts in a row that reach no step beyond the furthest one before them, after which the job stops
+    with exit status 3 (restarts would not help); 0: no such limit."""
     grace_s: float = 10.0
     """After forwarding a preemption signal, how long the job may take to exit before SIGKILL."""
     hang_kill_grace_s: float = 3.0
@@ -102,8 +105,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("command must not be empty")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        for name in ("max_restarts", "max_restarts_without_progress"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (
             "backoff_s",
             "max_backoff_s",

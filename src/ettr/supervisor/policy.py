@@ -1,33 +1,55 @@
 """Whether, and when, a job is restarted after an attempt: the restart policy (pure: no I/O, no clock).
 
-    decision = policy.decide(ended, restarts_used=n, history=earlier, signalled=None)
+    decision = policy.decide(ended, history=earlier, signalled=None)
     decision.restart -> wait decision.wait_s, then the next attempt; else exit with decision.exit_status
 
-The rules (in order):
+Each decision is taken from the ended attempt's cause (`ettr.causes.diagnose`: the same rules the report
+shows), whether and how far it trained, and every earlier attempt of the job (`history`, oldest first: the
+books' attempts from earlier `ettr run` invocations of a requeued job, then this supervisor's). The rules, in
+order:
+
 1. a completed attempt ends the job: exit 0;
 2. a signal to the supervisor (preemption, Ctrl-C) ends it: 143, or 130 for SIGINT, no restart (the
    scheduler requeues the job);
-3. with the restarts used up (`max_restarts`): exit 1;
-4. otherwise restart: at once for the first restart of a failure that looks transient (a failed or hung
-   attempt that had trained: a crash in the middle of training, not a script that cannot start), else after
-   `backoff_s` doubling per restart, at most `max_backoff_s` (a job that fails again and again is not
-   restarted in a tight loop).
+3. the same failure twice in a row before the first step (a script that cannot start: same cause, exit
+   status, signal and exception; user or unknown cause) stops at once: exit 3, restarts would not help;
+4. `max_restarts_without_progress` restarts in a row that reached no step beyond the furthest step of
+   any attempt before them stop the job: exit 3 (a crash at the same step after every resume, a hang
+   at the same place, a node that dies during every start-up);
+5. failures use up `max_restarts` (job-wide, across invocations); preemptions and interruptions do not:
+   with none left, exit 1;
+6. otherwise restart, after a back-off that follows the cause:
 
-Each decision is taken from the ended attempt's classification (`ettr.supervisor.classify.AttemptEnd`:
-outcome, exit status, signal, exception, OOM, injected fault), whether it made progress, and the attempts
-before it in this supervisor (`history`): a policy that decides from the failure's cause reads them there.
+   | cause (detail)                                     | first restart | later restarts           |
+   |----------------------------------------------------|---------------|--------------------------|
+   | failure or hang after progress (exception, process or node lost, collective, hardware, hung) | at once | `backoff_s` doubling |
+   | the kernel's OOM killer (oom_killed)               | `backoff_s`   | doubling                 |
+   | a failure before the first step (startup, ...)     | `backoff_s`   | doubling                 |
+   | preemption of the job's processes (not of the supervisor) | `backoff_s` | `backoff_s` (not counted) |
+
+   Doubling is per restart the job has used, up to `max_backoff_s`.
+
+Exit statuses and what a scheduler should do with each: docs/supervisor.md, "Exit statuses".
 """
 
 from __future__ import annotations
 
 import math
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
-from ettr.constants import EXIT_COMPLETED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED
-from ettr.events import Outcome
+from ettr.causes import Cause, Detail, Diagnosis, diagnose, signature
+from ettr.constants import EXIT_COMPLETED, EXIT_FAILED, EXIT_HOPELESS, EXIT_INTERRUPTED, EXIT_PREEMPTED
+from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.supervisor.classify import AttemptEnd
+
+_COUNTED = frozenset({Outcome.FAILED, Outcome.HUNG})
+"""Outcomes that use up `max_restarts` (not preemptions, not interruptions)."""
+_STALLS = frozenset({Outcome.FAILED, Outcome.HUNG, Outcome.PREEMPTED})
+"""Outcomes of a restart that can fail to help (rule 4)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +61,18 @@ class EndedAttempt:
     """Its classification (the ATTEMPT_END data)."""
     made_progress: bool
     """A training process of the attempt completed a step (its failure came after progress)."""
+    last_step: int | None = None
+    """The highest step a training process of the attempt completed (None: none, or not numbered)."""
+
+    @cached_property
+    def diagnosis(self) -> Diagnosis:
+        """Its cause (`ettr.causes.diagnose`)."""
+        return diagnose(outcome=self.end.outcome, failure=self.end.to_data(), trained=self.made_progress)
+
+    @property
+    def signature(self) -> tuple[str, ...]:
+        """What makes two failures 'the same way'."""
+        return signature(self.end.outcome, self.end.to_data(), self.diagnosis)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,13 +94,73 @@ def stopped_status(signum: int) -> int:
 
 
 def backoff_wait_s(
-    restart: int, *, outcome: Outcome, made_progress: bool, backoff_s: float, max_backoff_s: float
+    restart: int,
+    *,
+    outcome: Outcome,
+    made_progress: bool,
+    backoff_s: float,
+    max_backoff_s: float,
+    detail: Detail | None = None,
 ) -> float:
-    """Seconds to wait before restart number `restart` + 1 (0-based `restart`): rule 4 above."""
-    transient = made_progress and outcome in (Outcome.FAILED, Outcome.HUNG)
+    """Seconds to wait before restart number `restart` + 1 (0-based: the restarts the job has used): the
+    table of rule 6 above."""
+    if outcome is Outcome.PREEMPTED:
+        return min(max_backoff_s, backoff_s)
+    transient = made_progress and outcome in _COUNTED and detail is not Detail.OOM_KILLED
     if restart == 0 and transient:
         return 0.0
     return min(max_backoff_s, backoff_s * 2**restart)
+
+
+def ended_attempts(events: Sequence[Event]) -> list[EndedAttempt]:
+    """The ended attempts a job's books hold (the first ATTEMPT_END of each, oldest first), with how far each
+    trained: the history a requeued job's supervisor decides with."""
+    ends: dict[int, Mapping[str, Any]] = {}
+    steps: dict[int, int | None] = {}
+    for e in events:
+        if e.kind is EventKind.ATTEMPT_END and e.rank == SUPERVISOR_RANK:
+            ends.setdefault(e.attempt, e.data or {})
+        elif e.kind is EventKind.STEP and e.rank >= 0:
+            best = steps.get(e.attempt)
+            if isinstance(e.step, int) and (best is None or e.step > best):
+                steps[e.attempt] = e.step
+            else:
+                steps.setdefault(e.attempt, best)
+    return [
+        EndedAttempt(
+            attempt=attempt,
+            end=AttemptEnd.from_data(data),
+            made_progress=attempt in steps,
+            last_step=steps.get(attempt),
+        )
+        for attempt, data in sorted(ends.items())
+    ]
+
+
+def restarts_used(history: Sequence[EndedAttempt]) -> int:
+    """The restarts the job's failures have used up (rule 5: preemptions and interruptions do not)."""
+    return sum(1 for h in history if h.end.outcome in _COUNTED)
+
+
+def restarts_without_progress(ended: Sequence[EndedAttempt]) -> int:
+    """How many of the last attempts in `ended` (oldest first) were restarts that reached no step beyond the
+    furthest step of every attempt before them (the job's first attempt is not a restart)."""
+    count = 0
+    for position in range(len(ended) - 1, 0, -1):
+        attempt = ended[position]
+        if attempt.end.outcome is Outcome.INTERRUPTED:
+            continue  # stopped by a person: says nothing either way
+        if attempt.end.outcome not in _STALLS:
+            break
+        before = [h.last_step for h in ended[:position] if h.last_step is not None]
+        if attempt.last_step is not None:
+            new = not before or attempt.last_step > max(before)
+        else:
+            new = attempt.made_progress and not before
+        if new:
+            break
+        count += 1
+    return count
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,49 +168,69 @@ class RestartPolicy:
     """The rules in the module docstring."""
 
     max_restarts: int = 3
-    """Restarts after failures before the job gives up (exit 1)."""
+    """Restarts after failures before the job gives up (exit 1); job-wide, across invocations."""
     backoff_s: float = 0.5
     """Wait before the first restart that is not at once; it doubles for each further one."""
     max_backoff_s: float = 30.0
     """The longest wait between attempts."""
+    max_restarts_without_progress: int = 2
+    """Restarts in a row that reach no new step before the job stops (exit 3)."""
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        for name in ("max_restarts", "max_restarts_without_progress"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("backoff_s", "max_backoff_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
-    def may_start(self, restarts_used: int) -> bool:
-        """Whether an attempt may start after `restarts_used` restarts (a requeued job's budget may be spent)."""
-        return restarts_used <= self.max_restarts
-
     def decide(
-        self,
-        ended: EndedAttempt,
-        *,
-        restarts_used: int,
-        history: Sequence[EndedAttempt] = (),
-        signalled: int | None = None,
+        self, ended: EndedAttempt, *, history: Sequence[EndedAttempt] = (), signalled: int | None = None
     ) -> Decision:
-        """What follows `ended`, after `restarts_used` restarts (before it) and the earlier attempts of this
-        supervisor (`history`, oldest first); `signalled`: the signal the supervisor received, if any."""
-        if ended.end.outcome is Outcome.COMPLETED:
+        """What follows `ended`, after the job's earlier attempts (`history`, oldest first);
+        `signalled`: the signal the supervisor received, if any."""
+        outcome = ended.end.outcome
+        if outcome is Outcome.COMPLETED:
             return Decision(restart=False, exit_status=EXIT_COMPLETED, why="completed")
         if signalled is not None:
             return Decision(restart=False, exit_status=stopped_status(signalled), why="not restarting")
-        if restarts_used >= self.max_restarts:
+        found = ended.diagnosis
+        previous = history[-1] if history else None
+        if (
+            previous is not None
+            and not ended.made_progress
+            and not previous.made_progress
+            and found.cause in (Cause.USER, Cause.UNKNOWN)
+            and ended.signature == previous.signature
+        ):
+            code = (
+                f"exit status {ended.end.exit_code}" if ended.end.exit_code is not None else "no exit status"
+            )
+            what = f"{ended.end.exception}, " if ended.end.exception else ""
+            return Decision(
+                restart=False,
+                exit_status=EXIT_HOPELESS,
+                why=f"failed the same way twice before its first step ({what}{code}): restarts would not help",
+            )
+        stalled = restarts_without_progress([*history, ended])
+        if self.max_restarts_without_progress and stalled >= self.max_restarts_without_progress:
+            return Decision(
+                restart=False,
+                exit_status=EXIT_HOPELESS,
+                why=f"{stalled} restarts in a row reached no new step: restarts would not help",
+            )
+        used = restarts_used(history)
+        counted = outcome in _COUNTED
+        if counted and used >= self.max_restarts:
             return Decision(restart=False, exit_status=EXIT_FAILED, why="no restarts left")
         wait_s = backoff_wait_s(
-            restarts_used,
-            outcome=ended.end.outcome,
+            used,
+            outcome=outcome,
             made_progress=ended.made_progress,
             backoff_s=self.backoff_s,
             max_backoff_s=self.max_backoff_s,
+            detail=found.detail,
         )
-        return Decision(
-            restart=True,
-            wait_s=wait_s,
-            why=f"restarting in {wait_s:g} s ({restarts_used + 1} of {self.max_restarts})",
-        )
+        budget = f"{used + 1} of {self.max_restarts}" if counted else f"a {found.cause.value}: not counted"
+        return Decision(restart=True, wait_s=wait_s, why=f"restarting in {wait_s:g} s ({budget})")

@@ -203,7 +203,12 @@ class AttemptRunner:
         if state.rank_failed:
             end = stopped_after_peer_failure(end)
         end = p.peers.settle(attempt, end, state.peer_reason, p.signals)
-        return EndedAttempt(attempt=attempt, end=end, made_progress=trained(events))
+        steps = [
+            e.step for e in events if e.kind is EventKind.STEP and e.rank >= 0 and isinstance(e.step, int)
+        ]
+        return EndedAttempt(
+            attempt=attempt, end=end, made_progress=trained(events), last_step=max(steps, default=None)
+        )
 
     def release(self) -> None:
         """End the processes an attempt left running for an in-place restart that will not come (the job

@@ -4,8 +4,8 @@
     for each attempt, until it completes, is preempted, or restarts run out:
         ATTEMPT_START; run it; watch for exit, a signal, a hang, a peer   AttemptRunner (AttemptKind, AttemptWatch)
         ATTEMPT_END (outcome, exit code, signal, reason, exception, ...)  classify, Peers.settle
-        restart at once, after a back-off, or stop                        RestartPolicy
-    JOB_END; exit 0 completed, 1 failed after the restarts, 143 preempted (130 Ctrl-C)
+        restart at once, after a back-off that follows the cause, or stop RestartPolicy (from the failure's cause)
+    JOB_END; exit 0 completed, 1 failed after the restarts, 3 restarts would not help, 143 preempted (130 Ctrl-C)
 
 The parts: `books.JobBooks` (the only way to the ledger), `attempt.AttemptKind` (how attempts start: the
 command as it is, or ettr as torchrun's agent), `runner.AttemptRunner` (one attempt, driving the pure
@@ -44,7 +44,7 @@ from ettr.supervisor.launch import detect_launcher
 from ettr.supervisor.messages import Progress, ended_line, say
 from ettr.supervisor.multinode import peers_for
 from ettr.supervisor.peers import NoPeers, Peers
-from ettr.supervisor.policy import EndedAttempt, RestartPolicy, stopped_status
+from ettr.supervisor.policy import Decision, EndedAttempt, RestartPolicy, restarts_used, stopped_status
 from ettr.supervisor.process import open_standard_fds
 from ettr.supervisor.runner import AttemptParts, AttemptRunner
 from ettr.supervisor.signals import SupervisorSignals
@@ -104,10 +104,14 @@ class Supervisor:
         self.books = JobBooks(config, run_dir=self.run_dir, job_id=job_id, family=self.family)
         self.peers: Peers = peers if peers is not None else NoPeers()
         self.policy = RestartPolicy(
-            max_restarts=config.max_restarts, backoff_s=config.backoff_s, max_backoff_s=config.max_backoff_s
+            max_restarts=config.max_restarts,
+            backoff_s=config.backoff_s,
+            max_backoff_s=config.max_backoff_s,
+            max_restarts_without_progress=config.max_restarts_without_progress,
         )
         self.signals = SupervisorSignals()
         self._ended: list[EndedAttempt] = []
+        self._decision: Decision | None = None  # the policy's last
 
     @property
     def job_id(self) -> str:
@@ -163,6 +167,7 @@ class Supervisor:
                 exit_status=status,
                 num_attempts=len(self._ended),
                 outcome=None if last is None else last.end.outcome.value,
+                **({} if self._decision is None else {"why": self._decision.why}),
             )
             for spec in self.books.unfired(cfg.inject):
                 why = "" if cfg.auto else " (--no-auto: only an instrumented process can fire it)"
@@ -184,21 +189,29 @@ class Supervisor:
             logger.info("ettr: the job-end hook failed (%s)", exc)
 
     def _lead(self, runner: AttemptRunner, first: int) -> int:
-        """Run attempts from `first` until the policy stops the job; its exit status."""
-        restarts = self.peers.restarts_used()
-        if not self.policy.may_start(restarts):
-            return EXIT_FAILED
+        """Run attempts from `first` until the policy stops the job; its exit status. The job's earlier
+        attempts in its books (a requeued job) count as this supervisor's own: the restart budget and the
+        rules that stop restarts that would not help are the job's, across `ettr run` invocations."""
+        earlier = [h for h in self.books.history() if h.attempt < first]
+        if restarts_used(earlier):
+            left = max(0, self.config.max_restarts - restarts_used(earlier))
+            say(
+                f"the books show {restarts_used(earlier)} restart(s) of job {self.job_id} already spent on "
+                f"failures (preemptions are not counted): {left} left"
+            )
         attempt = first
         while True:
             if self.signals.first is not None:  # during the back-off
                 return stopped_status(self.signals.first)
-            left = self.config.max_restarts - restarts
-            ended = runner.run(attempt, restarts_done=restarts, restarts_left=left)
+            history = [*earlier, *self._ended]
+            used = restarts_used(history)
+            left = self.config.max_restarts - used
+            done = restarts_used(earlier) + len(self._ended)  # torchrun's TORCHELASTIC_RESTART_COUNT
+            ended = runner.run(attempt, restarts_done=done, restarts_left=left)
             self.books.append(EventKind.ATTEMPT_END, attempt=attempt, **ended.end.to_data())
-            decision = self.policy.decide(
-                ended, restarts_used=restarts, history=tuple(self._ended), signalled=self.signals.first
-            )
+            decision = self.policy.decide(ended, history=history, signalled=self.signals.first)
             self._ended.append(ended)
+            self._decision = decision
             end = ended.end
             if end.outcome is not Outcome.COMPLETED:
                 say(ended_line(attempt, end, decision.why))
@@ -212,7 +225,6 @@ class Supervisor:
                 if waiting.due(time.monotonic()) and deadline - time.monotonic() > 1.0:
                     say(f"attempt {attempt + 1} starts in {deadline - time.monotonic():.0f} s (back-off)")
             self.books.append(EventKind.MARK, attempt=attempt, name=BACKOFF_MARK, wait_s=decision.wait_s)
-            restarts += 1
             attempt += 1
 
     def _follow(self, runner: AttemptRunner, first: int) -> int:

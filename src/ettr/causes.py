@@ -1,0 +1,202 @@
+"""Why an attempt failed, from what its ATTEMPT_END recorded: one rule set for the report and the supervisor.
+
+Pure; imports only `ettr.events`. The accounting gives each failure of a report its cause with it
+(`ettr.accounting.causes`), and the supervisor's restart policy decides from the same answer
+(`ettr.supervisor.policy`), so what the report says and what the supervisor did never disagree.
+
+A failure has a cause (whose problem: the closed `Cause` set, the fleet's and Prometheus' label) and a
+detail (what happened: the closed `Detail` set). The rules, first match wins:
+
+| # | evidence                                                                      | cause      | detail             |
+|---|-------------------------------------------------------------------------------|------------|--------------------|
+| 1 | outcome `preempted` (SIGTERM/SIGINT from the supervisor, a scheduler, an operator) | preemption | preempted     |
+| 2 | outcome `hung` (the watchdog saw no progress within the bound for its phase)  | hang       | hung               |
+| 3 | SIGKILL while the cgroup's `oom_kill` counter rose (the kernel's OOM killer)   | infra      | oom_killed         |
+| 4 | a collective / rendezvous / store timeout or error, NCCL/gloo, a peer's reset | infra      | collective         |
+| 5 | ECC, Xid, NVLink errors in the output                                         | infra      | hardware           |
+| 6 | its supervisor, or a peer node's, was lost while it ran (closed from the ledger) | infra | node_lost          |
+| 7 | death by another signal (SIGKILL, SIGBUS, SIGSEGV, ...: the system, native code) | infra   | process_lost       |
+| 8 | it failed before its first step (cannot start, an exception or exit status at start-up) | user | startup     |
+| 9 | a Python exception in the training code (CUDA out-of-memory raised to the script too) | user | exception    |
+| 10| anything else (a bare non-zero exit status after training, no end recorded)   | unknown    | unknown            |
+
+A SIGKILL whose cgroup counter did not rise (or cannot be read: no cgroup v2, a container without
+`memory.events`) is `process_lost`, never guessed to be an OOM kill: the evidence says which, in words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from ettr.events import Outcome
+
+
+class Cause(StrEnum):
+    """Whose problem a failure is (the closed set the fleet counts by)."""
+
+    INFRA = "infra"
+    USER = "user"
+    PREEMPTION = "preemption"
+    HANG = "hang"
+    UNKNOWN = "unknown"
+
+
+class Detail(StrEnum):
+    """What happened (the closed set; each belongs to one `Cause`, see the module docstring)."""
+
+    PREEMPTED = "preempted"
+    HUNG = "hung"
+    OOM_KILLED = "oom_killed"
+    COLLECTIVE = "collective"
+    HARDWARE = "hardware"
+    NODE_LOST = "node_lost"
+    PROCESS_LOST = "process_lost"
+    STARTUP = "startup"
+    EXCEPTION = "exception"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Diagnosis:
+    """The cause of one failure, its detail and the evidence (one line for people)."""
+
+    cause: Cause
+    detail: Detail
+    evidence: str
+
+
+# Exception type names and output text of the distributed runtime.
+_COLLECTIVE_EXCEPTIONS = frozenset(
+    {
+        "DistError",
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "RendezvousError",
+        "RendezvousClosedError",
+        "RendezvousConnectionError",
+        "RendezvousTimeoutError",
+        "RendezvousStateError",
+        "NcclError",
+        "ConnectionResetError",
+        "BrokenPipeError",
+    }
+)
+_COLLECTIVE_TEXT = (
+    "collective operation timeout",
+    "Watchdog caught collective",
+    "NCCL error",
+    "ncclSystemError",
+    "ncclRemoteError",
+    "ProcessGroupNCCL",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "RendezvousTimeoutError",
+    "RendezvousClosedError",
+    "DistStoreError",
+    "Socket Timeout",
+)
+_HARDWARE_TEXT = ("uncorrectable ECC", "Uncorrectable ECC", "Xid", "NVLink")
+_SIGNAL_TEXT = ("(SIGKILL) received by PID", "(SIGBUS) received by PID", "(SIGSEGV) received by PID")
+_START_FAILURE = "cannot start"
+_SUPERVISOR_LOST = (
+    "supervisor was lost"  # "node 1's supervisor was lost (killed) while ...", a closed attempt
+)
+
+
+def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> Diagnosis:
+    """The cause of an attempt's failure (rules above).
+
+    Args:
+        outcome: how it ended (not `completed`).
+        failure: what its ATTEMPT_END recorded (`ettr.supervisor.classify.AttemptEnd.to_data`), optionally
+            with `process_failure` (the first FAILURE a training process recorded: exception, message) and
+            `closed_from_ledger` (a later supervisor closed it); data from disk, so any value may be missing
+            or of the wrong type.
+        trained: a training process of the attempt completed a step.
+    """
+    reason = _text(failure.get("reason"))
+    if outcome is Outcome.PREEMPTED:
+        return Diagnosis(
+            cause=Cause.PREEMPTION, detail=Detail.PREEMPTED, evidence=reason or "outcome preempted"
+        )
+    if outcome is Outcome.HUNG:
+        return Diagnosis(cause=Cause.HANG, detail=Detail.HUNG, evidence=reason or "outcome hung")
+    sig = _text(failure.get("signal"))
+    if failure.get("oom") is True and sig == "SIGKILL":
+        what = reason or "SIGKILL, oom_kill counter rose"
+        return Diagnosis(
+            cause=Cause.INFRA, detail=Detail.OOM_KILLED, evidence=f"OOM-killed by the kernel ({what})"
+        )
+    process = failure.get("process_failure")
+    process_exc = _text(process.get("exception")) if isinstance(process, Mapping) else ""
+    exception = _text(failure.get("exception")) or process_exc
+    if exception in _COLLECTIVE_EXCEPTIONS:
+        return Diagnosis(
+            cause=Cause.INFRA, detail=Detail.COLLECTIVE, evidence=f"distributed runtime exception {exception}"
+        )
+    tail = failure.get("stderr_tail")
+    texts = [str(line) for line in tail] if isinstance(tail, list | tuple) else []
+    if isinstance(process, Mapping) and process.get("message"):
+        texts.append(str(process["message"]))
+    for detail, needles in (
+        (Detail.COLLECTIVE, _COLLECTIVE_TEXT),
+        (Detail.HARDWARE, _HARDWARE_TEXT),
+        (Detail.PROCESS_LOST, _SIGNAL_TEXT),
+    ):
+        hit = next((t for t in needles for line in texts if t in line), None)
+        if hit is not None:
+            what = "the distributed runtime" if detail is Detail.COLLECTIVE else "the hardware or system"
+            return Diagnosis(cause=Cause.INFRA, detail=detail, evidence=f"{what}: {hit!r} in its output")
+    if failure.get("closed_from_ledger") is True:
+        return Diagnosis(
+            cause=Cause.INFRA,
+            detail=Detail.NODE_LOST,
+            evidence=f"its supervisor was lost while it ran (node loss or the whole job killed): {reason}",
+        )
+    if _SUPERVISOR_LOST in reason and not sig:
+        return Diagnosis(cause=Cause.INFRA, detail=Detail.NODE_LOST, evidence=reason)
+    if sig:
+        what = reason if reason.startswith("killed by") else f"killed by {sig}"
+        return Diagnosis(
+            cause=Cause.INFRA,
+            detail=Detail.PROCESS_LOST,
+            evidence=f"{what} (a signal from outside the training code)",
+        )
+    if reason.startswith(_START_FAILURE) or (not trained and (exception or failure.get("exit_code"))):
+        what = f"exception {exception}" if exception else (reason or "a non-zero exit status")
+        said = next((line.strip() for line in reversed(texts) if line.strip()), "")
+        said = "" if exception or not said else f": {said[:200]}"  # its last words say why
+        return Diagnosis(
+            cause=Cause.USER, detail=Detail.STARTUP, evidence=f"{what} before the first step{said}"
+        )
+    if exception:
+        evidence = f"exception {exception} in the training code" + (f" ({reason})" if reason else "")
+        return Diagnosis(cause=Cause.USER, detail=Detail.EXCEPTION, evidence=evidence)
+    code = failure.get("exit_code")
+    evidence = reason or (f"exit status {code}" if isinstance(code, int) else "no exit status")
+    return Diagnosis(cause=Cause.UNKNOWN, detail=Detail.UNKNOWN, evidence=evidence)
+
+
+def signature(outcome: Outcome, failure: Mapping[str, Any], diagnosis: Diagnosis) -> tuple[str, ...]:
+    """What makes two failures 'the same way': cause, detail, exit status, signal and exception type."""
+    process = failure.get("process_failure")
+    exception = _text(failure.get("exception")) or (
+        _text(process.get("exception")) if isinstance(process, Mapping) else ""
+    )
+    code = failure.get("exit_code")
+    return (
+        outcome.value,
+        diagnosis.cause.value,
+        diagnosis.detail.value,
+        str(code) if isinstance(code, int) else "",
+        _text(failure.get("signal")),
+        exception,
+    )
+
+
+def _text(value: object) -> str:
+    return value[:500] if isinstance(value, str) else ""

@@ -1,0 +1,156 @@
+"""The restart policy decides from the failure's cause (`ettr.supervisor.policy`, `ettr.causes`): pure, no
+processes, no clock."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from ettr.causes import Cause, Detail, diagnose
+from ettr.constants import EXIT_FAILED, EXIT_HOPELESS
+from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
+from ettr.supervisor.classify import AttemptEnd, classify
+from ettr.supervisor.policy import EndedAttempt, RestartPolicy, ended_attempts, restarts_used
+
+POLICY = RestartPolicy(max_restarts=3, backoff_s=0.5, max_backoff_s=30.0)
+NONEXIST = ["python: can't open file '/tmp/nonexist.py': [Errno 2] No such file or directory"]
+
+
+def attempt(index: int, end: AttemptEnd, *, last_step: int | None = None) -> EndedAttempt:
+    return EndedAttempt(attempt=index, end=end, made_progress=last_step is not None, last_step=last_step)
+
+
+def cannot_open(index: int) -> EndedAttempt:
+    return attempt(index, classify(returncode=2, stderr_tail=NONEXIST))
+
+
+def crash(index: int, step: int, exception: str = "ValueError") -> EndedAttempt:
+    tail = ["Traceback (most recent call last):", '  File "train.py", line 9', f"{exception}: boom"]
+    return attempt(index, classify(returncode=1, stderr_tail=tail), last_step=step)
+
+
+def preempted(index: int, step: int | None) -> EndedAttempt:
+    return attempt(index, classify(returncode=-signal.SIGTERM), last_step=step)
+
+
+def test_a_script_that_cannot_start_stops_at_its_second_identical_failure_with_status_3() -> None:
+    first = POLICY.decide(cannot_open(0))
+    assert first.restart and first.wait_s == 0.5  # once: it may have been the file system
+    second = POLICY.decide(cannot_open(1), history=[cannot_open(0)])
+    assert (second.restart, second.exit_status) == (False, EXIT_HOPELESS)
+    assert "failed the same way twice before its first step (exit status 2)" in second.why
+    # Another start-up failure the second time is not "the same way": one more try.
+    other = attempt(
+        1, classify(returncode=1, stderr_tail=["Traceback (most recent call last):", "ImportError: x"])
+    )
+    assert POLICY.decide(other, history=[cannot_open(0)]).restart
+
+
+def test_start_up_failure_is_its_own_detail_and_user_cause() -> None:
+    found = cannot_open(0).diagnosis
+    assert (found.cause, found.detail) == (Cause.USER, Detail.STARTUP)
+    assert "before the first step" in found.evidence
+    assert crash(0, 5).diagnosis.detail is Detail.EXCEPTION  # after training: an exception in the script
+
+
+def test_preemptions_use_up_no_restarts_across_invocations() -> None:
+    history = [preempted(i, step=10 * (i + 1)) for i in range(5)]  # five requeues, each further on
+    assert restarts_used(history) == 0
+    decision = POLICY.decide(crash(5, 60), history=history)
+    assert decision.restart and "(1 of 3)" in decision.why
+    again = POLICY.decide(preempted(5, 60), history=history)
+    assert again.restart and "not counted" in again.why and again.wait_s == 0.5
+
+
+def test_restarts_that_reach_no_new_step_stop_after_the_budget() -> None:
+    history = [crash(0, 50), crash(1, 50)]  # resumed from 40, crashed at 50 again
+    decision = POLICY.decide(crash(2, 50), history=history)
+    assert (decision.restart, decision.exit_status) == (False, EXIT_HOPELESS)
+    assert "2 restarts in a row reached no new step" in decision.why
+    going = POLICY.decide(crash(2, 51), history=history)  # a step further: it helps
+    assert going.restart
+    patient = RestartPolicy(max_restarts=3, max_restarts_without_progress=0)
+    assert patient.decide(crash(2, 50), history=history).restart
+    out = patient.decide(crash(3, 50), history=[*history, crash(2, 50)])
+    assert (out.restart, out.exit_status) == (False, EXIT_FAILED)
+
+
+def test_back_off_follows_the_cause() -> None:
+    assert POLICY.decide(crash(0, 5)).wait_s == 0.0  # a crash mid-training: at once
+    oom = attempt(0, classify(returncode=-signal.SIGKILL, oom_killed=True), last_step=5)
+    assert oom.diagnosis.detail is Detail.OOM_KILLED
+    assert POLICY.decide(oom).wait_s == 0.5  # the kernel's OOM killer: memory may come free
+    lost = attempt(0, classify(returncode=-signal.SIGKILL), last_step=5)
+    assert lost.diagnosis.detail is Detail.PROCESS_LOST and POLICY.decide(lost).wait_s == 0.0
+    assert POLICY.decide(crash(1, 20), history=[crash(0, 10)]).wait_s == 1.0  # doubling per restart used
+
+
+@pytest.mark.parametrize(
+    ("end", "trained", "cause", "detail"),
+    [
+        ({"outcome": "failed", "signal": "SIGKILL", "oom": True}, True, Cause.INFRA, Detail.OOM_KILLED),
+        ({"outcome": "failed", "signal": "SIGKILL"}, True, Cause.INFRA, Detail.PROCESS_LOST),
+        ({"outcome": "failed", "exception": "DistBackendError"}, True, Cause.INFRA, Detail.COLLECTIVE),
+        (
+            {"outcome": "failed", "stderr_tail": ["Watchdog caught collective operation timeout"]},
+            True,
+            Cause.INFRA,
+            Detail.COLLECTIVE,
+        ),
+        (
+            {
+                "outcome": "failed",
+                "reason": "its supervisor was lost (killed) while it ran; closed from the ledger",
+            },
+            True,
+            Cause.INFRA,
+            Detail.NODE_LOST,
+        ),
+        ({"outcome": "failed", "exit_code": 1, "exception": "KeyError"}, True, Cause.USER, Detail.EXCEPTION),
+        ({"outcome": "failed", "exit_code": 1, "exception": "KeyError"}, False, Cause.USER, Detail.STARTUP),
+        (
+            {"outcome": "failed", "exit_code": 127, "reason": "cannot start: x"},
+            False,
+            Cause.USER,
+            Detail.STARTUP,
+        ),
+        ({"outcome": "failed", "exit_code": 3}, True, Cause.UNKNOWN, Detail.UNKNOWN),
+        ({"outcome": "hung"}, True, Cause.HANG, Detail.HUNG),
+        ({"outcome": "preempted"}, False, Cause.PREEMPTION, Detail.PREEMPTED),
+        (
+            {"outcome": "failed", "exit_code": "1", "signal": 9, "stderr_tail": "x"},
+            True,
+            Cause.UNKNOWN,
+            Detail.UNKNOWN,
+        ),
+    ],
+)
+def test_every_failure_gets_a_cause_and_a_detail(end, trained, cause, detail) -> None:
+    found = diagnose(outcome=Outcome(end["outcome"]), failure=end, trained=trained)
+    assert (found.cause, found.detail) == (cause, detail) and found.evidence
+
+
+def test_the_books_history_reads_what_earlier_invocations_recorded() -> None:
+    def end(attempt: int, **data: object) -> Event:
+        return Event(EventKind.ATTEMPT_END, 10.0 + attempt, attempt, SUPERVISOR_RANK, data=data)
+
+    events = [
+        Event(EventKind.STEP, 1.0, 0, 0, step=7),
+        end(0, outcome="preempted", exit_code=143, signal="SIGTERM"),
+        end(0, outcome="failed"),  # a second end of the same attempt is not read
+        end(1, outcome="failed", exit_code=2, stderr_tail=NONEXIST),
+        end(
+            2, outcome="bogus", exit_code=True, oom="yes", stderr_tail=[1, 2]
+        ),  # forged: read as far as it can be
+    ]
+    history = ended_attempts(events)
+    assert [(h.attempt, h.end.outcome, h.made_progress, h.last_step) for h in history] == [
+        (0, Outcome.PREEMPTED, True, 7),
+        (1, Outcome.FAILED, False, None),
+        (2, Outcome.UNKNOWN, False, None),
+    ]
+    assert history[2].end.exit_code is None and history[2].end.oom is False
+    assert restarts_used(history) == 1  # the preemption is not counted
+    again = POLICY.decide(cannot_open(3), history=history[:2])
+    assert again.exit_status == EXIT_HOPELESS  # the same start-up failure, one invocation later
