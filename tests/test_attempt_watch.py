@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
@@ -11,8 +12,9 @@ from typing import Any
 import pytest
 
 from ettr.constants import FAILURE_DETECTED_MARK, RELAUNCH_MARK
-from ettr.events import Event, EventKind, Outcome
+from ettr.events import Event, EventKind, Outcome, Phase
 from ettr.ledger import MemoryLedger
+from ettr.run_env import heartbeat_dir
 from ettr.supervisor.attempt import AttemptEvent, AttemptPlan
 from ettr.supervisor.books import JobBooks
 from ettr.supervisor.classify import AttemptEnd
@@ -398,21 +400,109 @@ def test_the_next_attempts_standby_is_prepared_once_while_restarts_remain(tmp_pa
     assert kind.prepared == 0
 
 
+def pulse(
+    run_dir: Path, attempt: int, *, step_s: float | None, phases: Sequence[str] = (), rank: int = 0
+) -> None:
+    """What a training process's heartbeat thread writes (`ettr.heartbeat.Progress.snapshot`)."""
+    path = heartbeat_dir(run_dir, attempt) / f"rank-{rank}-pid-999999.pulse"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "v": 1,
+        "steps": 20,
+        "step_s": step_s,
+        "intervals": 0 if step_s is None else 19,
+        "phases": list(phases),
+    }
+    path.write_text(json.dumps(doc))
+
+
 def test_the_runner_kills_a_hung_attempt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     clock = FakeClock()
     fake = FakeAttempt(clock, on_term=None)  # ignores SIGTERM: SIGKILL after the hang grace
     runner, ledger, _ = runner_for(
         tmp_path, fake, clock, FakeSignals(clock), hang_timeout_s=5.0, poll_interval_s=0.25
     )
+    pulse(tmp_path, 1, step_s=0.2)  # its steps run: --hang-timeout is the bound
     ledger.activity = 1002.0  # the last sign of life
     ended = runner.run(1)
     assert ended.end.outcome is Outcome.HUNG and ended.end.exit_code == 137
-    assert "no progress and no heartbeat for 5.2 s; killed by SIGKILL" in ended.end.reason
+    assert (
+        "no progress and no heartbeat for 5.2 s (over --hang-timeout: 5 s); killed by SIGKILL"
+        in ended.end.reason
+    )
     (term_at, term, _), (kill_at, kill, _) = fake.signals
     assert (term, kill, term_at, kill_at) == (TERM, KILL, 1007.25, 1010.25)
     (detected,) = marks(ledger, FAILURE_DETECTED_MARK)
-    assert detected.ts == 1007.25
-    assert "attempt 1: no progress for 5.2 s: hung, killing it" in capsys.readouterr().err
+    assert (
+        detected.ts == 1007.25 and (detected.data or {})["fault_ts"] == 1002.0
+    )  # detection: 5.25 s of the TTR
+    assert (
+        "attempt 1: no progress for 5.2 s (over --hang-timeout: 5 s): hung, killing it"
+        in capsys.readouterr().err
+    )
+
+
+def test_a_fast_step_job_that_hangs_is_caught_in_seconds(tmp_path: Path) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, on_term=(0.5, -TERM))
+    runner, ledger, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock))  # no --hang-timeout
+    pulse(tmp_path, 0, step_s=0.05)
+    ledger.activity = 1001.0
+    ended = runner.run(0)
+    assert ended.end.outcome is Outcome.HUNG
+    assert "over the floor of the step bound (10 x 0.05 s): 10 s" in ended.end.reason
+    ((term_at, _, _),) = fake.signals
+    assert 1011.0 < term_at <= 1011.6  # 10 s after the last sign of life, not the old 300 s
+
+
+def test_a_slow_step_job_gets_a_multiple_of_its_step_time(tmp_path: Path) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, on_term=(0.5, -TERM))
+    runner, ledger, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock))
+    pulse(tmp_path, 0, step_s=4.0)
+    ledger.activity = 1001.0
+    ended = runner.run(0)
+    assert ended.end.outcome is Outcome.HUNG and "10 x the step time of 4 s: 40 s" in ended.end.reason
+    ((term_at, _, _),) = fake.signals
+    assert 1041.0 < term_at <= 1041.6
+
+
+@pytest.mark.parametrize("phase", ["eval", "checkpoint_blocking", "restore", "compile"])
+def test_a_long_phase_in_a_fast_step_job_is_not_a_hang(tmp_path: Path, phase: str) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, exits_at=1062.0)  # a 60 s evaluation (a sleep: no heartbeat), then done
+    runner, ledger, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock), hang_timeout_s=5.0)
+    pulse(tmp_path, 0, step_s=0.05, phases=[phase])
+    ledger.activity = 1001.0
+    ended = runner.run(0)
+    assert ended.end.outcome is Outcome.COMPLETED and fake.signals == []
+
+
+def test_a_phase_longer_than_the_default_is_a_hang_unless_the_books_say_it_takes_that_long(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, on_term=(0.5, -TERM))
+    runner, ledger, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock))
+    pulse(tmp_path, 0, step_s=0.05, phases=["eval"])
+    ledger.activity = 1001.0
+    assert "over the bound of phase eval: 300 s" in runner.run(0).end.reason
+    clock = FakeClock()
+    fake = FakeAttempt(clock, exits_at=1500.0)  # a 499 s evaluation
+    runner, ledger, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock))
+    ledger.append(
+        [Event(EventKind.PHASE_END, 500.0, 0, 0, phase=Phase.EVAL, value=100.0)]
+    )  # took 400 s before
+    pulse(tmp_path, 1, step_s=0.05, phases=["eval"])
+    ledger.activity = 1001.0
+    assert runner.run(1).end.outcome is Outcome.COMPLETED and fake.signals == []
+
+
+def test_a_start_up_longer_than_the_hang_timeout_is_not_a_hang(tmp_path: Path) -> None:
+    clock = FakeClock()
+    fake = FakeAttempt(clock, exits_at=1030.0)  # 30 s of silent start-up (a loaded machine) before it ends
+    runner, _, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock), hang_timeout_s=6.0)
+    assert runner.run(0).end.outcome is Outcome.COMPLETED and fake.signals == []
 
 
 @pytest.mark.parametrize("forged", [0.0, 1e12])

@@ -13,18 +13,18 @@ import pytest
 
 from ettr.bootstrap import pythonpath_dir
 from ettr.closing import recorded_job_id
-from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
-from ettr.heartbeat import MainThreadHeartbeat, latest_heartbeat
+from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome, Phase
+from ettr.heartbeat import MainThreadHeartbeat, Progress, latest_heartbeat, read_pulses
 from ettr.inject import parse_spec
 from ettr.procs import descendants, start_ticks
-from ettr.run_env import INSTRUMENTED_ENV, Launcher
+from ettr.run_env import INSTRUMENTED_ENV, Launcher, heartbeat_path
 from ettr.supervisor import books
 from ettr.supervisor.classify import classify, exception_from_stderr
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times, parse_scontrol_times
 from ettr.supervisor.launch import attempt_launch, detect_launcher, torchrun_command
 from ettr.supervisor.process import AttemptProcess
-from ettr.supervisor.watchdog import HangWatchdog
+from ettr.supervisor.watchdog import STARTUP, HangBounds, HangWatchdog, JobProgress, learned_bounds
 
 
 # -- command lines ----------------------------------------------------------------------------------------
@@ -184,6 +184,84 @@ def test_watchdog_counts_silence_from_the_latest_sign_of_life() -> None:
 
     sturdy = HangWatchdog(timeout_s=1.0, probes=[broken, lambda: 50.0], started_at=0.0, armed_at_start=False)
     assert sturdy.check(50.5) is None and sturdy.check(52.0) == pytest.approx(2.0)
+
+
+def test_hang_bounds_follow_what_the_job_does() -> None:
+    bounds = HangBounds()
+    assert bounds.bound(JobProgress()) == (300.0, "the start-up bound")
+    fast = JobProgress(settled=True, step_s=0.05)
+    assert bounds.bound(fast)[0] == 10.0  # the floor: 10 x 0.05 s is too little for a loaded machine
+    assert bounds.bound(JobProgress(settled=True, step_s=3.0))[0] == 30.0
+    in_eval = JobProgress(settled=True, step_s=0.05, phases=frozenset({"eval"}))
+    assert bounds.bound(in_eval) == (300.0, "the bound of phase eval")
+    learned = HangBounds(learned_s={"eval": 900.0, STARTUP: 450.0}, override_s=6.0)
+    assert learned.bound(in_eval)[0] == 900.0 and learned.bound(JobProgress())[0] == 450.0
+    assert learned.bound(fast) == (6.0, "--hang-timeout")  # it replaces the step bound, not the others
+    assert HangBounds(override_s=600.0).bound(JobProgress())[0] == 600.0
+    with pytest.raises(ValueError, match="floor_s"):
+        HangBounds(floor_s=0.0)
+
+
+def test_bounds_are_learned_from_the_jobs_own_books() -> None:
+    events = [
+        Event(EventKind.PROCESS_START, 100.0, 0, 0),
+        Event(EventKind.STEP, 160.0, 0, 0, step=1),  # 60 s start-up
+        Event(EventKind.STEP, 161.0, 0, 0, step=2),
+        Event(EventKind.PHASE_END, 400.0, 0, 0, phase=Phase.EVAL, value=200.0),  # 200 s evaluation
+        Event(EventKind.PHASE_END, 500.0, 0, 0, phase=Phase.EVAL, value=float("nan")),  # damaged: ignored
+        Event(EventKind.PHASE_END, 500.0, 0, -1, phase=Phase.RESTORE, value=0.0),  # not a training process
+    ]
+    assert learned_bounds(events) == {STARTUP: 180.0, "eval": 600.0}
+
+
+def test_silence_while_the_job_waited_for_a_cpu_is_not_counted() -> None:
+    waited = {7: 5.0}
+    dog = HangWatchdog(
+        probes=[lambda: 100.0],
+        started_at=100.0,
+        armed_at_start=False,
+        bounds=HangBounds(),
+        progress=lambda: JobProgress(settled=True, step_s=0.1),
+        starved=lambda: dict(waited),
+        min_interval_s=0.0,
+    )
+    assert dog.check(100.0) is None
+    waited.update({7: 12.0, 8: 50.0})  # 7 s of the next 12 s in the run queue; a process seen late
+    assert dog.check(112.0) is None
+    waited.update({7: 12.5, 8: 50.5})
+    assert dog.check(118.0) == pytest.approx(10.5)  # 18 s of silence, 7.5 s of them starved
+
+
+def test_pulses_are_written_by_the_sampler_and_read_back_validated(tmp_path: Path) -> None:
+    progress = Progress()
+    for i in range(8):
+        progress.observe(Event(EventKind.STEP, 10.0 + 0.5 * i, 0, 0, step=i + 1))
+    progress.observe(Event(EventKind.PHASE_BEGIN, 15.0, 0, 0, phase=Phase.EVAL))
+    progress.observe(
+        Event(EventKind.PHASE_BEGIN, 15.0, 0, 0, phase=Phase.CHECKPOINT_PERSIST)
+    )  # beside training
+    progress.observe(Event(EventKind.PHASE_END, 15.0, 0, 0, phase=Phase.RESTORE, value=1.0))  # a whole span
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, progress=progress)
+    assert beat.pulse() and not beat.pulse()  # once per change
+    (read,) = read_pulses(tmp_path, 0)
+    assert (read.rank, read.steps, read.step_s, read.num_intervals, read.phases) == (0, 8, 0.5, 7, {"eval"})
+    progress.observe(Event(EventKind.PHASE_END, 16.0, 0, 0, phase=Phase.EVAL, value=15.0))
+    assert beat.pulse() and read_pulses(tmp_path, 0)[0].phases == frozenset()
+    forged = path.parent
+    (forged / "rank-1-pid-1.pulse").write_text(
+        '{"v": 1, "steps": -1, "step_s": 1, "intervals": 1, "phases": []}'
+    )
+    (forged / "rank-2-pid-2.pulse").write_text(
+        '{"v": 1, "steps": 1, "step_s": NaN, "intervals": 1, "phases": []}'
+    )
+    (forged / "rank-3-pid-3.pulse").write_text("x" * 10_000)
+    (forged / "rank-x-pid-4.pulse").write_text(
+        '{"v": 1, "steps": 1, "step_s": 1, "intervals": 1, "phases": []}'
+    )
+    assert [p.rank for p in read_pulses(tmp_path, 0)] == [0]
+    assert JobProgress.of(read_pulses(tmp_path, 0)) == JobProgress(settled=True, step_s=0.5)
 
 
 def test_heartbeat_beats_only_when_the_watched_thread_moves(tmp_path: Path) -> None:

@@ -63,7 +63,8 @@ def _add_run(p: argparse.ArgumentParser) -> None:
         "--hang-timeout",
         type=_positive_float,
         metavar="SECONDS",
-        help="seconds without progress that count as a hang (default 300, armed after the first sign of life)",
+        help="seconds without progress that count as a hang once steps run (default: 10 step times, at least "
+        "10 s; start-up and long phases such as evaluation get 300 s or what the job's books show)",
     )
     p.add_argument(
         "--submitted-at",
@@ -446,7 +447,10 @@ _EXAMPLES = {
   ettr run --run-dir runs/my-job -- python train.py  # a requeue: the same run dir continues the job
   ettr run --ledger postgresql://ettr@db/ettr --job-id J -- torchrun --nnodes 2 --node-rank R \
       --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29400 train.py   # on each node R
-the hang timeout is 300 s without progress (armed after the first sign of life) unless --hang-timeout""",
+a hang is 10 step times without progress (at least 10 s) once steps run, 300 s in start-up and long phases
+(evaluation, checkpoint, restore, compile; longer if the job's books show them longer); --hang-timeout
+replaces the step bound. Exit status: 0 completed, 1 restarts used up, 2 bad input, 3 restarts would not help
+(the same failure before the first step, or restarts that reach no new step), 143 preempted, 130 Ctrl-C""",
     "report": """examples:
   ettr report runs/my-job                    # terminal report
   ettr report runs/my-job --json             # the ettr.report/1 schema

@@ -9,18 +9,38 @@ C call that runs longer than the hang timeout looks like a hang: choose the time
 
 Files: `RUN_DIR/heartbeats/attempt-A/rank-R-pid-P` (the layout is part of the run contract,
 `ettr.run_env.heartbeat_path`); the supervisor reads their newest mtime (`latest_heartbeat`).
+
+Beside it, `rank-R-pid-P.pulse` says how the job moves, for hang bounds that follow the job
+(`ettr.supervisor.watchdog`): a `Progress` listener on the process's Recorder notes each STEP's time and the
+phases open (a deque append on the recording thread), and the sampler thread writes a small JSON document
+(`{"v": 1, "steps": N, "step_s": S, "phases": [...]}`: steps completed, the median of the last step
+intervals, the phases open now) whenever that changed, at most twice a second, atomically (written aside,
+renamed into place). The supervisor reads it with `read_pulses`; nothing read is ever run.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from ettr.events import Event, EventKind
 from ettr.run_env import heartbeat_dir
+
+PULSE_SUFFIX = ".pulse"
+_PULSE_VERSION = 1
+_PULSE_MAX_BYTES = 4096
+_INTERVALS_KEPT = 32
+"""Step intervals a pulse's median is taken over (recent: after a warm-up or a slowdown it follows the job)."""
+_BACKGROUND_PHASES = frozenset({"checkpoint_persist"})
+"""Phases that run beside training (an overlapped persist): the training thread is not waiting on them."""
 
 
 def latest_heartbeat(run_dir: str | os.PathLike[str], attempt: int) -> float | None:
@@ -37,6 +57,136 @@ def latest_heartbeat(run_dir: str | os.PathLike[str], attempt: int) -> float | N
     except OSError:
         return None
     return latest
+
+
+@dataclass(frozen=True, slots=True)
+class Pulse:
+    """How one training process moves, as its last pulse file said."""
+
+    rank: int
+    steps: int
+    """Steps it completed in this attempt."""
+    step_s: float | None
+    """The median of its last step intervals (None: fewer than two steps)."""
+    num_intervals: int
+    """How many intervals that median is over."""
+    phases: frozenset[str]
+    """The phases open in it now (those the training thread waits on)."""
+
+
+class Progress:
+    """What a pulse says, kept from the process's own events: a Recorder listener (`observe`), cheap on the
+    recording thread; `snapshot` is read by the heartbeat's sampler thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step_ts: deque[float] = deque(maxlen=_INTERVALS_KEPT + 1)
+        self._steps = 0
+        self._open: dict[str, int] = {}
+        self.version = 0
+        """Grows with every change (the sampler writes a pulse only when it moved)."""
+
+    def observe(self, event: Event) -> None:
+        kind = event.kind
+        if kind is EventKind.STEP:
+            with self._lock:
+                self._step_ts.append(event.ts)
+                self._steps += 1
+                self.version += 1
+        elif kind is EventKind.PHASE_BEGIN and event.phase is not None:
+            with self._lock:
+                name = str(event.phase)
+                self._open[name] = self._open.get(name, 0) + 1
+                self.version += 1
+        elif kind is EventKind.PHASE_END and event.phase is not None:
+            with self._lock:
+                name = str(event.phase)
+                if self._open.get(name, 0) > 0:  # an END alone (a whole span) opened nothing
+                    self._open[name] -= 1
+                    if not self._open[name]:
+                        del self._open[name]
+                    self.version += 1
+
+    def snapshot(self) -> dict[str, object]:
+        """The pulse document now."""
+        with self._lock:
+            times = list(self._step_ts)
+            steps = self._steps
+            phases = sorted(p for p in self._open if p not in _BACKGROUND_PHASES)
+        intervals = [b - a for a, b in zip(times, times[1:], strict=False) if b >= a]
+        return {
+            "v": _PULSE_VERSION,
+            "steps": steps,
+            "step_s": statistics.median(intervals) if intervals else None,
+            "intervals": len(intervals),
+            "phases": phases,
+        }
+
+
+def _write_pulse(path: Path, document: dict[str, object]) -> None:
+    """Write `document` at `path` atomically (aside, then renamed over it); never through a symlink."""
+    aside = path.with_name(f".{path.name}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(aside, flags, 0o644)
+    try:
+        os.write(fd, json.dumps(document, separators=(",", ":")).encode())
+    finally:
+        os.close(fd)
+    os.replace(aside, path)
+
+
+def read_pulses(run_dir: str | os.PathLike[str], attempt: int) -> list[Pulse]:
+    """The pulses of `attempt`'s training processes ([] when none). A file that is not a pulse of this
+    version (damaged, forged, too big) is skipped; JSON is parsed, never run."""
+    found = []
+    try:
+        with os.scandir(heartbeat_dir(run_dir, attempt)) as entries:
+            names = [e.name for e in entries if e.name.endswith(PULSE_SUFFIX) and e.name.startswith("rank-")]
+    except OSError:
+        return []
+    for name in names:
+        try:
+            rank = int(name.split("-", 2)[1])
+            fd = os.open(heartbeat_dir(run_dir, attempt) / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                raw = os.read(fd, _PULSE_MAX_BYTES + 1)
+            finally:
+                os.close(fd)
+            if len(raw) > _PULSE_MAX_BYTES:
+                continue
+            doc = json.loads(raw)
+        except (OSError, ValueError, IndexError):
+            continue
+        pulse = _pulse_from(rank, doc)
+        if pulse is not None:
+            found.append(pulse)
+    return found
+
+
+def _pulse_from(rank: int, doc: object) -> Pulse | None:
+    if not isinstance(doc, dict) or doc.get("v") != _PULSE_VERSION:
+        return None
+    steps, step_s, intervals, phases = (
+        doc.get("steps"),
+        doc.get("step_s"),
+        doc.get("intervals"),
+        doc.get("phases"),
+    )
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        return None
+    if not isinstance(intervals, int) or isinstance(intervals, bool) or intervals < 0:
+        return None
+    if step_s is not None and not (isinstance(step_s, int | float) and 0 <= step_s < 1e7):
+        return None  # NaN, negative, absurd, a string: not a pulse
+    if not isinstance(phases, list) or not all(isinstance(p, str) and len(p) <= 64 for p in phases):
+        return None
+    return Pulse(
+        rank=rank,
+        steps=steps,
+        step_s=None if step_s is None else float(step_s),
+        num_intervals=intervals,
+        phases=frozenset(phases[:32]),
+    )
 
 
 def _stack_fingerprint(frame: FrameType | None, depth: int = 6) -> tuple[tuple[int, int], ...]:
@@ -66,6 +216,8 @@ class MainThreadHeartbeat:
         thread_id: the training thread (default: the main thread).
         stands_down: asked before each beat; True: this process turned out not to be a rank (a Python
             program that started torchrun: its workers beat), and it beats no more.
+        progress: the process's `Progress` (a Recorder listener); its pulse is written beside `path`
+            whenever it changed.
     """
 
     def __init__(
@@ -75,8 +227,11 @@ class MainThreadHeartbeat:
         interval_s: float = 0.5,
         thread_id: int | None = None,
         stands_down: Callable[[], bool] | None = None,
+        progress: Progress | None = None,
     ):
         self.path = Path(path)
+        self._progress = progress
+        self._pulsed = 0  # the progress version last written (0: nothing happened yet)
         self._stands_down = stands_down
         self.interval_s = interval_s
         self._thread_id = threading.main_thread().ident if thread_id is None else thread_id
@@ -120,9 +275,24 @@ class MainThreadHeartbeat:
                 return False
         return True
 
+    def pulse(self) -> bool:
+        """Write the pulse if the progress changed since the last one; whether it wrote."""
+        progress = self._progress
+        if progress is None or progress.version == self._pulsed:
+            return False
+        version = progress.version
+        try:
+            _write_pulse(self.path.with_name(self.path.name + PULSE_SUFFIX), progress.snapshot())
+        except OSError:
+            return False
+        self._pulsed = version
+        return True
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.sample()
+                if not self._stop.is_set():
+                    self.pulse()
             except Exception:  # telemetry never takes the process down
                 return

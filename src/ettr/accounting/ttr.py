@@ -4,8 +4,9 @@ A recovery runs from the failure to the first training step of the next attempt 
 the order they happen, each from one milestone to the next (a missing milestone gives its time to the next
 part, so the parts always add up to the whole):
 
-    detection      the failure (first FAILURE of any rank) -> the supervisor knew (its `failure_detected`
-                   MARK, else ATTEMPT_END); None when no rank recorded the failure (SIGKILL, lost node)
+    detection      the failure (first FAILURE of any rank, else the fault the supervisor saw: a hang's last sign
+                   of life, its `failure_detected` MARK's `fault_ts`) -> the supervisor knew (that MARK, else
+                   ATTEMPT_END); None when the fault time is unknown (SIGKILL, lost node: detected at once)
     teardown       -> ATTEMPT_END of the failed attempt (the rest of its processes gone)
     backoff        -> the end of the supervisor's wait (its `restart_backoff` MARK, else ATTEMPT_START)
     relaunch       -> the first PROCESS_START of the next attempt (fork/exec, a launcher's own start-up and
@@ -164,6 +165,10 @@ def milestones(
     ]
     supervisor = rank_events.get(-1, ())
     reference = rank_events.get(reference_rank, ()) if reference_rank is not None else ()
+    # A fault no rank recorded (a hang: its last sign of life) as the supervisor's detection saw it.
+    fault = (_first_mark_data(supervisor, FAILURE_DETECTED_MARK) or {}).get("fault_ts")
+    if isinstance(fault, int | float) and not isinstance(fault, bool) and start_ts <= fault <= end_ts:
+        failures.append(float(fault))
     return AttemptMilestones(
         index=index,
         start_ts=start_ts,

@@ -122,9 +122,13 @@ def _start(environ: Mapping[str, str]) -> None:
     _install_excepthook(rec)
     launches = _launches_torchrun(run_env)
     if rec.run_dir is not None:
-        from ettr.heartbeat import MainThreadHeartbeat
+        from ettr.heartbeat import MainThreadHeartbeat, Progress
 
-        beat = MainThreadHeartbeat(heartbeat_path(rec.run_dir, rec.attempt, rec.rank), stands_down=launches)
+        progress = Progress()  # the pulse: how this process moves, for hang bounds that follow the job
+        rec.add_listener(progress.observe)
+        _started["progress"] = progress
+        path = heartbeat_path(rec.run_dir, rec.attempt, rec.rank)
+        beat = MainThreadHeartbeat(path, stands_down=launches, progress=progress)
         beat.start()
         _started["heartbeat"] = beat
         _keep_step_tail(rec)  # a launcher takes no steps: it writes none
@@ -301,7 +305,8 @@ def continue_attempt(attempt: int) -> None:
             from ettr.heartbeat import MainThreadHeartbeat
 
             beat.stop()
-            beat = MainThreadHeartbeat(heartbeat_path(rec.run_dir, attempt, rec.rank))
+            progress = _started.get("progress")
+            beat = MainThreadHeartbeat(heartbeat_path(rec.run_dir, attempt, rec.rank), progress=progress)
             beat.start()
             _started["heartbeat"] = beat
         _mark_first_step(rec, run_env)

@@ -55,7 +55,7 @@ class AttemptEnd:
             return value[:500] if isinstance(value, str) else None
 
         try:
-            outcome = Outcome(data.get("outcome"))
+            outcome = Outcome(str(data.get("outcome")))
         except ValueError:
             outcome = Outcome.UNKNOWN
         code = data.get("exit_code")
@@ -152,6 +152,7 @@ def classify(
     events: Iterable[Event] = (),
     preempted_by: int | None = None,
     hung_after_s: float | None = None,
+    hung_bound: str = "",
     oom_killed: bool = False,
     failed_pids: Sequence[int] = (),
     wrapper: bool = False,
@@ -164,7 +165,8 @@ def classify(
         events: the attempt's events from training processes (FAILURE, PROCESS_START and `inject` marks are
             used).
         preempted_by: the signal the supervisor received and forwarded (the attempt was preempted).
-        hung_after_s: set when the hang watchdog killed the attempt: the silence it saw.
+        hung_after_s: set when the hang watchdog killed the attempt: the silence it saw; `hung_bound` which bound
+            that was over (`the bound of phase eval`, `10 x the step time of 0.05 s`).
         oom_killed: the cgroup's OOM-kill counter rose during the attempt.
         failed_pids: the attempt's processes in the order they were seen to end (ettr's agent: the failed
             worker; under a launcher, the ranks the supervisor saw die). The first of them that is a rank is
@@ -223,7 +225,8 @@ def classify(
     ended_by = sig if sig is not None else behind
     if hung_after_s is not None:
         outcome = Outcome.HUNG
-        reason = f"no progress and no heartbeat for {hung_after_s:.1f} s; {how}"
+        over = f" (over {hung_bound})" if hung_bound else ""
+        reason = f"no progress and no heartbeat for {hung_after_s:.1f} s{over}; {how}"
     elif preempted_by == signal.SIGINT:
         outcome = Outcome.INTERRUPTED
         reason = f"interrupted (SIGINT forwarded to the job); {how}"

@@ -58,8 +58,9 @@ class RunConfig:
     inject: tuple[FaultSpec, ...] = ()
     """Faults to inject on purpose (`--inject`)."""
     hang_timeout_s: float | None = None
-    """Seconds without progress or heartbeat after which an attempt is killed as hung. None: the default,
-    `default_hang_timeout_s`, armed only once the attempt shows a first sign of life."""
+    """Seconds without progress or heartbeat after which an attempt is killed as hung, once its steps run
+    (instead of the bound that follows the job's step time); start-up and long phases get at least this.
+    None: bounds that follow the job, armed only once the attempt shows a first sign of life."""
     submitted_at: float | None = None
     """Unix time the job was submitted (else from Slurm, else unknown)."""
     allocated_at: float | None = None
@@ -89,7 +90,12 @@ class RunConfig:
     hang_kill_grace_s: float = 3.0
     """After SIGTERM to a hung attempt, how long before SIGKILL."""
     default_hang_timeout_s: float = 300.0
-    """The hang timeout when `hang_timeout_s` is not given."""
+    """The hang bound of start-up and of every long phase (compile, restore, checkpoint, evaluation), unless the
+    job's books teach a longer one or `hang_timeout_s` is larger (`ettr.supervisor.watchdog`)."""
+    hang_step_multiple: float = 10.0
+    """Once steps run: this many median step times without a sign of life is a hang..."""
+    hang_floor_s: float = 10.0
+    """...but never less than this."""
     poll_interval_s: float = 0.1
     """How often the supervisor looks at the attempt."""
     end_retry_s: float = 60.0
@@ -119,7 +125,14 @@ class RunConfig:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        for name in ("default_hang_timeout_s", "poll_interval_s", "peer_timeout_s", "follower_wait_s"):
+        for name in (
+            "default_hang_timeout_s",
+            "hang_step_multiple",
+            "hang_floor_s",
+            "poll_interval_s",
+            "peer_timeout_s",
+            "follower_wait_s",
+        ):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")

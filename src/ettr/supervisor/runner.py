@@ -13,16 +13,18 @@ kind, peers, signals, the clock), so the loop runs in a unit test with a fake at
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 from ettr.constants import FAILURE_DETECTED_MARK, RECOVERY_MARK, RELAUNCH_MARK
 from ettr.events import EventKind, Outcome
-from ettr.heartbeat import latest_heartbeat
-from ettr.run_env import has_trained, trained_modules
+from ettr.heartbeat import latest_heartbeat, read_pulses
+from ettr.run_env import has_trained, heartbeat_dir, trained_modules
 from ettr.supervisor import standby
 from ettr.supervisor.attempt import Attempt, AttemptKind, AttemptPlan
 from ettr.supervisor.books import JobBooks
@@ -55,12 +57,26 @@ from ettr.supervisor.watch import (
     WatchEvent,
     WatchState,
 )
-from ettr.supervisor.watchdog import HangWatchdog
+from ettr.supervisor.watchdog import (
+    HangBounds,
+    HangWatchdog,
+    JobProgress,
+    heartbeat_pids,
+    learned_bounds,
+    run_queue_wait_s,
+)
 
 _SNAPSHOT_EVERY_S = 1.0
 """How often the attempt's process tree is noted (and adopted orphans that exited are reaped)."""
 _TRAINED_READ_EVERY_S = 0.5
 """How often, at most, the console's start-up line looks whether the attempt has trained (a listing)."""
+
+
+def _names(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
 
 
 class Sweep(Protocol):
@@ -169,12 +185,14 @@ class AttemptRunner:
             say(f"attempt {attempt} started: {running.describe()}")
         state = self._watch(running, attempt, started=started, sweep=sweep, restarts_left=restarts_left)
         assert state.returncode is not None
+        fault = {} if state.fault_at is None else {"fault_ts": state.fault_at}  # detection is a part of TTR
         books.append(
             EventKind.MARK,
             attempt=attempt,
             ts=state.detected_at,
             name=FAILURE_DETECTED_MARK,
             returncode=state.returncode,
+            **fault,
         )
         if state.continued:  # its processes go on into the next attempt: nothing is torn down
             self._continuing = running
@@ -196,6 +214,7 @@ class AttemptRunner:
             events=events,
             preempted_by=state.forwarded,
             hung_after_s=state.hung_after_s,
+            hung_bound=state.hung_bound,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
             failed_pids=running.failed_pids(),
             wrapper=is_shell_command(launch.argv),
@@ -233,14 +252,17 @@ class AttemptRunner:
         """Watch `running` until it exits; the watch's last state."""
         p = self.parts
         cfg = p.config
+        run_dir = p.books.run_dir
         dog = HangWatchdog(
-            timeout_s=cfg.hang_timeout_s or cfg.default_hang_timeout_s,
             probes=[
                 lambda: p.books.last_activity(attempt),
-                lambda: latest_heartbeat(p.books.run_dir, attempt),
+                lambda: latest_heartbeat(run_dir, attempt),
             ],
             started_at=started,
             armed_at_start=cfg.hang_timeout_s is not None,
+            bounds=self._hang_bounds(),
+            progress=lambda: JobProgress.of(read_pulses(run_dir, attempt)),
+            starved=lambda: run_queue_wait_s(heartbeat_pids(_names(heartbeat_dir(run_dir, attempt)))),
         )
         state = self.watch.start(attempt)
         waiting: Progress | None = None  # for the job to exit, once asked to
@@ -319,7 +341,8 @@ class AttemptRunner:
         if state.watching_hangs:
             silence_s = dog.check(now)
             if silence_s is not None:
-                state = self._step(state, Hung(silence_s), now, running, sweep)
+                hung = Hung(silence_s, bound=f"{dog.why}: {dog.bound_s:.3g} s", last_sign_at=dog.latest)
+                state = self._step(state, hung, now, running, sweep)
         if state.watching_peers:
             reason = p.peers.check(state.attempt, now, started)
             if reason is not None:
@@ -327,6 +350,21 @@ class AttemptRunner:
         if any(isinstance(e, RankFailed) for e in happened):
             state = self._step(state, RankFailed(), now, running, sweep)
         return self._step(state, Tick(), now, running, sweep)
+
+    def _hang_bounds(self) -> HangBounds:
+        """The hang bounds of the next attempt: configured, and learned from the job's books so far."""
+        cfg = self.parts.config
+        try:
+            learned = learned_bounds(self.parts.books.read())
+        except Exception:  # unreadable books: the configured bounds
+            learned = {}
+        return HangBounds(
+            override_s=cfg.hang_timeout_s,
+            default_s=cfg.default_hang_timeout_s,
+            step_multiple=cfg.hang_step_multiple,
+            floor_s=cfg.hang_floor_s,
+            learned_s=learned,
+        )
 
     def _step(
         self, state: WatchState, event: WatchEvent, now: float, running: Attempt, sweep: Sweep

@@ -25,7 +25,7 @@ import shlex
 import shutil
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ettr.constants import BACKOFF_MARK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from ettr.errors import UsageError
@@ -136,8 +136,9 @@ class Supervisor:
         first = self.peers.open(self.books)
         if cfg.hang_timeout_s is None and any(s.kind is FaultKind.HANG for s in cfg.inject):
             say(
-                f"a hang is injected without --hang-timeout: it is detected after the default "
-                f"{cfg.default_hang_timeout_s:g} s without progress"
+                f"a hang is injected without --hang-timeout: once steps run it is detected after "
+                f"{cfg.hang_step_multiple:g} step times without progress (at least {cfg.hang_floor_s:g} s); "
+                f"in start-up and long phases after {cfg.default_hang_timeout_s:g} s"
             )
         kind = kind_for(cfg, self.run_dir)
         guard = JobGuard.start(self.run_dir)  # no process of the job outlives a SIGKILLed supervisor
@@ -161,14 +162,14 @@ class Supervisor:
             if guard is not None:
                 guard.close()
             last = self._ended[-1] if self._ended else None
-            self.books.append(
-                EventKind.JOB_END,
-                attempt=first + max(0, len(self._ended) - 1),
-                exit_status=status,
-                num_attempts=len(self._ended),
-                outcome=None if last is None else last.end.outcome.value,
-                **({} if self._decision is None else {"why": self._decision.why}),
-            )
+            end: dict[str, Any] = {
+                "exit_status": status,
+                "num_attempts": len(self._ended),
+                "outcome": None if last is None else last.end.outcome.value,
+            }
+            if self._decision is not None:
+                end["why"] = self._decision.why  # the restart policy's last word
+            self.books.append(EventKind.JOB_END, attempt=first + max(0, len(self._ended) - 1), **end)
             for spec in self.books.unfired(cfg.inject):
                 why = "" if cfg.auto else " (--no-auto: only an instrumented process can fire it)"
                 say(f"injected fault {spec} never fired{why}")

@@ -47,9 +47,12 @@ class Signalled:
 
 @dataclass(frozen=True)
 class Hung:
-    """The hang watchdog saw no progress and no heartbeat for `silence_s`."""
+    """The hang watchdog saw no progress and no heartbeat for `silence_s`, over `bound` (which one, for
+    people); `last_sign_at`: the last sign of life (when the fault happened, as far as anyone knows)."""
 
     silence_s: float
+    bound: str = ""
+    last_sign_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,10 @@ class WatchState:
     """The signal the supervisor received and passed on (the attempt is being preempted or interrupted)."""
     hung_after_s: float | None = None
     """The silence after which the attempt was declared hung."""
+    hung_bound: str = ""
+    """Which bound that silence was over (`ettr.supervisor.watchdog.HangBounds`)."""
+    fault_at: float | None = None
+    """When the fault happened, where the watch knows it better than the exit (a hang: its last sign of life)."""
     peer_reason: str | None = None
     """Why another node ended this attempt."""
     rank_failed: bool = False
@@ -304,10 +311,13 @@ class AttemptWatch:
     def _hung(self, state: WatchState, event: Hung, now: float) -> tuple[WatchState, list[WatchAction]]:
         if not state.watching_hangs:
             return state, []
-        text = f"attempt {state.attempt}: no progress for {event.silence_s:.1f} s: hung, killing it"
+        over = f" (over {event.bound})" if event.bound else ""
+        text = f"attempt {state.attempt}: no progress for {event.silence_s:.1f} s{over}: hung, killing it"
         state = replace(
             state,
             hung_after_s=event.silence_s,
+            hung_bound=event.bound,
+            fault_at=event.last_sign_at,
             detected_at=now,
             kill_at=now + self.config.hang_kill_grace_s,
             asked=True,
