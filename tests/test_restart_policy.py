@@ -61,6 +61,8 @@ def test_preemptions_use_up_no_restarts_across_invocations() -> None:
     assert decision.restart and "(1 of 3)" in decision.why
     again = POLICY.decide(preempted(5, 60), history=history)
     assert again.restart and "not counted" in again.why and again.wait_s == 0.5
+    never = RestartPolicy(max_restarts=0).decide(preempted(0, 40))  # no restarts means none
+    assert (never.restart, never.exit_status) == (False, 143)
 
 
 def test_restarts_that_reach_no_new_step_stop_after_the_budget() -> None:

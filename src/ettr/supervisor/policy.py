@@ -17,7 +17,7 @@ order:
    any attempt before them stop the job: exit 3 (a crash at the same step after every resume, a hang
    at the same place, a node that dies during every start-up);
 5. failures use up `max_restarts` (job-wide, across invocations); preemptions and interruptions do not:
-   with none left, exit 1;
+   with none left, exit 1 (`max_restarts` 0: nothing is restarted, a preemption of the job exits 143);
 6. otherwise restart, after a back-off that follows the cause:
 
    | cause (detail)                                     | first restart | later restarts           |
@@ -220,6 +220,9 @@ class RestartPolicy:
                 exit_status=EXIT_HOPELESS,
                 why=f"{stalled} restarts in a row reached no new step: restarts would not help",
             )
+        if self.max_restarts == 0:  # asked for no restarts at all: not even after a preemption
+            status = EXIT_PREEMPTED if outcome is Outcome.PREEMPTED else EXIT_FAILED
+            return Decision(restart=False, exit_status=status, why="not restarting (--max-restarts 0)")
         used = restarts_used(history)
         counted = outcome in _COUNTED
         if counted and used >= self.max_restarts:
