@@ -61,6 +61,41 @@ def report(events: list[Event], **kw):
     return compute(events, max(e.ts for e in events), job_id="j", **kw)
 
 
+def drifting(num_steps: int = 200) -> list[Event]:
+    """Two ranks that never sync (two independent trainers under one torchrun): rank 1 takes 50% longer a
+    step, so at the same step number it is further and further behind rank 0."""
+    events = [
+        Event(EventKind.SUPERVISOR_START, T0, 0, SUPERVISOR_RANK, data={"pid": 1}),
+        Event(EventKind.ATTEMPT_START, T0, 0, SUPERVISOR_RANK),
+    ]
+    for r, step_s in ((0, STEP_S), (1, 1.5 * STEP_S)):
+        events.append(Event(EventKind.PROCESS_START, T0 + 0.1, 0, r, data={"pid": 10 + r, "host": "h0"}))
+        for step in range(1, num_steps + 1):
+            done = T0 + 1.0 + step * step_s
+            events.append(Event(EventKind.STEP, done, 0, r, step=step, value=done - 0.5 * step_s))
+    end = T0 + 2.0 + num_steps * 1.5 * STEP_S
+    events.append(
+        Event(EventKind.ATTEMPT_END, end, 0, SUPERVISOR_RANK, data={"outcome": "completed", "exit_code": 0})
+    )
+    events.append(Event(EventKind.JOB_END, end + 0.5, 0, SUPERVISOR_RANK, data={"exit_status": 0}))
+    return events
+
+
+def test_ranks_that_do_not_step_together_are_not_compared_and_no_wait_exceeds_the_wall():
+    # Found on examples/plain/train.py under torchrun (two trainers, no DDP): 'the job waited 19543.0 s' for
+    # a rank in a 90 s job. A drift is no wait: such ranks are not compared, and the report says why.
+    events = drifting()
+    r = report(events)
+    speed = r.rank_speed
+    assert speed is not None and not speed.checked and speed.stragglers == ()
+    assert "do not step together" in speed.reason
+    assert speed.lost_s is None
+    # ranks in lockstep are still compared, and no episode's wait is longer than the job itself
+    locked = report(job(slow={1: (101, 200, 0.05)}))
+    assert locked.rank_speed is not None and locked.rank_speed.checked
+    assert locked.rank_speed.lost_s is not None and locked.rank_speed.lost_s <= locked.wall_s
+
+
 def test_a_rank_late_at_the_sync_is_named_with_since_when_how_much_and_the_wait():
     r = report(job(slow={1: (101, 200, 0.05)}))
     speed = r.rank_speed

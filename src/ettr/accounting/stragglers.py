@@ -19,6 +19,11 @@ which show a rank that is late *after* the sync, or ranks that do not sync at al
 - How much: the median lateness over the episode (`extra_per_step_s`), beside the median step interval
   then (`step_s`). The time lost waiting for it: per step of the episode, the last arrival of the straggling
   ranks minus the last arrival of the others (when positive), summed.
+- Only ranks that step together are compared: in data-parallel training no rank can be further than about a
+  step ahead of another (it waits at the next sync), so an attempt whose ranks' arrivals at the same step
+  number are typically more than `LOCKSTEP_STEPS` median step intervals apart (independent processes that
+  never sync, each drifting at its own pace) is not compared, and says so: a drift is no wait. Within a
+  compared attempt a step's wait is never more than that step's interval.
 - Unknown stays unknown: one rank, or too few steps of the other ranks in the books read (the fleet reads
   only the reference rank's steps of a running job), gives `checked` False and the reason.
 """
@@ -42,6 +47,8 @@ PERSISTENT_FRACTION = 0.75
 """Share of a window's steps a rank must be late at for the window to straggle."""
 _CONFIRM = 3
 """An episode starts (and ends) at a run of this many late steps."""
+LOCKSTEP_STEPS = 2.0
+"""Ranks whose arrivals at a step are typically more than this many step intervals apart do not step together."""
 _ARRIVAL_SHARE = 0.5
 """Arrivals are used when every compared rank carries one on at least this share of its steps."""
 
@@ -178,6 +185,14 @@ def _median_interval(step_ts: Mapping[int, float], steps: Sequence[int]) -> floa
     return statistics.median(intervals) if intervals else None
 
 
+def _interval_at(a: _Attempt, i: int) -> float | None:
+    """The reference rank's interval into the i-th compared step, when it recorded that step and the one before."""
+    k = a.steps[i]
+    if k in a.step_ts and k - 1 in a.step_ts and a.step_ts[k] >= a.step_ts[k - 1]:
+        return a.step_ts[k] - a.step_ts[k - 1]
+    return None
+
+
 def _median_without(ordered: Sequence[float], position: int) -> float:
     """The median of `ordered` (sorted, at least two values) without the value at `position`: O(1)."""
     n = len(ordered) - 1
@@ -204,6 +219,7 @@ def rank_speed(attempts: Mapping[int, Mapping[int, Sequence[Event]]]) -> RankSpe
     """The slow-rank check of a job from each attempt's events by rank (rules in the module docstring)."""
     found: list[Straggler] = []
     num_ranks, num_compared, sources = 0, 0, set()
+    apart = 0
     for index in sorted(attempts):
         by_rank = attempts[index]
         stepping = [r for r, evs in by_rank.items() if r >= 0 and any(e.kind is EventKind.STEP for e in evs)]
@@ -215,12 +231,20 @@ def rank_speed(attempts: Mapping[int, Mapping[int, Sequence[Event]]]) -> RankSpe
         num_ranks = max(num_ranks, len(a.ranks))
         if len(a.steps) < WINDOW_STEPS:
             continue
+        if not _in_lockstep(a):
+            apart += 1
+            continue
         num_compared += len(a.steps)
         sources.add(a.source)
         found += _stragglers(a)
     if not num_compared:
         if num_ranks < 2:
             why = "one rank: no peers to compare"
+        elif apart:
+            why = (
+                "the ranks do not step together (their steps drift apart by more than "
+                f"{LOCKSTEP_STEPS:g} step intervals: no gradient sync between them), so no rank waits for another"
+            )
         else:
             why = (
                 f"fewer than {WINDOW_STEPS} steps recorded by two or more ranks in every attempt (a short job, "
@@ -243,6 +267,15 @@ def rank_speed(attempts: Mapping[int, Mapping[int, Sequence[Event]]]) -> RankSpe
         num_compared_steps=num_compared,
         stragglers=tuple(sorted(found, key=lambda s: (s.start_ts, s.ranks))),
     )
+
+
+def _in_lockstep(a: _Attempt) -> bool:
+    """Whether the attempt's ranks step together: the median spread of their arrivals at a step is within
+    `LOCKSTEP_STEPS` median step intervals (unknown interval: assumed together, as before)."""
+    if a.step_s is None or a.step_s <= 0:
+        return True
+    spreads = [max(row.values()) - min(row.values()) for row in a.arrivals]
+    return statistics.median(spreads) <= LOCKSTEP_STEPS * a.step_s
 
 
 def _stragglers(a: _Attempt) -> list[Straggler]:
@@ -330,12 +363,15 @@ def _straggler(
 ) -> Straggler:
     members = set(ranks)
     lateness, lost = [], []
-    for row in a.arrivals[first : last + 1]:
+    for i in range(first, last + 1):
+        row = a.arrivals[i]
         mine = [t for r, t in row.items() if r in members]
         others = [t for r, t in row.items() if r not in members]
         if mine and others:
             lateness.append(max(mine) - statistics.median(others))
-            lost.append(max(0.0, max(mine) - max(others)))
+            wait = max(0.0, max(mine) - max(others))
+            interval = _interval_at(a, i)
+            lost.append(wait if interval is None else min(wait, interval))  # no wait outlasts its step
     start = a.arrivals[first].get(ranks[0], min(a.arrivals[first].values()))
     end = a.arrivals[last].get(ranks[0], max(a.arrivals[last].values()))
     step_s = _median_interval(a.step_ts, a.steps[first : last + 1])
