@@ -167,8 +167,8 @@ class WatchState:
     """A rank failed while its launcher ran, and the supervisor stopped the rest."""
     exiting: bool = False
     detected_at: float | None = None
-    """When the supervisor knew the attempt was over (a hang: at once; a failed rank: at its death; else the
-    command's exit)."""
+    """When the supervisor knew the attempt was over (a hang: at once; a failed rank: at its death; a signal it
+    forwarded: at once; else the command's exit)."""
     signals_seen: int = 0
     stop_others_at: float = _NEVER
     kill_at: float = _NEVER
@@ -303,7 +303,12 @@ class AttemptWatch:
                 as_ = "" if sent == event.signum else f" as {_signal_name(sent)}"
                 actions.append(Say(f"got {name}: forwarding it to the job{as_}, SIGKILL in {grace:g} s"))
                 actions.append(SendSignal(sent))
-            state = replace(state, forwarded=event.signum, kill_at=now + grace, asked=True)
+            # The preemption is known now: what follows (the job's final save or its teardown) comes after
+            # its detection, as a failed rank's teardown does (docs/buckets.md, the failure instant).
+            detected = state.detected_at if state.detected_at is not None else now
+            state = replace(
+                state, forwarded=event.signum, kill_at=now + grace, asked=True, detected_at=detected
+            )
         if event.count >= 2:
             state = replace(state, kill_at=min(state.kill_at, now))  # asked twice: no more grace
         return state, actions
