@@ -50,7 +50,12 @@ JOB = textwrap.dedent(
 def run_ettr(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
     return subprocess.run(
-        [sys.executable, "-m", "ettr", *args], capture_output=True, text=True, timeout=400, env=env, check=False
+        [sys.executable, "-m", "ettr", *args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+        check=False,
     )
 
 

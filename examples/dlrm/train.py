@@ -476,7 +476,12 @@ def run(config: TrainConfig) -> int:
 
 
 def _generation(
-    config: TrainConfig, data_config: ClickDataConfig, clock: StageClock, audit: Any, rank: int, world_size: int
+    config: TrainConfig,
+    data_config: ClickDataConfig,
+    clock: StageClock,
+    audit: Any,
+    rank: int,
+    world_size: int,
 ) -> int:
     """From the data pipeline to the end of training over the process group there is (one generation of a
     job restarted in place, or the whole of one that is not)."""
