@@ -78,6 +78,41 @@ def test_restarts_that_reach_no_new_step_stop_after_the_budget() -> None:
     assert (out.restart, out.exit_status) == (False, EXIT_FAILED)
 
 
+def replayed(index: int, first: int, last: int, message: str = "bad batch 8 of epoch 2") -> EndedAttempt:
+    tail = ["Traceback (most recent call last):", '  File "multinode.py", line 9', f"RuntimeError: {message}"]
+    end = classify(returncode=1, stderr_tail=tail)
+    return EndedAttempt(attempt=index, end=end, made_progress=True, last_step=last, first_step=first)
+
+
+def test_restarts_that_replay_the_same_crash_stop_although_their_steps_look_new() -> None:
+    # pytorch/examples' DDP tutorial saves EPOCHS_RUN=N after epoch N and resumes at epoch N: each restart
+    # replays an epoch, so its steps are numbered past the last failure, and it crashes on the same batch
+    # 40 steps after its first step every time (found by running it under `ettr run`: exit 1 after 4 tries).
+    history = [replayed(0, 1, 72), replayed(1, 65, 104)]
+    assert POLICY.decide(replayed(2, 97, 136), history=history).restart  # one repeat: maybe chance
+    stop = POLICY.decide(replayed(3, 129, 168), history=[*history, replayed(2, 97, 136)])
+    assert (stop.restart, stop.exit_status) == (False, EXIT_HOPELESS)
+    assert "2 restarts in a row failed as the attempt before them (RuntimeError, 39 steps" in stop.why
+    # Numbers in the message do not make it another failure; other words, another place or a lost
+    # process (infrastructure) do.
+    numbered = [replayed(i, 1 + 32 * i, 40 + 32 * i, f"loss is nan at step {40 + 32 * i}") for i in range(4)]
+    assert not POLICY.decide(numbered[3], history=numbered[:3]).restart
+    for differs in (replayed(3, 129, 168, "another message"), replayed(3, 129, 169)):
+        decision = POLICY.decide(differs, history=[*history, replayed(2, 97, 136)])
+        assert decision.exit_status == EXIT_FAILED  # the restarts ran out: not "would not help"
+    killed = [
+        EndedAttempt(
+            attempt=i,
+            end=classify(returncode=-signal.SIGKILL),
+            made_progress=True,
+            first_step=1 + 32 * i,
+            last_step=40 + 32 * i,
+        )
+        for i in range(4)
+    ]
+    assert POLICY.decide(killed[2], history=killed[:2]).restart
+
+
 def test_back_off_follows_the_cause() -> None:
     assert POLICY.decide(crash(0, 5)).wait_s == 0.0  # a crash mid-training: at once
     oom = attempt(0, classify(returncode=-signal.SIGKILL, oom_killed=True), last_step=5)

@@ -10,7 +10,8 @@ EXIT_USAGE = 2
 """Every command: bad usage or bad input (one line on stderr)."""
 EXIT_HOPELESS = 3
 """`ettr run`: restarts stopped early, the job failing the same way before making progress (the same failure
-twice before the first step, or restarts that reach no new step): restarts would not help."""
+twice before the first step, restarts that reach no new step, or restarts that fail the same way at the same
+place after their first step): restarts would not help."""
 EXIT_PREEMPTED = 143
 """128 + SIGTERM: preempted and not restarted (`ettr run`), or a job that saved on SIGTERM and exits."""
 EXIT_INTERRUPTED = 130

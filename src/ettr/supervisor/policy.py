@@ -16,9 +16,15 @@ order:
 4. `max_restarts_without_progress` restarts in a row that reached no step beyond the furthest step of
    any attempt before them stop the job: exit 3 (a crash at the same step after every resume, a hang
    at the same place, a node that dies during every start-up);
-5. failures use up `max_restarts` (job-wide, across invocations); preemptions and interruptions do not:
+5. `max_restarts_without_progress` restarts in a row that each failed exactly as the attempt before it,
+   after training -- the same exception and message (numbers aside; user or unknown cause) the same
+   number of steps after its first step -- stop the job: exit 3. A script whose resume replays work (it
+   saves "epoch N" after epoch N and resumes *at* epoch N: pytorch/examples' DDP tutorial) numbers every
+   replay as new steps, so rule 4 never sees the crash at the same data; its place relative to the
+   attempt's first step does;
+6. failures use up `max_restarts` (job-wide, across invocations); preemptions and interruptions do not:
    with none left, exit 1 (`max_restarts` 0: nothing is restarted, a preemption of the job exits 143);
-6. otherwise restart, after a back-off that follows the cause:
+7. otherwise restart, after a back-off that follows the cause:
 
    | cause (detail)                                     | first restart | later restarts           |
    |----------------------------------------------------|---------------|--------------------------|
@@ -35,6 +41,7 @@ Exit statuses and what a scheduler should do with each: docs/supervisor.md, "Exi
 from __future__ import annotations
 
 import math
+import re
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -63,6 +70,15 @@ class EndedAttempt:
     """A training process of the attempt completed a step (its failure came after progress)."""
     last_step: int | None = None
     """The highest step a training process of the attempt completed (None: none, or not numbered)."""
+    first_step: int | None = None
+    """The lowest step a training process of the attempt completed (the first after its resume point)."""
+
+    @property
+    def steps_run(self) -> int | None:
+        """How many steps after its own first step it ended (None: unknown)."""
+        if self.first_step is None or self.last_step is None:
+            return None
+        return self.last_step - self.first_step
 
     @cached_property
     def diagnosis(self) -> Diagnosis:
@@ -103,7 +119,7 @@ def backoff_wait_s(
     detail: Detail | None = None,
 ) -> float:
     """Seconds to wait before restart number `restart` + 1 (0-based: the restarts the job has used): the
-    table of rule 6 above."""
+    table of rule 7 above."""
     if outcome is Outcome.PREEMPTED:
         return min(max_backoff_s, backoff_s)
     transient = made_progress and outcome in _COUNTED and detail is not Detail.OOM_KILLED
@@ -116,29 +132,57 @@ def ended_attempts(events: Sequence[Event]) -> list[EndedAttempt]:
     """The ended attempts a job's books hold (the first ATTEMPT_END of each, oldest first), with how far each
     trained: the history a requeued job's supervisor decides with."""
     ends: dict[int, Mapping[str, Any]] = {}
-    steps: dict[int, int | None] = {}
+    trained: set[int] = set()
+    steps: dict[int, list[int]] = {}
     for e in events:
         if e.kind is EventKind.ATTEMPT_END and e.rank == SUPERVISOR_RANK:
             ends.setdefault(e.attempt, e.data or {})
         elif e.kind is EventKind.STEP and e.rank >= 0:
-            best = steps.get(e.attempt)
-            if isinstance(e.step, int) and (best is None or e.step > best):
-                steps[e.attempt] = e.step
-            else:
-                steps.setdefault(e.attempt, best)
+            trained.add(e.attempt)
+            if isinstance(e.step, int) and not isinstance(e.step, bool):
+                steps.setdefault(e.attempt, []).append(e.step)
     return [
         EndedAttempt(
             attempt=attempt,
             end=AttemptEnd.from_data(data),
-            made_progress=attempt in steps,
-            last_step=steps.get(attempt),
+            made_progress=attempt in trained,
+            last_step=max(steps[attempt]) if attempt in steps else None,
+            first_step=min(steps[attempt]) if attempt in steps else None,
         )
         for attempt, data in sorted(ends.items())
     ]
 
 
+_NUMBER = re.compile(r"\d+")
+
+
+def repeats_exactly(ended: EndedAttempt, previous: EndedAttempt) -> bool:
+    """`ended` failed exactly as `previous` did after training (rule 5): the same cause, detail, exit
+    status, signal, exception and message (its numbers aside: a step or a loss in it), user or unknown
+    cause, the same number of steps after each attempt's first step."""
+    if not (ended.made_progress and previous.made_progress):
+        return False
+    if ended.steps_run is None or ended.steps_run != previous.steps_run:
+        return False
+    if ended.diagnosis.cause not in (Cause.USER, Cause.UNKNOWN) or ended.signature != previous.signature:
+        return False
+    said = [_NUMBER.sub("#", (a.end.message or "").strip()) for a in (ended, previous)]
+    return said[0] == said[1]
+
+
+def restarts_repeating(ended: Sequence[EndedAttempt]) -> int:
+    """How many of the last attempts in `ended` (oldest first) each failed exactly as the one before it
+    (`repeats_exactly`), in a row."""
+    count = 0
+    for position in range(len(ended) - 1, 0, -1):
+        if not repeats_exactly(ended[position], ended[position - 1]):
+            break
+        count += 1
+    return count
+
+
 def restarts_used(history: Sequence[EndedAttempt]) -> int:
-    """The restarts the job's failures have used up (rule 5: preemptions and interruptions do not)."""
+    """The restarts the job's failures have used up (rule 6: preemptions and interruptions do not)."""
     return sum(1 for h in history if h.end.outcome in _COUNTED)
 
 
@@ -212,6 +256,17 @@ class RestartPolicy:
                 restart=False,
                 exit_status=EXIT_HOPELESS,
                 why=f"failed the same way twice before its first step ({what}{code}): restarts would not help",
+            )
+        repeats = restarts_repeating([*history, ended])
+        if self.max_restarts_without_progress and repeats >= self.max_restarts_without_progress:
+            what = f"{ended.end.exception}" if ended.end.exception else ended.diagnosis.evidence
+            return Decision(
+                restart=False,
+                exit_status=EXIT_HOPELESS,
+                why=(
+                    f"{repeats} restarts in a row failed as the attempt before them ({what}, "
+                    f"{ended.steps_run} steps after their first step): restarts would not help"
+                ),
             )
         stalled = restarts_without_progress([*history, ended])
         if self.max_restarts_without_progress and stalled >= self.max_restarts_without_progress:

@@ -226,7 +226,11 @@ class AttemptRunner:
             e.step for e in events if e.kind is EventKind.STEP and e.rank >= 0 and isinstance(e.step, int)
         ]
         return EndedAttempt(
-            attempt=attempt, end=end, made_progress=trained(events), last_step=max(steps, default=None)
+            attempt=attempt,
+            end=end,
+            made_progress=trained(events),
+            last_step=max(steps, default=None),
+            first_step=min(steps, default=None),
         )
 
     def release(self) -> None:
