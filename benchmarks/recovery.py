@@ -32,7 +32,11 @@ recovery; a launcher of the harness's own restarts both ranks after a death. Eac
 parameters of an uninterrupted run.
 
     python benchmarks/recovery.py [--trials 10] [--faults crash,kill] [--launchers ...] [--hidden 512]
-        [--kill-trials 100] [--json]
+        [--kill-trials 100] [--budget-s S] [--json]
+
+`--budget-s`: no new round, node loss or kill trial starts after S seconds (on a busy machine the full run
+takes hours); the figures are of the trials that ran (`rounds_run`). A trial that did not recover keeps its
+directory (its log, run directory and checkpoints) and says where.
 
 `--quick` (what CI runs): one crash trial of each launcher with a small model, one node loss (memory), 2
 kill trials.
@@ -150,19 +154,26 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
     env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(work / "memory"))
     started = time.monotonic()
-    try:
-        proc = subprocess.run(
+    # A session of its own: a trial that times out is ended with every process it started (torchrun's
+    # workers outlive their agent's SIGKILL otherwise).
+    with open(work / "stderr.log", "wb") as stderr:
+        proc = subprocess.Popen(
             _command(launcher, work, FAULTS.get(fault, fault), args),
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            timeout=args.timeout_s,
-            check=False,
+            stderr=stderr,
+            start_new_session=True,
         )
+    try:
+        proc.wait(timeout=args.timeout_s)
         rc: int | None = proc.returncode
-        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:]
+        tail = [_last_line(work / "stderr.log")]
     except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.wait()
         rc, tail = None, [f"timed out after {args.timeout_s:g} s"]
+    leftover = _end_leftovers(work)
     found = _measure(work / "log.jsonl")
     bad = reference is not None and bool(found["digests"]) and found["digests"] != [reference]
     result = {
@@ -173,16 +184,58 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
         "parts_s": found["parts_s"],
         "restored_from": found["restored_from"],
         "wall_s": time.monotonic() - started,
+        # what the job left behind once its command ended: processes, memory copies (or the in-place store)
+        "leftover_processes": leftover,
+        "leftover_memory": sorted(p.name for p in (work / "memory").glob("*")) if rc == 0 else [],
     }
     if launcher.startswith("ettr") and (work / "run").exists():
         ledger = _ledger_parts(work / "run")
         result["kind"] = ledger.pop("ledger_kind", None)
         result["relaunch_path"] = ledger.pop("ledger_relaunch_path", None)
         result["parts_s"] = {**found["parts_s"], **ledger}
-    if not result["recovered"]:
-        result["why"] = "final state differs from the uninterrupted run" if bad else (tail[0] if tail else "")
-    shutil.rmtree(work, ignore_errors=True)
+    _keep_if_failed(result, work, bad, tail)
     return result
+
+
+def _last_line(path: Path) -> str:
+    """The last line of `path` that says something (not a rule of '=' or '-')."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return next((x.strip() for x in reversed(lines) if x.strip().strip("=-")), "")
+
+
+def _end_leftovers(work: Path) -> int:
+    """Kill the processes still running that belong to the trial (their command line or environment names
+    `work`: workers, standbys), none of which should outlive its command by more than a moment; how many
+    there were."""
+
+    def running() -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if str(work).encode() in (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+        return pids
+
+    if not _wait_for(lambda: not running(), 2.0):  # a process of its teardown, on its way out
+        for pid in (found := running()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        return len(found)
+    return 0
+
+
+def _keep_if_failed(result: dict[str, Any], work: Path, bad: bool, tail: list[str]) -> None:
+    """A trial that recovered leaves nothing; one that did not keeps its directory (logs, run directory,
+    checkpoints) for a look, and says where."""
+    if result["recovered"]:
+        shutil.rmtree(work, ignore_errors=True)
+        return
+    result["why"] = "final state differs from the uninterrupted run" if bad else (tail[0] if tail else "")
+    result["kept"] = str(work)
 
 
 def _reference(args: argparse.Namespace) -> str | None:
@@ -289,9 +342,7 @@ def _node_loss_trial(memory: bool, args: argparse.Namespace, reference: str | No
         restored_by_rank={str(e["rank"]): e["source"] for e in after},
         wall_s=time.monotonic() - started,
     )
-    if not result["recovered"]:
-        result["why"] = "final state differs from the uninterrupted run" if bad else (tail[0] if tail else "")
-    shutil.rmtree(work, ignore_errors=True)
+    _keep_if_failed(result, work, bad, tail)
     return result
 
 
@@ -303,7 +354,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _kill_trials(count: int) -> dict[str, Any]:
+def _kill_trials(count: int, in_budget: Any) -> dict[str, Any]:
     from ettr.testing.inplace_faults import InPlaceTrialRunner
 
     with tempfile.TemporaryDirectory(prefix="ettr-inplace-kills-") as workdir:
@@ -311,6 +362,9 @@ def _kill_trials(count: int) -> dict[str, Any]:
         _say(f"kill trials: the job trains {runner.calibrate():.2f} s with its raise and no kill")
         trials = []
         for i in range(count):
+            if not in_budget():
+                _say(f"the budget is spent: {i} of {count} kill trials ran")
+                break
             t = runner.run_trial(i, during_recovery=i % 2 == 0)
             trials.append(t)
             if t.bad or not t.completed:
@@ -329,6 +383,7 @@ def _kill_trials(count: int) -> dict[str, Any]:
         "bad_resumes": sum(t.bad for t in trials),
         "landed": landed,
         "process_restarts": sum(t.launches - 1 for t in trials),
+        "hung_survivors": runner.hung,
         "restored_from": sources,
     }
 
@@ -343,6 +398,8 @@ def _summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
         "worst_ttr_s": max(ttrs) if ttrs else None,
         "ttr_s": [None if t["ttr_s"] is None else round(t["ttr_s"], 3) for t in trials],
         "restored_from": {},
+        "leftover_processes": sum(t.get("leftover_processes", 0) for t in trials),
+        "leftover_memory": sum(len(t.get("leftover_memory", ())) for t in trials),
     }
     for t in trials:
         source = t["restored_from"] or "none"
@@ -389,6 +446,13 @@ def main() -> int:
     parser.add_argument(
         "--node-trials", type=int, default=3, help="node losses of a two-node job, with and without memory"
     )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no new round (and no node-loss or kill trial) after this many seconds; the summary says "
+        "how many ran",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--quick", action="store_true", help="one crash trial per launcher, a small model (CI)"
@@ -405,39 +469,54 @@ def main() -> int:
         print(f"recovery.py: bad --faults/--launchers {bad}, or --trials/--hidden below 1", file=sys.stderr)
         return 2
     load_start = [round(x, 1) for x in os.getloadavg()]
+    began = time.monotonic()
+
+    def in_budget() -> bool:
+        return args.budget_s is None or time.monotonic() - began < args.budget_s
+
     reference = _reference(args)
     if reference is None:
         _say("the uninterrupted reference run failed: final states are not compared")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {
         f: {name: [] for name in launchers} for f in faults
     }
+    rounds = 0
     for i in range(args.trials):
+        if not in_budget():
+            _say(f"--budget-s {args.budget_s:g} spent: {i} of {args.trials} rounds ran")
+            break
+        rounds += 1
         for fault in faults:
             order = launchers[i % len(launchers) :] + launchers[: i % len(launchers)]  # interleaved, rotated
             for launcher in order:
                 r = _trial(launcher, fault, args, reference)
                 results[fault][launcher].append(r)
                 ttr = "-" if r["ttr_s"] is None else f"{r['ttr_s']:.3f} s"
-                why = "" if r["recovered"] else f" ({r.get('why', '')[:100]})"
+                why = "" if r["recovered"] else f" ({r.get('why', '')[:100]}; kept {r['kept']})"
                 _say(
                     f"trial {i} {fault:<5} {launcher:<12} recovered={r['recovered']} ttr={ttr} "
                     f"restored from {r['restored_from']}{why}"
                 )
     node_loss: dict[str, list[dict[str, Any]]] = {"memory": [], "storage": []}
     for i in range(args.node_trials):
+        if not in_budget():
+            _say(f"--budget-s {args.budget_s:g} spent: {i} of {args.node_trials} node-loss rounds ran")
+            break
         for variant in ("memory", "storage")[: 1 if args.quick else 2]:
             r = _node_loss_trial(variant == "memory", args, reference)
             node_loss[variant].append(r)
             ttr = "-" if r["ttr_s"] is None else f"{r['ttr_s']:.3f} s"
-            why = "" if r["recovered"] else f" ({r.get('why', '')[:100]})"
+            why = "" if r["recovered"] else f" ({r.get('why', '')[:100]}; kept {r['kept']})"
             _say(
                 f"node loss {i} {variant:<7} recovered={r['recovered']} ttr={ttr} restored "
                 f"{r['restored_by_rank']}{why}"
             )
-    kills = _kill_trials(args.kill_trials) if args.kill_trials > 0 else None
+    kills = _kill_trials(args.kill_trials, in_budget) if args.kill_trials > 0 else None
     summary = {
         "benchmark": "recovery",
         "trials": args.trials,
+        "rounds_run": rounds,
+        "budget_s": args.budget_s,
         "hidden": args.hidden,
         "reference_digest": reference,
         "fail_after_s": args.fail_after_s,
@@ -457,7 +536,9 @@ def main() -> int:
             worst = "-" if s["worst_ttr_s"] is None else f"{s['worst_ttr_s']:.3f} s"
             print(
                 f"{fault:<5} {launcher:<12} recovered {s['recovered']}/{s['trials']}  median TTR {med}  worst {worst}"
-                f"  restored from {s['restored_from']}" + (f"  kinds {s['kinds']}" if "kinds" in s else "")
+                f"  restored from {s['restored_from']}"
+                + (f"  kinds {s['kinds']}" if "kinds" in s else "")
+                + f"  left behind: {s['leftover_processes']} processes, {s['leftover_memory']} memory copies"
             )
             if "parts_median_s" in s:
                 print(
@@ -474,7 +555,8 @@ def main() -> int:
     if kills is not None:
         print(
             f"kill trials: {kills['trials']} SIGKILLs ({kills['landed']}), completed {kills['completed']}, "
-            f"bad resumes {kills['bad_resumes']}, process restarts {kills['process_restarts']}, restores after "
+            f"bad resumes {kills['bad_resumes']}, process restarts {kills['process_restarts']}, survivors that did "
+            f"not give up on a dead peer {kills['hung_survivors']}, restores after "
             f"the raise from {kills['restored_from']}"
         )
     print(f"bad resumes (final state not an uninterrupted run's): {summary['bad_resumes']}")

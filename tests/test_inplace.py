@@ -93,6 +93,27 @@ def test_a_generation_forms_only_with_every_rank_and_leaves_for_a_newer_one() ->
              moved_on=lambda g: True)  # fmt: skip
 
 
+def test_a_peer_that_dies_while_the_group_forms_is_given_up_on_within_the_rendezvous_timeout() -> None:
+    """Rank 1 joined generation 0 and died before it connected: rank 0's group formation fails within the
+    rendezvous bound, not the collective timeout (gloo's connect waits up to 5 x the group's timeout)."""
+    store = dist.HashStore()
+    dist.PrefixStore("ettr/inplace/0/", store).add("joined", 1)  # rank 1's join; it never connects
+    raised: list[BaseException] = []
+
+    def form() -> None:
+        try:
+            join(store, 0, rank=0, world_size=2, backend="gloo", timeout_s=0.5, collective_timeout_s=3600,
+                 moved_on=lambda g: False)  # fmt: skip
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    forming = threading.Thread(target=form, daemon=True)
+    forming.start()
+    forming.join(timeout=300)  # 0.5 s with the bound; hours (3600 s x 5) without it
+    assert not forming.is_alive() and raised
+    assert not dist.is_initialized()
+
+
 def test_leaving_releases_the_group_unless_something_holds_it() -> None:
     store = dist.HashStore()
     joined = join(store, 0, rank=0, world_size=1, backend="gloo", timeout_s=30, collective_timeout_s=5,

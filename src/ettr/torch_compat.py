@@ -159,3 +159,18 @@ def default_group() -> Any:
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+
+
+def set_group_timeout(seconds: float, group: Any = None) -> bool:
+    """Set the timeout of `group` (None: the default group) after it was made
+    (`distributed_c10d._set_pg_timeout`): a group is formed under one bound and runs its collectives under
+    another. False when torch no longer has it (the group keeps the timeout it was made with)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return False
+    set_timeout(datetime.timedelta(seconds=seconds), group)
+    return True

@@ -80,13 +80,19 @@ def join(
             )
         time.sleep(_POLL_S)
     joined = time.monotonic()
+    # Forming the group waits for every peer to connect: bounded like the rest of the rendezvous, so that a
+    # rank killed while the group forms leaves its peers waiting `timeout_s` (then they give up), not the
+    # collective timeout (gloo's connect waits up to 5 x the group's timeout). Collectives then get theirs.
+    form_s = min(timeout_s, collective_timeout_s)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("pg/", keys),
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=collective_timeout_s),
+        timeout=datetime.timedelta(seconds=form_s),
     )
+    if form_s != collective_timeout_s and not torch_compat.set_group_timeout(collective_timeout_s):
+        logger.debug("ettr: this torch cannot set a group's timeout; collectives time out at %g s", form_s)
     return Joined(wait_s=joined - begin, init_s=time.monotonic() - joined)
 
 

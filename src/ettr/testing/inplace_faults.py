@@ -2,7 +2,8 @@
 
 Each trial runs `ettr.testing.resilient_job` on two ranks, forked from a forkserver that has torch imported
 (milliseconds to start, not seconds), with a launcher of its own playing torchrun's part: when a rank dies
-it kills the other and starts both again, up to `max_restarts` times. In every trial rank `fail_rank`
+its peer gives up on it (within its rendezvous timeout, then it exits; one that does not is killed and
+counted in `hung`) and the launcher starts both again, up to `max_restarts` times. In every trial rank `fail_rank`
 raises after step `fail_at` — an exception the process survives, so both ranks restart in place and restore
 from memory — and the trial SIGKILLs a random rank at a random moment: during that in-place recovery (from
 the raise until the ranks train again), or anywhere in the run. The job must end with the parameters an
@@ -50,10 +51,13 @@ def _rank_main(argv: list[str], env: dict[str, str]) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    import faulthandler
+
     os.environ.update(env)
     log = os.open(env["TRIAL_STDERR"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 2)
     os.close(log)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a survivor that did not give up was
     from ettr.testing.resilient_job import main
 
     os._exit(main(argv))
@@ -106,6 +110,12 @@ class InPlaceTrialRunner:
         self._context.set_forkserver_preload(
             ["ettr.testing.resilient_job", "torch.nn.parallel", "torch._dynamo"]
         )
+        self.grace_s = 30.0
+        """After a rank died, how long past `rendezvous_timeout_s` its peers may take to give up and exit
+        before they count as hung (`hung`) and are killed."""
+        self.hung = 0
+        self._hung_in: set[str] = set()  # trials (directory names) with a hung survivor: kept for a look
+        """Launches whose surviving rank outlived a dead peer by more than the rendezvous timeout and grace."""
         self.reference: str | None = None
         self.run_s: float | None = None
         """Wall time of a run with the raise and no kill, from the first start to the last step."""
@@ -140,8 +150,19 @@ class InPlaceTrialRunner:
         while launches <= self.max_restarts:
             procs = self._launch(trial, fault)
             launches += 1
+            died: float | None = None
             deadline = time.monotonic() + 300
             while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                if died is None and any(p.exitcode is not None and p.exitcode != 0 for p in procs):
+                    died = time.monotonic()  # its peers give up on it within their rendezvous timeout
+                if died is not None and time.monotonic() > died + self.rendezvous_timeout_s + self.grace_s:
+                    self.hung += 1  # a survivor that did not give up: ended as torchrun would end it
+                    self._hung_in.add(trial.name)
+                    for p in procs:
+                        if p.is_alive() and p.pid is not None:
+                            os.kill(p.pid, signal.SIGUSR1)  # its stacks, into the trial's stderr.log
+                    time.sleep(1.0)
+                    break
                 if kill is not None and landed == "not_fired":
                     where, rank, delay_s = kill
                     events = _events(log)
@@ -211,6 +232,10 @@ class InPlaceTrialRunner:
         detail = "" if not bad else f"final digests {sorted(digests)} != reference {self.reference}"
         if not completed:
             detail = f"did not complete in {launches} launches (see {trial}/stderr.log)"
+        elif bad:
+            detail += f" (its logs: {trial})"
+        elif trial.name in self._hung_in:
+            detail = f"a survivor did not give up on its dead peer (its stacks: {trial}/stderr.log)"
         else:
             shutil.rmtree(trial, ignore_errors=True)
         return InPlaceTrial(index, where, rank, landed, launches, completed, bad, sources, detail)

@@ -48,7 +48,12 @@ def _fire(args: argparse.Namespace, rank: int, step: int) -> None:
         return  # once per job
     wait_s = args.fail_after_s - (time.time() - _TRAINING["since"])
     if wait_s > 0:  # a job that has trained a while: its supervisor's warm standbys are ready
-        time.sleep(wait_s)
+        import ettr
+
+        # Booked as an evaluation, as a job that pauses its steps would: silence outside a phase is a hang
+        # to `ettr run`'s watchdog after 10 s, which would kill the job before its fault.
+        with ettr.phase(ettr.Phase.EVAL):
+            time.sleep(wait_s)
     log(args.log, ev="fault", rank=rank, step=step, kind=args.fault)
     if args.fault == "raise":
         raise RuntimeError(f"injected failure at step {step}")
