@@ -23,3 +23,18 @@ def parse_time(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a time (give Unix seconds or ISO-8601, e.g. 2026-11-29T20:52:00Z)"
         ) from None
+
+
+def path_arg(text: str) -> str:
+    """A file or directory argument: any path but the empty one (which the system would read as the current
+    directory, or refuse only later, far from the flag that gave it)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (give a file or directory name)")
+    return text
+
+
+def ledger_url_arg(text: str) -> str:
+    """A ledger URL argument: anything but the empty string (which would silently mean "no URL")."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty URL (give sqlite:///PATH or postgresql://USER@HOST/DB)")
+    return text

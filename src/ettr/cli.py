@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from ettr.argtypes import parse_time
+from ettr.argtypes import ledger_url_arg, parse_time, path_arg
 from ettr.errors import UsageError
 
 
@@ -36,6 +36,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -48,7 +55,7 @@ def _positive_float(text: str) -> float:
 
 # -- ettr run --------------------------------------------------------------------------------------------
 def _add_run(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run-dir", help="where the ledger and logs go (default runs/<job-id>)")
+    p.add_argument("--run-dir", type=path_arg, help="where the ledger and logs go (default runs/<job-id>)")
     p.add_argument("--job-id", help="the job's id (default: a fresh one)")
     p.add_argument("--max-restarts", type=_non_negative_int, default=3, help="restarts after failures (3)")
     p.add_argument(
@@ -82,6 +89,7 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", help="job family for `ettr fleet` (default: the script or module name)")
     p.add_argument(
         "--ledger",
+        type=ledger_url_arg,
         metavar="URL",
         help="where the books go: sqlite:///PATH or postgresql://USER@HOST/DB (default: RUN_DIR/ledger.db)",
     )
@@ -121,11 +129,13 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "run_dirs",
         nargs="*",
+        type=path_arg,
         metavar="RUN_DIR",
         help="run directories (several compare them; none: the newest under ./runs)",
     )
     p.add_argument(
         "--ledger",
+        type=ledger_url_arg,
         metavar="URL",
         help="report a job from a ledger URL instead (with --job-id; alone: list its jobs)",
     )
@@ -133,12 +143,20 @@ def _add_report(p: argparse.ArgumentParser) -> None:
         "--job-id", metavar="ID", help="with --ledger: the job to report (repeatable)", action="append"
     )
     p.add_argument("--json", action="store_true", help="print the ettr.report/1 JSON (an array for several)")
-    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
     p.add_argument(
-        "--trace", metavar="FILE", help="also write a Chrome/Perfetto trace of the job (one RUN_DIR)"
+        "--html", type=path_arg, metavar="FILE", help="also write a self-contained HTML report to FILE"
     )
     p.add_argument(
-        "--tensorboard", metavar="DIR", help="also write TensorBoard scalars to DIR (several: a run each)"
+        "--trace",
+        type=path_arg,
+        metavar="FILE",
+        help="also write a Chrome/Perfetto trace of the job (one RUN_DIR)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        type=path_arg,
+        metavar="DIR",
+        help="also write TensorBoard scalars to DIR (several: a run each)",
     )
     p.add_argument(
         "--window",
@@ -314,7 +332,9 @@ def _interval(args: argparse.Namespace) -> int:
 # -- ettr demo -------------------------------------------------------------------------------------------
 def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a short run (under 2 minutes)")
-    p.add_argument("--out", default="runs/demo", metavar="DIR", help="where the runs go (runs/demo)")
+    p.add_argument(
+        "--out", type=path_arg, default="runs/demo", metavar="DIR", help="where the runs go (runs/demo)"
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -325,7 +345,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 # -- ettr compile-report ---------------------------------------------------------------------------------
 def _add_compile_report(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory of an ettr job")
+    p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR", help="run directory of an ettr job")
     p.add_argument("--json", action="store_true", help="print the ettr.compile-report/1 JSON")
 
 
@@ -339,7 +359,12 @@ def _compile_report(args: argparse.Namespace) -> int:
 
 # -- ettr publish ----------------------------------------------------------------------------------------
 def _add_publish(p: argparse.ArgumentParser) -> None:
-    p.add_argument("queue_dir", metavar="QUEUE_DIR", help="the publish queue the training job enqueued into")
+    p.add_argument(
+        "queue_dir",
+        type=path_arg,
+        metavar="QUEUE_DIR",
+        help="the publish queue the training job enqueued into",
+    )
     p.add_argument("--watch", action="store_true", help="keep publishing requests as they arrive (a worker)")
     p.add_argument(
         "--poll-interval",
@@ -355,9 +380,7 @@ def _add_publish(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a claim not renewed for this long is retried by another publisher (120)",
     )
-    p.add_argument(
-        "--max-attempts", type=_non_negative_int, default=3, metavar="N", help="tries per request (3)"
-    )
+    p.add_argument("--max-attempts", type=_positive_int, default=3, metavar="N", help="tries per request (3)")
     p.add_argument("--request", metavar="ID", help="publish only this request")
     p.add_argument("--json", action="store_true", help="end with one JSON object of what was published")
     p.add_argument(
@@ -370,6 +393,7 @@ def _add_publish(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--root",
         action="append",
+        type=path_arg,
         default=[],
         metavar="DIR",
         help="anchors, artifacts and run dirs must lie here (repeatable; default: the queue's parent dir)",
@@ -377,6 +401,7 @@ def _add_publish(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-pythonpath",
         action="append",
+        type=path_arg,
         default=[],
         metavar="DIR",
         help="a request's pythonpath entries may lie here (repeatable; default: none beyond sys.path)",

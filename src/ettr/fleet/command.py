@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ettr.accounting.window import DEFAULT_WINDOW_S
-from ettr.argtypes import parse_time
+from ettr.argtypes import ledger_url_arg, parse_time, path_arg
 from ettr.errors import UsageError
 from ettr.fleet.model import JobSummary
 
@@ -69,8 +69,19 @@ def _port(text: str) -> int:
 
 
 def _add_sources(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories, or folders holding them")
-    p.add_argument("--ledger", metavar="URL", help="a shared ledger: sqlite:///PATH or postgresql://...")
+    p.add_argument(
+        "run_dirs",
+        nargs="*",
+        type=path_arg,
+        metavar="RUN_DIR",
+        help="run directories, or folders holding them",
+    )
+    p.add_argument(
+        "--ledger",
+        type=ledger_url_arg,
+        metavar="URL",
+        help="a shared ledger: sqlite:///PATH or postgresql://...",
+    )
     p.add_argument(
         "--workers",
         type=_count,
@@ -79,6 +90,7 @@ def _add_sources(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cache-dir",
+        type=path_arg,
         metavar="DIR",
         help="summaries of finished jobs are kept here, so each ledger is read once "
         "(default $XDG_CACHE_HOME/ettr/fleet, i.e. ~/.cache/ettr/fleet)",
@@ -104,7 +116,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
         "--need-gpus", type=_count, metavar="N", help="with --preempt-order: victims freeing N GPUs"
     )
     p.add_argument("--json", action="store_true", help="print the ettr.fleet/1 JSON object")
-    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML dashboard to FILE")
+    p.add_argument(
+        "--html", type=path_arg, metavar="FILE", help="also write a self-contained HTML dashboard to FILE"
+    )
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,6 +161,14 @@ def make_cache(args: argparse.Namespace) -> SummaryCache:
             raise UsageError(
                 f"--cache-dir {given!r}: not a directory (give a folder for the cache, or --no-cache)"
             )
+        try:  # a cache that can never be written would silently save nothing: say so now
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(
+                f"--cache-dir {given!r}: cannot be made ({exc.strerror or exc}; give another folder, or --no-cache)"
+            ) from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"--cache-dir {given!r}: not writable (give another folder, or --no-cache)")
     return SummaryCache(Path(given) if given else default_cache_dir())
 
 

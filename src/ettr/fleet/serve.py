@@ -166,6 +166,10 @@ def serve_forever(args: argparse.Namespace) -> int:
     for given in args.run_dirs:  # bad sources fail now, with one line, not at the first scrape
         if not Path(given).exists():
             raise UsageError(f"ettr serve: {given}: no such file or directory (give run directories)")
+        if not Path(given).is_dir():
+            raise UsageError(
+                f"ettr serve: {given}: not a directory (give run directories or folders of them)"
+            )
     server = start_server(loader(args), port=args.port, addr=args.addr)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())

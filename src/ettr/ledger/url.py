@@ -132,8 +132,6 @@ def open_for_run(
     leaves the pointer (`ledger-url.json`) that lets `ettr report RUN_DIR` find the books; a training
     process's never fails for the server (recording spills until it answers). Raises `UsageError`.
     """
-    from ettr.ledger.spill import SpillingLedger, spill_dir
-
     if url is None:
         from ettr.ledger.locate import ledger_path
 
@@ -141,14 +139,28 @@ def open_for_run(
             return SqliteLedger(ledger_path(run_dir), create=True)
         except (LedgerError, OSError) as exc:
             raise UsageError(f"{run_dir}: {exc}") from None
-    if supervisor:
+    if scheme_of(url) == "sqlite":
+        ledger: Ledger = _sqlite(url, job_id=job_id, create=True)
+    else:
+        ledger = _spilling(
+            url, job_id=job_id, run_dir=run_dir, supervisor=supervisor, retry_interval_s=retry_interval_s
+        )
+    if supervisor:  # after the books opened: a URL that cannot be used leaves no pointer to nothing behind
         try:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             write_pointer(run_dir, url, job_id=job_id)
         except OSError as exc:
+            ledger.close()
             raise UsageError(f"cannot write {Path(run_dir) / POINTER_FILENAME} ({exc})") from None
-    if scheme_of(url) == "sqlite":
-        return _sqlite(url, job_id=job_id, create=True)
+    return ledger
+
+
+def _spilling(
+    url: str, *, job_id: str, run_dir: str | os.PathLike[str], supervisor: bool, retry_interval_s: float
+) -> Ledger:
+    """`open_for_run`'s PostgreSQL ledger: a `SpillingLedger` spilling to `run_dir`."""
+    from ettr.ledger.spill import SpillingLedger, spill_dir
+
     node = socket.gethostname()
     first = _postgres(url, job_id=job_id, create=True, run_dir=run_dir, node=node) if supervisor else None
 

@@ -47,6 +47,10 @@ def main(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(f"ettr publish: {exc}") from None
+    for flag, dirs in (("--root", args.root), ("--allow-pythonpath", args.allow_pythonpath)):
+        for given in dirs:  # a file can hold nothing: the flag would silently allow nothing
+            if "://" not in given and Path(given).exists() and not Path(given).is_dir():
+                raise UsageError(f"ettr publish: {flag} {given}: not a directory")
     try:
         policy = PublishPolicy.for_queue(
             queue_dir,

@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from ettr.argtypes import path_arg
 from ettr.constants import SECONDS_PER_DAY
 from ettr.errors import UsageError
 from ettr.simulate.analytic import optimal_interval_for
@@ -61,7 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
     p.add_argument(
-        "--from", dest="from_dir", metavar="RUN_DIR", help="measure the job's profile from its ledger"
+        "--from",
+        dest="from_dir",
+        type=path_arg,
+        metavar="RUN_DIR",
+        help="measure the job's profile from its ledger",
     )
     p.add_argument("--replay", action="store_true", help="with --from: re-create the job's own failures")
     p.add_argument("--gpus", type=_int, metavar="N", help="GPUs of the job (8; --from: the job's)")
@@ -116,7 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cached-compile-s", type=_float, metavar="S", help="--compare: compile on a cache hit"
     )
     extra.add_argument("--publish-s", type=_float, metavar="S", help="--compare: in-job publishing cost")
-    extra.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page of the charts")
+    extra.add_argument(
+        "--html", type=path_arg, metavar="FILE", help="also write a self-contained HTML page of the charts"
+    )
     extra.add_argument(
         "--fleet-experiment", action="store_true", help="preemption victims: random vs lowest cost"
     )

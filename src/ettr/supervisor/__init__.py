@@ -48,6 +48,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     from ettr.inject import parse_specs
     from ettr.supervisor.config import RunConfig
 
+    if args.run_dir is not None:
+        _check_run_dir(args.run_dir)
     try:
         return RunConfig(
             command=tuple(args.command),
@@ -66,6 +68,19 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         )
     except ValueError as exc:
         raise UsageError(f"ettr run: {exc}") from None
+
+
+def _check_run_dir(run_dir: str) -> None:
+    """Refuse a `--run-dir` that cannot be one before anything starts: a file, or a directory this user
+    cannot write (`UsageError`); a path that does not exist yet is made when the books open."""
+    import os
+
+    from ettr.errors import UsageError
+
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+        raise UsageError(f"ettr run: --run-dir {run_dir}: not a directory (give a directory, or a new path)")
+    if os.path.isdir(run_dir) and not os.access(run_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"ettr run: --run-dir {run_dir}: not writable by this user (give another directory)")
 
 
 def main(args: argparse.Namespace, *, at_job_end: JobEndHook | None = None) -> int:

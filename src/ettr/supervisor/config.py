@@ -111,6 +111,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("command must not be empty")
+        if self.run_dir == "":
+            raise ValueError("run_dir must not be empty (None: runs/<job_id>)")
         for name in ("max_restarts", "max_restarts_without_progress"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
