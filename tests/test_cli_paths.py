@@ -4,6 +4,7 @@ run directory or pointer left behind)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,3 +59,15 @@ def test_bad_paths_are_one_line_and_status_2(index, tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == before, f"{argv} left files behind"
+
+
+def test_publish_checks_its_arguments_before_importing_torch(tmp_path):
+    code = (
+        "import sys; from ettr.cli import main; status = main(sys.argv[1:]); "
+        "print(status, 'torch' in sys.modules)"
+    )
+    for argv in (["publish", str(tmp_path / "nothing")], ["publish", str(tmp_path), "--root", ""]):
+        done = subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120
+        )
+        assert done.stdout.split() == ["2", "False"], (argv, done.stdout, done.stderr)

@@ -5,12 +5,49 @@ Trainer side: `publish_at_end` (with a `PublishConfig` and a `ModelSpec`). Publi
 (what `ettr publish` runs) over a `PublishQueue`, within a `PublishPolicy` (docs/trust.md). Artifacts: `load_artifact`.
 """
 
-from ettr.publish.anchor import AnchorResult, PublishConfig, PublishMode, publish_at_end, write_anchor
-from ettr.publish.artifact import ArtifactResult, PublishedModel, build_artifact, load_artifact
-from ettr.publish.policy import PublishPolicy
-from ettr.publish.queue import Claim, PublishQueue
-from ettr.publish.request import InputKind, InputSpec, ModelSpec, PublishError, PublishRequest
-from ettr.publish.worker import PublishOutcome, PublishWorker, WorkerConfig
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ettr.publish.anchor import AnchorResult, PublishConfig, PublishMode, publish_at_end, write_anchor
+    from ettr.publish.artifact import ArtifactResult, PublishedModel, build_artifact, load_artifact
+    from ettr.publish.policy import PublishPolicy
+    from ettr.publish.queue import Claim, PublishQueue
+    from ettr.publish.request import InputKind, InputSpec, ModelSpec, PublishError, PublishRequest
+    from ettr.publish.worker import PublishOutcome, PublishWorker, WorkerConfig
+
+_WHERE = {
+    "AnchorResult": "ettr.publish.anchor",
+    "ArtifactResult": "ettr.publish.artifact",
+    "Claim": "ettr.publish.queue",
+    "InputKind": "ettr.publish.request",
+    "InputSpec": "ettr.publish.request",
+    "ModelSpec": "ettr.publish.request",
+    "PublishConfig": "ettr.publish.anchor",
+    "PublishError": "ettr.publish.request",
+    "PublishMode": "ettr.publish.anchor",
+    "PublishOutcome": "ettr.publish.worker",
+    "PublishPolicy": "ettr.publish.policy",
+    "PublishQueue": "ettr.publish.queue",
+    "PublishRequest": "ettr.publish.request",
+    "PublishWorker": "ettr.publish.worker",
+    "PublishedModel": "ettr.publish.artifact",
+    "WorkerConfig": "ettr.publish.worker",
+    "build_artifact": "ettr.publish.artifact",
+    "load_artifact": "ettr.publish.artifact",
+    "publish_at_end": "ettr.publish.anchor",
+    "write_anchor": "ettr.publish.anchor",
+}
+"""Where each public name lives: imported on first use, so `ettr publish` (and a queue's tools) check their
+arguments before the trainer side's torch is imported."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ettr.publish' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "AnchorResult",

@@ -15,17 +15,23 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ettr.errors import UsageError
 from ettr.publish.policy import PublishPolicy, parse_allow_entry
 from ettr.publish.queue import PublishQueue
-from ettr.publish.worker import PublishOutcome, PublishStatus, PublishWorker, WorkerConfig
+
+if TYPE_CHECKING:
+    from ettr.publish.worker import PublishOutcome
+
+# The worker (and with it torch, a second or more) is imported once the arguments are known to be good.
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 
 
 def _line(outcome: PublishOutcome) -> str:
+    from ettr.publish.worker import PublishStatus
+
     if outcome.status in (PublishStatus.PUBLISHED, PublishStatus.EXISTING):
         err = (outcome.verification.get("exported_program") or {}).get("max_abs_err")
         verified = f"verified, max |diff| {err:.3g}" if isinstance(err, float) else "verified"
@@ -41,12 +47,6 @@ def main(args: argparse.Namespace) -> int:
     if not (queue_dir / "requests").is_dir():
         what = "no such directory" if not queue_dir.exists() else "not a publish queue (no requests/ inside)"
         raise UsageError(f"ettr publish: {queue_dir}: {what}")
-    try:
-        config = WorkerConfig(
-            lease_ttl_s=args.lease_ttl, max_attempts=args.max_attempts, poll_interval_s=args.poll_interval
-        )
-    except ValueError as exc:
-        raise UsageError(f"ettr publish: {exc}") from None
     for flag, dirs in (("--root", args.root), ("--allow-pythonpath", args.allow_pythonpath)):
         for given in dirs:  # a file can hold nothing: the flag would silently allow nothing
             if "://" not in given and Path(given).exists() and not Path(given).is_dir():
@@ -70,6 +70,14 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"ettr publish: no request {args.request!r} in {queue_dir}")
     if args.watch and args.request is not None:
         raise UsageError("ettr publish: --watch and --request do not go together")
+    from ettr.publish.worker import PublishStatus, PublishWorker, WorkerConfig
+
+    try:
+        config = WorkerConfig(
+            lease_ttl_s=args.lease_ttl, max_attempts=args.max_attempts, poll_interval_s=args.poll_interval
+        )
+    except ValueError as exc:
+        raise UsageError(f"ettr publish: {exc}") from None
     out = sys.stderr if args.json else sys.stdout
 
     def show(outcome: PublishOutcome) -> None:
