@@ -73,6 +73,7 @@ FROZEN_COMMAND_LINE = {
         ["queue_dir"],
     ),
     "compile-report": ({"--json"}, ["run_dir"]),
+    "deliver": (set(), ["run_dirs"]),
     "simulate": (
         {
             "--async-blocking-s",

@@ -187,6 +187,12 @@ def _report(args: argparse.Namespace) -> int:
         return _list_ledger_jobs(args.ledger, as_json=args.json)
     loaded = load_requested(args.run_dirs, ledger_url=args.ledger, job_ids=args.job_id, window_s=args.window)
     reports = [report for _events, report in loaded]
+    from ettr.ledger.undelivered import undelivered_note
+
+    for run_dir in args.run_dirs:  # a ledger outage's spill not delivered yet: the figures lack it
+        note = undelivered_note(run_dir)
+        if note:
+            print(f"ettr report: note: {note}", file=sys.stderr)
     from ettr.report.json import to_dict
     from ettr.report.labels import run_labels
     from ettr.report.text import render, render_comparison
@@ -420,6 +426,52 @@ def _publish(args: argparse.Namespace) -> int:
     return publish(args)
 
 
+# -- ettr deliver ----------------------------------------------------------------------------------------
+def _add_deliver(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "run_dirs",
+        nargs="+",
+        type=path_arg,
+        metavar="RUN_DIR",
+        help="run directories of jobs on a shared ledger (ettr run --ledger postgresql://...)",
+    )
+
+
+def _deliver(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ettr.ledger.base import LedgerError
+    from ettr.ledger.locate import is_run_dir
+    from ettr.ledger.undelivered import deliver_undelivered
+
+    for run_dir in args.run_dirs:  # every argument checked before anything is delivered
+        if not Path(run_dir).is_dir() or not is_run_dir(run_dir):
+            raise UsageError(f"ettr deliver: {run_dir}: not an ettr run directory")
+    status = 0
+    for run_dir in args.run_dirs:
+        try:
+            done = deliver_undelivered(run_dir)
+        except LedgerError as exc:
+            raise UsageError(f"ettr deliver: {exc}") from None
+        if not done.complete:
+            status = 1
+            print(
+                f"ettr deliver: {run_dir}: the ledger server did not answer; {done.left.num_events} event(s) "
+                f"stay in {Path(run_dir) / 'ledger-spill'} (nothing is lost; try again later)",
+                file=sys.stderr,
+            )
+        elif done.num_delivered:
+            print(f"{run_dir}: delivered {done.num_delivered} spilled event(s) to the ledger")
+        else:
+            print(f"{run_dir}: nothing to deliver")
+        if done.left.num_live_files:
+            print(
+                f"{run_dir}: {done.left.num_live_files} spill file(s) belong to a writer still running "
+                "(it delivers them itself)"
+            )
+    return status
+
+
 def _lazy(module: str, name: str) -> Callable[[Any], Any]:
     """`module.name`, imported when first called (the CLI imports no command's module up front)."""
 
@@ -446,6 +498,11 @@ _COMMANDS: dict[
         "compile time, recompile reasons and learned dynamic inputs of a run",
         _add_compile_report,
         _compile_report,
+    ),
+    "deliver": (
+        "deliver ledger events a server outage left in run directories (exactly once)",
+        _add_deliver,
+        _deliver,
     ),
     "simulate": (
         "what-if ETT of a job at any scale, fed by its own ledger",
@@ -491,6 +548,11 @@ replaces the step bound. Exit status: 0 completed, 1 restarts used up, 2 bad inp
   ettr publish runs/publish-queue --allow-factory mypkg.models:build --watch   # serve the queue
   ettr publish q --allow-factory 'dlrm.*' --allow-pythonpath examples --root /data/publish
 see docs/trust.md: a request names only allowed model code, and paths inside the roots""",
+    "deliver": """examples:
+  ettr deliver runs/my-job        # after `ettr fleet` / `ettr report` said events wait there
+a PostgreSQL outage longer than the supervisor's 60 s drain at the job's end leaves the job's events in
+RUN_DIR/ledger-spill/; the next `ettr run` in that run directory delivers them, or this command now.
+Exit status: 0 delivered (or nothing waited), 1 the server did not answer (nothing lost), 2 bad input""",
     "compile-report": """examples:
   ettr compile-report runs/my-job
   ettr compile-report runs/my-job --json""",

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ettr.accounting.window import DEFAULT_WINDOW_S
@@ -148,7 +149,6 @@ def check_sources(cmd: str, args: argparse.Namespace) -> None:
 
 def make_cache(args: argparse.Namespace) -> SummaryCache:
     """The summary cache the flags ask for (in memory only with --no-cache)."""
-    from pathlib import Path
 
     from ettr.fleet.load import SummaryCache, default_cache_dir
 
@@ -173,10 +173,16 @@ def make_cache(args: argparse.Namespace) -> SummaryCache:
 
 
 def load_jobs(
-    args: argparse.Namespace, *, now: float, cache: SummaryCache | None = None, cmd: str = "fleet"
+    args: argparse.Namespace,
+    *,
+    now: float,
+    cache: SummaryCache | None = None,
+    cmd: str = "fleet",
+    run_dirs: Sequence[Path] | None = None,
 ) -> tuple[list[JobSummary], list[str]]:
-    """The jobs the flags name, and the problems of those that could not be read. Raises `UsageError`
-    (`ettr CMD: ...`) when the sources are unusable."""
+    """The jobs the flags name (`run_dirs`: the run directories they name, when already found), and the
+    problems of those that could not be read. Raises `UsageError` (`ettr CMD: ...`) when the sources are
+    unusable."""
     from ettr.fleet.load import find_run_dirs, load_ledger_url, load_run_dirs
 
     try:
@@ -184,7 +190,8 @@ def load_jobs(
         window_s = getattr(args, "window", None) or DEFAULT_WINDOW_S
         if args.ledger:
             return load_ledger_url(args.ledger, now=now, use_stored=use_stored, window_s=window_s)
-        run_dirs = find_run_dirs(args.run_dirs)
+        if run_dirs is None:
+            run_dirs = find_run_dirs(args.run_dirs)
         return load_run_dirs(
             run_dirs,
             now=now,
@@ -199,6 +206,23 @@ def load_jobs(
         raise UsageError(f"ettr {cmd}: {exc}") from None
 
 
+def _find_run_dirs(given: Sequence[str]) -> list[Path]:
+    from ettr.fleet.load import find_run_dirs
+
+    try:
+        return find_run_dirs(given)
+    except UsageError as exc:
+        raise UsageError(f"ettr fleet: {exc}") from None
+
+
+def _undelivered(run_dirs: Sequence[Path]) -> list[tuple[Path, str]]:
+    """The run directories where a ledger outage's spilled events still wait, each with its note."""
+    from ettr.ledger.undelivered import undelivered_note
+
+    found = ((run_dir, undelivered_note(run_dir)) for run_dir in run_dirs)
+    return [(run_dir, note) for run_dir, note in found if note]
+
+
 def fleet_main(args: argparse.Namespace) -> int:
     """`ettr fleet` with parsed flags."""
     from ettr.fleet import json as fleet_json
@@ -211,9 +235,13 @@ def fleet_main(args: argparse.Namespace) -> int:
     if args.need_gpus is not None and not args.preempt_order:
         raise UsageError("ettr fleet: --need-gpus goes with --preempt-order")
     now = time.time()
-    jobs, problems = load_jobs(args, now=now)
+    run_dirs = None if args.ledger else _find_run_dirs(args.run_dirs)
+    jobs, problems = load_jobs(args, now=now, run_dirs=run_dirs)
     for problem in problems:
         print(f"ettr fleet: skipped {problem}", file=sys.stderr)
+    undelivered = _undelivered(run_dirs or ())
+    for _run_dir, note in undelivered:
+        print(f"ettr fleet: note: {note}", file=sys.stderr)
     if not jobs:
         raise UsageError("ettr fleet: no job could be read (see the lines above)")
     regressions = find_regressions(jobs)
@@ -234,7 +262,9 @@ def fleet_main(args: argparse.Namespace) -> int:
 
         write_html(report, args.html)
     if args.json:
-        print(json.dumps(fleet_json.to_dict(report, problems=problems, preempt=preempt), indent=2))
+        payload = fleet_json.to_dict(report, problems=problems, preempt=preempt)
+        payload["undelivered"] = [{"run_dir": str(d), "note": note} for d, note in undelivered]
+        print(json.dumps(payload, indent=2))
     elif costs is not None:
         print(render_preempt(costs, victims, args.need_gpus), end="")
     else:

@@ -369,9 +369,10 @@ class SpillingLedger:
                 self._file.close(remove=not pending)
                 if pending:
                     logger.warning(
-                        "ettr: %s keeps undelivered ledger events; they are delivered when the server is back "
-                        "and an ettr supervisor of this job runs in this run directory",
+                        "ettr: %s keeps undelivered ledger events; once the server is back, `ettr deliver %s` "
+                        "delivers them (as does the next ettr supervisor of this job in that run directory)",
                         self._file.path,
+                        self.spill_dir.parent,
                     )
                 self._file = None
             if self._server is not None:

@@ -1,0 +1,148 @@
+"""Events a ledger outage left in a run directory: how many wait there, and their delivery on request.
+
+A PostgreSQL stall longer than the supervisor's drain time (`RunConfig.ledger_drain_s`) leaves spill files in
+`RUN_DIR/ledger-spill/` (docs/ledger.md). Nothing is lost, but the fleet's and the report's view of the job is
+short until they reach the server. `count_undelivered` says how many wait (for `ettr fleet` / `ettr report`
+to say so); `deliver_undelivered` (`ettr deliver RUN_DIR`) delivers them now, through the supervisor's own
+adopter (`SpillingLedger` with `adopt_orphans`): each event keyed `(writer, seq)` and stored with
+`ON CONFLICT DO NOTHING`, each file taken under its `flock` and removed once stored, so a delivery that
+races a supervisor, another `ettr deliver` or a crash stores every event exactly once. A file whose writer
+still runs (its lock is held) is left to that writer.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shlex
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ettr.ledger.base import LedgerError
+from ettr.ledger.locate import read_pointer
+from ettr.ledger.spill import ServerLedger, SpillingLedger, read_spill, spill_dir
+
+_SUFFIX = ".jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class Undelivered:
+    """Spilled events of a run directory not on the server yet."""
+
+    num_events: int
+    """Events in spill files whose writer has ended (a running writer delivers its own)."""
+    num_files: int
+    """Those files."""
+    num_live_files: int = 0
+    """Spill files a running writer still holds (not counted above)."""
+
+
+def _spill_files(run_dir: str | os.PathLike[str]) -> list[Path]:
+    try:
+        names = sorted(os.listdir(spill_dir(run_dir)))
+    except OSError:
+        return []
+    return [spill_dir(run_dir) / n for n in names if n.endswith(_SUFFIX) and not n.startswith(".")]
+
+
+def _held_by_writer(path: Path) -> bool | None:
+    """Whether a running writer holds `path` (its flock is taken); None when it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def count_undelivered(run_dir: str | os.PathLike[str]) -> Undelivered:
+    """How many spilled events of the run directory's job wait for the server (no server is asked)."""
+    pointer = read_pointer(run_dir)
+    job_id = pointer[1] if pointer is not None else None
+    num_events = num_files = num_live = 0
+    for path in _spill_files(run_dir):
+        held = _held_by_writer(path)
+        if held is None:
+            continue
+        try:
+            header, records = read_spill(path)
+        except LedgerError:
+            continue  # not a spill file, or damaged: its adopter sets it aside
+        if job_id is not None and header.get("job_id") != job_id:
+            continue  # another job's: not this run's to report
+        if held:
+            num_live += 1
+        elif records:
+            num_events += len(records)
+            num_files += 1
+    return Undelivered(num_events=num_events, num_files=num_files, num_live_files=num_live)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What `deliver_undelivered` did."""
+
+    num_delivered: int
+    """Spilled events now on the server (some may have been there already: they are stored once)."""
+    complete: bool
+    """Whether every file it could take was delivered (False: the server did not answer, or stopped)."""
+    left: Undelivered
+    """What still waits afterwards (live writers' files, or all of it when the server is away)."""
+
+
+def deliver_undelivered(
+    run_dir: str | os.PathLike[str], *, connect: Callable[[], ServerLedger] | None = None
+) -> Delivery:
+    """Deliver the run directory's spilled events to its job's ledger (the URL of its pointer), exactly
+    once. `connect` makes the server ledger (default: the pointer's PostgreSQL URL, credentials from
+    PGPASSWORD or ~/.pgpass). Nothing waiting: nothing is tried. Raises LedgerError when events wait but
+    the run directory names no ledger server to deliver them to."""
+    before = count_undelivered(run_dir)
+    if before.num_files == 0:
+        return Delivery(num_delivered=0, complete=True, left=before)
+    pointer = read_pointer(run_dir)
+    if pointer is None:
+        raise LedgerError(
+            f"{run_dir}: its books are not on a ledger server (no ledger-url.json): nothing spills"
+        )
+    url, job_id = pointer
+    if connect is None:
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise LedgerError(f"{run_dir}: its books are in {url}, which never spills")
+        from ettr.ledger.postgres import PostgresLedger
+
+        def connect() -> ServerLedger:
+            return PostgresLedger(
+                url, job_id=job_id, create=False, run_dir=run_dir, node=socket.gethostname()
+            )
+
+    adopter = SpillingLedger(
+        connect, job_id=job_id, spill_dir=spill_dir(run_dir), node=socket.gethostname(), adopt_orphans=True
+    )
+    try:
+        complete = adopter.deliver()
+    finally:
+        adopter.close()
+    left = count_undelivered(run_dir)
+    return Delivery(num_delivered=max(0, before.num_events - left.num_events), complete=complete, left=left)
+
+
+def undelivered_note(run_dir: str | os.PathLike[str]) -> str | None:
+    """One line for a reader of the run (`ettr report`, `ettr fleet`) when spilled events of its job wait for
+    the server (the figures it shows lack them), saying how to deliver them; None when none wait."""
+    waiting = count_undelivered(run_dir)
+    if waiting.num_events == 0:
+        return None
+    return (
+        f"{waiting.num_events} event(s) spilled in {run_dir} during a ledger outage are not in the ledger yet "
+        f"(the figures lack them); deliver them with: ettr deliver {shlex.quote(os.fspath(run_dir))}"
+    )

@@ -1,0 +1,78 @@
+"""Events a ledger outage left in a run directory: counted for `ettr fleet` / `ettr report`, delivered once by
+`ettr deliver` (with the in-memory server of test_ledger_spill; no PostgreSQL)."""
+
+from __future__ import annotations
+
+import json
+
+from ettr.cli import main
+from ettr.ledger.spill import SpillingLedger, spill_dir
+from ettr.ledger.undelivered import count_undelivered, deliver_undelivered, undelivered_note
+from test_ledger_spill import FakeServer, _steps
+
+
+def _run_dir_with_orphans(tmp_path, server: FakeServer, num_events: int = 5):
+    """A run directory of job `server.job_id` on a server that went away: a writer spilled and exited."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "ledger-url.json").write_text(
+        json.dumps({"url": "postgresql://x@h/db", "job_id": server.job_id})
+    )
+    server.up = False
+    writer = SpillingLedger(lambda: server, job_id=server.job_id, spill_dir=spill_dir(run_dir), node="n")
+    writer.append(_steps(0, num_events))
+    writer.close()  # the server is still away: its file stays, an orphan
+    return run_dir
+
+
+def test_the_waiting_events_are_counted_and_named_with_the_command(tmp_path):
+    run_dir = _run_dir_with_orphans(tmp_path, FakeServer(), num_events=5)
+    assert count_undelivered(run_dir).num_events == 5
+    note = undelivered_note(run_dir)
+    assert note is not None and "5 event(s)" in note and f"ettr deliver {run_dir}" in note
+    assert undelivered_note(tmp_path) is None  # no spill: nothing said
+
+
+def test_deliver_stores_every_event_once_and_leaves_nothing(tmp_path):
+    server = FakeServer()
+    run_dir = _run_dir_with_orphans(tmp_path, server, num_events=7)
+    assert not deliver_undelivered(run_dir, connect=lambda: server).complete  # still away: nothing lost
+    assert count_undelivered(run_dir).num_events == 7 and not server.rows
+    server.up = True
+    done = deliver_undelivered(run_dir, connect=lambda: server)
+    assert done.complete and done.num_delivered == 7 and done.left.num_events == 0
+    assert sorted(e.step for e in server.read()) == list(range(7))
+    again = deliver_undelivered(run_dir, connect=lambda: server)  # a second delivery stores nothing
+    assert again.complete and again.num_delivered == 0 and len(server.rows) == 7
+    assert undelivered_note(run_dir) is None
+
+
+def test_a_running_writers_file_is_left_to_it(tmp_path):
+    server = FakeServer()
+    run_dir = _run_dir_with_orphans(tmp_path, server, num_events=3)
+    live = SpillingLedger(lambda: server, job_id=server.job_id, spill_dir=spill_dir(run_dir), node="n")
+    live.append(_steps(10, 2))  # the server is away: spilled, and the file stays locked by `live`
+    waiting = count_undelivered(run_dir)
+    assert (waiting.num_events, waiting.num_files, waiting.num_live_files) == (3, 1, 1)
+    server.up = True
+    done = deliver_undelivered(run_dir, connect=lambda: server)
+    assert done.num_delivered == 3 and done.left.num_live_files == 1
+    assert sorted(e.step for e in server.read()) == [0, 1, 2]
+    live.close()
+
+
+def test_ettr_deliver_refuses_what_is_not_a_run_directory(tmp_path, capsys):
+    assert main(["deliver", str(tmp_path)]) == 2
+    assert main(["deliver", str(tmp_path / "nope")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 2
+
+
+def test_ettr_deliver_with_the_server_away_exits_1_and_keeps_the_events(tmp_path, capsys):
+    run_dir = _run_dir_with_orphans(tmp_path, FakeServer(), num_events=4)
+    # the pointer names a server no one runs (port 1): the delivery fails at once, the events stay
+    (run_dir / "ledger-url.json").write_text(
+        json.dumps({"url": "postgresql://x@127.0.0.1:1/db", "job_id": "j"})
+    )
+    assert main(["deliver", str(run_dir)]) == 1
+    assert "4 event(s) stay" in capsys.readouterr().err
+    assert count_undelivered(run_dir).num_events == 4
