@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from ettr.events import Event, EventKind
+from ettr.patcher import Patcher
 from ettr.recorder import RecorderProtocol
 from ettr.tracing import dynamo_is_tracing
 from ettr.warn import WarnOnce
@@ -153,7 +154,7 @@ class CommAudit:
         self._calls: list[list[Any]] = []
         self._num_calls = 0
         self._num_groups_created = 0
-        self._patched: list[tuple[Any, str, Any, Any]] = []  # (module, name, original, wrapper)
+        self._patcher = Patcher()  # the wrapped functions, put back at `finish` (unless wrapped again since)
         self._active = False
         self._finished = False
         self._warn = WarnOnce("ettr: init comm audit {what} failed ({error}); the job goes on")
@@ -181,8 +182,7 @@ class CommAudit:
                     wrapper = wrappers.get(id(original))
                     if wrapper is None:
                         wrapper = wrappers[id(original)] = self._wrap(name, original)
-                    setattr(module, name, wrapper)
-                    self._patched.append((module, name, original, wrapper))
+                    self._patcher.set(module, name, wrapper, unless_replaced=True)
             self._watch_recorder()
             self._active = True
         except Exception as exc:
@@ -342,14 +342,8 @@ class CommAudit:
                 self.recorder.remove_listener(self._observe)
             except Exception as exc:
                 self._warn_once("restore", exc)
-        for owner, name, original, wrapper in reversed(self._patched):
-            try:
-                if getattr(owner, name, None) is wrapper:
-                    setattr(owner, name, original)
-                # Else someone wrapped it after us: leave theirs; ours passes calls straight through now.
-            except Exception as exc:
-                self._warn_once("restore", exc)
-        self._patched.clear()
+        # A function someone wrapped after us keeps their wrapper; ours passes calls straight through now.
+        self._patcher.undo(on_error=lambda exc: self._warn_once("restore", exc))
 
     def _warn_once(self, what: str, exc: BaseException) -> None:
         self._warn(what, exc)

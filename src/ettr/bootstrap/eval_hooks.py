@@ -117,7 +117,7 @@ class EvalHooks:
         self._trains_in_eval_mode: weakref.WeakSet[Any] = weakref.WeakSet()
         self._torch: ModuleType | None = None
         # nn.Module attributes wrapped while an evaluation is open: name -> (original, wrapper)
-        self._wrapped: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        self._wrapped: dict[str, Callable[[], None]] = {}  # name -> puts nn.Module's own back (Patcher)
         self._atexit = False
 
     # -- installation -----------------------------------------------------------------------------------------
@@ -282,16 +282,13 @@ class EvalHooks:
         for name, (original, wrapper) in wrappers.items():
             wrapper.__wrapped__ = original  # type: ignore[attr-defined]
             wrapper.__doc__ = original.__doc__
-            setattr(module_class, name, wrapper)
-        self._wrapped = wrappers
+            # Put back at the evaluation's end (or the patcher's undo), unless someone wrapped it since.
+            self._wrapped[name] = self.patcher.set(module_class, name, wrapper, unless_replaced=True)
 
     def _unwrap(self) -> None:
-        torch, wrapped, self._wrapped = self._torch, self._wrapped, {}
-        if torch is None:
-            return
-        for name, (original, wrapper) in wrapped.items():
-            if torch.nn.Module.__dict__.get(name) is wrapper:
-                setattr(torch.nn.Module, name, original)
+        wrapped, self._wrapped = self._wrapped, {}
+        for give_back in wrapped.values():
+            give_back()
 
     # -- helpers ----------------------------------------------------------------------------------------------
     def _grad_enabled(self) -> bool:

@@ -33,13 +33,13 @@ from typing import Any
 
 from ettr import torch_compat
 from ettr.events import Phase
+from ettr.patcher import ORIGINAL_ATTR as _ORIGINAL
+from ettr.patcher import Patcher
 from ettr.recorder import RecorderProtocol
 from ettr.tracing import dynamo_is_tracing
 from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
-
-_ORIGINAL = "__ettr_original__"
 
 
 class Guard:
@@ -66,58 +66,6 @@ def called_from_ettr(depth: int = 2) -> bool:
     except ValueError:
         return False
     return name.startswith("ettr.") and not name.startswith("ettr.bootstrap")
-
-
-class Patcher:
-    """Replaces attributes by wrappers and remembers how to put everything back (`undo`, for tests)."""
-
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
-
-    def wrap(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
-        """Replace `owner.name` by `make(original)` unless it is already ours; whether it did."""
-        return self.wrap_for_now(owner, name, make) is not None
-
-    def wrap_for_now(
-        self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
-    ) -> Callable[[], None] | None:
-        """`wrap`, for a while: the callable it returns puts `owner.name` back at once (else `undo` does);
-        None when `owner.name` is missing or already ours."""
-        original = getattr(owner, name, None)
-        if original is None or getattr(original, _ORIGINAL, None) is not None:
-            return None
-        wrapper = make(original)
-        functools.update_wrapper(wrapper, original)
-        setattr(wrapper, _ORIGINAL, original)
-        return self.set(owner, name, wrapper)
-
-    def set(self, owner: Any, name: str, value: Any) -> Callable[[], None]:
-        """`setattr(owner, name, value)`, undoably; the callable it returns undoes this one now (once)."""
-        had, old = hasattr(owner, name), getattr(owner, name, None)
-        setattr(owner, name, value)
-
-        def restore() -> None:
-            if had:
-                setattr(owner, name, old)
-            else:
-                delattr(owner, name)
-
-        def give_back() -> None:
-            if restore in self._undo:  # not undone yet
-                self._undo.remove(restore)
-                restore()
-
-        self._undo.append(restore)
-        return give_back
-
-    def on_undo(self, fn: Callable[[], None]) -> None:
-        """Call `fn` on `undo` (removing a registered hook)."""
-        self._undo.append(fn)
-
-    def undo(self) -> None:
-        """Put back everything, newest first."""
-        while self._undo:
-            self._undo.pop()()
 
 
 class StepCounter:
