@@ -99,16 +99,6 @@ def test_peer_view_reads_ports_ends_beats_and_the_job_end() -> None:
     assert (ended.job_end_at, ended.job_end_status) == (len(events), 0)
 
 
-def test_the_restart_budget_is_the_ledgers() -> None:
-    events = [
-        _sup(EventKind.ATTEMPT_END, 0, 1.0, outcome="failed"),
-        _sup(EventKind.ATTEMPT_END, 0, 1.5, outcome="failed"),  # written twice: counted once
-        _sup(EventKind.ATTEMPT_END, 1, 2.0, outcome="hung"),
-        _sup(EventKind.ATTEMPT_END, 2, 3.0, outcome="preempted"),  # a preemption spends no restart
-    ]
-    assert peers.restarts_used(events) == 2
-
-
 def test_a_restarted_node_supervisor_is_found_live_until_its_end() -> None:
     start = peers.node_mark(peers.NODE_START, node_rank=1, attempt=0, ts=1.0, pid=5, host="h")
     assert peers.live_node_supervisor([start], 1) == start.data

@@ -152,17 +152,6 @@ class LeaderPeers:
         self.node.mark_start(first)
         return first
 
-    def restarts_used(self) -> int:
-        node = self.node
-        try:
-            used = peers.restarts_used(node.books.read())
-        except Exception:
-            return 0
-        if used:
-            left = max(0, node.config.max_restarts - used)
-            say(f"the ledger shows {used} restart(s) of job {node.books.job_id} already spent: {left} left")
-        return used
-
     def rendezvous_port(self, attempt: int) -> int | None:
         port = free_port("0.0.0.0")
         self.node.mark(peers.RENDEZVOUS, attempt=attempt, port=port)
@@ -279,9 +268,6 @@ class FollowerPeers:
                     reason=f"node {rank}'s supervisor was lost (killed) while this attempt ran",
                 )
         self._done = max(joined, default=-1)
-
-    def restarts_used(self) -> int:
-        return 0  # the leader counts the job's restarts
 
     def rendezvous_port(self, attempt: int) -> int | None:
         return self.node.view.ports.get(attempt)

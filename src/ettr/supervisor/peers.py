@@ -43,8 +43,6 @@ NODE_MARKS = frozenset(
     {NODE_START, NODE_HEARTBEAT, RENDEZVOUS, NODE_ATTEMPT_START, NODE_ATTEMPT_END, NODE_END}
 )
 
-_RESTART_OUTCOMES = frozenset({Outcome.FAILED.value, Outcome.HUNG.value})
-
 
 @dataclass(frozen=True, kw_only=True)
 class NodeRole:
@@ -202,20 +200,6 @@ def open_attempt(view: PeerView, *, after: int) -> int | None:
     return max(open_) if open_ else None
 
 
-def restarts_used(events: Sequence[Event]) -> int:
-    """Restarts the job has already spent: its attempts that ended failed or hung (the ledger's budget,
-    shared by every supervisor that ever led the job)."""
-    return sum(1 for e in _first_ends(events) if (e.data or {}).get("outcome") in _RESTART_OUTCOMES)
-
-
-def _first_ends(events: Sequence[Event]) -> list[Event]:
-    first: dict[int, Event] = {}
-    for e in events:
-        if e.kind is EventKind.ATTEMPT_END and e.rank == SUPERVISOR_RANK:
-            first.setdefault(e.attempt, e)
-    return list(first.values())
-
-
 def live_node_supervisor(events: Sequence[Event], node_rank: int) -> Mapping[str, Any] | None:
     """The node_start data of the latest supervisor of `node_rank` that has not written node_end."""
     current: Mapping[str, Any] | None = None
@@ -251,10 +235,6 @@ class Peers(Protocol):
         """Open (or join) the job's books as this node's role requires; the first attempt this node runs."""
         ...
 
-    def restarts_used(self) -> int:
-        """Restarts of the job spent before this supervisor started (a job-wide budget)."""
-        ...
-
     def rendezvous_port(self, attempt: int) -> int | None:
         """The rendezvous port of `attempt` agreed with the peers (None: pick one locally)."""
         ...
@@ -288,9 +268,6 @@ class NoPeers:
 
     def open(self, books: JobBooks) -> int:
         return books.open()
-
-    def restarts_used(self) -> int:
-        return 0
 
     def rendezvous_port(self, attempt: int) -> int | None:
         return None
