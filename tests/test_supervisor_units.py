@@ -24,7 +24,14 @@ from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times, parse_scontrol_times
 from ettr.supervisor.launch import attempt_launch, detect_launcher, torchrun_command
 from ettr.supervisor.process import AttemptProcess
-from ettr.supervisor.watchdog import STARTUP, HangBounds, HangWatchdog, JobProgress, learned_bounds
+from ettr.supervisor.watchdog import (
+    STARTUP,
+    HangBounds,
+    HangWatchdog,
+    JobProgress,
+    learned_bounds,
+    training_ended,
+)
 
 
 # -- command lines ----------------------------------------------------------------------------------------
@@ -184,6 +191,21 @@ def test_watchdog_counts_silence_from_the_latest_sign_of_life() -> None:
 
     sturdy = HangWatchdog(timeout_s=1.0, probes=[broken, lambda: 50.0], started_at=0.0, armed_at_start=False)
     assert sturdy.check(50.5) is None and sturdy.check(52.0) == pytest.approx(2.0)
+
+
+def test_silence_after_every_training_process_exited_is_not_a_hang() -> None:
+    """A two-node job's last step: its workers exit 0 and torchrun's agent waits for the other node (its exit
+    barrier); that silence is the launcher's, not a hang to kill (and restart a completed job over)."""
+    ended = [False]
+    dog = HangWatchdog(
+        timeout_s=3.0, probes=[lambda: 1000.0], started_at=100.0, armed_at_start=False, ended=lambda: ended[0]
+    )
+    assert dog.check(1005.0) == pytest.approx(5.0)
+    ended[0] = True
+    assert dog.check(1010.0) is None
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert training_ended([child.pid]) and not training_ended([]) and not training_ended([os.getpid()])
 
 
 def test_hang_bounds_follow_what_the_job_does() -> None:

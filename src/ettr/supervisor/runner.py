@@ -64,6 +64,7 @@ from ettr.supervisor.watchdog import (
     heartbeat_pids,
     learned_bounds,
     run_queue_wait_s,
+    training_ended,
 )
 
 _SNAPSHOT_EVERY_S = 1.0
@@ -267,6 +268,7 @@ class AttemptRunner:
             bounds=self._hang_bounds(),
             progress=lambda: JobProgress.of(read_pulses(run_dir, attempt)),
             starved=lambda: run_queue_wait_s(heartbeat_pids(_names(heartbeat_dir(run_dir, attempt)))),
+            ended=lambda: training_ended(heartbeat_pids(_names(heartbeat_dir(run_dir, attempt)))),
         )
         state = self.watch.start(attempt)
         waiting: Progress | None = None  # for the job to exit, once asked to

@@ -23,6 +23,7 @@ run-queue wait, `/proc/PID/schedstat`, is taken off), so a job starved by a busy
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -146,6 +147,26 @@ def run_queue_wait_s(pids: Iterable[int]) -> dict[int, float]:
     return waits
 
 
+def training_ended(pids: Sequence[int]) -> bool:
+    """Whether the training processes `pids` (`heartbeat_pids` of an attempt: every one that started) have
+    all exited; False when there are none yet."""
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False  # another user's: it exists
+        try:  # a zombie (not reaped yet) has exited too
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read(512).rpartition(b")")[2].split()[0] == b"Z"
+        except (OSError, IndexError):
+            return True
+
+    return bool(pids) and all(gone(pid) for pid in pids)
+
+
 def heartbeat_pids(names: Iterable[str]) -> list[int]:
     """The pids in heartbeat file names (`rank-R-pid-P`, `ettr.run_env.heartbeat_path`)."""
     pids = []
@@ -172,6 +193,8 @@ class HangWatchdog:
         bounds: the bounds that follow the job (instead of `timeout_s`), with `progress`: how it moves now.
         starved: each of the job's processes' total wait for a CPU so far (`run_queue_wait_s`); the largest
             growth during a silence is not counted.
+        ended: whether every training process of the attempt has exited (`training_ended`): a silence after
+            that is its launcher's (torchrun's exit barrier waiting for another node), not a hang.
     """
 
     def __init__(
@@ -185,6 +208,7 @@ class HangWatchdog:
         bounds: HangBounds | None = None,
         progress: Callable[[], JobProgress] | None = None,
         starved: Callable[[], Mapping[int, float]] | None = None,
+        ended: Callable[[], bool] | None = None,
     ) -> None:
         if bounds is None and not (timeout_s is not None and timeout_s > 0):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -192,6 +216,7 @@ class HangWatchdog:
         self._fixed_s = timeout_s
         self._progress = progress or JobProgress
         self._starved = starved
+        self._ended = ended
         self._probes = tuple(probes)
         self._latest: float | None = started_at if armed_at_start else None
         self._earliest = started_at - CLOCK_SKEW_S
@@ -225,7 +250,13 @@ class HangWatchdog:
         if self._latest is None:
             return None
         silence_s = self._silence(now)
-        return silence_s if silence_s > self.bound_s else None
+        if silence_s <= self.bound_s:
+            return None
+        try:
+            ended = self._ended is not None and self._ended()
+        except Exception:  # unreadable: as if they ran
+            ended = False
+        return None if ended else silence_s
 
     def _silence(self, now: float) -> float:
         assert self._latest is not None
