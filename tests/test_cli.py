@@ -39,6 +39,8 @@ FROZEN_COMMAND_LINE = {
             "--allocated-at",
             "--continue-job",
             "--family",
+            "--hang-phase-timeout",
+            "--hang-step-factor",
             "--hang-timeout",
             "--inject",
             "--job-id",
@@ -194,6 +196,13 @@ def test_time_accepts_unix_seconds_and_iso():
         ["run"],
         ["report"],
         ["report", "/definitely/not/here"],
+        ["run", "--hang-step-factor", "0", "--", "python", "x.py"],
+        ["run", "--hang-step-factor", "1.5", "--", "python", "x.py"],  # would kill healthy steps
+        ["run", "--hang-step-factor", "nan", "--", "python", "x.py"],
+        ["run", "--hang-step-factor", "inf", "--", "python", "x.py"],
+        ["run", "--hang-step-factor", "5", "--hang-timeout", "60", "--", "python", "x.py"],
+        ["run", "--hang-phase-timeout", "-1", "--", "python", "x.py"],
+        ["run", "--hang-phase-timeout", "0", "--", "python", "x.py"],
     ],
 )
 def test_bad_usage_is_one_line_and_status_2(argv, capsys):
@@ -206,3 +215,13 @@ def test_bad_usage_is_one_line_and_status_2(argv, capsys):
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "ettr.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "report" in out.stdout
+
+
+def test_the_hang_bound_flags_set_the_watchdogs_bounds():
+    from ettr.supervisor import config_from_args
+
+    argv = ["run", "--hang-step-factor", "4", "--hang-phase-timeout", "900", "--", "python", "x.py"]
+    config = config_from_args(build_parser().parse_args(argv))
+    assert (config.hang_step_multiple, config.default_hang_timeout_s) == (4.0, 900.0)
+    default = config_from_args(build_parser().parse_args(["run", "--", "python", "x.py"]))
+    assert (default.hang_step_multiple, default.default_hang_timeout_s) == (10.0, 300.0)

@@ -53,6 +53,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+MIN_HANG_STEP_FACTOR = 2.0
+"""A hang bound under two step times would kill healthy steps that merely vary."""
+
+
+def _hang_step_factor(text: str) -> float:
+    value = _positive_float(text)
+    if value < MIN_HANG_STEP_FACTOR:
+        raise argparse.ArgumentTypeError(
+            f"{text} is too small: a bound under {MIN_HANG_STEP_FACTOR:g} step times would kill healthy steps "
+            "that merely vary"
+        )
+    return value
+
+
 # -- ettr run --------------------------------------------------------------------------------------------
 def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", type=path_arg, help="where the ledger and logs go (default runs/<job-id>)")
@@ -72,6 +86,20 @@ def _add_run(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="seconds without progress that count as a hang once steps run (default: 10 step times, at least "
         "10 s; start-up and long phases such as evaluation get 300 s or what the job's books show)",
+    )
+    p.add_argument(
+        "--hang-step-factor",
+        type=_hang_step_factor,
+        metavar="K",
+        help="once steps run, K median step times without progress count as a hang (default 10; at least 2; "
+        "not with --hang-timeout, which replaces that bound)",
+    )
+    p.add_argument(
+        "--hang-phase-timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="the hang bound of start-up and of long phases such as evaluation, checkpoint, compile (default "
+        "300; the job's books can make it longer)",
     )
     p.add_argument(
         "--submitted-at",
@@ -531,7 +559,7 @@ _EXAMPLES = {
       --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29400 train.py   # on each node R
 a hang is 10 step times without progress (at least 10 s) once steps run, 300 s in start-up and long phases
 (evaluation, checkpoint, restore, compile; longer if the job's books show them longer); --hang-timeout
-replaces the step bound. Exit status: 0 completed, 1 restarts used up, 2 bad input, 3 restarts would not help
+replaces the step bound, --hang-step-factor K makes it K step times, --hang-phase-timeout S the 300 s. Exit status: 0 completed, 1 restarts used up, 2 bad input, 3 restarts would not help
 (the same failure before the first step, or restarts that reach no new step), 143 preempted, 130 Ctrl-C""",
     "report": """examples:
   ettr report runs/my-job                    # terminal report

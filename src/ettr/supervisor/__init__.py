@@ -65,9 +65,29 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             ledger_url=args.ledger,
             continue_job=bool(getattr(args, "continue_job", False)),
             **({"peer_timeout_s": args.peer_timeout} if getattr(args, "peer_timeout", None) else {}),
+            **_hang_bounds(args),
         )
     except ValueError as exc:
         raise UsageError(f"ettr run: {exc}") from None
+
+
+def _hang_bounds(args: argparse.Namespace) -> dict[str, Any]:
+    """The RunConfig fields of the hang-bound flags given (`--hang-step-factor`, `--hang-phase-timeout`)."""
+    from ettr.errors import UsageError
+
+    factor = getattr(args, "hang_step_factor", None)
+    phase_s = getattr(args, "hang_phase_timeout", None)
+    if factor is not None and args.hang_timeout is not None:
+        raise UsageError(
+            "ettr run: --hang-step-factor and --hang-timeout do not go together (--hang-timeout replaces the "
+            "bound of K step times; give one)"
+        )
+    bounds: dict[str, Any] = {}
+    if factor is not None:
+        bounds["hang_step_multiple"] = factor
+    if phase_s is not None:
+        bounds["default_hang_timeout_s"] = phase_s
+    return bounds
 
 
 def _check_run_dir(run_dir: str) -> None:
