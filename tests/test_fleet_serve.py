@@ -59,7 +59,7 @@ def test_scrape_parses_and_equals_fleet_json(runs, capsys):
     assert {k: [(s.labels, s.value) for s in v] for k, v in samples.items()} == {
         k: [(s.labels, s.value) for s in v] for k, v in again.items()
     }
-    allowed = {"job", "family", "name", "bucket", "cause"}
+    allowed = {"job", "family", "name", "bucket", "cause", "detail"}  # closed sets only: bounded series
     for name, rows in samples.items():
         for s in rows:
             assert set(s.labels) <= (allowed | {"version"} if name == "ettr_build_info" else allowed), name
@@ -95,6 +95,9 @@ def test_scrape_parses_and_equals_fleet_json(runs, capsys):
     )
     fleet_failures = {s.labels["cause"]: s.value for s in samples["ettr_fleet_failures_total"]}
     assert fleet_failures == {c: float(n) for c, n in fleet["num_failures_by_cause"].items()}
+    fleet_details = {s.labels["detail"]: s.value for s in samples["ettr_fleet_failures_by_detail_total"]}
+    assert fleet_details == {d: float(n) for d, n in fleet["num_failures_by_detail"].items()}
+    assert sum(fleet_details.values()) == sum(fleet_failures.values()) > 0
     assert samples["ettr_build_info"][0].value == 1.0
 
 

@@ -2,8 +2,8 @@
 
 Names follow Prometheus conventions: base units (seconds, ratios 0..1), `_total` for counters, one
 `ettr_` prefix; labels are only `job`, `family`, `name` (the run directory's name: what a person calls a job
-whose id was generated), `bucket` and `cause` (bounded: never step, rank or attempt), plus `version` on
-`ettr_build_info`. Each number is the same as in `ettr fleet --json`
+whose id was generated), `bucket`, `cause` and, fleet-wide only, `detail` (bounded: closed sets, never step,
+rank or attempt), plus `version` on `ettr_build_info`. Each number is the same as in `ettr fleet --json`
 (ETT% / 100 for the ratios).
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ettr.accounting import Cause
+from ettr.accounting import Cause, Detail
 from ettr.events import Bucket
 from ettr.fleet.aggregate import totals
 from ettr.fleet.model import JobSummary, version
@@ -57,6 +57,13 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     fleet_failures = counter("ettr_fleet_failures", "failures of all jobs by cause", ("cause",))
     for c in Cause:
         fleet_failures.add_metric([c.value], float(fleet.failures_by_cause[c]))
+    fleet_details = counter(
+        "ettr_fleet_failures_by_detail",
+        "failures of all jobs by what happened (oom_killed, collective, startup, ...; each detail has one cause)",
+        ("detail",),
+    )
+    for d in Detail:
+        fleet_details.add_metric([d.value], float(fleet.failures_by_detail.get(d, 0)))
     ratio = gauge("ettr_effective_training_ratio", "effective training time / wall time of the job")
     window_ratio = gauge(
         "ettr_window_effective_training_ratio",
