@@ -58,6 +58,7 @@ def test_a_signal_is_forwarded_then_sigkill_after_the_grace() -> None:
     state, actions = WATCH.step(state, Signalled(TERM, 1), 100.0)
     assert sent(actions) == [(TERM, True)] and "forwarding it to the job" in said(actions)[0]
     assert state.forwarded == TERM and state.stopping and not state.watching_hangs
+    assert state.fault_at == state.detected_at == 100.0  # the signal is the fault: detection 0, not unknown
     state, actions = WATCH.step(state, Tick(), 109.9)
     assert actions == []
     state, actions = WATCH.step(state, Tick(), 110.0)
@@ -105,6 +106,16 @@ def test_no_hang_while_the_attempt_only_tears_down() -> None:
     state, _ = WATCH.step(WATCH.start(0), Exiting(), 1.0)
     assert not state.watching_hangs
     assert WATCH.step(state, Hung(400.0), 2.0) == (state, [])
+
+
+def test_no_hang_while_a_failed_rank_or_a_lost_peer_ends_the_attempt() -> None:
+    # Two agents, node 1 lost: node 0's rank died of the broken collective and its torchrun took more than the
+    # hang bound to wind down on a loaded machine; the watchdog called it `hung`, hiding the cause.
+    for cause in (RankFailed(), PeerLost("node 1's supervisor is silent (lost)")):
+        state, _ = WATCH.step(WATCH.start(0), cause, 10.0)
+        state, _ = WATCH.step(state, Tick(), 10.6)
+        assert not state.watching_hangs
+        assert WATCH.step(state, Hung(10.0), 11.0) == (state, [])
 
 
 def test_a_peer_ends_this_nodes_part_once() -> None:

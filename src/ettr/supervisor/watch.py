@@ -9,8 +9,8 @@ tested with a fake attempt and a fake clock (tests/test_attempt_watch.py).
 The rules:
 - a signal to the supervisor (the first) is forwarded to the whole job (SIGUSR1, SIGHUP, SIGQUIT as SIGTERM),
   unless it is a terminal's Ctrl-C, which the job got already; SIGKILL follows `grace_s` later; a second signal kills at once;
-- no progress for the hang timeout (`Hung`, not while the attempt only tears its processes down): SIGTERM,
-  SIGKILL `hang_kill_grace_s` later;
+- no progress for the hang timeout (`Hung`, not while the attempt only tears its processes down, nor once
+  a failed rank or a lost peer is ending it): SIGTERM, SIGKILL `hang_kill_grace_s` later;
 - a peer node's part ended or its supervisor was lost (`PeerLost`): this node's part is ended the same way;
 - a worker failed and the others go on in place (`Continued`, ettr's agent with a resilient job): the attempt is
   over at once, nothing is signalled (its processes carry on into the next attempt);
@@ -198,8 +198,16 @@ class WatchState:
 
     @property
     def watching_hangs(self) -> bool:
-        """Whether a `Hung` would be acted on (the driver need not read the watchdog otherwise)."""
-        return not self.exited and not self.stopping and not self.exiting
+        """Whether a `Hung` would be acted on (the driver need not read the watchdog otherwise): not once
+        the attempt is over or being ended for a cause already known (a failed rank, a lost peer: the
+        silence of its teardown is not a hang, and calling it one would hide the cause)."""
+        return (
+            not self.exited
+            and not self.stopping
+            and not self.exiting
+            and not self.rank_failed
+            and self.peer_reason is None
+        )
 
     @property
     def watching_peers(self) -> bool:
@@ -305,9 +313,16 @@ class AttemptWatch:
                 actions.append(SendSignal(sent))
             # The preemption is known now: what follows (the job's final save or its teardown) comes after
             # its detection, as a failed rank's teardown does (docs/buckets.md, the failure instant).
+            # The signal is the fault too: the TTR's detection part of a preemption is 0, not unknown.
             detected = state.detected_at if state.detected_at is not None else now
+            fault = state.fault_at if state.fault_at is not None else detected
             state = replace(
-                state, forwarded=event.signum, kill_at=now + grace, asked=True, detected_at=detected
+                state,
+                forwarded=event.signum,
+                kill_at=now + grace,
+                asked=True,
+                detected_at=detected,
+                fault_at=fault,
             )
         if event.count >= 2:
             state = replace(state, kill_at=min(state.kill_at, now))  # asked twice: no more grace
