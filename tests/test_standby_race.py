@@ -27,6 +27,7 @@ from ettr.procs import normal_scheduling, tasks
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
 from ettr.supervisor.standby import Standby
+from ettr.supervisor.standby_group import StandbyGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +41,10 @@ if sys.argv[5] == "idle":
 threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
 while warm_file != "-" and not os.path.exists(warm_file):
     time.sleep(0.02)
-os.write(status_fd, b"w")
+try:
+    os.write(status_fd, b"w")
+except BrokenPipeError:  # the supervisor stopped listening (as ettr.bootstrap.standby, it goes on)
+    pass
 with os.fdopen(request_fd, "rb") as pipe:
     raw = pipe.read()
 try:
@@ -121,6 +125,25 @@ def test_a_standby_still_warming_is_promoted_every_thread_and_then_takes_the_att
     assert process.wait(60) == 0
     seen = json.loads(out.read_text())
     assert seen["request"]["argv"] == argv and seen["policies"] == [os.SCHED_OTHER]
+
+
+def test_an_in_place_replacement_takes_its_rank_s_standby_still_warming_or_starts_cold_at_once(
+    tmp_path: Path,
+) -> None:
+    """A rank that died in a restart in place (`StandbyGroup.take_rank`) never waits on a standby at idle
+    priority: its standby still warming is promoted and takes the rank; a rank without one starts cold."""
+    warm_file = tmp_path / "warm"
+    standby, out = _stand_in(tmp_path, warm_file=str(warm_file), idle=False)
+    group = StandbyGroup([standby, None])
+    argv = _attempt(tmp_path)
+    process, how = group.take_rank(0, argv, dict(os.environ))
+    assert process is standby.process and how.path == "promoted" and "still warming" in how.why
+    assert group.standbys == [None, None]  # taken: `fill` starts the rank's next one
+    cold, how = group.take_rank(1, argv, dict(os.environ))
+    assert cold is not standby.process and (how.path, how.why) == ("cold", "no standby for this rank")
+    warm_file.touch()
+    assert process.wait(60) == 0 and cold.wait(60) == 0
+    assert json.loads(out.read_text())["request"]["argv"] == argv
 
 
 def test_a_standby_that_does_not_fit_is_dropped_and_says_why(tmp_path: Path) -> None:
