@@ -236,6 +236,50 @@ def test_an_unmodified_loop_is_recorded(hooked: tuple[Any, Recorder, Any], tmp_p
     assert not hasattr(base.__next__, "__ettr_original__")
 
 
+def test_a_loop_that_updates_its_weights_itself_steps_once_per_backward_pass(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    # pytorch/examples' word_language_model (its default): no optimizer, `p.data.add_(p.grad, alpha=-lr)`,
+    # a per-epoch evaluate() and a torch.save(model) of the best one. It read "ETT 0.0%, init 99.9%".
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+
+    def train_step() -> None:
+        model.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+
+    for _ in range(3):
+        train_step()
+    assert [e.step for e in _events(rec, ledger, {EventKind.STEP})] == [1, 2]  # step 3's waits for its update
+    model.eval()  # the evaluation settles step 3 first, and is one: its parameters hold gradients
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    torch.save(model.state_dict(), tmp_path / "best.pt")
+    model.train()
+    train_step()
+    torch.save(model.state_dict(), tmp_path / "step4.pt")  # a save right after an update holds that step
+
+    events = _events(rec, ledger)
+    steps = [e.step for e in events if e.kind is EventKind.STEP]
+    kinds = [(e.kind, e.phase) for e in events if e.kind in (EventKind.STEP, EventKind.PHASE_BEGIN)]
+    commits = [
+        (e.step, Path(e.data["path"]).name)
+        for e in events
+        if e.kind is EventKind.CHECKPOINT_COMMIT and e.attempt == rec.attempt  # not the fixture's attempt 0
+    ]
+    assert steps == [1, 2, 3, 4]
+    assert kinds.index((EventKind.PHASE_BEGIN, Phase.EVAL)) == 3  # after step 3
+    assert commits == [(3, "best.pt"), (4, "step4.pt")]
+    # Once the script builds an optimizer, its steps count on and backward passes are no steps.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    assert [e.step for e in _events(rec, ledger, {EventKind.STEP})] == [1, 2, 3, 4, 5, 6]
+
+
 def test_explicit_steps_take_precedence_and_a_broken_hook_never_breaks_the_call(
     hooked: tuple[Any, Recorder, Any], tmp_path: Path
 ) -> None:

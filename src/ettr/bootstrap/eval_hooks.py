@@ -1,6 +1,7 @@
 """Zero-code evaluation: an unmodified script's evaluation passes, recorded as EVAL phases.
 
-An evaluation is the trained model (a module holding parameters an optimizer trains) switched to eval mode,
+An evaluation is the trained model (a module holding parameters an optimizer trains; in a process without an
+optimizer, parameters that a backward pass gave gradients) switched to eval mode,
 run forward, and switched back, with no optimizer step in between:
 
   begins   at `module.eval()` on a trained module (`nn.Module.eval` is wrapped: one call per evaluation,
@@ -59,20 +60,26 @@ def _without_hooks(state: dict[str, Any], handle_ids: set[int]) -> dict[str, Any
 
 
 class TrainedModules:
-    """Which modules hold parameters that an optimizer trains (optimizers are registered as they are built)."""
+    """Which modules hold parameters that an optimizer trains (optimizers are registered as they are built).
+    In a process that has built no optimizer (a loop that updates its weights itself), the modules whose
+    parameters hold gradients from a backward pass."""
 
     def __init__(self) -> None:
+        self.num_built = 0  # optimizers built in this process so far
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._key: frozenset[tuple[int, int]] | None = None
         self._param_ids: frozenset[int] = frozenset()
         self._answers: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
     def add(self, optimizer: Any) -> None:
+        self.num_built += 1
         self._optimizers.add(optimizer)
 
     def trains(self, module: Any) -> bool:
         """Whether an optimizer trains any of `module`'s parameters (answers are kept per module until the
         optimizers or their parameter groups change)."""
+        if not self.num_built:  # weights updated by hand: what backward passes gave gradients (not kept)
+            return any(p.grad is not None for p in module.parameters())
         optimizers = list(self._optimizers)
         key = frozenset((id(o), sum(len(g["params"]) for g in o.param_groups)) for o in optimizers)
         if key != self._key:
@@ -119,6 +126,8 @@ class EvalHooks:
         # nn.Module attributes wrapped while an evaluation is open: name -> (original, wrapper)
         self._wrapped: dict[str, Callable[[], None]] = {}  # name -> puts nn.Module's own back (Patcher)
         self._atexit = False
+        # Called at every eval() (AutoHooks: a step of a loop without an optimizer is recorded first).
+        self.before_eval: Callable[[], None] | None = None
 
     # -- installation -----------------------------------------------------------------------------------------
     def install(self, torch: ModuleType) -> None:
@@ -148,6 +157,8 @@ class EvalHooks:
     # -- the evaluation's life ----------------------------------------------------------------------------------
     def evaluating(self, module: Any) -> None:
         """`module.eval()` was called: an evaluation begins if an optimizer trains the module."""
+        if self.before_eval is not None:
+            self.before_eval()  # a step of a loop without an optimizer that waits: recorded before it
         if self.open is not None or self.rec.is_open(Phase.EVAL) or dynamo_is_tracing():
             return
         if module in self._trains_in_eval_mode or not self.trained.trains(module):

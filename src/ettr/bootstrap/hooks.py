@@ -5,7 +5,11 @@ Installed once torch is imported (see `post_import`), each hook wraps one torch 
   optimizer steps   torch.optim's global step post-hook: STEP(n) with n = resumed step + the number of steps
                     of the first optimizer seen; stops once user code calls `ettr.step` itself
   backward          torch.autograd.backward (what Tensor.backward calls): the rank's arrival at its step's
-                    gradient sync, carried by the next STEP (`Recorder.note_arrival`; slow ranks)
+                    gradient sync, carried by the next STEP (`Recorder.note_arrival`; slow ranks); in a process
+                    that has built no optimizer, each backward pass of the main thread is a step of a loop that
+                    updates the weights itself (`p.data.add_(p.grad, alpha=-lr)`, pytorch/examples'
+                    word_language_model), recorded once its update is surely done: when the next backward pass
+                    begins, an evaluation begins (`eval()`), a checkpoint is saved, or the process exits
   process group     torch.distributed.init_process_group -> PROCESS_GROUP_INIT span
   first batch       the first `__next__` of the first DataLoader iterator -> GET_FIRST_BATCH_DATA span,
                     after which the original method is put back (no cost per batch)
@@ -20,6 +24,7 @@ hooks add a few microseconds to the calls they wrap and nothing to any other.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import logging
@@ -77,6 +82,8 @@ class StepCounter:
         self._first: weakref.ref[Any] | None = None
         self.base_step = 0
         self.num_steps = 0
+        self._manual_pending = False  # a step without an optimizer waits for its update (on_manual_update)
+        self._manual_registered = False
 
     def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._rec.explicit_steps:
@@ -87,6 +94,32 @@ class StepCounter:
             return
         self.num_steps += 1
         self._rec.step(self.base_step + self.num_steps, auto=True)
+
+    def on_manual_update(self) -> None:
+        """A backward pass ended in a process that has built no optimizer: the script updates the weights
+        itself, one step per backward pass. Its STEP waits for `settle_manual`, so that the update after the
+        backward pass is done when it is recorded (an injected `crash@step=N` fires after update N, as it
+        does after `optimizer.step()`); an optimizer that steps later counts on from here."""
+        if self._rec.explicit_steps or self._first is not None:
+            return
+        if not self._manual_registered:
+            self._manual_registered = True
+            atexit.register(self.settle_manual)  # the last update before the process ends
+        self._manual_pending = True
+
+    def settle_manual(self) -> None:
+        """The update after the last backward pass is done by now (the next backward pass, an evaluation or a
+        save begins, or the process exits): record its STEP. A no-op unless one waits. Never raises."""
+        if not self._manual_pending:
+            return
+        self._manual_pending = False
+        try:
+            if self._rec.explicit_steps or self._first is not None:
+                return
+            self.num_steps += 1
+            self._rec.step(self.base_step + self.num_steps, auto=True)
+        except Exception as exc:  # an atexit callback or a hook: never the user's problem
+            logger.debug("ettr: manual step not recorded: %s", exc)
 
     def new_generation(self) -> None:
         """A restart in place (`ettr.inplace`): the next generation makes its optimizer anew and resumes
@@ -100,7 +133,9 @@ class StepCounter:
 
     @property
     def current_step(self) -> int:
-        """The global step the training state is at now (what a checkpoint saved now holds)."""
+        """The global step the training state is at now (what a checkpoint saved now holds); a step of a
+        loop without an optimizer that waits is recorded first (the save follows its update)."""
+        self.settle_manual()
         last = self._rec.last_step
         return last if last is not None else self.base_step + self.num_steps
 
@@ -136,6 +171,7 @@ class AutoHooks:
 
         self.checkpoints = CheckpointHooks(self.rec, self.steps, guard=self.guard, patcher=self.patcher)
         self.evals = EvalHooks(self.rec, guard=self.guard, patcher=self.patcher)
+        self.evals.before_eval = self.steps.settle_manual
         self.guard.call("optimizer step", self._install_optimizer_hook, torch)
         self.guard.call("evaluation", self.evals.install, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
@@ -174,6 +210,27 @@ class AutoHooks:
         handle = register(after_step)
         self.patcher.on_undo(handle.remove)
 
+    def _manual_backward(self, *, ended: bool) -> None:
+        """A backward pass of the main thread begins or ends, and no optimizer was ever built in this process:
+        a loop that updates its weights itself. Its begin settles the previous step (StepCounter.settle_manual),
+        its end is a step whose STEP waits (on_manual_update). Never raises (an injected fault still fires)."""
+        try:
+            evals = self.evals
+            if evals is None or evals.trained.num_built or self.rec.explicit_steps:
+                return
+            if threading.current_thread() is not threading.main_thread():
+                return
+            if not ended:
+                self.steps.settle_manual()
+                return
+            if self.checkpoints is not None:
+                self.checkpoints.before_step()
+            if evals.open is not None:  # a backward pass in eval mode: training in eval mode
+                evals.before_step()
+            self.steps.on_manual_update()
+        except Exception as exc:
+            self.guard.failed("backward", exc)
+
     def _install_process_group_hook(self, torch: ModuleType) -> None:
         dist = torch.distributed
         if not dist.is_available():
@@ -199,13 +256,21 @@ class AutoHooks:
 
     def _install_backward_hook(self, torch: ModuleType) -> None:
         # Tensor.backward calls torch.autograd.backward through the module attribute: one wrapper sees both.
-        note = self.rec.note_arrival
+        note, manual = self.rec.note_arrival, self._manual_backward
+        trained = self.evals.trained if self.evals is not None else None
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def backward(*args: Any, **kwargs: Any) -> Any:
-                if not dynamo_is_tracing():
-                    note()
-                return original(*args, **kwargs)
+                if dynamo_is_tracing():
+                    return original(*args, **kwargs)
+                no_optimizer = trained is not None and not trained.num_built  # one test when there is one
+                if no_optimizer:
+                    manual(ended=False)  # the previous step's STEP first: it carries its own arrival
+                note()
+                result = original(*args, **kwargs)
+                if no_optimizer:
+                    manual(ended=True)
+                return result
 
             return backward
 
