@@ -330,4 +330,5 @@ def test_a_cache_dir_that_is_not_a_directory_is_one_line(fleet, tmp_path, capsys
         == 2
     )
     err = capsys.readouterr().err
-    assert err.startswith(f"ettr {cmd}: --cache-dir") and len(err.splitlines()) == 1
+    # the empty path is argparse's to refuse ("argument --cache-dir: an empty path"): the flag is named either way
+    assert err.startswith(f"ettr {cmd}: ") and "--cache-dir" in err and len(err.splitlines()) == 1
