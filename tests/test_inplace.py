@@ -129,6 +129,34 @@ def test_leaving_releases_the_group_unless_something_holds_it() -> None:
     del kept
 
 
+def test_a_module_imported_during_a_generation_does_not_keep_its_group() -> None:
+    # ZeroRedundancyOptimizer's `_broadcast_object(..., group=dist.group.WORLD)`: a default argument taken
+    # when torch.distributed.optim is first imported. TorchRec's set-up imports it inside a generation, and
+    # the group it captured kept the demo's DLRM from restarting in place.
+    import importlib
+
+    import torch.distributed.optim.zero_redundancy_optimizer as zero
+
+    from ettr.inplace.wrapper import IMPORT_BEFORE_FIRST_GROUP
+
+    def generation(index: int) -> None:
+        join(dist.HashStore(), index, rank=0, world_size=1, backend="gloo", timeout_s=30,
+             collective_timeout_s=5, moved_on=lambda g: False)  # fmt: skip
+
+    assert "torch.distributed.optim" in IMPORT_BEFORE_FIRST_GROUP  # imported before the first generation
+    generation(0)
+    from torch.distributed.optim import _apply_optimizer_in_backward  # noqa: F401  (as TorchRec does)
+
+    assert leave("gloo")[1]
+    generation(1)
+    importlib.reload(zero)  # a first import during a generation, as without the wrapper's imports
+    try:
+        assert not leave("gloo")[1]
+    finally:
+        importlib.reload(zero)  # no group now: its default is None again
+    assert zero._broadcast_object.__defaults__[0] is None
+
+
 # -- real jobs ------------------------------------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib
 import logging
 import os
 import re
@@ -147,12 +148,7 @@ class _Runner:
         job_store: JobStore,
         generations: Generations,
     ) -> T:
-        # DistributedDataParallel imports torch._dynamo on first use; imported while a process group exists,
-        # it keeps references to that group for good, so a failed generation's connections would never
-        # close. Import it before the first group forms.
-        import torch._dynamo  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
-
+        import_before_first_group()
         from ettr.runtime import get_recorder
 
         gc.freeze()  # what exists now (imports, the script's set-up) is never scanned by the teardown's collect
@@ -269,6 +265,27 @@ class _Runner:
                 return False
             time.sleep(0.005)
         return True
+
+
+def import_before_first_group() -> None:
+    """Import the modules that keep the default process group of the moment they are imported.
+
+    Imported while a generation's group exists, each holds that group for good, so a failed generation's
+    connections would never close and the rank gives up in place (`InPlaceGaveUp`):
+    - `torch._dynamo`, imported on DistributedDataParallel's first use: ~10 references to the group;
+    - `torch.distributed.optim`: ZeroRedundancyOptimizer's `_broadcast_object` has
+      `group=dist.group.WORLD` as a default argument, evaluated at import. TorchRec's set-up imports it
+      (`_apply_optimizer_in_backward`), so the demo's DLRM gave up in place until it was imported first.
+      (Found with `gc.get_referrers` on the group finding nothing: a function's `__defaults__` tuple
+      holding only untracked objects is itself untracked by the collector; `gc.get_referents` over
+      every tracked object found it.)
+    Imported before the first generation forms, they capture no group (None)."""
+    for name in IMPORT_BEFORE_FIRST_GROUP:
+        importlib.import_module(name)
+
+
+IMPORT_BEFORE_FIRST_GROUP = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.optim")
+"""The modules `import_before_first_group` imports."""
 
 
 class InPlaceGaveUp(RuntimeError):
