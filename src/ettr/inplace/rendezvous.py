@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ettr import torch_compat
+from ettr.inplace import libraries
 
 logger = logging.getLogger("ettr")
 
@@ -109,6 +110,7 @@ def leave(backend: str) -> tuple[float, bool]:
             dist.destroy_process_group()
     except Exception as exc:  # a group already broken by the failure
         logger.debug("ettr: tearing down the process groups: %s", exc)
+    libraries.forget()  # what libraries cached of this generation (TorchRec's groups and its one-time broadcast)
     gc.collect()  # process groups held by the failed generation's objects (DDP's reducer): their sockets close
     released = default is None or sys.getrefcount(default) <= 2  # `default` and getrefcount's own argument
     del default
