@@ -159,6 +159,11 @@ class Side:
     warm_restart: bool = False
     """Restart through ettr's own single-node agent with warm standby workers (interpreter and imports done
     ahead); else every attempt relaunches the real torchrun and its workers cold."""
+    inplace: bool = False
+    """Train under `ettr.resilient` (needs `warm_restart`: ettr's agent): a rank's crash is recovered in
+    place, the surviving rank keeps its process and re-forms the group with the crashed rank's replacement,
+    both restoring the last commit from memory (docs/inplace.md); where that cannot be done the process
+    restart follows."""
 
     def train_args(self, *, publish: bool, work_dir: Path) -> list[str]:
         args = ["--ckpt-mode", self.ckpt_mode]
@@ -170,6 +175,8 @@ class Side:
             args += ["--plan-cache", str(work_dir / "plan-cache")]
         if self.fast_exit:
             args.append("--fast-exit")
+        if self.inplace:
+            args.append("--inplace")
         return [*args, "--publish", self.publish if publish else "none"]
 
 
@@ -188,6 +195,7 @@ OPTIMIZED = Side(
     plan_cache=True,
     fast_exit=True,
     warm_restart=True,
+    inplace=True,
 )
 
 
