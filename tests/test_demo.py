@@ -90,6 +90,7 @@ def test_each_side_gets_the_same_job_and_failures_but_its_own_features(tmp_path)
         "--plan-cache",
         str(tmp_path / "w" / "plan-cache"),
         "--fast-exit",
+        "--inplace",
         "--publish",
         "standalone",
     ]
@@ -434,6 +435,8 @@ def test_ettr_demo_quick_end_to_end(tmp_path):
         assert report.attempts[-1].last_step == demo.QUICK.steps
     assert all(a.lost_steps > 0 for a in baseline.attempts[:2])
     assert optimized.attempts[0].lost_steps == 0, "the optimized run saves when it is preempted"
+    # The crash is recovered in place (the other rank keeps its process); the requeue cannot be.
+    assert [p.kind for p in optimized.ttr_parts] == ["requeue", "in_place"], optimized.ttr_parts
 
     # The margin: in runs here the quick demo's optimized side came out QUICK_MARGIN_POINTS+ points higher.
     assert optimized.ett_pct > baseline.ett_pct + QUICK_MARGIN_POINTS, proc.stdout

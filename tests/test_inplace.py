@@ -157,6 +157,34 @@ def test_a_module_imported_during_a_generation_does_not_keep_its_group() -> None
     assert zero._broadcast_object.__defaults__[0] is None
 
 
+def test_teardown_forgets_what_torchrec_keeps_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The survivor skipped DistributedModelParallel's one-time broadcast that its fresh replacement made,
+    # and the demo's DLRM hung in its second generation: every rank must start it as a fresh process does.
+    import importlib.util
+    import re
+    import types
+
+    from ettr.inplace import libraries
+
+    # The names are the installed TorchRec's (read from its sources: importing it takes seconds).
+    spec = importlib.util.find_spec("torchrec")  # finds it without importing it
+    if spec is None or spec.origin is None:
+        pytest.skip("torchrec is not installed")
+    for module, names in libraries.RESET_AT_TEARDOWN.items():
+        source = Path(spec.origin).parent.joinpath(*module.split(".")[1:]).with_suffix(".py").read_text()
+        for name, initial in names.items():
+            assert re.search(rf"^{name}: .* = {initial}$", source, re.MULTILINE), (module, name)
+
+    validation = types.ModuleType("torchrec.distributed.collective_utils")
+    validation._INITIALIZED = True  # type: ignore[attr-defined]
+    validation._USE_COLLECTIVE_VALIDATION = False  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, validation.__name__, validation)
+    monkeypatch.delitem(sys.modules, "torchrec.distributed.comm", raising=False)  # not imported: left alone
+    assert libraries.forget() == ["torchrec.distributed.collective_utils._INITIALIZED"]
+    assert validation._INITIALIZED is False  # type: ignore[attr-defined]
+    assert libraries.forget() == []
+
+
 # -- real jobs ------------------------------------------------------------------------------------------------
 
 
