@@ -130,10 +130,15 @@ def test_the_gain_at_equal_step_speed_takes_out_what_slower_steps_added():
     assert "the same work: wall 118.5 s instead of 142.5 s (baseline 158.5 s" in text
     assert "ETT 33.8% instead of 44.9%: +8.5 points over the baseline's 25.2%, not +19.7" in text
     assert "11.2 of the +19.7 points came from slower steps" in text
+    assert e.median_step_change_pct == pytest.approx(60.0)
+    assert (
+        "median step time: baseline 1.00 s, optimized 1.60 s (+60.0%: NOT within 5% of the baseline's" in text
+    )
     # The same speed on both sides: the raw gain is the gain.
     same = demo_story.equal_speed(baseline, _report(OPT))
     assert same is not None and same.from_speed_points == pytest.approx(0.0, abs=1e-9)
     assert "none of the gain came from a step-speed difference" in "\n".join(equal_speed_lines(same))
+    assert "(+0.0%: within 5% of the baseline's" in "\n".join(equal_speed_lines(same))
     # Faster optimized steps hide part of the gain instead.
     fast = demo_story.equal_speed(
         baseline, _report(_job(init_s=7.0, compile_s=3.0, blocking_s=0.2, groups=3, step_s=0.5))

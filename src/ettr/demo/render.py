@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ettr.demo.story import Audit, EqualSpeed, FleetScale, Story
+from ettr.demo.story import STEP_SPEED_BOUND_PCT, Audit, EqualSpeed, FleetScale, Story
 from ettr.events import Bucket
 from ettr.report.steptime import fmt_step
 from ettr.report.svg import (
@@ -61,6 +61,7 @@ def equal_speed_lines(e: EqualSpeed | None) -> list[str]:
         part = "none of the gain came from a step-speed difference"
     return [
         "",
+        median_step_line(e),
         f"at equal step speed (the optimized side's {e.num_kept_steps} kept steps at the baseline's "
         f"{fmt_step(e.baseline_step_s)} of effective training a step, not its own {fmt_step(e.optimized_step_s)}; "
         f"{medians}):",
@@ -69,6 +70,21 @@ def equal_speed_lines(e: EqualSpeed | None) -> list[str]:
         f"  ETT {e.ett_at_baseline_pct:.1f}% instead of {e.ett_pct:.1f}%: {e.gain_points:+.1f} points over the "
         f"baseline's {e.baseline_ett_pct:.1f}%, not {e.raw_gain_points:+.1f}; {part}",
     ]
+
+
+def median_step_line(e: EqualSpeed) -> str:
+    """Both sides' median step times and whether the optimized side's is within `STEP_SPEED_BOUND_PCT`."""
+    medians = (
+        f"baseline {fmt_step(e.baseline_median_step_s)}, optimized {fmt_step(e.optimized_median_step_s)}"
+    )
+    change = e.median_step_change_pct
+    if change is None:
+        return f"median step time: {medians}"
+    verdict = "within" if change <= STEP_SPEED_BOUND_PCT else "NOT within"
+    return (
+        f"median step time: {medians} ({change:+.1f}%: {verdict} {STEP_SPEED_BOUND_PCT:g}% of the baseline's; "
+        "the sides run one after the other, so a change of the machine's load between them moves it too)"
+    )
 
 
 # -- text -------------------------------------------------------------------------------------------------
@@ -286,7 +302,7 @@ def _equal_speed_html(e: EqualSpeed | None) -> str:
         f'<p class="note">ETT% is a share of time: slower steps raise it for the same work. The optimized side '
         f"with its {e.num_kept_steps} kept steps at the baseline's pace, every other second as measured.</p>"
         '<table class="story"><tr><th></th><th>optimized, measured</th><th>at the baseline\'s step time</th></tr>'
-        f"{rows}</table><p>{esc(lines[-1].strip())}</p>"
+        f"{rows}</table><p>{esc(median_step_line(e))}</p><p>{esc(lines[-1].strip())}</p>"
     )
 
 

@@ -205,6 +205,20 @@ class EqualSpeed:
         """The part of the raw gain that came from the step-speed difference (positive: slower steps)."""
         return self.raw_gain_points - self.gain_points
 
+    @property
+    def median_step_change_pct(self) -> float | None:
+        """How much longer the optimized side's median step is than the baseline's, in % (None: a side has
+        no median)."""
+        b, o = self.baseline_median_step_s, self.optimized_median_step_s
+        if b is None or o is None or not b > 0:
+            return None
+        return (o / b - 1.0) * 100.0
+
+
+STEP_SPEED_BOUND_PCT = 5.0
+"""The optimized side's median step time is held to within this many % of the baseline's (issue 26.2):
+ettr's own work (async persists, standbys, restores) must not slow the training steps beside it."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Story:
