@@ -174,3 +174,19 @@ def test_bad_multi_node_command_lines_are_one_line_and_status_2(capsys: pytest.C
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert what in err and "\n" not in err and err.startswith("ettr run: ")
+
+
+def test_node_0_opening_after_a_follower_says_nothing_of_continuing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two agents started together: node 1 wrote its node marks first, and node 0 said "continuing job m1
+    # (attempt 0)" of a job that had just begun. A requeue (an earlier SUPERVISOR_START) still says so.
+    from ettr.supervisor.books import JobBooks
+
+    config = RunConfig(command=("python", "t.py"))
+    ledger = MemoryLedger([peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=3.0)])
+    assert JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger).open() == 0
+    assert "continuing job" not in capsys.readouterr().err
+    ledger = MemoryLedger([_sup(EventKind.SUPERVISOR_START, 0, 1.0), _sup(EventKind.ATTEMPT_START, 0, 2.0)])
+    JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger).open()
+    assert "continuing job j" in capsys.readouterr().err

@@ -142,7 +142,7 @@ class JobBooks:
             say(f"could not record the job's start in {self.run_dir} ({describe_os_error(exc)})")
         if closing:
             say(f"closed {len(closing)} attempt(s) a killed supervisor left open in {self.run_dir}")
-        if previous:
+        if any(e.kind is EventKind.SUPERVISOR_START for e in previous):  # not just another node's marks
             say(f"continuing job {self.job_id} in {self.run_dir} (attempt {first_attempt})")
         return first_attempt
 
