@@ -9,8 +9,9 @@ The kinds of work, each as ettr does it in a training job:
 - `standby`: the supervisor's warm standby (`Standby.start`: `python -m ettr.bootstrap.standby`, its
   interpreter start-up and `import torch`), started anew as soon as one is warm.
 - `compile_store`: compile-store saves (`CompileStore.save` of new files, on a background thread at the
-  lower priority `CompileSession` gives its settle saves), one after the other; `compile_store_unlowered`:
-  the same at training's priority (how the saves ran before), for comparison.
+  lower priority `CompileSession` gives its settle saves: `ettr.compile.save.lower_save_thread`), one after
+  the other; `compile_store_unlowered`: the same at training's priority, and `compile_store_nice10` (only
+  with `--kinds`) at nice +10, the settle thread's priority before, for comparison.
 - `ledger`: the Recorder into the run's SQLite ledger: a STEP and a phase span every step, the writer thread
   flushing as usual (the quiet windows record nothing).
 
@@ -44,6 +45,7 @@ import torch
 
 from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, PersistMode, TrainState
 from ettr.compile.key import StoreKey
+from ettr.compile.save import SETTLE_NICE_STEP, lower_save_thread
 from ettr.compile.store import CompileStore, StoreConfig
 from ettr.events import Phase
 from ettr.ledger import open_ledger
@@ -51,7 +53,16 @@ from ettr.procs import lower_this_thread
 from ettr.recorder import Recorder
 from ettr.supervisor.standby import Standby
 
-KINDS = ("persist_thread", "persist_process", "standby", "compile_store", "compile_store_unlowered", "ledger")
+KINDS = (
+    "persist_thread",
+    "persist_process",
+    "standby",
+    "compile_store",
+    "compile_store_unlowered",
+    "ledger",
+    "compile_store_nice10",
+)
+DEFAULT_KINDS = KINDS[:-1]
 TARGET = 1.05
 """Issue 26 item 2: ettr's work slows the steps beside it by at most 5%."""
 
@@ -136,16 +147,18 @@ class StandbyWork(Work):
 class CompileSave(Work):
     """Saves on a background thread, one after the other, as `CompileSession` does after compiling."""
 
-    def __init__(self, workdir: str, entry_mib: int, *, lowered: bool) -> None:
-        self.lowered = lowered
+    def __init__(self, workdir: str, entry_mib: int, *, nice_step: int | None) -> None:
+        self.nice_step = nice_step
         self.store = CompileStore.open(StoreConfig(location=os.path.join(workdir, "store"), max_bytes=2**34))
         self.block = os.urandom(entry_mib * 2**20 // 8)
         self.thread: threading.Thread | None = None
         self.num_saves = 0
 
     def _save(self, index: int) -> None:
-        if self.lowered:
-            lower_this_thread()  # as CompileSession's background thread does
+        if self.nice_step == SETTLE_NICE_STEP:
+            lower_save_thread()  # as CompileSession's settle thread does
+        elif self.nice_step is not None:
+            lower_this_thread(nice_step=self.nice_step)
         key = StoreKey(
             torch_version="t",
             python_version="p",
@@ -234,8 +247,9 @@ def _make(kind: str, workdir: str, state_mib: int) -> Work:
         return Persist(PersistMode.PROCESS, workdir, state_mib)
     if kind == "standby":
         return StandbyWork(workdir)
-    if kind in ("compile_store", "compile_store_unlowered"):
-        return CompileSave(os.path.join(workdir, kind), state_mib, lowered=kind == "compile_store")
+    if kind.startswith("compile_store"):
+        nice_step = {"compile_store": SETTLE_NICE_STEP, "compile_store_nice10": 10}.get(kind)
+        return CompileSave(os.path.join(workdir, kind), state_mib, nice_step=nice_step)
     return LedgerWork(workdir)
 
 
@@ -257,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--width", type=int, default=512, help="the trained MLP's width (default 512)")
     parser.add_argument(
-        "--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}"
+        "--kinds",
+        default=",".join(DEFAULT_KINDS),
+        help=f"comma-separated subset of {','.join(KINDS)} (default: all but the last)",
     )
     args = parser.parse_args(argv)
     if args.quick:

@@ -310,3 +310,49 @@ def test_ranks_restoring_into_one_directory_take_turns(tmp_path):
     with artifacts.restore_lock(tmp_path / "a-file" / "x", timeout_s=0.1):  # no place for a lock: goes on
         order.append("unlocked")
     assert order[-1] == "unlocked"
+
+
+def test_the_settle_save_runs_as_nice_as_a_thread_gets_and_the_exit_raises_it_back(node, tmp_path):
+    # On a busy node the settle save takes only what training leaves (nice +19: a fifteenth of nice +10's
+    # weight beside a training thread); a process that exits while it runs does not wait behind a save the node
+    # gives almost no CPU: close gives the thread its priority back first, where the process may.
+    import os
+    import threading
+    import time
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    if own >= 19:
+        pytest.skip("already at the lowest CPU priority")
+    node("n")
+    session, rec = _session(CompileStore(MemoryBackend()), tmp_path, settle_s=0.0)
+    seen: dict[str, int] = {}
+    in_save, release = threading.Event(), threading.Event()
+
+    def save(*, reason: str = "explicit") -> bool:
+        tid = threading.get_native_id()
+        seen["during"] = os.getpriority(os.PRIO_PROCESS, tid)
+        in_save.set()
+        release.wait(60)
+        seen["at_close"] = os.getpriority(os.PRIO_PROCESS, tid)
+        return False
+
+    session.save = save  # type: ignore[method-assign]
+    record = CompileRecord(
+        begin_ts=1.0, end_ts=2.0, compile_id="0/0", trigger="dynamo", recompile_reason=None
+    )
+    session.hooks.last_end_ts = record.end_ts
+    session._after_compile(record)
+    assert in_save.wait(60), "the settle save did not start"
+    assert seen["during"] == 19
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own  # the training thread keeps its priority
+    closer = threading.Thread(target=session.close)
+    closer.start()
+    tid = session._thread_nice[0]
+    privileged = os.geteuid() == 0
+    deadline = time.monotonic() + 60
+    while privileged and os.getpriority(os.PRIO_PROCESS, tid) != own and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    closer.join(60)
+    rec.close()
+    assert seen["at_close"] == (own if privileged else 19)

@@ -307,3 +307,103 @@ def test_the_headers_key_is_the_build_without_the_workload():
     a, b = _key("model-a"), _key("model-b")
     assert a.headers_key() == b.headers_key() and a.headers_key().digest != a.digest
     assert _key(torch_version="2.12.0").headers_key() != a.headers_key()
+
+
+def _counting_reads(monkeypatch) -> list[str]:
+    """The files the store reads from disk from now on (their names)."""
+    from ettr.compile import store as store_module
+
+    read = store_module.read_no_follow_stat
+    names: list[str] = []
+
+    def counted(path):
+        names.append(path.name)
+        return read(path)
+
+    monkeypatch.setattr(store_module, "read_no_follow_stat", counted)
+    return names
+
+
+def test_a_later_save_reads_no_unchanged_file_again(tmp_path, monkeypatch):
+    # The exit save after the settle save, a save after a recompile: inductor's cache directory again, where
+    # only new kernels are new. Files hashed once (and not changed since) are neither read nor hashed again.
+    from ettr.compile import store as store_module
+
+    monkeypatch.setattr(store_module, "RACY_S", 0.0)  # these files were written a moment ago
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name in ("a.so", "b.py", "c.py"):
+        (cache / name).write_bytes(name.encode() * 1000)
+    store = CompileStore(LocalBackend(tmp_path / "store"))
+    reads = _counting_reads(monkeypatch)
+    store.save(_key(), {"inductor_cache": artifacts.tree(cache)})
+    assert sorted(reads) == ["a.so", "b.py", "c.py"]
+    reads.clear()
+    (cache / "d.so").write_bytes(b"new kernel")  # a recompile's kernel
+    (cache / "b.py").write_bytes(b"grown " * 2000)  # changed in place
+    (cache / "c.tmp").write_bytes(b"x")
+    (cache / "c.py").unlink()
+    (cache / "c.tmp").rename(cache / "c.py")  # replaced by rename: another file
+    result = store.save(_key(), {"inductor_cache": artifacts.tree(cache)})
+    assert sorted(reads) == ["b.py", "c.py", "d.so"]
+    assert _files(store, _key()) == {
+        "inductor_cache": {rel: (cache / rel).read_bytes() for rel in ("a.so", "b.py", "c.py", "d.so")}
+    }
+    assert result.num_files == 4
+    reads.clear()
+    store.save(_key("other"), {"inductor_cache": artifacts.tree(cache)})  # the same files, another entry
+    assert reads == []
+    entry = store.head(_key("other"))
+    assert (
+        entry is not None
+        and entry.artifacts["inductor_cache"]["a.so"].mode == (cache / "a.so").stat().st_mode & 0o7777
+    )
+
+
+def test_a_known_file_whose_stored_copy_is_gone_is_stored_again(tmp_path, monkeypatch):
+    from ettr.compile import store as store_module
+
+    monkeypatch.setattr(store_module, "RACY_S", 0.0)
+    (tmp_path / "k.so").write_bytes(b"kernel" * 100)
+    store = CompileStore(LocalBackend(tmp_path / "store"))
+    store.save(_key(), {"c": {"k.so": tmp_path / "k.so"}})
+    stored = store.head(_key()).artifacts["c"]["k.so"]
+    store.backend.delete(blob_path(stored.sha256, compressed=False))  # evicted meanwhile
+    reads = _counting_reads(monkeypatch)
+    store.save(_key("again"), {"c": {"k.so": tmp_path / "k.so"}})
+    assert reads == ["k.so"]
+    assert _files(store, _key("again")) == {"c": {"k.so": b"kernel" * 100}}
+
+
+def test_a_file_changed_shortly_before_its_hashing_is_hashed_again(tmp_path, monkeypatch):
+    # A write within the same tick of the file system's coarse timestamps leaves size, mtime and ctime as they
+    # were: a file whose status changed less than RACY_S before it was read is never trusted unread.
+    (tmp_path / "k.so").write_bytes(b"kernel" * 100)
+    store = CompileStore(LocalBackend(tmp_path / "store"))
+    reads = _counting_reads(monkeypatch)
+    store.save(_key(), {"c": {"k.so": tmp_path / "k.so"}})
+    store.save(_key(), {"c": {"k.so": tmp_path / "k.so"}})
+    assert reads == ["k.so", "k.so"]
+
+
+def test_a_save_soon_after_an_eviction_pass_skips_its_own_while_the_store_has_room():
+    # Each pass reads every manifest and lists every stored file: in a big store most of a small save's CPU.
+    class Listing(MemoryBackend):
+        num_passes = 0
+
+        def list(self, prefix: str) -> list[str]:
+            if prefix == "":
+                Listing.num_passes += 1
+            return super().list(prefix)
+
+    store = CompileStore(Listing(), max_bytes=1000)
+    store.save(_key("a"), {"c": {"k": b"a" * 100}})
+    assert Listing.num_passes == 1  # the first save of a store always evicts
+    store.save(_key("b"), {"c": {"k": b"b" * 100}})
+    assert Listing.num_passes == 1  # 200 bytes of 1000: room
+    store.save(_key("b"), {"c": {"k": b"B" * 100}})
+    assert Listing.num_passes == 2  # replaced an entry: its old file is unnamed now
+    assert len(_blob_paths(store.backend)) == 2
+    store.save(_key("c"), {"c": {"k": b"c" * 850}})  # past the bound: the pass runs and evicts
+    assert Listing.num_passes == 3
+    assert store.head(_key("a")) is None and store.head(_key("c")) is not None

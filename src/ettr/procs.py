@@ -277,29 +277,30 @@ _IOPRIO_CLASS_SHIFT = 13
 _LOWEST_BE_LEVEL = 7
 
 
-def lower_priority(pid: int, *, whole_process: bool = False) -> bool:
-    """Lower the CPU and I/O priority of task `pid` (every task of process `pid` with `whole_process`).
-    Returns whether the CPU priority was lowered for at least one task."""
+def lower_priority(pid: int, *, whole_process: bool = False, nice_step: int = NICE_STEP) -> bool:
+    """Lower the CPU priority of task `pid` by `nice_step` (every task of process `pid` with `whole_process`)
+    and its I/O priority to the lowest best-effort level. Returns whether the CPU priority was lowered for
+    at least one task."""
     tids = tasks(pid) if whole_process else [pid]
     lowered = False
     for tid in tids:
-        lowered = _nice(tid) or lowered
+        lowered = _nice(tid, nice_step) or lowered
         _ioprio_lowest(tid)
     return lowered
 
 
-def lower_this_thread() -> bool:
+def lower_this_thread(*, nice_step: int = NICE_STEP) -> bool:
     """Lower the priority of the calling thread only (Linux: nice and ioprio are per thread)."""
-    return lower_priority(threading.get_native_id())
+    return lower_priority(threading.get_native_id(), nice_step=nice_step)
 
 
-def _nice(tid: int) -> bool:
+def _nice(tid: int, nice_step: int = NICE_STEP) -> bool:
     if not hasattr(os, "setpriority"):
         _logger.debug("ettr: no os.setpriority here; background work keeps training's CPU priority")
         return False
     try:
         current = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, current + NICE_STEP))
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, current + nice_step))
         return True
     except OSError as exc:
         _logger.debug("ettr: cannot lower the CPU priority of task %d (%s)", tid, exc)

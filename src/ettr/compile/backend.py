@@ -108,9 +108,8 @@ class LocalBackend:
         if not prefix and self.root.exists():
             self._safe("x")  # the root's own check
         try:
-            return sorted(
-                p.name for p in folder.iterdir() if not p.name.startswith(".") and not p.is_symlink()
-            )
+            with os.scandir(folder) as found:  # the directory's own entry types: no stat per name
+                return sorted(e.name for e in found if not e.name.startswith(".") and not e.is_symlink())
         except (FileNotFoundError, NotADirectoryError):
             return []
 

@@ -29,10 +29,9 @@ from ettr.compile.config import CompileConfig, default_user_key, pgo_job_id
 from ettr.compile.hooks import CompileHooks, CompileRecord
 from ettr.compile.key import StoreKey, current_key
 from ettr.compile.restore import STORE_MARK, EntryView, StoreRestorer
-from ettr.compile.save import StoreSaver
+from ettr.compile.save import StoreSaver, lower_save_thread, raise_save_thread
 from ettr.compile.store import CompileStore, StoreConfig
 from ettr.events import EventKind
-from ettr.procs import lower_this_thread
 from ettr.recorder import RecorderProtocol
 
 logger = logging.getLogger("ettr")
@@ -67,6 +66,8 @@ class CompileSession:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._thread_nice: tuple[int, int] | None = None
+        """The settle thread's (native id, nice value before it was lowered)."""
         self._closed = False
         self._prepared = False
         self._pending_marks: list[tuple[float, dict[str, Any]]] = []
@@ -134,6 +135,8 @@ class CompileSession:
         self._closed = True
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
+            if self._thread_nice is not None and self._thread.is_alive():
+                raise_save_thread(*self._thread_nice)  # the exit waits on it: no longer background work
             self._thread.join(timeout=60.0)
         self._emit()
         if self.config.save_at_exit and self._dirty:
@@ -222,10 +225,13 @@ class CompileSession:
             self._emit()
 
     def _background(self) -> None:
-        # The settle save (hashing, writing the store's files) runs nicer than training, with the lowest
-        # best-effort I/O priority, as the async persist does: on a busy node it takes the cores training
-        # leaves. The exit save runs on the closing thread, at its priority.
-        lower_this_thread()
+        # The settle save (hashing, writing the store's files) runs as nice as a thread gets, with the lowest
+        # best-effort I/O priority: on a busy node it takes the cores training leaves. Nothing waits for it
+        # (no restart restores from a save in flight) until `close`, which gives its priority back where it
+        # may. The exit save runs on the closing thread, at its priority.
+        before = lower_save_thread()
+        if before is not None:
+            self._thread_nice = (threading.get_native_id(), before)
         while not self._closed:
             self._wake.wait(0.5)
             self._wake.clear()

@@ -14,9 +14,10 @@ Layout under the store root (any `StoreBackend`):
 An entry exists once its manifest does. Blobs are immutable: a save writes the blobs it needs that are
 missing — each atomically under its final name, so two writers of one blob write the same bytes — and
 then its manifest (an atomic replace: of two concurrent saves of one key, the last one's entry is the
-entry, whole). Only eviction deletes: least recently used entries (manifest first) until the store fits
-`max_bytes`, counting each blob once however many entries share it; then blobs no remaining manifest
-names — on a local store only while no save or restore holds the lock, on a store without locks only
+entry, whole). Only eviction deletes, after a save (one that replaced no entry skips it when this store's
+last pass was under a minute ago and left room, `EVICT_EVERY_S`): least recently used entries (manifest
+first) until the store fits `max_bytes`, counting each blob once however many entries share it; then blobs
+no remaining manifest names — on a local store only while no save or restore holds the lock, on a store without locks only
 when older than `UNREFERENCED_GRACE_S`. A manifest that cannot be parsed never stops that: it is garbage,
 removed on the way.
 
@@ -28,12 +29,16 @@ are compiled code, so anything that does not verify is refused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
 import logging
 import math
+import os
 import re
+import stat
+import threading
 import time
 import zlib
 from collections.abc import Iterator, Mapping
@@ -55,6 +60,11 @@ BLOBS = "blobs"
 UNREFERENCED_GRACE_S = 3600.0
 """On a store without locks (an object store), a blob no manifest names is deleted only when older than
 this: a save in flight may have written it and not yet its manifest."""
+
+EVICT_EVERY_S = 60.0
+EVICT_HEADROOM = 0.9
+"""A save skips its eviction pass when this store's last one was less than `EVICT_EVERY_S` ago and the store,
+by that pass and this store's saves since, stays below `EVICT_HEADROOM` x `max_bytes` (`CompileStore._room_for`)."""
 
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -208,6 +218,16 @@ class CompileStore:
         self.backend = backend
         self.max_bytes = max_bytes
         self._secret = secret
+        self._known = KnownFiles()
+        self._stored_bytes: int | None = None
+        """What the store held after this store's last eviction pass, plus what its saves wrote since."""
+        self._evicted_at = 0.0
+        self._lock = threading.Lock()
+        self._manifests: dict[str, tuple[bytes, dict[str, Any]]] = {}
+        """digest -> (a manifest's bytes, parsed and verified): a save's eviction lists every entry, and
+        parses only those that changed since."""
+        self._infos: dict[str, tuple[dict[str, Any], EntryInfo]] = {}
+        """digest -> (the parsed manifest, its entry's listing, used_ts aside)."""
 
     @classmethod
     def open(cls, config: StoreConfig) -> CompileStore:
@@ -239,13 +259,18 @@ class CompileStore:
                         if self.missing({rel: source}):
                             raise EntryRefused(f"{name}/{rel}: its stored file is missing")
                         sha, size, mode, mtime = source.sha256, source.size, source.mode, source.mtime
+                    elif (known := self._known_blob(source)) is not None:
+                        sha, size, mode, mtime = known  # hashed by an earlier save, unchanged, still stored
                     else:
-                        data, mode, mtime = _read_source(source)
+                        hashed_at = time.time()
+                        data, mode, mtime, st = _read_source(source)
                         sha, size = hashlib.sha256(data).hexdigest(), len(data)
                         if self._put_blob(sha, data):
                             written += size
                             num_written += 1
                         del data
+                        if st is not None:
+                            self._known.remember(st, sha, hashed_at=hashed_at)
                     files[rel] = {"sha256": sha, "size": size, "mode": mode, "mtime": mtime}
                     total += size
                     num_files += 1
@@ -261,12 +286,28 @@ class CompileStore:
             }
             if self._secret is not None:
                 manifest["hmac"] = hmac.new(self._secret, _canonical(manifest), hashlib.sha256).hexdigest()
+            replaced = self.backend.exists(f"{key.digest}/{MANIFEST}")
             self.backend.write(f"{key.digest}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
             self._touch(key.digest, now)
-        self.evict(keep=key.digest)
+        if replaced or not self._room_for(written):  # a replaced entry's own files may be unnamed now
+            self.evict(keep=key.digest)
         return SaveResult(
             entry_bytes=total, num_files=num_files, written_bytes=written, num_written=num_written
         )
+
+    def _known_blob(self, source: FileSource) -> tuple[str, int, int, float] | None:
+        """(sha256, size, mode, mtime) of a file an earlier save of this store hashed and that has not changed
+        since (`KnownFiles`), when its blob is still stored; None: read and hash it."""
+        if not isinstance(source, Path):
+            return None
+        try:
+            st = os.lstat(source)
+        except OSError:
+            return None  # the read says why
+        sha = self._known.lookup(st)
+        if sha is None or not self.backend.exists(blob_path(sha, compressed=self.backend.compress)):
+            return None
+        return sha, st.st_size, st.st_mode & 0o7777, st.st_mtime
 
     def _put_blob(self, sha: str, data: bytes) -> bool:
         """Store `data` as blob `sha` unless the store holds it; whether it was written."""
@@ -323,6 +364,16 @@ class CompileStore:
             raw = self.backend.read(f"{digest}/{MANIFEST}")
         except FileNotFoundError:
             return None
+        with self._lock:
+            known = self._manifests.get(digest)
+        if known is not None and known[0] == raw:
+            return known[1]  # the same bytes, parsed, checked and verified before
+        manifest = self._parse_manifest(digest, raw)
+        with self._lock:
+            self._manifests[digest] = (raw, manifest)
+        return manifest
+
+    def _parse_manifest(self, digest: str, raw: bytes) -> dict[str, Any]:
         try:
             manifest = json.loads(raw)
             _check_manifest(manifest, digest)
@@ -349,29 +400,31 @@ class CompileStore:
         of those whose manifest cannot be parsed are appended to `unreadable`). Never raises for one
         entry."""
         infos = []
-        for digest in self._digests():
+        digests = self._digests()
+        with self._lock:  # forget what is gone
+            for cache in (self._manifests, self._infos):
+                for gone in set(cache) - set(digests):
+                    del cache[gone]
+        for digest in digests:
             try:
                 manifest = self._manifest(digest)
                 if manifest is None:
                     continue
-                entry = _entry(digest, manifest)
+                with self._lock:
+                    known = self._infos.get(digest)
+                if known is not None and known[0] is manifest:
+                    info = known[1]
+                else:
+                    info = _listing(digest, manifest)
+                    with self._lock:
+                        self._infos[digest] = (manifest, info)
                 try:
                     used_ts = float(self.backend.read(f"{digest}/{USED}"))
                     if not math.isfinite(used_ts):
                         raise ValueError("not finite")
                 except (OSError, ValueError):
-                    used_ts = entry.created_ts
-                blobs = {f.sha256: f.size for tree in entry.artifacts.values() for f in tree.values()}
-                infos.append(
-                    EntryInfo(
-                        digest=digest,
-                        size_bytes=entry.size_bytes,
-                        used_ts=used_ts,
-                        created_ts=entry.created_ts,
-                        user_key=str(manifest["key"].get("user_key", "")),
-                        blobs=blobs,
-                    )
-                )
+                    used_ts = info.created_ts
+                infos.append(dataclasses.replace(info, used_ts=used_ts))
             except EntryUnreadable:
                 if unreadable is not None:
                     unreadable.append(digest)
@@ -391,6 +444,19 @@ class CompileStore:
             entries_bytes=sum(i.size_bytes for i in infos),
             stored_bytes=sum(stored.values()),
         )
+
+    def _room_for(self, num_bytes: int) -> bool:
+        """Whether a save that wrote `num_bytes` of new files may skip its eviction pass: this store's last
+        pass (which reads every manifest and lists every stored file: most of a small save's CPU in a big
+        store) was less than `EVICT_EVERY_S` ago and, counting what its saves wrote since, the store stays
+        below `EVICT_HEADROOM` of `max_bytes`. Other processes' saves evict after themselves."""
+        with self._lock:
+            if self._stored_bytes is None or time.monotonic() - self._evicted_at >= EVICT_EVERY_S:
+                return False
+            if self._stored_bytes + num_bytes > EVICT_HEADROOM * self.max_bytes:
+                return False
+            self._stored_bytes += num_bytes
+            return True
 
     def evict(self, *, keep: str | None = None) -> list[str]:
         """Delete least recently used entries until the store (each file once) fits `max_bytes` (never
@@ -425,6 +491,8 @@ class CompileStore:
                         total -= sizes[sha]
             live = {sha for sha, count in counts.items() if count > 0}
             self._collect_garbage(live, locked=held is True)
+            with self._lock:
+                self._stored_bytes, self._evicted_at = total, time.monotonic()
             return evicted
 
     def _collect_garbage(self, live: set[str], *, locked: bool) -> None:
@@ -463,14 +531,61 @@ class CompileStore:
         self.backend.delete(digest)
 
 
-def _read_source(source: FileSource) -> tuple[bytes, int, float]:
-    """(bytes, permission bits, mtime) of a file to save."""
+def _read_source(source: FileSource) -> tuple[bytes, int, float, os.stat_result | None]:
+    """(bytes, permission bits, mtime, the file's stat taken before it was read) of a file to save."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source), 0o644, 0.0
+        return bytes(source), 0o644, 0.0, None
     if not isinstance(source, Path):
         raise TypeError(f"cannot save a {type(source).__name__} as a file")
     data, st = read_no_follow_stat(source)
-    return data, st.st_mode & 0o7777, st.st_mtime
+    return data, st.st_mode & 0o7777, st.st_mtime, st
+
+
+RACY_S = 2.0
+"""A file whose status changed less than this before it was hashed is not remembered: a change within the same
+tick of its file system's coarse timestamps would leave its stat as it was (git's "racy" index entries)."""
+
+
+class KnownFiles:
+    """The files a store's saves hashed, by identity: (device, inode) -> (size, mtime, ctime in ns, SHA-256).
+
+    A later save of the same unchanged file (the exit save after the settle save, a save after a recompile:
+    inductor's cache directory again, of which only the new kernels are new) takes its SHA-256 from here
+    instead of reading and hashing it again. Any write to a file, in place or by rename, changes its ctime
+    or its inode, so a file whose stat is as remembered has the bytes that were hashed, provided its ctime
+    lay `RACY_S` before the hashing began (otherwise it is hashed again next time). A blob that is missing
+    by then (evicted) is read and written again. Thread-safe; bounded to `max_files` (oldest forgotten)."""
+
+    def __init__(self, *, max_files: int = 100_000) -> None:
+        self._files: dict[tuple[int, int], tuple[int, int, int, str]] = {}
+        self._max_files = max_files
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _state(st: os.stat_result) -> tuple[int, int, int]:
+        return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+    def remember(self, st: os.stat_result, sha256: str, *, hashed_at: float) -> bool:
+        """Remember that the file of stat `st` (taken before its read began at `hashed_at`) has content
+        `sha256`, unless it changed too shortly before; whether it was remembered."""
+        if not stat.S_ISREG(st.st_mode) or st.st_ctime_ns > (hashed_at - RACY_S) * 1e9:
+            return False
+        with self._lock:
+            self._files.pop((st.st_dev, st.st_ino), None)
+            while len(self._files) >= self._max_files:
+                del self._files[next(iter(self._files))]
+            self._files[(st.st_dev, st.st_ino)] = (*self._state(st), sha256)
+        return True
+
+    def lookup(self, st: os.stat_result) -> str | None:
+        """The SHA-256 of the file of stat `st` when it is as remembered; None otherwise."""
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        with self._lock:
+            known = self._files.get((st.st_dev, st.st_ino))
+        if known is None or known[:3] != self._state(st):
+            return None
+        return known[3]
 
 
 def _gunzip(data: bytes, size: int) -> bytes:
@@ -517,6 +632,19 @@ def _check_manifest(manifest: Any, digest: str) -> None:
                 raise ValueError("bad size or mode")
             if type(mtime) not in (int, float) or not math.isfinite(mtime):
                 raise ValueError("bad mtime")
+
+
+def _listing(digest: str, manifest: Mapping[str, Any]) -> EntryInfo:
+    """An entry's listing for eviction and reports (its `used_ts`: its creation)."""
+    entry = _entry(digest, manifest)
+    return EntryInfo(
+        digest=digest,
+        size_bytes=entry.size_bytes,
+        used_ts=entry.created_ts,
+        created_ts=entry.created_ts,
+        user_key=str(manifest["key"].get("user_key", "")),
+        blobs={f.sha256: f.size for tree in entry.artifacts.values() for f in tree.values()},
+    )
 
 
 def _entry(digest: str, manifest: Mapping[str, Any]) -> StoreEntry:
