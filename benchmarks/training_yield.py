@@ -23,7 +23,7 @@ Issue 26 item 2 asks for at most 1.05 on a busy node.
 
 `--json` ends with one object: `slowdown` (per kind), `quiet_step_s` and `busy_step_s` (medians per kind),
 `num_busy_steps` (per kind), `within_5pct` (per kind, true when slowdown <= 1.05), `worst` (the highest
-slowdown), `burners`, `quick`, `config`. `--quick`: 2 rounds of 12 steps per kind, a 16 MiB state, a 128-wide MLP.
+slowdown), `burners`, `quick`, `config`. `--quick`: 1 round of 6 steps per kind, a 16 MiB state, a 128-wide MLP.
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps, args.state_mib, args.width = 2, 12, 16, 128
+        args.rounds, args.steps, args.state_mib, args.width = 1, 6, 16, 128
     kinds = [k for k in args.kinds.split(",") if k]
     if (
         args.rounds < 1
