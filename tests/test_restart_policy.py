@@ -129,6 +129,17 @@ def test_back_off_follows_the_cause() -> None:
         ({"outcome": "failed", "signal": "SIGKILL", "oom": True}, True, Cause.INFRA, Detail.OOM_KILLED),
         ({"outcome": "failed", "signal": "SIGKILL"}, True, Cause.INFRA, Detail.PROCESS_LOST),
         ({"outcome": "failed", "exception": "DistBackendError"}, True, Cause.INFRA, Detail.COLLECTIVE),
+        (  # rank 0 SIGKILLed (an OOM-like kill): rank 1's connection error is its consequence
+            {
+                "outcome": "failed",
+                "signal": "SIGKILL",
+                "reason": "killed by SIGKILL (rank 0)",
+                "process_failure": {"exception": "DistBackendError", "message": "Connection reset by peer"},
+            },
+            True,
+            Cause.INFRA,
+            Detail.PROCESS_LOST,
+        ),
         (
             {"outcome": "failed", "stderr_tail": ["Watchdog caught collective operation timeout"]},
             True,

@@ -12,13 +12,14 @@ detail (what happened: the closed `Detail` set). The rules, first match wins:
 | 1 | outcome `preempted` (SIGTERM/SIGINT from the supervisor, a scheduler, an operator) | preemption | preempted     |
 | 2 | outcome `hung` (the watchdog saw no progress within the bound for its phase)  | hang       | hung               |
 | 3 | SIGKILL while the cgroup's `oom_kill` counter rose (the kernel's OOM killer)   | infra      | oom_killed         |
-| 4 | a collective / rendezvous / store timeout or error, NCCL/gloo, a peer's reset | infra      | collective         |
-| 5 | ECC, Xid, NVLink errors in the output                                         | infra      | hardware           |
-| 6 | its supervisor, or a peer node's, was lost while it ran (closed from the ledger) | infra | node_lost          |
-| 7 | death by another signal (SIGKILL, SIGBUS, SIGSEGV, ...: the system, native code) | infra   | process_lost       |
-| 8 | it failed before its first step (cannot start, an exception or exit status at start-up) | user | startup     |
-| 9 | a Python exception in the training code (CUDA out-of-memory raised to the script too) | user | exception    |
-| 10| anything else (a bare non-zero exit status after training, no end recorded)   | unknown    | unknown            |
+| 4 | any other SIGKILL of the failed process (from outside: what its peers then say of the broken connection is its consequence) | infra | process_lost |
+| 5 | a collective / rendezvous / store timeout or error, NCCL/gloo, a peer's reset | infra      | collective         |
+| 6 | ECC, Xid, NVLink errors in the output                                         | infra      | hardware           |
+| 7 | its supervisor, or a peer node's, was lost while it ran (closed from the ledger) | infra | node_lost          |
+| 8 | death by another signal (SIGBUS, SIGSEGV, SIGABRT, ...: the system, native code) | infra   | process_lost       |
+| 9 | it failed before its first step (cannot start, an exception or exit status at start-up) | user | startup     |
+| 10| a Python exception in the training code (CUDA out-of-memory raised to the script too) | user | exception    |
+| 11| anything else (a bare non-zero exit status after training, no end recorded)   | unknown    | unknown            |
 
 A SIGKILL whose cgroup counter did not rise (or cannot be read: no cgroup v2, a container without
 `memory.events`) is `process_lost`, never guessed to be an OOM kill: the evidence says which, in words.
@@ -131,6 +132,10 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
         return Diagnosis(
             cause=Cause.INFRA, detail=Detail.OOM_KILLED, evidence=f"OOM-killed by the kernel ({what})"
         )
+    if sig == "SIGKILL":
+        # A 2-rank DDP job whose rank 0 was SIGKILLed read `collective`: rank 1's "Connection reset by peer"
+        # (its FAILURE, the first any rank recorded) matched first. The kill is the failure.
+        return _killed(reason, sig)
     process = failure.get("process_failure")
     process_exc = _text(process.get("exception")) if isinstance(process, Mapping) else ""
     exception = _text(failure.get("exception")) or process_exc
@@ -160,12 +165,7 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
     if _SUPERVISOR_LOST in reason and not sig:
         return Diagnosis(cause=Cause.INFRA, detail=Detail.NODE_LOST, evidence=reason)
     if sig:
-        what = reason if reason.startswith("killed by") else f"killed by {sig}"
-        return Diagnosis(
-            cause=Cause.INFRA,
-            detail=Detail.PROCESS_LOST,
-            evidence=f"{what} (a signal from outside the training code)",
-        )
+        return _killed(reason, sig)
     if reason.startswith(_START_FAILURE) or (not trained and (exception or failure.get("exit_code"))):
         what = f"exception {exception}" if exception else (reason or "a non-zero exit status")
         said = next((line.strip() for line in reversed(texts) if line.strip()), "")
@@ -179,6 +179,15 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
     code = failure.get("exit_code")
     evidence = reason or (f"exit status {code}" if isinstance(code, int) else "no exit status")
     return Diagnosis(cause=Cause.UNKNOWN, detail=Detail.UNKNOWN, evidence=evidence)
+
+
+def _killed(reason: str, sig: str) -> Diagnosis:
+    what = reason if reason.startswith("killed by") else f"killed by {sig}"
+    return Diagnosis(
+        cause=Cause.INFRA,
+        detail=Detail.PROCESS_LOST,
+        evidence=f"{what} (a signal from outside the training code)",
+    )
 
 
 def signature(outcome: Outcome, failure: Mapping[str, Any], diagnosis: Diagnosis) -> tuple[str, ...]:
