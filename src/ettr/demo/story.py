@@ -49,7 +49,10 @@ TECHNIQUES = (
     ),
     Technique(
         name="start-up not repeated",
-        mechanism="sharding plan computed once and read back; restarts in warm standbys (imports done ahead)",
+        mechanism=(
+            "sharding plan computed once and read back; the crash recovered in place (the other rank keeps "
+            "its process), its replacement a warm standby (imports done ahead)"
+        ),
         buckets=(Bucket.INIT,),
     ),
     Technique(
@@ -74,7 +77,10 @@ TECHNIQUES = (
     ),
     Technique(
         name="relaunch",
-        mechanism="failure -> next attempt: torchrun relaunched cold vs ettr's agent handing over to standbys",
+        mechanism=(
+            "failure -> next attempt: torchrun relaunched cold vs ettr's agent going on in place, the crashed "
+            "rank's standby taking over"
+        ),
         buckets=(Bucket.RESTART, Bucket.OTHER, Bucket.SCHEDULING, Bucket.HARDWARE_SETUP),
     ),
 )
