@@ -88,7 +88,8 @@ def test_long_evaluations_are_not_hangs_and_a_hang_is_caught_by_the_step_bound(t
     assert [a["outcome"] for a in rep["attempts"]] == ["hung", "completed"], done.stderr
     # attempt 0 got past both evaluations (steps 10 and 20) to the injected hang: neither was called a hang
     assert rep["attempts"][0]["last_step"] >= 29, rep["attempts"][0]
-    assert rep["attempts"][1]["resumed_from_step"] == 26, rep["attempts"][1]  # the save after 26 optimizer steps
+    # the save after 26 optimizer steps (0..25)
+    assert rep["attempts"][1]["resumed_from_step"] == 26, rep["attempts"][1]
     assert rep["failures"][0]["detail"] == "hung" and "step bound" in rep["failures"][0]["evidence"]
     # both evaluations are booked as evaluation: each sleeps EVAL_S inside it
     assert rep["buckets_s"]["evaluation"] >= 2 * EVAL_S - 1, rep["buckets_s"]
