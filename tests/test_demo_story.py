@@ -247,7 +247,7 @@ def test_the_demo_page_tells_the_story_in_headless_chromium(tmp_path):
 
     shot = tmp_path / "shot.png"
     result = _run_chromium(
-        tmp_path, f"--screenshot={shot}", "--window-size=1200,2400", "--hide-scrollbars", page.as_uri()
+        tmp_path, f"--screenshot={shot}", "--window-size=1200,3600", "--hide-scrollbars", page.as_uri()
     )
     assert result.returncode == 0 and shot.is_file(), result.stderr[-2000:]
     rgb = _png_rgb(shot.read_bytes())
