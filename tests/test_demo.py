@@ -410,7 +410,7 @@ QUICK_MARGIN_POINTS = 5.0
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_ettr_demo_quick_end_to_end(tmp_path):
     out = tmp_path / "demo"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
@@ -419,7 +419,7 @@ def test_ettr_demo_quick_end_to_end(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=400,
+        timeout=880,
     )
     logs = "\n".join(p.read_text()[-4000:] for p in out.glob("*-work/job.log"))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}"
