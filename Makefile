@@ -21,8 +21,11 @@ $(STAMP): $(PY) pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Two pytest-xdist workers: the slow tests run one at a time on one worker, the benchmarks' quick modes on one,
+# the small tests fill in (tests/conftest.py groups them); on this 2-core machine that halves the idle time of
+# a suite whose real jobs mostly wait.
 test: install chromium postgres slurm
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
 
 # The HTML report's browser test renders the page in headless Chromium: install Debian's when it is missing
 # and we may (root with apt-get, as in CI). Elsewhere that test is skipped.

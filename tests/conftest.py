@@ -131,3 +131,15 @@ def slurm_cluster() -> Iterator[object]:
         yield cluster
     finally:
         cluster.remove()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test` runs two workers with `--dist loadgroup`) the slow tests -- real
+    multi-process jobs, each of which keeps the machine busy -- run one at a time, in file order, on one worker,
+    as they would without xdist, and the benchmarks' quick modes likewise on one; the many small tests fill the
+    other worker. Without xdist the marker means nothing."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            group = "benchmarks" if item.nodeid.startswith("tests/test_benchmarks.py") else "slow"
+            item.add_marker(pytest.mark.xdist_group(group))
