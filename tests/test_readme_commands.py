@@ -126,7 +126,10 @@ def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
             said = done.stdout + done.stderr
             ok = (0, 1) if "--check" in argv else (0,)  # --check: 1 means "regressions found", as documented
             assert done.returncode in ok, f"{variant}\n-> exit {done.returncode}\n{said[-3000:]}"
-            assert "Traceback" not in said, f"{variant}\n{said[-3000:]}"
+            # ettr itself never shows a traceback; a DDP job's own ranks may (torchrun prefixes their lines with
+            # [rankN]:): the peer of the rank whose crash the README injects fails its collective
+            ours = [ln for ln in said.splitlines() if not re.match(r"\[(default)?rank\d+\]:", ln)]
+            assert not any("Traceback" in ln for ln in ours), f"{variant}\n{said[-3000:]}"
             if argv[1] == "run":
                 runs.append(_run_dir(said, tmp_path))
     assert len(ran) >= 12, ran
