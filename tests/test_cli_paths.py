@@ -71,3 +71,11 @@ def test_publish_checks_its_arguments_before_importing_torch(tmp_path):
             [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120
         )
         assert done.stdout.split() == ["2", "False"], (argv, done.stdout, done.stderr)
+
+
+def test_the_lazy_publish_facade_names_each_export_once():
+    import ettr.publish as facade
+
+    assert sorted(facade.__all__) == sorted(facade._WHERE)  # the static list and the table agree
+    for name in facade.__all__:
+        assert getattr(facade, name).__name__ == name, name

@@ -16,30 +16,18 @@ if TYPE_CHECKING:
     from ettr.publish.request import InputKind, InputSpec, ModelSpec, PublishError, PublishRequest
     from ettr.publish.worker import PublishOutcome, PublishWorker, WorkerConfig
 
-_WHERE = {
-    "AnchorResult": "ettr.publish.anchor",
-    "ArtifactResult": "ettr.publish.artifact",
-    "Claim": "ettr.publish.queue",
-    "InputKind": "ettr.publish.request",
-    "InputSpec": "ettr.publish.request",
-    "ModelSpec": "ettr.publish.request",
-    "PublishConfig": "ettr.publish.anchor",
-    "PublishError": "ettr.publish.request",
-    "PublishMode": "ettr.publish.anchor",
-    "PublishOutcome": "ettr.publish.worker",
-    "PublishPolicy": "ettr.publish.policy",
-    "PublishQueue": "ettr.publish.queue",
-    "PublishRequest": "ettr.publish.request",
-    "PublishWorker": "ettr.publish.worker",
-    "PublishedModel": "ettr.publish.artifact",
-    "WorkerConfig": "ettr.publish.worker",
-    "build_artifact": "ettr.publish.artifact",
-    "load_artifact": "ettr.publish.artifact",
-    "publish_at_end": "ettr.publish.anchor",
-    "write_anchor": "ettr.publish.anchor",
+_EXPORTS = {
+    "ettr.publish.anchor": ("AnchorResult", "PublishConfig", "PublishMode", "publish_at_end", "write_anchor"),
+    "ettr.publish.artifact": ("ArtifactResult", "PublishedModel", "build_artifact", "load_artifact"),
+    "ettr.publish.policy": ("PublishPolicy",),
+    "ettr.publish.queue": ("Claim", "PublishQueue"),
+    "ettr.publish.request": ("InputKind", "InputSpec", "ModelSpec", "PublishError", "PublishRequest"),
+    "ettr.publish.worker": ("PublishOutcome", "PublishWorker", "WorkerConfig"),
 }
-"""Where each public name lives: imported on first use, so `ettr publish` (and a queue's tools) check their
-arguments before the trainer side's torch is imported."""
+"""Each public name by the module it lives in (as the type checker's imports above): imported on first use, so
+`ettr publish` (and a queue's tools) check their arguments before the trainer side's torch is imported."""
+
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
@@ -49,7 +37,7 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = [
+__all__ = [  # static, for the type checker and linters: the names of `_EXPORTS`
     "AnchorResult",
     "ArtifactResult",
     "Claim",

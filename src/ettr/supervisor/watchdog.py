@@ -23,13 +23,13 @@ run-queue wait, `/proc/PID/schedstat`, is taken off), so a job starved by a busy
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ettr.events import Event, EventKind
 from ettr.heartbeat import PULSE_SUFFIX, Pulse
+from ettr.procs import running
 
 ActivityProbe = Callable[[], "float | None"]
 """Returns the Unix time of the latest sign of life it knows of, or None."""
@@ -149,22 +149,8 @@ def run_queue_wait_s(pids: Iterable[int]) -> dict[int, float]:
 
 def training_ended(pids: Sequence[int]) -> bool:
     """Whether the training processes `pids` (`heartbeat_pids` of an attempt: every one that started) have
-    all exited; False when there are none yet."""
-
-    def gone(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False  # another user's: it exists
-        try:  # a zombie (not reaped yet) has exited too
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                return f.read(512).rpartition(b")")[2].split()[0] == b"Z"
-        except (OSError, IndexError):
-            return True
-
-    return bool(pids) and all(gone(pid) for pid in pids)
+    all exited, zombies not reaped yet included (`ettr.procs.running`); False when there are none yet."""
+    return bool(pids) and not any(running(pid, None) for pid in pids)
 
 
 def heartbeat_pids(names: Iterable[str]) -> list[int]:

@@ -114,8 +114,8 @@ class InPlaceTrialRunner:
         """After a rank died, how long past `rendezvous_timeout_s` its peers may take to give up and exit
         before they count as hung (`hung`) and are killed."""
         self.hung = 0
-        self._hung_in: set[str] = set()  # trials (directory names) with a hung survivor: kept for a look
         """Launches whose surviving rank outlived a dead peer by more than the rendezvous timeout and grace."""
+        self._hung_in: set[str] = set()  # trials (directory names) with a hung survivor: kept for a look
         self.reference: str | None = None
         self.run_s: float | None = None
         """Wall time of a run with the raise and no kill, from the first start to the last step."""
