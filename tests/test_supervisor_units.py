@@ -503,6 +503,24 @@ def test_a_sigkill_behind_a_shell_wrapper_is_said_as_such() -> None:
     assert classify(returncode=3, wrapper=True).reason == "exit status 3"
 
 
+def test_a_failure_a_shell_wrapper_hides_by_exiting_0_is_a_failure() -> None:
+    # pytorch/examples word_language_model behind `bash run.sh` (`python main.py ...; echo done`): the
+    # injected crash at step 50 ended the script, the wrapper exited 0, and the job read "completed".
+    crashed = [
+        Event(EventKind.STEP, 10.0, 0, 0, step=50),
+        Event(EventKind.FAILURE, 10.1, 0, 0, data={"exception": "InjectedCrash", "message": "at step 50"}),
+    ]
+    hidden = classify(returncode=0, events=crashed, wrapper=True)
+    assert hidden.outcome is Outcome.FAILED and hidden.exit_code == 0
+    assert (hidden.exception, hidden.message) == ("InjectedCrash", "at step 50")
+    assert "shell wrapper" in hidden.reason and "rank 0 died of InjectedCrash" in hidden.reason
+    assert classify(returncode=0, events=crashed).outcome is Outcome.COMPLETED  # not a shell: its own word
+    # A rank that stepped after its FAILURE survived it (restart in place) or was started again.
+    survived = [*crashed, Event(EventKind.STEP, 12.0, 0, 0, step=46)]
+    assert classify(returncode=0, events=survived, wrapper=True).outcome is Outcome.COMPLETED
+    assert classify(returncode=0, wrapper=True).outcome is Outcome.COMPLETED
+
+
 def test_shell_commands_are_told_from_programs(tmp_path: Path) -> None:
     from ettr.supervisor.launch import is_shell_command
 

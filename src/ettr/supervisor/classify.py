@@ -233,6 +233,17 @@ def classify(
     elif preempted_by is not None:
         outcome = Outcome.PREEMPTED
         reason = f"{signal_name(preempted_by)} forwarded to the job; {how}"
+    elif returncode == 0 and wrapper and (hidden := _failure_hidden(events)) is not None:
+        # `bash run.sh` whose script runs `python train.py` and then something else (an `echo`, a copy of the
+        # logs) exits with that last command's status: the training process's death reads as success.
+        outcome = Outcome.FAILED
+        data = hidden.data or {}
+        exception = str(data["exception"])
+        message = str(data["message"])[:500] if data.get("message") else None
+        reason = (
+            f"exit status 0 of its shell wrapper, but rank {hidden.rank} died of {exception} (the wrapper "
+            "hides its failure: `exec` the training command, or exit with its status)"
+        )
     elif returncode == 0:
         outcome = Outcome.COMPLETED
         reason = "completed"
@@ -259,6 +270,22 @@ def classify(
         stderr_tail=tuple(stderr_tail),
         injected=injected,
     )
+
+
+def _failure_hidden(events: Iterable[Event]) -> Event | None:
+    """The FAILURE (an uncaught exception, an injected crash: the process ends with it) of a training process
+    whose rank never stepped again after it: what a shell wrapper exiting 0 hid. A rank that stepped after
+    its FAILURE survived it (a restart in place) or was started again by a launcher inside the command."""
+    failures: dict[int, Event] = {}
+    stepped: dict[int, float] = {}
+    for e in events:
+        if e.rank < 0:
+            continue
+        if e.kind is EventKind.FAILURE and (e.data or {}).get("exception") and e.rank not in failures:
+            failures[e.rank] = e
+        elif e.kind is EventKind.STEP:
+            stepped[e.rank] = max(e.ts, stepped.get(e.rank, e.ts))
+    return next((f for r, f in sorted(failures.items()) if stepped.get(r, f.ts) <= f.ts), None)
 
 
 def oom_kill_count() -> int | None:
