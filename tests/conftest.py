@@ -46,6 +46,18 @@ def _private_memory_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
             os.environ["ETTR_MEMORY_DIR"] = previous
 
 
+@pytest.fixture(autouse=True)
+def _no_compile_session_from_in_process_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that installs the zero-code hooks in the test process (`AutoHooks.on_torch`) would arm this
+    process's one compile session for good: the next test to import torch._dynamo starts it, and its settle
+    save, seconds later, writes its store line to the stderr of whichever test runs then (CI failed so:
+    test_cli_trace_refuses_several_run_dirs read two lines). In-process hooks leave compile support alone;
+    the compile tests run it in processes of their own, and a test may still patch `autoinstall` itself."""
+    import ettr.compile
+
+    monkeypatch.setattr(ettr.compile, "autoinstall", lambda *args, **kwargs: False)
+
+
 def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
