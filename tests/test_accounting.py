@@ -345,6 +345,28 @@ def test_job_without_steps_is_all_start_up_and_has_no_tts() -> None:
     assert all(a.training_start_ts is None and a.last_step is None for a in r.attempts)
     assert r.idleness_s == pytest.approx(6 + 4 + 1) and r.failure_s == pytest.approx(2 + 3)
     assert r.ett_pct == 0
+    assert r.ett_unknown is None  # it failed before any step: it trained nothing, 0% is the measurement
+
+
+def test_a_job_that_ends_without_a_step_seen_has_an_unknown_ett() -> None:
+    """An inference job (or a loop ettr cannot see steps in) that completes reads ETT unknown, never 0.0%."""
+    from ettr.report.json import to_dict
+    from ettr.report.text import render, render_comparison
+
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 1, 30, "completed", 0).phase(0, Phase.EVAL, 5, 25)
+    s.sup(EventKind.JOB_END, 31, 0, exit_status=0)
+    r = s.report()
+    assert r.ett_unknown is not None and "no training step" in r.ett_unknown
+    out = to_dict(r)
+    assert out["ett_pct"] is None and out["idleness_pct"] is None and out["ett_unknown"] == r.ett_unknown
+    assert out["failure_pct"] == 0 and math.isclose(sum(out["buckets_s"].values()), out["wall_s"])
+    text = render(r)
+    assert "ETT unknown" in text and "ETT 0.0%" not in text
+    assert "ETT %" in render_comparison([r, r]) and " 0.0 " not in render_comparison([r, r]).splitlines()[1]
+    # one step seen: a number again
+    s.steps(0, 1, 1, 26)
+    assert s.report().ett_unknown is None
 
 
 def _killed_mid_write() -> Stream:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import subprocess
@@ -234,6 +235,136 @@ def test_an_unmodified_loop_is_recorded(hooked: tuple[Any, Recorder, Any], tmp_p
     # The DataLoader got its own method back after the first batch.
     base = torch.utils.data.dataloader._BaseDataLoaderIter
     assert not hasattr(base.__next__, "__ettr_original__")
+
+
+def test_a_save_lasts_until_the_save_function_returns_to_the_loop(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    # pytorch/examples imagenet's save_checkpoint: torch.save, then shutil.copyfile to model_best.pth. The copy
+    # was booked as training; the loop's own next step must not be booked as checkpointing either.
+    import shutil
+
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ends: dict[str, float] = {}
+
+    def _write(state: Any, path: Path) -> None:  # a helper of the save function: climbed over
+        torch.save(state, path)
+
+    def save_checkpoint(state: Any, path: Path) -> None:
+        _write(state, path)
+        shutil.copyfile(path, tmp_path / "model_best.pth")
+        (tmp_path / "meta.json").write_text("{}")
+        ends["function"] = time.time()
+
+    def step() -> None:
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+
+    torch.save(
+        model.state_dict(), tmp_path / "init.pt"
+    )  # before the first step: no loop known, the call only
+    ends["init"] = time.time()
+    for i in range(4):
+        step()
+        if i == 1:
+            save_checkpoint(model.state_dict(), tmp_path / "ckpt.pt")
+            ends["returned"] = time.time()
+        if i == 2:
+            torch.save(model.state_dict(), tmp_path / "inline.pt")  # in the loop's own frame: the call only
+            ends["inline"] = time.time()
+    assert sys.getprofile() is None  # the window's profile function is gone
+
+    events = _events(rec, ledger)
+    spans = {
+        Path(e.data["path"]).name: (e.value, e.ts)
+        for e in events
+        if e.kind is EventKind.PHASE_END and e.phase is Phase.CHECKPOINT_BLOCKING
+    }
+    steps = {e.step: e.ts for e in events if e.kind is EventKind.STEP}
+    assert sorted(spans) == ["ckpt.pt", "init.pt", "inline.pt"]
+    begin, end = spans["ckpt.pt"]
+    assert ends["function"] <= end <= ends["returned"]  # the copy and the JSON are the save's
+    assert steps[2] <= begin and end <= steps[3]
+    assert spans["init.pt"][1] <= ends["init"] and spans["inline.pt"][1] <= ends["inline"]
+    commits = [Path(e.data["path"]).name for e in events if e.kind is EventKind.CHECKPOINT_COMMIT]
+    assert commits[-3:] == ["init.pt", "ckpt.pt", "inline.pt"]
+
+
+def test_a_save_window_ends_where_training_resumes_and_a_handler_is_its_own_save_function() -> None:
+    from ettr.bootstrap.save_window import SaveWindow
+
+    booked: list[tuple[float, float, int, str]] = []
+    window = SaveWindow(lambda b, e, s, p: booked.append((b, e, s, p)))
+
+    def loop_step() -> None:
+        window.loop.at_step()
+
+    def handler() -> None:  # a SIGTERM handler that saves, then lets the loop go on
+        window.saved(1.0, 7, "ckpt.pt", sys._getframe())
+        assert window.is_open  # its rest is the save's
+        ends.append(time.time())
+
+    ends: list[float] = []
+    loop_step()
+    handler()
+    after = time.time()
+    assert not window.is_open and booked[0][1:] == (booked[0][1], 7, "ckpt.pt")
+    assert ends[0] <= booked[0][1] <= after
+    # a window the save function never returns from is closed by the next backward pass / step / evaluation
+    window.loop.renew()
+    loop_step()
+
+    def save_and_keep_going() -> None:
+        window.saved(2.0, 8, "next.pt", sys._getframe())
+        assert window.is_open
+        window.close(end_ts=3.0)  # what CheckpointHooks.training_resumes does
+        assert sys.getprofile() is None
+
+    save_and_keep_going()
+    assert booked[1] == (2.0, 3.0, 8, "next.pt")
+
+
+def test_steps_follow_the_optimizer_that_steps_most_often(hooked: tuple[Any, Recorder, Any]) -> None:
+    # dcgan: D then G every iteration (one step each, at D's); an optimizer stepped every 3rd iteration that
+    # stepped first; a critic stepped 3 times per generator step; an optimizer made anew for a second phase.
+    hooks, rec, ledger = hooked
+    d_net, g_net = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+
+    def sgd(module: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(module.parameters(), lr=0.1)
+
+    def update(opt: torch.optim.Optimizer, module: torch.nn.Module) -> None:
+        opt.zero_grad()
+        module(torch.randn(2, 2)).sum().backward()
+        opt.step()
+
+    def recorded() -> list[int | None]:
+        return [e.step for e in _events(rec, ledger, {EventKind.STEP})]
+
+    opt_d, opt_g = sgd(d_net), sgd(g_net)
+    for _ in range(3):  # dcgan's iteration
+        update(opt_d, d_net)
+        update(opt_g, g_net)
+    assert recorded() == [1, 2, 3]  # one step per iteration
+    aux = sgd(torch.nn.Linear(2, 1))
+    for i in range(6):  # an auxiliary optimizer every 3rd iteration, stepping before the main one
+        if i % 3 == 0:
+            update(aux, d_net)
+        update(opt_g, g_net)
+    assert recorded() == list(range(1, 10))  # one per iteration still
+    for _ in range(2):  # WGAN: 3 critic steps per generator step, the generator counted last
+        for _ in range(3):
+            update(opt_d, d_net)
+        update(opt_g, g_net)
+    assert recorded()[-1] == 9 + 5  # the critic counts from its second step without the generator: 1+1+3
+    phase_two = sgd(g_net)  # a new optimizer; the old ones are dropped
+    del opt_d, opt_g, aux
+    gc.collect()  # the counted optimizer is gone: the new one counts at once
+    for _ in range(2):
+        update(phase_two, g_net)
+    assert recorded()[-2:] == [15, 16]
 
 
 def test_a_loop_that_updates_its_weights_itself_steps_once_per_backward_pass(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from types import MappingProxyType
 
@@ -20,7 +20,7 @@ from ettr.accounting.stragglers import rank_speed
 from ettr.accounting.timeline import build_segments
 from ettr.accounting.ttr import breakdowns
 from ettr.accounting.window import DEFAULT_WINDOW_S, check_window, ett_window
-from ettr.events import Bucket, Event, Phase
+from ettr.events import Bucket, Event, Outcome, Phase
 
 
 class Loss(StrEnum):
@@ -175,6 +175,7 @@ def _compute(
         slow_steps=slow_steps(
             [(a.index, a.position, kept_times[a.index]) for a in attempts], slowdown, ranks
         ),
+        ett_unknown=_why_ett_unknown(attempt_reports),
         window=ett_window(
             segments,
             wall_start,
@@ -186,6 +187,23 @@ def _compute(
         open_job=None
         if job.job_end is not None
         else _open_job(job, attempts, segments, job_state(ended=False, supervisor_alive=supervisor_alive)),
+    )
+
+
+_RAN_ITS_COURSE = (Outcome.COMPLETED, Outcome.PREEMPTED, Outcome.INTERRUPTED)
+
+
+def _why_ett_unknown(attempts: Sequence[AttemptReport]) -> str | None:
+    """Why the job's ETT cannot be told: it ran to an end without any training step seen (None otherwise).
+
+    A job that failed before any step, or one still starting, did train nothing so far: 0% is right there."""
+    if not attempts or any(a.last_step is not None for a in attempts):
+        return None
+    if not any(a.outcome in _RAN_ITS_COURSE for a in attempts):
+        return None
+    return (
+        "no training step was seen: the job ran without an optimizer step ettr could see (an inference or "
+        "evaluation job, or a loop that updates its weights without torch.optim or a backward pass)"
     )
 
 

@@ -244,6 +244,11 @@ class EttReport:
     (`ettr.accounting.slowsteps`); beside ETT, not in the buckets."""
     window: EttWindow | None = None
     """ETT over the last hour (or the window asked for) of wall time (`ettr.accounting.window`)."""
+    ett_unknown: str | None = None
+    """Why ETT cannot be told, None when it can: the job ran to its end (or was preempted) without a single
+    training step seen, so its 0 s of effective training is not a measurement (an inference or evaluation
+    job, or a loop whose steps ettr cannot see). `ett_pct` and `idleness_pct` stay numbers here (0 and the
+    rest, as the buckets give); renderers show them as unknown (`ettr.report/1`: null)."""
 
     @property
     def step_time_s(self) -> float | None:

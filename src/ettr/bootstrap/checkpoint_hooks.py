@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ from ettr.bootstrap.checkpoint_targets import (
     step_in,
 )
 from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
+from ettr.bootstrap.save_window import SaveWindow
 from ettr.events import Event, EventKind, Phase
 from ettr.integrations._commits import CHECKPOINT_FILE_MARK
 from ettr.recorder import RecorderProtocol
@@ -101,6 +103,8 @@ class CheckpointHooks:
         self._give_back_open: Callable[[], None] | None = None  # while a buffer save may be written
         self._atexit = False
         self._async_paths: set[str] = set()  # async saves in flight: their inner save is not another one
+        self._window_atexit = False
+        self.window = SaveWindow(self._book_blocking)  # a save lasts to the end of the script's save function
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     def _busy(self) -> bool:
@@ -172,11 +176,27 @@ class CheckpointHooks:
                 EventKind.CHECKPOINT_COMMIT, step=step, data={"path": path, IDENTITY_KEY: identity}
             )
 
+    def _book_blocking(self, begin: float, end: float, step: int, path: str) -> None:
+        self.guard.call(
+            "checkpoint save", self.rec.span, Phase.CHECKPOINT_BLOCKING, begin, end, step=step, path=path
+        )
+
+    def training_resumes(self) -> None:
+        """A backward pass, an optimizer step or an evaluation begins: a save's window ends here at the
+        latest (`save_window`). Cheap when none is open; never raises."""
+        if self.window.is_open:
+            self.guard.call("checkpoint save", self.window.close)
+
     def _saved(self, path: str, step: int, begin: float) -> None:
         if self._recorded_elsewhere():
             return
-        self.rec.span(Phase.CHECKPOINT_BLOCKING, begin, step=step, path=path)
-        self._commit(step, path)
+        self._commit(
+            step, path
+        )  # the file is written: the resume point is claimed now, the wait booked below
+        self.window.saved(begin, step, path, sys._getframe())  # noqa: SLF001 - where the save was called from
+        if self.window.is_open and not self._window_atexit:
+            self._window_atexit = True
+            atexit.register(self.training_resumes)  # a window still open at exit (a save right before it)
         if len(self._pending_renames) > 64:
             self._pending_renames.clear()
         self._pending_renames[path] = step
@@ -242,6 +262,7 @@ class CheckpointHooks:
     def new_generation(self) -> None:
         """A restart in place: the next generation's first load of training state is its resume again."""
         self._resumed, self._unknown_resume, self._data_resume = False, None, None
+        self.training_resumes()
 
     def _resume_at(self, step: int) -> None:
         self._resumed = True
@@ -250,6 +271,8 @@ class CheckpointHooks:
 
     def before_step(self) -> None:
         """Called at each optimizer step, before it is counted: settle what start-up left open."""
+        self.training_resumes()
+        self.window.loop.at_step()
         if self._buffer_save is not None:
             self._settle_buffer_save()
         if self._unknown_resume is not None and not self._resumed:
@@ -369,6 +392,8 @@ class CheckpointHooks:
         self.patcher.wrap(os, "replace", make_rename)
         self.patcher.wrap(os, "rename", make_rename)
         self.patcher.on_undo(lambda: self.guard.call("checkpoint buffer", self._settle_buffer_save))
+        self.patcher.on_undo(self.training_resumes)
+        self.patcher.on_undo(lambda: atexit.unregister(self.training_resumes))
 
     def install_safetensors(self, module: ModuleType) -> None:
         """safetensors.torch: `save_file` and `load_file` are checkpoint files like torch.save/load's."""

@@ -3,7 +3,8 @@
 Installed once torch is imported (see `post_import`), each hook wraps one torch entry point:
 
   optimizer steps   torch.optim's global step post-hook: STEP(n) with n = resumed step + the number of steps
-                    of the first optimizer seen; stops once user code calls `ettr.step` itself
+                    of the optimizer that steps most often (the first to step among optimizers in lockstep:
+                    `StepCounter`); stops once user code calls `ettr.step` itself
   backward          torch.autograd.backward (what Tensor.backward calls): the rank's arrival at its step's
                     gradient sync, carried by the next STEP (`Recorder.note_arrival`; slow ranks); in a process
                     that has built no optimizer, each backward pass of the main thread is a step of a loop that
@@ -74,12 +75,20 @@ def called_from_ettr(depth: int = 2) -> bool:
 
 
 class StepCounter:
-    """Global optimizer steps of an unmodified script: the resumed step plus the steps of its first
-    optimizer (a second optimizer, as in a GAN, steps in lockstep and is not counted again)."""
+    """Global optimizer steps of an unmodified script: the resumed step plus the steps of the optimizer that
+    steps most often, the first one to step when several step in lockstep (a GAN's discriminator and
+    generator, pytorch/examples dcgan: one step per iteration, at the first's step).
+
+    Another optimizer that steps twice while the counted one does not step (a critic stepped n times per
+    generator step, an optimizer stepped every k-th iteration that happened to step first, an optimizer made
+    anew for a second phase) is counted from its second such step on; a counted optimizer that was garbage
+    collected gives way to the next one at once. The count goes on: steps already recorded keep their
+    numbers."""
 
     def __init__(self, rec: RecorderProtocol) -> None:
         self._rec = rec
-        self._first: weakref.ref[Any] | None = None
+        self._first: weakref.ref[Any] | None = None  # the counted optimizer
+        self._since: set[int] = set()  # other optimizers that stepped since the counted one last did
         self.base_step = 0
         self.num_steps = 0
         self._manual_pending = False  # a step without an optimizer waits for its update (on_manual_update)
@@ -88,10 +97,16 @@ class StepCounter:
     def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._rec.explicit_steps:
             return
-        if self._first is None:
+        counted = self._first() if self._first is not None else None
+        if counted is None:  # the first optimizer to step, or the counted one is gone
             self._first = weakref.ref(optimizer)
-        elif self._first() is not optimizer:
-            return
+        elif counted is not optimizer:
+            key = id(optimizer)
+            if key not in self._since:  # in lockstep so far, or less often than the counted one
+                self._since.add(key)
+                return
+            self._first = weakref.ref(optimizer)  # it steps more often than the counted one: count it
+        self._since.clear()
         self.num_steps += 1
         self._rec.step(self.base_step + self.num_steps, auto=True)
 
@@ -126,6 +141,7 @@ class StepCounter:
         from a checkpoint, so the count starts again from its resume (the earlier optimizer is gone: a
         count kept for it would never move again)."""
         self._first, self.base_step, self.num_steps = None, 0, 0
+        self._since.clear()
 
     def resumed(self, step: int) -> None:
         """The state was restored as of after `step`: later steps count on from there."""
@@ -171,7 +187,13 @@ class AutoHooks:
 
         self.checkpoints = CheckpointHooks(self.rec, self.steps, guard=self.guard, patcher=self.patcher)
         self.evals = EvalHooks(self.rec, guard=self.guard, patcher=self.patcher)
-        self.evals.before_eval = self.steps.settle_manual
+        checkpoints, steps = self.checkpoints, self.steps
+
+        def before_eval() -> None:
+            checkpoints.training_resumes()  # an evaluation is no part of a save
+            steps.settle_manual()  # a step of a loop without an optimizer that waits: recorded before it
+
+        self.evals.before_eval = before_eval
         self.guard.call("optimizer step", self._install_optimizer_hook, torch)
         self.guard.call("evaluation", self.evals.install, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
@@ -258,12 +280,16 @@ class AutoHooks:
         # Tensor.backward calls torch.autograd.backward through the module attribute: one wrapper sees both.
         note, manual = self.rec.note_arrival, self._manual_backward
         trained = self.evals.trained if self.evals is not None else None
+        window = self.checkpoints.window if self.checkpoints is not None else None
+        resumes = self.checkpoints.training_resumes if self.checkpoints is not None else None
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def backward(*args: Any, **kwargs: Any) -> Any:
                 if dynamo_is_tracing():
                     return original(*args, **kwargs)
                 no_optimizer = trained is not None and not trained.num_built  # one test when there is one
+                if window is not None and window.is_open and resumes is not None:
+                    resumes()  # a save's window ends where training resumes (`save_window`)
                 if no_optimizer:
                     manual(ended=False)  # the previous step's STEP first: it carries its own arrival
                 note()

@@ -163,14 +163,20 @@ def _ett_class(ett_pct: float) -> str:
 def _cards(r: EttReport) -> str:
     lost_steps = sum(a.lost_steps for a in r.attempts)
     estimated = "~" if any(a.lost_steps_estimated for a in r.attempts) else ""
+    unknown = r.ett_unknown is not None  # no step seen: no number rather than a wrong one
     cards = [
         (
-            _ett_class(r.ett_pct),
+            "ett poor" if unknown else _ett_class(r.ett_pct),
             "ETT",
-            fmt_pct(r.ett_pct),
-            f"{fmt_s(r.effective_training_s)} of effective training",
+            "unknown" if unknown else fmt_pct(r.ett_pct),
+            "no training step seen" if unknown else f"{fmt_s(r.effective_training_s)} of effective training",
         ),
-        ("", "idleness", fmt_pct(r.idleness_pct), f"{fmt_s(r.idleness_s)} lost without a failure"),
+        (
+            "",
+            "idleness",
+            "unknown" if unknown else fmt_pct(r.idleness_pct),
+            f"{fmt_s(r.idleness_s)} lost without a failure",
+        ),
         ("fail", "failure", fmt_pct(r.failure_pct), f"{fmt_s(r.failure_s)} lost to failures"),
         ("", "wall time", fmt_s(r.wall_s), "first known timestamp to job end"),
         ("", "time to start", fmt_s(r.tts_s), "allocation (else supervisor start) to the training start"),
@@ -236,11 +242,15 @@ def _delta_step(d: float) -> str:
 
 _METRICS = (
     _Metric(
-        "ETT", lambda r: r.ett_pct, _fmt_pct_or_dash, lambda d: f"{fmt_signed(d)} pp", higher_is_better=True
+        "ETT",
+        lambda r: None if r.ett_unknown else r.ett_pct,
+        _fmt_pct_or_dash,
+        lambda d: f"{fmt_signed(d)} pp",
+        higher_is_better=True,
     ),
     _Metric(
         "idleness",
-        lambda r: r.idleness_pct,
+        lambda r: None if r.ett_unknown else r.idleness_pct,
         _fmt_pct_or_dash,
         lambda d: f"{fmt_signed(d)} pp",
         higher_is_better=False,

@@ -23,11 +23,12 @@ SCHEMA = "ettr.report/1"
 def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, Any]:
     """The `ettr.report/1` object of `report`.
 
-    Contract keys first (schema, job_id, wall_s, ett_pct, idleness_pct, failure_pct, tts_s, ttr_s,
+    Contract keys first (schema, job_id, wall_s, ett_pct, idleness_pct — both null when no training step was
+    seen, `ett_unknown` then says why —, failure_pct, tts_s, ttr_s,
     num_failures, buckets_s, attempts, step_time_s — median seconds per kept step, null when none, also in
     each attempt), then the extras: step_time_p90_s and num_timed_steps (top level and per attempt),
     num_kept_steps, ett_window (ETT over the last hour or the window asked for: `ettr.report.window`),
-    rank_speed (slow ranks: `ettr.report.slow`), slow_steps (step time beyond the steady step), in_progress, state (ended | running | supervisor_lost | in_progress), open_job (null when
+    rank_speed (slow ranks: `ettr.report.slow`), slow_steps (step time beyond the steady step), ett_unknown (null, or why ETT cannot be told), in_progress, state (ended | running | supervisor_lost | in_progress), open_job (null when
     the job ended: state, status — the sentence the text report shows —, last_event_ts, attempt, attempt_open,
     bucket, open_phases, last_step, last_step_ts, last_commit_step, steps_at_risk), wall_start_ts, wall_end_ts,
     effective_training_s, idleness_s, failure_s, submitted_ts, allocated_ts, supervisor_start_ts,
@@ -46,8 +47,9 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         "schema": SCHEMA,
         "job_id": report.job_id,
         "wall_s": report.wall_s,
-        "ett_pct": report.ett_pct,
-        "idleness_pct": report.idleness_pct,
+        # null when no training step was seen (`ett_unknown` says why): 0 would be a wrong number
+        "ett_pct": None if report.ett_unknown is not None else report.ett_pct,
+        "idleness_pct": None if report.ett_unknown is not None else report.idleness_pct,
         "failure_pct": report.failure_pct,
         "tts_s": report.tts_s,
         "ttr_s": list(report.ttr_s),
@@ -61,6 +63,7 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         "rank_speed": slow.rank_speed_json(report.rank_speed),
         "slow_steps": slow.slow_steps_json(report.slow_steps),
         # Extras beyond the contract.
+        "ett_unknown": report.ett_unknown,
         "in_progress": report.in_progress,
         "state": report.state.value,
         "open_job": _open_job(report),

@@ -51,7 +51,8 @@ def scalars(report: EttReport) -> list[Scalar]:
     def job(tag: str, value: float) -> Scalar:
         return Scalar(tag=tag, value=float(value), step=step, wall_time=end)
 
-    out = [job("goodput/goodput", report.ett_pct)]
+    # no goodput scalar when no training step was seen (`ett_unknown`): 0 would plot a wrong number
+    out = [] if report.ett_unknown is not None else [job("goodput/goodput", report.ett_pct)]
     out += [
         job(f"badput/{b.value}", report.bucket_pct(b)) for b in Bucket if b is not Bucket.EFFECTIVE_TRAINING
     ]

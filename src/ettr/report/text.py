@@ -23,8 +23,14 @@ BAR_WIDTH = 40
 def summary_line(report: EttReport) -> str:
     """`ETT 83.1% | idle 12.0% | failure 4.9% | wall 612.3 s | TTS 41.2 s | TTR 30.1 s, 28.7 s | failures 2`"""
     ttr = ", ".join(f"{t:.1f} s" for t in report.ttr_s) if report.ttr_s else "-"
+    if report.ett_unknown is not None:  # no step seen: 0% would be a wrong number, not a measurement
+        shares = f"ETT unknown (no training step seen) | idle - | failure {report.failure_pct:.1f}%"
+    else:
+        shares = (
+            f"ETT {report.ett_pct:.1f}% | idle {report.idleness_pct:.1f}% | failure {report.failure_pct:.1f}%"
+        )
     return (
-        f"ETT {report.ett_pct:.1f}% | idle {report.idleness_pct:.1f}% | failure {report.failure_pct:.1f}% | "
+        f"{shares} | "
         f"wall {report.wall_s:.1f} s | TTS {_seconds(report.tts_s)} | TTR {ttr} | failures {report.num_failures}"
     )
 
@@ -148,8 +154,8 @@ def render_comparison(reports: Sequence[EttReport], *, labels: Sequence[str] | N
     with_delta = len(reports) == 2
 
     metrics: list[tuple[str, list[float | None], str]] = [
-        ("ETT %", [r.ett_pct for r in reports], "{:.1f}"),
-        ("idleness %", [r.idleness_pct for r in reports], "{:.1f}"),
+        ("ETT %", [None if r.ett_unknown else r.ett_pct for r in reports], "{:.1f}"),
+        ("idleness %", [None if r.ett_unknown else r.idleness_pct for r in reports], "{:.1f}"),
         ("failure %", [r.failure_pct for r in reports], "{:.1f}"),
         ("wall s", [r.wall_s for r in reports], "{:.1f}"),
         ("TTS s", [r.tts_s for r in reports], "{:.1f}"),

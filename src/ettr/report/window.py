@@ -38,7 +38,7 @@ def line(report: EttReport) -> str | None:
     """`ETT over the last 1 h: 71.2% (idle 9.0%, failure 19.8%) | cumulative 83.1%`; None when the job is no
     longer than the window (the window is then the whole job: the summary line already says it)."""
     w = report.window
-    if w is None or w.covered_s < w.window_s or report.wall_s <= w.window_s:
+    if w is None or w.covered_s < w.window_s or report.wall_s <= w.window_s or report.ett_unknown is not None:
         return None
     return (
         f"ETT over the last {fmt_window(w.window_s)}: {w.ett_pct:.1f}% (idle {w.idleness_pct:.1f}%, "
