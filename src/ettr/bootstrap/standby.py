@@ -32,6 +32,15 @@ from collections.abc import Callable
 SPAWNED_AT = time.time()
 
 
+BOOTSTRAP_MODULES = (
+    "ettr.bootstrap.hooks",
+    "ettr.bootstrap.start",
+    "ettr.runtime",
+    "ettr.compile.autoinstall",
+)
+"""What the hand-over imports (`main`) before the attempt's script runs: imported by the warm-up."""
+
+
 def _warm_up(modules: list[str]) -> None:
     """The start-up done ahead: `import torch`, `modules` (given by the supervisor: torch's parts and the
     installed packages the last attempt had imported by its first step) and the modules ettr's bootstrap
@@ -41,7 +50,7 @@ def _warm_up(modules: list[str]) -> None:
 
     first = sys.path.pop(0) if sys.path else None  # `-m` put the working directory first
     try:
-        for name in ["torch", *modules, "ettr.bootstrap.hooks", "ettr.bootstrap.start", "ettr.runtime"]:
+        for name in ["torch", *modules, *BOOTSTRAP_MODULES]:
             try:
                 importlib.import_module(name)
             except Exception as exc:  # the attempt then pays for it, as a cold start would

@@ -152,6 +152,27 @@ it had imported (building DistributedDataParallel imports torch._dynamo), so tha
 them ahead only when a cold start would import them too."""
 MAX_WARM_MODULES = 64
 """The most installed packages a `trained_path` file names for the next attempt's standby."""
+MAX_WARM_PARTS = 256
+"""The most packages of torch and ettr a `trained_path` file names (`imported_parts`)."""
+
+
+def imported_parts(modules: Mapping[str, Any] | None = None) -> list[str]:
+    """The public packages of torch and of ettr imported so far (`torch.distributed.optim`,
+    `torch.distributed.checkpoint`, `ettr.checkpoint`, `ettr.inplace`: none of them imported by `import
+    torch` or by ettr's bootstrap, together up to a second of a replacement's start-up), and the
+    `TORCH_PARTS` imported, sorted, at most `MAX_WARM_PARTS`. A standby imports them ahead, so that a
+    replacement started from it (a killed rank's, restarted in place) has only the script's own work left;
+    only what this attempt imported, so the standby imports nothing a cold start would not. Private
+    packages (a part starting with `_`) are left to the attempt: some read their process's state at import."""
+    found = [
+        name
+        for name, module in list((sys.modules if modules is None else modules).items())
+        if name.partition(".")[0] in ("torch", "ettr")
+        and "." in name
+        and (name in TORCH_PARTS or not any(part.startswith("_") for part in name.split(".")))
+        and getattr(module, "__path__", None) is not None
+    ]
+    return sorted(found)[:MAX_WARM_PARTS]
 
 
 def installed_packages(modules: Mapping[str, Any] | None = None) -> list[str]:
@@ -184,7 +205,7 @@ def _keep_step_tail(rec: RecorderProtocol) -> None:
 def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
     """At this process's first step, write `trained_path`: the supervisor then knows that the start-up is
     over and starts the next attempt's standbys (`ettr.supervisor.standby`), which import ahead the
-    installed packages and the slow parts of torch the file names (`installed_packages`, `TORCH_PARTS`).
+    installed packages and the packages of torch and ettr the file names (`installed_packages`, `imported_parts`).
     One file, once."""
     from ettr.run_env import trained_path
 
@@ -203,7 +224,7 @@ def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
 
             path.parent.mkdir(parents=True, exist_ok=True)
             # a hint, not a record: not fsync'd on the training thread
-            learned = [*installed_packages(), *(name for name in TORCH_PARTS if name in sys.modules)]
+            learned = [*installed_packages(), *imported_parts()]
             create_exclusive(path, json.dumps({"modules": learned}), durable=False)
         except Exception:
             pass  # there already, or no place for it: the supervisor then waits for its fallback delay
