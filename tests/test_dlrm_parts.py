@@ -12,7 +12,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 from dlrm.checkpointing import COMMIT_MARKER, TorchSaveCheckpointer  # noqa: E402
-from dlrm.data import ClickDataConfig, HiddenClickModel, ResumeGate, make_loader  # noqa: E402
+from dlrm.data import ClickDataConfig, HiddenClickModel, KeptLoader, ResumeGate, make_loader  # noqa: E402
 
 SMALL = ClickDataConfig(num_tables=4, num_rows=500, batch_size=256, worker_startup_s=0.0)
 
@@ -71,6 +71,32 @@ def test_workers_started_before_the_resume_step_is_known_start_there():
     assert [next(batches).index for _ in range(3)] == [12, 13, 14]
     expected = HiddenClickModel(SMALL).batch(rank=0, index=15)
     assert torch.equal(next(batches).values, expected.values)
+
+
+@pytest.mark.timeout(60)
+def test_kept_workers_go_back_to_a_checkpoint_without_starting_again():
+    # One worker whose start-up (simulated I/O) is done once: going back is a seek, not a new worker.
+    kept = KeptLoader(SMALL, rank=1, stop=30, num_workers=1)
+    batches = kept.batches(5)
+    assert [next(batches).index for _ in range(4)] == [5, 6, 7, 8]  # and more prefetched meanwhile
+    again = kept.batches(6)  # a restart in place resumed from step 6
+    got = [next(again) for _ in range(3)]
+    assert [b.index for b in got] == [6, 7, 8]
+    assert torch.equal(got[0].values, HiddenClickModel(SMALL).batch(rank=1, index=6).values)
+    assert kept.num_restarted == 0
+    assert [b.index for b in kept.batches(27)] == [27, 28, 29]
+    kept.close()
+
+
+@pytest.mark.timeout(60)
+def test_kept_workers_that_cannot_give_the_next_batch_are_replaced_not_trusted():
+    kept = KeptLoader(SMALL, rank=0, stop=12, num_workers=2)
+    assert [b.index for b in kept.batches(0)] == list(range(12))  # the workers' streams have ended
+    assert [b.index for b in kept.batches(9)] == [9, 10, 11]
+    assert kept.num_restarted == 1
+    kept.close()
+    assert [b.index for b in kept.batches(3)][:2] == [3, 4]  # closed: new workers again
+    kept.close()
 
 
 def test_data_config_is_validated():

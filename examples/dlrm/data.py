@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import multiprocessing
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -72,6 +72,7 @@ class ClickBatch:
     lengths: torch.Tensor  # [num_tables * B] int32
     labels: torch.Tensor  # [B] float32 in {0, 1}
     index: int  # the batch index (global step - 1 that consumes it)
+    seek: int = 0  # the `ResumeGate.set` it was made after (0: a stream with a fixed start)
 
 
 class HiddenClickModel:
@@ -126,33 +127,52 @@ def _mix(seed: int, rank: int, index: int) -> int:
 
 
 class ResumeGate:
-    """The first batch index, given to already running loader workers once the trainer knows it.
+    """Where already running loader workers start, given once the trainer knows it, and again when a job
+    restarted in place goes back to its last checkpoint.
 
     Lets the workers do their start-up while the trainer is still building the model and looking for a
-    checkpoint. Create it before the workers start (they inherit it); `set` once; workers `wait`.
+    checkpoint, and keep them across restarts in place (`KeptLoader`). Create it before the workers start
+    (they inherit it). Each `set` is a new position, numbered 1, 2, ...: a worker moves to the newest one
+    at its next batch, and tags every batch with the number of the position it was made for.
     """
 
     def __init__(self) -> None:
         self._start = multiprocessing.Value("q", -1, lock=False)
-        self._ready = multiprocessing.Event()
+        self._seek = multiprocessing.Value("q", 0, lock=False)
+        self._changed = multiprocessing.Condition()
 
-    def set(self, start: int) -> None:
+    def set(self, start: int) -> int:
+        """Start (again) at batch `start`; returns the number of this position."""
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
-        self._start.value = start
-        self._ready.set()
+        with self._changed:
+            self._start.value = start
+            self._seek.value += 1
+            self._changed.notify_all()
+            return int(self._seek.value)
+
+    def position(self) -> tuple[int, int]:
+        """The newest position: its number (0 before the first `set`) and its start."""
+        with self._changed:
+            return int(self._seek.value), int(self._start.value)
 
     def wait(self, timeout_s: float | None = None) -> int:
-        """The start index; blocks until `set` (raises TimeoutError after `timeout_s`)."""
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError("the trainer never said where the data starts")
-        return int(self._start.value)
+        """The start index; blocks until the first `set` (raises TimeoutError after `timeout_s`)."""
+        return self.wait_position(timeout_s)[1]
+
+    def wait_position(self, timeout_s: float | None = None) -> tuple[int, int]:
+        """`position()` once there is one; blocks until the first `set` (TimeoutError after `timeout_s`)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._seek.value > 0, timeout_s):
+                raise TimeoutError("the trainer never said where the data starts")
+            return int(self._seek.value), int(self._start.value)
 
 
 class ClickStream(IterableDataset):
     """Batches `start, start+1, ...` (up to `stop`, exclusive, or forever) of one rank's stream.
 
-    `start` may be a `ResumeGate`: the worker then does its start-up first and waits for the index after.
+    `start` may be a `ResumeGate`: the worker then does its start-up first and waits for the index after,
+    and moves to each newer position the gate is given (`ClickBatch.seek` says which position a batch is of).
     With several loader workers, worker w produces the indices congruent to w (mod workers) from start; the
     DataLoader takes one batch from each worker in turn, so the order is the same as with one worker.
     """
@@ -175,10 +195,27 @@ class ClickStream(IterableDataset):
         # Simulated I/O at the start of a worker: a real reader opens files, fetches an index, fills a
         # buffer before its first batch. This is a stand-in for that cost, not a synchronisation.
         time.sleep(self.config.worker_startup_s)
-        start = self.start.wait() if isinstance(self.start, ResumeGate) else self.start
-        index = start + worker_id
+        if isinstance(self.start, ResumeGate):
+            yield from self._follow(self.start, hidden, worker_id, num_workers)
+            return
+        index = self.start + worker_id
         while self.stop is None or index < self.stop:
             yield hidden.batch(rank=self.rank, index=index)
+            index += num_workers
+
+    def _follow(
+        self, gate: ResumeGate, hidden: HiddenClickModel, worker_id: int, num_workers: int
+    ) -> Iterator[ClickBatch]:
+        seek, start = gate.wait_position()
+        index = start + worker_id
+        while True:
+            newest = gate.position()
+            if newest[0] != seek:  # the trainer went back to a checkpoint: from there on
+                seek, start = newest
+                index = start + worker_id
+            if self.stop is not None and index >= self.stop:
+                return
+            yield replace(hidden.batch(rank=self.rank, index=index), seek=seek)
             index += num_workers
 
 
@@ -200,3 +237,85 @@ def make_loader(
         prefetch_factor=4 if num_workers > 0 else None,
         persistent_workers=False,
     )
+
+
+class KeptLoader:
+    """Loader workers started once per process, before the trainer knows where to start, and kept when the
+    job restarts in place: `batches(start)` moves them to a checkpoint's position, without their start-up.
+
+        kept = KeptLoader(config, rank=rank, stop=steps)     # workers start now (their warm-up begins)
+        ...                                                  # process group, model, restore
+        batches = kept.batches(resumed_step)                 # batch resumed_step, resumed_step + 1, ...
+
+    Batches already made for an earlier position (prefetched before a failure) are dropped. The stream is
+    checked: when the first batch of a position is not the one asked for (several workers can move at
+    different batches) or the workers have ended, a new loader takes over from where the stream was right,
+    paying the workers' start-up again rather than giving a batch out of order.
+    """
+
+    def __init__(
+        self,
+        config: ClickDataConfig,
+        *,
+        rank: int,
+        stop: int | None = None,
+        num_workers: int = 1,
+        worker_init_fn: Callable[[int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.stop = stop
+        self.num_workers = num_workers
+        self.worker_init_fn = worker_init_fn
+        self.gate = ResumeGate()
+        self.num_restarted = 0
+        """How often the kept workers could not be used and a new loader took over."""
+        self._iterator: Iterator[ClickBatch] | None = iter(self._loader(self.gate))  # the workers start
+
+    def _loader(self, start: int | ResumeGate) -> DataLoader:
+        loader = make_loader(
+            self.config, rank=self.rank, start=start, stop=self.stop, num_workers=self.num_workers
+        )
+        loader.worker_init_fn = self.worker_init_fn
+        return loader
+
+    def batches(self, start: int) -> Iterator[ClickBatch]:
+        """Batches `start`, `start + 1`, ... up to `stop` (exclusive). A later call supersedes this one."""
+        seek = self.gate.set(start)
+        return self._checked(seek, start)
+
+    def _checked(self, seek: int, start: int) -> Iterator[ClickBatch]:
+        expected = start
+        restarted = False
+        while self.stop is None or expected < self.stop:
+            batch = self._next()
+            if batch is not None and batch.seek < seek:
+                continue  # made before the trainer went back: not this position's
+            if batch is not None and batch.seek == seek and batch.index == expected:
+                yield batch
+                expected += 1
+                continue
+            if restarted:
+                raise RuntimeError(f"loader workers started at batch {expected} gave {batch and batch.index}")
+            # The kept workers cannot give batch `expected`: new ones, from there (a cold start of theirs).
+            self.close()
+            self.num_restarted += 1
+            restarted = True
+            self.gate = ResumeGate()
+            self._iterator = iter(self._loader(self.gate))
+            seek = self.gate.set(expected)
+
+    def _next(self) -> ClickBatch | None:
+        if self._iterator is None:
+            return None
+        try:
+            return next(self._iterator)
+        except StopIteration:  # the workers ended (their stream reached `stop`)
+            return None
+
+    def close(self) -> None:
+        """Stop the workers (and wait for them). Idempotent."""
+        iterator, self._iterator = self._iterator, None
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()

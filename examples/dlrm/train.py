@@ -6,9 +6,14 @@
 Start-up runs as the named init sub-stages, each an `ettr.phase`, with the init communication audit
 (`ettr.audit`) counting the collectives of each:
 
-    DEVICE_INIT -> PROCESS_GROUP_INIT -> PREPROC_CREATION -> TRAIN_MODULE_CREATION -> INIT_PLUGINS
+    DEVICE_INIT -> PREPROC_CREATION -> PROCESS_GROUP_INIT -> TRAIN_MODULE_CREATION -> INIT_PLUGINS
     -> RESTORE (recorded by the checkpointer) -> PRE_TRAIN -> COMPILE -> GET_FIRST_BATCH_DATA
     -> training_started()
+
+With `--overlap-startup` the loader workers start in PREPROC_CREATION, before the process group: their
+warm-up runs while the ranks meet, build the model and restore. With `--inplace` (`ettr.resilient`) each
+in-place restart is a generation: it makes its process group, model and checkpointer anew (they hold the
+group), while the loader workers are kept and moved to the restored step (`dlrm.data.KeptLoader`).
 
 The loop (global steps are 1-based; step n consumes batch n-1 of each rank's stream):
 
@@ -50,7 +55,7 @@ import ettr.audit
 import ettr.inplace
 import ettr.report.audit
 from dlrm.checkpointing import AutoInterval, Checkpointer, make_checkpointer
-from dlrm.data import ClickBatch, ClickDataConfig, ResumeGate, make_loader
+from dlrm.data import ClickBatch, ClickDataConfig, KeptLoader, make_loader
 from dlrm.plan_cache import PlanCache, plan_key
 from ettr.errors import UsageError
 from ettr.events import Event, EventKind
@@ -108,7 +113,8 @@ class TrainConfig:
     unless ettr's compile store (`ETTR_COMPILE_STORE` under `ettr run`) restores the artifacts. None: the
     usual shared caches (warm after the first run on this machine)."""
     overlap_startup: bool = False
-    """Start the loader workers before the model is built, so their start-up is hidden behind it."""
+    """Start the loader workers first, before the process group and the model, so their start-up is hidden
+    behind those (and keep them across in-place restarts)."""
     plan_cache: str | None = None
     """Directory of computed TorchRec sharding plans: the plan of this model and world size is computed
     (collectively) once, then read back by every later attempt and job (`dlrm.plan_cache`). None: plan
@@ -461,15 +467,26 @@ def run(config: TrainConfig) -> int:
 
     with clock.phase(ettr.Phase.DEVICE_INIT):
         torch.manual_seed(config.seed)
+    with clock.phase(ettr.Phase.PREPROC_CREATION):
+        kept = None
+        if config.overlap_startup:  # workers start now and warm up while the ranks meet and build the model
+            kept = KeptLoader(
+                data_config,
+                rank=rank,
+                stop=config.steps,
+                num_workers=config.num_workers,
+                worker_init_fn=leave_sigterm_to_the_trainer,
+            )
     if config.inplace:
-        # Each generation makes its process group (the wrapper), model, checkpointer and loader anew.
+        # Each generation makes its process group (the wrapper), model and checkpointer anew; the loader
+        # workers are this process's, kept across generations (they hold no process group).
         status = ettr.inplace.resilient(
-            lambda gen: _generation(config, data_config, clock, audit, gen.rank, gen.world_size)
+            lambda gen: _generation(config, data_config, clock, audit, kept, gen.rank, gen.world_size)
         )()
     else:
         with clock.phase(ettr.Phase.PROCESS_GROUP_INIT):
             init_process_group(rank, world_size)
-        status = _generation(config, data_config, clock, audit, rank, world_size)
+        status = _generation(config, data_config, clock, audit, kept, rank, world_size)
     if config.fast_exit:  # the state is committed and the books flushed: nothing left to wait for
         exit_now(status)
     return status
@@ -480,20 +497,16 @@ def _generation(
     data_config: ClickDataConfig,
     clock: StageClock,
     audit: Any,
+    kept: KeptLoader | None,
     rank: int,
     world_size: int,
 ) -> int:
-    """From the data pipeline to the end of training over the process group there is (one generation of a
-    job restarted in place, or the whole of one that is not)."""
-    with clock.phase(ettr.Phase.PREPROC_CREATION):
-        gate = ResumeGate() if config.overlap_startup else None
-        batches: Iterator[ClickBatch] | None = None
-        if gate is not None:  # workers start now and warm up while the model is built
-            loader = make_loader(
-                data_config, rank=rank, start=gate, stop=config.steps, num_workers=config.num_workers
-            )
-            loader.worker_init_fn = leave_sigterm_to_the_trainer
-            batches = iter(loader)
+    """From the model to the end of training over the process group there is (one generation of a job
+    restarted in place, or the whole of one that is not). `kept`: loader workers started already."""
+    if kept is not None and kept.rank != rank:  # a rank of another number in this generation
+        kept.close()
+        kept = None
+    batches: Iterator[ClickBatch] | None = None
     with clock.phase(ettr.Phase.TRAIN_MODULE_CREATION):
         model, optimizer, dense_tower = build_model(config, world_size, clock)
         state = TrainState(model, optimizer)
@@ -524,8 +537,8 @@ def _generation(
             ettr.resumed_from(None)
     with clock.phase(ettr.Phase.PRE_TRAIN):
         model.train()
-        if gate is not None:
-            gate.set(resumed_step)
+        if kept is not None:
+            batches = kept.batches(resumed_step)
         else:
             loader = make_loader(
                 data_config, rank=rank, start=resumed_step, stop=config.steps, num_workers=config.num_workers
@@ -579,6 +592,8 @@ def _generation(
             publish(model, step=step, config=config, data=data_config, rank=rank)
         if not config.fast_exit:
             del batches  # stops the loader workers (and waits for them)
+            if kept is not None:
+                kept.close()
         summary = {
             "rank": rank,
             "world_size": world_size,
