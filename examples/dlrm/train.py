@@ -357,7 +357,12 @@ def publish(model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig
         mode=config.publish,
     )
     features = KeyedJaggedTensor(keys=data.feature_names, values=sample.values, lengths=sample.lengths)
-    result = publish_at_end(model, step=step, config=publish_config, sample_inputs=(sample.dense, features))
+    # The reference outputs are one forward in eval mode without grad: the compiled dense tower would
+    # recompile for it (its graphs are for training, grad mode on), ~1 s of shutdown for one batch.
+    with torch.compiler.set_stance("force_eager"):
+        result = publish_at_end(
+            model, step=step, config=publish_config, sample_inputs=(sample.dense, features)
+        )
     done = (
         f"artifact built in {result.artifact_dir}" if result.built else f"request {result.request_id} queued"
     )
@@ -387,6 +392,12 @@ def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tupl
 
     _apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": config.lr})
     dense_tower = model.dense_tower
+    if config.compile:
+        # Asked for now, compiled at its first call (the COMPILE phase): under `ettr run` the compile store
+        # starts restoring the artifacts at the first `torch.compile`, on a helper thread, so the restore
+        # overlaps the sharding, the checkpointer and the checkpoint read instead of waiting before the
+        # first compilation.
+        dense_tower.compile(dynamic=False)
     sharders = [EmbeddingBagCollectionSharder()]
     with clock.part("plan"):
         topology = TopologyFactory.create_topology(
@@ -409,15 +420,14 @@ def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tupl
     return sharded, optimizer, dense_tower
 
 
-def compile_dense_tower(dense_tower: torch.nn.Module, data: ClickDataConfig, embedding_dim: int) -> None:
-    """Compile the dense tower in place and run it forward and backward once on the training shapes.
+def warm_up_dense_tower(dense_tower: torch.nn.Module, data: ClickDataConfig, embedding_dim: int) -> None:
+    """Run the dense tower (compiled in place by `build_model`) forward and backward once on the training
+    shapes, so that it compiles now.
 
     In place (`Module.compile`), so the sharded model calls the compiled tower and state_dict keys stay
-    unprefixed.
-    The gradient is taken w.r.t. the input only, so no parameter gradient is accumulated and DDP's
-    hooks do not fire; the graphs compiled here are the ones the loop uses (no recompile at step 1).
+    unprefixed. The gradient is taken w.r.t. the input only, so no parameter gradient is accumulated and
+    DDP's hooks do not fire; the graphs compiled here are the ones the loop uses (no recompile at step 1).
     """
-    dense_tower.compile(dynamic=False)
     dense = torch.zeros(data.batch_size, data.num_dense)
     pooled = torch.zeros(data.batch_size, data.num_tables, embedding_dim, requires_grad=True)
     torch.autograd.grad(dense_tower(dense, pooled).sum(), pooled)
@@ -547,7 +557,7 @@ def _generation(
         dist.barrier()  # all ranks enter the loop together (and the audit shows what that wait costs)
     if config.compile:
         with clock.phase(ettr.Phase.COMPILE):
-            compile_dense_tower(dense_tower, data_config, config.embedding_dim)
+            warm_up_dense_tower(dense_tower, data_config, config.embedding_dim)
     num_graphs_after_warm_up = _num_compiled_graphs()
     with clock.phase(ettr.Phase.GET_FIRST_BATCH_DATA):
         if batches is None:
