@@ -357,6 +357,17 @@ class JobRun:
             f"{name}: ettr run exited {returncode} after {self.elapsed_s:.0f} s (log: {self.job.log_path})"
         )
 
+    def wait(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s`, returning at once when the `ettr run` launched exits (so that a preempted
+        job is requeued as soon as it is over, not at the next look)."""
+        if self._proc is None or self.status is not None:
+            time.sleep(timeout_s)
+            return
+        try:
+            self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
     def stop(self) -> None:
         """Interrupted: let the supervisor stop the job and close its books."""
         if self._proc is not None and self._proc.poll() is None:
@@ -439,7 +450,7 @@ def run_jobs(runs: Sequence[JobRun], display: ProgressDisplay) -> None:
         try:
             while run.status is None:
                 run.tick(display)
-                time.sleep(1.0)
+                run.wait(1.0)
         finally:
             run.stop()
 
