@@ -12,8 +12,11 @@ The job (`ettr.testing.resilient_job`: 2-rank gloo DDP, ettr's CheckpointManager
     torchrun_inplace  (not run unless named) the job under `ettr.resilient` run by `torchrun --max-restarts 1`:
                   a crash is restarted in place among the same processes, a killed rank is not replaced, so
                   its peer gives up after `--rendezvous-timeout-s` and torchrun restarts both (from memory)
-The rank fails once it has trained `--fail-after-s` (default 15 s: a job that trained a while, whose warm
-standbys are ready; the first 25 steps take well under that).
+The rank fails once it has trained `--fail-after-s` (default 15 s; the first 25 steps take well under that)
+and, under `ettr run`, once the supervisor's standbys are warm (at most `--standby-wait-max-s`, default 120 s):
+a job that trained a while, as one that fails after hours has its standbys ready (on a busy machine their
+warm-up at idle priority takes longer than 15 s; `standbys_warm_s` says when they were). `relaunch_paths`
+says how each replacement started (`warm`, or `promoted`: a standby still warming).
 A recovery succeeded when the command exited 0, trained to the last step after the fault, and both ranks end
 with the parameters of an uninterrupted run (`bad_resumes` counts the others). TTR is measured the same way
 for all, from the job's own timestamps: the fault to the first step completed after the post-fault restore,
@@ -53,16 +56,21 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 LAUNCHERS = ("torchrun", "ettr", "ettr_memory", "ettr_inplace")
+STANDBYS_WARM = "standbys-warm"
+"""Made in a trial's directory once the supervisor's standbys are warm: the job's fault waits for it."""
+_READ_SYSCALL = {"x86_64": "0", "aarch64": "63"}.get(platform.machine())
 EXTRA_LAUNCHERS = ("torchrun_inplace",)
 FAULTS = {"crash": "raise", "kill": "kill"}
 NUM_STEPS, EVERY, FAIL_AT = 35, 10, 25
@@ -86,6 +94,8 @@ def _job(work: Path, launcher: str, fault: str, args: argparse.Namespace) -> lis
     ]  # fmt: skip
     if launcher == "torchrun_inplace":  # nobody replaces a dead rank: its peer gives up after this
         job += ["--rendezvous-timeout-s", f"{args.rendezvous_timeout_s:g}"]
+    if launcher.startswith("ettr") and args.standby_wait_max_s > 0:  # the fault waits for the standbys too
+        job += ["--fail-when", str(work / STANDBYS_WARM), "--fail-wait-max-s", f"{args.standby_wait_max_s:g}"]
     if not launcher.endswith("_inplace"):
         job.append("--no-resilient")
     if launcher in ("torchrun", "ettr"):
@@ -164,6 +174,8 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
             stderr=stderr,
             start_new_session=True,
         )
+    waits = launcher.startswith("ettr") and args.standby_wait_max_s > 0
+    watch = _StandbyWatch(proc.pid, work / STANDBYS_WARM) if waits else None
     try:
         proc.wait(timeout=args.timeout_s)
         rc: int | None = proc.returncode
@@ -173,6 +185,10 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
             os.killpg(proc.pid, 9)
         proc.wait()
         rc, tail = None, [f"timed out after {args.timeout_s:g} s"]
+    finally:
+        if watch is not None:
+            watch.done.set()
+            watch.join()
     leftover = _end_leftovers(work)
     found = _measure(work / "log.jsonl")
     bad = reference is not None and bool(found["digests"]) and found["digests"] != [reference]
@@ -188,6 +204,8 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
         "leftover_processes": leftover,
         "leftover_memory": sorted(p.name for p in (work / "memory").glob("*")) if rc == 0 else [],
     }
+    if watch is not None:  # when the standbys were warm (None: not within --standby-wait-max-s of training)
+        result["standbys_warm_s"] = None if watch.warm_at is None else round(watch.warm_at - started, 3)
     if launcher.startswith("ettr") and (work / "run").exists():
         ledger = _ledger_parts(work / "run")
         result["kind"] = ledger.pop("ledger_kind", None)
@@ -195,6 +213,54 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
         result["parts_s"] = {**found["parts_s"], **ledger}
     _keep_if_failed(result, work, bad, tail)
     return result
+
+
+class _StandbyWatch(threading.Thread):
+    """Makes `flag` once the standbys `ettr run` (process `parent`) keeps for the next attempt are warm: one
+    per rank, each blocked reading its pipe for the attempt (`ettr.bootstrap.standby`). The job's fault waits
+    for it (`--fail-when`), as a job that trained a while has its standbys ready: the figures are those of a
+    failure after the warm-up, not of one that races it (that path, `promoted`, is in docs/supervisor.md)."""
+
+    def __init__(self, parent: int, flag: Path, ranks: int = 2) -> None:
+        super().__init__(name="standby-watch", daemon=True)
+        self.parent, self.flag, self.ranks = parent, flag, ranks
+        self.done = threading.Event()
+        self.warm_at: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.wait(0.1):
+            found = _standbys(self.parent)
+            if _READ_SYSCALL is None or (len(found) >= self.ranks and all(_reading(*s) for s in found)):
+                self.warm_at = time.monotonic()
+                self.flag.touch()
+                return
+
+
+def _standbys(parent: int) -> list[tuple[int, int]]:
+    """(pid, pipe fd) of each standby process `parent` started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"ettr.bootstrap.standby" in argv:
+                found.append((int(entry.name), int(argv[argv.index(b"ettr.bootstrap.standby") + 1])))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _reading(pid: int, fd: int) -> bool:
+    """Whether process `pid` is blocked in read(2) on `fd` (its warm-up done, it waits for an attempt)."""
+    try:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return False
+    return len(fields) > 1 and fields[0] == _READ_SYSCALL and int(fields[1], 16) == fd
 
 
 def _last_line(path: Path) -> str:
@@ -441,6 +507,12 @@ def main() -> int:
         default=15.0,
         help="the fault waits until the rank has trained this long",
     )
+    parser.add_argument(
+        "--standby-wait-max-s",
+        type=float,
+        default=120.0,
+        help="under ettr run the fault also waits until the standbys are warm, at most this long",
+    )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="a trial still running then failed")
     parser.add_argument("--kill-trials", type=int, default=100, help="in-place SIGKILL trials (0: none)")
     parser.add_argument(
@@ -460,7 +532,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.trials, args.faults, args.hidden, args.kill_trials = 1, "crash", 64, 2
-        args.fail_after_s, args.node_trials = 0.0, 1
+        args.fail_after_s, args.node_trials, args.standby_wait_max_s = 0.0, 1, 0.0
     faults = [f for f in args.faults.split(",") if f]
     launchers = [name for name in args.launchers.split(",") if name]
     known = (*LAUNCHERS, *EXTRA_LAUNCHERS)
@@ -493,9 +565,11 @@ def main() -> int:
                 results[fault][launcher].append(r)
                 ttr = "-" if r["ttr_s"] is None else f"{r['ttr_s']:.3f} s"
                 why = "" if r["recovered"] else f" ({r.get('why', '')[:100]}; kept {r['kept']})"
+                path = f" path {r['relaunch_path']}" if r.get("relaunch_path") else ""
+                warm = f" standbys warm at {r['standbys_warm_s']} s" if "standbys_warm_s" in r else ""
                 _say(
                     f"trial {i} {fault:<5} {launcher:<12} recovered={r['recovered']} ttr={ttr} "
-                    f"restored from {r['restored_from']}{why}"
+                    f"restored from {r['restored_from']}{path}{warm}{why}"
                 )
     node_loss: dict[str, list[dict[str, Any]]] = {"memory": [], "storage": []}
     for i in range(args.node_trials):
@@ -538,6 +612,7 @@ def main() -> int:
                 f"{fault:<5} {launcher:<12} recovered {s['recovered']}/{s['trials']}  median TTR {med}  worst {worst}"
                 f"  restored from {s['restored_from']}"
                 + (f"  kinds {s['kinds']}" if "kinds" in s else "")
+                + (f"  paths {s['relaunch_paths']}" if "relaunch_paths" in s else "")
                 + f"  left behind: {s['leftover_processes']} processes, {s['leftover_memory']} memory copies"
             )
             if "parts_median_s" in s:

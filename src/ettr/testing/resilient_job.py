@@ -4,12 +4,15 @@ and `benchmarks/recovery.py`.
     torchrun --standalone --nproc-per-node 2 -m ettr.testing.resilient_job --ckpt-dir DIR --timings LOG \\
         [--steps 40] [--every 5] [--fault raise|exit|kill] [--fail-at 17] [--fail-rank 1]
         [--no-resilient] [--no-memory-copy] [--hidden 64] [--step-s 0] [--fail-after-s 0]
+        [--fail-when PATH [--fail-wait-max-s 120]]
 
 Every rank trains the same DDP model on its own shard of a fixed dataset (`ResumableSampler`), saving with
 ettr's `CheckpointManager` every `--every` steps (memory copies on). The fault fires once per job (a marker
 beside the log) on `--fail-rank` right after step `--fail-at`: `raise` (an exception the process survives),
 `exit` (`os._exit(1)`: the process dies) or `kill` (SIGKILL); with `--fail-after-s` it first waits until the
-process has trained that long (since its first step) (a job that trained a while, whose supervisor's warm standbys are ready). `--no-resilient` runs the same training
+process has trained that long (since its first step) (a job that trained a while, whose supervisor's warm standbys are ready),
+and with `--fail-when` until the file PATH exists too (`benchmarks/recovery.py` makes it once the supervisor's
+standbys are warm; at most `--fail-wait-max-s`). `--no-resilient` runs the same training
 without the wrapper (the process restart baseline); `--no-memory-copy` restores from storage. Each line of
 `--timings` is JSON: {"ev": "start" | "train" | "step" | "fault" | "restored" | "done", "ts", "pid", "rank",
 "step", ...}; "train" starts a generation (`generation`: its index, -1 without the wrapper), "restored" says
@@ -47,13 +50,17 @@ def _fire(args: argparse.Namespace, rank: int, step: int) -> None:
     except FileExistsError:
         return  # once per job
     wait_s = args.fail_after_s - (time.time() - _TRAINING["since"])
-    if wait_s > 0:  # a job that has trained a while: its supervisor's warm standbys are ready
+    waits_for = args.fail_when is not None and not os.path.exists(args.fail_when)
+    if wait_s > 0 or waits_for:  # a job that has trained a while: its supervisor's warm standbys are ready
         import ettr
 
         # Booked as an evaluation, as a job that pauses its steps would: silence outside a phase is a hang
         # to `ettr run`'s watchdog after 10 s, which would kill the job before its fault.
         with ettr.phase(ettr.Phase.EVAL):
-            time.sleep(wait_s)
+            time.sleep(max(wait_s, 0.0))
+            deadline = time.monotonic() + args.fail_wait_max_s
+            while waits_for and not os.path.exists(args.fail_when) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the benchmark makes the file
     log(args.log, ev="fault", rank=rank, step=step, kind=args.fault)
     if args.fault == "raise":
         raise RuntimeError(f"injected failure at step {step}")
@@ -148,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="the fault waits until the process has trained this long",
     )
+    parser.add_argument("--fail-when", default=None, help="the fault waits until this file exists too")
+    parser.add_argument("--fail-wait-max-s", type=float, default=120.0, help="the longest --fail-when waits")
     parser.add_argument(
         "--memory-copy", action=argparse.BooleanOptionalAction, default=True, help="restore from memory"
     )
