@@ -292,6 +292,42 @@ def test_a_save_lasts_until_the_save_function_returns_to_the_loop(
     assert commits[-3:] == ["init.pt", "ckpt.pt", "inline.pt"]
 
 
+def test_a_save_made_by_a_handler_inside_another_save_is_committed(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    # A SIGTERM-saving script behind a wrapper gets two SIGTERMs (the group's and torchrun's forward): the
+    # second runs the handler again inside the first handler's torch.save; that inner save completes, then
+    # sys.exit unwinds the outer one. The inner one was not recorded: the job lost the steps it saved.
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 2)).sum().backward()
+    optimizer.step()
+
+    def on_sigterm() -> None:
+        torch.save(model.state_dict(), tmp_path / "inner.pt")
+        raise SystemExit(0)
+
+    class SecondSignal:  # the second SIGTERM, landing while the first save pickles
+        def __reduce__(self) -> Any:
+            on_sigterm()
+            return (dict, ())
+
+    with pytest.raises(SystemExit):
+        torch.save({"model": model.state_dict(), "x": SecondSignal()}, tmp_path / "outer.pt")
+
+    events = _events(rec, ledger)
+    commits = [(e.step, Path(e.data["path"]).name) for e in events if e.kind is EventKind.CHECKPOINT_COMMIT]
+    assert commits[-1] == (1, "inner.pt")
+    spans = [
+        (Path(e.data["path"]).name, e.data.get("error"))
+        for e in events
+        if e.kind is EventKind.PHASE_END and e.phase is Phase.CHECKPOINT_BLOCKING
+    ]
+    assert sorted(spans, key=str) == [("inner.pt", None), ("outer.pt", "SystemExit")]
+    assert not hooks.checkpoints._busy() and sys.getprofile() is None
+
+
 def test_a_save_window_ends_where_training_resumes_and_a_handler_is_its_own_save_function() -> None:
     from ettr.bootstrap.save_window import SaveWindow
 

@@ -34,7 +34,8 @@ whose step the hooks did not see. The step is taken from the loaded object's own
 report says the resumed step is unknown instead of claiming a start from scratch.
 
 Calls made by ettr's own modules (the checkpoint manager records itself) and nested calls (dcp writing
-through torch.save) are not recorded twice; nor are saves and loads inside a phase that user code or a
+through torch.save) are not recorded twice, but a save the script itself makes inside another one (its
+SIGTERM handler run again by a second SIGTERM mid-save, which then exits through the first) is a save; nor are saves and loads inside a phase that user code or a
 framework callback records itself. `--inject KIND@checkpoint` fires inside the save, before the data is
 written, so that checkpoint never commits.
 """
@@ -61,7 +62,7 @@ from ettr.bootstrap.checkpoint_targets import (
     path_of,
     step_in,
 )
-from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
+from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr, called_from_script
 from ettr.bootstrap.save_window import SaveWindow
 from ettr.events import Event, EventKind, Phase
 from ettr.integrations._commits import CHECKPOINT_FILE_MARK
@@ -349,7 +350,9 @@ class CheckpointHooks:
 
         def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
             def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-                if hooks._busy():
+                # inside another save: a library writing through torch.save is part of it, but a script's
+                # own save (its SIGTERM handler, run again by a second SIGTERM mid-save) is a save
+                if hooks._busy() and not called_from_script():
                     return original(obj, f, *args, **kwargs)
                 if called_from_ettr():
                     return hooks._quiet(lambda: original(obj, f, *args, **kwargs))
@@ -428,6 +431,7 @@ class CheckpointHooks:
     def _timed_save(self, path: str, call: Callable[[], Any]) -> Any:
         step = self.guard.call("checkpoint save", lambda: self.steps.current_step)
         begin = time.time()
+        outer = self._busy()  # a save of the script's made inside another one (a signal handler's)
         self._set_busy(True)
         try:
             inject.checkpoint_in_progress()
@@ -444,7 +448,7 @@ class CheckpointHooks:
             )
             raise
         finally:
-            self._set_busy(False)
+            self._set_busy(outer)
         if step is not None:
             self.guard.call("checkpoint save", self._saved, path, step, begin)
         return result
