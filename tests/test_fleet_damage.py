@@ -332,3 +332,13 @@ def test_a_cache_dir_that_is_not_a_directory_is_one_line(fleet, tmp_path, capsys
     err = capsys.readouterr().err
     # the empty path is argparse's to refuse ("argument --cache-dir: an empty path"): the flag is named either way
     assert err.startswith(f"ettr {cmd}: ") and "--cache-dir" in err and len(err.splitlines()) == 1
+
+
+def test_serve_refuses_a_ledger_url_that_can_never_be_read(tmp_path, capsys):
+    """`ettr serve --ledger` with a path under a regular file (or an unknown scheme) is bad input at start,
+    one line and exit 2, not a server that answers every scrape with nothing."""
+    (tmp_path / "afile").write_text("x")
+    for url in (f"sqlite:///{tmp_path}/afile/x.db", "mysql://h/db"):
+        assert main(["serve", "--ledger", url, "--port", "0"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("ettr serve: "), err

@@ -31,6 +31,16 @@ def test_sqlite_paths(tmp_path):
             sqlite_path(bad)
 
 
+def test_a_sqlite_path_under_a_regular_file_is_bad_input(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for url in (f"sqlite:///{tmp_path}/afile/x.db", f"sqlite:///{tmp_path}/afile/sub/x.db"):
+        with pytest.raises(UsageError, match="afile is not a directory"):
+            sqlite_path(url)
+    with pytest.raises(UsageError, match="afile is not a directory"):
+        open_url(f"sqlite:///{tmp_path}/afile/x.db", job_id="j", create=True)
+    assert (tmp_path / "afile").read_text() == "x"
+
+
 def test_a_sqlite_file_holds_one_job(tmp_path):
     url = f"sqlite:///{tmp_path}/books.db"
     with pytest.raises(UsageError, match="no such file"):

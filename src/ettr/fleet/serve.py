@@ -170,6 +170,14 @@ def serve_forever(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"ettr serve: {given}: not a directory (give run directories or folders of them)"
             )
+    if args.ledger:  # a URL that can never be read is bad input now (a server that is down is not)
+        from ettr.ledger.url import scheme_of, sqlite_path
+
+        try:
+            if scheme_of(args.ledger) == "sqlite":
+                sqlite_path(args.ledger)
+        except UsageError as exc:
+            raise UsageError(f"ettr serve: {exc}") from None
     server = start_server(loader(args), port=args.port, addr=args.addr)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())

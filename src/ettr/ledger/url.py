@@ -56,7 +56,17 @@ def sqlite_path(url: str) -> Path:
     if not text.strip("/"):
         raise UsageError(f"ledger URL {url!r} names no file (write sqlite:///PATH/TO/ledger.db)")
     path = Path(text)
-    return path / LEDGER_FILENAME if path.is_dir() else path
+    if path.is_dir():
+        return path / LEDGER_FILENAME
+    for parent in path.parents:  # `sqlite:///afile/x.db` under a regular file: say so, not "File exists"
+        if os.path.lexists(parent):
+            if not parent.is_dir():
+                raise UsageError(
+                    f"ledger URL {url!r}: {parent} is not a directory (give a path under a folder: "
+                    "sqlite:///DIR/ledger.db)"
+                )
+            break
+    return path
 
 
 def _sqlite(url: str, *, job_id: str, create: bool) -> SqliteLedger:
