@@ -146,9 +146,11 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         raise UsageError("ettr run: no command given (usage: ettr run [options] -- COMMAND [ARGS...])")
     args.command = command
+    from ettr.checkpoint.memory_sweep import sweep
     from ettr.fleet.stored import store_at_job_end  # the job's fleet summary, stored once (docs/fleet.md)
     from ettr.supervisor import main as supervise
 
+    sweep()  # memory copies of this node's jobs that ended without removing theirs (docs/checkpointing.md)
     return supervise(args, at_job_end=store_at_job_end)
 
 

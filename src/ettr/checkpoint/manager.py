@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ettr.checkpoint import memory_sweep
 from ettr.checkpoint.admission import ALLOW_UNSIGNED_ENV, RESUME_FOREIGN_ENV, Admission, env_flag
 from ettr.checkpoint.base import (
     CheckpointConfig,
@@ -726,6 +727,7 @@ def _memory_copies(
     root = memory_root()
     if root is None:
         return None
+    memory_sweep.sweep(root)  # copies of jobs that ended without removing theirs (killed, no `ettr run`)
     return MemoryCopies.for_root(
         root, storage_url, rank=rank, owner=run_dir, max_bytes=config.memory_max_bytes
     )

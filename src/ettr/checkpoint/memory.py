@@ -23,13 +23,14 @@ import hashlib
 import logging
 import os
 import secrets
+import shutil
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ettr.checkpoint import snapshot
+from ettr.checkpoint import memory_sweep, snapshot
 from ettr.checkpoint.base import (
     MANIFEST_NAME,
     CheckpointInvalid,
@@ -105,6 +106,7 @@ class MemoryCopies:
         """Size of the copy last written (0: none)."""
         self.owner = ""
         """The run directory written to the `owner` file with each copy ("" outside a run)."""
+        self._lease_name = ""
 
     @classmethod
     def for_root(
@@ -197,6 +199,9 @@ class MemoryCopies:
         _ensure_private(self.directory.parent)
         _ensure_private(self.directory)
         self._write_owner()
+        self._lease_name = self._lease_name or memory_sweep.lease_name()
+        if not os.path.lexists(self.directory / self._lease_name):  # who keeps these copies alive
+            memory_sweep.write_lease(self.directory)  # (`ettr.checkpoint.memory_sweep`)
         fs = os.statvfs(self.directory)
         free = fs.f_bavail * fs.f_frsize
         reserve = min(self.reserve_bytes, fs.f_blocks * fs.f_frsize // 10)
@@ -282,10 +287,10 @@ class MemoryCopies:
             for entry in entries:
                 if entry.name.startswith("held-rank-") or entry.name.startswith(f".rank-{self.rank}.snap."):
                     self.discard(Path(entry.path))
-        with contextlib.suppress(OSError), os.scandir(self.directory) as entries:
-            if all(entry.name == MEMORY_OWNER_NAME for entry in entries):  # the last rank out
-                self.discard(self.directory / MEMORY_OWNER_NAME)
-                self.directory.rmdir()
+        memory_sweep.remove_lease(self.directory)
+        with contextlib.suppress(OSError):
+            if memory_sweep.only_bookkeeping_left(self.directory):  # the last rank out
+                shutil.rmtree(self.directory)
 
 
 def _write_bytes(path: Path, data: memoryview) -> int:

@@ -1,0 +1,120 @@
+"""Memory copies of jobs that ended without removing theirs (a killed plain-torchrun job, a SIGKILLed
+supervisor) are removed by the next ettr process on the node, and a live job's never are
+(ettr.checkpoint.memory_sweep; liveness is a fake here, as is the boot)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ettr.checkpoint.memory import MemoryCopies
+from ettr.checkpoint.memory_sweep import LEASE_SCHEMA, Lease, keepers_of_this_process, sweep
+from ettr.checkpoint.snapshot import Binding
+
+BOOT = "boot-a"
+LIVE = {101, 202}
+HOUR_S = 3600.0
+
+
+def _alive(pid: int, ticks: int | None) -> bool:
+    return pid in LIVE
+
+
+def _copies_dir(root: Path, name: str, *leases: dict | str, age_s: float = 0.0) -> Path:
+    directory = root / name
+    directory.mkdir(parents=True)
+    (directory / "rank-0.snap").write_bytes(b"x" * 64)
+    (directory / "owner").write_text("/runs/job\n")
+    for i, lease in enumerate(leases):
+        text = lease if isinstance(lease, str) else json.dumps(lease)
+        (directory / f"lease-{1000 + i}-0").write_text(text)
+    if age_s:
+        old = time.time() - age_s
+        for path in [directory, *directory.iterdir()]:
+            os.utime(path, (old, old), follow_symlinks=False)
+    return directory
+
+
+def _lease(*pids: int, boot: str = BOOT) -> dict:
+    return {"schema": LEASE_SCHEMA, "boot_id": boot, "keepers": [[pid, 7] for pid in pids]}
+
+
+def _sweep(root: Path) -> set[str]:
+    return {p.name for p in sweep(root, current_boot=BOOT, alive=_alive, unowned_max_age_s=HOUR_S)}
+
+
+def test_copies_whose_keepers_are_gone_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    root = tmp_path / "memory"
+    root.mkdir(mode=0o700)
+    _copies_dir(root, "ckpt-live", _lease(999, 101))  # the rank died, its supervisor (101) restarts it
+    _copies_dir(root, "ckpt-two-ranks", _lease(998), _lease(202))  # one rank of two still runs
+    _copies_dir(root, "ckpt-dead", _lease(998, 997), _lease(996))  # a killed job: nobody left
+    _copies_dir(root, "ckpt-other-boot", _lease(101, boot="boot-b"))  # pid 101 of another boot is not ours
+    _copies_dir(root, "ckpt-legacy-new", age_s=60)  # no lease (an older ettr's): unchanged for a minute
+    _copies_dir(root, "ckpt-legacy-old", age_s=2 * HOUR_S)
+    _copies_dir(root, "ckpt-forged-lease", "{nope", _lease(998))  # an unreadable lease: unknown, not dead
+    _copies_dir(
+        root, "ckpt-forged-old", '{"schema": "ettr.memory-lease/1", "keepers": [[1, 0]]}', age_s=2 * HOUR_S
+    )
+    (root / "inplace-202-abcdef").mkdir()  # a live supervisor's in-place store
+    (root / "inplace-998-abcdef").mkdir()  # a SIGKILLed supervisor's
+    (root / "inplace-998-abcdef.store").write_text("")  # a FileStore file: not a directory of copies
+    (root / "unrelated").mkdir()
+    assert _sweep(root) == {"ckpt-dead", "ckpt-other-boot", "ckpt-legacy-old", "ckpt-forged-old",
+                            "inplace-998-abcdef"}  # fmt: skip
+    assert sorted(p.name for p in root.iterdir()) == [
+        "ckpt-forged-lease", "ckpt-legacy-new", "ckpt-live", "ckpt-two-ranks", "inplace-202-abcdef",
+        "inplace-998-abcdef.store", "unrelated",
+    ]  # fmt: skip
+    assert _sweep(root) == set()
+
+
+def test_the_sweep_follows_no_symlink_and_leaves_a_root_that_is_not_ours(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    _copies_dir(tmp_path, "victim", _lease(998))
+    root = tmp_path / "memory"
+    root.mkdir(mode=0o700)
+    (root / "ckpt-link").symlink_to(victim)
+    assert _sweep(root) == set()
+    assert (victim / "rank-0.snap").exists()
+    linked_root = tmp_path / "linked-root"
+    linked_root.symlink_to(tmp_path)  # a root that is a symlink: nothing under it is ours to remove
+    _copies_dir(tmp_path, "ckpt-dead", _lease(998))
+    assert sweep(linked_root, current_boot=BOOT, alive=_alive) == []
+    assert (tmp_path / "ckpt-dead").exists()
+    assert sweep(tmp_path / "missing") == []
+
+
+def test_a_lease_names_the_process_its_supervisor_and_its_torchrun_agent(tmp_path: Path) -> None:
+    pid = os.getpid()
+    assert [k[0] for k in keepers_of_this_process({})] == [pid]
+    keepers = keepers_of_this_process({"ETTR_SUPERVISOR_PID": str(os.getppid())})
+    assert [k[0] for k in keepers] == [pid, os.getppid()]
+    keepers = keepers_of_this_process({"TORCHELASTIC_RUN_ID": "x", "ETTR_SUPERVISOR_PID": "junk"})
+    assert [k[0] for k in keepers] == [pid, os.getppid()]
+    for bad in ({"schema": LEASE_SCHEMA, "boot_id": "b", "keepers": [[True, 0]]},
+                {"schema": LEASE_SCHEMA, "boot_id": "b", "keepers": [[2**40, 0]]},
+                {"schema": LEASE_SCHEMA, "boot_id": "b", "keepers": []}, [1, 2]):  # fmt: skip
+        try:
+            Lease.parse(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad}")
+
+
+def test_a_kept_copy_carries_a_lease_that_keeps_it_until_its_process_is_gone(tmp_path: Path) -> None:
+    root = tmp_path / "memory"
+    copies = MemoryCopies.for_root(root, "file:///ckpt", rank=0, owner=tmp_path / "run")
+    binding = Binding(step=3, manifest_sha256="ab" * 32, world_size=1)
+    assert copies.keep({"w": torch.ones(4)}, binding) > 0
+    leases = [p for p in copies.directory.iterdir() if p.name.startswith("lease-")]
+    assert len(leases) == 1 and json.loads(leases[0].read_text())["keepers"][0][0] == os.getpid()
+    assert sweep(root) == []  # this process runs: real liveness keeps its copy
+    assert sweep(root, alive=lambda pid, ticks: False) == [copies.directory]  # once it is gone, it goes
+    assert copies.keep({"w": torch.ones(4)}, binding) > 0  # written again with its lease
+    copies.remove_all()  # the job completed: the last rank out leaves nothing
+    assert not copies.directory.exists()
