@@ -190,3 +190,56 @@ def test_node_0_opening_after_a_follower_says_nothing_of_continuing(
     ledger = MemoryLedger([_sup(EventKind.SUPERVISOR_START, 0, 1.0), _sup(EventKind.ATTEMPT_START, 0, 2.0)])
     JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger).open()
     assert "continuing job j" in capsys.readouterr().err
+
+
+def test_node_0_books_a_collective_failure_caused_by_a_peer_as_that_peers(tmp_path: Path) -> None:
+    """Node 1 died (its whole process group): node 0's ranks failed first on the broken connection, and the
+    attempt read `collective`. Node 0 now looks at its peers before booking such a failure: a peer that went
+    silent is node_lost, a peer that failed gives its own cause; a peer heard since is no cause."""
+    import time
+
+    from ettr.causes import Detail, diagnose
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+    from ettr.supervisor.signals import SupervisorSignals
+
+    command = (*TORCHRUN[:3], "0", *TORCHRUN[4:], "train.py")
+    config = RunConfig(command=command, ledger_url="sqlite:///x.db", job_id="j", peer_timeout_s=4.0)
+    mine = AttemptEnd(  # as torchrun's failure summary ends it: the gloo reset is in the message only
+        outcome=Outcome.FAILED, exit_code=1, reason="exit status 1 (rank 0): RuntimeError",
+        exception="RuntimeError", message="[../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer",
+        stderr_tail=("  error_file: <N/A>", "=" * 60),
+    )  # fmt: skip
+
+    def settle(*marks: Event) -> AttemptEnd:
+        leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+        ledger = MemoryLedger(list(marks))
+        leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+        end = leader.settle(0, mine, None, SupervisorSignals())
+        return end
+
+    reset = {"exception": "DistBackendError", "message": "Connection reset by peer"}
+
+    def detail(end: AttemptEnd, process: dict | None = None) -> Detail:  # as the report diagnoses it, with
+        failure = {**end.to_data(), "process_failure": process or reset}  # the first FAILURE a rank recorded
+        return diagnose(outcome=end.outcome, failure=failure, trained=True).detail
+
+    now = time.time()
+    silent = peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=now - 6)
+    assert detail(mine) is Detail.COLLECTIVE  # what it read before
+    assert detail(settle(silent)) is Detail.NODE_LOST
+    crashed = peers.node_mark(
+        peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=now - 1, outcome="failed", exit_code=1,
+        reason="exit status 1", exception="InjectedCrash", stderr_tail=["InjectedCrash: at step 6"],
+    )  # fmt: skip
+    end = settle(silent, crashed)
+    crash = {"exception": "InjectedCrash", "message": "at step 6"}  # rank 1's FAILURE came first
+    assert (detail(end, crash), end.exception) == (Detail.EXCEPTION, "InjectedCrash")
+    killed = peers.node_mark(
+        peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=now - 1, outcome="failed", exit_code=137,
+        signal="SIGKILL", reason="killed by SIGKILL (rank 1)",
+    )  # fmt: skip
+    assert detail(settle(killed)) is Detail.PROCESS_LOST
+    alive = peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=now + 3600)  # heard since
+    assert settle(alive) == mine

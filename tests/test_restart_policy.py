@@ -155,6 +155,18 @@ def test_back_off_follows_the_cause() -> None:
             Cause.INFRA,
             Detail.NODE_LOST,
         ),
+        (  # node 1 died: node 0's ranks saw the reset first, the leader then found node 1 silent
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "reason": "node 1's supervisor is silent for over 4 s (lost)",
+                "stderr_tail": ["[rank0]: RuntimeError: ... Connection reset by peer"],
+                "process_failure": {"exception": "DistBackendError", "message": "Connection reset by peer"},
+            },
+            True,
+            Cause.INFRA,
+            Detail.NODE_LOST,
+        ),
         ({"outcome": "failed", "exit_code": 1, "exception": "KeyError"}, True, Cause.USER, Detail.EXCEPTION),
         ({"outcome": "failed", "exit_code": 1, "exception": "KeyError"}, False, Cause.USER, Detail.STARTUP),
         (

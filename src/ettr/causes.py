@@ -13,9 +13,9 @@ detail (what happened: the closed `Detail` set). The rules, first match wins:
 | 2 | outcome `hung` (the watchdog saw no progress within the bound for its phase)  | hang       | hung               |
 | 3 | SIGKILL while the cgroup's `oom_kill` counter rose (the kernel's OOM killer)   | infra      | oom_killed         |
 | 4 | any other SIGKILL of the failed process (from outside: what its peers then say of the broken connection is its consequence) | infra | process_lost |
-| 5 | a collective / rendezvous / store timeout or error, NCCL/gloo, a peer's reset | infra      | collective         |
-| 6 | ECC, Xid, NVLink errors in the output                                         | infra      | hardware           |
-| 7 | its supervisor, or a peer node's, was lost while it ran (closed from the ledger) | infra | node_lost          |
+| 5 | its supervisor, or a peer node's, was lost while it ran (closed from the ledger, or a peer's supervisor silent past the peer timeout: the broken collectives around it are its consequence) | infra | node_lost |
+| 6 | a collective / rendezvous / store timeout or error, NCCL/gloo, a peer's reset | infra      | collective         |
+| 7 | ECC, Xid, NVLink errors in the output                                         | infra      | hardware           |
 | 8 | death by another signal (SIGBUS, SIGSEGV, SIGABRT, ...: the system, native code) | infra   | process_lost       |
 | 9 | it failed before its first step (cannot start, an exception or exit status at start-up) | user | startup     |
 | 10| a Python exception in the training code (CUDA out-of-memory raised to the script too) | user | exception    |
@@ -104,7 +104,8 @@ _HARDWARE_TEXT = ("uncorrectable ECC", "Uncorrectable ECC", "Xid", "NVLink")
 _SIGNAL_TEXT = ("(SIGKILL) received by PID", "(SIGBUS) received by PID", "(SIGSEGV) received by PID")
 _START_FAILURE = "cannot start"
 _SUPERVISOR_LOST = (
-    "supervisor was lost"  # "node 1's supervisor was lost (killed) while ...", a closed attempt
+    "supervisor was lost",  # "node 1's supervisor was lost (killed) while ...", a closed attempt
+    "supervisor is silent for over",  # "node 1's supervisor is silent for over 60 s (lost)": the leader's word
 )
 
 
@@ -136,6 +137,16 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
         # A 2-rank DDP job whose rank 0 was SIGKILLed read `collective`: rank 1's "Connection reset by peer"
         # (its FAILURE, the first any rank recorded) matched first. The kill is the failure.
         return _killed(reason, sig)
+    if failure.get("closed_from_ledger") is True:
+        return Diagnosis(
+            cause=Cause.INFRA,
+            detail=Detail.NODE_LOST,
+            evidence=f"its supervisor was lost while it ran (node loss or the whole job killed): {reason}",
+        )
+    if any(lost in reason for lost in _SUPERVISOR_LOST) and not sig:
+        # A peer node died: its peers' collectives broke first ("Connection reset by peer"), which is
+        # the consequence, not the cause (a two-node job whose node 1 was killed read `collective`).
+        return Diagnosis(cause=Cause.INFRA, detail=Detail.NODE_LOST, evidence=reason)
     process = failure.get("process_failure")
     process_exc = _text(process.get("exception")) if isinstance(process, Mapping) else ""
     exception = _text(failure.get("exception")) or process_exc
@@ -156,14 +167,6 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
         if hit is not None:
             what = "the distributed runtime" if detail is Detail.COLLECTIVE else "the hardware or system"
             return Diagnosis(cause=Cause.INFRA, detail=detail, evidence=f"{what}: {hit!r} in its output")
-    if failure.get("closed_from_ledger") is True:
-        return Diagnosis(
-            cause=Cause.INFRA,
-            detail=Detail.NODE_LOST,
-            evidence=f"its supervisor was lost while it ran (node loss or the whole job killed): {reason}",
-        )
-    if _SUPERVISOR_LOST in reason and not sig:
-        return Diagnosis(cause=Cause.INFRA, detail=Detail.NODE_LOST, evidence=reason)
     if sig:
         return _killed(reason, sig)
     if reason.startswith(_START_FAILURE) or (not trained and (exception or failure.get("exit_code"))):

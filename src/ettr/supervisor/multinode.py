@@ -29,6 +29,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from ettr.causes import Detail, diagnose
 from ettr.constants import EXIT_FAILED
 from ettr.errors import UsageError
 from ettr.events import Outcome
@@ -126,13 +127,19 @@ class _Node:
         data = self.peer_end
         outcome = Outcome.HUNG if data.get("outcome") == Outcome.HUNG.value else Outcome.FAILED
         exit_code = data.get("exit_code")
+        tail = data.get("stderr_tail")
         return replace(
             end,
             outcome=outcome,
             exit_code=exit_code if isinstance(exit_code, int) else end.exit_code,
             reason=reason,
+            signal=data.get("signal") if isinstance(data.get("signal"), str) else end.signal,
             exception=data.get("exception") or end.exception,
             message=data.get("message") or end.message,
+            # The peer's own words say why; this node's (a broken connection) are the consequence.
+            stderr_tail=tuple(str(t) for t in tail[-20:])
+            if isinstance(tail, list) and tail
+            else end.stderr_tail,
         )
 
 
@@ -183,6 +190,12 @@ class LeaderPeers:
         node = self.node
         if peer_reason is not None:
             return node.peer_ended(end, peer_reason)
+        if end.outcome is Outcome.FAILED and _consequence_of_a_peer(end):
+            behind = self._peer_behind(attempt, signals)
+            if behind is not None:
+                say(f"attempt {attempt}: {behind}")
+                return node.peer_ended(end, behind)
+            return end
         if end.outcome is not Outcome.COMPLETED:
             return end
         # This node's part completed: the attempt completed when every peer's part did.
@@ -209,11 +222,44 @@ class LeaderPeers:
                 return end
             signals.wait(node.interval_s)
 
+    def _peer_behind(self, attempt: int, signals: SupervisorSignals) -> str | None:
+        """This node's part failed in a collective: the peer behind it, if one failed or was lost (a node
+        that died broke its peers' connections before its silence could tell). Waits while a peer has
+        neither ended its part nor been heard since, at most the peer timeout."""
+        node = self.node
+        begin = time.time()
+        timeout_s = node.config.peer_timeout_s
+        while True:
+            now = time.time()
+            node.beat(attempt, now)
+            view = node.look(now, force=True)
+            if view is not None:
+                trouble = self._trouble(view, attempt, now, begin - 2 * timeout_s)
+                if trouble is not None:
+                    return trouble
+                quiet = [
+                    n
+                    for n in node.role.peers
+                    if (attempt, n) not in view.node_ends and view.last_beat.get(n, 0.0) < begin
+                ]
+                if not quiet:
+                    return None  # every peer ended its part or is alive: this node's failure is its own
+            if now - begin > timeout_s + node.interval_s or signals.first is not None:
+                return None
+            signals.wait(min(1.0, node.interval_s))
+
     def turn(self, after: int, now: float) -> Turn:
         return Turn(attempt=after + 1)
 
     def close(self, status: int, *, last_attempt: int) -> None:
         self.node.mark(peers.NODE_END, attempt=0)
+
+
+def _consequence_of_a_peer(end: AttemptEnd) -> bool:
+    """Whether this node's failure looks like what a peer's failure does to it (a broken collective)."""
+    failure = {**end.to_data(), "process_failure": {"exception": end.exception, "message": end.message}}
+    diagnosis = diagnose(outcome=end.outcome, failure=failure, trained=True)  # the message says gloo's reset
+    return diagnosis.detail is Detail.COLLECTIVE
 
 
 class FollowerPeers:
