@@ -392,12 +392,6 @@ def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tupl
 
     _apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": config.lr})
     dense_tower = model.dense_tower
-    if config.compile:
-        # Asked for now, compiled at its first call (the COMPILE phase): under `ettr run` the compile store
-        # starts restoring the artifacts at the first `torch.compile`, on a helper thread, so the restore
-        # overlaps the sharding, the checkpointer and the checkpoint read instead of waiting before the
-        # first compilation.
-        dense_tower.compile(dynamic=False)
     sharders = [EmbeddingBagCollectionSharder()]
     with clock.part("plan"):
         topology = TopologyFactory.create_topology(
@@ -420,14 +414,17 @@ def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tupl
     return sharded, optimizer, dense_tower
 
 
-def warm_up_dense_tower(dense_tower: torch.nn.Module, data: ClickDataConfig, embedding_dim: int) -> None:
-    """Run the dense tower (compiled in place by `build_model`) forward and backward once on the training
-    shapes, so that it compiles now.
+def compile_dense_tower(dense_tower: torch.nn.Module, data: ClickDataConfig, embedding_dim: int) -> None:
+    """Compile the dense tower in place and run it forward and backward once on the training shapes.
 
     In place (`Module.compile`), so the sharded model calls the compiled tower and state_dict keys stay
     unprefixed. The gradient is taken w.r.t. the input only, so no parameter gradient is accumulated and
     DDP's hooks do not fire; the graphs compiled here are the ones the loop uses (no recompile at step 1).
+    Not earlier: `torch.compile` itself (inductor's set-up) took 4-5 s at load 12 when called at the model
+    build, on the path of every start, and the compile store's restore it starts did not shorten this
+    phase in exchange (measured in the full demo).
     """
+    dense_tower.compile(dynamic=False)
     dense = torch.zeros(data.batch_size, data.num_dense)
     pooled = torch.zeros(data.batch_size, data.num_tables, embedding_dim, requires_grad=True)
     torch.autograd.grad(dense_tower(dense, pooled).sum(), pooled)
@@ -557,7 +554,7 @@ def _generation(
         dist.barrier()  # all ranks enter the loop together (and the audit shows what that wait costs)
     if config.compile:
         with clock.phase(ettr.Phase.COMPILE):
-            warm_up_dense_tower(dense_tower, data_config, config.embedding_dim)
+            compile_dense_tower(dense_tower, data_config, config.embedding_dim)
     num_graphs_after_warm_up = _num_compiled_graphs()
     with clock.phase(ettr.Phase.GET_FIRST_BATCH_DATA):
         if batches is None:
