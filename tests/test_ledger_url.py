@@ -146,3 +146,46 @@ def test_one_rule_finds_a_run_directorys_books(tmp_path, monkeypatch):
         locate(other)
     bad = _ettr("report", str(other))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_a_forged_pointer_never_gets_the_password_in_clear_text(tmp_path, monkeypatch):
+    """A run directory's ledger-url.json names the server its books are on; anyone who can write there can
+    name their own. ettr report/fleet of such a directory sent PGPASSWORD to it in clear text (libpq answers
+    a server's cleartext-password request with it): a URL read from disk now requires !password."""
+    import socket
+    import struct
+    import threading
+
+    from ettr.ledger.locate import read_pointer
+    from ettr.report.load import read_run
+
+    server = socket.create_server(("127.0.0.1", 0))
+    got: list[bytes] = []
+
+    def serve() -> None:  # asks for the password in clear text, like a forged server would
+        conn, _ = server.accept()
+        conn.settimeout(10)
+        with conn:
+            while True:
+                size = struct.unpack("!I", conn.recv(4))[0]
+                if struct.unpack("!I", conn.recv(size - 4)[:4])[0] not in (80877103, 80877104):
+                    break  # the startup message (SSL and GSS requests answered "N")
+                conn.sendall(b"N")
+            conn.sendall(b"R" + struct.pack("!II", 8, 3))
+            got.append(conn.recv(4096))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    forged = f"postgresql://victim@127.0.0.1:{port}/db?require_auth=password"
+    (run_dir / "ledger-url.json").write_text(json.dumps({"url": forged, "job_id": "j"}))
+    assert read_pointer(run_dir) == (f"postgresql://victim@127.0.0.1:{port}/db?require_auth=!password", "j")
+    monkeypatch.setenv("PGPASSWORD", "the-operators-secret")
+    monkeypatch.setenv("PGCONNECT_TIMEOUT", "5")
+    with pytest.raises(UsageError, match="cleartext password"):
+        read_run(run_dir)
+    thread.join(10)
+    server.close()
+    assert not any(b"the-operators-secret" in data for data in got)

@@ -45,7 +45,29 @@ def read_pointer(run_dir: str | os.PathLike[str]) -> tuple[str, str] | None:
         return None
     if not isinstance(url, str) or not isinstance(job_id, str) or not url or not job_id:
         return None
-    return url, job_id
+    return untrusted_server_url(url), job_id
+
+
+UNTRUSTED_AUTH = "!password"
+"""libpq's `require_auth` for a server named by a file on disk: never send the password in clear text."""
+
+
+def untrusted_server_url(url: str) -> str:
+    """`url` as read from a run directory (which anyone who could write there may have forged): a
+    PostgreSQL URL gets `require_auth=!password` in place of any it had, so that a forged pointer to
+    someone's server never makes libpq hand it PGPASSWORD (or a ~/.pgpass entry) in clear text; other URLs
+    as they are."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    if not url.lower().startswith(("postgresql://", "postgres://")):
+        return url
+    try:
+        parts = urlsplit(url)
+        query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "require_auth"]
+    except ValueError:
+        return url  # not a URL libpq would take either: opening it fails with one line
+    query.append(("require_auth", UNTRUSTED_AUTH))
+    return urlunsplit(parts._replace(query=urlencode(query, safe="!")))
 
 
 def is_run_dir(path: str | os.PathLike[str]) -> bool:
