@@ -207,3 +207,21 @@ def test_simulate_from_a_damaged_run_is_an_answer_or_one_line(tmp_path, capsys, 
         assert len(captured.err.strip().splitlines()) == 1, captured.err[-2000:]
     else:
         assert "ETT" in captured.out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--inject", "a" * 100_000, "--", "true"],
+        ["run", "--family", "b" * 100_000, "--", "true"],
+        ["run", "--job-id", "c" * 5_000, "--", "true"],
+        ["run", "--ledger", "sqlite:///x%00y", "--", "true"],
+        ["fleet", "--since", "d" * 50_000, "."],
+    ],
+)
+def test_a_huge_or_nul_argument_is_one_short_line(argv, capsys):
+    """One line that quotes a 100,000-character argument is no clear line: it keeps its start and the advice
+    at its end. A NUL in a SQLite ledger path was a ValueError traceback (exit 1)."""
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and len(err[0]) <= 1100 and "Traceback" not in err[0], err

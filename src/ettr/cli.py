@@ -625,9 +625,18 @@ _BAD_PATH_ERRNOS = frozenset(
 """An OSError with one of these escaping a command is bad input (exit 2); any other is a failure (exit 1)."""
 
 
+MAX_ERROR_CHARS = 1000
+"""An error line quoting a huge argument keeps its start and its end (what to do), not every character."""
+
+
 def _one_line(text: str) -> str:
-    """`text` with control characters (a newline or carriage return in a user's argument) escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    """`text` with control characters (a newline or carriage return in a user's argument) escaped, at most
+    about `MAX_ERROR_CHARS` long."""
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    if len(line) > MAX_ERROR_CHARS:
+        half = MAX_ERROR_CHARS // 2 - 40
+        line = f"{line[:half]} ...[{len(line) - 2 * half} characters cut]... {line[-half:]}"
+    return line
 
 
 _OWN_PREFIX = re.compile(r"^(ettr(?: [a-z][a-z-]*)?): (?:error: )?")

@@ -55,6 +55,8 @@ def sqlite_path(url: str) -> Path:
     text = unquote(url[len(prefix) :])
     if not text.strip("/"):
         raise UsageError(f"ledger URL {url!r} names no file (write sqlite:///PATH/TO/ledger.db)")
+    if "\x00" in text:
+        raise UsageError(f"ledger URL {url!r}: a path cannot hold a NUL byte (%00)")
     path = Path(text)
     if path.is_dir():
         return path / LEDGER_FILENAME

@@ -19,8 +19,9 @@ _CLOCK_SKEW_S = 300.0  # how far in the future a given time may be (clocks of su
 def check_job_id(job_id: str) -> str:
     """`job_id` if it is a safe id (see JOB_ID_PATTERN); ValueError saying what is allowed otherwise."""
     if not JOB_ID_PATTERN.fullmatch(job_id):
+        shown = repr(job_id) if len(job_id) <= 80 else f"{job_id[:60]!r}... ({len(job_id)} characters)"
         raise ValueError(
-            f"job_id {job_id!r} is not allowed (use letters, digits and ._+- , starting with a letter or "
+            f"job_id {shown} is not allowed (use letters, digits and ._+- , starting with a letter or "
             "digit, at most 128 characters)"
         )
     return job_id
