@@ -189,3 +189,20 @@ def test_a_forged_pointer_never_gets_the_password_in_clear_text(tmp_path, monkey
     thread.join(10)
     server.close()
     assert not any(b"the-operators-secret" in data for data in got)
+
+
+def test_a_folder_of_runs_given_as_a_run_directory_says_how_to_read_them(tmp_path):
+    from ettr.ledger.base import LedgerError
+    from ettr.ledger.locate import locate
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ledger-url.json").write_text(
+            json.dumps({"url": "sqlite:///x.db", "job_id": name})
+        )
+    with pytest.raises(
+        LedgerError, match=r"holds 2 run directories: give one, or see them all with ettr fleet"
+    ):
+        locate(tmp_path)
+    with pytest.raises(LedgerError, match=r"inside\)$"):
+        locate(tmp_path / "a" / "missing")

@@ -166,7 +166,24 @@ def locate(run_dir: str | os.PathLike[str], *, environ: Mapping[str, str] | None
         )
     raise LedgerError(
         f"{path}: not an ettr run directory (no {LEDGER_FILENAME} or {POINTER_FILENAME} inside)"
+        + _runs_inside_hint(path)
     )
+
+
+def _runs_inside_hint(path: Path, limit: int = 10_000) -> str:
+    """A folder of run directories given where one run directory belongs: say how to read them all."""
+    try:
+        with os.scandir(path) as entries:
+            runs = sum(
+                1
+                for _, entry in zip(range(limit), entries, strict=False)
+                if entry.is_dir(follow_symlinks=False) and is_run_dir(entry.path)
+            )
+    except OSError:
+        return ""
+    if not runs:
+        return ""
+    return f"; it holds {runs} run director{'y' if runs == 1 else 'ies'}: give one, or see them all with ettr fleet {path}"
 
 
 def _same_dir(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
