@@ -10,8 +10,10 @@ The job (`ettr.testing.resilient_job`: 2-rank gloo DDP, ettr's CheckpointManager
                   agent restarts it in place (docs/inplace.md): after a crash the same processes go on, a
                   killed rank is replaced (from its warm standby) and joins the survivor; memory copies on
     torchrun_inplace  (not run unless named) the job under `ettr.resilient` run by `torchrun --max-restarts 1`:
-                  a crash is restarted in place among the same processes, a killed rank is not replaced, so
-                  its peer gives up after `--rendezvous-timeout-s` and torchrun restarts both (from memory)
+                  a crash is restarted in place among the same processes; a killed rank is not replaced (no
+                  one starts a replacement without `ettr run`): torchrun's agent stops its peer and starts
+                  both again, cold, and they restore from memory (a peer left waiting gives up after
+                  `--rendezvous-timeout-s`)
 The rank fails once it has trained `--fail-after-s` (default 15 s; the first 25 steps take well under that)
 and, under `ettr run`, once the supervisor's standbys are warm (at most `--standby-wait-max-s`, default 120 s):
 a job that trained a while, as one that fails after hours has its standbys ready (on a busy machine their

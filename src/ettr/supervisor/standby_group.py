@@ -16,8 +16,9 @@ from ettr.supervisor.standby import Standby
 
 WARM_MODULES = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
 """Imported ahead by a worker's standby beside torch when the attempt's first-step markers name nothing
-(else what they name: `ettr.bootstrap.start.TORCH_PARTS` it had imported and its installed packages, so that
-a standby promoted at a failure has no more to do than a cold start): what a DDP/FSDP job imports anyway
+(else what they name: the packages of torch and ettr it had imported, `ettr.bootstrap.start.imported_parts`,
+and its installed packages, so that a standby promoted at a failure has no more to do than a cold start,
+and a warm one only the script's own start-up): what a DDP/FSDP job imports anyway
 (constructing DistributedDataParallel imports torch._dynamo, seconds of a cold restart). Imports only, no
 compile-store look-up (that waits for `torch.compile`)."""
 
