@@ -145,13 +145,23 @@ def slurm_cluster() -> Iterator[object]:
         cluster.remove()
 
 
+# Slow files that run in the benchmarks' group instead of the slow one, to even out the two chains: in the full
+# suite at load 8-18 the slow chain's tests took 5,435+ s and the benchmarks' quick modes 1,824 s, so one worker
+# ran heavy tests one after another while the other ran out of work (these three: 1,458 s of that run).
+_SLOW_FILES_WITH_THE_BENCHMARKS = frozenset(
+    {"tests/test_demo.py", "tests/test_integrations_hf.py", "tests/test_multinode.py"}
+)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test` runs two workers with `--dist loadgroup`) the slow tests -- real
-    multi-process jobs, each of which keeps the machine busy -- run one at a time, in file order, on one worker,
-    as they would without xdist, and the benchmarks' quick modes likewise on one; the many small tests fill the
-    other worker. Without xdist the marker means nothing."""
+    multi-process jobs, each of which keeps the machine busy -- run in two chains, one test at a time in each
+    (one chain holds the benchmarks' quick modes, which check that each benchmark runs, not its figures): so
+    never more than two such jobs at once, as with the slow tests beside a benchmark before. The many small tests
+    fill in. Without xdist the marker means nothing."""
     for item in items:
         if item.get_closest_marker("slow") is not None:
-            group = "benchmarks" if item.nodeid.startswith("tests/test_benchmarks.py") else "slow"
-            item.add_marker(pytest.mark.xdist_group(group))
+            path = item.nodeid.split("::", 1)[0]
+            benchmarks = path == "tests/test_benchmarks.py" or path in _SLOW_FILES_WITH_THE_BENCHMARKS
+            item.add_marker(pytest.mark.xdist_group("benchmarks" if benchmarks else "slow"))
