@@ -214,7 +214,7 @@ def sweep(
         now = time.time() if now is None else now
         current_boot = boot_id() if current_boot is None else current_boot
         return _sweep(root, now, current_boot, alive, unowned_max_age_s, max_entries)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - a clean-up never stops a job or a save
         logger.debug("ettr: memory-copy sweep of %s skipped (%s)", root, exc)
         return []
 
