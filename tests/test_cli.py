@@ -39,6 +39,7 @@ FROZEN_COMMAND_LINE = {
             "--allocated-at",
             "--continue-job",
             "--family",
+            "--grace",
             "--hang-phase-timeout",
             "--hang-step-factor",
             "--hang-timeout",
@@ -225,3 +226,16 @@ def test_the_hang_bound_flags_set_the_watchdogs_bounds():
     assert (config.hang_step_multiple, config.default_hang_timeout_s) == (4.0, 900.0)
     default = config_from_args(build_parser().parse_args(["run", "--", "python", "x.py"]))
     assert (default.hang_step_multiple, default.default_hang_timeout_s) == (10.0, 300.0)
+
+
+def test_grace_sets_how_long_a_preempted_job_may_save_before_sigkill(capsys):
+    """A script that saves on SIGTERM (HF Trainer's enable_jit_checkpoint waits 3 s, then saves at its next
+    step) had a fixed 10 s before SIGKILL, whatever the scheduler allows (Slurm's KillWait is 30 s)."""
+    from ettr.supervisor import config_from_args
+
+    config = config_from_args(build_parser().parse_args(["run", "--grace", "45", "--", "python", "x.py"]))
+    assert config.grace_s == 45.0
+    assert config_from_args(build_parser().parse_args(["run", "--", "python", "x.py"])).grace_s == 10.0
+    for bad in ("0", "-1", "nan", "inf", "x"):
+        assert main(["run", "--grace", bad, "--", "python", "x.py"]) == 2
+        assert capsys.readouterr().err.startswith("ettr run: argument --grace:")

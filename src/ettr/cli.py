@@ -128,6 +128,14 @@ def _add_run(p: argparse.ArgumentParser) -> None:
         "(a requeue elsewhere); without it such a job id is refused",
     )
     p.add_argument(
+        "--grace",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="after a preemption signal (SIGTERM, SIGINT, Slurm's SIGUSR1) is forwarded to the job, how long it "
+        "may take to exit (its own save on SIGTERM) before SIGKILL (default 10; give what the scheduler "
+        "allows: Slurm's KillWait, Kubernetes' terminationGracePeriodSeconds, less a few seconds)",
+    )
+    p.add_argument(
         "--peer-timeout",
         type=_positive_float,
         metavar="SECONDS",

@@ -65,6 +65,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             ledger_url=args.ledger,
             continue_job=bool(getattr(args, "continue_job", False)),
             **({"peer_timeout_s": args.peer_timeout} if getattr(args, "peer_timeout", None) else {}),
+            **({"grace_s": args.grace} if getattr(args, "grace", None) else {}),
             **_hang_bounds(args),
         )
     except ValueError as exc:
