@@ -1,6 +1,6 @@
 """Memory copies of jobs that ended without removing theirs (a killed plain-torchrun job, a SIGKILLed
 supervisor) are removed by the next ettr process on the node, and a live job's never are
-(ettr.checkpoint.memory_sweep; liveness is a fake here, as is the boot)."""
+(ettr.memory_sweep; liveness is a fake here, as is the boot)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from ettr.checkpoint.memory import MemoryCopies
-from ettr.checkpoint.memory_sweep import LEASE_SCHEMA, Lease, keepers_of_this_process, sweep
 from ettr.checkpoint.snapshot import Binding
+from ettr.memory_sweep import LEASE_SCHEMA, Lease, keepers_of_this_process, sweep
 
 BOOT = "boot-a"
 LIVE = {101, 202}
@@ -118,3 +118,20 @@ def test_a_kept_copy_carries_a_lease_that_keeps_it_until_its_process_is_gone(tmp
     assert copies.keep({"w": torch.ones(4)}, binding) > 0  # written again with its lease
     copies.remove_all()  # the job completed: the last rank out leaves nothing
     assert not copies.directory.exists()
+
+
+def test_ettr_runs_own_imports_never_load_torch(tmp_path: Path) -> None:
+    """`ettr run` sweeps memory copies at its start: the sweep and the supervisor must not import torch (a
+    supervisor that imports torch starts seconds later, and hung on a test's held `import torch`)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ettr.cli, ettr.memory_sweep, ettr.supervisor, ettr.fleet.stored\n"
+        "ettr.memory_sweep.sweep()\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    env = {**os.environ, "ETTR_MEMORY_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

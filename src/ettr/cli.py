@@ -154,8 +154,8 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         raise UsageError("ettr run: no command given (usage: ettr run [options] -- COMMAND [ARGS...])")
     args.command = command
-    from ettr.checkpoint.memory_sweep import sweep
     from ettr.fleet.stored import store_at_job_end  # the job's fleet summary, stored once (docs/fleet.md)
+    from ettr.memory_sweep import sweep
     from ettr.supervisor import main as supervise
 
     sweep()  # memory copies of this node's jobs that ended without removing theirs (docs/checkpointing.md)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ettr.checkpoint import memory_sweep
+from ettr import memory_sweep
 from ettr.checkpoint.admission import ALLOW_UNSIGNED_ENV, RESUME_FOREIGN_ENV, Admission, env_flag
 from ettr.checkpoint.base import (
     CheckpointConfig,

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ettr.checkpoint import memory_sweep, snapshot
+from ettr import memory_sweep
+from ettr.checkpoint import snapshot
 from ettr.checkpoint.base import (
     MANIFEST_NAME,
     CheckpointInvalid,
@@ -201,7 +202,7 @@ class MemoryCopies:
         self._write_owner()
         self._lease_name = self._lease_name or memory_sweep.lease_name()
         if not os.path.lexists(self.directory / self._lease_name):  # who keeps these copies alive
-            memory_sweep.write_lease(self.directory)  # (`ettr.checkpoint.memory_sweep`)
+            memory_sweep.write_lease(self.directory)  # (`ettr.memory_sweep`)
         fs = os.statvfs(self.directory)
         free = fs.f_bavail * fs.f_frsize
         reserve = min(self.reserve_bytes, fs.f_blocks * fs.f_frsize // 10)
