@@ -249,3 +249,35 @@ def test_a_whole_module_saved_or_copied_during_an_evaluation_carries_no_hooks(
 
 def _user_hook(module: Any, args: Any, output: Any) -> None:
     return None
+
+
+class PretrainedLike(torch.nn.Module):
+    """Hugging Face's PreTrainedModel (transformers 5): its eval() is `self.train(False)`, never nn.Module.eval."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 1)
+
+    def eval(self) -> PretrainedLike:  # type: ignore[override]
+        return self.train(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_an_eval_a_model_class_overrides_is_an_evaluation(hooked: tuple[Any, Recorder, Any]) -> None:
+    # A custom loop over a transformers model: 19.4 s of model.eval() passes were booked as training.
+    hooks, rec, ledger = hooked
+    model = PretrainedLike()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # finds PretrainedLike.eval and wraps it
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    model.train()
+    events = _evals(rec, ledger)
+    assert [e.kind for e in events] == [EventKind.PHASE_BEGIN, EventKind.PHASE_END]
+    assert "__wrapped__" not in vars(torch.nn.Module.train)  # train() still costs nothing outside evaluations
+    hooks.uninstall()
+    assert "eval" in PretrainedLike.__dict__ and not hasattr(PretrainedLike.__dict__["eval"], "__wrapped__")

@@ -5,7 +5,9 @@ optimizer, parameters that a backward pass gave gradients) switched to eval mode
 run forward, and switched back, with no optimizer step in between:
 
   begins   at `module.eval()` on a trained module (`nn.Module.eval` is wrapped: one call per evaluation,
-           never per submodule, never per step)
+           never per submodule, never per step; so is every `eval` a module class overrides, found when an
+           optimizer is built: Hugging Face's `PreTrainedModel.eval` is `self.train(False)`, which never
+           reaches `nn.Module.eval`)
   ends     at `train()` on it (`nn.Module.train` is wrapped only while an evaluation is open, so a script
            that calls `model.train()` every step pays nothing); or, left in eval mode, at the end of its last
            forward pass with grad disabled before the next optimizer step (the step's own forward is
@@ -37,7 +39,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 from ettr import torch_compat
@@ -126,6 +128,8 @@ class EvalHooks:
         # nn.Module attributes wrapped while an evaluation is open: name -> (original, wrapper)
         self._wrapped: dict[str, Callable[[], None]] = {}  # name -> puts nn.Module's own back (Patcher)
         self._atexit = False
+        self._seen_classes: weakref.WeakSet[type] = weakref.WeakSet()  # module classes looked at for an eval
+        self._make_eval: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
         # Called at every eval() (AutoHooks: a step of a loop without an optimizer is recorded first).
         self.before_eval: Callable[[], None] | None = None
 
@@ -139,6 +143,7 @@ class EvalHooks:
             def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
                 original(optimizer, *args, **kwargs)
                 hooks.guard.call("evaluation", hooks.trained.add, optimizer)
+                hooks.guard.call("evaluation", hooks._wrap_eval_overrides)
 
             return __init__
 
@@ -150,9 +155,26 @@ class EvalHooks:
 
             return eval
 
+        self._make_eval = make_eval
         self.patcher.wrap(torch.optim.Optimizer, "__init__", make_init)
         self.patcher.wrap(torch.nn.Module, "eval", make_eval)
         self.patcher.on_undo(self._discard)
+
+    def _wrap_eval_overrides(self) -> None:
+        """Wrap `eval` of every module class defined so far that overrides it (its own may never call
+        `nn.Module.eval`). Run as each optimizer is built; a class seen once is not looked at again."""
+        torch, make_eval = self._torch, self._make_eval
+        if torch is None or make_eval is None:
+            return
+        pending: list[type] = list(type.__subclasses__(torch.nn.Module))
+        while pending:
+            cls = pending.pop()
+            if cls in self._seen_classes:
+                continue
+            self._seen_classes.add(cls)
+            pending.extend(type.__subclasses__(cls))
+            if isinstance(cls.__dict__.get("eval"), FunctionType):  # not a staticmethod or a property
+                self.patcher.wrap(cls, "eval", make_eval)
 
     # -- the evaluation's life ----------------------------------------------------------------------------------
     def evaluating(self, module: Any) -> None:
