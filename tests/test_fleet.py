@@ -198,6 +198,51 @@ def test_fleet_shares_are_weighted_by_wall_time_times_gpus():
     assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
 
 
+def test_a_job_whose_ett_is_unknown_is_left_out_of_the_fleets_shares_gauges_and_regressions():
+    """A job that ended without a training step seen (an inference job) has ETT unknown, not 0 %: the fleet's
+    shares, the worst jobs, the per-job gauge and the ett_pct regressions leave it out; its JSON ett_pct is
+    null; a stored summary round-trips it; one stored before the field existed still reads."""
+    from ettr.fleet import json as fleet_json
+    from ettr.fleet import text as fleet_text
+    from ettr.fleet.metrics import metric_families
+    from ettr.fleet.model import summary_from_json, summary_to_json
+
+    trained = _summary(0, "a")
+    buckets = dict.fromkeys(Bucket, 0.0)
+    buckets[Bucket.INIT] = 50.0
+    inference = replace(
+        _summary(1, "b"), buckets_s=buckets, wall_s=50.0, wall_end_ts=T0 + 150.0, ett_pct=0.0,
+        idleness_pct=100.0, ett_unknown="no training step seen",
+    )  # fmt: skip
+    report = build_fleet([trained, inference])
+    assert report.fleet.ett_pct == pytest.approx(trained.ett_pct)
+    assert report.fleet.ett_pct + report.fleet.idleness_pct + report.fleet.failure_pct == pytest.approx(100.0)
+    assert report.fleet.num_ett_unknown == 1
+    assert [j.job_id for j in report.worst_jobs] == [trained.job_id]
+    out = fleet_json.to_dict(report)
+    assert out["ett_pct"] == pytest.approx(trained.ett_pct) and out["jobs_ett_unknown"] == 1
+    by_id = {j["job_id"]: j for j in out["jobs"]}
+    assert by_id[inference.job_id]["ett_pct"] is None and by_id[trained.job_id]["ett_pct"] == trained.ett_pct
+    assert "1 job(s) with ETT unknown" in fleet_text.render(report)
+    gauges = {
+        s.labels["job"]: s.value
+        for family in metric_families([trained, inference], now=T0 + 1000)
+        if family.name == "ettr_effective_training_ratio"
+        for s in family.samples
+    }
+    assert set(gauges) == {trained.job_id}
+    history = [replace(inference, job_id=f"b-{i}", wall_start_ts=T0 + i) for i in range(2, 12)]
+    assert [
+        r
+        for r in find_regressions([*[_summary(i, "b") for i in range(8)], *history])
+        if r.metric == "ett_pct"
+    ] == []
+    assert summary_from_json(summary_to_json(inference)) == inference
+    older = summary_to_json(trained)
+    del older["ett_unknown"]
+    assert summary_from_json(older).ett_unknown is None
+
+
 # -- preemption ----------------------------------------------------------------------------------------------
 def test_a_job_that_just_committed_is_cheaper_to_preempt():
     now = T0 + 1000

@@ -72,6 +72,8 @@ class Totals:
     ttr: Distribution
     ttr_by_cause: Mapping[Cause, Distribution]
     ttr_by_kind: Mapping[str, Distribution] = field(default_factory=dict)
+    num_ett_unknown: int = 0
+    """Jobs whose ETT is unknown (no training step seen): left out of the three shares above."""
     failures_by_detail: Mapping[Detail, int] = field(default_factory=dict)
     """Failures per detail (`ettr.causes.Detail`: oom_killed, startup, ...), every detail present."""
     """Headline TTR of the recoveries of each kind (in_place, warm_restart, cold_restart, requeue) seen."""
@@ -86,9 +88,12 @@ def totals(jobs: Sequence[JobSummary]) -> Totals:
     """The GPU-weighted totals of `jobs` (all zero for none)."""
     bucket_gpu_s = {b: math.fsum(j.buckets_s[b] * j.gpus for j in jobs) for b in Bucket}
     wall_gpu_s = math.fsum(j.gpu_s for j in jobs)
+    # A job whose ETT is unknown (no training step seen) is left out of the shares: its 0 % is not a figure.
+    known = [j for j in jobs if j.ett_known]
+    known_gpu_s = math.fsum(j.gpu_s for j in known)
 
     def pct(part: Callable[[JobSummary], float]) -> float:
-        return math.fsum(part(j) * j.gpu_s for j in jobs) / wall_gpu_s if wall_gpu_s > 0 else 0.0
+        return math.fsum(part(j) * j.gpu_s for j in known) / known_gpu_s if known_gpu_s > 0 else 0.0
 
     by_cause = dict.fromkeys(Cause, 0)
     by_detail = dict.fromkeys(Detail, 0)
@@ -114,6 +119,7 @@ def totals(jobs: Sequence[JobSummary]) -> Totals:
         ttr_by_cause={c: Distribution.of(v) for c, v in ttr_cause.items()},
         ttr_by_kind=_by_kind(jobs),
         failures_by_detail=by_detail,
+        num_ett_unknown=len(jobs) - len(known),
     )
 
 
@@ -166,7 +172,9 @@ def build_fleet(jobs: Sequence[JobSummary], regressions: Sequence[Regression] = 
     """The fleet report of `jobs` (and the regressions found in their history)."""
     ordered = tuple(sorted(jobs, key=lambda j: (j.wall_start_ts, j.job_id)))
     fleet = totals(ordered)
-    worst = sorted((j for j in ordered if j.wall_s > 0), key=lambda j: (j.ett_pct, -j.gpu_s, j.job_id))
+    worst = sorted(
+        (j for j in ordered if j.wall_s > 0 and j.ett_known), key=lambda j: (j.ett_pct, -j.gpu_s, j.job_id)
+    )
     costly = sorted(fleet.lost_gpu_hours.items(), key=lambda item: -item[1])
     return FleetReport(
         jobs=ordered,

@@ -74,6 +74,8 @@ def trend_svg(report: FleetReport) -> str:
     points = []
     for i, j in enumerate(jobs):
         x = left + (i * step if len(jobs) > 1 else plot_w / 2)
+        if not j.ett_known:
+            continue  # no training step seen: no point on an ETT chart
         y = top + plot_h * (1 - max(0.0, min(100.0, j.ett_pct)) / 100)
         by_family.setdefault(j.family, []).append((x, y))
         title = f"{j.label} ({j.family}): ETT {fmt_pct(j.ett_pct)}, wall {fmt_s(j.wall_s)}, {j.gpus} GPU(s)"
@@ -288,7 +290,7 @@ def render_html(report: FleetReport) -> str:
     )
     parts += [
         f'<tr><td data-ts="{j.wall_start_ts!r}">{esc(j.label)}</td><td>{esc(j.family)}</td>'
-        f"<td>{j.ett_pct:.1f}</td><td>{j.gpu_s / 3600:.3f}</td><td>{j.num_failures}</td>"
+        f"<td>{f'{j.ett_pct:.1f}' if j.ett_known else 'unknown'}</td><td>{j.gpu_s / 3600:.3f}</td><td>{j.num_failures}</td>"
         f"<td>{esc(fmt_step(j.step_time_s))}</td></tr>"
         for j in report.worst_jobs
     ]

@@ -33,7 +33,7 @@ def job_dict(j: JobSummary) -> dict[str, Any]:
         "job_id": j.job_id,
         "family": j.family,
         "wall_s": j.wall_s,
-        "ett_pct": j.ett_pct,
+        "ett_pct": j.ett_pct if j.ett_known else None,  # null: no training step seen (`ett_unknown`)
         "tts_s": j.tts_s,
         "num_failures": j.num_failures,
         "gpus": j.gpus,
@@ -41,8 +41,9 @@ def job_dict(j: JobSummary) -> dict[str, Any]:
         # Extras beyond the contract.
         "name": j.name,
         "end_ts": j.wall_end_ts,
-        "idleness_pct": j.idleness_pct,
+        "idleness_pct": j.idleness_pct if j.ett_known else None,
         "failure_pct": j.failure_pct,
+        "ett_unknown": j.ett_unknown,
         "mean_ttr_s": j.mean_ttr_s,
         "ttr_s": list(j.ttr_s),
         "gpus_source": j.gpus_source,
@@ -98,6 +99,7 @@ def totals_dict(t: Totals) -> dict[str, Any]:
         "ett_pct": t.ett_pct,
         "idleness_pct": t.idleness_pct,
         "failure_pct": t.failure_pct,
+        "jobs_ett_unknown": t.num_ett_unknown,
         "bucket_gpu_hours": {b.value: t.bucket_gpu_s[b] / 3600.0 for b in Bucket},
         "num_failures": t.num_failures,
         "num_infra_failures": t.failures_by_cause[Cause.INFRA],

@@ -96,8 +96,9 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     )
     for j in jobs:
         labels = [j.job_id, j.family, j.name]
-        ratio.add_metric(labels, j.ett_pct / 100.0)
-        if j.window_ett_pct is not None:
+        if j.ett_known:  # no gauge for a job whose ETT is unknown (no training step seen)
+            ratio.add_metric(labels, j.ett_pct / 100.0)
+        if j.window_ett_pct is not None and j.ett_known:
             window_ratio.add_metric(labels, j.window_ett_pct / 100.0)
         if j.stragglers is not None:
             stragglers.add_metric(labels, float(len(j.stragglers)))

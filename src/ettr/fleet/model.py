@@ -71,9 +71,18 @@ class JobSummary:
     recoveries: tuple[tuple[str, float], ...] = ()
     """(kind, headline TTR s) of each recovered failure that trained again (`RecoveryParts.kind`: in_place,
     warm_restart, cold_restart, requeue)."""
+    ett_unknown: str | None = None
+    """Why the job's ETT cannot be told (`EttReport.ett_unknown`: it ended without a training step seen),
+    None when it can. Its `ett_pct` is then 0 by its buckets, not a measurement: the fleet's shares leave
+    the job out, its JSON `ett_pct` is null, no regression or gauge reads it."""
     name: str = ""
     """What a person calls the job: the name of its run directory (the one read, else the one its supervisor
     recorded); "" when unknown. A generated job id (`job-20261202-012743-11158`) says nothing to a person."""
+
+    @property
+    def ett_known(self) -> bool:
+        """Whether `ett_pct` is a measurement (a training step was seen)."""
+        return self.ett_unknown is None
 
     @property
     def label(self) -> str:
@@ -141,6 +150,7 @@ def summarize(
         stragglers=_stragglers(report),
         straggler_lost_s=None if report.rank_speed is None else report.rank_speed.lost_s,
         recoveries=tuple((p.kind or "cold_restart", p.headline_s) for p in report.ttr_parts),
+        ett_unknown=report.ett_unknown,
         name=name,
     )
 
@@ -166,6 +176,8 @@ def version() -> str:
 
 
 _FIELDS = frozenset(f.name for f in fields(JobSummary))
+_LATER_FIELDS = frozenset({"name", "ett_unknown"})
+"""Fields added after summaries were first stored: a summary without them is read with their defaults."""
 
 
 def summary_to_json(summary: JobSummary) -> dict[str, Any]:
@@ -183,10 +195,14 @@ def summary_to_json(summary: JobSummary) -> dict[str, Any]:
 def summary_from_json(data: Mapping[str, Any]) -> JobSummary:
     """The `JobSummary` of `summary_to_json`'s output, validated (`check_summary`): a stored summary or a
     cache entry may be damaged or forged. Raises KeyError/ValueError/TypeError when malformed."""
-    if not isinstance(data, Mapping) or not _FIELDS - {"name"} <= set(data) <= _FIELDS:
+    if not isinstance(data, Mapping) or not _FIELDS - _LATER_FIELDS <= set(data) <= _FIELDS:
         raise ValueError("not a JobSummary of this version")  # one stored before names: the same, nameless
     values = dict(data)
     values["name"] = str(data.get("name", ""))
+    unknown = data.get("ett_unknown")
+    if unknown is not None and not isinstance(unknown, str):
+        raise ValueError("ett_unknown is not a string")
+    values["ett_unknown"] = None if unknown is None else unknown[:500]
     values["buckets_s"] = {Bucket(k): _number(v) for k, v in _mapping(data["buckets_s"]).items()}
     values["failures"] = tuple(
         FailureCause(

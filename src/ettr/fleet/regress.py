@@ -110,7 +110,7 @@ def _bucket_metric(bucket: Bucket) -> _Metric:
 METRICS: tuple[_Metric, ...] = (
     _Metric("tts_s", lambda j: j.tts_s, True, False),
     _Metric("mean_ttr_s", lambda j: j.mean_ttr_s, True, False),
-    _Metric("ett_pct", lambda j: j.ett_pct, False, True),
+    _Metric("ett_pct", lambda j: j.ett_pct if j.ett_known else None, False, True),
     *(_bucket_metric(b) for b in CHECKED_BUCKETS),
 )
 

@@ -68,7 +68,12 @@ def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
     lines = [
         f"fleet: {t.num_jobs} jobs, {t.wall_gpu_s / 3600:.2f} GPU-hours (wall x gpus) | ETT {t.ett_pct:.1f}% | "
         f"idle {t.idleness_pct:.1f}% | failure {t.failure_pct:.1f}% | failures {t.num_failures} "
-        f"(infra {t.failures_by_cause[Cause.INFRA]})",
+        f"(infra {t.failures_by_cause[Cause.INFRA]})"
+        + (
+            f" | {t.num_ett_unknown} job(s) with ETT unknown (no training step seen) left out of the shares"
+            if t.num_ett_unknown
+            else ""
+        ),
         f"  TTS {_dist(t.tts)}",
         f"  TTR {_dist(t.ttr)}",
         *[f"    {kind:<13} {_dist(d)}" for kind, d in t.ttr_by_kind.items()],
@@ -94,7 +99,7 @@ def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
         lines += ["", title]
         lines += _table((column, *_GROUP_HEADER[1:]), _group_rows(group), indent="  ")
     lines += ["", "worst jobs (lowest ETT%)"]
-    rows = [(j.label, j.family, f"{j.ett_pct:.1f}", f"{j.gpu_s / 3600:.2f}", str(j.gpus), str(j.num_failures),
+    rows = [(j.label, j.family, f"{j.ett_pct:.1f}" if j.ett_known else "unknown", f"{j.gpu_s / 3600:.2f}", str(j.gpus), str(j.num_failures),
              fmt_step(j.step_time_s)) for j in report.worst_jobs]  # fmt: skip
     lines += _table(
         ("job", "family", "ETT%", "gpu_h", "gpus", "NoF", "step"), rows, indent="  ", left=frozenset({0, 1})
