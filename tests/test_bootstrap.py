@@ -499,6 +499,13 @@ def test_dcp_saves_and_loads_are_checkpoints(hooked: tuple[Any, Recorder, Any], 
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp-0"), no_dist=True)
     future = dcp.async_save(state, checkpoint_id=str(tmp_path / "dcp-1"), no_dist=True)
     getattr(future, "upload_completion", future).result(timeout=60)
+    # The commit is recorded by the future's done-callback, which runs after result() has returned to us.
+    deadline = time.monotonic() + 60
+    while not any(
+        (e.data or {}).get("name") == "checkpoint_file" for e in _events(rec, ledger, {EventKind.MARK})
+    ):
+        assert time.monotonic() < deadline, "the async save's commit was never recorded"
+        time.sleep(0.05)
     loaded = {"w": torch.zeros(3)}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp-0"), no_dist=True)
     assert torch.equal(loaded["w"], state["w"])
