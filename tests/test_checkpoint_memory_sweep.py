@@ -52,7 +52,8 @@ def test_copies_whose_keepers_are_gone_are_removed_and_live_ones_kept(tmp_path: 
     root.mkdir(mode=0o700)
     _copies_dir(root, "ckpt-live", _lease(999, 101))  # the rank died, its supervisor (101) restarts it
     _copies_dir(root, "ckpt-two-ranks", _lease(998), _lease(202))  # one rank of two still runs
-    _copies_dir(root, "ckpt-dead", _lease(998, 997), _lease(996))  # a killed job: nobody left
+    _copies_dir(root, "ckpt-dead", _lease(998, 997), _lease(996), age_s=11 * 60)  # a killed job: nobody left
+    _copies_dir(root, "ckpt-just-dead", _lease(998), age_s=60)  # a minute ago: its rerun may still restore
     _copies_dir(root, "ckpt-other-boot", _lease(101, boot="boot-b"))  # pid 101 of another boot is not ours
     _copies_dir(root, "ckpt-legacy-new", age_s=60)  # no lease (an older ettr's): unchanged for a minute
     _copies_dir(root, "ckpt-legacy-old", age_s=2 * HOUR_S)
@@ -67,7 +68,7 @@ def test_copies_whose_keepers_are_gone_are_removed_and_live_ones_kept(tmp_path: 
     assert _sweep(root) == {"ckpt-dead", "ckpt-other-boot", "ckpt-legacy-old", "ckpt-forged-old",
                             "inplace-998-abcdef"}  # fmt: skip
     assert sorted(p.name for p in root.iterdir()) == [
-        "ckpt-forged-lease", "ckpt-legacy-new", "ckpt-live", "ckpt-two-ranks", "inplace-202-abcdef",
+        "ckpt-forged-lease", "ckpt-just-dead", "ckpt-legacy-new", "ckpt-live", "ckpt-two-ranks", "inplace-202-abcdef",
         "inplace-998-abcdef.store", "unrelated",
     ]  # fmt: skip
     assert _sweep(root) == set()
@@ -114,7 +115,14 @@ def test_a_kept_copy_carries_a_lease_that_keeps_it_until_its_process_is_gone(tmp
     leases = [p for p in copies.directory.iterdir() if p.name.startswith("lease-")]
     assert len(leases) == 1 and json.loads(leases[0].read_text())["keepers"][0][0] == os.getpid()
     assert sweep(root) == []  # this process runs: real liveness keeps its copy
-    assert sweep(root, alive=lambda pid, ticks: False) == [copies.directory]  # once it is gone, it goes
+
+    def gone(pid: int, ticks: int | None) -> bool:
+        return False
+
+    assert sweep(root, alive=gone) == []  # gone a moment ago: the same job started again may restore from it
+    assert sweep(root, alive=gone, now=time.time() + 601) == [
+        copies.directory
+    ]  # unchanged for 10 min: it goes
     assert copies.keep({"w": torch.ones(4)}, binding) > 0  # written again with its lease
     copies.remove_all()  # the job completed: the last rank out leaves nothing
     assert not copies.directory.exists()

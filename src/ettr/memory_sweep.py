@@ -9,8 +9,10 @@ useful (itself; its `ettr run` supervisor, which restarts it; its torchrun agent
 `sweep` (at each `ettr run` start and each checkpoint manager that keeps memory copies) removes a
 directory of copies when
 
-- it has leases, every one readable, and no keeper of any runs in this boot (`ettr.procs.pid_alive`:
-  same pid and start ticks); or
+- it has leases, every one readable, no keeper of any runs in this boot (`ettr.procs.pid_alive`: same pid
+  and start ticks), and nothing in it changed for `orphan_grace_s` (10 minutes: the same job started again on
+  this node soon after -- a user's or a scheduler's rerun of a plain torchrun job -- still restores from
+  memory, as its copy is bound to the checkpoint's committed manifest); or
 - it has no readable lease (an older ettr's, or unreadable) and nothing in it changed for
   `unowned_max_age_s`.
 
@@ -48,6 +50,8 @@ MAX_LEASE_BYTES = 4096
 MAX_KEEPERS = 8
 DEFAULT_UNOWNED_MAX_AGE_S = 3600.0
 """A directory of copies without a readable lease is removed once nothing in it changed for this long."""
+DEFAULT_ORPHAN_GRACE_S = 600.0
+"""A directory of copies whose keepers are all gone is removed once nothing in it changed for this long."""
 DEFAULT_MAX_ENTRIES = 4096
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 _INPLACE_DIR = re.compile(r"inplace-(\d{1,10})-[0-9a-f]{1,64}")
@@ -170,7 +174,13 @@ def _newest_mtime(directory: Path) -> float:
 
 
 def why_removable(
-    directory: Path, *, now: float, current_boot: str, alive: Alive, unowned_max_age_s: float
+    directory: Path,
+    *,
+    now: float,
+    current_boot: str,
+    alive: Alive,
+    unowned_max_age_s: float,
+    orphan_grace_s: float = DEFAULT_ORPHAN_GRACE_S,
 ) -> str:
     """Why nobody will restore from the copies in `directory` ("" when someone may). Raises OSError."""
     inplace = _INPLACE_DIR.fullmatch(directory.name)
@@ -185,9 +195,13 @@ def why_removable(
             unknown += 1
     if any(lease.held(current_boot, alive) for lease in leases):
         return ""
-    if leases and not unknown:
-        return "every process that kept it is gone"
+    if leases and not unknown and all(lease.boot_id and lease.boot_id != current_boot for lease in leases):
+        return "it was kept by processes of an earlier boot"
     age_s = now - _newest_mtime(directory)
+    if leases and not unknown:
+        if age_s > orphan_grace_s:
+            return f"every process that kept it is gone, and it is unchanged for {age_s:.0f} s"
+        return ""
     if age_s > unowned_max_age_s:
         return f"no process holds it and it is unchanged for {age_s:.0f} s"
     return ""
@@ -200,6 +214,7 @@ def sweep(
     current_boot: str | None = None,
     alive: Alive = pid_alive,
     unowned_max_age_s: float = DEFAULT_UNOWNED_MAX_AGE_S,
+    orphan_grace_s: float = DEFAULT_ORPHAN_GRACE_S,
     max_entries: int = DEFAULT_MAX_ENTRIES,
 ) -> list[Path]:
     """Remove the directories of memory copies under `root` (default: `ettr.run_env.memory_root()`) that
@@ -213,14 +228,20 @@ def sweep(
             return []  # not ours (or a symlink): nothing in it is ours to remove
         now = time.time() if now is None else now
         current_boot = boot_id() if current_boot is None else current_boot
-        return _sweep(root, now, current_boot, alive, unowned_max_age_s, max_entries)
+        return _sweep(root, now, current_boot, alive, unowned_max_age_s, orphan_grace_s, max_entries)
     except Exception as exc:  # noqa: BLE001 - a clean-up never stops a job or a save
         logger.debug("ettr: memory-copy sweep of %s skipped (%s)", root, exc)
         return []
 
 
 def _sweep(
-    root: Path, now: float, current_boot: str, alive: Alive, unowned_max_age_s: float, max_entries: int
+    root: Path,
+    now: float,
+    current_boot: str,
+    alive: Alive,
+    unowned_max_age_s: float,
+    orphan_grace_s: float,
+    max_entries: int,
 ) -> list[Path]:
     removed = []
     for directory in _candidates(root, max_entries):
@@ -231,6 +252,7 @@ def _sweep(
                 current_boot=current_boot,
                 alive=alive,
                 unowned_max_age_s=unowned_max_age_s,
+                orphan_grace_s=orphan_grace_s,
             )
             if not why:
                 continue
