@@ -359,7 +359,9 @@ def test_a_job_that_ends_without_a_step_seen_has_an_unknown_ett() -> None:
     r = s.report()
     assert r.ett_unknown is not None and "no training step" in r.ett_unknown
     out = to_dict(r)
-    assert out["ett_pct"] is None and out["idleness_pct"] is None and out["ett_unknown"] == r.ett_unknown
+    # The contract's numbers stay numbers (summing to 100); ett_unknown says they are no measurement.
+    assert out["ett_pct"] == 0.0 and out["idleness_pct"] + out["failure_pct"] == 100.0
+    assert out["ett_unknown"] == r.ett_unknown
     assert out["failure_pct"] == 0 and math.isclose(sum(out["buckets_s"].values()), out["wall_s"])
     text = render(r)
     assert "ETT unknown" in text and "ETT 0.0%" not in text

@@ -222,7 +222,10 @@ def test_a_job_whose_ett_is_unknown_is_left_out_of_the_fleets_shares_gauges_and_
     out = fleet_json.to_dict(report)
     assert out["ett_pct"] == pytest.approx(trained.ett_pct) and out["jobs_ett_unknown"] == 1
     by_id = {j["job_id"]: j for j in out["jobs"]}
-    assert by_id[inference.job_id]["ett_pct"] is None and by_id[trained.job_id]["ett_pct"] == trained.ett_pct
+    assert by_id[inference.job_id]["ett_unknown"] == "no training step seen"
+    assert (
+        by_id[trained.job_id]["ett_pct"] == trained.ett_pct and by_id[trained.job_id]["ett_unknown"] is None
+    )
     assert "1 job(s) with ETT unknown" in fleet_text.render(report)
     gauges = {
         s.labels["job"]: s.value

@@ -33,7 +33,7 @@ def job_dict(j: JobSummary) -> dict[str, Any]:
         "job_id": j.job_id,
         "family": j.family,
         "wall_s": j.wall_s,
-        "ett_pct": j.ett_pct if j.ett_known else None,  # null: no training step seen (`ett_unknown`)
+        "ett_pct": j.ett_pct,  # a number, as ettr.fleet/1 says; `ett_unknown` says when it is no measurement
         "tts_s": j.tts_s,
         "num_failures": j.num_failures,
         "gpus": j.gpus,
@@ -41,7 +41,7 @@ def job_dict(j: JobSummary) -> dict[str, Any]:
         # Extras beyond the contract.
         "name": j.name,
         "end_ts": j.wall_end_ts,
-        "idleness_pct": j.idleness_pct if j.ett_known else None,
+        "idleness_pct": j.idleness_pct,
         "failure_pct": j.failure_pct,
         "ett_unknown": j.ett_unknown,
         "mean_ttr_s": j.mean_ttr_s,

@@ -23,8 +23,8 @@ SCHEMA = "ettr.report/1"
 def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, Any]:
     """The `ettr.report/1` object of `report`.
 
-    Contract keys first (schema, job_id, wall_s, ett_pct, idleness_pct — both null when no training step was
-    seen, `ett_unknown` then says why —, failure_pct, tts_s, ttr_s,
+    Contract keys first (schema, job_id, wall_s, ett_pct, idleness_pct — numbers always; when no training step
+    was seen `ett_unknown` says why ett_pct is no measurement —, failure_pct, tts_s, ttr_s,
     num_failures, buckets_s, attempts, step_time_s — median seconds per kept step, null when none, also in
     each attempt), then the extras: step_time_p90_s and num_timed_steps (top level and per attempt),
     num_kept_steps, ett_window (ETT over the last hour or the window asked for: `ettr.report.window`),
@@ -47,9 +47,10 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         "schema": SCHEMA,
         "job_id": report.job_id,
         "wall_s": report.wall_s,
-        # null when no training step was seen (`ett_unknown` says why): 0 would be a wrong number
-        "ett_pct": None if report.ett_unknown is not None else report.ett_pct,
-        "idleness_pct": None if report.ett_unknown is not None else report.idleness_pct,
+        # Numbers, as `ettr.report/1` says (they sum to 100 with failure_pct, from the buckets); when no
+        # training step was seen `ett_unknown` says why ett_pct is no measurement (the text report says unknown)
+        "ett_pct": report.ett_pct,
+        "idleness_pct": report.idleness_pct,
         "failure_pct": report.failure_pct,
         "tts_s": report.tts_s,
         "ttr_s": list(report.ttr_s),
