@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ettr.atomic import atomic_write
 from ettr.procs import pid_alive, start_ticks
 from ettr.run_env import MEMORY_OWNER_NAME, SUPERVISOR_PID_ENV, memory_root
 from ettr.untrusted import read_json_file
@@ -130,14 +131,7 @@ def write_lease(directory: Path, environ: Mapping[str, str] | None = None) -> No
     are removed. Raises OSError."""
     lease = Lease(boot_id=boot_id(), keepers=tuple(keepers_of_this_process(environ)))
     path = directory / lease_name()
-    tmp = directory / f".{path.name}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        os.write(fd, lease.to_json().encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    atomic_write(path, lease.to_json(), mode=0o600, durable=False)  # shared memory: nothing to fsync
     current = lease.boot_id
     for other in _lease_paths(directory):
         if other != path:

@@ -62,8 +62,8 @@ from ettr.bootstrap.checkpoint_targets import (
     path_of,
     step_in,
 )
-from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr, called_from_script
-from ettr.bootstrap.save_window import SaveWindow
+from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
+from ettr.bootstrap.save_window import SaveWindow, is_library_frame
 from ettr.events import Event, EventKind, Phase
 from ettr.integrations._commits import CHECKPOINT_FILE_MARK
 from ettr.recorder import RecorderProtocol
@@ -191,9 +191,7 @@ class CheckpointHooks:
     def _saved(self, path: str, step: int, begin: float) -> None:
         if self._recorded_elsewhere():
             return
-        self._commit(
-            step, path
-        )  # the file is written: the resume point is claimed now, the wait booked below
+        self._commit(step, path)  # the file is written: the resume point is claimed now, the wait below
         self.window.saved(begin, step, path, sys._getframe())  # noqa: SLF001 - where the save was called from
         if self.window.is_open and not self._window_atexit:
             self._window_atexit = True
@@ -352,7 +350,7 @@ class CheckpointHooks:
             def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
                 # inside another save: a library writing through torch.save is part of it, but a script's
                 # own save (its SIGTERM handler, run again by a second SIGTERM mid-save) is a save
-                if hooks._busy() and not called_from_script():
+                if hooks._busy() and is_library_frame(sys._getframe(1)):  # noqa: SLF001 - the caller
                     return original(obj, f, *args, **kwargs)
                 if called_from_ettr():
                     return hooks._quiet(lambda: original(obj, f, *args, **kwargs))

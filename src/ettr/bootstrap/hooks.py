@@ -74,19 +74,6 @@ def called_from_ettr(depth: int = 2) -> bool:
     return name.startswith("ettr.") and not name.startswith("ettr.bootstrap")
 
 
-def called_from_script(depth: int = 2) -> bool:
-    """Whether the caller `depth` frames up is the script's code, not torch's or ettr's: a save made while
-    another is in progress is the script's own (a SIGTERM handler that saves, run inside a save) rather
-    than a library writing through torch.save (DCP)."""
-    try:
-        name = str(sys._getframe(depth).f_globals.get("__name__", ""))  # noqa: SLF001 - cheap caller check
-    except ValueError:
-        return False
-    return not (
-        name in ("torch", "ettr", "safetensors") or name.startswith(("torch.", "ettr.", "safetensors."))
-    )
-
-
 class StepCounter:
     """Global optimizer steps of an unmodified script: the resumed step plus the steps of the optimizer that
     steps most often, the first one to step when several step in lockstep (a GAN's discriminator and

@@ -38,7 +38,8 @@ def _module_of(frame: FrameType) -> str:
     return str(frame.f_globals.get("__name__", ""))
 
 
-def _library(frame: FrameType) -> bool:
+def is_library_frame(frame: FrameType) -> bool:
+    """Whether `frame` runs ettr's, torch's or safetensors' code (never a script's)."""
     name = _module_of(frame)
     return name in ("ettr", "torch", "safetensors") or name.startswith(_SKIPPED)
 
@@ -71,13 +72,13 @@ class LoopCodes:
         (no loop known yet, or the save is written in the loop's own frame)."""
         if not self.codes:
             return None
-        while frame is not None and _library(frame):
+        while frame is not None and is_library_frame(frame):
             frame = frame.f_back
         if frame is None or frame.f_code in self.codes:
             return None
         while True:
             caller = frame.f_back
-            if caller is None or caller.f_code in self.codes or _library(caller):
+            if caller is None or caller.f_code in self.codes or is_library_frame(caller):
                 return frame
             frame = caller
 
