@@ -248,7 +248,18 @@ class EttReport:
     """Why ETT cannot be told, None when it can: the job ran to its end (or was preempted) without a single
     training step seen, so its 0 s of effective training is not a measurement (an inference or evaluation
     job, or a loop whose steps ettr cannot see). `ett_pct` and `idleness_pct` stay numbers here (0 and the
-    rest, as the buckets give); renderers show them as unknown (`ettr.report/1`: null)."""
+    rest, as the buckets give, and in `ettr.report/1`, with `ett_unknown` beside them); the text, HTML and
+    TensorBoard renderers show them as unknown (`measured_ett_pct`)."""
+
+    @property
+    def measured_ett_pct(self) -> float | None:
+        """`ett_pct`, or None when it is no measurement (`ett_unknown`): what a renderer shows."""
+        return None if self.ett_unknown is not None else self.ett_pct
+
+    @property
+    def measured_idleness_pct(self) -> float | None:
+        """`idleness_pct`, or None when ETT is unknown (the rest of the wall time is then not idleness)."""
+        return None if self.ett_unknown is not None else self.idleness_pct
 
     @property
     def step_time_s(self) -> float | None:

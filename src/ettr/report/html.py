@@ -243,14 +243,14 @@ def _delta_step(d: float) -> str:
 _METRICS = (
     _Metric(
         "ETT",
-        lambda r: None if r.ett_unknown else r.ett_pct,
+        lambda r: r.measured_ett_pct,
         _fmt_pct_or_dash,
         lambda d: f"{fmt_signed(d)} pp",
         higher_is_better=True,
     ),
     _Metric(
         "idleness",
-        lambda r: None if r.ett_unknown else r.idleness_pct,
+        lambda r: r.measured_idleness_pct,
         _fmt_pct_or_dash,
         lambda d: f"{fmt_signed(d)} pp",
         higher_is_better=False,

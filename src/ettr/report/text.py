@@ -154,8 +154,8 @@ def render_comparison(reports: Sequence[EttReport], *, labels: Sequence[str] | N
     with_delta = len(reports) == 2
 
     metrics: list[tuple[str, list[float | None], str]] = [
-        ("ETT %", [None if r.ett_unknown else r.ett_pct for r in reports], "{:.1f}"),
-        ("idleness %", [None if r.ett_unknown else r.idleness_pct for r in reports], "{:.1f}"),
+        ("ETT %", [r.measured_ett_pct for r in reports], "{:.1f}"),
+        ("idleness %", [r.measured_idleness_pct for r in reports], "{:.1f}"),
         ("failure %", [r.failure_pct for r in reports], "{:.1f}"),
         ("wall s", [r.wall_s for r in reports], "{:.1f}"),
         ("TTS s", [r.tts_s for r in reports], "{:.1f}"),
