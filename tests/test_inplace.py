@@ -260,9 +260,17 @@ def test_kills_during_an_in_place_recovery_never_change_the_final_state(tmp_path
 
     runner = InPlaceTrialRunner(tmp_path, seed=7)
     runner.calibrate()
-    trials = [runner.run_trial(i, during_recovery=i < 2) for i in range(3)]
+    assert runner.recovery_s is not None
+    # a kill aimed at the recovery can still miss it when this trial runs faster than the calibration did (the
+    # job ends first: `not_fired`, a trial that tests nothing): aim again, a bounded number of times
+    trials = [runner.run_trial(i, during_recovery=True) for i in range(2)]
+    for i in range(2, 8):
+        if sum(t.kill_landed != "not_fired" for t in trials) >= 2:
+            break
+        trials.append(runner.run_trial(i, during_recovery=True))
+    trials.append(runner.run_trial(len(trials), during_recovery=False))
     assert all(t.completed and not t.bad for t in trials), trials
-    assert all(t.kill_landed != "not_fired" for t in trials[:2])
+    assert sum(t.kill_landed != "not_fired" for t in trials if t.kill == "recovery") >= 2, trials
 
 
 # -- under ettr run: ettr's agent books the restart in place and replaces a dead rank ----------------------------

@@ -78,6 +78,18 @@ def _events(log: Path) -> list[dict[str, Any]]:
     return found
 
 
+def _recovery_window(events: list[dict[str, Any]]) -> float | None:
+    """From the raise until a rank trained again after its restore, or None when the log does not show it."""
+    fault = next((e["ts"] for e in events if e["ev"] == "fault"), None)
+    if fault is None:
+        return None
+    restored = min((e["ts"] for e in events if e["ev"] == "restored" and e["ts"] > fault), default=None)
+    if restored is None:
+        return None
+    back = min((e["ts"] for e in events if e["ev"] == "step" and e["ts"] > restored), default=None)
+    return None if back is None else max(0.01, back - fault)
+
+
 class InPlaceTrialRunner:
     """Runs in-place SIGKILL trials under `workdir` (which it owns).
 
@@ -119,6 +131,8 @@ class InPlaceTrialRunner:
         self.reference: str | None = None
         self.run_s: float | None = None
         """Wall time of a run with the raise and no kill, from the first start to the last step."""
+        self.recovery_s: float | None = None
+        """In that run, from the raise until a rank trained again: the window a `recovery` kill aims at."""
 
     def _argv(self, trial: Path, fault: str) -> list[str]:
         return [
@@ -211,6 +225,7 @@ class InPlaceTrialRunner:
         events = _events(raised / "log.jsonl")
         steps = [e["ts"] for e in events if e["ev"] == "step"]
         self.run_s = max(0.5, max(steps) - min(steps)) if steps else 5.0
+        self.recovery_s = _recovery_window(events)
         return self.run_s
 
     def run_trial(self, index: int, *, during_recovery: bool) -> InPlaceTrial:
@@ -221,7 +236,10 @@ class InPlaceTrialRunner:
         shutil.rmtree(trial, ignore_errors=True)
         trial.mkdir(parents=True)
         rank = self._rng.randrange(2)
-        delay_s = self._rng.uniform(0.0, 0.5) if during_recovery else self._rng.uniform(0.0, self.run_s)
+        # a recovery kill aims inside the window the raise-only run took (not a fixed span a fast recovery and
+        # the rest of the job can end within, which would leave the kill unfired)
+        window_s = self.recovery_s if self.recovery_s is not None else 0.5
+        delay_s = self._rng.uniform(0.0, window_s) if during_recovery else self._rng.uniform(0.0, self.run_s)
         where = "recovery" if during_recovery else "anywhere"
         launches, completed, landed = self._run_job(trial, "raise", (where, rank, delay_s))
         events = _events(trial / "log.jsonl")
