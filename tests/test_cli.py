@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -239,3 +240,32 @@ def test_grace_sets_how_long_a_preempted_job_may_save_before_sigkill(capsys):
     for bad in ("0", "-1", "nan", "inf", "x"):
         assert main(["run", "--grace", bad, "--", "python", "x.py"]) == 2
         assert capsys.readouterr().err.startswith("ettr run: argument --grace:")
+
+
+@pytest.mark.parametrize("bad", ["missing", "empty", "garbage"])
+def test_report_compares_what_it_can_read_and_says_one_line_about_a_bad_run_dir(bad, tmp_path, capsys):
+    from ettr.testing.fleet import JobSpec, write_job
+
+    good = write_job(tmp_path / "good", JobSpec(job_id="good-job"))
+    other = write_job(tmp_path / "other", JobSpec(job_id="other-job"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "ledger.db").write_text("not a database")
+    bad_dir = str(tmp_path / bad)
+
+    assert main(["report", str(good), bad_dir, str(other), "--json"]) == 2  # bad input: status 2
+    out, err = capsys.readouterr()
+    assert [r["job_id"] for r in json.loads(out)] == ["good-job", "other-job"]
+    assert len(err.strip().splitlines()) == 1 and bad_dir in err and "skipped" in err
+    assert main(["report", str(good), bad_dir]) == 2  # one left: still reported (text), still one line
+    out, err = capsys.readouterr()
+    assert "good-job" in out and len(err.strip().splitlines()) == 1
+    assert main(["report", str(good), bad_dir, "--json"]) == 2  # several asked: still an array
+    assert [r["job_id"] for r in json.loads(capsys.readouterr().out)] == ["good-job"]
+
+
+def test_report_of_only_bad_run_dirs_is_status_2_and_a_line_for_each(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    out, err = capsys.readouterr()
+    assert not out and "a: no such run directory" in err and "b: no such run directory" in err
+    assert "none of the 2 run directories could be read" in err

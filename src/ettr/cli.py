@@ -223,11 +223,16 @@ def _report(args: argparse.Namespace) -> int:
         require_tensorboard()
     if args.ledger and not args.job_id and not args.run_dirs:
         return _list_ledger_jobs(args.ledger, as_json=args.json)
-    loaded = load_requested(args.run_dirs, ledger_url=args.ledger, job_ids=args.job_id, window_s=args.window)
+    requested = load_requested(
+        args.run_dirs, ledger_url=args.ledger, job_ids=args.job_id, window_s=args.window
+    )
+    for problem in requested.problems:  # one bad run directory: the others are still reported (status 2)
+        print(f"ettr report: skipped {problem}", file=sys.stderr)
+    loaded, run_dirs = requested.loaded, requested.run_dirs
     reports = [report for _events, report in loaded]
     from ettr.ledger.undelivered import undelivered_note
 
-    for run_dir in args.run_dirs:  # a ledger outage's spill not delivered yet: the figures lack it
+    for run_dir in run_dirs:  # a ledger outage's spill not delivered yet: the figures lack it
         note = undelivered_note(run_dir)
         if note:
             print(f"ettr report: note: {note}", file=sys.stderr)
@@ -238,7 +243,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.html:
         from ettr.report.html import write_html
 
-        write_html(reports, args.html, labels=run_labels(args.run_dirs))
+        write_html(reports, args.html, labels=run_labels(run_dirs))
         print(f"ettr report: wrote {args.html}", file=sys.stderr)
     if args.trace:
         from ettr.report.trace import write_trace
@@ -248,7 +253,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.tensorboard:
         from ettr.report.tensorboard import write_runs
 
-        write_runs(reports, args.run_dirs, args.tensorboard)
+        write_runs(reports, run_dirs, args.tensorboard)
         print(
             f"ettr report: wrote TensorBoard scalars to {args.tensorboard} (tensorboard --logdir {args.tensorboard})",
             file=sys.stderr,
@@ -256,7 +261,8 @@ def _report(args: argparse.Namespace) -> int:
     if args.json:
         # Segments (the full timeline) can run to megabytes for long jobs; the HTML report draws them.
         payload = [to_dict(r, include_segments=False) for r in reports]
-        print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
+        several = len(args.run_dirs) > 1 or len(args.job_id or ()) > 1  # an array, even with one left
+        print(json.dumps(payload if several else payload[0], indent=2))
     elif len(reports) == 1:
         print(render(reports[0]))
         from ettr.report.hints import no_step_hints
@@ -270,8 +276,8 @@ def _report(args: argparse.Namespace) -> int:
             print("\ninit communication audit (start-up collectives and process groups, per init stage)")
             print(audit)
     else:
-        print(render_comparison(reports, labels=run_labels(args.run_dirs)))
-    return 0
+        print(render_comparison(reports, labels=run_labels(run_dirs)))
+    return 2 if requested.problems else 0
 
 
 def _list_ledger_jobs(url: str, *, as_json: bool) -> int:

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ettr.accounting import DEFAULT_WINDOW_S, EttReport, compute
@@ -94,14 +95,28 @@ def load_from_ledger(
     return events, compute_report(events, job_id=job_id, window_s=window_s)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Requested:
+    """What `ettr report` could read of what it was asked for."""
+
+    loaded: list[tuple[list[Event], EttReport]]
+    """The events and report of each run directory (or ledger job) read, in the order given."""
+    run_dirs: list[str]
+    """The run directories read, beside `loaded` (empty for ledger jobs)."""
+    problems: list[str] = field(default_factory=list)
+    """One line for each run directory that could not be read (the others are still reported)."""
+
+
 def load_requested(
     run_dirs: Sequence[str],
     *,
     ledger_url: str | None,
     job_ids: Sequence[str] | None,
     window_s: float = DEFAULT_WINDOW_S,
-) -> list[tuple[list[Event], EttReport]]:
-    """What `ettr report` was asked for: RUN_DIRs, or jobs of a ledger URL. Raises `UsageError`."""
+) -> Requested:
+    """What `ettr report` was asked for: RUN_DIRs, or jobs of a ledger URL. One unreadable run directory among
+    several is one of `problems`, never the end of the comparison. Raises `UsageError` when nothing can be
+    read (one RUN_DIR: its own line) and for bad usage."""
     if ledger_url:
         if run_dirs:
             raise UsageError("ettr report: give --ledger URL --job-id ID (and no RUN_DIR)")
@@ -109,7 +124,10 @@ def load_requested(
             raise UsageError(
                 "ettr report: --ledger URL needs --job-id ID (`ettr report --ledger URL` lists them)"
             )
-        return [load_from_ledger(ledger_url, job_id, window_s=window_s) for job_id in job_ids]
+        return Requested(
+            loaded=[load_from_ledger(ledger_url, job_id, window_s=window_s) for job_id in job_ids],
+            run_dirs=[],
+        )
     if job_ids:
         raise UsageError("ettr report: --job-id needs --ledger URL (a RUN_DIR names its job itself)")
     if not run_dirs:
@@ -121,7 +139,23 @@ def load_requested(
             )
         print(f"ettr report: the newest run, {newest} (give RUN_DIR for another)", file=sys.stderr)
         run_dirs = [str(newest)]
-    return [read_run(d, window_s=window_s) for d in run_dirs]
+    if len(run_dirs) == 1:
+        return Requested(loaded=[read_run(run_dirs[0], window_s=window_s)], run_dirs=list(run_dirs))
+    loaded, read, problems = [], [], []
+    for run_dir in run_dirs:
+        try:
+            loaded.append(read_run(run_dir, window_s=window_s))
+        except UsageError as exc:
+            problems.append(str(exc))
+            continue
+        read.append(run_dir)
+    if not loaded:
+        for problem in problems:
+            print(f"ettr report: skipped {problem}", file=sys.stderr)
+        raise UsageError(
+            f"ettr report: none of the {len(run_dirs)} run directories could be read (see above)"
+        )
+    return Requested(loaded=loaded, run_dirs=read, problems=problems)
 
 
 DEFAULT_RUNS_DIR = "runs"
