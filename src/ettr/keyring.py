@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ettr.atomic import atomic_write, create_exclusive
+from ettr.untrusted import open_regular
 from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
@@ -87,7 +88,7 @@ def _private_dir(path: Path) -> bool:
 def _read_private_file(path: Path) -> bytes | None:
     """A small regular file of this user that nobody else may read or write (never through a symlink)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(path)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as stream:

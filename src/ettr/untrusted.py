@@ -17,22 +17,75 @@ import re
 import stat
 from typing import Any
 
-_FLAGS = (
-    os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-)
-
 MAX_JSON_DEPTH = 32
 """Deeper JSON than this is damage: ettr writes flat records (a summary nests three levels)."""
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISLNK, "a symlink"),
+)
+
+
+def file_kind(mode: int) -> str:
+    """What a file of `st_mode` `mode` is, for a message: `a regular file`, `a FIFO`, `a directory`, ..."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def not_regular(path: str | os.PathLike[str]) -> str | None:
+    """What `path` is when something other than a regular file is there (`a FIFO`, `a directory`, ...,
+    `a broken symlink`); None for a regular file (through symlinks) or nothing at all. For a file that is
+    opened by a library that takes a name, not a descriptor (SQLite): check before it opens a FIFO."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symlink" if os.path.islink(path) else None
+    except OSError:
+        return None  # the opener says why
+    return None if stat.S_ISREG(mode) else file_kind(mode)
+
+
+def open_regular(
+    path: str | os.PathLike[str],
+    flags: int = os.O_RDONLY,
+    mode: int = 0o644,
+    *,
+    dir_fd: int | None = None,
+    follow_symlinks: bool = False,
+) -> int:
+    """A descriptor of the regular file `path`, opened with `flags`, or an OSError: the one way to open a
+    file someone else may have put there. Opening never blocks (a FIFO opened for reading waits for a writer
+    for ever: it is opened non-blocking, refused, and the flag cleared for a regular file); a FIFO, device,
+    directory or socket is refused with EINVAL (the message says which), a symlink with ELOOP unless
+    `follow_symlinks`."""
+    extra = getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        extra |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags | extra, mode, dir_fd=dir_fd)
+    try:
+        st_mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(st_mode):
+            raise OSError(errno.EINVAL, f"not a regular file ({file_kind(st_mode)})", os.fspath(path))
+        if not flags & getattr(os, "O_NONBLOCK", 0):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_small_file(path: str | os.PathLike[str], max_bytes: int) -> bytes:
     """The bytes of the regular file `path`, at most `max_bytes` of them. Raises OSError (ELOOP for a
     symlink, EINVAL for a FIFO, device or directory, EFBIG for a larger file) and never blocks."""
-    fd = os.open(path, _FLAGS)
+    fd = open_regular(path)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
         if st.st_size > max_bytes:
             raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
         with os.fdopen(fd, "rb", closefd=False) as f:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ettr import torch_compat
 from ettr.atomic import fsync_dir, write_temp
 from ettr.checkpoint.base import MANIFEST_NAME, CheckpointError
+from ettr.untrusted import open_regular
 
 logger = logging.getLogger("ettr")
 
@@ -133,14 +134,12 @@ class LocalStorage:
         read of anything but a regular file is refused."""
         head, name = self._split(rel)
         with self._dir(head, create=bool(flags & os.O_CREAT)) as dir_fd:
-            try:
-                fd = os.open(name, flags | _NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+            try:  # never blocks: a FIFO named like a manifest would hold a resume for ever
+                return open_regular(name, flags, mode, dir_fd=dir_fd)
             except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    raise SymlinkRefused(errno.EINVAL, exc.strerror, self.path(rel)) from None
                 raise _refused(exc, self.path(rel)) from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise SymlinkRefused(errno.EINVAL, "not a regular file", self.path(rel))
-        return fd
 
     # -- the storage Protocol ----------------------------------------------------------------------------
     def list_dir(self, rel: str = "") -> dict[str, int | None]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from ettr import torch_compat
 from ettr.atomic import atomic_write
+from ettr.untrusted import open_regular
 
 logger = logging.getLogger("ettr")
 
@@ -144,7 +145,8 @@ def job_file(run_dir: str | os.PathLike[str]) -> Path:
 def load(path: str | os.PathLike[str]) -> tuple[tuple[DynamicSource, ...], list[dict[str, Any]]]:
     """(sources, recompile reasons) kept at `path`; empty when missing or unreadable (never raises)."""
     try:
-        payload = json.loads(Path(path).read_text())
+        with os.fdopen(open_regular(path, follow_symlinks=True), "rb") as f:  # a FIFO: no wait
+            payload = json.loads(f.read())
         if payload.get("schema") != SCHEMA:
             return (), []
         reasons = [dict(r) for r in payload.get("reasons", []) if isinstance(r, Mapping)]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ettr.atomic import atomic_write
+from ettr.untrusted import open_regular
 
 SCHEMA = "ettr.batch-spec/1"
 FILENAME = "batch_spec.json"
@@ -184,6 +185,7 @@ def save_spec(path: str | os.PathLike[str], spec: BatchSpec) -> None:
 def load_spec(path: str | os.PathLike[str]) -> BatchSpec | None:
     """The spec kept at `path`, or None when missing or unreadable."""
     try:
-        return spec_from_json(json.loads(Path(path).read_text()))
+        with os.fdopen(open_regular(path, follow_symlinks=True), "rb") as f:  # a FIFO: no wait
+            return spec_from_json(json.loads(f.read()))
     except (OSError, ValueError):
         return None

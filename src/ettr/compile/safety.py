@@ -15,10 +15,13 @@ into must be the user's own:
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from ettr.untrusted import open_regular
 
 UNPACK_MAX_BYTES_ENV = "ETTR_COMPILE_UNPACK_MAX_BYTES"
 UNPACK_MAX_FILE_BYTES_ENV = "ETTR_COMPILE_UNPACK_MAX_FILE_BYTES"
@@ -76,18 +79,16 @@ def read_no_follow(path: Path) -> bytes:
 
 def read_no_follow_stat(path: Path) -> tuple[bytes, os.stat_result]:
     """The bytes of a regular file and its stat, opened without following a symlink at its name."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
+    try:  # never blocks: a FIFO in a cache would hold the training process for ever
+        fd = open_regular(path)
     except OSError as exc:
         if os.path.islink(path):
             raise UnsafeLocation(f"{path} is a symlink; ettr does not follow it") from exc
+        if exc.errno == errno.EINVAL:
+            raise UnsafeLocation(f"{path} is {exc.strerror}") from None
         raise
     with os.fdopen(fd, "rb") as stream:
-        st = os.fstat(stream.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeLocation(f"{path} is not a regular file")
-        return stream.read(), st
+        return stream.read(), os.fstat(stream.fileno())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ettr.atomic import create_exclusive
 from ettr.run_env import inplace_failed_path, inplace_next_path, inplace_ready_path
+from ettr.untrusted import open_regular
 
 _GENERATION_KEY = "ettr/inplace/generation"
 _POLL_S = 0.002
@@ -106,7 +107,8 @@ class AgentGenerations:
     def next_attempt(self) -> int | None:
         """The attempt the agent last said the job continues in (None: it has said none)."""
         try:
-            data = json.loads(inplace_next_path(self.run_dir).read_bytes())
+            with os.fdopen(open_regular(inplace_next_path(self.run_dir)), "rb") as f:  # a FIFO: no wait
+                data = json.loads(f.read())
         except (OSError, ValueError):
             return None
         attempt = data.get("attempt") if isinstance(data, dict) else None

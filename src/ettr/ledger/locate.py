@@ -71,8 +71,9 @@ def untrusted_server_url(url: str) -> str:
 
 
 def is_run_dir(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` keeps a run's books (its own ledger file, or a pointer to a URL)."""
-    return ledger_path(path).is_file() or pointer_path(path).is_file()
+    """Whether `path` keeps a run's books (its own ledger file, or a pointer to a URL). Anything by those names
+    counts (a FIFO, a directory): reading it then says what is wrong, instead of passing over it in silence."""
+    return os.path.lexists(ledger_path(path)) or os.path.lexists(pointer_path(path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +156,7 @@ def locate(run_dir: str | os.PathLike[str], *, environ: Mapping[str, str] | None
     run_env = RunEnv.from_environ(environ)
     if run_env is not None and run_env.ledger_url and _same_dir(run_env.run_dir, path):
         return Books(path, run_env.ledger_url, run_env.job_id or path.absolute().name)
-    if ledger_path(path).is_file():
+    if os.path.lexists(ledger_path(path)):  # not a regular file: opening it says so (one line)
         return Books(path)
     pointer = read_pointer(path)
     if pointer is not None:

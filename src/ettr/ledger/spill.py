@@ -19,13 +19,11 @@ Spill file: line 1 a header `{"spill": 1, "job_id", "writer", "node"}`, then one
 from __future__ import annotations
 
 import atexit
-import errno
 import fcntl
 import json
 import logging
 import math
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +35,7 @@ from ettr.events import Event
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerRejected, LedgerStalled
 from ettr.ledger.postgres import new_writer_id
 from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, from_row, storable_rows
-from ettr.untrusted import loads_bounded
+from ettr.untrusted import loads_bounded, open_regular
 
 logger = logging.getLogger("ettr")
 
@@ -73,11 +71,7 @@ _MAX_HEADER_BYTES = 65536
 def _open_regular(path: Path) -> int:
     """A descriptor of the regular file `path`: never through a symlink, never a FIFO (it would block).
     Raises OSError."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
-    return fd
+    return open_regular(path)
 
 
 def _header(path: Path) -> dict[str, object] | None:

@@ -22,6 +22,7 @@ from ettr.events import SCHEMA_VERSION, Event
 from ettr.ledger.accounted import select_rows
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerMark
 from ettr.ledger.rows import FUTURE_MARGIN_S, MAX_TS, MIN_TS, Row, events_from_rows, storable_rows
+from ettr.untrusted import not_regular
 
 logger = logging.getLogger("ettr")
 
@@ -67,6 +68,9 @@ class SqliteLedger:
         self.path = Path(path)
         if read_only and create:
             raise ValueError("a read-only ledger is never created")
+        kind = not_regular(self.path)
+        if kind is not None:  # SQLite would open a FIFO and wait in it for ever
+            raise LedgerError(f"{self.path} is {kind}, not an ettr ledger (a SQLite file); move it aside")
         if not create and not self.path.is_file():
             raise LedgerError(f"no ledger at {self.path}")
         if create:

@@ -73,7 +73,7 @@ def sqlite_path(url: str) -> Path:
 
 def _sqlite(url: str, *, job_id: str, create: bool) -> SqliteLedger:
     path = sqlite_path(url)
-    if not create and not path.is_file():
+    if not create and not os.path.lexists(path):
         raise UsageError(f"ledger {url}: no such file {path}")
     try:
         ledger = SqliteLedger(path, create=create)
@@ -111,7 +111,7 @@ def list_jobs(url: str) -> list[str]:
     """The ids of the jobs the ledger at `url` holds, oldest first. Raises `UsageError`."""
     if scheme_of(url) == "sqlite":
         path = sqlite_path(url)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise UsageError(f"ledger {url}: no such file {path}")
         try:
             ledger = SqliteLedger(path, create=False)

@@ -20,7 +20,6 @@ Needs a POSIX filesystem with atomic rename and hard links (local disk, NFS); no
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -28,7 +27,6 @@ import math
 import os
 import re
 import socket
-import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -40,6 +38,7 @@ from typing import Any
 from ettr.atomic import atomic_write, create_exclusive
 from ettr.procs import pid_alive, start_ticks
 from ettr.publish.request import MAX_REQUEST_BYTES, PublishError, PublishRequest, parse_json
+from ettr.untrusted import open_regular
 
 logger = logging.getLogger("ettr")
 
@@ -86,10 +85,8 @@ def _carried_over(previous: dict[str, Any] | None, now: float) -> tuple[int, flo
 
 def _read_untrusted(path: Path) -> bytes:
     """A request file's bytes: never through a symlink, never more than the size a request may have."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    fd = open_regular(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
         with os.fdopen(fd, "rb", closefd=False) as f:
             return f.read(MAX_REQUEST_BYTES + 1)
     finally:

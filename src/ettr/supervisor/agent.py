@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ettr.run_env import AGENT_ENV, Launcher
 from ettr.supervisor.launch import _LOCAL_HOSTS, _launcher_args_at, _norm, _torchrun_split, detect_launcher
+from ettr.untrusted import open_regular
 
 # Options whose value changes nothing the workers see (ettr does the restarts, the monitoring and the
 # shutdown itself), or whose value the spec reads.
@@ -104,7 +105,7 @@ def torchrun_python(command: Sequence[str], environ: Mapping[str, str]) -> str |
     if script is None:
         return None
     try:
-        with open(script, "rb") as f:
+        with os.fdopen(open_regular(script, follow_symlinks=True), "rb") as f:  # a FIFO: no wait
             first = f.readline(512).decode(errors="replace").strip()
     except OSError:
         return None

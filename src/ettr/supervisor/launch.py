@@ -18,6 +18,7 @@ from ettr.bootstrap import pythonpath_dir
 from ettr.inject import FaultSpec, encode_specs
 from ettr.run_env import LAUNCHER_CLEARS, Launcher, RunEnv, detect_launcher
 from ettr.run_env import python_module as _python_module
+from ettr.untrusted import open_regular
 
 # torchrun options that take no value (everything else before the script takes one).
 _TORCHRUN_FLAGS = frozenset(
@@ -56,7 +57,7 @@ def is_shell_command(command: Sequence[str]) -> bool:
     if os.path.basename(command[0]) in _SHELLS:
         return True
     try:
-        with open(command[0], "rb") as f:
+        with os.fdopen(open_regular(command[0], follow_symlinks=True), "rb") as f:  # a FIFO: no wait
             first = f.readline(256).decode(errors="replace")
     except OSError:
         return False

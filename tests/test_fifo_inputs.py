@@ -1,0 +1,104 @@
+"""A FIFO (or directory, device) where ettr expects a file it reads is refused with one line, never waited in:
+opening a FIFO for reading blocks until a writer comes, which for a file nobody writes is for ever. Each test
+has a short timeout so that a regression fails here instead of holding the suite."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from ettr.cli import main
+from ettr.untrusted import not_regular, open_regular
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fifo(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def test_open_regular_refuses_a_fifo_without_blocking_and_says_what_it_is(tmp_path):
+    fifo = _fifo(tmp_path / "f")
+    with pytest.raises(OSError) as refused:
+        open_regular(fifo)
+    assert refused.value.errno == errno.EINVAL and "a FIFO" in str(refused.value)
+    with pytest.raises(OSError):  # for writing, with no reader: refused too (ENXIO), never a wait
+        open_regular(fifo, os.O_WRONLY)
+    with pytest.raises(OSError) as refused:
+        open_regular(tmp_path)
+    assert "a directory" in str(refused.value)
+    assert not_regular(fifo) == "a FIFO" and not_regular(tmp_path) == "a directory"
+    assert not_regular(tmp_path / "missing") is None
+    regular = tmp_path / "r"
+    regular.write_bytes(b"x")
+    assert not_regular(regular) is None
+    fd = open_regular(regular)
+    try:
+        assert os.get_blocking(fd) and os.read(fd, 10) == b"x"
+    finally:
+        os.close(fd)
+
+
+def test_a_fifo_named_ledger_db_is_one_clear_line_not_a_silent_non_run_dir(tmp_path, capsys):
+    from ettr.testing.fleet import JobSpec, write_job
+
+    good = write_job(tmp_path / "good", JobSpec(job_id="good-job"))
+    _fifo(tmp_path / "bad" / "ledger.db")
+    assert main(["report", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        len(err.strip().splitlines()) == 1 and "is a FIFO" in err and "not an ettr run directory" not in err
+    )
+
+    assert main(["fleet", str(good), str(tmp_path / "bad"), "--json"]) == 0  # the rest of the fleet goes on
+    err = capsys.readouterr().err
+    assert "skipped" in err and "is a FIFO" in err
+
+    assert main(["report", str(good), str(tmp_path / "bad"), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "is a FIFO" in err
+
+
+def test_a_fifo_as_a_ledger_url_file_is_one_line(tmp_path, capsys):
+    fifo = _fifo(tmp_path / "shared.db")
+    assert main(["report", "--ledger", f"sqlite:///{fifo}", "--job-id", "j"]) == 2
+    assert "is a FIFO" in capsys.readouterr().err
+
+
+def test_a_fifo_named_like_a_checkpoint_manifest_is_refused_not_waited_in(tmp_path):
+    from ettr.checkpoint.storage import LocalStorage
+
+    _fifo(tmp_path / "step-00000010" / "manifest.json")
+    with pytest.raises(OSError, match="a FIFO"):
+        LocalStorage(str(tmp_path)).read_bytes("step-00000010/manifest.json")
+
+
+def test_a_fifo_in_a_compile_cache_is_refused_not_waited_in(tmp_path):
+    from ettr.compile.safety import UnsafeLocation, read_no_follow
+
+    with pytest.raises(UnsafeLocation, match="a FIFO"):
+        read_no_follow(_fifo(tmp_path / "artifact"))
+
+
+def test_run_dir_files_that_are_fifos_read_as_missing(tmp_path):
+    from ettr.compile import dynamic, fastbatch
+    from ettr.inplace.generations import AgentGenerations
+    from ettr.run_env import inplace_next_path
+    from ettr.steptail import read_tails, tail_path
+    from ettr.supervisor.launch import is_shell_command
+
+    _fifo(dynamic.job_file(tmp_path))
+    assert dynamic.load(dynamic.job_file(tmp_path)) == ((), [])
+    os.unlink(dynamic.job_file(tmp_path))
+    _fifo(fastbatch.job_file(tmp_path))
+    assert fastbatch.load_spec(fastbatch.job_file(tmp_path)) is None
+    _fifo(tail_path(tmp_path, 0, pid=1234))
+    assert read_tails(tmp_path, 0) == {}
+    _fifo(inplace_next_path(tmp_path))
+    assert AgentGenerations(tmp_path, 0).next_attempt() is None
+    assert is_shell_command([str(_fifo(tmp_path / "train.sh"))]) is False
