@@ -403,6 +403,27 @@ def test_steps_follow_the_optimizer_that_steps_most_often(hooked: tuple[Any, Rec
     assert recorded()[-2:] == [15, 16]
 
 
+def test_a_second_phase_optimizer_that_takes_over_loses_no_step(hooked: tuple[Any, Recorder, Any]) -> None:
+    # A warm-up optimizer, then a new one for the rest while the first is still referenced (a scheduler, a
+    # list of optimizers): 5 + 7 optimizer steps read 11 when the newcomer's first step was taken for the
+    # partner in lockstep of the warm-up's last one.
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(2, 1)
+
+    def run(opt: torch.optim.Optimizer, num_steps: int) -> None:
+        for _ in range(num_steps):
+            opt.zero_grad()
+            model(torch.randn(2, 2)).sum().backward()
+            opt.step()
+
+    warmup = torch.optim.SGD(model.parameters(), lr=0.1)
+    run(warmup, 5)
+    main_phase = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run(main_phase, 7)
+    assert [e.step for e in _events(rec, ledger, {EventKind.STEP})] == list(range(1, 13))
+    assert warmup is not None  # kept alive to the end, as the field's script did
+
+
 def test_a_loop_that_updates_its_weights_itself_steps_once_per_backward_pass(
     hooked: tuple[Any, Recorder, Any], tmp_path: Path
 ) -> None:

@@ -81,14 +81,18 @@ class StepCounter:
 
     Another optimizer that steps twice while the counted one does not step (a critic stepped n times per
     generator step, an optimizer stepped every k-th iteration that happened to step first, an optimizer made
-    anew for a second phase) is counted from its second such step on; a counted optimizer that was garbage
-    collected gives way to the next one at once. The count goes on: steps already recorded keep their
-    numbers."""
+    anew for a second phase) is counted from its second such step on; its first such step is counted too when
+    it is a newcomer (its first step ever came after the counted one had stepped twice: a second phase's
+    optimizer, not the partner in lockstep of the counted one's last step), and recorded at the takeover. A
+    counted optimizer that was garbage collected gives way to the next one at once. The count
+    goes on: steps already recorded keep their numbers."""
 
     def __init__(self, rec: RecorderProtocol) -> None:
         self._rec = rec
         self._first: weakref.ref[Any] | None = None  # the counted optimizer
         self._since: set[int] = set()  # other optimizers that stepped since the counted one last did
+        self._newcomers: set[int] = set()  # of `_since`: first step ever after the counted one's second
+        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()  # every optimizer that has stepped
         self.base_step = 0
         self.num_steps = 0
         self._manual_pending = False  # a step without an optimizer waits for its update (on_manual_update)
@@ -97,6 +101,12 @@ class StepCounter:
     def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._rec.explicit_steps:
             return
+        try:
+            first_ever = optimizer not in self._seen
+            if first_ever:
+                self._seen.add(optimizer)
+        except TypeError:  # an optimizer class with __eq__ and no __hash__: counted as before
+            first_ever = False
         counted = self._first() if self._first is not None else None
         if counted is None:  # the first optimizer to step, or the counted one is gone
             self._first = weakref.ref(optimizer)
@@ -104,9 +114,15 @@ class StepCounter:
             key = id(optimizer)
             if key not in self._since:  # in lockstep so far, or less often than the counted one
                 self._since.add(key)
+                if first_ever and self.num_steps >= 2:
+                    self._newcomers.add(key)
                 return
             self._first = weakref.ref(optimizer)  # it steps more often than the counted one: count it
+            if key in self._newcomers:  # a second phase's optimizer: its first step was a step of the job too
+                self.num_steps += 1  # booked now, a step late: every number is recorded (crash@step=N fires)
+                self._rec.step(self.base_step + self.num_steps, auto=True)
         self._since.clear()
+        self._newcomers.clear()
         self.num_steps += 1
         self._rec.step(self.base_step + self.num_steps, auto=True)
 
@@ -142,6 +158,7 @@ class StepCounter:
         count kept for it would never move again)."""
         self._first, self.base_step, self.num_steps = None, 0, 0
         self._since.clear()
+        self._newcomers.clear()
 
     def resumed(self, step: int) -> None:
         """The state was restored as of after `step`: later steps count on from there."""
