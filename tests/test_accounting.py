@@ -371,6 +371,28 @@ def test_a_job_that_ends_without_a_step_seen_has_an_unknown_ett() -> None:
     assert s.report().ett_unknown is None
 
 
+def test_a_job_no_process_of_which_reported_has_unknown_steps_however_it_ended() -> None:
+    """`ettr run -- bash train.sh` where train.sh runs `env -i python train.py` (or a container): ettr's
+    bootstrap never reaches the trainer, which may train for hours and then crash. Nothing but the supervisor's
+    events: ETT unknown, never "ETT 0.0%" (it read 0.0% with a failed attempt). A process that reported its
+    start and then failed before any step trained nothing: 0% stays the measurement there."""
+    from ettr.report.text import render
+
+    for outcome, exit_code in (("failed", 1), ("completed", 0), ("hung", 137)):
+        s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+        s.attempt(0, 1, 3600, outcome, exit_code)
+        s.sup(EventKind.JOB_END, 3601, 0, exit_status=exit_code)
+        r = s.report()
+        assert r.ett_unknown is not None and "no process of the job reported" in r.ett_unknown, outcome
+        assert "ETT unknown" in render(r) and "ETT 0.0%" not in render(r)
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 1, 30, "failed", 1).add(EventKind.PROCESS_START, 2, 0, 0)
+    s.sup(EventKind.JOB_END, 31, 0, exit_status=1)
+    assert s.report().ett_unknown is None
+    running = Stream().sup(EventKind.SUPERVISOR_START, 0).attempt(0, 1)  # still starting: not yet unknown
+    assert running.events and running.report().ett_unknown is None
+
+
 def _killed_mid_write() -> Stream:
     s = Stream().sup(EventKind.JOB_ALLOCATED, 0).sup(EventKind.SUPERVISOR_START, 2)
     s.sup(EventKind.ATTEMPT_START, 3)

@@ -175,7 +175,7 @@ def _compute(
         slow_steps=slow_steps(
             [(a.index, a.position, kept_times[a.index]) for a in attempts], slowdown, ranks
         ),
-        ett_unknown=_why_ett_unknown(attempt_reports),
+        ett_unknown=_why_ett_unknown(attempt_reports, heard_from_job=any(e.rank >= 0 for e in kept)),
         window=ett_window(
             segments,
             wall_start,
@@ -193,12 +193,24 @@ def _compute(
 _RAN_ITS_COURSE = (Outcome.COMPLETED, Outcome.PREEMPTED, Outcome.INTERRUPTED)
 
 
-def _why_ett_unknown(attempts: Sequence[AttemptReport]) -> str | None:
+_STILL_OPEN = (Outcome.RUNNING, Outcome.UNKNOWN)
+
+
+def _why_ett_unknown(attempts: Sequence[AttemptReport], *, heard_from_job: bool) -> str | None:
     """Why the job's ETT cannot be told: it ran to an end without any training step seen (None otherwise).
 
-    A job that failed before any step, or one still starting, did train nothing so far: 0% is right there."""
+    A job that failed before any step, or one still starting, did train nothing so far: 0% is right there;
+    unless no process of the job ever reported (`heard_from_job` False: not even the bootstrap's start): then
+    ettr never saw the training process (a wrapper that cleared its environment), which may have trained for
+    hours before it failed, and its steps are unknown however the job ended."""
     if not attempts or any(a.last_step is not None for a in attempts):
         return None
+    if not heard_from_job and not any(a.outcome in _STILL_OPEN for a in attempts):
+        return (
+            "no training step was seen, and no process of the job reported to ettr: its steps are unknown "
+            "(ettr's bootstrap did not reach the training process: a wrapper that clears its environment, as "
+            "env -i, sudo, ssh or a container do, or a command that runs no python)"
+        )
     if not any(a.outcome in _RAN_ITS_COURSE for a in attempts):
         return None
     return (

@@ -24,8 +24,9 @@ def no_step_hints(events: Sequence[Event], report: EttReport) -> list[str]:
         if data.get("launcher") == "other":
             return [
                 "no training step was recorded, and no process of the job reported anything: ettr instruments "
-                "the python and torchrun processes the command starts (behind a shell wrapper too); did it "
-                "start one?"
+                "the python and torchrun processes the command starts (behind a shell wrapper too, as long as "
+                "they get its environment: env -i, sudo, ssh or a container cut them off); did it start one, "
+                "and with ETTR_* and PYTHONPATH passed on?"
             ]
         return [
             "no training step was recorded, and no process of the job reported anything (a script run "
