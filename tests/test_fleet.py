@@ -246,6 +246,42 @@ def test_a_job_whose_ett_is_unknown_is_left_out_of_the_fleets_shares_gauges_and_
     assert summary_from_json(older).ett_unknown is None
 
 
+def test_a_fleet_of_jobs_whose_ett_is_unknown_says_unknown_not_0_percent():
+    """Every job ended without a training step seen (a wrapper hid the trainers from ettr): the fleet's shares
+    are 0 of nothing. The text and the dashboard read "ETT unknown" (they read "ETT 0.0%"), the fleet gauge
+    has no sample; the JSON keeps its number beside jobs_ett_unknown."""
+    from ettr.fleet import json as fleet_json
+    from ettr.fleet import text as fleet_text
+    from ettr.fleet.html import render_html
+    from ettr.fleet.metrics import metric_families
+
+    buckets = dict.fromkeys(Bucket, 0.0)
+    buckets[Bucket.INIT] = 50.0
+    hidden = replace(
+        _summary(1, "b"), buckets_s=buckets, wall_s=50.0, wall_end_ts=T0 + 150.0, ett_pct=0.0,
+        idleness_pct=100.0, ett_unknown="no process of the job reported to ettr",
+    )  # fmt: skip
+    report = build_fleet([hidden])
+    assert not report.fleet.ett_known and report.fleet.shares_pct() is None
+    text = fleet_text.render(report)
+    assert "ETT unknown | idle - | failure - |" in text and "ETT 0.0%" not in text
+    family_row = next(line for line in text.splitlines() if line.lstrip().startswith(hidden.family))
+    assert "unknown" in family_row and "0.0" not in family_row.split()
+    page = render_html(report)
+    assert "ETT unknown" in page and "ETT 0.0%" not in page
+    samples = [
+        s
+        for family in metric_families([hidden], now=T0 + 1000)
+        if family.name == "ettr_fleet_effective_training_ratio"
+        for s in family.samples
+    ]
+    assert samples == []
+    out = fleet_json.to_dict(report)
+    assert out["ett_pct"] == 0.0 and out["jobs_ett_unknown"] == 1
+    trained = build_fleet([hidden, _summary(0, "a")])
+    assert trained.fleet.ett_known and "| ETT unknown |" not in fleet_text.render(trained).splitlines()[0]
+
+
 # -- preemption ----------------------------------------------------------------------------------------------
 def test_a_job_that_just_committed_is_cheaper_to_preempt():
     now = T0 + 1000

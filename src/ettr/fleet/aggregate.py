@@ -79,6 +79,16 @@ class Totals:
     """Headline TTR of the recoveries of each kind (in_place, warm_restart, cold_restart, requeue) seen."""
 
     @property
+    def ett_known(self) -> bool:
+        """Whether some job's ETT is known: else the three shares are 0 of nothing (every job ended without
+        a training step seen), no measurement, and renderers say unknown."""
+        return self.num_jobs > self.num_ett_unknown
+
+    def shares_pct(self) -> tuple[float, float, float] | None:
+        """(ETT, idleness, failure) in %, or None when no job's ETT is known (`ett_known`)."""
+        return (self.ett_pct, self.idleness_pct, self.failure_pct) if self.ett_known else None
+
+    @property
     def lost_gpu_hours(self) -> dict[Bucket, float]:
         """GPU-hours of every bucket but effective training."""
         return {b: s / 3600.0 for b, s in self.bucket_gpu_s.items() if b is not Bucket.EFFECTIVE_TRAINING}

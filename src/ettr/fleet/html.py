@@ -102,6 +102,11 @@ def trend_svg(report: FleetReport) -> str:
     return _svg(top + plot_h + 26, body, "ETT% per job over time")
 
 
+def _share(pct: float, known: bool, unknown: str = "-") -> str:
+    """A fleet share in %, or `unknown` when no job's ETT is known (0 of nothing is no measurement)."""
+    return fmt_pct(pct) if known else unknown
+
+
 def days_svg(report: FleetReport) -> str:
     """ETT% per UTC day (GPU-weighted), one bar per day."""
     days = list(report.days.items())
@@ -109,17 +114,18 @@ def days_svg(report: FleetReport) -> str:
     width = (_W - left - 10) / max(1, len(days))
     body = []
     for i, (day, t) in enumerate(days):
-        h = plot_h * max(0.0, min(100.0, t.ett_pct)) / 100
+        ett = fmt_pct(t.ett_pct) if t.ett_known else "unknown"  # no bar for a day of jobs without a step
+        h = plot_h * max(0.0, min(100.0, t.ett_pct)) / 100 if t.ett_known else 0.0
         x = left + i * width
         body.append(
             f'<rect x="{_n(x + 2)}" y="{_n(top + plot_h - h)}" width="{_n(max(1.0, width - 4))}" height="{_n(h)}" '
-            f'fill="{BUCKET_COLORS[Bucket.EFFECTIVE_TRAINING]}"><title>{esc(f"{day}: ETT {fmt_pct(t.ett_pct)}, {t.num_jobs} jobs")}'
+            f'fill="{BUCKET_COLORS[Bucket.EFFECTIVE_TRAINING]}"><title>{esc(f"{day}: ETT {ett}, {t.num_jobs} jobs")}'
             "</title></rect>"
         )
         if width >= 36:
             body.append(
                 f'<text x="{_n(x + width / 2)}" y="{_n(top + plot_h - h - 4)}" text-anchor="middle" fill="#222" '
-                f'font-size="11">{esc(fmt_pct(t.ett_pct))}</text>'
+                f'font-size="11">{esc(ett)}</text>'
             )
         if width >= 60 or i % max(1, int(60 // max(width, 1))) == 0:
             body.append(
@@ -180,8 +186,9 @@ def render_html(report: FleetReport) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>ettr fleet — {t.num_jobs} jobs</title><style>{_CSS}</style></head><body><main>",
         "<h1>ettr fleet</h1>",
-        f'<section class="headline"><span class="big">ETT {fmt_pct(t.ett_pct)}</span> &nbsp; idle '
-        f"{fmt_pct(t.idleness_pct)} · failure {fmt_pct(t.failure_pct)} · {t.num_jobs} jobs · "
+        f'<section class="headline"><span class="big">ETT {_share(t.ett_pct, t.ett_known, "unknown")}</span> '
+        f"&nbsp; idle {_share(t.idleness_pct, t.ett_known)} · failure {_share(t.failure_pct, t.ett_known)} · "
+        f"{t.num_jobs} jobs · "
         f"{t.wall_gpu_s / 3600:.2f} GPU-hours (wall × GPUs) · {t.num_failures} failures · "
         f'<span class="{"bad" if report.regressions else ""}">{len(report.regressions)} regression(s)</span>'
         "</section>",
@@ -205,7 +212,7 @@ def render_html(report: FleetReport) -> str:
     for name, fam in report.families.items():
         parts.append(
             f'<tr><td class="l" style="width:180px">{esc(name)}<br><span class="muted">{fam.num_jobs} jobs, ETT '
-            f"{fmt_pct(fam.ett_pct)}</span></td><td>"
+            f"{_share(fam.ett_pct, fam.ett_known, 'unknown')}</span></td><td>"
             + share_bar_svg(fam.bucket_gpu_s, height=22, title_prefix=f"{name} · ")
             + "</td></tr>"
         )

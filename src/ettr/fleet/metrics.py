@@ -42,9 +42,11 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
         out.append(c)
         return c
 
-    gauge(
+    fleet_ratio = gauge(
         "ettr_fleet_effective_training_ratio", "effective training / wall time, weighted by GPUs", ()
-    ).add_metric([], fleet.ett_pct / 100.0)
+    )
+    if fleet.ett_known:  # no sample when no job's ETT is known: 0 would be a wrong number
+        fleet_ratio.add_metric([], fleet.ett_pct / 100.0)
     gauge("ettr_jobs", "jobs known", ()).add_metric([], float(len(jobs)))
     gauge("ettr_jobs_unreadable", "run directories or jobs that could not be read", ()).add_metric(
         [], float(num_problems)

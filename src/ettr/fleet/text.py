@@ -18,6 +18,16 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _shares(t: Totals) -> tuple[str, str, str]:
+    """ETT, idleness and failure in % (one decimal), or `unknown`, `-`, `-` when no job's ETT is known."""
+    shares = t.shares_pct()
+    return (
+        ("unknown", "-", "-")
+        if shares is None
+        else (f"{shares[0]:.1f}", f"{shares[1]:.1f}", f"{shares[2]:.1f}")
+    )
+
+
 def _dist(d: Distribution) -> str:
     if not d.count:
         return "-"
@@ -32,9 +42,7 @@ def _group_rows(groups: Mapping[str, Totals]) -> list[tuple[str, ...]]:
                 name,
                 str(t.num_jobs),
                 f"{t.wall_gpu_s / 3600:.2f}",
-                f"{t.ett_pct:.1f}",
-                f"{t.idleness_pct:.1f}",
-                f"{t.failure_pct:.1f}",
+                *_shares(t),
                 str(t.num_failures),
                 _s(t.tts.p50),
                 _s(t.ttr.p50),
@@ -65,9 +73,10 @@ def step_speed_line(o: StepSpeedOutlier) -> str:
 
 def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
     t = report.fleet
+    ett, idle, failure = (s if t.shares_pct() is None else f"{s}%" for s in _shares(t))
     lines = [
-        f"fleet: {t.num_jobs} jobs, {t.wall_gpu_s / 3600:.2f} GPU-hours (wall x gpus) | ETT {t.ett_pct:.1f}% | "
-        f"idle {t.idleness_pct:.1f}% | failure {t.failure_pct:.1f}% | failures {t.num_failures} "
+        f"fleet: {t.num_jobs} jobs, {t.wall_gpu_s / 3600:.2f} GPU-hours (wall x gpus) | ETT {ett} | "
+        f"idle {idle} | failure {failure} | failures {t.num_failures} "
         f"(infra {t.failures_by_cause[Cause.INFRA]})"
         + (
             f" | {t.num_ett_unknown} job(s) with ETT unknown (no training step seen) left out of the shares"
