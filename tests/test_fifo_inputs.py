@@ -102,3 +102,10 @@ def test_run_dir_files_that_are_fifos_read_as_missing(tmp_path):
     _fifo(inplace_next_path(tmp_path))
     assert AgentGenerations(tmp_path, 0).next_attempt() is None
     assert is_shell_command([str(_fifo(tmp_path / "train.sh"))]) is False
+
+
+def test_a_fifo_named_like_a_published_artifacts_manifest_is_no_manifest(tmp_path):
+    from ettr.publish.artifact import MANIFEST_FILE, read_manifest
+
+    _fifo(tmp_path / "artifact" / MANIFEST_FILE)
+    assert read_manifest(tmp_path / "artifact") is None

@@ -18,6 +18,7 @@ same request finds it there (or loses the rename race) and yields the same singl
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -47,6 +48,7 @@ from ettr.publish.sample import (
     slice_batch,
     tolerances,
 )
+from ettr.untrusted import open_regular
 
 logger = logging.getLogger("ettr")
 
@@ -82,10 +84,20 @@ class ArtifactResult:
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The manifest of a complete artifact directory, or None if there is none."""
     try:
-        body = json.loads((Path(path) / MANIFEST_FILE).read_bytes())
+        body = json.loads(_read(Path(path) / MANIFEST_FILE))
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # a FIFO, device or directory by that name: no manifest
+            return None
+        raise
     return body if isinstance(body, dict) and body.get("format") == ARTIFACT_FORMAT else None
+
+
+def _read(path: Path) -> bytes:
+    """The bytes of the regular file `path` (never a wait in a FIFO someone put in the artifact)."""
+    with os.fdopen(open_regular(path, follow_symlinks=True), "rb") as f:
+        return f.read()
 
 
 def _sha256(path: Path) -> str:
@@ -479,8 +491,8 @@ def load_artifact(path: str | os.PathLike[str], *, check_files: bool = True) -> 
         for name, entry in manifest["files"].items():
             if not (root / name).is_file() or _sha256(root / name) != entry["sha256"]:
                 raise PublishError(f"{root / name} is missing or changed since it was published")
-    config = json.loads((root / CONFIG_FILE).read_text())
-    inputs, expected = decode_sample((root / SAMPLE_FILE).read_bytes())
+    config = json.loads(_read(root / CONFIG_FILE))
+    inputs, expected = decode_sample(_read(root / SAMPLE_FILE))
     return PublishedModel(
         path=root,
         program=torch.export.load(root / PROGRAM_FILE),
