@@ -192,7 +192,8 @@ def test_the_first_step_marker_names_installed_packages_only(tmp_path: Path, mon
 
 def test_the_first_step_marker_names_the_torch_and_ettr_packages_imported() -> None:
     """What a killed rank's replacement would import after the hand-over (the in-place wrapper's
-    torch.distributed.optim, the checkpoint manager's ettr.checkpoint) is imported by its standby."""
+    torch.distributed.optim, the checkpoint manager's ettr.checkpoint, inductor's compile path once the
+    attempt compiled) is imported by its standby."""
     import types
 
     from ettr.bootstrap.start import imported_parts
@@ -203,11 +204,18 @@ def test_the_first_step_marker_names_the_torch_and_ettr_packages_imported() -> N
         "torch.distributed.optim": package,
         "torch._dynamo": package,  # private, but one of TORCH_PARTS
         "torch._inductor": package,  # private: left to the attempt
+        "torch._inductor.compile_fx": types.SimpleNamespace(),  # a module, but one of TORCH_PARTS
+        "torch._inductor.codecache": types.SimpleNamespace(),  # private: imported with compile_fx anyway
         "torch.distributed.optim.zero_redundancy_optimizer": types.SimpleNamespace(),  # its package's
         "ettr.checkpoint": package,
         "torchrec.distributed": package,  # an installed package's part: the package is named instead
     }
-    assert imported_parts(modules) == ["ettr.checkpoint", "torch._dynamo", "torch.distributed.optim"]
+    assert imported_parts(modules) == [
+        "ettr.checkpoint",
+        "torch._dynamo",
+        "torch._inductor.compile_fx",
+        "torch.distributed.optim",
+    ]
 
 
 # What a script or module sees of how it was started, and whether it finds a file beside itself after a chdir.

@@ -255,7 +255,8 @@ def use_attempt_compile_cache(root: str | os.PathLike[str]) -> Path:
     directory = Path(root).resolve() / f"attempt-{int(os.environ.get('ETTR_ATTEMPT', '0'))}"
     (directory / "tmp").mkdir(parents=True, exist_ok=True)
     if "torch._inductor.codecache" in sys.modules:
-        print("train.py: inductor was loaded already; its precompiled headers stay put", file=sys.stderr)
+        # A warm standby imports inductor ahead once an attempt compiled (`ettr.bootstrap.start.TORCH_PARTS`).
+        print("train.py: inductor was imported already; its precompiled headers stay put", file=sys.stderr)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory / "inductor")
     os.environ["TMPDIR"] = str(directory / "tmp")
     tempfile.tempdir = None  # re-read TMPDIR at the next gettempdir()

@@ -146,10 +146,11 @@ def _start(environ: Mapping[str, str]) -> None:
         _watch_frameworks(hooks)
 
 
-TORCH_PARTS = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
+TORCH_PARTS = ("torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch._inductor.compile_fx")
 """Parts of torch that take seconds to import beyond `import torch`: a trained attempt's marker names those
-it had imported (building DistributedDataParallel imports torch._dynamo), so that its standbys import
-them ahead only when a cold start would import them too."""
+it had imported (building DistributedDataParallel imports torch._dynamo; the first `torch.compile` imports
+inductor's compile path, `torch._inductor.compile_fx`: ~1.5 s of CPU here, its lowering and kernel
+templates), so that its standbys import them ahead only when a cold start would import them too."""
 MAX_WARM_MODULES = 64
 """The most installed packages a `trained_path` file names for the next attempt's standby."""
 MAX_WARM_PARTS = 256
@@ -163,14 +164,23 @@ def imported_parts(modules: Mapping[str, Any] | None = None) -> list[str]:
     `TORCH_PARTS` imported, sorted, at most `MAX_WARM_PARTS`. A standby imports them ahead, so that a
     replacement started from it (a killed rank's, restarted in place) has only the script's own work left;
     only what this attempt imported, so the standby imports nothing a cold start would not. Private
-    packages (a part starting with `_`) are left to the attempt: some read their process's state at import."""
+    packages (a part starting with `_`) other than `TORCH_PARTS` are left to the attempt: some read their
+    process's state at import. (`torch._inductor.compile_fx` imports inductor's codecache, which fixes its
+    precompiled-header directory from TMPDIR: the standby's TMPDIR is the attempt's, as a standby takes only
+    an attempt of its own environment; a script that moves TMPDIR itself before it compiles finds the
+    headers where the environment's TMPDIR put them.)"""
     found = [
         name
         for name, module in list((sys.modules if modules is None else modules).items())
         if name.partition(".")[0] in ("torch", "ettr")
         and "." in name
-        and (name in TORCH_PARTS or not any(part.startswith("_") for part in name.split(".")))
-        and getattr(module, "__path__", None) is not None
+        and (
+            name in TORCH_PARTS
+            or (
+                not any(part.startswith("_") for part in name.split("."))
+                and getattr(module, "__path__", None) is not None
+            )
+        )
     ]
     return sorted(found)[:MAX_WARM_PARTS]
 
