@@ -43,8 +43,8 @@ parameters of an uninterrupted run.
 takes hours); the figures are of the trials that ran (`rounds_run`). A trial that did not recover keeps its
 directory (its log, run directory and checkpoints) and says where.
 
-`--quick` (what CI runs): one crash trial of each launcher with a small model, one node loss (memory), 2
-kill trials.
+`--quick` (what CI runs): one crash trial of each launcher with a small model, one node loss (memory), 1
+kill trial (tests/test_inplace.py runs several).
 
 `--json` ends with one object: `faults.<fault>.<launcher>`: trials, recovered, bad_resumes, median and worst TTR
 (s), each trial's TTR, parts_median_s (the log's parts, and for ettr the ledger's), restored_from (counts);
@@ -533,7 +533,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.quick:
-        args.trials, args.faults, args.hidden, args.kill_trials = 1, "crash", 64, 2
+        args.trials, args.faults, args.hidden, args.kill_trials = 1, "crash", 64, 1
         args.fail_after_s, args.node_trials, args.standby_wait_max_s = 0.0, 1, 0.0
     faults = [f for f in args.faults.split(",") if f]
     launchers = [name for name in args.launchers.split(",") if name]
