@@ -31,24 +31,27 @@ def lightning(tmp_path: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _check_checkpoints_and_phases(rep: dict) -> None:
+    """What both ways of adding ettr (zero code, the explicit callback) must record the same way."""
+    assert len(rep["checkpoint_commits"]) == 6  # steps 10..60, each once although save_last writes two files
+    assert rep["buckets_s"]["evaluation"] > 0  # the validation loops
+    phases = rep["attempts"][1]["phases_s"]
+    assert phases["restore"] > 0 and phases["eval"] > 0 and phases["train_module_creation"] > 0
+
+
+# Zero code here, the explicit callback in the preemption test: each way of adding ettr through a failure and
+# a resume, and the same checks of both (one job each instead of the crash twice).
 @slow
-@pytest.mark.parametrize("explicit", [False, True], ids=["zero-code", "explicit-callback"])
-def test_crash_between_checkpoints_resumes_from_the_last_one(tmp_path: Path, explicit: bool) -> None:
+def test_crash_between_checkpoints_resumes_from_the_last_one(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    extra = ["--explicit"] if explicit else []
-    done = run_ettr(
-        "run", "--run-dir", str(run_dir), "--inject", "crash@step=35", "--", *lightning(tmp_path, *extra)
-    )
+    done = run_ettr("run", "--run-dir", str(run_dir), "--inject", "crash@step=35", "--", *lightning(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     rep = report(run_dir)
     # The issue's case: resumed from 30 (not from nothing), 5 steps lost (not 35), ended at 60 (not 30).
     assert summary(rep) == [("failed", None, 35, 5), ("completed", 30, 60, 0)]
     check_against_truth(rep, tmp_path / "seen.jsonl", ["failed", "completed"])
-    assert len(rep["checkpoint_commits"]) == 6  # steps 10..60, each once although save_last writes two files
-    assert rep["buckets_s"]["evaluation"] > 0  # the validation loops
+    _check_checkpoints_and_phases(rep)
     assert rep["buckets_s"]["other"] == 0
-    phases = rep["attempts"][1]["phases_s"]
-    assert phases["restore"] > 0 and phases["eval"] > 0 and phases["train_module_creation"] > 0
 
 
 @slow
@@ -64,18 +67,18 @@ def test_a_crash_while_a_checkpoint_is_written_loses_that_checkpoint(tmp_path: P
 
 
 @slow
-def test_preemption_then_requeue(tmp_path: Path) -> None:
+def test_preemption_then_requeue_with_the_explicit_callback(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    done = run_ettr(
-        "run", "--run-dir", str(run_dir), "--inject", "preempt@step=25", "--", *lightning(tmp_path)
-    )
+    job = lightning(tmp_path, "--explicit")
+    done = run_ettr("run", "--run-dir", str(run_dir), "--inject", "preempt@step=25", "--", *job)
     assert done.returncode == 143, done.stderr[-3000:]
-    again = run_ettr("run", "--run-dir", str(run_dir), "--", *lightning(tmp_path))
+    again = run_ettr("run", "--run-dir", str(run_dir), "--", *job)
     assert again.returncode == 0, again.stderr[-3000:]
     rep = report(run_dir)
     assert [a["outcome"] for a in rep["attempts"]] == ["preempted", "completed"]
     assert rep["attempts"][1]["resumed_from_step"] == 20
     check_against_truth(rep, tmp_path / "seen.jsonl", ["preempted", "completed"])
+    _check_checkpoints_and_phases(rep)
 
 
 @slow
