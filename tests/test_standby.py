@@ -218,6 +218,28 @@ def test_the_first_step_marker_names_the_torch_and_ettr_packages_imported() -> N
     ]
 
 
+def test_the_first_step_marker_names_the_isa_probe_once_inductor_ran_it() -> None:
+    """A process whose inductor probed the CPU's vector ISA names the probe, so that its standbys run it
+    ahead (spelled the same in the standby, which imports nothing of ettr before its warm-up)."""
+    import functools
+    import types
+
+    from ettr.bootstrap import standby
+    from ettr.bootstrap.start import VEC_ISA_PROBE, imported_parts
+
+    assert standby.VEC_ISA_PROBE == VEC_ISA_PROBE
+
+    def isa_module(probed: bool) -> types.SimpleNamespace:
+        probe = functools.cache(lambda: ["avx2"])
+        if probed:
+            probe()
+        return types.SimpleNamespace(valid_vec_isa_list=probe)
+
+    assert imported_parts({VEC_ISA_PROBE: isa_module(True)}) == [VEC_ISA_PROBE]
+    assert imported_parts({VEC_ISA_PROBE: isa_module(False)}) == []
+    assert imported_parts({VEC_ISA_PROBE: types.SimpleNamespace()}) == []  # inductor changed: no probe named
+
+
 # What a script or module sees of how it was started, and whether it finds a file beside itself after a chdir.
 _SEEN = """
 import json, os, sys

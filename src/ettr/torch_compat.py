@@ -73,6 +73,27 @@ def inductor_header_dir() -> str | None:
     return str(header_dir) if header_dir else None
 
 
+def inductor_probed_vec_isa(modules: Mapping[str, Any] | None = None) -> bool:
+    """Whether this process's inductor probed the CPU's vector ISA (`cpu_vec_isa.valid_vec_isa_list`'s
+    cache holds its answer: the probe builds a small library per ISA and loads it in a Python subprocess,
+    ~1.2 s of CPU here, once per process that compiles CPU kernels). False when inductor changed and cannot
+    tell."""
+    module = (sys.modules if modules is None else modules).get("torch._inductor.cpu_vec_isa")
+    cache_info = getattr(getattr(module, "valid_vec_isa_list", None), "cache_info", None)
+    try:
+        return cache_info is not None and cache_info().currsize > 0
+    except Exception:
+        return False
+
+
+def probe_vec_isa() -> None:
+    """Run inductor's vector-ISA probe now (`cpu_vec_isa.valid_vec_isa_list`, cached for the process), as the
+    first CPU kernel compile would. Raises ImportError if inductor moved it."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    valid_vec_isa_list()
+
+
 def inductor_used_precompiled_header() -> bool | None:
     """Whether this process's inductor used a precompiled header (`codecache._precompile_header`'s cache):
     False when inductor's codecache is not imported, None when inductor changed and cannot tell."""

@@ -44,7 +44,8 @@ BOOTSTRAP_MODULES = (
 def _warm_up(modules: list[str]) -> None:
     """The start-up done ahead: `import torch`, `modules` (given by the supervisor: torch's parts and the
     installed packages the last attempt had imported by its first step) and the modules ettr's bootstrap
-    will need. Imports only: no tensor is made, no random state drawn. The working directory is off the
+    will need, and inductor's CPU vector-ISA probe when the attempt ran it (`VEC_ISA_PROBE`). Imports only
+    (and that probe): no tensor is made, no random state drawn. The working directory is off the
     path meanwhile, so a module there never stands in for an installed package of the same name."""
     import importlib
 
@@ -60,9 +61,28 @@ def _warm_up(modules: list[str]) -> None:
                     print(
                         f"ettr: standby warm-up skipped {name} ({type(exc).__name__}: {exc})", file=sys.stderr
                     )
+        if VEC_ISA_PROBE in modules:  # the attempt compiled CPU kernels: its first compile probed the ISA
+            _probe_vec_isa()
     finally:
         if first is not None:
             sys.path.insert(0, first)
+
+
+VEC_ISA_PROBE = "torch._inductor.cpu_vec_isa"
+"""`ettr.bootstrap.start.VEC_ISA_PROBE` (spelled out: this module imports nothing of ettr before the warm-up)."""
+
+
+def _probe_vec_isa() -> None:
+    """Inductor's CPU vector-ISA probe, as the attempt's first compile ran it (it builds a small library per
+    ISA into inductor's cache directory and loads each in a Python subprocess, ~1.2 s of CPU here): the
+    answer is cached for the process, so a replacement's first compile does not wait for it. No tensor, no
+    random state; the answer depends only on the CPU and the compiler, which the attempt shares."""
+    try:
+        from ettr.torch_compat import probe_vec_isa
+
+        probe_vec_isa()
+    except Exception as exc:  # the attempt then probes, as a cold start would
+        print(f"ettr: standby warm-up skipped the ISA probe ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 def _read_request(fd: int) -> dict | None:

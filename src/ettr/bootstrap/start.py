@@ -151,6 +151,10 @@ TORCH_PARTS = ("torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch
 it had imported (building DistributedDataParallel imports torch._dynamo; the first `torch.compile` imports
 inductor's compile path, `torch._inductor.compile_fx`: ~1.5 s of CPU here, its lowering and kernel
 templates), so that its standbys import them ahead only when a cold start would import them too."""
+VEC_ISA_PROBE = "torch._inductor.cpu_vec_isa"
+"""Named by a trained attempt's marker when its inductor probed the CPU's vector ISA
+(`torch_compat.inductor_probed_vec_isa`): its standbys then run the probe ahead too
+(`ettr.bootstrap.standby`), ~1.2 s of CPU that a replacement's first compile would wait for."""
 MAX_WARM_MODULES = 64
 """The most installed packages a `trained_path` file names for the next attempt's standby."""
 MAX_WARM_PARTS = 256
@@ -168,7 +172,8 @@ def imported_parts(modules: Mapping[str, Any] | None = None) -> list[str]:
     process's state at import. (`torch._inductor.compile_fx` imports inductor's codecache, which fixes its
     precompiled-header directory from TMPDIR: the standby's TMPDIR is the attempt's, as a standby takes only
     an attempt of its own environment; a script that moves TMPDIR itself before it compiles finds the
-    headers where the environment's TMPDIR put them.)"""
+    headers where the environment's TMPDIR put them.) `VEC_ISA_PROBE` is named when inductor probed the CPU's
+    vector ISA: the standby runs that probe too."""
     found = [
         name
         for name, module in list((sys.modules if modules is None else modules).items())
@@ -182,6 +187,10 @@ def imported_parts(modules: Mapping[str, Any] | None = None) -> list[str]:
             )
         )
     ]
+    from ettr.torch_compat import inductor_probed_vec_isa
+
+    if inductor_probed_vec_isa(modules):
+        found.append(VEC_ISA_PROBE)
     return sorted(found)[:MAX_WARM_PARTS]
 
 
