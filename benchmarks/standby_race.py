@@ -144,7 +144,9 @@ def main() -> int:
     parser.add_argument("--train-s", type=float, default=12.0, help="training before the crash (s)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="a trial still running then failed")
     parser.add_argument(
-        "--quick", action="store_true", help="one trial per mode and condition, 3 s of training"
+        "--quick",
+        action="store_true",
+        help="one trial per mode and condition, 3 s of training, one burner at nice 19",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
