@@ -134,6 +134,12 @@ def test_the_gain_at_equal_step_speed_takes_out_what_slower_steps_added():
     assert (
         "median step time: baseline 1.00 s, optimized 1.60 s (+60.0%: NOT within 5% of the baseline's" in text
     )
+    from dataclasses import replace
+
+    from ettr.demo.render import median_step_line
+
+    faster = median_step_line(replace(e, optimized_median_step_s=0.8))
+    assert "(-20.0%: faster than the baseline's; " in faster, faster
     # The same speed on both sides: the raw gain is the gain.
     same = demo_story.equal_speed(baseline, _report(OPT))
     assert same is not None and same.from_speed_points == pytest.approx(0.0, abs=1e-9)
