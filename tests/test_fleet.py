@@ -130,6 +130,16 @@ def _summary(
     return JobSummary(**fields)
 
 
+def _unknown_ett_summary(why: str) -> JobSummary:
+    """A job of family `b` that spent 50 s in init and whose ETT is unknown (`why`); its number stays 0."""
+    buckets = dict.fromkeys(Bucket, 0.0)
+    buckets[Bucket.INIT] = 50.0
+    return replace(
+        _summary(1, "b"), buckets_s=buckets, wall_s=50.0, wall_end_ts=T0 + 150.0, ett_pct=0.0,
+        idleness_pct=100.0, ett_unknown=why,
+    )  # fmt: skip
+
+
 def test_compile_doubling_from_one_job_on_is_flagged_at_that_job():
     rng = random.Random(3)
     jobs = [_summary(i, compile_s=3.0 * rng.uniform(0.95, 1.05) * (2 if i >= 6 else 1)) for i in range(9)]
@@ -208,12 +218,7 @@ def test_a_job_whose_ett_is_unknown_is_left_out_of_the_fleets_shares_gauges_and_
     from ettr.fleet.model import summary_from_json, summary_to_json
 
     trained = _summary(0, "a")
-    buckets = dict.fromkeys(Bucket, 0.0)
-    buckets[Bucket.INIT] = 50.0
-    inference = replace(
-        _summary(1, "b"), buckets_s=buckets, wall_s=50.0, wall_end_ts=T0 + 150.0, ett_pct=0.0,
-        idleness_pct=100.0, ett_unknown="no training step seen",
-    )  # fmt: skip
+    inference = _unknown_ett_summary("no training step seen")
     report = build_fleet([trained, inference])
     assert report.fleet.ett_pct == pytest.approx(trained.ett_pct)
     assert report.fleet.ett_pct + report.fleet.idleness_pct + report.fleet.failure_pct == pytest.approx(100.0)
@@ -255,12 +260,7 @@ def test_a_fleet_of_jobs_whose_ett_is_unknown_says_unknown_not_0_percent():
     from ettr.fleet.html import render_html
     from ettr.fleet.metrics import metric_families
 
-    buckets = dict.fromkeys(Bucket, 0.0)
-    buckets[Bucket.INIT] = 50.0
-    hidden = replace(
-        _summary(1, "b"), buckets_s=buckets, wall_s=50.0, wall_end_ts=T0 + 150.0, ett_pct=0.0,
-        idleness_pct=100.0, ett_unknown="no process of the job reported to ettr",
-    )  # fmt: skip
+    hidden = _unknown_ett_summary("no process of the job reported to ettr")
     report = build_fleet([hidden])
     assert not report.fleet.ett_known and report.fleet.shares_pct() is None
     text = fleet_text.render(report)
