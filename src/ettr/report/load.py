@@ -149,11 +149,9 @@ def load_requested(
             problems.append(str(exc))
             continue
         read.append(run_dir)
-    if not loaded:
-        for problem in problems:
-            print(f"ettr report: skipped {problem}", file=sys.stderr)
+    if not loaded:  # bad input: one line, as for every command
         raise UsageError(
-            f"ettr report: none of the {len(run_dirs)} run directories could be read (see above)"
+            f"ettr report: none of the {len(run_dirs)} run directories could be read: " + "; ".join(problems)
         )
     return Requested(loaded=loaded, run_dirs=read, problems=problems)
 
