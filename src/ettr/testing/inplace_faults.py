@@ -78,16 +78,15 @@ def _events(log: Path) -> list[dict[str, Any]]:
     return found
 
 
-def _recovery_window(events: list[dict[str, Any]]) -> float | None:
-    """From the raise until a rank trained again after its restore, or None when the log does not show it."""
+def _recovery_span(events: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """When the raise came, and when a rank first trained after its restore that followed (None: not seen)."""
     fault = next((e["ts"] for e in events if e["ev"] == "fault"), None)
     if fault is None:
-        return None
+        return None, None
     restored = min((e["ts"] for e in events if e["ev"] == "restored" and e["ts"] > fault), default=None)
     if restored is None:
-        return None
-    back = min((e["ts"] for e in events if e["ev"] == "step" and e["ts"] > restored), default=None)
-    return None if back is None else max(0.01, back - fault)
+        return fault, None
+    return fault, min((e["ts"] for e in events if e["ev"] == "step" and e["ts"] > restored), default=None)
 
 
 class InPlaceTrialRunner:
@@ -199,13 +198,10 @@ class InPlaceTrialRunner:
         return launches, False, landed
 
     def _where(self, events: list[dict[str, Any]], ts: float) -> str:
-        fault = next((e["ts"] for e in events if e["ev"] == "fault"), None)
+        fault, back = _recovery_span(events)
         if fault is None or ts < fault:
             return "before_raise"
-        trained = [e["ts"] for e in events if e["ev"] == "step" and e["ts"] > fault]
-        restored = [e["ts"] for e in events if e["ev"] == "restored" and e["ts"] > fault]
-        back = [t for t in trained if restored and t > min(restored)]
-        return "recovery" if not back or ts < min(back) else "after_recovery"
+        return "recovery" if back is None or ts < back else "after_recovery"
 
     def calibrate(self) -> float:
         """An uninterrupted run (its final digest is the reference) and one with the raise alone (its
@@ -225,7 +221,8 @@ class InPlaceTrialRunner:
         events = _events(raised / "log.jsonl")
         steps = [e["ts"] for e in events if e["ev"] == "step"]
         self.run_s = max(0.5, max(steps) - min(steps)) if steps else 5.0
-        self.recovery_s = _recovery_window(events)
+        fault, back = _recovery_span(events)
+        self.recovery_s = None if fault is None or back is None else max(0.01, back - fault)
         return self.run_s
 
     def run_trial(self, index: int, *, during_recovery: bool) -> InPlaceTrial:
