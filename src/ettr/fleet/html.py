@@ -114,7 +114,7 @@ def days_svg(report: FleetReport) -> str:
     width = (_W - left - 10) / max(1, len(days))
     body = []
     for i, (day, t) in enumerate(days):
-        ett = fmt_pct(t.ett_pct) if t.ett_known else "unknown"  # no bar for a day of jobs without a step
+        ett = _share(t.ett_pct, t.ett_known, "unknown")  # and no bar for a day of jobs without a step
         h = plot_h * max(0.0, min(100.0, t.ett_pct)) / 100 if t.ett_known else 0.0
         x = left + i * width
         body.append(

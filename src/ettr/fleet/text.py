@@ -18,14 +18,14 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _shares(t: Totals) -> tuple[str, str, str]:
-    """ETT, idleness and failure in % (one decimal), or `unknown`, `-`, `-` when no job's ETT is known."""
+def _shares(t: Totals, unit: str = "") -> tuple[str, str, str]:
+    """ETT, idleness and failure in % (one decimal, then `unit`), or `unknown`, `-`, `-` when no job's ETT
+    is known."""
     shares = t.shares_pct()
-    return (
-        ("unknown", "-", "-")
-        if shares is None
-        else (f"{shares[0]:.1f}", f"{shares[1]:.1f}", f"{shares[2]:.1f}")
-    )
+    if shares is None:
+        return "unknown", "-", "-"
+    ett, idle, failure = (f"{share:.1f}{unit}" for share in shares)
+    return ett, idle, failure
 
 
 def _dist(d: Distribution) -> str:
@@ -73,7 +73,7 @@ def step_speed_line(o: StepSpeedOutlier) -> str:
 
 def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
     t = report.fleet
-    ett, idle, failure = (s if t.shares_pct() is None else f"{s}%" for s in _shares(t))
+    ett, idle, failure = _shares(t, "%")
     lines = [
         f"fleet: {t.num_jobs} jobs, {t.wall_gpu_s / 3600:.2f} GPU-hours (wall x gpus) | ETT {ett} | "
         f"idle {idle} | failure {failure} | failures {t.num_failures} "
