@@ -427,7 +427,8 @@ def test_ettr_demo_quick_end_to_end(tmp_path):
     baseline, optimized = load_report(out / "baseline"), load_report(out / "optimized")
     for report in (baseline, optimized):
         outcomes = [a.outcome for a in report.attempts]
-        assert outcomes == [Outcome.PREEMPTED, Outcome.FAILED, Outcome.COMPLETED], report.job_id
+        failures = [str(a.failure)[:300] for a in report.attempts]
+        assert outcomes == [Outcome.PREEMPTED, Outcome.FAILED, Outcome.COMPLETED], (report.job_id, failures)
         assert report.num_failures >= 2
         assert "InjectedCrash" in str(report.attempts[1].failure)
         # Both recoveries resumed from a checkpoint, and both failures cost the baseline real work.

@@ -4,6 +4,7 @@ fails and recovers without the other rank exiting, ending bit-identical to an un
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -114,7 +115,7 @@ def test_a_peer_that_dies_while_the_group_forms_is_given_up_on_within_the_rendez
     assert not dist.is_initialized()
 
 
-def test_leaving_releases_the_group_unless_something_holds_it() -> None:
+def test_leaving_releases_the_group_unless_something_holds_it(caplog: pytest.LogCaptureFixture) -> None:
     store = dist.HashStore()
     joined = join(store, 0, rank=0, world_size=1, backend="gloo", timeout_s=30, collective_timeout_s=5,
                   moved_on=lambda g: False)  # fmt: skip
@@ -124,9 +125,38 @@ def test_leaving_releases_the_group_unless_something_holds_it() -> None:
     join(store, 1, rank=0, world_size=1, backend="gloo", timeout_s=30, collective_timeout_s=5,
          moved_on=lambda g: False)  # fmt: skip
     kept = dist.distributed_c10d._get_default_group()  # what Generation.keep holding a DDP would do
-    _, released = leave("gloo")
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        _, released = leave("gloo")
     assert not released
     del kept
+    # the warning says what holds it: here this test's own frame
+    assert "test_leaving_releases_the_group_unless_something_holds_it (tests/test_inplace.py" in caplog.text
+
+
+def test_leaving_waits_for_a_background_thread_of_the_generation_to_let_go() -> None:
+    """An async checkpoint's persist that `train` did not wait for (no `with`) still holds the group when
+    the generation is torn down; it fails and ends once the groups are gone, and the teardown waits for it."""
+
+    def generation(index: int, until: threading.Event | None) -> threading.Thread:
+        join(dist.HashStore(), index, rank=0, world_size=1, backend="gloo", timeout_s=30,
+             collective_timeout_s=5, moved_on=lambda g: False)  # fmt: skip
+
+        def persist(group: object) -> None:  # holds `group` until it ends
+            while dist.is_initialized() or (until is not None and not until.wait(0.01)):
+                time.sleep(0.01)
+
+        thread = threading.Thread(target=persist, args=(dist.distributed_c10d._get_default_group(),))
+        thread.start()
+        return thread
+
+    let_go = threading.Event()
+    thread = generation(0, let_go)
+    assert not leave("gloo")[1]  # not waited for: given up on at once
+    let_go.set()
+    thread.join()
+    thread = generation(1, None)
+    seconds, released = leave("gloo", release_wait_s=300)
+    assert released and not thread.is_alive()
 
 
 def test_a_module_imported_during_a_generation_does_not_keep_its_group() -> None:

@@ -20,12 +20,21 @@ class InPlaceConfig:
     """The timeout of the process groups the wrapper makes: a collective blocked longer fails. A peer that
     died or failed is noticed at once (its connections close); this bounds the wait for a peer that hangs
     without the supervisor's hang watchdog killing it."""
+    release_wait_s: float = 10.0
+    """How long a failed generation's teardown waits for what still holds its process group to let go:
+    a background thread of it, such as an async checkpoint's persist that `train` did not wait for (it ends
+    once the groups are destroyed). Still held after it: the in-place restart is given up (the process
+    exits; a process restart follows)."""
     backend: str | None = None
     """The process group's backend: `gloo`, `nccl`; None: `nccl` where CUDA is available, else `gloo`."""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not (self.release_wait_s >= 0 and math.isfinite(self.release_wait_s)):
+            raise ValueError(
+                f"release_wait_s must be a finite number of seconds >= 0, got {self.release_wait_s}"
+            )
         for name in ("rendezvous_timeout_s", "collective_timeout_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,10 +98,12 @@ def join(
     return Joined(wait_s=joined - begin, init_s=time.monotonic() - joined)
 
 
-def leave(backend: str) -> tuple[float, bool]:
+def leave(backend: str, *, release_wait_s: float = 0.0) -> tuple[float, bool]:
     """Tear down this generation's process groups (see the module docstring). Returns the seconds it took
     and whether the default group was released (False: something still holds it, so its connections stay
-    open and a peer blocked on this rank would wait for the collective timeout). Never raises."""
+    open and a peer blocked on this rank would wait for the collective timeout; what holds it is logged).
+    A group still held is looked at again for up to `release_wait_s`, for a background thread of the
+    failed generation to end. Never raises."""
     begin = time.monotonic()
     default = torch_compat.default_group()
     try:
@@ -113,8 +116,97 @@ def leave(backend: str) -> tuple[float, bool]:
     libraries.forget()  # what libraries cached of this generation (TorchRec's groups and its one-time broadcast)
     gc.collect()  # process groups held by the failed generation's objects (DDP's reducer): their sockets close
     released = default is None or sys.getrefcount(default) <= 2  # `default` and getrefcount's own argument
+    pause_s = 0.005
+    while not released and time.monotonic() - begin < release_wait_s:
+        # A background thread of the failed generation may still hold it: an async checkpoint's persist that a
+        # `train` without a `with` did not wait for (its collectives fail now that the groups are gone).
+        time.sleep(pause_s)
+        pause_s = min(pause_s * 2, 0.2)
+        gc.collect()
+        released = sys.getrefcount(default) <= 2
+    if not released:
+        logger.warning(
+            "ettr: the failed generation's process group is still held after %.1f s, by %s",
+            time.monotonic() - begin,
+            holders(default),
+        )
     del default
     return time.monotonic() - begin, released
+
+
+def holders(obj: object, *, depth: int = 5, limit: int = 6) -> str:
+    """Where `obj` is referenced from, read outwards (`dict['_process_group'] <- ShardedTensor <- dict[...]
+    <- frame save (checkpoint/persist.py:120)`): what keeps a process group alive. Never raises."""
+    ours = {leave.__code__, holders.__code__}
+    found: list[str] = []
+    seen: set[int] = {id(found)}
+
+    def label(ref: object, child: object) -> str:
+        code = getattr(ref, "f_code", None)
+        if code is not None:
+            path = "/".join(code.co_filename.split("/")[-2:])
+            return f"frame {code.co_name} ({path}:{getattr(ref, 'f_lineno', '?')})"
+        if isinstance(ref, dict):
+            key = next((k for k, v in ref.items() if v is child), None)
+            return f"{_module_of(ref) or 'dict'}[{key!r}]" if isinstance(key, str) else "dict"
+        attrs = getattr(ref, "__dict__", None)
+        key = next((k for k, v in attrs.items() if v is child), None) if isinstance(attrs, dict) else None
+        return f"{type(ref).__qualname__}.{key}" if key else type(ref).__qualname__
+
+    running = _locals_of_running_frames(ours | {_locals_of_running_frames.__code__})
+
+    def walk(target: object, chain: list[str], level: int) -> None:
+        for frame_label in running.get(id(target), ()):
+            if len(found) < limit:
+                found.append(" <- ".join([*chain, frame_label]))
+        refs = [r for r in gc.get_referrers(target) if id(r) not in seen]
+        seen.add(id(refs))
+        for index in range(len(refs)):
+            ref = refs[index]
+            code = getattr(ref, "f_code", None)
+            if code in ours or code is walk.__code__ or len(found) >= limit:
+                continue
+            seen.add(id(ref))
+            path = [*chain, label(ref, target)]
+            if level + 1 >= depth or code is not None or isinstance(ref, dict) and _module_of(ref):
+                found.append(" <- ".join(path))
+            else:
+                walk(ref, path, level + 1)
+
+    try:
+        walk(obj, [], 0)
+    except Exception as exc:  # a diagnostic: never the reason a teardown fails
+        return f"(not found: {exc})"
+    return "; ".join(found) or "nothing the collector tracks (a C extension's reference)"
+
+
+def _locals_of_running_frames(skip: set[object]) -> dict[int, list[str]]:
+    """The objects the functions running now in any thread hold in local variables (a running frame's locals
+    are not seen by the collector's referrers), each with where: {id: ["thread T: frame f (file:line)"]}."""
+    import threading
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    held: dict[int, list[str]] = {}
+    for ident, frame in sys._current_frames().items():
+        current: Any = frame
+        while current is not None:
+            code = current.f_code
+            if code not in skip:
+                path = "/".join(code.co_filename.split("/")[-2:])
+                where = f"thread {names.get(ident, ident)}: frame {code.co_name} ({path}:{current.f_lineno})"
+                for value in list(current.f_locals.values()):
+                    held.setdefault(id(value), []).append(where)
+            current = current.f_back
+    return held
+
+
+def _module_of(namespace: dict[object, object]) -> str | None:
+    """The name of the module whose globals `namespace` is, if it is one."""
+    name = namespace.get("__name__")
+    if not isinstance(name, str):
+        return None
+    module = sys.modules.get(name)
+    return name if module is not None and getattr(module, "__dict__", None) is namespace else None
 
 
 def _abort_nccl() -> None:

@@ -196,7 +196,9 @@ class _Runner:
             except Exception as exc:
                 del gen
                 failure = self._failed(exc, generation, generations)
-            failure.teardown_s, released = rendezvous.leave(self.backend)
+            failure.teardown_s, released = rendezvous.leave(
+                self.backend, release_wait_s=self.config.release_wait_s
+            )
             if not released:
                 # Its connections stay open: peers blocked on this rank would wait for the collective
                 # timeout. Exiting closes them; the launcher's restart (or the agent's replacement) follows.
@@ -204,7 +206,8 @@ class _Runner:
                 get_recorder().flush(timeout_s=2.0)
                 raise InPlaceGaveUp(
                     "ettr: the failed generation's process group is still referenced (kept across "
-                    f"generations in Generation.keep, or by a module imported meanwhile); exiting: {failure.error}"
+                    "generations in Generation.keep, by a module imported meanwhile, or by a thread still "
+                    f"running: the warning before this says what holds it); exiting: {failure.error}"
                 )
             restarts += 1
             if restarts > self.config.max_restarts:
