@@ -356,3 +356,106 @@ def test_the_settle_save_runs_as_nice_as_a_thread_gets_and_the_exit_raises_it_ba
     closer.join(60)
     rec.close()
     assert seen["at_close"] == (own if privileged else 19)
+
+
+def test_a_cpu_process_probes_the_vector_isa_on_the_restore_thread_after_the_restore(
+    node, tmp_path, monkeypatch
+):
+    # The probe's libraries come with the entry: it runs after the restore, on the same helper thread, and
+    # only where the first compile would run it (no accelerator). Shared first, on the calling thread.
+    import dataclasses
+    import threading
+
+    from ettr.compile import isa_probe
+
+    node("n")
+    order: list[str] = []
+    monkeypatch.setattr(isa_probe, "share", lambda patcher: order.append("shared") or True)
+    monkeypatch.setattr(isa_probe, "run", lambda: order.append(f"probe on {threading.current_thread().name}"))
+    session, rec = _session(CompileStore(MemoryBackend()), tmp_path)
+    restore_once = session._restorer.restore_once
+    monkeypatch.setattr(
+        session._restorer, "restore_once", lambda dirs: order.append("restore") or restore_once(dirs)
+    )
+    session._restore_in_background()
+    for thread in threading.enumerate():
+        if thread.name == "ettr-compile-restore":
+            thread.join(60)
+    assert order == ["shared", "restore", "probe on ettr-compile-restore"]
+
+    order.clear()
+    gpu_key = dataclasses.replace(KEY, device_type="cuda-12.4-H100-sm90")
+    gpu = CompileSession(rec, CompileConfig(store="memory"), store=CompileStore(MemoryBackend()), key=gpu_key)
+    monkeypatch.setattr(gpu._restorer, "restore_once", lambda dirs: order.append("restore"))
+    gpu._restore_in_background()
+    for thread in threading.enumerate():
+        if thread.name == "ettr-compile-restore":
+            thread.join(60)
+    assert order == ["restore"]  # a process with an accelerator: its first compile probes if it needs to
+    rec.close()
+
+
+def test_callers_of_the_shared_isa_probe_wait_for_one_run_and_see_its_cache(monkeypatch):
+    import functools
+    import threading
+    import types
+
+    from ettr import torch_compat
+    from ettr.compile import isa_probe
+    from ettr.patcher import Patcher
+
+    entered, release = threading.Event(), threading.Event()
+    callers: list[str] = []
+
+    @functools.cache
+    def valid_vec_isa_list() -> list[str]:
+        callers.append(threading.current_thread().name)
+        entered.set()
+        release.wait(60)
+        return ["avx2"]
+
+    module = types.SimpleNamespace(valid_vec_isa_list=valid_vec_isa_list)
+    monkeypatch.setattr(torch_compat, "inductor_vec_isa_module", lambda: module)
+    patcher = Patcher()
+    assert isa_probe.share(patcher) is True
+    assert isa_probe.share(patcher) is True  # already ours: not wrapped twice
+    assert module.valid_vec_isa_list.__ettr_original__ is valid_vec_isa_list
+    results: list[list[str]] = []
+    first = threading.Thread(target=lambda: results.append(module.valid_vec_isa_list()), name="helper")
+    first.start()
+    assert entered.wait(60)
+    second = threading.Thread(target=lambda: results.append(module.valid_vec_isa_list()), name="compiling")
+    second.start()  # holds on the lock (without it, it would run a probe of its own)
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert callers == ["helper"] and results == [["avx2"], ["avx2"]]
+    # What tells a trained attempt's standby that inductor probed (its cache) still reads through the wrapper.
+    assert torch_compat.inductor_probed_vec_isa({"torch._inductor.cpu_vec_isa": module}) is True
+    patcher.undo()
+    assert module.valid_vec_isa_list is valid_vec_isa_list
+
+    def moved() -> types.ModuleType:
+        raise ImportError("inductor moved it")
+
+    monkeypatch.setattr(torch_compat, "inductor_vec_isa_module", moved)
+    assert isa_probe.share(Patcher()) is False
+
+
+def test_the_real_isa_probe_can_be_shared_and_run_ahead(monkeypatch):
+    # torch's own probe function, wrapped (and put back); running it is the first compile's work, not done here.
+    from ettr import torch_compat
+    from ettr.compile import isa_probe
+    from ettr.patcher import Patcher
+
+    module = torch_compat.inductor_vec_isa_module()
+    original = module.valid_vec_isa_list
+    patcher = Patcher()
+    assert isa_probe.share(patcher) is True
+    assert module.valid_vec_isa_list.cache_info == original.cache_info
+    patcher.undo()
+    assert module.valid_vec_isa_list is original
+    monkeypatch.setattr(
+        torch_compat, "probe_vec_isa", lambda: (_ for _ in ()).throw(RuntimeError("no compiler"))
+    )
+    isa_probe.run()  # never raises: the first compile then probes, as it would have

@@ -86,6 +86,19 @@ def inductor_probed_vec_isa(modules: Mapping[str, Any] | None = None) -> bool:
         return False
 
 
+def inductor_vec_isa_module() -> Any:
+    """`torch._inductor.cpu_vec_isa`, whose `valid_vec_isa_list` is inductor's CPU vector-ISA probe (cached for
+    the process), after the modules the probe imports when it runs (`codecache`, `cpp_builder`), so that a
+    helper thread running it imports nothing beside the program's own imports. Raises ImportError."""
+    import importlib
+
+    for name in ("torch._inductor.codecache", "torch._inductor.cpp_builder"):
+        importlib.import_module(name)
+    import torch._inductor.cpu_vec_isa as module
+
+    return module
+
+
 def probe_vec_isa() -> None:
     """Run inductor's vector-ISA probe now (`cpu_vec_isa.valid_vec_isa_list`, cached for the process), as the
     first CPU kernel compile would. Raises ImportError if inductor moved it."""

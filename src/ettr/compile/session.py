@@ -5,7 +5,9 @@
 1. before Dynamo traces the first frame, it applies the dynamic sources learned by earlier attempts of
    this job (`<run_dir>/compile/dynamic.json`) and by earlier jobs (the store entry's metadata), sets
    `torch.compiler.config.job_id` so that PGO profiles are written, and restores the store entry
-   (`restore.StoreRestorer`: inductor cache directory, precompiled headers, else the megacache archive);
+   (`restore.StoreRestorer`: inductor cache directory, precompiled headers, else the megacache archive),
+   on a helper thread from the first `torch.compile` on, which then runs inductor's CPU vector-ISA probe
+   ahead (`isa_probe`; in a process without an accelerator);
 2. it records every compilation as a COMPILE span and every recompile with its reason (`CompileHooks`),
    and at each recompile writes the dynamic sources learned so far to the run directory;
 3. once no compilation has run for `settle_s`, a background thread saves the artifacts to the store
@@ -22,9 +24,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from ettr.compile import artifacts, dynamic
+from ettr.compile import artifacts, dynamic, isa_probe
 from ettr.compile.config import CompileConfig, default_user_key, pgo_job_id
 from ettr.compile.hooks import CompileHooks, CompileRecord
 from ettr.compile.key import StoreKey, current_key
@@ -32,6 +35,7 @@ from ettr.compile.restore import STORE_MARK, EntryView, StoreRestorer
 from ettr.compile.save import StoreSaver, lower_save_thread, raise_save_thread
 from ettr.compile.store import CompileStore, StoreConfig
 from ettr.events import EventKind
+from ettr.patcher import Patcher
 from ettr.recorder import RecorderProtocol
 
 logger = logging.getLogger("ettr")
@@ -74,6 +78,8 @@ class CompileSession:
         self._dirty = False
         self._started = False
         self._view = EntryView()
+        self._patcher = Patcher()
+        """Its one patch: inductor's ISA probe shared between the restore thread and the first compile."""
         parts: dict[str, Any] = {"store": lambda: self.store, "key": lambda: self.key, "view": self._view}
         self._restorer = StoreRestorer(mark=self._mark, **parts)
         self._saver = StoreSaver(rec=rec, config=config, hooks=self.hooks, mark=self._mark, **parts)
@@ -116,17 +122,25 @@ class CompileSession:
     def _restore_in_background(self) -> None:
         # Restore on a helper thread from now on, so the unpacking overlaps whatever the program does
         # before its first compilation (which waits for it). Key and directories are looked up here, on
-        # the calling thread: the helper only reads, checks and writes files.
+        # the calling thread: the helper only reads, checks and writes files. A process without an
+        # accelerator then runs inductor's CPU vector-ISA probe there too, shared with its first compile
+        # (`isa_probe`): its libraries come with the entry.
         try:
             digest = self.key.digest
             dirs = (artifacts.inductor_cache_dir(), artifacts.headers_dir())
         except Exception as exc:
             logger.debug("ettr: restoring at the first compilation instead (%s)", exc)
             return
+        probe = self.key.device_type == "cpu" and isa_probe.share(self._patcher)
         logger.debug("ettr: restoring compile artifacts of entry %s in the background", digest)
         threading.Thread(
-            target=self._restorer.restore_once, args=(dirs,), name="ettr-compile-restore", daemon=True
+            target=self._restore_then_probe, args=(dirs, probe), name="ettr-compile-restore", daemon=True
         ).start()
+
+    def _restore_then_probe(self, dirs: tuple[Path, Path], probe: bool) -> None:
+        self._restorer.restore_once(dirs)
+        if probe:
+            isa_probe.run()
 
     def close(self) -> None:
         """Emit what is pending and, with `save_at_exit`, save what was compiled since the last save."""
