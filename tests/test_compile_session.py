@@ -361,8 +361,9 @@ def test_the_settle_save_runs_as_nice_as_a_thread_gets_and_the_exit_raises_it_ba
 def test_a_cpu_process_probes_the_vector_isa_on_the_restore_thread_after_the_restore(
     node, tmp_path, monkeypatch
 ):
-    # The probe's libraries come with the entry: it runs after the restore, on the same helper thread, and
-    # only where the first compile would run it (no accelerator). Shared first, on the calling thread.
+    # The probe's libraries (and its remembered answer) come with the entry: it runs after the restore, on the
+    # same helper thread, and only where the first compile would run it (no accelerator). Shared first, on
+    # the calling thread; shared without a store too (no restore, no helper).
     import dataclasses
     import threading
 
@@ -370,28 +371,33 @@ def test_a_cpu_process_probes_the_vector_isa_on_the_restore_thread_after_the_res
 
     node("n")
     order: list[str] = []
-    monkeypatch.setattr(isa_probe, "share", lambda patcher: order.append("shared") or True)
+    monkeypatch.setattr(isa_probe, "share", lambda patcher, memo_dir=None: order.append("shared") or True)
     monkeypatch.setattr(isa_probe, "run", lambda: order.append(f"probe on {threading.current_thread().name}"))
     session, rec = _session(CompileStore(MemoryBackend()), tmp_path)
     restore_once = session._restorer.restore_once
     monkeypatch.setattr(
         session._restorer, "restore_once", lambda dirs: order.append("restore") or restore_once(dirs)
     )
-    session._restore_in_background()
+    session._on_torch_compile()
     for thread in threading.enumerate():
         if thread.name == "ettr-compile-restore":
             thread.join(60)
     assert order == ["shared", "restore", "probe on ettr-compile-restore"]
 
     order.clear()
+    storeless = CompileSession(rec, CompileConfig(store=None), key=KEY)
+    storeless._on_torch_compile()
+    assert order == ["shared"]
+
+    order.clear()
     gpu_key = dataclasses.replace(KEY, device_type="cuda-12.4-H100-sm90")
     gpu = CompileSession(rec, CompileConfig(store="memory"), store=CompileStore(MemoryBackend()), key=gpu_key)
     monkeypatch.setattr(gpu._restorer, "restore_once", lambda dirs: order.append("restore"))
-    gpu._restore_in_background()
+    gpu._on_torch_compile()
     for thread in threading.enumerate():
         if thread.name == "ettr-compile-restore":
             thread.join(60)
-    assert order == ["restore"]  # a process with an accelerator: its first compile probes if it needs to
+    assert order == ["shared", "restore"]  # an accelerator's process: its first compile probes if it needs to
     rec.close()
 
 
@@ -417,8 +423,8 @@ def test_callers_of_the_shared_isa_probe_wait_for_one_run_and_see_its_cache(monk
     module = types.SimpleNamespace(valid_vec_isa_list=valid_vec_isa_list)
     monkeypatch.setattr(torch_compat, "inductor_vec_isa_module", lambda: module)
     patcher = Patcher()
-    assert isa_probe.share(patcher) is True
-    assert isa_probe.share(patcher) is True  # already ours: not wrapped twice
+    assert isa_probe.share(patcher, lambda: None) is True  # (nowhere to remember the answer)
+    assert isa_probe.share(patcher, lambda: None) is True  # already ours: not wrapped twice
     assert module.valid_vec_isa_list.__ettr_original__ is valid_vec_isa_list
     results: list[list[str]] = []
     first = threading.Thread(target=lambda: results.append(module.valid_vec_isa_list()), name="helper")
@@ -459,3 +465,83 @@ def test_the_real_isa_probe_can_be_shared_and_run_ahead(monkeypatch):
         torch_compat, "probe_vec_isa", lambda: (_ for _ in ()).throw(RuntimeError("no compiler"))
     )
     isa_probe.run()  # never raises: the first compile then probes, as it would have
+
+
+def test_the_isa_probe_answer_is_remembered_and_taken_only_under_the_same_key(tmp_path, monkeypatch):
+    # A later process of the same CPU, compiler, torch and probe takes the remembered answer instead of
+    # loading libtorch six times; any difference in the key, or a damaged file, and it probes again.
+    import functools
+    import types
+
+    from ettr import torch_compat
+    from ettr.compile import isa_probe
+    from ettr.patcher import Patcher
+
+    key = {"cpu_isa": "avx2 avx512", "compiler": "g++ 12", "torch": "2.x", "probe": "p"}
+    monkeypatch.setattr(torch_compat, "inductor_vec_isa_memo_key", lambda: dict(key))
+    monkeypatch.setattr(torch_compat, "inductor_vec_isas_named", lambda names: [f"isa:{n}" for n in names])
+    probes: list[int] = []
+
+    def new_process() -> types.SimpleNamespace:
+        @functools.cache
+        def valid_vec_isa_list() -> list[str]:
+            probes.append(1)
+            return ["avx512", "avx2"]
+
+        module = types.SimpleNamespace(valid_vec_isa_list=valid_vec_isa_list)
+        monkeypatch.setattr(torch_compat, "inductor_vec_isa_module", lambda: module)
+        assert isa_probe.share(Patcher(), lambda: tmp_path)
+        return module
+
+    assert new_process().valid_vec_isa_list() == ["avx512", "avx2"] and len(probes) == 1
+    memo = tmp_path / isa_probe.MEMO_NAME
+    assert json.loads(memo.read_text()) == {
+        "schema": isa_probe.MEMO_SCHEMA,
+        "key": key,
+        "valid": ["avx512", "avx2"],
+    }
+    module = new_process()
+    assert module.valid_vec_isa_list() == ["isa:avx512", "isa:avx2"] and len(probes) == 1  # remembered
+    assert module.valid_vec_isa_list() == ["isa:avx512", "isa:avx2"] and len(probes) == 1  # one answer
+
+    key["compiler"] = "g++ 13"  # another compiler: probed again, and that answer kept
+    assert new_process().valid_vec_isa_list() == ["avx512", "avx2"] and len(probes) == 2
+    assert json.loads(memo.read_text())["key"]["compiler"] == "g++ 13"
+    assert isa_probe.recall(memo, {**key, "compiler": "g++ 12"}) is None
+
+    for damaged in (
+        "{",
+        json.dumps({"schema": "other", "key": key, "valid": []}),
+        json.dumps({"schema": isa_probe.MEMO_SCHEMA, "key": key, "valid": "avx2"}),
+        json.dumps({"schema": isa_probe.MEMO_SCHEMA, "key": key, "valid": ["x"] * 100}),
+    ):
+        memo.write_text(damaged)
+        assert isa_probe.recall(memo, key) is None
+        assert new_process().valid_vec_isa_list() == ["avx512", "avx2"]  # probed again
+    assert len(probes) == 6
+
+    monkeypatch.setattr(torch_compat, "inductor_vec_isas_named", lambda names: None)  # no longer inductor's
+    assert new_process().valid_vec_isa_list() == ["avx512", "avx2"] and len(probes) == 7
+    monkeypatch.setattr(torch_compat, "inductor_vec_isa_memo_key", lambda: None)  # the probe does not decide
+    memo.unlink()
+    assert new_process().valid_vec_isa_list() == ["avx512", "avx2"] and len(probes) == 8
+    assert not memo.exists()
+
+
+def test_the_real_isa_probe_key_names_what_the_answer_depends_on():
+    import platform
+    import sys
+
+    from ettr import torch_compat
+
+    key = torch_compat.inductor_vec_isa_memo_key()
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        assert key is None
+        return
+    assert key is not None
+    assert set(key) == {"cpu_isa", "compiler", "torch", "libtorch", "python", "ld_library_path", "probe"}
+    assert key == torch_compat.inductor_vec_isa_memo_key()  # the same, read again
+    names = key["cpu_isa"].split()
+    assert torch_compat.inductor_vec_isas_named(["no-such-isa"]) is None
+    for isa in torch_compat.inductor_vec_isas_named([n for n in names if n in ("avx2", "avx512")]) or []:
+        assert str(isa) in names

@@ -99,6 +99,51 @@ def inductor_vec_isa_module() -> Any:
     return module
 
 
+def inductor_vec_isa_memo_key() -> dict[str, str] | None:
+    """What the answer of inductor's vector-ISA probe (`cpu_vec_isa.valid_vec_isa_list`) depends on beside
+    the probe itself, read live and cheaply (one `<compiler> -v`): the CPU's ISA flags as torch reads them,
+    the compiler and its version, torch's version and the libtorch the probe loads (size, mtime), the
+    Python that loads it, the loader's path, and the probe's own code and per-ISA flags. None where the
+    probe does not decide (`config.cpp.vec_isa_ok` set, fbcode) or is not the x86-64 Linux one. Raises
+    ImportError (or what torch raises) when inductor moved what it reads."""
+    import hashlib
+    import os
+    import platform
+
+    import torch
+    from torch._inductor import config, cpp_builder, cpu_vec_isa
+
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return None
+    if config.cpp.vec_isa_ok is not None or config.is_fbcode():
+        return None
+    libtorch = os.stat(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    compiler = cpp_builder.get_cpp_compiler()
+    probe = cpu_vec_isa.VecISA._avx_code + "\0" + cpu_vec_isa.VecISA._avx_py_load
+    flags = [
+        f"{isa}={isa.build_arch_flags()}={isa.build_macro()}" for isa in cpu_vec_isa.supported_vec_isa_list
+    ]
+    return {
+        "cpu_isa": " ".join(cpu_vec_isa.x86_isa_checker()),
+        "compiler": f"{compiler} {cpp_builder.get_compiler_version_info(compiler)}",
+        "torch": f"{torch.__version__} {getattr(torch.version, 'git_version', '')}",
+        "libtorch": f"{libtorch.st_size}:{libtorch.st_mtime_ns}",
+        "python": f"{os.path.realpath(sys.executable)} {sys.version}",
+        "ld_library_path": os.environ.get("LD_LIBRARY_PATH", ""),
+        "probe": hashlib.sha256((probe + "\n".join(flags)).encode()).hexdigest(),
+    }
+
+
+def inductor_vec_isas_named(names: list[str]) -> list[Any] | None:
+    """Inductor's ISA objects (`cpu_vec_isa.supported_vec_isa_list`) of `names`, in that order, as the probe
+    returns them; None when one is not (or no longer) inductor's."""
+    from torch._inductor import cpu_vec_isa
+
+    known = {str(isa): isa for isa in cpu_vec_isa.supported_vec_isa_list}
+    found = [known.get(name) for name in names]
+    return None if any(isa is None for isa in found) else found
+
+
 def probe_vec_isa() -> None:
     """Run inductor's vector-ISA probe now (`cpu_vec_isa.valid_vec_isa_list`, cached for the process), as the
     first CPU kernel compile would. Raises ImportError if inductor moved it."""

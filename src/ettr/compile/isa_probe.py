@@ -1,37 +1,62 @@
-"""Inductor's CPU vector-ISA probe, run ahead on the compile session's restore thread, one answer shared.
+"""Inductor's CPU vector-ISA probe: one answer per process, shared under a lock, remembered in inductor's cache
+directory, and run ahead on the compile session's restore thread.
 
 A process's first CPU kernel compile probes the CPU's vector ISAs (`cpu_vec_isa.valid_vec_isa_list`): it
-builds a small library per ISA into inductor's cache directory (a restored store entry brings them) and
-loads each in a Python subprocess (libtorch loaded six times, ~1.2 s of CPU here), and the compiling thread
-waits for it. Started on a helper thread once the store entry is restored, the probe's subprocesses run
-while the compiling thread imports inductor's compile path and Dynamo traces. The probe is wrapped in a lock
-first (`share`): a compile that needs the answer while the helper still probes waits for that probe, rather
-than starting a second one beside it (inductor caches the answer with `functools.cache`, which holds no lock).
+builds a small library per ISA into inductor's cache directory and loads each in a Python subprocess (libtorch
+loaded six times: ~1.3 s of CPU per process here), and the compiling thread waits for it. `share` wraps the
+probe so that
+
+* concurrent callers share one run: a compile that needs the answer while the restore thread still probes
+  waits for that probe rather than starting a second one (inductor caches the answer with
+  `functools.cache`, which holds no lock);
+* the answer is remembered in inductor's cache directory (`MEMO_NAME`, written whole), with everything it
+  depends on (`torch_compat.inductor_vec_isa_memo_key`: the CPU's ISA flags, the compiler and its version,
+  torch and the libtorch the probe loads, the Python, the probe's code); a later process whose key is the
+  same to the letter takes the remembered answer instead of probing again. The compile store carries that
+  file with the rest of the cache directory, so later attempts and jobs of the workload find it. It is
+  data, never run: a list of ISA names, each of which must still be one of inductor's, and which the probe
+  had found this CPU's ISA flags to allow under the same key (a name the key's CPU lacks cannot pass).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ettr import torch_compat
+from ettr.atomic import atomic_write
 from ettr.patcher import ORIGINAL_ATTR, Patcher
+from ettr.untrusted import read_json_file
 
 logger = logging.getLogger("ettr")
 
+MEMO_NAME = "ettr-vec-isa.json"
+"""The remembered answer, in inductor's cache directory."""
+MEMO_SCHEMA = "ettr.vec-isa/1"
+MEMO_MAX_BYTES = 64 * 1024
+MAX_ISAS = 32
 
-def share(patcher: Patcher) -> bool:
-    """Wrap inductor's probe so that concurrent callers share one run; whether it is wrapped now (False:
-    inductor moved it). The wrapper keeps the cache's `cache_info` and `cache_clear`, which
-    `torch_compat.inductor_probed_vec_isa` reads. Imports inductor's codecache (the probe's)."""
+MemoDir = Callable[[], Path | None]
+"""Where the answer is remembered, looked up when the probe runs (None: nowhere)."""
+
+
+def share(patcher: Patcher, memo_dir: MemoDir | None = None) -> bool:
+    """Wrap inductor's probe (see the module docstring); whether it is wrapped now (False: inductor moved it).
+    `memo_dir` defaults to inductor's cache directory at the time of the probe. The wrapper keeps the
+    cache's `cache_info` and `cache_clear`, which `torch_compat.inductor_probed_vec_isa` reads (a
+    remembered answer leaves that cache empty: a standby then does not probe ahead, and needs not).
+    Imports inductor's codecache (the probe's)."""
     try:
         module = torch_compat.inductor_vec_isa_module()
     except ImportError as exc:
         logger.debug("ettr: inductor's ISA probe not shared (%s)", exc)
         return False
-    patcher.wrap(module, "valid_vec_isa_list", _locked)  # (not twice: a wrapper of ours is left alone)
+    where = memo_dir if memo_dir is not None else _inductor_cache_dir
+    patcher.wrap(module, "valid_vec_isa_list", lambda probe: _shared(probe, where))
     return getattr(getattr(module, "valid_vec_isa_list", None), ORIGINAL_ATTR, None) is not None
 
 
@@ -43,14 +68,69 @@ def run() -> None:
         logger.debug("ettr: inductor's ISA probe not run ahead (%s)", exc)
 
 
-def _locked(probe: Callable[[], Any]) -> Callable[[], Any]:
+def _shared(probe: Callable[[], Any], memo_dir: MemoDir) -> Callable[[], Any]:
     lock = threading.RLock()  # re-entrant: the probe of one thread never waits for itself
+    answer: list[Any] = []
 
     def shared_probe() -> Any:
         with lock:
-            return probe()
+            if not answer:
+                answer.append(_probe_or_recall(probe, memo_dir))
+            return answer[0]
 
     for name in ("cache_info", "cache_clear"):  # methods of the cache, which `update_wrapper` does not copy
         if hasattr(probe, name):
             setattr(shared_probe, name, getattr(probe, name))
     return shared_probe
+
+
+def _probe_or_recall(probe: Callable[[], Any], memo_dir: MemoDir) -> Any:
+    try:
+        if probe.cache_info().currsize > 0:  # type: ignore[attr-defined]  # probed already (a standby)
+            return probe()
+    except Exception:
+        pass
+    try:
+        key, directory = torch_compat.inductor_vec_isa_memo_key(), memo_dir()
+    except Exception as exc:
+        logger.debug("ettr: inductor's ISA probe not remembered (%s)", exc)
+        key, directory = None, None
+    if key is None or directory is None:
+        return probe()
+    path = directory / MEMO_NAME
+    names = recall(path, key)
+    if names is not None:
+        isas = torch_compat.inductor_vec_isas_named(names)
+        if isas is not None:
+            return isas
+    result = probe()
+    remember(path, key, [str(isa) for isa in result])
+    return result
+
+
+def recall(path: Path, key: dict[str, str]) -> list[str] | None:
+    """The ISA names remembered at `path` under exactly `key`; None when there is no such answer (missing,
+    unreadable, malformed, or made under another key)."""
+    try:
+        memo = read_json_file(path, MEMO_MAX_BYTES)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(memo, dict) or memo.get("schema") != MEMO_SCHEMA or memo.get("key") != key:
+        return None
+    names = memo.get("valid")
+    if not isinstance(names, list) or len(names) > MAX_ISAS or not all(isinstance(n, str) for n in names):
+        return None
+    return names
+
+
+def remember(path: Path, key: dict[str, str], names: list[str]) -> None:
+    """Keep the probe's answer at `path` (written whole); never raises."""
+    try:
+        memo = {"schema": MEMO_SCHEMA, "key": key, "valid": names}
+        atomic_write(path, json.dumps(memo, sort_keys=True, indent=1), mode=0o600, durable=False)
+    except Exception as exc:
+        logger.debug("ettr: inductor's ISA probe answer not kept (%s)", exc)
+
+
+def _inductor_cache_dir() -> Path | None:
+    return Path(torch_compat.inductor_cache_dir())

@@ -7,7 +7,8 @@
    `torch.compiler.config.job_id` so that PGO profiles are written, and restores the store entry
    (`restore.StoreRestorer`: inductor cache directory, precompiled headers, else the megacache archive),
    on a helper thread from the first `torch.compile` on, which then runs inductor's CPU vector-ISA probe
-   ahead (`isa_probe`; in a process without an accelerator);
+   ahead (in a process without an accelerator; `isa_probe` shares its answer and remembers it in inductor's
+   cache directory, which the store carries);
 2. it records every compilation as a COMPILE span and every recompile with its reason (`CompileHooks`),
    and at each recompile writes the dynamic sources learned so far to the run directory;
 3. once no compilation has run for `settle_s`, a background thread saves the artifacts to the store
@@ -112,26 +113,30 @@ class CompileSession:
         except Exception as exc:  # a recorder without listeners: the background thread emits instead
             logger.debug("ettr: no step listener: %s", exc)
         atexit.register(self.close)
-        if self.config.store is None or not self.config.restore:
-            return
-        # `torch._dynamo` is imported by much that never compiles (DDP, for one): the store is not even
-        # looked up until the program calls `torch.compile` (or compiles through a name bound earlier, in
-        # which case the first compilation restores, as `prepare` does).
-        _on_first_torch_compile(self._restore_in_background)
+        # `torch._dynamo` is imported by much that never compiles (DDP, for one): nothing more is done (the
+        # store is not even looked up) until the program calls `torch.compile` (or compiles through a name
+        # bound earlier, in which case the first compilation restores, as `prepare` does).
+        _on_first_torch_compile(self._on_torch_compile)
 
-    def _restore_in_background(self) -> None:
+    def _on_torch_compile(self) -> None:
+        # Inductor's CPU vector-ISA probe is shared and remembered from now on (`isa_probe`), store or not.
+        shared = isa_probe.share(self._patcher)
+        if self.config.store is not None and self.config.restore:
+            self._restore_in_background(probe_isa=shared)
+
+    def _restore_in_background(self, *, probe_isa: bool = False) -> None:
         # Restore on a helper thread from now on, so the unpacking overlaps whatever the program does
         # before its first compilation (which waits for it). Key and directories are looked up here, on
         # the calling thread: the helper only reads, checks and writes files. A process without an
-        # accelerator then runs inductor's CPU vector-ISA probe there too, shared with its first compile
-        # (`isa_probe`): its libraries come with the entry.
+        # accelerator then runs inductor's CPU vector-ISA probe there too (`probe_isa`: shared with its
+        # first compile): its libraries, and its remembered answer, come with the entry.
         try:
             digest = self.key.digest
             dirs = (artifacts.inductor_cache_dir(), artifacts.headers_dir())
         except Exception as exc:
             logger.debug("ettr: restoring at the first compilation instead (%s)", exc)
             return
-        probe = self.key.device_type == "cpu" and isa_probe.share(self._patcher)
+        probe = probe_isa and self.key.device_type == "cpu"
         logger.debug("ettr: restoring compile artifacts of entry %s in the background", digest)
         threading.Thread(
             target=self._restore_then_probe, args=(dirs, probe), name="ettr-compile-restore", daemon=True
