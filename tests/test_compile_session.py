@@ -358,7 +358,7 @@ def test_the_settle_save_runs_as_nice_as_a_thread_gets_and_the_exit_raises_it_ba
     assert seen["at_close"] == (own if privileged else 19)
 
 
-def test_a_cpu_process_probes_the_vector_isa_on_the_restore_thread_after_the_restore(
+def test_at_the_first_torch_compile_templates_are_deferred_the_isa_probe_shared_then_run_after_the_restore(
     node, tmp_path, monkeypatch
 ):
     # The probe's libraries (and its remembered answer) come with the entry: it runs after the restore, on the
@@ -367,10 +367,11 @@ def test_a_cpu_process_probes_the_vector_isa_on_the_restore_thread_after_the_res
     import dataclasses
     import threading
 
-    from ettr.compile import isa_probe
+    from ettr.compile import isa_probe, lazy_templates
 
     node("n")
     order: list[str] = []
+    monkeypatch.setattr(lazy_templates, "defer", lambda patcher: order.append("deferred") or True)
     monkeypatch.setattr(isa_probe, "share", lambda patcher, memo_dir=None: order.append("shared") or True)
     monkeypatch.setattr(isa_probe, "run", lambda: order.append(f"probe on {threading.current_thread().name}"))
     session, rec = _session(CompileStore(MemoryBackend()), tmp_path)
@@ -382,12 +383,12 @@ def test_a_cpu_process_probes_the_vector_isa_on_the_restore_thread_after_the_res
     for thread in threading.enumerate():
         if thread.name == "ettr-compile-restore":
             thread.join(60)
-    assert order == ["shared", "restore", "probe on ettr-compile-restore"]
+    assert order == ["deferred", "shared", "restore", "probe on ettr-compile-restore"]
 
     order.clear()
     storeless = CompileSession(rec, CompileConfig(store=None), key=KEY)
     storeless._on_torch_compile()
-    assert order == ["shared"]
+    assert order == ["deferred", "shared"]
 
     order.clear()
     gpu_key = dataclasses.replace(KEY, device_type="cuda-12.4-H100-sm90")
@@ -397,7 +398,11 @@ def test_a_cpu_process_probes_the_vector_isa_on_the_restore_thread_after_the_res
     for thread in threading.enumerate():
         if thread.name == "ettr-compile-restore":
             thread.join(60)
-    assert order == ["shared", "restore"]  # an accelerator's process: its first compile probes if it needs to
+    assert order == [
+        "deferred",
+        "shared",
+        "restore",
+    ]  # an accelerator's process: its first compile probes if it needs to
     rec.close()
 
 

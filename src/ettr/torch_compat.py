@@ -164,6 +164,19 @@ def inductor_used_precompiled_header() -> bool | None:
     return bool(cache_info().currsize > 0)
 
 
+def inductor_kernel_template_class() -> Any:
+    """`torch._inductor.codegen.common.KernelTemplate`, whose `_template_from_string` (a staticmethod) compiles
+    the Jinja source of a kernel template. Raises ImportError, also when Jinja is not installed (inductor then
+    has no templates to compile)."""
+    import importlib.util
+
+    if importlib.util.find_spec("jinja2") is None:
+        raise ImportError("jinja2 is not installed")
+    from torch._inductor.codegen.common import KernelTemplate
+
+    return KernelTemplate
+
+
 def inductor_config() -> Any:
     """`torch._inductor.config` (its portable settings key the compile store). Raises ImportError."""
     from torch._inductor import config

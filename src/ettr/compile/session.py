@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ettr.compile import artifacts, dynamic, isa_probe
+from ettr.compile import artifacts, dynamic, isa_probe, lazy_templates
 from ettr.compile.config import CompileConfig, default_user_key, pgo_job_id
 from ettr.compile.hooks import CompileHooks, CompileRecord
 from ettr.compile.key import StoreKey, current_key
@@ -80,7 +80,7 @@ class CompileSession:
         self._started = False
         self._view = EntryView()
         self._patcher = Patcher()
-        """Its one patch: inductor's ISA probe shared between the restore thread and the first compile."""
+        """Its patches of inductor (at the first torch.compile): `lazy_templates`, `isa_probe`."""
         parts: dict[str, Any] = {"store": lambda: self.store, "key": lambda: self.key, "view": self._view}
         self._restorer = StoreRestorer(mark=self._mark, **parts)
         self._saver = StoreSaver(rec=rec, config=config, hooks=self.hooks, mark=self._mark, **parts)
@@ -119,7 +119,9 @@ class CompileSession:
         _on_first_torch_compile(self._on_torch_compile)
 
     def _on_torch_compile(self) -> None:
-        # Inductor's CPU vector-ISA probe is shared and remembered from now on (`isa_probe`), store or not.
+        # Before torch.compile imports inductor's compile path: its kernel templates compile when first used
+        # (`lazy_templates`), and its CPU vector-ISA probe is shared and remembered (`isa_probe`), store or not.
+        lazy_templates.defer(self._patcher)
         shared = isa_probe.share(self._patcher)
         if self.config.store is not None and self.config.restore:
             self._restore_in_background(probe_isa=shared)
