@@ -367,11 +367,15 @@ def test_at_the_first_torch_compile_templates_are_deferred_the_isa_probe_shared_
     import dataclasses
     import threading
 
+    from ettr import torch_compat
     from ettr.compile import isa_probe, lazy_templates
 
     node("n")
     order: list[str] = []
     monkeypatch.setattr(lazy_templates, "defer", lambda patcher: order.append("deferred") or True)
+    monkeypatch.setattr(
+        torch_compat, "prefetch_inductor_torch_key", lambda: order.append("torch_key") or True
+    )
     monkeypatch.setattr(isa_probe, "share", lambda patcher, memo_dir=None: order.append("shared") or True)
     monkeypatch.setattr(isa_probe, "run", lambda: order.append(f"probe on {threading.current_thread().name}"))
     session, rec = _session(CompileStore(MemoryBackend()), tmp_path)
@@ -383,12 +387,12 @@ def test_at_the_first_torch_compile_templates_are_deferred_the_isa_probe_shared_
     for thread in threading.enumerate():
         if thread.name == "ettr-compile-restore":
             thread.join(60)
-    assert order == ["deferred", "shared", "restore", "probe on ettr-compile-restore"]
+    assert order == ["deferred", "shared", "torch_key", "restore", "probe on ettr-compile-restore"]
 
     order.clear()
     storeless = CompileSession(rec, CompileConfig(store=None), key=KEY)
     storeless._on_torch_compile()
-    assert order == ["deferred", "shared"]
+    assert order == ["deferred", "shared", "torch_key"]
 
     order.clear()
     gpu_key = dataclasses.replace(KEY, device_type="cuda-12.4-H100-sm90")
@@ -398,11 +402,8 @@ def test_at_the_first_torch_compile_templates_are_deferred_the_isa_probe_shared_
     for thread in threading.enumerate():
         if thread.name == "ettr-compile-restore":
             thread.join(60)
-    assert order == [
-        "deferred",
-        "shared",
-        "restore",
-    ]  # an accelerator's process: its first compile probes if it needs to
+    # An accelerator's process: no probe ahead (its first compile probes if it needs to).
+    assert order == ["deferred", "shared", "torch_key", "restore"]
     rec.close()
 
 
@@ -550,3 +551,13 @@ def test_the_real_isa_probe_key_names_what_the_answer_depends_on():
     assert torch_compat.inductor_vec_isas_named(["no-such-isa"]) is None
     for isa in torch_compat.inductor_vec_isas_named([n for n in names if n in ("avx2", "avx512")]) or []:
         assert str(isa) in names
+
+
+def test_inductors_torch_key_is_prefetched_on_torchs_own_thread_and_read_once():
+    from torch._inductor import codecache
+
+    from ettr import torch_compat
+
+    assert torch_compat.prefetch_inductor_torch_key() is True
+    key = codecache.torch_key()  # the prefetched value (or the one computed before): the same bytes
+    assert isinstance(key, bytes) and codecache.torch_key() == key

@@ -177,6 +177,21 @@ def inductor_kernel_template_class() -> Any:
     return KernelTemplate
 
 
+def prefetch_inductor_torch_key() -> bool:
+    """Start computing inductor's `codecache.torch_key` (a hash of torch's source files, which the first
+    compile's cache lookups need: ~0.15 s of CPU per process here, much of it reading and hashing, outside the
+    GIL) on torch's own prefetch thread (`prefetch` of `torch.utils._functools.prefetchable_cache`; the first
+    caller waits for that result rather than computing it again). Imports inductor's codecache. False when
+    this torch's `torch_key` has no `prefetch`."""
+    from torch._inductor import codecache
+
+    prefetch = getattr(getattr(codecache, "torch_key", None), "prefetch", None)
+    if prefetch is None:
+        return False
+    prefetch()
+    return True
+
+
 def inductor_config() -> Any:
     """`torch._inductor.config` (its portable settings key the compile store). Raises ImportError."""
     from torch._inductor import config

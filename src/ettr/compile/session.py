@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ettr import torch_compat
 from ettr.compile import artifacts, dynamic, isa_probe, lazy_templates
 from ettr.compile.config import CompileConfig, default_user_key, pgo_job_id
 from ettr.compile.hooks import CompileHooks, CompileRecord
@@ -120,9 +121,14 @@ class CompileSession:
 
     def _on_torch_compile(self) -> None:
         # Before torch.compile imports inductor's compile path: its kernel templates compile when first used
-        # (`lazy_templates`), and its CPU vector-ISA probe is shared and remembered (`isa_probe`), store or not.
+        # (`lazy_templates`), its CPU vector-ISA probe is shared and remembered (`isa_probe`), store or not,
+        # and the hash of torch's sources its cache keys need starts on torch's own prefetch thread.
         lazy_templates.defer(self._patcher)
         shared = isa_probe.share(self._patcher)
+        try:  # the hash of torch's sources the first compile's cache lookups need, on torch's prefetch thread
+            torch_compat.prefetch_inductor_torch_key()
+        except Exception as exc:
+            logger.debug("ettr: inductor's torch_key not prefetched (%s)", exc)
         if self.config.store is not None and self.config.restore:
             self._restore_in_background(probe_isa=shared)
 
