@@ -407,3 +407,66 @@ def test_a_save_soon_after_an_eviction_pass_skips_its_own_while_the_store_has_ro
     store.save(_key("c"), {"c": {"k": b"c" * 850}})  # past the bound: the pass runs and evicts
     assert Listing.num_passes == 3
     assert store.head(_key("a")) is None and store.head(_key("c")) is not None
+
+
+def _big_entry(tmp_path, backend):
+    big = bytes(range(256)) * 5000  # 1.28 MB: restored by a kernel copy from a local store
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "header.h.gch").write_bytes(big)
+    (cache / "k.so").write_bytes(b"kernel")
+    store = CompileStore(backend)
+    store.save(_key(), {"c": artifacts.tree(cache)})
+    return store, store.head(_key()).artifacts["c"], big
+
+
+def test_a_large_file_of_a_local_store_is_copied_by_the_kernel_and_checked_before_it_appears(tmp_path):
+    store, files, big = _big_entry(tmp_path, LocalBackend(tmp_path / "store"))
+    copied: list[str] = []
+
+    def copy(stored, target, mode):
+        done = store.copy_into(stored, target, mode)
+        copied.append(target.name if done else f"not {target.name}")
+        return done
+
+    dest = tmp_path / "node"
+    result = artifacts.restore_tree(files, dest, store.read, copy=copy)
+    assert result.num_written == 2
+    assert copied in (["header.h.gch"], ["not header.h.gch"])  # (a kernel without copy_file_range: read)
+    assert (dest / "header.h.gch").read_bytes() == big and (dest / "k.so").read_bytes() == b"kernel"
+    assert (dest / "header.h.gch").stat().st_mtime == files["header.h.gch"].mtime
+    assert oct((dest / "header.h.gch").stat().st_mode & 0o777) == oct(
+        (files["header.h.gch"].mode & 0o755) | 0o600
+    )
+    assert sorted(p.name for p in dest.iterdir()) == ["header.h.gch", "k.so"]  # no temporary left
+
+
+def test_a_large_blob_changed_in_the_store_is_refused_and_nothing_appears(tmp_path):
+    store, files, big = _big_entry(tmp_path, LocalBackend(tmp_path / "store"))
+    stored = files["header.h.gch"]
+    blob = tmp_path / "store" / blob_path(stored.sha256, compressed=False)
+    blob.write_bytes(big[:-1] + b"\0")  # same size, other bytes
+    dest = tmp_path / "node"
+    dest.mkdir()
+    with pytest.raises(EntryRefused, match="checksum"):
+        store.copy_into(stored, dest / "header.h.gch", 0o600)
+    blob.write_bytes(big[:-1])  # another size
+    with pytest.raises(EntryRefused, match="checksum"):
+        store.copy_into(stored, dest / "header.h.gch", 0o600)
+    blob.unlink()
+    with pytest.raises(EntryRefused, match="missing"):
+        store.copy_into(stored, dest / "header.h.gch", 0o600)
+    assert list(dest.iterdir()) == []  # nothing unchecked, no temporary
+    (dest / "header.h.gch").mkdir()  # not a regular file: left as it is
+    blob.write_bytes(big)
+    with pytest.raises(OSError, match="not a regular file"):
+        store.copy_into(stored, dest / "header.h.gch", 0o600)
+    assert (dest / "header.h.gch").is_dir()
+
+
+def test_a_store_that_is_not_local_reads_its_large_files(tmp_path):
+    store, files, big = _big_entry(tmp_path, MemoryBackend())
+    assert store.copy_into(files["header.h.gch"], tmp_path / "x", 0o600) is False
+    dest = tmp_path / "node"
+    artifacts.restore_tree(files, dest, store.read, copy=store.copy_into)
+    assert (dest / "header.h.gch").read_bytes() == big

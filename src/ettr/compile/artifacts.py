@@ -173,17 +173,25 @@ class UnpackResult:
     bytes_written: int
 
 
+COPY_MIN_BYTES = 1 << 20
+"""A stored file at least this large is restored by `copy` when it is given (a kernel copy, checked where it
+lands: the 156 MB precompiled header), not read into memory and written out again."""
+
+
 def restore_tree(
     files: Mapping[str, StoredFile],
     dest: Path,
     read: Callable[[StoredFile], bytes],
     *,
     limits: UnpackLimits | None = None,
+    copy: Callable[[StoredFile, Path, int], bool] | None = None,
 ) -> UnpackResult:
-    """Write an artifact's files into `dest`, each read (and checked) by `read`. Raises `ValueError` for a
-    path that is not plain and relative, or for files past `limits` (default: `UnpackLimits.from_env()`),
-    before anything is written; never follows a symlink already in `dest` (raises `UnsafeLocation`, a
-    PermissionError). Files already there with their size are left alone."""
+    """Write an artifact's files into `dest`, each read (and checked) by `read`, or those of `COPY_MIN_BYTES`
+    and more copied (and checked before they appear) by `copy(stored, target, mode)` where it returns True
+    (`CompileStore.copy_into`). Raises `ValueError` for a path that is not plain and relative, or for files
+    past `limits` (default: `UnpackLimits.from_env()`), before anything is written; never follows a symlink
+    already in `dest` (raises `UnsafeLocation`, a PermissionError). Files already there with their size are
+    left alone."""
     limits = limits if limits is not None else UnpackLimits.from_env()
     for rel in files:
         if not safe_relative(rel):
@@ -204,10 +212,11 @@ def restore_tree(
         except FileNotFoundError:
             pass
         target.parent.mkdir(parents=True, exist_ok=True)
-        data = read(stored)
-        # ettr.atomic makes it appear whole. Not fsync'd: the store keeps the file, and one left short by
-        # a power loss is restored again (`present` compares sizes).
-        atomic_write(target, data, mode=(stored.mode & 0o755) | 0o600, durable=False)
+        mode = (stored.mode & 0o755) | 0o600
+        # Either way it appears whole. Not fsync'd: the store keeps the file, and one left short by a power
+        # loss is restored again (`present` compares sizes).
+        if copy is None or stored.size < COPY_MIN_BYTES or not copy(stored, target, mode):
+            atomic_write(target, read(stored), mode=mode, durable=False)
         os.utime(target, (stored.mtime, stored.mtime))
         written += 1
         num_bytes += stored.size

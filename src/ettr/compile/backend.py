@@ -98,6 +98,11 @@ class LocalBackend:
     def read(self, path: str) -> bytes:
         return read_no_follow(self._safe(path))
 
+    def local_file(self, path: str) -> Path:
+        """Where the object `path` is on this node's disk (checked as `read` checks it; not opened), for a
+        kernel copy of it (`CompileStore.copy_into`)."""
+        return self._safe(path)
+
     def write(self, path: str, data: bytes) -> None:
         target = self._safe(path, create=True)
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -156,7 +156,7 @@ class StoreRestorer:
                 missing = store.missing(trees[name])
                 if missing:
                     raise EntryRefused(f"{name}: {len(missing)} stored files are missing (e.g. {missing[0]})")
-                result = artifacts.restore_tree(trees[name], targets[name], store.read)
+                result = artifacts.restore_tree(trees[name], targets[name], store.read, copy=store.copy_into)
             except EntryRefused as exc:
                 if name != artifacts.HEADERS_ARCHIVE:
                     raise
