@@ -568,15 +568,17 @@ def _generation(
     keys = data_config.feature_names
     losses: list[float] = []
     step_s: list[float] = []
+    step_cpu_s: list[float] = []  # this thread's CPU in each step: against step_s, how much of a step waited for a core
     window: list[float] = []
     step = resumed_step
     batch = first_batch
     while batch is not None and step < config.steps:
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), time.thread_time()
         loss = train_step(model, optimizer, batch, keys)
         step += 1
         ettr.step(step)
         step_s.append(time.perf_counter() - begin)
+        step_cpu_s.append(time.thread_time() - begin_cpu)
         window.append(float(loss))
         if step % config.log_every == 0 or step == config.steps:
             losses.append(statistics.fmean(window))
@@ -609,6 +611,7 @@ def _generation(
             "last_step": step,
             "window_losses": losses,
             "median_step_s": statistics.median(step_s) if step_s else None,
+            "median_step_cpu_s": statistics.median(step_cpu_s) if step_cpu_s else None,
             "init_s": clock.seconds,
             "num_compiled_graphs_after_warm_up": num_graphs_after_warm_up,
             "num_compiled_graphs_at_end": _num_compiled_graphs(),
@@ -618,7 +621,8 @@ def _generation(
         if step_s:
             print0(
                 f"done: steps {resumed_step + 1}..{step}, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-                f"median step {1000 * summary['median_step_s']:.1f} ms"
+                f"median step {1000 * summary['median_step_s']:.1f} ms "
+                f"(this thread's CPU {1000 * summary['median_step_cpu_s']:.1f} ms of it)"
             )
         if rank == 0 and config.summary_out:
             Path(config.summary_out).parent.mkdir(parents=True, exist_ok=True)
