@@ -640,7 +640,12 @@ def _print_start_up(
     if rank != 0:
         return
     parts = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in clock.seconds.items())
-    print0(f"start-up: {parts}")
+    # CPU seconds too: on a shared, loaded node the wall times above swing with the load, these much less.
+    # (Subprocesses: the ones waited for, e.g. inductor's ISA probe and compiler runs; not loader workers.)
+    cpu = os.times()
+    print0(
+        f"start-up: {parts}; cpu {cpu.user + cpu.system:.2f}s, subprocesses {cpu.children_user + cpu.children_system:.2f}s"
+    )
     print0(f"resumed from step {resumed_step}" if resumed_step else "starting from scratch")
     if audit_summary is not None:
         event = Event(
