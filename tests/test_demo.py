@@ -180,6 +180,44 @@ def test_loader_workers_outlive_a_schedulers_sigterm_but_not_their_trainers(tmp_
         trainer.kill()
 
 
+_EXIT_NOW = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+from torch.utils.data import DataLoader
+import dlrm.train as train
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, index):
+        time.sleep(0.01)
+        return index
+
+batches = iter(DataLoader(Slow(), num_workers=2))  # installs the DataLoader's SIGCHLD handler
+next(batches)
+real_exit = os._exit
+
+def seen_exit(status):  # what exit_now leaves in place when it ends the process
+    print(signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL, flush=True)
+    real_exit(status)
+
+os._exit = seen_exit
+train.exit_now(0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_fast_exit_kills_loader_workers_without_the_dataloaders_sigchld_handler(tmp_path):
+    # The DataLoader's handler raises in the trainer when a worker dies of a signal: exit_now's kills of the
+    # workers ended a completed job with status 1 (after its final commit) when the signal came in time.
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_NOW, str(EXAMPLES)], capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_each_attempt_compiles_into_fresh_local_caches(tmp_path):
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]);"

@@ -300,6 +300,12 @@ def exit_now(status: int) -> NoReturn:
         session.close()
     import multiprocessing
 
+    # The DataLoader's SIGCHLD handler raises in this thread when one of its workers dies of a signal: the
+    # kills below ended a completed job with exit status 1 (one run in ~20 here, after its final commit).
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    except ValueError:  # not the main thread: no handler of the DataLoader's runs here either
+        pass
     for child in multiprocessing.active_children():  # loader workers: nothing left for them to do
         child.kill()
     ettr.get_recorder().flush()
