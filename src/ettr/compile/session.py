@@ -123,7 +123,8 @@ class CompileSession:
         # Before torch.compile imports inductor's compile path: its kernel templates compile when first used
         # (`lazy_templates`), its CPU vector-ISA probe is shared and remembered (`isa_probe`), store or not,
         # and the hash of torch's sources its cache keys need starts on torch's own prefetch thread.
-        lazy_templates.defer(self._patcher)
+        if not _gpu_present():  # a GPU job renders them (autotuning): left as inductor makes them
+            lazy_templates.defer(self._patcher)
         shared = isa_probe.share(self._patcher)
         try:  # the hash of torch's sources the first compile's cache lookups need, on torch's prefetch thread
             torch_compat.prefetch_inductor_torch_key()
@@ -324,3 +325,13 @@ def _on_first_torch_compile(callback: Callable[[], None]) -> None:
 
     functools.update_wrapper(compile_, original)
     torch.compile = compile_
+
+
+def _gpu_present() -> bool:
+    """Whether this process can use a CUDA device (torch is imported by now: torch.compile was called)."""
+    import torch
+
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken driver: as a GPU job, leaving inductor as it is
+        return True
