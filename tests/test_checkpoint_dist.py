@@ -143,4 +143,35 @@ def test_two_ranks_through_both_persist_modes_and_a_preemption(tmp_path):
     third = start_ranks(_third_run, 2, root, second[0]["at_6"], timeout_s=180)
     third.wait(expect_exit=PREEMPTED_EXIT_STATUS)
     manifest = find_latest(open_storage(root)).latest
-    assert manifest is not None and manifest.step == 7 and manifest.world_size == 2
+    # requested before step 7's boundary: proposed there, acted on by both ranks at the next exchange (8)
+    assert manifest is not None and manifest.step == 8 and manifest.world_size == 2
+
+
+def _agreeing(rank: int, world_size: int) -> list[tuple[int, bool, bool]]:
+    """Each rank proposes its own flags and step time at the exchanges; returns (boundary, save, preempt)
+    for each boundary at which it acted on something."""
+    from ettr.checkpoint.coordination import Coordinator, StepAgreement
+
+    agreement = StepAgreement(Coordinator.create(), period_s=0.25)
+    acted = []
+    for boundary in range(1, 40):
+        if agreement.due():
+            save, preempt = agreement.take()
+            if save or preempt:
+                acted.append((boundary, save, preempt))
+            # rank 0 wants a save at boundary 1 only, rank 1 sees a preemption from boundary 20 on; their
+            # steps take 0.05 s and 0.1 s: the gap both use is the smaller one (0.25 / 0.1 = 2)
+            agreement.propose(
+                rank == 0 and boundary == 1, rank == 1 and boundary >= 20, step_s=0.05 * (rank + 1)
+            )
+    agreement.drain()
+    return acted
+
+
+def test_the_step_agreement_acts_on_any_ranks_flags_at_the_same_boundaries_on_every_rank():
+    acted = run_ranks(_agreeing, 2, timeout_s=180)
+    assert acted[0] == acted[1]
+    # exchanges at 1, 2 (gap 1 until the first step times are known), then every 2: 4, 6, ...; rank 0's save
+    # proposed at 1 is acted on at 2; rank 1's preemption (from 20) is proposed at 20, acted on at 22
+    assert acted[0][0] == (2, True, False)
+    assert acted[0][1] == (22, False, True)

@@ -55,7 +55,7 @@ from ettr.checkpoint.base import (
     step_dir_name,
 )
 from ettr.checkpoint.commit import Manifest, apply_retention, lease, list_checkpoints, root_identity, verify
-from ettr.checkpoint.coordination import Coordinator
+from ettr.checkpoint.coordination import Coordinator, StepAgreement
 from ettr.checkpoint.history import FailureHistory
 from ettr.checkpoint.keys import KeyRing
 from ettr.checkpoint.memory import Found, MemoryCopies, fill, manifest_binding
@@ -163,6 +163,9 @@ class CheckpointManager:
             job_age_s=history.job_age_s if history else 0.0,
         )
         self._meter = SlowdownMeter()  # what persists cost the steps beside them (auto interval)
+        self._agreement = StepAgreement(coordinator)
+        self._exchange: tuple[int, float] | None = None
+        """The step and time of the last exchange of the step agreement."""
         self._preemption = preemption
         self._inflight: _Inflight | None = None
         self.last_committed_step: int | None = None
@@ -226,23 +229,38 @@ class CheckpointManager:
 
         On a pending preemption, saves, waits for the commit, flushes the recorder and raises
         `SystemExit(143)`. Collective when the job has several ranks and the decision depends on time or
-        signals (every rank must call it at every step). Returns whether a save was started.
-        """
+        signals (every rank must call it at every step): every rank acts at the same step boundary, within
+        two exchanges of the agreement (`StepAgreement`: about half a second of steps, at least the next step)
+        of a rank's signal or interval, and no step waits for another rank here. Returns whether a save was started."""
         now_s = self._clock()
         extra_s = self._meter.on_step(now_s, persisting=self.persisting)
         if extra_s is not None:
             self.policy.observe_slowdown(extra_s)
+        by_steps = self.policy.config.every_steps is not None
         save_now = self.policy.should_save(step, now_s)
         preempt = self._preemption is not None and self._preemption.requested
-        if self.policy.config.every_steps is None or self._preemption is not None:
-            # Time and signals differ between ranks: every rank leaves with the same decision.
-            save_now, preempt = self._coord.agree(save_now, preempt)
+        agreement = self._agreement
+        exchange = False
+        if agreement.collective and (not by_steps or self._preemption is not None):
+            # Time and signals differ between ranks: every rank acts on what any rank proposed, at the same
+            # step boundary (a step count's saves are the same on every rank: those are taken at once).
+            exchange = agreement.due()
+            agreed_save, preempt = agreement.take() if exchange else (False, False)
+            save_now = save_now if by_steps else agreed_save
         if preempt:
             self._exit_preempted(step)
+        saved = False
         if save_now:
             self._meter.reset()  # the next interval holds the save's blocking and staging wait: not a step
-            return self.save(step)
-        return False
+            saved = self.save(step)
+        if exchange:
+            steps = max(1, step - self._exchange[0]) if self._exchange else 1
+            step_s = (now_s - self._exchange[1]) / steps if self._exchange else None
+            self._exchange = (step, now_s)
+            fresh = not by_steps and self.policy.should_save(step, self._clock())  # False right after a save
+            requested = self._preemption is not None and self._preemption.requested
+            agreement.propose(fresh, requested, step_s=step_s)
+        return saved
 
     def save(self, step: int, *, wait: bool = False) -> bool:
         """Save the state after optimizer step `step`; returns once the state is staged (unless `wait`).
@@ -681,6 +699,7 @@ class CheckpointManager:
             hook.remove()
         if self._preemption is not None:
             self._preemption.close()
+        self._agreement.drain()
         self._persister.close()
         self._coord.close()
         if self._finished and self.memory is not None:
