@@ -25,6 +25,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -231,7 +232,31 @@ def idle_scheduling(pid: int) -> bool:
         except OSError:
             pass
         return False
+    # In a session of its own the process's autogroup competes with the others as a whole, with the weight of
+    # the autogroup's nice value, not its tasks' idle policy: that goes down too (back to 0 needs no privilege).
+    set_autogroup_nice(pid, AUTOGROUP_IDLE_NICE)
     return True
+
+
+AUTOGROUP_IDLE_NICE = 19
+"""The nice value of the autogroup of a process at idle priority that leads its own session."""
+
+
+def set_autogroup_nice(pid: int, nice: int) -> bool:
+    """Set the nice value of the autogroup (the kernel's CPU share per session, `sched_autogroup`) of `pid`,
+    only where `pid` leads its session (so the group is its own) and autogroups are on. Whether it was set;
+    never raises."""
+    try:
+        if (
+            os.getsid(pid) != pid
+            or Path(f"{_PROC}/sys/kernel/sched_autogroup_enabled").read_text().strip() != "1"
+        ):
+            return False
+        with open(f"{_PROC}/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def normal_scheduling(pid: int) -> bool:
@@ -241,6 +266,7 @@ def normal_scheduling(pid: int) -> bool:
     idle, normal = getattr(os, "SCHED_IDLE", None), getattr(os, "SCHED_OTHER", None)
     if idle is None or normal is None or not hasattr(os, "sched_setscheduler"):
         return True
+    set_autogroup_nice(pid, 0)
     left = False
     for _ in range(2):
         left = False
