@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,29 @@ def test_descendants_and_the_parent_death_signal():
     assert procs.set_parent_death_signal(signal.SIGTERM, prctl=lambda *a: calls.append(a) or 0)
     assert calls == [(1, int(signal.SIGTERM), 0, 0, 0)]
     assert not procs.set_parent_death_signal(prctl=lambda *a: -1)
+
+
+def test_a_worker_in_its_own_session_at_idle_priority_lowers_its_autogroup_and_gets_it_back():
+    """ettr's agent starts workers and standbys as torchrun does, each in a session of its own (with
+    sched_autogroup a session's processes share one CPU share); an idle standby's session must then not
+    compete at full weight: its autogroup goes to nice 19 with the idle policy, and back at promotion."""
+    from ettr.supervisor.process import AttemptProcess
+
+    worker = AttemptProcess(
+        [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), own_session=True
+    )
+    shared = AttemptProcess([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    try:
+        assert os.getsid(worker.pid) == worker.pid  # a session (and a process group) of its own
+        assert os.getsid(shared.pid) == os.getsid(0)
+        assert not procs.set_autogroup_nice(shared.pid, 19)  # not its own group: the caller's is left alone
+        autogroups = Path("/proc/sys/kernel/sched_autogroup_enabled")
+        on = autogroups.is_file() and autogroups.read_text().strip() == "1"
+        if procs.idle_scheduling(worker.pid) and on:
+            assert Path(f"/proc/{worker.pid}/autogroup").read_text().split()[-1] == "19"
+            assert procs.normal_scheduling(worker.pid)
+            assert Path(f"/proc/{worker.pid}/autogroup").read_text().split()[-1] == "0"
+    finally:
+        for process in (worker, shared):
+            process.signal_tree(signal.SIGKILL)
+            process.proc.wait()
