@@ -63,7 +63,8 @@ class AttemptProcess:
             kernel groups CPU time by session (`sched_autogroup`), each session's processes compete as one
             for a share; a worker in the agent's session would share one with whatever else was started
             from there (measured: the demo's DLRM steps 2-3x slower under ettr's agent than under torchrun
-            with a CPU-bound load started from the same shell). Else a process group of its own off a terminal.
+            with a CPU-bound load started from the same shell). Only off a terminal (on one, as any command,
+            it stays in the foreground group: Ctrl-C reaches it, pdb reads the terminal).
     """
 
     def __init__(
@@ -89,7 +90,7 @@ class AttemptProcess:
         own_group = not _stdin_is_terminal()
 
         def in_child() -> None:  # runs between fork and exec: the supervisor has no other thread then
-            if own_session:
+            if own_group and own_session:
                 os.setsid()  # a new session and process group, led by the child
             elif own_group:
                 os.setpgid(0, 0)
