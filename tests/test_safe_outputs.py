@@ -123,3 +123,24 @@ def test_a_write_that_need_not_be_durable_is_still_whole_and_skips_fsync(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["cache.bin"]  # no temporary left behind
     atomic.atomic_write(tmp_path / "data.bin", b"x")
     assert len(synced) == 2  # the file and its directory
+
+
+def test_atomic_fill_shows_only_what_its_fill_finished_and_leaves_nothing_when_it_raises(tmp_path):
+    from ettr.atomic import atomic_fill, atomic_write
+
+    target = tmp_path / "blob"
+    atomic_write(target, b"old")
+
+    def refuse(fd: int) -> None:
+        os.write(fd, b"half")
+        raise ValueError("does not match its checksum")
+
+    with pytest.raises(ValueError):
+        atomic_fill(target, refuse, durable=False)
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["blob"]
+    atomic_fill(target, lambda fd: os.write(fd, b"new"), mode=0o600, durable=False)
+    assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["blob"]
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(OSError):
+        atomic_fill(tmp_path / "link", lambda fd: os.write(fd, b"x"))  # never through a symlink
+    assert target.read_bytes() == b"new"

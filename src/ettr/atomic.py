@@ -15,6 +15,7 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 _DIR_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM})
@@ -57,9 +58,7 @@ def write_temp(
     """
     target = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, flags, mode)
+    tmp, fd = _open_temp(target, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
@@ -71,6 +70,39 @@ def write_temp(
             os.remove(tmp)
         raise
     return tmp
+
+
+def _open_temp(target: Path, mode: int) -> tuple[Path, int]:
+    """A new temporary file beside `target` (random name, O_EXCL | O_NOFOLLOW: never one planted there),
+    open for reading and writing."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    return tmp, os.open(tmp, flags, mode)
+
+
+def atomic_fill(
+    path: str | os.PathLike[str], fill: Callable[[int], None], *, mode: int = 0o644, durable: bool = True
+) -> None:
+    """Replace `path` with what `fill(fd)` writes into a new temporary file beside it (`fd` open for reading
+    and writing), whole or not at all, as `atomic_write` does; what `fill` raises leaves nothing behind and
+    `path` as it was (so `fill` may check what it wrote before it appears)."""
+    target = Path(path)
+    _refuse_non_regular(target)
+    tmp, fd = _open_temp(target, mode)
+    try:
+        try:
+            fill(fd)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    if durable:
+        fsync_dir(target.parent)
 
 
 def _refuse_non_regular(target: Path) -> None:

@@ -39,7 +39,6 @@ import math
 import mmap
 import os
 import re
-import secrets
 import stat
 import threading
 import time
@@ -49,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ettr.atomic import atomic_fill
 from ettr.compile.backend import StoreBackend, open_backend
 from ettr.compile.key import StoreKey
 from ettr.compile.safety import read_no_follow_stat
@@ -195,41 +195,36 @@ def _canonical(manifest: Mapping[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
+class _NoKernelCopy(Exception):
+    """The kernel cannot copy between these files (an old kernel, another file system): read instead."""
+
+
 def _copy_checked(source: int, stored: StoredFile, target: Path, *, mode: int) -> bool:
-    """`CompileStore.copy_into` from the open blob `source`: copy, check, rename; False (nothing left behind)
-    when the kernel cannot copy between these files."""
-    try:
-        if not stat.S_ISREG(os.lstat(target).st_mode):
-            raise OSError(errno.EEXIST, "exists and is not a regular file; not replaced", str(target))
-    except FileNotFoundError:
-        pass
+    """`CompileStore.copy_into` from the open blob `source`: copied into a temporary beside `target` and
+    checked there before the rename (`atomic_fill`); False (nothing left behind) when the kernel cannot copy
+    between these files."""
     if os.fstat(source).st_size != stored.size:
         raise EntryRefused(f"stored file {stored.sha256[:16]} does not match its checksum")
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    out = os.open(tmp, flags, mode)
-    try:
+
+    def fill(out: int) -> None:
         copied = 0
         while copied < stored.size:
             try:
                 n = os.copy_file_range(source, out, stored.size - copied)
             except OSError as exc:
                 if copied == 0 and exc.errno in (errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP):
-                    os.remove(tmp)
-                    return False  # (a kernel or file system without it: read instead)
+                    raise _NoKernelCopy from None
                 raise
             if n == 0:
                 break
             copied += n
         if copied != stored.size or _sha256_of(out, stored.size) != stored.sha256:
             raise EntryRefused(f"stored file {stored.sha256[:16]} does not match its checksum")
-        os.replace(tmp, target)  # only checked bytes ever appear at `target`
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    finally:
-        os.close(out)
+
+    try:
+        atomic_fill(target, fill, mode=mode, durable=False)  # only checked bytes ever appear at `target`
+    except _NoKernelCopy:
+        return False
     return True
 
 
