@@ -164,8 +164,6 @@ class CheckpointManager:
         )
         self._meter = SlowdownMeter()  # what persists cost the steps beside them (auto interval)
         self._agreement = StepAgreement(coordinator)
-        self._exchange: tuple[int, float] | None = None
-        """The step and time of the last exchange of the step agreement."""
         self._preemption = preemption
         self._inflight: _Inflight | None = None
         self.last_committed_step: int | None = None
@@ -254,12 +252,9 @@ class CheckpointManager:
             self._meter.reset()  # the next interval holds the save's blocking and staging wait: not a step
             saved = self.save(step)
         if exchange:
-            steps = max(1, step - self._exchange[0]) if self._exchange else 1
-            step_s = (now_s - self._exchange[1]) / steps if self._exchange else None
-            self._exchange = (step, now_s)
             fresh = not by_steps and self.policy.should_save(step, self._clock())  # False right after a save
             requested = self._preemption is not None and self._preemption.requested
-            agreement.propose(fresh, requested, step_s=step_s)
+            agreement.propose(fresh, requested, step_s=self._meter.steady_step_s())
         return saved
 
     def save(self, step: int, *, wait: bool = False) -> bool:

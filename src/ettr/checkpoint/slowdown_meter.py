@@ -31,6 +31,10 @@ class SlowdownMeter:
         """Forget the last step (after a restore or a blocking save: the next interval is not a step's)."""
         self._last_s = None
 
+    def steady_step_s(self) -> float | None:
+        """The steady step time: the median of the recent quiet step intervals (None before there is one)."""
+        return statistics.median(self._quiet) if self._quiet else None
+
     def on_step(self, now_s: float, *, persisting: bool) -> float | None:
         """A step ended at `now_s`; `persisting`: a persist ran during it. Returns a finished persist's extra
         step seconds (None when none finished, or nothing is known to compare with)."""
@@ -47,6 +51,7 @@ class SlowdownMeter:
         if not finished:
             return None
         busy, self._busy = self._busy, []
-        if not busy or not self._quiet:
+        steady = self.steady_step_s()
+        if not busy or steady is None:
             return None
-        return max(0.0, math.fsum(busy) - len(busy) * statistics.median(self._quiet))
+        return max(0.0, math.fsum(busy) - len(busy) * steady)
