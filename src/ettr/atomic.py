@@ -125,17 +125,14 @@ def atomic_write(
     Refuses (OSError EEXIST) to replace anything at `path` that is not a regular file: a symlink, a
     directory or a device node stays as it is.
     """
-    target = Path(path)
-    _refuse_non_regular(target)
-    tmp = write_temp(target, data, mode=mode, durable=durable)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    if durable:
-        fsync_dir(target.parent)
+    payload = memoryview(data.encode("utf-8") if isinstance(data, str) else data).cast("B")
+
+    def fill(fd: int) -> None:
+        written = 0
+        while written < len(payload):
+            written += os.write(fd, payload[written:])
+
+    atomic_fill(path, fill, mode=mode, durable=durable)
 
 
 def create_exclusive(
