@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,33 @@ def test_a_fifo_named_ledger_db_is_one_clear_line_not_a_silent_non_run_dir(tmp_p
     assert main(["report", str(good), str(tmp_path / "bad"), "--json"]) == 2
     err = capsys.readouterr().err
     assert "is a FIFO" in err
+
+
+@pytest.mark.parametrize("suffix", ["-journal", "-wal", "-shm"])
+def test_a_fifo_beside_the_ledger_where_sqlite_keeps_its_files_is_one_line(tmp_path, capsys, suffix):
+    """SQLite opens its journal, log and index by name: a FIFO `ledger.db-journal` held `ettr report` (and
+    so a whole `ettr fleet`, and `ettr run` in that directory) for ever."""
+    from ettr.testing.fleet import JobSpec, write_job
+
+    good = write_job(tmp_path / "good", JobSpec(job_id="good-job"))
+    bad = write_job(tmp_path / "bad", JobSpec(job_id="bad-job"))
+    (bad / f"ledger.db{suffix}").unlink(missing_ok=True)  # SQLite may have left its own file there
+    _fifo(bad / f"ledger.db{suffix}")
+    # In a process of its own first: SQLite waits in a FIFO in C, where the test's timeout cannot end it.
+    report = subprocess.run(
+        [sys.executable, "-m", "ettr", "report", str(bad)], capture_output=True, text=True, timeout=60
+    )
+    assert report.returncode == 2, report.stderr
+    lines = report.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"ledger.db{suffix} is a FIFO" in lines[0]
+
+    # the rest of the fleet goes on (the bad job may still be read from its summary, never waited in)
+    assert main(["fleet", str(good), str(bad), "--json"]) == 0
+    assert "good-job" in capsys.readouterr().out
+
+    assert main(["run", "--run-dir", str(bad), "--", sys.executable, "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    assert f"ledger.db{suffix} is a FIFO" in err and "Traceback" not in err
 
 
 def test_a_fifo_as_a_ledger_url_file_is_one_line(tmp_path, capsys):

@@ -45,6 +45,10 @@ CREATE INDEX IF NOT EXISTS events_by_attempt ON events (attempt, ts);
 """
 
 
+SIDE_FILE_SUFFIXES = ("-journal", "-wal", "-shm")
+"""The files SQLite keeps beside a database, by the suffix of their names."""
+
+
 class SqliteLedger:
     """A `Ledger` in `run_dir/ledger.db`.
 
@@ -71,6 +75,7 @@ class SqliteLedger:
         kind = not_regular(self.path)
         if kind is not None:  # SQLite would open a FIFO and wait in it for ever
             raise LedgerError(f"{self.path} is {kind}, not an ettr ledger (a SQLite file); move it aside")
+        self._refuse_odd_side_files()
         if not create and not self.path.is_file():
             raise LedgerError(f"no ledger at {self.path}")
         if create:
@@ -149,6 +154,18 @@ class SqliteLedger:
                 return row
             raise first
 
+    def _refuse_odd_side_files(self) -> None:
+        """Raise LedgerError where one of SQLite's files beside the ledger (its rollback journal, write-ahead
+        log or shared-memory index) is there but is not a regular file: SQLite opens them by name, and a
+        FIFO named `ledger.db-journal` made a reader wait in it for ever (one such run directory stopped a
+        whole `ettr fleet`)."""
+        for suffix in SIDE_FILE_SUFFIXES:
+            kind = not_regular(f"{self.path}{suffix}")
+            if kind is not None:
+                raise LedgerError(
+                    f"{self.path}{suffix} is {kind}, not SQLite's {suffix[1:]} file of the ledger; move it aside"
+                )
+
     def _current_wal_inode(self) -> int | None:
         try:
             return os.stat(f"{self.path}-wal").st_ino
@@ -165,6 +182,7 @@ class SqliteLedger:
             self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         with contextlib.suppress(sqlite3.DatabaseError):
             self._conn.close()
+        self._refuse_odd_side_files()  # what replaced the log is opened by name next
         self._conn = self._connect()
         self._conn.execute("SELECT count(*) FROM meta").fetchone()
         self._wal_inode = self._current_wal_inode()
