@@ -574,7 +574,8 @@ def _generation(
     keys = data_config.feature_names
     losses: list[float] = []
     step_s: list[float] = []
-    step_cpu_s: list[float] = []  # this thread's CPU in each step: against step_s, how much of a step waited for a core
+    # this thread's CPU in each step: against step_s, how much of a step waited for a core
+    step_cpu_s: list[float] = []
     window: list[float] = []
     step = resumed_step
     batch = first_batch
