@@ -76,10 +76,8 @@ def test_a_worker_in_its_own_session_at_idle_priority_lowers_its_autogroup_and_g
     if os.isatty(0):
         pytest.skip("on a terminal the command stays in the foreground group (Ctrl-C, pdb)")
 
-    worker = AttemptProcess(
-        [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), own_session=True
-    )
-    shared = AttemptProcess([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    worker = AttemptProcess([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    shared = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the caller's session
     try:
         assert os.getsid(worker.pid) == worker.pid  # a session (and a process group) of its own
         assert os.getsid(shared.pid) == os.getsid(0)
@@ -91,6 +89,7 @@ def test_a_worker_in_its_own_session_at_idle_priority_lowers_its_autogroup_and_g
             assert procs.normal_scheduling(worker.pid)
             assert Path(f"/proc/{worker.pid}/autogroup").read_text().split()[-1] == "0"
     finally:
-        for process in (worker, shared):
-            process.signal_tree(signal.SIGKILL)
-            process.proc.wait()
+        worker.signal_tree(signal.SIGKILL)
+        worker.proc.wait()
+        shared.kill()
+        shared.wait()

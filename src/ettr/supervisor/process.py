@@ -59,12 +59,6 @@ class AttemptProcess:
         env: its environment.
         tail_bytes: how much of the end of its stderr to keep for the failure record.
         pass_fds: file descriptors the command inherits (a warm standby's request pipe).
-        own_session: start it in a session of its own (`setsid`), as torchrun starts its workers: where the
-            kernel groups CPU time by session (`sched_autogroup`), each session's processes compete as one
-            for a share; a worker in the agent's session would share one with whatever else was started
-            from there (measured: the demo's DLRM steps 2-3x slower under ettr's agent than under torchrun
-            with a CPU-bound load started from the same shell). Only off a terminal (on one, as any command,
-            it stays in the foreground group: Ctrl-C reaches it, pdb reads the terminal).
     """
 
     def __init__(
@@ -74,7 +68,6 @@ class AttemptProcess:
         *,
         tail_bytes: int = 16384,
         pass_fds: Sequence[int] = (),
-        own_session: bool = False,
     ) -> None:
         self._tail = bytearray()
         self._tail_bytes = tail_bytes
@@ -83,17 +76,19 @@ class AttemptProcess:
         parent = os.getpid()
         prctl = libc_prctl()  # resolved before the fork: the child only calls it
 
-        # Without a terminal, the job gets a process group of its own: a signal to the supervisor's group
-        # (`kill -INT -PGID`, a CI runner) then reaches the job once, forwarded by the supervisor, not twice.
-        # On a terminal it stays in the foreground group, so that it may read the terminal (pdb) and a
-        # Ctrl-C reaches it directly (the supervisor then does not forward it).
-        own_group = not _stdin_is_terminal()
+        # Without a terminal, the command gets a session (and so a process group) of its own, as torchrun
+        # starts its workers: a signal to the supervisor's group (`kill -INT -PGID`, a CI runner) then
+        # reaches the job once, forwarded by the supervisor, not twice; and where the kernel shares CPU time
+        # between sessions first (`sched_autogroup`), the job does not share one share with whatever else was
+        # started from the supervisor's session (measured: the demo's DLRM steps 2-3x slower under ettr's
+        # agent than under torchrun with a CPU-bound load started from the same shell, when its workers
+        # stayed there). On a terminal it stays in the foreground group, so that it may read the terminal
+        # (pdb) and a Ctrl-C reaches it directly (the supervisor then does not forward it).
+        own_session = not _stdin_is_terminal()
 
         def in_child() -> None:  # runs between fork and exec: the supervisor has no other thread then
-            if own_group and own_session:
+            if own_session:
                 os.setsid()  # a new session and process group, led by the child
-            elif own_group:
-                os.setpgid(0, 0)
             set_parent_death_signal(signal.SIGKILL, prctl)
             if os.getppid() != parent:  # the supervisor died before the line above took effect
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -171,7 +171,6 @@ class Standby:
                 ],
                 stable,
                 pass_fds=[read_fd, status_write],
-                own_session=True,  # the worker it becomes has one (as torchrun's); idle below while it waits
             )
         except OSError as exc:
             os.close(write_fd)
@@ -336,7 +335,7 @@ def relaunch(
         else ready.take(argv, env)
     )
     if process is None:
-        return AttemptProcess(argv, env, own_session=True), how
+        return AttemptProcess(argv, env), how
     assert ready is not None
     if how.path == "promoted":
         WarmUpNotice(attempt, [("the attempt", ready)]).start()  # ends once the standby runs the attempt

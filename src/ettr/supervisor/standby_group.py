@@ -97,7 +97,7 @@ class StandbyGroup:
                 return process, relaunch
         else:
             relaunch = Relaunch(path="cold", why="no standby for this rank")
-        return AttemptProcess(argv, env, own_session=True), relaunch
+        return AttemptProcess(argv, env), relaunch
 
     def fill(
         self,

@@ -123,7 +123,7 @@ class WorkerGroup:
         procs: list[AttemptProcess] = []
         try:
             for argv, env, warm in zip(argvs, envs, ready, strict=True):
-                procs.append(warm or AttemptProcess(argv, env, own_session=True))
+                procs.append(warm or AttemptProcess(argv, env))
         except OSError:
             if notice is not None:
                 notice.stop()
@@ -353,7 +353,7 @@ class WorkerGroupKind:
             if self._standbys is not None:
                 process, how = self._standbys.take_rank(rank, argvs[rank], env)
             else:
-                process = AttemptProcess(argvs[rank], env, own_session=True)
+                process = AttemptProcess(argvs[rank], env)
                 how = Relaunch(path="cold", why=no_standby_reason(None, env))
             replacements[rank], paths = process, [*paths, how]
             envs[rank] = env
