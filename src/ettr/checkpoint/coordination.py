@@ -153,9 +153,9 @@ class StepAgreement:
 
     def propose(self, save: bool, preempt: bool, *, step_s: float | None) -> None:
         """Send this rank's flags, and its gap (`period_s` of steps of `step_s`), for the next exchange."""
-        self._countdown = self._gap
         if self._group is None:
             raise RuntimeError("StepAgreement.propose with no other rank to agree with")
+        self._countdown = self._gap
         gap = 1 if not step_s or step_s <= 0 else int(self.period_s / step_s)  # unknown: again next step
         tensor = torch.tensor([int(save), int(preempt), -max(1, min(self.max_gap, gap))], dtype=torch.int64)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group, async_op=True)

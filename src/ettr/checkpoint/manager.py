@@ -235,16 +235,18 @@ class CheckpointManager:
         if extra_s is not None:
             self.policy.observe_slowdown(extra_s)
         by_steps = self.policy.config.every_steps is not None
-        save_now = self.policy.should_save(step, now_s)
-        preempt = self._preemption is not None and self._preemption.requested
         agreement = self._agreement
-        exchange = False
-        if agreement.collective and (not by_steps or self._preemption is not None):
-            # Time and signals differ between ranks: every rank acts on what any rank proposed, at the same
-            # step boundary (a step count's saves are the same on every rank: those are taken at once).
-            exchange = agreement.due()
+        # Time and signals differ between ranks: every rank acts on what any rank proposed, at the same step
+        # boundary (a step count's saves are the same on every rank: those are taken at once). This rank's own
+        # time decision is made only at an exchange, where it is proposed (below), not at every step.
+        agreeing = agreement.collective and (not by_steps or self._preemption is not None)
+        exchange = agreeing and agreement.due()
+        if agreeing:
             agreed_save, preempt = agreement.take() if exchange else (False, False)
-            save_now = save_now if by_steps else agreed_save
+            save_now = self.policy.should_save(step, now_s) if by_steps else agreed_save
+        else:
+            save_now = self.policy.should_save(step, now_s)
+            preempt = self._preemption is not None and self._preemption.requested
         if preempt:
             self._exit_preempted(step)
         saved = False
