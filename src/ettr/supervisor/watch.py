@@ -21,8 +21,9 @@ The rules:
   signal), and the attempt's end is classified from what the watch saw (`WatchState`);
 - when the command exits while processes of the job still run (a shell wrapper dies of the SIGTERM while the
   python it started saves its checkpoint), they get the rest of the grace before any SIGKILL: if the job was
-  asked to stop already, until the deadline it was given then; else they are asked now (SIGTERM) and get
-  `hang_kill_grace_s`. The watch is done when none is left (`Drained`) or the deadline passed.
+  asked to stop already, until the deadline it was given then; else those still there `outlived_settle_s`
+  later (not a resource tracker that leaves by itself) are asked (SIGTERM) and get `hang_kill_grace_s`. The
+  watch is done when none is left (`Drained`) or the deadline passed.
 """
 
 from __future__ import annotations
@@ -137,9 +138,12 @@ class WatchConfig:
     """After SIGTERM to a hung attempt (or to this node's part when a peer ends it): how long before SIGKILL."""
     flush_window_s: float = 0.6
     """After a rank failed, how long the others may still run: a Recorder writes its events within 0.5 s."""
+    outlived_settle_s: float = 1.0
+    """After the command exited on its own with processes of the job still running: how long they may leave by
+    themselves before they are asked to stop (SIGTERM, then SIGKILL `hang_kill_grace_s` later)."""
 
     def __post_init__(self) -> None:
-        for name in ("grace_s", "hang_kill_grace_s", "flush_window_s"):
+        for name in ("grace_s", "hang_kill_grace_s", "flush_window_s", "outlived_settle_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -172,6 +176,8 @@ class WatchState:
     signals_seen: int = 0
     stop_others_at: float = _NEVER
     kill_at: float = _NEVER
+    ask_at: float = _NEVER
+    """When processes that outlived the command on its own exit are asked to stop (unless gone by then)."""
     killed: bool = False
     returncode: int | None = None
     """The command's status, once it exited."""
@@ -276,11 +282,10 @@ class AttemptWatch:
         state = replace(state, returncode=event.returncode, detected_at=detected, draining=event.outlived)
         if not event.outlived or state.asked:
             return state, []  # what is left got the job's signal already, and has the rest of its grace
-        # The command ended on its own and left processes running: they are asked to stop, then killed.
-        grace = self.config.hang_kill_grace_s
-        state = replace(state, kill_at=now + grace, stop_others_at=_NEVER, asked=True)
-        text = f"attempt {state.attempt}: processes outlived its command: SIGTERM to them, SIGKILL in {grace:g} s"
-        return state, [Say(text), SendSignal(signal.SIGTERM)]
+        # The command ended on its own and left processes running. Most leave by themselves at once (the
+        # helper `multiprocessing` starts, its resource tracker, sees its pipe close and exits): only what
+        # is still there after `outlived_settle_s` is asked to stop, then killed (`_tick`).
+        return replace(state, ask_at=now + self.config.outlived_settle_s, stop_others_at=_NEVER), []
 
     def _signalled(
         self, state: WatchState, event: Signalled, now: float
@@ -365,6 +370,11 @@ class AttemptWatch:
             # The launcher itself is left to see its workers end and report the failure as usual.
             actions.append(SendSignal(signal.SIGTERM, include_launcher=False))
             state = replace(state, kill_at=now + grace, stop_others_at=_NEVER, asked=True)
+        if state.draining and not state.asked and now >= state.ask_at:
+            grace = self.config.hang_kill_grace_s
+            state = replace(state, kill_at=now + grace, asked=True)
+            text = f"attempt {state.attempt}: processes outlived its command: SIGTERM to them, SIGKILL in {grace:g} s"
+            actions += [Say(text), SendSignal(signal.SIGTERM)]
         if now >= state.kill_at and not state.killed:
             actions.append(SendSignal(signal.SIGKILL))
             state = replace(state, killed=True)
