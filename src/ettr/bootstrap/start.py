@@ -80,6 +80,11 @@ def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str
         )
 
 
+def started_recorder() -> RecorderProtocol | None:
+    """The recorder of this process's instrumentation, None where it is not instrumented."""
+    return _started.get("recorder")
+
+
 def hand_ranks_to_workers(environ: MutableMapping[str, str], pid: int) -> None:
     """In a torchrun launcher (`pid`) that something inside the job started -- a shell script, a Makefile,
     a Python program -- make its workers the training ranks: `ETTR_LAUNCHER=torchrun` (the bootstrap then
@@ -134,6 +139,10 @@ def _start(environ: Mapping[str, str]) -> None:
         _keep_step_tail(rec)  # a launcher takes no steps: it writes none
     _start_injector(rec, run_env, stands_down=launches)
     _mark_first_step(rec, run_env)
+    if launches is not None:  # ranks it may spawn itself (`torch.multiprocessing.spawn`) are the ranks
+        from ettr.bootstrap.spawned import install
+
+        install(str(run_env.run_dir), run_env.attempt)
     if run_env.auto:
         from ettr.bootstrap.hooks import AutoHooks
         from ettr.post_import import when_imported

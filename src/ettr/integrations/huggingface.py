@@ -71,6 +71,13 @@ class EttrCallback(TrainerCallback):
             self._recorder = default_recorder("the Hugging Face EttrCallback")
         return self._recorder
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled callback (a Trainer sent to another process) carries no recorder (threads, a ledger
+        connection): the other process records to its own."""
+        state = dict(self.__dict__)
+        state.update(_recorder=None, _commits=None, _attached=False)
+        return state
+
     @property
     def commits(self) -> CheckpointCommits:
         if self._commits is None:

@@ -72,6 +72,14 @@ class EttrCallback(pl.Callback):
             self._recorder = default_recorder("the Lightning EttrCallback")
         return self._recorder
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickled Trainer carries to the processes `strategy="ddp_spawn"` starts: the settings, not
+        this process's recorder (threads, a ledger connection) or its wrappers; each process records to its
+        own recorder (`ettr.bootstrap.spawned` made it a rank) and sets up again."""
+        state = dict(self.__dict__)
+        state.update(_recorder=None, _undo=[], _commits=None, _eval_phase=None)
+        return state
+
     # -- set-up: the instance wrappers ---------------------------------------------------------------------
     @never_raises
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -1,0 +1,154 @@
+"""Ranks started by `torch.multiprocessing.spawn` / `start_processes`: the processes it starts are the training
+ranks, the program that started them a launcher.
+
+PyTorch's DDP tutorial and many public scripts start their ranks themselves, not through torchrun:
+
+    def main(rank, world_size): init_process_group("gloo", rank=rank, world_size=world_size); ...train...
+    if __name__ == "__main__": mp.spawn(main, args=(2,), nprocs=2)
+
+Under `ettr run -- python train.py` the script's process is the attempt's first Python process, so the
+bootstrap instruments it, and the processes it spawns carry its marker (`ETTR_INSTRUMENTED_PID`), as data-loader
+workers do: left alone, every step is in processes nobody records and the books say "no training step".
+Here, in the instrumented process, `start_processes` (which `spawn` calls) is wrapped: with the `spawn` or
+`forkserver` start method, in a process that is not a rank of a launcher (no `WORLD_SIZE` above 1) and has
+not trained, the function it starts becomes `SpawnedRank(fn, nprocs)`, which in process `i` first makes
+that process rank `i` of `nprocs` (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, where the environment has none) and
+starts ettr's bootstrap there, then runs `fn(i, *args)`; an exception out of `fn` is recorded as that rank's
+FAILURE (torch's own wrapper catches it before any excepthook would). The program that spawned them says it
+is a launcher (`ettr.run_env.launcher_parent_path`, as when it starts a torchrun): it fires no `--inject`
+fault and its heartbeat stops. The rank is the process index: a script that numbers its ranks otherwise
+(several nodes, each spawning its own) is recorded under the index. The `fork` start method is left alone:
+a forked child is a copy of the instrumented process, books and all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, MutableMapping
+from types import ModuleType
+from typing import Any
+
+from ettr.patcher import Patcher
+
+logger = logging.getLogger("ettr")
+
+SPAWN_METHODS = frozenset({"spawn", "forkserver"})
+"""Start methods whose children run the bootstrap afresh (a new interpreter, or a fork of a fresh server)."""
+
+_patcher = Patcher()
+
+
+class SpawnedRank:
+    """`fn` as `start_processes` runs it in process `i` of `nprocs`, made rank `i` first (pickled by
+    reference to this class, with `fn` as `start_processes` would pickle it)."""
+
+    def __init__(self, fn: Callable[..., Any], nprocs: int) -> None:
+        self.fn = fn
+        self.nprocs = nprocs
+
+    def __call__(self, i: int, *args: Any) -> Any:
+        become_rank(i, self.nprocs)
+        try:
+            return self.fn(i, *args)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            _record_failure(exc)
+            raise
+
+
+def become_rank(i: int, nprocs: int, environ: MutableMapping[str, str] | None = None) -> None:
+    """Make this spawned process rank `i` of `nprocs` and instrument it (never raises)."""
+    from ettr.run_env import INSTRUMENTED_ENV, LOCAL_RANK_ENV, RANK_ENV, WORLD_SIZE_ENV
+
+    environ = os.environ if environ is None else environ
+    environ.pop(INSTRUMENTED_ENV, None)  # the spawner's marker: this process is a rank, not its helper
+    environ.setdefault(RANK_ENV, str(i))
+    environ.setdefault(LOCAL_RANK_ENV, str(i))
+    environ.setdefault(WORLD_SIZE_ENV, str(nprocs))
+    try:
+        from ettr.bootstrap.start import start
+
+        start(environ)
+    except Exception as exc:
+        logger.warning("ettr: could not instrument spawned rank %d (%s: %s)", i, type(exc).__name__, exc)
+
+
+def _record_failure(exc: BaseException) -> None:
+    try:
+        from ettr.bootstrap.start import started_recorder
+
+        rec = started_recorder()
+        if rec is not None:
+            rec.failure(exc)
+            rec.flush(timeout_s=2.0)
+    except Exception:
+        pass
+
+
+def install(run_dir: str, attempt: int) -> None:
+    """In the attempt's instrumented process: wrap torch's `start_processes` once torch.multiprocessing is
+    imported (post-import; this imports nothing of torch)."""
+    from ettr.post_import import when_imported
+
+    when_imported("torch.multiprocessing", lambda module: _wrap(module, run_dir, attempt))
+
+
+def _wrap(package: ModuleType, run_dir: str, attempt: int) -> None:
+    module = sys.modules.get("torch.multiprocessing.spawn")
+    if module is None:
+        return
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def start_processes(
+            fn: Callable[..., Any],
+            args: tuple[Any, ...] = (),
+            nprocs: int = 1,
+            join: bool = True,
+            daemon: bool = False,
+            start_method: str = "spawn",
+        ) -> Any:
+            if hands_over(start_method, run_dir, attempt):
+                fn = SpawnedRank(fn, nprocs)
+            return original(fn, args, nprocs, join, daemon, start_method)
+
+        return start_processes
+
+    try:
+        _patcher.wrap(module, "start_processes", make)  # what `torch.multiprocessing.spawn` calls
+        _patcher.wrap(package, "start_processes", make)  # `torch.multiprocessing.start_processes`
+    except Exception as exc:
+        logger.warning("ettr: spawned ranks will not be recorded (%s: %s)", type(exc).__name__, exc)
+
+
+def hands_over(
+    start_method: str, run_dir: str, attempt: int, environ: MutableMapping[str, str] | None = None
+) -> bool:
+    """Whether the processes this one is about to start with `start_method` are the ranks: then this one
+    says it is their launcher. Never raises."""
+    from ettr.run_env import WORLD_SIZE_ENV, launcher_parent_path, trained_path
+
+    environ = os.environ if environ is None else environ
+    try:
+        if start_method not in SPAWN_METHODS:
+            return False
+        if int(environ.get(WORLD_SIZE_ENV) or "1") > 1:
+            return False  # this process is a rank itself: what it spawns are its helpers
+        pid = os.getpid()
+        if trained_path(run_dir, attempt, pid).exists():
+            return False  # it trained itself: what it spawns now are helpers
+        path = launcher_parent_path(run_dir, attempt, pid)
+        if not path.exists():
+            from ettr.atomic import create_exclusive
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                create_exclusive(path, b"spawn", durable=False)
+            except FileExistsError:
+                pass
+        return True
+    except Exception as exc:
+        logger.warning("ettr: spawned ranks will not be recorded (%s: %s)", type(exc).__name__, exc)
+        return False

@@ -1,0 +1,200 @@
+"""Ranks a script starts itself with `torch.multiprocessing.spawn` (PyTorch's DDP tutorial, many public
+scripts) are the training ranks under `ettr run`; the script's own process is their launcher
+(`ettr.bootstrap.spawned`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ettr.bootstrap.spawned import SpawnedRank, become_rank, hands_over
+from ettr.events import EventKind
+from ettr.ledger import read_run_events
+from ettr.run_env import launcher_parent_path, trained_path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_spawning_process_becomes_the_launcher_of_spawned_ranks(tmp_path: Path) -> None:
+    env: dict[str, str] = {}
+    assert hands_over("spawn", str(tmp_path), 0, env)
+    assert launcher_parent_path(tmp_path, 0, os.getpid()).read_bytes() == b"spawn"
+    assert hands_over("forkserver", str(tmp_path), 0, env)  # a second spawn: still the launcher
+
+
+@pytest.mark.parametrize(
+    ("start_method", "env", "trained", "why"),
+    [
+        ("fork", {}, False, "a forked child is a copy of the instrumented process"),
+        ("spawn", {"WORLD_SIZE": "2"}, False, "a rank's own helpers"),
+        ("spawn", {}, True, "it trained itself: what it spawns later are helpers"),
+    ],
+)
+def test_what_a_rank_or_a_trained_process_spawns_is_left_alone(
+    tmp_path: Path, start_method: str, env: dict[str, str], trained: bool, why: str
+) -> None:
+    if trained:
+        path = trained_path(tmp_path, 0, os.getpid())
+        path.parent.mkdir(parents=True)
+        path.write_text("{}")
+    assert not hands_over(start_method, str(tmp_path), 0, env), why
+    assert not launcher_parent_path(tmp_path, 0, os.getpid()).exists()
+
+
+def test_a_spawned_process_is_numbered_by_its_index_unless_the_environment_says_otherwise() -> None:
+    env = {"ETTR_INSTRUMENTED_PID": "1"}  # the spawner's marker, inherited (no run: nothing starts)
+    become_rank(1, 4, env)
+    assert env == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}
+    env = {"RANK": "5", "WORLD_SIZE": "8"}
+    become_rank(1, 4, env)
+    assert env == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}
+
+
+def _double(i: int, x: int) -> int:
+    return i + 2 * x
+
+
+def test_the_wrapped_function_is_picklable_and_runs_the_original() -> None:
+    wrapped = pickle.loads(pickle.dumps(SpawnedRank(_double, 2)))
+    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    try:
+        for name in saved:
+            os.environ.pop(name, None)
+        assert wrapped(1, 5) == 11
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def main(rank, world_size, port, steps):
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(main, args=(2, int(sys.argv[1]), 12), nprocs=2)
+    """
+)
+
+
+@pytest.mark.slow
+def test_ranks_started_with_mp_spawn_are_recorded_and_faults_fire_in_them(tmp_path: Path) -> None:
+    from ettr.supervisor.launch import free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_STANDBY": "0"}
+    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject", "crash@step=5,rank=1",
+         "--", sys.executable, str(script), str(free_port())],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "outlived its command" not in done.stderr  # multiprocessing's resource tracker leaves by itself
+    events = read_run_events(run_dir)
+    steps: dict[tuple[int, int], int] = {}
+    for e in events:
+        if e.kind is EventKind.STEP and e.step is not None:
+            steps[(e.attempt, e.rank)] = max(steps.get((e.attempt, e.rank), 0), e.step)
+    assert steps[(0, 1)] == 5 and steps[(1, 0)] == steps[(1, 1)] == 12  # both spawned ranks, every attempt
+    fired = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"]
+    assert [(e.attempt, e.rank) for e in fired] == [(0, 1)]
+    failures = [(e.attempt, e.rank) for e in events if e.kind is EventKind.FAILURE]
+    assert (0, 1) in failures  # recorded in the rank, although torch's own wrapper caught the exception
+    ends = [e.data["outcome"] for e in events if e.kind is EventKind.ATTEMPT_END]
+    assert ends == ["failed", "completed"]
+    report = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "report", "--json", str(run_dir)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)["ett_pct"] is not None  # known: the spawned ranks' steps are counted
+
+
+@pytest.mark.parametrize("framework", ["lightning", "huggingface"])
+def test_a_framework_callback_pickles_without_its_process_recorder(framework: str) -> None:
+    import threading
+
+    pytest.importorskip("lightning" if framework == "lightning" else "transformers")
+    module = __import__(f"ettr.integrations.{framework}", fromlist=["EttrCallback"])
+
+    class Recorder:  # a process's recorder holds threads, locks and a ledger connection
+        lock = threading.Lock()
+
+    callback = module.EttrCallback(recorder=Recorder())  # type: ignore[arg-type]
+    copy = pickle.loads(pickle.dumps(callback))  # a Trainer sent to a spawned process (`ddp_spawn`)
+    assert copy._recorder is None and callback._recorder is not None
+
+
+LIGHTNING_SPAWN = textwrap.dedent(
+    """
+    import torch, lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class M(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 1)
+        def training_step(self, b, i):
+            return torch.nn.functional.mse_loss(self.l(b[0]), b[1])
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    if __name__ == "__main__":
+        ds = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+        t = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        t.fit(M(), DataLoader(ds, batch_size=16))
+    """
+)
+
+
+@pytest.mark.slow
+def test_lightning_ddp_spawn_runs_under_ettr_run_and_its_ranks_are_recorded(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    script = tmp_path / "lit.py"
+    script.write_text(LIGHTNING_SPAWN)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_STANDBY": "0"}
+    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--max-restarts", "0",
+         "--", sys.executable, str(script)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    # The auto-installed callback went along with the pickled Trainer: it once held the recorder (a lock)
+    assert done.returncode == 0, done.stderr
+    events = read_run_events(run_dir)
+    last = {
+        r: max(e.step for e in events if e.kind is EventKind.STEP and e.rank == r and e.step) for r in (0, 1)
+    }
+    assert last == {0: 8, 1: 8}  # 256 samples / 16 a batch / 2 ranks
