@@ -198,3 +198,40 @@ def test_lightning_ddp_spawn_runs_under_ettr_run_and_its_ranks_are_recorded(tmp_
         r: max(e.step for e in events if e.kind is EventKind.STEP and e.rank == r and e.step) for r in (0, 1)
     }
     assert last == {0: 8, 1: 8}  # 256 samples / 16 a batch / 2 ranks
+
+
+def test_a_rank_started_with_only_its_local_rank_takes_the_global_rank_its_launcher_gave() -> None:
+    from ettr.run_env import RankEnv
+
+    assert RankEnv.from_environ({"ETTR_RANK_BASE": "4", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}).rank == 5
+    assert (
+        RankEnv.from_environ({"ETTR_RANK_BASE": "4", "LOCAL_RANK": "1", "RANK": "2"}).rank == 2
+    )  # RANK wins
+    assert RankEnv.from_environ({"LOCAL_RANK": "1"}).rank == 0  # as before: no base, no RANK
+
+
+@pytest.mark.slow
+def test_lightning_ddp_run_as_python_records_the_ranks_it_starts_as_scripts(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    script = tmp_path / "lit.py"
+    script.write_text(LIGHTNING_SPAWN.replace('strategy="ddp_spawn"', 'strategy="ddp"'))
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_STANDBY": "0"}
+    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "NODE_RANK"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject", "crash@step=3,rank=1",
+         "--", sys.executable, str(script)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    events = read_run_events(run_dir)
+    fired = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"]
+    assert [(e.attempt, e.rank) for e in fired] == [(0, 1)]  # the rank Lightning started as a script
+    starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
+    assert starts == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    last = {
+        r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
+        for r in (0, 1)
+    }
+    assert last == {0: 8, 1: 8}

@@ -50,6 +50,10 @@ FAMILY_ENV = "ETTR_FAMILY"
 INSTRUMENTED_ENV = "ETTR_INSTRUMENTED_PID"
 """Set by the bootstrap in the process it instruments, so that its own children (data loader workers,
 compile workers) are not taken for training processes; cleared by the launcher for every new attempt."""
+RANK_BASE_ENV = "ETTR_RANK_BASE"
+"""Set by the bootstrap of a process that starts its node's other ranks as scripts of their own with only
+`LOCAL_RANK` to tell them apart (Lightning's subprocess launcher: `ettr.bootstrap.spawned`): the global rank
+of local rank 0. Such a process's `RankEnv` rank is this plus `LOCAL_RANK` where `RANK` is not set."""
 
 # -- user settings read by training processes (never set by the launcher) ----------------------------------
 COMPILE_ENV = "ETTR_COMPILE"
@@ -253,10 +257,12 @@ class RankEnv:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
         environ = os.environ if environ is None else environ
+        local_rank = _int(environ, LOCAL_RANK_ENV, 0)
+        base = _int(environ, RANK_BASE_ENV, -1)  # started by a launcher that sets LOCAL_RANK only
         return cls(
-            rank=_int(environ, RANK_ENV, 0),
+            rank=_int(environ, RANK_ENV, base + local_rank if base >= 0 else 0),
             world_size=_int(environ, WORLD_SIZE_ENV, 1),
-            local_rank=_int(environ, LOCAL_RANK_ENV, 0),
+            local_rank=local_rank,
         )
 
 

@@ -19,6 +19,10 @@ is a launcher (`ettr.run_env.launcher_parent_path`, as when it starts a torchrun
 fault and its heartbeat stops. The rank is the process index: a script that numbers its ranks otherwise
 (several nodes, each spawning its own) is recorded under the index. The `fork` start method is left alone:
 a forked child is a copy of the instrumented process, books and all.
+
+Lightning's `strategy="ddp"` run as `python train.py` starts the other local ranks as new runs of the script
+(`_SubprocessScriptLauncher`): they are started without the marker and with `ETTR_RANK_BASE`, so that each is
+instrumented under its global rank (`_wrap_lightning`).
 """
 
 from __future__ import annotations
@@ -88,12 +92,59 @@ def _record_failure(exc: BaseException) -> None:
         pass
 
 
+LIGHTNING_LAUNCHERS = (
+    "lightning.fabric.strategies.launchers.subprocess_script",
+    "lightning.pytorch.strategies.launchers.subprocess_script",
+    "lightning_fabric.strategies.launchers.subprocess_script",
+    "pytorch_lightning.strategies.launchers.subprocess_script",
+)
+"""Lightning's launcher that runs the script again for local ranks 1..N-1 (`strategy="ddp"` run as `python
+train.py`), in each of its packages."""
+
+
 def install(run_dir: str, attempt: int) -> None:
     """In the attempt's instrumented process: wrap torch's `start_processes` once torch.multiprocessing is
-    imported (post-import; this imports nothing of torch)."""
+    imported, and Lightning's subprocess launcher once imported (post-import; this imports neither)."""
     from ettr.post_import import when_imported
 
     when_imported("torch.multiprocessing", lambda module: _wrap(module, run_dir, attempt))
+    for name in LIGHTNING_LAUNCHERS:
+        when_imported(name, _wrap_lightning)
+
+
+def _wrap_lightning(module: ModuleType) -> None:
+    """Lightning's `strategy="ddp"` under `python train.py`: this process is local rank 0 and trains; it
+    starts the script again for local ranks 1..N-1 with `LOCAL_RANK` set (and no `RANK`). Those are ranks
+    too: they are started without this process's marker, and with `ETTR_RANK_BASE`, the global rank of
+    local rank 0 (`NODE_RANK` x N), so that each is recorded under its global rank."""
+    launcher = getattr(module, "_SubprocessScriptLauncher", None)
+    if not isinstance(launcher, type) or "_call_children_scripts" not in vars(launcher):
+        return
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _call_children_scripts(self: Any, *args: Any, **kwargs: Any) -> Any:
+            from ettr.run_env import INSTRUMENTED_ENV, RANK_BASE_ENV
+
+            if os.environ.get(INSTRUMENTED_ENV) != str(os.getpid()):
+                return original(self, *args, **kwargs)
+            try:
+                base = int(self.cluster_environment.node_rank()) * int(self.num_processes)
+            except Exception:
+                base = 0
+            marker = os.environ.pop(INSTRUMENTED_ENV)
+            os.environ[RANK_BASE_ENV] = str(base)
+            try:
+                return original(self, *args, **kwargs)
+            finally:  # this process's later children (data-loader workers) are its helpers again
+                os.environ[INSTRUMENTED_ENV] = marker
+                os.environ.pop(RANK_BASE_ENV, None)
+
+        return _call_children_scripts
+
+    try:
+        _patcher.wrap(launcher, "_call_children_scripts", make)
+    except Exception as exc:
+        logger.warning("ettr: Lightning's other ranks will not be recorded (%s: %s)", type(exc).__name__, exc)
 
 
 def _wrap(package: ModuleType, run_dir: str, attempt: int) -> None:
