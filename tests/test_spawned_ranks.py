@@ -235,3 +235,77 @@ def test_lightning_ddp_run_as_python_records_the_ranks_it_starts_as_scripts(tmp_
         for r in (0, 1)
     }
     assert last == {0: 8, 1: 8}
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["python", "/venv/bin/accelerate", "launch", "--cpu", "train.py"], True),
+        (["python", "/venv/bin/accelerate-launch", "train.py"], True),
+        (["python", "-m", "accelerate.commands.launch", "train.py"], True),
+        (["python", "-m", "accelerate.commands.accelerate_cli", "launch", "train.py"], True),
+        (["python", "/venv/bin/accelerate", "config"], False),
+        (["python", "train.py", "accelerate", "launch"], False),
+        (["python"], False),
+    ],
+)
+def test_accelerate_launch_is_told_by_its_command_line(argv: list[str], expected: bool) -> None:
+    from ettr.run_env import runs_accelerate_launch
+
+    assert runs_accelerate_launch(argv) is expected
+
+
+ACCELERATE_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)
+    model, opt = torch.nn.Linear(8, 1), None
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(128, 8), torch.randn(128, 1)), batch_size=8)
+    model, opt, data = acc.prepare(model, opt, data)
+    for x, y in data:
+        opt.zero_grad()
+        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_script_accelerate_launch_runs_is_the_rank(tmp_path: Path, processes: int) -> None:
+    pytest.importorskip("accelerate")
+    accelerate = Path(sys.executable).parent / "accelerate"
+    if not accelerate.exists():
+        pytest.skip("no accelerate console script beside this Python")
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE_SCRIPT)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HOME": str(tmp_path / "hf")}
+    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env.pop(name, None)
+    # one process: the script as accelerate's child (CPU); two: torch elastic's workers in accelerate itself
+    how = ["--cpu"] if processes == 1 else ["--multi_gpu", "--main_process_port", str(_free_port())]
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject",
+         f"crash@step=3,rank={processes - 1}", "--", str(accelerate), "launch", *how, "--num_processes",
+         str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    events = read_run_events(run_dir)
+    fired = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"]
+    assert [(e.attempt, e.rank) for e in fired] == [(0, processes - 1)]
+    starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
+    assert starts == sorted((a, r) for a in (0, 1) for r in range(processes))  # never accelerate itself
+    last = {r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
+            for r in range(processes)}  # fmt: skip
+    assert set(last.values()) == {16 // processes}
+
+
+def _free_port() -> int:
+    from ettr.supervisor.launch import free_port
+
+    return free_port()

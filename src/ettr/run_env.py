@@ -140,6 +140,22 @@ def runs_torchrun(orig_argv: Sequence[str]) -> bool:
     return detect_launcher(orig_argv) is Launcher.TORCHRUN
 
 
+def runs_accelerate_launch(orig_argv: Sequence[str]) -> bool:
+    """Whether a Python process started as `orig_argv` is Hugging Face's `accelerate launch` (the `accelerate
+    launch` / `accelerate-launch` console scripts, `python -m accelerate.commands.launch`, or the CLI module
+    with `launch`): a launcher that runs the training script as a process of its own (one, or torch elastic's
+    workers in its own process), never a rank itself."""
+    if len(orig_argv) < 2:
+        return False
+    first = os.path.basename(orig_argv[1])
+    if first == "accelerate-launch" or (first == "accelerate" and orig_argv[2:3] == ["launch"]):
+        return True
+    module, at = python_module(orig_argv)
+    if module == "accelerate.commands.launch":
+        return True
+    return module == "accelerate.commands.accelerate_cli" and list(orig_argv[at : at + 1]) == ["launch"]
+
+
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     try:
         return int(environ.get(name, default))

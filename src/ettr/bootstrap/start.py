@@ -59,15 +59,17 @@ def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str
     environ = os.environ if environ is None else environ
     if _started:
         return
-    from ettr.run_env import RUN_DIR_ENV, runs_torchrun
+    from ettr.run_env import RUN_DIR_ENV, runs_accelerate_launch, runs_torchrun
 
-    if environ.get(RUN_DIR_ENV) and runs_torchrun(getattr(sys, "orig_argv", []) if argv is None else argv):
+    argv = getattr(sys, "orig_argv", []) if argv is None else argv
+    torchrun = runs_torchrun(argv)
+    if environ.get(RUN_DIR_ENV) and (torchrun or runs_accelerate_launch(argv)):
         _started["launcher"] = True
         try:
-            hand_ranks_to_workers(environ, os.getpid())
+            hand_ranks_to_workers(environ, os.getpid(), torchrun=torchrun)
         except Exception as exc:
             logger.warning(
-                "ettr: could not hand the ranks to torchrun's workers (%s: %s)", type(exc).__name__, exc
+                "ettr: could not hand the ranks to the launcher's workers (%s: %s)", type(exc).__name__, exc
             )
         return
     if not is_training_process(environ, os.getpid()):
@@ -85,19 +87,24 @@ def started_recorder() -> RecorderProtocol | None:
     return _started.get("recorder")
 
 
-def hand_ranks_to_workers(environ: MutableMapping[str, str], pid: int) -> None:
+def hand_ranks_to_workers(environ: MutableMapping[str, str], pid: int, *, torchrun: bool = True) -> None:
     """In a torchrun launcher (`pid`) that something inside the job started -- a shell script, a Makefile,
     a Python program -- make its workers the training ranks: `ETTR_LAUNCHER=torchrun` (the bootstrap then
     instruments the processes that carry TORCHELASTIC_RUN_ID, each with its own RANK) and no instrumented
     marker inherited from a Python program above it (which would leave the workers alone as that
     program's children). That program, instrumented as the first Python process of the attempt, is told
-    that it is a launcher too (`launcher_parent_path`): it fires no fault and stops beating."""
+    that it is a launcher too (`launcher_parent_path`): it fires no fault and stops beating.
+
+    `torchrun=False`: `accelerate launch`, which runs the script as one process of its own (CPU, one device)
+    or through torch elastic's agent in its own process: the launcher is left alone like a shell wrapper,
+    its children are the attempt's first Python processes (a worker of the agent with its RANK)."""
     from ettr.atomic import create_exclusive
     from ettr.run_env import INSTRUMENTED_ENV, LAUNCHER_ENV, Launcher, RunEnv, launcher_parent_path
 
     run_env = RunEnv.from_environ(environ)
     environ.pop(INSTRUMENTED_ENV, None)
-    environ[LAUNCHER_ENV] = Launcher.TORCHRUN.value
+    if torchrun:
+        environ[LAUNCHER_ENV] = Launcher.TORCHRUN.value
     parent = None if run_env is None else run_env.instrumented_pid
     if run_env is None or parent is None or parent == pid:  # none above it, or it exec'd into torchrun
         return

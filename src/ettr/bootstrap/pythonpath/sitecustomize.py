@@ -15,9 +15,9 @@ def _ettr_bootstrap() -> None:
     import sys
 
     argv = getattr(sys, "orig_argv", None) or []
-    if any("torchrun" in a or "torch.distributed." in a for a in argv[1:6]):
-        # Perhaps a torchrun launcher that the job started itself (a shell script, a Makefile, a Python
-        # program): never a rank; `ettr.bootstrap.start` makes its workers the ranks.
+    if any("torchrun" in a or "torch.distributed." in a or "accelerate" in a for a in argv[1:6]):
+        # Perhaps a torchrun launcher (or `accelerate launch`) that the job started itself (a shell script,
+        # a Makefile, a Python program): never a rank; `ettr.bootstrap.start` makes its workers the ranks.
         try:
             from ettr.bootstrap.start import start
         except Exception:
