@@ -309,3 +309,50 @@ def _free_port() -> int:
     from ettr.supervisor.launch import free_port
 
     return free_port()
+
+
+AGENT_PROGRAM = textwrap.dedent(
+    """
+    import sys
+    import torch.distributed.run as run
+    run.main(["--nproc-per-node", "2", "--standalone", sys.argv[1]])
+    """
+)
+AGENT_WORKER = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(8):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_workers_of_torchruns_agent_run_inside_a_program_are_the_ranks(tmp_path: Path) -> None:
+    (tmp_path / "launch.py").write_text(AGENT_PROGRAM)
+    (tmp_path / "train.py").write_text(AGENT_WORKER)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_STANDBY": "0"}
+    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject", "crash@step=3,rank=1",
+         "--", sys.executable, "launch.py", "train.py"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    events = read_run_events(run_dir)
+    fired = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"]
+    assert [(e.attempt, e.rank) for e in fired] == [(0, 1)]
+    last = {
+        r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
+        for r in (0, 1)
+    }
+    assert last == {0: 8, 1: 8}

@@ -20,6 +20,9 @@ fault and its heartbeat stops. The rank is the process index: a script that numb
 (several nodes, each spawning its own) is recorded under the index. The `fork` start method is left alone:
 a forked child is a copy of the instrumented process, books and all.
 
+A program that runs torchrun's agent in its own process (`torch.distributed.run.main()`, `elastic_launch`)
+becomes a launcher when the agent starts: its workers are the ranks (`_wrap_agent`).
+
 Lightning's `strategy="ddp"` run as `python train.py` starts the other local ranks as new runs of the script
 (`_SubprocessScriptLauncher`): they are started without the marker and with `ETTR_RANK_BASE`, so that each is
 instrumented under its global rank (`_wrap_lightning`).
@@ -110,6 +113,49 @@ def install(run_dir: str, attempt: int) -> None:
     when_imported("torch.multiprocessing", lambda module: _wrap(module, run_dir, attempt))
     for name in LIGHTNING_LAUNCHERS:
         when_imported(name, _wrap_lightning)
+    when_imported("torch.distributed.launcher.api", lambda module: _wrap_agent(module, run_dir, attempt))
+
+
+def _wrap_agent(module: ModuleType, run_dir: str, attempt: int) -> None:
+    """torchrun's agent run inside this process (`torch.distributed.run.main()` or `run(args)` called by a
+    program, `elastic_launch`): its workers are the ranks. Before it starts them this process becomes a
+    launcher, as a torchrun process is (`ettr.bootstrap.start.hand_ranks_to_workers`): no marker for the
+    workers, `ETTR_LAUNCHER=torchrun` (the processes with TORCHELASTIC_RUN_ID are the ranks), and it fires
+    no fault and stops beating (`launcher_parent_path` for itself)."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def launch_agent(*args: Any, **kwargs: Any) -> Any:
+            _become_agent(run_dir, attempt)
+            return original(*args, **kwargs)
+
+        return launch_agent
+
+    try:
+        _patcher.wrap(module, "launch_agent", make)  # what `elastic_launch.__call__` calls
+    except Exception as exc:
+        logger.warning(
+            "ettr: the ranks of torchrun's agent will not be recorded (%s: %s)", type(exc).__name__, exc
+        )
+
+
+def _become_agent(run_dir: str, attempt: int) -> None:
+    from ettr.run_env import INSTRUMENTED_ENV, LAUNCHER_ENV, Launcher
+
+    pid = os.getpid()
+    if os.environ.get(INSTRUMENTED_ENV) != str(pid):
+        return  # not the instrumented process (or told already)
+    try:
+        from ettr.atomic import create_exclusive
+        from ettr.run_env import launcher_parent_path
+
+        path = launcher_parent_path(run_dir, attempt, pid)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            create_exclusive(path, b"agent", durable=False)
+    except Exception as exc:
+        logger.warning("ettr: could not say this process is a launcher (%s: %s)", type(exc).__name__, exc)
+    os.environ.pop(INSTRUMENTED_ENV, None)
+    os.environ[LAUNCHER_ENV] = Launcher.TORCHRUN.value
 
 
 def _wrap_lightning(module: ModuleType) -> None:
