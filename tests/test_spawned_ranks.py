@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,35 @@ from ettr.ledger import read_run_events
 from ettr.run_env import launcher_parent_path, trained_path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ettr_run(tmp_path: Path, *command: str, options: tuple[str, ...] = ()) -> tuple[Any, list[Any]]:
+    """`ettr run [options] -- command` in `tmp_path` (standbys off, no inherited rank); asserts exit 0;
+    returns the finished process and the run's events."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "ETTR_STANDBY": "0",
+        "HF_HOME": str(tmp_path / "hf"),
+    }
+    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "NODE_RANK"):
+        env.pop(name, None)
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), *options, "--", *command],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done, read_run_events(run_dir)
+
+
+def _fired(events: list[Any]) -> list[tuple[int, int]]:
+    """(attempt, rank) of every injected fault that fired."""
+    return [
+        (e.attempt, e.rank)
+        for e in events
+        if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"
+    ]
 
 
 def test_the_spawning_process_becomes_the_launcher_of_spawned_ranks(tmp_path: Path) -> None:
@@ -61,19 +91,11 @@ def _double(i: int, x: int) -> int:
     return i + 2 * x
 
 
-def test_the_wrapped_function_is_picklable_and_runs_the_original() -> None:
+def test_the_wrapped_function_is_picklable_and_runs_the_original(monkeypatch: pytest.MonkeyPatch) -> None:
     wrapped = pickle.loads(pickle.dumps(SpawnedRank(_double, 2)))
-    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    try:
-        for name in saved:
-            os.environ.pop(name, None)
-        assert wrapped(1, 5) == 11
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # put back after: the wrapper sets them for process 1
+    assert wrapped(1, 5) == 11
 
 
 SCRIPT = textwrap.dedent(
@@ -108,32 +130,23 @@ def test_ranks_started_with_mp_spawn_are_recorded_and_faults_fire_in_them(tmp_pa
 
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_STANDBY": "0"}
-    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(name, None)
-    done = subprocess.run(
-        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject", "crash@step=5,rank=1",
-         "--", sys.executable, str(script), str(free_port())],
-        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    done, events = _ettr_run(
+        tmp_path, sys.executable, str(script), str(free_port()), options=("--inject", "crash@step=5,rank=1")
+    )
     assert "outlived its command" not in done.stderr  # multiprocessing's resource tracker leaves by itself
-    events = read_run_events(run_dir)
     steps: dict[tuple[int, int], int] = {}
     for e in events:
         if e.kind is EventKind.STEP and e.step is not None:
             steps[(e.attempt, e.rank)] = max(steps.get((e.attempt, e.rank), 0), e.step)
     assert steps[(0, 1)] == 5 and steps[(1, 0)] == steps[(1, 1)] == 12  # both spawned ranks, every attempt
-    fired = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"]
-    assert [(e.attempt, e.rank) for e in fired] == [(0, 1)]
+    assert _fired(events) == [(0, 1)]
     failures = [(e.attempt, e.rank) for e in events if e.kind is EventKind.FAILURE]
     assert (0, 1) in failures  # recorded in the rank, although torch's own wrapper caught the exception
     ends = [e.data["outcome"] for e in events if e.kind is EventKind.ATTEMPT_END]
     assert ends == ["failed", "completed"]
     report = subprocess.run(
-        [sys.executable, "-m", "ettr.cli", "report", "--json", str(run_dir)],
-        env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "ettr.cli", "report", "--json", str(tmp_path / "run")],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert report.returncode == 0, report.stderr
     assert json.loads(report.stdout)["ett_pct"] is not None  # known: the spawned ranks' steps are counted
@@ -182,18 +195,8 @@ def test_lightning_ddp_spawn_runs_under_ettr_run_and_its_ranks_are_recorded(tmp_
     pytest.importorskip("lightning")
     script = tmp_path / "lit.py"
     script.write_text(LIGHTNING_SPAWN)
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_STANDBY": "0"}
-    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(name, None)
-    done = subprocess.run(
-        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--max-restarts", "0",
-         "--", sys.executable, str(script)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
-    # The auto-installed callback went along with the pickled Trainer: it once held the recorder (a lock)
-    assert done.returncode == 0, done.stderr
-    events = read_run_events(run_dir)
+    # The auto-installed callback goes along with the pickled Trainer: it once held the recorder (a lock)
+    _, events = _ettr_run(tmp_path, sys.executable, str(script), options=("--max-restarts", "0"))
     last = {
         r: max(e.step for e in events if e.kind is EventKind.STEP and e.rank == r and e.step) for r in (0, 1)
     }
@@ -215,19 +218,8 @@ def test_lightning_ddp_run_as_python_records_the_ranks_it_starts_as_scripts(tmp_
     pytest.importorskip("lightning")
     script = tmp_path / "lit.py"
     script.write_text(LIGHTNING_SPAWN.replace('strategy="ddp_spawn"', 'strategy="ddp"'))
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_STANDBY": "0"}
-    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "NODE_RANK"):
-        env.pop(name, None)
-    done = subprocess.run(
-        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject", "crash@step=3,rank=1",
-         "--", sys.executable, str(script)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    events = read_run_events(run_dir)
-    fired = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"]
-    assert [(e.attempt, e.rank) for e in fired] == [(0, 1)]  # the rank Lightning started as a script
+    _, events = _ettr_run(tmp_path, sys.executable, str(script), options=("--inject", "crash@step=3,rank=1"))
+    assert _fired(events) == [(0, 1)]  # the rank Lightning started as a script
     starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
     assert starts == [(0, 0), (0, 1), (1, 0), (1, 1)]
     last = {
@@ -282,22 +274,14 @@ def test_the_script_accelerate_launch_runs_is_the_rank(tmp_path: Path, processes
         pytest.skip("no accelerate console script beside this Python")
     script = tmp_path / "train.py"
     script.write_text(ACCELERATE_SCRIPT)
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HOME": str(tmp_path / "hf")}
-    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(name, None)
     # one process: the script as accelerate's child (CPU); two: torch elastic's workers in accelerate itself
     how = ["--cpu"] if processes == 1 else ["--multi_gpu", "--main_process_port", str(_free_port())]
-    done = subprocess.run(
-        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject",
-         f"crash@step=3,rank={processes - 1}", "--", str(accelerate), "launch", *how, "--num_processes",
-         str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    _, events = _ettr_run(
+        tmp_path, str(accelerate), "launch", *how, "--num_processes", str(processes), "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", str(script),
+        options=("--inject", f"crash@step=3,rank={processes - 1}"),
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    events = read_run_events(run_dir)
-    fired = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"]
-    assert [(e.attempt, e.rank) for e in fired] == [(0, processes - 1)]
+    assert _fired(events) == [(0, processes - 1)]
     starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
     assert starts == sorted((a, r) for a in (0, 1) for r in range(processes))  # never accelerate itself
     last = {r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
@@ -338,19 +322,10 @@ AGENT_WORKER = textwrap.dedent(
 def test_the_workers_of_torchruns_agent_run_inside_a_program_are_the_ranks(tmp_path: Path) -> None:
     (tmp_path / "launch.py").write_text(AGENT_PROGRAM)
     (tmp_path / "train.py").write_text(AGENT_WORKER)
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ETTR_STANDBY": "0"}
-    for name in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(name, None)
-    done = subprocess.run(
-        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject", "crash@step=3,rank=1",
-         "--", sys.executable, "launch.py", "train.py"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    events = read_run_events(run_dir)
-    fired = [e for e in events if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"]
-    assert [(e.attempt, e.rank) for e in fired] == [(0, 1)]
+    _, events = _ettr_run(
+        tmp_path, sys.executable, "launch.py", "train.py", options=("--inject", "crash@step=3,rank=1")
+    )
+    assert _fired(events) == [(0, 1)]
     last = {
         r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
         for r in (0, 1)
