@@ -64,6 +64,7 @@ def test_the_spawning_process_becomes_the_launcher_of_spawned_ranks(tmp_path: Pa
     [
         ("fork", {}, False, "a forked child is a copy of the instrumented process"),
         ("spawn", {"WORLD_SIZE": "2"}, False, "a rank's own helpers"),
+        ("spawn", {"ETTR_WORLD_SIZE": "2"}, False, "a spawned rank's own helpers"),
         ("spawn", {}, True, "it trained itself: what it spawns later are helpers"),
     ],
 )
@@ -78,13 +79,22 @@ def test_what_a_rank_or_a_trained_process_spawns_is_left_alone(
     assert not launcher_parent_path(tmp_path, 0, os.getpid()).exists()
 
 
-def test_a_spawned_process_is_numbered_by_its_index_unless_the_environment_says_otherwise() -> None:
+def test_a_spawned_process_is_numbered_by_its_index_in_ettrs_names_only() -> None:
+    from ettr.run_env import RankEnv
+
     env = {"ETTR_INSTRUMENTED_PID": "1"}  # the spawner's marker, inherited (no run: nothing starts)
     become_rank(1, 4, env)
-    assert env == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}
-    env = {"RANK": "5", "WORLD_SIZE": "8"}
+    assert env == {"ETTR_RANK": "1", "ETTR_WORLD_SIZE": "4"}
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # a script's own (a torchrun of one process)
     become_rank(1, 4, env)
-    assert env == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}
+    assert env == {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "ETTR_RANK": "1",
+        "ETTR_WORLD_SIZE": "4",
+    }
+    assert RankEnv.from_environ(env) == RankEnv(rank=1, world_size=4, local_rank=0)
 
 
 def _double(i: int, x: int) -> int:

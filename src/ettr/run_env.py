@@ -50,6 +50,10 @@ FAMILY_ENV = "ETTR_FAMILY"
 INSTRUMENTED_ENV = "ETTR_INSTRUMENTED_PID"
 """Set by the bootstrap in the process it instruments, so that its own children (data loader workers,
 compile workers) are not taken for training processes; cleared by the launcher for every new attempt."""
+OWN_RANK_ENV, OWN_WORLD_SIZE_ENV = "ETTR_RANK", "ETTR_WORLD_SIZE"
+"""Set by the bootstrap in a process whose rank it assigned (one `torch.multiprocessing.spawn` started:
+`ettr.bootstrap.spawned`), in place of `RANK`/`WORLD_SIZE`, which the script may read: they win over those
+in `RankEnv`. A launcher clears them for its own workers."""
 RANK_BASE_ENV = "ETTR_RANK_BASE"
 """Set by the bootstrap of a process that starts its node's other ranks as scripts of their own with only
 `LOCAL_RANK` to tell them apart (Lightning's subprocess launcher: `ettr.bootstrap.spawned`): the global rank
@@ -78,10 +82,13 @@ AGENT_ENV = "ETTR_AGENT"
 """The supervisor's setting: `torchrun` makes a single-node torchrun command run under the real torchrun
 instead of ettr's own agent (`ettr.supervisor.agent`)."""
 
-LAUNCHER_CLEARS = (INJECT_ENV, INSTRUMENTED_ENV, LEDGER_ENV, FAMILY_ENV)
+RANK_CLEARS = (OWN_RANK_ENV, OWN_WORLD_SIZE_ENV, RANK_BASE_ENV)
+"""The ranks ettr assigned: a launcher (torchrun, accelerate, torchrun's agent in a program) started inside
+the job removes them for its workers, which have ranks of their own."""
+LAUNCHER_CLEARS = (INJECT_ENV, INSTRUMENTED_ENV, LEDGER_ENV, FAMILY_ENV, *RANK_CLEARS)
 """Names the launcher removes from the environment it inherits before adding an attempt's own: a nested
-or re-run `ettr run` must not pass its parent's faults, instrumentation marker, ledger or family on (the
-attempt's own come from its `RunEnv`)."""
+or re-run `ettr run` must not pass its parent's faults, instrumentation marker, ledger, family or assigned
+ranks on (the attempt's own come from its `RunEnv`)."""
 
 # -- torchrun's names (set by torchrun, read here only) ----------------------------------------------------
 RANK_ENV, WORLD_SIZE_ENV, LOCAL_RANK_ENV = "RANK", "WORLD_SIZE", "LOCAL_RANK"
@@ -276,8 +283,8 @@ class RankEnv:
         local_rank = _int(environ, LOCAL_RANK_ENV, 0)
         base = _int(environ, RANK_BASE_ENV, -1)  # started by a launcher that sets LOCAL_RANK only
         return cls(
-            rank=_int(environ, RANK_ENV, base + local_rank if base >= 0 else 0),
-            world_size=_int(environ, WORLD_SIZE_ENV, 1),
+            rank=_int(environ, OWN_RANK_ENV, _int(environ, RANK_ENV, base + local_rank if base >= 0 else 0)),
+            world_size=_int(environ, OWN_WORLD_SIZE_ENV, _int(environ, WORLD_SIZE_ENV, 1)),
             local_rank=local_rank,
         )
 

@@ -12,8 +12,8 @@ workers do: left alone, every step is in processes nobody records and the books 
 Here, in the instrumented process, `start_processes` (which `spawn` calls) is wrapped: with the `spawn` or
 `forkserver` start method, in a process that is not a rank of a launcher (no `WORLD_SIZE` above 1) and has
 not trained, the function it starts becomes `SpawnedRank(fn, nprocs)`, which in process `i` first makes
-that process rank `i` of `nprocs` (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, where the environment has none) and
-starts ettr's bootstrap there, then runs `fn(i, *args)`; an exception out of `fn` is recorded as that rank's
+that process rank `i` of `nprocs` (ettr's own `ETTR_RANK`, `ETTR_WORLD_SIZE`: the script's environment is
+left as it was) and starts ettr's bootstrap there, then runs `fn(i, *args)`; an exception out of `fn` is recorded as that rank's
 FAILURE (torch's own wrapper catches it before any excepthook would). The program that spawned them says it
 is a launcher (`ettr.run_env.launcher_parent_path`, as when it starts a torchrun): it fires no `--inject`
 fault and its heartbeat stops. The rank is the process index: a script that numbers its ranks otherwise
@@ -67,14 +67,15 @@ class SpawnedRank:
 
 
 def become_rank(i: int, nprocs: int, environ: MutableMapping[str, str] | None = None) -> None:
-    """Make this spawned process rank `i` of `nprocs` and instrument it (never raises)."""
-    from ettr.run_env import INSTRUMENTED_ENV, LOCAL_RANK_ENV, RANK_ENV, WORLD_SIZE_ENV
+    """Make this spawned process rank `i` of `nprocs` and instrument it (never raises). Only ettr's own names
+    say so (`ETTR_RANK`, `ETTR_WORLD_SIZE`): the script's `RANK`, `WORLD_SIZE`, `LOCAL_RANK` stay as it has
+    them (some scripts take a set `RANK` for a torchrun launch)."""
+    from ettr.run_env import INSTRUMENTED_ENV, OWN_RANK_ENV, OWN_WORLD_SIZE_ENV
 
     environ = os.environ if environ is None else environ
     environ.pop(INSTRUMENTED_ENV, None)  # the spawner's marker: this process is a rank, not its helper
-    environ.setdefault(RANK_ENV, str(i))
-    environ.setdefault(LOCAL_RANK_ENV, str(i))
-    environ.setdefault(WORLD_SIZE_ENV, str(nprocs))
+    environ[OWN_RANK_ENV] = str(i)
+    environ[OWN_WORLD_SIZE_ENV] = str(nprocs)
     try:
         from ettr.bootstrap.start import start
 
@@ -139,7 +140,7 @@ def _wrap_agent(module: ModuleType, run_dir: str, attempt: int) -> None:
 
 
 def _become_agent(run_dir: str, attempt: int) -> None:
-    from ettr.run_env import INSTRUMENTED_ENV, LAUNCHER_ENV, Launcher
+    from ettr.run_env import INSTRUMENTED_ENV, LAUNCHER_ENV, RANK_CLEARS, Launcher
 
     pid = os.getpid()
     if os.environ.get(INSTRUMENTED_ENV) != str(pid):
@@ -154,7 +155,8 @@ def _become_agent(run_dir: str, attempt: int) -> None:
             create_exclusive(path, b"agent", durable=False)
     except Exception as exc:
         logger.warning("ettr: could not say this process is a launcher (%s: %s)", type(exc).__name__, exc)
-    os.environ.pop(INSTRUMENTED_ENV, None)
+    for name in (INSTRUMENTED_ENV, *RANK_CLEARS):
+        os.environ.pop(name, None)
     os.environ[LAUNCHER_ENV] = Launcher.TORCHRUN.value
 
 
@@ -169,7 +171,7 @@ def _wrap_lightning(module: ModuleType) -> None:
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def _call_children_scripts(self: Any, *args: Any, **kwargs: Any) -> Any:
-            from ettr.run_env import INSTRUMENTED_ENV, RANK_BASE_ENV
+            from ettr.run_env import INSTRUMENTED_ENV, RANK_BASE_ENV, RANK_CLEARS
 
             if os.environ.get(INSTRUMENTED_ENV) != str(os.getpid()):
                 return original(self, *args, **kwargs)
@@ -177,13 +179,15 @@ def _wrap_lightning(module: ModuleType) -> None:
                 base = int(self.cluster_environment.node_rank()) * int(self.num_processes)
             except Exception:
                 base = 0
-            marker = os.environ.pop(INSTRUMENTED_ENV)
+            saved = {
+                name: os.environ.pop(name) for name in (INSTRUMENTED_ENV, *RANK_CLEARS) if name in os.environ
+            }
             os.environ[RANK_BASE_ENV] = str(base)
             try:
                 return original(self, *args, **kwargs)
             finally:  # this process's later children (data-loader workers) are its helpers again
-                os.environ[INSTRUMENTED_ENV] = marker
                 os.environ.pop(RANK_BASE_ENV, None)
+                os.environ.update(saved)
 
         return _call_children_scripts
 
@@ -225,13 +229,13 @@ def hands_over(
 ) -> bool:
     """Whether the processes this one is about to start with `start_method` are the ranks: then this one
     says it is their launcher. Never raises."""
-    from ettr.run_env import WORLD_SIZE_ENV, launcher_parent_path, trained_path
+    from ettr.run_env import RankEnv, launcher_parent_path, trained_path
 
     environ = os.environ if environ is None else environ
     try:
         if start_method not in SPAWN_METHODS:
             return False
-        if int(environ.get(WORLD_SIZE_ENV) or "1") > 1:
+        if RankEnv.from_environ(environ).world_size > 1:
             return False  # this process is a rank itself: what it spawns are its helpers
         pid = os.getpid()
         if trained_path(run_dir, attempt, pid).exists():

@@ -99,10 +99,18 @@ def hand_ranks_to_workers(environ: MutableMapping[str, str], pid: int, *, torchr
     or through torch elastic's agent in its own process: the launcher is left alone like a shell wrapper,
     its children are the attempt's first Python processes (a worker of the agent with its RANK)."""
     from ettr.atomic import create_exclusive
-    from ettr.run_env import INSTRUMENTED_ENV, LAUNCHER_ENV, Launcher, RunEnv, launcher_parent_path
+    from ettr.run_env import (
+        INSTRUMENTED_ENV,
+        LAUNCHER_ENV,
+        RANK_CLEARS,
+        Launcher,
+        RunEnv,
+        launcher_parent_path,
+    )
 
     run_env = RunEnv.from_environ(environ)
-    environ.pop(INSTRUMENTED_ENV, None)
+    for name in (INSTRUMENTED_ENV, *RANK_CLEARS):
+        environ.pop(name, None)
     if torchrun:
         environ[LAUNCHER_ENV] = Launcher.TORCHRUN.value
     parent = None if run_env is None else run_env.instrumented_pid
