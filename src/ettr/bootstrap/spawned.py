@@ -1,5 +1,5 @@
-"""Ranks started by `torch.multiprocessing.spawn` / `start_processes`: the processes it starts are the training
-ranks, the program that started them a launcher.
+"""Ranks that the script's own process starts (`torch.multiprocessing.spawn`, torchrun's agent run in-process,
+Lightning's launchers): those processes are the training ranks, the process that started them a launcher.
 
 PyTorch's DDP tutorial and many public scripts start their ranks themselves, not through torchrun:
 
@@ -10,11 +10,11 @@ Under `ettr run -- python train.py` the script's process is the attempt's first 
 bootstrap instruments it, and the processes it spawns carry its marker (`ETTR_INSTRUMENTED_PID`), as data-loader
 workers do: left alone, every step is in processes nobody records and the books say "no training step".
 Here, in the instrumented process, `start_processes` (which `spawn` calls) is wrapped: with the `spawn` or
-`forkserver` start method, in a process that is not a rank of a launcher (no `WORLD_SIZE` above 1) and has
-not trained, the function it starts becomes `SpawnedRank(fn, nprocs)`, which in process `i` first makes
+`forkserver` start method, in a process that is not a rank itself (no world size above 1) and has not
+trained, the function it starts becomes `SpawnedRank(fn, nprocs)`, which in process `i` first makes
 that process rank `i` of `nprocs` (ettr's own `ETTR_RANK`, `ETTR_WORLD_SIZE`: the script's environment is
-left as it was) and starts ettr's bootstrap there, then runs `fn(i, *args)`; an exception out of `fn` is recorded as that rank's
-FAILURE (torch's own wrapper catches it before any excepthook would). The program that spawned them says it
+left as it was) and starts ettr's bootstrap there, then runs `fn(i, *args)`; an exception out of `fn` is
+recorded as that rank's FAILURE (torch's own wrapper catches it before any excepthook would). The program that spawned them says it
 is a launcher (`ettr.run_env.launcher_parent_path`, as when it starts a torchrun): it fires no `--inject`
 fault and its heartbeat stops. The rank is the process index: a script that numbers its ranks otherwise
 (several nodes, each spawning its own) is recorded under the index. The `fork` start method is left alone:
