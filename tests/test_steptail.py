@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,43 @@ def test_steps_a_killed_process_never_wrote_are_on_the_books(tmp_path: Path, sig
     (attempt,) = rep["attempts"]
     assert last_seen == 40 and attempt["last_step"] == last_seen, done.stderr[-2000:]
     assert attempt["num_steps"] == 40
+
+
+def test_a_killed_supervisors_open_attempt_has_the_steps_its_processes_kept(tmp_path: Path) -> None:
+    """SIGKILL to `ettr run`: its training process dies with it (PDEATHSIG) after steps its recorder had not
+    written yet (it writes every 0.5 s), perhaps after saving a checkpoint of one of them. The report reads
+    them from the tail, and the next supervisor records them before it closes the attempt."""
+    from ettr.events import SUPERVISOR_RANK, Event, EventKind
+    from ettr.ledger import open_ledger, read_run_events
+    from ettr.report.load import read_run
+
+    run_dir = tmp_path / "run"
+    ledger = open_ledger(run_dir)
+    dead = {"pid": 2**22 + 12345, "job_id": "j"}  # above any pid this machine hands out
+    began = time.time() - 60  # the books' times are checked against the clock: a recent run
+    ledger.append(
+        [
+            Event(EventKind.SUPERVISOR_START, began, 0, SUPERVISOR_RANK, data=dead),
+            Event(EventKind.ATTEMPT_START, began + 0.5, 0, SUPERVISOR_RANK, data={"pid": 2**22 + 12346}),
+            *(Event(EventKind.STEP, began + 1.0 + i, 0, 0, step=i + 1) for i in range(14)),
+        ]
+    )
+    ledger.close()
+    tail = StepTail(tail_path(run_dir, rank=0, pid=2**22 + 12346))
+    for step in range(1, 17):  # two more than the books hold
+        tail.note(0, step)
+    _, rep = read_run(run_dir)
+    assert rep.attempts[0].last_step == 16
+    assert max(e.step or 0 for e in read_run_events(run_dir)) == 14  # the report only read them
+
+    done = run_ettr("run", "--run-dir", str(run_dir), "--", sys.executable, "-c", "pass")
+    assert done.returncode == 0, done.stderr
+    events = read_run_events(run_dir)
+    kept = [
+        e.step for e in events if e.kind is EventKind.STEP and (e.data or {}).get("source") == "step_tail"
+    ]
+    assert kept == [15, 16]
+    (closed,) = [e for e in events if e.kind is EventKind.ATTEMPT_END and e.attempt == 0]
+    assert (closed.data or {}).get("closed_from_ledger") is True
+    assert closed.ts >= max(e.ts for e in events if e.kind is EventKind.STEP)  # after the steps it kept
+    assert report(run_dir)["attempts"][0]["last_step"] == 16

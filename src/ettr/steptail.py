@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from ettr.events import Event, EventKind
 from ettr.run_env import STEP_TAIL_DIRNAME
 from ettr.untrusted import open_regular
 
@@ -128,6 +129,36 @@ def unrecorded_steps(
                 missing.append((rank, step, ts))
                 newest_ts = ts
     return missing
+
+
+def tail_events(run_dir: str | os.PathLike[str], attempt: int, events: Iterable[Event]) -> list[Event]:
+    """STEP events for the steps `attempt`'s tails hold beyond what `events` (the books) record, at the times
+    they were taken (`data.source` "step_tail"): what its processes took but died before writing. Read only
+    once they are gone; never raises (damaged tails are skipped)."""
+    recorded = [
+        (e.rank, e.step, e.ts)
+        for e in events
+        if e.kind is EventKind.STEP and e.step is not None and e.attempt == attempt
+    ]
+    try:
+        missing = unrecorded_steps(read_tails(run_dir, attempt), recorded)
+    except Exception:
+        return []
+    return [
+        Event(EventKind.STEP, ts, attempt, rank, step=step, data={"source": "step_tail"})
+        for rank, step, ts in missing
+    ]
+
+
+def open_attempts(events: Iterable[Event]) -> list[int]:
+    """The attempts the books started and never ended (a supervisor killed while they ran), in order."""
+    started, ended = set(), set()
+    for e in events:
+        if e.kind is EventKind.ATTEMPT_START:
+            started.add(e.attempt)
+        elif e.kind is EventKind.ATTEMPT_END:
+            ended.add(e.attempt)
+    return sorted(started - ended)
 
 
 def _rank_of(name: str) -> int | None:

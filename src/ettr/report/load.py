@@ -18,6 +18,7 @@ from ettr.closing import recorded_job_id, supervisor_alive
 from ettr.errors import UsageError
 from ettr.events import Event
 from ettr.ledger import LedgerError, locate
+from ettr.steptail import open_attempts, tail_events
 
 
 def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
@@ -36,6 +37,8 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
     if not events:
         where = path if books.url is None else books.where
         raise UsageError(f"{where}: the ledger holds no events yet")
+    if supervisor_alive(events) is False:  # killed with an attempt open: the steps its processes kept
+        events = [*events, *(e for a in open_attempts(events) for e in tail_events(path, a, events))]
     return events
 
 

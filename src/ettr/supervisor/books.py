@@ -34,7 +34,7 @@ from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.inject import FaultSpec, unfired_specs
 from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.ledger.postgres import redact
-from ettr.steptail import read_tails, unrecorded_steps
+from ettr.steptail import open_attempts, tail_events
 from ettr.supervisor import containment, peers, slurm
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.messages import describe_os_error, say
@@ -121,6 +121,8 @@ class JobBooks:
             )
         if self._kill_leftovers():
             previous = self.read()  # they may have written until killed: close after their last
+        for attempt in open_attempts(previous):  # its supervisor was killed: the steps its processes kept
+            previous = [*previous, *self.record_unrecorded_steps(attempt, previous)]
         closing = closing_events(previous)
         first_attempt = next_attempt(previous)
         note = slurm.restart_count_note(previous, os.environ)
@@ -250,16 +252,9 @@ class JobBooks:
         if not self.keeps_job_events:
             return []
         try:
-            recorded = [
-                (e.rank, e.step, e.ts) for e in events if e.kind is EventKind.STEP and e.step is not None
-            ]
-            missing = unrecorded_steps(read_tails(self.run_dir, attempt), recorded)
-            if not missing:
+            found = tail_events(self.run_dir, attempt, events)
+            if not found:
                 return []
-            found = [
-                Event(EventKind.STEP, ts, attempt, rank, step=step, data={"source": "step_tail"})
-                for rank, step, ts in missing
-            ]
             self._writer().append(found)
         except Exception as exc:  # the job matters more than its books
             logger.warning("ettr: could not record the steps of attempt %d after its end (%s)", attempt, exc)
