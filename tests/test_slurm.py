@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ettr.events import EventKind
-from ettr.ledger import open_ledger
+from ettr.ledger import open_ledger, read_run_events
 
 pytestmark = pytest.mark.slow
 
@@ -151,3 +151,57 @@ def test_slurms_warning_signal_saves_exits_and_requeues(slurm_cluster: Any, tmp_
     _check_one_report(rep, job, pended)
     assert rep["attempts"][0]["exit_code"] == 143
     assert os.path.exists(tmp_path / "run")
+
+
+SRUN_RANK = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+# The rank from Slurm, as scripts started with `srun python train.py` take it (no RANK in the environment)
+dist.init_process_group("gloo", rank=int(os.environ["SLURM_PROCID"]), world_size=int(os.environ["SLURM_NTASKS"]))
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range(8):
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+def test_the_tasks_of_an_srun_step_are_recorded_under_their_slurm_ranks(
+    slurm_cluster: Any, tmp_path: Path
+) -> None:
+    from ettr.supervisor.launch import free_port
+
+    py, run_dir = sys.executable, tmp_path / "run"
+    (tmp_path / "train.py").write_text(SRUN_RANK)
+    job = tmp_path / "job.sh"
+    job.write_text(
+        f"""#!/bin/bash
+#SBATCH -n 2
+export MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()}
+exec {py} -m ettr.cli run --run-dir {run_dir} --inject crash@step=4,rank=1 -- srun -n 2 {py} {tmp_path / "train.py"}
+"""
+    )
+    env = {k: v for k, v in slurm_cluster.env().items() if not k.startswith("ETTR_")}
+    done = subprocess.run(
+        ["sbatch", "--parsable", "-o", str(tmp_path / "slurm.out"), str(job)],
+        capture_output=True, text=True, env=env, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    number = done.stdout.strip().split(";")[0]
+    _wait(lambda: _state(slurm_cluster, number) == "COMPLETED", 240, f"job {number} completed")
+    events = read_run_events(run_dir)
+    starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
+    assert starts == [(0, 0), (0, 1), (1, 0), (1, 1)]  # each task under its SLURM_PROCID, not two rank 0s
+    fired = [
+        (e.attempt, e.rank)
+        for e in events
+        if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"
+    ]
+    assert fired == [(0, 1)]
+    last = {
+        r: max(e.step or 0 for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
+        for r in (0, 1)
+    }
+    assert last == {0: 8, 1: 8}

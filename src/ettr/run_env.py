@@ -92,6 +92,12 @@ ranks on (the attempt's own come from its `RunEnv`)."""
 
 # -- torchrun's names (set by torchrun, read here only) ----------------------------------------------------
 RANK_ENV, WORLD_SIZE_ENV, LOCAL_RANK_ENV = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+SLURM_PROCID_ENV, SLURM_LOCALID_ENV, SLURM_STEP_TASKS_ENV = (
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_STEP_NUM_TASKS",
+)
+"""A task of an srun step: its rank, its rank on the node, the step's tasks (set by srun, not in a batch script)."""
 TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 """Present in torchrun's workers, absent in the torchrun agent itself."""
 
@@ -279,12 +285,19 @@ class RankEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
+        """`ETTR_RANK`/`ETTR_WORLD_SIZE` (a rank ettr numbered), else torchrun's `RANK`/`WORLD_SIZE`/
+        `LOCAL_RANK`, else, in a task of an srun step (`SLURM_STEP_NUM_TASKS`: a batch script has none),
+        Slurm's `SLURM_PROCID`/`SLURM_STEP_NUM_TASKS`/`SLURM_LOCALID` (scripts that take their rank from
+        Slurm, started as `srun python train.py`), else one process alone."""
         environ = os.environ if environ is None else environ
-        local_rank = _int(environ, LOCAL_RANK_ENV, 0)
+        srun = SLURM_STEP_TASKS_ENV in environ
+        local_rank = _int(environ, LOCAL_RANK_ENV, _int(environ, SLURM_LOCALID_ENV, 0) if srun else 0)
         base = _int(environ, RANK_BASE_ENV, -1)  # started by a launcher that sets LOCAL_RANK only
+        rank = base + local_rank if base >= 0 else _int(environ, SLURM_PROCID_ENV, 0) if srun else 0
+        world_size = _int(environ, SLURM_STEP_TASKS_ENV, 1) if srun else 1
         return cls(
-            rank=_int(environ, OWN_RANK_ENV, _int(environ, RANK_ENV, base + local_rank if base >= 0 else 0)),
-            world_size=_int(environ, OWN_WORLD_SIZE_ENV, _int(environ, WORLD_SIZE_ENV, 1)),
+            rank=_int(environ, OWN_RANK_ENV, _int(environ, RANK_ENV, rank)),
+            world_size=_int(environ, OWN_WORLD_SIZE_ENV, _int(environ, WORLD_SIZE_ENV, world_size)),
             local_rank=local_rank,
         )
 
