@@ -52,11 +52,20 @@ def _fired(events: list[Any]) -> list[tuple[int, int]]:
     ]
 
 
-def test_the_spawning_process_becomes_the_launcher_of_spawned_ranks(tmp_path: Path) -> None:
+def test_what_an_untrained_process_spawns_are_ranks_and_the_first_to_step_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ettr.bootstrap.spawned import say_launcher
+    from ettr.run_env import RunEnv
+
     env: dict[str, str] = {}
-    assert hands_over("spawn", str(tmp_path), 0, env)
-    assert launcher_parent_path(tmp_path, 0, os.getpid()).read_bytes() == b"spawn"
-    assert hands_over("forkserver", str(tmp_path), 0, env)  # a second spawn: still the launcher
+    assert hands_over("spawn", str(tmp_path), 0, env) and hands_over("forkserver", str(tmp_path), 0, env)
+    assert not launcher_parent_path(tmp_path, 0, os.getpid()).exists()  # not until a rank steps
+    for name, value in RunEnv(run_dir=tmp_path, job_id="j", attempt=0).to_environ().items():
+        monkeypatch.setenv(name, value)
+    say_launcher(12345, b"spawn")  # what a spawned rank does at its first step, for its spawner
+    say_launcher(12345, b"spawn")  # the other ranks: told already
+    assert launcher_parent_path(tmp_path, 0, 12345).read_bytes() == b"spawn"
 
 
 @pytest.mark.parametrize(
@@ -341,3 +350,32 @@ def test_the_workers_of_torchruns_agent_run_inside_a_program_are_the_ranks(tmp_p
         for r in (0, 1)
     }
     assert last == {0: 8, 1: 8}
+
+
+HELPERS_THEN_TRAIN = textwrap.dedent(
+    """
+    import torch
+    import torch.multiprocessing as mp
+
+    def tokenize(i):  # a helper pool before training: no optimizer, no step
+        torch.ones(3).sum()
+
+    if __name__ == "__main__":
+        mp.spawn(tokenize, nprocs=2)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(10):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_script_that_spawns_helpers_and_then_trains_itself_stays_the_rank(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(HELPERS_THEN_TRAIN)
+    _, events = _ettr_run(tmp_path, sys.executable, "train.py", options=("--inject", "crash@step=5"))
+    assert _fired(events) == [(0, 0)]  # in the script itself: the helpers never stepped, it is no launcher
+    ends = [e.data["outcome"] for e in events if e.kind is EventKind.ATTEMPT_END]
+    assert ends == ["failed", "completed"]

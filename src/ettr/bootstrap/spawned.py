@@ -15,8 +15,9 @@ trained, the function it starts becomes `SpawnedRank(fn, nprocs)`, which in proc
 that process rank `i` of `nprocs` (ettr's own `ETTR_RANK`, `ETTR_WORLD_SIZE`: the script's environment is
 left as it was) and starts ettr's bootstrap there, then runs `fn(i, *args)`; an exception out of `fn` is
 recorded as that rank's FAILURE (torch's own wrapper catches it before any excepthook would). The program that spawned them says it
-is a launcher (`ettr.run_env.launcher_parent_path`, as when it starts a torchrun): it fires no `--inject`
-fault and its heartbeat stops. The rank is the process index: a script that numbers its ranks otherwise
+is a launcher once one of them takes a step (`ettr.run_env.launcher_parent_path`, as when it starts a
+torchrun): it fires no `--inject` fault and its heartbeat stops; helpers it spawns that never train (a
+preprocessing pool before it trains itself) leave it a rank. The rank is the process index: a script that numbers its ranks otherwise
 (several nodes, each spawning its own) is recorded under the index. The `fork` start method is left alone:
 a forked child is a copy of the instrumented process, books and all.
 
@@ -54,9 +55,11 @@ class SpawnedRank:
     def __init__(self, fn: Callable[..., Any], nprocs: int) -> None:
         self.fn = fn
         self.nprocs = nprocs
+        self.spawner = os.getpid()
 
     def __call__(self, i: int, *args: Any) -> Any:
         become_rank(i, self.nprocs)
+        _at_first_step(lambda: say_launcher(self.spawner, b"spawn"))
         try:
             return self.fn(i, *args)
         except (SystemExit, KeyboardInterrupt):
@@ -82,6 +85,49 @@ def become_rank(i: int, nprocs: int, environ: MutableMapping[str, str] | None = 
         start(environ)
     except Exception as exc:
         logger.warning("ettr: could not instrument spawned rank %d (%s: %s)", i, type(exc).__name__, exc)
+
+
+def say_launcher(pid: int, what: bytes) -> None:
+    """Tell process `pid` of this attempt that it is a launcher (`ettr.run_env.launcher_parent_path`): it fires
+    no fault and stops beating. Never raises."""
+    try:
+        from ettr.atomic import create_exclusive
+        from ettr.run_env import RunEnv, launcher_parent_path
+
+        run_env = RunEnv.from_environ(os.environ)
+        if run_env is None:
+            return
+        path = launcher_parent_path(run_env.run_dir, run_env.attempt, pid)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            create_exclusive(path, what, durable=False)
+    except FileExistsError:
+        pass
+    except Exception as exc:
+        logger.warning(
+            "ettr: could not tell process %d it is a launcher (%s: %s)", pid, type(exc).__name__, exc
+        )
+
+
+def _at_first_step(action: Callable[[], None]) -> None:
+    """Run `action` once, at this process's first recorded step (the training thread; it never raises)."""
+    try:
+        from ettr.bootstrap.start import started_recorder
+
+        rec = started_recorder()
+        if rec is None:
+            return
+        done = False
+
+        def on_step(step: int) -> None:
+            nonlocal done
+            if not done:
+                done = True
+                action()
+
+        rec.add_step_listener(on_step)
+    except Exception:
+        pass
 
 
 def _record_failure(exc: BaseException) -> None:
@@ -114,10 +160,10 @@ def install(run_dir: str, attempt: int) -> None:
     when_imported("torch.multiprocessing", lambda module: _wrap(module, run_dir, attempt))
     for name in LIGHTNING_LAUNCHERS:
         when_imported(name, _wrap_lightning)
-    when_imported("torch.distributed.launcher.api", lambda module: _wrap_agent(module, run_dir, attempt))
+    when_imported("torch.distributed.launcher.api", _wrap_agent)
 
 
-def _wrap_agent(module: ModuleType, run_dir: str, attempt: int) -> None:
+def _wrap_agent(module: ModuleType) -> None:
     """torchrun's agent run inside this process (`torch.distributed.run.main()` or `run(args)` called by a
     program, `elastic_launch`): its workers are the ranks. Before it starts them this process becomes a
     launcher, as a torchrun process is (`ettr.bootstrap.start.hand_ranks_to_workers`): no marker for the
@@ -126,7 +172,7 @@ def _wrap_agent(module: ModuleType, run_dir: str, attempt: int) -> None:
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def launch_agent(*args: Any, **kwargs: Any) -> Any:
-            _become_agent(run_dir, attempt)
+            _become_agent()
             return original(*args, **kwargs)
 
         return launch_agent
@@ -139,22 +185,13 @@ def _wrap_agent(module: ModuleType, run_dir: str, attempt: int) -> None:
         )
 
 
-def _become_agent(run_dir: str, attempt: int) -> None:
+def _become_agent() -> None:
     from ettr.run_env import INSTRUMENTED_ENV, LAUNCHER_ENV, RANK_CLEARS, Launcher
 
     pid = os.getpid()
     if os.environ.get(INSTRUMENTED_ENV) != str(pid):
         return  # not the instrumented process (or told already)
-    try:
-        from ettr.atomic import create_exclusive
-        from ettr.run_env import launcher_parent_path
-
-        path = launcher_parent_path(run_dir, attempt, pid)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            create_exclusive(path, b"agent", durable=False)
-    except Exception as exc:
-        logger.warning("ettr: could not say this process is a launcher (%s: %s)", type(exc).__name__, exc)
+    say_launcher(pid, b"agent")
     for name in (INSTRUMENTED_ENV, *RANK_CLEARS):
         os.environ.pop(name, None)
     os.environ[LAUNCHER_ENV] = Launcher.TORCHRUN.value
@@ -227,9 +264,10 @@ def _wrap(package: ModuleType, run_dir: str, attempt: int) -> None:
 def hands_over(
     start_method: str, run_dir: str, attempt: int, environ: MutableMapping[str, str] | None = None
 ) -> bool:
-    """Whether the processes this one is about to start with `start_method` are the ranks: then this one
-    says it is their launcher. Never raises."""
-    from ettr.run_env import RankEnv, launcher_parent_path, trained_path
+    """Whether the processes this one is about to start with `start_method` are ranks. The first of them to
+    take a step tells this one that it is their launcher (`SpawnedRank`): processes it spawns for other work
+    (a tokenizer pool before it trains itself) leave it a rank. Never raises."""
+    from ettr.run_env import RankEnv, trained_path
 
     environ = os.environ if environ is None else environ
     try:
@@ -237,19 +275,7 @@ def hands_over(
             return False
         if RankEnv.from_environ(environ).world_size > 1:
             return False  # this process is a rank itself: what it spawns are its helpers
-        pid = os.getpid()
-        if trained_path(run_dir, attempt, pid).exists():
-            return False  # it trained itself: what it spawns now are helpers
-        path = launcher_parent_path(run_dir, attempt, pid)
-        if not path.exists():
-            from ettr.atomic import create_exclusive
-
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                create_exclusive(path, b"spawn", durable=False)
-            except FileExistsError:
-                pass
-        return True
+        return not trained_path(run_dir, attempt, os.getpid()).exists()  # trained: its helpers
     except Exception as exc:
         logger.warning("ettr: spawned ranks will not be recorded (%s: %s)", type(exc).__name__, exc)
         return False
