@@ -153,19 +153,7 @@ def test_slurms_warning_signal_saves_exits_and_requeues(slurm_cluster: Any, tmp_
     assert os.path.exists(tmp_path / "run")
 
 
-SRUN_RANK = """
-import os, torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-# The rank from Slurm, as scripts started with `srun python train.py` take it (no RANK in the environment)
-dist.init_process_group("gloo", rank=int(os.environ["SLURM_PROCID"]), world_size=int(os.environ["SLURM_NTASKS"]))
-model = DDP(torch.nn.Linear(8, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-for _ in range(8):
-    opt.zero_grad()
-    model(torch.randn(4, 8)).sum().backward()
-    opt.step()
-dist.destroy_process_group()
-"""
+DDP_STEPS = str(Path(__file__).parent / "scripts" / "ddp_steps.py")  # its rank from SLURM_PROCID under srun
 
 
 def test_the_tasks_of_an_srun_step_are_recorded_under_their_slurm_ranks(
@@ -174,13 +162,12 @@ def test_the_tasks_of_an_srun_step_are_recorded_under_their_slurm_ranks(
     from ettr.supervisor.launch import free_port
 
     py, run_dir = sys.executable, tmp_path / "run"
-    (tmp_path / "train.py").write_text(SRUN_RANK)
     job = tmp_path / "job.sh"
     job.write_text(
         f"""#!/bin/bash
 #SBATCH -n 2
 export MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()}
-exec {py} -m ettr.cli run --run-dir {run_dir} --inject crash@step=4,rank=1 -- srun -n 2 {py} {tmp_path / "train.py"}
+exec {py} -m ettr.cli run --run-dir {run_dir} --inject crash@step=4,rank=1 -- srun -n 2 {py} {DDP_STEPS}
 """
     )
     env = {k: v for k, v in slurm_cluster.env().items() if not k.startswith("ETTR_")}

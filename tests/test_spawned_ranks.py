@@ -321,28 +321,14 @@ AGENT_PROGRAM = textwrap.dedent(
     run.main(["--nproc-per-node", "2", "--standalone", sys.argv[1]])
     """
 )
-AGENT_WORKER = textwrap.dedent(
-    """
-    import torch, torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    dist.init_process_group("gloo")
-    model = DDP(torch.nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(8):
-        opt.zero_grad()
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-    dist.destroy_process_group()
-    """
-)
+DDP_STEPS = ROOT / "tests" / "scripts" / "ddp_steps.py"
 
 
 @pytest.mark.slow
 def test_the_workers_of_torchruns_agent_run_inside_a_program_are_the_ranks(tmp_path: Path) -> None:
     (tmp_path / "launch.py").write_text(AGENT_PROGRAM)
-    (tmp_path / "train.py").write_text(AGENT_WORKER)
     _, events = _ettr_run(
-        tmp_path, sys.executable, "launch.py", "train.py", options=("--inject", "crash@step=3,rank=1")
+        tmp_path, sys.executable, "launch.py", str(DDP_STEPS), options=("--inject", "crash@step=3,rank=1")
     )
     assert _fired(events) == [(0, 1)]
     last = {
