@@ -129,6 +129,8 @@ def test_a_standby_is_discarded_when_the_environment_differs(tmp_path: Path) -> 
 def test_no_standby_for_torchrun_or_modules(tmp_path: Path) -> None:
     env = dict(os.environ)
     assert Standby.start([sys.executable, "-m", "torch.distributed.run", str(PROBE)], env) is None
+    # accelerate's launcher: the script it runs is the rank, never the standby that would run accelerate
+    assert Standby.start([sys.executable, "-m", "accelerate.commands.launch", str(PROBE)], env) is None
     assert Standby.start(["torchrun", "--nproc-per-node", "2", str(PROBE)], env) is None
     assert Standby.start([sys.executable, str(tmp_path / "missing.py")], env) is None
 

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from ettr.procs import cpu_seconds, idle_scheduling, normal_scheduling
+from ettr.run_env import runs_accelerate_launch, runs_torchrun
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
 
@@ -77,9 +78,6 @@ _OPTIONS = frozenset({"-u"})
 """Interpreter options a standby reproduces (it is started with them): torchrun's workers run `python -u`."""
 
 
-_LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch"})
-
-
 def _interpreter(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...] | None:
     """The resolved Python and its options of a `PYTHON [-u] SCRIPT.py ...` or `PYTHON [-u] -m MODULE ...`
     command, None for anything else."""
@@ -94,8 +92,8 @@ def _interpreter(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]
     if target == "-m":
         if at + 1 >= len(argv) or not argv[at + 1] or argv[at + 1].startswith("-"):
             return None
-        if argv[at + 1] in _LAUNCHER_MODULES:
-            return None  # the real torchrun: its workers are not this process
+        if runs_torchrun(argv) or runs_accelerate_launch(argv):
+            return None  # a launcher (the real torchrun, accelerate launch): its workers are not this process
     elif target.startswith("-") or not target.endswith(".py") or not os.path.isfile(target):
         return None
     found = shutil.which(argv[0], path=env.get("PATH"))
