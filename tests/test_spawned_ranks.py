@@ -55,7 +55,7 @@ def _fired(events: list[Any]) -> list[tuple[int, int]]:
 def test_what_an_untrained_process_spawns_are_ranks_and_the_first_to_step_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ettr.bootstrap.spawned import say_launcher
+    from ettr.bootstrap.start import tell_launcher
     from ettr.run_env import RunEnv
 
     env: dict[str, str] = {}
@@ -63,8 +63,8 @@ def test_what_an_untrained_process_spawns_are_ranks_and_the_first_to_step_says_s
     assert not launcher_parent_path(tmp_path, 0, os.getpid()).exists()  # not until a rank steps
     for name, value in RunEnv(run_dir=tmp_path, job_id="j", attempt=0).to_environ().items():
         monkeypatch.setenv(name, value)
-    say_launcher(12345, b"spawn")  # what a spawned rank does at its first step, for its spawner
-    say_launcher(12345, b"spawn")  # the other ranks: told already
+    tell_launcher(12345, b"spawn")  # what a spawned rank does at its first step, for its spawner
+    tell_launcher(12345, b"spawn")  # the other ranks: told already
     assert launcher_parent_path(tmp_path, 0, 12345).read_bytes() == b"spawn"
 
 
@@ -112,9 +112,11 @@ def _double(i: int, x: int) -> int:
 
 def test_the_wrapped_function_is_picklable_and_runs_the_original(monkeypatch: pytest.MonkeyPatch) -> None:
     wrapped = pickle.loads(pickle.dumps(SpawnedRank(_double, 2)))
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)  # put back after: the wrapper sets them for process 1
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "ETTR_RANK", "ETTR_WORLD_SIZE", "ETTR_INSTRUMENTED_PID"):
+        monkeypatch.delenv(name, raising=False)  # put back after: the wrapper sets ettr's for process 1
     assert wrapped(1, 5) == 11
+    assert (os.environ["ETTR_RANK"], os.environ["ETTR_WORLD_SIZE"]) == ("1", "2")
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ  # the script's own are left alone
 
 
 SCRIPT = textwrap.dedent(
@@ -179,7 +181,8 @@ def test_a_framework_callback_pickles_without_its_process_recorder(framework: st
     module = __import__(f"ettr.integrations.{framework}", fromlist=["EttrCallback"])
 
     class Recorder:  # a process's recorder holds threads, locks and a ledger connection
-        lock = threading.Lock()
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
 
     callback = module.EttrCallback(recorder=Recorder())  # type: ignore[arg-type]
     copy = pickle.loads(pickle.dumps(callback))  # a Trainer sent to a spawned process (`ddp_spawn`)

@@ -106,19 +106,24 @@ def closing_events(
     Each is dated at the attempt's last event: its training processes' events (rank >= 0) and its start when
     `dated_by_process_events`, else any event of the attempt.
     """
-    started: set[int] = set()
-    ended: set[int] = set()
     last_ts: dict[int, float] = {}
     for e in events:
-        if e.kind is EventKind.ATTEMPT_START:
-            started.add(e.attempt)
-        elif e.kind is EventKind.ATTEMPT_END:
-            ended.add(e.attempt)
         if not dated_by_process_events or e.rank >= 0 or e.kind is EventKind.ATTEMPT_START:
             last_ts[e.attempt] = max(last_ts.get(e.attempt, e.ts), e.ts)
     data = {"outcome": Outcome.FAILED.value, "exit_code": None, **(extra or {}), "reason": reason,
             "closed_from_ledger": True}  # fmt: skip
     return [
         Event(EventKind.ATTEMPT_END, last_ts[attempt], attempt, SUPERVISOR_RANK, data=dict(data))
-        for attempt in sorted(started - ended)
+        for attempt in open_attempts(events)
     ]
+
+
+def open_attempts(events: Sequence[Event]) -> list[int]:
+    """The attempts the books started and never ended (their supervisor killed while they ran), in order."""
+    started, ended = set(), set()
+    for e in events:
+        if e.kind is EventKind.ATTEMPT_START:
+            started.add(e.attempt)
+        elif e.kind is EventKind.ATTEMPT_END:
+            ended.add(e.attempt)
+    return sorted(started - ended)

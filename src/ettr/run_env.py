@@ -290,11 +290,15 @@ class RankEnv:
         Slurm's `SLURM_PROCID`/`SLURM_STEP_NUM_TASKS`/`SLURM_LOCALID` (scripts that take their rank from
         Slurm, started as `srun python train.py`), else one process alone."""
         environ = os.environ if environ is None else environ
-        srun = SLURM_STEP_TASKS_ENV in environ
-        local_rank = _int(environ, LOCAL_RANK_ENV, _int(environ, SLURM_LOCALID_ENV, 0) if srun else 0)
+        rank, world_size, local_rank = 0, 1, 0  # one process alone
+        if SLURM_STEP_TASKS_ENV in environ:  # a task of an srun step
+            rank = _int(environ, SLURM_PROCID_ENV, 0)
+            world_size = _int(environ, SLURM_STEP_TASKS_ENV, 1)
+            local_rank = _int(environ, SLURM_LOCALID_ENV, 0)
+        local_rank = _int(environ, LOCAL_RANK_ENV, local_rank)
         base = _int(environ, RANK_BASE_ENV, -1)  # started by a launcher that sets LOCAL_RANK only
-        rank = base + local_rank if base >= 0 else _int(environ, SLURM_PROCID_ENV, 0) if srun else 0
-        world_size = _int(environ, SLURM_STEP_TASKS_ENV, 1) if srun else 1
+        if base >= 0:
+            rank = base + local_rank
         return cls(
             rank=_int(environ, OWN_RANK_ENV, _int(environ, RANK_ENV, rank)),
             world_size=_int(environ, OWN_WORLD_SIZE_ENV, _int(environ, WORLD_SIZE_ENV, world_size)),

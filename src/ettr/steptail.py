@@ -150,17 +150,6 @@ def tail_events(run_dir: str | os.PathLike[str], attempt: int, events: Iterable[
     ]
 
 
-def open_attempts(events: Iterable[Event]) -> list[int]:
-    """The attempts the books started and never ended (a supervisor killed while they ran), in order."""
-    started, ended = set(), set()
-    for e in events:
-        if e.kind is EventKind.ATTEMPT_START:
-            started.add(e.attempt)
-        elif e.kind is EventKind.ATTEMPT_END:
-            ended.add(e.attempt)
-    return sorted(started - ended)
-
-
 def _rank_of(name: str) -> int | None:
     parts = name.split("-")
     if len(parts) != 4 or parts[0] != "rank" or parts[2] != "pid":

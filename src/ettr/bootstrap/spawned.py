@@ -58,14 +58,16 @@ class SpawnedRank:
         self.spawner = os.getpid()
 
     def __call__(self, i: int, *args: Any) -> Any:
+        from ettr.bootstrap.start import at_first_step, record_uncaught, tell_launcher
+
         become_rank(i, self.nprocs)
-        _at_first_step(lambda: say_launcher(self.spawner, b"spawn"))
+        at_first_step(lambda: tell_launcher(self.spawner, b"spawn"))
         try:
             return self.fn(i, *args)
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as exc:
-            _record_failure(exc)
+            record_uncaught(exc)
             raise
 
 
@@ -85,61 +87,6 @@ def become_rank(i: int, nprocs: int, environ: MutableMapping[str, str] | None = 
         start(environ)
     except Exception as exc:
         logger.warning("ettr: could not instrument spawned rank %d (%s: %s)", i, type(exc).__name__, exc)
-
-
-def say_launcher(pid: int, what: bytes) -> None:
-    """Tell process `pid` of this attempt that it is a launcher (`ettr.run_env.launcher_parent_path`): it fires
-    no fault and stops beating. Never raises."""
-    try:
-        from ettr.atomic import create_exclusive
-        from ettr.run_env import RunEnv, launcher_parent_path
-
-        run_env = RunEnv.from_environ(os.environ)
-        if run_env is None:
-            return
-        path = launcher_parent_path(run_env.run_dir, run_env.attempt, pid)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            create_exclusive(path, what, durable=False)
-    except FileExistsError:
-        pass
-    except Exception as exc:
-        logger.warning(
-            "ettr: could not tell process %d it is a launcher (%s: %s)", pid, type(exc).__name__, exc
-        )
-
-
-def _at_first_step(action: Callable[[], None]) -> None:
-    """Run `action` once, at this process's first recorded step (the training thread; it never raises)."""
-    try:
-        from ettr.bootstrap.start import started_recorder
-
-        rec = started_recorder()
-        if rec is None:
-            return
-        done = False
-
-        def on_step(step: int) -> None:
-            nonlocal done
-            if not done:
-                done = True
-                action()
-
-        rec.add_step_listener(on_step)
-    except Exception:
-        pass
-
-
-def _record_failure(exc: BaseException) -> None:
-    try:
-        from ettr.bootstrap.start import started_recorder
-
-        rec = started_recorder()
-        if rec is not None:
-            rec.failure(exc)
-            rec.flush(timeout_s=2.0)
-    except Exception:
-        pass
 
 
 LIGHTNING_LAUNCHERS = (
@@ -186,15 +133,16 @@ def _wrap_agent(module: ModuleType) -> None:
 
 
 def _become_agent() -> None:
-    from ettr.run_env import INSTRUMENTED_ENV, LAUNCHER_ENV, RANK_CLEARS, Launcher
+    """This instrumented process becomes what a torchrun process is: told it is a launcher, and its workers
+    made the ranks (`hand_ranks_to_workers`)."""
+    from ettr.bootstrap.start import hand_ranks_to_workers, tell_launcher
+    from ettr.run_env import INSTRUMENTED_ENV
 
     pid = os.getpid()
     if os.environ.get(INSTRUMENTED_ENV) != str(pid):
         return  # not the instrumented process (or told already)
-    say_launcher(pid, b"agent")
-    for name in (INSTRUMENTED_ENV, *RANK_CLEARS):
-        os.environ.pop(name, None)
-    os.environ[LAUNCHER_ENV] = Launcher.TORCHRUN.value
+    tell_launcher(pid, b"agent")
+    hand_ranks_to_workers(os.environ, pid)
 
 
 def _wrap_lightning(module: ModuleType) -> None:

@@ -36,20 +36,29 @@ def is_training_process(environ: Mapping[str, str], pid: int) -> bool:
     return run_env is not None and run_env.is_training_process(environ, pid)
 
 
-def _install_excepthook(rec: RecorderProtocol) -> None:
+def _install_excepthook() -> None:
     previous = sys.excepthook
 
     def excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        try:
-            if not issubclass(exc_type, (SystemExit, KeyboardInterrupt)):
-                rec.failure(exc)
-                rec.flush(timeout_s=2.0)
-                _started["uncaught"] = True
-        except Exception:
-            pass
+        if not issubclass(exc_type, (SystemExit, KeyboardInterrupt)):
+            record_uncaught(exc)
         previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook
+
+
+def record_uncaught(exc: BaseException) -> None:
+    """This instrumented process is ending on `exc`: its FAILURE, written now (the excepthook; a rank that
+    `torch.multiprocessing.spawn` started, whose exception torch's wrapper catches first). Never raises."""
+    rec = _started.get("recorder")
+    if rec is None:
+        return
+    try:
+        rec.failure(exc)
+        rec.flush(timeout_s=2.0)
+        _started["uncaught"] = True
+    except Exception:
+        pass
 
 
 def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str] | None = None) -> None:
@@ -82,9 +91,32 @@ def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str
         )
 
 
-def started_recorder() -> RecorderProtocol | None:
-    """The recorder of this process's instrumentation, None where it is not instrumented."""
-    return _started.get("recorder")
+def at_first_step(action: Callable[[], None]) -> None:
+    """Run `action` at this process's first step, beside the `trained_path` marker (the training thread;
+    an action that raises is skipped)."""
+    _started.setdefault("first_step", []).append(action)
+
+
+def tell_launcher(pid: int, what: bytes, run_env: RunEnv | None = None) -> None:
+    """Tell process `pid` of this attempt (`run_env`, default this process's) that it is a launcher, not a
+    rank (`launcher_parent_path`, which its heartbeat and injector look at): it fires no fault and stops
+    beating. Once; never raises."""
+    from ettr.atomic import create_exclusive
+    from ettr.run_env import RunEnv, launcher_parent_path
+
+    try:
+        run_env = run_env or RunEnv.from_environ(os.environ)
+        if run_env is None:
+            return
+        path = launcher_parent_path(run_env.run_dir, run_env.attempt, pid)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        create_exclusive(path, what, durable=False)  # a hint for a live process: not fsync'd
+    except FileExistsError:
+        pass  # told already (another rank, a second torchrun of that program)
+    except Exception as exc:
+        logger.warning(
+            "ettr: could not tell process %d it is a launcher (%s: %s)", pid, type(exc).__name__, exc
+        )
 
 
 def hand_ranks_to_workers(environ: MutableMapping[str, str], pid: int, *, torchrun: bool = True) -> None:
@@ -98,15 +130,7 @@ def hand_ranks_to_workers(environ: MutableMapping[str, str], pid: int, *, torchr
     `torchrun=False`: `accelerate launch`, which runs the script as one process of its own (CPU, one device)
     or through torch elastic's agent in its own process: the launcher is left alone like a shell wrapper,
     its children are the attempt's first Python processes (a worker of the agent with its RANK)."""
-    from ettr.atomic import create_exclusive
-    from ettr.run_env import (
-        INSTRUMENTED_ENV,
-        LAUNCHER_ENV,
-        RANK_CLEARS,
-        Launcher,
-        RunEnv,
-        launcher_parent_path,
-    )
+    from ettr.run_env import INSTRUMENTED_ENV, LAUNCHER_ENV, RANK_CLEARS, Launcher, RunEnv
 
     run_env = RunEnv.from_environ(environ)
     for name in (INSTRUMENTED_ENV, *RANK_CLEARS):
@@ -114,11 +138,8 @@ def hand_ranks_to_workers(environ: MutableMapping[str, str], pid: int, *, torchr
     if torchrun:
         environ[LAUNCHER_ENV] = Launcher.TORCHRUN.value
     parent = None if run_env is None else run_env.instrumented_pid
-    if run_env is None or parent is None or parent == pid:  # none above it, or it exec'd into torchrun
-        return
-    path = launcher_parent_path(run_env.run_dir, run_env.attempt, parent)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    create_exclusive(path, str(pid).encode(), durable=False)  # False: a second torchrun of that program
+    if parent is not None and parent != pid:  # else none above it, or it exec'd into torchrun
+        tell_launcher(parent, str(pid).encode(), run_env)
 
 
 def _start(environ: Mapping[str, str]) -> None:
@@ -139,7 +160,7 @@ def _start(environ: Mapping[str, str]) -> None:
         from ettr.procs import set_parent_death_signal
 
         set_parent_death_signal()
-    _install_excepthook(rec)
+    _install_excepthook()
     launches = _launches_torchrun(run_env)
     if rec.run_dir is not None:
         from ettr.heartbeat import MainThreadHeartbeat, Progress
@@ -271,6 +292,11 @@ def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
             create_exclusive(path, json.dumps({"modules": learned}), durable=False)
         except Exception:
             pass  # there already, or no place for it: the supervisor then waits for its fallback delay
+        for action in _started.get("first_step", ()):  # `at_first_step`
+            try:
+                action()
+            except Exception:
+                pass
 
     rec.add_step_listener(on_step)
 

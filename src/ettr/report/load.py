@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ettr.accounting import DEFAULT_WINDOW_S, EttReport, compute
-from ettr.closing import recorded_job_id, supervisor_alive
+from ettr.closing import open_attempts, recorded_job_id, supervisor_alive
 from ettr.errors import UsageError
 from ettr.events import Event
 from ettr.ledger import LedgerError, locate
-from ettr.steptail import open_attempts, tail_events
+from ettr.steptail import tail_events
 
 
 def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:

@@ -28,13 +28,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ettr.closing import foreign_run, live_supervisor, recorded_job_id
+from ettr.closing import foreign_run, live_supervisor, open_attempts, recorded_job_id
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.inject import FaultSpec, unfired_specs
 from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.ledger.postgres import redact
-from ettr.steptail import open_attempts, tail_events
+from ettr.steptail import tail_events
 from ettr.supervisor import containment, peers, slurm
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.messages import describe_os_error, say
