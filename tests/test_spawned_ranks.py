@@ -103,7 +103,10 @@ def test_a_spawned_process_is_numbered_by_its_index_in_ettrs_names_only() -> Non
         "ETTR_RANK": "1",
         "ETTR_WORLD_SIZE": "4",
     }
-    assert RankEnv.from_environ(env) == RankEnv(rank=1, world_size=4, local_rank=0)
+    assert RankEnv.from_environ(env) == RankEnv(rank=1, world_size=4, local_rank=0)  # its LOCAL_RANK
+    assert RankEnv.from_environ({"ETTR_RANK": "1", "ETTR_WORLD_SIZE": "4"}) == RankEnv(
+        rank=1, world_size=4, local_rank=1
+    )
 
 
 def _double(i: int, x: int) -> int:

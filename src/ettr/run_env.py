@@ -299,11 +299,12 @@ class RankEnv:
         base = _int(environ, RANK_BASE_ENV, -1)  # started by a launcher that sets LOCAL_RANK only
         if base >= 0:
             rank = base + local_rank
-        return cls(
-            rank=_int(environ, OWN_RANK_ENV, _int(environ, RANK_ENV, rank)),
-            world_size=_int(environ, OWN_WORLD_SIZE_ENV, _int(environ, WORLD_SIZE_ENV, world_size)),
-            local_rank=local_rank,
-        )
+        rank = _int(environ, RANK_ENV, rank)
+        world_size = _int(environ, OWN_WORLD_SIZE_ENV, _int(environ, WORLD_SIZE_ENV, world_size))
+        own = _int(environ, OWN_RANK_ENV, -1)
+        if own >= 0:  # `torch.multiprocessing.spawn`'s process index: its place on this node too
+            rank, local_rank = own, _int(environ, LOCAL_RANK_ENV, own)
+        return cls(rank=rank, world_size=world_size, local_rank=local_rank)
 
 
 # -- heartbeat files ---------------------------------------------------------------------------------------
