@@ -290,7 +290,7 @@ def test_a_dead_worker_whose_peers_joined_the_attempt_is_recovered_in_place(tmp_
     assert group.poll() is None and group.events() == [Continued(-9, at=group.failed_at)]
     assert group.events() == []  # said once
     assert all(w.signals == [] for w in workers)  # nothing torn down
-    assert group.failed_pids() == [41] and group.stderr_tail() == ["tail of 41"]
+    assert group.failed_pids() == [[41]] and group.stderr_tail() == ["tail of 41"]
     replacement = KeptWorker(43)
     group.continue_as(1, {1: replacement}, tmp_path)
     assert group.pids == [40, 43, 42] and workers[1].signals == [9]  # the dead one's leftovers swept

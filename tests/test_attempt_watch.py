@@ -257,7 +257,7 @@ class FakeAttempt:
     def describe(self) -> str:
         return "a fake"
 
-    def failed_pids(self) -> list[int]:
+    def failed_pids(self) -> list[list[int]]:
         return []
 
     def events(self) -> list[AttemptEvent]:

@@ -77,6 +77,7 @@ def test_peer_failure_needs_a_dead_process_and_a_failure_record():
         live.kill()
         live.wait()
         assert watch.check(tree)
+        assert watch.died == [[dead.pid], [live.pid]]  # one list per look that saw processes gone
     finally:
         live.kill()
         live.wait()

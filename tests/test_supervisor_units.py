@@ -470,7 +470,7 @@ def test_a_ddp_kill_of_rank_1_blames_rank_1_not_rank_0s_connection_error() -> No
     )  # fmt: skip
     events = [_rank_start(0, 100), _rank_start(1, 101), lost_peer]
     # ettr's agent: rank 1's worker exited first (SIGKILL); its status is the attempt's.
-    agent = classify(returncode=-signal.SIGKILL, events=events, failed_pids=[101])
+    agent = classify(returncode=-signal.SIGKILL, events=events, failed_pids=[[101]])
     assert agent.reason == "killed by SIGKILL (rank 1)" and agent.exception is None
     # The real torchrun: the supervisor saw rank 1's process die first; torchrun's summary has its status.
     summary = [
@@ -478,7 +478,7 @@ def test_a_ddp_kill_of_rank_1_blames_rank_1_not_rank_0s_connection_error() -> No
         "  rank      : 1 (local_rank: 1)", "  exitcode  : -9 (pid: 101)",
         "  traceback : Signal 9 (SIGKILL) received by PID 101",
     ]  # fmt: skip
-    torchrun = classify(returncode=1, events=events, failed_pids=[77, 101, 100], stderr_tail=summary)
+    torchrun = classify(returncode=1, events=events, failed_pids=[[77], [101, 100]], stderr_tail=summary)
     assert torchrun.signal == "SIGKILL" and torchrun.exception is None
     assert torchrun.reason == "killed by SIGKILL (the launcher exited 1) (rank 1)"
     # Without knowing who died first, the recorded failure is all there is (as before).
@@ -486,11 +486,39 @@ def test_a_ddp_kill_of_rank_1_blames_rank_1_not_rank_0s_connection_error() -> No
     assert unknown.exception == "DistBackendError" and unknown.reason == "exit status 1: DistBackendError"
     # The failed rank's own exception wins over the peer's.
     own = Event(EventKind.FAILURE, 1.5, 0, 1, data={"exception": "ValueError", "message": "bad batch"})
-    crashed = classify(returncode=1, events=[*events, own], failed_pids=[101])
+    crashed = classify(returncode=1, events=[*events, own], failed_pids=[[101]])
     assert (crashed.exception, crashed.message) == (
         "ValueError",
         "bad batch",
     ) and "(rank 1)" in crashed.reason
+
+
+def test_ranks_gone_in_one_look_are_ordered_by_what_they_recorded() -> None:
+    starts = [_rank_start(0, 100), _rank_start(1, 101), _rank_start(2, 102)]
+    crash = Event(
+        EventKind.FAILURE, 3.0, 0, 0, data={"exception": "InjectedCrash", "message": "crash@step=300"}
+    )
+    # mp.spawn: rank 0 raised, its spawner terminated rank 1 (no FAILURE); both gone before the next look,
+    # which lists them in process-tree order.
+    spawned = classify(returncode=1, events=[*starts, crash], failed_pids=[[101, 100]])
+    assert spawned.exception == "InjectedCrash" and "(rank 0)" in spawned.reason
+    # A rank killed outright comes before one that died of the broken collective it left behind.
+    reset = Event(
+        EventKind.FAILURE,
+        2.0,
+        0,
+        0,
+        data={"exception": "RuntimeError", "message": "[gloo] Connection closed by peer"},
+    )
+    killed = classify(returncode=1, events=[*starts, reset], failed_pids=[[100, 101]])
+    assert "(rank 1)" in killed.reason and killed.exception is None
+    # Two ranks that raised on their own: the earlier one.
+    later = Event(EventKind.FAILURE, 4.0, 0, 2, data={"exception": "ValueError", "message": "bad batch"})
+    both = classify(returncode=1, events=[*starts, later, crash], failed_pids=[[102, 100]])
+    assert both.exception == "InjectedCrash" and "(rank 0)" in both.reason
+    # Looks keep their order: a rank seen gone in an earlier look failed first, whatever it recorded.
+    earlier = classify(returncode=1, events=[*starts, reset, later], failed_pids=[[101], [102, 100]])
+    assert "(rank 1)" in earlier.reason and earlier.exception is None
 
 
 def test_a_sigkill_behind_a_shell_wrapper_is_said_as_such() -> None:

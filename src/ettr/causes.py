@@ -109,6 +109,15 @@ _SUPERVISOR_LOST = (
 )
 
 
+def is_collective_error(exception: str | None, message: str | None) -> bool:
+    """Whether a process's exception is what the distributed runtime raises when a peer is gone or a
+    collective broke (`DistBackendError`, gloo's "Connection closed by peer", a watchdog timeout): the
+    consequence of another rank's failure, as far as the process's own words tell."""
+    if exception in _COLLECTIVE_EXCEPTIONS:
+        return True
+    return bool(message) and any(t in str(message) for t in _COLLECTIVE_TEXT)
+
+
 def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> Diagnosis:
     """The cause of an attempt's failure (rules above).
 

@@ -88,9 +88,10 @@ class Attempt(Protocol):
         """Its processes still running (not zombies), those whose parent died included."""
         ...
 
-    def failed_pids(self) -> list[int]:
-        """Its processes in the order they were seen to end before it did (the failed worker first): the
-        failed rank is the first of them that is a rank (`classify`)."""
+    def failed_pids(self) -> list[list[int]]:
+        """Its processes seen to end before it did, one list per look that saw them gone, in the order of
+        the looks (ettr's agent: the failed worker alone): the failed rank is in the first look that saw a
+        rank gone (`classify`)."""
         ...
 
     def remember_tree(self) -> None:
@@ -175,8 +176,8 @@ class CommandAttempt:
     def alive(self) -> list[int]:
         return self.process.alive()
 
-    def failed_pids(self) -> list[int]:
-        return list(self._ranks.died)
+    def failed_pids(self) -> list[list[int]]:
+        return [list(look) for look in self._ranks.died]
 
     def remember_tree(self) -> None:
         self.process.remember_tree()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ettr.causes import is_collective_error
 from ettr.events import Event, EventKind, Outcome
 
 _OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
@@ -145,6 +146,39 @@ def exception_from_stderr(lines: Sequence[str]) -> str | None:
     return None if found is None else found[0]
 
 
+def first_failed_rank(
+    looks: Sequence[Sequence[int]], rank_of: Mapping[int, int], failures: Sequence[Event]
+) -> int | None:
+    """The rank whose failure came first, from the looks that saw processes gone (`classify`'s
+    `failed_pids`) and the FAILURE events with an exception the ranks recorded (None: no rank seen gone).
+
+    Ranks seen gone in the same look died between two looks, in an order the look cannot tell (its own order
+    is the process tree's). Within it: a rank that recorded an exception of its own (not a broken
+    collective) failed first, the earliest of them; then a rank that recorded nothing (killed: by a signal,
+    the OOM killer, or a launcher stopping the rest after the first failure); last a rank that died of a
+    broken collective, the consequence of another's death. A script's `mp.spawn` whose rank 0 raised and
+    whose rank 1 it then terminated, both gone in one look, named rank 1.
+    """
+    first_failure: dict[int, Event] = {}
+    for event in sorted(failures, key=lambda e: e.ts):
+        first_failure.setdefault(event.rank, event)
+
+    def order(rank: int) -> tuple[int, float]:
+        event = first_failure.get(rank)
+        if event is None:
+            return (1, 0.0)
+        data = event.data or {}
+        if is_collective_error(str(data.get("exception")), str(data.get("message") or "")):
+            return (2, event.ts)
+        return (0, event.ts)
+
+    for look in looks:
+        ranks = [rank_of[pid] for pid in look if pid in rank_of]
+        if ranks:
+            return min(ranks, key=order)  # min is stable: the look's own order breaks ties
+    return None
+
+
 def classify(
     *,
     returncode: int,
@@ -154,7 +188,7 @@ def classify(
     hung_after_s: float | None = None,
     hung_bound: str = "",
     oom_killed: bool = False,
-    failed_pids: Sequence[int] = (),
+    failed_pids: Sequence[Sequence[int]] = (),
     wrapper: bool = False,
 ) -> AttemptEnd:
     """Classify how an attempt ended.
@@ -168,9 +202,10 @@ def classify(
         hung_after_s: set when the hang watchdog killed the attempt: the silence it saw; `hung_bound` which bound
             that was over (`the bound of phase eval`, `10 x the step time of 0.05 s`).
         oom_killed: the cgroup's OOM-kill counter rose during the attempt.
-        failed_pids: the attempt's processes in the order they were seen to end (ettr's agent: the failed
-            worker; under a launcher, the ranks the supervisor saw die). The first of them that is a rank is
-            the failure: its exception, not the connection error another rank died of after it.
+        failed_pids: the attempt's processes seen to end, one list per look that saw them gone, in the
+            order of the looks (ettr's agent: the failed worker; under a launcher, the ranks the supervisor saw
+            die). The failed rank is in the first look that saw a rank gone: its exception, not the connection
+            error another rank died of after it (`first_failed_rank`).
         wrapper: the command is a shell, whose exit status 128 + N says that what it ran died of signal N.
     """
     sig = -returncode if returncode < 0 else None
@@ -180,8 +215,8 @@ def classify(
         for e in events
         if e.kind is EventKind.PROCESS_START and e.data and isinstance(e.data.get("pid"), int)
     }
-    root = next((rank_of[pid] for pid in failed_pids if pid in rank_of), None)
     failures = [e for e in events if e.kind is EventKind.FAILURE and (e.data or {}).get("exception")]
+    root = first_failed_rank(failed_pids, rank_of, failures)
     blamed = [e for e in failures if root is None or e.rank == root]
     exception: str | None = None
     message: str | None = None

@@ -94,8 +94,8 @@ class PeerFailureWatch:
     def __init__(self, failure_recorded: Callable[[], bool]) -> None:
         self._failure_recorded = failure_recorded
         self._seen_gone: set[tuple[int, int | None]] = set()
-        self.died: list[int] = []
-        """The pids seen gone, in the order they were seen."""
+        self.died: list[list[int]] = []
+        """The pids seen gone, one list per look that saw them gone, in the order of the looks."""
 
     def check(self, tree: Mapping[int, int | None]) -> bool:
         new = [(pid, t) for pid, t in tree.items() if t is not None and (pid, t) not in self._seen_gone]
@@ -103,7 +103,7 @@ class PeerFailureWatch:
         if not died:
             return False
         self._seen_gone.update(died)
-        self.died.extend(pid for pid, _ in died)
+        self.died.append([pid for pid, _ in died])
         try:
             return self._failure_recorded()
         except Exception as exc:  # the books cannot tell: leave it to the launcher

@@ -230,10 +230,10 @@ class WorkerGroup:
         """The workers and their descendants still running."""
         return [pid for p in self.procs for pid in p.alive()]
 
-    def failed_pids(self) -> list[int]:
+    def failed_pids(self) -> list[list[int]]:
         """The worker whose failure ended the group (or is recovered in place)."""
         rank = self.continued.failed_rank if self.continued is not None else self.failed_rank
-        return [] if rank is None else [self.procs[rank].pid]
+        return [] if rank is None else [[self.procs[rank].pid]]
 
     def continue_as(self, attempt: int, replacements: dict[int, AttemptProcess], run_dir: Path) -> None:
         """The group goes on as attempt `attempt` after an in-place recovery: the dead workers' replacements
