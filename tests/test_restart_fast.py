@@ -7,11 +7,12 @@ import sys
 import threading
 import time
 
+from ettr.causes import Detail, diagnose
 from ettr.events import Event, EventKind, Outcome
 from ettr.procs import start_ticks
-from ettr.supervisor.classify import AttemptEnd
+from ettr.supervisor.classify import classify
 from ettr.supervisor.policy import backoff_wait_s
-from ettr.supervisor.restart import ExitWaker, PeerFailureWatch, stopped_after_peer_failure, trained
+from ettr.supervisor.restart import ExitWaker, PeerFailureWatch, trained
 
 
 def test_no_backoff_before_the_first_restart_after_progress_and_doubling_after():
@@ -83,10 +84,33 @@ def test_peer_failure_needs_a_dead_process_and_a_failure_record():
         live.wait()
 
 
-def test_a_stop_after_a_peer_failure_is_a_failure_not_a_preemption():
-    end = AttemptEnd(outcome=Outcome.PREEMPTED, exit_code=143, signal="SIGTERM", reason="killed by SIGTERM",
-                     exception="RuntimeError")  # fmt: skip
-    fixed = stopped_after_peer_failure(end)
-    assert fixed.outcome is Outcome.FAILED and "a rank failed: RuntimeError" in fixed.reason
-    failed = AttemptEnd(outcome=Outcome.FAILED, exit_code=1, reason="exit status 1")
-    assert stopped_after_peer_failure(failed) is failed
+def test_a_stop_after_a_rank_failure_is_that_ranks_failure_not_a_signal_or_a_preemption():
+    starts = [Event(EventKind.PROCESS_START, 1.0, 0, r, data={"pid": 100 + r}) for r in (0, 1)]
+    crash = Event(
+        EventKind.FAILURE, 2.0, 0, 1, data={"exception": "InjectedCrash", "message": "crash@step=120"}
+    )
+    # `bash run.sh` around torchrun: ettr saw rank 1 die and stopped the rest; torchrun died of that SIGTERM,
+    # its shell exited 143.
+    end = classify(returncode=143, wrapper=True, events=[*starts, crash], failed_pids=[[101]],
+                   stopped_after_rank_failure=True)  # fmt: skip
+    assert end.outcome is Outcome.FAILED and end.signal is None and end.exit_code == 143
+    assert end.exception == "InjectedCrash" and end.reason.startswith(
+        "rank 1 failed: InjectedCrash; ettr stopped"
+    )
+    cause = diagnose(outcome=end.outcome, failure=end.to_data(), trained=True)
+    assert (
+        cause.detail is Detail.EXCEPTION
+    )  # the rank's exception, not "killed by SIGTERM (a signal from outside)"
+    # The same exit without ettr's stop: a SIGTERM nobody asked the supervisor for (a scheduler's).
+    outside = classify(returncode=143, wrapper=True, events=[*starts, crash], failed_pids=[[101]])
+    assert outside.outcome is Outcome.PREEMPTED and outside.signal == "SIGTERM"
+    # A launcher that exited on its own after the stop keeps its own status.
+    own = classify(
+        returncode=1, events=[*starts, crash], failed_pids=[[101]], stopped_after_rank_failure=True
+    )
+    assert own.outcome is Outcome.FAILED and own.reason == "exit status 1 (rank 1): InjectedCrash"
+    # A forwarded preemption stays a preemption.
+    preempted = classify(
+        returncode=-15, preempted_by=15, events=[*starts, crash], stopped_after_rank_failure=True
+    )
+    assert preempted.outcome is Outcome.PREEMPTED

@@ -190,6 +190,7 @@ def classify(
     oom_killed: bool = False,
     failed_pids: Sequence[Sequence[int]] = (),
     wrapper: bool = False,
+    stopped_after_rank_failure: bool = False,
 ) -> AttemptEnd:
     """Classify how an attempt ended.
 
@@ -207,6 +208,9 @@ def classify(
             die). The failed rank is in the first look that saw a rank gone: its exception, not the connection
             error another rank died of after it (`first_failed_rank`).
         wrapper: the command is a shell, whose exit status 128 + N says that what it ran died of signal N.
+        stopped_after_rank_failure: the supervisor stopped the attempt's processes because a rank died with a
+            FAILURE on record (`restart.PeerFailureWatch`): a SIGTERM or SIGKILL that ended the command (or
+            what its shell wrapper ran) is ettr's, not the failure; the failed rank's is.
     """
     sig = -returncode if returncode < 0 else None
     exit_code = 128 + sig if sig is not None else returncode
@@ -258,6 +262,15 @@ def classify(
     else:
         how = f"exit status {returncode}"
     ended_by = sig if sig is not None else behind
+    ours = (
+        stopped_after_rank_failure
+        and hung_after_s is None
+        and preempted_by is None
+        and ended_by in (signal.SIGTERM, signal.SIGKILL)
+    )
+    if ours:
+        ended_by = None  # the signal is not why the attempt failed: no cause is read from it
+        oom = exception in _OOM_EXCEPTIONS or (root is not None and oom_killed and not blamed)
     if hung_after_s is not None:
         outcome = Outcome.HUNG
         over = f" (over {hung_bound})" if hung_bound else ""
@@ -268,6 +281,13 @@ def classify(
     elif preempted_by is not None:
         outcome = Outcome.PREEMPTED
         reason = f"{signal_name(preempted_by)} forwarded to the job; {how}"
+    elif ours:
+        # A shell wrapper around torchrun: the supervisor saw rank 1 die with its exception and stopped the
+        # rest before torchrun did; the wrapper then exited 143. Not a preemption, and not a signal's fault.
+        outcome = Outcome.FAILED
+        who = f"rank {root}" if root is not None else "a rank"
+        what = f": {exception}" if exception else (" (out of memory)" if oom else " (no exception recorded)")
+        reason = f"{who} failed{what}; ettr stopped the rest ({how})"
     elif returncode == 0 and wrapper and (hidden := _failure_hidden(events)) is not None:
         # `bash run.sh` whose script runs `python train.py` and then something else (an `echo`, a copy of the
         # logs) exits with that last command's status: the training process's death reads as success.

@@ -16,11 +16,9 @@ import os
 import select
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 
-from ettr.events import Event, EventKind, Outcome
+from ettr.events import Event, EventKind
 from ettr.procs import running
-from ettr.supervisor.classify import AttemptEnd
 
 logger = logging.getLogger("ettr")
 
@@ -109,17 +107,6 @@ class PeerFailureWatch:
         except Exception as exc:  # the books cannot tell: leave it to the launcher
             logger.debug("ettr: cannot read the ledger for a failure (%s)", exc)
             return False
-
-
-def stopped_after_peer_failure(end: AttemptEnd) -> AttemptEnd:
-    """`end` of an attempt the supervisor stopped because a rank failed: a failure, never a preemption
-    (the SIGTERM that stopped the launcher was ours)."""
-    if end.outcome is not Outcome.PREEMPTED:
-        return end
-    what = f": {end.exception}" if end.exception else ""
-    return replace(
-        end, outcome=Outcome.FAILED, reason=f"a rank failed{what}; ettr stopped the rest ({end.reason})"
-    )
 
 
 def trained(events: Iterable[Event]) -> bool:

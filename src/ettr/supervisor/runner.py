@@ -37,7 +37,7 @@ from ettr.supervisor.messages import Progress, say
 from ettr.supervisor.peers import Peers
 from ettr.supervisor.policy import EndedAttempt
 from ettr.supervisor.relaunch import Relaunch
-from ettr.supervisor.restart import ExitWaker, stopped_after_peer_failure, trained
+from ettr.supervisor.restart import ExitWaker, trained
 from ettr.supervisor.signals import SupervisorSignals
 from ettr.supervisor.startwait import StartupWait
 from ettr.supervisor.watch import (
@@ -219,9 +219,8 @@ class AttemptRunner:
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
             failed_pids=running.failed_pids(),
             wrapper=is_shell_command(launch.argv),
+            stopped_after_rank_failure=state.rank_failed,
         )
-        if state.rank_failed:
-            end = stopped_after_peer_failure(end)
         end = p.peers.settle(attempt, end, state.peer_reason, p.signals)
         steps = [
             e.step for e in events if e.kind is EventKind.STEP and e.rank >= 0 and isinstance(e.step, int)
