@@ -109,6 +109,24 @@ def test_a_stop_after_a_rank_failure_is_that_ranks_failure_not_a_signal_or_a_pre
         returncode=1, events=[*starts, crash], failed_pids=[[101]], stopped_after_rank_failure=True
     )
     assert own.outcome is Outcome.FAILED and own.reason == "exit status 1 (rank 1): InjectedCrash"
+    # Rank 1 SIGKILLed, rank 0 died of the reset, ettr stopped the rest, the shell exited 143: the kill that
+    # torchrun's summary names for rank 1 is the failure, not ettr's SIGTERM.
+    reset = Event(
+        EventKind.FAILURE,
+        2.0,
+        0,
+        0,
+        data={"exception": "RuntimeError", "message": "Connection reset by peer"},
+    )
+    summary = ["  rank      : 1 (local_rank: 1)", "  exitcode  : -9 (pid: 101)  (SIGKILL)"]
+    killed = classify(returncode=143, wrapper=True, events=[*starts, reset], failed_pids=[[101]],
+                      stderr_tail=summary, stopped_after_rank_failure=True)  # fmt: skip
+    assert killed.signal == "SIGKILL" and killed.reason.startswith(
+        "rank 1 failed (killed by SIGKILL); ettr stopped"
+    )
+    assert (
+        diagnose(outcome=killed.outcome, failure=killed.to_data(), trained=True).detail is Detail.PROCESS_LOST
+    )
     # A forwarded preemption stays a preemption.
     preempted = classify(
         returncode=-15, preempted_by=15, events=[*starts, crash], stopped_after_rank_failure=True

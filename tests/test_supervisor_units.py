@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ettr.bootstrap import pythonpath_dir
+from ettr.causes import Detail, diagnose
 from ettr.closing import recorded_job_id
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome, Phase
 from ettr.heartbeat import MainThreadHeartbeat, Progress, latest_heartbeat, read_pulses
@@ -519,6 +520,24 @@ def test_ranks_gone_in_one_look_are_ordered_by_what_they_recorded() -> None:
     # Looks keep their order: a rank seen gone in an earlier look failed first, whatever it recorded.
     earlier = classify(returncode=1, events=[*starts, reset, later], failed_pids=[[101], [102, 100]])
     assert "(rank 1)" in earlier.reason and earlier.exception is None
+
+
+def test_a_rank_sigkilled_under_torchrun_behind_a_shell_wrapper_is_a_kill_not_the_peers_reset() -> None:
+    # pytorch/examples FSDP2's run_example.sh: rank 1 SIGKILLed, rank 0 died of the reset, torchrun exited 1
+    # and so did the shell; torchrun's summary names rank 1's signal.
+    reset = Event(
+        EventKind.FAILURE,
+        2.0,
+        0,
+        0,
+        data={"exception": "RuntimeError", "message": "Connection reset by peer"},
+    )
+    events = [_rank_start(0, 100), _rank_start(1, 101), reset]
+    summary = ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+               "  exitcode  : -9 (pid: 101)  (SIGKILL)", "Connection reset by peer"]  # fmt: skip
+    end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=summary)
+    assert end.signal == "SIGKILL" and end.reason == "killed by SIGKILL (the launcher exited 1) (rank 1)"
+    assert diagnose(outcome=end.outcome, failure=end.to_data(), trained=True).detail is Detail.PROCESS_LOST
 
 
 def test_a_sigkill_behind_a_shell_wrapper_is_said_as_such() -> None:

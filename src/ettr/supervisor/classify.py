@@ -242,10 +242,13 @@ def classify(
         if found is not None:
             exception, message = found
     behind = None  # the signal that ended what the command ran: its shell's 128 + N, torchrun's summary
+    shell_said = False  # `behind` is the shell's 128 + N (else torchrun's summary of the failed rank)
     if sig is None and returncode != 0:
         if wrapper:
             behind = _wrapped_signal(returncode)
-        elif root is not None and torchrun_exitcodes(stderr_tail).get(root, 0) < 0:
+            shell_said = behind is not None
+        if behind is None and root is not None and torchrun_exitcodes(stderr_tail).get(root, 0) < 0:
+            # (behind a shell wrapper too: `bash run.sh` exits with torchrun's 1 when a rank was SIGKILLed)
             behind = -torchrun_exitcodes(stderr_tail)[root]
     tail_text = "\n".join(stderr_tail)
     oom = (
@@ -255,22 +258,27 @@ def classify(
     )
     if sig is not None:
         how = f"killed by {signal_name(sig)}"
-    elif behind is not None and wrapper:
+    elif behind is not None and shell_said:
         how = f"killed by {signal_name(behind)} (behind its shell wrapper, which exited {returncode})"
     elif behind is not None:
         how = f"killed by {signal_name(behind)} (the launcher exited {returncode})"
     else:
         how = f"exit status {returncode}"
     ended_by = sig if sig is not None else behind
-    ours = (
+    stops = (signal.SIGTERM, signal.SIGKILL)
+    ours = (  # the command (or what its shell ran) died of the signal ettr sent to stop the rest
         stopped_after_rank_failure
         and hung_after_s is None
         and preempted_by is None
-        and ended_by in (signal.SIGTERM, signal.SIGKILL)
+        and (sig in stops or (shell_said and behind in stops))
     )
     if ours:
-        ended_by = None  # the signal is not why the attempt failed: no cause is read from it
-        oom = exception in _OOM_EXCEPTIONS or (root is not None and oom_killed and not blamed)
+        # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it.
+        code = torchrun_exitcodes(stderr_tail).get(root, 0) if root is not None else 0
+        ended_by = -code if code < 0 else None
+        oom = exception in _OOM_EXCEPTIONS or (
+            root is not None and not blamed and oom_killed and ended_by in (None, signal.SIGKILL)
+        )
     if hung_after_s is not None:
         outcome = Outcome.HUNG
         over = f" (over {hung_bound})" if hung_bound else ""
@@ -286,7 +294,12 @@ def classify(
         # rest before torchrun did; the wrapper then exited 143. Not a preemption, and not a signal's fault.
         outcome = Outcome.FAILED
         who = f"rank {root}" if root is not None else "a rank"
-        what = f": {exception}" if exception else (" (out of memory)" if oom else " (no exception recorded)")
+        if exception:
+            what = f": {exception}"
+        elif ended_by is not None:
+            what = f" (killed by {signal_name(ended_by)}{', out of memory' if oom else ''})"
+        else:
+            what = " (out of memory)" if oom else " (no exception recorded)"
         reason = f"{who} failed{what}; ettr stopped the rest ({how})"
     elif returncode == 0 and wrapper and (hidden := _failure_hidden(events)) is not None:
         # `bash run.sh` whose script runs `python train.py` and then something else (an `echo`, a copy of the
