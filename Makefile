@@ -11,12 +11,18 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch first, pinned to the CPU wheel; torchrec without its deps (they would pull CUDA fbgemm).
+# torch first, pinned to the CPU wheel; torchrec without its deps (they would pull CUDA fbgemm). DeepSpeed, for
+# the test of its launcher under `ettr run` only, goes into a directory of its own that the test puts on
+# PYTHONPATH (on the venv's path transformers and accelerate would take it up): its sdist builds no ops
+# (DS_BUILD_OPS=0) and imports torch to build (no build isolation); its other requirements (psutil, pydantic,
+# tqdm, numpy, packaging) are the venv's.
 $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q fbgemm-gpu-cpu==1.8.0
 	$(PIP) install -q --no-deps torchrec==1.8.0
 	$(PIP) install -q -e '.[rec,io,dev,postgres,export,fleet,frameworks]'
+	DS_BUILD_OPS=0 $(PIP) install -q --upgrade --no-deps --no-build-isolation --target $(VENV)/deepspeed \
+		deepspeed==0.19.8 einops==0.8.2 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 py-cpuinfo==9.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -127,6 +127,13 @@ def test_a_stop_after_a_rank_failure_is_that_ranks_failure_not_a_signal_or_a_pre
     assert (
         diagnose(outcome=killed.outcome, failure=killed.to_data(), trained=True).detail is Detail.PROCESS_LOST
     )
+    # A launcher that exits 0 on ettr's SIGTERM (DeepSpeed's, before it saw the rank die) did not complete.
+    zero = classify(
+        returncode=0, events=[*starts, crash], failed_pids=[[101]], stopped_after_rank_failure=True
+    )
+    assert zero.outcome is Outcome.FAILED and zero.reason.startswith(
+        "rank 1 failed: InjectedCrash; ettr stopped"
+    )
     # A forwarded preemption stays a preemption.
     preempted = classify(
         returncode=-15, preempted_by=15, events=[*starts, crash], stopped_after_rank_failure=True

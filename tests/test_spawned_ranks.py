@@ -28,7 +28,9 @@ def _ettr_run(tmp_path: Path, *command: str, options: tuple[str, ...] = ()) -> t
     returns the finished process and the run's events."""
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT / "src"),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT / "src"), os.environ.get("ETTR_TEST_EXTRA_PYTHONPATH")])
+        ),
         "ETTR_STANDBY": "0",
         "HF_HOME": str(tmp_path / "hf"),
     }
@@ -272,6 +274,28 @@ def test_accelerate_launch_is_told_by_its_command_line(argv: list[str], expected
     assert runs_accelerate_launch(argv) is expected
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["python", "/venv/bin/deepspeed", "--num_gpus", "2", "train.py"], True),
+        (["python", "/venv/bin/ds", "train.py"], True),
+        (["python", "-m", "deepspeed.launcher.runner", "train.py"], True),
+        (["python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "train.py"], True),
+        (
+            ["python", "-u", "-m", "deepspeed.launcher.launcher_helper", "--launcher", "mpich", "train.py"],
+            True,
+        ),
+        (["python", "train.py", "--deepspeed", "ds_config.json"], False),
+        (["python", "-m", "deepspeed.env_report"], False),
+        (["python", "/venv/bin/ds_report"], False),
+    ],
+)
+def test_deepspeeds_launchers_are_told_by_their_command_line(argv: list[str], expected: bool) -> None:
+    from ettr.run_env import runs_deepspeed_launcher, runs_rank_launcher
+
+    assert runs_deepspeed_launcher(argv) is expected and runs_rank_launcher(argv) is expected
+
+
 ACCELERATE_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -318,6 +342,38 @@ def _free_port() -> int:
     from ettr.supervisor.launch import free_port
 
     return free_port()
+
+
+DEEPSPEED_DIR = ROOT / ".venv" / "deepspeed"
+"""Where the Makefile installs DeepSpeed, off the venv's path (on it, transformers and accelerate would take it up)."""
+
+
+@pytest.mark.slow
+def test_the_ranks_deepspeeds_launcher_starts_are_the_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launcher = DEEPSPEED_DIR / "bin" / "deepspeed"
+    if not launcher.exists():
+        pytest.skip(f"DeepSpeed is not installed in {DEEPSPEED_DIR} (`make install` puts it there)")
+    # `deepspeed` (its runner) starts `python -u -m deepspeed.launcher.launch`, which starts the ranks with
+    # RANK, LOCAL_RANK and WORLD_SIZE set and `--local_rank=N` (ddp_steps.py takes its rank from RANK).
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("ETTR_TEST_EXTRA_PYTHONPATH", str(DEEPSPEED_DIR))
+    port = str(_free_port())
+    _, events = _ettr_run(
+        tmp_path, sys.executable, str(launcher), "--num_gpus", "2", "--master_port", port, str(DDP_STEPS),
+        options=("--inject", "crash@step=3,rank=1"),
+    )  # fmt: skip
+    assert _fired(events) == [(0, 1)]
+    starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
+    assert starts == [(0, 0), (0, 1), (1, 0), (1, 1)], (
+        _.stderr
+    )  # the ranks only: never the runner or its launch
+    last = {
+        r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
+        for r in (0, 1)
+    }
+    assert last == {0: 8, 1: 8}
 
 
 AGENT_PROGRAM = textwrap.dedent(

@@ -169,6 +169,35 @@ def runs_accelerate_launch(orig_argv: Sequence[str]) -> bool:
     return module == "accelerate.commands.accelerate_cli" and list(orig_argv[at : at + 1]) == ["launch"]
 
 
+DEEPSPEED_LAUNCHER_MODULES = (
+    "deepspeed.launcher.runner",
+    "deepspeed.launcher.launch",
+    "deepspeed.launcher.launcher_helper",
+)
+"""DeepSpeed's launchers: the `deepspeed` command's runner, the per-node launcher it starts (`python -u -m
+deepspeed.launcher.launch`, which starts the ranks with `RANK`, `LOCAL_RANK`, `WORLD_SIZE` set), and the
+helper an MPI launcher runs per rank (which starts the script as its child)."""
+
+
+def runs_deepspeed_launcher(orig_argv: Sequence[str]) -> bool:
+    """Whether a Python process started as `orig_argv` is one of DeepSpeed's launchers (the `deepspeed` / `ds`
+    console scripts, `python -m` one of `DEEPSPEED_LAUNCHER_MODULES`): it runs the training script as
+    processes of their own, never a rank itself. (A script's own `--deepspeed ds_config.json` flag is not.)"""
+    if len(orig_argv) < 2:
+        return False
+    if os.path.basename(orig_argv[1]) in ("deepspeed", "ds"):
+        return True
+    return python_module(orig_argv)[0] in DEEPSPEED_LAUNCHER_MODULES
+
+
+def runs_rank_launcher(orig_argv: Sequence[str]) -> bool:
+    """Whether a Python process started as `orig_argv` is a launcher that starts the ranks as processes of
+    their own and is left alone like a shell wrapper (`accelerate launch`, DeepSpeed's launchers): its
+    children, the attempt's first Python processes below it, are the ranks (torchrun is recognised apart,
+    `runs_torchrun`: its workers are told by `ETTR_LAUNCHER`)."""
+    return runs_accelerate_launch(orig_argv) or runs_deepspeed_launcher(orig_argv)
+
+
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     try:
         return int(environ.get(name, default))

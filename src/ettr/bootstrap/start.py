@@ -68,11 +68,11 @@ def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str
     environ = os.environ if environ is None else environ
     if _started:
         return
-    from ettr.run_env import RUN_DIR_ENV, runs_accelerate_launch, runs_torchrun
+    from ettr.run_env import RUN_DIR_ENV, runs_rank_launcher, runs_torchrun
 
     argv = getattr(sys, "orig_argv", []) if argv is None else argv
     torchrun = runs_torchrun(argv)
-    if environ.get(RUN_DIR_ENV) and (torchrun or runs_accelerate_launch(argv)):
+    if environ.get(RUN_DIR_ENV) and (torchrun or runs_rank_launcher(argv)):
         _started["launcher"] = True
         try:
             hand_ranks_to_workers(environ, os.getpid(), torchrun=torchrun)
@@ -128,8 +128,9 @@ def hand_ranks_to_workers(environ: MutableMapping[str, str], pid: int, *, torchr
     that it is a launcher too (`launcher_parent_path`): it fires no fault and stops beating.
 
     `torchrun=False`: `accelerate launch`, which runs the script as one process of its own (CPU, one device)
-    or through torch elastic's agent in its own process: the launcher is left alone like a shell wrapper,
-    its children are the attempt's first Python processes (a worker of the agent with its RANK)."""
+    or through torch elastic's agent in its own process, and DeepSpeed's launchers (`deepspeed train.py`:
+    its runner starts `python -m deepspeed.launcher.launch`, which starts the ranks with their `RANK`): the
+    launcher is left alone like a shell wrapper, its children are the attempt's first Python processes."""
     from ettr.run_env import INSTRUMENTED_ENV, LAUNCHER_ENV, RANK_CLEARS, Launcher, RunEnv
 
     run_env = RunEnv.from_environ(environ)

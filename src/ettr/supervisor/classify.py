@@ -266,11 +266,13 @@ def classify(
         how = f"exit status {returncode}"
     ended_by = sig if sig is not None else behind
     stops = (signal.SIGTERM, signal.SIGKILL)
-    ours = (  # the command (or what its shell ran) died of the signal ettr sent to stop the rest
+    ours = (  # the command (or what its shell ran) ended by the signal ettr sent to stop the rest
         stopped_after_rank_failure
         and hung_after_s is None
         and preempted_by is None
-        and (sig in stops or (shell_said and behind in stops))
+        # a launcher that ends on ettr's SIGTERM with status 0 (DeepSpeed's, when the signal comes before it
+        # saw the rank's death) would otherwise read as completed
+        and (sig in stops or (shell_said and behind in stops) or returncode == 0)
     )
     if ours:
         # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it.

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from ettr.procs import cpu_seconds, idle_scheduling, normal_scheduling
-from ettr.run_env import runs_accelerate_launch, runs_torchrun
+from ettr.run_env import runs_rank_launcher, runs_torchrun
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
 
@@ -92,7 +92,7 @@ def _interpreter(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]
     if target == "-m":
         if at + 1 >= len(argv) or not argv[at + 1] or argv[at + 1].startswith("-"):
             return None
-        if runs_torchrun(argv) or runs_accelerate_launch(argv):
+        if runs_torchrun(argv) or runs_rank_launcher(argv):
             return None  # a launcher (the real torchrun, accelerate launch): its workers are not this process
     elif target.startswith("-") or not target.endswith(".py") or not os.path.isfile(target):
         return None

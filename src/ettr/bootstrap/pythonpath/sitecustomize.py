@@ -15,8 +15,15 @@ def _ettr_bootstrap() -> None:
     import sys
 
     argv = getattr(sys, "orig_argv", None) or []
-    if any("torchrun" in a or "torch.distributed." in a or "accelerate" in a for a in argv[1:6]):
-        # Perhaps a torchrun launcher (or `accelerate launch`) that the job started itself (a shell script,
+    if any(
+        "torchrun" in a
+        or "torch.distributed." in a
+        or "accelerate" in a
+        or "deepspeed" in a
+        or a.endswith("/ds")
+        for a in argv[1:6]
+    ):
+        # Perhaps a torchrun launcher (or `accelerate launch`, DeepSpeed's) that the job started itself (a shell script,
         # a Makefile, a Python program): never a rank; `ettr.bootstrap.start` makes its workers the ranks.
         try:
             from ettr.bootstrap.start import start
