@@ -73,6 +73,27 @@ def test_outside_a_run_there_is_no_run_env_and_bad_numbers_read_as_defaults():
         rank=3, world_size=4, local_rank=1
     )
     assert RankEnv.from_environ({"RANK": "?"}) == RankEnv()
+
+
+def test_a_process_an_mpi_launcher_started_takes_its_rank_from_the_launcher() -> None:
+    ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    assert RankEnv.from_environ(ompi) == RankEnv(rank=3, world_size=4, local_rank=1)
+    hydra = {"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0"}
+    assert RankEnv.from_environ(hydra) == RankEnv(rank=2, world_size=3, local_rank=0)
+    # torchrun's names, where the script (or a launcher under mpirun) set them, come first
+    assert RankEnv.from_environ({**ompi, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}) == RankEnv(
+        rank=0, world_size=2, local_rank=0
+    )
+    # a task of an srun step is Slurm's (srun --mpi=pmi2 sets PMI_RANK too, the same)
+    slurm = {
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1",
+        "PMI_RANK": "1",
+        "PMI_SIZE": "2",
+    }
+    assert RankEnv.from_environ(slurm) == RankEnv(rank=1, world_size=2, local_rank=1)
+    assert RankEnv.from_environ({"PMI_RANK": "1"}) == RankEnv()  # no size: not an MPI world
     with pytest.raises(ValueError, match="attempt"):
         RunEnv(run_dir=Path("/r"), attempt=-1)
 

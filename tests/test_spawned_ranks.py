@@ -376,6 +376,35 @@ def test_the_ranks_deepspeeds_launcher_starts_are_the_ranks(
     assert last == {0: 8, 1: 8}
 
 
+@pytest.mark.slow
+def test_the_processes_mpirun_starts_are_the_ranks_it_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail("CI=true but no mpirun: `make test` runs `make mpi`, which installs Open MPI")
+        pytest.skip("no mpirun (`make mpi` installs Open MPI)")
+    # `mpirun -np 2 python train.py`: no RANK; each process has Open MPI's OMPI_COMM_WORLD_RANK. Before, both
+    # were recorded as rank 0 (one heartbeat file, a fault for rank 1 never fired).
+    root = ["--allow-run-as-root"] if os.getuid() == 0 else []
+    where = ["-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={_free_port()}"]
+    _, events = _ettr_run(
+        tmp_path, mpirun, *root, "--oversubscribe", *where, "-np", "2", sys.executable, str(DDP_STEPS),
+        options=("--inject", "crash@step=3,rank=1"),
+    )  # fmt: skip
+    assert _fired(events) == [(0, 1)]
+    starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
+    assert starts == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    last = {
+        r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
+        for r in (0, 1)
+    }
+    assert last == {0: 8, 1: 8}
+
+
 AGENT_PROGRAM = textwrap.dedent(
     """
     import sys

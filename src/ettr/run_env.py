@@ -98,6 +98,12 @@ SLURM_PROCID_ENV, SLURM_LOCALID_ENV, SLURM_STEP_TASKS_ENV = (
     "SLURM_STEP_NUM_TASKS",
 )
 """A task of an srun step: its rank, its rank on the node, the step's tasks (set by srun, not in a batch script)."""
+MPI_RANK_NAMES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # Open MPI's mpirun
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # MPICH's and Intel MPI's Hydra (mpiexec)
+)
+"""A process an MPI launcher started (`mpirun -np 2 python train.py`): its rank, the world's size, its rank on
+the node, as each launcher names them (set by the launcher, read here only)."""
 TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 """Present in torchrun's workers, absent in the torchrun agent itself."""
 
@@ -317,13 +323,21 @@ class RankEnv:
         """`ETTR_RANK`/`ETTR_WORLD_SIZE` (a rank ettr numbered), else torchrun's `RANK`/`WORLD_SIZE`/
         `LOCAL_RANK`, else, in a task of an srun step (`SLURM_STEP_NUM_TASKS`: a batch script has none),
         Slurm's `SLURM_PROCID`/`SLURM_STEP_NUM_TASKS`/`SLURM_LOCALID` (scripts that take their rank from
-        Slurm, started as `srun python train.py`), else one process alone."""
+        Slurm, started as `srun python train.py`), else an MPI launcher's (`MPI_RANK_NAMES`: scripts started
+        as `mpirun -np N python train.py`), else one process alone."""
         environ = os.environ if environ is None else environ
         rank, world_size, local_rank = 0, 1, 0  # one process alone
         if SLURM_STEP_TASKS_ENV in environ:  # a task of an srun step
             rank = _int(environ, SLURM_PROCID_ENV, 0)
             world_size = _int(environ, SLURM_STEP_TASKS_ENV, 1)
             local_rank = _int(environ, SLURM_LOCALID_ENV, 0)
+        else:
+            for rank_name, size_name, local_name in MPI_RANK_NAMES:
+                if rank_name in environ and size_name in environ:  # a process an MPI launcher started
+                    rank = _int(environ, rank_name, 0)
+                    world_size = _int(environ, size_name, 1)
+                    local_rank = _int(environ, local_name, 0)
+                    break
         local_rank = _int(environ, LOCAL_RANK_ENV, local_rank)
         base = _int(environ, RANK_BASE_ENV, -1)  # started by a launcher that sets LOCAL_RANK only
         if base >= 0:
