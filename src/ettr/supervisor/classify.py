@@ -243,13 +243,14 @@ def classify(
             exception, message = found
     behind = None  # the signal that ended what the command ran: its shell's 128 + N, torchrun's summary
     shell_said = False  # `behind` is the shell's 128 + N (else torchrun's summary of the failed rank)
+    root_code = torchrun_exitcodes(stderr_tail).get(root, 0) if root is not None else 0
     if sig is None and returncode != 0:
         if wrapper:
             behind = _wrapped_signal(returncode)
             shell_said = behind is not None
-        if behind is None and root is not None and torchrun_exitcodes(stderr_tail).get(root, 0) < 0:
+        if behind is None and root_code < 0:
             # (behind a shell wrapper too: `bash run.sh` exits with torchrun's 1 when a rank was SIGKILLed)
-            behind = -torchrun_exitcodes(stderr_tail)[root]
+            behind = -root_code
     tail_text = "\n".join(stderr_tail)
     oom = (
         (signal.SIGKILL in (sig, behind) and oom_killed)
@@ -276,8 +277,7 @@ def classify(
     )
     if ours:
         # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it.
-        code = torchrun_exitcodes(stderr_tail).get(root, 0) if root is not None else 0
-        ended_by = -code if code < 0 else None
+        ended_by = -root_code if root_code < 0 else None
         oom = exception in _OOM_EXCEPTIONS or (
             root is not None and not blamed and oom_killed and ended_by in (None, signal.SIGKILL)
         )
