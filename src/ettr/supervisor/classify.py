@@ -302,7 +302,8 @@ def classify(
             what = f" (killed by {signal_name(ended_by)}{', out of memory' if oom else ''})"
         else:
             what = " (out of memory)" if oom else " (no exception recorded)"
-        reason = f"{who} failed{what}; ettr stopped the rest ({how})"
+        ended = "the command exited 0 after it" if returncode == 0 else how
+        reason = f"{who} failed{what}; ettr stopped the rest ({ended})"
     elif returncode == 0 and wrapper and (hidden := _failure_hidden(events)) is not None:
         # `bash run.sh` whose script runs `python train.py` and then something else (an `echo`, a copy of the
         # logs) exits with that last command's status: the training process's death reads as success.
