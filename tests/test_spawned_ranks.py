@@ -54,6 +54,21 @@ def _fired(events: list[Any]) -> list[tuple[int, int]]:
     ]
 
 
+def _starts(events: list[Any]) -> list[tuple[int, int]]:
+    """(attempt, rank) of every recorded process start, sorted."""
+    return sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
+
+
+def _last_steps(
+    events: list[Any], ranks: range | tuple[int, ...] = (0, 1), attempt: int = 1
+) -> dict[int, int]:
+    """The last step each of `ranks` recorded in `attempt`."""
+    return {
+        r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (attempt, r))
+        for r in ranks
+    }
+
+
 def test_what_an_untrained_process_spawns_are_ranks_and_the_first_to_step_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -247,13 +262,8 @@ def test_lightning_ddp_run_as_python_records_the_ranks_it_starts_as_scripts(tmp_
     script.write_text(LIGHTNING_SPAWN.replace('strategy="ddp_spawn"', 'strategy="ddp"'))
     _, events = _ettr_run(tmp_path, sys.executable, str(script), options=("--inject", "crash@step=3,rank=1"))
     assert _fired(events) == [(0, 1)]  # the rank Lightning started as a script
-    starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
-    assert starts == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    last = {
-        r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
-        for r in (0, 1)
-    }
-    assert last == {0: 8, 1: 8}
+    assert _starts(events) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert _last_steps(events) == {0: 8, 1: 8}
 
 
 @pytest.mark.parametrize(
@@ -331,11 +341,8 @@ def test_the_script_accelerate_launch_runs_is_the_rank(tmp_path: Path, processes
         options=("--inject", f"crash@step=3,rank={processes - 1}"),
     )  # fmt: skip
     assert _fired(events) == [(0, processes - 1)]
-    starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
-    assert starts == sorted((a, r) for a in (0, 1) for r in range(processes))  # never accelerate itself
-    last = {r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
-            for r in range(processes)}  # fmt: skip
-    assert set(last.values()) == {16 // processes}
+    assert _starts(events) == sorted((a, r) for a in (0, 1) for r in range(processes))  # never accelerate
+    assert set(_last_steps(events, range(processes)).values()) == {16 // processes}
 
 
 def _free_port() -> int:
@@ -365,15 +372,9 @@ def test_the_ranks_deepspeeds_launcher_starts_are_the_ranks(
         options=("--inject", "crash@step=3,rank=1"),
     )  # fmt: skip
     assert _fired(events) == [(0, 1)]
-    starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
-    assert starts == [(0, 0), (0, 1), (1, 0), (1, 1)], (
-        _.stderr
-    )  # the ranks only: never the runner or its launch
-    last = {
-        r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
-        for r in (0, 1)
-    }
-    assert last == {0: 8, 1: 8}
+    # the ranks only: never the runner or its launch
+    assert _starts(events) == [(0, 0), (0, 1), (1, 0), (1, 1)], _.stderr
+    assert _last_steps(events) == {0: 8, 1: 8}
 
 
 @pytest.mark.slow
@@ -396,13 +397,8 @@ def test_the_processes_mpirun_starts_are_the_ranks_it_numbers(
         options=("--inject", "crash@step=3,rank=1"),
     )  # fmt: skip
     assert _fired(events) == [(0, 1)]
-    starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
-    assert starts == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    last = {
-        r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
-        for r in (0, 1)
-    }
-    assert last == {0: 8, 1: 8}
+    assert _starts(events) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert _last_steps(events) == {0: 8, 1: 8}
 
 
 AGENT_PROGRAM = textwrap.dedent(
@@ -422,11 +418,7 @@ def test_the_workers_of_torchruns_agent_run_inside_a_program_are_the_ranks(tmp_p
         tmp_path, sys.executable, "launch.py", str(DDP_STEPS), options=("--inject", "crash@step=3,rank=1")
     )
     assert _fired(events) == [(0, 1)]
-    last = {
-        r: max(e.step for e in events if e.kind is EventKind.STEP and (e.attempt, e.rank) == (1, r))
-        for r in (0, 1)
-    }
-    assert last == {0: 8, 1: 8}
+    assert _last_steps(events) == {0: 8, 1: 8}
 
 
 HELPERS_THEN_TRAIN = textwrap.dedent(
