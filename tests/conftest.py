@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,39 @@ def _no_compile_session_from_in_process_hooks(monkeypatch: pytest.MonkeyPatch) -
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _required(what: str, found: object, how: str) -> None:
+    """Outside CI a machine without `what` skips the test; under CI (`CI=true`) that is a failure: `make test`
+    installs it (`how`)."""
+    if found:
+        return
+    if _in_ci():
+        pytest.fail(f"CI=true but no {what}: {how}")
+    pytest.skip(f"no {what} ({how})")
+
+
+@pytest.fixture
+def mpirun() -> str:
+    """Open MPI's `mpirun` (`make mpi` installs Debian's)."""
+    import shutil
+
+    found = shutil.which("mpirun")
+    _required("mpirun", found, "`make mpi` installs Open MPI")
+    return str(found)
+
+
+DEEPSPEED_DIR = Path(__file__).resolve().parents[1] / ".venv" / "deepspeed"
+"""Where the Makefile installs DeepSpeed, off the venv's path (on it, transformers and accelerate would take it up)."""
+
+
+@pytest.fixture
+def deepspeed_launcher() -> Path:
+    """DeepSpeed's `deepspeed` console script in `DEEPSPEED_DIR/bin` (its package needs `DEEPSPEED_DIR`,
+    `launcher.parents[1]`, on PYTHONPATH)."""
+    launcher = DEEPSPEED_DIR / "bin" / "deepspeed"
+    _required(f"DeepSpeed in {DEEPSPEED_DIR}", launcher.exists(), "`make install` puts it there")
+    return launcher
 
 
 def start_postgres_or_skip() -> object:

@@ -23,14 +23,14 @@ from ettr.run_env import launcher_parent_path, trained_path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _ettr_run(tmp_path: Path, *command: str, options: tuple[str, ...] = ()) -> tuple[Any, list[Any]]:
-    """`ettr run [options] -- command` in `tmp_path` (standbys off, no inherited rank); asserts exit 0;
-    returns the finished process and the run's events."""
+def _ettr_run(
+    tmp_path: Path, *command: str, options: tuple[str, ...] = (), pythonpath: tuple[str, ...] = ()
+) -> tuple[Any, list[Any]]:
+    """`ettr run [options] -- command` in `tmp_path` (standbys off, no inherited rank; `pythonpath` after
+    ettr's source); asserts exit 0; returns the finished process and the run's events."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(ROOT / "src"), os.environ.get("ETTR_TEST_EXTRA_PYTHONPATH")])
-        ),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *pythonpath]),
         "ETTR_STANDBY": "0",
         "HF_HOME": str(tmp_path / "hf"),
     }
@@ -351,25 +351,17 @@ def _free_port() -> int:
     return free_port()
 
 
-DEEPSPEED_DIR = ROOT / ".venv" / "deepspeed"
-"""Where the Makefile installs DeepSpeed, off the venv's path (on it, transformers and accelerate would take it up)."""
-
-
 @pytest.mark.slow
 def test_the_ranks_deepspeeds_launcher_starts_are_the_ranks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deepspeed_launcher: Path
 ) -> None:
-    launcher = DEEPSPEED_DIR / "bin" / "deepspeed"
-    if not launcher.exists():
-        pytest.skip(f"DeepSpeed is not installed in {DEEPSPEED_DIR} (`make install` puts it there)")
     # `deepspeed` (its runner) starts `python -u -m deepspeed.launcher.launch`, which starts the ranks with
     # RANK, LOCAL_RANK and WORLD_SIZE set and `--local_rank=N` (ddp_steps.py takes its rank from RANK).
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    monkeypatch.setenv("ETTR_TEST_EXTRA_PYTHONPATH", str(DEEPSPEED_DIR))
     port = str(_free_port())
     _, events = _ettr_run(
-        tmp_path, sys.executable, str(launcher), "--num_gpus", "2", "--master_port", port, str(DDP_STEPS),
-        options=("--inject", "crash@step=3,rank=1"),
+        tmp_path, sys.executable, str(deepspeed_launcher), "--num_gpus", "2", "--master_port", port,
+        str(DDP_STEPS), options=("--inject", "crash@step=3,rank=1"), pythonpath=(str(deepspeed_launcher.parents[1]),),
     )  # fmt: skip
     assert _fired(events) == [(0, 1)]
     # the ranks only: never the runner or its launch
@@ -378,16 +370,7 @@ def test_the_ranks_deepspeeds_launcher_starts_are_the_ranks(
 
 
 @pytest.mark.slow
-def test_the_processes_mpirun_starts_are_the_ranks_it_numbers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import shutil
-
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-            pytest.fail("CI=true but no mpirun: `make test` runs `make mpi`, which installs Open MPI")
-        pytest.skip("no mpirun (`make mpi` installs Open MPI)")
+def test_the_processes_mpirun_starts_are_the_ranks_it_numbers(tmp_path: Path, mpirun: str) -> None:
     # `mpirun -np 2 python train.py`: no RANK; each process has Open MPI's OMPI_COMM_WORLD_RANK. Before, both
     # were recorded as rank 0 (one heartbeat file, a fault for rank 1 never fired).
     root = ["--allow-run-as-root"] if os.getuid() == 0 else []

@@ -93,7 +93,7 @@ def _interpreter(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]
         if at + 1 >= len(argv) or not argv[at + 1] or argv[at + 1].startswith("-"):
             return None
         if runs_torchrun(argv) or runs_rank_launcher(argv):
-            return None  # a launcher (the real torchrun, accelerate launch): its workers are not this process
+            return None  # a launcher (torchrun, accelerate launch, DeepSpeed's): its workers are not this process
     elif target.startswith("-") or not target.endswith(".py") or not os.path.isfile(target):
         return None
     found = shutil.which(argv[0], path=env.get("PATH"))
