@@ -15,7 +15,15 @@ from typing import Any
 
 import pytest
 
-from ettr.bootstrap.spawned import SpawnedRank, become_rank, hands_over
+from ettr.bootstrap.spawned import (
+    MULTIPROCESSING_CHILD_ARGS,
+    SpawnedRank,
+    become_rank,
+    hands_over,
+    inherited_rank,
+    joining_as,
+    started_by_multiprocessing,
+)
 from ettr.events import EventKind
 from ettr.ledger import read_run_events
 from ettr.run_env import launcher_parent_path, trained_path
@@ -429,5 +437,136 @@ def test_a_script_that_spawns_helpers_and_then_trains_itself_stays_the_rank(tmp_
     (tmp_path / "train.py").write_text(HELPERS_THEN_TRAIN)
     _, events = _ettr_run(tmp_path, sys.executable, "train.py", options=("--inject", "crash@step=5"))
     assert _fired(events) == [(0, 0)]  # in the script itself: the helpers never stepped, it is no launcher
+    ends = [e.data["outcome"] for e in events if e.kind is EventKind.ATTEMPT_END]
+    assert ends == ["failed", "completed"]
+
+
+def _init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: Any = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Any = None,
+    group_name: str = "",
+) -> None:
+    """The parameters of `torch.distributed.init_process_group` that say who joins."""
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "env", "expected"),
+    [
+        (("gloo",), {"rank": 1, "world_size": 2}, {}, (1, 2)),  # PyTorch's tutorial
+        (("gloo", None, None, 4, 3), {}, {}, (3, 4)),  # positional
+        (("gloo",), {}, {"RANK": "1", "WORLD_SIZE": "2"}, (1, 2)),  # env://, set by the process itself
+        (("gloo", "tcp://127.0.0.1:1234?rank=2&world_size=3"), {}, {}, (2, 3)),
+        (("gloo", "tcp://127.0.0.1:1234"), {"rank": 0, "world_size": 2}, {}, (0, 2)),
+        (("gloo",), {"rank": 0, "world_size": 1}, {}, None),  # one process alone: no rank to become
+        (("gloo",), {"rank": 2, "world_size": 2}, {}, None),  # not a place in the group
+        (("gloo",), {}, {}, None),  # unknown
+        (("gloo",), {"rank": "x", "world_size": 2}, {}, None),
+        (("gloo",), {"nonsense": 1}, {}, None),  # a call torch would refuse: left to torch
+    ],
+)
+def test_the_place_a_process_joins_a_group_at_comes_from_the_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], env: dict[str, str], expected: tuple[int, int] | None
+) -> None:
+    import inspect
+
+    assert joining_as(inspect.signature(_init_process_group), args, kwargs, env) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "inherited"),
+    [
+        ({}, False),  # started by a program that is no rank (the tutorial's main process)
+        ({"TORCHELASTIC_RUN_ID": "x"}, True),  # a helper of a torchrun rank
+        ({"RANK": "1", "WORLD_SIZE": "2"}, True),
+        ({"ETTR_RANK": "0", "ETTR_WORLD_SIZE": "2"}, True),  # a helper of a spawned rank
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, True),  # of an MPI rank
+    ],
+)
+def test_a_helper_of_a_rank_never_becomes_one(env: dict[str, str], inherited: bool) -> None:
+    assert inherited_rank(env) is inherited
+
+
+def test_the_bootstrap_watches_the_processes_multiprocessing_starts() -> None:
+    import multiprocessing.forkserver  # noqa: F401  (the name its command line runs)
+
+    site = (ROOT / "src/ettr/bootstrap/pythonpath/sitecustomize.py").read_text()
+    assert all(f'"{mark}"' in site for mark in MULTIPROCESSING_CHILD_ARGS)  # spelled out there: kept equal
+    spawn_child = [sys.executable, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)", "--multiprocessing-fork"]  # fmt: skip
+    forkserver = [
+        sys.executable,
+        "-c",
+        "from multiprocessing.forkserver import main; main(3, 4, ['__main__'])",
+    ]
+    assert started_by_multiprocessing(spawn_child) and started_by_multiprocessing(forkserver)
+    assert not started_by_multiprocessing([sys.executable, "train.py"])
+
+
+TUTORIAL = textwrap.dedent(
+    """
+    # PyTorch's "Writing Distributed Applications" tutorial: one mp.Process per rank, the rank an argument
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def run(rank, size, steps):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = torch.utils.data.DataLoader(  # spawned workers: helpers of the rank, never ranks
+            torch.utils.data.TensorDataset(torch.randn(16, 8)), batch_size=4, num_workers=1,
+            multiprocessing_context="spawn",
+        )
+        batches = [b for (b,) in loader]
+        for step in range(steps):
+            opt.zero_grad()
+            model(batches[step % len(batches)]).sum().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad.data)
+            opt.step()
+
+    def init_process(rank, size, port, fn):
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        fn(rank, size, 12)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.set_start_method(sys.argv[2])
+        processes = [mp.Process(target=init_process, args=(r, 2, int(sys.argv[1]), run)) for r in range(2)]
+        for p in processes:
+            p.start()
+        for p in processes:
+            p.join()
+        sys.exit(max(abs(p.exitcode) for p in processes))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_processes_that_join_a_group_are_the_ranks_the_tutorials_way(
+    tmp_path: Path, start_method: str
+) -> None:
+    from ettr.supervisor.launch import free_port
+
+    (tmp_path / "train.py").write_text(TUTORIAL)
+    _, events = _ettr_run(
+        tmp_path,
+        sys.executable,
+        "train.py",
+        str(free_port()),
+        start_method,
+        options=("--inject", "crash@step=5,rank=1"),
+    )
+    assert _fired(events) == [(0, 1)]  # in rank 1, not in the program that started the ranks
+    assert _starts(events) == [(0, 0), (0, 0), (0, 1), (1, 0), (1, 0), (1, 1)]  # the program, then its ranks
+    assert _last_steps(events) == {0: 12, 1: 12}
+    failures = [(e.attempt, e.rank) for e in events if e.kind is EventKind.FAILURE]
+    assert (0, 1) in failures  # recorded in the rank, although multiprocessing caught the exception
     ends = [e.data["outcome"] for e in events if e.kind is EventKind.ATTEMPT_END]
     assert ends == ["failed", "completed"]

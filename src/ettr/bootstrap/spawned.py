@@ -27,16 +27,33 @@ becomes a launcher when the agent starts: its workers are the ranks (`_wrap_agen
 Lightning's `strategy="ddp"` run as `python train.py` starts the other local ranks as new runs of the script
 (`_SubprocessScriptLauncher`): they are started without the marker and with `ETTR_RANK_BASE`, so that each is
 instrumented under its global rank (`_wrap_lightning`).
+
+PyTorch's "Writing Distributed Applications" tutorial starts its ranks with multiprocessing itself, one
+`mp.Process(target=init_process, args=(rank, size, run))` each (start method `spawn`), and passes the rank to
+`init_process_group(backend, rank=rank, world_size=size)`; nothing torch-specific starts them, so nothing above
+sees them. A process that multiprocessing started with its `spawn` or `forkserver` method under the
+instrumented process (it carries that process's marker) is therefore watched (`watch_join`, from the
+bootstrap's sitecustomize): when it joins a process group of more than one rank (its rank and world size from
+`init_process_group`'s arguments, its `init_method`'s query, or `RANK`/`WORLD_SIZE`), it becomes that rank
+(`become_rank`) before the group forms, and the process that started it is told it is a launcher at its first
+step, as with `torch.multiprocessing.spawn`. It is not watched when it inherited a rank (a helper of a torchrun,
+spawned, srun or MPI rank), and does not become one when the process that started it has trained (that
+process's helpers). An exception out of a `Process`'s `run` is recorded as the rank's FAILURE
+(multiprocessing catches it before any excepthook). Processes forked with the `fork` method (Python 3.11's
+default on Linux) are copies of the instrumented process and are left alone: their steps are booked as that
+process's.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from types import ModuleType
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from ettr.patcher import Patcher
 
@@ -227,3 +244,128 @@ def hands_over(
     except Exception as exc:
         logger.warning("ettr: spawned ranks will not be recorded (%s: %s)", type(exc).__name__, exc)
         return False
+
+
+MULTIPROCESSING_CHILD_ARGS = ("--multiprocessing-fork", "multiprocessing.forkserver")
+"""In the command line of a process multiprocessing started with its `spawn` method (the flag), or of its
+forkserver (whose forks are that method's children)."""
+
+_join: dict[str, Any] = {}
+
+
+def started_by_multiprocessing(argv: list[str]) -> bool:
+    """Whether `argv` (`sys.orig_argv`) is a `spawn` child's or the forkserver's."""
+    return any(mark in arg for arg in argv[1:6] for mark in MULTIPROCESSING_CHILD_ARGS)
+
+
+def watch_join(environ: MutableMapping[str, str] | None = None) -> None:
+    """In a process multiprocessing started (`spawn`, `forkserver`) under the instrumented process: become a
+    rank when joining a process group of several ranks (see the module docstring). Called by the bootstrap's
+    sitecustomize; imports nothing of torch; never raises."""
+    from ettr.post_import import when_imported
+    from ettr.run_env import INSTRUMENTED_ENV, RunEnv
+
+    environ = os.environ if environ is None else environ
+    try:
+        run_env = RunEnv.from_environ(environ)
+        spawner = int(environ.get(INSTRUMENTED_ENV, ""))
+        if run_env is None or spawner == os.getpid() or inherited_rank(environ):
+            return
+        _join.update(spawner=spawner, run_dir=run_env.run_dir, attempt=run_env.attempt)
+        when_imported("torch.distributed", _wrap_join)
+        when_imported("multiprocessing.process", _wrap_process_run)
+    except Exception as exc:
+        logger.warning("ettr: this process will not be recorded as a rank (%s: %s)", type(exc).__name__, exc)
+
+
+def inherited_rank(environ: Mapping[str, str]) -> bool:
+    """Whether this process inherited a rank's place: it is a helper of a torchrun, spawned, srun or MPI rank."""
+    from ettr.run_env import TORCHELASTIC_RUN_ID_ENV, RankEnv
+
+    return bool(environ.get(TORCHELASTIC_RUN_ID_ENV)) or RankEnv.from_environ(environ).world_size > 1
+
+
+def joining_as(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any], environ: Mapping[str, str]
+) -> tuple[int, int] | None:
+    """(rank, world size) that this call of `init_process_group` joins as, when it is a group of several ranks
+    and both are known; else None. Never raises."""
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        rank, world_size = bound.get("rank", -1), bound.get("world_size", -1)
+        init_method = bound.get("init_method")
+        if isinstance(init_method, str) and "?" in init_method:  # tcp://host:port?rank=1&world_size=2
+            query = parse_qs(urlsplit(init_method).query)
+            rank = int(query["rank"][0]) if rank in (None, -1) and "rank" in query else rank
+            if world_size in (None, -1) and "world_size" in query:
+                world_size = int(query["world_size"][0])
+        rank = int(environ.get("RANK", "-1")) if rank in (None, -1) else int(rank)
+        world_size = int(environ.get("WORLD_SIZE", "-1")) if world_size in (None, -1) else int(world_size)
+    except (TypeError, ValueError, KeyError, IndexError):
+        return None
+    return (rank, world_size) if world_size > 1 and 0 <= rank < world_size else None
+
+
+def _wrap_join(dist: ModuleType) -> None:
+    c10d = getattr(dist, "distributed_c10d", None)
+    if c10d is None or not callable(getattr(c10d, "init_process_group", None)):
+        return
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            spawner = _join.pop("spawner", None)  # the first group this process joins decides
+            if spawner is not None and _becomes_rank(spawner, signature, args, kwargs):
+                current = getattr(c10d, "init_process_group", None)
+                if callable(current) and current is not init_process_group:
+                    return current(*args, **kwargs)  # through the hooks the rank's bootstrap just installed
+            return original(*args, **kwargs)
+
+        return init_process_group
+
+    before = c10d.init_process_group
+    _patcher.wrap(c10d, "init_process_group", make)
+    if getattr(dist, "init_process_group", None) is before:
+        _patcher.set(dist, "init_process_group", c10d.init_process_group)
+
+
+def _becomes_rank(
+    spawner: int, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Make this process the rank it joins as, unless `spawner`, the process that started it, has trained.
+    Never raises."""
+    from ettr.bootstrap.start import at_first_step, tell_launcher
+    from ettr.run_env import trained_path
+
+    try:
+        place = joining_as(signature, args, kwargs, os.environ)
+        if place is None or trained_path(_join["run_dir"], _join["attempt"], spawner).exists():
+            return False
+        become_rank(*place)
+        at_first_step(lambda: tell_launcher(spawner, b"spawn"))
+        return True
+    except Exception as exc:
+        logger.warning("ettr: this process will not be recorded as a rank (%s: %s)", type(exc).__name__, exc)
+        return False
+
+
+def _wrap_process_run(module: ModuleType) -> None:
+    """`multiprocessing.process.BaseProcess.run`: its exception, in a process that became a rank, is that rank's
+    FAILURE (multiprocessing prints it and exits 1; no excepthook sees it)."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any) -> Any:
+            try:
+                return original(self)
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as exc:
+                from ettr.bootstrap.start import record_uncaught
+
+                record_uncaught(exc)  # nothing where this process is not an instrumented rank
+                raise
+
+        return run
+
+    _patcher.wrap(module.BaseProcess, "run", make)

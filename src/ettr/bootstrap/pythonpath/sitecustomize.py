@@ -37,6 +37,14 @@ def _ettr_bootstrap() -> None:
     # them equal) because importing ettr here is what this check avoids.
     marker = env.get("ETTR_INSTRUMENTED_PID")
     if marker and marker != str(os.getpid()):
+        if any("--multiprocessing-fork" in a or "multiprocessing.forkserver" in a for a in argv[1:6]):
+            # Started by multiprocessing (spawn, forkserver): a rank if it joins a process group (PyTorch's
+            # tutorial starts its ranks so); `ettr.bootstrap.spawned.watch_join` (MULTIPROCESSING_CHILD_ARGS).
+            try:
+                from ettr.bootstrap.spawned import watch_join
+            except Exception:
+                return
+            watch_join()
         return
     if env.get("ETTR_LAUNCHER") == "torchrun" and not env.get("TORCHELASTIC_RUN_ID"):
         return
