@@ -206,3 +206,35 @@ def test_a_folder_of_runs_given_as_a_run_directory_says_how_to_read_them(tmp_pat
         locate(tmp_path)
     with pytest.raises(LedgerError, match=r"inside\)$"):
         locate(tmp_path / "a" / "missing")
+
+
+@pytest.mark.parametrize(
+    ("forged", "read"),
+    [
+        (  # an OpenSSL engine is a shared library: libpq would load it, its constructor run in `ettr report`
+            "postgresql://u@10.0.0.1:5432/db?sslmode=require&sslcert=/run/x/c.pem&sslkey=/run/x/evil.so:k",
+            "postgresql://u@10.0.0.1:5432/db?sslmode=require&require_auth=!password",
+        ),
+        (  # TLS secrets appended to any file the reader can write
+            "postgresql://u@h/db?sslkeylogfile=/etc/precious&connect_timeout=3",
+            "postgresql://u@h/db?connect_timeout=3&require_auth=!password",
+        ),
+        (
+            "postgres://u@h/db?passfile=/dev/zero&service=x&options=-c%20a%3Db&sslrootcert=/fifo&sslcrl=/f",
+            "postgres://u@h/db?require_auth=!password",
+        ),
+        ("postgresql:///db", "postgresql:///db?require_auth=!password"),  # the local socket: no host
+        (
+            "postgresql://u@h/db?host=/var/run/postgresql&port=5433&application_name=a&target_session_attrs=any",
+            "postgresql://u@h/db?host=%2Fvar%2Frun%2Fpostgresql&port=5433&application_name=a"
+            "&target_session_attrs=any&require_auth=!password",
+        ),
+    ],
+)
+def test_a_forged_pointer_names_no_file_of_this_machine_to_libpq(tmp_path, forged, read):
+    from ettr.ledger.locate import read_pointer
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "ledger-url.json").write_text(json.dumps({"url": forged, "job_id": "j"}))
+    assert read_pointer(run_dir) == (read, "j")

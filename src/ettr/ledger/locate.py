@@ -52,22 +52,39 @@ UNTRUSTED_AUTH = "!password"
 """libpq's `require_auth` for a server named by a file on disk: never send the password in clear text."""
 
 
+UNTRUSTED_KEYS = frozenset(
+    {
+        "host", "hostaddr", "port", "dbname", "user", "password",  # the server and account it names
+        "connect_timeout", "application_name", "target_session_attrs", "load_balance_hosts",
+        "keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count", "tcp_user_timeout",
+        "sslmode", "channel_binding", "gssencmode", "ssl_min_protocol_version", "ssl_max_protocol_version",
+    }
+)  # fmt: skip
+"""The libpq parameters a URL read from a run directory keeps: those that name the server and bound the
+connection. The others name files on this machine that libpq reads, writes or loads: `sslkey=ENGINE:KEY`
+makes OpenSSL load ENGINE (an absolute path: a shared library, its code run at load), `sslkeylogfile`
+appends TLS secrets to any file, `sslcert`/`sslrootcert`/`sslcrl`/`passfile`/`service` read files (a FIFO
+blocks); `options` and `krbsrvname` reach the server's or Kerberos's configuration."""
+
+
 def untrusted_server_url(url: str) -> str:
-    """`url` as read from a run directory (which anyone who could write there may have forged): a
-    PostgreSQL URL gets `require_auth=!password` in place of any it had, so that a forged pointer to
-    someone's server never makes libpq hand it PGPASSWORD (or a ~/.pgpass entry) in clear text; other URLs
-    as they are."""
-    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+    """`url` as read from a run directory (which anyone who could write there may have forged). A PostgreSQL
+    URL keeps only the query parameters in `UNTRUSTED_KEYS` (nothing it names is loaded, read or written on
+    this machine) and gets `require_auth=!password`, so that a forged pointer to someone's server never makes
+    libpq hand it PGPASSWORD (or a ~/.pgpass entry) in clear text; other URLs as they are. A run whose books
+    need client certificates is read with `--ledger URL`, which is trusted as given."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit
 
     if not url.lower().startswith(("postgresql://", "postgres://")):
         return url
     try:
         parts = urlsplit(url)
-        query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "require_auth"]
+        query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k in UNTRUSTED_KEYS]
     except ValueError:
         return url  # not a URL libpq would take either: opening it fails with one line
     query.append(("require_auth", UNTRUSTED_AUTH))
-    return urlunsplit(parts._replace(query=urlencode(query, safe="!")))
+    # Assembled by hand: `urlunsplit` drops an empty host (`postgresql:///db`, the local socket)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}?{urlencode(query, safe='!')}"
 
 
 def is_run_dir(path: str | os.PathLike[str]) -> bool:
