@@ -55,6 +55,22 @@ def test_the_job_file_merges_across_attempts_and_survives_corruption(tmp_path):
     assert dynamic.load(path) == ((), [])
 
 
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "[" * 100_000,  # nested past the recursion limit
+        '{"schema": "ettr.compile-dynamic/1", "sources": 5, "reasons": 7}',
+        '{"schema": "ettr.compile-dynamic/1", "sources": [' + '"x",' * (2 << 20) + '"x"]}',  # too large
+        "[]",
+    ],
+)
+def test_a_forged_job_file_is_read_as_nothing_learned(tmp_path, forged):
+    path = dynamic.job_file(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(forged)
+    assert dynamic.load(path) == ((), [])
+
+
 def test_apply_keeps_the_users_own_entries():
     torch = pytest.importorskip("torch")
     with torch.compiler.config.patch(dynamic_sources="L\\['user.*'\\]"):

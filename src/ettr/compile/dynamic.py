@@ -22,12 +22,14 @@ from typing import Any
 
 from ettr import torch_compat
 from ettr.atomic import atomic_write
-from ettr.untrusted import open_regular
+from ettr.untrusted import read_json_file
 
 logger = logging.getLogger("ettr")
 
 SCHEMA = "ettr.compile-dynamic/1"
 FILENAME = "dynamic.json"
+MAX_FILE_BYTES = 4 << 20
+"""Larger than what `save` writes (its sources and at most 200 recompile reasons): a larger file is not ours."""
 
 _SIZE_MISMATCH = re.compile(r"tensor '(?P<name>.+?)' size mismatch at index (?P<dim>\d+)")
 _IDENT = re.compile(r"(?P<head>[A-Za-z_]\w*)(?P<rest>.*)$")
@@ -143,15 +145,15 @@ def job_file(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def load(path: str | os.PathLike[str]) -> tuple[tuple[DynamicSource, ...], list[dict[str, Any]]]:
-    """(sources, recompile reasons) kept at `path`; empty when missing or unreadable (never raises)."""
+    """(sources, recompile reasons) kept at `path`; empty when missing or unreadable (never raises: a run
+    directory's file may be forged, nested past the recursion limit, huge, a FIFO or a symlink)."""
     try:
-        with os.fdopen(open_regular(path, follow_symlinks=True), "rb") as f:  # a FIFO: no wait
-            payload = json.loads(f.read())
+        payload = read_json_file(path, MAX_FILE_BYTES)
         if payload.get("schema") != SCHEMA:
             return (), []
         reasons = [dict(r) for r in payload.get("reasons", []) if isinstance(r, Mapping)]
         return parse_many(payload.get("sources", [])), reasons
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
         return (), []
 
 
