@@ -391,18 +391,25 @@ def test_retention_through_the_manager(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [step_dir_name(4), step_dir_name(5)]
 
 
-def test_a_directory_left_by_an_earlier_run_is_replaced(tmp_path, caplog):
+@pytest.mark.parametrize("with_manifest", [True, False])
+def test_a_directory_left_by_an_earlier_run_is_replaced(tmp_path, caplog, with_manifest):
     stale = tmp_path / step_dir_name(1)
     stale.mkdir(parents=True)
     (stale / "__0_0.distcp").write_bytes(b"old junk")
-    (stale / MANIFEST_NAME).write_text("{}")
+    if with_manifest:
+        (stale / MANIFEST_NAME).write_text("{}")
     state = _model_state()
     with caplog.at_level(logging.WARNING, logger="ettr"):
         with CheckpointManager(_config(tmp_path), state, recorder=Recorder(None)) as manager:
             _train(state)
             assert manager.save(1, wait=True)
-    assert "replacing checkpoint directory step_000000001" in caplog.text
     assert verify(open_storage(tmp_path), step_dir_name(1)).step == 1
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(f"{step_dir_name(1)}.replaced-")]
+    if with_manifest:  # committed (or meant to be): someone's data, moved aside whole, never deleted
+        assert "moved checkpoint step_000000001, left by an earlier run, aside" in caplog.text
+        assert len(aside) == 1 and (aside[0] / "__0_0.distcp").read_bytes() == b"old junk"
+    else:  # a save that never committed: nothing to keep
+        assert "replacing incomplete checkpoint directory step_000000001" in caplog.text and not aside
 
 
 def test_preemption_saves_at_the_step_boundary_and_exits_143(tmp_path):

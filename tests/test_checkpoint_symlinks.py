@@ -172,3 +172,40 @@ def test_a_root_reached_through_a_symlink_is_the_same_root(tmp_path):
     alias = tmp_path / "alias"
     alias.symlink_to(real, target_is_directory=True)
     assert _restore(alias)[0] == 1  # the root itself may be a link: the user chose it
+
+
+def test_a_refused_checkpoint_outlives_the_saves_and_retention_of_the_run_that_refused_it(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("ETTR_CHECKPOINT_RESUME_FOREIGN", raising=False)
+    first = tmp_path / "first-job"
+    _save(first, [3, 4], job_id="job-A")
+    copied = tmp_path / "copied"
+    shutil.copytree(first, copied)  # "start from an old run's checkpoints": copied in, then refused
+    before = {n: _snapshot(copied / step_dir_name(n)) for n in (3, 4)}
+    rec = SyncRecorder(MemoryLedger())
+    with _manager(copied, rec, job_id="job-B", keep_last=1) as manager:
+        assert manager.restore() is None  # refused: another job's
+        for step in range(1, 7):  # writes steps 3 and 4 itself; retention keeps the newest one
+            assert manager.save(step, wait=True)
+    names = sorted(p.name for p in copied.iterdir() if p.name.startswith("step_"))
+    assert step_dir_name(6) in names and step_dir_name(1) not in names  # retention ran
+    for n in (3, 4):  # job-A's checkpoints moved aside, whole, when job-B saved the same step
+        aside = [p for p in copied.iterdir() if p.name.startswith(f"{step_dir_name(n)}.replaced-")]
+        assert len(aside) == 1 and _snapshot(aside[0]) == before[n]
+
+
+def test_a_refused_checkpoint_newer_than_the_run_is_never_deleted_by_its_retention(tmp_path, monkeypatch):
+    monkeypatch.delenv("ETTR_CHECKPOINT_RESUME_FOREIGN", raising=False)
+    first = tmp_path / "first-job"
+    _save(first, [50, 60], job_id="job-A")
+    before = _snapshot(first / step_dir_name(50))
+    copied = tmp_path / "copied"
+    shutil.copytree(first, copied)
+    rec = SyncRecorder(MemoryLedger())
+    with _manager(copied, rec, job_id="job-B", keep_last=1) as manager:
+        assert manager.restore() is None
+        for step in range(1, 4):
+            assert manager.save(step, wait=True)
+    assert _snapshot(copied / step_dir_name(50)) == before  # older than job-A's newest: kept all the same
+    assert (copied / step_dir_name(60) / MANIFEST_NAME).exists()

@@ -500,10 +500,10 @@ def apply_retention(
     return removed
 
 
-def quarantine(storage: CheckpointStorage, name: str) -> str | None:
-    """Move a corrupt or abandoned checkpoint aside (`<name>.bad-<unix time>`) so that its step can be
+def quarantine(storage: CheckpointStorage, name: str, label: str = "bad") -> str | None:
+    """Move a corrupt or abandoned checkpoint aside (`<name>.<label>-<unix time>`) so that its step can be
     saved again; it is kept for inspection and never loaded or deleted by ettr. Returns the new name."""
-    new_name = f"{name}.bad-{int(time.time())}"
+    new_name = f"{name}.{label}-{int(time.time())}"
     try:
         storage.rename(name, new_name)
     except OSError as exc:

@@ -54,7 +54,15 @@ from ettr.checkpoint.base import (
     describe_error,
     step_dir_name,
 )
-from ettr.checkpoint.commit import Manifest, apply_retention, lease, list_checkpoints, root_identity, verify
+from ettr.checkpoint.commit import (
+    Manifest,
+    apply_retention,
+    lease,
+    list_checkpoints,
+    quarantine,
+    root_identity,
+    verify,
+)
 from ettr.checkpoint.coordination import Coordinator, StepAgreement
 from ettr.checkpoint.history import FailureHistory
 from ettr.checkpoint.keys import KeyRing
@@ -169,6 +177,8 @@ class CheckpointManager:
         self.last_committed_step: int | None = None
         """The newest step this manager committed or restored (None: none yet)."""
         self._existing_steps = {c.step for c in list_checkpoints(self.storage)}
+        self._refused_steps: set[int] = set()
+        """Intact checkpoints the admission refused (another job's): never deleted by this run."""
         self._warned_earlier_run = False
         self._closed = False
         self._finished = False
@@ -290,7 +300,11 @@ class CheckpointManager:
             try:
                 self._prepare_directory(step)
                 if self.rank == 0:
-                    make_room(self.storage, protected_steps=(step,), lease_ttl_s=self.config.lease_ttl_s)
+                    make_room(
+                        self.storage,
+                        protected_steps=(step, *self._refused_steps),
+                        lease_ttl_s=self.config.lease_ttl_s,
+                    )
                 state_dict = self.state.state_dict(step, world_size=self.world_size)
                 writer = make_writer(
                     self.storage,
@@ -349,10 +363,15 @@ class CheckpointManager:
         if step not in self._existing_steps:
             return
         if self.rank == 0:
-            logger.warning(
-                "ettr: replacing checkpoint directory %s left by an earlier run", step_dir_name(step)
-            )
-            self.storage.remove_tree(step_dir_name(step))
+            name = step_dir_name(step)
+            if any(c.name == name and c.has_manifest for c in list_checkpoints(self.storage)):
+                moved = quarantine(self.storage, name, "replaced")  # committed: someone's data, kept
+                logger.warning("ettr: moved checkpoint %s, left by an earlier run, aside to %s", name, moved)
+            else:
+                logger.warning(
+                    "ettr: replacing incomplete checkpoint directory %s left by an earlier run", name
+                )
+                self.storage.remove_tree(name)
         self._coord.barrier()  # no rank writes before rank 0 has cleared it
         self._existing_steps.discard(step)
 
@@ -380,7 +399,7 @@ class CheckpointManager:
                     removed = apply_retention(
                         self.storage,
                         self.config.keep_last,
-                        protected_steps=(inflight.step,),
+                        protected_steps=(inflight.step, *self._refused_steps),
                         lease_ttl_s=self.config.lease_ttl_s,
                     )
                     if removed:
@@ -672,6 +691,7 @@ class CheckpointManager:
                 choice.manifest.digest if choice.manifest is not None else "",
                 bool(choice.verdict is not None and choice.verdict.authenticated),
             ]
+            self._refused_steps.update(choice.refused_steps)  # rank 0 deletes (retention, making room)
         result = self._coord.broadcast_from_0(result)
         return result[0], result[1], result[2], result[3]
 

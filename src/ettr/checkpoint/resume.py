@@ -34,6 +34,9 @@ class ResumeChoice:
     """The chosen checkpoint's manifest, as admitted (None: nothing chosen)."""
     verdict: Any = None
     """What the admission said of it (`admission.Verdict`; None without one)."""
+    refused_steps: tuple[int, ...] = ()
+    """Steps of the intact checkpoints the admission refused (another job's, unauthenticated): left in place,
+    never deleted by this run (`CheckpointManager` keeps them out of retention)."""
 
 
 def choose_checkpoint(
@@ -72,9 +75,12 @@ def choose_checkpoint(
             "ettr: resuming from %s without authentication: %s", step_dir_name(chosen), verdict.note
         )
         recorder.mark("checkpoint_unauthenticated", checkpoint=step_dir_name(chosen), reason=verdict.note)
+    remaining = list_checkpoints(storage)
+    refused_names = {name for name, _ in resolution.refused}
     return ResumeChoice(
         step=chosen,
-        existing_steps=tuple(c.step for c in list_checkpoints(storage)),
+        existing_steps=tuple(c.step for c in remaining),
+        refused_steps=tuple(c.step for c in remaining if c.name in refused_names),
         manifest=resolution.latest if chosen is not None else None,
         verdict=verdict if chosen is not None else None,
     )
