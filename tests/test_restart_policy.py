@@ -168,6 +168,46 @@ def test_back_off_follows_the_cause() -> None:
             Detail.NODE_LOST,
         ),
         ({"outcome": "failed", "exit_code": 1, "exception": "KeyError"}, True, Cause.USER, Detail.EXCEPTION),
+        (  # rank 1 crashed (its own exception); the output's tail is rank 0's gloo error, the consequence
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "exception": "InjectedCrash",
+                "message": "crash@step=35,attempt=0,rank=1 at step 35",
+                "stderr_tail": [
+                    "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+                ],
+                "process_failure": {"exception": "InjectedCrash", "message": "crash@step=35"},
+            },
+            True,
+            Cause.USER,
+            Detail.EXCEPTION,
+        ),
+        (  # the failed rank's own words name a broken collective or the hardware: those still count
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "exception": "RuntimeError",
+                "message": "NCCL error: unhandled system error",
+            },
+            True,
+            Cause.INFRA,
+            Detail.COLLECTIVE,
+        ),
+        (
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "exception": "RuntimeError",
+                "process_failure": {
+                    "exception": "RuntimeError",
+                    "message": "CUDA error: uncorrectable ECC error encountered",
+                },
+            },
+            True,
+            Cause.INFRA,
+            Detail.HARDWARE,
+        ),
         ({"outcome": "failed", "exit_code": 1, "exception": "KeyError"}, False, Cause.USER, Detail.STARTUP),
         (
             {"outcome": "failed", "exit_code": 127, "reason": "cannot start: x"},

@@ -167,6 +167,16 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
     texts = [str(line) for line in tail] if isinstance(tail, list | tuple) else []
     if isinstance(process, Mapping) and process.get("message"):
         texts.append(str(process["message"]))
+    own = _text(failure.get("message"))
+    if not own and isinstance(process, Mapping) and process_exc == exception:
+        own = _text(process.get("message"))
+    if exception and not is_collective_error(exception, own):
+        # The failed rank's own exception is known and is no broken collective: the output's other lines
+        # (its peers' "Connection closed by peer", the consequence) are not its cause, only its own words
+        # (a Lightning DDP job whose rank 1 crashed read `collective` from rank 0's gloo traceback).
+        texts = [own] if own else []
+    elif own:
+        texts.append(own)
     for detail, needles in (
         (Detail.COLLECTIVE, _COLLECTIVE_TEXT),
         (Detail.HARDWARE, _HARDWARE_TEXT),

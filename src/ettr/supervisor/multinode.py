@@ -135,7 +135,8 @@ class _Node:
             reason=reason,
             signal=data.get("signal") if isinstance(data.get("signal"), str) else end.signal,
             exception=data.get("exception") or end.exception,
-            message=data.get("message") or end.message,
+            # The peer's exception with its own message (none), never with this node's words beside it
+            message=data.get("message") if data.get("exception") else data.get("message") or end.message,
             # The peer's own words say why; this node's (a broken connection) are the consequence.
             stderr_tail=tuple(str(t) for t in tail[-20:])
             if isinstance(tail, list) and tail
