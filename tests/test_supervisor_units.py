@@ -20,7 +20,8 @@ from ettr.inject import parse_spec
 from ettr.procs import descendants, start_ticks
 from ettr.run_env import INSTRUMENTED_ENV, Launcher, heartbeat_path
 from ettr.supervisor import books
-from ettr.supervisor.classify import classify, exception_from_stderr
+from ettr.supervisor.classify import classify
+from ettr.supervisor.command_output import exception_from_stderr
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times, parse_scontrol_times
 from ettr.supervisor.launch import attempt_launch, detect_launcher, torchrun_command
@@ -561,7 +562,10 @@ def test_a_failure_a_shell_wrapper_hides_by_exiting_0_is_a_failure() -> None:
     assert hidden.outcome is Outcome.FAILED and hidden.exit_code == 0
     assert (hidden.exception, hidden.message) == ("InjectedCrash", "at step 50")
     assert "shell wrapper" in hidden.reason and "rank 0 died of InjectedCrash" in hidden.reason
-    assert classify(returncode=0, events=crashed).outcome is Outcome.COMPLETED  # not a shell: its own word
+    # A program that starts its ranks (Lightning's DDP as `python train.py`, mp.Process) and exits 0 while one
+    # of them died of its exception without stepping again hides the failure just the same.
+    launched = classify(returncode=0, events=crashed)
+    assert launched.outcome is Outcome.FAILED and "its launcher hid the failure" in launched.reason
     # A rank that stepped after its FAILURE survived it (restart in place) or was started again.
     survived = [*crashed, Event(EventKind.STEP, 12.0, 0, 0, step=46)]
     assert classify(returncode=0, events=survived, wrapper=True).outcome is Outcome.COMPLETED
@@ -644,3 +648,60 @@ def test_the_job_end_hook_runs_once_after_the_books_close_and_a_failing_one_chan
     ((run_dir, ledger_url, job_id, kinds),) = calls
     assert (run_dir, ledger_url, job_id) == ((tmp_path / "run").absolute(), None, "j1")
     assert kinds[-1] is EventKind.JOB_END  # the books were complete when it ran
+
+
+def test_a_signal_from_outside_that_the_scripts_own_handler_ended_the_job_on_is_a_preemption() -> None:
+    # A scheduler signals the training processes, not `ettr run`; the script's handler saves and exits 0
+    # (Lightning's SIGTERMException is a SystemExit), or 1: the job stopped early, it did not complete.
+    stepped = [Event(EventKind.STEP, 10.0, 0, 0, step=20)]
+    signalled = [(10.5, 0, "SIGTERM")]
+    for code in (0, 1):
+        end = classify(returncode=code, events=stepped, signalled=signalled)
+        assert end.outcome is Outcome.PREEMPTED and end.signal == "SIGTERM" and end.exit_code == code
+        assert end.reason.startswith("rank 0 received SIGTERM, not asked of the supervisor")
+    usr1 = classify(returncode=0, events=stepped, signalled=[(10.5, 1, "SIGUSR1")])  # Slurm's --signal
+    assert usr1.outcome is Outcome.PREEMPTED and "rank 1 received SIGUSR1" in usr1.reason
+    # Rank 1 died of its own exception first; rank 0 got a SIGTERM from an operator after: a failure.
+    crashed = [*stepped, Event(EventKind.FAILURE, 10.2, 0, 1, data={"exception": "KeyError", "message": "k"})]
+    assert classify(returncode=1, events=crashed, signalled=signalled).outcome is Outcome.FAILED
+    # Lightning DDP: rank 0 exits 0 on the SIGTERM, rank 1 then dies of the broken connection.
+    reset = {"exception": "RuntimeError", "message": "Connection closed by peer"}
+    broken = [*stepped, Event(EventKind.FAILURE, 11.0, 0, 1, data=reset)]
+    assert classify(returncode=0, events=broken, signalled=signalled).outcome is Outcome.PREEMPTED
+    assert classify(returncode=0, events=stepped).outcome is Outcome.COMPLETED  # nothing noted: completed
+
+
+def test_torchruns_own_word_that_it_got_a_signal_is_read() -> None:
+    from ettr.supervisor.command_output import torchrun_signal
+
+    tail = [
+        '    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)',
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 25627 got signal: 15",
+    ]
+    assert torchrun_signal(tail) == signal.SIGTERM and torchrun_signal(["exit status 1"]) is None
+    end = classify(returncode=1, stderr_tail=tail)  # `exec torchrun` behind a wrapper, its group signalled
+    assert end.outcome is Outcome.PREEMPTED and end.signal == "SIGTERM"
+    assert end.reason.startswith("SIGTERM to torchrun, which stopped its workers and exited 1")
+
+
+def test_signals_the_scripts_handlers_saw_are_noted_and_their_handlers_kept(tmp_path: Path) -> None:
+    from ettr.run_env import signals_received
+
+    code = (
+        "import os, signal, sys\n"
+        "from ettr.bootstrap.outside_signals import install\n"
+        f"install({str(tmp_path)!r}, 3, 1)\n"
+        "def mine(s, f): print('handled', s, flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, mine)\n"
+        "assert signal.getsignal(signal.SIGTERM) is mine\n"  # Lightning checks what is installed
+        "assert signal.signal(signal.SIGTERM, mine) is mine\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # not watched: left as it is
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "import time; time.sleep(10)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "handled 15" in done.stdout, done.stderr
+    found = signals_received(tmp_path, 3)
+    assert [(rank, name) for _, rank, name in found] == [(1, "SIGTERM")]
+    assert signals_received(tmp_path, 3, before=found[0][0]) == []  # only those before the command ended

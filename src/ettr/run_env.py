@@ -396,6 +396,45 @@ def trained_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Pat
     return agent_dir(run_dir, attempt) / f"{TRAINED_PREFIX}{pid}"
 
 
+SIGNALLED_PREFIX = "signalled-pid-"
+
+
+def signalled_path(run_dir: str | os.PathLike[str], attempt: int, pid: int, signame: str) -> Path:
+    """Written by training process `pid` when a signal it handles itself (`signame`, e.g. SIGTERM) reached it
+    (`ettr.bootstrap.outside_signals`); it holds the process's rank and the time."""
+    return agent_dir(run_dir, attempt) / f"{SIGNALLED_PREFIX}{pid}-{signame}"
+
+
+def signals_received(
+    run_dir: str | os.PathLike[str], attempt: int, *, before: float | None = None
+) -> list[tuple[float, int, str]]:
+    """(time, rank, signal name) of each `signalled_path` of `attempt` noted before `before` (all without),
+    oldest first; unreadable or malformed files are skipped."""
+    found: list[tuple[float, int, str]] = []
+    try:
+        with os.scandir(agent_dir(run_dir, attempt)) as entries:
+            names = [e.name for e in entries if e.name.startswith(SIGNALLED_PREFIX)]
+    except OSError:
+        return []
+    import stat
+
+    for name in names:
+        signame = name.rsplit("-", 1)[-1]
+        try:  # never through a symlink, never a FIFO (it would block)
+            fd = os.open(agent_dir(run_dir, attempt) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                data = os.read(fd, 256) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+            finally:
+                os.close(fd)
+            rank_text, ts_text = data.decode().split()
+            rank, ts = int(rank_text), float(ts_text)
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if signame.startswith("SIG") and signame[3:].isalnum() and (before is None or ts < before):
+            found.append((ts, rank, signame))
+    return sorted(found)
+
+
 def has_trained(run_dir: str | os.PathLike[str], attempt: int) -> bool:
     """Whether any process of `attempt` wrote its `trained_path` (one directory listing)."""
     try:

@@ -162,6 +162,10 @@ def _start(environ: Mapping[str, str]) -> None:
 
         set_parent_death_signal()
     _install_excepthook()
+    if rec.run_dir is not None:
+        from ettr.bootstrap.outside_signals import install as note_outside_signals
+
+        note_outside_signals(str(rec.run_dir), rec.attempt, rec.rank)
     launches = _launches_torchrun(run_env)
     if rec.run_dir is not None:
         from ettr.heartbeat import MainThreadHeartbeat, Progress

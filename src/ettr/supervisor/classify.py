@@ -6,7 +6,6 @@ any other SIGKILL (read it before and after the attempt).
 
 from __future__ import annotations
 
-import re
 import signal
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,9 +14,15 @@ from typing import Any
 
 from ettr.causes import is_collective_error
 from ettr.events import Event, EventKind, Outcome
+from ettr.supervisor.command_output import (
+    exception_line_from_stderr,
+    signal_name,
+    torchrun_exitcodes,
+    torchrun_signal,
+    wrapped_signal,
+)
 
 _OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
-_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s.*|:)?$")
 _OOM_TEXT = ("CUDA out of memory", "Out of memory", "OutOfMemoryError")
 
 
@@ -88,64 +93,6 @@ class AttemptEnd:
         }
 
 
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def exception_line_from_stderr(lines: Sequence[str]) -> tuple[str, str | None] | None:
-    """(type, message) of the last Python traceback's exception line in `lines` (None if there is none)."""
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if not starts:
-        return None
-    found = None
-    for line in lines[starts[-1] + 1 :]:
-        if line[:1].isspace():
-            continue
-        text = line.strip()
-        match = _EXCEPTION_LINE.match(text)
-        if match:
-            _, _, message = text.partition(":")
-            found = (match.group(1).rsplit(".", 1)[-1], message.strip() or None)
-    return found
-
-
-_TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\b")
-_TORCHRUN_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\b")
-
-
-def torchrun_exitcodes(lines: Sequence[str]) -> dict[int, int]:
-    """rank -> exit code of the failed workers that torchrun's failure summary (ChildFailedError) lists in
-    `lines` (negative: killed by that signal)."""
-    found: dict[int, int] = {}
-    rank: int | None = None
-    for line in lines:
-        if match := _TORCHRUN_RANK.match(line):
-            rank = int(match.group(1))
-        elif (match := _TORCHRUN_EXITCODE.match(line)) and rank is not None:
-            found.setdefault(rank, int(match.group(1)))
-            rank = None
-    return found
-
-
-def _wrapped_signal(returncode: int) -> int | None:
-    """The signal N a shell's exit status 128 + N names, if it is one."""
-    if not 128 < returncode < 128 + 65:
-        return None
-    try:
-        return int(signal.Signals(returncode - 128))
-    except ValueError:
-        return None
-
-
-def exception_from_stderr(lines: Sequence[str]) -> str | None:
-    """The exception type of the last Python traceback in `lines` (None if there is none)."""
-    found = exception_line_from_stderr(lines)
-    return None if found is None else found[0]
-
-
 def first_failed_rank(
     looks: Sequence[Sequence[int]], rank_of: Mapping[int, int], failures: Sequence[Event]
 ) -> int | None:
@@ -191,6 +138,7 @@ def classify(
     failed_pids: Sequence[Sequence[int]] = (),
     wrapper: bool = False,
     stopped_after_rank_failure: bool = False,
+    signalled: Sequence[tuple[float, int, str]] = (),
 ) -> AttemptEnd:
     """Classify how an attempt ended.
 
@@ -211,6 +159,11 @@ def classify(
         stopped_after_rank_failure: the supervisor stopped the attempt's processes because a rank died with a
             FAILURE on record (`restart.PeerFailureWatch`): a SIGTERM or SIGKILL that ended the command (or
             what its shell wrapper ran) is ettr's, not the failure; the failed rank's is.
+        signalled: (time, rank, signal name) of the signals the attempt's processes handled themselves
+            (`ettr.bootstrap.outside_signals`), where the supervisor sent none: a scheduler or an operator
+            signalled the job directly, and the script's handler ended it early (with status 0 after a save,
+            Lightning's `SIGTERMException`; or 1, torchrun's `SignalException`). Booked preempted unless a
+            rank's own failure came first.
     """
     sig = -returncode if returncode < 0 else None
     exit_code = 128 + sig if sig is not None else returncode
@@ -243,14 +196,18 @@ def classify(
             exception, message = found
     behind = None  # the signal that ended what the command ran: its shell's 128 + N, torchrun's summary
     shell_said = False  # `behind` is the shell's 128 + N (else torchrun's summary of the failed rank)
+    agent_said = False  # `behind` is the signal torchrun's agent said it got
     root_code = torchrun_exitcodes(stderr_tail).get(root, 0) if root is not None else 0
     if sig is None and returncode != 0:
         if wrapper:
-            behind = _wrapped_signal(returncode)
+            behind = wrapped_signal(returncode)
             shell_said = behind is not None
         if behind is None and root_code < 0:
             # (behind a shell wrapper too: `bash run.sh` exits with torchrun's 1 when a rank was SIGKILLed)
             behind = -root_code
+        agent_got = torchrun_signal(stderr_tail) if behind is None else None
+        if agent_got is not None:  # torchrun itself was signalled (its process group, `exec torchrun`)
+            behind, agent_said = agent_got, True
     tail_text = "\n".join(stderr_tail)
     oom = (
         (signal.SIGKILL in (sig, behind) and oom_killed)
@@ -261,6 +218,8 @@ def classify(
         how = f"killed by {signal_name(sig)}"
     elif behind is not None and shell_said:
         how = f"killed by {signal_name(behind)} (behind its shell wrapper, which exited {returncode})"
+    elif behind is not None and agent_said:
+        how = f"{signal_name(behind)} to torchrun, which stopped its workers and exited {returncode}"
     elif behind is not None:
         how = f"killed by {signal_name(behind)} (the launcher exited {returncode})"
     else:
@@ -304,17 +263,32 @@ def classify(
             what = " (out of memory)" if oom else " (no exception recorded)"
         ended = "the command exited 0 after it" if returncode == 0 else how
         reason = f"{who} failed{what}; ettr stopped the rest ({ended})"
-    elif returncode == 0 and wrapper and (hidden := _failure_hidden(events)) is not None:
+    elif signalled and not (failures and min(e.ts for e in failures) < signalled[0][0]):
+        # The job was signalled from outside (not through ettr run) and its own handler ended it: stopped
+        # early, whatever its status. A preemption: restarted, not counted, the scheduler told (143).
+        outcome = Outcome.PREEMPTED
+        _, first_rank, first_sig = signalled[0]
+        ended_by = signal.Signals[first_sig] if first_sig in signal.Signals.__members__ else ended_by
+        reason = (
+            f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
+            f"and its handler ended the job early; {how}"
+        )
+    elif returncode == 0 and (hidden := _failure_hidden(events)) is not None:
         # `bash run.sh` whose script runs `python train.py` and then something else (an `echo`, a copy of the
         # logs) exits with that last command's status: the training process's death reads as success.
         outcome = Outcome.FAILED
         data = hidden.data or {}
         exception = str(data["exception"])
         message = str(data["message"])[:500] if data.get("message") else None
-        reason = (
-            f"exit status 0 of its shell wrapper, but rank {hidden.rank} died of {exception} (the wrapper "
-            "hides its failure: `exec` the training command, or exit with its status)"
-        )
+        if wrapper:
+            reason = (
+                f"exit status 0 of its shell wrapper, but rank {hidden.rank} died of {exception} (the wrapper "
+                "hides its failure: `exec` the training command, or exit with its status)"
+            )
+        else:  # a launcher or a program that starts its ranks itself and does not pass a rank's death on
+            reason = (
+                f"exit status 0, but rank {hidden.rank} died of {exception} (its launcher hid the failure)"
+            )
     elif returncode == 0:
         outcome = Outcome.COMPLETED
         reason = "completed"

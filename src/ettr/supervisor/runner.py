@@ -24,7 +24,7 @@ from typing import Protocol
 from ettr.constants import FAILURE_DETECTED_MARK, RECOVERY_MARK, RELAUNCH_MARK
 from ettr.events import EventKind, Outcome
 from ettr.heartbeat import latest_heartbeat, read_pulses
-from ettr.run_env import has_trained, heartbeat_dir, trained_modules
+from ettr.run_env import has_trained, heartbeat_dir, signals_received, trained_modules
 from ettr.supervisor import standby
 from ettr.supervisor.attempt import Attempt, AttemptKind, AttemptPlan
 from ettr.supervisor.books import JobBooks
@@ -220,6 +220,7 @@ class AttemptRunner:
             failed_pids=running.failed_pids(),
             wrapper=is_shell_command(launch.argv),
             stopped_after_rank_failure=state.rank_failed,
+            signalled=self._outside_signals(state, attempt),
         )
         end = p.peers.settle(attempt, end, state.peer_reason, p.signals)
         steps = [
@@ -232,6 +233,15 @@ class AttemptRunner:
             last_step=max(steps, default=None),
             first_step=min(steps, default=None),
         )
+
+    def _outside_signals(self, state: WatchState, attempt: int) -> list[tuple[float, int, str]]:
+        """Signals the attempt's processes handled themselves before the command ended, where the supervisor
+        stopped nothing itself (`ettr.bootstrap.outside_signals`)."""
+        if state.forwarded is not None or state.hung_after_s is not None or state.rank_failed:
+            return []
+        if state.peer_reason is not None or state.continued:
+            return []
+        return signals_received(self.parts.books.run_dir, attempt, before=state.detected_at)
 
     def release(self) -> None:
         """End the processes an attempt left running for an in-place restart that will not come (the job

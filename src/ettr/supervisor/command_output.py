@@ -1,0 +1,82 @@
+"""What a command's exit status and output say of how it ended: the signal a shell's 128 + N names, the
+last Python traceback's exception, torchrun's failure summary (which rank, which exit code) and its word that
+it was signalled itself. Pure text reading, for `ettr.supervisor.classify`.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Sequence
+
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s.*|:)?$")
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def exception_line_from_stderr(lines: Sequence[str]) -> tuple[str, str | None] | None:
+    """(type, message) of the last Python traceback's exception line in `lines` (None if there is none)."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return None
+    found = None
+    for line in lines[starts[-1] + 1 :]:
+        if line[:1].isspace():
+            continue
+        text = line.strip()
+        match = _EXCEPTION_LINE.match(text)
+        if match:
+            _, _, message = text.partition(":")
+            found = (match.group(1).rsplit(".", 1)[-1], message.strip() or None)
+    return found
+
+
+_TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\b")
+_TORCHRUN_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\b")
+
+
+def torchrun_exitcodes(lines: Sequence[str]) -> dict[int, int]:
+    """rank -> exit code of the failed workers that torchrun's failure summary (ChildFailedError) lists in
+    `lines` (negative: killed by that signal)."""
+    found: dict[int, int] = {}
+    rank: int | None = None
+    for line in lines:
+        if match := _TORCHRUN_RANK.match(line):
+            rank = int(match.group(1))
+        elif (match := _TORCHRUN_EXITCODE.match(line)) and rank is not None:
+            found.setdefault(rank, int(match.group(1)))
+            rank = None
+    return found
+
+
+_TORCHRUN_SIGNALLED = re.compile(r"SignalException: Process \d+ got signal: (\d+)\s*$")
+
+
+def torchrun_signal(lines: Sequence[str]) -> int | None:
+    """The signal torchrun's agent says it got (`SignalException: Process N got signal: 15`, after which it stops
+    its workers and exits 1), from the last such line of `lines`."""
+    for line in reversed(lines):
+        if match := _TORCHRUN_SIGNALLED.search(line):
+            return int(match.group(1))
+    return None
+
+
+def wrapped_signal(returncode: int) -> int | None:
+    """The signal N a shell's exit status 128 + N names, if it is one."""
+    if not 128 < returncode < 128 + 65:
+        return None
+    try:
+        return int(signal.Signals(returncode - 128))
+    except ValueError:
+        return None
+
+
+def exception_from_stderr(lines: Sequence[str]) -> str | None:
+    """The exception type of the last Python traceback in `lines` (None if there is none)."""
+    found = exception_line_from_stderr(lines)
+    return None if found is None else found[0]
