@@ -95,3 +95,107 @@ def test_open_dir_below_without_create_finds_only_what_is_there(tmp_path, victim
     (base / "steps").symlink_to(victim, target_is_directory=True)
     refused = symlinked_dirs(base, ["agent", "heartbeats", "steps"])
     assert [r.filename for r in refused] == [str(base / "steps")]
+
+
+def test_symlinked_dirs_also_sees_links_directly_inside(tmp_path, victim):
+    base = tmp_path / "run"
+    (base / "heartbeats" / "attempt-0").mkdir(parents=True)
+    (base / "heartbeats" / "attempt-1").symlink_to(victim, target_is_directory=True)
+    (base / "heartbeats" / "attempt-0" / "rank-0-pid-1").write_text("")
+    refused = symlinked_dirs(base, ["heartbeats"], inside=["heartbeats"])
+    assert [r.filename for r in refused] == [str(base / "heartbeats" / "attempt-1")]
+    assert symlinked_dirs(base, ["heartbeats", "agent"], inside=["heartbeats/attempt-0", "agent"]) == []
+
+
+# -- the writers inside a training process: never raise, never write through ---------------------------------
+@pytest.mark.parametrize("link", ["heartbeats", "heartbeats/attempt-2"])
+def test_the_heartbeat_skips_a_symlinked_directory_with_one_line(tmp_path, victim, link, caplog):
+    from ettr.heartbeat import MainThreadHeartbeat
+    from ettr.run_env import heartbeat_path
+
+    run = tmp_path / "run"
+    (run / link).parent.mkdir(parents=True, exist_ok=True)
+    (run / link).symlink_to(victim, target_is_directory=True)
+    beat = MainThreadHeartbeat(heartbeat_path(run, 2, 0, pid=11302), run_dir=run)
+    with caplog.at_level("WARNING", logger="ettr"):
+        beat.start()  # never raises
+    beat.stop()
+    assert _tree(victim) == ["precious.json"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ettr: this process writes no heartbeat: {run / link} is a symlink; ettr does not follow a symlink there"
+    ]
+
+
+def test_the_step_tail_turns_off_under_a_symlinked_steps_directory(tmp_path, victim, caplog):
+    from ettr.steptail import StepTail, tail_path
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "steps").symlink_to(victim, target_is_directory=True)
+    tail = StepTail(tail_path(run, 0, pid=7), run_dir=run)
+    with caplog.at_level("WARNING", logger="ettr"):
+        for step in range(1, 4):
+            tail.note(0, step)  # never raises
+    assert _tree(victim) == ["precious.json"]
+    assert len(caplog.records) == 1 and "steps is a symlink" in caplog.records[0].getMessage()
+
+
+def test_the_launcher_and_first_step_markers_are_not_written_through_a_symlinked_agent(tmp_path, victim):
+    from ettr.bootstrap.start import tell_launcher
+    from ettr.run_env import RunEnv
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "agent").symlink_to(victim, target_is_directory=True)
+    tell_launcher(4242, b"torchrun", RunEnv(run_dir=run, job_id="j", attempt=2))  # never raises
+    assert _tree(victim) == ["precious.json"]
+
+
+def test_compile_job_files_and_spill_files_are_not_written_through_symlinks(tmp_path, victim):
+    from ettr.compile import dynamic
+    from ettr.ledger.spill import _SpillFile, spill_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "compile").symlink_to(victim, target_is_directory=True)
+    with pytest.raises(SymlinkRefused):  # the caller (the compile session) logs it and goes on
+        dynamic.save(dynamic.job_file(run), [])
+    (run / "ledger-spill").symlink_to(victim, target_is_directory=True)
+    with pytest.raises(SymlinkRefused):  # the spilling ledger says it cannot spill there
+        _SpillFile(spill_dir(run), job_id="j", writer="w", node="n")
+    assert _tree(victim) == ["precious.json"]
+
+
+# -- `ettr run` on a run directory with a symlinked subdirectory: one line, exit 2, nothing started ----------
+@pytest.mark.parametrize(
+    "link",
+    ["heartbeats", "agent", "steps", "ledger-spill", "compile", "heartbeats/attempt-2", "agent/attempt-2"],
+)
+def test_ettr_run_refuses_a_run_directory_with_a_symlinked_subdirectory(tmp_path, victim, link, capsys):
+    import sys
+
+    from ettr.cli import main as cli_main
+
+    run = tmp_path / "run"
+    (run / link).parent.mkdir(parents=True, exist_ok=True)
+    (run / link).symlink_to(victim, target_is_directory=True)
+    marker = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    assert cli_main(["run", "--run-dir", str(run), "--max-restarts", "0", "--", *command]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{run / link} is a symlink" in err
+    assert not marker.exists()  # the job never started
+    assert _tree(victim) == ["precious.json"]
+
+
+def test_ettr_run_refuses_a_file_where_a_subdirectory_belongs(tmp_path, capsys):
+    import sys
+
+    from ettr.cli import main as cli_main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "heartbeats").write_text("")
+    assert cli_main(["run", "--run-dir", str(run), "--", sys.executable, "-c", "pass"]) == 2
+    assert "heartbeats is a regular file, not a directory" in capsys.readouterr().err

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Sequence
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -243,10 +244,13 @@ def make_dirs_below(
     return target
 
 
-def symlinked_dirs(base: str | os.PathLike[str], names: tuple[str, ...] | list[str]) -> list[SymlinkRefused]:
-    """The directories `base/NAME` (each NAME a path below `base`) that exist but are reached through a
-    symlink or are not directories, as the `SymlinkRefused` each would raise ([] when every one is a real
-    directory or missing). For a check before anything is written (`ettr run` on an existing run directory)."""
+def symlinked_dirs(
+    base: str | os.PathLike[str], names: Sequence[str], *, inside: Sequence[str] = ()
+) -> list[SymlinkRefused]:
+    """The directories `base/NAME` (each NAME a path below `base`) that exist but are symlinks or not
+    directories, and the symlinks directly inside `base/NAME` for each NAME of `inside`, each as the
+    `SymlinkRefused` a writer would meet ([] when there is none; missing ones are no fault). For a check
+    before anything is written (`ettr run` on an existing run directory)."""
     refused = []
     for name in names:
         try:
@@ -255,4 +259,18 @@ def symlinked_dirs(base: str | os.PathLike[str], names: tuple[str, ...] | list[s
             refused.append(exc)
         except OSError:
             continue  # missing (or unreadable): a writer makes it, or says why
+    for name in inside:
+        try:
+            fd = open_dir_below(base, name)
+        except OSError:
+            continue  # missing, or refused above
+        try:
+            for entry in sorted(os.listdir(fd)):
+                if stat.S_ISLNK(os.lstat(entry, dir_fd=fd).st_mode):
+                    where = os.fspath(Path(base) / name / entry)
+                    refused.append(SymlinkRefused(errno.ELOOP, "a symlink", where))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return refused
