@@ -274,3 +274,76 @@ def test_publish_on_an_empty_queue_says_so_and_succeeds(tmp_path, capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out)["outcomes"] == []
     assert "nothing to publish" in captured.err
+
+
+# -- the queue's layout is never reached through a symlink (field trial: a symlinked requests/ had a
+# -- victim's files moved into failed/; a symlinked claims/ had claims made in another directory)
+
+
+def _tree(directory) -> dict[str, bytes]:
+    """Every file below `directory` (relative name -> bytes): what a refused publisher must leave alone."""
+    return {
+        os.path.relpath(os.path.join(top, name), directory): open(os.path.join(top, name), "rb").read()
+        for top, _, names in os.walk(directory)
+        for name in names
+    }
+
+
+@pytest.mark.parametrize("sub", ["requests", "claims", "done", "failed"])
+def test_a_symlinked_queue_directory_is_refused_and_nothing_outside_is_touched(tmp_path, sub, capsys):
+    queue = PublishQueue(tmp_path / "q", create=True)
+    queue.enqueue(make_request(tmp_path))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.json").write_text('{"precious": true}')
+    (victim / "other.request.json").write_text("{}")
+    before = _tree(victim)
+    kept = tmp_path / "kept"
+    (queue.root / sub).rename(kept)
+    (queue.root / sub).symlink_to(victim, target_is_directory=True)
+    assert cli_main(["publish", str(queue.root), *ALLOW]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{sub} is a symlink" in err
+    assert _tree(victim) == before  # nothing moved out of it, nothing created in it
+    with pytest.raises(PublishError, match="is a symlink"):  # the API says the same
+        PublishQueue(queue.root).pending()
+    with pytest.raises(PublishError, match="is a symlink"):
+        PublishQueue(queue.root, create=True)
+    assert _tree(victim) == before
+
+
+def test_a_queue_directory_that_is_a_file_is_refused(tmp_path, capsys):
+    queue = PublishQueue(tmp_path / "q", create=True)
+    queue.enqueue(make_request(tmp_path))
+    (queue.root / "done").rmdir()
+    (queue.root / "done").write_text("not a directory")
+    assert cli_main(["publish", str(queue.root), *ALLOW]) == 2
+    err = capsys.readouterr().err
+    assert "done is a regular file, not a directory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_queue_directories_are_made_and_the_request_handled(tmp_path, capsys):
+    # Field trial: a queue with requests/ but no claims/ failed every request on the claim's temporary
+    # file (FileNotFoundError), left them in requests/ and made only failed/.
+    queue = PublishQueue(tmp_path / "q", create=True)
+    request = make_request(tmp_path)  # names torch.nn:Linear, which this publisher does not allow
+    queue.enqueue(request)
+    for sub in ("claims", "done", "failed"):
+        (queue.root / sub).rmdir()
+    assert cli_main(["publish", str(queue.root), "--allow-factory", "mypkg.*"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED {request.request_id}: factory 'torch.nn:Linear' is not allowed" in out, out
+    assert all((queue.root / sub).is_dir() for sub in ("claims", "done", "failed"))
+    assert queue.status(request.request_id) == "failed"
+    assert not list((queue.root / "requests").iterdir())  # handled: moved to failed/, not left behind
+
+
+def test_a_queue_root_that_is_a_symlink_is_the_users_choice(tmp_path, capsys):
+    real = PublishQueue(tmp_path / "real-q", create=True)
+    request = make_request(tmp_path)
+    real.enqueue(request)
+    (tmp_path / "q").symlink_to(real.root, target_is_directory=True)
+    assert cli_main(["publish", str(tmp_path / "q"), "--allow-factory", "mypkg.*"]) == 1
+    assert f"FAILED {request.request_id}" in capsys.readouterr().out
+    assert real.status(request.request_id) == "failed"

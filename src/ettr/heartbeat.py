@@ -16,11 +16,16 @@ phases open (a deque append on the recording thread), and the sampler thread wri
 (`{"v": 1, "steps": N, "step_s": S, "phases": [...]}`: steps completed, the median of the last step
 intervals, the phases open now) whenever that changed, at most twice a second, atomically (written aside,
 renamed into place). The supervisor reads it with `read_pulses`; nothing read is ever run.
+
+Never through a symlink: the directories from the run directory down to the file are made with
+`ettr.untrusted.make_dirs_below` (a `heartbeats/` or `attempt-A/` that someone swapped for a symlink is
+refused: that process logs one line and does not beat), and the file itself is opened with O_NOFOLLOW.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import sys
@@ -33,6 +38,9 @@ from types import FrameType
 
 from ettr.events import Event, EventKind
 from ettr.run_env import heartbeat_dir
+from ettr.untrusted import SymlinkRefused, make_dirs_below
+
+logger = logging.getLogger("ettr")
 
 PULSE_SUFFIX = ".pulse"
 _PULSE_VERSION = 1
@@ -218,6 +226,8 @@ class MainThreadHeartbeat:
             program that started torchrun: its workers beat), and it beats no more.
         progress: the process's `Progress` (a Recorder listener); its pulse is written beside `path`
             whenever it changed.
+        run_dir: the run directory `path` lies below: the directories between are made without following
+            a symlink (`make_dirs_below`); None: `path`'s directory is taken as given.
     """
 
     def __init__(
@@ -228,8 +238,10 @@ class MainThreadHeartbeat:
         thread_id: int | None = None,
         stands_down: Callable[[], bool] | None = None,
         progress: Progress | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
     ):
         self.path = Path(path)
+        self._run_dir = run_dir
         self._progress = progress
         self._pulsed = 0  # the progress version last written (0: nothing happened yet)
         self._stands_down = stands_down
@@ -242,9 +254,15 @@ class MainThreadHeartbeat:
     def start(self) -> None:
         """Beat once now and start the sampler (a daemon thread). Never raises."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._run_dir is not None:
+                make_dirs_below(self._run_dir, self.path.parent)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             _touch(self.path)
-        except OSError:
+        except SymlinkRefused as exc:  # someone else's link: beat nowhere rather than through it
+            logger.warning("ettr: this process writes no heartbeat: %s", exc)
+            return
+        except (OSError, ValueError):
             return  # no place to beat: the supervisor then goes by events alone
         self._thread = threading.Thread(target=self._run, name="ettr-heartbeat", daemon=True)
         self._thread.start()

@@ -354,6 +354,12 @@ class RankEnv:
 HEARTBEAT_DIRNAME = "heartbeats"
 STEP_TAIL_DIRNAME = "steps"
 """Where training processes keep their last steps (`ettr.steptail`: `RUN_DIR/steps/rank-R-pid-P`)."""
+AGENT_DIRNAME = "agent"
+RUN_SUBDIRS = (HEARTBEAT_DIRNAME, AGENT_DIRNAME, STEP_TAIL_DIRNAME, "ledger-spill", "compile")
+"""The subdirectories of a run directory that ettr's processes write into (heartbeats, marker files, step
+tails, `ettr.ledger.spill`'s spill files, compile support's job files). Each is made, and reached, without
+following a symlink (`ettr.untrusted.make_dirs_below`); `ettr run` refuses a run directory where one of
+them, or a directory directly inside `heartbeats/` or `agent/`, is a symlink."""
 
 
 def heartbeat_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
@@ -363,7 +369,7 @@ def heartbeat_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
 
 def agent_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
     """Where the processes of `attempt` leave their marker files for the supervisor (`RUN_DIR/agent/attempt-N`)."""
-    return Path(run_dir) / "agent" / f"attempt-{attempt}"
+    return Path(run_dir) / AGENT_DIRNAME / f"attempt-{attempt}"
 
 
 def failed_exit_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
@@ -539,7 +545,7 @@ outlives any rank: `file:///PATH` (a FileStore: one host) or `tcp://HOST:PORT` (
 
 def inplace_dir(run_dir: str | os.PathLike[str]) -> Path:
     """Where ettr's agent and the workers of a resilient job leave their in-place files."""
-    return Path(run_dir) / "agent" / "inplace"
+    return Path(run_dir) / AGENT_DIRNAME / "inplace"
 
 
 def inplace_next_path(run_dir: str | os.PathLike[str]) -> Path:

@@ -15,6 +15,7 @@ cut short leaves an older step that the reader drops. Cost on the training threa
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -24,7 +25,9 @@ from pathlib import Path
 
 from ettr.events import Event, EventKind
 from ettr.run_env import STEP_TAIL_DIRNAME
-from ettr.untrusted import open_regular
+from ettr.untrusted import SymlinkRefused, make_dirs_below, open_regular
+
+logger = logging.getLogger("ettr")
 
 RING_SLOTS = 255
 """Steps a tail holds: more than a 0.5 s flush interval's worth at 500 steps per second."""
@@ -50,8 +53,11 @@ class StepTail:
     Opens its file at the first step; a tail that cannot be opened stays off (the ledger has the steps up
     to its last flush, as without it)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, run_dir: str | os.PathLike[str] | None = None) -> None:
+        """`run_dir`: the run directory `path` lies below; the directories between are made without
+        following a symlink (`make_dirs_below`: a swapped `steps/` turns the tail off, with one line)."""
         self._path = path
+        self._run_dir = run_dir
         self._map: mmap.mmap | None = None
         self._attempt: int | None = None
         self._off = False
@@ -74,7 +80,10 @@ class StepTail:
             return
         try:
             if self._map is None:
-                self._path.parent.mkdir(parents=True, exist_ok=True)
+                if self._run_dir is not None:
+                    make_dirs_below(self._run_dir, self._path.parent)
+                else:
+                    self._path.parent.mkdir(parents=True, exist_ok=True)
                 flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
                 fd = os.open(self._path, flags, 0o644)
                 try:
@@ -84,6 +93,9 @@ class StepTail:
                     os.close(fd)
             self._map[:] = bytes(_SIZE)
             _HEADER.pack_into(self._map, 0, _MAGIC, attempt)
+        except SymlinkRefused as exc:
+            logger.warning("ettr: this process keeps no step tail: %s", exc)
+            self._off, self._map = True, None
         except (OSError, ValueError):
             self._off, self._map = True, None
 

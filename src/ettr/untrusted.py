@@ -6,6 +6,13 @@ symlink (`/dev/zero` behind a link would fill memory), never opens a FIFO or dev
 never reads more than its caller's bound, and a JSON document nested deeper than a bound, or holding a NaN or
 an infinity, is refused as malformed instead of raising `RecursionError` in whoever walks it next.
 Every refusal is an `OSError` (the file) or a `ValueError` (its content): one line a caller can list.
+
+Directories are the other half: anyone who can write a run directory or a publish queue can swap a
+subdirectory for a symlink (`RUN_DIR/heartbeats -> /`), and a writer that makes `base/a/b` with
+`mkdir(parents=True)` and then writes there writes wherever the link points. `open_dir_below` /
+`make_dirs_below` walk from a base the user named (which may itself be a symlink: they chose it) one
+component at a time with O_NOFOLLOW | O_DIRECTORY, so a symlink or a non-directory on the way is refused
+(`SymlinkRefused`) instead of followed.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import json
 import os
 import re
 import stat
+from collections.abc import Sequence
+from pathlib import Path, PurePath
 from typing import Any
 
 MAX_JSON_DEPTH = 32
@@ -138,3 +147,130 @@ def _depth(text: str) -> int:
 def read_json_file(path: str | os.PathLike[str], max_bytes: int, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """`loads_bounded` of `read_small_file(path, max_bytes)`. Raises OSError or ValueError."""
     return loads_bounded(read_small_file(path, max_bytes), max_depth=max_depth)
+
+
+# -- directories below a trusted base ----------------------------------------------------------------------
+_DIR_NOFOLLOW = (
+    os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+)
+
+
+class SymlinkRefused(OSError):
+    """A directory below a trusted base is a symlink (or a file, a FIFO, ...): ettr does not go through it.
+    `filename` is the path of the component refused, `strerror` what is there (`a symlink`, `a regular
+    file`, ...); `str()` is one line (`q/requests is a symlink; ettr does not follow a symlink there`)."""
+
+    def __str__(self) -> str:
+        if self.strerror == "a symlink":
+            return f"{self.filename} is a symlink; ettr does not follow a symlink there"
+        return f"{self.filename} is {self.strerror}, not a directory"
+
+
+def _refusal(exc: OSError, parent_fd: int, name: str, where: Path) -> OSError:
+    """The OSError an O_NOFOLLOW | O_DIRECTORY open of `name` raised, said as what is there."""
+    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+        return OSError(exc.errno, exc.strerror, os.fspath(where))
+    try:
+        kind = file_kind(os.lstat(name, dir_fd=parent_fd).st_mode)
+    except OSError:
+        kind = "not a directory"
+    return SymlinkRefused(exc.errno, kind, os.fspath(where))
+
+
+def _components(rel: str | os.PathLike[str]) -> list[str]:
+    parts = [p for p in PurePath(rel).parts]
+    if PurePath(rel).is_absolute() or any(p in (".", "..") for p in parts) or "\0" in os.fspath(rel):
+        raise ValueError(f"{os.fspath(rel)!r} is not a path below a directory")
+    return parts
+
+
+def open_dir_below(
+    base: str | os.PathLike[str], rel: str | os.PathLike[str], *, create: bool = False, mode: int = 0o755
+) -> int:
+    """A descriptor (O_DIRECTORY, close it) of the directory `base / rel`: the one way to reach a directory
+    that others may write into (a run directory's subdirectories, a publish queue's).
+
+    `base` is opened as given (a symlink there is followed: the user named it) and, with `create`, made with
+    its parents when missing. Each component of `rel` is opened with O_NOFOLLOW | O_DIRECTORY relative to
+    the one above it and, with `create`, made (`mode`) when missing. Raises `SymlinkRefused` when a
+    component is a symlink or not a directory, FileNotFoundError for a missing one without `create`,
+    ValueError when `rel` is absolute or holds `..`, any other OSError as met."""
+    parts = _components(rel)
+    if create:
+        os.makedirs(base, exist_ok=True)
+    fd = os.open(base, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    where = Path(base)
+    try:
+        for part in parts:
+            where = where / part
+            try:
+                child = os.open(part, _DIR_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise FileNotFoundError(
+                        errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(where)
+                    ) from None
+                try:
+                    os.mkdir(part, mode, dir_fd=fd)
+                except FileExistsError:
+                    pass  # made meanwhile (another writer); opened, and so checked, below
+                try:
+                    child = os.open(part, _DIR_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    raise _refusal(exc, fd, part, where) from None
+            except OSError as exc:
+                raise _refusal(exc, fd, part, where) from None
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_dirs_below(
+    base: str | os.PathLike[str], directory: str | os.PathLike[str], *, mode: int = 0o755
+) -> Path:
+    """Make `directory` (`base` itself or a path below it, spelt from `base`) and every missing directory
+    between, none of them reached through a symlink (`open_dir_below`); returns `directory` as a Path.
+    For writers that then write into it by name: `mkdir(parents=True)` follows a planted link, this
+    refuses it (`SymlinkRefused`). Raises ValueError when `directory` is not below `base`."""
+    target = Path(directory)
+    try:
+        rel = target.relative_to(base)
+    except ValueError:
+        raise ValueError(f"{target} is not below {os.fspath(base)}") from None
+    os.close(open_dir_below(base, rel, create=True, mode=mode))
+    return target
+
+
+def symlinked_dirs(
+    base: str | os.PathLike[str], names: Sequence[str], *, inside: Sequence[str] = ()
+) -> list[SymlinkRefused]:
+    """The directories `base/NAME` (each NAME a path below `base`) that exist but are symlinks or not
+    directories, and the symlinks directly inside `base/NAME` for each NAME of `inside`, each as the
+    `SymlinkRefused` a writer would meet ([] when there is none; missing ones are no fault). For a check
+    before anything is written (`ettr run` on an existing run directory)."""
+    refused = []
+    for name in names:
+        try:
+            os.close(open_dir_below(base, name))
+        except SymlinkRefused as exc:
+            refused.append(exc)
+        except OSError:
+            continue  # missing (or unreadable): a writer makes it, or says why
+    for name in inside:
+        try:
+            fd = open_dir_below(base, name)
+        except OSError:
+            continue  # missing, or refused above
+        try:
+            for entry in sorted(os.listdir(fd)):
+                if stat.S_ISLNK(os.lstat(entry, dir_fd=fd).st_mode):
+                    where = os.fspath(Path(base) / name / entry)
+                    refused.append(SymlinkRefused(errno.ELOOP, "a symlink", where))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return refused

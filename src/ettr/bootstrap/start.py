@@ -103,13 +103,14 @@ def tell_launcher(pid: int, what: bytes, run_env: RunEnv | None = None) -> None:
     beating. Once; never raises."""
     from ettr.atomic import create_exclusive
     from ettr.run_env import RunEnv, launcher_parent_path
+    from ettr.untrusted import make_dirs_below
 
     try:
         run_env = run_env or RunEnv.from_environ(os.environ)
         if run_env is None:
             return
         path = launcher_parent_path(run_env.run_dir, run_env.attempt, pid)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs_below(run_env.run_dir, path.parent)  # never through a symlinked agent/
         create_exclusive(path, what, durable=False)  # a hint for a live process: not fsync'd
     except FileExistsError:
         pass  # told already (another rank, a second torchrun of that program)
@@ -174,7 +175,7 @@ def _start(environ: Mapping[str, str]) -> None:
         rec.add_listener(progress.observe)
         _started["progress"] = progress
         path = heartbeat_path(rec.run_dir, rec.attempt, rec.rank)
-        beat = MainThreadHeartbeat(path, stands_down=launches, progress=progress)
+        beat = MainThreadHeartbeat(path, stands_down=launches, progress=progress, run_dir=rec.run_dir)
         beat.start()
         _started["heartbeat"] = beat
         _keep_step_tail(rec)  # a launcher takes no steps: it writes none
@@ -267,7 +268,7 @@ def _keep_step_tail(rec: RecorderProtocol) -> None:
     from ettr.steptail import StepTail, tail_path
 
     assert rec.run_dir is not None
-    tail = StepTail(tail_path(rec.run_dir, rec.rank))
+    tail = StepTail(tail_path(rec.run_dir, rec.rank), run_dir=rec.run_dir)
     rec.add_step_listener(lambda step: tail.note(rec.attempt, step))
 
 
@@ -290,8 +291,9 @@ def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
             import json
 
             from ettr.atomic import create_exclusive
+            from ettr.untrusted import make_dirs_below
 
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs_below(run_env.run_dir, path.parent)  # never through a symlinked agent/
             # a hint, not a record: not fsync'd on the training thread
             learned = [*installed_packages(), *imported_parts()]
             create_exclusive(path, json.dumps({"modules": learned}), durable=False)
@@ -321,11 +323,12 @@ def _mark_failed_exit_last(run_env: RunEnv) -> None:
         try:
             from ettr.atomic import create_exclusive
             from ettr.run_env import exited_path, failed_exit_path
+            from ettr.untrusted import make_dirs_below
 
             where = failed_exit_path if uncaught else exited_path
             now = _started.get("run_env") or run_env  # the attempt it is in now (`continue_attempt`)
             path = where(now.run_dir, now.attempt, os.getpid())
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs_below(now.run_dir, path.parent)  # never through a symlinked agent/
             create_exclusive(path, b"")
         except Exception:
             pass
@@ -401,7 +404,9 @@ def continue_attempt(attempt: int) -> None:
 
             beat.stop()
             progress = _started.get("progress")
-            beat = MainThreadHeartbeat(heartbeat_path(rec.run_dir, attempt, rec.rank), progress=progress)
+            beat = MainThreadHeartbeat(
+                heartbeat_path(rec.run_dir, attempt, rec.rank), progress=progress, run_dir=rec.run_dir
+            )
             beat.start()
             _started["heartbeat"] = beat
         _mark_first_step(rec, run_env)

@@ -22,7 +22,7 @@ from typing import Any
 
 from ettr import torch_compat
 from ettr.atomic import atomic_write
-from ettr.untrusted import read_json_file
+from ettr.untrusted import make_dirs_below, read_json_file
 
 logger = logging.getLogger("ettr")
 
@@ -177,6 +177,6 @@ def save(
         "reasons": all_reasons,
         "updated_ts": time.time(),
     }
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs_below(target.parent.parent, target.parent)  # RUN_DIR/compile, never a symlink there
     atomic_write(target, json.dumps(payload, indent=1))
     return merged

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ettr.atomic import atomic_write
-from ettr.untrusted import open_regular
+from ettr.untrusted import make_dirs_below, open_regular
 
 SCHEMA = "ettr.batch-spec/1"
 FILENAME = "batch_spec.json"
@@ -178,7 +178,7 @@ def job_file(run_dir: str | os.PathLike[str]) -> Path:
 def save_spec(path: str | os.PathLike[str], spec: BatchSpec) -> None:
     """Write `spec` to `path` atomically."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs_below(target.parent.parent, target.parent)  # RUN_DIR/compile, never a symlink there
     atomic_write(target, json.dumps(spec_to_json(spec), indent=1))
 
 

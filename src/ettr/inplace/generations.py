@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ettr.atomic import create_exclusive
 from ettr.run_env import inplace_failed_path, inplace_next_path, inplace_ready_path
-from ettr.untrusted import open_regular
+from ettr.untrusted import make_dirs_below, open_regular
 
 _GENERATION_KEY = "ettr/inplace/generation"
 _POLL_S = 0.002
@@ -98,7 +98,7 @@ class AgentGenerations:
     def joined(self, generation: int) -> None:
         self.attempt = generation
         path = inplace_ready_path(self.run_dir, generation, self.pid)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs_below(self.run_dir, path.parent)  # never through a symlinked agent/
         try:
             create_exclusive(path, b"", durable=False)
         except FileExistsError:
@@ -121,7 +121,7 @@ class AgentGenerations:
     def after_failure(self, generation: int, *, rank: int, error: str, timeout_s: float) -> int:
         if not self.moved_on(generation):  # the agent may know already (a peer died); else tell it
             path = inplace_failed_path(self.run_dir, generation, self.pid)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs_below(self.run_dir, path.parent)
             try:
                 create_exclusive(path, json.dumps({"rank": rank, "error": error[:2000]}), durable=False)
             except FileExistsError:

@@ -35,7 +35,7 @@ from ettr.events import Event
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerRejected, LedgerStalled
 from ettr.ledger.postgres import new_writer_id
 from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, from_row, storable_rows
-from ettr.untrusted import loads_bounded, open_regular
+from ettr.untrusted import loads_bounded, make_dirs_below, open_regular
 
 logger = logging.getLogger("ettr")
 
@@ -138,7 +138,7 @@ class _SpillFile:
     """This writer's own spill file: created exclusively, flock'd for life, appended and fsync'd."""
 
     def __init__(self, directory: Path, *, job_id: str, writer: str, node: str) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_dirs_below(directory.parent, directory)  # RUN_DIR/ledger-spill, never a symlink there
         self.path = directory / f"{writer}{_SUFFIX}"
         temp = directory / f".{writer}.tmp"
         self._fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
@@ -473,7 +473,7 @@ class SpillingLedger:
         path = self.spill_dir / f"{self.writer}.rejected"
         logger.warning("ettr: the ledger server refused %d event(s); kept in %s", len(records), path)
         try:
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs_below(self.spill_dir.parent, self.spill_dir)
             with open(path, "ab") as f:
                 f.write(_encode(records))
                 f.flush()

@@ -1,7 +1,7 @@
 """`ettr publish QUEUE_DIR`: the command's work (the argparse front is `ettr.cli`).
 
 Exit status: 0 when every request this run handled was published (or was already), 1 when one failed,
-2 for bad usage (no such queue, unknown request, no factory allowed). What requests may name (model
+2 for bad usage (no such queue, a queue directory that is a symlink, unknown request, no factory allowed). What requests may name (model
 code, paths) is the operator's `PublishPolicy` (`--allow-factory`, `--allow-pythonpath`, `--root`). With `--json` the per-request lines go to stderr and
 stdout holds one JSON object.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ettr.errors import UsageError
 from ettr.publish.policy import PublishPolicy, parse_allow_entry
 from ettr.publish.queue import PublishQueue
+from ettr.publish.request import PublishError
 
 if TYPE_CHECKING:
     from ettr.publish.worker import PublishOutcome
@@ -44,9 +46,13 @@ def _line(outcome: PublishOutcome) -> str:
 
 def main(args: argparse.Namespace) -> int:
     queue_dir = Path(args.queue_dir)
-    if not (queue_dir / "requests").is_dir():
+    if not os.path.lexists(queue_dir / "requests"):  # a symlink there is refused by `open_layout` below
         what = "no such directory" if not queue_dir.exists() else "not a publish queue (no requests/ inside)"
         raise UsageError(f"ettr publish: {queue_dir}: {what}")
+    try:  # the missing directories made, a symlinked one refused before anything is moved
+        queue = PublishQueue(queue_dir, create=True)
+    except PublishError as exc:
+        raise UsageError(f"ettr publish: {exc}") from None
     for flag, dirs in (("--root", args.root), ("--allow-pythonpath", args.allow_pythonpath)):
         for given in dirs:  # a file can hold nothing: the flag would silently allow nothing
             if "://" not in given and Path(given).exists() and not Path(given).is_dir():
@@ -61,7 +67,6 @@ def main(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(f"ettr publish: {exc}") from None
-    queue = PublishQueue(queue_dir)
     if args.request is not None and not _SAFE_ID.match(args.request):
         raise UsageError(
             f"ettr publish: --request {args.request!r} is not a request id (letters, digits, _.-)"
@@ -96,10 +101,15 @@ def main(args: argparse.Namespace) -> int:
             outcomes = worker.watch(stop, on_outcome=show)
         except KeyboardInterrupt:
             outcomes = []
+        except PublishError as exc:  # the queue's layout swapped for a symlink while it watched
+            raise UsageError(f"ettr publish: {exc}") from None
         finally:
             signal.signal(signal.SIGTERM, previous)
     else:
-        outcomes = worker.drain(only=args.request)
+        try:
+            outcomes = worker.drain(only=args.request)
+        except PublishError as exc:  # the queue's layout swapped for a symlink meanwhile
+            raise UsageError(f"ettr publish: {exc}") from None
         for outcome in outcomes:
             show(outcome)
     finished: dict[str, Any] | None = None

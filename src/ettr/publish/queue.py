@@ -6,6 +6,11 @@
     QUEUE/done/<id>.request.json   the request, moved here once done
     QUEUE/failed/<id>.json         given up: why
 
+The four directories are the queue's layout: opening the queue (`open_layout`, and each `pending`, claim
+and finish) makes the missing ones and refuses one that is a symlink or not a directory (`PublishError`):
+anyone who can write the queue could otherwise point `requests/` at another directory and have its files
+moved into `failed/`, or `claims/` elsewhere. The root itself may be a symlink (its user named it).
+
 Every file appears whole or not at all (`ettr.atomic`: a temporary name, fsync'd, renamed). A claim is
 created with `link(2)`, which fails if the name exists, so exactly one publisher wins it. A publisher
 renews its claim while it works; a claim whose owner is dead (same host: its pid is gone or reused) or
@@ -36,13 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from ettr.atomic import atomic_write, create_exclusive
+from ettr.errors import describe_os_error
 from ettr.procs import pid_alive, start_ticks
 from ettr.publish.request import MAX_REQUEST_BYTES, PublishError, PublishRequest, parse_json
-from ettr.untrusted import open_regular
+from ettr.untrusted import SymlinkRefused, make_dirs_below, open_regular
 
 logger = logging.getLogger("ettr")
 
 _REQUESTS, _CLAIMS, _DONE, _FAILED = "requests", "claims", "done", "failed"  # the queue's directories
+LAYOUT = (_REQUESTS, _CLAIMS, _DONE, _FAILED)
+"""The queue's directories, each below its root (never a symlink: `PublishQueue.open_layout`)."""
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 """What a request id (and so its file name) may be; anything else is moved aside unread."""
 
@@ -113,7 +121,7 @@ class PublishQueue:
 
     Args:
         root: the queue directory (created by `enqueue`, or `create=True`).
-        create: make the directory layout now.
+        create: make the directory layout now (`open_layout`: raises PublishError for a symlinked one).
         clock: Unix seconds (tests pass a fake).
         host: this host's name (tests pass another to act as a remote publisher).
     """
@@ -130,11 +138,22 @@ class PublishQueue:
         self._clock = clock
         self._host = host or socket.gethostname()
         if create:
-            self._make_layout()
+            self.open_layout()
 
-    def _make_layout(self) -> None:
-        for sub in (_REQUESTS, _CLAIMS, _DONE, _FAILED):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+    def open_layout(self) -> None:
+        """Make the queue's directories (`LAYOUT`) that are missing, the root too, and check that each is a
+        directory reached without a symlink. Raises PublishError (one line) when one is a symlink or not a
+        directory, or cannot be made.
+
+        The check and the later writes by name are two steps: a directory swapped for a symlink between them
+        is not seen (each `pending`, claim and finish checks again)."""
+        for sub in LAYOUT:
+            try:
+                make_dirs_below(self.root, self.root / sub)
+            except SymlinkRefused as exc:
+                raise PublishError(f"publish queue {self.root}: {exc} (make it a directory)") from None
+            except OSError as exc:
+                raise PublishError(f"publish queue {self.root}: {describe_os_error(exc)}") from None
 
     def _path(self, sub: str, request_id: str, suffix: str = ".json") -> Path:
         return self.root / sub / f"{request_id}{suffix}"
@@ -145,7 +164,7 @@ class PublishQueue:
 
         Returns whether it was added now. Durable on return.
         """
-        self._make_layout()
+        self.open_layout()
         if self.status(request.request_id) is not None:
             return False
         return create_exclusive(self._path(_REQUESTS, request.request_id), request.to_json())
@@ -164,7 +183,11 @@ class PublishQueue:
         return None
 
     def pending(self) -> list[str]:
-        """Ids of requests not finished (claimed ones included), oldest file first; tidies finished ones."""
+        """Ids of requests not finished (claimed ones included), oldest file first; tidies finished ones.
+        [] when the queue's root does not exist; raises PublishError for a symlinked layout (`open_layout`)."""
+        if not os.path.lexists(self.root):
+            return []
+        self.open_layout()
         entries = []
         with contextlib.suppress(FileNotFoundError):
             for path in (self.root / _REQUESTS).glob("*.json"):
@@ -189,7 +212,6 @@ class PublishQueue:
         aside = self.root / _FAILED / f".rejected-{digest}.request.json"
         note = {"name": path.name[:300], "error": "not a request id: use [A-Za-z0-9_.-], at most 200"}
         try:
-            (self.root / _FAILED).mkdir(parents=True, exist_ok=True)
             atomic_write(aside.with_name(f".rejected-{digest}.json"), json.dumps(note).encode())
             os.replace(path, aside)
         except OSError as exc:
@@ -234,6 +256,7 @@ class PublishQueue:
     def try_claim(self, request_id: str, *, ttl_s: float) -> Claim | None:
         """Claim `request_id` for this process, taking over a stale claim; None if it is finished, unknown,
         or held by a live publisher."""
+        self.open_layout()
         if self.status(request_id) not in ("pending", "claimed"):
             return None
         path = self._path(_CLAIMS, request_id)
@@ -321,6 +344,7 @@ class PublishQueue:
         self._finish(_FAILED, claim.request_id, {**(record or {}), "error": error, "attempt": claim.attempt})
 
     def _finish(self, sub: str, request_id: str, record: dict[str, Any]) -> None:
+        self.open_layout()
         body = {"request_id": request_id, "finished_ts": self._clock(), **record}
         atomic_write(self._path(sub, request_id), json.dumps(body, indent=1, default=str).encode())
         self._archive(request_id)

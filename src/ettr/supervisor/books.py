@@ -34,12 +34,14 @@ from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.inject import FaultSpec, unfired_specs
 from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
 from ettr.ledger.postgres import redact
+from ettr.run_env import AGENT_DIRNAME, HEARTBEAT_DIRNAME, RUN_SUBDIRS
 from ettr.steptail import tail_events
 from ettr.supervisor import containment, peers, slurm
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.messages import describe_os_error, say
 from ettr.supervisor.opening import closing_events, next_attempt, opening_events
 from ettr.supervisor.policy import EndedAttempt, ended_attempts
+from ettr.untrusted import symlinked_dirs
 
 __all__ = ["JobBooks", "closing_events", "live_supervisor", "next_attempt"]
 
@@ -91,7 +93,10 @@ class JobBooks:
     def open(self) -> int:
         """Open the job's books (a new job, or a requeued one: its earlier attempts closed, its leftover
         processes killed) and record the supervisor's start; the first attempt's index. Raises UsageError
-        (one line) when the run directory cannot be used."""
+        (one line) when the run directory cannot be used (one of its subdirectories a symlink included)."""
+        refused = symlinked_dirs(self.run_dir, RUN_SUBDIRS, inside=(HEARTBEAT_DIRNAME, AGENT_DIRNAME))
+        if refused:  # heartbeats -> / had the job's heartbeats made at the file system's root
+            raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {refused[0]} (remove it)")
         try:
             previous = self._connect()
         except (LedgerError, OSError) as exc:

@@ -31,6 +31,7 @@ from ettr.run_env import (
     inplace_ready_path,
     memory_root,
 )
+from ettr.untrusted import make_dirs_below
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -54,7 +55,7 @@ def store_env(run_dir: Path, environ: Mapping[str, str] | None = None) -> dict[s
             root = None
     if root is None:
         directory = run_dir / "agent" / "inplace" / f"store-{os.getpid()}-{secrets.token_hex(6)}"
-        directory.mkdir(parents=True, exist_ok=True)
+        make_dirs_below(run_dir, directory, mode=0o700)  # never through a symlinked agent/
     return {INPLACE_ENV: "1", INPLACE_STORE_ENV: f"file://{directory / 'store'}"}
 
 
@@ -101,5 +102,5 @@ class InPlaceCheck:
 def announce(run_dir: Path, attempt: int, replaced: Sequence[int]) -> None:
     """Tell the surviving workers that the job goes on in attempt `attempt` (they join it)."""
     path = inplace_next_path(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs_below(run_dir, path.parent)
     atomic_write(path, json.dumps({"attempt": attempt, "replaced": list(replaced)}).encode(), durable=False)

@@ -36,6 +36,7 @@ from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
 from ettr.supervisor.standby import no_standby_reason
 from ettr.supervisor.standby_group import StandbyGroup
 from ettr.supervisor.watch import Continued, Exited, Exiting
+from ettr.untrusted import make_dirs_below
 
 if TYPE_CHECKING:
     from ettr.supervisor.attempt import Attempt, AttemptEvent, AttemptPlan
@@ -299,7 +300,7 @@ class WorkerGroupKind:
 
     def _env(self, plan: AttemptPlan, rank: int, port: int) -> dict[str, str]:
         error_file = agent.error_file(self._run_dir, plan.attempt, rank)
-        error_file.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs_below(self._run_dir, error_file.parent)  # never through a symlinked agent/
         env = agent.worker_env(
             self.spec,
             plan.launch.env,
