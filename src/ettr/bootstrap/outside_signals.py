@@ -42,9 +42,10 @@ def install(run_dir: str, attempt: int, rank: int) -> None:
     def note(signum: int) -> None:
         try:
             from ettr.atomic import create_exclusive
+            from ettr.untrusted import make_dirs_below
 
             path = signalled_path(run_dir, attempt, os.getpid(), signal.Signals(signum).name)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs_below(run_dir, path.parent)  # never through a symlinked agent/
             create_exclusive(path, f"{rank} {time.time():.3f}", durable=False)
         except Exception:
             pass  # there already, or no place for it
