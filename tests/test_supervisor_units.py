@@ -705,3 +705,35 @@ def test_signals_the_scripts_handlers_saw_are_noted_and_their_handlers_kept(tmp_
     found = signals_received(tmp_path, 3)
     assert [(rank, name) for _, rank, name in found] == [(1, "SIGTERM")]
     assert signals_received(tmp_path, 3, before=found[0][0]) == []  # only those before the command ended
+
+
+def test_a_launchers_word_that_its_child_was_killed_is_a_kill_not_the_codes_exception() -> None:
+    # `accelerate launch` of one process (and any program that runs the training with subprocess.run(check=
+    # True)): its traceback says its child died of SIGKILL; that is no exception of the training code.
+    tail = [
+        "Traceback (most recent call last):",
+        '  File "/venv/bin/accelerate", line 8, in <module>',
+        "subprocess.CalledProcessError: Command '['/venv/bin/python', 'train.py']' died with <Signals.SIGKILL: 9>.",
+    ]
+    end = classify(returncode=1, stderr_tail=tail)
+    assert (end.outcome, end.signal, end.exception) == (Outcome.FAILED, "SIGKILL", None)
+    assert end.reason == "killed by SIGKILL (the launcher exited 1)"
+    assert diagnose(outcome=end.outcome, failure=end.to_data(), trained=True).detail is Detail.PROCESS_LOST
+    exited = [*tail[:2], "subprocess.CalledProcessError: Command 'x' returned non-zero exit status 1."]
+    assert classify(returncode=1, stderr_tail=exited).exception == "CalledProcessError"
+
+
+def test_the_report_names_no_peers_exception_for_a_killed_rank() -> None:
+    from ettr.report.text import _failure_lines
+
+    failure = {
+        "reason": "killed by SIGKILL (rank 1)",
+        "signal": "SIGKILL",
+        "process_failure": {"exception": "RuntimeError", "message": "Connection closed by peer", "rank": 0},
+    }
+    assert not any("RuntimeError" in line for line in _failure_lines(0, "failed", failure))
+    failure.pop("signal")
+    assert any(
+        "RuntimeError: Connection closed by peer (rank 0)" in line
+        for line in _failure_lines(0, "failed", failure)
+    )

@@ -237,7 +237,9 @@ _SHOWN_FAILURE_KEYS = ("exception", "message", "stderr_tail", "reason", "process
 def _failure_lines(index: int, outcome: str, failure: Mapping[str, Any], num_tail: int = 3) -> list[str]:
     """`attempt 1 failed: exit status 1` / `ValueError: bad batch` / the last stderr lines / the rest."""
     process = failure.get("process_failure")
-    process = process if isinstance(process, Mapping) else {}
+    # The first FAILURE any rank recorded, where the supervisor named no exception: not where a signal ended
+    # the attempt (a rank SIGKILLed: its peers' "Connection closed by peer" came after, the consequence).
+    process = process if isinstance(process, Mapping) and not failure.get("signal") else {}
     exception = failure.get("exception") or process.get("exception")
     message = failure.get("message") or process.get("message")
     reason = failure.get("reason")

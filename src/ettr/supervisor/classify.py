@@ -15,6 +15,7 @@ from typing import Any
 from ettr.causes import is_collective_error
 from ettr.events import Event, EventKind, Outcome
 from ettr.supervisor.command_output import (
+    child_signal,
     exception_line_from_stderr,
     signal_name,
     torchrun_exitcodes,
@@ -194,6 +195,9 @@ def classify(
         found = exception_line_from_stderr(stderr_tail)
         if found is not None:
             exception, message = found
+    child_died_of = child_signal(exception, message) if not blamed else None
+    if child_died_of is not None:  # the launcher's traceback says its child was killed: not the code's
+        exception = message = None
     behind = None  # the signal that ended what the command ran: its shell's 128 + N, torchrun's summary
     shell_said = False  # `behind` is the shell's 128 + N (else torchrun's summary of the failed rank)
     agent_said = False  # `behind` is the signal torchrun's agent said it got
@@ -205,6 +209,8 @@ def classify(
         if behind is None and root_code < 0:
             # (behind a shell wrapper too: `bash run.sh` exits with torchrun's 1 when a rank was SIGKILLed)
             behind = -root_code
+        if behind is None and child_died_of is not None:
+            behind, agent_said = child_died_of, True
         agent_got = torchrun_signal(stderr_tail) if behind is None else None
         if agent_got is not None:  # torchrun itself was signalled (its process group, `exec torchrun`)
             behind, agent_said = agent_got, True
@@ -218,6 +224,8 @@ def classify(
         how = f"killed by {signal_name(sig)}"
     elif behind is not None and shell_said:
         how = f"killed by {signal_name(behind)} (behind its shell wrapper, which exited {returncode})"
+    elif behind is not None and agent_said and child_died_of is not None:
+        how = f"killed by {signal_name(behind)} (the launcher exited {returncode})"
     elif behind is not None and agent_said:
         how = f"{signal_name(behind)} to torchrun, which stopped its workers and exited {returncode}"
     elif behind is not None:

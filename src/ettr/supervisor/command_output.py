@@ -80,3 +80,16 @@ def exception_from_stderr(lines: Sequence[str]) -> str | None:
     """The exception type of the last Python traceback in `lines` (None if there is none)."""
     found = exception_line_from_stderr(lines)
     return None if found is None else found[0]
+
+
+_CHILD_SIGNALLED = re.compile(r"died with <Signals\.(SIG[A-Z0-9]+): (\d+)>")
+
+
+def child_signal(exception: str | None, message: str | None) -> int | None:
+    """The signal a launcher's `subprocess.CalledProcessError` says its child died of (`accelerate launch`'s
+    one process, any Python program that runs the training with `subprocess.run(check=True)`): `Command
+    [...] died with <Signals.SIGKILL: 9>.`"""
+    if not exception or not exception.endswith("CalledProcessError") or not message:
+        return None
+    match = _CHILD_SIGNALLED.search(message)
+    return int(match.group(2)) if match else None
