@@ -738,3 +738,23 @@ def test_events_of_an_attempt_after_its_end_are_fenced_and_counted() -> None:
     assert clean.num_fenced_events == 0 and fenced.num_fenced_events == 20
     assert fenced.buckets_s == clean.buckets_s and fenced.attempts == clean.attempts
     assert fenced.attempts[0].last_step == 6
+
+
+def test_a_restore_or_evaluation_after_the_first_batch_is_still_start_up() -> None:
+    # HF Trainer resuming a streamed dataset: the first `next` of a loader (get_first_batch_data) comes
+    # first, then its fast-forward through the batches already trained on (restore), then the first step;
+    # with `eval_on_start` an evaluation runs after the evaluation loader's first batch. Both are the TTR's.
+    s = Stream()
+    s.sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 1, 20, "failed", 1, reason="exit status 1")
+    s.phase(0, Phase.GET_FIRST_BATCH_DATA, 2, 3)
+    s.steps(0, 1, 10, t_first=4)  # 4..13
+    s.attempt(1, 22, 60, "completed", 0)
+    s.phase(1, Phase.GET_FIRST_BATCH_DATA, 24, 25).phase(1, Phase.RESTORE, 25, 30)
+    s.phase(1, Phase.EVAL, 30, 33)
+    s.add(EventKind.RESUMED, 30, 1, step=5)
+    s.steps(1, 6, 20, t_first=34)  # 34..48
+    s.sup(EventKind.JOB_END, 61, 1, exit_status=0)
+    r = s.report(job_id="ff")
+    assert [a.training_start_ts - T0 for a in r.attempts] == pytest.approx([3, 33])
+    assert r.ttr_s == pytest.approx((33 - 20,))

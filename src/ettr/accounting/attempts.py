@@ -33,6 +33,9 @@ _JOB_KINDS = frozenset({_JOB_SUBMITTED, _JOB_ALLOCATED, _SUPERVISOR_START, _JOB_
 _FIRST_BATCH_PHASES = frozenset({Phase.GET_FIRST_BATCH_DATA, Phase.DATA_WAIT})
 # Background phases overlap training; they never mark where the training loop began.
 _BACKGROUND_PHASES = frozenset({Phase.CHECKPOINT_PERSIST})
+# Start-up work that may end after a first batch was fetched and before the first step: restoring (a
+# Trainer's fast-forward through the batches already trained on), evaluating (`eval_on_start`).
+_START_UP_PHASES = frozenset({Phase.RESTORE, Phase.EVAL})
 _END_KEYS = frozenset({"outcome", "exit_code"})
 
 
@@ -422,8 +425,11 @@ def _remove_last(stack: list[float], value: float) -> None:
 
 def _training_start(attempt: Attempt, explicit_start: float | None) -> float | None:
     """The training-start rule: explicit TRAINING_START; else the end of the last first-batch phase that
-    ended by the first STEP; else max(end of the last phase that ended by the first STEP, first STEP - the
-    median step interval); clamped to [attempt start, first STEP]. None without a STEP."""
+    ended by the first STEP, or of a later start-up phase that ended by then (a resume's fast-forward through
+    the data already trained on, an evaluation before the first step: a first batch is any loader's first
+    `next`, the evaluation's or one the fast-forward skips); else max(end of the last phase that ended by
+    the first STEP, first STEP - the median step interval); clamped to [attempt start, first STEP]. None
+    without a STEP."""
     if not attempt.step_ts:
         return None
     first_step = attempt.step_ts[0]
@@ -434,6 +440,8 @@ def _training_start(attempt: Attempt, explicit_start: float | None) -> float | N
         first_batch = [end for end, phase in before if phase in _FIRST_BATCH_PHASES]
         if first_batch:
             guess = max(first_batch)
+            later = [end for end, phase in before if phase in _START_UP_PHASES and end > guess]
+            guess = max(later, default=guess)
         else:
             if len(attempt.step_ts) >= 2:
                 intervals = [b - a for a, b in zip(attempt.step_ts, attempt.step_ts[1:], strict=False)]
