@@ -758,3 +758,31 @@ def test_a_restore_or_evaluation_after_the_first_batch_is_still_start_up() -> No
     r = s.report(job_id="ff")
     assert [a.training_start_ts - T0 for a in r.attempts] == pytest.approx([3, 33])
     assert r.ttr_s == pytest.approx((33 - 20,))
+
+
+def test_a_save_that_every_rank_committed_counts_once() -> None:
+    from ettr.accounting.model import CheckpointCommit, distinct_saves
+    from ettr.report.text import render
+
+    def commit(ts: float, rank: int, step: int | None, attempt: int = 0) -> CheckpointCommit:
+        return CheckpointCommit(ts=ts, attempt=attempt, rank=rank, step=step, path=f"p{rank}")
+
+    commits = [
+        commit(1.0, 0, 15), commit(1.1, 1, 15),  # accelerate's save_state: one random-state file per rank
+        commit(2.0, 0, 30), commit(2.2, 1, 30),
+        commit(3.0, 0, 60), commit(3.5, 0, 60),  # an HF Trainer's checkpoint-60, then its save_model
+        commit(4.0, 0, 60, attempt=1),  # the same step saved again after a restart: another save
+        commit(5.0, 0, None), commit(5.1, 1, None),  # steps unknown: each its own
+    ]  # fmt: skip
+    saves = distinct_saves(reversed(commits))
+    assert [(c.attempt, c.step, c.rank) for c in saves] == [
+        (0, 15, 0), (0, 30, 0), (0, 60, 0), (1, 60, 0), (0, None, 0), (0, None, 1),
+    ]  # fmt: skip
+    s = Stream()
+    s.sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 1, 20, "completed", 0)
+    s.steps(0, 1, 10, t_first=4)
+    for rank in (0, 1):
+        s.add(EventKind.CHECKPOINT_COMMIT, 8.0 + rank / 10, step=5, rank=rank, data={"path": f"r{rank}"})
+    s.sup(EventKind.JOB_END, 21, 0, exit_status=0)
+    assert "checkpoint commits 1 (last step 5)" in render(s.report(job_id="c"))

@@ -6,7 +6,7 @@ without going back to the events. Mappings inside them are read-only views.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -55,6 +55,21 @@ class CheckpointCommit:
     rank: int
     step: int | None
     path: str | None
+
+
+def distinct_saves(commits: Iterable[CheckpointCommit]) -> list[CheckpointCommit]:
+    """One commit per save: the first of each (attempt, step). Every rank may record a commit of the same save
+    (accelerate's `save_state` writes one random-state file per rank), and a job may write a step twice (an
+    HF Trainer's checkpoint of the last step, then its `save_model`); a commit without a step is its own."""
+    seen: set[tuple[int, int]] = set()
+    saves = []
+    for commit in sorted(commits, key=lambda c: c.ts):
+        if commit.step is not None:
+            if (commit.attempt, commit.step) in seen:
+                continue
+            seen.add((commit.attempt, commit.step))
+        saves.append(commit)
+    return saves
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,6 +6,7 @@ Pure: two reports in, lines out; every number is read from the reports.
 from __future__ import annotations
 
 from ettr.accounting import EttReport
+from ettr.accounting.model import distinct_saves
 from ettr.events import Bucket
 from ettr.report.svg import fmt_signed
 
@@ -23,7 +24,7 @@ def explain(baseline: EttReport, optimized: EttReport, *, published: bool = True
         f"wall {optimized.wall_s:.0f} s vs {baseline.wall_s:.0f} s"
     ]
     lost = [sum(a.lost_steps for a in r.attempts) for r in (baseline, optimized)]
-    saves = [len(r.checkpoint_commits) for r in (baseline, optimized)]
+    saves = [len(distinct_saves(r.checkpoint_commits)) for r in (baseline, optimized)]
     rows: list[tuple[str, float | None, float | None, str]] = [
         (
             "checkpoint_blocking",

@@ -10,6 +10,7 @@ from typing import Any
 
 from ettr.accounting import EttReport, counts_as_failure
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
+from ettr.accounting.model import distinct_saves
 from ettr.events import Bucket
 from ettr.report import slow, steptime, ttr_parts, window
 from ettr.report.slowdown import text_lines as slowdown_lines
@@ -125,11 +126,10 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
         lines.append("  (no phase recorded)")
     if report.recompiles or report.checkpoint_commits:
         lines.append("")
-        steps = [c.step for c in report.checkpoint_commits if c.step is not None]
+        saves = distinct_saves(report.checkpoint_commits)  # one per save, not one per rank's file
+        steps = [c.step for c in saves if c.step is not None]
         last = f" (last step {max(steps)})" if steps else ""
-        lines.append(
-            f"checkpoint commits {len(report.checkpoint_commits)}{last} | recompiles {len(report.recompiles)}"
-        )
+        lines.append(f"checkpoint commits {len(saves)}{last} | recompiles {len(report.recompiles)}")
     if report.checkpoint_errors:
         lines.append(f"checkpoint errors {len(report.checkpoint_errors)}:")
         for c in report.checkpoint_errors[-5:]:
