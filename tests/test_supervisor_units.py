@@ -737,3 +737,21 @@ def test_the_report_names_no_peers_exception_for_a_killed_rank() -> None:
         "RuntimeError: Connection closed by peer (rank 0)" in line
         for line in _failure_lines(0, "failed", failure)
     )
+
+
+def test_an_injected_kill_that_a_wrapper_exiting_0_hid_is_a_failure() -> None:
+    # `python run_clm.py ...; echo` behind `bash run.sh`: ettr's own --inject kill@step=40 SIGKILLed the
+    # training process (no FAILURE can be written), the wrapper exited 0, and the job read "completed".
+    fired = {"name": "inject", "spec": "kill@step=40,attempt=0,rank=0", "at": "step 40"}
+    killed = [Event(EventKind.STEP, 10.0, 0, 0, step=40), Event(EventKind.MARK, 10.1, 0, 0, data=fired)]
+    end = classify(returncode=0, events=killed, wrapper=True)
+    assert (end.outcome, end.signal, end.exception) == (Outcome.FAILED, "SIGKILL", None)
+    assert "rank 0 died of SIGKILL" in end.reason
+    assert diagnose(outcome=end.outcome, failure=end.to_data(), trained=True).detail is Detail.PROCESS_LOST
+    crash = {**fired, "spec": "crash@step=40,attempt=0,rank=0"}  # a crash writes its FAILURE itself
+    assert (
+        classify(
+            returncode=0, events=[killed[0], Event(EventKind.MARK, 10.1, 0, 0, data=crash)], wrapper=True
+        ).outcome
+        is Outcome.COMPLETED
+    )

@@ -288,15 +288,16 @@ def classify(
         data = hidden.data or {}
         exception = str(data["exception"])
         message = str(data["message"])[:500] if data.get("message") else None
+        died_of = exception
+        if hidden.kind is not EventKind.FAILURE:  # an injected kill: a signal, no exception
+            ended_by, exception, message = signal.SIGKILL, None, None
         if wrapper:
             reason = (
-                f"exit status 0 of its shell wrapper, but rank {hidden.rank} died of {exception} (the wrapper "
+                f"exit status 0 of its shell wrapper, but rank {hidden.rank} died of {died_of} (the wrapper "
                 "hides its failure: `exec` the training command, or exit with its status)"
             )
         else:  # a launcher or a program that starts its ranks itself and does not pass a rank's death on
-            reason = (
-                f"exit status 0, but rank {hidden.rank} died of {exception} (its launcher hid the failure)"
-            )
+            reason = f"exit status 0, but rank {hidden.rank} died of {died_of} (its launcher hid the failure)"
     elif returncode == 0:
         outcome = Outcome.COMPLETED
         reason = "completed"
@@ -328,11 +329,23 @@ def classify(
 def _failure_hidden(events: Iterable[Event]) -> Event | None:
     """The FAILURE (an uncaught exception, an injected crash: the process ends with it) of a training process
     whose rank never stepped again after it: what a shell wrapper exiting 0 hid. A rank that stepped after
-    its FAILURE survived it (a restart in place) or was started again by a launcher inside the command."""
+    its FAILURE survived it (a restart in place) or was started again by a launcher inside the command. An
+    injected `kill` (SIGKILL: no FAILURE is written) counts as one, with `exception` "SIGKILL"."""
     failures: dict[int, Event] = {}
     stepped: dict[int, float] = {}
     for e in events:
         if e.rank < 0:
+            continue
+        data = e.data or {}
+        if (
+            e.kind is EventKind.MARK
+            and data.get("name") == "inject"
+            and str(data.get("spec")).startswith("kill@")
+        ):
+            killed = {"exception": "SIGKILL", "message": f"injected {data.get('spec')}"}
+            e = Event(EventKind.MARK, e.ts, e.attempt, e.rank, data=killed)
+            if e.rank not in failures:
+                failures[e.rank] = e
             continue
         if e.kind is EventKind.FAILURE and (e.data or {}).get("exception") and e.rank not in failures:
             failures[e.rank] = e
