@@ -755,3 +755,27 @@ def test_an_injected_kill_that_a_wrapper_exiting_0_hid_is_a_failure() -> None:
         ).outcome
         is Outcome.COMPLETED
     )
+
+
+def test_a_death_the_wrapper_reported_while_exiting_0_is_a_failure() -> None:
+    # `python train.py ...; echo done` behind bash, the training process OOM-killed: bash says so on stderr
+    # (`line 3:   731 Killed   python ...`) and exits with the echo's 0.
+    from ettr.supervisor.command_output import shell_reported_deaths
+
+    tail = ["./run.sh: line 3:   731 Killed                  python run_clm.py --output_dir out", "done"]
+    assert shell_reported_deaths(tail) == {731: signal.SIGKILL}
+    assert shell_reported_deaths(
+        ["run.sh: line 9: 12 Segmentation fault      (core dumped) python t.py"]
+    ) == {12: signal.SIGSEGV}
+    started = [
+        Event(EventKind.PROCESS_START, 1.0, 0, 0, data={"pid": 731}),
+        Event(EventKind.STEP, 10.0, 0, 0, step=40),
+    ]
+    end = classify(returncode=0, events=started, stderr_tail=tail, wrapper=True)
+    assert (end.outcome, end.signal, end.exception) == (Outcome.FAILED, "SIGKILL", None)
+    assert "rank 0 died of SIGKILL" in end.reason
+    other = ["./run.sh: line 3:   99 Killed   sleep 100"]  # a process of the script that is no rank
+    assert (
+        classify(returncode=0, events=started, stderr_tail=other, wrapper=True).outcome is Outcome.COMPLETED
+    )
+    assert classify(returncode=0, events=started, stderr_tail=tail).outcome is Outcome.COMPLETED  # no shell

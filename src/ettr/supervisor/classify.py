@@ -17,6 +17,7 @@ from ettr.events import Event, EventKind, Outcome
 from ettr.supervisor.command_output import (
     child_signal,
     exception_line_from_stderr,
+    shell_reported_deaths,
     signal_name,
     torchrun_exitcodes,
     torchrun_signal,
@@ -281,7 +282,7 @@ def classify(
             f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
             f"and its handler ended the job early; {how}"
         )
-    elif returncode == 0 and (hidden := _failure_hidden(events)) is not None:
+    elif returncode == 0 and (hidden := _failure_hidden(events, _shell_kills(stderr_tail, rank_of, wrapper))):
         # `bash run.sh` whose script runs `python train.py` and then something else (an `echo`, a copy of the
         # logs) exits with that last command's status: the training process's death reads as success.
         outcome = Outcome.FAILED
@@ -289,8 +290,9 @@ def classify(
         exception = str(data["exception"])
         message = str(data["message"])[:500] if data.get("message") else None
         died_of = exception
-        if hidden.kind is not EventKind.FAILURE:  # an injected kill: a signal, no exception
-            ended_by, exception, message = signal.SIGKILL, None, None
+        if hidden.kind is not EventKind.FAILURE:  # an injected kill, a death its shell reported: a signal
+            ended_by = signal.Signals[died_of] if died_of in signal.Signals.__members__ else signal.SIGKILL
+            exception, message = None, None
         if wrapper:
             reason = (
                 f"exit status 0 of its shell wrapper, but rank {hidden.rank} died of {died_of} (the wrapper "
@@ -326,7 +328,25 @@ def classify(
     )
 
 
-def _failure_hidden(events: Iterable[Event]) -> Event | None:
+def _shell_kills(lines: Sequence[str], rank_of: Mapping[int, int], wrapper: bool) -> list[Event]:
+    """What a shell wrapper said of a training process it ran that died of a signal (bash's `line 3: 731
+    Killed ...`: the kernel's OOM killer, an operator), as FAILURE-like marks for `_failure_hidden`."""
+    if not wrapper:
+        return []
+    return [
+        Event(
+            EventKind.MARK,
+            0.0,
+            0,
+            rank_of[pid],
+            data={"exception": signal_name(sig), "message": "said by its shell"},
+        )
+        for pid, sig in shell_reported_deaths(lines).items()
+        if pid in rank_of
+    ]
+
+
+def _failure_hidden(events: Iterable[Event], killed: Sequence[Event] = ()) -> Event | None:
     """The FAILURE (an uncaught exception, an injected crash: the process ends with it) of a training process
     whose rank never stepped again after it: what a shell wrapper exiting 0 hid. A rank that stepped after
     its FAILURE survived it (a restart in place) or was started again by a launcher inside the command. An
@@ -342,8 +362,8 @@ def _failure_hidden(events: Iterable[Event]) -> Event | None:
             and data.get("name") == "inject"
             and str(data.get("spec")).startswith("kill@")
         ):
-            killed = {"exception": "SIGKILL", "message": f"injected {data.get('spec')}"}
-            e = Event(EventKind.MARK, e.ts, e.attempt, e.rank, data=killed)
+            fault = {"exception": "SIGKILL", "message": f"injected {data.get('spec')}"}
+            e = Event(EventKind.MARK, e.ts, e.attempt, e.rank, data=fault)
             if e.rank not in failures:
                 failures[e.rank] = e
             continue
@@ -351,7 +371,8 @@ def _failure_hidden(events: Iterable[Event]) -> Event | None:
             failures[e.rank] = e
         elif e.kind is EventKind.STEP:
             stepped[e.rank] = max(e.ts, stepped.get(e.rank, e.ts))
-    return next((f for r, f in sorted(failures.items()) if stepped.get(r, f.ts) <= f.ts), None)
+    hidden = next((f for r, f in sorted(failures.items()) if stepped.get(r, f.ts) <= f.ts), None)
+    return hidden or next(iter(killed), None)  # (a process gone stepped no more; its time is unknown)
 
 
 def oom_kill_count() -> int | None:

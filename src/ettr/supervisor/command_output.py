@@ -93,3 +93,26 @@ def child_signal(exception: str | None, message: str | None) -> int | None:
         return None
     match = _CHILD_SIGNALLED.search(message)
     return int(match.group(2)) if match else None
+
+
+_SHELL_DEATH = re.compile(
+    r"line \d+:\s+(\d+) (Killed|Terminated|Segmentation fault|Aborted|Bus error|Floating point exception)\b"
+)
+_SHELL_DEATH_SIGNALS = {
+    "Killed": signal.SIGKILL,
+    "Terminated": signal.SIGTERM,
+    "Segmentation fault": signal.SIGSEGV,
+    "Aborted": signal.SIGABRT,
+    "Bus error": signal.SIGBUS,
+    "Floating point exception": signal.SIGFPE,
+}
+
+
+def shell_reported_deaths(lines: Sequence[str]) -> dict[int, int]:
+    """pid -> signal of the processes a shell script says died of a signal (bash: `./run.sh: line 3:   731
+    Killed   python train.py ...`), which it prints whatever the script's own exit status is."""
+    found: dict[int, int] = {}
+    for line in lines:
+        if match := _SHELL_DEATH.search(line):
+            found.setdefault(int(match.group(1)), int(_SHELL_DEATH_SIGNALS[match.group(2)]))
+    return found
