@@ -147,7 +147,17 @@ def test_sitecustomize_spells_the_same_names_as_the_contract():
     tree = ast.parse((pythonpath_dir() / "sitecustomize.py").read_text())
     literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     env_like = {s for s in literals if s.isupper() and "_" in s and " " not in s}
-    assert env_like == {RUN_DIR_ENV, INSTRUMENTED_ENV, LAUNCHER_ENV, TORCHELASTIC_RUN_ID_ENV}
+    from ettr.bootstrap.spawned import LAUNCHED_WORLD_NAMES
+    from ettr.run_env import INSTRUMENTED_WORLD_ENV
+
+    assert env_like == {
+        RUN_DIR_ENV,
+        INSTRUMENTED_ENV,
+        INSTRUMENTED_WORLD_ENV,
+        LAUNCHER_ENV,
+        TORCHELASTIC_RUN_ID_ENV,
+        *LAUNCHED_WORLD_NAMES,
+    }
     assert Launcher.TORCHRUN.value in literals
 
 

@@ -570,3 +570,84 @@ def test_processes_that_join_a_group_are_the_ranks_the_tutorials_way(
     assert (0, 1) in failures  # recorded in the rank, although multiprocessing caught the exception
     ends = [e.data["outcome"] for e in events if e.kind is EventKind.ATTEMPT_END]
     assert ends == ["failed", "completed"]
+
+
+def test_the_bootstrap_spells_the_world_names_a_launched_rank_is_told_by() -> None:
+    from ettr.bootstrap.spawned import LAUNCHED_WORLD_NAMES
+    from ettr.run_env import INSTRUMENTED_WORLD_ENV, MPI_RANK_NAMES
+
+    site = (ROOT / "src/ettr/bootstrap/pythonpath/sitecustomize.py").read_text()
+    assert all(f'"{name}"' in site for name in LAUNCHED_WORLD_NAMES) and f'"{INSTRUMENTED_WORLD_ENV}"' in site
+    assert {size for _, size, _ in MPI_RANK_NAMES} <= set(LAUNCHED_WORLD_NAMES)
+
+
+@pytest.mark.parametrize(
+    ("env", "trained", "becomes"),
+    [
+        ({"RANK": "1", "WORLD_SIZE": "2"}, False, True),  # a launcher of the user's own set them
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, False, True),  # mpirun run by a program
+        ({"RANK": "1", "WORLD_SIZE": "2"}, True, False),  # the program trained itself: its helper
+        ({"RANK": "1", "WORLD_SIZE": "2", "ETTR_INSTRUMENTED_WORLD": "2"}, False, False),  # a rank's helper
+        ({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}, False, False),
+        ({"RANK": "0", "WORLD_SIZE": "1"}, False, False),  # one process alone
+    ],
+)
+def test_a_process_a_lone_program_starts_as_a_rank_of_a_larger_world_is_that_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], trained: bool, becomes: bool
+) -> None:
+    import ettr.bootstrap.start as start_module
+    from ettr.bootstrap.spawned import launched_rank
+    from ettr.run_env import RunEnv
+
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(start_module, "start", lambda environ: started.append(dict(environ)))
+    monkeypatch.setattr(start_module, "at_first_step", lambda action: None)
+    if trained:
+        path = trained_path(tmp_path, 0, 4242)
+        path.parent.mkdir(parents=True)
+        path.write_text("{}")
+    environ = {
+        **RunEnv(run_dir=tmp_path, job_id="j", attempt=0).to_environ(),
+        "ETTR_INSTRUMENTED_PID": "4242",
+        "ETTR_INSTRUMENTED_WORLD": "1",
+        **env,
+    }
+    launched_rank(environ)
+    assert bool(started) is becomes
+    if becomes:  # instrumented as itself: no marker of the program that started it
+        assert "ETTR_INSTRUMENTED_PID" not in started[0] and "ETTR_INSTRUMENTED_WORLD" not in started[0]
+
+
+LAUNCHER = textwrap.dedent(
+    """
+    # a user's own launcher: one Python process per rank, the rank in its environment
+    import os, subprocess, sys
+    port = sys.argv[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, sys.argv[2]],
+            env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+        )
+        for r in range(2)
+    ]
+    sys.exit(max(p.wait() for p in procs))
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_processes_a_users_own_launcher_starts_with_their_ranks_are_the_ranks(tmp_path: Path) -> None:
+    from ettr.supervisor.launch import free_port
+
+    (tmp_path / "launch.py").write_text(LAUNCHER)
+    _, events = _ettr_run(
+        tmp_path,
+        sys.executable,
+        "launch.py",
+        str(free_port()),
+        str(DDP_STEPS),
+        options=("--inject", "crash@step=3,rank=1"),
+    )
+    assert _fired(events) == [(0, 1)]
+    assert _last_steps(events) == {0: 8, 1: 8}

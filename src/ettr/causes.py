@@ -170,11 +170,12 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
     own = _text(failure.get("message"))
     if not own and isinstance(process, Mapping) and process_exc == exception:
         own = _text(process.get("message"))
-    if exception and not is_collective_error(exception, own):
-        # The failed rank's own exception is known and is no broken collective: the output's other lines
-        # (its peers' "Connection closed by peer", the consequence) are not its cause, only its own words
-        # (a Lightning DDP job whose rank 1 crashed read `collective` from rank 0's gloo traceback).
-        texts = [own] if own else []
+    if exception and own and not is_collective_error(exception, own):
+        # The failed rank's own exception and words are known and name no broken collective: the output's
+        # other lines (its peers' "Connection closed by peer", the consequence) are not its cause (a Lightning
+        # DDP job whose rank 1 crashed read `collective` from rank 0's gloo traceback). Without its words
+        # (a bare RuntimeError) the output is all there is to go by.
+        texts = [own]
     elif own:
         texts.append(own)
     for detail, needles in (

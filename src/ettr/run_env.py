@@ -82,7 +82,11 @@ AGENT_ENV = "ETTR_AGENT"
 """The supervisor's setting: `torchrun` makes a single-node torchrun command run under the real torchrun
 instead of ettr's own agent (`ettr.supervisor.agent`)."""
 
-RANK_CLEARS = (OWN_RANK_ENV, OWN_WORLD_SIZE_ENV, RANK_BASE_ENV)
+INSTRUMENTED_WORLD_ENV = "ETTR_INSTRUMENTED_WORLD"
+"""Set beside `INSTRUMENTED_ENV`: the instrumented process's world size. A Python process it starts whose
+environment names a rank of a larger world (`RANK`/`WORLD_SIZE`, MPI's names) while it is alone (1) was
+started as a rank by a launcher program of the user's own (`ettr.bootstrap.spawned.launched_rank`)."""
+RANK_CLEARS = (OWN_RANK_ENV, OWN_WORLD_SIZE_ENV, RANK_BASE_ENV, INSTRUMENTED_WORLD_ENV)
 """The ranks ettr assigned: a launcher (torchrun, accelerate, torchrun's agent in a program) started inside
 the job removes them for its workers, which have ranks of their own."""
 LAUNCHER_CLEARS = (INJECT_ENV, INSTRUMENTED_ENV, LEDGER_ENV, FAMILY_ENV, *RANK_CLEARS)

@@ -92,10 +92,11 @@ def become_rank(i: int, nprocs: int, environ: MutableMapping[str, str] | None = 
     """Make this spawned process rank `i` of `nprocs` and instrument it (never raises). Only ettr's own names
     say so (`ETTR_RANK`, `ETTR_WORLD_SIZE`): the script's `RANK`, `WORLD_SIZE`, `LOCAL_RANK` stay as it has
     them (some scripts take a set `RANK` for a torchrun launch)."""
-    from ettr.run_env import INSTRUMENTED_ENV, OWN_RANK_ENV, OWN_WORLD_SIZE_ENV
+    from ettr.run_env import INSTRUMENTED_ENV, INSTRUMENTED_WORLD_ENV, OWN_RANK_ENV, OWN_WORLD_SIZE_ENV
 
     environ = os.environ if environ is None else environ
     environ.pop(INSTRUMENTED_ENV, None)  # the spawner's marker: this process is a rank, not its helper
+    environ.pop(INSTRUMENTED_WORLD_ENV, None)
     environ[OWN_RANK_ENV] = str(i)
     environ[OWN_WORLD_SIZE_ENV] = str(nprocs)
     try:
@@ -369,3 +370,43 @@ def _wrap_process_run(module: ModuleType) -> None:
         return run
 
     _patcher.wrap(module.BaseProcess, "run", make)
+
+
+LAUNCHED_WORLD_NAMES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+"""The world-size names the bootstrap's sitecustomize looks at before `launched_rank` (spelt out there)."""
+
+
+def launched_rank(environ: MutableMapping[str, str] | None = None) -> None:
+    """In a Python process the instrumented one started while alone (`INSTRUMENTED_WORLD_ENV` 1) with a rank of
+    a larger world in its environment (`RANK`/`WORLD_SIZE` a launcher program of the user's set, MPI's names:
+    `subprocess.Popen([python, "worker.py"], env={..., "RANK": r, "WORLD_SIZE": n})`, composer's launcher,
+    `mpirun` run by a Python program): it is that rank, and the program that started it a launcher, told at its
+    first step; unless that program has trained (then this is its helper). Called by the bootstrap's
+    sitecustomize; never raises."""
+    from ettr.run_env import INSTRUMENTED_ENV, INSTRUMENTED_WORLD_ENV, RankEnv, RunEnv, trained_path
+
+    environ = os.environ if environ is None else environ
+    try:
+        run_env = RunEnv.from_environ(environ)
+        spawner = int(environ.get(INSTRUMENTED_ENV, ""))
+        if run_env is None or spawner == os.getpid() or environ.get(INSTRUMENTED_WORLD_ENV) != "1":
+            return
+        if inherited_torchrun(environ) or RankEnv.from_environ(environ).world_size <= 1:
+            return
+        if trained_path(run_env.run_dir, run_env.attempt, spawner).exists():
+            return
+        environ.pop(INSTRUMENTED_ENV, None)
+        environ.pop(INSTRUMENTED_WORLD_ENV, None)
+        from ettr.bootstrap.start import at_first_step, start, tell_launcher
+
+        start(environ)
+        at_first_step(lambda: tell_launcher(spawner, b"launcher"))
+    except Exception as exc:
+        logger.warning("ettr: this process will not be recorded as a rank (%s: %s)", type(exc).__name__, exc)
+
+
+def inherited_torchrun(environ: Mapping[str, str]) -> bool:
+    """Whether this process is under a torchrun worker (its helpers carry TORCHELASTIC_RUN_ID)."""
+    from ettr.run_env import TORCHELASTIC_RUN_ID_ENV
+
+    return bool(environ.get(TORCHELASTIC_RUN_ID_ENV))

@@ -145,7 +145,14 @@ def hand_ranks_to_workers(environ: MutableMapping[str, str], pid: int, *, torchr
 
 
 def _start(environ: Mapping[str, str]) -> None:
-    from ettr.run_env import INSTRUMENTED_ENV, Launcher, RunEnv, heartbeat_path
+    from ettr.run_env import (
+        INSTRUMENTED_ENV,
+        INSTRUMENTED_WORLD_ENV,
+        Launcher,
+        RankEnv,
+        RunEnv,
+        heartbeat_path,
+    )
     from ettr.runtime import get_recorder
 
     run_env = RunEnv.from_environ(environ)
@@ -157,6 +164,7 @@ def _start(environ: Mapping[str, str]) -> None:
     if not rec.enabled or run_env is None:
         return
     os.environ[INSTRUMENTED_ENV] = str(os.getpid())
+    os.environ[INSTRUMENTED_WORLD_ENV] = str(RankEnv.from_environ(os.environ).world_size)
     if run_env.launcher is Launcher.TORCHRUN:
         # A worker whose torchrun agent died (SIGKILLed with the supervisor) must not train on unrecorded.
         from ettr.procs import set_parent_death_signal

@@ -45,6 +45,17 @@ def _ettr_bootstrap() -> None:
             except Exception:
                 return
             watch_join()
+        elif env.get("ETTR_INSTRUMENTED_WORLD") == "1" and any(
+            env.get(name, "1") not in ("", "0", "1")
+            for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+        ):
+            # Started as a rank of a larger world by a program that is alone: a launcher of the user's own
+            # (`ettr.bootstrap.spawned.launched_rank`; the names are its LAUNCHED_WORLD_NAMES).
+            try:
+                from ettr.bootstrap.spawned import launched_rank
+            except Exception:
+                return
+            launched_rank()
         return
     if env.get("ETTR_LAUNCHER") == "torchrun" and not env.get("TORCHELASTIC_RUN_ID"):
         return
