@@ -13,7 +13,6 @@ import pytest
 from ettr.accounting import Cause, compute
 from ettr.cli import main
 from ettr.events import Bucket
-from ettr.family import derive_family
 from ettr.fleet.aggregate import build_fleet, quantile
 from ettr.fleet.model import JobSummary
 from ettr.fleet.preempt import choose_victims, preemption_costs
@@ -93,24 +92,6 @@ def test_report_json_and_text_show_failures_by_cause():
     assert out["ttr_s_by_cause"]["infra"] == pytest.approx(list(report.ttr_s))
     assert out["failures"][0]["cause"] == "infra"
     assert "failures by cause (NoF, mean TTR): infra 1" in render(report)
-
-
-# -- families ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("command", "family"),
-    [
-        (["python", "train.py", "--lr", "3"], "train"),
-        (["/usr/bin/python3", "-u", "jobs/pretrain.py"], "pretrain"),
-        (["python", "-m", "mypkg.train", "--x"], "mypkg.train"),
-        (["torchrun", "--nproc-per-node", "8", "--standalone", "scripts/ft.py", "-c", "a.yaml"], "ft"),
-        (["torchrun", "--nnodes=2", "--rdzv-endpoint", "h:1", "-m", "mypkg.train"], "mypkg.train"),
-        (["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "x/t.py"], "t"),
-        (["./launch.sh", "1"], "launch.sh"),
-        (["python", "-c", "print(1)"], "python"),
-    ],
-)
-def test_family_is_derived_from_the_command_not_its_arguments(command, family):
-    assert derive_family(command) == family
 
 
 # -- regressions ---------------------------------------------------------------------------------------------

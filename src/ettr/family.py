@@ -1,26 +1,109 @@
 """The job family: the name that groups runs of the same training job for fleet views (`ettr run --family`).
 
 Without `--family`, the family is derived from the command so that every run of the same job gets the same
-one: the script's file name without `.py` (`python train.py ...`, `torchrun ... train.py`), the module of
-`python -m MODULE` / `torchrun -m MODULE`, else the program's name. Arguments never enter it (they change
-from run to run: seeds, output paths). Pure; imports nothing of ettr.
+one: the script's file name without `.py` (`python train.py ...`), the module of `python -m MODULE`, else the
+program's name. A launcher is looked through to the command it runs, its own options skipped: `torchrun`
+(and `python -m torch.distributed.run`), `accelerate launch`, `deepspeed` / `ds`, `srun`, `mpirun` /
+`mpiexec`, nested too (`srun torchrun train.py` is `train`); so `accelerate launch --num_processes 2
+train.py` is `train`, never `accelerate` (which would put every accelerate script in one family). A
+launcher with nothing after its options is its own family. Arguments never enter it (they change from run
+to run: seeds, output paths). Pure, never raises; imports nothing of ettr.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 UNKNOWN_FAMILY = "unknown"
 
-# torchrun options that take no value; every other option before the script takes one (`--x v` or `--x=v`).
-_TORCHRUN_FLAGS = frozenset(
-    {"-h", "--help", "--standalone", "--no-python", "--no_python", "--run-path", "--run_path"}
-    | {"--virtual-local-rank", "--virtual_local_rank"}
-)
-_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 # python options that take a value.
 _PYTHON_VALUE_OPTIONS = frozenset({"-X", "-W", "--check-hash-based-pycs"})
+_PYTHON = re.compile(r"python[0-9.]*")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Launcher:
+    """How a launcher's options are read; names without their dashes, `-` as `_` (`--num-gpus`: num_gpus)."""
+
+    flags: frozenset[str]
+    """Options that take no value (or one only as `--x=v`). Any other takes one: `--x v` or `--x=v`."""
+    pairs: frozenset[str] = frozenset()
+    """Options that take two values (`mpirun -mca btl tcp`)."""
+    module: frozenset[str] = frozenset()
+    """Flags that make the command a module name (`torchrun -m pkg.train`)."""
+    program: frozenset[str] = frozenset()
+    """Flags that make the command a program rather than a Python script (`--no_python`)."""
+    runs_program: bool = False
+    """The command is a program of its own (`srun python train.py`), not a Python script."""
+    bundles: bool = False
+    """Single-dash options are letters that bundle, getopt style (`srun -lN2`)."""
+
+
+def _names(*groups: str) -> frozenset[str]:
+    return frozenset(" ".join(groups).split())
+
+
+_TORCHRUN = _Launcher(
+    flags=_names("h help standalone run_path virtual_local_rank"),
+    module=_names("m module"),
+    program=_names("no_python"),
+)
+# `accelerate launch --help` (accelerate 1.x): every other option takes a value.
+_ACCELERATE = _Launcher(
+    flags=_names(
+        "h help q quiet debug cpu multi_gpu tpu tpu_cluster no_tpu_cluster tpu_use_sudo same_network",
+        "enable_cpu_affinity downcast_bf16 dynamo_use_dynamic dynamo_use_fullgraph",
+        "dynamo_use_regional_compilation fp8_use_autocast_during_eval use_deepspeed use_fsdp",
+        "use_megatron_lm use_parallelism_config",
+    ),
+    module=_names("m module"),
+    program=_names("no_python"),
+)
+# deepspeed/launcher/runner.py (DeepSpeed 0.19).
+_DEEPSPEED = _Launcher(
+    flags=_names("h help q quiet no_local_rank no_ssh no_ssh_check force_multi save_pid bind_cores_to_rank"),
+    module=_names("module"),
+    program=_names("no_python"),
+)
+# srun(1) of Slurm 22.05: the options without a value or with an optional one (`--exclusive[=user]`).
+_SRUN = _Launcher(
+    flags=_names(
+        "E H I K O Q V X Z h k l s u v bcast compress contiguous disable_status exact exclusive help hold",
+        "immediate kill_on_bad_exit label multi_prog nice no_allocate no_kill overcommit overlap",
+        "oversubscribe preserve_env propagate pty quiet quit_on_interrupt reboot resv_ports send_libs",
+        "spread_job test_only unbuffered usage use_min_nodes verbose version whole x11",
+    ),
+    runs_program=True,
+    bundles=True,
+)
+# `mpirun --help all` of Open MPI 4.1 (`-np` and `--np` alike), and MPICH / Intel MPI's hydra `mpiexec`.
+_MPIRUN = _Launcher(
+    flags=_names(
+        "V allow_run_as_root bind_to_core bind_to_socket bycore bynode byslot continuous d debug",
+        "debug_daemons debug_daemons_file debug_devel disable_recovery display_allocation",
+        "display_devel_allocation display_devel_map display_diffable_map display_map display_topo",
+        "do_not_launch do_not_resolve dvm enable_instant_on_support enable_recovery fwd_mpirun_port",
+        "get_stack_traces h help index_argv_by_rank leave_session_attached merge_stderr_to_stdout nolocal",
+        "nooversubscribe noprefix novm output_proctable oversubscribe pernode preload_binary q quiet",
+        "report_bindings report_child_jobs_separately report_state_on_timeout s set_cwd_to_session_dir",
+        "show_progress tag_output timestamp_output tv use_hwthread_cpus use_regexp v verbose version xml",
+        "genvall genvnone envall envnone l prepend_rank print_all_exitcodes ordered_output info",
+    ),
+    pairs=_names("mca gmca prtemca pmixmca genv env"),
+    runs_program=True,
+)
+_PROGRAMS = {"torchrun": _TORCHRUN, "accelerate-launch": _ACCELERATE, "deepspeed": _DEEPSPEED}
+_PROGRAMS.update({"ds": _DEEPSPEED, "srun": _SRUN, "orterun": _MPIRUN})
+_MODULES = {
+    "torch.distributed.run": _TORCHRUN,
+    "torch.distributed.launch": _TORCHRUN,
+    "accelerate.commands.launch": _ACCELERATE,
+    "deepspeed.launcher.runner": _DEEPSPEED,
+}
+_ACCELERATE_CLIS = ("accelerate", "accelerate.commands.accelerate_cli")  # `... launch` is _ACCELERATE
 
 
 def _script_name(path: str) -> str:
@@ -28,59 +111,106 @@ def _script_name(path: str) -> str:
     return name[:-3] if name.endswith(".py") else name
 
 
-def _after_python(command: Sequence[str], i: int) -> tuple[str, str | None]:
-    """('module', M) / ('script', S) / ('other', None) for the python options starting at `i`."""
+def _launcher_of(program: str) -> _Launcher | None:
+    if program.startswith(("mpirun", "mpiexec")):  # mpirun.openmpi, mpiexec.hydra
+        return _MPIRUN
+    return _PROGRAMS.get(program)
+
+
+def _starts_a_command(token: str) -> bool:
+    """Whether `token` reads as the start of the launched command rather than an option's value."""
+    name = os.path.basename(token)
+    return name.endswith(".py") or bool(_PYTHON.fullmatch(name)) or _launcher_of(name) is not None
+
+
+def _after_python(command: Sequence[str], i: int) -> tuple[str, str | None, int]:
+    """('module', M, at) / ('script', S, at) / ('other', None, at) for the python options starting at `i`;
+    `at` is where the module's or script's own arguments start."""
     while i < len(command):
         token = command[i]
         if token == "-m":
-            return ("module", command[i + 1]) if i + 1 < len(command) else ("other", None)
+            return ("module", command[i + 1], i + 2) if i + 1 < len(command) else ("other", None, i)
         if token.startswith("-m"):
-            return "module", token[2:]
+            return "module", token[2:], i + 1
         if token in ("-c", "-") or token.startswith("-c"):
-            return "other", None
+            return "other", None, i
         if token in _PYTHON_VALUE_OPTIONS:
             i += 2
             continue
         if not token.startswith("-"):
-            return "script", token
+            return "script", token, i + 1
         i += 1
-    return "other", None
+    return "other", None, i
 
 
-def _after_torchrun(command: Sequence[str], i: int) -> str | None:
-    module = False
+def _option_width(command: Sequence[str], i: int, launcher: _Launcher, name: str) -> int:
+    """How many tokens the option `command[i]` (called `name`) spans with its values."""
+    token = command[i]
+    if launcher.bundles and not token.startswith("--"):
+        for k, letter in enumerate(token[1:]):  # `-lN2`, `-lN 2`: letters up to the first that takes a value
+            if letter not in launcher.flags:
+                return 1 if k + 2 < len(token) else 2
+        return 1
+    if "=" in token or name in launcher.flags or name in launcher.module or name in launcher.program:
+        return 1
+    if name in launcher.pairs:
+        return 3
+    # An option that takes a value, or one this table does not know: not when the command comes next.
+    return 1 if i + 1 < len(command) and _starts_a_command(command[i + 1]) else 2
+
+
+def _after_launcher(command: Sequence[str], i: int, launcher: _Launcher) -> str | None:
+    """The family of what `launcher` runs, its options starting at `i`; None when nothing follows them."""
+    module = program = False
+    start = i
     while i < len(command):
         token = command[i]
-        if token in ("-m", "--module"):
-            module = True
-        elif token == "--":
+        if token == "--":
             i += 1
             break
-        elif not token.startswith("-"):
+        if not token.startswith("-") or token == "-":
             break
-        elif "=" not in token and token not in _TORCHRUN_FLAGS:
-            i += 1  # its value
-        i += 1
+        name = token.split("=", 1)[0].lstrip("-").replace("-", "_")
+        module = module or name in launcher.module
+        program = program or name in launcher.program
+        i += _option_width(command, i, launcher, name)
     if i >= len(command):
-        return None
-    return command[i] if module else _script_name(command[i])
+        # The options read wrong (an option of a newer version): the first token that looks like a command.
+        i = next((k for k in range(start, len(command)) if _starts_a_command(command[k])), len(command))
+        if i >= len(command):
+            return None
+    if module:
+        return command[i]
+    if program or launcher.runs_program:
+        return _family(command[i:])
+    return _script_name(command[i])
 
 
 def derive_family(command: Sequence[str]) -> str:
-    """The default family of a job that runs `command` (see the module docstring)."""
+    """The default family of a job that runs `command` (see the module docstring); never empty."""
+    return _family(command) or UNKNOWN_FAMILY
+
+
+def _family(command: Sequence[str]) -> str:
     if not command:
-        return UNKNOWN_FAMILY
+        return ""
     program = os.path.basename(command[0])
-    if program == "torchrun":
-        return _after_torchrun(command, 1) or program
+    if program in _ACCELERATE_CLIS and len(command) > 1 and command[1] == "launch":
+        return _after_launcher(command, 2, _ACCELERATE) or program
+    launcher = _launcher_of(program)
+    if launcher is not None:
+        return _after_launcher(command, 1, launcher) or program
     if program.startswith("python"):
-        kind, value = _after_python(command, 1)
-        if kind == "module" and value in _TORCHRUN_MODULES:
-            at = list(command).index(value) + 1 if value in command else len(command)
-            return _after_torchrun(command, at) or value or program
+        kind, value, at = _after_python(command, 1)
+        if kind == "module" and value in _ACCELERATE_CLIS and at < len(command) and command[at] == "launch":
+            return _after_launcher(command, at + 1, _ACCELERATE) or value or program
+        if kind == "module" and value in _MODULES:
+            return _after_launcher(command, at, _MODULES[value]) or value or program
         if kind == "module" and value:
             return value
         if kind == "script" and value:
+            if _launcher_of(os.path.basename(value)) or os.path.basename(value) in _ACCELERATE_CLIS:
+                return _family(command[at - 1 :])  # `python .../bin/deepspeed ...`
             return _script_name(value)
         return program
     return _script_name(program)

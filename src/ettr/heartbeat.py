@@ -87,7 +87,9 @@ class Progress:
     recording thread; `snapshot` is read by the heartbeat's sampler thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler that interrupted `observe` on the training thread records too (a save
+        # in a SIGTERM handler) and comes back here on the same thread; a plain lock would wait for ever.
+        self._lock = threading.RLock()
         self._step_ts: deque[float] = deque(maxlen=_INTERVALS_KEPT + 1)
         self._steps = 0
         self._open: dict[str, int] = {}

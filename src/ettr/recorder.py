@@ -406,7 +406,11 @@ class Recorder:
 
     # -- writing -----------------------------------------------------------------------------------------
     def flush(self, timeout_s: float = 5.0) -> None:
-        """Write everything queued so far before returning (waits at most about `timeout_s`)."""
+        """Write everything queued so far before returning (waits at most about `timeout_s`).
+
+        Safe in a signal handler (a save in a SIGTERM handler flushes its commit): `record` holds no lock,
+        and the one lock taken here is taken with the timeout, so a handler that interrupted this thread
+        inside a flush gives up after `timeout_s` instead of waiting for itself."""
         if not self.enabled:
             return
         if self._drain_lock.acquire(timeout=timeout_s):

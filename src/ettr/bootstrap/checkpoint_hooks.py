@@ -1,7 +1,9 @@
 """Checkpoint hooks of the bootstrap: saves and loads through torch.save/load and torch.distributed.checkpoint.
 
 Saves: the call is a CHECKPOINT_BLOCKING span at the current global step; once it has returned (not before),
-CHECKPOINT_COMMIT(step, path), so a resume point is only claimed for a file that was written. A save that
+CHECKPOINT_COMMIT(step, path), so a resume point is only claimed for a file that was written; the commit is
+written to the books before the save returns (`COMMIT_FLUSH_S`), so a process that ends right after it (a
+SIGTERM handler that saves, then re-raises the signal with SIG_DFL) keeps it. A save that
 is renamed into place (`torch.save(tmp)` then `os.replace(tmp, final)`) commits the final path at the
 rename. `dcp.async_save` blocks for the staging only: its call is the blocking span, and the commit (with
 a CHECKPOINT_PERSIST span for the overlapped upload) comes when its future completes.
@@ -69,6 +71,9 @@ from ettr.integrations._commits import CHECKPOINT_FILE_MARK
 from ettr.recorder import RecorderProtocol
 
 _OWN_PHASES = (Phase.CHECKPOINT_BLOCKING, Phase.CHECKPOINT_PERSIST)
+COMMIT_FLUSH_S = 1.0
+"""How long a save waits at most for its CHECKPOINT_COMMIT to be written (saves are rare; the write takes
+milliseconds, a ledger that cannot be written costs each save this much)."""
 
 
 def _path_of(target: Any) -> str | None:
@@ -176,6 +181,9 @@ class CheckpointHooks:
             self.rec.record(
                 EventKind.CHECKPOINT_COMMIT, step=step, data={"path": path, IDENTITY_KEY: identity}
             )
+            # In the books now, not within the writer's next half second: a SIGTERM handler that saves and
+            # then re-raises the signal with SIG_DFL ends the process before that.
+            self.rec.flush(timeout_s=COMMIT_FLUSH_S)
 
     def _book_blocking(self, begin: float, end: float, step: int, path: str) -> None:
         self.guard.call(
