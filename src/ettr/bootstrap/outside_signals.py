@@ -39,7 +39,11 @@ def install(run_dir: str, attempt: int, rank: int) -> None:
     """Wrap `signal.signal` and `signal.getsignal` in this training process (idempotent, never raises)."""
     from ettr.run_env import signalled_path
 
+    owner = os.getpid()
+
     def note(signum: int) -> None:
+        if os.getpid() != owner:
+            return  # a forked child (a data-loader worker) inherits the wrapper: it is no training process
         try:
             from ettr.atomic import create_exclusive
             from ettr.untrusted import make_dirs_below
