@@ -667,7 +667,8 @@ def test_a_signal_from_outside_that_the_scripts_own_handler_ended_the_job_on_is_
     # Lightning DDP: rank 0 exits 0 on the SIGTERM, rank 1 then dies of the broken connection.
     reset = {"exception": "RuntimeError", "message": "Connection closed by peer"}
     broken = [*stepped, Event(EventKind.FAILURE, 11.0, 0, 1, data=reset)]
-    assert classify(returncode=0, events=broken, signalled=signalled).outcome is Outcome.PREEMPTED
+    preempted = classify(returncode=0, events=broken, signalled=signalled)
+    assert preempted.outcome is Outcome.PREEMPTED and preempted.exception is None  # the reset: its consequence
     assert classify(returncode=0, events=stepped).outcome is Outcome.COMPLETED  # nothing noted: completed
 
 

@@ -276,6 +276,7 @@ def classify(
         # The job was signalled from outside (not through ettr run) and its own handler ended it: stopped
         # early, whatever its status. A preemption: restarted, not counted, the scheduler told (143).
         outcome = Outcome.PREEMPTED
+        exception = message = None  # what ranks died of after the signal is its consequence
         _, first_rank, first_sig = signalled[0]
         ended_by = signal.Signals[first_sig] if first_sig in signal.Signals.__members__ else ended_by
         reason = (
