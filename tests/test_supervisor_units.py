@@ -668,8 +668,14 @@ def test_a_signal_from_outside_that_the_scripts_own_handler_ended_the_job_on_is_
     reset = {"exception": "RuntimeError", "message": "Connection closed by peer"}
     broken = [*stepped, Event(EventKind.FAILURE, 11.0, 0, 1, data=reset)]
     preempted = classify(returncode=0, events=broken, signalled=signalled)
-    assert preempted.outcome is Outcome.PREEMPTED and preempted.exception is None  # the reset: its consequence
+    assert (
+        preempted.outcome is Outcome.PREEMPTED and preempted.exception is None
+    )  # the reset: its consequence
     assert classify(returncode=0, events=stepped).outcome is Outcome.COMPLETED  # nothing noted: completed
+    # A handler that saved and went on training (a SIGUSR1 "save now"), or let the job finish: completed.
+    went_on = [*stepped, *(Event(EventKind.STEP, 11.0 + i, 0, 0, step=21 + i) for i in range(6))]
+    assert classify(returncode=0, events=went_on, signalled=signalled).outcome is Outcome.COMPLETED
+    assert classify(returncode=0, events=went_on[:6], signalled=signalled).outcome is Outcome.PREEMPTED
 
 
 def test_torchruns_own_word_that_it_got_a_signal_is_read() -> None:

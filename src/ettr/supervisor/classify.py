@@ -17,12 +17,12 @@ from ettr.events import Event, EventKind, Outcome
 from ettr.supervisor.command_output import (
     child_signal,
     exception_line_from_stderr,
-    shell_reported_deaths,
     signal_name,
     torchrun_exitcodes,
     torchrun_signal,
     wrapped_signal,
 )
+from ettr.supervisor.hidden_ends import ended_by_signal, failure_hidden, shell_kills
 
 _OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
 _OOM_TEXT = ("CUDA out of memory", "Out of memory", "OutOfMemoryError")
@@ -272,7 +272,9 @@ def classify(
             what = " (out of memory)" if oom else " (no exception recorded)"
         ended = "the command exited 0 after it" if returncode == 0 else how
         reason = f"{who} failed{what}; ettr stopped the rest ({ended})"
-    elif signalled and not (failures and min(e.ts for e in failures) < signalled[0][0]):
+    elif (signalled := ended_by_signal(signalled, events)) and not (
+        failures and min(e.ts for e in failures) < signalled[0][0]
+    ):
         # The job was signalled from outside (not through ettr run) and its own handler ended it: stopped
         # early, whatever its status. A preemption: restarted, not counted, the scheduler told (143).
         outcome = Outcome.PREEMPTED
@@ -283,7 +285,7 @@ def classify(
             f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
             f"and its handler ended the job early; {how}"
         )
-    elif returncode == 0 and (hidden := _failure_hidden(events, _shell_kills(stderr_tail, rank_of, wrapper))):
+    elif returncode == 0 and (hidden := failure_hidden(events, shell_kills(stderr_tail, rank_of, wrapper))):
         # `bash run.sh` whose script runs `python train.py` and then something else (an `echo`, a copy of the
         # logs) exits with that last command's status: the training process's death reads as success.
         outcome = Outcome.FAILED
@@ -327,53 +329,6 @@ def classify(
         stderr_tail=tuple(stderr_tail),
         injected=injected,
     )
-
-
-def _shell_kills(lines: Sequence[str], rank_of: Mapping[int, int], wrapper: bool) -> list[Event]:
-    """What a shell wrapper said of a training process it ran that died of a signal (bash's `line 3: 731
-    Killed ...`: the kernel's OOM killer, an operator), as FAILURE-like marks for `_failure_hidden`."""
-    if not wrapper:
-        return []
-    return [
-        Event(
-            EventKind.MARK,
-            0.0,
-            0,
-            rank_of[pid],
-            data={"exception": signal_name(sig), "message": "said by its shell"},
-        )
-        for pid, sig in shell_reported_deaths(lines).items()
-        if pid in rank_of
-    ]
-
-
-def _failure_hidden(events: Iterable[Event], killed: Sequence[Event] = ()) -> Event | None:
-    """The FAILURE (an uncaught exception, an injected crash: the process ends with it) of a training process
-    whose rank never stepped again after it: what a shell wrapper exiting 0 hid. A rank that stepped after
-    its FAILURE survived it (a restart in place) or was started again by a launcher inside the command. An
-    injected `kill` (SIGKILL: no FAILURE is written) counts as one, with `exception` "SIGKILL"."""
-    failures: dict[int, Event] = {}
-    stepped: dict[int, float] = {}
-    for e in events:
-        if e.rank < 0:
-            continue
-        data = e.data or {}
-        if (
-            e.kind is EventKind.MARK
-            and data.get("name") == "inject"
-            and str(data.get("spec")).startswith("kill@")
-        ):
-            fault = {"exception": "SIGKILL", "message": f"injected {data.get('spec')}"}
-            e = Event(EventKind.MARK, e.ts, e.attempt, e.rank, data=fault)
-            if e.rank not in failures:
-                failures[e.rank] = e
-            continue
-        if e.kind is EventKind.FAILURE and (e.data or {}).get("exception") and e.rank not in failures:
-            failures[e.rank] = e
-        elif e.kind is EventKind.STEP:
-            stepped[e.rank] = max(e.ts, stepped.get(e.rank, e.ts))
-    hidden = next((f for r, f in sorted(failures.items()) if stepped.get(r, f.ts) <= f.ts), None)
-    return hidden or next(iter(killed), None)  # (a process gone stepped no more; its time is unknown)
 
 
 def oom_kill_count() -> int | None:

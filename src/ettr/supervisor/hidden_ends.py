@@ -1,0 +1,77 @@
+"""How an attempt ended where its command's exit status does not say: a rank's death that a wrapper or a
+launcher exiting 0 hid (its FAILURE, an injected kill, a death its shell reported), and the signals from outside
+that the script's own handler ended the job on. Pure, for `ettr.supervisor.classify`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from ettr.events import Event, EventKind
+from ettr.supervisor.command_output import shell_reported_deaths, signal_name
+
+STEPS_AFTER_SIGNAL = 5
+"""A rank that took more steps than this after a signal its handler took went on training: the handler
+saved and carried on (a SIGUSR1 "save now"), or let the job finish; the signal did not end the job."""
+
+
+def ended_by_signal(
+    signalled: Sequence[tuple[float, int, str]], events: Iterable[Event]
+) -> list[tuple[float, int, str]]:
+    """The signals in `signalled` after which their rank stopped training (at most `STEPS_AFTER_SIGNAL`
+    steps)."""
+    if not signalled:
+        return []
+    steps = [(e.rank, e.ts) for e in events if e.kind is EventKind.STEP]
+    return [
+        (ts, rank, name)
+        for ts, rank, name in signalled
+        if sum(1 for r, t in steps if r == rank and t > ts) <= STEPS_AFTER_SIGNAL
+    ]
+
+
+def shell_kills(lines: Sequence[str], rank_of: Mapping[int, int], wrapper: bool) -> list[Event]:
+    """What a shell wrapper said of a training process it ran that died of a signal (bash's `line 3: 731
+    Killed ...`: the kernel's OOM killer, an operator), as FAILURE-like marks for `failure_hidden`."""
+    if not wrapper:
+        return []
+    return [
+        Event(
+            EventKind.MARK,
+            0.0,
+            0,
+            rank_of[pid],
+            data={"exception": signal_name(sig), "message": "said by its shell"},
+        )
+        for pid, sig in shell_reported_deaths(lines).items()
+        if pid in rank_of
+    ]
+
+
+def failure_hidden(events: Iterable[Event], killed: Sequence[Event] = ()) -> Event | None:
+    """The FAILURE (an uncaught exception, an injected crash: the process ends with it) of a training process
+    whose rank never stepped again after it: what a shell wrapper exiting 0 hid. A rank that stepped after
+    its FAILURE survived it (a restart in place) or was started again by a launcher inside the command. An
+    injected `kill` (SIGKILL: no FAILURE is written) counts as one, with `exception` "SIGKILL"."""
+    failures: dict[int, Event] = {}
+    stepped: dict[int, float] = {}
+    for e in events:
+        if e.rank < 0:
+            continue
+        data = e.data or {}
+        if (
+            e.kind is EventKind.MARK
+            and data.get("name") == "inject"
+            and str(data.get("spec")).startswith("kill@")
+        ):
+            fault = {"exception": "SIGKILL", "message": f"injected {data.get('spec')}"}
+            e = Event(EventKind.MARK, e.ts, e.attempt, e.rank, data=fault)
+            if e.rank not in failures:
+                failures[e.rank] = e
+            continue
+        if e.kind is EventKind.FAILURE and (e.data or {}).get("exception") and e.rank not in failures:
+            failures[e.rank] = e
+        elif e.kind is EventKind.STEP:
+            stepped[e.rank] = max(e.ts, stepped.get(e.rank, e.ts))
+    hidden = next((f for r, f in sorted(failures.items()) if stepped.get(r, f.ts) <= f.ts), None)
+    return hidden or next(iter(killed), None)  # (a process gone stepped no more; its time is unknown)
