@@ -337,9 +337,11 @@ def _becomes_rank(
     """Make this process the rank it joins as, unless `spawner`, the process that started it, has trained.
     Never raises."""
     from ettr.bootstrap.start import at_first_step, tell_launcher
-    from ettr.run_env import trained_path
+    from ettr.run_env import INSTRUMENTED_ENV, trained_path
 
     try:
+        if INSTRUMENTED_ENV not in os.environ or os.environ[INSTRUMENTED_ENV] == str(os.getpid()):
+            return False  # a rank already (`torch.multiprocessing.spawn`'s `SpawnedRank`): numbered by it
         place = joining_as(signature, args, kwargs, os.environ)
         if place is None or trained_path(_join["run_dir"], _join["attempt"], spawner).exists():
             return False
