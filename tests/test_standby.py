@@ -319,3 +319,20 @@ def test_a_script_that_fails_in_a_standby_prints_the_traceback_of_a_cold_start(
     running.finish()
     assert status == cold.returncode == 1
     assert running.stderr_tail() == cold.stderr.splitlines()[-20:]  # no frame of ettr's own
+
+
+def test_a_forged_first_step_marker_never_names_a_module_the_standby_would_run(tmp_path: Path) -> None:
+    # Anyone who can write the run directory can write these files; the standby imports what they name.
+    from ettr.bootstrap.start import TORCH_PARTS, VEC_ISA_PROBE
+    from ettr.run_env import WARM_PRIVATE_PARTS, trained_modules, trained_path
+
+    assert WARM_PRIVATE_PARTS == {p for p in (*TORCH_PARTS, VEC_ISA_PROBE) if "._" in p}
+    (tmp_path / "evilmod.py").write_text("raise SystemExit('imported')\n")  # the working directory's
+    marker = trained_path(tmp_path, 0, 42)
+    marker.parent.mkdir(parents=True)
+    forged = ["evilmod", "this", "unittest.__main__", "torch._C", "torch.utils.bottleneck.__main__", "os"]
+    marker.write_text(json.dumps({"modules": [*forged, "torch.distributed", "torch._dynamo", "torchrec"]}))
+    assert trained_modules(tmp_path, 0) == ["torch._dynamo", "torch.distributed", "torchrec"]
+    os.mkfifo(marker.parent / "trained-pid-43")  # would block the supervisor's read for good
+    (marker.parent / "trained-pid-44").symlink_to("/dev/zero")
+    assert trained_modules(tmp_path, 0) == ["torch._dynamo", "torch.distributed", "torchrec"]

@@ -426,17 +426,10 @@ def signals_received(
             names = [e.name for e in entries if e.name.startswith(SIGNALLED_PREFIX)]
     except OSError:
         return []
-    import stat
-
     for name in names:
         signame = name.rsplit("-", 1)[-1]
         try:  # never through a symlink, never a FIFO (it would block)
-            fd = os.open(agent_dir(run_dir, attempt) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            try:
-                data = os.read(fd, 256) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-            finally:
-                os.close(fd)
-            rank_text, ts_text = data.decode().split()
+            rank_text, ts_text = _read_regular(agent_dir(run_dir, attempt) / name, 256).decode().split()
             rank, ts = int(rank_text), float(ts_text)
         except (OSError, ValueError, UnicodeDecodeError):
             continue
@@ -454,22 +447,68 @@ def has_trained(run_dir: str | os.PathLike[str], attempt: int) -> bool:
         return False
 
 
+WARM_PRIVATE_PARTS = frozenset({"torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.cpu_vec_isa"})
+"""The private parts of torch a standby may import ahead (`ettr.bootstrap.start.TORCH_PARTS`, `VEC_ISA_PROBE`)."""
+
+
 def trained_modules(run_dir: str | os.PathLike[str], attempt: int) -> list[str]:
     """The installed packages (and slow parts of torch, dotted) the processes of `attempt` had imported by
-    their first step (what their `trained_path` files list), sorted; [] when none is known. Unreadable or malformed files are skipped."""
+    their first step (what their `trained_path` files list), sorted; [] when none is known. The files are
+    read as anyone who can write the run directory may have written them (never through a symlink, never a
+    FIFO, at most 64 KiB), and only `warmable` names are kept: the standby imports them."""
     import json
 
     names: set[str] = set()
-    for path in agent_dir(run_dir, attempt).glob(f"{TRAINED_PREFIX}*"):
+    try:
+        with os.scandir(agent_dir(run_dir, attempt)) as entries:
+            found_files = [e.name for e in entries if e.name.startswith(TRAINED_PREFIX)]
+    except OSError:
+        return []
+    for name in found_files:
         try:
-            found = json.loads(path.read_bytes() or b"{}").get("modules", [])
-        except (OSError, ValueError, AttributeError):
+            found = json.loads(_read_regular(agent_dir(run_dir, attempt) / name, 65536) or b"{}")["modules"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             continue
         if isinstance(found, list):
-            names.update(
-                n for n in found if isinstance(n, str) and all(p.isidentifier() for p in n.split("."))
-            )
+            names.update(n for n in found if isinstance(n, str) and warmable(n))
     return sorted(names)
+
+
+def warmable(name: str) -> bool:
+    """Whether a standby may import `name` ahead: a public package of torch or ettr (or one of
+    `WARM_PRIVATE_PARTS`), or a top-level package installed in a site-packages directory of this
+    interpreter; never a `__main__`, never a module of the working directory or the standard library (a
+    forged `trained_path` file named `evilmod`, `this`, `unittest.__main__`: the standby ran them)."""
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts) or "__main__" in parts:
+        return False
+    if parts[0] in ("torch", "ettr"):
+        return len(parts) > 1 and (name in WARM_PRIVATE_PARTS or not any(p.startswith("_") for p in parts))
+    if len(parts) != 1 or name.startswith("_"):
+        return False
+    import importlib.machinery
+    import site
+
+    roots = [*site.getsitepackages(), site.getusersitepackages()]
+    try:
+        return importlib.machinery.PathFinder.find_spec(name, roots) is not None
+    except (ImportError, ValueError, OSError):
+        return False
+
+
+def _read_regular(path: Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file `path`, at most `max_bytes` (never through a symlink, never blocking on
+    a FIFO: ELOOP / EINVAL as OSError)."""
+    import errno
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.read(fd, max_bytes)
+    finally:
+        os.close(fd)
 
 
 def heartbeat_path(run_dir: str | os.PathLike[str], attempt: int, rank: int, pid: int | None = None) -> Path:
