@@ -786,3 +786,28 @@ def test_a_death_the_wrapper_reported_while_exiting_0_is_a_failure() -> None:
         classify(returncode=0, events=started, stderr_tail=other, wrapper=True).outcome is Outcome.COMPLETED
     )
     assert classify(returncode=0, events=started, stderr_tail=tail).outcome is Outcome.COMPLETED  # no shell
+
+
+def test_srun_s_status_names_the_signal_its_task_died_of() -> None:
+    from ettr.supervisor.launch import is_shell_command
+
+    assert is_shell_command(["srun", "-n", "1", "python", "train.py"])
+    assert is_shell_command(["/usr/bin/srun", "python", "train.py"])
+    # `scancel --signal=TERM` reaches the step's task, not `ettr run`: srun exits 143
+    end = classify(returncode=143, wrapper=is_shell_command(["srun", "python", "train.py"]))
+    assert end.outcome is Outcome.PREEMPTED and end.signal == "SIGTERM"
+
+
+def test_a_second_different_signal_is_no_insistence() -> None:
+    from ettr.supervisor.signals import SupervisorSignals
+
+    signals = SupervisorSignals()
+    signals._on_signal(signal.SIGUSR1, None)  # Slurm's warning, then its SIGTERM of a requeue
+    signals._on_signal(signal.SIGTERM, None)
+    assert signals.count == 2 and not signals.insisted
+    signals._on_signal(signal.SIGUSR1, None)  # asked again
+    assert signals.insisted
+    operator = SupervisorSignals()
+    operator._on_signal(signal.SIGTERM, None)
+    operator._on_signal(signal.SIGINT, None)  # a person's Ctrl-C after it
+    assert operator.insisted

@@ -50,11 +50,13 @@ _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "busybox
 
 
 def is_shell_command(command: Sequence[str]) -> bool:
-    """Whether `command` runs a shell (`bash -c ...`, `sh run.sh`, `./run.sh` with a shell's `#!` line): its
-    exit status 128 + N then says that what it ran died of signal N."""
+    """Whether `command` runs a shell (`bash -c ...`, `sh run.sh`, `./run.sh` with a shell's `#!` line), or
+    Slurm's `srun` (`ettr run -- srun python train.py`): its exit status 128 + N then says that what it ran
+    died of signal N (srun: `task 0: Terminated`, exit 143; a SIGTERM from outside read as a plain failure
+    and used a restart)."""
     if not command:
         return False
-    if os.path.basename(command[0]) in _SHELLS:
+    if os.path.basename(command[0]) in (*_SHELLS, "srun"):
         return True
     try:
         with os.fdopen(open_regular(command[0], follow_symlinks=True), "rb") as f:  # a FIFO: no wait

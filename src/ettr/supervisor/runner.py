@@ -237,9 +237,8 @@ class AttemptRunner:
     def _outside_signals(self, state: WatchState, attempt: int) -> list[tuple[float, int, str]]:
         """Signals the attempt's processes handled themselves before the command ended, where the supervisor
         stopped nothing itself (`ettr.bootstrap.outside_signals`)."""
-        if state.forwarded is not None or state.hung_after_s is not None or state.rank_failed:
-            return []
-        if state.peer_reason is not None or state.continued:
+        stopped = state.forwarded is not None or state.hung_after_s is not None or state.rank_failed
+        if stopped or state.peer_reason is not None or state.continued:
             return []
         return signals_received(self.parts.books.run_dir, attempt, before=state.detected_at)
 
@@ -349,7 +348,11 @@ class AttemptRunner:
         if signals.first is not None and signals.count > state.signals_seen:
             first = signals.first
             state = self._step(
-                state, Signalled(first, signals.count, signals.from_terminal(first)), now, running, sweep
+                state,
+                Signalled(first, signals.count, signals.from_terminal(first), signals.insisted),
+                now,
+                running,
+                sweep,
             )
         if any(isinstance(e, Exiting) for e in happened):
             state = self._step(state, Exiting(), now, running, sweep)

@@ -36,6 +36,10 @@ class SupervisorSignals:
         """The first signal received (the one that decides the job's end), None before any."""
         self.count = 0
         """How many were received so far."""
+        self.insisted = False
+        """A signal came again after the first: the first one repeated, or a SIGINT/SIGQUIT (a person). Another
+        signal after the first is no insistence: Slurm's SIGTERM of a requeue after its SIGUSR1 warning (a
+        Lightning job requeued by its own handler) must not take the job's grace away."""
         self.wake = threading.Event()
         """Set by each signal (and by whoever else wants the loop to look now: `restart.ExitWaker`)."""
         self._previous: dict[int, Any] = {}
@@ -44,6 +48,8 @@ class SupervisorSignals:
         self.count += 1
         if self.first is None:
             self.first = signum
+        elif signum == self.first or signum in (signal.SIGINT, signal.SIGQUIT):
+            self.insisted = True
         self.wake.set()
 
     def install(self) -> None:

@@ -44,6 +44,12 @@ class Signalled:
     count: int
     from_terminal: bool = False
     """A Ctrl-C the terminal delivered to the whole foreground process group, the job included."""
+    insisted: bool | None = None
+    """A later signal insists (`SupervisorSignals.insisted`): no more grace. None: any second signal does."""
+
+    @property
+    def insists(self) -> bool:
+        return self.count >= 2 if self.insisted is None else self.insisted
 
 
 @dataclass(frozen=True)
@@ -299,7 +305,7 @@ class AttemptWatch:
             if not state.asked:
                 actions.append(SendSignal(forwarded_signal(event.signum)))
                 state = replace(state, kill_at=min(state.kill_at, now + self.config.grace_s), asked=True)
-            if event.count >= 2:
+            if event.insists:
                 state = replace(state, kill_at=now)
             return state, actions
         if not state.stopping:
@@ -329,7 +335,7 @@ class AttemptWatch:
                 detected_at=detected,
                 fault_at=fault,
             )
-        if event.count >= 2:
+        if event.insists:
             state = replace(state, kill_at=min(state.kill_at, now))  # asked twice: no more grace
         return state, actions
 
