@@ -447,3 +447,25 @@ def test_a_replacement_node_restores_from_the_copy_its_peer_holds(tmp_path: Path
     assert [r["source"] for r in from_storage] == ["storage", "storage"]
     for peer, storage in zip(restored, from_storage, strict=True):
         assert peer["state"] == storage["state"]  # bit for bit, each rank's RNG included
+
+
+def test_the_job_ends_memory_sweep_reads_only_a_private_root_and_never_blocks(tmp_path) -> None:
+    from ettr.run_env import MEMORY_DIR_ENV, memory_dirs_of_run, private_dir_problem
+
+    root = tmp_path / "shm"
+    root.mkdir(mode=0o700)
+    run_dir = tmp_path / "run"
+    mine = root / "ckpt-mine"
+    mine.mkdir()
+    (mine / "owner").write_text(f"{run_dir}\n")
+    fifo = root / "ckpt-evil"
+    fifo.mkdir()
+    os.mkfifo(fifo / "owner")  # read as a file, it blocked `ettr run` at the job's end for good
+    linked = root / "ckpt-linked"
+    linked.mkdir()
+    (linked / "owner").symlink_to(mine / "owner")
+    env = {MEMORY_DIR_ENV: str(root)}
+    assert memory_dirs_of_run(run_dir, env) == [mine]
+    root.chmod(0o777)  # anyone could have planted what is in it
+    assert "writable by others" in (private_dir_problem(root) or "")
+    assert memory_dirs_of_run(run_dir, env) == []

@@ -538,13 +538,32 @@ def memory_root(environ: Mapping[str, str] | None = None) -> Path | None:
     return SHM_ROOT / f"ettr-{uid}"
 
 
+def private_dir_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why `path` is not a private directory of this user (a symlink, not a directory, another user's, writable
+    by others: anyone else could have planted what is in it), or None when it is one. Never follows a link."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory (a symlink?)"
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"{path} is owned by uid {st.st_uid}, not this user"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def memory_dirs_of_run(
     run_dir: str | os.PathLike[str], environ: Mapping[str, str] | None = None
 ) -> list[Path]:
     """The memory-copy directories whose `owner` file names `run_dir` (what `ettr run` removes at the job's
-    end). Unreadable entries are skipped."""
+    end), in a root that is this user's own (`private_dir_problem`); `owner` files read never through a link,
+    never blocking (a FIFO there hung `ettr run` at the job's end). Unreadable entries are skipped."""
     root = memory_root(environ)
-    if root is None:
+    if root is None or private_dir_problem(root) is not None:
         return []
     want = os.path.abspath(os.fspath(run_dir))
     found = []
@@ -555,7 +574,7 @@ def memory_dirs_of_run(
     for entry in entries:
         try:
             if entry.is_dir(follow_symlinks=False) and (
-                (Path(entry.path) / MEMORY_OWNER_NAME).read_text(encoding="utf-8").strip() == want
+                _read_regular(Path(entry.path) / MEMORY_OWNER_NAME, 4096).decode("utf-8").strip() == want
             ):
                 found.append(Path(entry.path))
         except (OSError, UnicodeDecodeError):

@@ -24,7 +24,6 @@ import logging
 import os
 import secrets
 import shutil
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from ettr.checkpoint.base import (
     step_dir_name,
 )
 from ettr.checkpoint.snapshot import Binding, Snapshot
-from ettr.run_env import MEMORY_OWNER_NAME
+from ettr.run_env import MEMORY_OWNER_NAME, private_dir_problem
 
 logger = logging.getLogger("ettr")
 
@@ -57,13 +56,9 @@ def _ensure_private(path: Path) -> None:
     that nobody else may write (a copy read from it is restored into the training state)."""
     if not os.path.lexists(path):
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise UnsafeMemoryDir(f"{path} is not a directory (a symlink?); memory copies are not kept there")
-    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-        raise UnsafeMemoryDir(f"{path} is owned by uid {st.st_uid}, not this user")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeMemoryDir(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+    problem = private_dir_problem(path)
+    if problem is not None:
+        raise UnsafeMemoryDir(f"{problem}; memory copies are not kept there")
 
 
 def manifest_binding(storage: ReadableStorage, step: int, world_size: int) -> Binding:

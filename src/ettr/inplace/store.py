@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ettr.run_env import INPLACE_STORE_ENV, memory_root
+from ettr.run_env import INPLACE_STORE_ENV, memory_root, private_dir_problem
 
 _PATH_KEY = "ettr/inplace/filestore"
 _OPENED_KEY = "ettr/inplace/filestore-opened"
@@ -107,6 +107,9 @@ def _local_file_store(
     owned = None
     if rank == 0:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = private_dir_problem(root)
+        if problem is not None:  # another user's directory: they could swap the store for a file of theirs
+            raise StoreUnavailable(f"the in-place store is not kept there: {problem}")
         owned = root / f"inplace-{os.getpid()}-{secrets.token_hex(6)}.store"
         bootstrap.set(_PATH_KEY, str(owned))
         path = str(owned)

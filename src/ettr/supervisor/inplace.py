@@ -30,6 +30,7 @@ from ettr.run_env import (
     inplace_next_path,
     inplace_ready_path,
     memory_root,
+    private_dir_problem,
 )
 from ettr.untrusted import make_dirs_below
 
@@ -49,6 +50,9 @@ def store_env(run_dir: Path, environ: Mapping[str, str] | None = None) -> dict[s
         directory = root / f"inplace-{os.getpid()}-{secrets.token_hex(6)}"
         try:
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            problem = private_dir_problem(root)
+            if problem is not None:  # another user's root: they could swap the store for a file of theirs
+                raise PermissionError(problem)
             directory.mkdir(mode=0o700)
             (directory / MEMORY_OWNER_NAME).write_text(os.path.abspath(run_dir) + "\n", encoding="utf-8")
         except OSError:
