@@ -811,3 +811,19 @@ def test_a_second_different_signal_is_no_insistence() -> None:
     operator._on_signal(signal.SIGTERM, None)
     operator._on_signal(signal.SIGINT, None)  # a person's Ctrl-C after it
     assert operator.insisted
+
+
+def test_what_a_process_or_a_forged_ledger_wrote_is_printed_without_its_escape_sequences() -> None:
+    from ettr.family import valid_family
+    from ettr.supervisor.classify import AttemptEnd
+    from ettr.supervisor.messages import ended_line
+    from ettr.untrusted import printable
+
+    osc52 = "\x1b]52;c;cm0gLXJmIH4=\x07"  # sets the clipboard in some terminals
+    end = AttemptEnd(
+        outcome=Outcome.FAILED, exit_code=1, reason="exit status 1: E", exception="E", message=osc52
+    )
+    line = ended_line(0, end, "no restarts left")
+    assert "\x1b" not in line and "\x07" not in line and "\\x1b]52" in line
+    assert printable("a\nb\x1b[2J") == "a\nb\\x1b[2J" and printable("plain 🏖") == "plain 🏖"
+    assert valid_family("evil\x1b[2J") == "must not hold control characters" and valid_family("gpt-2") is None

@@ -224,4 +224,6 @@ def valid_family(name: str) -> str | None:
         return "must be at most 200 characters"
     if any(ch in name for ch in "\n\r\t"):
         return "must be one line"
+    if not name.isprintable():  # an escape sequence would reach every terminal `ettr fleet` prints to
+        return "must not hold control characters"
     return None

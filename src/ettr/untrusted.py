@@ -274,3 +274,14 @@ def symlinked_dirs(
         finally:
             os.close(fd)
     return refused
+
+
+def printable(text: str) -> str:
+    """`text` with every character that is not printable (an escape sequence a training process or a forged
+    ledger put in an exception message or a family name: OSC 52 sets a clipboard in some terminals) written
+    as its escape, newlines kept: what ettr prints of what it read."""
+    if text.isprintable():
+        return text
+    return "\n".join(
+        "".join(c if c.isprintable() else repr(c)[1:-1] for c in line) for line in text.split("\n")
+    )

@@ -12,6 +12,7 @@ from ettr.fleet.regress import Regression
 from ettr.fleet.stepspeed import StepSpeedOutlier
 from ettr.report.steptime import SPEED_TOLERANCE, fmt_step
 from ettr.report.text import _table
+from ettr.untrusted import printable
 
 
 def _s(value: float | None) -> str:
@@ -128,7 +129,7 @@ def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
     lines += [f"  warning: {step_speed_line(o)}" for o in report.step_speed] or ["  (none)"]
     if problems:
         lines += ["", f"not read ({len(problems)})"] + [f"  {p}" for p in problems]
-    return "\n".join(lines) + "\n"
+    return printable("\n".join(lines) + "\n")
 
 
 def render_preempt(
@@ -157,4 +158,4 @@ def render_preempt(
         freed = sum(c.gpus for c in chosen)
         verdict = "enough" if freed >= need else f"NOT enough: only {freed} GPUs run in preemptible jobs"
         lines.append(f"victims for {need} GPUs: {' '.join(c.label for c in chosen) or '-'} ({verdict})")
-    return "\n".join(lines) + "\n"
+    return printable("\n".join(lines) + "\n")

@@ -16,6 +16,7 @@ from ettr.report import slow, steptime, ttr_parts, window
 from ettr.report.slowdown import text_lines as slowdown_lines
 from ettr.report.status import status
 from ettr.report.svg import fmt_signed
+from ettr.untrusted import printable
 
 BAR_WIDTH = 40
 """Characters of a bar that stands for 100% of wall time."""
@@ -139,7 +140,7 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
     slowdown = slowdown_lines(report.slowdown, wall_start_ts=report.wall_start_ts, per_save=per_save)
     if slowdown:
         lines += ["", *slowdown]
-    return "\n".join(lines) + "\n"
+    return printable("\n".join(lines) + "\n")
 
 
 def render_comparison(reports: Sequence[EttReport], *, labels: Sequence[str] | None = None) -> str:
@@ -183,7 +184,7 @@ def render_comparison(reports: Sequence[EttReport], *, labels: Sequence[str] | N
         cells = [f"{v:.1f} ({r.bucket_pct(bucket):.1f}%)" for v, r in zip(values, reports, strict=True)]
         rows.append((f"  {bucket.value}", *cells, *((_delta(values, "{:.1f}"),) if with_delta else ())))
     warnings = steptime.speed_warnings(list(labels), reports)
-    return "\n".join([*_table(header, rows, indent=""), *warnings]) + "\n"
+    return printable("\n".join([*_table(header, rows, indent=""), *warnings]) + "\n")
 
 
 def _table(

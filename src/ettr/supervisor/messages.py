@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ettr.errors import describe_os_error
+from ettr.untrusted import printable
 
 # describe_os_error is ettr.errors', named here too for the supervisor's parts
 __all__ = ["Progress", "describe_os_error", "ended_line", "say"]
@@ -40,7 +41,8 @@ def ended_line(attempt: int, end: AttemptEnd, then: str) -> str:
         if text and named in reason:
             at = reason.index(named) + len(named)
             reason = f"{reason[:at]}: {text}{reason[at:]}"
-    return f"attempt {attempt} {end.outcome}: {reason}; {then}"
+    line = f"attempt {attempt} {end.outcome}: {reason}; {then}"
+    return printable(line)  # a training process's words reach the operator's terminal: no escape of theirs
 
 
 class Progress:
