@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -144,3 +145,62 @@ def test_warm_up_leaves_no_trace_in_gradients_or_buffers():
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_kept_spec_the_model_does_not_fit_falls_back_to_the_real_batch(tmp_path, caplog):
+    # An earlier attempt (or job) kept [8, 17]; the model now takes 16 features: without the fallback
+    # every attempt failed with "mat1 and mat2 shapes cannot be multiplied".
+    rec = _recorder(tmp_path)
+    fastbatch.save_spec(fastbatch.job_file(tmp_path), {"x": TensorSpec(shape=(8, 17), dtype="float32")})
+    model = torch.nn.Sequential(torch.nn.Linear(16, 1), torch.nn.BatchNorm1d(1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    shapes = []
+
+    def loss_of(batch):
+        shapes.append(tuple(batch["x"].shape))
+        return model(batch["x"]).sum()
+
+    real = {"x": torch.randn(8, 16)}
+    with caplog.at_level("WARNING", logger="ettr"):
+        result = fast_start(warm_up(model, loss_of), lambda: real, rec=rec)
+    assert shapes == [(8, 17), (8, 16)]  # tried the kept spec, then warmed up on the real batch
+    assert result.spec_source == "first_batch" and result.first_batch is real
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "run_dir" in warnings[0] and "first real batch" in warnings[0]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    # The real batch's spec replaces the bad one, so the next attempt warms up on a fitting fast batch.
+    assert fastbatch.load_spec(fastbatch.job_file(tmp_path)) == fastbatch.spec_of(real)
+    rec.close()
+
+
+def test_a_kept_spec_too_large_to_synthesize_is_refused(tmp_path):
+    path = fastbatch.job_file(tmp_path)
+    huge = {"x": TensorSpec(shape=(1 << 20, 1 << 20), dtype="float32")}
+    fastbatch.save_spec(path, huge)
+    assert fastbatch.load_spec(path) is None  # never synthesized: 2**40 elements
+    with pytest.raises(ValueError, match="elements"):
+        fastbatch.spec_from_json(fastbatch.spec_to_json(huge))
+    at_bound = {"x": TensorSpec(shape=(fastbatch.MAX_SPEC_NUMEL,), dtype="int8")}
+    assert fastbatch.spec_from_json(fastbatch.spec_to_json(at_bound)) == at_bound
+    split = [TensorSpec(shape=(fastbatch.MAX_SPEC_NUMEL // 2 + 1,), dtype="int8")] * 2
+    with pytest.raises(ValueError, match="elements"):  # the bound is on all tensors together
+        fastbatch.spec_from_json(fastbatch.spec_to_json(split))
+
+
+def test_a_spec_naming_no_torch_dtype_is_not_synthesized():
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        fastbatch.synthesize(TensorSpec(shape=(1,), dtype="load"))
+
+
+def test_a_failed_warm_up_also_leaves_no_trace():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def loss_of(batch):
+        model(batch)  # BatchNorm's statistics move
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="mat1"):
+        warm_up(model, loss_of)(torch.randn(8, 3) * 10)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

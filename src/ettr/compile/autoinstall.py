@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 import threading
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from ettr.compile.config import CompileConfig, default_user_key, private_cache_dir
+from ettr.compile.config import CompileConfig, default_user_key, private_cache_parts, user_cache_home
+from ettr.compile.safety import make_private_dirs_below
 from ettr.compile.session import CompileSession
 from ettr.post_import import when_imported
 
@@ -69,7 +72,7 @@ def autoinstall(rec: RecorderProtocol | None = None, *, config: CompileConfig | 
     and workload is restored; after compilations settle (`ETTR_COMPILE_SETTLE_S`, 10 s) and at exit, a
     background thread saves the artifacts (rank 0 only); learned dynamic sources are written to the run
     directory at each recompile. Unless `TORCHINDUCTOR_CACHE_DIR` is set (or torch._inductor is already
-    imported), it points inductor at a cache directory of the workload's own (`private_cache_dir`).
+    imported), it points inductor at a cache directory of the workload's own (`inductor_cache_dir`).
     """
     global _armed
     try:
@@ -105,7 +108,32 @@ def _use_private_cache_dir(config: CompileConfig) -> None:
         or ("torch._inductor" in sys.modules and not _warm_imports_only)
     ):
         return
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = private_cache_dir(config.user_key or default_user_key())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir(config.user_key or default_user_key())
+
+
+def inductor_cache_dir(user_key: str) -> str:
+    """The workload's inductor cache directory, made if missing and checked private (this user's, no
+    symlink, not group/world-writable; `make_private_dirs_below`): inductor runs the code it finds there.
+
+    `config.private_cache_dir` (`$TMPDIR/torchinductor_$USER/ettr-<digest>`) when both of its directories
+    pass; its name is predictable, so another local user may have made one first. Else
+    `$XDG_CACHE_HOME/ettr/inductor/ettr-<digest>` (or `~/.cache/...`), else a fresh `tempfile.mkdtemp`
+    directory, with one logged line saying why. Raises only what `mkdtemp` raises."""
+    user_dir, workload_dir = private_cache_parts(user_key)
+    tmp = Path(tempfile.gettempdir())
+    try:
+        return os.fspath(make_private_dirs_below(tmp, PurePosixPath(user_dir, workload_dir)))
+    except OSError as exc:
+        refused = exc
+    try:
+        home = Path(user_cache_home())
+        chosen = os.fspath(make_private_dirs_below(home, PurePosixPath("ettr", "inductor", workload_dir)))
+    except OSError:
+        chosen = tempfile.mkdtemp(prefix=f"ettr-inductor-{workload_dir}-")
+    logger.warning(
+        "ettr: inductor cache directory %s, not %s (%s)", chosen, tmp / user_dir / workload_dir, refused
+    )
+    return chosen
 
 
 def current_session() -> CompileSession | None:

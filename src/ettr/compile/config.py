@@ -122,14 +122,27 @@ def default_user_key() -> str:
 
 def private_cache_dir(user_key: str) -> str:
     """The workload's inductor cache directory: `$TMPDIR/torchinductor_$USER/ettr-<digest>`, beside
-    inductor's default one (and its precompiled headers), computed without importing torch."""
+    inductor's default one (and its precompiled headers), computed without importing torch. Its name is
+    predictable, so `autoinstall` makes and checks it before using it (`inductor_cache_dir`)."""
+    return os.path.join(tempfile.gettempdir(), *private_cache_parts(user_key))
+
+
+def private_cache_parts(user_key: str) -> tuple[str, str]:
+    """`torchinductor_$USER` and `ettr-<digest of the user key>`: the two directories of
+    `private_cache_dir` below `$TMPDIR`."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid_{os.getuid()}"
     user = re.sub(r'[\\/:*?"<>|]', "_", user)
     digest = hashlib.sha256(user_key.encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}", f"ettr-{digest}")
+    return f"torchinductor_{user}", f"ettr-{digest}"
+
+
+def user_cache_home(env: Mapping[str, str] | None = None) -> str:
+    """`$XDG_CACHE_HOME` when it is an absolute path, else `~/.cache` (expanded)."""
+    xdg = (os.environ if env is None else env).get("XDG_CACHE_HOME", "")
+    return xdg if os.path.isabs(xdg) else os.path.expanduser("~/.cache")
 
 
 def pgo_job_id(user_key: str) -> str:

@@ -5,12 +5,14 @@ the data loader's workers are still warming up. A `BatchSpec` describes a batch 
 lists and tuples of tensors, and plain Python values kept as they are); `spec_of` takes one from a real
 batch, `synthesize` builds a batch from it, and `save_spec`/`load_spec` keep it as JSON (in the run
 directory and the compile store) so the next attempt and later jobs can start compiling at once. The
-data itself is never stored.
+data itself is never stored. A kept spec is untrusted input (an earlier job's model may have changed, or
+someone else wrote the file): it is read bounded and refused past `MAX_SPEC_NUMEL` elements.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,10 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from ettr.atomic import atomic_write
-from ettr.untrusted import make_dirs_below, open_regular
+from ettr.untrusted import make_dirs_below, read_json_file
 
 SCHEMA = "ettr.batch-spec/1"
 FILENAME = "batch_spec.json"
+MAX_SPEC_NUMEL = 1 << 28
+"""The most elements (all tensors together, ~268 M: 1 GiB of float32) a kept spec may ask to synthesize."""
+MAX_SPEC_FILE_BYTES = 1 << 20
+"""The largest kept spec file read (a spec is a few hundred bytes per tensor)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +99,9 @@ def synthesize(spec: BatchSpec, *, device: Any = None, seed: int = 0) -> Any:
 
     def build(node: Any) -> Any:
         if isinstance(node, TensorSpec):
-            dtype = getattr(torch, node.dtype)
+            dtype = getattr(torch, node.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"TensorSpec.dtype {node.dtype!r} is not a torch dtype")
             target = device if device is not None else node.device
             if dtype == torch.bool:
                 values = torch.randint(0, 2, node.shape, generator=generator).bool()
@@ -160,14 +168,29 @@ def spec_to_json(spec: BatchSpec) -> dict[str, Any]:
     return {"schema": SCHEMA, "spec": _to_json(spec)}
 
 
+def numel(spec: BatchSpec) -> int:
+    """How many elements `synthesize(spec)` makes, all tensors together."""
+    if isinstance(spec, TensorSpec):
+        return math.prod(spec.shape)
+    if isinstance(spec, Mapping):
+        return sum(numel(v) for v in spec.values())
+    if isinstance(spec, (list, tuple)):
+        return sum(numel(v) for v in spec)
+    return 0
+
+
 def spec_from_json(document: Mapping[str, Any]) -> BatchSpec:
-    """Inverse of `spec_to_json`. Raises `ValueError` for anything else."""
+    """Inverse of `spec_to_json`. Raises `ValueError` for anything else, and for a spec of more than
+    `MAX_SPEC_NUMEL` elements (synthesizing it could exhaust memory)."""
     if not isinstance(document, Mapping) or document.get("schema") != SCHEMA:
         raise ValueError("not an ettr batch spec")
     try:
-        return _from_json(document["spec"])
+        spec = _from_json(document["spec"])
     except (KeyError, TypeError) as exc:
         raise ValueError(f"malformed batch spec: {exc}") from None
+    if numel(spec) > MAX_SPEC_NUMEL:
+        raise ValueError(f"batch spec of {numel(spec)} elements (at most {MAX_SPEC_NUMEL} are synthesized)")
+    return spec
 
 
 def job_file(run_dir: str | os.PathLike[str]) -> Path:
@@ -183,9 +206,8 @@ def save_spec(path: str | os.PathLike[str], spec: BatchSpec) -> None:
 
 
 def load_spec(path: str | os.PathLike[str]) -> BatchSpec | None:
-    """The spec kept at `path`, or None when missing or unreadable."""
-    try:
-        with os.fdopen(open_regular(path, follow_symlinks=True), "rb") as f:  # a FIFO: no wait
-            return spec_from_json(json.loads(f.read()))
+    """The spec kept at `path`, or None when missing, unreadable, or refused by `spec_from_json`."""
+    try:  # never through a symlink, never a wait on a FIFO, bounded in size and depth
+        return spec_from_json(read_json_file(path, MAX_SPEC_FILE_BYTES))
     except (OSError, ValueError):
         return None

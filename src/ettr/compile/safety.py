@@ -5,7 +5,8 @@ into must be the user's own:
 
 * `check_private_dir(path)` refuses a directory that is a symlink, is owned by another user, or is group-
   or world-writable (anyone else who could write it could plant kernels); `ensure_private_dir` creates
-  a missing one with mode 0700 first.
+  a missing one with mode 0700 first; `make_private_dirs_below` makes and checks a path one level at a
+  time below a base others may write (`/tmp`).
 * `no_symlink_below(root, rel)` refuses a path under `root` any of whose components is a symlink: ettr
   never follows a symlink that is already in its cache or store directories (reads open with
   O_NOFOLLOW; writes rename over the final name, which replaces a link instead of following it).
@@ -21,7 +22,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from ettr.untrusted import open_regular
+from ettr.untrusted import SymlinkRefused, open_dir_below, open_regular
 
 UNPACK_MAX_BYTES_ENV = "ETTR_COMPILE_UNPACK_MAX_BYTES"
 UNPACK_MAX_FILE_BYTES_ENV = "ETTR_COMPILE_UNPACK_MAX_FILE_BYTES"
@@ -39,6 +40,10 @@ def check_private_dir(path: Path) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         return
+    _check_private_stat(path, st)
+
+
+def _check_private_stat(path: Path, st: os.stat_result) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeLocation(f"{path} is a symlink; ettr does not follow symlinks in its compile store")
     if not stat.S_ISDIR(st.st_mode):
@@ -49,6 +54,25 @@ def check_private_dir(path: Path) -> None:
         raise UnsafeLocation(
             f"{path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
         )
+
+
+def make_private_dirs_below(base: Path, rel: str | PurePosixPath) -> Path:
+    """Make (mode 0700) or open each directory of `rel` below `base`, one level at a time and none through
+    a symlink (`ettr.untrusted.open_dir_below`), and `check_private_dir` each as opened: for a predictable
+    name in a directory others may write (`/tmp`), where another user could have made it first. `base`
+    itself is not checked. Returns `base / rel`; raises UnsafeLocation, or OSError as met."""
+    parts = PurePosixPath(rel).parts
+    for depth in range(1, len(parts) + 1):
+        below = PurePosixPath(*parts[:depth])
+        try:
+            fd = open_dir_below(base, below, create=True, mode=0o700)
+        except SymlinkRefused as exc:
+            raise UnsafeLocation(str(exc)) from None
+        try:
+            _check_private_stat(base / below, os.fstat(fd))
+        finally:
+            os.close(fd)
+    return base / rel
 
 
 def ensure_private_dir(path: Path) -> None:

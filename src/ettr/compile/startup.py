@@ -45,7 +45,7 @@ class StartupResult:
     """What `restore` returned (None without one)."""
     spec_source: str
     """Where the fast batch's spec came from: `given`, `run_dir`, `store`, or `first_batch` (no spec was
-    known, so the warm-up waited for the real batch)."""
+    known, or the warm-up on the fast batch failed, so the warm-up ran on the real batch)."""
     phases_s: Mapping[str, float]
     """Seconds of `compile`, `data` and `restore` (each measured on its own thread)."""
     wall_s: float
@@ -120,7 +120,9 @@ def fast_start(
         restore: reads the checkpoint and returns it (do not apply it to the model here).
         spec: the fast batch's spec; default: the first real batch of an earlier attempt of this job
             (run directory), else of an earlier job (compile store). With none, the warm-up waits for
-            the real first batch and runs on it (the checkpoint read still overlaps).
+            the real first batch and runs on it (the checkpoint read still overlaps); so it does, after
+            one logged warning, when the warm-up on the synthetic batch raises (a spec the model no
+            longer fits would otherwise fail every attempt).
         rec: Recorder (default: this process's); `device`: where synthetic batches go (default: the
             devices of the spec).
     """
@@ -140,13 +142,13 @@ def fast_start(
 
     compile_begin = time.time()
     spec, spec_source = _resolve_spec(spec, rec, session)
+    if spec is not None and not _warm_up_on_spec(warmup, spec, spec_source, device):
+        spec, spec_source = None, "first_batch"
     if spec is None:
         data.done.wait()
         batch = data.result if data.error is None else None
         if batch is not None:
             warmup(batch)
-    else:
-        warmup(fastbatch.synthesize(spec, device=device))
     compile_end = time.time()
 
     data.done.wait()
@@ -172,6 +174,23 @@ def fast_start(
         phases_s=phases,
         wall_s=time.time() - start,
     )
+
+
+def _warm_up_on_spec(warmup: Callable[[Any], Any], spec: Any, spec_source: str, device: Any) -> bool:
+    # A kept spec may not fit the model any more (an earlier job's model changed, a hand-edited file): the
+    # warm-up then fails on every attempt, so it runs on the real first batch instead, as without a spec.
+    try:
+        warmup(fastbatch.synthesize(spec, device=device))
+        return True
+    except Exception as exc:
+        logger.warning(
+            "ettr: the compile warm-up on the fast batch (spec from %s) failed (%s: %s); warming up on "
+            "the first real batch instead",
+            spec_source,
+            type(exc).__name__,
+            " ".join(str(exc).split())[:300],  # one line; Dynamo's first line alone says little
+        )
+        return False
 
 
 def _record(
@@ -213,13 +232,15 @@ def warm_up(model: Any, loss_of: Callable[[Any], Any]) -> Callable[[Any], None]:
     def run(batch: Any) -> None:
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
         grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()]
-        loss = loss_of(batch)
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            loss.backward()
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-            for param, grad in grads:
-                param.grad = grad
+        try:  # put back also after a failure: fast_start then warms up again on the real batch
+            loss = loss_of(batch)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+                for param, grad in grads:
+                    param.grad = grad
 
     return run
