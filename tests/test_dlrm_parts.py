@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -215,6 +217,14 @@ def test_bad_command_lines_exit_2_with_one_line(argv, message, capsys):
 
 
 # -- the sharding plan, computed once (dlrm.plan_cache) ---------------------------------------------------
+class _Forged:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
 def test_a_plan_is_read_back_by_key_and_a_damaged_or_missing_one_means_plan_again(tmp_path):
     from dlrm.plan_cache import PlanCache
 
@@ -229,6 +239,9 @@ def test_a_plan_is_read_back_by_key_and_a_damaged_or_missing_one_means_plan_agai
     assert PlanCache(tmp_path / "plans", key="k2").load_agreed(1) is None  # another model or world size
     cache.path.write_bytes(b"not a pickle")
     assert cache.load_agreed(1) is None
+    # A forged file: its pickle names a function to call; nothing but a plan's classes is loaded.
+    cache.path.write_bytes(pickle.dumps(_Forged(str(tmp_path / "PWNED"))))
+    assert cache.load_agreed(1) is None and not (tmp_path / "PWNED").exists()
     off = PlanCache(None, key="k1")
     off.store(plan, rank=0)
     assert off.load_agreed(1) is None

@@ -14,13 +14,16 @@ keeps it, one file per key, committed whole (`ettr.atomic.atomic_write`) by rank
 Every rank reads the file itself, so the directory must be one every rank sees (the job's own storage).
 The ranks agree (one small all_reduce) whether all of them found it, so that a rank missing the file
 never leaves its peers waiting in a different collective: then all of them plan again. The file is this
-job's own, written by rank 0 with mode 0600 and read with `pickle` (a plan holds TorchRec's dataclasses);
-do not point `--plan-cache` at a directory others can write.
+job's own, written by rank 0 with mode 0600 and read with `pickle` (a plan holds TorchRec's dataclasses)
+restricted to the classes a plan is made of (`PLAN_CLASSES`): a forged file whose pickle names anything else
+(`os.system` in a `__reduce__`) is refused, and the plan computed again. It is read never through a
+symlink. Still, do not point `--plan-cache` at a directory others can write.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -33,8 +36,31 @@ import torch
 import torch.distributed as dist
 
 from ettr.atomic import atomic_write
+from ettr.untrusted import read_small_file
 
 logger = logging.getLogger("dlrm")
+
+
+PLAN_CLASSES = frozenset(
+    {
+        ("torchrec.distributed.types", "ShardingPlan"),
+        ("torchrec.distributed.types", "EmbeddingModuleShardingPlan"),
+        ("torchrec.distributed.types", "ParameterSharding"),
+        ("torch.distributed._shard.metadata", "ShardMetadata"),
+        ("torch.distributed._shard.sharding_spec.api", "EnumerableShardingSpec"),
+        ("torch.distributed.remote_device", "_remote_device"),
+        ("torch", "device"),
+    }
+)
+"""What a sharding plan's pickle is made of (TorchRec 1.8's row- and table-wise plans); nothing else loads."""
+MAX_PLAN_BYTES = 64 << 20
+
+
+class _PlanUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in PLAN_CLASSES:
+            raise pickle.UnpicklingError(f"{module}.{name} is no part of a sharding plan")
+        return super().find_class(module, name)
 
 
 def plan_key(model_config: Any, world_size: int) -> str:
@@ -56,10 +82,10 @@ class PlanCache:
         self.path = None if directory is None else Path(directory) / f"plan-{key}.pickle"
 
     def _load(self) -> Any | None:
-        if self.path is None or not self.path.is_file():
+        if self.path is None or not os.path.lexists(self.path):
             return None
         try:
-            return pickle.loads(self.path.read_bytes())
+            return _PlanUnpickler(io.BytesIO(read_small_file(self.path, MAX_PLAN_BYTES))).load()
         except Exception as exc:  # a damaged or foreign file: plan again (and overwrite it)
             logger.warning("dlrm: ignoring the sharding plan in %s (%s)", self.path, exc)
             return None
