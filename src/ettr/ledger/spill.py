@@ -19,6 +19,8 @@ Spill file: line 1 a header `{"spill": 1, "job_id", "writer", "node"}`, then one
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -30,18 +32,18 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from ettr.atomic import fsync_dir
 from ettr.events import Event
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerRejected, LedgerStalled
 from ettr.ledger.postgres import new_writer_id
 from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, from_row, storable_rows
-from ettr.untrusted import loads_bounded, make_dirs_below, open_regular
+from ettr.untrusted import loads_bounded, open_dir_below, open_regular
 
 logger = logging.getLogger("ettr")
 
 SPILL_DIRNAME = "ledger-spill"
 _SUFFIX = ".jsonl"
 _DELIVERY_CHUNK = 10_000  # about a second on a loaded server: far inside one call's bound
+_MAX_REJECTED_SHOWN = 8192  # refused events a warning carries when they cannot be kept in a file
 
 
 class ServerLedger(Protocol):
@@ -138,21 +140,28 @@ class _SpillFile:
     """This writer's own spill file: created exclusively, flock'd for life, appended and fsync'd."""
 
     def __init__(self, directory: Path, *, job_id: str, writer: str, node: str) -> None:
-        make_dirs_below(directory.parent, directory)  # RUN_DIR/ledger-spill, never a symlink there
         self.path = directory / f"{writer}{_SUFFIX}"
-        temp = directory / f".{writer}.tmp"
-        self._fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        temp = f".{writer}.tmp"
+        # RUN_DIR/ledger-spill, no symlink on the way, held open: every name below is resolved in it
+        dir_fd = open_dir_below(directory.parent, directory.name, create=True)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            header = {"spill": 1, "job_id": job_id, "writer": writer, "node": node}
-            self._header_len = os.write(self._fd, (json.dumps(header) + "\n").encode())
-            os.fsync(self._fd)
-            os.rename(temp, self.path)  # visible to adopters only once locked and headed
-            fsync_dir(directory)
-        except BaseException:
-            os.close(self._fd)
-            temp.unlink(missing_ok=True)
-            raise
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+            self._fd = os.open(temp, flags, 0o644, dir_fd=dir_fd)  # O_EXCL: never through a link
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                header = {"spill": 1, "job_id": job_id, "writer": writer, "node": node}
+                self._header_len = os.write(self._fd, (json.dumps(header) + "\n").encode())
+                os.fsync(self._fd)
+                # visible to adopters only once locked and headed
+                os.rename(temp, self.path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                os.fsync(dir_fd)
+            except BaseException:
+                os.close(self._fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(temp, dir_fd=dir_fd)
+                raise
+        finally:
+            os.close(dir_fd)
         self.has_records = False
 
     def append(self, records: Sequence[KeyedEvent]) -> None:
@@ -467,19 +476,32 @@ class SpillingLedger:
 
     def _keep_rejected(self, records: Sequence[KeyedEvent]) -> None:
         """Events the server refused: kept beside the spill files (`<writer>.rejected`, same line format) for
-        a person to look at, never retried, never dropped silently."""
+        a person to look at, never retried, never dropped silently. Appended only to a regular file reached
+        through no symlink (anyone who can write the run directory could plant `<writer>.rejected ->
+        ~/.bashrc`); where it cannot be kept, the warning says so and carries the refused lines."""
         if not records:
             return
         path = self.spill_dir / f"{self.writer}.rejected"
-        logger.warning("ettr: the ledger server refused %d event(s); kept in %s", len(records), path)
+        data = _encode(records)
         try:
-            make_dirs_below(self.spill_dir.parent, self.spill_dir)
-            with open(path, "ab") as f:
-                f.write(_encode(records))
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:
-            logger.warning("ettr: could not keep the refused events (%s)", exc)
+            _append_below(self.spill_dir, path.name, data)
+        except (OSError, ValueError) as exc:
+            shown = data[:_MAX_REJECTED_SHOWN].decode(errors="replace").strip().replace("\n", " ")
+            more = (
+                f" (and {len(data) - _MAX_REJECTED_SHOWN} more bytes)"
+                if len(data) > _MAX_REJECTED_SHOWN
+                else ""
+            )
+            logger.warning(
+                "ettr: the ledger server refused %d event(s); they could not be kept in %s (%s), so here: %s%s",
+                len(records),
+                path,
+                exc,
+                shown,
+                more,
+            )
+            return
+        logger.warning("ettr: the ledger server refused %d event(s); kept in %s", len(records), path)
 
     def _deliver_loop(self) -> None:
         if not self._connected.is_set():
@@ -574,6 +596,28 @@ def _set_aside(path: Path, why: BaseException) -> None:
         logger.warning("ettr: %s is damaged (%s) and cannot be set aside (%s)", path, why, exc)
         return
     logger.warning("ettr: %s is damaged (%s); set aside as %s.bad, not delivered", path, why, path.name)
+
+
+def _append_below(directory: Path, name: str, data: bytes) -> None:
+    """Append `data` to `directory/name` and fsync it: the directory made below its parent with no symlink
+    on the way and opened as a descriptor (no swap between the check and the write), the file opened with
+    O_NOFOLLOW and refused unless regular (never a write through a planted link, never a FIFO that blocks).
+    Raises OSError (`SymlinkRefused` for a planted directory link)."""
+    dir_fd = open_dir_below(directory.parent, directory.name, create=True)
+    try:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        fd = open_regular(name, flags, 0o644, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        if os.fstat(fd).st_nlink != 1:  # a hard link planted there is another file's name too
+            raise OSError(errno.EMLINK, "has other names (a hard link); ettr does not append to it", name)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _store(server: ServerLedger, records: Sequence[KeyedEvent], *, may_repeat: bool) -> list[KeyedEvent]:
