@@ -363,7 +363,7 @@ def test_another_jobs_spill_file_is_no_sign_of_life_and_is_not_delivered(tmp_pat
 
 @pytest.mark.parametrize(
     "damage",
-    ["no_writer", "bad_header", "bad_seq", "not_rows", "nested", "fifo"],
+    ["no_writer", "bad_header", "bad_seq", "not_rows", "nested", "fifo", "sparse"],
 )
 def test_a_damaged_orphan_is_set_aside_once_and_never_holds_the_job_end(tmp_path, damage):
     """A malformed orphan spill file of this job is delivered as far as it can be read, or renamed aside
@@ -384,6 +384,9 @@ def test_a_damaged_orphan_is_set_aside_once_and_never_holds_the_job_end(tmp_path
     elif damage == "nested":
         spill.mkdir(parents=True)
         (spill / "w-dead.jsonl").write_text(json.dumps(header) + "\n" + "[" * 100_000 + "\n")
+    elif damage == "sparse":  # a good header, then GBs of holes: never loaded
+        _plant(spill, "w-dead.jsonl", header, [good])
+        os.truncate(spill / "w-dead.jsonl", 3 << 30)
     else:
         spill.mkdir(parents=True)
         os.mkfifo(spill / "w-dead.jsonl")
@@ -395,7 +398,7 @@ def test_a_damaged_orphan_is_set_aside_once_and_never_holds_the_job_end(tmp_path
     left = sorted(p.name for p in spill.iterdir())
     if damage == "fifo":  # names no job: left alone, and never opened in a way that blocks
         assert left == ["w-dead.jsonl"]
-    elif damage in ("no_writer", "bad_header"):  # cannot be read at all: kept aside for a person
+    elif damage in ("no_writer", "bad_header", "sparse"):  # cannot be read at all: kept aside for a person
         assert left == ["w-dead.jsonl.bad"]
     else:  # its readable records delivered, its damaged lines skipped
         assert left == []

@@ -13,7 +13,7 @@ none is lost: it is on the server or in an fsync'd spill file. A file whose writ
 is an orphan; a SpillingLedger made with `adopt_orphans` (the supervisor's) delivers orphans of its job.
 
 Spill file: line 1 a header `{"spill": 1, "job_id", "writer", "node"}`, then one JSON array per event:
-`[seq, ts, kind, attempt, rank, phase, step, value, data]`. A torn last line (a crash mid-write) is skipped.
+`[seq, ts, kind, attempt, rank, phase, step, value, data]`, read back, bounded, by `ettr.ledger.spill_file`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,14 @@ from typing import Any, Protocol
 from ettr.events import Event
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerRejected, LedgerStalled
 from ettr.ledger.postgres import new_writer_id
-from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, from_row, storable_rows
+from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, storable_rows
+from ettr.ledger.spill_file import (
+    MAX_HEADER_BYTES,
+    MAX_LINE_BYTES,
+    MAX_SPILL_BYTES,
+    read_header,
+    read_spill,
+)
 from ettr.untrusted import loads_bounded, open_dir_below, open_regular
 
 logger = logging.getLogger("ettr")
@@ -65,64 +72,6 @@ class ServerLedger(Protocol):
 def spill_dir(run_dir: str | os.PathLike[str]) -> Path:
     """Where the spill files of a run directory live."""
     return Path(run_dir) / SPILL_DIRNAME
-
-
-_MAX_HEADER_BYTES = 65536
-
-
-def _open_regular(path: Path) -> int:
-    """A descriptor of the regular file `path`: never through a symlink, never a FIFO (it would block).
-    Raises OSError."""
-    return open_regular(path)
-
-
-def _header(path: Path) -> dict[str, object] | None:
-    """The header of a spill file, or None when it is not one (no writer or job named, damaged, not a file)."""
-    try:
-        fd = _open_regular(path)
-        with os.fdopen(fd, "rb") as f:
-            header = loads_bounded(f.readline(_MAX_HEADER_BYTES))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(header, dict) or header.get("spill") != 1:
-        return None
-    if not isinstance(header.get("writer"), str) or not isinstance(header.get("job_id"), str):
-        return None
-    return header
-
-
-def read_spill(path: Path) -> tuple[dict[str, object], list[KeyedEvent]]:
-    """The header and the records of a spill file (torn or unreadable lines skipped). Raises LedgerError
-    when it is not a spill file."""
-    header = _header(path)
-    if header is None:
-        raise LedgerError(f"{path} is not an ettr spill file")
-    try:
-        fd = _open_regular(path)
-        with os.fdopen(fd, "rb") as f:
-            lines = f.read().split(b"\n")
-    except OSError as exc:
-        raise LedgerError(f"{path} cannot be read ({exc})") from exc
-    writer, node = str(header["writer"]), str(header.get("node", ""))
-    records: list[KeyedEvent] = []
-    num_bad = 0
-    for line in lines[1:]:
-        if not line:
-            continue
-        try:
-            seq, *row = loads_bounded(line)
-            if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63:
-                raise ValueError("not a sequence number")
-            event = from_row(*row)
-        except (ValueError, TypeError):
-            event = None
-        if event is None:
-            num_bad += 1
-            continue
-        records.append(KeyedEvent(writer, seq, node, event))
-    if num_bad > 1 or (num_bad == 1 and lines[-1]):  # one torn last line is a crash mid-write: expected
-        logger.warning("ettr: %s: skipped %d unreadable spill records", path, num_bad)
-    return header, records
 
 
 def _encode(records: Sequence[KeyedEvent]) -> bytes:
@@ -439,7 +388,7 @@ class SpillingLedger:
         for path in self._spill_files():
             if self._file is not None and path == self._file.path:
                 continue
-            header = _header(path)
+            header = read_header(path)
             if header is None:
                 if _is_ours_but_damaged(path, self.job_id):
                     _set_aside(path, LedgerError("its header is not an ettr spill file's"))
@@ -447,7 +396,7 @@ class SpillingLedger:
             if header.get("job_id") != self.job_id:
                 continue  # another job's: left to it
             try:
-                fd = _open_regular(path)
+                fd = open_regular(path)
             except OSError:
                 continue
             try:
@@ -531,20 +480,24 @@ class SpillingLedger:
         latest: float | None = None
         for path in self._spill_files():
             if path not in self._scan:
-                header = _header(path)
+                header = read_header(path)
                 if header is None or header.get("job_id") != self.job_id:
                     continue  # another job's times say nothing of this one (nor do a damaged file's)
             offset, newest = self._scan.get(path, (0, {}))
             try:
-                with os.fdopen(_open_regular(path), "rb") as f:
+                with os.fdopen(open_regular(path), "rb") as f:
                     size = os.fstat(f.fileno()).st_size
+                    if size > MAX_SPILL_BYTES:
+                        continue  # not a spill file ettr wrote (a sparse forgery of GBs): never read
                     if size < offset:
                         offset = 0  # cut after a delivery: what it said stays true
                     f.seek(offset)
-                    chunk = f.read()
+                    chunk = f.read(MAX_LINE_BYTES)  # a bounded piece: the next call reads on from it
             except OSError:
                 continue
             end = chunk.rfind(b"\n") + 1
+            if end == 0 and len(chunk) == MAX_LINE_BYTES:
+                end = len(chunk)  # a line longer than a piece is damage: passed over, not read for ever
             for line in chunk[:end].split(b"\n"):
                 try:
                     item: Any = loads_bounded(line) if line else None
@@ -581,8 +534,8 @@ def _is_ours_but_damaged(path: Path, job_id: str) -> bool:
     """Whether an unreadable spill file names this job (then this job's adopter sets it aside; a file that
     names no job, or another, is left alone)."""
     try:
-        with os.fdopen(_open_regular(path), "rb") as f:
-            first = f.readline(_MAX_HEADER_BYTES)
+        with os.fdopen(open_regular(path), "rb") as f:
+            first = f.readline(MAX_HEADER_BYTES)
     except OSError:
         return False
     return json.dumps(job_id).encode() in first
