@@ -135,3 +135,27 @@ def test_overlong_and_torn_lines_are_skipped_and_the_rest_read(tmp_path):
     path.write_text("\n".join([header, good(1), overlong, good(2), good(3)[:-4]]))
     _header, records = read_spill(path)
     assert [r.seq for r in records] == [1, 2]
+
+
+def test_ettr_deliver_goes_on_past_a_bad_directory_and_exits_2(tmp_path, capsys, monkeypatch):
+    server = FakeServer()
+    first, second = tmp_path / "a", tmp_path / "b"
+    for run_dir in (first, second):
+        run_dir.mkdir()
+        (run_dir / "ledger-url.json").write_text(json.dumps({"url": "postgresql://x@h/db", "job_id": "j"}))
+        server.up = False
+        writer = SpillingLedger(lambda: server, job_id="j", spill_dir=spill_dir(run_dir), node="n")
+        writer.append(_steps(0, 3))
+        writer.close()
+    server.up = True
+    import ettr.ledger.undelivered as undelivered
+
+    real = undelivered.deliver_undelivered
+    monkeypatch.setattr(undelivered, "deliver_undelivered", lambda d: real(d, connect=lambda: server))
+    not_one = tmp_path / "not-a-run"
+    not_one.mkdir()
+    assert main(["deliver", str(first), str(not_one), str(tmp_path / "nope"), str(second)]) == 2
+    out, err = capsys.readouterr()
+    assert out.count("delivered 3 spilled event(s)") == 2  # both run directories, around the bad ones
+    assert len(err.strip().splitlines()) == 2 and "Traceback" not in err
+    assert count_undelivered(first).num_events == count_undelivered(second).num_events == 0
