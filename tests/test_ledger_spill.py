@@ -363,7 +363,7 @@ def test_another_jobs_spill_file_is_no_sign_of_life_and_is_not_delivered(tmp_pat
 
 @pytest.mark.parametrize(
     "damage",
-    ["no_writer", "bad_header", "bad_seq", "not_rows", "nested", "fifo"],
+    ["no_writer", "bad_header", "bad_seq", "not_rows", "nested", "fifo", "sparse"],
 )
 def test_a_damaged_orphan_is_set_aside_once_and_never_holds_the_job_end(tmp_path, damage):
     """A malformed orphan spill file of this job is delivered as far as it can be read, or renamed aside
@@ -384,6 +384,9 @@ def test_a_damaged_orphan_is_set_aside_once_and_never_holds_the_job_end(tmp_path
     elif damage == "nested":
         spill.mkdir(parents=True)
         (spill / "w-dead.jsonl").write_text(json.dumps(header) + "\n" + "[" * 100_000 + "\n")
+    elif damage == "sparse":  # a good header, then GBs of holes: never loaded
+        _plant(spill, "w-dead.jsonl", header, [good])
+        os.truncate(spill / "w-dead.jsonl", 3 << 30)
     else:
         spill.mkdir(parents=True)
         os.mkfifo(spill / "w-dead.jsonl")
@@ -395,9 +398,43 @@ def test_a_damaged_orphan_is_set_aside_once_and_never_holds_the_job_end(tmp_path
     left = sorted(p.name for p in spill.iterdir())
     if damage == "fifo":  # names no job: left alone, and never opened in a way that blocks
         assert left == ["w-dead.jsonl"]
-    elif damage in ("no_writer", "bad_header"):  # cannot be read at all: kept aside for a person
+    elif damage in ("no_writer", "bad_header", "sparse"):  # cannot be read at all: kept aside for a person
         assert left == ["w-dead.jsonl.bad"]
     else:  # its readable records delivered, its damaged lines skipped
         assert left == []
     if damage in ("bad_seq", "not_rows"):
         assert [r.seq for r in server.rows.values()] == [3]
+
+
+@pytest.mark.parametrize("planted", ["symlink", "hardlink", "fifo", "dir_symlink"])
+def test_refused_events_are_never_written_through_a_planted_link(tmp_path, caplog, planted):
+    """Anyone who can write the run directory may plant `<writer>.rejected -> ~/.bashrc`: the refused events
+    must not be appended there (they were: shell code run at the next login). The warning says where they
+    could not be kept and carries them instead."""
+    victim = tmp_path / "bashrc"
+    victim.write_text("# mine\n")
+    spill = tmp_path / "spill"
+    server = PickyServer()
+    ledger = _ledger(server, tmp_path)
+    rejected = spill / f"{ledger.writer}.rejected"
+    if planted == "dir_symlink":
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        spill.symlink_to(elsewhere)
+    else:
+        spill.mkdir()
+        if planted == "symlink":
+            rejected.symlink_to(victim)
+        elif planted == "hardlink":
+            os.link(victim, rejected)
+        else:
+            os.mkfifo(rejected)  # opened for writing it would wait for a reader for ever
+    with caplog.at_level("WARNING", logger="ettr"):
+        ledger.append(_steps(12, 3))  # step 13 refused
+    ledger.close()
+    assert victim.read_text() == "# mine\n"
+    if planted == "dir_symlink":
+        assert list((tmp_path / "elsewhere").iterdir()) == []
+    assert sorted(e.step for e in server.read()) == [12, 14]
+    (line,) = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert "could not be kept" in line and '"step",0,0,null,13' in line

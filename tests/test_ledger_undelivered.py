@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import json
+import os
+
+import pytest
 
 from ettr.cli import main
+from ettr.ledger import open_ledger
 from ettr.ledger.spill import SpillingLedger, spill_dir
+from ettr.ledger.spill_file import MAX_LINE_BYTES, SpillUnreadable, read_spill
 from ettr.ledger.undelivered import count_undelivered, deliver_undelivered, undelivered_note
 from test_ledger_spill import FakeServer, _steps
+from test_report_tensorboard import job_events
 
 
 def _run_dir_with_orphans(tmp_path, server: FakeServer, num_events: int = 5):
@@ -76,3 +82,80 @@ def test_ettr_deliver_with_the_server_away_exits_1_and_keeps_the_events(tmp_path
     assert main(["deliver", str(run_dir)]) == 1
     assert "4 event(s) stay" in capsys.readouterr().err
     assert count_undelivered(run_dir).num_events == 4
+
+
+def _sparse_spill(run_dir, size: int = 3 << 30):
+    """A spill file with a good header and then `size` bytes of holes (cheap on disk): it once made `ettr
+    report` and `ettr fleet` raise MemoryError, and the good job beside it went unreported."""
+    path = spill_dir(run_dir) / "w-sparse.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"spill": 1, "job_id": "j", "writer": "w-sparse", "node": "n"}) + "\n")
+    os.truncate(path, size)
+    return path
+
+
+def _job(tmp_path, name: str):
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    ledger = open_ledger(run_dir, create=True)
+    try:
+        ledger.append(job_events(name))
+    finally:
+        ledger.close()
+    return run_dir
+
+
+def test_a_spill_file_too_large_to_read_is_one_line_and_is_never_loaded(tmp_path):
+    run_dir = tmp_path / "run"
+    path = _sparse_spill(run_dir)
+    with pytest.raises(SpillUnreadable, match="more than"):
+        read_spill(path)
+    waiting = count_undelivered(run_dir)
+    assert waiting.num_events == 0 and len(waiting.unreadable) == 1
+    note = undelivered_note(run_dir)
+    assert note is not None and "\n" not in note and str(path) in note
+
+
+@pytest.mark.parametrize("command", ["report", "fleet"])
+def test_report_and_fleet_go_on_past_a_sparse_spill_file(tmp_path, capsys, command):
+    bad, good = _job(tmp_path, "bad"), _job(tmp_path, "good")
+    _sparse_spill(bad)
+    assert main([command, str(bad), str(good), "--json"]) == 0  # both jobs read: a note is no failure
+    out, err = capsys.readouterr()
+    assert "good" in out and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if "w-sparse.jsonl" in line]
+    assert "not read" in line
+
+
+def test_overlong_and_torn_lines_are_skipped_and_the_rest_read(tmp_path):
+    path = tmp_path / "w.jsonl"
+    good = lambda seq: json.dumps([seq, 1000.0, "step", 0, 0, None, seq, None, None])  # noqa: E731
+    header = json.dumps({"spill": 1, "job_id": "j", "writer": "w", "node": "n"})
+    overlong = "[" + " " * (MAX_LINE_BYTES + 10) + "]"
+    path.write_text("\n".join([header, good(1), overlong, good(2), good(3)[:-4]]))
+    _header, records = read_spill(path)
+    assert [r.seq for r in records] == [1, 2]
+
+
+def test_ettr_deliver_goes_on_past_a_bad_directory_and_exits_2(tmp_path, capsys, monkeypatch):
+    server = FakeServer()
+    first, second = tmp_path / "a", tmp_path / "b"
+    for run_dir in (first, second):
+        run_dir.mkdir()
+        (run_dir / "ledger-url.json").write_text(json.dumps({"url": "postgresql://x@h/db", "job_id": "j"}))
+        server.up = False
+        writer = SpillingLedger(lambda: server, job_id="j", spill_dir=spill_dir(run_dir), node="n")
+        writer.append(_steps(0, 3))
+        writer.close()
+    server.up = True
+    import ettr.ledger.undelivered as undelivered
+
+    real = undelivered.deliver_undelivered
+    monkeypatch.setattr(undelivered, "deliver_undelivered", lambda d: real(d, connect=lambda: server))
+    not_one = tmp_path / "not-a-run"
+    not_one.mkdir()
+    assert main(["deliver", str(first), str(not_one), str(tmp_path / "nope"), str(second)]) == 2
+    out, err = capsys.readouterr()
+    assert out.count("delivered 3 spilled event(s)") == 2  # both run directories, around the bad ones
+    assert len(err.strip().splitlines()) == 2 and "Traceback" not in err
+    assert count_undelivered(first).num_events == count_undelivered(second).num_events == 0

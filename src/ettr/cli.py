@@ -488,15 +488,16 @@ def _deliver(args: argparse.Namespace) -> int:
     from ettr.ledger.locate import is_run_dir
     from ettr.ledger.undelivered import deliver_undelivered
 
-    for run_dir in args.run_dirs:  # every argument checked before anything is delivered
-        if not Path(run_dir).is_dir() or not is_run_dir(run_dir):
-            raise UsageError(f"ettr deliver: {run_dir}: not an ettr run directory")
-    status = 0
-    for run_dir in args.run_dirs:
+    status = num_bad = 0
+    for run_dir in args.run_dirs:  # one bad directory is one line: the others are still delivered (status 2)
         try:
+            if not Path(run_dir).is_dir() or not is_run_dir(run_dir):
+                raise LedgerError(f"{run_dir}: not an ettr run directory")
             done = deliver_undelivered(run_dir)
-        except LedgerError as exc:
-            raise UsageError(f"ettr deliver: {exc}") from None
+        except (LedgerError, OSError) as exc:
+            num_bad += 1
+            print(_error_line("ettr deliver", _one_line(f"skipped {exc}")), file=sys.stderr)
+            continue
         if not done.complete:
             status = 1
             print(
@@ -513,7 +514,7 @@ def _deliver(args: argparse.Namespace) -> int:
                 f"{run_dir}: {done.left.num_live_files} spill file(s) belong to a writer still running "
                 "(it delivers them itself)"
             )
-    return status
+    return 2 if num_bad else status
 
 
 def _lazy(module: str, name: str) -> Callable[[Any], Any]:

@@ -13,12 +13,14 @@ none is lost: it is on the server or in an fsync'd spill file. A file whose writ
 is an orphan; a SpillingLedger made with `adopt_orphans` (the supervisor's) delivers orphans of its job.
 
 Spill file: line 1 a header `{"spill": 1, "job_id", "writer", "node"}`, then one JSON array per event:
-`[seq, ts, kind, attempt, rank, phase, step, value, data]`. A torn last line (a crash mid-write) is skipped.
+`[seq, ts, kind, attempt, rank, phase, step, value, data]`, read back, bounded, by `ettr.ledger.spill_file`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -30,18 +32,25 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from ettr.atomic import fsync_dir
 from ettr.events import Event
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerRejected, LedgerStalled
 from ettr.ledger.postgres import new_writer_id
-from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, from_row, storable_rows
-from ettr.untrusted import loads_bounded, make_dirs_below, open_regular
+from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, storable_rows
+from ettr.ledger.spill_file import (
+    MAX_HEADER_BYTES,
+    MAX_LINE_BYTES,
+    MAX_SPILL_BYTES,
+    read_header,
+    read_spill,
+)
+from ettr.untrusted import loads_bounded, open_dir_below, open_regular
 
 logger = logging.getLogger("ettr")
 
 SPILL_DIRNAME = "ledger-spill"
 _SUFFIX = ".jsonl"
 _DELIVERY_CHUNK = 10_000  # about a second on a loaded server: far inside one call's bound
+_MAX_REJECTED_SHOWN = 8192  # refused events a warning carries when they cannot be kept in a file
 
 
 class ServerLedger(Protocol):
@@ -65,64 +74,6 @@ def spill_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / SPILL_DIRNAME
 
 
-_MAX_HEADER_BYTES = 65536
-
-
-def _open_regular(path: Path) -> int:
-    """A descriptor of the regular file `path`: never through a symlink, never a FIFO (it would block).
-    Raises OSError."""
-    return open_regular(path)
-
-
-def _header(path: Path) -> dict[str, object] | None:
-    """The header of a spill file, or None when it is not one (no writer or job named, damaged, not a file)."""
-    try:
-        fd = _open_regular(path)
-        with os.fdopen(fd, "rb") as f:
-            header = loads_bounded(f.readline(_MAX_HEADER_BYTES))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(header, dict) or header.get("spill") != 1:
-        return None
-    if not isinstance(header.get("writer"), str) or not isinstance(header.get("job_id"), str):
-        return None
-    return header
-
-
-def read_spill(path: Path) -> tuple[dict[str, object], list[KeyedEvent]]:
-    """The header and the records of a spill file (torn or unreadable lines skipped). Raises LedgerError
-    when it is not a spill file."""
-    header = _header(path)
-    if header is None:
-        raise LedgerError(f"{path} is not an ettr spill file")
-    try:
-        fd = _open_regular(path)
-        with os.fdopen(fd, "rb") as f:
-            lines = f.read().split(b"\n")
-    except OSError as exc:
-        raise LedgerError(f"{path} cannot be read ({exc})") from exc
-    writer, node = str(header["writer"]), str(header.get("node", ""))
-    records: list[KeyedEvent] = []
-    num_bad = 0
-    for line in lines[1:]:
-        if not line:
-            continue
-        try:
-            seq, *row = loads_bounded(line)
-            if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63:
-                raise ValueError("not a sequence number")
-            event = from_row(*row)
-        except (ValueError, TypeError):
-            event = None
-        if event is None:
-            num_bad += 1
-            continue
-        records.append(KeyedEvent(writer, seq, node, event))
-    if num_bad > 1 or (num_bad == 1 and lines[-1]):  # one torn last line is a crash mid-write: expected
-        logger.warning("ettr: %s: skipped %d unreadable spill records", path, num_bad)
-    return header, records
-
-
 def _encode(records: Sequence[KeyedEvent]) -> bytes:
     """Spill lines of the records that can be stored (the rest are left out, as every backend leaves them)."""
     kept, error = storable_rows(r.event for r in records)
@@ -138,21 +89,28 @@ class _SpillFile:
     """This writer's own spill file: created exclusively, flock'd for life, appended and fsync'd."""
 
     def __init__(self, directory: Path, *, job_id: str, writer: str, node: str) -> None:
-        make_dirs_below(directory.parent, directory)  # RUN_DIR/ledger-spill, never a symlink there
         self.path = directory / f"{writer}{_SUFFIX}"
-        temp = directory / f".{writer}.tmp"
-        self._fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        temp = f".{writer}.tmp"
+        # RUN_DIR/ledger-spill, no symlink on the way, held open: every name below is resolved in it
+        dir_fd = open_dir_below(directory.parent, directory.name, create=True)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            header = {"spill": 1, "job_id": job_id, "writer": writer, "node": node}
-            self._header_len = os.write(self._fd, (json.dumps(header) + "\n").encode())
-            os.fsync(self._fd)
-            os.rename(temp, self.path)  # visible to adopters only once locked and headed
-            fsync_dir(directory)
-        except BaseException:
-            os.close(self._fd)
-            temp.unlink(missing_ok=True)
-            raise
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+            self._fd = os.open(temp, flags, 0o644, dir_fd=dir_fd)  # O_EXCL: never through a link
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                header = {"spill": 1, "job_id": job_id, "writer": writer, "node": node}
+                self._header_len = os.write(self._fd, (json.dumps(header) + "\n").encode())
+                os.fsync(self._fd)
+                # visible to adopters only once locked and headed
+                os.rename(temp, self.path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                os.fsync(dir_fd)
+            except BaseException:
+                os.close(self._fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(temp, dir_fd=dir_fd)
+                raise
+        finally:
+            os.close(dir_fd)
         self.has_records = False
 
     def append(self, records: Sequence[KeyedEvent]) -> None:
@@ -430,7 +388,7 @@ class SpillingLedger:
         for path in self._spill_files():
             if self._file is not None and path == self._file.path:
                 continue
-            header = _header(path)
+            header = read_header(path)
             if header is None:
                 if _is_ours_but_damaged(path, self.job_id):
                     _set_aside(path, LedgerError("its header is not an ettr spill file's"))
@@ -438,7 +396,7 @@ class SpillingLedger:
             if header.get("job_id") != self.job_id:
                 continue  # another job's: left to it
             try:
-                fd = _open_regular(path)
+                fd = open_regular(path)
             except OSError:
                 continue
             try:
@@ -467,19 +425,32 @@ class SpillingLedger:
 
     def _keep_rejected(self, records: Sequence[KeyedEvent]) -> None:
         """Events the server refused: kept beside the spill files (`<writer>.rejected`, same line format) for
-        a person to look at, never retried, never dropped silently."""
+        a person to look at, never retried, never dropped silently. Appended only to a regular file reached
+        through no symlink (anyone who can write the run directory could plant `<writer>.rejected ->
+        ~/.bashrc`); where it cannot be kept, the warning says so and carries the refused lines."""
         if not records:
             return
         path = self.spill_dir / f"{self.writer}.rejected"
-        logger.warning("ettr: the ledger server refused %d event(s); kept in %s", len(records), path)
+        data = _encode(records)
         try:
-            make_dirs_below(self.spill_dir.parent, self.spill_dir)
-            with open(path, "ab") as f:
-                f.write(_encode(records))
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:
-            logger.warning("ettr: could not keep the refused events (%s)", exc)
+            _append_below(self.spill_dir, path.name, data)
+        except (OSError, ValueError) as exc:
+            shown = data[:_MAX_REJECTED_SHOWN].decode(errors="replace").strip().replace("\n", " ")
+            more = (
+                f" (and {len(data) - _MAX_REJECTED_SHOWN} more bytes)"
+                if len(data) > _MAX_REJECTED_SHOWN
+                else ""
+            )
+            logger.warning(
+                "ettr: the ledger server refused %d event(s); they could not be kept in %s (%s), so here: %s%s",
+                len(records),
+                path,
+                exc,
+                shown,
+                more,
+            )
+            return
+        logger.warning("ettr: the ledger server refused %d event(s); kept in %s", len(records), path)
 
     def _deliver_loop(self) -> None:
         if not self._connected.is_set():
@@ -509,20 +480,24 @@ class SpillingLedger:
         latest: float | None = None
         for path in self._spill_files():
             if path not in self._scan:
-                header = _header(path)
+                header = read_header(path)
                 if header is None or header.get("job_id") != self.job_id:
                     continue  # another job's times say nothing of this one (nor do a damaged file's)
             offset, newest = self._scan.get(path, (0, {}))
             try:
-                with os.fdopen(_open_regular(path), "rb") as f:
+                with os.fdopen(open_regular(path), "rb") as f:
                     size = os.fstat(f.fileno()).st_size
+                    if size > MAX_SPILL_BYTES:
+                        continue  # not a spill file ettr wrote (a sparse forgery of GBs): never read
                     if size < offset:
                         offset = 0  # cut after a delivery: what it said stays true
                     f.seek(offset)
-                    chunk = f.read()
+                    chunk = f.read(MAX_LINE_BYTES)  # a bounded piece: the next call reads on from it
             except OSError:
                 continue
             end = chunk.rfind(b"\n") + 1
+            if end == 0 and len(chunk) == MAX_LINE_BYTES:
+                end = len(chunk)  # a line longer than a piece is damage: passed over, not read for ever
             for line in chunk[:end].split(b"\n"):
                 try:
                     item: Any = loads_bounded(line) if line else None
@@ -559,8 +534,8 @@ def _is_ours_but_damaged(path: Path, job_id: str) -> bool:
     """Whether an unreadable spill file names this job (then this job's adopter sets it aside; a file that
     names no job, or another, is left alone)."""
     try:
-        with os.fdopen(_open_regular(path), "rb") as f:
-            first = f.readline(_MAX_HEADER_BYTES)
+        with os.fdopen(open_regular(path), "rb") as f:
+            first = f.readline(MAX_HEADER_BYTES)
     except OSError:
         return False
     return json.dumps(job_id).encode() in first
@@ -574,6 +549,28 @@ def _set_aside(path: Path, why: BaseException) -> None:
         logger.warning("ettr: %s is damaged (%s) and cannot be set aside (%s)", path, why, exc)
         return
     logger.warning("ettr: %s is damaged (%s); set aside as %s.bad, not delivered", path, why, path.name)
+
+
+def _append_below(directory: Path, name: str, data: bytes) -> None:
+    """Append `data` to `directory/name` and fsync it: the directory made below its parent with no symlink
+    on the way and opened as a descriptor (no swap between the check and the write), the file opened with
+    O_NOFOLLOW and refused unless regular (never a write through a planted link, never a FIFO that blocks).
+    Raises OSError (`SymlinkRefused` for a planted directory link)."""
+    dir_fd = open_dir_below(directory.parent, directory.name, create=True)
+    try:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        fd = open_regular(name, flags, 0o644, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        if os.fstat(fd).st_nlink != 1:  # a hard link planted there is another file's name too
+            raise OSError(errno.EMLINK, "has other names (a hard link); ettr does not append to it", name)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _store(server: ServerLedger, records: Sequence[KeyedEvent], *, may_repeat: bool) -> list[KeyedEvent]:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ettr.ledger.base import LedgerError
 from ettr.ledger.locate import read_pointer
-from ettr.ledger.spill import ServerLedger, SpillingLedger, read_spill, spill_dir
+from ettr.ledger.spill import ServerLedger, SpillingLedger, spill_dir
+from ettr.ledger.spill_file import SpillUnreadable, read_spill
 
 _SUFFIX = ".jsonl"
 
@@ -37,6 +38,9 @@ class Undelivered:
     """Those files."""
     num_live_files: int = 0
     """Spill files a running writer still holds (not counted above)."""
+    unreadable: tuple[str, ...] = ()
+    """One line for each spill file of the job that cannot be read (larger than `MAX_SPILL_BYTES`, or an
+    I/O error): its events, if any, are counted nowhere."""
 
 
 def _spill_files(run_dir: str | os.PathLike[str]) -> list[Path]:
@@ -69,12 +73,17 @@ def count_undelivered(run_dir: str | os.PathLike[str]) -> Undelivered:
     pointer = read_pointer(run_dir)
     job_id = pointer[1] if pointer is not None else None
     num_events = num_files = num_live = 0
+    unreadable: list[str] = []
     for path in _spill_files(run_dir):
         held = _held_by_writer(path)
         if held is None:
             continue
         try:
             header, records = read_spill(path)
+        except SpillUnreadable as exc:  # too large to read (a sparse forgery): said, never loaded
+            if job_id is None or exc.header.get("job_id") == job_id:
+                unreadable.append(str(exc))
+            continue
         except LedgerError:
             continue  # not a spill file, or damaged: its adopter sets it aside
         if job_id is not None and header.get("job_id") != job_id:
@@ -84,7 +93,9 @@ def count_undelivered(run_dir: str | os.PathLike[str]) -> Undelivered:
         elif records:
             num_events += len(records)
             num_files += 1
-    return Undelivered(num_events=num_events, num_files=num_files, num_live_files=num_live)
+    return Undelivered(
+        num_events=num_events, num_files=num_files, num_live_files=num_live, unreadable=tuple(unreadable)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +149,19 @@ def deliver_undelivered(
 
 def undelivered_note(run_dir: str | os.PathLike[str]) -> str | None:
     """One line for a reader of the run (`ettr report`, `ettr fleet`) when spilled events of its job wait for
-    the server (the figures it shows lack them), saying how to deliver them; None when none wait."""
+    the server (the figures it shows lack them), saying how to deliver them, or when a spill file of it cannot
+    be read (too large), saying which; None when neither."""
     waiting = count_undelivered(run_dir)
-    if waiting.num_events == 0:
-        return None
-    return (
-        f"{waiting.num_events} event(s) spilled in {run_dir} during a ledger outage are not in the ledger yet "
-        f"(the figures lack them); deliver them with: ettr deliver {shlex.quote(os.fspath(run_dir))}"
-    )
+    said = []
+    if waiting.num_events:
+        said.append(
+            f"{waiting.num_events} event(s) spilled in {run_dir} during a ledger outage are not in the ledger "
+            f"yet (the figures lack them); deliver them with: ettr deliver {shlex.quote(os.fspath(run_dir))}"
+        )
+    if waiting.unreadable:
+        said.append(
+            f"{len(waiting.unreadable)} spill file(s) not read, so any events in them are counted nowhere: "
+            + waiting.unreadable[0]
+            + (f" (and {len(waiting.unreadable) - 1} more)" if len(waiting.unreadable) > 1 else "")
+        )
+    return "; ".join(said) or None
