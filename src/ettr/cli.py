@@ -488,15 +488,16 @@ def _deliver(args: argparse.Namespace) -> int:
     from ettr.ledger.locate import is_run_dir
     from ettr.ledger.undelivered import deliver_undelivered
 
-    status = num_bad = 0
-    for run_dir in args.run_dirs:  # one bad directory is one line: the others are still delivered (status 2)
+    status = 0
+    bad: list[str] = []  # the bad directories are one line at the end: the others are still delivered
+    run_dirs = list(dict.fromkeys(args.run_dirs))
+    for run_dir in run_dirs:
         try:
             if not Path(run_dir).is_dir() or not is_run_dir(run_dir):
                 raise LedgerError(f"{run_dir}: not an ettr run directory")
             done = deliver_undelivered(run_dir)
         except (LedgerError, OSError) as exc:
-            num_bad += 1
-            print(_error_line("ettr deliver", _one_line(f"skipped {exc}")), file=sys.stderr)
+            bad.append(str(exc))
             continue
         if not done.complete:
             status = 1
@@ -514,7 +515,11 @@ def _deliver(args: argparse.Namespace) -> int:
                 f"{run_dir}: {done.left.num_live_files} spill file(s) belong to a writer still running "
                 "(it delivers them itself)"
             )
-    return 2 if num_bad else status
+    if bad:
+        what = f"skipped {len(bad)} of {len(run_dirs)} run directories: " if len(run_dirs) > 1 else "skipped "
+        print(_error_line("ettr deliver", _one_line(what + "; ".join(bad))), file=sys.stderr)
+        return 2
+    return status
 
 
 def _lazy(module: str, name: str) -> Callable[[Any], Any]:
