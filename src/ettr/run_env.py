@@ -541,18 +541,24 @@ def memory_root(environ: Mapping[str, str] | None = None) -> Path | None:
 def private_dir_problem(path: str | os.PathLike[str]) -> str | None:
     """Why `path` is not a private directory of this user (a symlink, not a directory, another user's, writable
     by others: anyone else could have planted what is in it), or None when it is one. Never follows a link."""
-    import stat
-
     try:
         st = os.lstat(path)
     except OSError as exc:
         return f"{path}: {exc.strerror or exc}"
+    return private_stat_problem(path, st)
+
+
+def private_stat_problem(path: str | os.PathLike[str], st: os.stat_result) -> str | None:
+    """`private_dir_problem` of what `os.lstat(path)` (or an fstat of its descriptor) gave: the one check of
+    a private directory (memory copies, the in-place store, the compile store and inductor's cache)."""
+    import stat
+
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         return f"{path} is not a directory (a symlink?)"
     if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
         return f"{path} is owned by uid {st.st_uid}, not this user"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
     return None
 
 

@@ -281,9 +281,9 @@ def watch_join(environ: MutableMapping[str, str] | None = None) -> None:
 
 def inherited_rank(environ: Mapping[str, str]) -> bool:
     """Whether this process inherited a rank's place: it is a helper of a torchrun, spawned, srun or MPI rank."""
-    from ettr.run_env import TORCHELASTIC_RUN_ID_ENV, RankEnv
+    from ettr.run_env import RankEnv
 
-    return bool(environ.get(TORCHELASTIC_RUN_ID_ENV)) or RankEnv.from_environ(environ).world_size > 1
+    return inherited_torchrun(environ) or RankEnv.from_environ(environ).world_size > 1
 
 
 def joining_as(

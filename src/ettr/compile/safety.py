@@ -22,6 +22,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from ettr.run_env import private_stat_problem
 from ettr.untrusted import SymlinkRefused, open_dir_below, open_regular
 
 UNPACK_MAX_BYTES_ENV = "ETTR_COMPILE_UNPACK_MAX_BYTES"
@@ -44,16 +45,9 @@ def check_private_dir(path: Path) -> None:
 
 
 def _check_private_stat(path: Path, st: os.stat_result) -> None:
-    if stat.S_ISLNK(st.st_mode):
-        raise UnsafeLocation(f"{path} is a symlink; ettr does not follow symlinks in its compile store")
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeLocation(f"{path} is not a directory")
-    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-        raise UnsafeLocation(f"{path} is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeLocation(
-            f"{path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
-        )
+    problem = private_stat_problem(path, st)
+    if problem is not None:
+        raise UnsafeLocation(problem)
 
 
 def make_private_dirs_below(base: Path, rel: str | PurePosixPath) -> Path:
