@@ -154,7 +154,7 @@ def test_a_running_job_reads_running_and_a_lost_one_supervisor_lost() -> None:
     text = render(running)
     title = text.splitlines()[0]
     assert title.startswith("job job-a  (running: attempt 1: training; last step 16, 6.0 s before")
-    assert "10 step(s) after the last checkpoint, step 6 would be lost" in title
+    assert "10 step(s) after the last checkpoint (step 6) would be lost" in title
     assert re.search(r"^  1  running ", text, re.M) and "failures 1" in summary_line(running)
     data = to_dict(running)
     assert data["state"] == "running" and data["attempts"][1]["outcome"] == "running"

@@ -62,7 +62,7 @@ def _risk(o: OpenJob, verb: str) -> str:
     since = (
         "nothing committed yet"
         if o.last_commit_step is None
-        else f"the last checkpoint, step {o.last_commit_step}"
+        else f"the last checkpoint (step {o.last_commit_step})"
     )
     return f"; {o.steps_at_risk} step(s) after {since} {verb}"
 
