@@ -271,6 +271,30 @@ def test_a_resume_step_named_in_the_loaded_checkpoint_is_used(
     assert [e.step for e in _events(rec, ledger, EventKind.STEP)] == [31]
 
 
+def test_a_save_right_after_a_resume_before_the_first_step_is_at_the_resumed_step(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    """nanoGPT under a multi-node torchrun: the rank that saves changed between attempts, so the loaded file
+    matches none of this run's commits and the step comes from its `iter_num`; the script evaluates and saves
+    at that iteration before its first step. That save is the resumed step's, not step 0's."""
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = tmp_path / "ckpt.pt"
+    buffer = io.BytesIO()
+    torch.save({"iter_num": 100, "model": model.state_dict()}, buffer)
+    fd = os.open(ckpt, os.O_WRONLY | os.O_CREAT)  # written by a rank this run never saw saving
+    os.write(fd, buffer.getvalue())
+    os.close(fd)
+    torch.load(ckpt)
+    torch.save({"iter_num": 100, "model": model.state_dict()}, ckpt)  # the save at the resumed iteration
+    _step(optimizer, model)
+    commits = [e.step for e in _events(rec, ledger, EventKind.CHECKPOINT_COMMIT)]
+    assert commits == [100]
+    assert [e.step for e in _events(rec, ledger, EventKind.RESUMED)] == [100]
+    assert [e.step for e in _events(rec, ledger, EventKind.STEP)] == [101]
+
+
 def test_the_report_says_unknown_and_estimates_the_lost_steps() -> None:
     def attempt(index: int, start: float, end: float, outcome: str, steps: range) -> list[Event]:
         events = [

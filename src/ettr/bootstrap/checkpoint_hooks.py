@@ -271,6 +271,19 @@ class CheckpointHooks:
         self._resumed, self._unknown_resume, self._data_resume = False, None, None
         self.training_resumes()
 
+    def _save_step(self) -> int:
+        """The global step a save made now holds: the step count, or, before this attempt's first step, the
+        step of a load that the first step would settle (a resume placed by the loaded checkpoint's own step,
+        or by a data file this job saved). nanoGPT evaluates and saves at the iteration it resumed at, before
+        its first step: counted from 0 that save was committed at step 0, and a later resume from it read as
+        a restart from scratch. A resume of unknown step leaves the count as it is (the limit in the docs)."""
+        if self.steps.num_steps == 0 and not self.rec.explicit_steps and not self._resumed:
+            if self._unknown_resume is not None and self._unknown_resume[1] is not None:
+                return self._unknown_resume[1][1]
+            if self._data_resume is not None:
+                return self._data_resume
+        return self.steps.current_step
+
     def _resume_at(self, step: int) -> None:
         self._resumed = True
         self.steps.resumed(step)
@@ -435,7 +448,7 @@ class CheckpointHooks:
         self.patcher.wrap(module, "load_file", make_load)
 
     def _timed_save(self, path: str, call: Callable[[], Any]) -> Any:
-        step = self.guard.call("checkpoint save", lambda: self.steps.current_step)
+        step = self.guard.call("checkpoint save", self._save_step)
         begin = time.time()
         outer = self._busy()  # a save of the script's made inside another one (a signal handler's)
         self._set_busy(True)
@@ -460,7 +473,7 @@ class CheckpointHooks:
         return result
 
     def _timed_buffer_save(self, call: Callable[[], Any]) -> Any:
-        step = self.guard.call("checkpoint save", lambda: self.steps.current_step)
+        step = self.guard.call("checkpoint save", self._save_step)
         begin = time.time()
         self._set_busy(True)
         try:
@@ -535,7 +548,7 @@ class CheckpointHooks:
                 self.patcher.wrap(module, "load", make_load)
 
     def _timed_async_save(self, path: str, call: Callable[[], Any]) -> Any:
-        step = self.guard.call("checkpoint save", lambda: self.steps.current_step)
+        step = self.guard.call("checkpoint save", self._save_step)
         begin = time.time()
         self._set_busy(True)
         self._async_paths.add(path)
