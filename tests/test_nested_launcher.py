@@ -20,7 +20,7 @@ from ettr.bootstrap import pythonpath_dir
 from ettr.bootstrap.start import hand_ranks_to_workers
 from ettr.events import EventKind
 from ettr.ledger import open_ledger, read_run_events
-from ettr.run_env import launcher_parent_path, runs_torchrun
+from ettr.run_env import launcher_parent_path, runs_torchrun, torchrun_nodes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +62,45 @@ sys.exit(max(w.wait() for w in workers))
 )
 def test_a_torchrun_launcher_is_told_by_its_command_line(argv: list[str], expected: bool) -> None:
     assert runs_torchrun(argv) is expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "nodes"),
+    [
+        (["python", "torchrun", "--nnodes", "2", "--node-rank", "1", "train.py"], 2),
+        (["python", "-m", "torch.distributed.run", "--nnodes=1:4", "train.py"], 4),
+        (["python", "torchrun", "--nproc-per-node", "2", "train.py"], None),
+        (["python", "torchrun", "--nnodes", "$NNODES", "train.py"], None),
+        (["python", "torchrun", "--nnodes"], None),
+    ],
+)
+def test_the_nodes_a_torchrun_asks_for(argv: list[str], nodes: int | None) -> None:
+    assert torchrun_nodes(argv) == nodes
+
+
+def test_a_multi_node_torchrun_started_by_a_node_script_says_its_books_are_this_nodes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ettr run -- bash node.sh R`, node.sh running `torchrun --nnodes 2 ...` on each node: each supervisor
+    sees one node; the torchrun says so. A node's supervisor running torchrun itself (docs/multinode.md) and a
+    one-node torchrun say nothing."""
+    import ettr.bootstrap.start as start_module
+
+    torchrun = ["/venv/bin/python", "/venv/bin/torchrun", "--nnodes", "2", "--node-rank", "1", "train.py"]
+    cases = [
+        ({"ETTR_LAUNCHER": "other"}, torchrun, True),
+        ({"ETTR_LAUNCHER": "torchrun"}, torchrun, False),
+        ({"ETTR_LAUNCHER": "other"}, [*torchrun[:2], "--standalone", "train.py"], False),
+    ]
+    for extra, argv, warned in cases:
+        monkeypatch.setattr(start_module, "_started", {})  # this process's own bootstrap state is left alone
+        caplog.clear()
+        environ = {"ETTR_RUN_DIR": str(tmp_path), "ETTR_ATTEMPT": "0", **extra}
+        with caplog.at_level("WARNING", logger="ettr"):
+            start_module.start(environ, argv=argv)
+        said = [r.getMessage() for r in caplog.records if "runs 2 nodes" in r.getMessage()]
+        assert bool(said) is warned, (extra, argv, said)
+        assert environ["ETTR_LAUNCHER"] == "torchrun"  # its workers are the ranks either way
 
 
 def test_the_launcher_hands_the_ranks_to_its_workers_and_tells_the_program_above_it(tmp_path: Path) -> None:

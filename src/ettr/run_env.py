@@ -163,6 +163,23 @@ def runs_torchrun(orig_argv: Sequence[str]) -> bool:
     return detect_launcher(orig_argv) is Launcher.TORCHRUN
 
 
+def torchrun_nodes(orig_argv: Sequence[str]) -> int | None:
+    """The most nodes a torchrun command line asks for (`--nnodes N`, `--nnodes=N`, elastic `MIN:MAX`: MAX);
+    None when it names none or no readable number."""
+    for i, arg in enumerate(orig_argv):
+        if arg == "--nnodes" and i + 1 < len(orig_argv):
+            text = orig_argv[i + 1]
+        elif arg.startswith("--nnodes="):
+            text = arg.partition("=")[2]
+        else:
+            continue
+        try:
+            return max(int(part) for part in text.split(":"))
+        except ValueError:
+            return None
+    return None
+
+
 def runs_accelerate_launch(orig_argv: Sequence[str]) -> bool:
     """Whether a Python process started as `orig_argv` is Hugging Face's `accelerate launch` (the `accelerate
     launch` / `accelerate-launch` console scripts, `python -m accelerate.commands.launch`, or the CLI module

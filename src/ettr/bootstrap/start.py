@@ -74,6 +74,8 @@ def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str
     torchrun = runs_torchrun(argv)
     if environ.get(RUN_DIR_ENV) and (torchrun or runs_rank_launcher(argv)):
         _started["launcher"] = True
+        if torchrun:
+            _warn_nodes_unseen(environ, argv)
         try:
             hand_ranks_to_workers(environ, os.getpid(), torchrun=torchrun)
         except Exception as exc:
@@ -89,6 +91,26 @@ def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str
         logger.warning(
             "ettr: bootstrap failed (%s: %s); the script runs uninstrumented", type(exc).__name__, exc
         )
+
+
+def _warn_nodes_unseen(environ: Mapping[str, str], argv: Sequence[str]) -> None:
+    """A torchrun of several nodes that the job's command started (a node script, `srun bash train.sh`), not
+    `ettr run` itself: each node's supervisor sees only its own node's ranks, so say so once (never raises)."""
+    from ettr.run_env import LAUNCHER_ENV, Launcher, torchrun_nodes
+
+    try:
+        nodes = torchrun_nodes(argv)
+        if nodes is None or nodes <= 1 or environ.get(LAUNCHER_ENV) == Launcher.TORCHRUN.value:
+            return  # one node, or the supervisor's own command (a node's supervisor: docs/multinode.md)
+        logger.warning(
+            "ettr: this torchrun runs %d nodes (--nnodes) but was started by the job's command, not by `ettr "
+            "run`: this node's books hold only this node's ranks (their steps, saves and failures); for one "
+            "job's books run `ettr run --ledger URL --job-id ID -- torchrun --nnodes ...` on every node "
+            "(docs/multinode.md)",
+            nodes,
+        )
+    except Exception:
+        pass
 
 
 def at_first_step(action: Callable[[], None]) -> None:
