@@ -548,7 +548,7 @@ TUTORIAL = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
 def test_processes_that_join_a_group_are_the_ranks_the_tutorials_way(
     tmp_path: Path, start_method: str
 ) -> None:

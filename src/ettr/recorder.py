@@ -493,6 +493,29 @@ class Recorder:
         self.enabled = False
         self._queue = collections.deque()
 
+    def reopen_in_child(self, ledger: Ledger, *, rank: int, world_size: int) -> None:
+        """In a forked child that becomes a rank of its own (`ettr.bootstrap.spawned.watch_forks`): record
+        again, through `ledger` (the parent's connection and writer thread are not this process's), as `rank`
+        of `world_size`. Its listeners and counters stay: the hooks the child inherited hold this recorder.
+        Its locks are made anew (the parent's writer may have held one at the fork)."""
+        self._ledger = ledger
+        self.rank, self.world_size = rank, world_size
+        self._queue = collections.deque()
+        self._wake = threading.Event()
+        self._drain_lock = threading.Lock()
+        self._listeners_lock = threading.Lock()
+        self._closed = False
+        self.enabled = True
+        self._thread = threading.Thread(target=self._writer, name="ettr-recorder", daemon=True)
+        self._thread.start()
+
+    def remove_step_listener(self, listener: Callable[[int], None]) -> None:
+        """Take `listener` off (no error when it is not on)."""
+        try:
+            self._step_listeners.remove(listener)
+        except ValueError:
+            pass
+
     def _warn_once(self, what: str, exc: BaseException) -> None:
         self._warn(what, exc)
 

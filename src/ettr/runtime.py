@@ -26,7 +26,7 @@ _lock = threading.Lock()
 _default: Recorder | None = None
 
 
-def _open_process_ledger(run_env: RunEnv) -> Ledger:
+def open_process_ledger(run_env: RunEnv) -> Ledger:
     """The ledger `ETTR_LEDGER` names (spilling to the run directory when it is a server), else the run
     directory's own (`ettr.ledger.locate`'s rule for writers)."""
     from ettr.ledger.url import open_for_run
@@ -45,7 +45,7 @@ def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
         return NullRecorder()
     ranks = RankEnv.from_environ(environ)
     try:
-        ledger = _open_process_ledger(run_env)
+        ledger = open_process_ledger(run_env)
     except (LedgerError, OSError, UsageError) as exc:
         logger.warning("ettr: cannot open the ledger of %s (%s); recording is off", run_env.run_dir, exc)
         return NullRecorder()
@@ -57,6 +57,12 @@ def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
         rank=ranks.rank,
         world_size=ranks.world_size,
     )
+    record_process_start(rec, ranks.local_rank)
+    return rec
+
+
+def record_process_start(rec: Recorder, local_rank: int) -> None:
+    """This process's PROCESS_START (its start time read from the kernel), as the rank `rec` records."""
     rec.record(
         EventKind.PROCESS_START,
         ts=process_start_time(),
@@ -64,10 +70,9 @@ def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
             "pid": os.getpid(),
             "host": host_name(),
             "world_size": rec.world_size,
-            "local_rank": ranks.local_rank,
+            "local_rank": local_rank,
         },
     )
-    return rec
 
 
 def get_recorder() -> Recorder:

@@ -47,6 +47,11 @@ from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
 
+JOIN_WATCH: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], None] | None = None
+"""Called with (torch's `init_process_group`, args, kwargs) before each call the hooks time, where set: in a
+child forked from the instrumented process, `ettr.bootstrap.spawned.watch_forks` sets it so that the child
+becomes the rank it joins as (the script calls the hooks' wrapper, which its parent had installed)."""
+
 
 class Guard:
     """Runs hook code so that its errors are logged once per hook and never reach the user."""
@@ -271,6 +276,7 @@ class AutoHooks:
             self.guard.failed("backward", exc)
 
     def _install_process_group_hook(self, torch: ModuleType) -> None:
+        """`init_process_group` timed as PROCESS_GROUP_INIT; `JOIN_WATCH`, where set, sees the call first."""
         dist = torch.distributed
         if not dist.is_available():
             return
@@ -278,6 +284,9 @@ class AutoHooks:
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def init_process_group(*args: Any, **kwargs: Any) -> Any:
+                watch = JOIN_WATCH
+                if watch is not None:  # a forked child that may become the rank it joins as
+                    guard.call("init_process_group", watch, original, args, kwargs)
                 if rec.is_open(Phase.PROCESS_GROUP_INIT):  # the script records it itself
                     return original(*args, **kwargs)
                 begin = time.time()

@@ -18,8 +18,8 @@ recorded as that rank's FAILURE (torch's own wrapper catches it before any excep
 is a launcher once one of them takes a step (`ettr.run_env.launcher_parent_path`, as when it starts a
 torchrun): it fires no `--inject` fault and its heartbeat stops; helpers it spawns that never train (a
 preprocessing pool before it trains itself) leave it a rank. The rank is the process index: a script that numbers its ranks otherwise
-(several nodes, each spawning its own) is recorded under the index. The `fork` start method is left alone:
-a forked child is a copy of the instrumented process, books and all.
+(several nodes, each spawning its own) is recorded under the index. With the `fork` start method see
+below.
 
 A program that runs torchrun's agent in its own process (`torch.distributed.run.main()`, `elastic_launch`)
 becomes a launcher when the agent starts: its workers are the ranks (`_wrap_agent`).
@@ -40,8 +40,11 @@ step, as with `torch.multiprocessing.spawn`. It is not watched when it inherited
 spawned, srun or MPI rank), and does not become one when the process that started it has trained (that
 process's helpers). An exception out of a `Process`'s `run` is recorded as the rank's FAILURE
 (multiprocessing catches it before any excepthook). Processes forked with the `fork` method (Python 3.11's
-default on Linux) are copies of the instrumented process and are left alone: their steps are booked as that
-process's.
+default on Linux) are copies of the instrumented process, its hooks installed and its recorder switched off:
+one that joins a process group of several ranks before its parent has trained becomes that rank
+(`watch_forks`: the hooks' own `init_process_group` wrapper, which the script calls, sees the join first; the
+inherited recorder is reopened with a ledger connection of the child's own); others (data-loader workers)
+record nothing.
 """
 
 from __future__ import annotations
@@ -355,7 +358,8 @@ def _becomes_rank(
 
 def _wrap_process_run(module: ModuleType) -> None:
     """`multiprocessing.process.BaseProcess.run`: its exception, in a process that became a rank, is that rank's
-    FAILURE (multiprocessing prints it and exits 1; no excepthook sees it)."""
+    FAILURE (multiprocessing prints it and exits 1; no excepthook sees it). A forked rank's events are written
+    when `run` ends (`end_forked_rank`: multiprocessing then leaves with `os._exit`)."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any) -> Any:
@@ -368,10 +372,78 @@ def _wrap_process_run(module: ModuleType) -> None:
 
                 record_uncaught(exc)  # nothing where this process is not an instrumented rank
                 raise
+            finally:
+                if _join.get("forked"):
+                    from ettr.bootstrap.start import end_forked_rank
+
+                    end_forked_rank()
 
         return run
 
     _patcher.wrap(module.BaseProcess, "run", make)
+
+
+_forks_watched: list[int] = []  # the pid that registered `watch_forks`' at-fork handler (once a process)
+
+
+def watch_forks(run_dir: str, attempt: int) -> None:
+    """In the attempt's lone instrumented process that may start its ranks itself (where `install` wraps
+    `start_processes`): a child forked from it (multiprocessing's `fork` start method, Python 3.11's default on
+    Linux: `mp.Process(target=run, args=(rank, size)).start()`) that joins a process group of several ranks
+    before its parent has trained becomes that rank (`ettr.bootstrap.start.become_forked_rank`). Without it
+    such a child is a copy of its parent, recorder switched off, whose step listeners still wrote the
+    parent's step tail: every rank's steps in one file, a rank's failure never recorded, a job whose ranks
+    all died booked `completed`. Children that never join (data-loader workers) are left as they were.
+    Registers one at-fork handler per process; never raises."""
+    try:
+        if _forks_watched or not hasattr(os, "register_at_fork"):
+            return
+        parent = os.getpid()
+        _forks_watched.append(parent)
+        os.register_at_fork(after_in_child=lambda: _forked_child(parent, run_dir, attempt))
+    except Exception as exc:
+        logger.warning("ettr: forked ranks will not be recorded (%s: %s)", type(exc).__name__, exc)
+
+
+def _forked_child(parent: int, run_dir: str, attempt: int) -> None:
+    """Right after a fork, in the child: arm the join watch when the child is `parent`'s own (not a
+    grandchild). Cheap, imports nothing, never raises."""
+    try:
+        if os.getppid() != parent:
+            return
+        hooks = sys.modules.get("ettr.bootstrap.hooks")
+        if hooks is None:
+            return  # no zero-code hooks (ETTR_AUTO=0): nothing wraps the script's init_process_group
+        _join.clear()
+        _join.update(spawner=parent, run_dir=run_dir, attempt=attempt, forked=True)
+        hooks.JOIN_WATCH = _forked_join  # type: ignore[attr-defined]
+        process = sys.modules.get("multiprocessing.process")
+        if process is not None:
+            _wrap_process_run(process)
+    except Exception:
+        pass
+
+
+def _forked_join(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The first `init_process_group` of a forked child (`watch_forks`): become the rank it joins as, unless
+    the parent has trained (then the child is its helper). Never raises."""
+    from ettr.run_env import trained_path
+
+    hooks = sys.modules.get("ettr.bootstrap.hooks")
+    if hooks is not None:
+        hooks.JOIN_WATCH = None  # type: ignore[attr-defined]  # the first group this process joins decides
+    spawner = _join.pop("spawner", None)
+    if spawner is None:
+        return
+    try:
+        place = joining_as(inspect.signature(original), args, kwargs, os.environ)
+        if place is None or trained_path(_join["run_dir"], _join["attempt"], spawner).exists():
+            return
+        from ettr.bootstrap.start import become_forked_rank
+
+        become_forked_rank(*place, spawner)
+    except Exception as exc:
+        logger.warning("ettr: this process will not be recorded as a rank (%s: %s)", type(exc).__name__, exc)
 
 
 LAUNCHED_WORLD_NAMES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")

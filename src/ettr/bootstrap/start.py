@@ -211,10 +211,13 @@ def _start(environ: Mapping[str, str]) -> None:
         _keep_step_tail(rec)  # a launcher takes no steps: it writes none
     _start_injector(rec, run_env, stands_down=launches)
     _mark_first_step(rec, run_env)
-    if launches is not None:  # ranks it may spawn itself (`torch.multiprocessing.spawn`) are the ranks
-        from ettr.bootstrap.spawned import install
+    if (
+        launches is not None
+    ):  # ranks it may spawn or fork itself (`torch.multiprocessing.spawn`) are the ranks
+        from ettr.bootstrap.spawned import install, watch_forks
 
         install(str(run_env.run_dir), run_env.attempt)
+        watch_forks(str(run_env.run_dir), run_env.attempt)
     if run_env.auto:
         from ettr.bootstrap.hooks import AutoHooks
         from ettr.post_import import when_imported
@@ -299,7 +302,12 @@ def _keep_step_tail(rec: RecorderProtocol) -> None:
 
     assert rec.run_dir is not None
     tail = StepTail(tail_path(rec.run_dir, rec.rank), run_dir=rec.run_dir)
-    rec.add_step_listener(lambda step: tail.note(rec.attempt, step))
+
+    def note(step: int) -> None:
+        tail.note(rec.attempt, step)
+
+    _started["tail_listener"] = note
+    rec.add_step_listener(note)
 
 
 def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
@@ -335,7 +343,81 @@ def _mark_first_step(rec: RecorderProtocol, run_env: RunEnv) -> None:
             except Exception:
                 pass
 
+    _started["first_step_listener"] = on_step
     rec.add_step_listener(on_step)
+
+
+def become_forked_rank(rank: int, world_size: int, parent: int) -> bool:
+    """In a child that multiprocessing's `fork` start method made of this attempt's lone instrumented process
+    (`parent`), joining a process group as `rank` of `world_size` (`ettr.bootstrap.spawned.watch_forks`):
+    record as that rank from here on, through a ledger connection of its own, with its own heartbeat, step
+    tail and first-step marker; the parent is told it is a launcher at this process's first step. The hooks
+    the child inherited stay (they hold the same recorder, reopened). Whether it did; never raises."""
+    from ettr.heartbeat import MainThreadHeartbeat
+    from ettr.recorder import Recorder
+    from ettr.run_env import (
+        INSTRUMENTED_ENV,
+        INSTRUMENTED_WORLD_ENV,
+        OWN_RANK_ENV,
+        OWN_WORLD_SIZE_ENV,
+        RankEnv,
+        heartbeat_path,
+    )
+    from ettr.runtime import open_process_ledger, record_process_start
+
+    rec, run_env = _started.get("recorder"), _started.get("run_env")
+    if type(rec) is not Recorder or rec.enabled or run_env is None or rec.run_dir is None:
+        return False  # not a forked copy of an instrumented process (its recorder is off in the child)
+    try:
+        ledger = open_process_ledger(run_env)
+    except Exception as exc:
+        logger.warning("ettr: forked rank %d will not be recorded (%s: %s)", rank, type(exc).__name__, exc)
+        return False
+    try:
+        environ = os.environ
+        environ[OWN_RANK_ENV], environ[OWN_WORLD_SIZE_ENV] = str(rank), str(world_size)
+        environ[INSTRUMENTED_ENV], environ[INSTRUMENTED_WORLD_ENV] = str(os.getpid()), str(world_size)
+        rec.reopen_in_child(ledger, rank=rank, world_size=world_size)
+        record_process_start(rec, RankEnv.from_environ(environ).local_rank)
+        for key in ("tail_listener", "first_step_listener"):  # the parent's files: its pid, its rank
+            listener = _started.pop(key, None)
+            if listener is not None:
+                rec.remove_step_listener(listener)
+        _started["first_step"] = [lambda: tell_launcher(parent, b"fork")]  # the parent's are not this one's
+        _keep_step_tail(rec)
+        _mark_first_step(rec, run_env)
+        inherited = _started.pop("injector", None)  # the parent's faults, and it stands down with the parent
+        if inherited is not None:
+            rec.remove_step_listener(inherited.on_step)
+        _start_injector(rec, run_env)  # this rank's `--inject` faults
+        beat = MainThreadHeartbeat(
+            heartbeat_path(rec.run_dir, rec.attempt, rank),
+            progress=_started.get("progress"),
+            run_dir=rec.run_dir,
+        )
+        beat.start()
+        _started["heartbeat"] = beat
+        _started["forked_rank"] = True
+        return True
+    except Exception as exc:
+        logger.warning("ettr: forked rank %d may be recorded in part (%s: %s)", rank, type(exc).__name__, exc)
+        return True
+
+
+def end_forked_rank() -> None:
+    """A forked rank's `run` returned or raised: multiprocessing ends the process with `os._exit` (no exit
+    handlers), so its recorder's last events are written now. Never raises."""
+    if not _started.get("forked_rank"):
+        return
+    try:
+        beat = _started.get("heartbeat")
+        if beat is not None:
+            beat.stop()
+        rec = _started.get("recorder")
+        if rec is not None:
+            rec.flush(timeout_s=5.0)
+    except Exception:
+        pass
 
 
 def _mark_failed_exit_last(run_env: RunEnv) -> None:
@@ -404,8 +486,8 @@ def _start_injector(
     injector = inject.Injector(
         specs, rec, attempt_started_at=run_env.attempt_started_at, stands_down=stands_down
     )
+    inject.install(injector if injector.specs else None)
     if injector.specs:
-        inject.install(injector)
         injector.start()
         _started["injector"] = injector
 
