@@ -346,14 +346,11 @@ class AttemptRunner:
                     return state
         signals = p.signals
         if signals.first is not None and signals.count > state.signals_seen:
-            first = signals.first
-            state = self._step(
-                state,
-                Signalled(first, signals.count, signals.from_terminal(first), signals.insisted),
-                now,
-                running,
-                sweep,
-            )
+            first, before = signals.first, state.forwarded
+            signalled = Signalled(first, signals.count, signals.from_terminal(first), signals.insisted)
+            state = self._step(state, signalled, now, running, sweep)
+            if before is None and state.forwarded is not None:  # on record before a kill can take us
+                p.books.note_signal(state.attempt, state.forwarded, ts=now)
         if any(isinstance(e, Exiting) for e in happened):
             state = self._step(state, Exiting(), now, running, sweep)
         if state.watching_hangs:
