@@ -346,11 +346,11 @@ class AttemptRunner:
                     return state
         signals = p.signals
         if signals.first is not None and signals.count > state.signals_seen:
-            first, before = signals.first, state.forwarded
+            first = signals.first
+            if state.signals_seen == 0:  # on record before a kill can take us (whatever the watch does)
+                p.books.note_signal(state.attempt, first, ts=now)
             signalled = Signalled(first, signals.count, signals.from_terminal(first), signals.insisted)
             state = self._step(state, signalled, now, running, sweep)
-            if before is None and state.forwarded is not None:  # on record before a kill can take us
-                p.books.note_signal(state.attempt, state.forwarded, ts=now)
         if any(isinstance(e, Exiting) for e in happened):
             state = self._step(state, Exiting(), now, running, sweep)
         if state.watching_hangs:
