@@ -646,3 +646,15 @@ def test_the_runner_puts_the_first_stop_signal_on_record_at_once(tmp_path: Path)
     runner.run(0)
     (noted,) = marks(ledger, SIGNALLED_MARK)
     assert (noted.data or {})["signal"] == "SIGTERM" and noted.ts == pytest.approx(1003.0, abs=0.11)
+
+
+def test_a_signal_after_the_command_ended_is_said() -> None:
+    # Slurm's SIGTERM reaches every process: `bash train.sh` died of it before the supervisor looked at its
+    # own; the torchrun behind it still ran. The supervisor passed the signal on without a word (a time-limit
+    # job's output showed Slurm's CANCELLED line and nothing of ettr's).
+    state, _ = WATCH.step(WATCH.start(0), Exited(-TERM, outlived=True), 100.0)
+    state, actions = WATCH.step(state, Signalled(TERM, 1), 100.05)
+    assert sent(actions) == [(TERM, True)]
+    assert said(actions) == [
+        "got SIGTERM after the job's command ended: what is left of the job gets it, SIGKILL within 10 s"
+    ]
