@@ -390,6 +390,10 @@ def test_an_attempt_whose_ranks_took_a_schedulers_signal_is_closed_as_preempted(
     (end,) = books.closing_events(events, tmp_path)
     assert end.data is not None and end.data["outcome"] == "preempted"
     assert "rank 0 received SIGTERM" in end.data["reason"]
+    # A rank that failed before it: the signal was the failure's teardown (torchrun's), not a scheduler's.
+    crashed = Event(EventKind.FAILURE, 4.2, 0, 1, data={"exception": "ValueError"})
+    (end,) = books.closing_events([*events, crashed], tmp_path)
+    assert end.data is not None and end.data["outcome"] == "failed"
     # A rank that trained on well after the signal was not stopped by it: a lost node, as before.
     more = [Event(EventKind.STEP, 6.0 + i, 0, 0, step=4 + i) for i in range(10)]
     (end,) = books.closing_events([*events, *more], tmp_path)

@@ -66,7 +66,10 @@ def _stopped_from_outside(
         noted = [] if run_dir is None else signals_received(run_dir, attempt)
         own = [e for e in events if e.attempt == attempt]
         stopped = ended_by_signal(noted, own)
-        if not stopped:
+        failed = [e.ts for e in own if e.kind is EventKind.FAILURE]
+        if not stopped or (
+            failed and min(failed) < stopped[0][0]
+        ):  # a rank's failure came first: its teardown
             return end
         _, rank, got = stopped[0]
         why = (
