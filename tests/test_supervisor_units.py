@@ -420,7 +420,11 @@ def test_a_live_supervisor_is_told_from_a_dead_one_and_from_a_reused_pid() -> No
 def test_job_id_and_times_from_slurm() -> None:
     env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_START_TIME": "1700000100"}
     assert default_job_id(env) == "4242"
-    assert default_job_id({"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}) == "7_3"
+    assert default_job_id({"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}) == "7_3"  # an older Slurm
+    # Field trial: `sbatch --array=0-1` as job 12: task 0 ran as job 13 and was booked as "13_0"; Slurm calls
+    # it 12_0 (squeue, sacct, the output file's %A_%a).
+    task = {"SLURM_JOB_ID": "13", "SLURM_ARRAY_JOB_ID": "12", "SLURM_ARRAY_TASK_ID": "0"}
+    assert default_job_id(task) == "12_0"
     assert default_job_id({}).startswith("job-")
     text = "JobId=4242 JobName=train SubmitTime=2026-11-29T10:00:00 EligibleTime=x StartTime=Unknown"
     parsed = parse_scontrol_times(text)
