@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ettr.constants import FAILURE_DETECTED_MARK, RELAUNCH_MARK
+from ettr.constants import FAILURE_DETECTED_MARK, RELAUNCH_MARK, SIGNALLED_MARK
 from ettr.events import Event, EventKind, Outcome, Phase
 from ettr.ledger import MemoryLedger
 from ettr.run_env import heartbeat_dir
@@ -40,7 +40,7 @@ from ettr.supervisor.watch import (
     WatchConfig,
 )
 
-TERM, KILL = int(signal.SIGTERM), int(signal.SIGKILL)
+TERM, KILL, USR1 = int(signal.SIGTERM), int(signal.SIGKILL), int(signal.SIGUSR1)
 WATCH = AttemptWatch(WatchConfig(grace_s=10.0, hang_kill_grace_s=3.0, flush_window_s=0.6))
 
 
@@ -626,3 +626,35 @@ def test_the_runner_lets_the_python_behind_a_dead_wrapper_finish_its_save(tmp_pa
     assert clock.now == pytest.approx(1005.0, abs=0.11) and ended.end.outcome is Outcome.PREEMPTED
     (detected,) = marks(ledger, FAILURE_DETECTED_MARK)
     assert detected.ts == pytest.approx(1003.0, abs=0.11)  # the wrapper's death, not the save's end
+
+
+def test_the_runner_puts_the_first_stop_signal_on_record_at_once(tmp_path: Path) -> None:
+    # Slurm SIGKILLs the supervisor `KillWait` after its SIGTERM, maybe before the attempt ends: the signal
+    # must be in the books by then (`SIGNALLED_MARK`), so that the requeued run closes a preemption.
+    clock = FakeClock()
+    fake = FakeAttempt(clock, on_term=None)
+    runner, ledger, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock, at={1003.0: USR1, 1004.0: USR1}))
+    runner.run(0)
+    (noted,) = marks(ledger, SIGNALLED_MARK)  # once, the first signal as received
+    assert (noted.data or {})["signal"] == "SIGUSR1" and noted.ts == pytest.approx(1003.0, abs=0.11)
+    # The command died of Slurm's SIGTERM (it reached every process) before the runner looked at its own:
+    # the python behind it still saves, and the stop is on record all the same.
+    clock = FakeClock()
+    wrapper = FakeAttempt(clock, exits_at=1003.0, code=-TERM)
+    wrapper.child_until = float("inf")
+    runner, ledger, _ = runner_for(tmp_path, wrapper, clock, FakeSignals(clock, at={1003.0: TERM}))
+    runner.run(0)
+    (noted,) = marks(ledger, SIGNALLED_MARK)
+    assert (noted.data or {})["signal"] == "SIGTERM" and noted.ts == pytest.approx(1003.0, abs=0.11)
+
+
+def test_a_signal_after_the_command_ended_is_said() -> None:
+    # Slurm's SIGTERM reaches every process: `bash train.sh` died of it before the supervisor looked at its
+    # own; the torchrun behind it still ran. The supervisor passed the signal on without a word (a time-limit
+    # job's output showed Slurm's CANCELLED line and nothing of ettr's).
+    state, _ = WATCH.step(WATCH.start(0), Exited(-TERM, outlived=True), 100.0)
+    state, actions = WATCH.step(state, Signalled(TERM, 1), 100.05)
+    assert sent(actions) == [(TERM, True)]
+    assert said(actions) == [
+        "got SIGTERM after the job's command ended: what is left of the job gets it, SIGKILL within 10 s"
+    ]

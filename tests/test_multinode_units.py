@@ -3,6 +3,7 @@ port rewrite, SIGUSR1 and the SLURM_RESTART_COUNT cross-check."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -136,6 +137,23 @@ def test_slurm_warning_becomes_sigterm_and_restart_count_is_cross_checked() -> N
     assert slurm.restart_count_note([], {"SLURM_RESTART_COUNT": "1"}) is None  # not inside Slurm
     assert "not a number" in (slurm.restart_count_note([], {**env, "SLURM_RESTART_COUNT": "x"}) or "")
     assert "outside a Slurm job" in slurm.requeue({})
+
+
+def test_a_requeue_slurm_did_already_is_not_said_to_have_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Field trial: the node went down as Slurm's USR1 warning came; Slurm requeued the job itself, and the
+    # supervisor's own `scontrol requeue` was refused: "scontrol requeue 3 failed: Job is pending execution".
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\necho "scontrol: error: Job is pending execution for job $2" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    line = slurm.requeue({"SLURM_JOB_ID": "3"})
+    assert "failed" not in line and "pending again already" in line and "job 3" in line
+    fake.write_text(
+        '#!/bin/sh\necho "scontrol: error: Requested operation is presently disabled" >&2\nexit 1\n'
+    )
+    assert slurm.requeue({"SLURM_JOB_ID": "3"}).startswith("scontrol requeue 3 failed: scontrol: error: Req")
 
 
 def test_the_peers_read_only_the_supervisors_events(tmp_path: Path) -> None:

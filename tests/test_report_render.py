@@ -9,6 +9,7 @@ import re
 import pytest
 
 from ettr.accounting import EttReport, compute
+from ettr.constants import SIGNALLED_MARK
 from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Phase
 from ettr.report.html import render_html
 from ettr.report.json import SCHEMA, to_dict
@@ -46,8 +47,11 @@ def sup(kind: EventKind, t: float, attempt: int = 0, **data) -> Event:
     return Event(kind, T0 + t, attempt, SUPERVISOR_RANK, data=data or None)
 
 
-def two_attempt_job(*, job_end: bool = True, alive: bool | None = None) -> EttReport:
-    """Attempt 0 trains steps 1..10 (2..11), crashes at 12; attempt 1 resumes step 6 and completes."""
+def two_attempt_job(
+    *, job_end: bool = True, alive: bool | None = None, stop_signal_at: float | None = None
+) -> EttReport:
+    """Attempt 0 trains steps 1..10 (2..11), crashes at 12; attempt 1 resumes step 6 and completes (with
+    `stop_signal_at`: SIGTERM reached the supervisor then, in attempt 1)."""
     events = [sup(K.JOB_ALLOCATED, 0), sup(K.SUPERVISOR_START, 1), sup(K.ATTEMPT_START, 2)]
     events += [Event(K.PHASE_BEGIN, T0 + 2, 0, 0, phase=Phase.COMPILE)]
     events += [Event(K.PHASE_END, T0 + 3, 0, 0, phase=Phase.COMPILE, value=T0 + 2)]
@@ -61,6 +65,8 @@ def two_attempt_job(*, job_end: bool = True, alive: bool | None = None) -> EttRe
     ]
     events += [sup(K.ATTEMPT_START, 16, 1), Event(K.RESUMED, T0 + 17, 1, 0, step=6)]
     events += [Event(K.STEP, T0 + 18 + i, 1, 0, step=7 + i) for i in range(10)]
+    if stop_signal_at is not None:
+        events += [sup(K.MARK, stop_signal_at, 1, name=SIGNALLED_MARK, signal="SIGTERM")]
     if job_end:
         events += [
             sup(K.ATTEMPT_END, 30, 1, outcome="completed", exit_code=0),
@@ -167,6 +173,14 @@ def test_a_running_job_reads_running_and_a_lost_one_supervisor_lost() -> None:
     assert (
         to_dict(lost)["state"] == "supervisor_lost" and to_dict(lost)["attempts"][1]["outcome"] == "unknown"
     )
+    assert to_dict(lost)["open_job"]["stop_signal"] is None and "after it got" not in title
+    # Slurm's SIGTERM (a time limit, a requeue), then its SIGKILL KillWait later, before ettr closed the attempt.
+    stopped = two_attempt_job(job_end=False, alive=False, stop_signal_at=26.5)
+    title = render(stopped).splitlines()[0]
+    assert "after it got SIGTERM at +26.5 s: the job was being stopped from outside" in title
+    assert "no failure is counted until a requeue says what happened" in title
+    assert to_dict(stopped)["open_job"]["stop_signal"] == "SIGTERM"
+    assert to_dict(stopped)["open_job"]["stop_signal_ts"] == T0 + 26.5
     ended = to_dict(two_attempt_job())
     assert ended["state"] == "ended" and ended["open_job"] is None
     page = render_html([running, lost])

@@ -192,3 +192,47 @@ exec {py} -m ettr.cli run --run-dir {run_dir} --inject crash@step=4,rank=1 -- sr
         for r in (0, 1)
     }
     assert last == {0: 8, 1: 8}
+
+
+SAVES_LONGER_THAN_KILLWAIT = """
+import pathlib, signal, sys, time
+ready = pathlib.Path(sys.argv[1])
+if ready.exists():
+    sys.exit(0)  # the requeued run: done
+signal.signal(signal.SIGTERM, lambda *_: time.sleep(120))  # a final save longer than Slurm's KillWait
+ready.write_text("ready")
+time.sleep(300)
+"""
+
+
+def test_a_supervisor_slurm_kills_after_its_sigterm_leaves_a_preemption(
+    slurm_cluster: Any, tmp_path: Path
+) -> None:
+    # Slurm's requeue: SIGTERM to every process of the job, SIGKILL `KillWait` (5 s here) later, before the
+    # job had saved and the supervisor had closed the attempt. The requeued run closed it as a lost node
+    # (failed, infra) and spent a restart on it (field trial: DDP tutorial, torchrun behind bash).
+    py, run_dir, script, ready = sys.executable, tmp_path / "run", tmp_path / "slow.py", tmp_path / "ready"
+    script.write_text(SAVES_LONGER_THAN_KILLWAIT)
+    job = tmp_path / "job.sh"
+    job.write_text(
+        f"#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
+        f"exec {py} -m ettr.cli run --run-dir {run_dir} -- {py} {script} {ready}\n"
+    )
+    env = {k: v for k, v in slurm_cluster.env().items() if not k.startswith("ETTR_")}
+    done = subprocess.run(
+        ["sbatch", "--parsable", "-o", str(tmp_path / "slurm.out"), str(job)],
+        capture_output=True, text=True, env=env, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    number = done.stdout.strip().split(";")[0]
+    _wait(ready.exists, 90, "the script to start")
+    assert slurm_cluster.run("scontrol", "requeue", number).returncode == 0
+    _start_now(slurm_cluster, number)
+    _wait(lambda: _state(slurm_cluster, number) == "COMPLETED", 120, f"job {number} completed")
+    out = (tmp_path / "slurm.out").read_text()
+    assert "closed 1 attempt(s) a killed supervisor left open" in out  # Slurm's SIGKILL took the supervisor
+    assert "already spent on failures" not in out  # a preemption uses no restart
+    rep = _report(run_dir)
+    assert [a["outcome"] for a in rep["attempts"]] == ["preempted", "completed"]
+    assert rep["attempts"][0]["exit_code"] is None  # unknown, not a number
+    assert rep["num_failures_by_cause"]["preemption"] == 1 and rep["num_failures_by_cause"]["infra"] == 0

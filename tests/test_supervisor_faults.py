@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from ettr.constants import SIGNALLED_MARK
 from ettr.events import Event, EventKind
 from ettr.ledger import LedgerError, open_ledger, read_run_events
 
@@ -360,6 +361,53 @@ def test_the_python_behind_a_shell_wrapper_finishes_its_save_on_a_preemption(
     assert "outlived" not in err
     (end,) = supervisor_events(tmp_path / "run", EventKind.ATTEMPT_END)
     assert (end.data or {})["outcome"] == "preempted"
+
+
+SLOW_TO_STOP = """
+import pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: time.sleep(120))  # a final save longer than the scheduler waits
+pathlib.Path(sys.argv[1]).write_text("ready")
+time.sleep(120)
+"""
+
+
+def test_a_supervisor_killed_after_a_schedulers_sigterm_leaves_a_preemption(tmp_path: Path) -> None:
+    # Slurm's requeue (or preemption, or time limit): SIGTERM to every process of the job, SIGKILL `KillWait`
+    # later (5 s on the test cluster), before the job had finished saving and ettr had closed the attempt.
+    # The requeued run closed it as a lost node: a failure of the infrastructure, one restart spent.
+    run_dir, script, ready = tmp_path / "run", tmp_path / "slow.py", tmp_path / "ready"
+    script.write_text(SLOW_TO_STOP)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    supervisor = subprocess.Popen(
+        [*ETTR, "run", "--run-dir", str(run_dir), "--", sys.executable, str(script), str(ready)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait_for(ready.exists, 120, "the script to start")
+        supervisor.send_signal(signal.SIGTERM)
+
+        def signalled() -> bool:
+            try:
+                events = read_run_events(run_dir)
+            except LedgerError:
+                return False
+            return any(
+                e.kind is EventKind.MARK and (e.data or {}).get("name") == SIGNALLED_MARK for e in events
+            )
+
+        _wait_for(signalled, 60, "the signal on record")
+        supervisor.send_signal(signal.SIGKILL)  # KillWait is over
+        supervisor.wait(30)
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    again = run_ettr("run", "--run-dir", str(run_dir), "--", sys.executable, "-c", "pass")
+    assert again.returncode == 0, again.stderr
+    assert "already spent on failures" not in again.stderr  # a preemption uses no restart
+    rep = report(run_dir)
+    assert [a["outcome"] for a in rep["attempts"]] == ["preempted", "completed"]
+    assert rep["attempts"][0]["exit_code"] is None  # what it would have exited with is unknown
+    assert rep["num_failures_by_cause"]["preemption"] == 1 and rep["num_failures_by_cause"]["infra"] == 0
 
 
 @pytest.mark.parametrize("closed", [(1,), (1, 2), (0, 1, 2)])

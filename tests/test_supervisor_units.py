@@ -14,11 +14,12 @@ import pytest
 from ettr.bootstrap import pythonpath_dir
 from ettr.causes import Detail, diagnose
 from ettr.closing import recorded_job_id
+from ettr.constants import SIGNALLED_MARK
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome, Phase
 from ettr.heartbeat import MainThreadHeartbeat, Progress, latest_heartbeat, read_pulses
 from ettr.inject import parse_spec
 from ettr.procs import descendants, start_ticks
-from ettr.run_env import INSTRUMENTED_ENV, Launcher, heartbeat_path
+from ettr.run_env import INSTRUMENTED_ENV, Launcher, heartbeat_path, signalled_path
 from ettr.supervisor import books
 from ettr.supervisor.classify import classify
 from ettr.supervisor.command_output import exception_from_stderr
@@ -345,6 +346,60 @@ def test_closing_the_books_a_killed_supervisor_left_open() -> None:
     assert books.closing_events(events + closing) == []
 
 
+def test_an_attempt_being_stopped_when_its_supervisor_was_killed_is_closed_as_preempted(
+    tmp_path: Path,
+) -> None:
+    # Slurm's requeue/preemption/time limit: SIGTERM to the whole job, SIGKILL `KillWait` later. A supervisor
+    # killed while the job still saved had the stop on record; the requeued run closed the attempt as a lost
+    # node (a failure of the infrastructure, a restart spent) instead.
+    events = [
+        _sup(EventKind.SUPERVISOR_START, 1.0, job_id="j"),
+        _sup(EventKind.ATTEMPT_START, 2.0, 0),
+        Event(EventKind.STEP, 3.0, 0, 0, step=1),
+        _sup(EventKind.MARK, 3.5, 0, name=SIGNALLED_MARK, signal="SIGTERM"),
+        Event(EventKind.STEP, 4.0, 0, 0, step=2),
+    ]
+    (end,) = books.closing_events(events, tmp_path)
+    assert end.data is not None and end.data["outcome"] == "preempted" and end.data["closed_from_ledger"]
+    assert "got SIGTERM" in end.data["reason"] and end.data["exit_code"] is None and end.ts == 4.0
+    assert diagnose(outcome=Outcome.PREEMPTED, failure=end.data, trained=True).detail is Detail.PREEMPTED
+    interrupted = [*events[:3], _sup(EventKind.MARK, 3.5, 0, name=SIGNALLED_MARK, signal="SIGINT")]
+    (end,) = books.closing_events(interrupted, tmp_path)
+    assert end.data is not None and end.data["outcome"] == "interrupted"
+    # A mark of another attempt says nothing of this one.
+    other = [*events[:3], _sup(EventKind.MARK, 3.5, 1, name=SIGNALLED_MARK, signal="SIGTERM")]
+    (end,) = books.closing_events(other, tmp_path)
+    assert end.data is not None and end.data["outcome"] == "failed"
+
+
+def test_an_attempt_whose_ranks_took_a_schedulers_signal_is_closed_as_preempted(tmp_path: Path) -> None:
+    # The script's own handler took Slurm's SIGTERM (noted by `ettr.bootstrap.outside_signals`) and the rank
+    # stopped training; its supervisor was killed before the job ended (it never saw the signal itself: an
+    # `scancel --signal=TERM` of the step's tasks, then the kill).
+    steps = [Event(EventKind.STEP, 3.0 + i, 0, 0, step=i + 1) for i in range(3)]
+    events = [
+        _sup(EventKind.SUPERVISOR_START, 1.0, job_id="j"),
+        _sup(EventKind.ATTEMPT_START, 2.0, 0),
+        *steps,
+    ]
+    (end,) = books.closing_events(events)  # no run directory: nothing to read
+    assert end.data is not None and end.data["outcome"] == "failed"
+    note = signalled_path(tmp_path, 0, 4242, "SIGTERM")
+    note.parent.mkdir(parents=True)
+    note.write_text("0 4.5")
+    (end,) = books.closing_events(events, tmp_path)
+    assert end.data is not None and end.data["outcome"] == "preempted"
+    assert "rank 0 received SIGTERM" in end.data["reason"]
+    # A rank that failed before it: the signal was the failure's teardown (torchrun's), not a scheduler's.
+    crashed = Event(EventKind.FAILURE, 4.2, 0, 1, data={"exception": "ValueError"})
+    (end,) = books.closing_events([*events, crashed], tmp_path)
+    assert end.data is not None and end.data["outcome"] == "failed"
+    # A rank that trained on well after the signal was not stopped by it: a lost node, as before.
+    more = [Event(EventKind.STEP, 6.0 + i, 0, 0, step=4 + i) for i in range(10)]
+    (end,) = books.closing_events([*events, *more], tmp_path)
+    assert end.data is not None and end.data["outcome"] == "failed"
+
+
 def test_a_live_supervisor_is_told_from_a_dead_one_and_from_a_reused_pid() -> None:
     with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as other:
         try:
@@ -365,7 +420,11 @@ def test_a_live_supervisor_is_told_from_a_dead_one_and_from_a_reused_pid() -> No
 def test_job_id_and_times_from_slurm() -> None:
     env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_START_TIME": "1700000100"}
     assert default_job_id(env) == "4242"
-    assert default_job_id({"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}) == "7_3"
+    assert default_job_id({"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}) == "7_3"  # an older Slurm
+    # Field trial: `sbatch --array=0-1` as job 12: task 0 ran as job 13 and was booked as "13_0"; Slurm calls
+    # it 12_0 (squeue, sacct, the output file's %A_%a).
+    task = {"SLURM_JOB_ID": "13", "SLURM_ARRAY_JOB_ID": "12", "SLURM_ARRAY_TASK_ID": "0"}
+    assert default_job_id(task) == "12_0"
     assert default_job_id({}).startswith("job-")
     text = "JobId=4242 JobName=train SubmitTime=2026-11-29T10:00:00 EligibleTime=x StartTime=Unknown"
     parsed = parse_scontrol_times(text)

@@ -31,6 +31,11 @@ BACKOFF_MARK = "restart_backoff"
 RELAUNCH_MARK = "relaunch"
 """Supervisor MARK (attempt = the one started) at its start: how its process(es) were started and why
 (`ettr.supervisor.relaunch.Relaunch`: data path warm|promoted|cold, why, and per rank under ettr's agent)."""
+SIGNALLED_MARK = "supervisor_signalled"
+"""Supervisor MARK (attempt = the running one) when a signal that stops the job reaches the supervisor (a
+scheduler's SIGTERM, Slurm's SIGUSR1, Ctrl-C), whatever the attempt is doing; data: signal (its name). Written
+at once, so a supervisor killed before the attempt's end (Slurm's KillWait shorter than the grace) leaves the
+stop on record: the requeued run closes the attempt as preempted (interrupted for SIGINT), not as a lost node."""
 RECOVERY_MARK = "recovery"
 """Supervisor MARK (attempt = the one started) of an attempt that recovers a failure in a way the relaunch does
 not say: data kind (`in_place`: the job's other processes went on, the failed rank was replaced), replaced

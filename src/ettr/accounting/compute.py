@@ -20,7 +20,8 @@ from ettr.accounting.stragglers import rank_speed
 from ettr.accounting.timeline import build_segments
 from ettr.accounting.ttr import breakdowns
 from ettr.accounting.window import DEFAULT_WINDOW_S, check_window, ett_window
-from ettr.events import Bucket, Event, Outcome, Phase
+from ettr.constants import SIGNALLED_MARK
+from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Outcome, Phase
 
 
 class Loss(StrEnum):
@@ -296,6 +297,15 @@ def _open_job(job: JobEvents, attempts: list[Attempt], segments: list[Segment], 
     last_commit = max(commits) if commits else None
     attempt_open = last is not None and last.outcome in NOT_ENDED
     end_ts = last.end_ts if last is not None else None
+    raw = job.attempts.get(last.index) if attempt_open and last is not None else None
+    stop = next(
+        (
+            e
+            for e in (raw.rank_events.get(SUPERVISOR_RANK, []) if raw is not None else [])
+            if e.kind is EventKind.MARK and data_of(e).get("name") == SIGNALLED_MARK
+        ),
+        None,
+    )
     return OpenJob(
         state=state,
         last_event_ts=job.latest_ts,
@@ -309,6 +319,8 @@ def _open_job(job: JobEvents, attempts: list[Attempt], segments: list[Segment], 
         last_step_ts=last.step_ts[-1] if last is not None and last.step_ts else None,
         last_commit_step=last_commit,
         steps_at_risk=steps_after(last.step_numbers, last_commit) if attempt_open and last is not None else 0,
+        stop_signal=None if stop is None else str(data_of(stop).get("signal"))[:20],
+        stop_signal_ts=None if stop is None else stop.ts,
     )
 
 

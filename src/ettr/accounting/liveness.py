@@ -67,6 +67,11 @@ class OpenJob:
     steps_at_risk: int
     """Steps of the open attempt after the newest checkpoint: what a failure now would lose (0 when the
     attempt is not open)."""
+    stop_signal: str | None = None
+    """The signal that reached the supervisor during the open attempt, asking the job to stop (its
+    `supervisor_signalled` MARK: a scheduler's SIGTERM, Slurm's SIGUSR1; None: none on record)."""
+    stop_signal_ts: float | None = None
+    """When it did."""
 
 
 def steps_after(step_numbers: Sequence[int], last_commit_step: int | None) -> int:

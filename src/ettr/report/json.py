@@ -30,7 +30,8 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     num_kept_steps, ett_window (ETT over the last hour or the window asked for: `ettr.report.window`),
     rank_speed (slow ranks: `ettr.report.slow`), slow_steps (step time beyond the steady step), ett_unknown (null, or why ETT cannot be told), in_progress, state (ended | running | supervisor_lost | in_progress), open_job (null when
     the job ended: state, status — the sentence the text report shows —, last_event_ts, attempt, attempt_open,
-    bucket, open_phases, last_step, last_step_ts, last_commit_step, steps_at_risk), wall_start_ts, wall_end_ts,
+    bucket, open_phases, last_step, last_step_ts, last_commit_step, steps_at_risk, stop_signal, stop_signal_ts:
+    the signal that reached the supervisor of the open attempt and when, null when none), wall_start_ts, wall_end_ts,
     effective_training_s, idleness_s, failure_s, submitted_ts, allocated_ts, supervisor_start_ts,
     job_exit_status, num_fenced_events (training events recorded after their attempt ended, not counted),
     phases_s, recompiles, checkpoint_commits, tts_window (origin_ts, training_start_ts,
@@ -156,6 +157,8 @@ def _open_job(report: EttReport) -> dict[str, Any] | None:
         "last_step_ts": o.last_step_ts,
         "last_commit_step": o.last_commit_step,
         "steps_at_risk": o.steps_at_risk,
+        "stop_signal": o.stop_signal,
+        "stop_signal_ts": o.stop_signal_ts,
     }
 
 

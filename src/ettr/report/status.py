@@ -79,10 +79,16 @@ def status(report: EttReport) -> str | None:
         )
     if report.state is JobState.SUPERVISOR_LOST:
         last = o.last_event_ts if o.last_event_ts is not None else report.wall_end_ts
+        stopping = ""
+        if o.stop_signal is not None and o.stop_signal_ts is not None:  # Slurm's kill after KillWait
+            stopping = (
+                f", after it got {o.stop_signal} at +{o.stop_signal_ts - report.wall_start_ts:.1f} s: the job was "
+                "being stopped from outside (a time limit, a preemption, a requeue), a requeue closes it as preempted"
+            )
         return (
             f"supervisor lost at +{last - report.wall_start_ts:.1f} s ({utc(last)}, the last event in its "
-            f"books; then {doing(o, report.wall_end_ts)}): the report ends there, and no failure is counted until a requeue "
-            "says what happened" + _risk(o, "are at risk")
+            f"books; then {doing(o, report.wall_end_ts)}{stopping}): the report ends there, and no failure is counted "
+            "until a requeue says what happened" + _risk(o, "are at risk")
         )
     return (
         f"in progress: no job end recorded, and whether its supervisor still runs cannot be told from here; "

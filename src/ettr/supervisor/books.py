@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ettr.closing import foreign_run, live_supervisor, open_attempts, recorded_job_id
+from ettr.constants import SIGNALLED_MARK
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.inject import FaultSpec, unfired_specs
@@ -37,6 +38,7 @@ from ettr.ledger.postgres import redact
 from ettr.run_env import AGENT_DIRNAME, HEARTBEAT_DIRNAME, RUN_SUBDIRS
 from ettr.steptail import tail_events
 from ettr.supervisor import containment, peers, slurm
+from ettr.supervisor.command_output import signal_name
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.messages import describe_os_error, say
 from ettr.supervisor.opening import closing_events, next_attempt, opening_events
@@ -128,7 +130,7 @@ class JobBooks:
             previous = self.read()  # they may have written until killed: close after their last
         for attempt in open_attempts(previous):  # its supervisor was killed: the steps its processes kept
             previous = [*previous, *self.record_unrecorded_steps(attempt, previous)]
-        closing = closing_events(previous)
+        closing = closing_events(previous, self.run_dir)
         first_attempt = next_attempt(previous)
         note = slurm.restart_count_note(previous, os.environ)
         if note:
@@ -220,6 +222,11 @@ class JobBooks:
     def keeps_job_events(self) -> bool:
         """Whether this supervisor writes the job's own events (one node, or node 0 of several)."""
         return self._node_rank is None
+
+    def note_signal(self, attempt: int, signum: int, *, ts: float) -> None:
+        """Put on record that a signal stopping the job (`signum`) reached the supervisor during `attempt`,
+        before a scheduler's SIGKILL can take the supervisor (`SIGNALLED_MARK`). Never raises."""
+        self.append(EventKind.MARK, attempt=attempt, ts=ts, name=SIGNALLED_MARK, signal=signal_name(signum))
 
     def append(self, kind: EventKind, /, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
         """Record one of the job's events. The end events (ATTEMPT_END, JOB_END) are retried for up to

@@ -27,12 +27,16 @@ class JobTimes:
 
 
 def default_job_id(environ: Mapping[str, str] | None = None, *, now: float | None = None) -> str:
-    """Slurm's job id (with the array task) when there is one, else a fresh id from the time and pid."""
+    """Slurm's job id when there is one, else a fresh id from the time and pid. An array task is named as
+    Slurm names it (squeue, sacct, `%A_%a`): the array's id and the task's, `12_0`; its own `SLURM_JOB_ID`
+    (13) with the task index made `13_0`, a name no Slurm command knows."""
     environ = os.environ if environ is None else environ
     slurm = environ.get("SLURM_JOB_ID")
     if slurm:
         task = environ.get("SLURM_ARRAY_TASK_ID")
-        return f"{slurm}_{task}" if task else slurm
+        if task:
+            return f"{environ.get('SLURM_ARRAY_JOB_ID') or slurm}_{task}"
+        return slurm
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
     return f"job-{stamp}-{os.getpid()}"
 

@@ -10,24 +10,75 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ettr.closing import closing_events as close_open_attempts
-from ettr.events import SUPERVISOR_RANK, Event, EventKind
+from ettr.constants import SIGNALLED_MARK
+from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.procs import start_ticks
+from ettr.run_env import signals_received
 from ettr.supervisor.config import RunConfig
+from ettr.supervisor.hidden_ends import ended_by_signal
 from ettr.supervisor.jobinfo import job_times
 from ettr.supervisor.launch import detect_launcher
 
 
-def closing_events(events: Sequence[Event]) -> list[Event]:
-    """ATTEMPT_END events for the attempts that were started and never ended, each at its last event."""
-    return close_open_attempts(
-        events,
-        reason="its supervisor was lost (killed) while it ran; closed from the ledger",
-        extra={"signal": None},
+def closing_events(events: Sequence[Event], run_dir: str | os.PathLike[str] | None = None) -> list[Event]:
+    """ATTEMPT_END events for the attempts that were started and never ended, each at its last event.
+
+    A supervisor lost (killed) while its attempt ran is a lost node (a failure), unless the attempt was being
+    stopped from outside when it went: the supervisor had received a stop signal (its `SIGNALLED_MARK`), or
+    the attempt's processes handled a scheduler's signal themselves and stopped training (their notes in
+    `run_dir`, `ettr.bootstrap.outside_signals`). Then Slurm's kill after `KillWait` (a requeue, a
+    preemption, a time limit) only came before the job had finished ending: preempted (interrupted for
+    SIGINT), as the supervisor would have recorded it, with the exit status unknown."""
+    closed = close_open_attempts(events, reason=_LOST, extra={"signal": None})
+    return [_stopped_from_outside(end, events, run_dir) for end in closed]
+
+
+_LOST = "its supervisor was lost (killed) while it ran; closed from the ledger"
+
+
+def _stopped_from_outside(
+    end: Event, events: Sequence[Event], run_dir: str | os.PathLike[str] | None
+) -> Event:
+    """`end` (a closing ATTEMPT_END) as a preemption when the attempt was being stopped from outside."""
+    attempt = end.attempt
+    got = next(
+        (
+            str(e.data.get("signal"))
+            for e in events
+            if e.kind is EventKind.MARK
+            and e.rank == SUPERVISOR_RANK
+            and e.attempt == attempt
+            and isinstance(e.data, dict)
+            and e.data.get("name") == SIGNALLED_MARK
+        ),
+        None,
     )
+    if got is not None:
+        why = (
+            f"its supervisor got {got} and passed it to the job, then was lost (killed) before the job ended"
+        )
+    else:
+        noted = [] if run_dir is None else signals_received(run_dir, attempt)
+        own = [e for e in events if e.attempt == attempt]
+        stopped = ended_by_signal(noted, own)
+        failed = [e.ts for e in own if e.kind is EventKind.FAILURE]
+        if not stopped or (
+            failed and min(failed) < stopped[0][0]
+        ):  # a rank's failure came first: its teardown
+            return end
+        _, rank, got = stopped[0]
+        why = (
+            f"rank {rank} received {got} from outside (a scheduler or an operator) and stopped training; "
+            "its supervisor was lost (killed) before the job ended"
+        )
+    outcome = Outcome.INTERRUPTED if got == "SIGINT" else Outcome.PREEMPTED
+    data = {**(end.data or {}), "outcome": outcome.value, "reason": f"{why}; closed from the ledger"}
+    return replace(end, data=data)
 
 
 def next_attempt(events: Sequence[Event]) -> int:

@@ -347,13 +347,10 @@ class AttemptRunner:
         signals = p.signals
         if signals.first is not None and signals.count > state.signals_seen:
             first = signals.first
-            state = self._step(
-                state,
-                Signalled(first, signals.count, signals.from_terminal(first), signals.insisted),
-                now,
-                running,
-                sweep,
-            )
+            if state.signals_seen == 0:  # on record before a kill can take us (whatever the watch does)
+                p.books.note_signal(state.attempt, first, ts=now)
+            signalled = Signalled(first, signals.count, signals.from_terminal(first), signals.insisted)
+            state = self._step(state, signalled, now, running, sweep)
         if any(isinstance(e, Exiting) for e in happened):
             state = self._step(state, Exiting(), now, running, sweep)
         if state.watching_hangs:

@@ -46,7 +46,10 @@ def requeue(environ: Mapping[str, str], *, timeout_s: float = 10.0) -> str:
         return f"scontrol requeue {job} failed ({exc})"
     if done.returncode != 0:
         why = (done.stderr or done.stdout).strip().splitlines()
-        return f"scontrol requeue {job} failed: {why[-1] if why else done.returncode}"
+        said = why[-1] if why else str(done.returncode)
+        if "pending" in said.lower():  # Slurm requeued it already (a node failure, a preemption, a requeue)
+            return f"Slurm job {job} is pending again already (requeued by Slurm: {said})"
+        return f"scontrol requeue {job} failed: {said}"
     return f"asked Slurm to requeue job {job} (scontrol requeue)"
 
 

@@ -303,6 +303,9 @@ class AttemptWatch:
         if state.exited:
             # Its end is known: a signal now only hurries what is left of it.
             if not state.asked:
+                name, grace = _signal_name(event.signum), self.config.grace_s
+                what = "what is left of the job gets it, SIGKILL within"
+                actions.append(Say(f"got {name} after the job's command ended: {what} {grace:g} s"))
                 actions.append(SendSignal(forwarded_signal(event.signum)))
                 state = replace(state, kill_at=min(state.kill_at, now + self.config.grace_s), asked=True)
             if event.insists:
