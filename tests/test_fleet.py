@@ -414,6 +414,48 @@ def test_an_unreadable_run_dir_is_skipped_and_named(runs, capsys):
     assert len(json.loads(captured.out)["problems"]) == 1
 
 
+def _unlistable(monkeypatch, folder):
+    """Listing `folder` fails as a folder without permission does (root reads every folder, so a chmod cannot
+    make one in a test run as root)."""
+    import os
+
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == str(folder):
+            raise PermissionError(13, "Permission denied", str(folder))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_a_folder_that_cannot_be_searched_is_named_not_passed_over(runs, monkeypatch, capsys):
+    # Its jobs are missing from every figure: the fleet says so in one line and lists it under problems (it
+    # passed over the folder in silence: a fleet ETT of the jobs it could see, with no word of the others).
+    _unlistable(monkeypatch, runs / "nested")
+    assert main(["fleet", str(runs), "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert len(out["jobs"]) == 6 and len(out["problems"]) == 1
+    assert str(runs / "nested") in out["problems"][0] and "Permission denied" in out["problems"][0]
+    assert captured.err.count("ettr fleet: skipped ") == 1 and "cannot be searched" in captured.err
+    assert main(["fleet", str(runs / "nested")]) == 2  # nothing else to read: why there is nothing, one line
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "cannot be searched (Permission denied)" in err
+
+
+def test_serve_counts_a_folder_that_cannot_be_searched_as_unreadable(runs, monkeypatch):
+    from argparse import Namespace
+
+    from ettr.fleet.serve import loader
+
+    _unlistable(monkeypatch, runs / "nested")
+    args = Namespace(run_dirs=[str(runs)], ledger=None, workers=1, no_cache=True, cache_dir=None,
+                     from_events=False, window=None)  # fmt: skip
+    jobs, problems = loader(args)(time.time())
+    assert len(jobs) == 6 and len(problems) == 1 and "cannot be searched" in problems[0]
+
+
 def test_a_second_run_reads_finished_jobs_from_the_cache_until_a_ledger_changes(runs, tmp_path, capsys):
     from ettr.events import SUPERVISOR_RANK, Event, EventKind
     from ettr.ledger import open_ledger

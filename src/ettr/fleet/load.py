@@ -183,10 +183,18 @@ def summarize_events(
     )
 
 
-def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+def find_run_dirs(paths: Sequence[str | os.PathLike[str]], unsearched: list[str] | None = None) -> list[Path]:
     """Run directories given, or found under the given folders (at any depth; a run directory's own
-    subfolders are not searched). Raises `UsageError` for a missing path or when none is found."""
+    subfolders are not searched). A folder that cannot be listed (no permission, gone meanwhile) is one line
+    appended to `unsearched` (a fleet lists it beside the ledgers it could not read: the jobs under it are
+    missing from the figures, and must not be so in silence). Raises `UsageError` for a missing path or when
+    none is found (naming the folders that could not be searched)."""
     found: list[Path] = []
+    cannot: list[str] = []
+
+    def _unsearchable(exc: OSError) -> None:
+        cannot.append(f"{exc.filename}: cannot be searched ({exc.strerror or exc})")
+
     for given in paths:
         path = Path(given)
         if not path.exists():
@@ -196,7 +204,7 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
             continue
         if not path.is_dir():
             raise UsageError(f"{path}: not a directory (give run directories or folders of them)")
-        for root, dirs, _files in os.walk(path):
+        for root, dirs, _files in os.walk(path, onerror=_unsearchable):
             dirs.sort()
             here = Path(root)
             if is_run_dir(here):
@@ -205,9 +213,12 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
             else:
                 dirs[:] = [d for d in dirs if not d.startswith(".")]
     if not found:
+        why = f" ({cannot[0]}{f'; and {len(cannot) - 1} more' if len(cannot) > 1 else ''})" if cannot else ""
         raise UsageError(
-            f"no ettr run directory (with a ledger.db or ledger-url.json) in {', '.join(map(str, paths))}"
+            f"no ettr run directory (with a ledger.db or ledger-url.json) in {', '.join(map(str, paths))}{why}"
         )
+    if unsearched is not None:
+        unsearched.extend(f"{line}; the run directories under it are not read" for line in cannot)
     unique = list(dict.fromkeys(p.absolute() for p in found))
     return unique
 
