@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from dataclasses import replace
 
@@ -159,6 +160,40 @@ def test_a_spike_is_not_a_regression_and_a_fixed_one_is_no_longer_reported():
     assert find_regressions(spike) == []
     fixed = [_summary(i, compile_s=6.0 if 4 <= i < 6 else 3.0) for i in range(12)]
     assert find_regressions(fixed) == []
+
+
+def _paced(i: int, step_s: float, *, steps: int = 1000, other_s: float = 20.0) -> JobSummary:
+    """Job i of a family that runs `steps` steps of `step_s` each, plus `other_s` of start-up."""
+    train = steps * step_s
+    return _summary(i, init_s=other_s - 3.0, step_time_s=step_s,
+                    buckets_s={**dict.fromkeys(Bucket, 0.0), Bucket.INIT: other_s - 3.0, Bucket.COMPILE: 3.0,
+                               Bucket.EFFECTIVE_TRAINING: train},
+                    wall_s=train + other_s, ett_pct=100.0 * train / (train + other_s),
+                    idleness_pct=100.0 * other_s / (train + other_s))  # fmt: skip
+
+
+def test_slower_steps_are_a_regression_not_an_ett_gain():
+    # The same work at a slower step is more effective training: a higher ETT%, which no other metric flags
+    # (ETT% is checked for drops only). The median step time is checked for a sustained rise.
+    rng = random.Random(3)
+    jobs = [_paced(i, 0.200 * rng.uniform(0.98, 1.02)) for i in range(6)]
+    jobs += [_paced(i, 0.300 * rng.uniform(0.98, 1.02)) for i in range(6, 9)]
+    assert jobs[-1].ett_pct > max(j.ett_pct for j in jobs[:6])  # it reads as a gain
+    found = find_regressions(jobs)
+    assert [(r.metric, r.job_id, r.num_changed_jobs) for r in found] == [("step_time_s", "f-6", 3)]
+    assert found[0].baseline == pytest.approx(0.2, rel=0.03) and found[0].value == pytest.approx(
+        0.3, rel=0.03
+    )
+    from ettr.fleet.text import regression_line
+
+    assert re.search(r"step_time_s 19\d\.\d ms -> 29\d\.\d ms from job f-6", regression_line(found[0]))
+    # Noise within the family's own spread, a lone slow job, a faster step and a slow-down since fixed: none.
+    assert find_regressions([_paced(i, 0.200 * rng.uniform(0.9, 1.1)) for i in range(12)]) == []
+    assert find_regressions([_paced(i, 0.3 if i == 6 else 0.2) for i in range(10)]) == []
+    assert find_regressions([_paced(i, 0.1 if i >= 6 else 0.2) for i in range(9)]) == []
+    assert find_regressions([_paced(i, 0.3 if 6 <= i < 8 else 0.2) for i in range(14)]) == []
+    # 5% slower is within the step speed warning's tolerance: not a regression however steady the family.
+    assert find_regressions([_paced(i, 0.21 if i >= 6 else 0.2) for i in range(9)]) == []
 
 
 def test_families_are_judged_against_their_own_history_only():
