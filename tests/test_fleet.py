@@ -491,6 +491,54 @@ def test_serve_counts_a_folder_that_cannot_be_searched_as_unreadable(runs, monke
     assert len(jobs) == 6 and len(problems) == 1 and "cannot be searched" in problems[0]
 
 
+def test_run_dirs_on_a_server_that_does_not_answer_cost_one_try_not_one_each(runs, monkeypatch, capsys):
+    # A server that is down or stalled costs its connect timeout (3-5 s) per try: tried once per run directory,
+    # 12 run directories on a stalled server took 40 s (a scrape of ettr serve ran past its deadline).
+    import ettr.ledger.postgres as pg
+
+    url = "postgresql://ettr@db.invalid:5432/ettr"
+    for i in range(12):
+        (runs / "shared" / f"s{i}").mkdir(parents=True)
+        (runs / "shared" / f"s{i}" / "ledger-url.json").write_text(
+            json.dumps({"url": url, "job_id": f"s{i}"})
+        )
+    tried: list[str] = []
+
+    def unanswered(u):
+        tried.append(u)
+        return f"ledger {u}: connection timeout expired"
+
+    monkeypatch.setattr(pg, "unanswered", unanswered)
+    monkeypatch.setattr(
+        pg.PostgresLedger, "__init__", lambda *a, **k: pytest.fail("a run directory was tried")
+    )
+    assert main(["fleet", str(runs), "--json", "--no-cache"]) == 0
+    captured = capsys.readouterr()
+    assert len(tried) == 1 and tried[0].startswith(url)  # the URL as read from a run directory (restricted)
+    out = json.loads(captured.out)
+    assert len(out["jobs"]) == 10 and len(out["problems"]) == 12  # each run directory still named, once
+    assert all("connection timeout expired" in p for p in out["problems"])
+    assert captured.err.count("ettr fleet: skipped ") == 12
+
+
+def test_a_server_that_refuses_is_unanswered_at_once():
+    import socket
+
+    from ettr.ledger.postgres import unanswered
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    why = unanswered(f"postgresql://ettr:secret@127.0.0.1:{port}/ettr")
+    assert why is not None and "secret" not in why and "***" in why and "\n" not in why
+
+
+def test_a_server_that_answers_is_not_unanswered(postgres_url):
+    from ettr.ledger.postgres import unanswered
+
+    assert unanswered(postgres_url) is None
+
+
 def test_a_second_run_reads_finished_jobs_from_the_cache_until_a_ledger_changes(runs, tmp_path, capsys):
     from ettr.events import SUPERVISOR_RANK, Event, EventKind
     from ettr.ledger import open_ledger

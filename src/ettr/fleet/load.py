@@ -372,6 +372,34 @@ class SummaryCache:
             logger.debug("ettr fleet: cannot cache %s (%s)", run_dir, exc)
 
 
+def _on_unanswering_servers(run_dirs: Sequence[Path]) -> dict[Path, str]:
+    """The run directories whose books are on a PostgreSQL server that makes no connection now, each with
+    why. One try per server: a fleet of run directories on a server that is down (or stalled) would
+    otherwise wait out the connect timeout once per run directory (100 of them: 5 minutes, and a scrape of
+    `ettr serve` ran past its deadline, serving not even the jobs kept in SQLite)."""
+    from ettr.ledger import locate
+    from ettr.ledger.url import scheme_of
+
+    by_server: dict[str, list[Path]] = {}
+    for run_dir in run_dirs:
+        try:
+            url = locate(run_dir).url
+            if url is not None and scheme_of(url) == "postgresql":
+                by_server.setdefault(url, []).append(run_dir)
+        except (LedgerError, UsageError, OSError):
+            continue  # its read says what is wrong
+    if not by_server:
+        return {}
+    from ettr.ledger.postgres import unanswered
+
+    out: dict[Path, str] = {}
+    for url, dirs in by_server.items():
+        why = unanswered(url)
+        if why is not None:
+            out.update(dict.fromkeys(dirs, why))
+    return out
+
+
 def load_run_dirs(
     run_dirs: Sequence[Path],
     *,
@@ -398,6 +426,9 @@ def load_run_dirs(
             results[run_dir] = cached
         else:
             todo.append(run_dir)
+    for run_dir, why in _on_unanswering_servers(todo).items():  # one try per server, not per run directory
+        results[run_dir] = f"{run_dir}: {why}"
+    todo = [run_dir for run_dir in todo if run_dir not in results]
     # Default: half the CPUs (SMT siblings and the rest of the machine keep the other half); on a small
     # machine that is one, and reading in this process beats starting workers.
     num_workers = min(workers or max(1, (os.cpu_count() or 1) // 2), len(todo))
