@@ -539,6 +539,47 @@ def test_a_server_that_answers_is_not_unanswered(postgres_url):
     assert unanswered(postgres_url) is None
 
 
+def test_what_a_skipped_line_names_is_printed_without_control_characters(runs, capsys):
+    # A run directory's name (or a URL read from its pointer) is anyone's text: stdout's "not read" list
+    # escaped it, stderr's "skipped" line wrote it raw (ESC [ 2 J clears the operator's terminal).
+    bad = runs / "x\x1b[2J\x1b]52;c;ZXZpbA==\x07y"
+    bad.mkdir()
+    (bad / "ledger.db").write_bytes(b"not a database" * 100)
+    assert main(["fleet", str(runs), "--no-cache"]) == 0
+    captured = capsys.readouterr()
+    assert "\x1b" not in captured.err and "\x07" not in captured.err
+    assert "skipped" in captured.err and "x\\x1b[2J" in captured.err and "\x1b" not in captured.out
+
+
+def test_serve_names_each_unreadable_ledger_once_on_stderr(runs, caplog):
+    # ettr_jobs_unreadable said how many; nothing said which, or why.
+    import logging
+    from argparse import Namespace
+
+    from ettr.fleet.serve import loader
+
+    (runs / "broken").mkdir()
+    (runs / "broken" / "ledger.db").write_bytes(b"not a database" * 100)
+    args = Namespace(run_dirs=[str(runs)], ledger=None, workers=1, no_cache=True, cache_dir=None,
+                     from_events=False, window=None)  # fmt: skip
+    load = loader(args)
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        for _ in range(3):
+            jobs, problems = load(time.time())
+            assert len(jobs) == 10 and len(problems) == 1
+    named = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(named) == 1 and str(runs / "broken") in named[0] and "not a readable ettr ledger" in named[0]
+    (runs / "broken" / "ledger.db").unlink()
+    (runs / "broken").rmdir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        assert load(time.time())[1] == []
+        (runs / "broken").mkdir()
+        (runs / "broken" / "ledger.db").write_bytes(b"not a database" * 100)
+        assert len(load(time.time())[1]) == 1  # back after it was gone: named again
+    assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 1
+
+
 def test_a_second_run_reads_finished_jobs_from_the_cache_until_a_ledger_changes(runs, tmp_path, capsys):
     from ettr.events import SUPERVISOR_RANK, Event, EventKind
     from ettr.ledger import open_ledger
