@@ -3,6 +3,7 @@ the CLI over synthetic run directories written through the ledger API."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -578,6 +579,26 @@ def test_serve_names_each_unreadable_ledger_once_on_stderr(runs, caplog):
         (runs / "broken" / "ledger.db").write_bytes(b"not a database" * 100)
         assert len(load(time.time())[1]) == 1  # back after it was gone: named again
     assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 1
+
+
+def test_a_skipped_ledger_says_what_reading_it_found(runs, capsys):
+    # The fleet opens every ledger read-only, and said "(opened read-only)" of any file it could not read
+    # (another program's SQLite file, an empty one), where `ettr report` said what was wrong with it.
+    import sqlite3
+
+    (runs / "other").mkdir()
+    with contextlib.closing(sqlite3.connect(runs / "other" / "ledger.db")) as conn:
+        conn.execute("CREATE TABLE events (x)")
+        conn.commit()
+    (runs / "empty").mkdir()
+    (runs / "empty" / "ledger.db").write_bytes(b"")
+    (runs / "dangling").mkdir()
+    (runs / "dangling" / "ledger.db").symlink_to("ledger.db")  # a loop
+    assert main(["fleet", str(runs), "--no-cache"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("ettr fleet: skipped ") == 3 and "opened read-only" not in err
+    assert err.count("(no such table: meta)") == 2
+    assert "dangling/ledger.db (a symbolic link that leads to no file)" in err
 
 
 def test_a_second_run_reads_finished_jobs_from_the_cache_until_a_ledger_changes(runs, tmp_path, capsys):
