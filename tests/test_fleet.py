@@ -579,6 +579,12 @@ def test_serve_names_each_unreadable_ledger_once_on_stderr(runs, caplog):
         (runs / "broken" / "ledger.db").write_bytes(b"not a database" * 100)
         assert len(load(time.time())[1]) == 1  # back after it was gone: named again
     assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 1
+    caplog.clear()
+    args.run_dirs, args.ledger = [], "postgresql://ettr@127.0.0.1:1/ettr"  # nothing listens on port 1
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        assert load(time.time())[0] == []
+    (said,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert said.startswith("ettr serve: skipped ledger postgresql://") and said.count("ettr serve") == 1
 
 
 def test_a_skipped_ledger_says_what_reading_it_found(runs, capsys):

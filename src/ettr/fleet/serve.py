@@ -153,7 +153,7 @@ def loader(args: argparse.Namespace) -> Callable[[float], tuple[list[JobSummary]
             try:
                 jobs, problems = load_jobs(args, now=now, cache=cache, cmd="serve")
             except UsageError as exc:  # e.g. the folder is empty for now: serve what there is (nothing)
-                jobs, problems = [], [str(exc)]
+                jobs, problems = [], [str(exc).removeprefix("ettr serve: ")]
             except Exception as exc:  # noqa: BLE001 - a scrape says what failed, never an HTTP 500
                 logger.warning("ettr serve: this scrape read no jobs (%s: %s)", type(exc).__name__, exc)
                 return [], [f"{type(exc).__name__}: {exc}"]
