@@ -3,8 +3,10 @@ the CLI over synthetic run directories written through the ledger API."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import re
 import time
 from dataclasses import replace
 
@@ -159,6 +161,40 @@ def test_a_spike_is_not_a_regression_and_a_fixed_one_is_no_longer_reported():
     assert find_regressions(spike) == []
     fixed = [_summary(i, compile_s=6.0 if 4 <= i < 6 else 3.0) for i in range(12)]
     assert find_regressions(fixed) == []
+
+
+def _paced(i: int, step_s: float, *, steps: int = 1000, other_s: float = 20.0) -> JobSummary:
+    """Job i of a family that runs `steps` steps of `step_s` each, plus `other_s` of start-up."""
+    train = steps * step_s
+    return _summary(i, init_s=other_s - 3.0, step_time_s=step_s,
+                    buckets_s={**dict.fromkeys(Bucket, 0.0), Bucket.INIT: other_s - 3.0, Bucket.COMPILE: 3.0,
+                               Bucket.EFFECTIVE_TRAINING: train},
+                    wall_s=train + other_s, ett_pct=100.0 * train / (train + other_s),
+                    idleness_pct=100.0 * other_s / (train + other_s))  # fmt: skip
+
+
+def test_slower_steps_are_a_regression_not_an_ett_gain():
+    # The same work at a slower step is more effective training: a higher ETT%, which no other metric flags
+    # (ETT% is checked for drops only). The median step time is checked for a sustained rise.
+    rng = random.Random(3)
+    jobs = [_paced(i, 0.200 * rng.uniform(0.98, 1.02)) for i in range(6)]
+    jobs += [_paced(i, 0.300 * rng.uniform(0.98, 1.02)) for i in range(6, 9)]
+    assert jobs[-1].ett_pct > max(j.ett_pct for j in jobs[:6])  # it reads as a gain
+    found = find_regressions(jobs)
+    assert [(r.metric, r.job_id, r.num_changed_jobs) for r in found] == [("step_time_s", "f-6", 3)]
+    assert found[0].baseline == pytest.approx(0.2, rel=0.03) and found[0].value == pytest.approx(
+        0.3, rel=0.03
+    )
+    from ettr.fleet.text import regression_line
+
+    assert re.search(r"step_time_s 19\d\.\d ms -> 29\d\.\d ms from job f-6", regression_line(found[0]))
+    # Noise within the family's own spread, a lone slow job, a faster step and a slow-down since fixed: none.
+    assert find_regressions([_paced(i, 0.200 * rng.uniform(0.9, 1.1)) for i in range(12)]) == []
+    assert find_regressions([_paced(i, 0.3 if i == 6 else 0.2) for i in range(10)]) == []
+    assert find_regressions([_paced(i, 0.1 if i >= 6 else 0.2) for i in range(9)]) == []
+    assert find_regressions([_paced(i, 0.3 if 6 <= i < 8 else 0.2) for i in range(14)]) == []
+    # 5% slower is within the step speed warning's tolerance: not a regression however steady the family.
+    assert find_regressions([_paced(i, 0.21 if i >= 6 else 0.2) for i in range(9)]) == []
 
 
 def test_families_are_judged_against_their_own_history_only():
@@ -412,6 +448,163 @@ def test_an_unreadable_run_dir_is_skipped_and_named(runs, capsys):
     captured = capsys.readouterr()
     assert "skipped" in captured.err and "broken" in captured.err
     assert len(json.loads(captured.out)["problems"]) == 1
+
+
+def _unlistable(monkeypatch, folder):
+    """Listing `folder` fails as a folder without permission does (root reads every folder, so a chmod cannot
+    make one in a test run as root)."""
+    import os
+
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == str(folder):
+            raise PermissionError(13, "Permission denied", str(folder))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_a_folder_that_cannot_be_searched_is_named_not_passed_over(runs, monkeypatch, capsys):
+    # Its jobs are missing from every figure: the fleet says so in one line and lists it under problems (it
+    # passed over the folder in silence: a fleet ETT of the jobs it could see, with no word of the others).
+    _unlistable(monkeypatch, runs / "nested")
+    assert main(["fleet", str(runs), "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert len(out["jobs"]) == 6 and len(out["problems"]) == 1
+    assert str(runs / "nested") in out["problems"][0] and "Permission denied" in out["problems"][0]
+    assert captured.err.count("ettr fleet: skipped ") == 1 and "cannot be searched" in captured.err
+    assert main(["fleet", str(runs / "nested")]) == 2  # nothing else to read: why there is nothing, one line
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "cannot be searched (Permission denied)" in err
+
+
+def test_serve_counts_a_folder_that_cannot_be_searched_as_unreadable(runs, monkeypatch):
+    from argparse import Namespace
+
+    from ettr.fleet.serve import loader
+
+    _unlistable(monkeypatch, runs / "nested")
+    args = Namespace(run_dirs=[str(runs)], ledger=None, workers=1, no_cache=True, cache_dir=None,
+                     from_events=False, window=None)  # fmt: skip
+    jobs, problems = loader(args)(time.time())
+    assert len(jobs) == 6 and len(problems) == 1 and "cannot be searched" in problems[0]
+
+
+def test_run_dirs_on_a_server_that_does_not_answer_cost_one_try_not_one_each(runs, monkeypatch, capsys):
+    # A server that is down or stalled costs its connect timeout (3-5 s) per try: tried once per run directory,
+    # 12 run directories on a stalled server took 40 s (a scrape of ettr serve ran past its deadline).
+    import ettr.ledger.postgres as pg
+
+    url = "postgresql://ettr@db.invalid:5432/ettr"
+    for i in range(12):
+        (runs / "shared" / f"s{i}").mkdir(parents=True)
+        (runs / "shared" / f"s{i}" / "ledger-url.json").write_text(
+            json.dumps({"url": url, "job_id": f"s{i}"})
+        )
+    tried: list[str] = []
+
+    def unanswered(u):
+        tried.append(u)
+        return f"ledger {u}: connection timeout expired"
+
+    monkeypatch.setattr(pg, "unanswered", unanswered)
+    monkeypatch.setattr(
+        pg.PostgresLedger, "__init__", lambda *a, **k: pytest.fail("a run directory was tried")
+    )
+    assert main(["fleet", str(runs), "--json", "--no-cache"]) == 0
+    captured = capsys.readouterr()
+    assert len(tried) == 1 and tried[0].startswith(url)  # the URL as read from a run directory (restricted)
+    out = json.loads(captured.out)
+    assert len(out["jobs"]) == 10 and len(out["problems"]) == 12  # each run directory still named, once
+    assert all("connection timeout expired" in p for p in out["problems"])
+    assert captured.err.count("ettr fleet: skipped ") == 12
+
+
+def test_a_server_that_refuses_is_unanswered_at_once():
+    import socket
+
+    from ettr.ledger.postgres import unanswered
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    why = unanswered(f"postgresql://ettr:secret@127.0.0.1:{port}/ettr")
+    assert why is not None and "secret" not in why and "***" in why and "\n" not in why
+
+
+def test_a_server_that_answers_is_not_unanswered(postgres_url):
+    from ettr.ledger.postgres import unanswered
+
+    assert unanswered(postgres_url) is None
+
+
+def test_what_a_skipped_line_names_is_printed_without_control_characters(runs, capsys):
+    # A run directory's name (or a URL read from its pointer) is anyone's text: stdout's "not read" list
+    # escaped it, stderr's "skipped" line wrote it raw (ESC [ 2 J clears the operator's terminal).
+    bad = runs / "x\x1b[2J\x1b]52;c;ZXZpbA==\x07y"
+    bad.mkdir()
+    (bad / "ledger.db").write_bytes(b"not a database" * 100)
+    assert main(["fleet", str(runs), "--no-cache"]) == 0
+    captured = capsys.readouterr()
+    assert "\x1b" not in captured.err and "\x07" not in captured.err
+    assert "skipped" in captured.err and "x\\x1b[2J" in captured.err and "\x1b" not in captured.out
+
+
+def test_serve_names_each_unreadable_ledger_once_on_stderr(runs, caplog):
+    # ettr_jobs_unreadable said how many; nothing said which, or why.
+    import logging
+    from argparse import Namespace
+
+    from ettr.fleet.serve import loader
+
+    (runs / "broken").mkdir()
+    (runs / "broken" / "ledger.db").write_bytes(b"not a database" * 100)
+    args = Namespace(run_dirs=[str(runs)], ledger=None, workers=1, no_cache=True, cache_dir=None,
+                     from_events=False, window=None)  # fmt: skip
+    load = loader(args)
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        for _ in range(3):
+            jobs, problems = load(time.time())
+            assert len(jobs) == 10 and len(problems) == 1
+    named = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(named) == 1 and str(runs / "broken") in named[0] and "not a readable ettr ledger" in named[0]
+    (runs / "broken" / "ledger.db").unlink()
+    (runs / "broken").rmdir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        assert load(time.time())[1] == []
+        (runs / "broken").mkdir()
+        (runs / "broken" / "ledger.db").write_bytes(b"not a database" * 100)
+        assert len(load(time.time())[1]) == 1  # back after it was gone: named again
+    assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 1
+    caplog.clear()
+    args.run_dirs, args.ledger = [], "postgresql://ettr@127.0.0.1:1/ettr"  # nothing listens on port 1
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        assert load(time.time())[0] == []
+    (said,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert said.startswith("ettr serve: skipped ledger postgresql://") and said.count("ettr serve") == 1
+
+
+def test_a_skipped_ledger_says_what_reading_it_found(runs, capsys):
+    # The fleet opens every ledger read-only, and said "(opened read-only)" of any file it could not read
+    # (another program's SQLite file, an empty one), where `ettr report` said what was wrong with it.
+    import sqlite3
+
+    (runs / "other").mkdir()
+    with contextlib.closing(sqlite3.connect(runs / "other" / "ledger.db")) as conn:
+        conn.execute("CREATE TABLE events (x)")
+        conn.commit()
+    (runs / "empty").mkdir()
+    (runs / "empty" / "ledger.db").write_bytes(b"")
+    (runs / "dangling").mkdir()
+    (runs / "dangling" / "ledger.db").symlink_to("ledger.db")  # a loop
+    assert main(["fleet", str(runs), "--no-cache"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("ettr fleet: skipped ") == 3 and "opened read-only" not in err
+    assert err.count("(no such table: meta)") == 2
+    assert "dangling/ledger.db (a symbolic link that leads to no file)" in err
 
 
 def test_a_second_run_reads_finished_jobs_from_the_cache_until_a_ledger_changes(runs, tmp_path, capsys):

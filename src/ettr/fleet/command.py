@@ -181,8 +181,8 @@ def load_jobs(
     run_dirs: Sequence[Path] | None = None,
 ) -> tuple[list[JobSummary], list[str]]:
     """The jobs the flags name (`run_dirs`: the run directories they name, when already found), and the
-    problems of those that could not be read. Raises `UsageError` (`ettr CMD: ...`) when the sources are
-    unusable."""
+    problems of those that could not be read (folders that could not be searched first). Raises
+    `UsageError` (`ettr CMD: ...`) when the sources are unusable."""
     from ettr.fleet.load import find_run_dirs, load_ledger_url, load_run_dirs
 
     try:
@@ -190,9 +190,10 @@ def load_jobs(
         window_s = getattr(args, "window", None) or DEFAULT_WINDOW_S
         if args.ledger:
             return load_ledger_url(args.ledger, now=now, use_stored=use_stored, window_s=window_s)
+        unsearched: list[str] = []
         if run_dirs is None:
-            run_dirs = find_run_dirs(args.run_dirs)
-        return load_run_dirs(
+            run_dirs = find_run_dirs(args.run_dirs, unsearched)
+        jobs, problems = load_run_dirs(
             run_dirs,
             now=now,
             workers=args.workers,
@@ -200,17 +201,18 @@ def load_jobs(
             use_stored=use_stored,
             window_s=window_s,
         )
+        return jobs, unsearched + problems
     except UsageError as exc:
         if str(exc).startswith("ettr "):
             raise
         raise UsageError(f"ettr {cmd}: {exc}") from None
 
 
-def _find_run_dirs(given: Sequence[str]) -> list[Path]:
+def _find_run_dirs(given: Sequence[str], unsearched: list[str]) -> list[Path]:
     from ettr.fleet.load import find_run_dirs
 
     try:
-        return find_run_dirs(given)
+        return find_run_dirs(given, unsearched)
     except UsageError as exc:
         raise UsageError(f"ettr fleet: {exc}") from None
 
@@ -230,18 +232,23 @@ def fleet_main(args: argparse.Namespace) -> int:
     from ettr.fleet.preempt import choose_victims, preemption_costs
     from ettr.fleet.regress import find_regressions
     from ettr.fleet.text import render, render_preempt
+    from ettr.untrusted import printable
 
     check_sources("fleet", args)
     if args.need_gpus is not None and not args.preempt_order:
         raise UsageError("ettr fleet: --need-gpus goes with --preempt-order")
     now = time.time()
-    run_dirs = None if args.ledger else _find_run_dirs(args.run_dirs)
+    unsearched: list[str] = []
+    run_dirs = None if args.ledger else _find_run_dirs(args.run_dirs, unsearched)
     jobs, problems = load_jobs(args, now=now, run_dirs=run_dirs)
+    problems = unsearched + problems
+    # A problem names what it read (a directory's name, a URL from a pointer file): its control characters
+    # are escaped, as the text output's are (a name holding ESC [ 2 J cleared the operator's terminal).
     for problem in problems:
-        print(f"ettr fleet: skipped {problem}", file=sys.stderr)
+        print(f"ettr fleet: skipped {printable(problem)}", file=sys.stderr)
     undelivered = _undelivered(run_dirs or ())
     for _run_dir, note in undelivered:
-        print(f"ettr fleet: note: {note}", file=sys.stderr)
+        print(f"ettr fleet: note: {printable(note)}", file=sys.stderr)
     if not jobs:
         raise UsageError("ettr fleet: no job could be read (see the lines above)")
     regressions = find_regressions(jobs)

@@ -40,6 +40,11 @@ document.querySelectorAll('[data-ts]').forEach(function(el){var d=new Date(parse
 el.setAttribute('title',d.toISOString());});root.setAttribute('data-ettr-script','ok');})();"""
 
 
+def _regression_value(metric: str, value: float) -> str:
+    """A regression's baseline or value: a step time as the step columns show it (often milliseconds)."""
+    return fmt_step(value) if metric == "step_time_s" else f"{value:.2f}"
+
+
 def _n(x: float) -> str:
     text = f"{x:.2f}".rstrip("0").rstrip(".")
     return "0" if text in ("-0", "") else text
@@ -253,7 +258,7 @@ def render_html(report: FleetReport) -> str:
         )
         parts += [
             f'<tr class="regression"><td>{esc(r.family)}</td><td class="l">{esc(r.metric)}</td>'
-            f'<td>{r.baseline:.2f}</td><td class="bad">{r.value:.2f}</td>'
+            f'<td>{_regression_value(r.metric, r.baseline)}</td><td class="bad">{_regression_value(r.metric, r.value)}</td>'
             f'<td class="l" data-ts="{r.first_job_start_ts!r}">{esc(r.label)}</td></tr>'
             for r in report.regressions
         ]

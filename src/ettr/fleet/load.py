@@ -183,10 +183,18 @@ def summarize_events(
     )
 
 
-def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+def find_run_dirs(paths: Sequence[str | os.PathLike[str]], unsearched: list[str] | None = None) -> list[Path]:
     """Run directories given, or found under the given folders (at any depth; a run directory's own
-    subfolders are not searched). Raises `UsageError` for a missing path or when none is found."""
+    subfolders are not searched). A folder that cannot be listed (no permission, gone meanwhile) is one line
+    appended to `unsearched` (a fleet lists it beside the ledgers it could not read: the jobs under it are
+    missing from the figures, and must not be so in silence). Raises `UsageError` for a missing path or when
+    none is found (naming the folders that could not be searched)."""
     found: list[Path] = []
+    cannot: list[str] = []
+
+    def _unsearchable(exc: OSError) -> None:
+        cannot.append(f"{exc.filename}: cannot be searched ({exc.strerror or exc})")
+
     for given in paths:
         path = Path(given)
         if not path.exists():
@@ -196,7 +204,7 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
             continue
         if not path.is_dir():
             raise UsageError(f"{path}: not a directory (give run directories or folders of them)")
-        for root, dirs, _files in os.walk(path):
+        for root, dirs, _files in os.walk(path, onerror=_unsearchable):
             dirs.sort()
             here = Path(root)
             if is_run_dir(here):
@@ -205,9 +213,12 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
             else:
                 dirs[:] = [d for d in dirs if not d.startswith(".")]
     if not found:
+        why = f" ({cannot[0]}{f'; and {len(cannot) - 1} more' if len(cannot) > 1 else ''})" if cannot else ""
         raise UsageError(
-            f"no ettr run directory (with a ledger.db or ledger-url.json) in {', '.join(map(str, paths))}"
+            f"no ettr run directory (with a ledger.db or ledger-url.json) in {', '.join(map(str, paths))}{why}"
         )
+    if unsearched is not None:
+        unsearched.extend(f"{line}; the run directories under it are not read" for line in cannot)
     unique = list(dict.fromkeys(p.absolute() for p in found))
     return unique
 
@@ -361,6 +372,34 @@ class SummaryCache:
             logger.debug("ettr fleet: cannot cache %s (%s)", run_dir, exc)
 
 
+def _on_unanswering_servers(run_dirs: Sequence[Path]) -> dict[Path, str]:
+    """The run directories whose books are on a PostgreSQL server that makes no connection now, each with
+    why. One try per server: a fleet of run directories on a server that is down (or stalled) would
+    otherwise wait out the connect timeout once per run directory (100 of them: 5 minutes, and a scrape of
+    `ettr serve` ran past its deadline, serving not even the jobs kept in SQLite)."""
+    from ettr.ledger import locate
+    from ettr.ledger.url import scheme_of
+
+    by_server: dict[str, list[Path]] = {}
+    for run_dir in run_dirs:
+        try:
+            url = locate(run_dir).url
+            if url is not None and scheme_of(url) == "postgresql":
+                by_server.setdefault(url, []).append(run_dir)
+        except (LedgerError, UsageError, OSError):
+            continue  # its read says what is wrong
+    if not by_server:
+        return {}
+    from ettr.ledger.postgres import unanswered
+
+    out: dict[Path, str] = {}
+    for url, dirs in by_server.items():
+        why = unanswered(url)
+        if why is not None:
+            out.update(dict.fromkeys(dirs, why))
+    return out
+
+
 def load_run_dirs(
     run_dirs: Sequence[Path],
     *,
@@ -387,6 +426,9 @@ def load_run_dirs(
             results[run_dir] = cached
         else:
             todo.append(run_dir)
+    for run_dir, why in _on_unanswering_servers(todo).items():  # one try per server, not per run directory
+        results[run_dir] = f"{run_dir}: {why}"
+    todo = [run_dir for run_dir in todo if run_dir not in results]
     # Default: half the CPUs (SMT siblings and the rest of the machine keep the other half); on a small
     # machine that is one, and reading in this process beats starting workers.
     num_workers = min(workers or max(1, (os.cpu_count() or 1) // 2), len(todo))

@@ -1,5 +1,5 @@
-"""Regression detection per job family: each job's TTS, mean TTR, ETT% and start-up/overhead buckets
-against the family's own history, robust to noise.
+"""Regression detection per job family: each job's TTS, mean TTR, ETT%, median step time and start-up/overhead
+buckets against the family's own history, robust to noise.
 
 Method (docs/fleet.md says why this and not a change-point library): jobs of a family in order of start;
 for each candidate first-changed job k (with at least `min_baseline` jobs before it), the baseline is the
@@ -9,7 +9,8 @@ deviation for normal noise). Job k and the median of jobs k..newest must both be
 * at least `z_threshold` x (1 + 1/m) robust standard deviations, m the number of jobs k..newest (beyond the
   family's own noise; a lone newest job is weaker evidence and must clear twice the threshold),
 * at least `min_rel_change` of the baseline, and
-* at least `min_abs_s` seconds (`min_abs_pct` points for ETT%),
+* at least `min_abs_s` seconds (`min_abs_pct` points for ETT%; for the step time, `min_rel_step_change` of
+  the baseline and no floor in seconds: a step takes milliseconds, and its median over a job is steady),
 
 and at least half of jobs k..newest must be. The earliest such k is the first changed job. Jobs without a
 JOB_END (running, or their supervisor was lost) are left out: their figures are not final. A lone spike
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from ettr.events import Bucket
 from ettr.fleet.model import JobSummary, job_label
+from ettr.report.steptime import SPEED_TOLERANCE
 
 MAD_TO_SIGMA = 1.4826
 """MAD x this estimates the standard deviation of normally distributed noise."""
@@ -52,11 +54,15 @@ class RegressionConfig:
     min_abs_pct: float = 10.0
     """Smallest drop of ETT%, in percentage points. Large, because ETT% of short jobs swings with start-up
     jitter that no single bucket shows; a real cause usually shows as a bucket, TTS or TTR regression too."""
+    min_rel_step_change: float = SPEED_TOLERANCE
+    """Smallest slow-down of the median step time relative to the baseline (0.10: 10% slower; the step speed
+    warning's tolerance). A slower step shows as *more* effective training, a higher ETT%: only this metric
+    catches it."""
 
     def __post_init__(self) -> None:
         if self.min_baseline < 2:
             raise ValueError(f"min_baseline must be >= 2 (a MAD needs jobs), got {self.min_baseline}")
-        for name in ("z_threshold", "min_rel_change", "min_abs_s", "min_abs_pct"):
+        for name in ("z_threshold", "min_rel_change", "min_abs_s", "min_abs_pct", "min_rel_step_change"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -68,7 +74,8 @@ class Regression:
 
     family: str
     metric: str
-    """`tts_s`, `mean_ttr_s`, `ett_pct` or a bucket name (its seconds)."""
+    """`tts_s`, `mean_ttr_s`, `ett_pct`, `step_time_s` (the median time per kept step) or a bucket name (its
+    seconds)."""
     job_id: str
     """The first job where it changed."""
     first_job_start_ts: float
@@ -101,6 +108,8 @@ class _Metric:
     value: Callable[[JobSummary], float | None]
     worse_when_higher: bool
     percent: bool
+    step: bool = False
+    """The median step time: a relative change only (`min_rel_step_change`)."""
 
 
 def _bucket_metric(bucket: Bucket) -> _Metric:
@@ -111,6 +120,9 @@ METRICS: tuple[_Metric, ...] = (
     _Metric("tts_s", lambda j: j.tts_s, True, False),
     _Metric("mean_ttr_s", lambda j: j.mean_ttr_s, True, False),
     _Metric("ett_pct", lambda j: j.ett_pct if j.ett_known else None, False, True),
+    # A job whose steps got slower shows more effective training for the same work: a higher ETT%, never
+    # a drop. The step time itself is the metric that shows it.
+    _Metric("step_time_s", lambda j: j.step_time_s if j.step_time_s else None, True, False, step=True),
     *(_bucket_metric(b) for b in CHECKED_BUCKETS),
 )
 
@@ -132,6 +144,8 @@ def _big_enough(config: RegressionConfig, metric: _Metric, baseline: float, valu
         return False
     if metric.percent:
         return delta >= config.min_abs_pct
+    if metric.step:
+        return delta >= config.min_rel_step_change * abs(baseline)
     return delta >= config.min_abs_s and delta >= config.min_rel_change * abs(baseline)
 
 

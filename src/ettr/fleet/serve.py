@@ -142,19 +142,29 @@ def start_server(
 def loader(args: argparse.Namespace) -> Callable[[float], tuple[list[JobSummary], list[str]]]:
     """The scrape-time loader of the flags' sources, with a cache of finished jobs."""
     from ettr.fleet.command import load_jobs, make_cache
+    from ettr.untrusted import printable
 
     cache = make_cache(args)
     lock = threading.Lock()  # one load at a time: concurrent scrapes would read every ledger twice
+    named: set[str] = set()  # the problems said on stderr and still there
 
     def load(now: float) -> tuple[list[JobSummary], list[str]]:
         with lock:
             try:
-                return load_jobs(args, now=now, cache=cache, cmd="serve")
+                jobs, problems = load_jobs(args, now=now, cache=cache, cmd="serve")
             except UsageError as exc:  # e.g. the folder is empty for now: serve what there is (nothing)
-                return [], [str(exc)]
+                jobs, problems = [], [str(exc).removeprefix("ettr serve: ")]
             except Exception as exc:  # noqa: BLE001 - a scrape says what failed, never an HTTP 500
                 logger.warning("ettr serve: this scrape read no jobs (%s: %s)", type(exc).__name__, exc)
                 return [], [f"{type(exc).__name__}: {exc}"]
+            # What ettr_jobs_unreadable counts, each named once when a scrape first meets it (again if it
+            # comes back after it was gone): the operator learns which ledger and why, not only how many.
+            for problem in problems:
+                if problem not in named:
+                    logger.warning("ettr serve: skipped %s", printable(problem))
+            named.clear()
+            named.update(problems)
+            return jobs, problems
 
     return load
 

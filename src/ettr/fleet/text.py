@@ -56,9 +56,13 @@ _GROUP_HEADER = ("", "jobs", "gpu_h", "ETT%", "idle%", "fail%", "NoF", "TTS p50"
 
 
 def regression_line(r: Regression) -> str:
-    unit = "%" if r.metric == "ett_pct" else " s"
+    if r.metric == "step_time_s":  # milliseconds, often: as the step columns show it
+        before, after = fmt_step(r.baseline), fmt_step(r.value)
+    else:
+        unit = "%" if r.metric == "ett_pct" else " s"
+        before, after = f"{r.baseline:.2f}{unit}", f"{r.value:.2f}{unit}"
     return (
-        f"{r.family}: {r.metric} {r.baseline:.2f}{unit} -> {r.value:.2f}{unit} from job {r.label} "
+        f"{r.family}: {r.metric} {before} -> {after} from job {r.label} "
         f"({r.num_changed_jobs} job(s) since, baseline of {r.num_baseline_jobs})"
     )
 

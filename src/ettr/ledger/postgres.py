@@ -385,6 +385,26 @@ def _check_schema(conn: Any, url: str, *, create: bool) -> None:
             )
 
 
+def unanswered(url: str) -> str | None:
+    """Why no connection to the server at `url` can be made now (one line, the password hidden: down,
+    stalled, refused, a wrong password), or None when one was made (bounded by `connect_timeout`). A reader
+    of many run directories whose books are on one server asks once for all of them, instead of waiting out
+    the connect timeout once per run directory."""
+    try:
+        import psycopg
+    except ImportError:
+        return None  # the read itself says so
+    try:
+        conninfo = _conninfo(url)
+    except LedgerError:
+        return None  # the read itself says what is wrong with the URL
+    try:
+        with psycopg.connect(conninfo, autocommit=True):
+            return None
+    except psycopg.Error as exc:
+        return f"ledger {redact(url)}: {_one_line(exc)}"
+
+
 def list_jobs(url: str) -> list[str]:
     """The job ids in the ledger at `url`, oldest first. Raises `LedgerError`."""
     import psycopg

@@ -156,6 +156,8 @@ class SpillingLedger:
         background_connect: connect on the delivery thread, so that making the ledger never waits for the
             server (a training process builds it at start-up, on its training thread); the first `append`
             (on the Recorder's writer thread) waits for that connection, at most `connect_wait_s`.
+        announce_outage: log one warning when the server goes away ("events spill to ..."); False for a
+            ledger that writes no events of its own (`ettr deliver`'s adopter: its caller says what happened).
     """
 
     def __init__(
@@ -169,6 +171,7 @@ class SpillingLedger:
         retry_interval_s: float = 2.0,
         background_connect: bool = False,
         connect_wait_s: float = 15.0,
+        announce_outage: bool = True,
     ) -> None:
         if not retry_interval_s > 0:
             raise ValueError(f"retry_interval_s must be > 0, got {retry_interval_s}")
@@ -191,6 +194,7 @@ class SpillingLedger:
         self._orphans_lock = threading.Lock()
         self._connected = threading.Event()
         self._connect_wait_s = connect_wait_s
+        self._announce_outage = announce_outage
         if background_connect:
             self._start_delivery()  # its first act is to connect
         else:
@@ -216,7 +220,7 @@ class SpillingLedger:
         return LedgerHealth(server_down=self._down, backlog=self.backlog)
 
     def _mark_down(self, exc: BaseException) -> None:
-        if not self._down:
+        if not self._down and self._announce_outage:
             logger.warning(
                 "ettr: ledger server unreachable (%s); events spill to %s until it is back",
                 exc,

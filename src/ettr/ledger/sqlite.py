@@ -77,7 +77,8 @@ class SqliteLedger:
             raise LedgerError(f"{self.path} is {kind}, not an ettr ledger (a SQLite file); move it aside")
         self._refuse_odd_side_files()
         if not create and not self.path.is_file():
-            raise LedgerError(f"no ledger at {self.path}")
+            dangling = " (a symbolic link that leads to no file)" if self.path.is_symlink() else ""
+            raise LedgerError(f"no ledger at {self.path}{dangling}")
         if create:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -141,18 +142,23 @@ class SqliteLedger:
             with contextlib.suppress(AttributeError, sqlite3.DatabaseError):
                 self._conn.close()
             where = "file:" + urllib.parse.quote(str(self.path.absolute()))
+            # Asked for read-only, the first "error" is ours: the reason to give is what reading found (a
+            # file of another program: "no such table: meta"), never "opened read-only".
+            why = first
             for options in ("?mode=ro", "?mode=ro&immutable=1"):
                 conn = None
                 try:
                     conn = self._connect(where + options)
                     row = conn.execute(query).fetchone()
-                except sqlite3.OperationalError:
+                except sqlite3.OperationalError as exc:
+                    if read_only and why is first:
+                        why = exc
                     if conn is not None:
                         conn.close()
                     continue
                 self._conn, self.read_only = conn, True
                 return row
-            raise first
+            raise why from None  # the caller makes it one line (LedgerError)
 
     def _refuse_odd_side_files(self) -> None:
         """Raise LedgerError where one of SQLite's files beside the ledger (its rollback journal, write-ahead

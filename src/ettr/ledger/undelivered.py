@@ -136,8 +136,14 @@ def deliver_undelivered(
                 url, job_id=job_id, create=False, run_dir=run_dir, node=socket.gethostname()
             )
 
+    # It spills nothing of its own: the caller's one line says the server did not answer and what stays.
     adopter = SpillingLedger(
-        connect, job_id=job_id, spill_dir=spill_dir(run_dir), node=socket.gethostname(), adopt_orphans=True
+        connect,
+        job_id=job_id,
+        spill_dir=spill_dir(run_dir),
+        node=socket.gethostname(),
+        adopt_orphans=True,
+        announce_outage=False,
     )
     try:
         complete = adopter.deliver()
