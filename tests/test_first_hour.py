@@ -132,7 +132,12 @@ def test_a_second_job_into_a_run_dir_is_said_and_a_conflicting_job_id_refused(tm
     first = ettr("run", "--run-dir", str(run_dir), "--job-id", "first", "--", sys.executable, "-c", "pass")
     assert first.returncode == 0, first.stderr
     again = ettr("run", "--run-dir", str(run_dir), "--", sys.executable, "-c", "pass")
-    assert again.returncode == 0
+    # a finished job is not run again into its own books (they would read its steps as lost, the gap as a
+    # restart): one line, exit 2, unless asked
+    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+    assert "job 'first'" in again.stderr and "completed" in again.stderr and "--continue-job" in again.stderr
+    again = ettr("run", "--run-dir", str(run_dir), "--continue-job", "--", sys.executable, "-c", "pass")
+    assert again.returncode == 0, again.stderr
     assert f"continuing job first in {run_dir} (attempt 1)" in again.stderr
     other = ettr("run", "--run-dir", str(run_dir), "--job-id", "second", "--", sys.executable, "-c", "pass")
     assert other.returncode == 2

@@ -55,7 +55,9 @@ def _check_reuse(url: str, tmp_path: Path) -> None:
     assert password is None or password not in lines[0]
     assert _attempts(url) == ["completed"]  # the refused run left no trace in the job's books
 
-    requeued = _run(url, tmp_path / "a", script)  # the same run directory: a requeue
+    finished = _run(url, tmp_path / "a", script)  # the same run directory, but the job completed
+    assert finished.returncode == 2 and "completed" in finished.stderr, finished.stderr
+    requeued = _run(url, tmp_path / "a", script, "--continue-job")  # asked: its attempts go on
     assert requeued.returncode == 0, requeued.stderr
     assert "continuing job J" in requeued.stderr
     asked = _run(url, tmp_path / "b", script, "--continue-job")
@@ -92,3 +94,20 @@ def test_what_counts_as_the_same_run():
     # The last run's start decides (a job continued on purpose elsewhere is requeued from there).
     moved = [_start(**here), _start(run_dir="/runs/b", command=["python", "train.py"])]
     assert foreign_run(moved, **{**same, "run_dir": "/runs/b"}) is None
+
+
+def test_when_a_job_completed_and_whether_it_was_continued_since():
+    from ettr.closing import completed_at
+
+    def end(ts: float, status: int | None) -> Event:
+        return Event(EventKind.JOB_END, ts, 0, SUPERVISOR_RANK, data={"exit_status": status})
+
+    started = _start()
+    assert completed_at([started]) is None  # still running, or killed: a requeue continues it
+    assert completed_at([started, end(5.0, 0)]) == 5.0
+    assert completed_at([started, end(5.0, 1)]) is None  # failed: running it again is a retry
+    assert completed_at([started, end(5.0, None)]) is None
+    later = Event(EventKind.SUPERVISOR_START, 9.0, 1, SUPERVISOR_RANK, data={"job_id": "J"})
+    assert completed_at([started, end(5.0, 0), later]) is None  # continued (--continue-job) and not ended
+    assert completed_at([started, end(5.0, 0), later, end(12.0, 0)]) == 12.0
+    assert completed_at([started, end(5.0, 1), later, end(12.0, 0)]) == 12.0

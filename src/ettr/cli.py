@@ -125,7 +125,8 @@ def _add_run(p: argparse.ArgumentParser) -> None:
         "--continue-job",
         action="store_true",
         help="with --ledger and --job-id: add this run to that job although another run directory started it "
-        "(a requeue elsewhere); without it such a job id is refused",
+        "(a requeue elsewhere); without it such a job id is refused. Also: continue a job that completed "
+        "(outside Slurm, refused without it)",
     )
     p.add_argument(
         "--grace",

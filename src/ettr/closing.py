@@ -54,6 +54,17 @@ def _open_supervisor(events: Sequence[Event]) -> tuple[int, int | None] | None:
     return pid, ticks if isinstance(ticks, int) else None
 
 
+def completed_at(events: Sequence[Event]) -> float | None:
+    """When the job in these books completed (its last JOB_END, exit status 0, with no supervisor started
+    after it); None when it did not, or was continued since."""
+    last_end = max((e for e in events if e.kind is EventKind.JOB_END), key=lambda e: e.ts, default=None)
+    if last_end is None or not isinstance(last_end.data, Mapping) or last_end.data.get("exit_status") != 0:
+        return None
+    if any(e.kind is EventKind.SUPERVISOR_START and e.ts > last_end.ts for e in events):
+        return None
+    return last_end.ts
+
+
 def recorded_job_id(events: Sequence[Event]) -> str | None:
     """The job id the first supervisor of this run directory recorded (None: none recorded)."""
     for e in events:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ettr.closing import foreign_run, live_supervisor, open_attempts, recorded_job_id
+from ettr.closing import completed_at, foreign_run, live_supervisor, open_attempts, recorded_job_id
 from ettr.constants import SIGNALLED_MARK
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
@@ -126,6 +126,14 @@ class JobBooks:
                 f"ettr run: {self.run_dir} is in use by a running supervisor (pid {live}); "
                 "give another --run-dir or --job-id"
             )
+        done = None if self.config.continue_job or self._under_slurm() else completed_at(previous)
+        if done is not None:  # a second run of a finished job is no recovery of it
+            self.drop()
+            raise UsageError(
+                f"ettr run: job {self.job_id!r} in {self._where()} completed (exit status 0 at "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(done))}): give another --run-dir for a new "
+                "run, or --continue-job to add this run's attempts to that job"
+            )
         if self._kill_leftovers():
             previous = self.read()  # they may have written until killed: close after their last
         for attempt in open_attempts(previous):  # its supervisor was killed: the steps its processes kept
@@ -154,6 +162,13 @@ class JobBooks:
         if any(e.kind is EventKind.SUPERVISOR_START for e in previous):  # not just another node's marks
             say(f"continuing job {self.job_id} in {self.run_dir} (attempt {first_attempt})")
         return first_attempt
+
+    @staticmethod
+    def _under_slurm() -> bool:
+        """Whether this run is inside a Slurm job: there a run directory is the job's (`runs/SLURM_JOB_ID`),
+        and a finished one is continued (`scontrol requeue` of a finished job, or a batch script's second
+        `ettr run`), as before."""
+        return bool(os.environ.get("SLURM_JOB_ID"))
 
     def _foreign(self, previous: Sequence[Event]) -> str | None:
         """Why books under a shared ledger URL are another run's (None: a requeue of this one). The run
