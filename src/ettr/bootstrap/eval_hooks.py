@@ -342,12 +342,14 @@ class EvalHooks:
         """`module` and the modules it wraps (`.module` of DDP, DataParallel, FSDP, DeepSpeed's engine, in
         turn): a script that switches the wrapper to eval mode often runs its passes through the model inside
         (`model.module.generate(...)`, accelerate's `unwrap_model(model)(batch)`), which the wrapper's hooks
-        never see. A wrapped module whose hooks Dynamo could trace is left out."""
+        never see. A wrapped module whose hooks Dynamo could trace (inside torch.compile's wrapper, or once
+        something was compiled) is left out."""
         torch = self._torch
         timed = [module]
         inner = getattr(module, "module", None)
         while (
             torch is not None
+            and type(timed[-1]).__name__ != "OptimizedModule"  # torch.compile's: what it wraps is traced
             and isinstance(inner, torch.nn.Module)
             and not _among(inner, timed)
             and len(timed) < _MAX_WRAPPED
