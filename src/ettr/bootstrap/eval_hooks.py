@@ -39,7 +39,7 @@ from __future__ import annotations
 import atexit
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FunctionType, ModuleType
 from typing import Any
@@ -58,7 +58,7 @@ _MAX_WRAPPED = 4
 """How many wrappers deep `EvalHooks._timed_modules` looks (DDP around FSDP around ... is a few)."""
 
 
-def _among(module: Any, modules: tuple[Any, ...]) -> bool:
+def _among(module: Any, modules: Sequence[Any]) -> bool:
     """Whether `module` is one of `modules` (by identity: a module may define `__eq__`)."""
     return any(module is m for m in modules)
 
