@@ -281,3 +281,50 @@ def test_an_eval_a_model_class_overrides_is_an_evaluation(hooked: tuple[Any, Rec
     assert "__wrapped__" not in vars(torch.nn.Module.train)  # train() still costs nothing outside evaluations
     hooks.uninstall()
     assert "eval" in PretrainedLike.__dict__ and not hasattr(PretrainedLike.__dict__["eval"], "__wrapped__")
+
+
+class Wrapper(torch.nn.Module):
+    """What DistributedDataParallel, DataParallel and FSDP look like here: the model under `.module`."""
+
+    def __init__(self, module: Any) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: Any) -> Any:
+        return self.module(x)
+
+
+def test_passes_through_the_model_inside_a_wrapper_switched_to_eval_are_an_evaluation(
+    hooked: tuple[Any, Recorder, Any],
+) -> None:
+    """`model.eval()` on the DDP wrapper, then passes through `model.module` (`model.module.generate(...)`,
+    accelerate's `unwrap_model(model)`): until 2026-12-04 no pass was seen, the evaluation was dropped at
+    `train()` and its time booked as training."""
+    import pickle
+
+    hooks, rec, ledger = hooked
+    model = Wrapper(Wrapper(Net()))  # DDP around a wrapper of its own, each with its `.module`
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, optimizer)
+    before = time.time()
+    model.eval()
+    with torch.no_grad():
+        first = time.time()
+        model.module.module(torch.randn(2, 4))
+        model.module(torch.randn(2, 4))
+        last = time.time()
+    copied = pickle.loads(pickle.dumps(model))  # none of ettr's hooks travel, from any level
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in copied.modules())
+    model.train()
+    after = time.time()
+    _train_step(model, optimizer)
+    ((begin, end),) = _spans(_evals(rec, ledger))
+    assert before <= begin <= first and last <= end <= after
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    # Left in eval mode: ended by the last pass through the inner model, before the next step.
+    model.eval()
+    with torch.no_grad():
+        model.module.module(torch.randn(2, 4))
+        last = time.time()
+    _train_step(model, optimizer)
+    assert _spans(_evals(rec, ledger))[1][1] <= last

@@ -886,3 +886,33 @@ def test_what_a_process_or_a_forged_ledger_wrote_is_printed_without_its_escape_s
     assert "\x1b" not in line and "\x07" not in line and "\\x1b]52" in line
     assert printable("a\nb\x1b[2J") == "a\nb\\x1b[2J" and printable("plain 🏖") == "plain 🏖"
     assert valid_family("evil\x1b[2J") == "must not hold control characters" and valid_family("gpt-2") is None
+
+
+def test_a_rank_sigkilled_under_mp_spawn_is_a_kill_not_the_peers_reset() -> None:
+    # imagenet-style `ettr run -- bash run.sh` -> `python main.py` -> mp.spawn(2): rank 1 SIGKILLed, rank 0
+    # died of the reset (its FAILURE), the spawning process raised ProcessExitedException and exited 1.
+    reset = Event(
+        EventKind.FAILURE,
+        2.0,
+        0,
+        0,
+        data={"exception": "RuntimeError", "message": "[gloo] Read error: Connection reset by peer"},
+    )
+    events = [_rank_start(0, 100), _rank_start(1, 101), reset]
+    tail = ["RuntimeError: [gloo] Read error: Connection reset by peer",
+            '  File ".../torch/multiprocessing/spawn.py", line 192, in join',
+            "torch.multiprocessing.spawn.ProcessExitedException: process 1 terminated with signal SIGKILL"]  # fmt: skip
+    end = classify(
+        returncode=1,
+        wrapper=True,
+        events=events,
+        failed_pids=[[101]],
+        stderr_tail=tail,
+        stopped_after_rank_failure=True,  # ettr saw rank 0's FAILURE and stopped what was left
+    )
+    assert end.signal == "SIGKILL" and end.reason == "killed by SIGKILL (the launcher exited 1) (rank 1)"
+    assert diagnose(outcome=end.outcome, failure=end.to_data(), trained=True).detail is Detail.PROCESS_LOST
+    # The rank that failed first raised: its exception is the failure, whatever signal mp.spawn names after.
+    crash = Event(EventKind.FAILURE, 1.0, 0, 1, data={"exception": "ValueError", "message": "bad batch"})
+    raised = classify(returncode=1, events=[*events, crash], failed_pids=[[101]], stderr_tail=tail)
+    assert raised.signal is None and raised.exception == "ValueError"

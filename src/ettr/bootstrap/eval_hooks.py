@@ -17,8 +17,10 @@ run forward, and switched back, with no optimizer step in between:
            is training in eval mode (forward passes with grad enabled, then an optimizer step; such a module's
            `eval()` is not watched again: BatchNorm layers a fine-tuning script freezes every step)
 
-While an evaluation is open, a forward pre-hook and a forward hook on that module time its passes (removed at
-its end: the training loop never runs them). They never travel with the module: `nn.Module.__getstate__` is
+While an evaluation is open, a forward pre-hook and a forward hook on that module, and on the modules it wraps
+(`.module` of DDP, DataParallel, FSDP: a script that switches the wrapper to eval mode may run its passes
+through the model inside, `model.module.generate(...)`), time its passes (removed at its end: the training
+loop never runs them). They never travel with the module: `nn.Module.__getstate__` is
 wrapped while they are on it, so a `torch.save(model)`, a pickle or a `copy.deepcopy` (an EMA) of the module
 mid-evaluation holds the script's own hooks only (ettr's hold the recorder, which cannot be pickled). They are left off where Dynamo could trace them (a module
 compiled in place, or any module once something was compiled, except `torch.compile`'s own wrapper, which
@@ -37,7 +39,7 @@ from __future__ import annotations
 import atexit
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FunctionType, ModuleType
 from typing import Any
@@ -50,6 +52,15 @@ from ettr.tracing import dynamo_is_tracing
 
 _DATA = {"source": "zero_code"}
 """`data` of the phases recorded here (the script's own and the frameworks' carry theirs)."""
+
+
+_MAX_WRAPPED = 4
+"""How many wrappers deep `EvalHooks._timed_modules` looks (DDP around FSDP around ... is a few)."""
+
+
+def _among(module: Any, modules: Sequence[Any]) -> bool:
+    """Whether `module` is one of `modules` (by identity: a module may define `__eq__`)."""
+    return any(module is m for m in modules)
 
 
 def _without_hooks(state: dict[str, Any], handle_ids: set[int]) -> dict[str, Any]:
@@ -105,6 +116,7 @@ class _Evaluation:
     module: Any
     begin_ts: float
     hooked: bool  # its forward passes are timed (else: only eval() and train() are seen)
+    timed: tuple[Any, ...] = ()  # the modules whose passes are timed: `module` and the modules it wraps
     handles: list[Any] = field(default_factory=list)
     begun: bool = False  # PHASE_BEGIN recorded
     num_passes: int = 0  # forward passes in eval mode, grad enabled or not
@@ -188,12 +200,14 @@ class EvalHooks:
         evaluation = _Evaluation(module=module, begin_ts=time.time(), hooked=self._hookable(module))
         if evaluation.hooked:
             try:
-                evaluation.handles.append(module.register_forward_pre_hook(self._before_pass))
-                evaluation.handles.append(module.register_forward_hook(self._after_pass))
+                evaluation.timed = self._timed_modules(module)
+                for timed in evaluation.timed:
+                    evaluation.handles.append(timed.register_forward_pre_hook(self._before_pass))
+                    evaluation.handles.append(timed.register_forward_hook(self._after_pass))
             except Exception:  # a module that takes no hooks (a scripted one): eval() and train() only
                 for handle in evaluation.handles:
                     handle.remove()
-                evaluation.handles, evaluation.hooked = [], False
+                evaluation.handles, evaluation.hooked, evaluation.timed = [], False, ()
         self.open = evaluation
         self._wrap_while_open()
         if not self._atexit:
@@ -203,7 +217,7 @@ class EvalHooks:
     def _before_pass(self, module: Any, args: Any) -> None:
         try:
             evaluation = self.open
-            if evaluation is None or module is not evaluation.module:
+            if evaluation is None or not _among(module, evaluation.timed):
                 return
             evaluation.num_passes += 1
             if evaluation.begun or self._grad_enabled():
@@ -219,7 +233,7 @@ class EvalHooks:
     def _after_pass(self, module: Any, args: Any, output: Any) -> None:
         try:
             evaluation = self.open
-            if evaluation is None or module is not evaluation.module:
+            if evaluation is None or not _among(module, evaluation.timed):
                 return
             now = time.time()
             evaluation.last_pass_end_ts = now
@@ -303,7 +317,7 @@ class EvalHooks:
         def __getstate__(module: Any) -> Any:
             state = original_getstate(module)
             evaluation = hooks.open
-            if evaluation is not None and module is evaluation.module and evaluation.handles:
+            if evaluation is not None and evaluation.handles and _among(module, evaluation.timed):
                 state = _without_hooks(state, {handle.id for handle in evaluation.handles})
             return state
 
@@ -324,6 +338,27 @@ class EvalHooks:
             give_back()
 
     # -- helpers ----------------------------------------------------------------------------------------------
+    def _timed_modules(self, module: Any) -> tuple[Any, ...]:
+        """`module` and the modules it wraps (`.module` of DDP, DataParallel, FSDP, DeepSpeed's engine, in
+        turn): a script that switches the wrapper to eval mode often runs its passes through the model inside
+        (`model.module.generate(...)`, accelerate's `unwrap_model(model)(batch)`), which the wrapper's hooks
+        never see. A wrapped module whose hooks Dynamo could trace (inside torch.compile's wrapper, or once
+        something was compiled) is left out."""
+        torch = self._torch
+        timed = [module]
+        inner = getattr(module, "module", None)
+        while (
+            torch is not None
+            and type(timed[-1]).__name__ != "OptimizedModule"  # torch.compile's: what it wraps is traced
+            and isinstance(inner, torch.nn.Module)
+            and not _among(inner, timed)
+            and len(timed) < _MAX_WRAPPED
+            and self._hookable(inner)
+        ):
+            timed.append(inner)
+            inner = getattr(inner, "module", None)
+        return tuple(timed)
+
     def _grad_enabled(self) -> bool:
         torch = self._torch
         return bool(torch is not None and torch.is_grad_enabled())

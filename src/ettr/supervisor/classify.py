@@ -18,6 +18,7 @@ from ettr.supervisor.command_output import (
     child_signal,
     exception_line_from_stderr,
     signal_name,
+    spawn_signals,
     torchrun_exitcodes,
     torchrun_signal,
     wrapped_signal,
@@ -210,6 +211,13 @@ def classify(
         if behind is None and root_code < 0:
             # (behind a shell wrapper too: `bash run.sh` exits with torchrun's 1 when a rank was SIGKILLed)
             behind = -root_code
+        if behind is None and not blamed and (killed := spawn_signals(stderr_tail)):
+            # mp.spawn names the first of its processes to die of a signal: the failed rank, which recorded
+            # no exception (a rank SIGKILLed: its peer's "Connection reset by peer" read as a broken
+            # collective before 2026-12-04). A SIGTERM after ettr stopped the rest was ettr's own.
+            named = killed.get(root) if root is not None else next(iter(killed.values()))
+            if not (stopped_after_rank_failure and named == signal.SIGTERM):
+                behind = named
         if behind is None and child_died_of is not None:
             behind, agent_said = child_died_of, True
         agent_got = torchrun_signal(stderr_tail) if behind is None else None

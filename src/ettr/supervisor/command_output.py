@@ -54,6 +54,22 @@ def torchrun_exitcodes(lines: Sequence[str]) -> dict[int, int]:
     return found
 
 
+_SPAWN_SIGNALLED = re.compile(
+    r"ProcessExitedException: process (\d+) terminated with signal (SIG[A-Z0-9]+)\b"
+)
+
+
+def spawn_signals(lines: Sequence[str]) -> dict[int, int]:
+    """process index -> signal of the processes `torch.multiprocessing.spawn` says were killed in `lines`
+    (`ProcessExitedException: process 1 terminated with signal SIGKILL`: the first of its processes to fail,
+    each the rank of its index when ettr made the spawned processes ranks)."""
+    found: dict[int, int] = {}
+    for line in lines:
+        if (match := _SPAWN_SIGNALLED.search(line)) and match.group(2) in signal.Signals.__members__:
+            found.setdefault(int(match.group(1)), int(signal.Signals[match.group(2)]))
+    return found
+
+
 _TORCHRUN_SIGNALLED = re.compile(r"SignalException: Process \d+ got signal: (\d+)\s*$")
 
 
