@@ -190,9 +190,10 @@ def load_jobs(
         window_s = getattr(args, "window", None) or DEFAULT_WINDOW_S
         if args.ledger:
             return load_ledger_url(args.ledger, now=now, use_stored=use_stored, window_s=window_s)
+        unreadable: list[str] = []
         if run_dirs is None:
-            run_dirs = find_run_dirs(args.run_dirs)
-        return load_run_dirs(
+            run_dirs = find_run_dirs(args.run_dirs, unreadable=unreadable)
+        jobs, problems = load_run_dirs(
             run_dirs,
             now=now,
             workers=args.workers,
@@ -200,17 +201,18 @@ def load_jobs(
             use_stored=use_stored,
             window_s=window_s,
         )
+        return jobs, [*unreadable, *problems]
     except UsageError as exc:
         if str(exc).startswith("ettr "):
             raise
         raise UsageError(f"ettr {cmd}: {exc}") from None
 
 
-def _find_run_dirs(given: Sequence[str]) -> list[Path]:
+def _find_run_dirs(given: Sequence[str], unreadable: list[str]) -> list[Path]:
     from ettr.fleet.load import find_run_dirs
 
     try:
-        return find_run_dirs(given)
+        return find_run_dirs(given, unreadable=unreadable)
     except UsageError as exc:
         raise UsageError(f"ettr fleet: {exc}") from None
 
@@ -235,8 +237,10 @@ def fleet_main(args: argparse.Namespace) -> int:
     if args.need_gpus is not None and not args.preempt_order:
         raise UsageError("ettr fleet: --need-gpus goes with --preempt-order")
     now = time.time()
-    run_dirs = None if args.ledger else _find_run_dirs(args.run_dirs)
+    unreadable: list[str] = []
+    run_dirs = None if args.ledger else _find_run_dirs(args.run_dirs, unreadable)
     jobs, problems = load_jobs(args, now=now, run_dirs=run_dirs)
+    problems = [*unreadable, *problems]
     for problem in problems:
         print(f"ettr fleet: skipped {problem}", file=sys.stderr)
     undelivered = _undelivered(run_dirs or ())

@@ -183,10 +183,21 @@ def summarize_events(
     )
 
 
-def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+def find_run_dirs(
+    paths: Sequence[str | os.PathLike[str]], *, unreadable: list[str] | None = None
+) -> list[Path]:
     """Run directories given, or found under the given folders (at any depth; a run directory's own
-    subfolders are not searched). Raises `UsageError` for a missing path or when none is found."""
+    subfolders are not searched). A directory this user cannot look into (another user's, mode 0700) may
+    hold runs: it is appended to `unreadable` as one line (a fleet says it skipped it), never passed over
+    in silence. Raises `UsageError` for a missing path or when none is found."""
     found: list[Path] = []
+    cannot: list[str] = []
+
+    def refused(exc: OSError) -> None:
+        cannot.append(
+            f"{exc.filename}: {(exc.strerror or str(exc)).lower()} (its runs, if any, are not counted)"
+        )
+
     for given in paths:
         path = Path(given)
         if not path.exists():
@@ -196,7 +207,7 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
             continue
         if not path.is_dir():
             raise UsageError(f"{path}: not a directory (give run directories or folders of them)")
-        for root, dirs, _files in os.walk(path):
+        for root, dirs, _files in os.walk(path, onerror=refused):
             dirs.sort()
             here = Path(root)
             if is_run_dir(here):
@@ -204,10 +215,13 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
                 dirs.clear()
             else:
                 dirs[:] = [d for d in dirs if not d.startswith(".")]
+    if unreadable is not None:
+        unreadable.extend(dict.fromkeys(cannot))
     if not found:
-        raise UsageError(
-            f"no ettr run directory (with a ledger.db or ledger-url.json) in {', '.join(map(str, paths))}"
-        )
+        where = ", ".join(map(str, paths))
+        if cannot:
+            raise UsageError(f"no ettr run directory this user can read in {where}: {'; '.join(cannot)}")
+        raise UsageError(f"no ettr run directory (with a ledger.db or ledger-url.json) in {where}")
     unique = list(dict.fromkeys(p.absolute() for p in found))
     return unique
 
