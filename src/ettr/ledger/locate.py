@@ -96,7 +96,7 @@ def unsearchable(path: str | os.PathLike[str]) -> str | None:
         os.lstat(ledger_path(path))
     except PermissionError as exc:
         return f"{path}: {(exc.strerror or 'permission denied').lower()} (this user cannot look inside it)"
-    except OSError:
+    except (OSError, ValueError):  # missing, not a directory, a NUL in the name: the caller says that
         pass
     return None
 
