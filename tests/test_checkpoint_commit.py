@@ -200,6 +200,18 @@ def test_an_expired_lease_does_not_protect(storage):
     assert apply_retention(storage, keep_last=1, lease_ttl_s=60.0, now_s=2000.0) == [step_dir_name(1)]
 
 
+@pytest.mark.parametrize("ts", [32503680000.0, 1e300, "NaN"])
+def test_a_lease_from_the_future_does_not_protect_for_ever(storage, ts):
+    """A lease dated the year 3000 (or 1e300: damage, or forged by whoever writes the root) was live for
+    ever: retention never deleted its checkpoint, and the root grew by one checkpoint per save."""
+    for step in (1, 2):
+        _write_checkpoint(storage, step)
+    text = '{"ts": NaN}' if ts == "NaN" else json.dumps({"ts": ts})
+    storage.write_atomic(f"{step_dir_name(1)}/{LEASE_PREFIX}forged", text.encode())
+    storage.write_atomic(f"{step_dir_name(2)}/{LEASE_PREFIX}skewed", json.dumps({"ts": 2030.0}).encode())
+    assert apply_retention(storage, keep_last=1, lease_ttl_s=60.0, now_s=2000.0) == [step_dir_name(1)]
+
+
 def test_retention_rejects_zero():
     with pytest.raises(ValueError):
         apply_retention(LocalStorage("/nonexistent"), keep_last=0)

@@ -116,3 +116,28 @@ def test_the_pgo_profile_yields_only_dimensions_and_scalars_that_varied(monkeypa
     state.automatic_dynamic["L['n']"] |= pgo.FrameStateSizeEntry.make_scalar(2)
     monkeypatch.setattr(pgo, "_CODE_STATE", defaultdict(pgo.CodeState, {"code": state}))
     assert dynamic.merge(dynamic.from_pgo()) == (DynamicSource("L['n']"), DynamicSource("L['x']", 0))
+
+
+def test_compile_report_over_forged_store_marks_is_text_not_a_traceback(tmp_path, capsys):
+    """A store mark's fields are the ledger's: `ettr compile-report` raised TypeError on an `entry_bytes`
+    string (`size / 1e6`), a mark's own `ts` replaced the row's, and a recompile reason's escape sequence
+    reached the terminal."""
+    from ettr.cli import main
+    from ettr.ledger import open_ledger
+
+    forged = {"name": STORE_MARK, "action": "load", "status": "hit", "ts": "x", "rank": [1]}
+    forged.update(entry_bytes="12MB", written_bytes=[1], duration_s=float("inf"))
+    ledger = open_ledger(tmp_path)
+    ledger.append(
+        [
+            Event(EventKind.MARK, 5.0, 0, 0, data=forged),
+            Event(EventKind.RECOMPILE, 6.0, 0, 0, data={"reason": "evil \x1b]52;c;cGF5bG9hZA==\x07 here"}),
+        ]
+    )
+    ledger.close()
+    assert main(["compile-report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "store: load hit" in out and "MB" not in out and "\x1b" not in out and "\\x1b]52" in out
+    assert main(["compile-report", str(tmp_path), "--json"]) == 0
+    (store,) = json.loads(capsys.readouterr().out)["attempts"][0]["store"]
+    assert (store["ts"], store["rank"]) == (5.0, 0)

@@ -497,3 +497,20 @@ def test_ettr_demo_quick_end_to_end(tmp_path):
     assert "optimized vs baseline: ETT" in proc.stdout and "requeueing the job" in proc.stdout
     assert "what each technique bought" in proc.stdout and "replay" in proc.stdout
     assert 'id="story"' in html
+
+
+@pytest.mark.parametrize("name", ["baseline", "optimized-work"])
+def test_a_symlink_where_the_demo_puts_a_side_is_refused_and_its_target_untouched(tmp_path, name):
+    """`ettr demo --out DIR` with `DIR/baseline -> another run`: rmtree left the link (ignore_errors) and the
+    demo's job was supervised into the other run's directory, appending to its books."""
+    from ettr.testing.fleet import JobSpec, write_job
+
+    other = write_job(tmp_path / "other-run", JobSpec(job_id="precious"))
+    before = sorted(p.name for p in other.iterdir())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).symlink_to(other)
+    with pytest.raises(UsageError, match="is a symlink"):
+        demo.prepare(out)
+    assert (out / name).is_symlink() and sorted(p.name for p in other.iterdir()) == before
+    assert not (out / "baseline-work").exists()  # nothing made or removed before the refusal

@@ -138,3 +138,19 @@ def test_a_fifo_named_like_a_published_artifacts_manifest_is_no_manifest(tmp_pat
 
     _fifo(tmp_path / "artifact" / MANIFEST_FILE)
     assert read_manifest(tmp_path / "artifact") is None
+
+
+def test_a_fifo_named_like_a_pulse_is_skipped_not_waited_in(tmp_path):
+    """The supervisor's watch loop reads every `rank-R-pid-P.pulse` of the attempt: a FIFO by that name held
+    it in open() for ever (no restart, no hang detection, SIGTERM unheard; found with `ettr run` on a job
+    that made one). The others are still read."""
+    from ettr.heartbeat import read_pulses
+    from ettr.run_env import heartbeat_dir
+
+    good = '{"v": 1, "steps": 3, "step_s": 0.5, "intervals": 2, "phases": []}'
+    directory = heartbeat_dir(tmp_path, 0)
+    _fifo(directory / "rank-0-pid-1.pulse")
+    (directory / "rank-1-pid-2.pulse").write_text(good)
+    (tmp_path / "elsewhere.pulse").write_text(good)
+    (directory / "rank-2-pid-3.pulse").symlink_to(tmp_path / "elsewhere.pulse")
+    assert [(p.rank, p.steps) for p in read_pulses(tmp_path, 0)] == [(1, 3)]

@@ -342,3 +342,49 @@ def test_serve_refuses_a_ledger_url_that_can_never_be_read(tmp_path, capsys):
         assert main(["serve", "--ledger", url, "--port", "0"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("ettr serve: "), err
+
+
+def _lock_out(monkeypatch, locked: Path) -> None:
+    """Make `locked` behave as another user's mode-0700 directory does for this one: nothing inside can be
+    looked up or listed (EACCES), whatever user runs the test (root reads through real modes)."""
+    real_lstat, real_scandir = os.lstat, os.scandir
+
+    def inside(path) -> bool:
+        return isinstance(path, (str, os.PathLike)) and Path(os.path.abspath(path)).is_relative_to(locked)
+
+    def lstat(path, *args, **kwargs):
+        if inside(path) and Path(os.path.abspath(path)) != locked:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_lstat(path, *args, **kwargs)
+
+    def scandir(path=".", *args, **kwargs):
+        if inside(path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_a_run_directory_this_user_cannot_enter_is_said_not_passed_over(tmp_path, monkeypatch, capsys):
+    """`ettr fleet` of another user's 0700 run directory (given, or in a folder of runs) counted the other
+    jobs and said nothing of it; `ettr report`/`deliver` called it "not an ettr run directory"."""
+    write_job(tmp_path / "runs" / "a", JobSpec(job_id="job-a"))
+    write_job(tmp_path / "runs" / "b", JobSpec(job_id="job-b"))
+    locked = (tmp_path / "runs" / "b").absolute()
+    _lock_out(monkeypatch, locked)
+
+    assert main(["fleet", str(tmp_path / "runs"), "--json", "--no-cache"]) == 0
+    out, err = capsys.readouterr()
+    assert [j["job_id"] for j in json.loads(out)["jobs"]] == ["job-a"]
+    assert any(str(locked) in p and "permission denied" in p.lower() for p in json.loads(out)["problems"])
+    assert err.count("\n") == 1 and f"skipped {locked}: cannot be searched (Permission denied)" in err
+
+    assert main(["fleet", str(locked), "--no-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "permission denied" in err.lower()
+
+    for argv in (["report", str(locked)], ["compile-report", str(locked)], ["deliver", str(locked)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "permission denied" in err and "not an ettr run directory" not in err

@@ -16,8 +16,9 @@ import pytest
 from ettr.cli import main as cli_main
 from ettr.procs import pid_alive
 from ettr.procs import start_ticks as process_start_ticks
-from ettr.publish.queue import PublishQueue
+from ettr.publish.queue import MAX_CLAIM_TTL_S, PublishQueue
 from ettr.publish.request import InputKind, InputSpec, ModelSpec, PublishError, PublishRequest, request_id_for
+from ettr.publish.worker import WorkerConfig
 
 
 def make_request(tmp_path, step: int = 7, job_id: str = "job-1") -> PublishRequest:
@@ -347,3 +348,32 @@ def test_a_queue_root_that_is_a_symlink_is_the_users_choice(tmp_path, capsys):
     assert cli_main(["publish", str(tmp_path / "q"), "--allow-factory", "mypkg.*"]) == 1
     assert f"FAILED {request.request_id}" in capsys.readouterr().out
     assert real.status(request.request_id) == "failed"
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {"renewed_ts": 32503680000.0, "ttl_s": 60.0},  # renewed in the year 3000
+        {"renewed_ts": "now", "ttl_s": 1e300},  # a lease of 1e300 s (renewed_ts set below)
+        {"renewed_ts": "now", "ttl_s": float("inf")},
+        {"renewed_ts": float("nan"), "ttl_s": 60.0},
+        {"renewed_ts": 1e400, "ttl_s": 60.0},  # Infinity once parsed
+    ],
+)
+def test_a_forged_claim_holds_its_request_no_longer_than_a_day(tmp_path, forged):
+    """Whoever writes the queue can write `claims/ID.json`: one renewed in the future or with an endless
+    lease was never stale, and the request (anyone's) was never published."""
+    clock = FakeClock()
+    queue = PublishQueue(tmp_path / "q", clock=clock, host="here")
+    request = make_request(tmp_path)
+    queue.enqueue(request)
+    body = {**forged, "renewed_ts": clock.now if forged["renewed_ts"] == "now" else forged["renewed_ts"]}
+    _plant_claim(queue, request.request_id, pid=1, host="elsewhere", **body)
+    clock.now += MAX_CLAIM_TTL_S + 1
+    claim = queue.try_claim(request.request_id, ttl_s=60)
+    assert claim is not None  # taken over (NaN and Infinity: unreadable, so stale, as garbled ones)
+
+
+def test_a_lease_longer_than_other_publishers_respect_is_refused():
+    with pytest.raises(ValueError, match="at most"):
+        WorkerConfig(lease_ttl_s=MAX_CLAIM_TTL_S * 2)

@@ -486,7 +486,7 @@ def _deliver(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ettr.ledger.base import LedgerError
-    from ettr.ledger.locate import is_run_dir
+    from ettr.ledger.locate import is_run_dir, unsearchable
     from ettr.ledger.undelivered import deliver_undelivered
 
     status = 0
@@ -495,7 +495,7 @@ def _deliver(args: argparse.Namespace) -> int:
     for run_dir in run_dirs:
         try:
             if not Path(run_dir).is_dir() or not is_run_dir(run_dir):
-                raise LedgerError(f"{run_dir}: not an ettr run directory")
+                raise LedgerError(unsearchable(run_dir) or f"{run_dir}: not an ettr run directory")
             done = deliver_undelivered(run_dir)
         except (LedgerError, OSError) as exc:
             bad.append(str(exc))

@@ -15,7 +15,8 @@ Beside it, `rank-R-pid-P.pulse` says how the job moves, for hang bounds that fol
 phases open (a deque append on the recording thread), and the sampler thread writes a small JSON document
 (`{"v": 1, "steps": N, "step_s": S, "phases": [...]}`: steps completed, the median of the last step
 intervals, the phases open now) whenever that changed, at most twice a second, atomically (written aside,
-renamed into place). The supervisor reads it with `read_pulses`; nothing read is ever run.
+renamed into place). The supervisor reads it with `read_pulses`; nothing read is ever run, and a pulse is
+read only if it is a small regular file (a FIFO there is skipped, never waited in).
 
 Never through a symlink: the directories from the run directory down to the file are made with
 `ettr.untrusted.make_dirs_below` (a `heartbeats/` or `attempt-A/` that someone swapped for a symlink is
@@ -38,7 +39,7 @@ from types import FrameType
 
 from ettr.events import Event, EventKind
 from ettr.run_env import heartbeat_dir
-from ettr.untrusted import SymlinkRefused, make_dirs_below
+from ettr.untrusted import SymlinkRefused, loads_bounded, make_dirs_below, read_small_file
 
 logger = logging.getLogger("ettr")
 
@@ -157,14 +158,9 @@ def read_pulses(run_dir: str | os.PathLike[str], attempt: int) -> list[Pulse]:
     for name in names:
         try:
             rank = int(name.split("-", 2)[1])
-            fd = os.open(heartbeat_dir(run_dir, attempt) / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                raw = os.read(fd, _PULSE_MAX_BYTES + 1)
-            finally:
-                os.close(fd)
-            if len(raw) > _PULSE_MAX_BYTES:
-                continue
-            doc = json.loads(raw)
+            # Never a wait: a FIFO by a pulse's name held the supervisor's watch loop in open() for ever
+            # (no restart, no hang detection, SIGTERM unheard); symlinks, devices, big files refused too.
+            doc = loads_bounded(read_small_file(heartbeat_dir(run_dir, attempt) / name, _PULSE_MAX_BYTES))
         except (OSError, ValueError, IndexError):
             continue
         pulse = _pulse_from(rank, doc)

@@ -422,7 +422,9 @@ def _lease_is_live(storage: ReadableStorage, rel: str, now_s: float, ttl_s: floa
         taken_ts = float(json.loads(storage.read_bytes(rel))["ts"])
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return False
-    return now_s - taken_ts < ttl_s
+    # A lease taken further ahead of this clock than its ttl (the year 3000, 1e300, a flipped exponent bit) is
+    # damage or a forgery, not a reader: it held its checkpoint from retention for ever (NaN: never live).
+    return -ttl_s < now_s - taken_ts < ttl_s
 
 
 def is_leased(storage: ReadableStorage, name: str, *, ttl_s: float, now_s: float | None = None) -> bool:

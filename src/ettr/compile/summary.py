@@ -57,7 +57,9 @@ def summarize(
             reasons[reason] += 1
         elif e.kind == EventKind.MARK and (e.data or {}).get("name") == STORE_MARK:
             data = {k: v for k, v in (e.data or {}).items() if k != "name"}
-            _attempt(attempts, e.attempt)["store"].append({"ts": e.ts, "rank": e.rank, **data})
+            _attempt(attempts, e.attempt)["store"].append(
+                {**data, "ts": e.ts, "rank": e.rank}
+            )  # the row's own
     for a in attempts.values():
         a["compile_s"] = round(a["compile_s"], 3)
         a["fast_start_compile_s"] = round(a["fast_start_compile_s"], 3)

@@ -288,6 +288,13 @@ def prepare(out: Path) -> list[Job]:
         for s in (BASELINE, OPTIMIZED)
     ]
     for job in jobs:
+        for path in (job.run_dir, job.work_dir):
+            # rmtree refuses a symlink (quietly, with ignore_errors) and the demo then ran in the directory
+            # it points to: `baseline -> another run` got the demo's job appended to that run's books.
+            if path.is_symlink():
+                raise UsageError(
+                    f"ettr demo: {path} is a symlink (the demo replaces it); choose another --out"
+                )
         if job.run_dir.is_dir() and any(job.run_dir.iterdir()) and not (job.run_dir / "ledger.db").is_file():
             raise UsageError(f"ettr demo: {job.run_dir} is not an ettr run directory; choose another --out")
         # A supervisor of an earlier demo still running there would write into the new run's books.

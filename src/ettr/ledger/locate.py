@@ -87,6 +87,20 @@ def untrusted_server_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{parts.path}?{urlencode(query, safe='!')}"
 
 
+def unsearchable(path: str | os.PathLike[str]) -> str | None:
+    """Why nothing inside the directory `path` can be looked up (`permission denied`: a run directory of
+    another user, mode 0700), or None. `is_run_dir` cannot tell such a directory from one that keeps no books
+    (the lookup of `ledger.db` fails either way): a reader says this instead of "not an ettr run directory"
+    or, in a fleet, passing over it in silence."""
+    try:
+        os.lstat(ledger_path(path))
+    except PermissionError as exc:
+        return f"{path}: {(exc.strerror or 'permission denied').lower()} (this user cannot look inside it)"
+    except (OSError, ValueError):  # missing, not a directory, a NUL in the name: the caller says that
+        pass
+    return None
+
+
 def is_run_dir(path: str | os.PathLike[str]) -> bool:
     """Whether `path` keeps a run's books (its own ledger file, or a pointer to a URL). Anything by those names
     counts (a FIFO, a directory): reading it then says what is wrong, instead of passing over it in silence."""
@@ -173,6 +187,9 @@ def locate(run_dir: str | os.PathLike[str], *, environ: Mapping[str, str] | None
     run_env = RunEnv.from_environ(environ)
     if run_env is not None and run_env.ledger_url and _same_dir(run_env.run_dir, path):
         return Books(path, run_env.ledger_url, run_env.job_id or path.absolute().name)
+    problem = unsearchable(path)
+    if problem is not None:
+        raise LedgerError(problem)
     if os.path.lexists(ledger_path(path)):  # not a regular file: opening it says so (one line)
         return Books(path)
     pointer = read_pointer(path)

@@ -80,6 +80,11 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+MAX_CLAIM_TTL_S = 86400.0
+"""The longest lease a claim may hold without renewal (`WorkerConfig.lease_ttl_s` is at most this): a claim
+saying more, or renewed further ahead of the reader's clock than its lease, is forged or damaged: stale."""
+
+
 def _carried_over(previous: dict[str, Any] | None, now: float) -> tuple[int, float]:
     """(attempt, first claimed ts) of a claim taking over `previous` (a garbled one counts as attempt 0)."""
     if previous is None:
@@ -244,9 +249,12 @@ class PublishQueue:
         """Whether a claim's owner is dead (this host) or its lease has expired (any host)."""
         try:
             renewed_ts, ttl_s = float(body["renewed_ts"]), float(body["ttl_s"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return True  # unreadable: nobody can be relying on it
-        if self._clock() - renewed_ts > ttl_s:
+        # The claim's own word bounded: whoever writes the queue can write a claim, and one renewed in
+        # the year 3000, or with a ttl of 1e300 or Infinity, held its request (anyone's) for ever.
+        ttl_s = min(ttl_s, MAX_CLAIM_TTL_S)
+        if not -ttl_s <= self._clock() - renewed_ts <= ttl_s:  # expired, from the future, or NaN
             return True
         pid = body.get("pid")
         if body.get("host") == self._host and isinstance(pid, int):

@@ -29,7 +29,7 @@ from typing import Any
 from ettr.publish.artifact import LostClaim, build_artifact
 from ettr.publish.books import PublishBooks
 from ettr.publish.policy import PublishPolicy
-from ettr.publish.queue import Claim, PublishQueue
+from ettr.publish.queue import MAX_CLAIM_TTL_S, Claim, PublishQueue
 from ettr.publish.request import PublishError
 
 logger = logging.getLogger("ettr")
@@ -55,6 +55,8 @@ class WorkerConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
+        if self.lease_ttl_s > MAX_CLAIM_TTL_S:  # other publishers take a longer one for forged
+            raise ValueError(f"lease_ttl_s must be at most {MAX_CLAIM_TTL_S:.0f} s, got {self.lease_ttl_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 

@@ -1,16 +1,20 @@
 """`ettr compile-report RUN_DIR`: the compile summary (`ettr.compile.summary`) of a run directory, as text.
 
-`load` reads a run directory into the summary; `render` prints it for a terminal.
+`load` reads a run directory into the summary; `render` prints it for a terminal. A store action's fields
+come from the ledger as the job wrote them (or as someone forged them): a size or duration that is not a
+finite number is left out of its line, never a traceback, and nothing read reaches the terminal unescaped.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from ettr.compile import dynamic, fastbatch
 from ettr.compile.summary import summarize
+from ettr.untrusted import printable
 
 
 def load(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -25,18 +29,28 @@ def load(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     )
 
 
+def _number(value: Any) -> float | None:
+    """`value` if it is a finite number (not a bool), else None: a ledger's data is not checked field by field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
 def _store_line(action: Mapping[str, Any]) -> str:
     what = f"{action.get('action', '?')} {action.get('status', '?')}"
-    size = action.get("entry_bytes", action.get("loaded_bytes"))
+    size = _number(action.get("entry_bytes", action.get("loaded_bytes")))
+    written = _number(action.get("written_bytes"))
+    duration = _number(action.get("duration_s"))
     details = []
     if size is not None:
         details.append(f"{size / 1e6:.1f} MB")
-    if action.get("written_bytes") is not None:
-        details.append(f"{action['written_bytes'] / 1e6:.1f} MB of it new to the store")
+    if written is not None:
+        details.append(f"{written / 1e6:.1f} MB of it new to the store")
     if action.get("headers"):
         details.append(f"precompiled headers {action['headers']}")
-    if action.get("duration_s") is not None:
-        details.append(f"{action['duration_s']:.2f} s")
+    if duration is not None:
+        details.append(f"{duration:.2f} s")
     if action.get("error"):
         details.append(str(action["error"]))
     return what + (f" ({', '.join(details)})" if details else "")
@@ -67,4 +81,4 @@ def render(summary: Mapping[str, Any]) -> str:
     lines.append(
         "fast-batch spec: " + ("kept from the first real batch" if summary["batch_spec"] else "none")
     )
-    return "\n".join(lines)
+    return printable("\n".join(lines))  # reasons, errors, sources: the job's words, never its escapes
