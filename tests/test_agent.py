@@ -294,6 +294,7 @@ def test_a_dead_worker_whose_peers_joined_the_attempt_is_recovered_in_place(tmp_
     replacement = KeptWorker(43)
     group.continue_as(1, {1: replacement}, tmp_path)
     assert group.pids == [40, 43, 42] and workers[1].signals == [9]  # the dead one's leftovers swept
+    assert group.ranks() == {40: 0, 43: 1, 42: 2}  # the survivors recorded no PROCESS_START in attempt 1
     _joined(tmp_path, 1, workers[0], replacement)  # worker 42 has not joined attempt 1 yet ...
     replacement.code = 1
     assert group.poll() is None and workers[0].signals == [15] and workers[2].signals == [15]

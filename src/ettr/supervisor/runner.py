@@ -218,6 +218,7 @@ class AttemptRunner:
             hung_bound=state.hung_bound,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
             failed_pids=running.failed_pids(),
+            ranks=running.ranks(),
             wrapper=is_shell_command(launch.argv),
             stopped_after_rank_failure=state.rank_failed,
             signalled=self._outside_signals(state, attempt),

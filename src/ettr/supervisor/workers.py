@@ -236,6 +236,10 @@ class WorkerGroup:
         rank = self.continued.failed_rank if self.continued is not None else self.failed_rank
         return [] if rank is None else [[self.procs[rank].pid]]
 
+    def ranks(self) -> dict[int, int]:
+        """Each worker's rank (a survivor of an in-place recovery recorded no PROCESS_START in this attempt)."""
+        return {p.pid: rank for rank, p in enumerate(self.procs)}
+
     def continue_as(self, attempt: int, replacements: dict[int, AttemptProcess], run_dir: Path) -> None:
         """The group goes on as attempt `attempt` after an in-place recovery: the dead workers' replacements
         take their ranks, the markers are the new attempt's."""
