@@ -33,7 +33,7 @@ from ettr.supervisor.inplace import InPlace, InPlaceCheck
 from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
-from ettr.supervisor.standby import no_standby_reason
+from ettr.supervisor.standby import Standby, no_standby_reason
 from ettr.supervisor.standby_group import StandbyGroup
 from ettr.supervisor.watch import Continued, Exited, Exiting
 from ettr.untrusted import make_dirs_below
@@ -352,16 +352,26 @@ class WorkerGroupKind:
         dead = running.continued.dead
         replacements: dict[int, AttemptProcess] = {}
         paths: list[Relaunch] = []
+        waiting: list[tuple[str, Standby]] = []
         argvs, envs = self._workers
         for rank in dead:
             env = self._env(plan, rank, self._port)
             if self._standbys is not None:
-                process, how = self._standbys.take_rank(rank, argvs[rank], env)
+                process, how, promoted = self._standbys.take_rank(rank, argvs[rank], env)
+                if promoted is not None:
+                    waiting.append((f"rank {rank}", promoted))
             else:
                 process = AttemptProcess(argvs[rank], env)
                 how = Relaunch(path="cold", why=no_standby_reason(None, env))
             replacements[rank], paths = process, [*paths, how]
             envs[rank] = env
+        if running.notice is not None:  # an earlier attempt's: its standbys run or are gone
+            running.notice.stop()
+        # The survivors wait in the rendezvous for a promoted replacement's warm-up: the console says so, as
+        # for a process restart (`StandbyGroup.take`).
+        running.notice = WarmUpNotice(plan.attempt, waiting) if waiting else None
+        if running.notice is not None:
+            running.notice.start()
         running.continue_as(plan.attempt, replacements, self._run_dir)
         inplace.announce(self._run_dir, plan.attempt, sorted(replacements))
         if paths:
