@@ -364,8 +364,8 @@ def test_under_ettr_run_a_second_kill_while_the_group_re_forms_still_ends_bit_id
     tmp_path: Path, uninterrupted: str, victim: str
 ) -> None:
     """Rank 1 is SIGKILLed; while ettr's agent has its replacement re-form the group with the survivor, the
-    survivor (rank 0) or the replacement is SIGKILLed too. Whatever the second kill hits (before the
-    replacement joined: a process restart; after: in place again), the job completes bit-identical, and the
+    survivor (rank 0) or the replacement is SIGKILLed too. Whatever the second kill hits (before attempt 1
+    trained: a process restart; after: in place again), the job completes bit-identical, and the
     books name the rank that died in the in-place attempt (the survivor recorded no start in it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
     env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(tmp_path / "memory"))
