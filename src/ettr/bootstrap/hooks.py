@@ -85,7 +85,7 @@ def priming_step(depth: int = 12) -> bool:
     restore, before it trained (its start-up read as over, the TTR ending there, the script's steps numbered
     one up). Looks at most `depth` frames up; never raises."""
     try:
-        frame = sys._getframe(2)  # noqa: SLF001 - the hook's callers: the optimizer's step wrapper, then its caller
+        frame: Any = sys._getframe(2)  # noqa: SLF001 - the hook's callers: the optimizer's step wrapper, then its caller
     except ValueError:
         return False
     for _ in range(depth):
