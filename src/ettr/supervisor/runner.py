@@ -122,8 +122,7 @@ class AttemptRunner:
         self.watch = AttemptWatch(WatchConfig(grace_s=cfg.grace_s, hang_kill_grace_s=cfg.hang_kill_grace_s))
 
     def run(self, attempt: int, *, restarts_done: int = 0, restarts_left: int = 0) -> EndedAttempt:
-        """Run attempt `attempt` (`restarts_done` before it; a warm standby is prepared only while
-        `restarts_left`); how it ended."""
+        """Run attempt `attempt` (`restarts_done` before it; a standby only while `restarts_left`); its end."""
         p = self.parts
         cfg, books = p.config, p.books
         started = p.clock()

@@ -241,8 +241,7 @@ class WorkerGroup:
         return {p.pid: rank for rank, p in enumerate(self.procs)}
 
     def continue_as(self, attempt: int, replacements: dict[int, AttemptProcess], run_dir: Path) -> None:
-        """The group goes on as attempt `attempt` after an in-place recovery: the dead workers' replacements
-        take their ranks, the markers are the new attempt's."""
+        """Go on as attempt `attempt` after an in-place recovery: replacements take the dead workers' ranks."""
         for rank, process in replacements.items():
             old = self.procs[rank]
             old.kill_leftovers()
@@ -358,8 +357,7 @@ class WorkerGroupKind:
             env = self._env(plan, rank, self._port)
             if self._standbys is not None:
                 process, how, promoted = self._standbys.take_rank(rank, argvs[rank], env)
-                if promoted is not None:
-                    waiting.append((f"rank {rank}", promoted))
+                waiting += [(f"rank {rank}", promoted)] if promoted is not None else []
             else:
                 process = AttemptProcess(argvs[rank], env)
                 how = Relaunch(path="cold", why=no_standby_reason(None, env))
@@ -367,11 +365,8 @@ class WorkerGroupKind:
             envs[rank] = env
         if running.notice is not None:  # an earlier attempt's: its standbys run or are gone
             running.notice.stop()
-        # The survivors wait in the rendezvous for a promoted replacement's warm-up: the console says so, as
-        # for a process restart (`StandbyGroup.take`).
-        running.notice = WarmUpNotice(plan.attempt, waiting) if waiting else None
-        if running.notice is not None:
-            running.notice.start()
+        running.notice = WarmUpNotice(plan.attempt, waiting)  # survivors wait on a promoted one's warm-up
+        running.notice.start()  # (says nothing without one)
         running.continue_as(plan.attempt, replacements, self._run_dir)
         inplace.announce(self._run_dir, plan.attempt, sorted(replacements))
         if paths:
