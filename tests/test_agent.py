@@ -268,13 +268,16 @@ class KeptWorker(FakeWorker):
         pass
 
 
-def _joined(run_dir: Path, attempt: int, *workers: FakeWorker) -> None:
-    from ettr.run_env import inplace_ready_path
+def _joined(run_dir: Path, attempt: int, *workers: FakeWorker, trained: bool = True) -> None:
+    """`workers` joined `attempt` (and, with `trained`, the first of them took the attempt's first step)."""
+    from ettr.run_env import inplace_ready_path, trained_path
 
     for w in workers:
         path = inplace_ready_path(run_dir, attempt, w.pid)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
+    if trained and workers:
+        trained_path(run_dir, attempt, workers[0].pid).touch()
 
 
 def test_a_dead_worker_whose_peers_joined_the_attempt_is_recovered_in_place(tmp_path: Path) -> None:
@@ -294,8 +297,42 @@ def test_a_dead_worker_whose_peers_joined_the_attempt_is_recovered_in_place(tmp_
     replacement = KeptWorker(43)
     group.continue_as(1, {1: replacement}, tmp_path)
     assert group.pids == [40, 43, 42] and workers[1].signals == [9]  # the dead one's leftovers swept
-    _joined(tmp_path, 1, workers[0], replacement)  # worker 42 has not joined attempt 1 yet ...
-    replacement.code = 1
+    assert group.ranks() == {40: 0, 43: 1, 42: 2}  # the survivors recorded no PROCESS_START in attempt 1
+    _joined(
+        tmp_path, 1, workers[0], replacement, workers[2], trained=False
+    )  # attempt 1 has not trained yet ...
+    replacement.code = -9
+    assert group.poll() is None and workers[0].signals == [15] and workers[2].signals == [15]
+    assert group.poll() == -9  # ... so a failure now (during the in-place recovery) is a process restart
+
+
+def test_a_failure_before_the_attempt_trained_is_a_process_restart_though_every_worker_joined(
+    tmp_path: Path,
+) -> None:
+    """A worker that dies while `train` sets up (before the first step) can leave its peers in a group
+    formation they do not give up for the group's whole timeout (gloo's `new_group`: 30 min), where its
+    replacement would give up after the rendezvous timeout and the job fail: a process restart instead."""
+    from ettr.supervisor.inplace import InPlaceCheck
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [KeptWorker(70), KeptWorker(71)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 2)
+    _joined(tmp_path, 2, *workers, trained=False)
+    workers[1].code = -9
+    assert group.poll() is None and group.continued is None and workers[0].signals == [15]
+    assert group.poll() == -9
+
+
+def test_a_failure_while_a_worker_has_not_joined_the_attempt_is_a_process_restart(tmp_path: Path) -> None:
+    from ettr.supervisor.inplace import InPlaceCheck
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [KeptWorker(80), KeptWorker(81), KeptWorker(82)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 1)
+    _joined(tmp_path, 1, workers[0], workers[1])  # worker 82 has not joined attempt 1 yet ...
+    workers[1].code = 1
     assert group.poll() is None and workers[0].signals == [15] and workers[2].signals == [15]
     assert group.poll() == 1  # ... so a failure now is a process restart, as without in place
 

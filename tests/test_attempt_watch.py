@@ -260,6 +260,9 @@ class FakeAttempt:
     def failed_pids(self) -> list[list[int]]:
         return []
 
+    def ranks(self) -> dict[int, int]:
+        return {}
+
     def events(self) -> list[AttemptEvent]:
         if self.returncode is None and self.exits_at is not None and self.clock.now >= self.exits_at:
             self.returncode = self.code

@@ -403,6 +403,25 @@ def test_steps_follow_the_optimizer_that_steps_most_often(hooked: tuple[Any, Rec
     assert recorded()[-2:] == [15, 16]
 
 
+def test_dcp_priming_a_fresh_optimizer_is_not_a_step(hooked: tuple[Any, Recorder, Any]) -> None:
+    """`get_state_dict` / `set_state_dict` (ettr's checkpoint manager saves and restores with them) step a
+    fresh optimizer once with zero gradients to make its state: not a training step. It was booked as step 1
+    during a restarted process's restore, before it trained."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model_state, optim_state = get_state_dict(model, opt)  # primes `opt`: one optimizer.step()
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    set_state_dict(model, fresh, model_state_dict=model_state, optim_state_dict=optim_state)
+    assert _events(rec, ledger, {EventKind.STEP}) == []
+    fresh.zero_grad()
+    model(torch.randn(2, 2)).sum().backward()
+    fresh.step()  # the first training step is step 1
+    assert [e.step for e in _events(rec, ledger, {EventKind.STEP})] == [1]
+
+
 def test_a_second_phase_optimizer_that_takes_over_loses_no_step(hooked: tuple[Any, Recorder, Any]) -> None:
     # A warm-up optimizer, then a new one for the rest while the first is still referenced (a scheduler, a
     # list of optimizers): 5 + 7 optimizer steps read 11 when the newcomer's first step was taken for the

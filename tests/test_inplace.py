@@ -234,6 +234,17 @@ def _events(tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _events_so_far(log: Path) -> list[dict[str, Any]]:
+    """The job's log while it runs (a line still being written is left out)."""
+    found = []
+    for line in log.read_text().splitlines() if log.exists() else []:
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return found
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
     work = tmp_path_factory.mktemp("uninterrupted")
@@ -345,6 +356,66 @@ def test_under_ettr_run_a_failed_rank_is_recovered_in_place_and_booked_so(
     assert report["num_failures"] == 1 and len(report["attempts"]) == 2
     assert [p["kind"] for p in report["ttr_parts"]] == ["in_place"]
     assert not any((tmp_path / "memory").iterdir())  # copies and the in-place store removed at the job's end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["survivor", "replacement"])
+def test_under_ettr_run_a_second_kill_while_the_group_re_forms_still_ends_bit_identical(
+    tmp_path: Path, uninterrupted: str, victim: str
+) -> None:
+    """Rank 1 is SIGKILLed; while ettr's agent has its replacement re-form the group with the survivor, the
+    survivor (rank 0) or the replacement is SIGKILLed too. Whatever the second kill hits (before attempt 1
+    trained: a process restart; after: in place again), the job completes bit-identical, and the
+    books name the rank that died in the in-place attempt (the survivor recorded no start in it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(tmp_path / "memory"))
+    log = tmp_path / "log.jsonl"
+    command = [
+        sys.executable, "-m", "ettr", "run", "--run-dir", str(tmp_path / "run"), "--",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "ettr.testing.resilient_job", "--ckpt-dir", str(tmp_path / "ckpt"), "--timings", str(log),
+        "--fault", "kill", "--fail-at", "17",
+    ]  # fmt: skip
+    err = tmp_path / "stderr.txt"
+    with err.open("w") as out:  # a file, not a pipe: the job's tracebacks never block it
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=out)
+    killed: int | None = None
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and killed is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            events = _events_so_far(log)
+            fault = next((e for e in events if e["ev"] == "fault"), None)
+            if fault is None:
+                continue
+            before = {e["pid"] for e in events if e["ts"] <= fault["ts"]}
+            new = [e["pid"] for e in events if e["ev"] == "start" and e["pid"] not in before]
+            if not new:  # the replacement has not reached the script's main yet
+                continue
+            survivor = next(e["pid"] for e in events if e["pid"] in before and e["rank"] == 0)
+            killed = survivor if victim == "survivor" else new[0]
+            try:
+                os.kill(killed, 9)
+            except ProcessLookupError:
+                killed = None
+                break
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err.read_text(errors="replace")
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "attempt 1 continues in place" in stderr
+    events = _events(tmp_path)
+    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted}
+    assert len([e for e in events if e["ev"] == "done"]) == 2
+    report = _report(tmp_path / "run")
+    if killed is not None:  # it landed before the job ended: a second failure, booked on its rank
+        assert report["num_failures"] == 2, report["failures"]
+        rank = 0 if victim == "survivor" else 1
+        assert f"(rank {rank})" in report["failures"][1]["evidence"], report["failures"]
+    assert not any((tmp_path / "memory").iterdir())
 
 
 def test_zero_code_steps_are_counted_again_in_a_new_generation() -> None:

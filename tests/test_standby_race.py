@@ -136,14 +136,65 @@ def test_an_in_place_replacement_takes_its_rank_s_standby_still_warming_or_start
     standby, out = _stand_in(tmp_path, warm_file=str(warm_file), idle=False)
     group = StandbyGroup([standby, None])
     argv = _attempt(tmp_path)
-    process, how = group.take_rank(0, argv, dict(os.environ))
+    process, how, promoted = group.take_rank(0, argv, dict(os.environ))
     assert process is standby.process and how.path == "promoted" and "still warming" in how.why
+    assert promoted is standby  # for the console's notice: the survivors wait for its warm-up
     assert group.standbys == [None, None]  # taken: `fill` starts the rank's next one
-    cold, how = group.take_rank(1, argv, dict(os.environ))
+    cold, how, promoted = group.take_rank(1, argv, dict(os.environ))
     assert cold is not standby.process and (how.path, how.why) == ("cold", "no standby for this rank")
+    assert promoted is None
     warm_file.touch()
     assert process.wait(60) == 0 and cold.wait(60) == 0
     assert json.loads(out.read_text())["request"]["argv"] == argv
+
+
+def test_survivors_waiting_for_a_promoted_in_place_replacement_are_told_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """An in-place recovery whose replacement is a standby still warming: the survivors wait in the
+    rendezvous for its warm-up, and the console says so, as for a process restart (it said nothing but the
+    attempt's start: 20 s of silence on a busy node)."""
+    from ettr.supervisor.agent import WorkerSpec
+    from ettr.supervisor.attempt import AttemptPlan
+    from ettr.supervisor.inplace import InPlace
+    from ettr.supervisor.launch import AttemptLaunch
+    from ettr.supervisor.workers import WorkerGroup, WorkerGroupKind
+
+    warm_file = tmp_path / "warm"
+    standby, _ = _stand_in(tmp_path, warm_file=str(warm_file), idle=False)
+    argv = _attempt(tmp_path)
+    kind = WorkerGroupKind(
+        WorkerSpec(nproc=2, argv=tuple(argv)), run_dir=tmp_path / "run", max_restarts=1, teardown_grace_s=1.0
+    )
+    kind._workers = ([argv, argv], [dict(os.environ), dict(os.environ)])
+    kind._standbys = StandbyGroup([None, standby])
+    monkeypatch.setattr(kind, "_env", lambda plan, rank, port: dict(os.environ))
+    survivor = AttemptProcess([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    dead = AttemptProcess([sys.executable, "-c", "pass"], dict(os.environ))
+    dead.wait(60)
+    group = WorkerGroup([survivor, dead], flush_s=0.0, teardown_grace_s=1.0)
+    group.continued = InPlace(failed_rank=1, returncode=-9, dead=(1,))
+    plan = AttemptPlan(attempt=1, launch=AttemptLaunch(argv=tuple(argv), env=dict(os.environ)))
+    try:
+        kind.continue_in_place(group, plan)
+        assert group.relaunch is not None and group.relaunch.path == "promoted"
+        assert group.notice is not None
+        deadline, err = time.monotonic() + 60, ""
+        while "waiting for" not in err:
+            assert time.monotonic() < deadline, err
+            time.sleep(0.05)
+            err += capsys.readouterr().err
+        assert "attempt 1: waiting for the standby of rank 1 to finish its warm-up" in err
+        warm_file.touch()
+        assert standby.process.wait(60) == 0
+        deadline = time.monotonic() + 60
+        while "standby ready after" not in err:
+            assert time.monotonic() < deadline, err
+            time.sleep(0.05)
+            err += capsys.readouterr().err
+    finally:
+        survivor.signal_tree(9)
+        group.finish()
 
 
 def test_a_standby_that_does_not_fit_is_dropped_and_says_why(tmp_path: Path) -> None:

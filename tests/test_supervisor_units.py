@@ -524,6 +524,23 @@ def _rank_start(rank: int, pid: int) -> Event:
     return Event(EventKind.PROCESS_START, 1.0, 0, rank, data={"pid": pid})
 
 
+def test_a_worker_that_went_on_in_place_is_named_when_it_dies_in_the_next_attempt() -> None:
+    # Attempt 1 after an in-place recovery: rank 0's worker (pid 100) went on from attempt 0 and recorded no
+    # PROCESS_START in attempt 1; rank 1's replacement (pid 201) did. Rank 0 is SIGKILLed while the group
+    # re-forms, and the replacement's rendezvous then fails on the broken connection.
+    lost_peer = Event(
+        EventKind.FAILURE, 2.0, 1, 1,
+        data={"exception": "DistBackendError", "message": "Connection closed by peer [127.0.0.1]:29500"},
+    )  # fmt: skip
+    events = [_rank_start(1, 201), lost_peer]
+    end = classify(returncode=-signal.SIGKILL, events=events, failed_pids=[[100]], ranks={100: 0, 201: 1})
+    assert end.reason == "killed by SIGKILL (rank 0)" and end.exception is None
+    # the replacement killed: named too, though it is the only rank with a PROCESS_START
+    own = classify(returncode=-signal.SIGKILL, events=[_rank_start(1, 201)], failed_pids=[[201]],
+                   ranks={100: 0, 201: 1})  # fmt: skip
+    assert own.reason == "killed by SIGKILL (rank 1)"
+
+
 def test_a_ddp_kill_of_rank_1_blames_rank_1_not_rank_0s_connection_error() -> None:
     lost_peer = Event(
         EventKind.FAILURE, 2.0, 0, 0,

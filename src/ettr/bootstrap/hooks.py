@@ -79,6 +79,29 @@ def called_from_ettr(depth: int = 2) -> bool:
     return name.startswith("ettr.") and not name.startswith("ettr.bootstrap")
 
 
+_PRIMING = ("torch.distributed.checkpoint.state_dict", "_init_optim_state")
+
+
+def priming_step(depth: int = 12) -> bool:
+    """Whether the optimizer step being hooked is DCP's priming of a fresh optimizer's state
+    (`torch.distributed.checkpoint.state_dict._init_optim_state`: zero gradients at a zero learning rate,
+    run by `get_state_dict` / `set_state_dict`, as ettr's checkpoint manager calls them to save and to
+    restore): not a training step. Counted, a process restarted from a checkpoint booked a step 1 during its
+    restore, before it trained (its start-up read as over, the TTR ending there, the script's steps numbered
+    one up). Looks at most `depth` frames up; never raises."""
+    try:
+        frame: Any = sys._getframe(2)  # noqa: SLF001 - the hook's callers: the optimizer's step wrapper, then its caller
+    except ValueError:
+        return False
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _PRIMING:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class StepCounter:
     """Global optimizer steps of an unmodified script: the resumed step plus the steps of the optimizer that
     steps most often, the first one to step when several step in lockstep (a GAN's discriminator and
@@ -243,6 +266,8 @@ class AutoHooks:
         guard, counter, checkpoints, evals = self.guard, self.steps, self.checkpoints, self.evals
 
         def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if priming_step():
+                return  # not a training step: DCP gives a fresh optimizer its state
             try:
                 checkpoints.before_step()  # settles a buffered save or an unplaced resume first
                 if evals.open is not None:  # a step in eval mode ends an evaluation

@@ -94,6 +94,12 @@ class Attempt(Protocol):
         rank gone (`classify`)."""
         ...
 
+    def ranks(self) -> dict[int, int]:
+        """The rank of each of its processes that its launcher knows (pid -> rank; ettr's agent: its
+        workers, one of which may have gone on from an earlier attempt (in place) and so recorded no
+        PROCESS_START in this one); empty where the ranks are known only from the processes' own events."""
+        ...
+
     def remember_tree(self) -> None:
         """Note the processes it runs now, so they are reached even after their parent died (every second)."""
         ...
@@ -178,6 +184,9 @@ class CommandAttempt:
 
     def failed_pids(self) -> list[list[int]]:
         return [list(look) for look in self._ranks.died]
+
+    def ranks(self) -> dict[int, int]:
+        return {}
 
     def remember_tree(self) -> None:
         self.process.remember_tree()

@@ -139,6 +139,7 @@ def classify(
     hung_bound: str = "",
     oom_killed: bool = False,
     failed_pids: Sequence[Sequence[int]] = (),
+    ranks: Mapping[int, int] | None = None,
     wrapper: bool = False,
     stopped_after_rank_failure: bool = False,
     signalled: Sequence[tuple[float, int, str]] = (),
@@ -158,6 +159,10 @@ def classify(
             order of the looks (ettr's agent: the failed worker; under a launcher, the ranks the supervisor saw
             die). The failed rank is in the first look that saw a rank gone: its exception, not the connection
             error another rank died of after it (`first_failed_rank`).
+        ranks: pid -> rank of the processes whose rank the launcher knows (`Attempt.ranks`), beside those the
+            PROCESS_START events name: a worker that went on into this attempt after an in-place recovery
+            recorded none in it, and its death would otherwise be nobody's (no `(rank N)`, and a peer's
+            exception taken for its cause).
         wrapper: the command is a shell, whose exit status 128 + N says that what it ran died of signal N.
         stopped_after_rank_failure: the supervisor stopped the attempt's processes because a rank died with a
             FAILURE on record (`restart.PeerFailureWatch`): a SIGTERM or SIGKILL that ended the command (or
@@ -175,6 +180,7 @@ def classify(
         for e in events
         if e.kind is EventKind.PROCESS_START and e.data and isinstance(e.data.get("pid"), int)
     }
+    rank_of.update(ranks or {})
     failures = [e for e in events if e.kind is EventKind.FAILURE and (e.data or {}).get("exception")]
     root = first_failed_rank(failed_pids, rank_of, failures)
     blamed = [e for e in failures if root is None or e.rank == root]

@@ -6,8 +6,12 @@ per supervisor run and removed with the job's memory copies at its end). A worke
 says it has joined attempt A's process group (`inplace_ready_path`), and a failure it survived
 (`inplace_failed_path`). `InPlaceCheck` decides, when a worker died or said it failed, whether the attempt
 can go on in place: only when every worker still running had joined the attempt (so it is inside the
-wrapper, waiting for the next generation) — a failure before that, or during an in-place recovery, takes
-the process restart as before. Then the supervisor books the attempt's end and the next attempt (a
+wrapper, waiting for the next generation) and the attempt has trained (a process of it took its first
+step) — a failure before that, at start-up or during an in-place recovery, takes the process restart as
+before. (A worker that dies while `train` sets up, before the first step, can leave its peers in a group
+formation they do not abandon for the group's whole timeout — the checkpoint manager's `new_group`, 30
+minutes in gloo — where a replacement's rendezvous gives up after `rendezvous_timeout_s` and the job
+failed; a process restart stops them.) Then the supervisor books the attempt's end and the next attempt (a
 recovery of kind `in_place`), starts a replacement for each worker that died (from its warm standby) and
 writes the next attempt's number (`announce`), which the survivors wait for.
 """
@@ -26,6 +30,7 @@ from ettr.run_env import (
     INPLACE_ENV,
     INPLACE_STORE_ENV,
     MEMORY_OWNER_NAME,
+    has_trained,
     inplace_failed_path,
     inplace_next_path,
     inplace_ready_path,
@@ -93,6 +98,8 @@ class InPlaceCheck:
         that failed by exiting. The in-place recovery to run, or None (the process restart, or no failure)."""
         running = [r for r, c in enumerate(codes) if c is None and r not in dead]
         if not running or not all(self.joined(pids[r]) for r in running):
+            return None
+        if not has_trained(self.run_dir, self.attempt):  # start-up or an in-place recovery not yet done
             return None
         if dead:
             code = codes[dead[0]]

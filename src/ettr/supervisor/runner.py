@@ -122,8 +122,7 @@ class AttemptRunner:
         self.watch = AttemptWatch(WatchConfig(grace_s=cfg.grace_s, hang_kill_grace_s=cfg.hang_kill_grace_s))
 
     def run(self, attempt: int, *, restarts_done: int = 0, restarts_left: int = 0) -> EndedAttempt:
-        """Run attempt `attempt` (`restarts_done` before it; a warm standby is prepared only while
-        `restarts_left`); how it ended."""
+        """Run attempt `attempt` (`restarts_done` before it; a standby only while `restarts_left`); its end."""
         p = self.parts
         cfg, books = p.config, p.books
         started = p.clock()
@@ -218,6 +217,7 @@ class AttemptRunner:
             hung_bound=state.hung_bound,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
             failed_pids=running.failed_pids(),
+            ranks=running.ranks(),
             wrapper=is_shell_command(launch.argv),
             stopped_after_rank_failure=state.rank_failed,
             signalled=self._outside_signals(state, attempt),

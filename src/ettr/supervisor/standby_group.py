@@ -85,19 +85,22 @@ class StandbyGroup:
 
     def take_rank(
         self, rank: int, argv: Sequence[str], env: dict[str, str]
-    ) -> tuple[AttemptProcess, Relaunch]:
+    ) -> tuple[AttemptProcess, Relaunch, Standby | None]:
         """Rank `rank`'s replacement in an in-place recovery: its standby where it fits, else a cold start
-        (raises OSError); the other ranks keep theirs."""
+        (raises OSError); the other ranks keep theirs. Third: the standby when it was promoted (still
+        warming: the caller's `WarmUpNotice` watches it and closes it), else None."""
         ready = self.standbys[rank] if rank < len(self.standbys) else None
         if ready is not None:
             self.standbys[rank] = None
             process, relaunch = ready.take(argv, env)
+            if process is not None and relaunch.path == "promoted":
+                return process, relaunch, ready
             ready.close()
             if process is not None:
-                return process, relaunch
+                return process, relaunch, None
         else:
             relaunch = Relaunch(path="cold", why="no standby for this rank")
-        return AttemptProcess(argv, env), relaunch
+        return AttemptProcess(argv, env), relaunch, None
 
     def fill(
         self,

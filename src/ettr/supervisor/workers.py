@@ -33,7 +33,7 @@ from ettr.supervisor.inplace import InPlace, InPlaceCheck
 from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
-from ettr.supervisor.standby import no_standby_reason
+from ettr.supervisor.standby import Standby, no_standby_reason
 from ettr.supervisor.standby_group import StandbyGroup
 from ettr.supervisor.watch import Continued, Exited, Exiting
 from ettr.untrusted import make_dirs_below
@@ -236,9 +236,12 @@ class WorkerGroup:
         rank = self.continued.failed_rank if self.continued is not None else self.failed_rank
         return [] if rank is None else [[self.procs[rank].pid]]
 
+    def ranks(self) -> dict[int, int]:
+        """Each worker's rank (a survivor of an in-place recovery recorded no PROCESS_START in this attempt)."""
+        return {p.pid: rank for rank, p in enumerate(self.procs)}
+
     def continue_as(self, attempt: int, replacements: dict[int, AttemptProcess], run_dir: Path) -> None:
-        """The group goes on as attempt `attempt` after an in-place recovery: the dead workers' replacements
-        take their ranks, the markers are the new attempt's."""
+        """Go on as attempt `attempt` after an in-place recovery: replacements take the dead workers' ranks."""
         for rank, process in replacements.items():
             old = self.procs[rank]
             old.kill_leftovers()
@@ -348,16 +351,22 @@ class WorkerGroupKind:
         dead = running.continued.dead
         replacements: dict[int, AttemptProcess] = {}
         paths: list[Relaunch] = []
+        waiting: list[tuple[str, Standby]] = []
         argvs, envs = self._workers
         for rank in dead:
             env = self._env(plan, rank, self._port)
             if self._standbys is not None:
-                process, how = self._standbys.take_rank(rank, argvs[rank], env)
+                process, how, promoted = self._standbys.take_rank(rank, argvs[rank], env)
+                waiting += [(f"rank {rank}", promoted)] if promoted is not None else []
             else:
                 process = AttemptProcess(argvs[rank], env)
                 how = Relaunch(path="cold", why=no_standby_reason(None, env))
             replacements[rank], paths = process, [*paths, how]
             envs[rank] = env
+        if running.notice is not None:  # an earlier attempt's: its standbys run or are gone
+            running.notice.stop()
+        running.notice = WarmUpNotice(plan.attempt, waiting)  # survivors wait on a promoted one's warm-up
+        running.notice.start()  # (says nothing without one)
         running.continue_as(plan.attempt, replacements, self._run_dir)
         inplace.announce(self._run_dir, plan.attempt, sorted(replacements))
         if paths:
