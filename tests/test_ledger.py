@@ -9,6 +9,8 @@ import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,3 +136,31 @@ def test_torn_wal_tail_is_ignored(tmp_path):
     ledger.close()
     steps = [e.step for e in open_ledger(copy, create=False).read()]
     assert steps == [1]
+
+
+def _open_at_once(path: str, barrier: Any, results: Any) -> None:
+    from ettr.ledger.sqlite import SqliteLedger
+
+    barrier.wait()
+    try:
+        SqliteLedger(path).close()
+        results.put("ok")
+    except Exception as exc:  # the failure under test: one line for the assertion
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_processes_creating_one_new_ledger_at_once_all_open_it(tmp_path: Path) -> None:
+    """The ranks of a job started without a supervisor create the run directory's ledger together: SQLite
+    answers "database is locked" at once (no busy wait) to the switch to WAL and the first schema writes,
+    and a rank that lost that race recorded nothing. Each of 8 processes, released together, opens it."""
+    ctx = mp.get_context("fork")
+    for round_ in range(3):
+        path = str(tmp_path / f"ledger-{round_}.db")
+        barrier, results = ctx.Barrier(8), ctx.Queue()
+        procs = [ctx.Process(target=_open_at_once, args=(path, barrier, results)) for _ in range(8)]
+        for p in procs:
+            p.start()
+        said = [results.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        assert said == ["ok"] * 8, said

@@ -17,6 +17,7 @@ import time
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ettr.events import SCHEMA_VERSION, Event
 from ettr.ledger.accounted import select_rows
@@ -91,14 +92,7 @@ class SqliteLedger:
         """How often a lost write-ahead log made this ledger reopen its connection."""
         try:
             if create:
-                self._conn = self._connect()
-                self._conn.execute("PRAGMA journal_mode = WAL")
-                self._conn.executescript(_SCHEMA)
-                self._conn.execute(
-                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
-                    (str(SCHEMA_VERSION),),
-                )
-                row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                row = self._create()
             else:
                 row = self._probe(read_only=read_only)
         except sqlite3.DatabaseError as exc:
@@ -113,6 +107,37 @@ class SqliteLedger:
             raise LedgerError(
                 f"{self.path}: ledger schema {found} is not supported (need <= {SCHEMA_VERSION})"
             )
+
+    def _create(self) -> Any:
+        """Connect, make the file a WAL ledger with its tables, and read its schema version (the row).
+
+        Several processes opening a new ledger at once (the ranks of a job started without a supervisor, an
+        `ettr.init` job) meet where SQLite returns "database is locked" at once, without its busy handler:
+        the switch to WAL and the first schema writes. Those are retried, the connection made anew, for as
+        long as a writer waits otherwise (`busy_timeout_s`); before, a rank that lost the race recorded nothing
+        ("recording is off")."""
+        deadline = time.monotonic() + self._busy_timeout_s
+        pause = 0.02
+        while True:
+            conn = self._connect()
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.executescript(_SCHEMA)
+                conn.execute(
+                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+                    (str(SCHEMA_VERSION),),
+                )
+                row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            except sqlite3.OperationalError as exc:
+                conn.close()
+                text = str(exc).lower()
+                if ("locked" not in text and "busy" not in text) or time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.5)
+                continue
+            self._conn = conn
+            return row
 
     def _connect(self, uri: str | None = None) -> sqlite3.Connection:
         conn = sqlite3.connect(
