@@ -127,6 +127,11 @@ def test_the_callback_records_the_trainer_step_resume_and_one_commit_per_checkpo
     assert [e.step for e in events if e.kind is EventKind.STEP] == [4, 5, 6, 7, 8, 9]
     stages = {e.data["stage"] for e in events if e.kind is EventKind.PHASE_END and e.phase is Phase.RESTORE}
     assert {"from_checkpoint", "optimizer_and_scheduler", "data_fast_forward"} <= stages
+    # Each restore of the checkpoint names it: the report can tell a restore of a save that never completed.
+    read = {
+        e.data.get("path") for e in events if e.kind is EventKind.PHASE_BEGIN and e.phase is Phase.RESTORE
+    }
+    assert read == {str(tmp_path / "out" / "checkpoint-3")}
 
 
 def test_the_bootstrap_gives_every_trainer_exactly_one_callback(tmp_path: Path) -> None:

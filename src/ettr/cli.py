@@ -266,9 +266,9 @@ def _report(args: argparse.Namespace) -> int:
         print(json.dumps(payload if several else payload[0], indent=2))
     elif len(reports) == 1:
         print(render(reports[0]))
-        from ettr.report.hints import no_step_hints
+        from ettr.report.hints import no_step_hints, torn_checkpoint_hints
 
-        for hint in no_step_hints(loaded[0][0], reports[0]):
+        for hint in (*no_step_hints(loaded[0][0], reports[0]), *torn_checkpoint_hints(loaded[0][0])):
             print(f"\nnote: {hint}")
         from ettr.report.audit import render as render_audit
 

@@ -104,7 +104,15 @@ class EttrCallback(TrainerCallback):
     def _phase_call(self, phase: Phase, stage: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> Any:
-                with self.rec.phase(phase, framework=_FRAMEWORK, stage=stage):
+                # The restore methods take the checkpoint directory first: recorded, a report can tell a
+                # restore of a checkpoint whose save never completed (`ettr.report.hints`).
+                where = args[0] if phase is Phase.RESTORE and args else None
+                path = (
+                    {"path": os.path.abspath(os.fsdecode(where))}
+                    if isinstance(where, str | os.PathLike)
+                    else {}
+                )
+                with self.rec.phase(phase, framework=_FRAMEWORK, stage=stage, **path):
                     return original(*args, **kwargs)
 
             return call

@@ -1,0 +1,85 @@
+"""The report's notes from the events alone (`ettr.report.hints`): a restore of a checkpoint whose save began
+in an earlier attempt and never committed (the process ended mid-save, so its files may be partial)."""
+
+from __future__ import annotations
+
+from ettr.events import Event, EventKind, Phase
+from ettr.report.hints import torn_checkpoint_hints
+
+OUT = "/job/out"
+
+
+def _save(ts: float, attempt: int, step: int, *, committed: bool) -> list[Event]:
+    path = f"{OUT}/checkpoint-{step}"
+    events = [
+        Event(EventKind.PHASE_BEGIN, ts, attempt, 0, Phase.CHECKPOINT_BLOCKING, step, data={"path": path})
+    ]
+    if committed:
+        events += [
+            Event(
+                EventKind.PHASE_END, ts + 1, attempt, 0, Phase.CHECKPOINT_BLOCKING, step, data={"path": path}
+            ),
+            Event(EventKind.CHECKPOINT_COMMIT, ts + 1, attempt, 0, step=step, data={"path": path}),
+        ]
+    return events
+
+
+def _restore(ts: float, attempt: int, path: str) -> Event:
+    return Event(
+        EventKind.PHASE_BEGIN, ts, attempt, 0, Phase.RESTORE, data={"stage": "from_checkpoint", "path": path}
+    )
+
+
+def test_a_restore_of_a_save_cut_off_in_an_earlier_attempt_is_named_with_the_last_committed_one() -> None:
+    # Hugging Face's get_last_checkpoint picks checkpoint-40, whose save was killed after the weights.
+    events = [
+        *_save(10, 0, 20, committed=True),
+        *_save(20, 0, 40, committed=False),
+        _restore(30, 1, f"{OUT}/checkpoint-40"),
+        _restore(40, 2, f"{OUT}/checkpoint-40"),
+        _restore(41, 2, f"{OUT}/checkpoint-40"),  # optimizer, RNG of the same attempt
+    ]
+    [hint] = torn_checkpoint_hints(events)  # one note a checkpoint, naming the attempts that read it
+    assert hint.startswith(
+        f"attempts 1, 2 restored {OUT}/checkpoint-40, whose save at step 40 in attempt 0 never"
+    )
+    assert f"last committed checkpoint before it: {OUT}/checkpoint-20 (step 20)" in hint
+    [hint] = torn_checkpoint_hints(events[3:5])  # the torn save and one restore, nothing committed before
+    assert hint.startswith(f"attempt 1 restored {OUT}/checkpoint-40")
+    assert "no checkpoint had committed before it" in hint
+
+
+def test_committed_checkpoints_and_second_files_of_one_are_not_torn() -> None:
+    last = "/job/ckpt/last.ckpt"
+    events = [
+        *_save(10, 0, 20, committed=True),
+        # Lightning's save_last: a second file of the same checkpoint, marked when written.
+        Event(EventKind.PHASE_BEGIN, 11, 0, 0, Phase.CHECKPOINT_BLOCKING, 20, data={"path": last}),
+        Event(EventKind.MARK, 12, 0, 0, data={"name": "checkpoint_file", "step": 20, "path": last}),
+        _restore(30, 1, f"{OUT}/checkpoint-20"),
+        _restore(30, 1, last),
+        _restore(30, 1, "/elsewhere/pretrained"),  # never saved by this job: nothing to say
+    ]
+    assert torn_checkpoint_hints(events) == []
+
+
+def test_a_save_rewritten_and_committed_later_is_no_longer_torn() -> None:
+    events = [
+        *_save(10, 0, 40, committed=False),
+        *_save(20, 1, 40, committed=True),
+        _restore(30, 2, f"{OUT}/checkpoint-40"),
+    ]
+    assert torn_checkpoint_hints(events) == []
+
+
+def test_a_slower_rank_timing_its_part_after_rank_0_committed_is_not_a_torn_save() -> None:
+    path = f"{OUT}/checkpoint-20"
+    events = [
+        *_save(10, 0, 20, committed=True),  # rank 0: begin at 10, commit at 11
+        Event(EventKind.PHASE_BEGIN, 12, 0, 1, Phase.CHECKPOINT_BLOCKING, 20, data={"path": path}),  # rank 1
+        _restore(30, 1, path),
+    ]
+    assert torn_checkpoint_hints(events) == []
+    # No commit recorded at all (killed in the first save): the lowest saving rank's saves count.
+    events = [events[0], events[3], _restore(30, 1, path)]
+    assert torn_checkpoint_hints(events)[0].startswith(f"attempt 1 restored {path}")
