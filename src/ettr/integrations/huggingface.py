@@ -107,7 +107,7 @@ class EttrCallback(TrainerCallback):
                 # The restore methods take the checkpoint directory first: recorded, a report can tell a
                 # restore of a checkpoint whose save never completed (`ettr.report.hints`).
                 where = args[0] if phase is Phase.RESTORE and args else None
-                path = (
+                path: dict[str, Any] = (
                     {"path": os.path.abspath(os.fsdecode(where))}
                     if isinstance(where, str | os.PathLike)
                     else {}
