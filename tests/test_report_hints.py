@@ -3,6 +3,10 @@ in an earlier attempt and never committed (the process ended mid-save, so its fi
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from ettr.events import Event, EventKind, Phase
 from ettr.report.hints import torn_checkpoint_hints
 
@@ -83,3 +87,29 @@ def test_a_slower_rank_timing_its_part_after_rank_0_committed_is_not_a_torn_save
     # No commit recorded at all (killed in the first save): the lowest saving rank's saves count.
     events = [events[0], events[3], _restore(30, 1, path)]
     assert torn_checkpoint_hints(events)[0].startswith(f"attempt 1 restored {path}")
+
+
+def test_ettr_report_prints_the_note_after_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ettr.cli import main
+    from ettr.ledger.sqlite import SqliteLedger
+
+    torn = f"{OUT}/checkpoint-40"
+    ledger = SqliteLedger(tmp_path / "ledger.db")
+    ledger.append(
+        [
+            Event(EventKind.ATTEMPT_START, 1.0, 0, -1),
+            Event(EventKind.STEP, 2.0, 0, 0, step=40),
+            *_save(3.0, 0, 40, committed=False),
+            Event(EventKind.ATTEMPT_END, 4.0, 0, -1, data={"outcome": "failed", "exit_code": 137}),
+            Event(EventKind.ATTEMPT_START, 5.0, 1, -1),
+            _restore(6.0, 1, torn),
+            Event(EventKind.ATTEMPT_END, 7.0, 1, -1, data={"outcome": "failed", "exit_code": 1}),
+        ]
+    )
+    ledger.close()
+    assert main(["report", str(tmp_path)]) == 0
+    assert f"\nnote: attempt 1 restored {torn}, whose save at step 40 in attempt 0 never completed" in (
+        capsys.readouterr().out
+    )
