@@ -141,3 +141,39 @@ def test_compile_report_over_forged_store_marks_is_text_not_a_traceback(tmp_path
     assert main(["compile-report", str(tmp_path), "--json"]) == 0
     (store,) = json.loads(capsys.readouterr().out)["attempts"][0]["store"]
     assert (store["ts"], store["rank"]) == (5.0, 0)
+
+
+def test_compile_report_of_several_ranks_says_the_sum_is_over_ranks_and_the_slowest_rank():
+    """Two ranks compiling 66 s side by side printed "132.1 s compiling" for an attempt of 80 s."""
+    events = [
+        Event(EventKind.PHASE_END, 70.0, 0, 0, Phase.COMPILE, value=4.0, data={"source": "dynamo"}),
+        Event(EventKind.PHASE_END, 72.0, 0, 1, Phase.COMPILE, value=4.0, data={"source": "dynamo"}),
+        Event(EventKind.RECOMPILE, 20.0, 0, 0, data={"reason": "grad_mode"}),
+        Event(EventKind.MARK, 1.0, 0, 0, data={"name": STORE_MARK, "action": "restore", "status": "hit"}),
+        Event(
+            EventKind.MARK,
+            1.0,
+            0,
+            1,
+            data={
+                "name": STORE_MARK,
+                "action": "restore",
+                "status": "hit",
+                "already_present": ["inductor_cache"],
+            },
+        ),
+    ]
+    (attempt,) = summarize(events)["attempts"]
+    assert (attempt["num_compiles"], attempt["compile_s"], attempt["num_ranks"]) == (2, 134.0, 2)
+    assert attempt["slowest_rank_compile_s"] == 68.0
+    assert [(r["rank"], r["compile_s"], r["num_recompiles"]) for r in attempt["ranks"]] == [
+        (0, 66.0, 1),
+        (1, 68.0, 0),
+    ]
+    text = render(summarize(events))
+    assert (
+        "attempt 0 (2 ranks): 2 compilations, 134.0 s compiling over all ranks (slowest rank 68.0 s)" in text
+    )
+    assert "store: rank 1 restore hit (its files were already on the node)" in text
+    one_rank = render(summarize(events[:1]))
+    assert "attempt 0: 1 compilations, 66.0 s compiling, 0 recompiles" in one_rank and "rank" not in one_rank

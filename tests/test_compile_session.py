@@ -102,6 +102,36 @@ def test_save_on_one_node_restore_on_a_fresh_one_skip_on_the_same_one(node, tmp_
     rec.close()
 
 
+def test_files_an_unsaved_attempt_left_on_the_node_are_saved_by_the_next_one(node, tmp_path):
+    """Attempt 0 restores, compiles new kernels and dies before its save; attempt 1 on the same node
+    restores (the entry's files are there), finds the new kernels in the cache and compiles nothing new.
+    Its save must still store them: before, it compared the directory with itself after the restore,
+    saw nothing new, and every later job on a fresh node compiled them again (nanoGPT under torchrun:
+    66 s)."""
+    store = CompileStore(MemoryBackend())
+    cache, headers = node("n")
+    (cache / "ab").mkdir(parents=True)
+    (cache / "ab" / "kernel.so").write_bytes(b"k" * 100)
+    headers.mkdir(parents=True)
+    (headers / "prefix.h.gch").write_bytes(b"h" * 1000)
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    rec.close()
+
+    (cache / "cd").mkdir()
+    (cache / "cd" / "ddp_kernel.so").write_bytes(b"d" * 50)  # an attempt's kernels, never saved
+
+    restart, rec = _session(store, tmp_path)
+    restart.prepare()
+    assert restart.last_restore["status"] == "hit"
+    _compiled_something(restart)  # cache hits only
+    assert restart.save() is True
+    assert restart.save() is False  # now the entry holds them
+    rec.close()
+    assert "cd/ddp_kernel.so" in store.head(KEY).artifacts[artifacts.INDUCTOR_ARCHIVE]
+
+
 def test_a_save_only_session_leaves_its_artifacts_and_restores_nothing(node, tmp_path):
     store = CompileStore(MemoryBackend())
     cache, _headers = node("first")

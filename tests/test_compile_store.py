@@ -470,3 +470,34 @@ def test_a_store_that_is_not_local_reads_its_large_files(tmp_path):
     dest = tmp_path / "node"
     artifacts.restore_tree(files, dest, store.read, copy=store.copy_into)
     assert (dest / "header.h.gch").read_bytes() == big
+
+
+def test_a_store_this_process_cannot_write_is_still_read(tmp_path, monkeypatch):
+    """A store filled elsewhere and mounted read-only: restores read it (before, opening the lock file for
+    writing raised EROFS and every restore missed); eviction is skipped; a save fails as an OSError."""
+    import errno
+    import os
+
+    backend = LocalBackend(tmp_path / "store")
+    CompileStore(backend).save(_key(), {"cache": {"k.so": b"kernel"}})
+    real_open = os.open
+
+    def read_only_open(path, flags, *args, **kwargs):
+        if flags & (os.O_RDWR | os.O_WRONLY | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    for lock_file_there in (True, False):
+        if not lock_file_there:
+            (tmp_path / "store" / ".lock").unlink()
+        monkeypatch.setattr(os, "open", read_only_open)
+        try:
+            store = CompileStore(LocalBackend(tmp_path / "store"))
+            entry = store.head(_key())
+            with store.reading():
+                assert store.read(entry.artifacts["cache"]["k.so"]) == b"kernel"
+            assert store.evict() == []
+            with backend.lock(exclusive=True, wait=False) as held:
+                assert held is (True if lock_file_there else False)
+        finally:
+            monkeypatch.setattr(os, "open", real_open)

@@ -65,6 +65,14 @@ BASE = JobParams(
         {"duration_s": None, "work_s": 2 * 86_400.0, "interval_global": True, "preemptions_per_day": 3.0},
         {"failures_per_node_day": 20.0},  # failures in start-up and during restarts, often
         {"failures_per_node_day": 0.0},
+        # evaluation in the loop (a profile's eval_s_per_train_s): the batch dropped it before
+        {"eval_s_per_train_s": 0.4},
+        {
+            "eval_s_per_train_s": 0.4,
+            "duration_s": None,
+            "work_s": 2 * 86_400.0,
+            "failures_per_node_day": 20.0,
+        },
         {"scheduling_s": 4 * 86_400.0},  # the window closes before the job is allocated
         {"shutdown_s": 3 * 86_400.0 - 10.0},  # the window closes in start-up
         # recovery kinds: most failures restarted in place at 2 s, some warm, the rest at restart_s

@@ -106,6 +106,17 @@ def fingerprint(root: Path, *, exclude: Path | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+def listing_fingerprint(sizes: Mapping[str, int]) -> str:
+    """`fingerprint` of a directory holding exactly these files (relative path -> size): of what a store
+    entry lists, so that it can be compared with the directory it was restored into."""
+    h = hashlib.sha256()
+    for rel in sorted(sizes):
+        path = PurePosixPath(rel)
+        if not _skip(path) and not _is_pgo_profile(path):
+            h.update(f"{path}\0{sizes[rel]}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def _is_pgo_profile(rel: PurePosixPath) -> bool:
     return rel.name.startswith("code_state_") and "dynamo" in rel.parts
 

@@ -10,6 +10,7 @@ store) says so, and eviction then waits for them to age (`store.UNREFERENCED_GRA
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import threading
@@ -62,6 +63,10 @@ class StoreBackend(Protocol):
     def describe(self) -> str:
         """Where this is, for messages."""
         ...
+
+
+_NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+"""What opening the lock file for writing raises in a store this process may read but not write."""
 
 
 def _check(path: str) -> str:
@@ -143,9 +148,26 @@ class LocalBackend:
 
     @contextlib.contextmanager
     def lock(self, *, exclusive: bool, wait: bool) -> Iterator[bool | None]:
-        """An flock on `<root>/.lock` (released when its holder ends, however it ends)."""
+        """An flock on `<root>/.lock` (released when its holder ends, however it ends).
+
+        A store this process cannot write (a read-only mount of a store filled elsewhere) is still read: the
+        lock file is opened read-only (an flock needs no write access), and where there is none and none can
+        be made, readers go on unlocked (`None`: no process can save into or evict from such a store) and
+        eviction is skipped (`False`). Before, every restore from it failed on the lock file (EROFS) and the
+        job compiled cold although the store held its entry."""
         self._safe("x", create=True)  # the root: made private, or refused
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        path = self.root / ".lock"
+        flags = os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o600)
+        except OSError as exc:
+            if exc.errno not in _NOT_WRITABLE:
+                raise
+            try:
+                fd = os.open(path, os.O_RDONLY | flags)
+            except FileNotFoundError:
+                yield None if not exclusive else False
+                return
         try:
             mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
             try:

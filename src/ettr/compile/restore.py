@@ -178,8 +178,14 @@ class StoreRestorer:
         if entry is not None:
             self._view.meta = dict(entry.meta)
             stored_sources = dynamic.parse_many(self._view.meta.get("dynamic_sources", []))
+            # What the entry holds, not what the directory holds: an earlier attempt on this node may have
+            # compiled files it never saved (killed before its save); this process finds them there and
+            # must still save them, or every later job on a fresh node compiles them again.
+            cached = entry.artifacts.get(artifacts.INDUCTOR_ARCHIVE, {})
+            header_dir = dirs[1] if dirs is not None else artifacts.headers_dir()
             self._view.saved_state = (
-                artifacts.collect_fingerprint(*dirs) if dirs else artifacts.collect_fingerprint(),
+                artifacts.listing_fingerprint({rel: f.size for rel, f in cached.items()})
+                + artifacts.fingerprint(header_dir),
                 tuple(s.render() for s in stored_sources),
                 json.dumps(self._view.meta.get("batch_spec"), sort_keys=True),
             )

@@ -27,8 +27,16 @@ def _attempt(summary: dict[int, dict[str, Any]], index: int) -> dict[str, Any]:
             "num_recompiles": 0,
             "recompile_reasons": [],
             "store": [],
+            "ranks": {},
         }
     return summary[index]
+
+
+def _rank(attempt: dict[str, Any], rank: int) -> dict[str, Any]:
+    ranks: dict[int, dict[str, Any]] = attempt["ranks"]
+    if rank not in ranks:
+        ranks[rank] = {"rank": rank, "num_compiles": 0, "compile_s": 0.0, "num_recompiles": 0}
+    return ranks[rank]
 
 
 def summarize(
@@ -47,12 +55,16 @@ def summarize(
             if data.get("source") == "dynamo":
                 a["num_compiles"] += 1
                 a["compile_s"] += max(0.0, e.ts - e.value)
+                r = _rank(a, e.rank)
+                r["num_compiles"] += 1
+                r["compile_s"] += max(0.0, e.ts - e.value)
             elif data.get("source") == "fast_start":
                 a["fast_start_compile_s"] += max(0.0, e.ts - e.value)
         elif e.kind == EventKind.RECOMPILE:
             reason = str((e.data or {}).get("reason", ""))
             a = _attempt(attempts, e.attempt)
             a["num_recompiles"] += 1
+            _rank(a, e.rank)["num_recompiles"] += 1
             a["recompile_reasons"].append(reason)
             reasons[reason] += 1
         elif e.kind == EventKind.MARK and (e.data or {}).get("name") == STORE_MARK:
@@ -63,6 +75,14 @@ def summarize(
     for a in attempts.values():
         a["compile_s"] = round(a["compile_s"], 3)
         a["fast_start_compile_s"] = round(a["fast_start_compile_s"], 3)
+        # `num_compiles`, `compile_s` and `num_recompiles` add up every rank's; the ranks compile side by
+        # side, so what the attempt waited for is about the slowest rank's (`slowest_rank_compile_s`).
+        ranks = [a["ranks"][r] for r in sorted(a["ranks"])]
+        for r in ranks:
+            r["compile_s"] = round(r["compile_s"], 3)
+        a["ranks"] = ranks
+        a["num_ranks"] = len(ranks)
+        a["slowest_rank_compile_s"] = max((r["compile_s"] for r in ranks), default=0.0)
     sources, learned_reasons = learned
     return {
         "schema": SCHEMA,

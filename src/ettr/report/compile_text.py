@@ -45,6 +45,8 @@ def _store_line(action: Mapping[str, Any]) -> str:
     details = []
     if size is not None:
         details.append(f"{size / 1e6:.1f} MB")
+    if action.get("action") == "restore" and action.get("already_present") and not action.get("restored"):
+        details.append("its files were already on the node")  # another rank or an earlier attempt put them
     if written is not None:
         details.append(f"{written / 1e6:.1f} MB of it new to the store")
     if action.get("headers"):
@@ -63,12 +65,23 @@ def render(summary: Mapping[str, Any]) -> str:
         lines.append("  no compilation was recorded (torch.compile not used, or compile support off)")
     for a in summary["attempts"]:
         fast = f", fast-batch warm-up {a['fast_start_compile_s']:.1f} s" if a["fast_start_compile_s"] else ""
-        lines.append(
-            f"  attempt {a['attempt']}: {a['num_compiles']} compilations, {a['compile_s']:.1f} s compiling"
-            f"{fast}, {a['num_recompiles']} recompiles"
-        )
+        several = _number(a.get("num_ranks")) is not None and a["num_ranks"] > 1
+        slowest = _number(a.get("slowest_rank_compile_s"))
+        if several and slowest is not None:  # rank-seconds: the ranks compile side by side
+            lines.append(
+                f"  attempt {a['attempt']} ({a['num_ranks']} ranks): {a['num_compiles']} compilations, "
+                f"{a['compile_s']:.1f} s compiling over all ranks (slowest rank {slowest:.1f} s){fast}, "
+                f"{a['num_recompiles']} recompiles"
+            )
+        else:
+            lines.append(
+                f"  attempt {a['attempt']}: {a['num_compiles']} compilations, {a['compile_s']:.1f} s compiling"
+                f"{fast}, {a['num_recompiles']} recompiles"
+            )
+        store_ranks = {action.get("rank") for action in a["store"]}
         for action in a["store"]:
-            lines.append(f"    store: {_store_line(action)}")
+            who = f"rank {action.get('rank')} " if len(store_ranks) > 1 else ""
+            lines.append(f"    store: {who}{_store_line(action)}")
     if summary["recompile_reasons"]:
         lines.append("recompile reasons (most frequent first):")
         for item in summary["recompile_reasons"]:

@@ -12,12 +12,12 @@ with the scalar loop. Pure: no I/O, no clock.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ettr.events import Bucket
-from ettr.simulate.model import MAX_INTERRUPTIONS, kind_draws, seeded_streams
+from ettr.simulate.model import MAX_INTERRUPTIONS, _with_evaluation, kind_draws, seeded_streams
 from ettr.simulate.params import JobParams
 from ettr.simulate.streams import EventStream
 
@@ -149,9 +149,26 @@ class _Model:
 
 def simulate_batch(params: JobParams, *, seed: int, runs: int) -> BatchResult:
     """Runs 0 .. runs-1 of the seeded family `seed`: run i equals `model.simulate_seeded(params, seed=seed,
-    run_index=i)`. Raises ValueError when a run passes `MAX_INTERRUPTIONS`, as the scalar loop does."""
+    run_index=i)`. Raises ValueError when a run passes `MAX_INTERRUPTIONS`, as the scalar loop does.
+
+    Evaluation inside the loop (`eval_s_per_train_s`) is handled as the scalar loop handles it: the job's
+    training seconds stretched by it, then the kept stretch split into effective training and evaluation
+    (before, this engine, which runs from 64 runs on, left evaluation out and counted it as training)."""
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
+    stretch = 1.0 + params.eval_s_per_train_s
+    if stretch == 1.0:
+        return _simulate_batch(params, seed=seed, runs=runs)
+    stretched, _ = _with_evaluation(params, None, stretch)
+    result = _simulate_batch(stretched, seed=seed, runs=runs)
+    buckets = result.buckets_s.copy()
+    kept = buckets[:, _B[Bucket.EFFECTIVE_TRAINING]].copy()
+    buckets[:, _B[Bucket.EFFECTIVE_TRAINING]] = kept / stretch
+    buckets[:, _B[Bucket.EVALUATION]] += kept - kept / stretch
+    return replace(result, buckets_s=buckets, kept_s=result.kept_s / stretch)
+
+
+def _simulate_batch(params: JobParams, *, seed: int, runs: int) -> BatchResult:
     p = params
     model = _Model(p)
     horizon = math.inf if p.duration_s is None else p.duration_s
