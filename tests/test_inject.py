@@ -194,3 +194,18 @@ def test_preempt_waits_only_until_the_sigterm_arrives_and_the_script_still_handl
     waited_s, handled = out.stdout.split(maxsplit=1)
     assert float(waited_s) < 10.0  # not the full 30 s: well inside the supervisor's grace period
     assert "15" in handled  # the script's own handler got the signal
+
+
+def test_why_a_step_fault_never_fired_is_said_from_the_steps_the_attempts_ran() -> None:
+    spec = parse_spec("crash@step=120")
+    # The README's second command, run where the first left its finished checkpoint: resumed at 200.
+    assert "completed no training step" in inject.why_unfired(spec, {0: (None, None)})
+    assert "began at step 151, past step 120" in inject.why_unfired(spec, {0: (151, 200)})
+    assert inject.why_unfired(spec, {0: (1, 80)}) == "attempt 0 ended at step 80"
+    assert inject.why_unfired(parse_spec("crash@step=5,attempt=2"), {0: (1, 9), 1: (10, 20)}) == (
+        "the job ended after attempt 1"
+    )
+    assert inject.why_unfired(spec, {0: (1, 200)}) == ""  # it should have fired: nothing to explain
+    assert inject.why_unfired(spec, {3: (1, 9)}) == ""  # attempt 0 was an earlier run's (a requeue)
+    assert inject.why_unfired(spec, {}) == ""
+    assert inject.why_unfired(parse_spec("crash@time=5"), {0: (None, None)}) == ""

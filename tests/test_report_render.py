@@ -189,6 +189,21 @@ def test_a_running_job_reads_running_and_a_lost_one_supervisor_lost() -> None:
     )
 
 
+def test_a_lost_job_whose_last_attempt_had_ended_does_not_say_its_failure_is_uncounted() -> None:
+    """`ettr.init` alone (no `ettr run`) whose script raised: its attempt's failure is in the books, and no
+    job end follows (a rerun would continue them). The report counted the failure ("failures 1") while its
+    headline said "no failure is counted until a requeue says what happened"."""
+    events = [sup(K.SUPERVISOR_START, 0), sup(K.ATTEMPT_START, 0)]
+    events += [Event(K.STEP, T0 + 2 + i, 0, 0, step=i + 1) for i in range(5)]
+    events += [Event(K.FAILURE, T0 + 7, 0, 0, data={"exception": "BrokenPipeError", "message": "x"})]
+    events += [sup(K.ATTEMPT_END, 7, outcome="failed", exit_code=1, exception="BrokenPipeError")]
+    report = compute(events, T0 + 7, job_id="job-b", supervisor_alive=False)
+    title = render(report).splitlines()[0]
+    assert "supervisor lost" in title and "failures 1" in summary_line(report)
+    assert "no failure is counted" not in title
+    assert "attempt 0 is counted as it ended" in title
+
+
 def test_render_comparison_lists_every_metric_and_bucket() -> None:
     a, b = two_attempt_job(), two_attempt_job(job_end=False)
     text = render_comparison([a, b], labels=["baseline", "optimized"])

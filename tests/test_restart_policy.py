@@ -208,6 +208,16 @@ def test_back_off_follows_the_cause() -> None:
             Cause.INFRA,
             Detail.HARDWARE,
         ),
+        (  # a script piped into `head`: its print() hit the closed pipe; nothing distributed about it
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "process_failure": {"exception": "BrokenPipeError", "message": "[Errno 32] Broken pipe"},
+            },
+            True,
+            Cause.USER,
+            Detail.EXCEPTION,
+        ),
         ({"outcome": "failed", "exit_code": 1, "exception": "KeyError"}, False, Cause.USER, Detail.STARTUP),
         (
             {"outcome": "failed", "exit_code": 127, "reason": "cannot start: x"},

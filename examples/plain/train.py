@@ -50,7 +50,12 @@ def main() -> None:
             tmp = f"{args.ckpt}.tmp-{os.getpid()}"
             torch.save(state, tmp)
             os.replace(tmp, args.ckpt)  # the checkpoint is complete only now
-    print(f"trained {args.steps} steps" + ("" if loss is None else f", loss {loss.item():.4f}"))
+    done = (
+        f"trained steps {start + 1}-{args.steps}"
+        if start < args.steps
+        else f"resumed at step {start}: trained none"
+    )
+    print(done + ("" if loss is None else f", loss {loss.item():.4f}"))
     if distributed:
         dist.destroy_process_group()
 

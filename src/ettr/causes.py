@@ -82,10 +82,11 @@ _COLLECTIVE_EXCEPTIONS = frozenset(
         "RendezvousTimeoutError",
         "RendezvousStateError",
         "NcclError",
-        "ConnectionResetError",
-        "BrokenPipeError",
     }
 )
+# Not `BrokenPipeError`/`ConnectionResetError` by their names: the distributed runtime raises its own types,
+# and a Python process meets these writing to a closed pipe (a job piped into `head` read `infra
+# (collective)`), a data loader's worker or an HTTP source; a reset's words still match below.
 _COLLECTIVE_TEXT = (
     "collective operation timeout",
     "Watchdog caught collective",

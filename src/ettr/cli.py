@@ -382,7 +382,11 @@ def _interval(args: argparse.Namespace) -> int:
 
 # -- ettr demo -------------------------------------------------------------------------------------------
 def _add_demo(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="a short run (under 2 minutes)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run (1,200 steps: a few minutes; 5-6 min on a busy 2-core machine)",
+    )
     p.add_argument(
         "--out", type=path_arg, default="runs/demo", metavar="DIR", help="where the runs go (runs/demo)"
     )

@@ -372,6 +372,33 @@ def unfired_specs(specs: Sequence[FaultSpec], events: Iterable[Event]) -> list[F
     return [spec for spec in specs if str(spec) not in fired]
 
 
+def why_unfired(spec: FaultSpec, steps: Mapping[int, tuple[int | None, int | None]]) -> str:
+    """Why the step fault `spec` never fired, from the steps the attempts ran ("" when it cannot be said).
+
+    `steps` maps each attempt this supervisor ran to (the lowest, the highest) step a training process of
+    it completed (None, None: none). A job that resumed from a checkpoint past step N (an earlier run's,
+    left in the same place) never passes step N, which otherwise looks like a fault that was ignored.
+    """
+    if spec.step is None or not steps or spec.attempt < min(steps):
+        return ""  # a time or checkpoint trigger; an attempt of an earlier run of the job
+    if spec.attempt not in steps:
+        return f"the job ended after attempt {max(steps)}"
+    first, last = steps[spec.attempt]
+    if last is None:
+        return (
+            f"attempt {spec.attempt} completed no training step; a script that resumes from a finished "
+            "run's checkpoint trains none"
+        )
+    if first is not None and first > spec.step:
+        return (
+            f"attempt {spec.attempt} began at step {first}, past step {spec.step}: it resumed from a "
+            "checkpoint saved after that step (an earlier run's?)"
+        )
+    if last < spec.step:
+        return f"attempt {spec.attempt} ended at step {last}"
+    return ""
+
+
 _active: Injector | None = None
 
 

@@ -85,10 +85,17 @@ def status(report: EttReport) -> str | None:
                 f", after it got {o.stop_signal} at +{o.stop_signal_ts - report.wall_start_ts:.1f} s: the job was "
                 "being stopped from outside (a time limit, a preemption, a requeue), a requeue closes it as preempted"
             )
+        # An attempt still open at the loss is not counted until a requeue says what happened; one that had
+        # ended (a failure recorded, no next attempt and no job end) is counted as it ended.
+        counted = (
+            "no failure is counted until a requeue says what happened"
+            if o.attempt_open
+            else f"attempt {o.attempt} is counted as it ended, and no next attempt or job end was recorded"
+        )
         return (
             f"supervisor lost at +{last - report.wall_start_ts:.1f} s ({utc(last)}, the last event in its "
-            f"books; then {doing(o, report.wall_end_ts)}{stopping}): the report ends there, and no failure is counted "
-            "until a requeue says what happened" + _risk(o, "are at risk")
+            f"books; then {doing(o, report.wall_end_ts)}{stopping}): the report ends there, and {counted}"
+            + _risk(o, "are at risk")
         )
     return (
         f"in progress: no job end recorded, and whether its supervisor still runs cannot be told from here; "

@@ -31,7 +31,7 @@ from ettr.constants import BACKOFF_MARK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PRE
 from ettr.errors import UsageError
 from ettr.events import EventKind, Outcome
 from ettr.family import derive_family
-from ettr.inject import FaultKind
+from ettr.inject import FaultKind, why_unfired
 from ettr.ledger.postgres import redact
 from ettr.run_env import Launcher, remove_memory_dirs_of_run
 from ettr.supervisor import agent, containment, slurm
@@ -170,9 +170,14 @@ class Supervisor:
             if self._decision is not None:
                 end["why"] = self._decision.why  # the restart policy's last word
             self.books.append(EventKind.JOB_END, attempt=first + max(0, len(self._ended) - 1), **end)
+            ran = {e.attempt: (e.first_step, e.last_step) for e in self._ended}
             for spec in self.books.unfired(cfg.inject):
-                why = "" if cfg.auto else " (--no-auto: only an instrumented process can fire it)"
-                say(f"injected fault {spec} never fired{why}")
+                why = (
+                    why_unfired(spec, ran)
+                    if cfg.auto
+                    else "--no-auto: only an instrumented process can fire it"
+                )
+                say(f"injected fault {spec} never fired" + (f" ({why})" if why else ""))
             self.peers.close(status, last_attempt=first - 1 if last is None else last.attempt)
             remove_memory_dirs_of_run(self.run_dir)  # the job is over: nothing of it stays in /dev/shm
             self.books.close()
