@@ -196,6 +196,28 @@ def test_a_failed_persist_is_recorded_and_training_continues(tmp_path, caplog):
     assert rec.commit_checks == [(1, True), (3, True)]
 
 
+def test_a_persist_that_fails_after_its_commit_is_booked_as_the_commit_it_is(tmp_path, caplog):
+    # DCP's save ends with a collective after rank 0's finish (the commit): a peer killed then fails the save
+    # on rank 0 although the manifest is durable, and the next restore resumes from that step. The books must
+    # hold its commit (the resume point of the attempt), not an error that says training went on without it.
+    rec = ProbeRecorder(tmp_path)
+    state = _model_state()
+    hook = FailAt("manifest_renamed", RuntimeError("Connection reset by peer"))
+    with CheckpointManager(_config(tmp_path, fault_hook=hook), state, recorder=rec) as manager:
+        _train(state)
+        with caplog.at_level(logging.WARNING, logger="ettr"):
+            assert manager.save(1, wait=True)
+        assert "checkpoint of step 1 committed; the save failed after its commit" in caplog.text
+        assert "training continues from the previous one" not in caplog.text
+        assert manager.last_committed_step == 1
+        assert [c.step for c in list_checkpoints(manager.storage)] == [1]  # kept, not cleared away
+    kinds = [(e.kind, e.step) for e in rec.events() if e.kind.name.startswith("CHECKPOINT_")]
+    assert (EventKind.CHECKPOINT_COMMIT, 1) in kinds and (EventKind.CHECKPOINT_ERROR, 1) not in kinds
+    assert rec.commit_checks == [(1, True)]
+    with CheckpointManager(_config(tmp_path), _model_state(), recorder=ProbeRecorder(tmp_path)) as again:
+        assert again.restore() == 1
+
+
 def _register_full_memory_filesystem() -> tuple[str, dict[str, float]]:
     """An fsspec memory filesystem that fails writes with ENOSPC beyond `disk["capacity"]` bytes in total."""
     import fsspec

@@ -384,6 +384,9 @@ class CheckpointManager:
         except BaseException as exc:  # noqa: BLE001 - every failure of a persist is recorded, none raised
             error = exc
         try:
+            late = error is not None and self.rank == 0 and self._committed_after_all(inflight.step, error)
+            if late:  # the manifest is durable: what failed came after it (DCP's closing collective)
+                error = None
             self.policy.observe_persist(end_ts - inflight.begin_ts)
             self._rec.span(
                 Phase.CHECKPOINT_PERSIST, inflight.begin_ts, end_ts, step=inflight.step, ok=error is None
@@ -404,7 +407,8 @@ class CheckpointManager:
                     )
                     if removed:
                         logger.info("ettr: retention removed %s", ", ".join(removed))
-                self._keep_in_memory(inflight.step)
+                if not late:  # after a late failure the other ranks make no copy: a restore reads storage
+                    self._keep_in_memory(inflight.step)
             else:
                 inflight.error = describe_error(error)
                 logger.warning(
@@ -442,6 +446,23 @@ class CheckpointManager:
                 replicate(self._peers, self.memory, binding if kept else None, self._coord.process_group)
             except Exception as exc:
                 logger.warning("ettr: peer copies of step %d failed (%s)", step, exc)
+
+    def _committed_after_all(self, step: int, error: BaseException) -> bool:
+        """Whether the failed persist of `step` committed before it failed (rank 0). DCP's save ends with a
+        collective after the coordinator's `finish` (which commits): a peer that dies then fails the save on
+        rank 0 although the manifest is durable, and the next restore resumes from it. Recording that as a
+        CHECKPOINT_ERROR would put a resume point in the books that they say never existed. The step's
+        directory was cleared before this save wrote into it, so a manifest there is this persist's."""
+        try:
+            verify(self.storage, step_dir_name(step), checksums=False)
+        except (CheckpointError, OSError):
+            return False
+        logger.warning(
+            "ettr: checkpoint of step %d committed; the save failed after its commit (%s)",
+            step,
+            describe_error(error),
+        )
+        return True
 
     def _discard_failed(self, step: int) -> None:
         """Remove what a failed persist left (space on a full disk), unless it committed after all."""
