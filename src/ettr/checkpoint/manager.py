@@ -74,7 +74,7 @@ from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
 from ettr.checkpoint.resume import choose_checkpoint, set_aside
 from ettr.checkpoint.slowdown_meter import SlowdownMeter
 from ettr.checkpoint.snapshot import Binding
-from ettr.checkpoint.space import make_room
+from ettr.checkpoint.space import make_room, out_of_space_hint
 from ettr.checkpoint.state import TrainState, saved_top_level_keys
 from ettr.checkpoint.storage import open_storage
 from ettr.checkpoint.trust import SafeLoadPlanner, UnsafePickle, retry_transient, verified_reader
@@ -410,7 +410,8 @@ class CheckpointManager:
                 if not late:  # after a late failure the other ranks make no copy: a restore reads storage
                     self._keep_in_memory(inflight.step)
             else:
-                inflight.error = describe_error(error)
+                described = describe_error(error)
+                inflight.error = described + out_of_space_hint(self.storage, described)
                 logger.warning(
                     "ettr: checkpoint of step %d failed (%s); training continues from the previous one",
                     inflight.step,
