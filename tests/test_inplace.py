@@ -447,3 +447,22 @@ def test_zero_code_steps_are_counted_again_in_a_new_generation() -> None:
     counter.on_step(second, (), {})
     counter.on_step(second, (), {})
     assert rec.steps == [1, 2, 3, 3, 4]
+
+
+def test_the_documented_names_resolve_after_a_bare_import_ettr():
+    # docs/inplace.md annotates `def train(gen: ettr.inplace.Generation)` and docs/checkpointing.md uses
+    # `ettr.checkpoint.lease(...)` after `import ettr`: they were AttributeErrors until something imported them.
+    code = (
+        "import sys, ettr\n"
+        "assert 'ettr.inplace' not in sys.modules and 'torch' not in sys.modules\n"
+        "def train(gen: ettr.inplace.Generation) -> None: ...\n"
+        "assert callable(ettr.checkpoint.lease)\n"
+        "try:\n"
+        "    ettr.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    print('ok', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.startswith("ok module 'ettr' has no attribute 'no_such_name'")
