@@ -551,7 +551,8 @@ class CheckpointManager:
             if fatal:
                 raise CheckpointError(
                     f"checkpoint {step_dir_name(chosen)} in {self.storage.url}, signed by this job's key, does "
-                    f"not load: {error or 'on another rank'}"
+                    f"not load: {error or 'on another rank'} (left in place: a changed model or a missing "
+                    "CheckpointConfig.safe_globals entry; for a new training, give another root)"
                 )
             if not failed:
                 break
@@ -678,7 +679,10 @@ class CheckpointManager:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure to load (DCP's CheckpointException is a
-            refused = _unsafe_pickle_in(exc)  # BaseException) falls back to an older checkpoint
+            # BaseException) falls back to an older checkpoint, unless it is the job's own: a refused pickled
+            # part (`safe_globals`) or a state that no longer matches (a changed model: every older one would
+            # fail the same, and moving them all aside loses them to the job run again with the right model).
+            refused = _unsafe_pickle_in(exc) or _state_mismatch_in(exc)
             return describe_error(refused or exc), refused is not None and authenticated
         if loaded_step != chosen:
             return f"{name} holds the state of step {loaded_step}, not {chosen}", False
@@ -751,22 +755,36 @@ class CheckpointManager:
         self.close()
 
 
-def _unsafe_pickle_in(exc: BaseException) -> UnsafePickle | None:
-    """The UnsafePickle behind a failed load (DCP wraps it in a CheckpointException per rank), if any."""
+def _chain(exc: BaseException) -> list[BaseException]:
+    """A failed load's exceptions: itself, DCP's per-rank failures and their causes (at most 32)."""
     seen: list[BaseException] = [exc]
     index = 0
     while index < len(seen) and index < 32:
         current = seen[index]
         index += 1
-        if isinstance(current, UnsafePickle):
-            return current
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
             seen.extend(w[0] if isinstance(w, tuple) else w for w in failures.values() if w is not None)
         for linked in (current.__cause__, current.__context__):
             if isinstance(linked, BaseException):
                 seen.append(linked)
-    return None
+    return seen[:32]
+
+
+def _unsafe_pickle_in(exc: BaseException) -> UnsafePickle | None:
+    """The UnsafePickle behind a failed load (DCP wraps it in a CheckpointException per rank), if any."""
+    return next((e for e in _chain(exc) if isinstance(e, UnsafePickle)), None)
+
+
+_MISMATCH_MESSAGES = ("Size mismatch between saved", "Missing key in checkpoint state_dict")
+"""DCP's load planner's words for a state that is not the one saved (read from the checked `.metadata`, never
+from data: no corruption says them)."""
+
+
+def _state_mismatch_in(exc: BaseException) -> BaseException | None:
+    """The error behind a failed load saying the live state does not match the saved one (a model that
+    changed shape or gained a parameter), if any."""
+    return next((e for e in _chain(exc) if any(m in str(e) for m in _MISMATCH_MESSAGES)), None)
 
 
 def _checkpoint_in_progress() -> None:
