@@ -196,6 +196,56 @@ def test_a_failed_persist_is_recorded_and_training_continues(tmp_path, caplog):
     assert rec.commit_checks == [(1, True), (3, True)]
 
 
+def test_a_persist_that_fails_after_its_commit_is_booked_as_the_commit_it_is(tmp_path, caplog):
+    # DCP's save ends with a collective after rank 0's finish (the commit): a peer killed then fails the save
+    # on rank 0 although the manifest is durable, and the next restore resumes from that step. The books must
+    # hold its commit (the resume point of the attempt), not an error that says training went on without it.
+    rec = ProbeRecorder(tmp_path)
+    state = _model_state()
+    hook = FailAt("manifest_renamed", RuntimeError("Connection reset by peer"))
+    with CheckpointManager(_config(tmp_path, fault_hook=hook), state, recorder=rec) as manager:
+        _train(state)
+        with caplog.at_level(logging.WARNING, logger="ettr"):
+            assert manager.save(1, wait=True)
+        assert "checkpoint of step 1 committed; the save failed after its commit" in caplog.text
+        assert "training continues from the previous one" not in caplog.text
+        assert manager.last_committed_step == 1
+        assert [c.step for c in list_checkpoints(manager.storage)] == [1]  # kept, not cleared away
+    kinds = [(e.kind, e.step) for e in rec.events() if e.kind.name.startswith("CHECKPOINT_")]
+    assert (EventKind.CHECKPOINT_COMMIT, 1) in kinds and (EventKind.CHECKPOINT_ERROR, 1) not in kinds
+    assert rec.commit_checks == [(1, True)]
+    with CheckpointManager(_config(tmp_path), _model_state(), recorder=ProbeRecorder(tmp_path)) as again:
+        assert again.restore() == 1
+
+
+def test_a_failed_save_on_a_full_disk_that_names_no_errno_says_the_free_space(tmp_path, monkeypatch):
+    # A write cut short by a full disk can reach DCP as torch's zip writer error, no OSError under it
+    # (seen on a real tmpfs: "unexpected pos 704 vs 598"); the books must point at the disk.
+    from ettr.checkpoint import space
+
+    rec = ProbeRecorder(tmp_path)
+    state = _model_state()
+    hook = FailAt(
+        "data_written", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    )
+    with CheckpointManager(_config(tmp_path), state, recorder=rec) as manager:
+        _train(state)
+        assert manager.save(1, wait=True)
+        manager.config.__dict__["fault_hook"] = hook
+        monkeypatch.setattr(space, "local_free_bytes", lambda storage: 100)
+        _train(state)
+        assert not manager.save(2, wait=True)
+        monkeypatch.setattr(space, "local_free_bytes", lambda storage: 1 << 40)  # a plenty disk: no guess
+        hook.armed = True
+        _train(state)
+        assert not manager.save(3, wait=True)
+    errors = {e.step: e.data["error"] for e in rec.events() if e.kind is EventKind.CHECKPOINT_ERROR}
+    assert (
+        "unexpected pos" in errors[2] and "has 100 bytes free" in errors[2] and "out of space?" in errors[2]
+    )
+    assert "unexpected pos" in errors[3] and "free" not in errors[3]
+
+
 def _register_full_memory_filesystem() -> tuple[str, dict[str, float]]:
     """An fsspec memory filesystem that fails writes with ENOSPC beyond `disk["capacity"]` bytes in total."""
     import fsspec

@@ -313,6 +313,37 @@ class _UserSampler:
         self.thing = state["thing"]
 
 
+@pytest.mark.parametrize("changed", ["shape", "new_parameter"])
+def test_a_model_that_changed_stops_the_restore_and_leaves_the_jobs_checkpoints_in_place(tmp_path, changed):
+    # Seen under `ettr run` with 2 gloo ranks: the job rerun with another hidden size moved every one of its
+    # own signed checkpoints aside as `.bad-*` ("Size mismatch ...; trying an older one") and trained from
+    # scratch with exit 0; rerun with the right model, it found nothing to resume either.
+    def manager(rec, model):
+        config = CheckpointConfig(root=tmp_path, interval=IntervalConfig(every_steps=1))
+        return CheckpointManager(config, TrainState(model=model), recorder=rec)
+
+    rec = Recorder(MemoryLedger())
+    with manager(rec, torch.nn.Sequential(torch.nn.Linear(4, 8))) as ckpt:
+        assert ckpt.save(2, wait=True)
+        assert ckpt.save(3, wait=True)
+    other = (
+        torch.nn.Sequential(torch.nn.Linear(4, 6))
+        if changed == "shape"
+        else torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    )
+    with manager(rec, other) as ckpt:
+        with pytest.raises(CheckpointError, match="changed model") as raised:
+            ckpt.restore()
+    assert ("Size mismatch" if changed == "shape" else "Missing key") in str(raised.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        step_dir_name(2),
+        step_dir_name(3),
+    ]  # none moved aside
+    with manager(rec, torch.nn.Sequential(torch.nn.Linear(4, 8))) as ckpt:  # the right model resumes
+        assert ckpt.restore() == 3
+    rec.close()
+
+
 def test_a_jobs_own_class_needs_safe_globals_and_a_missing_one_stops_the_restore(tmp_path):
     def manager(rec, sampler, **kwargs):
         config = CheckpointConfig(root=tmp_path, interval=IntervalConfig(every_steps=1), **kwargs)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from ettr.events import Bucket, Event, EventKind, Outcome, Phase
 
 if TYPE_CHECKING:
+    from ettr import checkpoint as checkpoint
+    from ettr import inplace as inplace
     from ettr.recorder import Recorder
 
 __version__ = "0.1.0"
@@ -38,6 +40,21 @@ __all__ = [
     "step",
     "training_started",
 ]
+
+
+_LAZY_SUBPACKAGES = ("checkpoint", "inplace")
+
+
+if not TYPE_CHECKING:  # for mypy the two are plain submodules (above), and a typo stays an error
+
+    def __getattr__(name: str) -> Any:
+        """`ettr.inplace.Generation`, `ettr.checkpoint.lease` after a bare `import ettr`, as the docs write
+        them: imported on first use (both import torch.distributed, which `import ettr` must not)."""
+        if name in _LAZY_SUBPACKAGES:
+            import importlib
+
+            return importlib.import_module(f"ettr.{name}")
+        raise AttributeError(f"module 'ettr' has no attribute {name!r}")
 
 
 def get_recorder() -> Recorder:

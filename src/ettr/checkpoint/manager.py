@@ -74,7 +74,7 @@ from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
 from ettr.checkpoint.resume import choose_checkpoint, set_aside
 from ettr.checkpoint.slowdown_meter import SlowdownMeter
 from ettr.checkpoint.snapshot import Binding
-from ettr.checkpoint.space import make_room
+from ettr.checkpoint.space import make_room, out_of_space_hint
 from ettr.checkpoint.state import TrainState, saved_top_level_keys
 from ettr.checkpoint.storage import open_storage
 from ettr.checkpoint.trust import SafeLoadPlanner, UnsafePickle, retry_transient, verified_reader
@@ -384,6 +384,9 @@ class CheckpointManager:
         except BaseException as exc:  # noqa: BLE001 - every failure of a persist is recorded, none raised
             error = exc
         try:
+            late = error is not None and self.rank == 0 and self._committed_after_all(inflight.step, error)
+            if late:  # the manifest is durable: what failed came after it (DCP's closing collective)
+                error = None
             self.policy.observe_persist(end_ts - inflight.begin_ts)
             self._rec.span(
                 Phase.CHECKPOINT_PERSIST, inflight.begin_ts, end_ts, step=inflight.step, ok=error is None
@@ -404,9 +407,11 @@ class CheckpointManager:
                     )
                     if removed:
                         logger.info("ettr: retention removed %s", ", ".join(removed))
-                self._keep_in_memory(inflight.step)
+                if not late:  # after a late failure the other ranks make no copy: a restore reads storage
+                    self._keep_in_memory(inflight.step)
             else:
-                inflight.error = describe_error(error)
+                described = describe_error(error)
+                inflight.error = described + out_of_space_hint(self.storage, described)
                 logger.warning(
                     "ettr: checkpoint of step %d failed (%s); training continues from the previous one",
                     inflight.step,
@@ -442,6 +447,23 @@ class CheckpointManager:
                 replicate(self._peers, self.memory, binding if kept else None, self._coord.process_group)
             except Exception as exc:
                 logger.warning("ettr: peer copies of step %d failed (%s)", step, exc)
+
+    def _committed_after_all(self, step: int, error: BaseException) -> bool:
+        """Whether the failed persist of `step` committed before it failed (rank 0). DCP's save ends with a
+        collective after the coordinator's `finish` (which commits): a peer that dies then fails the save on
+        rank 0 although the manifest is durable, and the next restore resumes from it. Recording that as a
+        CHECKPOINT_ERROR would put a resume point in the books that they say never existed. The step's
+        directory was cleared before this save wrote into it, so a manifest there is this persist's."""
+        try:
+            verify(self.storage, step_dir_name(step), checksums=False)
+        except (CheckpointError, OSError):
+            return False
+        logger.warning(
+            "ettr: checkpoint of step %d committed; the save failed after its commit (%s)",
+            step,
+            describe_error(error),
+        )
+        return True
 
     def _discard_failed(self, step: int) -> None:
         """Remove what a failed persist left (space on a full disk), unless it committed after all."""
@@ -529,7 +551,8 @@ class CheckpointManager:
             if fatal:
                 raise CheckpointError(
                     f"checkpoint {step_dir_name(chosen)} in {self.storage.url}, signed by this job's key, does "
-                    f"not load: {error or 'on another rank'}"
+                    f"not load: {error or 'on another rank'} (left in place: a changed model or a missing "
+                    "CheckpointConfig.safe_globals entry; for a new training, give another root)"
                 )
             if not failed:
                 break
@@ -656,7 +679,10 @@ class CheckpointManager:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure to load (DCP's CheckpointException is a
-            refused = _unsafe_pickle_in(exc)  # BaseException) falls back to an older checkpoint
+            # BaseException) falls back to an older checkpoint, unless it is the job's own: a refused pickled
+            # part (`safe_globals`) or a state that no longer matches (a changed model: every older one would
+            # fail the same, and moving them all aside loses them to the job run again with the right model).
+            refused = _unsafe_pickle_in(exc) or _state_mismatch_in(exc)
             return describe_error(refused or exc), refused is not None and authenticated
         if loaded_step != chosen:
             return f"{name} holds the state of step {loaded_step}, not {chosen}", False
@@ -729,22 +755,36 @@ class CheckpointManager:
         self.close()
 
 
-def _unsafe_pickle_in(exc: BaseException) -> UnsafePickle | None:
-    """The UnsafePickle behind a failed load (DCP wraps it in a CheckpointException per rank), if any."""
+def _chain(exc: BaseException) -> list[BaseException]:
+    """A failed load's exceptions: itself, DCP's per-rank failures and their causes (at most 32)."""
     seen: list[BaseException] = [exc]
     index = 0
     while index < len(seen) and index < 32:
         current = seen[index]
         index += 1
-        if isinstance(current, UnsafePickle):
-            return current
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
             seen.extend(w[0] if isinstance(w, tuple) else w for w in failures.values() if w is not None)
         for linked in (current.__cause__, current.__context__):
             if isinstance(linked, BaseException):
                 seen.append(linked)
-    return None
+    return seen[:32]
+
+
+def _unsafe_pickle_in(exc: BaseException) -> UnsafePickle | None:
+    """The UnsafePickle behind a failed load (DCP wraps it in a CheckpointException per rank), if any."""
+    return next((e for e in _chain(exc) if isinstance(e, UnsafePickle)), None)
+
+
+_MISMATCH_MESSAGES = ("Size mismatch between saved", "Missing key in checkpoint state_dict")
+"""DCP's load planner's words for a state that is not the one saved (read from the checked `.metadata`, never
+from data: no corruption says them)."""
+
+
+def _state_mismatch_in(exc: BaseException) -> BaseException | None:
+    """The error behind a failed load saying the live state does not match the saved one (a model that
+    changed shape or gained a parameter), if any."""
+    return next((e for e in _chain(exc) if any(m in str(e) for m in _MISMATCH_MESSAGES)), None)
 
 
 def _checkpoint_in_progress() -> None:

@@ -49,6 +49,22 @@ def estimate_save_bytes(storage: ReadableStorage) -> int | None:
     return None
 
 
+def out_of_space_hint(
+    storage: CheckpointStorage, description: str, free_bytes: FreeBytes | None = None
+) -> str:
+    """What to add to a failed save's description that names no errno when the disk is what failed it:
+    a write cut short on a full disk can surface as a torch error with no OSError under it (torch's zip
+    writer: `unexpected pos 704 vs 598`). Says the free space when it is short of a checkpoint's size;
+    "" otherwise (the cause then stays as it was said, never guessed)."""
+    if "ENOSPC" in description or "EDQUOT" in description:
+        return ""
+    free = (free_bytes or local_free_bytes)(storage)
+    needed = estimate_save_bytes(storage)
+    if free is None or needed is None or free >= needed:
+        return ""
+    return f" (the disk of {storage.url} has {free} bytes free, a checkpoint needs ~{needed}: out of space?)"
+
+
 def make_room(
     storage: CheckpointStorage,
     *,

@@ -98,12 +98,15 @@ def join(
     return Joined(wait_s=joined - begin, init_s=time.monotonic() - joined)
 
 
-def leave(backend: str, *, release_wait_s: float = 0.0) -> tuple[float, bool]:
+def leave(backend: str, *, release_wait_s: float = 0.0, exiting: bool = False) -> tuple[float, bool]:
     """Tear down this generation's process groups (see the module docstring). Returns the seconds it took
     and whether the default group was released (False: something still holds it, so its connections stay
     open and a peer blocked on this rank would wait for the collective timeout; what holds it is logged).
     A group still held is looked at again for up to `release_wait_s`, for a background thread of the
-    failed generation to end. Never raises."""
+    failed generation to end. `exiting`: the process leaves for good (`train` returned, or a SystemExit
+    such as a preemption's 143 passes through, its traceback still holding the frames that hold the group):
+    nobody waits on this rank's connections, so what holds the group is said at debug level only. Never
+    raises."""
     begin = time.monotonic()
     default = torch_compat.default_group()
     try:
@@ -124,8 +127,10 @@ def leave(backend: str, *, release_wait_s: float = 0.0) -> tuple[float, bool]:
         pause_s = min(pause_s * 2, 0.2)
         gc.collect()
         released = sys.getrefcount(default) <= 2
-    if not released:
-        logger.warning(
+    level = logging.DEBUG if exiting else logging.WARNING
+    if not released and logger.isEnabledFor(level):
+        logger.log(
+            level,
             "ettr: the failed generation's process group is still held after %.1f s, by %s",
             time.monotonic() - begin,
             holders(default),

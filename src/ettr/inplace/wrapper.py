@@ -122,7 +122,7 @@ class _Runner:
             return self._loop(fn, args, kwargs, job_store, generations)
         finally:
             if dist.is_initialized():
-                rendezvous.leave(self.backend)
+                rendezvous.leave(self.backend, exiting=True)
             if self.rank == 0:
                 job_store.close()
 
@@ -138,7 +138,7 @@ class _Runner:
         try:
             return fn(gen, *args, **kwargs)
         finally:
-            rendezvous.leave(self.backend)
+            rendezvous.leave(self.backend, exiting=True)
 
     def _loop(
         self,
