@@ -75,7 +75,7 @@ def _run_job(
     for name in ("TORCH_COMPILE_DYNAMIC_SOURCES", "TORCH_COMPILE_JOB_ID", "TORCH_LOGS"):
         env.pop(name, None)
     argv = [sys.executable, str(script), backend, shapes, mode] + ([str(crash_after)] if crash_after else [])
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     if crash_after:
         assert out.returncode == 1, out.stderr[-3000:]
         return None, out.stderr
@@ -96,6 +96,7 @@ def _recompiles(run_dir, attempt):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a hang guard: compiling at a load of 10 takes minutes
 def test_three_shapes_recompile_at_most_once_then_never_again_in_later_attempts_and_jobs(tmp_path, capsys):
     store = tmp_path / "store"
     job_a = tmp_path / "job-a"
@@ -133,6 +134,7 @@ def test_three_shapes_recompile_at_most_once_then_never_again_in_later_attempts_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a hang guard: compiling at a load of 10 takes minutes
 def test_a_warm_start_from_the_store_reuses_compiled_kernels(tmp_path):
     store = tmp_path / "store"
     cold, _ = _run_job(
@@ -173,7 +175,7 @@ def test_autoinstall_costs_nothing_until_torch_dynamo_is_imported(tmp_path):
     )
     env = {**os.environ, "ETTR_COMPILE_STORE": "off", "TMPDIR": str(tmp_path)}
     env.pop("ETTR_RUN_DIR", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -199,6 +201,7 @@ TRAIN = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a hang guard: compiling at a load of 10 takes minutes
 def test_under_ettr_run_a_recovered_attempt_does_not_recompile(tmp_path):
     """Zero code: the bootstrap installs compile support; attempt 0 crashes after its recompile."""
     script = tmp_path / "train.py"
@@ -216,7 +219,7 @@ def test_under_ettr_run_a_recovered_attempt_does_not_recompile(tmp_path):
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject", "crash@step=3"]
     out = subprocess.run(
-        [*command, "--", sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+        [*command, "--", sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(_recompiles(run_dir, 0)) == 1

@@ -33,14 +33,16 @@ def run_job(tmp_path: Path, summary_name: str, *extra: str) -> dict:
         "--ckpt-dir", str(tmp_path / "ckpt"), "--ettr-run-dir", str(tmp_path / "run"),
         "--summary-out", str(tmp_path / summary_name), *extra,
     ]  # fmt: skip
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=600
+    )  # a hang guard: a compiled 2-rank job took >150 s at load 10
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[dlrm] done" in proc.stdout
     return json.loads((tmp_path / summary_name).read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)
 def test_sync_checkpoints_two_ranks_compiled_train_record_and_resume_exactly(tmp_path):
     first = run_job(tmp_path, "first.json", "--ckpt-mode", "sync", "--compile")
     assert first["resumed_step"] == 0 and first["last_step"] == 60
@@ -60,7 +62,7 @@ def test_sync_checkpoints_two_ranks_compiled_train_record_and_resume_exactly(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)
 def test_ettr_checkpoints_two_ranks_resume_exactly(tmp_path):
     first = run_job(tmp_path, "first.json", "--ckpt-mode", "ettr", "--no-compile", "--overlap-startup")
     losses = first["window_losses"]
