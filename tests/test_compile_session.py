@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,14 +65,20 @@ def _compiled_something(session):
     )
 
 
-def test_save_on_one_node_restore_on_a_fresh_one_skip_on_the_same_one(node, tmp_path):
-    backend = CountingBackend()
-    store = CompileStore(backend)
-    cache, headers = node("first")
+def _node_with_kernel(node: Any, name: str) -> tuple[Path, Path]:
+    """A node's inductor cache holding one kernel (100 B) and its header directory one header (1,000 B)."""
+    cache, headers = node(name)
     (cache / "ab").mkdir(parents=True)
     (cache / "ab" / "kernel.so").write_bytes(b"k" * 100)
     headers.mkdir(parents=True)
     (headers / "prefix.h.gch").write_bytes(b"h" * 1000)
+    return cache, headers
+
+
+def test_save_on_one_node_restore_on_a_fresh_one_skip_on_the_same_one(node, tmp_path):
+    backend = CountingBackend()
+    store = CompileStore(backend)
+    cache, headers = _node_with_kernel(node, "first")
     first, rec = _session(store, tmp_path)
     _compiled_something(first)
     assert first.save() is True
@@ -109,11 +117,7 @@ def test_files_an_unsaved_attempt_left_on_the_node_are_saved_by_the_next_one(nod
     saw nothing new, and every later job on a fresh node compiled them again (nanoGPT under torchrun:
     66 s)."""
     store = CompileStore(MemoryBackend())
-    cache, headers = node("n")
-    (cache / "ab").mkdir(parents=True)
-    (cache / "ab" / "kernel.so").write_bytes(b"k" * 100)
-    headers.mkdir(parents=True)
-    (headers / "prefix.h.gch").write_bytes(b"h" * 1000)
+    cache, headers = _node_with_kernel(node, "n")
     first, rec = _session(store, tmp_path)
     _compiled_something(first)
     assert first.save() is True

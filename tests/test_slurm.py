@@ -39,10 +39,11 @@ exec {py} -m ettr.cli run --run-dir {run_dir} -- {py} {PLAIN} --ckpt-dir {ckpt} 
     return path
 
 
-def _submit(cluster: Any, tmp: Path) -> str:
+def _submit(cluster: Any, tmp: Path, job: Path | None = None) -> str:
+    """sbatch `job` (default: `_script(tmp)`), its output in tmp/slurm.out; the job's number."""
     env = {k: v for k, v in cluster.env().items() if not k.startswith("ETTR_")}
     done = subprocess.run(
-        ["sbatch", "--parsable", "-o", str(tmp / "slurm.out"), str(_script(tmp))],
+        ["sbatch", "--parsable", "-o", str(tmp / "slurm.out"), str(job or _script(tmp))],
         capture_output=True, text=True, env=env, timeout=30, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -170,13 +171,7 @@ export MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()}
 exec {py} -m ettr.cli run --run-dir {run_dir} --inject crash@step=4,rank=1 -- srun -n 2 {py} {DDP_STEPS}
 """
     )
-    env = {k: v for k, v in slurm_cluster.env().items() if not k.startswith("ETTR_")}
-    done = subprocess.run(
-        ["sbatch", "--parsable", "-o", str(tmp_path / "slurm.out"), str(job)],
-        capture_output=True, text=True, env=env, timeout=30, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    number = done.stdout.strip().split(";")[0]
+    number = _submit(slurm_cluster, tmp_path, job)
     _wait(lambda: _state(slurm_cluster, number) == "COMPLETED", 240, f"job {number} completed")
     events = read_run_events(run_dir)
     starts = sorted((e.attempt, e.rank) for e in events if e.kind is EventKind.PROCESS_START)
@@ -218,13 +213,7 @@ def test_a_supervisor_slurm_kills_after_its_sigterm_leaves_a_preemption(
         f"#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
         f"exec {py} -m ettr.cli run --run-dir {run_dir} -- {py} {script} {ready}\n"
     )
-    env = {k: v for k, v in slurm_cluster.env().items() if not k.startswith("ETTR_")}
-    done = subprocess.run(
-        ["sbatch", "--parsable", "-o", str(tmp_path / "slurm.out"), str(job)],
-        capture_output=True, text=True, env=env, timeout=30, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    number = done.stdout.strip().split(";")[0]
+    number = _submit(slurm_cluster, tmp_path, job)
     _wait(ready.exists, 90, "the script to start")
     assert slurm_cluster.run("scontrol", "requeue", number).returncode == 0
     _start_now(slurm_cluster, number)
