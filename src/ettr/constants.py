@@ -42,3 +42,8 @@ not say: data kind (`in_place`: the job's other processes went on, the failed ra
 (ranks started anew)."""
 IMPORTS_MARK = "imports_done"
 """Training-process MARK: `import torch` finished in this process (ettr's bootstrap ran before it)."""
+COMMIT_FLUSH_S = 1.0
+"""How long a recorded checkpoint commit waits at most to be written to the books (saves are rare; the write
+takes milliseconds, a ledger that cannot be written costs each commit this much): a process killed right after
+a commit must not leave a resume point that its books say never existed. The zero-code hooks wait on the
+training thread, ettr's checkpoint manager on its persist thread."""

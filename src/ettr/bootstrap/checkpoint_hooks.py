@@ -66,14 +66,12 @@ from ettr.bootstrap.checkpoint_targets import (
 )
 from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
 from ettr.bootstrap.save_window import SaveWindow, is_library_frame
+from ettr.constants import COMMIT_FLUSH_S
 from ettr.events import Event, EventKind, Phase
 from ettr.integrations._commits import CHECKPOINT_FILE_MARK
 from ettr.recorder import RecorderProtocol
 
 _OWN_PHASES = (Phase.CHECKPOINT_BLOCKING, Phase.CHECKPOINT_PERSIST)
-COMMIT_FLUSH_S = 1.0
-"""How long a save waits at most for its CHECKPOINT_COMMIT to be written (saves are rare; the write takes
-milliseconds, a ledger that cannot be written costs each save this much)."""
 
 
 def _path_of(target: Any) -> str | None:
