@@ -79,27 +79,14 @@ def called_from_ettr(depth: int = 2) -> bool:
     return name.startswith("ettr.") and not name.startswith("ettr.bootstrap")
 
 
-_PRIMING = ("torch.distributed.checkpoint.state_dict", "_init_optim_state")
+PRIMING_MODULE, PRIMING_FUNCTION = "torch.distributed.checkpoint.state_dict", "_init_optim_state"
+"""DCP's priming of a fresh optimizer's state (zero gradients at a zero learning rate, run by `get_state_dict` /
+`set_state_dict`, as ettr's checkpoint manager calls them to save and to restore): the optimizer steps inside
+it are no training steps. Counted, a process restarted from a checkpoint booked a step 1 during its restore,
+before it trained (its start-up read as over, the TTR ending there, the script's steps numbered one up)."""
 
-
-def priming_step(depth: int = 12) -> bool:
-    """Whether the optimizer step being hooked is DCP's priming of a fresh optimizer's state
-    (`torch.distributed.checkpoint.state_dict._init_optim_state`: zero gradients at a zero learning rate,
-    run by `get_state_dict` / `set_state_dict`, as ettr's checkpoint manager calls them to save and to
-    restore): not a training step. Counted, a process restarted from a checkpoint booked a step 1 during its
-    restore, before it trained (its start-up read as over, the TTR ending there, the script's steps numbered
-    one up). Looks at most `depth` frames up; never raises."""
-    try:
-        frame: Any = sys._getframe(2)  # noqa: SLF001 - the hook's callers: the optimizer's step wrapper, then its caller
-    except ValueError:
-        return False
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _PRIMING:
-            return True
-        frame = frame.f_back
-    return False
+_priming = threading.local()
+"""`depth` > 0 while this thread is inside PRIMING_FUNCTION (one per process: whichever hooks wrapped it first)."""
 
 
 class StepCounter:
@@ -240,6 +227,9 @@ class AutoHooks:
 
         self.evals.before_eval = before_eval
         self.guard.call("optimizer step", self._install_optimizer_hook, torch)
+        from ettr.post_import import when_imported
+
+        when_imported(PRIMING_MODULE, self._install_priming_hook)
         self.guard.call("evaluation", self.evals.install, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
         self.guard.call("first batch", self._install_first_batch_hook, torch)
@@ -266,7 +256,7 @@ class AutoHooks:
         guard, counter, checkpoints, evals = self.guard, self.steps, self.checkpoints, self.evals
 
         def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if priming_step():
+            if getattr(_priming, "depth", 0):
                 return  # not a training step: DCP gives a fresh optimizer its state
             try:
                 checkpoints.before_step()  # settles a buffered save or an unplaced resume first
@@ -299,6 +289,22 @@ class AutoHooks:
             self.steps.on_manual_update()
         except Exception as exc:
             self.guard.failed("backward", exc)
+
+    def _install_priming_hook(self, module: ModuleType) -> None:
+        """Mark this thread as inside DCP's priming while `PRIMING_FUNCTION` runs (its module calls it by its
+        global name): the step hook then counts nothing, at the cost of one thread-local read a step."""
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def _init_optim_state(*args: Any, **kwargs: Any) -> Any:
+                _priming.depth = getattr(_priming, "depth", 0) + 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    _priming.depth -= 1
+
+            return _init_optim_state
+
+        self.guard.call("dcp priming", self.patcher.wrap, module, PRIMING_FUNCTION, make)
 
     def _install_process_group_hook(self, torch: ModuleType) -> None:
         """`init_process_group` timed as PROCESS_GROUP_INIT; `JOIN_WATCH`, where set, sees the call first."""
