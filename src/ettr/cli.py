@@ -406,9 +406,11 @@ def _add_compile_report(p: argparse.ArgumentParser) -> None:
 
 def _compile_report(args: argparse.Namespace) -> int:
     from ettr.report.compile_text import load, render
+    from ettr.report.json import plain
 
     summary = load(args.run_dir)
-    print(json.dumps(summary, indent=2) if args.json else render(summary))
+    # A ledger's numbers may be forged or not finite: JSON has no Infinity, so they print as null.
+    print(json.dumps(plain(summary), indent=2, allow_nan=False) if args.json else render(summary))
     return 0
 
 

@@ -15,7 +15,7 @@ from ettr.fleet.aggregate import Distribution, FleetReport, Totals
 from ettr.fleet.model import JobSummary
 from ettr.fleet.preempt import PreemptCost
 from ettr.fleet.regress import Regression
-from ettr.report.json import _plain
+from ettr.report.json import plain
 
 SCHEMA = "ettr.fleet/1"
 GPUS_NOTE = (
@@ -187,7 +187,7 @@ def to_dict(
     }
     if preempt is not None:
         out["preempt_order"] = dict(preempt)
-    return _plain(out)
+    return plain(out)
 
 
 def preempt_object(

@@ -81,7 +81,7 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
         "num_fenced_events": report.num_fenced_events,
         "phases_s": dict(report.phases_s),
         "recompiles": [
-            {"ts": r.ts, "attempt": r.attempt, "rank": r.rank, "reason": r.reason, "data": _plain(r.data)}
+            {"ts": r.ts, "attempt": r.attempt, "rank": r.rank, "reason": r.reason, "data": plain(r.data)}
             for r in report.recompiles
         ],
         "checkpoint_commits": [
@@ -138,7 +138,7 @@ def to_dict(report: EttReport, *, include_segments: bool = True) -> dict[str, An
     }
     if include_segments:
         out["segments"] = [[s.start_ts, s.end_ts, s.bucket.value, s.attempt] for s in report.segments]
-    return _plain(out)
+    return plain(out)
 
 
 def _open_job(report: EttReport) -> dict[str, Any] | None:
@@ -193,7 +193,7 @@ def _attempt(attempt: AttemptReport) -> dict[str, Any]:
     return out
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """`value` as JSON-safe data: mappings with string keys, lists, finite numbers, strings, None."""
     if value is None or isinstance(value, bool):
         return value
@@ -204,7 +204,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return str(value)

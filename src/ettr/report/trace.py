@@ -35,7 +35,7 @@ from ettr.accounting.attempts import pair_phases
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import PHASE_BUCKET, SUPERVISOR_RANK, Bucket, Event, EventKind
-from ettr.report.json import _plain as plain
+from ettr.report.json import plain
 from ettr.report.startup_charts import recoveries, tts_window
 
 SCHEMA = "ettr.trace/1"
