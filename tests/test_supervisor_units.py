@@ -289,6 +289,96 @@ def test_pulses_are_written_by_the_sampler_and_read_back_validated(tmp_path: Pat
     assert JobProgress.of(read_pulses(tmp_path, 0)) == JobProgress(settled=True, step_s=0.5)
 
 
+def _wait_in_site(release: threading.Event) -> None:
+    release.wait()
+
+
+def test_a_wait_site_on_the_training_stack_opens_its_phase_in_the_pulse(tmp_path: Path) -> None:
+    # A healthy job whose DataLoader workers took 15 s to start at an epoch was killed after 10 step times:
+    # the wait for the workers' batch is a data wait, told by the stack (nothing recorded, nothing hooked).
+    progress = Progress()
+    for i in range(8):
+        progress.observe(Event(EventKind.STEP, 10.0 + 0.05 * i, 0, 0, step=i + 1))
+    progress.add_wait_site(_wait_in_site.__code__, Phase.DATA_WAIT.value)
+    release, parked = threading.Event(), threading.Event()
+
+    def training() -> None:
+        parked.set()
+        _wait_in_site(release)
+
+    thread = threading.Thread(target=training, daemon=True)
+    thread.start()
+    parked.wait()
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    while _wait_in_site.__code__ not in _codes_on(thread):
+        pass
+    beat.sample()
+    assert beat.pulse()
+    (read,) = read_pulses(tmp_path, 0)
+    assert read.phases == {"data_wait"}
+    progress_now = JobProgress.of(read_pulses(tmp_path, 0))
+    assert HangBounds().bound(progress_now) == (300.0, "the bound of phase data_wait")
+    release.set()
+    thread.join()
+    beat_after = MainThreadHeartbeat(path, thread_id=threading.get_ident(), progress=progress)
+    beat_after.sample()  # this thread's stack holds no wait site
+    assert beat_after.pulse() and read_pulses(tmp_path, 0)[0].phases == frozenset()
+
+
+def _codes_on(thread: threading.Thread) -> set[object]:
+    frame = sys._current_frames().get(thread.ident or 0)
+    codes = set()
+    while frame is not None:
+        codes.add(frame.f_code)
+        frame = frame.f_back
+    return codes
+
+
+def _worker_waits_for(path: str, worker_id: int) -> None:
+    import time
+
+    while not os.path.exists(path):
+        time.sleep(0.05)
+
+
+def test_a_training_thread_waiting_for_dataloader_workers_pulses_a_data_wait(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import functools
+
+    import torch.utils.data.dataloader as dataloader
+
+    from ettr.bootstrap.start import _watch_data_waits
+    from ettr.torch_compat import dataloader_wait_codes
+
+    assert dataloader_wait_codes(object()) == []
+    progress = Progress()
+    _watch_data_waits(progress)  # torch's DataLoader is imported: registered at once
+    gate = tmp_path / "workers-may-start"
+    loader = torch.utils.data.DataLoader(
+        list(range(4)),
+        batch_size=2,
+        num_workers=1,
+        worker_init_fn=functools.partial(_worker_waits_for, str(gate)),
+    )
+    got: list[object] = []
+    thread = threading.Thread(target=lambda: got.extend(loader), daemon=True)
+    thread.start()
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    site = dataloader._MultiProcessingDataLoaderIter._get_data.__code__
+    while site not in _codes_on(thread):  # its workers are starting: it waits for their first batch
+        pass
+    beat.sample()
+    beat.pulse()
+    assert read_pulses(tmp_path, 0)[0].phases == {"data_wait"}
+    gate.touch()
+    thread.join()
+    assert len(got) == 2
+
+
 def test_heartbeat_beats_only_when_the_watched_thread_moves(tmp_path: Path) -> None:
     first, second, done = threading.Event(), threading.Event(), threading.Event()
     parked = threading.Event()
