@@ -289,6 +289,51 @@ def test_pulses_are_written_by_the_sampler_and_read_back_validated(tmp_path: Pat
     assert JobProgress.of(read_pulses(tmp_path, 0)) == JobProgress(settled=True, step_s=0.5)
 
 
+def test_a_hang_says_what_each_rank_was_doing(tmp_path: Path) -> None:
+    # A 2-rank job with rank 1 stopped (SIGSTOP) after step 80 was "hung: no progress and no heartbeat for
+    # 10.1 s" and nothing more: which rank, and in what state, was left to guess.
+    from ettr.procs import run_state
+    from ettr.supervisor.watchdog import describe_ranks
+
+    asleep = subprocess.Popen(["sleep", "300"])
+    stopped = subprocess.Popen(["sleep", "300"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        while run_state(asleep.pid) != "S" or run_state(stopped.pid) != "T":
+            pass
+        beats = heartbeat_path(tmp_path, 0, 0, pid=asleep.pid).parent
+        beats.mkdir(parents=True)
+        for rank, pid, mtime in ((0, asleep.pid, 95.0), (1, stopped.pid, 90.0), (2, 999_999, 97.0)):
+            path = beats / f"rank-{rank}-pid-{pid}"
+            path.touch()
+            os.utime(path, (mtime, mtime))
+        (beats / f"rank-1-pid-{stopped.pid}.pulse").write_text(
+            '{"v": 1, "steps": 80, "step_s": 0.04, "intervals": 32, "phases": ["eval"]}'
+        )
+        said = describe_ranks(tmp_path, 0, 100.0, local={asleep.pid, stopped.pid})
+    finally:
+        for child in (asleep, stopped):
+            child.kill()
+            child.wait()
+    assert said == (
+        f"rank 1 (pid {stopped.pid}) quiet 10.0 s, at least 80 steps done, in eval, stopped (SIGSTOP or SIGTSTP); "
+        f"rank 0 (pid {asleep.pid}) quiet 5.0 s, asleep (waiting: a collective, a lock, a sleep, I/O); "
+        "rank 2 (pid 999999) quiet 3.0 s, state unknown"  # not this supervisor's process: unknown
+    )
+    assert describe_ranks(tmp_path, 7, 100.0) == ""
+    hung = classify(returncode=-signal.SIGTERM, hung_after_s=10.0, hung_ranks=said)
+    assert hung.reason.endswith(said)
+    dog = HangWatchdog(
+        probes=[lambda: 100.0],
+        started_at=100.0,
+        armed_at_start=True,
+        timeout_s=5.0,
+        describe=lambda t: f"at {t}",
+    )
+    assert dog.check(104.0) is None and dog.ranks == ""
+    assert dog.check(110.0) == 10.0 and dog.ranks == "at 110.0"
+
+
 def _wait_in_site(release: threading.Event) -> None:
     release.wait()
 

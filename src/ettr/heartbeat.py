@@ -27,6 +27,7 @@ refused: that process logs one line and does not beat), and the file itself is o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -85,6 +86,8 @@ class Pulse:
     """How many intervals that median is over."""
     phases: frozenset[str]
     """The phases open in it now (those the training thread waits on)."""
+    pid: int | None = None
+    """The process (from the file's name)."""
 
 
 class Progress:
@@ -197,7 +200,8 @@ def read_pulses(run_dir: str | os.PathLike[str], attempt: int) -> list[Pulse]:
             continue
         pulse = _pulse_from(rank, doc)
         if pulse is not None:
-            found.append(pulse)
+            pid = name.removesuffix(PULSE_SUFFIX).rpartition("-pid-")[2]
+            found.append(dataclasses.replace(pulse, pid=int(pid)) if pid.isdigit() else pulse)
     return found
 
 
