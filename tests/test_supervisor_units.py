@@ -303,7 +303,14 @@ def test_a_hang_says_what_each_rank_was_doing(tmp_path: Path) -> None:
             pass
         beats = heartbeat_path(tmp_path, 0, 0, pid=asleep.pid).parent
         beats.mkdir(parents=True)
-        for rank, pid, mtime in ((0, asleep.pid, 95.0), (1, stopped.pid, 90.0), (2, 999_999, 97.0)):
+        gone = subprocess.Popen(["true"])
+        gone.wait()  # a rank that finished (its pid free again: nothing by it runs, or not ours)
+        for rank, pid, mtime in (
+            (0, asleep.pid, 95.0),
+            (1, stopped.pid, 90.0),
+            (2, gone.pid, 97.0),
+            (3, os.getppid(), 98.0),  # one that runs, not the supervisor's: its state says nothing
+        ):
             path = beats / f"rank-{rank}-pid-{pid}"
             path.touch()
             os.utime(path, (mtime, mtime))
@@ -318,7 +325,8 @@ def test_a_hang_says_what_each_rank_was_doing(tmp_path: Path) -> None:
     assert said == (
         f"rank 1 (pid {stopped.pid}) quiet 10.0 s, at least 80 steps done, in eval, stopped (SIGSTOP or SIGTSTP); "
         f"rank 0 (pid {asleep.pid}) quiet 5.0 s, asleep (waiting: a collective, a lock, a sleep, I/O); "
-        "rank 2 (pid 999999) quiet 3.0 s, state unknown"  # not this supervisor's process: unknown
+        f"rank 2 (pid {gone.pid}) quiet 3.0 s, not running here (exited, or on another host); "
+        f"rank 3 (pid {os.getppid()}) quiet 2.0 s, state unknown"  # not this supervisor's process
     )
     assert describe_ranks(tmp_path, 7, 100.0) == ""
     hung = classify(returncode=-signal.SIGTERM, hung_after_s=10.0, hung_ranks=said)

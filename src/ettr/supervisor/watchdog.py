@@ -153,7 +153,8 @@ def describe_ranks(
     rank and pid, how long its training thread has been quiet (its last heartbeat), the steps it completed (at
     least: its last pulse's) and the phases open in it (its pulse), and what the kernel says it does
     (`/proc/PID/stat`'s state) where the pid is one of `local` (this supervisor's processes; a pid of another
-    host, or one reused since, says nothing); "" when there are none."""
+    host, or one reused since, says nothing; none by that pid here: not running here); "" when there are
+    none."""
     beats: dict[int, tuple[int, float]] = {}
     try:
         with os.scandir(heartbeat_dir(run_dir, attempt)) as entries:
@@ -179,8 +180,13 @@ def describe_ranks(
             words.append(f"at least {pulse.steps} step{'s' if pulse.steps != 1 else ''} done")
             if pulse.phases:
                 words.append("in " + ", ".join(sorted(pulse.phases)))
-        state = run_state(pid) if pid in local else None
-        words.append(_STATES.get(state, f"state {state}") if state else "state unknown")
+        state = run_state(pid)
+        if state is None:  # no such process here: it ended (a rank that finished), or it is another host's
+            words.append("not running here (exited, or on another host)")
+        elif pid in local:
+            words.append(_STATES.get(state, f"state {state}"))
+        else:  # a pid of another host, or reused since: its state says nothing
+            words.append("state unknown")
         parts.append(", ".join(words))
     return "; ".join(parts)
 
