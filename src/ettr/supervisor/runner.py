@@ -283,7 +283,7 @@ class AttemptRunner:
         )
         state = self.watch.start(attempt)
         waiting: Progress | None = None  # for the job to exit, once asked to
-        starting = StartupWait(attempt, started, path=running.relaunch.path)  # the console before step 1
+        starting = StartupWait(attempt, started, path=running.relaunch.path, run_dir=run_dir)
         trained_read_at = float("-inf")
         standby_tried = restarts_left <= 0
         snapshot_at = float("-inf")
