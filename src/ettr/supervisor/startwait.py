@@ -46,10 +46,11 @@ def unbooted_python(run_dir: str | os.PathLike[str], attempt: int, *, root: int 
     (default: this supervisor's) with the run's `ETTR_RUN_DIR` whose `PYTHONPATH` lacks
     `bootstrap.pythonpath_dir()`, while no training process of the attempt has beaten; None otherwise."""
     try:
-        if any(os.scandir(heartbeat_dir(run_dir, attempt))):
-            return None  # something reports
+        with os.scandir(heartbeat_dir(run_dir, attempt)) as entries:
+            if any(True for _ in entries):
+                return None  # something reports
     except OSError:
-        pass
+        pass  # no heartbeat yet
     ours = os.path.realpath(run_dir)
     bootstrap = str(pythonpath_dir())
     for pid, _ in descendants(os.getpid() if root is None else root):
