@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -402,12 +403,13 @@ def test_a_training_thread_waiting_for_dataloader_workers_pulses_a_data_wait(tmp
 
     import torch.utils.data.dataloader as dataloader
 
-    from ettr.bootstrap.start import _watch_data_waits
+    from ettr.bootstrap.long_calls import watch_long_calls
+    from ettr.post_import import when_imported
     from ettr.torch_compat import dataloader_wait_codes
 
     assert dataloader_wait_codes(object()) == []
     progress = Progress()
-    _watch_data_waits(progress)  # torch's DataLoader is imported: registered at once
+    watch_long_calls(progress, when_imported)  # torch's DataLoader is imported: registered at once
     gate = tmp_path / "workers-may-start"
     loader = torch.utils.data.DataLoader(
         list(range(4)),
@@ -430,6 +432,56 @@ def test_a_training_thread_waiting_for_dataloader_workers_pulses_a_data_wait(tmp
     gate.touch()
     thread.join()
     assert len(got) == 2
+
+
+class _SlowFile:
+    """A file-like whose writes wait until released (slow storage, without a clock)."""
+
+    def __init__(self) -> None:
+        self.release, self.writing, self.data = threading.Event(), threading.Event(), bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.writing.set()
+        self.release.wait()
+        self.data += data
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_training_thread_in_a_long_torch_save_pulses_a_checkpoint(tmp_path: Path) -> None:
+    # 50 ms steps, then a synchronous 100 MB torch.save to slow storage: killed as hung after 10 s (the hooks
+    # book the save's span once it returned; nothing told the pulse while it ran). Wrapped as ettr's hooks
+    # wrap it (functools.wraps): the library's own code is the site.
+    torch = pytest.importorskip("torch")
+    import functools
+
+    from ettr.bootstrap.long_calls import innermost_code, watch_long_calls
+    from ettr.post_import import when_imported
+
+    original = torch.serialization.save
+
+    @functools.wraps(original)
+    def wrapped(*args: object, **kwargs: object) -> object:
+        return original(*args, **kwargs)
+
+    assert innermost_code(wrapped) is original.__code__ and innermost_code(object()) is None
+    progress = Progress()
+    watch_long_calls(progress, when_imported)
+    slow = _SlowFile()
+    thread = threading.Thread(target=lambda: wrapped({"w": torch.zeros(4)}, slow), daemon=True)
+    thread.start()
+    slow.writing.wait()
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    beat.sample()
+    beat.pulse()
+    assert read_pulses(tmp_path, 0)[0].phases == {"checkpoint_blocking"}
+    slow.release.set()
+    thread.join()
+    assert torch.load(io.BytesIO(bytes(slow.data)))["w"].shape == (4,)
 
 
 def test_heartbeat_beats_only_when_the_watched_thread_moves(tmp_path: Path) -> None:

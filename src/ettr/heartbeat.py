@@ -18,7 +18,8 @@ intervals, the phases open now) whenever that changed, at most twice a second, a
 renamed into place). The supervisor reads it with `read_pulses`; nothing read is ever run, and a pulse is
 read only if it is a small regular file (a FIFO there is skipped, never waited in). A phase is also open while
 the training thread's stack runs a registered wait site (`Progress.add_wait_site`: the bootstrap registers the
-DataLoader's wait for its workers as `data_wait`), seen by the sampler, nothing recorded.
+DataLoader's wait for its workers as `data_wait`, `torch.save` as `checkpoint_blocking`, ...:
+`ettr.bootstrap.long_calls`), seen by the sampler, nothing recorded.
 
 Never through a symlink: the directories from the run directory down to the file are made with
 `ettr.untrusted.make_dirs_below` (a `heartbeats/` or `attempt-A/` that someone swapped for a symlink is

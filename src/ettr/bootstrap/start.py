@@ -204,7 +204,10 @@ def _start(environ: Mapping[str, str]) -> None:
         progress = Progress()  # the pulse: how this process moves, for hang bounds that follow the job
         rec.add_listener(progress.observe)
         _started["progress"] = progress
-        _watch_data_waits(progress)
+        from ettr.bootstrap.long_calls import watch_long_calls
+        from ettr.post_import import when_imported
+
+        watch_long_calls(progress, when_imported)  # a long save, load or data wait is its phase, not a hang
         path = heartbeat_path(rec.run_dir, rec.attempt, rec.rank)
         beat = MainThreadHeartbeat(path, stands_down=launches, progress=progress, run_dir=rec.run_dir)
         beat.start()
@@ -229,23 +232,6 @@ def _start(environ: Mapping[str, str]) -> None:
         when_imported("torch.distributed.checkpoint", hooks.on_dcp)
         when_imported("safetensors.torch", hooks.on_safetensors)
         _watch_frameworks(hooks)
-
-
-def _watch_data_waits(progress: Any) -> None:
-    """Once torch's DataLoader is imported, its wait for a batch from its workers counts as a data wait in
-    this process's pulses (`Progress.add_wait_site`): a new epoch's iterator whose workers take long to
-    start, or workers late with a batch, is a data wait with its phase bound, not a training thread gone
-    quiet for ten step times (a healthy DDP job whose workers' start took 15 s at each epoch was killed
-    as hung). No hook on the call: the heartbeat's sampler sees it on the stack."""
-    from ettr.events import Phase
-    from ettr.post_import import when_imported
-    from ettr.torch_compat import dataloader_wait_codes
-
-    def on_dataloader(module: Any) -> None:
-        for code in dataloader_wait_codes(module):
-            progress.add_wait_site(code, Phase.DATA_WAIT.value)
-
-    when_imported("torch.utils.data.dataloader", on_dataloader)
 
 
 TORCH_PARTS = ("torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch._inductor.compile_fx")
