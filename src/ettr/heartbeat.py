@@ -102,7 +102,7 @@ class Progress:
         self._step_ts: deque[float] = deque(maxlen=_INTERVALS_KEPT + 1)
         self._steps = 0
         self._open: dict[str, int] = {}
-        self._sites: dict[CodeType, str] = {}
+        self._sites: dict[int, tuple[CodeType, str]] = {}  # by the code's id (it is kept alive here)
         self._waiting: frozenset[str] = frozenset()
         self.version = 0
         """Grows with every change (the sampler writes a pulse only when it moved)."""
@@ -133,7 +133,10 @@ class Progress:
         DataLoader's wait for a batch), the pulse says `phase` is open, as if the process had recorded it;
         nothing is recorded and nothing is added to the call (the heartbeat's sampler looks)."""
         with self._lock:
-            self._sites[code] = phase
+            self._sites = {
+                **self._sites,
+                id(code): (code, phase),
+            }  # replaced whole: the sampler reads it bare
 
     def note_stack(self, frame: FrameType | None) -> None:
         """The sampler's look at the training thread's stack: the wait sites it is in now."""
@@ -143,9 +146,9 @@ class Progress:
         waiting = set()
         depth = 0
         while frame is not None and depth < _WAIT_SITE_DEPTH:
-            phase = sites.get(frame.f_code)
-            if phase is not None:
-                waiting.add(phase)
+            site = sites.get(id(frame.f_code))
+            if site is not None:
+                waiting.add(site[1])
             frame = frame.f_back
             depth += 1
         if waiting != self._waiting:
