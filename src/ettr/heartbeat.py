@@ -132,11 +132,8 @@ class Progress:
         """While the training thread's stack runs `code` (a library's wait for its own workers: the
         DataLoader's wait for a batch), the pulse says `phase` is open, as if the process had recorded it;
         nothing is recorded and nothing is added to the call (the heartbeat's sampler looks)."""
-        with self._lock:
-            self._sites = {
-                **self._sites,
-                id(code): (code, phase),
-            }  # replaced whole: the sampler reads it bare
+        with self._lock:  # replaced whole: the sampler reads it bare
+            self._sites = {**self._sites, id(code): (code, phase)}
 
     def note_stack(self, frame: FrameType | None) -> None:
         """The sampler's look at the training thread's stack: the wait sites it is in now."""
