@@ -484,6 +484,28 @@ def test_a_training_thread_in_a_long_torch_save_pulses_a_checkpoint(tmp_path: Pa
     assert torch.load(io.BytesIO(bytes(slow.data)))["w"].shape == (4,)
 
 
+def test_a_training_thread_waiting_for_a_child_process_pulses_other(tmp_path: Path) -> None:
+    # 20 ms steps, then `subprocess.run([... upload ...])` for 20 s after a save: killed as hung after 10 s.
+    from ettr.bootstrap.long_calls import watch_long_calls
+    from ettr.post_import import when_imported
+
+    progress = Progress()
+    watch_long_calls(progress, when_imported)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    thread = threading.Thread(target=child.wait, daemon=True)
+    thread.start()
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    while subprocess.Popen.wait.__code__ not in _codes_on(thread):
+        pass
+    beat.sample()
+    beat.pulse()
+    assert read_pulses(tmp_path, 0)[0].phases == {"other"}
+    child.communicate(b"")
+    thread.join()
+
+
 def test_heartbeat_beats_only_when_the_watched_thread_moves(tmp_path: Path) -> None:
     first, second, done = threading.Event(), threading.Event(), threading.Event()
     parked = threading.Event()

@@ -7,7 +7,8 @@ record these spans only once the call has returned (their begin is known then to
 it while it lasts; the heartbeat's sampler sees the call on the training thread's stack instead
 (`Progress.add_wait_site`), with nothing hooked or recorded. Measured: a healthy job with 50 ms steps whose
 100 MB `torch.save` to slow storage took longer than 10 s was killed as hung; so was a DDP job whose
-DataLoader workers took 15 s to start at each epoch.
+DataLoader workers took 15 s to start at each epoch, and one that ran a 20 s upload command with
+`subprocess.run` after a save.
 
 Each site is the library's own function, under any wrappers (ettr's hooks wrap some of them with
 `functools.wraps`, which leaves `__wrapped__`): its code is on the stack for as long as the call runs.
@@ -30,8 +31,11 @@ LONG_CALLS: tuple[tuple[str, tuple[str, ...], Phase], ...] = (
     ("safetensors.torch", ("load_file",), Phase.RESTORE),
     ("torch.distributed.checkpoint", ("save", "async_save", "save_state_dict"), Phase.CHECKPOINT_BLOCKING),
     ("torch.distributed.checkpoint", ("load", "load_state_dict"), Phase.RESTORE),
+    ("subprocess", ("Popen.wait", "Popen.communicate"), Phase.OTHER),
 )
-"""(module, its functions, the phase the training thread is in while it runs one)."""
+"""(module, its functions (a dotted name: a class's), the phase the training thread is in while it runs one).
+A child process the script waits for (`subprocess.run([... "s3", "cp", ...])` after a save) is not
+instrumented (a child of a rank is left alone), so the rank's wait for it is `other`, not a silence."""
 
 _UNWRAP_DEPTH = 8
 
@@ -60,7 +64,10 @@ def watch_long_calls(
         def on_import(module: ModuleType) -> None:
             for names, phase in entries:
                 for name in names:
-                    code = innermost_code(getattr(module, name, None))
+                    target: object = module
+                    for part in name.split("."):
+                        target = getattr(target, part, None)
+                    code = innermost_code(target)
                     if code is not None:
                         progress.add_wait_site(code, phase.value)
 
