@@ -312,15 +312,19 @@ class MainThreadHeartbeat:
         if frame is None:
             return False  # the training thread is gone (interpreter shutting down)
         fingerprint = _stack_fingerprint(frame)
+        moved = fingerprint != self._last
+        # asked at every sample where a pulse may follow: a launcher waiting for its torchrun in
+        # `subprocess.run` (a wait site: `other`) would otherwise pulse that phase for the whole job
+        if self._stands_down is not None and (moved or self._progress is not None) and self._stands_down():
+            self._stop.set()  # a launcher's stack moving says nothing of its ranks
+            self._withdraw_pulse()  # nor its pulse of their bounds
+            return False
         if self._progress is not None:
             self._progress.note_stack(frame)
         del frame
-        if fingerprint == self._last:
+        if not moved:
             return False
         self._last = fingerprint
-        if self._stands_down is not None and self._stands_down():
-            self._stop.set()  # a launcher's stack moving says nothing of its ranks
-            return False
         try:
             os.utime(self.path, follow_symlinks=False)
         except OSError:
@@ -329,6 +333,12 @@ class MainThreadHeartbeat:
             except OSError:
                 return False
         return True
+
+    def _withdraw_pulse(self) -> None:
+        try:
+            os.unlink(self.path.with_name(self.path.name + PULSE_SUFFIX))
+        except OSError:
+            pass  # none written
 
     def pulse(self) -> bool:
         """Write the pulse if the progress changed since the last one; whether it wrote."""
