@@ -294,6 +294,7 @@ def test_a_hang_says_what_each_rank_was_doing(tmp_path: Path) -> None:
     # A 2-rank job with rank 1 stopped (SIGSTOP) after step 80 was "hung: no progress and no heartbeat for
     # 10.1 s" and nothing more: which rank, and in what state, was left to guess.
     from ettr.procs import run_state
+    from ettr.run_env import launcher_parent_path
     from ettr.supervisor.watchdog import describe_ranks
 
     asleep = subprocess.Popen(["sleep", "300"])
@@ -315,6 +316,9 @@ def test_a_hang_says_what_each_rank_was_doing(tmp_path: Path) -> None:
             path = beats / f"rank-{rank}-pid-{pid}"
             path.touch()
             os.utime(path, (mtime, mtime))
+        (beats / "rank-0-pid-4").touch()  # a Python program that started torchrun: no rank
+        launcher_parent_path(tmp_path, 0, 4).parent.mkdir(parents=True, exist_ok=True)
+        launcher_parent_path(tmp_path, 0, 4).touch()
         (beats / f"rank-1-pid-{stopped.pid}.pulse").write_text(
             '{"v": 1, "steps": 80, "step_s": 0.04, "intervals": 32, "phases": ["eval"]}'
         )

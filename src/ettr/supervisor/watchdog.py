@@ -31,7 +31,7 @@ from types import MappingProxyType
 from ettr.events import Event, EventKind
 from ettr.heartbeat import PULSE_SUFFIX, Pulse, read_pulses
 from ettr.procs import descendants, run_state, running
-from ettr.run_env import heartbeat_dir
+from ettr.run_env import heartbeat_dir, launcher_parent_path
 
 ActivityProbe = Callable[[], "float | None"]
 """Returns the Unix time of the latest sign of life it knows of, or None."""
@@ -149,7 +149,8 @@ _STATES = {
 def describe_ranks(
     run_dir: str | os.PathLike[str], attempt: int, now: float, *, local: Collection[int] = ()
 ) -> str:
-    """For people, at a hang: each training process of `attempt` (its heartbeat files), quietest first: its
+    """For people, at a hang: each training process of `attempt` (its heartbeat files; not a program that
+    turned out to be a launcher: `launcher_parent_path`), quietest first: its
     rank and pid, how long its training thread has been quiet (its last heartbeat), the steps it completed (at
     least: its last pulse's) and the phases open in it (its pulse), and what the kernel says it does
     (`/proc/PID/stat`'s state) where the pid is one of `local` (this supervisor's processes; a pid of another
@@ -172,6 +173,8 @@ def describe_ranks(
     pulses = {p.pid: p for p in read_pulses(run_dir, attempt) if p.pid is not None}
     parts = []
     for pid, (rank, beat) in sorted(beats.items(), key=lambda item: (item[1][1], item[1][0])):
+        if launcher_parent_path(run_dir, attempt, pid).exists():
+            continue  # a Python program that started torchrun: a launcher, not a rank
         words = [f"rank {rank} (pid {pid}) quiet {max(0.0, now - beat):.1f} s"]
         pulse = pulses.get(pid)
         if pulse is not None:
