@@ -590,6 +590,35 @@ def test_calls_from_ettr_modules_are_left_to_them(hooked: tuple[Any, Recorder, A
     assert hooks.checkpoints._async_paths == set()
 
 
+def test_a_long_wait_for_dataloader_workers_is_a_data_wait_span(
+    hooked: tuple[Any, Recorder, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A healthy DDP job whose DataLoader workers took 15 s to start at each epoch had those waits in its
+    steps: 77 s of effective training for 0.7 s of steps. A wait of at least `DATA_WAIT_SPAN_MIN_S` is a
+    DATA_WAIT span (the threshold is set here so that every wait, or none, is long: no timing)."""
+    import torch.utils.data.dataloader as dataloader
+
+    import ettr.bootstrap.hooks as hooks_module
+    from ettr.torch_compat import dataloader_wait_codes
+
+    hooks, rec, ledger = hooked
+    with_workers = torch.utils.data.DataLoader(list(range(4)), batch_size=2, num_workers=1)
+    in_process = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    monkeypatch.setattr(hooks_module, "DATA_WAIT_SPAN_MIN_S", float("inf"))
+    list(with_workers)  # the first batch's own span; no wait long enough
+    monkeypatch.setattr(hooks_module, "DATA_WAIT_SPAN_MIN_S", 0.0)
+    list(in_process)  # no workers: no wait for them
+    assert [e.phase for e in _events(rec, ledger, {EventKind.PHASE_END})] == [Phase.GET_FIRST_BATCH_DATA]
+    list(with_workers)  # every wait counts now: two batches
+    with rec.phase(Phase.DATA_WAIT):  # the script's own
+        list(with_workers)
+    ends = [e.phase for e in _events(rec, ledger, {EventKind.PHASE_END})]
+    assert ends == [Phase.GET_FIRST_BATCH_DATA, Phase.DATA_WAIT, Phase.DATA_WAIT, Phase.DATA_WAIT]
+    # the heartbeat's wait site is torch's own code, under the hook
+    (code,) = dataloader_wait_codes(dataloader)
+    assert code.co_filename == dataloader.__file__
+
+
 def test_explicit_phases_are_not_recorded_twice(hooked: tuple[Any, Recorder, Any], tmp_path: Path) -> None:
     """A script that records its own phases around the calls the hooks watch gets each phase once."""
     hooks, rec, ledger = hooked

@@ -161,6 +161,21 @@ def test_a_program_that_turned_out_to_be_a_launcher_fires_no_fault_and_stops_bea
     beat._last = None  # the stack moved again
     assert beat.sample() is False and beat._stop.is_set()  # no beat, and the sampler ends
 
+    # A wrapper waiting for its torchrun in subprocess.run pulsed `other` (a wait site) before the torchrun
+    # said it launched: its pulse would have held every rank's bound at the phase bound. Asked at every
+    # sample, it stands down with its stack still, and its pulse goes.
+    from ettr.heartbeat import Progress
+
+    launched.unlink()
+    progress = Progress()
+    progress.add_wait_site(sys._getframe().f_code, "other")  # this test's frame is the wait
+    beat = MainThreadHeartbeat(path, stands_down=launched.exists, progress=progress)
+    assert beat.sample() is True and beat.pulse()
+    pulse = path.with_name(path.name + ".pulse")
+    assert '"phases":["other"]' in pulse.read_text()
+    launched.touch()
+    assert beat.sample() is False and beat._stop.is_set() and not pulse.exists()
+
 
 def _job_env(run_dir: Path, bin_dir: Path, launcher: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}

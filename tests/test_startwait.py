@@ -99,3 +99,49 @@ def test_ettr_run_says_what_a_slow_start_waits_for(tmp_path: Path) -> None:
         "restore)"
     ), done.stderr
     assert any(line.startswith("ettr: attempt 0: first training step ") for line in lines), done.stderr
+
+
+def test_a_rank_started_without_the_bootstrap_is_named_once() -> None:
+    # A wrapper's `export PYTHONPATH=$PWD` ran the ranks without ettr: the console said "still no training
+    # step after 60 s (cold start: ...)" about a job that had trained 80 steps and hung, for ever.
+    asked = []
+
+    def unbooted() -> str | None:
+        asked.append(1)
+        return "pid 7 (python3) runs without ettr's bootstrap" if len(asked) >= 2 else None
+
+    wait = StartupWait(0, 0.0, path="cold", unbooted=unbooted)
+    said = [line for _, line in _lines(wait, [1.0, 10.0, 30.0, 60.0, 120.0])]
+    assert said == [
+        "attempt 0: waiting for its first training step (cold start: interpreter, imports, model build, restore)",
+        "attempt 0: still no training step after 10 s (cold start: interpreter, imports, model build, restore)",
+        "attempt 0: still no training step after 30 s: pid 7 (python3) runs without ettr's bootstrap",
+        "attempt 0: still no training step after 60 s (a process runs without ettr's bootstrap: its steps are "
+        "not seen)",
+        "attempt 0: still no training step after 120 s (a process runs without ettr's bootstrap: its steps are "
+        "not seen)",
+    ]
+    assert len(asked) == 2  # not asked before 10 s, nor once it said it
+
+
+def test_unbooted_python_finds_a_python_child_whose_pythonpath_was_replaced(tmp_path: Path) -> None:
+    from ettr.run_env import RUN_DIR_ENV, heartbeat_path
+    from ettr.supervisor.startwait import unbooted_python
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {**os.environ, RUN_DIR_ENV: str(run_dir), "PYTHONPATH": str(tmp_path)}
+    code = "import sys; sys.stdin.read()"
+    replaced = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE)
+    try:
+        said = None
+        while said is None:  # until the child runs Python (its exe is the interpreter)
+            said = unbooted_python(run_dir, 0)
+        assert said.startswith(f"pid {replaced.pid} (python") and f"PYTHONPATH={tmp_path};" in said
+        beat = heartbeat_path(run_dir, 0, 0, pid=1)
+        beat.parent.mkdir(parents=True)
+        beat.touch()
+        assert unbooted_python(run_dir, 0) is None  # a rank beats: something reports
+        assert unbooted_python(run_dir, 1) is not None
+    finally:
+        replaced.communicate(b"")

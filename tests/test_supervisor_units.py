@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -287,6 +288,226 @@ def test_pulses_are_written_by_the_sampler_and_read_back_validated(tmp_path: Pat
     )
     assert [p.rank for p in read_pulses(tmp_path, 0)] == [0]
     assert JobProgress.of(read_pulses(tmp_path, 0)) == JobProgress(settled=True, step_s=0.5)
+
+
+def test_a_hang_says_what_each_rank_was_doing(tmp_path: Path) -> None:
+    # A 2-rank job with rank 1 stopped (SIGSTOP) after step 80 was "hung: no progress and no heartbeat for
+    # 10.1 s" and nothing more: which rank, and in what state, was left to guess.
+    from ettr.procs import run_state
+    from ettr.run_env import launcher_parent_path
+    from ettr.supervisor.watchdog import describe_ranks
+
+    asleep = subprocess.Popen(["sleep", "300"])
+    stopped = subprocess.Popen(["sleep", "300"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        while run_state(asleep.pid) != "S" or run_state(stopped.pid) != "T":
+            pass
+        beats = heartbeat_path(tmp_path, 0, 0, pid=asleep.pid).parent
+        beats.mkdir(parents=True)
+        gone = subprocess.Popen(["true"])
+        gone.wait()  # a rank that finished (its pid free again: nothing by it runs, or not ours)
+        for rank, pid, mtime in (
+            (0, asleep.pid, 95.0),
+            (1, stopped.pid, 90.0),
+            (2, gone.pid, 97.0),
+            (3, os.getppid(), 98.0),  # one that runs, not the supervisor's: its state says nothing
+        ):
+            path = beats / f"rank-{rank}-pid-{pid}"
+            path.touch()
+            os.utime(path, (mtime, mtime))
+        (beats / "rank-0-pid-4").touch()  # a Python program that started torchrun: no rank
+        launcher_parent_path(tmp_path, 0, 4).parent.mkdir(parents=True, exist_ok=True)
+        launcher_parent_path(tmp_path, 0, 4).touch()
+        (beats / f"rank-1-pid-{stopped.pid}.pulse").write_text(
+            '{"v": 1, "steps": 80, "step_s": 0.04, "intervals": 32, "phases": ["eval"]}'
+        )
+        said = describe_ranks(tmp_path, 0, 100.0, local={asleep.pid, stopped.pid})
+    finally:
+        for child in (asleep, stopped):
+            child.kill()
+            child.wait()
+    assert said == (
+        f"rank 1 (pid {stopped.pid}) quiet 10.0 s, at least 80 steps done, in eval, stopped (SIGSTOP or SIGTSTP); "
+        f"rank 0 (pid {asleep.pid}) quiet 5.0 s, asleep (waiting: a collective, a lock, a sleep, I/O); "
+        f"rank 2 (pid {gone.pid}) quiet 3.0 s, not running here (exited, or on another host); "
+        f"rank 3 (pid {os.getppid()}) quiet 2.0 s, state unknown"  # not this supervisor's process
+    )
+    assert describe_ranks(tmp_path, 7, 100.0) == ""
+    hung = classify(returncode=-signal.SIGTERM, hung_after_s=10.0, hung_ranks=said)
+    assert hung.reason.endswith(said)
+    dog = HangWatchdog(
+        probes=[lambda: 100.0],
+        started_at=100.0,
+        armed_at_start=True,
+        timeout_s=5.0,
+        describe=lambda t: f"at {t}",
+    )
+    assert dog.check(104.0) is None and dog.ranks == ""
+    assert dog.check(110.0) == 10.0 and dog.ranks == "at 110.0"
+
+
+def _wait_in_site(release: threading.Event) -> None:
+    release.wait()
+
+
+def test_a_wait_site_on_the_training_stack_opens_its_phase_in_the_pulse(tmp_path: Path) -> None:
+    # A healthy job whose DataLoader workers took 15 s to start at an epoch was killed after 10 step times:
+    # the wait for the workers' batch is a data wait, told by the stack (nothing recorded, nothing hooked).
+    progress = Progress()
+    for i in range(8):
+        progress.observe(Event(EventKind.STEP, 10.0 + 0.05 * i, 0, 0, step=i + 1))
+    progress.add_wait_site(_wait_in_site.__code__, Phase.DATA_WAIT.value)
+    release, parked = threading.Event(), threading.Event()
+
+    def training() -> None:
+        parked.set()
+        _wait_in_site(release)
+
+    thread = threading.Thread(target=training, daemon=True)
+    thread.start()
+    parked.wait()
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    while _wait_in_site.__code__ not in _codes_on(thread):
+        pass
+    beat.sample()
+    assert beat.pulse()
+    (read,) = read_pulses(tmp_path, 0)
+    assert read.phases == {"data_wait"}
+    progress_now = JobProgress.of(read_pulses(tmp_path, 0))
+    assert HangBounds().bound(progress_now) == (300.0, "the bound of phase data_wait")
+    release.set()
+    thread.join()
+    beat_after = MainThreadHeartbeat(path, thread_id=threading.get_ident(), progress=progress)
+    beat_after.sample()  # this thread's stack holds no wait site
+    assert beat_after.pulse() and read_pulses(tmp_path, 0)[0].phases == frozenset()
+
+
+def _codes_on(thread: threading.Thread) -> set[object]:
+    frame = sys._current_frames().get(thread.ident or 0)
+    codes = set()
+    while frame is not None:
+        codes.add(frame.f_code)
+        frame = frame.f_back
+    return codes
+
+
+def _worker_waits_for(path: str, worker_id: int) -> None:
+    import time
+
+    while not os.path.exists(path):
+        time.sleep(0.05)
+
+
+def test_a_training_thread_waiting_for_dataloader_workers_pulses_a_data_wait(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import functools
+
+    import torch.utils.data.dataloader as dataloader
+
+    from ettr.bootstrap.long_calls import watch_long_calls
+    from ettr.post_import import when_imported
+    from ettr.torch_compat import dataloader_wait_codes
+
+    assert dataloader_wait_codes(object()) == []
+    progress = Progress()
+    watch_long_calls(progress, when_imported)  # torch's DataLoader is imported: registered at once
+    gate = tmp_path / "workers-may-start"
+    loader = torch.utils.data.DataLoader(
+        list(range(4)),
+        batch_size=2,
+        num_workers=1,
+        worker_init_fn=functools.partial(_worker_waits_for, str(gate)),
+    )
+    got: list[object] = []
+    thread = threading.Thread(target=lambda: got.extend(loader), daemon=True)
+    thread.start()
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    site = dataloader._MultiProcessingDataLoaderIter._get_data.__code__
+    while site not in _codes_on(thread):  # its workers are starting: it waits for their first batch
+        pass
+    beat.sample()
+    beat.pulse()
+    assert read_pulses(tmp_path, 0)[0].phases == {"data_wait"}
+    gate.touch()
+    thread.join()
+    assert len(got) == 2
+
+
+class _SlowFile:
+    """A file-like whose writes wait until released (slow storage, without a clock)."""
+
+    def __init__(self) -> None:
+        self.release, self.writing, self.data = threading.Event(), threading.Event(), bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.writing.set()
+        self.release.wait()
+        self.data += data
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_training_thread_in_a_long_torch_save_pulses_a_checkpoint(tmp_path: Path) -> None:
+    # 50 ms steps, then a synchronous 100 MB torch.save to slow storage: killed as hung after 10 s (the hooks
+    # book the save's span once it returned; nothing told the pulse while it ran). Wrapped as ettr's hooks
+    # wrap it (functools.wraps): the library's own code is the site.
+    torch = pytest.importorskip("torch")
+    import functools
+
+    from ettr.bootstrap.long_calls import innermost_code, watch_long_calls
+    from ettr.post_import import when_imported
+
+    original = torch.serialization.save
+
+    @functools.wraps(original)
+    def wrapped(*args: object, **kwargs: object) -> object:
+        return original(*args, **kwargs)
+
+    assert innermost_code(wrapped) is original.__code__ and innermost_code(object()) is None
+    progress = Progress()
+    watch_long_calls(progress, when_imported)
+    slow = _SlowFile()
+    thread = threading.Thread(target=lambda: wrapped({"w": torch.zeros(4)}, slow), daemon=True)
+    thread.start()
+    slow.writing.wait()
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    beat.sample()
+    beat.pulse()
+    assert read_pulses(tmp_path, 0)[0].phases == {"checkpoint_blocking"}
+    slow.release.set()
+    thread.join()
+    assert torch.load(io.BytesIO(bytes(slow.data)))["w"].shape == (4,)
+
+
+def test_a_training_thread_waiting_for_a_child_process_pulses_other(tmp_path: Path) -> None:
+    # 20 ms steps, then `subprocess.run([... upload ...])` for 20 s after a save: killed as hung after 10 s.
+    from ettr.bootstrap.long_calls import watch_long_calls
+    from ettr.post_import import when_imported
+
+    progress = Progress()
+    watch_long_calls(progress, when_imported)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    thread = threading.Thread(target=child.wait, daemon=True)
+    thread.start()
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    while subprocess.Popen.wait.__code__ not in _codes_on(thread):
+        pass
+    beat.sample()
+    beat.pulse()
+    assert read_pulses(tmp_path, 0)[0].phases == {"other"}
+    child.communicate(b"")
+    thread.join()
 
 
 def test_heartbeat_beats_only_when_the_watched_thread_moves(tmp_path: Path) -> None:

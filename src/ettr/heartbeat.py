@@ -16,7 +16,10 @@ phases open (a deque append on the recording thread), and the sampler thread wri
 (`{"v": 1, "steps": N, "step_s": S, "phases": [...]}`: steps completed, the median of the last step
 intervals, the phases open now) whenever that changed, at most twice a second, atomically (written aside,
 renamed into place). The supervisor reads it with `read_pulses`; nothing read is ever run, and a pulse is
-read only if it is a small regular file (a FIFO there is skipped, never waited in).
+read only if it is a small regular file (a FIFO there is skipped, never waited in). A phase is also open while
+the training thread's stack runs a registered wait site (`Progress.add_wait_site`: the bootstrap registers the
+DataLoader's wait for its workers as `data_wait`, `torch.save` as `checkpoint_blocking`, ...:
+`ettr.bootstrap.long_calls`), seen by the sampler, nothing recorded.
 
 Never through a symlink: the directories from the run directory down to the file are made with
 `ettr.untrusted.make_dirs_below` (a `heartbeats/` or `attempt-A/` that someone swapped for a symlink is
@@ -25,6 +28,7 @@ refused: that process logs one line and does not beat), and the file itself is o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -35,7 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 
 from ettr.events import Event, EventKind
 from ettr.run_env import heartbeat_dir
@@ -48,6 +52,8 @@ _PULSE_VERSION = 1
 _PULSE_MAX_BYTES = 4096
 _INTERVALS_KEPT = 32
 """Step intervals a pulse's median is taken over (recent: after a warm-up or a slowdown it follows the job)."""
+_WAIT_SITE_DEPTH = 64
+"""Frames of the training thread's stack looked at for a wait site (`Progress.add_wait_site`)."""
 _BACKGROUND_PHASES = frozenset({"checkpoint_persist"})
 """Phases that run beside training (an overlapped persist): the training thread is not waiting on them."""
 
@@ -81,6 +87,8 @@ class Pulse:
     """How many intervals that median is over."""
     phases: frozenset[str]
     """The phases open in it now (those the training thread waits on)."""
+    pid: int | None = None
+    """The process (from the file's name)."""
 
 
 class Progress:
@@ -94,6 +102,8 @@ class Progress:
         self._step_ts: deque[float] = deque(maxlen=_INTERVALS_KEPT + 1)
         self._steps = 0
         self._open: dict[str, int] = {}
+        self._sites: dict[int, tuple[CodeType, str]] = {}  # by the code's id (it is kept alive here)
+        self._waiting: frozenset[str] = frozenset()
         self.version = 0
         """Grows with every change (the sampler writes a pulse only when it moved)."""
 
@@ -118,12 +128,38 @@ class Progress:
                         del self._open[name]
                     self.version += 1
 
+    def add_wait_site(self, code: CodeType, phase: str) -> None:
+        """While the training thread's stack runs `code` (a library's wait for its own workers: the
+        DataLoader's wait for a batch), the pulse says `phase` is open, as if the process had recorded it;
+        nothing is recorded and nothing is added to the call (the heartbeat's sampler looks)."""
+        with self._lock:  # replaced whole: the sampler reads it bare
+            self._sites = {**self._sites, id(code): (code, phase)}
+
+    def note_stack(self, frame: FrameType | None) -> None:
+        """The sampler's look at the training thread's stack: the wait sites it is in now."""
+        sites = self._sites
+        if not sites:
+            return
+        waiting = set()
+        depth = 0
+        while frame is not None and depth < _WAIT_SITE_DEPTH:
+            site = sites.get(id(frame.f_code))
+            if site is not None:
+                waiting.add(site[1])
+            frame = frame.f_back
+            depth += 1
+        if waiting != self._waiting:
+            with self._lock:
+                self._waiting = frozenset(waiting)
+                self.version += 1
+
     def snapshot(self) -> dict[str, object]:
         """The pulse document now."""
         with self._lock:
             times = list(self._step_ts)
             steps = self._steps
-            phases = sorted(p for p in self._open if p not in _BACKGROUND_PHASES)
+            open_now = self._open.keys() | self._waiting
+            phases = sorted(p for p in open_now if p not in _BACKGROUND_PHASES)
         intervals = [b - a for a, b in zip(times, times[1:], strict=False) if b >= a]
         return {
             "v": _PULSE_VERSION,
@@ -165,7 +201,8 @@ def read_pulses(run_dir: str | os.PathLike[str], attempt: int) -> list[Pulse]:
             continue
         pulse = _pulse_from(rank, doc)
         if pulse is not None:
-            found.append(pulse)
+            pid = name.removesuffix(PULSE_SUFFIX).rpartition("-pid-")[2]
+            found.append(dataclasses.replace(pulse, pid=int(pid)) if pid.isdigit() else pulse)
     return found
 
 
@@ -275,13 +312,19 @@ class MainThreadHeartbeat:
         if frame is None:
             return False  # the training thread is gone (interpreter shutting down)
         fingerprint = _stack_fingerprint(frame)
+        moved = fingerprint != self._last
+        # asked at every sample where a pulse may follow: a launcher waiting for its torchrun in
+        # `subprocess.run` (a wait site: `other`) would otherwise pulse that phase for the whole job
+        if self._stands_down is not None and (moved or self._progress is not None) and self._stands_down():
+            self._stop.set()  # a launcher's stack moving says nothing of its ranks
+            self._withdraw_pulse()  # nor its pulse of their bounds
+            return False
+        if self._progress is not None:
+            self._progress.note_stack(frame)
         del frame
-        if fingerprint == self._last:
+        if not moved:
             return False
         self._last = fingerprint
-        if self._stands_down is not None and self._stands_down():
-            self._stop.set()  # a launcher's stack moving says nothing of its ranks
-            return False
         try:
             os.utime(self.path, follow_symlinks=False)
         except OSError:
@@ -290,6 +333,12 @@ class MainThreadHeartbeat:
             except OSError:
                 return False
         return True
+
+    def _withdraw_pulse(self) -> None:
+        try:
+            os.unlink(self.path.with_name(self.path.name + PULSE_SUFFIX))
+        except OSError:
+            pass  # none written
 
     def pulse(self) -> bool:
         """Write the pulse if the progress changed since the last one; whether it wrote."""

@@ -52,6 +52,16 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+def run_state(pid: int) -> str | None:
+    """The kernel's state letter of process `pid` (`R` running, `S` asleep, `D` uninterruptible I/O, `T`
+    stopped, `Z` zombie, ...; field 3 of stat(5)); None: no such process, or no /proc."""
+    fields = _stat_fields(pid)
+    try:
+        return None if fields is None else fields[0].decode("ascii", "replace")
+    except IndexError:
+        return None
+
+
 def cpu_seconds(pid: int) -> float | None:
     """CPU time process `pid` has used so far, user and system (None: no such process, or no /proc)."""
     fields = _stat_fields(pid)

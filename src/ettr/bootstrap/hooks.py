@@ -14,6 +14,8 @@ Installed once torch is imported (see `post_import`), each hook wraps one torch 
   process group     torch.distributed.init_process_group -> PROCESS_GROUP_INIT span
   first batch       the first `__next__` of the first DataLoader iterator -> GET_FIRST_BATCH_DATA span,
                     after which the original method is put back (no cost per batch)
+  data waits        the DataLoader's wait for its worker processes (`_MultiProcessingDataLoaderIter._get_data`)
+                    -> DATA_WAIT span when it lasted `DATA_WAIT_SPAN_MIN_S` or longer (two clock reads a batch)
   checkpoints       torch.save / torch.load (paths, open files, in-memory buffers written to a file),
                     safetensors' save_file / load_file, dcp.save / dcp.async_save / dcp.load (`checkpoint_hooks`)
   evaluation        `eval()` of a module an optimizer trains -> EVAL span until its `train()` (`eval_hooks`)
@@ -46,6 +48,11 @@ from ettr.tracing import dynamo_is_tracing
 from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
+
+DATA_WAIT_SPAN_MIN_S = 1.0
+"""A wait of the training thread in a DataLoader for its worker processes' batch that lasts this long or longer
+is recorded as a DATA_WAIT span (a new epoch's workers starting, a stalled worker): the books then put it in
+`data_wait`, not in the step it delays. Shorter waits stay in their step (no event per batch)."""
 
 JOIN_WATCH: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], None] | None = None
 """Called with (torch's `init_process_group`, args, kwargs) before each call the hooks time, where set: in a
@@ -233,6 +240,7 @@ class AutoHooks:
         self.guard.call("evaluation", self.evals.install, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
         self.guard.call("first batch", self._install_first_batch_hook, torch)
+        self.guard.call("data wait", self._install_data_wait_hook, torch)
         self.guard.call("backward", self._install_backward_hook, torch)
         self.guard.call("torch.save/load", self.checkpoints.install_torch, torch)
         dcp = sys.modules.get("torch.distributed.checkpoint")
@@ -382,6 +390,28 @@ class AutoHooks:
 
         functools.update_wrapper(__next__, original)
         self.patcher.set(base, "__next__", __next__)
+
+    def _install_data_wait_hook(self, torch: ModuleType) -> None:
+        cls = torch_compat.dataloader_worker_iter()
+        if cls is None:
+            return
+        rec, guard = self.rec, self.guard
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def _get_data(self: Any) -> Any:
+                begin = time.time()
+                try:
+                    return original(self)
+                finally:
+                    waited = time.time() - begin
+                    if waited >= DATA_WAIT_SPAN_MIN_S and not (
+                        rec.is_open(Phase.DATA_WAIT) or rec.is_open(Phase.GET_FIRST_BATCH_DATA)
+                    ):
+                        guard.call("data wait", rec.span, Phase.DATA_WAIT, begin)
+
+            return _get_data
+
+        self.patcher.wrap(cls, "_get_data", make)
 
     def uninstall(self) -> None:
         """Put torch back as it was (tests; a process keeps its hooks to the end)."""

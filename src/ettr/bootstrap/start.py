@@ -204,6 +204,10 @@ def _start(environ: Mapping[str, str]) -> None:
         progress = Progress()  # the pulse: how this process moves, for hang bounds that follow the job
         rec.add_listener(progress.observe)
         _started["progress"] = progress
+        from ettr.bootstrap.long_calls import watch_long_calls
+        from ettr.post_import import when_imported
+
+        watch_long_calls(progress, when_imported)  # a long save, load or data wait is its phase, not a hang
         path = heartbeat_path(rec.run_dir, rec.attempt, rec.rank)
         beat = MainThreadHeartbeat(path, stands_down=launches, progress=progress, run_dir=rec.run_dir)
         beat.start()

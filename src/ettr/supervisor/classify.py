@@ -137,6 +137,7 @@ def classify(
     preempted_by: int | None = None,
     hung_after_s: float | None = None,
     hung_bound: str = "",
+    hung_ranks: str = "",
     oom_killed: bool = False,
     failed_pids: Sequence[Sequence[int]] = (),
     ranks: Mapping[int, int] | None = None,
@@ -153,7 +154,8 @@ def classify(
             used).
         preempted_by: the signal the supervisor received and forwarded (the attempt was preempted).
         hung_after_s: set when the hang watchdog killed the attempt: the silence it saw; `hung_bound` which bound
-            that was over (`the bound of phase eval`, `10 x the step time of 0.05 s`).
+            that was over (`the bound of phase eval`, `10 x the step time of 0.05 s`); `hung_ranks` what each
+            training process was doing then (`watchdog.describe_ranks`).
         oom_killed: the cgroup's OOM-kill counter rose during the attempt.
         failed_pids: the attempt's processes seen to end, one list per look that saw them gone, in the
             order of the looks (ettr's agent: the failed worker; under a launcher, the ranks the supervisor saw
@@ -267,6 +269,8 @@ def classify(
         outcome = Outcome.HUNG
         over = f" (over {hung_bound})" if hung_bound else ""
         reason = f"no progress and no heartbeat for {hung_after_s:.1f} s{over}; {how}"
+        if hung_ranks:
+            reason += f"; {hung_ranks}"
     elif preempted_by == signal.SIGINT:
         outcome = Outcome.INTERRUPTED
         reason = f"interrupted (SIGINT forwarded to the job); {how}"

@@ -63,6 +63,7 @@ from ettr.supervisor.watchdog import (
     JobProgress,
     heartbeat_pids,
     learned_bounds,
+    ranks_at_hang,
     run_queue_wait_s,
     training_ended,
 )
@@ -215,6 +216,7 @@ class AttemptRunner:
             preempted_by=state.forwarded,
             hung_after_s=state.hung_after_s,
             hung_bound=state.hung_bound,
+            hung_ranks=state.hung_ranks,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
             failed_pids=running.failed_pids(),
             ranks=running.ranks(),
@@ -277,10 +279,11 @@ class AttemptRunner:
             progress=lambda: JobProgress.of(read_pulses(run_dir, attempt)),
             starved=lambda: run_queue_wait_s(heartbeat_pids(_names(heartbeat_dir(run_dir, attempt)))),
             ended=lambda: training_ended(heartbeat_pids(_names(heartbeat_dir(run_dir, attempt)))),
+            describe=lambda now: ranks_at_hang(run_dir, attempt, now),
         )
         state = self.watch.start(attempt)
         waiting: Progress | None = None  # for the job to exit, once asked to
-        starting = StartupWait(attempt, started, path=running.relaunch.path)  # the console before step 1
+        starting = StartupWait(attempt, started, path=running.relaunch.path, run_dir=run_dir)
         trained_read_at = float("-inf")
         standby_tried = restarts_left <= 0
         snapshot_at = float("-inf")
@@ -356,7 +359,7 @@ class AttemptRunner:
         if state.watching_hangs:
             silence_s = dog.check(now)
             if silence_s is not None:
-                hung = Hung(silence_s, bound=f"{dog.why}: {dog.bound_s:.3g} s", last_sign_at=dog.latest)
+                hung = Hung(silence_s, bound=dog.bound_text, last_sign_at=dog.latest, ranks=dog.ranks)
                 state = self._step(state, hung, now, running, sweep)
         if state.watching_peers:
             reason = p.peers.check(state.attempt, now, started)

@@ -4,11 +4,24 @@ After a restart the console said `restarting in 0 s` and `attempt 1 started: pid
 the job printed something, for as long as the interpreter, `import torch`, the model build and the restore
 took (minutes on a busy node). `StartupWait` says, once an attempt has run `after_s` without a training step,
 what it is doing (by its relaunch path: a cold start, a warm or promoted standby, a restart in place), again
-at growing intervals while that lasts, and once when the first step comes. Pure: the caller gives the time
-and whether the attempt has trained (`ettr.run_env.has_trained`) and says the line returned.
+at growing intervals while that lasts, and once when the first step comes. The caller gives the time and
+whether the attempt has trained (`ettr.run_env.has_trained`) and says the line returned.
+
+A command that replaces the PYTHONPATH it was given (`export PYTHONPATH=$PWD` in a wrapper script) runs its
+ranks without ettr's bootstrap: no steps, no heartbeats, no hang detection. The console said `still no
+training step after 60 s (cold start: ...)` about a job that had trained 80 steps and hung, for ever. So once
+an attempt has run `UNBOOTED_AFTER_S` with no heartbeat at all, the line names a Python process of the
+attempt whose PYTHONPATH lacks the bootstrap (`unbooted_python`), once.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from ettr.bootstrap import pythonpath_dir
+from ettr.procs import descendants, environ_of
+from ettr.run_env import RUN_DIR_ENV, heartbeat_dir
 
 STARTING = {
     "cold": "cold start: interpreter, imports, model build, restore",
@@ -24,11 +37,59 @@ LATER_LINES_S = (10.0, 30.0, 60.0, 120.0, 300.0)
 """Then at these ages, and every `LATER_LINES_S[-1]` seconds after the last."""
 
 
+UNBOOTED_AFTER_S = 10.0
+"""An attempt without a heartbeat this long is looked at for ranks started without the bootstrap."""
+
+
+def unbooted_python(run_dir: str | os.PathLike[str], attempt: int, *, root: int | None = None) -> str | None:
+    """What to say of `attempt` when it runs Python without ettr's bootstrap: a process of `root`'s tree
+    (default: this supervisor's) with the run's `ETTR_RUN_DIR` whose `PYTHONPATH` lacks
+    `bootstrap.pythonpath_dir()`, while no training process of the attempt has beaten; None otherwise."""
+    try:
+        with os.scandir(heartbeat_dir(run_dir, attempt)) as entries:
+            if any(True for _ in entries):
+                return None  # something reports
+    except OSError:
+        pass  # no heartbeat yet
+    ours = os.path.realpath(run_dir)
+    bootstrap = str(pythonpath_dir())
+    for pid, _ in descendants(os.getpid() if root is None else root):
+        env = environ_of(pid)
+        if env is None or os.path.realpath(env.get(RUN_DIR_ENV) or "/nonexistent") != ours:
+            continue  # not this run's (or unreadable)
+        try:
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+        except OSError:
+            continue
+        path = env.get("PYTHONPATH", "")
+        if exe.startswith("python") and bootstrap not in path.split(os.pathsep):
+            given = f"PYTHONPATH={path}" if path else "no PYTHONPATH"
+            return (
+                f"pid {pid} ({exe}) runs without ettr's bootstrap ({given}; the command replaced the one it was "
+                "given): no steps, heartbeats or hang detection from it; add to PYTHONPATH, do not replace it"
+            )
+    return None
+
+
 class StartupWait:
     """The console lines of one attempt's start-up (module docstring). `check` once per poll."""
 
-    def __init__(self, attempt: int, started_at: float, *, path: str, after_s: float = FIRST_LINE_S) -> None:
+    def __init__(
+        self,
+        attempt: int,
+        started_at: float,
+        *,
+        path: str,
+        after_s: float = FIRST_LINE_S,
+        run_dir: str | os.PathLike[str] | None = None,
+        unbooted: Callable[[], str | None] | None = None,
+    ) -> None:
+        """`unbooted` (default with `run_dir`: `unbooted_python` of the attempt) is asked, from
+        `UNBOOTED_AFTER_S` on, at each line until it once had something to say."""
         self._attempt, self._started_at = attempt, started_at
+        if unbooted is None and run_dir is not None:
+            unbooted = lambda: unbooted_python(run_dir, attempt)  # noqa: E731
+        self._unbooted = unbooted
         self._doing = STARTING.get(path, "start-up")
         self._next_s = after_s
         self._later = list(LATER_LINES_S)
@@ -60,4 +121,14 @@ class StartupWait:
         self._said = True
         if first:
             return f"attempt {self._attempt}: waiting for its first training step ({self._doing})"
-        return f"attempt {self._attempt}: still no training step after {age_s:.0f} s ({self._doing})"
+        line = f"attempt {self._attempt}: still no training step after {age_s:.0f} s"
+        if self._unbooted is not None and age_s >= UNBOOTED_AFTER_S:
+            try:
+                why = self._unbooted()
+            except Exception:  # a diagnosis is no reason to stop the watch
+                why = None
+            if why is not None:
+                self._unbooted = None  # said once; later lines say so in short
+                self._doing = "a process runs without ettr's bootstrap: its steps are not seen"
+                return f"{line}: {why}"
+        return f"{line} ({self._doing})"

@@ -60,6 +60,8 @@ class Hung:
     silence_s: float
     bound: str = ""
     last_sign_at: float | None = None
+    ranks: str = ""
+    """What each training process was doing, as far as the supervisor knows (`watchdog.describe_ranks`)."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ class WatchState:
     """The silence after which the attempt was declared hung."""
     hung_bound: str = ""
     """Which bound that silence was over (`ettr.supervisor.watchdog.HangBounds`)."""
+    hung_ranks: str = ""
+    """What each training process was doing then (`Hung.ranks`)."""
     fault_at: float | None = None
     """When the fault happened, where the watch knows it better than the exit (a hang: its last sign of life)."""
     peer_reason: str | None = None
@@ -351,6 +355,7 @@ class AttemptWatch:
             state,
             hung_after_s=event.silence_s,
             hung_bound=event.bound,
+            hung_ranks=event.ranks,
             fault_at=event.last_sign_at,
             detected_at=now,
             kill_at=now + self.config.hang_kill_grace_s,

@@ -23,13 +23,15 @@ run-queue wait, `/proc/PID/schedstat`, is taken off), so a job starved by a busy
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import os
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ettr.events import Event, EventKind
-from ettr.heartbeat import PULSE_SUFFIX, Pulse
-from ettr.procs import running
+from ettr.heartbeat import PULSE_SUFFIX, Pulse, read_pulses
+from ettr.procs import descendants, run_state, running
+from ettr.run_env import heartbeat_dir, launcher_parent_path
 
 ActivityProbe = Callable[[], "float | None"]
 """Returns the Unix time of the latest sign of life it knows of, or None."""
@@ -134,6 +136,74 @@ def learned_bounds(events: Sequence[Event], *, multiple: float = _LEARNED_MULTIP
     return {name: multiple * seconds for name, seconds in longest.items()}
 
 
+_STATES = {
+    "R": "running on a CPU (a busy loop, a long call in C)",
+    "S": "asleep (waiting: a collective, a lock, a sleep, I/O)",
+    "D": "in uninterruptible I/O",
+    "T": "stopped (SIGSTOP or SIGTSTP)",
+    "t": "stopped by a debugger",
+    "Z": "exited, not reaped",
+}
+
+
+def describe_ranks(
+    run_dir: str | os.PathLike[str], attempt: int, now: float, *, local: Collection[int] = ()
+) -> str:
+    """For people, at a hang: each training process of `attempt` (its heartbeat files; not a program that
+    turned out to be a launcher: `launcher_parent_path`), quietest first: its
+    rank and pid, how long its training thread has been quiet (its last heartbeat), the steps it completed (at
+    least: its last pulse's) and the phases open in it (its pulse), and what the kernel says it does
+    (`/proc/PID/stat`'s state) where the pid is one of `local` (this supervisor's processes; a pid of another
+    host, or one reused since, says nothing; none by that pid here: not running here); "" when there are
+    none."""
+    beats: dict[int, tuple[int, float]] = {}
+    try:
+        with os.scandir(heartbeat_dir(run_dir, attempt)) as entries:
+            for entry in entries:
+                (pid,) = heartbeat_pids([entry.name]) or (None,)
+                if pid is None:
+                    continue
+                rank_text = entry.name.split("-", 2)[1]
+                try:
+                    beats[pid] = (int(rank_text), entry.stat(follow_symlinks=False).st_mtime)
+                except (OSError, ValueError):
+                    continue
+    except OSError:
+        return ""
+    pulses = {p.pid: p for p in read_pulses(run_dir, attempt) if p.pid is not None}
+    parts = []
+    for pid, (rank, beat) in sorted(beats.items(), key=lambda item: (item[1][1], item[1][0])):
+        if launcher_parent_path(run_dir, attempt, pid).exists():
+            continue  # a Python program that started torchrun: a launcher, not a rank
+        words = [f"rank {rank} (pid {pid}) quiet {max(0.0, now - beat):.1f} s"]
+        pulse = pulses.get(pid)
+        if pulse is not None:
+            # a pulse is written at most twice a second: a process stopped or holding the GIL since may
+            # have done a few more
+            words.append(f"at least {pulse.steps} step{'s' if pulse.steps != 1 else ''} done")
+            if pulse.phases:
+                words.append("in " + ", ".join(sorted(pulse.phases)))
+        state = run_state(pid)
+        if state is None:  # no such process here: it ended (a rank that finished), or it is another host's
+            words.append("not running here (exited, or on another host)")
+        elif pid in local:
+            words.append(_STATES.get(state, f"state {state}"))
+        else:  # a pid of another host, or reused since: its state says nothing
+            words.append("state unknown")
+        parts.append(", ".join(words))
+    return "; ".join(parts)
+
+
+def ranks_at_hang(run_dir: str | os.PathLike[str], attempt: int, now: float) -> str:
+    """`describe_ranks` for the supervisor that found `attempt` hung: the kernel's word only on processes of
+    its own tree; "" when nothing can be read (a description is no reason to miss the kill)."""
+    try:
+        local = {pid for pid, _ in descendants(os.getpid())}
+        return describe_ranks(run_dir, attempt, now, local=local)
+    except Exception:
+        return ""
+
+
 def run_queue_wait_s(pids: Iterable[int]) -> dict[int, float]:
     """pid -> the time it has spent waiting for a CPU so far (`/proc/PID/schedstat`, seconds), for those of
     `pids` that can be read (not another host's process; a kernel with schedstat)."""
@@ -181,6 +251,8 @@ class HangWatchdog:
             growth during a silence is not counted.
         ended: whether every training process of the attempt has exited (`training_ended`): a silence after
             that is its launcher's (torchrun's exit barrier waiting for another node), not a hang.
+        describe: what each training process is doing at a time (`ranks_at_hang`), read when a hang is
+            found (`ranks`).
     """
 
     def __init__(
@@ -195,6 +267,7 @@ class HangWatchdog:
         progress: Callable[[], JobProgress] | None = None,
         starved: Callable[[], Mapping[int, float]] | None = None,
         ended: Callable[[], bool] | None = None,
+        describe: Callable[[float], str] | None = None,
     ) -> None:
         if bounds is None and not (timeout_s is not None and timeout_s > 0):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -203,6 +276,9 @@ class HangWatchdog:
         self._progress = progress or JobProgress
         self._starved = starved
         self._ended = ended
+        self._describe = describe
+        self.ranks = ""
+        """What each training process was doing when the last hang was found (`describe`)."""
         self._probes = tuple(probes)
         self._latest: float | None = started_at if armed_at_start else None
         self._earliest = started_at - CLOCK_SKEW_S
@@ -219,6 +295,11 @@ class HangWatchdog:
     def latest(self) -> float | None:
         """The latest sign of life seen so far."""
         return self._latest
+
+    @property
+    def bound_text(self) -> str:
+        """The bound that applied at the last check, for people (`the floor of the step bound ...: 10 s`)."""
+        return f"{self.why}: {self.bound_s:.3g} s"
 
     @property
     def timeout_s(self) -> float:
@@ -242,7 +323,14 @@ class HangWatchdog:
             ended = self._ended is not None and self._ended()
         except Exception:  # unreadable: as if they ran
             ended = False
-        return None if ended else silence_s
+        if ended:
+            return None
+        if self._describe is not None:
+            try:
+                self.ranks = self._describe(now)
+            except Exception:  # a description is no reason to miss the kill
+                self.ranks = ""
+        return silence_s
 
     def _silence(self, now: float) -> float:
         assert self._latest is not None
