@@ -30,6 +30,13 @@ def forwarded_signal(received: int) -> int:
     return signal.SIGTERM if received == WARNING_SIGNAL else received
 
 
+def in_step(environ: Mapping[str, str]) -> bool:
+    """Whether this process is a task of an srun step (`SLURM_STEP_NUM_TASKS`; a batch script has none):
+    Slurm's `--signal=USR1@T` without `B:` then reaches every process of the step, the job's too; with `B:`
+    (or `scancel --batch`) only the batch shell gets it."""
+    return "SLURM_STEP_NUM_TASKS" in environ
+
+
 def requeue(environ: Mapping[str, str], *, timeout_s: float = 10.0) -> str:
     """Ask Slurm to requeue this job (after SIGUSR1); one line saying what happened."""
     job = environ.get("SLURM_JOB_ID")
@@ -47,8 +54,11 @@ def requeue(environ: Mapping[str, str], *, timeout_s: float = 10.0) -> str:
     if done.returncode != 0:
         why = (done.stderr or done.stdout).strip().splitlines()
         said = why[-1] if why else str(done.returncode)
-        if "pending" in said.lower():  # Slurm requeued it already (a node failure, a preemption, a requeue)
-            return f"Slurm job {job} is pending again already (requeued by Slurm: {said})"
+        if "pending" in said.lower():  # requeued already: a node failure, a preemption, the job's own handler
+            return (
+                f"Slurm job {job} is pending again already (requeued meanwhile, by Slurm or by the job's own "
+                f"handler: {said})"
+            )
         return f"scontrol requeue {job} failed: {said}"
     return f"asked Slurm to requeue job {job} (scontrol requeue)"
 
