@@ -710,3 +710,25 @@ def test_a_signal_after_the_command_ended_is_said() -> None:
     assert said(actions) == [
         "got SIGTERM after the job's command ended: what is left of the job gets it, SIGKILL within 10 s"
     ]
+
+
+def test_a_supervisor_line_is_one_write_with_its_newline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # stderr writes through: a line written in two parts let the job's own output (the same Slurm output
+    # file) in between them.
+    from ettr.supervisor.messages import say
+
+    class Recording:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    err = Recording()
+    monkeypatch.setattr(sys, "stderr", err)
+    say("got SIGUSR1: forwarding it to the job as SIGTERM, SIGKILL in 10 s")
+    assert err.writes == ["ettr: got SIGUSR1: forwarding it to the job as SIGTERM, SIGKILL in 10 s\n"]
