@@ -257,6 +257,18 @@ def topmost_handlers(
     return found
 
 
+def signal_pids(pids: Collection[int], sig: int) -> list[int]:
+    """`sig` to each of `pids` (those gone or not ours skipped); the pids it was sent to."""
+    sent = []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+        sent.append(pid)
+    return sent
+
+
 def idle_scheduling(pid: int) -> bool:
     """Put process `pid` at `SCHED_IDLE` (CPU only when nothing else wants it), only where it may return to
     `SCHED_OTHER` afterwards: tried both ways first (privilege, CAP_SYS_NICE or the process's RLIMIT_NICE

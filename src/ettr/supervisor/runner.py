@@ -24,7 +24,6 @@ from typing import Protocol
 from ettr.constants import FAILURE_DETECTED_MARK, RECOVERY_MARK, RELAUNCH_MARK
 from ettr.events import EventKind, Outcome
 from ettr.heartbeat import latest_heartbeat, read_pulses
-from ettr.procs import topmost_handlers
 from ettr.run_env import has_trained, heartbeat_dir, signals_received, trained_modules
 from ettr.supervisor import slurm, standby
 from ettr.supervisor.attempt import Attempt, AttemptKind, AttemptPlan
@@ -120,13 +119,8 @@ class AttemptRunner:
         cfg = parts.config
         self._launched = False  # an attempt was started (the first one starts cold: nothing ran before it)
         self._continuing: Attempt | None = None  # an attempt whose processes go on in place into the next
-        self.watch = AttemptWatch(
-            WatchConfig(
-                grace_s=cfg.grace_s,
-                hang_kill_grace_s=cfg.hang_kill_grace_s,
-                warning_to_handlers=not slurm.in_step(os.environ),
-            )
-        )
+        self.watch = AttemptWatch(WatchConfig(grace_s=cfg.grace_s, hang_kill_grace_s=cfg.hang_kill_grace_s,
+                                  warning_to_handlers=not slurm.in_step(os.environ)))  # fmt: skip
 
     def run(self, attempt: int, *, restarts_done: int = 0, restarts_left: int = 0) -> EndedAttempt:
         """Run attempt `attempt` (`restarts_done` before it; a standby only while `restarts_left`); its end."""
@@ -399,11 +393,7 @@ class AttemptRunner:
                 case Say():
                     say(action.text)
                 case SendSignal(to_handlers=True):
-                    for pid in topmost_handlers(running.alive(), action.signum):
-                        try:
-                            os.kill(pid, action.signum)
-                        except (ProcessLookupError, PermissionError):
-                            pass
+                    slurm.signal_handlers(running.alive(), action.signum)
                 case SendSignal():
                     reached = running.signal_tree(action.signum, include_command=action.include_launcher)
                     sweep.signal(action.signum, exclude={*reached, *running.pids})

@@ -14,9 +14,10 @@ import logging
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
+from ettr.procs import signal_pids, topmost_handlers
 
 logger = logging.getLogger("ettr")
 
@@ -35,6 +36,12 @@ def in_step(environ: Mapping[str, str]) -> bool:
     Slurm's `--signal=USR1@T` without `B:` then reaches every process of the step, the job's too; with `B:`
     (or `scancel --batch`) only the batch shell gets it."""
     return "SLURM_STEP_NUM_TASKS" in environ
+
+
+def signal_handlers(pids: Collection[int], sig: int) -> list[int]:
+    """`sig` (Slurm's warning) to those of `pids` with a handler of their own for it, the topmost of each
+    line (`ettr.procs.topmost_handlers`); the pids it was sent to."""
+    return signal_pids(topmost_handlers(pids, sig), sig)
 
 
 def requeue(environ: Mapping[str, str], *, timeout_s: float = 10.0) -> str:

@@ -9,8 +9,7 @@ tested with a fake attempt and a fake clock (tests/test_attempt_watch.py).
 The rules:
 - a signal to the supervisor (the first) is forwarded to the whole job (SIGUSR1, SIGHUP, SIGQUIT as SIGTERM),
   unless it is a terminal's Ctrl-C, which the job got already; SIGKILL follows `grace_s` later; a second signal kills at once;
-  Slurm's SIGUSR1 that reached the supervisor alone goes first, as SIGUSR1, to the processes that handle it
-  themselves (`WatchConfig.warning_to_handlers`);
+  Slurm's SIGUSR1 that reached it alone goes first to the job's own SIGUSR1 handlers (`warning_to_handlers`);
 - no progress for the hang timeout (`Hung`, not while the attempt only tears its processes down, nor once
   a failed rank or a lost peer is ending it): SIGTERM, SIGKILL `hang_kill_grace_s` later;
 - a peer node's part ended or its supervisor was lost (`PeerLost`): this node's part is ended the same way;
@@ -131,9 +130,7 @@ class SendSignal:
 
     signum: int
     include_launcher: bool = True
-    to_handlers: bool = False
-    """Only to the processes of the attempt that handle `signum` themselves, the topmost of each line
-    (`ettr.procs.topmost_handlers`: a training process, not the data-loader workers it forked)."""
+    to_handlers: bool = False  # only to those with a handler of their own for it (`procs.topmost_handlers`)
 
 
 WatchAction = Say | SendSignal
@@ -154,10 +151,7 @@ class WatchConfig:
     """After the command exited on its own with processes of the job still running: how long they may leave by
     themselves before they are asked to stop (SIGTERM, then SIGKILL `hang_kill_grace_s` later)."""
     warning_to_handlers: bool = False
-    """Slurm's warning (SIGUSR1) reached the supervisor alone (`--signal=B:USR1@T`: the batch shell; not a
-    task of an srun step, whose processes all get it from Slurm): the job's processes that handle SIGUSR1
-    themselves get it too, just before the SIGTERM (Lightning's auto-requeue saves its HPC checkpoint in its
-    SIGUSR1 handler; without it the requeued run started over from its last periodic checkpoint)."""
+    """Slurm's SIGUSR1 reaches the supervisor alone (`B:USR1`): the job's SIGUSR1 handlers get it first."""
 
     def __post_init__(self) -> None:
         for name in ("grace_s", "hang_kill_grace_s", "flush_window_s", "outlived_settle_s"):
@@ -334,13 +328,7 @@ class AttemptWatch:
             else:
                 sent = forwarded_signal(event.signum)
                 as_ = "" if sent == event.signum else f" as {_signal_name(sent)}"
-                if (
-                    sent != event.signum
-                    and event.signum == WARNING_SIGNAL
-                    and self.config.warning_to_handlers
-                ):
-                    # SIGUSR1 first: Python runs the pending handlers in signal-number order, the save
-                    # before the SIGTERM handler (which may only set a flag, or exit at once).
+                if event.signum == WARNING_SIGNAL != sent and self.config.warning_to_handlers:
                     as_ += f" (as {name} first to the processes with a {name} handler of their own)"
                     actions.append(SendSignal(event.signum, to_handlers=True))
                 actions.append(Say(f"got {name}: forwarding it to the job{as_}, SIGKILL in {grace:g} s"))
