@@ -114,7 +114,7 @@ def test_a_process_that_handles_a_signal_is_told_by_its_sigcgt_mask():
 
 def test_the_topmost_handlers_are_the_training_processes_not_their_forked_workers():
     # 1 the command (a shell: no handler) -> 2 rank 0 (handler) -> 3 its data-loader worker (inherited handler)
-    #                                     -> 4 rank 1 (handler); 5 srun (handles, passes it on) -> 6 (handler)
+    #                                     -> 4 rank 1 (handler); 5 a launcher (handles it) -> 6 (handler)
     parent = {2: 1, 3: 2, 4: 1, 5: 1, 6: 5, 7: 1}
     handling = {2, 3, 4, 5, 6}
     found = procs.topmost_handlers(

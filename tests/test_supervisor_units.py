@@ -915,6 +915,21 @@ def test_srun_s_status_names_the_signal_its_task_died_of() -> None:
     assert end.outcome is Outcome.PREEMPTED and end.signal == "SIGTERM"
 
 
+def test_srun_is_named_srun_not_a_shell_wrapper() -> None:
+    # Field trial: `ettr run -- srun python train.py` under B:USR1 said "killed by SIGKILL (behind its shell
+    # wrapper, which exited 137)": there is no shell, srun ran the task.
+    from ettr.supervisor.launch import wrapper_name
+
+    assert wrapper_name(["/usr/bin/srun", "python", "train.py"]) == "srun"
+    assert wrapper_name(["bash", "-c", "python train.py"]) == "shell wrapper"
+    assert wrapper_name(["python", "train.py"]) == ""
+    end = classify(returncode=137, wrapper=wrapper_name(["srun", "python", "train.py"]), preempted_by=10)
+    assert end.reason.endswith("killed by SIGKILL (its srun task; srun exited 137)"), end.reason
+    assert "shell" not in end.reason and end.outcome is Outcome.PREEMPTED
+    shell = classify(returncode=137, wrapper=wrapper_name(["bash", "-c", "python train.py"]))
+    assert shell.reason.startswith("killed by SIGKILL (behind its shell wrapper, which exited 137)")
+
+
 def test_a_second_different_signal_is_no_insistence() -> None:
     from ettr.supervisor.signals import SupervisorSignals
 

@@ -237,8 +237,8 @@ def topmost_handlers(
     parent_of: Callable[[int], int | None] | None = None,
 ) -> list[int]:
     """Those of `pids` that handle `sig` themselves (`handles`) and have no ancestor among `pids` that does:
-    a training process, not the data-loader workers it forked (they inherit its handlers), nor a process a
-    launcher that handles `sig` itself (srun, which passes signals on to its tasks) started."""
+    a training process, not the data-loader workers it forked (they inherit its handlers), nor what a
+    launcher that handles `sig` itself started."""
     parent = parent_of or _parent_pid
     among = set(pids)
     handling = {pid for pid in among if handles(pid, sig)}

@@ -32,7 +32,7 @@ from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.containment import AttemptSweep
 from ettr.supervisor.guard import JobGuard
-from ettr.supervisor.launch import attempt_launch, is_shell_command
+from ettr.supervisor.launch import attempt_launch, wrapper_name
 from ettr.supervisor.messages import Progress, say
 from ettr.supervisor.peers import Peers
 from ettr.supervisor.policy import EndedAttempt
@@ -219,7 +219,7 @@ class AttemptRunner:
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
             failed_pids=running.failed_pids(),
             ranks=running.ranks(),
-            wrapper=is_shell_command(launch.argv),
+            wrapper=wrapper_name(launch.argv),
             stopped_after_rank_failure=state.rank_failed,
             signalled=self._outside_signals(state, attempt),
         )
