@@ -302,7 +302,9 @@ def classify(
             f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
             f"and its handler ended the job early; {how}"
         )
-    elif returncode == 0 and (hidden := failure_hidden(events, shell_kills(stderr_tail, rank_of, wrapper))):
+    elif returncode == 0 and (
+        hidden := failure_hidden(events, shell_kills(stderr_tail, rank_of, bool(wrapper)))
+    ):
         # `bash run.sh` whose script runs `python train.py` and then something else (an `echo`, a copy of the
         # logs) exits with that last command's status: the training process's death reads as success.
         outcome = Outcome.FAILED
