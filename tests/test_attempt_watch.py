@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,23 @@ def test_slurms_warning_goes_to_the_job_as_sigterm_and_a_terminals_ctrl_c_is_not
     state, actions = WATCH.step(WATCH.start(0), Signalled(int(signal.SIGINT), 1, from_terminal=True), 1.0)
     assert sent(actions) == [] and "from the terminal" in said(actions)[0]
     assert state.forwarded == signal.SIGINT and state.kill_at == 11.0
+
+
+def test_slurms_warning_to_the_supervisor_alone_goes_first_to_the_jobs_own_sigusr1_handlers() -> None:
+    # `--signal=B:USR1@T`: the batch shell alone got it. Lightning's auto-requeue saves its HPC checkpoint in
+    # its SIGUSR1 handler: as SIGTERM alone, the requeued run started over from its last periodic checkpoint.
+    watch = AttemptWatch(WatchConfig(warning_to_handlers=True))
+    state, actions = watch.step(watch.start(0), Signalled(USR1, 1), 1.0)
+    signals = [(a.signum, a.to_handlers) for a in actions if isinstance(a, SendSignal)]
+    assert signals == [(USR1, True), (TERM, False)]  # the handlers' save first, then the usual SIGTERM
+    assert "as SIGTERM (as SIGUSR1 first to the processes with a SIGUSR1 handler" in said(actions)[0]
+    assert state.forwarded == USR1 and state.kill_at == 11.0
+    for other in (TERM, int(signal.SIGHUP)):  # only Slurm's warning
+        _, actions = watch.step(watch.start(0), Signalled(other, 1), 1.0)
+        assert [a.to_handlers for a in actions if isinstance(a, SendSignal)] == [False]
+    # A task of an srun step: Slurm signalled every process of the step, the job's handlers got it already
+    _, actions = WATCH.step(WATCH.start(0), Signalled(USR1, 1), 1.0)
+    assert [(a.signum, a.to_handlers) for a in actions if isinstance(a, SendSignal)] == [(TERM, False)]
 
 
 def test_a_second_signal_kills_at_once_and_the_same_count_is_not_news() -> None:
@@ -542,6 +561,36 @@ def test_the_runner_forwards_a_preemption(tmp_path: Path, capsys: pytest.Capture
     assert "got SIGTERM: forwarding it to the job, SIGKILL in 10 s" in capsys.readouterr().err
 
 
+def test_the_runner_gives_slurms_warning_to_the_processes_with_a_handler_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)  # the batch shell: `B:USR1` reached it alone
+    code = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: print('saved on SIGUSR1', flush=True))\n"
+        "print('ready', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+
+    class WithAHandler(FakeAttempt):
+        def alive(self) -> list[int]:
+            return [child.pid, *super().alive()]
+
+    clock = FakeClock()
+    fake = WithAHandler(clock, on_term=(1.0, 0))
+    runner, _, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock, at={1003.0: USR1}))
+    try:
+        ended = runner.run(0)
+    finally:
+        out, _ = child.communicate("", timeout=60)
+    assert "saved on SIGUSR1" in out and child.returncode == 0
+    assert fake.signals[0][1] == TERM  # then the whole job: SIGTERM, as ever
+    assert ended.end.outcome is Outcome.PREEMPTED
+
+
 def test_a_second_signal_kills_at_once(tmp_path: Path) -> None:
     clock = FakeClock()
     fake = FakeAttempt(clock, on_term=None)
@@ -661,3 +710,25 @@ def test_a_signal_after_the_command_ended_is_said() -> None:
     assert said(actions) == [
         "got SIGTERM after the job's command ended: what is left of the job gets it, SIGKILL within 10 s"
     ]
+
+
+def test_a_supervisor_line_is_one_write_with_its_newline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # stderr writes through: a line written in two parts let the job's own output (the same Slurm output
+    # file) in between them.
+    from ettr.supervisor.messages import say
+
+    class Recording:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    err = Recording()
+    monkeypatch.setattr(sys, "stderr", err)
+    say("got SIGUSR1: forwarding it to the job as SIGTERM, SIGKILL in 10 s")
+    assert err.writes == ["ettr: got SIGUSR1: forwarding it to the job as SIGTERM, SIGKILL in 10 s\n"]

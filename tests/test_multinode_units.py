@@ -137,6 +137,8 @@ def test_slurm_warning_becomes_sigterm_and_restart_count_is_cross_checked() -> N
     assert slurm.restart_count_note([], {"SLURM_RESTART_COUNT": "1"}) is None  # not inside Slurm
     assert "not a number" in (slurm.restart_count_note([], {**env, "SLURM_RESTART_COUNT": "x"}) or "")
     assert "outside a Slurm job" in slurm.requeue({})
+    assert slurm.in_step({"SLURM_JOB_ID": "42", "SLURM_STEP_NUM_TASKS": "2"})
+    assert not slurm.in_step({"SLURM_JOB_ID": "42"})  # the batch script: `B:USR1` reaches it alone
 
 
 def test_a_requeue_slurm_did_already_is_not_said_to_have_failed(
@@ -150,6 +152,8 @@ def test_a_requeue_slurm_did_already_is_not_said_to_have_failed(
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
     line = slurm.requeue({"SLURM_JOB_ID": "3"})
     assert "failed" not in line and "pending again already" in line and "job 3" in line
+    # Lightning's SIGUSR1 handler runs `scontrol requeue` itself: not necessarily Slurm's doing
+    assert "requeued by Slurm:" not in line and "by the job's own handler" in line
     fake.write_text(
         '#!/bin/sh\necho "scontrol: error: Requested operation is presently disabled" >&2\nexit 1\n'
     )

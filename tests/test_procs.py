@@ -93,3 +93,34 @@ def test_a_worker_in_its_own_session_at_idle_priority_lowers_its_autogroup_and_g
         worker.proc.wait()
         shared.kill()
         shared.wait()
+
+
+def test_a_process_that_handles_a_signal_is_told_by_its_sigcgt_mask():
+    code = (
+        "import signal, sys; signal.signal(signal.SIGUSR1, lambda *a: None); "
+        "print('ready', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert procs.handles_signal(proc.pid, signal.SIGUSR1)
+        assert not procs.handles_signal(proc.pid, signal.SIGUSR2)  # Python's default: not caught
+    finally:
+        proc.communicate("")
+    assert not procs.handles_signal(_dead_pid(), signal.SIGUSR1)
+
+
+def test_the_topmost_handlers_are_the_training_processes_not_their_forked_workers():
+    # 1 the command (a shell: no handler) -> 2 rank 0 (handler) -> 3 its data-loader worker (inherited handler)
+    #                                     -> 4 rank 1 (handler); 5 a launcher (handles it) -> 6 (handler)
+    parent = {2: 1, 3: 2, 4: 1, 5: 1, 6: 5, 7: 1}
+    handling = {2, 3, 4, 5, 6}
+    found = procs.topmost_handlers(
+        [1, 2, 3, 4, 5, 6, 7], signal.SIGUSR1,
+        handles=lambda pid, sig: pid in handling, parent_of=parent.get,
+    )  # fmt: skip
+    assert found == [2, 4, 5]
+    # a handler whose parent is not among the attempt's processes (the supervisor's child) is topmost
+    assert procs.topmost_handlers([3], signal.SIGUSR1, handles=lambda p, s: True, parent_of=parent.get) == [3]

@@ -225,3 +225,50 @@ def test_a_supervisor_slurm_kills_after_its_sigterm_leaves_a_preemption(
     assert [a["outcome"] for a in rep["attempts"]] == ["preempted", "completed"]
     assert rep["attempts"][0]["exit_code"] is None  # unknown, not a number
     assert rep["num_failures_by_cause"]["preemption"] == 1 and rep["num_failures_by_cause"]["infra"] == 0
+
+
+SAVES_AND_REQUEUES_ON_SIGUSR1 = """
+import os, pathlib, signal, subprocess, sys, time
+here = pathlib.Path(sys.argv[1])
+if (here / "ready").exists():
+    sys.exit(0)  # the requeued run: resumes from its save, done
+def on_warning(*_):  # Lightning's auto-requeue (SLURMEnvironment): its HPC checkpoint, then the requeue
+    (here / "saved").write_text("saved")
+    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
+stop = []
+signal.signal(signal.SIGUSR1, on_warning)
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+(here / "ready").write_text("ready")
+while not stop:
+    time.sleep(0.1)
+"""
+
+
+def test_slurms_warning_reaches_the_jobs_own_sigusr1_handler_and_the_job_is_requeued_once(
+    slurm_cluster: Any, tmp_path: Path
+) -> None:
+    # `--signal=B:USR1@T` signals the batch shell alone: the supervisor. A Lightning job with auto-requeue
+    # got SIGTERM alone, saved no HPC checkpoint, and its requeued run started over from step 0.
+    py, run_dir, script = sys.executable, tmp_path / "run", tmp_path / "lightning_like.py"
+    script.write_text(SAVES_AND_REQUEUES_ON_SIGUSR1)
+    job = tmp_path / "job.sh"
+    job.write_text(
+        f"#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
+        f"exec {py} -m ettr.cli run --run-dir {run_dir} -- {py} {script} {tmp_path}\n"
+    )
+    number = _submit(slurm_cluster, tmp_path, job)
+    _wait((tmp_path / "ready").exists, 90, "the script to start")
+    assert slurm_cluster.run("scancel", "--signal=USR1", "--batch", number).returncode == 0
+    # Who requeues is a race, either way once: the handler's `scontrol requeue` (the supervisor's then finds
+    # the job pending again), or the supervisor's when its SIGTERM to the job's tree ended that scontrol.
+    said = ("pending again already", "asked Slurm to requeue")
+    _wait(lambda: any(s in (tmp_path / "slurm.out").read_text() for s in said), 60, "the requeue")
+    _start_now(slurm_cluster, number)
+    _wait(lambda: _state(slurm_cluster, number) == "COMPLETED", 120, f"job {number} completed")
+    assert (tmp_path / "saved").exists()  # the job's own handler ran: its save
+    shown = slurm_cluster.run("scontrol", "show", "job", "-o", number).stdout
+    assert "Restarts=1 " in shown  # requeued once, not twice
+    out = (tmp_path / "slurm.out").read_text()
+    assert "as SIGUSR1 first to the processes with a SIGUSR1 handler" in out
+    rep = _report(run_dir)
+    assert [a["outcome"] for a in rep["attempts"]] == ["preempted", "completed"]

@@ -1011,6 +1011,47 @@ def test_signals_the_scripts_handlers_saw_are_noted_and_their_handlers_kept(tmp_
     assert signals_received(tmp_path, 3, before=found[0][0]) == []  # only those before the command ended
 
 
+def test_a_signal_again_while_the_scripts_handler_for_it_runs_is_not_delivered_inside_it() -> None:
+    # Slurm's requeue SIGTERMs every process of the job and `ettr run` forwards its own: a handler that saved
+    # and exited ran again inside itself (field trial: "saving at step 51" twice, the first save abandoned).
+    from ettr.bootstrap.outside_signals import noting
+
+    calls: list[str] = []
+    noted: list[int] = []
+
+    def mine(signum: int, frame: object) -> str:
+        calls.append("enter")
+        assert wrapped(signum, None) is None  # the same stop again, within its own handling: dropped
+        calls.append("leave")
+        return "done"
+
+    wrapped = noting(mine, noted.append)
+    assert wrapped(signal.SIGTERM, None) == "done"
+    assert calls == ["enter", "leave"] and noted == [signal.SIGTERM]
+    assert wrapped(signal.SIGTERM, None) == "done" and calls.count("enter") == 2  # later: delivered as ever
+
+
+def test_a_real_second_sigterm_during_the_scripts_handler_is_dropped(tmp_path: Path) -> None:
+    code = (
+        "import os, signal, sys\n"
+        "from ettr.bootstrap.outside_signals import install\n"
+        f"install({str(tmp_path)!r}, 0, 0)\n"
+        "calls = []\n"
+        "def save_and_exit(s, f):\n"
+        "    calls.append(s)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's forward, during the save\n"
+        "    for _ in range(100000):  # Python checks for signals between bytecodes: here it ran again\n"
+        "        pass\n"
+        "    print('saved', len(calls), flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, save_and_exit)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "import time; time.sleep(10)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["saved", "1"], (done.stdout, done.stderr)
+
+
 def test_a_launchers_word_that_its_child_was_killed_is_a_kill_not_the_codes_exception() -> None:
     # `accelerate launch` of one process (and any program that runs the training with subprocess.run(check=
     # True)): its traceback says its child died of SIGKILL; that is no exception of the training code.
@@ -1093,6 +1134,21 @@ def test_srun_s_status_names_the_signal_its_task_died_of() -> None:
     # `scancel --signal=TERM` reaches the step's task, not `ettr run`: srun exits 143
     end = classify(returncode=143, wrapper=is_shell_command(["srun", "python", "train.py"]))
     assert end.outcome is Outcome.PREEMPTED and end.signal == "SIGTERM"
+
+
+def test_srun_is_named_srun_not_a_shell_wrapper() -> None:
+    # Field trial: `ettr run -- srun python train.py` under B:USR1 said "killed by SIGKILL (behind its shell
+    # wrapper, which exited 137)": there is no shell, srun ran the task.
+    from ettr.supervisor.launch import wrapper_name
+
+    assert wrapper_name(["/usr/bin/srun", "python", "train.py"]) == "srun"
+    assert wrapper_name(["bash", "-c", "python train.py"]) == "shell wrapper"
+    assert wrapper_name(["python", "train.py"]) == ""
+    end = classify(returncode=137, wrapper=wrapper_name(["srun", "python", "train.py"]), preempted_by=10)
+    assert end.reason.endswith("killed by SIGKILL (its srun task; srun exited 137)"), end.reason
+    assert "shell" not in end.reason and end.outcome is Outcome.PREEMPTED
+    shell = classify(returncode=137, wrapper=wrapper_name(["bash", "-c", "python train.py"]))
+    assert shell.reason.startswith("killed by SIGKILL (behind its shell wrapper, which exited 137)")
 
 
 def test_a_second_different_signal_is_no_insistence() -> None:

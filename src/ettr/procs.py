@@ -24,7 +24,7 @@ import platform
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -223,6 +223,60 @@ def ancestors(pid: int) -> list[int]:
         found.append(parent)
         parent = _parent_pid(parent)
     return found
+
+
+def handles_signal(pid: int, sig: int) -> bool:
+    """Whether process `pid` catches `sig` with a handler of its own (its `SigCgt` mask in
+    `/proc/<pid>/status`: a Python process has one for each signal it gave a Python handler); False where
+    it cannot be read (gone, no /proc)."""
+    try:
+        with open(f"{_PROC}/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def topmost_handlers(
+    pids: Collection[int],
+    sig: int,
+    *,
+    handles: Callable[[int, int], bool] = handles_signal,
+    parent_of: Callable[[int], int | None] | None = None,
+) -> list[int]:
+    """Those of `pids` that handle `sig` themselves (`handles`) and have no ancestor among `pids` that does:
+    a training process, not the data-loader workers it forked (they inherit its handlers), nor what a
+    launcher that handles `sig` itself started."""
+    parent = parent_of or _parent_pid
+    among = set(pids)
+    handling = {pid for pid in among if handles(pid, sig)}
+    found = []
+    for pid in pids:
+        if pid not in handling:
+            continue
+        up, seen = parent(pid), {pid}
+        while up is not None and up > 0 and up not in seen and up in among:
+            if up in handling:
+                break
+            seen.add(up)
+            up = parent(up)
+        else:
+            found.append(pid)
+    return found
+
+
+def signal_pids(pids: Collection[int], sig: int) -> list[int]:
+    """`sig` to each of `pids` (those gone or not ours skipped); the pids it was sent to."""
+    sent = []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+        sent.append(pid)
+    return sent
 
 
 def idle_scheduling(pid: int) -> bool:

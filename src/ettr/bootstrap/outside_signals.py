@@ -78,11 +78,28 @@ def install(run_dir: str, attempt: int, rank: int) -> None:
 
 
 def noting(handler: Callable[..., Any], note: Callable[[int], None]) -> Callable[..., Any]:
-    """`handler`, called after `note(signum)`."""
+    """`handler`, called after `note(signum)`; not again while it still runs.
+
+    The same stop comes twice within milliseconds under `exec ettr run` in a Slurm batch script: Slurm's
+    requeue, preemption, cancel or time limit signals every process of the job, and the supervisor forwards
+    the SIGTERM it got too (so does torchrun to its workers). Python runs a handler again inside itself when
+    the second one lands while the first call still runs: a handler that saves and exits (field trial:
+    `scontrol requeue`, "saving at step 51" twice, the outer save cut off by the inner `sys.exit`) began a
+    second save of the same file and abandoned the first half-written. Without ettr each process got one.
+    A signal that arrives while the script's handler for it runs is therefore dropped (the handler is
+    handling that stop already); once the handler returned, the next one is delivered as ever. A person who
+    insists has SIGKILL, or a second signal to `ettr run` (which then SIGKILLs)."""
+    running: set[int] = set()
 
     def on_signal(signum: int, frame: Any) -> Any:
+        if signum in running:
+            return None  # the same stop again, within its own handling (see above)
         note(signum)
-        return handler(signum, frame)
+        running.add(signum)
+        try:
+            return handler(signum, frame)
+        finally:
+            running.discard(signum)
 
     setattr(on_signal, _WRAPPED_ATTR, handler)
     return on_signal

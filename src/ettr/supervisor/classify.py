@@ -141,7 +141,7 @@ def classify(
     oom_killed: bool = False,
     failed_pids: Sequence[Sequence[int]] = (),
     ranks: Mapping[int, int] | None = None,
-    wrapper: bool = False,
+    wrapper: bool | str = False,
     stopped_after_rank_failure: bool = False,
     signalled: Sequence[tuple[float, int, str]] = (),
 ) -> AttemptEnd:
@@ -165,7 +165,8 @@ def classify(
             PROCESS_START events name: a worker that went on into this attempt after an in-place recovery
             recorded none in it, and its death would otherwise be nobody's (no `(rank N)`, and a peer's
             exception taken for its cause).
-        wrapper: the command is a shell, whose exit status 128 + N says that what it ran died of signal N.
+        wrapper: the command is a shell (or srun), whose exit status 128 + N says that what it ran died of
+            signal N; a string names it (`launch.wrapper_name`: "srun", "shell wrapper").
         stopped_after_rank_failure: the supervisor stopped the attempt's processes because a rank died with a
             FAILURE on record (`restart.PeerFailureWatch`): a SIGTERM or SIGKILL that ended the command (or
             what its shell wrapper ran) is ettr's, not the failure; the failed rank's is.
@@ -239,6 +240,8 @@ def classify(
     )
     if sig is not None:
         how = f"killed by {signal_name(sig)}"
+    elif behind is not None and shell_said and wrapper == "srun":
+        how = f"killed by {signal_name(behind)} (its srun task; srun exited {returncode})"
     elif behind is not None and shell_said:
         how = f"killed by {signal_name(behind)} (behind its shell wrapper, which exited {returncode})"
     elif behind is not None and agent_said and child_died_of is not None:
@@ -303,7 +306,9 @@ def classify(
             f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
             f"and its handler ended the job early; {how}"
         )
-    elif returncode == 0 and (hidden := failure_hidden(events, shell_kills(stderr_tail, rank_of, wrapper))):
+    elif returncode == 0 and (
+        hidden := failure_hidden(events, shell_kills(stderr_tail, rank_of, bool(wrapper)))
+    ):
         # `bash run.sh` whose script runs `python train.py` and then something else (an `echo`, a copy of the
         # logs) exits with that last command's status: the training process's death reads as success.
         outcome = Outcome.FAILED

@@ -49,6 +49,14 @@ def _launcher_args_at(command: Sequence[str]) -> int:
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "busybox"})
 
 
+def wrapper_name(command: Sequence[str]) -> str:
+    """What runs the training behind `command`, for `classify`'s words: "srun", "shell wrapper"
+    (`is_shell_command`), or "" (none)."""
+    if not is_shell_command(command):
+        return ""
+    return "srun" if os.path.basename(command[0]) == "srun" else "shell wrapper"
+
+
 def is_shell_command(command: Sequence[str]) -> bool:
     """Whether `command` runs a shell (`bash -c ...`, `sh run.sh`, `./run.sh` with a shell's `#!` line), or
     Slurm's `srun` (`ettr run -- srun python train.py`): its exit status 128 + N then says that what it ran

@@ -22,9 +22,14 @@ _MESSAGE_CHARS = 240
 
 
 def say(message: str) -> None:
-    """One line on stderr, `ettr: message`; never raises (a closed stderr is not the job's failure)."""
+    """One line on stderr, `ettr: message`; never raises (a closed stderr is not the job's failure).
+
+    One write, the newline with it: `print` writes the text and its newline apart, and stderr writes through,
+    so a training process writing to the same file (a Slurm job's output) came between them (`... SIGKILL in
+    10 sHandling auto-requeue signal: 10`, Lightning's line glued to ettr's)."""
     try:
-        print(f"ettr: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"ettr: {message}\n")
+        sys.stderr.flush()
     except (OSError, ValueError):
         pass
 

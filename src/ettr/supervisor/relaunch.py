@@ -104,4 +104,5 @@ class WarmUpNotice:
 
 
 def _say(message: str) -> None:
-    print(f"ettr: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"ettr: {message}\n")  # one write: see `ettr.supervisor.messages.say`
+    sys.stderr.flush()

@@ -25,14 +25,14 @@ from ettr.constants import FAILURE_DETECTED_MARK, RECOVERY_MARK, RELAUNCH_MARK
 from ettr.events import EventKind, Outcome
 from ettr.heartbeat import latest_heartbeat, read_pulses
 from ettr.run_env import has_trained, heartbeat_dir, signals_received, trained_modules
-from ettr.supervisor import standby
+from ettr.supervisor import slurm, standby
 from ettr.supervisor.attempt import Attempt, AttemptKind, AttemptPlan
 from ettr.supervisor.books import JobBooks
 from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.containment import AttemptSweep
 from ettr.supervisor.guard import JobGuard
-from ettr.supervisor.launch import attempt_launch, is_shell_command
+from ettr.supervisor.launch import attempt_launch, wrapper_name
 from ettr.supervisor.messages import Progress, say
 from ettr.supervisor.peers import Peers
 from ettr.supervisor.policy import EndedAttempt
@@ -120,7 +120,8 @@ class AttemptRunner:
         cfg = parts.config
         self._launched = False  # an attempt was started (the first one starts cold: nothing ran before it)
         self._continuing: Attempt | None = None  # an attempt whose processes go on in place into the next
-        self.watch = AttemptWatch(WatchConfig(grace_s=cfg.grace_s, hang_kill_grace_s=cfg.hang_kill_grace_s))
+        self.watch = AttemptWatch(WatchConfig(grace_s=cfg.grace_s, hang_kill_grace_s=cfg.hang_kill_grace_s,
+                                  warning_to_handlers=not slurm.in_step(os.environ)))  # fmt: skip
 
     def run(self, attempt: int, *, restarts_done: int = 0, restarts_left: int = 0) -> EndedAttempt:
         """Run attempt `attempt` (`restarts_done` before it; a standby only while `restarts_left`); its end."""
@@ -220,7 +221,7 @@ class AttemptRunner:
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
             failed_pids=running.failed_pids(),
             ranks=running.ranks(),
-            wrapper=is_shell_command(launch.argv),
+            wrapper=wrapper_name(launch.argv),
             stopped_after_rank_failure=state.rank_failed,
             signalled=self._outside_signals(state, attempt),
         )
@@ -394,6 +395,8 @@ class AttemptRunner:
             match action:
                 case Say():
                     say(action.text)
+                case SendSignal(to_handlers=True):
+                    slurm.signal_handlers(running.alive(), action.signum)
                 case SendSignal():
                     reached = running.signal_tree(action.signum, include_command=action.include_launcher)
                     sweep.signal(action.signum, exclude={*reached, *running.pids})

@@ -14,9 +14,10 @@ import logging
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
+from ettr.procs import signal_pids, topmost_handlers
 
 logger = logging.getLogger("ettr")
 
@@ -28,6 +29,19 @@ def forwarded_signal(received: int) -> int:
     """What the job gets when the supervisor receives `received`: Slurm's warning becomes SIGTERM (save,
     then exit), everything else is forwarded as it is."""
     return signal.SIGTERM if received == WARNING_SIGNAL else received
+
+
+def in_step(environ: Mapping[str, str]) -> bool:
+    """Whether this process is a task of an srun step (`SLURM_STEP_NUM_TASKS`; a batch script has none):
+    Slurm's `--signal=USR1@T` without `B:` then reaches every process of the step, the job's too; with `B:`
+    (or `scancel --batch`) only the batch shell gets it."""
+    return "SLURM_STEP_NUM_TASKS" in environ
+
+
+def signal_handlers(pids: Collection[int], sig: int) -> list[int]:
+    """`sig` (Slurm's warning) to those of `pids` with a handler of their own for it, the topmost of each
+    line (`ettr.procs.topmost_handlers`); the pids it was sent to."""
+    return signal_pids(topmost_handlers(pids, sig), sig)
 
 
 def requeue(environ: Mapping[str, str], *, timeout_s: float = 10.0) -> str:
@@ -47,8 +61,11 @@ def requeue(environ: Mapping[str, str], *, timeout_s: float = 10.0) -> str:
     if done.returncode != 0:
         why = (done.stderr or done.stdout).strip().splitlines()
         said = why[-1] if why else str(done.returncode)
-        if "pending" in said.lower():  # Slurm requeued it already (a node failure, a preemption, a requeue)
-            return f"Slurm job {job} is pending again already (requeued by Slurm: {said})"
+        if "pending" in said.lower():  # requeued already: a node failure, a preemption, the job's own handler
+            return (
+                f"Slurm job {job} is pending again already (requeued meanwhile, by Slurm or by the job's own "
+                f"handler: {said})"
+            )
         return f"scontrol requeue {job} failed: {said}"
     return f"asked Slurm to requeue job {job} (scontrol requeue)"
 

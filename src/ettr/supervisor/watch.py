@@ -9,6 +9,7 @@ tested with a fake attempt and a fake clock (tests/test_attempt_watch.py).
 The rules:
 - a signal to the supervisor (the first) is forwarded to the whole job (SIGUSR1, SIGHUP, SIGQUIT as SIGTERM),
   unless it is a terminal's Ctrl-C, which the job got already; SIGKILL follows `grace_s` later; a second signal kills at once;
+  Slurm's SIGUSR1 that reached it alone goes first to the job's own SIGUSR1 handlers (`warning_to_handlers`);
 - no progress for the hang timeout (`Hung`, not while the attempt only tears its processes down, nor once
   a failed rank or a lost peer is ending it): SIGTERM, SIGKILL `hang_kill_grace_s` later;
 - a peer node's part ended or its supervisor was lost (`PeerLost`): this node's part is ended the same way;
@@ -33,6 +34,7 @@ import signal
 from dataclasses import dataclass, replace
 
 from ettr.supervisor.signals import forwarded_signal
+from ettr.supervisor.slurm import WARNING_SIGNAL
 
 
 # -- events ---------------------------------------------------------------------------------------------------
@@ -130,6 +132,7 @@ class SendSignal:
 
     signum: int
     include_launcher: bool = True
+    to_handlers: bool = False  # only to those with a handler of their own for it (`procs.topmost_handlers`)
 
 
 WatchAction = Say | SendSignal
@@ -149,6 +152,8 @@ class WatchConfig:
     outlived_settle_s: float = 1.0
     """After the command exited on its own with processes of the job still running: how long they may leave by
     themselves before they are asked to stop (SIGTERM, then SIGKILL `hang_kill_grace_s` later)."""
+    warning_to_handlers: bool = False
+    """Slurm's SIGUSR1 reaches the supervisor alone (`B:USR1`): the job's SIGUSR1 handlers get it first."""
 
     def __post_init__(self) -> None:
         for name in ("grace_s", "hang_kill_grace_s", "flush_window_s", "outlived_settle_s"):
@@ -327,6 +332,9 @@ class AttemptWatch:
             else:
                 sent = forwarded_signal(event.signum)
                 as_ = "" if sent == event.signum else f" as {_signal_name(sent)}"
+                if event.signum == WARNING_SIGNAL != sent and self.config.warning_to_handlers:
+                    as_ += f" (as {name} first to the processes with a {name} handler of their own)"
+                    actions.append(SendSignal(event.signum, to_handlers=True))
                 actions.append(Say(f"got {name}: forwarding it to the job{as_}, SIGKILL in {grace:g} s"))
                 actions.append(SendSignal(sent))
             # The preemption is known now: what follows (the job's final save or its teardown) comes after
