@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ettr.constants import FUTURE_MARGIN_S
 from ettr.events import SCHEMA_VERSION, Event
 from ettr.ledger.accounted import select_rows
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerMark
 from ettr.ledger.rows import (
-    FUTURE_MARGIN_S,
     MAX_TS,
     MIN_TS,
     Row,
