@@ -358,3 +358,24 @@ def test_a_supervisor_record_nested_too_deep_is_skipped_when_the_ledger_names_it
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "holds job 'flip'" in err, err
+
+
+def test_a_job_id_from_the_books_reaches_the_terminal_with_its_escapes_written_out(tmp_path, capsys):
+    """`ettr run --continue-job` said `continuing job <id>` with the id the ledger holds: a forged one with
+    OSC 52 / ESC sequences went raw to the operator's terminal (so did `job <id> ended with status`)."""
+    run_dir = tmp_path / "run"
+    killed_job(run_dir)
+    forged = "flip\x1b]52;c;ZXZpbA==\x07\x1b[2J"
+    conn = sqlite3.connect(run_dir / "ledger.db")
+    conn.execute(
+        "UPDATE events SET data = json_set(data, '$.job_id', ?) WHERE kind = 'supervisor_start'", (forged,)
+    )
+    conn.commit()
+    conn.close()
+    assert (
+        cli_main(["run", "--run-dir", str(run_dir), "--continue-job", "--max-restarts", "0", "--", "true"])
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "continuing job flip\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J" in err
+    assert "\x1b" not in err and "\x07" not in err

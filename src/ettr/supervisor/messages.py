@@ -22,9 +22,11 @@ _MESSAGE_CHARS = 240
 
 
 def say(message: str) -> None:
-    """One line on stderr, `ettr: message`; never raises (a closed stderr is not the job's failure)."""
+    """One line on stderr, `ettr: message`; never raises (a closed stderr is not the job's failure). What is
+    not printable is written as its escape (`printable`): a message quotes what the books hold (a job id, a
+    family), which whoever writes the run directory or the ledger may have given a terminal escape."""
     try:
-        print(f"ettr: {message}", file=sys.stderr, flush=True)
+        print(f"ettr: {printable(message)}", file=sys.stderr, flush=True)
     except (OSError, ValueError):
         pass
 
