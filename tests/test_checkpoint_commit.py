@@ -231,3 +231,43 @@ def test_fsspec_storage_pickles():
     storage.write_atomic("a/b", b"hello")
     clone = pickle.loads(pickle.dumps(storage))
     assert clone.read_bytes("a/b") == b"hello"
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink", "deep", "huge"])
+def test_a_damaged_lease_neither_stops_retention_nor_is_read_whole(tmp_path, kind):
+    """A `.ettr-lease-*` that is a directory, a FIFO or a symlink, nests 100,000 levels, or is a 10 GB sparse
+    file (anyone who writes the root can put one there) made retention raise (every older checkpoint kept,
+    save after save) or read the whole file into the training rank's memory. It is damage: no lease."""
+    storage = LocalStorage(tmp_path)
+    for step in (1, 2, 3):
+        _write_checkpoint(storage, step)
+    bad = tmp_path / step_dir_name(1) / f"{LEASE_PREFIX}bad"
+    if kind == "directory":
+        bad.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(bad)
+    elif kind == "symlink":
+        bad.symlink_to("/dev/zero")
+    elif kind == "deep":
+        bad.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        with open(bad, "wb") as f:
+            f.truncate(10 << 30)
+    assert apply_retention(storage, keep_last=1, lease_ttl_s=60.0, now_s=2000.0) == [
+        step_dir_name(1),
+        step_dir_name(2),
+    ]
+
+
+def test_a_huge_manifest_is_refused_without_being_read_whole(tmp_path):
+    """A 10 GB sparse `manifest.json` in a forged `step_*` directory was read whole by `find_latest` (the
+    newest is tried first): a resume allocated 10 GB before the manifest was found not to be JSON."""
+    storage = LocalStorage(tmp_path)
+    _write_checkpoint(storage, 1)
+    forged = tmp_path / step_dir_name(2)
+    forged.mkdir()
+    with open(forged / MANIFEST_NAME, "wb") as f:
+        f.truncate(10 << 30)
+    with pytest.raises(CheckpointInvalid, match="larger than"):
+        verify(storage, step_dir_name(2))
+    assert find_latest(storage).latest.step == 1

@@ -82,6 +82,13 @@ def test_under_the_agent_a_generation_is_the_attempt_it_books(tmp_path: Path) ->
     assert generations.moved_on(3) and not generations.moved_on(4)
     inplace_next_path(tmp_path).write_text("{not json")  # a torn file is no answer
     assert generations.next_attempt() is None
+    # nor is one nested 100,000 deep (it raised RecursionError into the training loop) or a 10 GB sparse one
+    inplace_next_path(tmp_path).write_text('{"attempt": 5, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert generations.next_attempt() is None
+    inplace_next_path(tmp_path).unlink()
+    with open(inplace_next_path(tmp_path), "wb") as f:
+        f.truncate(10 << 30)
+    assert generations.next_attempt() is None
 
 
 def test_a_generation_forms_only_with_every_rank_and_leaves_for_a_newer_one() -> None:

@@ -332,3 +332,50 @@ def test_a_job_that_fills_the_ledgers_disk_is_still_recorded_as_completed(tmp_pa
         )  # fmt: skip
         assert [a["outcome"] for a in rep["attempts"]] == ["completed"]
         assert rep["job_exit_status"] == 0 and not rep["in_progress"]
+
+
+def test_a_supervisor_record_nested_too_deep_is_skipped_when_the_ledger_names_its_job(tmp_path, capsys):
+    """The first supervisor's record nested 100,000 levels deep (damage or a forgery) raised RecursionError
+    out of the ledger's job id: `ettr run --ledger`, `ettr report --ledger` and `ettr fleet --ledger` gave
+    a traceback. It is skipped as the readers skip it; a later supervisor's record still names the job."""
+    run_dir = tmp_path / "run"
+    killed_job(run_dir)
+    conn = sqlite3.connect(run_dir / "ledger.db")
+    conn.execute(
+        "UPDATE events SET data = ? WHERE kind = 'supervisor_start'",
+        ('{"job_id": "flip", "a": ' + "[" * 100_000 + "]" * 100_000 + "}",),
+    )
+    conn.execute(
+        "INSERT INTO events (ts, kind, attempt, rank, data) VALUES (?, 'supervisor_start', 0, ?, ?)",
+        (T0 + 30, SUPERVISOR_RANK, '{"job_id": "flip"}'),
+    )
+    conn.commit()
+    conn.close()
+    url = f"sqlite:///{run_dir / 'ledger.db'}"
+    assert cli_main(["report", "--ledger", url]) == 0
+    assert "flip" in capsys.readouterr().out
+    argv = ["run", "--ledger", url, "--job-id", "other", "--run-dir", str(tmp_path / "other"), "--", "true"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "holds job 'flip'" in err, err
+
+
+def test_a_job_id_from_the_books_reaches_the_terminal_with_its_escapes_written_out(tmp_path, capsys):
+    """`ettr run --continue-job` said `continuing job <id>` with the id the ledger holds: a forged one with
+    OSC 52 / ESC sequences went raw to the operator's terminal (so did `job <id> ended with status`)."""
+    run_dir = tmp_path / "run"
+    killed_job(run_dir)
+    forged = "flip\x1b]52;c;ZXZpbA==\x07\x1b[2J"
+    conn = sqlite3.connect(run_dir / "ledger.db")
+    conn.execute(
+        "UPDATE events SET data = json_set(data, '$.job_id', ?) WHERE kind = 'supervisor_start'", (forged,)
+    )
+    conn.commit()
+    conn.close()
+    assert (
+        cli_main(["run", "--run-dir", str(run_dir), "--continue-job", "--max-restarts", "0", "--", "true"])
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "continuing job flip\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J" in err
+    assert "\x1b" not in err and "\x07" not in err

@@ -309,3 +309,18 @@ def test_request_tolerances_and_dtype_reach_the_artifact(tmp_path):
     body = json.loads((Path(built.path) / "artifact.json").read_text())
     assert body["verification"]["exported_program"]["rtol"] == 0.0
     assert os.path.isfile(Path(built.path) / "model.pt2")
+
+
+@pytest.mark.parametrize("kind", ["deep", "huge", "nan"])
+def test_a_forged_artifact_manifest_is_no_manifest(tmp_path, kind):
+    """An `artifact.json` under the roots (requesters can write there) nested 100,000 levels raised
+    RecursionError out of the publisher, and a 10 GB sparse one was read whole: neither is a manifest."""
+    manifest = tmp_path / "artifact.json"
+    if kind == "deep":
+        manifest.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "nan":
+        manifest.write_text('{"format": "ettr.publish-artifact/1", "files": {}, "x": NaN}')
+    else:
+        with open(manifest, "wb") as f:
+            f.truncate(10 << 30)
+    assert read_manifest(tmp_path) is None

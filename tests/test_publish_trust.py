@@ -278,3 +278,20 @@ def test_entry_points_are_allowed_exactly(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no model factory"):
         monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
         PublishPolicy.for_queue(tmp_path / "queue")
+
+
+def test_what_a_request_names_reaches_the_operators_terminal_with_its_escapes_written_out(tmp_path, capsys):
+    """A request's anchor root holding an escape sequence (OSC 52 sets the clipboard of some terminals) was
+    quoted raw in `FAILED ...` and in the warning: whoever writes the queue wrote to the operator's terminal."""
+    good = enqueue_linear(tmp_path)
+    forged = "\x1b]52;c;ZXZpbA==\x07\x1b[2J"
+    body = request_body(tmp_path, good)
+    plant(tmp_path, "evil", dict(body, request_id="evil", anchor_root=f"{body['anchor_root']}{forged}"))
+    argv = ["publish", str(tmp_path / "queue"), "--allow-factory", "torch.nn.*"]
+    assert cli_main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "FAILED evil" in out and "\\x1b]52;c;ZXZpbA==\\x07" in out
+    assert "\x1b" not in out + err and "\x07" not in out + err
+    assert cli_main([*argv, "--request", "evil"]) == 1  # failed already: its status says so
+    out, err = capsys.readouterr()
+    assert "evil is failed already" in out and "\x1b" not in out + err

@@ -495,3 +495,12 @@ def test_a_requeued_runs_wait_is_drawn_as_recovery() -> None:
     first = [t for t in titles if t.startswith("attempt 0 · ") and "scheduling" in t.lower()]
     assert later and all("counted as failure (recovery)" in t for t in later), titles
     assert first and not any("counted as failure" in t for t in first), titles
+
+
+def test_terminal_escapes_from_the_ledger_are_written_as_escapes():
+    """A job id or failure message holding an escape sequence (OSC 52 sets the clipboard of a terminal that
+    `cat`s the page; BEL and ESC are not characters XML allows) reads as its escape, as in the text report."""
+    forged = "j1\x1b]52;c;ZXZpbA==\x07\x1b[31m\x9b2J\u202e"
+    text = render_html([baseline_job(job_id=forged)])
+    assert not any(c in text for c in "\x1b\x07\x9b\u202e")
+    assert "j1\\x1b]52;c;ZXZpbA==\\x07\\x1b[31m\\x9b2J\\u202e" in text

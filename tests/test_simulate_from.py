@@ -170,3 +170,29 @@ def test_every_documented_simulate_line_runs_as_written_on_a_real_run(tmp_path: 
         assert all(e.startswith("ettr simulate: ") for e in done.stderr.splitlines()), (line, done.stderr)
         if "--from" in argv and "--replay" not in argv:
             assert "assumed" in done.stdout, line  # a 10-second run's rate is never extrapolated
+
+
+def test_an_interval_sweep_of_a_short_run_stays_within_its_training(tmp_path: Path, capsys: Any) -> None:
+    """A profile read with `--from` gives the job as an amount of training, not a wall time: the sweep's
+    intervals were bounded by the wall time only, and `--sweep interval` of any short run (20 s of
+    training) ended in a ValueError traceback; `--sweep-values` past it was not refused in one line."""
+    from ettr.cli import main as cli_main
+
+    run_dir = hand_built_run(tmp_path / "run", crash=True)
+    assert cli_main(["simulate", "--from", str(run_dir), "--sweep", "interval", "--runs", "2", "--json"]) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert points and all(p["interval_s"] <= 20.0 for p in points)
+    argv = [
+        "simulate",
+        "--from",
+        str(run_dir),
+        "--sweep",
+        "interval",
+        "--sweep-values",
+        "5,1000",
+        "--runs",
+        "2",
+    ]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "longer than the job" in err, err

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ettr.steptail import RING_SLOTS, StepTail, read_tails, tail_path, unrecorded_steps
+from ettr.events import SUPERVISOR_RANK, Event, EventKind
+from ettr.steptail import RING_SLOTS, StepTail, read_tails, tail_events, tail_path, unrecorded_steps
 from framework_truth import report, run_ettr
 
 
@@ -46,6 +47,21 @@ def test_foreign_or_short_files_in_the_tail_directory_are_ignored(tmp_path: Path
     (folder / "rank-2-pid-3").write_bytes(bytes(4096))  # no header
     (folder / "notes.txt").write_text("hello")
     assert {rank: [s for s, _ in steps] for rank, steps in read_tails(tmp_path, 0).items()} == {0: [7]}
+
+
+@pytest.mark.parametrize("ts", [float("inf"), 1e300, 1.0])
+def test_a_tail_step_outside_its_attempt_is_no_step(tmp_path: Path, monkeypatch, ts: float) -> None:
+    """A tail is a file in the run directory: a step dated infinity made the report's wall time NaN (a
+    traceback from `ettr report`, null numbers in its JSON); 1e300 or 1970 stretched it by centuries."""
+    start = time.time() - 60.0
+    events = [Event(EventKind.ATTEMPT_START, start, 0, SUPERVISOR_RANK, data={"pid": 1})]
+    tail = StepTail(tail_path(tmp_path, rank=0, pid=1))
+    tail.note(0, 7)
+    monkeypatch.setattr(time, "time", lambda: ts)
+    tail.note(0, 8)
+    monkeypatch.undo()
+    assert [e.step for e in tail_events(tmp_path, 0, events)] == [7]
+    assert all(start <= e.ts <= time.time() for e in tail_events(tmp_path, 0, events))
 
 
 KILLED_AFTER_ITS_STEPS = """

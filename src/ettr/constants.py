@@ -20,6 +20,13 @@ EXIT_INTERRUPTED = 130
 SECONDS_PER_HOUR = 3_600.0
 SECONDS_PER_DAY = 86_400.0
 
+MAX_STEP = 1 << 53
+"""A global step (or a token count used as one) fits a float exactly below this: a larger one is damage (the
+ledger's rows, a step tail)."""
+FUTURE_MARGIN_S = 86400.0
+"""Times further ahead of the reading host's clock than this are damage, not times (clocks of a job's hosts
+differ by seconds; a far-future time would hide a hang for ever, or stretch a report's wall time)."""
+
 DEFAULT_STORE_MAX_BYTES = 8 * 1024**3
 """Size bound of a compile-artifact store unless configured otherwise (8 GiB)."""
 

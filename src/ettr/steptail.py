@@ -16,6 +16,7 @@ cut short leaves an older step that the reader drops. Cost on the training threa
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import struct
@@ -23,6 +24,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from ettr.constants import FUTURE_MARGIN_S, MAX_STEP
 from ettr.events import Event, EventKind
 from ettr.run_env import STEP_TAIL_DIRNAME
 from ettr.untrusted import SymlinkRefused, make_dirs_below, open_regular
@@ -147,18 +149,21 @@ def tail_events(run_dir: str | os.PathLike[str], attempt: int, events: Iterable[
     """STEP events for the steps `attempt`'s tails hold beyond what `events` (the books) record, at the times
     they were taken (`data.source` "step_tail"): what its processes took but died before writing. Read only
     once they are gone; never raises (damaged tails are skipped)."""
-    recorded = [
-        (e.rank, e.step, e.ts)
-        for e in events
-        if e.kind is EventKind.STEP and e.step is not None and e.attempt == attempt
-    ]
+    events = [e for e in events if e.attempt == attempt]
+    recorded = [(e.rank, e.step, e.ts) for e in events if e.kind is EventKind.STEP and e.step is not None]
     try:
         missing = unrecorded_steps(read_tails(run_dir, attempt), recorded)
     except Exception:
         return []
+    # A tail is a file in the run directory: a step taken before its attempt began, after the reading host's
+    # clock (an infinite time: the report's wall time became NaN and `ettr report` a traceback), or numbered
+    # past what a float holds is damage or a forgery, never a step.
+    earliest = min((e.ts for e in events), default=math.inf)
+    latest = time.time() + FUTURE_MARGIN_S
     return [
         Event(EventKind.STEP, ts, attempt, rank, step=step, data={"source": "step_tail"})
         for rank, step, ts in missing
+        if earliest <= ts <= latest and step <= MAX_STEP
     ]
 
 

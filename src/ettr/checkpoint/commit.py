@@ -52,6 +52,11 @@ _PICKLED_SUFFIXES = (".metadata",)
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR})
 """I/O errors retried (bounded, with back-off) before a checkpoint is declared unreadable."""
 VERIFY_ATTEMPTS = 4
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest larger than this is damage or a forgery (one is about 100 bytes a file: 64 MiB lists over
+half a million files): it is refused unread, never read whole into a training rank's memory."""
+MAX_LEASE_BYTES = 4096
+"""A reader's lease is one short JSON object; anything larger is not one."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +166,22 @@ class Manifest:
         return manifest
 
 
+def read_at_most(storage: ReadableStorage, rel: str, max_bytes: int) -> bytes:
+    """The bytes of file `rel`, refused (CheckpointInvalid) past `max_bytes` without reading the rest: the
+    one way to read a small file of a checkpoint root (a manifest, a lease), which whoever writes the root
+    may have made a 10 GB sparse file. Raises FileNotFoundError, other OSErrors as met."""
+    with storage.open_read(rel) as stream:
+        data = stream.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise CheckpointInvalid(f"{rel} is larger than {max_bytes} bytes (damaged or forged)")
+    return data
+
+
+def read_manifest_bytes(storage: ReadableStorage, name: str) -> bytes:
+    """The bytes of checkpoint directory `name`'s manifest, at most `MAX_MANIFEST_BYTES` (`read_at_most`)."""
+    return read_at_most(storage, f"{name}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+
+
 def _count(value: Any) -> int:
     """A non-negative integer from JSON (not a bool, not a float)."""
     if type(value) is not int or value < 0:
@@ -265,7 +286,7 @@ def verify(
     if step is None:
         raise CheckpointInvalid(f"{name!r} is not a checkpoint directory name")
     try:
-        raw = storage.read_bytes(f"{name}/{MANIFEST_NAME}")
+        raw = read_manifest_bytes(storage, name)
     except FileNotFoundError:
         raise CheckpointInvalid("no manifest (incomplete: the save never committed)") from None
     manifest = Manifest.from_json(raw, secret)
@@ -419,9 +440,11 @@ def _verify_retrying(
 
 def _lease_is_live(storage: ReadableStorage, rel: str, now_s: float, ttl_s: float) -> bool:
     try:
-        taken_ts = float(json.loads(storage.read_bytes(rel))["ts"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return False
+        taken_ts = float(json.loads(read_at_most(storage, rel, MAX_LEASE_BYTES))["ts"])
+    except (OSError, CheckpointInvalid, ValueError, KeyError, TypeError, RecursionError):
+        return (
+            False  # gone, or not a lease (a directory, a FIFO, 100,000 nested brackets): no reader holds it
+        )
     # A lease taken further ahead of this clock than its ttl (the year 3000, 1e300, a flipped exponent bit) is
     # damage or a forgery, not a reader: it held its checkpoint from retention for ever (NaN: never live).
     return -ttl_s < now_s - taken_ts < ttl_s

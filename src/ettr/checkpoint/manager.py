@@ -439,7 +439,7 @@ class CheckpointManager:
         binding: Binding | None = None
         try:
             binding = manifest_binding(self.storage, step, self.world_size)
-        except OSError as exc:
+        except (OSError, CheckpointInvalid) as exc:
             logger.warning("ettr: no memory copy of step %d: its manifest cannot be read (%s)", step, exc)
             self.memory.discard(self.memory.own_path())
         kept = self.memory.keep(staged, binding)

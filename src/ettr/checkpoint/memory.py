@@ -32,11 +32,11 @@ from typing import Any
 from ettr import memory_sweep
 from ettr.checkpoint import snapshot
 from ettr.checkpoint.base import (
-    MANIFEST_NAME,
     CheckpointInvalid,
     ReadableStorage,
     step_dir_name,
 )
+from ettr.checkpoint.commit import read_manifest_bytes
 from ettr.checkpoint.snapshot import Binding, Snapshot
 from ettr.run_env import MEMORY_OWNER_NAME, private_dir_problem
 
@@ -63,8 +63,8 @@ def _ensure_private(path: Path) -> None:
 
 def manifest_binding(storage: ReadableStorage, step: int, world_size: int) -> Binding:
     """The binding of step `step`'s committed checkpoint: the digest of its manifest's bytes as stored.
-    Raises OSError (FileNotFoundError: not committed)."""
-    data = storage.read_bytes(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+    Raises OSError (FileNotFoundError: not committed), CheckpointInvalid (a manifest too large to be one)."""
+    data = read_manifest_bytes(storage, step_dir_name(step))
     return Binding(step=step, manifest_sha256=Binding.digest(data), world_size=world_size)
 
 

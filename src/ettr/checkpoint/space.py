@@ -14,8 +14,8 @@ import logging
 import shutil
 from collections.abc import Callable, Iterable
 
-from ettr.checkpoint.base import MANIFEST_NAME, CheckpointError, CheckpointStorage, ReadableStorage
-from ettr.checkpoint.commit import Manifest, is_leased, list_checkpoints, verify
+from ettr.checkpoint.base import CheckpointError, CheckpointStorage, ReadableStorage
+from ettr.checkpoint.commit import Manifest, is_leased, list_checkpoints, read_manifest_bytes, verify
 
 logger = logging.getLogger("ettr")
 
@@ -42,7 +42,7 @@ def estimate_save_bytes(storage: ReadableStorage) -> int | None:
         if not ckpt.has_manifest:
             continue
         try:
-            manifest = Manifest.from_json(storage.read_bytes(f"{ckpt.name}/{MANIFEST_NAME}"))
+            manifest = Manifest.from_json(read_manifest_bytes(storage, ckpt.name))
         except (OSError, CheckpointError):
             continue
         return int(manifest.num_bytes * MARGIN)

@@ -24,10 +24,12 @@ import torch.distributed as dist
 
 from ettr.atomic import create_exclusive
 from ettr.run_env import inplace_failed_path, inplace_next_path, inplace_ready_path
-from ettr.untrusted import make_dirs_below, open_regular
+from ettr.untrusted import make_dirs_below, read_json_file
 
 _GENERATION_KEY = "ettr/inplace/generation"
 _POLL_S = 0.002
+MAX_NEXT_BYTES = 1 << 20
+"""The agent's answer names an attempt and the ranks replaced; more than this is not one it wrote."""
 
 
 class GenerationTimeout(RuntimeError):
@@ -106,9 +108,8 @@ class AgentGenerations:
 
     def next_attempt(self) -> int | None:
         """The attempt the agent last said the job continues in (None: it has said none)."""
-        try:
-            with os.fdopen(open_regular(inplace_next_path(self.run_dir)), "rb") as f:  # a FIFO: no wait
-                data = json.loads(f.read())
+        try:  # never a wait in a FIFO, never 10 GB read, never a RecursionError from a forged nesting
+            data = read_json_file(inplace_next_path(self.run_dir), MAX_NEXT_BYTES)
         except (OSError, ValueError):
             return None
         attempt = data.get("attempt") if isinstance(data, dict) else None

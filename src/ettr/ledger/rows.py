@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ettr.constants import MAX_STEP
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
 
 _KINDS = {k.value: k for k in EventKind}
@@ -41,14 +42,9 @@ MAX_ATTEMPT = 1_000_000
 """No job restarts a million times: a larger attempt number is a flipped bit (2^63-1 read as an attempt
 turned a completed job into one that was 92.9% failure)."""
 MAX_RANK = 1 << 24
-MAX_STEP = 1 << 53
-"""A global step (or a token count used as one) fits a float exactly below this."""
 MAX_DATA_DEPTH = 32
 """Event data is a small, flat record; a deeper nesting is damage or a forgery (and would make later JSON
 handling recurse without bound)."""
-FUTURE_MARGIN_S = 86400.0
-"""`last_activity` ignores times further ahead of the reading host's clock than this (clocks of a job's hosts
-differ by seconds; a far-future time would hide a hang for ever)."""
 PLAUSIBLE_SPAN_S = 10 * 365.25 * 86400.0
 """On a read of a whole job, a time further than this from the job's median time is damage: no job's books
 span a decade, and the smallest change a flipped exponent bit makes to a time of this century is decades."""

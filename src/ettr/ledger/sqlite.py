@@ -8,7 +8,6 @@ checksums make recovery ignore a torn final frame, so a crash mid-write never co
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sqlite3
@@ -19,10 +18,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ettr.constants import FUTURE_MARGIN_S
 from ettr.events import SCHEMA_VERSION, Event
 from ettr.ledger.accounted import select_rows
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerMark
-from ettr.ledger.rows import FUTURE_MARGIN_S, MAX_TS, MIN_TS, Row, events_from_rows, storable_rows
+from ettr.ledger.rows import (
+    MAX_TS,
+    MIN_TS,
+    Row,
+    events_from_rows,
+    load_data,
+    storable_rows,
+)
 from ettr.untrusted import not_regular
 
 logger = logging.getLogger("ettr")
@@ -330,19 +337,25 @@ class SqliteLedger:
         return LedgerHealth()
 
     def job_id(self) -> str | None:
-        """The job id its first supervisor recorded (None: no supervisor has written yet)."""
+        """The job id the first supervisor whose record reads recorded (None: no supervisor has written yet).
+        A record that does not read (damage, or a forgery nested 100,000 levels deep: a RecursionError out of
+        `ettr run --ledger`, `report`, `fleet`) is skipped, as the readers of the books skip it."""
         with self._lock:
             try:
-                row = self._conn.execute(
-                    "SELECT data FROM events WHERE kind = 'supervisor_start' ORDER BY id LIMIT 1"
-                ).fetchone()
+                rows = self._conn.execute(
+                    "SELECT data FROM events WHERE kind = 'supervisor_start' ORDER BY id LIMIT 100"
+                ).fetchall()
             except sqlite3.DatabaseError as exc:
                 raise LedgerError(f"{self.path} cannot be read ({exc})") from None
-        try:
-            held = None if row is None or row[0] is None else json.loads(row[0]).get("job_id")
-        except (ValueError, AttributeError):
-            return None
-        return None if held is None else str(held)
+        for (text,) in rows:
+            try:
+                data = load_data(text)
+            except (ValueError, TypeError):
+                continue
+            held = None if data is None else data.get("job_id")
+            if held is not None:
+                return str(held)
+        return None
 
     def close(self, drain_timeout_s: float = 0.0) -> None:
         """Close the connection (nothing is held back: `drain_timeout_s` is accepted for the Protocol)."""

@@ -48,7 +48,7 @@ from ettr.publish.sample import (
     slice_batch,
     tolerances,
 )
-from ettr.untrusted import open_regular
+from ettr.untrusted import loads_bounded, open_regular
 
 logger = logging.getLogger("ettr")
 
@@ -57,6 +57,9 @@ PROGRAM_FILE = "model.pt2"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "artifact.json"
+MAX_JSON_FILE_BYTES = 16 << 20
+"""An artifact's manifest or config larger than this is not one ettr wrote (they are a few KB): refused
+unread. The artifact directory lies under the publisher's roots, which requesters can write."""
 
 Stage = Callable[[str], AbstractContextManager[Any]]
 """Called around each stage of a build (`load`, `export`, `verify`, `write`, `commit`): records it."""
@@ -84,20 +87,24 @@ class ArtifactResult:
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The manifest of a complete artifact directory, or None if there is none."""
     try:
-        body = json.loads(_read(Path(path) / MANIFEST_FILE))
+        body = loads_bounded(_read(Path(path) / MANIFEST_FILE, MAX_JSON_FILE_BYTES))
     except (FileNotFoundError, NotADirectoryError, ValueError):
-        return None
+        return None  # not JSON, NaN, nested 100,000 deep (a RecursionError out of the publisher): none
     except OSError as exc:
-        if exc.errno == errno.EINVAL:  # a FIFO, device or directory by that name: no manifest
+        if exc.errno in (errno.EINVAL, errno.EFBIG):  # a FIFO, device or directory, or 10 GB: no manifest
             return None
         raise
     return body if isinstance(body, dict) and body.get("format") == ARTIFACT_FORMAT else None
 
 
-def _read(path: Path) -> bytes:
-    """The bytes of the regular file `path` (never a wait in a FIFO someone put in the artifact)."""
+def _read(path: Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file `path` (never a wait in a FIFO someone put in the artifact); more than
+    `max_bytes` of them raise OSError (EFBIG) without being read."""
     with os.fdopen(open_regular(path, follow_symlinks=True), "rb") as f:
-        return f.read()
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
+    return data
 
 
 def _sha256(path: Path) -> str:

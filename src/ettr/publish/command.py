@@ -22,6 +22,7 @@ from ettr.errors import UsageError
 from ettr.publish.policy import PublishPolicy, parse_allow_entry
 from ettr.publish.queue import PublishQueue
 from ettr.publish.request import PublishError
+from ettr.untrusted import printable
 
 if TYPE_CHECKING:
     from ettr.publish.worker import PublishOutcome
@@ -32,6 +33,12 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 
 
 def _line(outcome: PublishOutcome) -> str:
+    """One line of an outcome for the operator's terminal: what a request names (its paths, and so the errors
+    that quote them) is the requester's text, printed with its escapes written out (`printable`)."""
+    return printable(_words(outcome))
+
+
+def _words(outcome: PublishOutcome) -> str:
     from ettr.publish.worker import PublishStatus
 
     if outcome.status in (PublishStatus.PUBLISHED, PublishStatus.EXISTING):
@@ -118,7 +125,7 @@ def main(args: argparse.Namespace) -> int:
         status = queue.status(args.request)
         if status is not None and status.finished and finished is not None:
             where = finished.get("artifact_dir") or finished.get("error")
-            print(f"{args.request} is {status} already: {where}", file=out)
+            print(printable(f"{args.request} is {status} already: {where}"), file=out)
         else:
             print(f"{args.request} is being published by another publisher", file=out)
     elif not outcomes and not args.watch:

@@ -31,6 +31,7 @@ from ettr.publish.books import PublishBooks
 from ettr.publish.policy import PublishPolicy
 from ettr.publish.queue import MAX_CLAIM_TTL_S, Claim, PublishQueue
 from ettr.publish.request import PublishError
+from ettr.untrusted import printable
 
 logger = logging.getLogger("ettr")
 
@@ -165,7 +166,7 @@ class PublishWorker:
             request = self.queue.load(request_id)
             self.policy.check(request, file_id=request_id)
         except PublishError as exc:  # malformed or outside the policy: failed, moved aside, never retried
-            logger.warning("ettr: refusing publish request %s: %s", request_id, exc)
+            logger.warning("ettr: refusing publish request %s: %s", request_id, printable(str(exc)))
             self.queue.fail(claim, str(exc))
             return PublishOutcome(
                 request_id=request_id, status=PublishStatus.FAILED, attempt=claim.attempt, error=str(exc)
@@ -216,7 +217,7 @@ class PublishWorker:
                 )
             except Exception as exc:  # noqa: BLE001 - any failure of a build ends this request, with its reason
                 reason = str(exc) if isinstance(exc, PublishError) else f"{type(exc).__name__}: {exc}"
-                logger.warning("ettr: publishing %s failed: %s", request.request_id, reason)
+                logger.warning("ettr: publishing %s failed: %s", request.request_id, printable(reason))
                 books.end(ok=False, reason=reason[:1000])
                 if self.queue.owns(claim):
                     self.queue.fail(claim, reason, {"run_dir": request.run_dir})
@@ -268,7 +269,7 @@ class PublishWorker:
             return self.process(request_id)
         except Exception as exc:  # noqa: BLE001 - one bad request must not block the ones queued after it
             reason = f"{type(exc).__name__}: {str(exc)[:500]}"
-            logger.warning("ettr: publish request %s could not be handled: %s", request_id, reason)
+            logger.warning("ettr: publish request %s could not be handled: %s", request_id, printable(reason))
             return PublishOutcome(
                 request_id=request_id, status=PublishStatus.FAILED, attempt=-1, error=reason
             )

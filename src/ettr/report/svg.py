@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 from ettr.constants import SECONDS_PER_DAY
 from ettr.events import Bucket, Outcome
+from ettr.untrusted import printable
 
 BUCKET_COLORS: Mapping[Bucket, str] = MappingProxyType(
     {
@@ -70,8 +71,11 @@ _NICE_STEPS_S = (
 
 # -- formatting --------------------------------------------------------------------------------------------
 def esc(value: object) -> str:
-    """`value` as text safe inside HTML/SVG elements and double- or single-quoted attributes."""
-    return html.escape(str(value), quote=True)
+    """`value` as text safe inside HTML/SVG elements and double- or single-quoted attributes. Characters that
+    are not printable are written as their escapes (`printable`, as the text report does): a job's words (an
+    exception message, a family name, a forged ledger's) may hold a terminal escape, which `cat report.html`
+    would play and which is not a character XML allows (an SVG cut out of the page would not parse)."""
+    return html.escape(printable(str(value)), quote=True)
 
 
 def fmt_s(seconds: float | None) -> str:

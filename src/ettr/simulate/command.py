@@ -591,10 +591,10 @@ def _sweep(
 
     if args.sweep == "interval":
         values = _sweep_values(args, integer=False) or default_intervals(params)
-        if params.duration_s is not None and max(values) > params.duration_s:
+        if max(values) > params.longest_interval_s:
             raise _fail(
                 f"--sweep-values: an interval of {max(values):g} s is longer than the job "
-                f"({params.duration_s:g} s)"
+                f"({params.longest_interval_s:g} s{'' if params.duration_s is not None else ' of training'})"
             )
         sweep = sweep_interval(
             params, values, runs=args.runs, seed=args.seed, on_point=_Progress("intervals")

@@ -182,6 +182,14 @@ class JobParams:
                 )
 
     @property
+    def longest_interval_s(self) -> float:
+        """The longest checkpoint interval these params accept: the job's wall time, or its training when
+        given as an amount of work (a profile read with `--from`)."""
+        if self.duration_s is not None:
+            return self.duration_s
+        return math.inf if self.work_s is None else self.work_s * (1 + 1e-9)
+
+    @property
     def num_nodes(self) -> int:
         return -(-self.gpus // self.gpus_per_node)
 

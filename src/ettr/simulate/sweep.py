@@ -62,7 +62,7 @@ def default_intervals(params: JobParams, num_points: int = 21) -> list[float]:
     """`num_points` intervals from a quarter to four times the model's optimum (geometric), within the job."""
     center = _optimum_or_none(params) or params.interval_s
     values = [center * f for f in np.geomspace(0.25, 4.0, num_points)]
-    limit = params.duration_s if params.duration_s is not None else math.inf
+    limit = params.longest_interval_s
     return [v for v in values if v <= limit] or [min(center, limit)]
 
 

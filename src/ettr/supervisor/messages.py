@@ -26,9 +26,11 @@ def say(message: str) -> None:
 
     One write, the newline with it: `print` writes the text and its newline apart, and stderr writes through,
     so a training process writing to the same file (a Slurm job's output) came between them (`... SIGKILL in
-    10 sHandling auto-requeue signal: 10`, Lightning's line glued to ettr's)."""
+    10 sHandling auto-requeue signal: 10`, Lightning's line glued to ettr's). What is not printable is written
+    as its escape (`printable`): a message quotes what the books hold (a job id, a family), which whoever
+    writes the run directory or the ledger may have given a terminal escape."""
     try:
-        sys.stderr.write(f"ettr: {message}\n")
+        sys.stderr.write(f"ettr: {printable(message)}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
