@@ -214,6 +214,19 @@ def test_each_recovery_says_how_it_was_recovered():
     assert "in_place" in render_html([compute(in_place, now=30.0)])
 
 
+def test_a_long_recovery_kind_stays_in_its_own_column():
+    """`cold_restart` is 12 characters: in 10-wide columns two recoveries read `cold_restartcold_restart`
+    and the kind stood out of its column (right-aligned under nothing)."""
+    from ettr.report.ttr_parts import text_lines
+
+    lines = text_lines(compute(job(), now=30.0))
+    (header,) = [line for line in lines if line.rstrip().endswith("0->1")]
+    (kinds,) = [line for line in lines if line.lstrip().startswith("recovery kind")]
+    assert kinds.rstrip().endswith(" cold_restart") and len(kinds.rstrip()) == len(header.rstrip())
+    (total,) = [line for line in lines if line.lstrip().startswith("total (to first step)")]
+    assert len(total.rstrip()) == len(header.rstrip())
+
+
 def test_the_fleet_counts_recoveries_by_kind():
     from ettr.constants import RECOVERY_MARK
     from ettr.fleet.aggregate import totals

@@ -112,8 +112,16 @@ def text_lines(report: EttReport) -> list[str]:
         "time to start / recover by part (s; a->b: failure of attempt a to the first step of b)",
         f"  '{HEADLINE_ROW}': the headline's span, allocation or the failed attempt's end -> training start",
     ]
-    lines.append("  " + " " * width + "".join(f"{t:>10}" for t in titles))
-    lines += ["  " + f"{n:<{width}}" + "".join(f"{cell(v):>10}" for v in vals) for n, vals in rows]
+    # Each column as wide as its widest cell and a space (at least 10): a kind such as `cold_restart` ran
+    # into the next column's.
+    widths = [
+        max(10, 1 + len(t), *(1 + len(cell(vals[i])) for _, vals in rows)) for i, t in enumerate(titles)
+    ]
+    lines.append("  " + " " * width + "".join(f"{t:>{w}}" for t, w in zip(titles, widths, strict=True)))
+    lines += [
+        "  " + f"{n:<{width}}" + "".join(f"{cell(v):>{w}}" for v, w in zip(vals, widths, strict=True))
+        for n, vals in rows
+    ]
     lines += [
         f"  relaunch {p.failed_attempt}->{p.recovered_attempt}: {p.relaunch_path} ({p.relaunch_why})"
         for p in report.ttr_parts
