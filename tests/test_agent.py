@@ -3,6 +3,7 @@ environment (`ettr.supervisor.agent`). Pure and fast; the real restart is in tes
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
@@ -350,6 +351,27 @@ def test_a_failure_the_worker_survived_goes_on_in_place_with_nothing_replaced(tm
     inplace_failed_path(tmp_path, 3, 51).touch()
     assert group.poll() is None
     assert group.continued == InPlace(failed_rank=1, returncode=1, dead=())
+
+
+def test_a_survived_failure_is_blamed_on_the_rank_whose_own_error_it_was(tmp_path: Path) -> None:
+    """Rank 1 raised; rank 0's collective then failed with "Connection closed by peer" and it said so too.
+    The failure is rank 1's (before: the lowest rank that said it failed, rank 0, the victim, was booked
+    as the failed rank, and the report read "exit status 1 (rank 0)")."""
+    from ettr.run_env import inplace_failed_path
+    from ettr.supervisor.inplace import InPlace, InPlaceCheck
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [KeptWorker(52), KeptWorker(53), KeptWorker(54)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 2)
+    _joined(tmp_path, 2, *workers)
+    said = {52: False, 53: True, 54: False}  # pid -> own
+    for pid, own in said.items():
+        marker = {"rank": pid - 52, "error": "RuntimeError: x", "own": own}
+        inplace_failed_path(tmp_path, 2, pid).write_text(json.dumps(marker))
+    assert group.poll() is None
+    assert group.continued == InPlace(failed_rank=1, returncode=1, dead=())
+    assert group.failed_pids() == [[53]]
 
 
 def test_a_dead_worker_whose_peers_never_joined_is_a_process_restart(tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ def test_under_the_agent_a_generation_is_the_attempt_it_books(tmp_path: Path) ->
     assert generations.after_failure(3, rank=1, error="ValueError: x", timeout_s=30) == 4
     thread.join()
     failed = json.loads(inplace_failed_path(tmp_path, 3, 4242).read_text())
-    assert failed == {"rank": 1, "error": "ValueError: x"}
+    assert failed == {"rank": 1, "error": "ValueError: x", "own": True}
     assert generations.moved_on(3) and not generations.moved_on(4)
     inplace_next_path(tmp_path).write_text("{not json")  # a torn file is no answer
     assert generations.next_attempt() is None

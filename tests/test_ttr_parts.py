@@ -214,6 +214,44 @@ def test_each_recovery_says_how_it_was_recovered():
     assert "in_place" in render_html([compute(in_place, now=30.0)])
 
 
+def test_a_long_recovery_kind_stays_in_its_own_column():
+    """`cold_restart` is 12 characters: in 10-wide columns two recoveries read `cold_restartcold_restart`
+    and the kind stood out of its column (right-aligned under nothing)."""
+    from ettr.report.ttr_parts import text_lines
+
+    lines = text_lines(compute(job(), now=30.0))
+    (header,) = [line for line in lines if line.rstrip().endswith("0->1")]
+    (kinds,) = [line for line in lines if line.lstrip().startswith("recovery kind")]
+    assert kinds.rstrip().endswith(" cold_restart") and len(kinds.rstrip()) == len(header.rstrip())
+    (total,) = [line for line in lines if line.lstrip().startswith("total (to first step)")]
+    assert len(total.rstrip()) == len(header.rstrip())
+
+
+def test_each_recovery_says_where_its_ranks_restored_from():
+    """The checkpoint manager records RESTORE with `source` (memory, peer, storage); the report said none of
+    it, so a user could not tell from the books whether a restart was restored from memory."""
+    from ettr.report.ttr_parts import RESTORED_FROM_ROW, text_lines
+
+    def restored(source: str, rank: int) -> Event:
+        return Event(
+            EventKind.PHASE_END, 12.9, 1, rank, phase=Phase.RESTORE, value=12.8, data={"source": source}
+        )
+
+    (unknown,) = compute(job(), now=30.0).ttr_parts  # a restore without a source: not ettr's manager
+    assert unknown.restored_from is None
+    memory = compute(job() + [restored("memory", 0), restored("memory", 1)], now=30.0)
+    assert memory.ttr_parts[0].restored_from == "memory"
+    assert report_json.to_dict(memory)["ttr_parts"][0]["restored_from"] == "memory"
+    assert report_json.to_dict(memory)["tts_parts"]["restored_from"] is None
+    (row,) = [line for line in text_lines(memory) if line.startswith("  " + RESTORED_FROM_ROW)]
+    assert row.split()[-1] == "memory"
+    assert "memory" in render_html([memory])
+    node = compute(job() + [restored("memory", 0), restored("peer", 1)], now=30.0)
+    assert node.ttr_parts[0].restored_from == "memory+peer"
+    (row,) = [line for line in text_lines(compute(job(), now=30.0)) if RESTORED_FROM_ROW in line]
+    assert row.split()[-1] == "?"
+
+
 def test_the_fleet_counts_recoveries_by_kind():
     from ettr.constants import RECOVERY_MARK
     from ettr.fleet.aggregate import totals

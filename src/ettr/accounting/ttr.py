@@ -113,6 +113,10 @@ class RecoveryParts:
     """Why that path, in a few words (None when not recorded)."""
     kind: str | None = None
     """How the failure was recovered, one of `RECOVERY_KINDS` (None for the time to start)."""
+    restored_from: str | None = None
+    """Where the ranks of the recovered attempt restored their checkpoint from: the sources their RESTORE
+    phases recorded (`memory`, `peer`, `storage`), joined with `+` where ranks differed; None when no rank
+    recorded one (no restore through ettr's checkpoint manager)."""
 
     @property
     def total_s(self) -> float:
@@ -145,6 +149,8 @@ class AttemptMilestones:
     """The supervisor's `relaunch` MARK data of this attempt (path, why), if recorded."""
     recovery: str | None = None
     """The `kind` of the supervisor's `recovery` MARK of this attempt (`in_place`), if recorded."""
+    restored_from: str | None = None
+    """The sources the ranks' RESTORE phases recorded (`RecoveryParts.restored_from`)."""
 
 
 def milestones(
@@ -183,7 +189,23 @@ def milestones(
         phases=phases,
         relaunch=_first_mark_data(supervisor, RELAUNCH_MARK),
         recovery=_text((_first_mark_data(supervisor, RECOVERY_MARK) or {}).get("kind")),
+        restored_from=_restore_sources(rank_events),
     )
+
+
+def _restore_sources(rank_events: Mapping[int, Sequence[Event]]) -> str | None:
+    """The sources of the ranks' completed restores (`memory`, `peer`, `storage`), `+`-joined; None: none."""
+    found = {
+        e.data["source"]
+        for r, evs in rank_events.items()
+        if r >= 0
+        for e in evs
+        if e.kind == EventKind.PHASE_END
+        and e.phase == Phase.RESTORE
+        and isinstance(e.data, Mapping)
+        and isinstance(e.data.get("source"), str)
+    }
+    return "+".join(sorted(str(v)[:40] for v in found)) or None
 
 
 def _first_mark(events: Iterable[Event], name: str) -> float | None:
@@ -245,6 +267,7 @@ def recovery_parts(
         relaunch_path=_text((recovered.relaunch or {}).get("path")),
         relaunch_why=_text((recovered.relaunch or {}).get("why")),
         kind=recovery_kind(failed, recovered, requeued=requeued),
+        restored_from=recovered.restored_from,
     )
 
 

@@ -51,9 +51,12 @@ class Generations(Protocol):
         """Whether a generation after `generation` has begun (cheap; polled while waiting)."""
         ...
 
-    def after_failure(self, generation: int, *, rank: int, error: str, timeout_s: float) -> int:
-        """Generation `generation` failed here (`error`): the next one this process joins. Raises
-        GenerationTimeout when none comes within `timeout_s`."""
+    def after_failure(
+        self, generation: int, *, rank: int, error: str, timeout_s: float, own: bool = True
+    ) -> int:
+        """Generation `generation` failed here (`error`; `own`: this rank's own failure, not a peer's seen
+        through a collective): the next one this process joins. Raises GenerationTimeout when none comes
+        within `timeout_s`."""
         ...
 
 
@@ -72,7 +75,9 @@ class StoreGenerations:
     def moved_on(self, generation: int) -> bool:
         return int(self.store.add(_GENERATION_KEY, 0)) > generation
 
-    def after_failure(self, generation: int, *, rank: int, error: str, timeout_s: float) -> int:
+    def after_failure(
+        self, generation: int, *, rank: int, error: str, timeout_s: float, own: bool = True
+    ) -> int:
         # The first rank to report generation g's failure moves the counter on; the others see it moved.
         if int(self.store.add(f"ettr/inplace/{generation}/failed", 1)) == 1:
             self.store.add(_GENERATION_KEY, 1)
@@ -119,12 +124,15 @@ class AgentGenerations:
         found = self.next_attempt()
         return found is not None and found > generation
 
-    def after_failure(self, generation: int, *, rank: int, error: str, timeout_s: float) -> int:
+    def after_failure(
+        self, generation: int, *, rank: int, error: str, timeout_s: float, own: bool = True
+    ) -> int:
         if not self.moved_on(generation):  # the agent may know already (a peer died); else tell it
             path = inplace_failed_path(self.run_dir, generation, self.pid)
             make_dirs_below(self.run_dir, path.parent)
             try:
-                create_exclusive(path, json.dumps({"rank": rank, "error": error[:2000]}), durable=False)
+                marker = {"rank": rank, "error": error[:2000], "own": own}  # `own`: whom the agent blames
+                create_exclusive(path, json.dumps(marker), durable=False)
             except FileExistsError:
                 pass
         deadline = time.monotonic() + timeout_s

@@ -170,7 +170,9 @@ class _Runner:
                         moved_on=generations.moved_on,
                     )
             except rendezvous.GenerationMovedOn:
-                generation = self._next(generations, generation, failure, "overtaken while it formed")
+                generation = self._next(
+                    generations, generation, failure, "overtaken while it formed", own=False
+                )
                 continue
             generations.joined(generation)
             if failure is not None:
@@ -216,7 +218,7 @@ class _Runner:
                     f"ettr: {restarts - 1} in-place restarts used up (InPlaceConfig.max_restarts); "
                     f"exiting: {failure.error}"
                 )
-            generation = self._next(generations, generation, failure, failure.error)
+            generation = self._next(generations, generation, failure, failure.error, own=failure.own)
 
     def _failed(self, exc: Exception, generation: int, generations: Generations) -> _Failure:
         """Record a failure of `generation` on this rank: its own (this rank's error) or a peer's."""
@@ -237,11 +239,19 @@ class _Runner:
         exc.__traceback__ = None  # its frames hold the failed generation's objects (and process groups)
         return _Failure(time.time(), time.monotonic(), text[:2000], own)
 
-    def _next(self, generations: Generations, generation: int, failure: _Failure | None, error: str) -> int:
+    def _next(
+        self, generations: Generations, generation: int, failure: _Failure | None, error: str, *, own: bool
+    ) -> int:
+        """Wait for the generation after `generation`, which failed here (`error`; `own`: by this rank's own
+        error, not a peer's failure seen through a collective)."""
         begin = time.monotonic()
         try:
             found = generations.after_failure(
-                generation, rank=self.rank, error=error, timeout_s=self.config.rendezvous_timeout_s
+                generation,
+                rank=self.rank,
+                error=error,
+                timeout_s=self.config.rendezvous_timeout_s,
+                own=own,
             )
         except GenerationTimeout as exc:
             raise InPlaceGaveUp(f"ettr: no in-place restart ({exc}); exiting") from None

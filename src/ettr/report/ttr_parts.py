@@ -19,6 +19,9 @@ HEADLINE_ROW = "= TTS / TTR (headline)"
 TOTAL_ROW = "total (to first step)"
 KIND_ROW = "recovery kind"
 """The row saying how each failure was recovered: in_place | warm_restart | cold_restart | requeue."""
+RESTORED_FROM_ROW = "  (restored from)"
+"""The row saying where each recovery's ranks restored from: memory | peer | storage (`+` where they
+differed; `?`: no rank recorded a restore through ettr's checkpoint manager)."""
 RELAUNCH_PATH_ROW = "  (relaunch path)"
 """The row saying how each relaunch started its process(es): warm | promoted | cold (why: below the text
 table, in the HTML cell's title)."""
@@ -40,8 +43,9 @@ def total_measures(parts: RecoveryParts) -> str:
 
 def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
     """`{failed_attempt, recovered_attempt, start_ts, first_step_ts, total_s, total_measures, headline_s,
-    headline_start_ts, training_start_ts, headline_measures, parts_s, relaunch_path, relaunch_why, kind}`
-    (parts in order; `kind`: how the failure was recovered, `RECOVERY_KINDS`; null for the start). `headline_s` is the
+    headline_start_ts, training_start_ts, headline_measures, parts_s, relaunch_path, relaunch_why, kind,
+    restored_from}` (parts in order; `kind`: how the failure was recovered, `RECOVERY_KINDS`; null for the
+    start; `restored_from`: memory | peer | storage, `+`-joined where ranks differed, null when unknown). `headline_s` is the
     report's TTR (or TTS) for this recovery: the parts from backoff (or before_launch) through other_init."""
     if parts is None:
         return None
@@ -60,6 +64,7 @@ def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
         "relaunch_path": parts.relaunch_path,
         "relaunch_why": parts.relaunch_why,
         "kind": parts.kind,
+        "restored_from": parts.restored_from,
     }
 
 
@@ -93,6 +98,9 @@ def _rows(report: EttReport) -> tuple[list[str], list[tuple[str, list[Cell]]]]:
         rows.append((n, [c.parts_s[n] if n in c.parts_s else _NOT_A_PART for c in columns]))
         if n == "relaunch" and any(c.relaunch_path for c in columns):
             rows.append((RELAUNCH_PATH_ROW, list[Cell]([c.relaunch_path or _NOT_A_PART for c in columns])))
+        if n == "restore" and report.ttr_parts:
+            sources = [_NOT_A_PART if c.failed_attempt is None else c.restored_from or "?" for c in columns]
+            rows.append((RESTORED_FROM_ROW, list[Cell](sources)))
     rows.append((TOTAL_ROW, list[Cell]([c.total_s for c in columns])))
     return titles, rows
 
@@ -112,8 +120,16 @@ def text_lines(report: EttReport) -> list[str]:
         "time to start / recover by part (s; a->b: failure of attempt a to the first step of b)",
         f"  '{HEADLINE_ROW}': the headline's span, allocation or the failed attempt's end -> training start",
     ]
-    lines.append("  " + " " * width + "".join(f"{t:>10}" for t in titles))
-    lines += ["  " + f"{n:<{width}}" + "".join(f"{cell(v):>10}" for v in vals) for n, vals in rows]
+    # Each column as wide as its widest cell and a space (at least 10): a kind such as `cold_restart` ran
+    # into the next column's.
+    widths = [
+        max(10, 1 + len(t), *(1 + len(cell(vals[i])) for _, vals in rows)) for i, t in enumerate(titles)
+    ]
+    lines.append("  " + " " * width + "".join(f"{t:>{w}}" for t, w in zip(titles, widths, strict=True)))
+    lines += [
+        "  " + f"{n:<{width}}" + "".join(f"{cell(v):>{w}}" for v, w in zip(vals, widths, strict=True))
+        for n, vals in rows
+    ]
     lines += [
         f"  relaunch {p.failed_attempt}->{p.recovered_attempt}: {p.relaunch_path} ({p.relaunch_why})"
         for p in report.ttr_parts

@@ -37,7 +37,10 @@ from ettr.run_env import (
     memory_root,
     private_dir_problem,
 )
-from ettr.untrusted import make_dirs_below
+from ettr.untrusted import make_dirs_below, open_regular
+
+_MARKER_MAX_BYTES = 1 << 16
+"""A failure marker is a rank, an error of at most 2,000 characters and a flag: more is not read."""
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -73,7 +76,8 @@ class InPlace:
     """A failure of the attempt that its other workers survive: the attempt goes on in place."""
 
     failed_rank: int
-    """The rank whose failure it is (the first that died, else the first that said it failed)."""
+    """The rank whose failure it is (the first that died, else the first that said it failed of its own
+    error, else the first that said it failed)."""
     returncode: int
     """The failed worker's exit status (negative: the signal); 1 for a failure it survived."""
     dead: tuple[int, ...]
@@ -93,6 +97,16 @@ class InPlaceCheck:
     def said_failed(self, pid: int) -> bool:
         return inplace_failed_path(self.run_dir, self.attempt, pid).exists()
 
+    def said_own_failure(self, pid: int) -> bool:
+        """Whether the worker's marker says the failure was its own error, not a peer's it saw through a
+        collective ("Connection closed by peer"). A marker without the field (or unreadable) counts as own."""
+        try:
+            with os.fdopen(open_regular(inplace_failed_path(self.run_dir, self.attempt, pid)), "rb") as f:
+                data = json.loads(f.read(_MARKER_MAX_BYTES))
+        except (OSError, ValueError):
+            return True
+        return not (isinstance(data, dict) and data.get("own") is False)
+
     def check(self, pids: Sequence[int], codes: Sequence[int | None], dead: Sequence[int]) -> InPlace | None:
         """`pids`/`codes`: per local rank, the worker and its exit status (None: running); `dead`: the ranks
         that failed by exiting. The in-place recovery to run, or None (the process restart, or no failure)."""
@@ -107,6 +121,9 @@ class InPlaceCheck:
         said = [r for r in running if self.said_failed(pids[r])]
         if not said:
             return None
+        # Every rank of a failed generation says so; the failure is the rank's whose own error it was (a
+        # peer's "Connection closed by peer" is only the echo), the lowest such rank where several were.
+        said.sort(key=lambda r: not self.said_own_failure(pids[r]))
         return InPlace(failed_rank=said[0], returncode=1, dead=())
 
 
