@@ -175,3 +175,50 @@ def test_serve_gives_the_windowed_ett_and_the_fleet_lists_jobs_with_stragglers(t
     assert {s.labels["job"]: s.value for s in samples["ettr_stragglers"]} == {"slow": 1.0}
     (waited,) = samples["ettr_straggler_wait_seconds_total"]
     assert waited.labels["job"] == "slow" and waited.value == pytest.approx(listed["lost_s"])
+
+
+def test_series_that_the_books_revise_are_gauges_and_counters_only_grow(runs):
+    """Prometheus takes a counter's drop for a restart and counts its whole new value as an increase. The
+    seconds per bucket drop when a failure turns kept work into wasted work (a real 2-rank job's
+    effective_training went 1.81 s -> 1.28 s between two scrapes; a requeue took `shutdown` 0.05 s -> 0), and
+    fleet-wide sums drop when a job cannot be read: those are gauges (named as before); per-job failures,
+    restarts and wall time stay counters."""
+    from ettr.fleet.load import find_run_dirs, load_run_dirs
+    from ettr.fleet.metrics import metric_families
+
+    jobs, _ = load_run_dirs(find_run_dirs([runs]), now=T0)
+    types = {m.name: m.type for m in metric_families(jobs, T0 + 10)}
+    for name in (
+        "ettr_bucket_seconds_total",
+        "ettr_fleet_bucket_gpu_seconds_total",
+        "ettr_fleet_failures_total",
+        "ettr_fleet_failures_by_detail_total",
+    ):
+        assert types[name] == "gauge", name
+    for name in ("ettr_wall_seconds", "ettr_failures", "ettr_restarts"):  # exposed with _total
+        assert types[name] == "counter", name
+
+
+def test_a_fleet_that_could_not_be_read_exports_no_fleet_sums(tmp_path):
+    """A scrape while the ledger cannot be read (the server down) says so, and gives no job count and no
+    fleet sums: 0 jobs and 0 failures were wrong numbers, and the next good scrape read as every failure
+    of the fleet happening at once."""
+    from ettr.fleet.serve import loader, start_server
+
+    url = f"sqlite:///{tmp_path / 'gone' / 'ledger.db'}"
+    args = argparse.Namespace(run_dirs=[], ledger=url, workers=1, no_cache=True)
+    server = start_server(loader(args), port=0, addr="127.0.0.1")
+    try:
+        samples = _scrape(server.port)
+    finally:
+        server.close()
+    assert samples["ettr_jobs_unreadable"][0].value == 1.0
+    for name in (
+        "ettr_jobs",
+        "ettr_fleet_effective_training_ratio",
+        "ettr_fleet_bucket_gpu_seconds_total",
+        "ettr_fleet_failures_total",
+        "ettr_fleet_failures_by_detail_total",
+    ):
+        assert name not in samples, name
+    assert samples["ettr_build_info"][0].value == 1.0

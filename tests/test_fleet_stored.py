@@ -282,3 +282,34 @@ def test_a_real_job_on_postgres_stores_its_summary_there(tmp_path, postgres_url)
     assert not summary_path(tmp_path / "run").exists()
     stored, _ = load_ledger_url(postgres_url, now=time.time())
     assert stored == load_ledger_url(postgres_url, now=time.time(), use_stored=False)[0]
+
+
+def test_the_fleet_of_a_postgres_ledger_never_prints_its_password(postgres_url, capsys, monkeypatch):
+    """`ettr fleet --ledger URL --json` goes to CI logs and dashboards: each job's `source` and every
+    problem line name the ledger without its password (they printed the URL as given, password and all)."""
+    from urllib.parse import urlsplit
+
+    import ettr.fleet.load as fleet_load
+    from ettr.cli import main
+    from ettr.ledger.postgres import redact
+
+    password = urlsplit(postgres_url).password
+    assert password
+    rng = random.Random(5)
+    write_job_url(postgres_url, replace(_spec(0, rng), job_id="stored"))
+    write_job_url(postgres_url, replace(_spec(1, rng), job_id="from-events"), close=False)
+    assert main(["fleet", "--ledger", postgres_url, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert password not in out and password not in err
+    jobs = json.loads(out)["jobs"]
+    assert sorted(j["job_id"] for j in jobs) == ["from-events", "stored"]
+    assert {j["source"] for j in jobs} == {redact(postgres_url)}
+
+    def damaged(*_args, **_kwargs):
+        raise ValueError("damaged")
+
+    monkeypatch.setattr(fleet_load, "summarize_events", damaged)  # the job read from its events: a problem
+    assert main(["fleet", "--ledger", postgres_url, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert password not in out and password not in err
+    assert "from-events: cannot be accounted" in err and redact(postgres_url) in err

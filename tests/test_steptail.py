@@ -132,3 +132,81 @@ def test_a_killed_supervisors_open_attempt_has_the_steps_its_processes_kept(tmp_
     assert (closed.data or {}).get("closed_from_ledger") is True
     assert closed.ts >= max(e.ts for e in events if e.kind is EventKind.STEP)  # after the steps it kept
     assert report(run_dir)["attempts"][0]["last_step"] == 16
+
+
+def test_a_tail_without_room_on_disk_stays_off_instead_of_mapping_a_hole(tmp_path: Path, monkeypatch) -> None:
+    """On a full file system the page must be allocated before it is mapped: a hole (what `ftruncate` made)
+    is filled by the first write through the map, and on a full tmpfs that write was a SIGBUS that killed
+    the training process at its first step. The allocation's ENOSPC turns the tail off; training goes on."""
+    import errno
+    import os
+
+    import ettr.steptail as steptail
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(steptail.os, "pwrite", full, raising=False)
+    tail = StepTail(tail_path(tmp_path, 0, pid=1), run_dir=tmp_path)
+    tail.note(0, 1)  # no map: nothing to fault on
+    tail.note(0, 2)
+    assert tail._map is None and tail._off
+    monkeypatch.setattr(steptail.os, "pwrite", lambda fd, data, offset: 100)  # a short write: no room either
+    short = StepTail(tail_path(tmp_path, 0, pid=2), run_dir=tmp_path)
+    short.note(0, 1)
+    assert short._map is None
+    monkeypatch.undo()
+    ok = StepTail(tail_path(tmp_path, 0, pid=3), run_dir=tmp_path)
+    ok.note(0, 1)
+    assert ok._map is not None and os.stat(tail_path(tmp_path, 0, pid=3)).st_blocks > 0  # storage, not a hole
+    assert read_tails(tmp_path, 0)[0] == [(1, pytest.approx(time.time(), abs=3600))]
+
+
+_FULL_TMPFS_CHILD = """
+import sys
+from pathlib import Path
+from ettr.steptail import StepTail, tail_path
+run_dir = Path(sys.argv[1])
+tail = StepTail(tail_path(run_dir, 0), run_dir=run_dir)
+for step in range(1, 50):
+    tail.note(0, step)
+print("alive", tail._map is None)
+"""
+
+
+def test_a_step_tail_on_a_really_full_tmpfs_does_not_kill_the_process(tmp_path: Path) -> None:
+    """The real thing where a tmpfs can be mounted (root with CAP_SYS_ADMIN): fill a 1 MiB tmpfs, then take
+    steps in a child: it lives, its tail off (it died of SIGBUS before)."""
+    import os
+    import subprocess
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+    ):
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, bytes(4096)) == 4096:
+                pass
+        except OSError:
+            pass  # full
+        finally:
+            os.close(fd)
+        run_dir = mnt / "run"
+        run_dir.mkdir()
+        done = subprocess.run(
+            [sys.executable, "-c", _FULL_TMPFS_CHILD, str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+        assert done.stdout.split() == ["alive", "True"]
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -15,6 +15,7 @@ cut short leaves an older step that the reader drops. Cost on the training threa
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import mmap
@@ -89,7 +90,7 @@ class StepTail:
                 flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
                 fd = os.open(self._path, flags, 0o644)
                 try:
-                    os.ftruncate(fd, _SIZE)
+                    _allocate(fd)
                     self._map = mmap.mmap(fd, _SIZE)
                 finally:
                     os.close(fd)
@@ -100,6 +101,18 @@ class StepTail:
             self._off, self._map = True, None
         except (OSError, ValueError):
             self._off, self._map = True, None
+
+
+def _allocate(fd: int) -> None:
+    """Give the file its page of storage now, or raise `OSError` (ENOSPC). A page made by `ftruncate` alone
+    is a hole that the first write through the map fills: on a full file system (a full tmpfs) that write
+    is a SIGBUS, which killed the training process at its first step of every attempt (measured: a job
+    whose run directory's 2 MiB tmpfs filled up ended "killed by SIGBUS (rank 0)", restarts exhausted).
+    Written with `pwrite`, a full disk is an error here, and the tail stays off."""
+    written = os.pwrite(fd, bytes(_SIZE), 0)
+    if written != _SIZE:  # a short write: the rest had no room
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    os.ftruncate(fd, _SIZE)  # a longer file (not ours) is cut to the page
 
 
 def read_tails(run_dir: str | os.PathLike[str], attempt: int) -> dict[int, list[tuple[int, float]]]:

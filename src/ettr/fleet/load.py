@@ -472,17 +472,23 @@ def _events_of_jobs(
 ) -> Iterator[tuple[str, list[Event] | str]]:
     """Each job's events for the accounting, or why they cannot be read: a PostgreSQL ledger over one
     connection, the server leaving out the rows the accounting does not use (`ettr.ledger.accounted`);
-    another ledger through `open_url`."""
+    another ledger through `open_url`. The reasons name the URL without its password."""
+    from ettr.ledger.postgres import redact
     from ettr.ledger.url import open_url, scheme_of
+
+    shown = redact(url)
 
     if scheme_of(url) == "postgresql" and job_ids:
         from ettr.ledger.postgres import read_jobs_marked
 
         try:
             for job_id, found in read_jobs_marked(url, job_ids, for_accounting=for_accounting):
-                yield job_id, (f"{url} job {job_id}: {found}" if isinstance(found, LedgerError) else found[0])
+                yield (
+                    job_id,
+                    (f"{shown} job {job_id}: {found}" if isinstance(found, LedgerError) else found[0]),
+                )
         except LedgerError as exc:
-            raise UsageError(f"{url}: cannot read its jobs ({exc})") from None
+            raise UsageError(f"{shown}: cannot read its jobs ({exc})") from None
         return
     for job_id in job_ids:
         try:
@@ -492,14 +498,19 @@ def _events_of_jobs(
             finally:
                 ledger.close()
         except (LedgerError, UsageError, OSError, ValueError) as exc:
-            yield job_id, f"{url} job {job_id}: {exc}"
+            yield job_id, f"{shown} job {job_id}: {exc}"
 
 
 def load_ledger_url(
     url: str, *, now: float, use_stored: bool = True, window_s: float = DEFAULT_WINDOW_S
 ) -> tuple[list[JobSummary], list[str]]:
     """Summaries of every job in a shared ledger (`sqlite:///PATH` or `postgresql://...`): a finished job's
-    stored summary while the ledger holds exactly the rows it was computed from, else from its events."""
+    stored summary while the ledger holds exactly the rows it was computed from, else from its events.
+    What it prints, returns and raises (each job's `source`, the problems, the errors) names the URL without
+    its password: `ettr fleet --json` and its stderr end up in CI logs and dashboards."""
+    from ettr.ledger.postgres import redact
+
+    shown = redact(url)
     try:
         from ettr.ledger.url import (  # type: ignore[import-not-found, unused-ignore]
             list_jobs,
@@ -507,12 +518,12 @@ def load_ledger_url(
         )
     except ImportError:
         raise UsageError(
-            f"{url}: this ettr has no shared-ledger support (ettr.ledger.url); give run directories instead"
+            f"{shown}: this ettr has no shared-ledger support (ettr.ledger.url); give run directories instead"
         ) from None
     try:
         job_ids = list_jobs(url)
     except (LedgerError, OSError, ValueError) as exc:
-        raise UsageError(f"{url}: cannot list its jobs ({exc})") from None
+        raise UsageError(f"{shown}: cannot list its jobs ({exc})") from None
     from ettr.fleet.stored import Untrusted, decode
 
     stored: dict[str, Any] = {}
@@ -522,15 +533,19 @@ def load_ledger_url(
         try:
             stored = read_summaries(url)
         except LedgerError as exc:
-            logger.info("ettr fleet: %s: no stored summaries read (%s); reading every job's events", url, exc)
+            logger.info(
+                "ettr fleet: %s: no stored summaries read (%s); reading every job's events", shown, exc
+            )
     results: dict[str, JobSummary | str | None] = {}
     other_window: dict[str, JobSummary] = {}
     for job_id in job_ids:
         if job_id in stored:
             try:
-                summary = decode(stored[job_id][0], stored[job_id][1], source=url)
+                summary = decode(stored[job_id][0], stored[job_id][1], source=shown)
             except Untrusted as exc:  # its events are read instead
-                logger.warning("ettr fleet: %s job %s: its stored summary is not used (%s)", url, job_id, exc)
+                logger.warning(
+                    "ettr fleet: %s job %s: its stored summary is not used (%s)", shown, job_id, exc
+                )
                 summary = None
             if summary is not None and summary.job_id == job_id:
                 if summary.window_s == window_s:
@@ -543,11 +558,11 @@ def load_ledger_url(
             results[job_id] = events
         elif events:
             try:
-                summary = summarize_events(events, job_id=job_id, source=url, now=now, window_s=window_s)
+                summary = summarize_events(events, job_id=job_id, source=shown, now=now, window_s=window_s)
                 check_summary(summary)
             except Exception as exc:  # noqa: BLE001 - one damaged job is one problem line, the others go on
-                logger.debug("ettr fleet: %s job %s", url, job_id, exc_info=True)
-                results[job_id] = f"{url} job {job_id}: cannot be accounted ({type(exc).__name__}: {exc})"
+                logger.debug("ettr fleet: %s job %s", shown, job_id, exc_info=True)
+                results[job_id] = f"{shown} job {job_id}: cannot be accounted ({type(exc).__name__}: {exc})"
             else:
                 results[job_id] = _with_ranks_of(other_window.get(job_id), summary)
         else:
@@ -555,5 +570,5 @@ def load_ledger_url(
     summaries = [r for r in (results[j] for j in job_ids) if isinstance(r, JobSummary)]
     problems = [r for r in (results[j] for j in job_ids) if isinstance(r, str)]
     if not summaries and not problems:
-        raise UsageError(f"{url}: the ledger holds no jobs yet")
+        raise UsageError(f"{shown}: the ledger holds no jobs yet")
     return summaries, problems

@@ -1,10 +1,20 @@
 """The Prometheus metrics of a fleet: metric families built from `JobSummary`s at scrape time.
 
-Names follow Prometheus conventions: base units (seconds, ratios 0..1), `_total` for counters, one
+Names follow Prometheus conventions: base units (seconds, ratios 0..1), `_total` for counters (and the gauges below that were once counters), one
 `ettr_` prefix; labels are only `job`, `family`, `name` (the run directory's name: what a person calls a job
 whose id was generated), `bucket`, `cause` and, fleet-wide only, `detail` (bounded: closed sets, never step,
 rank or attempt), plus `version` on `ettr_build_info`. Each number is the same as in `ettr fleet --json`
 (ETT% / 100 for the ratios).
+
+A series is a counter only where it can never go down. The books are revised as a job goes on: a failure
+moves the work since the last commit from `effective_training` to `wasted_progress`, a requeue turns the
+preempted attempt's tail from `shutdown` into failure time, a running job's open tail (`other`) becomes
+whatever its next event says; and a fleet-wide sum loses the jobs a scrape could not read (a ledger server
+down). Prometheus takes any drop of a counter for a process restart and counts the whole new value as an
+increase (`rate`, `increase`): a rolled-back minute of a ten-hour job read as ten hours of training in five
+minutes. So the seconds per bucket and every fleet-wide sum are gauges (named as they always were, with
+`_total`); the per-job failure and restart counts and the wall time grow as the job goes on and stay
+counters.
 """
 
 from __future__ import annotations
@@ -31,6 +41,9 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     build.add_metric([], {"version": version()})
     fleet = totals(jobs)
     out: list[Metric] = [build]
+    # No job read and some unreadable (the ledger server is down): the fleet's sizes and sums are unknown,
+    # not 0 (a 0 would also read as a reset, and the next good scrape as every failure happening again).
+    fleet_known = bool(jobs) or not num_problems
 
     def gauge(name: str, doc: str, labels: Sequence[str] = JOB_LABELS) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=list(labels))
@@ -47,25 +60,36 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     )
     if fleet.ett_known:  # no sample when no job's ETT is known: 0 would be a wrong number
         fleet_ratio.add_metric([], fleet.ett_pct / 100.0)
-    gauge("ettr_jobs", "jobs known", ()).add_metric([], float(len(jobs)))
+    jobs_known = gauge("ettr_jobs", "jobs known", ())
+    if fleet_known:
+        jobs_known.add_metric([], float(len(jobs)))
     gauge("ettr_jobs_unreadable", "run directories or jobs that could not be read", ()).add_metric(
         [], float(num_problems)
     )
-    fleet_buckets = counter(
-        "ettr_fleet_bucket_gpu_seconds", "wall time x GPUs of all jobs in each bucket", ("bucket",)
+    fleet_buckets = gauge(
+        "ettr_fleet_bucket_gpu_seconds_total",
+        "wall time x GPUs of the jobs read in each bucket (a gauge: it drops when a job cannot be read, "
+        "or when a failure turns kept work into wasted work)",
+        ("bucket",),
     )
-    for b in Bucket:
-        fleet_buckets.add_metric([b.value], fleet.bucket_gpu_s[b])
-    fleet_failures = counter("ettr_fleet_failures", "failures of all jobs by cause", ("cause",))
-    for c in Cause:
-        fleet_failures.add_metric([c.value], float(fleet.failures_by_cause[c]))
-    fleet_details = counter(
-        "ettr_fleet_failures_by_detail",
-        "failures of all jobs by what happened (oom_killed, collective, startup, ...; each detail has one cause)",
+    fleet_failures = gauge(
+        "ettr_fleet_failures_total",
+        "failures of the jobs read by cause (a gauge: it drops when a job cannot be read)",
+        ("cause",),
+    )
+    fleet_details = gauge(
+        "ettr_fleet_failures_by_detail_total",
+        "failures of the jobs read by what happened (oom_killed, collective, startup, ...; each detail has one "
+        "cause; a gauge: it drops when a job cannot be read)",
         ("detail",),
     )
-    for d in Detail:
-        fleet_details.add_metric([d.value], float(fleet.failures_by_detail.get(d, 0)))
+    if fleet_known:
+        for b in Bucket:
+            fleet_buckets.add_metric([b.value], fleet.bucket_gpu_s[b])
+        for c in Cause:
+            fleet_failures.add_metric([c.value], float(fleet.failures_by_cause[c]))
+        for d in Detail:
+            fleet_details.add_metric([d.value], float(fleet.failures_by_detail.get(d, 0)))
     ratio = gauge("ettr_effective_training_ratio", "effective training time / wall time of the job")
     window_ratio = gauge(
         "ettr_window_effective_training_ratio",
@@ -78,7 +102,12 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     )
     stragglers = gauge("ettr_stragglers", "slow ranks or nodes found (jobs whose ranks were compared)")
     wall = counter("ettr_wall_seconds", "wall time of the job")
-    bucket_s = counter("ettr_bucket_seconds", "wall time of the job in each bucket", (*JOB_LABELS, "bucket"))
+    bucket_s = gauge(
+        "ettr_bucket_seconds_total",
+        "wall time of the job in each bucket (a gauge: a failure turns kept work into wasted work, a requeue "
+        "a preempted attempt's shutdown into failure time)",
+        (*JOB_LABELS, "bucket"),
+    )
     gpus = gauge("ettr_gpus", "GPUs (ranks, its world size) of the job")
     running = gauge("ettr_running", "1 while the job runs")
     tts = gauge("ettr_time_to_start_seconds", "allocation to the first training step")
