@@ -68,10 +68,7 @@ from ettr.supervisor.watchdog import (
     training_ended,
 )
 
-_SNAPSHOT_EVERY_S = 1.0
-"""How often the attempt's process tree is noted (and adopted orphans that exited are reaped)."""
-_TRAINED_READ_EVERY_S = 0.5
-"""How often, at most, the console's start-up line looks whether the attempt has trained (a listing)."""
+_SNAPSHOT_EVERY_S, _TRAINED_READ_EVERY_S = 1.0, 0.5  # process tree noted; has-trained look
 
 
 def _names(directory: Path) -> list[str]:
@@ -120,8 +117,9 @@ class AttemptRunner:
         cfg = parts.config
         self._launched = False  # an attempt was started (the first one starts cold: nothing ran before it)
         self._continuing: Attempt | None = None  # an attempt whose processes go on in place into the next
-        self.watch = AttemptWatch(WatchConfig(grace_s=cfg.grace_s, hang_kill_grace_s=cfg.hang_kill_grace_s,
-                                  warning_to_handlers=not slurm.in_step(os.environ)))  # fmt: skip
+        alone = not slurm.in_step(os.environ)  # Slurm's B:USR1 reaches ettr alone: the job's handlers get it
+        grace = {"grace_s": cfg.grace_s, "hang_kill_grace_s": cfg.hang_kill_grace_s}
+        self.watch = AttemptWatch(WatchConfig(**grace, warning_to_handlers=alone))
 
     def run(self, attempt: int, *, restarts_done: int = 0, restarts_left: int = 0) -> EndedAttempt:
         """Run attempt `attempt` (`restarts_done` before it; a standby only while `restarts_left`); its end."""
@@ -238,8 +236,7 @@ class AttemptRunner:
         )
 
     def _outside_signals(self, state: WatchState, attempt: int) -> list[tuple[float, int, str]]:
-        """Signals the attempt's processes handled themselves before the command ended, where the supervisor
-        stopped nothing itself (`ettr.bootstrap.outside_signals`)."""
+        """Signals the attempt's processes handled themselves, where the supervisor stopped nothing itself."""
         stopped = state.forwarded is not None or state.hung_after_s is not None or state.rank_failed
         if stopped or state.peer_reason is not None or state.continued:
             return []

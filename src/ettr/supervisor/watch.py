@@ -7,9 +7,9 @@ watch (`Say` a line, `SendSignal` to the attempt). No I/O and no clock: `now` is
 tested with a fake attempt and a fake clock (tests/test_attempt_watch.py).
 
 The rules:
-- a signal to the supervisor (the first) is forwarded to the whole job (SIGUSR1, SIGHUP, SIGQUIT as SIGTERM),
-  unless it is a terminal's Ctrl-C, which the job got already; SIGKILL follows `grace_s` later; a second signal kills at once;
-  Slurm's SIGUSR1 that reached it alone goes first to the job's own SIGUSR1 handlers (`warning_to_handlers`);
+- a signal to the supervisor (the first) is forwarded to the whole job (SIGUSR1, SIGHUP, SIGQUIT as SIGTERM;
+  Slurm's SIGUSR1 first to the job's own SIGUSR1 handlers, `warning_to_handlers`), unless it is a terminal's
+  Ctrl-C, which the job got already; SIGKILL follows `grace_s` later; a second signal kills at once;
 - no progress for the hang timeout (`Hung`, not while the attempt only tears its processes down, nor once
   a failed rank or a lost peer is ending it): SIGTERM, SIGKILL `hang_kill_grace_s` later;
 - a peer node's part ended or its supervisor was lost (`PeerLost`): this node's part is ended the same way;
@@ -62,8 +62,7 @@ class Hung:
     silence_s: float
     bound: str = ""
     last_sign_at: float | None = None
-    ranks: str = ""
-    """What each training process was doing, as far as the supervisor knows (`watchdog.describe_ranks`)."""
+    ranks: str = ""  # what each training process was doing, as far as the supervisor knows
 
 
 @dataclass(frozen=True)
@@ -143,17 +142,14 @@ WatchAction = Say | SendSignal
 class WatchConfig:
     """The watch's deadlines."""
 
-    grace_s: float = 10.0
-    """After a forwarded signal, or SIGTERM to the rest of a failed rank's job: how long before SIGKILL."""
+    grace_s: float = 10.0  # after a forwarded signal, or SIGTERM to a failed rank's job: until SIGKILL
     hang_kill_grace_s: float = 3.0
     """After SIGTERM to a hung attempt (or to this node's part when a peer ends it): how long before SIGKILL."""
     flush_window_s: float = 0.6
     """After a rank failed, how long the others may still run: a Recorder writes its events within 0.5 s."""
     outlived_settle_s: float = 1.0
-    """After the command exited on its own with processes of the job still running: how long they may leave by
-    themselves before they are asked to stop (SIGTERM, then SIGKILL `hang_kill_grace_s` later)."""
-    warning_to_handlers: bool = False
-    """Slurm's SIGUSR1 reaches the supervisor alone (`B:USR1`): the job's SIGUSR1 handlers get it first."""
+    """The command exited with processes of the job still running: how long they may leave before SIGTERM."""
+    warning_to_handlers: bool = False  # Slurm's SIGUSR1 reached ettr alone (`B:USR1`): handlers get it first
 
     def __post_init__(self) -> None:
         for name in ("grace_s", "hang_kill_grace_s", "flush_window_s", "outlived_settle_s"):
@@ -176,8 +172,7 @@ class WatchState:
     """The silence after which the attempt was declared hung."""
     hung_bound: str = ""
     """Which bound that silence was over (`ettr.supervisor.watchdog.HangBounds`)."""
-    hung_ranks: str = ""
-    """What each training process was doing then (`Hung.ranks`)."""
+    hung_ranks: str = ""  # what each training process was doing then (`Hung.ranks`)
     fault_at: float | None = None
     """When the fault happened, where the watch knows it better than the exit (a hang: its last sign of life)."""
     peer_reason: str | None = None
