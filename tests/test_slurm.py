@@ -23,15 +23,17 @@ pytestmark = pytest.mark.slow
 PLAIN = str(Path(__file__).parent / "scripts" / "train_plain.py")
 
 
-def _script(tmp: Path) -> Path:
+def _script(tmp: Path, *command: str) -> Path:
+    """tmp/job.sh: `ettr run --run-dir tmp/run -- COMMAND` (default: the plain job, 30 steps, a save every 5)."""
     py = sys.executable
     run_dir, ckpt = tmp / "run", tmp / "ckpt"
+    plain = (py, PLAIN, "--ckpt-dir", str(ckpt), "--num-steps", "30", "--save-every", "5", "--step-s", "0.2")
+    command = command or plain
     body = f"""#!/bin/bash
 #SBATCH --requeue
 #SBATCH --open-mode=append
 # The supervisor is the batch shell itself (exec), so that Slurm's signals reach it.
-exec {py} -m ettr.cli run --run-dir {run_dir} -- {py} {PLAIN} --ckpt-dir {ckpt} --num-steps 30 \\
-    --save-every 5 --step-s 0.2
+exec {py} -m ettr.cli run --run-dir {run_dir} -- {" ".join(command)}
 """
     path = tmp / "job.sh"
     path.write_text(body)
@@ -208,11 +210,7 @@ def test_a_supervisor_slurm_kills_after_its_sigterm_leaves_a_preemption(
     # (failed, infra) and spent a restart on it (field trial: DDP tutorial, torchrun behind bash).
     py, run_dir, script, ready = sys.executable, tmp_path / "run", tmp_path / "slow.py", tmp_path / "ready"
     script.write_text(SAVES_LONGER_THAN_KILLWAIT)
-    job = tmp_path / "job.sh"
-    job.write_text(
-        f"#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
-        f"exec {py} -m ettr.cli run --run-dir {run_dir} -- {py} {script} {ready}\n"
-    )
+    job = _script(tmp_path, py, str(script), str(ready))
     number = _submit(slurm_cluster, tmp_path, job)
     _wait(ready.exists, 90, "the script to start")
     assert slurm_cluster.run("scontrol", "requeue", number).returncode == 0
@@ -251,11 +249,7 @@ def test_slurms_warning_reaches_the_jobs_own_sigusr1_handler_and_the_job_is_requ
     # got SIGTERM alone, saved no HPC checkpoint, and its requeued run started over from step 0.
     py, run_dir, script = sys.executable, tmp_path / "run", tmp_path / "lightning_like.py"
     script.write_text(SAVES_AND_REQUEUES_ON_SIGUSR1)
-    job = tmp_path / "job.sh"
-    job.write_text(
-        f"#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
-        f"exec {py} -m ettr.cli run --run-dir {run_dir} -- {py} {script} {tmp_path}\n"
-    )
+    job = _script(tmp_path, py, str(script), str(tmp_path))
     number = _submit(slurm_cluster, tmp_path, job)
     _wait((tmp_path / "ready").exists, 90, "the script to start")
     assert slurm_cluster.run("scancel", "--signal=USR1", "--batch", number).returncode == 0

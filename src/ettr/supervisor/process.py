@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 
-from ettr.procs import descendants, libc_prctl, running, set_parent_death_signal, start_ticks
+from ettr.procs import descendants, libc_prctl, running, set_parent_death_signal, signal_pids, start_ticks
 
 logger = logging.getLogger("ettr")
 
@@ -148,18 +148,14 @@ class AttemptProcess:
         earlier, also after its parent died); the pids it was sent to."""
         self.remember_tree()
         targets = ([(self.pid, None)] if include_command else []) + list(self._known.items())
-        sent = []
-        for pid, ticks in targets:
-            if pid != self.pid and ticks is not None and start_ticks(pid) != ticks:
-                continue  # gone, and the pid may belong to someone else now
-            if pid == self.pid and self.proc.returncode is not None:
-                continue
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                continue
-            sent.append(pid)
-        return sent
+        ours = [
+            pid
+            for pid, ticks in targets
+            # gone (the pid may belong to someone else now), or the command already reaped
+            if not (pid != self.pid and ticks is not None and start_ticks(pid) != ticks)
+            and not (pid == self.pid and self.proc.returncode is not None)
+        ]
+        return signal_pids(ours, sig)
 
     def alive(self) -> list[int]:
         """The processes of the tree still running (not zombies): the command, then its descendants known
