@@ -514,3 +514,37 @@ def test_a_symlink_where_the_demo_puts_a_side_is_refused_and_its_target_untouche
         demo.prepare(out)
     assert (out / name).is_symlink() and sorted(p.name for p in other.iterdir()) == before
     assert not (out / "baseline-work").exists()  # nothing made or removed before the refusal
+
+
+CHILD = """
+import pathlib, signal, sys, time
+here = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: (here.joinpath("terminated").write_text("1"), sys.exit(0)))
+here.joinpath("ready").write_text("1")
+time.sleep(120)
+"""
+
+PARENT = """
+import os, sys, time
+from ettr.demo.app import start_child
+start_child([sys.executable, "-c", sys.argv[1], sys.argv[2]], open(os.devnull, "wb"), dict(os.environ))
+time.sleep(120)
+"""
+
+
+def test_a_killed_demo_stops_the_jobs_it_started(tmp_path):
+    # A SIGKILLed `ettr demo` left its `ettr run` children training, re-parented to init (field trial).
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "ready").exists(), "the child never started"
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "terminated").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "terminated").read_text() == "1"
+    finally:
+        parent.kill()

@@ -24,13 +24,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from ettr.closing import live_supervisor
 from ettr.constants import EXIT_PREEMPTED
 from ettr.demo.explain import explain
 from ettr.demo.progress import JobState, ProgressDisplay, read_events
 from ettr.errors import UsageError
+from ettr.procs import set_parent_death_signal
 from ettr.run_env import (
     AGENT_ENV,
     COMPILE_RESTORE_ENV,
@@ -313,6 +314,20 @@ def prepare(out: Path) -> list[Job]:
     return jobs
 
 
+def start_child(command: Sequence[str], log: BinaryIO, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start one of the demo's jobs (`ettr run`, `ettr publish`), its output into `log`. It gets SIGTERM when
+    the demo dies, however (a SIGKILL too): its supervisor then stops the job and closes its books, as at a
+    preemption. Before, a killed demo left its jobs training, re-parented to init, for as long as they ran."""
+    parent = os.getpid()
+
+    def in_child() -> None:  # between fork and exec
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != parent:  # the demo died before the line above took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=in_child)
+
+
 class JobRun:
     """One side's run in progress: launches `ettr run`, and launches it again on the same run directory
     after a preemption (exit 143), as a scheduler requeues a job. `tick` moves it on; it never blocks."""
@@ -339,9 +354,7 @@ class JobRun:
         with open(self.job.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
-            self._proc = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.job.environment()
-            )
+            self._proc = start_child(self.command, log, self.job.environment())
 
     def tick(self, display: ProgressDisplay) -> None:
         """Look at the ledger and the process once: show progress, requeue, or finish."""
@@ -412,9 +425,7 @@ class PublishJob:
     def start(self) -> None:
         self._began = time.monotonic()
         with open(self.job.work_dir / "publish.log", "ab") as log:
-            self._proc = subprocess.Popen(
-                publish_command(self.job), stdout=log, stderr=subprocess.STDOUT, env=self.job.environment()
-            )
+            self._proc = start_child(publish_command(self.job), log, self.job.environment())
 
     def finish(self, display: ProgressDisplay) -> int:
         assert self._proc is not None
