@@ -156,6 +156,20 @@ def test_stable_noisy_families_are_not_flagged(seed):
     assert find_regressions(jobs) == []
 
 
+def test_the_noise_of_a_few_jobs_is_not_underestimated():
+    # Three jobs' MAD x 1.4826 averages 0.68 of the noise's standard deviation: a newest job 1.4 s slower to
+    # start than three within 0.2 s of each other cleared "8 deviations" and the floors (25%, 1 s), and
+    # identical jobs on a loaded node were reported (field trial: shutdown 4.49 -> 6.94 s).
+    from ettr.fleet.regress import MAD_TO_SIGMA, noise_sigma
+
+    assert noise_sigma([5.0, 5.1, 5.2], 5.1) == pytest.approx(1.495 * MAD_TO_SIGMA * 0.1)
+    assert noise_sigma([1.0] * 20, 0.0) == pytest.approx(20 / 19.2 * MAD_TO_SIGMA)
+    jobs = [_summary(i, init_s=v) for i, v in enumerate([5.0, 5.1, 5.2, 6.6])]
+    assert [r for r in find_regressions(jobs) if r.metric == "init"] == []
+    jobs = [_summary(i, init_s=v) for i, v in enumerate([5.0, 5.1, 5.2, 7.5])]  # beyond that noise
+    assert [r.job_id for r in find_regressions(jobs) if r.metric == "init"] == ["f-3"]
+
+
 def test_a_spike_is_not_a_regression_and_a_fixed_one_is_no_longer_reported():
     spike = [_summary(i, compile_s=9.0 if i == 4 else 3.0) for i in range(8)]
     assert find_regressions(spike) == []
