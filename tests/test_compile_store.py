@@ -501,3 +501,19 @@ def test_a_store_this_process_cannot_write_is_still_read(tmp_path, monkeypatch):
                 assert held is (True if lock_file_there else False)
         finally:
             monkeypatch.setattr(os, "open", real_open)
+
+
+def test_a_remote_store_without_a_secret_is_warned_about_once(tmp_path, caplog):
+    # A bucket has no private-directory check, and an entry is code: unsigned, whoever can write the bucket
+    # plants kernels the job runs (forged-input trial). Said once; not for a secret or a local store.
+    import ettr.compile.store as store_module
+
+    store_module._UNSIGNED_REMOTE._seen.clear()
+    url = f"memory://ettr-test-{tmp_path.name}"
+    with caplog.at_level("WARNING", logger="ettr"):
+        CompileStore.open(StoreConfig(location=url, secret=b"k"))
+        CompileStore.open(StoreConfig(location=tmp_path / "local"))
+        assert "ETTR_COMPILE_STORE_SECRET" not in caplog.text
+        CompileStore.open(StoreConfig(location=url))
+        CompileStore.open(StoreConfig(location=url))
+    assert caplog.text.count("remote (memory://) and has no ETTR_COMPILE_STORE_SECRET") == 1

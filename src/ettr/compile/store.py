@@ -49,11 +49,18 @@ from pathlib import Path
 from typing import Any
 
 from ettr.atomic import atomic_fill
-from ettr.compile.backend import StoreBackend, open_backend
+from ettr.compile.backend import LocalBackend, StoreBackend, open_backend
 from ettr.compile.key import StoreKey
 from ettr.compile.safety import read_no_follow_stat
 from ettr.constants import DEFAULT_STORE_MAX_BYTES
 from ettr.untrusted import open_regular
+from ettr.warn import WarnOnce
+
+_UNSIGNED_REMOTE = WarnOnce(
+    "ettr: the compile store is remote ({what}://) and has no ETTR_COMPILE_STORE_SECRET: its entries are code "
+    "(kernels, pickled cache entries) and whoever can write it can plant some that this job runs; set the "
+    "secret to load only entries signed with it (docs/compile.md)"
+)
 
 logger = logging.getLogger("ettr")
 
@@ -275,8 +282,12 @@ class CompileStore:
 
     @classmethod
     def open(cls, config: StoreConfig) -> CompileStore:
-        """A store for `config` (fsspec is imported only for URLs)."""
-        return cls(open_backend(config.location), max_bytes=config.max_bytes, secret=config.secret)
+        """A store for `config` (fsspec is imported only for URLs). A remote store without a secret is
+        warned about once: its entries are code, and no private-directory check guards a bucket."""
+        backend = open_backend(config.location)
+        if config.secret is None and not isinstance(backend, LocalBackend):
+            _UNSIGNED_REMOTE(os.fspath(config.location).split("://", 1)[0])
+        return cls(backend, max_bytes=config.max_bytes, secret=config.secret)
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(
