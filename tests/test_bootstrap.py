@@ -619,6 +619,31 @@ def test_a_long_wait_for_dataloader_workers_is_a_data_wait_span(
     assert code.co_filename == dataloader.__file__
 
 
+def test_a_long_wait_for_a_child_process_between_steps_is_an_other_span(
+    hooked: tuple[Any, Recorder, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that ran a 20 s upload (`subprocess.run`) after each save had it booked as effective training
+    (25.0 s for ~4.5 s of steps; hang field trial). A wait of at least `DATA_WAIT_SPAN_MIN_S` of the main
+    thread, between steps and outside any phase, is an OTHER span (the threshold set so that every wait is
+    long: no timing); before the first step (a launcher waiting for its job) it is not."""
+    import subprocess
+    import sys
+
+    import ettr.bootstrap.hooks as hooks_module
+
+    hooks, rec, ledger = hooked
+    monkeypatch.setattr(hooks_module, "DATA_WAIT_SPAN_MIN_S", 0.0)
+    quick = [sys.executable, "-c", "pass"]
+    subprocess.run(quick, check=True)  # no step yet: a launcher's wait is not this process's time
+    hooks.steps.num_steps = 1
+    subprocess.run(quick, check=True)
+    subprocess.run(quick, check=True, capture_output=True)  # communicate(), then wait(): one span
+    with rec.phase(Phase.CHECKPOINT_BLOCKING):  # a phase open books the wait already
+        subprocess.run(quick, check=True)
+    ends = [e.phase for e in _events(rec, ledger, {EventKind.PHASE_END})]
+    assert ends == [Phase.OTHER, Phase.OTHER, Phase.CHECKPOINT_BLOCKING]
+
+
 def test_explicit_phases_are_not_recorded_twice(hooked: tuple[Any, Recorder, Any], tmp_path: Path) -> None:
     """A script that records its own phases around the calls the hooks watch gets each phase once."""
     hooks, rec, ledger = hooked

@@ -16,6 +16,9 @@ Installed once torch is imported (see `post_import`), each hook wraps one torch 
                     after which the original method is put back (no cost per batch)
   data waits        the DataLoader's wait for its worker processes (`_MultiProcessingDataLoaderIter._get_data`)
                     -> DATA_WAIT span when it lasted `DATA_WAIT_SPAN_MIN_S` or longer (two clock reads a batch)
+  child processes   the training thread's wait for a child process between steps (`subprocess.Popen.wait` /
+                    `communicate`: `subprocess.run`, an upload after a save) -> OTHER span when it lasted
+                    `DATA_WAIT_SPAN_MIN_S` or longer, no phase was open and this process had stepped
   checkpoints       torch.save / torch.load (paths, open files, in-memory buffers written to a file),
                     safetensors' save_file / load_file, dcp.save / dcp.async_save / dcp.load (`checkpoint_hooks`)
   evaluation        `eval()` of a module an optimizer trains -> EVAL span until its `train()` (`eval_hooks`)
@@ -241,6 +244,7 @@ class AutoHooks:
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
         self.guard.call("first batch", self._install_first_batch_hook, torch)
         self.guard.call("data wait", self._install_data_wait_hook, torch)
+        self.guard.call("child process wait", self._install_child_wait_hook)
         self.guard.call("backward", self._install_backward_hook, torch)
         self.guard.call("torch.save/load", self.checkpoints.install_torch, torch)
         dcp = sys.modules.get("torch.distributed.checkpoint")
@@ -412,6 +416,37 @@ class AutoHooks:
             return _get_data
 
         self.patcher.wrap(cls, "_get_data", make)
+
+    def _install_child_wait_hook(self) -> None:
+        import subprocess
+
+        rec, guard, steps = self.rec, self.guard, self.steps
+        inside = threading.local()  # communicate() calls wait(): the outer call is the one timed
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def waiting(self: Any, *args: Any, **kwargs: Any) -> Any:
+                done = getattr(self, "returncode", None) is not None  # reaped already: nothing to wait for
+                if (
+                    done
+                    or getattr(inside, "depth", 0)
+                    or threading.current_thread() is not threading.main_thread()
+                ):
+                    return original(self, *args, **kwargs)
+                begin, inside.depth = time.time(), 1
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    inside.depth = 0
+                    # Between steps only: a launcher (it never steps) waits for its job; a phase open (a
+                    # save, an evaluation, a compile's C++ build) already books its time.
+                    if time.time() - begin >= DATA_WAIT_SPAN_MIN_S and steps.num_steps > 0:
+                        if not any(rec.is_open(phase) for phase in Phase):
+                            guard.call("child process wait", rec.span, Phase.OTHER, begin)
+
+            return waiting
+
+        self.patcher.wrap(subprocess.Popen, "wait", make)
+        self.patcher.wrap(subprocess.Popen, "communicate", make)
 
     def uninstall(self) -> None:
         """Put torch back as it was (tests; a process keeps its hooks to the end)."""
