@@ -29,9 +29,18 @@ def say(message: str) -> None:
     10 sHandling auto-requeue signal: 10`, Lightning's line glued to ettr's). What is not printable is written
     as its escape (`printable`): a message quotes what the books hold (a job id, a family), which whoever
     writes the run directory or the ledger may have given a terminal escape."""
+    write_stderr(f"ettr: {printable(message)}\n")
+
+
+def write_stderr(text: str) -> None:
+    """`text` to stderr in one write, flushed; never raises: a closed stderr (`ettr run ... 2>&-`: then
+    `sys.stderr` is None) is not the job's failure."""
+    stream = sys.stderr
+    if stream is None:
+        return
     try:
-        sys.stderr.write(f"ettr: {printable(message)}\n")
-        sys.stderr.flush()
+        stream.write(text)
+        stream.flush()
     except (OSError, ValueError):
         pass
 

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from ettr.procs import descendants, libc_prctl, running, set_parent_death_signal, signal_pids, start_ticks
+from ettr.supervisor.messages import write_stderr
 
 logger = logging.getLogger("ettr")
 
@@ -125,8 +126,7 @@ class AttemptProcess:
                     out.write(chunk)
                     out.flush()
                 else:
-                    sys.stderr.write(chunk.decode(errors="replace"))
-                    sys.stderr.flush()
+                    write_stderr(chunk.decode(errors="replace"))
             except (OSError, ValueError):
                 out = None  # our own stderr is gone: keep draining so the child never blocks
 

@@ -6,7 +6,6 @@ themselves are `ettr.supervisor.standby`.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -104,5 +103,6 @@ class WarmUpNotice:
 
 
 def _say(message: str) -> None:
-    sys.stderr.write(f"ettr: {message}\n")  # one write: see `ettr.supervisor.messages.say`
-    sys.stderr.flush()
+    from ettr.supervisor.messages import say
+
+    say(message)
