@@ -428,15 +428,15 @@ class AutoHooks:
                 done = getattr(self, "returncode", None) is not None  # reaped already: nothing to wait for
                 if (
                     done
-                    or getattr(inside, "depth", 0)
+                    or getattr(inside, "busy", False)
                     or threading.current_thread() is not threading.main_thread()
                 ):
                     return original(self, *args, **kwargs)
-                begin, inside.depth = time.time(), 1
+                begin, inside.busy = time.time(), True
                 try:
                     return original(self, *args, **kwargs)
                 finally:
-                    inside.depth = 0
+                    inside.busy = False
                     # Between steps only: a launcher (it never steps) waits for its job; a phase open (a
                     # save, an evaluation, a compile's C++ build) already books its time.
                     if time.time() - begin >= DATA_WAIT_SPAN_MIN_S and steps.num_steps > 0:
