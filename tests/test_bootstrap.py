@@ -599,7 +599,7 @@ def test_a_long_wait_for_dataloader_workers_is_a_data_wait_span(
     import torch.utils.data.dataloader as dataloader
 
     import ettr.bootstrap.hooks as hooks_module
-    from ettr.torch_compat import dataloader_wait_codes
+    from ettr.bootstrap.long_calls import innermost_code
 
     hooks, rec, ledger = hooked
     with_workers = torch.utils.data.DataLoader(list(range(4)), batch_size=2, num_workers=1)
@@ -615,8 +615,8 @@ def test_a_long_wait_for_dataloader_workers_is_a_data_wait_span(
     ends = [e.phase for e in _events(rec, ledger, {EventKind.PHASE_END})]
     assert ends == [Phase.GET_FIRST_BATCH_DATA, Phase.DATA_WAIT, Phase.DATA_WAIT, Phase.DATA_WAIT]
     # the heartbeat's wait site is torch's own code, under the hook
-    (code,) = dataloader_wait_codes(dataloader)
-    assert code.co_filename == dataloader.__file__
+    code = innermost_code(dataloader._MultiProcessingDataLoaderIter._get_data)
+    assert code is not None and code.co_filename == dataloader.__file__
 
 
 def test_a_long_wait_for_a_child_process_between_steps_is_an_other_span(

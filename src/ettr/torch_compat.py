@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from types import CodeType
 from typing import Any
 
 # -- torch.distributed.checkpoint ----------------------------------------------------------------------------
@@ -262,21 +261,6 @@ def dataloader_worker_iter() -> Any:
 
     cls = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
     return cls if callable(getattr(cls, "_get_data", None)) else None
-
-
-def dataloader_wait_codes(dataloader: Any) -> list[CodeType]:
-    """The code of `torch.utils.data.dataloader`'s (the module `dataloader`) wait for a batch from its worker
-    processes (`_MultiProcessingDataLoaderIter._get_data`: a new iterator's first batch while its workers
-    start, and every batch the workers are late with; torch's own, under any wrappers); [] where this torch
-    has none."""
-    get_data = getattr(getattr(dataloader, "_MultiProcessingDataLoaderIter", None), "_get_data", None)
-    for _ in range(8):  # under wrappers (`functools.wraps`: ettr's hooks and others)
-        inner = getattr(get_data, "__wrapped__", None)
-        if inner is None:
-            break
-        get_data = inner
-    code = getattr(get_data, "__code__", None)
-    return [code] if isinstance(code, CodeType) else []
 
 
 def default_store() -> Any:

@@ -77,9 +77,10 @@ def watch_long_calls(
         when_imported(module, register(entries))
 
     def on_dataloader(module: Any) -> None:
-        from ettr.torch_compat import dataloader_wait_codes
+        from ettr.torch_compat import dataloader_worker_iter
 
-        for code in dataloader_wait_codes(module):
+        code = innermost_code(getattr(dataloader_worker_iter(), "_get_data", None))
+        if code is not None:
             progress.add_wait_site(code, Phase.DATA_WAIT.value)
 
     when_imported("torch.utils.data.dataloader", on_dataloader)
