@@ -295,3 +295,45 @@ def test_what_a_request_names_reaches_the_operators_terminal_with_its_escapes_wr
     assert cli_main([*argv, "--request", "evil"]) == 1  # failed already: its status says so
     out, err = capsys.readouterr()
     assert "evil is failed already" in out and "\x1b" not in out + err
+
+
+def test_a_request_failed_for_the_publishers_own_allowances_is_published_by_retry(tmp_path, capsys):
+    """A first publisher run without the right --allow-factory fails the request; it used to stay failed for
+    good (`--request ID` said "is failed already", and only moving files by hand helped). `--retry` puts it
+    back in the queue and this run's allowances publish it; anything not failed is left as it is."""
+    good = enqueue_linear(tmp_path)
+    queue = str(tmp_path / "queue")
+    assert cli_main(["publish", queue, "--allow-factory", "torch.optim.*"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED {good}" in out and "--retry" in out
+    assert cli_main(["publish", queue, "--allow-factory", "torch.nn.*", "--request", good]) == 1
+    assert "--retry publishes it again" in capsys.readouterr().out
+    assert PublishQueue(tmp_path / "queue").failed() == [good]
+
+    assert cli_main(["publish", queue, "--allow-factory", "torch.nn.*", "--retry", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(o["request_id"], o["status"]) for o in out["outcomes"]] == [(good, "published")]
+    assert PublishQueue(tmp_path / "queue").status(good).value == "done"
+    assert PublishQueue(tmp_path / "queue").failed() == []
+    # nothing failed any more: --retry is a no-op
+    assert cli_main(["publish", queue, "--allow-factory", "torch.nn.*", "--retry"]) == 0
+    assert "nothing to publish" in capsys.readouterr().out
+
+
+def test_requeue_puts_back_only_failed_requests_and_a_crash_midway_leaves_it_failed(tmp_path):
+    good = enqueue_linear(tmp_path)
+    queue = PublishQueue(tmp_path / "queue")
+    assert queue.requeue(good) is False  # pending, not failed: nothing to do
+    claim = queue.try_claim(good, ttl_s=60)
+    assert claim is not None
+    queue.fail(claim, "not allowed")
+    assert queue.failed() == [good]
+    # a crash after the request went back but before the failure record was removed: still failed
+    os.replace(
+        tmp_path / "queue" / "failed" / f"{good}.request.json",
+        tmp_path / "queue" / "requests" / f"{good}.json",
+    )
+    assert queue.pending() == [] and queue.failed() == [good]
+    assert queue.requeue(good) is True
+    assert queue.status(good).value == "pending" and queue.pending() == [good]
+    assert queue.failed() == []

@@ -439,6 +439,12 @@ def _add_publish(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-attempts", type=_positive_int, default=3, metavar="N", help="tries per request (3)")
     p.add_argument("--request", metavar="ID", help="publish only this request")
+    p.add_argument(
+        "--retry",
+        action="store_true",
+        help="put failed requests (only --request's with it) back in the queue first and publish them again, "
+        "once their cause is fixed (a factory not allowed, a missing key)",
+    )
     p.add_argument("--json", action="store_true", help="end with one JSON object of what was published")
     p.add_argument(
         "--allow-factory",

@@ -1,5 +1,8 @@
 """`ettr publish QUEUE_DIR`: the command's work (the argparse front is `ettr.cli`).
 
+A failed request stays failed until `--retry` puts it back in the queue (its cause fixed: a factory the
+publisher did not allow yet, a missing key).
+
 Exit status: 0 when every request this run handled was published (or was already), 1 when one failed,
 2 for bad usage (no such queue, a queue directory that is a symlink, unknown request, no factory allowed). What requests may name (model
 code, paths) is the operator's `PublishPolicy` (`--allow-factory`, `--allow-pythonpath`, `--root`). With `--json` the per-request lines go to stderr and
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ettr.errors import UsageError
 from ettr.publish.policy import PublishPolicy, parse_allow_entry
-from ettr.publish.queue import PublishQueue
+from ettr.publish.queue import PublishQueue, RequestState
 from ettr.publish.request import PublishError
 from ettr.untrusted import printable
 
@@ -80,6 +83,14 @@ def main(args: argparse.Namespace) -> int:
         )
     if args.request is not None and queue.status(args.request) is None:
         raise UsageError(f"ettr publish: no request {args.request!r} in {queue_dir}")
+    retried = []
+    if getattr(args, "retry", False):  # after every check: a refused run moves nothing
+        for request_id in [args.request] if args.request is not None else queue.failed():
+            try:
+                if queue.requeue(request_id):
+                    retried.append(request_id)
+            except OSError as exc:
+                raise UsageError(f"ettr publish: cannot put {request_id} back in the queue ({exc})") from None
     if args.watch and args.request is not None:
         raise UsageError("ettr publish: --watch and --request do not go together")
     from ettr.publish.worker import PublishStatus, PublishWorker, WorkerConfig
@@ -91,6 +102,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"ettr publish: {exc}") from None
     out = sys.stderr if args.json else sys.stdout
+    for request_id in retried:
+        print(printable(f"retrying {request_id} (it had failed)"), file=out, flush=True)
 
     def show(outcome: PublishOutcome) -> None:
         print(_line(outcome), file=out, flush=True)
@@ -125,12 +138,19 @@ def main(args: argparse.Namespace) -> int:
         status = queue.status(args.request)
         if status is not None and status.finished and finished is not None:
             where = finished.get("artifact_dir") or finished.get("error")
-            print(printable(f"{args.request} is {status} already: {where}"), file=out)
+            again = " (--retry publishes it again)" if status is RequestState.FAILED else ""
+            print(printable(f"{args.request} is {status} already: {where}{again}"), file=out)
         else:
             print(f"{args.request} is being published by another publisher", file=out)
     elif not outcomes and not args.watch:
         print(f"nothing to publish in {queue_dir}", file=out)
     num_failed = sum(1 for o in outcomes if not o.ok)
+    if num_failed:  # a failed request is not retried by itself: say how, once its cause is fixed
+        print(
+            f"{num_failed} request(s) failed, kept in {queue_dir / 'failed'}: once the cause is fixed, "
+            f"ettr publish {queue_dir} --retry [--request ID] ... publishes them again",
+            file=out,
+        )
     if args.json:
         print(
             json.dumps(

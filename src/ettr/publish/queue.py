@@ -5,6 +5,7 @@
     QUEUE/done/<id>.json           finished: where the artifact is and how it verified
     QUEUE/done/<id>.request.json   the request, moved here once done
     QUEUE/failed/<id>.json         given up: why
+    QUEUE/failed/<id>.request.json the request, moved here once failed (`requeue` puts it back)
 
 The four directories are the queue's layout: opening the queue (`open_layout`, and each `pending`, claim
 and finish) makes the missing ones and refuses one that is a symlink or not a directory (`PublishError`):
@@ -239,6 +240,37 @@ class PublishQueue:
                 raise PublishError(f"cannot read request file {path.name} ({exc.strerror or exc})") from None
             return PublishRequest.from_json(data)
         raise PublishError(f"no publish request {request_id!r} in {self.root}")
+
+    def failed(self) -> list[str]:
+        """Ids of the failed requests whose request is kept in `failed/` (so `requeue` can retry them), oldest
+        first. Files moved aside unread (`.rejected-*`) are no requests and are left out."""
+        if not os.path.lexists(self.root):
+            return []
+        self.open_layout()
+        entries = []
+        with contextlib.suppress(FileNotFoundError):
+            for path in (self.root / _FAILED).glob("*.request.json"):
+                request_id = path.name[: -len(".request.json")]
+                if path.name.startswith(".") or not _SAFE_ID.match(request_id):
+                    continue
+                if self._path(_FAILED, request_id).is_file():
+                    with contextlib.suppress(FileNotFoundError):
+                        entries.append((path.stat().st_mtime, request_id))
+        return [request_id for _, request_id in sorted(entries)]
+
+    def requeue(self, request_id: str) -> bool:
+        """Put a failed request back in `requests/`, so that the next drain publishes it again (its operator
+        fixed the cause: a factory not allowed yet, a missing key, a full disk). Returns whether it was
+        failed and is pending now. The request goes back before its failure record is removed: a crash
+        between the two leaves it failed (`pending` files it back), never lost."""
+        self.open_layout()
+        kept = self._path(_FAILED, request_id, ".request.json")
+        if not self._path(_FAILED, request_id).is_file() or not kept.is_file():
+            return False
+        os.replace(kept, self._path(_REQUESTS, request_id))
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._path(_FAILED, request_id))
+        return True
 
     def result(self, request_id: str) -> dict[str, Any] | None:
         """The done or failed record of `request_id` (None while unfinished)."""
