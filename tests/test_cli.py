@@ -71,6 +71,7 @@ FROZEN_COMMAND_LINE = {
             "--max-attempts",
             "--poll-interval",
             "--request",
+            "--retry",
             "--root",
             "--watch",
         },
@@ -212,6 +213,26 @@ def test_bad_usage_is_one_line_and_status_2(argv, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--bogus", "--", "python", "x.py"],
+        ["report", "--bogus"],
+        ["interval", "--blocking", "1", "--failures-per-day", "1", "--bogus"],
+        ["simulate", "--bogus"],
+        ["fleet", "--bogus"],
+        ["publish", "q", "--bogus"],
+    ],
+)
+def test_an_unknown_flag_names_its_command(argv, capsys):
+    """The top parser used to say `ettr: unrecognized arguments: --bogus` for `ettr run --bogus`."""
+    cmd = argv[0]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"ettr {cmd}: ") and "--bogus" in err, err
 
 
 def test_console_script_runs():

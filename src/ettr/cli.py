@@ -689,7 +689,10 @@ def _error_line(command: str, message: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     command = "ettr"
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # the top parser would say `ettr: unrecognized ...` for a subcommand's bad flag
+            where = f"ettr {args.cmd}" if getattr(args, "cmd", None) else "ettr"
+            raise UsageError(f"{where}: unrecognized arguments: {' '.join(extra)} (see {where} --help)")
         if args.cmd is None:
             raise UsageError("ettr: no command given (one of: " + ", ".join(_COMMANDS) + "; see --help)")
         command = f"ettr {args.cmd}"
