@@ -70,7 +70,9 @@ def _hang_step_factor(text: str) -> float:
 # -- ettr run --------------------------------------------------------------------------------------------
 def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", type=path_arg, help="where the ledger and logs go (default runs/<job-id>)")
-    p.add_argument("--job-id", help="the job's id (default: a fresh one)")
+    p.add_argument(
+        "--job-id", help="the job's id (default: Slurm's job id inside a Slurm job, else a fresh one)"
+    )
     p.add_argument("--max-restarts", type=_non_negative_int, default=3, help="restarts after failures (3)")
     p.add_argument(
         "--inject",
@@ -590,12 +592,14 @@ _EXAMPLES = {
   ettr run -- python train.py                        # zero-code: record, restart up to 3 times
   ettr run --max-restarts 5 --inject crash@step=50 -- torchrun --nproc-per-node 2 train.py
   ettr run --run-dir runs/my-job -- python train.py  # a requeue: the same run dir continues the job
-  ettr run --ledger postgresql://ettr@db/ettr --job-id J -- torchrun --nnodes 2 --node-rank R \
+  ettr run --ledger postgresql://ettr@db/ettr --job-id J -- torchrun --nnodes 2 --node-rank R \\
       --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29400 train.py   # on each node R
 a hang is 10 step times without progress (at least 10 s) once steps run, 300 s in start-up and long phases
 (evaluation, checkpoint, restore, compile; longer if the job's books show them longer); --hang-timeout
-replaces the step bound, --hang-step-factor K makes it K step times, --hang-phase-timeout S the 300 s. Exit status: 0 completed, 1 restarts used up, 2 bad input, 3 restarts would not help
-(the same failure before the first step, or restarts that reach no new step), 143 preempted, 130 Ctrl-C""",
+replaces the step bound, --hang-step-factor K makes it K step times, --hang-phase-timeout S the 300 s.
+exit status: 0 completed, 1 restarts used up, 2 bad input, 3 restarts would not help (the same failure
+before the first step, restarts that reach no new step, or that fail the same way at the same place),
+143 preempted, 130 Ctrl-C""",
     "report": """examples:
   ettr report runs/my-job                    # terminal report
   ettr report runs/my-job --json             # the ettr.report/1 schema
@@ -609,6 +613,7 @@ replaces the step bound, --hang-step-factor K makes it K step times, --hang-phas
     "publish": """examples:
   ettr publish runs/publish-queue --allow-factory 'mypkg.models.*'      # build every queued artifact
   ettr publish runs/publish-queue --allow-factory mypkg.models:build --watch   # serve the queue
+  ettr publish runs/publish-queue --allow-factory 'mypkg.models.*' --retry     # failed ones again, cause fixed
   ettr publish q --allow-factory 'dlrm.*' --allow-pythonpath examples --root /data/publish
 see docs/trust.md: a request names only allowed model code, and paths inside the roots""",
     "deliver": """examples:
