@@ -526,6 +526,25 @@ def test_reference_rank_is_the_lowest_when_rank_0_is_silent() -> None:
     assert_buckets(r, {Bucket.RESTORE: 2, Bucket.INIT: 1, Bucket.EFFECTIVE_TRAINING: 4, Bucket.SHUTDOWN: 3})
 
 
+def test_reference_rank_is_one_that_stepped_when_rank_0_took_no_step() -> None:
+    """`ettr run -- mpirun -np 2 python train.py` with two independent trainers: rank 1 crashed at its step 4
+    before rank 0 (slower to start) took one. Rank 0 as the reference read "ETT unknown (no training step
+    seen)" and no last step, although rank 1's steps were in the books."""
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0).attempt(0, 0, 10, "failed", 1)
+    s.add(EventKind.PROCESS_START, 0.5, rank=0).add(EventKind.PROCESS_START, 0.5, rank=1)
+    s.steps(0, 1, 4, t_first=5, rank=1)
+    s.sup(EventKind.JOB_END, 10, exit_status=1)
+    r = s.report()
+    assert r.attempts[0].reference_rank == 1
+    assert r.attempts[0].last_step == 4
+    assert r.ett_unknown is None
+    # rank 0 that stepped stays the reference, whatever the others did
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0).attempt(0, 0, 10, "completed", 0)
+    s.steps(0, 1, 2, t_first=6, rank=0).steps(0, 1, 4, t_first=4, rank=1)
+    s.sup(EventKind.JOB_END, 10, exit_status=0)
+    assert s.report().attempts[0].reference_rank == 0
+
+
 def test_api_only_stream_without_supervisor() -> None:
     def stream() -> Stream:
         s = Stream().add(EventKind.PROCESS_START, 1, data={"pid": 7})

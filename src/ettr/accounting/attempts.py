@@ -310,7 +310,11 @@ def _resolve_one(
     failure: Mapping[str, Any] | None,
 ) -> Attempt:
     ranks = [r for r, events in raw.rank_events.items() if r >= 0 and events]
-    reference_rank = (0 if 0 in ranks else min(ranks)) if ranks else None
+    # Rank 0, unless it took no step while another rank did (trainers an MPI launcher started side by side,
+    # rank 0 slower to start than rank 1's crash): its books would read "no training step seen".
+    stepped = [r for r in sorted(ranks) if any(e.kind == EventKind.STEP for e in raw.rank_events[r])]
+    pool = stepped or ranks
+    reference_rank = (0 if 0 in pool else min(pool)) if pool else None
     attempt = Attempt(
         index=raw.index,
         position=position,

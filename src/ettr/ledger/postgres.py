@@ -33,7 +33,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ettr.events import SCHEMA_VERSION as EVENT_SCHEMA_VERSION
-from ettr.events import Event
+from ettr.events import Event, EventKind
 from ettr.ledger import accounted
 from ettr.ledger.base import LedgerError, LedgerHealth, LedgerMark, LedgerRejected, LedgerStalled
 from ettr.ledger.rows import MAX_TS, MIN_TS, KeyedEvent, events_from_rows, storable_rows
@@ -463,7 +463,10 @@ SELECT ts, kind, attempt, rank, phase, step, value, data, num_rows, last_id FROM
     SELECT e.*,
         count(*) OVER () AS num_rows,
         max(id) OVER () AS last_id,
-        min(rank) FILTER (WHERE ok) OVER (PARTITION BY attempt) AS ref,
+        coalesce(
+            min(rank) FILTER (WHERE ok AND kind = %(step_kind)s) OVER (PARTITION BY attempt),
+            min(rank) FILTER (WHERE ok) OVER (PARTITION BY attempt)
+        ) AS ref,
         min(ts) FILTER (WHERE ok) OVER (PARTITION BY attempt, rank) AS first_ts,
         max(ts) FILTER (WHERE ok) OVER (PARTITION BY attempt, rank) AS last_ts
     FROM (
@@ -488,6 +491,7 @@ def _read_marked(conn: Any, job_id: str, *, for_accounting: bool) -> tuple[list[
         "kinds": list(accounted.KINDS),
         "phases": list(accounted.PHASES),
         "skippable": list(accounted.SKIPPABLE_KINDS),
+        "step_kind": EventKind.STEP.value,
         "min_ts": MIN_TS,
         "max_ts": MAX_TS,
         "job_id": job_id,
