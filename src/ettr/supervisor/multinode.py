@@ -273,6 +273,7 @@ class FollowerPeers:
         self.node = _Node(config, role)
         self.node_rank = role.node_rank
         self._done = -1  # the latest attempt this node joined under an earlier supervisor
+        self._joined = False  # this run took part in an attempt: a wait after it may end in the job's end
         self._start_index = 0  # positions in the supervisors' events: a JOB_END before it is an earlier run's
         self._waiting_since: float | None = None
         self._waiting: Progress | None = None
@@ -356,11 +357,12 @@ class FollowerPeers:
         attempt = peers.open_attempt(view, after=after)
         if attempt is not None:
             say(f"node {node.role.node_rank}: joining attempt {attempt} (port {view.ports[attempt]})")
-            self._waiting_since = None
+            self._waiting_since, self._joined = None, True
             return Turn(attempt=attempt)
         if self._waiting_since is None:
             self._waiting_since, self._waiting = now, Progress(now, after_s=10.0, every_s=30.0)
-            say(f"node {node.role.node_rank}: waiting for node 0 to open the next attempt")
+            what = "the job's end or its next attempt" if self._joined else "it to open an attempt"
+            say(f"node {node.role.node_rank}: waiting for node 0: {what}")
         waited = now - self._waiting_since
         if self._waiting is not None and self._waiting.due(now):
             say(f"node {node.role.node_rank}: still waiting for node 0 ({waited:.0f} s)")
