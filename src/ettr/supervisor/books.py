@@ -30,7 +30,7 @@ from typing import Any
 
 from ettr.closing import completed_at, foreign_run, live_supervisor, open_attempts, recorded_job_id
 from ettr.constants import SIGNALLED_MARK
-from ettr.errors import UsageError
+from ettr.errors import UsageError, describe_os_error
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.inject import FaultSpec, unfired_specs
 from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
@@ -102,7 +102,8 @@ class JobBooks:
         try:
             previous = self._connect()
         except (LedgerError, OSError) as exc:
-            raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {exc}") from None
+            what = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
+            raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {what}") from None
         recorded_id = recorded_job_id(previous)
         if self.config.job_id is None:  # a requeued job continues under the id it started with
             self.job_id = recorded_id or self.job_id
