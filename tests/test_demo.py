@@ -548,3 +548,79 @@ def test_a_killed_demo_stops_the_jobs_it_started(tmp_path):
         assert (tmp_path / "terminated").read_text() == "1"
     finally:
         parent.kill()
+
+
+def test_the_cpus_split_into_two_equal_disjoint_halves():
+    assert demo.split_cpus({0, 1}) == (frozenset({0}), frozenset({1}))
+    assert demo.split_cpus({7, 1, 5, 3}) == (frozenset({1, 3}), frozenset({5, 7}))
+    assert demo.split_cpus({0, 1, 2}) == (frozenset({0}), frozenset({1}))  # the odd one out unused
+    assert demo.split_cpus({4}) is None and demo.split_cpus(set()) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_a_job_started_on_cpus_and_its_children_stay_on_them(tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    out = tmp_path / "out"
+    code = (
+        "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)));"
+        "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])"
+    )
+    with open(out, "wb") as log:
+        proc = demo.start_child([sys.executable, "-c", code], log, dict(os.environ), cpus=frozenset({cpu}))
+        assert proc.wait(timeout=120) == 0
+    assert out.read_text().split("\n")[:2] == [f"[{cpu}]", f"[{cpu}]"]
+
+
+class FakeRun:
+    """A JobRun's surface for run_jobs: ends after `ticks_to_end` ticks once launched."""
+
+    def __init__(self, name: str, ticks_to_end: int, log: list[str], on_tick=None) -> None:
+        self.name, self.ticks_left, self.log, self.on_tick = name, ticks_to_end, log, on_tick
+        self.status: int | None = None
+        self.launched = False
+        self.exited = False
+
+    def launch(self) -> None:
+        self.launched = True
+        self.log.append(f"launch {self.name}")
+
+    def tick(self, display) -> None:
+        if not self.launched or self.status is not None:
+            return
+        self.ticks_left -= 1
+        if self.on_tick is not None:
+            self.on_tick(self)
+        if self.ticks_left <= 0:
+            self.status = 0
+            self.log.append(f"end {self.name}")
+
+    def stop(self) -> None:
+        self.log.append(f"stop {self.name}")
+
+
+def test_side_by_side_the_optimized_side_starts_once_the_store_holds_the_baselines_artifacts(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(demo, "wait_any", lambda runs, timeout_s: None)
+    store, log = tmp_path / "store", []
+
+    def compile_once(run: FakeRun) -> None:  # the baseline's first compile lands in the store
+        if run.ticks_left == 3:
+            (store / "entry").mkdir(parents=True)
+            (store / "entry" / "manifest.json").write_text("{}")
+
+    first = FakeRun("baseline", 6, log, on_tick=compile_once)
+    later = FakeRun("optimized", 4, log)
+    seen_at_launch = []
+    launch = later.launch
+    later.launch = lambda: (seen_at_launch.append(demo.store_entries(store)), launch())  # type: ignore[method-assign]
+    demo.run_jobs([first, later], display=None, side_by_side=True, store=store)
+    assert seen_at_launch == [1]  # not before the baseline's artifacts were there
+    assert log[:2] == ["launch baseline", "launch optimized"] and first.status == later.status == 0
+    # Both ran at once: the optimized side was launched while the baseline still trained.
+    assert log.index("launch optimized") < log.index("end baseline")
+    assert log[-2:] == ["stop baseline", "stop optimized"]
+    # Without a compile store to wait for, both start at once; one after the other, each in turn.
+    log.clear()
+    demo.run_jobs([FakeRun("a", 2, log), FakeRun("b", 2, log)], display=None, side_by_side=True, store=None)
+    assert log[:2] == ["launch a", "launch b"]

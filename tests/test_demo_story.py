@@ -140,6 +140,9 @@ def test_the_gain_at_equal_step_speed_takes_out_what_slower_steps_added():
 
     faster = median_step_line(replace(e, optimized_median_step_s=0.8))
     assert "(-20.0%: faster than the baseline's; " in faster, faster
+    assert "one after the other, so a change of the machine's load between them moves it too" in faster
+    beside = median_step_line(replace(e, side_by_side=True))
+    assert "the sides ran side by side, each on CPUs of its own" in beside and "one after" not in beside
     # The same speed on both sides: the raw gain is the gain.
     same = demo_story.equal_speed(baseline, _report(OPT))
     assert same is not None and same.from_speed_points == pytest.approx(0.0, abs=1e-9)

@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal
@@ -314,27 +314,54 @@ def prepare(out: Path) -> list[Job]:
     return jobs
 
 
-def start_child(command: Sequence[str], log: BinaryIO, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start one of the demo's jobs (`ettr run`, `ettr publish`), its output into `log`. It gets SIGTERM when
-    the demo dies, however (a SIGKILL too): its supervisor then stops the job and closes its books, as at a
-    preemption. Before, a killed demo left its jobs training, re-parented to init, for as long as they ran."""
+def start_child(
+    command: Sequence[str], log: BinaryIO, env: dict[str, str], *, cpus: frozenset[int] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start one of the demo's jobs (`ettr run`, `ettr publish`), its output into `log`, on `cpus` only when
+    given (every process it starts inherits that). It gets SIGTERM when the demo dies, however (a SIGKILL
+    too): its supervisor then stops the job and closes its books, as at a preemption. Before, a killed demo
+    left its jobs training, re-parented to init, for as long as they ran."""
     parent = os.getpid()
 
     def in_child() -> None:  # between fork and exec
         set_parent_death_signal(signal.SIGTERM)
         if os.getppid() != parent:  # the demo died before the line above took effect
             os.kill(os.getpid(), signal.SIGTERM)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
 
     return subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=in_child)
+
+
+def split_cpus(cpus: Collection[int]) -> tuple[frozenset[int], frozenset[int]] | None:
+    """Two disjoint halves of equal size of `cpus` (the baseline's and the optimized side's; an odd one out
+    goes unused), or None with fewer than two CPUs."""
+    ordered = sorted(cpus)
+    half = len(ordered) // 2
+    if half == 0:
+        return None
+    return frozenset(ordered[:half]), frozenset(ordered[half : 2 * half])
+
+
+def usable_cpus() -> frozenset[int] | None:
+    """The CPUs this process may run on (None where the platform cannot say or pin: then the sides run one
+    after the other)."""
+    if not (hasattr(os, "sched_getaffinity") and hasattr(os, "sched_setaffinity")):
+        return None
+    return frozenset(os.sched_getaffinity(0))
 
 
 class JobRun:
     """One side's run in progress: launches `ettr run`, and launches it again on the same run directory
     after a preemption (exit 143), as a scheduler requeues a job. `tick` moves it on; it never blocks."""
 
-    def __init__(self, job: Job, workload: Workload, script: Path) -> None:
+    def __init__(
+        self, job: Job, workload: Workload, script: Path, *, cpus: frozenset[int] | None = None
+    ) -> None:
         self.job = job
         self.workload = workload
+        self.cpus = cpus
+        """The CPUs its processes are kept on (None: any)."""
         self.command = job.command(workload, script)
         self.total_steps = workload.steps
         self.status: int | None = None
@@ -354,7 +381,7 @@ class JobRun:
         with open(self.job.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
-            self._proc = start_child(self.command, log, self.job.environment())
+            self._proc = start_child(self.command, log, self.job.environment(), cpus=self.cpus)
 
     def tick(self, display: ProgressDisplay) -> None:
         """Look at the ledger and the process once: show progress, requeue, or finish."""
@@ -376,6 +403,11 @@ class JobRun:
         display.note(
             f"{name}: ettr run exited {returncode} after {self.elapsed_s:.0f} s (log: {self.job.log_path})"
         )
+
+    @property
+    def exited(self) -> bool:
+        """The `ettr run` launched has exited and `tick` has not looked at it yet."""
+        return self._proc is not None and self.status is None and self._proc.poll() is not None
 
     def wait(self, timeout_s: float) -> None:
         """Wait up to `timeout_s`, returning at once when the `ettr run` launched exits (so that a preempted
@@ -459,18 +491,47 @@ def publish_command(job: Job) -> list[str]:
     return command
 
 
-def run_jobs(runs: Sequence[JobRun], display: ProgressDisplay) -> None:
-    """Run the jobs to their ends, one after the other: each has the machine to itself, so every bucket
-    is its own (run side by side here, a job's steps were up to 65% slower while the other one started
-    up, which inflated its `effective_training`)."""
-    for run in runs:
-        run.launch()
-        try:
-            while run.status is None:
+def run_jobs(
+    runs: Sequence[JobRun], display: ProgressDisplay, *, side_by_side: bool, store: Path | None
+) -> None:
+    """Run the jobs to their ends: side by side (each on its own CPUs, `JobRun.cpus`), so that whatever
+    else the machine runs meanwhile slows both alike, or else one after the other. Side by side, the later
+    ones start once `store` (the compile store, when the workload compiles) holds the first one's
+    artifacts, as a store holds an earlier job's, or once the first one is over."""
+    if not side_by_side:
+        for run in runs:
+            run.launch()
+            try:
+                while run.status is None:
+                    run.tick(display)
+                    run.wait(1.0)
+            finally:
+                run.stop()
+        return
+    first, *later = runs
+    try:
+        first.launch()
+        while any(run.status is None for run in runs):
+            if later and (store is None or store_entries(store) > 0 or first.status is not None):
+                for run in later:
+                    run.launch()
+                later = []
+            for run in runs:
                 run.tick(display)
-                run.wait(1.0)
-        finally:
+            wait_any(runs, 1.0)
+    finally:
+        for run in runs:
             run.stop()
+
+
+def wait_any(runs: Sequence[JobRun], timeout_s: float) -> None:
+    """Wait up to `timeout_s`, returning soon after one of the `ettr run`s launched exits (a preempted job
+    is requeued as soon as it is over, not at the next look)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(run.exited for run in runs):
+            return
+        time.sleep(0.1)
 
 
 def store_entries(store: Path) -> int:
@@ -487,6 +548,13 @@ def say_store(store: Path, display: ProgressDisplay) -> None:
         "it compiles is saved there (never restored by it). The optimized side restores it: the artifacts "
         "of an earlier job of the same model, as a fleet's store holds them"
     )
+
+
+def _cpu_list(cpus: Collection[int]) -> str:
+    ordered = sorted(cpus)
+    if len(ordered) > 2 and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"CPUs {ordered[0]}-{ordered[-1]}"
+    return ("CPU " if len(ordered) == 1 else "CPUs ") + ",".join(map(str, ordered))
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -522,8 +590,29 @@ def _main(args: argparse.Namespace) -> int:
     print(f"ettr demo{' --quick' if args.quick else ''}: {workload.describe()}", flush=True)
     if workload.compile:
         say_store(out / "compile-store", display)
-    runs = [JobRun(job, workload, script) for job in jobs]
-    run_jobs(runs, display)
+    cpus = usable_cpus()
+    halves = split_cpus(cpus) if cpus is not None else None
+    if halves is None:
+        display.note("the sides run one after the other (this machine cannot give each CPUs of its own)")
+        runs = [JobRun(job, workload, script) for job in jobs]
+    else:
+        display.note(
+            f"the sides run side by side, each on {len(halves[0])} of the {len(cpus or ())} CPUs ("
+            f"baseline {_cpu_list(halves[0])}, optimized {_cpu_list(halves[1])}): whatever else this machine "
+            "runs meanwhile slows both alike"
+            + (
+                "; the optimized side starts once the baseline's compile artifacts are in the store"
+                if workload.compile
+                else ""
+            )
+        )
+        runs = [JobRun(job, workload, script, cpus=half) for job, half in zip(jobs, halves, strict=True)]
+    run_jobs(
+        runs,
+        display,
+        side_by_side=halves is not None,
+        store=out / "compile-store" if workload.compile else None,
+    )
     failed = [run.job.side.name for run in runs if run.status != 0]
     # After both training jobs, so that it never shares the machine with one of them; the books are read
     # meanwhile (they are closed: the publish job changes nothing in them).
@@ -536,7 +625,7 @@ def _main(args: argparse.Namespace) -> int:
         for publisher in publishers:
             publisher.start()
         reports = [load_report(job.run_dir) for job in jobs]
-        story = build_story(jobs[0].run_dir, jobs[1].run_dir)
+        story = build_story(jobs[0].run_dir, jobs[1].run_dir, side_by_side=halves is not None)
         for publisher in publishers:
             if publisher.finish(display):
                 failed.append(f"the publish job of {publisher.job.side.name}")

@@ -86,10 +86,12 @@ def median_step_line(e: EqualSpeed) -> str:
         verdict = ("within" if change <= STEP_SPEED_BOUND_PCT else "NOT within") + (
             f" {STEP_SPEED_BOUND_PCT:g}% of the baseline's"
         )
-    return (
-        f"median step time: {medians} ({change:+.1f}%: {verdict}; "
-        "the sides run one after the other, so a change of the machine's load between them moves it too)"
+    how = (
+        "the sides ran side by side, each on CPUs of its own: the machine's other load slowed both alike"
+        if e.side_by_side
+        else "the sides ran one after the other, so a change of the machine's load between them moves it too"
     )
+    return f"median step time: {medians} ({change:+.1f}%: {verdict}; {how})"
 
 
 # -- text -------------------------------------------------------------------------------------------------

@@ -196,6 +196,8 @@ class EqualSpeed:
     ett_pct: float
     ett_at_baseline_pct: float
     """The ETT the optimized side would have at the baseline's step time."""
+    side_by_side: bool = False
+    """The two sides ran at the same time, each on CPUs of its own (else one after the other)."""
 
     @property
     def raw_gain_points(self) -> float:
@@ -426,8 +428,10 @@ def build_story(
     optimized_dir: str | os.PathLike[str],
     *,
     fleet: FleetScale = FLEET,
+    side_by_side: bool = False,
 ) -> Story:
-    """The whole story of a demo from its two run directories (raises UsageError for an unreadable one)."""
+    """The whole story of a demo from its two run directories (raises UsageError for an unreadable one).
+    `side_by_side`: the two jobs ran at the same time, each on CPUs of its own."""
     from ettr.report.load import read_run
 
     (b_events, baseline), (o_events, optimized) = read_run(baseline_dir), read_run(optimized_dir)
@@ -443,5 +447,9 @@ def build_story(
         projection=tuple(projection),
         fleet=fleet,
         notes=tuple(notes),
-        equal_speed=equal_speed(baseline, optimized),
+        equal_speed=_ran(equal_speed(baseline, optimized), side_by_side=side_by_side),
     )
+
+
+def _ran(e: EqualSpeed | None, *, side_by_side: bool) -> EqualSpeed | None:
+    return None if e is None else replace(e, side_by_side=side_by_side)
