@@ -185,6 +185,29 @@ def test_cli_several_run_dirs_make_one_tensorboard_run_each(
         assert_matches_report(read_scalars(tb / name), d)
 
 
+def test_a_run_dir_that_cannot_be_read_leaves_the_others_where_they_always_go(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `ettr report A B --tensorboard DIR` with B unreadable wrote A's events into DIR itself, and a later
+    # run with both put them in DIR/A and DIR/B: two layouts mixed in one logdir.
+    a = _run_dir(tmp_path, "baseline", job_events("job-a"))
+    broken = tmp_path / "optimized"
+    broken.mkdir()
+    (broken / "ledger.db").write_bytes(b"not a database" * 100)
+    tb = tmp_path / "tb"
+    assert main(["report", str(a), str(broken), "--tensorboard", str(tb)]) == 2
+    assert "skipped" in capsys.readouterr().err
+    assert [p.name for p in tb.iterdir()] == ["baseline"]
+    assert read_scalars(tb / "baseline")
+
+
+def test_a_ledgers_jobs_are_named_by_their_job_ids(tmp_path: Path) -> None:
+    from ettr.report.tensorboard import write_runs
+
+    files = write_runs([report_of(job_events(), "job-a"), report_of(job_events(), "job-b")], [], tmp_path)
+    assert sorted(f.parent.name for f in files) == ["job-a", "job-b"]
+
+
 def test_cli_without_tensorboard_installed_is_one_line_and_status_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

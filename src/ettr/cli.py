@@ -256,7 +256,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.tensorboard:
         from ettr.report.tensorboard import write_runs
 
-        write_runs(reports, run_dirs, args.tensorboard)
+        write_runs(reports, run_dirs, args.tensorboard, asked=args.run_dirs)
         print(
             f"ettr report: wrote TensorBoard scalars to {args.tensorboard} (tensorboard --logdir {args.tensorboard})",
             file=sys.stderr,

@@ -114,12 +114,43 @@ def run_logdirs(logdir: str | os.PathLike[str], labels: Sequence[str]) -> list[P
 
 
 def write_runs(
-    reports: Sequence[EttReport], run_dirs: Sequence[str | os.PathLike[str]], logdir: str | os.PathLike[str]
+    reports: Sequence[EttReport],
+    run_dirs: Sequence[str | os.PathLike[str]],
+    logdir: str | os.PathLike[str],
+    *,
+    asked: Sequence[str | os.PathLike[str]] | None = None,
 ) -> list[Path]:
     """What `ettr report RUN_DIR... --tensorboard DIR` writes: each report's event file in its
-    `run_logdirs` directory (DIR itself for one run). Returns the files written."""
-    labels = run_labels(run_dirs)
-    return [write_tensorboard(r, d) for r, d in zip(reports, run_logdirs(logdir, labels), strict=True)]
+    `run_logdirs` directory (DIR itself for one run). `asked`: every run directory asked for, of which
+    `run_dirs` could be read: each keeps its place among all of them, so that one that could not be read
+    leaves the others where a later run puts them (before, the one left went into DIR itself, and a later
+    run with both mixed the two layouts). Reports with no run directory (a ledger's jobs) are named by their
+    job ids. Returns the files written."""
+    return [
+        write_tensorboard(r, d)
+        for r, d in zip(reports, _places(reports, run_dirs, logdir, asked), strict=True)
+    ]
+
+
+def _places(
+    reports: Sequence[EttReport],
+    run_dirs: Sequence[str | os.PathLike[str]],
+    logdir: str | os.PathLike[str],
+    asked: Sequence[str | os.PathLike[str]] | None,
+) -> list[Path]:
+    if not run_dirs:
+        return run_logdirs(logdir, [r.job_id for r in reports])
+    every = [os.fspath(d) for d in (asked or run_dirs)]
+    places = run_logdirs(logdir, run_labels(every))
+    chosen, i = [], 0
+    for run_dir in map(os.fspath, run_dirs):  # read in the order asked: a subsequence of `every`
+        while i < len(every) and every[i] != run_dir:
+            i += 1
+        if i == len(every):  # not among those asked after all: placed among the ones read only
+            return run_logdirs(logdir, run_labels(run_dirs))
+        chosen.append(places[i])
+        i += 1
+    return chosen
 
 
 def write_tensorboard(report: EttReport, logdir: str | os.PathLike[str]) -> Path:
