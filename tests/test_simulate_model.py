@@ -229,3 +229,29 @@ def test_many_interrupted_runs_keep_the_normal_interval():
     assert s.interrupted_runs > 150 and s.ett_ci_method == "normal"
     low, high = s.ett_pct_ci95
     assert high - low < 2.0
+
+
+def test_the_chance_of_no_interruption_is_the_models():
+    """The bound uses the model's chance of a run with no interruption: a short job at a small rate gets a
+    tight interval, not one as wide as 200 runs alone could say (Wilson: up to 1.9% of runs)."""
+    import numpy as np
+
+    from ettr.simulate.model import simulate_seeded
+    from ettr.simulate.summary import no_interruption_chance, simulate
+
+    exp = JobParams(gpus=16, failures_per_node_day=0.5, preemptions_per_day=1.0, interval_s=600.0)
+    assert no_interruption_chance(exp, 86_400.0) == pytest.approx(math.exp(-2.0))
+    weibull = JobParams(gpus=8, failures_per_node_day=0.5, weibull_shape=2.0, interval_s=600.0)
+    runs = [simulate_seeded(replace_wall(weibull), seed=3, run_index=i) for i in range(400)]
+    clean = np.mean([r.num_failures == 0 for r in runs])
+    assert clean == pytest.approx(no_interruption_chance(weibull, 86_400.0), abs=0.08)
+    short = JobParams(gpus=8, failures_per_node_day=0.0042, blocking_s=1.0, interval_s=10.0, duration_s=60.0)
+    s = simulate(short, runs=200, seed=0)
+    low, high = s.ett_pct_ci95
+    assert s.ett_ci_method == "bound" and high - low < 1e-3
+
+
+def replace_wall(params: JobParams) -> JobParams:
+    from dataclasses import replace
+
+    return replace(params, duration_s=86_400.0)

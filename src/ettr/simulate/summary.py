@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ettr.constants import SECONDS_PER_DAY
 from ettr.events import Bucket
 from ettr.simulate.batch import simulate_batch
 from ettr.simulate.model import RunResult, ScriptedFault, simulate_run, simulate_seeded
@@ -90,18 +91,36 @@ def _wilson(successes: int, n: int) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _rare_interruption_ci(ett: np.ndarray, interrupted: np.ndarray) -> tuple[float, float]:
+def no_interruption_chance(params: JobParams, wall_s: float) -> float:
+    """The chance that a run of `params` sees no failure and no preemption in `wall_s` seconds from submission
+    (each node's lifetime fresh at submission, as the streams draw them; exposure over the whole wall, so
+    never more than the model's own chance)."""
+    days = wall_s / SECONDS_PER_DAY
+    hazard = params.preemptions_per_day * days
+    if params.failures_per_node_day > 0:
+        if params.weibull_shape == 1.0:
+            hazard += params.failures_per_day * days
+        else:
+            k = params.weibull_shape
+            scale_days = 1.0 / params.failures_per_node_day / math.gamma(1.0 + 1.0 / k)
+            hazard += params.num_nodes * (days / scale_days) ** k
+    return math.exp(-hazard)
+
+
+def _rare_interruption_ci(
+    ett: np.ndarray, interrupted: np.ndarray, clean_chance: float | None = None
+) -> tuple[float, float]:
     """A 95% interval of the mean ETT% when fewer than `MIN_INTERRUPTED_RUNS` runs saw an interruption.
 
-    The mean is `q * c + (1 - q) * m`: `q` the chance that a run sees no interruption (Wilson interval of
-    the runs that saw none), `c` the ETT% of such a run (they are all alike), `m` the mean ETT% of an
-    interrupted run, which so few runs do not estimate: it is only known to lie in 0..100. The interval
-    is the range of the mean over those, so it holds the mean whenever `q`'s interval holds `q`."""
-    n = len(ett)
+    The mean is `q * c + (1 - q) * m`: `q` the chance that a run sees no interruption (`clean_chance` when
+    the model gives it, else the low end of the Wilson interval of the runs that saw none), `c` the ETT% of
+    such a run (they are all alike), `m` the mean ETT% of an interrupted run, which so few runs do not
+    estimate: it is only known to lie in 0..100. The interval is the range of the mean over those (a lower
+    `q` widens it both ways)."""
     clean = ett[~interrupted]
-    q_lo, _ = _wilson(len(clean), n)
+    q = clean_chance if clean_chance is not None else _wilson(len(clean), len(ett))[0]
     c_lo, c_hi = float(clean.min()), float(clean.max())
-    return q_lo * c_lo, q_lo * c_hi + (1 - q_lo) * 100.0
+    return q * c_lo, q * c_hi + (1 - q) * 100.0
 
 
 BATCH_MIN_RUNS = 64
@@ -144,7 +163,8 @@ def _summary(
     num_interrupted = int(interrupted.sum())
     ci_method = "normal"
     if len(ett) >= 2 and num_interrupted < min(MIN_INTERRUPTED_RUNS, len(ett)):
-        ett_ci = _rare_interruption_ci(ett, interrupted)
+        chance = no_interruption_chance(params, float(walls[~interrupted].max()))
+        ett_ci = _rare_interruption_ci(ett, interrupted, chance)
         ci_method = "bound"
     # A share lies in [0, 100]: the normal interval of a mean of runs that nearly all score the same
     # (a rare failure) reached past it ("99.75-100.01").
