@@ -83,3 +83,25 @@ def test_a_job_that_never_trained_has_no_profile() -> None:
     ]
     with pytest.raises(ValueError, match="never completed a step"):
         profile_from_events(events, compute(events, 5.0))
+
+
+def test_a_damaged_phase_begin_is_clipped_to_its_attempt() -> None:
+    """A PHASE_END whose begin (`value`) is -1e300 (a damaged or forged row) made the profile's save block
+    for 1e300 s, and every simulation of it 0% ETT; the span is clipped to its attempt, as the report
+    clips its phases."""
+    events = make_job()
+    bad = next(i for i, e in enumerate(events) if e.phase is Phase.CHECKPOINT_BLOCKING)
+    e = events[bad]
+    events[bad] = Event(e.kind, e.ts, e.attempt, e.rank, phase=e.phase, value=-1e300)
+    report = compute(events, max(x.ts for x in events))
+    p = profile_from_events(events, report).params
+    assert p.blocking_s < 10.0  # at most its attempt's 6.5 s so far, never 1e300
+
+
+def test_a_nan_phase_begin_is_no_span() -> None:
+    events = make_job()
+    bad = next(i for i, e in enumerate(events) if e.phase is Phase.CHECKPOINT_BLOCKING)
+    e = events[bad]
+    events[bad] = Event(e.kind, e.ts, e.attempt, e.rank, phase=e.phase, value=float("nan"))
+    p = profile_from_events(events, compute(events, max(x.ts for x in events))).params
+    assert p.blocking_s == pytest.approx(0.5)  # the mean of the saves whose span is known

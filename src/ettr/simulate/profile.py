@@ -112,12 +112,16 @@ def _per_attempt_rank_events(events: Sequence[Event], report: EttReport) -> dict
     return out
 
 
-def _phase_spans(events: Sequence[Event], phase: Phase) -> list[float]:
-    """Durations of the `phase` spans of one rank's events (PHASE_END carries its begin ts as `value`)."""
+def _phase_spans(events: Sequence[Event], phase: Phase, start_ts: float, end_ts: float) -> list[float]:
+    """Durations of the `phase` spans of one rank's events (PHASE_END carries its begin ts as `value`),
+    clipped to its attempt [start_ts, end_ts]: a damaged begin (-1e300) made a save block for 1e300 s and
+    the whole simulation 0% ETT."""
     spans = []
     for e in events:
         if e.kind is EventKind.PHASE_END and e.phase is phase and e.value is not None:
-            spans.append(max(0.0, e.ts - e.value))
+            if not (math.isfinite(e.value) and math.isfinite(e.ts)):
+                continue
+            spans.append(max(0.0, min(e.ts, end_ts) - max(e.value, start_ts)))
     return spans
 
 
@@ -148,9 +152,10 @@ def _save_costs(trained: Sequence[AttemptReport], by_attempt: dict[int, list[Eve
     waits = 0.0
     for a in trained:
         rank_events = by_attempt[a.index]
-        blocking += _phase_spans(rank_events, Phase.CHECKPOINT_BLOCKING)
-        persists += _phase_spans(rank_events, Phase.CHECKPOINT_PERSIST)
-        waits += sum(_phase_spans(rank_events, Phase.CHECKPOINT_WAIT))
+        window = (a.start_ts, a.end_ts)
+        blocking += _phase_spans(rank_events, Phase.CHECKPOINT_BLOCKING, *window)
+        persists += _phase_spans(rank_events, Phase.CHECKPOINT_PERSIST, *window)
+        waits += sum(_phase_spans(rank_events, Phase.CHECKPOINT_WAIT, *window))
     blocking_s = (sum(blocking) + waits) / len(blocking) if blocking else 0.0
     return blocking_s, (statistics.fmean(persists) if persists else 0.0)
 
