@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ettr.accounting import compute
-from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
+from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Phase
 from ettr.simulate.profile import profile_from_events
 from ettr.simulate.summary import replay
 
@@ -105,3 +105,21 @@ def test_a_nan_phase_begin_is_no_span() -> None:
     events[bad] = Event(e.kind, e.ts, e.attempt, e.rank, phase=e.phase, value=float("nan"))
     p = profile_from_events(events, compute(events, max(x.ts for x in events))).params
     assert p.blocking_s == pytest.approx(0.5)  # the mean of the saves whose span is known
+
+
+def test_an_attempt_still_running_is_no_failure_of_the_replay() -> None:
+    """A job profiled while its last attempt runs: the report counts no failure for that attempt and keeps
+    its steps so far. The replay made it a failure that ended the job (its steps since the last save
+    wasted_progress, 9% of wall against the report's 1% on a real run) and took its time since the last
+    step as a detection tail."""
+    events = [e for e in make_job() if not (e.kind in (K.ATTEMPT_END, K.JOB_END) and e.attempt == 1)]
+    events = [e for e in events if e.kind is not K.JOB_END]
+    now = max(e.ts for e in events) + 0.25
+    report = compute(events, now)
+    assert report.num_failures == 1
+    profile = profile_from_events(events, report)
+    assert [(f.preemption, f.after_s, f.ends_job) for f in profile.script] == [(False, 10.0, False)]
+    assert profile.params.detection_s == pytest.approx(1.5)  # attempt 0's tail only
+    predicted = replay(profile.params, profile.script)
+    for bucket in ("effective_training", "wasted_progress", "checkpoint_blocking"):
+        assert predicted.buckets_s[bucket] == pytest.approx(report.buckets_s[Bucket(bucket)], abs=0.3), bucket

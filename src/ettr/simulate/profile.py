@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ettr.accounting import AttemptReport, EttReport
+from ettr.accounting import AttemptReport, EttReport, counts_as_failure
 from ettr.constants import SECONDS_PER_DAY
 from ettr.events import Bucket, Event, EventKind, Outcome, Phase
 from ettr.simulate.model import ScriptedFault
@@ -167,7 +167,9 @@ def _script(
     script: list[ScriptedFault] = []
     tails: list[float] = []
     for a in report.attempts:
-        if a.outcome is Outcome.COMPLETED:
+        # A completed attempt is no interruption, and neither is one that has not ended (a job still running,
+        # or its supervisor lost): the report counts no failure for it, and its steps so far are kept.
+        if not counts_as_failure(a.outcome):
             continue
         preempted = a.outcome is Outcome.PREEMPTED
         if a.index not in last_step_ts:
@@ -189,7 +191,7 @@ def _script(
                 saved_on_exit=saved,
             )
         )
-    if script and report.attempts[-1].outcome is not Outcome.COMPLETED:
+    if script and counts_as_failure(report.attempts[-1].outcome):
         script[-1] = replace(script[-1], ends_job=True)
     return script, tails
 
