@@ -123,3 +123,22 @@ def test_an_attempt_still_running_is_no_failure_of_the_replay() -> None:
     predicted = replay(profile.params, profile.script)
     for bucket in ("effective_training", "wasted_progress", "checkpoint_blocking"):
         assert predicted.buckets_s[bucket] == pytest.approx(report.buckets_s[Bucket(bucket)], abs=0.3), bucket
+
+
+def test_a_failed_attempts_teardown_is_restart_in_the_replay_as_in_the_report() -> None:
+    """Attempt 0 records its FAILURE 0.5 s after its last step and ends 1.0 s later: the report books the
+    0.5 s as wasted_progress and the 1.0 s teardown as restart. The profile took the whole 1.5 s tail as
+    detection (wasted_progress in the model): the replay's restart was 1 s short, its wasted 1 s long."""
+    events = make_job()
+    last_step = max(e.ts for e in events if e.kind is K.STEP and e.attempt == 0)
+    events.append(Event(K.FAILURE, last_step + 0.5, 0, 0, data={"exception": "RuntimeError"}))
+    events.sort(key=lambda e: e.ts)
+    report = compute(events, max(e.ts for e in events))
+    assert report.buckets_s[Bucket.RESTART] == pytest.approx(3.0 + 1.0)
+    profile = profile_from_events(events, report)
+    assert profile.params.detection_s == pytest.approx(0.5)
+    assert profile.params.restart_gap_s == pytest.approx(3.0 + 1.0)
+    predicted = replay(profile.params, profile.script)
+    assert predicted.ett_pct == pytest.approx(report.ett_pct)
+    for bucket, pct in profile.measured_buckets_pct.items():
+        assert predicted.buckets_pct[bucket] == pytest.approx(pct, abs=1e-9), bucket

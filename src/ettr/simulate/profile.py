@@ -160,10 +160,25 @@ def _save_costs(trained: Sequence[AttemptReport], by_attempt: dict[int, list[Eve
     return blocking_s, (statistics.fmean(persists) if persists else 0.0)
 
 
+def _teardowns(report: EttReport) -> dict[int, float]:
+    """Each failed attempt followed by another: its teardown, from the failure instant to its end, which
+    the report books as `restart` (docs/buckets.md): the `restart` time booked to the attempt less the
+    relaunch gap before it (booked to it too)."""
+    out: dict[int, float] = {}
+    attempts = report.attempts
+    for i, a in enumerate(attempts):
+        if i + 1 == len(attempts) or not counts_as_failure(a.outcome) or a.outcome is Outcome.PREEMPTED:
+            continue
+        gap_before = 0.0 if i == 0 else max(0.0, a.start_ts - attempts[i - 1].end_ts)
+        out[a.index] = max(0.0, a.buckets_s[Bucket.RESTART] - gap_before)
+    return out
+
+
 def _script(
-    report: EttReport, last_step_ts: dict[int, float], step_s: float
+    report: EttReport, last_step_ts: dict[int, float], step_s: float, teardowns: dict[int, float]
 ) -> tuple[list[ScriptedFault], list[float]]:
-    """The job's interruptions as a replay script, and the detection tail of each failure."""
+    """The job's interruptions as a replay script, and the detection tail of each failure (last step to the
+    failure; its teardown goes with the relaunch gap, `restart`, as the report books it)."""
     script: list[ScriptedFault] = []
     tails: list[float] = []
     for a in report.attempts:
@@ -173,9 +188,11 @@ def _script(
             continue
         preempted = a.outcome is Outcome.PREEMPTED
         if a.index not in last_step_ts:
-            script.append(ScriptedFault(preemption=preempted, in_startup=True, after_s=a.duration_s))
+            after_s = a.duration_s - min(teardowns.get(a.index, 0.0), a.duration_s)
+            script.append(ScriptedFault(preemption=preempted, in_startup=True, after_s=after_s))
             continue
         tail = max(0.0, a.end_ts - last_step_ts[a.index])
+        tail -= min(teardowns.get(a.index, 0.0), tail)
         done_steps = (a.last_step or 0) - (a.resumed_from_step or 0)
         saved = preempted and any(
             c.attempt == a.index and c.step == a.last_step for c in report.checkpoint_commits
@@ -196,13 +213,17 @@ def _script(
     return script, tails
 
 
-def _gaps(report: EttReport) -> tuple[list[float], list[float]]:
-    """End of an attempt to the start of the next: after failures, and after preemptions (requeues)."""
+def _gaps(report: EttReport, teardowns: dict[int, float]) -> tuple[list[float], list[float]]:
+    """End of an attempt to the start of the next: after failures (with the failed attempt's teardown), and
+    after preemptions (requeues)."""
     after_failure: list[float] = []
     after_preemption: list[float] = []
     for prev, nxt in zip(report.attempts, report.attempts[1:], strict=False):
         gap = max(0.0, nxt.start_ts - prev.end_ts)
-        (after_preemption if prev.outcome is Outcome.PREEMPTED else after_failure).append(gap)
+        if prev.outcome is Outcome.PREEMPTED:
+            after_preemption.append(gap)
+        else:
+            after_failure.append(gap + teardowns.get(prev.index, 0.0))
     return after_failure, after_preemption
 
 
@@ -224,8 +245,9 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
     if restart_startup is None:
         restart_startup = first_startup
         notes.append("no later attempt trained: restarts assumed to start up like the first attempt")
-    gaps_fail, gaps_preempt = _gaps(report)
-    script, tails = _script(report, last_step_ts, step_s)
+    teardowns = _teardowns(report)
+    gaps_fail, gaps_preempt = _gaps(report, teardowns)
+    script, tails = _script(report, last_step_ts, step_s, teardowns)
     wall_days = report.wall_s / SECONDS_PER_DAY if report.wall_s > 0 else 0.0
     num_preempted = sum(1 for a in report.attempts if a.outcome is Outcome.PREEMPTED)
     num_failed = report.num_failures - num_preempted
