@@ -196,3 +196,18 @@ def test_an_interval_sweep_of_a_short_run_stays_within_its_training(tmp_path: Pa
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "longer than the job" in err, err
+
+
+def test_a_replay_refuses_the_flags_it_would_ignore(tmp_path: Path, capsys: Any) -> None:
+    """A replay's interruptions are the run's own, at its own size: `--gpus 4096` was refused as "1.5e+06
+    interruptions a day" (the short run's measured rate scaled up, which the replay never uses), and
+    `--failures-per-node-day`, `--weibull-shape` or `--recovery` were silently ignored."""
+    from ettr.cli import main as cli_main
+
+    run_dir = str(hand_built_run(tmp_path / "run", crash=True))
+    for extra in (["--gpus", "4096"], ["--failures-per-node-day", "3"], ["--weibull-shape", "0.7"],
+                  ["--recovery", "in_place=2:0.5"], ["--preemptions-per-day", "1"]):  # fmt: skip
+        assert cli_main(["simulate", "--from", run_dir, "--replay", *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("ettr simulate: --replay replays") and extra[0] in err and "\n" not in err
+    assert cli_main(["simulate", "--from", run_dir, "--replay", "--restart-s", "5", "--json"]) == 0

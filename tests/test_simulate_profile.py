@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ettr.accounting import compute
-from ettr.events import SUPERVISOR_RANK, Event, EventKind, Phase
+from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Phase
 from ettr.simulate.profile import profile_from_events
 from ettr.simulate.summary import replay
 
@@ -83,3 +83,62 @@ def test_a_job_that_never_trained_has_no_profile() -> None:
     ]
     with pytest.raises(ValueError, match="never completed a step"):
         profile_from_events(events, compute(events, 5.0))
+
+
+def test_a_damaged_phase_begin_is_clipped_to_its_attempt() -> None:
+    """A PHASE_END whose begin (`value`) is -1e300 (a damaged or forged row) made the profile's save block
+    for 1e300 s, and every simulation of it 0% ETT; the span is clipped to its attempt, as the report
+    clips its phases."""
+    events = make_job()
+    bad = next(i for i, e in enumerate(events) if e.phase is Phase.CHECKPOINT_BLOCKING)
+    e = events[bad]
+    events[bad] = Event(e.kind, e.ts, e.attempt, e.rank, phase=e.phase, value=-1e300)
+    report = compute(events, max(x.ts for x in events))
+    p = profile_from_events(events, report).params
+    assert p.blocking_s < 10.0  # at most its attempt's 6.5 s so far, never 1e300
+
+
+def test_a_nan_phase_begin_is_no_span() -> None:
+    events = make_job()
+    bad = next(i for i, e in enumerate(events) if e.phase is Phase.CHECKPOINT_BLOCKING)
+    e = events[bad]
+    events[bad] = Event(e.kind, e.ts, e.attempt, e.rank, phase=e.phase, value=float("nan"))
+    p = profile_from_events(events, compute(events, max(x.ts for x in events))).params
+    assert p.blocking_s == pytest.approx(0.5)  # the mean of the saves whose span is known
+
+
+def test_an_attempt_still_running_is_no_failure_of_the_replay() -> None:
+    """A job profiled while its last attempt runs: the report counts no failure for that attempt and keeps
+    its steps so far. The replay made it a failure that ended the job (its steps since the last save
+    wasted_progress, 9% of wall against the report's 1% on a real run) and took its time since the last
+    step as a detection tail."""
+    events = [e for e in make_job() if not (e.kind in (K.ATTEMPT_END, K.JOB_END) and e.attempt == 1)]
+    events = [e for e in events if e.kind is not K.JOB_END]
+    now = max(e.ts for e in events) + 0.25
+    report = compute(events, now)
+    assert report.num_failures == 1
+    profile = profile_from_events(events, report)
+    assert [(f.preemption, f.after_s, f.ends_job) for f in profile.script] == [(False, 10.0, False)]
+    assert profile.params.detection_s == pytest.approx(1.5)  # attempt 0's tail only
+    predicted = replay(profile.params, profile.script)
+    for bucket in ("effective_training", "wasted_progress", "checkpoint_blocking"):
+        assert predicted.buckets_s[bucket] == pytest.approx(report.buckets_s[Bucket(bucket)], abs=0.3), bucket
+
+
+def test_a_failed_attempts_teardown_is_restart_in_the_replay_as_in_the_report() -> None:
+    """Attempt 0 records its FAILURE 0.5 s after its last step and ends 1.0 s later: the report books the
+    0.5 s as wasted_progress and the 1.0 s teardown as restart. The profile took the whole 1.5 s tail as
+    detection (wasted_progress in the model): the replay's restart was 1 s short, its wasted 1 s long."""
+    events = make_job()
+    last_step = max(e.ts for e in events if e.kind is K.STEP and e.attempt == 0)
+    events.append(Event(K.FAILURE, last_step + 0.5, 0, 0, data={"exception": "RuntimeError"}))
+    events.sort(key=lambda e: e.ts)
+    report = compute(events, max(e.ts for e in events))
+    assert report.buckets_s[Bucket.RESTART] == pytest.approx(3.0 + 1.0)
+    profile = profile_from_events(events, report)
+    assert profile.params.detection_s == pytest.approx(0.5)
+    assert profile.params.restart_gap_s == pytest.approx(3.0 + 1.0)
+    predicted = replay(profile.params, profile.script)
+    assert predicted.ett_pct == pytest.approx(report.ett_pct)
+    for bucket, pct in profile.measured_buckets_pct.items():
+        assert predicted.buckets_pct[bucket] == pytest.approx(pct, abs=1e-9), bucket

@@ -399,6 +399,27 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise _fail("--replay needs --from RUN_DIR (the job whose failures to replay)")
     if args.replay and (args.sweep or args.compare):
         raise _fail("--replay replays one job; it does not go with --sweep or --compare")
+    if args.replay:
+        # The replay's interruptions are the run's own, at its own size: these flags would be ignored (and the
+        # run's measured rate scaled by --gpus was refused as "1.5e+06 interruptions a day").
+        unused = [
+            flag
+            for flag, value in (
+                ("--gpus", args.gpus),
+                ("--gpus-per-node", args.gpus_per_node),
+                ("--failures-per-node-day", args.failures_per_node_day),
+                ("--mtbf-hours", args.mtbf_hours),
+                ("--preemptions-per-day", args.preemptions_per_day),
+                ("--weibull-shape", args.weibull_shape),
+                ("--recovery", args.recovery),
+            )
+            if value is not None
+        ]
+        if unused:
+            raise _fail(
+                f"--replay replays the run's own interruptions at its own size: {', '.join(unused)} "
+                "would change nothing (leave them out, or simulate without --replay)"
+            )
     if args.sweep and args.compare:
         raise _fail("give either --sweep or --compare, not both")
     if args.sweep_values is not None and not args.sweep:

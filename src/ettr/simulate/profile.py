@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ettr.accounting import AttemptReport, EttReport
+from ettr.accounting import AttemptReport, EttReport, counts_as_failure
 from ettr.constants import SECONDS_PER_DAY
 from ettr.events import Bucket, Event, EventKind, Outcome, Phase
 from ettr.simulate.model import ScriptedFault
@@ -112,12 +112,16 @@ def _per_attempt_rank_events(events: Sequence[Event], report: EttReport) -> dict
     return out
 
 
-def _phase_spans(events: Sequence[Event], phase: Phase) -> list[float]:
-    """Durations of the `phase` spans of one rank's events (PHASE_END carries its begin ts as `value`)."""
+def _phase_spans(events: Sequence[Event], phase: Phase, start_ts: float, end_ts: float) -> list[float]:
+    """Durations of the `phase` spans of one rank's events (PHASE_END carries its begin ts as `value`),
+    clipped to its attempt [start_ts, end_ts]: a damaged begin (-1e300) made a save block for 1e300 s and
+    the whole simulation 0% ETT."""
     spans = []
     for e in events:
         if e.kind is EventKind.PHASE_END and e.phase is phase and e.value is not None:
-            spans.append(max(0.0, e.ts - e.value))
+            if not (math.isfinite(e.value) and math.isfinite(e.ts)):
+                continue
+            spans.append(max(0.0, min(e.ts, end_ts) - max(e.value, start_ts)))
     return spans
 
 
@@ -148,27 +152,47 @@ def _save_costs(trained: Sequence[AttemptReport], by_attempt: dict[int, list[Eve
     waits = 0.0
     for a in trained:
         rank_events = by_attempt[a.index]
-        blocking += _phase_spans(rank_events, Phase.CHECKPOINT_BLOCKING)
-        persists += _phase_spans(rank_events, Phase.CHECKPOINT_PERSIST)
-        waits += sum(_phase_spans(rank_events, Phase.CHECKPOINT_WAIT))
+        window = (a.start_ts, a.end_ts)
+        blocking += _phase_spans(rank_events, Phase.CHECKPOINT_BLOCKING, *window)
+        persists += _phase_spans(rank_events, Phase.CHECKPOINT_PERSIST, *window)
+        waits += sum(_phase_spans(rank_events, Phase.CHECKPOINT_WAIT, *window))
     blocking_s = (sum(blocking) + waits) / len(blocking) if blocking else 0.0
     return blocking_s, (statistics.fmean(persists) if persists else 0.0)
 
 
+def _teardowns(report: EttReport) -> dict[int, float]:
+    """Each failed attempt followed by another: its teardown, from the failure instant to its end, which
+    the report books as `restart` (docs/buckets.md): the `restart` time booked to the attempt less the
+    relaunch gap before it (booked to it too)."""
+    out: dict[int, float] = {}
+    attempts = report.attempts
+    for i, a in enumerate(attempts):
+        if i + 1 == len(attempts) or not counts_as_failure(a.outcome) or a.outcome is Outcome.PREEMPTED:
+            continue
+        gap_before = 0.0 if i == 0 else max(0.0, a.start_ts - attempts[i - 1].end_ts)
+        out[a.index] = max(0.0, a.buckets_s[Bucket.RESTART] - gap_before)
+    return out
+
+
 def _script(
-    report: EttReport, last_step_ts: dict[int, float], step_s: float
+    report: EttReport, last_step_ts: dict[int, float], step_s: float, teardowns: dict[int, float]
 ) -> tuple[list[ScriptedFault], list[float]]:
-    """The job's interruptions as a replay script, and the detection tail of each failure."""
+    """The job's interruptions as a replay script, and the detection tail of each failure (last step to the
+    failure; its teardown goes with the relaunch gap, `restart`, as the report books it)."""
     script: list[ScriptedFault] = []
     tails: list[float] = []
     for a in report.attempts:
-        if a.outcome is Outcome.COMPLETED:
+        # A completed attempt is no interruption, and neither is one that has not ended (a job still running,
+        # or its supervisor lost): the report counts no failure for it, and its steps so far are kept.
+        if not counts_as_failure(a.outcome):
             continue
         preempted = a.outcome is Outcome.PREEMPTED
         if a.index not in last_step_ts:
-            script.append(ScriptedFault(preemption=preempted, in_startup=True, after_s=a.duration_s))
+            after_s = a.duration_s - min(teardowns.get(a.index, 0.0), a.duration_s)
+            script.append(ScriptedFault(preemption=preempted, in_startup=True, after_s=after_s))
             continue
         tail = max(0.0, a.end_ts - last_step_ts[a.index])
+        tail -= min(teardowns.get(a.index, 0.0), tail)
         done_steps = (a.last_step or 0) - (a.resumed_from_step or 0)
         saved = preempted and any(
             c.attempt == a.index and c.step == a.last_step for c in report.checkpoint_commits
@@ -184,18 +208,22 @@ def _script(
                 saved_on_exit=saved,
             )
         )
-    if script and report.attempts[-1].outcome is not Outcome.COMPLETED:
+    if script and counts_as_failure(report.attempts[-1].outcome):
         script[-1] = replace(script[-1], ends_job=True)
     return script, tails
 
 
-def _gaps(report: EttReport) -> tuple[list[float], list[float]]:
-    """End of an attempt to the start of the next: after failures, and after preemptions (requeues)."""
+def _gaps(report: EttReport, teardowns: dict[int, float]) -> tuple[list[float], list[float]]:
+    """End of an attempt to the start of the next: after failures (with the failed attempt's teardown), and
+    after preemptions (requeues)."""
     after_failure: list[float] = []
     after_preemption: list[float] = []
     for prev, nxt in zip(report.attempts, report.attempts[1:], strict=False):
         gap = max(0.0, nxt.start_ts - prev.end_ts)
-        (after_preemption if prev.outcome is Outcome.PREEMPTED else after_failure).append(gap)
+        if prev.outcome is Outcome.PREEMPTED:
+            after_preemption.append(gap)
+        else:
+            after_failure.append(gap + teardowns.get(prev.index, 0.0))
     return after_failure, after_preemption
 
 
@@ -217,8 +245,9 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
     if restart_startup is None:
         restart_startup = first_startup
         notes.append("no later attempt trained: restarts assumed to start up like the first attempt")
-    gaps_fail, gaps_preempt = _gaps(report)
-    script, tails = _script(report, last_step_ts, step_s)
+    teardowns = _teardowns(report)
+    gaps_fail, gaps_preempt = _gaps(report, teardowns)
+    script, tails = _script(report, last_step_ts, step_s, teardowns)
     wall_days = report.wall_s / SECONDS_PER_DAY if report.wall_s > 0 else 0.0
     num_preempted = sum(1 for a in report.attempts if a.outcome is Outcome.PREEMPTED)
     num_failed = report.num_failures - num_preempted

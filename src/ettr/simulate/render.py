@@ -22,6 +22,15 @@ def _dur(seconds: float | None) -> str:
     return f"{seconds:.2f} s"
 
 
+def _ci_note(s: Summary) -> list[str]:
+    if s.ett_ci_method != "bound":
+        return []
+    return [
+        f"  (the CI is a bound: {s.interrupted_runs} of {s.num_runs} runs saw a failure, too few to estimate "
+        "what one costs; more --runs narrow it)"
+    ]
+
+
 def render_summary(s: Summary, *, title: str) -> str:
     lo, hi = s.ett_pct_ci95
     band_lo, band_hi = s.ett_pct_p95_band
@@ -29,6 +38,7 @@ def render_summary(s: Summary, *, title: str) -> str:
         title,
         f"  ETT {s.ett_pct:.2f}%  (95% CI of the mean {lo:.2f}-{hi:.2f}; 95% of runs {band_lo:.2f}-{band_hi:.2f};"
         f" {s.num_runs} run{'s' if s.num_runs != 1 else ''})",
+        *_ci_note(s),
         f"  checkpoint interval {_dur(s.interval_s)}; {s.gpus} GPUs; wall {_dur(s.wall_s)}; "
         f"failures {s.num_failures_mean:.2f} (of which preemptions {s.num_preemptions_mean:.2f}); "
         f"TTS {_dur(s.tts_s_mean)}; mean TTR {_dur(s.mean_ttr_s)}",
