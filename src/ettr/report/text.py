@@ -217,8 +217,13 @@ def _seconds(value: float | None) -> str:
 
 
 def _step_s(value: float | None) -> str:
-    """Seconds per step for a table column: `0.049`, `1.000`, `12.3`; `-` when unknown."""
-    return "-" if value is None else f"{value:.3f}" if value < 10 else f"{value:.1f}"
+    """Seconds per step for a table column: `0.049`, `1.000`, `12.3`, `0.00012` (a step under 0.5 ms, which
+    three decimals showed as `0.000`); `-` when unknown."""
+    if value is None:
+        return "-"
+    if 0 < value < 0.0005:
+        return f"{value:.2g}"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
 
 
 def _dash(value: Any) -> str:
