@@ -184,7 +184,7 @@ class Side:
 BASELINE = Side(
     name="baseline", ckpt_mode="sync", overlap_startup=False, compile_store="save", publish="inside"
 )
-"""The plain job. It runs first, and leaves its compile artifacts in the store: it is the optimized
+"""The plain job. It starts first, and leaves its compile artifacts in the store: it is the optimized
 side's earlier job of the same model."""
 OPTIMIZED = Side(
     name="optimized",
@@ -544,7 +544,7 @@ def say_store(store: Path, display: ProgressDisplay) -> None:
     found = store_entries(store)
     kept = f"{found} entries from earlier demos" if found else "empty"
     display.note(
-        f"compile store: {store} ({kept}). The baseline runs first and compiles cold in every attempt; what "
+        f"compile store: {store} ({kept}). The baseline starts first and compiles cold in every attempt; what "
         "it compiles is saved there (never restored by it). The optimized side restores it: the artifacts "
         "of an earlier job of the same model, as a fleet's store holds them"
     )
@@ -601,7 +601,8 @@ def _main(args: argparse.Namespace) -> int:
             f"baseline {_cpu_list(halves[0])}, optimized {_cpu_list(halves[1])}): whatever else this machine "
             "runs meanwhile slows both alike"
             + (
-                "; the optimized side starts once the baseline's compile artifacts are in the store"
+                "; the optimized side starts once the compile store holds this model's artifacts (an earlier "
+                "demo's, or the baseline's first compile)"
                 if workload.compile
                 else ""
             )
