@@ -143,7 +143,7 @@ def _places(
     every = [os.fspath(d) for d in (asked or run_dirs)]
     places = run_logdirs(logdir, run_labels(every))
     chosen, i = [], 0
-    for run_dir in map(os.fspath, run_dirs):  # read in the order asked: a subsequence of `every`
+    for run_dir in [os.fspath(d) for d in run_dirs]:  # read in the order asked: a subsequence of `every`
         while i < len(every) and every[i] != run_dir:
             i += 1
         if i == len(every):  # not among those asked after all: placed among the ones read only
