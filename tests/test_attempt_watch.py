@@ -207,7 +207,9 @@ def test_the_restart_policy() -> None:
     cannot_start = policy.decide(ended(Outcome.FAILED, progress=False))
     assert cannot_start.wait_s == 0.5
     second = policy.decide(ended(Outcome.HUNG, attempt=1), history=[ended(Outcome.FAILED)])
-    assert (second.restart, second.wait_s) == (True, 1.0)
+    assert (second.restart, second.wait_s) == (True, 0.0)  # it trained on (step 20 > 10): at once again
+    stuck = policy.decide(ended(Outcome.HUNG, attempt=1, step=10), history=[ended(Outcome.FAILED)])
+    assert (stuck.restart, stuck.wait_s) == (True, 1.0)  # no new step: doubling
     history = [ended(Outcome.FAILED), ended(Outcome.HUNG, attempt=1)]
     out = policy.decide(ended(Outcome.FAILED, attempt=2), history=history)
     assert (out.restart, out.exit_status, out.why) == (False, 1, "no restarts left")
