@@ -36,7 +36,8 @@ order:
    Doubling is per restart in a row that reached no new step (rule 3's count), up to `max_backoff_s`: an
    attempt that trained past the furthest step before it resets it. Until 2026-12-04 it was per restart the
    job had used, so a long job's every failure after its 7th waited 30 s however long it had trained since
-   (soak: 30 s before each of restarts 8-40 of a 2-rank job killed every 25-50 s).
+   (soak, a 2-rank job killed every 25-50 s, each attempt training on: 0, 1, 2, 4, 8, 16 s, then 30 s before
+   every later restart).
 
 Exit statuses and what a scheduler should do with each: docs/supervisor.md, "Exit statuses".
 """
