@@ -130,6 +130,18 @@ def test_back_off_follows_the_cause() -> None:
         ({"outcome": "failed", "signal": "SIGKILL", "oom": True}, True, Cause.INFRA, Detail.OOM_KILLED),
         ({"outcome": "failed", "signal": "SIGKILL"}, True, Cause.INFRA, Detail.PROCESS_LOST),
         ({"outcome": "failed", "exception": "DistBackendError"}, True, Cause.INFRA, Detail.COLLECTIVE),
+        (  # ettr.resilient's rendezvous: a peer never joined (SIGSTOPped in its start-up in a soak): not user's
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "reason": "exit status 1 (rank 1)",
+                "exception": "RendezvousTimeout",
+                "message": "generation 7: 1 of 2 ranks joined in 120 s",
+            },
+            False,
+            Cause.INFRA,
+            Detail.COLLECTIVE,
+        ),
         (  # rank 0 SIGKILLed (an OOM-like kill): rank 1's connection error is its consequence
             {
                 "outcome": "failed",

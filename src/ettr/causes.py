@@ -82,6 +82,10 @@ _COLLECTIVE_EXCEPTIONS = frozenset(
         "RendezvousTimeoutError",
         "RendezvousStateError",
         "NcclError",
+        # ettr.resilient's own: not every rank joined the next generation in time (a peer hung or died in
+        # its start-up). A soak's SIGSTOPped rank 0 read `user (startup)` from rank 1's timeout, and two in a
+        # row would have stopped the job as "the same failure twice before the first step".
+        "RendezvousTimeout",
     }
 )
 # Not `BrokenPipeError`/`ConnectionResetError` by their names: the distributed runtime raises its own types,
