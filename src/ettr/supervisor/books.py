@@ -322,7 +322,7 @@ class JobBooks:
         """The training processes' events of `attempt`. While the books cannot be read (a ledger server
         outage), what this job's processes spilled in the run directory: the attempt's FAILURE is there."""
         try:
-            events = self.read()
+            return self._writer().read_attempt(attempt)  # not the whole job's millions of steps
         except Exception:
             events = self._spilled()
         return [e for e in events if e.attempt == attempt and e.rank >= 0]
