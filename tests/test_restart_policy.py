@@ -130,6 +130,16 @@ def test_back_off_follows_the_cause() -> None:
         ({"outcome": "failed", "signal": "SIGKILL", "oom": True}, True, Cause.INFRA, Detail.OOM_KILLED),
         ({"outcome": "failed", "signal": "SIGKILL"}, True, Cause.INFRA, Detail.PROCESS_LOST),
         ({"outcome": "failed", "exception": "DistBackendError"}, True, Cause.INFRA, Detail.COLLECTIVE),
+        (  # Ctrl-C to `ettr run` (a soak's SIGINT): a person stopped it, no infra fault
+            {
+                "outcome": "interrupted",
+                "signal": "SIGINT",
+                "reason": "interrupted (SIGINT forwarded to the job); killed by SIGINT",
+            },
+            True,
+            Cause.PREEMPTION,
+            Detail.PREEMPTED,
+        ),
         (  # ettr.resilient's rendezvous: a peer never joined (SIGSTOPped in its start-up in a soak): not user's
             {
                 "outcome": "failed",

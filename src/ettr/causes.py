@@ -9,7 +9,7 @@ detail (what happened: the closed `Detail` set). The rules, first match wins:
 
 | # | evidence                                                                      | cause      | detail             |
 |---|-------------------------------------------------------------------------------|------------|--------------------|
-| 1 | outcome `preempted` (SIGTERM/SIGINT from the supervisor, a scheduler, an operator) | preemption | preempted     |
+| 1 | outcome `preempted` (SIGTERM/SIGINT from the supervisor, a scheduler, an operator), or `interrupted` (a person's Ctrl-C to `ettr run`) | preemption | preempted |
 | 2 | outcome `hung` (the watchdog saw no progress within the bound for its phase)  | hang       | hung               |
 | 3 | SIGKILL while the cgroup's `oom_kill` counter rose (the kernel's OOM killer)   | infra      | oom_killed         |
 | 4 | any other SIGKILL of the failed process (from outside: what its peers then say of the broken connection is its consequence) | infra | process_lost |
@@ -135,9 +135,11 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
         trained: a training process of the attempt completed a step.
     """
     reason = _text(failure.get("reason"))
-    if outcome is Outcome.PREEMPTED:
+    if outcome in (Outcome.PREEMPTED, Outcome.INTERRUPTED):
+        # Stopped from outside by asking, not a fault. A Ctrl-C to `ettr run` read `infra (process_lost):
+        # killed by SIGINT (a signal from outside the training code)`: the fleet's infra failures counted it.
         return Diagnosis(
-            cause=Cause.PREEMPTION, detail=Detail.PREEMPTED, evidence=reason or "outcome preempted"
+            cause=Cause.PREEMPTION, detail=Detail.PREEMPTED, evidence=reason or f"outcome {outcome.value}"
         )
     if outcome is Outcome.HUNG:
         return Diagnosis(cause=Cause.HANG, detail=Detail.HUNG, evidence=reason or "outcome hung")
