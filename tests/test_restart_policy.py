@@ -130,6 +130,33 @@ def test_back_off_follows_the_cause() -> None:
         ({"outcome": "failed", "signal": "SIGKILL", "oom": True}, True, Cause.INFRA, Detail.OOM_KILLED),
         ({"outcome": "failed", "signal": "SIGKILL"}, True, Cause.INFRA, Detail.PROCESS_LOST),
         ({"outcome": "failed", "exception": "DistBackendError"}, True, Cause.INFRA, Detail.COLLECTIVE),
+        (  # a rank died of SIGSEGV; the tail's reset is ettr's line about the in-place restart before it
+            {
+                "outcome": "failed",
+                "exit_code": 139,
+                "signal": "SIGSEGV",
+                "reason": "killed by SIGSEGV (rank 1)",
+                "stderr_tail": [
+                    "ettr: generation 2 failed on rank 1 (RuntimeError: [pair.cc:537] Read error "
+                    "[127.0.0.1]:48020: Connection reset by peer. ...); restarting in place",
+                    "[rank0]:ettr: checkpoint of step 3660 failed (RuntimeError: Connection reset by peer)",
+                ],
+            },
+            True,
+            Cause.INFRA,
+            Detail.PROCESS_LOST,
+        ),
+        (  # NCCL's watchdog aborts the process: its own words name the collective
+            {
+                "outcome": "failed",
+                "signal": "SIGABRT",
+                "reason": "killed by SIGABRT (rank 0)",
+                "stderr_tail": ["[rank0]: Watchdog caught collective operation timeout: WorkNCCL(...)"],
+            },
+            True,
+            Cause.INFRA,
+            Detail.COLLECTIVE,
+        ),
         (  # Ctrl-C to `ettr run` (a soak's SIGINT): a person stopped it, no infra fault
             {
                 "outcome": "interrupted",

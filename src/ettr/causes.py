@@ -27,6 +27,7 @@ A SIGKILL whose cgroup counter did not rise (or cannot be read: no cgroup v2, a 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -114,6 +115,17 @@ _SUPERVISOR_LOST = (
 )
 
 
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s*")
+
+
+def _narrated(line: str) -> bool:
+    """A line of ettr's own narration (`ettr: generation 2 failed on rank 1 (... Connection reset by peer);
+    restarting in place`, `ettr: checkpoint of step 3660 failed (...)`): an earlier failure ettr handled and
+    quotes, not evidence of this one. A soak's rank killed by SIGSEGV read `collective` from the in-place line
+    of the kill before it, which the surviving rank had written into the same stream."""
+    return _RANK_PREFIX.sub("", line.lstrip(), count=1).startswith("ettr: ")
+
+
 def is_collective_error(exception: str | None, message: str | None) -> bool:
     """Whether a process's exception is what the distributed runtime raises when a peer is gone or a
     collective broke (`DistBackendError`, gloo's "Connection closed by peer", a watchdog timeout): the
@@ -171,7 +183,7 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
             cause=Cause.INFRA, detail=Detail.COLLECTIVE, evidence=f"distributed runtime exception {exception}"
         )
     tail = failure.get("stderr_tail")
-    texts = [str(line) for line in tail] if isinstance(tail, list | tuple) else []
+    texts = [str(line) for line in tail if not _narrated(str(line))] if isinstance(tail, list | tuple) else []
     if isinstance(process, Mapping) and process.get("message"):
         texts.append(str(process["message"]))
     own = _text(failure.get("message"))
