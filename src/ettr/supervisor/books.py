@@ -272,14 +272,17 @@ class JobBooks:
             time.sleep(pause_s)
             pause_s = min(2.0, pause_s * 2)
 
-    def record_unrecorded_steps(self, attempt: int, events: Sequence[Event]) -> list[Event]:
+    def record_unrecorded_steps(
+        self, attempt: int, events: Sequence[Event], *, since: float | None = None
+    ) -> list[Event]:
         """After `attempt`'s processes are gone: record the steps they took but died before writing (a SIGKILL,
         a SIGTERM without a handler; `ettr.steptail`), as their ranks' STEP events at the times they were
-        taken. `events`: the attempt's training events in the books. Returns what it recorded. Never raises."""
+        taken. `events`: the attempt's events in the books; `since`: when it began (`tail_events`). Returns
+        what it recorded. Never raises."""
         if not self.keeps_job_events:
             return []
         try:
-            found = tail_events(self.run_dir, attempt, events)
+            found = tail_events(self.run_dir, attempt, events, since=since)
             if not found:
                 return []
             self._writer().append(found)

@@ -208,7 +208,7 @@ class AttemptRunner:
                 p.guard.forget(running.pids)
         oom_after = oom_kill_count()
         events = books.attempt_events(attempt)
-        events += books.record_unrecorded_steps(attempt, events)
+        events += books.record_unrecorded_steps(attempt, events, since=started)
         self._learned.add(events)
         end = classify(
             returncode=state.returncode,
