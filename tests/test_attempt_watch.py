@@ -41,6 +41,7 @@ from ettr.supervisor.watch import (
     Tick,
     WatchConfig,
 )
+from ettr.supervisor.watchdog import STARTUP
 
 TERM, KILL, USR1 = int(signal.SIGTERM), int(signal.SIGKILL), int(signal.SIGUSR1)
 WATCH = AttemptWatch(WatchConfig(grace_s=10.0, hang_kill_grace_s=3.0, flush_window_s=0.6))
@@ -207,7 +208,9 @@ def test_the_restart_policy() -> None:
     cannot_start = policy.decide(ended(Outcome.FAILED, progress=False))
     assert cannot_start.wait_s == 0.5
     second = policy.decide(ended(Outcome.HUNG, attempt=1), history=[ended(Outcome.FAILED)])
-    assert (second.restart, second.wait_s) == (True, 1.0)
+    assert (second.restart, second.wait_s) == (True, 0.0)  # it trained on (step 20 > 10): at once again
+    stuck = policy.decide(ended(Outcome.HUNG, attempt=1, step=10), history=[ended(Outcome.FAILED)])
+    assert (stuck.restart, stuck.wait_s) == (True, 1.0)  # no new step: doubling
     history = [ended(Outcome.FAILED), ended(Outcome.HUNG, attempt=1)]
     out = policy.decide(ended(Outcome.FAILED, attempt=2), history=history)
     assert (out.restart, out.exit_status, out.why) == (False, 1, "no restarts left")
@@ -375,10 +378,11 @@ def runner_for(
     clock: FakeClock,
     signals: FakeSignals,
     kind: FakeKind | None = None,
+    ledger: ActiveLedger | None = None,
     **config: Any,
 ) -> tuple[AttemptRunner, ActiveLedger, FakeKind]:
     cfg = RunConfig(command=("python", "train.py"), run_dir=str(tmp_path), **config)
-    ledger = ActiveLedger()
+    ledger = ActiveLedger() if ledger is None else ledger
     books = JobBooks(cfg, run_dir=tmp_path, job_id="j", family="train", ledger=ledger)
     kind = kind or FakeKind(attempt)
     parts = AttemptParts(
@@ -419,6 +423,39 @@ def test_the_runner_books_a_completed_attempt(tmp_path: Path) -> None:
         "path": "cold",
         "why": "the first attempt this supervisor started",
     }
+
+
+class CountingLedger(ActiveLedger):
+    """Counts the reads of the whole books."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.whole_reads = 0
+
+    def read(self) -> list[Event]:
+        self.whole_reads += 1
+        return super().read()
+
+    def read_attempt(self, attempt: int) -> list[Event]:
+        return [e for e in super().read() if e.attempt == attempt and e.rank >= 0]
+
+
+def test_a_restart_does_not_read_the_whole_books(tmp_path: Path) -> None:
+    """A long job's books hold millions of steps; the supervisor read them whole at each attempt's end and
+    again before each attempt (its hang bounds): 22 s and 330 MB per restart at a million events. Now: one
+    attempt's events at its end, and the whole books once, for the bounds an earlier run taught."""
+    clock, ledger = FakeClock(), CountingLedger()
+    fake = FakeAttempt(clock, exits_at=1005.0)
+    runner, _, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock), ledger=ledger)
+    started = [Event(EventKind.PROCESS_START, 100.0, 0, 0), Event(EventKind.STEP, 110.0, 0, 0, step=1)]
+    ledger.append([*started, Event(EventKind.ATTEMPT_START, 99.0, 0, -1)])
+    assert runner._hang_bounds().learned_s == {STARTUP: 3 * 10.0}  # a requeue: what the earlier run taught
+    later = [Event(EventKind.PROCESS_START, 200.0, 1, 1), Event(EventKind.STEP, 240.0, 1, 1, step=2)]
+    ledger.append([*later, Event(EventKind.STEP, 241.0, 2, 0, step=3)])
+    assert runner.parts.books.attempt_events(1) == later
+    runner._learned.add(later)
+    assert runner._hang_bounds().learned_s == {STARTUP: 3 * 40.0}  # the longest start-up of any attempt
+    assert ledger.whole_reads == 1
 
 
 def test_the_next_attempts_standby_is_prepared_once_while_restarts_remain(tmp_path: Path) -> None:

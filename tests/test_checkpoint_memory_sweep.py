@@ -13,7 +13,7 @@ import torch
 
 from ettr.checkpoint.memory import MemoryCopies
 from ettr.checkpoint.snapshot import Binding
-from ettr.memory_sweep import LEASE_SCHEMA, Lease, keepers_of_this_process, sweep
+from ettr.memory_sweep import LEASE_SCHEMA, Lease, boot_id, keepers_of_this_process, sweep, write_lease
 
 BOOT = "boot-a"
 LIVE = {101, 202}
@@ -143,3 +143,32 @@ def test_ettr_runs_own_imports_never_load_torch(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_replaced_ranks_lease_goes_once_its_replacement_leaves_its_own(tmp_path: Path) -> None:
+    """Each restart of a supervised job replaces its ranks, and each new rank leaves a lease; the dead rank's
+    lease, held by the supervisor that still runs, was kept until the job's end: one more per replaced rank
+    (a soak: 9 after 7 restarts of 2 ranks). A new lease removes those it makes redundant, and no other."""
+    directory = tmp_path / "ckpt-x"
+    directory.mkdir()
+    me = os.getpid()
+    supervisor = os.getppid()  # a process that runs, standing for the job's `ettr run`
+    keepers = {k[0]: k for k in keepers_of_this_process({"ETTR_SUPERVISOR_PID": str(supervisor)})}
+
+    def lease_file(name: str, *pids: int, boot: str | None = None) -> None:
+        ticks = [list(keepers.get(pid, (pid, 7))) for pid in pids]
+        payload = {"schema": LEASE_SCHEMA, "boot_id": boot_id() if boot is None else boot, "keepers": ticks}
+        (directory / name).write_text(json.dumps(payload))
+
+    def alive(pid: int, ticks: int | None) -> bool:
+        return pid in (me, supervisor, 4242)
+
+    lease_file("lease-998-1", 998, supervisor)  # a rank killed two restarts ago
+    lease_file("lease-997-1", 997, supervisor)  # its replacement, killed in turn
+    lease_file("lease-4242-1", 4242, supervisor)  # the other rank, alive: its lease stays
+    lease_file("lease-996-1", 996, 5151)  # a dead process of another job's keeper (dead too): not held
+    lease_file("lease-995-1", 995, 4343, boot="another-boot")  # another boot: held by nobody
+    lease_file("lease-994-1", 994, 4242)  # dead, but kept by a live process this lease does not name
+    write_lease(directory, {"ETTR_SUPERVISOR_PID": str(supervisor)}, alive=alive)
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == sorted(["lease-4242-1", "lease-994-1", f"lease-{me}-{keepers[me][1] or 0}"])

@@ -52,6 +52,8 @@ def test_every_local_backend_answers_what_callers_need(tmp_path, backend):
     ]
     ledger.append(events)
     assert ledger.read_supervisor() == [events[0], events[3], events[4]]
+    assert ledger.read_attempt(0) == [events[1], events[2]]  # training processes only, this attempt's
+    assert ledger.read_attempt(1) == [] and ledger.read_attempt(7) == []
     assert ledger.last_activity(0) == 3.5  # training processes only: not the supervisor's ATTEMPT_END
     assert ledger.last_activity(1) is None
     assert ledger.health() == LedgerHealth() and not ledger.health().pending

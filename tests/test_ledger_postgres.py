@@ -63,6 +63,8 @@ def test_last_activity_sees_only_training_processes(postgres_url):
     ledger.append([Event(EventKind.STEP, 7.0, 1, 2, step=2)])
     assert ledger.last_activity(0) == 5.0
     assert ledger.last_activity(1) == 7.0
+    assert [e.step for e in ledger.read_attempt(0)] == [1] and [e.step for e in ledger.read_attempt(1)] == [2]
+    assert PostgresLedger(postgres_url, job_id="other", create=True).read_attempt(0) == []  # its job's only
     ledger.close()
 
 

@@ -54,6 +54,9 @@ class FakeServer:
     def read_supervisor(self) -> list[Event]:
         return [e for e in self.read() if e.rank < 0]
 
+    def read_attempt(self, attempt: int) -> list[Event]:
+        return [e for e in self.read() if e.attempt == attempt and e.rank >= 0]
+
     def last_activity(self, attempt: int) -> float | None:
         self._check()
         found = [r.event.ts for r in self.rows.values() if r.event.attempt == attempt and r.event.rank >= 0]

@@ -124,3 +124,11 @@ def test_the_topmost_handlers_are_the_training_processes_not_their_forked_worker
     assert found == [2, 4, 5]
     # a handler whose parent is not among the attempt's processes (the supervisor's child) is topmost
     assert procs.topmost_handlers([3], signal.SIGUSR1, handles=lambda p, s: True, parent_of=parent.get) == [3]
+
+
+def test_libc_prctl_is_resolved_once() -> None:
+    """The supervisor resolves it before every process it starts; each `ctypes.CDLL` made a new class (a soak's
+    tracemalloc showed it growing with the restarts)."""
+    from ettr.procs import libc_prctl
+
+    assert libc_prctl() is libc_prctl()

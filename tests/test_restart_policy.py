@@ -120,7 +120,8 @@ def test_back_off_follows_the_cause() -> None:
     assert POLICY.decide(oom).wait_s == 0.5  # the kernel's OOM killer: memory may come free
     lost = attempt(0, classify(returncode=-signal.SIGKILL), last_step=5)
     assert lost.diagnosis.detail is Detail.PROCESS_LOST and POLICY.decide(lost).wait_s == 0.0
-    assert POLICY.decide(crash(1, 20), history=[crash(0, 10)]).wait_s == 1.0  # doubling per restart used
+    assert POLICY.decide(crash(1, 20), history=[crash(0, 10)]).wait_s == 0.0  # it trained on: at once again
+    assert POLICY.decide(crash(1, 10), history=[crash(0, 10)]).wait_s == 1.0  # no new step: it waits
 
 
 @pytest.mark.parametrize(
@@ -129,6 +130,55 @@ def test_back_off_follows_the_cause() -> None:
         ({"outcome": "failed", "signal": "SIGKILL", "oom": True}, True, Cause.INFRA, Detail.OOM_KILLED),
         ({"outcome": "failed", "signal": "SIGKILL"}, True, Cause.INFRA, Detail.PROCESS_LOST),
         ({"outcome": "failed", "exception": "DistBackendError"}, True, Cause.INFRA, Detail.COLLECTIVE),
+        (  # a rank died of SIGSEGV; the tail's reset is ettr's line about the in-place restart before it
+            {
+                "outcome": "failed",
+                "exit_code": 139,
+                "signal": "SIGSEGV",
+                "reason": "killed by SIGSEGV (rank 1)",
+                "stderr_tail": [
+                    "ettr: generation 2 failed on rank 1 (RuntimeError: [pair.cc:537] Read error "
+                    "[127.0.0.1]:48020: Connection reset by peer. ...); restarting in place",
+                    "[rank0]:ettr: checkpoint of step 3660 failed (RuntimeError: Connection reset by peer)",
+                ],
+            },
+            True,
+            Cause.INFRA,
+            Detail.PROCESS_LOST,
+        ),
+        (  # NCCL's watchdog aborts the process: its own words name the collective
+            {
+                "outcome": "failed",
+                "signal": "SIGABRT",
+                "reason": "killed by SIGABRT (rank 0)",
+                "stderr_tail": ["[rank0]: Watchdog caught collective operation timeout: WorkNCCL(...)"],
+            },
+            True,
+            Cause.INFRA,
+            Detail.COLLECTIVE,
+        ),
+        (  # Ctrl-C to `ettr run` (a soak's SIGINT): a person stopped it, no infra fault
+            {
+                "outcome": "interrupted",
+                "signal": "SIGINT",
+                "reason": "interrupted (SIGINT forwarded to the job); killed by SIGINT",
+            },
+            True,
+            Cause.PREEMPTION,
+            Detail.PREEMPTED,
+        ),
+        (  # ettr.resilient's rendezvous: a peer never joined (SIGSTOPped in its start-up in a soak): not user's
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "reason": "exit status 1 (rank 1)",
+                "exception": "RendezvousTimeout",
+                "message": "generation 7: 1 of 2 ranks joined in 120 s",
+            },
+            False,
+            Cause.INFRA,
+            Detail.COLLECTIVE,
+        ),
         (  # rank 0 SIGKILLed (an OOM-like kill): rank 1's connection error is its consequence
             {
                 "outcome": "failed",
@@ -264,3 +314,20 @@ def test_the_books_history_reads_what_earlier_invocations_recorded() -> None:
     assert restarts_used(history) == 1  # the preemption is not counted
     again = POLICY.decide(cannot_open(3), history=history[:2])
     assert again.exit_status == EXIT_HOPELESS  # the same start-up failure, one invocation later
+
+
+def test_back_off_doubles_per_restart_that_reached_no_new_step_not_per_restart_used() -> None:
+    # A long job that failed 40 times, each attempt training past the furthest step before it: every restart
+    # at once (it used to wait 0.5 s doubling per restart used: 30 s before each restart from the 8th on).
+    policy = RestartPolicy(max_restarts=100)
+    history = [crash(i, 10 * (i + 1)) for i in range(40)]
+    for i in range(1, 40):
+        assert policy.decide(history[i], history=history[:i]).wait_s == 0.0
+    # A restart that reached no new step waits, and the wait doubles while the restarts do not train on.
+    stuck = RestartPolicy(max_restarts=100, max_restarts_without_progress=0)
+    stalled = [*history, crash(40, 1000), crash(41, 1000), crash(42, 1000)]
+    assert stuck.decide(stalled[40], history=stalled[:40]).wait_s == 0.0  # step 1000: new
+    assert stuck.decide(stalled[41], history=stalled[:41]).wait_s == 1.0
+    assert stuck.decide(stalled[42], history=stalled[:42]).wait_s == 2.0
+    # Training on again resets it.
+    assert stuck.decide(crash(43, 1001), history=stalled).wait_s == 0.0

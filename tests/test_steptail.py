@@ -210,3 +210,17 @@ def test_a_step_tail_on_a_really_full_tmpfs_does_not_kill_the_process(tmp_path: 
         assert done.stdout.split() == ["alive", "True"]
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_a_process_that_died_before_its_first_flush_keeps_its_steps(tmp_path: Path) -> None:
+    """It wrote nothing to the books (no PROCESS_START, no STEP: its recorder flushes every 0.5 s) and its
+    tail's steps were dropped as taken "before its attempt began" (no event of the attempt to date it from):
+    the attempt read `user (startup)`, its progress lost. The supervisor gives the attempt's start."""
+    start = time.time() - 5.0
+    tail = StepTail(tail_path(tmp_path, rank=0, pid=12))
+    for step in (201, 202, 203):
+        tail.note(6, step)
+    assert tail_events(tmp_path, 6, []) == []  # nothing to date the attempt from: no step, as before
+    found = tail_events(tmp_path, 6, [], since=start)
+    assert [(e.step, e.rank, e.attempt) for e in found] == [(201, 0, 6), (202, 0, 6), (203, 0, 6)]
+    assert tail_events(tmp_path, 6, [], since=time.time() + 60.0) == []  # taken before it began: no step

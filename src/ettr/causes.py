@@ -9,7 +9,7 @@ detail (what happened: the closed `Detail` set). The rules, first match wins:
 
 | # | evidence                                                                      | cause      | detail             |
 |---|-------------------------------------------------------------------------------|------------|--------------------|
-| 1 | outcome `preempted` (SIGTERM/SIGINT from the supervisor, a scheduler, an operator) | preemption | preempted     |
+| 1 | outcome `preempted` (SIGTERM/SIGINT from the supervisor, a scheduler, an operator), or `interrupted` (a person's Ctrl-C to `ettr run`) | preemption | preempted |
 | 2 | outcome `hung` (the watchdog saw no progress within the bound for its phase)  | hang       | hung               |
 | 3 | SIGKILL while the cgroup's `oom_kill` counter rose (the kernel's OOM killer)   | infra      | oom_killed         |
 | 4 | any other SIGKILL of the failed process (from outside: what its peers then say of the broken connection is its consequence) | infra | process_lost |
@@ -27,6 +27,7 @@ A SIGKILL whose cgroup counter did not rise (or cannot be read: no cgroup v2, a 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -82,6 +83,10 @@ _COLLECTIVE_EXCEPTIONS = frozenset(
         "RendezvousTimeoutError",
         "RendezvousStateError",
         "NcclError",
+        # ettr.resilient's own: not every rank joined the next generation in time (a peer hung or died in
+        # its start-up). A soak's SIGSTOPped rank 0 read `user (startup)` from rank 1's timeout, and two in a
+        # row would have stopped the job as "the same failure twice before the first step".
+        "RendezvousTimeout",
     }
 )
 # Not `BrokenPipeError`/`ConnectionResetError` by their names: the distributed runtime raises its own types,
@@ -110,6 +115,17 @@ _SUPERVISOR_LOST = (
 )
 
 
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s*")
+
+
+def _narrated(line: str) -> bool:
+    """A line of ettr's own narration (`ettr: generation 2 failed on rank 1 (... Connection reset by peer);
+    restarting in place`, `ettr: checkpoint of step 3660 failed (...)`): an earlier failure ettr handled and
+    quotes, not evidence of this one. A soak's rank killed by SIGSEGV read `collective` from the in-place line
+    of the kill before it, which the surviving rank had written into the same stream."""
+    return _RANK_PREFIX.sub("", line.lstrip(), count=1).startswith("ettr: ")
+
+
 def is_collective_error(exception: str | None, message: str | None) -> bool:
     """Whether a process's exception is what the distributed runtime raises when a peer is gone or a
     collective broke (`DistBackendError`, gloo's "Connection closed by peer", a watchdog timeout): the
@@ -131,9 +147,11 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
         trained: a training process of the attempt completed a step.
     """
     reason = _text(failure.get("reason"))
-    if outcome is Outcome.PREEMPTED:
+    if outcome in (Outcome.PREEMPTED, Outcome.INTERRUPTED):
+        # Stopped from outside by asking, not a fault. A Ctrl-C to `ettr run` read `infra (process_lost):
+        # killed by SIGINT (a signal from outside the training code)`: the fleet's infra failures counted it.
         return Diagnosis(
-            cause=Cause.PREEMPTION, detail=Detail.PREEMPTED, evidence=reason or "outcome preempted"
+            cause=Cause.PREEMPTION, detail=Detail.PREEMPTED, evidence=reason or f"outcome {outcome.value}"
         )
     if outcome is Outcome.HUNG:
         return Diagnosis(cause=Cause.HANG, detail=Detail.HUNG, evidence=reason or "outcome hung")
@@ -165,7 +183,7 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
             cause=Cause.INFRA, detail=Detail.COLLECTIVE, evidence=f"distributed runtime exception {exception}"
         )
     tail = failure.get("stderr_tail")
-    texts = [str(line) for line in tail] if isinstance(tail, list | tuple) else []
+    texts = [str(line) for line in tail if not _narrated(str(line))] if isinstance(tail, list | tuple) else []
     if isinstance(process, Mapping) and process.get("message"):
         texts.append(str(process["message"]))
     own = _text(failure.get("message"))

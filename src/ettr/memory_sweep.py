@@ -120,15 +120,28 @@ class Lease:
             return False
         return any(alive(pid, ticks) for pid, ticks in self.keepers)
 
+    def covered_by(self, other: Lease, alive: Alive) -> bool:
+        """Whether this lease keeps nothing `other` does not: of the same boot, and each of its keepers that
+        still runs is one of `other`'s (a dead rank's lease beside its replacement's, both naming the same
+        `ettr run` supervisor)."""
+        return self.boot_id == other.boot_id and all(
+            keeper in other.keepers or not alive(*keeper) for keeper in self.keepers
+        )
+
 
 def lease_name(pid: int | None = None) -> str:
     pid = os.getpid() if pid is None else pid
     return f"{LEASE_PREFIX}{pid}-{start_ticks(pid) or 0}"
 
 
-def write_lease(directory: Path, environ: Mapping[str, str] | None = None) -> None:
-    """Leave this process's lease in `directory` (replaced whole); the leases of processes that are gone
-    are removed. Raises OSError."""
+def write_lease(
+    directory: Path, environ: Mapping[str, str] | None = None, *, alive: Alive = pid_alive
+) -> None:
+    """Leave this process's lease in `directory` (replaced whole); the leases this one makes redundant are
+    removed: those no keeper of which runs, and those whose keepers that still run are all this lease's too.
+    The supervisor keeps every rank's lease held while it lives, so without the second rule each process
+    of a long job's restarts left its lease behind (a soak: 9 leases after 7 restarts of 2 ranks, one more
+    per replaced rank until the job's end). Raises OSError."""
     lease = Lease(boot_id=boot_id(), keepers=tuple(keepers_of_this_process(environ)))
     path = directory / lease_name()
     atomic_write(path, lease.to_json(), mode=0o600, durable=False)  # shared memory: nothing to fsync
@@ -136,7 +149,8 @@ def write_lease(directory: Path, environ: Mapping[str, str] | None = None) -> No
     for other in _lease_paths(directory):
         if other != path:
             with contextlib.suppress(OSError, ValueError):
-                if not _read_lease(other).held(current, pid_alive):
+                found = _read_lease(other)
+                if not found.held(current, alive) or found.covered_by(lease, alive):
                     os.unlink(other)
 
 

@@ -18,6 +18,7 @@ Liveness policy (one for every caller: the supervisor's books, `ettr report`, th
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -145,8 +146,11 @@ def descendants(root: int) -> list[tuple[int, int | None]]:
     return found
 
 
+@functools.cache
 def libc_prctl() -> Prctl | None:
-    """libc's `prctl`, or None where there is none (resolve it before a fork: the child only calls it)."""
+    """libc's `prctl`, or None where there is none (resolve it before a fork: the child only calls it). Resolved
+    once: each `ctypes.CDLL` makes a class of its own, and the supervisor resolved it at every process it
+    started (a soak's tracemalloc: +66 KiB in 20 restarts, the largest growth after the stderr buffers)."""
     try:
         prctl: Prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):

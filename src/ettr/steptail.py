@@ -158,10 +158,15 @@ def unrecorded_steps(
     return missing
 
 
-def tail_events(run_dir: str | os.PathLike[str], attempt: int, events: Iterable[Event]) -> list[Event]:
+def tail_events(
+    run_dir: str | os.PathLike[str], attempt: int, events: Iterable[Event], *, since: float | None = None
+) -> list[Event]:
     """STEP events for the steps `attempt`'s tails hold beyond what `events` (the books) record, at the times
     they were taken (`data.source` "step_tail"): what its processes took but died before writing. Read only
-    once they are gone; never raises (damaged tails are skipped)."""
+    once they are gone; never raises (damaged tails are skipped). `since`: when the attempt began (its
+    ATTEMPT_START), where `events` may not hold it: the supervisor passes its training events only, and
+    an attempt whose process died before its first flush has none (every step it took was dropped as
+    "before its attempt began", the attempt read `user (startup)`: 4 of 49 fast restarts in a soak)."""
     events = [e for e in events if e.attempt == attempt]
     recorded = [(e.rank, e.step, e.ts) for e in events if e.kind is EventKind.STEP and e.step is not None]
     try:
@@ -171,7 +176,9 @@ def tail_events(run_dir: str | os.PathLike[str], attempt: int, events: Iterable[
     # A tail is a file in the run directory: a step taken before its attempt began, after the reading host's
     # clock (an infinite time: the report's wall time became NaN and `ettr report` a traceback), or numbered
     # past what a float holds is damage or a forgery, never a step.
-    earliest = min((e.ts for e in events), default=math.inf)
+    earliest = min((e.ts for e in events), default=math.inf if since is None else since)
+    if since is not None:
+        earliest = min(earliest, since)
     latest = time.time() + FUTURE_MARGIN_S
     return [
         Event(EventKind.STEP, ts, attempt, rank, step=step, data={"source": "step_tail"})

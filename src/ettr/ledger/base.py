@@ -69,6 +69,12 @@ class Ledger(Protocol):
         (a narrow query where the backend has one)."""
         ...
 
+    def read_attempt(self, attempt: int) -> list[Event]:
+        """The training processes' events (rank >= 0) of `attempt`, in append order: what the supervisor
+        reads at each attempt's end (a narrow query where the backend has one: a long job's books hold
+        millions of steps, read whole at every restart before)."""
+        ...
+
     def last_activity(self, attempt: int) -> float | None:
         """The newest timestamp of a training-process event (rank >= 0) of `attempt` of this job, or None:
         the supervisor's hang probe. Never waits on an unavailable server (a shared ledger answers from what
@@ -90,6 +96,12 @@ def supervisor_events(events: Sequence[Event]) -> list[Event]:
     """The supervisors' events (rank < 0) of `events`, in order: `read_supervisor` of a backend with no
     narrower query."""
     return [e for e in events if e.rank < 0]
+
+
+def attempt_events(events: Sequence[Event], attempt: int) -> list[Event]:
+    """The training processes' events (rank >= 0) of `attempt` in `events`: `read_attempt` over events in
+    memory."""
+    return [e for e in events if e.attempt == attempt and e.rank >= 0]
 
 
 def latest_activity(events: Sequence[Event], attempt: int) -> float | None:
@@ -115,6 +127,9 @@ class MemoryLedger:
 
     def read_supervisor(self) -> list[Event]:
         return supervisor_events(self.read())
+
+    def read_attempt(self, attempt: int) -> list[Event]:
+        return attempt_events(self.read(), attempt)
 
     def last_activity(self, attempt: int) -> float | None:
         return latest_activity(self.read(), attempt)

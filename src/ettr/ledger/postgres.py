@@ -303,6 +303,16 @@ class PostgresLedger:
             ).fetchall()
         return events_from_rows(rows)[0]
 
+    def read_attempt(self, attempt: int) -> list[Event]:
+        """The training processes' events (rank >= 0) of `attempt`, in append order."""
+        with self._connection() as conn:
+            rows = conn.execute(
+                "SELECT ts, kind, attempt, rank, phase, step, value, data FROM ettr.events"
+                " WHERE job_id = %s AND attempt = %s AND rank >= 0 ORDER BY id",
+                (self.job_id, attempt),
+            ).fetchall()
+        return events_from_rows(rows)[0]
+
     def last_activity(self, attempt: int) -> float | None:
         """Latest timestamp of a training-process event (rank >= 0) of `attempt`, or None (hang detection)."""
         with self._connection() as conn:

@@ -64,6 +64,8 @@ class ServerLedger(Protocol):
 
     def read_supervisor(self) -> list[Event]: ...
 
+    def read_attempt(self, attempt: int) -> list[Event]: ...
+
     def last_activity(self, attempt: int) -> float | None: ...
 
     def close(self) -> None: ...
@@ -292,6 +294,15 @@ class SpillingLedger:
             )
         self.deliver()
         return self._server.read_supervisor()
+
+    def read_attempt(self, attempt: int) -> list[Event]:
+        """The training processes' events of `attempt` from the server; raises `LedgerError` like `read`."""
+        if self._down or self._server is None:
+            raise LedgerError(
+                f"the ledger server is unreachable; {self.spill_dir} holds the events meanwhile"
+            )
+        self.deliver()
+        return self._server.read_attempt(attempt)
 
     def last_activity(self, attempt: int) -> float | None:
         """Newest training-process event of `attempt` on the server or in this node's spill files."""

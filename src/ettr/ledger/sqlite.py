@@ -266,11 +266,12 @@ class SqliteLedger:
         if self._wal_inode is None:
             self._wal_inode = self._current_wal_inode()
 
-    def _select(self, where: str = "") -> list[Event]:
+    def _select(self, where: str = "", params: tuple[object, ...] = ()) -> list[Event]:
         with self._lock:
             try:
                 rows = self._conn.execute(
-                    f"SELECT ts, kind, attempt, rank, phase, step, value, data FROM events {where} ORDER BY id"
+                    f"SELECT ts, kind, attempt, rank, phase, step, value, data FROM events {where} ORDER BY id",
+                    params,
                 ).fetchall()
             except sqlite3.DatabaseError as exc:
                 raise LedgerError(f"{self.path} cannot be read ({exc})") from None
@@ -316,6 +317,10 @@ class SqliteLedger:
     def read_supervisor(self) -> list[Event]:
         """The supervisors' own events (rank < 0), in append order: what peers of a multi-node job poll."""
         return self._select("WHERE rank < 0")
+
+    def read_attempt(self, attempt: int) -> list[Event]:
+        """The training processes' events (rank >= 0) of `attempt`, in append order (the attempt index)."""
+        return self._select("WHERE attempt = ? AND rank >= 0", (attempt,))
 
     def last_activity(self, attempt: int) -> float | None:
         """Latest timestamp of a training-process event (rank >= 0) of `attempt`, or None (hang detection)."""

@@ -273,14 +273,17 @@ class JobBooks:
             time.sleep(pause_s)
             pause_s = min(2.0, pause_s * 2)
 
-    def record_unrecorded_steps(self, attempt: int, events: Sequence[Event]) -> list[Event]:
+    def record_unrecorded_steps(
+        self, attempt: int, events: Sequence[Event], *, since: float | None = None
+    ) -> list[Event]:
         """After `attempt`'s processes are gone: record the steps they took but died before writing (a SIGKILL,
         a SIGTERM without a handler; `ettr.steptail`), as their ranks' STEP events at the times they were
-        taken. `events`: the attempt's training events in the books. Returns what it recorded. Never raises."""
+        taken. `events`: the attempt's events in the books; `since`: when it began (`tail_events`). Returns
+        what it recorded. Never raises."""
         if not self.keeps_job_events:
             return []
         try:
-            found = tail_events(self.run_dir, attempt, events)
+            found = tail_events(self.run_dir, attempt, events, since=since)
             if not found:
                 return []
             self._writer().append(found)
@@ -323,7 +326,7 @@ class JobBooks:
         """The training processes' events of `attempt`. While the books cannot be read (a ledger server
         outage), what this job's processes spilled in the run directory: the attempt's FAILURE is there."""
         try:
-            events = self.read()
+            return self._writer().read_attempt(attempt)  # not the whole job's millions of steps
         except Exception:
             events = self._spilled()
         return [e for e in events if e.attempt == attempt and e.rank >= 0]

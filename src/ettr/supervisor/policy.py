@@ -33,7 +33,11 @@ order:
    | a failure before the first step (startup, ...)     | `backoff_s`   | doubling                 |
    | preemption of the job's processes (not of the supervisor) | `backoff_s` | `backoff_s` (not counted) |
 
-   Doubling is per restart the job has used, up to `max_backoff_s`.
+   Doubling is per restart in a row that reached no new step (rule 3's count), up to `max_backoff_s`: an
+   attempt that trained past the furthest step before it resets it. Until 2026-12-04 it was per restart the
+   job had used, so a long job's every failure after its 7th waited 30 s however long it had trained since
+   (soak, a 2-rank job killed every 25-50 s, each attempt training on: 0, 1, 2, 4, 8, 16 s, then 30 s before
+   every later restart).
 
 Exit statuses and what a scheduler should do with each: docs/supervisor.md, "Exit statuses".
 """
@@ -118,8 +122,8 @@ def backoff_wait_s(
     max_backoff_s: float,
     detail: Detail | None = None,
 ) -> float:
-    """Seconds to wait before restart number `restart` + 1 (0-based: the restarts the job has used): the
-    table of rule 7 above."""
+    """Seconds to wait before the next restart, `restart` restarts in a row having reached no new step
+    (`restarts_without_progress`): the table of rule 7 above."""
     if outcome is Outcome.PREEMPTED:
         return min(max_backoff_s, backoff_s)
     transient = made_progress and outcome in _COUNTED and detail is not Detail.OOM_KILLED
@@ -214,7 +218,8 @@ class RestartPolicy:
     max_restarts: int = 3
     """Restarts after failures before the job gives up (exit 1); job-wide, across invocations."""
     backoff_s: float = 0.5
-    """Wait before the first restart that is not at once; it doubles for each further one."""
+    """Wait before the first restart that is not at once; it doubles for each further restart in a row that
+    reached no new step."""
     max_backoff_s: float = 30.0
     """The longest wait between attempts."""
     max_restarts_without_progress: int = 2
@@ -283,7 +288,7 @@ class RestartPolicy:
         if counted and used >= self.max_restarts:
             return Decision(restart=False, exit_status=EXIT_FAILED, why="no restarts left")
         wait_s = backoff_wait_s(
-            used,
+            stalled,  # doubling per restart in a row that reached no new step, not per restart ever used
             outcome=outcome,
             made_progress=ended.made_progress,
             backoff_s=self.backoff_s,

@@ -61,8 +61,8 @@ from ettr.supervisor.watchdog import (
     HangBounds,
     HangWatchdog,
     JobProgress,
+    LearnedBounds,
     heartbeat_pids,
-    learned_bounds,
     ranks_at_hang,
     run_queue_wait_s,
     training_ended,
@@ -117,6 +117,7 @@ class AttemptRunner:
         cfg = parts.config
         self._launched = False  # an attempt was started (the first one starts cold: nothing ran before it)
         self._continuing: Attempt | None = None  # an attempt whose processes go on in place into the next
+        self._learned = LearnedBounds(parts.books.read)  # the hang bounds the job's books taught so far
         alone = not slurm.in_step(os.environ)  # Slurm's B:USR1 reaches ettr alone: the job's handlers get it
         grace = {"grace_s": cfg.grace_s, "hang_kill_grace_s": cfg.hang_kill_grace_s}
         self.watch = AttemptWatch(WatchConfig(**grace, warning_to_handlers=alone))
@@ -207,7 +208,8 @@ class AttemptRunner:
                 p.guard.forget(running.pids)
         oom_after = oom_kill_count()
         events = books.attempt_events(attempt)
-        events += books.record_unrecorded_steps(attempt, events)
+        events += books.record_unrecorded_steps(attempt, events, since=started)
+        self._learned.add(events)
         end = classify(
             returncode=state.returncode,
             stderr_tail=running.stderr_tail(),
@@ -370,10 +372,7 @@ class AttemptRunner:
     def _hang_bounds(self) -> HangBounds:
         """The hang bounds of the next attempt: configured, and learned from the job's books so far."""
         cfg = self.parts.config
-        try:
-            learned = learned_bounds(self.parts.books.read())
-        except Exception:  # unreadable books: the configured bounds
-            learned = {}
+        learned = self._learned.now()
         return HangBounds(
             override_s=cfg.hang_timeout_s,
             default_s=cfg.default_hang_timeout_s,
