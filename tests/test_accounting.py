@@ -805,3 +805,24 @@ def test_a_save_that_every_rank_committed_counts_once() -> None:
         s.add(EventKind.CHECKPOINT_COMMIT, 8.0 + rank / 10, step=5, rank=rank, data={"path": f"r{rank}"})
     s.sup(EventKind.JOB_END, 21, 0, exit_status=0)
     assert "checkpoint commits 1 (last step 5)" in render(s.report(job_id="c"))
+
+
+def test_an_attempt_without_resumed_that_numbers_on_resumed_where_its_first_step_says() -> None:
+    # A script that restores its own state and numbers its steps (`ettr.step(n)`), with no RESUMED event:
+    # attempt 1's first step is 31, so it went on from 30. Read as "from scratch", steps 1..30 were lost
+    # (soak trial: ETT 0.5% for a job at ~45%).
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 0, 12, "failed", 1).steps(0, 1, 10, t_first=2)  # 2..11
+    s.attempt(1, 13, 22, "completed", 0).steps(1, 11, 18, t_first=14)
+    s.sup(EventKind.JOB_END, 22, 1, exit_status=0)
+    r = s.report()
+    assert [a.lost_steps for a in r.attempts] == [0, 0]
+    assert r.attempts[1].resumed_from_step == 10
+    assert_invariants(r)
+    # Numbered from 1 again: from scratch, as before.
+    s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+    s.attempt(0, 0, 12, "failed", 1).steps(0, 1, 10, t_first=2)
+    s.attempt(1, 13, 22, "completed", 0).steps(1, 1, 8, t_first=14)
+    s.sup(EventKind.JOB_END, 22, 1, exit_status=0)
+    r = s.report()
+    assert [a.lost_steps for a in r.attempts] == [10, 0] and r.attempts[1].resumed_from_step is None

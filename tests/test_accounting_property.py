@@ -164,6 +164,9 @@ def keep_up_to(position: int, report: EttReport, events: list[Event]) -> float:
         resumed = [e for e in events if e.attempt == later.index and e.kind == K.RESUMED]
         if resumed or later.num_steps:
             step = resumed[-1].step if resumed else None
+            if not resumed:  # numbered on from step n + 1: it resumed from n (1: from scratch)
+                first = min(e.step for e in events if e.attempt == later.index and e.kind == K.STEP)
+                step = first - 1 if first > 1 else None
             return -math.inf if step is None else step
     if position == len(attempts) - 1 and attempts[position].outcome in (
         Outcome.COMPLETED,
