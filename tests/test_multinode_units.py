@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,51 @@ def test_node_0_books_a_collective_failure_caused_by_a_peer_as_that_peers(tmp_pa
     assert detail(settle(killed)) is Detail.PROCESS_LOST
     alive = peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=now + 3600)  # heard since
     assert settle(alive) == mine
+
+
+class _CountingSignals:
+    """SupervisorSignals as the peers use it: no signal; each wait is recorded, not slept."""
+
+    first = None
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def wait(self, timeout_s: float) -> None:
+        self.waits.append(timeout_s)
+
+
+def test_waits_between_attempts_look_every_second_not_every_heartbeat_interval(tmp_path: Path) -> None:
+    """Field trial (default --peer-timeout 60: heartbeats every 10 s): node 1 joined each attempt 10 s after
+    node 0 had published its rendezvous, and node 0 booked 10 s more shutdown waiting for node 1's end of a
+    completed attempt. Both waits now look at the ledger every second."""
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+
+    def books(ledger: Ledger, config: RunConfig) -> JobBooks:
+        return JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger)
+
+    follower_cfg = RunConfig(command=(*TORCHRUN, "t.py"), ledger_url="sqlite:///x.db", job_id="j")
+    assert follower_cfg.peer_timeout_s == 60.0
+    follower = FollowerPeers(follower_cfg, peers.NodeRole(node_rank=1, nnodes=2))
+    follower.node.attach(books(MemoryLedger([]), follower_cfg))
+    turn = follower.turn(-1, 100.0)
+    assert turn.attempt is None and turn.status is None and 0 < turn.wait_s <= 1.0
+
+    leader_cfg = replace(follower_cfg, command=(*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py"))
+    leader = LeaderPeers(leader_cfg, peers.NodeRole(node_rank=0, nnodes=2))
+    ledger = MemoryLedger([])
+    leader.node.attach(books(ledger, leader_cfg))
+    signals = _CountingSignals()
+
+    def peer_ends(timeout_s: float) -> None:  # node 1 ends its part while node 0 waits
+        signals.waits.append(timeout_s)
+        ledger.append(
+            [peers.node_mark(peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=1.0, outcome="completed")]
+        )
+
+    signals.wait = peer_ends  # type: ignore[method-assign]
+    done = AttemptEnd(outcome=Outcome.COMPLETED, exit_code=0, reason="completed")
+    assert leader.settle(0, done, None, signals) == done  # type: ignore[arg-type]
+    assert signals.waits and all(0 < w <= 1.0 for w in signals.waits)
