@@ -314,3 +314,28 @@ def test_waits_between_attempts_look_every_second_not_every_heartbeat_interval(t
     done = AttemptEnd(outcome=Outcome.COMPLETED, exit_code=0, reason="completed")
     assert leader.settle(0, done, None, signals) == done  # type: ignore[arg-type]
     assert signals.waits and all(0 < w <= 1.0 for w in signals.waits)
+
+
+def test_the_requeue_line_of_a_ledger_job_names_its_job_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Field trial: node 0 of a two-node job got SIGTERM and printed `to continue it (a requeue): ettr run
+    --run-dir ... --ledger URL -- torchrun ...`; that command was refused (`a multi-node job needs --job-id`),
+    and on one node it would have opened a new job under a made-up id. Node 1 printed no such line."""
+    import shlex
+
+    from ettr.constants import EXIT_PREEMPTED
+    from ettr.supervisor.supervise import Supervisor
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    leader = (*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py")
+    for command in (leader, (*TORCHRUN, "t.py"), ("python", "t.py")):
+        config = RunConfig(command=command, ledger_url=url, job_id="llm-042", run_dir=str(tmp_path / "n"))
+        supervisor_for(config)._say_end(EXIT_PREEMPTED)
+        line = next(x for x in capsys.readouterr().err.splitlines() if "to continue it" in x)
+        argv = shlex.split(line.split("(a requeue): ", 1)[1])
+        assert argv[argv.index("--job-id") + 1] == "llm-042" and argv[argv.index("--ledger") + 1] == url
+        assert tuple(argv[argv.index("--") + 1 :]) == command
+    Supervisor(RunConfig(command=("python", "t.py"), run_dir=str(tmp_path / "r")))._say_end(EXIT_PREEMPTED)
+    assert "--job-id" not in capsys.readouterr().err  # the run directory holds its id
