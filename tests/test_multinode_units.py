@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -339,3 +340,65 @@ def test_the_requeue_line_of_a_ledger_job_names_its_job_id(
         assert tuple(argv[argv.index("--") + 1 :]) == command
     Supervisor(RunConfig(command=("python", "t.py"), run_dir=str(tmp_path / "r")))._say_end(EXIT_PREEMPTED)
     assert "--job-id" not in capsys.readouterr().err  # the run directory holds its id
+
+
+def test_a_node_given_another_nnodes_than_a_live_peer_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Field trial: node 0 with --nnodes 2, node 1 with --nnodes 3. Both waited in torchrun's rendezvous,
+    saying "still no training step after 120 s (cold start ...)", until torchrun's join timeout (600 s).
+    The node that comes second is refused (one line, status 2) before it writes anything, either way round;
+    a peer that is gone (silent, or ended) does not count."""
+    import time
+
+    from ettr.cli import main
+    from ettr.ledger.url import open_url
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+
+    def node_start(rank: int, nnodes: int, ts: float) -> Event:
+        return peers.node_mark(
+            peers.NODE_START, node_rank=rank, attempt=0, ts=ts, pid=4242, host="node0", nnodes=nnodes
+        )
+
+    def written() -> list[Event]:
+        ledger = open_url(url, job_id="j")
+        try:
+            return ledger.read()
+        finally:
+            ledger.close()
+
+    def run(rank: int, nnodes: int) -> tuple[int, str]:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                    f"--node-rank={rank}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400", "t.py"]  # fmt: skip
+        argv = ["run", "--run-dir", str(tmp_path / f"n{rank}"), "--ledger", url, "--job-id", "j"]
+        status = main([*argv, "--", *torchrun])
+        return status, capsys.readouterr().err.strip()
+
+    role = peers.NodeRole(node_rank=0, nnodes=2)
+    gone = [node_start(1, 3, 100.0)]
+    assert peers.other_job_size(gone, role, now=100.0 + 61, timeout_s=60) is None  # silent: not a peer now
+    assert peers.other_job_size(gone, role, now=100.0 + 59, timeout_s=60) == (1, gone[0].data)
+    assert peers.other_job_size([node_start(1, 2, 100.0)], role, now=100.0, timeout_s=60) is None
+
+    ledger = open_url(url, job_id="j", create=True)
+    ledger.append([node_start(0, 2, time.time())])
+    ledger.close()
+    before = written()
+    status, err = run(1, 3)
+    assert status == 2 and "\n" not in err, err
+    assert err == (
+        "ettr run: node 0 of this job runs with --nnodes 2 (supervisor pid 4242 on node0), this node with "
+        "--nnodes 3: give every node the same --nnodes"
+    )
+    assert written() == before  # nothing written
+
+    ledger = open_url(url, job_id="j")  # node 0 came second, node 1 (--nnodes 3) waiting
+    ledger.append([peers.node_mark(peers.NODE_END, node_rank=0, attempt=0, ts=time.time())])
+    ledger.append([node_start(1, 3, time.time())])
+    ledger.close()
+    before = written()
+    status, err = run(0, 2)
+    assert status == 2 and "node 1 of this job runs with --nnodes 3" in err and "\n" not in err
+    assert written() == before

@@ -24,7 +24,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +92,11 @@ class JobBooks:
         except UsageError as exc:
             raise UsageError(f"ettr run: {exc}") from None
 
-    def open(self) -> int:
+    def open(self, *, check: Callable[[Sequence[Event]], None] | None = None) -> int:
         """Open the job's books (a new job, or a requeued one: its earlier attempts closed, its leftover
         processes killed) and record the supervisor's start; the first attempt's index. Raises UsageError
-        (one line) when the run directory cannot be used (one of its subdirectories a symlink included)."""
+        (one line) when the run directory cannot be used (one of its subdirectories a symlink included), or
+        when `check` raises it for what the books hold (before anything is written)."""
         refused = symlinked_dirs(self.run_dir, RUN_SUBDIRS, inside=(HEARTBEAT_DIRNAME, AGENT_DIRNAME))
         if refused:  # heartbeats -> / had the job's heartbeats made at the file system's root
             raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {refused[0]} (remove it)")
@@ -119,6 +120,12 @@ class JobBooks:
                 f"ettr run: job {self.job_id!r} in {self._where()} belongs to another run ({foreign}); "
                 "give another --job-id, or --continue-job to add this run's attempts to that job"
             )
+        if check is not None:
+            try:
+                check(previous)
+            except UsageError:
+                self.drop()
+                raise
         live = live_supervisor(previous)
         if live is not None:
             self.drop()

@@ -26,13 +26,14 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from ettr.causes import Detail, diagnose
 from ettr.constants import EXIT_FAILED
 from ettr.errors import UsageError
-from ettr.events import Outcome
+from ettr.events import Event, Outcome
 from ettr.procs import pid_alive, start_ticks
 from ettr.supervisor import peers
 from ettr.supervisor.books import JobBooks
@@ -128,6 +129,17 @@ class _Node:
             nnodes=self.role.nnodes,
         )
 
+    def refuse_another_size(self, events: Sequence[Event]) -> None:
+        """UsageError when a live supervisor of another node of this job was given another `--nnodes`."""
+        other = peers.other_job_size(events, self.role, now=time.time(), timeout_s=self.config.peer_timeout_s)
+        if other is not None:
+            rank, data = other
+            raise UsageError(
+                f"ettr run: node {rank} of this job runs with --nnodes {data.get('nnodes')} (supervisor pid "
+                f"{data.get('pid')} on {data.get('host')}), this node with --nnodes {self.role.nnodes}: "
+                "give every node the same --nnodes"
+            )
+
     def peer_ended(self, end: AttemptEnd, reason: str) -> AttemptEnd:
         """`end` of this node's part, ended because of the peer whose end is `peer_end`."""
         data = self.peer_end
@@ -162,7 +174,7 @@ class LeaderPeers:
 
     def open(self, books: JobBooks) -> int:
         self.node.attach(books)
-        first = books.open()
+        first = books.open(check=self.node.refuse_another_size)
         self.node.mark_start(first)
         return first
 
@@ -301,6 +313,11 @@ class FollowerPeers:
                     f"ettr run: node {rank} of job {books.job_id} already has a running "
                     f"supervisor (pid {pid}); give each node its own --node-rank"
                 )
+        try:
+            node.refuse_another_size(previous)
+        except UsageError:
+            books.drop()
+            raise
         node.mark_start(0)
         self._start_index = sum(1 for e in previous if e.rank < 0)
         self._rejoin_guard(peers.peer_view(previous))

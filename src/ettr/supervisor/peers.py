@@ -214,6 +214,32 @@ def live_node_supervisor(events: Sequence[Event], node_rank: int) -> Mapping[str
     return current
 
 
+def other_job_size(
+    events: Sequence[Event], role: NodeRole, *, now: float, timeout_s: float
+) -> tuple[int, Mapping[str, Any]] | None:
+    """A live supervisor of another node of this job (heard within `timeout_s` of `now`) that was started
+    with another `--nnodes` than `role`'s: (its node rank, its node_start data), else None. Such nodes
+    never meet: torchrun's c10d rendezvous waits for the node count each agent was given, silently, until
+    its join timeout (600 s by default), then the next attempt does the same."""
+    starts: dict[int, Mapping[str, Any]] = {}
+    beats: dict[int, float] = {}
+    for e in events:
+        mark = _mark(e)
+        if mark is None or mark[1] == role.node_rank:
+            continue
+        name, node = mark
+        beats[node] = max(beats.get(node, e.ts), e.ts)
+        if name == NODE_START:
+            starts[node] = e.data or {}
+        elif name == NODE_END:
+            starts.pop(node, None)
+    for node, data in sorted(starts.items()):
+        nnodes = data.get("nnodes")
+        if isinstance(nnodes, int) and nnodes != role.nnodes and now - beats[node] <= timeout_s:
+            return node, data
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Turn:
     """What a node that does not lead does next: join `attempt`, end with the job's `status`, or wait."""
