@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -378,9 +379,11 @@ def test_a_node_given_another_nnodes_than_a_live_peer_is_refused(
 
     role = peers.NodeRole(node_rank=0, nnodes=2)
     gone = [node_start(1, 3, 100.0)]
-    assert peers.other_job_size(gone, role, now=100.0 + 61, timeout_s=60) is None  # silent: not a peer now
-    assert peers.other_job_size(gone, role, now=100.0 + 59, timeout_s=60) == (1, gone[0].data)
-    assert peers.other_job_size([node_start(1, 2, 100.0)], role, now=100.0, timeout_s=60) is None
+    assert peers.another_size(gone, role, now=100.0 + 61, timeout_s=60) is None  # silent: not a peer now
+    assert "node 1 of this job runs with --nnodes 3" in (
+        peers.another_size(gone, role, now=159, timeout_s=60) or ""
+    )
+    assert peers.another_size([node_start(1, 2, 100.0)], role, now=100.0, timeout_s=60) is None
 
     ledger = open_url(url, job_id="j", create=True)
     ledger.append([node_start(0, 2, time.time())])
@@ -402,3 +405,42 @@ def test_a_node_given_another_nnodes_than_a_live_peer_is_refused(
     status, err = run(0, 2)
     assert status == 2 and "node 1 of this job runs with --nnodes 3" in err and "\n" not in err
     assert written() == before
+
+
+def test_a_nodes_part_is_classified_by_its_own_ranks_only() -> None:
+    """Field trial: node 1's torchrun SIGKILLed. Its rank recorded nothing; node 0's rank recorded gloo's
+    "Connection closed by peer", and node 1's part (and so the attempt) was booked `killed by SIGKILL:
+    RuntimeError` with node 0's message: the consequence named as the cause, on the wrong node."""
+    from ettr.supervisor.classify import classify, this_nodes_events
+
+    def start(rank: int, pid: int, host: str, supervisor: int) -> Event:
+        data = {"pid": pid, "host": host, "world_size": 2, "local_rank": 0, "supervisor_pid": supervisor}
+        return Event(EventKind.PROCESS_START, 1.0, 0, rank, data=data)
+
+    gone = {
+        "exception": "RuntimeError",
+        "message": "[pair.cc:553] Connection closed by peer [127.0.0.1]:30385",
+    }
+    events = [
+        start(0, 500, "vm", 11),  # node 0's supervisor is pid 11, node 1's pid 12, one host (two supervisors)
+        start(1, 501, "vm", 12),
+        Event(EventKind.STEP, 2.0, 0, 1, step=5),
+        Event(EventKind.FAILURE, 3.0, 0, 0, data=gone),
+    ]
+    assert classify(returncode=-9, events=events).exception == "RuntimeError"  # as booked before
+    mine = this_nodes_events(events, host="vm", supervisor_pid=12)
+    assert mine == [events[1], events[2]]
+    end = classify(returncode=-9, events=mine)
+    assert (end.exception, end.reason) == (None, "killed by SIGKILL")
+    assert this_nodes_events(events, host="vm", supervisor_pid=11) == [events[0], events[3]]
+    assert this_nodes_events(events, host="node1", supervisor_pid=12) == []  # same pids on another host
+    unnamed = Event(EventKind.PROCESS_START, 1.0, 0, 3, data={"pid": 9})  # before 2026-12-04: kept
+    assert this_nodes_events([unnamed], host="vm", supervisor_pid=12) == [unnamed]
+    follower = FollowerPeers(
+        RunConfig(command=(*TORCHRUN, "t.py"), ledger_url="sqlite:///x.db", job_id="j"),
+        peers.NodeRole(node_rank=1, nnodes=2),
+    )
+    assert follower.own_events(events) == this_nodes_events(
+        events, host=socket.gethostname(), supervisor_pid=os.getpid()
+    )
+    assert NoPeers().own_events(events) == events  # one supervisor's ranks, whatever their hosts

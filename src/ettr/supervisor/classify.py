@@ -96,6 +96,21 @@ class AttemptEnd:
         }
 
 
+def this_nodes_events(events: Iterable[Event], *, host: str, supervisor_pid: int) -> list[Event]:
+    """`events` less those of ranks another node's supervisor started: the ranks whose PROCESS_START names
+    another host or another supervisor pid. A multi-node job's nodes write one ledger, and a node's part
+    that ended without an exception of its own (its torchrun SIGKILLed) took another node's rank's broken
+    connection for its cause. Ranks that recorded no PROCESS_START with both names stay."""
+    events = list(events)
+    started: dict[int, bool] = {}
+    for e in events:
+        data = e.data or {}
+        if e.kind is EventKind.PROCESS_START and "host" in data and "supervisor_pid" in data:
+            mine = data["host"] == host and data["supervisor_pid"] == supervisor_pid
+            started[e.rank] = started.get(e.rank, False) or mine
+    return [e for e in events if started.get(e.rank, True)]
+
+
 def first_failed_rank(
     looks: Sequence[Sequence[int]], rank_of: Mapping[int, int], failures: Sequence[Event]
 ) -> int | None:

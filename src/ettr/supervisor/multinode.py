@@ -37,7 +37,7 @@ from ettr.events import Event, Outcome
 from ettr.procs import pid_alive, start_ticks
 from ettr.supervisor import peers
 from ettr.supervisor.books import JobBooks
-from ettr.supervisor.classify import AttemptEnd
+from ettr.supervisor.classify import AttemptEnd, this_nodes_events
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.launch import free_port, torchrun_options
 from ettr.supervisor.messages import Progress, say
@@ -78,11 +78,8 @@ class _Node:
         self.config = config
         self.role = role
         self.interval_s = min(10.0, max(0.2, config.peer_timeout_s / 4))
-        # Waits between attempts (for the next attempt's rendezvous, for the peers' ends of a completed
-        # part) look at the ledger every second at most: each second of them is the whole job's (its
-        # restart, its shutdown), where a look per heartbeat interval (10 s with the default peer timeout)
-        # added up to 10 s to every restart and to the job's end (field trial: node 1 joined each attempt
-        # 10 s after node 0 published it). Attempts themselves are watched per heartbeat interval.
+        # Waits between attempts (the next rendezvous, the peers' ends) are the whole job's restart or
+        # shutdown: they look every second, not per heartbeat (10 s by default: up to 10 s per restart).
         self.poll_s = min(1.0, self.interval_s)
         self.view = PeerView()
         self.peer_end: dict[str, Any] = {}  # the data of the peer's end that ended this node's part
@@ -131,14 +128,12 @@ class _Node:
 
     def refuse_another_size(self, events: Sequence[Event]) -> None:
         """UsageError when a live supervisor of another node of this job was given another `--nnodes`."""
-        other = peers.other_job_size(events, self.role, now=time.time(), timeout_s=self.config.peer_timeout_s)
-        if other is not None:
-            rank, data = other
-            raise UsageError(
-                f"ettr run: node {rank} of this job runs with --nnodes {data.get('nnodes')} (supervisor pid "
-                f"{data.get('pid')} on {data.get('host')}), this node with --nnodes {self.role.nnodes}: "
-                "give every node the same --nnodes"
-            )
+        why = peers.another_size(events, self.role, now=time.time(), timeout_s=self.config.peer_timeout_s)
+        if why is not None:
+            raise UsageError(f"ettr run: {why}")
+
+    def own_events(self, events: Sequence[Event]) -> list[Event]:
+        return this_nodes_events(events, host=socket.gethostname(), supervisor_pid=os.getpid())
 
     def peer_ended(self, end: AttemptEnd, reason: str) -> AttemptEnd:
         """`end` of this node's part, ended because of the peer whose end is `peer_end`."""
@@ -177,6 +172,9 @@ class LeaderPeers:
         first = books.open(check=self.node.refuse_another_size)
         self.node.mark_start(first)
         return first
+
+    def own_events(self, events: Sequence[Event]) -> list[Event]:
+        return self.node.own_events(events)
 
     def rendezvous_port(self, attempt: int) -> int | None:
         port = free_port("0.0.0.0")
@@ -338,6 +336,9 @@ class FollowerPeers:
                     reason=f"node {rank}'s supervisor was lost (killed) while this attempt ran",
                 )
         self._done = max(joined, default=-1)
+
+    def own_events(self, events: Sequence[Event]) -> list[Event]:
+        return self.node.own_events(events)
 
     def rendezvous_port(self, attempt: int) -> int | None:
         return self.node.view.ports.get(attempt)

@@ -214,13 +214,11 @@ def live_node_supervisor(events: Sequence[Event], node_rank: int) -> Mapping[str
     return current
 
 
-def other_job_size(
-    events: Sequence[Event], role: NodeRole, *, now: float, timeout_s: float
-) -> tuple[int, Mapping[str, Any]] | None:
-    """A live supervisor of another node of this job (heard within `timeout_s` of `now`) that was started
-    with another `--nnodes` than `role`'s: (its node rank, its node_start data), else None. Such nodes
-    never meet: torchrun's c10d rendezvous waits for the node count each agent was given, silently, until
-    its join timeout (600 s by default), then the next attempt does the same."""
+def another_size(events: Sequence[Event], role: NodeRole, *, now: float, timeout_s: float) -> str | None:
+    """Why `role` cannot join: a live supervisor of another node of this job (heard within `timeout_s` of
+    `now`) was started with another `--nnodes` (None: none was). Such nodes never meet: torchrun's c10d
+    rendezvous waits for the node count each agent was given, silently, until its join timeout (600 s by
+    default), then the next attempt does the same."""
     starts: dict[int, Mapping[str, Any]] = {}
     beats: dict[int, float] = {}
     for e in events:
@@ -236,7 +234,10 @@ def other_job_size(
     for node, data in sorted(starts.items()):
         nnodes = data.get("nnodes")
         if isinstance(nnodes, int) and nnodes != role.nnodes and now - beats[node] <= timeout_s:
-            return node, data
+            return (
+                f"node {node} of this job runs with --nnodes {nnodes} (supervisor pid {data.get('pid')} on "
+                f"{data.get('host')}), this node with --nnodes {role.nnodes}: give every node the same --nnodes"
+            )
     return None
 
 
@@ -267,6 +268,11 @@ class Peers(Protocol):
 
     def check(self, attempt: int, now: float, started: float) -> str | None:
         """Why a peer ends this attempt (None: carry on); asked every poll while the attempt runs."""
+        ...
+
+    def own_events(self, events: Sequence[Event]) -> list[Event]:
+        """The training processes' `events` of an attempt that this node's part classifies by (another
+        node's ranks' exceptions are not its part's)."""
         ...
 
     def settle(
@@ -300,6 +306,9 @@ class NoPeers:
 
     def check(self, attempt: int, now: float, started: float) -> str | None:
         return None
+
+    def own_events(self, events: Sequence[Event]) -> list[Event]:
+        return list(events)  # one supervisor's ranks, on whichever hosts (srun, pdsh)
 
     def settle(
         self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals

@@ -211,7 +211,7 @@ class AttemptRunner:
         end = classify(
             returncode=state.returncode,
             stderr_tail=running.stderr_tail(),
-            events=events,
+            events=p.peers.own_events(events),
             preempted_by=state.forwarded,
             hung_after_s=state.hung_after_s,
             hung_bound=state.hung_bound,
