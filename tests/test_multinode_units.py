@@ -444,3 +444,47 @@ def test_a_nodes_part_is_classified_by_its_own_ranks_only() -> None:
         events, host=socket.gethostname(), supervisor_pid=os.getpid()
     )
     assert NoPeers().own_events(events) == events  # one supervisor's ranks, whatever their hosts
+
+
+def test_node_0s_start_up_lines_name_the_nodes_its_rendezvous_waits_for() -> None:
+    """Field trial: node 1 never started. Node 0 said `still no training step after 30 s (cold start:
+    interpreter, imports, model build, restore)` until torchrun's rendezvous timed out; it now says whom the
+    rendezvous waits for."""
+    from ettr.supervisor.startwait import StartupWait
+
+    published = [peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=0, ts=1.0, port=100)]
+    view = peers.peer_view(published)
+    assert peers.absent(view, 0, [1], now=31.0) == (
+        "torchrun's rendezvous waits for node(s) 1 to join: node 1's supervisor never started"
+    )
+    heard = peers.peer_view(
+        [*published, peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=9.0)]
+    )
+    assert peers.absent(heard, 0, [1], now=31.0) == (
+        "torchrun's rendezvous waits for node(s) 1 to join: node 1's supervisor last heard 22 s ago"
+    )
+    joined = peers.peer_view(
+        [
+            *published,
+            peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=2.0, supervisor_pid=7),
+        ]
+    )
+    assert peers.absent(joined, 0, [1], now=31.0) is None
+    assert peers.absent(joined, 0, [0], now=31.0) is None  # node 0 (a follower's peer) published its port
+    assert "node(s) 0 to join" in (peers.absent(joined, 1, [0], now=31.0) or "")  # not attempt 1's yet
+    assert NoPeers().absent(0) is None
+
+    wait = StartupWait(0, 0.0, path="cold", absent=lambda a: peers.absent(view, a, [1], now=31.0))
+    assert (
+        wait.check(1.0, trained=False)
+        == "attempt 0: waiting for its first training step (cold start: interpreter, imports, model build, restore)"
+    )
+    assert wait.check(31.0, trained=False) == (
+        "attempt 0: still no training step after 31 s (torchrun's rendezvous waits for node(s) 1 to join: "
+        "node 1's supervisor never started)"
+    )
+    alone = StartupWait(0, 0.0, path="cold", absent=lambda a: None)
+    alone.check(1.0, trained=False)
+    assert alone.check(31.0, trained=False) == (
+        "attempt 0: still no training step after 31 s (cold start: interpreter, imports, model build, restore)"
+    )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ettr.causes import is_collective_error
+from ettr.causes import Detail, diagnose, is_collective_error
 from ettr.events import Event, EventKind, Outcome
 from ettr.supervisor.command_output import (
     child_signal,
@@ -385,3 +385,10 @@ def oom_kill_count() -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def consequence_of_a_peer(end: AttemptEnd) -> bool:
+    """Whether this node's failure looks like what a peer's failure does to it (a broken collective)."""
+    failure = {**end.to_data(), "process_failure": {"exception": end.exception, "message": end.message}}
+    diagnosis = diagnose(outcome=end.outcome, failure=failure, trained=True)  # the message says gloo's reset
+    return diagnosis.detail is Detail.COLLECTIVE

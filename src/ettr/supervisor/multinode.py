@@ -30,14 +30,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from ettr.causes import Detail, diagnose
 from ettr.constants import EXIT_FAILED
 from ettr.errors import UsageError
 from ettr.events import Event, Outcome
 from ettr.procs import pid_alive, start_ticks
 from ettr.supervisor import peers
 from ettr.supervisor.books import JobBooks
-from ettr.supervisor.classify import AttemptEnd, this_nodes_events
+from ettr.supervisor.classify import AttemptEnd, consequence_of_a_peer, this_nodes_events
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.launch import free_port, torchrun_options
 from ettr.supervisor.messages import Progress, say
@@ -128,12 +127,15 @@ class _Node:
 
     def refuse_another_size(self, events: Sequence[Event]) -> None:
         """UsageError when a live supervisor of another node of this job was given another `--nnodes`."""
-        why = peers.another_size(events, self.role, now=time.time(), timeout_s=self.config.peer_timeout_s)
-        if why is not None:
+        timeout_s = self.config.peer_timeout_s
+        if why := peers.another_size(events, self.role, now=time.time(), timeout_s=timeout_s):
             raise UsageError(f"ettr run: {why}")
 
     def own_events(self, events: Sequence[Event]) -> list[Event]:
         return this_nodes_events(events, host=socket.gethostname(), supervisor_pid=os.getpid())
+
+    def absent(self, attempt: int) -> str | None:
+        return peers.absent(self.view, attempt, self.role.peers, now=time.time())
 
     def peer_ended(self, end: AttemptEnd, reason: str) -> AttemptEnd:
         """`end` of this node's part, ended because of the peer whose end is `peer_end`."""
@@ -158,8 +160,7 @@ class _Node:
 
 
 class LeaderPeers:
-    """This node is node 0: it keeps the job's books (the contract's supervisor events) and picks each
-    rendezvous; its peers are the other nodes."""
+    """Node 0: it keeps the job's books (the contract's supervisor events) and picks each rendezvous."""
 
     leads = True
 
@@ -175,6 +176,9 @@ class LeaderPeers:
 
     def own_events(self, events: Sequence[Event]) -> list[Event]:
         return self.node.own_events(events)
+
+    def absent(self, attempt: int) -> str | None:
+        return self.node.absent(attempt)
 
     def rendezvous_port(self, attempt: int) -> int | None:
         port = free_port("0.0.0.0")
@@ -207,7 +211,7 @@ class LeaderPeers:
         node = self.node
         if peer_reason is not None:
             return node.peer_ended(end, peer_reason)
-        if end.outcome is Outcome.FAILED and _consequence_of_a_peer(end):
+        if end.outcome is Outcome.FAILED and consequence_of_a_peer(end):
             behind = self._peer_behind(attempt, signals)
             if behind is not None:
                 say(f"attempt {attempt}: {behind}")
@@ -272,13 +276,6 @@ class LeaderPeers:
         self.node.mark(peers.NODE_END, attempt=0)
 
 
-def _consequence_of_a_peer(end: AttemptEnd) -> bool:
-    """Whether this node's failure looks like what a peer's failure does to it (a broken collective)."""
-    failure = {**end.to_data(), "process_failure": {"exception": end.exception, "message": end.message}}
-    diagnosis = diagnose(outcome=end.outcome, failure=failure, trained=True)  # the message says gloo's reset
-    return diagnosis.detail is Detail.COLLECTIVE
-
-
 class FollowerPeers:
     """This node is node R > 0: it joins the attempts node 0 opens, reports its part, ends with the job's
     status."""
@@ -339,6 +336,9 @@ class FollowerPeers:
 
     def own_events(self, events: Sequence[Event]) -> list[Event]:
         return self.node.own_events(events)
+
+    def absent(self, attempt: int) -> str | None:
+        return self.node.absent(attempt)
 
     def rendezvous_port(self, attempt: int) -> int | None:
         return self.node.view.ports.get(attempt)

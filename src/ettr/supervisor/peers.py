@@ -200,6 +200,23 @@ def open_attempt(view: PeerView, *, after: int) -> int | None:
     return max(open_) if open_ else None
 
 
+def absent(view: PeerView, attempt: int, nodes: Sequence[int], *, now: float) -> str | None:
+    """What `attempt`'s rendezvous waits for, of `nodes`: those that have not launched their part of it
+    (node 0 launches after publishing its port), each with when its supervisor was last heard; None when
+    all have (the wait is the start-up's own)."""
+    missing = [n for n in nodes if (attempt, n) not in view.node_joined and (n or attempt not in view.ports)]
+    if not missing:
+        return None
+    said = [
+        f"node {n}'s supervisor never started" if n not in view.last_beat
+        else f"node {n}'s supervisor last heard {now - view.last_beat[n]:.0f} s ago"
+        for n in missing
+    ]  # fmt: skip
+    return (
+        f"torchrun's rendezvous waits for node(s) {', '.join(map(str, missing))} to join: {'; '.join(said)}"
+    )
+
+
 def live_node_supervisor(events: Sequence[Event], node_rank: int) -> Mapping[str, Any] | None:
     """The node_start data of the latest supervisor of `node_rank` that has not written node_end."""
     current: Mapping[str, Any] | None = None
@@ -270,6 +287,10 @@ class Peers(Protocol):
         """Why a peer ends this attempt (None: carry on); asked every poll while the attempt runs."""
         ...
 
+    def absent(self, attempt: int) -> str | None:
+        """What other nodes `attempt`'s start waits for (`absent`), as last seen; None: none."""
+        ...
+
     def own_events(self, events: Sequence[Event]) -> list[Event]:
         """The training processes' `events` of an attempt that this node's part classifies by (another
         node's ranks' exceptions are not its part's)."""
@@ -305,6 +326,9 @@ class NoPeers:
         return None
 
     def check(self, attempt: int, now: float, started: float) -> str | None:
+        return None
+
+    def absent(self, attempt: int) -> str | None:
         return None
 
     def own_events(self, events: Sequence[Event]) -> list[Event]:

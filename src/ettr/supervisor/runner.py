@@ -267,10 +267,7 @@ class AttemptRunner:
         cfg = p.config
         run_dir = p.books.run_dir
         dog = HangWatchdog(
-            probes=[
-                lambda: p.books.last_activity(attempt),
-                lambda: latest_heartbeat(run_dir, attempt),
-            ],
+            probes=[lambda: p.books.last_activity(attempt), lambda: latest_heartbeat(run_dir, attempt)],
             started_at=started,
             armed_at_start=cfg.hang_timeout_s is not None,
             bounds=self._hang_bounds(),
@@ -281,7 +278,9 @@ class AttemptRunner:
         )
         state = self.watch.start(attempt)
         waiting: Progress | None = None  # for the job to exit, once asked to
-        starting = StartupWait(attempt, started, path=running.relaunch.path, run_dir=run_dir)
+        starting = StartupWait(
+            attempt, started, path=running.relaunch.path, run_dir=run_dir, absent=p.peers.absent
+        )
         trained_read_at = float("-inf")
         standby_tried = restarts_left <= 0
         snapshot_at = float("-inf")
