@@ -488,3 +488,39 @@ def test_node_0s_start_up_lines_name_the_nodes_its_rendezvous_waits_for() -> Non
     assert alone.check(31.0, trained=False) == (
         "attempt 0: still no training step after 31 s (cold start: interpreter, imports, model build, restore)"
     )
+
+
+def test_a_peer_killed_without_an_exception_does_not_lend_node_0s_broken_connection(tmp_path: Path) -> None:
+    """Field trial (PostgreSQL ledger): node 1's torchrun SIGKILLed; node 1 booked its part `killed by
+    SIGKILL` (no exception), and node 0's ATTEMPT_END said so but carried node 0's own rank's gloo
+    "Connection closed by peer" as the attempt's exception: the consequence beside the cause."""
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+
+    command = (*TORCHRUN[:3], "0", *TORCHRUN[4:], "train.py")
+    config = RunConfig(command=command, ledger_url="sqlite:///x.db", job_id="j", peer_timeout_s=4.0)
+    leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+    killed = peers.node_mark(
+        peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=1.0, outcome="failed", exit_code=137,
+        signal="SIGKILL", reason="killed by SIGKILL", exception=None, message=None,
+    )  # fmt: skip
+    ledger = MemoryLedger([killed])
+    leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    broken = AttemptEnd(
+        outcome=Outcome.FAILED, exit_code=1, reason="exit status 1 (rank 0): RuntimeError",
+        exception="RuntimeError", message="[pair.cc:553] Connection closed by peer [127.0.0.1]:30385",
+    )  # fmt: skip
+    end = leader.settle(0, broken, None, _CountingSignals())  # type: ignore[arg-type]
+    assert (end.reason, end.signal, end.exit_code) == (
+        "node 1's part ended failed: killed by SIGKILL",
+        "SIGKILL",
+        137,
+    )
+    assert (end.exception, end.message) == (None, None)
+    own = replace(
+        broken, exception="ValueError", message="bad batch", reason="exit status 1 (rank 0): ValueError"
+    )
+    leader.node.peer_end = dict(killed.data or {})
+    end = leader.node.peer_ended(own, "node 1's part ended failed: killed by SIGKILL")
+    assert (end.exception, end.message) == ("ValueError", "bad batch")  # its own error, not a consequence

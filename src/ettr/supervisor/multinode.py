@@ -135,27 +135,27 @@ class _Node:
         return this_nodes_events(events, host=socket.gethostname(), supervisor_pid=os.getpid())
 
     def absent(self, attempt: int) -> str | None:
-        return peers.absent(self.view, attempt, self.role.peers, now=time.time())
+        view = self.look(now := time.time(), force=True) or self.view  # once per start-up line: fresh
+        return peers.absent(view, attempt, self.role.peers, now=now)
 
     def peer_ended(self, end: AttemptEnd, reason: str) -> AttemptEnd:
         """`end` of this node's part, ended because of the peer whose end is `peer_end`."""
         data = self.peer_end
         outcome = Outcome.HUNG if data.get("outcome") == Outcome.HUNG.value else Outcome.FAILED
         exit_code = data.get("exit_code")
-        tail = data.get("stderr_tail")
+        tail, broken = data.get("stderr_tail"), consequence_of_a_peer(end)
+        own_message = None if broken else end.message
         return replace(
             end,
             outcome=outcome,
             exit_code=exit_code if isinstance(exit_code, int) else end.exit_code,
             reason=reason,
             signal=data.get("signal") if isinstance(data.get("signal"), str) else end.signal,
-            exception=data.get("exception") or end.exception,
-            # The peer's exception with its own message (none), never with this node's words beside it
-            message=data.get("message") if data.get("exception") else data.get("message") or end.message,
-            # The peer's own words say why; this node's (a broken connection) are the consequence.
-            stderr_tail=tuple(str(t) for t in tail[-20:])
-            if isinstance(tail, list) and tail
-            else end.stderr_tail,
+            # The peer's exception and words, never this node's beside them; nor this node's broken
+            # connection (the consequence) where the peer recorded none (its torchrun SIGKILLed).
+            exception=data.get("exception") or (None if broken else end.exception),
+            message=data.get("message") if data.get("exception") else data.get("message") or own_message,
+            stderr_tail=tuple(map(str, tail[-20:])) if isinstance(tail, list) and tail else end.stderr_tail,
         )
 
 
@@ -277,8 +277,7 @@ class LeaderPeers:
 
 
 class FollowerPeers:
-    """This node is node R > 0: it joins the attempts node 0 opens, reports its part, ends with the job's
-    status."""
+    """Node R > 0: it joins the attempts node 0 opens, reports its part, ends with the job's status."""
 
     leads = False
 
