@@ -524,3 +524,22 @@ def test_a_peer_killed_without_an_exception_does_not_lend_node_0s_broken_connect
     leader.node.peer_end = dict(killed.data or {})
     end = leader.node.peer_ended(own, "node 1's part ended failed: killed by SIGKILL")
     assert (end.exception, end.message) == ("ValueError", "bad batch")  # its own error, not a consequence
+
+
+def test_the_absent_nodes_are_read_fresh_for_each_start_up_line(tmp_path: Path) -> None:
+    # The cached view (one look per heartbeat interval) said "node 1's supervisor last heard 10 s ago" of
+    # a node that had joined the attempt since.
+    from ettr.supervisor.books import JobBooks
+
+    config = RunConfig(
+        command=(*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py"), ledger_url="sqlite:///x", job_id="j"
+    )
+    leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+    ledger = MemoryLedger([peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=0, ts=1.0, port=100)])
+    leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    assert leader.node.look(2.0, force=True) is not None
+    assert "node 1's supervisor never started" in (leader.absent(0) or "")
+    ledger.append(
+        [peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=3.0, supervisor_pid=7)]
+    )
+    assert leader.absent(0) is None
