@@ -543,3 +543,24 @@ def test_the_absent_nodes_are_read_fresh_for_each_start_up_line(tmp_path: Path) 
         [peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=3.0, supervisor_pid=7)]
     )
     assert leader.absent(0) is None
+
+
+def test_a_nodes_part_names_its_failed_rank_though_it_holds_one_rank_of_the_world() -> None:
+    # Classified by its own ranks, node 1's part (one rank of two) read `exit status 1: InjectedCrash`: the
+    # rank is named only where the ranks seen are several, and this node saw one.
+    from ettr.supervisor.classify import classify, this_nodes_events
+
+    data = {"pid": 501, "host": "vm", "world_size": 2, "local_rank": 0, "supervisor_pid": 12}
+    events = [
+        Event(EventKind.PROCESS_START, 1.0, 0, 0, data={**data, "pid": 500, "supervisor_pid": 11}),
+        Event(EventKind.PROCESS_START, 1.0, 0, 1, data=data),
+        Event(EventKind.FAILURE, 3.0, 0, 1, data={"exception": "InjectedCrash", "message": "at step 50"}),
+    ]
+    mine = this_nodes_events(events, host="vm", supervisor_pid=12)
+    assert (
+        classify(returncode=1, events=mine, failed_pids=[[501]]).reason
+        == "exit status 1 (rank 1): InjectedCrash"
+    )
+    crash = Event(EventKind.FAILURE, 3.0, 0, 0, data={"exception": "InjectedCrash", "message": "at step 50"})
+    alone = [Event(EventKind.PROCESS_START, 1.0, 0, 0, data={**data, "world_size": 1}), crash]
+    assert classify(returncode=1, events=alone, failed_pids=[[501]]).reason == "exit status 1: InjectedCrash"

@@ -111,6 +111,13 @@ def this_nodes_events(events: Iterable[Event], *, host: str, supervisor_pid: int
     return [e for e in events if started.get(e.rank, True)]
 
 
+def _world_size(events: Iterable[Event]) -> int:
+    """The largest world size the ranks' PROCESS_STARTs name (1: none): a multi-node job's node classifies
+    by its own ranks (`this_nodes_events`), perhaps one of a larger world, and still names it."""
+    sizes = [(e.data or {}).get("world_size") for e in events if e.kind is EventKind.PROCESS_START]
+    return max((n for n in sizes if isinstance(n, int)), default=1)
+
+
 def first_failed_rank(
     looks: Sequence[Sequence[int]], rank_of: Mapping[int, int], failures: Sequence[Event]
 ) -> int | None:
@@ -351,7 +358,7 @@ def classify(
         reason = f"{how}, not asked of the supervisor (a scheduler or an operator)"
     else:
         outcome = Outcome.FAILED
-        if root is not None and len(set(rank_of.values())) > 1:
+        if root is not None and (len(set(rank_of.values())) > 1 or _world_size(events) > 1):
             how += f" (rank {root})"  # the rank that failed first, not one that lost it as a peer
         reason = how + (" (out of memory)" if oom else "") + (f": {exception}" if exception else "")
     if injected:
