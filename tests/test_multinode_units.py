@@ -282,7 +282,9 @@ class _CountingSignals:
         self.waits.append(timeout_s)
 
 
-def test_waits_between_attempts_look_every_second_not_every_heartbeat_interval(tmp_path: Path) -> None:
+def test_waits_between_attempts_look_every_second_not_every_heartbeat_interval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Field trial (default --peer-timeout 60: heartbeats every 10 s): node 1 joined each attempt 10 s after
     node 0 had published its rendezvous, and node 0 booked 10 s more shutdown waiting for node 1's end of a
     completed attempt. Both waits now look at the ledger every second."""
@@ -299,6 +301,8 @@ def test_waits_between_attempts_look_every_second_not_every_heartbeat_interval(t
     follower.node.attach(books(MemoryLedger([]), follower_cfg))
     turn = follower.turn(-1, 100.0)
     assert turn.attempt is None and turn.status is None and 0 < turn.wait_s <= 1.0
+    # (said after the job's last attempt too: "to open the next attempt" was untrue then)
+    assert "node 1: waiting for node 0's next attempt or the job's end" in capsys.readouterr().err
 
     leader_cfg = replace(follower_cfg, command=(*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py"))
     leader = LeaderPeers(leader_cfg, peers.NodeRole(node_rank=0, nnodes=2))

@@ -383,7 +383,7 @@ class FollowerPeers:
             return Turn(attempt=attempt)
         if self._waiting_since is None:
             self._waiting_since, self._waiting = now, Progress(now, after_s=10.0, every_s=30.0)
-            say(f"node {node.role.node_rank}: waiting for node 0 to open the next attempt")
+            say(f"node {node.role.node_rank}: waiting for node 0's next attempt or the job's end")
         waited = now - self._waiting_since
         if self._waiting is not None and self._waiting.due(now):
             say(f"node {node.role.node_rank}: still waiting for node 0 ({waited:.0f} s)")
