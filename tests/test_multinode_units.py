@@ -239,7 +239,10 @@ def test_node_0_books_a_collective_failure_caused_by_a_peer_as_that_peers(tmp_pa
 
     def settle(*marks: Event) -> AttemptEnd:
         leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
-        ledger = MemoryLedger(list(marks))
+        joined = peers.node_mark(
+            peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=now - 10, supervisor_pid=7
+        )
+        ledger = MemoryLedger([joined, *marks])
         leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
         end = leader.settle(0, mine, None, SupervisorSignals())
         return end
@@ -509,7 +512,8 @@ def test_a_peer_killed_without_an_exception_does_not_lend_node_0s_broken_connect
         peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=1.0, outcome="failed", exit_code=137,
         signal="SIGKILL", reason="killed by SIGKILL", exception=None, message=None,
     )  # fmt: skip
-    ledger = MemoryLedger([killed])
+    joined = peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=0.5, supervisor_pid=7)
+    ledger = MemoryLedger([joined, killed])
     leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
     broken = AttemptEnd(
         outcome=Outcome.FAILED, exit_code=1, reason="exit status 1 (rank 0): RuntimeError",
@@ -568,3 +572,24 @@ def test_a_nodes_part_names_its_failed_rank_though_it_holds_one_rank_of_the_worl
     crash = Event(EventKind.FAILURE, 3.0, 0, 0, data={"exception": "InjectedCrash", "message": "at step 50"})
     alone = [Event(EventKind.PROCESS_START, 1.0, 0, 0, data={**data, "world_size": 1}), crash]
     assert classify(returncode=1, events=alone, failed_pids=[[501]]).reason == "exit status 1: InjectedCrash"
+
+
+def test_an_attempt_whose_rendezvous_timed_out_names_the_nodes_that_never_joined(tmp_path: Path) -> None:
+    # Node 1 never started: node 0's attempt ended `exit status 1` (torchrun's RendezvousTimeoutError).
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+
+    config = RunConfig(
+        command=(*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py"), ledger_url="sqlite:///x", job_id="j"
+    )
+    leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+    ledger = MemoryLedger([peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=0, ts=1.0, port=100)])
+    leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    timed_out = AttemptEnd(outcome=Outcome.FAILED, exit_code=1, reason="exit status 1")
+    end = leader.settle(0, timed_out, None, _CountingSignals())  # type: ignore[arg-type]
+    assert end.reason == (
+        "exit status 1 (torchrun's rendezvous waits for node(s) 1 to join: node 1's supervisor never started)"
+    )
+    ledger.append([Event(EventKind.PROCESS_START, 2.0, 0, 0, data={"pid": 5})])  # its ranks ran: not that
+    assert leader.settle(0, timed_out, None, _CountingSignals()) == timed_out  # type: ignore[arg-type]

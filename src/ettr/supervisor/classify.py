@@ -112,8 +112,7 @@ def this_nodes_events(events: Iterable[Event], *, host: str, supervisor_pid: int
 
 
 def _world_size(events: Iterable[Event]) -> int:
-    """The largest world size the ranks' PROCESS_STARTs name (1: none): a multi-node job's node classifies
-    by its own ranks (`this_nodes_events`), perhaps one of a larger world, and still names it."""
+    """The largest world size the ranks' PROCESS_STARTs name (1: none; a node's ranks: `this_nodes_events`)."""
     sizes = [(e.data or {}).get("world_size") for e in events if e.kind is EventKind.PROCESS_START]
     return max((n for n in sizes if isinstance(n, int)), default=1)
 

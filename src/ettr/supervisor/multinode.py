@@ -211,6 +211,9 @@ class LeaderPeers:
         node = self.node
         if peer_reason is not None:
             return node.peer_ended(end, peer_reason)
+        if end.outcome is Outcome.FAILED and not node.books.attempt_events(attempt):  # no rank started:
+            if waited := node.absent(attempt):  # torchrun's rendezvous timed out waiting for them
+                return replace(end, reason=f"{end.reason} ({waited})")
         if end.outcome is Outcome.FAILED and consequence_of_a_peer(end):
             behind = self._peer_behind(attempt, signals)
             if behind is not None:
@@ -324,12 +327,9 @@ class FollowerPeers:
         joined = [a for (a, n) in view.node_joined if n == rank]
         for attempt in joined:
             if attempt not in view.ended and (attempt, rank) not in view.node_ends:
+                why = f"node {rank}'s supervisor was lost (killed) while this attempt ran"
                 self.node.mark(
-                    peers.NODE_ATTEMPT_END,
-                    attempt=attempt,
-                    outcome=Outcome.FAILED.value,
-                    exit_code=None,
-                    reason=f"node {rank}'s supervisor was lost (killed) while this attempt ran",
+                    peers.NODE_ATTEMPT_END, attempt=attempt, outcome="failed", exit_code=None, reason=why
                 )
         self._done = max(joined, default=-1)
 
