@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -236,7 +239,10 @@ def test_node_0_books_a_collective_failure_caused_by_a_peer_as_that_peers(tmp_pa
 
     def settle(*marks: Event) -> AttemptEnd:
         leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
-        ledger = MemoryLedger(list(marks))
+        joined = peers.node_mark(
+            peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=now - 10, supervisor_pid=7
+        )
+        ledger = MemoryLedger([joined, *marks])
         leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
         end = leader.settle(0, mine, None, SupervisorSignals())
         return end
@@ -265,3 +271,325 @@ def test_node_0_books_a_collective_failure_caused_by_a_peer_as_that_peers(tmp_pa
     assert detail(settle(killed)) is Detail.PROCESS_LOST
     alive = peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=now + 3600)  # heard since
     assert settle(alive) == mine
+
+
+class _CountingSignals:
+    """SupervisorSignals as the peers use it: no signal; each wait is recorded, not slept."""
+
+    first = None
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def wait(self, timeout_s: float) -> None:
+        self.waits.append(timeout_s)
+
+
+def test_waits_between_attempts_look_every_second_not_every_heartbeat_interval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Field trial (default --peer-timeout 60: heartbeats every 10 s): node 1 joined each attempt 10 s after
+    node 0 had published its rendezvous, and node 0 booked 10 s more shutdown waiting for node 1's end of a
+    completed attempt. Both waits now look at the ledger every second."""
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+
+    def books(ledger: Ledger, config: RunConfig) -> JobBooks:
+        return JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger)
+
+    follower_cfg = RunConfig(command=(*TORCHRUN, "t.py"), ledger_url="sqlite:///x.db", job_id="j")
+    assert follower_cfg.peer_timeout_s == 60.0
+    follower = FollowerPeers(follower_cfg, peers.NodeRole(node_rank=1, nnodes=2))
+    follower.node.attach(books(MemoryLedger([]), follower_cfg))
+    turn = follower.turn(-1, 100.0)
+    assert turn.attempt is None and turn.status is None and 0 < turn.wait_s <= 1.0
+    # (a node that took part in an attempt waits for "node 0's next attempt or the job's end")
+    assert "node 1: waiting for node 0 to open an attempt" in capsys.readouterr().err
+
+    leader_cfg = replace(follower_cfg, command=(*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py"))
+    leader = LeaderPeers(leader_cfg, peers.NodeRole(node_rank=0, nnodes=2))
+    ledger = MemoryLedger([])
+    leader.node.attach(books(ledger, leader_cfg))
+    signals = _CountingSignals()
+
+    def peer_ends(timeout_s: float) -> None:  # node 1 ends its part while node 0 waits
+        signals.waits.append(timeout_s)
+        ledger.append(
+            [peers.node_mark(peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=1.0, outcome="completed")]
+        )
+
+    signals.wait = peer_ends  # type: ignore[method-assign]
+    done = AttemptEnd(outcome=Outcome.COMPLETED, exit_code=0, reason="completed")
+    assert leader.settle(0, done, None, signals) == done  # type: ignore[arg-type]
+    assert signals.waits and all(0 < w <= 1.0 for w in signals.waits)
+
+
+def test_the_requeue_line_of_a_ledger_job_names_its_job_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Field trial: node 0 of a two-node job got SIGTERM and printed `to continue it (a requeue): ettr run
+    --run-dir ... --ledger URL -- torchrun ...`; that command was refused (`a multi-node job needs --job-id`),
+    and on one node it would have opened a new job under a made-up id. Node 1 printed no such line."""
+    import shlex
+
+    from ettr.constants import EXIT_PREEMPTED
+    from ettr.supervisor.supervise import Supervisor
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    leader = (*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py")
+    for command in (leader, (*TORCHRUN, "t.py"), ("python", "t.py")):
+        config = RunConfig(command=command, ledger_url=url, job_id="llm-042", run_dir=str(tmp_path / "n"))
+        supervisor_for(config)._say_end(EXIT_PREEMPTED)
+        line = next(x for x in capsys.readouterr().err.splitlines() if "to continue it" in x)
+        argv = shlex.split(line.split("(a requeue): ", 1)[1])
+        assert argv[argv.index("--job-id") + 1] == "llm-042" and argv[argv.index("--ledger") + 1] == url
+        assert tuple(argv[argv.index("--") + 1 :]) == command
+    Supervisor(RunConfig(command=("python", "t.py"), run_dir=str(tmp_path / "r")))._say_end(EXIT_PREEMPTED)
+    assert "--job-id" not in capsys.readouterr().err  # the run directory holds its id
+
+
+def test_a_node_given_another_nnodes_than_a_live_peer_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Field trial: node 0 with --nnodes 2, node 1 with --nnodes 3. Both waited in torchrun's rendezvous,
+    saying "still no training step after 120 s (cold start ...)", until torchrun's join timeout (600 s).
+    The node that comes second is refused (one line, status 2) before it writes anything, either way round;
+    a peer that is gone (silent, or ended) does not count."""
+    import time
+
+    from ettr.cli import main
+    from ettr.ledger.url import open_url
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+
+    def node_start(rank: int, nnodes: int, ts: float) -> Event:
+        return peers.node_mark(
+            peers.NODE_START, node_rank=rank, attempt=0, ts=ts, pid=4242, host="node0", nnodes=nnodes
+        )
+
+    def written() -> list[Event]:
+        ledger = open_url(url, job_id="j")
+        try:
+            return ledger.read()
+        finally:
+            ledger.close()
+
+    def run(rank: int, nnodes: int) -> tuple[int, str]:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                    f"--node-rank={rank}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400", "t.py"]  # fmt: skip
+        argv = ["run", "--run-dir", str(tmp_path / f"n{rank}"), "--ledger", url, "--job-id", "j"]
+        status = main([*argv, "--", *torchrun])
+        return status, capsys.readouterr().err.strip()
+
+    role = peers.NodeRole(node_rank=0, nnodes=2)
+    gone = [node_start(1, 3, 100.0)]
+    assert peers.another_size(gone, role, now=100.0 + 61, timeout_s=60) is None  # silent: not a peer now
+    assert "node 1 of this job runs with --nnodes 3" in (
+        peers.another_size(gone, role, now=159, timeout_s=60) or ""
+    )
+    assert peers.another_size([node_start(1, 2, 100.0)], role, now=100.0, timeout_s=60) is None
+
+    ledger = open_url(url, job_id="j", create=True)
+    ledger.append([node_start(0, 2, time.time())])
+    ledger.close()
+    before = written()
+    status, err = run(1, 3)
+    assert status == 2 and "\n" not in err, err
+    assert err == (
+        "ettr run: node 0 of this job runs with --nnodes 2 (supervisor pid 4242 on node0), this node with "
+        "--nnodes 3: give every node the same --nnodes"
+    )
+    assert written() == before  # nothing written
+
+    ledger = open_url(url, job_id="j")  # node 0 came second, node 1 (--nnodes 3) waiting
+    ledger.append([peers.node_mark(peers.NODE_END, node_rank=0, attempt=0, ts=time.time())])
+    ledger.append([node_start(1, 3, time.time())])
+    ledger.close()
+    before = written()
+    status, err = run(0, 2)
+    assert status == 2 and "node 1 of this job runs with --nnodes 3" in err and "\n" not in err
+    assert written() == before
+
+
+def test_a_nodes_part_is_classified_by_its_own_ranks_only() -> None:
+    """Field trial: node 1's torchrun SIGKILLed. Its rank recorded nothing; node 0's rank recorded gloo's
+    "Connection closed by peer", and node 1's part (and so the attempt) was booked `killed by SIGKILL:
+    RuntimeError` with node 0's message: the consequence named as the cause, on the wrong node."""
+    from ettr.supervisor.classify import classify, this_nodes_events
+
+    def start(rank: int, pid: int, host: str, supervisor: int) -> Event:
+        data = {"pid": pid, "host": host, "world_size": 2, "local_rank": 0, "supervisor_pid": supervisor}
+        return Event(EventKind.PROCESS_START, 1.0, 0, rank, data=data)
+
+    gone = {
+        "exception": "RuntimeError",
+        "message": "[pair.cc:553] Connection closed by peer [127.0.0.1]:30385",
+    }
+    events = [
+        start(0, 500, "vm", 11),  # node 0's supervisor is pid 11, node 1's pid 12, one host (two supervisors)
+        start(1, 501, "vm", 12),
+        Event(EventKind.STEP, 2.0, 0, 1, step=5),
+        Event(EventKind.FAILURE, 3.0, 0, 0, data=gone),
+    ]
+    assert classify(returncode=-9, events=events).exception == "RuntimeError"  # as booked before
+    mine = this_nodes_events(events, host="vm", supervisor_pid=12)
+    assert mine == [events[1], events[2]]
+    end = classify(returncode=-9, events=mine)
+    assert (end.exception, end.reason) == (None, "killed by SIGKILL")
+    assert this_nodes_events(events, host="vm", supervisor_pid=11) == [events[0], events[3]]
+    assert this_nodes_events(events, host="node1", supervisor_pid=12) == []  # same pids on another host
+    unnamed = Event(EventKind.PROCESS_START, 1.0, 0, 3, data={"pid": 9})  # before 2026-12-04: kept
+    assert this_nodes_events([unnamed], host="vm", supervisor_pid=12) == [unnamed]
+    follower = FollowerPeers(
+        RunConfig(command=(*TORCHRUN, "t.py"), ledger_url="sqlite:///x.db", job_id="j"),
+        peers.NodeRole(node_rank=1, nnodes=2),
+    )
+    assert follower.own_events(events) == this_nodes_events(
+        events, host=socket.gethostname(), supervisor_pid=os.getpid()
+    )
+    assert NoPeers().own_events(events) == events  # one supervisor's ranks, whatever their hosts
+
+
+def test_node_0s_start_up_lines_name_the_nodes_its_rendezvous_waits_for() -> None:
+    """Field trial: node 1 never started. Node 0 said `still no training step after 30 s (cold start:
+    interpreter, imports, model build, restore)` until torchrun's rendezvous timed out; it now says whom the
+    rendezvous waits for."""
+    from ettr.supervisor.startwait import StartupWait
+
+    published = [peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=0, ts=1.0, port=100)]
+    view = peers.peer_view(published)
+    assert peers.absent(view, 0, [1], now=31.0) == (
+        "torchrun's rendezvous waits for node(s) 1 to join: node 1's supervisor never started"
+    )
+    heard = peers.peer_view(
+        [*published, peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=9.0)]
+    )
+    assert peers.absent(heard, 0, [1], now=31.0) == (
+        "torchrun's rendezvous waits for node(s) 1 to join: node 1's supervisor last heard 22 s ago"
+    )
+    joined = peers.peer_view(
+        [
+            *published,
+            peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=2.0, supervisor_pid=7),
+        ]
+    )
+    assert peers.absent(joined, 0, [1], now=31.0) is None
+    assert peers.absent(joined, 0, [0], now=31.0) is None  # node 0 (a follower's peer) published its port
+    assert "node(s) 0 to join" in (peers.absent(joined, 1, [0], now=31.0) or "")  # not attempt 1's yet
+    assert NoPeers().absent(0) is None
+
+    wait = StartupWait(0, 0.0, path="cold", absent=lambda a: peers.absent(view, a, [1], now=31.0))
+    assert (
+        wait.check(1.0, trained=False)
+        == "attempt 0: waiting for its first training step (cold start: interpreter, imports, model build, restore)"
+    )
+    assert wait.check(31.0, trained=False) == (
+        "attempt 0: still no training step after 31 s (torchrun's rendezvous waits for node(s) 1 to join: "
+        "node 1's supervisor never started)"
+    )
+    alone = StartupWait(0, 0.0, path="cold", absent=lambda a: None)
+    alone.check(1.0, trained=False)
+    assert alone.check(31.0, trained=False) == (
+        "attempt 0: still no training step after 31 s (cold start: interpreter, imports, model build, restore)"
+    )
+
+
+def test_a_peer_killed_without_an_exception_does_not_lend_node_0s_broken_connection(tmp_path: Path) -> None:
+    """Field trial (PostgreSQL ledger): node 1's torchrun SIGKILLed; node 1 booked its part `killed by
+    SIGKILL` (no exception), and node 0's ATTEMPT_END said so but carried node 0's own rank's gloo
+    "Connection closed by peer" as the attempt's exception: the consequence beside the cause."""
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+
+    command = (*TORCHRUN[:3], "0", *TORCHRUN[4:], "train.py")
+    config = RunConfig(command=command, ledger_url="sqlite:///x.db", job_id="j", peer_timeout_s=4.0)
+    leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+    killed = peers.node_mark(
+        peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=1.0, outcome="failed", exit_code=137,
+        signal="SIGKILL", reason="killed by SIGKILL", exception=None, message=None,
+    )  # fmt: skip
+    joined = peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=0.5, supervisor_pid=7)
+    ledger = MemoryLedger([joined, killed])
+    leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    broken = AttemptEnd(
+        outcome=Outcome.FAILED, exit_code=1, reason="exit status 1 (rank 0): RuntimeError",
+        exception="RuntimeError", message="[pair.cc:553] Connection closed by peer [127.0.0.1]:30385",
+    )  # fmt: skip
+    end = leader.settle(0, broken, None, _CountingSignals())  # type: ignore[arg-type]
+    assert (end.reason, end.signal, end.exit_code) == (
+        "node 1's part ended failed: killed by SIGKILL",
+        "SIGKILL",
+        137,
+    )
+    assert (end.exception, end.message) == (None, None)
+    own = replace(
+        broken, exception="ValueError", message="bad batch", reason="exit status 1 (rank 0): ValueError"
+    )
+    leader.node.peer_end = dict(killed.data or {})
+    end = leader.node.peer_ended(own, "node 1's part ended failed: killed by SIGKILL")
+    assert (end.exception, end.message) == ("ValueError", "bad batch")  # its own error, not a consequence
+
+
+def test_the_absent_nodes_are_read_fresh_for_each_start_up_line(tmp_path: Path) -> None:
+    # The cached view (one look per heartbeat interval) said "node 1's supervisor last heard 10 s ago" of
+    # a node that had joined the attempt since.
+    from ettr.supervisor.books import JobBooks
+
+    config = RunConfig(
+        command=(*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py"), ledger_url="sqlite:///x", job_id="j"
+    )
+    leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+    ledger = MemoryLedger([peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=0, ts=1.0, port=100)])
+    leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    assert leader.node.look(2.0, force=True) is not None
+    assert "node 1's supervisor never started" in (leader.absent(0) or "")
+    ledger.append(
+        [peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=3.0, supervisor_pid=7)]
+    )
+    assert leader.absent(0) is None
+
+
+def test_a_nodes_part_names_its_failed_rank_though_it_holds_one_rank_of_the_world() -> None:
+    # Classified by its own ranks, node 1's part (one rank of two) read `exit status 1: InjectedCrash`: the
+    # rank is named only where the ranks seen are several, and this node saw one.
+    from ettr.supervisor.classify import classify, this_nodes_events
+
+    data = {"pid": 501, "host": "vm", "world_size": 2, "local_rank": 0, "supervisor_pid": 12}
+    events = [
+        Event(EventKind.PROCESS_START, 1.0, 0, 0, data={**data, "pid": 500, "supervisor_pid": 11}),
+        Event(EventKind.PROCESS_START, 1.0, 0, 1, data=data),
+        Event(EventKind.FAILURE, 3.0, 0, 1, data={"exception": "InjectedCrash", "message": "at step 50"}),
+    ]
+    mine = this_nodes_events(events, host="vm", supervisor_pid=12)
+    assert (
+        classify(returncode=1, events=mine, failed_pids=[[501]]).reason
+        == "exit status 1 (rank 1): InjectedCrash"
+    )
+    crash = Event(EventKind.FAILURE, 3.0, 0, 0, data={"exception": "InjectedCrash", "message": "at step 50"})
+    alone = [Event(EventKind.PROCESS_START, 1.0, 0, 0, data={**data, "world_size": 1}), crash]
+    assert classify(returncode=1, events=alone, failed_pids=[[501]]).reason == "exit status 1: InjectedCrash"
+
+
+def test_an_attempt_whose_rendezvous_timed_out_names_the_nodes_that_never_joined(tmp_path: Path) -> None:
+    # Node 1 never started: node 0's attempt ended `exit status 1` (torchrun's RendezvousTimeoutError).
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+
+    config = RunConfig(
+        command=(*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py"), ledger_url="sqlite:///x", job_id="j"
+    )
+    leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+    ledger = MemoryLedger([peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=0, ts=1.0, port=100)])
+    leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    timed_out = AttemptEnd(outcome=Outcome.FAILED, exit_code=1, reason="exit status 1")
+    end = leader.settle(0, timed_out, None, _CountingSignals())  # type: ignore[arg-type]
+    assert end.reason == (
+        "exit status 1 (torchrun's rendezvous waits for node(s) 1 to join: node 1's supervisor never started)"
+    )
+    ledger.append([Event(EventKind.PROCESS_START, 2.0, 0, 0, data={"pid": 5})])  # its ranks ran: not that
+    assert leader.settle(0, timed_out, None, _CountingSignals()) == timed_out  # type: ignore[arg-type]

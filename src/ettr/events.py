@@ -97,7 +97,7 @@ class EventKind(StrEnum):
     ATTEMPT_END = "attempt_end"  # attempt; data: outcome, exit_code, signal, reason, ...
     JOB_END = "job_end"  # data: exit_status
     # Written by training processes (rank >= 0).
-    PROCESS_START = "process_start"  # data: pid, world_size, local_rank
+    PROCESS_START = "process_start"  # data: pid, host, world_size, local_rank, supervisor_pid
     PHASE_BEGIN = "phase_begin"  # phase; step optional
     PHASE_END = "phase_end"  # phase; value = begin ts (so an END alone is a complete span)
     STEP = "step"  # step = the global optimizer step just completed

@@ -57,22 +57,23 @@ def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
         rank=ranks.rank,
         world_size=ranks.world_size,
     )
-    record_process_start(rec, ranks.local_rank)
+    record_process_start(rec, ranks.local_rank, supervisor_pid=run_env.supervisor_pid)
     return rec
 
 
-def record_process_start(rec: Recorder, local_rank: int) -> None:
-    """This process's PROCESS_START (its start time read from the kernel), as the rank `rec` records."""
-    rec.record(
-        EventKind.PROCESS_START,
-        ts=process_start_time(),
-        data={
-            "pid": os.getpid(),
-            "host": host_name(),
-            "world_size": rec.world_size,
-            "local_rank": local_rank,
-        },
-    )
+def record_process_start(rec: Recorder, local_rank: int, *, supervisor_pid: int | None = None) -> None:
+    """This process's PROCESS_START (its start time read from the kernel), as the rank `rec` records;
+    `supervisor_pid`: the `ettr run` that started it (with the host, it tells a multi-node job's nodes'
+    ranks apart in their one ledger)."""
+    data: dict[str, object] = {
+        "pid": os.getpid(),
+        "host": host_name(),
+        "world_size": rec.world_size,
+        "local_rank": local_rank,
+    }
+    if supervisor_pid is not None:
+        data["supervisor_pid"] = supervisor_pid
+    rec.record(EventKind.PROCESS_START, ts=process_start_time(), data=data)
 
 
 def get_recorder() -> Recorder:

@@ -97,7 +97,9 @@ class Attempt:
     training_start_ts: float | None = None
     resumed_from_step: int | None = None
     resume_recorded: bool = False  # a RESUMED event exists (its step may be None: from scratch)
-    resume_inferred: bool = False  # no RESUMED; resumed_from_step is its first step - 1 (numbered by the script)
+    resume_inferred: bool = (
+        False  # no RESUMED; resumed_from_step is its first step - 1 (numbered by the script)
+    )
     resumed_step_unknown: str | None = None  # why its resume step is unknown (RESUMED's data.unknown)
     lost_steps_estimated: bool = False  # kept steps estimated: the next attempt's resume step is unknown
     keep_up_to_step: float = math.inf  # steps <= this are kept

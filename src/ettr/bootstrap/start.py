@@ -382,7 +382,9 @@ def become_forked_rank(rank: int, world_size: int, parent: int) -> bool:
         environ[OWN_RANK_ENV], environ[OWN_WORLD_SIZE_ENV] = str(rank), str(world_size)
         environ[INSTRUMENTED_ENV], environ[INSTRUMENTED_WORLD_ENV] = str(os.getpid()), str(world_size)
         rec.reopen_in_child(ledger, rank=rank, world_size=world_size)
-        record_process_start(rec, RankEnv.from_environ(environ).local_rank)
+        record_process_start(
+            rec, RankEnv.from_environ(environ).local_rank, supervisor_pid=run_env.supervisor_pid
+        )
         for key in ("tail_listener", "first_step_listener"):  # the parent's files: its pid, its rank
             listener = _started.pop(key, None)
             if listener is not None:

@@ -1,12 +1,11 @@
 """A job's books, as one supervisor keeps them: open, salvage, append, read, close.
 
-`JobBooks` is the only supervisor code that touches the ledger. It opens the books of a new or requeued job
-(closing the attempt a killed supervisor left open, after killing what that supervisor left running),
-salvages a damaged SQLite ledger, appends the supervisor's events (the end events patiently: without them a
-completed job reads as failed), answers the questions the rest of the supervisor asks of the books (the
-attempt's training events, its last activity, whether a rank recorded a FAILURE), and closes them (delivering
-what a server outage spilled; `ettr.cli`'s job-end hook then stores the fleet's summary). What it writes
-when it opens them is `ettr.supervisor.opening`'s.
+`JobBooks` is the only supervisor code that touches the ledger. It opens the books of a new or requeued job (closing
+the attempt a killed supervisor left open, after killing what that supervisor left running), salvages a damaged SQLite
+ledger, appends the supervisor's events (the end events patiently: without them a completed job reads as failed),
+answers the questions the rest of the supervisor asks of the books (the attempt's training events, its last activity,
+whether a rank recorded a FAILURE), and closes them (delivering what a server outage spilled; `ettr.cli`'s job-end
+hook then stores the fleet's summary). What it writes when it opens them is `ettr.supervisor.opening`'s.
 
 A node of a multi-node job other than node 0 `join`s the books instead of opening them: it reads them and
 writes node marks (`ettr.supervisor.peers`), never the job's own events.
@@ -24,7 +23,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from ettr.steptail import tail_events
 from ettr.supervisor import containment, peers, slurm
 from ettr.supervisor.command_output import signal_name
 from ettr.supervisor.config import RunConfig
-from ettr.supervisor.messages import describe_os_error, say
+from ettr.supervisor.messages import say
 from ettr.supervisor.opening import closing_events, next_attempt, opening_events
 from ettr.supervisor.policy import EndedAttempt, ended_attempts
 from ettr.untrusted import symlinked_dirs
@@ -92,10 +91,11 @@ class JobBooks:
         except UsageError as exc:
             raise UsageError(f"ettr run: {exc}") from None
 
-    def open(self) -> int:
+    def open(self, *, check: Callable[[Sequence[Event]], None] | None = None) -> int:
         """Open the job's books (a new job, or a requeued one: its earlier attempts closed, its leftover
         processes killed) and record the supervisor's start; the first attempt's index. Raises UsageError
-        (one line) when the run directory cannot be used (one of its subdirectories a symlink included)."""
+        (one line) when the run directory cannot be used (one of its subdirectories a symlink included), or
+        when `check` raises it for what the books hold (before anything is written)."""
         refused = symlinked_dirs(self.run_dir, RUN_SUBDIRS, inside=(HEARTBEAT_DIRNAME, AGENT_DIRNAME))
         if refused:  # heartbeats -> / had the job's heartbeats made at the file system's root
             raise UsageError(f"ettr run: cannot use run directory {self.run_dir}: {refused[0]} (remove it)")
@@ -120,6 +120,12 @@ class JobBooks:
                 f"ettr run: job {self.job_id!r} in {self._where()} belongs to another run ({foreign}); "
                 "give another --job-id, or --continue-job to add this run's attempts to that job"
             )
+        if check is not None:
+            try:
+                check(previous)
+            except UsageError:
+                self.drop()
+                raise
         live = live_supervisor(previous)
         if live is not None:
             self.drop()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ettr.causes import is_collective_error
+from ettr.causes import Detail, diagnose, is_collective_error
 from ettr.events import Event, EventKind, Outcome
 from ettr.supervisor.command_output import (
     child_signal,
@@ -94,6 +94,27 @@ class AttemptEnd:
             "stderr_tail": list(self.stderr_tail),
             "injected": self.injected,
         }
+
+
+def this_nodes_events(events: Iterable[Event], *, host: str, supervisor_pid: int) -> list[Event]:
+    """`events` less those of ranks another node's supervisor started: the ranks whose PROCESS_START names
+    another host or another supervisor pid. A multi-node job's nodes write one ledger, and a node's part
+    that ended without an exception of its own (its torchrun SIGKILLed) took another node's rank's broken
+    connection for its cause. Ranks that recorded no PROCESS_START with both names stay."""
+    events = list(events)
+    started: dict[int, bool] = {}
+    for e in events:
+        data = e.data or {}
+        if e.kind is EventKind.PROCESS_START and "host" in data and "supervisor_pid" in data:
+            mine = data["host"] == host and data["supervisor_pid"] == supervisor_pid
+            started[e.rank] = started.get(e.rank, False) or mine
+    return [e for e in events if started.get(e.rank, True)]
+
+
+def _world_size(events: Iterable[Event]) -> int:
+    """The largest world size the ranks' PROCESS_STARTs name (1: none; a node's ranks: `this_nodes_events`)."""
+    sizes = [(e.data or {}).get("world_size") for e in events if e.kind is EventKind.PROCESS_START]
+    return max((n for n in sizes if isinstance(n, int)), default=1)
 
 
 def first_failed_rank(
@@ -336,7 +357,7 @@ def classify(
         reason = f"{how}, not asked of the supervisor (a scheduler or an operator)"
     else:
         outcome = Outcome.FAILED
-        if root is not None and len(set(rank_of.values())) > 1:
+        if root is not None and (len(set(rank_of.values())) > 1 or _world_size(events) > 1):
             how += f" (rank {root})"  # the rank that failed first, not one that lost it as a peer
         reason = how + (" (out of memory)" if oom else "") + (f": {exception}" if exception else "")
     if injected:
@@ -370,3 +391,10 @@ def oom_kill_count() -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def consequence_of_a_peer(end: AttemptEnd) -> bool:
+    """Whether this node's failure looks like what a peer's failure does to it (a broken collective)."""
+    failure = {**end.to_data(), "process_failure": {"exception": end.exception, "message": end.message}}
+    diagnosis = diagnose(outcome=end.outcome, failure=failure, trained=True)  # the message says gloo's reset
+    return diagnosis.detail is Detail.COLLECTIVE

@@ -12,31 +12,30 @@ supervisor: node 0's `LeaderPeers`, the others' `FollowerPeers`, coordinated thr
       ATTEMPT_END (job-wide), back-off, next A  ───►   next open attempt ... until JOB_END
     JOB_END, node_end                                  node_end; exit with the job's status
 
-Attempts are job-wide: when any node's part fails, that node writes node_attempt_end, the leader ends its
-own part and writes the attempt's ATTEMPT_END, and every other node ends its part on seeing it; all then
-restart together on a fresh rendezvous port (rewritten into `--rdzv-endpoint HOST:PORT` / `--master-port`
-on every node). A supervisor silent for `--peer-timeout` (SIGKILLed, its host gone) is lost: the leader
-ends the attempt; a follower ends its part when the leader is lost and waits for a new leader (a requeued or
-restarted node 0) that closes the attempt and continues the job. Hang detection reads the ledger's last
-activity of every rank, on every node. The marks are described in `peers.py`.
-"""
+Attempts are job-wide: when any node's part fails, that node writes node_attempt_end, the leader ends its own part and
+writes the attempt's ATTEMPT_END, and every other node ends its part on seeing it; all then restart together on a
+fresh rendezvous port (rewritten into `--rdzv-endpoint HOST:PORT` / `--master-port` on every node). A supervisor
+silent for `--peer-timeout` (SIGKILLed, its host gone) is lost: the leader ends the attempt; a follower ends its part
+when the leader is lost and waits for a new leader (a requeued or restarted node 0) that closes the attempt and
+continues the job. Hang detection reads the ledger's last activity of every rank, on every node. The marks are
+described in `peers.py`."""
 
 from __future__ import annotations
 
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from ettr.causes import Detail, diagnose
 from ettr.constants import EXIT_FAILED
 from ettr.errors import UsageError
-from ettr.events import Outcome
+from ettr.events import Event, Outcome
 from ettr.procs import pid_alive, start_ticks
 from ettr.supervisor import peers
 from ettr.supervisor.books import JobBooks
-from ettr.supervisor.classify import AttemptEnd
+from ettr.supervisor.classify import AttemptEnd, consequence_of_a_peer, this_nodes_events
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.launch import free_port, torchrun_options
 from ettr.supervisor.messages import Progress, say
@@ -77,6 +76,9 @@ class _Node:
         self.config = config
         self.role = role
         self.interval_s = min(10.0, max(0.2, config.peer_timeout_s / 4))
+        # Waits between attempts (the next rendezvous, the peers' ends) are the whole job's restart or
+        # shutdown: they look every second, not per heartbeat (10 s by default: up to 10 s per restart).
+        self.poll_s = min(1.0, self.interval_s)
         self.view = PeerView()
         self.peer_end: dict[str, Any] = {}  # the data of the peer's end that ended this node's part
         self._books: JobBooks | None = None
@@ -122,31 +124,42 @@ class _Node:
             nnodes=self.role.nnodes,
         )
 
+    def refuse_another_size(self, events: Sequence[Event]) -> None:
+        """UsageError when a live supervisor of another node of this job was given another `--nnodes`."""
+        timeout_s = self.config.peer_timeout_s
+        if why := peers.another_size(events, self.role, now=time.time(), timeout_s=timeout_s):
+            raise UsageError(f"ettr run: {why}")
+
+    def own_events(self, events: Sequence[Event]) -> list[Event]:
+        return this_nodes_events(events, host=socket.gethostname(), supervisor_pid=os.getpid())
+
+    def absent(self, attempt: int) -> str | None:
+        view = self.look(now := time.time(), force=True) or self.view  # once per start-up line: fresh
+        return peers.absent(view, attempt, self.role.peers, now=now)
+
     def peer_ended(self, end: AttemptEnd, reason: str) -> AttemptEnd:
         """`end` of this node's part, ended because of the peer whose end is `peer_end`."""
         data = self.peer_end
         outcome = Outcome.HUNG if data.get("outcome") == Outcome.HUNG.value else Outcome.FAILED
         exit_code = data.get("exit_code")
-        tail = data.get("stderr_tail")
+        tail, broken = data.get("stderr_tail"), consequence_of_a_peer(end)
+        own_message = None if broken else end.message
         return replace(
             end,
             outcome=outcome,
             exit_code=exit_code if isinstance(exit_code, int) else end.exit_code,
             reason=reason,
             signal=data.get("signal") if isinstance(data.get("signal"), str) else end.signal,
-            exception=data.get("exception") or end.exception,
-            # The peer's exception with its own message (none), never with this node's words beside it
-            message=data.get("message") if data.get("exception") else data.get("message") or end.message,
-            # The peer's own words say why; this node's (a broken connection) are the consequence.
-            stderr_tail=tuple(str(t) for t in tail[-20:])
-            if isinstance(tail, list) and tail
-            else end.stderr_tail,
+            # The peer's exception and words, never this node's beside them; nor this node's broken
+            # connection (the consequence) where the peer recorded none (its torchrun SIGKILLed).
+            exception=data.get("exception") or (None if broken else end.exception),
+            message=data.get("message") if data.get("exception") else data.get("message") or own_message,
+            stderr_tail=tuple(map(str, tail[-20:])) if isinstance(tail, list) and tail else end.stderr_tail,
         )
 
 
 class LeaderPeers:
-    """This node is node 0: it keeps the job's books (the contract's supervisor events) and picks each
-    rendezvous; its peers are the other nodes."""
+    """Node 0: it keeps the job's books (the contract's supervisor events) and picks each rendezvous."""
 
     leads = True
 
@@ -156,9 +169,15 @@ class LeaderPeers:
 
     def open(self, books: JobBooks) -> int:
         self.node.attach(books)
-        first = books.open()
+        first = books.open(check=self.node.refuse_another_size)
         self.node.mark_start(first)
         return first
+
+    def own_events(self, events: Sequence[Event]) -> list[Event]:
+        return self.node.own_events(events)
+
+    def absent(self, attempt: int) -> str | None:
+        return self.node.absent(attempt)
 
     def rendezvous_port(self, attempt: int) -> int | None:
         port = free_port("0.0.0.0")
@@ -191,7 +210,10 @@ class LeaderPeers:
         node = self.node
         if peer_reason is not None:
             return node.peer_ended(end, peer_reason)
-        if end.outcome is Outcome.FAILED and _consequence_of_a_peer(end):
+        if end.outcome is Outcome.FAILED and not node.books.attempt_events(attempt):  # no rank started:
+            if waited := node.absent(attempt):  # torchrun's rendezvous timed out waiting for them
+                return replace(end, reason=f"{end.reason} ({waited})")
+        if end.outcome is Outcome.FAILED and consequence_of_a_peer(end):
             behind = self._peer_behind(attempt, signals)
             if behind is not None:
                 say(f"attempt {attempt}: {behind}")
@@ -221,7 +243,7 @@ class LeaderPeers:
                     )
             if signals.first is not None:
                 return end
-            signals.wait(node.interval_s)
+            signals.wait(node.poll_s)
 
     def _peer_behind(self, attempt: int, signals: SupervisorSignals) -> str | None:
         """This node's part failed in a collective: the peer behind it, if one failed or was lost (a node
@@ -247,7 +269,7 @@ class LeaderPeers:
                     return None  # every peer ended its part or is alive: this node's failure is its own
             if now - begin > timeout_s + node.interval_s or signals.first is not None:
                 return None
-            signals.wait(min(1.0, node.interval_s))
+            signals.wait(node.poll_s)
 
     def turn(self, after: int, now: float) -> Turn:
         return Turn(attempt=after + 1)
@@ -256,16 +278,8 @@ class LeaderPeers:
         self.node.mark(peers.NODE_END, attempt=0)
 
 
-def _consequence_of_a_peer(end: AttemptEnd) -> bool:
-    """Whether this node's failure looks like what a peer's failure does to it (a broken collective)."""
-    failure = {**end.to_data(), "process_failure": {"exception": end.exception, "message": end.message}}
-    diagnosis = diagnose(outcome=end.outcome, failure=failure, trained=True)  # the message says gloo's reset
-    return diagnosis.detail is Detail.COLLECTIVE
-
-
 class FollowerPeers:
-    """This node is node R > 0: it joins the attempts node 0 opens, reports its part, ends with the job's
-    status."""
+    """Node R > 0: it joins the attempts node 0 opens, reports its part, ends with the job's status."""
 
     leads = False
 
@@ -296,6 +310,11 @@ class FollowerPeers:
                     f"ettr run: node {rank} of job {books.job_id} already has a running "
                     f"supervisor (pid {pid}); give each node its own --node-rank"
                 )
+        try:
+            node.refuse_another_size(previous)
+        except UsageError:
+            books.drop()
+            raise
         node.mark_start(0)
         self._start_index = sum(1 for e in previous if e.rank < 0)
         self._rejoin_guard(peers.peer_view(previous))
@@ -308,14 +327,17 @@ class FollowerPeers:
         joined = [a for (a, n) in view.node_joined if n == rank]
         for attempt in joined:
             if attempt not in view.ended and (attempt, rank) not in view.node_ends:
+                why = f"node {rank}'s supervisor was lost (killed) while this attempt ran"
                 self.node.mark(
-                    peers.NODE_ATTEMPT_END,
-                    attempt=attempt,
-                    outcome=Outcome.FAILED.value,
-                    exit_code=None,
-                    reason=f"node {rank}'s supervisor was lost (killed) while this attempt ran",
+                    peers.NODE_ATTEMPT_END, attempt=attempt, outcome="failed", exit_code=None, reason=why
                 )
         self._done = max(joined, default=-1)
+
+    def own_events(self, events: Sequence[Event]) -> list[Event]:
+        return self.node.own_events(events)
+
+    def absent(self, attempt: int) -> str | None:
+        return self.node.absent(attempt)
 
     def rendezvous_port(self, attempt: int) -> int | None:
         return self.node.view.ports.get(attempt)
@@ -361,8 +383,8 @@ class FollowerPeers:
             return Turn(attempt=attempt)
         if self._waiting_since is None:
             self._waiting_since, self._waiting = now, Progress(now, after_s=10.0, every_s=30.0)
-            what = "the job's end or its next attempt" if self._joined else "it to open an attempt"
-            say(f"node {node.role.node_rank}: waiting for node 0: {what}")
+            what = "node 0's next attempt or the job's end" if self._joined else "node 0 to open an attempt"
+            say(f"node {node.role.node_rank}: waiting for {what}")
         waited = now - self._waiting_since
         if self._waiting is not None and self._waiting.due(now):
             say(f"node {node.role.node_rank}: still waiting for node 0 ({waited:.0f} s)")
@@ -372,7 +394,7 @@ class FollowerPeers:
             say(f"no attempt from node 0's supervisor for {waited:.0f} s; giving up")
             return Turn(status=EXIT_FAILED)
         node.beat(max(after, 0), now)
-        return Turn(wait_s=node.interval_s)
+        return Turn(wait_s=node.poll_s)
 
     def close(self, status: int, *, last_attempt: int) -> None:
         self.node.mark(peers.NODE_END, attempt=max(last_attempt, 0), exit_status=status)

@@ -200,6 +200,23 @@ def open_attempt(view: PeerView, *, after: int) -> int | None:
     return max(open_) if open_ else None
 
 
+def absent(view: PeerView, attempt: int, nodes: Sequence[int], *, now: float) -> str | None:
+    """What `attempt`'s rendezvous waits for, of `nodes`: those that have not launched their part of it
+    (node 0 launches after publishing its port), each with when its supervisor was last heard; None when
+    all have (the wait is the start-up's own)."""
+    missing = [n for n in nodes if (attempt, n) not in view.node_joined and (n or attempt not in view.ports)]
+    if not missing:
+        return None
+    said = [
+        f"node {n}'s supervisor never started" if n not in view.last_beat
+        else f"node {n}'s supervisor last heard {now - view.last_beat[n]:.0f} s ago"
+        for n in missing
+    ]  # fmt: skip
+    return (
+        f"torchrun's rendezvous waits for node(s) {', '.join(map(str, missing))} to join: {'; '.join(said)}"
+    )
+
+
 def live_node_supervisor(events: Sequence[Event], node_rank: int) -> Mapping[str, Any] | None:
     """The node_start data of the latest supervisor of `node_rank` that has not written node_end."""
     current: Mapping[str, Any] | None = None
@@ -212,6 +229,33 @@ def live_node_supervisor(events: Sequence[Event], node_rank: int) -> Mapping[str
         elif mark[0] == NODE_END:
             current = None
     return current
+
+
+def another_size(events: Sequence[Event], role: NodeRole, *, now: float, timeout_s: float) -> str | None:
+    """Why `role` cannot join: a live supervisor of another node of this job (heard within `timeout_s` of
+    `now`) was started with another `--nnodes` (None: none was). Such nodes never meet: torchrun's c10d
+    rendezvous waits for the node count each agent was given, silently, until its join timeout (600 s by
+    default), then the next attempt does the same."""
+    starts: dict[int, Mapping[str, Any]] = {}
+    beats: dict[int, float] = {}
+    for e in events:
+        mark = _mark(e)
+        if mark is None or mark[1] == role.node_rank:
+            continue
+        name, node = mark
+        beats[node] = max(beats.get(node, e.ts), e.ts)
+        if name == NODE_START:
+            starts[node] = e.data or {}
+        elif name == NODE_END:
+            starts.pop(node, None)
+    for node, data in sorted(starts.items()):
+        nnodes = data.get("nnodes")
+        if isinstance(nnodes, int) and nnodes != role.nnodes and now - beats[node] <= timeout_s:
+            return (
+                f"node {node} of this job runs with --nnodes {nnodes} (supervisor pid {data.get('pid')} on "
+                f"{data.get('host')}), this node with --nnodes {role.nnodes}: give every node the same --nnodes"
+            )
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,6 +285,15 @@ class Peers(Protocol):
 
     def check(self, attempt: int, now: float, started: float) -> str | None:
         """Why a peer ends this attempt (None: carry on); asked every poll while the attempt runs."""
+        ...
+
+    def absent(self, attempt: int) -> str | None:
+        """What other nodes `attempt`'s start waits for (`absent`), as last seen; None: none."""
+        ...
+
+    def own_events(self, events: Sequence[Event]) -> list[Event]:
+        """The training processes' `events` of an attempt that this node's part classifies by (another
+        node's ranks' exceptions are not its part's)."""
         ...
 
     def settle(
@@ -274,6 +327,12 @@ class NoPeers:
 
     def check(self, attempt: int, now: float, started: float) -> str | None:
         return None
+
+    def absent(self, attempt: int) -> str | None:
+        return None
+
+    def own_events(self, events: Sequence[Event]) -> list[Event]:
+        return list(events)  # one supervisor's ranks, on whichever hosts (srun, pdsh)
 
     def settle(
         self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals

@@ -213,7 +213,7 @@ class AttemptRunner:
         end = classify(
             returncode=state.returncode,
             stderr_tail=running.stderr_tail(),
-            events=events,
+            events=p.peers.own_events(events),
             preempted_by=state.forwarded,
             hung_after_s=state.hung_after_s,
             hung_bound=state.hung_bound,
@@ -269,10 +269,7 @@ class AttemptRunner:
         cfg = p.config
         run_dir = p.books.run_dir
         dog = HangWatchdog(
-            probes=[
-                lambda: p.books.last_activity(attempt),
-                lambda: latest_heartbeat(run_dir, attempt),
-            ],
+            probes=[lambda: p.books.last_activity(attempt), lambda: latest_heartbeat(run_dir, attempt)],
             started_at=started,
             armed_at_start=cfg.hang_timeout_s is not None,
             bounds=self._hang_bounds(),
@@ -283,7 +280,9 @@ class AttemptRunner:
         )
         state = self.watch.start(attempt)
         waiting: Progress | None = None  # for the job to exit, once asked to
-        starting = StartupWait(attempt, started, path=running.relaunch.path, run_dir=run_dir)
+        starting = StartupWait(
+            attempt, started, path=running.relaunch.path, run_dir=run_dir, absent=p.peers.absent
+        )
         trained_read_at = float("-inf")
         standby_tried = restarts_left <= 0
         snapshot_at = float("-inf")

@@ -83,9 +83,13 @@ class StartupWait:
         after_s: float = FIRST_LINE_S,
         run_dir: str | os.PathLike[str] | None = None,
         unbooted: Callable[[], str | None] | None = None,
+        absent: Callable[[int], str | None] | None = None,
     ) -> None:
         """`unbooted` (default with `run_dir`: `unbooted_python` of the attempt) is asked, from
-        `UNBOOTED_AFTER_S` on, at each line until it once had something to say."""
+        `UNBOOTED_AFTER_S` on, at each line until it once had something to say. `absent` (a multi-node
+        job's `Peers.absent`) says which other nodes the attempt's rendezvous waits for: node 0 said
+        `still no training step after 120 s (cold start: ...)` of a node 1 that had never been started."""
+        self._absent = absent
         self._attempt, self._started_at = attempt, started_at
         if unbooted is None and run_dir is not None:
             unbooted = lambda: unbooted_python(run_dir, attempt)  # noqa: E731
@@ -131,4 +135,5 @@ class StartupWait:
                 self._unbooted = None  # said once; later lines say so in short
                 self._doing = "a process runs without ettr's bootstrap: its steps are not seen"
                 return f"{line}: {why}"
-        return f"{line} ({self._doing})"
+        waits = self._absent(self._attempt) if self._absent is not None else None
+        return f"{line} ({waits or self._doing})"

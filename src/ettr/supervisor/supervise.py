@@ -254,18 +254,24 @@ class Supervisor:
         cfg = self.config
         if not self.peers.leads:
             say(f"node {self.peers.node_rank} of job {self.job_id} ended with status {status}")
-            return
-        if cfg.ledger_url:
-            where = f"--ledger {shlex.quote(redact(cfg.ledger_url))} --job-id {shlex.quote(self.job_id)}"
         else:
-            where = shlex.quote(str(self.run_dir))
-        say(f"job {self.job_id} ended with status {status}; report: ettr report {where}")
-        if self.signals.first == slurm.WARNING_SIGNAL and status == EXIT_PREEMPTED:
-            say(slurm.requeue(os.environ))
+            if cfg.ledger_url:
+                where = f"--ledger {shlex.quote(redact(cfg.ledger_url))} --job-id {shlex.quote(self.job_id)}"
+            else:
+                where = shlex.quote(str(self.run_dir))
+            say(f"job {self.job_id} ended with status {status}; report: ettr report {where}")
+            if self.signals.first == slurm.WARNING_SIGNAL and status == EXIT_PREEMPTED:
+                say(slurm.requeue(os.environ))
         if status in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
-            ledger = ["--ledger", redact(cfg.ledger_url)] if cfg.ledger_url else []
-            command = shlex.join(["ettr", "run", "--run-dir", str(self.run_dir), *ledger, "--", *cfg.command])
-            say(f"to continue it (a requeue): {command}")
+            say(f"to continue it (a requeue): {self._continue_command()}")
+
+    def _continue_command(self) -> str:
+        """The `ettr run` that continues this job on this node. Under a ledger URL it names the job id: the
+        run directory does not (its books are the URL's), and without it a multi-node node's `ettr run` is
+        refused (`needs --job-id`) and a one-node one opens a new job under a made-up id."""
+        cfg = self.config
+        ledger = ["--ledger", redact(cfg.ledger_url), "--job-id", self.job_id] if cfg.ledger_url else []
+        return shlex.join(["ettr", "run", "--run-dir", str(self.run_dir), *ledger, "--", *cfg.command])
 
 
 def supervisor_for(config: RunConfig, *, at_job_end: JobEndHook | None = None) -> Supervisor:
