@@ -328,3 +328,38 @@ def test_passes_through_the_model_inside_a_wrapper_switched_to_eval_are_an_evalu
         last = time.time()
     _train_step(model, optimizer)
     assert _spans(_evals(rec, ledger))[1][1] <= last
+
+
+class StepModule(torch.nn.Module):
+    """What a LightningModule looks like to the hooks: the framework calls `test_step`, which runs the model's
+    submodule, never the module's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Net()
+
+    def test_step(self, x: Any) -> Any:
+        return self.model(x)
+
+
+def test_passes_through_a_submodule_of_the_evaluated_module_are_an_evaluation(
+    hooked: tuple[Any, Recorder, Any],
+) -> None:
+    """`trainer.test()` after `fit` on a LightningModule whose `test_step` calls `self.model(x)` (Lightning's
+    own examples/pytorch/basics/transformer.py): until 2026-12-04 no pass was seen, the evaluation was
+    dropped and its time booked as the job's shutdown."""
+    hooks, rec, ledger = hooked
+    module = StepModule()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    _train_step(module.model, optimizer)
+    before = time.time()
+    module.eval()
+    with torch.inference_mode():  # what Lightning's evaluation loops run under
+        first = time.time()
+        for _ in range(3):
+            module.test_step(torch.randn(2, 4))
+        last = time.time()
+    hooks.evals.at_exit()  # the process ends in eval mode after trainer.test()
+    ((begin, end),) = _spans(_evals(rec, ledger))
+    assert before <= begin <= first and last >= end >= first
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in module.modules())
