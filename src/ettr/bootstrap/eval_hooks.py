@@ -121,9 +121,8 @@ class _Evaluation:
     module: Any
     begin_ts: float
     hooked: bool  # its forward passes are timed (else: only eval() and train() are seen)
-    timed: tuple[
-        Any, ...
-    ] = ()  # the modules whose passes are timed: `module`, the modules it wraps, children
+    # The modules whose passes are timed: `module`, the modules it wraps, the model's direct children.
+    timed: tuple[Any, ...] = ()
     timed_ids: frozenset[int] = frozenset()  # their ids (looked up at every pass)
     handles: list[Any] = field(default_factory=list)
     begun: bool = False  # PHASE_BEGIN recorded
