@@ -363,3 +363,40 @@ def test_passes_through_a_submodule_of_the_evaluated_module_are_an_evaluation(
     ((begin, end),) = _spans(_evals(rec, ledger))
     assert before <= begin <= first and last >= end >= first
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in module.modules())
+
+
+class WithLSTM(torch.nn.Module):
+    """pytorch/examples' word_language_model: an LSTM child, whose class pickles itself (`RNNBase.__getstate__`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Embedding(10, 4)
+        self.rnn = torch.nn.LSTM(4, 4)
+        self.decoder = torch.nn.Linear(4, 10)
+
+    def forward(self, x: Any) -> Any:
+        return self.decoder(self.rnn(self.encoder(x))[0])
+
+
+def test_a_model_with_a_child_that_pickles_itself_is_saved_whole_mid_evaluation(
+    hooked: tuple[Any, Recorder, Any],
+) -> None:
+    """word_language_model evaluates (left in eval mode) and then `torch.save(model, f)`: hooks on its LSTM
+    child would travel with it (the recorder's lock: `cannot pickle '_thread.lock' object`)."""
+    import io
+
+    hooks, rec, ledger = hooked
+    model = WithLSTM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randint(0, 10, (3, 2))).sum().backward()
+    optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        model(torch.randint(0, 10, (3, 2)))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # mid-evaluation: the hooks are still on the model
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in loaded.modules())
+    model.train()
+    assert len(_spans(_evals(rec, ledger))) == 1

@@ -68,6 +68,18 @@ def _among(module: Any, modules: Sequence[Any]) -> bool:
     return any(module is m for m in modules)
 
 
+def _pickled_by(cls: type, module_class: type) -> bool:
+    """Whether `cls` pickles through `module_class.__getstate__` (which leaves ettr's hooks out while an
+    evaluation is open): not a class that overrides it without calling it (`nn.LSTM`'s `RNNBase` copies its
+    `__dict__` itself: a `torch.save(model)` of a model with an LSTM child would carry the hooks, and fail)."""
+    for klass in cls.__mro__:
+        if klass is module_class:
+            return True
+        if "__getstate__" in klass.__dict__:
+            return False
+    return True
+
+
 def _without_hooks(state: dict[str, Any], handle_ids: set[int]) -> dict[str, Any]:
     """A module's pickled state (a copy of its `__dict__`) without the forward hooks `handle_ids` name."""
     for key in ("_forward_pre_hooks", "_forward_hooks"):
@@ -355,6 +367,9 @@ class EvalHooks:
         never see; a framework calls the model's `validation_step`/`test_step`, which runs its submodules,
         never its own forward (a LightningModule's `self.model(x)`: until 2026-12-04 `trainer.test()` after
         `fit` was dropped and booked as shutdown), and so does a script that evaluates `model.encoder(x)`.
+        A child whose class pickles itself without `nn.Module.__getstate__` (`nn.LSTM`) is left out, so that
+        a `torch.save(model)` mid-evaluation (word_language_model saves its best model in eval mode) never
+        carries the hooks.
         A module whose hooks Dynamo could trace (inside torch.compile's wrapper, or once something was
         compiled) is left out."""
         torch = self._torch
@@ -374,7 +389,11 @@ class EvalHooks:
         if torch is not None and type(model).__name__ != "OptimizedModule":  # its child is traced
             children = [child for child in model.children() if not _among(child, timed)]
             if len(children) <= _MAX_CHILDREN:
-                timed.extend(child for child in children if self._hookable(child))
+                timed.extend(
+                    child
+                    for child in children
+                    if _pickled_by(type(child), torch.nn.Module) and self._hookable(child)
+                )
         return tuple(timed)
 
     def _grad_enabled(self) -> bool:
