@@ -400,3 +400,16 @@ def test_a_model_with_a_child_that_pickles_itself_is_saved_whole_mid_evaluation(
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in loaded.modules())
     model.train()
     assert len(_spans(_evals(rec, ledger))) == 1
+
+
+def test_only_children_that_pickle_through_nn_module_are_timed() -> None:
+    from ettr.bootstrap.eval_hooks import _pickled_by
+
+    class CopiesItself(torch.nn.Linear):
+        def __deepcopy__(self, memo: Any) -> Any:
+            return self
+
+    assert _pickled_by(torch.nn.Linear, torch.nn.Module)
+    assert _pickled_by(Net, torch.nn.Module)
+    assert not _pickled_by(torch.nn.LSTM, torch.nn.Module)
+    assert not _pickled_by(CopiesItself, torch.nn.Module)

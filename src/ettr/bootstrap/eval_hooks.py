@@ -68,14 +68,19 @@ def _among(module: Any, modules: Sequence[Any]) -> bool:
     return any(module is m for m in modules)
 
 
+_OWN_PICKLING = frozenset({"__getstate__", "__deepcopy__", "__reduce__", "__reduce_ex__"})
+"""What a module class defines when it pickles or copies itself without `nn.Module.__getstate__`."""
+
+
 def _pickled_by(cls: type, module_class: type) -> bool:
     """Whether `cls` pickles through `module_class.__getstate__` (which leaves ettr's hooks out while an
     evaluation is open): not a class that overrides it without calling it (`nn.LSTM`'s `RNNBase` copies its
-    `__dict__` itself: a `torch.save(model)` of a model with an LSTM child would carry the hooks, and fail)."""
+    `__dict__` itself: a `torch.save(model)` of a model with an LSTM child would carry the hooks, and fail),
+    nor one that copies or reduces itself otherwise (`__deepcopy__`, `__reduce__`, `__reduce_ex__`)."""
     for klass in cls.__mro__:
         if klass is module_class:
             return True
-        if "__getstate__" in klass.__dict__:
+        if not _OWN_PICKLING.isdisjoint(klass.__dict__):
             return False
     return True
 
