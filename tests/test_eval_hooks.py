@@ -328,3 +328,88 @@ def test_passes_through_the_model_inside_a_wrapper_switched_to_eval_are_an_evalu
         last = time.time()
     _train_step(model, optimizer)
     assert _spans(_evals(rec, ledger))[1][1] <= last
+
+
+class StepModule(torch.nn.Module):
+    """What a LightningModule looks like to the hooks: the framework calls `test_step`, which runs the model's
+    submodule, never the module's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Net()
+
+    def test_step(self, x: Any) -> Any:
+        return self.model(x)
+
+
+def test_passes_through_a_submodule_of_the_evaluated_module_are_an_evaluation(
+    hooked: tuple[Any, Recorder, Any],
+) -> None:
+    """`trainer.test()` after `fit` on a LightningModule whose `test_step` calls `self.model(x)` (Lightning's
+    own examples/pytorch/basics/transformer.py): until 2026-12-04 no pass was seen, the evaluation was
+    dropped and its time booked as the job's shutdown."""
+    hooks, rec, ledger = hooked
+    module = StepModule()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    _train_step(module.model, optimizer)
+    before = time.time()
+    module.eval()
+    with torch.inference_mode():  # what Lightning's evaluation loops run under
+        first = time.time()
+        for _ in range(3):
+            module.test_step(torch.randn(2, 4))
+        last = time.time()
+    hooks.evals.at_exit()  # the process ends in eval mode after trainer.test()
+    ((begin, end),) = _spans(_evals(rec, ledger))
+    assert before <= begin <= first and last >= end >= first
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in module.modules())
+
+
+class WithLSTM(torch.nn.Module):
+    """pytorch/examples' word_language_model: an LSTM child, whose class pickles itself (`RNNBase.__getstate__`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Embedding(10, 4)
+        self.rnn = torch.nn.LSTM(4, 4)
+        self.decoder = torch.nn.Linear(4, 10)
+
+    def forward(self, x: Any) -> Any:
+        return self.decoder(self.rnn(self.encoder(x))[0])
+
+
+def test_a_model_with_a_child_that_pickles_itself_is_saved_whole_mid_evaluation(
+    hooked: tuple[Any, Recorder, Any],
+) -> None:
+    """word_language_model evaluates (left in eval mode) and then `torch.save(model, f)`: hooks on its LSTM
+    child would travel with it (the recorder's lock: `cannot pickle '_thread.lock' object`)."""
+    import io
+
+    hooks, rec, ledger = hooked
+    model = WithLSTM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randint(0, 10, (3, 2))).sum().backward()
+    optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        model(torch.randint(0, 10, (3, 2)))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # mid-evaluation: the hooks are still on the model
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in loaded.modules())
+    model.train()
+    assert len(_spans(_evals(rec, ledger))) == 1
+
+
+def test_only_children_that_pickle_through_nn_module_are_timed() -> None:
+    from ettr.bootstrap.eval_hooks import _pickled_by
+
+    class CopiesItself(torch.nn.Linear):
+        def __deepcopy__(self, memo: Any) -> Any:
+            return self
+
+    assert _pickled_by(torch.nn.Linear, torch.nn.Module)
+    assert _pickled_by(Net, torch.nn.Module)
+    assert not _pickled_by(torch.nn.LSTM, torch.nn.Module)
+    assert not _pickled_by(CopiesItself, torch.nn.Module)

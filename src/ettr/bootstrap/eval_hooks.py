@@ -19,7 +19,8 @@ run forward, and switched back, with no optimizer step in between:
 
 While an evaluation is open, a forward pre-hook and a forward hook on that module, and on the modules it wraps
 (`.module` of DDP, DataParallel, FSDP: a script that switches the wrapper to eval mode may run its passes
-through the model inside, `model.module.generate(...)`), time its passes (removed at its end: the training
+through the model inside, `model.module.generate(...)`), and on the model's direct children (a LightningModule's
+`test_step` runs `self.model(x)`, never its own forward), time its passes (removed at its end: the training
 loop never runs them). They never travel with the module: `nn.Module.__getstate__` is
 wrapped while they are on it, so a `torch.save(model)`, a pickle or a `copy.deepcopy` (an EMA) of the module
 mid-evaluation holds the script's own hooks only (ettr's hold the recorder, which cannot be pickled). They are left off where Dynamo could trace them (a module
@@ -57,10 +58,31 @@ _DATA = {"source": "zero_code"}
 _MAX_WRAPPED = 4
 """How many wrappers deep `EvalHooks._timed_modules` looks (DDP around FSDP around ... is a few)."""
 
+_MAX_CHILDREN = 32
+"""The most direct children of the model whose passes `EvalHooks._timed_modules` times (a model with more is a
+container, such as a long `nn.Sequential`, called as a whole: only its own passes are timed)."""
+
 
 def _among(module: Any, modules: Sequence[Any]) -> bool:
     """Whether `module` is one of `modules` (by identity: a module may define `__eq__`)."""
     return any(module is m for m in modules)
+
+
+_OWN_PICKLING = frozenset({"__getstate__", "__deepcopy__", "__reduce__", "__reduce_ex__"})
+"""What a module class defines when it pickles or copies itself without `nn.Module.__getstate__`."""
+
+
+def _pickled_by(cls: type, module_class: type) -> bool:
+    """Whether `cls` pickles through `module_class.__getstate__` (which leaves ettr's hooks out while an
+    evaluation is open): not a class that overrides it without calling it (`nn.LSTM`'s `RNNBase` copies its
+    `__dict__` itself: a `torch.save(model)` of a model with an LSTM child would carry the hooks, and fail),
+    nor one that copies or reduces itself otherwise (`__deepcopy__`, `__reduce__`, `__reduce_ex__`)."""
+    for klass in cls.__mro__:
+        if klass is module_class:
+            return True
+        if not _OWN_PICKLING.isdisjoint(klass.__dict__):
+            return False
+    return True
 
 
 def _without_hooks(state: dict[str, Any], handle_ids: set[int]) -> dict[str, Any]:
@@ -116,7 +138,9 @@ class _Evaluation:
     module: Any
     begin_ts: float
     hooked: bool  # its forward passes are timed (else: only eval() and train() are seen)
-    timed: tuple[Any, ...] = ()  # the modules whose passes are timed: `module` and the modules it wraps
+    # The modules whose passes are timed: `module`, the modules it wraps, the model's direct children.
+    timed: tuple[Any, ...] = ()
+    timed_ids: frozenset[int] = frozenset()  # their ids (looked up at every pass)
     handles: list[Any] = field(default_factory=list)
     begun: bool = False  # PHASE_BEGIN recorded
     num_passes: int = 0  # forward passes in eval mode, grad enabled or not
@@ -201,6 +225,7 @@ class EvalHooks:
         if evaluation.hooked:
             try:
                 evaluation.timed = self._timed_modules(module)
+                evaluation.timed_ids = frozenset(id(timed) for timed in evaluation.timed)
                 for timed in evaluation.timed:
                     evaluation.handles.append(timed.register_forward_pre_hook(self._before_pass))
                     evaluation.handles.append(timed.register_forward_hook(self._after_pass))
@@ -208,6 +233,7 @@ class EvalHooks:
                 for handle in evaluation.handles:
                     handle.remove()
                 evaluation.handles, evaluation.hooked, evaluation.timed = [], False, ()
+                evaluation.timed_ids = frozenset()
         self.open = evaluation
         self._wrap_while_open()
         if not self._atexit:
@@ -217,7 +243,7 @@ class EvalHooks:
     def _before_pass(self, module: Any, args: Any) -> None:
         try:
             evaluation = self.open
-            if evaluation is None or not _among(module, evaluation.timed):
+            if evaluation is None or id(module) not in evaluation.timed_ids:
                 return
             evaluation.num_passes += 1
             if evaluation.begun or self._grad_enabled():
@@ -233,7 +259,7 @@ class EvalHooks:
     def _after_pass(self, module: Any, args: Any, output: Any) -> None:
         try:
             evaluation = self.open
-            if evaluation is None or not _among(module, evaluation.timed):
+            if evaluation is None or id(module) not in evaluation.timed_ids:
                 return
             now = time.time()
             evaluation.last_pass_end_ts = now
@@ -317,7 +343,7 @@ class EvalHooks:
         def __getstate__(module: Any) -> Any:
             state = original_getstate(module)
             evaluation = hooks.open
-            if evaluation is not None and evaluation.handles and _among(module, evaluation.timed):
+            if evaluation is not None and evaluation.handles and id(module) in evaluation.timed_ids:
                 state = _without_hooks(state, {handle.id for handle in evaluation.handles})
             return state
 
@@ -339,11 +365,18 @@ class EvalHooks:
 
     # -- helpers ----------------------------------------------------------------------------------------------
     def _timed_modules(self, module: Any) -> tuple[Any, ...]:
-        """`module` and the modules it wraps (`.module` of DDP, DataParallel, FSDP, DeepSpeed's engine, in
-        turn): a script that switches the wrapper to eval mode often runs its passes through the model inside
+        """`module`, the modules it wraps (`.module` of DDP, DataParallel, FSDP, DeepSpeed's engine, in
+        turn) and the direct children of the innermost (at most `_MAX_CHILDREN` of them). A script that
+        switches the wrapper to eval mode often runs its passes through the model inside
         (`model.module.generate(...)`, accelerate's `unwrap_model(model)(batch)`), which the wrapper's hooks
-        never see. A wrapped module whose hooks Dynamo could trace (inside torch.compile's wrapper, or once
-        something was compiled) is left out."""
+        never see; a framework calls the model's `validation_step`/`test_step`, which runs its submodules,
+        never its own forward (a LightningModule's `self.model(x)`: until 2026-12-04 `trainer.test()` after
+        `fit` was dropped and booked as shutdown), and so does a script that evaluates `model.encoder(x)`.
+        A child whose class pickles itself without `nn.Module.__getstate__` (`nn.LSTM`) is left out, so that
+        a `torch.save(model)` mid-evaluation (word_language_model saves its best model in eval mode) never
+        carries the hooks.
+        A module whose hooks Dynamo could trace (inside torch.compile's wrapper, or once something was
+        compiled) is left out."""
         torch = self._torch
         timed = [module]
         inner = getattr(module, "module", None)
@@ -357,6 +390,15 @@ class EvalHooks:
         ):
             timed.append(inner)
             inner = getattr(inner, "module", None)
+        model = timed[-1]
+        if torch is not None and type(model).__name__ != "OptimizedModule":  # its child is traced
+            children = [child for child in model.children() if not _among(child, timed)]
+            if len(children) <= _MAX_CHILDREN:
+                timed.extend(
+                    child
+                    for child in children
+                    if _pickled_by(type(child), torch.nn.Module) and self._hookable(child)
+                )
         return tuple(timed)
 
     def _grad_enabled(self) -> bool:
