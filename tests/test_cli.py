@@ -60,7 +60,7 @@ FROZEN_COMMAND_LINE = {
         ["run_dirs"],
     ),
     "interval": ({"--blocking", "--failures-per-day", "--json", "--train-hours"}, []),
-    "demo": ({"--out", "--quick"}, []),
+    "demo": ({"--out", "--quick", "--one-after-the-other"}, []),
     "publish": (
         {
             "--allow-factory",

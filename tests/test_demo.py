@@ -624,3 +624,30 @@ def test_side_by_side_the_optimized_side_starts_once_the_store_holds_the_baselin
     log.clear()
     demo.run_jobs([FakeRun("a", 2, log), FakeRun("b", 2, log)], display=None, side_by_side=True, store=None)
     assert log[:2] == ["launch a", "launch b"]
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("one_after_the_other", [False, True])
+def test_the_sides_run_side_by_side_unless_asked_one_after_the_other(
+    tmp_path, monkeypatch, one_after_the_other
+):
+    import argparse
+
+    seen = {}
+
+    def run_jobs(runs, display, *, side_by_side, store):
+        seen.update(side_by_side=side_by_side, cpus=[run.cpus for run in runs])
+        raise _Stop
+
+    monkeypatch.setattr(demo, "run_jobs", run_jobs)
+    monkeypatch.setattr(demo, "usable_cpus", lambda: frozenset({0, 1}))
+    args = argparse.Namespace(quick=True, out=str(tmp_path / "demo"), one_after_the_other=one_after_the_other)
+    with pytest.raises(_Stop):
+        demo.main(args)
+    if one_after_the_other:
+        assert seen == {"side_by_side": False, "cpus": [None, None]}
+    else:
+        assert seen == {"side_by_side": True, "cpus": [frozenset({0}), frozenset({1})]}

@@ -392,6 +392,12 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", type=path_arg, default="runs/demo", metavar="DIR", help="where the runs go (runs/demo)"
     )
+    p.add_argument(
+        "--one-after-the-other",
+        action="store_true",
+        help="run the sides one after the other, each with the whole machine, instead of side by side on "
+        "half of its CPUs each (a change of the machine's load between them then moves the comparison)",
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -609,7 +615,8 @@ before the first step, restarts that reach no new step, or that fail the same wa
   ettr interval --blocking 2 --failures-per-day 10 --json""",
     "demo": """examples:
   ettr demo                 # baseline vs optimized reference job (several minutes)
-  ettr demo --quick --out /tmp/demo""",
+  ettr demo --quick --out /tmp/demo
+  ettr demo --one-after-the-other   # each side with the whole machine (docs/demo.md: what each way costs)""",
     "publish": """examples:
   ettr publish runs/publish-queue --allow-factory 'mypkg.models.*'      # build every queued artifact
   ettr publish runs/publish-queue --allow-factory mypkg.models:build --watch   # serve the queue

@@ -2,7 +2,7 @@
 (the baseline), once with ettr's recovery features (the optimized run) — then both reports side by side in
 the terminal and in pictures (`DIR/report.html`). See docs/demo.md.
 
-    ettr demo [--quick] [--out DIR]      # DIR defaults to runs/demo
+    ettr demo [--quick] [--out DIR] [--one-after-the-other]     # DIR defaults to runs/demo
 
 Each side is `ettr run -- torchrun --nproc-per-node 2 .../ettr/demo/_examples/dlrm/train.py ...` (the
 repository's `examples/dlrm`, shipped in the package) into `DIR/<side>`:
@@ -562,7 +562,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`ettr demo [--quick] [--out DIR]`: run both sides, print the comparison, write DIR/report.html.
+    """`ettr demo [--quick] [--out DIR] [--one-after-the-other]`: run both sides, print the comparison, write DIR/report.html.
 
     Returns 0 when both jobs completed, 1 otherwise. Raises UsageError for an unusable --out or when the
     reference job is missing from this install.
@@ -590,10 +590,11 @@ def _main(args: argparse.Namespace) -> int:
     print(f"ettr demo{' --quick' if args.quick else ''}: {workload.describe()}", flush=True)
     if workload.compile:
         say_store(out / "compile-store", display)
-    cpus = usable_cpus()
+    cpus = None if getattr(args, "one_after_the_other", False) else usable_cpus()
     halves = split_cpus(cpus) if cpus is not None else None
     if halves is None:
-        display.note("the sides run one after the other (this machine cannot give each CPUs of its own)")
+        why = "as asked" if getattr(args, "one_after_the_other", False) else "this machine cannot pin them"
+        display.note(f"the sides run one after the other, each with the whole machine ({why})")
         runs = [JobRun(job, workload, script) for job in jobs]
     else:
         display.note(
