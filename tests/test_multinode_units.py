@@ -534,9 +534,8 @@ def test_a_peer_killed_without_an_exception_does_not_lend_node_0s_broken_connect
     assert (end.exception, end.message) == ("ValueError", "bad batch")  # its own error, not a consequence
 
 
-def test_the_absent_nodes_are_read_fresh_for_each_start_up_line(tmp_path: Path) -> None:
-    # The cached view (one look per heartbeat interval) said "node 1's supervisor last heard 10 s ago" of
-    # a node that had joined the attempt since.
+def _leader_after_rendezvous(tmp_path: Path) -> tuple[LeaderPeers, MemoryLedger]:
+    """Node 0 of a two-node job whose books hold attempt 0's rendezvous, and those books."""
     from ettr.supervisor.books import JobBooks
 
     config = RunConfig(
@@ -545,6 +544,14 @@ def test_the_absent_nodes_are_read_fresh_for_each_start_up_line(tmp_path: Path) 
     leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
     ledger = MemoryLedger([peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=0, ts=1.0, port=100)])
     leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    return leader, ledger
+
+
+def test_the_absent_nodes_are_read_fresh_for_each_start_up_line(tmp_path: Path) -> None:
+    # The cached view (one look per heartbeat interval) said "node 1's supervisor last heard 10 s ago" of
+    # a node that had joined the attempt since.
+
+    leader, ledger = _leader_after_rendezvous(tmp_path)
     assert leader.node.look(2.0, force=True) is not None
     assert "node 1's supervisor never started" in (leader.absent(0) or "")
     ledger.append(
@@ -577,15 +584,9 @@ def test_a_nodes_part_names_its_failed_rank_though_it_holds_one_rank_of_the_worl
 def test_an_attempt_whose_rendezvous_timed_out_names_the_nodes_that_never_joined(tmp_path: Path) -> None:
     # Node 1 never started: node 0's attempt ended `exit status 1` (torchrun's RendezvousTimeoutError).
     from ettr.events import Outcome
-    from ettr.supervisor.books import JobBooks
     from ettr.supervisor.classify import AttemptEnd
 
-    config = RunConfig(
-        command=(*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py"), ledger_url="sqlite:///x", job_id="j"
-    )
-    leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
-    ledger = MemoryLedger([peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=0, ts=1.0, port=100)])
-    leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    leader, ledger = _leader_after_rendezvous(tmp_path)
     timed_out = AttemptEnd(outcome=Outcome.FAILED, exit_code=1, reason="exit status 1")
     end = leader.settle(0, timed_out, None, _CountingSignals())  # type: ignore[arg-type]
     assert end.reason == (
