@@ -337,3 +337,18 @@ def test_requeue_puts_back_only_failed_requests_and_a_crash_midway_leaves_it_fai
     assert queue.requeue(good) is True
     assert queue.status(good).value == "pending" and queue.pending() == [good]
     assert queue.failed() == []
+
+
+@pytest.mark.parametrize(
+    "bad", [["--watch"], ["--lease-ttl", "-1"], ["--max-attempts", "0"], ["--poll-interval", "0"]]
+)
+def test_a_refused_retry_run_moves_nothing(tmp_path, capsys, bad):
+    """`--retry` put failed requests back in the queue before `--watch --request` and the worker's settings
+    were checked: a run that exited 2 for bad usage had moved them anyway."""
+    good = enqueue_linear(tmp_path)
+    queue = str(tmp_path / "queue")
+    assert cli_main(["publish", queue, "--allow-factory", "torch.optim.*"]) == 1
+    capsys.readouterr()
+    argv = ["publish", queue, "--allow-factory", "torch.nn.*", "--retry", "--request", good, *bad]
+    assert cli_main(argv) == 2
+    assert PublishQueue(tmp_path / "queue").failed() == [good]
