@@ -352,3 +352,17 @@ def test_a_refused_retry_run_moves_nothing(tmp_path, capsys, bad):
     argv = ["publish", queue, "--allow-factory", "torch.nn.*", "--retry", "--request", good, *bad]
     assert cli_main(argv) == 2
     assert PublishQueue(tmp_path / "queue").failed() == [good]
+
+
+def test_an_anchor_deleted_before_it_was_published_fails_its_request_and_is_not_remade(tmp_path, capsys):
+    """An anchor deleted (by retention) before its publisher came failed with "no manifest (incomplete: the
+    save never committed)", untrue, and the publisher's lease left an empty anchor directory behind."""
+    good = enqueue_linear(tmp_path)
+    anchor = tmp_path / "anchors" / "step_000000005"
+    for path in sorted(anchor.rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    anchor.rmdir()
+    assert cli_main(["publish", str(tmp_path / "queue"), "--allow-factory", "torch.nn.*"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED {good}" in out and "does not exist" in out and "never committed" not in out
+    assert not anchor.exists()
