@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ettr.cli import main as cli_main
 from ettr.ledger import open_ledger
-from ettr.publish import ModelSpec, PublishConfig, PublishQueue, PublishWorker, publish_at_end
+from ettr.publish import ModelSpec, PublishConfig, PublishQueue, PublishWorker, load_artifact, publish_at_end
 from ettr.publish.policy import PublishPolicy, parse_allow_entry
 from ettr.publish.request import PublishError, PublishRequest
 from ettr.recorder import Recorder
@@ -337,3 +337,80 @@ def test_requeue_puts_back_only_failed_requests_and_a_crash_midway_leaves_it_fai
     assert queue.requeue(good) is True
     assert queue.status(good).value == "pending" and queue.pending() == [good]
     assert queue.failed() == []
+
+
+@pytest.mark.parametrize(
+    "bad", [["--watch"], ["--lease-ttl", "-1"], ["--max-attempts", "0"], ["--poll-interval", "0"]]
+)
+def test_a_refused_retry_run_moves_nothing(tmp_path, capsys, bad):
+    """`--retry` put failed requests back in the queue before `--watch --request` and the worker's settings
+    were checked: a run that exited 2 for bad usage had moved them anyway."""
+    good = enqueue_linear(tmp_path)
+    queue = str(tmp_path / "queue")
+    assert cli_main(["publish", queue, "--allow-factory", "torch.optim.*"]) == 1
+    capsys.readouterr()
+    argv = ["publish", queue, "--allow-factory", "torch.nn.*", "--retry", "--request", good, *bad]
+    assert cli_main(argv) == 2
+    assert PublishQueue(tmp_path / "queue").failed() == [good]
+
+
+def test_an_anchor_deleted_before_it_was_published_fails_its_request_and_is_not_remade(tmp_path, capsys):
+    """An anchor deleted (by retention) before its publisher came failed with "no manifest (incomplete: the
+    save never committed)", untrue, and the publisher's lease left an empty anchor directory behind."""
+    good = enqueue_linear(tmp_path)
+    anchor = tmp_path / "anchors" / "step_000000005"
+    for path in sorted(anchor.rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    anchor.rmdir()
+    assert cli_main(["publish", str(tmp_path / "queue"), "--allow-factory", "torch.nn.*"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED {good}" in out and "does not exist" in out and "never committed" not in out
+    assert not anchor.exists()
+
+
+LOSSY = '''
+import torch
+
+
+class Lossy(torch.nn.Module):
+    """nanoGPT's GPT at inference: (logits, None) without targets."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x, targets=None):
+        logits = self.lin(x)
+        return logits, (None if targets is None else logits.sum())
+'''
+
+
+def test_a_model_returning_none_for_its_loss_publishes(tmp_path, capsys):
+    """A model returning `(logits, None)` (nanoGPT's GPT, Hugging Face models without labels) failed in
+    `publish_at_end`, after the last step of training, and `ettr run` restarted the whole job for it."""
+    import importlib.util
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "ettr_test_lossy.py").write_text(LOSSY)
+    loaded = importlib.util.spec_from_file_location("ettr_test_lossy_trainer", code / "ettr_test_lossy.py")
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.Lossy()
+    config = PublishConfig(
+        anchor_root=tmp_path / "anchors",
+        queue_dir=tmp_path / "queue",
+        model=ModelSpec(factory="ettr_test_lossy:Lossy", pythonpath=(str(code),)),
+        input_names=("x",),
+    )
+    result = publish_at_end(model, step=3, config=config, sample_inputs=(torch.randn(6, 4),))
+    argv = ["publish", str(tmp_path / "queue"), "--allow-factory", "ettr_test_lossy:Lossy"]
+    assert cli_main([*argv, "--allow-pythonpath", str(code), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(o["request_id"], o["status"]) for o in out["outcomes"]] == [(result.request_id, "published")]
+    artifact = load_artifact(out["outcomes"][0]["artifact_dir"])
+    assert artifact.check().ok
+    x = torch.randn(5, 4)
+    logits, loss = artifact(x)
+    assert loss is None and torch.equal(logits, model(x)[0].detach())

@@ -155,6 +155,11 @@ def load_anchor(
         resume_foreign=True,  # the request names the anchor's root: where it was written is not asked
         what="anchor",
     )
+    if name not in storage.list_dir(""):  # taking the lease would make an empty anchor directory there
+        raise PublishError(
+            f"anchor {storage.path(name)} is not usable: it does not exist (deleted, e.g. by the retention "
+            "of periodic checkpoints sharing its root, or never written)"
+        )
     with lease(storage, name):
         try:
             manifest = verify(storage, name, checksums=True, admit=admission)

@@ -83,6 +83,8 @@ def main(args: argparse.Namespace) -> int:
         )
     if args.request is not None and queue.status(args.request) is None:
         raise UsageError(f"ettr publish: no request {args.request!r} in {queue_dir}")
+    if args.watch and args.request is not None:
+        raise UsageError("ettr publish: --watch and --request do not go together")
     retried = []
     if getattr(args, "retry", False):  # after every check: a refused run moves nothing
         for request_id in [args.request] if args.request is not None else queue.failed():
@@ -91,8 +93,6 @@ def main(args: argparse.Namespace) -> int:
                     retried.append(request_id)
             except OSError as exc:
                 raise UsageError(f"ettr publish: cannot put {request_id} back in the queue ({exc})") from None
-    if args.watch and args.request is not None:
-        raise UsageError("ettr publish: --watch and --request do not go together")
     from ettr.publish.worker import PublishStatus, PublishWorker, WorkerConfig
 
     try:

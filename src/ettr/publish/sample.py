@@ -104,8 +104,11 @@ def unflatten_inputs(flat: Mapping[str, torch.Tensor], specs: Sequence[InputSpec
 
 
 def flatten_outputs(outputs: Any) -> dict[str, torch.Tensor]:
-    """A model's output (a tensor, or a tuple/list/dict of them) as `{"0": ..., "1": ...}` in pytree order."""
-    leaves, _ = pytree.tree_flatten(outputs)
+    """A model's output (a tensor, or a tuple/list/dict of them) as `{"0": ..., "1": ...}` in pytree order.
+
+    `None` entries are left out: many models return `(logits, None)` at inference (a loss without targets,
+    nanoGPT's `GPT`, Hugging Face's `loss`), and the exported program returns the same `None` there."""
+    leaves = [leaf for leaf in pytree.tree_flatten(outputs)[0] if leaf is not None]
     if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         raise PublishError("the model's output must be a tensor or a tuple/list/dict of tensors")
     return {str(i): leaf.detach() for i, leaf in enumerate(leaves)}
