@@ -624,6 +624,9 @@ def test_side_by_side_the_optimized_side_starts_once_the_store_holds_the_baselin
     log.clear()
     demo.run_jobs([FakeRun("a", 2, log), FakeRun("b", 2, log)], display=None, side_by_side=True, store=None)
     assert log[:2] == ["launch a", "launch b"]
+    log.clear()
+    demo.run_jobs([FakeRun("a", 2, log), FakeRun("b", 2, log)], display=None, side_by_side=False, store=None)
+    assert log == ["launch a", "end a", "launch b", "end b", "stop a", "stop b"]
 
 
 class _Stop(Exception):

@@ -176,7 +176,7 @@ def tail_events(
     # A tail is a file in the run directory: a step taken before its attempt began, after the reading host's
     # clock (an infinite time: the report's wall time became NaN and `ettr report` a traceback), or numbered
     # past what a float holds is damage or a forgery, never a step.
-    earliest = min((e.ts for e in events), default=math.inf if since is None else since)
+    earliest = min((e.ts for e in events), default=math.inf)
     if since is not None:
         earliest = min(earliest, since)
     latest = time.time() + FUTURE_MARGIN_S

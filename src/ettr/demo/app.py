@@ -409,17 +409,6 @@ class JobRun:
         """The `ettr run` launched has exited and `tick` has not looked at it yet."""
         return self._proc is not None and self.status is None and self._proc.poll() is not None
 
-    def wait(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s`, returning at once when the `ettr run` launched exits (so that a preempted
-        job is requeued as soon as it is over, not at the next look)."""
-        if self._proc is None or self.status is not None:
-            time.sleep(timeout_s)
-            return
-        try:
-            self._proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-
     def stop(self) -> None:
         """Interrupted: let the supervisor stop the job and close its books."""
         if self._proc is not None and self._proc.poll() is None:
@@ -494,33 +483,26 @@ def publish_command(job: Job) -> list[str]:
 def run_jobs(
     runs: Sequence[JobRun], display: ProgressDisplay, *, side_by_side: bool, store: Path | None
 ) -> None:
-    """Run the jobs to their ends: side by side (each on its own CPUs, `JobRun.cpus`), so that whatever
-    else the machine runs meanwhile slows both alike, or else one after the other. Side by side, the later
-    ones start once `store` (the compile store, when the workload compiles) holds the first one's
-    artifacts, as a store holds an earlier job's, or once the first one is over."""
-    if not side_by_side:
-        for run in runs:
-            run.launch()
-            try:
-                while run.status is None:
-                    run.tick(display)
-                    run.wait(1.0)
-            finally:
-                run.stop()
-        return
-    first, *later = runs
+    """Run the jobs to their ends, each started once the one before it is over, or, `side_by_side` (each on
+    its own CPUs, `JobRun.cpus`, so that whatever else the machine runs meanwhile slows both alike), once
+    `store` (the compile store, when the workload compiles) holds artifacts, as a store holds an earlier
+    job's: at once when there is no store to wait for."""
+    waiting, started = list(runs), []
     try:
-        first.launch()
-        while any(run.status is None for run in runs):
-            if later and (store is None or store_entries(store) > 0 or first.status is not None):
-                for run in later:
-                    run.launch()
-                later = []
-            for run in runs:
+        while waiting or any(run.status is None for run in started):
+            if waiting and (
+                not started
+                or started[-1].status is not None
+                or (side_by_side and (store is None or store_entries(store) > 0))
+            ):
+                started.append(waiting.pop(0))
+                started[-1].launch()
+                continue
+            for run in started:
                 run.tick(display)
-            wait_any(runs, 1.0)
+            wait_any(started, 1.0)
     finally:
-        for run in runs:
+        for run in started:
             run.stop()
 
 
@@ -590,10 +572,11 @@ def _main(args: argparse.Namespace) -> int:
     print(f"ettr demo{' --quick' if args.quick else ''}: {workload.describe()}", flush=True)
     if workload.compile:
         say_store(out / "compile-store", display)
-    cpus = None if getattr(args, "one_after_the_other", False) else usable_cpus()
+    asked_one_after_the_other = getattr(args, "one_after_the_other", False)
+    cpus = None if asked_one_after_the_other else usable_cpus()
     halves = split_cpus(cpus) if cpus is not None else None
     if halves is None:
-        why = "as asked" if getattr(args, "one_after_the_other", False) else "this machine cannot pin them"
+        why = "as asked" if asked_one_after_the_other else "this machine cannot pin them"
         display.note(f"the sides run one after the other, each with the whole machine ({why})")
         runs = [JobRun(job, workload, script) for job in jobs]
     else:

@@ -33,6 +33,7 @@ from ettr.errors import UsageError, describe_os_error
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.inject import FaultSpec, unfired_specs
 from ettr.ledger import Ledger, LedgerError, open_ledger, rebuild_ledger
+from ettr.ledger.base import attempt_events
 from ettr.ledger.postgres import redact
 from ettr.run_env import AGENT_DIRNAME, HEARTBEAT_DIRNAME, RUN_SUBDIRS
 from ettr.steptail import tail_events
@@ -334,8 +335,7 @@ class JobBooks:
         try:
             return self._writer().read_attempt(attempt)  # not the whole job's millions of steps
         except Exception:
-            events = self._spilled()
-        return [e for e in events if e.attempt == attempt and e.rank >= 0]
+            return attempt_events(self._spilled(), attempt)
 
     def _spilled(self) -> list[Event]:
         """The events of this job in the run directory's spill files (`ettr.ledger.spill`)."""
