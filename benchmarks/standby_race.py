@@ -110,8 +110,17 @@ def _busy(n: int, *, yielding: bool = False) -> list[subprocess.Popen[bytes]]:
     """`n` CPU-bound processes; `yielding`: at nice 19, so that they take only CPU time nobody else wants --
     still more than the standbys get (SCHED_IDLE ranks below nice 19), so they are starved all the same."""
     nice = ["import os; os.nice(19)"] if yielding else []
-    code = "; ".join([*nice, "while True: pass"])
-    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+    # Lines, not `; `: `import os; os.nice(19); while True: pass` is a SyntaxError, and the quick mode's
+    # "busy" trials ran on a quiet machine (the burner died at once, unseen).
+    code = "\n".join([*nice, "while True: pass"])
+    burners = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+    time.sleep(0.5)
+    dead = [b.args for b in burners if b.poll() is not None]
+    if dead:
+        for b in burners:
+            b.kill()
+        raise RuntimeError(f"a CPU burner exited at once: {dead[0]}")
+    return burners
 
 
 def _summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
