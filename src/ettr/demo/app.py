@@ -487,7 +487,8 @@ def run_jobs(
     its own CPUs, `JobRun.cpus`, so that whatever else the machine runs meanwhile slows both alike), once
     `store` (the compile store, when the workload compiles) holds artifacts, as a store holds an earlier
     job's: at once when there is no store to wait for."""
-    waiting, started = list(runs), []
+    waiting: list[JobRun] = list(runs)
+    started: list[JobRun] = []
     try:
         while waiting or any(run.status is None for run in started):
             if waiting and (
