@@ -3,6 +3,8 @@ replay of that job reproducing its own report."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ettr.accounting import compute
@@ -142,3 +144,28 @@ def test_a_failed_attempts_teardown_is_restart_in_the_replay_as_in_the_report() 
     assert predicted.ett_pct == pytest.approx(report.ett_pct)
     for bucket, pct in profile.measured_buckets_pct.items():
         assert predicted.buckets_pct[bucket] == pytest.approx(pct, abs=1e-9), bucket
+
+
+def test_a_replayed_failure_keeps_what_the_attempts_own_newest_commit_held() -> None:
+    """An `auto` interval saves when it saves: the attempt below committed step 9 one step before its crash
+    at 10, where the profile's interval (4 steps) would have kept only step 8; the replay keeps what the
+    job's own commit held, as the report counts it (before: one step more of wasted progress)."""
+    events = make_job()
+    at = next(i for i, e in enumerate(events) if e.kind is K.STEP and e.attempt == 0 and e.step == 9)
+    step9 = events[at]
+    events.insert(at + 1, Event(K.CHECKPOINT_COMMIT, step9.ts, 0, 0, step=9))
+    for i, e in enumerate(events):  # attempt 1 resumes from the newer commit and redoes step 10 only
+        if e.attempt == 1 and e.kind is K.RESUMED:
+            events[i] = Event(e.kind, e.ts, e.attempt, e.rank, step=9)
+    events = [e for e in events if not (e.attempt == 1 and e.kind is K.STEP and e.step == 9)]
+    report = compute(events, max(e.ts for e in events))
+    profile = profile_from_events(events, report)
+    assert [f.kept_s for f in profile.script] == [pytest.approx(9.0)]
+    predicted = replay(profile.params, profile.script)
+    assert predicted.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(1.0 + 1.5)  # step 10, the tail
+    # The model's own saves (every 3 s from the profile, or any other phase) would decide otherwise:
+    later = replace(profile.params, interval_s=4.0, interval_global=False)
+    own = replay(later, tuple(replace(f, kept_s=None) for f in profile.script))
+    kept = replay(later, profile.script)
+    assert own.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(2.0 + 1.5)  # back to 8: 9 and 10 redone
+    assert kept.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(1.0 + 1.5)

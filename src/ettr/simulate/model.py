@@ -48,6 +48,9 @@ class ScriptedFault:
     """The attempt committed a checkpoint of its last step before exiting (save-then-exit)."""
     ends_job: bool = False
     """The job ended after it (its restarts were used up, or it was not requeued)."""
+    kept_s: float | None = None
+    """Training seconds of the attempt's progress its newest commit held when it was interrupted (measured:
+    its saves came when they came, an `auto` interval's included); None: the model's fixed interval decides."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +233,9 @@ class _Run:
             self.kept += train
             self.t = stop + exit_s
         else:
+            fault = self.script[self.attempt] if self.script is not None else None
+            if fault is not None and fault.kept_s is not None:
+                durable = min(train, fault.kept_s)  # a replay: what the job's own saves had kept
             acc[_B[Bucket.EFFECTIVE_TRAINING]] += durable
             acc[_B[Bucket.WASTED_PROGRESS]] += train - durable + tail
             self.kept += durable
@@ -290,7 +296,14 @@ def _with_evaluation(
         work_s=None if params.work_s is None else params.work_s * stretch,
     )
     if script is not None:
-        script = tuple(f if f.in_startup else replace(f, after_s=f.after_s * stretch) for f in script)
+        script = tuple(
+            f
+            if f.in_startup
+            else replace(
+                f, after_s=f.after_s * stretch, kept_s=None if f.kept_s is None else f.kept_s * stretch
+            )
+            for f in script
+        )
     return stretched, script
 
 

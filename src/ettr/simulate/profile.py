@@ -199,6 +199,14 @@ def _script(
         )
         if not preempted:
             tails.append(tail)
+        # What the attempt's own newest commit held: a fixed interval's phase in the model would differ
+        # from the measured saves (an `auto` interval's above all) by up to an interval of lost work.
+        committed = [
+            c.step
+            for c in report.checkpoint_commits
+            if c.attempt == a.index and c.step is not None and c.step <= (a.last_step or 0)
+        ]
+        kept_steps = max(0, max(committed, default=a.resumed_from_step or 0) - (a.resumed_from_step or 0))
         script.append(
             ScriptedFault(
                 preemption=preempted,
@@ -206,6 +214,7 @@ def _script(
                 after_s=max(0, done_steps) * step_s,
                 tail_s=tail,
                 saved_on_exit=saved,
+                kept_s=min(kept_steps, max(0, done_steps)) * step_s,
             )
         )
     if script and counts_as_failure(report.attempts[-1].outcome):
