@@ -780,3 +780,43 @@ def test_jobs_whose_steps_ran_more_than_10_percent_off_their_family_are_listed()
     text = render(report)
     assert "warning: f-3 (f): median step 81.0 ms, 62% slower than its family's 50.0 ms (of 5 jobs)" in text
     assert "step speed" in render(build_fleet(jobs[:3])) and "(none)" in render(build_fleet(jobs[:3]))
+
+
+def test_a_running_jobs_wall_counter_never_drops_when_its_end_is_recorded():
+    """`ettr_wall_seconds_total` is a counter: a running job's report is closed at the scrape's `now`, and
+    its JOB_END, recorded a moment later (or the job found lost, closed at its last event), came before a
+    `now` already scraped: the counter dropped (100 -> 95 below), which Prometheus reads as a reset, the
+    job's whole wall time again. A running job counts to its newest event; a stored summary round-trips it."""
+    from ettr.fleet.metrics import metric_families
+    from ettr.fleet.model import summary_from_json, summary_to_json
+
+    def wall_counter(job: JobSummary, now: float) -> float:
+        (value,) = [
+            s.value
+            for family in metric_families([job], now=now)
+            if family.name == "ettr_wall_seconds"
+            for s in family.samples
+            if s.name == "ettr_wall_seconds_total"
+        ]
+        return value
+
+    start = T0 + 1000.0
+    buckets = dict.fromkeys(Bucket, 0.0)
+    buckets[Bucket.EFFECTIVE_TRAINING] = 100.0
+    running = replace(
+        _summary(0), wall_start_ts=start, wall_end_ts=start + 100.0, wall_s=100.0, buckets_s=buckets,
+        ett_pct=100.0, idleness_pct=0.0, in_progress=True, running=True, last_event_ts=start + 90.0,
+    )  # fmt: skip
+    buckets_end = dict.fromkeys(Bucket, 0.0)
+    buckets_end[Bucket.EFFECTIVE_TRAINING] = 95.0
+    ended = replace(
+        running, wall_end_ts=start + 95.0, wall_s=95.0, buckets_s=buckets_end, in_progress=False,
+        running=False, last_event_ts=start + 95.0,
+    )  # fmt: skip
+    seen = [wall_counter(running, start + 100.0), wall_counter(ended, start + 110.0)]
+    assert seen == [pytest.approx(90.0), pytest.approx(95.0)]
+    assert seen == sorted(seen)
+    assert summary_from_json(summary_to_json(ended)) == ended
+    older = summary_to_json(ended)
+    del older["last_event_ts"]
+    assert summary_from_json(older).last_event_ts is None

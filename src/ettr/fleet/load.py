@@ -180,6 +180,7 @@ def summarize_events(
         gpus=scan.gpus,
         gpus_source=scan.gpus_source,
         running=running,
+        last_event_ts=scan.last_ts if math.isfinite(scan.last_ts) else None,
     )
 
 

@@ -134,7 +134,7 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
         if j.stragglers is not None:
             stragglers.add_metric(labels, float(len(j.stragglers)))
             straggler_wait.add_metric(labels, j.straggler_lost_s or 0.0)
-        wall.add_metric(labels, j.wall_s)
+        wall.add_metric(labels, _wall_so_far(j))
         for b in Bucket:
             bucket_s.add_metric([*labels, b.value], j.buckets_s[b])
         gpus.add_metric(labels, float(j.gpus))
@@ -169,6 +169,15 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     for family, n in per_family.items():
         regressions.add_metric([family], float(n))
     return out
+
+
+def _wall_so_far(job: JobSummary) -> float:
+    """The job's wall time as a counter may show it: a running job's report is closed at `now`, and its end,
+    recorded a moment later (or found lost: closed at its last event), may come before a `now` already
+    scraped; so a running job counts to its newest event, which its end is never before."""
+    if job.running and job.last_event_ts is not None:
+        return max(0.0, min(job.wall_s, job.last_event_ts - job.wall_start_ts))
+    return job.wall_s
 
 
 class FleetCollector(Collector):

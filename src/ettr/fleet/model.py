@@ -75,6 +75,9 @@ class JobSummary:
     """Why the job's ETT cannot be told (`EttReport.ett_unknown`: it ended without a training step seen),
     None when it can. Its `ett_pct` is then 0 by its buckets, not a measurement: the fleet's shares leave
     the job out, its JSON `ett_pct` is null, no regression or gauge reads it."""
+    last_event_ts: float | None = None
+    """The newest event the job recorded (no heartbeat); None when not known. A running job's wall counter
+    goes to it, not to `now`: the job's end, when it comes, is never before it."""
     name: str = ""
     """What a person calls the job: the name of its run directory (the one read, else the one its supervisor
     recorded); "" when unknown. A generated job id (`job-20261202-012743-11158`) says nothing to a person."""
@@ -112,6 +115,7 @@ def summarize(
     gpus_source: str,
     running: bool,
     name: str = "",
+    last_event_ts: float | None = None,
 ) -> JobSummary:
     """The fleet's view of one job's report."""
     commits = [c.ts for c in report.checkpoint_commits]
@@ -152,6 +156,7 @@ def summarize(
         recoveries=tuple((p.kind or "cold_restart", p.headline_s) for p in report.ttr_parts),
         ett_unknown=report.ett_unknown,
         name=name,
+        last_event_ts=last_event_ts,
     )
 
 
@@ -176,7 +181,7 @@ def version() -> str:
 
 
 _FIELDS = frozenset(f.name for f in fields(JobSummary))
-_LATER_FIELDS = frozenset({"name", "ett_unknown"})
+_LATER_FIELDS = frozenset({"name", "ett_unknown", "last_event_ts"})
 """Fields added after summaries were first stored: a summary without them is read with their defaults."""
 
 
@@ -203,6 +208,8 @@ def summary_from_json(data: Mapping[str, Any]) -> JobSummary:
     if unknown is not None and not isinstance(unknown, str):
         raise ValueError("ett_unknown is not a string")
     values["ett_unknown"] = None if unknown is None else unknown[:500]
+    last_event = data.get("last_event_ts")
+    values["last_event_ts"] = None if last_event is None else _number(last_event)
     values["buckets_s"] = {Bucket(k): _number(v) for k, v in _mapping(data["buckets_s"]).items()}
     values["failures"] = tuple(
         FailureCause(
@@ -295,7 +302,7 @@ def check_summary(summary: JobSummary) -> None:
     finite("wall_start_ts", summary.wall_start_ts, 0.0, MAX_TS)
     finite("wall_end_ts", summary.wall_end_ts, summary.wall_start_ts, MAX_TS)
     finite("wall_s", summary.wall_s, 0.0, MAX_TS)
-    for name in ("last_commit_ts", "progress_start_ts"):
+    for name in ("last_commit_ts", "progress_start_ts", "last_event_ts"):
         finite(name, getattr(summary, name), 0.0, MAX_TS, optional=True)
     for name in ("ett_pct", "idleness_pct", "failure_pct"):
         finite(name, getattr(summary, name), 0.0, 100.0 + _TOLERANCE)
