@@ -820,3 +820,19 @@ def test_a_running_jobs_wall_counter_never_drops_when_its_end_is_recorded():
     older = summary_to_json(ended)
     del older["last_event_ts"]
     assert summary_from_json(older).last_event_ts is None
+
+
+def test_prometheus_label_values_carry_no_raw_control_characters():
+    """A run directory named with an ESC sequence: its `name` label reached `/metrics` raw (the exposition
+    format escapes only backslash, quote and newline) and a terminal showing it ran the sequence."""
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from ettr.fleet.metrics import FleetCollector
+
+    job = _summary(0, name="run\x1b]52;c;ZXZpbA==\x07")
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(lambda now: ([job], []), clock=lambda: T0 + 1000))
+    text = generate_latest(registry).decode()
+    assert "\x1b" not in text and "\x07" not in text
+    assert 'name="run\\\\x1b]52;c;ZXZpbA==\\\\x07"' in text

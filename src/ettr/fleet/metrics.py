@@ -31,6 +31,7 @@ from ettr.fleet.aggregate import totals
 from ettr.fleet.model import JobSummary, version
 from ettr.fleet.preempt import preemption_costs
 from ettr.fleet.regress import find_regressions
+from ettr.untrusted import printable
 
 JOB_LABELS = ("job", "family", "name")
 
@@ -126,7 +127,7 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
         "ettr_preemption_cost_gpu_seconds", "(unsaved work + recovery time) x GPUs, if preempted now"
     )
     for j in jobs:
-        labels = [j.job_id, j.family, j.name]
+        labels = _job_labels(j)
         if j.ett_known:  # no gauge for a job whose ETT is unknown (no training step seen)
             ratio.add_metric(labels, j.ett_pct / 100.0)
         if j.window_ett_pct is not None and j.ett_known:
@@ -158,8 +159,9 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     if len(windows) == 1:
         window_length.add_metric([], windows.pop())
     for price in preemption_costs(jobs, now):
-        unsaved.add_metric([price.job_id, price.family, price.name], price.unsaved_s)
-        cost.add_metric([price.job_id, price.family, price.name], price.cost_gpu_s)
+        price_labels = [printable(price.job_id), printable(price.family), printable(price.name)]
+        unsaved.add_metric(price_labels, price.unsaved_s)
+        cost.add_metric(price_labels, price.cost_gpu_s)
     per_family = dict.fromkeys(sorted({j.family for j in jobs}), 0)
     for r in find_regressions(jobs):
         per_family[r.family] += 1
@@ -167,8 +169,15 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
         "ettr_regressions", "metrics of the family that regressed (ettr fleet --check)", ["family"]
     )
     for family, n in per_family.items():
-        regressions.add_metric([family], float(n))
+        regressions.add_metric([printable(family)], float(n))
     return out
+
+
+def _job_labels(job: JobSummary) -> list[str]:
+    """The job's label values, each character that is not printable written as its escape (a run directory
+    named with an ESC: the exposition format escapes only backslash, quote and newline, and a terminal
+    showing `curl /metrics` would run the sequence)."""
+    return [printable(job.job_id), printable(job.family), printable(job.name)]
 
 
 def _wall_so_far(job: JobSummary) -> float:
