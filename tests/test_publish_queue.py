@@ -377,3 +377,33 @@ def test_a_forged_claim_holds_its_request_no_longer_than_a_day(tmp_path, forged)
 def test_a_lease_longer_than_other_publishers_respect_is_refused():
     with pytest.raises(ValueError, match="at most"):
         WorkerConfig(lease_ttl_s=MAX_CLAIM_TTL_S * 2)
+
+
+def test_a_fifo_in_requests_is_moved_aside_with_why_not_skipped_for_ever(tmp_path):
+    """A FIFO named like a request was listed as pending and never claimable (its status is no file's), so
+    every drain passed it over in silence. It is moved to `failed/.rejected-*` with a note saying why,
+    unread (a FIFO would block a read)."""
+    queue = PublishQueue(tmp_path / "q")
+    queue.open_layout()
+    requests = queue.root / "requests"
+    os.mkfifo(requests / "job-fifo.json")
+    assert queue.pending() == []
+    assert list(requests.iterdir()) == []
+    notes = [json.loads(p.read_text()) for p in (queue.root / "failed").glob(".rejected-*[0-9a-f].json")]
+    assert [n["name"] for n in notes] == ["job-fifo.json"]
+    assert "not a regular file" in notes[0]["error"]
+
+
+def test_a_symlinked_failed_request_is_no_request_to_retry(tmp_path):
+    """`failed/X.request.json` planted as a symlink: `--retry` moved it back to `requests/`, where it failed
+    again (a symlink is never read), at every retry. It is no failed request."""
+    queue = PublishQueue(tmp_path / "q")
+    queue.open_layout()
+    request = make_request(tmp_path)
+    (tmp_path / "target.json").write_text(request.to_json().decode())
+    failed = queue.root / "failed"
+    (failed / f"{request.request_id}.json").write_text('{"error": "x"}')
+    os.symlink(tmp_path / "target.json", failed / f"{request.request_id}.request.json")
+    assert queue.failed() == []
+    assert queue.requeue(request.request_id) is False
+    assert queue.pending() == []

@@ -33,6 +33,7 @@ import math
 import os
 import re
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -203,6 +204,15 @@ class PublishQueue:
                 if not _SAFE_ID.match(request_id):
                     self._reject(path)  # not a name a request can have: out of the way, unread
                     continue
+                try:
+                    mode = path.lstat().st_mode
+                except FileNotFoundError:
+                    continue
+                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+                    # a FIFO, socket or device: no status, so never claimed and passed over in silence;
+                    # never opened (a FIFO blocks). A symlink or directory fails when claimed, as a request.
+                    self._reject(path, "not a regular file (a request is one, written by ettr)")
+                    continue
                 if self._path(_DONE, request_id).is_file() or self._path(_FAILED, request_id).is_file():
                     with contextlib.suppress(OSError):
                         self._archive(request_id)  # a publisher died between finishing and tidying up
@@ -211,19 +221,19 @@ class PublishQueue:
                     entries.append((path.stat().st_mtime, request_id))
         return [request_id for _, request_id in sorted(entries)]
 
-    def _reject(self, path: Path) -> None:
-        """Move a file whose name no request id has (too long, odd characters) to `failed/.rejected-*`,
-        with a note of its name; never raises."""
+    def _reject(self, path: Path, why: str = "not a request id: use [A-Za-z0-9_.-], at most 200") -> None:
+        """Move a file that can be no request (a name no request id has: too long, odd characters; not a
+        regular file) to `failed/.rejected-*`, with a note of its name and `why`; never raises."""
         digest = hashlib.sha1(os.fsencode(path.name)).hexdigest()[:16]
         aside = self.root / _FAILED / f".rejected-{digest}.request.json"
-        note = {"name": path.name[:300], "error": "not a request id: use [A-Za-z0-9_.-], at most 200"}
+        note = {"name": path.name[:300], "error": why}
         try:
             atomic_write(aside.with_name(f".rejected-{digest}.json"), json.dumps(note).encode())
             os.replace(path, aside)
         except OSError as exc:
             logger.warning("ettr: cannot move aside publish request file %r (%s)", path.name[:80], exc)
             return
-        logger.warning("ettr: moved publish request file %r aside: not a request id", path.name[:80])
+        logger.warning("ettr: moved publish request file %r aside: %s", path.name[:80], why)
 
     def load(self, request_id: str) -> PublishRequest:
         """The request of `request_id` (queued or finished). Raises PublishError if unknown or unreadable."""
@@ -251,8 +261,8 @@ class PublishQueue:
         with contextlib.suppress(FileNotFoundError):
             for path in (self.root / _FAILED).glob("*.request.json"):
                 request_id = path.name[: -len(".request.json")]
-                if path.name.startswith(".") or not _SAFE_ID.match(request_id):
-                    continue
+                if path.name.startswith(".") or not _SAFE_ID.match(request_id) or not _regular(path):
+                    continue  # a symlink or FIFO planted there: no request to retry (it failed again each time)
                 if self._path(_FAILED, request_id).is_file():
                     with contextlib.suppress(FileNotFoundError):
                         entries.append((path.stat().st_mtime, request_id))
@@ -265,7 +275,7 @@ class PublishQueue:
         between the two leaves it failed (`pending` files it back), never lost."""
         self.open_layout()
         kept = self._path(_FAILED, request_id, ".request.json")
-        if not self._path(_FAILED, request_id).is_file() or not kept.is_file():
+        if not self._path(_FAILED, request_id).is_file() or not _regular(kept):
             return False
         os.replace(kept, self._path(_REQUESTS, request_id))
         with contextlib.suppress(FileNotFoundError):
@@ -401,3 +411,11 @@ class PublishQueue:
                 )
         with contextlib.suppress(FileNotFoundError):
             os.remove(self._path(_CLAIMS, request_id))
+
+
+def _regular(path: Path) -> bool:
+    """Whether `path` itself (not what a symlink points at) is a regular file."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
