@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ettr.causes import Detail, diagnose, is_collective_error
-from ettr.events import Event, EventKind, Outcome
+from ettr.events import Event, EventKind, Outcome, clip_failure_message
 from ettr.supervisor.command_output import (
     child_signal,
     exception_line_from_stderr,
@@ -75,7 +75,7 @@ class AttemptEnd:
             signal=text("signal"),
             reason=text("reason") or "",
             exception=text("exception"),
-            message=text("message"),
+            message=clip_failure_message(data["message"]) if isinstance(data.get("message"), str) else None,
             oom=data.get("oom") is True,
             stderr_tail=tuple(str(line) for line in tail[-20:]) if isinstance(tail, list) else (),
             injected=text("injected"),
@@ -213,7 +213,7 @@ def classify(
     if blamed:
         data = blamed[0].data or {}
         exception = str(data["exception"])
-        message = str(data["message"])[:500] if data.get("message") else None
+        message = clip_failure_message(str(data["message"])) if data.get("message") else None
     injected = next(
         (
             str((e.data or {}).get("spec"))
@@ -335,7 +335,7 @@ def classify(
         outcome = Outcome.FAILED
         data = hidden.data or {}
         exception = str(data["exception"])
-        message = str(data["message"])[:500] if data.get("message") else None
+        message = clip_failure_message(str(data["message"])) if data.get("message") else None
         died_of = exception
         if hidden.kind is not EventKind.FAILURE:  # an injected kill, a death its shell reported: a signal
             ended_by = signal.Signals[died_of] if died_of in signal.Signals.__members__ else signal.SIGKILL
