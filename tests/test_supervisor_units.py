@@ -990,6 +990,12 @@ def test_a_signal_from_outside_that_the_scripts_own_handler_ended_the_job_on_is_
     went_on = [*stepped, *(Event(EventKind.STEP, 11.0 + i, 0, 0, step=21 + i) for i in range(6))]
     assert classify(returncode=0, events=went_on, signalled=signalled).outcome is Outcome.COMPLETED
     assert classify(returncode=0, events=went_on[:6], signalled=signalled).outcome is Outcome.PREEMPTED
+    # When the signal came is the preemption's onset (the accounting's failure instant), kept in the books.
+    from ettr.supervisor.classify import AttemptEnd
+
+    end = classify(returncode=0, events=stepped, signalled=signalled)
+    assert end.signalled_ts == 10.5 and AttemptEnd.from_data(end.to_data()).signalled_ts == 10.5
+    assert "signalled_ts" not in classify(returncode=0, events=stepped).to_data()
 
 
 def test_torchruns_own_word_that_it_got_a_signal_is_read() -> None:

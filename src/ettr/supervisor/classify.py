@@ -53,6 +53,9 @@ class AttemptEnd:
     """The last lines the command wrote to stderr."""
     injected: str | None = None
     """The `--inject` fault that fired in this attempt, if any."""
+    signalled_ts: float | None = None
+    """When a rank received the signal from outside (not through the supervisor) whose handler ended the job:
+    the preemption's onset, the failure instant of the accounting (`ettr.accounting.attempts`)."""
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> AttemptEnd:
@@ -79,6 +82,7 @@ class AttemptEnd:
             oom=data.get("oom") is True,
             stderr_tail=tuple(str(line) for line in tail[-20:]) if isinstance(tail, list) else (),
             injected=text("injected"),
+            signalled_ts=_number(data.get("signalled_ts")),
         )
 
     def to_data(self) -> dict[str, Any]:
@@ -93,7 +97,11 @@ class AttemptEnd:
             "oom": self.oom,
             "stderr_tail": list(self.stderr_tail),
             "injected": self.injected,
-        }
+        } | ({} if self.signalled_ts is None else {"signalled_ts": self.signalled_ts})
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def this_nodes_events(events: Iterable[Event], *, host: str, supervisor_pid: int) -> list[Event]:
@@ -254,6 +262,7 @@ def classify(
         if agent_got is not None:  # torchrun itself was signalled (its process group, `exec torchrun`)
             behind, agent_said = agent_got, True
     tail_text = "\n".join(stderr_tail)
+    signalled_ts: float | None = None
     oom = (
         (signal.SIGKILL in (sig, behind) and oom_killed)
         or exception in _OOM_EXCEPTIONS
@@ -321,7 +330,7 @@ def classify(
         # early, whatever its status. A preemption: restarted, not counted, the scheduler told (143).
         outcome = Outcome.PREEMPTED
         exception = message = None  # what ranks died of after the signal is its consequence
-        _, first_rank, first_sig = signalled[0]
+        signalled_ts, first_rank, first_sig = signalled[0]
         ended_by = signal.Signals[first_sig] if first_sig in signal.Signals.__members__ else ended_by
         reason = (
             f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
@@ -372,6 +381,7 @@ def classify(
         oom=oom,
         stderr_tail=tuple(stderr_tail),
         injected=injected,
+        signalled_ts=signalled_ts,
     )
 
 
