@@ -32,7 +32,7 @@ def failure_message(message: str, notes: Any = ()) -> str:
 def split_failure_message(message: str) -> tuple[str, list[str]]:
     """A FAILURE's message as (the exception's message, ettr's notes as `[ettr: ...]`)."""
     lines = message.split("\n")
-    notes = []
+    notes: list[str] = []
     while lines and lines[-1].startswith(f"[{FAILURE_NOTE_PREFIX}") and lines[-1].endswith("]"):
         notes.insert(0, lines.pop())
     return "\n".join(lines), notes
