@@ -9,7 +9,6 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ettr.causes import Detail, diagnose, is_collective_error
@@ -54,8 +53,7 @@ class AttemptEnd:
     injected: str | None = None
     """The `--inject` fault that fired in this attempt, if any."""
     signalled_ts: float | None = None
-    """When a rank received the signal from outside (not through the supervisor) whose handler ended the job:
-    the preemption's onset, the failure instant of the accounting (`ettr.accounting.attempts`)."""
+    """When a rank got the outside signal whose handler ended the job: the accounting's failure instant."""
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> AttemptEnd:
@@ -82,7 +80,7 @@ class AttemptEnd:
             oom=data.get("oom") is True,
             stderr_tail=tuple(str(line) for line in tail[-20:]) if isinstance(tail, list) else (),
             injected=text("injected"),
-            signalled_ts=_number(data.get("signalled_ts")),
+            signalled_ts=ts if isinstance(ts := data.get("signalled_ts"), float) else None,
         )
 
     def to_data(self) -> dict[str, Any]:
@@ -98,10 +96,6 @@ class AttemptEnd:
             "stderr_tail": list(self.stderr_tail),
             "injected": self.injected,
         } | ({} if self.signalled_ts is None else {"signalled_ts": self.signalled_ts})
-
-
-def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def this_nodes_events(events: Iterable[Event], *, host: str, supervisor_pid: int) -> list[Event]:
@@ -383,24 +377,6 @@ def classify(
         injected=injected,
         signalled_ts=signalled_ts,
     )
-
-
-def oom_kill_count() -> int | None:
-    """The `oom_kill` counter of this process's cgroup (v2), or None where it cannot be read."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        rel = next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
-        text = (Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.events").read_text()
-    except (OSError, StopIteration, IndexError):
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
 
 
 def consequence_of_a_peer(end: AttemptEnd) -> bool:
