@@ -269,6 +269,34 @@ def test_a_clean_preemption_that_saved_everything_books_its_teardown_as_shutdown
     assert lossy.attempts[0].lost_steps == 2
 
 
+def test_the_teardown_after_a_signal_the_scripts_handler_ended_the_job_on_is_restart() -> None:
+    """Lightning's ddp behind `bash run.sh`, SIGTERMed by a scheduler (not through `ettr run`): its handler
+    ended the job, which took 8.6 s to exit on a loaded machine, and all of it was booked as wasted progress
+    (8.9 s for 12 lost steps of 18 ms), as if training had gone on until the command's exit. The signal's
+    time (ATTEMPT_END `signalled_ts`) is the failure instant: after it, the teardown is `restart`."""
+    sup = SUPERVISOR_RANK
+
+    def job(signalled: dict[str, float]) -> list[Event]:
+        events = _job(Outcome.PREEMPTED, steps=10, commit=8)[:-2]  # steps 1..10 at 2..11, commit of 8
+        return [
+            *events,
+            Event(K.MARK, 29.0, 0, sup, data={"name": "failure_detected", "returncode": 0}),  # the exit
+            Event(K.ATTEMPT_END, 29.0, 0, sup, data={"outcome": "preempted", "exit_code": 0, **signalled}),
+            Event(K.ATTEMPT_START, 30.0, 1, sup),
+            Event(K.PHASE_END, 31.0, 1, 0, Phase.INIT, value=30.0),
+            *(Event(K.STEP, 31.0 + s, 1, 0, step=8 + s) for s in range(1, 4)),
+            Event(K.ATTEMPT_END, 35.0, 1, sup, data={"outcome": "completed", "exit_code": 0}),
+            Event(K.JOB_END, 35.0, 1, sup),
+        ]
+
+    known = compute(job({"signalled_ts": 11.5}), now=100.0)
+    assert known.attempts[0].lost_steps == 2
+    assert known.buckets_s["wasted_progress"] == pytest.approx(2.0 + 0.5)  # steps 9, 10 + up to the signal
+    assert known.buckets_s["restart"] == pytest.approx(29.0 - 11.5 + 1.0)  # the teardown and the gap
+    unknown = compute(job({}), now=100.0)  # an older ettr's books: the command's exit, as before
+    assert unknown.buckets_s["wasted_progress"] == pytest.approx(2.0 + 18.0)
+
+
 def test_a_step_recorded_twice_is_one_step() -> None:
     rep = compute(_job(Outcome.FAILED, steps=50, commit=None, duplicate_first=True), now=100.0)
     assert rep.attempts[0].num_steps == 50 and rep.attempts[0].lost_steps == 50

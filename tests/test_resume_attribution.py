@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ettr.bootstrap.checkpoint_identity import IDENTITY_KEY, Attribution, SaveIndex, file_identity
-from ettr.events import Event, EventKind
+from ettr.events import Event, EventKind, split_failure_message
 from ettr.ledger import open_ledger
 from ettr.recorder import Recorder
 
@@ -284,3 +284,48 @@ def test_a_load_while_the_books_cannot_be_read_is_a_resume_of_unknown_step_never
     assert _resumed(run_dir, 1, ckpt) == [(2, None)]  # the object's own step
     [(step, why)] = _resumed(run_dir, 2, plain)
     assert step is None and "could not be read" in why and "unreachable" in why
+
+
+def test_a_checkpoint_torn_mid_write_is_named_in_the_load_failure(tmp_path: Path) -> None:
+    """nanoGPT saves with torch.save straight to out/ckpt.pt; a rank killed mid-save (torchrun or ettr stopping
+    the rest after a peer's exception) leaves a truncated file, and every restart died of a bare `EOFError`
+    (`rank 0 failed: EOFError`, exit 3) with nothing naming the file. The load's exception now says which
+    checkpoint is torn, in its traceback (a note) and in the rank's FAILURE."""
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt.pt"
+    with _hooked(run_dir, attempt=0):
+        _train(2)
+        torch.save({"w": torch.zeros(2)}, ckpt)
+    ckpt.write_bytes(b"")  # the next save's open truncated it, then its process was killed
+    with _hooked(run_dir, attempt=1) as rec, pytest.raises(Exception) as raised:
+        try:
+            torch.load(ckpt)
+        except Exception as exc:
+            rec.failure(exc)  # what the bootstrap's excepthook records
+            raise
+    notes = getattr(raised.value, "__notes__", [])
+    assert len(notes) == 1 and str(ckpt) in notes[0] and "0 bytes" in notes[0] and "steps 2" in notes[0]
+    assert "cut off mid-write" in notes[0]
+    events = open_ledger(run_dir).read()
+    [failure] = [e for e in events if e.kind is EventKind.FAILURE]
+    assert failure.data["exception"] == type(raised.value).__name__
+    text, [note] = split_failure_message(failure.data["message"])
+    assert (
+        str(ckpt) in note
+        and "cut off mid-write" in note
+        and note.startswith("[ettr: ")
+        and "ettr" not in text
+    )
+    assert any(e.kind is EventKind.MARK and e.data.get("name") == "checkpoint_load_failed" for e in events)
+
+
+def test_a_failed_load_of_an_intact_or_foreign_file_gets_no_note(tmp_path: Path) -> None:
+    run_dir, ckpt, other = tmp_path / "run", tmp_path / "ckpt.pt", tmp_path / "other.pt"
+    with _hooked(run_dir, attempt=0):
+        _train(2)
+        torch.save({"w": torch.zeros(2)}, ckpt)
+    other.write_bytes(b"")  # a file no save of this job wrote
+    with _hooked(run_dir, attempt=1):
+        for path, kwargs in ((ckpt, {"map_location": "no-such-device"}), (other, {})):
+            with pytest.raises(Exception) as raised:
+                torch.load(path, **kwargs)
+            assert not getattr(raised.value, "__notes__", None)

@@ -900,6 +900,24 @@ def test_the_failure_line_carries_the_exception_message() -> None:
     assert len(ended_line(0, long, "no restarts left")) < 300
 
 
+def test_the_failure_line_keeps_ettrs_note_after_a_long_exception_message() -> None:
+    """torch's `PytorchStreamReader failed reading zip archive` message is over 300 characters: shortened, it
+    cut off the note ettr's load hook added naming the torn checkpoint file."""
+    from ettr.events import failure_message
+    from ettr.supervisor.messages import ended_line
+
+    note = "ettr: /ckpt/out.pt (0 bytes) is none of the checkpoints this job saved there (steps 50, 100)"
+    message = failure_message("PytorchStreamReader failed " + "x" * 600 + "\nsecond line", [note, "a user's"])
+    end = classify(
+        returncode=1,
+        events=[Event(EventKind.FAILURE, 1.0, 1, 0, data={"exception": "RuntimeError", "message": message})],
+    )
+    assert end.message is not None and end.message.endswith(f"[{note}]") and "a user's" not in end.message
+    line = ended_line(1, end, "restarting in 0 s (1 of 3)")
+    assert "RuntimeError: PytorchStreamReader failed xxx" in line and "second line" not in line
+    assert f"... [{note}]; restarting in 0 s" in line
+
+
 def test_during_a_ledger_outage_the_attempts_failure_is_read_from_the_spill_files(tmp_path: Path) -> None:
     import json
 
@@ -972,6 +990,12 @@ def test_a_signal_from_outside_that_the_scripts_own_handler_ended_the_job_on_is_
     went_on = [*stepped, *(Event(EventKind.STEP, 11.0 + i, 0, 0, step=21 + i) for i in range(6))]
     assert classify(returncode=0, events=went_on, signalled=signalled).outcome is Outcome.COMPLETED
     assert classify(returncode=0, events=went_on[:6], signalled=signalled).outcome is Outcome.PREEMPTED
+    # When the signal came is the preemption's onset (the accounting's failure instant), kept in the books.
+    from ettr.supervisor.classify import AttemptEnd
+
+    end = classify(returncode=0, events=stepped, signalled=signalled)
+    assert end.signalled_ts == 10.5 and AttemptEnd.from_data(end.to_data()).signalled_ts == 10.5
+    assert "signalled_ts" not in classify(returncode=0, events=stepped).to_data()
 
 
 def test_torchruns_own_word_that_it_got_a_signal_is_read() -> None:

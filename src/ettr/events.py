@@ -14,6 +14,36 @@ from typing import Any
 SCHEMA_VERSION = 1
 """Version of the stored event layout (the ledger refuses to read a newer one)."""
 
+FAILURE_NOTE_PREFIX = "ettr: "
+"""An exception note (PEP 678) that ettr's hooks added (`exc.add_note`): a FAILURE's message carries it."""
+
+
+def failure_message(message: str, notes: Any = ()) -> str:
+    """A FAILURE's `message`: the exception's, then each of ettr's notes on a line of its own, as
+    `[ettr: ...]` (`split_failure_message` takes them apart again)."""
+    own = [
+        note.removeprefix(FAILURE_NOTE_PREFIX).replace("\n", " ")
+        for note in notes
+        if isinstance(note, str) and note.startswith(FAILURE_NOTE_PREFIX)
+    ]
+    return "\n".join([message, *(f"[{FAILURE_NOTE_PREFIX}{note}]" for note in own)]) if own else message
+
+
+def split_failure_message(message: str) -> tuple[str, list[str]]:
+    """A FAILURE's message as (the exception's message, ettr's notes as `[ettr: ...]`)."""
+    lines = message.split("\n")
+    notes: list[str] = []
+    while lines and lines[-1].startswith(f"[{FAILURE_NOTE_PREFIX}") and lines[-1].endswith("]"):
+        notes.insert(0, lines.pop())
+    return "\n".join(lines), notes
+
+
+def clip_failure_message(message: str, limit: int = 500) -> str:
+    """A FAILURE's message with the exception's part cut to `limit` characters and ettr's notes kept."""
+    text, notes = split_failure_message(message)
+    return "\n".join([text[:limit], *(note[:limit] for note in notes)])
+
+
 SUPERVISOR_RANK = -1
 """`Event.rank` of events written by the supervisor rather than a training process."""
 

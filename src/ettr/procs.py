@@ -428,3 +428,21 @@ def io_priority(tid: int) -> int | None:
     except (OSError, AttributeError):
         return None
     return None if value < 0 else value
+
+
+def oom_kill_count() -> int | None:
+    """The `oom_kill` counter of this process's cgroup (v2), or None where it cannot be read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        rel = next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
+        text = (Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.events").read_text()
+    except (OSError, StopIteration, IndexError):
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

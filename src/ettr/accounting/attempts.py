@@ -367,16 +367,23 @@ def _resolve_one(
         attempt.resume_inferred = True
     attempt.training_start_ts = _training_start(attempt, explicit_start)
     if outcome != Outcome.COMPLETED and outcome not in NOT_ENDED:
-        attempt.failure_ts = failure_instant(raw.rank_events, start, end)
+        signalled = data_of(raw.end_event).get("signalled_ts") if raw.end_event is not None else None
+        attempt.failure_ts = failure_instant(raw.rank_events, start, end, signalled_ts=signalled)
     return attempt
 
 
-def failure_instant(rank_events: Mapping[int, list[Event]], start: float, end: float) -> float | None:
+def failure_instant(
+    rank_events: Mapping[int, list[Event]], start: float, end: float, *, signalled_ts: object = None
+) -> float | None:
     """The failure-instant rule: when the books say an attempt's failure happened, the earliest of the first
-    `FAILURE` a training rank recorded (its exception) and the supervisor's `failure_detected` MARK (a hang:
-    the watchdog's firing; a rank ettr watched: its death; else the command's exit), clamped to [start, end].
-    None when neither was recorded (a SIGKILL no one saw, books written by other tools)."""
+    `FAILURE` a training rank recorded (its exception), the supervisor's `failure_detected` MARK (a hang:
+    the watchdog's firing; a rank ettr watched: its death; else the command's exit) and the ATTEMPT_END's
+    `signalled_ts` (a signal from outside that the job's own handler ended it on: a preemption's onset),
+    clamped to [start, end]. None when none was recorded (a SIGKILL no one saw, books written by other
+    tools)."""
     found = [e.ts for r, evs in rank_events.items() if r >= 0 for e in evs if e.kind == EventKind.FAILURE]
+    if isinstance(signalled_ts, (int, float)) and not isinstance(signalled_ts, bool):
+        found.append(float(signalled_ts))
     for e in rank_events.get(-1, ()):
         if e.kind == EventKind.MARK and data_of(e).get("name") == FAILURE_DETECTED_MARK:
             found.append(e.ts)

@@ -67,7 +67,7 @@ from ettr.bootstrap.checkpoint_targets import (
 from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
 from ettr.bootstrap.save_window import SaveWindow, is_library_frame
 from ettr.constants import COMMIT_FLUSH_S
-from ettr.events import Event, EventKind, Phase
+from ettr.events import FAILURE_NOTE_PREFIX, Event, EventKind, Phase
 from ettr.integrations._commits import CHECKPOINT_FILE_MARK
 from ettr.recorder import RecorderProtocol
 
@@ -487,10 +487,36 @@ class CheckpointHooks:
         self._set_busy(True)
         try:
             result = call()
+        except Exception as exc:
+            self.guard.call("checkpoint load", self._load_failed, path, exc)
+            raise
         finally:
             self._set_busy(False)
         self.guard.call("checkpoint load", lambda: self._loaded(path, begin, result, state=state))
         return result
+
+    def _load_failed(self, path: str | None, exc: Exception) -> None:
+        """A load raised: when the file is one of this job's checkpoints but none of the saves recorded for it
+        (a torch.save straight to the final name, its process killed mid-write, leaves a truncated file that
+        every restart fails to load: `EOFError`, `failed finding central directory`), say so on the exception
+        (a note, in the traceback and in the rank's FAILURE) and in a `checkpoint_load_failed` mark."""
+        if path is None or "://" in path or path not in self.earlier_commits():
+            return
+        found = self.earlier_commits().attribute(path, file_identity(path))
+        if found is None or found.rewritten_since is None:
+            return  # the very file a save left (another cause), or nothing to compare with
+        try:
+            info = os.stat(path)
+        except OSError:
+            return
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.st_mtime))
+        why = (
+            f"{path} ({info.st_size} bytes, written {written}) is none of the checkpoints this job saved there"
+            f" ({found.rewritten_since}): a save cut off mid-write? Every restart that loads it fails: put the last good one"
+            " back, or remove it to start over"
+        )
+        exc.add_note(f"{FAILURE_NOTE_PREFIX}{why}")
+        self.rec.mark("checkpoint_load_failed", path=path, exception=type(exc).__name__, why=why)
 
     # -- torch.distributed.checkpoint ----------------------------------------------------------------------
     def install_dcp(self, dcp: ModuleType) -> None:

@@ -94,10 +94,14 @@ class RecordedSave:
 
 @dataclass(frozen=True, slots=True)
 class Attribution:
-    """What a loaded file is: the step of the save it is (`step`), or None with the reason it is unknown."""
+    """What a loaded file is: the step of the save it is (`step`), or None with the reason it is unknown;
+    `rewritten_since`: when the file is none of the recorded saves of its path though some of them left an
+    identity (written since by a writer ettr did not see, replaced, or a save torn mid-write), those saves
+    ("steps 2, 4, rank 0, attempt 0")."""
 
     step: int | None
     reason: str | None = None
+    rewritten_since: str | None = None
 
 
 class SaveIndex:
@@ -150,6 +154,7 @@ class SaveIndex:
             None,
             f"{path} is none of the saves recorded for it (steps {steps}, {writers}): it was written since by"
             " a save ettr did not record, or replaced",
+            rewritten_since=f"steps {steps}, {writers}",
         )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from ettr.accounting import EttReport, counts_as_failure
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
 from ettr.accounting.model import distinct_saves
-from ettr.events import Bucket
+from ettr.events import Bucket, split_failure_message
 from ettr.report import slow, steptime, ttr_parts, window
 from ettr.report.slowdown import text_lines as slowdown_lines
 from ettr.report.status import status
@@ -252,7 +252,11 @@ def _failure_lines(index: int, outcome: str, failure: Mapping[str, Any], num_tai
     lines = [f"  attempt {index} {outcome}: {reason}" if reason else f"  attempt {index} {outcome}"]
     if exception:
         where = f" (rank {process['rank']})" if "rank" in process else ""
+        notes: list[str] = []
+        if isinstance(message, str):
+            message, notes = split_failure_message(message)  # ettr's notes: lines of their own, below
         lines.append(f"    {exception}: {message}{where}" if message else f"    {exception}{where}")
+        lines.extend(f"    {note}" for note in notes)
     tail = failure.get("stderr_tail")
     if isinstance(tail, list) and tail:
         lines.append("    last stderr lines:")

@@ -9,11 +9,10 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ettr.causes import Detail, diagnose, is_collective_error
-from ettr.events import Event, EventKind, Outcome
+from ettr.events import Event, EventKind, Outcome, clip_failure_message
 from ettr.supervisor.command_output import (
     child_signal,
     exception_line_from_stderr,
@@ -53,6 +52,8 @@ class AttemptEnd:
     """The last lines the command wrote to stderr."""
     injected: str | None = None
     """The `--inject` fault that fired in this attempt, if any."""
+    signalled_ts: float | None = None
+    """When a rank got the outside signal whose handler ended the job: the accounting's failure instant."""
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> AttemptEnd:
@@ -75,10 +76,11 @@ class AttemptEnd:
             signal=text("signal"),
             reason=text("reason") or "",
             exception=text("exception"),
-            message=text("message"),
+            message=clip_failure_message(data["message"]) if isinstance(data.get("message"), str) else None,
             oom=data.get("oom") is True,
             stderr_tail=tuple(str(line) for line in tail[-20:]) if isinstance(tail, list) else (),
             injected=text("injected"),
+            signalled_ts=ts if isinstance(ts := data.get("signalled_ts"), float) else None,
         )
 
     def to_data(self) -> dict[str, Any]:
@@ -93,7 +95,7 @@ class AttemptEnd:
             "oom": self.oom,
             "stderr_tail": list(self.stderr_tail),
             "injected": self.injected,
-        }
+        } | ({} if self.signalled_ts is None else {"signalled_ts": self.signalled_ts})
 
 
 def this_nodes_events(events: Iterable[Event], *, host: str, supervisor_pid: int) -> list[Event]:
@@ -213,7 +215,7 @@ def classify(
     if blamed:
         data = blamed[0].data or {}
         exception = str(data["exception"])
-        message = str(data["message"])[:500] if data.get("message") else None
+        message = clip_failure_message(str(data["message"])) if data.get("message") else None
     injected = next(
         (
             str((e.data or {}).get("spec"))
@@ -254,6 +256,7 @@ def classify(
         if agent_got is not None:  # torchrun itself was signalled (its process group, `exec torchrun`)
             behind, agent_said = agent_got, True
     tail_text = "\n".join(stderr_tail)
+    signalled_ts: float | None = None
     oom = (
         (signal.SIGKILL in (sig, behind) and oom_killed)
         or exception in _OOM_EXCEPTIONS
@@ -321,7 +324,7 @@ def classify(
         # early, whatever its status. A preemption: restarted, not counted, the scheduler told (143).
         outcome = Outcome.PREEMPTED
         exception = message = None  # what ranks died of after the signal is its consequence
-        _, first_rank, first_sig = signalled[0]
+        signalled_ts, first_rank, first_sig = signalled[0]
         ended_by = signal.Signals[first_sig] if first_sig in signal.Signals.__members__ else ended_by
         reason = (
             f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
@@ -335,7 +338,7 @@ def classify(
         outcome = Outcome.FAILED
         data = hidden.data or {}
         exception = str(data["exception"])
-        message = str(data["message"])[:500] if data.get("message") else None
+        message = clip_failure_message(str(data["message"])) if data.get("message") else None
         died_of = exception
         if hidden.kind is not EventKind.FAILURE:  # an injected kill, a death its shell reported: a signal
             ended_by = signal.Signals[died_of] if died_of in signal.Signals.__members__ else signal.SIGKILL
@@ -372,25 +375,8 @@ def classify(
         oom=oom,
         stderr_tail=tuple(stderr_tail),
         injected=injected,
+        signalled_ts=signalled_ts,
     )
-
-
-def oom_kill_count() -> int | None:
-    """The `oom_kill` counter of this process's cgroup (v2), or None where it cannot be read."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        rel = next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
-        text = (Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.events").read_text()
-    except (OSError, StopIteration, IndexError):
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
 
 
 def consequence_of_a_peer(end: AttemptEnd) -> bool:

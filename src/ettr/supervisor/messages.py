@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ettr.errors import describe_os_error
+from ettr.events import split_failure_message
 from ettr.untrusted import printable
 
 # describe_os_error is ettr.errors', named here too for the supervisor's parts
@@ -50,9 +51,11 @@ def ended_line(attempt: int, end: AttemptEnd, then: str) -> str:
     the attempt's recorded reason with the exception's message after its name (first line, shortened)."""
     reason = end.reason
     if end.exception and end.message:
-        text = end.message.strip().splitlines()[0] if end.message.strip() else ""
+        message, notes = split_failure_message(end.message)
+        text = message.strip().splitlines()[0] if message.strip() else ""
         if len(text) > _MESSAGE_CHARS:
             text = text[: _MESSAGE_CHARS - 3] + "..."
+        text = " ".join(part for part in (text, *notes) if part)  # what ettr's hooks knew: kept whole
         named = f": {end.exception}"
         if text and named in reason:
             at = reason.index(named) + len(named)

@@ -24,11 +24,12 @@ from typing import Protocol
 from ettr.constants import FAILURE_DETECTED_MARK, RECOVERY_MARK, RELAUNCH_MARK
 from ettr.events import EventKind, Outcome
 from ettr.heartbeat import latest_heartbeat, read_pulses
+from ettr.procs import oom_kill_count
 from ettr.run_env import has_trained, heartbeat_dir, signals_received, trained_modules
 from ettr.supervisor import slurm, standby
 from ettr.supervisor.attempt import Attempt, AttemptKind, AttemptPlan
 from ettr.supervisor.books import JobBooks
-from ettr.supervisor.classify import AttemptEnd, classify, oom_kill_count
+from ettr.supervisor.classify import AttemptEnd, classify
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.containment import AttemptSweep
 from ettr.supervisor.guard import JobGuard
