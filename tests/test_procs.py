@@ -132,3 +132,54 @@ def test_libc_prctl_is_resolved_once() -> None:
     from ettr.procs import libc_prctl
 
     assert libc_prctl() is libc_prctl()
+
+
+def test_a_stop_signal_is_held_back_from_the_log_reader_a_python_process_writes_to(tmp_path):
+    """`torchrun ... 2>&1 | tee train.log` in a wrapper: ettr's SIGTERM reached `tee` with the ranks, and rank
+    0's print in its own SIGTERM handler died of a broken pipe (a save after the print was lost), the
+    last lines never reached the log. The reader (no Python process, reading a pipe a Python process of
+    the job writes) gets no SIGTERM; it ends at the end of its input. A Python reader still gets it."""
+    from ettr.supervisor.process import AttemptProcess
+
+    out, got = tmp_path / "train.log", tmp_path / "reader-signalled"
+    writer = (
+        "import signal, sys, time\n"
+        "def bye(*_):\n"
+        "    print('saving checkpoint', flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "while True: time.sleep(0.05)\n"
+    )
+    reader = f"trap 'echo TERM >> {got}' TERM; cat > {out}"
+    script = f'{sys.executable} -c "$WRITER" | sh -c "$READER"'
+    env = dict(os.environ, WRITER=writer, READER=reader)
+    job = AttemptProcess(["bash", "-c", script], env)
+    try:
+        deadline = time.monotonic() + 60
+        while "ready" not in (out.read_text() if out.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job.remember_tree()
+        python_pids = [p for p in job.known_tree() if procs._is_python(p)]
+        assert python_pids and procs.log_readers([job.pid, *job.known_tree()])
+        reached = job.signal_tree(signal.SIGTERM)
+        assert set(python_pids) <= set(reached)
+        assert job.wait(60) is not None
+    finally:
+        job.signal_tree(signal.SIGKILL)
+        job.wait(10)
+    assert out.read_text().split() == ["ready", "saving", "checkpoint"]
+    assert not got.exists()
+
+
+def test_a_python_reader_of_a_pipe_is_no_log_reader(tmp_path):
+    """`cat data | python train.py`: the trainer reads a pipe, but cat is no Python process, and the trainer
+    is one: it is signalled as ever."""
+    feeder = subprocess.Popen([sys.executable, "-c", "import time; print('x', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE)  # fmt: skip
+    trainer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=feeder.stdout)
+    try:
+        assert procs.log_readers([feeder.pid, trainer.pid]) == set()
+    finally:
+        for p in (feeder, trainer):
+            p.kill()
+            p.wait()

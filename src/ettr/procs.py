@@ -446,3 +446,35 @@ def oom_kill_count() -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def _fd_target(pid: int, fd: int) -> str | None:
+    try:
+        return os.readlink(f"{_PROC}/{pid}/fd/{fd}")
+    except OSError:
+        return None
+
+
+def _is_python(pid: int) -> bool:
+    try:
+        return os.path.basename(os.readlink(f"{_PROC}/{pid}/exe")).startswith("python")
+    except OSError:
+        return False
+
+
+def log_readers(pids: Collection[int]) -> set[int]:
+    """Those of `pids` that read, on their stdin, a pipe a Python process of `pids` writes to on its stdout
+    or stderr, and are no Python process themselves: the `tee` of `torchrun ... 2>&1 | tee train.log`. A
+    signal that stops a job should not reach them first: they end by themselves at the end of what they read,
+    and, killed first, a rank's print (`saving checkpoint to ...`) in its own SIGTERM handler died of a broken
+    pipe before its save. A Python reader (`cat data | python train.py`) is none."""
+    written: set[str] = set()
+    for pid in pids:
+        if _is_python(pid):
+            for fd in (1, 2):
+                target = _fd_target(pid, fd)
+                if target is not None and target.startswith("pipe:"):
+                    written.add(target)
+    if not written:
+        return set()
+    return {pid for pid in pids if _fd_target(pid, 0) in written and not _is_python(pid)}

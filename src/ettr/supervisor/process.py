@@ -17,7 +17,15 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 
-from ettr.procs import descendants, libc_prctl, running, set_parent_death_signal, signal_pids, start_ticks
+from ettr.procs import (
+    descendants,
+    libc_prctl,
+    log_readers,
+    running,
+    set_parent_death_signal,
+    signal_pids,
+    start_ticks,
+)
 from ettr.supervisor.messages import write_stderr
 
 logger = logging.getLogger("ettr")
@@ -145,7 +153,9 @@ class AttemptProcess:
 
     def signal_tree(self, sig: int, *, include_command: bool = True) -> list[int]:
         """Send `sig` to the command (unless not `include_command`) and every descendant (known now or seen
-        earlier, also after its parent died); the pids it was sent to."""
+        earlier, also after its parent died); the pids it was sent to. A signal other than SIGKILL is held
+        back from the job's log readers (`procs.log_readers`: the `tee` its Python processes write to) while
+        a writer lives: they end at the end of their input, and the deadline's SIGKILL still reaches them."""
         self.remember_tree()
         targets = ([(self.pid, None)] if include_command else []) + list(self._known.items())
         ours = [
@@ -155,6 +165,11 @@ class AttemptProcess:
             if not (pid != self.pid and ticks is not None and start_ticks(pid) != ticks)
             and not (pid == self.pid and self.proc.returncode is not None)
         ]
+        if sig != signal.SIGKILL:
+            held = log_readers(
+                [self.pid, *self._known] if self.proc.returncode is None else list(self._known)
+            )
+            ours = [pid for pid in ours if pid not in held]
         return signal_pids(ours, sig)
 
     def alive(self) -> list[int]:
