@@ -595,3 +595,54 @@ def test_inductors_torch_key_is_prefetched_on_torchs_own_thread_and_read_once():
     assert torch_compat.prefetch_inductor_torch_key() is True
     key = codecache.torch_key()  # the prefetched value (or the one computed before): the same bytes
     assert isinstance(key, bytes) and codecache.torch_key() == key
+
+
+@pytest.mark.parametrize("damaged", [artifacts.INDUCTOR_ARCHIVE, artifacts.HEADERS_ARCHIVE])
+def test_a_damaged_stored_file_is_refused_once_and_the_next_save_repairs_the_store(node, tmp_path, damaged):
+    """A stored kernel or header damaged on disk (a bit flip, a file cut short) is refused at the restore.
+    Before, it stayed in the store: a save writes only missing files, so every later save named the same
+    bad file again (the build's header entry was not even saved again: it listed the header with its size)
+    and every later job was refused, for good (nanoGPT: compiled cold, 45 s to its first step instead of 5 s)."""
+    backend = MemoryBackend()
+    store = CompileStore(backend)
+    _node_with_kernel(node, "first")
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    rec.close()
+    if damaged == artifacts.INDUCTOR_ARCHIVE:
+        stored = store.head(KEY).artifacts[damaged]["ab/kernel.so"]
+        bad = b"K" * 100  # same size, other bytes
+    else:
+        stored = store.head(KEY.headers_key()).artifacts[damaged]["prefix.h.gch"]
+        bad = b"h" * 999  # cut short
+    backend.write(blob_path(stored.sha256, compressed=backend.compress), gzip.compress(bad))
+
+    node("second")
+    second, rec = _session(store, tmp_path)
+    second.prepare()
+    if damaged == artifacts.INDUCTOR_ARCHIVE:
+        assert second.last_restore["status"] == "refused"
+        assert second.last_restore["error"].endswith(
+            "does not match its checksum; removed it, the next save stores it again"
+        )
+    else:
+        assert second.last_restore["status"] == "hit"
+        assert "removed it, the next save stores it again" in second.last_restore["headers_error"]
+    cache2, headers2 = node("second")  # what its compilation wrote
+    for path, data in ((cache2 / "ab" / "kernel.so", b"k" * 100), (headers2 / "prefix.h.gch", b"h" * 1000)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    _compiled_something(second)
+    assert second.save() is True
+    assert second.last_save["headers"] == ("saved" if damaged == artifacts.HEADERS_ARCHIVE else "shared")
+    rec.close()
+
+    cache3, headers3 = node("third")
+    third, rec = _session(store, tmp_path)
+    third.prepare()
+    assert third.last_restore["status"] == "hit" and "headers_error" not in third.last_restore
+    assert set(third.last_restore["restored"]) == {artifacts.INDUCTOR_ARCHIVE, artifacts.HEADERS_ARCHIVE}
+    assert (cache3 / "ab" / "kernel.so").read_bytes() == b"k" * 100
+    assert (headers3 / "prefix.h.gch").read_bytes() == b"h" * 1000
+    rec.close()

@@ -116,6 +116,21 @@ def test_a_tampered_or_missing_file_is_refused(backend):
     assert store.read(stored) == b"good kernel"
 
 
+def test_a_damaged_file_is_removed_from_the_store_and_stored_again_by_the_next_save(backend):
+    # A save writes only the files the store lacks: a damaged one left in place would be named by every
+    # later save of the same content, and its entry refused at every restore, for good.
+    store = CompileStore(backend)
+    store.save(_key(), {"a": {"k.so": b"good kernel"}})
+    stored = store.head(_key()).artifacts["a"]["k.so"]
+    path = blob_path(stored.sha256, compressed=backend.compress)
+    backend.write(path, gzip.compress(b"good kernem") if backend.compress else b"good kernem")
+    with pytest.raises(EntryRefused, match="does not match its checksum; removed it"):
+        store.read(stored)
+    assert not backend.exists(path)
+    store.save(_key(), {"a": {"k.so": b"good kernel"}})
+    assert store.read(store.head(_key()).artifacts["a"]["k.so"]) == b"good kernel"
+
+
 def test_a_garbled_or_older_manifest_is_unreadable():
     backend = MemoryBackend()
     store = CompileStore(backend)
@@ -450,10 +465,11 @@ def test_a_large_blob_changed_in_the_store_is_refused_and_nothing_appears(tmp_pa
     dest.mkdir()
     with pytest.raises(EntryRefused, match="checksum"):
         store.copy_into(stored, dest / "header.h.gch", 0o600)
+    assert not blob.exists()  # removed: the next save of that file stores it again
     blob.write_bytes(big[:-1])  # another size
     with pytest.raises(EntryRefused, match="checksum"):
         store.copy_into(stored, dest / "header.h.gch", 0o600)
-    blob.unlink()
+    assert not blob.exists()
     with pytest.raises(EntryRefused, match="missing"):
         store.copy_into(stored, dest / "header.h.gch", 0o600)
     assert list(dest.iterdir()) == []  # nothing unchecked, no temporary

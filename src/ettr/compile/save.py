@@ -186,6 +186,8 @@ def save_headers(store: CompileStore, key: StoreKey, headers: Mapping[str, Any])
     except EntryRefused:
         existing = None  # replaced by this save
     have = dict(existing.artifacts.get(artifacts.HEADERS_ARCHIVE, {})) if existing is not None else {}
+    # A listed header whose stored file is gone (removed as damaged, or lost) is not had: saved again.
+    have = {rel: stored for rel, stored in have.items() if not store.missing({rel: stored})}
     local: dict[str, Any] = {}
     for rel, source in headers.items():
         try:
@@ -196,9 +198,8 @@ def save_headers(store: CompileStore, key: StoreKey, headers: Mapping[str, Any])
             local[rel] = source
     if not local:
         return {"headers": "shared", "headers_digest": build.digest}
-    kept = {rel: stored for rel, stored in have.items() if not store.missing({rel: stored})}
     result = store.save(
-        build, {artifacts.HEADERS_ARCHIVE: {**kept, **local}}, meta={"kind": "precompiled-headers"}
+        build, {artifacts.HEADERS_ARCHIVE: {**have, **local}}, meta={"kind": "precompiled-headers"}
     )
     return {
         "headers": "saved",

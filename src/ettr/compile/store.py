@@ -394,11 +394,26 @@ class CompileStore:
             data = self.backend.read(path)
         except FileNotFoundError:
             raise EntryRefused(f"stored file {stored.sha256[:16]} is missing") from None
-        if self.backend.compress:
-            data = _gunzip(data, stored.size)
-        if len(data) != stored.size or hashlib.sha256(data).hexdigest() != stored.sha256:
-            raise EntryRefused(f"stored file {stored.sha256[:16]} does not match its checksum")
+        try:
+            if self.backend.compress:
+                data = _gunzip(data, stored.size)
+            if len(data) != stored.size or hashlib.sha256(data).hexdigest() != stored.sha256:
+                raise EntryRefused(f"stored file {stored.sha256[:16]} does not match its checksum")
+        except EntryRefused as exc:
+            raise self._drop_bad_blob(path, exc) from None
         return data
+
+    def _drop_bad_blob(self, path: str, exc: EntryRefused) -> EntryRefused:
+        """Delete a blob whose bytes are not the content its name says (damaged on disk, cut short): a save
+        writes only the blobs that are missing, so a bad one left in place would be named again by every
+        later save of the same file, and its entry refused at every restore, for good. Returns `exc`, its
+        message saying so, to raise."""
+        try:
+            self.backend.delete(path)
+        except (OSError, ValueError) as error:  # a read-only store: refused all the same, and kept
+            logger.debug("ettr: cannot delete the damaged stored file %s (%s)", path, error)
+            return exc
+        return EntryRefused(f"{exc}; removed it, the next save stores it again")
 
     def copy_into(self, stored: StoredFile, target: Path, mode: int) -> bool:
         """Write one file of a verified entry to `target` by a kernel copy from a local store's blob (no copy
@@ -417,6 +432,8 @@ class CompileStore:
             raise EntryRefused(f"stored file {stored.sha256[:16]} is missing") from None
         try:
             return _copy_checked(source, stored, target, mode=mode)
+        except EntryRefused as exc:
+            raise self._drop_bad_blob(blob_path(stored.sha256, compressed=False), exc) from None
         finally:
             os.close(source)
 
