@@ -4,6 +4,7 @@ refuse a tampered entry, save only what changed, and never raise."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -626,6 +627,7 @@ def test_a_damaged_stored_file_is_refused_once_and_the_next_save_repairs_the_sto
         assert second.last_restore["error"].endswith(
             "does not match its checksum; removed it, the next save stores it again"
         )
+        assert second.last_restore["restored"] == [artifacts.HEADERS_ARCHIVE]  # the build's: not refused
     else:
         assert second.last_restore["status"] == "hit"
         assert "removed it, the next save stores it again" in second.last_restore["headers_error"]
@@ -645,4 +647,69 @@ def test_a_damaged_stored_file_is_refused_once_and_the_next_save_repairs_the_sto
     assert set(third.last_restore["restored"]) == {artifacts.INDUCTOR_ARCHIVE, artifacts.HEADERS_ARCHIVE}
     assert (cache3 / "ab" / "kernel.so").read_bytes() == b"k" * 100
     assert (headers3 / "prefix.h.gch").read_bytes() == b"h" * 1000
+    rec.close()
+
+
+def test_a_workload_entry_written_for_another_key_is_refused_and_the_builds_headers_still_restored(
+    node, tmp_path
+):
+    """An entry refused as a whole (another torch, a forged key, a bad signature) is not used, but the build's
+    precompiled headers are an entry of their own: before, the refusal skipped them too, inductor built its
+    header again (seconds) and the save stored another 156 MB copy of it (a header is not the same byte for
+    byte from one build to the next)."""
+    backend = MemoryBackend()
+    store = CompileStore(backend)
+    _node_with_kernel(node, "first")
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    rec.close()
+    path = f"{KEY.digest}/manifest.json"
+    manifest = json.loads(backend.read(path))
+    manifest["key"]["torch_version"] = "2.12.0"  # as if made by another torch
+    backend.write(path, json.dumps(manifest).encode())
+
+    cache2, headers2 = node("second")
+    second, rec = _session(store, tmp_path)
+    second.prepare()
+    assert second.last_restore["status"] == "refused"
+    assert "written for another key" in second.last_restore["error"]
+    assert second.last_restore["restored"] == [artifacts.HEADERS_ARCHIVE]
+    assert (headers2 / "prefix.h.gch").read_bytes() == b"h" * 1000
+    assert not (cache2 / "ab" / "kernel.so").exists()
+    rec.close()
+
+
+class FullBackend(MemoryBackend):
+    """A store on a small file system: the header (`_node_with_kernel`'s) does not fit."""
+
+    def write(self, path: str, data: bytes) -> None:
+        if hashlib.sha256(b"h" * 1000).hexdigest() in path:
+            raise OSError(28, "No space left on device")
+        super().write(path, data)
+
+
+def test_a_store_too_small_for_the_header_keeps_the_kernels_and_does_not_retry(node, tmp_path):
+    """The kernels (small) fit, the build's header (156 MB on CPU) does not (a store on a small tmpfs).
+    Before, the whole save was an error ("the next start compiles again", although the workload's entry
+    was saved) and the exit save wrote the header again, to fail again."""
+    from ettr.report.compile_text import _store_line
+
+    store = CompileStore(FullBackend())
+    _node_with_kernel(node, "first")
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    assert first.last_save["status"] == "saved" and first.last_save["headers"] == "error"
+    assert "No space left on device" in first.last_save["headers_error"]
+    assert first.save() is False  # nothing new: the header is not tried again by this process
+    line = _store_line(first.last_save)
+    assert line.startswith("save saved (") and "precompiled headers: OSError: [Errno 28]" in line
+    rec.close()
+
+    cache2, _ = node("second")
+    second, rec = _session(store, tmp_path)
+    second.prepare()
+    assert second.last_restore["status"] == "hit"
+    assert (cache2 / "ab" / "kernel.so").read_bytes() == b"k" * 100
     rec.close()

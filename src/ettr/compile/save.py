@@ -169,7 +169,15 @@ class StoreSaver:
             "artifacts": sorted(collected.artifacts),
             "location": store.backend.describe(),
         }
-        info.update(save_headers(store, key, collected.headers))
+        try:
+            info.update(save_headers(store, key, collected.headers))
+        except Exception as exc:  # the workload's entry is saved: the next job restores its kernels
+            info.update(headers="error", headers_error=f"{type(exc).__name__}: {exc}")
+            logger.warning(
+                "ettr: saving the precompiled headers to the compile store failed (%s); the kernels were "
+                "saved, the next job builds the header again",
+                exc,
+            )
         _say_store_once(store, info)
         return info
 
