@@ -533,3 +533,26 @@ def test_a_remote_store_without_a_secret_is_warned_about_once(tmp_path, caplog):
         CompileStore.open(StoreConfig(location=url))
         CompileStore.open(StoreConfig(location=url))
     assert caplog.text.count("remote (memory://) and has no ETTR_COMPILE_STORE_SECRET") == 1
+
+
+def test_temporary_files_of_a_writer_killed_mid_write_are_deleted_by_the_next_eviction(tmp_path):
+    # A save killed (kill -9) while it writes a blob leaves `ettr.atomic`'s `.NAME.<hex>.tmp` beside it: up to
+    # the 156 MB precompiled header. The listing hides dot-files, so before, nothing ever deleted or counted
+    # them: every save killed in the middle leaked its file for good.
+    backend = LocalBackend(tmp_path / "store")
+    store = CompileStore(backend)
+    store.save(_key(), {"a": {"k.so": b"kernel"}})
+    shard = tmp_path / "store" / "blobs" / "ab"
+    shard.mkdir(parents=True, exist_ok=True)
+    stray_blob = shard / f".{'ab' * 32}.0123456789ab.tmp"
+    stray_blob.write_bytes(b"half a header")
+    stray_manifest = tmp_path / "store" / _key().digest / ".manifest.json.0123456789ab.tmp"
+    stray_manifest.write_bytes(b"{")
+    planted = shard / ".not-ours"  # not one of ettr's temporaries: left alone
+    planted.write_bytes(b"x")
+    with backend.lock(exclusive=False, wait=True):  # a save in flight: its temporaries are live
+        assert store.evict() == []
+        assert stray_blob.exists() and stray_manifest.exists()
+    store.evict()
+    assert not stray_blob.exists() and not stray_manifest.exists() and planted.exists()
+    assert store.read(store.head(_key()).artifacts["a"]["k.so"]) == b"kernel"

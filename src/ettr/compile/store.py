@@ -591,6 +591,13 @@ class CompileStore:
         """Delete the blobs no entry names (under the exclusive lock: all of them; without locks: those
         older than `UNREFERENCED_GRACE_S`)."""
         suffix = ".gz" if self.backend.compress else ""
+        remove_temporaries = getattr(self.backend, "remove_temporaries", None)
+        if locked and remove_temporaries is not None:  # what writers killed mid-write left (a local store)
+            for folder in [*self._digests(), BLOBS, *(f"{BLOBS}/{s}" for s in self.backend.list(BLOBS))]:
+                try:
+                    remove_temporaries(folder)
+                except (OSError, ValueError) as exc:
+                    logger.debug("ettr: cannot delete temporary files in %s (%s)", folder, exc)
         for shard in self.backend.list(BLOBS):
             for name in self.backend.list(f"{BLOBS}/{shard}"):
                 sha = name.removesuffix(suffix) if suffix else name
