@@ -382,7 +382,9 @@ class CompileStore:
         if manifest is None:
             return None
         if manifest.get("key") != key.components():
-            raise EntryRefused(f"entry {digest} was written for another key: {manifest.get('key')}")
+            raise EntryRefused(
+                f"entry {digest} was written for another key ({_key_difference(manifest['key'], key)})"
+            )
         self._touch(digest, time.time())
         return _entry(digest, manifest)
 
@@ -697,6 +699,23 @@ def _gunzip(data: bytes, size: int) -> bytes:
     if len(out) > size or not inflater.eof:
         raise EntryRefused("a stored file expands past its recorded size")
     return out
+
+
+def _key_difference(stored: Mapping[str, str], key: StoreKey, *, max_chars: int = 80) -> str:
+    """What differs between a stored entry's key and `key`, for the refusal's one line (`torch_version
+    '2.12.0' here '2.13.0'`); each value cut to `max_chars` (a manifest is untrusted)."""
+    expected = key.components()
+
+    def shown(value: object) -> str:
+        text = repr(value)
+        return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+    differ = [
+        f"{name} {shown(stored.get(name))} here {shown(expected.get(name))}"
+        for name in sorted(set(stored) | set(expected))
+        if stored.get(name) != expected.get(name)
+    ]
+    return "; ".join(differ[:4]) + (f"; {len(differ) - 4} more" if len(differ) > 4 else "")
 
 
 def _check_manifest(manifest: Any, digest: str) -> None:
