@@ -272,7 +272,7 @@ def test_a_broken_store_is_reported_not_raised(node, tmp_path):
     rec.close()
 
 
-def test_config_from_env():
+def test_config_from_env(caplog):
     assert CompileConfig.from_env({"ETTR_COMPILE": "0"}) is None
     config = CompileConfig.from_env(
         {
@@ -285,6 +285,15 @@ def test_config_from_env():
     )
     assert config.store is None and config.user_key == "model-a" and config.settle_s == 2.5
     assert config.max_store_bytes == 8 * 1024**3 and config.secret == b"k"
+    # a malformed number falls back to its default, and says so (before: silently; `2GB` gave 8 GiB)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ettr: ETTR_COMPILE_STORE_MAX_BYTES='nonsense' is not a whole number of bytes; using 8589934592"
+    ]
+    caplog.clear()
+    assert CompileConfig.from_env({"ETTR_COMPILE_SETTLE_S": "nan"}).settle_s == 10.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "ettr: ETTR_COMPILE_SETTLE_S='nan' is not a number of seconds >= 0; using 10.0"
+    ]
     assert CompileConfig.from_env({}).store == "~/.cache/ettr/compile"
     assert CompileConfig.from_env({}).restore is True
     assert CompileConfig.from_env({"ETTR_COMPILE_RESTORE": "0"}).restore is False
