@@ -4,6 +4,7 @@ refuse a tampered entry, save only what changed, and never raise."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -271,7 +272,7 @@ def test_a_broken_store_is_reported_not_raised(node, tmp_path):
     rec.close()
 
 
-def test_config_from_env():
+def test_config_from_env(caplog):
     assert CompileConfig.from_env({"ETTR_COMPILE": "0"}) is None
     config = CompileConfig.from_env(
         {
@@ -284,6 +285,15 @@ def test_config_from_env():
     )
     assert config.store is None and config.user_key == "model-a" and config.settle_s == 2.5
     assert config.max_store_bytes == 8 * 1024**3 and config.secret == b"k"
+    # a malformed number falls back to its default, and says so (before: silently; `2GB` gave 8 GiB)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ettr: ETTR_COMPILE_STORE_MAX_BYTES='nonsense' is not a whole number of bytes; using 8589934592"
+    ]
+    caplog.clear()
+    assert CompileConfig.from_env({"ETTR_COMPILE_SETTLE_S": "nan"}).settle_s == 10.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "ettr: ETTR_COMPILE_SETTLE_S='nan' is not a number of seconds >= 0; using 10.0"
+    ]
     assert CompileConfig.from_env({}).store == "~/.cache/ettr/compile"
     assert CompileConfig.from_env({}).restore is True
     assert CompileConfig.from_env({"ETTR_COMPILE_RESTORE": "0"}).restore is False
@@ -595,3 +605,122 @@ def test_inductors_torch_key_is_prefetched_on_torchs_own_thread_and_read_once():
     assert torch_compat.prefetch_inductor_torch_key() is True
     key = codecache.torch_key()  # the prefetched value (or the one computed before): the same bytes
     assert isinstance(key, bytes) and codecache.torch_key() == key
+
+
+@pytest.mark.parametrize("damaged", [artifacts.INDUCTOR_ARCHIVE, artifacts.HEADERS_ARCHIVE])
+def test_a_damaged_stored_file_is_refused_once_and_the_next_save_repairs_the_store(node, tmp_path, damaged):
+    """A stored kernel or header damaged on disk (a bit flip, a file cut short) is refused at the restore.
+    Before, it stayed in the store: a save writes only missing files, so every later save named the same
+    bad file again (the build's header entry was not even saved again: it listed the header with its size)
+    and every later job was refused, for good (nanoGPT: compiled cold, 45 s to its first step instead of 5 s)."""
+    backend = MemoryBackend()
+    store = CompileStore(backend)
+    _node_with_kernel(node, "first")
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    rec.close()
+    if damaged == artifacts.INDUCTOR_ARCHIVE:
+        stored = store.head(KEY).artifacts[damaged]["ab/kernel.so"]
+        bad = b"K" * 100  # same size, other bytes
+    else:
+        stored = store.head(KEY.headers_key()).artifacts[damaged]["prefix.h.gch"]
+        bad = b"h" * 999  # cut short
+    backend.write(blob_path(stored.sha256, compressed=backend.compress), gzip.compress(bad))
+
+    node("second")
+    second, rec = _session(store, tmp_path)
+    second.prepare()
+    if damaged == artifacts.INDUCTOR_ARCHIVE:
+        assert second.last_restore["status"] == "refused"
+        assert second.last_restore["error"].endswith(
+            "does not match its checksum; removed it, the next save stores it again"
+        )
+        assert second.last_restore["restored"] == [artifacts.HEADERS_ARCHIVE]  # the build's: not refused
+    else:
+        assert second.last_restore["status"] == "hit"
+        assert "removed it, the next save stores it again" in second.last_restore["headers_error"]
+    cache2, headers2 = node("second")  # what its compilation wrote
+    for path, data in ((cache2 / "ab" / "kernel.so", b"k" * 100), (headers2 / "prefix.h.gch", b"h" * 1000)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    _compiled_something(second)
+    assert second.save() is True
+    assert second.last_save["headers"] == ("saved" if damaged == artifacts.HEADERS_ARCHIVE else "shared")
+    rec.close()
+
+    cache3, headers3 = node("third")
+    third, rec = _session(store, tmp_path)
+    third.prepare()
+    assert third.last_restore["status"] == "hit" and "headers_error" not in third.last_restore
+    assert set(third.last_restore["restored"]) == {artifacts.INDUCTOR_ARCHIVE, artifacts.HEADERS_ARCHIVE}
+    assert (cache3 / "ab" / "kernel.so").read_bytes() == b"k" * 100
+    assert (headers3 / "prefix.h.gch").read_bytes() == b"h" * 1000
+    rec.close()
+
+
+def test_a_workload_entry_written_for_another_key_is_refused_and_the_builds_headers_still_restored(
+    node, tmp_path
+):
+    """An entry refused as a whole (another torch, a forged key, a bad signature) is not used, but the build's
+    precompiled headers are an entry of their own: before, the refusal skipped them too, inductor built its
+    header again (seconds) and the save stored another 156 MB copy of it (a header is not the same byte for
+    byte from one build to the next)."""
+    backend = MemoryBackend()
+    store = CompileStore(backend)
+    _node_with_kernel(node, "first")
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    rec.close()
+    path = f"{KEY.digest}/manifest.json"
+    manifest = json.loads(backend.read(path))
+    manifest["key"]["torch_version"] = "2.12.0"  # as if made by another torch
+    backend.write(path, json.dumps(manifest).encode())
+
+    cache2, headers2 = node("second")
+    second, rec = _session(store, tmp_path)
+    second.prepare()
+    assert second.last_restore["status"] == "refused"
+    assert second.last_restore["error"] == (
+        f"entry {KEY.digest} was written for another key (torch_version '2.12.0' here 't')"
+    )
+    assert second.last_restore["restored"] == [artifacts.HEADERS_ARCHIVE]
+    assert (headers2 / "prefix.h.gch").read_bytes() == b"h" * 1000
+    assert not (cache2 / "ab" / "kernel.so").exists()
+    rec.close()
+
+
+class FullBackend(MemoryBackend):
+    """A store on a small file system: the header (`_node_with_kernel`'s) does not fit."""
+
+    def write(self, path: str, data: bytes) -> None:
+        if hashlib.sha256(b"h" * 1000).hexdigest() in path:
+            raise OSError(28, "No space left on device")
+        super().write(path, data)
+
+
+def test_a_store_too_small_for_the_header_keeps_the_kernels_and_does_not_retry(node, tmp_path):
+    """The kernels (small) fit, the build's header (156 MB on CPU) does not (a store on a small tmpfs).
+    Before, the whole save was an error ("the next start compiles again", although the workload's entry
+    was saved) and the exit save wrote the header again, to fail again."""
+    from ettr.report.compile_text import _store_line
+
+    store = CompileStore(FullBackend())
+    _node_with_kernel(node, "first")
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    assert first.last_save["status"] == "saved" and first.last_save["headers"] == "error"
+    assert "No space left on device" in first.last_save["headers_error"]
+    assert first.save() is False  # nothing new: the header is not tried again by this process
+    line = _store_line(first.last_save)
+    assert line.startswith("save saved (") and "precompiled headers: OSError: [Errno 28]" in line
+    rec.close()
+
+    cache2, _ = node("second")
+    second, rec = _session(store, tmp_path)
+    second.prepare()
+    assert second.last_restore["status"] == "hit"
+    assert (cache2 / "ab" / "kernel.so").read_bytes() == b"k" * 100
+    rec.close()

@@ -76,6 +76,12 @@ def _check(path: str) -> str:
     return path
 
 
+def _is_temporary(name: str) -> bool:
+    """Whether `name` is one of `ettr.atomic`'s temporary files (`.NAME.<12 hex>.tmp`)."""
+    parts = name.split(".")
+    return name.startswith(".") and len(parts) >= 4 and parts[-1] == "tmp" and len(parts[-2]) == 12
+
+
 class LocalBackend:
     """A directory on a local or mounted file system: write to a temporary file, fsync, rename.
 
@@ -133,6 +139,26 @@ class LocalBackend:
                 (self.root / path).rmdir()
             except OSError:
                 pass
+
+    def remove_temporaries(self, prefix: str) -> int:
+        """Delete the temporary files (`ettr.atomic`'s `.NAME.*.tmp`) directly under `prefix`: a writer killed
+        mid-write leaves one (up to the 156 MB precompiled header), which `list` does not show, so nothing
+        else would ever delete or count it. Call only under the exclusive lock (no writer is in flight).
+        Returns how many it deleted."""
+        folder = self._safe(prefix) if prefix else self.root
+        removed = 0
+        try:
+            with os.scandir(folder) as found:
+                stray = [e.name for e in found if _is_temporary(e.name) and e.is_file(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        for name in stray:
+            try:
+                (folder / name).unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
 
     def exists(self, path: str) -> bool:
         try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import getpass
 import hashlib
+import logging
+import math
 import os
 import re
 import sys
@@ -31,6 +33,8 @@ from ettr.run_env import (
 DEFAULT_STORE = "~/.cache/ettr/compile"
 """The store without `ETTR_COMPILE_STORE` (or `$XDG_CACHE_HOME/ettr/compile` when that is set): private
 to the user (created 0700; a directory others could write is refused, see `ettr.compile.safety`)."""
+
+logger = logging.getLogger("ettr")
 
 
 def default_store(env: Mapping[str, str] | None = None) -> str:
@@ -95,11 +99,17 @@ class CompileConfig:
         secret = env.get(COMPILE_STORE_SECRET_ENV) or None
 
         def number(name: str, default: float, kind: type) -> Any:
+            if name not in env:
+                return default
             try:
                 value = kind(env[name])
-                return value if value >= 0 else default
-            except (KeyError, ValueError):
+            except ValueError:
+                value = None
+            if value is None or not math.isfinite(value) or value < 0:  # a typo must not pass unnoticed
+                what = "a whole number of bytes" if kind is int else "a number of seconds >= 0"
+                logger.warning("ettr: %s=%r is not %s; using %s", name, env[name][:40], what, default)
                 return default
+            return value
 
         return cls(
             store=store,

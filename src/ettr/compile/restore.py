@@ -100,12 +100,19 @@ class StoreRestorer:
         try:
             key = self._key()
             info["digest"] = key.digest
-            entry = store.head(key)
+            refused: EntryRefused | None = None
+            try:
+                entry = store.head(key)
+            except EntryRefused as exc:  # the build's headers, an entry of their own, are still restored
+                entry, refused = None, exc
             headers = _headers_entry(store, key, info)
             if entry is None and headers is None:
                 info["status"] = "miss"
             else:
                 info.update(self._restore_entry(store, entry, headers, dirs))
+            refused = refused or info.pop("refused", None)
+            if refused is not None:
+                raise refused
         except EntryRefused as exc:
             info.update(status="refused", error=str(exc))
             logger.warning("ettr: compile store entry refused: %s", exc)
@@ -159,16 +166,23 @@ class StoreRestorer:
                 result = artifacts.restore_tree(trees[name], targets[name], store.read, copy=store.copy_into)
             except EntryRefused as exc:
                 if name != artifacts.HEADERS_ARCHIVE:
-                    raise
+                    # The workload's entry: refused (said by the caller) and not used; the build's headers,
+                    # an entry of their own, are still restored (inductor would build them again: seconds,
+                    # and the save would store another 156 MB copy, a header is not the same byte for byte).
+                    extra["refused"], entry = exc, None
+                    continue
                 extra["headers_error"] = str(exc)  # the build's headers: inductor builds them again
                 logger.warning("ettr: compile store precompiled headers not restored: %s", exc)
                 continue
             restored.append(name)
             num_files, num_bytes = num_files + result.num_written, num_bytes + result.bytes_written
-        if artifacts.INDUCTOR_ARCHIVE not in trees and artifacts.MEGACACHE in trees:
+        if entry is not None and artifacts.INDUCTOR_ARCHIVE not in trees and artifacts.MEGACACHE in trees:
             stored = trees[artifacts.MEGACACHE].get(artifacts.MEGACACHE)
-            if stored is not None:
-                data = store.read(stored)
+            try:
+                data = store.read(stored) if stored is not None else None
+            except EntryRefused as exc:
+                extra["refused"], entry, data = exc, None, None
+            if data is not None:
                 if dirs is not None:
                     self._megacache = data  # loaded on the compiling thread
                 else:

@@ -169,7 +169,15 @@ class StoreSaver:
             "artifacts": sorted(collected.artifacts),
             "location": store.backend.describe(),
         }
-        info.update(save_headers(store, key, collected.headers))
+        try:
+            info.update(save_headers(store, key, collected.headers))
+        except Exception as exc:  # the workload's entry is saved: the next job restores its kernels
+            info.update(headers="error", headers_error=f"{type(exc).__name__}: {exc}")
+            logger.warning(
+                "ettr: saving the precompiled headers to the compile store failed (%s); the kernels were "
+                "saved, the next job builds the header again",
+                exc,
+            )
         _say_store_once(store, info)
         return info
 
@@ -186,6 +194,8 @@ def save_headers(store: CompileStore, key: StoreKey, headers: Mapping[str, Any])
     except EntryRefused:
         existing = None  # replaced by this save
     have = dict(existing.artifacts.get(artifacts.HEADERS_ARCHIVE, {})) if existing is not None else {}
+    # A listed header whose stored file is gone (removed as damaged, or lost) is not had: saved again.
+    have = {rel: stored for rel, stored in have.items() if not store.missing({rel: stored})}
     local: dict[str, Any] = {}
     for rel, source in headers.items():
         try:
@@ -196,9 +206,8 @@ def save_headers(store: CompileStore, key: StoreKey, headers: Mapping[str, Any])
             local[rel] = source
     if not local:
         return {"headers": "shared", "headers_digest": build.digest}
-    kept = {rel: stored for rel, stored in have.items() if not store.missing({rel: stored})}
     result = store.save(
-        build, {artifacts.HEADERS_ARCHIVE: {**kept, **local}}, meta={"kind": "precompiled-headers"}
+        build, {artifacts.HEADERS_ARCHIVE: {**have, **local}}, meta={"kind": "precompiled-headers"}
     )
     return {
         "headers": "saved",

@@ -382,7 +382,9 @@ class CompileStore:
         if manifest is None:
             return None
         if manifest.get("key") != key.components():
-            raise EntryRefused(f"entry {digest} was written for another key: {manifest.get('key')}")
+            raise EntryRefused(
+                f"entry {digest} was written for another key ({_key_difference(manifest['key'], key)})"
+            )
         self._touch(digest, time.time())
         return _entry(digest, manifest)
 
@@ -394,11 +396,26 @@ class CompileStore:
             data = self.backend.read(path)
         except FileNotFoundError:
             raise EntryRefused(f"stored file {stored.sha256[:16]} is missing") from None
-        if self.backend.compress:
-            data = _gunzip(data, stored.size)
-        if len(data) != stored.size or hashlib.sha256(data).hexdigest() != stored.sha256:
-            raise EntryRefused(f"stored file {stored.sha256[:16]} does not match its checksum")
+        try:
+            if self.backend.compress:
+                data = _gunzip(data, stored.size)
+            if len(data) != stored.size or hashlib.sha256(data).hexdigest() != stored.sha256:
+                raise EntryRefused(f"stored file {stored.sha256[:16]} does not match its checksum")
+        except EntryRefused as exc:
+            raise self._drop_bad_blob(path, exc) from None
         return data
+
+    def _drop_bad_blob(self, path: str, exc: EntryRefused) -> EntryRefused:
+        """Delete a blob whose bytes are not the content its name says (damaged on disk, cut short): a save
+        writes only the blobs that are missing, so a bad one left in place would be named again by every
+        later save of the same file, and its entry refused at every restore, for good. Returns `exc`, its
+        message saying so, to raise."""
+        try:
+            self.backend.delete(path)
+        except (OSError, ValueError) as error:  # a read-only store: refused all the same, and kept
+            logger.debug("ettr: cannot delete the damaged stored file %s (%s)", path, error)
+            return exc
+        return EntryRefused(f"{exc}; removed it, the next save stores it again")
 
     def copy_into(self, stored: StoredFile, target: Path, mode: int) -> bool:
         """Write one file of a verified entry to `target` by a kernel copy from a local store's blob (no copy
@@ -417,6 +434,8 @@ class CompileStore:
             raise EntryRefused(f"stored file {stored.sha256[:16]} is missing") from None
         try:
             return _copy_checked(source, stored, target, mode=mode)
+        except EntryRefused as exc:
+            raise self._drop_bad_blob(blob_path(stored.sha256, compressed=False), exc) from None
         finally:
             os.close(source)
 
@@ -574,6 +593,13 @@ class CompileStore:
         """Delete the blobs no entry names (under the exclusive lock: all of them; without locks: those
         older than `UNREFERENCED_GRACE_S`)."""
         suffix = ".gz" if self.backend.compress else ""
+        remove_temporaries = getattr(self.backend, "remove_temporaries", None)
+        if locked and remove_temporaries is not None:  # what writers killed mid-write left (a local store)
+            for folder in [*self._digests(), BLOBS, *(f"{BLOBS}/{s}" for s in self.backend.list(BLOBS))]:
+                try:
+                    remove_temporaries(folder)
+                except (OSError, ValueError) as exc:
+                    logger.debug("ettr: cannot delete temporary files in %s (%s)", folder, exc)
         for shard in self.backend.list(BLOBS):
             for name in self.backend.list(f"{BLOBS}/{shard}"):
                 sha = name.removesuffix(suffix) if suffix else name
@@ -673,6 +699,23 @@ def _gunzip(data: bytes, size: int) -> bytes:
     if len(out) > size or not inflater.eof:
         raise EntryRefused("a stored file expands past its recorded size")
     return out
+
+
+def _key_difference(stored: Mapping[str, str], key: StoreKey, *, max_chars: int = 80) -> str:
+    """What differs between a stored entry's key and `key`, for the refusal's one line (`torch_version
+    '2.12.0' here '2.13.0'`); each value cut to `max_chars` (a manifest is untrusted)."""
+    expected = key.components()
+
+    def shown(value: object) -> str:
+        text = repr(value)
+        return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+    differ = [
+        f"{name} {shown(stored.get(name))} here {shown(expected.get(name))}"
+        for name in sorted(set(stored) | set(expected))
+        if stored.get(name) != expected.get(name)
+    ]
+    return "; ".join(differ[:4]) + (f"; {len(differ) - 4} more" if len(differ) > 4 else "")
 
 
 def _check_manifest(manifest: Any, digest: str) -> None:

@@ -49,12 +49,14 @@ def _store_line(action: Mapping[str, Any]) -> str:
         details.append("its files were already on the node")  # another rank or an earlier attempt put them
     if written is not None:
         details.append(f"{written / 1e6:.1f} MB of it new to the store")
-    if action.get("headers"):
+    if action.get("headers") and not action.get("headers_error"):
         details.append(f"precompiled headers {action['headers']}")
     if duration is not None:
         details.append(f"{duration:.2f} s")
     if action.get("error"):
         details.append(str(action["error"]))
+    if action.get("headers_error"):
+        details.append(f"precompiled headers: {action['headers_error']}")
     return what + (f" ({', '.join(details)})" if details else "")
 
 
