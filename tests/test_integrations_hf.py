@@ -151,3 +151,33 @@ def test_the_bootstrap_gives_every_trainer_exactly_one_callback(tmp_path: Path) 
     finally:
         patcher.undo()
     assert not any(isinstance(c, EttrCallback) for c in _trainer(tmp_path, 1, []).callback_handler.callbacks)
+
+
+def test_a_save_begin_is_in_the_ledger_before_the_trainer_writes_a_file(tmp_path: Path) -> None:
+    # A kill -9 inside `_save_checkpoint` leaves a torn checkpoint-N that `get_last_checkpoint` picks next;
+    # the report can only name it if the save's begin was written before the process died.
+    from ettr.integrations.huggingface import install_on
+
+    ledger = MemoryLedger()
+    rec = Recorder(ledger, attempt=0, flush_interval_s=3600.0)  # the writer thread never writes by itself
+    trainer = _trainer(tmp_path, 3, [])
+    install_on(trainer, rec)
+    seen: list[list] = []
+    save_model = trainer.save_model
+
+    def save_model_first(*args, **kwargs):  # the first file of the checkpoint
+        seen.append(
+            [
+                e.step
+                for e in ledger.read()
+                if e.kind is EventKind.PHASE_BEGIN and e.phase is Phase.CHECKPOINT_BLOCKING
+            ]
+        )
+        return save_model(*args, **kwargs)
+
+    trainer.save_model = save_model_first
+    try:
+        trainer.train()
+    finally:
+        rec.close()
+    assert seen == [[3]]

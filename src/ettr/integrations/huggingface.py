@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 
 from ettr import inject
 from ettr.events import Phase
-from ettr.integrations._commits import CheckpointCommits, never_raises
+from ettr.integrations._commits import CheckpointCommits, never_raises, write_save_begin
 from ettr.integrations._recorder import default_recorder
 from ettr.recorder import RecorderProtocol
 
@@ -125,6 +125,7 @@ class EttrCallback(TrainerCallback):
                 step = trainer.state.global_step
                 path = _checkpoint_dir(trainer.args, step)
                 with self.rec.phase(Phase.CHECKPOINT_BLOCKING, step=step, path=path):
+                    write_save_begin(self.rec)  # on disk before any file: a kill mid-save is then seen
                     inject.checkpoint_in_progress()  # `--inject KIND@checkpoint` fires here, before the write
                     result = original(*args, **kwargs)
                 if getattr(trainer.args, "should_save", True):

@@ -35,7 +35,7 @@ from typing import Any
 
 from ettr import inject
 from ettr.events import Phase
-from ettr.integrations._commits import CheckpointCommits, never_raises
+from ettr.integrations._commits import CheckpointCommits, never_raises, write_save_begin
 from ettr.integrations._recorder import default_recorder
 from ettr.recorder import RecorderProtocol
 
@@ -165,6 +165,7 @@ class EttrCallback(pl.Callback):
             def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
                 step = trainer.global_step
                 with self.rec.phase(Phase.CHECKPOINT_BLOCKING, step=step, path=str(filepath)):
+                    write_save_begin(self.rec)  # on disk before any file: a kill mid-save is then seen
                     inject.checkpoint_in_progress()  # `--inject KIND@checkpoint` fires here, before the write
                     result = original(filepath, *args, **kwargs)
                 if not _is_async(trainer.strategy.checkpoint_io):
