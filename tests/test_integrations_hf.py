@@ -132,6 +132,8 @@ def test_the_callback_records_the_trainer_step_resume_and_one_commit_per_checkpo
         e.data.get("path") for e in events if e.kind is EventKind.PHASE_BEGIN and e.phase is Phase.RESTORE
     }
     assert read == {str(tmp_path / "out" / "checkpoint-3")}
+    sources = {e.data.get("source") for e in events if e.phase is Phase.RESTORE and e.data.get("path")}
+    assert sources == {"storage"}  # the report's "(restored from)", not "?"
 
 
 def test_the_bootstrap_gives_every_trainer_exactly_one_callback(tmp_path: Path) -> None:

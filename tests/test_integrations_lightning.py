@@ -157,6 +157,7 @@ def test_the_callback_records_the_framework_step_resume_and_one_commit_per_check
     assert [e.step for e in events if e.kind is EventKind.STEP] == [7, 8, 9]
     restores = [e for e in events if e.kind is EventKind.PHASE_END and e.phase is Phase.RESTORE]
     assert {e.data["stage"] for e in restores} == {"modules", "training_state"}
+    assert [e.data.get("source") for e in restores if e.data["stage"] == "modules"] == ["storage"]
     assert all(e.ts >= e.value for e in restores)
 
 

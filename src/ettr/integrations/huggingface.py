@@ -107,8 +107,9 @@ class EttrCallback(TrainerCallback):
                 # The restore methods take the checkpoint directory first: recorded, a report can tell a
                 # restore of a checkpoint whose save never completed (`ettr.report.hints`).
                 where = args[0] if phase is Phase.RESTORE and args else None
+                # A checkpoint directory: the report's "(restored from)" is storage.
                 path: dict[str, Any] = (
-                    {"path": os.path.abspath(os.fsdecode(where))}
+                    {"path": os.path.abspath(os.fsdecode(where)), "source": "storage"}
                     if isinstance(where, str | os.PathLike)
                     else {}
                 )

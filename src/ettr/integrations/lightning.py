@@ -142,7 +142,11 @@ class EttrCallback(pl.Callback):
             if not checkpoint_path:
                 return original(checkpoint_path, *args, **kwargs)
             with self.rec.phase(
-                Phase.RESTORE, framework=_FRAMEWORK, stage="modules", path=str(checkpoint_path)
+                Phase.RESTORE,
+                framework=_FRAMEWORK,
+                stage="modules",
+                path=str(checkpoint_path),
+                source="storage",  # a checkpoint file (or URL): the report's "(restored from)"
             ):
                 return original(checkpoint_path, *args, **kwargs)
 
