@@ -183,3 +183,26 @@ def test_a_save_begin_is_in_the_ledger_before_the_trainer_writes_a_file(tmp_path
     finally:
         rec.close()
     assert seen == [[3]]
+
+
+def test_a_user_callback_that_raises_in_on_step_end_does_not_hide_that_step(tmp_path: Path) -> None:
+    # ettr's callback runs first: the optimizer step is recorded before the user's callback fails, so the
+    # report's last step (and the steps lost since the last checkpoint) is the optimizer's.
+    from ettr.integrations.huggingface import EttrCallback, install_on
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("a user callback failed")
+
+    ledger = MemoryLedger()
+    rec = Recorder(ledger, attempt=0)
+    mine = EttrCallback(rec)
+    trainer = _trainer(tmp_path, 4, [mine, Boom()])  # listed before the user's: still first, still one
+    install_on(trainer, rec)
+    callbacks = trainer.callback_handler.callbacks
+    assert callbacks[0] is mine and sum(isinstance(c, EttrCallback) for c in callbacks) == 1
+    with pytest.raises(RuntimeError, match="a user callback failed"):
+        trainer.train()
+    rec.close()
+    assert [e.step for e in ledger.read() if e.kind is EventKind.STEP] == [1, 2]

@@ -208,12 +208,16 @@ def _skips_batches(args: Any, step: int, hook_kwargs: dict[str, Any]) -> bool:
 
 
 def install_on(trainer: Any, recorder: RecorderProtocol | None = None) -> EttrCallback:
-    """Give `trainer` an attached EttrCallback, the user's own if it has one (the bootstrap calls this)."""
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, EttrCallback):
-            callback.attach(trainer)
-            return callback
-    callback = EttrCallback(recorder)
-    trainer.add_callback(callback)  # after the others: see docs/huggingface.md on a callback that raises
+    """Give `trainer` an attached EttrCallback, the user's own if it has one (the bootstrap calls this), first
+    among the callbacks: `on_step_end` records the optimizer step before any other callback runs, so one that
+    raises or hangs in its own `on_step_end` cannot hide that step (the report's last step and lost steps
+    would be one short), and the report is the same wherever the user listed theirs."""
+    callbacks = trainer.callback_handler.callbacks
+    callback = next((c for c in callbacks if isinstance(c, EttrCallback)), None)
+    if callback is None:
+        callback = EttrCallback(recorder)
+    else:
+        callbacks.remove(callback)
+    callbacks.insert(0, callback)
     callback.attach(trainer)
     return callback
