@@ -132,6 +132,8 @@ def test_the_callback_records_the_trainer_step_resume_and_one_commit_per_checkpo
         e.data.get("path") for e in events if e.kind is EventKind.PHASE_BEGIN and e.phase is Phase.RESTORE
     }
     assert read == {str(tmp_path / "out" / "checkpoint-3")}
+    sources = {e.data.get("source") for e in events if e.phase is Phase.RESTORE and e.data.get("path")}
+    assert sources == {"storage"}  # the report's "(restored from)", not "?"
 
 
 def test_the_bootstrap_gives_every_trainer_exactly_one_callback(tmp_path: Path) -> None:
@@ -151,3 +153,56 @@ def test_the_bootstrap_gives_every_trainer_exactly_one_callback(tmp_path: Path) 
     finally:
         patcher.undo()
     assert not any(isinstance(c, EttrCallback) for c in _trainer(tmp_path, 1, []).callback_handler.callbacks)
+
+
+def test_a_save_begin_is_in_the_ledger_before_the_trainer_writes_a_file(tmp_path: Path) -> None:
+    # A kill -9 inside `_save_checkpoint` leaves a torn checkpoint-N that `get_last_checkpoint` picks next;
+    # the report can only name it if the save's begin was written before the process died.
+    from ettr.integrations.huggingface import install_on
+
+    ledger = MemoryLedger()
+    rec = Recorder(ledger, attempt=0, flush_interval_s=3600.0)  # the writer thread never writes by itself
+    trainer = _trainer(tmp_path, 3, [])
+    install_on(trainer, rec)
+    seen: list[list] = []
+    save_model = trainer.save_model
+
+    def save_model_first(*args, **kwargs):  # the first file of the checkpoint
+        seen.append(
+            [
+                e.step
+                for e in ledger.read()
+                if e.kind is EventKind.PHASE_BEGIN and e.phase is Phase.CHECKPOINT_BLOCKING
+            ]
+        )
+        return save_model(*args, **kwargs)
+
+    trainer.save_model = save_model_first
+    try:
+        trainer.train()
+    finally:
+        rec.close()
+    assert seen == [[3]]
+
+
+def test_a_user_callback_that_raises_in_on_step_end_does_not_hide_that_step(tmp_path: Path) -> None:
+    # ettr's callback runs first: the optimizer step is recorded before the user's callback fails, so the
+    # report's last step (and the steps lost since the last checkpoint) is the optimizer's.
+    from ettr.integrations.huggingface import EttrCallback, install_on
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("a user callback failed")
+
+    ledger = MemoryLedger()
+    rec = Recorder(ledger, attempt=0)
+    mine = EttrCallback(rec)
+    trainer = _trainer(tmp_path, 4, [mine, Boom()])  # listed before the user's: still first, still one
+    install_on(trainer, rec)
+    callbacks = trainer.callback_handler.callbacks
+    assert callbacks[0] is mine and sum(isinstance(c, EttrCallback) for c in callbacks) == 1
+    with pytest.raises(RuntimeError, match="a user callback failed"):
+        trainer.train()
+    rec.close()
+    assert [e.step for e in ledger.read() if e.kind is EventKind.STEP] == [1, 2]

@@ -157,6 +157,7 @@ def test_the_callback_records_the_framework_step_resume_and_one_commit_per_check
     assert [e.step for e in events if e.kind is EventKind.STEP] == [7, 8, 9]
     restores = [e for e in events if e.kind is EventKind.PHASE_END and e.phase is Phase.RESTORE]
     assert {e.data["stage"] for e in restores} == {"modules", "training_state"}
+    assert [e.data.get("source") for e in restores if e.data["stage"] == "modules"] == ["storage"]
     assert all(e.ts >= e.value for e in restores)
 
 
@@ -177,3 +178,26 @@ def test_the_bootstrap_gives_every_trainer_exactly_one_callback(tmp_path: Path) 
     finally:
         patcher.undo()
     assert not any(isinstance(c, EttrCallback) for c in pl.Trainer(logger=False).callbacks)
+
+
+def test_a_save_begin_is_in_the_ledger_before_lightning_writes_the_file(tmp_path: Path) -> None:
+    # A kill -9 inside `save_checkpoint` leaves a torn file that `ckpt_path="last"` may pick next; the report
+    # can only name it if the save's begin was written before the process died.
+    from ettr.integrations.lightning import EttrCallback
+
+    ledger = MemoryLedger()
+    rec = Recorder(ledger, attempt=0, flush_interval_s=3600.0)  # the writer thread never writes by itself
+    seen: list[list] = []
+
+    class Look(pl.Callback):
+        def on_save_checkpoint(
+            self, trainer, pl_module, checkpoint
+        ) -> None:  # inside the save, before the write
+            begins = [e for e in ledger.read() if e.kind is EventKind.PHASE_BEGIN]
+            seen.append([e.step for e in begins if e.phase is Phase.CHECKPOINT_BLOCKING])
+
+    try:
+        _fit(tmp_path, [Look(), EttrCallback(rec)], max_steps=3)
+    finally:
+        rec.close()
+    assert seen and seen[0] == [3]

@@ -113,3 +113,33 @@ def test_ettr_report_prints_the_note_after_the_report(
     assert f"\nnote: attempt 1 restored {torn}, whose save at step 40 in attempt 0 never completed" in (
         capsys.readouterr().out
     )
+
+
+def test_rank_0_killed_before_its_save_begin_was_written_is_found_by_the_other_ranks_begins() -> None:
+    # kill -9 of rank 0 inside a Hugging Face save: its queued CHECKPOINT_BLOCKING begin never reached the
+    # ledger; rank 1 timed its part of the same checkpoint; get_last_checkpoint then picks the torn one.
+    def part(ts: float, attempt: int, rank: int, step: int) -> Event:
+        path = f"{OUT}/checkpoint-{step}"
+        return Event(
+            EventKind.PHASE_BEGIN, ts, attempt, rank, Phase.CHECKPOINT_BLOCKING, step, data={"path": path}
+        )
+
+    torn = f"{OUT}/checkpoint-30"
+    events = [
+        *_save(10, 0, 20, committed=True),
+        part(12, 0, 1, 20),  # rank 1's part of checkpoint-20, after rank 0's commit
+        part(20, 0, 1, 30),  # rank 1's part of checkpoint-30; rank 0's begin was lost
+        _restore(30, 1, torn),
+        Event(EventKind.PHASE_BEGIN, 30, 1, 1, Phase.RESTORE, data={"path": torn}),
+    ]
+    [hint] = torn_checkpoint_hints(events)
+    assert hint.startswith(f"attempt 1 restored {torn}, whose save at step 30 in attempt 0 never completed")
+    assert f"last committed checkpoint before it: {OUT}/checkpoint-20 (step 20)" in hint
+    # A rank's own file that rank 0 never restores is not rank 0's checkpoint: its saves do not count.
+    own = "/job/out/rng_state_1.pth"
+    events = [
+        *_save(10, 0, 20, committed=True),
+        Event(EventKind.PHASE_BEGIN, 11, 0, 1, Phase.CHECKPOINT_BLOCKING, 20, data={"path": own}),
+        Event(EventKind.PHASE_BEGIN, 30, 1, 1, Phase.RESTORE, data={"path": own}),
+    ]
+    assert torn_checkpoint_hints(events) == []

@@ -44,6 +44,19 @@ class CheckpointCommits:
             self._rec.mark(CHECKPOINT_FILE_MARK, step=step, path=os.fspath(path))
 
 
+SAVE_BEGIN_FLUSH_S = 2.0
+"""The longest a save waits for its begin to be written (a slow ledger costs one save this much at most)."""
+
+
+def write_save_begin(rec: RecorderProtocol) -> None:
+    """Write what is queued, the CHECKPOINT_BLOCKING begin just recorded included, before a save writes any
+    file. A process killed mid-save (kill -9, OOM) then leaves a save begun and never committed, which
+    `ettr report` names when a later attempt restores it (`ettr.report.hints`: HF's `get_last_checkpoint`
+    and Lightning's "last" pick the torn one); queued, the begin died with the process. One ledger write per
+    checkpoint, beside a save that writes the model."""
+    rec.flush(SAVE_BEGIN_FLUSH_S)
+
+
 _warned: set[str] = set()
 
 

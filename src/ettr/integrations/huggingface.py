@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 
 from ettr import inject
 from ettr.events import Phase
-from ettr.integrations._commits import CheckpointCommits, never_raises
+from ettr.integrations._commits import CheckpointCommits, never_raises, write_save_begin
 from ettr.integrations._recorder import default_recorder
 from ettr.recorder import RecorderProtocol
 
@@ -107,8 +107,9 @@ class EttrCallback(TrainerCallback):
                 # The restore methods take the checkpoint directory first: recorded, a report can tell a
                 # restore of a checkpoint whose save never completed (`ettr.report.hints`).
                 where = args[0] if phase is Phase.RESTORE and args else None
+                # A checkpoint directory: the report's "(restored from)" is storage.
                 path: dict[str, Any] = (
-                    {"path": os.path.abspath(os.fsdecode(where))}
+                    {"path": os.path.abspath(os.fsdecode(where)), "source": "storage"}
                     if isinstance(where, str | os.PathLike)
                     else {}
                 )
@@ -125,6 +126,7 @@ class EttrCallback(TrainerCallback):
                 step = trainer.state.global_step
                 path = _checkpoint_dir(trainer.args, step)
                 with self.rec.phase(Phase.CHECKPOINT_BLOCKING, step=step, path=path):
+                    write_save_begin(self.rec)  # on disk before any file: a kill mid-save is then seen
                     inject.checkpoint_in_progress()  # `--inject KIND@checkpoint` fires here, before the write
                     result = original(*args, **kwargs)
                 if getattr(trainer.args, "should_save", True):
@@ -206,12 +208,16 @@ def _skips_batches(args: Any, step: int, hook_kwargs: dict[str, Any]) -> bool:
 
 
 def install_on(trainer: Any, recorder: RecorderProtocol | None = None) -> EttrCallback:
-    """Give `trainer` an attached EttrCallback, the user's own if it has one (the bootstrap calls this)."""
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, EttrCallback):
-            callback.attach(trainer)
-            return callback
-    callback = EttrCallback(recorder)
-    trainer.add_callback(callback)  # after the others: see docs/huggingface.md on a callback that raises
+    """Give `trainer` an attached EttrCallback, the user's own if it has one (the bootstrap calls this), first
+    among the callbacks: `on_step_end` records the optimizer step before any other callback runs, so one that
+    raises or hangs in its own `on_step_end` cannot hide that step (the report's last step and lost steps
+    would be one short), and the report is the same wherever the user listed theirs."""
+    callbacks = trainer.callback_handler.callbacks
+    callback = next((c for c in callbacks if isinstance(c, EttrCallback)), None)
+    if callback is None:
+        callback = EttrCallback(recorder)
+    else:
+        callbacks.remove(callback)
+    callbacks.insert(0, callback)
     callback.attach(trainer)
     return callback

@@ -35,7 +35,7 @@ from typing import Any
 
 from ettr import inject
 from ettr.events import Phase
-from ettr.integrations._commits import CheckpointCommits, never_raises
+from ettr.integrations._commits import CheckpointCommits, never_raises, write_save_begin
 from ettr.integrations._recorder import default_recorder
 from ettr.recorder import RecorderProtocol
 
@@ -142,7 +142,11 @@ class EttrCallback(pl.Callback):
             if not checkpoint_path:
                 return original(checkpoint_path, *args, **kwargs)
             with self.rec.phase(
-                Phase.RESTORE, framework=_FRAMEWORK, stage="modules", path=str(checkpoint_path)
+                Phase.RESTORE,
+                framework=_FRAMEWORK,
+                stage="modules",
+                path=str(checkpoint_path),
+                source="storage",  # a checkpoint file (or URL): the report's "(restored from)"
             ):
                 return original(checkpoint_path, *args, **kwargs)
 
@@ -165,6 +169,7 @@ class EttrCallback(pl.Callback):
             def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
                 step = trainer.global_step
                 with self.rec.phase(Phase.CHECKPOINT_BLOCKING, step=step, path=str(filepath)):
+                    write_save_begin(self.rec)  # on disk before any file: a kill mid-save is then seen
                     inject.checkpoint_in_progress()  # `--inject KIND@checkpoint` fires here, before the write
                     result = original(filepath, *args, **kwargs)
                 if not _is_async(trainer.strategy.checkpoint_io):

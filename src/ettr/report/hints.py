@@ -49,42 +49,78 @@ def torn_checkpoint_hints(events: Sequence[Event]) -> list[str]:
 
     Paths come from the RESTORE phase's `path` (the Lightning and Hugging Face callbacks) and the
     CHECKPOINT_BLOCKING phase's `path`; a save counts as committed by its CHECKPOINT_COMMIT or its
-    `checkpoint_file` mark (a second file of one checkpoint). Only the saves of the ranks that commit count
-    (every rank of a DDP job times its part of a save; rank 0 alone commits, and a slower rank's save can
-    begin after that commit): the lowest saving rank when no commit was recorded at all."""
+    `checkpoint_file` mark (a second file of one checkpoint). Saves and commits are matched by count within
+    an attempt (a save is torn when a rank began more saves of the path than were committed), not by order:
+    every rank of a DDP job times its part of a save, rank 0 alone commits, and a slower rank's save can
+    begin after that commit. The saves that count are those of the committing ranks (the lowest saving rank
+    when no commit was recorded at all) and, for a path a committing rank restored later, every rank's: a
+    committing rank killed mid-save may not have written its own begin yet (the writer thread flushes within
+    half a second), while the other ranks' begins of the same checkpoint reached the ledger."""
     ordered = sorted(events, key=lambda e: e.ts)
-    saves = [e for e in ordered if e.kind is EventKind.PHASE_BEGIN and e.phase is Phase.CHECKPOINT_BLOCKING]
+
+    def path_of(e: Event) -> str | None:
+        path = e.data.get("path") if e.data else None
+        return path if isinstance(path, str) and path else None
+
+    saves = [
+        e
+        for e in ordered
+        if e.kind is EventKind.PHASE_BEGIN and e.phase is Phase.CHECKPOINT_BLOCKING and path_of(e)
+    ]
     committers = {e.rank for e in ordered if e.kind is EventKind.CHECKPOINT_COMMIT}
     committers = committers or {min((e.rank for e in saves), default=0)}
-    # path -> the CHECKPOINT_BLOCKING begin of its latest save not yet committed
-    saving: dict[str, Event] = {}
-    last_commit: Event | None = None
-    # (path, the save's ts) -> the save, the last commit before it, the attempts that restored it
-    torn: dict[tuple[str, float], tuple[Event, Event | None, list[int]]] = {}
+    restores = [
+        e
+        for e in ordered
+        if e.kind in (EventKind.PHASE_BEGIN, EventKind.PHASE_END)  # a span too
+        and e.phase is Phase.RESTORE
+        and path_of(e)
+    ]
+    shared = {path_of(e) for e in restores if e.rank in committers}
+    # (attempt, path) -> rank -> that rank's save begins, in order; the commits of each rank
+    begun: dict[tuple[int, str], dict[int, list[Event]]] = {}
+    for e in saves:
+        path = path_of(e)
+        if path is not None and (e.rank in committers or path in shared):
+            begun.setdefault((e.attempt, path), {}).setdefault(e.rank, []).append(e)
+    done: dict[tuple[int, str], dict[int, int]] = {}
+    commits = []
     for e in ordered:
-        path = e.data.get("path") if e.data else None
-        if not isinstance(path, str) or not path:
-            continue
-        if e.kind is EventKind.PHASE_BEGIN and e.phase is Phase.CHECKPOINT_BLOCKING:
-            if e.rank in committers:
-                saving[path] = e
-        elif e.kind is EventKind.CHECKPOINT_COMMIT or (
-            e.kind is EventKind.MARK and e.data is not None and e.data.get("name") == "checkpoint_file"
+        path = path_of(e)
+        if path is not None and (
+            e.kind is EventKind.CHECKPOINT_COMMIT
+            or (e.kind is EventKind.MARK and e.data is not None and e.data.get("name") == "checkpoint_file")
         ):
-            saving.pop(path, None)
+            per_rank = done.setdefault((e.attempt, path), {})
+            per_rank[e.rank] = per_rank.get(e.rank, 0) + 1
             if e.kind is EventKind.CHECKPOINT_COMMIT:
-                last_commit = e
-        elif (
-            e.kind in (EventKind.PHASE_BEGIN, EventKind.PHASE_END) and e.phase is Phase.RESTORE
-        ):  # a span too
-            save = saving.get(path)
-            if save is None or save.attempt >= e.attempt:
-                continue  # committed, never saved by this job, or a save of this attempt still in progress
-            _, _, attempts = torn.setdefault((path, save.ts), (save, last_commit, []))
-            if e.attempt not in attempts:
-                attempts.append(e.attempt)
+                commits.append(e)
+
+    def torn_save(attempt: int, path: str) -> Event | None:
+        """The last save of `path` in `attempt` if it never committed."""
+        per_rank = begun.get((attempt, path), {})
+        most = max((len(v) for v in per_rank.values()), default=0)
+        if most <= max(done.get((attempt, path), {}).values(), default=0):
+            return None
+        ranks = sorted(per_rank, key=lambda r: (r not in committers, -len(per_rank[r]), r))
+        return per_rank[ranks[0]][-1]
+
+    # (path, the save's attempt) -> the torn save, the attempts that restored it
+    torn: dict[tuple[str, int], tuple[Event, list[int]]] = {}
+    for e in restores:
+        path = path_of(e)
+        earlier = [a for (a, p) in begun if p == path and a < e.attempt]
+        if path is None or not earlier:
+            continue  # never saved by this job before this attempt (a save of this attempt: in progress)
+        save = torn_save(max(earlier), path)
+        if save is None:
+            continue  # its last save committed
+        _, attempts = torn.setdefault((path, save.attempt), (save, []))
+        if e.attempt not in attempts:
+            attempts.append(e.attempt)
     lines = []
-    for (path, _), (save, commit, attempts) in torn.items():
+    for (path, _), (save, attempts) in torn.items():
+        commit = next((c for c in reversed(commits) if c.ts < save.ts), None)
         who = f"attempt {attempts[0]}" if len(attempts) == 1 else f"attempts {', '.join(map(str, attempts))}"
         at = f" at step {save.step}" if save.step is not None else ""
         last = (
