@@ -186,6 +186,12 @@ class WorkerGroup:
                 if found is not None:
                     self.continued, self.failed_at = found, now
                     return None
+                stranded = None if failed else self.inplace.stranded(self.pids, codes)
+                if stranded is not None:
+                    # Its generation failed where no in-place recovery is made (before the attempt's first
+                    # step): it would wait for an announcement that never comes. The process restart, now.
+                    self.procs[stranded].signal_tree(signal.SIGKILL)
+                    self._cut_short, failed = stranded, [stranded]
             if failed:
                 self.failed_rank, self.failed_at = failed[0], now
                 self._stop_at = now + self._flush_s
