@@ -97,11 +97,11 @@ class WorkerGroup:
         return bool(running) and all(self._exited[r].exists() or self._markers[r].exists() for r in running)
 
     def _marked_failed(self) -> int | None:
-        """A rank whose failed exit is marked (`ettr.run_env.failed_exit_path`) while it still runs."""
+        """A rank whose failed exit is marked (`failed_exit_path`), or stranded in place, while it runs."""
         for rank, marker in enumerate(self._markers):
             if self.procs[rank].poll() is None and marker.exists():
                 return rank
-        return None
+        return self.inplace.stranded(self.pids, [p.poll() for p in self.procs]) if self.inplace else None
 
     @classmethod
     def start(
@@ -186,12 +186,6 @@ class WorkerGroup:
                 if found is not None:
                     self.continued, self.failed_at = found, now
                     return None
-                stranded = None if failed else self.inplace.stranded(self.pids, codes)
-                if stranded is not None:
-                    # Its generation failed where no in-place recovery is made (before the attempt's first
-                    # step): it would wait for an announcement that never comes. The process restart, now.
-                    self.procs[stranded].signal_tree(signal.SIGKILL)
-                    self._cut_short, failed = stranded, [stranded]
             if failed:
                 self.failed_rank, self.failed_at = failed[0], now
                 self._stop_at = now + self._flush_s
