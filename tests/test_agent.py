@@ -410,3 +410,30 @@ def test_a_worker_kind_that_starts_nothing_leaves_nothing_in_shared_memory(
     spec = WorkerSpec(nproc=2, argv=(sys.executable, "t.py"))
     WorkerGroupKind(spec, run_dir=tmp_path / "run", max_restarts=1, teardown_grace_s=1.0)
     assert not (tmp_path / "shm").exists()
+
+
+def test_a_generation_that_failed_before_the_attempt_trained_is_a_process_restart_at_once(
+    tmp_path: Path,
+) -> None:
+    """A resilient job's generation restored, took no step (its loop was done) and raised at the end: its
+    ranks said the attempt failed and waited in the wrapper for the next one, which the agent never
+    announces before the attempt has trained. Before, they waited out the rendezvous timeout (120 s, the
+    DLRM trial's attempt 3) or the hang detector killed them as hung; now the process restart begins."""
+    from ettr.run_env import inplace_failed_path
+    from ettr.supervisor.inplace import InPlaceCheck
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [KeptWorker(90), KeptWorker(91)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 4)
+    _joined(tmp_path, 4, *workers, trained=False)
+    assert group.poll() is None and all(w.signals == [] for w in workers)  # no failure said: nothing
+    said = {90: False, 91: True}  # pid -> own: rank 1 raised, rank 0 saw it through a collective
+    for pid, own in said.items():
+        marker = {"rank": pid - 90, "error": "ValueError: x", "own": own}
+        inplace_failed_path(tmp_path, 4, pid).write_text(json.dumps(marker))
+    assert group.poll() is None and group.continued is None
+    assert workers[1].signals[:1] == [9] and workers[0].signals == [15]
+    workers[0].code, workers[1].code = -15, -9
+    assert group.poll() == 1  # booked as rank 1's failure, exit status 1 (its uncaught exception)
+    assert group.failed_pids() == [[91]]

@@ -665,3 +665,38 @@ def test_explicit_phases_are_not_recorded_twice(hooked: tuple[Any, Recorder, Any
     assert ends.count(Phase.CHECKPOINT_BLOCKING) == 1
     commits = [e for e in _events(rec, ledger, {EventKind.CHECKPOINT_COMMIT}) if e.attempt == rec.attempt]
     assert commits == []  # the script commits its own saves
+
+
+def test_optimizer_steps_after_a_resume_recorded_by_unhooked_code_count_on_from_it(
+    hooked: tuple[Any, Recorder, Any],
+) -> None:
+    # ettr.checkpoint's manager (ettr's own code, not hooked) restores step 40 and records RESUMED(40); the
+    # script numbers its steps itself after each optimizer step. Its first step was recorded as step 1 by the
+    # optimizer hook (the script's own 41 came after it): one step too many, and a resume from scratch
+    # for books that go by the first step.
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec.resumed_from(40)
+    for step in (41, 42):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        rec.step(step)
+    steps = [e.step for e in _events(rec, ledger, {EventKind.STEP})]
+    assert steps == [41, 41, 42]  # the hook's guess and the script's own agree; then only the script's
+
+
+def test_a_resume_recorded_after_steps_were_counted_does_not_renumber_them(
+    hooked: tuple[Any, Recorder, Any],
+) -> None:
+    hooks, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    rec.resumed_from(40)  # late: the steps already taken are not this resume's
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    steps = [e.step for e in _events(rec, ledger, {EventKind.STEP})]
+    assert steps == [1, 2, 3]

@@ -188,9 +188,10 @@ def _write_durably(path: Path, payload: bytes) -> None:
 class RankLocalState:
     """A Stateful that shows TorchRec's state to DCP as plain tensors under this rank's own key.
 
-    DCP saves ShardedTensors natively, but the async stager of `ettr.checkpoint` (DCP's DefaultStager)
-    copies plain tensors and DTensors only. So every ShardedTensor is replaced by the list of this rank's
-    local shard tensors, and the whole dict goes under `rank_<r>` (plain tensors of the same name on every
+    (`ettr.checkpoint.TrainState` now takes the DistributedModelParallel and its CombinedOptimizer directly,
+    ShardedTensors and all; this example keeps its own layout so that its existing checkpoints restore.)
+    Every ShardedTensor is replaced by the list of this rank's local shard tensors, and the whole dict goes
+    under `rank_<r>` (plain tensors of the same name on every
     rank would otherwise be deduplicated as replicas). Like `sync`, such a checkpoint restores only at the
     same world size and sharding plan.
     """
@@ -275,9 +276,9 @@ class EttrCheckpointer:
         from ettr.checkpoint import TrainState as EttrTrainState
         from ettr.checkpoint.history import read_failure_history
 
-        # DCP's get_state_dict knows neither DistributedModelParallel nor TorchRec's fused in-backward
-        # optimizer, so the TorchRec state goes in as an `extra` Stateful. The manager also wants a plain
-        # module as `model`: the dense part serves (saved twice that way; a few hundred KB).
+        # The TorchRec state goes in as an `extra` Stateful in this example's own per-rank layout (older
+        # checkpoints restore); `TrainState(model=sharded, optimizer=combined)` also works. `model` is then
+        # the dense part (saved twice that way; a few hundred KB).
         ettr_state = EttrTrainState(model=dense, extra={"dlrm": RankLocalState(state, rank=rank)})
         history = None
         if auto is not None:  # the prior, updated with the failures this job's ledger has seen so far

@@ -43,7 +43,7 @@ from types import ModuleType
 from typing import Any
 
 from ettr import torch_compat
-from ettr.events import Phase
+from ettr.events import Event, EventKind, Phase
 from ettr.patcher import ORIGINAL_ATTR as _ORIGINAL
 from ettr.patcher import Patcher
 from ettr.recorder import RecorderProtocol
@@ -210,6 +210,20 @@ class AutoHooks:
         self.patcher = Patcher()
         self.checkpoints: Any = None
         self.evals: Any = None
+        # A resume recorded by code that is not hooked (ettr.checkpoint's manager, `ettr.resumed_from`, a
+        # framework's callback): the optimizer steps after it count on from its step. Before, a script that
+        # restored through CheckpointManager and numbered its steps itself had its first step after the
+        # restore recorded as step 1 by the optimizer hook (its own `ettr.step(41)` came after it): the
+        # attempt showed one step too many and, without RESUMED, read as resumed from scratch.
+        self.guard.call("resume", rec.add_listener, self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        """An event listener: a RESUMED before this generation's first counted step sets where counting
+        goes on (a RESUMED of the hooks' own is the same step again). Never raises."""
+        if event.kind is not EventKind.RESUMED or event.step is None:
+            return
+        if self.steps.num_steps == 0 and not self.rec.explicit_steps:
+            self.guard.call("resume", self.steps.resumed, event.step)
 
     def new_generation(self) -> None:
         """This process goes on in a new generation of a job restarted in place: its steps are counted
@@ -451,6 +465,7 @@ class AutoHooks:
     def uninstall(self) -> None:
         """Put torch back as it was (tests; a process keeps its hooks to the end)."""
         self.patcher.undo()
+        self.guard.call("resume", self.rec.remove_listener, self._on_event)
 
     def _install_compile(self) -> None:
         try:

@@ -5,8 +5,11 @@ first save and reused by every later one — so a save costs one memory copy and
 faults. It copies with `Tensor.copy_`, which spreads a large copy over the intra-op threads (DCP's
 `DefaultStager` copies untyped storages, measured 1.1-1.8x slower here). Buffers are pinned memory where
 the state lives on a GPU, and shared memory for the process persist mode (the checkpoint process maps them
-instead of receiving a copy). Anything else — DTensor, ShardedTensor, Python objects holding tensors —
-goes through DCP's own `StateDictStager`, which caches its buffers the same way. It implements DCP's
+instead of receiving a copy). A ShardedTensor (TorchRec's sharded tables and their optimizer state) is
+staged the same way, shard by shard, into a ShardedTensor over the buffers with the same global metadata
+(placements on the CPU; no collective) — DCP's stager cannot copy one (`data_ptr` is not supported for
+ShardedTensor). Anything else — DTensor, Python objects holding tensors — goes through DCP's own
+`StateDictStager`, which caches its buffers the same way. It implements DCP's
 `AsyncStager` protocol, so `dcp.async_save` accepts it.
 
 With `background_keys`, `stage` copies the other top-level entries at once and the named ones (the model
@@ -20,6 +23,7 @@ The caller must not stage again before the persist of the previous copy has fini
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -123,8 +127,37 @@ class ReusedStager(AsyncStager):
             return buffer
         if isinstance(value, _IMMUTABLE):
             return value
-        # DTensor, ShardedTensor, other objects: DCP's deep copy with its own cached buffers
+        if type(value).__name__ == "ShardedTensor" and _is_sharded_tensor(value):
+            return self._stage_sharded(value, key, used_cuda)
+        # DTensor, other objects: DCP's deep copy with its own cached buffers
         return self._fallback.stage(value)
+
+    def _stage_sharded(self, value: Any, key: str, used_cuda: list[bool]) -> Any:
+        """A ShardedTensor whose local shards are copies in the reused buffers (same global metadata, every
+        placement on the CPU where the buffers are)."""
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+        shards = []
+        for i, shard in enumerate(value.local_shards()):
+            tensor = shard.tensor
+            buffer = self._buffer_for(f"{key}#shard{i}", tensor)
+            used_cuda[0] |= tensor.is_cuda
+            buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda and self.pin_memory)
+            shards.append(Shard(tensor=buffer, metadata=_on_cpu(shard.metadata)))
+        metadata = value.metadata()
+        metadata = dataclasses.replace(
+            metadata,
+            shards_metadata=[_on_cpu(m) for m in metadata.shards_metadata],
+            tensor_properties=dataclasses.replace(
+                metadata.tensor_properties,
+                requires_grad=False,
+                pin_memory=self.pin_memory,
+                memory_format=torch.contiguous_format,
+            ),
+        )
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, metadata, process_group=value._process_group
+        )
 
     def synchronize_staging(self) -> None:
         """Nothing to do: the caller waits for `stage`'s Future (DCP's AsyncStager protocol)."""
@@ -137,3 +170,15 @@ class ReusedStager(AsyncStager):
         self.last_staged = None
         self._buffers.clear()
         self._fallback.close()
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+def _on_cpu(metadata: Any) -> Any:
+    """A ShardMetadata like `metadata` with its placement on the same rank's CPU."""
+    rank = metadata.placement.rank() if metadata.placement is not None else 0
+    return dataclasses.replace(metadata, placement=f"rank:{rank}/cpu")

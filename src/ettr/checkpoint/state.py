@@ -4,7 +4,11 @@
 NumPy's global generator, torch CPU and CUDA) and this rank's data position (any object with
 `state_dict`/`load_state_dict`: `ettr.checkpoint.sampler.ResumableSampler`, torchdata's
 `StatefulDataLoader`). Model and optimizer go through `torch.distributed.checkpoint.state_dict`, so
-DDP/FSDP-sharded modules work and large tensors are written by DCP; the small per-rank and scalar parts
+DDP/FSDP-sharded modules work and large tensors are written by DCP — except TorchRec's
+`DistributedModelParallel` and `KeyedOptimizer`s (`CombinedOptimizer`, the fused optimizer), which that module
+does not know (it looks parameters up by name on the wrapper): their own `state_dict()`s are already what
+DCP saves (fully qualified names, `ShardedTensor`s for the tables and their optimizer state) and are used
+as they are; the small per-rank and scalar parts
 are pickled into opaque byte strings (DCP would otherwise deduplicate same-named values across ranks).
 
 Layout of the saved state dict (top-level keys):
@@ -33,6 +37,24 @@ from ettr.checkpoint.trust import load_pickled
 logger = logging.getLogger("ettr")
 
 STATE_FORMAT = 1
+
+
+def _is_torchrec(obj: Any, class_name: str) -> bool:
+    """Whether `obj` is an instance of TorchRec's class `class_name` (by its MRO: TorchRec is not imported)."""
+    return any(
+        cls.__name__ == class_name and cls.__module__.startswith("torchrec.") for cls in type(obj).__mro__
+    )
+
+
+def _native_model(model: torch.nn.Module) -> bool:
+    """TorchRec's DistributedModelParallel: `get_state_dict` fails on it, its own state_dict is DCP's form."""
+    return _is_torchrec(model, "DistributedModelParallel")
+
+
+def _native_optimizer(optimizer: Any) -> bool:
+    """A TorchRec KeyedOptimizer: state keyed by parameter name (ShardedTensors for the tables), always
+    allocated, loaded in place by its own `load_state_dict`."""
+    return _is_torchrec(optimizer, "KeyedOptimizer")
 
 
 def _dumps(obj: Any) -> bytes:
@@ -78,8 +100,8 @@ class TrainState:
     """Everything a training job needs to continue exactly where it was.
 
     Args:
-        model: the module (plain, DDP or FSDP).
-        optimizer: its optimizer, or None.
+        model: the module (plain, DDP, FSDP, or TorchRec's DistributedModelParallel).
+        optimizer: its optimizer (for TorchRec, a KeyedOptimizer such as CombinedOptimizer), or None.
         lr_scheduler: an LR scheduler (anything with state_dict/load_state_dict), or None.
         data: this rank's data position (a `ResumableSampler`, a `StatefulDataLoader`, ...), or None.
         extra: more Statefuls saved as they are (replicated: every rank holds the same values).
@@ -123,7 +145,13 @@ class TrainState:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         state: dict[str, Any] = {}
-        if self.optimizer is not None and self.optimizer.state:
+        if _native_model(self.model):
+            state["model"] = self.model.state_dict()
+            if self.optimizer is not None and _native_optimizer(self.optimizer):
+                state["optim"] = self.optimizer.state_dict()
+            elif self.optimizer is not None:
+                state["optim_plain"] = _dumps(self.optimizer.state_dict())
+        elif self.optimizer is not None and self.optimizer.state:
             state["model"], state["optim"] = get_state_dict(self.model, self.optimizer)
         else:
             state["model"] = get_model_state_dict(self.model)
@@ -150,7 +178,13 @@ class TrainState:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         target: dict[str, Any] = {}
-        if self.optimizer is not None and "optim" in saved_keys:
+        if _native_model(self.model):
+            target["model"] = self.model.state_dict()
+            if self.optimizer is not None and "optim" in saved_keys and _native_optimizer(self.optimizer):
+                target["optim"] = self.optimizer.state_dict()
+            elif self.optimizer is not None and "optim_plain" in saved_keys:
+                target["optim_plain"] = b""
+        elif self.optimizer is not None and "optim" in saved_keys:
             # Allocates the optimizer's state (a zero step at lr 0) so that DCP has tensors to load into.
             target["model"], target["optim"] = get_state_dict(self.model, self.optimizer)
         else:
@@ -171,7 +205,13 @@ class TrainState:
         Its pickled parts load with `weights_only=True`, accepting also the classes in `allowed`."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        if "optim" in loaded and self.optimizer is not None:
+        if _native_model(self.model):
+            self.model.load_state_dict(loaded["model"])
+            if "optim" in loaded and self.optimizer is not None and _native_optimizer(self.optimizer):
+                self.optimizer.load_state_dict(loaded["optim"])
+            elif "optim_plain" in loaded and self.optimizer is not None:
+                self.optimizer.load_state_dict(_loads(loaded["optim_plain"], allowed))
+        elif "optim" in loaded and self.optimizer is not None:
             set_state_dict(
                 self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
             )

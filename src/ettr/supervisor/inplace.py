@@ -126,6 +126,20 @@ class InPlaceCheck:
         said.sort(key=lambda r: not self.said_own_failure(pids[r]))
         return InPlace(failed_rank=said[0], returncode=1, dead=())
 
+    def stranded(self, pids: Sequence[int], codes: Sequence[int | None]) -> int | None:
+        """A running worker that said attempt `attempt` failed where `check` makes no in-place recovery (the
+        attempt had not trained, or a running worker had not joined): it waits in the wrapper for a next
+        attempt that is never announced, until its rendezvous timeout (120 s), so the failure is the process
+        restart's now. The local rank to book (its own error first, else the lowest), or None."""
+        running = [r for r, c in enumerate(codes) if c is None]
+        said = [r for r in running if self.said_failed(pids[r])]
+        if not said:
+            return None
+        if all(self.joined(pids[r]) for r in running) and has_trained(self.run_dir, self.attempt):
+            return None  # `check` recovers it in place
+        said.sort(key=lambda r: not self.said_own_failure(pids[r]))
+        return said[0]
+
 
 def announce(run_dir: Path, attempt: int, replaced: Sequence[int]) -> None:
     """Tell the surviving workers that the job goes on in attempt `attempt` (they join it)."""

@@ -97,11 +97,11 @@ class WorkerGroup:
         return bool(running) and all(self._exited[r].exists() or self._markers[r].exists() for r in running)
 
     def _marked_failed(self) -> int | None:
-        """A rank whose failed exit is marked (`ettr.run_env.failed_exit_path`) while it still runs."""
+        """A rank whose failed exit is marked (`failed_exit_path`), or stranded in place, while it runs."""
         for rank, marker in enumerate(self._markers):
             if self.procs[rank].poll() is None and marker.exists():
                 return rank
-        return None
+        return self.inplace.stranded(self.pids, [p.poll() for p in self.procs]) if self.inplace else None
 
     @classmethod
     def start(
