@@ -87,6 +87,16 @@ from ettr.run_env import memory_root
 logger = logging.getLogger("ettr")
 
 
+def failure_log_level(error: BaseException, rank: int) -> int:
+    """The level a rank logs a failed persist at. DCP hands every rank the same gathered failure (a
+    CheckpointException naming each failed rank's cause), so every rank logging it printed each failure once
+    per rank (a job of 1,000 ranks, 1,000 identical lines); rank 0 says it, the others log it at INFO (the
+    ledger still holds every rank's record). A failure of this rank alone is always a warning."""
+    failures = getattr(error, "failures", None)
+    gathered = isinstance(failures, dict) and bool(failures)
+    return logging.INFO if gathered and rank != 0 else logging.WARNING
+
+
 @dataclass
 class _Inflight:
     """One save whose persist has started and not yet been accounted for."""
@@ -416,7 +426,8 @@ class CheckpointManager:
             else:
                 described = describe_error(error)
                 inflight.error = described + out_of_space_hint(self.storage, described)
-                logger.warning(
+                logger.log(
+                    failure_log_level(error, self.rank),
                     "ettr: checkpoint of step %d failed (%s); training continues from the previous one",
                     inflight.step,
                     inflight.error,
