@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ettr import memory_sweep
+from ettr.checkpoint import root_lock
 from ettr.checkpoint.admission import ALLOW_UNSIGNED_ENV, RESUME_FOREIGN_ENV, Admission, env_flag
 from ettr.checkpoint.base import (
     CheckpointConfig,
@@ -160,6 +161,18 @@ class CheckpointManager:
         self.storage = storage if storage is not None else open_storage(config.root, config.storage_options)
         self._root = root_identity(self.storage.url)
         self._job_id = config.job_id or self._rec.job_id
+        self._root_lock: root_lock.Held | None = None
+        self.root_in_use: str | None = None
+        """Rank 0: why this root is refused (another running job holds its writer lock); None: it is not."""
+        local_root = getattr(self.storage, "root", None)
+        if self.rank == 0 and isinstance(local_root, str):
+            taken = root_lock.acquire(local_root, job_id=self._job_id, run_dir=self._rec.run_dir)
+            if isinstance(taken, str):
+                self.root_in_use = taken
+            else:
+                self._root_lock = taken
+        if self.root_in_use is not None and not coordinator.distributed:
+            raise CheckpointError(self.root_in_use)
         # Rank 0 signs (it commits) and chooses what to resume from; the other ranks load what it admitted.
         self._ring = KeyRing.open(config.secret, create=True) if self.rank == 0 else KeyRing(signing=None)
         self._root_registered = False
@@ -227,7 +240,7 @@ class CheckpointManager:
         preemption = None
         try:
             preemption = PreemptionWatcher().install() if config.handle_preemption else None
-            return cls(
+            manager = cls(
                 config,
                 state,
                 recorder=recorder,
@@ -241,6 +254,15 @@ class CheckpointManager:
                 preemption.close()
             coordinator.close()
             raise
+        try:  # every rank refuses a root another running job writes, not rank 0 alone (the others would hang)
+            (in_use,) = coordinator.broadcast_from_0([manager.root_in_use])
+        except BaseException:
+            manager.close()
+            raise
+        if in_use is not None:
+            manager.close()
+            raise CheckpointError(in_use)
+        return manager
 
     # -- saving -----------------------------------------------------------------------------------------
     def after_step(self, step: int) -> bool:
@@ -762,6 +784,9 @@ class CheckpointManager:
         self._coord.close()
         if self._finished and self.memory is not None:
             self.memory.remove_all()  # the job is complete: nothing will restore from it
+        if self._root_lock is not None:
+            root_lock.release(self._root_lock, str(getattr(self.storage, "root", "")))
+            self._root_lock = None
 
     def __enter__(self) -> CheckpointManager:
         return self
