@@ -407,3 +407,33 @@ def test_a_jobs_own_class_needs_safe_globals_and_a_missing_one_stops_the_restore
             ckpt.restore()
     assert (tmp_path / step_dir_name(3) / MANIFEST_NAME).exists()
     rec.close()
+
+
+class _ReadOnlyStorage(LocalStorage):
+    """A root mounted read-only: every change raises EROFS."""
+
+    def _erofs(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), "ettr-manifest.json")
+
+    remove_tree = _erofs
+    rename = _erofs
+
+
+def test_a_restore_from_a_read_only_root_skips_what_it_cannot_clean_up(tmp_path, caplog):
+    # A restore-only job on a read-only mount, where the last save was torn: the clean-up of the incomplete
+    # directory raised EROFS out of restore(), a traceback on every rank instead of the older checkpoint.
+    from ettr.checkpoint.resume import choose_checkpoint
+
+    _save_steps(tmp_path, [1, 2])
+    (tmp_path / step_dir_name(3)).mkdir()  # incomplete: a persist killed before its commit
+    manifest = tmp_path / step_dir_name(2) / MANIFEST_NAME
+    manifest.write_bytes(manifest.read_bytes().replace(b'"step"', b'"stop"'))  # corrupt
+    rec = Recorder(MemoryLedger())
+    with caplog.at_level("WARNING", logger="ettr"):
+        choice = choose_checkpoint(_ReadOnlyStorage(tmp_path), recorder=rec)
+    assert choice.step == 1
+    assert {m for m in os.listdir(tmp_path)} == {step_dir_name(s) for s in (1, 2, 3)}  # all left in place
+    said = caplog.text
+    assert "cannot delete incomplete checkpoint step_000000003 (EROFS" in said
+    assert "cannot move checkpoint step_000000002 aside or delete it (EROFS" in said
+    assert "aside to None" not in said
