@@ -808,3 +808,45 @@ def test_the_same_job_and_the_same_process_are_not_refused(tmp_path: Path) -> No
 def test_a_root_where_no_lock_can_be_made_is_used_without_one(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")  # the root cannot be made: a restore-only job must not fail on it
     assert root_lock.acquire(str(tmp_path / "file" / "below"), job_id="j") is None
+
+
+_LOST_PROCESS_SCRIPT = """
+import sys
+
+import torch
+
+from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
+from ettr.checkpoint.persist import _dcp_checkpoint_process
+from ettr.recorder import Recorder
+
+if __name__ == "__main__":
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = CheckpointConfig(root=sys.argv[1], interval=IntervalConfig(every_steps=100), mode="process")
+    with CheckpointManager.create(config, TrainState(model=model, optimizer=opt), recorder=Recorder(None)) as m:
+        assert m.save(1, wait=True)
+        process = _dcp_checkpoint_process()._save_process
+        process.kill()  # the OOM killer, or a SIGKILL
+        process.join()
+        saved = [m.save(step, wait=True) for step in (2, 3)]
+        print("saved", saved, "pid changed", _dcp_checkpoint_process()._save_process.pid != process.pid)
+"""
+
+
+@pytest.mark.slow
+def test_a_lost_checkpoint_process_is_replaced_at_the_next_save(tmp_path):
+    # Process mode: DCP keeps a dead checkpoint process, so one SIGKILL failed every later save of the
+    # attempt (EPIPE) while training went on without checkpoints until the final save raised.
+    script = tmp_path / "job.py"
+    script.write_text(_LOST_PROCESS_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "saved [True, True] pid changed True" in done.stdout
+    assert "a checkpoint process is gone; the save of step 2 starts new ones" in done.stderr

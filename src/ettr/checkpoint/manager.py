@@ -331,6 +331,7 @@ class CheckpointManager:
         begin_s = self._clock()
         with self._rec.phase(Phase.CHECKPOINT_BLOCKING, step=step):
             try:
+                self._restart_lost_checkpoint_process(step)
                 self._prepare_directory(step)
                 if self.rank == 0:
                     make_room(
@@ -361,6 +362,18 @@ class CheckpointManager:
         upload.add_done_callback(lambda future: self._on_persisted(inflight, future))
         _checkpoint_in_progress()
         return True
+
+    def _restart_lost_checkpoint_process(self, step: int) -> None:
+        """Process mode: when any rank's DCP checkpoint process has died, every rank lets go of its own (the
+        survivors' group is broken too) and this save starts new ones. Without it, one SIGKILLed checkpoint
+        process failed every later save of the attempt (EPIPE), and the job trained on without checkpoints.
+        One small all-reduce per save, on every rank at the same step, before anything that may fail."""
+        if self._persister.mode is not PersistMode.PROCESS:
+            return
+        (lost,) = self._coord.agree(self._persister.checkpoint_process_lost())
+        if lost:
+            logger.warning("ettr: a checkpoint process is gone; the save of step %d starts new ones", step)
+            self._persister.restart_checkpoint_process()
 
     def wait_staged(self) -> None:
         """Block until the copy of the last save is complete (recorded as CHECKPOINT_BLOCKING if it was not).
