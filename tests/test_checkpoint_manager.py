@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -26,10 +27,12 @@ from ettr.checkpoint import (
     find_latest,
     list_checkpoints,
     read_failure_history,
+    root_lock,
     step_dir_name,
     verify,
 )
 from ettr.checkpoint.base import MANIFEST_NAME
+from ettr.checkpoint.root_lock import LOCK_NAME
 from ettr.checkpoint.storage import open_storage
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome, Phase
 from ettr.ledger import MemoryLedger, open_ledger
@@ -741,3 +744,109 @@ def test_without_an_optimizer_to_guard_a_save_does_not_overlap(tmp_path):
     with CheckpointManager(_config(tmp_path), TrainState(model=fresh), recorder=Recorder(None)) as manager:
         assert manager.restore() == 1
     assert torch.equal(fresh.weight, saved)
+
+
+# -- one writing job per root ----------------------------------------------------------------------------------
+_HOLD = (
+    "import sys; from ettr.checkpoint import root_lock; "
+    "held = root_lock.acquire(sys.argv[1], job_id=sys.argv[2]); print(type(held).__name__, flush=True); "
+    "sys.stdin.read()"
+)
+
+
+def _holder(root: Path, job_id: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(root), job_id],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "Held"
+    return proc
+
+
+def _let_go(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait()
+
+
+def test_a_root_another_running_job_writes_is_refused_with_one_line(tmp_path: Path) -> None:
+    # Two jobs pointed at one root by mistake: the second resumed the first one's newest step (from its
+    # memory copy), moved its next commit aside as "left by an earlier run", and both went on silently.
+    other = _holder(tmp_path, "job-a")
+    try:
+        config = _config(tmp_path, job_id="job-b")
+        with pytest.raises(
+            CheckpointError, match=r"in use by job job-a \(pid \d+ on .*give this job its own root"
+        ):
+            CheckpointManager(config, _model_state(), recorder=Recorder(None))
+        assert not [n for n in os.listdir(tmp_path) if n.startswith("step_")]  # nothing touched
+    finally:
+        _let_go(other)
+    with CheckpointManager(_config(tmp_path, job_id="job-b"), _model_state(), recorder=Recorder(None)) as m:
+        assert m.save(1, wait=True)  # the other job is gone: the root is this job's now
+    assert sorted(os.listdir(tmp_path)) == [step_dir_name(1)]  # the lock file goes with the job
+
+
+def test_the_same_job_and_the_same_process_are_not_refused(tmp_path: Path) -> None:
+    other = _holder(tmp_path, "job-a")  # e.g. a forked data loader worker of this job's killed rank 0
+    try:
+        with CheckpointManager(_config(tmp_path, job_id="job-a"), _model_state(), recorder=Recorder(None)):
+            pass
+    finally:
+        _let_go(other)
+    first = CheckpointManager(_config(tmp_path, job_id="j"), _model_state(), recorder=Recorder(None))
+    second = CheckpointManager(_config(tmp_path, job_id="k"), _model_state(), recorder=Recorder(None))
+    second.close()  # an in-place restart's new manager in the process that held the root: shared
+    assert LOCK_NAME in os.listdir(tmp_path)
+    first.close()
+    assert LOCK_NAME not in os.listdir(tmp_path)
+
+
+def test_a_root_where_no_lock_can_be_made_is_used_without_one(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")  # the root cannot be made: a restore-only job must not fail on it
+    assert root_lock.acquire(str(tmp_path / "file" / "below"), job_id="j") is None
+
+
+_LOST_PROCESS_SCRIPT = """
+import sys
+
+import torch
+
+from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
+from ettr.checkpoint.persist import _dcp_checkpoint_process
+from ettr.recorder import Recorder
+
+if __name__ == "__main__":
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = CheckpointConfig(root=sys.argv[1], interval=IntervalConfig(every_steps=100), mode="process")
+    with CheckpointManager.create(config, TrainState(model=model, optimizer=opt), recorder=Recorder(None)) as m:
+        assert m.save(1, wait=True)
+        process = _dcp_checkpoint_process()._save_process
+        process.kill()  # the OOM killer, or a SIGKILL
+        process.join()
+        saved = [m.save(step, wait=True) for step in (2, 3)]
+        print("saved", saved, "pid changed", _dcp_checkpoint_process()._save_process.pid != process.pid)
+"""
+
+
+@pytest.mark.slow
+def test_a_lost_checkpoint_process_is_replaced_at_the_next_save(tmp_path):
+    # Process mode: DCP keeps a dead checkpoint process, so one SIGKILL failed every later save of the
+    # attempt (EPIPE) while training went on without checkpoints until the final save raised.
+    script = tmp_path / "job.py"
+    script.write_text(_LOST_PROCESS_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "saved [True, True] pid changed True" in done.stdout
+    assert "a checkpoint process is gone; the save of step 2 starts new ones" in done.stderr

@@ -172,3 +172,22 @@ def test_a_replaced_ranks_lease_goes_once_its_replacement_leaves_its_own(tmp_pat
     write_lease(directory, {"ETTR_SUPERVISOR_PID": str(supervisor)}, alive=alive)
     names = sorted(p.name for p in directory.iterdir())
     assert names == sorted(["lease-4242-1", "lease-994-1", f"lease-{me}-{keepers[me][1] or 0}"])
+
+
+def test_the_last_rank_out_leaves_the_directory_while_another_ranks_process_runs(tmp_path: Path) -> None:
+    # Rank 1 closed after the final commit while rank 0, which had no copy (none fitted), was about to write
+    # its copy: rank 1 removed the directory under it, and a completed job warned "memory copy of step N
+    # failed (No such file or directory ...)".
+    from ettr.memory_sweep import lease_name
+
+    root = tmp_path / "memory"
+    rank1 = MemoryCopies.for_root(root, "file:///ckpt", rank=1, owner=tmp_path / "run")
+    assert rank1.keep({"w": torch.ones(4)}, Binding(step=3, manifest_sha256="ab" * 32, world_size=2)) > 0
+    other = rank1.directory / lease_name(os.getppid())  # rank 0's process, running
+    other.write_text("{}")
+    rank1.remove_all()
+    assert rank1.directory.exists() and not rank1.own_path().exists()  # rank 0 removes it, or `ettr run`
+    other.unlink()
+    (rank1.directory / "lease-999999999-1").write_text("{}")  # a rank that is gone holds nothing
+    rank1.remove_all()
+    assert not rank1.directory.exists()

@@ -282,6 +282,48 @@ def test_the_report_shows_checkpoint_errors_with_their_cause():
     assert "Checkpoint errors" in render_html([report]) and "ENOSPC" in render_html([report])
 
 
+def test_a_failed_save_every_rank_recorded_counts_once_in_the_report():
+    # A collective save that fails is recorded by each of its ranks (DCP hands every rank the gathered
+    # failure): a tmpfs that filled up under two ranks showed "checkpoint errors 30" for 15 failed saves.
+    from ettr.accounting import compute
+    from ettr.events import Event
+    from ettr.report.html import render_html
+    from ettr.report.text import render as render_text
+
+    full = "rank 1: ENOSPC (No space left on device)"
+    events = [
+        Event(ts=1.0, kind=EventKind.STEP, step=1, rank=0),
+        Event(ts=1.0, kind=EventKind.STEP, step=1, rank=1),
+    ]
+    for ts, step in ((2.0, 10), (3.0, 20)):
+        for rank in (1, 0):
+            data = {"path": "/c/x", "error": f"{full} (seen by {rank})"}
+            events.append(
+                Event(ts=ts + rank / 10, kind=EventKind.CHECKPOINT_ERROR, step=step, rank=rank, data=data)
+            )
+    report = compute(events, now=4.0, job_id="j")
+    assert len(report.checkpoint_errors) == 4  # the records stay per rank (JSON)
+    text = render_text(report)
+    assert "checkpoint errors 2:" in text
+    assert "step 10 (attempt 0, ranks 0-1): rank 1: ENOSPC (No space left on device) (seen by 0)" in text
+    assert text.count("(seen by 1)") == 0  # one line per save: the lowest rank's cause
+    html = render_html([report])
+    assert html.count("(seen by 0)") == 2 and "(seen by 1)" not in html
+
+
+def test_a_gathered_persist_failure_is_a_warning_on_rank_0_only():
+    import logging
+
+    from ettr.checkpoint.manager import failure_log_level
+
+    class Gathered(Exception):
+        failures = {1: (OSError(errno.ENOSPC, "No space left on device"), "tb")}
+
+    assert failure_log_level(Gathered(), 0) == logging.WARNING
+    assert failure_log_level(Gathered(), 1) == logging.INFO  # rank 0 says it for every rank
+    assert failure_log_level(OSError(errno.EIO, "I/O error"), 1) == logging.WARNING  # this rank's own
+
+
 class _UserThing:
     def __init__(self) -> None:
         self.value = 7
@@ -365,3 +407,33 @@ def test_a_jobs_own_class_needs_safe_globals_and_a_missing_one_stops_the_restore
             ckpt.restore()
     assert (tmp_path / step_dir_name(3) / MANIFEST_NAME).exists()
     rec.close()
+
+
+class _ReadOnlyStorage(LocalStorage):
+    """A root mounted read-only: every change raises EROFS."""
+
+    def _erofs(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), "ettr-manifest.json")
+
+    remove_tree = _erofs
+    rename = _erofs
+
+
+def test_a_restore_from_a_read_only_root_skips_what_it_cannot_clean_up(tmp_path, caplog):
+    # A restore-only job on a read-only mount, where the last save was torn: the clean-up of the incomplete
+    # directory raised EROFS out of restore(), a traceback on every rank instead of the older checkpoint.
+    from ettr.checkpoint.resume import choose_checkpoint
+
+    _save_steps(tmp_path, [1, 2])
+    (tmp_path / step_dir_name(3)).mkdir()  # incomplete: a persist killed before its commit
+    manifest = tmp_path / step_dir_name(2) / MANIFEST_NAME
+    manifest.write_bytes(manifest.read_bytes().replace(b'"step"', b'"stop"'))  # corrupt
+    rec = Recorder(MemoryLedger())
+    with caplog.at_level("WARNING", logger="ettr"):
+        choice = choose_checkpoint(_ReadOnlyStorage(tmp_path), recorder=rec)
+    assert choice.step == 1
+    assert {m for m in os.listdir(tmp_path)} == {step_dir_name(s) for s in (1, 2, 3)}  # all left in place
+    said = caplog.text
+    assert "cannot delete incomplete checkpoint step_000000003 (EROFS" in said
+    assert "cannot move checkpoint step_000000002 aside or delete it (EROFS" in said
+    assert "aside to None" not in said

@@ -283,6 +283,21 @@ def _candidates(root: Path, max_entries: int) -> list[Path]:
     return found
 
 
+def another_keeper_runs(directory: Path, *, alive: Alive = pid_alive) -> bool:
+    """Whether a lease in `directory` other than this process's names a process (the lease's own: its
+    name's pid and start ticks) that still runs: a rank that may be about to write its copy."""
+    own = lease_name()
+    for path in _lease_paths(directory):
+        if path.name == own:
+            continue
+        pid_text, _, ticks_text = path.name[len(LEASE_PREFIX) :].partition("-")
+        if not (pid_text.isdigit() and ticks_text.isdigit()):
+            continue
+        if alive(int(pid_text), int(ticks_text) or None):
+            return True
+    return False
+
+
 def only_bookkeeping_left(directory: Path) -> bool:
     """Whether `directory` holds nothing but its owner file and leases (no copy is left in it)."""
     with os.scandir(directory) as entries:

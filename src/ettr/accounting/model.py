@@ -86,6 +86,46 @@ class CheckpointFailure:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FailedSave:
+    """One failed save, however many ranks recorded it: every rank of a collective save records its
+    CHECKPOINT_ERROR (DCP hands each rank every rank's failure), so the events of one save are as many as its
+    ranks. `first` is the lowest rank's event (its cause the one shown); `ranks` all that recorded it."""
+
+    first: CheckpointFailure
+    ranks: tuple[int, ...]
+
+    @property
+    def ranks_text(self) -> str:
+        """`rank 0`, `ranks 0-7`, `ranks 0, 3`, or `12 ranks` for a long list with gaps."""
+        r = self.ranks
+        if len(r) == 1:
+            return f"rank {r[0]}"
+        if list(r) == list(range(r[0], r[-1] + 1)):
+            return f"ranks {r[0]}-{r[-1]}"
+        return "ranks " + ", ".join(map(str, r)) if len(r) <= 8 else f"{len(r)} ranks"
+
+
+def distinct_failures(errors: Iterable[CheckpointFailure]) -> list[FailedSave]:
+    """One entry per failed save: the CHECKPOINT_ERRORs of each (attempt, step), in the order of their first
+    event; an error without a step is its own."""
+    groups: dict[tuple[int, int], list[CheckpointFailure]] = {}
+    order: list[list[CheckpointFailure]] = []
+    for error in sorted(errors, key=lambda c: c.ts):
+        if error.step is None:
+            order.append([error])
+            continue
+        group = groups.get((error.attempt, error.step))
+        if group is None:
+            group = groups[(error.attempt, error.step)] = []
+            order.append(group)
+        group.append(error)
+    return [
+        FailedSave(first=min(g, key=lambda c: (c.rank, c.ts)), ranks=tuple(sorted({c.rank for c in g})))
+        for g in order
+    ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AttemptReport:
     """One attempt (one launch of the training command) and its share of the job's wall time."""
 

@@ -36,6 +36,7 @@ from ettr.checkpoint.base import (
     CheckpointRefused,
     CheckpointStorage,
     ReadableStorage,
+    describe_error,
     describe_os_error,
     iter_chunks,
     parse_step_dir,
@@ -532,8 +533,17 @@ def quarantine(storage: CheckpointStorage, name: str, label: str = "bad") -> str
     try:
         storage.rename(name, new_name)
     except OSError as exc:
-        logger.warning("ettr: cannot move checkpoint %s aside (%s); deleting it", name, exc)
-        with contextlib.suppress(OSError):
+        try:
             storage.remove_tree(name)
+        except OSError:  # a read-only root: it stays, and is skipped again by the next restore
+            logger.warning(
+                "ettr: cannot move checkpoint %s aside or delete it (%s); left in place, never loaded",
+                name,
+                describe_error(exc),
+            )
+        else:
+            logger.warning(
+                "ettr: cannot move checkpoint %s aside (%s); deleted it", name, describe_error(exc)
+            )
         return None
     return new_name

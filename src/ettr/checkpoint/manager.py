@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ettr import memory_sweep
+from ettr.checkpoint import root_lock
 from ettr.checkpoint.admission import ALLOW_UNSIGNED_ENV, RESUME_FOREIGN_ENV, Admission, env_flag
 from ettr.checkpoint.base import (
     CheckpointConfig,
@@ -85,6 +86,16 @@ from ettr.recorder import RecorderProtocol
 from ettr.run_env import memory_root
 
 logger = logging.getLogger("ettr")
+
+
+def failure_log_level(error: BaseException, rank: int) -> int:
+    """The level a rank logs a failed persist at. DCP hands every rank the same gathered failure (a
+    CheckpointException naming each failed rank's cause), so every rank logging it printed each failure once
+    per rank (a job of 1,000 ranks, 1,000 identical lines); rank 0 says it, the others log it at INFO (the
+    ledger still holds every rank's record). A failure of this rank alone is always a warning."""
+    failures = getattr(error, "failures", None)
+    gathered = isinstance(failures, dict) and bool(failures)
+    return logging.INFO if gathered and rank != 0 else logging.WARNING
 
 
 @dataclass
@@ -150,6 +161,18 @@ class CheckpointManager:
         self.storage = storage if storage is not None else open_storage(config.root, config.storage_options)
         self._root = root_identity(self.storage.url)
         self._job_id = config.job_id or self._rec.job_id
+        self._root_lock: root_lock.Held | None = None
+        self.root_in_use: str | None = None
+        """Rank 0: why this root is refused (another running job holds its writer lock); None: it is not."""
+        local_root = getattr(self.storage, "root", None)
+        if self.rank == 0 and isinstance(local_root, str):
+            taken = root_lock.acquire(local_root, job_id=self._job_id, run_dir=self._rec.run_dir)
+            if isinstance(taken, str):
+                self.root_in_use = taken
+            else:
+                self._root_lock = taken
+        if self.root_in_use is not None and not coordinator.distributed:
+            raise CheckpointError(self.root_in_use)
         # Rank 0 signs (it commits) and chooses what to resume from; the other ranks load what it admitted.
         self._ring = KeyRing.open(config.secret, create=True) if self.rank == 0 else KeyRing(signing=None)
         self._root_registered = False
@@ -217,7 +240,7 @@ class CheckpointManager:
         preemption = None
         try:
             preemption = PreemptionWatcher().install() if config.handle_preemption else None
-            return cls(
+            manager = cls(
                 config,
                 state,
                 recorder=recorder,
@@ -231,6 +254,15 @@ class CheckpointManager:
                 preemption.close()
             coordinator.close()
             raise
+        try:  # every rank refuses a root another running job writes, not rank 0 alone (the others would hang)
+            (in_use,) = coordinator.broadcast_from_0([manager.root_in_use])
+        except BaseException:
+            manager.close()
+            raise
+        if in_use is not None:
+            manager.close()
+            raise CheckpointError(in_use)
+        return manager
 
     # -- saving -----------------------------------------------------------------------------------------
     def after_step(self, step: int) -> bool:
@@ -299,6 +331,7 @@ class CheckpointManager:
         begin_s = self._clock()
         with self._rec.phase(Phase.CHECKPOINT_BLOCKING, step=step):
             try:
+                self._restart_lost_checkpoint_process(step)
                 self._prepare_directory(step)
                 if self.rank == 0:
                     make_room(
@@ -329,6 +362,18 @@ class CheckpointManager:
         upload.add_done_callback(lambda future: self._on_persisted(inflight, future))
         _checkpoint_in_progress()
         return True
+
+    def _restart_lost_checkpoint_process(self, step: int) -> None:
+        """Process mode: when any rank's DCP checkpoint process has died, every rank lets go of its own (the
+        survivors' group is broken too) and this save starts new ones. Without it, one SIGKILLed checkpoint
+        process failed every later save of the attempt (EPIPE), and the job trained on without checkpoints.
+        One small all-reduce per save, on every rank at the same step, before anything that may fail."""
+        if self._persister.mode is not PersistMode.PROCESS:
+            return
+        (lost,) = self._coord.agree(self._persister.checkpoint_process_lost())
+        if lost:
+            logger.warning("ettr: a checkpoint process is gone; the save of step %d starts new ones", step)
+            self._persister.restart_checkpoint_process()
 
     def wait_staged(self) -> None:
         """Block until the copy of the last save is complete (recorded as CHECKPOINT_BLOCKING if it was not).
@@ -416,7 +461,8 @@ class CheckpointManager:
             else:
                 described = describe_error(error)
                 inflight.error = described + out_of_space_hint(self.storage, described)
-                logger.warning(
+                logger.log(
+                    failure_log_level(error, self.rank),
                     "ettr: checkpoint of step %d failed (%s); training continues from the previous one",
                     inflight.step,
                     inflight.error,
@@ -751,6 +797,9 @@ class CheckpointManager:
         self._coord.close()
         if self._finished and self.memory is not None:
             self.memory.remove_all()  # the job is complete: nothing will restore from it
+        if self._root_lock is not None:
+            root_lock.release(self._root_lock, str(getattr(self.storage, "root", "")))
+            self._root_lock = None
 
     def __enter__(self) -> CheckpointManager:
         return self

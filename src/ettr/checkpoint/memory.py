@@ -285,7 +285,12 @@ class MemoryCopies:
                     self.discard(Path(entry.path))
         memory_sweep.remove_lease(self.directory)
         with contextlib.suppress(OSError):
-            if memory_sweep.only_bookkeeping_left(self.directory):  # the last rank out
+            # the last rank out; not while another rank's process runs: one that had no copy (none fitted)
+            # may be about to write its copy of the final step, and lost it to the removal ("memory copy of
+            # step N failed (No such file or directory ...)" at the end of a job that completed)
+            if memory_sweep.only_bookkeeping_left(self.directory) and not memory_sweep.another_keeper_runs(
+                self.directory
+            ):
                 shutil.rmtree(self.directory)
 
 

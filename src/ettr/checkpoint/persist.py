@@ -96,6 +96,32 @@ class AsyncPersister:
             self._lowered_pids.add(pid)
             lower_priority(pid, whole_process=True)
 
+    def checkpoint_process_lost(self) -> bool:
+        """Process mode: whether DCP's checkpoint process of this rank has died (SIGKILL, the OOM killer).
+        DCP keeps the dead one: every later save failed (EPIPE here, the peers' processes' group broken), for
+        the rest of the attempt. False in thread mode, before the first save, and where DCP's private module
+        state is not as expected."""
+        if self.mode is not PersistMode.PROCESS:
+            return False
+        process = getattr(_dcp_checkpoint_process(), "_save_process", None)
+        is_alive = getattr(process, "is_alive", None)
+        return callable(is_alive) and not is_alive()
+
+    def restart_checkpoint_process(self) -> None:
+        """Let go of DCP's checkpoint process (stopped where it still runs) so that the next save starts a new
+        one. Every rank at the same save: DCP makes the new processes' group then, collectively."""
+        try:
+            from torch.distributed.checkpoint import _async_process_executor as executor
+        except ImportError:  # pragma: no cover - torch without it has no process mode
+            return
+        process = getattr(executor, "_CHECKPOINT_PROCESS", None)
+        executor._CHECKPOINT_PROCESS = None
+        save_process = getattr(process, "_save_process", None)
+        if save_process is not None and save_process.is_alive():
+            save_process.kill()  # its group is broken: a peer's process is gone
+        if save_process is not None:
+            save_process.join(timeout=30)
+
     def _persist(self, staged: dict[str, Any] | Future[dict[str, Any]], writer: StorageWriter) -> Any:
         """The background persist of thread mode: DCP writes the staged copy; the writer commits."""
         if isinstance(staged, Future):
@@ -114,6 +140,15 @@ class AsyncPersister:
         """Wait for the persist thread and release the staging buffers."""
         self._executor.shutdown(wait=True)
         self.stager.close()
+
+
+def _dcp_checkpoint_process() -> Any:
+    """DCP's checkpoint process object (private module state), None where there is none."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as executor
+    except ImportError:  # pragma: no cover
+        return None
+    return getattr(executor, "_CHECKPOINT_PROCESS", None)
 
 
 def install_staging_hooks(state: TrainState, wait_staged: Callable[[], None]) -> list[RemovableHandle]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ettr.checkpoint.base import CheckpointStorage, step_dir_name
+from ettr.checkpoint.base import CheckpointStorage, describe_error, step_dir_name
 from ettr.checkpoint.commit import Manifest, find_latest, list_checkpoints, quarantine
 from ettr.recorder import EventSink
 
@@ -92,6 +92,16 @@ def set_aside(storage: CheckpointStorage, name: str, reason: str, *, recorder: E
     recorder.mark("checkpoint_skipped", checkpoint=name, reason=reason)
     if any(c.name == name and c.has_manifest for c in list_checkpoints(storage)):
         moved = quarantine(storage, name)
-        logger.warning("ettr: moved checkpoint %s aside to %s (%s)", name, moved, reason)
-    else:
+        if moved is not None:
+            logger.warning("ettr: moved checkpoint %s aside to %s (%s)", name, moved, reason)
+        return
+    try:
         storage.remove_tree(name)
+    except (
+        OSError
+    ) as exc:  # a read-only root (a restore-only job): the skip is what matters, not the clean-up
+        logger.warning(
+            "ettr: cannot delete incomplete checkpoint %s (%s); left in place, never loaded",
+            name,
+            describe_error(exc),
+        )

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
-from ettr.accounting.model import AttemptReport, EttReport
+from ettr.accounting.model import AttemptReport, EttReport, distinct_failures
 from ettr.atomic import atomic_write
 from ettr.errors import UsageError
 from ettr.events import Bucket
@@ -577,15 +577,15 @@ def _checkpoint_errors_section(reports: Sequence[EttReport], names: Sequence[str
     for r, name in zip(reports, names, strict=True):
         rows = (
             "".join(
-                f"<tr><td>{esc(str(c.step))}</td><td>{c.attempt}</td><td>{c.rank}</td>"
-                f'<td>+{esc(fmt_s(c.ts - r.wall_start_ts))}</td><td class="text">{esc(c.error)}</td></tr>'
-                for c in r.checkpoint_errors
+                f"<tr><td>{esc(str(f.first.step))}</td><td>{f.first.attempt}</td><td>{esc(f.ranks_text)}</td>"
+                f'<td>+{esc(fmt_s(f.first.ts - r.wall_start_ts))}</td><td class="text">{esc(f.first.error)}</td></tr>'
+                for f in distinct_failures(r.checkpoint_errors)  # one row per save, not per rank
             )
             or '<tr><td colspan="5" class="text">none</td></tr>'
         )
         body.append(
             f'<div class="run">{_run_heading(name, many)}<table class="recompiles"><thead><tr><th>step</th>'
-            f'<th>attempt</th><th>rank</th><th>at</th><th class="text">cause</th></tr></thead>'
+            f'<th>attempt</th><th>ranks</th><th>at</th><th class="text">cause</th></tr></thead>'
             f"<tbody>{rows}</tbody></table></div>"
         )
     note = "Saves that failed, with their cause; training went on from the previous committed checkpoint."

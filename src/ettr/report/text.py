@@ -10,7 +10,7 @@ from typing import Any
 
 from ettr.accounting import EttReport, counts_as_failure
 from ettr.accounting.causes import count_by_cause, ttr_by_cause
-from ettr.accounting.model import distinct_saves
+from ettr.accounting.model import distinct_failures, distinct_saves
 from ettr.events import Bucket, split_failure_message
 from ettr.report import slow, steptime, ttr_parts, window
 from ettr.report.slowdown import text_lines as slowdown_lines
@@ -132,11 +132,13 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
         last = f" (last step {max(steps)})" if steps else ""
         lines.append(f"checkpoint commits {len(saves)}{last} | recompiles {len(report.recompiles)}")
     if report.checkpoint_errors:
-        lines.append(f"checkpoint errors {len(report.checkpoint_errors)}:")
-        for c in report.checkpoint_errors[-5:]:
-            lines.append(f"  step {c.step} (attempt {c.attempt}, rank {c.rank}): {c.error}")
-        if len(report.checkpoint_errors) > 5:
-            lines.append(f"  ... and {len(report.checkpoint_errors) - 5} earlier")
+        failed = distinct_failures(report.checkpoint_errors)  # one per save, not one per rank that saw it
+        lines.append(f"checkpoint errors {len(failed)}:")
+        for f in failed[-5:]:
+            c = f.first
+            lines.append(f"  step {c.step} (attempt {c.attempt}, {f.ranks_text}): {c.error}")
+        if len(failed) > 5:
+            lines.append(f"  ... and {len(failed) - 5} earlier")
     slowdown = slowdown_lines(report.slowdown, wall_start_ts=report.wall_start_ts, per_save=per_save)
     if slowdown:
         lines += ["", *slowdown]
