@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ettr.procs import running
+
 LOCK_NAME = ".ettr-writer.lock"
 _MAX_HOLDER_BYTES = 4096
 
@@ -135,7 +137,7 @@ def _in_use_line(root: str, holder: dict[str, object], job_id: str) -> str | Non
     pid, host, other = holder.get("pid"), holder.get("host"), holder.get("job_id")
     if other == job_id:
         return None
-    if host == socket.gethostname() and isinstance(pid, int) and not _running(pid):
+    if host == socket.gethostname() and isinstance(pid, int) and not running(pid, None):
         return None  # the writer is gone; what holds its lock is a child it forked
     who = f"job {other}" if isinstance(other, str) else "another job"
     where = f" (pid {pid} on {host})" if isinstance(pid, int) and isinstance(host, str) else ""
@@ -143,13 +145,3 @@ def _in_use_line(root: str, holder: dict[str, object], job_id: str) -> str | Non
         f"checkpoint root {root} is in use by {who}{where}: two jobs writing one root overwrite and resume "
         "each other's checkpoints; give this job its own root, or stop the other job first"
     )
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
