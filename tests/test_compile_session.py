@@ -724,3 +724,34 @@ def test_a_store_too_small_for_the_header_keeps_the_kernels_and_does_not_retry(n
     assert second.last_restore["status"] == "hit"
     assert (cache2 / "ab" / "kernel.so").read_bytes() == b"k" * 100
     rec.close()
+
+
+def test_a_secret_against_an_unsigned_store_is_one_warning_for_both_entries(node, tmp_path, caplog):
+    """ETTR_COMPILE_STORE_SECRET set against a store saved without it refuses the workload's entry and the
+    build's precompiled headers for one cause. Before, that was two warnings (one per entry) for one cause;
+    now one line says both were refused and why, and `last_restore` keeps each entry's own status."""
+    backend = MemoryBackend()
+    _node_with_kernel(node, "first")
+    first, rec = _session(CompileStore(backend), tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    rec.close()
+
+    cache2, headers2 = node("second")
+    second, rec = _session(CompileStore(backend, secret=b"k"), tmp_path)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ettr"):
+        second.prepare()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "ettr: compile store refused the workload's entry and the build's precompiled headers: "
+        "manifest not signed (ETTR_COMPILE_STORE_SECRET is set); compiling from scratch"
+    ]
+    restore = second.last_restore
+    assert restore["status"] == "refused"
+    assert restore["error"] == f"entry {KEY.digest}: manifest not signed (ETTR_COMPILE_STORE_SECRET is set)"
+    assert restore["headers_error"] == (
+        f"entry {KEY.headers_key().digest}: manifest not signed (ETTR_COMPILE_STORE_SECRET is set)"
+    )
+    assert not (cache2 / "ab" / "kernel.so").exists() and not (headers2 / "prefix.h.gch").exists()
+    rec.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -115,10 +116,10 @@ class StoreRestorer:
                 raise refused
         except EntryRefused as exc:
             info.update(status="refused", error=str(exc))
-            logger.warning("ettr: compile store entry refused: %s", exc)
         except Exception as exc:
             info.update(status="error", error=f"{type(exc).__name__}: {exc}")
             logger.warning("ettr: compile store restore failed (%s); compiling from scratch", exc)
+        _warn_refused(info)
         info["duration_s"] = time.time() - begin
         self.last_restore = info
         self._mark(begin, info)
@@ -172,7 +173,6 @@ class StoreRestorer:
                     extra["refused"], entry = exc, None
                     continue
                 extra["headers_error"] = str(exc)  # the build's headers: inductor builds them again
-                logger.warning("ettr: compile store precompiled headers not restored: %s", exc)
                 continue
             restored.append(name)
             num_files, num_bytes = num_files + result.num_written, num_bytes + result.bytes_written
@@ -219,5 +219,29 @@ def _headers_entry(store: CompileStore, key: StoreKey, info: dict[str, Any]) -> 
         return store.head(key.headers_key())
     except EntryRefused as exc:
         info["headers_error"] = str(exc)
-        logger.warning("ettr: compile store precompiled headers refused: %s", exc)
         return None
+
+
+_ENTRY_PREFIX = re.compile(r"^entry [0-9a-f]+: ")
+
+
+def _warn_refused(info: Mapping[str, Any]) -> None:
+    """One warning for what a restore refused. The workload's entry and the build's headers refused for one
+    cause (a secret against an unsigned store, a store of another torch) are one line, not one per entry;
+    `info` keeps each entry's own message (`error`, `headers_error`)."""
+    refused = str(info["error"]) if info.get("status") == "refused" else None
+    headers = info.get("headers_error")
+    if refused is None and headers is None:
+        return
+    if refused is None:
+        logger.warning("ettr: compile store precompiled headers not restored: %s", headers)
+    elif headers is None:
+        logger.warning("ettr: compile store entry refused: %s", refused)
+    else:
+        cause, headers_cause = _ENTRY_PREFIX.sub("", refused), _ENTRY_PREFIX.sub("", str(headers))
+        why = cause if cause == headers_cause else f"{refused}; precompiled headers: {headers}"
+        logger.warning(
+            "ettr: compile store refused the workload's entry and the build's precompiled headers: %s; "
+            "compiling from scratch",
+            why,
+        )

@@ -475,6 +475,8 @@ class CompileStore:
             raise EntryUnreadable(f"entry {digest}: unreadable manifest ({type(exc).__name__})") from None
         if self._secret is not None:
             expected = hmac.new(self._secret, _canonical(manifest), hashlib.sha256).hexdigest()
+            if "hmac" not in manifest:  # saved without a secret: say so, it is the usual cause
+                raise EntryRefused(f"entry {digest}: manifest not signed (ETTR_COMPILE_STORE_SECRET is set)")
             if not hmac.compare_digest(str(manifest.get("hmac", "")), expected):
                 raise EntryRefused(f"entry {digest}: manifest signature does not verify")
         return manifest
