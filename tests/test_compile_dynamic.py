@@ -181,3 +181,60 @@ def test_compile_report_of_several_ranks_says_the_sum_is_over_ranks_and_the_slow
     assert "store: rank 1 restore hit (its files were already on the node)" in text
     one_rank = render(summarize(events[:1]))
     assert "attempt 0: 1 compilations, 66.0 s compiling, 0 recompiles" in one_rank and "rank" not in one_rank
+
+
+def _run_dir_with_a_recompile(run_dir):
+    from ettr.ledger import open_ledger
+
+    ledger = open_ledger(run_dir)
+    ledger.append([Event(EventKind.RECOMPILE, 6.0, 0, 0, data={"reason": "r"})])
+    ledger.close()
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        ("{broken", "(JSONDecodeError: "),
+        (
+            '{"schema": "ettr.compile-dynamic/0", "sources": ["L[\'x\']:0"]}',
+            "(not an ettr.compile-dynamic/1 file)",
+        ),
+        ('{"schema": "ettr.compile-dynamic/1", "sources": "abc"}', "(its sources or reasons are not lists)"),
+        (None, "(ELOOP (Too many levels of symbolic links))"),  # a symlink, never followed
+    ],
+)
+def test_compile_report_says_an_unreadable_job_file_is_unknown_not_none(tmp_path, capsys, content, why):
+    """A damaged or forged `compile/dynamic.json` was reported as `learned dynamic inputs: none`: an
+    unknown said as a wrong answer. Now one line says the file could not be read and why; the rest of the
+    report is still printed (exit status 0: a side file, not the run directory, is bad)."""
+    from ettr.cli import main
+
+    _run_dir_with_a_recompile(tmp_path)
+    path = dynamic.job_file(tmp_path)
+    path.parent.mkdir(parents=True)
+    if content is None:
+        (tmp_path / "elsewhere.json").write_text(
+            '{"schema": "ettr.compile-dynamic/1", "sources": ["L[\'x\']:0"]}'
+        )
+        path.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        path.write_text(content)
+    assert main(["compile-report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("learned dynamic inputs")]
+    assert line.startswith(f"learned dynamic inputs: unknown, {path} could not be read {why}")
+    assert "1 x r" in out and "Traceback" not in out
+    assert main(["compile-report", str(tmp_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["learned_dynamic_sources"] == [] and why in summary["learned_dynamic_error"]
+    assert dynamic.load(path) == ((), [])  # the next attempt learns afresh, as before
+
+
+def test_compile_report_of_a_job_that_learned_nothing_says_none(tmp_path, capsys):
+    from ettr.cli import main
+
+    _run_dir_with_a_recompile(tmp_path)
+    assert main(["compile-report", str(tmp_path)]) == 0
+    assert "learned dynamic inputs: none\n" in capsys.readouterr().out
+    assert main(["compile-report", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["learned_dynamic_error"] is None

@@ -22,6 +22,7 @@ from typing import Any
 
 from ettr import torch_compat
 from ettr.atomic import atomic_write
+from ettr.errors import describe_os_error
 from ettr.untrusted import make_dirs_below, read_json_file
 
 logger = logging.getLogger("ettr")
@@ -147,14 +148,27 @@ def job_file(run_dir: str | os.PathLike[str]) -> Path:
 def load(path: str | os.PathLike[str]) -> tuple[tuple[DynamicSource, ...], list[dict[str, Any]]]:
     """(sources, recompile reasons) kept at `path`; empty when missing or unreadable (never raises: a run
     directory's file may be forged, nested past the recursion limit, huge, a FIFO or a symlink)."""
+    sources, reasons, _error = read(path)
+    return sources, reasons
+
+
+def read(path: str | os.PathLike[str]) -> tuple[tuple[DynamicSource, ...], list[dict[str, Any]], str | None]:
+    """`load`, and why the file could not be read (None when it was, or when there is none: nothing was
+    learned). A report says an unreadable file as such: nothing learned and unknown are not the same."""
     try:
         payload = read_json_file(path, MAX_FILE_BYTES)
-        if payload.get("schema") != SCHEMA:
-            return (), []
-        reasons = [dict(r) for r in payload.get("reasons", []) if isinstance(r, Mapping)]
-        return parse_many(payload.get("sources", [])), reasons
-    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
-        return (), []
+    except FileNotFoundError:
+        return (), [], None
+    except (OSError, ValueError, RecursionError) as exc:
+        if isinstance(exc, OSError) and exc.errno is not None:  # the path is said once, in front
+            exc = OSError(exc.errno, exc.strerror)
+        return (), [], f"{path} could not be read ({describe_os_error(exc)})"
+    if not isinstance(payload, Mapping) or payload.get("schema") != SCHEMA:
+        return (), [], f"{path} could not be read (not an {SCHEMA} file)"
+    sources, reasons = payload.get("sources", []), payload.get("reasons", [])
+    if not isinstance(sources, list) or not isinstance(reasons, list):  # a string's letters are no sources
+        return (), [], f"{path} could not be read (its sources or reasons are not lists)"
+    return parse_many(sources), [dict(r) for r in reasons if isinstance(r, Mapping)], None
 
 
 def save(

@@ -44,8 +44,10 @@ def summarize(
     *,
     learned: tuple[Sequence[dynamic.DynamicSource], Sequence[Mapping[str, Any]]] = ((), ()),
     batch_spec: Any = None,
+    learned_error: str | None = None,
 ) -> dict[str, Any]:
-    """The compile summary of a job's events (`learned`: the job's dynamic sources and reasons file)."""
+    """The compile summary of a job's events (`learned`: the job's dynamic sources and reasons file;
+    `learned_error`: why that file could not be read, then what was learned is unknown, not none)."""
     attempts: dict[int, dict[str, Any]] = {}
     reasons: Counter[str] = Counter()
     for e in events:
@@ -92,5 +94,6 @@ def summarize(
         "learned_dynamic_sources": [s.render() for s in sources],
         "torch_compile_dynamic_sources": dynamic.render(sources),
         "num_learned_reasons": len(learned_reasons),
+        "learned_dynamic_error": learned_error,
         "batch_spec": None if batch_spec is None else fastbatch.spec_to_json(batch_spec)["spec"],
     }

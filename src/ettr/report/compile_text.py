@@ -22,9 +22,11 @@ def load(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     from ettr.report.load import read_events
 
     events = read_events(run_dir)
+    sources, reasons, error = dynamic.read(dynamic.job_file(run_dir))
     return summarize(
         events,
-        learned=dynamic.load(dynamic.job_file(run_dir)),
+        learned=(sources, reasons),
+        learned_error=error,
         batch_spec=fastbatch.load_spec(fastbatch.job_file(run_dir)),
     )
 
@@ -88,7 +90,9 @@ def render(summary: Mapping[str, Any]) -> str:
         lines.append("recompile reasons (most frequent first):")
         for item in summary["recompile_reasons"]:
             lines.append(f"  {item['count']} x {item['reason']}")
-    if summary["learned_dynamic_sources"]:
+    if summary.get("learned_dynamic_error"):  # unknown, not none: the file is there but not readable
+        lines.append(f"learned dynamic inputs: unknown, {summary['learned_dynamic_error']}")
+    elif summary["learned_dynamic_sources"]:
         lines.append("learned dynamic inputs (applied to the next attempt and later jobs):")
         lines.append(f'  TORCH_COMPILE_DYNAMIC_SOURCES="{summary["torch_compile_dynamic_sources"]}"')
     else:
