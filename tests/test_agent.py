@@ -341,6 +341,7 @@ def test_a_failure_while_a_worker_has_not_joined_the_attempt_is_a_process_restar
 def test_a_failure_the_worker_survived_goes_on_in_place_with_nothing_replaced(tmp_path: Path) -> None:
     from ettr.run_env import inplace_failed_path
     from ettr.supervisor.inplace import InPlace, InPlaceCheck
+    from ettr.supervisor.watch import Continued
     from ettr.supervisor.workers import WorkerGroup
 
     workers = [KeptWorker(50), KeptWorker(51)]
@@ -351,6 +352,8 @@ def test_a_failure_the_worker_survived_goes_on_in_place_with_nothing_replaced(tm
     inplace_failed_path(tmp_path, 3, 51).touch()
     assert group.poll() is None
     assert group.continued == InPlace(failed_rank=1, returncode=1, dead=())
+    assert group.continued.survived  # no process exited: the books give no exit status
+    assert group.events() == [Continued(1, at=group.failed_at, survived=True)]
 
 
 def test_a_survived_failure_is_blamed_on_the_rank_whose_own_error_it_was(tmp_path: Path) -> None:

@@ -177,8 +177,11 @@ def test_the_exit_is_detected_when_the_attempt_saw_it() -> None:
 def test_an_attempt_that_goes_on_in_place_ends_at_once_and_nothing_is_signalled() -> None:
     state, actions = WATCH.step(WATCH.start(2), Continued(-9, at=5.0), 5.2)
     assert actions == [] and state.done and state.continued and state.returncode == -9
-    assert state.detected_at == 5.0
+    assert state.detected_at == 5.0 and state.continued is not None and not state.continued.survived
     assert WATCH.step(state, Tick(), 100.0) == (state, [])  # no SIGKILL deadline follows
+    # a raise the process lived on: the runner books no exit status for it
+    raised, _ = WATCH.step(WATCH.start(2), Continued(1, survived=True), 5.2)
+    assert raised.continued is not None and raised.continued.survived
     stopping, _ = WATCH.step(WATCH.start(2), Signalled(TERM, 1), 1.0)
     state, actions = WATCH.step(stopping, Continued(1), 1.1)
     assert actions == [] and not state.continued  # a job being stopped is not restarted in place

@@ -362,6 +362,10 @@ def test_under_ettr_run_a_failed_rank_is_recovered_in_place_and_booked_so(
     report = _report(tmp_path / "run")
     assert report["num_failures"] == 1 and len(report["attempts"]) == 2
     assert [p["kind"] for p in report["ttr_parts"]] == ["in_place"]
+    # a raise exits no process: no exit status is booked (before: "exit status 1 (rank 1): RuntimeError")
+    assert report["attempts"][0]["exit_code"] == (137 if fault == "kill" else None)
+    if fault == "raise":
+        assert "attempt 0 failed: rank 1 raised an exception: RuntimeError: injected failure" in proc.stderr
     assert not any((tmp_path / "memory").iterdir())  # copies and the in-place store removed at the job's end
 
 

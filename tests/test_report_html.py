@@ -497,6 +497,32 @@ def test_a_requeued_runs_wait_is_drawn_as_recovery() -> None:
     assert first and not any("counted as failure" in t for t in first), titles
 
 
+def test_an_attempt_with_no_exit_status_is_titled_so_not_exit_code_none():
+    # An exception a worker survived and that was recovered in place: no process exited (exit_code null).
+    from ettr.report.charts import timeline_svg
+
+    def ev(kind: EventKind, t: float, attempt: int = 0, rank: int = SUPERVISOR_RANK, **kw) -> Event:
+        return Event(kind, T0 + t, attempt, rank, **kw)
+
+    events = [
+        ev(EventKind.SUPERVISOR_START, 0),
+        ev(EventKind.ATTEMPT_START, 1),
+        *(ev(EventKind.STEP, 2 + i, rank=0, step=i + 1) for i in range(3)),
+        ev(
+            EventKind.ATTEMPT_END,
+            5,
+            data={"outcome": "failed", "exit_code": None, "exception": "RuntimeError"},
+        ),
+        ev(EventKind.ATTEMPT_START, 5, 1),
+        *(ev(EventKind.STEP, 6 + i, 1, rank=0, step=4 + i) for i in range(2)),
+        ev(EventKind.ATTEMPT_END, 8, 1, data={"outcome": "completed", "exit_code": 0}),
+        ev(EventKind.JOB_END, 8, 1, data={"exit_status": 0}),
+    ]
+    titles = re.findall(r"<title>([^<]*)</title>", timeline_svg(compute(events, T0 + 8)))
+    assert any(t.startswith("attempt 0: failed, no exit code,") for t in titles), titles
+    assert not any("exit code None" in t for t in titles), titles
+
+
 def test_terminal_escapes_from_the_ledger_are_written_as_escapes():
     """A job id or failure message holding an escape sequence (OSC 52 sets the clipboard of a terminal that
     `cat`s the page; BEL and ESC are not characters XML allows) reads as its escape, as in the text report."""

@@ -27,6 +27,7 @@ from ettr.supervisor.command_output import exception_from_stderr
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times, parse_scontrol_times
 from ettr.supervisor.launch import attempt_launch, detect_launcher, torchrun_command
+from ettr.supervisor.messages import ended_line
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.watchdog import (
     STARTUP,
@@ -138,6 +139,29 @@ def test_exception_type_from_the_last_traceback() -> None:
         "KeyboardInterrupt"
     )
     assert exception_from_stderr(["no traceback here"]) is None
+
+
+def test_a_raise_recovered_in_place_is_booked_with_no_exit_status() -> None:
+    """Under `ettr.resilient` the wrapper catches a rank's exception and its process lives on: nothing
+    exited (before: "exit status 1 (rank 0): RuntimeError", exit_code 1). The cause stays the code's."""
+    failure = Event(
+        EventKind.FAILURE, 1.0, rank=0, data={"exception": "RuntimeError", "message": "bad batch"}
+    )
+    started = [Event(EventKind.PROCESS_START, 0.5, rank=r, data={"pid": 70 + r}) for r in (0, 1)]
+    end = classify(
+        returncode=1, events=[*started, failure], failed_pids=[[70]], raised_in_place=True, wrapper=False
+    )
+    assert (end.outcome, end.exit_code, end.signal) == (Outcome.FAILED, None, None)
+    assert end.exception == "RuntimeError" and end.message == "bad batch"
+    assert end.reason == "rank 0 raised an exception: RuntimeError; recovered in place (its process lived on)"
+    assert ended_line(1, end, "continuing").startswith(
+        "attempt 1 failed: rank 0 raised an exception: RuntimeError: bad batch; recovered in place"
+    )
+    diagnosis = diagnose(outcome=end.outcome, failure=end.to_data(), trained=True)
+    assert (diagnosis.cause.value, diagnosis.detail) == ("user", Detail.EXCEPTION)
+    nothing_known = classify(returncode=1, raised_in_place=True)
+    assert nothing_known.reason == "a rank raised an exception; recovered in place (its process lived on)"
+    assert nothing_known.exit_code is None
 
 
 def test_classify_each_way_an_attempt_ends() -> None:

@@ -127,8 +127,9 @@ def timeline_svg(report: EttReport, *, scale_s: float | None = None) -> str:
             f'<rect x="{fmt_num(x(a.start_ts))}" y="{fmt_num(y(a.index) - 2)}" width="{fmt_num(max(0.0, x(a.end_ts) - x(a.start_ts)))}" '
             f'height="{fmt_num(row_h + 4)}" fill="none" stroke="#9aa3ad" stroke-dasharray="3 2"/>'
         )
+        code = "no exit code" if a.exit_code is None else f"exit code {a.exit_code}"  # not "exit code None"
         title = (
-            f"attempt {a.index}: {a.outcome.value}, exit code {a.exit_code}, {fmt_exact_s(a.duration_s)} "
+            f"attempt {a.index}: {a.outcome.value}, {code}, {fmt_exact_s(a.duration_s)} "
             f"(+{a.start_ts - origin:.3f} s → +{a.end_ts - origin:.3f} s)"
         )
         if (detail := failure_summary(a)) != "":

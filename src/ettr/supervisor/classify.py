@@ -167,6 +167,7 @@ def classify(
     wrapper: bool | str = False,
     stopped_after_rank_failure: bool = False,
     signalled: Sequence[tuple[float, int, str]] = (),
+    raised_in_place: bool = False,
 ) -> AttemptEnd:
     """Classify how an attempt ended.
 
@@ -198,9 +199,14 @@ def classify(
             signalled the job directly, and the script's handler ended it early (with status 0 after a save,
             Lightning's `SIGTERMException`; or 1, torchrun's `SignalException`). Booked preempted unless a
             rank's own failure came first.
+        raised_in_place: the failed rank raised and the wrapper of a resilient job caught it; its process
+            lived on and the attempt goes on in place (`inplace.InPlace.survived`): no process exited, so
+            `returncode` (the interpreter's 1) is no exit status of anything; none is booked.
     """
     sig = -returncode if returncode < 0 else None
-    exit_code = 128 + sig if sig is not None else returncode
+    exit_code: int | None = 128 + sig if sig is not None else returncode
+    if raised_in_place:
+        exit_code = None
     rank_of = {
         e.data["pid"]: e.rank
         for e in events
@@ -236,7 +242,7 @@ def classify(
     shell_said = False  # `behind` is the shell's 128 + N (else torchrun's summary of the failed rank)
     agent_said = False  # `behind` is the signal torchrun's agent said it got
     root_code = torchrun_exitcodes(stderr_tail).get(root, 0) if root is not None else 0
-    if sig is None and returncode != 0:
+    if sig is None and returncode != 0 and not raised_in_place:
         if wrapper:
             behind = wrapped_signal(returncode)
             shell_said = behind is not None
@@ -262,7 +268,9 @@ def classify(
         or exception in _OOM_EXCEPTIONS
         or (returncode != 0 and any(t in tail_text for t in _OOM_TEXT))
     )
-    if sig is not None:
+    if raised_in_place:
+        how = "recovered in place (its process lived on)"
+    elif sig is not None:
         how = f"killed by {signal_name(sig)}"
     elif behind is not None and shell_said and wrapper == "srun":
         how = f"killed by {signal_name(behind)} (its srun task; srun exited {returncode})"
@@ -358,6 +366,11 @@ def classify(
         # preempting it directly. Counted as a preemption, and restarted like a failure.
         outcome = Outcome.PREEMPTED
         reason = f"{how}, not asked of the supervisor (a scheduler or an operator)"
+    elif raised_in_place:  # no exit status: what the rank raised is the failure
+        outcome = Outcome.FAILED
+        who = f"rank {root}" if root is not None else "a rank"
+        what = (" (out of memory)" if oom else "") + (f": {exception}" if exception else "")
+        reason = f"{who} raised an exception{what}; {how}"  # `messages.ended_line` adds the message
     else:
         outcome = Outcome.FAILED
         if root is not None and (len(set(rank_of.values())) > 1 or _world_size(events) > 1):

@@ -79,9 +79,15 @@ class InPlace:
     """The rank whose failure it is (the first that died, else the first that said it failed of its own
     error, else the first that said it failed)."""
     returncode: int
-    """The failed worker's exit status (negative: the signal); 1 for a failure it survived."""
+    """The failed worker's exit status (negative: the signal); 1 for a failure it survived (`survived`)."""
     dead: tuple[int, ...]
     """Local ranks whose processes are gone: each gets a replacement."""
+
+    @property
+    def survived(self) -> bool:
+        """The failed rank raised and its wrapper caught it: no process exited (the books give no exit
+        status, and say it was recovered in place)."""
+        return not self.dead
 
 
 class InPlaceCheck:

@@ -193,7 +193,7 @@ class AttemptRunner:
             attempt=attempt,
             ts=state.detected_at,
             name=FAILURE_DETECTED_MARK,
-            returncode=state.returncode,
+            returncode=None if state.continued and state.continued.survived else state.returncode,
             **fault,
         )
         if state.continued:  # its processes go on into the next attempt: nothing is torn down
@@ -225,6 +225,7 @@ class AttemptRunner:
             wrapper=wrapper_name(launch.argv),
             stopped_after_rank_failure=state.rank_failed,
             signalled=self._outside_signals(state, attempt),
+            raised_in_place=bool(state.continued and state.continued.survived),
         )
         end = p.peers.settle(attempt, end, state.peer_reason, p.signals)
         steps = [

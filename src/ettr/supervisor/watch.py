@@ -96,12 +96,12 @@ class Exited:
 
 @dataclass(frozen=True)
 class Continued:
-    """A worker failed and the attempt's other processes go on in place (`ettr.supervisor.inplace`): the
-    attempt is over as far as the books go (`returncode`: the failed worker's; `at`: when the attempt saw
-    it), but nothing is torn down; the next attempt continues in the same processes."""
+    """A worker failed and the others go on in place (`ettr.supervisor.inplace`): the attempt is over as far
+    as the books go, but nothing is torn down; the next attempt continues in the same processes."""
 
-    returncode: int
-    at: float | None = None
+    returncode: int  # the failed worker's (1 where it raised and lived on: `survived`)
+    at: float | None = None  # when the attempt saw the failure
+    survived: bool = False  # the failed rank raised and its wrapper caught it: no process exited
 
 
 @dataclass(frozen=True)
@@ -195,8 +195,8 @@ class WatchState:
     """The command exited and processes of the job still run: they get the rest of the grace."""
     asked: bool = False
     """The job was asked to stop (SIGTERM, or the terminal's SIGINT): a process still running has its grace."""
-    continued: bool = False
-    """The attempt ended in a failure its other processes survived: the next attempt goes on in them."""
+    continued: Continued | None = None
+    """The failure it ended in, which its other processes survived: the next attempt goes on in them."""
 
     @property
     def done(self) -> bool:
@@ -265,7 +265,7 @@ class AttemptWatch:
                 if state.exited or state.stopping:
                     return state, []
                 at = event.at if event.at is not None else now
-                return replace(state, returncode=event.returncode, detected_at=at, continued=True), []
+                return replace(state, returncode=event.returncode, detected_at=at, continued=event), []
             case Signalled():
                 return self._signalled(state, event, now)
             case Hung():

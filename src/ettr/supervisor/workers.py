@@ -162,7 +162,7 @@ class WorkerGroup:
             return [Exited(returncode, at=self.failed_at)]
         if self.continued is not None and not self._continued_told:
             self._continued_told = True
-            return [Continued(self.continued.returncode, at=self.failed_at)]
+            return [Continued(self.continued.returncode, at=self.failed_at, survived=self.continued.survived)]
         return [Exiting()] if self.exiting() else []
 
     def poll(self) -> int | None:
