@@ -667,6 +667,18 @@ def test_explicit_phases_are_not_recorded_twice(hooked: tuple[Any, Recorder, Any
     assert commits == []  # the script commits its own saves
 
 
+def _one_step_at_a_time() -> Any:
+    """A hooked optimizer's training step, one call each (a tiny model)."""
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train() -> None:
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+
+    return train
+
+
 def test_optimizer_steps_after_a_resume_recorded_by_unhooked_code_count_on_from_it(
     hooked: tuple[Any, Recorder, Any],
 ) -> None:
@@ -675,12 +687,10 @@ def test_optimizer_steps_after_a_resume_recorded_by_unhooked_code_count_on_from_
     # optimizer hook (the script's own 41 came after it): one step too many, and a resume from scratch
     # for books that go by the first step.
     hooks, rec, ledger = hooked
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = _one_step_at_a_time()
     rec.resumed_from(40)
     for step in (41, 42):
-        model(torch.randn(2, 4)).sum().backward()
-        optimizer.step()
+        train()
         rec.step(step)
     steps = [e.step for e in _events(rec, ledger, {EventKind.STEP})]
     assert steps == [41, 41, 42]  # the hook's guess and the script's own agree; then only the script's
@@ -690,13 +700,10 @@ def test_a_resume_recorded_after_steps_were_counted_does_not_renumber_them(
     hooked: tuple[Any, Recorder, Any],
 ) -> None:
     hooks, rec, ledger = hooked
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = _one_step_at_a_time()
     for _ in range(2):
-        model(torch.randn(2, 4)).sum().backward()
-        optimizer.step()
+        train()
     rec.resumed_from(40)  # late: the steps already taken are not this resume's
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
+    train()
     steps = [e.step for e in _events(rec, ledger, {EventKind.STEP})]
     assert steps == [1, 2, 3]

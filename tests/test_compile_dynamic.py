@@ -238,3 +238,30 @@ def test_compile_report_of_a_job_that_learned_nothing_says_none(tmp_path, capsys
     assert "learned dynamic inputs: none\n" in capsys.readouterr().out
     assert main(["compile-report", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["learned_dynamic_error"] is None
+
+
+@pytest.mark.parametrize("content", ["{broken", '{"spec": 5}', None])
+def test_compile_report_says_an_unreadable_fast_batch_spec_is_unknown_not_none(tmp_path, capsys, content):
+    """A damaged, forged or symlinked `compile/batch_spec.json` was reported as `fast-batch spec: none`, as if
+    the job had kept none: it is unknown, said with why; a run without one still says none."""
+    from ettr.cli import main
+    from ettr.compile import fastbatch
+
+    _run_dir_with_a_recompile(tmp_path)
+    assert main(["compile-report", str(tmp_path)]) == 0
+    assert "fast-batch spec: none" in capsys.readouterr().out
+    path = fastbatch.job_file(tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if content is None:
+        (tmp_path / "elsewhere.json").write_text("{}")
+        path.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        path.write_text(content)
+    assert main(["compile-report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("fast-batch spec")]
+    assert line.startswith(f"fast-batch spec: unknown, {path} could not be read (")
+    assert main(["compile-report", str(tmp_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["batch_spec"] is None and "could not be read" in summary["batch_spec_error"]
+    assert fastbatch.load_spec(path) is None  # the next attempt keeps a spec afresh, as before

@@ -76,6 +76,15 @@ def _node_with_kernel(node: Any, name: str) -> tuple[Path, Path]:
     return cache, headers
 
 
+def _saved_first(node: Any, store: CompileStore, tmp_path: Path) -> None:
+    """Node "first" compiled one kernel and saved it (and the build's header) to `store`."""
+    _node_with_kernel(node, "first")
+    first, rec = _session(store, tmp_path)
+    _compiled_something(first)
+    assert first.save() is True
+    rec.close()
+
+
 def test_save_on_one_node_restore_on_a_fresh_one_skip_on_the_same_one(node, tmp_path):
     backend = CountingBackend()
     store = CompileStore(backend)
@@ -615,11 +624,7 @@ def test_a_damaged_stored_file_is_refused_once_and_the_next_save_repairs_the_sto
     and every later job was refused, for good (nanoGPT: compiled cold, 45 s to its first step instead of 5 s)."""
     backend = MemoryBackend()
     store = CompileStore(backend)
-    _node_with_kernel(node, "first")
-    first, rec = _session(store, tmp_path)
-    _compiled_something(first)
-    assert first.save() is True
-    rec.close()
+    _saved_first(node, store, tmp_path)
     if damaged == artifacts.INDUCTOR_ARCHIVE:
         stored = store.head(KEY).artifacts[damaged]["ab/kernel.so"]
         bad = b"K" * 100  # same size, other bytes
@@ -668,11 +673,7 @@ def test_a_workload_entry_written_for_another_key_is_refused_and_the_builds_head
     byte from one build to the next)."""
     backend = MemoryBackend()
     store = CompileStore(backend)
-    _node_with_kernel(node, "first")
-    first, rec = _session(store, tmp_path)
-    _compiled_something(first)
-    assert first.save() is True
-    rec.close()
+    _saved_first(node, store, tmp_path)
     path = f"{KEY.digest}/manifest.json"
     manifest = json.loads(backend.read(path))
     manifest["key"]["torch_version"] = "2.12.0"  # as if made by another torch
@@ -731,11 +732,7 @@ def test_a_secret_against_an_unsigned_store_is_one_warning_for_both_entries(node
     build's precompiled headers for one cause. Before, that was two warnings (one per entry) for one cause;
     now one line says both were refused and why, and `last_restore` keeps each entry's own status."""
     backend = MemoryBackend()
-    _node_with_kernel(node, "first")
-    first, rec = _session(CompileStore(backend), tmp_path)
-    _compiled_something(first)
-    assert first.save() is True
-    rec.close()
+    _saved_first(node, CompileStore(backend), tmp_path)
 
     cache2, headers2 = node("second")
     second, rec = _session(CompileStore(backend, secret=b"k"), tmp_path)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ettr.atomic import atomic_write
+from ettr.errors import describe_os_error
 from ettr.untrusted import make_dirs_below, read_json_file
 
 SCHEMA = "ettr.batch-spec/1"
@@ -207,7 +208,17 @@ def save_spec(path: str | os.PathLike[str], spec: BatchSpec) -> None:
 
 def load_spec(path: str | os.PathLike[str]) -> BatchSpec | None:
     """The spec kept at `path`, or None when missing, unreadable, or refused by `spec_from_json`."""
+    return read_spec(path)[0]
+
+
+def read_spec(path: str | os.PathLike[str]) -> tuple[BatchSpec | None, str | None]:
+    """`load_spec`, and why the file could not be read (None when it was, or when there is none): a report
+    says an unreadable spec as such, not as no spec."""
     try:  # never through a symlink, never a wait on a FIFO, bounded in size and depth
-        return spec_from_json(read_json_file(path, MAX_SPEC_FILE_BYTES))
-    except (OSError, ValueError):
-        return None
+        return spec_from_json(read_json_file(path, MAX_SPEC_FILE_BYTES)), None
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, RecursionError) as exc:
+        if isinstance(exc, OSError) and exc.errno is not None:  # the path is said once, in front
+            exc = OSError(exc.errno, exc.strerror)
+        return None, f"{path} could not be read ({describe_os_error(exc)})"

@@ -23,12 +23,10 @@ def load(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
     events = read_events(run_dir)
     sources, reasons, error = dynamic.read(dynamic.job_file(run_dir))
-    return summarize(
-        events,
-        learned=(sources, reasons),
-        learned_error=error,
-        batch_spec=fastbatch.load_spec(fastbatch.job_file(run_dir)),
-    )
+    spec, spec_error = fastbatch.read_spec(fastbatch.job_file(run_dir))
+    summary = summarize(events, learned=(sources, reasons), learned_error=error, batch_spec=spec)
+    summary["batch_spec_error"] = spec_error  # unknown, not none: the file is there but not readable
+    return summary
 
 
 def _number(value: Any) -> float | None:
@@ -97,7 +95,10 @@ def render(summary: Mapping[str, Any]) -> str:
         lines.append(f'  TORCH_COMPILE_DYNAMIC_SOURCES="{summary["torch_compile_dynamic_sources"]}"')
     else:
         lines.append("learned dynamic inputs: none")
-    lines.append(
-        "fast-batch spec: " + ("kept from the first real batch" if summary["batch_spec"] else "none")
-    )
+    if summary.get("batch_spec_error"):
+        lines.append(f"fast-batch spec: unknown, {summary['batch_spec_error']}")
+    else:
+        lines.append(
+            "fast-batch spec: " + ("kept from the first real batch" if summary["batch_spec"] else "none")
+        )
     return printable("\n".join(lines))  # reasons, errors, sources: the job's words, never its escapes
