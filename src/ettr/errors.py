@@ -23,3 +23,10 @@ def describe_os_error(exc: BaseException) -> str:
     if "database or disk is full" in str(exc):
         return f"ENOSPC ({os.strerror(errno.ENOSPC)}): {type(exc).__name__}: {exc}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def unreadable(path: object, exc: BaseException) -> str:
+    """`PATH could not be read (why)`, the path said once, in front (an OSError's own filename left out)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        exc = OSError(exc.errno, exc.strerror)
+    return f"{path} could not be read ({describe_os_error(exc)})"

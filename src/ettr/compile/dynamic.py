@@ -22,7 +22,7 @@ from typing import Any
 
 from ettr import torch_compat
 from ettr.atomic import atomic_write
-from ettr.errors import describe_os_error
+from ettr.errors import unreadable
 from ettr.untrusted import make_dirs_below, read_json_file
 
 logger = logging.getLogger("ettr")
@@ -160,9 +160,7 @@ def read(path: str | os.PathLike[str]) -> tuple[tuple[DynamicSource, ...], list[
     except FileNotFoundError:
         return (), [], None
     except (OSError, ValueError, RecursionError) as exc:
-        if isinstance(exc, OSError) and exc.errno is not None:  # the path is said once, in front
-            exc = OSError(exc.errno, exc.strerror)
-        return (), [], f"{path} could not be read ({describe_os_error(exc)})"
+        return (), [], unreadable(path, exc)
     if not isinstance(payload, Mapping) or payload.get("schema") != SCHEMA:
         return (), [], f"{path} could not be read (not an {SCHEMA} file)"
     sources, reasons = payload.get("sources", []), payload.get("reasons", [])

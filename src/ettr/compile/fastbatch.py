@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ettr.atomic import atomic_write
-from ettr.errors import describe_os_error
+from ettr.errors import unreadable
 from ettr.untrusted import make_dirs_below, read_json_file
 
 SCHEMA = "ettr.batch-spec/1"
@@ -219,6 +219,4 @@ def read_spec(path: str | os.PathLike[str]) -> tuple[BatchSpec | None, str | Non
     except FileNotFoundError:
         return None, None
     except (OSError, ValueError, RecursionError) as exc:
-        if isinstance(exc, OSError) and exc.errno is not None:  # the path is said once, in front
-            exc = OSError(exc.errno, exc.strerror)
-        return None, f"{path} could not be read ({describe_os_error(exc)})"
+        return None, unreadable(path, exc)
