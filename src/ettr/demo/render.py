@@ -146,6 +146,8 @@ def story_lines(story: Story) -> list[str]:
             f"  {rp.side:<10} measured ETT {rp.measured_ett_pct:.1f}%, predicted {rp.predicted_ett_pct:.1f}% "
             f"({fmt_signed(rp.predicted_ett_pct - rp.measured_ett_pct)} points: {verdict} 2)"
         )
+        if not rp.ok and rp.speed_note:
+            lines.append(f"  {'':<10} {rp.speed_note}")
     lines += ["", f"projected from the measured profiles to {_fleet_title(story.fleet)}:"]
     for p in story.projection:
         ttr = fmt_s(p.mean_ttr_s)

@@ -138,6 +138,9 @@ class Replay:
     side: str
     measured_ett_pct: float
     predicted_ett_pct: float
+    speed_note: str | None = None
+    """Where the run's lost steps ran at another speed than its mean (`Profile.speed_note`): what the
+    replay, at one speed, cannot reproduce."""
 
     @property
     def ok(self) -> bool:
@@ -396,7 +399,12 @@ def _replay_and_project(
             continue
         predicted = replay(profile.params, profile.script)
         replays.append(
-            Replay(side=name, measured_ett_pct=profile.measured_ett_pct, predicted_ett_pct=predicted.ett_pct)
+            Replay(
+                side=name,
+                measured_ett_pct=profile.measured_ett_pct,
+                predicted_ett_pct=predicted.ett_pct,
+                speed_note=profile.speed_note(),
+            )
         )
         params = replace(
             profile.params,

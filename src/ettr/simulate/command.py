@@ -597,10 +597,15 @@ def _replay(params: JobParams, profile: Any) -> tuple[dict[str, Any], str, dict[
         "ett_pct": profile.measured_ett_pct,
         "buckets_pct": profile.measured_buckets_pct,
         "wall_s": profile.measured_wall_s,
+        "lost_step_s": profile.lost_step_s,
+        "num_lost_steps": profile.num_lost_steps,
     }
     text = "replay of the job's own failures\n" + render_replay(
         predicted, profile.measured_ett_pct, profile.measured_buckets_pct
     )
+    note = profile.speed_note()
+    if note is not None:
+        text += f"\n  ({note})"
     return payload, text, {"summaries": [("replayed", predicted)], "measured": profile.measured_buckets_pct}
 
 

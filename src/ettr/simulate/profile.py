@@ -47,6 +47,26 @@ class Profile:
     """Attempts that failed (not preempted): what the failure rate was measured from."""
     num_preempted: int = 0
     """Attempts preempted: what the preemption rate was measured from."""
+    lost_step_s: float | None = None
+    """Seconds a lost step took in the run (the interrupted attempts' steps after their newest commit, less
+    blocking and evaluation phases, per step); None: no step was lost. A replay trains every step at
+    `params.step_s`, the job's mean: where load or warm-up made the lost steps faster or slower than that,
+    the replay's `wasted_progress` differs from the measured by the difference (`speed_note`)."""
+    num_lost_steps: int = 0
+
+    def speed_note(self, *, tolerance: float = 0.10) -> str | None:
+        """One line where the run's lost steps ran at another speed than the job's mean (by more than
+        `tolerance`): what a replay at one speed cannot reproduce; None otherwise."""
+        mean_s, lost_s = self.params.step_s, self.lost_step_s
+        if lost_s is None or mean_s <= 0 or abs(lost_s / mean_s - 1.0) <= tolerance:
+            return None
+        gap_s = self.num_lost_steps * (mean_s - lost_s)
+        return (
+            f"the replay trains every step at the job's mean {mean_s * 1e3:.1f} ms; its {self.num_lost_steps} "
+            f"lost steps ran at {lost_s * 1e3:.1f} ms a step (the machine's load, warm-up after restarts), so "
+            f"the replay books {abs(gap_s):.1f} s {'more' if gap_s > 0 else 'less'} wasted_progress for them "
+            "than the run did"
+        )
 
     @property
     def failure_rate_measured(self) -> bool:
@@ -201,12 +221,7 @@ def _script(
             tails.append(tail)
         # What the attempt's own newest commit held: a fixed interval's phase in the model would differ
         # from the measured saves (an `auto` interval's above all) by up to an interval of lost work.
-        committed = [
-            c.step
-            for c in report.checkpoint_commits
-            if c.attempt == a.index and c.step is not None and c.step <= (a.last_step or 0)
-        ]
-        kept_steps = max(0, max(committed, default=a.resumed_from_step or 0) - (a.resumed_from_step or 0))
+        kept_steps = max(0, _newest_commit(report, a) - (a.resumed_from_step or 0))
         script.append(
             ScriptedFault(
                 preemption=preempted,
@@ -220,6 +235,40 @@ def _script(
     if script and counts_as_failure(report.attempts[-1].outcome):
         script[-1] = replace(script[-1], ends_job=True)
     return script, tails
+
+
+def _newest_commit(report: EttReport, a: AttemptReport) -> int:
+    """The step the attempt's own newest commit held by its last step (its resume step without one)."""
+    committed = [
+        c.step
+        for c in report.checkpoint_commits
+        if c.attempt == a.index and c.step is not None and c.step <= (a.last_step or 0)
+    ]
+    return max(committed, default=a.resumed_from_step or 0)
+
+
+def _lost_steps(report: EttReport, by_attempt: dict[int, list[Event]]) -> tuple[float, int]:
+    """(seconds, steps) of the interrupted attempts' steps after their newest commit, as the reference rank
+    ran them: the span of their STEP events less blocking and evaluation phases in it."""
+    seconds, steps = 0.0, 0
+    for a in report.attempts:
+        if not counts_as_failure(a.outcome) or a.last_step is None:
+            continue
+        kept = _newest_commit(report, a)
+        rank_events = by_attempt.get(a.index, [])
+        marks = sorted((e.ts, e.step) for e in rank_events if e.kind is EventKind.STEP and e.step is not None)
+        start = next((ts for ts, step in reversed(marks) if step <= kept), None)
+        lost = [(ts, step) for ts, step in marks if step > kept]
+        if start is None and a.training_start_ts is not None and kept == (a.resumed_from_step or 0):
+            start = a.training_start_ts  # nothing kept: lost from the training start
+        if start is None or not lost:
+            continue
+        end = lost[-1][0]
+        spent = end - start - _blocked_in(rank_events, start, end)
+        if spent > 0 and math.isfinite(spent):
+            seconds += spent
+            steps += a.last_step - kept
+    return seconds, steps
 
 
 def _gaps(report: EttReport, teardowns: dict[int, float]) -> tuple[list[float], list[float]]:
@@ -257,6 +306,7 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
     teardowns = _teardowns(report)
     gaps_fail, gaps_preempt = _gaps(report, teardowns)
     script, tails = _script(report, last_step_ts, step_s, teardowns)
+    lost_s, num_lost = _lost_steps(report, by_attempt)
     wall_days = report.wall_s / SECONDS_PER_DAY if report.wall_s > 0 else 0.0
     num_preempted = sum(1 for a in report.attempts if a.outcome is Outcome.PREEMPTED)
     num_failed = report.num_failures - num_preempted
@@ -299,6 +349,8 @@ def profile_from_events(events: Sequence[Event], report: EttReport) -> Profile:
         notes=tuple(notes),
         num_failed=num_failed,
         num_preempted=num_preempted,
+        lost_step_s=lost_s / num_lost if num_lost and lost_s > 0 else None,
+        num_lost_steps=num_lost,
     )
 
 
