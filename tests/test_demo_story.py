@@ -263,3 +263,29 @@ def test_the_demo_page_tells_the_story_in_headless_chromium(tmp_path):
     # The technique waterfall paints its savings green and its totals slate; the TTR bars in bucket colours.
     assert _has_colour(rgb, "#2ca02c", min_pixels=200) and _has_colour(rgb, "#39424e", min_pixels=200)
     assert _has_colour(rgb, "#6b5fc7", min_pixels=100)  # compile, in the recovery bars
+
+
+def test_a_replay_not_within_two_points_says_why_where_the_lost_steps_ran_at_another_speed(tmp_path):
+    """The replay line of a side whose lost steps ran at another speed than its mean (the replay trains at
+    one) carries the profile's line; a replay within 2 points does not need it."""
+    from dataclasses import replace
+
+    from ettr.ledger import open_ledger
+
+    for name, events in (("baseline", BASE), ("optimized", OPT)):
+        ledger = open_ledger(tmp_path / name)
+        ledger.append(events)
+        ledger.close()
+    story = demo_story.build_story(
+        tmp_path / "baseline", tmp_path / "optimized", fleet=demo_story.FleetScale(runs=3, days=1.0)
+    )
+    note = "its 600 lost steps ran at 67.1 ms a step"
+    off = demo_story.Replay(side="baseline", measured_ett_pct=40.0, predicted_ett_pct=37.5, speed_note=note)
+    close = demo_story.Replay(
+        side="optimized", measured_ett_pct=60.0, predicted_ett_pct=59.5, speed_note=note
+    )
+    story = replace(story, replays=(off, close))
+    text = "\n".join(story_lines(story))
+    assert "NOT within 2" in text and text.count(note) == 1
+    (html,) = story_sections(story)
+    assert f"no: {note}" in html and html.count(note) == 1

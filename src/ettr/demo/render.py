@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ettr.demo.story import STEP_SPEED_BOUND_PCT, Audit, EqualSpeed, FleetScale, Story
+from ettr.demo.story import STEP_SPEED_BOUND_PCT, Audit, EqualSpeed, FleetScale, Replay, Story
 from ettr.events import Bucket
 from ettr.report.steptime import fmt_step
 from ettr.report.svg import (
@@ -265,6 +265,12 @@ def _recovery_svg(story: Story) -> str:
     return svg_element(y + 4, body, label="time to recover by bucket, both sides")
 
 
+def _replay_verdict(r: Replay) -> str:
+    if r.ok:
+        return "yes"
+    return f"no: {esc(r.speed_note)}" if r.speed_note else "no"
+
+
 def _projection_table(story: Story) -> str:
     rows = "".join(
         f"<tr><td>{esc(p.side)}</td><td class=num>{p.ett_pct:.1f}%</td>"
@@ -274,7 +280,7 @@ def _projection_table(story: Story) -> str:
     )
     replays = "".join(
         f"<tr><td>{esc(r.side)}</td><td class=num>{r.measured_ett_pct:.1f}%</td><td class=num>{r.predicted_ett_pct:.1f}%</td>"
-        f"<td class=num>{fmt_signed(r.predicted_ett_pct - r.measured_ett_pct)}</td><td>{'yes' if r.ok else 'no'}</td></tr>"
+        f"<td class=num>{fmt_signed(r.predicted_ett_pct - r.measured_ett_pct)}</td><td>{_replay_verdict(r)}</td></tr>"
         for r in story.replays
     )
     return (
