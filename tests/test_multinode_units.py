@@ -594,3 +594,72 @@ def test_an_attempt_whose_rendezvous_timed_out_names_the_nodes_that_never_joined
     )
     ledger.append([Event(EventKind.PROCESS_START, 2.0, 0, 0, data={"pid": 5})])  # its ranks ran: not that
     assert leader.settle(0, timed_out, None, _CountingSignals()) == timed_out  # type: ignore[arg-type]
+
+
+def test_node_0s_hang_reason_names_what_each_nodes_ranks_were_doing(tmp_path: Path) -> None:
+    """Field trial (the DDP tutorial's multinode.py, two nodes, rank 1 on node 1 SIGSTOPped): node 0 found
+    the hang first and booked `rank 0 (pid P) quiet 20.0 s, ..., asleep (waiting: a collective ...)`, the
+    victim's side only; node 1's own end said `rank 1 ... stopped (SIGSTOP or SIGTSTP)`, 2 s later, in a mark
+    no report shows. Node 0 now waits for the peers' ends and adds each node's ranks to the reason."""
+    import time
+
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd, classify
+
+    mine = classify(
+        returncode=1,
+        hung_after_s=20.0,
+        hung_ranks="rank 0 (pid 11) quiet 20.0 s, asleep (waiting: a collective)",
+    )
+    assert mine.outcome is Outcome.HUNG and mine.to_data()["hung_ranks"].startswith("rank 0 (pid 11)")
+    assert AttemptEnd.from_data(mine.to_data()).hung_ranks == mine.hung_ranks
+    theirs = classify(
+        returncode=137, hung_after_s=20.1, hung_ranks="rank 1 (pid 12) quiet 20.7 s, stopped (SIGSTOP)"
+    )
+
+    command = (*TORCHRUN[:3], "0", *TORCHRUN[4:], "train.py")
+    config = RunConfig(command=command, ledger_url="sqlite:///x.db", job_id="j", peer_timeout_s=4.0)
+    now = time.time()
+
+    def settle(*marks: Event, end_while_waiting: bool = False) -> AttemptEnd:
+        leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+        ledger = MemoryLedger(list(marks))
+        leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+        signals = _CountingSignals()
+
+        def node_1_ends(timeout_s: float) -> None:  # node 1 finds the same silence and ends its part
+            signals.waits.append(timeout_s)
+            ledger.append([peers.node_mark(peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=time.time(),
+                                           **theirs.to_data())])  # fmt: skip
+
+        if end_while_waiting:
+            signals.wait = node_1_ends  # type: ignore[method-assign]
+        return leader.settle(0, mine, None, signals)  # type: ignore[arg-type]
+
+    joined = peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=now, supervisor_pid=7)
+    end = settle(joined, end_while_waiting=True)
+    assert end.outcome is Outcome.HUNG
+    assert end.reason.startswith(mine.reason)
+    assert end.reason.endswith("; node 1: rank 1 (pid 12) quiet 20.7 s, stopped (SIGSTOP)")
+    assert end.hung_ranks == f"{mine.hung_ranks}; node 1: rank 1 (pid 12) quiet 20.7 s, stopped (SIGSTOP)"
+    # a peer whose part ended without describing its ranks (its torchrun lost the store first): unknown
+    failed = peers.node_mark(
+        peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=now, outcome="failed", exit_code=1, reason="x"
+    )
+    assert settle(joined, failed).reason.endswith("; node 1: its ranks unknown (its part ended failed)")
+    # a peer that never joined the attempt adds nothing, and is not waited for
+    assert settle().reason == mine.reason
+
+
+def test_the_text_report_says_a_hangs_ranks_once() -> None:
+    """`hung_ranks` ends the hang's reason: the text report printed it a second time, node 0's alone, as
+    `hung_ranks=rank 0 ... asleep` under the reason that named every node's ranks."""
+    from ettr.report.text import _failure_lines
+
+    failure = {
+        "reason": "no progress ...; rank 0 asleep; node 1: rank 1 stopped",
+        "hung_ranks": "rank 0 asleep",
+    }
+    lines = _failure_lines(0, "hung", failure)
+    assert lines == ["  attempt 0 hung: no progress ...; rank 0 asleep; node 1: rank 1 stopped"]

@@ -239,7 +239,16 @@ def _delta(values: Sequence[float | None], fmt: str) -> str:
     return fmt_signed(second - first, digits=int(fmt.split(".")[1][0]) if "." in fmt else 0)
 
 
-_SHOWN_FAILURE_KEYS = ("exception", "message", "stderr_tail", "reason", "process_failure", "injected")
+# (`hung_ranks` is at the end of the reason already)
+_SHOWN_FAILURE_KEYS = (
+    "exception",
+    "message",
+    "stderr_tail",
+    "reason",
+    "process_failure",
+    "injected",
+    "hung_ranks",
+)
 
 
 def _failure_lines(index: int, outcome: str, failure: Mapping[str, Any], num_tail: int = 3) -> list[str]:

@@ -213,6 +213,8 @@ class LeaderPeers:
         if end.outcome is Outcome.FAILED and not node.books.attempt_events(attempt):  # no rank started:
             if waited := node.absent(attempt):  # torchrun's rendezvous timed out waiting for them
                 return replace(end, reason=f"{end.reason} ({waited})")
+        if end.outcome is Outcome.HUNG:
+            return self._with_peers_ranks(attempt, end, signals)
         if end.outcome is Outcome.FAILED and consequence_of_a_peer(end):
             behind = self._peer_behind(attempt, signals)
             if behind is not None:
@@ -244,6 +246,37 @@ class LeaderPeers:
             if signals.first is not None:
                 return end
             signals.wait(node.poll_s)
+
+    def _with_peers_ranks(self, attempt: int, end: AttemptEnd, signals: SupervisorSignals) -> AttemptEnd:
+        """This node found the attempt hung: its reason names what this node's ranks were doing, which in a
+        collective hang is only the victims' side (asleep in the collective) while the rank that stopped runs
+        on another node. Each node's supervisor finds the same silence in the ledger and describes its own
+        ranks (only it can read their state): add each peer's description to the reason. Waits while a peer
+        that joined the attempt has neither ended its part nor gone silent, at most the peer timeout (the
+        next attempt waits for that peer's part to end anyway)."""
+        node = self.node
+        begin = time.time()
+        timeout_s = node.config.peer_timeout_s
+        view = node.view
+        while True:
+            now = time.time()
+            node.beat(attempt, now)
+            view = node.look(now, force=True) or view
+            waiting = [
+                n
+                for n in node.role.peers
+                if (attempt, n) in view.node_joined
+                and (attempt, n) not in view.node_ends
+                and now - view.last_beat.get(n, 0.0) <= timeout_s
+            ]
+            if not waiting or now - begin > timeout_s + node.interval_s or signals.first is not None:
+                break
+            signals.wait(node.poll_s)
+        said = peers.peers_hung_ranks(view, attempt, node.role.peers)
+        if not said:
+            return end
+        ranks = f"{end.hung_ranks}; {said}" if end.hung_ranks else said
+        return replace(end, reason=f"{end.reason}; {said}", hung_ranks=ranks)
 
     def _peer_behind(self, attempt: int, signals: SupervisorSignals) -> str | None:
         """This node's part failed in a collective: the peer behind it, if one failed or was lost (a node

@@ -194,6 +194,25 @@ def failed_peer(view: PeerView, attempt: int, peers: Sequence[int]) -> tuple[int
     return None
 
 
+def peers_hung_ranks(view: PeerView, attempt: int, peers: Sequence[int]) -> str:
+    """What the ranks of each of `peers` that joined `attempt` were doing when their node found it hung
+    (`node R: rank 1 (pid P) quiet 20.7 s, ..., stopped (SIGSTOP or SIGTSTP)`), as their node_attempt_end
+    said; a node that said nothing of them is named as unknown. "" when no peer joined the attempt."""
+    said = []
+    for node in peers:
+        if (attempt, node) not in view.node_joined:
+            continue
+        data = view.node_ends.get((attempt, node)) or {}
+        ranks = data.get("hung_ranks")
+        if isinstance(ranks, str) and ranks:
+            said.append(f"node {node}: {ranks[:2000]}")
+        elif data:
+            said.append(f"node {node}: its ranks unknown (its part ended {data.get('outcome')})")
+        else:
+            said.append(f"node {node}: its ranks unknown (its part has not ended)")
+    return "; ".join(said)
+
+
 def open_attempt(view: PeerView, *, after: int) -> int | None:
     """The newest attempt > `after` with a published rendezvous and no ATTEMPT_END (one to join)."""
     open_ = [a for a in view.ports if a > after and a not in view.ended]
