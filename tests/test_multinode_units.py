@@ -663,3 +663,37 @@ def test_the_text_report_says_a_hangs_ranks_once() -> None:
     }
     lines = _failure_lines(0, "hung", failure)
     assert lines == ["  attempt 0 hung: no progress ...; rank 0 asleep; node 1: rank 1 stopped"]
+
+
+def test_a_peer_preempted_makes_the_attempt_preempted_not_a_counted_failure(tmp_path: Path) -> None:
+    """Field trial: node 1's supervisor got SIGTERM (its node preempted) and booked its part `preempted`;
+    node 0 booked the attempt `failed` and spent one of the job's restarts on it ("restarting in 0 s (1 of
+    3)"), where a preemption of the job's processes is restarted uncounted."""
+    import time
+
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+    from ettr.supervisor.policy import EndedAttempt, RestartPolicy
+
+    command = (*TORCHRUN[:3], "0", *TORCHRUN[4:], "train.py")
+    config = RunConfig(command=command, ledger_url="sqlite:///x.db", job_id="j", peer_timeout_s=4.0)
+    leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+    now = time.time()
+    joined = peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=now, supervisor_pid=7)
+    preempted = peers.node_mark(
+        peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=now, outcome="preempted", exit_code=143,
+        signal="SIGTERM", reason="SIGTERM forwarded to the job; SIGTERM to torchrun, which stopped its workers",
+    )  # fmt: skip
+    ledger = MemoryLedger([joined, preempted])
+    leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    reason = leader.check(0, now, now - 5)
+    assert reason is not None and reason.startswith("node 1's part ended preempted")
+    stopped = AttemptEnd(outcome=Outcome.FAILED, exit_code=1, reason="SIGTERM to torchrun", signal="SIGTERM")
+    end = leader.settle(0, stopped, reason, _CountingSignals())  # type: ignore[arg-type]
+    assert end.outcome is Outcome.PREEMPTED
+    decision = RestartPolicy(max_restarts=1).decide(EndedAttempt(attempt=0, end=end, made_progress=True))
+    assert decision.restart and "not counted" in decision.why
+    for theirs, ours in (("hung", Outcome.HUNG), ("failed", Outcome.FAILED), ("forged", Outcome.FAILED)):
+        leader.node.peer_end = {"outcome": theirs}
+        assert leader.node.peer_ended(stopped, "x").outcome is ours

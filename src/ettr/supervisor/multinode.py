@@ -69,6 +69,10 @@ def peers_for(config: RunConfig) -> Peers:
     return LeaderPeers(config, role) if role.leader else FollowerPeers(config, role)
 
 
+_PEER_OUTCOMES = {Outcome.HUNG.value: Outcome.HUNG, Outcome.PREEMPTED.value: Outcome.PREEMPTED}
+"""A peer's part's outcome -> this node's part's, when the peer's end ended it (any other: failed)."""
+
+
 class _Node:
     """What the leader and the followers share: node marks, heartbeats, a cached view of the peers."""
 
@@ -140,7 +144,9 @@ class _Node:
     def peer_ended(self, end: AttemptEnd, reason: str) -> AttemptEnd:
         """`end` of this node's part, ended because of the peer whose end is `peer_end`."""
         data = self.peer_end
-        outcome = Outcome.HUNG if data.get("outcome") == Outcome.HUNG.value else Outcome.FAILED
+        # A peer's part preempted (its supervisor SIGTERMed by the scheduler) is the job's preemption: not
+        # counted against the restarts, as a preemption of the job's processes on one node is not.
+        outcome = _PEER_OUTCOMES.get(str(data.get("outcome")), Outcome.FAILED)
         exit_code = data.get("exit_code")
         tail, broken = data.get("stderr_tail"), consequence_of_a_peer(end)
         own_message = None if broken else end.message
