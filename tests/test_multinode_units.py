@@ -697,3 +697,16 @@ def test_a_peer_preempted_makes_the_attempt_preempted_not_a_counted_failure(tmp_
     for theirs, ours in (("hung", Outcome.HUNG), ("failed", Outcome.FAILED), ("forged", Outcome.FAILED)):
         leader.node.peer_end = {"outcome": theirs}
         assert leader.node.peer_ended(stopped, "x").outcome is ours
+
+
+def test_a_forged_port_or_job_status_in_the_ledger_is_not_used() -> None:
+    """The ledger every node writes is read by every node: a rendezvous `port` of `true` (an int to
+    isinstance) was launched as `--rdzv-endpoint HOST:True`, and a JOB_END `exit_status` of 256 made the
+    followers exit 0 (`sys.exit` keeps the low byte), a failed job reported completed to their scheduler."""
+    marks = [peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=a, ts=1.0, port=p)
+             for a, p in enumerate((True, 0, 70000, -1, "29400", 29400))]  # fmt: skip
+    view = peers.peer_view(marks)
+    assert view.ports == {5: 29400}
+    for status, seen in ((256, None), (True, None), (-1, None), (2**40, None), (143, 143), (0, 0)):
+        view = peers.peer_view([_sup(EventKind.JOB_END, 0, 2.0, exit_status=status)])
+        assert view.job_end_at == 0 and view.job_end_status == seen

@@ -127,8 +127,15 @@ class PeerView:
     """Its exit status."""
 
 
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
 def peer_view(events: Sequence[Event]) -> PeerView:
-    """Read the node marks and the leader's attempt ends out of a job's events (in append order)."""
+    """Read the node marks and the leader's attempt ends out of a job's events (in append order). A
+    rendezvous port outside 1..65535 (or `true`) is no port, and a JOB_END status outside 0..255 is unknown
+    (the followers then exit 1): the ledger is shared, and a damaged or forged row made a follower launch
+    `--rdzv-endpoint HOST:True`, or exit 0 with status 256 (`sys.exit` keeps the low byte)."""
     ports: dict[int, int] = {}
     ended: dict[int, Event] = {}
     node_ends: dict[tuple[int, int], Mapping[str, Any]] = {}
@@ -145,7 +152,7 @@ def peer_view(events: Sequence[Event]) -> PeerView:
         if e.kind is EventKind.JOB_END:
             job_end_at = index
             raw = (e.data or {}).get("exit_status")
-            status = raw if isinstance(raw, int) else None
+            status = raw if _int_in(raw, 0, 255) else None
             continue
         mark = _mark(e)
         if mark is None:
@@ -153,7 +160,7 @@ def peer_view(events: Sequence[Event]) -> PeerView:
         name, node = mark
         data = e.data or {}
         beats[node] = max(beats.get(node, e.ts), e.ts)
-        if name == RENDEZVOUS and isinstance(data.get("port"), int):
+        if name == RENDEZVOUS and _int_in(data.get("port"), 1, 65535):
             ports[e.attempt] = int(data["port"])
         elif name == NODE_ATTEMPT_START:
             pid = data.get("supervisor_pid")
