@@ -710,3 +710,21 @@ def test_a_forged_port_or_job_status_in_the_ledger_is_not_used() -> None:
     for status, seen in ((256, None), (True, None), (-1, None), (2**40, None), (143, 143), (0, 0)):
         view = peers.peer_view([_sup(EventKind.JOB_END, 0, 2.0, exit_status=status)])
         assert view.job_end_at == 0 and view.job_end_status == seen
+
+
+def test_a_survivors_exception_after_a_node_loss_is_said_to_be_its_consequence() -> None:
+    """Field trial (two nodes, node 0's supervisor SIGKILLed): the attempt, closed from the ledger, read
+    `RuntimeError: ... Connection reset by peer` under its reason, node 1's rank's broken connection shown as
+    the attempt's exception with nothing saying it came after the loss."""
+    from ettr.report.text import _failure_lines
+
+    failure = {
+        "reason": "its supervisor was lost (killed) while it ran; closed from the ledger",
+        "closed_from_ledger": True,
+        "process_failure": {"exception": "RuntimeError", "message": "Connection reset by peer", "rank": 1},
+    }
+    lines = _failure_lines(0, "failed", failure, after_loss=True)
+    assert lines[1] == (
+        "    RuntimeError: Connection reset by peer (rank 1, after the loss: its consequence, not the cause)"
+    )
+    assert _failure_lines(0, "failed", failure)[1] == "    RuntimeError: Connection reset by peer (rank 1)"
