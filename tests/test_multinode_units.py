@@ -728,3 +728,50 @@ def test_a_survivors_exception_after_a_node_loss_is_said_to_be_its_consequence()
         "    RuntimeError: Connection reset by peer (rank 1, after the loss: its consequence, not the cause)"
     )
     assert _failure_lines(0, "failed", failure)[1] == "    RuntimeError: Connection reset by peer (rank 1)"
+
+
+def test_a_node_that_cannot_see_the_checkpoint_another_node_restored_says_so(tmp_path: Path) -> None:
+    """Field trial (the DDP tutorial's multinode.py, `snapshot.pt` relative to each node's own directory):
+    after a restart rank 0 resumed from its snapshot, rank 1 on node 1 found none and started from epoch 0;
+    rank 0 finished first and rank 1's next collective broke. Every attempt read `exit status 1 (rank 1):
+    RuntimeError: Connection closed by peer` until exit 3, nothing naming the missing checkpoint."""
+    from ettr.events import Outcome, Phase
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+
+    here = tmp_path / "wd0" / "snapshot.pt"
+    there = "/nonexistent-ettr-node0/wd0/snapshot.pt"
+
+    def start(rank: int, pid: int) -> Event:
+        return Event(
+            EventKind.PROCESS_START, 1.0, 1, rank, data={"host": socket.gethostname(), "supervisor_pid": pid}
+        )
+
+    def restore(rank: int, path: str) -> Event:
+        return Event(
+            EventKind.PHASE_END, 2.0, 1, rank, phase=Phase.RESTORE, step=160, value=1.0, data={"path": path}
+        )
+
+    events = [start(0, 100), start(1, os.getpid()), restore(0, there)]
+    assert peers.unseen_restore(events, [events[1]], os.path.exists, 1) == (
+        f"node 1 cannot see {there!r}, the checkpoint rank 0 restored (step 160), and no rank of this node "
+        "restored one: is the checkpoint directory on a file system every node shares?"
+    )
+    assert peers.unseen_restore(events, events[1:2] + [restore(1, there)], os.path.exists, 1) is None
+    here.parent.mkdir()
+    here.write_bytes(b"x")
+    seen = [start(0, 100), start(1, os.getpid()), restore(0, str(here))]
+    assert peers.unseen_restore(seen, seen[1:2], os.path.exists, 1) is None  # shared: rank 1 chose not to
+    relative = [start(0, 100), start(1, os.getpid()), restore(0, "snapshot.pt")]
+    assert peers.unseen_restore(relative, relative[1:2], os.path.exists, 1) is None
+
+    config = RunConfig(command=(*TORCHRUN, "t.py"), ledger_url="sqlite:///x.db", job_id="j")
+    follower = FollowerPeers(config, peers.NodeRole(node_rank=1, nnodes=2))
+    follower.node.attach(
+        JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=MemoryLedger(events))
+    )
+    broken = AttemptEnd(outcome=Outcome.FAILED, exit_code=1, reason="exit status 1 (rank 1): RuntimeError")
+    end = follower.settle(1, broken, None, _CountingSignals())  # type: ignore[arg-type]
+    assert end.reason.startswith("exit status 1 (rank 1): RuntimeError; node 1 cannot see ")
+    done = AttemptEnd(outcome=Outcome.COMPLETED, exit_code=0, reason="completed")
+    assert follower.settle(1, done, None, _CountingSignals(), events) == done  # type: ignore[arg-type]

@@ -141,6 +141,22 @@ class _Node:
         view = self.look(now := time.time(), force=True) or self.view  # once per start-up line: fresh
         return peers.absent(view, attempt, self.role.peers, now=now)
 
+    def with_unseen_restore(
+        self, attempt: int, end: AttemptEnd, events: Sequence[Event] | None
+    ) -> AttemptEnd:
+        """`end` of this node's failed part, with `peers.unseen_restore`'s words where they apply (one node's
+        checkpoint directory on another path, or node-local: its ranks started from scratch beside ranks
+        that resumed, and the attempt read only as a broken connection)."""
+        if end.outcome is Outcome.COMPLETED:
+            return end
+        if events is None:
+            try:
+                events = self.books.attempt_events(attempt)
+            except Exception:  # the books are read for words only
+                return end
+        why = peers.unseen_restore(events, self.own_events(events), os.path.exists, self.role.node_rank)
+        return replace(end, reason=f"{end.reason}; {why}") if why else end
+
     def peer_ended(self, end: AttemptEnd, reason: str) -> AttemptEnd:
         """`end` of this node's part, ended because of the peer whose end is `peer_end`."""
         data = self.peer_end
@@ -211,7 +227,12 @@ class LeaderPeers:
         return None
 
     def settle(
-        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+        self,
+        attempt: int,
+        end: AttemptEnd,
+        peer_reason: str | None,
+        signals: SupervisorSignals,
+        events: Sequence[Event] | None = None,
     ) -> AttemptEnd:
         node = self.node
         if peer_reason is not None:
@@ -219,6 +240,7 @@ class LeaderPeers:
         if end.outcome is Outcome.FAILED and not node.books.attempt_events(attempt):  # no rank started:
             if waited := node.absent(attempt):  # torchrun's rendezvous timed out waiting for them
                 return replace(end, reason=f"{end.reason} ({waited})")
+        end = node.with_unseen_restore(attempt, end, events)
         if end.outcome is Outcome.HUNG:
             return self._with_peers_ranks(attempt, end, signals)
         if end.outcome is Outcome.FAILED and consequence_of_a_peer(end):
@@ -402,10 +424,15 @@ class FollowerPeers:
         return beat is not None and now - beat > self.node.config.peer_timeout_s
 
     def settle(
-        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+        self,
+        attempt: int,
+        end: AttemptEnd,
+        peer_reason: str | None,
+        signals: SupervisorSignals,
+        events: Sequence[Event] | None = None,
     ) -> AttemptEnd:
         if peer_reason is None:
-            return end
+            return self.node.with_unseen_restore(attempt, end, events)
         if self.node.peer_end.get("outcome") == Outcome.COMPLETED.value and end.outcome is Outcome.COMPLETED:
             return end
         return self.node.peer_ended(end, peer_reason)

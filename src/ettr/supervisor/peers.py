@@ -22,7 +22,7 @@ one node, `ettr.supervisor.multinode`'s leader and followers for several.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -220,6 +220,38 @@ def peers_hung_ranks(view: PeerView, attempt: int, peers: Sequence[int]) -> str:
     return "; ".join(said)
 
 
+def unseen_restore(
+    events: Sequence[Event], own: Sequence[Event], exists: Callable[[str], bool], node_rank: int
+) -> str | None:
+    """Why this node's ranks may have trained from another start than the others' in an attempt whose
+    `events` are these (`own`: this node's ranks' only): another node's rank restored a checkpoint file that
+    this node cannot see (`exists`), and no rank of this node restored anything. None otherwise. Only
+    absolute paths are looked at (a relative one is the training process's cwd's, not the supervisor's)."""
+
+    def restores(evs: Sequence[Event]) -> list[Event]:
+        return [e for e in evs if e.rank >= 0 and e.kind is EventKind.PHASE_END and e.phase == "restore"]
+
+    mine = restores(own)
+    if mine:
+        return None
+    ids = {id(e) for e in own}
+    for e in restores(events):
+        path = (e.data or {}).get("path")
+        if id(e) in ids or not isinstance(path, str) or not path.startswith("/"):
+            continue
+        try:
+            seen = exists(path)
+        except (OSError, ValueError):
+            continue
+        if not seen:
+            at = f" (step {e.step})" if isinstance(e.step, int) else ""
+            return (
+                f"node {node_rank} cannot see {path!r}, the checkpoint rank {e.rank} restored{at}, and no rank "
+                "of this node restored one: is the checkpoint directory on a file system every node shares?"
+            )
+    return None
+
+
 def open_attempt(view: PeerView, *, after: int) -> int | None:
     """The newest attempt > `after` with a published rendezvous and no ATTEMPT_END (one to join)."""
     open_ = [a for a in view.ports if a > after and a not in view.ended]
@@ -323,9 +355,15 @@ class Peers(Protocol):
         ...
 
     def settle(
-        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+        self,
+        attempt: int,
+        end: AttemptEnd,
+        peer_reason: str | None,
+        signals: SupervisorSignals,
+        events: Sequence[Event] | None = None,
     ) -> AttemptEnd:
-        """The attempt's end once the peers' parts are known."""
+        """The attempt's end once the peers' parts are known (`events`: the attempt's, as read; None: read
+        them where needed)."""
         ...
 
     def turn(self, after: int, now: float) -> Turn:
@@ -361,7 +399,12 @@ class NoPeers:
         return list(events)  # one supervisor's ranks, on whichever hosts (srun, pdsh)
 
     def settle(
-        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+        self,
+        attempt: int,
+        end: AttemptEnd,
+        peer_reason: str | None,
+        signals: SupervisorSignals,
+        events: Sequence[Event] | None = None,
     ) -> AttemptEnd:
         return end
 
