@@ -836,3 +836,28 @@ def test_prometheus_label_values_carry_no_raw_control_characters():
     text = generate_latest(registry).decode()
     assert "\x1b" not in text and "\x07" not in text
     assert 'name="run\\\\x1b]52;c;ZXZpbA==\\\\x07"' in text
+
+
+def test_every_nodes_run_dir_of_a_multi_node_job_is_one_job(tmp_path, capsys):
+    # Field trial: two nodes of one job (`ettr run --ledger URL --job-id J` each, a run directory each, both
+    # pointing at the job's books): `ettr fleet node0 node1` listed the job twice, its GPU-hours doubled.
+    from ettr.ledger.url import write_pointer
+    from ettr.testing.fleet import write_job_url
+
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    write_job_url(url, JobSpec(job_id="two-nodes", world_size=2))
+    for node in ("node0", "node1"):
+        (tmp_path / node).mkdir()
+        write_pointer(tmp_path / node, url, job_id="two-nodes")
+    other = tmp_path / "other"
+    write_job(other, JobSpec(job_id="two-nodes"))  # the same job id in its own books: another job
+    assert (
+        main(["fleet", str(tmp_path / "node0"), str(tmp_path / "node1"), str(other), "--json", "--no-cache"])
+        == 0
+    )
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert len(out["jobs"]) == 2
+    assert out["problems"] == [
+        f"{tmp_path / 'node1'}: the same job's books as {tmp_path / 'node0'} (one ledger URL and job id): counted once"
+    ]

@@ -594,3 +594,184 @@ def test_an_attempt_whose_rendezvous_timed_out_names_the_nodes_that_never_joined
     )
     ledger.append([Event(EventKind.PROCESS_START, 2.0, 0, 0, data={"pid": 5})])  # its ranks ran: not that
     assert leader.settle(0, timed_out, None, _CountingSignals()) == timed_out  # type: ignore[arg-type]
+
+
+def test_node_0s_hang_reason_names_what_each_nodes_ranks_were_doing(tmp_path: Path) -> None:
+    """Field trial (the DDP tutorial's multinode.py, two nodes, rank 1 on node 1 SIGSTOPped): node 0 found
+    the hang first and booked `rank 0 (pid P) quiet 20.0 s, ..., asleep (waiting: a collective ...)`, the
+    victim's side only; node 1's own end said `rank 1 ... stopped (SIGSTOP or SIGTSTP)`, 2 s later, in a mark
+    no report shows. Node 0 now waits for the peers' ends and adds each node's ranks to the reason."""
+    import time
+
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd, classify
+
+    mine = classify(
+        returncode=1,
+        hung_after_s=20.0,
+        hung_ranks="rank 0 (pid 11) quiet 20.0 s, asleep (waiting: a collective)",
+    )
+    assert mine.outcome is Outcome.HUNG and mine.to_data()["hung_ranks"].startswith("rank 0 (pid 11)")
+    assert AttemptEnd.from_data(mine.to_data()).hung_ranks == mine.hung_ranks
+    theirs = classify(
+        returncode=137, hung_after_s=20.1, hung_ranks="rank 1 (pid 12) quiet 20.7 s, stopped (SIGSTOP)"
+    )
+
+    command = (*TORCHRUN[:3], "0", *TORCHRUN[4:], "train.py")
+    config = RunConfig(command=command, ledger_url="sqlite:///x.db", job_id="j", peer_timeout_s=4.0)
+    now = time.time()
+
+    def settle(*marks: Event, end_while_waiting: bool = False) -> AttemptEnd:
+        leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+        ledger = MemoryLedger(list(marks))
+        leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+        signals = _CountingSignals()
+
+        def node_1_ends(timeout_s: float) -> None:  # node 1 finds the same silence and ends its part
+            signals.waits.append(timeout_s)
+            ledger.append([peers.node_mark(peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=time.time(),
+                                           **theirs.to_data())])  # fmt: skip
+
+        if end_while_waiting:
+            signals.wait = node_1_ends  # type: ignore[method-assign]
+        return leader.settle(0, mine, None, signals)  # type: ignore[arg-type]
+
+    joined = peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=now, supervisor_pid=7)
+    end = settle(joined, end_while_waiting=True)
+    assert end.outcome is Outcome.HUNG
+    assert end.reason.startswith(mine.reason)
+    assert end.reason.endswith("; node 1: rank 1 (pid 12) quiet 20.7 s, stopped (SIGSTOP)")
+    assert end.hung_ranks == f"{mine.hung_ranks}; node 1: rank 1 (pid 12) quiet 20.7 s, stopped (SIGSTOP)"
+    # a peer whose part ended without describing its ranks (its torchrun lost the store first): unknown
+    failed = peers.node_mark(
+        peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=now, outcome="failed", exit_code=1, reason="x"
+    )
+    assert settle(joined, failed).reason.endswith("; node 1: its ranks unknown (its part ended failed)")
+    # a peer that never joined the attempt adds nothing, and is not waited for
+    assert settle().reason == mine.reason
+
+
+def test_the_text_report_says_a_hangs_ranks_once() -> None:
+    """`hung_ranks` ends the hang's reason: the text report printed it a second time, node 0's alone, as
+    `hung_ranks=rank 0 ... asleep` under the reason that named every node's ranks."""
+    from ettr.report.text import _failure_lines
+
+    failure = {
+        "reason": "no progress ...; rank 0 asleep; node 1: rank 1 stopped",
+        "hung_ranks": "rank 0 asleep",
+    }
+    lines = _failure_lines(0, "hung", failure)
+    assert lines == ["  attempt 0 hung: no progress ...; rank 0 asleep; node 1: rank 1 stopped"]
+
+
+def test_a_peer_preempted_makes_the_attempt_preempted_not_a_counted_failure(tmp_path: Path) -> None:
+    """Field trial: node 1's supervisor got SIGTERM (its node preempted) and booked its part `preempted`;
+    node 0 booked the attempt `failed` and spent one of the job's restarts on it ("restarting in 0 s (1 of
+    3)"), where a preemption of the job's processes is restarted uncounted."""
+    import time
+
+    from ettr.events import Outcome
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+    from ettr.supervisor.policy import EndedAttempt, RestartPolicy
+
+    command = (*TORCHRUN[:3], "0", *TORCHRUN[4:], "train.py")
+    config = RunConfig(command=command, ledger_url="sqlite:///x.db", job_id="j", peer_timeout_s=4.0)
+    leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+    now = time.time()
+    joined = peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=now, supervisor_pid=7)
+    preempted = peers.node_mark(
+        peers.NODE_ATTEMPT_END, node_rank=1, attempt=0, ts=now, outcome="preempted", exit_code=143,
+        signal="SIGTERM", reason="SIGTERM forwarded to the job; SIGTERM to torchrun, which stopped its workers",
+    )  # fmt: skip
+    ledger = MemoryLedger([joined, preempted])
+    leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    reason = leader.check(0, now, now - 5)
+    assert reason is not None and reason.startswith("node 1's part ended preempted")
+    stopped = AttemptEnd(outcome=Outcome.FAILED, exit_code=1, reason="SIGTERM to torchrun", signal="SIGTERM")
+    end = leader.settle(0, stopped, reason, _CountingSignals())  # type: ignore[arg-type]
+    assert end.outcome is Outcome.PREEMPTED
+    decision = RestartPolicy(max_restarts=1).decide(EndedAttempt(attempt=0, end=end, made_progress=True))
+    assert decision.restart and "not counted" in decision.why
+    for theirs, ours in (("hung", Outcome.HUNG), ("failed", Outcome.FAILED), ("forged", Outcome.FAILED)):
+        leader.node.peer_end = {"outcome": theirs}
+        assert leader.node.peer_ended(stopped, "x").outcome is ours
+
+
+def test_a_forged_port_or_job_status_in_the_ledger_is_not_used() -> None:
+    """The ledger every node writes is read by every node: a rendezvous `port` of `true` (an int to
+    isinstance) was launched as `--rdzv-endpoint HOST:True`, and a JOB_END `exit_status` of 256 made the
+    followers exit 0 (`sys.exit` keeps the low byte), a failed job reported completed to their scheduler."""
+    marks = [peers.node_mark(peers.RENDEZVOUS, node_rank=0, attempt=a, ts=1.0, port=p)
+             for a, p in enumerate((True, 0, 70000, -1, "29400", 29400))]  # fmt: skip
+    view = peers.peer_view(marks)
+    assert view.ports == {5: 29400}
+    for status, seen in ((256, None), (True, None), (-1, None), (2**40, None), (143, 143), (0, 0)):
+        view = peers.peer_view([_sup(EventKind.JOB_END, 0, 2.0, exit_status=status)])
+        assert view.job_end_at == 0 and view.job_end_status == seen
+
+
+def test_a_survivors_exception_after_a_node_loss_is_said_to_be_its_consequence() -> None:
+    """Field trial (two nodes, node 0's supervisor SIGKILLed): the attempt, closed from the ledger, read
+    `RuntimeError: ... Connection reset by peer` under its reason, node 1's rank's broken connection shown as
+    the attempt's exception with nothing saying it came after the loss."""
+    from ettr.report.text import _failure_lines
+
+    failure = {
+        "reason": "its supervisor was lost (killed) while it ran; closed from the ledger",
+        "closed_from_ledger": True,
+        "process_failure": {"exception": "RuntimeError", "message": "Connection reset by peer", "rank": 1},
+    }
+    lines = _failure_lines(0, "failed", failure, after_loss=True)
+    assert lines[1] == (
+        "    RuntimeError: Connection reset by peer (rank 1, after the loss: its consequence, not the cause)"
+    )
+    assert _failure_lines(0, "failed", failure)[1] == "    RuntimeError: Connection reset by peer (rank 1)"
+
+
+def test_a_node_that_cannot_see_the_checkpoint_another_node_restored_says_so(tmp_path: Path) -> None:
+    """Field trial (the DDP tutorial's multinode.py, `snapshot.pt` relative to each node's own directory):
+    after a restart rank 0 resumed from its snapshot, rank 1 on node 1 found none and started from epoch 0;
+    rank 0 finished first and rank 1's next collective broke. Every attempt read `exit status 1 (rank 1):
+    RuntimeError: Connection closed by peer` until exit 3, nothing naming the missing checkpoint."""
+    from ettr.events import Outcome, Phase
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+
+    here = tmp_path / "wd0" / "snapshot.pt"
+    there = "/nonexistent-ettr-node0/wd0/snapshot.pt"
+
+    def start(rank: int, pid: int) -> Event:
+        return Event(
+            EventKind.PROCESS_START, 1.0, 1, rank, data={"host": socket.gethostname(), "supervisor_pid": pid}
+        )
+
+    def restore(rank: int, path: str) -> Event:
+        return Event(
+            EventKind.PHASE_END, 2.0, 1, rank, phase=Phase.RESTORE, step=160, value=1.0, data={"path": path}
+        )
+
+    events = [start(0, 100), start(1, os.getpid()), restore(0, there)]
+    assert peers.unseen_restore(events, [events[1]], os.path.exists, 1) == (
+        f"node 1 cannot see {there!r}, the checkpoint rank 0 restored (step 160), and no rank of this node "
+        "restored one: is the checkpoint directory on a file system every node shares?"
+    )
+    assert peers.unseen_restore(events, events[1:2] + [restore(1, there)], os.path.exists, 1) is None
+    here.parent.mkdir()
+    here.write_bytes(b"x")
+    seen = [start(0, 100), start(1, os.getpid()), restore(0, str(here))]
+    assert peers.unseen_restore(seen, seen[1:2], os.path.exists, 1) is None  # shared: rank 1 chose not to
+    relative = [start(0, 100), start(1, os.getpid()), restore(0, "snapshot.pt")]
+    assert peers.unseen_restore(relative, relative[1:2], os.path.exists, 1) is None
+
+    config = RunConfig(command=(*TORCHRUN, "t.py"), ledger_url="sqlite:///x.db", job_id="j")
+    follower = FollowerPeers(config, peers.NodeRole(node_rank=1, nnodes=2))
+    follower.node.attach(
+        JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=MemoryLedger(events))
+    )
+    broken = AttemptEnd(outcome=Outcome.FAILED, exit_code=1, reason="exit status 1 (rank 1): RuntimeError")
+    end = follower.settle(1, broken, None, _CountingSignals())  # type: ignore[arg-type]
+    assert end.reason.startswith("exit status 1 (rank 1): RuntimeError; node 1 cannot see ")
+    done = AttemptEnd(outcome=Outcome.COMPLETED, exit_code=0, reason="completed")
+    assert follower.settle(1, done, None, _CountingSignals(), events) == done  # type: ignore[arg-type]

@@ -224,6 +224,24 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]], unsearched: list[str]
     return unique
 
 
+def same_books(run_dirs: Sequence[Path]) -> dict[Path, Path]:
+    """Run directory -> the earlier one of `run_dirs` whose books are the same job at the same ledger URL
+    (their `ledger-url.json` pointers name one URL and job id): every node's run directory of a multi-node
+    job, which a fleet counted once per node (two nodes: the job twice, its wall time x GPUs doubled)."""
+    from ettr.ledger.locate import read_pointer
+
+    first: dict[tuple[str, str], Path] = {}
+    same: dict[Path, Path] = {}
+    for run_dir in run_dirs:
+        pointer = read_pointer(run_dir)
+        if pointer is None:
+            continue
+        earlier = first.setdefault(pointer, run_dir)
+        if earlier != run_dir:
+            same[run_dir] = earlier
+    return same
+
+
 def _ledger_signature(run_dir: Path) -> tuple[int, ...]:
     """What changes when events are appended: the database file's and its WAL's modification time and size.
     An empty WAL counts as none: a reader may create one, and it holds no event. Empty for a run directory
@@ -419,7 +437,13 @@ def load_run_dirs(
     results: dict[Path, JobSummary | str] = {}
     todo: list[Path] = []
     signatures: dict[Path, tuple[int, ...]] = {}
+    for run_dir, first in same_books(run_dirs).items():
+        results[run_dir] = (
+            f"{run_dir}: the same job's books as {first} (one ledger URL and job id): counted once"
+        )
     for run_dir in run_dirs:
+        if run_dir in results:
+            continue
         signatures[run_dir] = _ledger_signature(run_dir)
         cached = (
             cache.get(run_dir, signatures[run_dir]) if cache is not None and signatures[run_dir] else None

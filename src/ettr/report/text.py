@@ -103,9 +103,10 @@ def render(report: EttReport, *, per_save: bool = False) -> str:
         for a in report.attempts
     ]
     lines += _table(header, rows, indent="  ", left=frozenset({1})) if rows else ["  (no attempt recorded)"]
+    lost = {f.attempt for f in report.failures if f.detail.value == "node_lost"}
     for a in report.attempts:
         if a.failure:
-            lines += _failure_lines(a.index, a.outcome.value, a.failure)
+            lines += _failure_lines(a.index, a.outcome.value, a.failure, after_loss=a.index in lost)
         if a.resumed_step_unknown:
             lines.append(
                 f"  attempt {a.index} resumed from an unknown step: {a.resumed_step_unknown}; '~' lost steps"
@@ -239,11 +240,24 @@ def _delta(values: Sequence[float | None], fmt: str) -> str:
     return fmt_signed(second - first, digits=int(fmt.split(".")[1][0]) if "." in fmt else 0)
 
 
-_SHOWN_FAILURE_KEYS = ("exception", "message", "stderr_tail", "reason", "process_failure", "injected")
+# (`hung_ranks` is at the end of the reason already)
+_SHOWN_FAILURE_KEYS = (
+    "exception",
+    "message",
+    "stderr_tail",
+    "reason",
+    "process_failure",
+    "injected",
+    "hung_ranks",
+)
 
 
-def _failure_lines(index: int, outcome: str, failure: Mapping[str, Any], num_tail: int = 3) -> list[str]:
-    """`attempt 1 failed: exit status 1` / `ValueError: bad batch` / the last stderr lines / the rest."""
+def _failure_lines(
+    index: int, outcome: str, failure: Mapping[str, Any], num_tail: int = 3, *, after_loss: bool = False
+) -> list[str]:
+    """`attempt 1 failed: exit status 1` / `ValueError: bad batch` / the last stderr lines / the rest.
+    `after_loss`: the attempt's cause is a lost supervisor (node_lost): a rank's exception, where the attempt's
+    end named none, is what the loss did to a survivor (its peer's connection gone), said so."""
     process = failure.get("process_failure")
     # The first FAILURE any rank recorded, where the supervisor named no exception: not where a signal ended
     # the attempt (a rank SIGKILLed: its peers' "Connection closed by peer" came after, the consequence).
@@ -254,6 +268,10 @@ def _failure_lines(index: int, outcome: str, failure: Mapping[str, Any], num_tai
     lines = [f"  attempt {index} {outcome}: {reason}" if reason else f"  attempt {index} {outcome}"]
     if exception:
         where = f" (rank {process['rank']})" if "rank" in process else ""
+        if after_loss and not failure.get("exception") and process.get("exception"):
+            # Two nodes, node 0's supervisor SIGKILLed: the report printed node 1's rank's "Connection reset
+            # by peer" as the attempt's exception, with no word that it came after the loss.
+            where = f" (rank {process.get('rank', '?')}, after the loss: its consequence, not the cause)"
         notes: list[str] = []
         if isinstance(message, str):
             message, notes = split_failure_message(message)  # ettr's notes: lines of their own, below

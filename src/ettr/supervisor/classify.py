@@ -54,6 +54,9 @@ class AttemptEnd:
     """The `--inject` fault that fired in this attempt, if any."""
     signalled_ts: float | None = None
     """When a rank got the outside signal whose handler ended the job: the accounting's failure instant."""
+    hung_ranks: str | None = None
+    """For a hang: what each training process was doing when it was found (`watchdog.describe_ranks`, also at the
+    end of `reason`), by itself: node 0 of a multi-node job adds each other node's to its own reason."""
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> AttemptEnd:
@@ -81,21 +84,26 @@ class AttemptEnd:
             stderr_tail=tuple(str(line) for line in tail[-20:]) if isinstance(tail, list) else (),
             injected=text("injected"),
             signalled_ts=ts if isinstance(ts := data.get("signalled_ts"), float) else None,
+            hung_ranks=text("hung_ranks"),
         )
 
     def to_data(self) -> dict[str, Any]:
         """The ATTEMPT_END event's `data`."""
-        return {
-            "outcome": self.outcome.value,
-            "exit_code": self.exit_code,
-            "signal": self.signal,
-            "reason": self.reason,
-            "exception": self.exception,
-            "message": self.message,
-            "oom": self.oom,
-            "stderr_tail": list(self.stderr_tail),
-            "injected": self.injected,
-        } | ({} if self.signalled_ts is None else {"signalled_ts": self.signalled_ts})
+        return (
+            {
+                "outcome": self.outcome.value,
+                "exit_code": self.exit_code,
+                "signal": self.signal,
+                "reason": self.reason,
+                "exception": self.exception,
+                "message": self.message,
+                "oom": self.oom,
+                "stderr_tail": list(self.stderr_tail),
+                "injected": self.injected,
+            }
+            | ({} if self.signalled_ts is None else {"signalled_ts": self.signalled_ts})
+            | ({} if self.hung_ranks is None else {"hung_ranks": self.hung_ranks})
+        )
 
 
 def this_nodes_events(events: Iterable[Event], *, host: str, supervisor_pid: int) -> list[Event]:
@@ -389,6 +397,7 @@ def classify(
         stderr_tail=tuple(stderr_tail),
         injected=injected,
         signalled_ts=signalled_ts,
+        hung_ranks=hung_ranks or None if outcome is Outcome.HUNG else None,
     )
 
 

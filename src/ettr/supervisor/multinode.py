@@ -69,6 +69,10 @@ def peers_for(config: RunConfig) -> Peers:
     return LeaderPeers(config, role) if role.leader else FollowerPeers(config, role)
 
 
+_PEER_OUTCOMES = {Outcome.HUNG.value: Outcome.HUNG, Outcome.PREEMPTED.value: Outcome.PREEMPTED}
+"""A peer's part's outcome -> this node's part's, when the peer's end ended it (any other: failed)."""
+
+
 class _Node:
     """What the leader and the followers share: node marks, heartbeats, a cached view of the peers."""
 
@@ -137,10 +141,28 @@ class _Node:
         view = self.look(now := time.time(), force=True) or self.view  # once per start-up line: fresh
         return peers.absent(view, attempt, self.role.peers, now=now)
 
+    def with_unseen_restore(
+        self, attempt: int, end: AttemptEnd, events: Sequence[Event] | None
+    ) -> AttemptEnd:
+        """`end` of this node's failed part, with `peers.unseen_restore`'s words where they apply (one node's
+        checkpoint directory on another path, or node-local: its ranks started from scratch beside ranks
+        that resumed, and the attempt read only as a broken connection)."""
+        if end.outcome is Outcome.COMPLETED:
+            return end
+        if events is None:
+            try:
+                events = self.books.attempt_events(attempt)
+            except Exception:  # the books are read for words only
+                return end
+        why = peers.unseen_restore(events, self.own_events(events), os.path.exists, self.role.node_rank)
+        return replace(end, reason=f"{end.reason}; {why}") if why else end
+
     def peer_ended(self, end: AttemptEnd, reason: str) -> AttemptEnd:
         """`end` of this node's part, ended because of the peer whose end is `peer_end`."""
         data = self.peer_end
-        outcome = Outcome.HUNG if data.get("outcome") == Outcome.HUNG.value else Outcome.FAILED
+        # A peer's part preempted (its supervisor SIGTERMed by the scheduler) is the job's preemption: not
+        # counted against the restarts, as a preemption of the job's processes on one node is not.
+        outcome = _PEER_OUTCOMES.get(str(data.get("outcome")), Outcome.FAILED)
         exit_code = data.get("exit_code")
         tail, broken = data.get("stderr_tail"), consequence_of_a_peer(end)
         own_message = None if broken else end.message
@@ -205,7 +227,12 @@ class LeaderPeers:
         return None
 
     def settle(
-        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+        self,
+        attempt: int,
+        end: AttemptEnd,
+        peer_reason: str | None,
+        signals: SupervisorSignals,
+        events: Sequence[Event] | None = None,
     ) -> AttemptEnd:
         node = self.node
         if peer_reason is not None:
@@ -213,6 +240,9 @@ class LeaderPeers:
         if end.outcome is Outcome.FAILED and not node.books.attempt_events(attempt):  # no rank started:
             if waited := node.absent(attempt):  # torchrun's rendezvous timed out waiting for them
                 return replace(end, reason=f"{end.reason} ({waited})")
+        end = node.with_unseen_restore(attempt, end, events)
+        if end.outcome is Outcome.HUNG:
+            return self._with_peers_ranks(attempt, end, signals)
         if end.outcome is Outcome.FAILED and consequence_of_a_peer(end):
             behind = self._peer_behind(attempt, signals)
             if behind is not None:
@@ -244,6 +274,37 @@ class LeaderPeers:
             if signals.first is not None:
                 return end
             signals.wait(node.poll_s)
+
+    def _with_peers_ranks(self, attempt: int, end: AttemptEnd, signals: SupervisorSignals) -> AttemptEnd:
+        """This node found the attempt hung: its reason names what this node's ranks were doing, which in a
+        collective hang is only the victims' side (asleep in the collective) while the rank that stopped runs
+        on another node. Each node's supervisor finds the same silence in the ledger and describes its own
+        ranks (only it can read their state): add each peer's description to the reason. Waits while a peer
+        that joined the attempt has neither ended its part nor gone silent, at most the peer timeout (the
+        next attempt waits for that peer's part to end anyway)."""
+        node = self.node
+        begin = time.time()
+        timeout_s = node.config.peer_timeout_s
+        view = node.view
+        while True:
+            now = time.time()
+            node.beat(attempt, now)
+            view = node.look(now, force=True) or view
+            waiting = [
+                n
+                for n in node.role.peers
+                if (attempt, n) in view.node_joined
+                and (attempt, n) not in view.node_ends
+                and now - view.last_beat.get(n, 0.0) <= timeout_s
+            ]
+            if not waiting or now - begin > timeout_s + node.interval_s or signals.first is not None:
+                break
+            signals.wait(node.poll_s)
+        said = peers.peers_hung_ranks(view, attempt, node.role.peers)
+        if not said:
+            return end
+        ranks = f"{end.hung_ranks}; {said}" if end.hung_ranks else said
+        return replace(end, reason=f"{end.reason}; {said}", hung_ranks=ranks)
 
     def _peer_behind(self, attempt: int, signals: SupervisorSignals) -> str | None:
         """This node's part failed in a collective: the peer behind it, if one failed or was lost (a node
@@ -363,10 +424,15 @@ class FollowerPeers:
         return beat is not None and now - beat > self.node.config.peer_timeout_s
 
     def settle(
-        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+        self,
+        attempt: int,
+        end: AttemptEnd,
+        peer_reason: str | None,
+        signals: SupervisorSignals,
+        events: Sequence[Event] | None = None,
     ) -> AttemptEnd:
         if peer_reason is None:
-            return end
+            return self.node.with_unseen_restore(attempt, end, events)
         if self.node.peer_end.get("outcome") == Outcome.COMPLETED.value and end.outcome is Outcome.COMPLETED:
             return end
         return self.node.peer_ended(end, peer_reason)

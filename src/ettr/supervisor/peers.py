@@ -22,7 +22,7 @@ one node, `ettr.supervisor.multinode`'s leader and followers for several.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -127,8 +127,15 @@ class PeerView:
     """Its exit status."""
 
 
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
 def peer_view(events: Sequence[Event]) -> PeerView:
-    """Read the node marks and the leader's attempt ends out of a job's events (in append order)."""
+    """Read the node marks and the leader's attempt ends out of a job's events (in append order). A
+    rendezvous port outside 1..65535 (or `true`) is no port, and a JOB_END status outside 0..255 is unknown
+    (the followers then exit 1): the ledger is shared, and a damaged or forged row made a follower launch
+    `--rdzv-endpoint HOST:True`, or exit 0 with status 256 (`sys.exit` keeps the low byte)."""
     ports: dict[int, int] = {}
     ended: dict[int, Event] = {}
     node_ends: dict[tuple[int, int], Mapping[str, Any]] = {}
@@ -145,7 +152,7 @@ def peer_view(events: Sequence[Event]) -> PeerView:
         if e.kind is EventKind.JOB_END:
             job_end_at = index
             raw = (e.data or {}).get("exit_status")
-            status = raw if isinstance(raw, int) else None
+            status = raw if _int_in(raw, 0, 255) else None
             continue
         mark = _mark(e)
         if mark is None:
@@ -153,7 +160,7 @@ def peer_view(events: Sequence[Event]) -> PeerView:
         name, node = mark
         data = e.data or {}
         beats[node] = max(beats.get(node, e.ts), e.ts)
-        if name == RENDEZVOUS and isinstance(data.get("port"), int):
+        if name == RENDEZVOUS and _int_in(data.get("port"), 1, 65535):
             ports[e.attempt] = int(data["port"])
         elif name == NODE_ATTEMPT_START:
             pid = data.get("supervisor_pid")
@@ -191,6 +198,57 @@ def failed_peer(view: PeerView, attempt: int, peers: Sequence[int]) -> tuple[int
         data = view.node_ends.get((attempt, node))
         if data is not None and data.get("outcome") != Outcome.COMPLETED.value:
             return node, data
+    return None
+
+
+def peers_hung_ranks(view: PeerView, attempt: int, peers: Sequence[int]) -> str:
+    """What the ranks of each of `peers` that joined `attempt` were doing when their node found it hung
+    (`node R: rank 1 (pid P) quiet 20.7 s, ..., stopped (SIGSTOP or SIGTSTP)`), as their node_attempt_end
+    said; a node that said nothing of them is named as unknown. "" when no peer joined the attempt."""
+    said = []
+    for node in peers:
+        if (attempt, node) not in view.node_joined:
+            continue
+        data = view.node_ends.get((attempt, node)) or {}
+        ranks = data.get("hung_ranks")
+        if isinstance(ranks, str) and ranks:
+            said.append(f"node {node}: {ranks[:2000]}")
+        elif data:
+            said.append(f"node {node}: its ranks unknown (its part ended {data.get('outcome')})")
+        else:
+            said.append(f"node {node}: its ranks unknown (its part has not ended)")
+    return "; ".join(said)
+
+
+def unseen_restore(
+    events: Sequence[Event], own: Sequence[Event], exists: Callable[[str], bool], node_rank: int
+) -> str | None:
+    """Why this node's ranks may have trained from another start than the others' in an attempt whose
+    `events` are these (`own`: this node's ranks' only): another node's rank restored a checkpoint file that
+    this node cannot see (`exists`), and no rank of this node restored anything. None otherwise. Only
+    absolute paths are looked at (a relative one is the training process's cwd's, not the supervisor's)."""
+
+    def restores(evs: Sequence[Event]) -> list[Event]:
+        return [e for e in evs if e.rank >= 0 and e.kind is EventKind.PHASE_END and e.phase == "restore"]
+
+    mine = restores(own)
+    if mine:
+        return None
+    ids = {id(e) for e in own}
+    for e in restores(events):
+        path = (e.data or {}).get("path")
+        if id(e) in ids or not isinstance(path, str) or not path.startswith("/"):
+            continue
+        try:
+            seen = exists(path)
+        except (OSError, ValueError):
+            continue
+        if not seen:
+            at = f" (step {e.step})" if isinstance(e.step, int) else ""
+            return (
+                f"node {node_rank} cannot see {path!r}, the checkpoint rank {e.rank} restored{at}, and no rank "
+                "of this node restored one: is the checkpoint directory on a file system every node shares?"
+            )
     return None
 
 
@@ -297,9 +355,15 @@ class Peers(Protocol):
         ...
 
     def settle(
-        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+        self,
+        attempt: int,
+        end: AttemptEnd,
+        peer_reason: str | None,
+        signals: SupervisorSignals,
+        events: Sequence[Event] | None = None,
     ) -> AttemptEnd:
-        """The attempt's end once the peers' parts are known."""
+        """The attempt's end once the peers' parts are known (`events`: the attempt's, as read; None: read
+        them where needed)."""
         ...
 
     def turn(self, after: int, now: float) -> Turn:
@@ -335,7 +399,12 @@ class NoPeers:
         return list(events)  # one supervisor's ranks, on whichever hosts (srun, pdsh)
 
     def settle(
-        self, attempt: int, end: AttemptEnd, peer_reason: str | None, signals: SupervisorSignals
+        self,
+        attempt: int,
+        end: AttemptEnd,
+        peer_reason: str | None,
+        signals: SupervisorSignals,
+        events: Sequence[Event] | None = None,
     ) -> AttemptEnd:
         return end
 

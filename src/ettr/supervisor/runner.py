@@ -227,7 +227,7 @@ class AttemptRunner:
             signalled=self._outside_signals(state, attempt),
             raised_in_place=bool(state.continued and state.continued.survived),
         )
-        end = p.peers.settle(attempt, end, state.peer_reason, p.signals)
+        end = p.peers.settle(attempt, end, state.peer_reason, p.signals, events)
         steps = [
             e.step for e in events if e.kind is EventKind.STEP and e.rank >= 0 and isinstance(e.step, int)
         ]
