@@ -16,7 +16,7 @@ from ettr.accounting import compute
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.ledger import Ledger, MemoryLedger
-from ettr.supervisor import peers, slurm
+from ettr.supervisor import peer_words, peers, slurm
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.launch import torchrun_command, torchrun_options
 from ettr.supervisor.multinode import FollowerPeers, LeaderPeers, node_role_of
@@ -753,17 +753,19 @@ def test_a_node_that_cannot_see_the_checkpoint_another_node_restored_says_so(tmp
         )
 
     events = [start(0, 100), start(1, os.getpid()), restore(0, there)]
-    assert peers.unseen_restore(events, [events[1]], os.path.exists, 1) == (
+    assert peer_words.unseen_restore(events, [events[1]], os.path.exists, 1) == (
         f"node 1 cannot see {there!r}, the checkpoint rank 0 restored (step 160), and no rank of this node "
         "restored one: is the checkpoint directory on a file system every node shares?"
     )
-    assert peers.unseen_restore(events, events[1:2] + [restore(1, there)], os.path.exists, 1) is None
+    assert peer_words.unseen_restore(events, events[1:2] + [restore(1, there)], os.path.exists, 1) is None
     here.parent.mkdir()
     here.write_bytes(b"x")
     seen = [start(0, 100), start(1, os.getpid()), restore(0, str(here))]
-    assert peers.unseen_restore(seen, seen[1:2], os.path.exists, 1) is None  # shared: rank 1 chose not to
+    assert (
+        peer_words.unseen_restore(seen, seen[1:2], os.path.exists, 1) is None
+    )  # shared: rank 1 chose not to
     relative = [start(0, 100), start(1, os.getpid()), restore(0, "snapshot.pt")]
-    assert peers.unseen_restore(relative, relative[1:2], os.path.exists, 1) is None
+    assert peer_words.unseen_restore(relative, relative[1:2], os.path.exists, 1) is None
 
     config = RunConfig(command=(*TORCHRUN, "t.py"), ledger_url="sqlite:///x.db", job_id="j")
     follower = FollowerPeers(config, peers.NodeRole(node_rank=1, nnodes=2))
