@@ -13,6 +13,7 @@ from typing import Any
 
 from ettr.causes import Detail, diagnose, is_collective_error
 from ettr.events import Event, EventKind, Outcome, clip_failure_message
+from ettr.run_env import LAUNCHER_SIGNAL_RANK
 from ettr.supervisor.command_output import (
     child_signal,
     exception_line_from_stderr,
@@ -334,10 +335,16 @@ def classify(
         exception = message = None  # what ranks died of after the signal is its consequence
         signalled_ts, first_rank, first_sig = signalled[0]
         ended_by = signal.Signals[first_sig] if first_sig in signal.Signals.__members__ else ended_by
-        reason = (
-            f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
-            f"and its handler ended the job early; {how}"
-        )
+        if first_rank == LAUNCHER_SIGNAL_RANK:  # torchrun (or accelerate's agent) itself, behind a wrapper
+            reason = (
+                f"its launcher received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
+                f"and stopped the job; {how}"
+            )
+        else:
+            reason = (
+                f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an "
+                f"operator), and its handler ended the job early; {how}"
+            )
     elif returncode == 0 and (
         hidden := failure_hidden(events, shell_kills(stderr_tail, rank_of, bool(wrapper)))
     ):
