@@ -13,7 +13,6 @@ from typing import Any
 
 from ettr.causes import Detail, diagnose, is_collective_error
 from ettr.events import Event, EventKind, Outcome, clip_failure_message
-from ettr.run_env import LAUNCHER_SIGNAL_RANK
 from ettr.supervisor.command_output import (
     child_signal,
     exception_line_from_stderr,
@@ -23,7 +22,7 @@ from ettr.supervisor.command_output import (
     torchrun_signal,
     wrapped_signal,
 )
-from ettr.supervisor.hidden_ends import ended_by_signal, failure_hidden, shell_kills
+from ettr.supervisor.hidden_ends import ended_by_signal, failure_hidden, shell_kills, signalled_reason
 
 _OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
 _OOM_TEXT = ("CUDA out of memory", "Out of memory", "OutOfMemoryError")
@@ -335,16 +334,7 @@ def classify(
         exception = message = None  # what ranks died of after the signal is its consequence
         signalled_ts, first_rank, first_sig = signalled[0]
         ended_by = signal.Signals[first_sig] if first_sig in signal.Signals.__members__ else ended_by
-        if first_rank == LAUNCHER_SIGNAL_RANK:  # torchrun (or accelerate's agent) itself, behind a wrapper
-            reason = (
-                f"its launcher received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
-                f"and stopped the job; {how}"
-            )
-        else:
-            reason = (
-                f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an "
-                f"operator), and its handler ended the job early; {how}"
-            )
+        reason = signalled_reason(first_rank, first_sig, how)
     elif returncode == 0 and (
         hidden := failure_hidden(events, shell_kills(stderr_tail, rank_of, bool(wrapper)))
     ):
