@@ -127,6 +127,20 @@ def test_a_stop_after_a_rank_failure_is_that_ranks_failure_not_a_signal_or_a_pre
     assert (
         diagnose(outcome=killed.outcome, failure=killed.to_data(), trained=True).detail is Detail.PROCESS_LOST
     )
+    # `accelerate launch` (torch elastic's agent in its own process): rank 1 raised and was still tearing down
+    # when ettr stopped the rest; the agent says both died of that SIGTERM and exits 1. The rank's exception
+    # is the failure (it was booked a preemption by a scheduler, and not counted: a bad batch restarted forever).
+    terms = ["  rank      : 0 (local_rank: 0)", "  exitcode  : -15 (pid: 100)  (SIGTERM)",
+             "  rank      : 1 (local_rank: 1)", "  exitcode  : -15 (pid: 101)  (SIGTERM)"]  # fmt: skip
+    for wrapped in (False, True):
+        raised = classify(returncode=1, wrapper=wrapped, events=[*starts, crash], failed_pids=[[101]],
+                          stderr_tail=terms, stopped_after_rank_failure=True)  # fmt: skip
+        assert raised.outcome is Outcome.FAILED and raised.signal is None and raised.exit_code == 1, raised
+        assert raised.reason.startswith("rank 1 failed: InjectedCrash; ettr stopped the rest"), raised.reason
+        assert (
+            diagnose(outcome=raised.outcome, failure=raised.to_data(), trained=True).detail
+            is Detail.EXCEPTION
+        )
     # A launcher that exits 0 on ettr's SIGTERM (DeepSpeed's, before it saw the rank die) did not complete.
     zero = classify(
         returncode=0, events=[*starts, crash], failed_pids=[[101]], stopped_after_rank_failure=True

@@ -292,11 +292,13 @@ def classify(
         and preempted_by is None
         # a launcher that ends on ettr's SIGTERM with status 0 (DeepSpeed's, when the signal comes before it
         # saw the rank's death) would otherwise read as completed
-        and (sig in stops or (shell_said and behind in stops) or returncode == 0)
+        # (the shell's 128 + N, or torch elastic's summary: `accelerate launch` exiting 1 with "exitcode: -15")
+        and (sig in stops or (shell_said and behind in stops) or -root_code in stops or returncode == 0)
     )
     if ours:
-        # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it.
-        ended_by = -root_code if root_code < 0 else None
+        # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it
+        # (a SIGTERM it names is ettr's stop: a rank that raised was still tearing down when it came).
+        ended_by = -root_code if root_code < 0 and -root_code != signal.SIGTERM else None
         oom = exception in _OOM_EXCEPTIONS or (
             root is not None and not blamed and oom_killed and ended_by in (None, signal.SIGKILL)
         )
