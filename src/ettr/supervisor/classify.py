@@ -130,8 +130,8 @@ def first_failed_rank(
     collective) failed first, the earliest of them; then a rank that recorded nothing (killed: by a signal,
     the OOM killer, or a launcher stopping the rest after the first failure); last a rank that died of a
     broken collective, the consequence of another's death. A script's `mp.spawn` whose rank 0 raised and
-    whose rank 1 it then terminated, both gone in one look, named rank 1.
-    """
+    whose rank 1 it then terminated, both gone in one look, named rank 1. No rank seen gone (ettr stopped
+    the rest at a data loader worker's death): the rank that recorded an exception of its own first."""
     first_failure: dict[int, Event] = {}
     for event in sorted(failures, key=lambda e: e.ts):
         first_failure.setdefault(event.rank, event)
@@ -149,7 +149,8 @@ def first_failed_rank(
         ranks = [rank_of[pid] for pid in look if pid in rank_of]
         if ranks:
             return min(ranks, key=order)  # min is stable: the look's own order breaks ties
-    return None
+    own = [rank for rank in first_failure if order(rank)[0] == 0]
+    return min(own, key=order) if own else None
 
 
 def classify(
