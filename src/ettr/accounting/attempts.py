@@ -16,6 +16,7 @@ from typing import Any
 
 from ettr.accounting.liveness import NOT_ENDED
 from ettr.accounting.model import CheckpointCommit, CheckpointFailure, Recompile
+from ettr.accounting.ttr import rank_failure_times
 from ettr.constants import FAILURE_DETECTED_MARK
 from ettr.events import Event, EventKind, Outcome, Phase
 
@@ -382,14 +383,7 @@ def failure_instant(
     clamped to [start, end]; an `--inject kill` (SIGKILL, no FAILURE) is its rank's `inject` MARK, written
     just before the kill. None when none was recorded (a SIGKILL no one saw, books written by other
     tools)."""
-    found = [
-        e.ts
-        for r, evs in rank_events.items()
-        if r >= 0
-        for e in evs
-        if e.kind == EventKind.FAILURE
-        or (e.kind == EventKind.MARK and str(data_of(e).get("spec", "")).startswith("kill@"))
-    ]
+    found = rank_failure_times(rank_events)
     if isinstance(signalled_ts, (int, float)) and not isinstance(signalled_ts, bool):
         found.append(float(signalled_ts))
     for e in rank_events.get(-1, ()):
