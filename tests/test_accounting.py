@@ -267,6 +267,21 @@ def test_without_a_failure_the_detection_starts_the_teardown_and_unknown_keeps_i
     assert r.buckets_s[Bucket.RESTART] == pytest.approx(2)
 
 
+def test_an_injected_kill_is_its_own_failure_instant() -> None:
+    # `--inject kill` under a launcher inside the job (`accelerate launch`): the rank marks the fault and
+    # SIGKILLs itself at 15; the launcher noticed and exited at 25. Its 10 s reaction is restart, not lost
+    # progress (it was: the inject MARK was written, flushed, and not read).
+    s = _two_rank_crash(failure=False, detected=25)
+    s.add(EventKind.MARK, 15, rank=1, data={"name": "inject", "spec": "kill@step=10,attempt=0,rank=1"})
+    r = s.report()
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 1)  # steps 5-10, then 14 -> 15
+    assert r.buckets_s[Bucket.RESTART] == pytest.approx(15 + 2)  # 15 -> its end 30, 30 -> 32
+    # An injected hang stays lost progress until the watchdog's detection, as every hang.
+    s = _two_rank_crash(failure=False, detected=25)
+    s.add(EventKind.MARK, 15, rank=1, data={"name": "inject", "spec": "hang@step=10,attempt=0,rank=1"})
+    assert s.report().buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 11)
+
+
 def test_preemption_keeps_only_committed_progress() -> None:
     s = Stream().sup(EventKind.SUPERVISOR_START, 0)
     s.attempt(0, 0.5, 12, "preempted", 143, signal="SIGTERM")

@@ -306,3 +306,41 @@ def test_a_bash_wrapper_around_torchrun_is_recorded_rank_by_rank_and_faults_fire
     assert last_step[(0, 1)] == 6 and last_step[(1, 0)] == last_step[(1, 1)] == 10
     resumed = {e.step for e in events if e.kind is EventKind.RESUMED and e.attempt == 1}
     assert resumed == {4}
+
+
+def test_a_signal_the_launchers_own_handler_takes_is_noted_as_the_launchers(tmp_path: Path) -> None:
+    # `exec torchrun` (or `accelerate launch`) behind a wrapper, SIGTERMed from outside: torch elastic's handler
+    # raises SignalException, stops the workers and exits, seconds later (2.5 s for accelerate's example on a
+    # loaded machine). Without a note of when the signal came, all of that was booked as lost progress.
+    code = textwrap.dedent(
+        """
+        import os, signal, sys
+        from ettr.bootstrap import start as start_module
+        start_module.start(argv=[sys.executable, "/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"])
+        class Stop(Exception):
+            pass
+        def agents(s, f):
+            raise Stop(s)
+        signal.signal(signal.SIGTERM, agents)
+        assert signal.getsignal(signal.SIGTERM) is agents
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            import time; time.sleep(10)
+        except Stop:
+            print("stopped", flush=True)
+        """
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "ETTR_RUN_DIR": str(tmp_path),
+        "ETTR_ATTEMPT": "1",
+        "ETTR_LAUNCHER": "other",
+    }
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "stopped" in done.stdout, done.stderr
+    from ettr.run_env import LAUNCHER_SIGNAL_RANK, signals_received
+
+    assert [(rank, name) for _, rank, name in signals_received(tmp_path, 1)] == [
+        (LAUNCHER_SIGNAL_RANK, "SIGTERM")
+    ]

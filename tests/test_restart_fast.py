@@ -10,7 +10,7 @@ import time
 from ettr.causes import Detail, diagnose
 from ettr.events import Event, EventKind, Outcome
 from ettr.procs import start_ticks
-from ettr.supervisor.classify import classify
+from ettr.supervisor.classify import classify, first_failed_rank
 from ettr.supervisor.policy import backoff_wait_s
 from ettr.supervisor.restart import ExitWaker, PeerFailureWatch, trained
 
@@ -79,6 +79,11 @@ def test_peer_failure_needs_a_dead_process_and_a_failure_record():
         live.wait()
         assert watch.check(tree)
         assert watch.died == [[dead.pid], [live.pid]]  # one list per look that saw processes gone
+        # Found: what dies next is the supervisor's stop of the rest, no sign of who failed first.
+        later = subprocess.Popen([sys.executable, "-c", "pass"])
+        later.wait()
+        assert not watch.check({**tree, later.pid: start_ticks(later.pid) or 1})
+        assert watch.died == [[dead.pid], [live.pid]] and asked == [1, 1]
     finally:
         live.kill()
         live.wait()
@@ -127,6 +132,20 @@ def test_a_stop_after_a_rank_failure_is_that_ranks_failure_not_a_signal_or_a_pre
     assert (
         diagnose(outcome=killed.outcome, failure=killed.to_data(), trained=True).detail is Detail.PROCESS_LOST
     )
+    # `accelerate launch` (torch elastic's agent in its own process): rank 1 raised and was still tearing down
+    # when ettr stopped the rest; the agent says both died of that SIGTERM and exits 1. The rank's exception
+    # is the failure (it was booked a preemption by a scheduler, and not counted: a bad batch restarted forever).
+    terms = ["  rank      : 0 (local_rank: 0)", "  exitcode  : -15 (pid: 100)  (SIGTERM)",
+             "  rank      : 1 (local_rank: 1)", "  exitcode  : -15 (pid: 101)  (SIGTERM)"]  # fmt: skip
+    for wrapped in (False, True):
+        raised = classify(returncode=1, wrapper=wrapped, events=[*starts, crash], failed_pids=[[101]],
+                          stderr_tail=terms, stopped_after_rank_failure=True)  # fmt: skip
+        assert raised.outcome is Outcome.FAILED and raised.signal is None and raised.exit_code == 1, raised
+        assert raised.reason.startswith("rank 1 failed: InjectedCrash; ettr stopped the rest"), raised.reason
+        assert (
+            diagnose(outcome=raised.outcome, failure=raised.to_data(), trained=True).detail
+            is Detail.EXCEPTION
+        )
     # A launcher that exits 0 on ettr's SIGTERM (DeepSpeed's, before it saw the rank die) did not complete.
     zero = classify(
         returncode=0, events=[*starts, crash], failed_pids=[[101]], stopped_after_rank_failure=True
@@ -140,3 +159,37 @@ def test_a_stop_after_a_rank_failure_is_that_ranks_failure_not_a_signal_or_a_pre
         returncode=-15, preempted_by=15, events=[*starts, crash], stopped_after_rank_failure=True
     )
     assert preempted.outcome is Outcome.PREEMPTED
+
+
+def test_a_rank_whose_data_loader_worker_was_killed_is_the_failed_rank_not_a_peer_ettr_stopped():
+    # accelerate's checkpointing.py, kill -9 of rank 1's DataLoader worker: rank 1 raised "DataLoader worker
+    # (pid 359) is killed by signal: Killed."; the supervisor saw the worker gone with that FAILURE on record
+    # and stopped the rest; rank 0 died of the SIGTERM first (torchrun's root cause), rank 1 after its teardown.
+    # The books said "rank 0 failed (no exception recorded)".
+    starts = [Event(EventKind.PROCESS_START, 1.0, 0, r, data={"pid": 100 + r}) for r in (0, 1)]
+    killed = {
+        "exception": "RuntimeError",
+        "message": "DataLoader worker (pid 359) is killed by signal: Killed. ",
+    }
+    raised = Event(EventKind.FAILURE, 2.0, 0, 1, data=killed)
+    summary = [  # torchrun's: the other failures, then the root cause
+        "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : -15 (pid: 101)  (SIGTERM)",
+        "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : -15 (pid: 100)  (SIGTERM)",
+    ]
+    end = classify(returncode=1, events=[*starts, raised], failed_pids=[[359]], stderr_tail=summary,
+                   stopped_after_rank_failure=True)  # fmt: skip
+    assert end.outcome is Outcome.FAILED and end.exception == "RuntimeError", end
+    assert end.reason.startswith("rank 1 failed: RuntimeError; ettr stopped the rest"), end.reason
+    # A rank seen gone still decides; a broken collective alone names nobody.
+    assert first_failed_rank([[359], [100]], {100: 0, 101: 1}, [raised]) == 0
+    reset = Event(
+        EventKind.FAILURE,
+        2.0,
+        0,
+        0,
+        data={"exception": "RuntimeError", "message": "Connection reset by peer"},
+    )
+    assert first_failed_rank([[359]], {100: 0, 101: 1}, [reset]) is None
+    assert first_failed_rank([[359]], {100: 0, 101: 1}, [reset, raised]) == 1

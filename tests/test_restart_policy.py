@@ -146,6 +146,19 @@ def test_back_off_follows_the_cause() -> None:
             Cause.INFRA,
             Detail.PROCESS_LOST,
         ),
+        (  # kill -9 of a rank's DataLoader worker (accelerate's checkpointing.py): its RuntimeError is the
+            # kill's consequence; it read `user (exception): exception RuntimeError in the training code`
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "reason": "rank 1 failed: RuntimeError; ettr stopped the rest (killed by SIGTERM)",
+                "exception": "RuntimeError",
+                "message": "DataLoader worker (pid 359) is killed by signal: Killed. ",
+            },
+            True,
+            Cause.INFRA,
+            Detail.PROCESS_LOST,
+        ),
         (  # NCCL's watchdog aborts the process: its own words name the collective
             {
                 "outcome": "failed",

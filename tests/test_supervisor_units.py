@@ -1033,6 +1033,14 @@ def test_torchruns_own_word_that_it_got_a_signal_is_read() -> None:
     end = classify(returncode=1, stderr_tail=tail)  # `exec torchrun` behind a wrapper, its group signalled
     assert end.outcome is Outcome.PREEMPTED and end.signal == "SIGTERM"
     assert end.reason.startswith("SIGTERM to torchrun, which stopped its workers and exited 1")
+    # The launcher noted when the signal reached it: that is the preemption's onset (the accounting's failure
+    # instant; the workers' stop after it is the restart's), and the launcher, no rank, got it.
+    from ettr.run_env import LAUNCHER_SIGNAL_RANK
+
+    noted = classify(returncode=1, stderr_tail=tail, signalled=[(10.5, LAUNCHER_SIGNAL_RANK, "SIGTERM")])
+    assert noted.outcome is Outcome.PREEMPTED and noted.signal == "SIGTERM" and noted.signalled_ts == 10.5
+    assert noted.reason.startswith("its launcher received SIGTERM, not asked of the supervisor"), noted.reason
+    assert noted.reason.endswith("SIGTERM to torchrun, which stopped its workers and exited 1")
 
 
 def test_signals_the_scripts_handlers_saw_are_noted_and_their_handlers_kept(tmp_path: Path) -> None:

@@ -99,6 +99,15 @@ def test_tts_parts():
     assert tts.total_s == pytest.approx(6.0)
 
 
+def test_an_injected_kill_dates_the_failure_its_detection_is_known():
+    # `--inject kill` leaves no FAILURE but its own `inject` MARK, flushed just before the SIGKILL.
+    injected = Event(
+        EventKind.MARK, 7.0, 0, 1, data={"name": "inject", "spec": "kill@step=10,attempt=0,rank=1"}
+    )
+    (parts,) = compute([*job(failure=False), injected], now=30.0).ttr_parts
+    assert parts.parts_s["detection"] == pytest.approx(0.25) and parts.start_ts == 7.0
+
+
 def test_missing_milestones_give_their_time_to_the_next_part_and_unknown_failure_is_none():
     (parts,) = compute(job(detected=False, backoff=False, failure=False), now=30.0).ttr_parts
     assert parts.parts_s["detection"] is None  # a SIGKILLed rank records no failure: unknown, not 0

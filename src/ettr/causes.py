@@ -107,7 +107,16 @@ _COLLECTIVE_TEXT = (
     "Socket Timeout",
 )
 _HARDWARE_TEXT = ("uncorrectable ECC", "Uncorrectable ECC", "Xid", "NVLink")
-_SIGNAL_TEXT = ("(SIGKILL) received by PID", "(SIGBUS) received by PID", "(SIGSEGV) received by PID")
+_SIGNAL_TEXT = (
+    "(SIGKILL) received by PID",
+    "(SIGBUS) received by PID",
+    "(SIGSEGV) received by PID",
+    # a rank's DataLoader worker died of a signal (the OOM killer, a full /dev/shm, a crash in a C extension);
+    # the rank's RuntimeError is its consequence, not the training code's error (strsignal's words)
+    "is killed by signal: Killed",
+    "is killed by signal: Bus error",
+    "is killed by signal: Segmentation fault",
+)
 _START_FAILURE = "cannot start"
 _SUPERVISOR_LOST = (
     "supervisor was lost",  # "node 1's supervisor was lost (killed) while ...", a closed attempt

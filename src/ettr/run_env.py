@@ -425,6 +425,10 @@ def trained_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Pat
 
 SIGNALLED_PREFIX = "signalled-pid-"
 
+LAUNCHER_SIGNAL_RANK = -2
+"""The rank a launcher inside the job (torchrun behind a wrapper, `accelerate launch`, DeepSpeed's) notes in its
+`signalled_path`: it is no rank of the job, and it never steps (`ettr.bootstrap.start`)."""
+
 
 def signalled_path(run_dir: str | os.PathLike[str], attempt: int, pid: int, signame: str) -> Path:
     """Written by training process `pid` when a signal it handles itself (`signame`, e.g. SIGTERM) reached it

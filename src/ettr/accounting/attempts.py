@@ -16,6 +16,7 @@ from typing import Any
 
 from ettr.accounting.liveness import NOT_ENDED
 from ettr.accounting.model import CheckpointCommit, CheckpointFailure, Recompile
+from ettr.accounting.ttr import rank_failure_times
 from ettr.constants import FAILURE_DETECTED_MARK
 from ettr.events import Event, EventKind, Outcome, Phase
 
@@ -379,9 +380,10 @@ def failure_instant(
     `FAILURE` a training rank recorded (its exception), the supervisor's `failure_detected` MARK (a hang:
     the watchdog's firing; a rank ettr watched: its death; else the command's exit) and the ATTEMPT_END's
     `signalled_ts` (a signal from outside that the job's own handler ended it on: a preemption's onset),
-    clamped to [start, end]. None when none was recorded (a SIGKILL no one saw, books written by other
+    clamped to [start, end]; an `--inject kill` (SIGKILL, no FAILURE) is its rank's `inject` MARK, written
+    just before the kill. None when none was recorded (a SIGKILL no one saw, books written by other
     tools)."""
-    found = [e.ts for r, evs in rank_events.items() if r >= 0 for e in evs if e.kind == EventKind.FAILURE]
+    found = rank_failure_times(rank_events)
     if isinstance(signalled_ts, (int, float)) and not isinstance(signalled_ts, bool):
         found.append(float(signalled_ts))
     for e in rank_events.get(-1, ()):

@@ -4,8 +4,9 @@ A recovery runs from the failure to the first training step of the next attempt 
 the order they happen, each from one milestone to the next (a missing milestone gives its time to the next
 part, so the parts always add up to the whole):
 
-    detection      the failure (first FAILURE of any rank, else the fault the supervisor saw: a hang's last sign
-                   of life, its `failure_detected` MARK's `fault_ts`) -> the supervisor knew (that MARK, else
+    detection      the failure (first FAILURE of any rank or `--inject kill` MARK, else the fault the supervisor
+                   saw: a hang's last sign of life, its `failure_detected` MARK's `fault_ts`) -> the
+                   supervisor knew (that MARK, else
                    ATTEMPT_END); None when the fault time is unknown (SIGKILL, lost node: detected at once)
     teardown       -> ATTEMPT_END of the failed attempt (the rest of its processes gone)
     backoff        -> the end of the supervisor's wait (its `restart_backoff` MARK, else ATTEMPT_START)
@@ -153,6 +154,23 @@ class AttemptMilestones:
     """The sources the ranks' RESTORE phases recorded (`RecoveryParts.restored_from`)."""
 
 
+def rank_failure_times(rank_events: Mapping[int, Sequence[Event]]) -> list[float]:
+    """When the training ranks said they failed: each FAILURE, and each `inject` MARK of an `--inject kill`
+    (written and flushed just before the SIGKILL, which leaves no FAILURE)."""
+    return [
+        e.ts
+        for r, evs in rank_events.items()
+        if r >= 0
+        for e in evs
+        if e.kind == EventKind.FAILURE
+        or (
+            e.kind == EventKind.MARK
+            and isinstance(e.data, Mapping)
+            and str(e.data.get("spec")).startswith("kill@")
+        )
+    ]
+
+
 def milestones(
     *,
     index: int,
@@ -165,7 +183,7 @@ def milestones(
     phases: Sequence[Span],
 ) -> AttemptMilestones:
     """The milestones of one attempt from its events (supervisor events under rank -1)."""
-    failures = [e.ts for r, evs in rank_events.items() if r >= 0 for e in evs if e.kind == EventKind.FAILURE]
+    failures = rank_failure_times(rank_events)
     starts = [
         e.ts for r, evs in rank_events.items() if r >= 0 for e in evs if e.kind == EventKind.PROCESS_START
     ]

@@ -82,6 +82,7 @@ def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str
             logger.warning(
                 "ettr: could not hand the ranks to the launcher's workers (%s: %s)", type(exc).__name__, exc
             )
+        _note_launcher_signals(environ)
         return
     if not is_training_process(environ, os.getpid()):
         return
@@ -91,6 +92,24 @@ def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str
         logger.warning(
             "ettr: bootstrap failed (%s: %s); the script runs uninstrumented", type(exc).__name__, exc
         )
+
+
+def _note_launcher_signals(environ: Mapping[str, str]) -> None:
+    """A launcher's own signal handlers (torch elastic's agent, in torchrun or `accelerate launch`, turns a
+    SIGTERM into `SignalException`, stops its workers and exits) note when a signal reached it, as a
+    training process's do (`ettr.bootstrap.outside_signals`): a SIGTERM sent to the launcher from outside
+    (`exec torchrun` behind a wrapper, an operator's `kill`) then has an onset, the accounting's failure
+    instant, and the seconds its workers took to stop are the restart's, not lost progress (never raises)."""
+    from ettr.run_env import LAUNCHER_SIGNAL_RANK, RunEnv
+
+    try:
+        run_env = RunEnv.from_environ(environ)
+        if run_env is not None:
+            from ettr.bootstrap.outside_signals import install as note_outside_signals
+
+            note_outside_signals(str(run_env.run_dir), run_env.attempt, LAUNCHER_SIGNAL_RANK)
+    except Exception:
+        pass
 
 
 def _warn_nodes_unseen(environ: Mapping[str, str], argv: Sequence[str]) -> None:

@@ -22,7 +22,7 @@ from ettr.supervisor.command_output import (
     torchrun_signal,
     wrapped_signal,
 )
-from ettr.supervisor.hidden_ends import ended_by_signal, failure_hidden, shell_kills
+from ettr.supervisor.hidden_ends import ended_by_signal, failure_hidden, shell_kills, signalled_reason
 
 _OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
 _OOM_TEXT = ("CUDA out of memory", "Out of memory", "OutOfMemoryError")
@@ -138,8 +138,8 @@ def first_failed_rank(
     collective) failed first, the earliest of them; then a rank that recorded nothing (killed: by a signal,
     the OOM killer, or a launcher stopping the rest after the first failure); last a rank that died of a
     broken collective, the consequence of another's death. A script's `mp.spawn` whose rank 0 raised and
-    whose rank 1 it then terminated, both gone in one look, named rank 1.
-    """
+    whose rank 1 it then terminated, both gone in one look, named rank 1. No rank seen gone (ettr stopped
+    the rest at a data loader worker's death): the rank that recorded an exception of its own first."""
     first_failure: dict[int, Event] = {}
     for event in sorted(failures, key=lambda e: e.ts):
         first_failure.setdefault(event.rank, event)
@@ -157,7 +157,8 @@ def first_failed_rank(
         ranks = [rank_of[pid] for pid in look if pid in rank_of]
         if ranks:
             return min(ranks, key=order)  # min is stable: the look's own order breaks ties
-    return None
+    own = [rank for rank in first_failure if order(rank)[0] == 0]
+    return min(own, key=order) if own else None
 
 
 def classify(
@@ -300,11 +301,13 @@ def classify(
         and preempted_by is None
         # a launcher that ends on ettr's SIGTERM with status 0 (DeepSpeed's, when the signal comes before it
         # saw the rank's death) would otherwise read as completed
-        and (sig in stops or (shell_said and behind in stops) or returncode == 0)
+        # (the shell's 128 + N, or torch elastic's summary: `accelerate launch` exiting 1 with "exitcode: -15")
+        and (sig in stops or (shell_said and behind in stops) or -root_code in stops or returncode == 0)
     )
     if ours:
-        # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it.
-        ended_by = -root_code if root_code < 0 else None
+        # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it
+        # (a SIGTERM it names is ettr's stop: a rank that raised was still tearing down when it came).
+        ended_by = -root_code if root_code < 0 and -root_code != signal.SIGTERM else None
         oom = exception in _OOM_EXCEPTIONS or (
             root is not None and not blamed and oom_killed and ended_by in (None, signal.SIGKILL)
         )
@@ -342,10 +345,7 @@ def classify(
         exception = message = None  # what ranks died of after the signal is its consequence
         signalled_ts, first_rank, first_sig = signalled[0]
         ended_by = signal.Signals[first_sig] if first_sig in signal.Signals.__members__ else ended_by
-        reason = (
-            f"rank {first_rank} received {first_sig}, not asked of the supervisor (a scheduler or an operator), "
-            f"and its handler ended the job early; {how}"
-        )
+        reason = signalled_reason(first_rank, first_sig, how)
     elif returncode == 0 and (
         hidden := failure_hidden(events, shell_kills(stderr_tail, rank_of, bool(wrapper)))
     ):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from ettr.events import Event, EventKind
+from ettr.run_env import LAUNCHER_SIGNAL_RANK
 from ettr.supervisor.command_output import shell_reported_deaths, signal_name
 
 STEPS_AFTER_SIGNAL = 5
@@ -28,6 +29,19 @@ def ended_by_signal(
         for ts, rank, name in signalled
         if sum(1 for r, t in steps if r == rank and t > ts) <= STEPS_AFTER_SIGNAL
     ]
+
+
+def signalled_reason(rank: int, signame: str, how: str) -> str:
+    """Why an attempt that a signal from outside ended (`ended_by_signal`'s first) is booked preempted."""
+    if rank == LAUNCHER_SIGNAL_RANK:  # torchrun (or accelerate's agent) itself, behind a wrapper
+        return (
+            f"its launcher received {signame}, not asked of the supervisor (a scheduler or an operator), and "
+            f"stopped the job; {how}"
+        )
+    return (
+        f"rank {rank} received {signame}, not asked of the supervisor (a scheduler or an operator), and its "
+        f"handler ended the job early; {how}"
+    )
 
 
 def shell_kills(lines: Sequence[str], rank_of: Mapping[int, int], wrapper: bool) -> list[Event]:

@@ -86,16 +86,22 @@ class PeerFailureWatch:
     `check(tree)` with the attempt's known descendants ((pid, start ticks), e.g. `AttemptProcess.known_tree`)
     notices processes that have exited since the last call; only then does it ask `failure_recorded()` (a
     ledger read), so a healthy attempt costs a few /proc reads per tick. A process that ends without a
-    FAILURE (a data loader worker, a clean exit) changes nothing.
+    FAILURE (a data loader worker, a clean exit) changes nothing. Once it found one, it looks no more: what
+    dies after is the supervisor's stop of the rest, which says nothing of who failed first (a rank that
+    raised and was still tearing down died after its peer's SIGTERM, and was named rank 0's failure).
     """
 
     def __init__(self, failure_recorded: Callable[[], bool]) -> None:
         self._failure_recorded = failure_recorded
         self._seen_gone: set[tuple[int, int | None]] = set()
+        self._found = False
         self.died: list[list[int]] = []
-        """The pids seen gone, one list per look that saw them gone, in the order of the looks."""
+        """The pids seen gone before a FAILURE was found, one list per look that saw them gone, in the order
+        of the looks."""
 
     def check(self, tree: Mapping[int, int | None]) -> bool:
+        if self._found:
+            return False
         new = [(pid, t) for pid, t in tree.items() if t is not None and (pid, t) not in self._seen_gone]
         died = [key for key in new if not running(*key)]
         if not died:
@@ -103,7 +109,8 @@ class PeerFailureWatch:
         self._seen_gone.update(died)
         self.died.append([pid for pid, _ in died])
         try:
-            return self._failure_recorded()
+            self._found = self._failure_recorded()
+            return self._found
         except Exception as exc:  # the books cannot tell: leave it to the launcher
             logger.debug("ettr: cannot read the ledger for a failure (%s)", exc)
             return False
