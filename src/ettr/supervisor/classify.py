@@ -1,8 +1,7 @@
 """Why an attempt ended: outcome, exit code, signal, OOM-kill, Python exception and the end of stderr.
 
-Pure except for `oom_kill_count`, which reads the cgroup's counter so the supervisor can tell an OOM-kill from
-any other SIGKILL (read it before and after the attempt).
-"""
+Pure: the cgroup's OOM-kill counter that tells an OOM-kill from any other SIGKILL is read before and after the
+attempt by the supervisor (`ettr.procs.oom_kill_count`)."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class AttemptEnd:
     signalled_ts: float | None = None
     """When a rank got the outside signal whose handler ended the job: the accounting's failure instant."""
     hung_ranks: str | None = None
-    """For a hang: what each training process was doing when it was found (`watchdog.describe_ranks`, also at the
-    end of `reason`), by itself: node 0 of a multi-node job adds each other node's to its own reason."""
+    """A hang: what each training process was doing (`watchdog.describe_ranks`; node 0 adds other nodes')."""
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> AttemptEnd:
@@ -89,21 +87,18 @@ class AttemptEnd:
 
     def to_data(self) -> dict[str, Any]:
         """The ATTEMPT_END event's `data`."""
-        return (
-            {
-                "outcome": self.outcome.value,
-                "exit_code": self.exit_code,
-                "signal": self.signal,
-                "reason": self.reason,
-                "exception": self.exception,
-                "message": self.message,
-                "oom": self.oom,
-                "stderr_tail": list(self.stderr_tail),
-                "injected": self.injected,
-            }
-            | ({} if self.signalled_ts is None else {"signalled_ts": self.signalled_ts})
-            | ({} if self.hung_ranks is None else {"hung_ranks": self.hung_ranks})
-        )
+        known = {"signalled_ts": self.signalled_ts, "hung_ranks": self.hung_ranks}  # these two where known
+        return {
+            "outcome": self.outcome.value,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "reason": self.reason,
+            "exception": self.exception,
+            "message": self.message,
+            "oom": self.oom,
+            "stderr_tail": list(self.stderr_tail),
+            "injected": self.injected,
+        } | {key: value for key, value in known.items() if value is not None}
 
 
 def this_nodes_events(events: Iterable[Event], *, host: str, supervisor_pid: int) -> list[Event]:
@@ -183,8 +178,7 @@ def classify(
     Args:
         returncode: `Popen.returncode` (negative: killed by that signal).
         stderr_tail: the last lines of its stderr.
-        events: the attempt's events from training processes (FAILURE, PROCESS_START and `inject` marks are
-            used).
+        events: the attempt's events from training processes (FAILURE, PROCESS_START, `inject` marks).
         preempted_by: the signal the supervisor received and forwarded (the attempt was preempted).
         hung_after_s: set when the hang watchdog killed the attempt: the silence it saw; `hung_bound` which bound
             that was over (`the bound of phase eval`, `10 x the step time of 0.05 s`); `hung_ranks` what each
@@ -195,9 +189,7 @@ def classify(
             die). The failed rank is in the first look that saw a rank gone: its exception, not the connection
             error another rank died of after it (`first_failed_rank`).
         ranks: pid -> rank of the processes whose rank the launcher knows (`Attempt.ranks`), beside those the
-            PROCESS_START events name: a worker that went on into this attempt after an in-place recovery
-            recorded none in it, and its death would otherwise be nobody's (no `(rank N)`, and a peer's
-            exception taken for its cause).
+            PROCESS_START events name (a worker that went on into this attempt in place recorded none in it).
         wrapper: the command is a shell (or srun), whose exit status 128 + N says that what it ran died of
             signal N; a string names it (`launch.wrapper_name`: "srun", "shell wrapper").
         stopped_after_rank_failure: the supervisor stopped the attempt's processes because a rank died with a
