@@ -96,6 +96,15 @@ def test_wrong_password_and_unreachable_server_are_one_clear_line(postgres_serve
         open_url("mysql://h/x", job_id="j")
     assert redact("postgresql://u:secret@h:5/d") == "postgresql://u:***@h:5/d"
     assert redact("postgresql://u:secret@h:5/d", mask=None) == "postgresql://u@h:5/d"
+    # libpq also takes the password in the query (it was printed, and written to ledger-url.json, as given)
+    assert (
+        redact("postgresql://u@h/d?sslmode=require&password=secret")
+        == "postgresql://u@h/d?sslmode=require&password=***"
+    )
+    assert (
+        redact("postgresql://u@h/d?password=secret&sslmode=require", mask=None)
+        == "postgresql://u@h/d?sslmode=require"
+    )
 
 
 def test_cli_bad_ledger_urls_exit_2_with_one_line(postgres_server, tmp_path):

@@ -113,12 +113,19 @@ def redact(url: str, *, mask: str | None = "***") -> str:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    secret = "" if mask is None else f":{mask}"
-    return urlunsplit(parts._replace(netloc=f"{user}{secret}@{netloc}"))
+    if parts.password is not None:
+        netloc = parts.netloc.rsplit("@", 1)[1]
+        user = parts.username or ""
+        secret = "" if mask is None else f":{mask}"
+        parts = parts._replace(netloc=f"{user}{secret}@{netloc}")
+    if parts.query:  # libpq takes `?password=...` too (it was printed as given)
+        fields = parts.query.split("&")
+        kept = [
+            f if f.split("=", 1)[0].lower() != "password" else (None if mask is None else f"password={mask}")
+            for f in fields
+        ]
+        parts = parts._replace(query="&".join(f for f in kept if f is not None))
+    return urlunsplit(parts)
 
 
 def _one_line(exc: BaseException) -> str:
