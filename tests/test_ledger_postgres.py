@@ -238,3 +238,18 @@ def test_a_schema_version_that_is_no_number_does_not_say_upgrade(postgres_url):
         conn.execute("UPDATE ettr.meta SET value = 'banana' WHERE key = 'schema_version'")
     with pytest.raises(UsageError, match="schema version banana .*ettr.meta was altered"):
         open_url(postgres_url, job_id="j")
+
+
+def test_two_jobs_of_a_ledger_are_compared(postgres_url, capsys):
+    # `ettr report --ledger URL --job-id A --job-id B` gave a traceback (ValueError: 0 labels for 2 reports):
+    # the comparison was labelled by run directories, and a ledger's jobs have none.
+    from ettr.cli import main
+    from ettr.testing.fleet import JobSpec, job_events
+
+    for job_id in ("a", "b"):
+        ledger = open_url(postgres_url, job_id=job_id, create=True)
+        ledger.append(job_events(JobSpec(job_id=job_id, family="f", start_ts=1_700_000_000.0)))
+        ledger.close()
+    assert main(["report", "--ledger", postgres_url, "--job-id", "a", "--job-id", "b"]) == 0
+    out = capsys.readouterr().out
+    assert "ETT %" in out and " a " in out and " b " in out
