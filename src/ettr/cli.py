@@ -216,9 +216,10 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 def _report(args: argparse.Namespace) -> int:
     from ettr.report.load import load_requested
 
-    if args.trace and len(args.run_dirs) > 1:
+    if args.trace and (len(args.run_dirs) > 1 or len(set(args.job_id or ())) > 1):
+        # (several --job-id wrote the first job's trace alone, and said nothing of the others)
         raise UsageError(
-            "ettr report: --trace takes one RUN_DIR (a trace is one job's timeline; run once per job)"
+            "ettr report: --trace takes one RUN_DIR or --job-id (a trace is one job's timeline; run once per job)"
         )
     if args.tensorboard:
         from ettr.report.tensorboard import require_tensorboard
