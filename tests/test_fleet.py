@@ -861,3 +861,30 @@ def test_every_nodes_run_dir_of_a_multi_node_job_is_one_job(tmp_path, capsys):
     assert out["problems"] == [
         f"{tmp_path / 'node1'}: the same job's books as {tmp_path / 'node0'} (one ledger URL and job id): counted once"
     ]
+
+
+def test_serve_says_a_ledgers_damage_once_not_at_every_scrape(runs, caplog):
+    # A job accounted from its events finds its damaged rows anew on each read: an exporter scraped every
+    # 15 s printed `skipped N unreadable ledger records` 5,760 times a day per damaged job.
+    import logging
+    import sqlite3
+    from argparse import Namespace
+
+    from ettr.fleet.serve import loader
+    from ettr.ledger.locate import ledger_path
+
+    with contextlib.closing(sqlite3.connect(ledger_path(runs / "a1"))) as conn, conn:
+        conn.execute(
+            "INSERT INTO events (ts, kind, attempt, rank, step) VALUES (?, 'step', 0, 0, 7)", (-1.0,)
+        )
+    # A shared ledger's jobs are read from their events at each scrape (run directories are cached).
+    url = f"sqlite:///{ledger_path(runs / 'a1')}"
+    args = Namespace(run_dirs=[], ledger=url, workers=1, no_cache=True, cache_dir=None,
+                     from_events=False, window=None)  # fmt: skip
+    load = loader(args)
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        for _ in range(3):
+            jobs, problems = load(time.time())
+            assert len(jobs) == 1 and problems == []
+    said = [r.getMessage() for r in caplog.records if "unreadable ledger records" in r.getMessage()]
+    assert len(said) == 1 and "skipped 1 unreadable" in said[0]

@@ -298,6 +298,11 @@ def test_the_fleet_of_a_postgres_ledger_never_prints_its_password(postgres_url, 
     rng = random.Random(5)
     write_job_url(postgres_url, replace(_spec(0, rng), job_id="stored"))
     write_job_url(postgres_url, replace(_spec(1, rng), job_id="from-events"), close=False)
+    import psycopg
+
+    with psycopg.connect(postgres_url) as conn:  # every reader of the ledger reads what is stored
+        (body,) = conn.execute("SELECT body FROM ettr.summaries WHERE job_id = 'stored'").fetchone()
+    assert password not in body and redact(postgres_url) in body  # the supervisor stored the URL whole
     assert main(["fleet", "--ledger", postgres_url, "--json"]) == 0
     out, err = capsys.readouterr()
     assert password not in out and password not in err

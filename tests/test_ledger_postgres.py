@@ -96,6 +96,15 @@ def test_wrong_password_and_unreachable_server_are_one_clear_line(postgres_serve
         open_url("mysql://h/x", job_id="j")
     assert redact("postgresql://u:secret@h:5/d") == "postgresql://u:***@h:5/d"
     assert redact("postgresql://u:secret@h:5/d", mask=None) == "postgresql://u@h:5/d"
+    # libpq also takes the password in the query (it was printed, and written to ledger-url.json, as given)
+    assert (
+        redact("postgresql://u@h/d?sslmode=require&password=secret")
+        == "postgresql://u@h/d?sslmode=require&password=***"
+    )
+    assert (
+        redact("postgresql://u@h/d?password=secret&sslmode=require", mask=None)
+        == "postgresql://u@h/d?sslmode=require"
+    )
 
 
 def test_cli_bad_ledger_urls_exit_2_with_one_line(postgres_server, tmp_path):
@@ -187,3 +196,60 @@ def read_spill_lines(path):
         seq, *row = json.loads(line)
         out.append(KeyedEvent("w", seq, "n", from_row(*row)))
     return out
+
+
+@pytest.mark.parametrize(
+    "alter",
+    [
+        "ALTER TABLE ettr.events DROP COLUMN node",
+        "ALTER TABLE ettr.events ADD COLUMN owner text NOT NULL",
+        "ALTER TABLE ettr.events ADD CONSTRAINT no_steps CHECK (kind <> 'step')",
+        "REVOKE_INSERT",
+    ],
+)
+def test_an_events_table_that_takes_no_events_is_refused_before_the_job_starts(postgres_url, alter):
+    # A writer takes a failed insert for an outage: with a column dropped by hand, `ettr run` said "ledger
+    # server unreachable", ran the whole job into spill files no delivery could store, and exited 0.
+    from urllib.parse import urlsplit
+
+    open_url(postgres_url, job_id="j", create=True).close()
+    url = postgres_url
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        if alter == "REVOKE_INSERT":  # a DBA granted reading only
+            conn.execute("CREATE ROLE ettr_reader LOGIN PASSWORD 'pw'")
+            conn.execute("GRANT USAGE ON SCHEMA ettr TO ettr_reader")
+            conn.execute("GRANT SELECT ON ALL TABLES IN SCHEMA ettr TO ettr_reader")
+            conn.execute("GRANT INSERT ON ettr.jobs TO ettr_reader")
+            parts = urlsplit(postgres_url)
+            url = parts._replace(netloc=f"ettr_reader:pw@{parts.hostname}:{parts.port}").geturl()
+        else:
+            conn.execute(alter)
+    with pytest.raises(UsageError, match="table ettr.events does not take this ettr's events") as info:
+        open_url(url, job_id="k", create=True)
+    assert "\n" not in str(info.value) and ":pw@" not in str(info.value)
+    open_url(url, job_id="j").close()  # reading is not refused
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM ettr.events").fetchone()[0] == 0  # the probe left nothing
+
+
+def test_a_schema_version_that_is_no_number_does_not_say_upgrade(postgres_url):
+    open_url(postgres_url, job_id="j", create=True).close()
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("UPDATE ettr.meta SET value = 'banana' WHERE key = 'schema_version'")
+    with pytest.raises(UsageError, match="schema version banana .*ettr.meta was altered"):
+        open_url(postgres_url, job_id="j")
+
+
+def test_two_jobs_of_a_ledger_are_compared(postgres_url, capsys):
+    # `ettr report --ledger URL --job-id A --job-id B` gave a traceback (ValueError: 0 labels for 2 reports):
+    # the comparison was labelled by run directories, and a ledger's jobs have none.
+    from ettr.cli import main
+    from ettr.testing.fleet import JobSpec, job_events
+
+    for job_id in ("a", "b"):
+        ledger = open_url(postgres_url, job_id=job_id, create=True)
+        ledger.append(job_events(JobSpec(job_id=job_id, family="f", start_ts=1_700_000_000.0)))
+        ledger.close()
+    assert main(["report", "--ledger", postgres_url, "--job-id", "a", "--job-id", "b"]) == 0
+    out = capsys.readouterr().out
+    assert "ETT %" in out and " a " in out and " b " in out

@@ -230,15 +230,64 @@ def test_a_killed_writers_spill_is_complete_and_a_torn_line_is_skipped(tmp_path)
     supervisor.close()
 
 
-def test_spill_write_failure_is_a_ledger_error_and_leaves_no_half_batch(tmp_path):
+def test_spill_write_failure_beyond_what_memory_holds_is_a_ledger_error(tmp_path):
+    server = FakeServer()
+    server.up = False
+    blocker = tmp_path / "spill"
+    blocker.write_text("a file where the spill directory should be")
+    ledger = _ledger(server, tmp_path, max_held_events=3)
+    ledger.append(_steps(0, 2))  # held in memory
+    with pytest.raises(LedgerError, match="cannot spill"):
+        ledger.append(_steps(2, 2))  # 4 > 3: refused whole, none of it held
+    server.up = True
+    _wait_for(lambda: not ledger.backlog)
+    assert sorted(e.step for e in server.read()) == [0, 1]
+    ledger.close()
+
+
+def test_an_outage_on_a_full_disk_keeps_the_events_and_delivers_them_once(tmp_path, caplog):
+    # A stalled server and a full run directory: the writer dropped every batch it could not spill ("62
+    # events could not be written"), and the supervisor the steps it recorded after the attempt's end,
+    # though the server came back while it still ran: the report had 4 of a job's 60 steps (ETT 5.2%).
+    server = FakeServer()
+    server.up = False
+    blocker = tmp_path / "spill"
+    blocker.write_text("a file where the spill directory should be")  # any spill write fails
+    ledger = _ledger(server, tmp_path)
+    for first in range(0, 30, 10):
+        ledger.append(_steps(first, 10))
+    assert ledger.backlog and caplog.text.count("keeping them in memory") == 1
+    server.up = True
+    _wait_for(lambda: not ledger.backlog)
+    ledger.append(_steps(30, 5))
+    assert sorted(e.step for e in ledger.read()) == list(range(35))
+    assert len(server.rows) == 35
+    ledger.close()
+
+
+def test_held_events_move_to_the_spill_file_when_the_disk_is_back_first(tmp_path):
     server = FakeServer()
     server.up = False
     blocker = tmp_path / "spill"
     blocker.write_text("a file where the spill directory should be")
     ledger = _ledger(server, tmp_path)
-    with pytest.raises(LedgerError, match="cannot spill"):
-        ledger.append(_steps(0, 2))
+    ledger.append(_steps(0, 5))
+    blocker.unlink()  # space again; the server is still away
+    _wait_for(lambda: any(blocker.glob("*.jsonl")) and not ledger._held)
+    ledger.append(_steps(5, 5))
+    ledger.close()  # the server is away: what is pending stays on disk for the supervisor
+    (spilled,) = blocker.glob("*.jsonl")
+    assert sorted(r.event.step for r in read_spill(spilled)[1]) == list(range(10))
+
+
+def test_held_events_that_nothing_takes_by_the_close_are_said_lost(tmp_path, caplog):
+    server = FakeServer()
+    server.up = False
+    (tmp_path / "spill").write_text("a file where the spill directory should be")
+    ledger = _ledger(server, tmp_path)
+    ledger.append(_steps(0, 7))
     ledger.close()
+    assert "7 ledger event(s) are lost" in caplog.text
 
 
 def test_background_connect_never_makes_the_constructor_wait(tmp_path):

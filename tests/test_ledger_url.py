@@ -238,3 +238,16 @@ def test_a_forged_pointer_names_no_file_of_this_machine_to_libpq(tmp_path, forge
     run_dir.mkdir()
     (run_dir / "ledger-url.json").write_text(json.dumps({"url": forged, "job_id": "j"}))
     assert read_pointer(run_dir) == (read, "j")
+
+
+def test_a_ledgers_job_gets_its_html_report(tmp_path, capsys):
+    # `ettr report --ledger URL --job-id ID --html FILE` gave a traceback (ValueError: 0 labels for 1
+    # reports): the page was labelled by run directories, and a ledger's jobs have none.
+    from ettr.cli import main
+    from ettr.testing.fleet import JobSpec, write_job
+
+    write_job(tmp_path / "run", JobSpec(job_id="j7", family="f", start_ts=1_700_000_000.0))
+    url = f"sqlite:///{tmp_path / 'run' / 'ledger.db'}"
+    page = tmp_path / "j7.html"
+    assert main(["report", "--ledger", url, "--job-id", "j7", "--html", str(page)]) == 0
+    assert "j7" in page.read_text() and "wrote" in capsys.readouterr().err

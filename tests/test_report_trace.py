@@ -413,3 +413,15 @@ def test_real_ettr_run_job_exports_a_trace_and_tensorboard_scalars(tmp_path: Pat
     assert values["goodput/goodput"][-1][1] == pytest.approx(report["ett_pct"], rel=1e-6)
     for bucket, seconds in report["buckets_s"].items():
         assert values[f"ettr/buckets_s/{bucket}"][-1][1] == pytest.approx(seconds, rel=1e-6, abs=1e-6)
+
+
+def test_cli_trace_refuses_several_jobs_of_a_ledger(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Several --job-id wrote the first job's trace alone and said nothing of the others.
+    url = f"sqlite:///{tmp_path / 'books.db'}"
+    argv = ["report", "--ledger", url, "--job-id", "a", "--job-id", "b", "--trace", str(tmp_path / "t.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--trace takes one RUN_DIR or --job-id" in err
+    assert not (tmp_path / "t.json").exists()

@@ -216,9 +216,10 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 def _report(args: argparse.Namespace) -> int:
     from ettr.report.load import load_requested
 
-    if args.trace and len(args.run_dirs) > 1:
+    if args.trace and (len(args.run_dirs) > 1 or len(set(args.job_id or ())) > 1):
+        # (several --job-id wrote the first job's trace alone, and said nothing of the others)
         raise UsageError(
-            "ettr report: --trace takes one RUN_DIR (a trace is one job's timeline; run once per job)"
+            "ettr report: --trace takes one RUN_DIR or --job-id (a trace is one job's timeline; run once per job)"
         )
     if args.tensorboard:
         from ettr.report.tensorboard import require_tensorboard
@@ -243,10 +244,13 @@ def _report(args: argparse.Namespace) -> int:
     from ettr.report.labels import run_labels
     from ettr.report.text import render, render_comparison
 
+    # A ledger's jobs have no run directory: they are named by their job ids (None), not by zero labels
+    # (`ettr report --ledger URL --job-id A --job-id B`, and any --html of a ledger's job, gave a traceback).
+    labels = run_labels(run_dirs) if run_dirs else None
     if args.html:
         from ettr.report.html import write_html
 
-        write_html(reports, args.html, labels=run_labels(run_dirs))
+        write_html(reports, args.html, labels=labels)
         print(f"ettr report: wrote {args.html}", file=sys.stderr)
     if args.trace:
         from ettr.report.trace import write_trace
@@ -279,7 +283,7 @@ def _report(args: argparse.Namespace) -> int:
             print("\ninit communication audit (start-up collectives and process groups, per init stage)")
             print(audit)
     else:
-        print(render_comparison(reports, labels=run_labels(run_dirs)))
+        print(render_comparison(reports, labels=labels))
     return 2 if requested.problems else 0
 
 

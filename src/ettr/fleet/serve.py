@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -139,6 +139,37 @@ def start_server(
     return MetricsServer(httpd=httpd, thread=thread)
 
 
+class _SaidOnce(logging.Filter):
+    """Warnings said while reading the fleet, each said by the first scrape that meets it and not again
+    while every scrape after it says the same (again once it was gone for a scrape).
+
+    A ledger's damage is found anew on every read (`skipped 3 unreadable ledger records` of a job accounted
+    from its events: a shared ledger's jobs are never cached), so an exporter scraped every 15 s printed the
+    same lines 5,760 times a day."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._before: set[str] = set()
+        self._now: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        message = record.getMessage()
+        self._now.add(message)
+        return message not in self._before
+
+    @contextlib.contextmanager
+    def scrape(self) -> Iterator[None]:
+        target = logging.getLogger("ettr")
+        target.addFilter(self)
+        try:
+            yield
+        finally:
+            target.removeFilter(self)
+            self._before, self._now = self._now, set()
+
+
 def loader(args: argparse.Namespace) -> Callable[[float], tuple[list[JobSummary], list[str]]]:
     """The scrape-time loader of the flags' sources, with a cache of finished jobs."""
     from ettr.fleet.command import load_jobs, make_cache
@@ -147,11 +178,13 @@ def loader(args: argparse.Namespace) -> Callable[[float], tuple[list[JobSummary]
     cache = make_cache(args)
     lock = threading.Lock()  # one load at a time: concurrent scrapes would read every ledger twice
     named: set[str] = set()  # the problems said on stderr and still there
+    repeats = _SaidOnce()
 
     def load(now: float) -> tuple[list[JobSummary], list[str]]:
         with lock:
             try:
-                jobs, problems = load_jobs(args, now=now, cache=cache, cmd="serve")
+                with repeats.scrape():
+                    jobs, problems = load_jobs(args, now=now, cache=cache, cmd="serve")
             except UsageError as exc:  # e.g. the folder is empty for now: serve what there is (nothing)
                 jobs, problems = [], [str(exc).removeprefix("ettr serve: ")]
             except Exception as exc:  # noqa: BLE001 - a scrape says what failed, never an HTTP 500

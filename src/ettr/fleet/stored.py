@@ -231,12 +231,13 @@ def store_run_dir(run_dir: str | os.PathLike[str]) -> JobSummary | None:
 def store_url(url: str, job_id: str) -> JobSummary | None:
     """Account the finished job `job_id` of the PostgreSQL ledger at `url` once and store its summary in the
     ledger. Returns it, or None when the job is not finished. Raises `LedgerError`."""
-    from ettr.ledger.postgres import PostgresLedger
+    from ettr.ledger.postgres import PostgresLedger, redact
 
     ledger = PostgresLedger(url, job_id=job_id)
     try:
         events, mark = ledger.read_marked()  # every rank's steps: they tell its slow ranks
-        summary = summarize_finished(events, job_id=job_id, source=url)
+        # stored where every reader of the ledger sees it: the URL without its password (it was kept whole)
+        summary = summarize_finished(events, job_id=job_id, source=redact(url))
         if summary is not None:
             ledger.store_summary(mark, encode(summary, mark, job_id_recorded=True))
     finally:

@@ -113,12 +113,19 @@ def redact(url: str, *, mask: str | None = "***") -> str:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    secret = "" if mask is None else f":{mask}"
-    return urlunsplit(parts._replace(netloc=f"{user}{secret}@{netloc}"))
+    if parts.password is not None:
+        netloc = parts.netloc.rsplit("@", 1)[1]
+        user = parts.username or ""
+        secret = "" if mask is None else f":{mask}"
+        parts = parts._replace(netloc=f"{user}{secret}@{netloc}")
+    if parts.query:  # libpq takes `?password=...` too (it was printed as given)
+        fields = parts.query.split("&")
+        kept = [
+            f if f.split("=", 1)[0].lower() != "password" else (None if mask is None else f"password={mask}")
+            for f in fields
+        ]
+        parts = parts._replace(query="&".join(f for f in kept if f is not None))
+    return urlunsplit(parts)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -389,10 +396,41 @@ def _check_schema(conn: Any, url: str, *, create: bool) -> None:
         except ValueError:
             newer = True
         if newer:
+            why = "upgrade ettr" if value is not None and value.isdigit() else "ettr.meta was altered"
             raise LedgerError(
                 f"{redact(url)}: ledger {key.replace('_', ' ')} {value or 'none'} is not supported by this "
-                f"ettr (need <= {ours}; upgrade ettr)"
+                f"ettr (need <= {ours}; {why})"
             )
+    if create:
+        _probe_insert(conn, url)
+
+
+def _probe_insert(conn: Any, url: str) -> None:
+    """Refuse, before the job starts, a ledger whose events table does not take this ettr's rows: a column
+    dropped or added NOT NULL by hand, no INSERT right, a trigger or check that refuses them. A writer takes
+    a failed insert for an outage (it spills and retries), so such a ledger ran whole jobs into spill files
+    that no delivery could ever store, while `ettr run` said "ledger server unreachable". One row inserted
+    and rolled back (it costs a sequence number)."""
+    import psycopg
+
+    try:
+        with conn.transaction(force_rollback=True):
+            conn.execute(
+                f"INSERT INTO ettr.events ({_COLUMNS}) VALUES ('', '', %s, 0, 0, 'step', 0, 0, NULL, 0, NULL, NULL)",
+                (f"ettr-probe-{new_writer_id()}",),
+            )
+    except (
+        psycopg.ProgrammingError,
+        psycopg.IntegrityError,
+        psycopg.DataError,
+        psycopg.InternalError,
+    ) as exc:
+        # (a dead or stalled connection, the statement timeout and a full disk are OperationalError: raised)
+        why = exc.diag.message_primary or _one_line(exc)  # without the statement psycopg quotes after it
+        raise LedgerError(
+            f"{redact(url)}: table ettr.events does not take this ettr's events ({why}); "
+            "it was altered, or this user lacks INSERT on it (docs/ledger.md, 'Operating an external PostgreSQL')"
+        ) from None
 
 
 def unanswered(url: str) -> str | None:

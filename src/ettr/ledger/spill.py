@@ -51,6 +51,9 @@ SPILL_DIRNAME = "ledger-spill"
 _SUFFIX = ".jsonl"
 _DELIVERY_CHUNK = 10_000  # about a second on a loaded server: far inside one call's bound
 _MAX_REJECTED_SHOWN = 8192  # refused events a warning carries when they cannot be kept in a file
+MAX_HELD_EVENTS = 200_000
+"""Events a writer keeps in memory while neither the server nor its spill file takes them (an outage on a
+full disk): about 100 MB at most, 100 s of a busy writer's 2,000 events/s."""
 
 
 class ServerLedger(Protocol):
@@ -160,6 +163,7 @@ class SpillingLedger:
             (on the Recorder's writer thread) waits for that connection, at most `connect_wait_s`.
         announce_outage: log one warning when the server goes away ("events spill to ..."); False for a
             ledger that writes no events of its own (`ettr deliver`'s adopter: its caller says what happened).
+        max_held_events: how many events are kept in memory while the spill file cannot be written either.
     """
 
     def __init__(
@@ -174,6 +178,7 @@ class SpillingLedger:
         background_connect: bool = False,
         connect_wait_s: float = 15.0,
         announce_outage: bool = True,
+        max_held_events: int = MAX_HELD_EVENTS,
     ) -> None:
         if not retry_interval_s > 0:
             raise ValueError(f"retry_interval_s must be > 0, got {retry_interval_s}")
@@ -188,6 +193,10 @@ class SpillingLedger:
         self._server: ServerLedger | None = None
         self._down = False
         self._file: _SpillFile | None = None
+        # Events neither the server nor the spill file took (a full disk during an outage): kept here and
+        # delivered with the backlog; a full disk used to drop them, and the report lacked those steps.
+        self._held: list[KeyedEvent] = []
+        self._max_held = max_held_events
         self._seq = 0
         self._closed = False
         self._wake = threading.Event()
@@ -210,8 +219,8 @@ class SpillingLedger:
     # -- state -------------------------------------------------------------------------------------------
     @property
     def backlog(self) -> bool:
-        """Whether this writer has spilled events not yet delivered."""
-        return self._file is not None and self._file.has_records
+        """Whether this writer has spilled (or held) events not yet delivered."""
+        return bool(self._held) or (self._file is not None and self._file.has_records)
 
     @property
     def server_down(self) -> bool:
@@ -246,11 +255,13 @@ class SpillingLedger:
 
     def _forget_in_child(self) -> None:
         self._closed, self._thread, self._file, self._server = True, None, None, None
+        self._held = []
 
     # -- Ledger --------------------------------------------------------------------------------------------
     def append(self, events: Sequence[Event]) -> None:
-        """Durable on return: on the server, or in the fsync'd spill file. Raises `LedgerError` only when
-        neither can be written (the caller may retry the same events)."""
+        """Durable on return: on the server, or in the fsync'd spill file; when neither can be written (an
+        outage on a full disk), held in memory and delivered (or spilled) once either takes them again.
+        Raises `LedgerError` only when even that is full (the caller may retry the same events)."""
         if not events:
             return
         if not self._connected.is_set():
@@ -266,15 +277,41 @@ class SpillingLedger:
                 except Exception as exc:
                     self._mark_down(exc)
             try:
-                if self._file is None:
-                    self._file = _SpillFile(
-                        self.spill_dir, job_id=self.job_id, writer=self.writer, node=self.node
-                    )
-                self._file.append(records)
+                self._spill(records)
             except OSError as exc:
-                raise LedgerError(f"cannot spill ledger events to {self.spill_dir} ({exc})") from None
+                if len(self._held) + len(records) > self._max_held:
+                    raise LedgerError(f"cannot spill ledger events to {self.spill_dir} ({exc})") from None
+                if not self._held:
+                    logger.warning(
+                        "ettr: cannot spill ledger events to %s (%s); keeping them in memory (at most %d) "
+                        "until the server or the disk takes them",
+                        self.spill_dir,
+                        exc,
+                        self._max_held,
+                    )
+                self._held.extend(records)
             self._seq += len(records)
             self._start_delivery()
+
+    def _spill(self, records: Sequence[KeyedEvent]) -> None:
+        """Append `records` to this writer's spill file (made on first use). Raises OSError."""
+        with self._lock:
+            if self._file is None:
+                self._file = _SpillFile(
+                    self.spill_dir, job_id=self.job_id, writer=self.writer, node=self.node
+                )
+            self._file.append(records)
+
+    def _spill_held(self) -> bool:
+        """Move the events held in memory into the spill file, where they are durable. Whether none is held."""
+        with self._lock:
+            if self._held and not self._closed:
+                try:
+                    self._spill(self._held)
+                except OSError:
+                    return False
+                self._held = []
+            return not self._held
 
     def read(self) -> list[Event]:
         """The job's events from the server (delivering what this node spilled first). Raises `LedgerError`
@@ -329,6 +366,13 @@ class SpillingLedger:
             while not self.deliver() and time.monotonic() < deadline:
                 time.sleep(min(self._retry_interval_s, max(0.0, deadline - time.monotonic())))
         with self._lock:
+            if self._held and not self._spill_held():
+                logger.warning(
+                    "ettr: %d ledger event(s) are lost: neither the ledger server nor %s took them",
+                    len(self._held),
+                    self.spill_dir,
+                )
+                self._held = []
             self._closed = True
             self._wake.set()
             if self._file is not None:
@@ -356,9 +400,18 @@ class SpillingLedger:
             return True
         if self._down or self._server is None:
             if not self._ping():
+                self._spill_held()  # the disk may be back before the server
                 return False
         with self._lock:
-            if self.backlog and self._file is not None and self._server is not None:
+            if self._held and self._server is not None:
+                try:
+                    self._keep_rejected(_store_chunked(self._server, self._held))
+                except Exception as exc:
+                    self._mark_down(exc)
+                    self._spill_held()
+                    return False
+                self._held = []
+            if self._file is not None and self._file.has_records and self._server is not None:
                 try:
                     self._keep_rejected(_store_chunked(self._server, self._file.records()))
                 except Exception as exc:
