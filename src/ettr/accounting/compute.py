@@ -137,7 +137,7 @@ def _compute(
         attempts,
         [(r.failed.index, r.recovered.index) for r in recoveries],
         None if tts_window is None else (tts_window.origin_ts, tts_window.attempt),
-        [run.ts for run in job.runs],
+        job.runs,
     )
     job_phases: dict[str, list[float]] = {}
     for report in attempt_reports:
