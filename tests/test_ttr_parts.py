@@ -239,6 +239,12 @@ def test_a_requeues_wait_in_the_queue_is_its_scheduling_part_not_backoff():
     assert "  scheduling " in text.split("time to start / recover by part")[1]
     assert report_json.to_dict(report)["ttr_parts"][0]["parts_s"]["scheduling"] == pytest.approx(0.3)
 
+    (allocated_only,) = compute(requeued(allocated_at=7.9), now=30.0).ttr_parts  # SubmitTime not read
+    assert allocated_only.parts_s["scheduling"] is None  # unknown, not 0: the wait is in backoff
+    assert (allocated_only.parts_s["backoff"], allocated_only.parts_s["hardware_setup"]) == pytest.approx(
+        (0.4, 0.1)
+    )
+    assert "?" in report_text.render(compute(requeued(allocated_at=7.9), now=30.0))
     (unknown,) = compute(requeued(), now=30.0).ttr_parts
     assert list(unknown.parts_s) == list(RECOVERY_PARTS) and unknown.parts_s["backoff"] == pytest.approx(0.75)
     plain = report_text.render(compute(job(), now=30.0))

@@ -73,7 +73,8 @@ REQUEUE_PARTS = ("scheduling", "hardware_setup")
 `SubmitTime`), between backoff and relaunch, as in the buckets: the run's wait in the scheduler's queue
 (submitted -> allocated) and its hardware set-up (allocated -> its supervisor's start). backoff is then the
 teardown until the requeue, relaunch the new supervisor's own start and launch; without those times the
-whole wait is backoff."""
+whole wait is backoff; with the allocation alone, `scheduling` is unknown (None) and the queue's wait stays
+in backoff."""
 ALL_RECOVERY_PARTS = (*RECOVERY_PARTS[:3], *REQUEUE_PARTS, *RECOVERY_PARTS[3:])
 """Every part a recovery may have, in the order they happen."""
 STARTUP_PARTS = ("before_launch", "launch", *RECOVERY_PARTS[4:])
@@ -293,6 +294,8 @@ def recovery_parts(
         marks.append(at(run.ts, marks[-1]))
         for name, begin, stop in zip(("backoff", *REQUEUE_PARTS), marks, marks[1:], strict=False):
             parts[name] = stop - begin
+        if run.submitted_ts is None:  # the wait in the queue is in backoff, its length unknown: not 0
+            parts["scheduling"] = None
         cursor = marks[-1]
     else:
         backoff_end = failed.backoff_end_ts if failed.backoff_end_ts is not None else recovered.start_ts
