@@ -268,10 +268,13 @@ def recovery_parts(
     *,
     requeued: bool = False,
     run: RunTimes | None = None,
+    run_gap_start_ts: float | None = None,
 ) -> RecoveryParts | None:
     """The parts of the recovery from `failed` to `recovered` (which trained); None if it did not train.
     `requeued`: a new supervisor run started between them (its kind is then `requeue`); `run`: that run,
-    whose recorded allocation splits the wait into REQUEUE_PARTS."""
+    whose recorded allocation splits the wait into REQUEUE_PARTS; `run_gap_start_ts`: the end of the attempt
+    just before that run (later than `failed`'s end when attempts failed between them: none of their time
+    is the run's wait, though Slurm's whole-second SubmitTime may say so)."""
     if recovered.training_start_ts is None or recovered.first_step_ts is None:
         return None
     end = failed.end_ts
@@ -287,8 +290,9 @@ def recovery_parts(
         return max(after, min(ts, limit))
 
     if run is not None and run.allocated_ts is not None:  # as the buckets split a requeue's gap
-        allocated = min(max(run.allocated_ts, end), run.ts)
-        queued = allocated if run.submitted_ts is None else min(max(run.submitted_ts, end), allocated)
+        floor = end if run_gap_start_ts is None else min(max(run_gap_start_ts, end), run.ts)
+        allocated = min(max(run.allocated_ts, floor), run.ts)
+        queued = allocated if run.submitted_ts is None else min(max(run.submitted_ts, floor), allocated)
         marks = [end, at(queued, end)]
         marks.append(at(allocated, marks[-1]))
         marks.append(at(run.ts, marks[-1]))
@@ -421,7 +425,8 @@ def breakdowns(
         before, after = by_index[failed], by_index[recovered]
         requeued = any(before.end_ts <= r.ts <= after.start_ts for r in runs)
         run = next((r for r in reversed(runs) if before.end_ts < r.ts <= after.start_ts), None)
-        parts = recovery_parts(before, after, requeued=requeued, run=run)
+        gap = max((a.end_ts for a in attempts if failed <= a.index < recovered), default=None)
+        parts = recovery_parts(before, after, requeued=requeued, run=run, run_gap_start_ts=gap)
         if parts is not None:
             found.append(parts)
     start = None if tts is None else startup_parts(tts[0], by_index[tts[1]])
