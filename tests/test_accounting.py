@@ -307,6 +307,37 @@ def test_preemption_keeps_only_committed_progress() -> None:
     assert r.failure_pct == pytest.approx(4.4 / 12.5 * 100)
 
 
+def test_a_checkpoint_torn_by_a_later_save_keeps_nothing() -> None:
+    """nanoGPT saves with torch.save straight to out/ckpt.pt; a Slurm requeue during the save at step 10
+    leaves it truncated, and every attempt after it dies loading it (exit 3, the job over). The step-6 save
+    that file held is gone: its steps were counted as kept (effective training, 4 steps lost) though the
+    job has nothing to resume from. A load-failure mark on the path takes back the saves before it; a save
+    of that path after the mark stands."""
+
+    def job(*, saved_again: bool) -> EttReport:
+        s = Stream().sup(EventKind.SUPERVISOR_START, 0)
+        s.attempt(0, 0.5, 12, "preempted", 143, signal="SIGTERM")
+        s.steps(0, 1, 10, t_first=2)  # 2..11
+        s.add(EventKind.CHECKPOINT_COMMIT, 7.5, step=6, data={"path": "/ckpt/out/ckpt.pt"})
+        s.sup(EventKind.JOB_END, 12.5, exit_status=143)
+        s.sup(EventKind.SUPERVISOR_START, 20)  # the requeued run
+        s.attempt(1, 21, 23, "failed", 1)
+        s.add(EventKind.MARK, 22, 1, data={"name": "checkpoint_load_failed", "path": "/ckpt/out/ckpt.pt"})
+        s.add(EventKind.MARK, 22, 1, 1, data={"name": "checkpoint_load_failed", "path": "/ckpt/other.pt"})
+        if saved_again:  # the user removed it; a save of that path after the failed load stands
+            s.add(EventKind.CHECKPOINT_COMMIT, 22.5, 1, step=6, data={"path": "/ckpt/out/ckpt.pt"})
+        s.sup(EventKind.JOB_END, 23.5, 1, exit_status=3)
+        return s.report()
+
+    r = job(saved_again=False)
+    assert [a.lost_steps for a in r.attempts] == [10, 0]
+    assert r.buckets_s[Bucket.EFFECTIVE_TRAINING] == 0
+    assert_invariants(r)
+    r = job(saved_again=True)
+    assert [a.lost_steps for a in r.attempts] == [4, 0]
+    assert r.buckets_s[Bucket.EFFECTIVE_TRAINING] == pytest.approx(6, abs=TOL)
+
+
 def test_evaluation_of_kept_work_is_evaluation_and_of_lost_work_wasted() -> None:
     """docs/buckets.md, "Evaluation": an evaluation evaluates the state after the step before it."""
     s = Stream().sup(EventKind.SUPERVISOR_START, 0)

@@ -124,6 +124,10 @@ def _check_one_report(rep: dict[str, Any], job: str, pended_s: float) -> None:
     # The time the requeued job pended is the scheduler's: the requeued attempt's `scheduling`, about what
     # the test waited before starting it (Slurm's times are whole seconds: 1 s either way).
     assert last["buckets_s"]["scheduling"] >= pended_s - 1.5
+    # The TTR table books that wait as the buckets do, not as the supervisor's back-off.
+    requeue = rep["ttr_parts"][-1]
+    assert requeue["kind"] == "requeue"
+    assert requeue["parts_s"]["scheduling"] == pytest.approx(last["buckets_s"]["scheduling"], abs=1e-6)
 
 
 def test_a_requeued_batch_job_keeps_one_report(slurm_cluster: Any, tmp_path: Path) -> None:

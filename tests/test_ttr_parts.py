@@ -223,6 +223,66 @@ def test_each_recovery_says_how_it_was_recovered():
     assert "in_place" in render_html([compute(in_place, now=30.0)])
 
 
+def test_a_requeues_wait_in_the_queue_is_its_scheduling_part_not_backoff():
+    """Field trial (Slurm, nanoGPT requeued by `scontrol requeue`): the requeued run pended 174 s in the queue,
+    booked `scheduling` in the buckets, but the TTR table called it `backoff 175.62` (the supervisor's own
+    wait). A requeued run that recorded its submission and allocation splits the wait as the buckets do;
+    one that did not leaves it all backoff, with no new parts."""
+    from ettr.accounting.ttr import ALL_RECOVERY_PARTS, REQUEUE_PARTS
+    from ettr.events import Bucket
+
+    def requeued(**times: float) -> list[Event]:
+        return job(backoff=False) + [sup(EventKind.SUPERVISOR_START, 8.0, 0, **times)]
+
+    report = compute(requeued(submitted_at=7.6, allocated_at=7.9), now=30.0)
+    (parts,) = report.ttr_parts
+    assert parts.kind == "requeue"
+    assert list(parts.parts_s) == list(ALL_RECOVERY_PARTS)
+    got = {n: parts.parts_s[n] for n in ("backoff", *REQUEUE_PARTS, "relaunch")}
+    assert got == pytest.approx({"backoff": 0.1, "scheduling": 0.3, "hardware_setup": 0.1, "relaunch": 1.25})
+    assert parts.parts_s["scheduling"] == pytest.approx(report.attempts[1].buckets_s[Bucket.SCHEDULING])
+    assert math.fsum(v for v in parts.parts_s.values() if v is not None) == pytest.approx(parts.total_s)
+    assert report.ttr_s == (pytest.approx(parts.headline_s),)
+    assert parts.headline_s == pytest.approx(math.fsum(parts.parts_s[n] for n in ALL_RECOVERY_PARTS[2:-1]))
+    text = report_text.render(report)
+    assert "  scheduling " in text.split("time to start / recover by part")[1]
+    assert report_json.to_dict(report)["ttr_parts"][0]["parts_s"]["scheduling"] == pytest.approx(0.3)
+
+    (allocated_only,) = compute(requeued(allocated_at=7.9), now=30.0).ttr_parts  # SubmitTime not read
+    assert allocated_only.parts_s["scheduling"] is None  # unknown, not 0: the wait is in backoff
+    assert (allocated_only.parts_s["backoff"], allocated_only.parts_s["hardware_setup"]) == pytest.approx(
+        (0.4, 0.1)
+    )
+    assert "?" in report_text.render(compute(requeued(allocated_at=7.9), now=30.0))
+    (unknown,) = compute(requeued(), now=30.0).ttr_parts
+    assert list(unknown.parts_s) == list(RECOVERY_PARTS) and unknown.parts_s["backoff"] == pytest.approx(0.75)
+    plain = report_text.render(compute(job(), now=30.0))
+    assert "  scheduling " not in plain.split("time to start / recover by part")[1]
+
+
+def test_a_requeue_after_a_restart_books_none_of_the_restarted_attempt_as_the_queues_wait():
+    """Field trial: a crash restarted in the allocation (attempt 1), then `scontrol requeue` 0.2 s into
+    attempt 1. Slurm's SubmitTime has whole seconds: it said the wait began before attempt 1 ended, and the
+    recovery 0->2 took attempt 1's life for `scheduling` (7.79 s beside the bucket's 7.61 s)."""
+    ev = [sup(EventKind.SUPERVISOR_START, 0.0, 0), sup(EventKind.ATTEMPT_START, 0.0, 0)]
+    ev += attempt_events(0, 0.0, steps=range(1, 11))
+    ev.append(sup(EventKind.ATTEMPT_END, 7.5, 0, outcome="failed", exit_code=1))
+    ev += [sup(EventKind.ATTEMPT_START, 7.6, 1), sup(EventKind.ATTEMPT_END, 8.0, 1, outcome="preempted")]
+    ev.append(sup(EventKind.SUPERVISOR_START, 9.0, 0, submitted_at=7.0, allocated_at=8.5))
+    ev.append(sup(EventKind.ATTEMPT_START, 9.25, 2))
+    ev += attempt_events(2, 9.25, steps=range(6, 11))
+    ev.append(sup(EventKind.ATTEMPT_END, 20.0, 2, outcome="completed", exit_code=0))
+    ev.append(sup(EventKind.JOB_END, 20.0, 2, exit_status=0))
+    report = compute(ev, now=30.0)
+    from ettr.events import Bucket
+
+    assert [(p.failed_attempt, p.recovered_attempt) for p in report.ttr_parts] == [(0, 2), (1, 2)]
+    assert [p.parts_s["scheduling"] for p in report.ttr_parts] == pytest.approx([0.5, 0.5])
+    assert report.attempts[2].buckets_s[Bucket.SCHEDULING] == pytest.approx(0.5)
+    first = report.ttr_parts[0]
+    assert math.fsum(v for v in first.parts_s.values() if v is not None) == pytest.approx(first.total_s)
+
+
 def test_a_long_recovery_kind_stays_in_its_own_column():
     """`cold_restart` is 12 characters: in 10-wide columns two recoveries read `cold_restartcold_restart`
     and the kind stood out of its column (right-aligned under nothing)."""

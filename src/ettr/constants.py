@@ -47,6 +47,10 @@ RECOVERY_MARK = "recovery"
 """Supervisor MARK (attempt = the one started) of an attempt that recovers a failure in a way the relaunch does
 not say: data kind (`in_place`: the job's other processes went on, the failed rank was replaced), replaced
 (ranks started anew)."""
+CHECKPOINT_LOAD_FAILED_MARK = "checkpoint_load_failed"
+"""Rank MARK when a load of one of the job's checkpoint files raised and the file on disk is none of the saves
+recorded for it (a torch.save straight to its final name cut off mid-write); data: path, exception, why. The
+saves of that path committed before it are gone: the kept-step rule no longer counts on them."""
 IMPORTS_MARK = "imports_done"
 """Training-process MARK: `import torch` finished in this process (ettr's bootstrap ran before it)."""
 COMMIT_FLUSH_S = 1.0

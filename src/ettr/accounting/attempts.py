@@ -17,7 +17,7 @@ from typing import Any
 from ettr.accounting.liveness import NOT_ENDED
 from ettr.accounting.model import CheckpointCommit, CheckpointFailure, Recompile
 from ettr.accounting.ttr import rank_failure_times
-from ettr.constants import FAILURE_DETECTED_MARK
+from ettr.constants import CHECKPOINT_LOAD_FAILED_MARK, FAILURE_DETECTED_MARK
 from ettr.events import Event, EventKind, Outcome, Phase
 
 _JOB_SUBMITTED = EventKind.JOB_SUBMITTED
@@ -67,6 +67,7 @@ class JobEvents:
     checkpoint_errors: list[CheckpointFailure] = field(default_factory=list)
     recompiles: list[Recompile] = field(default_factory=list)
     runs: list[RunStart] = field(default_factory=list)  # every SUPERVISOR_START, in time order
+    torn_checkpoints: list[tuple[float, str]] = field(default_factory=list)  # (ts, path) of load failures
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +190,10 @@ def gather(events: Iterable[Event]) -> JobEvents:
                     ts=e.ts, attempt=e.attempt, rank=e.rank, reason=str(data.get("reason", "")), data=data
                 )
             )
+        elif kind == EventKind.MARK:
+            data = data_of(e)
+            if data.get("name") == CHECKPOINT_LOAD_FAILED_MARK and data.get("path") is not None:
+                job.torn_checkpoints.append((e.ts, str(data["path"])))
         elif kind == EventKind.PROCESS_START:
             if raw.process_start_ts is None and e.rank >= 0:
                 raw.process_start_ts = e.ts
@@ -258,8 +263,20 @@ def resolve_attempts(
         if is_last and in_progress and raw.end_event is None and raw.failure_event is None:
             outcome, failure = (Outcome.RUNNING if supervisor_alive else Outcome.UNKNOWN), None
         attempts.append(_resolve_one(raw, position, start, end, outcome, exit_code, failure))
-    _mark_kept_steps(attempts, job.commits)
+    _mark_kept_steps(attempts, surviving_commits(job))
     return attempts
+
+
+def surviving_commits(job: JobEvents) -> list[CheckpointCommit]:
+    """The job's commits less those whose file was later found torn: a load of that path failed on a file
+    that is none of the saves recorded for it (`CHECKPOINT_LOAD_FAILED_MARK`: a torch.save straight to the
+    final name, cut off mid-write, replaced what the earlier saves of that path left). Saves of that path
+    after the failed load stand."""
+    if not job.torn_checkpoints:
+        return job.commits
+    return [
+        c for c in job.commits if not any(path == c.path and ts > c.ts for ts, path in job.torn_checkpoints)
+    ]
 
 
 def _raw_start(raw: RawAttempt) -> float:

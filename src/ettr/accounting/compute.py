@@ -8,7 +8,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from types import MappingProxyType
 
-from ettr.accounting.attempts import Attempt, JobEvents, data_of, gather, resolve_attempts, wall_bounds
+from ettr.accounting.attempts import (
+    Attempt,
+    JobEvents,
+    data_of,
+    gather,
+    resolve_attempts,
+    surviving_commits,
+    wall_bounds,
+)
 from ettr.accounting.causes import failure_causes
 from ettr.accounting.fence import fence
 from ettr.accounting.liveness import NOT_ENDED, JobState, OpenJob, counts_as_failure, job_state, steps_after
@@ -129,7 +137,7 @@ def _compute(
         attempts,
         [(r.failed.index, r.recovered.index) for r in recoveries],
         None if tts_window is None else (tts_window.origin_ts, tts_window.attempt),
-        [run.ts for run in job.runs],
+        job.runs,
     )
     job_phases: dict[str, list[float]] = {}
     for report in attempt_reports:
@@ -293,7 +301,7 @@ def _recoveries(attempts: tuple[AttemptReport, ...]) -> tuple[Recovery, ...]:
 def _open_job(job: JobEvents, attempts: list[Attempt], segments: list[Segment], state: JobState) -> OpenJob:
     """What a job without an end was doing at the end of its report."""
     last = attempts[-1] if attempts else None
-    commits = [c.step for c in job.commits if c.step is not None]
+    commits = [c.step for c in surviving_commits(job) if c.step is not None]
     last_commit = max(commits) if commits else None
     attempt_open = last is not None and last.outcome in NOT_ENDED
     end_ts = last.end_ts if last is not None else None

@@ -9,7 +9,10 @@ part, so the parts always add up to the whole):
                    supervisor knew (that MARK, else
                    ATTEMPT_END); None when the fault time is unknown (SIGKILL, lost node: detected at once)
     teardown       -> ATTEMPT_END of the failed attempt (the rest of its processes gone)
-    backoff        -> the end of the supervisor's wait (its `restart_backoff` MARK, else ATTEMPT_START)
+    backoff        -> the end of the supervisor's wait (its `restart_backoff` MARK, else ATTEMPT_START);
+                   a requeue whose run recorded its allocation: -> the requeue (its run's submission),
+                   then REQUEUE_PARTS `scheduling` (-> allocated) and `hardware_setup` (-> that run's
+                   supervisor start), as the buckets split the gap
     relaunch       -> the first PROCESS_START of the next attempt (fork/exec, a launcher's own start-up and
                    rendezvous, e.g. torchrun's agent; in a warm standby, the rest of its warm-up). Which
                    path ran and why (`relaunch_path`, `relaunch_why`: warm | promoted | cold) comes from
@@ -66,6 +69,15 @@ RECOVERY_PARTS = (
     "first_step",
 )
 """The parts of a recovery, in the order they happen."""
+REQUEUE_PARTS = ("scheduling", "hardware_setup")
+"""Parts of a requeue's recovery whose run recorded when it was allocated (Slurm's `StartTime`, and its reset
+`SubmitTime`), between backoff and relaunch, as in the buckets: the run's wait in the scheduler's queue
+(submitted -> allocated) and its hardware set-up (allocated -> its supervisor's start). backoff is then the
+teardown until the requeue, relaunch the new supervisor's own start and launch; without those times the
+whole wait is backoff; with the allocation alone, `scheduling` is unknown (None) and the queue's wait stays
+in backoff."""
+ALL_RECOVERY_PARTS = (*RECOVERY_PARTS[:3], *REQUEUE_PARTS, *RECOVERY_PARTS[3:])
+"""Every part a recovery may have, in the order they happen."""
 STARTUP_PARTS = ("before_launch", "launch", *RECOVERY_PARTS[4:])
 """The parts of the time to start."""
 BEFORE_HEADLINE = frozenset({"detection", "teardown"})
@@ -88,6 +100,18 @@ _IN_PROCESS = (  # (part, phases), the first open one takes the instant
 Span = tuple[float, float, Phase | None, str]
 
 
+class RunTimes(Protocol):
+    """A supervisor run's start and, when it recorded them, its own submission and allocation (a requeued
+    run's: `ettr.accounting.attempts.RunStart`)."""
+
+    @property
+    def ts(self) -> float: ...
+    @property
+    def submitted_ts(self) -> float | None: ...
+    @property
+    def allocated_ts(self) -> float | None: ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RecoveryParts:
     """Where the time of one recovery (or of the start) went; `parts_s` in the order of the parts."""
@@ -99,7 +123,8 @@ class RecoveryParts:
     """The failure (else its detection), or the TTS origin."""
     first_step_ts: float
     parts_s: Mapping[str, float | None]
-    """Seconds per part (RECOVERY_PARTS or STARTUP_PARTS); a part the events cannot tell is None."""
+    """Seconds per part (RECOVERY_PARTS, with REQUEUE_PARTS after backoff for a requeue whose run recorded
+    its allocation; or STARTUP_PARTS); a part the events cannot tell is None."""
     headline_start_ts: float = 0.0
     """Where the headline TTR/TTS starts: the failed attempt's end, or the TTS origin."""
     training_start_ts: float = 0.0
@@ -256,10 +281,18 @@ def recovery_kind(failed: AttemptMilestones, recovered: AttemptMilestones, *, re
 
 
 def recovery_parts(
-    failed: AttemptMilestones, recovered: AttemptMilestones, *, requeued: bool = False
+    failed: AttemptMilestones,
+    recovered: AttemptMilestones,
+    *,
+    requeued: bool = False,
+    run: RunTimes | None = None,
+    run_gap_start_ts: float | None = None,
 ) -> RecoveryParts | None:
     """The parts of the recovery from `failed` to `recovered` (which trained); None if it did not train.
-    `requeued`: a new supervisor run started between them (its kind is then `requeue`)."""
+    `requeued`: a new supervisor run started between them (its kind is then `requeue`); `run`: that run,
+    whose recorded allocation splits the wait into REQUEUE_PARTS; `run_gap_start_ts`: the end of the attempt
+    just before that run (later than `failed`'s end when attempts failed between them: none of their time
+    is the run's wait, though Slurm's whole-second SubmitTime may say so)."""
     if recovered.training_start_ts is None or recovered.first_step_ts is None:
         return None
     end = failed.end_ts
@@ -269,9 +302,27 @@ def recovery_parts(
         "detection": None if failure is None else detected - failure,
         "teardown": end - detected,
     }
-    backoff_end = failed.backoff_end_ts if failed.backoff_end_ts is not None else recovered.start_ts
-    cursor = max(end, min(backoff_end, recovered.training_start_ts))
-    parts["backoff"] = cursor - end
+    limit = recovered.training_start_ts
+
+    def at(ts: float, after: float) -> float:
+        return max(after, min(ts, limit))
+
+    if run is not None and run.allocated_ts is not None:  # as the buckets split a requeue's gap
+        floor = end if run_gap_start_ts is None else min(max(run_gap_start_ts, end), run.ts)
+        allocated = min(max(run.allocated_ts, floor), run.ts)
+        queued = allocated if run.submitted_ts is None else min(max(run.submitted_ts, floor), allocated)
+        marks = [end, at(queued, end)]
+        marks.append(at(allocated, marks[-1]))
+        marks.append(at(run.ts, marks[-1]))
+        for name, begin, stop in zip(("backoff", *REQUEUE_PARTS), marks, marks[1:], strict=False):
+            parts[name] = stop - begin
+        if run.submitted_ts is None:  # the wait in the queue is in backoff, its length unknown: not 0
+            parts["scheduling"] = None
+        cursor = marks[-1]
+    else:
+        backoff_end = failed.backoff_end_ts if failed.backoff_end_ts is not None else recovered.start_ts
+        cursor = at(backoff_end, end)
+        parts["backoff"] = cursor - end
     cursor = _startup(parts, recovered, cursor, "relaunch")
     return RecoveryParts(
         failed_attempt=failed.index,
@@ -368,11 +419,12 @@ def breakdowns(
     attempts: Sequence[ResolvedAttempt],
     recovered_pairs: Sequence[tuple[int, int]],
     tts: tuple[float, int] | None,
-    run_starts: Sequence[float] = (),
+    runs: Sequence[RunTimes] = (),
 ) -> tuple[tuple[RecoveryParts, ...], RecoveryParts | None]:
     """The parts of each recovery ((failed index, recovered index) pairs) and of the start ((origin, attempt
-    index) or None), from the resolved attempts and the raw events of each attempt by rank. `run_starts`:
-    when each supervisor run started (a recovery across one is a requeue)."""
+    index) or None), from the resolved attempts and the raw events of each attempt by rank. `runs`: each
+    supervisor run, in time order (a recovery across one is a requeue; the last in the gap, the run that
+    started the recovered attempt, splits the wait)."""
     by_index = {
         a.index: milestones(
             index=a.index,
@@ -389,8 +441,10 @@ def breakdowns(
     found = []
     for failed, recovered in recovered_pairs:
         before, after = by_index[failed], by_index[recovered]
-        requeued = any(before.end_ts <= ts <= after.start_ts for ts in run_starts)
-        parts = recovery_parts(before, after, requeued=requeued)
+        requeued = any(before.end_ts <= r.ts <= after.start_ts for r in runs)
+        run = next((r for r in reversed(runs) if before.end_ts < r.ts <= after.start_ts), None)
+        gap = max((a.end_ts for a in attempts if failed <= a.index < recovered), default=None)
+        parts = recovery_parts(before, after, requeued=requeued, run=run, run_gap_start_ts=gap)
         if parts is not None:
             found.append(parts)
     start = None if tts is None else startup_parts(tts[0], by_index[tts[1]])

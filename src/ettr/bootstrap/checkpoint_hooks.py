@@ -66,7 +66,7 @@ from ettr.bootstrap.checkpoint_targets import (
 )
 from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
 from ettr.bootstrap.save_window import SaveWindow, is_library_frame
-from ettr.constants import COMMIT_FLUSH_S
+from ettr.constants import CHECKPOINT_LOAD_FAILED_MARK, COMMIT_FLUSH_S
 from ettr.events import FAILURE_NOTE_PREFIX, Event, EventKind, Phase
 from ettr.integrations._commits import CHECKPOINT_FILE_MARK
 from ettr.recorder import RecorderProtocol
@@ -516,7 +516,7 @@ class CheckpointHooks:
             " back, or remove it to start over"
         )
         exc.add_note(f"{FAILURE_NOTE_PREFIX}{why}")
-        self.rec.mark("checkpoint_load_failed", path=path, exception=type(exc).__name__, why=why)
+        self.rec.mark(CHECKPOINT_LOAD_FAILED_MARK, path=path, exception=type(exc).__name__, why=why)
 
     # -- torch.distributed.checkpoint ----------------------------------------------------------------------
     def install_dcp(self, dcp: ModuleType) -> None:

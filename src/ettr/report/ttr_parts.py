@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ettr.accounting.model import EttReport
-from ettr.accounting.ttr import RECOVERY_PARTS, STARTUP_PARTS, RecoveryParts
+from ettr.accounting.ttr import ALL_RECOVERY_PARTS, STARTUP_PARTS, RecoveryParts
 from ettr.report.svg import esc, fmt_s
 
 HEADLINE_ROW = "= TTS / TTR (headline)"
@@ -89,7 +89,7 @@ def _rows(report: EttReport) -> tuple[list[str], list[tuple[str, list[Cell]]]]:
         rows.append((KIND_ROW, list[Cell]([c.kind or _NOT_A_PART for c in columns])))
     names = [
         n
-        for n in dict.fromkeys((*STARTUP_PARTS[:2], *RECOVERY_PARTS))
+        for n in dict.fromkeys((*STARTUP_PARTS[:2], *ALL_RECOVERY_PARTS))
         if any(n in c.parts_s for c in columns)
     ]
     for n in names:
