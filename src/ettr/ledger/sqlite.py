@@ -173,7 +173,8 @@ class SqliteLedger:
         except sqlite3.OperationalError as first:
             with contextlib.suppress(AttributeError, sqlite3.DatabaseError):
                 self._conn.close()
-            where = "file:" + urllib.parse.quote(str(self.path.absolute()))
+            # The path's own bytes, percent-encoded: a directory name that is not UTF-8 is a name too.
+            where = "file:" + urllib.parse.quote(os.fsencode(self.path.absolute()))
             # Asked for read-only, the first "error" is ours: the reason to give is what reading found (a
             # file of another program: "no such table: meta"), never "opened read-only".
             why = first
