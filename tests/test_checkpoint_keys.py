@@ -189,3 +189,13 @@ def test_key_dir_defaults_under_the_users_config(monkeypatch):
     assert key_dir({"XDG_CONFIG_HOME": "/cfg"}) == Path("/cfg/ettr/checkpoint-keys")
     assert key_dir({KEY_DIR_ENV: "/k", "XDG_CONFIG_HOME": "/cfg"}) == Path("/k")
     assert key_dir({}) == Path("~/.config/ettr/checkpoint-keys").expanduser()
+
+
+def test_a_root_whose_name_is_not_utf8_is_signed_and_registered(tmp_path, ring_dir):
+    """A root's name is bytes: `\\xff` in it (a surrogate in Python) made the signed-root record raise
+    UnicodeEncodeError, so no save there could commit its bookkeeping and no restore could admit."""
+    root = tmp_path / os.fsdecode(b"ckpt-\xff")
+    _save(root, [1])
+    ring = KeyRing.open(create=False)
+    assert ring.is_signed_root(os.path.realpath(root))
+    assert not ring.is_signed_root(os.path.realpath(tmp_path / "ckpt-\xff"))  # U+00FF is another name
