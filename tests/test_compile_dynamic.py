@@ -274,7 +274,17 @@ def test_a_forged_source_that_is_regex_syntax_is_never_applied(tmp_path):
     path = dynamic.job_file(tmp_path)
     path.parent.mkdir(parents=True)
     good = ["L['x']:0", "L['self']._modules['fc']._parameters['weight']:1", "G['n']"]
-    bad = ["(", "L['x'", "(a|a)*$:0", "L['x'],.*", "L['x']\x1b[2J", "L[ 'x']", "x" * 2000, "a\\d+"]
+    bad = [
+        "(",
+        "L['x']`reboot`",
+        "L['x'",
+        "(a|a)*$:0",
+        "L['x'],.*",
+        "L['x']\x1b[2J",
+        "L[ 'x']",
+        "x" * 2000,
+        "a\\d+",
+    ]
     path.write_text(json.dumps({"schema": dynamic.SCHEMA, "sources": good + bad, "reasons": []}))
     sources, _ = dynamic.load(path)
     assert [s.render() for s in sources] == sorted(good)

@@ -35,20 +35,19 @@ MAX_FILE_BYTES = 4 << 20
 _SIZE_MISMATCH = re.compile(r"tensor '(?P<name>.+?)' size mismatch at index (?P<dim>\d+)")
 _IDENT = re.compile(r"(?P<head>[A-Za-z_]\w*)(?P<rest>.*)$")
 _ENTRY = re.compile(r"^(?P<source>.+?)(?::(?P<dim>\d+))?$")
-_REGEX_SYNTAX = frozenset("()*+?{}|\\^$,")
+_PLAIN_SOURCE = re.compile(r"[\w\[\]'.-]+")
 MAX_SOURCE_CHARS = 1000
 
 
 def plain_source(source: str) -> bool:
     """Whether `source` may be added to `dynamic_sources`: a Dynamo source name (`L['x']`,
-    `L['self']._modules['fc']._parameters['weight']`) with no regex syntax beyond the brackets and dots such
-    names are made of. Dynamo matches every entry as a regular expression too (`re.match`), and learned
-    entries come from files others may write: a forged `(` made every compilation raise (Dynamo's
+    `L['self']._modules['fc']._parameters['weight']`): word characters, brackets, quotes, dots and minus
+    signs only. Dynamo matches every entry as a regular expression too (`re.match`), and learned entries
+    come from files others may write: a forged `(` made every compilation raise (Dynamo's
     `InternalTorchDynamoError: missing ), unterminated subpattern`, every attempt of the job), a nested
-    quantifier can backtrack for ever, and a comma splits one entry into several."""
-    if not source or len(source) > MAX_SOURCE_CHARS or not source.isprintable():
-        return False
-    if any(c in _REGEX_SYNTAX or c.isspace() for c in source):
+    quantifier can backtrack for ever, a comma splits one entry into several, and a backquote would run
+    in the shell that pastes the line `ettr compile-report` prints."""
+    if len(source) > MAX_SOURCE_CHARS or not _PLAIN_SOURCE.fullmatch(source):
         return False
     try:
         re.compile(source)  # an unbalanced bracket (`L['x'`)
