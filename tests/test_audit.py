@@ -242,3 +242,28 @@ def test_render_separates_attempts_and_is_empty_without_an_audit():
     op = {"barrier": {"num_calls": 1, "total_s": 0.001, "max_s": 0.001}}
     text = render([_mark(0, {"pre_train": op}, attempt=0), _mark(0, {"pre_train": op}, attempt=1)])
     assert "attempt 0" in text and "attempt 1" in text
+
+
+def test_a_forged_audit_mark_is_shown_escaped_and_never_raises():
+    """The marks come from the ledger, which a damaged or forged row may fill: a string count, a list of
+    stages or an op that is a number raised out of `ettr report` (ValueError, AttributeError), and stage and
+    op names were printed raw (an OSC 52 sequence wrote the terminal's clipboard)."""
+    good = {"num_calls": 3, "total_s": 0.5, "max_s": 0.2}
+    marks = [
+        Event(EventKind.MARK, 100.0, rank=r, data={"name": MARK_NAME, **data})
+        for r, data in enumerate(
+            [
+                {"stages": {"init": {"all_reduce": {"num_calls": "x", "total_s": 1e400}}}, "num_calls": "z"},
+                {"stages": {"init": [1, 2]}, "total_s": -1.0},
+                {"stages": [1], "num_calls": True},
+                {"stages": {"init": {"op": 5}}},
+                {"stages": {"in\x1b[2Jit": {"o\x1b]52;c;x\x07p": good}}, "num_calls": 3, "total_s": 0.5},
+            ]
+        )
+    ]
+    text = render(marks)
+    assert "\x1b" not in text and "\x07" not in text
+    assert "in\\x1b[2Jit" in text and "o\\x1b]52;c;x\\x07p" in text
+    assert "all_reduce" not in text  # a row of numbers that are not numbers is not shown as zeros
+    assert "rank 0: ? calls" in text and "rank 1: 0 calls, ? ms" in text and "rank 2: ? calls" in text
+    assert "rank 4: 3 calls, 500.0 ms" in text

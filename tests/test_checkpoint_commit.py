@@ -113,6 +113,22 @@ def test_corrupt_manifest_is_detected(storage, damage):
         verify(storage, step_dir_name(4))
 
 
+def test_a_manifest_with_a_number_past_a_floats_range_is_corrupt_not_an_exception(storage):
+    """A created_ts of 10**400 with the CRC recomputed (anyone can: no key needed) raised OverflowError out
+    of `verify`: every attempt's restore failed the same way, and `ettr run` gave up (exit 3)."""
+    from ettr.checkpoint.commit import _body_crc
+
+    _write_checkpoint(storage, 4)
+    rel = f"{step_dir_name(4)}/{MANIFEST_NAME}"
+    body = json.loads(storage.read_bytes(rel))
+    body.pop("manifest_crc32")
+    body["created_ts"] = 10**400
+    body["manifest_crc32"] = _body_crc(body)
+    storage.write_atomic(rel, json.dumps(body).encode())
+    with pytest.raises(CheckpointInvalid, match="OverflowError"):
+        verify(storage, step_dir_name(4))
+
+
 def test_manifest_roundtrip():
     manifest = Manifest(step=3, files={}, created_ts=1.5, world_size=4, extra={"k": "v"})
     assert Manifest.from_json(manifest.to_json()) == manifest
@@ -200,7 +216,7 @@ def test_an_expired_lease_does_not_protect(storage):
     assert apply_retention(storage, keep_last=1, lease_ttl_s=60.0, now_s=2000.0) == [step_dir_name(1)]
 
 
-@pytest.mark.parametrize("ts", [32503680000.0, 1e300, "NaN"])
+@pytest.mark.parametrize("ts", [32503680000.0, 1e300, "NaN", 10**400])
 def test_a_lease_from_the_future_does_not_protect_for_ever(storage, ts):
     """A lease dated the year 3000 (or 1e300: damage, or forged by whoever writes the root) was live for
     ever: retention never deleted its checkpoint, and the root grew by one checkpoint per save."""

@@ -189,3 +189,31 @@ def test_key_dir_defaults_under_the_users_config(monkeypatch):
     assert key_dir({"XDG_CONFIG_HOME": "/cfg"}) == Path("/cfg/ettr/checkpoint-keys")
     assert key_dir({KEY_DIR_ENV: "/k", "XDG_CONFIG_HOME": "/cfg"}) == Path("/k")
     assert key_dir({}) == Path("~/.config/ettr/checkpoint-keys").expanduser()
+
+
+def test_a_root_whose_name_is_not_utf8_is_signed_and_registered(tmp_path, ring_dir):
+    """A root's name is bytes: `\\xff` in it (a surrogate in Python) made the signed-root record raise
+    UnicodeEncodeError, so no save there could commit its bookkeeping and no restore could admit."""
+    root = tmp_path / os.fsdecode(b"ckpt-\xff")
+    _save(root, [1])
+    ring = KeyRing.open(create=False)
+    assert ring.is_signed_root(os.path.realpath(root))
+    assert not ring.is_signed_root(os.path.realpath(tmp_path / "ckpt-\xff"))  # U+00FF is another name
+
+
+def test_what_a_forged_manifest_says_reaches_the_terminal_escaped(tmp_path, ring_dir, caplog):
+    """A manifest's key id and root are quoted in the refusal: whoever can write the root (no key needed:
+    an unknown key id is refused in a signed root too) printed an OSC 52 clipboard write and a screen clear
+    through the training process's warning."""
+    root = tmp_path / "ckpt"
+    _save(root, [1, 2])
+    forge.reseal(root / step_dir_name(2), secret=b"not-the-key", key_id="k\x1b]52;c;aGk=\x07")
+    body = _manifest(root, 1)
+    body["root"] = "/x\x1b[2J"
+    (root / step_dir_name(1) / MANIFEST_NAME).write_text(json.dumps(body))
+    forge.reseal(root / step_dir_name(1), secret=KeyRing.open(create=False).signing)
+    step, marks = _restore(root)
+    assert step is None and len(marks["checkpoint_refused"]) == 2
+    said = caplog.text + json.dumps(marks["checkpoint_refused"], ensure_ascii=False)
+    assert "k\\x1b]52;c;aGk=\\x07" in said and "/x\\x1b[2J" in said
+    assert "\x1b" not in said and "\x07" not in said

@@ -89,6 +89,44 @@ def test_a_torn_or_flipped_snapshot_is_refused(tmp_path: Path, damage: str) -> N
             snap.load()
 
 
+def _reheader(path: Path, **changes: Any) -> None:
+    """Rewrite the header of the snapshot at `path` with `changes`, its CRC-32 recomputed (a forger's copy)."""
+    import json
+    import struct
+    import zlib
+
+    from ettr.checkpoint.snapshot import MAGIC
+
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[len(MAGIC) : len(MAGIC) + 8])
+    body = json.loads(raw[len(MAGIC) + 8 : len(MAGIC) + 8 + length])
+    body.pop("header_crc32")
+    body.update(changes)
+    body["header_crc32"] = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    header = json.dumps(body).encode()
+    path.write_bytes(MAGIC + struct.pack("<Q", len(header)) + header)  # the payload is not looked at first
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"created_ts": 10**400},  # OverflowError out of find(): the restore raised, every attempt
+        {"created_ts": float("nan")},
+        {"created_ts": True},
+        {"tensors": [{"at": [0, 4], "dtype": "float32", "shape": [10**400] * 2000 + [0]}]},
+        {"tensors": [{"at": [0, 4], "dtype": "float32", "shape": [10**400] * 2000}]},  # minutes of bignums
+    ],
+    ids=["created_overflows", "created_nan", "created_bool", "zero_dim_huge", "huge_shape"],
+)
+def test_a_forged_header_is_a_copy_not_used_never_an_exception(tmp_path: Path, changes: dict) -> None:
+    copies = MemoryCopies(tmp_path / "copies", rank=0)
+    copies.directory.mkdir(mode=0o700)
+    _write(copies.own_path())
+    _reheader(copies.own_path(), **changes)
+    found = copies.find(BINDING)
+    assert found.snapshot is None and "memory copy unusable" in found.reason
+
+
 def test_what_a_snapshot_cannot_hold_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     class Custom:
         pass
@@ -469,3 +507,28 @@ def test_the_job_ends_memory_sweep_reads_only_a_private_root_and_never_blocks(tm
     root.chmod(0o777)  # anyone could have planted what is in it
     assert "writable by others" in (private_dir_problem(root) or "")
     assert memory_dirs_of_run(run_dir, env) == []
+
+
+def test_a_root_and_run_directory_whose_names_are_not_utf8_keep_their_copy(
+    tmp_path: Path, reference: dict
+) -> None:
+    """Paths are bytes: a checkpoint root or run directory whose name is not UTF-8 (held as surrogates) made
+    the copies' directory name, the key ring's signed-root record and the `owner` file raise
+    UnicodeEncodeError: the first restore of such a root failed every attempt, and later every commit's
+    retention and memory copy were skipped ("accounting for checkpoint N failed")."""
+    root = tmp_path / os.fsdecode(b"ckpt-\xff")
+    run_dir = tmp_path / os.fsdecode(b"run-\xfe")
+    job = toyjob.ToyJob(root=str(root), num_steps=40, every_steps=5, hidden=32)
+    seen: list[bool] = []
+
+    def on_step(step: int) -> None:
+        if step == 13:
+            seen.append(memory_dirs_of_run(run_dir) == [_copies(root).directory])
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        toyjob.run(job, recorder=SyncRecorder(MemoryLedger(), run_dir=run_dir), on_step=on_step)
+    assert seen == [True]
+    assert _copies(root).own_path().is_file()
+    step, digest, source, _ = _restore(root)
+    assert (step, source, digest) == (10, "memory", reference[10])

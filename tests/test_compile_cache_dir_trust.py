@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import stat
@@ -83,3 +84,15 @@ def test_with_no_private_place_at_all_a_fresh_directory_is_made(places, caplog):
     assert chosen.parent == tmp and chosen != planted.parent and _mode(chosen) == 0o700
     check_private_dir(chosen)
     assert not (cache / "ettr" / "inductor").exists()
+
+
+def test_a_script_whose_path_is_not_utf8_keeps_compile_support(places):
+    """The workload key is the main script's path, bytes: one under a directory named `scr\\xff` raised
+    UnicodeEncodeError from the key's digest, and the job ran with "compile support off"."""
+    from ettr.compile.config import pgo_job_id
+
+    key = os.fsdecode(b"/jobs/scr\xff/train.py")
+    chosen = inductor_cache_dir(key)
+    assert chosen == private_cache_dir(key) and chosen != private_cache_dir(KEY)
+    assert pgo_job_id(key).startswith("ettr-") and pgo_job_id(key) != pgo_job_id(KEY)
+    assert pgo_job_id(KEY) == "ettr-" + hashlib.sha256(KEY.encode()).hexdigest()[:16]  # unchanged for UTF-8

@@ -265,3 +265,33 @@ def test_compile_report_says_an_unreadable_fast_batch_spec_is_unknown_not_none(t
     summary = json.loads(capsys.readouterr().out)
     assert summary["batch_spec"] is None and "could not be read" in summary["batch_spec_error"]
     assert fastbatch.load_spec(path) is None  # the next attempt keeps a spec afresh, as before
+
+
+def test_a_forged_source_that_is_regex_syntax_is_never_applied(tmp_path):
+    """Dynamo matches each `dynamic_sources` entry as a regex: a forged `(` in the job file made every
+    compilation of every attempt raise; a nested quantifier can backtrack for ever; a comma makes two."""
+    torch = pytest.importorskip("torch")
+    path = dynamic.job_file(tmp_path)
+    path.parent.mkdir(parents=True)
+    good = ["L['x']:0", "L['self']._modules['fc']._parameters['weight']:1", "G['n']"]
+    bad = [
+        "(",
+        "L['x']`reboot`",
+        "L['x'",
+        "(a|a)*$:0",
+        "L['x'],.*",
+        "L['x']\x1b[2J",
+        "L[ 'x']",
+        "x" * 2000,
+        "a\\d+",
+    ]
+    path.write_text(json.dumps({"schema": dynamic.SCHEMA, "sources": good + bad, "reasons": []}))
+    sources, _ = dynamic.load(path)
+    assert [s.render() for s in sources] == sorted(good)
+    with torch.compiler.config.patch(dynamic_sources=""):
+        value = dynamic.apply(
+            [*sources, DynamicSource("("), DynamicSource("(a+)+b", 0)]
+        )  # e.g. from a profile
+        assert value == ",".join(s.render() for s in sources)
+        compiled = torch.compile(lambda x: x * 2, backend="eager")
+        assert compiled(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]

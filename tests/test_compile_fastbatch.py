@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -186,6 +187,34 @@ def test_a_kept_spec_too_large_to_synthesize_is_refused(tmp_path):
     split = [TensorSpec(shape=(fastbatch.MAX_SPEC_NUMEL // 2 + 1,), dtype="int8")] * 2
     with pytest.raises(ValueError, match="elements"):  # the bound is on all tensors together
         fastbatch.spec_from_json(fastbatch.spec_to_json(split))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        {"shape": [2], "low": 10**400, "high": 1},  # OverflowError: a traceback out of compile-report
+        {"shape": [2], "low": 0, "high": -(10**400)},
+        {"shape": [10**400] * 2000, "low": 0, "high": 1},  # refused on its size, no bignum product
+    ],
+)
+def test_a_forged_spec_is_unreadable_never_an_exception(tmp_path, capsys, tensor):
+    """The run directory's spec is read at every start of a job using fast batches and by `ettr
+    compile-report`: a bound past a float's range raised OverflowError out of both."""
+    from ettr.cli import main
+    from ettr.events import SUPERVISOR_RANK, Event, EventKind
+    from ettr.ledger import open_ledger
+
+    books = open_ledger(tmp_path)  # a run directory that has begun
+    books.append([Event(EventKind.SUPERVISOR_START, 1.7e9, 0, SUPERVISOR_RANK, data={"job_id": "j"})])
+    books.close()
+    path = fastbatch.job_file(tmp_path)
+    path.parent.mkdir(parents=True)
+    spec = {"__tensor__": True, "dtype": "float32", **tensor}
+    path.write_text(json.dumps({"schema": fastbatch.SCHEMA, "spec": spec}))
+    assert fastbatch.load_spec(path) is None
+    assert fastbatch.read_spec(path)[1] is not None  # said as unreadable
+    assert main(["compile-report", str(tmp_path)]) == 0
+    assert "could not be read" in capsys.readouterr().out
 
 
 def test_a_spec_naming_no_torch_dtype_is_not_synthesized():

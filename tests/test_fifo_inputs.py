@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ettr.cli import main
-from ettr.untrusted import not_regular, open_regular
+from ettr.untrusted import loads_bounded, not_regular, open_regular
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -154,3 +154,13 @@ def test_a_fifo_named_like_a_pulse_is_skipped_not_waited_in(tmp_path):
     (tmp_path / "elsewhere.pulse").write_text(good)
     (directory / "rank-2-pid-3.pulse").symlink_to(tmp_path / "elsewhere.pulse")
     assert [(p.rank, p.steps) for p in read_pulses(tmp_path, 0)] == [(1, 3)]
+
+
+@pytest.mark.parametrize("text", ['{"ts": 1e400}', '{"ts": -1e400}', '{"ts": 1' + "0" * 400 + "}"])
+def test_a_number_past_a_floats_range_is_refused_as_not_json_ettr_writes(text):
+    """`1e400` parsed as infinity and a 400-digit integer parsed whole; a reader's float() of the latter
+    raised OverflowError, which readers that expect ValueError from a forged file let through (a traceback
+    out of `ettr compile-report`, a restore that failed every attempt)."""
+    with pytest.raises(ValueError, match="not a number ettr writes"):
+        loads_bounded(text)
+    assert loads_bounded('{"ts": 1' + "0" * 299 + ', "f": 1.5e300}')["f"] == 1.5e300

@@ -94,3 +94,23 @@ def test_a_job_read_from_a_shared_ledger_is_named_after_the_run_directory_it_ran
         [*ETTR, "fleet", "--ledger", url], capture_output=True, text=True, timeout=120, env=env
     ).stdout
     assert f"bert-warmup ({job['job_id']})" in text
+
+
+def test_a_run_directory_whose_name_is_not_utf8_is_accounted_and_shown_escaped(
+    runs, tmp_path, capsys, monkeypatch
+):
+    """A directory name is bytes: one that is not UTF-8 (Python holds its bytes as surrogates) made `ettr
+    fleet` exit with a UnicodeEncodeError traceback (the summary cache hashed the path's text), and then
+    skipped the job (SQLite's read-only URI was the path's text): whoever could make a directory among the
+    fleet's run directories stopped the whole fleet."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the summary cache is on
+    odd = runs / os.fsdecode(b"bad\xff\x1b[31mred")
+    write_job(odd, JobSpec(job_id="odd", family="other", start_ts=T0 + 60))
+    for _ in range(2):  # computed, then from the cache
+        assert main(["fleet", *map(str, sorted(runs.iterdir())), "--json"]) == 0
+        captured = capsys.readouterr()
+        assert "odd" in {j["job_id"] for j in json.loads(captured.out)["jobs"]}, captured.err
+        assert captured.err == ""
+    assert main(["fleet", str(odd)]) == 0
+    text = capsys.readouterr().out
+    assert "odd" in text and "\x1b" not in text

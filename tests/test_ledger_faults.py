@@ -63,6 +63,34 @@ _CELL = (
 )
 
 
+@pytest.mark.parametrize("column", ["kind", "phase", "data"])
+def test_a_text_cell_that_is_not_utf8_is_one_skipped_row_not_an_unreadable_ledger(
+    tmp_path, capsys, caplog, column
+):
+    """One TEXT cell whose bytes are not UTF-8 (a bit flip in the file, a forged row) made sqlite3 fail the
+    whole read: `ettr report` exited 2 "cannot be read" and `ettr fleet` left the job out."""
+    run_dir = tmp_path / "run"
+    killed_job(run_dir, num_steps=5)
+    conn = sqlite3.connect(run_dir / "ledger.db")
+    bad = {"kind": "'step'", "phase": "NULL", "data": "NULL", column: "CAST(X'7b2261ff227d' AS TEXT)"}
+    conn.execute(
+        "INSERT INTO events (ts, kind, attempt, rank, phase, step, value, data) "
+        f"VALUES ({T0 + 3.5}, {bad['kind']}, 0, 0, {bad['phase']}, 99, NULL, {bad['data']})"
+    )
+    if column == "data":  # and the record `job_id()` reads
+        conn.execute(f"UPDATE events SET data = {bad['data']} WHERE kind = 'supervisor_start'")
+    conn.commit()
+    conn.close()
+    steps = [e.step for e in read_run_events(run_dir) if e.kind is EventKind.STEP]
+    assert steps == [1, 2, 3, 4, 5]  # the damaged row skipped, every other one read
+    assert open_ledger(run_dir, create=False).job_id() in ("flip", None)
+    assert cli_main(["report", str(run_dir), "--json"]) == 0
+    assert f"skipped {2 if column == 'data' else 1} unreadable ledger records" in caplog.text
+    assert '"job_id"' in capsys.readouterr().out
+    assert cli_main(["fleet", str(run_dir), "--json"]) == 0
+    assert '"job_id"' in capsys.readouterr().out
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.lists(st.tuples(*[_CELL] * 8), min_size=1, max_size=6))
 def test_fuzz_rows_never_break_reading_accounting_or_the_report(tmp_path_factory, rows, capsys):

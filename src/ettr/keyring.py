@@ -66,8 +66,8 @@ def key_id(key: bytes) -> str:
 
 
 def root_digest(root: str) -> str:
-    """The registry's file name for a checkpoint root."""
-    return hashlib.sha256(root.encode()).hexdigest()[:32]
+    """The registry's file name for a checkpoint root (of its bytes: a path that is not UTF-8 is a root too)."""
+    return hashlib.sha256(os.fsencode(root)).hexdigest()[:32]
 
 
 def _private_dir(path: Path) -> bool:
@@ -173,7 +173,7 @@ class KeyRing:
         try:
             folder = self.directory / _ROOTS
             folder.mkdir(mode=0o700, exist_ok=True)
-            create_exclusive(folder / root_digest(root), root.encode(), mode=0o600)
+            create_exclusive(folder / root_digest(root), os.fsencode(root), mode=0o600)
         except OSError as exc:
             _warn(f"cannot record the signed root {root} ({exc})")
 
@@ -181,7 +181,7 @@ class KeyRing:
         """Whether this user signed a checkpoint in `root` before (the registry says so)."""
         if self.directory is None:
             return False
-        return _read_private_file(self.directory / _ROOTS / root_digest(root)) == root.encode()
+        return _read_private_file(self.directory / _ROOTS / root_digest(root)) == os.fsencode(root)
 
 
 def _read_keys(directory: Path) -> dict[str, bytes]:

@@ -592,7 +592,7 @@ def memory_dirs_of_run(
     root = memory_root(environ)
     if root is None or private_dir_problem(root) is not None:
         return []
-    want = os.path.abspath(os.fspath(run_dir))
+    want = os.path.abspath(os.fspath(run_dir))  # the owner file holds the path's bytes (not always UTF-8)
     found = []
     try:
         entries = list(os.scandir(root))
@@ -601,7 +601,7 @@ def memory_dirs_of_run(
     for entry in entries:
         try:
             if entry.is_dir(follow_symlinks=False) and (
-                _read_regular(Path(entry.path) / MEMORY_OWNER_NAME, 4096).decode("utf-8").strip() == want
+                os.fsdecode(_read_regular(Path(entry.path) / MEMORY_OWNER_NAME, 4096)).strip() == want
             ):
                 found.append(Path(entry.path))
         except (OSError, UnicodeDecodeError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import stat
@@ -110,8 +111,27 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number ettr writes")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses as infinity
+        raise ValueError(f"{text[:40]} is not a number ettr writes")
+    return value
+
+
+_MAX_INT_DIGITS = 300
+
+
+def _bounded_int(text: str) -> int:
+    # Below a float's range (10**308), far above anything ettr writes: one of 400 digits passed the parse,
+    # then raised OverflowError (not ValueError) out of the float() of whatever read it.
+    if len(text) > _MAX_INT_DIGITS:
+        raise ValueError(f"{text[:40]}... is not a number ettr writes")
+    return int(text)
+
+
 def loads_bounded(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """`json.loads(text)` for untrusted text: NaN and infinities refused, nesting bounded by `max_depth`
+    """`json.loads(text)` for untrusted text: NaN and infinities refused (and numbers that overflow: `1e400`,
+    an integer of more than 300 digits), nesting bounded by `max_depth`
     (checked before parsing, so a 100,000-level document costs one scan). Raises ValueError."""
     if isinstance(text, bytes):
         try:
@@ -121,7 +141,9 @@ def loads_bounded(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if _depth(text) > max_depth:
         raise ValueError(f"nested deeper than {max_depth} levels")
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(
+            text, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int
+        )
     except RecursionError:  # cannot happen below the bound; kept so no caller ever sees one
         raise ValueError("nested too deep") from None
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, runtime_checkable
 
 from ettr.checkpoint.policy import IntervalConfig
 from ettr.errors import describe_os_error
+from ettr.untrusted import printable
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -43,7 +44,14 @@ def parse_step_dir(name: str) -> int | None:
 
 
 class CheckpointError(Exception):
-    """A checkpoint could not be saved or loaded (the message says which and why)."""
+    """A checkpoint could not be saved or loaded (the message says which and why).
+
+    The message is made printable (`ettr.untrusted.printable`): it often quotes what a manifest says (its
+    root, job id, key id, file names), which whoever can write the root may have forged, and it reaches a
+    terminal as a warning or a traceback (an OSC 52 sequence in a forged `root` was printed raw)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(printable(a) if isinstance(a, str) else a for a in args))
 
 
 class CheckpointInvalid(CheckpointError):

@@ -158,7 +158,9 @@ class Manifest:
             )
         except CheckpointInvalid:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
+            # OverflowError: a created_ts of 10**400 (no key needed: the CRC is anyone's) stopped every
+            # attempt's restore, whatever the root's signatures
             raise CheckpointInvalid(f"unreadable manifest ({type(exc).__name__}: {exc})") from None
         if secret is not None and not manifest.signed_with(secret):
             raise CheckpointInvalid(
@@ -442,7 +444,7 @@ def _verify_retrying(
 def _lease_is_live(storage: ReadableStorage, rel: str, now_s: float, ttl_s: float) -> bool:
     try:
         taken_ts = float(json.loads(read_at_most(storage, rel, MAX_LEASE_BYTES))["ts"])
-    except (OSError, CheckpointInvalid, ValueError, KeyError, TypeError, RecursionError):
+    except (OSError, CheckpointInvalid, ValueError, KeyError, TypeError, RecursionError, OverflowError):
         return (
             False  # gone, or not a lease (a directory, a FIFO, 100,000 nested brackets): no reader holds it
         )

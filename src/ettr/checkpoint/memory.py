@@ -116,7 +116,7 @@ class MemoryCopies:
     ) -> MemoryCopies:
         """The copies of the checkpoint root `storage_url` under `memory_root`; `owner`: the run directory
         of the job writing them (`ettr run` removes its job's copies when the job ends)."""
-        key = hashlib.sha256(storage_url.encode()).hexdigest()[:16]
+        key = hashlib.sha256(os.fsencode(storage_url)).hexdigest()[:16]  # a root that is not UTF-8 too
         copies = cls(memory_root / f"ckpt-{key}", rank=rank, max_bytes=max_bytes)
         copies.owner = "" if owner is None else os.path.abspath(os.fspath(owner))
         return copies
@@ -208,11 +208,11 @@ class MemoryCopies:
     def _write_owner(self) -> None:
         path = self.directory / MEMORY_OWNER_NAME
         try:
-            if path.read_text(encoding="utf-8").strip() == self.owner:
+            if os.fsdecode(path.read_bytes()).strip() == self.owner:
                 return
-        except (OSError, UnicodeDecodeError):
+        except OSError:
             pass
-        data = (self.owner + "\n").encode()
+        data = os.fsencode(self.owner) + b"\n"  # the path's bytes: a run directory need not be UTF-8
         self._write_into_place(path, lambda tmp: _write_bytes(tmp, memoryview(data)))
 
     def _write_into_place(self, path: Path, write: Any) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -379,7 +380,7 @@ def parse_bytes(mapped: Any) -> Snapshot:
         shape = meta.get("shape")
         if dtype is None or not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise CheckpointInvalid("snapshot header: malformed tensor entry")
-        if _numel(shape) * dtype.itemsize != meta["at"][1]:
+        if _numel(shape, meta["at"][1]) * dtype.itemsize != meta["at"][1]:
             raise CheckpointInvalid("snapshot header: a tensor's size does not match its shape")
     info = SnapshotInfo(
         binding=Binding(
@@ -392,10 +393,16 @@ def parse_bytes(mapped: Any) -> Snapshot:
     return Snapshot(info, body, mapped, data_offset)
 
 
-def _numel(shape: list[int]) -> int:
+def _numel(shape: list[int], limit: int) -> int:
+    """The element count of `shape`, or `limit + 1` once it passes `limit` (a forged shape of thousands of
+    400-digit sizes is a product of millions of digits: minutes of CPU, not a refusal)."""
+    if 0 in shape:
+        return 0
     count = 1
     for dim in shape:
         count *= dim
+        if count > limit:
+            return limit + 1
     return count
 
 
@@ -423,6 +430,10 @@ def _check_header(raw: bytes) -> dict[str, Any]:
     ):
         if not isinstance(body.get(name), kind) or isinstance(body.get(name), bool):
             raise CheckpointInvalid(f"snapshot header: {name} is missing or malformed")
-    if not isinstance(body.get("created_ts"), int | float):
-        raise CheckpointInvalid("snapshot header: created_ts is missing or malformed")
+    created = body.get("created_ts")
+    try:  # an int past a float's range (10**400) raised OverflowError out of `MemoryCopies.find`
+        if not isinstance(created, int | float) or isinstance(created, bool) or not math.isfinite(created):
+            raise ValueError
+    except (ValueError, OverflowError):
+        raise CheckpointInvalid("snapshot header: created_ts is missing or malformed") from None
     return body

@@ -145,7 +145,7 @@ def private_cache_parts(user_key: str) -> tuple[str, str]:
     except (KeyError, OSError):
         user = f"uid_{os.getuid()}"
     user = re.sub(r'[\\/:*?"<>|]', "_", user)
-    digest = hashlib.sha256(user_key.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(os.fsencode(user_key)).hexdigest()[:16]  # a script path need not be UTF-8
     return f"torchinductor_{user}", f"ettr-{digest}"
 
 
@@ -157,4 +157,4 @@ def user_cache_home(env: Mapping[str, str] | None = None) -> str:
 
 def pgo_job_id(user_key: str) -> str:
     """The PGO job id ettr sets: the same for every job of a workload, so later jobs reuse profiles."""
-    return "ettr-" + hashlib.sha256(user_key.encode()).hexdigest()[:16]
+    return "ettr-" + hashlib.sha256(os.fsencode(user_key)).hexdigest()[:16]

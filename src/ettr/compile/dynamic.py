@@ -35,6 +35,25 @@ MAX_FILE_BYTES = 4 << 20
 _SIZE_MISMATCH = re.compile(r"tensor '(?P<name>.+?)' size mismatch at index (?P<dim>\d+)")
 _IDENT = re.compile(r"(?P<head>[A-Za-z_]\w*)(?P<rest>.*)$")
 _ENTRY = re.compile(r"^(?P<source>.+?)(?::(?P<dim>\d+))?$")
+_PLAIN_SOURCE = re.compile(r"[\w\[\]'.-]+")
+MAX_SOURCE_CHARS = 1000
+
+
+def plain_source(source: str) -> bool:
+    """Whether `source` may be added to `dynamic_sources`: a Dynamo source name (`L['x']`,
+    `L['self']._modules['fc']._parameters['weight']`): word characters, brackets, quotes, dots and minus
+    signs only. Dynamo matches every entry as a regular expression too (`re.match`), and learned entries
+    come from files others may write: a forged `(` made every compilation raise (Dynamo's
+    `InternalTorchDynamoError: missing ), unterminated subpattern`, every attempt of the job), a nested
+    quantifier can backtrack for ever, a comma splits one entry into several, and a backquote would run
+    in the shell that pastes the line `ettr compile-report` prints."""
+    if len(source) > MAX_SOURCE_CHARS or not _PLAIN_SOURCE.fullmatch(source):
+        return False
+    try:
+        re.compile(source)  # an unbalanced bracket (`L['x'`)
+    except re.error:
+        return False
+    return True
 
 
 @dataclass(frozen=True, order=True)
@@ -51,7 +70,7 @@ class DynamicSource:
     def parse(cls, text: str) -> DynamicSource:
         """Inverse of `render` (`L['x']:0` -> source `L['x']`, dim 0)."""
         match = _ENTRY.match(text.strip())
-        if match is None or not match["source"]:
+        if match is None or not plain_source(match["source"]):
             raise ValueError(f"not a dynamic source entry: {text!r}")
         dim = match["dim"]
         return cls(match["source"], None if dim is None else int(dim))
@@ -133,6 +152,8 @@ def apply(sources: Sequence[DynamicSource]) -> str:
 
     current = [e.strip() for e in torch.compiler.config.dynamic_sources.split(",") if e.strip()]
     for source in sources:
+        if not plain_source(source.source):  # a profile's odd name, or a file's forgery: not learned
+            continue
         if source.render() not in current:
             current.append(source.render())
     value = ",".join(current)

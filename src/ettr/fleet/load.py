@@ -340,8 +340,10 @@ class SummaryCache:
         if self.directory is None:
             return None
         import hashlib
+        import os
 
-        digest = hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:32]
+        # fsencode: a directory name that is not UTF-8 (its bytes as surrogates) is a name like any other.
+        digest = hashlib.sha256(os.fsencode(run_dir.absolute())).hexdigest()[:32]
         return self.directory / f"{digest}.json"
 
     def get(self, run_dir: Path, signature: tuple[int, ...]) -> JobSummary | None:

@@ -53,6 +53,14 @@ CREATE INDEX IF NOT EXISTS events_by_attempt ON events (attempt, ts);
 """
 
 
+def _text_or_bytes(raw: bytes) -> str | bytes:
+    """A TEXT cell as text, or as its bytes when they are not UTF-8 (damage: the row checks skip it)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw
+
+
 SIDE_FILE_SUFFIXES = ("-journal", "-wal", "-shm")
 """The files SQLite keeps beside a database, by the suffix of their names."""
 
@@ -173,7 +181,8 @@ class SqliteLedger:
         except sqlite3.OperationalError as first:
             with contextlib.suppress(AttributeError, sqlite3.DatabaseError):
                 self._conn.close()
-            where = "file:" + urllib.parse.quote(str(self.path.absolute()))
+            # The path's own bytes, percent-encoded: a directory name that is not UTF-8 is a name too.
+            where = "file:" + urllib.parse.quote(os.fsencode(self.path.absolute()))
             # Asked for read-only, the first "error" is ours: the reason to give is what reading found (a
             # file of another program: "no such table: meta"), never "opened read-only".
             why = first
@@ -266,13 +275,30 @@ class SqliteLedger:
         if self._wal_inode is None:
             self._wal_inode = self._current_wal_inode()
 
+    def _fetch_rows(self, sql: str, params: tuple[object, ...] = ()) -> list[Any]:
+        """`sql`'s rows (the caller holds the lock). A TEXT cell that is not UTF-8 (a bit flip, a forged row)
+        comes back as its bytes, which the row checks skip and count like any damaged row: sqlite3 raised
+        "Could not decode to UTF-8" for the whole read, so one such cell made the job unreadable (`ettr
+        report` exit 2, the job left out of `ettr fleet`). Decoded leniently only on a second read after
+        such a failure: a text factory in Python costs the common read a call per cell."""
+        try:
+            return self._conn.execute(sql, params).fetchall()
+        except sqlite3.OperationalError as exc:
+            if "decode" not in str(exc):
+                raise
+        self._conn.text_factory = _text_or_bytes
+        try:
+            return self._conn.execute(sql, params).fetchall()
+        finally:
+            self._conn.text_factory = str
+
     def _select(self, where: str = "", params: tuple[object, ...] = ()) -> list[Event]:
         with self._lock:
             try:
-                rows = self._conn.execute(
+                rows = self._fetch_rows(
                     f"SELECT ts, kind, attempt, rank, phase, step, value, data FROM events {where} ORDER BY id",
                     params,
-                ).fetchall()
+                )
             except sqlite3.DatabaseError as exc:
                 raise LedgerError(f"{self.path} cannot be read ({exc})") from None
         events, num_skipped = events_from_rows(rows)
@@ -300,9 +326,9 @@ class SqliteLedger:
         out the rows the accounting does not use (`ettr.ledger.accounted`). Raises `LedgerError`."""
         with self._lock:
             try:
-                rows = self._conn.execute(
+                rows = self._fetch_rows(
                     "SELECT ts, kind, attempt, rank, phase, step, value, data, id FROM events ORDER BY id"
-                ).fetchall()
+                )
             except sqlite3.DatabaseError as exc:
                 raise LedgerError(f"{self.path} cannot be read ({exc})") from None
         mark = LedgerMark(len(rows), int(rows[-1][8]) if rows else 0)
@@ -347,9 +373,9 @@ class SqliteLedger:
         `ettr run --ledger`, `report`, `fleet`) is skipped, as the readers of the books skip it."""
         with self._lock:
             try:
-                rows = self._conn.execute(
+                rows = self._fetch_rows(
                     "SELECT data FROM events WHERE kind = 'supervisor_start' ORDER BY id LIMIT 100"
-                ).fetchall()
+                )
             except sqlite3.DatabaseError as exc:
                 raise LedgerError(f"{self.path} cannot be read ({exc})") from None
         for (text,) in rows:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from ettr.audit import MARK_NAME
 from ettr.events import Event, EventKind
+from ettr.untrusted import printable
 
 
 def audit_events(events: Iterable[Event]) -> list[Event]:
@@ -46,14 +49,19 @@ def _render_attempt(
     stage_order: list[str] = []
     for mark in sorted(marks, key=lambda m: m.rank):
         data = mark.data or {}
-        for stage, ops in (data.get("stages") or {}).items():
-            if stage not in stage_order:
-                stage_order.append(stage)
+        stages = data.get("stages")
+        for stage, ops in stages.items() if isinstance(stages, Mapping) else ():
+            if not isinstance(ops, Mapping):
+                continue  # a damaged or forged mark: its rows are not shown, never a traceback
+            name = printable(str(stage))
             for op, s in ops.items():
-                row = rows.setdefault((stage, op), [0, 0.0, 0.0])
-                row[0] = max(row[0], int(s.get("num_calls", 0)))
-                row[1] = max(row[1], float(s.get("total_s", 0.0)))
-                row[2] = max(row[2], float(s.get("max_s", 0.0)))
+                numbers = _op_numbers(s)
+                if numbers is None:
+                    continue
+                if name not in stage_order:
+                    stage_order.append(name)
+                row = rows.setdefault((name, printable(str(op))), [0, 0.0, 0.0])
+                row[:] = [max(old, new) for old, new in zip(row, numbers, strict=True)]
     lines = [
         f"Init communication audit — attempt {attempt}, {len(ranks)} rank(s); slowest rank per row",
         f"  {'stage':<24} {'op':<32} {'calls':>5} {'total ms':>9} {'max ms':>8}",
@@ -71,8 +79,36 @@ def _render_attempt(
             lines.append(f"  {'':<24} {op:<32} {int(calls):>5} {total_s * 1000:>9.1f} {max_s * 1000:>8.1f}")
     for mark in sorted(marks, key=lambda m: m.rank):
         data = mark.data or {}
+        num_calls, seconds, groups = (
+            _number(data.get(k, 0)) for k in ("num_calls", "total_s", "num_groups_created")
+        )
         lines.append(
-            f"  rank {mark.rank}: {data.get('num_calls', 0)} calls, {float(data.get('total_s', 0.0)) * 1000:.1f} ms, "
-            f"{data.get('num_groups_created', 0)} process group(s) created"
+            f"  rank {mark.rank}: {_shown(num_calls, '.0f')} calls, {_shown(seconds, '.1f', 1000)} ms, "
+            f"{_shown(groups, '.0f')} process group(s) created"
         )
     return lines
+
+
+def _op_numbers(s: Any) -> tuple[float, float, float] | None:
+    """(calls, total_s, max_s) of one op of a mark; None when any is not a finite number >= 0."""
+    if not isinstance(s, Mapping):
+        return None
+    calls, total_s, max_s = (_number(s.get(k, 0)) for k in ("num_calls", "total_s", "max_s"))
+    if calls is None or total_s is None or max_s is None:
+        return None
+    return calls, total_s, max_s
+
+
+def _number(value: Any) -> float | None:
+    """A count or seconds of a mark; None (unknown) for anything but a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+def _shown(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "?" if value is None else format(value * scale, spec)

@@ -62,7 +62,7 @@ def store_env(run_dir: Path, environ: Mapping[str, str] | None = None) -> dict[s
             if problem is not None:  # another user's root: they could swap the store for a file of theirs
                 raise PermissionError(problem)
             directory.mkdir(mode=0o700)
-            (directory / MEMORY_OWNER_NAME).write_text(os.path.abspath(run_dir) + "\n", encoding="utf-8")
+            (directory / MEMORY_OWNER_NAME).write_bytes(os.fsencode(os.path.abspath(run_dir)) + b"\n")
         except OSError:
             root = None
     if root is None:
