@@ -251,3 +251,14 @@ def test_a_ledgers_job_gets_its_html_report(tmp_path, capsys):
     page = tmp_path / "j7.html"
     assert main(["report", "--ledger", url, "--job-id", "j7", "--html", str(page)]) == 0
     assert "j7" in page.read_text() and "wrote" in capsys.readouterr().err
+
+
+def test_redact_gives_a_url_without_a_password_back_as_given():
+    """Rebuilding every URL (to take a `?password=` out) turned `sqlite:////abs/l.db` into `sqlite://abs/l.db`
+    (urlunsplit drops an empty host), a relative path: `ettr run`'s `to continue it` command and its report
+    line named another ledger."""
+    from ettr.ledger.postgres import redact
+
+    for url in ("sqlite:////tmp/x/l.db", "sqlite:///rel/l.db", "postgresql://u@h:5/d?sslmode=require"):
+        assert redact(url) == url and redact(url, mask=None) == url
+    assert redact("postgresql://u@h/d?password=s") == "postgresql://u@h/d?password=***"

@@ -113,19 +113,22 @@ def redact(url: str, *, mask: str | None = "***") -> str:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
+    redacted = parts
     if parts.password is not None:
         netloc = parts.netloc.rsplit("@", 1)[1]
         user = parts.username or ""
         secret = "" if mask is None else f":{mask}"
-        parts = parts._replace(netloc=f"{user}{secret}@{netloc}")
+        redacted = redacted._replace(netloc=f"{user}{secret}@{netloc}")
     if parts.query:  # libpq takes `?password=...` too (it was printed as given)
         fields = parts.query.split("&")
         kept = [
             f if f.split("=", 1)[0].lower() != "password" else (None if mask is None else f"password={mask}")
             for f in fields
         ]
-        parts = parts._replace(query="&".join(f for f in kept if f is not None))
-    return urlunsplit(parts)
+        redacted = redacted._replace(query="&".join(f for f in kept if f is not None))
+    # Unchanged: as given. urlunsplit drops the empty host of `sqlite:////abs/path` (`sqlite://abs/path`, a
+    # relative path), so a URL is rebuilt only when there was something to take out.
+    return url if redacted == parts else urlunsplit(redacted)
 
 
 def _one_line(exc: BaseException) -> str:
