@@ -139,7 +139,7 @@ def test_slurm_warning_becomes_sigterm_and_restart_count_is_cross_checked() -> N
     assert "\n" not in note
     assert slurm.restart_count_note([], {"SLURM_RESTART_COUNT": "1"}) is None  # not inside Slurm
     assert "not a number" in (slurm.restart_count_note([], {**env, "SLURM_RESTART_COUNT": "x"}) or "")
-    assert "outside a Slurm job" in slurm.requeue({})
+    assert "outside a Slurm job" in slurm.requeue({}).line and not slurm.requeue({}).queued
     assert slurm.in_step({"SLURM_JOB_ID": "42", "SLURM_STEP_NUM_TASKS": "2"})
     assert not slurm.in_step({"SLURM_JOB_ID": "42"})  # the batch script: `B:USR1` reaches it alone
 
@@ -153,14 +153,15 @@ def test_a_requeue_slurm_did_already_is_not_said_to_have_failed(
     fake.write_text('#!/bin/sh\necho "scontrol: error: Job is pending execution for job $2" >&2\nexit 1\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
-    line = slurm.requeue({"SLURM_JOB_ID": "3"})
-    assert "failed" not in line and "pending again already" in line and "job 3" in line
+    line, queued = slurm.requeue({"SLURM_JOB_ID": "3"})
+    assert queued and "failed" not in line and "pending again already" in line and "job 3" in line
     # Lightning's SIGUSR1 handler runs `scontrol requeue` itself: not necessarily Slurm's doing
     assert "requeued by Slurm:" not in line and "by the job's own handler" in line
     fake.write_text(
         '#!/bin/sh\necho "scontrol: error: Requested operation is presently disabled" >&2\nexit 1\n'
     )
-    assert slurm.requeue({"SLURM_JOB_ID": "3"}).startswith("scontrol requeue 3 failed: scontrol: error: Req")
+    line, queued = slurm.requeue({"SLURM_JOB_ID": "3"})
+    assert not queued and line.startswith("scontrol requeue 3 failed: scontrol: error: Req")
 
 
 def test_the_peers_read_only_the_supervisors_events(tmp_path: Path) -> None:
@@ -777,3 +778,26 @@ def test_a_node_that_cannot_see_the_checkpoint_another_node_restored_says_so(tmp
     assert end.reason.startswith("exit status 1 (rank 1): RuntimeError; node 1 cannot see ")
     done = AttemptEnd(outcome=Outcome.COMPLETED, exit_code=0, reason="completed")
     assert follower.settle(1, done, None, _CountingSignals(), events) == done  # type: ignore[arg-type]
+
+
+def test_a_job_slurm_queued_again_gets_no_hint_to_continue_it_by_hand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slurm trial: after `--signal=B:USR1@50` the supervisor said `asked Slurm to requeue job 4`, then `to
+    continue it (a requeue): ettr run ...`: Slurm runs the job again itself; the hint is for a requeue that
+    did not happen."""
+    from ettr.constants import EXIT_PREEMPTED
+    from ettr.supervisor.supervise import Supervisor
+
+    fake = tmp_path / "scontrol"
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4")
+    for script, queued in (("exit 0", True), ('echo "scontrol: error: Access denied" >&2; exit 1', False)):
+        fake.write_text(f"#!/bin/sh\n{script}\n")
+        fake.chmod(0o755)
+        supervisor = Supervisor(RunConfig(command=("python", "t.py"), run_dir=str(tmp_path / "r")))
+        supervisor.signals.first = slurm.WARNING_SIGNAL
+        supervisor._say_end(EXIT_PREEMPTED)
+        err = capsys.readouterr().err
+        assert ("asked Slurm to requeue job 4" in err) is queued
+        assert ("to continue it (a requeue)" in err) is not queued

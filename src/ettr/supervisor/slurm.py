@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Collection, Mapping, Sequence
+from typing import NamedTuple
 
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.procs import signal_pids, topmost_handlers
@@ -44,30 +45,39 @@ def signal_handlers(pids: Collection[int], sig: int) -> list[int]:
     return signal_pids(topmost_handlers(pids, sig), sig)
 
 
-def requeue(environ: Mapping[str, str], *, timeout_s: float = 10.0) -> str:
-    """Ask Slurm to requeue this job (after SIGUSR1); one line saying what happened."""
+class Requeue(NamedTuple):
+    """What `requeue` did: one line for people, and whether the job is queued again (by this call, or
+    already: then a "to continue it" hint would be noise)."""
+
+    line: str
+    queued: bool
+
+
+def requeue(environ: Mapping[str, str], *, timeout_s: float = 10.0) -> Requeue:
+    """Ask Slurm to requeue this job (after SIGUSR1)."""
     job = environ.get("SLURM_JOB_ID")
     if not job:
-        return "got SIGUSR1 outside a Slurm job: not requeued"
+        return Requeue("got SIGUSR1 outside a Slurm job: not requeued", False)
     exe = shutil.which("scontrol")
     if exe is None:
-        return f"cannot requeue Slurm job {job}: scontrol is not on PATH"
+        return Requeue(f"cannot requeue Slurm job {job}: scontrol is not on PATH", False)
     try:
         done = subprocess.run(
             [exe, "requeue", job], capture_output=True, text=True, timeout=timeout_s, check=False
         )
     except (OSError, subprocess.SubprocessError) as exc:
-        return f"scontrol requeue {job} failed ({exc})"
+        return Requeue(f"scontrol requeue {job} failed ({exc})", False)
     if done.returncode != 0:
         why = (done.stderr or done.stdout).strip().splitlines()
         said = why[-1] if why else str(done.returncode)
         if "pending" in said.lower():  # requeued already: a node failure, a preemption, the job's own handler
-            return (
+            return Requeue(
                 f"Slurm job {job} is pending again already (requeued meanwhile, by Slurm or by the job's own "
-                f"handler: {said})"
+                f"handler: {said})",
+                True,
             )
-        return f"scontrol requeue {job} failed: {said}"
-    return f"asked Slurm to requeue job {job} (scontrol requeue)"
+        return Requeue(f"scontrol requeue {job} failed: {said}", False)
+    return Requeue(f"asked Slurm to requeue job {job} (scontrol requeue)", True)
 
 
 def earlier_runs(events: Sequence[Event]) -> int:

@@ -261,7 +261,10 @@ class Supervisor:
                 where = shlex.quote(str(self.run_dir))
             say(f"job {self.job_id} ended with status {status}; report: ettr report {where}")
             if self.signals.first == slurm.WARNING_SIGNAL and status == EXIT_PREEMPTED:
-                say(slurm.requeue(os.environ))
+                requeue = slurm.requeue(os.environ)
+                say(requeue.line)
+                if requeue.queued:  # Slurm runs it again: a hint to continue it by hand would be noise
+                    return
         if status in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
             say(f"to continue it (a requeue): {self._continue_command()}")
 
