@@ -367,3 +367,20 @@ def test_a_rank_without_arrivals_for_a_while_is_not_read_as_late():
     ]
     speed = report(events).rank_speed
     assert speed.source == "arrival" and speed.stragglers == () and speed.num_compared_steps == 120
+
+
+def test_many_short_episodes_are_the_costliest_few_and_a_count():
+    """Slurm trial: a 2-rank CPU job under load listed 16 straggler lines, one rank or the other late for a
+    while: the text lists the episodes the job waited for longest, then how many more and their cost."""
+    from dataclasses import replace
+
+    from ettr.report.slow import MAX_STRAGGLER_LINES, text_lines
+
+    r = report(job(slow={1: (101, 200, 0.05)}))
+    (one,) = r.rank_speed.stragglers
+    many = tuple(replace(one, first_step=10 * i, lost_s=float(i)) for i in range(1, 17))
+    lines = text_lines(replace(r, rank_speed=replace(r.rank_speed, stragglers=many)))
+    listed = [line for line in lines if "slower than its peers" in line]
+    assert len(listed) == MAX_STRAGGLER_LINES
+    assert all(f"from step {10 * i} " in line for i, line in zip(range(12, 17), listed, strict=True))
+    assert "  and 11 more episode(s), the job waited 66.0 s for them in all" in "\n".join(lines)

@@ -61,6 +61,11 @@ def slow_steps_json(s: SlowSteps | None) -> dict[str, Any] | None:
     }
 
 
+MAX_STRAGGLER_LINES = 5
+"""Straggler episodes the text report lists one by one (the ones the job waited for longest); a 2-rank job on
+a loaded machine had 16, one rank or the other late for a while."""
+
+
 def straggler_line(s: Straggler, wall_start_ts: float) -> str:
     """`rank 1 (host h) slower than its peers from step 101 (+40.2 s, attempt 0) to the end: +53.9 ms a step
     (+141%); the job waited 5.6 s for it`."""
@@ -85,7 +90,17 @@ def text_lines(report: EttReport) -> list[str]:
             lines.append(f"slow ranks: none ({r.reason})")
         else:
             lines.append(f"slow ranks ({r.reason}):")
-            lines += [f"  {straggler_line(s, report.wall_start_ts)}" for s in r.stragglers]
+            shown = r.stragglers
+            if len(shown) > MAX_STRAGGLER_LINES:  # a loaded machine: many short episodes, the costliest shown
+                costliest = sorted(shown, key=lambda s: -(s.lost_s or 0.0))[:MAX_STRAGGLER_LINES]
+                shown = tuple(s for s in r.stragglers if s in costliest)
+            lines += [f"  {straggler_line(s, report.wall_start_ts)}" for s in shown]
+            if rest := [s for s in r.stragglers if s not in shown]:
+                waited = sum(s.lost_s or 0.0 for s in rest)
+                lines.append(
+                    f"  and {len(rest)} more episode(s), the job waited {waited:.1f} s for them in all "
+                    "(each in `ettr report --json`: rank_speed.stragglers)"
+                )
     s = report.slow_steps
     if s is not None and s.steady_step_s is not None:
         parts = []
