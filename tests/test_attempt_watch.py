@@ -285,6 +285,9 @@ class FakeAttempt:
     def failed_pids(self) -> list[list[int]]:
         return []
 
+    def failed_pids_at(self) -> list[float]:
+        return []
+
     def ranks(self) -> dict[int, int]:
         return {}
 

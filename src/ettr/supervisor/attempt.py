@@ -94,6 +94,10 @@ class Attempt(Protocol):
         rank gone (`classify`)."""
         ...
 
+    def failed_pids_at(self) -> list[float]:
+        """When each look of `failed_pids` was taken (empty where not kept: ettr's agent)."""
+        ...
+
     def ranks(self) -> dict[int, int]:
         """The rank of each of its processes that its launcher knows (pid -> rank; ettr's agent: its
         workers, one of which may have gone on from an earlier attempt (in place) and so recorded no
@@ -184,6 +188,9 @@ class CommandAttempt:
 
     def failed_pids(self) -> list[list[int]]:
         return [list(look) for look in self._ranks.died]
+
+    def failed_pids_at(self) -> list[float]:
+        return list(self._ranks.died_at)
 
     def ranks(self) -> dict[int, int]:
         return {}
