@@ -285,7 +285,7 @@ class FakeAttempt:
     def failed_pids(self) -> list[list[int]]:
         return []
 
-    def failed_pids_at(self) -> list[float]:
+    def seen_gone(self) -> list[tuple[float, list[int]]]:
         return []
 
     def ranks(self) -> dict[int, int]:

@@ -142,7 +142,7 @@ def classify(
     hung_ranks: str = "",
     oom_killed: bool = False,
     failed_pids: Sequence[Sequence[int]] = (),
-    failed_at: Sequence[float] = (),
+    seen_gone: Sequence[tuple[float, Sequence[int]]] = (),
     ranks: Mapping[int, int] | None = None,
     wrapper: bool | str = False,
     stopped_after_rank_failure: bool = False,
@@ -163,7 +163,7 @@ def classify(
         failed_pids: the attempt's processes seen to end, one list per look that saw them gone, in the
             order of the looks (ettr's agent: the failed worker; under a launcher, the ranks the supervisor saw
             die). The failed rank is in the first look that saw a rank gone: its exception, not the connection
-            error another rank died of after it (`first_failed_rank`). `failed_at`: when each look was taken.
+            error another rank died of after it (`first_failed_rank`). `seen_gone`: each look's time and the pids it saw gone that did not mark a clean exit (`first_rank_gone_at`).
         ranks: pid -> rank of the processes whose rank the launcher knows (`Attempt.ranks`), beside those the
             PROCESS_START events name (a worker that went on into this attempt in place recorded none in it).
         wrapper: the command is a shell (or srun), whose exit status 128 + N says that what it ran died of
@@ -366,9 +366,7 @@ def classify(
         injected=injected,
         signalled_ts=signalled_ts,
         hung_ranks=hung_ranks or None if outcome is Outcome.HUNG else None,
-        rank_gone_ts=first_rank_gone_at(failed_pids, failed_at, rank_of)
-        if outcome is not Outcome.COMPLETED
-        else None,
+        rank_gone_ts=first_rank_gone_at(seen_gone, rank_of) if outcome is not Outcome.COMPLETED else None,
     )
 
 

@@ -44,11 +44,13 @@ def first_failed_rank(
 
 
 def first_rank_gone_at(
-    looks: Sequence[Sequence[int]], looks_at: Sequence[float], rank_of: Mapping[int, int]
+    seen_gone: Sequence[tuple[float, Sequence[int]]], rank_of: Mapping[int, int]
 ) -> float | None:
-    """When the first look that saw a training rank's process gone was taken (`looks_at`: each look's
-    time, in the order of `looks`): the rank died at or before it. None: no rank seen gone, or no time."""
-    for look, ts in zip(looks, looks_at, strict=False):
-        if any(pid in rank_of for pid in look):
+    """When the first look that saw a training rank's process gone, one that did not mark a clean exit, was
+    taken (`seen_gone`: each look's time and such pids, in the order of the looks): that rank died at or
+    before then. None: no such rank seen gone. (A rank that finished first, rank 1 done while rank 0 saved
+    the final model and was then SIGKILLed, is not the failure.)"""
+    for ts, pids in seen_gone:
+        if any(pid in rank_of for pid in pids):
             return ts
     return None

@@ -221,7 +221,7 @@ class AttemptRunner:
             hung_ranks=state.hung_ranks,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
             failed_pids=running.failed_pids(),
-            failed_at=running.failed_pids_at(),
+            seen_gone=running.seen_gone(),
             ranks=running.ranks(),
             wrapper=wrapper_name(launch.argv),
             stopped_after_rank_failure=state.rank_failed,
