@@ -301,9 +301,17 @@ def test_a_rank_the_supervisor_saw_gone_is_the_failure_instant_where_nothing_bet
     assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 6)
     r = _two_rank_crash(failure=False, detected=25, rank_gone_ts=T0 + 15.5, signalled_ts=T0 + 18).report()
     assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 4)
+    # A hang stays lost progress until the watchdog fired, whatever died before.
+    s = _two_rank_crash(failure=False, detected=25, rank_gone_ts=T0 + 15.5)
+    s.events = [e if e.kind is not EventKind.ATTEMPT_END or e.attempt else _hung(e) for e in s.events]
+    assert s.report().buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 11)
     # A damaged value is no instant.
     r = _two_rank_crash(failure=False, detected=25, rank_gone_ts=str(T0 + 15.5)).report()
     assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 11)
+
+
+def _hung(end: Event) -> Event:
+    return Event(end.kind, end.ts, end.attempt, end.rank, data={**(end.data or {}), "outcome": "hung"})
 
 
 def test_preemption_keeps_only_committed_progress() -> None:

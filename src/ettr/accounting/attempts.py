@@ -373,7 +373,8 @@ def _resolve_one(
     if outcome != Outcome.COMPLETED and outcome not in NOT_ENDED:
         end_data = data_of(raw.end_event) if raw.end_event is not None else {}
         signalled = end_data.get("signalled_ts")
-        attempt.rank_gone_ts = rank_gone(raw.rank_events, end, end_data.get("rank_gone_ts"), signalled)
+        if outcome is not Outcome.HUNG:  # a hang stays lost progress until the watchdog fired
+            attempt.rank_gone_ts = rank_gone(raw.rank_events, end, end_data.get("rank_gone_ts"), signalled)
         attempt.failure_ts = failure_instant(
             raw.rank_events, start, end, signalled_ts=signalled, rank_gone_ts=attempt.rank_gone_ts
         )
