@@ -222,10 +222,11 @@ def test_crash_then_hang_then_completion() -> None:
     assert "compile" not in a0.phases_s  # rank 1's compile is not in the raw phases either
 
 
-def _two_rank_crash(*, failure: bool, detected: float | None) -> Stream:
-    """A 2-rank attempt 0 (1 -> 30) with steps 1..10 at 5..14, commit of step 4; attempt 1 resumes step 4."""
+def _two_rank_crash(*, failure: bool, detected: float | None, **end: object) -> Stream:
+    """A 2-rank attempt 0 (1 -> 30) with steps 1..10 at 5..14, commit of step 4; attempt 1 resumes step 4.
+    `end`: more of attempt 0's ATTEMPT_END data."""
     s = Stream().sup(EventKind.SUPERVISOR_START, 0)
-    s.attempt(0, 1, 30, "failed", 1)
+    s.attempt(0, 1, 30, "failed", 1, **end)
     for rank in (0, 1):
         s.steps(0, 1, 10, t_first=5, rank=rank)
     s.add(EventKind.CHECKPOINT_COMMIT, 8.5, step=4, data={"path": "c4"})
@@ -280,6 +281,37 @@ def test_an_injected_kill_is_its_own_failure_instant() -> None:
     s = _two_rank_crash(failure=False, detected=25)
     s.add(EventKind.MARK, 15, rank=1, data={"name": "inject", "spec": "hang@step=10,attempt=0,rank=1"})
     assert s.report().buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 11)
+
+
+def test_a_rank_the_supervisor_saw_gone_is_the_failure_instant_where_nothing_better_says() -> None:
+    # `bash -c 'exec torchrun ...'`, rank 1 SIGKILLed at ~15: no FAILURE, no inject mark; the supervisor's look
+    # saw its pid gone at 15.5 (ATTEMPT_END's rank_gone_ts); torchrun noticed, stopped rank 0 and exited at 25.
+    # Its 9.5 s reaction was wasted_progress, and the TTR's detection unknown.
+    r = _two_rank_crash(failure=False, detected=25, rank_gone_ts=T0 + 15.5).report()
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 1.5)  # steps 5-10, then 14 -> 15.5
+    assert r.buckets_s[Bucket.RESTART] == pytest.approx(14.5 + 2)  # 15.5 -> its end 30, 30 -> 32
+    (parts,) = r.ttr_parts
+    assert parts.failure_known and parts.parts_s["detection"] == pytest.approx(25 - 15.5)
+    # Before the attempt's last STEP (a launcher that restarted its workers trained on after it): not used.
+    r = _two_rank_crash(failure=False, detected=25, rank_gone_ts=T0 + 12).report()
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 11)
+    assert r.ttr_parts[0].parts_s["detection"] is None
+    # A rank's own FAILURE (at 20) is the better instant, as is an outside signal's time.
+    r = _two_rank_crash(failure=True, detected=25, rank_gone_ts=T0 + 15.5).report()
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 6)
+    r = _two_rank_crash(failure=False, detected=25, rank_gone_ts=T0 + 15.5, signalled_ts=T0 + 18).report()
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 4)
+    # A hang stays lost progress until the watchdog fired, whatever died before.
+    s = _two_rank_crash(failure=False, detected=25, rank_gone_ts=T0 + 15.5)
+    s.events = [e if e.kind is not EventKind.ATTEMPT_END or e.attempt else _hung(e) for e in s.events]
+    assert s.report().buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 11)
+    # A damaged value is no instant.
+    r = _two_rank_crash(failure=False, detected=25, rank_gone_ts=str(T0 + 15.5)).report()
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 11)
+
+
+def _hung(end: Event) -> Event:
+    return Event(end.kind, end.ts, end.attempt, end.rank, data={**(end.data or {}), "outcome": "hung"})
 
 
 def test_preemption_keeps_only_committed_progress() -> None:

@@ -285,6 +285,9 @@ class FakeAttempt:
     def failed_pids(self) -> list[list[int]]:
         return []
 
+    def seen_gone(self) -> list[tuple[float, list[int]]]:
+        return []
+
     def ranks(self) -> dict[int, int]:
         return {}
 

@@ -7,10 +7,13 @@ import sys
 import threading
 import time
 
+import pytest
+
 from ettr.causes import Detail, diagnose
 from ettr.events import Event, EventKind, Outcome
 from ettr.procs import start_ticks
-from ettr.supervisor.classify import classify, first_failed_rank
+from ettr.supervisor import restart
+from ettr.supervisor.classify import AttemptEnd, classify, first_failed_rank
 from ettr.supervisor.policy import backoff_wait_s
 from ettr.supervisor.restart import ExitWaker, PeerFailureWatch, trained
 
@@ -87,6 +90,53 @@ def test_peer_failure_needs_a_dead_process_and_a_failure_record():
     finally:
         live.kill()
         live.wait()
+
+
+def test_the_time_of_the_look_that_first_saw_a_rank_gone_reaches_the_attempt_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `bash -c 'exec torchrun ...'`: rank 1 SIGKILLed, no FAILURE; torchrun notices and exits 1 seconds later.
+    # The look that first saw a rank's pid gone is when it had died by: the ATTEMPT_END's rank_gone_ts.
+    gone: set[int] = set()
+    monkeypatch.setattr(restart, "running", lambda pid, ticks: pid not in gone)
+    times = iter([10.0, 12.0, 13.0])
+    watch = PeerFailureWatch(lambda: False, clock=lambda: next(times))
+    tree = {100: 1, 101: 2, 102: 3, 103: 4}  # torchrun, rank 0, rank 1, rank 0's data loader worker
+    gone.add(103)
+    assert not watch.check(tree)  # a data loader worker (not a rank) seen gone at 10
+    assert not watch.check(tree)  # nothing new: no look recorded
+    gone.add(102)
+    assert not watch.check(tree)  # rank 1 seen gone at 12: no FAILURE on record, left to torchrun
+    gone.update((100, 101))
+    assert not watch.check(tree)
+    assert watch.died == [[103], [102], [100, 101]]
+    assert watch.gone == [(10.0, [103]), (12.0, [102]), (13.0, [100, 101])]
+    starts = [Event(EventKind.PROCESS_START, 5.0, 0, r, data={"pid": 101 + r}) for r in (0, 1)]
+    end = classify(returncode=1, events=starts, failed_pids=watch.died, seen_gone=watch.gone, wrapper="shell")
+    assert end.outcome is Outcome.FAILED and end.rank_gone_ts == 12.0
+    assert AttemptEnd.from_data(end.to_data()).rank_gone_ts == 12.0
+    # A completed attempt's ranks are seen gone too: no failure instant; nor without the looks' times.
+    done = classify(returncode=0, events=starts, failed_pids=watch.died, seen_gone=watch.gone)
+    assert done.rank_gone_ts is None and "rank_gone_ts" not in done.to_data()
+    assert classify(returncode=1, events=starts, failed_pids=watch.died).rank_gone_ts is None
+
+
+def test_a_rank_that_finished_first_is_not_when_the_attempt_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 1 done (its clean exit marked, `run_env.exited_path`) at 10 while rank 0 saved the final model and
+    # was SIGKILLed (the OOM killer) before 20: the failure is rank 0's death, not rank 1's end.
+    gone: set[int] = set()
+    monkeypatch.setattr(restart, "running", lambda pid, ticks: pid not in gone)
+    times = iter([10.0, 20.0])
+    watch = PeerFailureWatch(lambda: False, clock=lambda: next(times), exited_cleanly=lambda pid: pid == 102)
+    tree = {100: 1, 101: 2, 102: 3}
+    gone.add(102)
+    assert not watch.check(tree)
+    gone.update((101, 100))
+    assert not watch.check(tree)
+    assert watch.gone == [(10.0, []), (20.0, [100, 101])]  # in the order of the tree
+    starts = [Event(EventKind.PROCESS_START, 5.0, 0, r, data={"pid": 101 + r}) for r in (0, 1)]
+    end = classify(returncode=1, events=starts, failed_pids=watch.died, seen_gone=watch.gone)
+    assert end.rank_gone_ts == 20.0
 
 
 def test_a_stop_after_a_rank_failure_is_that_ranks_failure_not_a_signal_or_a_preemption():

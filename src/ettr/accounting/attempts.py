@@ -107,6 +107,9 @@ class Attempt:
     keep_up_to_step: float = math.inf  # steps <= this are kept
     lost_steps: int = 0
     failure_ts: float | None = None  # the failure instant (`failure_instant`); None when not known
+    rank_gone_ts: float | None = (
+        None  # when the supervisor saw a rank gone, where nothing better says (`rank_gone`)
+    )
 
     @property
     def trained(self) -> bool:
@@ -385,13 +388,38 @@ def _resolve_one(
         attempt.resume_inferred = True
     attempt.training_start_ts = _training_start(attempt, explicit_start)
     if outcome != Outcome.COMPLETED and outcome not in NOT_ENDED:
-        signalled = data_of(raw.end_event).get("signalled_ts") if raw.end_event is not None else None
-        attempt.failure_ts = failure_instant(raw.rank_events, start, end, signalled_ts=signalled)
+        end_data = data_of(raw.end_event) if raw.end_event is not None else {}
+        signalled = end_data.get("signalled_ts")
+        if outcome is not Outcome.HUNG:  # a hang stays lost progress until the watchdog fired
+            attempt.rank_gone_ts = rank_gone(raw.rank_events, end, end_data.get("rank_gone_ts"), signalled)
+        attempt.failure_ts = failure_instant(
+            raw.rank_events, start, end, signalled_ts=signalled, rank_gone_ts=attempt.rank_gone_ts
+        )
     return attempt
 
 
+def rank_gone(
+    rank_events: Mapping[int, list[Event]], end: float, rank_gone_ts: object, signalled_ts: object
+) -> float | None:
+    """The ATTEMPT_END's `rank_gone_ts` (when the supervisor's look first saw a training rank's process gone)
+    where it can be the failure instant: no rank recorded its failure (a FAILURE, an `inject` kill mark), no
+    outside signal ended the job (`signalled_ts`), and it is at or after every rank's last STEP (a launcher
+    that restarted its workers, torchrun's `--max-restarts` behind a wrapper, trained on after that death)
+    and not after the attempt's end. None otherwise."""
+    gone = _finite(rank_gone_ts)
+    if gone is None or _finite(signalled_ts) is not None or rank_failure_times(rank_events):
+        return None
+    steps = [e.ts for r, evs in rank_events.items() if r >= 0 for e in evs if e.kind == _STEP]
+    return gone if gone <= end and all(ts <= gone for ts in steps) else None
+
+
 def failure_instant(
-    rank_events: Mapping[int, list[Event]], start: float, end: float, *, signalled_ts: object = None
+    rank_events: Mapping[int, list[Event]],
+    start: float,
+    end: float,
+    *,
+    signalled_ts: object = None,
+    rank_gone_ts: float | None = None,
 ) -> float | None:
     """The failure-instant rule: when the books say an attempt's failure happened, the earliest of the first
     `FAILURE` a training rank recorded (its exception), the supervisor's `failure_detected` MARK (a hang:
@@ -399,10 +427,13 @@ def failure_instant(
     `signalled_ts` (a signal from outside that the job's own handler ended it on: a preemption's onset),
     clamped to [start, end]; an `--inject kill` (SIGKILL, no FAILURE) is its rank's `inject` MARK, written
     just before the kill. None when none was recorded (a SIGKILL no one saw, books written by other
-    tools)."""
+    tools). Where none of the ranks' own instants and no `signalled_ts` is known, `rank_gone_ts` (`rank_gone`:
+    a rank SIGKILLed under a launcher, seen gone by the supervisor before the launcher's teardown) counts."""
     found = rank_failure_times(rank_events)
     if isinstance(signalled_ts, (int, float)) and not isinstance(signalled_ts, bool):
         found.append(float(signalled_ts))
+    if not found and rank_gone_ts is not None:
+        found.append(rank_gone_ts)
     for e in rank_events.get(-1, ()):
         if e.kind == EventKind.MARK and data_of(e).get("name") == FAILURE_DETECTED_MARK:
             found.append(e.ts)

@@ -206,8 +206,10 @@ def milestones(
     training_start_ts: float | None,
     first_step_ts: float | None,
     phases: Sequence[Span],
+    rank_gone_ts: float | None = None,
 ) -> AttemptMilestones:
-    """The milestones of one attempt from its events (supervisor events under rank -1)."""
+    """The milestones of one attempt from its events (supervisor events under rank -1); `rank_gone_ts`: when
+    the supervisor saw a rank gone, the failure where the events know none (`attempts.rank_gone`)."""
     failures = rank_failure_times(rank_events)
     starts = [
         e.ts for r, evs in rank_events.items() if r >= 0 for e in evs if e.kind == EventKind.PROCESS_START
@@ -218,6 +220,8 @@ def milestones(
     fault = (_first_mark_data(supervisor, FAILURE_DETECTED_MARK) or {}).get("fault_ts")
     if isinstance(fault, int | float) and not isinstance(fault, bool) and start_ts <= fault <= end_ts:
         failures.append(float(fault))
+    if not failures and rank_gone_ts is not None:
+        failures.append(rank_gone_ts)
     return AttemptMilestones(
         index=index,
         start_ts=start_ts,
@@ -412,6 +416,8 @@ class ResolvedAttempt(Protocol):
     def step_ts(self) -> Sequence[float]: ...
     @property
     def phases(self) -> Sequence[Span]: ...
+    @property
+    def rank_gone_ts(self) -> float | None: ...
 
 
 def breakdowns(
@@ -435,6 +441,7 @@ def breakdowns(
             training_start_ts=a.training_start_ts,
             first_step_ts=a.step_ts[0] if a.step_ts else None,
             phases=a.phases,
+            rank_gone_ts=a.rank_gone_ts,
         )
         for a in attempts
     }

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
+from ettr.run_env import exited_path
 from ettr.supervisor import standby
 from ettr.supervisor.launch import AttemptLaunch
 from ettr.supervisor.process import AttemptProcess
@@ -94,6 +96,11 @@ class Attempt(Protocol):
         rank gone (`classify`)."""
         ...
 
+    def seen_gone(self) -> list[tuple[float, list[int]]]:
+        """Each look of `failed_pids`: its time and the pids it saw gone less those that marked a clean exit
+        (`run_env.exited_path`); empty where not kept (ettr's agent sees its worker's exit itself)."""
+        ...
+
     def ranks(self) -> dict[int, int]:
         """The rank of each of its processes that its launcher knows (pid -> rank; ettr's agent: its
         workers, one of which may have gone on from an earlier attempt (in place) and so recorded no
@@ -153,11 +160,12 @@ class CommandAttempt:
         *,
         failure_recorded: Callable[[], bool],
         relaunch: Relaunch | None = None,
+        exited_cleanly: Callable[[int], bool] = lambda pid: False,
     ) -> None:
         self.process = process
         self.pid = process.pid
         self.relaunch = relaunch or Relaunch(path="cold", why="started cold")
-        self._ranks = PeerFailureWatch(failure_recorded)
+        self._ranks = PeerFailureWatch(failure_recorded, exited_cleanly=exited_cleanly)
 
     @property
     def pids(self) -> list[int]:
@@ -185,6 +193,9 @@ class CommandAttempt:
     def failed_pids(self) -> list[list[int]]:
         return [list(look) for look in self._ranks.died]
 
+    def seen_gone(self) -> list[tuple[float, list[int]]]:
+        return list(self._ranks.gone)
+
     def ranks(self) -> dict[int, int]:
         return {}
 
@@ -204,7 +215,8 @@ class CommandAttempt:
 class CommandKind:
     """Each attempt runs the command as it is, in a warm `standby.Standby` where one fits."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: Path | None = None) -> None:
+        self._run_dir = run_dir  # where its ranks mark a clean exit (`run_env.exited_path`)
         self._standby: standby.Standby | None = None
         self._last: AttemptLaunch | None = None
 
@@ -213,7 +225,11 @@ class CommandKind:
         launch = plan.launch
         self._last = launch
         process, how = standby.relaunch(ready, launch.argv, launch.env, attempt=plan.attempt)
-        return CommandAttempt(process, failure_recorded=plan.failure_recorded, relaunch=how)
+        run_dir, attempt = self._run_dir, plan.attempt
+        clean = (lambda pid: exited_path(run_dir, attempt, pid).exists()) if run_dir else (lambda pid: False)
+        return CommandAttempt(
+            process, failure_recorded=plan.failure_recorded, relaunch=how, exited_cleanly=clean
+        )
 
     def prepare_next(self, *, warm_modules: Sequence[str] = ()) -> list[int]:
         if self._last is None or self._standby is not None or not standby.enabled():

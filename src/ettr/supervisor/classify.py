@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ettr.causes import Detail, diagnose, is_collective_error
+from ettr.causes import Detail, diagnose
 from ettr.events import Event, EventKind, Outcome, clip_failure_message
 from ettr.supervisor.command_output import (
     child_signal,
@@ -21,6 +21,7 @@ from ettr.supervisor.command_output import (
     torchrun_signal,
     wrapped_signal,
 )
+from ettr.supervisor.gone import first_failed_rank, first_rank_gone_at
 from ettr.supervisor.hidden_ends import ended_by_signal, failure_hidden, shell_kills, signalled_reason
 
 _OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
@@ -53,6 +54,9 @@ class AttemptEnd:
     """The `--inject` fault that fired in this attempt, if any."""
     signalled_ts: float | None = None
     """When a rank got the outside signal whose handler ended the job: the accounting's failure instant."""
+    rank_gone_ts: float | None = None
+    """When the supervisor first saw a training rank's process gone (`gone.first_rank_gone_at`): the failure
+    instant of a rank that recorded none (a SIGKILL under a launcher), where the accounting finds no better."""
     hung_ranks: str | None = None
     """A hang: what each training process was doing (`watchdog.describe_ranks`; node 0 adds other nodes')."""
 
@@ -82,12 +86,17 @@ class AttemptEnd:
             stderr_tail=tuple(str(line) for line in tail[-20:]) if isinstance(tail, list) else (),
             injected=text("injected"),
             signalled_ts=ts if isinstance(ts := data.get("signalled_ts"), float) else None,
+            rank_gone_ts=ts if isinstance(ts := data.get("rank_gone_ts"), float) else None,
             hung_ranks=text("hung_ranks"),
         )
 
     def to_data(self) -> dict[str, Any]:
         """The ATTEMPT_END event's `data`."""
-        known = {"signalled_ts": self.signalled_ts, "hung_ranks": self.hung_ranks}  # these two where known
+        known = {
+            "signalled_ts": self.signalled_ts,
+            "rank_gone_ts": self.rank_gone_ts,
+            "hung_ranks": self.hung_ranks,
+        }
         return {
             "outcome": self.outcome.value,
             "exit_code": self.exit_code,
@@ -122,40 +131,6 @@ def _world_size(events: Iterable[Event]) -> int:
     return max((n for n in sizes if isinstance(n, int)), default=1)
 
 
-def first_failed_rank(
-    looks: Sequence[Sequence[int]], rank_of: Mapping[int, int], failures: Sequence[Event]
-) -> int | None:
-    """The rank whose failure came first, from the looks that saw processes gone (`classify`'s
-    `failed_pids`) and the FAILURE events with an exception the ranks recorded (None: no rank seen gone).
-
-    Ranks seen gone in the same look died between two looks, in an order the look cannot tell (its own order
-    is the process tree's). Within it: a rank that recorded an exception of its own (not a broken
-    collective) failed first, the earliest of them; then a rank that recorded nothing (killed: by a signal,
-    the OOM killer, or a launcher stopping the rest after the first failure); last a rank that died of a
-    broken collective, the consequence of another's death. A script's `mp.spawn` whose rank 0 raised and
-    whose rank 1 it then terminated, both gone in one look, named rank 1. No rank seen gone (ettr stopped
-    the rest at a data loader worker's death): the rank that recorded an exception of its own first."""
-    first_failure: dict[int, Event] = {}
-    for event in sorted(failures, key=lambda e: e.ts):
-        first_failure.setdefault(event.rank, event)
-
-    def order(rank: int) -> tuple[int, float]:
-        event = first_failure.get(rank)
-        if event is None:
-            return (1, 0.0)
-        data = event.data or {}
-        if is_collective_error(str(data.get("exception")), str(data.get("message") or "")):
-            return (2, event.ts)
-        return (0, event.ts)
-
-    for look in looks:
-        ranks = [rank_of[pid] for pid in look if pid in rank_of]
-        if ranks:
-            return min(ranks, key=order)  # min is stable: the look's own order breaks ties
-    own = [rank for rank in first_failure if order(rank)[0] == 0]
-    return min(own, key=order) if own else None
-
-
 def classify(
     *,
     returncode: int,
@@ -167,6 +142,7 @@ def classify(
     hung_ranks: str = "",
     oom_killed: bool = False,
     failed_pids: Sequence[Sequence[int]] = (),
+    seen_gone: Sequence[tuple[float, Sequence[int]]] = (),
     ranks: Mapping[int, int] | None = None,
     wrapper: bool | str = False,
     stopped_after_rank_failure: bool = False,
@@ -187,7 +163,7 @@ def classify(
         failed_pids: the attempt's processes seen to end, one list per look that saw them gone, in the
             order of the looks (ettr's agent: the failed worker; under a launcher, the ranks the supervisor saw
             die). The failed rank is in the first look that saw a rank gone: its exception, not the connection
-            error another rank died of after it (`first_failed_rank`).
+            error another rank died of after it (`first_failed_rank`). `seen_gone`: each look's time and the pids it saw gone that did not mark a clean exit (`first_rank_gone_at`).
         ranks: pid -> rank of the processes whose rank the launcher knows (`Attempt.ranks`), beside those the
             PROCESS_START events name (a worker that went on into this attempt in place recorded none in it).
         wrapper: the command is a shell (or srun), whose exit status 128 + N says that what it ran died of
@@ -390,6 +366,7 @@ def classify(
         injected=injected,
         signalled_ts=signalled_ts,
         hung_ranks=hung_ranks or None if outcome is Outcome.HUNG else None,
+        rank_gone_ts=first_rank_gone_at(seen_gone, rank_of) if outcome is not Outcome.COMPLETED else None,
     )
 
 

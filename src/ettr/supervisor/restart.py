@@ -15,6 +15,7 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ettr.events import Event, EventKind
@@ -91,13 +92,22 @@ class PeerFailureWatch:
     raised and was still tearing down died after its peer's SIGTERM, and was named rank 0's failure).
     """
 
-    def __init__(self, failure_recorded: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        failure_recorded: Callable[[], bool],
+        clock: Callable[[], float] = time.time,
+        exited_cleanly: Callable[[int], bool] = lambda pid: False,
+    ) -> None:
         self._failure_recorded = failure_recorded
+        self._clock, self._clean = clock, exited_cleanly
         self._seen_gone: set[tuple[int, int | None]] = set()
         self._found = False
         self.died: list[list[int]] = []
         """The pids seen gone before a FAILURE was found, one list per look that saw them gone, in the order
         of the looks."""
+        self.gone: list[tuple[float, list[int]]] = []
+        """Each look of `died`: when it was taken (wall clock; what it saw gone had died by then), and the pids
+        it saw gone that did not mark a clean exit (`exited_cleanly`: a rank done before its peers)."""
 
     def check(self, tree: Mapping[int, int | None]) -> bool:
         if self._found:
@@ -108,6 +118,7 @@ class PeerFailureWatch:
             return False
         self._seen_gone.update(died)
         self.died.append([pid for pid, _ in died])
+        self.gone.append((self._clock(), [pid for pid, _ in died if not self._clean(pid)]))
         try:
             self._found = self._failure_recorded()
             return self._found

@@ -221,6 +221,7 @@ class AttemptRunner:
             hung_ranks=state.hung_ranks,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
             failed_pids=running.failed_pids(),
+            seen_gone=running.seen_gone(),
             ranks=running.ranks(),
             wrapper=wrapper_name(launch.argv),
             stopped_after_rank_failure=state.rank_failed,
@@ -247,8 +248,7 @@ class AttemptRunner:
         return signals_received(self.parts.books.run_dir, attempt, before=state.detected_at)
 
     def release(self) -> None:
-        """End the processes an attempt left running for an in-place restart that will not come (the job
-        stops: no restarts left, a signal); never raises."""
+        """End the processes left for an in-place restart that will not come (the job stops); never raises."""
         running, self._continuing = self._continuing, None
         if running is None:
             return

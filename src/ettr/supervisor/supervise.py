@@ -76,7 +76,7 @@ def kind_for(config: RunConfig, run_dir: Path) -> AttemptKind:
     if detect_launcher(command) is Launcher.TORCHRUN:
         why = "ETTR_AGENT=torchrun" if found is None else found
         say(f"runs the real torchrun ({why}): each restart starts it cold")
-    return CommandKind()
+    return CommandKind(run_dir)
 
 
 logger = logging.getLogger("ettr")

@@ -5,18 +5,15 @@ processes, each an `AttemptProcess` of its own (own process group, parent-death 
 from warm standbys where they fit. Like torchrun's agent it ends the group when a worker fails: the first
 worker to exit non-zero is the failure (its exit status and stderr are the attempt's); after a short flush
 window (the other ranks' recorders write their last events) the others get SIGTERM, then SIGKILL after
-`teardown_grace_s`. A worker that ended on an uncaught exception marks it once its Python-level exit is
-done (`ettr.run_env.failed_exit_path`, written by the bootstrap's last atexit handler): the group counts
-the failure from then and SIGKILLs that worker's interpreter teardown (seconds of freeing modules under
-load) instead of waiting for it; its status then reads 1, what Python exits with after an uncaught
-exception. A signal the supervisor forwards (preemption) goes to every worker and the group then
-sends no SIGTERM of its own (a rank saving on SIGTERM is not interrupted by a second one). The group's exit
-status: 0 when every worker exited 0, else the failed worker's.
+`teardown_grace_s`. A worker that ended on an uncaught exception marks it once its Python-level exit is done
+(`ettr.run_env.failed_exit_path`, by the bootstrap's last atexit handler): the group counts the failure from
+then and SIGKILLs its interpreter teardown (seconds under load); its status then reads 1. A forwarded signal
+(preemption) goes to every worker and the group then sends no SIGTERM of its own (a rank saving on SIGTERM is
+not interrupted by a second one). Exit status: 0 when every worker exited 0, else the failed worker's.
 
-`StandbyGroup` (`ettr.supervisor.standby_group`) is one `Standby` per local rank. `WorkerGroupKind` is the
-supervisor's way to start them (an `ettr.supervisor.attempt.AttemptKind`): each attempt a `WorkerGroup` of the torchrun command's
-workers (`ettr.supervisor.agent.WorkerSpec`), in the `StandbyGroup` it prepared while the attempt before
-trained.
+`StandbyGroup` (`ettr.supervisor.standby_group`) is one `Standby` per local rank. `WorkerGroupKind` (an
+`ettr.supervisor.attempt.AttemptKind`) starts each attempt's `WorkerGroup` of the torchrun command's workers
+(`ettr.supervisor.agent.WorkerSpec`) in the `StandbyGroup` it prepared while the attempt before trained.
 """
 
 from __future__ import annotations
@@ -235,6 +232,9 @@ class WorkerGroup:
         """The worker whose failure ended the group (or is recovered in place)."""
         rank = self.continued.failed_rank if self.continued is not None else self.failed_rank
         return [] if rank is None else [[self.procs[rank].pid]]
+
+    def seen_gone(self) -> list[tuple[float, list[int]]]:
+        return []  # the group sees its worker's exit itself: the failure_detected MARK is its death
 
     def ranks(self) -> dict[int, int]:
         """Each worker's rank (a survivor of an in-place recovery recorded no PROCESS_START in this attempt)."""
