@@ -7,3 +7,29 @@ def test_a_step_under_half_a_millisecond_is_not_shown_as_zero():
 
     assert _step_s(0.00012) == "0.00012" and _step_s(0.049) == "0.049" and _step_s(12.34) == "12.3"
     assert _step_s(None) == "-" and _step_s(0.0) == "0.000"
+
+
+def test_the_failure_instants_the_accounting_uses_are_no_unix_times_in_the_text_or_the_timeline():
+    """`signalled_ts` and `rank_gone_ts` (ATTEMPT_END keys the accounting takes the failure instant from)
+    were printed raw under the failure: `signal=SIGKILL, rank_gone_ts=1796402196.741017`."""
+    from ettr.accounting import compute
+    from ettr.events import SUPERVISOR_RANK, Event, EventKind
+    from ettr.report.charts import failure_summary
+    from ettr.report.text import _failure_lines
+
+    failure = {"outcome": "failed", "exit_code": 137, "reason": "killed by SIGKILL", "signal": "SIGKILL",
+               "rank_gone_ts": 1796402196.741017, "signalled_ts": 1796402190.5}  # fmt: skip
+    text = "\n".join(_failure_lines(0, "failed", failure))
+    assert "1796402" not in text and "SIGKILL" in text
+    t0, s = 1_700_000_000.0, SUPERVISOR_RANK
+    events = [
+        Event(EventKind.SUPERVISOR_START, t0, 0, s),
+        Event(EventKind.ATTEMPT_START, t0, 0, s),
+        Event(EventKind.PROCESS_START, t0, 0, 0),
+        Event(EventKind.STEP, t0 + 1, 0, 0, step=1),
+        Event(EventKind.ATTEMPT_END, t0 + 2, 0, s, data=failure),
+        Event(EventKind.JOB_END, t0 + 3, 0, s, data={"exit_status": 1}),
+    ]
+    (attempt,) = compute(events, t0 + 3).attempts
+    shown = failure_summary(attempt)
+    assert "1796402" not in shown and "SIGKILL" in shown

@@ -240,7 +240,8 @@ def _delta(values: Sequence[float | None], fmt: str) -> str:
     return fmt_signed(second - first, digits=int(fmt.split(".")[1][0]) if "." in fmt else 0)
 
 
-# (`hung_ranks` is at the end of the reason already)
+# (`hung_ranks` is at the end of the reason already; `signalled_ts` and `rank_gone_ts` are instants the
+# accounting uses, seen in the buckets and the TTR parts, not Unix times for people)
 _SHOWN_FAILURE_KEYS = (
     "exception",
     "message",
@@ -249,6 +250,8 @@ _SHOWN_FAILURE_KEYS = (
     "process_failure",
     "injected",
     "hung_ranks",
+    "signalled_ts",
+    "rank_gone_ts",
 )
 
 
