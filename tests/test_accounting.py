@@ -904,3 +904,37 @@ def test_an_attempt_without_resumed_that_numbers_on_resumed_where_its_first_step
     s.sup(EventKind.JOB_END, 22, 1, exit_status=0)
     r = s.report()
     assert [a.lost_steps for a in r.attempts] == [10, 0] and r.attempts[1].resumed_from_step is None
+
+
+def test_a_job_run_again_after_it_completed_books_no_failure_for_the_gap():
+    """Slurm trial: `scontrol requeue` of a job that had completed (as `ettr run` on its run directory to
+    train on does) read `failure 74.1%` with `failures 0`: the 89 s between the first run's end and the
+    second's start was `restart` (failure detected -> next start, the contract says: none was). It is
+    `other`. The second run's start-up stays failure, as the contract books every later attempt's."""
+    s, t = SUPERVISOR_RANK, T0
+    events = [Event(EventKind.SUPERVISOR_START, t, 0, s), Event(EventKind.ATTEMPT_START, t, 0, s),
+              Event(EventKind.PROCESS_START, t, 0, 0)]  # fmt: skip
+    events += [Event(EventKind.STEP, t + 1 + i, 0, 0, step=i + 1) for i in range(10)]
+    events += [
+        Event(EventKind.CHECKPOINT_COMMIT, t + 10.5, 0, 0, step=10),
+        Event(EventKind.ATTEMPT_END, t + 11, 0, s, data={"outcome": "completed", "exit_code": 0}),
+        Event(EventKind.JOB_END, t + 11.5, 0, s, data={"exit_status": 0}),
+    ]
+    again = t + 100
+    events += [
+        Event(EventKind.SUPERVISOR_START, again, 1, s),
+        Event(EventKind.ATTEMPT_START, again, 1, s),
+        Event(EventKind.PROCESS_START, again, 1, 0),
+        Event(EventKind.RESUMED, again + 2, 1, 0, step=10),
+        Event(EventKind.ATTEMPT_END, again + 3, 1, s, data={"outcome": "completed", "exit_code": 0}),
+        Event(EventKind.JOB_END, again + 3.5, 1, s, data={"exit_status": 0}),
+    ]
+    report = compute(events, again + 4)
+    assert report.num_failures == 0 and report.buckets_s[Bucket.RESTART] == 0.0
+    assert report.buckets_s[Bucket.OTHER] == pytest.approx(100 - 11)  # attempt 0's end -> attempt 1's start
+    assert report.failure_pct < 5.0  # attempt 1's start-up alone (was 74%+)
+    # After a failure the gap stays `restart`.
+    failed = [e if e.kind is not EventKind.ATTEMPT_END or e.attempt else
+              Event(e.kind, e.ts, 0, s, data={"outcome": "failed", "exit_code": 1}) for e in events]  # fmt: skip
+    failed = [e for e in failed if not (e.kind is EventKind.JOB_END and e.attempt == 0)]
+    assert compute(failed, again + 4).buckets_s[Bucket.RESTART] > 80

@@ -68,7 +68,9 @@ def build_segments(
 
     for position, attempt in enumerate(attempts):
         if position > 0:
-            _add_gap(segments, attempts[position - 1].end_ts, attempt.start_ts, attempt.index, job.runs)
+            before = attempts[position - 1]
+            again = before.outcome is Outcome.COMPLETED  # the job run again after it ended: nothing failed
+            _add_gap(segments, before.end_ts, attempt.start_ts, attempt.index, job.runs, again=again)
         _sweep_attempt(
             segments, attempt, is_last=position == len(attempts) - 1, job_restarting=job.job_end is None
         )
@@ -81,20 +83,24 @@ def build_segments(
     return [Segment(*s) for s in segments]
 
 
-def _add_gap(segments: list[list], start: float, end: float, attempt: int, runs: Sequence[RunStart]) -> None:
+def _add_gap(
+    segments: list[list], start: float, end: float, attempt: int, runs: Sequence[RunStart], *, again: bool
+) -> None:
     """The gap between two attempts: `restart`, except a requeued run's own wait in the scheduler's queue
     (`scheduling`, submitted -> allocated, both known) and its hardware set-up (allocated -> supervisor
-    start), when a supervisor started in the gap with its run's times."""
+    start), when a supervisor started in the gap with its run's times. After an attempt that completed
+    (`again`: the job run again once it had ended), what would be `restart` is `other`: nothing failed."""
+    between = Bucket.OTHER if again else Bucket.RESTART
     run = next((r for r in runs if start < r.ts <= end), None)
     if run is None or run.allocated_ts is None:
-        _add(segments, start, end, Bucket.RESTART, attempt)
+        _add(segments, start, end, between, attempt)
         return
     allocated = min(max(run.allocated_ts, start), run.ts)
     queued = allocated if run.submitted_ts is None else min(max(run.submitted_ts, start), allocated)
-    _add(segments, start, queued, Bucket.RESTART, attempt)  # teardown until the requeue
+    _add(segments, start, queued, between, attempt)  # teardown until the requeue
     _add(segments, queued, allocated, Bucket.SCHEDULING, attempt)
     _add(segments, allocated, run.ts, Bucket.HARDWARE_SETUP, attempt)
-    _add(segments, run.ts, end, Bucket.RESTART, attempt)  # the supervisor's relaunch
+    _add(segments, run.ts, end, between, attempt)  # the supervisor's relaunch
 
 
 def _add(segments: list[list], start: float, end: float, bucket: Bucket, attempt: int | None) -> None:
