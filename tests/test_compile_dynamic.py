@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -293,5 +295,12 @@ def test_a_forged_source_that_is_regex_syntax_is_never_applied(tmp_path):
             [*sources, DynamicSource("("), DynamicSource("(a+)+b", 0)]
         )  # e.g. from a profile
         assert value == ",".join(s.render() for s in sources)
-        compiled = torch.compile(lambda x: x * 2, backend="eager")
-        assert compiled(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    # Dynamo takes the value (in a process of its own: a compilation here leaves Dynamo's state behind, and
+    # the zero-code evaluation hooks' tests after it in this process saw their phases go missing).
+    code = (
+        "import sys, torch\n"
+        "with torch.compiler.config.patch(dynamic_sources=sys.argv[1]):\n"
+        "    print(torch.compile(lambda x: x * 2, backend='eager')(torch.ones(3)).tolist())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, value], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "[2.0, 2.0, 2.0]" in done.stdout, done.stderr[-2000:]
