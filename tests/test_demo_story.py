@@ -178,15 +178,20 @@ def test_recoveries_and_audits_are_read_per_failure_and_attempt():
     assert [(a.attempt, a.num_groups, a.ops["new_group"]) for a in audits] == [(0, 3, 3), (1, 3, 3)]
 
 
-def test_the_story_replays_and_projects_both_run_directories(tmp_path):
+def _story_of(tmp_path, baseline, optimized, *, runs):
+    """The story of two run directories written from these events (a fleet projection of `runs` runs)."""
     from ettr.ledger import open_ledger
 
-    for name, events in (("baseline", BASE), ("optimized", OPT)):
+    for name, events in (("baseline", baseline), ("optimized", optimized)):
         ledger = open_ledger(tmp_path / name)
         ledger.append(events)
         ledger.close()
-    fleet = demo_story.FleetScale(runs=3, days=1.0)
-    story = demo_story.build_story(tmp_path / "baseline", tmp_path / "optimized", fleet=fleet)
+    fleet = demo_story.FleetScale(runs=runs, days=1.0)
+    return demo_story.build_story(tmp_path / "baseline", tmp_path / "optimized", fleet=fleet)
+
+
+def test_the_story_replays_and_projects_both_run_directories(tmp_path):
+    story = _story_of(tmp_path, BASE, OPT, runs=3)
     assert [r.side for r in story.replays] == ["baseline", "optimized"]
     for r in story.replays:
         assert 0 < r.predicted_ett_pct <= 100 and 0 < r.measured_ett_pct <= 100
@@ -203,19 +208,11 @@ def test_the_story_replays_and_projects_both_run_directories(tmp_path):
 
 
 def test_a_run_that_never_trained_has_no_replay_and_says_so(tmp_path):
-    from ettr.ledger import open_ledger
-
     never = [
         Event(EventKind.ATTEMPT_START, T0, 0, SUPERVISOR_RANK),
         Event(EventKind.ATTEMPT_END, T0 + 5, 0, SUPERVISOR_RANK, data={"outcome": Outcome.FAILED}),
     ]
-    for name, events in (("baseline", never), ("optimized", OPT)):
-        ledger = open_ledger(tmp_path / name)
-        ledger.append(events)
-        ledger.close()
-    story = demo_story.build_story(
-        tmp_path / "baseline", tmp_path / "optimized", fleet=demo_story.FleetScale(runs=2, days=1.0)
-    )
+    story = _story_of(tmp_path, never, OPT, runs=2)
     assert [r.side for r in story.replays] == ["optimized"]
     assert any(n.startswith("baseline: no profile") for n in story.notes)
 
@@ -270,15 +267,7 @@ def test_a_replay_not_within_two_points_says_why_where_the_lost_steps_ran_at_ano
     one) carries the profile's line; a replay within 2 points does not need it."""
     from dataclasses import replace
 
-    from ettr.ledger import open_ledger
-
-    for name, events in (("baseline", BASE), ("optimized", OPT)):
-        ledger = open_ledger(tmp_path / name)
-        ledger.append(events)
-        ledger.close()
-    story = demo_story.build_story(
-        tmp_path / "baseline", tmp_path / "optimized", fleet=demo_story.FleetScale(runs=3, days=1.0)
-    )
+    story = _story_of(tmp_path, BASE, OPT, runs=3)
     note = "its 600 lost steps ran at 67.1 ms a step"
     off = demo_story.Replay(side="baseline", measured_ett_pct=40.0, predicted_ett_pct=37.5, speed_note=note)
     close = demo_story.Replay(
