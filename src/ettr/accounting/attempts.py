@@ -107,9 +107,8 @@ class Attempt:
     keep_up_to_step: float = math.inf  # steps <= this are kept
     lost_steps: int = 0
     failure_ts: float | None = None  # the failure instant (`failure_instant`); None when not known
-    rank_gone_ts: float | None = (
-        None  # when the supervisor saw a rank gone, where nothing better says (`rank_gone`)
-    )
+    # when the supervisor saw a rank gone, where nothing better says (`rank_gone`)
+    rank_gone_ts: float | None = None
 
     @property
     def trained(self) -> bool:
@@ -432,7 +431,7 @@ def failure_instant(
     found = rank_failure_times(rank_events)
     if isinstance(signalled_ts, (int, float)) and not isinstance(signalled_ts, bool):
         found.append(float(signalled_ts))
-    if not found and rank_gone_ts is not None:
+    if rank_gone_ts is not None:  # `rank_gone` gives one only where neither of the above is known
         found.append(rank_gone_ts)
     for e in rank_events.get(-1, ()):
         if e.kind == EventKind.MARK and data_of(e).get("name") == FAILURE_DETECTED_MARK:

@@ -12,6 +12,7 @@ from operator import itemgetter
 from ettr.accounting.attempts import Attempt, JobEvents, RunStart
 from ettr.accounting.liveness import NOT_ENDED, counts_as_failure
 from ettr.accounting.model import Segment
+from ettr.accounting.ttr import queue_wait
 from ettr.events import PHASE_BUCKET, Bucket, Outcome
 
 PRECEDENCE: tuple[Bucket, ...] = (
@@ -92,11 +93,11 @@ def _add_gap(
     (`again`: the job run again once it had ended), what would be `restart` is `other`: nothing failed."""
     between = Bucket.OTHER if again else Bucket.RESTART
     run = next((r for r in runs if start < r.ts <= end), None)
-    if run is None or run.allocated_ts is None:
+    wait = None if run is None else queue_wait(run, start)
+    if run is None or wait is None:
         _add(segments, start, end, between, attempt)
         return
-    allocated = min(max(run.allocated_ts, start), run.ts)
-    queued = allocated if run.submitted_ts is None else min(max(run.submitted_ts, start), allocated)
+    queued, allocated = wait
     _add(segments, start, queued, between, attempt)  # teardown until the requeue
     _add(segments, queued, allocated, Bucket.SCHEDULING, attempt)
     _add(segments, allocated, run.ts, Bucket.HARDWARE_SETUP, attempt)

@@ -112,6 +112,18 @@ class RunTimes(Protocol):
     def allocated_ts(self) -> float | None: ...
 
 
+def queue_wait(run: RunTimes, floor: float) -> tuple[float, float] | None:
+    """(queued, allocated) of a requeued run that recorded its allocation, clamped to [floor, its supervisor's
+    start]: when it entered the scheduler's queue (its submission; its allocation where that is unknown) and
+    when it was allocated. None without an allocation. The buckets (`timeline`) and the TTR parts split a
+    requeue's gap with it alike."""
+    if run.allocated_ts is None:
+        return None
+    allocated = min(max(run.allocated_ts, floor), run.ts)
+    queued = allocated if run.submitted_ts is None else min(max(run.submitted_ts, floor), allocated)
+    return queued, allocated
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RecoveryParts:
     """Where the time of one recovery (or of the start) went; `parts_s` in the order of the parts."""
@@ -311,10 +323,10 @@ def recovery_parts(
     def at(ts: float, after: float) -> float:
         return max(after, min(ts, limit))
 
-    if run is not None and run.allocated_ts is not None:  # as the buckets split a requeue's gap
-        floor = end if run_gap_start_ts is None else min(max(run_gap_start_ts, end), run.ts)
-        allocated = min(max(run.allocated_ts, floor), run.ts)
-        queued = allocated if run.submitted_ts is None else min(max(run.submitted_ts, floor), allocated)
+    floor = end if run is None or run_gap_start_ts is None else min(max(run_gap_start_ts, end), run.ts)
+    wait = None if run is None else queue_wait(run, floor)
+    if run is not None and wait is not None:  # as the buckets split a requeue's gap
+        queued, allocated = wait
         marks = [end, at(queued, end)]
         marks.append(at(allocated, marks[-1]))
         marks.append(at(run.ts, marks[-1]))
