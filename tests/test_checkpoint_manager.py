@@ -816,7 +816,7 @@ import sys
 import torch
 
 from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
-from ettr.checkpoint.persist import _dcp_checkpoint_process
+from ettr.checkpoint.persist import _dcp_executor
 from ettr.recorder import Recorder
 
 if __name__ == "__main__":
@@ -825,11 +825,11 @@ if __name__ == "__main__":
     config = CheckpointConfig(root=sys.argv[1], interval=IntervalConfig(every_steps=100), mode="process")
     with CheckpointManager.create(config, TrainState(model=model, optimizer=opt), recorder=Recorder(None)) as m:
         assert m.save(1, wait=True)
-        process = _dcp_checkpoint_process()._save_process
+        process = _dcp_executor()._CHECKPOINT_PROCESS._save_process
         process.kill()  # the OOM killer, or a SIGKILL
         process.join()
         saved = [m.save(step, wait=True) for step in (2, 3)]
-        print("saved", saved, "pid changed", _dcp_checkpoint_process()._save_process.pid != process.pid)
+        print("saved", saved, "pid changed", _dcp_executor()._CHECKPOINT_PROCESS._save_process.pid != process.pid)
 """
 
 

@@ -103,16 +103,15 @@ class AsyncPersister:
         state is not as expected."""
         if self.mode is not PersistMode.PROCESS:
             return False
-        process = getattr(_dcp_checkpoint_process(), "_save_process", None)
+        process = getattr(getattr(_dcp_executor(), "_CHECKPOINT_PROCESS", None), "_save_process", None)
         is_alive = getattr(process, "is_alive", None)
         return callable(is_alive) and not is_alive()
 
     def restart_checkpoint_process(self) -> None:
         """Let go of DCP's checkpoint process (stopped where it still runs) so that the next save starts a new
         one. Every rank at the same save: DCP makes the new processes' group then, collectively."""
-        try:
-            from torch.distributed.checkpoint import _async_process_executor as executor
-        except ImportError:  # pragma: no cover - torch without it has no process mode
+        executor = _dcp_executor()
+        if executor is None:  # pragma: no cover - torch without it has no process mode
             return
         process = getattr(executor, "_CHECKPOINT_PROCESS", None)
         executor._CHECKPOINT_PROCESS = None
@@ -142,13 +141,14 @@ class AsyncPersister:
         self.stager.close()
 
 
-def _dcp_checkpoint_process() -> Any:
-    """DCP's checkpoint process object (private module state), None where there is none."""
+def _dcp_executor() -> Any:
+    """DCP's process-mode executor module (its `_CHECKPOINT_PROCESS` is private module state), None in a
+    torch without it."""
     try:
         from torch.distributed.checkpoint import _async_process_executor as executor
     except ImportError:  # pragma: no cover
         return None
-    return getattr(executor, "_CHECKPOINT_PROCESS", None)
+    return executor
 
 
 def install_staging_hooks(state: TrainState, wait_staged: Callable[[], None]) -> list[RemovableHandle]:
