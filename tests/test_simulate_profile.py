@@ -196,3 +196,5 @@ def test_lost_steps_that_ran_slower_than_the_mean_are_said_to_be_what_a_replay_c
     assert note is not None and "2 lost steps ran at 3000.0 ms a step" in note
     gap = 2 * (3.0 - profile.params.step_s)
     assert f"books {gap:.1f} s less wasted_progress" in note
+    # A speed difference that moves the replay by less than 1% of the wall time is no reason to name.
+    assert profile.speed_note(share=abs(gap) / profile.measured_wall_s + 0.01) is None
