@@ -232,6 +232,17 @@ def test_a_rank_whose_data_loader_worker_was_killed_is_the_failed_rank_not_a_pee
                    stopped_after_rank_failure=True)  # fmt: skip
     assert end.outcome is Outcome.FAILED and end.exception == "RuntimeError", end
     assert end.reason.startswith("rank 1 failed: RuntimeError; ettr stopped the rest"), end.reason
+    assert not end.oom, end
+    # The same while the cgroup's OOM-kill counter rose: the kernel's OOM killer took the worker (it read
+    # `process_lost`, as a kill -9 does).
+    oom = classify(returncode=1, events=[*starts, raised], failed_pids=[[359]], stderr_tail=summary,
+                   stopped_after_rank_failure=True, oom_killed=True)  # fmt: skip
+    assert oom.oom and oom.outcome is Outcome.FAILED, oom
+    alone = classify(returncode=1, events=[*starts, raised], oom_killed=True)  # no stop of the rest by ettr
+    assert alone.oom, alone
+    # A rank's own RuntimeError while some other process of the cgroup was OOM-killed is not the worker's.
+    other = Event(EventKind.FAILURE, 2.0, 0, 1, data={"exception": "RuntimeError", "message": "boom"})
+    assert not classify(returncode=1, events=[*starts, other], oom_killed=True).oom
     # A rank seen gone still decides; a broken collective alone names nobody.
     assert first_failed_rank([[359], [100]], {100: 0, 101: 1}, [raised]) == 0
     reset = Event(

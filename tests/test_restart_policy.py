@@ -159,6 +159,19 @@ def test_back_off_follows_the_cause() -> None:
             Cause.INFRA,
             Detail.PROCESS_LOST,
         ),
+        (  # the same while the cgroup's OOM-kill counter rose: the kernel's OOM killer took the worker
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "reason": "rank 1 failed: RuntimeError; ettr stopped the rest (killed by SIGTERM)",
+                "exception": "RuntimeError",
+                "message": "DataLoader worker (pid 359) is killed by signal: Killed. ",
+                "oom": True,
+            },
+            True,
+            Cause.INFRA,
+            Detail.OOM_KILLED,
+        ),
         (  # NCCL's watchdog aborts the process: its own words name the collective
             {
                 "outcome": "failed",

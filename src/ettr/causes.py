@@ -11,7 +11,7 @@ detail (what happened: the closed `Detail` set). The rules, first match wins:
 |---|-------------------------------------------------------------------------------|------------|--------------------|
 | 1 | outcome `preempted` (SIGTERM/SIGINT from the supervisor, a scheduler, an operator), or `interrupted` (a person's Ctrl-C to `ettr run`) | preemption | preempted |
 | 2 | outcome `hung` (the watchdog saw no progress within the bound for its phase)  | hang       | hung               |
-| 3 | SIGKILL while the cgroup's `oom_kill` counter rose (the kernel's OOM killer)   | infra      | oom_killed         |
+| 3 | SIGKILL (of a rank or its DataLoader worker) while the cgroup's `oom_kill` counter rose (the kernel's OOM killer) | infra | oom_killed |
 | 4 | any other SIGKILL of the failed process (from outside: what its peers then say of the broken connection is its consequence) | infra | process_lost |
 | 5 | its supervisor, or a peer node's, was lost while it ran (closed from the ledger, or a peer's supervisor silent past the peer timeout: the broken collectives around it are its consequence) | infra | node_lost |
 | 6 | a collective / rendezvous / store timeout or error, NCCL/gloo, a peer's reset | infra      | collective         |
@@ -107,13 +107,14 @@ _COLLECTIVE_TEXT = (
     "Socket Timeout",
 )
 _HARDWARE_TEXT = ("uncorrectable ECC", "Uncorrectable ECC", "Xid", "NVLink")
+_WORKER_KILLED = "is killed by signal: Killed"  # a DataLoader worker's SIGKILL (torch's words)
 _SIGNAL_TEXT = (
     "(SIGKILL) received by PID",
     "(SIGBUS) received by PID",
     "(SIGSEGV) received by PID",
     # a rank's DataLoader worker died of a signal (the OOM killer, a full /dev/shm, a crash in a C extension);
     # the rank's RuntimeError is its consequence, not the training code's error (strsignal's words)
-    "is killed by signal: Killed",
+    _WORKER_KILLED,
     "is killed by signal: Bus error",
     "is killed by signal: Segmentation fault",
 )
@@ -212,6 +213,13 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
         (Detail.PROCESS_LOST, _SIGNAL_TEXT),
     ):
         hit = next((t for t in needles for line in texts if t in line), None)
+        if hit == _WORKER_KILLED and failure.get("oom") is True:
+            # a DataLoader worker's SIGKILL while the cgroup's OOM-kill counter rose (`classify`)
+            return Diagnosis(
+                cause=Cause.INFRA,
+                detail=Detail.OOM_KILLED,
+                evidence=f"OOM-killed by the kernel (a DataLoader worker: {hit!r} in its output)",
+            )
         if hit is not None:
             what = "the distributed runtime" if detail is Detail.COLLECTIVE else "the hardware or system"
             return Diagnosis(cause=Cause.INFRA, detail=detail, evidence=f"{what}: {hit!r} in its output")

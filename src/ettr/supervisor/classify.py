@@ -26,6 +26,7 @@ from ettr.supervisor.hidden_ends import ended_by_signal, failure_hidden, shell_k
 
 _OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
 _OOM_TEXT = ("CUDA out of memory", "Out of memory", "OutOfMemoryError")
+_WORKER_KILLED = "is killed by signal: Killed"  # torch's words for a DataLoader worker's SIGKILL
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,8 +241,12 @@ def classify(
             behind, agent_said = agent_got, True
     tail_text = "\n".join(stderr_tail)
     signalled_ts: float | None = None
+    # a rank's DataLoader worker SIGKILLed while the cgroup's OOM-kill counter rose: the kernel's OOM killer
+    # (the rank's RuntimeError is its consequence; it read `process_lost` like any kill -9 of a worker)
+    worker_oom = oom_killed and any(_WORKER_KILLED in t for t in (message or "", tail_text))
     oom = (
         (signal.SIGKILL in (sig, behind) and oom_killed)
+        or worker_oom
         or exception in _OOM_EXCEPTIONS
         or (returncode != 0 and any(t in tail_text for t in _OOM_TEXT))
     )
@@ -276,8 +281,10 @@ def classify(
         # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it
         # (a SIGTERM it names is ettr's stop: a rank that raised was still tearing down when it came).
         ended_by = -root_code if root_code < 0 and -root_code != signal.SIGTERM else None
-        oom = exception in _OOM_EXCEPTIONS or (
-            root is not None and not blamed and oom_killed and ended_by in (None, signal.SIGKILL)
+        oom = (
+            exception in _OOM_EXCEPTIONS
+            or worker_oom
+            or (root is not None and not blamed and oom_killed and ended_by in (None, signal.SIGKILL))
         )
     if hung_after_s is not None:
         outcome = Outcome.HUNG
