@@ -188,3 +188,41 @@ def test_a_python_reader_of_a_pipe_is_no_log_reader(tmp_path):
         for p in (feeder, trainer):
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize(
+    ("layout", "files", "expected"),
+    [
+        (  # cgroup v2 alone
+            "0::/job/step\n",
+            {"job/step/memory.events": "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n"},
+            2,
+        ),
+        (  # hybrid: v2 mounted at unified, with the memory controller there
+            "1:name=systemd:/job\n0::/job\n",
+            {"unified/job/memory.events": "oom 1\noom_kill 4\n"},
+            4,
+        ),
+        (  # v1 memory cgroups (this machine's layout, and older Slurm nodes'): it read None, every OOM kill
+            # `process_lost`
+            "4:memory:/process_api/abc\n1:cpu:/\n0::/\n",
+            {"memory/process_api/abc/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 5\n"},
+            5,
+        ),
+        (  # a parent's counter is not this process's: nothing readable at its own path -> unknown
+            "4:memory:/process_api/abc\n0::/\n",
+            {"memory/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 9\n"},
+            None,
+        ),
+        ("garbage\n", {}, None),
+    ],
+)
+def test_oom_kill_count_reads_the_own_memory_cgroup_in_each_layout(tmp_path, layout, files, expected):
+    proc = tmp_path / "cgroup"
+    proc.write_text(layout)
+    root = tmp_path / "sys"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    assert procs.oom_kill_count(proc, root) == expected
+    assert procs.oom_kill_count(tmp_path / "missing", root) is None

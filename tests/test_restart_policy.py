@@ -159,6 +159,44 @@ def test_back_off_follows_the_cause() -> None:
             Cause.INFRA,
             Detail.PROCESS_LOST,
         ),
+        (  # a real OOM kill of a worker (a 1.5 GB v1 memory cgroup): torch raised `exited unexpectedly` from the
+            # `is killed by signal` it printed first; it read `user (exception)`
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "reason": "exit status 1 (out of memory): RuntimeError",
+                "exception": "RuntimeError",
+                "message": "DataLoader worker (pid(s) 24185) exited unexpectedly",
+                "oom": True,
+                "stderr_tail": ["RuntimeError: DataLoader worker (pid 24185) is killed by signal: Killed. "],
+            },
+            True,
+            Cause.INFRA,
+            Detail.OOM_KILLED,
+        ),
+        (  # the same without the cgroup's counter rising (a kill -9 of the worker)
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "exception": "RuntimeError",
+                "message": "DataLoader worker (pid(s) 24185) exited unexpectedly",
+                "stderr_tail": ["RuntimeError: DataLoader worker (pid 24185) is killed by signal: Killed. "],
+            },
+            True,
+            Cause.INFRA,
+            Detail.PROCESS_LOST,
+        ),
+        (  # an exception raised in a worker is the training code's (torch re-raises it in the rank)
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "exception": "ValueError",
+                "message": "Caught ValueError in DataLoader worker process 0.",
+            },
+            True,
+            Cause.USER,
+            Detail.EXCEPTION,
+        ),
         (  # the same while the cgroup's OOM-kill counter rose: the kernel's OOM killer took the worker
             {
                 "outcome": "failed",

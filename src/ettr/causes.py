@@ -108,6 +108,8 @@ _COLLECTIVE_TEXT = (
 )
 _HARDWARE_TEXT = ("uncorrectable ECC", "Uncorrectable ECC", "Xid", "NVLink")
 _WORKER_KILLED = "is killed by signal: Killed"  # a DataLoader worker's SIGKILL (torch's words)
+# torch's RuntimeError when a worker's death was noticed by its queue's timeout (chained from the above)
+_WORKER_GONE = re.compile(r"DataLoader worker \(pid\(s\) [\d, ]+\) exited unexpectedly")
 _SIGNAL_TEXT = (
     "(SIGKILL) received by PID",
     "(SIGBUS) received by PID",
@@ -199,6 +201,23 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
     own = _text(failure.get("message"))
     if not own and isinstance(process, Mapping) and process_exc == exception:
         own = _text(process.get("message"))
+    if own and (_WORKER_KILLED in own or _WORKER_GONE.search(own)):
+        # The failed rank's own words say its DataLoader worker died (torch's `exited unexpectedly` is raised
+        # from the `is killed by signal: ...` it printed first): the worker's death is the cause, not the
+        # training code. A real OOM kill of a worker (a v1 memory cgroup of 1.5 GB, the worker allocating 3
+        # GB) read `user (exception)`.
+        if failure.get("oom") is True:
+            return Diagnosis(
+                cause=Cause.INFRA,
+                detail=Detail.OOM_KILLED,
+                evidence=f"OOM-killed by the kernel (a DataLoader worker: {own[:120]!r})",
+            )
+        signalled = [line for line in texts if "DataLoader worker" in line and "is killed by signal" in line]
+        return Diagnosis(
+            cause=Cause.INFRA,
+            detail=Detail.PROCESS_LOST,
+            evidence=f"a DataLoader worker died: {(signalled[-1] if signalled else own).strip()[:160]!r}",
+        )
     if exception and own and not is_collective_error(exception, own):
         # The failed rank's own exception and words are known and name no broken collective: the output's
         # other lines (its peers' "Connection closed by peer", the consequence) are not its cause (a Lightning
@@ -213,13 +232,6 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
         (Detail.PROCESS_LOST, _SIGNAL_TEXT),
     ):
         hit = next((t for t in needles for line in texts if t in line), None)
-        if hit == _WORKER_KILLED and failure.get("oom") is True:
-            # a DataLoader worker's SIGKILL while the cgroup's OOM-kill counter rose (`classify`)
-            return Diagnosis(
-                cause=Cause.INFRA,
-                detail=Detail.OOM_KILLED,
-                evidence=f"OOM-killed by the kernel (a DataLoader worker: {hit!r} in its output)",
-            )
         if hit is not None:
             what = "the distributed runtime" if detail is Detail.COLLECTIVE else "the hardware or system"
             return Diagnosis(cause=Cause.INFRA, detail=detail, evidence=f"{what}: {hit!r} in its output")

@@ -430,21 +430,43 @@ def io_priority(tid: int) -> int | None:
     return None if value < 0 else value
 
 
-def oom_kill_count() -> int | None:
-    """The `oom_kill` counter of this process's cgroup (v2), or None where it cannot be read."""
+def oom_kill_count(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """The OOM-kill counter of this process's memory cgroup, or None where it cannot be read.
+
+    cgroup v2: `memory.events`' `oom_kill`, under `root` or, in a hybrid layout, under `root/unified`
+    (where it has the memory controller); cgroup v1: `memory.oom_control`'s `oom_kill` (Linux 4.13+) under
+    `root/memory` (a node with v1 memory cgroups read None: every OOM kill was `process_lost`). Only this
+    process's own cgroup: a parent's counter would count other jobs' kills.
+    """
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        rel = next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
-        text = (Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.events").read_text()
-    except (OSError, StopIteration, IndexError):
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
         return None
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill":
-            try:
-                return int(value)
-            except ValueError:
-                return None
+    candidates: list[Path] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        rel = rel.lstrip("/")
+        if not controllers:
+            candidates += [root / rel / "memory.events", root / "unified" / rel / "memory.events"]
+        elif "memory" in controllers.split(","):
+            candidates.append(root / "memory" / rel / "memory.oom_control")
+    for path in candidates:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for row in text.splitlines():
+            key, _, value = row.partition(" ")
+            if key == "oom_kill":
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
     return None
 
 
