@@ -65,6 +65,7 @@ from ettr.bootstrap.checkpoint_targets import (
     step_in,
 )
 from ettr.bootstrap.hooks import Guard, Patcher, StepCounter, called_from_ettr
+from ettr.bootstrap.save_signals import held_stop_signals
 from ettr.bootstrap.save_window import SaveWindow, is_library_frame
 from ettr.constants import CHECKPOINT_LOAD_FAILED_MARK, COMMIT_FLUSH_S
 from ettr.events import FAILURE_NOTE_PREFIX, Event, EventKind, Phase
@@ -446,29 +447,31 @@ class CheckpointHooks:
         self.patcher.wrap(module, "load_file", make_load)
 
     def _timed_save(self, path: str, call: Callable[[], Any]) -> Any:
-        step = self.guard.call("checkpoint save", self._save_step)
-        begin = time.time()
-        outer = self._busy()  # a save of the script's made inside another one (a signal handler's)
-        self._set_busy(True)
-        try:
-            inject.checkpoint_in_progress()
-            result = call()
-        except BaseException as exc:
-            self.guard.call(
-                "checkpoint save",
-                self.rec.span,
-                Phase.CHECKPOINT_BLOCKING,
-                begin,
-                step=step,
-                path=path,
-                error=type(exc).__name__,
-            )
-            raise
-        finally:
-            self._set_busy(outer)
-        if step is not None:
-            self.guard.call("checkpoint save", self._saved, path, step, begin)
-        return result
+        # a SIGTERM or SIGINT during the write waits for the file and its commit (`save_signals`)
+        with held_stop_signals(path):
+            step = self.guard.call("checkpoint save", self._save_step)
+            begin = time.time()
+            outer = self._busy()  # a save of the script's made inside another one (a signal handler's)
+            self._set_busy(True)
+            try:
+                inject.checkpoint_in_progress()
+                result = call()
+            except BaseException as exc:
+                self.guard.call(
+                    "checkpoint save",
+                    self.rec.span,
+                    Phase.CHECKPOINT_BLOCKING,
+                    begin,
+                    step=step,
+                    path=path,
+                    error=type(exc).__name__,
+                )
+                raise
+            finally:
+                self._set_busy(outer)
+            if step is not None:
+                self.guard.call("checkpoint save", self._saved, path, step, begin)
+            return result
 
     def _timed_buffer_save(self, call: Callable[[], Any]) -> Any:
         step = self.guard.call("checkpoint save", self._save_step)
