@@ -59,10 +59,12 @@ def test_scrape_parses_and_equals_fleet_json(runs, capsys):
     assert {k: [(s.labels, s.value) for s in v] for k, v in samples.items()} == {
         k: [(s.labels, s.value) for s in v] for k, v in again.items()
     }
-    allowed = {"job", "family", "name", "bucket", "cause", "detail"}  # closed sets only: bounded series
+    allowed = {"job", "job_id", "family", "name", "bucket", "cause", "detail"}  # closed sets: bounded series
     for name, rows in samples.items():
         for s in rows:
             assert set(s.labels) <= (allowed | {"version"} if name == "ettr_build_info" else allowed), name
+            # Prometheus renames `job` (its own target label) to `exported_job`: each job's id is `job_id` too
+            assert s.labels.get("job_id") == s.labels.get("job"), name
 
     def by_job(name: str, **match) -> dict[str, float]:
         rows = [s for s in samples[name] if all(s.labels.get(k) == v for k, v in match.items())]
@@ -134,6 +136,15 @@ def test_grafana_dashboard_queries_only_metrics_that_are_served(runs):
     exprs.append(dashboard["templating"]["list"][1]["query"])
     used = {name for e in exprs for name in re.findall(r"\bettr_[a-z_]+", e)}
     assert used and used <= served, used - served
+    # Prometheus sets `job` to the scrape config's job_name (ours becomes `exported_job` under the default
+    # honor_labels: false): a join or legend on `job` alone sees one value for every ettr job.
+    doc = (Path(__file__).parent.parent / "docs" / "fleet.md").read_text()
+    for expr in [*exprs, *re.findall(r"`(sum by [^`]*group_left[^`]*)`", doc.replace("\n", " "))]:
+        for clause in re.findall(r"\b(?:on|by|ignoring|without|group_left|group_right)\s*\(([^)]*)\)", expr):
+            names = {n.strip() for n in clause.split(",")}
+            assert "job" not in names or "job_id" in names, expr
+    legends = [t.get("legendFormat", "") for p in dashboard["panels"] for t in p["targets"]]
+    assert not [legend for legend in legends if "{{job}}" in legend], legends
 
 
 def test_serve_gives_the_windowed_ett_and_the_fleet_lists_jobs_with_stragglers(tmp_path, capsys):

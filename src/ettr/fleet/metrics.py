@@ -1,9 +1,16 @@
 """The Prometheus metrics of a fleet: metric families built from `JobSummary`s at scrape time.
 
 Names follow Prometheus conventions: base units (seconds, ratios 0..1), `_total` for counters (and the gauges below that were once counters), one
-`ettr_` prefix; labels are only `job`, `family`, `name` (the run directory's name: what a person calls a job
-whose id was generated), `bucket`, `cause` and, fleet-wide only, `detail` (bounded: closed sets, never step,
-rank or attempt), plus `version` on `ettr_build_info`. Each number is the same as in `ettr fleet --json`
+`ettr_` prefix; labels are only `job` and `job_id` (the same value: the job's id), `family`, `name` (the run
+directory's name: what a person calls a job whose id was generated), `bucket`, `cause` and, fleet-wide only,
+`detail` (bounded: closed sets, never step, rank or attempt), plus `version` on `ettr_build_info`.
+
+`job_id` is there because Prometheus owns `job`: every scraped series gets the scrape config's `job_name`
+as its `job` label, and under the default `honor_labels: false` the exposition's own `job` is renamed
+`exported_job`. A query joining or grouping on `job` then sees one value for every ettr job (a real
+Prometheus 2.42: `* on (job, family) group_left ettr_gpus` failed with "many-to-many matching not allowed"
+as soon as a family had two jobs). `job_id` keeps its name under either setting; `job` stays for the
+scrapers and queries that already read it. Each number is the same as in `ettr fleet --json`
 (ETT% / 100 for the ratios).
 
 A series is a counter only where it can never go down. The books are revised as a job goes on: a failure
@@ -33,7 +40,7 @@ from ettr.fleet.preempt import preemption_costs
 from ettr.fleet.regress import find_regressions
 from ettr.untrusted import printable
 
-JOB_LABELS = ("job", "family", "name")
+JOB_LABELS = ("job", "family", "name", "job_id")
 
 
 def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int = 0) -> list[Metric]:
@@ -159,7 +166,8 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     if len(windows) == 1:
         window_length.add_metric([], windows.pop())
     for price in preemption_costs(jobs, now):
-        price_labels = [printable(price.job_id), printable(price.family), printable(price.name)]
+        job_id = printable(price.job_id)
+        price_labels = [job_id, printable(price.family), printable(price.name), job_id]
         unsaved.add_metric(price_labels, price.unsaved_s)
         cost.add_metric(price_labels, price.cost_gpu_s)
     per_family = dict.fromkeys(sorted({j.family for j in jobs}), 0)
@@ -177,7 +185,8 @@ def _job_labels(job: JobSummary) -> list[str]:
     """The job's label values, each character that is not printable written as its escape (a run directory
     named with an ESC: the exposition format escapes only backslash, quote and newline, and a terminal
     showing `curl /metrics` would run the sequence)."""
-    return [printable(job.job_id), printable(job.family), printable(job.name)]
+    job_id = printable(job.job_id)
+    return [job_id, printable(job.family), printable(job.name), job_id]
 
 
 def _wall_so_far(job: JobSummary) -> float:
