@@ -233,3 +233,29 @@ def test_a_fleet_that_could_not_be_read_exports_no_fleet_sums(tmp_path):
     ):
         assert name not in samples, name
     assert samples["ettr_build_info"][0].value == 1.0
+
+
+def test_two_jobs_of_one_id_and_directory_name_never_share_a_label_set(tmp_path):
+    """`ettr run --job-id exp1` in runs/teamA/exp1 and in runs/teamB/exp1: every series was in the exposition
+    twice with the same labels, and Prometheus kept one of each pair (the other job vanished, its failure
+    with it). Each is named by the tail of its path that tells them apart."""
+    from ettr.fleet.load import find_run_dirs, load_run_dirs
+    from ettr.fleet.metrics import metric_families
+
+    write_job(tmp_path / "teamA" / "exp1", JobSpec(job_id="exp1", family="f", start_ts=T0, world_size=8))
+    write_job(
+        tmp_path / "teamB" / "exp1",
+        JobSpec(job_id="exp1", family="f", start_ts=T0 + 900, world_size=2, fail_at_steps=(40,)),
+    )
+    write_job(tmp_path / "other", JobSpec(job_id="other", family="f", start_ts=T0 + 1800))
+    jobs, problems = load_run_dirs(find_run_dirs([tmp_path]), now=T0 + 10_000)
+    assert not problems and len(jobs) == 3
+    for family in metric_families(jobs, T0 + 10_000):
+        label_sets = [tuple(sorted(s.labels.items())) for s in family.samples]
+        assert len(label_sets) == len(set(label_sets)), family.name
+    (gpus,) = [m for m in metric_families(jobs, T0 + 10_000) if m.name == "ettr_gpus"]
+    assert {s.labels["name"]: s.value for s in gpus.samples} == {
+        "teamA/exp1": 8.0,
+        "teamB/exp1": 2.0,
+        "other": 1.0,
+    }

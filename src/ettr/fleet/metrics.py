@@ -27,7 +27,10 @@ counters.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import PurePath
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -45,6 +48,7 @@ JOB_LABELS = ("job", "family", "name", "job_id")
 
 def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int = 0) -> list[Metric]:
     """Every metric of the fleet of `jobs` at time `now`."""
+    jobs = distinct_names(jobs)
     build = InfoMetricFamily("ettr_build", "ettr that serves these metrics")
     build.add_metric([], {"version": version()})
     fleet = totals(jobs)
@@ -179,6 +183,41 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     for family, n in per_family.items():
         regressions.add_metric([printable(family)], float(n))
     return out
+
+
+def distinct_names(jobs: Sequence[JobSummary]) -> list[JobSummary]:
+    """`jobs`, each with a `name` that no other job of the same id and family has, so that no two jobs get
+    one label set.
+
+    Two run directories may hold jobs of one id and one directory name (`ettr run --job-id exp1` in
+    `runs/teamA/exp1` and in `runs/teamB/exp1`, or a copy of a run directory): the exposition then held every
+    series twice, and Prometheus kept one of each pair and dropped the other without a word (a real
+    Prometheus 2.42: the 2-GPU job with a failure was not there, its 8-GPU namesake was). Such jobs are named
+    by the shortest tail of their run directories' paths that tells them apart (`teamA/exp1`), else numbered
+    (`exp1 #2`) in their order; every other job keeps its name."""
+    groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+    for i, j in enumerate(jobs):
+        groups[(j.job_id, j.family, j.name)].append(i)
+    names = [j.name for j in jobs]
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        parts = [PurePath(jobs[i].source).parts for i in members]
+        for depth in range(2, max(len(p) for p in parts) + 1):
+            tails = ["/".join(p[-depth:]) for p in parts]
+            if len(set(tails)) == len(tails):
+                for i, tail in zip(members, tails, strict=True):
+                    names[i] = tail
+                break
+        taken = {(j.job_id, j.family, n) for j, n in zip(jobs, names, strict=True)}
+        for number, i in enumerate(members[1:], start=2):
+            if names[i] == jobs[i].name:  # no tail told them apart (one source read twice, ledger URLs)
+                name = f"{jobs[i].name} #{number}"
+                while (jobs[i].job_id, jobs[i].family, name) in taken:
+                    name += "'"
+                names[i] = name
+                taken.add((jobs[i].job_id, jobs[i].family, name))
+    return [j if n == j.name else replace(j, name=n) for j, n in zip(jobs, names, strict=True)]
 
 
 def _job_labels(job: JobSummary) -> list[str]:
