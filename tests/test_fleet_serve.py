@@ -259,3 +259,21 @@ def test_two_jobs_of_one_id_and_directory_name_never_share_a_label_set(tmp_path)
         "teamB/exp1": 2.0,
         "other": 1.0,
     }
+
+
+def test_only_the_four_former_counters_are_gauges_named_total(runs):
+    """`promtool check metrics` (Prometheus 2.42) on a real scrape names exactly these four gauges, kept under
+    the names they had as counters (docs/fleet.md); a new gauge with `_total` would be a fifth."""
+    from ettr.fleet.load import find_run_dirs, load_run_dirs
+    from ettr.fleet.metrics import metric_families
+
+    jobs, _ = load_run_dirs(find_run_dirs([runs]), now=T0)
+    families = metric_families(jobs, T0 + 10)
+    gauges_total = {m.name for m in families if m.type != "counter" and m.name.endswith("_total")}
+    assert gauges_total == {
+        "ettr_bucket_seconds_total",
+        "ettr_fleet_bucket_gpu_seconds_total",
+        "ettr_fleet_failures_total",
+        "ettr_fleet_failures_by_detail_total",
+    }
+    assert all(m.type in ("counter", "gauge", "info") for m in families)
