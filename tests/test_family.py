@@ -21,6 +21,15 @@ from ettr.family import UNKNOWN_FAMILY, derive_family
         (["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "x/t.py"], "t"),
         (["python", "-mtorch.distributed.run", "--nproc_per_node=2", "x/t.py"], "t"),
         (["./launch.sh", "1"], "launch.sh"),
+        (["bash", "launch.sh", "1"], "launch.sh"),  # a shell is looked through, as a launcher is
+        (["/bin/bash", "-e", "-o", "pipefail", "scripts/launch.sh"], "launch.sh"),
+        (["bash", "-c", "torchrun --nproc-per-node 2 train.py --lr 3"], "train"),
+        (["sh", "-ec", "python -m pkg.train"], "pkg.train"),
+        (["bash", "-c", "echo 'unbalanced"], "bash"),
+        (["bash"], "bash"),
+        (["env", "OUT=out-7", "bash", "job.sh"], "job.sh"),  # nanoGPT's wrapper, as it ran in a fleet
+        (["env", "-i", "-u", "HOME", "A=1", "python", "train.py"], "train"),
+        (["env", "A=1"], "env"),
         (["python", "-c", "print(1)"], "python"),
         ([], UNKNOWN_FAMILY),
     ],
@@ -44,7 +53,7 @@ def test_family_is_derived_from_the_command_not_its_arguments(command, family):
         ("accelerate-launch --cpu t.py", "t"),
         ("python -m accelerate.commands.launch --num_processes 2 t.py", "t"),
         ("python -m accelerate.commands.accelerate_cli launch --num_processes 2 t.py", "t"),
-        ("accelerate launch --no_python bash run.sh", "bash"),
+        ("accelerate launch --no_python bash run.sh", "run.sh"),  # the shell is looked through too
         # DeepSpeed's runner, its script forms and its module form.
         (
             "deepspeed --num_gpus 2 --num_nodes 1 --hostfile hosts --include localhost:0,1 --master_port 29500"
@@ -96,6 +105,7 @@ def test_any_command_gets_a_family_and_nothing_raises():
         " -u -X -- - = --num_processes --num_processes=2 -np -n -N -lN2 -mca --mca -x -H --module --no_python"
         " --no-python --cpu --multi_gpu --exclusive torch.distributed.run accelerate.commands.launch"
         " deepspeed.launcher.runner accelerate.commands.accelerate_cli train.py /bin/deepspeed 2 host"
+        " bash sh env A=1 -u -o -ec ' run.sh"
     ).split() + [""]
     rng = random.Random(0)
     for _ in range(5000):

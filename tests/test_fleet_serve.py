@@ -59,10 +59,12 @@ def test_scrape_parses_and_equals_fleet_json(runs, capsys):
     assert {k: [(s.labels, s.value) for s in v] for k, v in samples.items()} == {
         k: [(s.labels, s.value) for s in v] for k, v in again.items()
     }
-    allowed = {"job", "family", "name", "bucket", "cause", "detail"}  # closed sets only: bounded series
+    allowed = {"job", "job_id", "family", "name", "bucket", "cause", "detail"}  # closed sets: bounded series
     for name, rows in samples.items():
         for s in rows:
             assert set(s.labels) <= (allowed | {"version"} if name == "ettr_build_info" else allowed), name
+            # Prometheus renames `job` (its own target label) to `exported_job`: each job's id is `job_id` too
+            assert s.labels.get("job_id") == s.labels.get("job"), name
 
     def by_job(name: str, **match) -> dict[str, float]:
         rows = [s for s in samples[name] if all(s.labels.get(k) == v for k, v in match.items())]
@@ -134,6 +136,15 @@ def test_grafana_dashboard_queries_only_metrics_that_are_served(runs):
     exprs.append(dashboard["templating"]["list"][1]["query"])
     used = {name for e in exprs for name in re.findall(r"\bettr_[a-z_]+", e)}
     assert used and used <= served, used - served
+    # Prometheus sets `job` to the scrape config's job_name (ours becomes `exported_job` under the default
+    # honor_labels: false): a join or legend on `job` alone sees one value for every ettr job.
+    doc = (Path(__file__).parent.parent / "docs" / "fleet.md").read_text()
+    for expr in [*exprs, *re.findall(r"`(sum by [^`]*group_left[^`]*)`", doc.replace("\n", " "))]:
+        for clause in re.findall(r"\b(?:on|by|ignoring|without|group_left|group_right)\s*\(([^)]*)\)", expr):
+            names = {n.strip() for n in clause.split(",")}
+            assert "job" not in names or "job_id" in names, expr
+    legends = [t.get("legendFormat", "") for p in dashboard["panels"] for t in p["targets"]]
+    assert not [legend for legend in legends if "{{job}}" in legend], legends
 
 
 def test_serve_gives_the_windowed_ett_and_the_fleet_lists_jobs_with_stragglers(tmp_path, capsys):
@@ -222,3 +233,47 @@ def test_a_fleet_that_could_not_be_read_exports_no_fleet_sums(tmp_path):
     ):
         assert name not in samples, name
     assert samples["ettr_build_info"][0].value == 1.0
+
+
+def test_two_jobs_of_one_id_and_directory_name_never_share_a_label_set(tmp_path):
+    """`ettr run --job-id exp1` in runs/teamA/exp1 and in runs/teamB/exp1: every series was in the exposition
+    twice with the same labels, and Prometheus kept one of each pair (the other job vanished, its failure
+    with it). Each is named by the tail of its path that tells them apart."""
+    from ettr.fleet.load import find_run_dirs, load_run_dirs
+    from ettr.fleet.metrics import metric_families
+
+    write_job(tmp_path / "teamA" / "exp1", JobSpec(job_id="exp1", family="f", start_ts=T0, world_size=8))
+    write_job(
+        tmp_path / "teamB" / "exp1",
+        JobSpec(job_id="exp1", family="f", start_ts=T0 + 900, world_size=2, fail_at_steps=(40,)),
+    )
+    write_job(tmp_path / "other", JobSpec(job_id="other", family="f", start_ts=T0 + 1800))
+    jobs, problems = load_run_dirs(find_run_dirs([tmp_path]), now=T0 + 10_000)
+    assert not problems and len(jobs) == 3
+    for family in metric_families(jobs, T0 + 10_000):
+        label_sets = [tuple(sorted(s.labels.items())) for s in family.samples]
+        assert len(label_sets) == len(set(label_sets)), family.name
+    (gpus,) = [m for m in metric_families(jobs, T0 + 10_000) if m.name == "ettr_gpus"]
+    assert {s.labels["name"]: s.value for s in gpus.samples} == {
+        "teamA/exp1": 8.0,
+        "teamB/exp1": 2.0,
+        "other": 1.0,
+    }
+
+
+def test_only_the_four_former_counters_are_gauges_named_total(runs):
+    """`promtool check metrics` (Prometheus 2.42) on a real scrape names exactly these four gauges, kept under
+    the names they had as counters (docs/fleet.md); a new gauge with `_total` would be a fifth."""
+    from ettr.fleet.load import find_run_dirs, load_run_dirs
+    from ettr.fleet.metrics import metric_families
+
+    jobs, _ = load_run_dirs(find_run_dirs([runs]), now=T0)
+    families = metric_families(jobs, T0 + 10)
+    gauges_total = {m.name for m in families if m.type != "counter" and m.name.endswith("_total")}
+    assert gauges_total == {
+        "ettr_bucket_seconds_total",
+        "ettr_fleet_bucket_gpu_seconds_total",
+        "ettr_fleet_failures_total",
+        "ettr_fleet_failures_by_detail_total",
+    }
+    assert all(m.type in ("counter", "gauge", "info") for m in families)

@@ -407,3 +407,38 @@ def test_a_job_id_from_the_books_reaches_the_terminal_with_its_escapes_written_o
     err = capsys.readouterr().err
     assert "continuing job flip\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J" in err
     assert "\x1b" not in err and "\x07" not in err
+
+
+def test_a_read_only_reader_waits_briefly_for_another_programs_exclusive_lock(tmp_path, monkeypatch):
+    """A program holding the ledger in SQLite's exclusive locking mode keeps every reader off it. The fleet's
+    read-only open waited the writer's 30 s before it read without locking: one such run directory made
+    `ettr fleet` take 36 s and every `ettr serve` scrape outlive Prometheus' scrape timeout."""
+    from ettr.ledger import sqlite as sqlite_ledger
+
+    path = tmp_path / "ledger.db"
+    with contextlib.closing(open_ledger(tmp_path)) as ledger:
+        ledger.append([Event(ts=1.7e9, kind=EventKind.SUPERVISOR_START, attempt=0, rank=SUPERVISOR_RANK)])
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode = EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    holder.execute("INSERT INTO meta (key, value) VALUES ('held', '1')")
+    waits: list[float] = []
+    real_connect = sqlite3.connect
+
+    def connect(*args, **kwargs):
+        waits.append(kwargs["timeout"])
+        return real_connect(*args, **kwargs)
+
+    monkeypatch.setattr(sqlite_ledger.sqlite3, "connect", connect)
+    try:
+        reader = sqlite_ledger.SqliteLedger(path, create=False, read_only=True)
+        try:
+            assert [e.kind for e in reader.read()] == [EventKind.SUPERVISOR_START]
+        finally:
+            reader.close()
+    finally:
+        holder.close()
+    assert waits and max(waits) == sqlite_ledger.READ_ONLY_BUSY_TIMEOUT_S <= 1.0
+    writer = sqlite_ledger.SqliteLedger(path, create=False)  # a writer still waits as long as before
+    writer.close()
+    assert waits[-1] == sqlite_ledger.WRITER_BUSY_TIMEOUT_S == 30.0

@@ -6,7 +6,10 @@ program's name. A launcher is looked through to the command it runs, its own opt
 (and `python -m torch.distributed.run`), `accelerate launch`, `deepspeed` / `ds`, `srun`, `mpirun` /
 `mpiexec`, nested too (`srun torchrun train.py` is `train`); so `accelerate launch --num_processes 2
 train.py` is `train`, never `accelerate` (which would put every accelerate script in one family). A
-launcher with nothing after its options is its own family. Arguments never enter it (they change from run
+launcher with nothing after its options is its own family. So are a shell and `env` looked through: `bash
+run.sh` is `run.sh`, as `./run.sh` is; `bash -c 'torchrun train.py'` and `env OUT=x python train.py` are
+`train` (before, every shell-wrapped job of a fleet was one family `bash`, and every job started through `env`
+one family `env`). Arguments never enter it (they change from run
 to run: seeds, output paths). Pure, never raises; imports nothing of ettr.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -104,6 +108,9 @@ _MODULES = {
     "deepspeed.launcher.runner": _DEEPSPEED,
 }
 _ACCELERATE_CLIS = ("accelerate", "accelerate.commands.accelerate_cli")  # `... launch` is _ACCELERATE
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
+_SHELL_VALUE_OPTIONS = frozenset({"-o", "+o", "-O", "+O", "--rcfile", "--init-file"})
+_ENV_VALUE_OPTIONS = frozenset({"-u", "--unset", "-C", "--chdir"})
 
 
 def _script_name(path: str) -> str:
@@ -186,6 +193,48 @@ def _after_launcher(command: Sequence[str], i: int, launcher: _Launcher) -> str 
     return _script_name(command[i])
 
 
+def _after_shell(command: Sequence[str]) -> str | None:
+    """The family of what a shell (`command[0]`) runs: its script, or its `-c` string's command."""
+    i, string = 1, False
+    while i < len(command):
+        token = command[i]
+        if token == "--":
+            i += 1
+            break
+        if token in _SHELL_VALUE_OPTIONS:
+            i += 2
+            continue
+        if not token.startswith(("-", "+")) or token in ("-", "+"):
+            break
+        string = string or (not token.startswith("--") and "c" in token[1:])
+        i += 1
+    if i >= len(command):
+        return None
+    if string:
+        try:
+            return _family(shlex.split(command[i])) or None
+        except ValueError:  # unbalanced quotes: no command can be read from it
+            return None
+    return _family(command[i:])
+
+
+def _after_env(command: Sequence[str]) -> str | None:
+    """The family of what `env [OPTION]... [NAME=VALUE]... COMMAND` runs."""
+    i = 1
+    while i < len(command):
+        token = command[i]
+        if token == "--":
+            i += 1
+            break
+        if token in _ENV_VALUE_OPTIONS:
+            i += 2
+        elif token.startswith("-") or ("=" in token and not token.startswith("=")):
+            i += 1
+        else:
+            break
+    return _family(command[i:]) or None
+
+
 def derive_family(command: Sequence[str]) -> str:
     """The default family of a job that runs `command` (see the module docstring); never empty."""
     return _family(command) or UNKNOWN_FAMILY
@@ -200,6 +249,10 @@ def _family(command: Sequence[str]) -> str:
     launcher = _launcher_of(program)
     if launcher is not None:
         return _after_launcher(command, 1, launcher) or program
+    if program in _SHELLS:
+        return _after_shell(command) or program
+    if program == "env":
+        return _after_env(command) or program
     if program.startswith("python"):
         kind, value, at = _after_python(command, 1)
         if kind == "module" and value in _ACCELERATE_CLIS and at < len(command) and command[at] == "launch":

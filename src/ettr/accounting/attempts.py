@@ -310,8 +310,11 @@ def _outcome(
         extra = {k: v for k, v in data.items() if k not in _END_KEYS}
     else:
         exit_code, extra = None, {}
-        supervised = raw.start_ts is not None
-        completed = not supervised and is_last and ended_normally and raw.failure_event is None
+        # No ATTEMPT_END: the last attempt completed when the job then ended normally and no rank recorded a
+        # failure. For a supervised attempt too: its supervisor writes JOB_END with status 0 only after the
+        # last attempt completed, so its ATTEMPT_END row was lost (a damaged ledger's codec skips it); read as
+        # a failure, a completed job's training all turned into wasted_progress (ETT 77% -> 0%).
+        completed = is_last and ended_normally and raw.failure_event is None
         outcome = Outcome.COMPLETED if completed else Outcome.FAILED
     if outcome == Outcome.COMPLETED:
         return outcome, exit_code, None

@@ -1,9 +1,16 @@
 """The Prometheus metrics of a fleet: metric families built from `JobSummary`s at scrape time.
 
 Names follow Prometheus conventions: base units (seconds, ratios 0..1), `_total` for counters (and the gauges below that were once counters), one
-`ettr_` prefix; labels are only `job`, `family`, `name` (the run directory's name: what a person calls a job
-whose id was generated), `bucket`, `cause` and, fleet-wide only, `detail` (bounded: closed sets, never step,
-rank or attempt), plus `version` on `ettr_build_info`. Each number is the same as in `ettr fleet --json`
+`ettr_` prefix; labels are only `job` and `job_id` (the same value: the job's id), `family`, `name` (the run
+directory's name: what a person calls a job whose id was generated), `bucket`, `cause` and, fleet-wide only,
+`detail` (bounded: closed sets, never step, rank or attempt), plus `version` on `ettr_build_info`.
+
+`job_id` is there because Prometheus owns `job`: every scraped series gets the scrape config's `job_name`
+as its `job` label, and under the default `honor_labels: false` the exposition's own `job` is renamed
+`exported_job`. A query joining or grouping on `job` then sees one value for every ettr job (a real
+Prometheus 2.42: `* on (job, family) group_left ettr_gpus` failed with "many-to-many matching not allowed"
+as soon as a family had two jobs). `job_id` keeps its name under either setting; `job` stays for the
+scrapers and queries that already read it. Each number is the same as in `ettr fleet --json`
 (ETT% / 100 for the ratios).
 
 A series is a counter only where it can never go down. The books are revised as a job goes on: a failure
@@ -20,7 +27,10 @@ counters.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import PurePath
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -33,11 +43,12 @@ from ettr.fleet.preempt import preemption_costs
 from ettr.fleet.regress import find_regressions
 from ettr.untrusted import printable
 
-JOB_LABELS = ("job", "family", "name")
+JOB_LABELS = ("job", "family", "name", "job_id")
 
 
 def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int = 0) -> list[Metric]:
     """Every metric of the fleet of `jobs` at time `now`."""
+    jobs = distinct_names(jobs)
     build = InfoMetricFamily("ettr_build", "ettr that serves these metrics")
     build.add_metric([], {"version": version()})
     fleet = totals(jobs)
@@ -159,7 +170,8 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     if len(windows) == 1:
         window_length.add_metric([], windows.pop())
     for price in preemption_costs(jobs, now):
-        price_labels = [printable(price.job_id), printable(price.family), printable(price.name)]
+        job_id = printable(price.job_id)
+        price_labels = [job_id, printable(price.family), printable(price.name), job_id]
         unsaved.add_metric(price_labels, price.unsaved_s)
         cost.add_metric(price_labels, price.cost_gpu_s)
     per_family = dict.fromkeys(sorted({j.family for j in jobs}), 0)
@@ -173,11 +185,47 @@ def metric_families(jobs: Sequence[JobSummary], now: float, *, num_problems: int
     return out
 
 
+def distinct_names(jobs: Sequence[JobSummary]) -> list[JobSummary]:
+    """`jobs`, each with a `name` that no other job of the same id and family has, so that no two jobs get
+    one label set.
+
+    Two run directories may hold jobs of one id and one directory name (`ettr run --job-id exp1` in
+    `runs/teamA/exp1` and in `runs/teamB/exp1`, or a copy of a run directory): the exposition then held every
+    series twice, and Prometheus kept one of each pair and dropped the other without a word (a real
+    Prometheus 2.42: the 2-GPU job with a failure was not there, its 8-GPU namesake was). Such jobs are named
+    by the shortest tail of their run directories' paths that tells them apart (`teamA/exp1`), else numbered
+    (`exp1 #2`) in their order; every other job keeps its name."""
+    groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+    for i, j in enumerate(jobs):
+        groups[(j.job_id, j.family, j.name)].append(i)
+    names = [j.name for j in jobs]
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        parts = [PurePath(jobs[i].source).parts for i in members]
+        for depth in range(2, max(len(p) for p in parts) + 1):
+            tails = ["/".join(p[-depth:]) for p in parts]
+            if len(set(tails)) == len(tails):
+                for i, tail in zip(members, tails, strict=True):
+                    names[i] = tail
+                break
+        taken = {(j.job_id, j.family, n) for j, n in zip(jobs, names, strict=True)}
+        for number, i in enumerate(members[1:], start=2):
+            if names[i] == jobs[i].name:  # no tail told them apart (one source read twice, ledger URLs)
+                name = f"{jobs[i].name} #{number}"
+                while (jobs[i].job_id, jobs[i].family, name) in taken:
+                    name += "'"
+                names[i] = name
+                taken.add((jobs[i].job_id, jobs[i].family, name))
+    return [j if n == j.name else replace(j, name=n) for j, n in zip(jobs, names, strict=True)]
+
+
 def _job_labels(job: JobSummary) -> list[str]:
     """The job's label values, each character that is not printable written as its escape (a run directory
     named with an ESC: the exposition format escapes only backslash, quote and newline, and a terminal
     showing `curl /metrics` would run the sequence)."""
-    return [printable(job.job_id), printable(job.family), printable(job.name)]
+    job_id = printable(job.job_id)
+    return [job_id, printable(job.family), printable(job.name), job_id]
 
 
 def _wall_so_far(job: JobSummary) -> float:

@@ -64,6 +64,15 @@ def _text_or_bytes(raw: bytes) -> str | bytes:
 SIDE_FILE_SUFFIXES = ("-journal", "-wal", "-shm")
 """The files SQLite keeps beside a database, by the suffix of their names."""
 
+WRITER_BUSY_TIMEOUT_S = 30.0
+"""How long a writer (or a report's reader) waits for another process's lock before failing."""
+READ_ONLY_BUSY_TIMEOUT_S = 1.0
+"""How long a read-only open (the fleet's, `ettr serve`'s: many ledgers, one after the other, inside a
+Prometheus scrape timeout of 10 s) waits for another process's lock before it reads without locking
+(`immutable`). ettr's own writers keep WAL, where a writer never blocks a reader; a lock that holds readers
+off is a program's exclusive lock (`PRAGMA locking_mode = EXCLUSIVE`, a rollback journal's commit). With the
+writer's 30 s, one such ledger made every `ettr fleet` take 36 s and every scrape time out."""
+
 
 class SqliteLedger:
     """A `Ledger` in `run_dir/ledger.db`.
@@ -72,7 +81,8 @@ class SqliteLedger:
         path: the database file.
         create: create the file (and the run directory) if missing; otherwise a missing file is a
             `LedgerError`.
-        busy_timeout_s: how long a writer waits for another process's transaction before failing.
+        busy_timeout_s: how long a writer waits for another process's transaction before failing (default
+            `WRITER_BUSY_TIMEOUT_S`; `READ_ONLY_BUSY_TIMEOUT_S` with `read_only`).
         read_only: open an existing ledger for reading only (`mode=ro`, then `immutable=1`): a reader of many
             run directories (the fleet) never writes into them, not even a checkpoint of their logs.
     """
@@ -82,7 +92,7 @@ class SqliteLedger:
         path: str | os.PathLike[str],
         *,
         create: bool = True,
-        busy_timeout_s: float = 30.0,
+        busy_timeout_s: float | None = None,
         read_only: bool = False,
     ) -> None:
         self.path = Path(path)
@@ -99,6 +109,8 @@ class SqliteLedger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._num_dropped = 0
+        if busy_timeout_s is None:
+            busy_timeout_s = READ_ONLY_BUSY_TIMEOUT_S if read_only else WRITER_BUSY_TIMEOUT_S
         self._busy_timeout_s = busy_timeout_s
         self.num_skipped = 0  # rows the last read() could not use
         self.read_only = False
