@@ -277,3 +277,39 @@ def test_only_the_four_former_counters_are_gauges_named_total(runs):
         "ettr_fleet_failures_by_detail_total",
     }
     assert all(m.type in ("counter", "gauge", "info") for m in families)
+
+
+def test_a_read_slower_than_the_scrape_budget_serves_the_newest_complete_read(caplog):
+    # A PostgreSQL ledger server under SIGSTOP made scrapes take 3.0-5.8 s: past a 5 s scrape timeout
+    # Prometheus drops every series of the target. A read past the budget goes on in the background.
+    import threading
+
+    from ettr.fleet.serve import BoundedReads, start_server
+
+    release = threading.Event()
+    reads: list[float] = []
+
+    def read(now):
+        reads.append(now)
+        if len(reads) > 1:
+            release.wait(60)  # every read after the first stalls until released
+        return [], [f"read {len(reads)}"]
+
+    bounded = BoundedReads(read, budget_s=0.05)
+    assert bounded(100.0) == ([], ["read 1"]) and bounded.served_age_s == 0.0  # the first is waited for
+    assert bounded(130.0) == ([], ["read 1"])  # the second stalls: the newest complete read is served
+    assert bounded.served_age_s == 30.0
+    assert bounded(160.0) == ([], ["read 1"]) and reads == [100.0, 130.0]  # no second read beside it
+    assert bounded.served_age_s == 60.0
+    assert sum("takes over" in r.getMessage() for r in caplog.records) == 1  # said once
+    release.set()
+    for _ in range(200):  # the stalled read ends in the background; wait for it without a timing assert
+        if bounded(190.0) != ([], ["read 1"]):
+            break
+        release.wait(0.05)
+    assert bounded(220.0)[1][0].startswith("read ") and bounded.served_age_s == 0.0
+    server = start_server(bounded, port=0, addr="127.0.0.1")
+    try:
+        assert _scrape(server.port)["ettr_serve_read_age_seconds"][0].value == 0.0
+    finally:
+        server.close()

@@ -245,11 +245,21 @@ class FleetCollector(Collector):
         load: Callable[[float], tuple[list[JobSummary], list[str]]],
         *,
         clock: Callable[[], float] = time.time,
+        read_age_s: Callable[[], float] | None = None,
     ) -> None:
         self._load = load
         self._clock = clock
+        self._read_age_s = read_age_s
 
     def collect(self) -> Iterator[Metric]:
         now = self._clock()
         jobs, problems = self._load(now)
         yield from metric_families(jobs, now, num_problems=len(problems))
+        if self._read_age_s is not None:
+            age = GaugeMetricFamily(
+                "ettr_serve_read_age_seconds",
+                "how old the read of the fleet this scrape serves is (0: read for it; a read slower than the "
+                "scrape budget goes on in the background, and the newest complete one is served)",
+            )
+            age.add_metric([], self._read_age_s())
+            yield age

@@ -37,6 +37,11 @@ READ_TIMEOUT_S = 10.0
 """The longest one read of a request may wait for its client."""
 REQUEST_DEADLINE_S = 120.0
 """The longest a connection is kept, reading, loading and writing (a scrape of a large fleet takes seconds)."""
+SCRAPE_BUDGET_S = 4.0
+"""How long a scrape of `ettr serve` waits for its read of the fleet: inside Prometheus' default scrape timeout
+(10 s) and a 5 s one. A read that takes longer (a ledger server stalled: each costs its connect timeout; a
+PostgreSQL server under SIGSTOP made scrapes take 3.0-5.8 s, and a scrape past the timeout drops every series of
+the target) goes on in the background, and the scrape serves the newest complete read (`BoundedReads`)."""
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -121,7 +126,8 @@ def start_server(
     from ettr.fleet.metrics import FleetCollector
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(load))
+    age = (lambda: load.served_age_s) if isinstance(load, BoundedReads) else None
+    registry.register(FleetCollector(load, read_age_s=age))
     try:
         infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, sockaddr = infos[0]
@@ -168,6 +174,64 @@ class _SaidOnce(logging.Filter):
         finally:
             target.removeFilter(self)
             self._before, self._now = self._now, set()
+
+
+Read = Callable[[float], tuple[list[JobSummary], list[str]]]
+
+
+class BoundedReads:
+    """`read(now)` within a scrape's budget: a read still going after `budget_s` goes on in the background,
+    and the call returns the newest complete read instead (a first read, with nothing to serve yet, is
+    waited for). At most one read runs at a time; a scrape that comes while one runs waits for that one.
+
+    Counters stay monotonic: what is served is never older than what an earlier call served. `served_age_s`
+    is how old the last served read was when served (0.0 when read for that call), for the
+    `ettr_serve_read_age_seconds` gauge."""
+
+    def __init__(self, read: Read, *, budget_s: float) -> None:
+        self._read = read
+        self._budget_s = budget_s
+        self._cond = threading.Condition()
+        self._running: threading.Thread | None = None
+        self._newest: tuple[float, list[JobSummary], list[str]] | None = None  # (read at, jobs, problems)
+        self._slow_said = False
+        self.served_age_s = 0.0
+
+    def __call__(self, now: float) -> tuple[list[JobSummary], list[str]]:
+        with self._cond:
+            if self._running is None:
+                self._running = threading.Thread(
+                    target=self._run, args=(now,), name="ettr-serve-read", daemon=True
+                )
+                self._running.start()
+            running = self._running
+            self._cond.wait_for(lambda: self._running is not running, timeout=self._budget_s)
+            if self._running is running and self._newest is None:
+                self._cond.wait_for(lambda: self._running is not running)  # nothing to serve yet
+            if self._newest is None:  # (never: a finished read always leaves one)
+                return [], []
+            read_at, jobs, problems = self._newest
+            self.served_age_s = max(0.0, now - read_at) if self._running is running else 0.0
+            if self._running is running and not self._slow_said:
+                self._slow_said = True
+                logger.warning(
+                    "ettr serve: reading the fleet takes over %.0f s (a ledger server slow or stalled?): "
+                    "scrapes serve the newest complete read meanwhile (ettr_serve_read_age_seconds)",
+                    self._budget_s,
+                )
+            elif self._running is not running:
+                self._slow_said = False
+            return jobs, problems
+
+    def _run(self, now: float) -> None:
+        try:
+            jobs, problems = self._read(now)
+        except Exception as exc:  # noqa: BLE001 - the read says what failed; never a dead reader
+            jobs, problems = [], [f"{type(exc).__name__}: {exc}"]
+        with self._cond:
+            self._newest = (now, jobs, problems)
+            self._running = None
+            self._cond.notify_all()
 
 
 def loader(args: argparse.Namespace) -> Callable[[float], tuple[list[JobSummary], list[str]]]:
@@ -221,7 +285,9 @@ def serve_forever(args: argparse.Namespace) -> int:
                 sqlite_path(args.ledger)
         except UsageError as exc:
             raise UsageError(f"ettr serve: {exc}") from None
-    server = start_server(loader(args), port=args.port, addr=args.addr)
+    server = start_server(
+        BoundedReads(loader(args), budget_s=SCRAPE_BUDGET_S), port=args.port, addr=args.addr
+    )
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     print(f"ettr serve: metrics at http://{args.addr}:{server.port}/metrics (SIGTERM or Ctrl-C stops)",
