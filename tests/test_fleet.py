@@ -850,7 +850,9 @@ def test_every_nodes_run_dir_of_a_multi_node_job_is_one_job(tmp_path, capsys):
         (tmp_path / node).mkdir()
         write_pointer(tmp_path / node, url, job_id="two-nodes")
     other = tmp_path / "other"
-    write_job(other, JobSpec(job_id="two-nodes"))  # the same job id in its own books: another job
+    # the same job id in its own books, started at another instant: another job (at the same instant to the
+    # microsecond it would be a copy of these books: `drop_copies`)
+    write_job(other, JobSpec(job_id="two-nodes", start_ts=1_700_000_500.0))
     assert (
         main(["fleet", str(tmp_path / "node0"), str(tmp_path / "node1"), str(other), "--json", "--no-cache"])
         == 0

@@ -388,3 +388,18 @@ def test_a_run_directory_this_user_cannot_enter_is_said_not_passed_over(tmp_path
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "permission denied" in err and "not an ettr run directory" not in err
+
+
+def test_a_copied_run_directory_is_the_same_job_counted_once(tmp_path, capsys):
+    # `cp -r runs/exp1 backup/exp1` (or a synced mirror): six copies of an mnist run were six jobs in the
+    # fleet, six times its GPU-hours. Two jobs of one id started at other instants stay two.
+    runs = tmp_path / "runs"
+    write_job(runs / "exp1", JobSpec(job_id="exp1", num_steps=40))
+    shutil.copytree(runs / "exp1", runs / "exp1-copy")
+    write_job(runs / "teamB-exp1", JobSpec(job_id="exp1", start_ts=1_700_100_000.0, num_steps=40))
+    assert main(["fleet", str(runs), "--json"]) == 0
+    out, err = capsys.readouterr()
+    fleet = json.loads(out)
+    names = sorted(job["job_id"] for job in fleet["jobs"])
+    assert names == ["exp1", "exp1"], names  # the copy is not a third
+    assert "a copy of the books of" in err and "counted once" in err

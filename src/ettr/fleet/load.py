@@ -492,7 +492,32 @@ def load_run_dirs(
         summaries.append(result)
         if cache is not None and signatures[run_dir]:
             cache.put(run_dir, signatures[run_dir], result)
-    return summaries, problems
+    return drop_copies(summaries, problems)
+
+
+def drop_copies(summaries: list[JobSummary], problems: list[str]) -> tuple[list[JobSummary], list[str]]:
+    """One job per job id and start instant: a run directory copied (`cp -r runs/exp1 backup/exp1`, a
+    synced mirror) is the same job's books again, and a fleet counted each copy (six copies of an mnist run
+    were six jobs, six times its GPU-hours). Two jobs with one id started at once to the microsecond are
+    one job; the copy that reaches furthest is kept (an older copy of a running job's books ends earlier),
+    the others named in `problems`."""
+    kept: dict[tuple[str, float], int] = {}
+    out: list[JobSummary] = []
+    for summary in summaries:
+        key = (summary.job_id, round(summary.wall_start_ts, 6))
+        where = kept.get(key)
+        if where is None:
+            kept[key] = len(out)
+            out.append(summary)
+            continue
+        other = out[where]
+        keep, drop = (summary, other) if summary.wall_end_ts > other.wall_end_ts else (other, summary)
+        out[where] = keep
+        problems.append(
+            f"{drop.source}: a copy of the books of {keep.source} (job {keep.job_id}, started at the same "
+            "instant): counted once"
+        )
+    return out, problems
 
 
 def _events_of_jobs(
