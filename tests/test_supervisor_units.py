@@ -1265,3 +1265,25 @@ def test_a_rank_sigkilled_under_mp_spawn_is_a_kill_not_the_peers_reset() -> None
     crash = Event(EventKind.FAILURE, 1.0, 0, 1, data={"exception": "ValueError", "message": "bad batch"})
     raised = classify(returncode=1, events=[*events, crash], failed_pids=[[101]], stderr_tail=tail)
     assert raised.signal is None and raised.exception == "ValueError"
+
+
+def test_a_handler_that_saves_some_steps_after_the_signal_then_stops_ended_the_job() -> None:
+    # transformers' JIT checkpoint (`enable_jit_checkpoint=True`, trainer_jit_checkpoint.py): its SIGTERM handler
+    # waits 3 s, then the Trainer saves at the next step boundary and stops. At 0.2 s a step that is 15 steps
+    # after the signal: field trial, tiny GPT-2, SIGTERM to the trainer at step 45, checkpoint-60, last step 61,
+    # exit 0: booked `completed` at step 61 of 120, `ettr run` exited 0 and the scheduler never requeued it.
+    signalled = [(10.5, 0, "SIGTERM")]
+    before = [Event(EventKind.STEP, 10.0, 0, 0, step=45)]
+    after = [Event(EventKind.STEP, 10.6 + 0.2 * i, 0, 0, step=46 + i) for i in range(15)]  # steps 46..60
+    commit = Event(EventKind.CHECKPOINT_COMMIT, 13.7, 0, 0, step=60)
+    last = Event(EventKind.STEP, 13.9, 0, 0, step=61)
+    jit = [*before, *after, commit, last]
+    end = classify(returncode=0, events=jit, signalled=signalled)
+    assert end.outcome is Outcome.PREEMPTED and end.signalled_ts == 10.5
+    assert end.reason.startswith("rank 0 received SIGTERM, not asked of the supervisor")
+    # A handler that saved at once and went on training to the job's end ("save now"): completed, as before.
+    went_on = [*before, Event(EventKind.CHECKPOINT_COMMIT, 10.7, 0, 0, step=45), *after, last]
+    assert classify(returncode=0, events=went_on, signalled=signalled).outcome is Outcome.COMPLETED
+    # A signal the handler did not act on, then the job's regular saves to its end: completed.
+    regular = [*before, *after[:7], Event(EventKind.CHECKPOINT_COMMIT, 11.9, 0, 0, step=52), *after[7:], last]
+    assert classify(returncode=0, events=regular, signalled=signalled).outcome is Outcome.COMPLETED
