@@ -1287,3 +1287,28 @@ def test_a_handler_that_saves_some_steps_after_the_signal_then_stops_ended_the_j
     # A signal the handler did not act on, then the job's regular saves to its end: completed.
     regular = [*before, *after[:7], Event(EventKind.CHECKPOINT_COMMIT, 11.9, 0, 0, step=52), *after[7:], last]
     assert classify(returncode=0, events=regular, signalled=signalled).outcome is Outcome.COMPLETED
+
+
+def test_the_sigterm_torchrun_sends_the_rest_after_a_rank_was_killed_is_no_preemption() -> None:
+    # Field trial: a DDP script with its own SIGTERM handler (save, sys.exit) behind `bash run.sh` -> torchrun;
+    # rank 1 SIGKILLed mid-evaluation. torchrun saw it die and sent SIGTERM to rank 0, whose handler saved and
+    # exited: booked "preempted: rank 0 received SIGTERM, not asked of the supervisor (a scheduler or an
+    # operator)", a restart not counted, the SIGKILL no failure at all.
+    events = [_rank_start(0, 100), _rank_start(1, 101), Event(EventKind.STEP, 10.0, 0, 0, step=75)]
+    summary = ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+               "  exitcode  : -9 (pid: 101)  (SIGKILL)"]  # fmt: skip
+    signalled = [(10.5, 0, "SIGTERM")]
+    end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=summary,
+                   signalled=signalled)  # fmt: skip
+    assert end.outcome is Outcome.FAILED and end.signal == "SIGKILL"
+    assert diagnose(outcome=end.outcome, failure=end.to_data(), trained=True).detail is Detail.PROCESS_LOST
+    # The scheduler signalled every rank; rank 1 had no handler and died of the SIGTERM itself: a preemption.
+    termed = [*summary[:3], "  exitcode  : -15 (pid: 101)  (SIGTERM)"]
+    end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=termed,
+                   signalled=signalled)  # fmt: skip
+    assert end.outcome is Outcome.PREEMPTED
+    # Rank 1 noted the signal too (its handler was slow, the scheduler's SIGKILL came after its grace).
+    both = [*signalled, (10.5, 1, "SIGTERM")]
+    end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=summary,
+                   signalled=both)  # fmt: skip
+    assert end.outcome is Outcome.PREEMPTED

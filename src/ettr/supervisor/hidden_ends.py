@@ -5,6 +5,7 @@ that the script's own handler ended the job on. Pure, for `ettr.supervisor.class
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable, Mapping, Sequence
 
 from ettr.events import Event, EventKind
@@ -52,6 +53,29 @@ def ended_by_signal(
         )
 
     return [(ts, rank, name) for ts, rank, name in signalled if stopped(ts, rank)]
+
+
+OUTSIDE_STOP_SIGNALS = frozenset(
+    {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
+)
+"""The signals a scheduler or an operator sends a job to ask it to stop (or to save first)."""
+
+
+def killed_unsignalled(
+    signalled: Sequence[tuple[float, int, str]], died_of: Mapping[int, int]
+) -> tuple[int, int] | None:
+    """(rank, signal) of a rank that died of a signal no scheduler sends to ask a job to stop (SIGKILL before
+    any grace, SIGSEGV, SIGBUS: `died_of`, rank -> signal, from its launcher's word) and whose handlers noted
+    no signal, where other ranks' handlers did: those signals were its launcher stopping the rest (torchrun
+    SIGTERMs the surviving workers when one dies), not a scheduler's. None where the launcher itself noted one
+    (the signal reached it from outside first)."""
+    noted = {rank for _, rank, _ in signalled}
+    if not noted or LAUNCHER_SIGNAL_RANK in noted:
+        return None
+    return next(
+        ((r, s) for r, s in sorted(died_of.items()) if r not in noted and s not in OUTSIDE_STOP_SIGNALS),
+        None,
+    )
 
 
 def signalled_reason(rank: int, signame: str, how: str) -> str:
