@@ -1312,3 +1312,17 @@ def test_the_sigterm_torchrun_sends_the_rest_after_a_rank_was_killed_is_no_preem
     end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=summary,
                    signalled=both)  # fmt: skip
     assert end.outcome is Outcome.PREEMPTED
+
+
+def test_the_sigterm_ettr_sent_torchrun_after_a_rank_failed_is_no_preemption() -> None:
+    # `bash run.sh` -> torchrun, rank 1 raised; ettr stopped the rest, torchrun among them, which said
+    # `SignalException: Process N got signal: 15` and exited 1 (bash then exits 1, not 143): it read "preempted:
+    # SIGTERM to torchrun ..., not asked of the supervisor", not counted (tests/test_nested_launcher.py, at times).
+    crash = {"exception": "InjectedCrash", "message": "crash@step=6"}
+    events = [_rank_start(0, 100), _rank_start(1, 101), Event(EventKind.FAILURE, 2.0, 0, 1, data=crash)]
+    tail = ["torch.distributed.elastic.multiprocessing.api.SignalException: Process 99 got signal: 15"]
+    end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=tail,
+                   stopped_after_rank_failure=True)  # fmt: skip
+    assert end.outcome is Outcome.FAILED and end.exception == "InjectedCrash"
+    # Without ettr's stop, torchrun's word that it got a SIGTERM is a scheduler's (as before).
+    assert classify(returncode=1, wrapper=True, stderr_tail=tail).outcome is Outcome.PREEMPTED

@@ -276,7 +276,13 @@ def classify(
         # a launcher that ends on ettr's SIGTERM with status 0 (DeepSpeed's, when the signal comes before it
         # saw the rank's death) would otherwise read as completed
         # (the shell's 128 + N, or torch elastic's summary: `accelerate launch` exiting 1 with "exitcode: -15")
-        and (sig in stops or (shell_said and behind in stops) or -root_code in stops or returncode == 0)
+        # (or torchrun's own word that it got ettr's SIGTERM: behind a wrapper that then exits torchrun's 1)
+        and (
+            sig in stops
+            or ((shell_said or agent_said) and behind in stops)
+            or -root_code in stops
+            or returncode == 0
+        )
     )
     if ours:
         # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it
