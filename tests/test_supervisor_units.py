@@ -1265,3 +1265,64 @@ def test_a_rank_sigkilled_under_mp_spawn_is_a_kill_not_the_peers_reset() -> None
     crash = Event(EventKind.FAILURE, 1.0, 0, 1, data={"exception": "ValueError", "message": "bad batch"})
     raised = classify(returncode=1, events=[*events, crash], failed_pids=[[101]], stderr_tail=tail)
     assert raised.signal is None and raised.exception == "ValueError"
+
+
+def test_a_handler_that_saves_some_steps_after_the_signal_then_stops_ended_the_job() -> None:
+    # transformers' JIT checkpoint (`enable_jit_checkpoint=True`, trainer_jit_checkpoint.py): its SIGTERM handler
+    # waits 3 s, then the Trainer saves at the next step boundary and stops. At 0.2 s a step that is 15 steps
+    # after the signal: field trial, tiny GPT-2, SIGTERM to the trainer at step 45, checkpoint-60, last step 61,
+    # exit 0: booked `completed` at step 61 of 120, `ettr run` exited 0 and the scheduler never requeued it.
+    signalled = [(10.5, 0, "SIGTERM")]
+    before = [Event(EventKind.STEP, 10.0, 0, 0, step=45)]
+    after = [Event(EventKind.STEP, 10.6 + 0.2 * i, 0, 0, step=46 + i) for i in range(15)]  # steps 46..60
+    commit = Event(EventKind.CHECKPOINT_COMMIT, 13.7, 0, 0, step=60)
+    last = Event(EventKind.STEP, 13.9, 0, 0, step=61)
+    jit = [*before, *after, commit, last]
+    end = classify(returncode=0, events=jit, signalled=signalled)
+    assert end.outcome is Outcome.PREEMPTED and end.signalled_ts == 10.5
+    assert end.reason.startswith("rank 0 received SIGTERM, not asked of the supervisor")
+    # A handler that saved at once and went on training to the job's end ("save now"): completed, as before.
+    went_on = [*before, Event(EventKind.CHECKPOINT_COMMIT, 10.7, 0, 0, step=45), *after, last]
+    assert classify(returncode=0, events=went_on, signalled=signalled).outcome is Outcome.COMPLETED
+    # A signal the handler did not act on, then the job's regular saves to its end: completed.
+    regular = [*before, *after[:7], Event(EventKind.CHECKPOINT_COMMIT, 11.9, 0, 0, step=52), *after[7:], last]
+    assert classify(returncode=0, events=regular, signalled=signalled).outcome is Outcome.COMPLETED
+
+
+def test_the_sigterm_torchrun_sends_the_rest_after_a_rank_was_killed_is_no_preemption() -> None:
+    # Field trial: a DDP script with its own SIGTERM handler (save, sys.exit) behind `bash run.sh` -> torchrun;
+    # rank 1 SIGKILLed mid-evaluation. torchrun saw it die and sent SIGTERM to rank 0, whose handler saved and
+    # exited: booked "preempted: rank 0 received SIGTERM, not asked of the supervisor (a scheduler or an
+    # operator)", a restart not counted, the SIGKILL no failure at all.
+    events = [_rank_start(0, 100), _rank_start(1, 101), Event(EventKind.STEP, 10.0, 0, 0, step=75)]
+    summary = ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+               "  exitcode  : -9 (pid: 101)  (SIGKILL)"]  # fmt: skip
+    signalled = [(10.5, 0, "SIGTERM")]
+    end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=summary,
+                   signalled=signalled)  # fmt: skip
+    assert end.outcome is Outcome.FAILED and end.signal == "SIGKILL"
+    assert diagnose(outcome=end.outcome, failure=end.to_data(), trained=True).detail is Detail.PROCESS_LOST
+    # The scheduler signalled every rank; rank 1 had no handler and died of the SIGTERM itself: a preemption.
+    termed = [*summary[:3], "  exitcode  : -15 (pid: 101)  (SIGTERM)"]
+    end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=termed,
+                   signalled=signalled)  # fmt: skip
+    assert end.outcome is Outcome.PREEMPTED
+    # Rank 1 noted the signal too (its handler was slow, the scheduler's SIGKILL came after its grace).
+    both = [*signalled, (10.5, 1, "SIGTERM")]
+    end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=summary,
+                   signalled=both)  # fmt: skip
+    assert end.outcome is Outcome.PREEMPTED
+
+
+def test_the_sigterm_ettr_sent_torchrun_after_a_rank_failed_is_no_preemption() -> None:
+    # `bash run.sh` -> torchrun, rank 1 raised; ettr stopped the rest, torchrun among them, which said
+    # `SignalException: Process N got signal: 15` and exited 1 (bash then exits 1, not 143): it read "preempted:
+    # SIGTERM to torchrun ..., not asked of the supervisor", not counted (tests/test_nested_launcher.py, at times).
+    crash = {"exception": "InjectedCrash", "message": "crash@step=6"}
+    events = [_rank_start(0, 100), _rank_start(1, 101), Event(EventKind.FAILURE, 2.0, 0, 1, data=crash)]
+    tail = ["torch.distributed.elastic.multiprocessing.api.SignalException: Process 99 got signal: 15"]
+    end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=tail,
+                   stopped_after_rank_failure=True)  # fmt: skip
+    assert end.outcome is Outcome.FAILED and end.exception == "InjectedCrash"
+    # Without ettr's stop, torchrun's word that it got a SIGTERM is a scheduler's (as before).
+    assert classify(returncode=1, wrapper=True, stderr_tail=tail).outcome is Outcome.PREEMPTED

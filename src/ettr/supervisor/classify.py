@@ -22,7 +22,13 @@ from ettr.supervisor.command_output import (
     wrapped_signal,
 )
 from ettr.supervisor.gone import first_failed_rank, first_rank_gone_at
-from ettr.supervisor.hidden_ends import ended_by_signal, failure_hidden, shell_kills, signalled_reason
+from ettr.supervisor.hidden_ends import (
+    ended_by_signal,
+    failure_hidden,
+    killed_unsignalled,
+    shell_kills,
+    signalled_reason,
+)
 
 _OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
 _OOM_TEXT = ("CUDA out of memory", "Out of memory", "OutOfMemoryError")
@@ -275,7 +281,13 @@ def classify(
         # a launcher that ends on ettr's SIGTERM with status 0 (DeepSpeed's, when the signal comes before it
         # saw the rank's death) would otherwise read as completed
         # (the shell's 128 + N, or torch elastic's summary: `accelerate launch` exiting 1 with "exitcode: -15")
-        and (sig in stops or (shell_said and behind in stops) or -root_code in stops or returncode == 0)
+        # (or torchrun's own word that it got ettr's SIGTERM: behind a wrapper that then exits torchrun's 1)
+        and (
+            sig in stops
+            or ((shell_said or agent_said) and behind in stops)
+            or -root_code in stops
+            or returncode == 0
+        )
     )
     if ours:
         # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it
@@ -311,8 +323,10 @@ def classify(
             what = " (out of memory)" if oom else " (no exception recorded)"
         ended = "the command exited 0 after it" if returncode == 0 else how
         reason = f"{who} failed{what}; ettr stopped the rest ({ended})"
-    elif (signalled := ended_by_signal(signalled, events)) and not (
-        failures and min(e.ts for e in failures) < signalled[0][0]
+    elif (
+        (signalled := ended_by_signal(signalled, events))
+        and not (failures and min(e.ts for e in failures) < signalled[0][0])
+        and killed_unsignalled(signalled, _died_of(stderr_tail)) is None
     ):
         # The job was signalled from outside (not through ettr run) and its own handler ended it: stopped
         # early, whatever its status. A preemption: restarted, not counted, the scheduler told (143).
@@ -382,3 +396,9 @@ def consequence_of_a_peer(end: AttemptEnd) -> bool:
     failure = {**end.to_data(), "process_failure": {"exception": end.exception, "message": end.message}}
     diagnosis = diagnose(outcome=end.outcome, failure=failure, trained=True)  # the message says gloo's reset
     return diagnosis.detail is Detail.COLLECTIVE
+
+
+def _died_of(stderr_tail: Sequence[str]) -> dict[int, int]:
+    """rank -> the signal its launcher says it died of (torchrun's failure summary, `mp.spawn`'s exception)."""
+    died = {rank: -code for rank, code in torchrun_exitcodes(stderr_tail).items() if code < 0}
+    return {**spawn_signals(stderr_tail), **died}

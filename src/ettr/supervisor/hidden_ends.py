@@ -5,6 +5,7 @@ that the script's own handler ended the job on. Pure, for `ettr.supervisor.class
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable, Mapping, Sequence
 
 from ettr.events import Event, EventKind
@@ -12,23 +13,69 @@ from ettr.run_env import LAUNCHER_SIGNAL_RANK
 from ettr.supervisor.command_output import shell_reported_deaths, signal_name
 
 STEPS_AFTER_SIGNAL = 5
-"""A rank that took more steps than this after a signal its handler took went on training: the handler
-saved and carried on (a SIGUSR1 "save now"), or let the job finish; the signal did not end the job."""
+"""A rank that took more steps than this after a signal its handler took (and after the first checkpoint saved
+after it, below) went on training: the handler saved and carried on (a SIGUSR1 "save now"), or let the job
+finish; the signal did not end the job."""
+
+SAVE_AFTER_SIGNAL_S = 120.0
+"""How long after a signal a checkpoint may commit and still be the save that signal asked for (a scheduler's
+grace: Slurm's KillWait 30 s, Kubernetes' 30 s, a cloud's spot notice 30-120 s)."""
 
 
 def ended_by_signal(
     signalled: Sequence[tuple[float, int, str]], events: Iterable[Event]
 ) -> list[tuple[float, int, str]]:
-    """The signals in `signalled` after which their rank stopped training (at most `STEPS_AFTER_SIGNAL`
-    steps)."""
+    """The signals in `signalled` after which their rank stopped training: at most `STEPS_AFTER_SIGNAL`
+    steps after the signal, or after the first checkpoint any rank committed within `SAVE_AFTER_SIGNAL_S` of
+    it. The second is a handler that asks for a save and lets the loop finish the step it is in, or waits:
+    transformers' JIT checkpoint waits 3 s before the Trainer saves at its next step boundary and stops, 15
+    steps of 0.2 s (field trial), and such a job read `completed` at step 61 of 120."""
     if not signalled:
         return []
-    steps = [(e.rank, e.ts) for e in events if e.kind is EventKind.STEP]
-    return [
-        (ts, rank, name)
-        for ts, rank, name in signalled
-        if sum(1 for r, t in steps if r == rank and t > ts) <= STEPS_AFTER_SIGNAL
-    ]
+    steps: list[tuple[int, float]] = []
+    commits: list[float] = []
+    for e in events:
+        if e.kind is EventKind.STEP:
+            steps.append((e.rank, e.ts))
+        elif e.kind is EventKind.CHECKPOINT_COMMIT:
+            commits.append(e.ts)
+    commits.sort()
+
+    def stopped(ts: float, rank: int) -> bool:
+        after = [t for r, t in steps if r == rank and t > ts]
+        if len(after) <= STEPS_AFTER_SIGNAL:
+            return True
+        saved = next((c for c in commits if c > ts), None)  # the save the signal asked for, if any
+        return (
+            saved is not None
+            and saved - ts <= SAVE_AFTER_SIGNAL_S
+            and sum(1 for t in after if t > saved) <= STEPS_AFTER_SIGNAL
+        )
+
+    return [(ts, rank, name) for ts, rank, name in signalled if stopped(ts, rank)]
+
+
+OUTSIDE_STOP_SIGNALS = frozenset(
+    {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
+)
+"""The signals a scheduler or an operator sends a job to ask it to stop (or to save first)."""
+
+
+def killed_unsignalled(
+    signalled: Sequence[tuple[float, int, str]], died_of: Mapping[int, int]
+) -> tuple[int, int] | None:
+    """(rank, signal) of a rank that died of a signal no scheduler sends to ask a job to stop (SIGKILL before
+    any grace, SIGSEGV, SIGBUS: `died_of`, rank -> signal, from its launcher's word) and whose handlers noted
+    no signal, where other ranks' handlers did: those signals were its launcher stopping the rest (torchrun
+    SIGTERMs the surviving workers when one dies), not a scheduler's. None where the launcher itself noted one
+    (the signal reached it from outside first)."""
+    noted = {rank for _, rank, _ in signalled}
+    if not noted or LAUNCHER_SIGNAL_RANK in noted:
+        return None
+    return next(
+        ((r, s) for r, s in sorted(died_of.items()) if r not in noted and s not in OUTSIDE_STOP_SIGNALS),
+        None,
+    )
 
 
 def signalled_reason(rank: int, signame: str, how: str) -> str:
