@@ -13,12 +13,15 @@ from typing import Any
 from ettr.causes import Detail, diagnose
 from ettr.events import Event, EventKind, Outcome, clip_failure_message
 from ettr.supervisor.command_output import (
+    OOM_EXCEPTIONS,
     child_signal,
     exception_line_from_stderr,
+    oom_said,
     signal_name,
     spawn_signals,
     torchrun_exitcodes,
     torchrun_signal,
+    worker_sigkill_said,
     wrapped_signal,
 )
 from ettr.supervisor.gone import first_failed_rank, first_rank_gone_at
@@ -29,10 +32,6 @@ from ettr.supervisor.hidden_ends import (
     shell_kills,
     signalled_reason,
 )
-
-_OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
-_OOM_TEXT = ("CUDA out of memory", "Out of memory", "OutOfMemoryError")
-_WORKER_KILLED = "is killed by signal: Killed"  # torch's words for a DataLoader worker's SIGKILL
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,13 +247,11 @@ def classify(
     tail_text = "\n".join(stderr_tail)
     signalled_ts: float | None = None
     # a rank's DataLoader worker SIGKILLed while the cgroup's OOM-kill counter rose: the kernel's OOM killer
-    # (the rank's RuntimeError is its consequence; it read `process_lost` like any kill -9 of a worker)
-    worker_oom = oom_killed and any(_WORKER_KILLED in t for t in (message or "", tail_text))
+    worker_oom = oom_killed and worker_sigkill_said(message, tail_text)
     oom = (
         (signal.SIGKILL in (sig, behind) and oom_killed)
         or worker_oom
-        or exception in _OOM_EXCEPTIONS
-        or (returncode != 0 and any(t in tail_text for t in _OOM_TEXT))
+        or oom_said(exception, returncode, tail_text)
     )
     if raised_in_place:
         how = "recovered in place (its process lived on)"
@@ -293,11 +290,8 @@ def classify(
         # That signal is not why the attempt failed: the failed rank's own death is, where torchrun said it
         # (a SIGTERM it names is ettr's stop: a rank that raised was still tearing down when it came).
         ended_by = -root_code if root_code < 0 and -root_code != signal.SIGTERM else None
-        oom = (
-            exception in _OOM_EXCEPTIONS
-            or worker_oom
-            or (root is not None and not blamed and oom_killed and ended_by in (None, signal.SIGKILL))
-        )
+        rank_oomed = root is not None and not blamed and oom_killed and ended_by in (None, signal.SIGKILL)
+        oom = exception in OOM_EXCEPTIONS or worker_oom or rank_oomed
     if hung_after_s is not None:
         outcome = Outcome.HUNG
         over = f" (over {hung_bound})" if hung_bound else ""

@@ -132,3 +132,18 @@ def shell_reported_deaths(lines: Sequence[str]) -> dict[int, int]:
         if match := _SHELL_DEATH.search(line):
             found.setdefault(int(match.group(1)), int(_SHELL_DEATH_SIGNALS[match.group(2)]))
     return found
+
+
+OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
+_OOM_TEXT = ("CUDA out of memory", "Out of memory", "OutOfMemoryError")
+_WORKER_KILLED = "is killed by signal: Killed"  # torch's words for a DataLoader worker's SIGKILL
+
+
+def oom_said(exception: str | None, returncode: int, tail_text: str) -> bool:
+    """The process's own words say it ran out of memory: an OOM exception, or stderr's words on a failure."""
+    return exception in OOM_EXCEPTIONS or (returncode != 0 and any(t in tail_text for t in _OOM_TEXT))
+
+
+def worker_sigkill_said(message: str | None, tail_text: str) -> bool:
+    """A rank's words say one of its DataLoader workers was SIGKILLed (`... is killed by signal: Killed.`)."""
+    return any(_WORKER_KILLED in text for text in (message or "", tail_text))
