@@ -9,16 +9,21 @@ import io
 import pickle
 import random
 import zlib
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
+from ettr.checkpoint import snapshot as snapshot_module
 from ettr.checkpoint.base import MANIFEST_NAME, CheckpointError, CheckpointInvalid, step_dir_name
 from ettr.checkpoint.checksums import PIECE_MIN_BYTES, SummingFileSystem, Sums, crc32_combine
 from ettr.checkpoint.commit import commit, find_latest, verify
+from ettr.checkpoint.memory import MemoryCopies
+from ettr.checkpoint.snapshot import Binding, open_snapshot, write
 from ettr.ledger.base import MemoryLedger
+from ettr.run_env import memory_root
 from ettr.testing.memory_storage import MemoryStorage
 from ettr.testing.recorder import SyncRecorder
 
@@ -161,3 +166,73 @@ def test_a_staged_buffer_written_whole_leaves_its_own_crc() -> None:
     assert sums.pieces == {(buffer.data_ptr(), raw.nbytes): zlib.crc32(raw)}
     assert sums.files["f"] == (raw.nbytes + 13, zlib.crc32(b"header" + bytes(raw) + b"trailer"))
     assert pickle.loads(pickle.dumps(sums)).pieces == {}  # addresses never travel to another process
+
+
+# -- the memory copy --------------------------------------------------------------------------------------------
+
+BINDING = Binding(step=3, manifest_sha256="cd" * 32, world_size=1)
+
+
+def test_a_snapshot_sums_only_what_was_not_summed_already(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    big = torch.randn(PIECE_MIN_BYTES // 4)
+    small = torch.ones(3)
+    key = (big.data_ptr(), big.numel() * 4)
+    summed: list[int] = []
+    monkeypatch.setattr(
+        snapshot_module,
+        "zlib",
+        type("Z", (), {"crc32": staticmethod(lambda d, c=0: summed.append(len(d)) or zlib.crc32(d, c))}),
+    )
+    path = tmp_path / "s.snap"
+    write(
+        path,
+        {"big": big, "small": small},
+        binding=BINDING,
+        rank=0,
+        created_ts=1.0,
+        piece_crcs={key: zlib.crc32(memoryview(big.numpy()).cast("B"))},
+    )
+    assert big.numel() * 4 not in summed  # only the small tensor and the header were summed
+    with open_snapshot(path) as snap:
+        loaded = snap.load()  # the payload's CRC-32, summed whole at load, matches
+        assert torch.equal(loaded["big"], big)
+        del loaded
+
+
+def test_a_snapshot_whose_given_crc_is_not_its_bytes_is_refused_at_load(tmp_path: Path) -> None:
+    big = torch.randn(PIECE_MIN_BYTES // 4)
+    path = tmp_path / "s.snap"
+    write(
+        path,
+        {"big": big},
+        binding=BINDING,
+        rank=0,
+        created_ts=1.0,
+        piece_crcs={(big.data_ptr(), big.numel() * 4): 12345},
+    )
+    with open_snapshot(path) as snap, pytest.raises(CheckpointInvalid, match="CRC-32"):
+        snap.load()
+
+
+def test_the_memory_copy_reuses_the_persists_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    summed: list[int] = []
+    monkeypatch.setattr(
+        snapshot_module,
+        "zlib",
+        type("Z", (), {"crc32": staticmethod(lambda d, c=0: summed.append(len(d)) or zlib.crc32(d, c))}),
+    )
+    storage = CountingStorage()
+    hidden = 1024  # 4 MiB weights: staged buffers written whole
+    state = _state(hidden)
+    with _manager(storage, state) as manager:
+        assert manager.save(6, wait=True)
+        assert manager.memory is not None and manager.memory.own_path().is_file()
+    assert hidden * hidden * 4 not in summed
+    copies = MemoryCopies.for_root(memory_root(), storage.url, rank=0)
+    restored = _state(hidden)
+    with _manager(storage, restored) as manager:
+        assert manager.restore() == 6 and manager.restored_from == "memory"
+    assert torch.equal(restored.model[0].weight, state.model[0].weight)
+    copies.remove_all()
