@@ -105,8 +105,8 @@ class CommittingWriter(StorageWriter):
         self.sums = Sums()
         """What this rank's streams summed (`checksums`); set `sums.expect` before the write to have the
         CRC-32 of those staged buffers too."""
-        if hasattr(inner, "fs"):  # DCP's file-system writers; another writer's files are read back
-            inner.fs = SummingFileSystem(inner.fs, self.sums)
+        if hasattr(getattr(inner, "fs", None), "create_stream"):  # DCP's file-system writers; another
+            inner.fs = SummingFileSystem(inner.fs, self.sums)  # writer's files are read back at commit
 
     def _fault(self, point: str) -> None:
         if self.fault_hook is not None:
