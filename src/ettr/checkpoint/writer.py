@@ -105,8 +105,9 @@ class CommittingWriter(StorageWriter):
         self.sums = Sums()
         """What this rank's streams summed (`checksums`); set `sums.expect` before the write to have the
         CRC-32 of those staged buffers too."""
-        if hasattr(getattr(inner, "fs", None), "create_stream"):  # DCP's file-system writers; another
-            inner.fs = SummingFileSystem(inner.fs, self.sums)  # writer's files are read back at commit
+        fs = getattr(inner, "fs", None)
+        if hasattr(fs, "create_stream"):  # DCP's file-system writers; another's files are read back at commit
+            inner.fs = SummingFileSystem(fs, self.sums)  # type: ignore[attr-defined]
 
     def _fault(self, point: str) -> None:
         if self.fault_hook is not None:
