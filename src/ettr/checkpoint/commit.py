@@ -26,12 +26,13 @@ import socket
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ettr.checkpoint.base import (
     MANIFEST_NAME,
+    CheckpointError,
     CheckpointInvalid,
     CheckpointRefused,
     CheckpointStorage,
@@ -240,18 +241,30 @@ def commit(
     fault_hook: Callable[[str], None] | None = None,
     secret: bytes | None = None,
     job_id: str | None = None,
+    sums: Mapping[str, tuple[int, int]] | None = None,
 ) -> Manifest:
     """Make the checkpoint of `step` visible: sum its files, then write its manifest durably, last.
 
-    Call only after every file in `file_names` is complete and durable. Returns the manifest written
-    (naming `job_id` and this root; signed with `secret` when given).
+    Call only after every file in `file_names` is complete and durable. `sums`: (size, CRC-32) of files
+    as they were written (`checksums.Sums`); those are not read back, only their size on storage is
+    checked (CheckpointError where it differs); every other file is read and summed here. Returns the
+    manifest written (naming `job_id` and this root; signed with `secret` when given).
     """
     hook = fault_hook or (lambda point: None)
     name = step_dir_name(step)
     storage.make_durable(name)  # the data files' names and the directory's own entry
+    sums = sums or {}
+    stored = storage.list_dir(name) if sums else {}
     files = {}
     for file_name in sorted(set(file_names)):
-        size, crc = file_crc32(storage, f"{name}/{file_name}")
+        if file_name in sums:
+            size, crc = sums[file_name]
+            if stored.get(file_name) != size:
+                raise CheckpointError(
+                    f"{name}/{file_name} has {stored.get(file_name)} bytes in storage, {size} were written"
+                )
+        else:
+            size, crc = file_crc32(storage, f"{name}/{file_name}")
         files[file_name] = FileEntry(size=size, crc32=crc)
     manifest = Manifest(
         step=step,

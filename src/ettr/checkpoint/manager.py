@@ -108,6 +108,8 @@ class _Inflight:
     done: threading.Event = field(default_factory=threading.Event)
     committed: bool = False
     error: str = ""
+    piece_crcs: dict[tuple[int, int], int] = field(default_factory=dict)
+    """CRC-32s of staged buffers its persist took as it wrote them (thread mode; the memory copy's)."""
 
 
 def _default_recorder() -> RecorderProtocol:
@@ -357,7 +359,7 @@ class CheckpointManager:
                 return False
         end_s = self._clock()
         self.policy.observe_save(cost_s=(end_s - begin_s) + wait_s, now_s=end_s)
-        inflight = _Inflight(step=step, path=path, begin_ts=time.time())
+        inflight = _Inflight(step=step, path=path, begin_ts=time.time(), piece_crcs=writer.sums.pieces)
         self._inflight = inflight
         upload.add_done_callback(lambda future: self._on_persisted(inflight, future))
         _checkpoint_in_progress()
@@ -457,7 +459,7 @@ class CheckpointManager:
                     if removed:
                         logger.info("ettr: retention removed %s", ", ".join(removed))
                 if not late:  # after a late failure the other ranks make no copy: a restore reads storage
-                    self._keep_in_memory(inflight.step)
+                    self._keep_in_memory(inflight.step, inflight.piece_crcs)
             else:
                 described = describe_error(error)
                 inflight.error = described + out_of_space_hint(self.storage, described)
@@ -475,9 +477,9 @@ class CheckpointManager:
         finally:
             inflight.done.set()
 
-    def _keep_in_memory(self, step: int) -> None:
+    def _keep_in_memory(self, step: int, piece_crcs: dict[tuple[int, int], int]) -> None:
         """Write this rank's staged copy of committed `step` to its memory copy (the persist's thread; the
-        next save waits for it). Never raises."""
+        next save waits for it), with the CRC-32s the persist took of the staged buffers. Never raises."""
         staged = self._persister.stager.last_staged
         if self.memory is None:
             return
@@ -488,7 +490,7 @@ class CheckpointManager:
         except (OSError, CheckpointInvalid) as exc:
             logger.warning("ettr: no memory copy of step %d: its manifest cannot be read (%s)", step, exc)
             self.memory.discard(self.memory.own_path())
-        kept = self.memory.keep(staged, binding)
+        kept = self.memory.keep(staged, binding, piece_crcs)
         logger.debug(
             "ettr: memory copy of step %d: %d bytes in %.3f s", step, kept, time.monotonic() - begin_s
         )

@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,10 +130,16 @@ class MemoryCopies:
         return self.directory / f"held-rank-{rank}.snap"
 
     # -- keeping ----------------------------------------------------------------------------------------------
-    def keep(self, state_dict: dict[str, Any] | None, binding: Binding | None) -> int:
+    def keep(
+        self,
+        state_dict: dict[str, Any] | None,
+        binding: Binding | None,
+        piece_crcs: Mapping[tuple[int, int], int] | None = None,
+    ) -> int:
         """Replace this rank's copy with `state_dict` (the staged state of the committed `binding`); returns
         its size, 0 when it was not kept (too large, no room, not representable: the old copy is removed,
-        since a newer step has committed). Never raises for a copy that cannot be kept."""
+        since a newer step has committed). `piece_crcs`: CRC-32s the persist already took of staged
+        tensors (`snapshot.write`). Never raises for a copy that cannot be kept."""
         path = self.own_path()
         if state_dict is None or binding is None:
             self.discard(path)
@@ -154,6 +161,7 @@ class MemoryCopies:
                     binding=binding,
                     rank=self.rank,
                     created_ts=time.time(),
+                    piece_crcs=piece_crcs,
                 ),
             )
         except snapshot.SnapshotUnsupported as exc:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.utils.hooks import RemovableHandle
 
 from ettr.checkpoint.base import PersistMode
+from ettr.checkpoint.checksums import Sums
 from ettr.checkpoint.coordination import Coordinator
 from ettr.checkpoint.priority import lower_priority, lower_this_thread
 from ettr.checkpoint.staging import ReusedStager
@@ -122,9 +123,13 @@ class AsyncPersister:
             save_process.join(timeout=30)
 
     def _persist(self, staged: dict[str, Any] | Future[dict[str, Any]], writer: StorageWriter) -> Any:
-        """The background persist of thread mode: DCP writes the staged copy; the writer commits."""
+        """The background persist of thread mode: DCP writes the staged copy; the writer commits. The
+        writer's streams also sum each staged buffer they write whole (the memory copy reuses those)."""
         if isinstance(staged, Future):
             staged = staged.result()
+        sums = getattr(writer, "sums", None)
+        if isinstance(sums, Sums):
+            sums.expect = self.stager.buffer_keys()
         coord = self._coordinator
         return dcp.save(
             staged, storage_writer=writer, process_group=coord.process_group, no_dist=not coord.distributed

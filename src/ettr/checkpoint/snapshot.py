@@ -28,6 +28,7 @@ import mmap
 import os
 import struct
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from ettr.checkpoint.base import CheckpointInvalid
+from ettr.checkpoint.checksums import crc32_combine
 
 MAGIC = b"ETTRSNP1"
 FORMAT = "ettr.snapshot/1"
@@ -188,6 +190,13 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
+def _key(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of a contiguous tensor's data, as `checksums.Sums.pieces` names it."""
+    if not tensor.is_contiguous() or tensor.numel() == 0:
+        return None
+    return (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
 def _align(offset: int) -> int:
     return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -213,9 +222,13 @@ def write(
     binding: Binding,
     rank: int,
     created_ts: float,
+    piece_crcs: Mapping[tuple[int, int], int] | None = None,
 ) -> int:
     """Write a snapshot of `state_dict` to `path` (a new file: created exclusively, never through a
-    symlink); returns its size. The caller renames it into place. Raises SnapshotUnsupported, OSError."""
+    symlink); returns its size. The caller renames it into place. `piece_crcs`: the CRC-32 of tensors
+    already summed, by (address, bytes) (`checksums.Sums.pieces`: the persist summed the staged buffers
+    as it wrote them); those are not summed again (one that no longer matches the bytes makes the
+    snapshot fail its check at load, never pass). Raises SnapshotUnsupported, OSError."""
     layout = _Layout()
     tree = layout.encode(state_dict)
     pieces: list[memoryview] = [_as_bytes(t) for t in layout.tensors] + [memoryview(b) for b in layout.blobs]
@@ -230,8 +243,13 @@ def write(
     blobs_meta = [{"at": entries[len(layout.tensors) + i]} for i in range(len(layout.blobs))]
     payload_bytes = offset
     crc = 0
-    for piece in pieces:
-        crc = zlib.crc32(piece, crc)
+    known = piece_crcs or {}
+    keys = [_key(t) for t in layout.tensors] + [None] * len(layout.blobs)
+    for piece, key in zip(pieces, keys, strict=True):
+        if key is not None and key in known:
+            crc = crc32_combine(crc, known[key], piece.nbytes)  # summed as the persist wrote it
+        else:
+            crc = zlib.crc32(piece, crc)
     body = {
         "format": FORMAT,
         "step": binding.step,

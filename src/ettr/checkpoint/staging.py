@@ -67,6 +67,14 @@ class ReusedStager(AsyncStager):
         """Bytes held in staging buffers (the plain-tensor part)."""
         return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
 
+    def buffer_keys(self) -> frozenset[tuple[int, int]]:
+        """(address, bytes) of every staging buffer (what `checksums.Sums.expect` takes)."""
+        return frozenset(
+            (buffer.data_ptr(), buffer.numel() * buffer.element_size())
+            for buffer in self._buffers.values()
+            if buffer.numel()
+        )
+
     def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any] | Future[dict[str, Any]]:
         """A copy of `state_dict` whose tensors live in the reused buffers.
 

@@ -4,7 +4,10 @@
 `FileSystemWriter` for a local directory, its `FsspecWriter` for an object store) and delegates every call
 to it, with one addition: `finish` — which DCP calls on the coordinator rank once every rank's `write_data`
 has returned, i.e. once every data file is written and durable — goes on to `commit.commit`: checksums of
-every file and the manifest, written last. So the commit happens wherever the persist runs (a thread, or
+every file and the manifest, written last. The checksums are taken as the files are written
+(`checksums.SummingFileSystem` around the DCP writer's file system): each rank's write results carry its
+files' (size, CRC-32) to the coordinator (`_Summed`, unwrapped before DCP's `.metadata` is written), so
+the commit reads no data file back. So the commit happens wherever the persist runs (a thread, or
 DCP's checkpoint process), and a save's upload future completes only after the manifest rename is durable.
 
 In the process mode the persist outlives nothing: a persist process whose trainer died stops before it
@@ -13,18 +16,20 @@ commits (its parent pid changes), and a watchdog thread ends it soon after.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import _metadata_fn
+from torch.distributed.checkpoint.filesystem import _metadata_fn, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ettr.checkpoint.base import CheckpointError, CheckpointStorage, FaultHook, step_dir_name
+from ettr.checkpoint.checksums import SummingFileSystem, Sums
 from ettr.checkpoint.commit import commit
 
 FAULT_POINTS = ("data_written", "metadata_written", "manifest_begin", "manifest_partial", "manifest_renamed")
@@ -51,6 +56,18 @@ def _start_orphan_watchdog(owner_pid: int) -> None:
         threading.Thread(
             target=_exit_when_orphaned, args=(owner_pid,), name="ettr-orphan-watch", daemon=True
         ).start()
+
+
+@dataclasses.dataclass
+class _Summed(_StorageInfo):
+    """DCP's storage info of one written item, with its file's (size, CRC-32) as written: how a rank's sums
+    reach the coordinator (in DCP's gather of write results). Never written: `finish` unwraps it."""
+
+    file_size: int = -1
+    file_crc32: int = -1
+
+    def plain(self) -> _StorageInfo:
+        return _StorageInfo(**{f.name: getattr(self, f.name) for f in dataclasses.fields(_StorageInfo)})
 
 
 class CommittingWriter(StorageWriter):
@@ -85,6 +102,12 @@ class CommittingWriter(StorageWriter):
         self.world_size = world_size
         self.fault_hook = fault_hook
         self.owner_pid = os.getpid()
+        self.sums = Sums()
+        """What this rank's streams summed (`checksums`); set `sums.expect` before the write to have the
+        CRC-32 of those staged buffers too."""
+        fs = getattr(inner, "fs", None)
+        if hasattr(fs, "create_stream"):  # DCP's file-system writers; another's files are read back at commit
+            inner.fs = SummingFileSystem(fs, self.sums)  # type: ignore[attr-defined]
 
     def _fault(self, point: str) -> None:
         if self.fault_hook is not None:
@@ -119,14 +142,37 @@ class CommittingWriter(StorageWriter):
         future = self.inner.write_data(plan, planner)
         future.wait()  # DCP's file writers complete synchronously; this keeps the hook after the data
         self._fault("data_written")
-        return future
+        summed: Future[list[WriteResult]] = Future()
+        summed.set_result([self._with_sum(result) for result in future.value()])
+        return summed
+
+    def _with_sum(self, result: WriteResult) -> WriteResult:
+        info = result.storage_data
+        if type(info) is not _StorageInfo or info.relative_path not in self.sums.files:
+            return result
+        size, crc = self.sums.files[info.relative_path]
+        fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(_StorageInfo)}
+        return dataclasses.replace(result, storage_data=_Summed(**fields, file_size=size, file_crc32=crc))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self._check_owner()
-        self.inner.finish(metadata, results)
-        self._fault("metadata_written")
-        names = {_metadata_fn}
+        sums: dict[str, tuple[int, int]] = {}
+        plain_results = []
         for rank_results in results:
+            plain = []
+            for result in rank_results:
+                info = result.storage_data
+                if isinstance(info, _Summed):
+                    sums[info.relative_path] = (info.file_size, info.file_crc32)
+                    result = dataclasses.replace(result, storage_data=info.plain())
+                plain.append(result)
+            plain_results.append(plain)
+        self.inner.finish(metadata, plain_results)
+        self._fault("metadata_written")
+        if _metadata_fn in self.sums.files:
+            sums[_metadata_fn] = self.sums.files[_metadata_fn]
+        names = {_metadata_fn}
+        for rank_results in plain_results:
             for result in rank_results:
                 names.add(result.storage_data.relative_path)
         commit(
@@ -137,6 +183,7 @@ class CommittingWriter(StorageWriter):
             fault_hook=self._commit_point,
             secret=self.secret,
             job_id=self.job_id,
+            sums=sums,
         )
 
     def _commit_point(self, point: str) -> None:
