@@ -141,9 +141,11 @@ class TrainState:
         rank: int | None = None,
         capture_rng_states: bool = True,
     ) -> None:
-        for what, obj in (("lr_scheduler", lr_scheduler), ("data", data), *(
-            (f"extra[{name!r}]", v) for name, v in (extra or {}).items()
-        )):
+        for what, obj in (
+            ("lr_scheduler", lr_scheduler),
+            ("data", data),
+            *((f"extra[{name!r}]", v) for name, v in (extra or {}).items()),
+        ):
             _require_stateful(what, obj)
         self.model = model
         self.optimizer = optimizer
