@@ -216,8 +216,14 @@ def test_a_stale_copy_is_never_used(tmp_path: Path, reference: dict) -> None:
     _copies(root).own_path().unlink()
     _train_until_crash(root, 12)  # commits 5 and 10 again
     shutil.copy(old, _copies(root).own_path())  # ... but the copy is still step 5's
-    step, digest, source, _ = _restore(root)
+    step, digest, source, recorder = _restore(root)
     assert (step, source, digest) == (10, "storage", reference[10])
+    # ... and the books say why storage was read on a node that kept its copy (they said nothing)
+    (restore,) = [e for e in recorder.events() if e.kind is EventKind.PHASE_END and e.phase is Phase.RESTORE]
+    assert restore.data["source"] == "storage"
+    assert restore.data["memory_not_used"] == (
+        "rank 0: memory copy not used: it holds step 5, the newest commit is step 10 (stale)"
+    )
 
 
 def test_a_copy_of_another_commit_of_the_same_step_is_not_used(tmp_path: Path, reference: dict) -> None:

@@ -129,3 +129,17 @@ def test_extra_statefuls_and_no_scheduler(tmp_path):
         assert manager.restore() == 1
     assert torch.equal(other.n, torch.full((3,), 5.0)) and other.label == "saved"
     assert torch.equal(other_model.weight, model.weight)
+
+
+def test_a_part_that_cannot_be_saved_is_refused_at_construction():
+    """torch's DistributedSampler (no state_dict) was accepted as `data`, then every save failed at run time
+    ("could not start (AttributeError ...)") while training went on: a restart resumed from nothing."""
+    from torch.utils.data import DistributedSampler
+
+    model = torch.nn.Linear(2, 1)
+    sampler = DistributedSampler(range(8), num_replicas=1, rank=0)
+    with pytest.raises(TypeError, match="DistributedSampler has no state_dict.*ResumableSampler"):
+        TrainState(model=model, data=sampler)
+    with pytest.raises(TypeError, match=r"extra\['counter'\]"):
+        TrainState(model=model, extra={"counter": object()})
+    TrainState(model=model, data=ResumableSampler(8, seed=0, rank=0, world_size=1))  # accepted

@@ -91,6 +91,27 @@ def test_under_the_agent_a_generation_is_the_attempt_it_books(tmp_path: Path) ->
     assert generations.next_attempt() is None
 
 
+def test_the_benchmark_job_outwaits_its_own_fault() -> None:
+    """`benchmarks/recovery.py`'s fault waits up to `--fail-wait-max-s` (120 s) for the standbys while the peer
+    sits in an all-reduce: the job's process group gave up at a fixed 60 s, so on a loaded machine the ettr
+    launchers' trials failed with a gloo timeout before the fault and measured nothing."""
+    from ettr.testing.resilient_job import collective_timeout_s
+
+    def args(*argv: str) -> Any:
+        import argparse
+
+        ns = argparse.Namespace(fail_after_s=0.0, fail_when=None, fail_wait_max_s=120.0)
+        for a in argv:
+            key, value = a.split("=")
+            setattr(ns, key, float(value) if key != "fail_when" else value)
+        return ns
+
+    waits = args("fail_after_s=15", "fail_when=/tmp/x", "fail_wait_max_s=120")
+    assert collective_timeout_s(waits) > 15 + 120
+    assert collective_timeout_s(args("fail_after_s=15")) > 15
+    assert collective_timeout_s(args()) >= 60  # no wait: the timeout it had
+
+
 def test_a_generation_forms_only_with_every_rank_and_leaves_for_a_newer_one() -> None:
     store = dist.HashStore()
     with pytest.raises(RendezvousTimeout, match="1 of 2"):

@@ -321,6 +321,32 @@ def test_each_recovery_says_where_its_ranks_restored_from():
     assert row.split()[-1] == "?"
 
 
+def test_a_recovery_that_read_storage_beside_its_memory_copies_says_why():
+    """A restart on a node that survived read storage (a rank's copy was stale: killed between a commit and
+    its copy); the books said `storage` and nothing else, as for a job without memory copies."""
+    from ettr.report.ttr_parts import text_lines
+
+    own = "rank 1: memory copy not used: it holds step 325, the newest commit is step 350 (stale)"
+
+    def restored(rank: int, why: str) -> Event:
+        data = {"source": "storage", "memory_not_used": why}
+        return Event(EventKind.PHASE_END, 12.9, 1, rank, phase=Phase.RESTORE, value=12.8, data=data)
+
+    report = compute(
+        job() + [restored(0, "another rank had no usable copy of step 350"), restored(1, own)], now=30.0
+    )
+    assert report.ttr_parts[0].restored_why == own
+    assert report_json.to_dict(report)["ttr_parts"][0]["restored_why"] == own
+    assert f"  restore 0->1: storage, not memory ({own})" in text_lines(report)
+    assert own in render_html([report])
+    plain = compute(
+        job() + [Event(EventKind.PHASE_END, 12.9, 1, 0, phase=Phase.RESTORE, data={"source": "memory"})],
+        now=30.0,
+    )
+    assert plain.ttr_parts[0].restored_why is None
+    assert not [line for line in text_lines(plain) if line.startswith("  restore 0->1:")]
+
+
 def test_the_fleet_counts_recoveries_by_kind():
     from ettr.constants import RECOVERY_MARK
     from ettr.fleet.aggregate import totals

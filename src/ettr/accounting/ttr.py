@@ -155,6 +155,10 @@ class RecoveryParts:
     """Where the ranks of the recovered attempt restored their checkpoint from: the sources their RESTORE
     phases recorded (`memory`, `peer`, `storage`), joined with `+` where ranks differed; None when no rank
     recorded one (no restore through ettr's checkpoint manager)."""
+    restored_why: str | None = None
+    """Why ranks that keep memory copies read storage (their RESTORE phases' `memory_not_used`: a rank's own
+    reason first, `; `-joined), e.g. `rank 1: memory copy not used: it holds step 325, the newest commit is
+    step 350 (stale)`; None when memory was used or not kept."""
 
     @property
     def total_s(self) -> float:
@@ -189,6 +193,8 @@ class AttemptMilestones:
     """The `kind` of the supervisor's `recovery` MARK of this attempt (`in_place`), if recorded."""
     restored_from: str | None = None
     """The sources the ranks' RESTORE phases recorded (`RecoveryParts.restored_from`)."""
+    restored_why: str | None = None
+    """Why memory copies were not used (`RecoveryParts.restored_why`)."""
 
 
 def rank_failure_times(rank_events: Mapping[int, Sequence[Event]]) -> list[float]:
@@ -249,6 +255,7 @@ def milestones(
         relaunch=_first_mark_data(supervisor, RELAUNCH_MARK),
         recovery=_text((_first_mark_data(supervisor, RECOVERY_MARK) or {}).get("kind")),
         restored_from=_restore_sources(rank_events),
+        restored_why=_memory_not_used(rank_events),
     )
 
 
@@ -265,6 +272,23 @@ def _restore_sources(rank_events: Mapping[int, Sequence[Event]]) -> str | None:
         and isinstance(e.data.get("source"), str)
     }
     return "+".join(sorted(str(v)[:40] for v in found)) or None
+
+
+def _memory_not_used(rank_events: Mapping[int, Sequence[Event]]) -> str | None:
+    """The ranks' reasons for reading storage instead of their memory copies (`memory_not_used` of their
+    completed RESTOREs): a rank's own reason (`rank R: ...`) before the others' `another rank ...`."""
+    found = {
+        str(e.data["memory_not_used"])[:300]
+        for r, evs in rank_events.items()
+        if r >= 0
+        for e in evs
+        if e.kind == EventKind.PHASE_END
+        and e.phase == Phase.RESTORE
+        and isinstance(e.data, Mapping)
+        and e.data.get("memory_not_used")
+    }
+    own = sorted(w for w in found if w.startswith("rank "))
+    return "; ".join(own or sorted(found)) or None
 
 
 def _first_mark(events: Iterable[Event], name: str) -> float | None:
@@ -353,6 +377,7 @@ def recovery_parts(
         relaunch_why=_text((recovered.relaunch or {}).get("why")),
         kind=recovery_kind(failed, recovered, requeued=requeued),
         restored_from=recovered.restored_from,
+        restored_why=recovered.restored_why,
     )
 
 

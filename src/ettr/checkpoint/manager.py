@@ -209,6 +209,9 @@ class CheckpointManager:
         self._closed = False
         self._finished = False
         self._memory_source = "memory"
+        self._memory_not_used: str | None = None
+        """Why the last restore read storage although this rank keeps memory copies (its RESTORE phase's
+        `memory_not_used`); None when memory was not tried or no commit exists."""
         self.memory = _memory_copies(config, self.rank, self.storage.url, self._rec.run_dir)
         """This rank's memory copies of the checkpoints (None: `memory_copy=False`, or no shared memory)."""
         self._peers = (
@@ -579,6 +582,7 @@ class CheckpointManager:
         """
         self.wait()
         scanning_begin = time.time()
+        self._memory_not_used = None
         if self.memory is not None:
             from_memory = self._restore_from_memory(step)
             if from_memory is not None:
@@ -648,8 +652,12 @@ class CheckpointManager:
                 found, source = Found(snapshot=received), "peer"
         if self._coord.agree(found.snapshot is None)[0]:
             if found.snapshot is None:
-                logger.info("ettr: rank %d: %s; restoring from storage", self.rank, found.reason)
+                # Said, and booked: a restart on a surviving node that reads storage is slower than it
+                # should be, and the books must tell a stale or missing copy from a broken restore.
+                self._memory_not_used = f"rank {self.rank}: {found.reason}"
+                logger.warning("ettr: rank %d: %s; restoring from storage", self.rank, found.reason)
             else:
+                self._memory_not_used = f"another rank had no usable copy of step {binding.step}"
                 found.snapshot.close()
             return None
         assert found.snapshot is not None
@@ -670,6 +678,7 @@ class CheckpointManager:
             finally:
                 found.snapshot.close()
         if self._coord.agree(bool(error))[0]:
+            self._memory_not_used = f"restore from memory failed: {error or 'on another rank'}"
             logger.warning(
                 "ettr: restore from memory failed (%s); restoring from storage", error or "on another rank"
             )
@@ -708,7 +717,8 @@ class CheckpointManager:
                 raise CheckpointInvalid(f"the manifest of {name} changed after it was chosen")
 
         try:
-            with self._rec.phase(Phase.RESTORE, step=chosen, source="storage"):
+            why = {"memory_not_used": self._memory_not_used[:300]} if self._memory_not_used else {}
+            with self._rec.phase(Phase.RESTORE, step=chosen, source="storage", **why):
                 with lease(self.storage, name) if self.rank == 0 else contextlib.nullcontext():
                     manifest = retry_transient(
                         lambda: verify(self.storage, name, checksums=False, admit=admitted),

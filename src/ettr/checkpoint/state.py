@@ -96,6 +96,26 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _require_stateful(what: str, obj: Any) -> None:
+    """Refuse, at construction, a part that cannot be saved or restored: otherwise every save fails at run
+    time (`checkpoint ... could not start (AttributeError ...)`) while training goes on, and a restart
+    resumes from nothing. torch's `DistributedSampler`, the usual one in DDP scripts, is such a part."""
+    if obj is None:
+        return
+    missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
+    if missing:
+        hint = (
+            "; for a sampler use ettr.checkpoint.ResumableSampler(len(dataset), seed=..., rank=..., "
+            "world_size=...) (its position is saved), or torchdata's StatefulDataLoader"
+            if what == "data"
+            else ""
+        )
+        raise TypeError(
+            f"TrainState({what}=...): {type(obj).__name__} has no {' or '.join(missing)}, so it cannot be "
+            f"checkpointed{hint}"
+        )
+
+
 class TrainState:
     """Everything a training job needs to continue exactly where it was.
 
@@ -121,6 +141,12 @@ class TrainState:
         rank: int | None = None,
         capture_rng_states: bool = True,
     ) -> None:
+        for what, obj in (
+            ("lr_scheduler", lr_scheduler),
+            ("data", data),
+            *((f"extra[{name!r}]", v) for name, v in (extra or {}).items()),
+        ):
+            _require_stateful(what, obj)
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler

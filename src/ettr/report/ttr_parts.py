@@ -44,8 +44,9 @@ def total_measures(parts: RecoveryParts) -> str:
 def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
     """`{failed_attempt, recovered_attempt, start_ts, first_step_ts, total_s, total_measures, headline_s,
     headline_start_ts, training_start_ts, headline_measures, parts_s, relaunch_path, relaunch_why, kind,
-    restored_from}` (parts in order; `kind`: how the failure was recovered, `RECOVERY_KINDS`; null for the
-    start; `restored_from`: memory | peer | storage, `+`-joined where ranks differed, null when unknown). `headline_s` is the
+    restored_from, restored_why}` (parts in order; `kind`: how the failure was recovered, `RECOVERY_KINDS`; null for the
+    start; `restored_from`: memory | peer | storage, `+`-joined where ranks differed, null when unknown; `restored_why`: why ranks that keep memory copies read storage, null
+    when they did not). `headline_s` is the
     report's TTR (or TTS) for this recovery: the parts from backoff (or before_launch) through other_init."""
     if parts is None:
         return None
@@ -65,6 +66,7 @@ def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
         "relaunch_why": parts.relaunch_why,
         "kind": parts.kind,
         "restored_from": parts.restored_from,
+        "restored_why": parts.restored_why,
     }
 
 
@@ -135,6 +137,11 @@ def text_lines(report: EttReport) -> list[str]:
         for p in report.ttr_parts
         if p.relaunch_path and p.relaunch_why
     ]
+    lines += [
+        f"  restore {p.failed_attempt}->{p.recovered_attempt}: {p.restored_from or '?'}, not memory ({p.restored_why})"
+        for p in report.ttr_parts
+        if p.restored_why
+    ]
     return lines
 
 
@@ -147,14 +154,15 @@ def html_table(reports: Sequence[EttReport], names: Sequence[str]) -> str:
         titles, rows = _rows(report)
         head = "".join(f"<th>{esc(t)}</th>" for t in titles)
         columns = ([report.tts_parts] if report.tts_parts else []) + list(report.ttr_parts)
-        whys = [c.relaunch_why or "" for c in columns]
+        whys = {
+            RELAUNCH_PATH_ROW: [c.relaunch_why or "" for c in columns],
+            RESTORED_FROM_ROW: [c.restored_why or "" for c in columns],
+        }
         body = "".join(
             f"<tr><td>{esc(n)}</td>"
             + "".join(
-                f'<td title="{esc(why)}">{esc(_cell(v))}</td>'
-                if n == RELAUNCH_PATH_ROW and why
-                else f"<td>{esc(_cell(v))}</td>"
-                for v, why in zip(vals, whys, strict=True)
+                f'<td title="{esc(why)}">{esc(_cell(v))}</td>' if why else f"<td>{esc(_cell(v))}</td>"
+                for v, why in zip(vals, whys.get(n, [""] * len(vals)), strict=True)
             )
             + "</tr>"
             for n, vals in rows

@@ -69,6 +69,15 @@ def _fire(args: argparse.Namespace, rank: int, step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def collective_timeout_s(args: argparse.Namespace) -> float:
+    """The process group's collective timeout: 60 s beyond the longest the fault may wait before it fires.
+    The other ranks sit in the next step's all-reduce meanwhile: with a fixed 60 s, a wait for the standbys
+    longer than that (`--fail-wait-max-s` 120 on a loaded machine) ended the job with a gloo timeout on the
+    peer, not the fault, and `benchmarks/recovery.py` measured nothing."""
+    waits = args.fail_after_s + (args.fail_wait_max_s if args.fail_when is not None else 0.0)
+    return 60.0 + max(waits, 0.0)
+
+
 def digest(model: torch.nn.Module) -> str:
     crc = 0
     for tensor in model.state_dict().values():
@@ -168,12 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         import ettr
         from ettr.inplace import InPlaceConfig
 
-        config = InPlaceConfig(rendezvous_timeout_s=args.rendezvous_timeout_s)
+        config = InPlaceConfig(
+            rendezvous_timeout_s=args.rendezvous_timeout_s,
+            collective_timeout_s=max(InPlaceConfig.collective_timeout_s, collective_timeout_s(args)),
+        )
         result = ettr.resilient(lambda gen: train(gen.rank, gen.world_size, args, gen.index), config=config)()
     else:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout_s(args)))
         try:
             result = train(rank, world_size, args)
         finally:
