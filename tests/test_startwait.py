@@ -4,6 +4,7 @@ checked in test_supervisor_e2e.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -145,3 +146,25 @@ def test_unbooted_python_finds_a_python_child_whose_pythonpath_was_replaced(tmp_
         assert unbooted_python(run_dir, 1) is not None
     finally:
         replaced.communicate(b"")
+
+
+def test_a_long_start_names_the_phases_its_ranks_are_in(tmp_path: Path) -> None:
+    # nanoGPT's first torch.compile took 379 s at load 40; every line said `cold start: interpreter, imports,
+    # model build, restore`. The ranks' pulses say they compile.
+    from ettr.run_env import heartbeat_path
+
+    for rank, phases in ((0, ["compile"]), (1, ["compile", "other"])):
+        path = heartbeat_path(tmp_path, 0, rank, pid=100 + rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pulse = path.with_name(path.name + ".pulse")
+        doc = {"v": 1, "steps": 0, "step_s": None, "intervals": 0, "phases": phases}
+        pulse.write_text(json.dumps(doc))
+    wait = StartupWait(0, 0.0, path="cold", run_dir=tmp_path, unbooted=lambda: None)
+    said = _lines(wait, [1.0, 10.0])
+    assert said[0][1] == (
+        "attempt 0: waiting for its first training step (cold start: interpreter, imports, model build, restore)"
+    )
+    assert said[1][1] == (
+        "attempt 0: still no training step after 10 s (cold start: interpreter, imports, model build, restore; "
+        "now: compile on ranks 0, 1; other on rank 1)"
+    )

@@ -1326,3 +1326,69 @@ def test_the_sigterm_ettr_sent_torchrun_after_a_rank_failed_is_no_preemption() -
     assert end.outcome is Outcome.FAILED and end.exception == "InjectedCrash"
     # Without ettr's stop, torchrun's word that it got a SIGTERM is a scheduler's (as before).
     assert classify(returncode=1, wrapper=True, stderr_tail=tail).outcome is Outcome.PREEMPTED
+
+
+def _site_then_deep(release: threading.Event, parked: threading.Event, depth: int) -> None:
+    _descend(release, parked, depth)
+
+
+def _descend(release: threading.Event, parked: threading.Event, depth: int) -> None:
+    if depth > 0:
+        _descend(release, parked, depth - 1)
+        return
+    parked.set()
+    release.wait()
+
+
+def test_a_wait_site_far_below_the_top_of_the_stack_still_opens_its_phase(tmp_path: Path) -> None:
+    # Dynamo's `_compile` sat up to 121 frames below the top during an inductor compile: the sampler looked
+    # at 64 and never saw it.
+    progress = Progress()
+    progress.add_wait_site(_site_then_deep.__code__, Phase.COMPILE.value)
+    release, parked = threading.Event(), threading.Event()
+    thread = threading.Thread(target=_site_then_deep, args=(release, parked, 150), daemon=True)
+    thread.start()
+    parked.wait()
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    beat.sample()
+    beat.pulse()
+    assert read_pulses(tmp_path, 0)[0].phases == {"compile"}
+    release.set()
+    thread.join()
+
+
+def test_a_training_thread_inside_a_torch_compile_pulses_a_compile(tmp_path: Path) -> None:
+    # nanoGPT with compile=True: 379 s of compilation at load 40 before its first step, booked as `compile`
+    # only once it returned; meanwhile its pulse said nothing (the console: `cold start: interpreter, imports,
+    # model build, restore`; after training began, the step bound applied to a recompile). The backend here
+    # runs inside Dynamo's frame compilation, as inductor does, and waits there.
+    torch = pytest.importorskip("torch")
+
+    from ettr.bootstrap.long_calls import watch_long_calls
+    from ettr.post_import import when_imported
+
+    progress = Progress()
+    watch_long_calls(progress, when_imported)
+    release, parked = threading.Event(), threading.Event()
+
+    def backend(gm: object, example_inputs: object) -> object:
+        parked.set()
+        release.wait()
+        return gm.forward  # type: ignore[attr-defined]
+
+    compiled = torch.compile(lambda x: x * 2 + 1, backend=backend)
+    got: list[object] = []
+    thread = threading.Thread(target=lambda: got.append(compiled(torch.ones(3))), daemon=True)
+    thread.start()
+    assert parked.wait(600)
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    beat.sample()
+    beat.pulse()
+    assert "compile" in read_pulses(tmp_path, 0)[0].phases
+    release.set()
+    thread.join()
+    assert got and got[0].tolist() == [3.0, 3.0, 3.0]  # type: ignore[attr-defined]

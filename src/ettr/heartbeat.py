@@ -52,8 +52,9 @@ _PULSE_VERSION = 1
 _PULSE_MAX_BYTES = 4096
 _INTERVALS_KEPT = 32
 """Step intervals a pulse's median is taken over (recent: after a warm-up or a slowdown it follows the job)."""
-_WAIT_SITE_DEPTH = 64
-"""Frames of the training thread's stack looked at for a wait site (`Progress.add_wait_site`)."""
+_WAIT_SITE_DEPTH = 256
+"""Frames of the training thread's stack looked at for a wait site (`Progress.add_wait_site`): Dynamo's
+`_compile` was measured up to 121 frames below the top during an inductor compile (64 missed it)."""
 _BACKGROUND_PHASES = frozenset({"checkpoint_persist"})
 """Phases that run beside training (an overlapped persist): the training thread is not waiting on them."""
 

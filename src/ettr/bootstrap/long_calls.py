@@ -32,10 +32,16 @@ LONG_CALLS: tuple[tuple[str, tuple[str, ...], Phase], ...] = (
     ("torch.distributed.checkpoint", ("save", "async_save", "save_state_dict"), Phase.CHECKPOINT_BLOCKING),
     ("torch.distributed.checkpoint", ("load", "load_state_dict"), Phase.RESTORE),
     ("subprocess", ("Popen.wait", "Popen.communicate"), Phase.OTHER),
+    ("torch._dynamo.convert_frame", ("_compile",), Phase.COMPILE),
 )
 """(module, its functions (a dotted name: a class's), the phase the training thread is in while it runs one).
 A child process the script waits for (`subprocess.run([... "s3", "cp", ...])` after a save) is not
-instrumented (a child of a rank is left alone), so the rank's wait for it is `other`, not a silence."""
+instrumented (a child of a rank is left alone), so the rank's wait for it is `other`, not a silence.
+Dynamo's `_compile` (one frame's compilation, inductor's included: minutes on a busy node) is recorded as a
+`compile` span only once it returned; while it runs, its pulse says `compile` (the compile bound applies, and
+the console's start-up lines name it: nanoGPT's first compile took 379 s at load 40 and the console said
+`cold start: interpreter, imports, model build, restore` throughout). Its frame sits up to ~120 frames below
+the top of the stack (`heartbeat._WAIT_SITE_DEPTH`)."""
 
 _UNWRAP_DEPTH = 8
 

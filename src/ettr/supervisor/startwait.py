@@ -12,6 +12,10 @@ ranks without ettr's bootstrap: no steps, no heartbeats, no hang detection. The 
 training step after 60 s (cold start: ...)` about a job that had trained 80 steps and hung, for ever. So once
 an attempt has run `UNBOOTED_AFTER_S` with no heartbeat at all, the line names a Python process of the
 attempt whose PYTHONPATH lacks the bootstrap (`unbooted_python`), once.
+
+The later lines also name the phases the ranks' pulses say are open now (`open_phases`): nanoGPT's first
+`torch.compile` took 379 s at load 40 and every line said `cold start: interpreter, imports, model build,
+restore`; now they end `; now: compile on ranks 0, 1`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 from collections.abc import Callable
 
 from ettr.bootstrap import pythonpath_dir
+from ettr.heartbeat import read_pulses
 from ettr.procs import descendants, environ_of
 from ettr.run_env import RUN_DIR_ENV, heartbeat_dir
 
@@ -71,6 +76,21 @@ def unbooted_python(run_dir: str | os.PathLike[str], attempt: int, *, root: int 
     return None
 
 
+def open_phases(run_dir: str | os.PathLike[str], attempt: int) -> str | None:
+    """The phases open now in `attempt`'s pulses, with their ranks (`compile on ranks 0, 1; restore on rank
+    1`), None when none is."""
+    ranks: dict[str, set[int]] = {}
+    for pulse in read_pulses(run_dir, attempt):
+        for phase in pulse.phases:
+            ranks.setdefault(phase, set()).add(pulse.rank)
+    if not ranks:
+        return None
+    return "; ".join(
+        f"{phase} on rank{'s' if len(on) > 1 else ''} {', '.join(str(r) for r in sorted(on))}"
+        for phase, on in sorted(ranks.items())
+    )
+
+
 class StartupWait:
     """The console lines of one attempt's start-up (module docstring). `check` once per poll."""
 
@@ -84,12 +104,18 @@ class StartupWait:
         run_dir: str | os.PathLike[str] | None = None,
         unbooted: Callable[[], str | None] | None = None,
         absent: Callable[[int], str | None] | None = None,
+        phases: Callable[[], str | None] | None = None,
     ) -> None:
         """`unbooted` (default with `run_dir`: `unbooted_python` of the attempt) is asked, from
         `UNBOOTED_AFTER_S` on, at each line until it once had something to say. `absent` (a multi-node
         job's `Peers.absent`) says which other nodes the attempt's rendezvous waits for: node 0 said
-        `still no training step after 120 s (cold start: ...)` of a node 1 that had never been started."""
+        `still no training step after 120 s (cold start: ...)` of a node 1 that had never been started.
+        `phases` (default with `run_dir`: `open_phases` of the attempt) says which phases the ranks are in now.
+        """
         self._absent = absent
+        if phases is None and run_dir is not None:
+            phases = lambda: open_phases(run_dir, attempt)  # noqa: E731
+        self._phases = phases
         self._attempt, self._started_at = attempt, started_at
         if unbooted is None and run_dir is not None:
             unbooted = lambda: unbooted_python(run_dir, attempt)  # noqa: E731
@@ -136,4 +162,8 @@ class StartupWait:
                 self._doing = "a process runs without ettr's bootstrap: its steps are not seen"
                 return f"{line}: {why}"
         waits = self._absent(self._attempt) if self._absent is not None else None
-        return f"{line} ({waits or self._doing})"
+        try:
+            now_in = self._phases() if self._phases is not None else None
+        except Exception:  # a diagnosis is no reason to stop the watch
+            now_in = None
+        return f"{line} ({waits or self._doing}{f'; now: {now_in}' if now_in else ''})"
