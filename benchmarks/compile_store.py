@@ -78,6 +78,14 @@ def _child(index: int, run_dir: str) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+CHILD_TIMEOUT_S = 1800.0
+"""The longest one model's child may take (a first compile at load 40-50 took longer: one line, exit 2)."""
+
+
+class ModelFailed(Exception):
+    """One model's child failed or did not finish: the benchmark ends with one line."""
+
+
 def _run_child(index: int, store: Path, work: Path) -> dict:
     tmp = work / "tmp"
     tmp.mkdir(parents=True)
@@ -89,24 +97,27 @@ def _run_child(index: int, store: Path, work: Path) -> dict:
         ETTR_COMPILE_SETTLE_S="3600",  # the child saves once, when it is done
         PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")]),
     )
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--child",
-            str(index),
-            "--run-dir",
-            str(work / "run"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                str(index),
+                "--run-dir",
+                str(work / "run"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise ModelFailed(f"model {index} did not finish within {CHILD_TIMEOUT_S:.0f} s") from None
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"model {index} failed ({done.returncode}): {done.stderr[-2000:]}")
+        raise ModelFailed(f"model {index} failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(lines[-1][len("RESULT ") :])
 
 
@@ -213,6 +224,9 @@ def main() -> int:
                     f"{at[str(count)]['unshared_save_s_median']:.2f} s",
                     flush=True,
                 )
+    except ModelFailed as exc:
+        print(f"compile_store: {exc}", file=sys.stderr)
+        return 2
     finally:
         shutil.rmtree(base, ignore_errors=True)
     if args.json:
