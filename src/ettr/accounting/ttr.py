@@ -261,34 +261,30 @@ def milestones(
 
 def _restore_sources(rank_events: Mapping[int, Sequence[Event]]) -> str | None:
     """The sources of the ranks' completed restores (`memory`, `peer`, `storage`), `+`-joined; None: none."""
-    found = {
-        e.data["source"]
-        for r, evs in rank_events.items()
-        if r >= 0
-        for e in evs
-        if e.kind == EventKind.PHASE_END
-        and e.phase == Phase.RESTORE
-        and isinstance(e.data, Mapping)
-        and isinstance(e.data.get("source"), str)
-    }
-    return "+".join(sorted(str(v)[:40] for v in found)) or None
+    return "+".join(sorted(_restore_texts(rank_events, "source", 40))) or None
 
 
 def _memory_not_used(rank_events: Mapping[int, Sequence[Event]]) -> str | None:
     """The ranks' reasons for reading storage instead of their memory copies (`memory_not_used` of their
     completed RESTOREs): a rank's own reason (`rank R: ...`) before the others' `another rank ...`."""
-    found = {
-        str(e.data["memory_not_used"])[:300]
+    found = _restore_texts(rank_events, "memory_not_used", 300)
+    own = sorted(w for w in found if w.startswith("rank "))
+    return "; ".join(own or sorted(found)) or None
+
+
+def _restore_texts(rank_events: Mapping[int, Sequence[Event]], key: str, limit: int) -> set[str]:
+    """The texts under `key` of the ranks' completed RESTOREs, each cut to `limit` characters."""
+    return {
+        e.data[key][:limit]
         for r, evs in rank_events.items()
         if r >= 0
         for e in evs
         if e.kind == EventKind.PHASE_END
         and e.phase == Phase.RESTORE
         and isinstance(e.data, Mapping)
-        and e.data.get("memory_not_used")
+        and isinstance(e.data.get(key), str)
+        and e.data[key]
     }
-    own = sorted(w for w in found if w.startswith("rank "))
-    return "; ".join(own or sorted(found)) or None
 
 
 def _first_mark(events: Iterable[Event], name: str) -> float | None:
