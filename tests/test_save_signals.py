@@ -35,6 +35,9 @@ def test_a_stop_signal_during_the_block_is_delivered_after_it(tmp_path: Path, si
         f"""
         import os, signal
         from ettr.bootstrap.save_signals import held_stop_signals
+        # Python's own SIGINT handler, as in a terminal (a child of a process that ignores SIGINT, a pytest-xdist
+        # worker, inherits SIG_IGN, and an ignored signal is left alone)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         with held_stop_signals("ckpt.pt"):
             os.kill(os.getpid(), {int(sig)})
             open("written", "w").close()  # the rest of the save runs
