@@ -107,7 +107,7 @@ _COLLECTIVE_TEXT = (
     "Socket Timeout",
 )
 _HARDWARE_TEXT = ("uncorrectable ECC", "Uncorrectable ECC", "Xid", "NVLink")
-_WORKER_KILLED = "is killed by signal: Killed"  # a DataLoader worker's SIGKILL (torch's words)
+WORKER_KILLED_TEXT = "is killed by signal: Killed"  # a DataLoader worker's SIGKILL (torch's words)
 # torch's RuntimeError when a worker's death was noticed by its queue's timeout (chained from the above)
 _WORKER_GONE = re.compile(r"DataLoader worker \(pid\(s\) [\d, ]+\) exited unexpectedly")
 _SIGNAL_TEXT = (
@@ -116,7 +116,7 @@ _SIGNAL_TEXT = (
     "(SIGSEGV) received by PID",
     # a rank's DataLoader worker died of a signal (the OOM killer, a full /dev/shm, a crash in a C extension);
     # the rank's RuntimeError is its consequence, not the training code's error (strsignal's words)
-    _WORKER_KILLED,
+    WORKER_KILLED_TEXT,
     "is killed by signal: Bus error",
     "is killed by signal: Segmentation fault",
 )
@@ -201,7 +201,7 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
     own = _text(failure.get("message"))
     if not own and isinstance(process, Mapping) and process_exc == exception:
         own = _text(process.get("message"))
-    if own and (_WORKER_KILLED in own or _WORKER_GONE.search(own)):
+    if own and (WORKER_KILLED_TEXT in own or _WORKER_GONE.search(own)):
         # The failed rank's own words say its DataLoader worker died (torch's `exited unexpectedly` is raised
         # from the `is killed by signal: ...` it printed first): the worker's death is the cause, not the
         # training code. A real OOM kill of a worker (a v1 memory cgroup of 1.5 GB, the worker allocating 3

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 UNKNOWN_FAMILY = "unknown"
@@ -193,24 +193,34 @@ def _after_launcher(command: Sequence[str], i: int, launcher: _Launcher) -> str 
     return _script_name(command[i])
 
 
-def _after_shell(command: Sequence[str]) -> str | None:
-    """The family of what a shell (`command[0]`) runs: its script, or its `-c` string's command."""
-    i, string = 1, False
+def _options_end(
+    command: Sequence[str], value_options: frozenset[str], is_flag: Callable[[str], bool]
+) -> tuple[int, list[str]]:
+    """Where the options of a wrapper (`command[0]`: a shell, `env`) end, and the one-word flags among them:
+    `--` ends them, one of `value_options` takes the word after it, a word `is_flag` accepts is one."""
+    i, flags = 1, list[str]()
     while i < len(command):
         token = command[i]
         if token == "--":
-            i += 1
-            break
-        if token in _SHELL_VALUE_OPTIONS:
+            return i + 1, flags
+        if token in value_options:
             i += 2
-            continue
-        if not token.startswith(("-", "+")) or token in ("-", "+"):
+        elif is_flag(token):
+            flags.append(token)
+            i += 1
+        else:
             break
-        string = string or (not token.startswith("--") and "c" in token[1:])
-        i += 1
+    return i, flags
+
+
+def _after_shell(command: Sequence[str]) -> str | None:
+    """The family of what a shell (`command[0]`) runs: its script, or its `-c` string's command."""
+    i, flags = _options_end(
+        command, _SHELL_VALUE_OPTIONS, lambda t: t.startswith(("-", "+")) and t not in ("-", "+")
+    )
     if i >= len(command):
         return None
-    if string:
+    if any(not f.startswith("--") and "c" in f[1:] for f in flags):
         try:
             return _family(shlex.split(command[i])) or None
         except ValueError:  # unbalanced quotes: no command can be read from it
@@ -220,18 +230,9 @@ def _after_shell(command: Sequence[str]) -> str | None:
 
 def _after_env(command: Sequence[str]) -> str | None:
     """The family of what `env [OPTION]... [NAME=VALUE]... COMMAND` runs."""
-    i = 1
-    while i < len(command):
-        token = command[i]
-        if token == "--":
-            i += 1
-            break
-        if token in _ENV_VALUE_OPTIONS:
-            i += 2
-        elif token.startswith("-") or ("=" in token and not token.startswith("=")):
-            i += 1
-        else:
-            break
+    i, _ = _options_end(
+        command, _ENV_VALUE_OPTIONS, lambda t: t.startswith("-") or ("=" in t and not t.startswith("="))
+    )
     return _family(command[i:]) or None
 
 

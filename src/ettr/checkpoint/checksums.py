@@ -89,6 +89,15 @@ class Sums:
         return {"files": self.files, "expect": frozenset(), "pieces": {}}
 
 
+def buffer_key(tensor: Any) -> tuple[int, int] | None:
+    """(address, bytes) of a contiguous, non-empty tensor's data: how `Sums.expect` and `Sums.pieces` name a
+    staged buffer (the stager names its buffers so, the memory copy looks its tensors up so); None for
+    another tensor."""
+    if not tensor.is_contiguous() or tensor.numel() == 0:
+        return None
+    return (int(tensor.data_ptr()), int(tensor.numel() * tensor.element_size()))
+
+
 def _name(path: str | os.PathLike[str]) -> str:
     return os.fspath(path).replace(os.sep, "/").rpartition("/")[2]
 

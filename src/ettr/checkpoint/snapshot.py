@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ettr.checkpoint.base import CheckpointInvalid
-from ettr.checkpoint.checksums import crc32_combine
+from ettr.checkpoint.checksums import buffer_key, crc32_combine
 
 MAGIC = b"ETTRSNP1"
 FORMAT = "ettr.snapshot/1"
@@ -190,13 +190,6 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def _key(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """(address, bytes) of a contiguous tensor's data, as `checksums.Sums.pieces` names it."""
-    if not tensor.is_contiguous() or tensor.numel() == 0:
-        return None
-    return (tensor.data_ptr(), tensor.numel() * tensor.element_size())
-
-
 def _align(offset: int) -> int:
     return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -244,7 +237,7 @@ def write(
     payload_bytes = offset
     crc = 0
     known = piece_crcs or {}
-    keys = [_key(t) for t in layout.tensors] + [None] * len(layout.blobs)
+    keys = [buffer_key(t) for t in layout.tensors] + [None] * len(layout.blobs)
     for piece, key in zip(pieces, keys, strict=True):
         if key is not None and key in known:
             crc = crc32_combine(crc, known[key], piece.nbytes)  # summed as the persist wrote it

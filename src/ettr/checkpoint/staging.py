@@ -32,6 +32,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ettr import torch_compat
+from ettr.checkpoint.checksums import buffer_key
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), complex)
 
@@ -69,11 +70,8 @@ class ReusedStager(AsyncStager):
 
     def buffer_keys(self) -> frozenset[tuple[int, int]]:
         """(address, bytes) of every staging buffer (what `checksums.Sums.expect` takes)."""
-        return frozenset(
-            (buffer.data_ptr(), buffer.numel() * buffer.element_size())
-            for buffer in self._buffers.values()
-            if buffer.numel()
-        )
+        keys = (buffer_key(buffer) for buffer in self._buffers.values())
+        return frozenset(key for key in keys if key is not None)
 
     def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any] | Future[dict[str, Any]]:
         """A copy of `state_dict` whose tensors live in the reused buffers.

@@ -66,8 +66,17 @@ class _Summed(_StorageInfo):
     file_size: int = -1
     file_crc32: int = -1
 
+    @classmethod
+    def of(cls, info: _StorageInfo, size: int, crc: int) -> _Summed:
+        return cls(**_info_fields(info), file_size=size, file_crc32=crc)
+
     def plain(self) -> _StorageInfo:
-        return _StorageInfo(**{f.name: getattr(self, f.name) for f in dataclasses.fields(_StorageInfo)})
+        return _StorageInfo(**_info_fields(self))
+
+
+def _info_fields(info: _StorageInfo) -> dict[str, Any]:
+    """The fields DCP's own `_StorageInfo` has, of `info` (a `_Summed` or a plain one)."""
+    return {f.name: getattr(info, f.name) for f in dataclasses.fields(_StorageInfo)}
 
 
 class CommittingWriter(StorageWriter):
@@ -151,8 +160,7 @@ class CommittingWriter(StorageWriter):
         if type(info) is not _StorageInfo or info.relative_path not in self.sums.files:
             return result
         size, crc = self.sums.files[info.relative_path]
-        fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(_StorageInfo)}
-        return dataclasses.replace(result, storage_data=_Summed(**fields, file_size=size, file_crc32=crc))
+        return dataclasses.replace(result, storage_data=_Summed.of(info, size, crc))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self._check_owner()

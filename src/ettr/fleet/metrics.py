@@ -190,7 +190,8 @@ def distinct_names(jobs: Sequence[JobSummary]) -> list[JobSummary]:
     one label set.
 
     Two run directories may hold jobs of one id and one directory name (`ettr run --job-id exp1` in
-    `runs/teamA/exp1` and in `runs/teamB/exp1`, or a copy of a run directory): the exposition then held every
+    `runs/teamA/exp1` and in `runs/teamB/exp1`; a copy of one run directory is dropped before, as the same
+    job's books: `load.drop_copies`): the exposition then held every
     series twice, and Prometheus kept one of each pair and dropped the other without a word (a real
     Prometheus 2.42: the 2-GPU job with a failure was not there, its 8-GPU namesake was). Such jobs are named
     by the shortest tail of their run directories' paths that tells them apart (`teamA/exp1`), else numbered

@@ -9,6 +9,8 @@ import re
 import signal
 from collections.abc import Sequence
 
+from ettr.causes import WORKER_KILLED_TEXT
+
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s.*|:)?$")
 
 
@@ -136,7 +138,6 @@ def shell_reported_deaths(lines: Sequence[str]) -> dict[int, int]:
 
 OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
 _OOM_TEXT = ("CUDA out of memory", "Out of memory", "OutOfMemoryError")
-_WORKER_KILLED = "is killed by signal: Killed"  # torch's words for a DataLoader worker's SIGKILL
 
 
 def oom_said(exception: str | None, returncode: int, tail_text: str) -> bool:
@@ -146,4 +147,4 @@ def oom_said(exception: str | None, returncode: int, tail_text: str) -> bool:
 
 def worker_sigkill_said(message: str | None, tail_text: str) -> bool:
     """A rank's words say one of its DataLoader workers was SIGKILLed (`... is killed by signal: Killed.`)."""
-    return any(_WORKER_KILLED in text for text in (message or "", tail_text))
+    return any(WORKER_KILLED_TEXT in text for text in (message or "", tail_text))
