@@ -413,3 +413,63 @@ def test_only_children_that_pickle_through_nn_module_are_timed() -> None:
     assert _pickled_by(Net, torch.nn.Module)
     assert not _pickled_by(torch.nn.LSTM, torch.nn.Module)
     assert not _pickled_by(CopiesItself, torch.nn.Module)
+
+
+def test_a_model_loaded_whole_after_training_is_evaluated(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    """pytorch/examples' word_language_model saves the whole model at its best validation, and after training
+    loads it back (`model = torch.load(f)`, a new module no optimizer trains, with no gradients) for its final
+    test pass: that pass is an evaluation (it was booked `shutdown`). A model loaded before training (a
+    teacher, pretrained weights) is not made trained by it."""
+    hooks, rec, ledger = hooked
+    teacher_path = tmp_path / "teacher.pt"
+    torch.save(Net(), teacher_path)
+    teacher = torch.load(teacher_path, weights_only=False)  # before any step
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, optimizer)
+    _train_step(model, optimizer)
+    teacher.eval()
+    with torch.no_grad():
+        teacher(torch.randn(2, 4))
+    assert hooks.evals.open is None
+    with open(tmp_path / "model.pt", "wb") as f:
+        torch.save(model, f)
+    _train_step(model, optimizer)
+    with open(tmp_path / "model.pt", "rb") as f:
+        best = torch.load(f, weights_only=False)
+    packed_path = tmp_path / "packed.pt"
+    torch.save({"model": Net(), "step": 3}, packed_path)
+    packed = torch.load(packed_path, weights_only=False)["model"]
+    for loaded in (best, packed):
+        loaded.eval()
+        with torch.no_grad():
+            loaded(torch.randn(2, 4))
+        loaded.train()
+    assert len(_spans(_evals(rec, ledger))) == 2
+
+
+def test_a_model_loaded_whole_while_the_trained_one_is_in_eval_mode_is_timed_too(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    """word_language_model's last epoch: its validation leaves the model in eval mode, saves it whole, and the
+    loaded copy's test pass follows with no `train()` between: the evaluation goes on through the copy's passes
+    (the copy was not timed, and its pass was booked `shutdown`)."""
+    hooks, rec, ledger = hooked
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, optimizer)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    torch.save(model, tmp_path / "best.pt")
+    best = torch.load(tmp_path / "best.pt", weights_only=False)
+    before_its_pass = time.time()
+    best.eval()
+    with torch.no_grad():
+        best(torch.randn(2, 4))
+    hooks.evals.at_exit()
+    spans = _spans(_evals(rec, ledger))
+    assert len(spans) == 1 and spans[0][1] > before_its_pass  # it ends with the copy's pass
+    assert not best._forward_pre_hooks and not best._forward_hooks and not model._forward_hooks

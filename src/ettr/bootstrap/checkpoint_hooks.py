@@ -110,6 +110,8 @@ class CheckpointHooks:
         self._async_paths: set[str] = set()  # async saves in flight: their inner save is not another one
         self._window_atexit = False
         self.window = SaveWindow(self._book_blocking)  # a save lasts to the end of the script's save function
+        # Told of what a load returned once this process trained (EvalHooks: a model loaded whole is trained)
+        self.loaded_after_training: Callable[[Any], None] | None = None
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     def _busy(self) -> bool:
@@ -220,6 +222,8 @@ class CheckpointHooks:
     def _loaded(self, path: str | None, begin: float, loaded: Any, *, state: bool | None = None) -> None:
         """A load returned `loaded` (`state`: whether it holds training state, when the caller knows)."""
         before_training = self.steps.num_steps == 0 and not self.rec.explicit_steps
+        if not before_training and self.loaded_after_training is not None:
+            self.loaded_after_training(loaded)
         found = self._attribution(path, before_training)
         step = found.step if found is not None else None
         if found is None and not before_training:

@@ -1,7 +1,9 @@
 """Zero-code evaluation: an unmodified script's evaluation passes, recorded as EVAL phases.
 
 An evaluation is the trained model (a module holding parameters an optimizer trains; in a process without an
-optimizer, parameters that a backward pass gave gradients) switched to eval mode,
+optimizer, parameters that a backward pass gave gradients; or a model that a `torch.load` returned whole, or
+held in the dict it returned, once the process trained: the best checkpoint loaded back for the final test
+pass, `model = torch.load(f)` in pytorch/examples' word_language_model) switched to eval mode,
 run forward, and switched back, with no optimizer step in between:
 
   begins   at `module.eval()` on a trained module (`nn.Module.eval` is wrapped: one call per evaluation,
@@ -105,14 +107,26 @@ class TrainedModules:
         self._key: frozenset[tuple[int, int]] | None = None
         self._param_ids: frozenset[int] = frozenset()
         self._answers: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._loaded: weakref.WeakSet[Any] = weakref.WeakSet()  # models loaded whole after training
 
     def add(self, optimizer: Any) -> None:
         self.num_built += 1
         self._optimizers.add(optimizer)
 
+    def loaded(self, module: Any) -> None:
+        """`module` came out of a checkpoint load after this process trained: it holds trained weights."""
+        self._loaded.add(module)
+
+    def _was_loaded(self, module: Any) -> bool:
+        """Whether `module` is, or shares a parameter with, a model loaded whole after training."""
+        ids = {id(p) for loaded in list(self._loaded) for p in loaded.parameters()}
+        return bool(ids) and any(id(p) in ids for p in module.parameters())
+
     def trains(self, module: Any) -> bool:
         """Whether an optimizer trains any of `module`'s parameters (answers are kept per module until the
-        optimizers or their parameter groups change)."""
+        optimizers or their parameter groups change), or it was loaded whole after training."""
+        if self._loaded and self._was_loaded(module):
+            return True
         if not self.num_built:  # weights updated by hand: what backward passes gave gradients (not kept)
             return any(p.grad is not None for p in module.parameters())
         optimizers = list(self._optimizers)
@@ -212,33 +226,62 @@ class EvalHooks:
             if isinstance(cls.__dict__.get("eval"), FunctionType):  # not a staticmethod or a property
                 self.patcher.wrap(cls, "eval", make_eval)
 
+    def loaded_after_training(self, loaded: Any) -> None:
+        """A `torch.load` returned `loaded` after this process trained: a model in it (whole, or a value of
+        the dict it returned) holds trained weights, and its `eval()` is an evaluation."""
+        torch = self._torch
+        if torch is None:
+            return
+        values = loaded.values() if isinstance(loaded, dict) else (loaded,)
+        for value in values:
+            if isinstance(value, torch.nn.Module):
+                self.trained.loaded(value)
+
     # -- the evaluation's life ----------------------------------------------------------------------------------
     def evaluating(self, module: Any) -> None:
         """`module.eval()` was called: an evaluation begins if an optimizer trains the module."""
         if self.before_eval is not None:
             self.before_eval()  # a step of a loop without an optimizer that waits: recorded before it
-        if self.open is not None or self.rec.is_open(Phase.EVAL) or dynamo_is_tracing():
+        if self.rec.is_open(Phase.EVAL) or dynamo_is_tracing():
+            return
+        if self.open is not None:
+            # Another trained model switched to eval mode while one is evaluated (the best model loaded back
+            # after a validation left the trained one in eval mode, an EMA's pass after the model's): the same
+            # evaluation goes on through its passes too.
+            evaluation = self.open
+            if evaluation.hooked and not _among(module, evaluation.timed) and self.trained.trains(module):
+                if self._hookable(module):
+                    self._time(evaluation, module)
             return
         if module in self._trains_in_eval_mode or not self.trained.trains(module):
             return
         evaluation = _Evaluation(module=module, begin_ts=time.time(), hooked=self._hookable(module))
         if evaluation.hooked:
-            try:
-                evaluation.timed = self._timed_modules(module)
-                evaluation.timed_ids = frozenset(id(timed) for timed in evaluation.timed)
-                for timed in evaluation.timed:
-                    evaluation.handles.append(timed.register_forward_pre_hook(self._before_pass))
-                    evaluation.handles.append(timed.register_forward_hook(self._after_pass))
-            except Exception:  # a module that takes no hooks (a scripted one): eval() and train() only
-                for handle in evaluation.handles:
-                    handle.remove()
-                evaluation.handles, evaluation.hooked, evaluation.timed = [], False, ()
-                evaluation.timed_ids = frozenset()
+            self._time(evaluation, module)
         self.open = evaluation
         self._wrap_while_open()
         if not self._atexit:
             self._atexit = True
             atexit.register(self.guard.call, "evaluation", self.at_exit)
+
+    def _time(self, evaluation: _Evaluation, module: Any) -> None:
+        """Time the forward passes of `module` (and the modules it wraps, its direct children) in `evaluation`."""
+        added: list[Any] = []
+        handles: list[Any] = []
+        try:
+            added = [m for m in self._timed_modules(module) if not _among(m, evaluation.timed)]
+            for timed in added:
+                handles.append(timed.register_forward_pre_hook(self._before_pass))
+                handles.append(timed.register_forward_hook(self._after_pass))
+        except Exception:  # a module that takes no hooks (a scripted one): eval() and train() only
+            for handle in handles:
+                handle.remove()
+            if not evaluation.timed:
+                evaluation.hooked = False
+            return
+        evaluation.timed = (*evaluation.timed, *added)
+        evaluation.timed_ids = frozenset(id(timed) for timed in evaluation.timed)
+        evaluation.handles.extend(handles)
 
     def _before_pass(self, module: Any, args: Any) -> None:
         try:

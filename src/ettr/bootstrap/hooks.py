@@ -250,6 +250,7 @@ class AutoHooks:
             steps.settle_manual()  # a step of a loop without an optimizer that waits: recorded before it
 
         self.evals.before_eval = before_eval
+        self.checkpoints.loaded_after_training = self.evals.loaded_after_training
         self.guard.call("optimizer step", self._install_optimizer_hook, torch)
         from ettr.post_import import when_imported
 
