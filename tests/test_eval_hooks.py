@@ -68,6 +68,18 @@ def _train_step(model: Any, optimizer: Any) -> None:
     optimizer.zero_grad()
 
 
+def _trained_then_validated() -> tuple[Any, Any]:
+    """A model trained one step, then switched to eval mode and run once without grad (left in eval mode), and
+    its optimizer (kept alive: what it trains is what is evaluated)."""
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, optimizer)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    return model, optimizer
+
+
 def test_eval_then_train_around_no_grad_passes_is_one_evaluation(hooked: tuple[Any, Recorder, Any]) -> None:
     hooks, rec, ledger = hooked
     model = Net()
@@ -216,12 +228,7 @@ def test_a_whole_module_saved_or_copied_during_an_evaluation_carries_no_hooks(
     import pickle
 
     hooks, rec, ledger = hooked
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    _train_step(model, optimizer)
-    model.eval()
-    with torch.no_grad():
-        model(torch.randn(2, 4))
+    model, _optimizer = _trained_then_validated()
     assert model._forward_pre_hooks and model._forward_hooks  # the evaluation is being timed
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
@@ -457,12 +464,7 @@ def test_a_model_loaded_whole_while_the_trained_one_is_in_eval_mode_is_timed_too
     loaded copy's test pass follows with no `train()` between: the evaluation goes on through the copy's passes
     (the copy was not timed, and its pass was booked `shutdown`)."""
     hooks, rec, ledger = hooked
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    _train_step(model, optimizer)
-    model.eval()
-    with torch.no_grad():
-        model(torch.randn(2, 4))
+    model, _optimizer = _trained_then_validated()
     torch.save(model, tmp_path / "best.pt")
     best = torch.load(tmp_path / "best.pt", weights_only=False)
     before_its_pass = time.time()
