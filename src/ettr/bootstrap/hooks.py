@@ -257,6 +257,9 @@ class AutoHooks:
         when_imported(PRIMING_MODULE, self._install_priming_hook)
         self.guard.call("evaluation", self.evals.install, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
+        from ettr.bootstrap import group_teardown
+
+        self.guard.call("destroy_process_group", group_teardown.install, torch, self.patcher, self.guard)
         self.guard.call("first batch", self._install_first_batch_hook, torch)
         self.guard.call("data wait", self._install_data_wait_hook, torch)
         self.guard.call("child process wait", self._install_child_wait_hook)
