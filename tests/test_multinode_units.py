@@ -801,3 +801,46 @@ def test_a_job_slurm_queued_again_gets_no_hint_to_continue_it_by_hand(
         err = capsys.readouterr().err
         assert ("asked Slurm to requeue job 4" in err) is queued
         assert ("to continue it (a requeue)" in err) is not queued
+
+
+def test_a_failed_part_waiting_for_a_silent_peer_says_what_it_waits_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Field trial (two `ettr run` nodes on one machine, pytorch/examples' DDP tutorial, default
+    --peer-timeout 60): node 1's supervisor and rank SIGKILLed; node 0's rank failed at once on the broken
+    connection, and node 0 then waited for node 1 to end its part or be found lost (60 s with no
+    replacement; 5.4 s here, until the replacement node marked the old attempt ended) without a word: the
+    console showed nothing after `a rank failed; stopping the others`. It now says what it waits for."""
+    from types import SimpleNamespace
+
+    from ettr.events import Outcome
+    from ettr.supervisor import multinode
+    from ettr.supervisor.books import JobBooks
+    from ettr.supervisor.classify import AttemptEnd
+
+    t0 = 1_000_000.0
+    clock = [t0]
+    monkeypatch.setattr(multinode, "time", SimpleNamespace(time=lambda: clock[0]))
+    config = RunConfig(
+        command=(*TORCHRUN[:3], "0", *TORCHRUN[4:], "t.py"), ledger_url="sqlite:///x", job_id="j"
+    )
+    assert config.peer_timeout_s == 60.0
+    leader = LeaderPeers(config, peers.NodeRole(node_rank=0, nnodes=2))
+    joined = peers.node_mark(peers.NODE_ATTEMPT_START, node_rank=1, attempt=0, ts=t0 - 10, supervisor_pid=7)
+    beat = peers.node_mark(peers.NODE_HEARTBEAT, node_rank=1, attempt=0, ts=t0 - 0.5)  # then killed
+    ledger = MemoryLedger([joined, beat])
+    leader.node.attach(JobBooks(config, run_dir=tmp_path, job_id="j", family="t", ledger=ledger))
+    signals = _CountingSignals()
+    signals.wait = lambda s: clock.__setitem__(0, clock[0] + s)  # type: ignore[method-assign]
+    broken = AttemptEnd(
+        outcome=Outcome.FAILED, exit_code=1, reason="exit status 1 (rank 0): RuntimeError",
+        exception="RuntimeError", message="[pair.cc:553] Connection closed by peer [127.0.0.1]:30385",
+    )  # fmt: skip
+    end = leader.settle(0, broken, None, signals)  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    assert (
+        "attempt 0: this node's ranks failed on a broken connection; waiting for node 1 (supervisor last "
+        "heard 2 s ago) to end its part, or to be found lost after 60 s of silence (--peer-timeout)"
+    ) in err
+    assert err.count("waiting for node 1") < 10  # repeated every 10 s of the wait, not every look
+    assert "node 1's supervisor is silent for over 60 s (lost)" in end.reason

@@ -202,6 +202,7 @@ class LeaderPeers:
         node = self.node
         begin = time.time()
         timeout_s = node.config.peer_timeout_s
+        waiting = Progress(begin, after_s=1.0)
         while True:
             now = time.time()
             node.beat(attempt, now)
@@ -217,6 +218,8 @@ class LeaderPeers:
                 ]
                 if not quiet:
                     return None  # every peer ended its part or is alive: this node's failure is its own
+                if waiting.due(now):  # a lost node is silent for --peer-timeout: say why nothing happens
+                    say(f"attempt {attempt}: {peer_words.quiet_peers(view, quiet, now, timeout_s)}")
             if now - begin > timeout_s + node.interval_s or signals.first is not None:
                 return None
             signals.wait(node.poll_s)

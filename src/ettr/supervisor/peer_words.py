@@ -1,6 +1,7 @@
 """What a node's supervisor says of its peers in an attempt's reason (pure: no I/O, no clock): the ranks of
 other nodes in a hang (only each node's supervisor can read its own ranks' state, and says it in its
-node_attempt_end), and a checkpoint another node's rank restored that this node cannot see."""
+node_attempt_end), a checkpoint another node's rank restored that this node cannot see, and the peers a
+failed part waits to hear from."""
 
 from __future__ import annotations
 
@@ -27,6 +28,22 @@ def peers_hung_ranks(view: PeerView, attempt: int, peers: Sequence[int]) -> str:
         else:
             said.append(f"node {node}: its ranks unknown (its part has not ended)")
     return "; ".join(said)
+
+
+def quiet_peers(view: PeerView, nodes: Sequence[int], now: float, timeout_s: float) -> str:
+    """Why a node whose ranks failed on a broken connection has not ended the attempt yet: it waits for
+    `nodes` (neither ended their part nor heard since the failure) to end it, or to be silent for
+    `timeout_s` (`--peer-timeout`) and so lost: `this node's ranks failed on a broken connection; waiting
+    for node 1 (supervisor last heard 3 s ago) to end its part, or to be found lost after 60 s of silence`."""
+    heard = []
+    for n in nodes:
+        beat = view.last_beat.get(n)
+        when = "never heard" if beat is None else f"supervisor last heard {max(0.0, now - beat):.0f} s ago"
+        heard.append(f"node {n} ({when})")
+    return (
+        f"this node's ranks failed on a broken connection; waiting for {', '.join(heard)} to end its part, "
+        f"or to be found lost after {timeout_s:g} s of silence (--peer-timeout)"
+    )
 
 
 def unseen_restore(
