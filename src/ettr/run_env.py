@@ -75,6 +75,8 @@ COMPILE_SETTLE_S_ENV = "ETTR_COMPILE_SETTLE_S"
 COMPILE_RESTORE_ENV = "ETTR_COMPILE_RESTORE"
 """`0`: save artifacts to the store but never restore from it (the job compiles cold, as without a
 store, and leaves its artifacts for the jobs after it)."""
+COMPILE_PCH_MEMO_ENV = "ETTR_COMPILE_PCH_MEMO"
+"""`0`: inductor preprocesses its precompiled header in every process (`ettr.compile.pch_memo` off)."""
 COMPILE_PRIVATE_CACHE_ENV = "ETTR_COMPILE_PRIVATE_CACHE"
 """`0` keeps inductor's shared cache directory instead of a per-workload one."""
 

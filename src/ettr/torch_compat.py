@@ -134,6 +134,44 @@ def inductor_vec_isa_memo_key() -> dict[str, str] | None:
     }
 
 
+def inductor_codecache_module() -> Any:
+    """`torch._inductor.codecache`, whose `_precompile_header` names (and builds) the precompiled header a
+    C++ kernel compiles with. Raises ImportError."""
+    from torch._inductor import codecache
+
+    return codecache
+
+
+def inductor_header_memo_key(header: str, include_env: Mapping[str, str]) -> dict[str, str] | None:
+    """What inductor's preprocessing of `header` (`codecache._precompile_header`) reads beside its arguments,
+    read live and cheaply (one `<compiler> -v`, cached by inductor): the compiler and its version, torch's
+    version and its libtorch (size, mtime), the header's own file under torch's include directory (size,
+    mtime), and `include_env` (the include paths the preprocessor takes from the environment). None when
+    `header` is not a file of torch's include directory. Raises ImportError (or what torch raises) when
+    inductor moved what it reads."""
+    import os
+
+    import torch
+    from torch._inductor import cpp_builder
+
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    path = os.path.normpath(os.path.join(include, header))
+    if os.path.isabs(header) or not path.startswith(include + os.sep) or not os.path.isfile(path):
+        return None
+    own, libtorch = (
+        os.stat(path),
+        os.stat(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")),
+    )
+    compiler = cpp_builder.get_cpp_compiler()
+    return {
+        "compiler": f"{compiler} {cpp_builder.get_compiler_version_info(compiler)}",
+        "torch": f"{torch.__version__} {getattr(torch.version, 'git_version', '')}",
+        "libtorch": f"{libtorch.st_size}:{libtorch.st_mtime_ns}",
+        "header": f"{path} {own.st_size}:{own.st_mtime_ns}",
+        "include_env": " ".join(f"{k}={v}" for k, v in sorted(include_env.items())),
+    }
+
+
 def inductor_vec_isas_named(names: list[str]) -> list[Any] | None:
     """Inductor's ISA objects (`cpu_vec_isa.supported_vec_isa_list`) of `names`, in that order, as the probe
     returns them; None when one is not (or no longer) inductor's."""

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ettr import torch_compat
-from ettr.compile import artifacts, dynamic, isa_probe, lazy_templates
+from ettr.compile import artifacts, dynamic, isa_probe, lazy_templates, pch_memo
 from ettr.compile.config import CompileConfig, default_user_key, pgo_job_id
 from ettr.compile.hooks import CompileHooks, CompileRecord
 from ettr.compile.key import StoreKey, current_key
@@ -122,10 +122,12 @@ class CompileSession:
     def _on_torch_compile(self) -> None:
         # Before torch.compile imports inductor's compile path: its kernel templates compile when first used
         # (`lazy_templates`), its CPU vector-ISA probe is shared and remembered (`isa_probe`), store or not,
+        # so is the name of its precompiled header (`pch_memo`),
         # and the hash of torch's sources its cache keys need starts on torch's own prefetch thread.
         if not _gpu_present():  # a GPU job renders them (autotuning): left as inductor makes them
             lazy_templates.defer(self._patcher)
         shared = isa_probe.share(self._patcher)
+        pch_memo.share(self._patcher)  # a cache hit needs no preprocessing of the precompiled header
         try:  # the hash of torch's sources the first compile's cache lookups need, on torch's prefetch thread
             torch_compat.prefetch_inductor_torch_key()
         except Exception as exc:

@@ -118,11 +118,14 @@ class _Runner:
             generations = AgentGenerations(Path(self.run_env.run_dir), self.run_env.attempt)
         else:
             generations = StoreGenerations(job_store.store)
+        completed = False
         try:
-            return self._loop(fn, args, kwargs, job_store, generations)
+            result = self._loop(fn, args, kwargs, job_store, generations)
+            completed = True  # every rank returned from the generation: nobody waits on this rank
+            return result
         finally:
             if dist.is_initialized():
-                rendezvous.leave(self.backend, exiting=True)
+                rendezvous.leave(self.backend, exiting=True, collect=not completed)
             if self.rank == 0:
                 job_store.close()
 
