@@ -309,13 +309,14 @@ def _with_ranks_of(stored: JobSummary | None, summary: JobSummary) -> JobSummary
     return replace(summary, stragglers=stored.stragglers, straggler_lost_s=stored.straggler_lost_s)
 
 
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 """Bumped whenever a summary of the same ledger could come out different (accounting rules, fields).
 2: the `evaluation` bucket. 3: step time, windowed ETT, stragglers. 4: ETT unknown for a job no process of
 which ever reported (a wrapper hid its trainer), however it ended. 5: the family derived for an older run
 directory looks through launchers (accelerate, deepspeed, srun, mpirun). 6: a `BrokenPipeError` is a user
 exception, not infra (collective) (`ettr.causes`). 7: a supervised last attempt whose ATTEMPT_END row was
-lost completed when the job ended with status 0; the derived family looks through shells and `env`."""
+lost completed when the job ended with status 0; the derived family looks through shells and `env`. 8: a
+submission or allocation dated after the job's books begin is unknown (it made the wall time 0)."""
 
 
 def default_cache_dir() -> Path:
