@@ -436,3 +436,32 @@ def test_a_scrape_is_served_while_slow_clients_hold_every_slot(fleet, tmp_path):
         for sock in slow:
             sock.close()
         server.close()
+
+
+def test_a_folder_nested_deep_is_not_searched_and_the_rest_is_read(fleet, tmp_path, capsys):
+    # The search was recursive (os.walk): a folder nested 3,000 deep beside the run directories ended
+    # `ettr fleet` (and `ettr serve`) with a RecursionError traceback, no job shown. Here 150 levels under a
+    # recursion limit that leaves the search 100 frames (a tree 3,000 deep would outlast pytest's clean-up,
+    # which recurses as os.walk did).
+    import inspect
+    import sys
+
+    from ettr.fleet.load import find_run_dirs
+
+    root, _truth = fleet
+    dest = tmp_path / "fleet"
+    shutil.copytree(root / "good0", dest / "good0")
+    (dest / "deep" / Path(*["d"] * 150)).mkdir(parents=True)
+    (dest / "loop").symlink_to(".")  # a link is never entered
+    unsearched: list[str] = []
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 100)
+    try:
+        found = find_run_dirs([dest], unsearched)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert found == [dest / "good0"]
+    assert len(unsearched) == 1 and "cannot be searched (more than 64 folders deep)" in unsearched[0]
+    fleet_json, err = _fleet_json(str(dest), capsys=capsys)
+    assert [job["job_id"] for job in fleet_json["jobs"]] == ["good0"]
+    assert "cannot be searched (more than 64 folders deep)" in err and len(err.splitlines()) == 1, err
