@@ -955,3 +955,33 @@ def test_a_supervised_last_attempt_whose_end_row_was_lost_completed_when_the_job
     failed = Stream().sup(EventKind.SUPERVISOR_START, 0).sup(EventKind.ATTEMPT_START, 1)
     failed.steps(0, 1, 10, t_first=3).sup(EventKind.JOB_END, 13, exit_status=1)
     assert failed.report().attempts[0].outcome == Outcome.FAILED  # a job that did not end well: as before
+
+
+@pytest.mark.parametrize(
+    "allocated, submitted", [(5.5, None), (30.0, None), (30.0, 0.0), (2.0, 40.0), (None, 30.0)]
+)
+def test_queue_times_after_the_books_begin_are_unknown_not_the_whole_job(allocated, submitted) -> None:
+    # The scheduler's clock ahead of the node's (Slurm's SLURM_JOB_START_TIME 30 s later than the supervisor's
+    # start, or an --allocated-at within the 5 min it allows for that): the wall time started at the allocation,
+    # after the job's end: wall 0 s, every bucket 0, ETT 0.0%. Such a time is unknown; what is known stays.
+    s = Stream()
+    if submitted is not None:
+        s.sup(EventKind.JOB_SUBMITTED, submitted)
+    if allocated is not None:
+        s.sup(EventKind.JOB_ALLOCATED, allocated)
+    s.sup(EventKind.SUPERVISOR_START, 5)
+    s.attempt(0, 6, 9, "completed", 0).steps(0, 1, 2, t_first=7).sup(EventKind.JOB_END, 9, exit_status=0)
+    r = s.report()
+    assert r.buckets_s[Bucket.EFFECTIVE_TRAINING] == pytest.approx(2)
+    assert sum(r.buckets_s.values()) == pytest.approx(r.wall_s)
+    if (
+        submitted == 0.0
+    ):  # the submission stands; the allocation is unknown: the wait until the start is other
+        assert_buckets(r, {Bucket.OTHER: 5, Bucket.INIT: 1, Bucket.EFFECTIVE_TRAINING: 2, Bucket.SHUTDOWN: 1})
+    elif allocated == 2.0:  # a submission after the allocation: the allocation stands, the queue wait unknown
+        assert_buckets(
+            r, {Bucket.HARDWARE_SETUP: 3, Bucket.INIT: 1, Bucket.EFFECTIVE_TRAINING: 2, Bucket.SHUTDOWN: 1}
+        )
+    else:
+        assert_buckets(r, {Bucket.INIT: 1, Bucket.EFFECTIVE_TRAINING: 2, Bucket.SHUTDOWN: 1})
+        assert r.tts_s == pytest.approx(1)  # from the supervisor start (the allocation unknown)

@@ -209,3 +209,46 @@ def test_a_refused_checkpoint_newer_than_the_run_is_never_deleted_by_its_retenti
             assert manager.save(step, wait=True)
     assert _snapshot(copied / step_dir_name(50)) == before  # older than job-A's newest: kept all the same
     assert (copied / step_dir_name(60) / MANIFEST_NAME).exists()
+
+
+def _nest(directory: Path, depth: int) -> None:
+    (directory / Path(*["d"] * depth)).mkdir(parents=True)
+
+
+def test_a_deep_tree_is_deleted_without_recursion(tmp_path):
+    # shutil.rmtree recurses once per level: a folder nested 1,500 deep planted as an incomplete step_* made
+    # every attempt's restore raise RecursionError (the job ended with status 3, never training). 120 levels
+    # here, under a recursion limit that leaves the deletion 60 frames (a tree 1,500 deep would outlast
+    # pytest's own clean-up, which recurses as rmtree does).
+    import inspect
+    import sys
+
+    storage = LocalStorage(tmp_path / "root")
+    planted = tmp_path / "root" / step_dir_name(9)
+    _nest(planted, 120)
+    (planted / "d" / "link").symlink_to(tmp_path, target_is_directory=True)  # removed, never followed
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 60)
+    try:
+        storage.remove_tree(step_dir_name(9))
+    finally:
+        sys.setrecursionlimit(limit)
+    assert not planted.exists() and (tmp_path / "root").is_dir()
+
+
+def test_a_tree_too_deep_to_delete_never_stops_restore_retention_or_a_save(tmp_path):
+    # Deeper than ettr deletes (`ettr.untrusted.MAX_REMOVE_DEPTH`): left in place (or moved aside), while the
+    # job restores, keeps its retention and saves over the name.
+    from ettr.untrusted import MAX_REMOVE_DEPTH
+
+    root = tmp_path / "root"
+    _save(root, [2])
+    for step in (1, 3, 9):  # older than the newest (retention), the next save's name, newer (restore)
+        _nest(root / step_dir_name(step), MAX_REMOVE_DEPTH + 20)
+    step, _marks = _restore(root)
+    assert step == 2
+    _save(root, [3, 4], keep_last=1)
+    assert [c.step for c in list_checkpoints(LocalStorage(root)) if c.has_manifest] == [4]
+    names = sorted(p.name for p in root.iterdir())
+    assert step_dir_name(3) not in names and any(n.startswith(f"{step_dir_name(3)}.replaced-") for n in names)
+    assert step_dir_name(1) in names and step_dir_name(9) in names  # left in place, never loaded

@@ -174,6 +174,9 @@ def test_printed_commands_are_shell_quoted(tmp_path: Path) -> None:
         (["--submitted-at", "2999-01-01T00:00:00Z"], "in the future"),
         (["--submitted-at", "2000", "--allocated-at", "1000"], "before --submitted-at"),
         (["--allocated-at", "nan"], "not a time"),
+        # recorded, then skipped on every read as damage (`skipped 1 unreadable ledger records`): the time lost
+        (["--allocated-at", "0"], "--allocated-at 0 is "),
+        (["--submitted-at", "2015-01-01T00:00:00Z"], "years before now"),
     ],
 )
 def test_impossible_times_are_refused(tmp_path: Path, flags: list[str], said: str) -> None:

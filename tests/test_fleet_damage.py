@@ -403,3 +403,65 @@ def test_a_copied_run_directory_is_the_same_job_counted_once(tmp_path, capsys):
     names = sorted(job["job_id"] for job in fleet["jobs"])
     assert names == ["exp1", "exp1"], names  # the copy is not a third
     assert "a copy of the books of" in err and "counted once" in err
+
+
+def test_a_scrape_is_served_while_slow_clients_hold_every_slot(fleet, tmp_path):
+    """Clients that open connections and send a request head a line at a time (a slowloris) held every
+    one of the 16 slots for 120 s each, and reconnected: every scrape meanwhile was closed unanswered
+    (`RemoteDisconnected`), the fleet's metrics gone for as long as the clients kept at it. A connection
+    whose request head is still arriving is the one given up when all slots are taken: the scrape is served,
+    the oldest slow client cut."""
+    pytest.importorskip("prometheus_client")
+    import socket
+
+    from ettr.fleet import serve
+
+    server = _serve(tmp_path, fleet)
+    slow = []
+    try:
+        for _ in range(serve.MAX_CONNECTIONS):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # the head's end never comes
+            slow.append(sock)
+        # each slow connection has its thread (and slot) once the server answers a byte of it: a scrape
+        # sent after all of them were accepted finds every slot taken
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=60) as response:
+            assert response.status == 200 and 'job="good0"' in response.read().decode()
+        slow[0].settimeout(60)
+        try:
+            assert slow[0].recv(4096) == b""  # the oldest slow client was the one cut
+        except ConnectionResetError:
+            pass
+    finally:
+        for sock in slow:
+            sock.close()
+        server.close()
+
+
+def test_a_folder_nested_deep_is_not_searched_and_the_rest_is_read(fleet, tmp_path, capsys):
+    # The search was recursive (os.walk): a folder nested 3,000 deep beside the run directories ended
+    # `ettr fleet` (and `ettr serve`) with a RecursionError traceback, no job shown. Here 150 levels under a
+    # recursion limit that leaves the search 100 frames (a tree 3,000 deep would outlast pytest's clean-up,
+    # which recurses as os.walk did).
+    import inspect
+    import sys
+
+    from ettr.fleet.load import find_run_dirs
+
+    root, _truth = fleet
+    dest = tmp_path / "fleet"
+    shutil.copytree(root / "good0", dest / "good0")
+    (dest / "deep" / Path(*["d"] * 150)).mkdir(parents=True)
+    (dest / "loop").symlink_to(".")  # a link is never entered
+    unsearched: list[str] = []
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 100)
+    try:
+        found = find_run_dirs([dest], unsearched)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert found == [dest / "good0"]
+    assert len(unsearched) == 1 and "cannot be searched (more than 64 folders deep)" in unsearched[0]
+    fleet_json, err = _fleet_json(str(dest), capsys=capsys)
+    assert [job["job_id"] for job in fleet_json["jobs"]] == ["good0"]
+    assert "cannot be searched (more than 64 folders deep)" in err and len(err.splitlines()) == 1, err

@@ -588,3 +588,47 @@ def test_leaving_without_the_collection_still_destroys_the_groups() -> None:
     _, released = leave("gloo", exiting=True, collect=False)
     assert not released and not dist.is_initialized()  # destroyed; `kept` still refers to it
     del kept
+
+
+@pytest.mark.parametrize(
+    "named",
+    ["{tmp}/theirs.store", "{root}/../theirs.store", "{root}/theirs.store", "inplace-1-0123456789ab.store"],
+)
+def test_a_rank_opens_no_file_store_but_one_rank_0_makes_in_its_private_root(
+    tmp_path: Path, named: str
+) -> None:
+    # Anyone who can reach rank 0's TCP store can set the key that names the job's FileStore (torch's stores
+    # take no credentials); every later generation re-forms through that file, so a path of theirs would
+    # hand them the job's rendezvous. The other ranks opened whatever path the key held.
+    import datetime
+
+    from ettr.inplace.store import _PATH_KEY, StoreUnavailable, _local_file_store
+
+    root = tmp_path / "shm"
+    root.mkdir(mode=0o700)
+    planted = named.format(tmp=tmp_path, root=root)
+    bootstrap = dist.HashStore()
+    bootstrap.set(_PATH_KEY, planted)
+    with pytest.raises(StoreUnavailable, match="not a file rank 0 makes"):
+        _local_file_store(bootstrap, rank=1, world_size=2, root=root, timeout=datetime.timedelta(seconds=5))
+    assert not (tmp_path / "theirs.store").exists() and not (root / "theirs.store").exists()
+
+
+def test_a_rank_opens_the_file_store_rank_0_made(tmp_path: Path) -> None:
+    import datetime
+
+    from ettr.inplace.store import _local_file_store
+
+    root = tmp_path / "shm"
+    bootstrap = dist.HashStore()
+    made = _local_file_store(
+        bootstrap, rank=0, world_size=1, root=root, timeout=datetime.timedelta(seconds=5)
+    )
+    try:
+        other = _local_file_store(
+            bootstrap, rank=1, world_size=2, root=root, timeout=datetime.timedelta(seconds=5)
+        )
+        other.store.set("k", "v")
+        assert made.store.get("k") == b"v"
+    finally:
+        made.close()

@@ -442,3 +442,36 @@ def test_a_read_only_reader_waits_briefly_for_another_programs_exclusive_lock(tm
     writer = sqlite_ledger.SqliteLedger(path, create=False)  # a writer still waits as long as before
     writer.close()
     assert waits[-1] == sqlite_ledger.WRITER_BUSY_TIMEOUT_S == 30.0
+
+
+_FORGED_SCHEMAS = {
+    # `events` a view: over an endless recursive query it held `ettr report`, a whole `ettr fleet` and every
+    # `ettr serve` read for ever; here over three made-up rows, which were read as the job's books
+    "view": [
+        "ALTER TABLE events RENAME TO events_real",
+        "CREATE VIEW events AS WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 3) "
+        "SELECT x AS id, 1700000000.0 + x AS ts, 'mark' AS kind, 0 AS attempt, -1 AS rank, NULL AS phase, "
+        "NULL AS step, NULL AS value, NULL AS data FROM c",
+    ],
+    # a trigger runs on every write of `ettr run` continuing the job
+    "trigger": ["CREATE TRIGGER t AFTER INSERT ON events BEGIN DELETE FROM events; END"],
+    # a computed column is computed on every read (a forged one of zeroblob(900 MB): 900 MB a row)
+    "computed": [
+        "ALTER TABLE events ADD COLUMN junk INTEGER GENERATED ALWAYS AS (length(zeroblob(1000))) VIRTUAL"
+    ],
+}
+
+
+@pytest.mark.parametrize("forged", sorted(_FORGED_SCHEMAS))
+def test_a_ledger_whose_schema_runs_code_is_refused_in_one_line(tmp_path, capsys, forged):
+    run_dir = tmp_path / "run"
+    killed_job(run_dir)
+    conn = sqlite3.connect(run_dir / "ledger.db")
+    for statement in _FORGED_SCHEMAS[forged]:
+        conn.execute(statement)
+    conn.commit()
+    conn.close()
+    for argv in (["report", str(run_dir)], ["run", "--run-dir", str(run_dir), "--", "true"]):
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "is not a readable ettr ledger" in err, err

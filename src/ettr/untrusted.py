@@ -298,6 +298,60 @@ def symlinked_dirs(
     return refused
 
 
+MAX_REMOVE_DEPTH = 128
+"""How deep below a directory `remove_tree` deletes (one descriptor open per level)."""
+
+
+class TooDeep(OSError):
+    """A directory tree nested deeper than `remove_tree` deletes: left in place."""
+
+
+def remove_tree(path: str | os.PathLike[str], *, max_depth: int = MAX_REMOVE_DEPTH) -> None:
+    """Delete the directory `path` and everything in it, without recursion and never following a symlink
+    below it (a link is removed, not what it names). `shutil.rmtree` recurses once per level: a folder nested
+    1,500 deep planted in a checkpoint root raised RecursionError out of the restore of every attempt (and
+    out of retention and of the save replacing an incomplete directory). A tree deeper than `max_depth` is
+    refused (`TooDeep`) once what lies above that depth is deleted; so is a symlink at `path`. Raises
+    OSError as met (FileNotFoundError when `path` is gone)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    levels: list[tuple[int, str, list[str]]] = []  # (fd, its name in the level above, subfolders left)
+
+    def enter(name: str, parent_fd: int | None) -> None:
+        fd = os.open(name, flags, dir_fd=parent_fd)
+        subdirs = []
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        subdirs.append(entry.name)
+                    else:
+                        os.unlink(entry.name, dir_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        levels.append((fd, name, subdirs))
+
+    try:
+        enter(os.fspath(path), None)
+        while levels:
+            fd, name, subdirs = levels[-1]
+            if subdirs:
+                if len(levels) > max_depth:
+                    raise TooDeep(
+                        f"{os.fspath(path)} is nested more than {max_depth} folders deep; left in place"
+                    )
+                enter(subdirs.pop(), fd)
+                continue
+            levels.pop()
+            os.close(fd)
+            if levels:
+                os.rmdir(name, dir_fd=levels[-1][0])
+        os.rmdir(path)
+    finally:
+        for fd, _name, _subdirs in levels:
+            os.close(fd)
+
+
 def printable(text: str) -> str:
     """`text` with every character that is not printable (an escape sequence a training process or a forged
     ledger put in an exception message or a family name: OSC 52 sets a clipboard in some terminals) written

@@ -31,6 +31,7 @@ _PHASE_BEGIN = EventKind.PHASE_BEGIN
 _PHASE_END = EventKind.PHASE_END
 
 _JOB_KINDS = frozenset({_JOB_SUBMITTED, _JOB_ALLOCATED, _SUPERVISOR_START, _JOB_END})
+_QUEUE_KINDS = frozenset({_JOB_SUBMITTED, _JOB_ALLOCATED})
 _FIRST_BATCH_PHASES = frozenset({Phase.GET_FIRST_BATCH_DATA, Phase.DATA_WAIT})
 # Background phases overlap training; they never mark where the training loop began.
 _BACKGROUND_PHASES = frozenset({Phase.CHECKPOINT_PERSIST})
@@ -124,6 +125,7 @@ def gather(events: Iterable[Event]) -> JobEvents:
         job.earliest_ts, job.latest_ts = ordered[0].ts, ordered[-1].ts
     attempts = job.attempts
     attempts_at_end: set[int] = set()
+    begun_ts = next((e.ts for e in ordered if e.kind not in _QUEUE_KINDS), None)
     for e in ordered:
         kind = e.kind
         if kind in _JOB_KINDS:
@@ -204,7 +206,23 @@ def gather(events: Iterable[Event]) -> JobEvents:
                 raw.failure_event = e
     for index in [i for i, raw in attempts.items() if not _placeable(raw)]:
         del attempts[index]  # only supervisor-side marks name this attempt: nothing to place on the timeline
+    _forget_queue_times_after(job, begun_ts)
     return job
+
+
+def _forget_queue_times_after(job: JobEvents, begun_ts: float | None) -> None:
+    """A submission or allocation dated after the job's books begin cannot be (the supervisor runs inside
+    its allocation): the scheduler's clock is ahead of this host's, or a time was given within the 5 min
+    `--allocated-at` allows for that. Such a wait is unknown, not the whole job: an allocation 30 s ahead
+    started the wall time after the job's end (wall 0 s, every bucket 0, ETT 0.0%). Likewise a submission
+    after the allocation."""
+    if begun_ts is None:
+        return
+    if job.allocated_ts is not None and job.allocated_ts > begun_ts:
+        job.allocated_ts = None
+    latest = begun_ts if job.allocated_ts is None else job.allocated_ts
+    if job.submitted_ts is not None and job.submitted_ts > latest:
+        job.submitted_ts = None
 
 
 def _placeable(raw: RawAttempt) -> bool:

@@ -422,7 +422,10 @@ class CheckpointManager:
                 logger.warning(
                     "ettr: replacing incomplete checkpoint directory %s left by an earlier run", name
                 )
-                self.storage.remove_tree(name)
+                try:
+                    self.storage.remove_tree(name)
+                except OSError:  # a tree too deep to delete (planted): moved aside, as a committed one is
+                    quarantine(self.storage, name, "replaced")
         self._coord.barrier()  # no rank writes before rank 0 has cleared it
         self._existing_steps.discard(step)
 

@@ -15,7 +15,6 @@ import errno
 import functools
 import logging
 import os
-import shutil
 import stat
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ettr import torch_compat
 from ettr.atomic import fsync_dir, write_temp
 from ettr.checkpoint.base import MANIFEST_NAME, CheckpointError
-from ettr.untrusted import open_regular
+from ettr.untrusted import TooDeep, open_regular, remove_tree
 
 logger = logging.getLogger("ettr")
 
@@ -211,7 +210,14 @@ class LocalStorage:
         with contextlib.suppress(FileNotFoundError), self._dir(rel_dir) as fd:
             os.unlink(MANIFEST_NAME, dir_fd=fd)  # first: a crash midway leaves it incomplete, not committed
             fsync_dir(self.path(rel_dir))
-        shutil.rmtree(self.path(rel_dir), ignore_errors=True)  # never follows symlinks inside
+        try:
+            remove_tree(self.path(rel_dir))  # never follows symlinks inside, nor recurses
+        except OSError as exc:
+            if not os.path.lexists(self.path(rel_dir)):
+                return
+            if isinstance(exc, TooDeep):
+                raise
+            # as shutil.rmtree(ignore_errors=True) did: what cannot be deleted is left, quietly
 
     def rename(self, rel: str, new_rel: str) -> None:
         head, name = self._split(rel)

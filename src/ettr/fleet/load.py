@@ -192,10 +192,6 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]], unsearched: list[str]
     none is found (naming the folders that could not be searched)."""
     found: list[Path] = []
     cannot: list[str] = []
-
-    def _unsearchable(exc: OSError) -> None:
-        cannot.append(f"{exc.filename}: cannot be searched ({exc.strerror or exc})")
-
     for given in paths:
         path = Path(given)
         if not path.exists():
@@ -205,14 +201,7 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]], unsearched: list[str]
             continue
         if not path.is_dir():
             raise UsageError(f"{path}: not a directory (give run directories or folders of them)")
-        for root, dirs, _files in os.walk(path, onerror=_unsearchable):
-            dirs.sort()
-            here = Path(root)
-            if is_run_dir(here):
-                found.append(here)
-                dirs.clear()
-            else:
-                dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found.extend(_run_dirs_below(path, cannot))
     if not found:
         why = f" ({cannot[0]}{f'; and {len(cannot) - 1} more' if len(cannot) > 1 else ''})" if cannot else ""
         raise UsageError(
@@ -222,6 +211,36 @@ def find_run_dirs(paths: Sequence[str | os.PathLike[str]], unsearched: list[str]
         unsearched.extend(f"{line}; the run directories under it are not read" for line in cannot)
     unique = list(dict.fromkeys(p.absolute() for p in found))
     return unique
+
+
+MAX_SEARCH_DEPTH = 64
+"""How many folders deep below a given folder run directories are looked for. The search was recursive
+(`os.walk`): a folder nested 3,000 deep under a fleet's root ended `ettr fleet` and `ettr serve` with a
+RecursionError traceback, no job shown."""
+
+
+def _run_dirs_below(top: Path, cannot: list[str]) -> Iterator[Path]:
+    """The run directories under the folder `top`, in sorted depth-first order, without recursion: hidden
+    folders and symlinks are not entered, nor a run directory's own subfolders; a folder that cannot be
+    listed, or lies deeper than `MAX_SEARCH_DEPTH`, is one line in `cannot`."""
+    stack = [(top, 0)]
+    while stack:
+        here, depth = stack.pop()
+        if depth and is_run_dir(here):
+            yield here
+            continue
+        if depth >= MAX_SEARCH_DEPTH:
+            cannot.append(f"{here}: cannot be searched (more than {MAX_SEARCH_DEPTH} folders deep)")
+            continue
+        try:
+            with os.scandir(here) as entries:
+                names = [
+                    e.name for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+                ]
+        except OSError as exc:
+            cannot.append(f"{here}: cannot be searched ({exc.strerror or exc})")
+            continue
+        stack.extend((here / name, depth + 1) for name in sorted(names, reverse=True))
 
 
 def same_books(run_dirs: Sequence[Path]) -> dict[Path, Path]:
@@ -309,13 +328,14 @@ def _with_ranks_of(stored: JobSummary | None, summary: JobSummary) -> JobSummary
     return replace(summary, stragglers=stored.stragglers, straggler_lost_s=stored.straggler_lost_s)
 
 
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 """Bumped whenever a summary of the same ledger could come out different (accounting rules, fields).
 2: the `evaluation` bucket. 3: step time, windowed ETT, stragglers. 4: ETT unknown for a job no process of
 which ever reported (a wrapper hid its trainer), however it ended. 5: the family derived for an older run
 directory looks through launchers (accelerate, deepspeed, srun, mpirun). 6: a `BrokenPipeError` is a user
 exception, not infra (collective) (`ettr.causes`). 7: a supervised last attempt whose ATTEMPT_END row was
-lost completed when the job ended with status 0; the derived family looks through shells and `env`."""
+lost completed when the job ended with status 0; the derived family looks through shells and `env`. 8: a
+submission or allocation dated after the job's books begin is unknown (it made the wall time 0)."""
 
 
 def default_cache_dir() -> Path:

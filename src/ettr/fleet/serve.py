@@ -2,9 +2,11 @@
 
 Each scrape re-reads the fleet; finished jobs whose ledger did not change come from a cache, so a scrape
 costs about the running jobs' events. It listens on 127.0.0.1 unless an address is given, and a client can
-hold it only so long: at most `MAX_CONNECTIONS` requests are served at once (more are closed at once), each
-connection gets `READ_TIMEOUT_S` per read and `REQUEST_DEADLINE_S` in all (a slowloris or an HTTP/0.9
-client that never ends its request line is cut off), and the listen backlog is bounded.
+hold it only so long: at most `MAX_CONNECTIONS` requests are served at once, each connection gets
+`READ_TIMEOUT_S` per read and `REQUEST_DEADLINE_S` in all (a slowloris or an HTTP/0.9 client that never ends
+its request line is cut off), and the listen backlog is bounded. When every slot is taken, a new connection
+takes the slot of the oldest one whose request head is still arriving (cut), and only when there is none is it
+closed at once: slow clients cannot keep a scrape out by holding every slot.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ logger = logging.getLogger("ettr")
 DEFAULT_ADDR = "127.0.0.1"
 """Where `ettr serve` listens unless `--addr` says otherwise (the contract: never every interface by default)."""
 MAX_CONNECTIONS = 16
-"""Requests served at once; a connection beyond them is closed at once (Prometheus retries the next scrape)."""
+"""Requests served at once; a connection beyond them takes the slot of the oldest connection still sending its
+request head, else it is closed at once (Prometheus retries the next scrape)."""
+SLOT_WAIT_S = 5.0
+"""How long a new connection waits for the slot of the slow connection it cut (its thread ends at once)."""
 BACKLOG = 32
 """Connections the kernel queues before they are accepted."""
 READ_TIMEOUT_S = 10.0
@@ -45,9 +50,14 @@ the target) goes on in the background, and the scrape serves the newest complete
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """Logs nothing per request; every read waits at most `READ_TIMEOUT_S` (`StreamRequestHandler.timeout`)."""
+    """Logs nothing per request; every read waits at most `READ_TIMEOUT_S` (`StreamRequestHandler.timeout`).
+    Tells the server when the request head has arrived, and answers nothing to a connection cut meanwhile."""
 
     timeout = READ_TIMEOUT_S
+    server: BoundedServer
+
+    def parse_request(self) -> bool:
+        return super().parse_request() and self.server.head_arrived(self.request)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass
@@ -63,17 +73,48 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._heads: dict[socket.socket, None] = {}
+        """Connections whose request head has not all arrived, oldest first."""
+        self._cut_heads: set[socket.socket] = set()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # busy: refused at once, never queued without bound
+        if not self._slots.acquire(blocking=False) and not self._take_a_slow_slot():
+            self.shutdown_request(request)  # busy with whole requests: refused at once, never queued
             return
+        with self._lock:
+            self._heads[request] = None
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self._forget(request)
             self._slots.release()
             raise
+
+    def _take_a_slow_slot(self) -> bool:
+        """Cut the oldest connection still sending its request head (16 slowloris clients held every slot,
+        and every scrape was refused while they did) and take its slot once its thread ends."""
+        with self._lock:
+            oldest = next(iter(self._heads), None)
+            if oldest is None:
+                return False
+            del self._heads[oldest]
+            self._cut_heads.add(oldest)
+        _cut(oldest)
+        return self._slots.acquire(timeout=SLOT_WAIT_S)
+
+    def head_arrived(self, request: socket.socket) -> bool:
+        """The request head of `request` was read: its connection is no longer given up for a new one.
+        False when it was cut for one meanwhile (then nothing is answered)."""
+        with self._lock:
+            self._heads.pop(request, None)
+            return request not in self._cut_heads
+
+    def _forget(self, request: socket.socket) -> None:
+        with self._lock:
+            self._heads.pop(request, None)
+            self._cut_heads.discard(request)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         deadline = threading.Timer(REQUEST_DEADLINE_S, _cut, (request,))
@@ -83,6 +124,7 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             deadline.cancel()
+            self._forget(request)
             self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:

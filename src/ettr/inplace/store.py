@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import secrets
 import time
 from collections.abc import Mapping
@@ -26,9 +27,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ettr.run_env import INPLACE_STORE_ENV, memory_root, private_dir_problem
+from ettr.untrusted import printable
 
 _PATH_KEY = "ettr/inplace/filestore"
 _OPENED_KEY = "ettr/inplace/filestore-opened"
+_STORE_NAME = re.compile(r"inplace-[0-9]+-[0-9a-f]{12}\.store")
+"""The name rank 0 gives the job's FileStore (`_local_file_store`); the others open no other."""
 
 
 class StoreUnavailable(RuntimeError):
@@ -98,6 +102,23 @@ def _explicit(url: str, timeout: datetime.timedelta) -> JobStore:
     raise StoreUnavailable(f"{INPLACE_STORE_ENV}={url!r}: expected file:///PATH or tcp://HOST:PORT")
 
 
+def _store_path_of_rank_0(named: bytes, root: Path) -> str:
+    """The FileStore path rank 0 put in the bootstrap store, if it is one rank 0 makes: a fresh name directly
+    in this user's private `root`. Anyone who can reach rank 0's TCP store could have set the key instead
+    (torch's stores take no credentials), and every later generation of the job re-forms through that file:
+    a path of theirs (`/tmp/theirs.store`) would hand them the job's rendezvous. Raises StoreUnavailable."""
+    path = named.decode("utf-8", "replace")
+    candidate = Path(path)
+    if not candidate.is_absolute() or candidate.parent != root or not _STORE_NAME.fullmatch(candidate.name):
+        raise StoreUnavailable(
+            f"rank 0's store names {printable(path)!r} as the job's FileStore, not a file rank 0 makes in {root}"
+        )
+    problem = private_dir_problem(root)
+    if problem is not None:
+        raise StoreUnavailable(f"the in-place store is not kept there: {problem}")
+    return path
+
+
 def _local_file_store(
     bootstrap: dist.Store, *, rank: int, world_size: int, root: Path, timeout: datetime.timedelta
 ) -> JobStore:
@@ -114,7 +135,7 @@ def _local_file_store(
         bootstrap.set(_PATH_KEY, str(owned))
         path = str(owned)
     else:
-        path = bootstrap.get(_PATH_KEY).decode()
+        path = _store_path_of_rank_0(bootstrap.get(_PATH_KEY), root)
     store = dist.FileStore(path, -1)
     store.set_timeout(timeout)
     bootstrap.add(_OPENED_KEY, 1)

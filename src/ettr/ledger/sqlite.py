@@ -53,6 +53,27 @@ CREATE INDEX IF NOT EXISTS events_by_attempt ON events (attempt, ts);
 """
 
 
+def _schema_problem(conn: sqlite3.Connection) -> str | None:
+    """Why a ledger file's schema is not one ettr makes, where what it holds would run on a read or a write:
+    a view, trigger, virtual table or computed column. A forged `ledger.db` whose `events` was a view over an
+    endless recursive query held `ettr report` (and a whole `ettr fleet`, every `ettr serve` read) for ever."""
+    for kind, name in conn.execute(
+        "SELECT type, name FROM sqlite_master WHERE type NOT IN ('table', 'index') "
+        "OR (type = 'table' AND sql LIKE 'CREATE VIRTUAL%') LIMIT 1"
+    ):
+        return f"it holds a {'virtual table' if kind == 'table' else kind} named {name!r}"
+    for table in ("meta", "events"):
+        found = conn.execute("SELECT type FROM sqlite_master WHERE name = ?", (table,)).fetchone()
+        if found is None:
+            continue  # a new file (the schema is made next), or one a read then finds no table in (one line)
+        if found[0] != "table":
+            return f"its {table} is a {found[0]}, not a table"
+        # hidden 2 and 3: generated columns, computed on every read
+        if any(column[6] not in (0, 1) for column in conn.execute(f"PRAGMA table_xinfo({table})")):
+            return f"its {table} table has computed columns"
+    return None
+
+
 def _text_or_bytes(raw: bytes) -> str | bytes:
     """A TEXT cell as text, or as its bytes when they are not UTF-8 (damage: the row checks skip it)."""
     try:
@@ -178,6 +199,13 @@ class SqliteLedger:
         # NORMAL in WAL mode: a committed transaction survives a crash of the process (not of the OS),
         # which is the durability the contract asks for, at a fraction of FULL's fsync cost.
         conn.execute("PRAGMA synchronous = NORMAL")
+        try:  # before anything reads or writes a table: a view or trigger would run then
+            problem = _schema_problem(conn)
+        except sqlite3.OperationalError:  # locked or busy: what follows waits and says so itself
+            problem = None
+        if problem is not None:
+            conn.close()
+            raise sqlite3.DatabaseError(problem)
         return conn
 
     def _probe(self, *, read_only: bool) -> tuple[str] | None:

@@ -24,7 +24,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -48,7 +47,7 @@ from ettr.publish.sample import (
     slice_batch,
     tolerances,
 )
-from ettr.untrusted import loads_bounded, open_regular
+from ettr.untrusted import loads_bounded, open_regular, remove_tree
 
 logger = logging.getLogger("ettr")
 
@@ -310,7 +309,7 @@ def build_artifact(
             fsync_dir(final.parent)
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_quietly(tmp)
     return ArtifactResult(path=str(final), created=True, manifest=manifest)
 
 
@@ -363,7 +362,15 @@ def _remove_dead_builds(final: Path) -> None:
     for leftover in final.parent.glob(f".{final.name}.tmp-*"):
         pid_text = leftover.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
         if pid_text.isdigit() and not pid_alive(int(pid_text), None):
-            shutil.rmtree(leftover, ignore_errors=True)
+            _remove_quietly(leftover)
+
+
+def _remove_quietly(path: Path) -> None:
+    """Delete a build's directory if it can be, without recursion (`ettr.untrusted.remove_tree`): whoever
+    writes the publish root could plant a leftover nested thousands deep, and `shutil.rmtree`'s
+    RecursionError then failed every request for that artifact."""
+    with contextlib.suppress(OSError):
+        remove_tree(path)
 
 
 def _model_args(inputs: dict[str, torch.Tensor], specs: Any) -> list[Any]:

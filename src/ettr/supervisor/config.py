@@ -14,6 +14,10 @@ JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 in a shell command, never `.` or `..`."""
 
 _CLOCK_SKEW_S = 300.0  # how far in the future a given time may be (clocks of submit hosts differ a little)
+_MAX_AGE_S = 5 * 365.25 * 86400.0
+"""How far in the past a given time may be: half the span around a job's median time outside which the books
+skip an event as damage (`ettr.ledger.rows.PLAUSIBLE_SPAN_S`). `--allocated-at 0` was recorded, then skipped on
+every read (`skipped 1 unreadable ledger records`, the time given silently lost)."""
 
 
 def check_job_id(job_id: str) -> str:
@@ -28,7 +32,8 @@ def check_job_id(job_id: str) -> str:
 
 
 def check_job_times(submitted_at: float | None, allocated_at: float | None, *, now: float) -> None:
-    """Refuse times that cannot be: not finite, in the future, or an allocation before the submission."""
+    """Refuse times that cannot be: not finite, in the future, an allocation before the submission, or years
+    before now (a job waits no years in a queue: seconds since 1970 mistyped, or a small number of seconds)."""
     for name, value in (("submitted-at", submitted_at), ("allocated-at", allocated_at)):
         if value is None:
             continue
@@ -41,6 +46,12 @@ def check_job_times(submitted_at: float | None, allocated_at: float | None, *, n
             f"--allocated-at is {submitted_at - allocated_at:.0f} s before --submitted-at "
             "(a job is allocated after it is submitted)"
         )
+    for name, value in (("submitted-at", submitted_at), ("allocated-at", allocated_at)):
+        if value is not None and value < now - _MAX_AGE_S:
+            raise ValueError(
+                f"--{name} {value:g} is {(now - value) / (365.25 * 86400):.0f} years before now "
+                "(give when it happened, in Unix seconds or ISO-8601)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
