@@ -65,3 +65,15 @@ def test_a_single_group_destroyed_is_held_and_ettrs_own_teardown_is_not(wrapped:
     # ettr's in-place teardown wants the connections closed at once: nothing held
     exec("destroy()", {"__name__": "ettr.inplace.rendezvous", "destroy": wrapped})
     assert not dist.is_initialized() and len(group_teardown._held) == 1
+
+
+def test_the_in_place_teardown_lets_go_of_the_groups_the_script_destroyed(wrapped: Any) -> None:
+    """A `train` that destroys its group in a `finally:` must not keep its connections open through an in-place
+    recovery (a peer blocked on this rank fails when they close)."""
+    from ettr.inplace import rendezvous
+
+    _init()
+    wrapped()
+    assert group_teardown._held
+    rendezvous.leave("gloo")
+    assert not group_teardown._held

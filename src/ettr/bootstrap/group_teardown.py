@@ -17,7 +17,8 @@ the interpreter still runs every thread. A script that keeps its DDP model to th
 global) releases it there as before.
 
 ettr's own calls are not held: the in-place recovery's teardown (`ettr.inplace.rendezvous`) destroys the groups
-so that their connections close at once and a blocked peer fails (docs/inplace.md)."""
+so that their connections close at once and a blocked peer fails (docs/inplace.md); it lets go of the held ones
+too before it collects (a `train` that destroys its group in a `finally:`)."""
 
 from __future__ import annotations
 

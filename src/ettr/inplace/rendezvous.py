@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ettr import torch_compat
+from ettr.bootstrap.group_teardown import release
 from ettr.inplace import libraries
 
 logger = logging.getLogger("ettr")
@@ -128,6 +129,7 @@ def leave(
         released = default is None or sys.getrefcount(default) <= 2
         del default
         return time.monotonic() - begin, released
+    release()  # groups the script destroyed itself (a `finally:` in train), held to the exit handlers
     gc.collect()  # process groups held by the failed generation's objects (DDP's reducer): their sockets close
     released = default is None or sys.getrefcount(default) <= 2  # `default` and getrefcount's own argument
     pause_s = 0.005
