@@ -92,7 +92,8 @@ class CheckpointConfig:
     mode: PersistMode | str = PersistMode.THREAD
     """Where the background persist runs: `thread` or `process` (see `PersistMode`)."""
     verify_checksums: bool = True
-    """Whether "latest" re-reads every file and checks its CRC-32 against the manifest (else only sizes)."""
+    """Whether "latest" re-reads every file and checks its CRC-32 against the manifest (else only sizes: a
+    data file changed at the same size then loads as its bytes are, raw tensor records included)."""
     num_io_threads: int = 1
     """Writer threads per rank (DCP's `thread_count`); each writes its own file."""
     raw_tensors: bool = True

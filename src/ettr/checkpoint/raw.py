@@ -107,7 +107,8 @@ def is_raw(info: Any) -> bool:
 
 def split(plan: LoadPlan, metadata: Metadata) -> tuple[LoadPlan, list[Any]]:
     """`plan` less its raw records, and those records' read items."""
-    raw, rest = [], []
+    raw: list[Any] = []
+    rest: list[Any] = []
     for item in plan.items:
         info = metadata.storage_data.get(item.storage_index)
         (raw if item.type != LoadItemType.BYTE_IO and is_raw(info) else rest).append(item)
