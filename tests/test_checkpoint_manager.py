@@ -329,7 +329,9 @@ def test_a_real_full_disk_during_persist(tmp_path):
             assert manager.save(1, wait=True)
             saved = _params(state)
             ballast = disk / "ballast"
-            with open(ballast, "wb") as stream:  # fill the disk
+            with open(
+                ballast, "wb", buffering=0
+            ) as stream:  # fill the disk (unbuffered: close flushes nothing)
                 with contextlib.suppress(OSError):
                     while True:
                         stream.write(b"\0" * 65536)

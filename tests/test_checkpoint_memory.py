@@ -538,3 +538,89 @@ def test_a_root_and_run_directory_whose_names_are_not_utf8_keep_their_copy(
     assert _copies(root).own_path().is_file()
     step, digest, source, _ = _restore(root)
     assert (step, source, digest) == (10, "memory", reference[10])
+
+
+# -- a later copy overwrites the one this process wrote, in place ------------------------------------------
+
+
+def _keep(copies: MemoryCopies, scale: float, step: int = 7) -> int:
+    state = _state()
+    state["model"]["w"] = state["model"]["w"] * scale
+    binding = Binding(step=step, manifest_sha256="ab" * 32, world_size=1)
+    return copies.keep(state, binding)
+
+
+def _loaded_w(path: Path) -> torch.Tensor:
+    with open_snapshot(path) as snap:
+        w = snap.load()["model"]["w"].clone()
+    return w
+
+
+def test_a_later_copy_reuses_the_file_this_process_wrote(tmp_path: Path) -> None:
+    copies = MemoryCopies(tmp_path / "copies", rank=0)
+    assert _keep(copies, 1.0) > 0
+    first = os.stat(copies.own_path()).st_ino
+    assert _keep(copies, 2.0, step=8) > 0
+    assert os.stat(copies.own_path()).st_ino == first  # overwritten in place, not a new file
+    assert torch.equal(_loaded_w(copies.own_path()), _state()["model"]["w"] * 2.0)
+    with open_snapshot(copies.own_path()) as snap:
+        assert snap.info.binding.step == 8
+
+
+def test_a_copy_killed_while_overwritten_in_place_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state a SIGKILL leaves mid-overwrite (payload half new) reads as no snapshot at all."""
+    from ettr.checkpoint import snapshot
+
+    copies = MemoryCopies(tmp_path / "copies", rank=0)
+    _keep(copies, 1.0)
+    torn = tmp_path / "torn.snap"
+    real = snapshot._pwrite_all
+    calls = []
+
+    def killed_after_one_piece(fd: int, data: memoryview, offset: int) -> None:
+        calls.append(offset)
+        real(fd, data, offset)
+        if len(calls) == 1:
+            shutil.copy(copies.own_path(), torn)  # what the file holds when the process dies here
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(snapshot, "_pwrite_all", killed_after_one_piece)
+    with pytest.raises(KeyboardInterrupt):
+        _keep(copies, 3.0, step=8)
+    assert torn.read_bytes()[:8] == bytes(8)
+    with pytest.raises(CheckpointInvalid, match="bad magic"):
+        open_snapshot(torn)
+    assert not copies.own_path().exists()  # and the writer, where it lives to see it, removes it
+    monkeypatch.setattr(snapshot, "_pwrite_all", real)
+    assert _keep(copies, 4.0, step=9) > 0  # the next copy is a new file
+    assert torch.equal(_loaded_w(copies.own_path()), _state()["model"]["w"] * 4.0)
+
+
+def test_a_copy_still_mapped_by_a_restore_is_never_overwritten(tmp_path: Path) -> None:
+    copies = MemoryCopies(tmp_path / "copies", rank=0)
+    _keep(copies, 1.0)
+    first = os.stat(copies.own_path()).st_ino
+    snap = open_snapshot(copies.own_path())
+    alive = snap.load()["model"]["w"]  # a view of the mapped file, kept past close
+    snap.close()
+    _keep(copies, 5.0, step=8)
+    assert os.stat(copies.own_path()).st_ino != first  # a new file, renamed over the old one
+    assert torch.equal(alive, _state()["model"]["w"])  # the restored state did not change under it
+    assert torch.equal(_loaded_w(copies.own_path()), _state()["model"]["w"] * 5.0)
+    del alive
+
+
+def test_a_copy_replaced_by_someone_else_is_not_written_through(tmp_path: Path) -> None:
+    copies = MemoryCopies(tmp_path / "copies", rank=0)
+    _keep(copies, 1.0)
+    path = copies.own_path()
+    other = tmp_path / "other"
+    other.write_bytes(b"not ours")
+    path.unlink()
+    path.symlink_to(other)  # someone put a link where the copy was
+    _keep(copies, 6.0, step=8)
+    assert other.read_bytes() == b"not ours"
+    assert not path.is_symlink()
+    assert torch.equal(_loaded_w(path), _state()["model"]["w"] * 6.0)

@@ -92,9 +92,15 @@ class CheckpointConfig:
     mode: PersistMode | str = PersistMode.THREAD
     """Where the background persist runs: `thread` or `process` (see `PersistMode`)."""
     verify_checksums: bool = True
-    """Whether "latest" re-reads every file and checks its CRC-32 against the manifest (else only sizes)."""
+    """Whether "latest" re-reads every file and checks its CRC-32 against the manifest (else only sizes: a
+    data file changed at the same size then loads as its bytes are, raw tensor records included)."""
     num_io_threads: int = 1
     """Writer threads per rank (DCP's `thread_count`); each writes its own file."""
+    raw_tensors: bool = True
+    """Write each tensor's bytes as they are into DCP's data files (`ettr.checkpoint.raw`: no `torch.save`
+    per tensor, a save's largest CPU cost) where the storage's writer is DCP's file writer with one writer
+    thread; such checkpoints load with ettr, not with a plain `dcp.load`. False: DCP's `torch.save`
+    records. Either kind, and checkpoints written before, load alike."""
     overlap_staging: bool = True
     """Let the copy of the model and optimizer tensors run while the next step's forward and backward run.
     The loop then waits for it (recorded as CHECKPOINT_BLOCKING) only right before the optimizer's next

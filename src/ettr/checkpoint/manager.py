@@ -353,6 +353,7 @@ class CheckpointManager:
                     fault_hook=self.config.fault_hook,
                     secret=self._ring.signing,
                     job_id=self._job_id,
+                    raw_tensors=self.config.raw_tensors,
                 )
                 upload = self._persister.launch(state_dict, writer, step=step)
             except Exception as exc:

@@ -26,6 +26,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Mapping
@@ -216,11 +217,17 @@ def write(
     rank: int,
     created_ts: float,
     piece_crcs: Mapping[tuple[int, int], int] | None = None,
+    over: FileId | None = None,
 ) -> int:
-    """Write a snapshot of `state_dict` to `path` (a new file: created exclusively, never through a
-    symlink); returns its size. The caller renames it into place. `piece_crcs`: the CRC-32 of tensors
-    already summed, by (address, bytes) (`checksums.Sums.pieces`: the persist summed the staged buffers
-    as it wrote them); those are not summed again (one that no longer matches the bytes makes the
+    """Write a snapshot of `state_dict` to `path`; returns its size. Without `over`, `path` is a new file
+    (created exclusively, never through a symlink) that the caller renames into place. With `over`, `path` is
+    an existing snapshot this process wrote (`FileId.of`), overwritten in place so that its memory pages are
+    reused instead of new ones allocated and zeroed (about half a copy's CPU): its magic is cleared first
+    and written back last, after the payload and the header, so that a copy torn by a crash reads as no
+    snapshot at all (and its payload CRC-32 would refuse it too); a file that is not the one named by
+    `over` (replaced, a symlink) raises `NotReusable` before anything is written. `piece_crcs`: the CRC-32
+    of tensors already summed, by (address, bytes) (`checksums.Sums.pieces`: the persist summed the staged
+    buffers as it wrote them); those are not summed again (one that no longer matches the bytes makes the
     snapshot fail its check at load, never pass). Raises SnapshotUnsupported, OSError."""
     layout = _Layout()
     tree = layout.encode(state_dict)
@@ -258,13 +265,22 @@ def write(
     }
     header = _header_bytes(body)
     data_offset = _align(len(MAGIC) + 8 + len(header))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags, 0o600)
+    nofollow = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    if over is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | nofollow, 0o600)
+    else:
+        fd = os.open(path, os.O_WRONLY | nofollow)
+        if FileId.of_fd(fd) != over:
+            os.close(fd)
+            raise NotReusable(f"{path} is not the snapshot this process wrote")
     try:
+        if over is not None:
+            os.pwrite(fd, bytes(len(MAGIC)), 0)  # no snapshot until the magic is back, last
         os.ftruncate(fd, data_offset + payload_bytes)  # holes for the padding; tmpfs allocates on write
-        os.pwrite(fd, MAGIC + struct.pack("<Q", len(header)) + header, 0)
         for (at, _), piece in zip(entries, pieces, strict=True):
             _pwrite_all(fd, piece, data_offset + at)
+        os.pwrite(fd, struct.pack("<Q", len(header)) + header, len(MAGIC))
+        os.pwrite(fd, MAGIC, 0)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -272,6 +288,46 @@ def write(
         raise
     os.close(fd)
     return data_offset + payload_bytes
+
+
+class NotReusable(OSError):
+    """The file to overwrite in place is not the snapshot this process wrote there (`write`'s `over`)."""
+
+
+@dataclass(frozen=True)
+class FileId:
+    """A file's identity (device, inode) and the time of its last change: a snapshot file this process
+    wrote, and may overwrite in place, is still that file."""
+
+    device: int
+    inode: int
+    ctime_ns: int
+
+    @classmethod
+    def of_fd(cls, fd: int) -> FileId:
+        st = os.fstat(fd)
+        return cls(st.st_dev, st.st_ino, st.st_ctime_ns)
+
+    @classmethod
+    def of(cls, path: Path) -> FileId | None:
+        """The identity of the regular file at `path` (not through a symlink); None if there is none."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return cls(st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+_STILL_MAPPED: set[tuple[int, int]] = set()
+"""(device, inode) of snapshot files this process mapped and could not unmap (a tensor `load` returned is
+still alive): a private mapping shows later writes to the file, so these are never overwritten in place."""
+
+
+def still_mapped(file_id: FileId) -> bool:
+    """Whether this process may still hold a mapping of the file (`Snapshot.close` could not unmap it)."""
+    return (file_id.device, file_id.inode) in _STILL_MAPPED
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -292,13 +348,17 @@ class Snapshot:
     _map: Any
     """The bytes: a private writable mapping of the file, or a writable buffer (what a peer sent)."""
     _data_offset: int
+    _file: tuple[int, int] | None = None
+    """(device, inode) of the mapped file (None: bytes a peer sent); in `_STILL_MAPPED` until unmapped."""
 
     def close(self) -> None:
         """Unmap the file (tensors `load` returned are views of it: copy them first). Where such a view is
-        still alive the mapping is left to be freed with it."""
+        still alive the mapping is left to be freed with it (and the file is never overwritten in place)."""
         if isinstance(self._map, mmap.mmap):
             with contextlib.suppress(BufferError):
                 self._map.close()
+                if self._file is not None:
+                    _STILL_MAPPED.discard(self._file)
 
     def __enter__(self) -> Snapshot:
         return self
@@ -332,7 +392,8 @@ class Snapshot:
             dtype = DTYPES[meta["dtype"]]
             count = nbytes // dtype.itemsize
             flat = (
-                torch.frombuffer(self._map, dtype=dtype, count=count, offset=data + at)
+                # through `view`: each tensor holds the buffer export, so `close` cannot unmap under it
+                torch.frombuffer(view, dtype=dtype, count=count, offset=data + at)
                 if count
                 else torch.empty(0, dtype=dtype)
             )
@@ -354,17 +415,21 @@ def open_snapshot(path: Path) -> Snapshot:
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         if size < len(MAGIC) + 8:
             raise CheckpointInvalid("snapshot is truncated")
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     try:
-        return parse_bytes(mapped)
+        found = parse_bytes(mapped)
     except BaseException:
         mapped.close()
         raise
+    found._file = (st.st_dev, st.st_ino)
+    _STILL_MAPPED.add(found._file)
+    return found
 
 
 def parse_bytes(mapped: Any) -> Snapshot:

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ettr import torch_compat
+from ettr.checkpoint import raw
 from ettr.checkpoint.base import CheckpointError, CheckpointInvalid, ReadableStorage
 from ettr.checkpoint.commit import TRANSIENT_ERRNOS
 
@@ -241,7 +242,9 @@ def check_metadata(metadata: Any, files: Mapping[str, int] | None = None) -> Non
             raise CheckpointInvalid(f"{METADATA_NAME}: item {index.fqn!r} has a bad offset or length")
         if files is not None and offset + length > files[where]:
             raise CheckpointInvalid(f"{METADATA_NAME}: item {index.fqn!r} reads past the end of {where}")
-        if info.transform_descriptors:
+        if info.transform_descriptors and not (
+            raw.is_raw(info) and isinstance(items.get(index.fqn), TensorStorageMetadata)
+        ):
             raise CheckpointInvalid(
                 f"{METADATA_NAME}: item {index.fqn!r} asks for stream transforms, which ettr never writes"
             )
@@ -348,6 +351,7 @@ class VerifiedReader(StorageReader):
         self.name = name
         self.expected = expected
         self.files = dict(files) if files is not None else None
+        self._metadata: Any = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         rel = f"{self.name}/{METADATA_NAME}"
@@ -373,6 +377,7 @@ class VerifiedReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         check_metadata(metadata, self.files)  # what DCP hands back must be what read_metadata checked
+        self._metadata = metadata
         self.inner.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def prepare_local_plan(self, plan: Any) -> Any:
@@ -387,7 +392,12 @@ class VerifiedReader(StorageReader):
                 "ettr reads checkpoints only with ettr.checkpoint.trust.SafeLoadPlanner "
                 f"(dcp.load(..., planner=SafeLoadPlanner())), not {type(planner).__name__}"
             )
-        return self.inner.read_data(plan, planner)
+        rest, records = raw.split(plan, self._metadata)
+        if records:  # ettr's raw tensor records (`raw`): read here; everything else by DCP's reader
+            if not (hasattr(self.inner, "fs") and hasattr(self.inner, "path")):
+                raise CheckpointInvalid(f"{self.name}: raw tensor records need a file reader")
+            raw.read_raw(self.inner, records, self._metadata, planner)
+        return self.inner.read_data(rest, planner)
 
 
 def verified_reader(storage: ReadableStorage, name: str, manifest: Any) -> VerifiedReader:

@@ -31,6 +31,7 @@ from torch.futures import Future
 from ettr.checkpoint.base import CheckpointError, CheckpointStorage, FaultHook, step_dir_name
 from ettr.checkpoint.checksums import SummingFileSystem, Sums
 from ettr.checkpoint.commit import commit
+from ettr.checkpoint.raw import can_write_raw, write_raw
 
 FAULT_POINTS = ("data_written", "metadata_written", "manifest_begin", "manifest_partial", "manifest_renamed")
 """Where `CheckpointConfig.fault_hook` is called during a persist, in order (the first on every rank, the
@@ -90,6 +91,7 @@ class CommittingWriter(StorageWriter):
         fault_hook: fault-injection tests only (`FAULT_POINTS`).
         secret: HMAC key the manifest is signed with (None: unsigned).
         job_id: the job the manifest names.
+        raw_tensors: write tensors as raw records where the inner writer is DCP's file writer (`raw`).
     """
 
     def __init__(
@@ -102,8 +104,10 @@ class CommittingWriter(StorageWriter):
         fault_hook: FaultHook | None = None,
         secret: bytes | None = None,
         job_id: str | None = None,
+        raw_tensors: bool = False,
     ) -> None:
         self.inner = inner
+        self.raw_tensors = raw_tensors
         self.secret = secret
         self.job_id = job_id
         self.storage = storage
@@ -148,8 +152,12 @@ class CommittingWriter(StorageWriter):
         return self.inner.storage_meta()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        future = self.inner.write_data(plan, planner)
-        future.wait()  # DCP's file writers complete synchronously; this keeps the hook after the data
+        if self.raw_tensors and can_write_raw(self.inner):
+            future: Future[list[WriteResult]] = Future()
+            future.set_result(write_raw(self.inner, plan, planner))  # no torch.save per tensor (`raw`)
+        else:
+            future = self.inner.write_data(plan, planner)
+            future.wait()  # DCP's file writers complete synchronously; this keeps the hook after the data
         self._fault("data_written")
         summed: Future[list[WriteResult]] = Future()
         summed.set_result([self._with_sum(result) for result in future.value()])
@@ -211,9 +219,11 @@ def make_writer(
     fault_hook: FaultHook | None = None,
     secret: bytes | None = None,
     job_id: str | None = None,
+    raw_tensors: bool = True,
 ) -> CommittingWriter:
     """A DCP StorageWriter for the checkpoint of `step` that commits (signed with `secret`, naming
-    `job_id`) in `finish`."""
+    `job_id`) in `finish`; with `raw_tensors`, tensors are raw records (`raw`) where the storage's writer
+    is DCP's file writer."""
     inner = storage.dcp_writer(step_dir_name(step), thread_count=num_io_threads)
     return CommittingWriter(
         inner,
@@ -223,4 +233,5 @@ def make_writer(
         fault_hook=fault_hook,
         secret=secret,
         job_id=job_id,
+        raw_tensors=raw_tensors,
     )
