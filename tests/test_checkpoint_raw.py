@@ -85,7 +85,7 @@ def _descriptors(metadata: Metadata) -> set[Any]:
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_raw_records_load_back_bit_identical(tmp_path: Path, mode: str) -> None:
     saved = _state(0)
-    with _manager(tmp_path, saved, mode=mode) as manager:
+    with _manager(tmp_path, saved, mode=mode, raw_tensors=True) as manager:
         manager.save(5, wait=True)
     # tensors are raw records; the pickled parts (step, RNG, ...) are DCP's as before
     assert _descriptors(_metadata(tmp_path, 5)) == {(raw.RAW,), ()}
@@ -103,19 +103,33 @@ def test_a_checkpoint_of_torch_save_records_still_loads(tmp_path: Path) -> None:
         manager.save(5, wait=True)
     assert _descriptors(_metadata(tmp_path, 5)) == {()}
     restored = _state(1)
-    with _manager(tmp_path, restored) as manager:  # the default: raw records from now on
+    with _manager(tmp_path, restored, raw_tensors=True) as manager:  # raw records from now on
         assert manager.restore() == 5
         manager.save(10, wait=True)
     assert _same(saved, restored)
     assert (raw.RAW,) in _descriptors(_metadata(tmp_path, 10))
     again = _state(2)
-    with _manager(tmp_path, again, raw_tensors=False) as manager:  # and back: either kind loads
+    with _manager(tmp_path, again) as manager:  # and back (the default): either kind loads
         assert manager.restore() == 10
     assert _same(saved, again)
 
 
+def test_by_default_a_checkpoint_is_plain_dcp(tmp_path: Path) -> None:
+    """A checkpoint written with the defaults loads with DCP's own reader (`dcp.load`,
+    `format_utils.dcp_to_torch_save`): raw records are asked for."""
+    saved = _state(0)
+    with _manager(tmp_path, saved) as manager:
+        manager.save(5, wait=True)
+    assert _descriptors(_metadata(tmp_path, 5)) == {()}
+    target = _state(1).model.state_dict()
+    dcp.load(
+        {"model": target}, storage_reader=dcp.FileSystemReader(str(tmp_path / step_dir_name(5))), no_dist=True
+    )
+    assert all(torch.equal(target[k], v) for k, v in saved.model.state_dict().items())
+
+
 def test_dcp_own_reader_refuses_a_raw_record_instead_of_misreading_it(tmp_path: Path) -> None:
-    with _manager(tmp_path, _state(0)) as manager:
+    with _manager(tmp_path, _state(0), raw_tensors=True) as manager:
         manager.save(5, wait=True)
     target = _state(1).model.state_dict()
     with pytest.raises(BaseException) as raised:  # noqa: PT011 - DCP wraps it per rank (a BaseException)

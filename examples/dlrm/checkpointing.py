@@ -288,7 +288,11 @@ class EttrCheckpointer:
             history = read_failure_history(ettr.get_recorder().run_dir)
         else:  # every_steps=0 (no periodic saves) still needs an interval: one that never comes in this job
             interval = IntervalConfig(every_steps=every_steps or 2**62)
-        config = CheckpointConfig(root=ckpt_dir, interval=interval, keep_last=2, handle_preemption=True)
+        # raw_tensors: each tensor's bytes as they are, not DCP's torch.save per tensor (less CPU beside
+        # training; the job restores with ettr, which reads them; a plain dcp.load would not)
+        config = CheckpointConfig(
+            root=ckpt_dir, interval=interval, keep_last=2, handle_preemption=True, raw_tensors=True
+        )
         self._manager = CheckpointManager.create(config, ettr_state, failure_history=history)  # collective
 
     def restore(self) -> int | None:

@@ -96,11 +96,13 @@ class CheckpointConfig:
     data file changed at the same size then loads as its bytes are, raw tensor records included)."""
     num_io_threads: int = 1
     """Writer threads per rank (DCP's `thread_count`); each writes its own file."""
-    raw_tensors: bool = True
+    raw_tensors: bool = False
     """Write each tensor's bytes as they are into DCP's data files (`ettr.checkpoint.raw`: no `torch.save`
-    per tensor, a save's largest CPU cost) where the storage's writer is DCP's file writer with one writer
-    thread; such checkpoints load with ettr, not with a plain `dcp.load`. False: DCP's `torch.save`
-    records. Either kind, and checkpoints written before, load alike."""
+    per tensor, most of a save's write CPU) where the storage's writer is DCP's file writer with one writer
+    thread; such checkpoints load with ettr (restore, verify, publish), not with a plain `dcp.load` or
+    `dcp_to_torch_save`, nor with an ettr older than 2026-12-04. False (the default): DCP's own format, a
+    `torch.save` record per tensor, which any DCP reader loads. Either kind, and checkpoints written
+    before, load alike."""
     overlap_staging: bool = True
     """Let the copy of the model and optimizer tensors run while the next step's forward and backward run.
     The loop then waits for it (recorded as CHECKPOINT_BLOCKING) only right before the optimizer's next

@@ -12,8 +12,8 @@ no pickle at all: `read_raw` takes its bytes (`length` must be exactly the chunk
 Records written by `torch.save` (every checkpoint before this, and those of a writer that is not DCP's
 file writer) carry no descriptor and load as before (`torch.load(weights_only=True)`), so a checkpoint of
 either kind, or of both, resumes. DCP's own reader refuses a `RAW` record with "Unknown extension" rather
-than misread it: load these checkpoints with ettr (`CheckpointManager.restore`, `trust.verified_reader`), or
-write `torch.save` records with `CheckpointConfig(raw_tensors=False)`.
+than misread it: load these checkpoints with ettr (`CheckpointManager.restore`, `trust.verified_reader`).
+Raw records are asked for (`CheckpointConfig(raw_tensors=True)`); the default stays DCP's own format.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def make_writer(
     fault_hook: FaultHook | None = None,
     secret: bytes | None = None,
     job_id: str | None = None,
-    raw_tensors: bool = True,
+    raw_tensors: bool = False,
 ) -> CommittingWriter:
     """A DCP StorageWriter for the checkpoint of `step` that commits (signed with `secret`, naming
     `job_id`) in `finish`; with `raw_tensors`, tensors are raw records (`raw`) where the storage's writer
