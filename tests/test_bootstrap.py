@@ -226,6 +226,11 @@ def test_an_unmodified_loop_is_recorded(hooked: tuple[Any, Recorder, Any], tmp_p
         (Phase.CHECKPOINT_BLOCKING, 7),
     ]
     assert commits == [(5, "earlier.pt"), (7, "step-7.pt")]  # one checkpoint of step 7, three files
+    # A resume from a file restored from storage: the report's `(restored from)` says so, not `?`.
+    sources = [
+        e.data.get("source") for e in events if e.kind is EventKind.PHASE_END and e.phase is Phase.RESTORE
+    ]
+    assert sources == ["storage", "storage"]
     files = [
         (e.data["step"], Path(e.data["path"]).name)
         for e in events

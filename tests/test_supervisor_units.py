@@ -27,7 +27,7 @@ from ettr.supervisor.command_output import exception_from_stderr
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times, parse_scontrol_times
 from ettr.supervisor.launch import attempt_launch, detect_launcher, torchrun_command
-from ettr.supervisor.messages import ended_line
+from ettr.supervisor.messages import ended_line, relay_stderr, say
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.watchdog import (
     STARTUP,
@@ -1392,3 +1392,25 @@ def test_a_training_thread_inside_a_torch_compile_pulses_a_compile(tmp_path: Pat
     release.set()
     thread.join()
     assert got and got[0].tolist() == [3.0, 3.0, 3.0]  # type: ignore[attr-defined]
+
+
+def test_a_line_of_ettr_after_a_progress_bar_starts_on_a_line_of_its_own(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Lightning Fabric's build_your_own_trainer draws tqdm bars on stderr (`\rEpoch 0:  42%|...]`, no newline):
+    # ettr's lines were glued to the bar (`...train_accuracy: 0.094]ettr: attempt 0: first training step ...`).
+    code = "import sys; sys.stderr.write('\\rEpoch 0:  42%|####'); sys.stderr.flush()"
+    proc = AttemptProcess([sys.executable, "-c", code], dict(os.environ))
+    assert proc.wait(60) == 0
+    proc.finish()
+    say("attempt 0: first training step 5.7 s after its start")
+    err = capsys.readouterr().err
+    assert err.endswith("\rEpoch 0:  42%|####\nettr: attempt 0: first training step 5.7 s after its start\n")
+    # After a line the job ended, and after a line of ettr's, no empty line.
+    relay_stderr(b"step 1\n", None)
+    say("one")
+    say("two")
+    assert capsys.readouterr().err == "step 1\nettr: one\nettr: two\n"
+    relay_stderr(b"bar\r", None)  # a carriage return leaves the bar on the line
+    say("three")
+    assert capsys.readouterr().err == "bar\r\nettr: three\n"

@@ -235,9 +235,13 @@ class CheckpointHooks:
         if found is None and not holds_state:
             return  # data no save of this job left: start-up work (init), not a restore nor a resume
         if not owned:
-            self.rec.span(
-                Phase.RESTORE, begin, step=step, path=path if path is not None else "<in-memory buffer>"
-            )
+            # A load of a file is a restore from storage (the report's `(restored from)` row said `?` for
+            # Lightning Fabric's build_your_own_trainer, resumed from epoch-0004.ckpt by torch.load); of an
+            # in-memory buffer, from where the bytes came is unknown.
+            if path is not None:
+                self.rec.span(Phase.RESTORE, begin, step=step, path=path, source="storage")
+            else:
+                self.rec.span(Phase.RESTORE, begin, step=step, path="<in-memory buffer>")
         if self._resumed or not before_training:
             return
         if step is not None and not holds_state:

@@ -7,19 +7,26 @@ stderr) passes through unchanged around these lines.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, BinaryIO
 
 from ettr.errors import describe_os_error
 from ettr.events import split_failure_message
 from ettr.untrusted import printable
 
 # describe_os_error is ettr.errors', named here too for the supervisor's parts
-__all__ = ["Progress", "describe_os_error", "ended_line", "say"]
+__all__ = ["Progress", "describe_os_error", "ended_line", "relay_stderr", "say"]
 
 if TYPE_CHECKING:
     from ettr.supervisor.classify import AttemptEnd
 
 _MESSAGE_CHARS = 240
+
+# Whether what went to our stderr last (the job's bytes through `relay_stderr`, or a line of ours) ended a line:
+# a progress bar (tqdm's `\rEpoch 4:  58%|...|`) leaves its line open, and a line of ours written then was
+# glued to the bar (`...train_accuracy: 0.156]ettr: attempt 0: first training step 5.7 s after its start`).
+_stderr_lock = threading.Lock()
+_line_open = False
 
 
 def say(message: str) -> None:
@@ -29,8 +36,30 @@ def say(message: str) -> None:
     so a training process writing to the same file (a Slurm job's output) came between them (`... SIGKILL in
     10 sHandling auto-requeue signal: 10`, Lightning's line glued to ettr's). What is not printable is written
     as its escape (`printable`): a message quotes what the books hold (a job id, a family), which whoever
-    writes the run directory or the ledger may have given a terminal escape."""
-    write_stderr(f"ettr: {printable(message)}\n")
+    writes the run directory or the ledger may have given a terminal escape. Where the job's stderr (relayed
+    by `relay_stderr`) left a line open, a progress bar's, the line starts on a line of its own (the job's
+    stdout does not pass through ettr: a bar drawn there is not seen)."""
+    global _line_open
+    with _stderr_lock:
+        opening = "\n" if _line_open else ""
+        write_stderr(f"{opening}ettr: {printable(message)}\n")
+        _line_open = False
+
+
+def relay_stderr(chunk: bytes, out: BinaryIO | None) -> None:
+    """The job's stderr bytes `chunk` to ours (`out`: `sys.stderr.buffer`; None where it has none), noting
+    whether they leave a line open (a carriage return does not end one) for `say`. Raises what `out` raises
+    (OSError, ValueError: our stderr is gone)."""
+    global _line_open
+    if not chunk:
+        return
+    with _stderr_lock:
+        _line_open = not chunk.endswith(b"\n")
+        if out is not None:
+            out.write(chunk)
+            out.flush()
+        else:
+            write_stderr(chunk.decode(errors="replace"))
 
 
 def write_stderr(text: str) -> None:

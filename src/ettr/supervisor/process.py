@@ -26,7 +26,7 @@ from ettr.procs import (
     signal_pids,
     start_ticks,
 )
-from ettr.supervisor.messages import write_stderr
+from ettr.supervisor.messages import relay_stderr
 
 logger = logging.getLogger("ettr")
 
@@ -130,11 +130,7 @@ class AttemptProcess:
                 self._tail += chunk
                 del self._tail[: max(0, len(self._tail) - self._tail_bytes)]
             try:
-                if out is not None:
-                    out.write(chunk)
-                    out.flush()
-                else:
-                    write_stderr(chunk.decode(errors="replace"))
+                relay_stderr(chunk, out)
             except (OSError, ValueError):
                 out = None  # our own stderr is gone: keep draining so the child never blocks
 
