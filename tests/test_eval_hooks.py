@@ -27,6 +27,11 @@ def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[An
         monkeypatch.setattr(ettr.compile, "autoinstall", lambda rec: None)
     except ImportError:
         pass
+    # Another test of this process may have compiled something with Dynamo, after which evaluations are not
+    # timed (`EvalHooks._hookable`): these tests start from a process that compiled nothing.
+    from ettr import torch_compat
+
+    monkeypatch.setattr(torch_compat, "dynamo_frames_compiled", lambda: 0)
     original_train = torch.nn.Module.__dict__["train"]
     original_eval = torch.nn.Module.__dict__["eval"]
     original_getstate = torch.nn.Module.__dict__["__getstate__"]
