@@ -500,15 +500,9 @@ def test_the_documented_names_resolve_after_a_bare_import_ettr():
     assert out.stdout.startswith("ok module 'ettr' has no attribute 'no_such_name'")
 
 
-def test_a_preemption_exit_through_the_wrapper_warns_of_no_failed_generation(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    # The checkpoint manager's preemption raises SystemExit(143) from inside `train`; the wrapper lets it pass
-    # and tears the group down on the way out, while the exception's frames (DDP, the manager) still hold it.
-    # That said "the failed generation's process group is still held" on every rank of a clean preemption.
+def _as_a_single_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as rank 0 of 1 under torchrun's variables (a free port), with no ettr or elastic ones."""
     import socket
-
-    import ettr
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -518,6 +512,18 @@ def test_a_preemption_exit_through_the_wrapper_warns_of_no_failed_generation(
         monkeypatch.setenv(name, value)
     for name in [n for n in os.environ if n.startswith("ETTR_") or n.startswith("TORCHELASTIC_")]:
         monkeypatch.delenv(name)
+
+
+def test_a_preemption_exit_through_the_wrapper_warns_of_no_failed_generation(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The checkpoint manager's preemption raises SystemExit(143) from inside `train`; the wrapper lets it pass
+    # and tears the group down on the way out, while the exception's frames (DDP, the manager) still hold it.
+    # That said "the failed generation's process group is still held" on every rank of a clean preemption.
+
+    import ettr
+
+    _as_a_single_rank(monkeypatch)
 
     def train(gen: Any) -> None:
         held = dist.distributed_c10d._get_default_group()  # as DDP and the checkpoint manager hold it
@@ -536,19 +542,11 @@ def test_a_completed_run_destroys_its_groups_without_the_teardown_collection(
 ) -> None:
     # Once every rank has returned, nobody can be blocked on this rank's connections: the collection that
     # closes them early (and the group's destructor) was 0.3-0.4 s on the way out of each DLRM rank.
-    import socket
 
     import ettr
     from ettr.inplace import rendezvous
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
-    for name in [n for n in os.environ if n.startswith("ETTR_") or n.startswith("TORCHELASTIC_")]:
-        monkeypatch.delenv(name)
+    _as_a_single_rank(monkeypatch)
     collections: list[int] = []
     monkeypatch.setattr(rendezvous.gc, "collect", lambda *a: collections.append(1) or 0)
     leaves: list[dict[str, Any]] = []

@@ -162,30 +162,24 @@ class MemoryCopies:
                 return 0
             over, self._own_file = self._own_file, None
             written = 0
+
+            def write(to: Path, over: FileId | None = None) -> int:
+                return snapshot.write(
+                    to,
+                    state_dict,
+                    binding=binding,
+                    rank=self.rank,
+                    created_ts=time.time(),
+                    piece_crcs=piece_crcs,
+                    over=over,
+                )
+
             if over is not None and not snapshot.still_mapped(over) and FileId.of(path) == over:
                 self._remove_strays(path)
                 with contextlib.suppress(snapshot.NotReusable):  # replaced meanwhile: a new file, below
-                    written = snapshot.write(
-                        path,
-                        state_dict,
-                        binding=binding,
-                        rank=self.rank,
-                        created_ts=time.time(),
-                        piece_crcs=piece_crcs,
-                        over=over,
-                    )
+                    written = write(path, over=over)
             if not written:
-                written = self._write_into_place(
-                    path,
-                    lambda tmp: snapshot.write(
-                        tmp,
-                        state_dict,
-                        binding=binding,
-                        rank=self.rank,
-                        created_ts=time.time(),
-                        piece_crcs=piece_crcs,
-                    ),
-                )
+                written = self._write_into_place(path, write)
             self._own_file = FileId.of(path)
         except snapshot.SnapshotUnsupported as exc:
             self.discard(path)
