@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import CodeType
 
 import pytest
 
@@ -418,6 +419,21 @@ def _codes_on(thread: threading.Thread) -> set[object]:
     return codes
 
 
+def _pulsed_phases(
+    tmp_path: Path, thread: threading.Thread, progress: Progress, *, once_in: CodeType | None = None
+) -> frozenset[str]:
+    """The phases one heartbeat sample and pulse of `thread`'s stack read (first waiting, without a clock,
+    until `once_in` is on that stack)."""
+    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
+    while once_in is not None and once_in not in _codes_on(thread):
+        pass
+    beat.sample()
+    beat.pulse()
+    return read_pulses(tmp_path, 0)[0].phases
+
+
 def _worker_waits_for(path: str, worker_id: int) -> None:
     import time
 
@@ -447,15 +463,9 @@ def test_a_training_thread_waiting_for_dataloader_workers_pulses_a_data_wait(tmp
     got: list[object] = []
     thread = threading.Thread(target=lambda: got.extend(loader), daemon=True)
     thread.start()
-    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
-    path.parent.mkdir(parents=True)
-    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
     site = dataloader._MultiProcessingDataLoaderIter._get_data.__code__
-    while site not in _codes_on(thread):  # its workers are starting: it waits for their first batch
-        pass
-    beat.sample()
-    beat.pulse()
-    assert read_pulses(tmp_path, 0)[0].phases == {"data_wait"}
+    # its workers are starting: it waits for their first batch
+    assert _pulsed_phases(tmp_path, thread, progress, once_in=site) == {"data_wait"}
     gate.touch()
     thread.join()
     assert len(got) == 2
@@ -500,12 +510,7 @@ def test_a_training_thread_in_a_long_torch_save_pulses_a_checkpoint(tmp_path: Pa
     thread = threading.Thread(target=lambda: wrapped({"w": torch.zeros(4)}, slow), daemon=True)
     thread.start()
     slow.writing.wait()
-    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
-    path.parent.mkdir(parents=True)
-    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
-    beat.sample()
-    beat.pulse()
-    assert read_pulses(tmp_path, 0)[0].phases == {"checkpoint_blocking"}
+    assert _pulsed_phases(tmp_path, thread, progress) == {"checkpoint_blocking"}
     slow.release.set()
     thread.join()
     assert torch.load(io.BytesIO(bytes(slow.data)))["w"].shape == (4,)
@@ -521,14 +526,7 @@ def test_a_training_thread_waiting_for_a_child_process_pulses_other(tmp_path: Pa
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     thread = threading.Thread(target=child.wait, daemon=True)
     thread.start()
-    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
-    path.parent.mkdir(parents=True)
-    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
-    while subprocess.Popen.wait.__code__ not in _codes_on(thread):
-        pass
-    beat.sample()
-    beat.pulse()
-    assert read_pulses(tmp_path, 0)[0].phases == {"other"}
+    assert _pulsed_phases(tmp_path, thread, progress, once_in=subprocess.Popen.wait.__code__) == {"other"}
     child.communicate(b"")
     thread.join()
 
@@ -1349,12 +1347,7 @@ def test_a_wait_site_far_below_the_top_of_the_stack_still_opens_its_phase(tmp_pa
     thread = threading.Thread(target=_site_then_deep, args=(release, parked, 150), daemon=True)
     thread.start()
     parked.wait()
-    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
-    path.parent.mkdir(parents=True)
-    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
-    beat.sample()
-    beat.pulse()
-    assert read_pulses(tmp_path, 0)[0].phases == {"compile"}
+    assert _pulsed_phases(tmp_path, thread, progress) == {"compile"}
     release.set()
     thread.join()
 
@@ -1383,12 +1376,7 @@ def test_a_training_thread_inside_a_torch_compile_pulses_a_compile(tmp_path: Pat
     thread = threading.Thread(target=lambda: got.append(compiled(torch.ones(3))), daemon=True)
     thread.start()
     assert parked.wait(600)
-    path = heartbeat_path(tmp_path, 0, 0, pid=4242)
-    path.parent.mkdir(parents=True)
-    beat = MainThreadHeartbeat(path, thread_id=thread.ident, progress=progress)
-    beat.sample()
-    beat.pulse()
-    assert "compile" in read_pulses(tmp_path, 0)[0].phases
+    assert "compile" in _pulsed_phases(tmp_path, thread, progress)
     release.set()
     thread.join()
     assert got and got[0].tolist() == [3.0, 3.0, 3.0]  # type: ignore[attr-defined]

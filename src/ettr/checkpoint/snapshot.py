@@ -304,9 +304,12 @@ class FileId:
     ctime_ns: int
 
     @classmethod
-    def of_fd(cls, fd: int) -> FileId:
-        st = os.fstat(fd)
+    def _of_stat(cls, st: os.stat_result) -> FileId:
         return cls(st.st_dev, st.st_ino, st.st_ctime_ns)
+
+    @classmethod
+    def of_fd(cls, fd: int) -> FileId:
+        return cls._of_stat(os.fstat(fd))
 
     @classmethod
     def of(cls, path: Path) -> FileId | None:
@@ -315,9 +318,7 @@ class FileId:
             st = os.lstat(path)
         except OSError:
             return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        return cls(st.st_dev, st.st_ino, st.st_ctime_ns)
+        return cls._of_stat(st) if stat.S_ISREG(st.st_mode) else None
 
 
 _STILL_MAPPED: set[tuple[int, int]] = set()

@@ -80,6 +80,16 @@ def _info_fields(info: _StorageInfo) -> dict[str, Any]:
     return {f.name: getattr(info, f.name) for f in dataclasses.fields(_StorageInfo)}
 
 
+def _unsummed(result: WriteResult, sums: dict[str, tuple[int, int]]) -> WriteResult:
+    """`result` with DCP's own storage info (what `.metadata` may hold); the file's (size, CRC-32) a rank
+    sent in a `_Summed` go to `sums`."""
+    info = result.storage_data
+    if not isinstance(info, _Summed):
+        return result
+    sums[info.relative_path] = (info.file_size, info.file_crc32)
+    return dataclasses.replace(result, storage_data=info.plain())
+
+
 class CommittingWriter(StorageWriter):
     """Delegates to the storage's own DCP writer, then commits the checkpoint of `step` in `finish`.
 
@@ -173,16 +183,7 @@ class CommittingWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self._check_owner()
         sums: dict[str, tuple[int, int]] = {}
-        plain_results = []
-        for rank_results in results:
-            plain = []
-            for result in rank_results:
-                info = result.storage_data
-                if isinstance(info, _Summed):
-                    sums[info.relative_path] = (info.file_size, info.file_crc32)
-                    result = dataclasses.replace(result, storage_data=info.plain())
-                plain.append(result)
-            plain_results.append(plain)
+        plain_results = [[_unsummed(result, sums) for result in rank_results] for rank_results in results]
         self.inner.finish(metadata, plain_results)
         self._fault("metadata_written")
         if _metadata_fn in self.sums.files:
