@@ -117,8 +117,13 @@ def main() -> None:
         with contextlib.suppress(OSError):
             os.close(status_fd)  # the attempt's script never sees it
     argv, env, cwd = list(request["argv"]), dict(request["env"]), str(request["cwd"])
+    tee = os.environ.get(
+        "ETTR_STDERR_TEE"
+    )  # ettr.warn.STDERR_TEE_ENV: this process's stderr stays the same pipe
     os.environ.clear()
     os.environ.update(env)
+    if tee:
+        os.environ["ETTR_STDERR_TEE"] = tee
     os.chdir(cwd)
     at = 1
     while argv[at] == "-u":  # the standby was started with the same options (`ettr.supervisor.standby`)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from typing import BinaryIO
 
 from ettr.procs import (
     descendants,
@@ -26,7 +27,8 @@ from ettr.procs import (
     signal_pids,
     start_ticks,
 )
-from ettr.supervisor.messages import relay_stderr
+from ettr.supervisor.messages import MarkCarry, relay_stderr
+from ettr.warn import LINE_MARK, STDERR_TEE_ENV
 
 logger = logging.getLogger("ettr")
 
@@ -102,37 +104,53 @@ class AttemptProcess:
             if os.getppid() != parent:  # the supervisor died before the line above took effect
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        self.proc = subprocess.Popen(
-            list(argv),
-            env=dict(env),
-            stderr=subprocess.PIPE,
-            preexec_fn=in_child,
-            close_fds=True,
-            pass_fds=tuple(pass_fds),
-        )
+        # The stderr pipe is made here, so that the job is told which it is (ettr.warn: a line of ettr's written
+        # from the job's side marks its start there, and the tee starts it on a line of its own).
+        read_fd, write_fd = os.pipe()
+        pipe = os.fstat(write_fd)
+        try:
+            self.proc = subprocess.Popen(
+                list(argv),
+                env={**env, STDERR_TEE_ENV: f"{pipe.st_dev}:{pipe.st_ino}"},
+                stderr=write_fd,
+                preexec_fn=in_child,
+                close_fds=True,
+                pass_fds=tuple(pass_fds),
+            )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        self._stderr_fd = read_fd
         self.pid = self.proc.pid
         self._tee = threading.Thread(target=self._copy_stderr, name="ettr-stderr-tee", daemon=True)
         self._tee.start()
 
     def _copy_stderr(self) -> None:
-        stream = self.proc.stderr
-        assert stream is not None
-        out = getattr(sys.stderr, "buffer", None)
-        fd = stream.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            with self._tail_lock:
-                self._tail += chunk
-                del self._tail[: max(0, len(self._tail) - self._tail_bytes)]
-            try:
-                relay_stderr(chunk, out)
-            except (OSError, ValueError):
-                out = None  # our own stderr is gone: keep draining so the child never blocks
+        out: BinaryIO | None = getattr(sys.stderr, "buffer", None)
+        fd = self._stderr_fd
+        carry = MarkCarry()
+        try:
+            while True:
+                try:
+                    read = os.read(fd, 65536)
+                except OSError:
+                    read = b""
+                chunk = carry.take(read) if read else carry.rest()
+                if chunk:
+                    try:
+                        chunk = relay_stderr(chunk, out)
+                    except (OSError, ValueError):
+                        out = None  # our own stderr is gone: keep draining so the child never blocks
+                        chunk = chunk.replace(LINE_MARK.encode(), b"")
+                    with self._tail_lock:
+                        self._tail += chunk
+                        del self._tail[: max(0, len(self._tail) - self._tail_bytes)]
+                if not read:
+                    break
+        finally:
+            os.close(fd)
 
     def poll(self) -> int | None:
         """The return code once the command has exited (negative: killed by that signal), else None."""
