@@ -581,6 +581,12 @@ def test_dcp_saves_and_loads_are_checkpoints(hooked: tuple[Any, Recorder, Any], 
     assert (EventKind.PHASE_END, Phase.RESTORE, "dcp-0") in named  # before the first step: a restore
     # DCP writes through torch.save internally: those nested calls are not checkpoints of their own.
     assert sum(1 for k, p, _ in named if p is Phase.CHECKPOINT_BLOCKING) == 2
+    # The async save's staging span says its persist goes on in the background, and its persist span (the
+    # same step and path) says when it ended: a hang in between names the save (`Progress`, the pulse).
+    blocking = {Path(e.data["path"]).name: e for e in events if e.phase is Phase.CHECKPOINT_BLOCKING}
+    assert blocking["dcp-1"].data.get("persist") == "async" and "persist" not in blocking["dcp-0"].data
+    (persist,) = [e for e in events if e.phase is Phase.CHECKPOINT_PERSIST]
+    assert (persist.step, persist.data["path"]) == (blocking["dcp-1"].step, blocking["dcp-1"].data["path"])
 
 
 def test_calls_from_ettr_modules_are_left_to_them(hooked: tuple[Any, Recorder, Any], tmp_path: Path) -> None:

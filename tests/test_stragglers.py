@@ -176,8 +176,9 @@ def test_the_reports_name_the_slow_rank():
 
 
 # -- slow steps ------------------------------------------------------------------------------------------
-def test_a_slow_warm_up_after_a_restart_is_measured_beside_ett():
-    """Attempt 1 resumes and its first 5 kept steps take 3 steady steps each: 5 x 2 x 0.1 s beyond."""
+def _resumed_job(interval_s, num_steps: int = 50) -> list[Event]:
+    """Attempt 0 takes 50 steps of 0.1 s and fails after committing step 50; attempt 1 resumes from it and
+    takes `num_steps` more, the interval before its (i+1)-th step being `interval_s(i)`."""
     ev = [Event(EventKind.SUPERVISOR_START, T0, 0, SUPERVISOR_RANK, data={"pid": 1})]
     ev.append(Event(EventKind.ATTEMPT_START, T0, 0, SUPERVISOR_RANK))
     ev += [Event(EventKind.STEP, T0 + 1 + 0.1 * i, 0, 0, step=i + 1) for i in range(50)]
@@ -188,15 +189,21 @@ def test_a_slow_warm_up_after_a_restart_is_measured_beside_ett():
     ev.append(Event(EventKind.ATTEMPT_START, T0 + 8, 1, SUPERVISOR_RANK))
     ev.append(Event(EventKind.RESUMED, T0 + 9, 1, 0, step=50))
     t, times = T0 + 10, []
-    for i in range(50):
-        t += 0.3 if 1 <= i <= 5 else 0.1  # intervals of steps 52..56 are slow (51 is the first: no interval)
+    for i in range(num_steps):
+        t += interval_s(i)
         times.append(t)
     ev += [Event(EventKind.STEP, ts, 1, 0, step=51 + i) for i, ts in enumerate(times)]
     ev.append(
         Event(EventKind.ATTEMPT_END, t + 1, 1, SUPERVISOR_RANK, data={"outcome": "completed", "exit_code": 0})
     )
     ev.append(Event(EventKind.JOB_END, t + 2, 1, SUPERVISOR_RANK, data={"exit_status": 0}))
-    r = report(ev)
+    return ev
+
+
+def test_a_slow_warm_up_after_a_restart_is_measured_beside_ett():
+    """Attempt 1 resumes and its first 5 kept steps take 3 steady steps each: 5 x 2 x 0.1 s beyond."""
+    # intervals of steps 52..56 are slow (51 is the first: no interval)
+    r = report(_resumed_job(lambda i: 0.3 if 1 <= i <= 5 else 0.1))
     s = r.slow_steps
     assert s is not None and s.steady_step_s == pytest.approx(0.1)
     (w,) = s.warmups
@@ -208,6 +215,32 @@ def test_a_slow_warm_up_after_a_restart_is_measured_beside_ett():
         "slow steps beyond the steady 100.0 ms a step (counted as training, beside ETT): 1.0 s warming up"
         in render(r)
     )
+    assert s.slow_attempts == ()
+
+
+def test_an_attempt_slower_throughout_is_not_a_warm_up():
+    """Attempt 1 (requeued onto a busier machine) takes 0.4 s for each of its 30 steps where attempt 0 took
+    0.1 s: not 8.7 s "warming up after restarts" (29 timed steps, the whole attempt) but an attempt slower
+    throughout, measured as such; attempt 0 is the steady state."""
+    r = report(_resumed_job(lambda i: 0.4, num_steps=30))
+    s = r.slow_steps
+    assert s is not None and s.steady_step_s == pytest.approx(0.1, rel=1e-4)
+    assert s.warmups == () and s.after_restart_s == 0.0
+    (a,) = s.slow_attempts
+    assert (a.attempt, a.num_steps) == (1, 29) and a.step_s == pytest.approx(0.4, rel=1e-4)
+    assert a.extra_s == pytest.approx(29 * 0.3, rel=1e-4)
+    from ettr.report.json import to_dict
+    from ettr.report.text import render
+
+    line = next(x for x in render(r).splitlines() if x.startswith("slow steps"))
+    assert "warming up" not in line and "no slow warm-up" not in line
+    assert "8.7 s in attempt 1, slower throughout (400.0 ms a step over 29 steps" in line
+    (j,) = to_dict(r)["slow_steps"]["slow_attempts"]
+    assert (j["attempt"], j["num_steps"]) == (1, 29) and j["extra_s"] == pytest.approx(8.7, rel=1e-4)
+    # a short slow stretch at the start is still a warm-up: a few slow steps, then steady
+    r = report(_resumed_job(lambda i: 0.4 if i < 8 else 0.1, num_steps=30))
+    assert r.slow_steps is not None and r.slow_steps.slow_attempts == ()
+    assert r.slow_steps.warmups[0].num_steps == 7
 
 
 # -- windowed ETT ----------------------------------------------------------------------------------------

@@ -372,6 +372,60 @@ def test_a_hang_says_what_each_rank_was_doing(tmp_path: Path) -> None:
     assert dog.check(110.0) == 10.0 and dog.ranks == "at 110.0"
 
 
+def test_a_hang_names_an_async_save_still_persisting(tmp_path: Path) -> None:
+    # A DDP script calling dcp.async_save on its training process group (gloo) hung at step 31: the save's
+    # collectives in its background thread and the step's all-reduce waited on each other. The hang read
+    # "at least 30 steps done, asleep (waiting: a collective, ...)" on both ranks, the save unmentioned.
+    from ettr.supervisor.watchdog import describe_ranks
+
+    progress = Progress()
+    progress.observe(Event(EventKind.STEP, 10.0, 0, 0, step=30))
+    staged = {"path": "/c/step_30", "persist": "async"}  # the bootstrap's dcp.async_save staging span
+    progress.observe(
+        Event(
+            EventKind.PHASE_END, 11.0, 0, 0, phase=Phase.CHECKPOINT_BLOCKING, step=30, value=10.5, data=staged
+        )
+    )
+    sync = {"path": "/c/step_20"}  # a save that blocked for all of it: nothing in the background
+    progress.observe(
+        Event(
+            EventKind.PHASE_END, 11.0, 0, 0, phase=Phase.CHECKPOINT_BLOCKING, step=20, value=10.5, data=sync
+        )
+    )
+    path = heartbeat_path(tmp_path, 0, 0, pid=os.getpid())
+    path.parent.mkdir(parents=True)
+    beat = MainThreadHeartbeat(path, progress=progress)
+    assert beat.pulse()
+    (read,) = read_pulses(tmp_path, 0)
+    assert read.persisting == ((30, 11.0),) and read.phases == frozenset()
+    path.touch()  # the heartbeat, last beaten at 15
+    os.utime(path, (15.0, 15.0))
+    said = describe_ranks(tmp_path, 0, 25.0)
+    assert said.startswith(f"rank 0 (pid {os.getpid()}) quiet 10.0 s, at least 1 step done, ")
+    assert "an async checkpoint save of step 30 persisting for 14.0 s" in said
+    assert said.endswith("give dcp.async_save a process group of its own)")
+    # its future completed: the persist span of the same step and path ends it
+    progress.observe(
+        Event(
+            EventKind.PHASE_END,
+            12.0,
+            0,
+            0,
+            phase=Phase.CHECKPOINT_PERSIST,
+            step=30,
+            value=11.0,
+            data={"path": "/c/step_30"},
+        )
+    )
+    assert beat.pulse() and read_pulses(tmp_path, 0)[0].persisting == ()
+    assert "persisting" not in describe_ranks(tmp_path, 0, 25.0)
+    # an older ettr's pulse has none; a malformed one is read as none, the pulse kept
+    (path.parent / "rank-1-pid-1.pulse").write_text(
+        '{"v": 1, "steps": 1, "step_s": 1, "intervals": 1, "phases": [], "persisting": [[true, 1]]}'
+    )
+    assert {p.rank: p.persisting for p in read_pulses(tmp_path, 0)} == {0: (), 1: ()}
+
+
 def _wait_in_site(release: threading.Event) -> None:
     release.wait()
 

@@ -55,6 +55,8 @@ _INTERVALS_KEPT = 32
 _WAIT_SITE_DEPTH = 256
 """Frames of the training thread's stack looked at for a wait site (`Progress.add_wait_site`): Dynamo's
 `_compile` was measured up to 121 frames below the top during an inductor compile (64 missed it)."""
+_PERSISTING_KEPT = 8
+"""Async saves still persisting that a pulse names (the oldest)."""
 _BACKGROUND_PHASES = frozenset({"checkpoint_persist"})
 """Phases that run beside training (an overlapped persist): the training thread is not waiting on them."""
 
@@ -90,6 +92,8 @@ class Pulse:
     """The phases open in it now (those the training thread waits on)."""
     pid: int | None = None
     """The process (from the file's name)."""
+    persisting: tuple[tuple[int | None, float], ...] = ()
+    """Async checkpoint saves still persisting in the background: (step, since when), oldest first."""
 
 
 class Progress:
@@ -105,6 +109,7 @@ class Progress:
         self._open: dict[str, int] = {}
         self._sites: dict[int, tuple[CodeType, str]] = {}  # by the code's id (it is kept alive here)
         self._waiting: frozenset[str] = frozenset()
+        self._persisting: dict[tuple[int | None, str], float] = {}  # (step, path) -> staged at
         self.version = 0
         """Grows with every change (the sampler writes a pulse only when it moved)."""
 
@@ -128,6 +133,18 @@ class Progress:
                     if not self._open[name]:
                         del self._open[name]
                     self.version += 1
+                self._note_persist(name, event)
+
+    def _note_persist(self, name: str, event: Event) -> None:
+        """An async save's staging span (`persist: "async"`) starts a persist in the background; its
+        CHECKPOINT_PERSIST span (the same step and path, at its future's end) ends it. Under the lock."""
+        data = event.data if isinstance(event.data, dict) else {}
+        key = (event.step, str(data.get("path")))
+        if name == "checkpoint_blocking" and data.get("persist") == "async":
+            self._persisting[key] = event.ts
+            self.version += 1
+        elif name == "checkpoint_persist" and self._persisting.pop(key, None) is not None:
+            self.version += 1
 
     def add_wait_site(self, code: CodeType, phase: str) -> None:
         """While the training thread's stack runs `code` (a library's wait for its own workers: the
@@ -161,6 +178,9 @@ class Progress:
             steps = self._steps
             open_now = self._open.keys() | self._waiting
             phases = sorted(p for p in open_now if p not in _BACKGROUND_PHASES)
+            persisting = sorted(
+                ((step, ts) for (step, _), ts in self._persisting.items()), key=lambda x: x[1]
+            )
         intervals = [b - a for a, b in zip(times, times[1:], strict=False) if b >= a]
         return {
             "v": _PULSE_VERSION,
@@ -168,6 +188,7 @@ class Progress:
             "step_s": statistics.median(intervals) if intervals else None,
             "intervals": len(intervals),
             "phases": phases,
+            "persisting": [[step, ts] for step, ts in persisting[:_PERSISTING_KEPT]],
         }
 
 
@@ -230,7 +251,40 @@ def _pulse_from(rank: int, doc: object) -> Pulse | None:
         step_s=None if step_s is None else float(step_s),
         num_intervals=intervals,
         phases=frozenset(phases[:32]),
+        persisting=_persisting_from(doc.get("persisting")),
     )
+
+
+def _persisting_from(value: object) -> tuple[tuple[int | None, float], ...]:
+    """A pulse's `persisting` ([[step or null, since], ...]; absent in an older ettr's): () if malformed."""
+    if not isinstance(value, list):
+        return ()
+    found = []
+    for item in value[:_PERSISTING_KEPT]:
+        if not (isinstance(item, list) and len(item) == 2):
+            return ()
+        step, since = item
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            return ()
+        if not isinstance(since, int | float) or isinstance(since, bool) or not 0 <= since < 1e11:
+            return ()
+        found.append((step, float(since)))
+    return tuple(found)
+
+
+def persisting_words(persisting: tuple[tuple[int | None, float], ...], now: float) -> str:
+    """`an async checkpoint save of step 30 persisting for 10.4 s` for a hang's description."""
+    step, since = persisting[0]
+    which = "an async checkpoint save" + ("" if step is None else f" of step {step}")
+    more = f" (and {len(persisting) - 1} more)" if len(persisting) > 1 else ""
+    return f"{which}{more} persisting for {max(0.0, now - since):.1f} s"
+
+
+PERSISTING_ADVICE = (
+    " (an async save's collectives on the process group the training uses can wait on the training's: "
+    "give dcp.async_save a process group of its own)"
+)
+"""Said once after a hang's ranks when one of them had an async save persisting."""
 
 
 def _stack_fingerprint(frame: FrameType | None, depth: int = 6) -> tuple[tuple[int, int], ...]:

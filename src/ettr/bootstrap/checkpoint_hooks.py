@@ -596,11 +596,21 @@ class CheckpointHooks:
         finally:
             self._set_busy(False)
         staged = time.time()
-        self.guard.call(
-            "checkpoint save", self.rec.span, Phase.CHECKPOINT_BLOCKING, begin, staged, step=step, path=path
-        )
         future = getattr(result, "upload_completion", result)  # AsyncSaveResponse or a plain Future
-        if step is not None and hasattr(future, "add_done_callback"):
+        watched = step is not None and hasattr(future, "add_done_callback")
+        # `persist`: it goes on in the background, its CHECKPOINT_PERSIST span to come (a hang's pulse says so)
+        extra = {"persist": "async"} if watched else {}
+        self.guard.call(
+            "checkpoint save",
+            self.rec.span,
+            Phase.CHECKPOINT_BLOCKING,
+            begin,
+            staged,
+            step=step,
+            path=path,
+            **extra,
+        )
+        if watched:
             rec, guard = self.rec, self.guard
 
             def done(fut: Any) -> None:

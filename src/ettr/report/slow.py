@@ -47,7 +47,8 @@ def _straggler_json(s: Straggler) -> dict[str, Any]:
 
 
 def slow_steps_json(s: SlowSteps | None) -> dict[str, Any] | None:
-    """The `slow_steps` object: steady_step_s, after_restart_s, warmups, persist_s, straggler_s."""
+    """The `slow_steps` object: steady_step_s, after_restart_s, warmups, persist_s, straggler_s,
+    slow_attempts."""
     if s is None:
         return None
     return {
@@ -58,6 +59,10 @@ def slow_steps_json(s: SlowSteps | None) -> dict[str, Any] | None:
         ],
         "persist_s": s.persist_s,
         "straggler_s": s.straggler_s,
+        "slow_attempts": [
+            {"attempt": a.attempt, "num_steps": a.num_steps, "step_s": a.step_s, "extra_s": a.extra_s}
+            for a in s.slow_attempts
+        ],
     }
 
 
@@ -107,8 +112,13 @@ def text_lines(report: EttReport) -> list[str]:
         if s.warmups:
             steps = sum(w.num_steps for w in s.warmups)
             parts.append(f"{s.after_restart_s or 0.0:.1f} s warming up after restarts ({steps} steps)")
-        else:
+        elif not s.slow_attempts:
             parts.append("no slow warm-up after a restart")
+        parts += [
+            f"{a.extra_s:.1f} s in attempt {a.attempt}, slower throughout ({fmt_step(a.step_s)} a step over "
+            f"{a.num_steps} steps: a busier machine or slower hardware, not a warm-up)"
+            for a in s.slow_attempts
+        ]
         if s.persist_s is not None:
             parts.append(f"{s.persist_s:.1f} s beside checkpoint persists")
         if s.straggler_s is not None:

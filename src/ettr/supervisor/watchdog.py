@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ettr.events import Event, EventKind
-from ettr.heartbeat import PULSE_SUFFIX, Pulse, read_pulses
+from ettr.heartbeat import PERSISTING_ADVICE, PULSE_SUFFIX, Pulse, persisting_words, read_pulses
 from ettr.procs import descendants, run_state, running
 from ettr.run_env import heartbeat_dir, launcher_parent_path
 
@@ -210,6 +210,8 @@ def describe_ranks(
             words.append(f"at least {pulse.steps} step{'s' if pulse.steps != 1 else ''} done")
             if pulse.phases:
                 words.append("in " + ", ".join(sorted(pulse.phases)))
+            if pulse.persisting:
+                words.append(persisting_words(pulse.persisting, now))
         state = run_state(pid)
         if state is None:  # no such process here: it ended (a rank that finished), or it is another host's
             words.append("not running here (exited, or on another host)")
@@ -218,7 +220,7 @@ def describe_ranks(
         else:  # a pid of another host, or reused since: its state says nothing
             words.append("state unknown")
         parts.append(", ".join(words))
-    return "; ".join(parts)
+    return "; ".join(parts) + (PERSISTING_ADVICE if any(p.persisting for p in pulses.values()) else "")
 
 
 def ranks_at_hang(run_dir: str | os.PathLike[str], attempt: int, now: float) -> str:
