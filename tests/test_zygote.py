@@ -17,8 +17,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """\
-import json, os, sys
+import json, os, random, signal, sys
+import numpy
 print(json.dumps({
+    "sigint": str(signal.getsignal(signal.SIGINT)), "random": random.random(),
+    "numpy": float(numpy.random.random()), "hashseed": os.environ.get("PYTHONHASHSEED"),
     "argv": sys.argv, "file": __file__, "cwd": os.getcwd(), "name": __name__, "path0": sys.path[0],
     "rank": os.environ.get("RANK"), "marker": os.environ.get("ZYGOTE_TEST"), "ppid": os.getppid(),
     "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2),
@@ -101,10 +104,12 @@ def test_a_forked_worker_runs_its_script_as_a_cold_start_and_is_the_agents_child
         timeout=60,
     )
     cold_seen = json.loads(cold.stdout)
-    for key in ("argv", "file", "cwd", "name", "path0", "rank", "marker"):
+    for key in ("argv", "file", "cwd", "name", "path0", "rank", "marker", "sigint"):
         assert forked[key] == cold_seen[key], key
     assert forked["ppid"] == said["agent"]  # re-parented to the agent: its own child, not the zygote's
     assert forked["fds"] == cold_seen["fds"]  # only the standard ones (and the listing's own)
+    # Random state drawn afresh in each child, as in each cold start: not the zygote's copied twice.
+    assert scripts[1]["random"] != forked["random"] and scripts[1]["numpy"] != forked["numpy"]
 
 
 def test_a_zygote_with_threads_forks_nothing_and_the_rank_starts_cold_with_the_reason(tmp_path):

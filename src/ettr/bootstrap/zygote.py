@@ -32,12 +32,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 SPAWNED_AT = time.time()
 
+_SIGINT_AT_START: Callable[[int, FrameType | None], Any] | int | None = signal.default_int_handler
+"""SIGINT's handler as the interpreter set it (Python's own, or SIG_IGN where it was ignored at the start)."""
 _ADOPTION_WAIT_S = 10.0
 """How long a child waits to be re-parented to the agent (the middle process exits at once)."""
 
@@ -141,6 +147,7 @@ def _become_child(agent: int, own_session: bool, request_fd: int, stderr_fd: int
         time.sleep(0.0005)
     from ettr.procs import set_parent_death_signal
 
+    signal.signal(signal.SIGINT, _SIGINT_AT_START)  # as a cold start's interpreter sets it
     if own_session:
         os.setsid()
     set_parent_death_signal()
@@ -175,6 +182,10 @@ def _max_fd() -> int:
 
 
 def main() -> None:
+    # On a terminal the zygote is in the job's foreground group: a Ctrl-C is for the workers, not for it
+    # (each child puts back what the interpreter had set at its start, `_become_child`).
+    global _SIGINT_AT_START
+    _SIGINT_AT_START = signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(sys.argv[1]))
     from ettr.bootstrap.standby import _warm_up, run_request
 

@@ -148,7 +148,8 @@ class WorkerGroup:
 
     def describe(self) -> str:
         num_warm = sum(self.warm)
-        warm = f", {num_warm} in warm standbys" if num_warm else ""
+        where = "forked from the zygote" if self.relaunch.path == "forked" else "in warm standbys"
+        warm = f", {num_warm} {where}" if num_warm else ""
         return f"{len(self.procs)} worker(s), pids {', '.join(map(str, self.pids))}{warm}"
 
     def events(self) -> list[AttemptEvent]:
