@@ -138,9 +138,10 @@ def test_an_in_place_replacement_is_forked_from_the_zygote(tmp_path):
     found = _agent(
         tmp_path,
         """
+        from pathlib import Path
         from ettr.supervisor.relaunch import Relaunch
         from ettr.supervisor.standby_group import StandbyGroup, start_zygote, with_zygote
-        z = start_zygote([argv], [env])
+        z = start_zygote([argv], [env], run_dir=Path("."), attempt=0)
         group = with_zygote(None, z)
         process, how, promoted = group.take_rank(1, argv, dict(env, RANK="1"))
         say(path=how.path, promoted=promoted is None, code=process.wait(60))

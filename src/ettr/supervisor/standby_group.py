@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
+from ettr.run_env import trained_modules
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
 from ettr.supervisor.standby import Standby
@@ -160,11 +162,17 @@ class StandbyGroup:
         self.standbys = []
 
 
-def start_zygote(argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]]) -> Zygote | None:
-    """The agent's zygote for workers like `argvs`/`envs`, warm (`Zygote.wait_warm`: the first attempt's
-    workers are forked from it), importing `WARM_MODULES` ahead beside torch; None where there is none (why:
-    in the debug log, and in the relaunch MARK of a zygote dropped later)."""
-    made = Zygote.start(argvs[0], envs[0], modules=WARM_MODULES) if argvs else "no workers"
+def start_zygote(
+    argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, run_dir: Path, attempt: int
+) -> Zygote | None:
+    """The agent's zygote for workers like `argvs`/`envs`, warm (`Zygote.wait_warm`: this supervisor's
+    first attempt, `attempt`, has its workers forked from it), importing ahead beside torch what the attempt
+    before had imported by its first step (a requeued job: `trained_modules`, as its standbys would), else
+    `WARM_MODULES`; None where there is none (why: in the debug log, and in the relaunch MARK of a zygote
+    dropped later). Its warm-up is what each worker would import anyway, once instead of once per worker."""
+    learned = trained_modules(run_dir, attempt - 1) if attempt > 0 else []
+    modules = list(dict.fromkeys(learned or WARM_MODULES))
+    made = Zygote.start(argvs[0], envs[0], modules=modules) if argvs else "no workers"
     if isinstance(made, str):
         logger.debug("ettr: no zygote (%s)", made)
         return None

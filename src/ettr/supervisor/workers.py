@@ -334,7 +334,7 @@ class WorkerGroupKind:
         envs = [self._env(plan, rank, port) for rank in range(self.spec.nproc)]
         self._workers = (argvs, envs)
         if first:
-            self._zygote = start_zygote(argvs, envs)
+            self._zygote = start_zygote(argvs, envs, run_dir=self._run_dir, attempt=plan.attempt)
         ready, self._standbys = with_zygote(self._standbys, self._zygote), None
         group = WorkerGroup.start(
             argvs,
