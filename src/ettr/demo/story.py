@@ -52,7 +52,7 @@ TECHNIQUES = (
         name="start-up not repeated",
         mechanism=(
             "sharding plan computed once and read back; the crash recovered in place (the other rank keeps "
-            "its process), its replacement a warm standby (imports done ahead)"
+            "its process), its replacement forked warm from the agent's zygote (imports done once, ahead)"
         ),
         buckets=(Bucket.INIT,),
     ),
@@ -80,7 +80,7 @@ TECHNIQUES = (
         name="relaunch",
         mechanism=(
             "failure -> next attempt: torchrun relaunched cold vs ettr's agent going on in place, the crashed "
-            "rank's standby taking over"
+            "rank's replacement forked from its zygote"
         ),
         buckets=(Bucket.RESTART, Bucket.OTHER, Bucket.SCHEDULING, Bucket.HARDWARE_SETUP),
     ),

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import BinaryIO
 
@@ -123,9 +124,24 @@ class AttemptProcess:
         finally:
             os.close(write_fd)
         self._stderr_fd = read_fd
+        self._attach()
+
+    def _attach(self) -> None:
         self.pid = self.proc.pid
         self._tee = threading.Thread(target=self._copy_stderr, name="ettr-stderr-tee", daemon=True)
         self._tee.start()
+
+    @classmethod
+    def adopt(cls, pid: int, stderr_fd: int, *, tail_bytes: int = 16384) -> AttemptProcess:
+        """The process of a child this supervisor adopted (a zygote's fork, `ettr.supervisor.zygote`:
+        re-parented here, the child subreaper) whose stderr is the pipe `stderr_fd` (taken over)."""
+        self = cls.__new__(cls)
+        self._tail, self._tail_bytes, self._tail_lock = bytearray(), tail_bytes, threading.Lock()
+        self._known = {}
+        self.proc = AdoptedChild(pid)  # type: ignore[assignment]
+        self._stderr_fd = stderr_fd
+        self._attach()
+        return self
 
     def _copy_stderr(self) -> None:
         out: BinaryIO | None = getattr(sys.stderr, "buffer", None)
@@ -214,3 +230,32 @@ class AttemptProcess:
             text = bytes(self._tail).decode(errors="replace")
         lines = [line.rstrip() for line in text.replace("\r", "\n").splitlines()]
         return [line for line in lines if line][-num_lines:]
+
+
+class AdoptedChild:
+    """What `AttemptProcess` uses of `subprocess.Popen`, for an adopted child (`AttemptProcess.adopt`): its
+    exit status is read with `waitpid`, as Popen reads its own children's."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: the status is lost (Popen says 0 then too)
+                logger.debug("ettr: adopted child %d was reaped elsewhere", self.pid)
+                self.returncode = 0
+                return 0
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
+            time.sleep(0.01)
+        return code
