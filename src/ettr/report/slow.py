@@ -119,8 +119,10 @@ def text_lines(report: EttReport) -> list[str]:
             f"{a.num_steps} steps: a busier machine or slower hardware, not a warm-up)"
             for a in s.slow_attempts
         ]
-        if s.persist_s is not None:
-            parts.append(f"{s.persist_s:.1f} s beside checkpoint persists")
+        if (
+            s.persist_s is not None
+        ):  # steps faster beside the persists than steady: none (the JSON keeps the sign)
+            parts.append(f"{max(0.0, s.persist_s):.1f} s beside checkpoint persists")
         if s.straggler_s is not None:
             parts.append(f"{s.straggler_s:.1f} s waiting for slow ranks")
         lines.append(
