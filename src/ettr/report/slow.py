@@ -116,7 +116,7 @@ def text_lines(report: EttReport) -> list[str]:
             parts.append("no slow warm-up after a restart")
         parts += [
             f"{a.extra_s:.1f} s in attempt {a.attempt}, slower throughout ({fmt_step(a.step_s)} a step over "
-            f"{a.num_steps} steps: a busier machine or slower hardware, not a warm-up)"
+            f"{a.num_steps} steps: not a warm-up; a busier machine, slower hardware or heavier steps)"
             for a in s.slow_attempts
         ]
         if (
