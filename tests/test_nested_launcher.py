@@ -308,6 +308,68 @@ def test_a_bash_wrapper_around_torchrun_is_recorded_rank_by_rank_and_faults_fire
     assert resumed == {4}
 
 
+@pytest.mark.parametrize(
+    ("argv", "restarts"),
+    [
+        (
+            [
+                "/venv/bin/python",
+                "/venv/bin/torchrun",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "2",
+                "t.py",
+            ],
+            2,
+        ),
+        (
+            ["torchrun", "--max_restarts=3", "t.py", "--max-restarts", "9"],
+            3,
+        ),  # the script's own flag is not it
+        (["python", "-m", "torch.distributed.run", "--max-restarts", "1", "t.py"], 1),
+        (["torchrun", "--max-restarts", "2", "--max-restarts=0", "t.py"], 0),  # the last one given: ettr's
+        (["torchrun", "--max-restarts", "x", "t.py"], 0),
+        (["python", "train.py", "--max-restarts", "4"], 0),
+        (["bash", "run.sh"], 0),
+        ([], 0),
+    ],
+)
+def test_the_restarts_a_torchrun_makes_of_its_own(argv: list[str], restarts: int) -> None:
+    from ettr.supervisor.launch import own_restarts
+
+    assert own_restarts(argv) == restarts
+
+
+@pytest.mark.slow
+def test_a_torchrun_exec_ed_with_restarts_of_its_own_is_stopped_with_its_workers(tmp_path: Path) -> None:
+    # `exec torchrun --max-restarts 2 ...` behind a wrapper (the wrapper's pid is torchrun's): after a rank
+    # failed, ettr SIGTERMed the other workers and left torchrun alone, which started its workers again
+    # instead of ending; the new ones ran until the grace's SIGKILL (restart 10.8 s where a wrapper without
+    # `exec` took 2.7 s: pytorch/examples-style DDP + DCP script, 2026-12-05).
+    wrapper = tmp_path / "run_ddp.sh"
+    wrapper.write_text(
+        f"#!/bin/bash\nexec {sys.executable} -m torch.distributed.run --nproc-per-node 2 --max-restarts 2 {DDP} "
+        f"--ckpt-dir {tmp_path / 'ckpt'} --num-steps 10 --save-every 4 --step-s 0.05\n"
+    )
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--grace", "120",
+         "--inject", "crash@step=6,rank=1", "--", "bash", str(wrapper)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    events = read_run_events(run_dir)
+    (first, _) = [e.data for e in events if e.kind is EventKind.ATTEMPT_END]
+    assert first["outcome"] == "failed"
+    # torchrun itself was asked to end (its workers stopped, it exited), not SIGKILLed with a new generation
+    assert "SIGTERM to torchrun, which stopped its workers" in first["reason"], first["reason"]
+    assert "outlived" not in done.stderr
+
+
 def test_a_signal_the_launchers_own_handler_takes_is_noted_as_the_launchers(tmp_path: Path) -> None:
     # `exec torchrun` (or `accelerate launch`) behind a wrapper, SIGTERMed from outside: torch elastic's handler
     # raises SignalException, stops the workers and exits, seconds later (2.5 s for accelerate's example on a

@@ -237,6 +237,14 @@ def test_an_attempt_slower_throughout_is_not_a_warm_up():
     assert "8.7 s in attempt 1, slower throughout (400.0 ms a step over 29 steps" in line
     (j,) = to_dict(r)["slow_steps"]["slow_attempts"]
     assert (j["attempt"], j["num_steps"]) == (1, 29) and j["extra_s"] == pytest.approx(8.7, rel=1e-4)
+    # steps a little faster beside checkpoint persists than steady: no slowdown there, never "-0.0 s"
+    from dataclasses import replace
+
+    from ettr.report.slow import text_lines
+
+    faster = replace(r, slow_steps=replace(s, persist_s=-0.02))
+    (line,) = [x for x in text_lines(faster) if x.startswith("slow steps")]
+    assert "; 0.0 s beside checkpoint persists" in line and "-0.0" not in line
     # a short slow stretch at the start is still a warm-up: a few slow steps, then steady
     r = report(_resumed_job(lambda i: 0.4 if i < 8 else 0.1, num_steps=30))
     assert r.slow_steps is not None and r.slow_steps.slow_attempts == ()

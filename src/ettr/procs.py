@@ -203,6 +203,17 @@ def environ_of(pid: int) -> dict[str, str] | None:
     return env
 
 
+def cmdline_of(pid: int) -> list[str] | None:
+    """The command line process `pid` runs now (`/proc/<pid>/cmdline`: after an `exec`, the new program's);
+    None if unreadable (gone, no /proc)."""
+    try:
+        with open(f"{_PROC}/{pid}/cmdline", "rb") as f:
+            raw = f.read(1 << 16)
+    except OSError:
+        return None
+    return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]] if raw else None
+
+
 def processes_with_env(wanted: dict[str, str]) -> list[tuple[int, int | None, dict[str, str]]]:
     """(pid, start ticks, environment) of every process on this host (but this one) whose environment has
     every `wanted` variable with that value; empty where /proc is missing."""

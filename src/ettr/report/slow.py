@@ -116,11 +116,13 @@ def text_lines(report: EttReport) -> list[str]:
             parts.append("no slow warm-up after a restart")
         parts += [
             f"{a.extra_s:.1f} s in attempt {a.attempt}, slower throughout ({fmt_step(a.step_s)} a step over "
-            f"{a.num_steps} steps: a busier machine or slower hardware, not a warm-up)"
+            f"{a.num_steps} steps: not a warm-up; a busier machine, slower hardware or heavier steps)"
             for a in s.slow_attempts
         ]
-        if s.persist_s is not None:
-            parts.append(f"{s.persist_s:.1f} s beside checkpoint persists")
+        if (
+            s.persist_s is not None
+        ):  # steps faster beside the persists than steady: none (the JSON keeps the sign)
+            parts.append(f"{max(0.0, s.persist_s):.1f} s beside checkpoint persists")
         if s.straggler_s is not None:
             parts.append(f"{s.straggler_s:.1f} s waiting for slow ranks")
         lines.append(

@@ -118,6 +118,24 @@ def torchrun_options(command: Sequence[str]) -> list[tuple[str, str | None]]:
     return _torchrun_split(command)[1]
 
 
+def own_restarts(argv: Sequence[str]) -> int:
+    """The restarts a torchrun process started as `argv` (`/proc/PID/cmdline`: its interpreter first, or
+    `torchrun` itself) makes of its workers on its own (`--max-restarts N`, the last one given); 0 for any
+    other program. ettr's own torchrun commands have `--max-restarts=0`; one a wrapper `exec`s may not."""
+    argv = list(argv)
+    if (
+        len(argv) > 1
+        and os.path.basename(argv[0]).startswith("python")
+        and os.path.basename(argv[1]) == "torchrun"
+    ):
+        argv = argv[1:]  # the console script run by its `#!` interpreter
+    values = [v for n, v in torchrun_options(argv) if _norm(n) == "--max-restarts"]
+    try:
+        return max(0, int(values[-1] or 0)) if values else 0
+    except ValueError:
+        return 0
+
+
 def _norm(name: str) -> str:
     return name.replace("_", "-")
 

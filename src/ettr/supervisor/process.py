@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import BinaryIO
 
 from ettr.procs import (
+    cmdline_of,
     descendants,
     libc_prctl,
     log_readers,
@@ -28,6 +29,7 @@ from ettr.procs import (
     signal_pids,
     start_ticks,
 )
+from ettr.supervisor.launch import own_restarts
 from ettr.supervisor.messages import MarkCarry, relay_stderr
 from ettr.warn import LINE_MARK, STDERR_TEE_ENV
 
@@ -187,6 +189,10 @@ class AttemptProcess:
         back from the job's log readers (`procs.log_readers`: the `tee` its Python processes write to) while
         a writer lives: they end at the end of their input, and the deadline's SIGKILL still reaches them."""
         self.remember_tree()
+        if not include_command and sig != signal.SIGKILL:
+            # a torchrun a wrapper `exec`ed with restarts of its own would start its workers again rather
+            # than end: it is asked to end with them (a wrapper's torchrun without `exec` is a descendant)
+            include_command = own_restarts(cmdline_of(self.pid) or []) > 0
         targets = ([(self.pid, None)] if include_command else []) + list(self._known.items())
         ours = [
             pid
