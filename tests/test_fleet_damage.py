@@ -405,6 +405,27 @@ def test_a_copied_run_directory_is_the_same_job_counted_once(tmp_path, capsys):
     assert "a copy of the books of" in err and "counted once" in err
 
 
+def test_a_forged_copy_claiming_a_jobs_id_never_replaces_the_job(tmp_path, capsys, caplog):
+    # A copy of exp1's books that reaches further (`runs/aa-evil`, its end moved an hour on) was the one
+    # counted, and the job's own directory skipped as "a copy of the books of runs/aa-evil". The job's own
+    # run directory is the one its books name; books rewritten to name their own directory too are a
+    # conflict: both counted, one warning line.
+    runs = tmp_path / "runs"
+    own = str(runs / "exp1")
+    write_job(runs / "exp1", JobSpec(job_id="exp1", num_steps=40, run_dir=own))
+    write_job(runs / "aa-evil", JobSpec(job_id="exp1", num_steps=400, run_dir=own))
+    fleet, err = _fleet_json(str(runs), capsys=capsys)
+    assert [(job["job_id"], job["name"]) for job in fleet["jobs"]] == [("exp1", "exp1")]
+    assert f"aa-evil: a copy of the books of {own} (job exp1" in err
+    shutil.rmtree(runs / "aa-evil")
+    write_job(runs / "aa-evil", JobSpec(job_id="exp1", num_steps=400, run_dir=str(runs / "aa-evil")))
+    with caplog.at_level("WARNING", logger="ettr"):
+        fleet, err = _fleet_json(str(runs), capsys=capsys)
+    assert sorted(job["name"] for job in fleet["jobs"]) == ["aa-evil", "exp1"]  # neither replaces the other
+    warned = [r.getMessage() for r in caplog.records if "is claimed by" in r.getMessage()]
+    assert len(warned) == 1 and "aa-evil and " in warned[0] and own in warned[0], warned
+
+
 def test_a_scrape_is_served_while_slow_clients_hold_every_slot(fleet, tmp_path):
     """Clients that open connections and send a request head a line at a time (a slowloris) held every
     one of the 16 slots for 120 s each, and reconnected: every scrape meanwhile was closed unanswered

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import CodeType
 
@@ -714,7 +715,8 @@ def test_a_live_supervisor_is_told_from_a_dead_one_and_from_a_reused_pid() -> No
 
 # -- Slurm ------------------------------------------------------------------------------------------------
 def test_job_id_and_times_from_slurm() -> None:
-    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_START_TIME": "1700000100"}
+    started = float(int(time.time()) - 100)  # a start time is refused years ago: one of this era
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_START_TIME": str(int(started))}
     assert default_job_id(env) == "4242"
     assert default_job_id({"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}) == "7_3"  # an older Slurm
     # Field trial: `sbatch --array=0-1` as job 12: task 0 ran as job 13 and was booked as "13_0"; Slurm calls
@@ -732,11 +734,26 @@ def test_job_id_and_times_from_slurm() -> None:
         return text
 
     times = job_times(submitted_at=None, allocated_at=None, environ=env, scontrol=scontrol)
-    assert times.allocated_at == 1700000100.0 and times.submitted_at == parsed.submitted_at
+    assert times.allocated_at == started and times.submitted_at == parsed.submitted_at
     assert asked == ["4242"]
     given = job_times(submitted_at=1.0, allocated_at=2.0, environ=env, scontrol=scontrol)
     assert (given.submitted_at, given.allocated_at) == (1.0, 2.0) and asked == ["4242"]
     assert job_times(submitted_at=None, allocated_at=None, environ={}).submitted_at is None
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "1e400", "abc", "99999999999"])
+def test_a_slurm_start_time_that_is_none_is_booked_unknown_in_one_line(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # SLURM_JOB_START_TIME=0 (Slurm's unknown: scontrol prints a start time of 0 as StartTime=Unknown) was
+    # recorded as the allocation and skipped on every read of the books ("skipped 1 unreadable ledger
+    # records"); -1, nan, 1e400 were dropped with a ledger line, "abc" silently.
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_START_TIME": value}
+    times = job_times(submitted_at=None, allocated_at=None, environ=env, scontrol=lambda job: "")
+    assert times.allocated_at is None
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"ettr: SLURM_JOB_START_TIME={value} is ") and line.endswith("booked unknown")
+    assert ("Slurm's unknown start time" in line) == (value == "0")
 
 
 # -- process tree -----------------------------------------------------------------------------------------

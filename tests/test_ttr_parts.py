@@ -365,3 +365,25 @@ def test_the_fleet_counts_recoveries_by_kind():
     assert job_dict(jobs[1])["recoveries"] == [{"kind": "in_place", "ttr_s": 6.25}]
     by_kind = totals_dict(totals(jobs))["ttr_s_by_kind"]
     assert sorted(by_kind) == ["cold_restart", "in_place"] and by_kind["in_place"]["count"] == 1
+
+
+def test_a_recovery_that_restored_nothing_says_so_and_unknown_stays_unknown():
+    """A restart that resumed from no step (it started over: the attempts table's `-`) read `(restored from) ?`
+    in the text, null in the JSON and `?` in the HTML, as if where it restored from were unknown."""
+    from ettr.report.ttr_parts import RESTORED_FROM_ROW, text_lines
+
+    over = [e for e in job() if not (e.attempt == 1 and e.kind is EventKind.STEP)]
+    over += [Event(EventKind.STEP, 14.25 + i * 0.1, 1, 0, step=s) for i, s in enumerate(range(1, 11))]
+    report = compute(sorted(over, key=lambda e: e.ts), now=30.0)
+    assert report.attempts[1].resumed_from_step is None
+    assert report.ttr_parts[0].restored_from == "nothing"
+    assert report_json.to_dict(report)["ttr_parts"][0]["restored_from"] == "nothing"
+    (row,) = [line for line in text_lines(report) if RESTORED_FROM_ROW in line]
+    assert row.split()[-1] == "nothing"
+    assert "<td>nothing</td>" in render_html([report])
+    # It said it resumed, from a step ettr could not place: where from is unknown, not nothing.
+    placed = over + [Event(EventKind.RESUMED, 12.95, 1, 0, data={"unknown": "torch.load of an unknown file"})]
+    unknown = compute(sorted(placed, key=lambda e: e.ts), now=30.0)
+    assert unknown.attempts[1].resumed_step_unknown
+    assert unknown.ttr_parts[0].restored_from is None
+    assert report_json.to_dict(unknown)["ttr_parts"][0]["restored_from"] is None

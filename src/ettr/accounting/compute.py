@@ -26,7 +26,7 @@ from ettr.accounting.slowsteps import slow_steps
 from ettr.accounting.steptime import blocking_spans, kept_step_times, overlaps_any, step_intervals, step_time
 from ettr.accounting.stragglers import rank_speed
 from ettr.accounting.timeline import build_segments
-from ettr.accounting.ttr import breakdowns
+from ettr.accounting.ttr import breakdowns, with_nothing_restored
 from ettr.accounting.window import DEFAULT_WINDOW_S, check_window, ett_window
 from ettr.constants import SIGNALLED_MARK
 from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Outcome, Phase
@@ -155,6 +155,10 @@ def _compute(
         [(r.failed.index, r.recovered.index) for r in recoveries],
         None if tts_window is None else (tts_window.origin_ts, tts_window.attempt),
         job.runs,
+    )
+    resumes = {a.index: (a.resumed_from_step, bool(a.resumed_step_unknown)) for a in attempt_reports}
+    ttr_parts = tuple(
+        with_nothing_restored(p, *resumes.get(p.recovered_attempt, (0, True))) for p in ttr_parts
     )
     job_phases: dict[str, list[float]] = {}
     for report in attempt_reports:

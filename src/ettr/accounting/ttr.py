@@ -47,7 +47,7 @@ TTS gets the same parts after `before_launch` (its origin -> the first attempt's
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Protocol
 
@@ -153,8 +153,10 @@ class RecoveryParts:
     """How the failure was recovered, one of `RECOVERY_KINDS` (None for the time to start)."""
     restored_from: str | None = None
     """Where the ranks of the recovered attempt restored their checkpoint from: the sources their RESTORE
-    phases recorded (`memory`, `peer`, `storage`), joined with `+` where ranks differed; None when no rank
-    recorded one (no restore through ettr's checkpoint manager)."""
+    phases recorded (`memory`, `peer`, `storage`), joined with `+` where ranks differed; `nothing` when no rank
+    recorded one and the attempt resumed from no step (`NOTHING_RESTORED`: it started over, the attempts
+    table's `-`); None when that is unknown (it resumed from a step, or from one ettr could not place, with no
+    restore ettr saw)."""
     restored_why: str | None = None
     """Why ranks that keep memory copies read storage (their RESTORE phases' `memory_not_used`: a rank's own
     reason first, `; `-joined), e.g. `rank 1: memory copy not used: it holds step 325, the newest commit is
@@ -451,6 +453,22 @@ class ResolvedAttempt(Protocol):
     def phases(self) -> Sequence[Span]: ...
     @property
     def rank_gone_ts(self) -> float | None: ...
+
+
+NOTHING_RESTORED = "nothing"
+"""`RecoveryParts.restored_from` of a recovered attempt that restored nothing (it started over)."""
+
+
+def with_nothing_restored(
+    parts: RecoveryParts, resumed_from_step: int | None, resume_unknown: bool
+) -> RecoveryParts:
+    """`parts` saying `nothing` was restored where no rank recorded a restore and its recovered attempt resumed
+    from no step (`resumed_from_step` None, and not for want of knowing: `resume_unknown`): before, such a
+    recovery read `(restored from) ?`, as if where it restored from were unknown, beside the attempts table's
+    `-` (resumed from nothing)."""
+    if parts.restored_from is not None or resumed_from_step is not None or resume_unknown:
+        return parts
+    return replace(parts, restored_from=NOTHING_RESTORED)
 
 
 def breakdowns(

@@ -28,11 +28,14 @@ from ettr.fleet.model import (
     GPUS_RANKS,
     GPUS_WORLD_SIZE,
     MAX_GPUS,
+    MAX_TEXT,
     JobSummary,
     check_summary,
     summarize,
 )
 from ettr.ledger import LedgerError, is_run_dir, ledger_path
+from ettr.untrusted import printable
+from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
 
@@ -135,13 +138,19 @@ def name_of(events: Iterable[Event], run_dir: Path | None = None) -> str:
     last supervisor recorded (a job read from a shared ledger); "" when neither is known."""
     if run_dir is not None:
         return Path(run_dir).absolute().name
+    recorded = recorded_run_dir(events)
+    return Path(recorded).name if recorded else ""
+
+
+def recorded_run_dir(events: Iterable[Event]) -> str:
+    """The run directory the job's last supervisor recorded (`run_dir` of its SUPERVISOR_START); "" if none."""
     recorded = ""
     for e in events:
         if e.kind is EventKind.SUPERVISOR_START and e.rank == SUPERVISOR_RANK and isinstance(e.data, dict):
             found = e.data.get("run_dir")
             if isinstance(found, str) and found:
                 recorded = found
-    return Path(recorded).name if recorded else ""
+    return recorded
 
 
 def summarize_events(
@@ -177,6 +186,7 @@ def summarize_events(
         family=family_of(events),
         source=source,
         name=name_of(events, run_dir),
+        recorded_run_dir=recorded_run_dir(events)[:MAX_TEXT],
         gpus=scan.gpus,
         gpus_source=scan.gpus_source,
         running=running,
@@ -328,14 +338,16 @@ def _with_ranks_of(stored: JobSummary | None, summary: JobSummary) -> JobSummary
     return replace(summary, stragglers=stored.stragglers, straggler_lost_s=stored.straggler_lost_s)
 
 
-CACHE_VERSION = 8
+CACHE_VERSION = 9
 """Bumped whenever a summary of the same ledger could come out different (accounting rules, fields).
 2: the `evaluation` bucket. 3: step time, windowed ETT, stragglers. 4: ETT unknown for a job no process of
 which ever reported (a wrapper hid its trainer), however it ended. 5: the family derived for an older run
 directory looks through launchers (accelerate, deepspeed, srun, mpirun). 6: a `BrokenPipeError` is a user
 exception, not infra (collective) (`ettr.causes`). 7: a supervised last attempt whose ATTEMPT_END row was
 lost completed when the job ended with status 0; the derived family looks through shells and `env`. 8: a
-submission or allocation dated after the job's books begin is unknown (it made the wall time 0)."""
+submission or allocation dated after the job's books begin is unknown (it made the wall time 0). 9: a summary
+keeps the run directory its supervisor recorded (`recorded_run_dir`), which tells a job's own run directory from
+a copy (or a forgery) of its books (`drop_copies`): one stored before it would read as a copy."""
 
 
 def default_cache_dir() -> Path:
@@ -519,25 +531,63 @@ def drop_copies(summaries: list[JobSummary], problems: list[str]) -> tuple[list[
     """One job per job id and start instant: a run directory copied (`cp -r runs/exp1 backup/exp1`, a
     synced mirror) is the same job's books again, and a fleet counted each copy (six copies of an mnist run
     were six jobs, six times its GPU-hours). Two jobs with one id started at once to the microsecond are
-    one job; the copy that reaches furthest is kept (an older copy of a running job's books ends earlier),
-    the others named in `problems`."""
-    kept: dict[tuple[str, float], int] = {}
-    out: list[JobSummary] = []
+    one job, counted from its own run directory: the one its books say its supervisor ran in (a copy's books
+    name the original). Where none is (the original moved or gone), the copy that reaches furthest is kept
+    (an older copy of a running job's books ends earlier). The others are named in `problems`.
+
+    Reaching furthest alone let anyone who can write a fleet's folder replace a job: a copy of its books with
+    a later end (`runs/aa-evil`) was counted, and the job's own directory skipped as "a copy of the books of
+    runs/aa-evil". Where several directories each say the books were written there (books rewritten: one of
+    them is not what its supervisor wrote), which is the job cannot be told: each is counted, and one
+    warning line names them; never is one silently replaced by another."""
+    groups: dict[tuple[str, float], list[JobSummary]] = {}
     for summary in summaries:
-        key = (summary.job_id, round(summary.wall_start_ts, 6))
-        where = kept.get(key)
-        if where is None:
-            kept[key] = len(out)
-            out.append(summary)
+        groups.setdefault((summary.job_id, round(summary.wall_start_ts, 6)), []).append(summary)
+    dropped: set[int] = set()
+    for group in groups.values():
+        if len(group) == 1:
             continue
-        other = out[where]
-        keep, drop = (summary, other) if summary.wall_end_ts > other.wall_end_ts else (other, summary)
-        out[where] = keep
-        problems.append(
-            f"{drop.source}: a copy of the books of {keep.source} (job {keep.job_id}, started at the same "
-            "instant): counted once"
-        )
+        homes = [s for s in group if _at_home(s)]
+        if len(homes) > 1:
+            _CONFLICT(
+                f"ettr fleet: warning: job {printable(group[0].job_id)} is claimed by "
+                + " and ".join(printable(s.source) for s in homes)
+                + ", started at the same instant, each one's books saying its supervisor ran there (books "
+                "copied and rewritten: one is not what its supervisor wrote); each is counted: check which is "
+                "the job"
+            )
+        counted = homes or [max(group, key=lambda s: s.wall_end_ts)]
+        first = max(counted, key=lambda s: s.wall_end_ts)
+        own = "; they name that directory as their own" if homes else ""
+        for summary in group:
+            if any(summary is c for c in counted):
+                continue
+            dropped.add(id(summary))
+            problems.append(
+                f"{summary.source}: a copy of the books of {first.source} (job {first.job_id}, started at the "
+                f"same instant{own}): counted once"
+            )
+    out = []
+    for summary in summaries:
+        if id(summary) in dropped:
+            continue
+        out.append(summary)
     return out, problems
+
+
+_CONFLICT = WarnOnce("{what}")
+
+
+def _at_home(summary: JobSummary) -> bool:
+    """Whether `summary` was read from the run directory its supervisor recorded (the same directory, by
+    device and inode: a path through a symlink, or another mount of it, is the same)."""
+    if not summary.recorded_run_dir:
+        return False
+    try:
+        here, recorded = os.stat(summary.source), os.stat(summary.recorded_run_dir)
+    except (OSError, ValueError):
+        return False
+    return (here.st_dev, here.st_ino) == (recorded.st_dev, recorded.st_ino)
 
 
 def _events_of_jobs(

@@ -81,6 +81,10 @@ class JobSummary:
     name: str = ""
     """What a person calls the job: the name of its run directory (the one read, else the one its supervisor
     recorded); "" when unknown. A generated job id (`job-20261202-012743-11158`) says nothing to a person."""
+    recorded_run_dir: str = ""
+    """The run directory its last supervisor recorded it ran in (`run_dir` of its SUPERVISOR_START); "" when
+    none was recorded. A copy of a run directory (or a forgery of one) read elsewhere names another directory
+    than the one it was read from (`load.drop_copies`)."""
 
     @property
     def ett_known(self) -> bool:
@@ -116,6 +120,7 @@ def summarize(
     running: bool,
     name: str = "",
     last_event_ts: float | None = None,
+    recorded_run_dir: str = "",
 ) -> JobSummary:
     """The fleet's view of one job's report."""
     commits = [c.ts for c in report.checkpoint_commits]
@@ -157,6 +162,7 @@ def summarize(
         ett_unknown=report.ett_unknown,
         name=name,
         last_event_ts=last_event_ts,
+        recorded_run_dir=recorded_run_dir,
     )
 
 
@@ -181,7 +187,7 @@ def version() -> str:
 
 
 _FIELDS = frozenset(f.name for f in fields(JobSummary))
-_LATER_FIELDS = frozenset({"name", "ett_unknown", "last_event_ts"})
+_LATER_FIELDS = frozenset({"name", "ett_unknown", "last_event_ts", "recorded_run_dir"})
 """Fields added after summaries were first stored: a summary without them is read with their defaults."""
 
 
@@ -204,6 +210,7 @@ def summary_from_json(data: Mapping[str, Any]) -> JobSummary:
         raise ValueError("not a JobSummary of this version")  # one stored before names: the same, nameless
     values = dict(data)
     values["name"] = str(data.get("name", ""))
+    values["recorded_run_dir"] = str(data.get("recorded_run_dir", ""))
     unknown = data.get("ett_unknown")
     if unknown is not None and not isinstance(unknown, str):
         raise ValueError("ett_unknown is not a string")
@@ -286,7 +293,7 @@ def check_summary(summary: JobSummary) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise ValueError(f"{name} = {value!r:.40} is not a count in {low}..{high}")
 
-    for name in ("job_id", "name", "family", "source", "gpus_source"):
+    for name in ("job_id", "name", "family", "source", "gpus_source", "recorded_run_dir"):
         text = getattr(summary, name)
         if not isinstance(text, str) or len(text) > MAX_TEXT:
             raise ValueError(f"{name} is not a short text")

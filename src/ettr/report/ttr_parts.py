@@ -21,7 +21,7 @@ KIND_ROW = "recovery kind"
 """The row saying how each failure was recovered: in_place | warm_restart | cold_restart | requeue."""
 RESTORED_FROM_ROW = "  (restored from)"
 """The row saying where each recovery's ranks restored from: memory | peer | storage (`+` where they
-differed; `?`: no rank recorded a restore through ettr's checkpoint manager)."""
+differed; `nothing`: the attempt started over, resuming from no step; `?`: it resumed, from where unknown)."""
 RELAUNCH_PATH_ROW = "  (relaunch path)"
 """The row saying how each relaunch started its process(es): warm | promoted | cold (why: below the text
 table, in the HTML cell's title)."""
@@ -45,7 +45,7 @@ def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
     """`{failed_attempt, recovered_attempt, start_ts, first_step_ts, total_s, total_measures, headline_s,
     headline_start_ts, training_start_ts, headline_measures, parts_s, relaunch_path, relaunch_why, kind,
     restored_from, restored_why}` (parts in order; `kind`: how the failure was recovered, `RECOVERY_KINDS`; null for the
-    start; `restored_from`: memory | peer | storage, `+`-joined where ranks differed, null when unknown; `restored_why`: why ranks that keep memory copies read storage, null
+    start; `restored_from`: memory | peer | storage, `+`-joined where ranks differed, `nothing` when the attempt resumed from no step, null when unknown; `restored_why`: why ranks that keep memory copies read storage, null
     when they did not). `headline_s` is the
     report's TTR (or TTS) for this recovery: the parts from backoff (or before_launch) through other_init."""
     if parts is None:

@@ -13,8 +13,8 @@ JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 """A job id: a letter or digit, then letters, digits and `._+-` (128 at most): safe as a directory name and
 in a shell command, never `.` or `..`."""
 
-_CLOCK_SKEW_S = 300.0  # how far in the future a given time may be (clocks of submit hosts differ a little)
-_MAX_AGE_S = 5 * 365.25 * 86400.0
+CLOCK_SKEW_S = 300.0  # how far in the future a given time may be (clocks of submit hosts differ a little)
+MAX_AGE_S = 5 * 365.25 * 86400.0
 """How far in the past a given time may be: half the span around a job's median time outside which the books
 skip an event as damage (`ettr.ledger.rows.PLAUSIBLE_SPAN_S`). `--allocated-at 0` was recorded, then skipped on
 every read (`skipped 1 unreadable ledger records`, the time given silently lost)."""
@@ -39,7 +39,7 @@ def check_job_times(submitted_at: float | None, allocated_at: float | None, *, n
             continue
         if not math.isfinite(value):
             raise ValueError(f"--{name} {value} is not a time")
-        if value > now + _CLOCK_SKEW_S:
+        if value > now + CLOCK_SKEW_S:
             raise ValueError(f"--{name} is {value - now:.0f} s in the future (give when it happened)")
     if submitted_at is not None and allocated_at is not None and allocated_at < submitted_at:
         raise ValueError(
@@ -47,7 +47,7 @@ def check_job_times(submitted_at: float | None, allocated_at: float | None, *, n
             "(a job is allocated after it is submitted)"
         )
     for name, value in (("submitted-at", submitted_at), ("allocated-at", allocated_at)):
-        if value is not None and value < now - _MAX_AGE_S:
+        if value is not None and value < now - MAX_AGE_S:
             raise ValueError(
                 f"--{name} {value:g} is {(now - value) / (365.25 * 86400):.0f} years before now "
                 "(give when it happened, in Unix seconds or ISO-8601)"

@@ -7,6 +7,7 @@ is only in `scontrol show job`, which is asked once, briefly, when the flags lea
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -14,6 +15,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+
+from ettr.supervisor.config import CLOCK_SKEW_S, MAX_AGE_S
+from ettr.supervisor.messages import say
+from ettr.untrusted import printable
 
 logger = logging.getLogger("ettr")
 
@@ -55,6 +60,43 @@ def parse_scontrol_times(text: str) -> JobTimes:
     return JobTimes(submitted_at=when("SubmitTime"), allocated_at=when("StartTime"))
 
 
+def slurm_start_time(text: str | None, *, now: float) -> float | None:
+    """The allocation time `SLURM_JOB_START_TIME` gives (`text`), or None, said in one line, where it gives
+    none: `0`, Slurm's own unknown (its `scontrol` prints a start time of 0 as `StartTime=Unknown`), or a value
+    that is no time of this job (not a number, not finite, in the future, or years ago: as `--allocated-at`
+    refuses them). `0` was recorded as the allocation, then skipped on every read of the books as damage
+    (`skipped 1 unreadable ledger records`), and the other bad values dropped with a line about the ledger;
+    now the allocation is booked unknown (TTS from the supervisor's start), unless `scontrol` says it."""
+    if text is None or not text.strip():
+        return None
+    shown = printable(text.strip()[:40])
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if value == 0:
+        say(
+            "SLURM_JOB_START_TIME=0 is Slurm's unknown start time (scontrol shows StartTime=Unknown): the "
+            "allocation time is booked unknown"
+        )
+        return None
+    why = (
+        "not a time"
+        if not math.isfinite(value)
+        else f"{value - now:.0f} s in the future"
+        if value > now + CLOCK_SKEW_S
+        else f"{(now - value) / (365.25 * 86400):.0f} years before now"
+        if value < now - MAX_AGE_S
+        else None
+    )
+    if why is not None:
+        say(
+            f"SLURM_JOB_START_TIME={shown} is no start time of this job ({why}): the allocation time is booked unknown"
+        )
+        return None
+    return value
+
+
 def _scontrol(job_id: str) -> str:
     exe = shutil.which("scontrol")
     if exe is None:
@@ -82,10 +124,7 @@ def job_times(
     if not job or (submitted_at is not None and allocated_at is not None):
         return JobTimes(submitted_at=submitted_at, allocated_at=allocated_at)
     if allocated_at is None:
-        try:
-            allocated_at = float(environ.get("SLURM_JOB_START_TIME", ""))
-        except ValueError:
-            pass
+        allocated_at = slurm_start_time(environ.get("SLURM_JOB_START_TIME"), now=time.time())
     if submitted_at is None or allocated_at is None:
         asked = parse_scontrol_times(scontrol(job))
         submitted_at = submitted_at if submitted_at is not None else asked.submitted_at

@@ -44,6 +44,8 @@ class JobSpec:
     """The supervisor's host (default this one; another host's supervisor is taken to be alive)."""
     supervisor_pid: int | None = None
     """The supervisor's pid (default: one no process has, or with `running` this process's)."""
+    run_dir: str | None = None
+    """The run directory its supervisor records (`run_dir` of SUPERVISOR_START; default: none, as older books)."""
 
 
 def _end_data(kind: str) -> dict:
@@ -76,6 +78,7 @@ def job_events(spec: JobSpec) -> list[Event]:
                 "command": ["python", f"{spec.family}.py"],
                 "job_id": spec.job_id,
                 "family": spec.family,
+                **({"run_dir": spec.run_dir} if spec.run_dir else {}),
             },
         )
     ]
