@@ -71,8 +71,10 @@ from typing import Any
 
 LAUNCHERS = ("torchrun", "ettr", "ettr_memory", "ettr_inplace")
 STANDBYS_WARM = "standbys-warm"
-"""Made in a trial's directory once the supervisor's standbys are warm: the job's fault waits for it."""
+"""Made in a trial's directory once the supervisor's standbys (or its zygote) are warm: the job's fault waits
+for it."""
 _READ_SYSCALL = {"x86_64": "0", "aarch64": "63"}.get(platform.machine())
+_RECVMSG_SYSCALL = {"x86_64": "47", "aarch64": "212"}.get(platform.machine())
 EXTRA_LAUNCHERS = ("torchrun_inplace",)
 FAULTS = {"crash": "raise", "kill": "kill"}
 NUM_STEPS, EVERY, FAIL_AT = 35, 10, 25
@@ -233,14 +235,15 @@ class _StandbyWatch(threading.Thread):
     def run(self) -> None:
         while not self.done.wait(0.1):
             found = _standbys(self.parent)
-            if _READ_SYSCALL is None or (len(found) >= self.ranks and all(_reading(*s) for s in found)):
+            ready = len(found) >= self.ranks and all(_reading(*s) for s in found)
+            if _READ_SYSCALL is None or ready or _zygote_waits(self.parent):
                 self.warm_at = time.monotonic()
                 self.flag.touch()
                 return
 
 
-def _standbys(parent: int) -> list[tuple[int, int]]:
-    """(pid, pipe fd) of each standby process `parent` started."""
+def _standbys(parent: int, module: bytes = b"ettr.bootstrap.standby") -> list[tuple[int, int]]:
+    """(pid, pipe fd) of each standby process `parent` started (`module`: or its zygote and its forks)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -249,11 +252,24 @@ def _standbys(parent: int) -> list[tuple[int, int]]:
             if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
                 continue
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"ettr.bootstrap.standby" in argv:
-                found.append((int(entry.name), int(argv[argv.index(b"ettr.bootstrap.standby") + 1])))
+            if module in argv:
+                found.append((int(entry.name), int(argv[argv.index(module) + 1])))
         except (OSError, ValueError, IndexError):
             continue
     return found
+
+
+def _zygote_waits(parent: int) -> bool:
+    """Whether the zygote of `ettr run` (process `parent`; `ettr.bootstrap.zygote`, used instead of
+    standbys) is warm: blocked in recvmsg(2) on its socket, waiting for the next fork request."""
+    for pid, fd in _standbys(parent, b"ettr.bootstrap.zygote"):
+        try:
+            fields = Path(f"/proc/{pid}/syscall").read_text().split()
+        except OSError:
+            continue
+        if len(fields) > 1 and fields[0] == _RECVMSG_SYSCALL and int(fields[1], 16) == fd:
+            return True
+    return False
 
 
 def _reading(pid: int, fd: int) -> bool:

@@ -31,13 +31,25 @@ def run_ettr(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     )
 
 
-def test_a_failed_rank_restarts_both_ranks_in_their_warm_standbys(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zygote", [False, True])
+def test_a_failed_rank_restarts_both_ranks_in_their_warm_standbys(tmp_path: Path, zygote: bool) -> None:
+    """With `ETTR_ZYGOTE=0` attempt 1 runs in the standbys; with the zygote every rank of both attempts is
+    forked from it (and no standby is started), each seeing what a cold start would."""
     out = tmp_path / "out"
     out.mkdir()
     run_dir = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     done = run_ettr(
-        "run", "--run-dir", str(run_dir), "--max-restarts", "1", "--", *torchrun, str(PROBE), str(out)
+        "run",
+        "--run-dir",
+        str(run_dir),
+        "--max-restarts",
+        "1",
+        "--",
+        *torchrun,
+        str(PROBE),
+        str(out),
+        env={} if zygote else {"ETTR_ZYGOTE": "0"},
     )
     assert done.returncode == 0, done.stderr
     assert "runs the real torchrun" not in done.stderr
@@ -67,14 +79,19 @@ def test_a_failed_rank_restarts_both_ranks_in_their_warm_standbys(tmp_path: Path
     events = read_run_events(run_dir)
     starts = [e for e in events if e.kind is EventKind.ATTEMPT_START]
     assert [(e.data or {}).get("agent") for e in starts] == ["ettr", "ettr"]
-    standby = {
-        e.rank: e.data["pid"] for e in events if e.kind is EventKind.MARK and e.data.get("name") == "standby"
-    }
-    assert standby == {
+    marks = [e for e in events if e.kind is EventKind.MARK]
+    paths = [e.data["path"] for e in marks if e.data.get("name") == "relaunch"]
+    if zygote:
+        forked = sorted((e.attempt, e.rank, e.data["pid"]) for e in marks if e.data.get("name") == "zygote")
+        assert forked == sorted((a, r, seen[f"{a}-{r}.json"]["pid"]) for a in (0, 1) for r in (0, 1))
+        assert paths == ["forked", "forked"]
+        assert not [e for e in marks if e.data.get("name") == "standby"]
+    standby = {e.rank: e.data["pid"] for e in marks if e.data.get("name") == "standby"}
+    assert zygote or standby == {
         0: seen["1-0.json"]["pid"],
         1: seen["1-1.json"]["pid"],
     }  # attempt 1 ran in the standbys
-    assert all(e.attempt == 1 for e in events if e.kind is EventKind.MARK and e.data.get("name") == "standby")
+    assert all(e.attempt == 1 for e in marks if e.data.get("name") == "standby")
     ranks = sorted((e.attempt, e.rank, e.data["pid"]) for e in events if e.kind is EventKind.PROCESS_START)
     assert ranks == sorted((a, r, seen[f"{a}-{r}.json"]["pid"]) for a in (0, 1) for r in (0, 1))
     end = next(e.data for e in events if e.kind is EventKind.ATTEMPT_END and e.attempt == 0)

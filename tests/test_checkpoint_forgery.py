@@ -147,3 +147,37 @@ def test_a_forged_anchor_never_runs_code_as_the_publisher(tmp_path, kind, monkey
     outcomes = {o.request_id: o for o in worker(tmp_path).drain()}
     assert not marker.exists(), f"the forged anchor ({kind}) ran code in the publisher"
     assert outcomes[request_id].status == "failed"
+
+
+def test_a_forged_huge_metadata_is_refused_unread(tmp_path, monkeypatch):
+    # An unsigned root's `.metadata` was read whole into the rank before it was unpickled, whatever size its
+    # (equally forged) manifest gave: a sparse 2 GB one took the rank's peak memory from 0.36 to 2.35 GB. Now
+    # one over the bound is refused in one line before it is checksummed or read, and left in place.
+    import json
+    import zlib
+
+    from ettr.checkpoint.commit import METADATA_MAX_BYTES_ENV, _body_crc
+
+    monkeypatch.delenv("ETTR_CHECKPOINT_SECRET", raising=False)
+    monkeypatch.setenv(METADATA_MAX_BYTES_ENV, str(1 << 20))  # the bound, small for the test
+    root = tmp_path / "ckpt"
+    _save(root, [1, 2])
+    directory = root / step_dir_name(2)
+    size = (1 << 20) + 1
+    with open(directory / ".metadata", "wb") as stream:
+        stream.truncate(size)
+    manifest = directory / "ettr-manifest.json"
+    body = json.loads(manifest.read_bytes())
+    for key in ("manifest_crc32", "hmac", "key_id"):
+        body.pop(key, None)
+    body["files"][".metadata"] = {"size": size, "crc32": zlib.crc32(bytes(size))}
+    body["manifest_crc32"] = _body_crc(body)
+    manifest.write_text(json.dumps(body))
+    step, events = _restore(root, allow_unsigned=True)
+    assert step == 1
+    refused = [e.data for e in events if e.data and e.data.get("name") == "checkpoint_refused"]
+    assert any(f"more than the {1 << 20} ettr reads" in str(data) for data in refused), refused
+    assert (directory / ".metadata").stat().st_size == size  # left in place, not moved aside
+    monkeypatch.setenv(METADATA_MAX_BYTES_ENV, str(size))  # trusted by the operator: read, then found corrupt
+    step, events = _restore(root, allow_unsigned=True)
+    assert step == 1 and any("cannot be read" in str(e.data) for e in events if e.data)

@@ -278,3 +278,76 @@ def test_a_replay_not_within_two_points_says_why_where_the_lost_steps_ran_at_ano
     assert "NOT within 2" in text and text.count(note) == 1
     (html,) = story_sections(story)
     assert f"no: {note}" in html and html.count(note) == 1
+
+
+def test_timed_steps_are_every_unblocked_step_kept_or_redone_in_time_order():
+    """Attempt 0's steps 1-20 (1 s each; step 20's save blocks 2 s) and attempt 1's 21-40: every interval
+    but each attempt's first step, none left out for being redone, none across the blocking save."""
+    from ettr.accounting.compute import timed_steps
+
+    timed = timed_steps(BASE, max(e.ts for e in BASE))
+    assert len(timed) == 19 + 19
+    assert [end for end, _ in timed] == sorted(end for end, _ in timed)
+    assert all(seconds == pytest.approx(1.0) for _, seconds in timed)
+
+
+def test_steps_together_compares_only_the_steps_both_sides_ran_at_the_same_time():
+    """The optimized side trains from 0 to 50 s at 1.1 s a step; the baseline from 10 to 100 s, at 1.0 s a
+    step while the other side trains and 0.5 s after it ended. Over the whole job the baseline's median is
+    0.5 s (+120%); while both trained, 1.0 s against 1.1 s (+10%)."""
+    optimized = [(t * 1.1, 1.1) for t in range(1, 46)]
+    baseline = [(10.0 + t, 1.0) for t in range(1, 41)] + [(50.0 + 0.5 * t, 0.5) for t in range(1, 101)]
+    together = demo_story.steps_together(baseline, optimized)
+    assert together is not None
+    assert together.begin_ts == pytest.approx(11.0) and together.end_ts == pytest.approx(45 * 1.1)
+    assert together.baseline_median_step_s == pytest.approx(1.0)
+    assert together.optimized_median_step_s == pytest.approx(1.1)
+    assert together.change_pct == pytest.approx(10.0)
+    assert together.num_baseline_steps == 39 and together.num_optimized_steps == 36
+    # No overlap, or a side without steps: nothing to compare.
+    assert demo_story.steps_together(baseline, [(200.0, 1.0), (201.0, 1.0)]) is None
+    assert demo_story.steps_together([], optimized) is None
+
+
+def test_the_step_time_line_says_how_the_sides_compared_while_both_trained():
+    from dataclasses import replace
+
+    from ettr.demo.render import equal_speed_lines, together_line
+
+    e = demo_story.equal_speed(_report(BASE), _report(OPT))
+    assert e is not None and together_line(e) is None  # one after the other: no such line
+    together = demo_story.StepsTogether(
+        begin_ts=T0,
+        end_ts=T0 + 147.0,
+        baseline_median_step_s=0.0824,
+        optimized_median_step_s=0.0866,
+        num_baseline_steps=1370,
+        num_optimized_steps=1168,
+    )
+    side_by_side = replace(e, side_by_side=True, together=together)
+    text = "\n".join(equal_speed_lines(side_by_side))
+    assert (
+        "while both trained (147 s of the same wall time; 1370 and 1168 steps): baseline 82.4 ms, optimized "
+        "86.6 ms (+5.1%: NOT within 5% of the baseline's;" in text
+    ), text
+    faster = together_line(replace(side_by_side, together=replace(together, optimized_median_step_s=0.0850)))
+    assert faster is not None and "(+3.2%: within 5% of the baseline's;" in faster
+
+
+def test_a_side_by_side_story_holds_the_steps_both_sides_ran_together(tmp_path):
+    """build_story from two run directories: side by side it compares the steps both ran at the same time;
+    one after the other it does not."""
+    from ettr.ledger import open_ledger
+
+    dirs = []
+    for name, events in (("baseline", BASE), ("optimized", OPT)):
+        ledger = open_ledger(tmp_path / name)
+        ledger.append(events)
+        ledger.close()
+        dirs.append(tmp_path / name)
+    fleet = demo_story.FleetScale(runs=2, days=1.0)
+    beside = demo_story.build_story(*dirs, side_by_side=True, fleet=fleet)
+    assert beside.equal_speed is not None and beside.equal_speed.together is not None
+    assert beside.equal_speed.together.change_pct == pytest.approx(0.0)
+    after = demo_story.build_story(*dirs, side_by_side=False, fleet=fleet)
+    assert after.equal_speed is not None and after.equal_speed.together is None

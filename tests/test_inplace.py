@@ -630,3 +630,69 @@ def test_a_rank_opens_the_file_store_rank_0_made(tmp_path: Path) -> None:
         assert made.store.get("k") == b"v"
     finally:
         made.close()
+
+
+def test_a_failed_store_hand_over_reaches_every_rank_at_once(tmp_path: Path) -> None:
+    # Rank 1's part of the hand-over fails (here: the FileStore rank 0 names is not in rank 1's private root).
+    # Before, rank 0 waited out its rendezvous timeout for rank 1 to open the file (then "not every rank opened
+    # the job's FileStore in time"), and rank 2, which had opened it, waited as long in the rendezvous: the
+    # job's fall-back to a process restart waited with them (measured, 20 s timeout: 20.02 s and 20.01 s).
+    # Now rank 1 says why in the store and both raise with its reason (measured: 0.02 s, 0.07 s).
+    import datetime
+
+    from ettr.inplace.rendezvous import RendezvousAbandoned
+    from ettr.inplace.store import StoreUnavailable, _local_file_store
+
+    root, elsewhere = tmp_path / "shm", tmp_path / "other"
+    for folder in (root, elsewhere):
+        folder.mkdir(mode=0o700)
+    bootstrap = dist.HashStore()
+    timeout = datetime.timedelta(seconds=120)
+    errors: dict[int, BaseException] = {}
+
+    def rank(index: int) -> None:
+        try:
+            job = _local_file_store(
+                bootstrap, rank=index, world_size=3, root=elsewhere if index == 1 else root, timeout=timeout
+            )
+            if index == 2:  # it opened the file: on to the rendezvous, where rank 1 never comes
+                join(
+                    job.store,
+                    0,
+                    rank=2,
+                    world_size=3,
+                    backend="gloo",
+                    timeout_s=120,
+                    collective_timeout_s=120,
+                    moved_on=lambda generation: False,
+                )
+        except BaseException as exc:
+            errors[index] = exc
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(150)
+    assert "not a file rank 0 makes" in str(errors[1])
+    assert isinstance(errors[0], StoreUnavailable) and "failed on rank 1" in str(errors[0])
+    assert "not every rank opened" not in str(errors[0])  # not its timeout: rank 1's own reason
+    assert isinstance(errors[2], RendezvousAbandoned) and "failed on rank 1" in str(errors[2])
+
+
+def test_rank_0_whose_part_of_the_hand_over_fails_tells_the_others(tmp_path: Path) -> None:
+    import datetime
+
+    from ettr.inplace.store import StoreUnavailable, _local_file_store
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    root.chmod(0o777)  # writable by others: rank 0 refuses to keep the store there
+    bootstrap = dist.HashStore()
+    with pytest.raises(StoreUnavailable, match="not kept there"):
+        _local_file_store(bootstrap, rank=0, world_size=2, root=root, timeout=datetime.timedelta(seconds=120))
+    # rank 1, waiting for the name, reads why instead of waiting out its timeout
+    with pytest.raises(
+        StoreUnavailable, match="failed on rank 0: StoreUnavailable: the in-place store is not kept"
+    ):
+        _local_file_store(bootstrap, rank=1, world_size=2, root=root, timeout=datetime.timedelta(seconds=120))

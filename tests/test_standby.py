@@ -13,6 +13,7 @@ import pytest
 from ettr.events import EventKind
 from ettr.ledger import read_run_events
 from ettr.supervisor.standby import STANDBY_FALLBACK_S, Standby
+from ettr.warn import STDERR_TEE_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -156,7 +157,9 @@ def test_a_standby_never_sees_a_per_attempt_value_before_its_hand_over(tmp_path:
     ready = Standby.start(argv, env, per_attempt=names)
     assert ready is not None
     started_with = _environ_of(ready.process.pid)
-    assert "MASTER_PORT" not in started_with and not any(k.startswith("ETTR_") for k in started_with)
+    # ETTR_STDERR_TEE names the process's own stderr pipe (ettr.warn), not anything of an attempt
+    attempt_names = [k for k in started_with if k.startswith("ETTR_") and k != STDERR_TEE_ENV]
+    assert "MASTER_PORT" not in started_with and not attempt_names
     assert ready.fits(argv, {**env, "MASTER_PORT": "2222", "ETTR_ATTEMPT": "2"})
     assert not ready.fits(argv, {**env, "PROBE": "b"})
     running = ready.hand_over(argv, {**env, "MASTER_PORT": "2222", "ETTR_ATTEMPT": "2"})

@@ -22,7 +22,7 @@ from ettr.heartbeat import MainThreadHeartbeat, Progress, latest_heartbeat, read
 from ettr.inject import parse_spec
 from ettr.procs import descendants, start_ticks
 from ettr.run_env import INSTRUMENTED_ENV, Launcher, heartbeat_path, signalled_path
-from ettr.supervisor import books
+from ettr.supervisor import books, messages
 from ettr.supervisor.classify import classify
 from ettr.supervisor.command_output import exception_from_stderr
 from ettr.supervisor.config import RunConfig
@@ -1456,3 +1456,48 @@ def test_a_line_of_ettr_after_a_progress_bar_starts_on_a_line_of_its_own(
     relay_stderr(b"bar\r", None)  # a carriage return leaves the bar on the line
     say("three")
     assert capsys.readouterr().err == "bar\r\nettr: three\n"
+
+
+def test_a_line_of_ettr_from_the_jobs_side_after_a_progress_bar_starts_on_a_line_of_its_own(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # `ettr run --inject kill@step=30` over a tqdm loop: the injector's line, written inside the job, was glued
+    # to the bar (`... 27/60 [00:00<00:00, 39.53it/s]ettr: injecting kill at step 30 (...)`): only the tee sees
+    # the stream, so the job marks where its line starts and the tee starts it on a line of its own.
+    log = tmp_path / "own.log"
+    code = (
+        "import logging, sys; from ettr.warn import say\n"
+        "sys.stderr.write('\\rEpoch 0:  45%|####'); sys.stderr.flush()\n"
+        "say('ettr: injecting kill at step 30')\n"
+        "sys.stderr.write('\\rEpoch 0:  46%|####'); sys.stderr.flush()\n"
+        "logging.getLogger('ettr').warning('ettr: a warning of the job side')\n"
+        "say('ettr: after a line of its own')\n"
+        f"with open({str(log)!r}, 'w') as sys.stderr: say('ettr: to a file')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(messages.__file__).parents[2])}
+    proc = AttemptProcess([sys.executable, "-c", code], env)
+    assert proc.wait(60) == 0
+    proc.finish()
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "\rEpoch 0:  45%|####\nettr: injecting kill at step 30\n"
+        "\rEpoch 0:  46%|####\nettr: a warning of the job side\nettr: after a line of its own\n"
+    ), repr(err)
+    assert "\x1f" not in "".join(proc.stderr_tail())
+    assert log.read_text() == "ettr: to a file\n"  # a file of the job's own: no mark in it
+
+
+def test_the_tee_finds_a_line_mark_split_between_two_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    from ettr.supervisor.messages import MarkCarry
+    from ettr.warn import LINE_MARK
+
+    mark = LINE_MARK.encode()
+    carry = MarkCarry()
+    stream = b"\rbar 1" + mark + b"ettr: one\n" + mark + b"ettr: two\n\rbar 2" + mark[:1]
+    for chunk in (stream[:7], stream[7:], mark[1:] + b"ettr: three\n"):
+        relay_stderr(carry.take(chunk), None)
+    relay_stderr(carry.rest(), None)
+    assert capsys.readouterr().err == "\rbar 1\nettr: one\nettr: two\n\rbar 2\nettr: three\n"
+    relay_stderr(carry.take(b"\rbar 3\x1f"), None)
+    relay_stderr(carry.rest(), None)  # the stream ended: what was held is the job's
+    assert capsys.readouterr().err == "\rbar 3\x1f"

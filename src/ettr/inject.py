@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ettr.errors import UsageError
 from ettr.events import Event, EventKind
 from ettr.run_env import INJECT_ENV, RunEnv
+from ettr.warn import say
 
 if TYPE_CHECKING:
     from ettr.recorder import RecorderProtocol
@@ -345,7 +346,7 @@ class Injector:
         if self._stands_down is not None and self._stands_down():
             return  # not a rank after all: its torchrun's workers are, and fire it
         self._pending_hang = None
-        print(f"ettr: injecting {spec.kind} at {where} ({spec})", file=sys.stderr, flush=True)
+        say(f"ettr: injecting {spec.kind} at {where} ({spec})")
         self._recorder.record(EventKind.MARK, data={"name": "inject", "spec": str(spec), "at": where})
         if spec.kind is FaultKind.CRASH:
             self._recorder.record(

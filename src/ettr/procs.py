@@ -30,6 +30,7 @@ from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 _PROC = "/proc"
 
 Prctl = Callable[[int, int, int, int, int], int]
@@ -174,6 +175,16 @@ def set_child_subreaper(prctl: Prctl | None = None) -> bool:
     if prctl is None:
         return False
     return bool(prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+
+
+def is_child_subreaper() -> bool:
+    """Whether this process is a child subreaper (`set_child_subreaper`; Linux `PR_GET_CHILD_SUBREAPER`)."""
+    prctl = libc_prctl()
+    if prctl is None:
+        return False
+    flag = ctypes.c_int(0)
+    ok = prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0  # type: ignore[arg-type]
+    return ok and flag.value != 0
 
 
 def environ_of(pid: int) -> dict[str, str] | None:

@@ -1,11 +1,95 @@
-"""Warn once: the one guard every component uses so that a recurring telemetry fault logs one line, not many."""
+"""Warn once: the one guard every component uses so that a recurring telemetry fault logs one line, not many;
+and `say`, the one way a line of ettr's is written from the job's side (a training process, the injector).
+
+Under `ettr run` a process's stderr is the supervisor's pipe (its tee), and the job's progress bar may have left
+a line open there (tqdm's `\rEpoch 0:  45%|####  | 27/60 [...]`): a line of ettr's written from the job was glued
+to it (`... 39.53it/s]ettr: injecting kill at step 30`). Only the tee sees what every rank and every C write put
+in that stream, so the job's side puts `LINE_MARK` where its line starts, and the tee writes a newline there when
+a line is open, nothing otherwise (`ettr.supervisor.messages`). The mark is written only to the tee's own pipe
+(`STDERR_TEE_ENV` names it: its device and inode), never to a file or a pipe of the job's own making.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 
 _logger = logging.getLogger("ettr")
+
+# The supervisor's stderr pipe, `DEV:INO`, given to the job by its tee; and where a line of ettr's starts (control
+# characters no program writes in a line of text, and no terminal shows).
+STDERR_TEE_ENV = "ETTR_STDERR_TEE"
+LINE_MARK = "\x1f\x1e\x1f"
+
+
+def _to_tee(fd: int) -> bool:
+    """Whether `fd` is the supervisor's stderr pipe (the one `STDERR_TEE_ENV` names)."""
+    want = os.environ.get(STDERR_TEE_ENV)
+    if not want:
+        return False
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return False
+    return want == f"{info.st_dev}:{info.st_ino}"
+
+
+def line_start(stream: object = None) -> str:
+    """What a line of ettr's written to `stream` (default `sys.stderr`) starts with: `LINE_MARK` where the stream
+    is the supervisor's tee, which then starts the line on a line of its own after a progress bar; else ''.
+    Never raises."""
+    try:
+        stream = sys.stderr if stream is None else stream
+        fileno = getattr(stream, "fileno", None)
+        return LINE_MARK if fileno is not None and _to_tee(fileno()) else ""
+    except Exception:  # a StringIO (pytest's capture), a closed stream: no tee there
+        return ""
+
+
+def say(message: str) -> None:
+    """`message` (`ettr: ...`, printable already) as one line on the process's stderr, in one write, on a line
+    of its own under `ettr run` (above); never raises (a closed stderr is not the job's failure)."""
+    stream = sys.stderr
+    if stream is None:
+        return
+    try:
+        stream.flush()  # what the job wrote before goes first
+        stream.write(f"{line_start(stream)}{message}\n")
+        stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def say_raw(message: bytes) -> None:
+    """`say` for a signal handler: one `os.write` to fd 2 (no lock, no logging). Never raises."""
+    try:
+        os.write(2, (LINE_MARK.encode() if _to_tee(2) else b"") + message + b"\n")
+    except OSError:
+        pass
+
+
+class _LineStart(logging.Filter):
+    """Marks the start of a record of the `ettr` logger that Python's last-resort handler will write (no
+    handler configured: `message` alone, on stderr), so that it too starts on a line of its own under the
+    tee. A record that a configured handler formats (`WARNING:ettr:...`) is left alone: its line starts
+    with the handler's own words."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            logger = logging.getLogger(record.name)
+            if not logger.hasHandlers() and logging.lastResort is not None:
+                if record.levelno >= logging.lastResort.level and isinstance(record.msg, str):
+                    start = line_start()
+                    if start and not record.msg.startswith(start):
+                        record.msg = start + record.msg
+        except Exception:
+            pass
+        return True
+
+
+_logger.addFilter(_LineStart())
 
 
 class WarnOnce:

@@ -23,7 +23,7 @@ from ettr.accounting.liveness import NOT_ENDED, JobState, OpenJob, counts_as_fai
 from ettr.accounting.model import AttemptReport, EttReport, Recovery, Segment, TtsWindow
 from ettr.accounting.slowdown import AttemptSteps, step_slowdown
 from ettr.accounting.slowsteps import slow_steps
-from ettr.accounting.steptime import kept_step_times, step_time
+from ettr.accounting.steptime import blocking_spans, kept_step_times, overlaps_any, step_intervals, step_time
 from ettr.accounting.stragglers import rank_speed
 from ettr.accounting.timeline import build_segments
 from ettr.accounting.ttr import breakdowns
@@ -91,6 +91,23 @@ def compute(
     finally:
         if collecting:
             gc.enable()
+
+
+def timed_steps(events: Iterable[Event], now: float) -> list[tuple[float, float]]:
+    """(end, seconds) of every timed step of every attempt's reference rank, kept or not, in time order: the
+    step-time rules (`ettr.accounting.steptime`) less the kept-step one. What ran when, to compare the steps
+    of two jobs over the wall time both were training (`ettr demo`). `now` as for `compute`. Pure."""
+    job = gather(fence(events)[0])
+    wall_start, wall_end = wall_bounds(job, now)
+    timed: list[tuple[float, float]] = []
+    for attempt in resolve_attempts(job, wall_start, wall_end):
+        blocking = blocking_spans(attempt.phases)
+        timed += [
+            (end, end - begin)
+            for _, begin, end in step_intervals(attempt.step_ts, attempt.step_numbers)
+            if end >= begin and not overlaps_any(blocking, begin, end)
+        ]
+    return sorted(timed)
 
 
 def _compute(

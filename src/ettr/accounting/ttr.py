@@ -31,8 +31,8 @@ part, so the parts always add up to the whole):
 Each recovery has a kind (`RecoveryParts.kind`, one of `RECOVERY_KINDS`): `in_place` when the attempt that
 recovered was a restart in place (the supervisor's `recovery` MARK of that attempt says `kind: "in_place"`:
 ettr's agent kept the other processes and replaced the failed rank), `requeue` when a new supervisor run started between the two
-attempts (a scheduler's requeue), `warm_restart` when the relaunch took warm standbys (`relaunch` path warm
-or promoted), else `cold_restart`.
+attempts (a scheduler's requeue), `warm_restart` when the relaunch took warm standbys (`relaunch` path warm,
+promoted or forked: the agent's zygote), else `cold_restart`.
 
 Two spans, each labelled wherever it is shown (docs/buckets.md, "TTS, TTR"):
 - the headline (`RecoveryParts.headline_s`, equal to the contract's TTR in `EttReport.ttr_s`): the failed
@@ -313,7 +313,7 @@ def recovery_kind(failed: AttemptMilestones, recovered: AttemptMilestones, *, re
     if requeued:
         return "requeue"
     path = (recovered.relaunch or {}).get("path")
-    return "warm_restart" if path in ("warm", "promoted") else "cold_restart"
+    return "warm_restart" if path in ("warm", "promoted", "forked") else "cold_restart"
 
 
 def recovery_parts(

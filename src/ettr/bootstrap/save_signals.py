@@ -24,7 +24,6 @@ longer than those is cut as before.
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -87,13 +86,13 @@ def _release(before: dict[int, Any], noted: dict[int, float], what: str) -> None
             continue
         try:
             from ettr.untrusted import printable
+            from ettr.warn import say
 
             name = signal.Signals(sig).name
-            sys.stderr.write(
+            say(
                 f"ettr: {name} came during the checkpoint save of {printable(what)}; delivered once the file "
-                f"was complete ({time.monotonic() - came:.2f} s later)\n"
+                f"was complete ({time.monotonic() - came:.2f} s later)"
             )
-            sys.stderr.flush()
         except Exception:
             pass
         signal.raise_signal(sig)

@@ -116,9 +116,22 @@ def main() -> None:
     if status_fd is not None:
         with contextlib.suppress(OSError):
             os.close(status_fd)  # the attempt's script never sees it
+    run_request(request, handed_at, "standby", spawned_at=SPAWNED_AT, warm_at=warm_at, handed_at=handed_at)
+
+
+def run_request(request: dict, started_at: float, mark: str, **fields: float) -> None:
+    """Become the attempt `request` asks for ({"argv", "env", "cwd"}): its whole environment and working
+    directory, ettr's bootstrap (the attempt's process starts at `started_at`; the recorder's `mark` MARK
+    with `fields` and the pid says where it came from), then its script or module as `__main__`. Shared with
+    the zygote's forked children (`ettr.bootstrap.zygote`)."""
     argv, env, cwd = list(request["argv"]), dict(request["env"]), str(request["cwd"])
+    tee = os.environ.get(
+        "ETTR_STDERR_TEE"
+    )  # ettr.warn.STDERR_TEE_ENV: this process's stderr stays the same pipe
     os.environ.clear()
     os.environ.update(env)
+    if tee and "ETTR_STDERR_TEE" not in env:  # a zygote's child is told its own pipe in `env`
+        os.environ["ETTR_STDERR_TEE"] = tee
     os.chdir(cwd)
     at = 1
     while argv[at] == "-u":  # the standby was started with the same options (`ettr.supervisor.standby`)
@@ -132,18 +145,12 @@ def main() -> None:
 
         after_warm_up()  # the workload's inductor cache directory, as a cold start picks it
 
-        # The attempt's process starts now, at the hand-over, not when this standby was spawned.
-        ettr.runtime.process_start_time = lambda: handed_at
+        # The attempt's process starts now, at the hand-over, not when this process was spawned.
+        ettr.runtime.process_start_time = lambda: started_at
         start()
-        ettr.runtime.get_recorder().mark(
-            "standby",
-            spawned_at=SPAWNED_AT,
-            warm_at=warm_at,
-            handed_at=handed_at,
-            pid=os.getpid(),
-        )
+        ettr.runtime.get_recorder().mark(mark, **fields, pid=os.getpid())
     except Exception as exc:
-        print(f"ettr: standby bootstrap failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+        print(f"ettr: {mark} bootstrap failed ({type(exc).__name__}: {exc})", file=sys.stderr)
     run_attempt()
 
 

@@ -58,6 +58,21 @@ MAX_MANIFEST_BYTES = 64 << 20
 """A manifest larger than this is damage or a forgery (one is about 100 bytes a file: 64 MiB lists over
 half a million files): it is refused unread, never read whole into a training rank's memory."""
 MAX_LEASE_BYTES = 4096
+METADATA_MAX_BYTES_ENV = "ETTR_CHECKPOINT_METADATA_MAX_BYTES"
+DEFAULT_METADATA_MAX_BYTES = 256 << 20
+"""The most of a pickled file (DCP's `.metadata`) ettr reads (`METADATA_MAX_BYTES_ENV` sets another): it is read
+whole into memory, then unpickled, before the checkpoint loads. DCP's index of a job's checkpoint is a few MB
+(about 100 bytes a stored chunk: 256 MiB is over two million chunks); an unsigned root's manifest and
+`.metadata` may be anyone's, and a forged 2 GB one was read whole into the rank (its peak memory 0.36 -> 2.35 GB)."""
+
+
+def metadata_max_bytes() -> int:
+    """The bound on a `.metadata` (`METADATA_MAX_BYTES_ENV`, bytes; the default where unset or not a positive
+    whole number)."""
+    value = os.environ.get(METADATA_MAX_BYTES_ENV, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_METADATA_MAX_BYTES
+
+
 """A reader's lease is one short JSON object; anything larger is not one."""
 
 
@@ -331,6 +346,14 @@ def verify_files(storage: ReadableStorage, name: str, manifest: Manifest, *, che
         if size != entry.size:
             raise CheckpointInvalid(
                 f"{file_name} has {size} bytes, the manifest says {entry.size} (truncated?)"
+            )
+    bound = metadata_max_bytes()
+    for file_name, entry in manifest.files.items():
+        if file_name.endswith(_PICKLED_SUFFIXES) and entry.size > bound:
+            raise CheckpointRefused(
+                f"its {file_name} has {entry.size} bytes, more than the {bound} ettr reads of one before it loads "
+                f"(it is read whole into memory; {METADATA_MAX_BYTES_ENV}=BYTES raises the bound for a checkpoint "
+                "you trust)"
             )
     for file_name, entry in manifest.files.items():
         if checksums or file_name.endswith(_PICKLED_SUFFIXES):

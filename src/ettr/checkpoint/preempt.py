@@ -9,13 +9,13 @@ manager checks `requested` at each step boundary, saves, waits for the commit, a
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from types import FrameType
 from typing import Any
 
 from ettr.constants import EXIT_PREEMPTED
+from ettr.warn import say_raw
 
 logger = logging.getLogger("ettr")
 
@@ -62,4 +62,4 @@ class PreemptionWatcher:
         if not self._event.is_set():
             self._event.set()
             # logging from a handler can deadlock on the handler's lock; write the one line directly
-            os.write(2, b"ettr: SIGTERM received; saving at the next step boundary, then exiting\n")
+            say_raw(b"ettr: SIGTERM received; saving at the next step boundary, then exiting")

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ettr import torch_compat
 from ettr.checkpoint import raw
-from ettr.checkpoint.base import CheckpointError, CheckpointInvalid, ReadableStorage
-from ettr.checkpoint.commit import TRANSIENT_ERRNOS
+from ettr.checkpoint.base import CheckpointError, CheckpointInvalid, CheckpointRefused, ReadableStorage
+from ettr.checkpoint.commit import TRANSIENT_ERRNOS, metadata_max_bytes
 
 logger = logging.getLogger("ettr")
 
@@ -355,8 +355,18 @@ class VerifiedReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         rel = f"{self.name}/{METADATA_NAME}"
-        data = retry_transient(lambda: self.storage.read_bytes(rel), what=f"reading {rel}")
         size, crc = self.expected
+        bound = metadata_max_bytes()
+        if size > bound:  # verify refused it already; a caller that did not verify: the same line
+            raise CheckpointRefused(f"{rel} has {size} bytes, more than the {bound} ettr reads of one")
+
+        def read() -> (
+            bytes
+        ):  # never more than the manifest says: a file grown since the check is not read whole
+            with self.storage.open_read(rel) as stream:
+                return stream.read(size + 1)
+
+        data = retry_transient(read, what=f"reading {rel}")
         if len(data) != size or zlib.crc32(data) != crc:
             raise CheckpointInvalid(f"{rel} does not match its manifest entry (changed after verification?)")
         metadata = load_metadata_bytes(data, self.files)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +24,7 @@ from ettr.compile.restore import EntryView, MarkFn
 from ettr.compile.store import CompileStore, EntryRefused
 from ettr.procs import lower_this_thread
 from ettr.recorder import EventSink
+from ettr.warn import say
 
 logger = logging.getLogger("ettr")
 
@@ -261,9 +261,9 @@ def _say_store_once(store: CompileStore, info: dict[str, Any]) -> None:
     try:
         usage = store.usage()
         info["store_bytes"] = usage.stored_bytes
-        sys.stderr.write(
+        say(
             f"ettr: compile store {where}: {usage.describe()}; bound {store.max_bytes / 1e9:.1f} GB "
-            "(ETTR_COMPILE_STORE moves it, =off turns it off)\n"
+            "(ETTR_COMPILE_STORE moves it, =off turns it off)"
         )
     except Exception as exc:  # a report line must not turn a save into an error
         logger.debug("ettr: cannot describe the compile store (%s)", exc)

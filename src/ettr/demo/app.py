@@ -158,8 +158,9 @@ class Side:
     fast_exit: bool = False
     """End the processes once the final state is committed, without tearing down what is no longer needed."""
     warm_restart: bool = False
-    """Restart through ettr's own single-node agent with warm standby workers (interpreter and imports done
-    ahead); else every attempt relaunches the real torchrun and its workers cold."""
+    """Restart through ettr's own single-node agent, its workers forked from its zygote (interpreter and
+    imports done once per node, ahead; warm standby workers where it cannot fork); else every attempt
+    relaunches the real torchrun and its workers cold."""
     inplace: bool = False
     """Train under `ettr.resilient` (needs `warm_restart`: ettr's agent): a rank's crash is recovered in
     place, the surviving rank keeps its process and re-forms the group with the crashed rank's replacement,

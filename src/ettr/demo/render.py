@@ -59,9 +59,11 @@ def equal_speed_lines(e: EqualSpeed | None) -> list[str]:
         part = f"faster steps hid {-e.from_speed_points:.1f} points of the gain"
     else:
         part = "none of the gain came from a step-speed difference"
+    together = together_line(e)
     return [
         "",
         median_step_line(e),
+        *([together] if together else []),
         f"at equal step speed (the optimized side's {e.num_kept_steps} kept steps at the baseline's "
         f"{fmt_step(e.baseline_step_s)} of effective training a step, not its own {fmt_step(e.optimized_step_s)}; "
         f"{medians}):",
@@ -80,18 +82,36 @@ def median_step_line(e: EqualSpeed) -> str:
     change = e.median_step_change_pct
     if change is None:
         return f"median step time: {medians}"
-    if change < -STEP_SPEED_BOUND_PCT:
-        verdict = "faster than the baseline's"  # "within 5%" would read oddly for -16%
-    else:
-        verdict = ("within" if change <= STEP_SPEED_BOUND_PCT else "NOT within") + (
-            f" {STEP_SPEED_BOUND_PCT:g}% of the baseline's"
-        )
     how = (
-        "the sides ran side by side, each on CPUs of its own: the machine's other load slowed both alike"
+        "the sides ran side by side, each on CPUs of its own: the machine's other load slowed both alike "
+        "while both trained"
         if e.side_by_side
         else "the sides ran one after the other, so a change of the machine's load between them moves it too"
     )
-    return f"median step time: {medians} ({change:+.1f}%: {verdict}; {how})"
+    return f"median step time: {medians} ({change:+.1f}%: {_bound_verdict(change)}; {how})"
+
+
+def _bound_verdict(change_pct: float) -> str:
+    if change_pct < -STEP_SPEED_BOUND_PCT:
+        return "faster than the baseline's"  # "within 5%" would read oddly for -16%
+    return ("within" if change_pct <= STEP_SPEED_BOUND_PCT else "NOT within") + (
+        f" {STEP_SPEED_BOUND_PCT:g}% of the baseline's"
+    )
+
+
+def together_line(e: EqualSpeed) -> str | None:
+    """Side by side: both sides' median step over the wall time both were training, and its verdict (None:
+    the sides ran one after the other, or their training did not overlap)."""
+    t = e.together
+    if t is None:
+        return None
+    return (
+        f"  while both trained ({t.end_ts - t.begin_ts:.0f} s of the same wall time; {t.num_baseline_steps} and "
+        f"{t.num_optimized_steps} steps): baseline {fmt_step(t.baseline_median_step_s)}, optimized "
+        f"{fmt_step(t.optimized_median_step_s)} ({t.change_pct:+.1f}%: {_bound_verdict(t.change_pct)}; "
+        "the steps a side ran after the other had ended, with the other's CPUs free for the machine's other "
+        "load, are left out)"
+    )
 
 
 # -- text -------------------------------------------------------------------------------------------------
@@ -317,7 +337,9 @@ def _equal_speed_html(e: EqualSpeed | None) -> str:
         f'<p class="note">ETT% is a share of time: slower steps raise it for the same work. The optimized side '
         f"with its {e.num_kept_steps} kept steps at the baseline's pace, every other second as measured.</p>"
         '<table class="story"><tr><th></th><th>optimized, measured</th><th>at the baseline\'s step time</th></tr>'
-        f"{rows}</table><p>{esc(median_step_line(e))}</p><p>{esc(lines[-1].strip())}</p>"
+        f"{rows}</table><p>{esc(median_step_line(e))}</p>"
+        + (f"<p>{esc(together.strip())}</p>" if (together := together_line(e)) else "")
+        + f"<p>{esc(lines[-1].strip())}</p>"
     )
 
 

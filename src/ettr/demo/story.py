@@ -17,6 +17,7 @@ about either side. Its text lines and pictures are `ettr.demo.render` (`story_li
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -51,7 +52,7 @@ TECHNIQUES = (
         name="start-up not repeated",
         mechanism=(
             "sharding plan computed once and read back; the crash recovered in place (the other rank keeps "
-            "its process), its replacement a warm standby (imports done ahead)"
+            "its process), its replacement forked warm from the agent's zygote (imports done once, ahead)"
         ),
         buckets=(Bucket.INIT,),
     ),
@@ -79,7 +80,7 @@ TECHNIQUES = (
         name="relaunch",
         mechanism=(
             "failure -> next attempt: torchrun relaunched cold vs ettr's agent going on in place, the crashed "
-            "rank's standby taking over"
+            "rank's replacement forked from its zygote"
         ),
         buckets=(Bucket.RESTART, Bucket.OTHER, Bucket.SCHEDULING, Bucket.HARDWARE_SETUP),
     ),
@@ -201,6 +202,9 @@ class EqualSpeed:
     """The ETT the optimized side would have at the baseline's step time."""
     side_by_side: bool = False
     """The two sides ran at the same time, each on CPUs of its own (else one after the other)."""
+    together: StepsTogether | None = None
+    """Side by side: both sides' steps over the wall time both were training (None: one after the other,
+    or no such time)."""
 
     @property
     def raw_gain_points(self) -> float:
@@ -224,6 +228,52 @@ class EqualSpeed:
         if b is None or o is None or not b > 0:
             return None
         return (o / b - 1.0) * 100.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepsTogether:
+    """Both sides' median step over the stretch of wall time in which both were training, side by side
+    (`steps_together`). A side that finishes first leaves its CPUs to the machine's other load, which then
+    leaves the other side's: the steps that side runs alone afterwards are faster, and its median over the
+    whole job holds them. Over this stretch the same load was beside both."""
+
+    begin_ts: float
+    end_ts: float
+    baseline_median_step_s: float
+    optimized_median_step_s: float
+    num_baseline_steps: int
+    num_optimized_steps: int
+
+    @property
+    def change_pct(self) -> float:
+        """How much longer the optimized side's median step is than the baseline's over the stretch, in %."""
+        return (self.optimized_median_step_s / self.baseline_median_step_s - 1.0) * 100.0
+
+
+def steps_together(
+    baseline: Sequence[tuple[float, float]], optimized: Sequence[tuple[float, float]]
+) -> StepsTogether | None:
+    """The two sides' timed steps ((end, seconds) in time order, `ettr.accounting.compute.timed_steps`: every
+    step, kept or redone, whose interval no blocking phase overlaps) that ended while both sides were
+    training: from the later of the two first steps to the earlier of the two last. None when the two
+    stretches of training do not overlap."""
+    if not baseline or not optimized:
+        return None
+    begin = max(baseline[0][0], optimized[0][0])
+    end = min(baseline[-1][0], optimized[-1][0])
+    b = [seconds for ts, seconds in baseline if begin <= ts <= end]
+    o = [seconds for ts, seconds in optimized if begin <= ts <= end]
+    b_median, o_median = (statistics.median(x) if x else 0.0 for x in (b, o))
+    if not b_median > 0 or not o_median > 0:
+        return None
+    return StepsTogether(
+        begin_ts=begin,
+        end_ts=end,
+        baseline_median_step_s=b_median,
+        optimized_median_step_s=o_median,
+        num_baseline_steps=len(b),
+        num_optimized_steps=len(o),
+    )
 
 
 STEP_SPEED_BOUND_PCT = 5.0
@@ -440,9 +490,16 @@ def build_story(
 ) -> Story:
     """The whole story of a demo from its two run directories (raises UsageError for an unreadable one).
     `side_by_side`: the two jobs ran at the same time, each on CPUs of its own."""
+    from ettr.accounting.compute import timed_steps
     from ettr.report.load import read_run
 
     (b_events, baseline), (o_events, optimized) = read_run(baseline_dir), read_run(optimized_dir)
+    together = None
+    if side_by_side:
+        b_steps, o_steps = (
+            timed_steps(ev, max((e.ts for e in ev), default=0.0)) for ev in (b_events, o_events)
+        )
+        together = steps_together(b_steps, o_steps)
     replays, projection, notes = _replay_and_project(
         ("baseline", "optimized"), (baseline_dir, optimized_dir), fleet
     )
@@ -455,9 +512,9 @@ def build_story(
         projection=tuple(projection),
         fleet=fleet,
         notes=tuple(notes),
-        equal_speed=_ran(equal_speed(baseline, optimized), side_by_side=side_by_side),
+        equal_speed=_ran(equal_speed(baseline, optimized), side_by_side=side_by_side, together=together),
     )
 
 
-def _ran(e: EqualSpeed | None, *, side_by_side: bool) -> EqualSpeed | None:
-    return None if e is None else replace(e, side_by_side=side_by_side)
+def _ran(e: EqualSpeed | None, *, side_by_side: bool, together: StepsTogether | None) -> EqualSpeed | None:
+    return None if e is None else replace(e, side_by_side=side_by_side, together=together)

@@ -28,14 +28,21 @@ import torch.distributed as dist
 from ettr import torch_compat
 from ettr.bootstrap.group_teardown import release
 from ettr.inplace import libraries
+from ettr.inplace.store import ABANDONED_KEY
+from ettr.untrusted import printable
 
 logger = logging.getLogger("ettr")
 
 _POLL_S = 0.002
+_ABANDONED_POLL_S = 0.05
 
 
 class RendezvousTimeout(RuntimeError):
     """Not every rank joined the generation in time."""
+
+
+class RendezvousAbandoned(RendezvousTimeout):
+    """The job's store could not be handed over to every rank (`ettr.inplace.store`): no generation forms."""
 
 
 class GenerationMovedOn(RuntimeError):
@@ -74,9 +81,15 @@ def join(
     keys = generation_store(store, generation)
     keys.add("joined", 1)
     deadline = begin + timeout_s
+    looked = 0.0
     while int(keys.add("joined", 0)) < world_size:
         if moved_on(generation):
             raise GenerationMovedOn(f"generation {generation} was overtaken while it formed")
+        if time.monotonic() - looked > _ABANDONED_POLL_S:  # a rank whose store hand-over failed never joins
+            looked = time.monotonic()
+            if store.check([ABANDONED_KEY]):
+                why = store.get(ABANDONED_KEY).decode("utf-8", "replace")[:300]
+                raise RendezvousAbandoned(f"generation {generation} cannot form: {printable(why)}")
         if time.monotonic() > deadline:
             raise RendezvousTimeout(
                 f"generation {generation}: {int(keys.add('joined', 0))} of {world_size} ranks joined in "

@@ -31,6 +31,14 @@ from ettr.untrusted import printable
 
 _PATH_KEY = "ettr/inplace/filestore"
 _OPENED_KEY = "ettr/inplace/filestore-opened"
+_FAILED_KEY = "ettr/inplace/filestore-failed"
+"""Set by a rank whose part of the hand-over failed (`rank R: why`), in the bootstrap store and, where it has it
+open, the FileStore (`ABANDONED_KEY`): the others stop waiting for it at once."""
+ABANDONED_KEY = "ettr/inplace/abandoned"
+"""In the job's store: the in-place store could not be handed over (`rank R: why`); `rendezvous.join` gives up
+at once on it, instead of waiting for a rank that will never join."""
+_POLL_S = 0.005
+_REASON_CHARS = 300
 _STORE_NAME = re.compile(r"inplace-[0-9]+-[0-9a-f]{12}\.store")
 """The name rank 0 gives the job's FileStore (`_local_file_store`); the others open no other."""
 
@@ -124,7 +132,37 @@ def _local_file_store(
 ) -> JobStore:
     """A FileStore under `root` with a fresh name (a stale file of an earlier job is never reused), made
     by rank 0 and handed to the others through the bootstrap store; rank 0 keeps serving that until every
-    rank has opened the file."""
+    rank has opened the file. A rank whose part fails says so in the store (`_FAILED_KEY`) before it raises,
+    and a rank waiting in the hand-over raises at once when it reads that (StoreUnavailable naming the rank
+    and why): before, rank 0 waited out its whole rendezvous timeout (120 s) for a rank that had already
+    given up, and the job's fall-back to a process restart waited with it."""
+    opened: list[dist.Store] = []
+    try:
+        return _hand_over(
+            bootstrap, rank=rank, world_size=world_size, root=root, timeout=timeout, opened=opened
+        )
+    except _PeerFailed as exc:
+        _abandon(opened, None, str(exc))  # said in the bootstrap store already, by the rank that failed
+        raise
+    except Exception as exc:
+        _abandon(opened, bootstrap, f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+
+
+class _PeerFailed(StoreUnavailable):
+    """Another rank's part of the hand-over failed (it said so in the store)."""
+
+
+def _hand_over(
+    bootstrap: dist.Store,
+    *,
+    rank: int,
+    world_size: int,
+    root: Path,
+    timeout: datetime.timedelta,
+    opened: list[dist.Store],
+) -> JobStore:
+    deadline = time.monotonic() + timeout.total_seconds()
     owned = None
     if rank == 0:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -135,14 +173,41 @@ def _local_file_store(
         bootstrap.set(_PATH_KEY, str(owned))
         path = str(owned)
     else:
+        while not bootstrap.check([_PATH_KEY]):
+            _peer_failed(bootstrap)
+            if time.monotonic() > deadline:
+                raise StoreUnavailable("rank 0 did not name the job's FileStore in time")
+            time.sleep(_POLL_S)
         path = _store_path_of_rank_0(bootstrap.get(_PATH_KEY), root)
     store = dist.FileStore(path, -1)
     store.set_timeout(timeout)
+    opened.append(store)
     bootstrap.add(_OPENED_KEY, 1)
     if rank == 0:  # the others must have read the name before rank 0's server goes
-        deadline = time.monotonic() + timeout.total_seconds()
         while bootstrap.add(_OPENED_KEY, 0) < world_size:
+            _peer_failed(bootstrap)
             if time.monotonic() > deadline:
                 raise StoreUnavailable("not every rank opened the job's FileStore in time")
-            time.sleep(0.005)
+            time.sleep(_POLL_S)
     return JobStore(store, f"the FileStore {path}", survives_rank_0=True, owned_path=owned)
+
+
+def _peer_failed(bootstrap: dist.Store) -> None:
+    """Raise _PeerFailed when a rank said its part of the hand-over failed."""
+    if bootstrap.check([_FAILED_KEY]):
+        said = bootstrap.get(_FAILED_KEY).decode("utf-8", "replace")[:_REASON_CHARS]
+        raise _PeerFailed(f"the hand-over of the job's FileStore failed on {printable(said)}")
+
+
+def _abandon(opened: list[dist.Store], bootstrap: dist.Store | None, said: str) -> None:
+    """Say in the bootstrap store (where given: this rank's own failure) and in the FileStore this rank opened
+    that the hand-over failed (`said`), so that no rank waits for it: best effort (rank 0's server may be
+    gone already)."""
+    said = said[:_REASON_CHARS]
+    if bootstrap is not None:
+        with contextlib.suppress(Exception):
+            bootstrap.set(_FAILED_KEY, said)
+    for store in opened:
+        with contextlib.suppress(Exception):
+            if not store.check([ABANDONED_KEY]):
+                store.set(ABANDONED_KEY, said)

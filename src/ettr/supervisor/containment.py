@@ -45,6 +45,18 @@ KILL_WAIT_S = 3.0
 """How long `kill_all` waits for SIGKILLed processes to be gone."""
 
 
+_KEPT: set[int] = set()
+"""Children that serve the whole run (the agent's zygote, `ettr.supervisor.zygote`): no sweep takes them."""
+
+
+def keep(pid: int, kept: bool = True) -> None:
+    """Spare child `pid` from every attempt's sweep (`kept`), or no longer."""
+    if kept:
+        _KEPT.add(pid)
+    else:
+        _KEPT.discard(pid)
+
+
 def become_subreaper() -> bool:
     """Adopt this supervisor's orphaned descendants (see the module docstring); whether the OS allowed it."""
     return set_child_subreaper()
@@ -119,12 +131,15 @@ class AttemptSweep:
         """Children started during the attempt that are not the attempt's (warm standbys of the next one)."""
         self._children_before.update(pids)
 
+    def _spared(self) -> set[int]:
+        return self._children_before | _KEPT
+
     def targets(self, exclude: int | None = None) -> list[tuple[int, int | None]]:
         """(pid, start ticks) of the attempt's processes still present (`exclude`: the attempt's own pid,
         which its Popen reaps)."""
         found = {pid: ticks for pid, ticks, _ in processes_with_env(self._marker)}
         for pid in children(os.getpid()):
-            if pid not in self._children_before and pid != exclude:
+            if pid not in self._spared() and pid != exclude:
                 found.setdefault(pid, start_ticks(pid))
         found.pop(exclude or -1, None)
         return sorted(found.items())
@@ -149,7 +164,7 @@ class AttemptSweep:
         reap(
             pid
             for pid in children(os.getpid())
-            if pid not in self._children_before and pid != exclude and not running(pid, None)
+            if pid not in self._spared() and pid != exclude and not running(pid, None)
         )
 
     def run(self, exclude: int | None = None) -> list[int]:

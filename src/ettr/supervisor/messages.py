@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, BinaryIO
 from ettr.errors import describe_os_error
 from ettr.events import split_failure_message
 from ettr.untrusted import printable
+from ettr.warn import LINE_MARK
 
 # describe_os_error is ettr.errors', named here too for the supervisor's parts
-__all__ = ["Progress", "describe_os_error", "ended_line", "relay_stderr", "say"]
+__all__ = ["MarkCarry", "Progress", "describe_os_error", "ended_line", "relay_stderr", "say"]
 
 if TYPE_CHECKING:
     from ettr.supervisor.classify import AttemptEnd
@@ -46,20 +47,61 @@ def say(message: str) -> None:
         _line_open = False
 
 
-def relay_stderr(chunk: bytes, out: BinaryIO | None) -> None:
+_MARK = LINE_MARK.encode()
+
+
+def relay_stderr(chunk: bytes, out: BinaryIO | None) -> bytes:
     """The job's stderr bytes `chunk` to ours (`out`: `sys.stderr.buffer`; None where it has none), noting
-    whether they leave a line open (a carriage return does not end one) for `say`. Raises what `out` raises
-    (OSError, ValueError: our stderr is gone)."""
+    whether they leave a line open (a carriage return does not end one) for `say`; the bytes relayed. Where a
+    line of ettr's written from the job's side starts (`ettr.warn.LINE_MARK`: the injector's `ettr: injecting
+    kill ...`, a training process's warnings) a newline is written instead when a line is open (a rank's
+    progress bar), nothing otherwise. Raises what `out` raises (OSError, ValueError: our stderr is gone)."""
     global _line_open
     if not chunk:
-        return
+        return chunk
     with _stderr_lock:
+        if _MARK in chunk:
+            pieces: list[bytes] = []
+            is_open = _line_open
+            for index, part in enumerate(chunk.split(_MARK)):
+                if index and is_open:
+                    pieces.append(b"\n")
+                    is_open = False
+                if part:
+                    pieces.append(part)
+                    is_open = not part.endswith(b"\n")
+            chunk = b"".join(pieces)
+            if not chunk:
+                return chunk
         _line_open = not chunk.endswith(b"\n")
         if out is not None:
             out.write(chunk)
             out.flush()
         else:
             write_stderr(chunk.decode(errors="replace"))
+    return chunk
+
+
+class MarkCarry:
+    """The bytes of a stream read in chunks, a chunk's end that may begin a `LINE_MARK` held back for the next
+    one (a read may end inside the mark when the pipe was full), so that `relay_stderr` sees every mark whole."""
+
+    def __init__(self) -> None:
+        self._held = b""
+
+    def take(self, chunk: bytes) -> bytes:
+        data = self._held + chunk
+        for size in range(min(len(_MARK) - 1, len(data)), 0, -1):
+            if _MARK.startswith(data[-size:]):
+                self._held = data[-size:]
+                return data[:-size]
+        self._held = b""
+        return data
+
+    def rest(self) -> bytes:
+        """What is held, at the end of the stream."""
+        held, self._held = self._held, b""
+        return held
 
 
 def write_stderr(text: str) -> None:

@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
+from typing import BinaryIO
 
 from ettr.procs import (
     cmdline_of,
@@ -28,7 +30,8 @@ from ettr.procs import (
     start_ticks,
 )
 from ettr.supervisor.launch import own_restarts
-from ettr.supervisor.messages import relay_stderr
+from ettr.supervisor.messages import MarkCarry, relay_stderr
+from ettr.warn import LINE_MARK, STDERR_TEE_ENV
 
 logger = logging.getLogger("ettr")
 
@@ -104,37 +107,68 @@ class AttemptProcess:
             if os.getppid() != parent:  # the supervisor died before the line above took effect
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        self.proc = subprocess.Popen(
-            list(argv),
-            env=dict(env),
-            stderr=subprocess.PIPE,
-            preexec_fn=in_child,
-            close_fds=True,
-            pass_fds=tuple(pass_fds),
-        )
+        # The stderr pipe is made here, so that the job is told which it is (ettr.warn: a line of ettr's written
+        # from the job's side marks its start there, and the tee starts it on a line of its own).
+        read_fd, write_fd = os.pipe()
+        pipe = os.fstat(write_fd)
+        try:
+            self.proc = subprocess.Popen(
+                list(argv),
+                env={**env, STDERR_TEE_ENV: f"{pipe.st_dev}:{pipe.st_ino}"},
+                stderr=write_fd,
+                preexec_fn=in_child,
+                close_fds=True,
+                pass_fds=tuple(pass_fds),
+            )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        self._stderr_fd = read_fd
+        self._attach()
+
+    def _attach(self) -> None:
         self.pid = self.proc.pid
         self._tee = threading.Thread(target=self._copy_stderr, name="ettr-stderr-tee", daemon=True)
         self._tee.start()
 
+    @classmethod
+    def adopt(cls, pid: int, stderr_fd: int, *, tail_bytes: int = 16384) -> AttemptProcess:
+        """The process of a child this supervisor adopted (a zygote's fork, `ettr.supervisor.zygote`:
+        re-parented here, the child subreaper) whose stderr is the pipe `stderr_fd` (taken over)."""
+        self = cls.__new__(cls)
+        self._tail, self._tail_bytes, self._tail_lock = bytearray(), tail_bytes, threading.Lock()
+        self._known = {}
+        self.proc = AdoptedChild(pid)  # type: ignore[assignment]
+        self._stderr_fd = stderr_fd
+        self._attach()
+        return self
+
     def _copy_stderr(self) -> None:
-        stream = self.proc.stderr
-        assert stream is not None
-        out = getattr(sys.stderr, "buffer", None)
-        fd = stream.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            with self._tail_lock:
-                self._tail += chunk
-                del self._tail[: max(0, len(self._tail) - self._tail_bytes)]
-            try:
-                relay_stderr(chunk, out)
-            except (OSError, ValueError):
-                out = None  # our own stderr is gone: keep draining so the child never blocks
+        out: BinaryIO | None = getattr(sys.stderr, "buffer", None)
+        fd = self._stderr_fd
+        carry = MarkCarry()
+        try:
+            while True:
+                try:
+                    read = os.read(fd, 65536)
+                except OSError:
+                    read = b""
+                chunk = carry.take(read) if read else carry.rest()
+                if chunk:
+                    try:
+                        chunk = relay_stderr(chunk, out)
+                    except (OSError, ValueError):
+                        out = None  # our own stderr is gone: keep draining so the child never blocks
+                        chunk = chunk.replace(LINE_MARK.encode(), b"")
+                    with self._tail_lock:
+                        self._tail += chunk
+                        del self._tail[: max(0, len(self._tail) - self._tail_bytes)]
+                if not read:
+                    break
+        finally:
+            os.close(fd)
 
     def poll(self) -> int | None:
         """The return code once the command has exited (negative: killed by that signal), else None."""
@@ -202,3 +236,32 @@ class AttemptProcess:
             text = bytes(self._tail).decode(errors="replace")
         lines = [line.rstrip() for line in text.replace("\r", "\n").splitlines()]
         return [line for line in lines if line][-num_lines:]
+
+
+class AdoptedChild:
+    """What `AttemptProcess` uses of `subprocess.Popen`, for an adopted child (`AttemptProcess.adopt`): its
+    exit status is read with `waitpid`, as Popen reads its own children's."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: the status is lost (Popen says 0 then too)
+                logger.debug("ettr: adopted child %d was reaped elsewhere", self.pid)
+                self.returncode = 0
+                return 0
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
+            time.sleep(0.01)
+        return code

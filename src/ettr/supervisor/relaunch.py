@@ -1,5 +1,5 @@
 """How an attempt's process was started, and what the console says while it waits: `Relaunch` (path warm |
-promoted | cold and why, recorded in the supervisor's `relaunch` MARK; the TTR's relaunch part shows it) and
+promoted | cold | forked and why, recorded in the supervisor's `relaunch` MARK; the TTR's relaunch part shows it) and
 `WarmUpNotice` (an attempt waiting more than a second for a promoted standby says so). The standbys
 themselves are `ettr.supervisor.standby`.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from ettr.supervisor.standby import Standby
 
-RelaunchPath = Literal["warm", "promoted", "cold"]
+RelaunchPath = Literal["warm", "promoted", "cold", "forked"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +25,8 @@ class Relaunch:
 
     path: RelaunchPath
     """`warm`: a standby that had done its warm-up took the attempt; `promoted`: a standby still warming,
-    promoted to normal priority, took it; `cold`: a new process."""
+    promoted to normal priority, took it; `cold`: a new process; `forked`: forked, warm, from the agent's
+    zygote (`ettr.supervisor.zygote`)."""
     why: str
     """In a few words: why this path."""
     ranks: tuple[tuple[int, RelaunchPath, str], ...] = ()
@@ -41,13 +42,25 @@ class Relaunch:
     def of_ranks(cls, ranks: Sequence[Relaunch]) -> Relaunch:
         """One relaunch of several ranks: the slowest path among them (a job trains once all ranks do), why
         as the first such rank says it, with the ranks that took it (each rank's own in `ranks`)."""
-        order: tuple[RelaunchPath, ...] = ("cold", "promoted", "warm")
+        order: tuple[RelaunchPath, ...] = ("cold", "promoted", "warm", "forked")
         path = next(p for p in order if any(r.path == p for r in ranks))
         took = [i for i, r in enumerate(ranks) if r.path == path]
         why = ranks[took[0]].why
         if len(ranks) > 1:
             why += f" (rank{'s' if len(took) > 1 else ''} {', '.join(map(str, took))})"
         return cls(path=path, why=why, ranks=tuple((i, r.path, r.why) for i, r in enumerate(ranks)))
+
+    @classmethod
+    def in_place(cls, replaced: Sequence[int], paths: Sequence[Relaunch]) -> Relaunch:
+        """An in-place recovery's relaunch: the local ranks `replaced`, each started as `paths` says."""
+        if not paths:
+            return cls(path="warm", why="in place: every worker went on, none replaced")
+        slowest = cls.of_ranks(paths)
+        return cls(
+            path=slowest.path,
+            why=f"in place: rank {', '.join(map(str, replaced))} replaced ({slowest.why}), the others went on",
+            ranks=tuple((r, p.path, p.why) for r, p in zip(replaced, paths, strict=True)),
+        )
 
 
 class WarmUpNotice:

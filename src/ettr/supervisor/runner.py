@@ -175,7 +175,7 @@ class AttemptRunner:
             **running.start_data(),
         )
         relaunch = running.relaunch
-        if not self._launched:
+        if not self._launched and relaunch.path != "forked":  # forked: from a zygote warm before it
             relaunch = Relaunch(path="cold", why="the first attempt this supervisor started")
         self._launched = True
         books.append(EventKind.MARK, attempt=attempt, ts=started, name=RELAUNCH_MARK, **relaunch.to_data())

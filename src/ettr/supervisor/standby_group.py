@@ -1,18 +1,25 @@
 """One warm standby per local rank of ettr's torchrun agent (`ettr.supervisor.workers`): `StandbyGroup`.
 
 Each rank's `ettr.supervisor.standby.Standby` is started with rank r's environment less the per-attempt
-names; at the next attempt each rank whose standby fits takes its complete environment (`take`: at once
+names; at the next attempt each rank forked from the agent's zygote (`zygote`, `ettr.supervisor.zygote`:
+path `forked`) where it has one that fits, else each rank whose standby fits takes its complete environment (`take`: at once
 when warm, promoted to normal priority when still warming), the others start cold at once. An in-place
 recovery takes only the dead rank's (`take_rank`), and `fill` starts the missing ones again.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from pathlib import Path
 
+from ettr.run_env import trained_modules
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
 from ettr.supervisor.standby import Standby
+from ettr.supervisor.zygote import Zygote
+
+logger = logging.getLogger("ettr")
 
 WARM_MODULES = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
 """Imported ahead by a worker's standby beside torch when the attempt's first-step markers name nothing
@@ -26,8 +33,24 @@ compile-store look-up (that waits for `torch.compile`)."""
 class StandbyGroup:
     """One warm standby per local rank for the next attempt (see the module docstring)."""
 
-    def __init__(self, standbys: Sequence[Standby | None]) -> None:
+    def __init__(self, standbys: Sequence[Standby | None], zygote: Zygote | None = None) -> None:
         self.standbys = list(standbys)
+        self.zygote = zygote
+        """The agent's zygote (it outlives the group: the agent discards it), tried first for each rank."""
+
+    def _forked(self, argv: Sequence[str], env: dict[str, str]) -> tuple[AttemptProcess | None, str]:
+        """Worker `argv`, `env` forked from the zygote, or None and why not ("" without a zygote)."""
+        if self.zygote is None:
+            return None, ""
+        process, why = self.zygote.fork(argv, env)
+        return process, (why if process is not None else f"zygote not used: {why}")
+
+    @staticmethod
+    def _after(relaunch: Relaunch, zygote_why: str) -> Relaunch:
+        """`relaunch`, its why prefixed by why the zygote was not used (where there is one)."""
+        if not zygote_why:
+            return relaunch
+        return Relaunch(path=relaunch.path, why=f"{zygote_why}; {relaunch.why}")
 
     @classmethod
     def start(
@@ -63,13 +86,20 @@ class StandbyGroup:
         waiting: list[tuple[str, Standby]] = []
         for r, argv in enumerate(argvs):
             ready = self.standbys[r] if r < len(self.standbys) else None
+            forked, zygote_why = self._forked(argv, envs[r])
+            if forked is not None:
+                out.append(forked)
+                paths.append(Relaunch(path="forked", why=zygote_why))
+                if ready is not None:
+                    ready.discard()
+                continue
             if ready is None:
                 out.append(None)
-                paths.append(Relaunch(path="cold", why="no standby for this rank"))
+                paths.append(self._after(Relaunch(path="cold", why="no standby for this rank"), zygote_why))
                 continue
             process, relaunch = ready.take(argv, envs[r])
             out.append(process)
-            paths.append(relaunch)
+            paths.append(self._after(relaunch, zygote_why))
             if relaunch.path == "promoted":
                 waiting.append((f"rank {r}", ready))
             else:
@@ -89,17 +119,21 @@ class StandbyGroup:
         """Rank `rank`'s replacement in an in-place recovery: its standby where it fits, else a cold start
         (raises OSError); the other ranks keep theirs. Third: the standby when it was promoted (still
         warming: the caller's `WarmUpNotice` watches it and closes it), else None."""
+        forked, zygote_why = self._forked(argv, env)
+        if forked is not None:
+            return forked, Relaunch(path="forked", why=zygote_why), None
         ready = self.standbys[rank] if rank < len(self.standbys) else None
         if ready is not None:
             self.standbys[rank] = None
             process, relaunch = ready.take(argv, env)
+            relaunch = self._after(relaunch, zygote_why)
             if process is not None and relaunch.path == "promoted":
                 return process, relaunch, ready
             ready.close()
             if process is not None:
                 return process, relaunch, None
         else:
-            relaunch = Relaunch(path="cold", why="no standby for this rank")
+            relaunch = self._after(Relaunch(path="cold", why="no standby for this rank"), zygote_why)
         return AttemptProcess(argv, env), relaunch, None
 
     def fill(
@@ -126,3 +160,30 @@ class StandbyGroup:
             if s is not None:
                 s.discard()
         self.standbys = []
+
+
+def start_zygote(
+    argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, run_dir: Path, attempt: int
+) -> Zygote | None:
+    """The agent's zygote for workers like `argvs`/`envs`, warm (`Zygote.wait_warm`: this supervisor's
+    first attempt, `attempt`, has its workers forked from it), importing ahead beside torch what the attempt
+    before had imported by its first step (a requeued job: `trained_modules`, as its standbys would), else
+    `WARM_MODULES`; None where there is none (why: in the debug log, and in the relaunch MARK of a zygote
+    dropped later). Its warm-up is what each worker would import anyway, once instead of once per worker."""
+    learned = trained_modules(run_dir, attempt - 1) if attempt > 0 else []
+    modules = list(dict.fromkeys(learned or WARM_MODULES))
+    made = Zygote.start(argvs[0], envs[0], modules=modules) if argvs else "no workers"
+    if isinstance(made, str):
+        logger.debug("ettr: no zygote (%s)", made)
+        return None
+    made.wait_warm()
+    return made
+
+
+def with_zygote(group: StandbyGroup | None, zygote: Zygote | None) -> StandbyGroup | None:
+    """`group` (a new one without standbys where None) forking from `zygote` first, where it still serves."""
+    if zygote is None or not zygote.serves:
+        return group
+    group = group or StandbyGroup([])
+    group.zygote = zygote
+    return group

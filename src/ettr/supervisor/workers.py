@@ -31,8 +31,9 @@ from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
 from ettr.supervisor.standby import Standby, no_standby_reason
-from ettr.supervisor.standby_group import StandbyGroup
+from ettr.supervisor.standby_group import StandbyGroup, start_zygote, with_zygote
 from ettr.supervisor.watch import Continued, Exited, Exiting
+from ettr.supervisor.zygote import Zygote
 from ettr.untrusted import make_dirs_below
 
 if TYPE_CHECKING:
@@ -147,7 +148,8 @@ class WorkerGroup:
 
     def describe(self) -> str:
         num_warm = sum(self.warm)
-        warm = f", {num_warm} in warm standbys" if num_warm else ""
+        where = "forked from the zygote" if self.relaunch.path == "forked" else "in warm standbys"
+        warm = f", {num_warm} {where}" if num_warm else ""
         return f"{len(self.procs)} worker(s), pids {', '.join(map(str, self.pids))}{warm}"
 
     def events(self) -> list[AttemptEvent]:
@@ -291,15 +293,14 @@ class WorkerGroupKind:
     def __init__(
         self, spec: agent.WorkerSpec, *, run_dir: Path, max_restarts: int, teardown_grace_s: float
     ) -> None:
-        self.spec = spec
-        self._run_dir = run_dir
-        self._max_restarts = max_restarts
+        self.spec, self._run_dir, self._max_restarts = spec, run_dir, max_restarts
         self._teardown_grace_s = teardown_grace_s
         self._standbys: StandbyGroup | None = None
         self._workers: tuple[list[list[str]], list[dict[str, str]]] = ([], [])  # the last attempt's, per rank
         self._port = 0
         self._inplace_env: dict[str, str] | None = None  # the workers' in-place variables (None: off)
         self._inplace_tried = False  # made at the first start: a kind that starts nothing leaves nothing
+        self._zygote: Zygote | None = None  # the node's warm process source (`ettr.supervisor.zygote`)
 
     def _env(self, plan: AttemptPlan, rank: int, port: int) -> dict[str, str]:
         error_file = agent.error_file(self._run_dir, plan.attempt, rank)
@@ -318,8 +319,10 @@ class WorkerGroupKind:
         return env
 
     def start(self, plan: AttemptPlan) -> WorkerGroup:
-        """The attempt's workers, in the warm standbys where they fit. Raises OSError."""
-        if not self._inplace_tried:
+        """The attempt's workers, forked from the zygote (made at the first attempt) or in the warm standbys
+        where they fit. Raises OSError."""
+        first = not self._inplace_tried
+        if first:
             self._inplace_tried = True
             if inplace.enabled():
                 try:
@@ -330,7 +333,9 @@ class WorkerGroupKind:
         argvs = [list(self.spec.argv) for _ in range(self.spec.nproc)]
         envs = [self._env(plan, rank, port) for rank in range(self.spec.nproc)]
         self._workers = (argvs, envs)
-        ready, self._standbys = self._standbys, None
+        if first:
+            self._zygote = start_zygote(argvs, envs, run_dir=self._run_dir, attempt=plan.attempt)
+        ready, self._standbys = with_zygote(self._standbys, self._zygote), None
         group = WorkerGroup.start(
             argvs,
             envs,
@@ -352,9 +357,9 @@ class WorkerGroupKind:
         replacements: dict[int, AttemptProcess] = {}
         paths: list[Relaunch] = []
         waiting: list[tuple[str, Standby]] = []
-        argvs, envs = self._workers
+        (argvs, envs), self._standbys = self._workers, with_zygote(self._standbys, self._zygote)
         for rank in dead:
-            env = self._env(plan, rank, self._port)
+            envs[rank] = env = self._env(plan, rank, self._port)
             if self._standbys is not None:
                 process, how, promoted = self._standbys.take_rank(rank, argvs[rank], env)
                 waiting += [(f"rank {rank}", promoted)] if promoted is not None else []
@@ -362,26 +367,20 @@ class WorkerGroupKind:
                 process = AttemptProcess(argvs[rank], env)
                 how = Relaunch(path="cold", why=no_standby_reason(None, env))
             replacements[rank], paths = process, [*paths, how]
-            envs[rank] = env
         if running.notice is not None:  # an earlier attempt's: its standbys run or are gone
             running.notice.stop()
         running.notice = WarmUpNotice(plan.attempt, waiting)  # survivors wait on a promoted one's warm-up
         running.notice.start()  # (says nothing without one)
         running.continue_as(plan.attempt, replacements, self._run_dir)
         inplace.announce(self._run_dir, plan.attempt, sorted(replacements))
-        if paths:
-            slowest = Relaunch.of_ranks(paths)
-            which = ", ".join(map(str, sorted(replacements)))
-            running.relaunch = Relaunch(
-                path=slowest.path,
-                why=f"in place: rank {which} replaced ({slowest.why}), the others went on",
-                ranks=tuple((r, p.path, p.why) for r, p in zip(sorted(replacements), paths, strict=True)),
-            )
-        else:
-            running.relaunch = Relaunch(path="warm", why="in place: every worker went on, none replaced")
+        running.relaunch = Relaunch.in_place(sorted(replacements), paths)
         return running
 
     def prepare_next(self, *, warm_modules: Sequence[str] = ()) -> list[int]:
+        served = with_zygote(self._standbys, self._zygote)
+        if served is not None and served.zygote is not None:  # a fork away: no standby warms up meanwhile
+            self._standbys = served
+            return []
         argvs, envs = self._workers
         if argvs and self._standbys is not None and standby.enabled():
             return self._standbys.fill(
@@ -396,5 +395,6 @@ class WorkerGroupKind:
 
     def discard(self) -> None:
         ready, self._standbys = self._standbys, None
-        if ready is not None:
-            ready.discard()
+        for made in (ready, self._zygote):
+            if made is not None:
+                made.discard()
