@@ -371,6 +371,23 @@ def test_a_memory_copy_needs_a_private_directory(tmp_path: Path, monkeypatch: py
     assert (step, source) == (5, "storage")
 
 
+def test_a_refused_memory_copy_folder_is_said_once_not_at_every_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each save warned again ("ettr: memory copy of step 10 failed (... writable by others ...)", then of step
+    # 20, 30, ...): the folder's problem, not the save's.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    copies = MemoryCopies.for_root(shared, str(tmp_path / "ckpt"), rank=0)
+    with caplog.at_level("WARNING", logger="ettr"):
+        for step in (10, 20, 30):
+            assert copies.keep(_state(), Binding(step=step, manifest_sha256="ab" * 32, world_size=1)) == 0
+    said = [r.getMessage() for r in caplog.records if "writable by others" in r.getMessage()]
+    assert len(said) == 1 and "not kept" in said[0], said
+    assert not any(p.suffix == ".snap" for p in shared.rglob("*"))
+
+
 def test_snapshot_bytes_round_trip_through_a_buffer(tmp_path: Path) -> None:
     """What a peer sends (the file's bytes) parses the same as the file."""
     from ettr.checkpoint.snapshot import parse_bytes

@@ -44,6 +44,7 @@ from ettr.checkpoint.base import (
 from ettr.checkpoint.commit import read_manifest_bytes
 from ettr.checkpoint.snapshot import Binding, FileId, Snapshot
 from ettr.run_env import MEMORY_OWNER_NAME, private_dir_problem
+from ettr.warn import WarnOnce
 
 logger = logging.getLogger("ettr")
 
@@ -54,6 +55,10 @@ that is less)."""
 
 class UnsafeMemoryDir(PermissionError):
     """The memory-copy directory is a symlink, another user's, or writable by others."""
+
+
+_REFUSED_DIR = WarnOnce("{what}")
+"""A memory-copy folder refused (`UnsafeMemoryDir`) is said once per process and folder, not at every save."""
 
 
 def _ensure_private(path: Path) -> None:
@@ -185,6 +190,10 @@ class MemoryCopies:
             self.discard(path)
             logger.info("ettr: no memory copy of step %d (%s); restores read storage", binding.step, exc)
             written = 0
+        except UnsafeMemoryDir as exc:  # the folder's, not this save's: said once (each save said it again)
+            self.discard(path)
+            _REFUSED_DIR(f"ettr: memory copies are not kept ({exc}); restores read storage (said once)")
+            written = 0
         except OSError as exc:
             self.discard(path)
             logger.warning(
@@ -208,6 +217,10 @@ class MemoryCopies:
                 logger.info("ettr: not holding rank %d's memory copy (%s)", rank, why)
                 return False
             self._write_into_place(path, lambda tmp: _write_bytes(tmp, data))
+        except UnsafeMemoryDir as exc:
+            self.discard(path)
+            _REFUSED_DIR(f"ettr: peers' memory copies are not held ({exc}) (said once)")
+            return False
         except (CheckpointInvalid, OSError) as exc:
             self.discard(path)
             logger.warning("ettr: not holding rank %d's memory copy (%s)", rank, exc)

@@ -5,8 +5,9 @@ costs about the running jobs' events. It listens on 127.0.0.1 unless an address 
 hold it only so long: at most `MAX_CONNECTIONS` requests are served at once, each connection gets
 `READ_TIMEOUT_S` per read and `REQUEST_DEADLINE_S` in all (a slowloris or an HTTP/0.9 client that never ends
 its request line is cut off), and the listen backlog is bounded. When every slot is taken, a new connection
-takes the slot of the oldest one whose request head is still arriving (cut), and only when there is none is it
-closed at once: slow clients cannot keep a scrape out by holding every slot.
+takes the slot of the oldest one whose request head is still arriving (cut), else of the one writing its response
+longest, past `WRITE_GRACE_S` (a slow reader: cut), and only when there is none is it closed at once: slow clients
+cannot keep a scrape out by holding every slot.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
@@ -39,7 +41,12 @@ SLOT_WAIT_S = 5.0
 BACKLOG = 32
 """Connections the kernel queues before they are accepted."""
 READ_TIMEOUT_S = 10.0
-"""The longest one read of a request may wait for its client."""
+"""The longest one read of a request may wait for its client (and one write of its response: the socket's
+timeout)."""
+WRITE_GRACE_S = 2.0
+"""How long a connection may write its response before its slot may be taken by a new connection when every
+slot is taken: a scrape reads its response at once (7.6 MB in 0.5 s here), a slow reader (a byte a second)
+held its slot for the socket's timeout, again at each reconnection, and scrapes were closed unanswered."""
 REQUEST_DEADLINE_S = 120.0
 """The longest a connection is kept, reading, loading and writing (a scrape of a large fleet takes seconds)."""
 SCRAPE_BUDGET_S = 4.0
@@ -59,6 +66,10 @@ class _QuietHandler(WSGIRequestHandler):
     def parse_request(self) -> bool:
         return super().parse_request() and self.server.head_arrived(self.request)
 
+    def setup(self) -> None:
+        super().setup()
+        self.wfile = _Writing(self.wfile, lambda: self.server.writing(self.request))  # type: ignore[assignment]
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass
 
@@ -77,6 +88,8 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         self._heads: dict[socket.socket, None] = {}
         """Connections whose request head has not all arrived, oldest first."""
         self._cut_heads: set[socket.socket] = set()
+        self._writers: dict[socket.socket, float] = {}
+        """Connections writing their response, and since when (monotonic), oldest first."""
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -97,12 +110,23 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         and every scrape was refused while they did) and take its slot once its thread ends."""
         with self._lock:
             oldest = next(iter(self._heads), None)
-            if oldest is None:
-                return False
-            del self._heads[oldest]
-            self._cut_heads.add(oldest)
+            if oldest is not None:
+                del self._heads[oldest]
+                self._cut_heads.add(oldest)
+            else:  # else a slow reader: the oldest connection writing its response for over WRITE_GRACE_S
+                slow = next(iter(self._writers.items()), None)
+                if slow is None or time.monotonic() - slow[1] < WRITE_GRACE_S:
+                    return False
+                oldest = slow[0]
+                del self._writers[oldest]
         _cut(oldest)
         return self._slots.acquire(timeout=SLOT_WAIT_S)
+
+    def writing(self, request: socket.socket) -> None:
+        """`request`'s response began to be written (its slot may be given up for a new connection after
+        WRITE_GRACE_S)."""
+        with self._lock:
+            self._writers.setdefault(request, time.monotonic())
 
     def head_arrived(self, request: socket.socket) -> bool:
         """The request head of `request` was read: its connection is no longer given up for a new one.
@@ -115,6 +139,7 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         with self._lock:
             self._heads.pop(request, None)
             self._cut_heads.discard(request)
+            self._writers.pop(request, None)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         deadline = threading.Timer(REQUEST_DEADLINE_S, _cut, (request,))
@@ -129,6 +154,23 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.debug("ettr serve: a request from %s failed", client_address, exc_info=True)
+
+
+class _Writing:
+    """A handler's `wfile` that tells `on_first` when the response begins to be written."""
+
+    def __init__(self, raw: Any, on_first: Callable[[], None]) -> None:
+        self._raw = raw
+        self._on_first: Callable[[], None] | None = on_first
+
+    def write(self, data: Any) -> Any:
+        if self._on_first is not None:
+            on_first, self._on_first = self._on_first, None
+            on_first()
+        return self._raw.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
 
 
 def _cut(request: socket.socket) -> None:
