@@ -149,6 +149,10 @@ def run_request(request: dict, started_at: float, mark: str, **fields: float) ->
         ettr.runtime.process_start_time = lambda: started_at
         start()
         ettr.runtime.get_recorder().mark(mark, **fields, pid=os.getpid())
+        if mark == "zygote":
+            # A forked worker trains within a fraction of a second (a cold start imports for seconds while its
+            # recorder writes): its start is in the books before a stop signal can end it unwritten.
+            ettr.runtime.get_recorder().flush(1.0)
     except Exception as exc:
         print(f"ettr: {mark} bootstrap failed ({type(exc).__name__}: {exc})", file=sys.stderr)
     run_attempt()
