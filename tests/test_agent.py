@@ -173,6 +173,17 @@ def test_the_first_failed_worker_is_the_attempts_failure_and_the_rest_are_stoppe
     assert group.stderr_tail() == ["tail of 11"]
 
 
+def test_of_workers_seen_ended_together_the_one_a_signal_killed_is_the_failure() -> None:
+    """A rank SIGKILLed (the OOM killer, an operator) makes its peers' next collective fail: when one poll
+    finds both ended, the killed rank is the cause, not the lower rank that exited 1 after it."""
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [FakeWorker(50), FakeWorker(51)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    workers[0].code, workers[1].code = 1, -9
+    assert group.poll() == -9 and group.failed_rank == 1
+
+
 def test_workers_that_ignore_sigterm_get_sigkill_after_the_grace() -> None:
     from ettr.supervisor.workers import WorkerGroup
 

@@ -185,8 +185,8 @@ class WorkerGroup:
                 if found is not None:
                     self.continued, self.failed_at = found, now
                     return None
-            if failed:
-                self.failed_rank, self.failed_at = failed[0], now
+            if failed:  # of ranks seen ended together, one a signal killed is the cause of the others' errors
+                self.failed_rank, self.failed_at = min(failed, key=lambda r: (codes[r] or 0) >= 0), now
                 self._stop_at = now + self._flush_s
         if self.failed_rank is not None and not self._signalled and now >= self._stop_at:
             self._signal_others(signal.SIGTERM)
