@@ -26,8 +26,13 @@ OS at import, and imported by torch) is reseeded here from the OS as a cold star
 default CPU generator (torch 2.13 seeds it from the OS at import: without this every rank of the node, and every
 later attempt, would start from the zygote's one seed) and multiprocessing's authentication key
 (`_fresh_like_a_cold_start`). Its string hash seed
-is the zygote's (random per zygote unless PYTHONHASHSEED is set): the ranks of one node share it, where cold
-starts would each draw one; no program may depend on either.
+is the zygote's (random per zygote unless PYTHONHASHSEED is set): the ranks of one node, and every attempt forked
+from it, share it, where cold starts would each draw one; no program may depend on either. Not the same (known,
+not handled): what torch and the zygote's other warm-up modules read from the environment at their import is
+the zygote's, so a script that sets OMP_NUM_THREADS (or MKL_NUM_THREADS, TORCH_LOGS, ...) in `os.environ`
+above its own `import torch` gets the zygote's value (measured, 2 cores: `os.environ["OMP_NUM_THREADS"] = "2"`
+then `import torch`: 1 thread forked, 2 cold); `torch.set_num_threads` works as at a cold start. The script
+finds `torch` in `sys.modules` at its first line, and /proc/PID/cmdline and `sys.orig_argv` are the zygote's.
 """
 
 from __future__ import annotations
