@@ -177,3 +177,40 @@ def test_the_zygote_leaves_out_only_the_per_rank_and_per_attempt_names():
         "OMP_NUM_THREADS": "1",
         "ROLE_NAME": "default",
     }
+
+
+TORCH_SCRIPT = """\
+import json, multiprocessing, torch
+print(json.dumps({"seed": torch.initial_seed(), "authkey": bytes(multiprocessing.current_process().authkey).hex()}))
+"""
+
+
+def test_forked_workers_draw_torchs_seed_and_the_authkey_afresh_as_cold_starts_do(tmp_path):
+    (tmp_path / "seeds.py").write_text(TORCH_SCRIPT)
+    found = _agent(
+        tmp_path,
+        """
+        argv = [sys.executable, "-u", "seeds.py"]
+        z = Zygote.start(argv, env)
+        say(warm=z.wait_warm())
+        for rank in ("0", "1"):
+            p, why = z.fork(argv, dict(env, RANK=rank))
+            say(why=why, code=p.wait(60))
+            p.finish()
+        z.discard()
+        """,
+    )
+    forked = [d["script"] for d in found if "script" in d]
+    assert len(forked) == 2, found
+    cold = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-u", "seeds.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+            ).stdout
+        )
+        for _ in range(2)
+    ]
+    # Two forks of one zygote differ where two cold starts differ (torch seeds its generator at import from
+    # the OS, or keeps a fixed default seed: then both are the same everywhere).
+    assert (forked[0]["seed"] != forked[1]["seed"]) == (cold[0]["seed"] != cold[1]["seed"])
+    assert forked[0]["authkey"] != forked[1]["authkey"]

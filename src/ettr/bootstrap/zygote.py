@@ -22,10 +22,17 @@ recorder's `zygote` MARK says so). EOF on the socket (the agent discarded the zy
 
 What a child has that a cold start would not: nothing the script can see, as far as checked. Python's `random`
 reseeds itself in a forked child (CPython's `os.register_at_fork`), numpy's global RandomState (seeded from the
-OS at import, and imported by torch) is reseeded here from the OS as a cold start's is, torch's default
-generator has its fixed default seed until the script seeds it (nothing drew from it). Its string hash seed
-is the zygote's (random per zygote unless PYTHONHASHSEED is set): the ranks of one node share it, where cold
-starts would each draw one; no program may depend on either.
+OS at import, and imported by torch) is reseeded here from the OS as a cold start's is, and so are torch's
+default CPU generator (torch 2.13 seeds it from the OS at import: without this every rank of the node, and every
+later attempt, would start from the zygote's one seed) and multiprocessing's authentication key
+(`_fresh_like_a_cold_start`). Its string hash seed
+is the zygote's (random per zygote unless PYTHONHASHSEED is set): the ranks of one node, and every attempt forked
+from it, share it, where cold starts would each draw one; no program may depend on either. Not the same (known,
+not handled): what torch and the zygote's other warm-up modules read from the environment at their import is
+the zygote's, so a script that sets OMP_NUM_THREADS (or MKL_NUM_THREADS, TORCH_LOGS, ...) in `os.environ`
+above its own `import torch` gets the zygote's value (measured, 2 cores: `os.environ["OMP_NUM_THREADS"] = "2"`
+then `import torch`: 1 thread forked, 2 cold); `torch.set_num_threads` works as at a cold start. The script
+finds `torch` in `sys.modules` at its first line, and /proc/PID/cmdline and `sys.orig_argv` are the zygote's.
 """
 
 from __future__ import annotations
@@ -168,7 +175,33 @@ def _become_child(agent: int, own_session: bool, request_fd: int, stderr_fd: int
             sys.modules["numpy.random"].seed()
         except Exception:
             pass
+    _fresh_like_a_cold_start()
     return request
+
+
+_TORCH_FIXED_SEED = 67280421310721
+"""libtorch's fixed default seed (c10 `default_rng_seed_val`): a torch whose generator starts with it at import
+gives every cold start the same seed, and a forked child keeps it as is."""
+
+
+def _fresh_like_a_cold_start() -> None:
+    """Draw afresh what a cold start's imports draw from the OS, where the zygote's copy would otherwise be
+    shared by every child (the ranks of the node and every later attempt's): torch's default CPU generator
+    when this torch seeds it at import (measured, torch 2.13: `import torch` twice gives two seeds, the
+    zygote's two ranks one), and multiprocessing's authentication key (`os.urandom(32)` at its import)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.initial_seed() != _TORCH_FIXED_SEED:
+                torch.default_generator.seed()
+        except Exception:
+            pass
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        try:
+            process.current_process().authkey = os.urandom(32)
+        except Exception:
+            pass
 
 
 def _max_fd() -> int:
