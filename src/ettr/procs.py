@@ -522,3 +522,12 @@ def log_readers(pids: Collection[int]) -> set[int]:
     if not written:
         return set()
     return {pid for pid in pids if _fd_target(pid, 0) in written and not _is_python(pid)}
+
+
+def close_quietly(*fds: int) -> None:
+    """Close each of `fds`, one already closed (or never open) being no error."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

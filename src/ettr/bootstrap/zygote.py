@@ -47,6 +47,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from ettr.procs import close_quietly
+
 SPAWNED_AT = time.time()
 
 _SIGINT_AT_START: Callable[[int, FrameType | None], Any] | int | None = signal.default_int_handler
@@ -83,14 +85,6 @@ def _write(fd: int, data: bytes) -> bool:
         return False
 
 
-def _close(*fds: int) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
 def serve(sock: socket.socket) -> tuple[dict, float] | None:
     """Fork a child per request until the agent closes the socket (None: exit). In a forked child, returns
     its attempt's request and when it was forked (the caller runs it)."""
@@ -100,10 +94,10 @@ def serve(sock: socket.socket) -> tuple[dict, float] | None:
         except OSError:
             return None
         if not message:
-            _close(*fds)
+            close_quietly(*fds)
             return None
         if len(fds) != 3:
-            _close(*fds)
+            close_quietly(*fds)
             continue
         request_fd, stderr_fd, hello_fd = fds
         try:
@@ -111,12 +105,12 @@ def serve(sock: socket.socket) -> tuple[dict, float] | None:
             agent, own_session = int(header["agent"]), bool(header["own_session"])
         except (ValueError, KeyError, TypeError):
             _write(hello_fd, b"no: a request the zygote could not read")
-            _close(*fds)
+            close_quietly(*fds)
             continue
         problem = threads_problem()
         if problem is not None:
             _write(hello_fd, b"no: " + problem.encode())
-            _close(*fds)
+            close_quietly(*fds)
             continue
         sys.stdout.flush()
         sys.stderr.flush()
@@ -124,7 +118,7 @@ def serve(sock: socket.socket) -> tuple[dict, float] | None:
             middle = os.fork()
         except OSError as exc:
             _write(hello_fd, f"no: fork failed ({exc.strerror})".encode())
-            _close(*fds)
+            close_quietly(*fds)
             continue
         if middle == 0:
             try:
@@ -137,7 +131,7 @@ def serve(sock: socket.socket) -> tuple[dict, float] | None:
             sock.close()
             request = _become_child(agent, own_session, request_fd, stderr_fd, hello_fd)
             return request, forked_at
-        _close(*fds)
+        close_quietly(*fds)
         try:
             os.waitpid(middle, 0)
         except ChildProcessError:

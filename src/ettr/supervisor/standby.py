@@ -74,6 +74,26 @@ def _stable_env(env: Mapping[str, str], per_attempt: frozenset[str] = frozenset(
     return {k: v for k, v in env.items() if not k.startswith(_PER_ATTEMPT_PREFIX) and k not in per_attempt}
 
 
+def not_as_started(
+    whose: str,
+    interpreters: tuple[object, object],
+    envs: tuple[Mapping[str, str], Mapping[str, str]],
+    cwd: str,
+) -> str | None:
+    """Why an attempt differs from what a warm process (`whose`: "standby", "zygote") was started with: its
+    interpreter and options, its environment (the names that may differ left out), the working directory
+    (`cwd`, the warm process's); None when it does not."""
+    if interpreters[0] != interpreters[1]:
+        return f"another interpreter or command than the {whose}'s"
+    stable, started = envs
+    if stable != started:
+        changed = sorted(k for k in stable.keys() | started.keys() if stable.get(k) != started.get(k))
+        return f"the environment changed ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+    if os.getcwd() != cwd:
+        return "the working directory changed"
+    return None
+
+
 _OPTIONS = frozenset({"-u"})
 """Interpreter options a standby reproduces (it is started with them): torchrun's workers run `python -u`."""
 
@@ -196,15 +216,12 @@ class Standby:
             return "the standby was handed an attempt already"
         if self.process.poll() is not None:
             return f"the standby had exited (status {self.process.poll()})"
-        if _interpreter(argv, env) != self.python:
-            return "another interpreter or command than the standby's"
-        stable = _stable_env(env, self.per_attempt)
-        if stable != self.env:
-            changed = sorted(k for k in stable.keys() | self.env.keys() if stable.get(k) != self.env.get(k))
-            return f"the environment changed ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
-        if os.getcwd() != self.cwd:
-            return "the working directory changed"
-        return None
+        return not_as_started(
+            "standby",
+            (_interpreter(argv, env), self.python),
+            (_stable_env(env, self.per_attempt), self.env),
+            self.cwd,
+        )
 
     def fits(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether the attempt (`argv`, `env`) may run in this standby (see the module docstring)."""

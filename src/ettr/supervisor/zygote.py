@@ -41,7 +41,7 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 
-from ettr.procs import is_child_subreaper
+from ettr.procs import close_quietly, is_child_subreaper
 from ettr.supervisor import containment, standby
 from ettr.supervisor.process import AttemptProcess, _stdin_is_terminal
 from ettr.warn import STDERR_TEE_ENV
@@ -156,15 +156,9 @@ class Zygote:
         """Why worker `argv`, `env` may not be forked from this zygote, None when it may."""
         if not self.serves:
             return self.broken
-        if standby._interpreter(argv, env) != self.python:
-            return "another interpreter or command than the zygote's"
-        stable = stable_env(env)
-        if stable != self.env:
-            changed = sorted(k for k in stable.keys() | self.env.keys() if stable.get(k) != self.env.get(k))
-            return f"the environment changed ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
-        if os.getcwd() != self.cwd:
-            return "the working directory changed"
-        return None
+        return standby.not_as_started(
+            "zygote", (standby._interpreter(argv, env), self.python), (stable_env(env), self.env), self.cwd
+        )
 
     def fork(self, argv: Sequence[str], env: Mapping[str, str]) -> tuple[AttemptProcess | None, str]:
         """Worker `argv`, `env` forked from the zygote (the supervisor's child), or None and why not (the
@@ -186,10 +180,10 @@ class Zygote:
             header = json.dumps({"agent": os.getpid(), "own_session": not _stdin_is_terminal()}).encode()
             socket.send_fds(self._sock, [header], [request_r, stderr_w, hello_w])
         except OSError as exc:
-            _close(request_r, request_w, stderr_r, stderr_w, hello_r, hello_w)
+            close_quietly(request_r, request_w, stderr_r, stderr_w, hello_r, hello_w)
             self.drop(f"the zygote could not be asked ({exc})")
             return None, self.broken or ""
-        _close(request_r, stderr_w, hello_w)
+        close_quietly(request_r, stderr_w, hello_w)
         said = _read_until_eof_or_pid(hello_r, FORK_WAIT_S)
         os.close(hello_r)
         if said.startswith(b"pid "):
@@ -249,11 +243,3 @@ def _read_until_eof_or_pid(fd: int, timeout_s: float) -> bytes:
         said += chunk
         if said.startswith(b"pid ") and said[4:].isdigit():
             return said
-
-
-def _close(*fds: int) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
