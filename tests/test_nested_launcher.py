@@ -48,6 +48,14 @@ sys.exit(max(w.wait() for w in workers))
 """
 
 
+def _clean_env() -> dict[str, str]:
+    """This test process's environment for an `ettr run` of a real torchrun, less what a rank or the test run set."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    return env
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
@@ -284,9 +292,7 @@ def test_a_bash_wrapper_around_torchrun_is_recorded_rank_by_rank_and_faults_fire
         )
     )
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(name, None)
+    env = _clean_env()
     done = subprocess.run(
         [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--inject", "crash@step=6,rank=1",
          "--", "bash", str(wrapper)],
@@ -353,9 +359,7 @@ def test_a_torchrun_exec_ed_with_restarts_of_its_own_is_stopped_with_its_workers
         f"--ckpt-dir {tmp_path / 'ckpt'} --num-steps 10 --save-every 4 --step-s 0.05\n"
     )
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(name, None)
+    env = _clean_env()
     done = subprocess.run(
         [sys.executable, "-m", "ettr.cli", "run", "--run-dir", str(run_dir), "--grace", "120",
          "--inject", "crash@step=6,rank=1", "--", "bash", str(wrapper)],
