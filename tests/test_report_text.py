@@ -33,3 +33,29 @@ def test_the_failure_instants_the_accounting_uses_are_no_unix_times_in_the_text_
     (attempt,) = compute(events, t0 + 3).attempts
     shown = failure_summary(attempt)
     assert "1796402" not in shown and "SIGKILL" in shown
+
+
+def test_a_ranks_exception_under_a_forwarded_preemption_is_said_to_be_its_consequence() -> None:
+    """Field trial (a Lightning DDP script behind a bash wrapper, SIGTERM to `ettr run`): the preempted attempt
+    read `RuntimeError: ... Connection reset by peer` under `SIGTERM forwarded to the job; killed by SIGTERM`,
+    a rank's broken connection after the stop shown as if it were a crash of its own."""
+    from ettr.report.text import _failure_lines
+
+    failure = {
+        "signal": "SIGTERM",
+        "reason": "SIGTERM forwarded to the job; killed by SIGTERM",
+        "exception": "RuntimeError",
+        "message": "Read error: Connection reset by peer",
+        "process_failure": {"exception": "RuntimeError", "message": "Connection reset by peer", "rank": 0},
+    }
+    assert _failure_lines(0, "preempted", failure)[1] == (
+        "    RuntimeError: Read error: Connection reset by peer"
+        " (during the preemption: its consequence, not the cause)"
+    )
+    unsignalled = {**failure, "signal": None, "reason": "SIGTERM forwarded to the job; exit status 1"}
+    assert _failure_lines(0, "preempted", unsignalled)[1].endswith(
+        "(rank 0, during the preemption: its consequence, not the cause)"
+    )
+    # A failure of its own (no forwarded preemption) keeps its plain rank.
+    crashed = {**unsignalled, "reason": "exit status 1 (rank 0): RuntimeError"}
+    assert _failure_lines(0, "failed", crashed)[1].endswith("Connection reset by peer (rank 0)")

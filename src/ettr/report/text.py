@@ -271,7 +271,12 @@ def _failure_lines(
     lines = [f"  attempt {index} {outcome}: {reason}" if reason else f"  attempt {index} {outcome}"]
     if exception:
         where = f" (rank {process['rank']})" if "rank" in process else ""
-        if after_loss and not failure.get("exception") and process.get("exception"):
+        if outcome == "preempted" and "forwarded to the job" in str(reason) and not failure.get("injected"):
+            # A scheduler's SIGTERM that ettr forwarded: a rank's exception is what the stop did to it (Lightning
+            # behind a wrapper: `RuntimeError: ... Connection reset by peer` under the preemption, unexplained).
+            rank = process.get("rank")
+            where = f" ({'' if rank is None else f'rank {rank}, '}during the preemption: its consequence, not the cause)"
+        elif after_loss and not failure.get("exception") and process.get("exception"):
             # Two nodes, node 0's supervisor SIGKILLed: the report printed node 1's rank's "Connection reset
             # by peer" as the attempt's exception, with no word that it came after the loss.
             where = f" (rank {process.get('rank', '?')}, after the loss: its consequence, not the cause)"
