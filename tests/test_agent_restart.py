@@ -39,18 +39,8 @@ def test_a_failed_rank_restarts_both_ranks_in_their_warm_standbys(tmp_path: Path
     out.mkdir()
     run_dir = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = run_ettr(
-        "run",
-        "--run-dir",
-        str(run_dir),
-        "--max-restarts",
-        "1",
-        "--",
-        *torchrun,
-        str(PROBE),
-        str(out),
-        env={} if zygote else {"ETTR_ZYGOTE": "0"},
-    )
+    args = ["run", "--run-dir", str(run_dir), "--max-restarts", "1", "--", *torchrun, str(PROBE), str(out)]
+    done = run_ettr(*args, env={} if zygote else {"ETTR_ZYGOTE": "0"})
     assert done.returncode == 0, done.stderr
     assert "runs the real torchrun" not in done.stderr
     seen = {
