@@ -83,10 +83,6 @@ class AttemptProcess:
         tail_bytes: int = 16384,
         pass_fds: Sequence[int] = (),
     ) -> None:
-        self._tail = bytearray()
-        self._tail_bytes = tail_bytes
-        self._tail_lock = threading.Lock()
-        self._known: dict[int, int | None] = {}
         parent = os.getpid()
         prctl = libc_prctl()  # resolved before the fork: the child only calls it
 
@@ -112,7 +108,7 @@ class AttemptProcess:
         read_fd, write_fd = os.pipe()
         pipe = os.fstat(write_fd)
         try:
-            self.proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 list(argv),
                 env={**env, STDERR_TEE_ENV: f"{pipe.st_dev}:{pipe.st_ino}"},
                 stderr=write_fd,
@@ -125,11 +121,17 @@ class AttemptProcess:
             raise
         finally:
             os.close(write_fd)
-        self._stderr_fd = read_fd
-        self._attach()
+        self._attach(proc, read_fd, tail_bytes)
 
-    def _attach(self) -> None:
-        self.pid = self.proc.pid
+    def _attach(self, proc: subprocess.Popen[bytes] | AdoptedChild, stderr_fd: int, tail_bytes: int) -> None:
+        """Watch `proc`, its stderr the pipe `stderr_fd` (taken over: the tee closes it at its end)."""
+        self.proc = proc
+        self.pid = proc.pid
+        self._tail = bytearray()
+        self._tail_bytes = tail_bytes
+        self._tail_lock = threading.Lock()
+        self._known: dict[int, int | None] = {}
+        self._stderr_fd = stderr_fd
         self._tee = threading.Thread(target=self._copy_stderr, name="ettr-stderr-tee", daemon=True)
         self._tee.start()
 
@@ -138,11 +140,7 @@ class AttemptProcess:
         """The process of a child this supervisor adopted (a zygote's fork, `ettr.supervisor.zygote`:
         re-parented here, the child subreaper) whose stderr is the pipe `stderr_fd` (taken over)."""
         self = cls.__new__(cls)
-        self._tail, self._tail_bytes, self._tail_lock = bytearray(), tail_bytes, threading.Lock()
-        self._known = {}
-        self.proc = AdoptedChild(pid)  # type: ignore[assignment]
-        self._stderr_fd = stderr_fd
-        self._attach()
+        self._attach(AdoptedChild(pid), stderr_fd, tail_bytes)
         return self
 
     def _copy_stderr(self) -> None:
