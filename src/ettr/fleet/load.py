@@ -567,12 +567,7 @@ def drop_copies(summaries: list[JobSummary], problems: list[str]) -> tuple[list[
                 f"{summary.source}: a copy of the books of {first.source} (job {first.job_id}, started at the "
                 f"same instant{own}): counted once"
             )
-    out = []
-    for summary in summaries:
-        if id(summary) in dropped:
-            continue
-        out.append(summary)
-    return out, problems
+    return [s for s in summaries if id(s) not in dropped], problems
 
 
 _CONFLICT = WarnOnce("{what}")
