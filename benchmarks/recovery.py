@@ -441,7 +441,11 @@ def _free_port() -> int:
 def _kill_trials(count: int, in_budget: Any) -> dict[str, Any]:
     from ettr.testing.inplace_faults import InPlaceTrialRunner
 
-    with tempfile.TemporaryDirectory(prefix="ettr-inplace-kills-") as workdir:
+    # A trial with a survivor that did not give up on its dead peer keeps its directory (the survivor's stacks
+    # are in it, `InPlaceTrial.detail` says where): the work directory is then kept, and said.
+    workdir = tempfile.mkdtemp(prefix="ettr-inplace-kills-")
+    runner: InPlaceTrialRunner | None = None
+    try:
         runner = InPlaceTrialRunner(workdir, seed=count)
         _say(f"kill trials: the job trains {runner.calibrate():.2f} s with its raise and no kill")
         trials = []
@@ -451,10 +455,15 @@ def _kill_trials(count: int, in_budget: Any) -> dict[str, Any]:
                 break
             t = runner.run_trial(i, during_recovery=i % 2 == 0)
             trials.append(t)
-            if t.bad or not t.completed:
+            if t.bad or not t.completed or t.detail:
                 _say(f"  kill trial {i}: {t}")
             if (i + 1) % 10 == 0:
                 _say(f"  {i + 1} kill trials done")
+    finally:
+        if runner is not None and runner.hung:
+            _say(f"kill trials: kept {workdir} (a survivor that did not give up: its stacks are there)")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
     landed: dict[str, int] = {}
     sources: dict[str, int] = {}
     for t in trials:
