@@ -1483,7 +1483,10 @@ def test_a_line_of_ettr_from_the_jobs_side_after_a_progress_bar_starts_on_a_line
     # the stream, so the job marks where its line starts and the tee starts it on a line of its own.
     log = tmp_path / "own.log"
     code = (
-        "import logging, sys; from ettr.warn import say\n"
+        "import logging, sys; from ettr.warn import mark_line_starts, say\n"
+        "assert not logging.getLogger('ettr').filters  # importing ettr changes no logger\n"
+        "mark_line_starts(); mark_line_starts()  # as the bootstrap's start does; once is enough\n"
+        "assert len(logging.getLogger('ettr').filters) == 1\n"
         "sys.stderr.write('\\rEpoch 0:  45%|####'); sys.stderr.flush()\n"
         "say('ettr: injecting kill at step 30')\n"
         "sys.stderr.write('\\rEpoch 0:  46%|####'); sys.stderr.flush()\n"

@@ -89,7 +89,15 @@ class _LineStart(logging.Filter):
         return True
 
 
-_logger.addFilter(_LineStart())
+_LINE_START = _LineStart()
+
+
+def mark_line_starts() -> None:
+    """Have the `ettr` logger's records start on a line of their own under the tee (`_LineStart`); idempotent.
+    Called where a process of the job's side starts (`ettr.bootstrap`), not at import: importing ettr
+    changes no logger."""
+    if _LINE_START not in _logger.filters:
+        _logger.addFilter(_LINE_START)
 
 
 class WarnOnce:

@@ -68,6 +68,9 @@ def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str
     environ = os.environ if environ is None else environ
     if _started:
         return
+    from ettr.warn import mark_line_starts
+
+    mark_line_starts()  # any process of the job's side: a launcher's lines too start on a line of their own
     from ettr.run_env import RUN_DIR_ENV, runs_rank_launcher, runs_torchrun
 
     argv = getattr(sys, "orig_argv", []) if argv is None else argv
