@@ -24,6 +24,9 @@ from ettr.ledger import open_ledger
 from ettr.recorder import Recorder
 
 torch = pytest.importorskip("torch")
+# Imported before any test's hooks: a module that a test imports later runs the post-import callbacks of every
+# `AutoHooks` an earlier test made (one per process in real life), and the first one's wrapper would stay.
+pytest.importorskip("torch.distributed.optim")
 
 
 # -- post-import hooks -------------------------------------------------------------------------------------
@@ -438,6 +441,33 @@ def test_dcp_priming_a_fresh_optimizer_is_not_a_step(hooked: tuple[Any, Recorder
     model(torch.randn(2, 2)).sum().backward()
     fresh.step()  # the first training step is step 1
     assert [e.step for e in _events(rec, ledger, {EventKind.STEP})] == [1]
+
+
+def test_a_distributed_optimizer_step_is_one_step_and_its_rpc_driven_local_steps_none(
+    hooked: tuple[Any, Recorder, Any], tmp_path: Path
+) -> None:
+    """torch.distributed.rpc's parameter-server training (pytorch/examples' ddp_rpc): the loop calls
+    `DistributedOptimizer.step(context_id)`, which steps each owner's local optimizer through RPC: a functional
+    one (SGD: TorchScript, no `torch.optim` step at all; the job showed no training step, ETT unknown) or a
+    `torch.optim` one stepped on an RPC thread (NAdam here), which is no step of the owner's loop."""
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc
+    from torch.distributed.optim import DistributedOptimizer
+
+    hooks, rec, ledger = hooked
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{tmp_path / 'rpc-store'}", rpc_timeout=120)
+    rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        model = torch.nn.Linear(2, 1)
+        for optimizer_class in (torch.optim.SGD, torch.optim.NAdam):
+            opt = DistributedOptimizer(optimizer_class, [rpc.RRef(p) for p in model.parameters()], lr=0.1)
+            for _ in range(3):
+                with dist_autograd.context() as context_id:
+                    dist_autograd.backward(context_id, [model(torch.randn(4, 2)).sum()])
+                    opt.step(context_id)
+    finally:
+        rpc.shutdown()
+    assert [e.step for e in _events(rec, ledger, {EventKind.STEP})] == list(range(1, 7))
 
 
 def test_a_second_phase_optimizer_that_takes_over_loses_no_step(hooked: tuple[Any, Recorder, Any]) -> None:

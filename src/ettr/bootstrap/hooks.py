@@ -95,8 +95,30 @@ PRIMING_MODULE, PRIMING_FUNCTION = "torch.distributed.checkpoint.state_dict", "_
 it are no training steps. Counted, a process restarted from a checkpoint booked a step 1 during its restore,
 before it trained (its start-up read as over, the TTR ending there, the script's steps numbered one up)."""
 
-_priming = threading.local()
-"""`depth` > 0 while this thread is inside PRIMING_FUNCTION (one per process: whichever hooks wrapped it first)."""
+RPC_OPTIMIZER_MODULE = "torch.distributed.optim.optimizer"
+"""`DistributedOptimizer` (torch.distributed.rpc's parameter-server training, pytorch/examples' ddp_rpc): its
+`step(context_id)`, called by the training loop, is the step. It steps every owner's local optimizer through
+RPC (`_LocalOptimizer.step`, on an RPC thread of the owner, a parameter server or the trainer itself): those
+steps are no steps of the owner's loop; and with a functional optimizer (SGD, Adam: `_ScriptLocalOptimizer`,
+TorchScript) no `torch.optim` step runs at all. Uncounted, such a job showed no training step (ETT unknown)."""
+
+_uncounted = threading.local()
+"""`depth` > 0 while this thread is inside PRIMING_FUNCTION or an RPC-driven local optimizer step
+(`RPC_OPTIMIZER_MODULE`): the optimizer steps it makes are no training steps (one wrapper per process:
+whichever hooks wrapped it first)."""
+
+
+def _not_counted(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original`, with the optimizer steps it makes on this thread left uncounted (`_uncounted`)."""
+
+    def uncounted(*args: Any, **kwargs: Any) -> Any:
+        _uncounted.depth = getattr(_uncounted, "depth", 0) + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _uncounted.depth -= 1
+
+    return uncounted
 
 
 class StepCounter:
@@ -255,6 +277,7 @@ class AutoHooks:
         from ettr.post_import import when_imported
 
         when_imported(PRIMING_MODULE, self._install_priming_hook)
+        when_imported(RPC_OPTIMIZER_MODULE, self._install_rpc_optimizer_hook)
         self.guard.call("evaluation", self.evals.install, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
         from ettr.bootstrap import group_teardown
@@ -283,21 +306,47 @@ class AutoHooks:
     def _install_optimizer_hook(self, torch: ModuleType) -> None:
         # `torch.optim` deletes its submodule names; the module itself is imported by then.
         register = importlib.import_module("torch.optim.optimizer").register_optimizer_step_post_hook
-        guard, counter, checkpoints, evals = self.guard, self.steps, self.checkpoints, self.evals
 
         def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if getattr(_priming, "depth", 0):
-                return  # not a training step: DCP gives a fresh optimizer its state
-            try:
-                checkpoints.before_step()  # settles a buffered save or an unplaced resume first
-                if evals.open is not None:  # a step in eval mode ends an evaluation
-                    evals.before_step()
-                counter.on_step(optimizer, args, kwargs)
-            except Exception as exc:
-                guard.failed("optimizer step", exc)
+            if getattr(_uncounted, "depth", 0):
+                return  # not a training step: DCP gives a fresh optimizer its state, or a peer's RPC steps it
+            self._count_step(optimizer, args, kwargs)
 
         handle = register(after_step)
         self.patcher.on_undo(handle.remove)
+
+    def _count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """An optimizer step of the training loop ended. Never raises (an injected fault still fires)."""
+        try:
+            if self.checkpoints is not None:
+                self.checkpoints.before_step()  # settles a buffered save or an unplaced resume first
+            if (
+                self.evals is not None and self.evals.open is not None
+            ):  # a step in eval mode ends an evaluation
+                self.evals.before_step()
+            self.steps.on_step(optimizer, args, kwargs)
+        except Exception as exc:
+            self.guard.failed("optimizer step", exc)
+
+    def _install_rpc_optimizer_hook(self, module: ModuleType) -> None:
+        """`DistributedOptimizer.step` counted as the loop's step; `_LocalOptimizer.step`, which a peer's RPC
+        runs, not (`RPC_OPTIMIZER_MODULE`)."""
+        count = self._count_step
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+                result = original(optimizer, *args, **kwargs)
+                count(optimizer, args, kwargs)
+                return result
+
+            return step
+
+        local = getattr(module, "_LocalOptimizer", None)
+        if local is not None:
+            self.guard.call("rpc optimizer step", self.patcher.wrap, local, "step", _not_counted)
+        distributed = getattr(module, "DistributedOptimizer", None)
+        if distributed is not None:
+            self.guard.call("rpc optimizer step", self.patcher.wrap, distributed, "step", make)
 
     def _manual_backward(self, *, ended: bool) -> None:
         """A backward pass of the main thread begins or ends, and no optimizer was ever built in this process:
@@ -321,20 +370,9 @@ class AutoHooks:
             self.guard.failed("backward", exc)
 
     def _install_priming_hook(self, module: ModuleType) -> None:
-        """Mark this thread as inside DCP's priming while `PRIMING_FUNCTION` runs (its module calls it by its
-        global name): the step hook then counts nothing, at the cost of one thread-local read a step."""
-
-        def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            def _init_optim_state(*args: Any, **kwargs: Any) -> Any:
-                _priming.depth = getattr(_priming, "depth", 0) + 1
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    _priming.depth -= 1
-
-            return _init_optim_state
-
-        self.guard.call("dcp priming", self.patcher.wrap, module, PRIMING_FUNCTION, make)
+        """Leave the optimizer steps inside `PRIMING_FUNCTION` uncounted (its module calls it by its global
+        name), at the cost of one thread-local read a step."""
+        self.guard.call("dcp priming", self.patcher.wrap, module, PRIMING_FUNCTION, _not_counted)
 
     def _install_process_group_hook(self, torch: ModuleType) -> None:
         """`init_process_group` timed as PROCESS_GROUP_INIT; `JOIN_WATCH`, where set, sees the call first."""

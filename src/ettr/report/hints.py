@@ -35,8 +35,9 @@ def no_step_hints(events: Sequence[Event], report: EttReport) -> list[str]:
     if report.attempts and all(a.failure for a in report.attempts):
         return []  # every attempt failed before training: the failures say why
     return [
-        "no training step was recorded: ettr counts a step at each torch.optim optimizer step (or ettr.step(n), "
-        "or a Lightning/HF callback); a job that never stepped an optimizer shows all its time as start-up"
+        "no training step was recorded: ettr counts a step at each torch.optim optimizer step (or a "
+        "DistributedOptimizer step, ettr.step(n), or a Lightning/HF callback); a job that never stepped an "
+        "optimizer shows all its time as start-up"
     ]
 
 
