@@ -586,6 +586,28 @@ def test_a_training_thread_waiting_for_a_child_process_pulses_other(tmp_path: Pa
     thread.join()
 
 
+def test_a_teardown_that_waits_for_its_peers_pulses_shutdown() -> None:
+    # pytorch/examples' distributed/rpc/ddp_rpc: the trainers' main threads sit in `rpc.shutdown` (graceful:
+    # it waits for every worker) while the master drives their loops; after their 4,000th step it took over
+    # 10 s at load 18 and the job was killed as hung in every attempt. `destroy_process_group` waits too.
+    pytest.importorskip("torch")
+    import torch.distributed.distributed_c10d as c10d
+    import torch.distributed.rpc.api as rpc_api
+
+    from ettr.bootstrap.long_calls import innermost_code, watch_long_calls
+    from ettr.post_import import when_imported
+
+    sites: dict[object, str] = {}
+
+    class Sites:
+        def add_wait_site(self, code: object, phase: str) -> None:
+            sites[code] = phase
+
+    watch_long_calls(Sites(), when_imported)  # type: ignore[arg-type]
+    for function in (rpc_api.shutdown, c10d.destroy_process_group):
+        assert sites[innermost_code(function)] == Phase.SHUTDOWN.value
+
+
 def test_heartbeat_beats_only_when_the_watched_thread_moves(tmp_path: Path) -> None:
     first, second, done = threading.Event(), threading.Event(), threading.Event()
     parked = threading.Event()

@@ -33,6 +33,8 @@ LONG_CALLS: tuple[tuple[str, tuple[str, ...], Phase], ...] = (
     ("torch.distributed.checkpoint", ("load", "load_state_dict"), Phase.RESTORE),
     ("subprocess", ("Popen.wait", "Popen.communicate"), Phase.OTHER),
     ("torch._dynamo.convert_frame", ("_compile",), Phase.COMPILE),
+    ("torch.distributed.distributed_c10d", ("destroy_process_group",), Phase.SHUTDOWN),
+    ("torch.distributed.rpc.api", ("shutdown",), Phase.SHUTDOWN),
 )
 """(module, its functions (a dotted name: a class's), the phase the training thread is in while it runs one).
 A child process the script waits for (`subprocess.run([... "s3", "cp", ...])` after a save) is not
@@ -41,7 +43,13 @@ Dynamo's `_compile` (one frame's compilation, inductor's included: minutes on a 
 `compile` span only once it returned; while it runs, its pulse says `compile` (the compile bound applies, and
 the console's start-up lines name it: nanoGPT's first compile took 379 s at load 40 and the console said
 `cold start: interpreter, imports, model build, restore` throughout). Its frame sits up to ~120 frames below
-the top of the stack (`heartbeat._WAIT_SITE_DEPTH`)."""
+the top of the stack (`heartbeat._WAIT_SITE_DEPTH`).
+A job's teardown waits for its peers: `destroy_process_group`, and `rpc.shutdown`, whose graceful form waits for
+every worker of the RPC group; a parameter-server job's trainers (pytorch/examples' `distributed/rpc/ddp_rpc`)
+sit in it on the main thread while the master drives their loops through RPC, and after their last step it took
+over 10 s at load 18: the job, its 4,000 steps done, was killed as hung in all three attempts and failed (exit
+3). While it runs, its pulse says `shutdown` (the phase bound, 300 s by default, applies: such a job's hang is
+caught by that bound, not by the step bound)."""
 
 _UNWRAP_DEPTH = 8
 
