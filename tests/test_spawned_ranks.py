@@ -412,6 +412,37 @@ def test_the_workers_of_torchruns_agent_run_inside_a_program_are_the_ranks(tmp_p
     assert _last_steps(events) == {0: 8, 1: 8}
 
 
+ELASTIC_FUNCTION_PROGRAM = textwrap.dedent(
+    """
+    import runpy, sys
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    def train(path):  # a function entrypoint: elastic puts RANK & co. in the worker only when it runs
+        runpy.run_path(path, run_name="__main__")
+
+    if __name__ == "__main__":
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="t", rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.5,
+        )
+        elastic_launch(config, train)(sys.argv[1])
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_workers_of_an_elastic_launch_of_a_function_are_the_ranks(tmp_path: Path) -> None:
+    # Hugging Face's `notebook_launcher`, a framework's own launcher: `elastic_launch(config, train)(...)`
+    # spawns workers whose rank elastic's `_wrap` sets only after the interpreter started: nothing was
+    # recorded (ETT unknown, a fault never fired).
+    (tmp_path / "launch.py").write_text(ELASTIC_FUNCTION_PROGRAM)
+    _, events = _ettr_run(
+        tmp_path, sys.executable, "launch.py", str(DDP_STEPS), options=("--inject", "crash@step=3,rank=1")
+    )
+    assert _fired(events) == [(0, 1)]
+    assert _last_steps(events) == {0: 8, 1: 8}
+
+
 HELPERS_THEN_TRAIN = textwrap.dedent(
     """
     import torch

@@ -22,7 +22,8 @@ preprocessing pool before it trains itself) leave it a rank. The rank is the pro
 below.
 
 A program that runs torchrun's agent in its own process (`torch.distributed.run.main()`, `elastic_launch`)
-becomes a launcher when the agent starts: its workers are the ranks (`_wrap_agent`).
+becomes a launcher when the agent starts: its workers are the ranks (`_wrap_agent`; a function entrypoint's
+workers get their rank's environment before the bootstrap starts: `ElasticWorker`).
 
 Lightning's `strategy="ddp"` run as `python train.py` starts the other local ranks as new runs of the script
 (`_SubprocessScriptLauncher`): they are started without the marker and with `ETTR_RANK_BASE`, so that each is
@@ -89,6 +90,48 @@ class SpawnedRank:
         except BaseException as exc:
             record_uncaught(exc)
             raise
+
+
+ELASTIC_WORKER = ("torch.distributed.elastic.multiprocessing.api", "_wrap")
+"""What torch elastic's agent starts in each worker process when its entrypoint is a function (`elastic_launch(
+config, train)(...)`: Hugging Face's `notebook_launcher`, a framework's own launcher): `_wrap(local_rank, fn,
+args, envs, ...)`, which puts the worker's `RANK`, `TORCHELASTIC_RUN_ID`, ... (`envs[local_rank]`) into its
+environment only then, after the interpreter started: the bootstrap had found no rank there, and every step was
+in processes nobody recorded (ETT unknown)."""
+
+
+class ElasticWorker:
+    """Torch elastic's `_wrap` (`ELASTIC_WORKER`) as `start_processes` runs it in a worker: the worker's
+    environment (`envs[local_rank]`, which `_wrap` sets the same way just after) is put in place first, then
+    ettr's bootstrap starts (it is a rank of the agent this process's spawner became: `_become_agent`), then
+    `_wrap` runs. Pickled by reference to this class."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, local_rank: int, *args: Any) -> Any:
+        from ettr.bootstrap.start import record_uncaught, start
+
+        try:
+            env = args[2].get(local_rank) if len(args) > 2 and isinstance(args[2], dict) else None
+            if isinstance(env, dict):
+                os.environ.update({str(k): str(v) for k, v in env.items()})
+            start()
+        except Exception as exc:
+            logger.warning(
+                "ettr: could not instrument elastic worker %d (%s: %s)", local_rank, type(exc).__name__, exc
+            )
+        try:
+            return self.fn(local_rank, *args)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            record_uncaught(exc)
+            raise
+
+
+def _is_elastic_worker(fn: object) -> bool:
+    return (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) == ELASTIC_WORKER
 
 
 def become_rank(i: int, nprocs: int, environ: MutableMapping[str, str] | None = None) -> None:
@@ -217,7 +260,9 @@ def _wrap(package: ModuleType, run_dir: str, attempt: int) -> None:
             daemon: bool = False,
             start_method: str = "spawn",
         ) -> Any:
-            if hands_over(start_method, run_dir, attempt):
+            if _is_elastic_worker(fn) and start_method in SPAWN_METHODS:
+                fn = ElasticWorker(fn)  # torch elastic's agent in this process: its workers carry their ranks
+            elif hands_over(start_method, run_dir, attempt):
                 fn = SpawnedRank(fn, nprocs)
             return original(fn, args, nprocs, join, daemon, start_method)
 
