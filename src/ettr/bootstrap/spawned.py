@@ -79,17 +79,25 @@ class SpawnedRank:
         self.spawner = os.getpid()
 
     def __call__(self, i: int, *args: Any) -> Any:
-        from ettr.bootstrap.start import at_first_step, record_uncaught, tell_launcher
+        from ettr.bootstrap.start import at_first_step, tell_launcher
 
         become_rank(i, self.nprocs)
         at_first_step(lambda: tell_launcher(self.spawner, b"spawn"))
-        try:
-            return self.fn(i, *args)
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            record_uncaught(exc)
-            raise
+        return _recorded(self.fn, i, *args)
+
+
+def _recorded(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a rank, its exception recorded as the rank's FAILURE (the process's runner catches it
+    before any excepthook would)."""
+    from ettr.bootstrap.start import record_uncaught
+
+    try:
+        return fn(*args)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        record_uncaught(exc)
+        raise
 
 
 ELASTIC_WORKER = ("torch.distributed.elastic.multiprocessing.api", "_wrap")
@@ -110,7 +118,7 @@ class ElasticWorker:
         self.fn = fn
 
     def __call__(self, local_rank: int, *args: Any) -> Any:
-        from ettr.bootstrap.start import record_uncaught, start
+        from ettr.bootstrap.start import start
 
         try:
             env = args[2].get(local_rank) if len(args) > 2 and isinstance(args[2], dict) else None
@@ -121,13 +129,7 @@ class ElasticWorker:
             logger.warning(
                 "ettr: could not instrument elastic worker %d (%s: %s)", local_rank, type(exc).__name__, exc
             )
-        try:
-            return self.fn(local_rank, *args)
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            record_uncaught(exc)
-            raise
+        return _recorded(self.fn, local_rank, *args)
 
 
 def _is_elastic_worker(fn: object) -> bool:
