@@ -146,6 +146,26 @@ def test_back_off_follows_the_cause() -> None:
             Cause.INFRA,
             Detail.PROCESS_LOST,
         ),
+        (  # rank 1 segfaulted (ctypes.string_at(0)) behind a wrapper; rank 0 then died of gloo's reset, its
+            # FAILURE the first recorded: it read `collective` while the console said `killed by SIGSEGV`
+            {
+                "outcome": "failed",
+                "exit_code": 139,
+                "signal": "SIGSEGV",
+                "reason": "killed by SIGSEGV (the launcher exited 1) (rank 1)",
+                "process_failure": {
+                    "exception": "RuntimeError",
+                    "message": "[pair.cc:534] Read error [127.0.0.1]:5123: Connection reset by peer",
+                },
+                "stderr_tail": [
+                    "[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+                    "[127.0.0.1]:5123: Connection reset by peer",
+                ],
+            },
+            True,
+            Cause.INFRA,
+            Detail.PROCESS_LOST,
+        ),
         (  # kill -9 of a rank's DataLoader worker (accelerate's checkpointing.py): its RuntimeError is the
             # kill's consequence; it read `user (exception): exception RuntimeError in the training code`
             {

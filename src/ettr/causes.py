@@ -16,7 +16,7 @@ detail (what happened: the closed `Detail` set). The rules, first match wins:
 | 5 | its supervisor, or a peer node's, was lost while it ran (closed from the ledger, or a peer's supervisor silent past the peer timeout: the broken collectives around it are its consequence) | infra | node_lost |
 | 6 | a collective / rendezvous / store timeout or error, NCCL/gloo, a peer's reset | infra      | collective         |
 | 7 | ECC, Xid, NVLink errors in the output                                         | infra      | hardware           |
-| 8 | death by another signal (SIGBUS, SIGSEGV, SIGABRT, ...: the system, native code) | infra   | process_lost       |
+| 8 | death by another signal (SIGBUS, SIGSEGV, SIGABRT, ...: the system, native code; SIGSEGV, SIGBUS, SIGILL and SIGFPE of the failed rank before rules 5-7: its peers' resets are its consequence) | infra | process_lost |
 | 9 | it failed before its first step (cannot start, an exception or exit status at start-up) | user | startup     |
 | 10| a Python exception in the training code (CUDA out-of-memory raised to the script too) | user | exception    |
 | 11| anything else (a bare non-zero exit status after training, no end recorded)   | unknown    | unknown            |
@@ -120,6 +120,10 @@ _SIGNAL_TEXT = (
     "is killed by signal: Bus error",
     "is killed by signal: Segmentation fault",
 )
+# Signals a process gets from its own crash (native code, the hardware, the system), not from a collective: the
+# failed rank's death by one is the cause, whatever its peers wrote after it. Not SIGABRT: NCCL's watchdog
+# aborts the rank whose collective timed out, and its words then say why.
+_NATIVE_CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE"})
 _START_FAILURE = "cannot start"
 _SUPERVISOR_LOST = (
     "supervisor was lost",  # "node 1's supervisor was lost (killed) while ...", a closed attempt
@@ -177,6 +181,17 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
         # A 2-rank DDP job whose rank 0 was SIGKILLed read `collective`: rank 1's "Connection reset by peer"
         # (its FAILURE, the first any rank recorded) matched first. The kill is the failure.
         return _killed(reason, sig)
+    if sig in _NATIVE_CRASH_SIGNALS:
+        # The failed rank itself died of a crash signal (its launcher's summary or its own status): what its
+        # peers then say (gloo's `Connection reset by peer`, a DistBackendError) is the consequence. A DDP
+        # job whose rank 1 segfaulted was printed `killed by SIGSEGV (rank 1)` and booked `collective` from
+        # rank 0's reset (field trial, pytorch/examples' multigpu_torchrun.py, with and without a wrapper).
+        what = reason if reason.startswith("killed by") else f"killed by {sig}"
+        return Diagnosis(
+            cause=Cause.INFRA,
+            detail=Detail.PROCESS_LOST,
+            evidence=f"{what} (a crash in native code or the system; its peers' broken connections follow from it)",
+        )
     if failure.get("closed_from_ledger") is True:
         return Diagnosis(
             cause=Cause.INFRA,
