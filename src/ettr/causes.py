@@ -125,6 +125,7 @@ _SIGNAL_TEXT = (
 # aborts the rank whose collective timed out, and its words then say why.
 _NATIVE_CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE"})
 _START_FAILURE = "cannot start"
+STOPPED_THE_REST = "; ettr stopped the rest ("  # `rank 1 failed: X; ettr stopped the rest (...)` (classify)
 _SUPERVISOR_LOST = (
     "supervisor was lost",  # "node 1's supervisor was lost (killed) while ...", a closed attempt
     "supervisor is silent for over",  # "node 1's supervisor is silent for over 60 s (lost)": the leader's word
@@ -283,12 +284,18 @@ def signature(outcome: Outcome, failure: Mapping[str, Any], diagnosis: Diagnosis
         _text(process.get("exception")) if isinstance(process, Mapping) else ""
     )
     code = failure.get("exit_code")
+    sig = _text(failure.get("signal"))
+    if exception and STOPPED_THE_REST in _text(failure.get("reason")):
+        # A rank raised and ettr stopped the rest: the status and signal are ettr's stop as the command took
+        # it (a wrapper's 143, torchrun's 1 after it stopped its workers), which varies from one attempt to
+        # the next; the same NaN behind a wrapper read as four different failures and all restarts ran.
+        code, sig = None, ""
     return (
         outcome.value,
         diagnosis.cause.value,
         diagnosis.detail.value,
         str(code) if isinstance(code, int) else "",
-        _text(failure.get("signal")),
+        sig,
         exception,
     )
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ettr.causes import Detail, diagnose
+from ettr.causes import STOPPED_THE_REST, Detail, diagnose
 from ettr.events import Event, EventKind, Outcome, clip_failure_message
 from ettr.supervisor.command_output import (
     OOM_EXCEPTIONS,
@@ -316,7 +316,7 @@ def classify(
         else:
             what = " (out of memory)" if oom else " (no exception recorded)"
         ended = "the command exited 0 after it" if returncode == 0 else how
-        reason = f"{who} failed{what}; ettr stopped the rest ({ended})"
+        reason = f"{who} failed{what}{STOPPED_THE_REST}{ended})"
     elif (
         (signalled := ended_by_signal(signalled, events))
         and not (failures and min(e.ts for e in failures) < signalled[0][0])

@@ -36,9 +36,9 @@ from ettr.supervisor.guard import JobGuard
 from ettr.supervisor.launch import attempt_launch, wrapper_name
 from ettr.supervisor.messages import Progress, say
 from ettr.supervisor.peers import Peers
-from ettr.supervisor.policy import EndedAttempt
+from ettr.supervisor.policy import EndedAttempt, ended_from_events
 from ettr.supervisor.relaunch import Relaunch
-from ettr.supervisor.restart import ExitWaker, trained
+from ettr.supervisor.restart import ExitWaker
 from ettr.supervisor.signals import SupervisorSignals
 from ettr.supervisor.startwait import StartupWait
 from ettr.supervisor.watch import (
@@ -229,16 +229,7 @@ class AttemptRunner:
             raised_in_place=bool(state.continued and state.continued.survived),
         )
         end = p.peers.settle(attempt, end, state.peer_reason, p.signals, events)
-        steps = [
-            e.step for e in events if e.kind is EventKind.STEP and e.rank >= 0 and isinstance(e.step, int)
-        ]
-        return EndedAttempt(
-            attempt=attempt,
-            end=end,
-            made_progress=trained(events),
-            last_step=max(steps, default=None),
-            first_step=min(steps, default=None),
-        )
+        return ended_from_events(attempt, end, events)
 
     def _outside_signals(self, state: WatchState, attempt: int) -> list[tuple[float, int, str]]:
         """Signals the attempt's processes handled themselves, where the supervisor stopped nothing itself."""
