@@ -167,10 +167,15 @@ def test_the_same_rank_failure_is_the_same_whichever_way_ettr_stopped_the_rest()
     runs.append(run(2, 143, wrapper))
     assert POLICY.decide(runs[1], history=runs[:1]).wait_s == 1.0
     assert POLICY.decide(runs[2], history=runs[:2]).exit_status == EXIT_HOPELESS
-    # A status of its own (no stop by ettr) still tells failures apart.
-    own = [replace(r, end=replace(r.end, reason="exit status 1")) for r in runs[:2]]
-    other = replace(own[1], end=replace(own[1].end, exit_code=2))
-    assert POLICY.decide(other, history=own[:1]).wait_s == 0.0
+    # Both ranks raised at once in the first attempt: torchrun saw them die and exited 1 before ettr stopped
+    # anything; the next attempt's stop left the wrapper's 143. The same failure still.
+    first = replace(
+        runs[0], end=replace(runs[0].end, exit_code=1, reason="exit status 1 (rank 0): FloatingPointError")
+    )
+    assert POLICY.decide(runs[1], history=[first]).wait_s == 1.0
+    # Another exception, or a death by a signal, is another failure.
+    other = replace(runs[1], end=replace(runs[1].end, exception="ValueError"))
+    assert POLICY.decide(other, history=runs[:1]).wait_s == 0.0
 
 
 def test_the_history_reads_each_attempts_last_commit_at_or_below_its_last_step() -> None:

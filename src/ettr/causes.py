@@ -285,10 +285,11 @@ def signature(outcome: Outcome, failure: Mapping[str, Any], diagnosis: Diagnosis
     )
     code = failure.get("exit_code")
     sig = _text(failure.get("signal"))
-    if exception and STOPPED_THE_REST in _text(failure.get("reason")):
-        # A rank raised and ettr stopped the rest: the status and signal are ettr's stop as the command took
-        # it (a wrapper's 143, torchrun's 1 after it stopped its workers), which varies from one attempt to
-        # the next; the same NaN behind a wrapper read as four different failures and all restarts ran.
+    if exception and (STOPPED_THE_REST in _text(failure.get("reason")) or not sig):
+        # A rank raised: the status is the launcher's or ettr's stop as the command took it (torchrun's 1 when
+        # it saw the rank die first, a wrapper's 143 when ettr stopped the rest first, torchrun's 1 after it
+        # stopped its workers on ettr's SIGTERM), which varies from one attempt to the next with who was
+        # first; the same NaN behind a wrapper read as different failures and all restarts ran.
         code, sig = None, ""
     return (
         outcome.value,
