@@ -97,8 +97,8 @@ def full_disk_note(path: str, exc: BaseException, statvfs: Callable[[str], Any] 
         free, size = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
     except (OSError, AttributeError, TypeError):
         return None
-    chain, seen = exc, 0
-    enospc = False
+    chain: BaseException | None = exc
+    seen, enospc = 0, False
     while chain is not None and seen < 10:
         enospc = enospc or getattr(chain, "errno", None) == errno.ENOSPC
         chain, seen = chain.__cause__ or chain.__context__, seen + 1
