@@ -19,7 +19,7 @@ detail (what happened: the closed `Detail` set). The rules, first match wins:
 | 8 | death by another signal (SIGBUS, SIGSEGV, SIGABRT, ...: the system, native code; SIGSEGV, SIGBUS, SIGILL and SIGFPE of the failed rank before rules 5-7: its peers' resets are its consequence) | infra | process_lost |
 | 9 | it failed before its first step (cannot start, an exception or exit status at start-up) | user | startup     |
 | 10| a Python exception in the training code (CUDA out-of-memory raised to the script too) | user | exception    |
-| 11| anything else (a bare non-zero exit status after training, no end recorded)   | unknown    | unknown            |
+| 11| anything else (a bare non-zero exit status after training, no end recorded; a rank that ended without an exception before its peers' broken collectives, `EXITED_EARLY`, checked before rule 5) | unknown | unknown |
 
 A SIGKILL whose cgroup counter did not rise (or cannot be read: no cgroup v2, a container without
 `memory.events`) is `process_lost`, never guessed to be an OOM kill: the evidence says which, in words.
@@ -125,6 +125,9 @@ _SIGNAL_TEXT = (
 # aborts the rank whose collective timed out, and its words then say why.
 _NATIVE_CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE"})
 _START_FAILURE = "cannot start"
+EXITED_EARLY = (
+    "exited without an exception while its peers still trained, and they failed on the broken connection"
+)
 STOPPED_THE_REST = "; ettr stopped the rest ("  # `rank 1 failed: X; ettr stopped the rest (...)` (classify)
 _SUPERVISOR_LOST = (
     "supervisor was lost",  # "node 1's supervisor was lost (killed) while ...", a closed attempt
@@ -193,6 +196,10 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
             detail=Detail.PROCESS_LOST,
             evidence=f"{what} (a crash in native code or the system; its peers' broken connections follow from it)",
         )
+    if EXITED_EARLY in reason:
+        # A rank's script ended it (its end, a sys.exit) while its peers trained on: their broken collectives
+        # follow from it; why it ended is the script's and not known here.
+        return Diagnosis(cause=Cause.UNKNOWN, detail=Detail.UNKNOWN, evidence=reason)
     if failure.get("closed_from_ledger") is True:
         return Diagnosis(
             cause=Cause.INFRA,

@@ -32,6 +32,7 @@ from ettr.supervisor.books import JobBooks
 from ettr.supervisor.classify import AttemptEnd, classify
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.containment import AttemptSweep
+from ettr.supervisor.gone import exited_early
 from ettr.supervisor.guard import JobGuard
 from ettr.supervisor.launch import attempt_launch, wrapper_name
 from ettr.supervisor.messages import Progress, say
@@ -229,6 +230,12 @@ class AttemptRunner:
             raised_in_place=bool(state.continued and state.continued.survived),
         )
         end = p.peers.settle(attempt, end, state.peer_reason, p.signals, events)
+        early = (
+            exited_early(books.run_dir, attempt, running.ranks(), events)
+            if end.outcome is Outcome.FAILED
+            else None
+        )
+        end = replace(end, reason=f"{early}: {end.reason}") if early else end
         return ended_from_events(attempt, end, events)
 
     def _outside_signals(self, state: WatchState, attempt: int) -> list[tuple[float, int, str]]:
