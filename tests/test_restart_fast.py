@@ -291,3 +291,14 @@ def test_a_rank_that_ended_without_an_exception_before_its_peers_broke_is_the_fa
         Event(EventKind.FAILURE, 20.0, 0, 0, data={"exception": "ValueError", "message": "bad"}),
     ]
     assert exited_early(tmp_path, 0, {}, own) is None  # rank 0's own error: its own failure
+
+
+def test_a_hang_after_a_handler_took_a_signal_from_outside_says_so() -> None:
+    # Field trial: rank 1 of the DDP tutorial caught a SIGTERM not sent by the supervisor and its handler never
+    # returned; the watchdog's line said only that both ranks were quiet.
+    end = classify(
+        returncode=-15, hung_after_s=10.0, signalled=[(5.0, 1, "SIGTERM")], hung_ranks="rank 1 quiet"
+    )
+    assert end.outcome is Outcome.HUNG
+    assert "rank 1 quiet; rank 1 received SIGTERM before it, not asked of the supervisor" in end.reason
+    assert "received" not in classify(returncode=-15, hung_after_s=10.0).reason

@@ -30,6 +30,7 @@ from ettr.supervisor.hidden_ends import (
     failure_hidden,
     killed_unsignalled,
     shell_kills,
+    signal_before_hang,
     signalled_reason,
 )
 
@@ -296,8 +297,7 @@ def classify(
         outcome = Outcome.HUNG
         over = f" (over {hung_bound})" if hung_bound else ""
         reason = f"no progress and no heartbeat for {hung_after_s:.1f} s{over}; {how}"
-        if hung_ranks:
-            reason += f"; {hung_ranks}"
+        reason += (f"; {hung_ranks}" if hung_ranks else "") + signal_before_hang(signalled or ())
     elif preempted_by == signal.SIGINT:
         outcome = Outcome.INTERRUPTED
         reason = f"interrupted (SIGINT forwarded to the job); {how}"

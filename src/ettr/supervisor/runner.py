@@ -239,8 +239,9 @@ class AttemptRunner:
         return ended_from_events(attempt, end, events)
 
     def _outside_signals(self, state: WatchState, attempt: int) -> list[tuple[float, int, str]]:
-        """Signals the attempt's processes handled themselves, where the supervisor stopped nothing itself."""
-        stopped = state.forwarded is not None or state.hung_after_s is not None or state.rank_failed
+        """Signals the attempt's processes handled themselves, where the supervisor stopped nothing itself but
+        a hang (a handler that hung after a scheduler's SIGTERM: classify names it in the hang's reason)."""
+        stopped = state.forwarded is not None or state.rank_failed
         if stopped or state.peer_reason is not None or state.continued:
             return []
         return signals_received(self.parts.books.run_dir, attempt, before=state.detected_at)
