@@ -248,6 +248,19 @@ def test_back_off_follows_the_cause() -> None:
             Cause.INFRA,
             Detail.PROCESS_LOST,
         ),
+        (  # gloo's own recv timeout (a peer SIGSTOPped): the process group's timeout, not the training code
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "reason": "exit status 1 (rank 0): RuntimeError",
+                "exception": "RuntimeError",
+                "message": "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                "waiting 15000ms for recv operation to complete",
+            },
+            True,
+            Cause.INFRA,
+            Detail.COLLECTIVE,
+        ),
         (  # kill -9 of a rank's DataLoader worker (accelerate's checkpointing.py): its RuntimeError is the
             # kill's consequence; it read `user (exception): exception RuntimeError in the training code`
             {

@@ -105,6 +105,11 @@ _COLLECTIVE_TEXT = (
     "RendezvousClosedError",
     "DistStoreError",
     "Socket Timeout",
+    # gloo's own timeout of a send or recv (`[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting
+    # 15000ms for recv operation to complete`): a peer stalled; it read `user (exception)` (field trial, a
+    # SIGSTOPped rank 1 under the DDP tutorial with a 15 s process-group timeout)
+    "ms for recv operation to complete",
+    "ms for send operation to complete",
 )
 _HARDWARE_TEXT = ("uncorrectable ECC", "Uncorrectable ECC", "Xid", "NVLink")
 WORKER_KILLED_TEXT = "is killed by signal: Killed"  # a DataLoader worker's SIGKILL (torch's words)
