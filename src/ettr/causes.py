@@ -195,7 +195,9 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
         # peers then say (gloo's `Connection reset by peer`, a DistBackendError) is the consequence. A DDP
         # job whose rank 1 segfaulted was printed `killed by SIGSEGV (rank 1)` and booked `collective` from
         # rank 0's reset (field trial, pytorch/examples' multigpu_torchrun.py, with and without a wrapper).
-        what = reason if reason.startswith("killed by") else f"killed by {sig}"
+        what = (
+            reason if f"killed by {sig}" in reason else f"killed by {sig}"
+        )  # `rank 1 failed (killed by ...`
         return Diagnosis(
             cause=Cause.INFRA,
             detail=Detail.PROCESS_LOST,
