@@ -352,3 +352,27 @@ def test_only_the_default_recorder_takes_process_hooks_and_close_removes_them(mo
     finally:
         runtime.set_recorder(None)
         plain.close()
+
+
+def test_an_exception_a_dataloader_worker_raised_is_recorded_in_the_workers_own_words():
+    # Field trial: a Dataset raising in a DataLoader worker under `ettr run -- torchrun ...` was printed
+    # `ValueError: Caught ValueError in DataLoader worker process 0.` (console and report): torch's frames
+    # filled the 500 characters kept, and what the dataset said was lost. Text as torch 2.13 words it.
+    frames = "".join(
+        f'  File "/venv/torch/utils/data/_utils/f{i}.py", line 54, in fetch\n    x = y\n' for i in range(9)
+    )
+    text = (
+        "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+        f'{frames}  File "/tmp/datautils.py", line 15, in __getitem__\n    raise ValueError(...)\n'
+        "ValueError: corrupt sample 1500: cannot decode record\n"
+    )
+    ledger = MemoryLedger()
+    rec = Recorder(ledger, flush_interval_s=10)
+    rec.failure(ValueError(text))
+    rec.failure(KeyError("plain"))
+    rec.close()
+    said = [e.data["message"] for e in ledger.read() if e.kind is EventKind.FAILURE]
+    assert said == [
+        "corrupt sample 1500: cannot decode record (raised in DataLoader worker process 0)",
+        "'plain'",
+    ]

@@ -254,3 +254,51 @@ def test_a_rank_whose_data_loader_worker_was_killed_is_the_failed_rank_not_a_pee
     )
     assert first_failed_rank([[359]], {100: 0, 101: 1}, [reset]) is None
     assert first_failed_rank([[359]], {100: 0, 101: 1}, [reset, raised]) == 1
+
+
+def test_a_rank_that_ended_without_an_exception_before_its_peers_broke_is_the_failure(tmp_path) -> None:
+    # Field trial: rank 1 of pytorch/examples' DDP tutorial called sys.exit(0) mid-epoch; rank 0 then died of
+    # gloo's "Connection closed by peer": printed as rank 0's RuntimeError, booked `infra (collective)`, and
+    # all 4 attempts ran at once. Its clean-exit mark (run_env.exited_path) came before rank 0's FAILURE.
+    import os
+
+    from ettr.run_env import exited_path
+    from ettr.supervisor.gone import exited_early
+    from ettr.untrusted import make_dirs_below
+
+    gloo = "[pair.cc:553] Connection closed by peer [127.0.0.1]:33695. This is typically caused by a remote worker"
+    events = [
+        Event(EventKind.PROCESS_START, 1.0, 0, 0, data={"pid": 101}),
+        Event(EventKind.PROCESS_START, 1.0, 0, 1, data={"pid": 102}),
+        Event(EventKind.FAILURE, 20.0, 0, 0, data={"exception": "RuntimeError", "message": gloo}),
+    ]
+    assert exited_early(tmp_path, 0, {}, events) is None  # no rank marked an exit: the collective it is
+    mark = exited_path(tmp_path, 0, 102)
+    make_dirs_below(tmp_path, mark.parent)
+    mark.write_bytes(b"")
+    os.utime(mark, (19.0, 19.0))
+    early = exited_early(tmp_path, 0, {}, events)
+    assert early is not None and early.startswith("rank 1 exited without an exception")
+    end = classify(returncode=1, stderr_tail=[f"RuntimeError: {gloo}"], events=events)
+    end = AttemptEnd.from_data({**end.to_data(), "reason": f"{early}: {end.reason}"})
+    found = diagnose(outcome=end.outcome, failure=end.to_data(), trained=True)
+    assert found.detail is Detail.UNKNOWN and "rank 1 exited" in found.evidence
+    os.utime(mark, (21.0, 21.0))  # rank 1 finished after rank 0 had failed: not the cause
+    assert exited_early(tmp_path, 0, {}, events) is None
+    os.utime(mark, (19.0, 19.0))
+    own = [
+        *events[:2],
+        Event(EventKind.FAILURE, 20.0, 0, 0, data={"exception": "ValueError", "message": "bad"}),
+    ]
+    assert exited_early(tmp_path, 0, {}, own) is None  # rank 0's own error: its own failure
+
+
+def test_a_hang_after_a_handler_took_a_signal_from_outside_says_so() -> None:
+    # Field trial: rank 1 of the DDP tutorial caught a SIGTERM not sent by the supervisor and its handler never
+    # returned; the watchdog's line said only that both ranks were quiet.
+    end = classify(
+        returncode=-15, hung_after_s=10.0, signalled=[(5.0, 1, "SIGTERM")], hung_ranks="rank 1 quiet"
+    )
+    assert end.outcome is Outcome.HUNG
+    assert "rank 1 quiet; rank 1 received SIGTERM before it, not asked of the supervisor" in end.reason
+    assert "received" not in classify(returncode=-15, hung_after_s=10.0).reason

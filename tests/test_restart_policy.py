@@ -4,6 +4,7 @@ processes, no clock."""
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 
 import pytest
 
@@ -113,6 +114,87 @@ def test_restarts_that_replay_the_same_crash_stop_although_their_steps_look_new(
     assert POLICY.decide(killed[2], history=killed[:2]).restart
 
 
+def test_a_replayed_crash_is_the_same_from_the_first_attempt_by_its_place_after_the_last_commit() -> None:
+    # Field trial: pytorch/examples' multigpu_torchrun.py (save every epoch, resume *at* the saved epoch),
+    # a ValueError on rank 1 in epoch 2: the first attempt trained from step 1 and failed at 68, each restart
+    # replayed an epoch and failed at 100, 132, 164; all 4 attempts ran, each restarted at once. The
+    # failure is 4 steps after the last commit every time (64, 96, 128).
+    def run(index: int, first: int, last: int, commit: int | None) -> EndedAttempt:
+        tail = ["Traceback (most recent call last):", "ValueError: bad shape on rank 1: expected 20, got 21"]
+        end = classify(returncode=1, stderr_tail=tail)
+        return EndedAttempt(
+            attempt=index, end=end, made_progress=True, first_step=first, last_step=last, last_commit=commit
+        )
+
+    runs = [run(0, 1, 68, 64), run(1, 65, 100, 96), run(2, 97, 132, 128)]
+    second = POLICY.decide(runs[1], history=runs[:1])
+    assert second.restart and second.wait_s == 1.0  # failed as before: no longer at once
+    stop = POLICY.decide(runs[2], history=runs[:2])
+    assert (stop.restart, stop.exit_status) == (False, EXIT_HOPELESS)
+    assert "(ValueError, 35 steps after their first step, 4 after their last checkpoint)" in stop.why
+    # Another place after the commit, or no commit to go by, is not the same failure.
+    for other in (run(1, 65, 101, 96), run(1, 65, 100, None)):
+        decision = POLICY.decide(other, history=runs[:1])
+        assert decision.restart and decision.wait_s == 0.0
+
+
+def test_the_same_rank_failure_is_the_same_whichever_way_ettr_stopped_the_rest() -> None:
+    # Field trial: the tutorial's NaN check behind `bash run.sh` (torchrun inside): ettr stopped the rest after
+    # each rank's FloatingPointError, and the command took the stop as a wrapper's 143 in one attempt and as
+    # torchrun's 1 in the next, so no two attempts were "the same" and all 4 ran, each at once.
+    def run(index: int, code: int, how: str) -> EndedAttempt:
+        end = AttemptEnd.from_data(
+            {
+                "outcome": "failed",
+                "exit_code": code,
+                "reason": f"rank {index % 2} failed: FloatingPointError; ettr stopped the rest ({how})",
+                "exception": "FloatingPointError",
+                "message": "loss is nan at epoch 2 batch 5",
+            }
+        )
+        first = 1 if index == 0 else 65 + 32 * (index - 1)
+        return EndedAttempt(
+            attempt=index,
+            end=end,
+            made_progress=True,
+            first_step=first,
+            last_step=first + 35,
+            last_commit=first + 31,
+        )
+
+    wrapper = "killed by SIGTERM (behind its shell wrapper, which exited 143)"
+    runs = [run(0, 143, wrapper), run(1, 1, "SIGTERM to torchrun, which stopped its workers and exited 1")]
+    runs.append(run(2, 143, wrapper))
+    assert POLICY.decide(runs[1], history=runs[:1]).wait_s == 1.0
+    assert POLICY.decide(runs[2], history=runs[:2]).exit_status == EXIT_HOPELESS
+    # Both ranks raised at once in the first attempt: torchrun saw them die and exited 1 before ettr stopped
+    # anything; the next attempt's stop left the wrapper's 143. The same failure still.
+    first = replace(
+        runs[0], end=replace(runs[0].end, exit_code=1, reason="exit status 1 (rank 0): FloatingPointError")
+    )
+    assert POLICY.decide(runs[1], history=[first]).wait_s == 1.0
+    # Another exception, or a death by a signal, is another failure.
+    other = replace(runs[1], end=replace(runs[1].end, exception="ValueError"))
+    assert POLICY.decide(other, history=runs[:1]).wait_s == 0.0
+
+
+def test_the_history_reads_each_attempts_last_commit_at_or_below_its_last_step() -> None:
+    def ev(kind: EventKind, attempt: int, step: int, rank: int = 0) -> Event:
+        return Event(kind, float(step), attempt, rank, step=step)
+
+    events = [
+        *(ev(EventKind.STEP, 0, s) for s in range(1, 69)),
+        ev(EventKind.CHECKPOINT_COMMIT, 0, 32),
+        ev(EventKind.CHECKPOINT_COMMIT, 0, 64),
+        ev(EventKind.CHECKPOINT_COMMIT, 0, 99, rank=SUPERVISOR_RANK),  # not a training process's
+        Event(EventKind.ATTEMPT_END, 70.0, 0, SUPERVISOR_RANK, data={"outcome": "failed", "exit_code": 1}),
+        Event(EventKind.ATTEMPT_END, 71.0, 1, SUPERVISOR_RANK, data={"outcome": "failed", "exit_code": 1}),
+    ]
+    first, second = ended_attempts(events)
+    assert (first.first_step, first.last_step, first.last_commit, first.steps_since_commit) == (1, 68, 64, 4)
+    assert (second.made_progress, second.last_commit, second.steps_since_commit) == (False, None, None)
+
+
 def test_back_off_follows_the_cause() -> None:
     assert POLICY.decide(crash(0, 5)).wait_s == 0.0  # a crash mid-training: at once
     oom = attempt(0, classify(returncode=-signal.SIGKILL, oom_killed=True), last_step=5)
@@ -145,6 +227,39 @@ def test_back_off_follows_the_cause() -> None:
             True,
             Cause.INFRA,
             Detail.PROCESS_LOST,
+        ),
+        (  # rank 1 segfaulted (ctypes.string_at(0)) behind a wrapper; rank 0 then died of gloo's reset, its
+            # FAILURE the first recorded: it read `collective` while the console said `killed by SIGSEGV`
+            {
+                "outcome": "failed",
+                "exit_code": 139,
+                "signal": "SIGSEGV",
+                "reason": "killed by SIGSEGV (the launcher exited 1) (rank 1)",
+                "process_failure": {
+                    "exception": "RuntimeError",
+                    "message": "[pair.cc:534] Read error [127.0.0.1]:5123: Connection reset by peer",
+                },
+                "stderr_tail": [
+                    "[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+                    "[127.0.0.1]:5123: Connection reset by peer",
+                ],
+            },
+            True,
+            Cause.INFRA,
+            Detail.PROCESS_LOST,
+        ),
+        (  # gloo's own recv timeout (a peer SIGSTOPped): the process group's timeout, not the training code
+            {
+                "outcome": "failed",
+                "exit_code": 1,
+                "reason": "exit status 1 (rank 0): RuntimeError",
+                "exception": "RuntimeError",
+                "message": "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                "waiting 15000ms for recv operation to complete",
+            },
+            True,
+            Cause.INFRA,
+            Detail.COLLECTIVE,
         ),
         (  # kill -9 of a rank's DataLoader worker (accelerate's checkpointing.py): its RuntimeError is the
             # kill's consequence; it read `user (exception): exception RuntimeError in the training code`

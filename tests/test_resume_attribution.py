@@ -329,3 +329,38 @@ def test_a_failed_load_of_an_intact_or_foreign_file_gets_no_note(tmp_path: Path)
             with pytest.raises(Exception) as raised:
                 torch.load(path, **kwargs)
             assert not getattr(raised.value, "__notes__", None)
+
+
+class _NoRoom:
+    def __reduce__(self) -> Any:
+        raise OSError(28, "No space left on device")  # what a write to a full disk raises (errno.ENOSPC)
+
+
+def test_a_save_that_fails_on_a_full_file_system_says_so(tmp_path: Path) -> None:
+    """Field trial: pytorch/examples' DDP tutorial saving its snapshot to a full tmpfs died of torch's
+    `RuntimeError: basic_ios::clear: iostream error`, booked `user (exception)` with nothing about the disk."""
+    from types import SimpleNamespace
+
+    from ettr.bootstrap.checkpoint_hooks import full_disk_note
+
+    ckpt = tmp_path / "snap.pt"
+    error = RuntimeError("basic_ios::clear: iostream error")
+    full = SimpleNamespace(f_bavail=0, f_frsize=4096, f_blocks=256)
+    roomy = SimpleNamespace(f_bavail=10**6, f_frsize=4096, f_blocks=10**7)
+    note = full_disk_note(str(ckpt), error, lambda _: full)
+    assert note is not None and f"the file system of {tmp_path} is full (0 of 1048576 bytes free)" in note
+    assert full_disk_note(str(ckpt), error, lambda _: roomy) is None  # room left: another cause
+    assert full_disk_note("s3://bucket/snap.pt", error, lambda _: full) is None
+    # Through the save hook: an ENOSPC on the way (however much room statvfs shows afterwards) is noted.
+    run_dir = tmp_path / "run"
+    with _hooked(run_dir, attempt=0) as rec, pytest.raises(OSError) as raised:
+        _train(1)
+        try:
+            torch.save({"x": _NoRoom()}, ckpt)
+        except OSError as exc:
+            rec.failure(exc)
+            raise
+    [note] = getattr(raised.value, "__notes__", [])
+    assert "is full" in note and str(ckpt) in note
+    [failure] = [e for e in open_ledger(run_dir).read() if e.kind is EventKind.FAILURE]
+    assert "is full" in split_failure_message(failure.data["message"])[1][0]

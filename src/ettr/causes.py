@@ -16,10 +16,10 @@ detail (what happened: the closed `Detail` set). The rules, first match wins:
 | 5 | its supervisor, or a peer node's, was lost while it ran (closed from the ledger, or a peer's supervisor silent past the peer timeout: the broken collectives around it are its consequence) | infra | node_lost |
 | 6 | a collective / rendezvous / store timeout or error, NCCL/gloo, a peer's reset | infra      | collective         |
 | 7 | ECC, Xid, NVLink errors in the output                                         | infra      | hardware           |
-| 8 | death by another signal (SIGBUS, SIGSEGV, SIGABRT, ...: the system, native code) | infra   | process_lost       |
+| 8 | death by another signal (SIGBUS, SIGSEGV, SIGABRT, ...: the system, native code; SIGSEGV, SIGBUS, SIGILL and SIGFPE of the failed rank before rules 5-7: its peers' resets are its consequence) | infra | process_lost |
 | 9 | it failed before its first step (cannot start, an exception or exit status at start-up) | user | startup     |
 | 10| a Python exception in the training code (CUDA out-of-memory raised to the script too) | user | exception    |
-| 11| anything else (a bare non-zero exit status after training, no end recorded)   | unknown    | unknown            |
+| 11| anything else (a bare non-zero exit status after training, no end recorded; a rank that ended without an exception before its peers' broken collectives, `EXITED_EARLY`, checked before rule 5) | unknown | unknown |
 
 A SIGKILL whose cgroup counter did not rise (or cannot be read: no cgroup v2, a container without
 `memory.events`) is `process_lost`, never guessed to be an OOM kill: the evidence says which, in words.
@@ -105,6 +105,11 @@ _COLLECTIVE_TEXT = (
     "RendezvousClosedError",
     "DistStoreError",
     "Socket Timeout",
+    # gloo's own timeout of a send or recv (`[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting
+    # 15000ms for recv operation to complete`): a peer stalled; it read `user (exception)` (field trial, a
+    # SIGSTOPped rank 1 under the DDP tutorial with a 15 s process-group timeout)
+    "ms for recv operation to complete",
+    "ms for send operation to complete",
 )
 _HARDWARE_TEXT = ("uncorrectable ECC", "Uncorrectable ECC", "Xid", "NVLink")
 WORKER_KILLED_TEXT = "is killed by signal: Killed"  # a DataLoader worker's SIGKILL (torch's words)
@@ -120,7 +125,15 @@ _SIGNAL_TEXT = (
     "is killed by signal: Bus error",
     "is killed by signal: Segmentation fault",
 )
+# Signals a process gets from its own crash (native code, the hardware, the system), not from a collective: the
+# failed rank's death by one is the cause, whatever its peers wrote after it. Not SIGABRT: NCCL's watchdog
+# aborts the rank whose collective timed out, and its words then say why.
+_NATIVE_CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE"})
 _START_FAILURE = "cannot start"
+EXITED_EARLY = (
+    "exited without an exception while its peers still trained, and they failed on the broken connection"
+)
+STOPPED_THE_REST = "; ettr stopped the rest ("  # `rank 1 failed: X; ettr stopped the rest (...)` (classify)
 _SUPERVISOR_LOST = (
     "supervisor was lost",  # "node 1's supervisor was lost (killed) while ...", a closed attempt
     "supervisor is silent for over",  # "node 1's supervisor is silent for over 60 s (lost)": the leader's word
@@ -177,6 +190,23 @@ def diagnose(*, outcome: Outcome, failure: Mapping[str, Any], trained: bool) -> 
         # A 2-rank DDP job whose rank 0 was SIGKILLed read `collective`: rank 1's "Connection reset by peer"
         # (its FAILURE, the first any rank recorded) matched first. The kill is the failure.
         return _killed(reason, sig)
+    if sig in _NATIVE_CRASH_SIGNALS:
+        # The failed rank itself died of a crash signal (its launcher's summary or its own status): what its
+        # peers then say (gloo's `Connection reset by peer`, a DistBackendError) is the consequence. A DDP
+        # job whose rank 1 segfaulted was printed `killed by SIGSEGV (rank 1)` and booked `collective` from
+        # rank 0's reset (field trial, pytorch/examples' multigpu_torchrun.py, with and without a wrapper).
+        what = (
+            reason if f"killed by {sig}" in reason else f"killed by {sig}"
+        )  # `rank 1 failed (killed by ...`
+        return Diagnosis(
+            cause=Cause.INFRA,
+            detail=Detail.PROCESS_LOST,
+            evidence=f"{what} (a crash in native code or the system; its peers' broken connections follow from it)",
+        )
+    if EXITED_EARLY in reason:
+        # A rank's script ended it (its end, a sys.exit) while its peers trained on: their broken collectives
+        # follow from it; why it ended is the script's and not known here.
+        return Diagnosis(cause=Cause.UNKNOWN, detail=Detail.UNKNOWN, evidence=reason)
     if failure.get("closed_from_ledger") is True:
         return Diagnosis(
             cause=Cause.INFRA,
@@ -268,12 +298,19 @@ def signature(outcome: Outcome, failure: Mapping[str, Any], diagnosis: Diagnosis
         _text(process.get("exception")) if isinstance(process, Mapping) else ""
     )
     code = failure.get("exit_code")
+    sig = _text(failure.get("signal"))
+    if exception and (STOPPED_THE_REST in _text(failure.get("reason")) or not sig):
+        # A rank raised: the status is the launcher's or ettr's stop as the command took it (torchrun's 1 when
+        # it saw the rank die first, a wrapper's 143 when ettr stopped the rest first, torchrun's 1 after it
+        # stopped its workers on ettr's SIGTERM), which varies from one attempt to the next with who was
+        # first; the same NaN behind a wrapper read as different failures and all restarts ran.
+        code, sig = None, ""
     return (
         outcome.value,
         diagnosis.cause.value,
         diagnosis.detail.value,
         str(code) if isinstance(code, int) else "",
-        _text(failure.get("signal")),
+        sig,
         exception,
     )
 

@@ -6,6 +6,7 @@ records; phases are a closed `StrEnum` that maps onto the contract's closed set 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -27,6 +28,26 @@ def failure_message(message: str, notes: Any = ()) -> str:
         if isinstance(note, str) and note.startswith(FAILURE_NOTE_PREFIX)
     ]
     return "\n".join([message, *(f"[{FAILURE_NOTE_PREFIX}{note}]" for note in own)]) if own else message
+
+
+_RERAISED = re.compile(r"\ACaught (\w+) in (.+?)\.\nOriginal Traceback \(most recent call last\):\n")
+
+
+def reraised_message(text: str) -> str:
+    """An exception's message, where torch re-raised one from a DataLoader worker (or its pin-memory thread)
+    as `Caught ValueError in DataLoader worker process 0.` and the worker's whole traceback: the worker's own
+    words and where it raised, `corrupt sample 1500: cannot decode record (raised in DataLoader worker process
+    0)`. The console line and the report showed only that first sentence (the cut to 500 characters fell
+    inside torch's frames), never what the dataset said. Any other message is returned as it is."""
+    found = _RERAISED.match(text)
+    if found is None:
+        return text
+    name, where = found.group(1), found.group(2)
+    last = next((line for line in reversed(text.splitlines()) if line.strip() and not line[0].isspace()), "")
+    said = last.removeprefix(f"{name}:").strip() if last.startswith((f"{name}:", name)) else last.strip()
+    if said == name:
+        said = ""
+    return f"{said} (raised in {where})" if said else f"raised in {where}"
 
 
 def split_failure_message(message: str) -> tuple[str, list[str]]:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ettr.events import URGENT_KINDS, Event, EventKind, Phase, failure_message
+from ettr.events import URGENT_KINDS, Event, EventKind, Phase, failure_message, reraised_message
 from ettr.ledger import Ledger
 from ettr.ledger.rows import as_int
 from ettr.tracing import dynamo_is_tracing
@@ -382,7 +382,7 @@ class Recorder:
         """An exception is about to end this process (flushed at once). Notes ettr's hooks added to the
         exception (`FAILURE_NOTE_PREFIX`: what they know of the failure, e.g. a torn checkpoint) follow the
         message, each on a line of its own (`failure_message`)."""
-        message = failure_message(str(exc)[:500], getattr(exc, "__notes__", None) or ())
+        message = failure_message(reraised_message(str(exc))[:500], getattr(exc, "__notes__", None) or ())
         self.record(EventKind.FAILURE, data={"exception": type(exc).__name__, "message": message})
 
     def mark(self, name: str, **data: Any) -> None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import errno
 import os
 import sys
 import threading
@@ -77,6 +78,36 @@ _OWN_PHASES = (Phase.CHECKPOINT_BLOCKING, Phase.CHECKPOINT_PERSIST)
 
 def _path_of(target: Any) -> str | None:
     return path_of(target)
+
+
+FULL_BELOW_BYTES = 1 << 20
+"""A file system with less room than this after a save raised is full: that is why it raised."""
+
+
+def full_disk_note(path: str, exc: BaseException, statvfs: Callable[[str], Any] = os.statvfs) -> str | None:
+    """Why a checkpoint save raised, when its file system is full (`errno.ENOSPC` in the exception or its
+    chain, or under `FULL_BELOW_BYTES` left): torch's own words for a full disk are `basic_ios::clear:
+    iostream error` or `unexpected pos N vs M` (field trial: the tutorial's snapshot on a full tmpfs read
+    `user (exception): RuntimeError: basic_ios::clear: iostream error`, nothing about the disk). None otherwise."""
+    if "://" in path:
+        return None
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fs = statvfs(directory)
+        free, size = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    except (OSError, AttributeError, TypeError):
+        return None
+    chain: BaseException | None = exc
+    seen, enospc = 0, False
+    while chain is not None and seen < 10:
+        enospc = enospc or getattr(chain, "errno", None) == errno.ENOSPC
+        chain, seen = chain.__cause__ or chain.__context__, seen + 1
+    if not enospc and free >= FULL_BELOW_BYTES:
+        return None
+    return (
+        f"the file system of {directory} is full ({free} of {size} bytes free) while saving {path}: "
+        "free space there, or save elsewhere; the file the save left may be cut off"
+    )
 
 
 def _dcp_path(kwargs: dict[str, Any], storage_key: str) -> str | None:
@@ -465,6 +496,9 @@ class CheckpointHooks:
                 inject.checkpoint_in_progress()
                 result = call()
             except BaseException as exc:
+                note = self.guard.call("checkpoint save", full_disk_note, path, exc)
+                if note:
+                    exc.add_note(f"{FAILURE_NOTE_PREFIX}{note}")
                 self.guard.call(
                     "checkpoint save",
                     self.rec.span,

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ettr.causes import Detail, diagnose
+from ettr.causes import STOPPED_THE_REST, Detail, diagnose
 from ettr.events import Event, EventKind, Outcome, clip_failure_message
 from ettr.supervisor.command_output import (
     OOM_EXCEPTIONS,
@@ -30,6 +30,7 @@ from ettr.supervisor.hidden_ends import (
     failure_hidden,
     killed_unsignalled,
     shell_kills,
+    signal_before_hang,
     signalled_reason,
 )
 
@@ -296,8 +297,7 @@ def classify(
         outcome = Outcome.HUNG
         over = f" (over {hung_bound})" if hung_bound else ""
         reason = f"no progress and no heartbeat for {hung_after_s:.1f} s{over}; {how}"
-        if hung_ranks:
-            reason += f"; {hung_ranks}"
+        reason += (f"; {hung_ranks}" if hung_ranks else "") + signal_before_hang(signalled or ())
     elif preempted_by == signal.SIGINT:
         outcome = Outcome.INTERRUPTED
         reason = f"interrupted (SIGINT forwarded to the job); {how}"
@@ -316,7 +316,7 @@ def classify(
         else:
             what = " (out of memory)" if oom else " (no exception recorded)"
         ended = "the command exited 0 after it" if returncode == 0 else how
-        reason = f"{who} failed{what}; ettr stopped the rest ({ended})"
+        reason = f"{who} failed{what}{STOPPED_THE_REST}{ended})"
     elif (
         (signalled := ended_by_signal(signalled, events))
         and not (failures and min(e.ts for e in failures) < signalled[0][0])

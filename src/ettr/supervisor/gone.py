@@ -3,10 +3,13 @@ when the supervisor first saw a rank gone (the failure instant where no rank rec
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
-from ettr.causes import is_collective_error
-from ettr.events import Event
+from ettr.causes import EXITED_EARLY, is_collective_error
+from ettr.events import Event, EventKind
+from ettr.run_env import exited_path
 
 
 def first_failed_rank(
@@ -54,3 +57,32 @@ def first_rank_gone_at(
         if any(pid in rank_of for pid in pids):
             return ts
     return None
+
+
+def exited_early(
+    run_dir: str | os.PathLike[str], attempt: int, ranks: Mapping[int, int], events: Sequence[Event]
+) -> str | None:
+    """The words that put first a rank that ended without an exception (`run_env.exited_path`, written as its
+    Python-level exit is done: the end of its script, a `sys.exit`) before the attempt's first FAILURE, when
+    that FAILURE is a broken collective: the peers' `Connection closed by peer` is the early exit's
+    consequence (field trial: rank 1 of the DDP tutorial calling `sys.exit(0)` mid-epoch was printed as rank
+    0's gloo RuntimeError, `infra (collective)`, and every restart ran at once). None otherwise."""
+    failures = sorted((e for e in events if e.kind is EventKind.FAILURE and e.rank >= 0), key=lambda e: e.ts)
+    if not failures:
+        return None
+    data = failures[0].data or {}
+    if not is_collective_error(str(data.get("exception")), str(data.get("message") or "")):
+        return None
+    rank_of = {e.data["pid"]: e.rank for e in events if e.kind is EventKind.PROCESS_START and e.data}
+    rank_of.update(ranks)
+    ended: list[tuple[float, int]] = []
+    for pid, rank in rank_of.items():
+        try:
+            at = Path(exited_path(run_dir, attempt, pid)).stat().st_mtime
+        except (OSError, TypeError, ValueError):
+            continue
+        if at <= failures[0].ts and rank != failures[0].rank:
+            ended.append((at, rank))
+    if not ended:
+        return None
+    return f"rank {min(ended)[1]} {EXITED_EARLY}"

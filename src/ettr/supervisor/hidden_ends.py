@@ -136,3 +136,17 @@ def failure_hidden(events: Iterable[Event], killed: Sequence[Event] = ()) -> Eve
             stepped[e.rank] = max(e.ts, stepped.get(e.rank, e.ts))
     hidden = next((f for r, f in sorted(failures.items()) if stepped.get(r, f.ts) <= f.ts), None)
     return hidden or next(iter(killed), None)  # (a process gone stepped no more; its time is unknown)
+
+
+def signal_before_hang(signalled: Sequence[tuple[float, int, str]]) -> str:
+    """What a hung attempt's reason adds when a rank's own handler took a signal from outside before it
+    (`run_env.signals_received`): a handler that caught the scheduler's SIGTERM and then hung (field trial:
+    the DDP tutorial's rank 1 with a SIGTERM handler that never returns) read as a bare hang."""
+    if not signalled:
+        return ""
+    _, rank, signame = signalled[0]
+    who = "its launcher" if rank == LAUNCHER_SIGNAL_RANK else f"rank {rank}"
+    return (
+        f"; {who} received {signame} before it, not asked of the supervisor (a scheduler or an operator), "
+        "and its handler did not end the job"
+    )

@@ -18,10 +18,12 @@ order:
    at the same place, a node that dies during every start-up);
 5. `max_restarts_without_progress` restarts in a row that each failed exactly as the attempt before it,
    after training -- the same exception and message (numbers aside; user or unknown cause) the same
-   number of steps after its first step -- stop the job: exit 3. A script whose resume replays work (it
-   saves "epoch N" after epoch N and resumes *at* epoch N: pytorch/examples' DDP tutorial) numbers every
-   replay as new steps, so rule 4 never sees the crash at the same data; its place relative to the
-   attempt's first step does;
+   number of steps after its first step, or after its last checkpoint commit -- stop the job: exit 3. A
+   script whose resume replays work (it saves "epoch N" after epoch N and resumes *at* epoch N:
+   pytorch/examples' DDP tutorial) numbers every replay as new steps, so rule 4 never sees the crash at the
+   same data; its place relative to the attempt's first step does, from the first restart on, and its
+   place after the last commit does from the job's first attempt (which trained from step 1, not from the
+   resume point: a rank-1 ValueError in the tutorial ran 4 attempts, each at once, before this);
 6. failures use up `max_restarts` (job-wide, across invocations); preemptions and interruptions do not:
    with none left, exit 1 (`max_restarts` 0: nothing is restarted, a preemption of the job exits 143);
 7. otherwise restart, after a back-off that follows the cause:
@@ -33,8 +35,10 @@ order:
    | a failure before the first step (startup, ...)     | `backoff_s`   | doubling                 |
    | preemption of the job's processes (not of the supervisor) | `backoff_s` | `backoff_s` (not counted) |
 
-   Doubling is per restart in a row that reached no new step (rule 3's count), up to `max_backoff_s`: an
-   attempt that trained past the furthest step before it resets it. Until 2026-12-04 it was per restart the
+   Doubling is per restart in a row that reached no new step (rule 4's count), or that failed exactly as the
+   attempt before it (rule 5's count: a deterministic error in a script that replays work looks like
+   progress, and restarted at once each time), up to `max_backoff_s`: an attempt that trained past the
+   furthest step before it, failing otherwise, resets it. Until 2026-12-04 it was per restart the
    job had used, so a long job's every failure after its 7th waited 30 s however long it had trained since
    (soak, a 2-rank job killed every 25-50 s, each attempt training on: 0, 1, 2, 4, 8, 16 s, then 30 s before
    every later restart).
@@ -47,7 +51,7 @@ from __future__ import annotations
 import math
 import re
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -76,6 +80,8 @@ class EndedAttempt:
     """The highest step a training process of the attempt completed (None: none, or not numbered)."""
     first_step: int | None = None
     """The lowest step a training process of the attempt completed (the first after its resume point)."""
+    last_commit: int | None = None
+    """The highest step at or below `last_step` whose checkpoint the attempt committed (None: none)."""
 
     @property
     def steps_run(self) -> int | None:
@@ -83,6 +89,13 @@ class EndedAttempt:
         if self.first_step is None or self.last_step is None:
             return None
         return self.last_step - self.first_step
+
+    @property
+    def steps_since_commit(self) -> int | None:
+        """How many steps after its last checkpoint commit it ended (None: no commit, or unknown)."""
+        if self.last_commit is None or self.last_step is None:
+            return None
+        return self.last_step - self.last_commit
 
     @cached_property
     def diagnosis(self) -> Diagnosis:
@@ -132,27 +145,41 @@ def backoff_wait_s(
     return min(max_backoff_s, backoff_s * 2**restart)
 
 
+def ended_from_events(attempt: int, end: AttemptEnd, events: Iterable[Event]) -> EndedAttempt:
+    """One ended attempt with how far it trained, from its events (its training processes' steps and
+    checkpoint commits)."""
+    trained = False
+    steps: list[int] = []
+    commits: list[int] = []
+    for e in events:
+        if e.rank < 0 or e.kind not in (EventKind.STEP, EventKind.CHECKPOINT_COMMIT):
+            continue
+        trained = trained or e.kind is EventKind.STEP
+        if isinstance(e.step, int) and not isinstance(e.step, bool):
+            (steps if e.kind is EventKind.STEP else commits).append(e.step)
+    last = max(steps, default=None)
+    return EndedAttempt(
+        attempt=attempt,
+        end=end,
+        made_progress=trained,
+        last_step=last,
+        first_step=min(steps, default=None),
+        last_commit=max((c for c in commits if last is not None and c <= last), default=None),
+    )
+
+
 def ended_attempts(events: Sequence[Event]) -> list[EndedAttempt]:
     """The ended attempts a job's books hold (the first ATTEMPT_END of each, oldest first), with how far each
     trained: the history a requeued job's supervisor decides with."""
     ends: dict[int, Mapping[str, Any]] = {}
-    trained: set[int] = set()
-    steps: dict[int, list[int]] = {}
+    by_attempt: dict[int, list[Event]] = {}
     for e in events:
         if e.kind is EventKind.ATTEMPT_END and e.rank == SUPERVISOR_RANK:
             ends.setdefault(e.attempt, e.data or {})
-        elif e.kind is EventKind.STEP and e.rank >= 0:
-            trained.add(e.attempt)
-            if isinstance(e.step, int) and not isinstance(e.step, bool):
-                steps.setdefault(e.attempt, []).append(e.step)
+        else:
+            by_attempt.setdefault(e.attempt, []).append(e)
     return [
-        EndedAttempt(
-            attempt=attempt,
-            end=AttemptEnd.from_data(data),
-            made_progress=attempt in trained,
-            last_step=max(steps[attempt]) if attempt in steps else None,
-            first_step=min(steps[attempt]) if attempt in steps else None,
-        )
+        ended_from_events(attempt, AttemptEnd.from_data(data), by_attempt.get(attempt, ()))
         for attempt, data in sorted(ends.items())
     ]
 
@@ -160,18 +187,25 @@ def ended_attempts(events: Sequence[Event]) -> list[EndedAttempt]:
 _NUMBER = re.compile(r"\d+")
 
 
-def repeats_exactly(ended: EndedAttempt, previous: EndedAttempt) -> bool:
-    """`ended` failed exactly as `previous` did after training (rule 5): the same cause, detail, exit
-    status, signal, exception and message (its numbers aside: a step or a loss in it), user or unknown
-    cause, the same number of steps after each attempt's first step."""
+def fails_alike(ended: EndedAttempt, previous: EndedAttempt) -> bool:
+    """`ended` failed as `previous` did after training, wherever: the same cause, detail, exit status, signal,
+    exception and message (its numbers aside: a step or a loss in it), user or unknown cause."""
     if not (ended.made_progress and previous.made_progress):
-        return False
-    if ended.steps_run is None or ended.steps_run != previous.steps_run:
         return False
     if ended.diagnosis.cause not in (Cause.USER, Cause.UNKNOWN) or ended.signature != previous.signature:
         return False
     said = [_NUMBER.sub("#", (a.end.message or "").strip()) for a in (ended, previous)]
     return said[0] == said[1]
+
+
+def repeats_exactly(ended: EndedAttempt, previous: EndedAttempt) -> bool:
+    """`ended` failed exactly as `previous` did (rule 5): alike (`fails_alike`), at the same place: the same
+    number of steps after each attempt's first step, or after each attempt's last checkpoint commit."""
+    if not fails_alike(ended, previous):
+        return False
+    same_run = ended.steps_run is not None and ended.steps_run == previous.steps_run
+    since = ended.steps_since_commit
+    return same_run or (since is not None and since == previous.steps_since_commit)
 
 
 def restarts_repeating(ended: Sequence[EndedAttempt]) -> int:
@@ -183,6 +217,18 @@ def restarts_repeating(ended: Sequence[EndedAttempt]) -> int:
             break
         count += 1
     return count
+
+
+def _place(ended: EndedAttempt) -> str:
+    """Where an attempt failed, for the rule-5 line: after its first step, else after its last commit."""
+    if ended.steps_run is not None:
+        place = f"{ended.steps_run} steps after their first step"
+    else:
+        place = ""
+    if ended.steps_since_commit is not None:
+        since = f"{ended.steps_since_commit} after their last checkpoint"
+        place = f"{place}, {since}" if place else since
+    return place
 
 
 def restarts_used(history: Sequence[EndedAttempt]) -> int:
@@ -269,8 +315,8 @@ class RestartPolicy:
                 restart=False,
                 exit_status=EXIT_HOPELESS,
                 why=(
-                    f"{repeats} restarts in a row failed as the attempt before them ({what}, "
-                    f"{ended.steps_run} steps after their first step): restarts would not help"
+                    f"{repeats} restarts in a row failed as the attempt before them ({what}, {_place(ended)}): "
+                    "restarts would not help"
                 ),
             )
         stalled = restarts_without_progress([*history, ended])
@@ -288,7 +334,7 @@ class RestartPolicy:
         if counted and used >= self.max_restarts:
             return Decision(restart=False, exit_status=EXIT_FAILED, why="no restarts left")
         wait_s = backoff_wait_s(
-            stalled,  # doubling per restart in a row that reached no new step, not per restart ever used
+            max(stalled, repeats),  # per restart in a row that reached no new step or repeated, not per used
             outcome=outcome,
             made_progress=ended.made_progress,
             backoff_s=self.backoff_s,

@@ -32,13 +32,14 @@ from ettr.supervisor.books import JobBooks
 from ettr.supervisor.classify import AttemptEnd, classify
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.containment import AttemptSweep
+from ettr.supervisor.gone import exited_early
 from ettr.supervisor.guard import JobGuard
 from ettr.supervisor.launch import attempt_launch, wrapper_name
 from ettr.supervisor.messages import Progress, say
 from ettr.supervisor.peers import Peers
-from ettr.supervisor.policy import EndedAttempt
+from ettr.supervisor.policy import EndedAttempt, ended_from_events
 from ettr.supervisor.relaunch import Relaunch
-from ettr.supervisor.restart import ExitWaker, trained
+from ettr.supervisor.restart import ExitWaker
 from ettr.supervisor.signals import SupervisorSignals
 from ettr.supervisor.startwait import StartupWait
 from ettr.supervisor.watch import (
@@ -229,20 +230,18 @@ class AttemptRunner:
             raised_in_place=bool(state.continued and state.continued.survived),
         )
         end = p.peers.settle(attempt, end, state.peer_reason, p.signals, events)
-        steps = [
-            e.step for e in events if e.kind is EventKind.STEP and e.rank >= 0 and isinstance(e.step, int)
-        ]
-        return EndedAttempt(
-            attempt=attempt,
-            end=end,
-            made_progress=trained(events),
-            last_step=max(steps, default=None),
-            first_step=min(steps, default=None),
+        early = (
+            exited_early(books.run_dir, attempt, running.ranks(), events)
+            if end.outcome is Outcome.FAILED
+            else None
         )
+        end = replace(end, reason=f"{early}: {end.reason}") if early else end
+        return ended_from_events(attempt, end, events)
 
     def _outside_signals(self, state: WatchState, attempt: int) -> list[tuple[float, int, str]]:
-        """Signals the attempt's processes handled themselves, where the supervisor stopped nothing itself."""
-        stopped = state.forwarded is not None or state.hung_after_s is not None or state.rank_failed
+        """Signals the attempt's processes handled themselves, where the supervisor stopped nothing itself but
+        a hang (a handler that hung after a scheduler's SIGTERM: classify names it in the hang's reason)."""
+        stopped = state.forwarded is not None or state.rank_failed
         if stopped or state.peer_reason is not None or state.continued:
             return []
         return signals_received(self.parts.books.run_dir, attempt, before=state.detected_at)
