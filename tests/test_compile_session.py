@@ -538,7 +538,17 @@ def test_the_isa_probe_answer_is_remembered_and_taken_only_under_the_same_key(tm
 
     key = {"cpu_isa": "avx2 avx512", "compiler": "g++ 12", "torch": "2.x", "probe": "p"}
     monkeypatch.setattr(torch_compat, "inductor_vec_isa_memo_key", lambda: dict(key))
-    monkeypatch.setattr(torch_compat, "inductor_vec_isas_named", lambda names: [f"isa:{n}" for n in names])
+
+    def described(isa: str) -> dict[str, object]:
+        return {"name": isa, "flags": f"-m{isa}", "state": {"_is_bf16_supported": isa == "avx512"}}
+
+    monkeypatch.setattr(torch_compat, "inductor_vec_isa_described", described)
+    restored: list[list[dict[str, object]]] = []
+    monkeypatch.setattr(
+        torch_compat,
+        "inductor_vec_isas_restored",
+        lambda valid: restored.append(valid) or [f"isa:{d['name']}" for d in valid],
+    )
     probes: list[int] = []
 
     def new_process() -> types.SimpleNamespace:
@@ -557,11 +567,12 @@ def test_the_isa_probe_answer_is_remembered_and_taken_only_under_the_same_key(tm
     assert json.loads(memo.read_text()) == {
         "schema": isa_probe.MEMO_SCHEMA,
         "key": key,
-        "valid": ["avx512", "avx2"],
+        "valid": [described("avx512"), described("avx2")],
     }
     module = new_process()
     assert module.valid_vec_isa_list() == ["isa:avx512", "isa:avx2"] and len(probes) == 1  # remembered
     assert module.valid_vec_isa_list() == ["isa:avx512", "isa:avx2"] and len(probes) == 1  # one answer
+    assert restored == [[described("avx512"), described("avx2")]]  # with what the probe set on each ISA
 
     key["compiler"] = "g++ 13"  # another compiler: probed again, and that answer kept
     assert new_process().valid_vec_isa_list() == ["avx512", "avx2"] and len(probes) == 2
@@ -572,22 +583,40 @@ def test_the_isa_probe_answer_is_remembered_and_taken_only_under_the_same_key(tm
         "{",
         json.dumps({"schema": "other", "key": key, "valid": []}),
         json.dumps({"schema": isa_probe.MEMO_SCHEMA, "key": key, "valid": "avx2"}),
-        json.dumps({"schema": isa_probe.MEMO_SCHEMA, "key": key, "valid": ["x"] * 100}),
+        json.dumps({"schema": isa_probe.MEMO_SCHEMA, "key": key, "valid": [described("x")] * 100}),
+        # schema 1 (names only): an AVX-512 ISA recalled by name compiled without -mavx512bf16
+        json.dumps({"schema": "ettr.vec-isa/1", "key": key, "valid": ["avx512", "avx2"]}),
+        json.dumps({"schema": isa_probe.MEMO_SCHEMA, "key": key, "valid": ["avx512", "avx2"]}),
+        json.dumps(
+            {"schema": isa_probe.MEMO_SCHEMA, "key": key, "valid": [{**described("avx2"), "flags": 1}]}
+        ),
+        json.dumps(
+            {
+                "schema": isa_probe.MEMO_SCHEMA,
+                "key": key,
+                "valid": [{**described("avx2"), "state": {"a": "yes"}}],
+            }
+        ),
+        json.dumps(
+            {"schema": isa_probe.MEMO_SCHEMA, "key": key, "valid": [{**described("avx2"), "run": "x"}]}
+        ),
     ):
         memo.write_text(damaged)
         assert isa_probe.recall(memo, key) is None
         assert new_process().valid_vec_isa_list() == ["avx512", "avx2"]  # probed again
-    assert len(probes) == 6
+    assert len(probes) == 11
 
-    monkeypatch.setattr(torch_compat, "inductor_vec_isas_named", lambda names: None)  # no longer inductor's
-    assert new_process().valid_vec_isa_list() == ["avx512", "avx2"] and len(probes) == 7
+    monkeypatch.setattr(
+        torch_compat, "inductor_vec_isas_restored", lambda valid: None
+    )  # no longer inductor's
+    assert new_process().valid_vec_isa_list() == ["avx512", "avx2"] and len(probes) == 12
     monkeypatch.setattr(torch_compat, "inductor_vec_isa_memo_key", lambda: None)  # the probe does not decide
     memo.unlink()
-    assert new_process().valid_vec_isa_list() == ["avx512", "avx2"] and len(probes) == 8
+    assert new_process().valid_vec_isa_list() == ["avx512", "avx2"] and len(probes) == 13
     assert not memo.exists()
 
 
-def test_the_real_isa_probe_key_names_what_the_answer_depends_on():
+def test_the_real_isa_probe_key_names_what_the_answer_depends_on(monkeypatch):
     import platform
     import sys
 
@@ -600,10 +629,86 @@ def test_the_real_isa_probe_key_names_what_the_answer_depends_on():
     assert key is not None
     assert set(key) == {"cpu_isa", "compiler", "torch", "libtorch", "python", "ld_library_path", "probe"}
     assert key == torch_compat.inductor_vec_isa_memo_key()  # the same, read again
-    names = key["cpu_isa"].split()
-    assert torch_compat.inductor_vec_isas_named(["no-such-isa"]) is None
-    for isa in torch_compat.inductor_vec_isas_named([n for n in names if n in ("avx2", "avx512")]) or []:
-        assert str(isa) in names
+    assert (
+        torch_compat.inductor_vec_isas_restored([{"name": "no-such-isa", "flags": "", "state": {}}]) is None
+    )
+    from torch._inductor import cpu_vec_isa
+
+    names = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list]
+    for isa in cpu_vec_isa.supported_vec_isa_list:  # each as it is now comes back as it is (no probe run)
+        described = torch_compat.inductor_vec_isa_described(isa)
+        if names.count(str(isa)) > 1:  # (NEON and SVE are both "asimd": never taken by name)
+            assert torch_compat.inductor_vec_isas_restored([described]) is None
+            continue
+        assert torch_compat.inductor_vec_isas_restored([described]) == [isa]
+        assert isa.build_arch_flags() == described["flags"]
+        for name in described["state"]:  # what a probe sets on the ISA does not change the key read after it
+            monkeypatch.setattr(isa, name, not described["state"][name])
+    assert key == torch_compat.inductor_vec_isa_memo_key()
+
+
+def test_a_recalled_isa_compiles_with_the_flags_the_probe_gave_it(monkeypatch):
+    # What inductor's probe sets on an ISA object beside its answer (avx512_bf16 builds here) is part of
+    # the flags every C++ kernel compiles with, so of every kernel's cache key and of the precompiled
+    # header's name: a recalled ISA must come back with it, else the kernels a probing process compiled
+    # (and the store holds) are all compiled again. On fake ISA classes shaped like inductor's.
+    import dataclasses
+    import sys
+    import types
+
+    import torch._inductor
+
+    from ettr import torch_compat
+
+    @dataclasses.dataclass
+    class VecAVX512:
+        _arch_flags = "-mavx512f"
+        _is_avx512_bf16_supported = False
+
+        def __str__(self) -> str:
+            return "avx512"
+
+        def build_arch_flags(self) -> str:
+            return self._arch_flags + (" -mavx512bf16" if self._is_avx512_bf16_supported else "")
+
+    @dataclasses.dataclass
+    class VecAVX2:
+        _arch_flags = "-mavx2"
+
+        def __str__(self) -> str:
+            return "avx2"
+
+        def build_arch_flags(self) -> str:
+            return self._arch_flags
+
+    probed, fresh = VecAVX512(), VecAVX512()
+    probed._is_avx512_bf16_supported = True  # as the probe's check of avx512_bf16 leaves it
+    described = [
+        torch_compat.inductor_vec_isa_described(probed),
+        torch_compat.inductor_vec_isa_described(VecAVX2()),
+    ]
+    assert described == [
+        {"name": "avx512", "flags": "-mavx512f -mavx512bf16", "state": {"_is_avx512_bf16_supported": True}},
+        {"name": "avx2", "flags": "-mavx2", "state": {}},
+    ]
+    avx2 = VecAVX2()
+    module = types.SimpleNamespace(supported_vec_isa_list=[fresh, avx2])
+    monkeypatch.setitem(sys.modules, "torch._inductor.cpu_vec_isa", module)
+    monkeypatch.setattr(torch._inductor, "cpu_vec_isa", module, raising=False)
+    assert fresh.build_arch_flags() == "-mavx512f"  # recalled by name alone: no -mavx512bf16 (the bug)
+    assert torch_compat.inductor_vec_isas_restored(json.loads(json.dumps(described))) == [fresh, avx2]
+    assert fresh.build_arch_flags() == probed.build_arch_flags() == "-mavx512f -mavx512bf16"
+
+    other = VecAVX512()
+    module.supported_vec_isa_list = [other, avx2]
+    for wrong in (
+        [{**described[0], "flags": "-mavx512f -mfoo"}],  # this torch would compile it otherwise: probe
+        [{**described[0], "state": {"_is_amx_fp16_supported": True}}],  # a state its class does not have
+        [{**described[0], "state": {"__class__": True}}],
+        [described[1], {"name": "avx1024", "flags": "", "state": {}}],  # no longer inductor's
+    ):
+        assert torch_compat.inductor_vec_isas_restored(wrong) is None
+        assert vars(other) == {} and other.build_arch_flags() == "-mavx512f"  # left as it was
 
 
 def test_inductors_torch_key_is_prefetched_on_torchs_own_thread_and_read_once():

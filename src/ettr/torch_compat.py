@@ -9,6 +9,7 @@ not calls, and stay with their users.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -120,8 +121,13 @@ def inductor_vec_isa_memo_key() -> dict[str, str] | None:
     libtorch = os.stat(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
     compiler = cpp_builder.get_cpp_compiler()
     probe = cpu_vec_isa.VecISA._avx_code + "\0" + cpu_vec_isa.VecISA._avx_py_load
+    # Per ISA its class's own flags and the code of its extra checks (avx512_bf16, amx_fp16), not the
+    # instance's `build_arch_flags()`, which the probe itself changes (`_vec_isa_state`): the key is the same
+    # read before and after a probe.
     flags = [
-        f"{isa}={isa.build_arch_flags()}={isa.build_macro()}" for isa in cpu_vec_isa.supported_vec_isa_list
+        f"{isa}={getattr(type(isa), '_arch_flags', '')}={isa.build_macro()}="
+        + "\0".join(f"{name}:{code}" for name, code in sorted(_class_strings(type(isa), "_code")))
+        for isa in cpu_vec_isa.supported_vec_isa_list
     ]
     return {
         "cpu_isa": " ".join(cpu_vec_isa.x86_isa_checker()),
@@ -172,14 +178,73 @@ def inductor_header_memo_key(header: str, include_env: Mapping[str, str]) -> dic
     }
 
 
-def inductor_vec_isas_named(names: list[str]) -> list[Any] | None:
-    """Inductor's ISA objects (`cpu_vec_isa.supported_vec_isa_list`) of `names`, in that order, as the probe
-    returns them; None when one is not (or no longer) inductor's."""
+VEC_ISA_STATE = re.compile(r"_is_[a-z0-9_]{1,40}_supported")
+"""The instance attributes inductor's probe sets on an ISA it checks (`VecAVX512._is_avx512_bf16_supported`,
+`VecAMX._is_amx_fp16_supported`): each adds a flag to the ISA's `build_arch_flags()`, so to the command line of
+every C++ kernel, and so to the kernel's cache key and the precompiled header's name."""
+
+
+def inductor_vec_isa_described(isa: Any) -> dict[str, Any]:
+    """What a probe found of one of inductor's ISA objects, as plain data: its name, the flags it compiles
+    with (`build_arch_flags()`), and the `VEC_ISA_STATE` attributes the probe set on it (True or False)."""
+    return {"name": str(isa), "flags": isa.build_arch_flags(), "state": _vec_isa_state(isa)}
+
+
+def _vec_isa_state(isa: Any) -> dict[str, bool]:
+    names = {name for name, _ in _class_strings(type(isa), "", kind=bool)} | set(vars(isa))
+    return {
+        name: value
+        for name in sorted(names)
+        if VEC_ISA_STATE.fullmatch(name) and isinstance(value := getattr(isa, name, None), bool)
+    }
+
+
+def _class_strings(cls: type, suffix: str, *, kind: type = str) -> list[tuple[str, Any]]:
+    """The class attributes of `cls` and its bases of type `kind` whose names end with `suffix`."""
+    found: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        for name, value in vars(klass).items():
+            if name.endswith(suffix) and isinstance(value, kind) and not isinstance(value, type):
+                found[name] = value
+    return sorted(found.items())
+
+
+def inductor_vec_isas_restored(described: list[dict[str, Any]]) -> list[Any] | None:
+    """Inductor's ISA objects (`cpu_vec_isa.supported_vec_isa_list`) of `described` (each as
+    `inductor_vec_isa_described` made it), in that order, as the probe returns them: each with the state the
+    probe had set on it, so that it compiles with the same flags (checked: `build_arch_flags()` must come out
+    as described). None, and nothing changed, when one is not (or no longer) inductor's, names a state its
+    class does not have, or would compile with other flags."""
     from torch._inductor import cpu_vec_isa
 
-    known = {str(isa): isa for isa in cpu_vec_isa.supported_vec_isa_list}
-    found = [known.get(name) for name in names]
-    return None if any(isa is None for isa in found) else found
+    names = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list]
+    known = {
+        n: isa
+        for n, isa in zip(names, cpu_vec_isa.supported_vec_isa_list, strict=True)
+        if names.count(n) == 1
+    }
+    found: list[Any] = [known.get(d.get("name", "")) for d in described]  # (a name two bear: not taken)
+    if any(isa is None for isa in found):
+        return None
+    before = [(isa, dict(vars(isa))) for isa in found]
+    try:
+        for isa, d in zip(found, described, strict=True):
+            state = d.get("state", {})
+            if set(state) - set(_vec_isa_state(isa)):
+                raise ValueError("a state inductor does not set")
+            for name, value in state.items():
+                setattr(isa, name, value)
+            if isa.build_arch_flags() != d.get("flags"):
+                raise ValueError("other flags")
+    except Exception:
+        for isa, attrs in before:
+            for name in _vec_isa_state(isa):
+                if name in attrs:
+                    setattr(isa, name, attrs[name])
+                elif name in vars(isa):
+                    delattr(isa, name)
+        return None
+    return found
 
 
 def probe_vec_isa() -> None:

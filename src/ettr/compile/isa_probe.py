@@ -14,8 +14,16 @@ probe so that
   torch and the libtorch the probe loads, the Python, the probe's code); a later process whose key is the
   same to the letter takes the remembered answer instead of probing again. The compile store carries that
   file with the rest of the cache directory, so later attempts and jobs of the workload find it. It is
-  data, never run: a list of ISA names, each of which must still be one of inductor's, and which the probe
-  had found this CPU's ISA flags to allow under the same key (a name the key's CPU lacks cannot pass).
+  data, never run: per valid ISA its name, which must still be one of inductor's and which the probe had
+  found this CPU's ISA flags to allow under the same key (a name the key's CPU lacks cannot pass), the
+  flags it compiles with, and what the probe set on inductor's ISA object beside its answer
+  (`torch_compat.VEC_ISA_STATE`: whether avx512_bf16 and amx_fp16 build here). That state is put back on
+  the object, and the answer taken only if the object then compiles with the remembered flags. Before
+  (schema 1: names only) a remembered AVX-512 or AMX ISA lacked `-mavx512bf16`, which the probe adds on a
+  CPU that has it: every C++ kernel of a process that recalled had another command line than one that
+  probed, so another cache key and another precompiled header, and the kernels the store held from the
+  other kind of process were all compiled again (measured in the demo: 9 kernels and a 156 MB header,
+  5.8 s of the compilers' CPU in attempt 0 and again in the in-place replacement).
 """
 
 from __future__ import annotations
@@ -36,9 +44,12 @@ logger = logging.getLogger("ettr")
 
 MEMO_NAME = "ettr-vec-isa.json"
 """The remembered answer, in inductor's cache directory."""
-MEMO_SCHEMA = "ettr.vec-isa/1"
+MEMO_SCHEMA = "ettr.vec-isa/2"
+"""2: each valid ISA with its flags and state (1: names only, no longer taken)."""
 MEMO_MAX_BYTES = 64 * 1024
 MAX_ISAS = 32
+MAX_STATE = 8
+"""The most state attributes one remembered ISA may name."""
 
 MemoDir = Callable[[], Path | None]
 """Where the answer is remembered, looked up when the probe runs (None: nowhere)."""
@@ -98,35 +109,52 @@ def _probe_or_recall(probe: Callable[[], Any], memo_dir: MemoDir) -> Any:
     if key is None or directory is None:
         return probe()
     path = directory / MEMO_NAME
-    names = recall(path, key)
-    if names is not None:
-        isas = torch_compat.inductor_vec_isas_named(names)
+    described = recall(path, key)
+    if described is not None:
+        isas = torch_compat.inductor_vec_isas_restored(described)
         if isas is not None:
             return isas
     result = probe()
-    remember(path, key, [str(isa) for isa in result])
+    try:
+        remember(path, key, [torch_compat.inductor_vec_isa_described(isa) for isa in result])
+    except Exception as exc:
+        logger.debug("ettr: inductor's ISA probe answer not kept (%s)", exc)
     return result
 
 
-def recall(path: Path, key: dict[str, str]) -> list[str] | None:
-    """The ISA names remembered at `path` under exactly `key`; None when there is no such answer (missing,
-    unreadable, malformed, or made under another key)."""
+def recall(path: Path, key: dict[str, str]) -> list[dict[str, Any]] | None:
+    """The valid ISAs remembered at `path` under exactly `key` (each {"name", "flags", "state"}); None when
+    there is no such answer (missing, unreadable, malformed, of schema 1, or made under another key)."""
     try:
         memo = read_json_file(path, MEMO_MAX_BYTES)
     except (OSError, ValueError):
         return None
     if not isinstance(memo, dict) or memo.get("schema") != MEMO_SCHEMA or memo.get("key") != key:
         return None
-    names = memo.get("valid")
-    if not isinstance(names, list) or len(names) > MAX_ISAS or not all(isinstance(n, str) for n in names):
+    valid = memo.get("valid")
+    if not isinstance(valid, list) or len(valid) > MAX_ISAS or not all(_well_formed(d) for d in valid):
         return None
-    return names
+    return [{"name": d["name"], "flags": d["flags"], "state": dict(d["state"])} for d in valid]
 
 
-def remember(path: Path, key: dict[str, str], names: list[str]) -> None:
-    """Keep the probe's answer at `path` (written whole); never raises."""
+def _well_formed(described: Any) -> bool:
+    if not isinstance(described, dict) or set(described) != {"name", "flags", "state"}:
+        return False
+    state = described["state"]
+    return (
+        isinstance(described["name"], str)
+        and isinstance(described["flags"], str)
+        and isinstance(state, dict)
+        and len(state) <= MAX_STATE
+        and all(isinstance(k, str) and isinstance(v, bool) for k, v in state.items())
+    )
+
+
+def remember(path: Path, key: dict[str, str], valid: list[dict[str, Any]]) -> None:
+    """Keep the probe's answer at `path` (written whole): each valid ISA as
+    `torch_compat.inductor_vec_isa_described` gives it; never raises."""
     try:
-        memo = {"schema": MEMO_SCHEMA, "key": key, "valid": names}
+        memo = {"schema": MEMO_SCHEMA, "key": key, "valid": valid}
         atomic_write(path, json.dumps(memo, sort_keys=True, indent=1), mode=0o600, durable=False)
     except Exception as exc:
         logger.debug("ettr: inductor's ISA probe answer not kept (%s)", exc)
