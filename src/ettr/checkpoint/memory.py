@@ -8,7 +8,15 @@ restart in place) restores from it instead of reading storage, and only when eve
 step is the newest committed one in storage, its binding matches that manifest's bytes, its header (and
 HMAC with a key) and the CRC-32 of every payload byte verify. Otherwise the storage path runs as before.
 
-One file per rank. The first copy a process keeps is written under a temporary name and renamed over the
+One copy per rank, and one staging slot (`.rank-<r>.snap.staging`, `snapshot.Slot`) where the stager can
+use it (thread mode, no pinned buffers): the next save's staging buffers are views of the slot, so the staged
+copy is already the copy's payload. After the commit the slot is sealed (byte strings, header, magic last)
+and swapped with the copy in one atomic `renameat2(RENAME_EXCHANGE)`; the copy swapped out is the next
+slot, and the stager lets go of every view of the file that became the copy (`ReusedStager.lend`), so a
+later save never writes into the copy a restore could take. A slot is never read as a copy (its magic is
+cleared while it is written). A state that does not fit the slot is written the usual way:
+
+The first copy a process keeps is written under a temporary name and renamed over the
 old one; each later one overwrites the file that process wrote in place (its shared-memory pages reused,
 not allocated and zeroed again: about half of a copy's CPU), its magic cleared first and written back last
 (`snapshot.write`), so that a copy torn by a crash or a kill reads as no snapshot, and its payload CRC-32
