@@ -214,6 +214,9 @@ class CheckpointManager:
         `memory_not_used`); None when memory was not tried or no commit exists."""
         self.memory = _memory_copies(config, self.rank, self.storage.url, self._rec.run_dir)
         """This rank's memory copies of the checkpoints (None: `memory_copy=False`, or no shared memory)."""
+        if self.memory is not None:  # saves stage into the memory copy's slot, where the stager can
+            stager = self._persister.stager
+            self.memory.staging_slots = not stager.pin_memory and not stager.share_memory
         self._peers = (
             PeerPlan.from_environ(self.rank, self.world_size, config.memory_replicas)
             if self.memory is not None and coordinator.distributed
@@ -497,7 +500,12 @@ class CheckpointManager:
         except (OSError, CheckpointInvalid) as exc:
             logger.warning("ettr: no memory copy of step %d: its manifest cannot be read (%s)", step, exc)
             self.memory.discard(self.memory.own_path())
-        kept = self.memory.keep(staged, binding, piece_crcs)
+        try:
+            kept = self.memory.keep(staged, binding, piece_crcs)
+        finally:
+            # the next save stages into the memory copy's staging slot (no copy of it after the commit);
+            # every view of a slot that is now the committed copy is let go here, whatever keep did
+            self._persister.stager.lend(self.memory.staging_views())
         logger.debug(
             "ettr: memory copy of step %d: %d bytes in %.3f s", step, kept, time.monotonic() - begin_s
         )
@@ -810,6 +818,8 @@ class CheckpointManager:
             self._preemption.close()
         self._agreement.drain()
         self._persister.close()
+        if self.memory is not None:
+            self.memory.release_slots()  # the staging slot is never a copy to restore; the copy stays
         self._coord.close()
         if self._finished and self.memory is not None:
             self.memory.remove_all()  # the job is complete: nothing will restore from it

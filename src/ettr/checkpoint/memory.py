@@ -8,7 +8,15 @@ restart in place) restores from it instead of reading storage, and only when eve
 step is the newest committed one in storage, its binding matches that manifest's bytes, its header (and
 HMAC with a key) and the CRC-32 of every payload byte verify. Otherwise the storage path runs as before.
 
-One file per rank. The first copy a process keeps is written under a temporary name and renamed over the
+One copy per rank, and one staging slot (`.rank-<r>.snap.staging`, `snapshot.Slot`) where the stager can
+use it (thread mode, no pinned buffers): the next save's staging buffers are views of the slot, so the staged
+copy is already the copy's payload. After the commit the slot is sealed (byte strings, header, magic last)
+and swapped with the copy in one atomic `renameat2(RENAME_EXCHANGE)`; the copy swapped out is the next
+slot, and the stager lets go of every view of the file that became the copy (`ReusedStager.lend`), so a
+later save never writes into the copy a restore could take. A slot is never read as a copy (its magic is
+cleared while it is written). A state that does not fit the slot is written the usual way:
+
+The first copy a process keeps is written under a temporary name and renamed over the
 old one; each later one overwrites the file that process wrote in place (its shared-memory pages reused,
 not allocated and zeroed again: about half of a copy's CPU), its magic cleared first and written back last
 (`snapshot.write`), so that a copy torn by a crash or a kill reads as no snapshot, and its payload CRC-32
@@ -23,6 +31,8 @@ node restores from them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -42,7 +52,7 @@ from ettr.checkpoint.base import (
     step_dir_name,
 )
 from ettr.checkpoint.commit import read_manifest_bytes
-from ettr.checkpoint.snapshot import Binding, FileId, Snapshot
+from ettr.checkpoint.snapshot import Binding, FileId, Slot, Snapshot
 from ettr.run_env import MEMORY_OWNER_NAME, private_dir_problem
 from ettr.warn import WarnOnce
 
@@ -116,6 +126,19 @@ class MemoryCopies:
         self._own_file: FileId | None = None
         """The copy this process last wrote (`own_path`): the next one overwrites it in place, reusing its
         memory pages, while it is still that file and no mapping of it may be alive (`snapshot.write`)."""
+        self.staging_slots = False
+        """Whether saves stage into a slot of this rank's copies (`staging_views`): the manager turns it on
+        where its stager can use one (thread mode, no pinned buffers)."""
+        self._lent: Slot | None = None
+        """The staging slot the stager copies the next save into (`staging_path`; `staging_views`)."""
+        self._sealed: Slot | None = None
+        """The slot that is the copy at `own_path` (sealed; the stager's views of it were let go): the next
+        seal swaps it to `staging_path`, where it is lent again."""
+        self._spare: Slot | None = None
+        """After a swap: the slot that was the copy at `own_path`, now at `staging_path` (lent next)."""
+        self._spare_file: FileId | None = None
+        """After a swap: the file written the usual way that was at `own_path`, now at `staging_path`."""
+        self._lend_keys: list[tuple[int, int] | None] = []
 
     @classmethod
     def for_root(
@@ -137,6 +160,10 @@ class MemoryCopies:
     def own_path(self) -> Path:
         return self.directory / f"rank-{self.rank}.snap"
 
+    def staging_path(self) -> Path:
+        """The staging slot: the next save's staged copy, never a restorable copy (its magic is cleared)."""
+        return self.directory / f".rank-{self.rank}.snap.staging"
+
     def held_path(self, rank: int) -> Path:
         """Where the copy of peer `rank` is held here."""
         return self.directory / f"held-rank-{rank}.snap"
@@ -151,57 +178,182 @@ class MemoryCopies:
         """Replace this rank's copy with `state_dict` (the staged state of the committed `binding`); returns
         its size, 0 when it was not kept (too large, no room, not representable: the old copy is removed,
         since a newer step has committed). `piece_crcs`: CRC-32s the persist already took of staged
-        tensors (`snapshot.write`). Never raises for a copy that cannot be kept."""
+        tensors (`snapshot.write`). Never raises for a copy that cannot be kept.
+
+        Where `state_dict`'s tensors are the views of the lent staging slot (`staging_views`: the stager
+        copied this save into the slot), the slot is sealed and swapped with the copy at `own_path` in one
+        atomic rename (`RENAME_EXCHANGE`): no tensor byte is copied. Otherwise the copy is written as
+        before. Either way a slot for the next save is prepared: the file swapped out (the old copy's
+        pages), else a new one; `staging_views` then names its views."""
         path = self.own_path()
         if state_dict is None or binding is None:
             self.discard(path)
+            self.release_slots()
             self.last_kept_bytes = 0
             return 0
+        lent, self._lent = self._lent, None  # never lent again, whatever happens below
         try:
             size = snapshot.size_of(state_dict)
-            why = self._no_room(size)
+            sealable = lent is not None and lent.matches(state_dict)
+            why = self._no_room(size, new_file=not sealable)
             if why:
                 self.discard(path)
+                self._close_slot(lent)
+                self.release_slots()
                 logger.info("ettr: no memory copy of step %d (%s); restores read storage", binding.step, why)
                 self.last_kept_bytes = 0
                 return 0
-            over, self._own_file = self._own_file, None
             written = 0
-
-            def write(to: Path, over: FileId | None = None) -> int:
-                return snapshot.write(
-                    to,
-                    state_dict,
-                    binding=binding,
-                    rank=self.rank,
-                    created_ts=time.time(),
-                    piece_crcs=piece_crcs,
-                    over=over,
-                )
-
-            if over is not None and not snapshot.still_mapped(over) and FileId.of(path) == over:
-                self._remove_strays(path)
-                with contextlib.suppress(snapshot.NotReusable):  # replaced meanwhile: a new file, below
-                    written = write(path, over=over)
+            if sealable:
+                assert lent is not None
+                with contextlib.suppress(snapshot.NotReusable):
+                    written = self._seal(lent, state_dict, binding, piece_crcs)
             if not written:
-                written = self._write_into_place(path, write)
-            self._own_file = FileId.of(path)
+                self._close_slot(lent)
+                written = self._write_copy(path, state_dict, binding, piece_crcs)
+            self._lend_next(state_dict, size)
         except snapshot.SnapshotUnsupported as exc:
             self.discard(path)
+            self.release_slots()
             logger.info("ettr: no memory copy of step %d (%s); restores read storage", binding.step, exc)
             written = 0
         except UnsafeMemoryDir as exc:  # the folder's, not this save's: said once (each save said it again)
             self.discard(path)
+            self.release_slots()
             _REFUSED_DIR(f"ettr: memory copies are not kept ({exc}); restores read storage (said once)")
             written = 0
         except OSError as exc:
             self.discard(path)
+            self.release_slots()
             logger.warning(
                 "ettr: memory copy of step %d failed (%s); restores read storage", binding.step, exc
             )
             written = 0
+        finally:
+            if lent is not None and lent is not self._sealed:
+                self._close_slot(lent)
         self.last_kept_bytes = written
         return written
+
+    def _write_copy(
+        self,
+        path: Path,
+        state_dict: dict[str, Any],
+        binding: Binding,
+        piece_crcs: Mapping[tuple[int, int], int] | None,
+    ) -> int:
+        """The copy written the usual way (a copy of every staged byte), over this process's own file in
+        place where it can be, else a new file renamed into place."""
+        over, self._own_file = self._own_file, None
+        sealed, self._sealed = self._sealed, None
+        self._close_slot(sealed)  # its file is overwritten or replaced here: no longer a slot
+        written = 0
+
+        def write(to: Path, over: FileId | None = None) -> int:
+            return snapshot.write(
+                to,
+                state_dict,
+                binding=binding,
+                rank=self.rank,
+                created_ts=time.time(),
+                piece_crcs=piece_crcs,
+                over=over,
+            )
+
+        if over is not None and not snapshot.still_mapped(over) and FileId.of(path) == over:
+            self._remove_strays(path)
+            with contextlib.suppress(snapshot.NotReusable):  # replaced meanwhile: a new file, below
+                written = write(path, over=over)
+        if not written:
+            written = self._write_into_place(path, write)
+        self._own_file = FileId.of(path)
+        return written
+
+    def _seal(
+        self,
+        slot: Slot,
+        state_dict: dict[str, Any],
+        binding: Binding,
+        piece_crcs: Mapping[tuple[int, int], int] | None,
+    ) -> int:
+        """Seal the lent slot (the staged copy is its payload) and swap it into `own_path` atomically; the
+        old copy's file is then at `staging_path`. Raises NotReusable (nothing renamed), OSError."""
+        staging, path = self.staging_path(), self.own_path()
+        if not slot.is_at(staging):
+            raise snapshot.NotReusable(f"{staging} is not the slot this process lent")
+        written = snapshot.seal(
+            slot, state_dict, binding=binding, rank=self.rank, created_ts=time.time(), piece_crcs=piece_crcs
+        )
+        swapped = False
+        try:
+            swapped = _exchange(staging, path)
+        except FileNotFoundError:  # no copy at `own_path` (removed): the slot simply takes its place
+            pass
+        if not swapped:
+            os.replace(staging, path)  # atomic too; the old copy's pages are freed, not reused
+        previous, self._sealed = self._sealed, slot
+        previous_file, self._own_file = self._own_file, slot.file_id()
+        if not swapped:
+            self._close_slot(previous)
+            previous, previous_file = None, None
+        self._spare = previous
+        self._spare_file = previous_file if previous is None else None
+        return written
+
+    def _lend_next(self, state_dict: dict[str, Any], size: int) -> None:
+        """Prepare the slot the next save stages into: the file swapped out of `own_path` (its pages, and
+        its mapping where it was a slot, reused) while it is still that file and nothing maps it privately
+        (a restore's tensors); else a new file, where there is room for it."""
+        staging = self.staging_path()
+        spare, self._spare = self._spare, None
+        spare_file, self._spare_file = self._spare_file, None
+        if not self.staging_slots:
+            self._close_slot(spare)
+            self.discard(staging)
+            return
+        slot: Slot | None = None
+        if spare is not None:
+            if spare.is_at(staging) and not snapshot.still_mapped(spare.file_id()) and spare.fits(state_dict):
+                spare.unseal()
+                slot = spare
+            else:
+                self._close_slot(spare)
+        elif spare_file is not None and not snapshot.still_mapped(spare_file):
+            with contextlib.suppress(snapshot.NotReusable, snapshot.SnapshotUnsupported, FileNotFoundError):
+                slot = snapshot.prepare_slot(staging, state_dict, over=spare_file)
+        if slot is None:
+            self.discard(staging)  # a slot of another process (killed), or one that does not fit this state
+            if self._no_room(size, new_file=True):
+                return  # the next save stages into private buffers, as without slots
+            with contextlib.suppress(snapshot.NotReusable):
+                slot = snapshot.prepare_slot(staging, state_dict)
+        if slot is None:
+            return
+        self._lent = slot
+        self._lend_keys = snapshot.tensor_keys(state_dict)
+
+    def staging_views(self) -> dict[tuple[int, int], Any]:
+        """The lent slot's views by the `buffer_key` of the staged tensor each takes the place of (what
+        `ReusedStager.lend` takes); empty when no slot is lent."""
+        slot = self._lent
+        if slot is None:
+            return {}
+        return {key: view for key, view in zip(self._lend_keys, slot.views, strict=True) if key is not None}
+
+    def _close_slot(self, slot: Slot | None) -> None:
+        if slot is not None and slot is not self._lent and slot is not self._sealed:
+            slot.close()
+
+    def release_slots(self) -> None:
+        """Let go of the staging slots: unmapped, the staging file removed (it is never a copy to restore);
+        the copy at `own_path` stays. The stager must be lent `staging_views()` (now empty) after this."""
+        lent, sealed, spare = self._lent, self._sealed, self._spare
+        self._lent = self._sealed = self._spare = None
+        self._spare_file = None
+        for slot in (lent, sealed, spare):
+            if slot is not None:
+                slot.close()
+        self.discard(self.staging_path())
 
     def keep_held(self, rank: int, data: memoryview) -> bool:
         """Hold peer `rank`'s snapshot bytes (as it sent them); its header is checked first. Returns whether
@@ -227,7 +379,9 @@ class MemoryCopies:
             return False
         return True
 
-    def _no_room(self, size: int) -> str:
+    def _no_room(self, size: int, *, new_file: bool = True) -> str:
+        """Why a copy of `size` bytes cannot be kept ("" if it can); `new_file=False`: its bytes are in the
+        file system already (a sealed slot), only the limit and the folder are checked."""
         if self.max_bytes is not None and size > self.max_bytes:
             return f"{size} bytes > the {self.max_bytes}-byte limit"
         _ensure_private(self.directory.parent)
@@ -236,6 +390,8 @@ class MemoryCopies:
         self._lease_name = self._lease_name or memory_sweep.lease_name()
         if not os.path.lexists(self.directory / self._lease_name):  # who keeps these copies alive
             memory_sweep.write_lease(self.directory)  # (`ettr.memory_sweep`)
+        if not new_file:
+            return ""
         fs = os.statvfs(self.directory)
         free = fs.f_bavail * fs.f_frsize
         reserve = min(self.reserve_bytes, fs.f_blocks * fs.f_frsize // 10)
@@ -286,6 +442,8 @@ class MemoryCopies:
         verifies; the payload is checked by `Snapshot.load`. Never raises."""
         path = self.own_path() if rank is None else self.held_path(rank)
         want = self.rank if rank is None else rank
+        if rank is None and self._lent is None and self._sealed is None:
+            self.discard(self.staging_path())  # a killed predecessor's slot: never a copy, only memory held
         try:
             _ensure_private(self.directory)
             found = snapshot.open_snapshot(path)
@@ -316,6 +474,7 @@ class MemoryCopies:
 
     def remove_all(self) -> None:
         """Remove this rank's copy and the copies it holds for peers (the job is over for this rank)."""
+        self.release_slots()
         self.discard(self.own_path())
         with contextlib.suppress(OSError), os.scandir(self.directory) as entries:
             for entry in entries:
@@ -330,6 +489,29 @@ class MemoryCopies:
                 self.directory
             ):
                 shutil.rmtree(self.directory)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the files at `a` and `b` in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`): at every
+    moment each name is one of the two complete files. False where the OS or file system cannot (the
+    caller renames instead); FileNotFoundError where either is missing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(b))
 
 
 def _write_bytes(path: Path, data: memoryview) -> int:

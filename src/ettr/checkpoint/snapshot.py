@@ -290,6 +290,229 @@ def write(
     return data_offset + payload_bytes
 
 
+# -- staging slots: a snapshot file the stager copies into -------------------------------------------------
+
+
+@dataclass(eq=False)
+class Slot:
+    """A snapshot file laid out for the tensors of a state dict and mapped shared (`prepare_slot`): its
+    `views` are tensors over the file's payload, which the stager uses as its staging buffers, so that the
+    staged copy is already the memory copy's payload; `seal` then writes the rest (the byte strings, the
+    header, the magic last). Until sealed, the file's magic is cleared: it reads as no snapshot at all."""
+
+    fd: int
+    mapped: mmap.mmap
+    device: int
+    inode: int
+    data_offset: int
+    header_room: int
+    metas: list[tuple[torch.dtype, tuple[int, ...]]]
+    entries: list[tuple[int, int]]
+    """(offset in the payload, bytes) of each tensor, in the state dict's order."""
+    tensor_bytes: int
+    views: list[torch.Tensor]
+    addresses: list[int]
+
+    def fits(self, state_dict: dict[str, Any]) -> bool:
+        """Whether `state_dict`'s tensors have, in order, this slot's dtypes and shapes."""
+        return self._check(state_dict, addresses=False)
+
+    def matches(self, state_dict: dict[str, Any]) -> bool:
+        """Whether `state_dict`'s tensors are, in order, this slot's views (what the stager copied into)."""
+        return self._check(state_dict, addresses=True)
+
+    def _check(self, state_dict: dict[str, Any], *, addresses: bool) -> bool:
+        layout = _Layout()
+        try:
+            layout.encode(state_dict)
+        except SnapshotUnsupported:
+            return False
+        if len(layout.tensors) != len(self.metas):
+            return False
+        for tensor, (dtype, shape), address in zip(layout.tensors, self.metas, self.addresses, strict=True):
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+                return False
+            if addresses and tensor.numel() and tensor.data_ptr() != address:
+                return False
+        return True
+
+    def is_at(self, path: Path) -> bool:
+        """Whether `path` (not through a symlink) is this slot's file."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (self.device, self.inode)
+
+    def file_id(self) -> FileId:
+        return FileId.of_fd(self.fd)
+
+    def unseal(self) -> None:
+        """Clear the magic before the stager writes into the payload again: a snapshot no more."""
+        os.pwrite(self.fd, bytes(len(MAGIC)), 0)
+
+    def close(self) -> None:
+        """Unmap (where no view is alive: else the mapping goes with the last view) and close the file."""
+        self.views = []
+        with contextlib.suppress(BufferError):
+            self.mapped.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def tensor_keys(state_dict: dict[str, Any]) -> list[tuple[int, int] | None]:
+    """The `buffer_key` of each tensor of `state_dict`, in a snapshot's (and a slot's) order."""
+    layout = _Layout()
+    layout.encode(state_dict)
+    return [buffer_key(t) for t in layout.tensors]
+
+
+def _tensor_plan(state_dict: dict[str, Any]) -> tuple[_Layout, Any, list[tuple[int, int]], int]:
+    layout = _Layout()
+    tree = layout.encode(state_dict)
+    entries, offset = [], 0
+    for tensor in layout.tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append((offset, nbytes))
+        offset = _align(offset + nbytes)
+    return layout, tree, entries, offset
+
+
+def prepare_slot(path: Path, state_dict: dict[str, Any], *, over: FileId | None = None) -> Slot:
+    """A slot for the tensors of `state_dict` at `path`: a new file (created exclusively, never through a
+    symlink), or, with `over`, the existing file this process wrote there (its memory pages reused; raises
+    `NotReusable` if it is not that file). The header is given room for a state dict like this one with
+    a quarter to spare (`seal` refuses one that does not fit). Raises SnapshotUnsupported, OSError."""
+    layout, tree, entries, tensor_bytes = _tensor_plan(state_dict)
+    if not tensor_bytes:
+        raise NotReusable("a state without tensor bytes needs no slot")
+    blobs = [{"at": [tensor_bytes + 10**12, len(b) * 2 + 10**6]} for b in layout.blobs]  # generous digits
+    estimate = {
+        "format": FORMAT,
+        "step": 10**15,
+        "manifest_sha256": "0" * 64,
+        "world_size": 10**6,
+        "rank": 10**6,
+        "created_ts": 1e10,
+        "tree": tree,
+        "tensors": [
+            {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "at": list(entries[i])}
+            for i, t in enumerate(layout.tensors)
+        ],
+        "blobs": blobs,
+        "payload_bytes": 10**15,
+        "payload_crc32": 2**32 - 1,
+    }
+    header_room = len(_header_bytes(estimate)) * 5 // 4 + 4096
+    data_offset = _align(len(MAGIC) + 8 + header_room)
+    nofollow = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    if over is None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | nofollow, 0o600)
+    else:
+        fd = os.open(path, os.O_RDWR | nofollow)
+    try:
+        st = os.fstat(fd)
+        if over is not None and (st.st_dev, st.st_ino) != (over.device, over.inode):
+            raise NotReusable(f"{path} is not the snapshot this process wrote")
+        os.pwrite(fd, bytes(len(MAGIC)), 0)  # no snapshot here until `seal` writes the magic back, last
+        size = data_offset + tensor_bytes
+        os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        if over is None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
+    views, addresses, metas = [], [], []
+    whole = memoryview(mapped)  # each view holds this export: `close` can never unmap under a live view
+    for tensor, (at, nbytes) in zip(layout.tensors, entries, strict=True):
+        count = nbytes // tensor.element_size()
+        flat = (
+            torch.frombuffer(whole, dtype=tensor.dtype, count=count, offset=data_offset + at)
+            if count
+            else torch.empty(0, dtype=tensor.dtype)
+        )
+        views.append(flat.reshape(tensor.shape))
+        addresses.append(int(flat.data_ptr()) if count else 0)
+        metas.append((tensor.dtype, tuple(tensor.shape)))
+    del whole
+    return Slot(
+        fd=fd,
+        mapped=mapped,
+        device=st.st_dev,
+        inode=st.st_ino,
+        data_offset=data_offset,
+        header_room=header_room,
+        metas=metas,
+        entries=entries,
+        tensor_bytes=tensor_bytes,
+        views=views,
+        addresses=addresses,
+    )
+
+
+def seal(
+    slot: Slot,
+    state_dict: dict[str, Any],
+    *,
+    binding: Binding,
+    rank: int,
+    created_ts: float,
+    piece_crcs: Mapping[tuple[int, int], int] | None = None,
+) -> int:
+    """Make `slot`'s file a snapshot of `state_dict`, whose tensors are the slot's views (the stager copied
+    the state into them): the byte strings after the tensors, the header (padded with spaces to its room),
+    the magic last. No tensor byte is copied; the payload CRC-32 joins the CRC-32s the persist took of the
+    views as it wrote them (`piece_crcs`), the rest are summed here. Returns the file's size. Raises
+    `NotReusable` where `state_dict` is not laid out in the slot (the caller writes a snapshot the usual
+    way), OSError."""
+    if not slot.matches(state_dict):
+        raise NotReusable("the staged state is not the slot's")
+    layout = _Layout()
+    tree = layout.encode(state_dict)
+    known = piece_crcs or {}
+    crc = 0
+    for tensor, (_, nbytes) in zip(layout.tensors, slot.entries, strict=True):
+        key = buffer_key(tensor)
+        if key is not None and key in known:
+            crc = crc32_combine(crc, known[key], nbytes)  # summed as the persist wrote it
+        else:
+            crc = zlib.crc32(_as_bytes(tensor), crc)
+    blob_entries, offset = [], slot.tensor_bytes
+    for blob in layout.blobs:
+        blob_entries.append([offset, len(blob)])
+        crc = zlib.crc32(blob, crc)
+        offset = _align(offset + len(blob))
+    body = {
+        "format": FORMAT,
+        "step": binding.step,
+        "manifest_sha256": binding.manifest_sha256,
+        "world_size": binding.world_size,
+        "rank": rank,
+        "created_ts": created_ts,
+        "tree": tree,
+        "tensors": [
+            {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "at": list(entry)}
+            for (dtype, shape), entry in zip(slot.metas, slot.entries, strict=True)
+        ],
+        "blobs": [{"at": entry} for entry in blob_entries],
+        "payload_bytes": offset,
+        "payload_crc32": crc,
+    }
+    header = _header_bytes(body)
+    if len(header) > slot.header_room:
+        raise NotReusable("the header does not fit the slot's room")
+    fd = slot.fd
+    os.pwrite(fd, bytes(len(MAGIC)), 0)
+    os.ftruncate(fd, slot.data_offset + offset)  # never below the mapped tensors: offset >= tensor_bytes
+    for blob, (at, _) in zip(layout.blobs, blob_entries, strict=True):
+        _pwrite_all(fd, memoryview(blob), slot.data_offset + at)
+    os.pwrite(fd, struct.pack("<Q", slot.header_room) + header.ljust(slot.header_room), len(MAGIC))
+    os.pwrite(fd, MAGIC, 0)
+    return slot.data_offset + offset
+
+
 class NotReusable(OSError):
     """The file to overwrite in place is not the snapshot this process wrote there (`write`'s `over`)."""
 

@@ -19,12 +19,16 @@ checkpoint manager does, in an optimizer step pre-hook). On a GPU the background
 stream that first waits for the work queued before the save.
 
 The caller must not stage again before the persist of the previous copy has finished (the manager waits).
+
+`lend` makes a memory copy's staging slot (`snapshot.Slot`: tensors over a shared-memory snapshot file) the
+buffers of the next copy, so that the staged copy is already the memory copy's payload and no second copy
+of the state is made after the commit (`memory.MemoryCopies`). Not with pinned or process-mode buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -55,6 +59,8 @@ class ReusedStager(AsyncStager):
         self.share_memory = share_memory
         self.background_keys = frozenset(background_keys)
         self._buffers: dict[str, torch.Tensor] = {}
+        self._lent: set[str] = set()
+        """Keys whose buffer is a view of a memory copy's staging slot (`lend`)."""
         self._fallback = torch_compat.state_dict_stager_class()(
             pin_memory=self.pin_memory, share_memory=share_memory
         )
@@ -72,6 +78,25 @@ class ReusedStager(AsyncStager):
         """(address, bytes) of every staging buffer (what `checksums.Sums.expect` takes)."""
         keys = (buffer_key(buffer) for buffer in self._buffers.values())
         return frozenset(key for key in keys if key is not None)
+
+    def lend(self, views: Mapping[tuple[int, int], torch.Tensor]) -> int:
+        """Use `views` (by the `buffer_key` of the buffer each replaces) as the staging buffers from the next
+        `stage` on; every buffer lent before and not lent again is let go (the next copy allocates it): a
+        view of a slot that became the committed memory copy must never be written again. Returns how many
+        buffers are lent. Pinned and shared-memory stagers lend nothing."""
+        if self.pin_memory or self.share_memory:
+            views = {}
+        lent: set[str] = set()
+        for key, buffer in list(self._buffers.items()):
+            found = buffer_key(buffer)
+            view = views.get(found) if found is not None else None
+            if view is not None and view.shape == buffer.shape and view.dtype == buffer.dtype:
+                self._buffers[key] = view
+                lent.add(key)
+            elif key in self._lent:
+                del self._buffers[key]
+        self._lent = lent
+        return len(lent)
 
     def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any] | Future[dict[str, Any]]:
         """A copy of `state_dict` whose tensors live in the reused buffers.
@@ -175,6 +200,7 @@ class ReusedStager(AsyncStager):
             self._executor = None
         self.last_staged = None
         self._buffers.clear()
+        self._lent.clear()
         self._fallback.close()
 
 
