@@ -166,6 +166,19 @@ def test_a_raise_recovered_in_place_is_booked_with_no_exit_status() -> None:
     assert nothing_known.exit_code is None
 
 
+def test_a_rank_that_left_on_its_own_and_was_replaced_in_place_is_a_failure_not_a_completion() -> None:
+    """A rank's `sys.exit(0)` inside a resilient job's `train` while its peers trained: the attempt goes on in
+    place with a replacement (`InPlace.left`). Its exit status 0 read as `completed` would end the job."""
+    started = [Event(EventKind.PROCESS_START, 0.5, rank=r, data={"pid": 70 + r}) for r in (0, 1)]
+    end = classify(returncode=0, events=started, failed_pids=[[71]], left_in_place=True)
+    assert (end.outcome, end.exit_code, end.signal) == (Outcome.FAILED, 0, None)
+    assert end.reason == (
+        "rank 1 exited 0 while the others still trained (it left on its own); replaced in place"
+    )
+    assert classify(returncode=0, left_in_place=True).reason.startswith("a rank exited 0")
+    assert classify(returncode=0, events=started, failed_pids=[[71]]).outcome is Outcome.COMPLETED
+
+
 def test_classify_each_way_an_attempt_ends() -> None:
     done = classify(returncode=0)
     assert done.outcome is Outcome.COMPLETED and done.exit_code == 0 and done.signal is None
