@@ -1154,7 +1154,8 @@ def test_signals_the_scripts_handlers_saw_are_noted_and_their_handlers_kept(tmp_
         "import os, signal, sys\n"
         "from ettr.bootstrap.outside_signals import install\n"
         f"install({str(tmp_path)!r}, 3, 1)\n"
-        "def mine(s, f): print('handled', s, flush=True); sys.exit(0)\n"
+        "from ettr.bootstrap.outside_signals import stop_received\n"
+        "def mine(s, f): print('handled', s, 'stop received', stop_received(), flush=True); sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, mine)\n"
         "assert signal.getsignal(signal.SIGTERM) is mine\n"  # Lightning checks what is installed
         "assert signal.signal(signal.SIGTERM, mine) is mine\n"
@@ -1165,6 +1166,7 @@ def test_signals_the_scripts_handlers_saw_are_noted_and_their_handlers_kept(tmp_
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "handled 15" in done.stdout, done.stderr
+    assert "stop received True" in done.stdout  # ettr.resilient lets what it raises now through
     found = signals_received(tmp_path, 3)
     assert [(rank, name) for _, rank, name in found] == [(1, "SIGTERM")]
     assert signals_received(tmp_path, 3, before=found[0][0]) == []  # only those before the command ended
