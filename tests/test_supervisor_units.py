@@ -176,6 +176,13 @@ def test_a_rank_that_left_on_its_own_and_was_replaced_in_place_is_a_failure_not_
         "rank 1 exited 0 while the others still trained (it left on its own); replaced in place"
     )
     assert classify(returncode=0, left_in_place=True).reason.startswith("a rank exited 0")
+    handled = classify(
+        returncode=0, events=started, failed_pids=[[71]], left_in_place=True, signalled=[(1.0, 1, "SIGTERM")]
+    )  # an outside SIGTERM ran its handler: a preemption of that rank alone
+    assert handled.outcome is Outcome.PREEMPTED and handled.reason == (
+        "rank 1 received SIGTERM, not asked of the supervisor (a scheduler or an operator), and its handler "
+        "ended its process; replaced in place; exit status 0"
+    )
     assert classify(returncode=0, events=started, failed_pids=[[71]]).outcome is Outcome.COMPLETED
 
 

@@ -325,7 +325,7 @@ def classify(
         exception = message = None  # what ranks died of after the signal is its consequence
         signalled_ts, first_rank, first_sig = signalled[0]
         ended_by = signal.Signals[first_sig] if first_sig in signal.Signals.__members__ else ended_by
-        reason = signalled_reason(first_rank, first_sig, how)
+        reason = signalled_reason(first_rank, first_sig, how, in_place=left_in_place)
     elif left_in_place:  # not a completion: the others went on without it (`inplace.InPlace.left`)
         outcome = Outcome.FAILED
         who = f"rank {root}" if root is not None else "a rank"
