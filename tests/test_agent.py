@@ -451,3 +451,47 @@ def test_a_generation_that_failed_before_the_attempt_trained_is_a_process_restar
     workers[0].code, workers[1].code = -15, -9
     assert group.poll() == 1  # booked as rank 1's failure, exit status 1 (its uncaught exception)
     assert group.failed_pids() == [[91]]
+
+
+def test_a_worker_that_exits_0_while_its_peers_say_the_attempt_failed_is_replaced_in_place(
+    tmp_path: Path,
+) -> None:
+    """A rank left `train` on its own (its SIGTERM handler's `sys.exit(0)`: a SystemExit passes through
+    `ettr.resilient`); its peer's collective failed ("Connection closed by peer") and it said so. Seen in
+    pytorch/examples' minGPT-ddp port (5 December 2026): before, the attempt read "rank 0 raised an
+    exception", nothing was replaced, and rank 0 waited 120 s in the next generation's rendezvous for the
+    rank that had left, then gave up."""
+    from ettr.run_env import inplace_failed_path
+    from ettr.supervisor.inplace import InPlace, InPlaceCheck
+    from ettr.supervisor.watch import Continued
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [KeptWorker(90), KeptWorker(91)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 1)
+    _joined(tmp_path, 1, *workers)
+    marker = {"rank": 0, "error": "RuntimeError: Connection closed by peer", "own": False}
+    inplace_failed_path(tmp_path, 1, 90).write_text(json.dumps(marker))
+    assert group.poll() is None and group.continued is None  # rank 1 is still on its way out: not rank 0's
+    workers[1].code = 0
+    assert group.poll() is None
+    assert group.continued == InPlace(failed_rank=1, returncode=0, dead=(1,))
+    assert group.continued.left and not group.continued.survived
+    assert group.events() == [Continued(0, at=group.failed_at)]
+    assert group.failed_pids() == [[91]] and workers[0].signals == []  # nothing torn down
+
+
+def test_a_worker_that_exits_0_at_the_end_is_no_failure(tmp_path: Path) -> None:
+    """Every rank returned from `train` (the wrapper waits for all before it returns): one exiting before the
+    other is the job's end, not a rank that left."""
+    from ettr.supervisor.inplace import InPlaceCheck
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [KeptWorker(92), KeptWorker(93)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 0)
+    _joined(tmp_path, 0, *workers)
+    workers[0].code = 0
+    assert group.poll() is None and group.continued is None and workers[1].signals == []
+    workers[1].code = 0
+    assert group.poll() == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from ettr.inplace import InPlaceConfig
+from ettr.inplace import InPlaceConfig, InPlaceGaveUp
 from ettr.inplace.generations import AgentGenerations, GenerationTimeout, StoreGenerations
 from ettr.inplace.rendezvous import GenerationMovedOn, RendezvousTimeout, join, leave
 from ettr.run_env import inplace_failed_path, inplace_next_path, inplace_ready_path
@@ -698,3 +699,47 @@ def test_rank_0_whose_part_of_the_hand_over_fails_tells_the_others(tmp_path: Pat
         StoreUnavailable, match="failed on rank 0: StoreUnavailable: the in-place store is not kept"
     ):
         _local_file_store(bootstrap, rank=1, world_size=2, root=root, timeout=datetime.timedelta(seconds=120))
+
+
+def test_an_exception_after_the_processes_own_sigterm_handler_ran_is_no_failure_to_restart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A preemption's SIGTERM also ends the rank's DataLoader workers, and torch's SIGCHLD handler raises
+    # "DataLoader worker ... is killed by signal: Terminated" over the script's handler's sys.exit(0): the
+    # wrapper restarted in place and the rank waited for a next generation until SIGKILL (minGPT-ddp port).
+    import ettr
+    from ettr.bootstrap import outside_signals
+
+    _as_a_single_rank(monkeypatch)
+    calls: list[int] = []
+
+    def train(gen: Any) -> None:
+        calls.append(gen.index)
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated. ")
+
+    monkeypatch.setattr(outside_signals, "_stops", [signal.SIGTERM])
+    with pytest.raises(RuntimeError, match="killed by signal"):
+        ettr.resilient(train)()
+    assert calls == [0] and not dist.is_initialized()
+    monkeypatch.setattr(outside_signals, "_stops", [])  # no stop: the same raise is restarted in place
+    config = InPlaceConfig(max_restarts=1, rendezvous_timeout_s=30)
+    with pytest.raises(InPlaceGaveUp):
+        ettr.resilient(train, config=config)()
+    assert calls == [0, 0, 1]
+
+
+def test_a_train_that_makes_its_own_default_group_is_told_so_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A port that kept the script's `init_process_group` inside `train`: torch's "trying to initialize the
+    # default process group twice!" was restarted in place max_restarts times, each failing the same way.
+    import ettr
+
+    _as_a_single_rank(monkeypatch)
+    calls: list[int] = []
+
+    def train(gen: Any) -> None:
+        calls.append(gen.index)
+        dist.init_process_group("gloo")
+
+    with pytest.raises(InPlaceGaveUp, match="remove the script's own init_process_group"):
+        ettr.resilient(train)()
+    assert calls == [0] and not dist.is_initialized()

@@ -166,6 +166,26 @@ def test_a_raise_recovered_in_place_is_booked_with_no_exit_status() -> None:
     assert nothing_known.exit_code is None
 
 
+def test_a_rank_that_left_on_its_own_and_was_replaced_in_place_is_a_failure_not_a_completion() -> None:
+    """A rank's `sys.exit(0)` inside a resilient job's `train` while its peers trained: the attempt goes on in
+    place with a replacement (`InPlace.left`). Its exit status 0 read as `completed` would end the job."""
+    started = [Event(EventKind.PROCESS_START, 0.5, rank=r, data={"pid": 70 + r}) for r in (0, 1)]
+    end = classify(returncode=0, events=started, failed_pids=[[71]], left_in_place=True)
+    assert (end.outcome, end.exit_code, end.signal) == (Outcome.FAILED, 0, None)
+    assert end.reason == (
+        "rank 1 exited 0 while the others still trained (it left on its own); replaced in place"
+    )
+    assert classify(returncode=0, left_in_place=True).reason.startswith("a rank exited 0")
+    handled = classify(
+        returncode=0, events=started, failed_pids=[[71]], left_in_place=True, signalled=[(1.0, 1, "SIGTERM")]
+    )  # an outside SIGTERM ran its handler: a preemption of that rank alone
+    assert handled.outcome is Outcome.PREEMPTED and handled.reason == (
+        "rank 1 received SIGTERM, not asked of the supervisor (a scheduler or an operator), and its handler "
+        "ended its process; replaced in place; exit status 0"
+    )
+    assert classify(returncode=0, events=started, failed_pids=[[71]]).outcome is Outcome.COMPLETED
+
+
 def test_classify_each_way_an_attempt_ends() -> None:
     done = classify(returncode=0)
     assert done.outcome is Outcome.COMPLETED and done.exit_code == 0 and done.signal is None
@@ -1141,7 +1161,8 @@ def test_signals_the_scripts_handlers_saw_are_noted_and_their_handlers_kept(tmp_
         "import os, signal, sys\n"
         "from ettr.bootstrap.outside_signals import install\n"
         f"install({str(tmp_path)!r}, 3, 1)\n"
-        "def mine(s, f): print('handled', s, flush=True); sys.exit(0)\n"
+        "from ettr.bootstrap.outside_signals import stop_received\n"
+        "def mine(s, f): print('handled', s, 'stop received', stop_received(), flush=True); sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, mine)\n"
         "assert signal.getsignal(signal.SIGTERM) is mine\n"  # Lightning checks what is installed
         "assert signal.signal(signal.SIGTERM, mine) is mine\n"
@@ -1152,6 +1173,7 @@ def test_signals_the_scripts_handlers_saw_are_noted_and_their_handlers_kept(tmp_
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "handled 15" in done.stdout, done.stderr
+    assert "stop received True" in done.stdout  # ettr.resilient lets what it raises now through
     found = signals_received(tmp_path, 3)
     assert [(rank, name) for _, rank, name in found] == [(1, "SIGTERM")]
     assert signals_received(tmp_path, 3, before=found[0][0]) == []  # only those before the command ended

@@ -33,6 +33,16 @@ WATCHED = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 
 _patcher = Patcher()
 _WRAPPED_ATTR = "__ettr_handler__"
+_stops: list[int] = []
+"""The stop signals (SIGTERM) this training process's own handler was called for (`stop_received`)."""
+
+
+def stop_received() -> bool:
+    """Whether the script's own handler of this process was called for SIGTERM: a stop is underway (a
+    preemption, `ettr run` forwarding one), and what the process raises from now on is its consequence — a
+    DataLoader worker killed by the same SIGTERM (torch's SIGCHLD handler raises over the handler's
+    `SystemExit`), a handler that raises — not a failure to restart in place (`ettr.inplace.wrapper`)."""
+    return bool(_stops)
 
 
 def install(run_dir: str, attempt: int, rank: int) -> None:
@@ -44,6 +54,8 @@ def install(run_dir: str, attempt: int, rank: int) -> None:
     def note(signum: int) -> None:
         if os.getpid() != owner:
             return  # a forked child (a data-loader worker) inherits the wrapper: it is no training process
+        if signum == signal.SIGTERM:
+            _stops.append(signum)
         try:
             from ettr.atomic import create_exclusive
             from ettr.untrusted import make_dirs_below

@@ -199,6 +199,14 @@ class _Runner:
             except (SystemExit, KeyboardInterrupt):
                 raise
             except Exception as exc:
+                if _stop_underway():
+                    raise  # the process was told to stop: it exits (see `_stop_underway`)
+                if isinstance(exc, ValueError) and "default process group twice" in str(exc):
+                    raise InPlaceGaveUp(
+                        "ettr: train called init_process_group, but ettr.resilient makes the default process "
+                        "group itself for each generation: remove the script's own init_process_group and "
+                        "destroy_process_group (docs/inplace.md, 'Porting a DDP script')"
+                    ) from None  # every restart would fail the same way (it restarted max_restarts times)
                 del gen
                 failure = self._failed(exc, generation, generations)
             failure.teardown_s, released = rendezvous.leave(
@@ -302,6 +310,18 @@ def import_before_first_group() -> None:
 
 IMPORT_BEFORE_FIRST_GROUP = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.optim")
 """The modules `import_before_first_group` imports."""
+
+
+def _stop_underway() -> bool:
+    """Whether this process's own SIGTERM handler ran (under `ettr run`: `bootstrap.outside_signals`). An
+    exception after it is the stop's consequence, and the process exits with it. Seen with pytorch/examples'
+    minGPT-ddp under `ettr run --inject preempt@step=400` (5 December 2026): the forwarded SIGTERM also ended
+    the rank's DataLoader workers, torch's SIGCHLD handler raised "DataLoader worker ... is killed by signal:
+    Terminated" over the handler's `sys.exit(0)`, the wrapper restarted in place, and the rank waited for a
+    next generation until the supervisor's SIGKILL at the end of the grace (10 s)."""
+    from ettr.bootstrap.outside_signals import stop_received
+
+    return stop_received()
 
 
 class InPlaceGaveUp(RuntimeError):

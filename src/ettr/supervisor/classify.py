@@ -155,6 +155,7 @@ def classify(
     stopped_after_rank_failure: bool = False,
     signalled: Sequence[tuple[float, int, str]] = (),
     raised_in_place: bool = False,
+    left_in_place: bool = False,
 ) -> AttemptEnd:
     """Classify how an attempt ended.
 
@@ -186,6 +187,8 @@ def classify(
         raised_in_place: the failed rank raised and the wrapper of a resilient job caught it; its process
             lived on and the attempt goes on in place (`inplace.InPlace.survived`): no process exited, so
             `returncode` (the interpreter's 1) is no exit status of anything; none is booked.
+        left_in_place: the failed rank exited 0 while its peers trained, and was replaced in place
+            (`inplace.InPlace.left`: a `sys.exit(0)` or a SIGTERM handler's exit inside `train`): a failure.
     """
     sig = -returncode if returncode < 0 else None
     exit_code: int | None = 128 + sig if sig is not None else returncode
@@ -206,14 +209,8 @@ def classify(
         data = blamed[0].data or {}
         exception = str(data["exception"])
         message = clip_failure_message(str(data["message"])) if data.get("message") else None
-    injected = next(
-        (
-            str((e.data or {}).get("spec"))
-            for e in events
-            if e.kind is EventKind.MARK and (e.data or {}).get("name") == "inject"
-        ),
-        None,
-    )
+    marks = [e.data or {} for e in events if e.kind is EventKind.MARK]
+    injected = next((str(d.get("spec")) for d in marks if d.get("name") == "inject"), None)
     if exception is None and returncode != 0 and not (root is not None and failures):
         # (a traceback in stderr is the failed rank's own unless another rank recorded its failure)
         found = exception_line_from_stderr(stderr_tail)
@@ -328,7 +325,11 @@ def classify(
         exception = message = None  # what ranks died of after the signal is its consequence
         signalled_ts, first_rank, first_sig = signalled[0]
         ended_by = signal.Signals[first_sig] if first_sig in signal.Signals.__members__ else ended_by
-        reason = signalled_reason(first_rank, first_sig, how)
+        reason = signalled_reason(first_rank, first_sig, how, in_place=left_in_place)
+    elif left_in_place:  # not a completion: the others went on without it (`inplace.InPlace.left`)
+        outcome = Outcome.FAILED
+        who = f"rank {root}" if root is not None else "a rank"
+        reason = f"{who} exited 0 while the others still trained (it left on its own); replaced in place"
     elif returncode == 0 and (
         hidden := failure_hidden(events, shell_kills(stderr_tail, rank_of, bool(wrapper)))
     ):

@@ -78,16 +78,18 @@ def killed_unsignalled(
     )
 
 
-def signalled_reason(rank: int, signame: str, how: str) -> str:
-    """Why an attempt that a signal from outside ended (`ended_by_signal`'s first) is booked preempted."""
+def signalled_reason(rank: int, signame: str, how: str, *, in_place: bool = False) -> str:
+    """Why an attempt that a signal from outside ended (`ended_by_signal`'s first) is booked preempted
+    (`in_place`: only that rank's process ended, and a replacement went on in place with the others)."""
     if rank == LAUNCHER_SIGNAL_RANK:  # torchrun (or accelerate's agent) itself, behind a wrapper
         return (
             f"its launcher received {signame}, not asked of the supervisor (a scheduler or an operator), and "
             f"stopped the job; {how}"
         )
+    ended = "its process; replaced in place" if in_place else "the job early"
     return (
         f"rank {rank} received {signame}, not asked of the supervisor (a scheduler or an operator), and its "
-        f"handler ended the job early; {how}"
+        f"handler ended {ended}; {how}"
     )
 
 

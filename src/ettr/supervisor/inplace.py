@@ -79,9 +79,15 @@ class InPlace:
     """The rank whose failure it is (the first that died, else the first that said it failed of its own
     error, else the first that said it failed)."""
     returncode: int
-    """The failed worker's exit status (negative: the signal); 1 for a failure it survived (`survived`)."""
+    """The failed worker's exit status (negative: the signal); 1 for a failure it survived (`survived`); 0 for
+    a worker that left on its own while its peers trained (`left`)."""
     dead: tuple[int, ...]
     """Local ranks whose processes are gone: each gets a replacement."""
+
+    @property
+    def left(self) -> bool:
+        """The failed rank exited with status 0 while its peers still trained: it left on its own."""
+        return bool(self.dead) and self.returncode == 0
 
     @property
     def survived(self) -> bool:
@@ -127,9 +133,24 @@ class InPlaceCheck:
         said = [r for r in running if self.said_failed(pids[r])]
         if not said:
             return None
+        left = [r for r, c in enumerate(codes) if c == 0]
+        if left:
+            # A worker exited 0 while its peers say the attempt failed: it left on its own mid-training (a
+            # `sys.exit(0)` inside `train`, a SIGTERM handler's exit: a SystemExit passes through the
+            # wrapper). Its peers' "Connection closed by peer" is the echo; it is replaced like a dead one
+            # (before: "rank 0 raised", nothing replaced, and the survivor waited 120 s for it in the
+            # rendezvous, then gave up).
+            return InPlace(failed_rank=left[0], returncode=0, dead=tuple(left))
         # Every rank of a failed generation says so; the failure is the rank's whose own error it was (a
         # peer's "Connection closed by peer" is only the echo), the lowest such rank where several were.
-        said.sort(key=lambda r: not self.said_own_failure(pids[r]))
+        own = [r for r in said if self.said_own_failure(pids[r])]
+        if not own and len(said) < len(running):
+            # Only echoes yet, and a running rank that has not said it failed: the failure is that rank's, on
+            # its way out (a SystemExit's teardown: DataLoader workers, the group; seconds under load) or not
+            # on record yet. Wait for its exit or its marker (before: the echo's rank was booked as the
+            # failed one, and the leaving rank was never replaced).
+            return None
+        said.sort(key=lambda r: r not in own)
         return InPlace(failed_rank=said[0], returncode=1, dead=())
 
     def stranded(self, pids: Sequence[int], codes: Sequence[int | None]) -> int | None:

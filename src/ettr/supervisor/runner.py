@@ -182,7 +182,6 @@ class AttemptRunner:
         books.append(EventKind.MARK, attempt=attempt, ts=started, name=RELAUNCH_MARK, **relaunch.to_data())
         if continuing is not None:  # the TTR's kind: the job's other processes went on
             books.append(EventKind.MARK, attempt=attempt, ts=started, name=RECOVERY_MARK, kind="in_place")
-        if continuing is not None:
             say(f"attempt {attempt} continues in place: {running.describe()}; {running.relaunch.why}")
         else:
             say(f"attempt {attempt} started: {running.describe()}")
@@ -228,6 +227,7 @@ class AttemptRunner:
             stopped_after_rank_failure=state.rank_failed,
             signalled=self._outside_signals(state, attempt),
             raised_in_place=bool(state.continued and state.continued.survived),
+            left_in_place=bool(state.continued and not state.continued.survived and state.returncode == 0),
         )
         end = p.peers.settle(attempt, end, state.peer_reason, p.signals, events)
         early = (
@@ -242,7 +242,7 @@ class AttemptRunner:
         """Signals the attempt's processes handled themselves, where the supervisor stopped nothing itself but
         a hang (a handler that hung after a scheduler's SIGTERM: classify names it in the hang's reason)."""
         stopped = state.forwarded is not None or state.rank_failed
-        if stopped or state.peer_reason is not None or state.continued:
+        if stopped or state.peer_reason is not None or (state.continued and state.returncode != 0):
             return []
         return signals_received(self.parts.books.run_dir, attempt, before=state.detected_at)
 
