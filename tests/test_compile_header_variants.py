@@ -213,3 +213,22 @@ def test_forged_or_odd_use_records_are_ignored(tmp_path: Path) -> None:
 )
 def test_files_belong_to_their_header_variant(rel: str, variant: str) -> None:
     assert artifacts.header_variant(rel) == variant
+
+
+def test_collect_takes_the_used_variants_else_every_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    headers, cache = tmp_path / "headers", tmp_path / "cache"
+    headers.mkdir()
+    cache.mkdir()
+    for name, fill in ((NEW, b"n"), (OLD, b"o")):
+        for rel, data in _variant(name, fill).items():
+            (headers / rel).write_bytes(data)
+    monkeypatch.setattr(artifacts, "headers_dir", lambda: headers)
+    monkeypatch.setattr(artifacts, "inductor_cache_dir", lambda: cache)
+    monkeypatch.setattr(artifacts, "used_precompiled_headers", lambda: True)
+    used = artifacts.collect(include_megacache=False, headers_used={NEW}).headers
+    assert set(used) == {NEW, f"{NEW}.gch"}
+    # None of the used ones is in this directory (it moved): every header, as before.
+    assert len(artifacts.collect(include_megacache=False, headers_used={"cgone.h"}).headers) == 4
+    assert len(artifacts.collect(include_megacache=False).headers) == 4

@@ -263,7 +263,7 @@ def collect(*, include_megacache: bool = True, headers_used: Collection[str] = (
     """This process's compile artifacts (call when no compilation is running). `headers_used`: the
     precompiled headers this process's inductor was given (`pch_memo.used_headers`); when some are named,
     only their files are collected, not every header of the directory (which may be the node's, shared by
-    every process whose TMPDIR it is); empty: all of them."""
+    every process whose TMPDIR it is); empty, or none of them there: all of them."""
     headers = headers_dir()
     found: dict[str, dict[str, FileSource]] = {}
     cache = tree(inductor_cache_dir(), exclude=headers)
@@ -276,8 +276,9 @@ def collect(*, include_megacache: bool = True, headers_used: Collection[str] = (
         if saved is not None and saved[0]:
             found[MEGACACHE] = {MEGACACHE: bytes(saved[0])}
     header_tree = tree(headers) if used_precompiled_headers() else {}
-    if headers_used:
-        header_tree = header_files(header_tree, headers_used)
+    used_tree = header_files(header_tree, headers_used) if headers_used else {}
+    if used_tree:  # else none of them is in this directory (it moved): all, as before
+        header_tree = used_tree
     return Collected(artifacts=found, headers=header_tree)
 
 
