@@ -17,6 +17,12 @@ from ettr.patcher import Patcher
 HEADER = "torch/csrc/inductor/cpp_prefix.h"
 
 
+@pytest.fixture(autouse=True)
+def _forget_used_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The headers a test's lookups answer are this test's, not the process's (`pch_memo.used_headers`)."""
+    monkeypatch.setattr(pch_memo, "_answered", set())
+
+
 class FakeLookup:
     """`_precompile_header` as inductor has it: cached per call, writes `<hash>.h` and its `.gch`."""
 
@@ -127,3 +133,11 @@ def test_it_wraps_inductors_lookup_and_keeps_its_cache_info(monkeypatch: pytest.
         assert not pch_memo.share(patcher)  # ours already
     finally:
         patcher.undo()
+
+
+def test_the_headers_a_process_was_given_are_its_used_headers(tmp_path: Path) -> None:
+    assert pch_memo.used_headers() == frozenset()
+    _wrapped(tmp_path, FakeLookup(tmp_path / "headers"))(HEADER, "g++ -O3")  # looked up
+    later = _wrapped(tmp_path, FakeLookup(tmp_path / "headers"))
+    later(HEADER, "g++ -O3")  # recalled
+    assert pch_memo.used_headers() == {"ab/abcdef.h"}

@@ -173,7 +173,8 @@ def inductor_header_memo_key(header: str, include_env: Mapping[str, str]) -> dic
         "compiler": f"{compiler} {cpp_builder.get_compiler_version_info(compiler)}",
         "torch": f"{torch.__version__} {getattr(torch.version, 'git_version', '')}",
         "libtorch": f"{libtorch.st_size}:{libtorch.st_mtime_ns}",
-        "header": f"{path} {own.st_size}:{own.st_mtime_ns}",
+        # The file itself, not the name it was reached by: a venv linked into several worktrees is one torch.
+        "header": f"{os.path.realpath(path)} {own.st_size}:{own.st_mtime_ns}",
         "include_env": " ".join(f"{k}={v}" for k, v in sorted(include_env.items())),
     }
 

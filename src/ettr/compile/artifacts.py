@@ -27,9 +27,10 @@ import fcntl
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TypeVar
 
 from ettr import torch_compat
 from ettr.atomic import atomic_write
@@ -48,6 +49,8 @@ MEGACACHE = "megacache"
 ARTIFACT_NAMES = frozenset({INDUCTOR_ARCHIVE, HEADERS_ARCHIVE, MEGACACHE})
 
 _HEADERS_DIRNAME = "precompiled_headers"
+
+T = TypeVar("T")
 
 
 def inductor_cache_dir() -> Path:
@@ -244,8 +247,23 @@ class Collected:
     """Empty when this process used no precompiled header."""
 
 
-def collect(*, include_megacache: bool = True) -> Collected:
-    """This process's compile artifacts (call when no compilation is running)."""
+def header_variant(rel: str) -> str:
+    """The precompiled header a file of the header directory belongs to: `x.h` for `x.h` and its compiled
+    forms (`x.h.gch`, `x.h.pch`); any other file is a variant of its own."""
+    head, dot_h, _rest = rel.partition(".h.")
+    return head + ".h" if dot_h else rel
+
+
+def header_files(files: Mapping[str, T], variants: Collection[str]) -> dict[str, T]:
+    """The files of `files` (the header directory's, or a stored listing) that belong to `variants`."""
+    return {rel: f for rel, f in files.items() if header_variant(rel) in variants}
+
+
+def collect(*, include_megacache: bool = True, headers_used: Collection[str] = ()) -> Collected:
+    """This process's compile artifacts (call when no compilation is running). `headers_used`: the
+    precompiled headers this process's inductor was given (`pch_memo.used_headers`); when some are named,
+    only their files are collected, not every header of the directory (which may be the node's, shared by
+    every process whose TMPDIR it is); empty, or none of them there: all of them."""
     headers = headers_dir()
     found: dict[str, dict[str, FileSource]] = {}
     cache = tree(inductor_cache_dir(), exclude=headers)
@@ -257,7 +275,11 @@ def collect(*, include_megacache: bool = True) -> Collected:
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None and saved[0]:
             found[MEGACACHE] = {MEGACACHE: bytes(saved[0])}
-    return Collected(artifacts=found, headers=tree(headers) if used_precompiled_headers() else {})
+    header_tree = tree(headers) if used_precompiled_headers() else {}
+    used_tree = header_files(header_tree, headers_used) if headers_used else {}
+    if used_tree:  # else none of them is in this directory (it moved): all, as before
+        header_tree = used_tree
+    return Collected(artifacts=found, headers=header_tree)
 
 
 def used_precompiled_headers() -> bool:

@@ -42,6 +42,11 @@ from ettr.untrusted import read_json_file
 
 logger = logging.getLogger("ettr")
 
+_answered: set[str] = set()
+"""The headers (relative to inductor's header directory) this process's lookups answered: the variants it
+uses, which its save stores and keeps in use (`used_headers`)."""
+_answered_lock = threading.Lock()
+
 MEMO_NAME = "ettr-pch.json"
 """The remembered answers, in inductor's cache directory."""
 MEMO_SCHEMA = "ettr.pch/1"
@@ -146,13 +151,56 @@ def _recall_or_look_up(
         if entry.get("call") == call and entry.get("key") == key:
             found = _inside(header_dir, entry.get("header"))
             if found is not None and os.path.isfile(found) and os.path.isfile(found + ".gch"):
+                _answer(str(entry["header"]))
                 return found
     path = run()
     relative = os.path.relpath(path, header_dir)
     if _inside(header_dir, relative) is not None and os.path.isfile(path + ".gch"):
+        _answer(relative)
         kept = [e for e in entries if e.get("call") != call][-(MAX_ENTRIES - 1) :]
         _write(memo_path, [*kept, {"call": call, "key": key, "header": relative}])
     return path
+
+
+def _answer(relative: str) -> None:
+    with _answered_lock:
+        _answered.add(relative)
+
+
+def used_headers() -> frozenset[str]:
+    """The precompiled headers this process's inductor was given (relative to its header directory, e.g.
+    `c6oq...qj7.h`; its compiled form is that name + `.gch`); empty when none was, or the memo is off."""
+    with _answered_lock:
+        return frozenset(_answered)
+
+
+def wanted_headers(cache_dir: Path, header_dir: Path) -> frozenset[str] | None:
+    """The precompiled headers this process's inductor will look up, as far as the memo in `cache_dir`
+    knows: the headers of the remembered answers whose key (`memo_key`) is this process's to the letter,
+    i.e. the answers a lookup of this process takes instead of preprocessing. None when that is unknown
+    (memo off or absent, no answer of this build): then every stored variant is wanted. Read as data: a
+    name that is not a plain header file name inside `header_dir` is ignored. Imports inductor."""
+    if not enabled():
+        return None
+    keys: dict[str, dict[str, str] | None] = {}
+    wanted: set[str] = set()
+    for entry in _entries(cache_dir / MEMO_NAME):
+        try:
+            header = json.loads(entry["call"])[0]
+        except (KeyError, TypeError, ValueError, IndexError):
+            continue
+        relative = entry.get("header")
+        if not isinstance(header, str) or _inside(header_dir, relative) is None:
+            continue
+        if header not in keys:
+            try:
+                keys[header] = memo_key(header)
+            except Exception as exc:  # inductor moved what the key reads: unknown
+                logger.debug("ettr: precompiled-header key unknown (%s)", exc)
+                return None
+        if keys[header] is not None and entry.get("key") == keys[header]:
+            wanted.add(str(relative))
+    return frozenset(wanted) if wanted else None
 
 
 def _inside(header_dir: Path, relative: Any) -> str | None:

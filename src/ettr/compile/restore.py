@@ -16,7 +16,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,9 @@ logger = logging.getLogger("ettr")
 
 STORE_MARK = "compile_store"
 """`Recorder.mark` name of store actions (data: action = restore | save, status, digest, sizes, time)."""
+
+WantedHeaders = Callable[[Path, Path], "Collection[str] | None"]
+"""(cache directory, header directory) -> the header variants this process will use, None when unknown."""
 
 MarkFn = Callable[[float, dict[str, Any]], None]
 """Where a store action is reported: (begin time, the action's data) -> recorded later as a MARK."""
@@ -55,6 +58,9 @@ class StoreRestorer:
         key: the entry's key (computed on first use).
         view: where the restored entry's metadata and state go.
         mark: where the restore is reported.
+        wanted_headers: the precompiled-header variants this process's inductor will look up, given the
+            restored cache directory and the header directory (`pch_memo.wanted_headers`); None (or an
+            answer of None): unknown, every stored variant is restored.
     """
 
     def __init__(
@@ -64,8 +70,10 @@ class StoreRestorer:
         key: Callable[[], StoreKey],
         view: EntryView,
         mark: MarkFn,
+        wanted_headers: WantedHeaders | None = None,
     ) -> None:
         self._store, self._key, self._view, self._mark = store, key, view, mark
+        self._wanted_headers = wanted_headers
         self._lock = threading.Lock()
         self._restored = False
         self._megacache: bytes | None = None
@@ -124,6 +132,35 @@ class StoreRestorer:
         self.last_restore = info
         self._mark(begin, info)
 
+    def _headers_wanted(
+        self,
+        store: CompileStore,
+        headers: StoreEntry,
+        stored: Mapping[str, StoredFile],
+        targets: Mapping[str, Path],
+        extra: dict[str, Any],
+    ) -> Mapping[str, StoredFile]:
+        """The files of the stored header variants this process will use (all of them when unknown, or
+        when the wanted ones are not all stored), and their use recorded in the store (`touch_part`), so
+        that a save keeps them (`save.save_headers` drops a variant no process used for a while)."""
+        wanted: Collection[str] | None = None
+        if self._wanted_headers is not None:
+            try:
+                wanted = self._wanted_headers(
+                    targets[artifacts.INDUCTOR_ARCHIVE], targets[artifacts.HEADERS_ARCHIVE]
+                )
+            except Exception as exc:  # unknown: every variant, as before
+                logger.debug("ettr: precompiled-header variants unknown (%s)", exc)
+        stored_variants = {artifacts.header_variant(rel) for rel in stored}
+        if not wanted or not set(wanted) <= stored_variants:
+            return stored
+        chosen = artifacts.header_files(stored, wanted)
+        now = time.time()
+        for variant in sorted(wanted):
+            store.touch_part(headers.digest, variant, now)
+        extra["header_variants"] = f"{len(set(wanted))} of {len(stored_variants)}"
+        return chosen
+
     def _restore_entry(
         self,
         store: CompileStore,
@@ -152,13 +189,19 @@ class StoreRestorer:
         trees: dict[str, Mapping[str, StoredFile]] = dict(entry.artifacts) if entry is not None else {}
         if headers is not None and artifacts.HEADERS_ARCHIVE in headers.artifacts:
             trees[artifacts.HEADERS_ARCHIVE] = headers.artifacts[artifacts.HEADERS_ARCHIVE]
-        # Artifacts whose files are all still here (a restart on the same node) are not even read.
-        skipped = {n for n, d in targets.items() if n in trees and artifacts.present(trees[n], d)}
+        skipped: set[str] = set()
         restored: list[str] = []
         num_files = num_bytes = 0
         extra: dict[str, Any] = {}
         for name in (artifacts.INDUCTOR_ARCHIVE, artifacts.HEADERS_ARCHIVE):
-            if name not in trees or name in skipped:
+            if name not in trees:
+                continue
+            if name == artifacts.HEADERS_ARCHIVE and headers is not None:
+                # After the cache directory: its header memo names the variants this process will use.
+                trees[name] = self._headers_wanted(store, headers, trees[name], targets, extra)
+            # Artifacts whose files are all still here (a restart on the same node) are not even read.
+            if artifacts.present(trees[name], targets[name]):
+                skipped.add(name)
                 continue
             try:
                 missing = store.missing(trees[name])

@@ -13,10 +13,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from ettr.compile import artifacts, dynamic
+from ettr.compile import artifacts, dynamic, pch_memo
 from ettr.compile.config import CompileConfig
 from ettr.compile.hooks import CompileHooks
 from ettr.compile.key import StoreKey
@@ -146,7 +146,8 @@ class StoreSaver:
         spec: Any,
         reason: str,
     ) -> dict[str, Any]:
-        collected = artifacts.collect(include_megacache=self._config.include_megacache)
+        used = pch_memo.used_headers()
+        collected = artifacts.collect(include_megacache=self._config.include_megacache, headers_used=used)
         stored = dynamic.parse_many(self._view.meta.get("dynamic_sources", []))
         meta = {
             "dynamic_sources": [s.render() for s in dynamic.merge(sources, stored)],
@@ -170,7 +171,7 @@ class StoreSaver:
             "location": store.backend.describe(),
         }
         try:
-            info.update(save_headers(store, key, collected.headers))
+            info.update(save_headers(store, key, collected.headers, used=used))
         except Exception as exc:  # the workload's entry is saved: the next job restores its kernels
             info.update(headers="error", headers_error=f"{type(exc).__name__}: {exc}")
             logger.warning(
@@ -182,12 +183,29 @@ class StoreSaver:
         return info
 
 
-def save_headers(store: CompileStore, key: StoreKey, headers: Mapping[str, Any]) -> dict[str, Any]:
+HEADER_VARIANT_TTL_S = 7 * 86400.0
+"""A precompiled-header variant of the build's entry that no process has used for this long (restored, or
+saved, `CompileStore.touch_part`; a variant never recorded counts from the entry's last save) is dropped by
+the next save of a header of the build; the variant the saving process uses never is."""
+
+
+def save_headers(
+    store: CompileStore,
+    key: StoreKey,
+    headers: Mapping[str, Any],
+    *,
+    used: Collection[str] = (),
+    now: float | None = None,
+) -> dict[str, Any]:
     """Add this process's precompiled headers to its build's entry (`StoreKey.headers_key`), unless the
     entry already lists every one of them with its size: then nothing is read. Header variants other jobs
-    added are kept. Returns what it did, for the save's report."""
+    added are kept while some process used them in the last `HEADER_VARIANT_TTL_S`; older ones are dropped
+    (their stored files go with the store's next eviction, which waits for every restore in flight). `used`:
+    the variants this process's inductor was given (never dropped, their use recorded). Returns what it did,
+    for the save's report."""
     if not headers:
         return {}
+    now = time.time() if now is None else now
     build = key.headers_key()
     try:
         existing = store.head(build)
@@ -196,6 +214,16 @@ def save_headers(store: CompileStore, key: StoreKey, headers: Mapping[str, Any])
     have = dict(existing.artifacts.get(artifacts.HEADERS_ARCHIVE, {})) if existing is not None else {}
     # A listed header whose stored file is gone (removed as damaged, or lost) is not had: saved again.
     have = {rel: stored for rel, stored in have.items() if not store.missing({rel: stored})}
+    mine = set(used) | {artifacts.header_variant(rel) for rel in headers}
+    for variant in sorted(set(used)):
+        store.touch_part(build.digest, variant, now)
+    dropped: set[str] = set()
+    if existing is not None:
+        last_use = store.parts_used(build.digest)
+        for variant in {artifacts.header_variant(rel) for rel in have} - mine:
+            if now - last_use.get(variant, existing.created_ts) > HEADER_VARIANT_TTL_S:
+                dropped.add(variant)
+        have = {rel: f for rel, f in have.items() if artifacts.header_variant(rel) not in dropped}
     local: dict[str, Any] = {}
     for rel, source in headers.items():
         try:
@@ -204,13 +232,14 @@ def save_headers(store: CompileStore, key: StoreKey, headers: Mapping[str, Any])
             continue  # removed since it was listed
         if rel not in have or have[rel].size != size:
             local[rel] = source
-    if not local:
+    if not local and not dropped:
         return {"headers": "shared", "headers_digest": build.digest}
     result = store.save(
         build, {artifacts.HEADERS_ARCHIVE: {**have, **local}}, meta={"kind": "precompiled-headers"}
     )
     return {
         "headers": "saved",
+        **({"headers_dropped": sorted(dropped)} if dropped else {}),
         "headers_digest": build.digest,
         "headers_bytes": result.entry_bytes,
         "headers_written_bytes": result.written_bytes,

@@ -83,11 +83,17 @@ class CompileSession:
         self._patcher = Patcher()
         """Its patches of inductor (at the first torch.compile): `lazy_templates`, `isa_probe`."""
         parts: dict[str, Any] = {"store": lambda: self.store, "key": lambda: self.key, "view": self._view}
-        self._restorer = StoreRestorer(mark=self._mark, **parts)
+        self._pch_memo = False
+        """Whether inductor's header lookup is remembered (`pch_memo.share`): then its memo names the header
+        variants this process uses, and a restore copies only those."""
+        self._restorer = StoreRestorer(mark=self._mark, wanted_headers=self._wanted_headers, **parts)
         self._saver = StoreSaver(rec=rec, config=config, hooks=self.hooks, mark=self._mark, **parts)
         self.applied_sources: tuple[dynamic.DynamicSource, ...] = ()
         self.batch_spec: Mapping[str, Any] | None = None
         """A fast-batch spec to keep with the entry (set by `fast_start`)."""
+
+    def _wanted_headers(self, cache_dir: Path, header_dir: Path) -> frozenset[str] | None:
+        return pch_memo.wanted_headers(cache_dir, header_dir) if self._pch_memo else None
 
     @property
     def store_meta(self) -> dict[str, Any]:
@@ -127,7 +133,7 @@ class CompileSession:
         if not _gpu_present():  # a GPU job renders them (autotuning): left as inductor makes them
             lazy_templates.defer(self._patcher)
         shared = isa_probe.share(self._patcher)
-        pch_memo.share(self._patcher)  # a cache hit needs no preprocessing of the precompiled header
+        self._pch_memo = pch_memo.share(self._patcher)  # a cache hit needs no preprocessing of the header
         try:  # the hash of torch's sources the first compile's cache lookups need, on torch's prefetch thread
             torch_compat.prefetch_inductor_torch_key()
         except Exception as exc:

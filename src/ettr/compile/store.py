@@ -67,6 +67,11 @@ logger = logging.getLogger("ettr")
 MANIFEST_SCHEMA = "ettr.compile-store/2"
 MANIFEST = "manifest.json"
 USED = "used"
+USED_PART = "used."
+"""`<digest>/used.<part>`: when a part of an entry (a precompiled-header variant) was last used."""
+PART_TOUCH_EVERY_S = 3600.0
+"""A part's use is written at most this often (a restore that finds a fresher record writes nothing)."""
+_PART = re.compile(r"^[A-Za-z0-9_-]{1,128}\.h$")
 BLOBS = "blobs"
 UNREFERENCED_GRACE_S = 3600.0
 """On a store without locks (an object store), a blob no manifest names is deleted only when older than
@@ -482,6 +487,42 @@ class CompileStore:
         return manifest
 
     # -- LRU ---------------------------------------------------------------------------------------------
+    def parts_used(self, digest: str) -> dict[str, float]:
+        """When each part of entry `digest` (a precompiled-header variant of the build's entry, by name) was
+        last used, as `touch_part` recorded it; parts never recorded are absent. Never raises: a marker that
+        cannot be read is left out."""
+        used: dict[str, float] = {}
+        try:
+            names = self.backend.list(digest)
+        except (OSError, ValueError):
+            return used
+        for name in names:
+            part = name.removeprefix(USED_PART)
+            if part == name or not _PART.match(part):
+                continue
+            try:
+                ts = float(self.backend.read(f"{digest}/{name}")[:64])
+            except (OSError, ValueError):
+                continue
+            if math.isfinite(ts):
+                used[part] = ts
+        return used
+
+    def touch_part(self, digest: str, part: str, now: float, *, every_s: float = PART_TOUCH_EVERY_S) -> None:
+        """Record that `part` of entry `digest` is used now (`<digest>/used.<part>`), unless a record less
+        than `every_s` old says so already. Never raises (a read-only store keeps its old record)."""
+        if not _PART.match(part):
+            return
+        try:
+            try:
+                if now - float(self.backend.read(f"{digest}/{USED_PART}{part}")[:64]) < every_s:
+                    return
+            except (OSError, ValueError):
+                pass
+            self.backend.write(f"{digest}/{USED_PART}{part}", repr(now).encode())
+        except Exception as exc:
+            logger.debug("ettr: cannot record use of %s in %s: %s", part, digest, exc)
+
     def _touch(self, digest: str, now: float) -> None:
         try:
             self.backend.write(f"{digest}/{USED}", repr(now).encode())
