@@ -54,6 +54,10 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "num_jobs", "num_events", "fleet_s", "events_per_s", "fleet_cached_s", "scrape_cold_s", "scrape_warm_s",
         "num_series",
     ),
+    "header_restore.py": (
+        "every_variant_s", "wanted_variants_s", "every_variant_bytes", "wanted_variants_bytes",
+        "ratio_wanted_over_every_s",
+    ),
     "ledger_scale.py": (
         "append_events_per_s_postgres", "append_events_per_s_sqlite", "report_s_postgres", "report_s_sqlite",
         "event_cost_us_postgres", "event_cost_us_sqlite", "event_cost_us_memory", "spill_catch_up_s",
