@@ -195,6 +195,36 @@ def _align(offset: int) -> int:
     return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _header_body(
+    *,
+    step: int,
+    manifest_sha256: str,
+    world_size: int,
+    rank: int,
+    created_ts: float,
+    tree: Any,
+    tensors: list[dict[str, Any]],
+    blobs: list[dict[str, Any]],
+    payload_bytes: int,
+    payload_crc32: int,
+) -> dict[str, Any]:
+    """A snapshot's header (before its own checksum, `_header_bytes`): one layout for a written snapshot, a sealed
+    slot and a slot's room estimate."""
+    return {
+        "format": FORMAT,
+        "step": step,
+        "manifest_sha256": manifest_sha256,
+        "world_size": world_size,
+        "rank": rank,
+        "created_ts": created_ts,
+        "tree": tree,
+        "tensors": tensors,
+        "blobs": blobs,
+        "payload_bytes": payload_bytes,
+        "payload_crc32": payload_crc32,
+    }
+
+
 def _header_bytes(body: dict[str, Any]) -> bytes:
     body = dict(body)
     body["header_crc32"] = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
@@ -250,19 +280,18 @@ def write(
             crc = crc32_combine(crc, known[key], piece.nbytes)  # summed as the persist wrote it
         else:
             crc = zlib.crc32(piece, crc)
-    body = {
-        "format": FORMAT,
-        "step": binding.step,
-        "manifest_sha256": binding.manifest_sha256,
-        "world_size": binding.world_size,
-        "rank": rank,
-        "created_ts": created_ts,
-        "tree": tree,
-        "tensors": tensors_meta,
-        "blobs": blobs_meta,
-        "payload_bytes": payload_bytes,
-        "payload_crc32": crc,
-    }
+    body = _header_body(
+        step=binding.step,
+        manifest_sha256=binding.manifest_sha256,
+        world_size=binding.world_size,
+        rank=rank,
+        created_ts=created_ts,
+        tree=tree,
+        tensors=tensors_meta,
+        blobs=blobs_meta,
+        payload_bytes=payload_bytes,
+        payload_crc32=crc,
+    )
     header = _header_bytes(body)
     data_offset = _align(len(MAGIC) + 8 + len(header))
     nofollow = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -387,22 +416,21 @@ def prepare_slot(path: Path, state_dict: dict[str, Any], *, over: FileId | None 
     if not tensor_bytes:
         raise NotReusable("a state without tensor bytes needs no slot")
     blobs = [{"at": [tensor_bytes + 10**12, len(b) * 2 + 10**6]} for b in layout.blobs]  # generous digits
-    estimate = {
-        "format": FORMAT,
-        "step": 10**15,
-        "manifest_sha256": "0" * 64,
-        "world_size": 10**6,
-        "rank": 10**6,
-        "created_ts": 1e10,
-        "tree": tree,
-        "tensors": [
+    estimate = _header_body(
+        step=10**15,
+        manifest_sha256="0" * 64,
+        world_size=10**6,
+        rank=10**6,
+        created_ts=1e10,
+        tree=tree,
+        tensors=[
             {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "at": list(entries[i])}
             for i, t in enumerate(layout.tensors)
         ],
-        "blobs": blobs,
-        "payload_bytes": 10**15,
-        "payload_crc32": 2**32 - 1,
-    }
+        blobs=blobs,
+        payload_bytes=10**15,
+        payload_crc32=2**32 - 1,
+    )
     header_room = len(_header_bytes(estimate)) * 5 // 4 + 4096
     data_offset = _align(len(MAGIC) + 8 + header_room)
     nofollow = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -484,22 +512,21 @@ def seal(
         blob_entries.append([offset, len(blob)])
         crc = zlib.crc32(blob, crc)
         offset = _align(offset + len(blob))
-    body = {
-        "format": FORMAT,
-        "step": binding.step,
-        "manifest_sha256": binding.manifest_sha256,
-        "world_size": binding.world_size,
-        "rank": rank,
-        "created_ts": created_ts,
-        "tree": tree,
-        "tensors": [
+    body = _header_body(
+        step=binding.step,
+        manifest_sha256=binding.manifest_sha256,
+        world_size=binding.world_size,
+        rank=rank,
+        created_ts=created_ts,
+        tree=tree,
+        tensors=[
             {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "at": list(entry)}
             for (dtype, shape), entry in zip(slot.metas, slot.entries, strict=True)
         ],
-        "blobs": [{"at": entry} for entry in blob_entries],
-        "payload_bytes": offset,
-        "payload_crc32": crc,
-    }
+        blobs=[{"at": entry} for entry in blob_entries],
+        payload_bytes=offset,
+        payload_crc32=crc,
+    )
     header = _header_bytes(body)
     if len(header) > slot.header_room:
         raise NotReusable("the header does not fit the slot's room")
