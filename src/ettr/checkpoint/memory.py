@@ -187,9 +187,7 @@ class MemoryCopies:
         pages), else a new one; `staging_views` then names its views."""
         path = self.own_path()
         if state_dict is None or binding is None:
-            self.discard(path)
-            self.release_slots()
-            self.last_kept_bytes = 0
+            self.last_kept_bytes = self._keep_none(path)
             return 0
         lent, self._lent = self._lent, None  # never lent again, whatever happens below
         try:
@@ -197,11 +195,9 @@ class MemoryCopies:
             sealable = lent is not None and lent.matches(state_dict)
             why = self._no_room(size, new_file=not sealable)
             if why:
-                self.discard(path)
                 self._close_slot(lent)
-                self.release_slots()
                 logger.info("ettr: no memory copy of step %d (%s); restores read storage", binding.step, why)
-                self.last_kept_bytes = 0
+                self.last_kept_bytes = self._keep_none(path)
                 return 0
             written = 0
             if sealable:
@@ -213,27 +209,28 @@ class MemoryCopies:
                 written = self._write_copy(path, state_dict, binding, piece_crcs)
             self._lend_next(state_dict, size)
         except snapshot.SnapshotUnsupported as exc:
-            self.discard(path)
-            self.release_slots()
             logger.info("ettr: no memory copy of step %d (%s); restores read storage", binding.step, exc)
-            written = 0
+            written = self._keep_none(path)
         except UnsafeMemoryDir as exc:  # the folder's, not this save's: said once (each save said it again)
-            self.discard(path)
-            self.release_slots()
             _REFUSED_DIR(f"ettr: memory copies are not kept ({exc}); restores read storage (said once)")
-            written = 0
+            written = self._keep_none(path)
         except OSError as exc:
-            self.discard(path)
-            self.release_slots()
             logger.warning(
                 "ettr: memory copy of step %d failed (%s); restores read storage", binding.step, exc
             )
-            written = 0
+            written = self._keep_none(path)
         finally:
             if lent is not None and lent is not self._sealed:
                 self._close_slot(lent)
         self.last_kept_bytes = written
         return written
+
+    def _keep_none(self, path: Path) -> int:
+        """No copy of this save: the older one at `path` is removed (a restore must not take it for the newest)
+        and the slots let go. Returns the bytes kept: 0."""
+        self.discard(path)
+        self.release_slots()
+        return 0
 
     def _write_copy(
         self,

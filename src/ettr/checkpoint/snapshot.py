@@ -191,15 +191,23 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
+def _crc_join(
+    crc: int, piece: memoryview, key: tuple[int, int] | None, known: Mapping[tuple[int, int], int]
+) -> int:
+    """`crc` continued over `piece`: with the CRC-32 the persist took of it as it wrote it (`known[key]`), else
+    summed here."""
+    if key is not None and key in known:
+        return crc32_combine(crc, known[key], piece.nbytes)
+    return zlib.crc32(piece, crc)
+
+
 def _align(offset: int) -> int:
     return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def _header_body(
+    binding: Binding,
     *,
-    step: int,
-    manifest_sha256: str,
-    world_size: int,
     rank: int,
     created_ts: float,
     tree: Any,
@@ -212,9 +220,9 @@ def _header_body(
     slot and a slot's room estimate."""
     return {
         "format": FORMAT,
-        "step": step,
-        "manifest_sha256": manifest_sha256,
-        "world_size": world_size,
+        "step": binding.step,
+        "manifest_sha256": binding.manifest_sha256,
+        "world_size": binding.world_size,
         "rank": rank,
         "created_ts": created_ts,
         "tree": tree,
@@ -276,14 +284,9 @@ def write(
     known = piece_crcs or {}
     keys = [buffer_key(t) for t in layout.tensors] + [None] * len(layout.blobs)
     for piece, key in zip(pieces, keys, strict=True):
-        if key is not None and key in known:
-            crc = crc32_combine(crc, known[key], piece.nbytes)  # summed as the persist wrote it
-        else:
-            crc = zlib.crc32(piece, crc)
+        crc = _crc_join(crc, piece, key, known)
     body = _header_body(
-        step=binding.step,
-        manifest_sha256=binding.manifest_sha256,
-        world_size=binding.world_size,
+        binding,
         rank=rank,
         created_ts=created_ts,
         tree=tree,
@@ -417,9 +420,7 @@ def prepare_slot(path: Path, state_dict: dict[str, Any], *, over: FileId | None 
         raise NotReusable("a state without tensor bytes needs no slot")
     blobs = [{"at": [tensor_bytes + 10**12, len(b) * 2 + 10**6]} for b in layout.blobs]  # generous digits
     estimate = _header_body(
-        step=10**15,
-        manifest_sha256="0" * 64,
-        world_size=10**6,
+        Binding(step=10**15, manifest_sha256="0" * 64, world_size=10**6),
         rank=10**6,
         created_ts=1e10,
         tree=tree,
@@ -501,21 +502,15 @@ def seal(
     tree = layout.encode(state_dict)
     known = piece_crcs or {}
     crc = 0
-    for tensor, (_, nbytes) in zip(layout.tensors, slot.entries, strict=True):
-        key = buffer_key(tensor)
-        if key is not None and key in known:
-            crc = crc32_combine(crc, known[key], nbytes)  # summed as the persist wrote it
-        else:
-            crc = zlib.crc32(_as_bytes(tensor), crc)
+    for tensor in layout.tensors:
+        crc = _crc_join(crc, _as_bytes(tensor), buffer_key(tensor), known)  # the slot's view: no copy
     blob_entries, offset = [], slot.tensor_bytes
     for blob in layout.blobs:
         blob_entries.append([offset, len(blob)])
         crc = zlib.crc32(blob, crc)
         offset = _align(offset + len(blob))
     body = _header_body(
-        step=binding.step,
-        manifest_sha256=binding.manifest_sha256,
-        world_size=binding.world_size,
+        binding,
         rank=rank,
         created_ts=created_ts,
         tree=tree,
