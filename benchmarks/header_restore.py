@@ -29,16 +29,21 @@ from ettr.compile.restore import EntryView, StoreRestorer
 from ettr.compile.store import CompileStore, StoreConfig
 
 SYNTHETIC_HEADER = "torch/csrc/inductor/cpp_prefix.h"
-SYNTHETIC_KEY = {"torch": "synthetic", "compiler": "synthetic"}
 
 
 def synthetic_store(location: Path, variant_bytes: int) -> tuple[CompileStore, StoreKey]:
-    """A store of its own: a workload entry whose header memo names variant `cnew.h` for this build, and a
-    header entry holding it and `cold.h` (the variant of an older command line), `variant_bytes` each."""
+    """A store of its own: a workload entry whose header memo names variant `cnew.h` under this build's own
+    key (`pch_memo.memo_key` of torch's header, as a process of this build wrote it), and a header entry
+    holding it and `cold.h` (the variant of an older command line), `variant_bytes` each. Where this torch
+    has no such header the memo's key is nobody's and every variant is restored both ways."""
     store = CompileStore.open(StoreConfig(location=str(location)))
     key = current_key(user_key="header-restore-benchmark", device_type="cpu")
     entries = [
-        {"call": json.dumps([SYNTHETIC_HEADER, cmd, []]), "key": SYNTHETIC_KEY, "header": name}
+        {
+            "call": json.dumps([SYNTHETIC_HEADER, cmd, []]),
+            "key": pch_memo.memo_key(SYNTHETIC_HEADER),
+            "header": name,
+        }
         for name, cmd in (("cnew.h", "g++ -mavx512bf16"), ("cold.h", "g++"))
     ]
     memo = json.dumps({"schema": pch_memo.MEMO_SCHEMA, "entries": entries[:1]}).encode()
@@ -48,7 +53,6 @@ def synthetic_store(location: Path, variant_bytes: int) -> tuple[CompileStore, S
         headers[name] = f"#include <{name}>\n".encode()
         headers[f"{name}.gch"] = os.urandom(variant_bytes)
     store.save(key.headers_key(), {artifacts.HEADERS_ARCHIVE: headers}, meta={"kind": "precompiled-headers"})
-    pch_memo.memo_key = lambda header: dict(SYNTHETIC_KEY) if header == SYNTHETIC_HEADER else None  # type: ignore[assignment]
     return store, key
 
 
