@@ -318,15 +318,18 @@ class AutoHooks:
     def _count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """An optimizer step of the training loop ended. Never raises (an injected fault still fires)."""
         try:
-            if self.checkpoints is not None:
-                self.checkpoints.before_step()  # settles a buffered save or an unplaced resume first
-            if (
-                self.evals is not None and self.evals.open is not None
-            ):  # a step in eval mode ends an evaluation
-                self.evals.before_step()
+            self._before_step()
             self.steps.on_step(optimizer, args, kwargs)
         except Exception as exc:
             self.guard.failed("optimizer step", exc)
+
+    def _before_step(self) -> None:
+        """What a step (an optimizer's, or a manual update's) settles first: a buffered save or an unplaced
+        resume; an evaluation still open (a step in eval mode ends it: training in eval mode)."""
+        if self.checkpoints is not None:
+            self.checkpoints.before_step()
+        if self.evals is not None and self.evals.open is not None:
+            self.evals.before_step()
 
     def _install_rpc_optimizer_hook(self, module: ModuleType) -> None:
         """`DistributedOptimizer.step` counted as the loop's step; `_LocalOptimizer.step`, which a peer's RPC
@@ -361,10 +364,7 @@ class AutoHooks:
             if not ended:
                 self.steps.settle_manual()
                 return
-            if self.checkpoints is not None:
-                self.checkpoints.before_step()
-            if evals.open is not None:  # a backward pass in eval mode: training in eval mode
-                evals.before_step()
+            self._before_step()
             self.steps.on_manual_update()
         except Exception as exc:
             self.guard.failed("backward", exc)
