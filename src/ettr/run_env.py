@@ -425,6 +425,26 @@ def trained_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Pat
     return agent_dir(run_dir, attempt) / f"{TRAINED_PREFIX}{pid}"
 
 
+UNRECORDED_PREFIX = "unrecorded-steps-pid-"
+
+
+def unrecorded_steps_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
+    """Written by process `pid`, started by the job's instrumented process through multiprocessing, when it
+    stepped an optimizer without having become a rank (it joined no process group: Hogwild-style training,
+    `ettr.bootstrap.unrecorded`): steps are taken that nobody records."""
+    return agent_dir(run_dir, attempt) / f"{UNRECORDED_PREFIX}{pid}"
+
+
+def unrecorded_trainers(run_dir: str | os.PathLike[str], attempt: int) -> list[int]:
+    """The pids that wrote their `unrecorded_steps_path` in `attempt`, sorted (one directory listing)."""
+    try:
+        with os.scandir(agent_dir(run_dir, attempt)) as entries:
+            names = [entry.name for entry in entries if entry.name.startswith(UNRECORDED_PREFIX)]
+    except OSError:
+        return []
+    return sorted(int(tail) for name in names if (tail := name[len(UNRECORDED_PREFIX) :]).isdigit())
+
+
 SIGNALLED_PREFIX = "signalled-pid-"
 
 LAUNCHER_SIGNAL_RANK = -2
