@@ -339,3 +339,32 @@ def test_a_forged_first_step_marker_never_names_a_module_the_standby_would_run(t
     os.mkfifo(marker.parent / "trained-pid-43")  # would block the supervisor's read for good
     (marker.parent / "trained-pid-44").symlink_to("/dev/zero")
     assert trained_modules(tmp_path, 0) == ["torch._dynamo", "torch.distributed", "torchrec"]
+
+
+TEMPLATES_LAZY = """\
+import sys
+from ettr.bootstrap.standby import _warm_up
+_warm_up(sys.argv[1:])
+import torch._inductor.compile_fx
+from torch._inductor.codegen.common import KernelTemplate
+from ettr.patcher import ORIGINAL_ATTR
+made = KernelTemplate.__dict__["_template_from_string"].__func__
+print(getattr(made, ORIGINAL_ATTR, None) is not None)
+"""
+
+
+@pytest.mark.parametrize("modules", [["torch._inductor.compile_fx"], []])
+def test_a_warm_up_that_imports_inductors_compile_path_leaves_its_kernel_templates_to_their_first_use(
+    modules: list[str],
+) -> None:
+    # As the attempt's compile session would (ettr.compile.lazy_templates), on a torch without a GPU backend;
+    # a warm-up without the compile path leaves inductor alone, as a cold start's import does.
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jinja2")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", TEMPLATES_LAZY, *modules], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    gpu_built = torch.backends.cuda.is_built() or bool(getattr(torch.version, "hip", None))
+    assert done.stdout.split()[-1] == str(bool(modules) and not gpu_built)
