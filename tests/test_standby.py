@@ -368,3 +368,34 @@ def test_a_warm_up_that_imports_inductors_compile_path_leaves_its_kernel_templat
     assert done.returncode == 0, done.stderr
     gpu_built = torch.backends.cuda.is_built() or bool(getattr(torch.version, "hip", None))
     assert done.stdout.split()[-1] == str(bool(modules) and not gpu_built)
+
+
+ISA_PROBE_AHEAD = """\
+import json, os
+from ettr.bootstrap.standby import VEC_ISA_PROBE, _warm_up
+_warm_up([VEC_ISA_PROBE])
+from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+memo = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "ettr-vec-isa.json")
+print(json.dumps({"probed": valid_vec_isa_list.cache_info().currsize > 0, "memo": os.path.isfile(memo)}))
+"""
+
+
+def test_a_warm_up_takes_the_isa_probes_remembered_answer_and_leaves_one_where_it_probed(
+    tmp_path: Path,
+) -> None:
+    # The attempt's probe left its answer in inductor's cache directory (`ettr.compile.isa_probe`); a standby
+    # or zygote that probes ahead takes it there instead of loading libtorch in six subprocesses again.
+    pytest.importorskip("torch")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    seen = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", ISA_PROBE_AHEAD], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        seen.append(json.loads(done.stdout.splitlines()[-1]))
+    assert seen == [{"probed": True, "memo": True}, {"probed": False, "memo": True}]
