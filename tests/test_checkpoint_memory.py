@@ -641,3 +641,41 @@ def test_a_copy_replaced_by_someone_else_is_not_written_through(tmp_path: Path) 
     assert other.read_bytes() == b"not ours"
     assert not path.is_symlink()
     assert torch.equal(_loaded_w(path), _state()["model"]["w"] * 6.0)
+
+
+def test_a_copy_found_under_a_folder_others_may_write_is_not_used(tmp_path: Path) -> None:
+    # Whoever may write the folder above a job's copy folder can swap that folder for one of their own between
+    # find's check of it and the open (a loop of renames wins the race): the job then restored their forged
+    # state, bound to the commit by a digest anyone who reads the manifest computes. The folder above is checked.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "ckpt").mkdir(mode=0o700)
+    _write(shared / "ckpt" / "rank-0.snap")
+    copies = MemoryCopies(shared / "ckpt", rank=0)
+    assert copies.find(BINDING).snapshot is not None  # (the honest case)
+    shared.chmod(0o777)
+    found = copies.find(BINDING)
+    assert found.snapshot is None and "writable by others" in found.reason, found.reason
+
+
+@pytest.mark.parametrize("problem", ["group_writable", "another_users"])
+def test_a_snapshot_file_another_user_could_have_written_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, problem: str
+) -> None:
+    # The file itself, as opened (no race): a copy swapped in is another user's file.
+    path = tmp_path / "s.snap"
+    _write(path)
+    if problem == "group_writable":
+        path.chmod(0o660)
+    else:
+        owner = os.stat(path).st_uid
+        monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+    with pytest.raises(CheckpointInvalid, match="writable by others|not this user"):
+        open_snapshot(path)
+
+
+def test_a_fifo_in_place_of_a_copy_never_blocks_a_restore(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir(mode=0o700)
+    os.mkfifo(tmp_path / "ckpt" / "rank-0.snap")
+    found = MemoryCopies(tmp_path / "ckpt", rank=0).find(BINDING)
+    assert found.snapshot is None and "FIFO" in found.reason, found.reason

@@ -442,6 +442,8 @@ class MemoryCopies:
         if rank is None and self._lent is None and self._sealed is None:
             self.discard(self.staging_path())  # a killed predecessor's slot: never a copy, only memory held
         try:
+            # the folder above too: whoever may write it can swap this folder for theirs after its check
+            _ensure_private(self.directory.parent)
             _ensure_private(self.directory)
             found = snapshot.open_snapshot(path)
         except FileNotFoundError:
