@@ -22,7 +22,7 @@ from typing import Any
 from ettr.accounting import DEFAULT_WINDOW_S, compute
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
-from ettr.family import UNKNOWN_FAMILY, derive_family
+from ettr.family import UNKNOWN_FAMILY, derive_family, valid_family
 from ettr.fleet.model import (
     GPUS_ASSUMED,
     GPUS_RANKS,
@@ -50,15 +50,19 @@ _PARALLEL_FROM = 16
 
 def family_of(events: Iterable[Event]) -> str:
     """The family the supervisor recorded (`ettr run --family`, or derived from its command at the time);
-    for run directories of an older ettr, derived from the recorded command."""
+    for run directories of an older ettr, derived from the recorded command. Only a family `ettr run` would
+    take (`family.valid_family`): a forged ledger's `train\nfleet: 9 jobs | ETT 99.9%` printed as lines of
+    `ettr fleet`'s own; none valid is the unknown family."""
     command = None
     for e in events:
         if e.kind is EventKind.SUPERVISOR_START and e.data:
-            if e.data.get("family"):
-                return str(e.data["family"])
+            family = e.data.get("family")
+            if isinstance(family, str) and family and valid_family(family) is None:
+                return family
             if command is None and isinstance(e.data.get("command"), list):
                 command = [str(c) for c in e.data["command"]]
-    return derive_family(command) if command else UNKNOWN_FAMILY
+    derived = derive_family(command) if command else UNKNOWN_FAMILY
+    return derived if valid_family(derived) is None else UNKNOWN_FAMILY
 
 
 @dataclass(frozen=True, slots=True)
