@@ -16,7 +16,7 @@ import torch
 from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
 from ettr.checkpoint.base import MANIFEST_NAME, CheckpointInvalid, step_dir_name
 from ettr.checkpoint.memory import MemoryCopies, fill
-from ettr.checkpoint.snapshot import Binding, SnapshotUnsupported, open_snapshot, write
+from ettr.checkpoint.snapshot import Binding, SnapshotUnsupported, _align, open_snapshot, parse_bytes, write
 from ettr.events import EventKind, Phase
 from ettr.ledger.base import MemoryLedger
 from ettr.run_env import memory_dirs_of_run, memory_root
@@ -125,6 +125,36 @@ def test_a_forged_header_is_a_copy_not_used_never_an_exception(tmp_path: Path, c
     _reheader(copies.own_path(), **changes)
     found = copies.find(BINDING)
     assert found.snapshot is None and "memory copy unusable" in found.reason
+
+
+@pytest.mark.parametrize(
+    "tree", [None, {"d": [["f", {"f": 10**400}]]}], ids=["no_tree", "float_out_of_range"]
+)
+def test_a_forged_tree_whose_payload_verifies_is_refused_by_load_never_an_exception(
+    tmp_path: Path, tree: Any
+) -> None:
+    # Its header's CRC and the payload's are anyone's to compute: `load` raised KeyError or OverflowError.
+    import json
+    import struct
+    import zlib
+
+    from ettr.checkpoint.snapshot import MAGIC
+
+    path = tmp_path / "s.snap"
+    _write(path)
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[len(MAGIC) : len(MAGIC) + 8])
+    payload = raw[_align(len(MAGIC) + 8 + length) :]
+    body = json.loads(raw[len(MAGIC) + 8 : len(MAGIC) + 8 + length])
+    del body["header_crc32"], body["tree"]
+    if tree is not None:
+        body["tree"] = tree
+    body["header_crc32"] = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    header = json.dumps(body).encode()
+    start = len(MAGIC) + 8 + len(header)
+    forged = MAGIC + struct.pack("<Q", len(header)) + header + bytes(_align(start) - start) + payload
+    with pytest.raises(CheckpointInvalid):
+        parse_bytes(bytearray(forged)).load()
 
 
 def test_what_a_snapshot_cannot_hold_is_refused_before_anything_is_written(tmp_path: Path) -> None:

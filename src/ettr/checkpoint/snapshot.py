@@ -175,7 +175,10 @@ def _decode(node: Any, tensors: list[torch.Tensor], blobs: list[bytes]) -> Any:
     if tag == "i" and type(value) is int:
         return value
     if tag == "f" and isinstance(value, float | int) and not isinstance(value, bool):
-        return float(value)
+        try:  # an int past a float's range (10**400) raised OverflowError out of `load`
+            return float(value)
+        except OverflowError:
+            raise CheckpointInvalid("snapshot header: a number out of a float's range") from None
     if tag == "s" and isinstance(value, str):
         return value
     raise CheckpointInvalid(f"snapshot header: unknown tree node {tag!r}")
@@ -762,6 +765,7 @@ def _check_header(raw: bytes) -> dict[str, Any]:
         ("manifest_sha256", str),
         ("tensors", list),
         ("blobs", list),
+        ("tree", dict),  # (missing: a KeyError out of `load`)
     ):
         if not isinstance(body.get(name), kind) or isinstance(body.get(name), bool):
             raise CheckpointInvalid(f"snapshot header: {name} is missing or malformed")
