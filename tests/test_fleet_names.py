@@ -130,4 +130,6 @@ def test_a_forged_family_or_a_run_directory_named_with_a_newline_adds_no_line_of
     out = capsys.readouterr().out
     assert not any(line.startswith(fake) for line in out.splitlines()), out
     assert main(["fleet", str(tmp_path / "a"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["jobs"][0]["family"] != f"train\n{fake}"  # not the family recorded
+    assert (
+        json.loads(capsys.readouterr().out)["jobs"][0]["family"] != f"train\n{fake}"
+    )  # not the family recorded
