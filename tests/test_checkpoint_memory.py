@@ -688,6 +688,21 @@ def test_a_copy_found_under_a_folder_others_may_write_is_not_used(tmp_path: Path
     assert found.snapshot is None and "writable by others" in found.reason, found.reason
 
 
+def test_a_copy_folder_further_below_a_folder_others_may_write_is_not_used(tmp_path: Path) -> None:
+    # ETTR_MEMORY_DIR=/data/team/me: `me` and its copy folder are private, `team` is anyone's to rename in.
+    team = tmp_path / "team"
+    (team / "me" / "ckpt").mkdir(parents=True, mode=0o700)
+    os.chmod(team / "me", 0o700)
+    _write(team / "me" / "ckpt" / "rank-0.snap")
+    copies = MemoryCopies(team / "me" / "ckpt", rank=0)
+    assert copies.find(BINDING).snapshot is not None
+    team.chmod(0o777)
+    found = copies.find(BINDING)
+    assert found.snapshot is None and "without the sticky bit" in found.reason, found.reason
+    team.chmod(0o1777)  # sticky (/dev/shm, /tmp): only the owner of `me` may rename it
+    assert copies.find(BINDING).snapshot is not None
+
+
 @pytest.mark.parametrize("problem", ["group_writable", "another_users"])
 def test_a_snapshot_file_another_user_could_have_written_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, problem: str

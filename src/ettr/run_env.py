@@ -578,7 +578,9 @@ def private_dir_problem(path: str | os.PathLike[str]) -> str | None:
 
 def private_stat_problem(path: str | os.PathLike[str], st: os.stat_result) -> str | None:
     """`private_dir_problem` of what `os.lstat(path)` (or an fstat of its descriptor) gave: the one check of
-    a private directory (memory copies, the in-place store, the compile store and inductor's cache)."""
+    a private directory (memory copies, the in-place store, the compile store and inductor's cache). The
+    folders above it count too (`swappable_above`): whoever may write one of them can rename this directory
+    away and put theirs in its place between a check and a use."""
     import stat
 
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
@@ -587,7 +589,33 @@ def private_stat_problem(path: str | os.PathLike[str], st: os.stat_result) -> st
         return f"{path} is owned by uid {st.st_uid}, not this user"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
-    return None
+    return swappable_above(path)
+
+
+def swappable_above(path: str | os.PathLike[str]) -> str | None:
+    """Why someone else could replace `path` by renaming it (a folder above it that group or others may write,
+    without the sticky bit that lets only an entry's owner rename it, as `/tmp` and `/dev/shm` have), or
+    None. The folders of its real path are read (a link above it is the user's choice of place)."""
+    import stat
+
+    try:
+        current = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
+    except (OSError, ValueError):
+        return None
+    while True:
+        try:
+            mode = os.stat(current).st_mode
+        except OSError:
+            return None  # (unreadable: whoever opens it says so)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+            return (
+                f"{current} (above {path}) is writable by others (mode {stat.S_IMODE(mode):o}) without the "
+                "sticky bit: anyone who may write it can put a folder of theirs in place of this one; chmod go-w it"
+            )
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
 
 
 def memory_dirs_of_run(
