@@ -482,3 +482,19 @@ def test_a_ledger_whose_schema_runs_code_is_refused_in_one_line(tmp_path, capsys
         assert cli_main(argv) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "is not a readable ettr ledger" in err, err
+
+
+def test_a_ledger_whose_every_record_is_unreadable_is_not_said_to_hold_no_events(tmp_path, capsys):
+    """Every row damaged (or forged): `ettr report` said `the ledger holds no events yet`, which was not so."""
+    run_dir = tmp_path / "run"
+    killed_job(run_dir)
+    conn = sqlite3.connect(run_dir / "ledger.db")
+    conn.execute("UPDATE events SET data = '{{'")
+    conn.commit()
+    conn.close()
+    assert cli_main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "none of the ledger's 33 records could be read" in err[-1] and "no events yet" not in err[-1], err
+    assert cli_main(["fleet", str(run_dir), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "none of the ledger's 33 records could be read" in err, err

@@ -309,7 +309,7 @@ def load_run_dir(
 def _load_run_dir(run_dir: Path, now: float, use_stored: bool, window_s: float) -> JobSummary | str:
     from ettr.fleet.stored import load_stored
     from ettr.ledger import locate
-    from ettr.report.load import job_id_of
+    from ettr.report.load import job_id_of, no_events
 
     stored = load_stored(run_dir) if use_stored else None
     if stored is not None and stored.window_s == window_s:  # stored with another window: recompute
@@ -317,11 +317,11 @@ def _load_run_dir(run_dir: Path, now: float, use_stored: bool, window_s: float) 
     try:
         # Without a stored summary only the rows the accounting needs; an audit (`use_stored=False`) reads
         # every row, as the stored summary was computed from: the slow-rank check needs every rank's steps.
-        events = locate(run_dir).read_marked(for_accounting=use_stored)[0]
+        events, mark = locate(run_dir).read_marked(for_accounting=use_stored)
     except (LedgerError, OSError) as exc:
         return f"{run_dir}: {exc}"
     if not events:
-        return f"{run_dir}: the ledger holds no events yet"
+        return f"{run_dir}: {no_events(mark.num_rows)}"
     summary = summarize_events(
         events,
         job_id=job_id_of(events, run_dir),
