@@ -14,8 +14,9 @@ wraps the lookup so that
   paths from the environment); a later process whose call and key are the same to the letter, and which has
   that header and its compiled form (`.gch`) in its header directory, takes the path instead of
   preprocessing. The compile store carries the file with the rest of the cache directory, and the header
-  with the build's precompiled headers. It is data, never run: a path inside the header directory, to a
-  file that must exist; anything else, and the lookup runs as before;
+  with the build's precompiled headers. It is data, never run: a header's name as inductor makes one
+  (`HEADER_NAME`: `<hash>.h` directly in the header directory), of a file that must exist with its `.gch`;
+  anything else, and the lookup runs as before;
 * concurrent callers share one answer per call (inductor caches it with `functools.cache`, which holds no
   lock), and `cache_info` counts remembered answers too, so that the compile store still sees that the
   process used a precompiled header (`torch_compat.inductor_used_precompiled_header`).
