@@ -13,6 +13,7 @@ mtime of the attempt's directory. Imports nothing of ettr.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,10 @@ ENV_PREFIX = "ETTR_"
 RUN_DIR_ENV = "ETTR_RUN_DIR"
 """Absolute path of the run directory (the contract); its presence is what makes a process part of a run."""
 JOB_ID_ENV = "ETTR_JOB_ID"
+JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+"""A job id: a letter or digit, then letters, digits and `._+-` (128 at most): safe as a directory name and
+in a shell command, never `.` or `..`. `ettr run` refuses another (`supervisor.config.check_job_id`), and a
+reader takes no other from a ledger (`closing.recorded_job_id`): a forged one is not a recorded id."""
 """The job's id (the contract)."""
 ATTEMPT_ENV = "ETTR_ATTEMPT"
 """The attempt index, 0 for the first attempt (the contract)."""
@@ -593,7 +598,9 @@ def private_dir_problem(path: str | os.PathLike[str]) -> str | None:
 
 def private_stat_problem(path: str | os.PathLike[str], st: os.stat_result) -> str | None:
     """`private_dir_problem` of what `os.lstat(path)` (or an fstat of its descriptor) gave: the one check of
-    a private directory (memory copies, the in-place store, the compile store and inductor's cache)."""
+    a private directory (memory copies, the in-place store, the compile store and inductor's cache). The
+    folders above it count too (`swappable_above`): whoever may write one of them can rename this directory
+    away and put theirs in its place between a check and a use."""
     import stat
 
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
@@ -602,7 +609,33 @@ def private_stat_problem(path: str | os.PathLike[str], st: os.stat_result) -> st
         return f"{path} is owned by uid {st.st_uid}, not this user"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
-    return None
+    return swappable_above(path)
+
+
+def swappable_above(path: str | os.PathLike[str]) -> str | None:
+    """Why someone else could replace `path` by renaming it (a folder above it that group or others may write,
+    without the sticky bit that lets only an entry's owner rename it, as `/tmp` and `/dev/shm` have), or
+    None. The folders of its real path are read (a link above it is the user's choice of place)."""
+    import stat
+
+    try:
+        current = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
+    except (OSError, ValueError):
+        return None
+    while True:
+        try:
+            mode = os.stat(current).st_mode
+        except OSError:
+            return None  # (unreadable: whoever opens it says so)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+            return (
+                f"{current} (above {path}) is writable by others (mode {stat.S_IMODE(mode):o}) without the "
+                "sticky bit: anyone who may write it can put a folder of theirs in place of this one; chmod go-w it"
+            )
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
 
 
 def memory_dirs_of_run(
