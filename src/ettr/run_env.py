@@ -27,11 +27,11 @@ ENV_PREFIX = "ETTR_"
 RUN_DIR_ENV = "ETTR_RUN_DIR"
 """Absolute path of the run directory (the contract); its presence is what makes a process part of a run."""
 JOB_ID_ENV = "ETTR_JOB_ID"
+"""The job's id (the contract)."""
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 """A job id: a letter or digit, then letters, digits and `._+-` (128 at most): safe as a directory name and
 in a shell command, never `.` or `..`. `ettr run` refuses another (`supervisor.config.check_job_id`), and a
 reader takes no other from a ledger (`closing.recorded_job_id`): a forged one is not a recorded id."""
-"""The job's id (the contract)."""
 ATTEMPT_ENV = "ETTR_ATTEMPT"
 """The attempt index, 0 for the first attempt (the contract)."""
 SUPERVISOR_PID_ENV = "ETTR_SUPERVISOR_PID"
