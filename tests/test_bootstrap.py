@@ -253,9 +253,11 @@ def test_an_unmodified_loop_is_recorded(hooked: tuple[Any, Recorder, Any], tmp_p
         if e.kind is EventKind.MARK and e.data.get("name") == "checkpoint_file"  # not imports_done
     ]
     assert files == [(7, "step-7.pt.tmp"), (7, "latest.pt")]
-    # The DataLoader got its own method back after the first batch.
+    # After the first batch the first-batch hook is gone: what is left is the loader passes' wrapper
+    # (`loader_eval`) around the DataLoader's own method.
     base = torch.utils.data.dataloader._BaseDataLoaderIter
-    assert not hasattr(base.__next__, "__ettr_original__")
+    assert base.__next__.__code__.co_filename.endswith("loader_eval.py")
+    assert not hasattr(base.__next__.__ettr_original__, "__ettr_original__")
 
 
 def test_a_save_lasts_until_the_save_function_returns_to_the_loop(

@@ -13,7 +13,8 @@ Installed once torch is imported (see `post_import`), each hook wraps one torch 
                     begins, an evaluation begins (`eval()`), a checkpoint is saved, or the process exits
   process group     torch.distributed.init_process_group -> PROCESS_GROUP_INIT span
   first batch       the first `__next__` of the first DataLoader iterator -> GET_FIRST_BATCH_DATA span,
-                    after which the original method is put back (no cost per batch)
+                    after which the method it wrapped is put back (`loader_eval`'s: two attribute reads a
+                    batch)
   data waits        the DataLoader's wait for its worker processes (`_MultiProcessingDataLoaderIter._get_data`)
                     -> DATA_WAIT span when it lasted `DATA_WAIT_SPAN_MIN_S` or longer (two clock reads a batch)
   child processes   the training thread's wait for a child process between steps (`subprocess.Popen.wait` /
@@ -21,7 +22,9 @@ Installed once torch is imported (see `post_import`), each hook wraps one torch 
                     `DATA_WAIT_SPAN_MIN_S` or longer, no phase was open and this process had stepped
   checkpoints       torch.save / torch.load (paths, open files, in-memory buffers written to a file),
                     safetensors' save_file / load_file, dcp.save / dcp.async_save / dcp.load (`checkpoint_hooks`)
-  evaluation        `eval()` of a module an optimizer trains -> EVAL span until its `train()` (`eval_hooks`)
+  evaluation        `eval()` of a module an optimizer trains -> EVAL span until its `train()` (`eval_hooks`);
+                    a whole DataLoader pass, after training began, whose trained model ran with grad disabled
+                    and that learned nothing -> EVAL span (`loader_eval`: an evaluation in train mode)
   compile           `ettr.compile.autoinstall(rec)` when that module exists
 
 Every hook is guarded: an error inside one is logged once and the user's call proceeds untouched. The
@@ -232,6 +235,7 @@ class AutoHooks:
         self.patcher = Patcher()
         self.checkpoints: Any = None
         self.evals: Any = None
+        self.loader_passes: Any = None
         # A resume recorded by code that is not hooked (ettr.checkpoint's manager, `ettr.resumed_from`, a
         # framework's callback): the optimizer steps after it count on from its step. Before, a script that
         # restored through CheckpointManager and numbered its steps itself had its first step after the
@@ -241,7 +245,10 @@ class AutoHooks:
 
     def _on_event(self, event: Event) -> None:
         """An event listener: a RESUMED before this generation's first counted step sets where counting
-        goes on (a RESUMED of the hooks' own is the same step again). Never raises."""
+        goes on (a RESUMED of the hooks' own is the same step again); EVAL phases are counted for the loader
+        passes (`loader_eval`). Never raises."""
+        if event.phase is Phase.EVAL and self.loader_passes is not None:
+            self.loader_passes.on_event(event)
         if event.kind is not EventKind.RESUMED or event.step is None:
             return
         if self.steps.num_steps == 0 and not self.rec.explicit_steps:
@@ -259,6 +266,7 @@ class AutoHooks:
         """Called once `import torch` finished: install every hook that needs only torch."""
         from ettr.bootstrap.checkpoint_hooks import CheckpointHooks
         from ettr.bootstrap.eval_hooks import EvalHooks
+        from ettr.bootstrap.loader_eval import LoaderPasses
         from ettr.constants import IMPORTS_MARK
 
         self.guard.call("imports", self.rec.mark, IMPORTS_MARK, module="torch")  # the TTR's imports part
@@ -279,6 +287,9 @@ class AutoHooks:
         when_imported(PRIMING_MODULE, self._install_priming_hook)
         when_imported(RPC_OPTIMIZER_MODULE, self._install_rpc_optimizer_hook)
         self.guard.call("evaluation", self.evals.install, torch)
+        self.loader_passes = LoaderPasses(self.rec, guard=self.guard, patcher=self.patcher, evals=self.evals)
+        # Before the first-batch hook, which wraps this `__next__` and puts it back after the first batch.
+        self.guard.call("evaluation", self.loader_passes.install, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
         from ettr.bootstrap import group_teardown
 
@@ -318,6 +329,8 @@ class AutoHooks:
     def _count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """An optimizer step of the training loop ended. Never raises (an injected fault still fires)."""
         try:
+            if self.loader_passes is not None:
+                self.loader_passes.learned()
             self._before_step()
             self.steps.on_step(optimizer, args, kwargs)
         except Exception as exc:
@@ -407,6 +420,7 @@ class AutoHooks:
         trained = self.evals.trained if self.evals is not None else None
         window = self.checkpoints.window if self.checkpoints is not None else None
         resumes = self.checkpoints.training_resumes if self.checkpoints is not None else None
+        learned = self.loader_passes.learned if self.loader_passes is not None else None
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def backward(*args: Any, **kwargs: Any) -> Any:
@@ -417,6 +431,8 @@ class AutoHooks:
                     resumes()  # a save's window ends where training resumes (`save_window`)
                 if no_optimizer:
                     manual(ended=False)  # the previous step's STEP first: it carries its own arrival
+                if learned is not None:
+                    learned()  # a pass over a loader that runs a backward pass is training (`loader_eval`)
                 note()
                 result = original(*args, **kwargs)
                 if no_optimizer:
