@@ -131,18 +131,20 @@ class StepCounter:
 
     Another optimizer that steps twice while the counted one does not step (a critic stepped n times per
     generator step, an optimizer stepped every k-th iteration that happened to step first, an optimizer made
-    anew for a second phase) is counted from its second such step on; its first such step is counted too when
-    it is a newcomer (its first step ever came after the counted one had stepped twice: a second phase's
-    optimizer, not the partner in lockstep of the counted one's last step), and recorded at the takeover. A
-    counted optimizer that was garbage collected gives way to the next one at once. The count
+    anew for a second phase, the next fold's model in k-fold cross-validation) is counted from its second such
+    step on; its first such step is counted too when it is new or comes back (it had not stepped since before
+    the counted one's last two steps: a second phase's optimizer, a fold's optimizer in its next epoch; not the
+    partner in lockstep of the counted one's last step, which stepped between its last two), and recorded at
+    the takeover. A counted optimizer that was garbage collected gives way to the next one at once. The count
     goes on: steps already recorded keep their numbers."""
 
     def __init__(self, rec: RecorderProtocol) -> None:
         self._rec = rec
         self._first: weakref.ref[Any] | None = None  # the counted optimizer
         self._since: set[int] = set()  # other optimizers that stepped since the counted one last did
-        self._newcomers: set[int] = set()  # of `_since`: first step ever after the counted one's second
-        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()  # every optimizer that has stepped
+        self._newcomers: set[int] = set()  # of `_since`: new or back after the counted one stepped twice
+        # Every optimizer that has stepped -> `num_steps` just after its latest step.
+        self._last_stepped: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.base_step = 0
         self.num_steps = 0
         self._manual_pending = False  # a step without an optimizer waits for its update (on_manual_update)
@@ -152,11 +154,22 @@ class StepCounter:
         if self._rec.explicit_steps:
             return
         try:
-            first_ever = optimizer not in self._seen
-            if first_ever:
-                self._seen.add(optimizer)
+            # New, or back after the counted one stepped twice without it (k-fold: each fold's optimizer in
+            # turn; until 2026-12-05 a returning one's first step was taken for a partner in lockstep and lost:
+            # Lightning's kfold_cv example read 75 steps of 80).
+            stepped_at = self._last_stepped.get(optimizer)
+            returns = self.num_steps >= 2 and (stepped_at is None or self.num_steps - stepped_at >= 2)
         except TypeError:  # an optimizer class with __eq__ and no __hash__: counted as before
-            first_ever = False
+            returns = False
+        try:
+            self._step(optimizer, returns=returns)
+        finally:
+            try:
+                self._last_stepped[optimizer] = self.num_steps
+            except TypeError:
+                pass
+
+    def _step(self, optimizer: Any, *, returns: bool) -> None:
         counted = self._first() if self._first is not None else None
         if counted is None:  # the first optimizer to step, or the counted one is gone
             self._first = weakref.ref(optimizer)
@@ -164,11 +177,11 @@ class StepCounter:
             key = id(optimizer)
             if key not in self._since:  # in lockstep so far, or less often than the counted one
                 self._since.add(key)
-                if first_ever and self.num_steps >= 2:
+                if returns:
                     self._newcomers.add(key)
                 return
             self._first = weakref.ref(optimizer)  # it steps more often than the counted one: count it
-            if key in self._newcomers:  # a second phase's optimizer: its first step was a step of the job too
+            if key in self._newcomers:  # new or back (a second phase, the next fold): its first counts too
                 self.num_steps += 1  # booked now, a step late: every number is recorded (crash@step=N fires)
                 self._rec.step(self.base_step + self.num_steps, auto=True)
         self._since.clear()
@@ -209,6 +222,7 @@ class StepCounter:
         self._first, self.base_step, self.num_steps = None, 0, 0
         self._since.clear()
         self._newcomers.clear()
+        self._last_stepped = weakref.WeakKeyDictionary()
 
     def resumed(self, step: int) -> None:
         """The state was restored as of after `step`: later steps count on from there."""
