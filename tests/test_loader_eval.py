@@ -94,15 +94,33 @@ def test_a_test_pass_in_train_mode_under_disabled_grad_is_an_evaluation(
     assert not torch.nn.modules.module._global_forward_pre_hooks  # the probe is gone between passes
 
 
-def test_passes_that_learn_or_come_before_training_or_run_no_trained_model_are_not_evaluations(
+def test_an_evaluation_before_the_first_step_counts_and_a_pass_before_the_optimizer_does_not(
+    hooked: tuple[Any, Recorder, Any],
+) -> None:
+    """nanoGPT-style scripts evaluate at iteration 0 (and again right after a resume) before they train; a pass
+    over the data before the optimizer is built (statistics, set-up) runs no trained model."""
+    _, rec, ledger = hooked
+    model = torch.nn.Linear(4, 1)
+    loader = _loader(3)
+    with torch.no_grad():
+        for x, _ in loader:
+            model(x)
+    assert _eval_spans(rec, ledger) == []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        for x, _ in loader:
+            model(x)
+    assert len(_eval_spans(rec, ledger)) == 1
+    _train_epoch(model, optimizer, loader)
+    assert len(_eval_spans(rec, ledger)) == 1
+
+
+def test_passes_that_learn_or_run_no_trained_model_are_not_evaluations(
     hooked: tuple[Any, Recorder, Any],
 ) -> None:
     _, rec, ledger = hooked
     model, optimizer = _model()
     loader = _loader(3)
-    with torch.no_grad():  # before any step: statistics of the data set, set-up
-        for x, _ in loader:
-            model(x)
     _train_epoch(model, optimizer, loader)
     for x, y in loader:  # gradient accumulation over the whole loader, one step after it: training
         torch.nn.functional.mse_loss(model(x), y).backward()

@@ -6,17 +6,19 @@ per-epoch test pass was booked as the first training step of the next epoch, and
   begins   when the pass's iterator is made (`iter(loader)`: a loader's worker processes start there), or at
            the first batch of a loader that keeps its iterator (`persistent_workers`)
   ends     when the iterator is exhausted (the `next` that raises StopIteration: the loop is done with it)
-  counts   only when the process had learned before the pass (an optimizer step or a backward pass: a pass
-           over the data before training is set-up, such as computing statistics), learned nothing during it
-           (no optimizer step, no backward pass: gradient accumulation over a whole loader is training), the
-           first forward pass of a trained module in it ran with grad disabled (a pass that runs no model, or
-           runs it with grad enabled, is not taken for an evaluation), and no other evaluation was recorded in
-           it (the eval-mode hooks of `eval_hooks`, `ettr.phase(EVAL)`, the Lightning and Hugging Face
-           integrations: nothing is recorded twice)
+  counts   only when the process learned nothing during the pass (no optimizer step, no backward pass: an epoch
+           of training, or gradient accumulation over a whole loader, is training), the first forward pass of
+           a trained module in it (one an optimizer trains: `eval_hooks.TrainedModules`) ran with grad
+           disabled (a pass that runs no such model, as a statistics pass over the data before the optimizer
+           is built, or runs it with grad enabled, is not taken for an evaluation), and no other evaluation was
+           recorded in it (the eval-mode hooks of `eval_hooks`, `ettr.phase(EVAL)`, the Lightning and Hugging
+           Face integrations: nothing is recorded twice). A pass before the first step counts too (an
+           evaluation at iteration 0, and the one a resumed job repeats before it trains), as the eval-mode
+           hooks' do.
 
-The first forward pass is seen by a global forward pre-hook that is registered only while a pass of a process
-that has learned waits for it, and removed at the first forward pass of a trained module: one hook call per
-epoch of the training loader. It is not registered once anything was compiled (Dynamo would trace it: the
+The first forward pass is seen by a global forward pre-hook that is registered only while a pass waits for
+it, and removed at the first forward pass of a trained module: one hook call per epoch of the training
+loader. It is not registered once anything was compiled (Dynamo would trace it: the
 eval hooks' rule), so a compiled model's passes in train mode are not seen. A pass the loop leaves early
 (`break` after N batches) is not seen either: it never ends. Nothing is recorded until the pass ends, so a
 pass cut short by a failure stays in the step around it, as before. Errors are logged once and never reach
@@ -66,7 +68,7 @@ class LoaderPasses:
         self.guard = guard
         self.patcher = patcher
         self.evals = evals
-        self.num_learned = 0  # optimizer steps and backward passes of this process (`learned`)
+        self.num_learned = 0  # optimizer steps and backward passes of this process so far (`learned`)
         self.num_evals = 0  # EVAL phase events recorded in this process (`on_event`)
         self._awaiting: list[_Pass] = []  # passes waiting for their first forward pass of a trained module
         self._probe: Any = None  # the global forward pre-hook's handle while it is registered
@@ -91,15 +93,14 @@ class LoaderPasses:
 
         def make_init(original: Callable[..., Any]) -> Callable[..., Any]:
             def __init__(iterator: Any, *args: Any, **kwargs: Any) -> None:
-                if passes.num_learned:
-                    setattr(iterator, _MADE_ATTR, time.time())
+                iterator.__dict__[_MADE_ATTR] = time.time()
                 original(iterator, *args, **kwargs)
 
             return __init__
 
         def make_next(original: Callable[..., Any]) -> Callable[..., Any]:
             def __next__(iterator: Any) -> Any:
-                if passes.num_learned and not getattr(iterator, "_num_yielded", 1):
+                if not getattr(iterator, "_num_yielded", 1):  # a pass's first batch
                     passes.guard.call("evaluation", passes._begin, iterator)
                 try:
                     return original(iterator)
@@ -116,8 +117,8 @@ class LoaderPasses:
 
     # -- a pass's life ------------------------------------------------------------------------------------------
     def _begin(self, iterator: Any) -> None:
-        """The first batch of a pass is asked for, in a process that has learned: the pass begins (at the
-        iterator's making when that was just before it)."""
+        """The first batch of a pass is asked for: the pass begins (at the iterator's making, where its worker
+        processes start, when this is its first pass)."""
         made = iterator.__dict__.pop(_MADE_ATTR, None)
         now = time.time()
         begin_ts = made if made is not None and made <= now else now
