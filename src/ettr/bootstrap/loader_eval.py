@@ -17,12 +17,13 @@ per-epoch test pass was booked as the first training step of the next epoch, and
            hooks' do.
 
 The first forward pass is seen by a global forward pre-hook that is registered only while a pass waits for
-it, and removed at the first forward pass of a trained module: one hook call per epoch of the training
-loader. It is not registered once anything was compiled (Dynamo would trace it: the
-eval hooks' rule), so a compiled model's passes in train mode are not seen. A pass the loop leaves early
-(`break` after N batches) is not seen either: it never ends. Nothing is recorded until the pass ends, so a
-pass cut short by a failure stays in the step around it, as before. Errors are logged once and never reach
-the script (`Guard`).
+it, and removed at the first forward pass of a trained module: one hook call per epoch of the training loader.
+It is not registered once anything was compiled (Dynamo would trace it: the eval hooks' rule), so a compiled
+model's passes in train mode are not seen. A pass the loop leaves early (`break` after N batches) is not seen
+either: it never ends. Any whole pass of this shape is booked as an evaluation, `swa_utils.update_bn(loader,
+model)` on the trained model itself too (docs/supervisor.md). Nothing is recorded until the pass ends, so a pass
+cut short by a failure stays in the step around it, as before. Errors are logged once and never reach the
+script (`Guard`).
 """
 
 from __future__ import annotations
