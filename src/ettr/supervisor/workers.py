@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ettr.run_env import exited_path, failed_exit_path
-from ettr.supervisor import agent, inplace, standby
+from ettr.supervisor import agent, gone, inplace, standby
 from ettr.supervisor.inplace import InPlace, InPlaceCheck
 from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
@@ -235,8 +235,8 @@ class WorkerGroup:
         rank = self.continued.failed_rank if self.continued is not None else self.failed_rank
         return [] if rank is None else [[self.procs[rank].pid]]
 
-    def seen_gone(self) -> list[tuple[float, list[int]]]:
-        return []  # the group sees its worker's exit itself: the failure_detected MARK is its death
+    def seen_gone(self) -> list[tuple[float, list[int]]]:  # the dead worker, when the group saw it
+        return gone.worker_seen_gone(self.failed_at, self.failed_pids(), self._returncode, self.continued)
 
     def ranks(self) -> dict[int, int]:
         """Each worker's rank (a survivor of an in-place recovery recorded no PROCESS_START in this attempt)."""
