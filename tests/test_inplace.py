@@ -743,3 +743,24 @@ def test_a_train_that_makes_its_own_default_group_is_told_so_at_once(monkeypatch
     with pytest.raises(InPlaceGaveUp, match="remove the script's own init_process_group"):
         ettr.resilient(train)()
     assert calls == [0] and not dist.is_initialized()
+
+
+def test_a_rank_that_only_saw_a_peer_fail_says_so_not_that_it_failed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A SIGKILL of rank 1 under `ettr run`: rank 0's console line read "generation 0 failed on rank 0
+    # (RuntimeError: ... Connection reset by peer ...)", naming the victim beside the agent's "(rank 1)".
+    import ettr
+
+    _as_a_single_rank(monkeypatch)
+    errors = [RuntimeError("[pair.cc:537] Read error: Connection reset by peer"), ValueError("own bug")]
+
+    def train(gen: Any) -> None:
+        if errors:
+            raise errors.pop(0)
+
+    config = InPlaceConfig(max_restarts=2, rendezvous_timeout_s=30)
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        ettr.resilient(train, config=config)()
+    assert "generation 0: rank 0 lost a peer (RuntimeError: [pair.cc:537]" in caplog.text
+    assert "generation 1 failed on rank 0 (ValueError: own bug)" in caplog.text

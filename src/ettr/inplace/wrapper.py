@@ -241,8 +241,10 @@ class _Runner:
         if own:
             rec.failure(exc)
             rec.flush(timeout_s=2.0)
-        logger.warning(
-            "ettr: generation %d failed on rank %d (%s); restarting in place",
+        logger.warning(  # a peer's failure seen here is not this rank's: the console named the victim
+            "ettr: generation %d failed on rank %d (%s); restarting in place"
+            if own
+            else "ettr: generation %d: rank %d lost a peer (%s); restarting in place",
             generation,
             self.rank,
             text.splitlines()[0][:300],
