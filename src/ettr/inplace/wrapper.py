@@ -50,7 +50,7 @@ from ettr.inplace import rendezvous
 from ettr.inplace.config import InPlaceConfig
 from ettr.inplace.generations import AgentGenerations, Generations, GenerationTimeout, StoreGenerations
 from ettr.inplace.store import JobStore, open_job_store
-from ettr.run_env import INPLACE_ENV, RankEnv, RunEnv
+from ettr.run_env import GROUP_FORM_TIMEOUT_ENV, INPLACE_ENV, RankEnv, RunEnv
 
 logger = logging.getLogger("ettr")
 
@@ -119,11 +119,20 @@ class _Runner:
         else:
             generations = StoreGenerations(job_store.store)
         completed = False
+        form_s = min(self.config.rendezvous_timeout_s, self.config.collective_timeout_s)
+        told = os.environ.get(
+            GROUP_FORM_TIMEOUT_ENV
+        )  # a group `train` makes forms under the rendezvous bound
+        os.environ[GROUP_FORM_TIMEOUT_ENV] = f"{form_s:g}"
         try:
             result = self._loop(fn, args, kwargs, job_store, generations)
             completed = True  # every rank returned from the generation: nobody waits on this rank
             return result
         finally:
+            if told is None:
+                os.environ.pop(GROUP_FORM_TIMEOUT_ENV, None)
+            else:
+                os.environ[GROUP_FORM_TIMEOUT_ENV] = told
             if dist.is_initialized():
                 rendezvous.leave(self.backend, exiting=True, collect=not completed)
             if self.rank == 0:
