@@ -533,3 +533,29 @@ def test_a_worker_killed_by_a_signal_is_seen_gone_when_the_group_saw_it(tmp_path
     done = WorkerGroup([FakeWorker(66)])
     done.procs[0].code = 0
     assert done.poll() == 0 and done.seen_gone() == []
+
+
+def test_an_in_place_attempt_counts_only_the_workers_it_started_warm(tmp_path: Path) -> None:
+    """`attempt 1 continues in place: 2 worker(s), ..., 2 in warm standbys` was printed for an exception both
+    workers lived on from (nothing started): the count was the first attempt's, survivors included."""
+    from types import SimpleNamespace
+
+    from ettr.supervisor.inplace import InPlaceCheck
+    from ettr.supervisor.workers import WorkerGroup, WorkerGroupKind
+
+    kept = [KeptWorker(90), KeptWorker(91)]
+    group = WorkerGroup(kept, warm=[True, True], flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 0)
+    _joined(tmp_path, 0, *kept)
+    kept[1].code = -9
+    assert group.poll() is None and group.continued is not None
+    kind = object.__new__(WorkerGroupKind)  # the parts `continue_in_place` uses, no standbys: a cold start
+    kind._workers = ([[sys.executable, "-c", "pass"]] * 2, [{}, {}])
+    kind._standbys, kind._zygote, kind._port, kind._run_dir = None, None, 0, tmp_path
+    kind._env = lambda plan, rank, port: {"PATH": os.environ.get("PATH", "")}
+    kind.continue_in_place(group, SimpleNamespace(attempt=1))
+    try:
+        assert group.warm == [False, False]  # rank 0 went on, rank 1 started cold
+        assert "warm standbys" not in group.describe() and "zygote" not in group.describe()
+    finally:
+        group.procs[1].finish()

@@ -59,8 +59,7 @@ class WorkerGroup:
         if not procs:
             raise ValueError("WorkerGroup needs at least one worker")
         self.procs = list(procs)
-        self.warm = list(warm) or [False] * len(self.procs)
-        """Per rank: whether it came from a warm standby."""
+        self.warm = list(warm) or [False] * len(self.procs)  # per rank: started warm by this attempt
         self.pid = self.procs[0].pid
         self._teardown_grace_s = teardown_grace_s
         self._flush_s = flush_s
@@ -249,7 +248,6 @@ class WorkerGroup:
             old.kill_leftovers()
             self._gone.append(old)
             self.procs[rank] = process
-            self.warm[rank] = False
         self.pid = self.procs[0].pid
         self.continued, self._continued_told, self.failed_at = None, False, None
         self._markers = [failed_exit_path(run_dir, attempt, p.pid) for p in self.procs]
@@ -372,6 +370,8 @@ class WorkerGroupKind:
         running.notice = WarmUpNotice(plan.attempt, waiting)  # survivors wait on a promoted one's warm-up
         running.notice.start()  # (says nothing without one)
         running.continue_as(plan.attempt, replacements, self._run_dir)
+        warm = {rank: how.path != "cold" for rank, how in zip(replacements, paths, strict=True)}
+        running.warm = [warm.get(rank, False) for rank in range(len(running.procs))]  # not the survivors'
         inplace.announce(self._run_dir, plan.attempt, sorted(replacements))
         running.relaunch = Relaunch.in_place(sorted(replacements), paths)
         return running
