@@ -93,6 +93,10 @@ INSTRUMENTED_WORLD_ENV = "ETTR_INSTRUMENTED_WORLD"
 """Set beside `INSTRUMENTED_ENV`: the instrumented process's world size. A Python process it starts whose
 environment names a rank of a larger world (`RANK`/`WORLD_SIZE`, MPI's names) while it is alone (1) was
 started as a rank by a launcher program of the user's own (`ettr.bootstrap.spawned.launched_rank`)."""
+GROUP_FORM_TIMEOUT_ENV = "ETTR_GROUP_FORM_TIMEOUT_S"
+"""Set by `ettr.resilient` in its own process while a generation runs (`group_form_timeout_s`): how long a
+process group made in the generation may take to form, the generation's rendezvous bound; the checkpoint
+manager's groups form under it (`ettr.checkpoint.coordination`), not under gloo's default 30 minutes."""
 RANK_CLEARS = (OWN_RANK_ENV, OWN_WORLD_SIZE_ENV, RANK_BASE_ENV, INSTRUMENTED_WORLD_ENV)
 """The ranks ettr assigned: a launcher (torchrun, accelerate, torchrun's agent in a program) started inside
 the job removes them for its workers, which have ranks of their own."""
@@ -249,6 +253,12 @@ def _optional_float(environ: Mapping[str, str], name: str) -> float | None:
         return float(environ.get(name, ""))
     except ValueError:
         return None
+
+
+def group_form_timeout_s(environ: Mapping[str, str] = os.environ) -> float | None:
+    """`GROUP_FORM_TIMEOUT_ENV`: seconds > 0, else None (outside a generation of `ettr.resilient`)."""
+    found = _optional_float(environ, GROUP_FORM_TIMEOUT_ENV)
+    return found if found is not None and 0 < found < float("inf") else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -402,6 +402,20 @@ def default_group() -> Any:
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
+def group_timeout_s(group: Any = None) -> float | None:
+    """The timeout of `group` (None: the default group) in seconds as its CPU backend has it now (after
+    `set_group_timeout` too: `ProcessGroup._get_backend(cpu).options._timeout`); None where torch does not
+    say (no group, another backend, a torch that moved it)."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # not a guess: the caller keeps what it did without one
+        return None
+
+
 def set_group_timeout(seconds: float, group: Any = None) -> bool:
     """Set the timeout of `group` (None: the default group) after it was made
     (`distributed_c10d._set_pg_timeout`): a group is formed under one bound and runs its collectives under
