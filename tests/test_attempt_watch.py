@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from ettr.supervisor.watch import (
     Say,
     SendSignal,
     Signalled,
+    TellRanks,
     Tick,
     WatchConfig,
 )
@@ -66,6 +68,8 @@ def test_a_signal_is_forwarded_then_sigkill_after_the_grace() -> None:
     assert actions == []
     state, actions = WATCH.step(state, Tick(), 110.0)
     assert sent(actions) == [(KILL, True)]
+    # what each rank was doing is asked of the driver before the SIGKILL, while the processes still live
+    assert actions[0] == TellRanks("attempt 4: the job did not exit within the 10 s grace after SIGTERM")
     state, actions = WATCH.step(state, Tick(), 120.0)
     assert actions == []  # killed once
     state, _ = WATCH.step(state, Exited(-KILL), 121.0)
@@ -104,7 +108,7 @@ def test_a_second_signal_kills_at_once_and_the_same_count_is_not_news() -> None:
     state, actions = WATCH.step(state, Signalled(TERM, 2), 3.0)
     assert actions == [] and state.kill_at == 3.0
     _, actions = WATCH.step(state, Tick(), 3.0)
-    assert sent(actions) == [(KILL, True)]
+    assert sent(actions) == [(KILL, True)] and not any(isinstance(a, TellRanks) for a in actions)  # no grace
 
 
 def test_a_hang_is_sigterm_then_sigkill_and_stops_everything_else() -> None:
@@ -632,6 +636,34 @@ def test_the_runner_gives_slurms_warning_to_the_processes_with_a_handler_of_thei
     assert "saved on SIGUSR1" in out and child.returncode == 0
     assert fake.signals[0][1] == TERM  # then the whole job: SIGTERM, as ever
     assert ended.end.outcome is Outcome.PREEMPTED
+
+
+def test_the_sigkill_at_the_end_of_the_grace_says_what_each_rank_was_doing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Lightning's SIGTERM handler broadcasts: rank 0 waits in it, rank 1 got the signal in a barrier; neither
+    # exits, and the grace's SIGKILL said nothing of why.
+    for rank, pid, phase in ((0, 999998, "sigterm_handler"), (1, 999999, "barrier")):
+        beat = heartbeat_dir(tmp_path, 0) / f"rank-{rank}-pid-{pid}"
+        beat.parent.mkdir(parents=True, exist_ok=True)
+        beat.write_text("")
+        os.utime(beat, (1002.0 + rank, 1002.0 + rank))
+        doc = {"v": 1, "steps": 7, "step_s": 0.1, "intervals": 6, "phases": [phase]}
+        beat.with_name(beat.name + ".pulse").write_text(json.dumps(doc))
+    clock = FakeClock()
+    fake = FakeAttempt(clock, on_term=None)  # ignores SIGTERM
+    runner, _, _ = runner_for(tmp_path, fake, clock, FakeSignals(clock, at={1003.0: TERM}))
+    end = runner.run(0).end
+    (_, first, _), (_, second, _) = fake.signals
+    assert (first, second) == (TERM, KILL) and end.outcome is Outcome.PREEMPTED
+    rank0 = "rank 0 (pid 999998) quiet 11.0 s, at least 7 steps done, in sigterm_handler"
+    rank1 = "rank 1 (pid 999999) quiet 10.0 s, at least 7 steps done, in barrier"
+    line = "attempt 0: the job did not exit within the 10 s grace after SIGTERM: rank 0 (pid 999998)"
+    err = capsys.readouterr().err
+    assert line in err and rank1 in err and err.rstrip().endswith("; SIGKILL")
+    assert end.ranks_at_kill is not None and rank0 in end.ranks_at_kill and rank1 in end.ranks_at_kill
+    assert f"; at the SIGKILL after the grace: {end.ranks_at_kill}" in end.reason
+    assert AttemptEnd.from_data(end.to_data()).ranks_at_kill == end.ranks_at_kill  # kept in ATTEMPT_END
 
 
 def test_a_second_signal_kills_at_once(tmp_path: Path) -> None:

@@ -80,7 +80,7 @@ def failure_summary(a: AttemptReport, *, max_chars: int = 160) -> str:
     if not exception and isinstance(tail, list) and tail:
         parts.append(f"last stderr line: {str(tail[-1]).strip()}")
     shown = {"reason", "exception", "message", "process_failure", "signal", "injected", "oom", "stderr_tail"}
-    shown |= {"outcome", "exit_code", "hung_ranks"}  # the table's own columns; hung_ranks ends the reason
+    shown |= {"outcome", "exit_code", "hung_ranks", "ranks_at_kill"}  # the table's own; these end the reason
     shown |= {"signalled_ts", "rank_gone_ts"}  # instants the accounting uses, not words for people
     for key in sorted(set(failure) - shown):
         value = failure[key]

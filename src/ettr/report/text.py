@@ -244,8 +244,8 @@ def _delta(values: Sequence[float | None], fmt: str) -> str:
     return fmt_signed(second - first, digits=int(fmt.split(".")[1][0]) if "." in fmt else 0)
 
 
-# (`hung_ranks` is at the end of the reason already; `signalled_ts` and `rank_gone_ts` are instants the
-# accounting uses, seen in the buckets and the TTR parts, not Unix times for people)
+# (`hung_ranks` and `ranks_at_kill` are at the end of the reason already; `signalled_ts` and `rank_gone_ts` are
+# instants the accounting uses, seen in the buckets and the TTR parts, not Unix times for people)
 _SHOWN_FAILURE_KEYS = (
     "exception",
     "message",
@@ -254,6 +254,7 @@ _SHOWN_FAILURE_KEYS = (
     "process_failure",
     "injected",
     "hung_ranks",
+    "ranks_at_kill",
     "signalled_ts",
     "rank_gone_ts",
 )

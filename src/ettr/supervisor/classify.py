@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 from ettr.causes import STOPPED_THE_REST, Detail, diagnose
 from ettr.events import Event, EventKind, Outcome, clip_failure_message
+from ettr.supervisor.attempt_end import AttemptEnd
 from ettr.supervisor.command_output import (
     OOM_EXCEPTIONS,
     child_signal,
@@ -33,88 +32,6 @@ from ettr.supervisor.hidden_ends import (
     signal_before_hang,
     signalled_reason,
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class AttemptEnd:
-    """The failure classification of one attempt: the data of its ATTEMPT_END event."""
-
-    outcome: Outcome
-    """completed, failed, preempted or hung."""
-    exit_code: int | None
-    """The command's exit status; for a death by signal, 128 + the signal number (as a shell reports it)."""
-    signal: str | None = None
-    """Name of the signal that ended the command (SIGKILL, ...), if one did: the command itself, what its
-    shell wrapper ran (a shell exits 128 + N after its child's death by signal N), or the failed rank behind
-    a launcher (torchrun's failure summary)."""
-    reason: str = ""
-    """One line for people: what ended the attempt."""
-    exception: str | None = None
-    """Type name of the Python exception that ended a training process, when known."""
-    message: str | None = None
-    """That exception's message, when known (`Type: message` is what people look for)."""
-    oom: bool = False
-    """The attempt ran out of memory (an OOM exception, or the kernel's OOM killer)."""
-    stderr_tail: tuple[str, ...] = field(default_factory=tuple)
-    """The last lines the command wrote to stderr."""
-    injected: str | None = None
-    """The `--inject` fault that fired in this attempt, if any."""
-    signalled_ts: float | None = None
-    """When a rank got the outside signal whose handler ended the job: the accounting's failure instant."""
-    rank_gone_ts: float | None = None
-    """When the supervisor first saw a training rank's process gone (`gone.first_rank_gone_at`): the failure
-    instant of a rank that recorded none (a SIGKILL under a launcher), where the accounting finds no better."""
-    hung_ranks: str | None = None
-    """A hang: what each training process was doing (`watchdog.describe_ranks`; node 0 adds other nodes')."""
-
-    @classmethod
-    def from_data(cls, data: Mapping[str, Any]) -> AttemptEnd:
-        """The classification an ATTEMPT_END recorded (`to_data`), read back from the books: any field may be
-        missing or of the wrong type (an older version, a damaged row); what cannot be read is left out."""
-
-        def text(key: str) -> str | None:
-            value = data.get(key)
-            return value[:500] if isinstance(value, str) else None
-
-        try:
-            outcome = Outcome(str(data.get("outcome")))
-        except ValueError:
-            outcome = Outcome.UNKNOWN
-        code = data.get("exit_code")
-        tail = data.get("stderr_tail")
-        return cls(
-            outcome=outcome,
-            exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
-            signal=text("signal"),
-            reason=text("reason") or "",
-            exception=text("exception"),
-            message=clip_failure_message(data["message"]) if isinstance(data.get("message"), str) else None,
-            oom=data.get("oom") is True,
-            stderr_tail=tuple(str(line) for line in tail[-20:]) if isinstance(tail, list) else (),
-            injected=text("injected"),
-            signalled_ts=ts if isinstance(ts := data.get("signalled_ts"), float) else None,
-            rank_gone_ts=ts if isinstance(ts := data.get("rank_gone_ts"), float) else None,
-            hung_ranks=text("hung_ranks"),
-        )
-
-    def to_data(self) -> dict[str, Any]:
-        """The ATTEMPT_END event's `data`."""
-        known = {
-            "signalled_ts": self.signalled_ts,
-            "rank_gone_ts": self.rank_gone_ts,
-            "hung_ranks": self.hung_ranks,
-        }
-        return {
-            "outcome": self.outcome.value,
-            "exit_code": self.exit_code,
-            "signal": self.signal,
-            "reason": self.reason,
-            "exception": self.exception,
-            "message": self.message,
-            "oom": self.oom,
-            "stderr_tail": list(self.stderr_tail),
-            "injected": self.injected,
-        } | {key: value for key, value in known.items() if value is not None}
 
 
 def this_nodes_events(events: Iterable[Event], *, host: str, supervisor_pid: int) -> list[Event]:
@@ -147,6 +64,7 @@ def classify(
     hung_after_s: float | None = None,
     hung_bound: str = "",
     hung_ranks: str = "",
+    ranks_at_kill: str = "",
     oom_killed: bool = False,
     failed_pids: Sequence[Sequence[int]] = (),
     seen_gone: Sequence[tuple[float, Sequence[int]]] = (),
@@ -167,6 +85,8 @@ def classify(
         hung_after_s: set when the hang watchdog killed the attempt: the silence it saw; `hung_bound` which bound
             that was over (`the bound of phase eval`, `10 x the step time of 0.05 s`); `hung_ranks` what each
             training process was doing then (`watchdog.describe_ranks`).
+        ranks_at_kill: the job did not exit within the grace after `preempted_by`: what each training
+            process was doing at the SIGKILL (the end of a preemption's reason, and its own field).
         oom_killed: the cgroup's OOM-kill counter rose during the attempt.
         failed_pids: the attempt's processes seen to end, one list per look that saw them gone, in the
             order of the looks (ettr's agent: the failed worker; under a launcher, the ranks the supervisor saw
@@ -368,6 +288,8 @@ def classify(
         if root is not None and (len(set(rank_of.values())) > 1 or _world_size(events) > 1):
             how += f" (rank {root})"  # the rank that failed first, not one that lost it as a peer
         reason = how + (" (out of memory)" if oom else "") + (f": {exception}" if exception else "")
+    stuck = ranks_at_kill if preempted_by is not None and hung_after_s is None else ""  # the grace ran out
+    reason += f"; at the SIGKILL after the grace: {stuck}" if stuck else ""
     if injected:
         reason += f" [injected {injected}]"
     return AttemptEnd(
@@ -382,6 +304,7 @@ def classify(
         injected=injected,
         signalled_ts=signalled_ts,
         hung_ranks=hung_ranks or None if outcome is Outcome.HUNG else None,
+        ranks_at_kill=stuck or None,
         rank_gone_ts=first_rank_gone_at(seen_gone, rank_of) if outcome is not Outcome.COMPLETED else None,
     )
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ettr.procs import (
     ancestors,
@@ -111,6 +112,20 @@ def reap(pids: Iterable[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
+
+
+class Sweep(Protocol):
+    """The attempt's processes outside its own tree (`AttemptSweep`; a fake in tests)."""
+
+    def spare(self, pids: Iterable[int]) -> None: ...
+
+    def alive(self, exclude: Collection[int] = ()) -> list[int]: ...
+
+    def signal(self, sig: int, exclude: Collection[int] = ()) -> list[int]: ...
+
+    def reap_adopted(self, exclude: int | None = None) -> None: ...
+
+    def run(self, exclude: int | None = None) -> list[int]: ...
 
 
 class AttemptSweep:

@@ -16,10 +16,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
 
 from ettr.constants import FAILURE_DETECTED_MARK, RECOVERY_MARK, RELAUNCH_MARK
 from ettr.events import EventKind, Outcome
@@ -31,7 +30,7 @@ from ettr.supervisor.attempt import Attempt, AttemptKind, AttemptPlan
 from ettr.supervisor.books import JobBooks
 from ettr.supervisor.classify import AttemptEnd, classify
 from ettr.supervisor.config import RunConfig
-from ettr.supervisor.containment import AttemptSweep
+from ettr.supervisor.containment import AttemptSweep, Sweep
 from ettr.supervisor.gone import exited_early
 from ettr.supervisor.guard import JobGuard
 from ettr.supervisor.launch import attempt_launch, wrapper_name
@@ -54,6 +53,7 @@ from ettr.supervisor.watch import (
     Say,
     SendSignal,
     Signalled,
+    TellRanks,
     Tick,
     WatchConfig,
     WatchEvent,
@@ -78,20 +78,6 @@ def _names(directory: Path) -> list[str]:
         return os.listdir(directory)
     except OSError:
         return []
-
-
-class Sweep(Protocol):
-    """The attempt's processes outside its own tree (`ettr.supervisor.containment.AttemptSweep`)."""
-
-    def spare(self, pids: Iterable[int]) -> None: ...
-
-    def alive(self, exclude: Collection[int] = ()) -> list[int]: ...
-
-    def signal(self, sig: int, exclude: Collection[int] = ()) -> list[int]: ...
-
-    def reap_adopted(self, exclude: int | None = None) -> None: ...
-
-    def run(self, exclude: int | None = None) -> list[int]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +205,7 @@ class AttemptRunner:
             hung_after_s=state.hung_after_s,
             hung_bound=state.hung_bound,
             hung_ranks=state.hung_ranks,
+            ranks_at_kill=state.ranks_at_kill,
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
             failed_pids=running.failed_pids(),
             seen_gone=running.seen_gone(),
@@ -391,6 +378,10 @@ class AttemptRunner:
             match action:
                 case Say():
                     say(action.text)
+                case TellRanks():  # before the SIGKILL that follows: the kernel's word on live processes
+                    ranks = ranks_at_hang(self.parts.books.run_dir, state.attempt, now)
+                    say(f"{action.text}: {ranks or 'what its ranks were doing is unknown'}; SIGKILL")
+                    state = replace(state, ranks_at_kill=ranks)
                 case SendSignal(to_handlers=True):
                     slurm.signal_handlers(running.alive(), action.signum)
                 case SendSignal():

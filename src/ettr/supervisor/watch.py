@@ -9,7 +9,8 @@ tested with a fake attempt and a fake clock (tests/test_attempt_watch.py).
 The rules:
 - a signal to the supervisor (the first) is forwarded to the whole job (SIGUSR1, SIGHUP, SIGQUIT as SIGTERM;
   Slurm's SIGUSR1 first to the job's own SIGUSR1 handlers, `warning_to_handlers`), unless it is a terminal's
-  Ctrl-C, which the job got already; SIGKILL follows `grace_s` later; a second signal kills at once;
+  Ctrl-C, which the job got already; SIGKILL follows `grace_s` later, after a word of what each rank was
+  doing then (`TellRanks`: a SIGTERM handler blocked in a collective, a slow save); a second signal kills at once;
 - no progress for the hang timeout (`Hung`, not while the attempt only tears its processes down, nor once
   a failed rank or a lost peer is ending it): SIGTERM, SIGKILL `hang_kill_grace_s` later;
 - a peer node's part ended or its supervisor was lost (`PeerLost`): this node's part is ended the same way;
@@ -35,106 +36,22 @@ from dataclasses import dataclass, replace
 
 from ettr.supervisor.signals import forwarded_signal
 from ettr.supervisor.slurm import WARNING_SIGNAL
-
-
-# -- events ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Signalled:
-    """The supervisor has received `count` signals so far, the first being `signum`."""
-
-    signum: int
-    count: int
-    from_terminal: bool = False
-    """A Ctrl-C the terminal delivered to the whole foreground process group, the job included."""
-    insisted: bool | None = None
-    """A later signal insists (`SupervisorSignals.insisted`): no more grace. None: any second signal does."""
-
-    @property
-    def insists(self) -> bool:
-        return self.count >= 2 if self.insisted is None else self.insisted
-
-
-@dataclass(frozen=True)
-class Hung:
-    """The hang watchdog saw no progress and no heartbeat for `silence_s`, over `bound` (which one, for
-    people); `last_sign_at`: the last sign of life (when the fault happened, as far as anyone knows)."""
-
-    silence_s: float
-    bound: str = ""
-    last_sign_at: float | None = None
-    ranks: str = ""  # what each training process was doing, as far as the supervisor knows
-
-
-@dataclass(frozen=True)
-class PeerLost:
-    """Another node ends this attempt (its part failed, or its supervisor is lost): `reason`, for people."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class RankFailed:
-    """A process of the attempt died with a FAILURE on record while its launcher runs on."""
-
-
-@dataclass(frozen=True)
-class Exiting:
-    """Every process of the attempt still running has done its Python-level exit (only interpreter
-    teardown is left: no heartbeat beats, and that is not a hang)."""
-
-
-@dataclass(frozen=True)
-class Exited:
-    """The attempt's command is over: `returncode` (negative: killed by that signal); `at`, when the attempt
-    itself knew its failure (ettr's agent: the failed worker's exit), if earlier than the supervisor's look;
-    `outlived`: processes of the job still run (a wrapper died before the python it started)."""
-
-    returncode: int
-    at: float | None = None
-    outlived: bool = False
-
-
-@dataclass(frozen=True)
-class Continued:
-    """A worker failed and the others go on in place (`ettr.supervisor.inplace`): the attempt is over as far
-    as the books go, but nothing is torn down; the next attempt continues in the same processes."""
-
-    returncode: int  # the failed worker's (1 where it raised and lived on: `survived`)
-    at: float | None = None  # when the attempt saw the failure
-    survived: bool = False  # the failed rank raised and its wrapper caught it: no process exited
-
-
-@dataclass(frozen=True)
-class Drained:
-    """No process of the attempt is left."""
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passed (every poll): deadlines fall due."""
-
-
-WatchEvent = Signalled | Hung | PeerLost | RankFailed | Exiting | Exited | Continued | Drained | Tick
-
-
-# -- actions --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Say:
-    """Tell the person watching (one `ettr:` line)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class SendSignal:
-    """Send `signum` to the attempt's processes (all of them; without the launcher: its workers only)."""
-
-    signum: int
-    include_launcher: bool = True
-    to_handlers: bool = False  # only to those with a handler of their own for it (`procs.topmost_handlers`)
-
-
-WatchAction = Say | SendSignal
+from ettr.supervisor.watch_events import (
+    Continued,
+    Drained,
+    Exited,
+    Exiting,
+    Hung,
+    PeerLost,
+    RankFailed,
+    Say,
+    SendSignal,
+    Signalled,
+    TellRanks,
+    Tick,
+    WatchAction,
+    WatchEvent,
+)
 
 
 # -- the machine ----------------------------------------------------------------------------------------------
@@ -195,6 +112,10 @@ class WatchState:
     """The command exited and processes of the job still run: they get the rest of the grace."""
     asked: bool = False
     """The job was asked to stop (SIGTERM, or the terminal's SIGINT): a process still running has its grace."""
+    hurried: bool = False
+    """A second signal took the job's grace away: its SIGKILL is no grace running out."""
+    ranks_at_kill: str = ""
+    """What each training process was doing when the grace ran out (the driver's answer to `TellRanks`)."""
     continued: Continued | None = None
     """The failure it ended in, which its other processes survived: the next attempt goes on in them."""
 
@@ -345,8 +266,8 @@ class AttemptWatch:
                 detected_at=detected,
                 fault_at=fault,
             )
-        if event.insists:
-            state = replace(state, kill_at=min(state.kill_at, now))  # asked twice: no more grace
+        if event.insists:  # asked twice: no more grace
+            state = replace(state, kill_at=min(state.kill_at, now), hurried=True)
         return state, actions
 
     def _hung(self, state: WatchState, event: Hung, now: float) -> tuple[WatchState, list[WatchAction]]:
@@ -393,6 +314,14 @@ class AttemptWatch:
             text = f"attempt {state.attempt}: processes outlived its command: SIGTERM to them, SIGKILL in {grace:g} s"
             actions += [Say(text), SendSignal(signal.SIGTERM)]
         if now >= state.kill_at and not state.killed:
+            if state.forwarded is not None and state.hung_after_s is None and not state.hurried:
+                what = "what is left of the job" if state.exited else "the job"
+                sent, grace = _signal_name(forwarded_signal(state.forwarded)), self.config.grace_s
+                actions.append(
+                    TellRanks(
+                        f"attempt {state.attempt}: {what} did not exit within the {grace:g} s grace after {sent}"
+                    )
+                )
             actions.append(SendSignal(signal.SIGKILL))
             state = replace(state, killed=True)
         if state.killed and state.draining:
