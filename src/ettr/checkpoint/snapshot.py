@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ettr.checkpoint.base import CheckpointInvalid
-from ettr.checkpoint.checksums import buffer_key, crc32_combine
+from ettr.checkpoint.checksums import buffer_key, crc32, crc32_combine
 
 MAGIC = b"ETTRSNP1"
 FORMAT = "ettr.snapshot/1"
@@ -198,7 +198,7 @@ def _crc_join(
     summed here."""
     if key is not None and key in known:
         return crc32_combine(crc, known[key], piece.nbytes)
-    return zlib.crc32(piece, crc)
+    return crc32(piece, crc)
 
 
 def _align(offset: int) -> int:
@@ -507,7 +507,7 @@ def seal(
     blob_entries, offset = [], slot.tensor_bytes
     for blob in layout.blobs:
         blob_entries.append([offset, len(blob)])
-        crc = zlib.crc32(blob, crc)
+        crc = crc32(blob, crc)
         offset = _align(offset + len(blob))
     body = _header_body(
         binding,
@@ -629,7 +629,7 @@ class Snapshot:
         crc = 0
         for meta in [*body["tensors"], *body["blobs"]]:
             at, nbytes = meta["at"]
-            crc = zlib.crc32(view[data + at : data + at + nbytes], crc)
+            crc = crc32(view[data + at : data + at + nbytes], crc)
         if crc != body["payload_crc32"]:
             raise CheckpointInvalid("snapshot payload fails its CRC-32 check (torn or corrupt)")
         tensors = []
