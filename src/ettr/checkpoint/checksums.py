@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import Any
 
+from ettr.checkpoint.direct_io import MIN_BYTES, address_of, write_aligned
+
 FAST_CRC32_MODULES = ("zlib_ng.zlib_ng", "isal.isal_zlib")
 """Modules whose `crc32(data, value=0)` is zlib's CRC-32, faster, in the order they are preferred."""
 _PROBE = bytes(range(256)) * 33 + b"ettr"
@@ -143,16 +145,6 @@ def _same_dir(path: str | os.PathLike[str], new_path: str | os.PathLike[str]) ->
     )
 
 
-def _address(data: Any) -> int | None:
-    """The address of a contiguous buffer's first byte (None where it cannot be had cheaply)."""
-    import numpy as np
-
-    try:
-        return int(np.frombuffer(data, dtype=np.uint8).ctypes.data)
-    except (TypeError, ValueError, BufferError):
-        return None
-
-
 class SummingStream:
     """A write stream that sums what it is handed (see the module docstring); everything else is the
     wrapped stream's."""
@@ -164,6 +156,9 @@ class SummingStream:
         self.size = 0
         self.whole = True
         """False once anything but appending happened (a seek, a truncate): no sum is recorded then."""
+        self.direct = False
+        """Write writes of at least `direct_io.MIN_BYTES` past the page cache where they can be (the raw-record
+        writer asks for it: its large records start at a multiple of `direct_io.ALIGN`)."""
 
     def write(self, data: Any) -> int:
         try:
@@ -177,7 +172,7 @@ class SummingStream:
         expect = self._sums.expect
         key = None
         if nbytes >= PIECE_MIN_BYTES and expect:
-            address = _address(view)
+            address = address_of(view)
             key = (address, nbytes) if address is not None and (address, nbytes) in expect else None
         if key is None:
             self.crc = crc32(view, self.crc)
@@ -185,7 +180,12 @@ class SummingStream:
             piece = crc32(view)
             self._sums.pieces[key] = piece
             self.crc = crc32_combine(self.crc, piece, nbytes)
-        written = self._raw.write(data)
+        done = write_aligned(self._raw, view) if self.direct and nbytes >= MIN_BYTES else 0
+        if done:
+            rest = self._raw.write(view[done:]) if done < nbytes else 0
+            written = done + (nbytes - done if rest is None else int(rest))
+        else:
+            written = self._raw.write(data)
         if written is not None and written != nbytes:
             self.whole = False  # a raw stream's short write: the caller writes the rest, unsummed
         self.size += nbytes

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ettr.checkpoint import direct_io
 from ettr.checkpoint.base import CheckpointInvalid
 from ettr.checkpoint.checksums import buffer_key, crc32, crc32_combine
 
@@ -405,6 +406,8 @@ def _tensor_plan(state_dict: dict[str, Any]) -> tuple[_Layout, Any, list[tuple[i
     entries, offset = [], 0
     for tensor in layout.tensors:
         nbytes = tensor.numel() * tensor.element_size()
+        if nbytes >= direct_io.MIN_BYTES:  # on a page of its own start: the persist writes it directly
+            offset += direct_io.padding(offset)
         entries.append((offset, nbytes))
         offset = _align(offset + nbytes)
     return layout, tree, entries, offset
@@ -433,6 +436,7 @@ def prepare_slot(path: Path, state_dict: dict[str, Any], *, over: FileId | None 
         payload_crc32=2**32 - 1,
     )
     header_room = len(_header_bytes(estimate)) * 5 // 4 + 4096
+    header_room += direct_io.padding(len(MAGIC) + 8 + header_room)  # the tensors start on a page
     data_offset = _align(len(MAGIC) + 8 + header_room)
     nofollow = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     if over is None:

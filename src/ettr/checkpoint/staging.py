@@ -36,6 +36,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ettr import torch_compat
+from ettr.checkpoint import direct_io
 from ettr.checkpoint.checksums import buffer_key
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), complex)
@@ -138,7 +139,7 @@ class ReusedStager(AsyncStager):
     def _buffer_for(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_memory)
+            buffer = _empty_buffer(tensor, pin_memory=self.pin_memory)
             if self.share_memory:
                 buffer.share_memory_()
             self._buffers[key] = buffer
@@ -202,6 +203,18 @@ class ReusedStager(AsyncStager):
         self._buffers.clear()
         self._lent.clear()
         self._fallback.close()
+
+
+def _empty_buffer(tensor: torch.Tensor, *, pin_memory: bool) -> torch.Tensor:
+    """An empty CPU tensor like `tensor`; one of `direct_io.MIN_BYTES` or more starts on a page
+    (`direct_io.ALIGN`), so that the persist can write it past the page cache. (Pinned memory is
+    page-aligned already.)"""
+    nbytes = tensor.numel() * tensor.element_size()
+    if pin_memory or nbytes < direct_io.MIN_BYTES:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin_memory)
+    raw = torch.empty(nbytes + direct_io.ALIGN, dtype=torch.uint8)
+    start = -raw.data_ptr() % direct_io.ALIGN
+    return raw[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
 
 
 def _is_sharded_tensor(value: Any) -> bool:
