@@ -101,6 +101,26 @@ def test_large_records_start_on_a_block_and_load_back_bit_identical(
     assert _equal(saved, restored)
 
 
+def test_process_mode_writes_large_records_on_blocks_and_loads_them_back(tmp_path: Path) -> None:
+    """DCP's checkpoint process writes from the shared-memory staging buffers (page-aligned views too)."""
+    saved = _state(0)
+    cfg = CheckpointConfig(
+        root=str(tmp_path),
+        interval=IntervalConfig(every_steps=5),
+        raw_tensors=True,
+        mode="process",
+        memory_copy=False,
+    )
+    with CheckpointManager.create(cfg, saved, recorder=SyncRecorder(MemoryLedger())) as manager:
+        manager.save(5, wait=True)
+    records = _large_records(tmp_path, 5)
+    assert len(records) == 2 and all(info.offset % direct_io.ALIGN == 0 for info in records)
+    restored = _state(1)
+    with _manager(tmp_path, restored, memory_copy=False) as manager:
+        assert manager.restore() == 5
+    assert _equal(saved, restored)
+
+
 def test_files_written_before_the_gaps_still_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A raw checkpoint of an ettr before 2026-12-05 (records back to back, written through the page cache)."""
     monkeypatch.setattr(direct_io, "MIN_BYTES", 1 << 62)
