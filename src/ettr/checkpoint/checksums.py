@@ -157,7 +157,7 @@ class SummingStream:
         self.whole = True
         """False once anything but appending happened (a seek, a truncate): no sum is recorded then."""
         self.direct = False
-        """Write writes of at least `direct_io.MIN_BYTES` past the page cache where they can be (the raw-record
+        """Send writes of at least `direct_io.MIN_BYTES` past the page cache where they can go (the raw-record
         writer asks for it: its large records start at a multiple of `direct_io.ALIGN`)."""
 
     def write(self, data: Any) -> int:
