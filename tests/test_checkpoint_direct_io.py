@@ -177,6 +177,8 @@ def test_large_staging_buffers_and_slot_tensors_start_on_a_page(tmp_path: Path) 
         staged["big"].data_ptr() % direct_io.ALIGN == 0 and staged["big2"].data_ptr() % direct_io.ALIGN == 0
     )
     assert all(torch.equal(staged[k], state[k]) for k in state)
+    # each its own storage, exactly its size: DCP's own writer clones a tensor that views a larger one
+    assert all(staged[k].untyped_storage().nbytes() == staged[k].nbytes for k in ("big", "big2"))
     slot = prepare_slot(tmp_path / "slot", state)
     try:
         by_shape = {tuple(v.shape) + (v.dtype,): v for v in slot.views}
