@@ -495,3 +495,67 @@ def test_a_worker_that_exits_0_at_the_end_is_no_failure(tmp_path: Path) -> None:
     assert group.poll() is None and group.continued is None and workers[1].signals == []
     workers[1].code = 0
     assert group.poll() == 0
+
+
+def test_a_worker_killed_by_a_signal_is_seen_gone_when_the_group_saw_it(tmp_path: Path) -> None:
+    """A SIGKILLed rank records no FAILURE: the agent's own look at its exit is the failure instant (the
+    report's detection read `?` for every such rank under ettr's agent). A raise the worker lived on from
+    and a clean exit are no deaths."""
+    from ettr.run_env import inplace_failed_path
+    from ettr.supervisor.classify import classify
+    from ettr.supervisor.inplace import InPlaceCheck
+    from ettr.supervisor.workers import WorkerGroup
+
+    workers = [FakeWorker(60), FakeWorker(61)]
+    group = WorkerGroup(workers, flush_s=0.0, teardown_grace_s=60.0)
+    assert group.seen_gone() == []
+    workers[1].code = -9
+    while group.poll() is None:
+        pass
+    assert group.seen_gone() == [(group.failed_at, [61])]
+    end = classify(
+        returncode=-9, failed_pids=group.failed_pids(), seen_gone=group.seen_gone(), ranks=group.ranks()
+    )
+    assert end.rank_gone_ts == group.failed_at
+
+    kept = [KeptWorker(62), KeptWorker(63)]  # in place: the dead one is seen gone, a survived raise is not
+    dead = WorkerGroup(kept, flush_s=0.0, teardown_grace_s=60.0)
+    dead.inplace = InPlaceCheck(tmp_path, 0)
+    _joined(tmp_path, 0, *kept)
+    kept[0].code = -9
+    assert dead.poll() is None and dead.seen_gone() == [(dead.failed_at, [62])]
+    lived = [KeptWorker(64), KeptWorker(65)]
+    raised = WorkerGroup(lived, flush_s=0.0, teardown_grace_s=60.0)
+    raised.inplace = InPlaceCheck(tmp_path, 1)
+    _joined(tmp_path, 1, *lived)
+    inplace_failed_path(tmp_path, 1, 65).touch()
+    assert raised.poll() is None and raised.continued is not None and raised.seen_gone() == []
+    done = WorkerGroup([FakeWorker(66)])
+    done.procs[0].code = 0
+    assert done.poll() == 0 and done.seen_gone() == []
+
+
+def test_an_in_place_attempt_counts_only_the_workers_it_started_warm(tmp_path: Path) -> None:
+    """`attempt 1 continues in place: 2 worker(s), ..., 2 in warm standbys` was printed for an exception both
+    workers lived on from (nothing started): the count was the first attempt's, survivors included."""
+    from types import SimpleNamespace
+
+    from ettr.supervisor.inplace import InPlaceCheck
+    from ettr.supervisor.workers import WorkerGroup, WorkerGroupKind
+
+    kept = [KeptWorker(90), KeptWorker(91)]
+    group = WorkerGroup(kept, warm=[True, True], flush_s=0.0, teardown_grace_s=60.0)
+    group.inplace = InPlaceCheck(tmp_path, 0)
+    _joined(tmp_path, 0, *kept)
+    kept[1].code = -9
+    assert group.poll() is None and group.continued is not None
+    kind = object.__new__(WorkerGroupKind)  # the parts `continue_in_place` uses, no standbys: a cold start
+    kind._workers = ([[sys.executable, "-c", "pass"]] * 2, [{}, {}])
+    kind._standbys, kind._zygote, kind._port, kind._run_dir = None, None, 0, tmp_path
+    kind._env = lambda plan, rank, port: {"PATH": os.environ.get("PATH", "")}
+    kind.continue_in_place(group, SimpleNamespace(attempt=1))
+    try:
+        assert group.warm == [False, False]  # rank 0 went on, rank 1 started cold
+        assert "warm standbys" not in group.describe() and "zygote" not in group.describe()
+    finally:
+        group.procs[1].finish()

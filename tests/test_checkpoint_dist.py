@@ -175,3 +175,41 @@ def test_the_step_agreement_acts_on_any_ranks_flags_at_the_same_boundaries_on_ev
     # proposed at 1 is acted on at 2; rank 1's preemption (from 20) is proposed at 20, acted on at 22
     assert acted[0][0] == (2, True, False)
     assert acted[0][1] == (22, False, True)
+
+
+def _forming_under_the_generation_bound(rank: int, world_size: int) -> tuple[str, float | None, float | None]:
+    """Inside a generation of `ettr.resilient` (its bound in the environment, the default group's timeout
+    raised to the collective one): then rank 1 never makes a second pair of groups, as a peer killed there."""
+    import os
+
+    import torch.distributed as dist
+
+    from ettr import torch_compat
+    from ettr.checkpoint.coordination import Coordinator
+    from ettr.run_env import GROUP_FORM_TIMEOUT_ENV
+
+    os.environ[GROUP_FORM_TIMEOUT_ENV] = "2"
+    torch_compat.set_group_timeout(600.0)
+    both = Coordinator.create()  # every rank: formed under 2 s, its collectives then get the default's 600 s
+    timeouts = (
+        torch_compat.group_timeout_s(both.process_group),
+        torch_compat.group_timeout_s(both.control_group),
+    )
+    dist.barrier()
+    if rank == 1:
+        return ("skipped", *timeouts)
+    try:
+        Coordinator.create()  # rank 0 alone: before, gloo's 30 minutes; now the generation's 2 s
+    except Exception as exc:  # gloo's connect or the store barrier, whichever gives up first
+        return (type(exc).__name__, *timeouts)
+    return ("formed", *timeouts)
+
+
+def test_the_checkpoint_groups_of_a_generation_form_under_its_rendezvous_bound() -> None:
+    """A peer killed while the next generation's CheckpointManager made its groups left the survivor in
+    gloo's `new_group` for its default 30 minutes (in-place SIGKILL trials: the harness killed it as hung).
+    Inside a generation the groups form under the generation's bound and fail with it; their collectives
+    still get the default group's timeout."""
+    results = run_ranks(_forming_under_the_generation_bound, 2, timeout_s=240.0)
+    assert results[0][0] != "formed"
+    assert results[0][1:] == (600.0, 600.0) and results[1] == ("skipped", 600.0, 600.0)

@@ -16,7 +16,7 @@ import torch
 from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
 from ettr.checkpoint.base import MANIFEST_NAME, CheckpointInvalid, step_dir_name
 from ettr.checkpoint.memory import MemoryCopies, fill
-from ettr.checkpoint.snapshot import Binding, SnapshotUnsupported, open_snapshot, write
+from ettr.checkpoint.snapshot import Binding, SnapshotUnsupported, _align, open_snapshot, parse_bytes, write
 from ettr.events import EventKind, Phase
 from ettr.ledger.base import MemoryLedger
 from ettr.run_env import memory_dirs_of_run, memory_root
@@ -125,6 +125,36 @@ def test_a_forged_header_is_a_copy_not_used_never_an_exception(tmp_path: Path, c
     _reheader(copies.own_path(), **changes)
     found = copies.find(BINDING)
     assert found.snapshot is None and "memory copy unusable" in found.reason
+
+
+@pytest.mark.parametrize(
+    "tree", [None, {"d": [["f", {"f": 10**400}]]}], ids=["no_tree", "float_out_of_range"]
+)
+def test_a_forged_tree_whose_payload_verifies_is_refused_by_load_never_an_exception(
+    tmp_path: Path, tree: Any
+) -> None:
+    # Its header's CRC and the payload's are anyone's to compute: `load` raised KeyError or OverflowError.
+    import json
+    import struct
+    import zlib
+
+    from ettr.checkpoint.snapshot import MAGIC
+
+    path = tmp_path / "s.snap"
+    _write(path)
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[len(MAGIC) : len(MAGIC) + 8])
+    payload = raw[_align(len(MAGIC) + 8 + length) :]
+    body = json.loads(raw[len(MAGIC) + 8 : len(MAGIC) + 8 + length])
+    del body["header_crc32"], body["tree"]
+    if tree is not None:
+        body["tree"] = tree
+    body["header_crc32"] = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    header = json.dumps(body).encode()
+    start = len(MAGIC) + 8 + len(header)
+    forged = MAGIC + struct.pack("<Q", len(header)) + header + bytes(_align(start) - start) + payload
+    with pytest.raises(CheckpointInvalid):
+        parse_bytes(bytearray(forged)).load()
 
 
 def test_what_a_snapshot_cannot_hold_is_refused_before_anything_is_written(tmp_path: Path) -> None:
@@ -641,3 +671,56 @@ def test_a_copy_replaced_by_someone_else_is_not_written_through(tmp_path: Path) 
     assert other.read_bytes() == b"not ours"
     assert not path.is_symlink()
     assert torch.equal(_loaded_w(path), _state()["model"]["w"] * 6.0)
+
+
+def test_a_copy_found_under_a_folder_others_may_write_is_not_used(tmp_path: Path) -> None:
+    # Whoever may write the folder above a job's copy folder can swap that folder for one of their own between
+    # find's check of it and the open (a loop of renames wins the race): the job then restored their forged
+    # state, bound to the commit by a digest anyone who reads the manifest computes. The folder above is checked.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "ckpt").mkdir(mode=0o700)
+    _write(shared / "ckpt" / "rank-0.snap")
+    copies = MemoryCopies(shared / "ckpt", rank=0)
+    assert copies.find(BINDING).snapshot is not None  # (the honest case)
+    shared.chmod(0o777)
+    found = copies.find(BINDING)
+    assert found.snapshot is None and "writable by others" in found.reason, found.reason
+
+
+def test_a_copy_folder_further_below_a_folder_others_may_write_is_not_used(tmp_path: Path) -> None:
+    # ETTR_MEMORY_DIR=/data/team/me: `me` and its copy folder are private, `team` is anyone's to rename in.
+    team = tmp_path / "team"
+    (team / "me" / "ckpt").mkdir(parents=True, mode=0o700)
+    os.chmod(team / "me", 0o700)
+    _write(team / "me" / "ckpt" / "rank-0.snap")
+    copies = MemoryCopies(team / "me" / "ckpt", rank=0)
+    assert copies.find(BINDING).snapshot is not None
+    team.chmod(0o777)
+    found = copies.find(BINDING)
+    assert found.snapshot is None and "without the sticky bit" in found.reason, found.reason
+    team.chmod(0o1777)  # sticky (/dev/shm, /tmp): only the owner of `me` may rename it
+    assert copies.find(BINDING).snapshot is not None
+
+
+@pytest.mark.parametrize("problem", ["group_writable", "another_users"])
+def test_a_snapshot_file_another_user_could_have_written_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, problem: str
+) -> None:
+    # The file itself, as opened (no race): a copy swapped in is another user's file.
+    path = tmp_path / "s.snap"
+    _write(path)
+    if problem == "group_writable":
+        path.chmod(0o660)
+    else:
+        owner = os.stat(path).st_uid
+        monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+    with pytest.raises(CheckpointInvalid, match="writable by others|not this user"):
+        open_snapshot(path)
+
+
+def test_a_fifo_in_place_of_a_copy_never_blocks_a_restore(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir(mode=0o700)
+    os.mkfifo(tmp_path / "ckpt" / "rank-0.snap")
+    found = MemoryCopies(tmp_path / "ckpt", rank=0).find(BINDING)
+    assert found.snapshot is None and "FIFO" in found.reason, found.reason

@@ -32,7 +32,7 @@ class FakeLookup:
 
     def _run(self, header: str, cmd_line: str, **compile_command: Any) -> str:
         self.calls += 1  # the preprocessing (`g++ -E`, `openssl sha512`)
-        path = self.header_dir / "ab" / "abcdef.h"
+        path = self.header_dir / "cabcdef.h"  # as inductor names it: `<hash>.h` in its header directory
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"#include <{header}>\n")
         if self.gch:
@@ -61,7 +61,7 @@ def test_a_later_process_takes_the_remembered_header_without_preprocessing(tmp_p
 
 @pytest.mark.parametrize(
     "change",
-    ["key", "cmd_line", "no_gch", "escaping_path", "damaged_memo"],
+    ["key", "cmd_line", "no_gch", "escaping_path", "not_a_header", "below", "damaged_memo"],
 )
 def test_anything_not_the_same_runs_the_lookup(tmp_path: Path, change: str) -> None:
     _wrapped(tmp_path, FakeLookup(tmp_path / "headers"))(HEADER, "g++ -O3", vec_isa="avx2")
@@ -72,7 +72,7 @@ def test_anything_not_the_same_runs_the_lookup(tmp_path: Path, change: str) -> N
     elif change == "cmd_line":
         cmd_line = "g++ -O2"
     elif change == "no_gch":
-        (tmp_path / "headers" / "ab" / "abcdef.h.gch").unlink()
+        (tmp_path / "headers" / "cabcdef.h.gch").unlink()
     elif change == "escaping_path":
         outside = tmp_path / "evil.h"
         outside.write_text("")
@@ -80,11 +80,20 @@ def test_anything_not_the_same_runs_the_lookup(tmp_path: Path, change: str) -> N
         data = json.loads(memo.read_text())
         data["entries"][0]["header"] = "../evil.h"
         memo.write_text(json.dumps(data))
+    elif change in ("not_a_header", "below"):  # files inside the directory, each with a `.gch` beside it,
+        # that inductor never names a header: what a forged memo names, g++ is told to -include
+        name = "kernel.so" if change == "not_a_header" else "sub/x.h"
+        (tmp_path / "headers" / name).parent.mkdir(exist_ok=True)
+        for file in (name, f"{name}.gch"):
+            (tmp_path / "headers" / file).write_bytes(b"")
+        data = json.loads(memo.read_text())
+        data["entries"][0]["header"] = name
+        memo.write_text(json.dumps(data))
     else:
         memo.write_text("{not json")
     later = FakeLookup(tmp_path / "headers")
     path = _wrapped(tmp_path, later, key)(HEADER, cmd_line, vec_isa="avx2")
-    assert later.calls == 1 and path == str(tmp_path / "headers" / "ab" / "abcdef.h")
+    assert later.calls == 1 and path == str(tmp_path / "headers" / "cabcdef.h")
 
 
 def test_a_header_without_its_compiled_form_is_not_remembered(tmp_path: Path) -> None:
@@ -140,4 +149,4 @@ def test_the_headers_a_process_was_given_are_its_used_headers(tmp_path: Path) ->
     _wrapped(tmp_path, FakeLookup(tmp_path / "headers"))(HEADER, "g++ -O3")  # looked up
     later = _wrapped(tmp_path, FakeLookup(tmp_path / "headers"))
     later(HEADER, "g++ -O3")  # recalled
-    assert pch_memo.used_headers() == {"ab/abcdef.h"}
+    assert pch_memo.used_headers() == {"cabcdef.h"}

@@ -692,9 +692,12 @@ def test_a_recalled_isa_compiles_with_the_flags_the_probe_gave_it(monkeypatch):
         {"name": "avx2", "flags": "-mavx2", "state": {}},
     ]
     avx2 = VecAVX2()
-    module = types.SimpleNamespace(supported_vec_isa_list=[fresh, avx2])
+    module = types.SimpleNamespace(
+        supported_vec_isa_list=[fresh, avx2], x86_isa_checker=lambda: ["avx2", "avx512"]
+    )
     monkeypatch.setitem(sys.modules, "torch._inductor.cpu_vec_isa", module)
     monkeypatch.setattr(torch._inductor, "cpu_vec_isa", module, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert fresh.build_arch_flags() == "-mavx512f"  # recalled by name alone: no -mavx512bf16 (the bug)
     assert torch_compat.inductor_vec_isas_restored(json.loads(json.dumps(described))) == [fresh, avx2]
     assert fresh.build_arch_flags() == probed.build_arch_flags() == "-mavx512f -mavx512bf16"
@@ -709,6 +712,16 @@ def test_a_recalled_isa_compiles_with_the_flags_the_probe_gave_it(monkeypatch):
     ):
         assert torch_compat.inductor_vec_isas_restored(wrong) is None
         assert vars(other) == {} and other.build_arch_flags() == "-mavx512f"  # left as it was
+
+    # A forged memo (whoever could write the cache directory or a store entry) under the right key: it may not
+    # switch on what this CPU cannot run, or every kernel compiled with those flags dies of SIGILL.
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert torch_compat.inductor_vec_isas_restored([described[0]]) is None  # bf16 the CPU lacks
+    assert vars(other) == {} and other.build_arch_flags() == "-mavx512f"
+    module.x86_isa_checker = lambda: ["avx2"]
+    no_bf16 = {**described[0], "flags": "-mavx512f", "state": {"_is_avx512_bf16_supported": False}}
+    assert torch_compat.inductor_vec_isas_restored([no_bf16]) is None  # an ISA the CPU lacks
+    assert torch_compat.inductor_vec_isas_restored([described[1]]) == [avx2]  # what it has: taken
 
 
 def test_inductors_torch_key_is_prefetched_on_torchs_own_thread_and_read_once():

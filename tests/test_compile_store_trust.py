@@ -104,6 +104,22 @@ def test_the_store_root_is_created_private_and_others_refused(tmp_path):
         LocalBackend(link).read("d/x")
 
 
+def test_a_store_below_a_folder_others_may_write_is_refused_unless_that_folder_is_sticky(tmp_path):
+    # The store's own folder was checked, not the one above it: whoever may write that can rename the checked
+    # store away and put theirs (kernels: code this job runs) in its place between the check and the read.
+    # A sticky folder (/tmp) lets only an entry's owner rename it.
+    above = tmp_path / "team"
+    above.mkdir()
+    LocalBackend(above / "store").write("d/x", b"1")  # (private all the way: taken)
+    os.chmod(above, 0o777)
+    with pytest.raises(UnsafeLocation, match="without the sticky bit"):
+        LocalBackend(above / "store").read("d/x")
+    with pytest.raises(UnsafeLocation, match="without the sticky bit"):
+        check_private_dir(above / "store" / "d")  # (any folder further up counts)
+    os.chmod(above, 0o1777)
+    assert LocalBackend(above / "store").read("d/x") == b"1"
+
+
 def test_the_store_never_reads_through_a_planted_symlink(tmp_path):
     root = tmp_path / "store"
     backend = LocalBackend(root)

@@ -629,6 +629,41 @@ def test_side_by_side_the_optimized_side_starts_once_the_store_holds_the_baselin
     assert log == ["launch a", "end a", "launch b", "end b", "stop a", "stop b"]
 
 
+def test_a_preempted_job_is_requeued_before_its_ledger_is_read(monkeypatch, tmp_path) -> None:
+    # A read of a large ledger under load took seconds of the job's wall time between its preemption and its
+    # requeue; and the side that exited is looked at first.
+    order: list[str] = []
+
+    class Proc:
+        def poll(self) -> int:
+            return demo.PREEMPTED_EXIT_STATUS
+
+    class Display:
+        def note(self, line: str) -> None:
+            order.append("note")
+
+        def show(self, *args: object) -> None:
+            order.append("show")
+
+    run = demo.JobRun.__new__(demo.JobRun)
+    run.job = type("J", (), {"side": type("S", (), {"name": "optimized"})(), "run_dir": tmp_path})()
+    run.status, run._proc, run._num_launches, run._began = None, Proc(), 1, 0.0
+    run.launch = lambda: order.append("launch")  # type: ignore[method-assign]
+    monkeypatch.setattr(demo, "read_events", lambda run_dir: order.append("read") or [])
+    run.tick(Display())  # type: ignore[arg-type]
+    assert order == ["launch", "note"]
+    monkeypatch.setattr(demo, "wait_any", lambda runs, timeout_s: None)
+    log: list[str] = []
+    a, b = FakeRun("a", 2, log), FakeRun("b", 2, log)
+    b.exited = True
+    ticked = []
+    for fake in (a, b):
+        tick = fake.tick
+        fake.tick = lambda display, fake=fake, tick=tick: (ticked.append(fake.name), tick(display))  # type: ignore[method-assign]
+    demo.run_jobs([a, b], display=None, side_by_side=True, store=None)
+    assert ticked[:2] == ["b", "a"]
+
+
 class _Stop(Exception):
     pass
 

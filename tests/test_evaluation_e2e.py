@@ -39,7 +39,10 @@ def _evaluations(seen: list[dict[str, Any]], kept: dict[int, float]) -> tuple[fl
 
 
 @pytest.mark.slow
-def test_a_crash_keeps_the_evaluations_of_kept_steps_and_wastes_the_others(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["eval_mode", "train_mode"])
+def test_a_crash_keeps_the_evaluations_of_kept_steps_and_wastes_the_others(tmp_path: Path, mode: str) -> None:
+    """`train_mode`: the evaluation never calls `eval()`; it runs a validation DataLoader through the training model
+    under `torch.set_grad_enabled(False)` (pytorch/examples' minGPT-ddp; `ettr.bootstrap.loader_eval`)."""
     import torch
 
     run_dir, observe, data = tmp_path / "run", tmp_path / "seen.jsonl", tmp_path / "inputs.pt"
@@ -48,6 +51,7 @@ def test_a_crash_keeps_the_evaluations_of_kept_steps_and_wastes_the_others(tmp_p
         "run", "--run-dir", str(run_dir), "--inject", "crash@step=17", "--",
         sys.executable, SCRIPT, "--ckpt", str(tmp_path / "ckpt.pt"), "--observe", str(observe),
         "--num-steps", "20", "--eval-every", "5", "--save-every", "10", "--data", str(data),
+        *(["--eval-in-train-mode"] if mode == "train_mode" else []),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rep = report(run_dir)

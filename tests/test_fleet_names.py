@@ -114,3 +114,22 @@ def test_a_run_directory_whose_name_is_not_utf8_is_accounted_and_shown_escaped(
     assert main(["fleet", str(odd)]) == 0
     text = capsys.readouterr().out
     assert "odd" in text and "\x1b" not in text
+
+
+def test_a_forged_family_or_a_run_directory_named_with_a_newline_adds_no_line_of_its_own(tmp_path, capsys):
+    # A forged ledger's family (`ettr run --family` refuses one that is not one line) and a run directory
+    # named with a newline (anyone may make one in a shared runs folder that `ettr fleet runs/*` reads) were
+    # printed as they are: lines that read as ettr's own (`fleet: 9 jobs | ETT 99.9%`).
+    fake = "fleet: 9 jobs | ETT 99.9% FAKE"
+    write_job(tmp_path / "a", JobSpec(job_id="a1", family=f"train\n{fake}", start_ts=T0))
+    write_job(tmp_path / f"b\n{fake}", JobSpec(job_id=_generated(1), family="train", start_ts=T0 + 10))
+    assert main(["fleet", str(tmp_path / "a"), str(tmp_path / f"b\n{fake}")]) == 0
+    out = capsys.readouterr().out
+    assert not any(line.startswith(fake) for line in out.splitlines()), out
+    assert main(["report", str(tmp_path / f"b\n{fake}"), str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert not any(line.startswith(fake) for line in out.splitlines()), out
+    assert main(["fleet", str(tmp_path / "a"), "--json"]) == 0
+    assert (
+        json.loads(capsys.readouterr().out)["jobs"][0]["family"] != f"train\n{fake}"
+    )  # not the family recorded

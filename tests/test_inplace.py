@@ -743,3 +743,63 @@ def test_a_train_that_makes_its_own_default_group_is_told_so_at_once(monkeypatch
     with pytest.raises(InPlaceGaveUp, match="remove the script's own init_process_group"):
         ettr.resilient(train)()
     assert calls == [0] and not dist.is_initialized()
+
+
+def test_a_rank_that_only_saw_a_peer_fail_says_so_not_that_it_failed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A SIGKILL of rank 1 under `ettr run`: rank 0's console line read "generation 0 failed on rank 0
+    # (RuntimeError: ... Connection reset by peer ...)", naming the victim beside the agent's "(rank 1)".
+    import ettr
+
+    _as_a_single_rank(monkeypatch)
+    errors = [RuntimeError("[pair.cc:537] Read error: Connection reset by peer"), ValueError("own bug")]
+
+    def train(gen: Any) -> None:
+        if errors:
+            raise errors.pop(0)
+
+    config = InPlaceConfig(max_restarts=2, rendezvous_timeout_s=30)
+    with caplog.at_level(logging.WARNING, logger="ettr"):
+        ettr.resilient(train, config=config)()
+    assert "generation 0: rank 0 lost a peer (RuntimeError: [pair.cc:537]" in caplog.text
+    assert "generation 1 failed on rank 0 (ValueError: own bug)" in caplog.text
+
+
+def test_a_rank_that_finished_sees_a_peer_that_died_meanwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In-place SIGKILL trials: a survivor whose `train` had returned waited in `_completed` for good for a
+    # peer SIGKILLed after the recovery (no collective of its own failed; without an agent nobody moved the
+    # generation on). Now it looks at the peers of its host and goes on to the next generation.
+    import subprocess
+    import sys
+
+    from ettr import procs
+    from ettr.inplace import rendezvous, wrapper
+    from ettr.inplace.generations import StoreGenerations
+
+    if procs.pid_space() is None:
+        pytest.skip("no /proc here")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ticks = procs.start_ticks(child.pid)
+    child.kill()
+    child.wait()
+    store = dist.HashStore()
+    keys = rendezvous.generation_store(store, 0)
+    rendezvous.announce(keys, 0)  # this process: alive
+    keys.set("proc/2", f"{procs.pid_space()} {os.getpid()} x")  # alive too, start ticks unreadable
+    keys.set("proc/3", "another-host pid:[1] 1 1")  # another host or container: never judged
+    keys.set("proc/4", "garbage")
+    assert rendezvous.dead_peer(keys, 0, 5) is None  # rank 1 said nothing yet
+    keys.set("proc/1", f"{procs.pid_space()} {child.pid} {ticks}")
+    assert rendezvous.dead_peer(keys, 0, 5) == 1
+    assert rendezvous.dead_peer(keys, 1, 5) is None  # its own rank is not its peer
+    rendezvous.returned(keys, 1)
+    assert rendezvous.dead_peer(keys, 0, 5) is None  # a rank that returned from train may exit
+
+    keys = rendezvous.generation_store(store, 1)  # the wait itself: rank 1 of 2 died, rank 0 finished
+    keys.set("proc/1", f"{procs.pid_space()} {child.pid} {ticks}")
+    monkeypatch.setattr(wrapper, "_DEAD_PEER_LOOK_S", 0.0)
+    runner = object.__new__(wrapper._Runner)
+    runner.rank, runner.world_size = 0, 2
+    generations = StoreGenerations(store)
+    assert runner._completed(store, 1, generations) is False

@@ -14,6 +14,7 @@ import random
 import shutil
 import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -388,25 +389,31 @@ def test_a_supervisor_record_nested_too_deep_is_skipped_when_the_ledger_names_it
     assert len(err.strip().splitlines()) == 1 and "holds job 'flip'" in err, err
 
 
-def test_a_job_id_from_the_books_reaches_the_terminal_with_its_escapes_written_out(tmp_path, capsys):
-    """`ettr run --continue-job` said `continuing job <id>` with the id the ledger holds: a forged one with
-    OSC 52 / ESC sequences went raw to the operator's terminal (so did `job <id> ended with status`)."""
+@pytest.mark.parametrize(
+    "forged",
+    ["flip\x1b]52;c;ZXZpbA==\x07\x1b[2J", "../../x/$(touch pwned)", 'flip"}\nETT 99.9% | idle 0.0%', "", 7],
+)
+def test_a_job_id_the_books_hold_that_ettr_run_would_refuse_is_never_taken(tmp_path, capsys, forged):
+    """`ettr run --continue-job` took the id a forged ledger held as the job's own: an id `ettr run --job-id`
+    refuses (`../../x/$(...)`, a newline, OSC 52 / ESC sequences) became every process's `ETTR_JOB_ID`, the
+    id it wrote to the books, and `ettr report` printed its newline as report lines of the forger's. Such an
+    id is not a recorded one: the report names the job by its directory, a continued job gets a fresh id."""
     run_dir = tmp_path / "run"
     killed_job(run_dir)
-    forged = "flip\x1b]52;c;ZXZpbA==\x07\x1b[2J"
     conn = sqlite3.connect(run_dir / "ledger.db")
     conn.execute(
         "UPDATE events SET data = json_set(data, '$.job_id', ?) WHERE kind = 'supervisor_start'", (forged,)
     )
     conn.commit()
     conn.close()
-    assert (
-        cli_main(["run", "--run-dir", str(run_dir), "--continue-job", "--max-restarts", "0", "--", "true"])
-        == 0
-    )
+    assert cli_main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("job run ") and "99.9" not in out and "pwned" not in out, out[:200]
+    argv = ["run", "--run-dir", str(run_dir), "--continue-job", "--max-restarts", "0", "--"]
+    script = "import os, sys; sys.exit(0 if os.environ['ETTR_JOB_ID'].startswith('job-') else 9)"
+    assert cli_main([*argv, sys.executable, "-c", script]) == 0
     err = capsys.readouterr().err
-    assert "continuing job flip\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J" in err
-    assert "\x1b" not in err and "\x07" not in err
+    assert "\x1b" not in err and "\x07" not in err and "pwned" not in err and "99.9" not in err, err
 
 
 def test_a_read_only_reader_waits_briefly_for_another_programs_exclusive_lock(tmp_path, monkeypatch):
@@ -475,3 +482,19 @@ def test_a_ledger_whose_schema_runs_code_is_refused_in_one_line(tmp_path, capsys
         assert cli_main(argv) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "is not a readable ettr ledger" in err, err
+
+
+def test_a_ledger_whose_every_record_is_unreadable_is_not_said_to_hold_no_events(tmp_path, capsys):
+    """Every row damaged (or forged): `ettr report` said `the ledger holds no events yet`, which was not so."""
+    run_dir = tmp_path / "run"
+    killed_job(run_dir)
+    conn = sqlite3.connect(run_dir / "ledger.db")
+    conn.execute("UPDATE events SET data = '{{'")
+    conn.commit()
+    conn.close()
+    assert cli_main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "none of the ledger's 33 records could be read" in err[-1] and "no events yet" not in err[-1], err
+    assert cli_main(["fleet", str(run_dir), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "none of the ledger's 33 records could be read" in err, err

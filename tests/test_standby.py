@@ -339,3 +339,63 @@ def test_a_forged_first_step_marker_never_names_a_module_the_standby_would_run(t
     os.mkfifo(marker.parent / "trained-pid-43")  # would block the supervisor's read for good
     (marker.parent / "trained-pid-44").symlink_to("/dev/zero")
     assert trained_modules(tmp_path, 0) == ["torch._dynamo", "torch.distributed", "torchrec"]
+
+
+TEMPLATES_LAZY = """\
+import sys
+from ettr.bootstrap.standby import _warm_up
+_warm_up(sys.argv[1:])
+import torch._inductor.compile_fx
+from torch._inductor.codegen.common import KernelTemplate
+from ettr.patcher import ORIGINAL_ATTR
+made = KernelTemplate.__dict__["_template_from_string"].__func__
+print(getattr(made, ORIGINAL_ATTR, None) is not None)
+"""
+
+
+@pytest.mark.parametrize("modules", [["torch._inductor.compile_fx"], []])
+def test_a_warm_up_that_imports_inductors_compile_path_leaves_its_kernel_templates_to_their_first_use(
+    modules: list[str],
+) -> None:
+    # As the attempt's compile session would (ettr.compile.lazy_templates), on a torch without a GPU backend;
+    # a warm-up without the compile path leaves inductor alone, as a cold start's import does.
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jinja2")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", TEMPLATES_LAZY, *modules], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    gpu_built = torch.backends.cuda.is_built() or bool(getattr(torch.version, "hip", None))
+    assert done.stdout.split()[-1] == str(bool(modules) and not gpu_built)
+
+
+ISA_PROBE_AHEAD = """\
+import json, os
+from ettr.bootstrap.standby import VEC_ISA_PROBE, _warm_up
+_warm_up([VEC_ISA_PROBE])
+from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+memo = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "ettr-vec-isa.json")
+print(json.dumps({"probed": valid_vec_isa_list.cache_info().currsize > 0, "memo": os.path.isfile(memo)}))
+"""
+
+
+def test_a_warm_up_takes_the_isa_probes_remembered_answer_and_leaves_one_where_it_probed(
+    tmp_path: Path,
+) -> None:
+    # The attempt's probe left its answer in inductor's cache directory (`ettr.compile.isa_probe`); a standby
+    # or zygote that probes ahead takes it there instead of loading libtorch in six subprocesses again.
+    pytest.importorskip("torch")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    seen = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", ISA_PROBE_AHEAD], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        seen.append(json.loads(done.stdout.splitlines()[-1]))
+    assert seen == [{"probed": True, "memo": True}, {"probed": False, "memo": True}]

@@ -168,3 +168,28 @@ def test_a_long_start_names_the_phases_its_ranks_are_in(tmp_path: Path) -> None:
         "attempt 0: still no training step after 10 s (cold start: interpreter, imports, model build, restore; "
         "now: compile on ranks 0, 1; other on rank 1)"
     )
+
+
+def test_processes_that_train_without_being_ranks_are_named_once() -> None:
+    # pytorch/examples' mnist_hogwild: its processes stepped, joined no group, and every line said "cold start".
+    answers = [[], [4711, 4712]]
+    wait = StartupWait(0, 0.0, path="cold", unrecorded=lambda: answers.pop(0) if answers else [4711, 4712])
+    said = [line for _, line in _lines(wait, [1.0, 10.0, 30.0, 60.0])]
+    assert said[1] == (
+        "attempt 0: still no training step after 10 s (cold start: interpreter, imports, model build, restore)"
+    )
+    assert said[2] == (
+        "attempt 0: no training step recorded after 30 s: processes 4711, 4712, started by the script itself, "
+        "step an optimizer but joined no process group (Hogwild-style training): they are no ranks, so ettr "
+        "does not count their steps and this job's ETT will be unknown"
+    )
+    assert said[3] == "attempt 0: still no training step after 60 s (its processes train unrecorded)"
+
+
+def test_a_failing_diagnosis_never_stops_the_watch() -> None:
+    def broken() -> list[int]:
+        raise OSError("gone")
+
+    wait = StartupWait(0, 0.0, path="cold", unrecorded=broken)
+    said = [line for _, line in _lines(wait, [1.0, 10.0])]
+    assert said[1].startswith("attempt 0: still no training step after 10 s (cold start")

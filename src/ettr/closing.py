@@ -14,6 +14,7 @@ from typing import Any
 
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.procs import pid_alive
+from ettr.run_env import JOB_ID_PATTERN
 
 
 def live_supervisor(events: Sequence[Event]) -> int | None:
@@ -66,10 +67,15 @@ def completed_at(events: Sequence[Event]) -> float | None:
 
 
 def recorded_job_id(events: Sequence[Event]) -> str | None:
-    """The job id the first supervisor of this run directory recorded (None: none recorded)."""
+    """The job id the first supervisor of this run directory recorded (None: none recorded). Only an id
+    `ettr run` would take (`run_env.JOB_ID_PATTERN`): a forged ledger's `../x/$(...)` or one with a newline
+    was adopted by a requeued `ettr run` as the job's id (`ETTR_JOB_ID` of every process) and printed by
+    `ettr report` as lines of its own."""
     for e in events:
-        if e.kind is EventKind.SUPERVISOR_START and e.data and e.data.get("job_id"):
-            return str(e.data["job_id"])
+        if e.kind is EventKind.SUPERVISOR_START and e.data:
+            job_id = e.data.get("job_id")
+            if isinstance(job_id, str) and JOB_ID_PATTERN.fullmatch(job_id):
+                return job_id
     return None
 
 

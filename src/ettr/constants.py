@@ -38,6 +38,9 @@ BACKOFF_MARK = "restart_backoff"
 RELAUNCH_MARK = "relaunch"
 """Supervisor MARK (attempt = the one started) at its start: how its process(es) were started and why
 (`ettr.supervisor.relaunch.Relaunch`: data path warm|promoted|cold, why, and per rank under ettr's agent)."""
+UNRECORDED_MARK = "unrecorded_trainers"
+"""MARK the instrumented process records as it exits when processes it started with multiprocessing stepped an
+optimizer without becoming ranks (`ettr.bootstrap.unrecorded`); data: pids."""
 SIGNALLED_MARK = "supervisor_signalled"
 """Supervisor MARK (attempt = the running one) when a signal that stops the job reaches the supervisor (a
 scheduler's SIGTERM, Slurm's SIGUSR1, Ctrl-C), whatever the attempt is doing; data: signal (its name). Written

@@ -54,6 +54,18 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+def pid_space() -> str | None:
+    """This host's boot and this process's PID namespace (`BOOT_ID pid:[INODE]`): a process that recorded the
+    same can be looked up here by its pid (`running`); another container on the same host shares the boot,
+    not the namespace. None where /proc does not say."""
+    try:
+        boot = Path(_PROC, "sys/kernel/random/boot_id").read_text().strip()
+        space = os.readlink(f"{_PROC}/self/ns/pid")
+    except OSError:
+        return None
+    return f"{boot} {space}" if boot and space and " " not in boot + space else None
+
+
 def run_state(pid: int) -> str | None:
     """The kernel's state letter of process `pid` (`R` running, `S` asleep, `D` uninterruptible I/O, `T`
     stopped, `Z` zombie, ...; field 3 of stat(5)); None: no such process, or no /proc."""

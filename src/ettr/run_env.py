@@ -13,6 +13,7 @@ mtime of the attempt's directory. Imports nothing of ettr.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ RUN_DIR_ENV = "ETTR_RUN_DIR"
 """Absolute path of the run directory (the contract); its presence is what makes a process part of a run."""
 JOB_ID_ENV = "ETTR_JOB_ID"
 """The job's id (the contract)."""
+JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+"""A job id: a letter or digit, then letters, digits and `._+-` (128 at most): safe as a directory name and
+in a shell command, never `.` or `..`. `ettr run` refuses another (`supervisor.config.check_job_id`), and a
+reader takes no other from a ledger (`closing.recorded_job_id`): a forged one is not a recorded id."""
 ATTEMPT_ENV = "ETTR_ATTEMPT"
 """The attempt index, 0 for the first attempt (the contract)."""
 SUPERVISOR_PID_ENV = "ETTR_SUPERVISOR_PID"
@@ -88,6 +93,10 @@ INSTRUMENTED_WORLD_ENV = "ETTR_INSTRUMENTED_WORLD"
 """Set beside `INSTRUMENTED_ENV`: the instrumented process's world size. A Python process it starts whose
 environment names a rank of a larger world (`RANK`/`WORLD_SIZE`, MPI's names) while it is alone (1) was
 started as a rank by a launcher program of the user's own (`ettr.bootstrap.spawned.launched_rank`)."""
+GROUP_FORM_TIMEOUT_ENV = "ETTR_GROUP_FORM_TIMEOUT_S"
+"""Set by `ettr.resilient` in its own process while a generation runs (`group_form_timeout_s`): how long a
+process group made in the generation may take to form, the generation's rendezvous bound; the checkpoint
+manager's groups form under it (`ettr.checkpoint.coordination`), not under gloo's default 30 minutes."""
 RANK_CLEARS = (OWN_RANK_ENV, OWN_WORLD_SIZE_ENV, RANK_BASE_ENV, INSTRUMENTED_WORLD_ENV)
 """The ranks ettr assigned: a launcher (torchrun, accelerate, torchrun's agent in a program) started inside
 the job removes them for its workers, which have ranks of their own."""
@@ -244,6 +253,12 @@ def _optional_float(environ: Mapping[str, str], name: str) -> float | None:
         return float(environ.get(name, ""))
     except ValueError:
         return None
+
+
+def group_form_timeout_s(environ: Mapping[str, str] = os.environ) -> float | None:
+    """`GROUP_FORM_TIMEOUT_ENV`: seconds > 0, else None (outside a generation of `ettr.resilient`)."""
+    found = _optional_float(environ, GROUP_FORM_TIMEOUT_ENV)
+    return found if found is not None and 0 < found < float("inf") else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -425,6 +440,26 @@ def trained_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Pat
     return agent_dir(run_dir, attempt) / f"{TRAINED_PREFIX}{pid}"
 
 
+UNRECORDED_PREFIX = "unrecorded-steps-pid-"
+
+
+def unrecorded_steps_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
+    """Written by process `pid`, started by the job's instrumented process through multiprocessing, when it
+    stepped an optimizer without having become a rank (it joined no process group: Hogwild-style training,
+    `ettr.bootstrap.unrecorded`): steps are taken that nobody records."""
+    return agent_dir(run_dir, attempt) / f"{UNRECORDED_PREFIX}{pid}"
+
+
+def unrecorded_trainers(run_dir: str | os.PathLike[str], attempt: int) -> list[int]:
+    """The pids that wrote their `unrecorded_steps_path` in `attempt`, sorted (one directory listing)."""
+    try:
+        with os.scandir(agent_dir(run_dir, attempt)) as entries:
+            names = [entry.name for entry in entries if entry.name.startswith(UNRECORDED_PREFIX)]
+    except OSError:
+        return []
+    return sorted(int(tail) for name in names if (tail := name[len(UNRECORDED_PREFIX) :]).isdigit())
+
+
 SIGNALLED_PREFIX = "signalled-pid-"
 
 LAUNCHER_SIGNAL_RANK = -2
@@ -573,7 +608,9 @@ def private_dir_problem(path: str | os.PathLike[str]) -> str | None:
 
 def private_stat_problem(path: str | os.PathLike[str], st: os.stat_result) -> str | None:
     """`private_dir_problem` of what `os.lstat(path)` (or an fstat of its descriptor) gave: the one check of
-    a private directory (memory copies, the in-place store, the compile store and inductor's cache)."""
+    a private directory (memory copies, the in-place store, the compile store and inductor's cache). The
+    folders above it count too (`swappable_above`): whoever may write one of them can rename this directory
+    away and put theirs in its place between a check and a use."""
     import stat
 
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
@@ -582,7 +619,33 @@ def private_stat_problem(path: str | os.PathLike[str], st: os.stat_result) -> st
         return f"{path} is owned by uid {st.st_uid}, not this user"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
-    return None
+    return swappable_above(path)
+
+
+def swappable_above(path: str | os.PathLike[str]) -> str | None:
+    """Why someone else could replace `path` by renaming it (a folder above it that group or others may write,
+    without the sticky bit that lets only an entry's owner rename it, as `/tmp` and `/dev/shm` have), or
+    None. The folders of its real path are read (a link above it is the user's choice of place)."""
+    import stat
+
+    try:
+        current = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
+    except (OSError, ValueError):
+        return None
+    while True:
+        try:
+            mode = os.stat(current).st_mode
+        except OSError:
+            return None  # (unreadable: whoever opens it says so)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+            return (
+                f"{current} (above {path}) is writable by others (mode {stat.S_IMODE(mode):o}) without the "
+                "sticky bit: anyone who may write it can put a folder of theirs in place of this one; chmod go-w it"
+            )
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
 
 
 def memory_dirs_of_run(

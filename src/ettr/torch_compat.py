@@ -214,8 +214,13 @@ def inductor_vec_isas_restored(described: list[dict[str, Any]]) -> list[Any] | N
     """Inductor's ISA objects (`cpu_vec_isa.supported_vec_isa_list`) of `described` (each as
     `inductor_vec_isa_described` made it), in that order, as the probe returns them: each with the state the
     probe had set on it, so that it compiles with the same flags (checked: `build_arch_flags()` must come out
-    as described). None, and nothing changed, when one is not (or no longer) inductor's, names a state its
-    class does not have, or would compile with other flags."""
+    as described). The memo is data someone else may have written: an ISA is taken only where this CPU has
+    every feature its name lists (`x86_isa_checker`, the probe's own test), and a state only as False or where
+    torch's own check of this CPU of the same name (`torch.cpu._is_amx_fp16_supported`) says True, so a
+    forged memo cannot switch on instructions the CPU lacks (every kernel then dies of SIGILL). None, and
+    nothing changed, when one is not (or no longer) inductor's, names a state its class does not have, is
+    more than this CPU can run, or would compile with other flags."""
+    import torch
     from torch._inductor import cpu_vec_isa
 
     names = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list]
@@ -229,10 +234,16 @@ def inductor_vec_isas_restored(described: list[dict[str, Any]]) -> list[Any] | N
         return None
     before = [(isa, dict(vars(isa))) for isa in found]
     try:
+        cpu = set(cpu_vec_isa.x86_isa_checker())
         for isa, d in zip(found, described, strict=True):
             state = d.get("state", {})
             if set(state) - set(_vec_isa_state(isa)):
                 raise ValueError("a state inductor does not set")
+            if not set(str(isa).split()) <= cpu:
+                raise ValueError("an ISA this CPU lacks")
+            for name, value in state.items():
+                if value is not False and not _cpu_check(torch.cpu, name):
+                    raise ValueError("a state this CPU lacks")
             for name, value in state.items():
                 setattr(isa, name, value)
             if isa.build_arch_flags() != d.get("flags"):
@@ -246,6 +257,16 @@ def inductor_vec_isas_restored(described: list[dict[str, Any]]) -> list[Any] | N
                     delattr(isa, name)
         return None
     return found
+
+
+def _cpu_check(module: Any, name: str) -> bool:
+    """What torch's check of this CPU named `name` says (`torch.cpu._is_amx_fp16_supported()`); False when
+    torch has no such check (unknown is not True)."""
+    check = getattr(module, name, None)
+    try:
+        return callable(check) and check() is True
+    except Exception:
+        return False
 
 
 def probe_vec_isa() -> None:
@@ -379,6 +400,20 @@ def default_group() -> Any:
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+
+
+def group_timeout_s(group: Any = None) -> float | None:
+    """The timeout of `group` (None: the default group) in seconds as its CPU backend has it now (after
+    `set_group_timeout` too: `ProcessGroup._get_backend(cpu).options._timeout`); None where torch does not
+    say (no group, another backend, a torch that moved it)."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # not a guess: the caller keeps what it did without one
+        return None
 
 
 def set_group_timeout(seconds: float, group: Any = None) -> bool:

@@ -352,6 +352,13 @@ def remove_tree(path: str | os.PathLike[str], *, max_depth: int = MAX_REMOVE_DEP
             os.close(fd)
 
 
+def one_line(text: str) -> str:
+    """`printable(text)` with its newlines written as `\\n` too: a value that is one line where ettr prints it
+    (a job's id or name, a family, a table cell), so that a forged one (a directory named `x\\nETT 99%`, a
+    forged ledger's family) cannot add lines of its own to what a person reads."""
+    return printable(text).replace("\n", "\\n")
+
+
 def printable(text: str) -> str:
     """`text` with every character that is not printable (an escape sequence a training process or a forged
     ledger put in an exception message or a family name: OSC 52 sets a clipboard in some terminals) written

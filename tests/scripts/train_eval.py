@@ -5,7 +5,9 @@ does): `model.eval()`, `--eval-iters` forward passes under `torch.no_grad()`, `m
 `--save-every` iterations, the training state to one file (`--ckpt`, overwritten in place as nanoGPT does).
 At start it resumes from that file if it exists. The loop ends at the top of iteration `--num-steps`, after
 its evaluation: the job's final evaluation. With `--final-eval-in-eval-mode` that one never switches back
-(pytorch/examples' mnist ends in eval mode). Sleeps stand in for a bigger model (`--step-s` per step,
+(pytorch/examples' mnist ends in eval mode). With `--eval-in-train-mode` the evaluation never leaves train mode:
+it runs a validation DataLoader through the training model, each batch under `torch.set_grad_enabled(False)`
+(pytorch/examples' distributed/minGPT-ddp). Sleeps stand in for a bigger model (`--step-s` per step,
 `--pass-s` per evaluation pass); `--data` names a tensor of inputs, loaded at start with torch.load.
 
 `--observe FILE` appends what the script's own clock saw: "resumed", each "step" (t0: its start after the
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.05)
     parser.add_argument("--pass-s", type=float, default=0.05)
     parser.add_argument("--final-eval-in-eval-mode", action="store_true")
+    parser.add_argument("--eval-in-train-mode", action="store_true")
     parser.add_argument(
         "--save-model",
         help="at the end, torch.save the whole model (still in eval mode with --final-eval-in-eval-mode)",
@@ -48,6 +51,9 @@ def main() -> None:
     inputs = torch.load(args.data) if args.data else torch.randn(64, 16)  # data, not a checkpoint
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    val_loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(args.eval_iters * 8, 16)), batch_size=8
+    )
     iter_num = 0
     if os.path.exists(args.ckpt):
         state = torch.load(args.ckpt)
@@ -57,6 +63,18 @@ def main() -> None:
         observed.write("resumed", iter_num)
 
     def evaluate(last: bool) -> None:
+        if args.eval_in_train_mode:
+            begin = time.time()
+            batches = iter(val_loader)
+            first = time.time()
+            for (x,) in batches:
+                with torch.set_grad_enabled(False):
+                    time.sleep(args.pass_s)
+                    last_pass = time.time()
+                    model(x)
+            observed.write("eval", iter_num, begin, time.time())
+            observed.write("eval_passes", iter_num, first, last_pass)
+            return
         begin = time.time()
         model.eval()
         with torch.no_grad():

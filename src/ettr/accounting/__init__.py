@@ -5,7 +5,7 @@ bucket of `ettr.events.Bucket` by the rules of docs/buckets.md; the renderers li
 """
 
 from ettr.accounting.causes import Cause, Detail, FailureCause
-from ettr.accounting.compute import Loss, classify, compute
+from ettr.accounting.compute import Loss, classify, compute, unrecorded_pids
 from ettr.accounting.liveness import JobState, OpenJob, counts_as_failure
 from ettr.accounting.model import (
     AttemptReport,
@@ -52,4 +52,5 @@ __all__ = [
     "classify",
     "compute",
     "counts_as_failure",
+    "unrecorded_pids",
 ]

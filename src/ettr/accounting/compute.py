@@ -28,7 +28,7 @@ from ettr.accounting.stragglers import rank_speed
 from ettr.accounting.timeline import build_segments
 from ettr.accounting.ttr import breakdowns, with_nothing_restored
 from ettr.accounting.window import DEFAULT_WINDOW_S, check_window, ett_window
-from ettr.constants import SIGNALLED_MARK
+from ettr.constants import SIGNALLED_MARK, UNRECORDED_MARK
 from ettr.events import SUPERVISOR_RANK, Bucket, Event, EventKind, Outcome, Phase
 
 
@@ -205,7 +205,9 @@ def _compute(
         slow_steps=slow_steps(
             [(a.index, a.position, kept_times[a.index]) for a in attempts], slowdown, ranks
         ),
-        ett_unknown=_why_ett_unknown(attempt_reports, heard_from_job=any(e.rank >= 0 for e in kept)),
+        ett_unknown=_why_ett_unknown(
+            attempt_reports, heard_from_job=any(e.rank >= 0 for e in kept), unrecorded=unrecorded_pids(kept)
+        ),
         window=ett_window(
             segments,
             wall_start,
@@ -226,15 +228,36 @@ _RAN_ITS_COURSE = (Outcome.COMPLETED, Outcome.PREEMPTED, Outcome.INTERRUPTED)
 _STILL_OPEN = (Outcome.RUNNING, Outcome.UNKNOWN)
 
 
-def _why_ett_unknown(attempts: Sequence[AttemptReport], *, heard_from_job: bool) -> str | None:
+def unrecorded_pids(events: Iterable[Event]) -> list[int]:
+    """The processes that stepped an optimizer without being ranks (`UNRECORDED_MARK`), sorted."""
+    pids = {
+        pid
+        for e in events
+        if e.kind is EventKind.MARK and e.data is not None and e.data.get("name") == UNRECORDED_MARK
+        for pid in (e.data.get("pids") or ())
+        if type(pid) is int
+    }
+    return sorted(pids)
+
+
+def _why_ett_unknown(
+    attempts: Sequence[AttemptReport], *, heard_from_job: bool, unrecorded: Sequence[int] = ()
+) -> str | None:
     """Why the job's ETT cannot be told: it ran to an end without any training step seen (None otherwise).
 
     A job that failed before any step, or one still starting, did train nothing so far: 0% is right there;
     unless no process of the job ever reported (`heard_from_job` False: not even the bootstrap's start): then
     ettr never saw the training process (a wrapper that cleared its environment), which may have trained for
-    hours before it failed, and its steps are unknown however the job ended."""
+    hours before it failed, and its steps are unknown however the job ended. Likewise when processes the
+    script started itself stepped an optimizer without being ranks (`unrecorded`: Hogwild-style training)."""
     if not attempts or any(a.last_step is not None for a in attempts):
         return None
+    if unrecorded:
+        return (
+            f"no training step was recorded, but process{'es' if len(unrecorded) > 1 else ''} "
+            f"{', '.join(map(str, unrecorded))}, started by the script itself, stepped an optimizer without "
+            "joining a process group (Hogwild-style training): they are no ranks, so their steps were not counted"
+        )
     if not heard_from_job and not any(a.outcome in _STILL_OPEN for a in attempts):
         return (
             "no training step was seen, and no process of the job reported to ettr: its steps are unknown "

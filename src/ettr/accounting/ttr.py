@@ -7,7 +7,9 @@ part, so the parts always add up to the whole):
     detection      the failure (first FAILURE of any rank or `--inject kill` MARK, else the fault the supervisor
                    saw: a hang's last sign of life, its `failure_detected` MARK's `fault_ts`) -> the
                    supervisor knew (that MARK, else
-                   ATTEMPT_END); None when the fault time is unknown (SIGKILL, lost node: detected at once)
+                   ATTEMPT_END); where none of those, the failed attempt's `rank_gone_ts` (the supervisor's
+                   first look that saw a rank's process gone: a SIGKILL under a launcher or ettr's agent);
+                   None when the fault time is unknown (a SIGKILL no one saw, a lost node)
     teardown       -> ATTEMPT_END of the failed attempt (the rest of its processes gone)
     backoff        -> the end of the supervisor's wait (its `restart_backoff` MARK, else ATTEMPT_START);
                    a requeue whose run recorded its allocation: -> the requeue (its run's submission),

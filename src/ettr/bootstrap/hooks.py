@@ -13,7 +13,8 @@ Installed once torch is imported (see `post_import`), each hook wraps one torch 
                     begins, an evaluation begins (`eval()`), a checkpoint is saved, or the process exits
   process group     torch.distributed.init_process_group -> PROCESS_GROUP_INIT span
   first batch       the first `__next__` of the first DataLoader iterator -> GET_FIRST_BATCH_DATA span,
-                    after which the original method is put back (no cost per batch)
+                    after which the method it wrapped is put back (`loader_eval`'s: two attribute reads a
+                    batch)
   data waits        the DataLoader's wait for its worker processes (`_MultiProcessingDataLoaderIter._get_data`)
                     -> DATA_WAIT span when it lasted `DATA_WAIT_SPAN_MIN_S` or longer (two clock reads a batch)
   child processes   the training thread's wait for a child process between steps (`subprocess.Popen.wait` /
@@ -21,7 +22,9 @@ Installed once torch is imported (see `post_import`), each hook wraps one torch 
                     `DATA_WAIT_SPAN_MIN_S` or longer, no phase was open and this process had stepped
   checkpoints       torch.save / torch.load (paths, open files, in-memory buffers written to a file),
                     safetensors' save_file / load_file, dcp.save / dcp.async_save / dcp.load (`checkpoint_hooks`)
-  evaluation        `eval()` of a module an optimizer trains -> EVAL span until its `train()` (`eval_hooks`)
+  evaluation        `eval()` of a module an optimizer trains -> EVAL span until its `train()` (`eval_hooks`);
+                    a whole DataLoader pass, after training began, whose trained model ran with grad disabled
+                    and that learned nothing -> EVAL span (`loader_eval`: an evaluation in train mode)
   compile           `ettr.compile.autoinstall(rec)` when that module exists
 
 Every hook is guarded: an error inside one is logged once and the user's call proceeds untouched. The
@@ -128,18 +131,20 @@ class StepCounter:
 
     Another optimizer that steps twice while the counted one does not step (a critic stepped n times per
     generator step, an optimizer stepped every k-th iteration that happened to step first, an optimizer made
-    anew for a second phase) is counted from its second such step on; its first such step is counted too when
-    it is a newcomer (its first step ever came after the counted one had stepped twice: a second phase's
-    optimizer, not the partner in lockstep of the counted one's last step), and recorded at the takeover. A
-    counted optimizer that was garbage collected gives way to the next one at once. The count
+    anew for a second phase, the next fold's model in k-fold cross-validation) is counted from its second such
+    step on; its first such step is counted too when it is new or comes back (it had not stepped since before
+    the counted one's last two steps: a second phase's optimizer, a fold's optimizer in its next epoch; not the
+    partner in lockstep of the counted one's last step, which stepped between its last two), and recorded at
+    the takeover. A counted optimizer that was garbage collected gives way to the next one at once. The count
     goes on: steps already recorded keep their numbers."""
 
     def __init__(self, rec: RecorderProtocol) -> None:
         self._rec = rec
         self._first: weakref.ref[Any] | None = None  # the counted optimizer
         self._since: set[int] = set()  # other optimizers that stepped since the counted one last did
-        self._newcomers: set[int] = set()  # of `_since`: first step ever after the counted one's second
-        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()  # every optimizer that has stepped
+        self._newcomers: set[int] = set()  # of `_since`: new or back after the counted one stepped twice
+        # Every optimizer that has stepped -> `num_steps` just after its latest step.
+        self._last_stepped: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.base_step = 0
         self.num_steps = 0
         self._manual_pending = False  # a step without an optimizer waits for its update (on_manual_update)
@@ -149,11 +154,22 @@ class StepCounter:
         if self._rec.explicit_steps:
             return
         try:
-            first_ever = optimizer not in self._seen
-            if first_ever:
-                self._seen.add(optimizer)
+            # New, or back after the counted one stepped twice without it (k-fold: each fold's optimizer in
+            # turn; until 2026-12-05 a returning one's first step was taken for a partner in lockstep and lost:
+            # Lightning's kfold_cv example read 75 steps of 80).
+            stepped_at = self._last_stepped.get(optimizer)
+            returns = self.num_steps >= 2 and (stepped_at is None or self.num_steps - stepped_at >= 2)
         except TypeError:  # an optimizer class with __eq__ and no __hash__: counted as before
-            first_ever = False
+            returns = False
+        try:
+            self._step(optimizer, returns=returns)
+        finally:
+            try:
+                self._last_stepped[optimizer] = self.num_steps
+            except TypeError:
+                pass
+
+    def _step(self, optimizer: Any, *, returns: bool) -> None:
         counted = self._first() if self._first is not None else None
         if counted is None:  # the first optimizer to step, or the counted one is gone
             self._first = weakref.ref(optimizer)
@@ -161,11 +177,11 @@ class StepCounter:
             key = id(optimizer)
             if key not in self._since:  # in lockstep so far, or less often than the counted one
                 self._since.add(key)
-                if first_ever and self.num_steps >= 2:
+                if returns:
                     self._newcomers.add(key)
                 return
             self._first = weakref.ref(optimizer)  # it steps more often than the counted one: count it
-            if key in self._newcomers:  # a second phase's optimizer: its first step was a step of the job too
+            if key in self._newcomers:  # new or back (a second phase, the next fold): its first counts too
                 self.num_steps += 1  # booked now, a step late: every number is recorded (crash@step=N fires)
                 self._rec.step(self.base_step + self.num_steps, auto=True)
         self._since.clear()
@@ -206,6 +222,7 @@ class StepCounter:
         self._first, self.base_step, self.num_steps = None, 0, 0
         self._since.clear()
         self._newcomers.clear()
+        self._last_stepped = weakref.WeakKeyDictionary()
 
     def resumed(self, step: int) -> None:
         """The state was restored as of after `step`: later steps count on from there."""
@@ -232,6 +249,7 @@ class AutoHooks:
         self.patcher = Patcher()
         self.checkpoints: Any = None
         self.evals: Any = None
+        self.loader_passes: Any = None
         # A resume recorded by code that is not hooked (ettr.checkpoint's manager, `ettr.resumed_from`, a
         # framework's callback): the optimizer steps after it count on from its step. Before, a script that
         # restored through CheckpointManager and numbered its steps itself had its first step after the
@@ -241,7 +259,10 @@ class AutoHooks:
 
     def _on_event(self, event: Event) -> None:
         """An event listener: a RESUMED before this generation's first counted step sets where counting
-        goes on (a RESUMED of the hooks' own is the same step again). Never raises."""
+        goes on (a RESUMED of the hooks' own is the same step again); EVAL phases are counted for the loader
+        passes (`loader_eval`). Never raises."""
+        if event.phase is Phase.EVAL and self.loader_passes is not None:
+            self.loader_passes.on_event(event)
         if event.kind is not EventKind.RESUMED or event.step is None:
             return
         if self.steps.num_steps == 0 and not self.rec.explicit_steps:
@@ -259,6 +280,7 @@ class AutoHooks:
         """Called once `import torch` finished: install every hook that needs only torch."""
         from ettr.bootstrap.checkpoint_hooks import CheckpointHooks
         from ettr.bootstrap.eval_hooks import EvalHooks
+        from ettr.bootstrap.loader_eval import LoaderPasses
         from ettr.constants import IMPORTS_MARK
 
         self.guard.call("imports", self.rec.mark, IMPORTS_MARK, module="torch")  # the TTR's imports part
@@ -279,6 +301,9 @@ class AutoHooks:
         when_imported(PRIMING_MODULE, self._install_priming_hook)
         when_imported(RPC_OPTIMIZER_MODULE, self._install_rpc_optimizer_hook)
         self.guard.call("evaluation", self.evals.install, torch)
+        self.loader_passes = LoaderPasses(self.rec, guard=self.guard, patcher=self.patcher, evals=self.evals)
+        # Before the first-batch hook, which wraps this `__next__` and puts it back after the first batch.
+        self.guard.call("evaluation", self.loader_passes.install, torch)
         self.guard.call("init_process_group", self._install_process_group_hook, torch)
         from ettr.bootstrap import group_teardown
 
@@ -318,6 +343,8 @@ class AutoHooks:
     def _count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """An optimizer step of the training loop ended. Never raises (an injected fault still fires)."""
         try:
+            if self.loader_passes is not None:
+                self.loader_passes.learned()
             self._before_step()
             self.steps.on_step(optimizer, args, kwargs)
         except Exception as exc:
@@ -407,6 +434,7 @@ class AutoHooks:
         trained = self.evals.trained if self.evals is not None else None
         window = self.checkpoints.window if self.checkpoints is not None else None
         resumes = self.checkpoints.training_resumes if self.checkpoints is not None else None
+        learned = self.loader_passes.learned if self.loader_passes is not None else None
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def backward(*args: Any, **kwargs: Any) -> Any:
@@ -417,6 +445,8 @@ class AutoHooks:
                     resumes()  # a save's window ends where training resumes (`save_window`)
                 if no_optimizer:
                     manual(ended=False)  # the previous step's STEP first: it carries its own arrival
+                if learned is not None:
+                    learned()  # a pass over a loader that runs a backward pass is training (`loader_eval`)
                 note()
                 result = original(*args, **kwargs)
                 if no_optimizer:

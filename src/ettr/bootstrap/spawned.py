@@ -59,6 +59,7 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from ettr.bootstrap.unrecorded import watch_steps
 from ettr.patcher import Patcher
 
 logger = logging.getLogger("ettr")
@@ -325,6 +326,7 @@ def watch_join(environ: MutableMapping[str, str] | None = None) -> None:
         _join.update(spawner=spawner, run_dir=run_env.run_dir, attempt=run_env.attempt)
         when_imported("torch.distributed", _wrap_join)
         when_imported("multiprocessing.process", _wrap_process_run)
+        when_imported("torch.optim.optimizer", watch_steps)  # steps it takes without becoming a rank
     except Exception as exc:
         logger.warning("ettr: this process will not be recorded as a rank (%s: %s)", type(exc).__name__, exc)
 
@@ -458,6 +460,7 @@ def _forked_child(parent: int, run_dir: str, attempt: int) -> None:
     try:
         if os.getppid() != parent:
             return
+        watch_steps()  # steps it takes without becoming a rank
         hooks = sys.modules.get("ettr.bootstrap.hooks")
         if hooks is None:
             return  # no zero-code hooks (ETTR_AUTO=0): nothing wraps the script's init_process_group

@@ -45,13 +45,16 @@ def _warm_up(modules: list[str]) -> None:
     """The start-up done ahead: `import torch`, `modules` (given by the supervisor: torch's parts and the
     installed packages the last attempt had imported by its first step) and the modules ettr's bootstrap
     will need, and inductor's CPU vector-ISA probe when the attempt ran it (`VEC_ISA_PROBE`). Imports only
-    (and that probe): no tensor is made, no random state drawn. The working directory is off the
+    (and that probe; inductor's kernel templates left to their first use, `_defer_kernel_templates`): no
+    tensor is made, no random state drawn. The working directory is off the
     path meanwhile, so a module there never stands in for an installed package of the same name."""
     import importlib
 
     first = sys.path.pop(0) if sys.path else None  # `-m` put the working directory first
     try:
         for name in ["torch", *modules, *BOOTSTRAP_MODULES]:
+            if name == COMPILE_PATH and "torch" in sys.modules:
+                _defer_kernel_templates()
             try:
                 importlib.import_module(name)
             except Exception as exc:  # the attempt then pays for it, as a cold start would
@@ -70,16 +73,51 @@ def _warm_up(modules: list[str]) -> None:
 
 VEC_ISA_PROBE = "torch._inductor.cpu_vec_isa"
 """`ettr.bootstrap.start.VEC_ISA_PROBE` (spelled out: this module imports nothing of ettr before the warm-up)."""
+COMPILE_PATH = "torch._inductor.compile_fx"
+"""Inductor's compile path, one of `ettr.bootstrap.start.TORCH_PARTS` (spelled out, as `VEC_ISA_PROBE`)."""
+
+
+def _defer_kernel_templates() -> None:
+    """Before the warm-up imports inductor's compile path: its GPU kernel templates compile at their first
+    use, as the attempt's own compile session makes them (`ettr.compile.lazy_templates`; it finds them so and
+    leaves them), instead of at the import (measured here: importing the compile path after torch and Dynamo
+    took 0.87 s of CPU, 0.76 s with them deferred; the demo's requeue warm-up, 174 modules, 4.01 -> 3.77 s,
+    medians of five interleaved at load 10-13). Only where torch has no GPU backend built in: a GPU job
+    renders them (the session leaves them to inductor there), and asking whether a GPU is present would
+    initialise CUDA's driver in a process that forks the attempt's workers (the zygote)."""
+    try:
+        import torch
+
+        if torch.backends.cuda.is_built() or getattr(torch.version, "hip", None):
+            return
+        xpu = getattr(torch, "xpu", None)
+        if xpu is not None and getattr(xpu, "_is_compiled", lambda: True)():
+            return
+        from ettr.compile import lazy_templates
+        from ettr.patcher import Patcher
+
+        lazy_templates.defer(Patcher())
+    except Exception:  # the import then compiles them, as a cold start's would
+        pass
 
 
 def _probe_vec_isa() -> None:
     """Inductor's CPU vector-ISA probe, as the attempt's first compile ran it (it builds a small library per
     ISA into inductor's cache directory and loads each in a Python subprocess, ~1.2 s of CPU here): the
     answer is cached for the process, so a replacement's first compile does not wait for it. No tensor, no
-    random state; the answer depends only on the CPU and the compiler, which the attempt shares."""
+    random state; the answer depends only on the CPU and the compiler, which the attempt shares. Shared and
+    remembered as the attempt's compile session does it (`ettr.compile.isa_probe`): the answer the attempt's
+    probe left in inductor's cache directory (as this process's environment names it: where the attempt's
+    first compile probed unless its script moved it) is taken instead of probing again, and a probe run here
+    leaves its answer there. Measured here, three interleaved pairs at load 5-6: the warm-up's probe took
+    1.11-1.20 s of its subprocesses' CPU (1.9-2.9 s of wall) before, none (0.01 s) with the answer
+    remembered."""
     try:
+        from ettr.compile import isa_probe
+        from ettr.patcher import Patcher
         from ettr.torch_compat import probe_vec_isa
 
+        isa_probe.share(Patcher())
         probe_vec_isa()
     except Exception as exc:  # the attempt then probes, as a cold start would
         print(f"ettr: standby warm-up skipped the ISA probe ({type(exc).__name__}: {exc})", file=sys.stderr)

@@ -244,6 +244,9 @@ def _start(environ: Mapping[str, str]) -> None:
 
         install(str(run_env.run_dir), run_env.attempt)
         watch_forks(str(run_env.run_dir), run_env.attempt)
+        from ettr.bootstrap.unrecorded import record_at_exit
+
+        record_at_exit(rec, str(run_env.run_dir), run_env.attempt)  # its children that train unrecorded
     if run_env.auto:
         from ettr.bootstrap.hooks import AutoHooks
         from ettr.post_import import when_imported

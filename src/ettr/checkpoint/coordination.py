@@ -11,13 +11,16 @@ the step loop's decisions through a `StepAgreement` (asynchronous: no step waits
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ettr import torch_compat
 from ettr.checkpoint.base import PersistMode
+from ettr.run_env import group_form_timeout_s
 
 
 @dataclass(kw_only=True)
@@ -59,8 +62,8 @@ class Coordinator:
         if not (dist.is_available() and dist.is_initialized()):
             return cls.single()
         world_size = dist.get_world_size()
-        group = process_group if process_group is not None else dist.new_group(backend="gloo")
-        control = dist.new_group(backend="gloo") if world_size > 1 else None
+        group = process_group if process_group is not None else _gloo_group()
+        control = _gloo_group() if world_size > 1 else None
         return cls(
             rank=dist.get_rank(),
             world_size=world_size,
@@ -181,3 +184,19 @@ def _shutdown_checkpoint_process() -> None:
     if process is not None:
         executor._CHECKPOINT_PROCESS = None
         del process
+
+
+def _gloo_group() -> dist.ProcessGroup:
+    """A new gloo group of all ranks (collective). Inside a generation of `ettr.resilient` it forms under the
+    generation's rendezvous bound (`run_env.group_form_timeout_s`), then runs its collectives under the
+    default group's timeout: a peer killed while the group forms leaves this rank waiting that bound, then
+    failing into the next recovery, not gloo's default 30 minutes (a survivor of in-place SIGKILL trials sat
+    in this `new_group` until its harness killed it). Elsewhere: torch's default, as before."""
+    form_s = group_form_timeout_s()
+    collective_s = torch_compat.group_timeout_s() if form_s is not None else None
+    if form_s is None or collective_s is None or form_s >= collective_s:
+        timeout = None if collective_s is None else datetime.timedelta(seconds=collective_s)
+        return dist.new_group(backend="gloo", timeout=timeout)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=form_s))
+    torch_compat.set_group_timeout(collective_s, group)  # where torch cannot, neither could the wrapper: the
+    return group  # default group kept its forming bound too, and the branch above was taken

@@ -5,8 +5,10 @@ to a snapshot file (`ettr.checkpoint.snapshot`) in shared memory — `/dev/shm/e
 the root>/rank-<r>.snap` by default (`ettr.run_env.memory_root`) — bound to that commit: the snapshot records
 the SHA-256 of step N's manifest. A restarted rank on the same host (a new process: a crash, a SIGKILL, a
 restart in place) restores from it instead of reading storage, and only when every check passes: its
-step is the newest committed one in storage, its binding matches that manifest's bytes, its header (and
-HMAC with a key) and the CRC-32 of every payload byte verify. Otherwise the storage path runs as before.
+step is the newest committed one in storage, its binding matches that manifest's bytes, its header and the
+CRC-32 of every payload byte verify, and it is a file of this user that nobody else may write, in folders
+nobody else may swap (a snapshot carries no signature: its binding and CRCs are anyone's to compute, so
+where it lies is what keeps another user's forged copy out). Otherwise the storage path runs as before.
 
 One copy per rank, and one staging slot (`.rank-<r>.snap.staging`, `snapshot.Slot`) where the stager can
 use it (thread mode, no pinned buffers): the next save's staging buffers are views of the slot, so the staged
@@ -442,6 +444,8 @@ class MemoryCopies:
         if rank is None and self._lent is None and self._sealed is None:
             self.discard(self.staging_path())  # a killed predecessor's slot: never a copy, only memory held
         try:
+            # the folder above too: whoever may write it can swap this folder for theirs after its check
+            _ensure_private(self.directory.parent)
             _ensure_private(self.directory)
             found = snapshot.open_snapshot(path)
         except FileNotFoundError:

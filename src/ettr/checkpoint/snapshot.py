@@ -39,6 +39,7 @@ import torch
 from ettr.checkpoint import direct_io
 from ettr.checkpoint.base import CheckpointInvalid
 from ettr.checkpoint.checksums import buffer_key, crc32, crc32_combine
+from ettr.untrusted import open_regular
 
 MAGIC = b"ETTRSNP1"
 FORMAT = "ettr.snapshot/1"
@@ -175,7 +176,10 @@ def _decode(node: Any, tensors: list[torch.Tensor], blobs: list[bytes]) -> Any:
     if tag == "i" and type(value) is int:
         return value
     if tag == "f" and isinstance(value, float | int) and not isinstance(value, bool):
-        return float(value)
+        try:  # an int past a float's range (10**400) raised OverflowError out of `load`
+            return float(value)
+        except OverflowError:
+            raise CheckpointInvalid("snapshot header: a number out of a float's range") from None
     if tag == "s" and isinstance(value, str):
         return value
     raise CheckpointInvalid(f"snapshot header: unknown tree node {tag!r}")
@@ -660,12 +664,15 @@ class Snapshot:
 
 
 def open_snapshot(path: Path) -> Snapshot:
-    """Map a snapshot file and check its header (magic, sizes, CRC, entry bounds).
+    """Map a snapshot file and check its header (magic, sizes, CRC, entry bounds). The file must be a regular
+    file of this user that nobody else may write, as opened (never through a symlink, never blocking on a
+    FIFO): its binding is a digest anyone who can read the checkpoint can compute, so a copy another user
+    could have written (swapped in under a folder that was checked a moment before) is refused.
     Raises CheckpointInvalid, or OSError (FileNotFoundError: no snapshot)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags)
+    fd = open_regular(path)
     try:
         st = os.fstat(fd)
+        _check_own_file(path, st)
         size = st.st_size
         if size < len(MAGIC) + 8:
             raise CheckpointInvalid("snapshot is truncated")
@@ -680,6 +687,15 @@ def open_snapshot(path: Path) -> Snapshot:
     found._file = (st.st_dev, st.st_ino)
     _STILL_MAPPED.add(found._file)
     return found
+
+
+def _check_own_file(path: Path, st: os.stat_result) -> None:
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise CheckpointInvalid(
+            f"{path} is owned by uid {st.st_uid}, not this user (not a copy this job wrote)"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CheckpointInvalid(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
 
 
 def parse_bytes(mapped: Any) -> Snapshot:
@@ -753,6 +769,7 @@ def _check_header(raw: bytes) -> dict[str, Any]:
         ("manifest_sha256", str),
         ("tensors", list),
         ("blobs", list),
+        ("tree", dict),  # (missing: a KeyError out of `load`)
     ):
         if not isinstance(body.get(name), kind) or isinstance(body.get(name), bool):
             raise CheckpointInvalid(f"snapshot header: {name} is missing or malformed")

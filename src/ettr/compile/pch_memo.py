@@ -14,8 +14,9 @@ wraps the lookup so that
   paths from the environment); a later process whose call and key are the same to the letter, and which has
   that header and its compiled form (`.gch`) in its header directory, takes the path instead of
   preprocessing. The compile store carries the file with the rest of the cache directory, and the header
-  with the build's precompiled headers. It is data, never run: a path inside the header directory, to a
-  file that must exist; anything else, and the lookup runs as before;
+  with the build's precompiled headers. It is data, never run: a header's name as inductor makes one
+  (`HEADER_NAME`: `<hash>.h` directly in the header directory), of a file that must exist with its `.gch`;
+  anything else, and the lookup runs as before;
 * concurrent callers share one answer per call (inductor caches it with `functools.cache`, which holds no
   lock), and `cache_info` counts remembered answers too, so that the compile store still sees that the
   process used a precompiled header (`torch_compat.inductor_used_precompiled_header`).
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -203,12 +205,15 @@ def wanted_headers(cache_dir: Path, header_dir: Path) -> frozenset[str] | None:
     return frozenset(wanted) if wanted else None
 
 
+HEADER_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}\.h")
+"""What inductor's lookup names a precompiled header: `<hash>.h` directly in its header directory (the
+compiled form beside it is that name + `.gch`)."""
+
+
 def _inside(header_dir: Path, relative: Any) -> str | None:
-    """`header_dir / relative` when `relative` is a plain relative path that stays inside it."""
-    if not isinstance(relative, str) or not relative or os.path.isabs(relative):
-        return None
-    parts = Path(relative).parts
-    if any(part in ("..", ".", "") for part in parts):
+    """`header_dir / relative` when `relative` is a header's name as inductor makes one (`HEADER_NAME`):
+    a memo is data someone else may have written, and its answer is what g++ is told to `-include`."""
+    if not isinstance(relative, str) or not HEADER_NAME.fullmatch(relative):
         return None
     return str(header_dir / relative)
 

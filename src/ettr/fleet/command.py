@@ -232,7 +232,7 @@ def fleet_main(args: argparse.Namespace) -> int:
     from ettr.fleet.preempt import choose_victims, preemption_costs
     from ettr.fleet.regress import find_regressions
     from ettr.fleet.text import render, render_preempt
-    from ettr.untrusted import printable
+    from ettr.untrusted import one_line
 
     check_sources("fleet", args)
     if args.need_gpus is not None and not args.preempt_order:
@@ -245,10 +245,10 @@ def fleet_main(args: argparse.Namespace) -> int:
     # A problem names what it read (a directory's name, a URL from a pointer file): its control characters
     # are escaped, as the text output's are (a name holding ESC [ 2 J cleared the operator's terminal).
     for problem in problems:
-        print(f"ettr fleet: skipped {printable(problem)}", file=sys.stderr)
+        print(f"ettr fleet: skipped {one_line(problem)}", file=sys.stderr)  # one line each: `runs/x\nETT 99%`
     undelivered = _undelivered(run_dirs or ())
     for _run_dir, note in undelivered:
-        print(f"ettr fleet: note: {printable(note)}", file=sys.stderr)
+        print(f"ettr fleet: note: {one_line(note)}", file=sys.stderr)
     if not jobs:
         raise UsageError("ettr fleet: no job could be read (see the lines above)")
     regressions = find_regressions(jobs)

@@ -22,7 +22,7 @@ from typing import Any
 from ettr.accounting import DEFAULT_WINDOW_S, compute
 from ettr.errors import UsageError
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
-from ettr.family import UNKNOWN_FAMILY, derive_family
+from ettr.family import UNKNOWN_FAMILY, derive_family, valid_family
 from ettr.fleet.model import (
     GPUS_ASSUMED,
     GPUS_RANKS,
@@ -50,15 +50,19 @@ _PARALLEL_FROM = 16
 
 def family_of(events: Iterable[Event]) -> str:
     """The family the supervisor recorded (`ettr run --family`, or derived from its command at the time);
-    for run directories of an older ettr, derived from the recorded command."""
+    for run directories of an older ettr, derived from the recorded command. Only a family `ettr run` would
+    take (`family.valid_family`): a forged ledger's `train\nfleet: 9 jobs | ETT 99.9%` printed as lines of
+    `ettr fleet`'s own; none valid is the unknown family."""
     command = None
     for e in events:
         if e.kind is EventKind.SUPERVISOR_START and e.data:
-            if e.data.get("family"):
-                return str(e.data["family"])
+            family = e.data.get("family")
+            if isinstance(family, str) and family and valid_family(family) is None:
+                return family
             if command is None and isinstance(e.data.get("command"), list):
                 command = [str(c) for c in e.data["command"]]
-    return derive_family(command) if command else UNKNOWN_FAMILY
+    derived = derive_family(command) if command else UNKNOWN_FAMILY
+    return derived if valid_family(derived) is None else UNKNOWN_FAMILY
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +309,7 @@ def load_run_dir(
 def _load_run_dir(run_dir: Path, now: float, use_stored: bool, window_s: float) -> JobSummary | str:
     from ettr.fleet.stored import load_stored
     from ettr.ledger import locate
-    from ettr.report.load import job_id_of
+    from ettr.report.load import job_id_of, no_events
 
     stored = load_stored(run_dir) if use_stored else None
     if stored is not None and stored.window_s == window_s:  # stored with another window: recompute
@@ -313,11 +317,11 @@ def _load_run_dir(run_dir: Path, now: float, use_stored: bool, window_s: float) 
     try:
         # Without a stored summary only the rows the accounting needs; an audit (`use_stored=False`) reads
         # every row, as the stored summary was computed from: the slow-rank check needs every rank's steps.
-        events = locate(run_dir).read_marked(for_accounting=use_stored)[0]
+        events, mark = locate(run_dir).read_marked(for_accounting=use_stored)
     except (LedgerError, OSError) as exc:
         return f"{run_dir}: {exc}"
     if not events:
-        return f"{run_dir}: the ledger holds no events yet"
+        return f"{run_dir}: {no_events(mark.num_rows)}"
     summary = summarize_events(
         events,
         job_id=job_id_of(events, run_dir),

@@ -10,6 +10,7 @@ from typing import Any
 
 from ettr.accounting import DEFAULT_WINDOW_S, Cause, Detail, EttReport, FailureCause
 from ettr.events import Bucket
+from ettr.untrusted import one_line
 
 GPUS_WORLD_SIZE = "world_size"
 """`gpus` is the world size the job's training processes recorded (one rank per accelerator)."""
@@ -106,8 +107,9 @@ class JobSummary:
 
 
 def job_label(job_id: str, name: str) -> str:
-    """`name (job_id)` when the job has a name its id does not already say, else the id."""
-    return f"{name} ({job_id})" if name and name != job_id else job_id
+    """`name (job_id)` when the job has a name its id does not already say, else the id; one line whatever
+    they hold (`untrusted.one_line`: a run directory's name may hold a newline)."""
+    return one_line(f"{name} ({job_id})" if name and name != job_id else job_id)
 
 
 def summarize(

@@ -12,7 +12,7 @@ from ettr.fleet.regress import Regression
 from ettr.fleet.stepspeed import StepSpeedOutlier
 from ettr.report.steptime import SPEED_TOLERANCE, fmt_step
 from ettr.report.text import _table
-from ettr.untrusted import printable
+from ettr.untrusted import one_line, printable
 
 
 def _s(value: float | None) -> str:
@@ -132,7 +132,7 @@ def render(report: FleetReport, problems: Sequence[str] = ()) -> str:
     lines += ["", f"step speed: jobs more than {SPEED_TOLERANCE:.0%} off their family's median step time"]
     lines += [f"  warning: {step_speed_line(o)}" for o in report.step_speed] or ["  (none)"]
     if problems:
-        lines += ["", f"not read ({len(problems)})"] + [f"  {p}" for p in problems]
+        lines += ["", f"not read ({len(problems)})"] + [f"  {one_line(p)}" for p in problems]
     return printable("\n".join(lines) + "\n")
 
 

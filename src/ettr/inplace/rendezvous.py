@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ettr import torch_compat
+from ettr import procs, torch_compat
 from ettr.bootstrap.group_teardown import release
 from ettr.inplace import libraries
 from ettr.inplace.store import ABANDONED_KEY
@@ -111,6 +112,42 @@ def join(
     if form_s != collective_timeout_s and not torch_compat.set_group_timeout(collective_timeout_s):
         logger.debug("ettr: this torch cannot set a group's timeout; collectives time out at %g s", form_s)
     return Joined(wait_s=joined - begin, init_s=time.monotonic() - joined)
+
+
+def announce(keys: dist.Store, rank: int) -> None:
+    """Say in this generation's keys (`generation_store`) which process is `rank`: `dead_peer` on another
+    rank of the same host looks it up. Never raises (the look is then not made)."""
+    space = procs.pid_space()
+    if space is not None:
+        try:
+            keys.set(f"proc/{rank}", f"{space} {os.getpid()} {procs.start_ticks(os.getpid())}")
+        except Exception as exc:  # a store gone with a failure: the generation fails on its own
+            logger.debug("ettr: announcing rank %d: %s", rank, exc)
+
+
+def returned(keys: dist.Store, rank: int) -> None:
+    """Say that `rank`'s `train` returned in this generation (`dead_peer` no longer looks at it)."""
+    keys.set(f"done/{rank}", "1")
+
+
+def dead_peer(keys: dist.Store, rank: int, world_size: int) -> int | None:
+    """A rank of this generation, other than `rank`, whose `train` has not returned and whose process is gone:
+    it `announce`d a process of this host and PID namespace that no longer runs. None where none is known
+    dead (a rank on another host or in another container is never judged; nor one whose words do not parse:
+    they come from the job's store)."""
+    space = procs.pid_space()
+    if space is None:
+        return None
+    for peer in range(world_size):
+        if peer == rank or keys.check([f"done/{peer}"]) or not keys.check([f"proc/{peer}"]):
+            continue
+        words = keys.get(f"proc/{peer}").decode("utf-8", "replace").split(" ")
+        if len(words) != 4 or f"{words[0]} {words[1]}" != space or not words[2].isdigit():
+            continue
+        pid_text, ticks = words[2], int(words[3]) if words[3].isdigit() else None
+        if not procs.running(int(pid_text), ticks):
+            return peer
+    return None
 
 
 def leave(

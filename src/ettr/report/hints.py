@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ettr.accounting import EttReport
+from ettr.accounting import EttReport, unrecorded_pids
 from ettr.events import Event, EventKind, Phase
 
 
@@ -32,6 +32,8 @@ def no_step_hints(events: Sequence[Event], report: EttReport) -> list[str]:
             "no training step was recorded, and no process of the job reported anything (a script run "
             "outside `ettr run` records only after ettr.init(RUN_DIR))"
         ]
+    if unrecorded_pids(events) and report.ett_unknown:  # Hogwild-style: steps in processes that are no ranks
+        return [f"{report.ett_unknown}; ETT is unknown, and the start-up above holds their training"]
     if report.attempts and all(a.failure for a in report.attempts):
         return []  # every attempt failed before training: the failures say why
     return [

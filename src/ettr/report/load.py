@@ -36,10 +36,22 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[Event]:
         raise UsageError(str(exc)) from None
     if not events:
         where = path if books.url is None else books.where
-        raise UsageError(f"{where}: the ledger holds no events yet")
+        try:
+            num_rows = books.mark().num_rows
+        except (LedgerError, OSError):
+            num_rows = 0
+        raise UsageError(f"{where}: {no_events(num_rows)}")
     if supervisor_alive(events) is False:  # killed with an attempt open: the steps its processes kept
         events = [*events, *(e for a in open_attempts(events) for e in tail_events(path, a, events))]
     return events
+
+
+def no_events(num_rows: int) -> str:
+    """Why a ledger of `num_rows` rows gave no event: none yet, or none of them readable (a ledger whose rows
+    were all damaged or forged said it held no events yet, which was not so)."""
+    if num_rows > 0:
+        return f"none of the ledger's {num_rows} records could be read (damaged, or written by a newer ettr)"
+    return "the ledger holds no events yet"
 
 
 def report_time(

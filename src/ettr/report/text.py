@@ -16,7 +16,7 @@ from ettr.report import slow, steptime, ttr_parts, window
 from ettr.report.slowdown import text_lines as slowdown_lines
 from ettr.report.status import status
 from ettr.report.svg import fmt_signed
-from ettr.untrusted import printable
+from ettr.untrusted import one_line, printable
 
 BAR_WIDTH = 40
 """Characters of a bar that stands for 100% of wall time."""
@@ -51,7 +51,9 @@ def causes_line(report: EttReport) -> str:
 def render(report: EttReport, *, per_save: bool = False) -> str:
     """The readable report of one job: summary line, buckets with bars, attempts, raw phase durations,
     and the step slowdown while persisting (per save when `per_save` or when it is large)."""
-    title = f"job {report.job_id}" if report.job_id else "job"
+    title = (
+        f"job {one_line(report.job_id)}" if report.job_id else "job"
+    )  # (a directory's name, when none recorded)
     where = status(report)
     if where is not None:
         title += f"  ({where})"
@@ -197,7 +199,9 @@ def _table(
     indent: str,
     left: frozenset[int] = frozenset({0}),
 ) -> list[str]:
-    """Fixed-width columns: those in `left` aligned left (text), the others right (numbers)."""
+    """Fixed-width columns: those in `left` aligned left (text), the others right (numbers); a cell is one line
+    whatever it holds (`untrusted.one_line`)."""
+    header, rows = [one_line(str(c)) for c in header], [[one_line(str(c)) for c in row] for row in rows]
     widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
 
     def line(row: Sequence[str]) -> str:

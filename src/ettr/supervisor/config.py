@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import dataclass
 
 from ettr.inject import FaultSpec
-
-JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
-"""A job id: a letter or digit, then letters, digits and `._+-` (128 at most): safe as a directory name and
-in a shell command, never `.` or `..`."""
+from ettr.run_env import JOB_ID_PATTERN as JOB_ID_PATTERN  # (where it was first defined)
 
 CLOCK_SKEW_S = 300.0  # how far in the future a given time may be (clocks of submit hosts differ a little)
 MAX_AGE_S = 5 * 365.25 * 86400.0

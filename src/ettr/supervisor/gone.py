@@ -6,10 +6,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ettr.causes import EXITED_EARLY, is_collective_error
 from ettr.events import Event, EventKind
 from ettr.run_env import exited_path
+
+if TYPE_CHECKING:
+    from ettr.supervisor.inplace import InPlace
 
 
 def first_failed_rank(
@@ -57,6 +61,19 @@ def first_rank_gone_at(
         if any(pid in rank_of for pid in pids):
             return ts
     return None
+
+
+def worker_seen_gone(
+    at: float | None, looks: Sequence[Sequence[int]], returncode: int | None, continued: InPlace | None
+) -> list[tuple[float, list[int]]]:
+    """ettr's agent's `seen_gone`: its failed worker (`looks`) and when the agent saw it end (`at`), where
+    it died (a non-zero status; in place: not a raise it lived on from). The failure instant where the
+    worker recorded none: a SIGKILLed rank's detection read `?` in the report, though the agent, woken by
+    its exit, saw it at once. A worker that exited 0 or lived on is no death; nor is a group with none."""
+    code = returncode if continued is None else continued.returncode
+    if at is None or not code or (continued is not None and continued.survived):
+        return []
+    return [(at, list(look)) for look in looks]
 
 
 def exited_early(

@@ -16,6 +16,10 @@ attempt whose PYTHONPATH lacks the bootstrap (`unbooted_python`), once.
 The later lines also name the phases the ranks' pulses say are open now (`open_phases`): nanoGPT's first
 `torch.compile` took 379 s at load 40 and every line said `cold start: interpreter, imports, model build,
 restore`; now they end `; now: compile on ranks 0, 1`.
+
+Processes the script starts itself that step an optimizer without joining a process group (pytorch/examples'
+`mnist_hogwild`) are no ranks, and nobody records their steps (`ettr.bootstrap.unrecorded`): the lines said
+`cold start` for as long as they trained. Once one of them has stepped, the next line names them, once.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Callable
 from ettr.bootstrap import pythonpath_dir
 from ettr.heartbeat import read_pulses
 from ettr.procs import descendants, environ_of
-from ettr.run_env import RUN_DIR_ENV, heartbeat_dir
+from ettr.run_env import RUN_DIR_ENV, heartbeat_dir, unrecorded_trainers
 
 STARTING = {
     "cold": "cold start: interpreter, imports, model build, restore",
@@ -106,13 +110,19 @@ class StartupWait:
         unbooted: Callable[[], str | None] | None = None,
         absent: Callable[[int], str | None] | None = None,
         phases: Callable[[], str | None] | None = None,
+        unrecorded: Callable[[], list[int]] | None = None,
     ) -> None:
         """`unbooted` (default with `run_dir`: `unbooted_python` of the attempt) is asked, from
         `UNBOOTED_AFTER_S` on, at each line until it once had something to say. `absent` (a multi-node
         job's `Peers.absent`) says which other nodes the attempt's rendezvous waits for: node 0 said
         `still no training step after 120 s (cold start: ...)` of a node 1 that had never been started.
         `phases` (default with `run_dir`: `open_phases` of the attempt) says which phases the ranks are in now.
+        `unrecorded` (default with `run_dir`: `unrecorded_trainers` of the attempt) names the processes that
+        train without being ranks.
         """
+        if unrecorded is None and run_dir is not None:
+            unrecorded = lambda: unrecorded_trainers(run_dir, attempt)  # noqa: E731
+        self._unrecorded = unrecorded
         self._absent = absent
         if phases is None and run_dir is not None:
             phases = lambda: open_phases(run_dir, attempt)  # noqa: E731
@@ -153,6 +163,17 @@ class StartupWait:
         if first:
             return f"attempt {self._attempt}: waiting for its first training step ({self._doing})"
         line = f"attempt {self._attempt}: still no training step after {age_s:.0f} s"
+        pids = _ask(self._unrecorded, [])
+        if pids:
+            self._unrecorded = None  # said once; later lines say so in short
+            self._doing = "its processes train unrecorded"
+            return (
+                f"attempt {self._attempt}: no training step recorded after {age_s:.0f} s: "
+                f"process{'es' if len(pids) > 1 else ''} {', '.join(map(str, pids))}, started "
+                "by the script itself, step an optimizer but joined no process group (Hogwild-style "
+                "training): they are no ranks, so ettr does not count their steps and this job's ETT will "
+                "be unknown"
+            )
         if self._unbooted is not None and age_s >= UNBOOTED_AFTER_S:
             try:
                 why = self._unbooted()
@@ -168,3 +189,13 @@ class StartupWait:
         except Exception:  # a diagnosis is no reason to stop the watch
             now_in = None
         return f"{line} ({waits or self._doing}{f'; now: {now_in}' if now_in else ''})"
+
+
+def _ask(question: Callable[[], list[int]] | None, default: list[int]) -> list[int]:
+    """A diagnosis's answer (`default` when there is none, or it failed: no reason to stop the watch)."""
+    if question is None:
+        return default
+    try:
+        return question()
+    except Exception:
+        return default

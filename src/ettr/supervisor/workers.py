@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ettr.run_env import exited_path, failed_exit_path
-from ettr.supervisor import agent, inplace, standby
+from ettr.supervisor import agent, gone, inplace, standby
 from ettr.supervisor.inplace import InPlace, InPlaceCheck
 from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
@@ -59,8 +59,7 @@ class WorkerGroup:
         if not procs:
             raise ValueError("WorkerGroup needs at least one worker")
         self.procs = list(procs)
-        self.warm = list(warm) or [False] * len(self.procs)
-        """Per rank: whether it came from a warm standby."""
+        self.warm = list(warm) or [False] * len(self.procs)  # per rank: started warm by this attempt
         self.pid = self.procs[0].pid
         self._teardown_grace_s = teardown_grace_s
         self._flush_s = flush_s
@@ -235,8 +234,8 @@ class WorkerGroup:
         rank = self.continued.failed_rank if self.continued is not None else self.failed_rank
         return [] if rank is None else [[self.procs[rank].pid]]
 
-    def seen_gone(self) -> list[tuple[float, list[int]]]:
-        return []  # the group sees its worker's exit itself: the failure_detected MARK is its death
+    def seen_gone(self) -> list[tuple[float, list[int]]]:  # the dead worker, when the group saw it
+        return gone.worker_seen_gone(self.failed_at, self.failed_pids(), self._returncode, self.continued)
 
     def ranks(self) -> dict[int, int]:
         """Each worker's rank (a survivor of an in-place recovery recorded no PROCESS_START in this attempt)."""
@@ -249,7 +248,6 @@ class WorkerGroup:
             old.kill_leftovers()
             self._gone.append(old)
             self.procs[rank] = process
-            self.warm[rank] = False
         self.pid = self.procs[0].pid
         self.continued, self._continued_told, self.failed_at = None, False, None
         self._markers = [failed_exit_path(run_dir, attempt, p.pid) for p in self.procs]
@@ -372,6 +370,8 @@ class WorkerGroupKind:
         running.notice = WarmUpNotice(plan.attempt, waiting)  # survivors wait on a promoted one's warm-up
         running.notice.start()  # (says nothing without one)
         running.continue_as(plan.attempt, replacements, self._run_dir)
+        warm = {rank: how.path != "cold" for rank, how in zip(replacements, paths, strict=True)}
+        running.warm = [warm.get(rank, False) for rank in range(len(running.procs))]  # not the survivors'
         inplace.announce(self._run_dir, plan.attempt, sorted(replacements))
         running.relaunch = Relaunch.in_place(sorted(replacements), paths)
         return running
