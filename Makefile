@@ -20,7 +20,7 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q fbgemm-gpu-cpu==1.8.0
 	$(PIP) install -q --no-deps torchrec==1.8.0
-	$(PIP) install -q -e '.[rec,io,dev,postgres,export,fleet,frameworks]'
+	$(PIP) install -q -e '.[rec,io,fast,dev,postgres,export,fleet,frameworks]'
 	DS_BUILD_OPS=0 $(PIP) install -q --upgrade --no-deps --no-build-isolation --target $(VENV)/deepspeed \
 		deepspeed==0.19.8 einops==0.8.2 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 py-cpuinfo==9.0.0
 	touch $(STAMP)

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
+from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState, checksums
 from ettr.checkpoint import snapshot as snapshot_module
 from ettr.checkpoint.base import MANIFEST_NAME, CheckpointError, CheckpointInvalid, step_dir_name
-from ettr.checkpoint.checksums import PIECE_MIN_BYTES, SummingFileSystem, Sums, crc32_combine
+from ettr.checkpoint.checksums import PIECE_MIN_BYTES, SummingFileSystem, Sums, crc32, crc32_combine
 from ettr.checkpoint.commit import commit, find_latest, verify
 from ettr.checkpoint.memory import MemoryCopies
 from ettr.checkpoint.snapshot import Binding, open_snapshot, write
@@ -33,6 +33,31 @@ def test_crc32_combine_is_zlibs() -> None:
     for len_a, len_b in [(0, 0), (0, 5), (5, 0), (1, 1), (100, 4096), (3, 1 << 20), (70_001, 123_457)]:
         a, b = rng.randbytes(len_a), rng.randbytes(len_b)
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len_b) == zlib.crc32(a + b)
+
+
+def test_crc32_is_zlibs_whichever_implementation_is_installed() -> None:
+    """`crc32` (zlib-ng's or ISA-L's where installed, else zlib's) gives zlib's values, so checkpoints summed
+    with one verify with any other, before and after: same buffers, same start values."""
+    rng = random.Random(3)
+    buffers: list[Any] = [b"", b"a", rng.randbytes(4097), bytearray(rng.randbytes(1 << 20))]
+    buffers.append(memoryview(torch.arange(1000, dtype=torch.float32).numpy()))
+    for data in buffers:
+        for start in (0, 1, 0xFFFFFFFF):
+            assert crc32(data, start) == zlib.crc32(data, start)
+
+
+def test_a_fast_crc32_that_disagrees_with_zlib_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    broken = types.ModuleType("ettr_test_broken_crc")
+    broken.crc32 = lambda data, value=0: (zlib.crc32(data, value) + 1) & 0xFFFFFFFF  # type: ignore[attr-defined]
+    monkeypatch.setitem(__import__("sys").modules, "ettr_test_broken_crc", broken)
+    monkeypatch.setattr(checksums, "FAST_CRC32_MODULES", ("ettr_test_broken_crc", "ettr_test_absent_crc"))
+    checksums.crc32_implementation.cache_clear()
+    try:
+        assert checksums.crc32_implementation() is zlib.crc32
+    finally:
+        checksums.crc32_implementation.cache_clear()
 
 
 class CountingStorage(MemoryStorage):

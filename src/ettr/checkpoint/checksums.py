@@ -11,17 +11,53 @@ A sum is recorded only for a file written front to back through one stream that 
 a stream that seeks or truncates records nothing, and a file without a recorded sum is read back as
 before. What the manifest records is the CRC-32 of the bytes meant to be on disk, so anything that
 changes them on the way (a torn write, a bad disk) fails the CRC check at load, as it did.
+
+`crc32` is zlib's CRC-32 (the same values, the same arguments), taken with the fastest implementation
+installed: zlib-ng's or ISA-L's (`pip install 'ettr[fast]'`; carry-less multiplication, 13-16 GB/s here
+against 2.1 GB/s for the system zlib 1.2.13 Python links), else zlib's. Every CRC-32 of checkpoint bytes
+goes through it: the sums of a save, the commit's and a restore's checks, the memory copy's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
+
+from ettr.checkpoint.direct_io import MIN_BYTES, address_of, write_aligned
+
+FAST_CRC32_MODULES = ("zlib_ng.zlib_ng", "isal.isal_zlib")
+"""Modules whose `crc32(data, value=0)` is zlib's CRC-32, faster, in the order they are preferred."""
+_PROBE = bytes(range(256)) * 33 + b"ettr"
+
+
+@cache
+def crc32_implementation() -> Callable[..., int]:
+    """The `crc32` that `crc32` calls: the first of `FAST_CRC32_MODULES` installed whose answers match zlib's
+    on a probe (a start value too), else `zlib.crc32`. Resolved once, on first use."""
+    expected = (zlib.crc32(_PROBE), zlib.crc32(_PROBE, 0x12345678), zlib.crc32(b"", 7))
+    for name in FAST_CRC32_MODULES:
+        try:
+            candidate = importlib.import_module(name).crc32
+            found = (candidate(_PROBE), candidate(_PROBE, 0x12345678), candidate(b"", 7))
+        except Exception:  # noqa: BLE001 - a broken optional module: zlib's then
+            continue
+        if found == expected:
+            return candidate
+    return zlib.crc32
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    """zlib's CRC-32 of the bytes of `data` (any C-contiguous buffer), continued from `value`; the GIL is
+    released while a large buffer is summed. Same values as `zlib.crc32`, faster where zlib-ng or ISA-L is
+    installed (see the module docstring)."""
+    return int(crc32_implementation()(data, value))
+
 
 _POLY = 0xEDB88320
 PIECE_MIN_BYTES = 1 << 20
@@ -109,16 +145,6 @@ def _same_dir(path: str | os.PathLike[str], new_path: str | os.PathLike[str]) ->
     )
 
 
-def _address(data: Any) -> int | None:
-    """The address of a contiguous buffer's first byte (None where it cannot be had cheaply)."""
-    import numpy as np
-
-    try:
-        return int(np.frombuffer(data, dtype=np.uint8).ctypes.data)
-    except (TypeError, ValueError, BufferError):
-        return None
-
-
 class SummingStream:
     """A write stream that sums what it is handed (see the module docstring); everything else is the
     wrapped stream's."""
@@ -130,6 +156,9 @@ class SummingStream:
         self.size = 0
         self.whole = True
         """False once anything but appending happened (a seek, a truncate): no sum is recorded then."""
+        self.direct = False
+        """Send writes of at least `direct_io.MIN_BYTES` past the page cache where they can go (the raw-record
+        writer asks for it: its large records start at a multiple of `direct_io.ALIGN`)."""
 
     def write(self, data: Any) -> int:
         try:
@@ -143,15 +172,20 @@ class SummingStream:
         expect = self._sums.expect
         key = None
         if nbytes >= PIECE_MIN_BYTES and expect:
-            address = _address(view)
+            address = address_of(view)
             key = (address, nbytes) if address is not None and (address, nbytes) in expect else None
         if key is None:
-            self.crc = zlib.crc32(view, self.crc)
+            self.crc = crc32(view, self.crc)
         else:
-            piece = zlib.crc32(view)
+            piece = crc32(view)
             self._sums.pieces[key] = piece
             self.crc = crc32_combine(self.crc, piece, nbytes)
-        written = self._raw.write(data)
+        done = write_aligned(self._raw, view) if self.direct and nbytes >= MIN_BYTES else 0
+        if done:
+            rest = self._raw.write(view[done:]) if done < nbytes else 0
+            written = done + (nbytes - done if rest is None else int(rest))
+        else:
+            written = self._raw.write(data)
         if written is not None and written != nbytes:
             self.whole = False  # a raw stream's short write: the caller writes the rest, unsummed
         self.size += nbytes

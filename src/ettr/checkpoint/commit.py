@@ -43,6 +43,7 @@ from ettr.checkpoint.base import (
     parse_step_dir,
     step_dir_name,
 )
+from ettr.checkpoint.checksums import crc32
 from ettr.checkpoint.keys import key_id
 
 logger = logging.getLogger("ettr")
@@ -237,11 +238,11 @@ def root_identity(url: str) -> str:
 
 
 def file_crc32(storage: ReadableStorage, rel: str) -> tuple[int, int]:
-    """(size, CRC-32) of one stored file, read in chunks (zlib releases the GIL while it sums)."""
+    """(size, CRC-32) of one stored file, read in chunks (`checksums.crc32`: the GIL is released while it sums)."""
     crc, size = 0, 0
     with storage.open_read(rel) as stream:
         for chunk in iter_chunks(stream):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             size += len(chunk)
     return size, crc
 

@@ -8,6 +8,10 @@ would (`__<rank>_0.distcp`: the pickled objects first, then the tensors), and ma
 DCP's metadata with the stream-transform descriptor `RAW` (`_StorageInfo.transform_descriptors`). The
 record's dtype and shape are the ones DCP's metadata already holds for that chunk, so a record is read with
 no pickle at all: `read_raw` takes its bytes (`length` must be exactly the chunk's) into a new tensor.
+A record of `direct_io.MIN_BYTES` or more starts at a multiple of `direct_io.ALIGN` in its file (zero bytes
+before it, which the file's CRC-32 covers like any other; since 2026-12-05), so that it can be written past
+the page cache; a reader takes each record at the offset DCP's metadata gives it, so files with and
+without those gaps read alike, with this ettr and an older one.
 
 Records written by `torch.save` (every checkpoint before this, and those of a writer that is not DCP's
 file writer) carry no descriptor and load as before (`torch.load(weights_only=True)`), so a checkpoint of
@@ -30,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ettr.checkpoint import direct_io
 from ettr.checkpoint.base import CheckpointInvalid
 
 RAW = "ettr-raw-v1"
@@ -69,6 +74,10 @@ def write_raw(inner: Any, plan: SavePlan, planner: SavePlanner) -> list[WriteRes
     tensors = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
     offset = 0
     with inner.fs.create_stream(path, "wb") as stream:
+        if hasattr(
+            stream, "direct"
+        ):  # the summing stream: its large writes past the page cache (`direct_io`)
+            stream.direct = True
         for item in pickled:
             data = planner.resolve_data(item)
             if not isinstance(data, io.BytesIO):
@@ -87,6 +96,11 @@ def write_raw(inner: Any, plan: SavePlan, planner: SavePlanner) -> list[WriteRes
             if chunk is not None and tuple(tensor.shape) != tuple(chunk.sizes):
                 raise ValueError(f"{item.index.fqn}: shape {tuple(tensor.shape)} is not its chunk's")
             view = _bytes_of(tensor)
+            if view.nbytes >= direct_io.MIN_BYTES:  # a large record starts on a block (written directly)
+                gap = direct_io.padding(offset)
+                if gap:
+                    stream.write(bytes(gap))
+                    offset += gap
             stream.write(view)
             info = _StorageInfo(name, offset, view.nbytes, transform_descriptors=[RAW])
             results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=info))

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+from ettr.checkpoint import direct_io
 from ettr.checkpoint.base import CheckpointInvalid
-from ettr.checkpoint.checksums import buffer_key, crc32_combine
+from ettr.checkpoint.checksums import buffer_key, crc32, crc32_combine
 from ettr.untrusted import open_regular
 
 MAGIC = b"ETTRSNP1"
@@ -202,7 +203,7 @@ def _crc_join(
     summed here."""
     if key is not None and key in known:
         return crc32_combine(crc, known[key], piece.nbytes)
-    return zlib.crc32(piece, crc)
+    return crc32(piece, crc)
 
 
 def _align(offset: int) -> int:
@@ -409,6 +410,8 @@ def _tensor_plan(state_dict: dict[str, Any]) -> tuple[_Layout, Any, list[tuple[i
     entries, offset = [], 0
     for tensor in layout.tensors:
         nbytes = tensor.numel() * tensor.element_size()
+        if nbytes >= direct_io.MIN_BYTES:  # on a page of its own start: the persist writes it directly
+            offset += direct_io.padding(offset)
         entries.append((offset, nbytes))
         offset = _align(offset + nbytes)
     return layout, tree, entries, offset
@@ -437,6 +440,7 @@ def prepare_slot(path: Path, state_dict: dict[str, Any], *, over: FileId | None 
         payload_crc32=2**32 - 1,
     )
     header_room = len(_header_bytes(estimate)) * 5 // 4 + 4096
+    header_room += direct_io.padding(len(MAGIC) + 8 + header_room)  # the tensors start on a page
     data_offset = _align(len(MAGIC) + 8 + header_room)
     nofollow = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     if over is None:
@@ -511,7 +515,7 @@ def seal(
     blob_entries, offset = [], slot.tensor_bytes
     for blob in layout.blobs:
         blob_entries.append([offset, len(blob)])
-        crc = zlib.crc32(blob, crc)
+        crc = crc32(blob, crc)
         offset = _align(offset + len(blob))
     body = _header_body(
         binding,
@@ -633,7 +637,7 @@ class Snapshot:
         crc = 0
         for meta in [*body["tensors"], *body["blobs"]]:
             at, nbytes = meta["at"]
-            crc = zlib.crc32(view[data + at : data + at + nbytes], crc)
+            crc = crc32(view[data + at : data + at + nbytes], crc)
         if crc != body["payload_crc32"]:
             raise CheckpointInvalid("snapshot payload fails its CRC-32 check (torn or corrupt)")
         tensors = []

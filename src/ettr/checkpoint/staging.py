@@ -28,6 +28,7 @@ of the state is made after the commit (`memory.MemoryCopies`). Not with pinned o
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -36,6 +37,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ettr import torch_compat
+from ettr.checkpoint import direct_io
 from ettr.checkpoint.checksums import buffer_key
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), complex)
@@ -138,9 +140,7 @@ class ReusedStager(AsyncStager):
     def _buffer_for(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_memory)
-            if self.share_memory:
-                buffer.share_memory_()
+            buffer = _empty_buffer(tensor, pin_memory=self.pin_memory, share_memory=self.share_memory)
             self._buffers[key] = buffer
         return buffer
 
@@ -202,6 +202,19 @@ class ReusedStager(AsyncStager):
         self._buffers.clear()
         self._lent.clear()
         self._fallback.close()
+
+
+def _empty_buffer(tensor: torch.Tensor, *, pin_memory: bool, share_memory: bool) -> torch.Tensor:
+    """An empty CPU tensor like `tensor`; one of `direct_io.MIN_BYTES` or more starts on a page
+    (`direct_io.ALIGN`), so that the persist can write it past the page cache: its own anonymous mapping,
+    exactly its size (a view into a larger storage would make DCP's own writer clone it). Pinned memory is
+    page-aligned already; shared-memory buffers (process mode) are torch's."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if pin_memory or share_memory or nbytes < direct_io.MIN_BYTES:
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin_memory)
+        return buffer.share_memory_() if share_memory else buffer
+    pages = mmap.mmap(-1, nbytes)  # held by the tensor (frombuffer keeps its buffer alive)
+    return torch.frombuffer(pages, dtype=tensor.dtype, count=tensor.numel()).view(tensor.shape)
 
 
 def _is_sharded_tensor(value: Any) -> bool:

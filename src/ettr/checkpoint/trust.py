@@ -27,7 +27,6 @@ import io
 import logging
 import pickle
 import time
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -39,6 +38,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ettr import torch_compat
 from ettr.checkpoint import raw
 from ettr.checkpoint.base import CheckpointError, CheckpointInvalid, CheckpointRefused, ReadableStorage
+from ettr.checkpoint.checksums import crc32
 from ettr.checkpoint.commit import TRANSIENT_ERRNOS, metadata_max_bytes
 
 logger = logging.getLogger("ettr")
@@ -367,7 +367,7 @@ class VerifiedReader(StorageReader):
                 return stream.read(size + 1)
 
         data = retry_transient(read, what=f"reading {rel}")
-        if len(data) != size or zlib.crc32(data) != crc:
+        if len(data) != size or crc32(data) != crc:
             raise CheckpointInvalid(f"{rel} does not match its manifest entry (changed after verification?)")
         metadata = load_metadata_bytes(data, self.files)
         from torch.distributed.checkpoint.metadata import StorageMeta
