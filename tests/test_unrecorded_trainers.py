@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +25,20 @@ from ettr.run_env import ATTEMPT_ENV, INSTRUMENTED_ENV, RUN_DIR_ENV, unrecorded_
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class _Handle:
-    def __init__(self, hooks: list[Any]) -> None:
-        self._hooks = hooks
-
-    def remove(self) -> None:
-        self._hooks.clear()
-
-
 class _Optim:
-    """`torch.optim.optimizer`'s global post-step hook registry, in memory."""
+    """`torch.optim.optimizer`'s global post-step hooks, in memory, called as torch calls them: iterating the
+    registry itself (a hook that removed itself raised "OrderedDict mutated during iteration" in every rank)."""
 
     def __init__(self) -> None:
-        self.hooks: list[Any] = []
+        self.hooks: OrderedDict[int, Any] = OrderedDict()
 
-    def register_optimizer_step_post_hook(self, hook: Any) -> _Handle:
-        self.hooks.append(hook)
-        return _Handle(self.hooks)
+    def register_optimizer_step_post_hook(self, hook: Any) -> Any:
+        key = len(self.hooks)
+        self.hooks[key] = hook
+        return type("Handle", (), {"remove": lambda _: self.hooks.pop(key, None)})()
 
     def step(self) -> None:
-        for hook in list(self.hooks):
+        for hook in self.hooks.values():
             hook(object(), (), {})
 
 
@@ -60,11 +55,13 @@ def test_the_first_step_of_a_process_that_is_no_rank_is_noted_once(
     else:
         monkeypatch.setenv(INSTRUMENTED_ENV, str(os.getpid()) if marker == "own" else marker)
     monkeypatch.setattr(unrecorded, "_handles", [])
+    monkeypatch.setattr(unrecorded, "_noted", [])
     optim = _Optim()
+    optim.register_optimizer_step_post_hook(lambda *_: None)  # ettr's own step hook, as in a rank
     unrecorded.watch_steps(optim)  # type: ignore[arg-type]
-    optim.step()
-    assert optim.hooks == []  # removed at its first call: no cost on later steps
-    optim.step()
+    optim.register_optimizer_step_post_hook(lambda *_: None)
+    for _ in range(3):
+        optim.step()  # the registry is never changed while torch iterates it
     assert unrecorded_trainers(tmp_path, 2) == ([os.getpid()] if noted else [])
 
 

@@ -10,7 +10,8 @@ the hint that the job "never stepped an optimizer".
 
 Here such a process (one that carries the instrumented process's marker, `ETTR_INSTRUMENTED_PID`, and is not
 that process: a rank drops the marker when it becomes one) writes `unrecorded_steps_path` at its first
-optimizer step (`watch_steps`: one global post-step hook, removed at its first call). The supervisor's
+optimizer step (`watch_steps`: one global post-step hook, which returns at once after its first call: it cannot remove
+itself, torch iterates its hooks while it runs). The supervisor's
 start-up watch says so at its next line, and the instrumented process records the pids in a MARK
 (`UNRECORDED_MARK`) as it exits (`record_at_exit`), from which the report says why ETT is unknown. Their
 steps are not counted: without a process group there is no rank to count them for, and no way to know
@@ -27,6 +28,7 @@ from typing import Any
 from ettr.constants import UNRECORDED_MARK
 
 _handles: list[Any] = []
+_noted: list[bool] = []
 
 
 def watch_steps(optim: ModuleType | None = None) -> None:
@@ -48,9 +50,10 @@ def _first_step(*_: Any) -> None:
     from ettr.run_env import INSTRUMENTED_ENV, RunEnv, unrecorded_steps_path
     from ettr.untrusted import make_dirs_below
 
+    if _noted:
+        return  # one look per process (the hook stays: torch iterates its hooks while calling this one)
+    _noted.append(True)
     try:
-        for handle in _handles:
-            handle.remove()
         marker = os.environ.get(INSTRUMENTED_ENV)
         run_env = RunEnv.from_environ(os.environ)
         if marker is None or marker == str(os.getpid()) or run_env is None:
