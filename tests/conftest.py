@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,6 +58,35 @@ def _no_compile_session_from_in_process_hooks(monkeypatch: pytest.MonkeyPatch) -
     import ettr.compile
 
     monkeypatch.setattr(ettr.compile, "autoinstall", lambda *args, **kwargs: False)
+
+
+@pytest.fixture
+def in_process_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any, Any]]:
+    """ettr's zero-code hooks installed in this process on a real recorder: (hooks, recorder, ledger). Removed
+    again at the end, when every torch attribute they patch must be torch's own again. The process counts as
+    one that compiled nothing (another test may have compiled with Dynamo, after which evaluations are not
+    timed: `EvalHooks._hookable`)."""
+    torch = pytest.importorskip("torch")
+    from ettr import torch_compat
+    from ettr.bootstrap.hooks import AutoHooks
+    from ettr.ledger import open_ledger
+    from ettr.recorder import Recorder
+
+    monkeypatch.setattr(torch_compat, "dynamo_frames_compiled", lambda: 0)
+    base = torch_compat.dataloader_iter_base()
+    patched = [(torch.nn.Module, name) for name in ("train", "eval", "__getstate__")]
+    patched += [(base, "__next__"), (base, "__init__")]
+    originals = [owner.__dict__[name] for owner, name in patched]
+    ledger = open_ledger(tmp_path / "run")
+    rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=0, rank=0)
+    hooks = AutoHooks(rec)
+    hooks.on_torch(torch)
+    try:
+        yield hooks, rec, ledger
+    finally:
+        hooks.uninstall()
+        rec.close()
+        assert [owner.__dict__[name] for owner, name in patched] == originals
 
 
 def _in_ci() -> bool:

@@ -4,49 +4,20 @@ and removed again: what counts as an evaluation, where it begins and ends, and w
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ettr.events import Event, EventKind, Phase
-from ettr.ledger import open_ledger
 from ettr.recorder import Recorder
 
 torch = pytest.importorskip("torch")
 
 
 @pytest.fixture
-def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Recorder, Any]]:
-    from ettr.bootstrap.hooks import AutoHooks
-
-    try:
-        import ettr.compile
-
-        monkeypatch.setattr(ettr.compile, "autoinstall", lambda rec: None)
-    except ImportError:
-        pass
-    # Another test of this process may have compiled something with Dynamo, after which evaluations are not
-    # timed (`EvalHooks._hookable`): these tests start from a process that compiled nothing.
-    from ettr import torch_compat
-
-    monkeypatch.setattr(torch_compat, "dynamo_frames_compiled", lambda: 0)
-    original_train = torch.nn.Module.__dict__["train"]
-    original_eval = torch.nn.Module.__dict__["eval"]
-    original_getstate = torch.nn.Module.__dict__["__getstate__"]
-    ledger = open_ledger(tmp_path / "run")
-    rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=0, rank=0)
-    hooks = AutoHooks(rec)
-    hooks.on_torch(torch)
-    try:
-        yield hooks, rec, ledger
-    finally:
-        hooks.uninstall()
-        rec.close()
-        assert torch.nn.Module.__dict__["train"] is original_train
-        assert torch.nn.Module.__dict__["eval"] is original_eval
-        assert torch.nn.Module.__dict__["__getstate__"] is original_getstate
+def hooked(in_process_hooks: tuple[Any, Recorder, Any]) -> tuple[Any, Recorder, Any]:
+    return in_process_hooks  # tests/conftest.py
 
 
 def _evals(rec: Recorder, ledger: Any) -> list[Event]:

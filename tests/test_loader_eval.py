@@ -5,47 +5,19 @@ trained model or is already an evaluation is not. Hooks installed in this proces
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ettr.events import EventKind, Phase
-from ettr.ledger import open_ledger
 from ettr.recorder import Recorder
 
 torch = pytest.importorskip("torch")
 
 
 @pytest.fixture
-def hooked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Recorder, Any]]:
-    from ettr import torch_compat
-    from ettr.bootstrap.hooks import AutoHooks
-
-    try:
-        import ettr.compile
-
-        monkeypatch.setattr(ettr.compile, "autoinstall", lambda rec: None)
-    except ImportError:
-        pass
-    monkeypatch.setattr(
-        torch_compat, "dynamo_frames_compiled", lambda: 0
-    )  # as in a process that compiled nothing
-    base = torch_compat.dataloader_iter_base()
-    original_next, original_init = base.__dict__["__next__"], base.__dict__["__init__"]
-    ledger = open_ledger(tmp_path / "run")
-    rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=0, rank=0)
-    hooks = AutoHooks(rec)
-    hooks.on_torch(torch)
-    try:
-        yield hooks, rec, ledger
-    finally:
-        hooks.uninstall()
-        rec.close()
-        assert base.__dict__["__next__"] is original_next
-        assert base.__dict__["__init__"] is original_init
-        assert not torch.nn.modules.module._global_forward_pre_hooks
+def hooked(in_process_hooks: tuple[Any, Recorder, Any]) -> tuple[Any, Recorder, Any]:
+    return in_process_hooks  # tests/conftest.py
 
 
 def _eval_spans(rec: Recorder, ledger: Any) -> list[tuple[float, float]]:
