@@ -351,3 +351,32 @@ def test_a_side_by_side_story_holds_the_steps_both_sides_ran_together(tmp_path):
     assert beside.equal_speed.together.change_pct == pytest.approx(0.0)
     after = demo_story.build_story(*dirs, side_by_side=False, fleet=fleet)
     assert after.equal_speed is not None and after.equal_speed.together is None
+
+
+def test_the_demo_says_how_evenly_the_other_load_sat_beside_the_two_sides():
+    """The CPU time each side's CPU gave to other processes while both trained: said, with a verdict."""
+    from dataclasses import replace
+
+    from ettr.demo.cpu_meter import CpuShare
+    from ettr.demo.render import beside_line, equal_speed_lines
+
+    e = demo_story.equal_speed(_report(BASE), _report(OPT))
+    assert e is not None
+    together = demo_story.StepsTogether(
+        begin_ts=T0,
+        end_ts=T0 + 100.0,
+        baseline_median_step_s=0.030,
+        optimized_median_step_s=0.040,
+        num_baseline_steps=3000,
+        num_optimized_steps=2500,
+    )
+    assert beside_line(replace(e, side_by_side=True, together=together)) is None  # not sampled
+    b = CpuShare(covered_s=100.0, own_s=95.0, others_s=3.0, num_cpus=1)
+    o = CpuShare(covered_s=100.0, own_s=80.0, others_s=18.0, num_cpus=1)
+    uneven = replace(e, side_by_side=True, together=replace(together, beside=(b, o)))
+    line = beside_line(uneven)
+    assert line is not None and line in equal_speed_lines(uneven)
+    assert "baseline 3.0 s (3%), optimized 18.0 s (18%)" in line
+    assert "not even: the optimized side's CPU gave 15 points more of its time to other processes" in line
+    even = beside_line(replace(uneven, together=replace(together, beside=(b, replace(o, others_s=5.0)))))
+    assert even is not None and "about even, so the step times compare" in even

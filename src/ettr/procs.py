@@ -85,6 +85,48 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def tree_cpu_seconds(root: int) -> float | None:
+    """CPU time used so far by process `root` and its live descendants, user and system, with what each of
+    them has collected from children it waited for (so a worker that exited and was waited for still
+    counts); None: no such process, or no /proc. A descendant that outlived its parent and went to a
+    process outside the tree is missed from then on."""
+    total = 0.0
+    for pid in [root, *(pid for pid, _ in descendants(root))]:
+        fields = _stat_fields(pid)
+        try:
+            if fields is not None:  # fields 14-17 of stat(5): utime, stime, cutime, cstime
+                total += sum(int(fields[i]) for i in (11, 12, 13, 14))
+            elif pid == root:
+                return None
+        except (ValueError, IndexError):
+            if pid == root:
+                return None
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def cpus_busy_seconds(cpus: Collection[int]) -> float | None:
+    """Seconds the CPUs `cpus` have spent busy since boot, whoever ran on them (from /proc/stat: user, nice,
+    system, irq, softirq and steal time); None where /proc/stat cannot say for one of them."""
+    wanted = {f"cpu{cpu}" for cpu in cpus}
+    try:
+        with open(f"{_PROC}/stat", "rb") as f:
+            lines = f.read().decode("ascii", "replace").splitlines()
+    except OSError:
+        return None
+    ticks = 0
+    found = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name in wanted:
+            fields = rest.split()
+            try:  # user nice system idle iowait irq softirq steal ...
+                ticks += sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7))
+            except (ValueError, IndexError):
+                return None
+            found += 1
+    return ticks / os.sysconf("SC_CLK_TCK") if found == len(wanted) else None
+
+
 def _parent_pid(pid: int | str) -> int | None:
     fields = _stat_fields(pid)
     try:

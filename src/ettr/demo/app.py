@@ -28,6 +28,7 @@ from typing import BinaryIO, Literal
 
 from ettr.closing import live_supervisor
 from ettr.constants import EXIT_PREEMPTED
+from ettr.demo.cpu_meter import CpuSample, sample
 from ettr.demo.explain import explain
 from ettr.demo.progress import JobState, ProgressDisplay, read_events
 from ettr.errors import UsageError
@@ -370,6 +371,8 @@ class JobRun:
         self._proc: subprocess.Popen[bytes] | None = None
         self._num_launches = 0
         self._began = 0.0
+        self.cpu_samples: list[CpuSample] = []
+        """Side by side (`cpus` given): its CPUs and its processes, looked at about once a second."""
 
     @property
     def elapsed_s(self) -> float:
@@ -383,6 +386,14 @@ class JobRun:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self._proc = start_child(self.command, log, self.job.environment(), cpus=self.cpus)
+
+    def look_at_cpus(self) -> None:
+        """Sample how busy its CPUs are and what its own processes used (side by side only)."""
+        if self.cpus is None:
+            return
+        running = self._proc is not None and self._proc.poll() is None
+        root = self._proc.pid if running and self._proc is not None else None
+        self.cpu_samples.append(sample(time.time(), self.cpus, root))
 
     def tick(self, display: ProgressDisplay) -> None:
         """Look at the ledger and the process once: show progress, requeue, or finish."""
@@ -398,6 +409,7 @@ class JobRun:
             self.launch()
             display.note(f"{name}: preempted (ettr run exited 143); requeueing the job")
             return
+        self.look_at_cpus()
         state = JobState.of(read_events(self.job.run_dir))
         display.show(self.job.side.name, state, self.total_steps, self.elapsed_s)
         if returncode is None:
@@ -587,8 +599,8 @@ def _main(args: argparse.Namespace) -> int:
     else:
         display.note(
             f"the sides run side by side, each on {len(halves[0])} of the {len(cpus or ())} CPUs ("
-            f"baseline {_cpu_list(halves[0])}, optimized {_cpu_list(halves[1])}): whatever else this machine "
-            "runs meanwhile slows both alike"
+            f"baseline {_cpu_list(halves[0])}, optimized {_cpu_list(halves[1])}), so that whatever else this "
+            "machine runs meanwhile is beside both (how evenly is measured and said at the end)"
             + (
                 "; the optimized side starts once the compile store holds this model's artifacts (an earlier "
                 "demo's, or the baseline's first compile)"
@@ -615,7 +627,13 @@ def _main(args: argparse.Namespace) -> int:
         for publisher in publishers:
             publisher.start()
         reports = [load_report(job.run_dir) for job in jobs]
-        story = build_story(jobs[0].run_dir, jobs[1].run_dir, side_by_side=halves is not None)
+        story = build_story(
+            jobs[0].run_dir,
+            jobs[1].run_dir,
+            side_by_side=halves is not None,
+            cpu_samples=(runs[0].cpu_samples, runs[1].cpu_samples) if halves is not None else None,
+            cpus_per_side=len(halves[0]) if halves is not None else 1,
+        )
         for publisher in publishers:
             if publisher.finish(display):
                 failed.append(f"the publish job of {publisher.job.side.name}")

@@ -60,10 +60,12 @@ def equal_speed_lines(e: EqualSpeed | None) -> list[str]:
     else:
         part = "none of the gain came from a step-speed difference"
     together = together_line(e)
+    beside = beside_line(e)
     return [
         "",
         median_step_line(e),
         *([together] if together else []),
+        *([beside] if beside else []),
         f"at equal step speed (the optimized side's {e.num_kept_steps} kept steps at the baseline's "
         f"{fmt_step(e.baseline_step_s)} of effective training a step, not its own {fmt_step(e.optimized_step_s)}; "
         f"{medians}):",
@@ -83,8 +85,7 @@ def median_step_line(e: EqualSpeed) -> str:
     if change is None:
         return f"median step time: {medians}"
     how = (
-        "the sides ran side by side, each on CPUs of its own: the machine's other load slowed both alike "
-        "while both trained"
+        "the sides ran side by side, each on CPUs of its own"
         if e.side_by_side
         else "the sides ran one after the other, so a change of the machine's load between them moves it too"
     )
@@ -111,6 +112,34 @@ def together_line(e: EqualSpeed) -> str | None:
         f"{fmt_step(t.optimized_median_step_s)} ({t.change_pct:+.1f}%: {_bound_verdict(t.change_pct)}; "
         "the steps a side ran after the other had ended, with the other's CPUs free for the machine's other "
         "load, are left out)"
+    )
+
+
+UNEVEN_OTHERS_POINTS = 5.0
+"""Other processes took this many points more of one side's CPU time than of the other's: the two sides'
+steps did not have the same CPU to run on, and the demo says so."""
+
+
+def beside_line(e: EqualSpeed) -> str | None:
+    """Side by side: the CPU time each side's CPUs gave to anything else (the machine's other load, the demo
+    itself) while both trained, and whether that was even (None: not sampled)."""
+    t = e.together
+    if t is None or t.beside is None:
+        return None
+    b, o = t.beside
+    gap = o.others_pct - b.others_pct
+    if abs(gap) < UNEVEN_OTHERS_POINTS:
+        verdict = "about even, so the step times compare"
+    else:
+        slower, faster = ("optimized", "baseline") if gap > 0 else ("baseline", "optimized")
+        verdict = (
+            f"not even: the {slower} side's CPU gave {abs(gap):.0f} points more of its time to other "
+            f"processes than the {faster} side's, which slows its steps for a reason that is not ettr's"
+        )
+    return (
+        f"  on each side's CPU in that stretch, CPU time that was not the side's own (the machine's other "
+        f"load, the demo itself): baseline {b.others_s:.1f} s ({b.others_pct:.0f}%), optimized "
+        f"{o.others_s:.1f} s ({o.others_pct:.0f}%): {verdict}"
     )
 
 
@@ -339,6 +368,7 @@ def _equal_speed_html(e: EqualSpeed | None) -> str:
         '<table class="story"><tr><th></th><th>optimized, measured</th><th>at the baseline\'s step time</th></tr>'
         f"{rows}</table><p>{esc(median_step_line(e))}</p>"
         + (f"<p>{esc(together.strip())}</p>" if (together := together_line(e)) else "")
+        + (f"<p>{esc(beside.strip())}</p>" if (beside := beside_line(e)) else "")
         + f"<p>{esc(lines[-1].strip())}</p>"
     )
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ettr.accounting import EttReport
+from ettr.demo.cpu_meter import CpuSample, CpuShare, share_between
 from ettr.events import Bucket, Event, EventKind
 
 REPLAY_TOLERANCE_POINTS = 2.0
@@ -243,6 +244,9 @@ class StepsTogether:
     optimized_median_step_s: float
     num_baseline_steps: int
     num_optimized_steps: int
+    beside: tuple[CpuShare, CpuShare] | None = None
+    """What the baseline's and the optimized side's CPUs gave to other processes over the stretch
+    (`ettr.demo.cpu_meter`); None where the demo did not sample them."""
 
     @property
     def change_pct(self) -> float:
@@ -487,9 +491,12 @@ def build_story(
     *,
     fleet: FleetScale = FLEET,
     side_by_side: bool = False,
+    cpu_samples: tuple[Sequence[CpuSample], Sequence[CpuSample]] | None = None,
+    cpus_per_side: int = 1,
 ) -> Story:
     """The whole story of a demo from its two run directories (raises UsageError for an unreadable one).
-    `side_by_side`: the two jobs ran at the same time, each on CPUs of its own."""
+    `side_by_side`: the two jobs ran at the same time, each on CPUs of its own (`cpus_per_side` each);
+    `cpu_samples`: each side's looks at its CPUs meanwhile (`ettr.demo.cpu_meter`)."""
     from ettr.accounting.compute import timed_steps
     from ettr.report.load import read_run
 
@@ -500,6 +507,13 @@ def build_story(
             timed_steps(ev, max((e.ts for e in ev), default=0.0)) for ev in (b_events, o_events)
         )
         together = steps_together(b_steps, o_steps)
+    if together is not None and cpu_samples is not None:
+        b_share, o_share = (
+            share_between(samples, together.begin_ts, together.end_ts, num_cpus=cpus_per_side)
+            for samples in cpu_samples
+        )
+        if b_share is not None and o_share is not None:
+            together = replace(together, beside=(b_share, o_share))
     replays, projection, notes = _replay_and_project(
         ("baseline", "optimized"), (baseline_dir, optimized_dir), fleet
     )
