@@ -262,10 +262,18 @@ class _Forged:
         return (os.system, (f"touch {self.path}",))
 
 
+def _plan(ranks: list) -> object:
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+
+    sharding = ParameterSharding(sharding_type="table_wise", compute_kernel="fused", ranks=ranks)
+    return ShardingPlan(plan={"sparse_arch.ebc": EmbeddingModuleShardingPlan({"t0": sharding})})
+
+
 def test_a_plan_is_read_back_by_key_and_a_damaged_or_missing_one_means_plan_again(tmp_path):
+    pytest.importorskip("torchrec")
     from dlrm.plan_cache import PlanCache
 
-    plan = {"tables": [("t0", "row_wise", [0, 1])]}  # any picklable plan; TorchRec's is a dataclass tree
+    plan = _plan([0])
     cache = PlanCache(tmp_path / "plans", key="k1")
     assert cache.load_agreed(1) is None
     cache.store(plan, rank=1)  # only rank 0 writes
@@ -279,6 +287,12 @@ def test_a_plan_is_read_back_by_key_and_a_damaged_or_missing_one_means_plan_agai
     # A forged file: its pickle names a function to call; nothing but a plan's classes is loaded.
     cache.path.write_bytes(pickle.dumps(_Forged(str(tmp_path / "PWNED"))))
     assert cache.load_agreed(1) is None and not (tmp_path / "PWNED").exists()
+    # Files that unpickle, but to no plan of this world: planned again, never handed to the sharder.
+    for forged in (5, "plan", _plan([1]), _plan([-1]), _plan([True]), {"sparse_arch.ebc": {}}):
+        cache.path.write_bytes(pickle.dumps(forged))
+        assert cache.load_agreed(1) is None, forged
+    cache.path.write_bytes(pickle.dumps(_plan([1])))
+    assert cache.load_agreed(2) == _plan([1])  # rank 1 of two
     off = PlanCache(None, key="k1")
     off.store(plan, rank=0)
     assert off.load_agreed(1) is None
