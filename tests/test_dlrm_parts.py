@@ -195,7 +195,10 @@ def test_sync_checkpoints_restore_sharded_tensors_and_never_run_a_planted_rank_f
         saved.table.local_shards()[0].tensor.copy_(torch.arange(8.0).view(4, 2))
         TorchSaveCheckpointer(tmp_path / "ckpt", saved, every_steps=1, rank=0, world_size=1).save(1)
         restored = Sharded()
-        assert TorchSaveCheckpointer(tmp_path / "ckpt", restored, every_steps=1, rank=0, world_size=1).restore() == 1
+        assert (
+            TorchSaveCheckpointer(tmp_path / "ckpt", restored, every_steps=1, rank=0, world_size=1).restore()
+            == 1
+        )
         assert torch.equal(restored.table.local_shards()[0].tensor, torch.arange(8.0).view(4, 2))
         assert restored.step == 7
     finally:

@@ -87,7 +87,9 @@ class FaultSpec:
         if self.step is not None and self.step < 0:
             raise ValueError(f"step must be >= 0, got {self.step}")
         if self.time_s is not None and not 0 <= self.time_s <= MAX_TIME_S:
-            raise ValueError(f"time must be seconds from 0 to {MAX_TIME_S:,.0f} (ten years), got {self.time_s:g}")
+            raise ValueError(
+                f"time must be seconds from 0 to {MAX_TIME_S:,.0f} (ten years), got {self.time_s:g}"
+            )
         if self.attempt < 0 or self.rank < 0:
             raise ValueError("attempt and rank must be >= 0")
 
@@ -178,7 +180,9 @@ def parse_spec(text: str) -> FaultSpec:
         except ValueError:
             raise UsageError(f"--inject {text!r}: time must be seconds, got {when[5:]!r}") from None
         if not 0 <= time_s <= MAX_TIME_S:
-            raise UsageError(f"--inject {text!r}: time must be seconds from 0 to {MAX_TIME_S:,.0f} (ten years)")
+            raise UsageError(
+                f"--inject {text!r}: time must be seconds from 0 to {MAX_TIME_S:,.0f} (ten years)"
+            )
     else:
         raise UsageError(f"--inject {text!r}: unknown WHEN {when!r} (one of step=N, time=S, checkpoint)")
     fields = {"attempt": 0, "rank": 0}
