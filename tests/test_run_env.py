@@ -192,3 +192,11 @@ def test_unrecorded_trainers_skips_names_that_are_no_pid(tmp_path):
         (agent / (run_env.UNRECORDED_PREFIX + tail[:200])).write_text("")
     assert run_env.unrecorded_trainers(tmp_path, 0) == [12, int("1" * 200)]
     assert whole_number("0012") == 12
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e400"])
+def test_an_attempt_start_that_is_no_time_is_unknown(text):
+    # The injector counts time=S from it: a NaN origin fired a time fault at once, an infinite one raised
+    # OverflowError in its timer thread (a traceback in the training process).
+    env = RunEnv.from_environ({"ETTR_RUN_DIR": "/r", "ETTR_ATTEMPT_STARTED_AT": text})
+    assert env is not None and env.attempt_started_at is None

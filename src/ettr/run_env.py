@@ -254,9 +254,10 @@ def _whole_number(text: str) -> int | None:
 
 def _optional_float(environ: Mapping[str, str], name: str) -> float | None:
     try:
-        return float(environ.get(name, ""))
+        value = float(environ.get(name, ""))
     except ValueError:
         return None
+    return value if value - value == 0 else None  # NaN and infinities (1e400) are no time
 
 
 def group_form_timeout_s(environ: Mapping[str, str] = os.environ) -> float | None:
