@@ -559,3 +559,17 @@ def test_an_in_place_attempt_counts_only_the_workers_it_started_warm(tmp_path: P
         assert "warm standbys" not in group.describe() and "zygote" not in group.describe()
     finally:
         group.procs[1].finish()
+
+
+def test_a_forged_inplace_failure_marker_reads_as_the_ranks_own_failure(tmp_path):
+    # Anyone who writes the run directory writes the markers: 5,000 brackets raised RecursionError out of
+    # the agent's in-place check (json.loads); unreadable means own.
+    from ettr.run_env import inplace_failed_path
+    from ettr.supervisor.inplace import InPlaceCheck
+
+    path = inplace_failed_path(tmp_path, 0, 4321)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[" * 5000)
+    assert InPlaceCheck(tmp_path, 0).said_own_failure(4321) is True
+    path.write_text('{"own": false}')
+    assert InPlaceCheck(tmp_path, 0).said_own_failure(4321) is False

@@ -852,3 +852,15 @@ def test_a_lost_checkpoint_process_is_replaced_at_the_next_save(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "saved [True, True] pid changed True" in done.stdout
     assert "a checkpoint process is gone; the save of step 2 starts new ones" in done.stderr
+
+
+def test_a_forged_lock_holder_is_another_job_not_a_recursion_error(tmp_path: Path) -> None:
+    # Whoever writes the root writes the lock file: 5,000 brackets raised RecursionError out of the
+    # manager's constructor (json.loads) instead of the one-line refusal.
+    other = _holder(tmp_path, "job-a")
+    try:
+        (tmp_path / LOCK_NAME).write_text("[" * 5000)
+        with pytest.raises(CheckpointError, match=r"in use by another job: two jobs writing one root"):
+            CheckpointManager(_config(tmp_path, job_id="job-b"), _model_state(), recorder=Recorder(None))
+    finally:
+        _let_go(other)

@@ -170,6 +170,46 @@ def test_sync_checkpoints_commit_with_a_marker_and_keep_the_newest(tmp_path):
         TorchSaveCheckpointer(tmp_path, restored, every_steps=10, rank=1, world_size=2).load(30)
 
 
+def test_sync_checkpoints_restore_sharded_tensors_and_never_run_a_planted_rank_file(tmp_path):
+    """The baseline restores without unpickling code: its ShardedTensors load with weights_only=True, and a
+    rank file whose pickle calls os.system (a forged committed step) is refused before anything runs."""
+    import torch.distributed as dist
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    from ettr.checkpoint.trust import UnsafePickle
+
+    class Sharded:
+        def __init__(self) -> None:
+            self.table = sharded_tensor.zeros(ChunkShardingSpec(dim=0, placements=["rank:0/cpu"]), 4, 2)
+
+        def state_dict(self) -> dict:
+            return {"table": self.table, "step": 7}
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            self.table, self.step = state_dict["table"], state_dict["step"]
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        saved = Sharded()
+        saved.table.local_shards()[0].tensor.copy_(torch.arange(8.0).view(4, 2))
+        TorchSaveCheckpointer(tmp_path / "ckpt", saved, every_steps=1, rank=0, world_size=1).save(1)
+        restored = Sharded()
+        assert (
+            TorchSaveCheckpointer(tmp_path / "ckpt", restored, every_steps=1, rank=0, world_size=1).restore()
+            == 1
+        )
+        assert torch.equal(restored.table.local_shards()[0].tensor, torch.arange(8.0).view(4, 2))
+        assert restored.step == 7
+    finally:
+        dist.destroy_process_group()
+    forged = tmp_path / "ckpt" / "step_00000001" / "rank_00000.pt"
+    forged.write_bytes(pickle.dumps(_Forged(str(tmp_path / "PWNED"))))
+    with pytest.raises(UnsafePickle, match="weights_only"):
+        TorchSaveCheckpointer(tmp_path / "ckpt", _State(0), every_steps=1, rank=0, world_size=1).restore()
+    assert not (tmp_path / "PWNED").exists()
+
+
 def test_command_line_flags_are_frozen_for_the_demo():
     from dlrm.train import build_parser
 
@@ -225,10 +265,18 @@ class _Forged:
         return (os.system, (f"touch {self.path}",))
 
 
+def _plan(ranks: list) -> object:
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+
+    sharding = ParameterSharding(sharding_type="table_wise", compute_kernel="fused", ranks=ranks)
+    return ShardingPlan(plan={"sparse_arch.ebc": EmbeddingModuleShardingPlan({"t0": sharding})})
+
+
 def test_a_plan_is_read_back_by_key_and_a_damaged_or_missing_one_means_plan_again(tmp_path):
+    pytest.importorskip("torchrec")
     from dlrm.plan_cache import PlanCache
 
-    plan = {"tables": [("t0", "row_wise", [0, 1])]}  # any picklable plan; TorchRec's is a dataclass tree
+    plan = _plan([0])
     cache = PlanCache(tmp_path / "plans", key="k1")
     assert cache.load_agreed(1) is None
     cache.store(plan, rank=1)  # only rank 0 writes
@@ -242,6 +290,12 @@ def test_a_plan_is_read_back_by_key_and_a_damaged_or_missing_one_means_plan_agai
     # A forged file: its pickle names a function to call; nothing but a plan's classes is loaded.
     cache.path.write_bytes(pickle.dumps(_Forged(str(tmp_path / "PWNED"))))
     assert cache.load_agreed(1) is None and not (tmp_path / "PWNED").exists()
+    # Files that unpickle, but to no plan of this world: planned again, never handed to the sharder.
+    for forged in (5, "plan", _plan([1]), _plan([-1]), _plan([True]), {"sparse_arch.ebc": {}}):
+        cache.path.write_bytes(pickle.dumps(forged))
+        assert cache.load_agreed(1) is None, forged
+    cache.path.write_bytes(pickle.dumps(_plan([1])))
+    assert cache.load_agreed(2) == _plan([1])  # rank 1 of two
     off = PlanCache(None, key="k1")
     off.store(plan, rank=0)
     assert off.load_agreed(1) is None

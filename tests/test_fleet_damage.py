@@ -525,3 +525,15 @@ def test_a_scrape_is_served_while_slow_readers_hold_every_slot(monkeypatch):
             sock.close()
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.mark.parametrize("pid", [2**31, 10**20])
+def test_a_forged_supervisor_pid_is_a_job_not_running_never_a_traceback(tmp_path, capsys, pid):
+    """Books naming a supervisor pid no process can have on this host (os.kill raised OverflowError out
+    of ettr report and ettr simulate --from, and ettr fleet skipped the job): the job is not running."""
+    run = write_job(tmp_path / "r", JobSpec(job_id="j", running=True, supervisor_pid=pid), close=False)
+    assert main(["report", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["job_id"] == "j"
+    assert main(["fleet", str(run), "--json", "--no-cache"]) == 0
+    assert [job["job_id"] for job in json.loads(capsys.readouterr().out)["jobs"]] == ["j"]
+    assert main(["simulate", "--from", str(run), "--json", "--runs", "2"]) == 0

@@ -41,7 +41,8 @@ def test_parse_spec_accepts_the_contract_forms(text: str, expected: FaultSpec) -
         ("crash@step=-1", "step must be >= 0"),
         ("crash@step=x", "step must be a whole number"),
         ("crash@time=soon", "time must be seconds"),
-        ("crash@time=inf", "finite"),
+        ("crash@time=inf", "seconds from 0 to 315,360,000 (ten years)"),
+        ("crash@time=1e300", "seconds from 0 to 315,360,000 (ten years)"),  # a timer's OverflowError
         ("crash@later", "unknown WHEN 'later'"),
         ("crash@step=1,node=2", "unknown option 'node=2'"),
         ("crash@step=1,rank=1,rank=2", "rank= given twice"),
@@ -68,6 +69,21 @@ def test_specs_travel_through_the_environment_value() -> None:
     specs = (parse_spec("crash@step=3,rank=1"), parse_spec("kill@time=0.5,attempt=2"))
     assert decode_specs(encode_specs(specs)) == specs
     assert decode_specs("") == () and decode_specs("{not json") == ()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "[" * 5000,  # RecursionError: 'bootstrap failed ...; the script runs uninstrumented'
+        '[{"kind": "crash", "trigger": "step", "step": 1, "attempt": 1e400}]',  # int(inf): OverflowError, the same
+        '[{"kind": "crash", "trigger": "step", "step": true}]',  # fired at step 1
+        '[{"kind": "crash", "trigger": "time", "time_s": 1e300}]',  # a traceback from the timer's thread
+        '[{"kind": "crash", "trigger": "step", "step": 2.5}]',
+        '"crash"',
+    ],
+)
+def test_an_environment_value_ettr_run_never_writes_is_no_fault_never_an_exception(value: str) -> None:
+    assert decode_specs(value) == ()
 
 
 class FakeRecorder:

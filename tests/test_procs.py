@@ -226,3 +226,9 @@ def test_oom_kill_count_reads_the_own_memory_cgroup_in_each_layout(tmp_path, lay
         (root / rel).write_text(text)
     assert procs.oom_kill_count(proc, root) == expected
     assert procs.oom_kill_count(tmp_path / "missing", root) is None
+
+
+@pytest.mark.parametrize("pid", [2**31, 2**63, 10**20, 0, -5])
+def test_a_pid_no_process_can_have_is_not_alive(pid):
+    assert procs.pid_alive(pid, None) is False and procs.running(pid, None) is False
+    assert procs.pid_alive(pid, 12345) is False

@@ -165,3 +165,38 @@ def test_heartbeat_layout():
     assert heartbeat_dir("/r", 3) == Path("/r/heartbeats/attempt-3")
     assert heartbeat_path("/r", 3, 1, pid=42) == Path("/r/heartbeats/attempt-3/rank-1-pid-42")
     assert heartbeat_path("/r", 0, 0).name == f"rank-0-pid-{os.getpid()}"
+
+
+@pytest.mark.parametrize("text", ["²", "①", "1" * 5000, "-3", "7x", ""])
+def test_a_number_written_by_someone_else_is_whole_ascii_digits_or_none(text):
+    """`'²'.isdigit()` is True and `int('²')` raises: ETTR_SUPERVISOR_PID=² raised ValueError out of the
+    training script's first `ettr.step` (RunEnv.from_environ, which never raises), and a file named
+    `unrecorded-steps-²` out of the supervisor's start-up wait (`unrecorded_trainers`)."""
+    from ettr.supervisor.watchdog import heartbeat_pids
+    from ettr.untrusted import whole_number
+
+    assert whole_number(text) is None
+    env = RunEnv.from_environ(
+        {"ETTR_RUN_DIR": "/r", "ETTR_SUPERVISOR_PID": text, "ETTR_INSTRUMENTED_PID": text}
+    )
+    assert env is not None and env.supervisor_pid is None and env.instrumented_pid is None
+    assert heartbeat_pids([f"rank-0-pid-{text}"]) == []
+
+
+def test_unrecorded_trainers_skips_names_that_are_no_pid(tmp_path):
+    from ettr.untrusted import whole_number
+
+    agent = run_env.agent_dir(tmp_path, 0)
+    agent.mkdir(parents=True)
+    for tail in ("²", "12", "x", "1" * 5000):
+        (agent / (run_env.UNRECORDED_PREFIX + tail[:200])).write_text("")
+    assert run_env.unrecorded_trainers(tmp_path, 0) == [12, int("1" * 200)]
+    assert whole_number("0012") == 12
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e400"])
+def test_an_attempt_start_that_is_no_time_is_unknown(text):
+    # The injector counts time=S from it: a NaN origin fired a time fault at once, an infinite one raised
+    # OverflowError in its timer thread (a traceback in the training process).
+    env = RunEnv.from_environ({"ETTR_RUN_DIR": "/r", "ETTR_ATTEMPT_STARTED_AT": text})
+    assert env is not None and env.attempt_started_at is None

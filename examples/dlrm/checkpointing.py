@@ -3,7 +3,9 @@
 `sync` is what a plain trainer does: every rank `torch.save`s its whole local state (its shards of the
 TorchRec tables as `ShardedTensor`s, the replicated dense part, the optimizer state) while training waits.
 It still commits properly — rank files first, then a marker renamed into place by rank 0 once all ranks
-wrote — so a crash mid-save never destroys the previous checkpoint. `ettr` hands the same state to
+wrote — so a crash mid-save never destroys the previous checkpoint. It restores with
+`torch.load(weights_only=True)` (`ettr.checkpoint.trust.load_pickled`), allowing only what a ShardedTensor is
+made of (`sharded_tensor_globals`): a rank file planted in the checkpoint directory is refused, never run. `ettr` hands the same state to
 `ettr.checkpoint.CheckpointManager`: async DCP saves that block only for a copy, verified restores, and a
 save-then-exit-143 on SIGTERM. Each checkpointer records its own phases (RESTORE, CHECKPOINT_BLOCKING) and
 commits through the ettr recorder.
@@ -12,6 +14,7 @@ commits through the ettr recorder.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -22,9 +25,51 @@ import torch
 import torch.distributed as dist
 
 import ettr
+from ettr.checkpoint.trust import load_pickled
 
 COMMIT_MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def _nested_class(owner: type, name: str) -> type:
+    """What a pickle of protocol 2 spells `getattr(owner, name)` for a class nested in another: only
+    `ShardedTensor.ProcessGroupState` (builtins' own getattr would reach any attribute of an allowed class,
+    its functions' globals included)."""
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    if owner is ShardedTensor and name == "ProcessGroupState":
+        return ShardedTensor.ProcessGroupState
+    raise pickle.UnpicklingError(f"{name!r} of {owner!r} is no part of a checkpoint")
+
+
+def sharded_tensor_globals() -> tuple[Any, ...]:
+    """What a `torch.save`d ShardedTensor (TorchRec's tables and their optimizer state) is made of, for
+    `torch.load(weights_only=True)`: its classes, and `getattr` only for its nested `ProcessGroupState`."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        MEM_FORMAT_ENCODING,
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+    from torch.distributed._shard.sharded_tensor.shard import Shard
+    from torch.distributed._shard.sharding_spec.api import EnumerableShardingSpec
+    from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
+    from torch.distributed.remote_device import _remote_device
+
+    return (
+        ShardedTensor,
+        ShardedTensor.ProcessGroupState,
+        Shard,
+        ShardMetadata,
+        ShardedTensorMetadata,
+        TensorProperties,
+        MEM_FORMAT_ENCODING,
+        EnumerableShardingSpec,
+        ChunkShardingSpec,
+        _remote_device,
+        (_nested_class, "builtins.getattr"),
+    )
 
 
 class Stateful(Protocol):
@@ -126,8 +171,8 @@ class TorchSaveCheckpointer:
             raise FileNotFoundError(
                 f"{path} is missing: the checkpoint of step {step} was written by a different world size"
             )
-        # weights_only=False: the file holds ShardedTensors, and it is this job's own file.
-        self.state.load_state_dict(torch.load(path, weights_only=False))
+        with open(path, "rb") as f:
+            self.state.load_state_dict(load_pickled(f, allowed=sharded_tensor_globals()))
 
     def after_step(self, step: int) -> None:
         if self.every_steps and step % self.every_steps == 0:

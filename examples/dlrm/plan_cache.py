@@ -16,7 +16,8 @@ The ranks agree (one small all_reduce) whether all of them found it, so that a r
 never leaves its peers waiting in a different collective: then all of them plan again. The file is this
 job's own, written by rank 0 with mode 0600 and read with `pickle` (a plan holds TorchRec's dataclasses)
 restricted to the classes a plan is made of (`PLAN_CLASSES`): a forged file whose pickle names anything else
-(`os.system` in a `__reduce__`) is refused, and the plan computed again. It is read never through a
+(`os.system` in a `__reduce__`) is refused, and the plan computed again; so is one that unpickles to no
+sharding plan of this world size (`plan_problem`: a number, a dict, a shard on rank 7 of 2). It is read never through a
 symlink. Still, do not point `--plan-cache` at a directory others can write.
 """
 
@@ -63,6 +64,42 @@ class _PlanUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def plan_problem(plan: Any, world_size: int) -> str | None:
+    """Why `plan` (what a plan file unpickled to) is not a sharding plan of `world_size` ranks, or None.
+
+    The unpickler builds only a plan's classes, but any of them (or a number, a string) may stand at any
+    place, with any attributes: checked here, so that a damaged or forged file is planned again instead of
+    failing `DistributedModelParallel` in every attempt (a pickled `5` under the right key did: the job
+    stopped as 'failed the same way before making progress')."""
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+
+    if type(plan) is not ShardingPlan or not isinstance(vars(plan).get("plan"), dict):
+        return f"{type(plan).__name__}, not a ShardingPlan"
+    for module_path, module_plan in plan.plan.items():
+        if not isinstance(module_path, str) or type(module_plan) is not EmbeddingModuleShardingPlan:
+            return f"module {module_path!r}: not an EmbeddingModuleShardingPlan"
+        for name, sharding in module_plan.items():
+            fields = vars(sharding) if type(sharding) is ParameterSharding else {}
+            if not isinstance(name, str) or not fields:
+                return f"{module_path}.{name!r}: not a ParameterSharding"
+            if not all(isinstance(fields.get(f), str) for f in ("sharding_type", "compute_kernel")):
+                return f"{module_path}.{name}: no sharding type or compute kernel"
+            ranks = list(fields.get("ranks") or [])
+            spec = fields.get("sharding_spec")
+            shards = getattr(spec, "shards", None) if spec is not None else []
+            if not isinstance(shards, list):
+                return f"{module_path}.{name}: a sharding spec without shards"
+            for shard in shards:
+                placement = getattr(shard, "placement", None)
+                try:
+                    ranks.append(placement.rank())  # type: ignore[union-attr]
+                except Exception:
+                    return f"{module_path}.{name}: a shard without a rank"
+            if not all(type(r) is int and 0 <= r < world_size for r in ranks):
+                return f"{module_path}.{name}: ranks {ranks[:8]} outside a world of {world_size}"
+    return None
+
+
 def plan_key(model_config: Any, world_size: int) -> str:
     """What the plan depends on: the model's dataclass config, the world size, the TorchRec version."""
     import torchrec
@@ -81,19 +118,23 @@ class PlanCache:
     def __init__(self, directory: str | os.PathLike[str] | None, *, key: str) -> None:
         self.path = None if directory is None else Path(directory) / f"plan-{key}.pickle"
 
-    def _load(self) -> Any | None:
+    def _load(self, world_size: int) -> Any | None:
         if self.path is None or not os.path.lexists(self.path):
             return None
         try:
-            return _PlanUnpickler(io.BytesIO(read_small_file(self.path, MAX_PLAN_BYTES))).load()
+            plan = _PlanUnpickler(io.BytesIO(read_small_file(self.path, MAX_PLAN_BYTES))).load()
+            problem = plan_problem(plan, world_size)
         except Exception as exc:  # a damaged or foreign file: plan again (and overwrite it)
-            logger.warning("dlrm: ignoring the sharding plan in %s (%s)", self.path, exc)
+            problem = str(exc)
+        if problem is not None:
+            logger.warning("dlrm: ignoring the sharding plan in %s (%s)", self.path, problem[:200])
             return None
+        return plan
 
     def load_agreed(self, world_size: int) -> Any | None:
         """The cached plan when every rank has it, else None on every rank. Collective when
         `world_size > 1` and torch.distributed is initialized."""
-        plan = self._load()
+        plan = self._load(world_size)
         if self.path is None or world_size == 1 or not dist.is_initialized():
             return plan
         found = torch.tensor([0 if plan is None else 1], dtype=torch.int32)

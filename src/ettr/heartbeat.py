@@ -43,7 +43,7 @@ from types import CodeType, FrameType
 
 from ettr.events import Event, EventKind
 from ettr.run_env import heartbeat_dir
-from ettr.untrusted import SymlinkRefused, loads_bounded, make_dirs_below, read_small_file
+from ettr.untrusted import SymlinkRefused, loads_bounded, make_dirs_below, read_small_file, whole_number
 
 logger = logging.getLogger("ettr")
 
@@ -223,8 +223,8 @@ def read_pulses(run_dir: str | os.PathLike[str], attempt: int) -> list[Pulse]:
             continue
         pulse = _pulse_from(rank, doc)
         if pulse is not None:
-            pid = name.removesuffix(PULSE_SUFFIX).rpartition("-pid-")[2]
-            found.append(dataclasses.replace(pulse, pid=int(pid)) if pid.isdigit() else pulse)
+            pid = whole_number(name.removesuffix(PULSE_SUFFIX).rpartition("-pid-")[2])
+            found.append(pulse if pid is None else dataclasses.replace(pulse, pid=pid))
     return found
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ettr.errors import UsageError
 from ettr.events import Event, EventKind
 from ettr.run_env import INJECT_ENV, RunEnv
+from ettr.untrusted import loads_bounded
 from ettr.warn import say
 
 if TYPE_CHECKING:
@@ -54,6 +55,11 @@ class Trigger(StrEnum):
     STEP = "step"
     TIME = "time"
     CHECKPOINT = "checkpoint"
+
+
+MAX_TIME_S = 315_360_000.0
+"""The latest `time=S` (ten years): a timer of 1e10 s raised OverflowError in its thread (a traceback in
+the training process; threading waits at most `threading.TIMEOUT_MAX`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,8 +86,10 @@ class FaultSpec:
             raise ValueError("time= is required for, and only for, the time trigger")
         if self.step is not None and self.step < 0:
             raise ValueError(f"step must be >= 0, got {self.step}")
-        if self.time_s is not None and not 0 <= self.time_s < float("inf"):
-            raise ValueError(f"time must be a finite number of seconds >= 0, got {self.time_s}")
+        if self.time_s is not None and not 0 <= self.time_s <= MAX_TIME_S:
+            raise ValueError(
+                f"time must be seconds from 0 to {MAX_TIME_S:,.0f} (ten years), got {self.time_s:g}"
+            )
         if self.attempt < 0 or self.rank < 0:
             raise ValueError("attempt and rank must be >= 0")
 
@@ -106,13 +114,28 @@ class FaultSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FaultSpec:
+        """The spec `to_dict` wrote. Raises ValueError, TypeError or KeyError for anything else (a bool or a
+        float where a whole number belongs: `int(1e400)` raised OverflowError out of the bootstrap)."""
+
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a fault spec is an object, got {data!r:.40}")
+
+        def whole(name: str, default: int | None) -> int | None:
+            value = data.get(name, default)
+            if value is not None and type(value) is not int:
+                raise TypeError(f"{name} must be a whole number, got {value!r:.40}")
+            return value
+
+        time_s = data.get("time_s")
+        if time_s is not None and (isinstance(time_s, bool) or not isinstance(time_s, (int, float))):
+            raise TypeError(f"time_s must be a number, got {time_s!r:.40}")
         return cls(
             kind=FaultKind(data["kind"]),
             trigger=Trigger(data["trigger"]),
-            step=data.get("step"),
-            time_s=data.get("time_s"),
-            attempt=int(data.get("attempt", 0)),
-            rank=int(data.get("rank", 0)),
+            step=whole("step", None),
+            time_s=None if time_s is None else float(time_s),
+            attempt=whole("attempt", 0) or 0,
+            rank=whole("rank", 0) or 0,
         )
 
 
@@ -156,8 +179,10 @@ def parse_spec(text: str) -> FaultSpec:
             time_s = float(when[5:])
         except ValueError:
             raise UsageError(f"--inject {text!r}: time must be seconds, got {when[5:]!r}") from None
-        if not 0 <= time_s < float("inf"):
-            raise UsageError(f"--inject {text!r}: time must be a finite number of seconds >= 0")
+        if not 0 <= time_s <= MAX_TIME_S:
+            raise UsageError(
+                f"--inject {text!r}: time must be seconds from 0 to {MAX_TIME_S:,.0f} (ten years)"
+            )
     else:
         raise UsageError(f"--inject {text!r}: unknown WHEN {when!r} (one of step=N, time=S, checkpoint)")
     fields = {"attempt": 0, "rank": 0}
@@ -188,7 +213,7 @@ def decode_specs(text: str | None) -> tuple[FaultSpec, ...]:
     if not text:
         return ()
     try:
-        return tuple(FaultSpec.from_dict(d) for d in json.loads(text))
+        return tuple(FaultSpec.from_dict(d) for d in loads_bounded(text))
     except (ValueError, TypeError, KeyError) as exc:
         logger.warning("ettr: ignoring unreadable %s (%s)", INJECT_ENV, exc)
         return ()

@@ -41,7 +41,7 @@ from pathlib import Path
 from ettr.atomic import atomic_write
 from ettr.procs import pid_alive, start_ticks
 from ettr.run_env import MEMORY_OWNER_NAME, SUPERVISOR_PID_ENV, memory_root
-from ettr.untrusted import read_json_file
+from ettr.untrusted import read_json_file, whole_number
 
 logger = logging.getLogger("ettr")
 
@@ -73,9 +73,9 @@ def keepers_of_this_process(environ: Mapping[str, str] | None = None) -> list[tu
     (pid, start ticks) each."""
     environ = os.environ if environ is None else environ
     pids = [os.getpid()]
-    supervisor = environ.get(SUPERVISOR_PID_ENV, "").strip()
-    if supervisor.isdigit():
-        pids.append(int(supervisor))
+    supervisor = whole_number(environ.get(SUPERVISOR_PID_ENV, "").strip())
+    if supervisor is not None:
+        pids.append(supervisor)
     if environ.get("TORCHELASTIC_RUN_ID"):  # a worker of torchrun's agent, which restarts its workers
         pids.append(os.getppid())
     unique = list(dict.fromkeys(p for p in pids if p > 1))
@@ -291,9 +291,10 @@ def another_keeper_runs(directory: Path, *, alive: Alive = pid_alive) -> bool:
         if path.name == own:
             continue
         pid_text, _, ticks_text = path.name[len(LEASE_PREFIX) :].partition("-")
-        if not (pid_text.isdigit() and ticks_text.isdigit()):
+        pid, ticks = whole_number(pid_text), whole_number(ticks_text)
+        if pid is None or ticks is None:
             continue
-        if alive(int(pid_text), int(ticks_text) or None):
+        if alive(pid, ticks or None):
             return True
     return False
 

@@ -148,6 +148,11 @@ def process_start_time() -> float:
         return time.time()
 
 
+_PID_T_MAX = 2**31 - 1
+"""The largest pid a kernel can give (`pid_t` is 32 bits; Linux gives at most 2**22): `os.kill` raised
+OverflowError for a larger one, out of `ettr report` for a forged SUPERVISOR_START."""
+
+
 def _pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -161,8 +166,9 @@ def _pid_exists(pid: int) -> bool:
 
 
 def pid_alive(pid: int, recorded_ticks: int | None) -> bool:
-    """Whether the process recorded as (`pid`, `recorded_ticks`) still runs on this host (policy above)."""
-    if pid <= 0:
+    """Whether the process recorded as (`pid`, `recorded_ticks`) still runs on this host (policy above). A pid
+    no process can have (beyond `pid_t`: books anyone can write may name 2**31 or 10**20) is not running."""
+    if not 0 < pid <= _PID_T_MAX:
         return False
     if recorded_ticks is None or not os.path.isdir(_PROC):
         return _pid_exists(pid)

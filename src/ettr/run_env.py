@@ -244,15 +244,20 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
 
 
 def _optional_int(environ: Mapping[str, str], name: str) -> int | None:
-    text = environ.get(name, "").strip()
-    return int(text) if text.isdigit() else None
+    return _whole_number(environ.get(name, "").strip())
+
+
+def _whole_number(text: str) -> int | None:
+    # `ettr.untrusted.whole_number`, which this leaf may not import: '²'.isdigit() is True, int('²') raises
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 300 else None
 
 
 def _optional_float(environ: Mapping[str, str], name: str) -> float | None:
     try:
-        return float(environ.get(name, ""))
+        value = float(environ.get(name, ""))
     except ValueError:
         return None
+    return value if value - value == 0 else None  # NaN and infinities (1e400) are no time
 
 
 def group_form_timeout_s(environ: Mapping[str, str] = os.environ) -> float | None:
@@ -457,7 +462,8 @@ def unrecorded_trainers(run_dir: str | os.PathLike[str], attempt: int) -> list[i
             names = [entry.name for entry in entries if entry.name.startswith(UNRECORDED_PREFIX)]
     except OSError:
         return []
-    return sorted(int(tail) for name in names if (tail := name[len(UNRECORDED_PREFIX) :]).isdigit())
+    pids = (_whole_number(name[len(UNRECORDED_PREFIX) :]) for name in names)
+    return sorted(pid for pid in pids if pid is not None)
 
 
 SIGNALLED_PREFIX = "signalled-pid-"

@@ -129,6 +129,16 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
+def whole_number(text: str) -> int | None:
+    """`text` as a whole number >= 0 when it is ASCII digits only (at most 300 of them), else None: the
+    one check before `int()` of a name or value someone else wrote. `str.isdigit` is no such check:
+    `'²'.isdigit()` is True and `int('²')` raises ValueError (a heartbeat named `rank-0-pid-²`), and
+    `int()` refuses more than 4,300 digits."""
+    if not text.isascii() or not text.isdigit() or len(text) > _MAX_INT_DIGITS:
+        return None
+    return int(text)
+
+
 def loads_bounded(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """`json.loads(text)` for untrusted text: NaN and infinities refused (and numbers that overflow: `1e400`,
     an integer of more than 300 digits), nesting bounded by `max_depth`

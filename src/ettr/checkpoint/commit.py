@@ -45,6 +45,7 @@ from ettr.checkpoint.base import (
 )
 from ettr.checkpoint.checksums import crc32
 from ettr.checkpoint.keys import key_id
+from ettr.untrusted import whole_number
 
 logger = logging.getLogger("ettr")
 
@@ -70,8 +71,8 @@ whole into memory, then unpickled, before the checkpoint loads. DCP's index of a
 def metadata_max_bytes() -> int:
     """The bound on a `.metadata` (`METADATA_MAX_BYTES_ENV`, bytes; the default where unset or not a positive
     whole number)."""
-    value = os.environ.get(METADATA_MAX_BYTES_ENV, "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_METADATA_MAX_BYTES
+    value = whole_number(os.environ.get(METADATA_MAX_BYTES_ENV, "").strip())
+    return value if value else DEFAULT_METADATA_MAX_BYTES
 
 
 """A reader's lease is one short JSON object; anything larger is not one."""

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from ettr.procs import running
+from ettr.untrusted import loads_bounded
 
 LOCK_NAME = ".ettr-writer.lock"
 _MAX_HOLDER_BYTES = 4096
@@ -125,7 +126,7 @@ def _write_holder(fd: int, *, job_id: str, run_dir: object) -> None:
 
 def _read_holder(fd: int) -> dict[str, object]:
     try:
-        holder = json.loads(os.pread(fd, _MAX_HOLDER_BYTES, 0).decode("utf-8"))
+        holder = loads_bounded(os.pread(fd, _MAX_HOLDER_BYTES, 0))  # 1,000 brackets: RecursionError
     except (OSError, ValueError):
         return {}
     return holder if isinstance(holder, dict) else {}

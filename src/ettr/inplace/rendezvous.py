@@ -30,7 +30,7 @@ from ettr import procs, torch_compat
 from ettr.bootstrap.group_teardown import release
 from ettr.inplace import libraries
 from ettr.inplace.store import ABANDONED_KEY
-from ettr.untrusted import printable
+from ettr.untrusted import printable, whole_number
 
 logger = logging.getLogger("ettr")
 
@@ -142,10 +142,10 @@ def dead_peer(keys: dist.Store, rank: int, world_size: int) -> int | None:
         if peer == rank or keys.check([f"done/{peer}"]) or not keys.check([f"proc/{peer}"]):
             continue
         words = keys.get(f"proc/{peer}").decode("utf-8", "replace").split(" ")
-        if len(words) != 4 or f"{words[0]} {words[1]}" != space or not words[2].isdigit():
+        if len(words) != 4 or f"{words[0]} {words[1]}" != space or whole_number(words[2]) is None:
             continue
-        pid_text, ticks = words[2], int(words[3]) if words[3].isdigit() else None
-        if not procs.running(int(pid_text), ticks):
+        pid, ticks = whole_number(words[2]), whole_number(words[3])
+        if pid is not None and not procs.running(pid, ticks):
             return peer
     return None
 

@@ -47,7 +47,7 @@ from ettr.publish.sample import (
     slice_batch,
     tolerances,
 )
-from ettr.untrusted import loads_bounded, open_regular, remove_tree
+from ettr.untrusted import loads_bounded, open_regular, remove_tree, whole_number
 
 logger = logging.getLogger("ettr")
 
@@ -360,8 +360,8 @@ def _verify_saved_program(
 def _remove_dead_builds(final: Path) -> None:
     """Delete temporary directories of builds of `final` whose process is gone (a publisher that died)."""
     for leftover in final.parent.glob(f".{final.name}.tmp-*"):
-        pid_text = leftover.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
-        if pid_text.isdigit() and not pid_alive(int(pid_text), None):
+        pid = whole_number(leftover.name.rsplit(".tmp-", 1)[1].split("-", 1)[0])
+        if pid is not None and not pid_alive(pid, None):
             _remove_quietly(leftover)
 
 

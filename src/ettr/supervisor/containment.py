@@ -39,6 +39,7 @@ from ettr.procs import (
     start_ticks,
 )
 from ettr.run_env import ATTEMPT_ENV, RUN_DIR_ENV, SUPERVISOR_PID_ENV
+from ettr.untrusted import whole_number
 
 logger = logging.getLogger("ettr")
 
@@ -79,10 +80,9 @@ def leftovers(run_dir: str | os.PathLike[str]) -> list[Leftover]:
     found = []
     mine = set(ancestors(os.getpid()))
     for pid, ticks, env in processes_with_env({RUN_DIR_ENV: str(Path(run_dir))}):
-        supervisor = env.get(SUPERVISOR_PID_ENV, "")
-        if not supervisor.isdigit() or pid in mine:
+        supervisor_pid = whole_number(env.get(SUPERVISOR_PID_ENV, ""))
+        if supervisor_pid is None or pid in mine:
             continue  # not started by a supervisor (a shell that exported ETTR_RUN_DIR), or our own caller
-        supervisor_pid = int(supervisor)
         if supervisor_pid == os.getpid() or pid_alive(supervisor_pid, None):
             continue  # ours, or a live supervisor's (it keeps its own books)
         found.append(Leftover(pid, ticks, env.get(ATTEMPT_ENV, "?")))

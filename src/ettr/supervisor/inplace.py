@@ -37,7 +37,7 @@ from ettr.run_env import (
     memory_root,
     private_dir_problem,
 )
-from ettr.untrusted import make_dirs_below, open_regular
+from ettr.untrusted import loads_bounded, make_dirs_below, open_regular
 
 _MARKER_MAX_BYTES = 1 << 16
 """A failure marker is a rank, an error of at most 2,000 characters and a flag: more is not read."""
@@ -114,7 +114,7 @@ class InPlaceCheck:
         collective ("Connection closed by peer"). A marker without the field (or unreadable) counts as own."""
         try:
             with os.fdopen(open_regular(inplace_failed_path(self.run_dir, self.attempt, pid)), "rb") as f:
-                data = json.loads(f.read(_MARKER_MAX_BYTES))
+                data = loads_bounded(f.read(_MARKER_MAX_BYTES))  # 1,000 brackets: RecursionError
         except (OSError, ValueError):
             return True
         return not (isinstance(data, dict) and data.get("own") is False)

@@ -32,6 +32,7 @@ from ettr.events import Event, EventKind
 from ettr.heartbeat import PERSISTING_ADVICE, PULSE_SUFFIX, Pulse, persisting_words, read_pulses
 from ettr.procs import descendants, run_state, running
 from ettr.run_env import heartbeat_dir, launcher_parent_path
+from ettr.untrusted import whole_number
 
 ActivityProbe = Callable[[], "float | None"]
 """Returns the Unix time of the latest sign of life it knows of, or None."""
@@ -258,9 +259,9 @@ def heartbeat_pids(names: Iterable[str]) -> list[int]:
     for name in names:
         if name.endswith(PULSE_SUFFIX) or not name.startswith("rank-"):
             continue
-        _, _, pid = name.rpartition("-pid-")
-        if pid.isdigit():
-            pids.append(int(pid))
+        pid = whole_number(name.rpartition("-pid-")[2])
+        if pid is not None:
+            pids.append(pid)
     return pids
 
 
