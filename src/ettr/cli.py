@@ -13,6 +13,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from ettr.argtypes import ledger_url_arg, parse_time, path_arg
@@ -157,12 +158,20 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         raise UsageError("ettr run: no command given (usage: ettr run [options] -- COMMAND [ARGS...])")
     args.command = command
-    from ettr.fleet.stored import store_at_job_end  # the job's fleet summary, stored once (docs/fleet.md)
     from ettr.memory_sweep import sweep
     from ettr.supervisor import main as supervise
 
     sweep()  # memory copies of this node's jobs that ended without removing theirs (docs/checkpointing.md)
-    return supervise(args, at_job_end=store_at_job_end)
+    return supervise(args, at_job_end=_store_at_job_end)
+
+
+def _store_at_job_end(run_dir: Path, *, ledger_url: str | None, job_id: str) -> None:
+    """The job's fleet summary, stored once at its end (docs/fleet.md). The fleet's modules (and the
+    accounting they import: 17 modules) are imported here, at the job's end, not before its supervisor
+    starts, where they were on the path of every start and requeue."""
+    from ettr.fleet.stored import store_at_job_end
+
+    store_at_job_end(run_dir, ledger_url=ledger_url, job_id=job_id)
 
 
 # -- ettr report -----------------------------------------------------------------------------------------
