@@ -163,6 +163,25 @@ def test_contract_commands_and_flags_exist():
         assert flags <= have, f"ettr {name} lacks {flags - have}"
 
 
+def test_a_command_is_parsed_by_its_own_flags_alone_without_the_others_modules():
+    """`ettr run` builds its own flags only: the same as in the whole parser, and the fleet's and the
+    simulator's modules (imported to build their flags) are not imported before its supervisor starts."""
+    whole, alone = _subparsers(build_parser()), _subparsers(build_parser("run"))
+    assert set(alone) == set(whole)
+    assert [a.option_strings for a in alone["run"]._actions] == [
+        a.option_strings for a in whole["run"]._actions
+    ]
+    assert [a.option_strings for a in alone["fleet"]._actions] == [["-h", "--help"]]
+    code = (
+        "import sys; from ettr.cli import build_parser; build_parser('run').parse_args(['run', '--', 'true']); "
+        "print(sorted(m for m in ('ettr.fleet.command', 'ettr.simulate.command') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"
+
+
 def test_the_whole_command_line_is_frozen_by_equality():
     parser = build_parser()
     assert {o for a in parser._actions for o in a.option_strings} == _HELP | {"--version"}

@@ -243,7 +243,7 @@ def test_unchanged_ledger_files_are_trusted_without_opening_the_database(tmp_pat
     assert load_stored(run_dir) is None
 
 
-def _ettr_run(tmp_path, *flags: str) -> None:
+def _ettr_run(tmp_path, *flags: str, status: int = 0) -> None:
     import os
     import subprocess
     import sys
@@ -256,7 +256,7 @@ def _ettr_run(tmp_path, *flags: str) -> None:
          *flags, "--", sys.executable, script, "--compile-s", "0.2", "--steps", "6"],
         capture_output=True, text=True, timeout=120, env=env, check=False,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == status, done.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -271,6 +271,17 @@ def test_a_real_job_stores_its_summary_at_its_end(tmp_path):
     report = to_dict(read_run(run_dir)[1])  # `ettr report --json`
     assert stored.job_id == report["job_id"] == "real"
     assert stored.ett_pct == pytest.approx(report["ett_pct"])
+
+
+@pytest.mark.slow
+def test_a_preempted_job_stores_no_summary_its_requeue_would_make_stale(tmp_path):
+    """A preempted job (exit 143) ends to be requeued: its summary is not computed on the way out (it
+    stood between the preemption and the requeue); the fleet reads its events, as for any job without one."""
+    _ettr_run(tmp_path, "--inject", "preempt@step=3", status=143)
+    run_dir = tmp_path / "run"
+    assert not summary_path(run_dir).exists()
+    assert load_stored(run_dir) is None
+    assert _from_events(run_dir).job_id == "real"
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from ettr.argtypes import ledger_url_arg, parse_time, path_arg
@@ -157,12 +158,20 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         raise UsageError("ettr run: no command given (usage: ettr run [options] -- COMMAND [ARGS...])")
     args.command = command
-    from ettr.fleet.stored import store_at_job_end  # the job's fleet summary, stored once (docs/fleet.md)
     from ettr.memory_sweep import sweep
     from ettr.supervisor import main as supervise
 
     sweep()  # memory copies of this node's jobs that ended without removing theirs (docs/checkpointing.md)
-    return supervise(args, at_job_end=store_at_job_end)
+    return supervise(args, at_job_end=_store_at_job_end)
+
+
+def _store_at_job_end(run_dir: Path, *, ledger_url: str | None, job_id: str) -> None:
+    """The job's fleet summary, stored once at its end (docs/fleet.md). The fleet's modules (and the
+    accounting they import: 17 modules) are imported here, at the job's end, not before its supervisor
+    starts, where they were on the path of every start and requeue."""
+    from ettr.fleet.stored import store_at_job_end
+
+    store_at_job_end(run_dir, ledger_url=ledger_url, job_id=job_id)
 
 
 # -- ettr report -----------------------------------------------------------------------------------------
@@ -644,7 +653,11 @@ def _version() -> str:
     return f"ettr {__version__}"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only` (a command's name) that command's flags alone, the others' left
+    unparsed (their help lines stay): `ettr run` no longer imports the fleet's and the simulator's modules
+    to build flags it never parses, before its supervisor starts (0.05 s of CPU with bytecode caches, 0.12 s
+    without, on every start of a job and every requeue)."""
     parser = _Parser(
         prog="ettr",
         description="Effective Training Time for PyTorch jobs.",
@@ -661,7 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
             epilog=_EXAMPLES.get(name),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        add(sub_parser)
+        if only is None or name == only:
+            add(sub_parser)
     return parser
 
 
@@ -705,7 +719,9 @@ def _error_line(command: str, message: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     command = "ettr"
     try:
-        args, extra = build_parser().parse_known_args(argv)
+        words = list(sys.argv[1:] if argv is None else argv)
+        only = words[0] if words and words[0] in _COMMANDS else None  # `ettr COMMAND ...`: its flags alone
+        args, extra = build_parser(only).parse_known_args(words)
         if extra:  # the top parser would say `ettr: unrecognized ...` for a subcommand's bad flag
             where = f"ettr {args.cmd}" if getattr(args, "cmd", None) else "ettr"
             raise UsageError(f"{where}: unrecognized arguments: {' '.join(extra)} (see {where} --help)")

@@ -17,7 +17,8 @@ key, is not used: the job is accounted from its events instead, and a summary th
 signature fails under the reader's own key is renamed `fleet-summary.json.rejected` (once) and named in one
 line. A PostgreSQL ledger's summaries are validated only: its table is guarded as its events are.
 
-Only a finished job is stored: a JOB_END after its last supervisor start. Its summary is then a function
+Only a finished job is stored: a JOB_END after its last supervisor start, and not a preempted one (its
+supervisor skips the hook: a requeue would make the summary stale at once, and it delayed the requeue). Its summary is then a function
 of its events alone (the report is closed at its last event, as `ettr report` closes it), so it equals
 what the fleet would compute from the events. A running job's figures move with the clock: never stored.
 Storing never raises (telemetry never hurts training): a failure is logged and the fleet reads the events.
