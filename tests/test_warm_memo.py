@@ -120,3 +120,47 @@ def test_a_warm_processs_header_directory_follows_the_tmpdir_its_script_set_befo
     assert torch_compat.inductor_refix_header_dir() is None and used._HEADER_DIR == imported
     monkeypatch.delitem(sys.modules, "torch._inductor.codecache")
     assert torch_compat.inductor_refix_header_dir() is None  # not imported: nothing to put right
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_compile_session_puts_the_header_directory_right_only_after_a_warm_up(
+    tmp_path, monkeypatch, warm
+):
+    import importlib
+
+    from ettr.compile import isa_probe, lazy_templates, pch_memo
+    from ettr.compile import session as session_module
+    from ettr.compile.session import CompileConfig
+    from ettr.ledger import MemoryLedger
+    from ettr.recorder import Recorder
+
+    autoinstall = importlib.import_module("ettr.compile.autoinstall")  # the package's name is the function
+    calls: list[str] = []
+    monkeypatch.setattr(session_module, "_header_dir_as_a_cold_start", lambda: calls.append("header dir"))
+    patched = ((lazy_templates, "defer"), (isa_probe, "share"), (pch_memo, "share"))
+    for module, name in (*patched, (session_module.torch_compat, "prefetch_inductor_torch_key")):
+        monkeypatch.setattr(module, name, lambda *a, **k: False)
+    monkeypatch.setattr(autoinstall, "_warm_imports_only", warm)  # `after_warm_up`: a zygote's or standby's
+    monkeypatch.setattr(autoinstall, "CompileSession", _NotStarted.wrap(session_module.CompileSession))
+    rec = Recorder(MemoryLedger(), run_dir=tmp_path / "run", flush_interval_s=60)
+    monkeypatch.setattr(autoinstall, "_session", None)
+    autoinstall._start_session(rec, CompileConfig(store=None, save_at_exit=False))
+    made = autoinstall._session
+    monkeypatch.setattr(autoinstall, "_session", None)
+    assert made is not None
+    made._on_torch_compile()  # the script's first torch.compile
+    assert calls == (["header dir"] if warm else [])
+    made.close()
+    rec.close()
+
+
+class _NotStarted:
+    """`CompileSession` whose `start` does nothing (no hooks on torch, no thread): the test calls its parts."""
+
+    @staticmethod
+    def wrap(cls):
+        class Session(cls):
+            def start(self):
+                pass
+
+        return Session
