@@ -255,8 +255,9 @@ def use_attempt_compile_cache(root: str | os.PathLike[str]) -> Path:
     directory = Path(root).resolve() / f"attempt-{int(os.environ.get('ETTR_ATTEMPT', '0'))}"
     (directory / "tmp").mkdir(parents=True, exist_ok=True)
     if "torch._inductor.codecache" in sys.modules:
-        # A warm standby imports inductor ahead once an attempt compiled (`ettr.bootstrap.start.TORCH_PARTS`).
-        print("train.py: inductor was imported already; its precompiled headers stay put", file=sys.stderr)
+        # A warm process (the zygote's worker, a standby) imported inductor ahead (`ettr.bootstrap.start.
+        # TORCH_PARTS`); ettr's compile session moves its precompiled headers here at the first torch.compile.
+        print("train.py: inductor was imported ahead (a warm start)", file=sys.stderr)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory / "inductor")
     os.environ["TMPDIR"] = str(directory / "tmp")
     tempfile.tempdir = None  # re-read TMPDIR at the next gettempdir()

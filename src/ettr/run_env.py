@@ -436,6 +436,9 @@ def launcher_parent_path(run_dir: str | os.PathLike[str], attempt: int, pid: int
 
 
 TRAINED_PREFIX = "trained-pid-"
+WARM_MEMO_ENV = "ETTR_WARM_MEMO"
+"""`0`: a new job's zygote does not import what the same script's workers imported in an earlier job on this
+node (`ettr.supervisor.warm_memo`), and the agent does not remember it."""
 
 
 def trained_path(run_dir: str | os.PathLike[str], attempt: int, pid: int) -> Path:
@@ -519,9 +522,7 @@ def trained_modules(run_dir: str | os.PathLike[str], attempt: int) -> list[str]:
     """The installed packages (and slow parts of torch, dotted) the processes of `attempt` had imported by
     their first step (what their `trained_path` files list), sorted; [] when none is known. The files are
     read as anyone who can write the run directory may have written them (never through a symlink, never a
-    FIFO, at most 64 KiB), and only `warmable` names are kept: the standby imports them."""
-    import json
-
+    FIFO, at most 64 KiB), and only `warmable` names are kept: the standby imports them (`listed_warm_modules`)."""
     names: set[str] = set()
     try:
         with os.scandir(agent_dir(run_dir, attempt)) as entries:
@@ -529,13 +530,24 @@ def trained_modules(run_dir: str | os.PathLike[str], attempt: int) -> list[str]:
     except OSError:
         return []
     for name in found_files:
-        try:
-            found = json.loads(_read_regular(agent_dir(run_dir, attempt) / name, 65536) or b"{}")["modules"]
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            continue
-        if isinstance(found, list):
-            names.update(n for n in found if isinstance(n, str) and warmable(n))
+        names.update(listed_warm_modules(agent_dir(run_dir, attempt) / name))
     return sorted(names)
+
+
+def listed_warm_modules(path: str | os.PathLike[str]) -> list[str]:
+    """The `warmable` names a `{"modules": [...]}` file at `path` lists (a `trained_path` file, or what the
+    node remembers of a script's earlier runs, `ettr.supervisor.warm_memo`), in its order; [] when it is
+    missing or malformed. Read as anyone who can write there may have written it (never through a symlink,
+    never a FIFO, at most 64 KiB): a warm process imports these, so a name that is not `warmable` is dropped."""
+    import json
+
+    try:
+        found = json.loads(_read_regular(Path(path), 65536) or b"{}")["modules"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return []
+    if not isinstance(found, list):
+        return []
+    return [n for n in found if isinstance(n, str) and warmable(n)]
 
 
 def warmable(name: str) -> bool:
@@ -558,6 +570,12 @@ def warmable(name: str) -> bool:
         return importlib.machinery.PathFinder.find_spec(name, roots) is not None
     except (ImportError, ValueError, OSError):
         return False
+
+
+def user_cache_home(env: Mapping[str, str] | None = None) -> str:
+    """`$XDG_CACHE_HOME` when it is an absolute path, else `~/.cache` (expanded)."""
+    xdg = (os.environ if env is None else env).get("XDG_CACHE_HOME", "")
+    return xdg if os.path.isabs(xdg) else os.path.expanduser("~/.cache")
 
 
 def _read_regular(path: Path, max_bytes: int) -> bytes:

@@ -9,6 +9,7 @@ not calls, and stay with their users.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -72,6 +73,26 @@ def inductor_header_dir() -> str | None:
     codecache = sys.modules.get("torch._inductor.codecache")
     header_dir = getattr(codecache, "_HEADER_DIR", None)
     return str(header_dir) if header_dir else None
+
+
+def inductor_refix_header_dir() -> str | None:
+    """Put inductor's precompiled-header directory (`codecache._HEADER_DIR` and its `_HEADER_LOCK_DIR`, fixed
+    from TMPDIR when codecache was imported) where importing codecache now would put it, unless a header was
+    looked up already (`_precompile_header`'s cache); the directory, or None when nothing was changed
+    (codecache not imported, a header looked up, or inductor no longer has these settings)."""
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if not all(
+        isinstance(getattr(codecache, name, None), str) for name in ("_HEADER_DIR", "_HEADER_LOCK_DIR")
+    ):
+        return None
+    cache_info = getattr(getattr(codecache, "_precompile_header", None), "cache_info", None)
+    if cache_info is None or cache_info().currsize > 0:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    header_dir = os.path.join(default_cache_dir(), "precompiled_headers")
+    codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = header_dir, os.path.join(header_dir, "locks")  # type: ignore[union-attr]
+    return header_dir
 
 
 def inductor_probed_vec_isa(modules: Mapping[str, Any] | None = None) -> bool:

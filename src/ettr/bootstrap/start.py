@@ -284,8 +284,9 @@ def imported_parts(modules: Mapping[str, Any] | None = None) -> list[str]:
     packages (a part starting with `_`) other than `TORCH_PARTS` are left to the attempt: some read their
     process's state at import. (`torch._inductor.compile_fx` imports inductor's codecache, which fixes its
     precompiled-header directory from TMPDIR: the standby's TMPDIR is the attempt's, as a standby takes only
-    an attempt of its own environment; a script that moves TMPDIR itself before it compiles finds the
-    headers where the environment's TMPDIR put them.) `VEC_ISA_PROBE` is named when inductor probed the CPU's
+    an attempt of its own environment; a script that moves TMPDIR itself before it compiles has them moved
+    with it at its first `torch.compile`, as a cold start's import would have put them: the compile session's
+    `_header_dir_as_a_cold_start`.) `VEC_ISA_PROBE` is named when inductor probed the CPU's
     vector ISA: the standby runs that probe too."""
     found = [
         name

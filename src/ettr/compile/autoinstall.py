@@ -15,10 +15,11 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from ettr.compile.config import CompileConfig, default_user_key, private_cache_parts, user_cache_home
+from ettr.compile.config import CompileConfig, default_user_key, private_cache_parts
 from ettr.compile.safety import make_private_dirs_below
 from ettr.compile.session import CompileSession
 from ettr.post_import import when_imported
+from ettr.run_env import user_cache_home
 
 if TYPE_CHECKING:
     from ettr.recorder import RecorderProtocol
@@ -49,7 +50,7 @@ def _start_session(rec: RecorderProtocol, config: CompileConfig, generation: int
     with _lock:
         if _session is not None or (generation is not None and generation != _generation):
             return  # started already, or armed before a reset (tests)
-        session = CompileSession(rec, config)
+        session = CompileSession(rec, config, warm_imports=_warm_imports_only)
         session.start()
         _session = session
 

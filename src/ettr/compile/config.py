@@ -149,12 +149,6 @@ def private_cache_parts(user_key: str) -> tuple[str, str]:
     return f"torchinductor_{user}", f"ettr-{digest}"
 
 
-def user_cache_home(env: Mapping[str, str] | None = None) -> str:
-    """`$XDG_CACHE_HOME` when it is an absolute path, else `~/.cache` (expanded)."""
-    xdg = (os.environ if env is None else env).get("XDG_CACHE_HOME", "")
-    return xdg if os.path.isabs(xdg) else os.path.expanduser("~/.cache")
-
-
 def pgo_job_id(user_key: str) -> str:
     """The PGO job id ettr sets: the same for every job of a workload, so later jobs reuse profiles."""
     return "ettr-" + hashlib.sha256(os.fsencode(user_key)).hexdigest()[:16]

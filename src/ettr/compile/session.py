@@ -62,8 +62,12 @@ class CompileSession:
         *,
         store: CompileStore | None = None,
         key: StoreKey | None = None,
+        warm_imports: bool = False,
     ) -> None:
         self.rec = rec
+        self._warm_imports = warm_imports
+        """Inductor was imported ahead by a warm process (a zygote's or standby's warm-up), before this
+        process's script set its environment (`_on_torch_compile` puts right what the import fixed)."""
         self.config = config
         self.user_key = config.user_key or default_user_key()
         self._store = store
@@ -130,6 +134,8 @@ class CompileSession:
         # (`lazy_templates`), its CPU vector-ISA probe is shared and remembered (`isa_probe`), store or not,
         # so is the name of its precompiled header (`pch_memo`),
         # and the hash of torch's sources its cache keys need starts on torch's own prefetch thread.
+        if self._warm_imports:
+            _header_dir_as_a_cold_start()
         if not _gpu_present():  # a GPU job renders them (autotuning): left as inductor makes them
             lazy_templates.defer(self._patcher)
         shared = isa_probe.share(self._patcher)
@@ -343,3 +349,22 @@ def _gpu_present() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # a broken driver: as a GPU job, leaving inductor as it is
         return True
+
+
+def _header_dir_as_a_cold_start() -> None:
+    """In a process whose inductor a warm-up imported (a zygote's forked worker, a warm standby), before its
+    first compile: inductor's precompiled-header directory where a cold start's import of inductor would have
+    put it. Inductor fixes it from TMPDIR when its codecache is imported (`codecache._HEADER_DIR`); the
+    warm-up imported it under the warm process's TMPDIR, before the script ran, so a script that points TMPDIR
+    elsewhere before it compiles (the demo's `--compile-cache`: fresh local caches per attempt) had its
+    headers looked up, built, restored from the compile store and saved to it in the shared default
+    directory of the node (`/tmp/torchinductor_$USER/precompiled_headers`) instead of its own: where other
+    jobs' headers are, and where every save of the store packed what they had put there. Now both starts
+    use the same directory, and the store's restore target follows (`artifacts.headers_dir`)."""
+    try:
+        moved = torch_compat.inductor_refix_header_dir()
+    except Exception as exc:  # inductor moved: the headers stay where the warm-up's import put them
+        logger.debug("ettr: inductor's precompiled-header directory left as imported (%s)", exc)
+        return
+    if moved is not None:
+        logger.debug("ettr: inductor's precompiled headers in %s, as at a cold start", moved)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ettr.run_env import trained_modules
+from ettr.supervisor import warm_memo
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
 from ettr.supervisor.standby import Standby
@@ -168,9 +169,12 @@ def start_zygote(
     """The agent's zygote for workers like `argvs`/`envs`, warm (`Zygote.wait_warm`: this supervisor's
     first attempt, `attempt`, has its workers forked from it), importing ahead beside torch what the attempt
     before had imported by its first step (a requeued job: `trained_modules`, as its standbys would), else
+    what the same script's workers had imported when it last ran on this node (a new job: `warm_memo`), else
     `WARM_MODULES`; None where there is none (why: in the debug log, and in the relaunch MARK of a zygote
     dropped later). Its warm-up is what each worker would import anyway, once instead of once per worker."""
     learned = trained_modules(run_dir, attempt - 1) if attempt > 0 else []
+    if not learned:  # a new job: what the same script had imported when it last ran on this node
+        learned = warm_memo.recall(argvs, envs)
     modules = list(dict.fromkeys(learned or WARM_MODULES))
     made = Zygote.start(argvs[0], envs[0], modules=modules) if argvs else "no workers"
     if isinstance(made, str):

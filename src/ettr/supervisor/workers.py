@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ettr.run_env import exited_path, failed_exit_path
-from ettr.supervisor import agent, gone, inplace, standby
+from ettr.run_env import exited_path, failed_exit_path, trained_modules
+from ettr.supervisor import agent, gone, inplace, standby, warm_memo
 from ettr.supervisor.inplace import InPlace, InPlaceCheck
 from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
@@ -299,6 +299,7 @@ class WorkerGroupKind:
         self._inplace_env: dict[str, str] | None = None  # the workers' in-place variables (None: off)
         self._inplace_tried = False  # made at the first start: a kind that starts nothing leaves nothing
         self._zygote: Zygote | None = None  # the node's warm process source (`ettr.supervisor.zygote`)
+        self._attempt = 0  # the last attempt started
 
     def _env(self, plan: AttemptPlan, rank: int, port: int) -> dict[str, str]:
         error_file = agent.error_file(self._run_dir, plan.attempt, rank)
@@ -330,7 +331,7 @@ class WorkerGroupKind:
         self._port = port = plan.port or free_port()
         argvs = [list(self.spec.argv) for _ in range(self.spec.nproc)]
         envs = [self._env(plan, rank, port) for rank in range(self.spec.nproc)]
-        self._workers = (argvs, envs)
+        self._workers, self._attempt = (argvs, envs), plan.attempt
         if first:
             self._zygote = start_zygote(argvs, envs, run_dir=self._run_dir, attempt=plan.attempt)
         ready, self._standbys = with_zygote(self._standbys, self._zygote), None
@@ -381,19 +382,17 @@ class WorkerGroupKind:
         if served is not None and served.zygote is not None:  # a fork away: no standby warms up meanwhile
             self._standbys = served
             return []
-        argvs, envs = self._workers
+        argvs, envs, per_attempt = *self._workers, agent.PER_ATTEMPT_NAMES
         if argvs and self._standbys is not None and standby.enabled():
-            return self._standbys.fill(
-                argvs, envs, per_attempt=agent.PER_ATTEMPT_NAMES, warm_modules=warm_modules
-            )
+            return self._standbys.fill(argvs, envs, per_attempt=per_attempt, warm_modules=warm_modules)
         if not argvs or self._standbys is not None or not standby.enabled():
             return []
-        self._standbys = StandbyGroup.start(
-            argvs, envs, per_attempt=agent.PER_ATTEMPT_NAMES, warm_modules=warm_modules
-        )
+        self._standbys = StandbyGroup.start(argvs, envs, per_attempt=per_attempt, warm_modules=warm_modules)
         return [] if self._standbys is None else self._standbys.pids
 
     def discard(self) -> None:
+        # What the last attempt had imported by its first step, for this script's next job on this node.
+        warm_memo.remember(*self._workers, trained_modules(self._run_dir, self._attempt))
         ready, self._standbys = self._standbys, None
         for made in (ready, self._zygote):
             if made is not None:
