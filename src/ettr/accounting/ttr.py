@@ -205,19 +205,39 @@ class AttemptMilestones:
 
 def rank_failure_times(rank_events: Mapping[int, Sequence[Event]]) -> list[float]:
     """When the training ranks said they failed: each FAILURE, and each `inject` MARK of an `--inject kill`
-    (written and flushed just before the SIGKILL, which leaves no FAILURE)."""
+    (written and flushed just before the SIGKILL, which leaves no FAILURE). Not the FAILURE of a process that
+    had become the ranks' launcher (`launcher_failure_times`)."""
     return [
         e.ts
         for r, evs in rank_events.items()
         if r >= 0
         for e in evs
-        if e.kind == EventKind.FAILURE
+        if (e.kind == EventKind.FAILURE and not _from_launcher(e))
         or (
             e.kind == EventKind.MARK
             and isinstance(e.data, Mapping)
             and str(e.data.get("spec")).startswith("kill@")
         )
     ]
+
+
+def launcher_failure_times(rank_events: Mapping[int, Sequence[Event]]) -> list[float]:
+    """The FAILUREs of processes instrumented as a rank that had become the ranks' launcher (`data.launcher`:
+    `fabric run`'s in-process torchrun agent raising `ChildFailedError`, an `mp.spawn` program): they come
+    after the launcher saw a rank die and stopped the others, so they date the failure only where nothing
+    else does. `fabric run` behind `bash run.sh`, rank 1 SIGKILLed: its ChildFailedError came 0.34 s after
+    the kill, the supervisor saw the rank gone after 0.15 s."""
+    return [
+        e.ts
+        for r, evs in rank_events.items()
+        if r >= 0
+        for e in evs
+        if e.kind == EventKind.FAILURE and _from_launcher(e)
+    ]
+
+
+def _from_launcher(event: Event) -> bool:
+    return isinstance(event.data, Mapping) and event.data.get("launcher") is True
 
 
 def milestones(
@@ -248,6 +268,8 @@ def milestones(
         failures.append(float(fault))
     if not failures and rank_gone_ts is not None:
         failures.append(rank_gone_ts)
+    if not failures:
+        failures = launcher_failure_times(rank_events)
     return AttemptMilestones(
         index=index,
         start_ts=start_ts,
