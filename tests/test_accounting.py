@@ -310,6 +310,24 @@ def test_a_rank_the_supervisor_saw_gone_is_the_failure_instant_where_nothing_bet
     assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 11)
 
 
+def test_a_launchers_exception_dates_the_failure_only_where_nothing_else_does() -> None:
+    # `fabric run` (torchrun's agent in its own process, instrumented as rank 0 before it launched the ranks)
+    # behind `bash run.sh`; rank 1 SIGKILLed at ~15, seen gone at 15.5; the agent stopped rank 0 and raised
+    # ChildFailedError at 19 (FAILURE under rank 0, `launcher: true`). Before 2026-12-05 that FAILURE was the
+    # failure instant: the agent's teardown (15.5 -> 19) read as lost progress.
+    s = _two_rank_crash(failure=False, detected=25, rank_gone_ts=T0 + 15.5)
+    s.add(EventKind.FAILURE, 19, rank=0, data={"exception": "ChildFailedError", "launcher": True})
+    r = s.report()
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 1.5)  # steps 5-10, then 14 -> 15.5
+    assert r.ttr_parts[0].parts_s["detection"] == pytest.approx(25 - 15.5)
+    # Nothing else known (no look saw the rank gone): the launcher's exception is still before the detection.
+    s = _two_rank_crash(failure=False, detected=25)
+    s.add(EventKind.FAILURE, 19, rank=0, data={"exception": "ChildFailedError", "launcher": True})
+    r = s.report()
+    assert r.buckets_s[Bucket.WASTED_PROGRESS] == pytest.approx(6 + 5)  # 14 -> 19
+    assert r.ttr_parts[0].parts_s["detection"] == pytest.approx(25 - 19)
+
+
 def _hung(end: Event) -> Event:
     return Event(end.kind, end.ts, end.attempt, end.rank, data={**(end.data or {}), "outcome": "hung"})
 

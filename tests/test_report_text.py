@@ -56,6 +56,17 @@ def test_a_ranks_exception_under_a_forwarded_preemption_is_said_to_be_its_conseq
     assert _failure_lines(0, "preempted", unsignalled)[1].endswith(
         "(rank 0, during the preemption: its consequence, not the cause)"
     )
+    # A hang that ettr stopped: what the processes raised at its SIGTERM is the stop's, not the hang's
+    # (fabric run behind bash, rank 1 hung: `SignalException: Process 3259 got signal: 15` under `hung`).
+    hung = {
+        "signal": "SIGTERM",
+        "reason": "no progress and no heartbeat for 15.1 s (over --hang-timeout: 15 s); killed by SIGTERM",
+        "exception": "SignalException",
+        "message": "Process 3259 got signal: 15",
+    }
+    assert _failure_lines(0, "hung", hung)[1] == (
+        "    SignalException: Process 3259 got signal: 15 (after ettr stopped the hung job: its consequence)"
+    )
     # A failure of its own (no forwarded preemption) keeps its plain rank.
     crashed = {**unsignalled, "reason": "exit status 1 (rank 0): RuntimeError"}
     assert _failure_lines(0, "failed", crashed)[1].endswith("Connection reset by peer (rank 0)")

@@ -410,6 +410,15 @@ def test_the_workers_of_torchruns_agent_run_inside_a_program_are_the_ranks(tmp_p
     )
     assert _fired(events) == [(0, 1)]
     assert _last_steps(events) == {0: 8, 1: 8}
+    # The program, instrumented as rank 0 before it became the launcher, raised ChildFailedError once its
+    # agent had stopped rank 0: its FAILURE says it is the launcher's (no failure instant where a rank's is).
+    failures = [(e.rank, e.data) for e in events if e.kind is EventKind.FAILURE and e.attempt == 0]
+    assert ("InjectedCrash", None) in [
+        ((d or {}).get("exception"), (d or {}).get("launcher")) for _, d in failures
+    ]
+    assert [d.get("launcher") for _, d in failures if (d or {}).get("exception") == "ChildFailedError"] == [
+        True
+    ]
 
 
 ELASTIC_FUNCTION_PROGRAM = textwrap.dedent(

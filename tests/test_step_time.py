@@ -35,6 +35,18 @@ def test_only_kept_unblocked_steps_count() -> None:
     assert kept_step_times(ts, numbers, blocking + persist, 7) == [1.0] * 5  # steps 2, 3, 4, 5, 7
 
 
+def test_steps_that_each_hold_an_evaluation_are_timed_less_it() -> None:
+    # pytorch/examples' gat evaluates after every step (two passes in eval mode, no_grad): no interval is
+    # free of it. Before 2026-12-05 its report read `step time: unknown` over 30 kept steps.
+    ts = [0.0, 3.0, 6.5, 9.0]  # steps 1..4
+    evaluations = [(t + 0.1, t + 1.1, Phase.EVAL, "eval") for t in ts]
+    assert kept_step_times(ts, [1, 2, 3, 4], evaluations, 4) == pytest.approx([2.0, 2.5, 1.5])
+    # One clean interval among them: the blocked ones are left out, as before.
+    partly = evaluations[:2] + evaluations[3:]
+    assert kept_step_times(ts, [1, 2, 3, 4], partly, 4) == pytest.approx([2.5])
+    assert kept_step_times(ts, [1, 2, 3, 4], evaluations, 1) == []  # nothing kept after the first
+
+
 def test_the_crash_hang_completion_job_times_its_kept_steps_only() -> None:
     """Attempt 0 kept steps 1..10 (9 intervals of 1 s); attempt 1 kept 11..12 (1 interval: step 11 is its
     first); attempt 2 kept 13..32 (19 intervals)."""

@@ -127,6 +127,32 @@ def test_without_imports_mark_its_time_goes_to_the_in_process_parts():
     assert parts.parts_s["other_init"] == pytest.approx(3.0)
 
 
+def test_a_program_that_launched_the_ranks_gives_its_start_and_imports_to_the_launch():
+    # `ettr run -- bash run.sh` running `fabric run --devices 2 train.py` (torchrun's agent in-process): the
+    # CLI is instrumented as rank 0 (world size 1) before it becomes the launcher; the workers start at 4.
+    # Before 2026-12-05 the TTS read `imports 1.0` (the CLI's) and the workers' own imports as other_init.
+    events = [
+        sup(EventKind.SUPERVISOR_START, 0.0, 0),
+        sup(EventKind.ATTEMPT_START, 0.0, 0),
+        Event(EventKind.PROCESS_START, 0.5, 0, 0, data={"pid": 10, "world_size": 1}),
+        mark(1.5, 0, 0, IMPORTS_MARK),
+        Event(EventKind.PROCESS_START, 4.0, 0, 1, data={"pid": 12, "world_size": 2}),
+        Event(EventKind.PROCESS_START, 4.25, 0, 0, data={"pid": 11, "world_size": 2}),
+        mark(6.0, 0, 1, IMPORTS_MARK),
+        mark(6.25, 0, 0, IMPORTS_MARK),
+        Event(EventKind.TRAINING_START, 8.0, 0, 0),
+        *[Event(EventKind.STEP, 8.5 + i * 0.5, 0, 0, step=i + 1) for i in range(4)],
+        sup(EventKind.ATTEMPT_END, 11.0, 0, outcome="completed", exit_code=0),
+        sup(EventKind.JOB_END, 11.0, 0, exit_status=0),
+    ]
+    tts = compute(events, now=12.0).tts_parts
+    assert tts is not None
+    assert tts.parts_s["launch"] == pytest.approx(4.0)  # the program's start, imports and its workers' spawn
+    assert tts.parts_s["imports"] == pytest.approx(2.25)  # rank 0's worker: 4.0 (the first worker) -> 6.25
+    assert tts.parts_s["other_init"] == pytest.approx(1.75)
+    assert tts.headline_s == pytest.approx(8.0)
+
+
 def test_the_evaluation_a_resume_repeats_before_its_first_step_is_its_own_part():
     events = job() + phase(Phase.EVAL, 13.25, 13.75, 1)  # nanoGPT evaluates again at the resumed iteration
     (parts,) = compute(events, now=30.0).ttr_parts

@@ -165,7 +165,7 @@ class RecorderProtocol(EventSink, Protocol):
 
     def recompile(self, reason: str, **data: Any) -> None: ...
 
-    def failure(self, exc: BaseException) -> None: ...
+    def failure(self, exc: BaseException, *, launcher: bool = False) -> None: ...
 
     def add_step_listener(self, listener: Callable[[int], None]) -> None: ...
 
@@ -378,12 +378,17 @@ class Recorder:
         """torch.compile recompiled (the guard-failure `reason`)."""
         self.record(EventKind.RECOMPILE, data={"reason": reason, **data})
 
-    def failure(self, exc: BaseException) -> None:
+    def failure(self, exc: BaseException, *, launcher: bool = False) -> None:
         """An exception is about to end this process (flushed at once). Notes ettr's hooks added to the
         exception (`FAILURE_NOTE_PREFIX`: what they know of the failure, e.g. a torn checkpoint) follow the
-        message, each on a line of its own (`failure_message`)."""
+        message, each on a line of its own (`failure_message`). `launcher`: this process became the launcher
+        of the ranks (`data.launcher`): its exception reports theirs (torch elastic's `ChildFailedError`
+        once it has stopped the others), never the failure's own instant."""
         message = failure_message(reraised_message(str(exc))[:500], getattr(exc, "__notes__", None) or ())
-        self.record(EventKind.FAILURE, data={"exception": type(exc).__name__, "message": message})
+        data: dict[str, Any] = {"exception": type(exc).__name__, "message": message}
+        if launcher:
+            data["launcher"] = True
+        self.record(EventKind.FAILURE, data=data)
 
     def mark(self, name: str, **data: Any) -> None:
         """Anything else worth keeping, by name."""

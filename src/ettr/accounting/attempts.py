@@ -16,7 +16,7 @@ from typing import Any
 
 from ettr.accounting.liveness import NOT_ENDED
 from ettr.accounting.model import CheckpointCommit, CheckpointFailure, Recompile
-from ettr.accounting.ttr import rank_failure_times
+from ettr.accounting.ttr import launcher_failure_times, rank_failure_times
 from ettr.constants import CHECKPOINT_LOAD_FAILED_MARK, FAILURE_DETECTED_MARK
 from ettr.events import Event, EventKind, Outcome, Phase
 
@@ -454,6 +454,8 @@ def failure_instant(
         found.append(float(signalled_ts))
     if rank_gone_ts is not None:  # `rank_gone` gives one only where neither of the above is known
         found.append(rank_gone_ts)
+    if not found:  # a launcher's exception, after it saw a rank die: only where nothing else dates it
+        found = launcher_failure_times(rank_events)
     for e in rank_events.get(-1, ()):
         if e.kind == EventKind.MARK and data_of(e).get("name") == FAILURE_DETECTED_MARK:
             found.append(e.ts)

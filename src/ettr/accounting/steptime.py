@@ -11,7 +11,8 @@ Rules (docs/buckets.md, "Step time"):
   of step k counts when step k is kept.
 - Intervals that overlap a blocking phase (anything but a background checkpoint persist and data waits:
   checkpoint blocking and waiting, restore, compile, evaluation, ...) are left out: that time is in its
-  own bucket, not in the step.
+  own bucket, not in the step. Where that leaves an attempt none (a script that evaluates after every step,
+  pytorch/examples' gat), each kept interval counts less the blocking time inside it: the step's own time.
 - `median_s` is the median of the counted intervals; `p90_s` the 90th percentile by the nearest-rank rule
   (the smallest interval with at least 90% of them at or below it). Without an interval both are None.
 """
@@ -90,13 +91,24 @@ def kept_step_times(
     phases: Iterable[Span],
     keep_up_to_step: float,
 ) -> list[float]:
-    """The seconds of each kept, unblocked step of one attempt, in step order (rules above)."""
+    """The seconds of each kept, unblocked step of one attempt, in step order (rules above); where every kept
+    interval holds a blocking phase, each less the blocking time inside it."""
     blocking = blocking_spans(phases)
-    return [
-        end - begin
+    kept = [
+        (begin, end)
         for step, begin, end in step_intervals(step_ts, step_numbers)
-        if step <= keep_up_to_step and end >= begin and not overlaps_any(blocking, begin, end)
+        if step <= keep_up_to_step and end >= begin
     ]
+    clean = [end - begin for begin, end in kept if not overlaps_any(blocking, begin, end)]
+    if clean or not kept:
+        return clean
+    net = ((end - begin) - covered(blocking, begin, end) for begin, end in kept)
+    return [seconds for seconds in net if seconds > 0]
+
+
+def covered(spans: list[tuple[float, float]], begin: float, end: float) -> float:
+    """Seconds of [begin, end] that the disjoint, ordered `spans` cover."""
+    return sum(max(0.0, min(e, end) - max(b, begin)) for b, e in spans if b < end and e > begin)
 
 
 def step_time(durations: Sequence[float]) -> StepTime:

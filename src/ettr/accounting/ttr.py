@@ -16,10 +16,12 @@ part, so the parts always add up to the whole):
                    then REQUEUE_PARTS `scheduling` (-> allocated) and `hardware_setup` (-> that run's
                    supervisor start), as the buckets split the gap
     relaunch       -> the first PROCESS_START of the next attempt (fork/exec, a launcher's own start-up and
-                   rendezvous, e.g. torchrun's agent; in a warm standby, the rest of its warm-up). Which
+                   rendezvous, e.g. torchrun's agent; in a warm standby, the rest of its warm-up); of each
+                   rank, the process that trained (`_own_process_start`: a Python program instrumented as
+                   rank 0 before it launched the ranks is the launcher's start-up). Which
                    path ran and why (`relaunch_path`, `relaunch_why`: warm | promoted | cold) comes from
                    the supervisor's `relaunch` MARK of the next attempt
-    imports        -> the `imports_done` MARK of the reference rank (interpreter, site, `import torch`,
+    imports        -> the `imports_done` MARK of the reference rank's process (interpreter, site, `import torch`,
                    ettr's bootstrap); 0 when not recorded (its time then falls into the parts after it)
     then to the training start, each instant goes to the first of these that is open on the reference rank:
     compile        COMPILE phases
@@ -203,19 +205,39 @@ class AttemptMilestones:
 
 def rank_failure_times(rank_events: Mapping[int, Sequence[Event]]) -> list[float]:
     """When the training ranks said they failed: each FAILURE, and each `inject` MARK of an `--inject kill`
-    (written and flushed just before the SIGKILL, which leaves no FAILURE)."""
+    (written and flushed just before the SIGKILL, which leaves no FAILURE). Not the FAILURE of a process that
+    had become the ranks' launcher (`launcher_failure_times`)."""
     return [
         e.ts
         for r, evs in rank_events.items()
         if r >= 0
         for e in evs
-        if e.kind == EventKind.FAILURE
+        if (e.kind == EventKind.FAILURE and not _from_launcher(e))
         or (
             e.kind == EventKind.MARK
             and isinstance(e.data, Mapping)
             and str(e.data.get("spec")).startswith("kill@")
         )
     ]
+
+
+def launcher_failure_times(rank_events: Mapping[int, Sequence[Event]]) -> list[float]:
+    """The FAILUREs of processes instrumented as a rank that had become the ranks' launcher (`data.launcher`:
+    `fabric run`'s in-process torchrun agent raising `ChildFailedError`, an `mp.spawn` program): they come
+    after the launcher saw a rank die and stopped the others, so they date the failure only where nothing
+    else does. `fabric run` behind `bash run.sh`, rank 1 SIGKILLed: its ChildFailedError came 0.34 s after
+    the kill, the supervisor saw the rank gone after 0.15 s."""
+    return [
+        e.ts
+        for r, evs in rank_events.items()
+        if r >= 0
+        for e in evs
+        if e.kind == EventKind.FAILURE and _from_launcher(e)
+    ]
+
+
+def _from_launcher(event: Event) -> bool:
+    return isinstance(event.data, Mapping) and event.data.get("launcher") is True
 
 
 def milestones(
@@ -233,17 +255,21 @@ def milestones(
     """The milestones of one attempt from its events (supervisor events under rank -1); `rank_gone_ts`: when
     the supervisor saw a rank gone, the failure where the events know none (`attempts.rank_gone`)."""
     failures = rank_failure_times(rank_events)
-    starts = [
-        e.ts for r, evs in rank_events.items() if r >= 0 for e in evs if e.kind == EventKind.PROCESS_START
-    ]
+    own_starts = {r: _own_process_start(evs, first_step_ts) for r, evs in rank_events.items() if r >= 0}
+    starts = [ts for ts in own_starts.values() if ts is not None]
     supervisor = rank_events.get(-1, ())
     reference = rank_events.get(reference_rank, ()) if reference_rank is not None else ()
+    reference_start = own_starts.get(reference_rank) if reference_rank is not None else None
+    if reference_start is not None:  # that process's own imports, not a launcher's before it
+        reference = [e for e in reference if e.ts >= reference_start]
     # A fault no rank recorded (a hang: its last sign of life) as the supervisor's detection saw it.
     fault = (_first_mark_data(supervisor, FAILURE_DETECTED_MARK) or {}).get("fault_ts")
     if isinstance(fault, int | float) and not isinstance(fault, bool) and start_ts <= fault <= end_ts:
         failures.append(float(fault))
     if not failures and rank_gone_ts is not None:
         failures.append(rank_gone_ts)
+    if not failures:
+        failures = launcher_failure_times(rank_events)
     return AttemptMilestones(
         index=index,
         start_ts=start_ts,
@@ -289,6 +315,18 @@ def _restore_texts(rank_events: Mapping[int, Sequence[Event]], key: str, limit: 
         and isinstance(e.data.get(key), str)
         and e.data[key]
     }
+
+
+def _own_process_start(events: Sequence[Event], first_step_ts: float | None) -> float | None:
+    """When the process that trained as this rank started: its last PROCESS_START by the attempt's first step
+    (else its first). A Python program that started the ranks itself (`fabric run`, torchrun's agent run
+    in-process, `mp.spawn`) was instrumented as this rank before it became their launcher, and its start and
+    imports are the launch's, as torchrun's own are, not the rank's."""
+    starts = [e.ts for e in events if e.kind == EventKind.PROCESS_START]
+    if not starts:
+        return None
+    before = [ts for ts in starts if first_step_ts is None or ts <= first_step_ts]
+    return max(before) if before else min(starts)
 
 
 def _first_mark(events: Iterable[Event], name: str) -> float | None:

@@ -54,7 +54,7 @@ def record_uncaught(exc: BaseException) -> None:
     if rec is None:
         return
     try:
-        rec.failure(exc)
+        rec.failure(exc, launcher=_is_launcher_now())
         rec.flush(timeout_s=2.0)
         _started["uncaught"] = True
     except Exception:
@@ -494,6 +494,21 @@ def _watch_frameworks(hooks: Any) -> None:
     frameworks = FrameworkHooks(hooks.rec, guard=hooks.guard, patcher=hooks.patcher)
     for name in TRAINER_MODULES:
         when_imported(name, frameworks.on_import)
+
+
+def _is_launcher_now() -> bool:
+    """Whether this instrumented process has been told it is the ranks' launcher (`tell_launcher`: it ran
+    torchrun's agent in-process, spawned the ranks, or started a torchrun). Never raises."""
+    from ettr.run_env import RunEnv, launcher_parent_path
+
+    try:
+        run_env = RunEnv.from_environ(os.environ)
+        return (
+            run_env is not None
+            and launcher_parent_path(run_env.run_dir, run_env.attempt, os.getpid()).exists()
+        )
+    except Exception:
+        return False
 
 
 def _launches_torchrun(run_env: RunEnv) -> Callable[[], bool] | None:

@@ -281,6 +281,11 @@ def _failure_lines(
             # behind a wrapper: `RuntimeError: ... Connection reset by peer` under the preemption, unexplained).
             rank = process.get("rank")
             where = f" ({'' if rank is None else f'rank {rank}, '}during the preemption: its consequence, not the cause)"
+        elif outcome == "hung":
+            # ettr stopped the hung job: what its processes raised then (torch elastic's `SignalException:
+            # Process N got signal: 15` of a launcher, fabric run behind bash) read as the hang's own exception.
+            rank = process.get("rank")
+            where = f" ({'' if rank is None else f'rank {rank}, '}after ettr stopped the hung job: its consequence)"
         elif after_loss and not failure.get("exception") and process.get("exception"):
             # Two nodes, node 0's supervisor SIGKILLed: the report printed node 1's rank's "Connection reset
             # by peer" as the attempt's exception, with no word that it came after the loss.
