@@ -377,6 +377,6 @@ def test_the_demo_says_how_evenly_the_other_load_sat_beside_the_two_sides():
     line = beside_line(uneven)
     assert line is not None and line in equal_speed_lines(uneven)
     assert "baseline 3.0 s (3%), optimized 18.0 s (18%)" in line
-    assert "not even: the optimized side's CPU gave 15 points more of its time to other processes" in line
+    assert "not even: the optimized side's CPU gave 15.0 points more of its time to other processes" in line
     even = beside_line(replace(uneven, together=replace(together, beside=(b, replace(o, others_s=5.0)))))
     assert even is not None and "about even, so the step times compare" in even

@@ -133,7 +133,7 @@ def beside_line(e: EqualSpeed) -> str | None:
     else:
         slower, faster = ("optimized", "baseline") if gap > 0 else ("baseline", "optimized")
         verdict = (
-            f"not even: the {slower} side's CPU gave {abs(gap):.0f} points more of its time to other "
+            f"not even: the {slower} side's CPU gave {abs(gap):.1f} points more of its time to other "
             f"processes than the {faster} side's, which slows its steps for a reason that is not ettr's"
         )
     return (
