@@ -294,7 +294,7 @@ def _joined(run_dir: Path, attempt: int, *workers: FakeWorker, trained: bool = T
 
 def test_a_dead_worker_whose_peers_joined_the_attempt_is_recovered_in_place(tmp_path: Path) -> None:
     from ettr.supervisor.inplace import InPlaceCheck
-    from ettr.supervisor.watch import Continued
+    from ettr.supervisor.watch_events import Continued
     from ettr.supervisor.workers import WorkerGroup
 
     workers = [KeptWorker(40), KeptWorker(41), KeptWorker(42)]
@@ -352,7 +352,7 @@ def test_a_failure_while_a_worker_has_not_joined_the_attempt_is_a_process_restar
 def test_a_failure_the_worker_survived_goes_on_in_place_with_nothing_replaced(tmp_path: Path) -> None:
     from ettr.run_env import inplace_failed_path
     from ettr.supervisor.inplace import InPlace, InPlaceCheck
-    from ettr.supervisor.watch import Continued
+    from ettr.supervisor.watch_events import Continued
     from ettr.supervisor.workers import WorkerGroup
 
     workers = [KeptWorker(50), KeptWorker(51)]
@@ -463,7 +463,7 @@ def test_a_worker_that_exits_0_while_its_peers_say_the_attempt_failed_is_replace
     rank that had left, then gave up."""
     from ettr.run_env import inplace_failed_path
     from ettr.supervisor.inplace import InPlace, InPlaceCheck
-    from ettr.supervisor.watch import Continued
+    from ettr.supervisor.watch_events import Continued
     from ettr.supervisor.workers import WorkerGroup
 
     workers = [KeptWorker(90), KeptWorker(91)]

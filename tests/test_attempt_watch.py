@@ -27,8 +27,8 @@ from ettr.supervisor.policy import EndedAttempt, RestartPolicy
 from ettr.supervisor.relaunch import Relaunch
 from ettr.supervisor.runner import AttemptParts, AttemptRunner
 from ettr.supervisor.signals import SupervisorSignals
-from ettr.supervisor.watch import (
-    AttemptWatch,
+from ettr.supervisor.watch import AttemptWatch, WatchConfig
+from ettr.supervisor.watch_events import (
     Continued,
     Drained,
     Exited,
@@ -41,7 +41,6 @@ from ettr.supervisor.watch import (
     Signalled,
     TellRanks,
     Tick,
-    WatchConfig,
 )
 from ettr.supervisor.watchdog import STARTUP
 

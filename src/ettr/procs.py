@@ -91,7 +91,7 @@ def tree_cpu_seconds(root: int) -> float | None:
     counts); None: no such process, or no /proc. A descendant that outlived its parent and went to a
     process outside the tree is missed from then on."""
     total = 0.0
-    for pid in [root, *(pid for pid, _ in descendants(root))]:
+    for pid in [root, *_descendant_pids(root)]:
         fields = _stat_fields(pid)
         try:
             if fields is not None:  # fields 14-17 of stat(5): utime, stime, cutime, cstime
@@ -188,6 +188,10 @@ def running(pid: int, recorded_ticks: int | None) -> bool:
 
 def descendants(root: int) -> list[tuple[int, int | None]]:
     """(pid, start ticks) of every live descendant of `root`, from /proc; empty where /proc is missing."""
+    return [(pid, start_ticks(pid)) for pid in _descendant_pids(root)]
+
+
+def _descendant_pids(root: int) -> list[int]:
     try:
         entries = os.listdir(_PROC)
     except OSError:
@@ -198,11 +202,11 @@ def descendants(root: int) -> list[tuple[int, int | None]]:
             ppid = _parent_pid(entry)
             if ppid is not None:
                 children.setdefault(ppid, []).append(int(entry))
-    found: list[tuple[int, int | None]] = []
+    found: list[int] = []
     todo = list(children.get(root, ()))
     while todo:
         pid = todo.pop()
-        found.append((pid, start_ticks(pid)))
+        found.append(pid)
         todo.extend(children.get(pid, ()))
     return found
 

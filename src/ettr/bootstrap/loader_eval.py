@@ -56,9 +56,8 @@ class _Pass:
     begin_ts: float
     num_learned: int  # the process's optimizer steps and backward passes when it began
     num_evals: int  # EVAL phase events recorded in the process when it began
-    first_forward_no_grad: bool | None = (
-        None  # the first forward pass of a trained module in it: grad disabled?
-    )
+    # The first forward pass of a trained module in it ran with grad disabled (None: not seen yet).
+    first_forward_no_grad: bool | None = None
 
 
 class LoaderPasses:

@@ -74,9 +74,8 @@ def write_raw(inner: Any, plan: SavePlan, planner: SavePlanner) -> list[WriteRes
     tensors = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
     offset = 0
     with inner.fs.create_stream(path, "wb") as stream:
-        if hasattr(
-            stream, "direct"
-        ):  # the summing stream: its large writes past the page cache (`direct_io`)
+        # The summing stream sends its large writes past the page cache (`direct_io`).
+        if hasattr(stream, "direct"):
             stream.direct = True
         for item in pickled:
             data = planner.resolve_data(item)

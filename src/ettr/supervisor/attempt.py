@@ -28,7 +28,7 @@ from ettr.supervisor.launch import AttemptLaunch
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch
 from ettr.supervisor.restart import PeerFailureWatch
-from ettr.supervisor.watch import Continued, Exited, Exiting, RankFailed
+from ettr.supervisor.watch_events import Continued, Exited, Exiting, RankFailed
 
 AttemptEvent = Exited | Exiting | RankFailed | Continued
 """What an attempt itself tells the watch (`ettr.supervisor.watch`)."""

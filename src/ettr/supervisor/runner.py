@@ -41,8 +41,8 @@ from ettr.supervisor.relaunch import Relaunch
 from ettr.supervisor.restart import ExitWaker
 from ettr.supervisor.signals import SupervisorSignals
 from ettr.supervisor.startwait import StartupWait
-from ettr.supervisor.watch import (
-    AttemptWatch,
+from ettr.supervisor.watch import AttemptWatch, WatchConfig, WatchState
+from ettr.supervisor.watch_events import (
     Continued,
     Drained,
     Exited,
@@ -55,9 +55,7 @@ from ettr.supervisor.watch import (
     Signalled,
     TellRanks,
     Tick,
-    WatchConfig,
     WatchEvent,
-    WatchState,
 )
 from ettr.supervisor.watchdog import (
     HangBounds,

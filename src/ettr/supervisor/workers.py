@@ -32,7 +32,7 @@ from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
 from ettr.supervisor.standby import Standby, no_standby_reason
 from ettr.supervisor.standby_group import StandbyGroup, start_zygote, with_zygote
-from ettr.supervisor.watch import Continued, Exited, Exiting
+from ettr.supervisor.watch_events import Continued, Exited, Exiting
 from ettr.supervisor.zygote import Zygote
 from ettr.untrusted import make_dirs_below
 
