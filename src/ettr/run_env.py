@@ -435,6 +435,9 @@ def launcher_parent_path(run_dir: str | os.PathLike[str], attempt: int, pid: int
     return agent_dir(run_dir, attempt) / f"launcher-parent-pid-{pid}"
 
 
+ZYGOTE_MESSAGE_MAX_BYTES = 1024
+"""The zygote's one message after its warm-up (`ettr.bootstrap.zygote` to `ettr.supervisor.zygote`): `w`
+(warm), or `n` and why it cannot fork, this many bytes at most."""
 TRAINED_PREFIX = "trained-pid-"
 WARM_MEMO_ENV = "ETTR_WARM_MEMO"
 """`0`: a new job's zygote does not import what the same script's workers imported in an earlier job on this

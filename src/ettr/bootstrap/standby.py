@@ -41,13 +41,14 @@ BOOTSTRAP_MODULES = (
 """What the hand-over imports (`main`) before the attempt's script runs: imported by the warm-up."""
 
 
-def _warm_up(modules: list[str]) -> None:
+def _warm_up(modules: list[str], *, stop: Callable[[], bool] | None = None) -> None:
     """The start-up done ahead: `import torch`, `modules` (given by the supervisor: torch's parts and the
     installed packages the last attempt had imported by its first step) and the modules ettr's bootstrap
     will need, and inductor's CPU vector-ISA probe when the attempt ran it (`VEC_ISA_PROBE`). Imports only
     (and that probe; inductor's kernel templates left to their first use, `_defer_kernel_templates`): no
     tensor is made, no random state drawn. The working directory is off the
-    path meanwhile, so a module there never stands in for an installed package of the same name."""
+    path meanwhile, so a module there never stands in for an installed package of the same name. `stop`,
+    asked after each import: True ends the warm-up there (a zygote that can no longer fork)."""
     import importlib
 
     first = sys.path.pop(0) if sys.path else None  # `-m` put the working directory first
@@ -64,6 +65,8 @@ def _warm_up(modules: list[str]) -> None:
                     print(
                         f"ettr: standby warm-up skipped {name} ({type(exc).__name__}: {exc})", file=sys.stderr
                     )
+            if stop is not None and stop():
+                return
         if VEC_ISA_PROBE in modules:  # the attempt compiled CPU kernels: its first compile probed the ISA
             _probe_vec_isa()
     finally:

@@ -42,6 +42,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ettr.procs import close_quietly, is_child_subreaper
+from ettr.run_env import ZYGOTE_MESSAGE_MAX_BYTES
 from ettr.supervisor import containment, standby
 from ettr.supervisor.process import AttemptProcess, _stdin_is_terminal
 from ettr.warn import STDERR_TEE_ENV
@@ -141,11 +142,13 @@ class Zygote:
             ready, _, _ = select.select([self._sock], [], [], min(left, 0.5))
             if ready:
                 try:
-                    said = self._sock.recv(16)
+                    said = self._sock.recv(ZYGOTE_MESSAGE_MAX_BYTES + 1)
                 except OSError:
                     said = b""
                 if said == b"w":
                     self.warm_at = time.time()
+                elif said.startswith(b"n"):  # it cannot fork (threads): no use waiting for the rest
+                    self.drop(said[1:].decode(errors="replace") or "the zygote cannot fork")
                 else:
                     self.drop(f"the zygote ended during its warm-up (status {self.process.poll()})")
             elif self.process.poll() is not None:
