@@ -219,3 +219,22 @@ def test_forked_workers_draw_torchs_seed_and_the_authkey_afresh_as_cold_starts_d
     # the OS, or keeps a fixed default seed: then both are the same everywhere).
     assert (forked[0]["seed"] != forked[1]["seed"]) == (cold[0]["seed"] != cold[1]["seed"])
     assert forked[0]["authkey"] != forked[1]["authkey"]
+
+
+def test_a_zygotes_warm_up_asks_first_what_would_start_a_thread_then_stops_where_told():
+    """`import numpy` (what `import torch` imports and what starts OpenBLAS's pool) comes first in a zygote's
+    warm-up, so a zygote that cannot fork knows after 0.1 s of imports, not after torch's; told to stop, it
+    imports nothing more. A standby's warm-up (no `stop`) is unchanged."""
+    pytest.importorskip("numpy")
+    code = textwrap.dedent(
+        """
+        import json, sys
+        from ettr.bootstrap.standby import _warm_up
+        _warm_up(["json"], stop=lambda: True)
+        print(json.dumps({"numpy": "numpy" in sys.modules, "torch": "torch" in sys.modules}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"numpy": True, "torch": False}
