@@ -198,5 +198,7 @@ def _gloo_group() -> dist.ProcessGroup:
         timeout = None if collective_s is None else datetime.timedelta(seconds=collective_s)
         return dist.new_group(backend="gloo", timeout=timeout)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=form_s))
-    torch_compat.set_group_timeout(collective_s, group)  # where torch cannot, neither could the wrapper: the
-    return group  # default group kept its forming bound too, and the branch above was taken
+    # Where torch cannot set it, neither could the wrapper: the default group then kept its forming bound
+    # too, and the branch above was taken.
+    torch_compat.set_group_timeout(collective_s, group)
+    return group

@@ -142,7 +142,7 @@ def dead_peer(keys: dist.Store, rank: int, world_size: int) -> int | None:
         if peer == rank or keys.check([f"done/{peer}"]) or not keys.check([f"proc/{peer}"]):
             continue
         words = keys.get(f"proc/{peer}").decode("utf-8", "replace").split(" ")
-        if len(words) != 4 or f"{words[0]} {words[1]}" != space or whole_number(words[2]) is None:
+        if len(words) != 4 or f"{words[0]} {words[1]}" != space:
             continue
         pid, ticks = whole_number(words[2]), whole_number(words[3])
         if pid is not None and not procs.running(pid, ticks):
