@@ -270,6 +270,12 @@ def test_hang_bounds_follow_what_the_job_does() -> None:
     assert learned.bound(in_eval)[0] == 900.0 and learned.bound(JobProgress())[0] == 450.0
     assert learned.bound(fast) == (6.0, "--hang-timeout")  # it replaces the step bound, not the others
     assert HangBounds(override_s=600.0).bound(JobProgress())[0] == 600.0
+    # --hang-timeout needs no step time: it holds from the first step, not from the fifth interval (a job of 10
+    # slow steps hung at step 5 waited the 300 s start-up bound under --hang-timeout 15)
+    first_steps = JobProgress(stepped=True)
+    assert HangBounds(override_s=15.0).bound(first_steps) == (15.0, "--hang-timeout")
+    assert bounds.bound(first_steps) == (300.0, "the start-up bound")  # the step bound needs its median
+    assert HangBounds(override_s=15.0).bound(JobProgress(stepped=True, phases=frozenset({"eval"})))[0] == 300.0
     with pytest.raises(ValueError, match="floor_s"):
         HangBounds(floor_s=0.0)
 
@@ -333,7 +339,7 @@ def test_pulses_are_written_by_the_sampler_and_read_back_validated(tmp_path: Pat
         '{"v": 1, "steps": 1, "step_s": 1, "intervals": 1, "phases": []}'
     )
     assert [p.rank for p in read_pulses(tmp_path, 0)] == [0]
-    assert JobProgress.of(read_pulses(tmp_path, 0)) == JobProgress(settled=True, step_s=0.5)
+    assert JobProgress.of(read_pulses(tmp_path, 0)) == JobProgress(settled=True, step_s=0.5, stepped=True)
 
 
 def test_a_hang_says_what_each_rank_was_doing(tmp_path: Path) -> None:
