@@ -275,7 +275,9 @@ def test_hang_bounds_follow_what_the_job_does() -> None:
     first_steps = JobProgress(stepped=True)
     assert HangBounds(override_s=15.0).bound(first_steps) == (15.0, "--hang-timeout")
     assert bounds.bound(first_steps) == (300.0, "the start-up bound")  # the step bound needs its median
-    assert HangBounds(override_s=15.0).bound(JobProgress(stepped=True, phases=frozenset({"eval"})))[0] == 300.0
+    assert (
+        HangBounds(override_s=15.0).bound(JobProgress(stepped=True, phases=frozenset({"eval"})))[0] == 300.0
+    )
     with pytest.raises(ValueError, match="floor_s"):
         HangBounds(floor_s=0.0)
 
@@ -1354,7 +1356,9 @@ def test_what_a_process_or_a_forged_ledger_wrote_is_printed_without_its_escape_s
     assert "\x1b" not in line and "\x07" not in line and "\\x1b]52" in line
     assert printable("a\nb\x1b[2J") == "a\nb\\x1b[2J" and printable("plain 🏖") == "plain 🏖"
     # styling is dropped, not escaped: torch.load's weights_only error, bold in the middle of a failure's line
-    assert printable("two options, \x1b[1mdo those steps\x1b[0m.\n\t(1)") == "two options, do those steps.\n (1)"
+    assert (
+        printable("two options, \x1b[1mdo those steps\x1b[0m.\n\t(1)") == "two options, do those steps.\n (1)"
+    )
     assert printable("\x1b[1m\x1b]52;c;x\x07") == "\\x1b]52;c;x\\x07"
     assert valid_family("evil\x1b[2J") == "must not hold control characters" and valid_family("gpt-2") is None
 
