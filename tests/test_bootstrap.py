@@ -62,6 +62,34 @@ def test_callback_runs_after_the_module_body_and_a_failing_one_does_not_break_th
         sys.modules.pop("ettr_probe_mod", None)
 
 
+def test_a_lookup_before_the_import_does_not_use_up_the_callbacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers and datasets ask `importlib.util.find_spec("torch")` whether torch is installed before they
+    import it: the lookup took the callbacks, the import ran none, and a script that imported transformers
+    before torch had none of the torch hooks (HF's run_classification.py: no `imports_done`; a plain loop after
+    `import transformers`: 0 steps recorded)."""
+    import importlib.util
+
+    (tmp_path / "ettr_probe_lookup.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[Any] = []
+    post_import.when_imported("ettr_probe_lookup", lambda m: seen.append(m.VALUE))
+    try:
+        assert importlib.util.find_spec("ettr_probe_lookup") is not None and seen == []
+        assert importlib.util.find_spec("ettr_probe_lookup") is not None and seen == []
+        import ettr_probe_lookup  # type: ignore[import-not-found]  # noqa: F401
+
+        assert seen == [7]
+        assert not any(
+            "ettr_probe_lookup" in f.watched
+            for f in sys.meta_path
+            if isinstance(f, post_import._PostImportFinder)
+        )
+    finally:
+        sys.modules.pop("ettr_probe_lookup", None)
+
+
 # -- which processes are instrumented ---------------------------------------------------------------------
 def test_only_training_processes_are_instrumented() -> None:
     run = {"ETTR_RUN_DIR": "/tmp/run"}

@@ -331,6 +331,28 @@ def test_a_failed_load_of_an_intact_or_foreign_file_gets_no_note(tmp_path: Path)
             assert not getattr(raised.value, "__notes__", None)
 
 
+def test_a_file_an_earlier_process_of_the_same_attempt_saved_is_that_attempts_own(tmp_path: Path) -> None:
+    """pytorch/examples' time_sequence_prediction run as its README says, behind a wrapper (`python
+    generate_sine_wave.py; python train.py`): each attempt writes traindata.pt again, then loads it. The restart
+    took the file for one rewritten behind ettr's back: a resume of unknown step, and its failed load
+    (torch.load's weights_only refusing numpy) was told "a save cut off mid-write? ... put the last good one
+    back". A file an earlier process of the same attempt saved is the attempt's own: neither."""
+    run_dir, data = tmp_path / "run", tmp_path / "traindata.pt"
+    for attempt in (0, 1):
+        with _hooked(run_dir, attempt=attempt):  # the generating process
+            torch.save({"x": torch.rand(4)}, data)
+        with _hooked(run_dir, attempt=attempt):  # the training process
+            torch.load(data)
+            _train(2)
+    events = open_ledger(run_dir).read()
+    assert not [e for e in events if e.kind is EventKind.RESUMED and (e.data or {}).get("unknown")]
+    with _hooked(run_dir, attempt=2):
+        torch.save({"x": torch.rand(4)}, data)
+    with _hooked(run_dir, attempt=2), pytest.raises(Exception) as raised:
+        torch.load(data, map_location="no-such-device")
+    assert not getattr(raised.value, "__notes__", None)
+
+
 class _NoRoom:
     def __reduce__(self) -> Any:
         raise OSError(28, "No space left on device")  # what a write to a full disk raises (errno.ENOSPC)

@@ -270,6 +270,14 @@ def test_hang_bounds_follow_what_the_job_does() -> None:
     assert learned.bound(in_eval)[0] == 900.0 and learned.bound(JobProgress())[0] == 450.0
     assert learned.bound(fast) == (6.0, "--hang-timeout")  # it replaces the step bound, not the others
     assert HangBounds(override_s=600.0).bound(JobProgress())[0] == 600.0
+    # --hang-timeout needs no step time: it holds from the first step, not from the fifth interval (a job of 10
+    # slow steps hung at step 5 waited the 300 s start-up bound under --hang-timeout 15)
+    first_steps = JobProgress(stepped=True)
+    assert HangBounds(override_s=15.0).bound(first_steps) == (15.0, "--hang-timeout")
+    assert bounds.bound(first_steps) == (300.0, "the start-up bound")  # the step bound needs its median
+    assert (
+        HangBounds(override_s=15.0).bound(JobProgress(stepped=True, phases=frozenset({"eval"})))[0] == 300.0
+    )
     with pytest.raises(ValueError, match="floor_s"):
         HangBounds(floor_s=0.0)
 
@@ -333,7 +341,7 @@ def test_pulses_are_written_by_the_sampler_and_read_back_validated(tmp_path: Pat
         '{"v": 1, "steps": 1, "step_s": 1, "intervals": 1, "phases": []}'
     )
     assert [p.rank for p in read_pulses(tmp_path, 0)] == [0]
-    assert JobProgress.of(read_pulses(tmp_path, 0)) == JobProgress(settled=True, step_s=0.5)
+    assert JobProgress.of(read_pulses(tmp_path, 0)) == JobProgress(settled=True, step_s=0.5, stepped=True)
 
 
 def test_a_hang_says_what_each_rank_was_doing(tmp_path: Path) -> None:
@@ -1347,6 +1355,11 @@ def test_what_a_process_or_a_forged_ledger_wrote_is_printed_without_its_escape_s
     line = ended_line(0, end, "no restarts left")
     assert "\x1b" not in line and "\x07" not in line and "\\x1b]52" in line
     assert printable("a\nb\x1b[2J") == "a\nb\\x1b[2J" and printable("plain 🏖") == "plain 🏖"
+    # styling is dropped, not escaped: torch.load's weights_only error, bold in the middle of a failure's line
+    assert (
+        printable("two options, \x1b[1mdo those steps\x1b[0m.\n\t(1)") == "two options, do those steps.\n (1)"
+    )
+    assert printable("\x1b[1m\x1b]52;c;x\x07") == "\\x1b]52;c;x\\x07"
     assert valid_family("evil\x1b[2J") == "must not hold control characters" and valid_family("gpt-2") is None
 
 

@@ -26,11 +26,12 @@ Callback = Callable[[ModuleType], None]
 
 
 class _NotifyingLoader(importlib.abc.Loader):
-    """Wraps the real loader: executes the module, then runs the callbacks (each guarded)."""
+    """Wraps the real loader: executes the module, then runs the callbacks still watching it (each guarded)."""
 
-    def __init__(self, loader: Any, callbacks: list[Callback]) -> None:
+    def __init__(self, loader: Any, finder: _PostImportFinder, name: str) -> None:
         self._loader = loader
-        self._callbacks = callbacks
+        self._finder = finder
+        self._name = name
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         create = getattr(self._loader, "create_module", None)
@@ -42,7 +43,7 @@ class _NotifyingLoader(importlib.abc.Loader):
             module.__spec__.loader = self._loader
         module.__loader__ = self._loader
         self._loader.exec_module(module)
-        _run_callbacks(module, self._callbacks)
+        _run_callbacks(module, self._finder.take(self._name))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
@@ -71,13 +72,11 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
+        # The callbacks stay watched until the module is executed: a lookup is no import. transformers and
+        # datasets ask `importlib.util.find_spec("torch")` whether torch is installed before they import it;
+        # taken at that lookup, the callbacks never ran, and a script that imported transformers before torch
+        # had none of the bootstrap's torch hooks (no step recorded: ETT unknown).
         if fullname not in self.watched:
-            return None
-        with self._lock:
-            callbacks = self.watched.pop(fullname, None)
-            if not self.watched:
-                _remove(self)
-        if callbacks is None:
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -88,9 +87,17 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             spec = find(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _NotifyingLoader(spec.loader, callbacks)
+                    spec.loader = _NotifyingLoader(spec.loader, self, fullname)
                 return spec
         return None
+
+    def take(self, name: str) -> list[Callback]:
+        """The callbacks watching `name`, no longer watched (each runs once, for the import that executed it)."""
+        with self._lock:
+            callbacks = self.watched.pop(name, [])
+            if not self.watched:
+                _remove(self)
+        return callbacks
 
 
 _finder: _PostImportFinder | None = None

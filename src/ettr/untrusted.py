@@ -369,12 +369,19 @@ def one_line(text: str) -> str:
     return printable(text).replace("\n", "\\n")
 
 
+_SGR = re.compile("\x1b\\[[0-9;]*m")
+"""A terminal's select-graphic-rendition sequence (bold, colour, reset): styling, dropped from what ettr prints."""
+
+
 def printable(text: str) -> str:
     """`text` with every character that is not printable (an escape sequence a training process or a forged
     ledger put in an exception message or a family name: OSC 52 sets a clipboard in some terminals) written
-    as its escape, newlines kept: what ettr prints of what it read."""
+    as its escape, newlines kept: what ettr prints of what it read. Styling (bold, colours) is dropped and a
+    tab is a space, neither escaped: torch.load's weights_only error puts `\\x1b[1m` ... `\\x1b[0m` around a
+    sentence and starts its lines with tabs, printed as `\\x1b[1m` and `\\t` in the failure's line."""
     if text.isprintable():
         return text
+    text = _SGR.sub("", text).replace("\t", " ")
     return "\n".join(
         "".join(c if c.isprintable() else repr(c)[1:-1] for c in line) for line in text.split("\n")
     )

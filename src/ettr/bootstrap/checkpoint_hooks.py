@@ -56,7 +56,13 @@ from types import ModuleType
 from typing import Any
 
 from ettr import inject
-from ettr.bootstrap.checkpoint_identity import IDENTITY_KEY, Attribution, SaveIndex, file_identity
+from ettr.bootstrap.checkpoint_identity import (
+    IDENTITY_KEY,
+    Attribution,
+    SaveIndex,
+    file_identity,
+    identities_saved_in,
+)
 from ettr.bootstrap.checkpoint_targets import (
     BufferSave,
     holds_training_state,
@@ -129,6 +135,7 @@ class CheckpointHooks:
         self._local = threading.local()
         self._pending_renames: dict[str, int] = {}  # saved path -> step, until renamed or superseded
         self._earlier: SaveIndex | None = None
+        self._saved_this_attempt: frozenset[str] = frozenset()  # identities of files this attempt saved
         self._job_start_ts: float | None = None
         self._books_unreadable: str | None = None  # why the last read of the job's books failed
         self._resumed = False
@@ -170,7 +177,17 @@ class CheckpointHooks:
             self._earlier = SaveIndex.from_events(
                 events, before_attempt=self.rec.attempt, file_mark=CHECKPOINT_FILE_MARK
             )
+            self._saved_this_attempt = identities_saved_in(
+                events, self.rec.attempt, file_mark=CHECKPOINT_FILE_MARK
+            )
         return self._earlier
+
+    def _saved_by_this_attempt(self, identity: str | None) -> bool:
+        """The file (its identity now) is one that an earlier process of this attempt saved (a wrapper's
+        `python prepare.py && python train.py`, the first writing the data the second loads): the attempt's
+        own file, not a resume of an earlier attempt's save nor a checkpoint rewritten behind ettr's back."""
+        self.earlier_commits()
+        return identity is not None and identity in self._saved_this_attempt
 
     def _quiet(self, call: Callable[[], Any]) -> Any:
         """Run a call ettr's own code made (it records itself): nested calls are not recorded either."""
@@ -248,7 +265,10 @@ class CheckpointHooks:
         earlier = self.earlier_commits()
         if path not in earlier and not (before_training and self.rec.attempt > 0 and earlier.by_identity):
             return None
-        return earlier.attribute(path, file_identity(path))
+        identity = file_identity(path)
+        if self._saved_by_this_attempt(identity):
+            return None
+        return earlier.attribute(path, identity)
 
     def _loaded(self, path: str | None, begin: float, loaded: Any, *, state: bool | None = None) -> None:
         """A load returned `loaded` (`state`: whether it holds training state, when the caller knows)."""
@@ -301,6 +321,8 @@ class CheckpointHooks:
             mtime = None
         start = self._job_start_ts
         if mtime is not None and start is not None and mtime < start:
+            return None
+        if self._saved_by_this_attempt(file_identity(path)):
             return None
         return f"{path} was loaded but no earlier attempt was seen saving it"
 
@@ -547,7 +569,10 @@ class CheckpointHooks:
         (a note, in the traceback and in the rank's FAILURE) and in a `checkpoint_load_failed` mark."""
         if path is None or "://" in path or path not in self.earlier_commits():
             return
-        found = self.earlier_commits().attribute(path, file_identity(path))
+        identity = file_identity(path)
+        if self._saved_by_this_attempt(identity):
+            return  # this attempt's own file (an earlier process of it wrote it): intact as far as ettr knows
+        found = self.earlier_commits().attribute(path, identity)
         if found is None or found.rewritten_since is None:
             return  # the very file a save left (another cause), or nothing to compare with
         try:

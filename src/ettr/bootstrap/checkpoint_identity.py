@@ -158,6 +158,16 @@ class SaveIndex:
         )
 
 
+def identities_saved_in(events: Iterable[Event], attempt: int, *, file_mark: str) -> frozenset[str]:
+    """The identities of the files that saves of `attempt` itself left (its processes that saved before the
+    books were read): a file one of them wrote is that attempt's own, neither a resume nor a torn checkpoint."""
+    return frozenset(
+        save.identity
+        for _, save in _recorded(events, attempt + 1, file_mark)
+        if save.attempt == attempt and save.identity is not None
+    )
+
+
 def _recorded(
     events: Iterable[Event], before_attempt: int, file_mark: str
 ) -> Iterator[tuple[str, RecordedSave]]:

@@ -7,7 +7,8 @@ fine while its training thread is stuck is still caught. A time that cannot be t
 (`CLOCK_SKEW_S` before its start, or after now) is no sign of life.
 
 The bound follows the job (`HangBounds.bound`, from the pulses: `JobProgress`):
-- before the job's steps settle (the first `min_intervals` step intervals): the start-up bound;
+- before the job's steps settle (the first `min_intervals` step intervals): the start-up bound (with
+  `--hang-timeout`, only until the first step: that bound needs no step time);
 - while a phase that may legitimately take long is open on a rank (compile, restore, checkpoint, evaluation,
   a data wait, ...): that phase's bound;
 - else: `step_multiple` x the job's median step time, at least `floor_s` (a job with 0.05 s steps that stops
@@ -58,6 +59,8 @@ class JobProgress:
     """The job's median step time (the slowest rank's median: all wait for it)."""
     phases: frozenset[str] = frozenset()
     """The phases open on any rank now."""
+    stepped: bool = False
+    """Some rank completed a training step in this attempt: training runs, settled or not."""
 
     @classmethod
     def of(cls, pulses: Iterable[Pulse], *, min_intervals: int = 5) -> JobProgress:
@@ -67,6 +70,7 @@ class JobProgress:
             settled=bool(timed),
             step_s=max(timed) if timed else None,
             phases=frozenset().union(*(p.phases for p in pulses)),
+            stepped=any(p.steps > 0 for p in pulses),
         )
 
 
@@ -75,8 +79,8 @@ class HangBounds:
     """How long an attempt may be silent, by what it is doing (see the module docstring)."""
 
     override_s: float | None = None
-    """`--hang-timeout`: the bound once steps run (instead of the multiple of the step time), and the least
-    bound of start-up and every phase."""
+    """`--hang-timeout`: the bound once steps run, from the first step on (instead of the multiple of the step
+    time, which waits for the steps to settle), and the least bound of start-up and every phase."""
     default_s: float = 300.0
     """The start-up and phase bound unless the books teach a longer one."""
     step_multiple: float = 10.0
@@ -102,10 +106,13 @@ class HangBounds:
         if progress.phases:
             name = max(progress.phases, key=self._long)
             return self._long(name), f"the bound of phase {name}"
+        if self.override_s is not None and (progress.settled or progress.stepped):
+            # The user's bound needs no step time: it holds from the first step on. Waiting for the steps to
+            # settle gave a job of few slow steps (pytorch/examples' FSDP2 example: 10 steps) hung at step 5
+            # the 300 s start-up bound under --hang-timeout 15.
+            return self.override_s, "--hang-timeout"
         if not progress.settled or progress.step_s is None:
             return self._long(STARTUP), "the start-up bound"
-        if self.override_s is not None:
-            return self.override_s, "--hang-timeout"
         steps_s = self.step_multiple * progress.step_s
         if steps_s <= self.floor_s:
             return (
