@@ -651,7 +651,8 @@ def private_stat_problem(path: str | os.PathLike[str], st: os.stat_result) -> st
 
 def swappable_above(path: str | os.PathLike[str]) -> str | None:
     """Why someone else could replace `path` by renaming it (a folder above it that group or others may write,
-    without the sticky bit that lets only an entry's owner rename it, as `/tmp` and `/dev/shm` have), or
+    without the sticky bit that lets only an entry's owner rename it, as `/tmp` and `/dev/shm` have; or one
+    that another user owns, who may make it writable whenever they like: OpenSSH's StrictModes check), or
     None. The folders of its real path are read (a link above it is the user's choice of place)."""
     import stat
 
@@ -659,11 +660,20 @@ def swappable_above(path: str | os.PathLike[str]) -> str | None:
         current = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
     except (OSError, ValueError):
         return None
+    trusted_owners = {0, os.geteuid()} if hasattr(os, "geteuid") else None
     while True:
         try:
-            mode = os.stat(current).st_mode
+            st = os.stat(current)
         except OSError:
             return None  # (unreadable: whoever opens it says so)
+        mode = st.st_mode
+        if trusted_owners is not None and st.st_uid not in trusted_owners:
+            # `/tmp/x` made first by another user, then ETTR_MEMORY_DIR=/tmp/x/mine: `mine` is this user's and
+            # private, yet the owner of `x` may rename it away between a check and a use and put theirs there.
+            return (
+                f"{current} (above {path}) is owned by uid {st.st_uid}, neither this user nor root: they can "
+                "put a folder of theirs in place of this one; choose a folder of your own"
+            )
         if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
             return (
                 f"{current} (above {path}) is writable by others (mode {stat.S_IMODE(mode):o}) without the "
