@@ -141,6 +141,20 @@ def test_a_private_folder_below_a_folder_another_user_owns_is_refused(tmp_path):
     assert private_dir_problem(mine) is None
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown a folder")
+def test_a_folder_above_the_users_home_is_trusted_whoever_owns_it(tmp_path, monkeypatch):
+    # A cluster's /home/<group> owned by its admin: its owner could swap the home itself (~/.bashrc and all),
+    # so refusing ~/.cache/ettr/compile below it would only cost every job its compile store.
+    from ettr.run_env import private_dir_problem
+
+    group = tmp_path / "group"
+    (group / "alice" / ".cache").mkdir(parents=True, mode=0o700)
+    os.chown(group, 4242, 4242)
+    assert "owned by uid 4242" in (private_dir_problem(group / "alice" / ".cache") or "")
+    monkeypatch.setenv("HOME", str(group / "alice"))
+    assert private_dir_problem(group / "alice" / ".cache") is None
+
+
 def test_the_store_never_reads_through_a_planted_symlink(tmp_path):
     root = tmp_path / "store"
     backend = LocalBackend(root)

@@ -664,13 +664,17 @@ def swappable_above(path: str | os.PathLike[str]) -> str | None:
     except (OSError, ValueError):
         return None
     trusted_owners = {0, os.geteuid()} if hasattr(os, "geteuid") else None
+    home = os.path.realpath(os.path.expanduser("~"))
     while True:
         try:
             st = os.stat(current)
         except OSError:
             return None  # (unreadable: whoever opens it says so)
         mode = st.st_mode
-        if trusted_owners is not None and st.st_uid not in trusted_owners:
+        # (a folder above the user's home is trusted whoever owns it, a cluster's /home/<group> owned by its
+        # admin: its owner could swap the home itself, ~/.bashrc and all; refusing ~/.cache there adds nothing)
+        above_home = home == current or home.startswith(current.rstrip(os.sep) + os.sep)
+        if trusted_owners is not None and st.st_uid not in trusted_owners and not above_home:
             # `/tmp/x` made first by another user, then ETTR_MEMORY_DIR=/tmp/x/mine: `mine` is this user's and
             # private, yet the owner of `x` may rename it away between a check and a use and put theirs there.
             return (
