@@ -539,8 +539,11 @@ def _deliver(args: argparse.Namespace) -> int:
         name = one_line(str(run_dir))
         if not done.complete:
             status = 1
+            # why, as the server said it: 'did not answer; try again later' hid a refusal that waiting never
+            # mends (no password: the run directory's URL never holds one, give PGPASSWORD or ~/.pgpass)
+            why = f" ({one_line(done.why)})" if done.why else ""
             print(
-                f"ettr deliver: {name}: the ledger server did not answer; {done.left.num_events} event(s) "
+                f"ettr deliver: {name}: the ledger server did not answer{why}; {done.left.num_events} event(s) "
                 f"stay in {name}/ledger-spill (nothing is lost; try again later)",
                 file=sys.stderr,
             )
