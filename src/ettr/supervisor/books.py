@@ -74,6 +74,7 @@ class JobBooks:
         self.family = family
         self._ledger = ledger
         self._node_rank: int | None = None  # set by `join`: this node writes node marks only
+        self._patience_spent = False  # an end event gave up since the last write that went in
 
     # -- opening -----------------------------------------------------------------------------------------
     def _connect(self) -> list[Event]:
@@ -253,26 +254,33 @@ class JobBooks:
 
     def append(self, kind: EventKind, /, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
         """Record one of the job's events. The end events (ATTEMPT_END, JOB_END) are retried for up to
-        `end_retry_s` (a full disk, a locked ledger). A node that joined the books records its attempt's start
-        and end as node marks and nothing else. Never raises."""
+        `end_retry_s` (a full disk, a locked ledger), once per outage: after one gave up, the next is tried
+        once until a write goes in again (the job's end waited `end_retry_s` for its ATTEMPT_END, then as long
+        again for its JOB_END: 2 minutes on a full disk after training was done). A node that joined the books
+        records its attempt's start and end as node marks and nothing else. Never raises."""
         event = Event(kind, time.time() if ts is None else ts, attempt, SUPERVISOR_RANK, data=data or None)
         if self._node_rank is not None:
             self._append_node_part(event)
             return
         patient = kind in _PATIENT_KINDS
-        deadline = time.monotonic() + (self.config.end_retry_s if patient else 0.0)
+        patience_s = self.config.end_retry_s if patient and not self._patience_spent else 0.0
+        deadline = time.monotonic() + patience_s
         pause_s = 0.1
         while True:
             try:
                 self._writer().append([event])
+                self._patience_spent = False
                 return
             except Exception as exc:  # the job matters more than its books
                 if time.monotonic() + pause_s > deadline:
                     cause = describe_os_error(exc)
                     if patient:
+                        self._patience_spent = True
+                        waited = (
+                            f"gave up after {patience_s:g} s" if patience_s else "the ledger still refuses"
+                        )
                         say(
-                            f"could not record {kind.value} of attempt {attempt} in {self.run_dir} "
-                            f"({cause}); gave up after {self.config.end_retry_s:g} s"
+                            f"could not record {kind.value} of attempt {attempt} in {self.run_dir} ({cause}); {waited}"
                         )
                     else:
                         logger.warning("ettr: could not record %s (%s)", kind.value, cause)
