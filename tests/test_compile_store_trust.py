@@ -137,6 +137,12 @@ def test_a_private_folder_below_a_folder_another_user_owns_is_refused(tmp_path):
     assert mine is not None
     mine.mkdir(mode=0o700)
     assert "owned by uid 4242, neither this user nor root" in (private_dir_problem(mine) or "")
+    # sticky too: the sticky bit lets a folder's owner rename any entry (`/tmp/torchinductor_$USER` made first by
+    # another user with mode 1777 passed, and precompiled headers were restored into a folder they could swap)
+    os.chmod(theirs, 0o1777)
+    with pytest.raises(UnsafeLocation, match="owned by uid 4242"):
+        check_private_dir(theirs / "store")
+    os.chmod(theirs, 0o755)
     os.chown(theirs, 0, 0)
     assert private_dir_problem(mine) is None
 
