@@ -98,6 +98,31 @@ def test_ettr_agent_torchrun_forces_the_real_torchrun() -> None:
     assert not agent.forced_torchrun({"ETTR_AGENT": "ettr"})
 
 
+def test_a_link_or_fifo_planted_where_a_worker_writes_its_error_record_is_removed_first(
+    tmp_path: Path,
+) -> None:
+    # torch's errors.record writes TORCHELASTIC_ERROR_FILE with open(file, "w"): through a planted symlink
+    # (the target overwritten with the worker's traceback) or into a FIFO (the failing worker held for ever)
+    from ettr.untrusted import SymlinkRefused
+
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    planted = agent.error_file(tmp_path / "run", 3, 0)
+    planted.parent.mkdir(parents=True)
+    planted.symlink_to(victim)
+    fifo = agent.error_file(tmp_path / "run", 3, 1)
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    for rank in (0, 1, 2):
+        path = agent.fresh_error_file(tmp_path / "run", 3, rank)
+        assert path == agent.error_file(tmp_path / "run", 3, rank) and path.parent.is_dir()
+        assert not os.path.lexists(path)
+    assert victim.read_text() == "mine"
+    (tmp_path / "run" / "agent" / "attempt-4").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(SymlinkRefused):
+        agent.fresh_error_file(tmp_path / "run", 4, 0)
+
+
 def _env(spec: WorkerSpec, rank: int, *, port: int, restart: int, inherited: dict | None = None) -> dict:
     base = {"PATH": "/bin", "ETTR_ATTEMPT": str(restart)}
     return worker_env(

@@ -201,6 +201,21 @@ def test_a_root_whose_name_is_not_utf8_is_signed_and_registered(tmp_path, ring_d
     assert not ring.is_signed_root(os.path.realpath(tmp_path / "ckpt-\xff"))  # U+00FF is another name
 
 
+def test_a_secret_that_is_not_utf8_signs_with_its_bytes(tmp_path, ring_dir, monkeypatch):
+    """ETTR_CHECKPOINT_SECRET's bytes need not be UTF-8 (`\xff` arrives as a surrogate): `.encode()` raised
+    UnicodeEncodeError out of the manager of every rank 0 (the job failed twice before its first step, status
+    3). UTF-8 text signs as before; the same compile store secret is read the same way."""
+    from ettr.compile.config import CompileConfig
+
+    monkeypatch.setenv(SECRET_ENV, os.fsdecode(b"ab\xff\xfecd"))
+    assert KeyRing.open(create=False).signing == b"ab\xff\xfecd"
+    _save(tmp_path / "ckpt", [1])
+    monkeypatch.setenv(SECRET_ENV, "s\u00e9cret")
+    assert KeyRing.open(create=False).signing == "s\u00e9cret".encode()
+    config = CompileConfig.from_env({"ETTR_COMPILE_STORE_SECRET": os.fsdecode(b"\xff")})
+    assert config is not None and config.secret == b"\xff"
+
+
 def test_what_a_forged_manifest_says_reaches_the_terminal_escaped(tmp_path, ring_dir, caplog):
     """A manifest's key id and root are quoted in the refusal: whoever can write the root (no key needed:
     an unknown key id is refused in a signed root too) printed an OSC 52 clipboard write and a screen clear

@@ -120,6 +120,47 @@ def test_a_store_below_a_folder_others_may_write_is_refused_unless_that_folder_i
     assert LocalBackend(above / "store").read("d/x") == b"1"
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown a folder")
+def test_a_private_folder_below_a_folder_another_user_owns_is_refused(tmp_path):
+    # `/tmp/x` made first by another user (mode 755: not writable by us or others), then
+    # ETTR_MEMORY_DIR=/tmp/x/mine or a store there: `mine` is ours, 0700, and passed every check, yet the
+    # owner of `x` can rename it away between a check and a use and put theirs (kernels, a memory copy) there.
+    from ettr.run_env import memory_root, private_dir_problem
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    LocalBackend(theirs / "store").write("d/x", b"1")  # (ours all the way: taken)
+    os.chown(theirs, 4242, 4242)
+    with pytest.raises(UnsafeLocation, match="owned by uid 4242"):
+        LocalBackend(theirs / "store").read("d/x")
+    mine = memory_root({"ETTR_MEMORY_DIR": str(theirs / "mine")})
+    assert mine is not None
+    mine.mkdir(mode=0o700)
+    assert "owned by uid 4242, neither this user nor root" in (private_dir_problem(mine) or "")
+    # sticky too: the sticky bit lets a folder's owner rename any entry (`/tmp/torchinductor_$USER` made first by
+    # another user with mode 1777 passed, and precompiled headers were restored into a folder they could swap)
+    os.chmod(theirs, 0o1777)
+    with pytest.raises(UnsafeLocation, match="owned by uid 4242"):
+        check_private_dir(theirs / "store")
+    os.chmod(theirs, 0o755)
+    os.chown(theirs, 0, 0)
+    assert private_dir_problem(mine) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown a folder")
+def test_a_folder_above_the_users_home_is_trusted_whoever_owns_it(tmp_path, monkeypatch):
+    # A cluster's /home/<group> owned by its admin: its owner could swap the home itself (~/.bashrc and all),
+    # so refusing ~/.cache/ettr/compile below it would only cost every job its compile store.
+    from ettr.run_env import private_dir_problem
+
+    group = tmp_path / "group"
+    (group / "alice" / ".cache").mkdir(parents=True, mode=0o700)
+    os.chown(group, 4242, 4242)
+    assert "owned by uid 4242" in (private_dir_problem(group / "alice" / ".cache") or "")
+    monkeypatch.setenv("HOME", str(group / "alice"))
+    assert private_dir_problem(group / "alice" / ".cache") is None
+
+
 def test_the_store_never_reads_through_a_planted_symlink(tmp_path):
     root = tmp_path / "store"
     backend = LocalBackend(root)

@@ -327,6 +327,36 @@ def test_prepare_clears_an_earlier_demo_but_refuses_a_directory_it_did_not_make(
     assert (tmp_path / "optimized" / "notes.md").exists()
 
 
+def test_prepare_clears_a_deep_earlier_run_directory_without_recursion_or_says_one_line(tmp_path):
+    # shutil.rmtree recursed once per level: a folder 1,200 deep in baseline/ (beside its ledger.db) raised
+    # RecursionError out of `ettr demo` (a traceback, status 1). Here under a recursion limit that leaves the
+    # clearing 60 frames (a tree 1,200 deep would outlast pytest's own clean-up, which recurses as rmtree does).
+    import inspect
+    import sys
+
+    from ettr.untrusted import MAX_REMOVE_DEPTH
+
+    def plant(depth: int) -> None:
+        (tmp_path / "baseline").mkdir(exist_ok=True)
+        (tmp_path / "baseline" / "ledger.db").write_text("old")
+        (tmp_path / "baseline" / Path(*["d"] * depth)).mkdir(parents=True)
+
+    def prepare_with_few_frames() -> None:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(len(inspect.stack()) + 60)
+        try:
+            demo.prepare(tmp_path)
+        finally:
+            sys.setrecursionlimit(limit)
+
+    plant(MAX_REMOVE_DEPTH - 8)
+    prepare_with_few_frames()
+    assert not (tmp_path / "baseline").exists()
+    plant(MAX_REMOVE_DEPTH + 20)
+    with pytest.raises(UsageError, match=f"nested more than {MAX_REMOVE_DEPTH} folders deep"):
+        prepare_with_few_frames()
+
+
 def test_prepare_refuses_a_run_directory_a_live_supervisor_still_writes(tmp_path):
     import socket
 

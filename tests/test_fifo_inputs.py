@@ -156,6 +156,28 @@ def test_a_fifo_named_like_a_pulse_is_skipped_not_waited_in(tmp_path):
     assert [(p.rank, p.steps) for p in read_pulses(tmp_path, 0)] == [(1, 3)]
 
 
+def test_a_fifo_planted_where_a_pulse_is_written_aside_is_never_waited_in(tmp_path):
+    """A pulse was written aside at the fixed name `.rank-R-pid-P.pulse.tmp`: a FIFO planted there (by whoever
+    may write the run directory) held the heartbeat thread in open() for ever, its touches stopped and the
+    job was killed as hung. The aside name is random now (`atomic_write`)."""
+    import threading
+
+    from ettr.heartbeat import _write_pulse, read_pulses
+    from ettr.run_env import heartbeat_path
+
+    pulse = heartbeat_path(tmp_path, 0, 0, pid=7).with_name("rank-0-pid-7.pulse")
+    _fifo(pulse.with_name(f".{pulse.name}.tmp"))
+    done = threading.Event()
+
+    def write() -> None:
+        _write_pulse(pulse, {"v": 1, "steps": 3, "step_s": 0.5, "intervals": 2, "phases": []})
+        done.set()
+
+    threading.Thread(target=write, daemon=True).start()
+    assert done.wait(20), "the pulse writer waits in a planted FIFO"
+    assert [(p.rank, p.steps) for p in read_pulses(tmp_path, 0)] == [(0, 3)]
+
+
 @pytest.mark.parametrize("text", ['{"ts": 1e400}', '{"ts": -1e400}', '{"ts": 1' + "0" * 400 + "}"])
 def test_a_number_past_a_floats_range_is_refused_as_not_json_ettr_writes(text):
     """`1e400` parsed as infinity and a 400-digit integer parsed whole; a reader's float() of the latter

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import re
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -648,6 +650,17 @@ def test_a_second_run_reads_finished_jobs_from_the_cache_until_a_ledger_changes(
         path.write_text("not json")
     assert main(["fleet", str(runs), "--json"]) == 0  # an unreadable cache only costs time
     assert json.loads(capsys.readouterr().out)["jobs"] == first["jobs"]
+
+
+def test_the_summary_cache_ignores_a_relative_xdg_cache_home(monkeypatch, tmp_path):
+    # XDG_CACHE_HOME=cache named ./cache/ettr/fleet of whatever folder `ettr fleet` ran in (a cron job's, a
+    # shared one); every other cache of ettr (compile store, warm memo) falls back to ~/.cache as the XDG spec says.
+    from ettr.fleet.load import default_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", "cache")
+    assert default_cache_dir() == Path(os.path.expanduser("~/.cache"), "ettr", "fleet")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "ettr" / "fleet"
 
 
 # -- the fleet's read of a ledger ----------------------------------------------------------------------------

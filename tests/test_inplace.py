@@ -803,3 +803,22 @@ def test_a_rank_that_finished_sees_a_peer_that_died_meanwhile(monkeypatch: pytes
     runner.rank, runner.world_size = 0, 2
     generations = StoreGenerations(store)
     assert runner._completed(store, 1, generations) is False
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"ETTR_INPLACE_STORE": "tcp://127.0.0.1:²"},
+        {"ETTR_INPLACE_STORE": "tcp://127.0.0.1:70000"},
+        {"MASTER_PORT": "²"},
+        {"MASTER_PORT": "0"},
+        {"MASTER_PORT": "9" * 5000},
+    ],
+)
+def test_a_port_that_is_no_port_is_store_unavailable(env: dict[str, str]) -> None:
+    # '²'.isdigit() passed, then int() raised ValueError; 70000 reached TCPStore, which raised TypeError: neither
+    # is the StoreUnavailable that open_job_store's callers are told of
+    from ettr.inplace.store import StoreUnavailable, open_job_store
+
+    with pytest.raises(StoreUnavailable, match="(?i)port"):
+        open_job_store(rank=0, world_size=1, timeout_s=1.0, environ=env)

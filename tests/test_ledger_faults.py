@@ -268,6 +268,33 @@ def test_the_supervisor_retries_its_end_events_until_written(tmp_path, capsys, s
         assert written == [EventKind.JOB_END] and len(ledger.batch_sizes) > 1
 
 
+def test_the_supervisor_waits_out_one_end_retry_per_outage_not_one_per_end_event(tmp_path, capsys):
+    # On a full disk the job's end waited end_retry_s (60 s) for its ATTEMPT_END, then as long again for its
+    # JOB_END: 2 minutes after training was done. Once one end event gave up, the next is tried once, until a
+    # write goes in again. (Counted in tries, not timed.)
+    ledger = FullDiskLedger()  # full: every append fails
+    config = RunConfig(command=("true",), run_dir=str(tmp_path), end_retry_s=0.5)
+    books = JobBooks(config, run_dir=tmp_path, job_id="j", family="f", ledger=ledger)
+    books.append(EventKind.ATTEMPT_END, attempt=0, exit_status=0)
+    assert len(ledger.batch_sizes) > 1  # retried
+    tries = len(ledger.batch_sizes)
+    books.append(EventKind.JOB_END, attempt=0, exit_status=0)
+    assert len(ledger.batch_sizes) == tries + 1  # one try: the outage already had its wait
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 2
+        and "gave up after 0.5 s" in err[0]
+        and "job_end" in err[1]
+        and "gave up after 0 s" in err[1]
+    )
+    ledger.full = False
+    books.append(EventKind.MARK, attempt=1, name="x")  # a write goes in: the next outage is waited out again
+    ledger.full = True
+    tries = len(ledger.batch_sizes)
+    books.append(EventKind.JOB_END, attempt=1, exit_status=0)
+    assert len(ledger.batch_sizes) > tries + 1
+
+
 def test_a_recorder_on_a_real_full_disk_loses_nothing_once_space_frees(tmp_path):
     with tmpfs(tmp_path / "small", "2m") as mount:
         ledger = open_ledger(mount / "run")

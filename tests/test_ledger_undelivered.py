@@ -74,6 +74,18 @@ def test_ettr_deliver_refuses_what_is_not_a_run_directory(tmp_path, capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 2
 
 
+def test_ettr_deliver_says_each_run_directory_on_one_line_whatever_its_name(tmp_path, capsys):
+    # `ettr deliver runs/*` of a shared folder: a directory named `x\nruns/y: delivered 9 ...` printed raw
+    # added a line of its own to what a person reads
+    from ettr.testing.fleet import JobSpec, write_job
+
+    forged = tmp_path / "x\nruns/y: delivered 9 spilled event(s) to the ledger"
+    write_job(forged, JobSpec(job_id="forged"))
+    assert main(["deliver", str(forged)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.endswith(": nothing to deliver\n") and "x\\nruns/y" in out
+
+
 def test_ettr_deliver_with_the_server_away_exits_1_and_keeps_the_events(tmp_path, capsys, caplog):
     run_dir = _run_dir_with_orphans(tmp_path, FakeServer(), num_events=4)
     # the pointer names a server no one runs (port 1): the delivery fails at once, the events stay
@@ -83,7 +95,11 @@ def test_ettr_deliver_with_the_server_away_exits_1_and_keeps_the_events(tmp_path
     caplog.clear()  # the writer that spilled them said so; the delivery has nothing to add
     with caplog.at_level(logging.WARNING, logger="ettr"):
         assert main(["deliver", str(run_dir)]) == 1
-    assert "4 event(s) stay" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "4 event(s) stay" in err and len(err.strip().splitlines()) == 1
+    # and why, as the server's client said it ('did not answer; try again later' hid a refusal waiting never
+    # mends: a pointer's URL holds no password, and without PGPASSWORD every try failed the same way)
+    assert "did not answer (ledger postgresql://x@127.0.0.1:1/db" in err and "connection" in err.lower()
     assert count_undelivered(run_dir).num_events == 4
     # One line, not two: the adopter spills nothing, so "events spill to RUN_DIR/ledger-spill until it is
     # back" (a writer's outage warning) said something untrue beside it.

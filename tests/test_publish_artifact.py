@@ -324,3 +324,19 @@ def test_a_forged_artifact_manifest_is_no_manifest(tmp_path, kind):
         with open(manifest, "wb") as f:
             f.truncate(10 << 30)
     assert read_manifest(tmp_path) is None
+
+
+def test_an_anchor_root_whose_name_is_not_utf8_publishes(tmp_path):
+    # A path is bytes: `\xff` in it (a surrogate in Python) raised UnicodeEncodeError out of publish_at_end
+    # (the request's id hashed the root's text); a UTF-8 root's id is what it was.
+    import hashlib
+
+    from ettr.publish.request import request_id_for
+
+    base = tmp_path / os.fsdecode(b"job-\xff")
+    base.mkdir()
+    _result, config, _run, _model = linear_job(base)
+    (outcome,) = PublishWorker(config.queue_dir, policy=allow_torch_nn(config.queue_dir)).drain()
+    assert outcome.status == "published", outcome.error
+    digest = hashlib.sha1("j\0/r/\u00fc\x005".encode()).hexdigest()[:8]
+    assert request_id_for("j", "/r/\u00fc", 5) == f"j-step000000005-{digest}"

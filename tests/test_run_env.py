@@ -73,6 +73,15 @@ def test_outside_a_run_there_is_no_run_env_and_bad_numbers_read_as_defaults():
         rank=3, world_size=4, local_rank=1
     )
     assert RankEnv.from_environ({"RANK": "?"}) == RankEnv()
+    # RANK=-1 made a training process's events read as the supervisor's (SUPERVISOR_RANK): a job without a
+    # step, nothing said; a world of 0 processes, '²' (str.isdigit, not int), more than 4,300 digits: no rank
+    for junk in ("-1", "-7", "²", "9" * 5000, "1e3", ""):
+        assert RankEnv.from_environ({"RANK": junk, "LOCAL_RANK": junk, "WORLD_SIZE": junk}) == RankEnv()
+        assert RankEnv.from_environ(
+            {"ETTR_RANK": junk, "ETTR_RANK_BASE": junk, "LOCAL_RANK": "1"}
+        ) == RankEnv(local_rank=1)
+    assert RankEnv.from_environ({"RANK": " 2 ", "WORLD_SIZE": "0"}) == RankEnv(rank=2)
+    assert RunEnv.from_environ({"ETTR_RUN_DIR": "/r", "ETTR_ATTEMPT": "-3"}) == RunEnv(run_dir=Path("/r"))
 
 
 def test_a_process_an_mpi_launcher_started_takes_its_rank_from_the_launcher() -> None:

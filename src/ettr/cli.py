@@ -521,6 +521,7 @@ def _deliver(args: argparse.Namespace) -> int:
     from ettr.ledger.base import LedgerError
     from ettr.ledger.locate import is_run_dir, unsearchable
     from ettr.ledger.undelivered import deliver_undelivered
+    from ettr.untrusted import one_line
 
     status = 0
     bad: list[str] = []  # the bad directories are one line at the end: the others are still delivered
@@ -533,20 +534,26 @@ def _deliver(args: argparse.Namespace) -> int:
         except (LedgerError, OSError) as exc:
             bad.append(str(exc))
             continue
+        # one line each, whatever the name (`ettr deliver runs/*` of a shared folder: a directory named
+        # `x\nruns/y: delivered 9 spilled event(s)` added a line of its own to what a person reads)
+        name = one_line(str(run_dir))
         if not done.complete:
             status = 1
+            # why, as the server said it: 'did not answer; try again later' hid a refusal that waiting never
+            # mends (no password: the run directory's URL never holds one, give PGPASSWORD or ~/.pgpass)
+            why = f" ({one_line(done.why)})" if done.why else ""
             print(
-                f"ettr deliver: {run_dir}: the ledger server did not answer; {done.left.num_events} event(s) "
-                f"stay in {Path(run_dir) / 'ledger-spill'} (nothing is lost; try again later)",
+                f"ettr deliver: {name}: the ledger server did not answer{why}; {done.left.num_events} event(s) "
+                f"stay in {name}/ledger-spill (nothing is lost; try again later)",
                 file=sys.stderr,
             )
         elif done.num_delivered:
-            print(f"{run_dir}: delivered {done.num_delivered} spilled event(s) to the ledger")
+            print(f"{name}: delivered {done.num_delivered} spilled event(s) to the ledger")
         else:
-            print(f"{run_dir}: nothing to deliver")
+            print(f"{name}: nothing to deliver")
         if done.left.num_live_files:
             print(
-                f"{run_dir}: {done.left.num_live_files} spill file(s) belong to a writer still running "
+                f"{name}: {done.left.num_live_files} spill file(s) belong to a writer still running "
                 "(it delivers them itself)"
             )
     if bad:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, FrameType
 
+from ettr.atomic import atomic_write
 from ettr.events import Event, EventKind
 from ettr.run_env import heartbeat_dir
 from ettr.untrusted import SymlinkRefused, loads_bounded, make_dirs_below, read_small_file, whole_number
@@ -193,15 +194,11 @@ class Progress:
 
 
 def _write_pulse(path: Path, document: dict[str, object]) -> None:
-    """Write `document` at `path` atomically (aside, then renamed over it); never through a symlink."""
-    aside = path.with_name(f".{path.name}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(aside, flags, 0o644)
-    try:
-        os.write(fd, json.dumps(document, separators=(",", ":")).encode())
-    finally:
-        os.close(fd)
-    os.replace(aside, path)
+    """Write `document` at `path` atomically, never through a symlink (`atomic_write`, not fsync'd: a pulse
+    is a hint that the next one replaces). Its aside name is random: the fixed `.NAME.tmp` it had could be
+    planted first by whoever may write the run directory, and a FIFO there held the heartbeat thread in
+    open() for ever (no more touches: the job looked hung and was killed)."""
+    atomic_write(path, json.dumps(document, separators=(",", ":")), durable=False)
 
 
 def read_pulses(run_dir: str | os.PathLike[str], attempt: int) -> list[Pulse]:

@@ -38,7 +38,7 @@ logger = logging.getLogger("ettr")
 KEY_DIR_ENV = "ETTR_CHECKPOINT_KEY_DIR"
 """Where the key ring lives (default `$XDG_CONFIG_HOME/ettr/checkpoint-keys`)."""
 SECRET_ENV = "ETTR_CHECKPOINT_SECRET"
-"""An explicit key (UTF-8): signs instead of the ring's own key, and is kept in the ring."""
+"""An explicit key (its bytes as given; UTF-8 text as UTF-8): signs instead of the ring's own key, and is kept in the ring."""
 
 _KEY_SUFFIX = ".key"
 _SIGNING = "signing"
@@ -131,7 +131,9 @@ class KeyRing:
         env = os.environ if env is None else env
         if explicit is None:
             text = env.get(SECRET_ENV, "")
-            explicit = text.encode() if text else None
+            # its bytes as given: `.encode()` raised UnicodeEncodeError out of every rank's first save for a
+            # value that is not UTF-8 (the environment's bytes, as surrogates); UTF-8 text encodes the same
+            explicit = os.fsencode(text) if text else None
         wanted = key_dir(env)
         if create and not os.path.lexists(wanted):
             try:

@@ -236,11 +236,12 @@ def runs_rank_launcher(orig_argv: Sequence[str]) -> bool:
     return runs_accelerate_launch(orig_argv) or runs_deepspeed_launcher(orig_argv)
 
 
-def _int(environ: Mapping[str, str], name: str, default: int) -> int:
-    try:
-        return int(environ.get(name, default))
-    except ValueError:
-        return default
+def _int(environ: Mapping[str, str], name: str, default: int, *, least: int = 0) -> int:
+    """`environ[name]` as a whole number >= `least` (ASCII digits), else `default`: a rank, a size or an attempt
+    is never negative (`RANK=-1` made a training process's events read as the supervisor's, `SUPERVISOR_RANK`:
+    a job with no training step, and nothing said why)."""
+    found = _whole_number(environ.get(name, "").strip())
+    return found if found is not None and found >= least else default
 
 
 def _optional_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -372,13 +373,13 @@ class RankEnv:
         rank, world_size, local_rank = 0, 1, 0  # one process alone
         if SLURM_STEP_TASKS_ENV in environ:  # a task of an srun step
             rank = _int(environ, SLURM_PROCID_ENV, 0)
-            world_size = _int(environ, SLURM_STEP_TASKS_ENV, 1)
+            world_size = _int(environ, SLURM_STEP_TASKS_ENV, 1, least=1)
             local_rank = _int(environ, SLURM_LOCALID_ENV, 0)
         else:
             for rank_name, size_name, local_name in MPI_RANK_NAMES:
                 if rank_name in environ and size_name in environ:  # a process an MPI launcher started
                     rank = _int(environ, rank_name, 0)
-                    world_size = _int(environ, size_name, 1)
+                    world_size = _int(environ, size_name, 1, least=1)
                     local_rank = _int(environ, local_name, 0)
                     break
         local_rank = _int(environ, LOCAL_RANK_ENV, local_rank)
@@ -386,7 +387,9 @@ class RankEnv:
         if base >= 0:
             rank = base + local_rank
         rank = _int(environ, RANK_ENV, rank)
-        world_size = _int(environ, OWN_WORLD_SIZE_ENV, _int(environ, WORLD_SIZE_ENV, world_size))
+        world_size = _int(
+            environ, OWN_WORLD_SIZE_ENV, _int(environ, WORLD_SIZE_ENV, world_size, least=1), least=1
+        )
         own = _int(environ, OWN_RANK_ENV, -1)
         if own >= 0:  # `torch.multiprocessing.spawn`'s process index: its place on this node too
             rank, local_rank = own, _int(environ, LOCAL_RANK_ENV, own)
@@ -651,7 +654,8 @@ def private_stat_problem(path: str | os.PathLike[str], st: os.stat_result) -> st
 
 def swappable_above(path: str | os.PathLike[str]) -> str | None:
     """Why someone else could replace `path` by renaming it (a folder above it that group or others may write,
-    without the sticky bit that lets only an entry's owner rename it, as `/tmp` and `/dev/shm` have), or
+    without the sticky bit that lets only an entry's owner rename it, as `/tmp` and `/dev/shm` have; or one
+    that another user owns, who may make it writable whenever they like: OpenSSH's StrictModes check), or
     None. The folders of its real path are read (a link above it is the user's choice of place)."""
     import stat
 
@@ -659,11 +663,24 @@ def swappable_above(path: str | os.PathLike[str]) -> str | None:
         current = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
     except (OSError, ValueError):
         return None
+    trusted_owners = {0, os.geteuid()} if hasattr(os, "geteuid") else None
+    home = os.path.realpath(os.path.expanduser("~"))
     while True:
         try:
-            mode = os.stat(current).st_mode
+            st = os.stat(current)
         except OSError:
             return None  # (unreadable: whoever opens it says so)
+        mode = st.st_mode
+        # (a folder above the user's home is trusted whoever owns it, a cluster's /home/<group> owned by its
+        # admin: its owner could swap the home itself, ~/.bashrc and all; refusing ~/.cache there adds nothing)
+        above_home = home == current or home.startswith(current.rstrip(os.sep) + os.sep)
+        if trusted_owners is not None and st.st_uid not in trusted_owners and not above_home:
+            # `/tmp/x` made first by another user, then ETTR_MEMORY_DIR=/tmp/x/mine: `mine` is this user's and
+            # private, yet the owner of `x` may rename it away between a check and a use and put theirs there.
+            return (
+                f"{current} (above {path}) is owned by uid {st.st_uid}, neither this user nor root: they can "
+                "put a folder of theirs in place of this one; choose a folder of your own"
+            )
         if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
             return (
                 f"{current} (above {path}) is writable by others (mode {stat.S_IMODE(mode):o}) without the "

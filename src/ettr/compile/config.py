@@ -119,7 +119,7 @@ class CompileConfig:
             user_key=env.get(COMPILE_KEY_ENV, ""),
             max_store_bytes=number(COMPILE_STORE_MAX_BYTES_ENV, DEFAULT_STORE_MAX_BYTES, int)
             or DEFAULT_STORE_MAX_BYTES,
-            secret=secret.encode() if secret else None,
+            secret=os.fsencode(secret) if secret else None,  # as given (not UTF-8: no UnicodeEncodeError)
             settle_s=number(COMPILE_SETTLE_S_ENV, 10.0, float),
         )
 

@@ -15,6 +15,7 @@ directories.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -42,6 +43,7 @@ from ettr.run_env import (
 )
 from ettr.supervisor.agent import FORCE_TORCHRUN
 from ettr.supervisor.standby import STANDBY_ENV
+from ettr.untrusted import remove_tree
 
 PREEMPTED_EXIT_STATUS = EXIT_PREEMPTED
 """`ettr run`'s status for a preempted job: the scheduler (here, the demo) requeues it."""
@@ -308,8 +310,11 @@ def prepare(out: Path) -> list[Job]:
             )
     try:
         for job in jobs:
-            shutil.rmtree(job.run_dir, ignore_errors=True)
-            shutil.rmtree(job.work_dir, ignore_errors=True)
+            for path in (job.run_dir, job.work_dir):
+                # not shutil.rmtree, which recurses once per level: a folder nested 1,200 deep in an earlier
+                # run directory there raised RecursionError out of `ettr demo` (a traceback, status 1)
+                with contextlib.suppress(FileNotFoundError):
+                    remove_tree(path)
             job.work_dir.mkdir(parents=True)
     except OSError as exc:
         raise UsageError(f"ettr demo: cannot use {out} ({exc.strerror or exc})") from None

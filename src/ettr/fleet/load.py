@@ -355,9 +355,12 @@ a copy (or a forgery) of its books (`drop_copies`): one stored before it would r
 
 
 def default_cache_dir() -> Path:
-    """Where `ettr fleet` keeps summaries of finished jobs: $XDG_CACHE_HOME/ettr/fleet (~/.cache/...)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ettr" / "fleet"
+    """Where `ettr fleet` keeps summaries of finished jobs: $XDG_CACHE_HOME/ettr/fleet (~/.cache/... where it is
+    unset or not absolute, as for every other cache of ettr: a relative one named a folder of whatever directory
+    `ettr fleet` ran in, a cron job's or a shared one)."""
+    from ettr.run_env import user_cache_home
+
+    return Path(user_cache_home(), "ettr", "fleet")
 
 
 class SummaryCache:

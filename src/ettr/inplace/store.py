@@ -27,7 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ettr.run_env import INPLACE_STORE_ENV, memory_root, private_dir_problem
-from ettr.untrusted import printable
+from ettr.untrusted import printable, whole_number
 
 _PATH_KEY = "ettr/inplace/filestore"
 _OPENED_KEY = "ettr/inplace/filestore-opened"
@@ -74,10 +74,12 @@ def open_job_store(
     if explicit:
         return _explicit(explicit, timeout)
     host, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "")
-    if not port.isdigit():
+    if not port:
         raise StoreUnavailable(
             "MASTER_PORT is not set: start the job with torchrun (or set ETTR_INPLACE_STORE)"
         )
+    if _port(port) is None:
+        raise StoreUnavailable(f"MASTER_PORT={printable(port[:40])!r} is not a port (1-65535)")
     if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         agent_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         # The agent's store outlives its workers: the keys of a restart of the job (new workers) must
@@ -95,6 +97,13 @@ def open_job_store(
     return JobStore(bootstrap, f"rank 0's store at {host}:{port}", survives_rank_0=False)
 
 
+def _port(text: str) -> int | None:
+    """`text` as a TCP port (1-65535), else None: `str.isdigit` passed '²' (then `int` raised ValueError) and
+    70000 (TCPStore raised TypeError), neither the `StoreUnavailable` a caller of `open_job_store` is told of."""
+    port = whole_number(text)
+    return port if port is not None and 0 < port < 65536 else None
+
+
 def _explicit(url: str, timeout: datetime.timedelta) -> JobStore:
     if url.startswith("file://"):
         path = url.removeprefix("file://")
@@ -103,7 +112,7 @@ def _explicit(url: str, timeout: datetime.timedelta) -> JobStore:
         return JobStore(store, f"the FileStore {path}", survives_rank_0=True)
     if url.startswith("tcp://"):
         host, _, port = url.removeprefix("tcp://").rpartition(":")
-        if not port.isdigit():
+        if _port(port) is None:
             raise StoreUnavailable(f"{INPLACE_STORE_ENV}={url!r}: expected tcp://HOST:PORT")
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         return JobStore(store, f"the TCPStore at {host}:{port}", survives_rank_0=True)

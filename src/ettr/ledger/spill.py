@@ -192,6 +192,8 @@ class SpillingLedger:
         self._lock = threading.RLock()
         self._server: ServerLedger | None = None
         self._down = False
+        self.last_failure = ""
+        """Why the server last failed a call (its error's one line): what `ettr deliver` says."""
         self._file: _SpillFile | None = None
         # Events neither the server nor the spill file took (a full disk during an outage): kept here and
         # delivered with the backlog; a full disk used to drop them, and the report lacked those steps.
@@ -231,6 +233,7 @@ class SpillingLedger:
         return LedgerHealth(server_down=self._down, backlog=self.backlog)
 
     def _mark_down(self, exc: BaseException) -> None:
+        self.last_failure = str(exc)
         if not self._down and self._announce_outage:
             logger.warning(
                 "ettr: ledger server unreachable (%s); events spill to %s until it is back",
@@ -439,7 +442,8 @@ class SpillingLedger:
                     raise
                 except Exception:  # the first call after a restart finds the old connection dead: once more
                     server.last_activity(-1)
-        except Exception:
+        except Exception as exc:
+            self.last_failure = str(exc)
             return False
         with self._lock:
             self._server = server

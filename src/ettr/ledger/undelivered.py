@@ -108,6 +108,8 @@ class Delivery:
     """Whether every file it could take was delivered (False: the server did not answer, or stopped)."""
     left: Undelivered
     """What still waits afterwards (live writers' files, or all of it when the server is away)."""
+    why: str = ""
+    """Why the server took nothing more, when it did not (its error: refused, timed out, no password)."""
 
 
 def deliver_undelivered(
@@ -150,7 +152,10 @@ def deliver_undelivered(
     finally:
         adopter.close()
     left = count_undelivered(run_dir)
-    return Delivery(num_delivered=max(0, before.num_events - left.num_events), complete=complete, left=left)
+    delivered = max(0, before.num_events - left.num_events)
+    return Delivery(
+        num_delivered=delivered, complete=complete, left=left, why="" if complete else adopter.last_failure
+    )
 
 
 def undelivered_note(run_dir: str | os.PathLike[str]) -> str | None:

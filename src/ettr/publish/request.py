@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -186,7 +187,8 @@ class InputSpec:
 
 def request_id_for(job_id: str, anchor_root: str, step: int) -> str:
     """The id of the request for the anchor of `step` under `anchor_root` written by `job_id` (stable)."""
-    digest = hashlib.sha1(f"{job_id}\0{anchor_root}\0{step}".encode()).hexdigest()[:8]
+    # the path's bytes (os.fsencode): a root whose name is not UTF-8 raised UnicodeEncodeError out of publish_at_end
+    digest = hashlib.sha1(os.fsencode(f"{job_id}\0{anchor_root}\0{step}")).hexdigest()[:8]
     safe_job = _UNSAFE_ID_CHARS.sub("_", job_id)[:80] or "job"
     return f"{safe_job}-step{step:09d}-{digest}"
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ettr.run_env import AGENT_ENV, Launcher
 from ettr.supervisor.launch import _LOCAL_HOSTS, _launcher_args_at, _norm, _torchrun_split, detect_launcher
-from ettr.untrusted import open_regular
+from ettr.untrusted import open_dir_below, open_regular
 
 # Options whose value changes nothing the workers see (ettr does the restarts, the monitoring and the
 # shutdown itself), or whose value the spec reads.
@@ -230,3 +230,19 @@ without them and receives them at the hand-over."""
 def error_file(run_dir: Path, attempt: int, local_rank: int) -> Path:
     """Where worker `local_rank` of `attempt` writes its error record (`torch...errors.record`)."""
     return run_dir / "agent" / f"attempt-{attempt}" / str(local_rank) / "error.json"
+
+
+def fresh_error_file(run_dir: Path, attempt: int, local_rank: int) -> Path:
+    """`error_file`, its folders made (none through a symlink) and nothing left at its name: torch's
+    `errors.record` writes it with `open(file, "w")`, which follows a symlink and waits in a FIFO, so a link
+    planted there by whoever may write the run directory (`-> ~/.bashrc`) had a failing worker overwrite its
+    target, and a FIFO held that worker at its exit for ever. Raises OSError (`SymlinkRefused`)."""
+    path = error_file(run_dir, attempt, local_rank)
+    fd = open_dir_below(run_dir, path.parent.relative_to(run_dir), create=True)
+    try:
+        os.unlink(path.name, dir_fd=fd)
+    except OSError:  # nothing there (or a directory: torch's open fails on it, and says so)
+        pass
+    finally:
+        os.close(fd)
+    return path

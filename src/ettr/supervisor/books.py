@@ -11,9 +11,8 @@ A node of a multi-node job other than node 0 `join`s the books instead of openin
 writes node marks (`ettr.supervisor.peers`), never the job's own events.
 
 A supervisor killed with SIGKILL leaves its last attempt without ATTEMPT_END. `ettr report` closes such a job in
-memory at the last thing the ledger saw; a supervisor started again on the same run directory (a requeued job)
-first writes the missing ATTEMPT_END, at the last event of that attempt, so the books it continues are closed on
-disk too.
+memory at the last thing the ledger saw; a supervisor started again on the same run directory (a requeued job) first
+writes the missing ATTEMPT_END, at the last event of that attempt, so the books it continues are closed on disk too.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ __all__ = ["JobBooks", "closing_events", "live_supervisor", "next_attempt"]
 logger = logging.getLogger("ettr")
 
 _PATIENT_KINDS = frozenset({EventKind.ATTEMPT_END, EventKind.JOB_END})
-"""Retried for up to `RunConfig.end_retry_s`: without them a completed job reads as failed."""
+"""Retried for `RunConfig.end_retry_s` once per outage (not 60 s each): without them a completed job reads as failed."""
 
 
 class JobBooks:
@@ -74,6 +73,7 @@ class JobBooks:
         self.family = family
         self._ledger = ledger
         self._node_rank: int | None = None  # set by `join`: this node writes node marks only
+        self._end_retry_s = config.end_retry_s  # the next end event's patience: 0 after one gave up
 
     # -- opening -----------------------------------------------------------------------------------------
     def _connect(self) -> list[Event]:
@@ -252,19 +252,18 @@ class JobBooks:
         self.append(EventKind.MARK, attempt=attempt, ts=ts, name=SIGNALLED_MARK, signal=signal_name(signum))
 
     def append(self, kind: EventKind, /, *, attempt: int = 0, ts: float | None = None, **data: Any) -> None:
-        """Record one of the job's events. The end events (ATTEMPT_END, JOB_END) are retried for up to
-        `end_retry_s` (a full disk, a locked ledger). A node that joined the books records its attempt's start
-        and end as node marks and nothing else. Never raises."""
+        """Record one of the job's events, the end events patiently (`_PATIENT_KINDS`: a full disk, a locked ledger).
+        A node that joined the books records its attempt's start and end as node marks only. Never raises."""
         event = Event(kind, time.time() if ts is None else ts, attempt, SUPERVISOR_RANK, data=data or None)
         if self._node_rank is not None:
             self._append_node_part(event)
             return
         patient = kind in _PATIENT_KINDS
-        deadline = time.monotonic() + (self.config.end_retry_s if patient else 0.0)
-        pause_s = 0.1
+        deadline, pause_s = time.monotonic() + (self._end_retry_s if patient else 0.0), 0.1
         while True:
             try:
                 self._writer().append([event])
+                self._end_retry_s = self.config.end_retry_s
                 return
             except Exception as exc:  # the job matters more than its books
                 if time.monotonic() + pause_s > deadline:
@@ -272,8 +271,9 @@ class JobBooks:
                     if patient:
                         say(
                             f"could not record {kind.value} of attempt {attempt} in {self.run_dir} "
-                            f"({cause}); gave up after {self.config.end_retry_s:g} s"
+                            f"({cause}); gave up after {self._end_retry_s:g} s"
                         )
+                        self._end_retry_s = 0.0
                     else:
                         logger.warning("ettr: could not record %s (%s)", kind.value, cause)
                     return

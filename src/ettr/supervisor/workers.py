@@ -34,7 +34,6 @@ from ettr.supervisor.standby import Standby, no_standby_reason
 from ettr.supervisor.standby_group import StandbyGroup, start_zygote, with_zygote
 from ettr.supervisor.watch_events import Continued, Exited, Exiting
 from ettr.supervisor.zygote import Zygote
-from ettr.untrusted import make_dirs_below
 
 if TYPE_CHECKING:
     from ettr.supervisor.attempt import Attempt, AttemptEvent, AttemptPlan
@@ -302,8 +301,7 @@ class WorkerGroupKind:
         self._attempt = 0  # the last attempt started
 
     def _env(self, plan: AttemptPlan, rank: int, port: int) -> dict[str, str]:
-        error_file = agent.error_file(self._run_dir, plan.attempt, rank)
-        make_dirs_below(self._run_dir, error_file.parent)  # never through a symlinked agent/
+        error_file = agent.fresh_error_file(self._run_dir, plan.attempt, rank)
         env = agent.worker_env(
             self.spec,
             plan.launch.env,
