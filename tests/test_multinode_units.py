@@ -152,7 +152,9 @@ def test_a_job_slurm_requeued_is_not_told_to_be_continued_by_hand() -> None:
     env = {"SLURM_JOB_ID": "42"}
     line = slurm.queued_again(env, show=lambda job: shown)
     assert line == "Slurm requeued job 42 (Restarts=1, JobState=PENDING): it runs again from the queue"
-    assert slurm.queued_again({**env, "SLURM_RESTART_COUNT": "1"}, show=lambda job: shown) is None  # as it began
+    assert (
+        slurm.queued_again({**env, "SLURM_RESTART_COUNT": "1"}, show=lambda job: shown) is None
+    )  # as it began
     assert slurm.queued_again({**env, "SLURM_RESTART_COUNT": "0"}, show=lambda job: shown) is not None
     assert slurm.queued_again(env, show=lambda job: "") is None  # scontrol could not say: the hint stays
     assert slurm.queued_again({}, show=lambda job: shown) is None  # not inside Slurm
