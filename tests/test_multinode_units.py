@@ -144,6 +144,23 @@ def test_slurm_warning_becomes_sigterm_and_restart_count_is_cross_checked() -> N
     assert not slurm.in_step({"SLURM_JOB_ID": "42"})  # the batch script: `B:USR1` reaches it alone
 
 
+def test_a_job_slurm_requeued_is_not_told_to_be_continued_by_hand() -> None:
+    # Field trial (Lightning's bug_report_model, `--signal=USR1@T` through srun): Lightning's own handler ran
+    # `scontrol requeue`, Slurm's SIGTERM stopped the job, and `ettr run` said "to continue it (a requeue):
+    # ettr run ...": a second copy beside the run Slurm starts anyway.
+    shown = "JobId=42 JobName=x JobState=PENDING Reason=BeginTime Restarts=1 BatchFlag=1"
+    env = {"SLURM_JOB_ID": "42"}
+    line = slurm.queued_again(env, show=lambda job: shown)
+    assert line == "Slurm requeued job 42 (Restarts=1, JobState=PENDING): it runs again from the queue"
+    assert (
+        slurm.queued_again({**env, "SLURM_RESTART_COUNT": "1"}, show=lambda job: shown) is None
+    )  # as it began
+    assert slurm.queued_again({**env, "SLURM_RESTART_COUNT": "0"}, show=lambda job: shown) is not None
+    assert slurm.queued_again(env, show=lambda job: "") is None  # scontrol could not say: the hint stays
+    assert slurm.queued_again({}, show=lambda job: shown) is None  # not inside Slurm
+    assert slurm.queued_again(env, show=lambda job: "Restarts=x") is None
+
+
 def test_a_requeue_slurm_did_already_is_not_said_to_have_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -143,3 +143,39 @@ def test_rank_0_killed_before_its_save_begin_was_written_is_found_by_the_other_r
         Event(EventKind.PHASE_BEGIN, 30, 1, 1, Phase.RESTORE, data={"path": own}),
     ]
     assert torn_checkpoint_hints(events) == []
+
+
+def _requeued_job(resumed_from: int | None) -> list[Event]:
+    """Attempt 0 commits step 10's checkpoint and is preempted at step 12; the requeued attempt 1 resumes from
+    `resumed_from` (None: it started over) and completes step 20."""
+    from ettr.events import SUPERVISOR_RANK
+
+    def sup(kind: EventKind, ts: float, attempt: int, **data: object) -> Event:
+        return Event(kind, ts, attempt, SUPERVISOR_RANK, data=data or None)
+
+    path = f"{OUT}/epoch=9-step=10.ckpt"
+    events = [sup(EventKind.SUPERVISOR_START, 0, 0), sup(EventKind.ATTEMPT_START, 1, 0, pid=1000)]
+    events += [Event(EventKind.STEP, 2 + n, 0, 0, step=n) for n in range(1, 13)]
+    events.append(Event(EventKind.CHECKPOINT_COMMIT, 12.5, 0, 0, step=10, data={"path": path}))
+    events.append(sup(EventKind.ATTEMPT_END, 15, 0, outcome="preempted", exit_code=0))
+    events += [sup(EventKind.SUPERVISOR_START, 20, 1), sup(EventKind.ATTEMPT_START, 21, 1, pid=1001)]
+    events.append(Event(EventKind.RESUMED, 22, 1, 0, step=resumed_from))
+    first = (resumed_from or 0) + 1
+    events += [Event(EventKind.STEP, 23 + i, 1, 0, step=n) for i, n in enumerate(range(first, 21))]
+    events += [sup(EventKind.ATTEMPT_END, 50, 1, outcome="completed", exit_code=0)]
+    return [*events, sup(EventKind.JOB_END, 51, 1, exit_status=0)]
+
+
+def test_a_requeued_attempt_that_started_over_past_a_committed_checkpoint_is_named() -> None:
+    # Field trial: Lightning's bug_report_model under sbatch without --ntasks. Lightning did not take the job
+    # for a Slurm one, its auto-requeue saved no hpc checkpoint, and the requeued run started over from step
+    # 0 past its ModelCheckpoint's step 2661: the report said only "(restored from) nothing".
+    from ettr.accounting import compute
+    from ettr.report.hints import started_over_hints
+
+    events = _requeued_job(None)
+    [hint] = started_over_hints(events, compute(events, 52.0, supervisor_alive=False))
+    assert hint.startswith("attempt 1 started over from step 0 although attempt 0 had committed a checkpoint")
+    assert f"of step 10 ({OUT}/epoch=9-step=10.ckpt)" in hint and "SLURM_NTASKS" in hint
+    resumed = _requeued_job(10)
+    assert started_over_hints(resumed, compute(resumed, 52.0, supervisor_alive=False)) == []

@@ -143,6 +143,8 @@ def test_a_requeued_batch_job_keeps_one_report(slurm_cluster: Any, tmp_path: Pat
     _wait(lambda: _state(slurm_cluster, job) == "COMPLETED", 120, f"job {job} completed")
     out = (tmp_path / "slurm.out").read_text()
     assert "continuing job" in out and "SLURM_RESTART_COUNT" not in out  # Slurm and the ledger agree
+    # Slurm runs it again: no hint to continue it by hand (a second copy beside Slurm's).
+    assert "to continue it" not in out and f"Slurm requeued job {job} (Restarts=1" in out
     _check_one_report(_report(tmp_path / "run"), job, pended)
 
 

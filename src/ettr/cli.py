@@ -281,9 +281,11 @@ def _report(args: argparse.Namespace) -> int:
         print(json.dumps(payload if several else payload[0], indent=2))
     elif len(reports) == 1:
         print(render(reports[0]))
-        from ettr.report.hints import no_step_hints, torn_checkpoint_hints
+        from ettr.report.hints import no_step_hints, started_over_hints, torn_checkpoint_hints
 
-        for hint in (*no_step_hints(loaded[0][0], reports[0]), *torn_checkpoint_hints(loaded[0][0])):
+        events = loaded[0][0]
+        hints = (*no_step_hints(events, reports[0]), *torn_checkpoint_hints(events))
+        for hint in (*hints, *started_over_hints(events, reports[0])):
             print(f"\nnote: {hint}")
         from ettr.report.audit import render as render_audit
 

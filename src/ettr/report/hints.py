@@ -1,11 +1,13 @@
 """What to do next when a report has nothing to show: a job that recorded no training step says why it might
-not have (one line each), instead of a silent "ETT 0.0% | idle 100.0%"."""
+not have (one line each), instead of a silent "ETT 0.0% | idle 100.0%"; a restore of a torn checkpoint; a
+restart that started over although a checkpoint had committed."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from ettr.accounting import EttReport, unrecorded_pids
+from ettr.accounting.ttr import NOTHING_RESTORED
 from ettr.events import Event, EventKind, Phase
 
 
@@ -135,5 +137,31 @@ def torn_checkpoint_hints(events: Sequence[Event]) -> list[str]:
             f"{who} restored {path}, whose save{at} in attempt {save.attempt} never completed (the process ended "
             f"mid-save): its files may be partial{last}. If the restore fails the same way each attempt, move "
             "the torn checkpoint aside and requeue"
+        )
+    return lines
+
+
+def started_over_hints(events: Sequence[Event], report: EttReport) -> list[str]:
+    """A line for each recovered attempt that started over (restored nothing: `NOTHING_RESTORED`) although an
+    earlier attempt had committed a checkpoint of a later step than 0: the script resumes from none of its
+    own checkpoints, and each restart costs every step before it. Field trial: Lightning's bug_report_model
+    under `sbatch` without `--ntasks`: Lightning does not take the job for a Slurm one (no `SLURM_NTASKS`),
+    so its auto-requeue saved no `hpc_ckpt_N.ckpt`; its ModelCheckpoint had committed step 2661, and the
+    requeued run started over from step 0."""
+    commits = [e for e in events if e.kind is EventKind.CHECKPOINT_COMMIT and e.step]
+    lines = []
+    for parts in report.ttr_parts:
+        earlier = [c for c in commits if c.attempt < parts.recovered_attempt]
+        if parts.restored_from != NOTHING_RESTORED or not earlier:
+            continue
+        last = max(earlier, key=lambda c: (c.step or 0, c.ts))
+        path = last.data.get("path") if last.data else None
+        where = f" ({path})" if isinstance(path, str) and path else ""
+        lines.append(
+            f"attempt {parts.recovered_attempt} started over from step 0 although attempt {last.attempt} had "
+            f"committed a checkpoint of step {last.step}{where}: the script resumed from none of its checkpoints. "
+            "Make it resume from its latest one (Lightning: `fit(ckpt_path=...)`; Lightning's Slurm "
+            "auto-requeue saves and restores `hpc_ckpt_N.ckpt` only where Lightning sees a Slurm job: "
+            "`SLURM_NTASKS` set: `#SBATCH --ntasks=1` or srun; and where its SIGUSR1 handler completes, docs/slurm.md)"
         )
     return lines

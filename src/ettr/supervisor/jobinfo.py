@@ -97,7 +97,8 @@ def slurm_start_time(text: str | None, *, now: float) -> float | None:
     return value
 
 
-def _scontrol(job_id: str) -> str:
+def show_job(job_id: str) -> str:
+    """`scontrol show job -o JOB_ID`'s one line, or "" (no scontrol, it failed or timed out: 5 s)."""
     exe = shutil.which("scontrol")
     if exe is None:
         return ""
@@ -116,7 +117,7 @@ def job_times(
     submitted_at: float | None,
     allocated_at: float | None,
     environ: Mapping[str, str] | None = None,
-    scontrol: Callable[[str], str] = _scontrol,
+    scontrol: Callable[[str], str] = show_job,
 ) -> JobTimes:
     """The flags' times, completed from Slurm where a flag was not given."""
     environ = os.environ if environ is None else environ

@@ -14,11 +14,12 @@ import logging
 import shutil
 import signal
 import subprocess
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from ettr.events import SUPERVISOR_RANK, Event, EventKind
 from ettr.procs import signal_pids, topmost_handlers
+from ettr.supervisor.jobinfo import show_job
 
 logger = logging.getLogger("ettr")
 
@@ -78,6 +79,28 @@ def requeue(environ: Mapping[str, str], *, timeout_s: float = 10.0) -> Requeue:
             )
         return Requeue(f"scontrol requeue {job} failed: {said}", False)
     return Requeue(f"asked Slurm to requeue job {job} (scontrol requeue)", True)
+
+
+def queued_again(environ: Mapping[str, str], *, show: Callable[[str], str] = show_job) -> str | None:
+    """One line when Slurm has requeued this job since this run of it began, else None.
+
+    A requeue (`scontrol requeue`, a preemption, the job's own handler: Lightning's auto-requeue) raises the
+    job's `Restarts` before Slurm's SIGTERM reaches the job, so a run that stops on that SIGTERM sees it
+    above its own `SLURM_RESTART_COUNT` (unset in a job's first run): Slurm runs the job again, and a "to
+    continue it" hint (run this by hand) would start a second copy beside it. None outside Slurm, or when
+    `scontrol` cannot say (the hint stays)."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    fields = dict(t.split("=", 1) for t in show(job).split() if "=" in t)
+    try:
+        now, ours = int(fields.get("Restarts", "")), int(environ.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        return None
+    if now <= ours:
+        return None
+    state = fields.get("JobState", "?")
+    return f"Slurm requeued job {job} (Restarts={now}, JobState={state}): it runs again from the queue"
 
 
 def earlier_runs(events: Sequence[Event]) -> int:

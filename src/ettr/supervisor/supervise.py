@@ -272,6 +272,10 @@ class Supervisor:
                 if requeue.queued:  # Slurm runs it again: a hint to continue it by hand would be noise
                     return
         if status in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+            requeued = slurm.queued_again(os.environ)
+            if requeued is not None:  # Slurm runs it again: a hint to continue it by hand would be a 2nd copy
+                say(requeued)
+                return
             say(f"to continue it (a requeue): {self._continue_command()}")
 
     def _continue_command(self) -> str:
