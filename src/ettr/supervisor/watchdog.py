@@ -3,8 +3,7 @@
 Signs of life are the newest event a training process of the attempt wrote to the ledger (the recorder writes
 at least every 0.5 s while there is something to write), the training-thread heartbeats of `ettr.heartbeat`
 and their pulses. All come from the training thread's own activity, so a process whose helper threads are
-fine while its training thread is stuck is still caught. A time that cannot be the attempt's
-(`CLOCK_SKEW_S` before its start, or after now) is no sign of life.
+fine while its training thread is stuck is still caught. A time that cannot be the attempt's is none.
 
 The bound follows the job (`HangBounds.bound`, from the pulses: `JobProgress`):
 - before the job's steps settle (the first `min_intervals` step intervals): the start-up bound (with
@@ -40,8 +39,7 @@ ActivityProbe = Callable[[], "float | None"]
 
 CLOCK_SKEW_S = 60.0
 """A sign of life dated more than this before the attempt's start or after now is not the attempt's (another
-job's spill file, a damaged row, a host whose clock is far off): it neither arms the watchdog nor keeps the
-attempt alive."""
+job's spill file, a damaged row, a far-off clock): it neither arms the watchdog nor keeps the attempt alive."""
 
 STARTUP = "start-up"
 """The name of the start-up bound (before the job's steps settle)."""
@@ -79,8 +77,7 @@ class HangBounds:
     """How long an attempt may be silent, by what it is doing (see the module docstring)."""
 
     override_s: float | None = None
-    """`--hang-timeout`: the bound once steps run, from the first step on (instead of the multiple of the step
-    time, which waits for the steps to settle), and the least bound of start-up and every phase."""
+    """`--hang-timeout`: the bound from the first step on (no step time needed), and the least of every other."""
     default_s: float = 300.0
     """The start-up and phase bound unless the books teach a longer one."""
     step_multiple: float = 10.0
@@ -106,19 +103,14 @@ class HangBounds:
         if progress.phases:
             name = max(progress.phases, key=self._long)
             return self._long(name), f"the bound of phase {name}"
-        if self.override_s is not None and (progress.settled or progress.stepped):
-            # The user's bound needs no step time: it holds from the first step on. Waiting for the steps to
-            # settle gave a job of few slow steps (pytorch/examples' FSDP2 example: 10 steps) hung at step 5
-            # the 300 s start-up bound under --hang-timeout 15.
+        if self.override_s is not None and (progress.settled or progress.stepped):  # needs no step time
             return self.override_s, "--hang-timeout"
         if not progress.settled or progress.step_s is None:
             return self._long(STARTUP), "the start-up bound"
         steps_s = self.step_multiple * progress.step_s
         if steps_s <= self.floor_s:
-            return (
-                self.floor_s,
-                f"the floor of the step bound ({self.step_multiple:g} x {progress.step_s:.3g} s)",
-            )
+            why = f"the floor of the step bound ({self.step_multiple:g} x {progress.step_s:.3g} s)"
+            return self.floor_s, why
         return steps_s, f"{self.step_multiple:g} x the step time of {progress.step_s:.3g} s"
 
 
