@@ -355,7 +355,7 @@ def recovery_kind(failed: AttemptMilestones, recovered: AttemptMilestones, *, re
     if requeued:
         return "requeue"
     path = (recovered.relaunch or {}).get("path")
-    return "warm_restart" if path in ("warm", "promoted", "forked") else "cold_restart"
+    return "warm_restart" if path in ("warm", "promoted", "forked", "spare") else "cold_restart"
 
 
 def recovery_parts(

@@ -20,16 +20,25 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import replace
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ettr.run_env import exited_path, failed_exit_path, trained_modules
-from ettr.supervisor import agent, gone, inplace, standby, warm_memo
+from ettr.run_env import (
+    ATTEMPT_ENV,
+    ATTEMPT_STARTED_ENV,
+    exited_path,
+    failed_exit_path,
+    has_trained,
+    trained_modules,
+)
+from ettr.supervisor import agent, gone, inplace, spares, standby, warm_memo
 from ettr.supervisor.inplace import InPlace, InPlaceCheck
 from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
+from ettr.supervisor.spares import Spares
 from ettr.supervisor.standby import Standby, no_standby_reason
 from ettr.supervisor.standby_group import StandbyGroup, start_zygote, with_zygote
 from ettr.supervisor.watch_events import Continued, Exited, Exiting
@@ -39,6 +48,8 @@ from ettr.untrusted import make_dirs_below
 if TYPE_CHECKING:
     from ettr.supervisor.attempt import Attempt, AttemptEvent, AttemptPlan
 
+_SPARES_LOOK_EVERY_S = 1.0
+"""How often a running group looks whether a spare died (`ettr.supervisor.spares`)."""
 FLUSH_WINDOW_S = 0.6
 """After a worker failed, how long the others may still run: a Recorder writes its events within 0.5 s."""
 
@@ -84,6 +95,9 @@ class WorkerGroup:
         """A failure the attempt goes on from in place (its other workers keep running)."""
         self._continued_told = False
         self._gone: list[AttemptProcess] = []  # replaced workers, whose stderr is still collected
+        self.spares: Spares | None = None
+        """The agent's spares while this group runs: one that died meanwhile is forgotten (`poll`)."""
+        self._spares_looked_at = 0.0
 
     def exiting(self) -> bool:
         """Whether every worker still running has done its Python-level exit (only the interpreter's
@@ -147,7 +161,9 @@ class WorkerGroup:
 
     def describe(self) -> str:
         num_warm = sum(self.warm)
-        where = "forked from the zygote" if self.relaunch.path == "forked" else "in warm standbys"
+        where = {"forked": "forked from the zygote", "spare": "from a parked spare"}.get(
+            self.relaunch.path, "in warm standbys"
+        )
         warm = f", {num_warm} {where}" if num_warm else ""
         return f"{len(self.procs)} worker(s), pids {', '.join(map(str, self.pids))}{warm}"
 
@@ -170,6 +186,9 @@ class WorkerGroup:
             return self._returncode
         codes = [p.poll() for p in self.procs]
         now = time.time()
+        if self.spares is not None and now - self._spares_looked_at >= _SPARES_LOOK_EVERY_S:
+            self._spares_looked_at = now
+            self.spares.forget_dead()  # a spare that died while it waited is no failure: reaped, forgotten
         if self.continued is not None:
             return None  # the runner books it and replaces the dead (`continue_as`); nothing is torn down
         if self.failed_rank is None:
@@ -300,10 +319,13 @@ class WorkerGroupKind:
         self._inplace_tried = False  # made at the first start: a kind that starts nothing leaves nothing
         self._zygote: Zygote | None = None  # the node's warm process source (`ettr.supervisor.zygote`)
         self._attempt = 0  # the last attempt started
+        self._spares = Spares(run_dir)  # per local rank, for the next in-place recovery (`ettr.supervisor.spares`)
+        self._running: tuple[WorkerGroup, AttemptPlan] | None = None  # the group and attempt that run now
 
-    def _env(self, plan: AttemptPlan, rank: int, port: int) -> dict[str, str]:
+    def _env(self, plan: AttemptPlan, rank: int, port: int, *, make_dirs: bool = True) -> dict[str, str]:
         error_file = agent.error_file(self._run_dir, plan.attempt, rank)
-        make_dirs_below(self._run_dir, error_file.parent)  # never through a symlinked agent/
+        if make_dirs:
+            make_dirs_below(self._run_dir, error_file.parent)  # never through a symlinked agent/
         env = agent.worker_env(
             self.spec,
             plan.launch.env,
@@ -320,6 +342,7 @@ class WorkerGroupKind:
     def start(self, plan: AttemptPlan) -> WorkerGroup:
         """The attempt's workers, forked from the zygote (made at the first attempt) or in the warm standbys
         where they fit. Raises OSError."""
+        self._spares.end_all()  # a process restart: the spares were for an in-place recovery that did not come
         first = not self._inplace_tried
         if first:
             self._inplace_tried = True
@@ -345,6 +368,7 @@ class WorkerGroupKind:
         )
         if self._inplace_env is not None:
             group.inplace = InPlaceCheck(self._run_dir, plan.attempt)
+        group.spares, self._running = self._spares, (group, plan)
         return group
 
     def continue_in_place(self, running: Attempt, plan: AttemptPlan) -> WorkerGroup:
@@ -359,12 +383,18 @@ class WorkerGroupKind:
         (argvs, envs), self._standbys = self._workers, with_zygote(self._standbys, self._zygote)
         for rank in dead:
             envs[rank] = env = self._env(plan, rank, self._port)
+            spare, spare_why = self._spares.take(rank, plan.attempt, env)
+            if spare is not None:
+                replacements[rank], paths = spare, [*paths, Relaunch(path="spare", why=spare_why)]
+                continue
             if self._standbys is not None:
                 process, how, promoted = self._standbys.take_rank(rank, argvs[rank], env)
                 waiting += [(f"rank {rank}", promoted)] if promoted is not None else []
             else:
                 process = AttemptProcess(argvs[rank], env)
                 how = Relaunch(path="cold", why=no_standby_reason(None, env))
+            if spare_why != "no spare":
+                how = Relaunch(path=how.path, why=f"{how.why}; not the spare: {spare_why}")
             replacements[rank], paths = process, [*paths, how]
         if running.notice is not None:  # an earlier attempt's: its standbys run or are gone
             running.notice.stop()
@@ -375,13 +405,15 @@ class WorkerGroupKind:
         running.warm = [warm.get(rank, False) for rank in range(len(running.procs))]  # not the survivors'
         inplace.announce(self._run_dir, plan.attempt, sorted(replacements))
         running.relaunch = Relaunch.in_place(sorted(replacements), paths)
+        self._spares.end_all()  # the others were for this attempt too: new ones come once it has trained
+        self._running = (running, plan)
         return running
 
     def prepare_next(self, *, warm_modules: Sequence[str] = ()) -> list[int]:
         served = with_zygote(self._standbys, self._zygote)
         if served is not None and served.zygote is not None:  # a fork away: no standby warms up meanwhile
             self._standbys = served
-            return []
+            return self._fork_spares(served.zygote)
         argvs, envs, per_attempt = *self._workers, agent.PER_ATTEMPT_NAMES
         if argvs and self._standbys is not None and standby.enabled():
             return self._standbys.fill(argvs, envs, per_attempt=per_attempt, warm_modules=warm_modules)
@@ -390,7 +422,27 @@ class WorkerGroupKind:
         self._standbys = StandbyGroup.start(argvs, envs, per_attempt=per_attempt, warm_modules=warm_modules)
         return [] if self._standbys is None else self._standbys.pids
 
+    def _fork_spares(self, zygote: Zygote) -> list[int]:
+        """A spare per local rank for the attempt after the one running, where its workers all joined it in
+        place (they run `ettr.resilient`) and spares are on (`ettr.supervisor.spares`). Their pids."""
+        if self._running is None or self._inplace_env is None or not spares.enabled():
+            return []
+        group, plan = self._running
+        if group.inplace is None or not has_trained(self._run_dir, plan.attempt):
+            return []
+        if not all(group.inplace.joined(pid) for pid in group.pids):
+            return []  # a worker outside `ettr.resilient`: no in-place recovery to be ready for
+        nxt = replace(plan, attempt=plan.attempt + 1, restarts_done=plan.restarts_done + 1)
+        envs = []
+        for rank in range(self.spec.nproc):
+            env = self._env(nxt, rank, self._port, make_dirs=False)  # the next attempt's, as it will be
+            env[ATTEMPT_ENV] = str(nxt.attempt)
+            env.pop(ATTEMPT_STARTED_ENV, None)
+            envs.append(env)
+        return self._spares.fork(zygote, nxt.attempt, self._workers[0], envs)
+
     def discard(self) -> None:
+        self._spares.end_all()
         # What the last attempt had imported by its first step, for this script's next job on this node.
         warm_memo.remember(*self._workers, trained_modules(self._run_dir, self._attempt))
         ready, self._standbys = self._standbys, None
