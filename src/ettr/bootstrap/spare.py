@@ -46,11 +46,18 @@ def park() -> bool:
     ended (exits). Elsewhere: False at once."""
     if not is_held():
         return False
+    from ettr.run_env import spare_parked_path
+
     fifo = str(_state["fifo"])
     _import_ahead()
     parked_at = time.time()
     _say_parked(fifo, parked_at)
     message = _wait(fifo)
+    for path in (fifo, spare_parked_path(fifo)):  # its own hints, read: nobody looks for them again
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     if message is None:
         for stream in (sys.stdout, sys.stderr):
             try:

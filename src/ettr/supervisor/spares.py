@@ -111,6 +111,10 @@ class Spare:
         except Exception as exc:  # noqa: BLE001 - ending a spare never fails the job
             logger.debug("ettr: ending spare %d: %s", self.pid, exc)
         containment.keep(self.pid, False)
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """Remove its FIFO and parked marker (it has ended, or has been promoted and read its message)."""
         for path in (self.fifo, spare_parked_path(self.fifo)):
             try:
                 path.unlink()
@@ -189,7 +193,7 @@ class Spares:
         if failed is not None:
             spare.end()
             return None, f"the spare {failed}"
-        containment.keep(spare.pid, False)  # a worker of the attempt from now on
+        containment.keep(spare.pid, False)  # a worker of the attempt from now on (it removes its files)
         now = time.time()
         if parked_at is not None:
             return spare.process, f"spare parked {now - parked_at:.1f} s (forked {now - spare.forked_at:.1f} s before)"
