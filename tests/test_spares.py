@@ -97,13 +97,21 @@ def test_a_spare_whose_agent_closes_the_fifo_exits_without_writing_anything(tmp_
     assert not (tmp_path / "atexit").exists()
 
 
-def test_a_held_recorder_writes_nothing_until_released(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_held_recorder_writes_nothing_until_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import ettr.runtime as runtime
     from ettr.events import EventKind
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    env = {"ETTR_RUN_DIR": str(run_dir), "ETTR_JOB_ID": "j", "ETTR_ATTEMPT": "2", "RANK": "1", "WORLD_SIZE": "2"}
+    env = {
+        "ETTR_RUN_DIR": str(run_dir),
+        "ETTR_JOB_ID": "j",
+        "ETTR_ATTEMPT": "2",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+    }
     for name, value in {**env, SPARE_ENV: "x"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(runtime, "_default", None)
@@ -157,7 +165,9 @@ class _Job:
         self.dir, self.run_dir, self.go = tmp_path, tmp_path / "run", tmp_path / "go"
         self.tag = f"spares-{os.getpid()}-{tmp_path.name}"
         environ = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
-        environ.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(tmp_path / "memory"), SPARES_TEST_TAG=self.tag)
+        environ.update(
+            OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(tmp_path / "memory"), SPARES_TEST_TAG=self.tag
+        )
         environ.update(env or {})
         command = [
             sys.executable, "-m", "ettr", "run", "--run-dir", str(self.run_dir), "--",
@@ -177,7 +187,9 @@ class _Job:
             found = {}
             for path in spares_dir(self.run_dir).glob("*.parked"):
                 try:
-                    found[int(path.name.split("-rank-")[1].split("-")[0])] = json.loads(path.read_text())["pid"]
+                    found[int(path.name.split("-rank-")[1].split("-")[0])] = json.loads(path.read_text())[
+                        "pid"
+                    ]
                 except (OSError, ValueError, KeyError, IndexError):
                     continue
             if len(found) >= num:
@@ -259,7 +271,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.slow
-def test_a_rank_killed_after_its_spare_parked_is_replaced_by_that_spare(tmp_path: Path, uninterrupted: str) -> None:
+def test_a_rank_killed_after_its_spare_parked_is_replaced_by_that_spare(
+    tmp_path: Path, uninterrupted: str
+) -> None:
     """The replacement is the spare (its pid: started before the failure), nothing of it is in the books
     before its promotion, the spare of the rank that lived is ended, the final state is an uninterrupted
     run's, and nothing is left when the job ends."""
@@ -294,7 +308,9 @@ def test_a_rank_killed_after_its_spare_parked_is_replaced_by_that_spare(tmp_path
 
 
 @pytest.mark.slow
-def test_spares_end_at_a_process_restart_and_a_spare_that_dies_while_parked_is_no_failure(tmp_path: Path) -> None:
+def test_spares_end_at_a_process_restart_and_a_spare_that_dies_while_parked_is_no_failure(
+    tmp_path: Path,
+) -> None:
     """Both ranks SIGKILLed at once (no survivor: a process restart): the spares are gone before the restarted
     attempt trains. Its own spares are forked once it trained; one SIGKILLed while parked is forgotten: the
     job completes with that one failure only, and leaves nothing behind."""

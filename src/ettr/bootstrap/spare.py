@@ -147,7 +147,7 @@ def _promote(message: dict[str, Any], parked_at: float) -> None:
     from ettr.run_env import SPARE_ENV, SPARE_LATE_NAMES
 
     env = message.get("env")
-    for name, value in (env.items() if isinstance(env, dict) else ()):
+    for name, value in env.items() if isinstance(env, dict) else ():
         if name in SPARE_LATE_NAMES and isinstance(value, str):
             os.environ[name] = value
     os.environ.pop(SPARE_ENV, None)
@@ -155,7 +155,8 @@ def _promote(message: dict[str, Any], parked_at: float) -> None:
     if not isinstance(promoted_at, (int, float)) or isinstance(promoted_at, bool):
         promoted_at = time.time()
     _state["held"] = False
-    mark, fields = _state.get("origin") or ("spare", {})
+    origin: tuple[str, dict[str, float]] = _state.get("origin") or ("spare", {})
+    mark, fields = origin
     from ettr.bootstrap.start import promote_spare
 
     promote_spare(

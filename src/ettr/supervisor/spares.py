@@ -139,7 +139,9 @@ class Spares:
     def of_rank(self, rank: int) -> Spare | None:
         return self._by_rank.get(rank)
 
-    def fork(self, zygote: Zygote, attempt: int, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]]) -> list[int]:
+    def fork(
+        self, zygote: Zygote, attempt: int, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]]
+    ) -> list[int]:
         """A spare of attempt `attempt` for each local rank `envs` names (its environment: that attempt's as it
         will be, but `SPARE_LATE_NAMES`), forked from `zygote`; those it already has are ended first. The pids
         of those forked (none where the zygote cannot fork them)."""
@@ -176,7 +178,9 @@ class Spares:
             return None
         containment.keep(process.pid)  # no attempt's sweep takes it: it is the next attempt's, if any
         nicer = nicer_scheduling(process.pid, SPARE_NICE)
-        return Spare(rank=rank, attempt=attempt, process=process, env=env, fifo=fifo, write_fd=write_fd, nicer=nicer)
+        return Spare(
+            rank=rank, attempt=attempt, process=process, env=env, fifo=fifo, write_fd=write_fd, nicer=nicer
+        )
 
     def take(self, rank: int, attempt: int, env: Mapping[str, str]) -> tuple[AttemptProcess | None, str]:
         """The spare of `rank` promoted into attempt `attempt` (worker environment `env`), and why; or None
@@ -196,7 +200,10 @@ class Spares:
         containment.keep(spare.pid, False)  # a worker of the attempt from now on (it removes its files)
         now = time.time()
         if parked_at is not None:
-            return spare.process, f"spare parked {now - parked_at:.1f} s (forked {now - spare.forked_at:.1f} s before)"
+            return (
+                spare.process,
+                f"spare parked {now - parked_at:.1f} s (forked {now - spare.forked_at:.1f} s before)",
+            )
         return spare.process, (
             f"spare not parked yet (forked {now - spare.forked_at:.1f} s before): promoted to normal priority, "
             "it finishes the script's start-up"

@@ -179,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the fault waits until the process has trained this long",
     )
     parser.add_argument("--fail-when", default=None, help="the fault waits until this file exists too")
-    parser.add_argument("--pause-at", type=int, default=-1, help="every rank waits for --fail-when after this step")
+    parser.add_argument(
+        "--pause-at", type=int, default=-1, help="every rank waits for --fail-when after this step"
+    )
     parser.add_argument("--fail-wait-max-s", type=float, default=120.0, help="the longest --fail-when waits")
     parser.add_argument(
         "--memory-copy", action=argparse.BooleanOptionalAction, default=True, help="restore from memory"
