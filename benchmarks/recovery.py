@@ -18,7 +18,10 @@ The rank fails once it has trained `--fail-after-s` (default 15 s; the first 25 
 and, under `ettr run`, once the supervisor's standbys are warm (at most `--standby-wait-max-s`, default 120 s):
 a job that trained a while, as one that fails after hours has its standbys ready (on a busy machine their
 warm-up at idle priority takes longer than 15 s; `standbys_warm_s` says when they were). `relaunch_paths`
-says how each replacement started (`warm`, or `promoted`: a standby still warming).
+says how each replacement started (`warm`, or `promoted`: a standby still warming; `forked` from the zygote;
+`spare`: a spare that had parked). Under ettr's agent the in-place job's fault also waits for its spares to
+park (one per rank, `agent/spares/*.parked`); `ETTR_SPARES=0` in this benchmark's environment turns the
+trials' spares off.
 A recovery succeeded when the command exited 0, trained to the last step after the fault, and both ranks end
 with the parameters of an uninterrupted run (`bad_resumes` counts the others). TTR is measured the same way
 for all, from the job's own timestamps: the fault to the first step completed after the post-fault restore,
