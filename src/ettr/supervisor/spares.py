@@ -97,13 +97,20 @@ class Spare:
         normal_priority(self.pid, list(self.process.known_tree()))  # a loader worker it forked meanwhile
         return None
 
-    def end(self) -> None:
-        """SIGKILL it and its descendants, reap them, remove its files; never raises."""
+    def kill(self) -> None:
+        """SIGKILL it and its descendants (`end` reaps them); never raises."""
         if self.write_fd >= 0:
             close_quietly(self.write_fd)
             self.write_fd = -1
         try:
             self.process.signal_tree(signal.SIGKILL)
+        except Exception as exc:  # noqa: BLE001 - ending a spare never fails the job
+            logger.debug("ettr: killing spare %d: %s", self.pid, exc)
+
+    def end(self) -> None:
+        """SIGKILL it and its descendants, reap them, remove its files; never raises."""
+        self.kill()
+        try:
             self.process.wait(5.0)
             tree = [(pid, ticks) for pid, ticks in self.process.known_tree().items() if pid != self.pid]
             containment.kill_all(tree)  # its loader workers, re-parented here as it died: reaped
@@ -129,6 +136,7 @@ class Spares:
         self._run_dir = run_dir
         self._by_rank: dict[int, Spare] = {}
         self._serial = 0
+        self._ending: list[Spare] = []  # SIGKILLed, not reaped yet (`end_all(wait=False)`)
         self.forgotten: list[tuple[int, int, int | None]] = []
         """(rank, pid, exit status) of spares that died before they were used."""
 
@@ -224,7 +232,11 @@ class Spares:
         return None
 
     def forget_dead(self) -> None:
-        """Forget (and reap) spares that died while they waited: no failure of the job; never raises."""
+        """Forget (and reap) spares that died while they waited: no failure of the job; never raises. Those
+        ended without waiting are reaped once gone."""
+        for spare in [s for s in self._ending if s.process.poll() is not None]:
+            self._ending.remove(spare)
+            spare.end()
         for rank, spare in list(self._by_rank.items()):
             code = spare.process.poll()
             if code is not None:
@@ -233,9 +245,15 @@ class Spares:
                 logger.debug("ettr: spare %d of rank %d ended (status %s): forgotten", spare.pid, rank, code)
                 spare.end()
 
-    def end_all(self) -> None:
+    def end_all(self, *, wait: bool = True) -> None:
         """End every spare (a process restart, the job's end, or the attempt they were for started without
-        them); never raises."""
-        spares, self._by_rank = list(self._by_rank.values()), {}
+        them); never raises. `wait=False` (an in-place recovery, which the supervisor goes on to watch): each is
+        SIGKILLed now and reaped at the next look (`forget_dead`) or end."""
+        spares, self._by_rank = [*self._ending, *self._by_rank.values()], {}
+        self._ending = []
         for spare in spares:
-            spare.end()
+            if wait:
+                spare.end()
+            else:
+                spare.kill()
+                self._ending.append(spare)

@@ -139,7 +139,7 @@ class WorkerGroupKind:
         running.warm = [warm.get(rank, False) for rank in range(len(running.procs))]  # not the survivors'
         inplace.announce(self._run_dir, plan.attempt, sorted(replacements))
         running.relaunch = Relaunch.in_place(sorted(replacements), paths)
-        self._spares.end_all()  # the others were for this attempt too: new ones come once it has trained
+        self._spares.end_all(wait=False)  # the others were for this attempt too: new ones once it trained
         self._running = (running, plan)
         return running
 
