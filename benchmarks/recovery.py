@@ -18,7 +18,10 @@ The rank fails once it has trained `--fail-after-s` (default 15 s; the first 25 
 and, under `ettr run`, once the supervisor's standbys are warm (at most `--standby-wait-max-s`, default 120 s):
 a job that trained a while, as one that fails after hours has its standbys ready (on a busy machine their
 warm-up at idle priority takes longer than 15 s; `standbys_warm_s` says when they were). `relaunch_paths`
-says how each replacement started (`warm`, or `promoted`: a standby still warming).
+says how each replacement started (`warm`, or `promoted`: a standby still warming; `forked` from the zygote;
+`spare`: a spare that had parked). Under ettr's agent the in-place job's fault also waits for its spares to
+park (one per rank, `agent/spares/*.parked`); `ETTR_SPARES=0` in this benchmark's environment turns the
+trials' spares off.
 A recovery succeeded when the command exited 0, trained to the last step after the fault, and both ranks end
 with the parameters of an uninterrupted run (`bad_resumes` counts the others). TTR is measured the same way
 for all, from the job's own timestamps: the fault to the first step completed after the post-fault restore,
@@ -167,6 +170,8 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
     work = Path(tempfile.mkdtemp(prefix=f"ettr-recovery-{launcher}-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
     env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(work / "memory"))
+    if not _spares_on():
+        env["ETTR_SPARES"] = "0"
     started = time.monotonic()
     # A session of its own: a trial that times out is ended with every process it started (torchrun's
     # workers outlive their agent's SIGKILL otherwise).
@@ -179,7 +184,8 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
             start_new_session=True,
         )
     waits = launcher.startswith("ettr") and args.standby_wait_max_s > 0
-    watch = _StandbyWatch(proc.pid, work / STANDBYS_WARM) if waits else None
+    spares = work / "run" / "agent" / "spares" if launcher == "ettr_inplace" and _spares_on() else None
+    watch = _StandbyWatch(proc.pid, work / STANDBYS_WARM, spares=spares) if waits else None
     try:
         proc.wait(timeout=args.timeout_s)
         rc: int | None = proc.returncode
@@ -225,9 +231,9 @@ class _StandbyWatch(threading.Thread):
     for it (`--fail-when`), as a job that trained a while has its standbys ready: the figures are those of a
     failure after the warm-up, not of one that races it (that path, `promoted`, is in docs/supervisor.md)."""
 
-    def __init__(self, parent: int, flag: Path, ranks: int = 2) -> None:
+    def __init__(self, parent: int, flag: Path, ranks: int = 2, *, spares: Path | None = None) -> None:
         super().__init__(name="standby-watch", daemon=True)
-        self.parent, self.flag, self.ranks = parent, flag, ranks
+        self.parent, self.flag, self.ranks, self.spares = parent, flag, ranks, spares
         self.done = threading.Event()
         self.warm_at: float | None = None
         self.start()
@@ -236,10 +242,18 @@ class _StandbyWatch(threading.Thread):
         while not self.done.wait(0.1):
             found = _standbys(self.parent)
             ready = len(found) >= self.ranks and all(_reading(*s) for s in found)
+            if self.spares is not None and len(list(self.spares.glob("*.parked"))) < self.ranks:
+                continue  # an in-place job under ettr's agent: its spares park once it has trained
             if _READ_SYSCALL is None or ready or _zygote_waits(self.parent):
                 self.warm_at = time.monotonic()
                 self.flag.touch()
                 return
+
+
+def _spares_on() -> bool:
+    """Whether ettr's agent forks spares for the in-place trials (`ETTR_SPARES=0` in this benchmark's
+    environment: no; the trials' own environment drops every other `ETTR_` name)."""
+    return os.environ.get("ETTR_SPARES", "").strip() != "0"
 
 
 def _standbys(parent: int, module: bytes = b"ettr.bootstrap.standby") -> list[tuple[int, int]]:

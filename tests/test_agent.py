@@ -251,7 +251,7 @@ def test_the_supervisor_says_once_why_it_keeps_the_real_torchrun(monkeypatch, ca
     from ettr.supervisor.attempt import CommandKind
     from ettr.supervisor.config import RunConfig
     from ettr.supervisor.supervise import kind_for
-    from ettr.supervisor.workers import WorkerGroupKind
+    from ettr.supervisor.worker_kind import WorkerGroupKind
 
     multi = kind_for(RunConfig(command=(*RUN, "--nnodes", "1", "--tee", "3", "t.py")), tmp_path)
     assert isinstance(multi, CommandKind)
@@ -443,7 +443,7 @@ def test_a_worker_kind_that_starts_nothing_leaves_nothing_in_shared_memory(
 ) -> None:
     """The in-place store is made at the first start (under a supervisor, which removes it at the job's
     end), not when the kind is made: a kind only inspected leaked a directory into /dev/shm."""
-    from ettr.supervisor.workers import WorkerGroupKind
+    from ettr.supervisor.worker_kind import WorkerGroupKind
 
     monkeypatch.setenv("ETTR_MEMORY_DIR", str(tmp_path / "shm"))
     spec = WorkerSpec(nproc=2, argv=(sys.executable, "t.py"))
@@ -566,7 +566,9 @@ def test_an_in_place_attempt_counts_only_the_workers_it_started_warm(tmp_path: P
     from types import SimpleNamespace
 
     from ettr.supervisor.inplace import InPlaceCheck
-    from ettr.supervisor.workers import WorkerGroup, WorkerGroupKind
+    from ettr.supervisor.spares import Spares
+    from ettr.supervisor.worker_kind import WorkerGroupKind
+    from ettr.supervisor.workers import WorkerGroup
 
     kept = [KeptWorker(90), KeptWorker(91)]
     group = WorkerGroup(kept, warm=[True, True], flush_s=0.0, teardown_grace_s=60.0)
@@ -577,6 +579,7 @@ def test_an_in_place_attempt_counts_only_the_workers_it_started_warm(tmp_path: P
     kind = object.__new__(WorkerGroupKind)  # the parts `continue_in_place` uses, no standbys: a cold start
     kind._workers = ([[sys.executable, "-c", "pass"]] * 2, [{}, {}])
     kind._standbys, kind._zygote, kind._port, kind._run_dir = None, None, 0, tmp_path
+    kind._spares = Spares(tmp_path)
     kind._env = lambda plan, rank, port: {"PATH": os.environ.get("PATH", "")}
     kind.continue_in_place(group, SimpleNamespace(attempt=1))
     try:

@@ -348,7 +348,9 @@ def test_kills_during_an_in_place_recovery_never_change_the_final_state(tmp_path
 # -- under ettr run: ettr's agent books the restart in place and replaces a dead rank ----------------------------
 def _ettr_run(tmp_path: Path, *job_args: str, timeout_s: float = 600) -> Any:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
-    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(tmp_path / "memory"))
+    # No spares (tests/test_spares.py has them): the dead rank's replacement is forked at the failure, and
+    # every process that runs the script is a worker of an attempt (the log's "start" lines count them).
+    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(tmp_path / "memory"), ETTR_SPARES="0")
     command = [
         sys.executable, "-m", "ettr", "run", "--run-dir", str(tmp_path / "run"), "--",
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -391,6 +393,8 @@ def test_under_ettr_run_a_failed_rank_is_recovered_in_place_and_booked_so(
     if fault == "raise":
         assert "attempt 0 failed: rank 1 raised an exception: RuntimeError: injected failure" in proc.stderr
     assert not any((tmp_path / "memory").iterdir())  # copies and the in-place store removed at the job's end
+    assert [p["relaunch_path"] for p in report["ttr_parts"]] == ["forked" if fault == "kill" else "warm"]
+    assert not (tmp_path / "run" / "agent" / "spares").exists()  # ETTR_SPARES=0: none forked
 
 
 @pytest.mark.slow
@@ -403,7 +407,8 @@ def test_under_ettr_run_a_second_kill_while_the_group_re_forms_still_ends_bit_id
     trained: a process restart; after: in place again), the job completes bit-identical, and the
     books name the rank that died in the in-place attempt (the survivor recorded no start in it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
-    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(tmp_path / "memory"))
+    # No spares: the replacement must start after the fault (the test kills it as it re-forms the group)
+    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(tmp_path / "memory"), ETTR_SPARES="0")
     log = tmp_path / "log.jsonl"
     command = [
         sys.executable, "-m", "ettr", "run", "--run-dir", str(tmp_path / "run"), "--",

@@ -158,7 +158,8 @@ def test_survivors_waiting_for_a_promoted_in_place_replacement_are_told_so(
     from ettr.supervisor.attempt import AttemptPlan
     from ettr.supervisor.inplace import InPlace
     from ettr.supervisor.launch import AttemptLaunch
-    from ettr.supervisor.workers import WorkerGroup, WorkerGroupKind
+    from ettr.supervisor.worker_kind import WorkerGroupKind
+    from ettr.supervisor.workers import WorkerGroup
 
     warm_file = tmp_path / "warm"
     standby, _ = _stand_in(tmp_path, warm_file=str(warm_file), idle=False)

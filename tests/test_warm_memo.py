@@ -26,7 +26,7 @@ def envs(tmp_path: Path) -> list[dict[str, str]]:
 def test_what_the_last_attempt_imported_is_remembered_for_the_scripts_next_job(tmp_path, envs, monkeypatch):
     from ettr.run_env import trained_path
     from ettr.supervisor import agent, standby_group, zygote
-    from ettr.supervisor.workers import WorkerGroupKind
+    from ettr.supervisor.worker_kind import WorkerGroupKind
 
     run_dir = tmp_path / "run"
     marker = trained_path(run_dir, 2, 42)

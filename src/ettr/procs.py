@@ -435,6 +435,47 @@ def normal_scheduling(pid: int) -> bool:
     return not left
 
 
+def nicer_scheduling(pid: int, nice: int) -> bool:
+    """Make process `pid` (every task it has now; threads and children it starts later inherit it) `nice`
+    nicer, only where it may come back to nice 0 afterwards (`normal_priority`): tried both ways first, as
+    `idle_scheduling` does (privilege, CAP_SYS_NICE or RLIMIT_NICE decide it). Its autogroup too where it
+    leads its session. Unlike SCHED_IDLE, a nice process still gets a share of a busy CPU. Whether it is
+    nicer now; never raises."""
+    if not hasattr(os, "setpriority"):
+        return False
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+        os.setpriority(os.PRIO_PROCESS, pid, 0)  # the way back must work, or it stays at 0
+        for tid in tasks(pid):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        normal_priority(pid)
+        return False
+    set_autogroup_nice(pid, nice)
+    return True
+
+
+def normal_priority(pid: int, others: Collection[int] = ()) -> bool:
+    """Every task of process `pid` and of `others` (its descendants) back to nice 0, and its autogroup (twice
+    over the task lists: a thread started meanwhile inherits the old value). Whether none is left nicer;
+    never raises."""
+    if not hasattr(os, "setpriority"):
+        return True
+    set_autogroup_nice(pid, 0)
+    left = False
+    for _ in range(2):
+        left = False
+        for tid in [t for p in (pid, *others) for t in tasks(p)]:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+                    os.setpriority(os.PRIO_PROCESS, tid, 0)
+            except ProcessLookupError:
+                continue
+            except OSError:
+                left = True
+    return not left
+
+
 def tasks(pid: int) -> list[int]:
     """The thread ids (tasks) of process `pid`, from /proc; `[pid]` where they cannot be listed (Linux keeps
     scheduling settings such as nice and the policy per task)."""

@@ -762,3 +762,38 @@ def inplace_failed_path(run_dir: str | os.PathLike[str], attempt: int, pid: int)
     """Written by worker `pid` whose training failed in `attempt` while the process lives on (an exception
     the wrapper caught): JSON {"rank", "error"}; the agent restarts the job in place as after a death."""
     return agent_dir(run_dir, attempt) / f"inplace-failed-pid-{pid}"
+
+
+# -- spares (`ettr.supervisor.spares`): a replacement per local rank, parked before the in-place wrapper -----------
+SPARES_ENV = "ETTR_SPARES"
+"""`0` in the supervisor's environment: ettr's agent forks no spares (an in-place recovery forks its
+replacement from the zygote at the failure, as before)."""
+SPARE_ENV = "ETTR_SPARE"
+"""In a spare's environment only: the FIFO it is promoted through (`spare_fifo_path`). A process that has it
+records nothing (no events, heartbeat, markers or faults) until it is promoted (`ettr.bootstrap.spare`)."""
+SPARE_MESSAGE_MAX_BYTES = 1 << 16
+"""The most a spare reads of its promotion message."""
+
+
+def spares_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """Where ettr's agent and its spares leave their files (not in an attempt's `agent_dir`: a spare is no
+    process of an attempt until it is promoted)."""
+    return Path(run_dir) / AGENT_DIRNAME / "spares"
+
+
+def spare_fifo_path(run_dir: str | os.PathLike[str], attempt: int, local_rank: int, serial: int) -> Path:
+    """The FIFO the spare of `local_rank` for `attempt` waits on (the agent's `serial`-th spare of the run): the
+    agent writes one JSON line to promote it ({"env": {the attempt's late names}, "promoted_at": TS}); EOF
+    without it (the agent is gone) ends it."""
+    return spares_dir(run_dir) / f"attempt-{attempt}-rank-{local_rank}-{serial}.fifo"
+
+
+def spare_parked_path(fifo: str | os.PathLike[str]) -> Path:
+    """Written by the spare of `fifo` once it parked (it ran the script up to `ettr.resilient`'s first
+    rendezvous): its pid and when it parked, JSON."""
+    return Path(os.fspath(fifo)[: -len(".fifo")] + ".parked")
+
+
+SPARE_LATE_NAMES = frozenset({ATTEMPT_STARTED_ENV})
+"""The names of a spare's attempt known only when the attempt starts: the agent sends them at the promotion
+(every other name of its environment must equal the attempt's, or the spare is not used)."""

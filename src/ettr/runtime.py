@@ -18,7 +18,7 @@ from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.ledger import Ledger, LedgerError, open_ledger
 from ettr.procs import process_start_time
 from ettr.recorder import NullRecorder, Recorder, host_name
-from ettr.run_env import RankEnv, RunEnv
+from ettr.run_env import SPARE_ENV, RankEnv, RunEnv
 
 logger = logging.getLogger("ettr")
 
@@ -44,6 +44,17 @@ def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
     if run_env is None:
         return NullRecorder()
     ranks = RankEnv.from_environ(environ)
+    if (os.environ if environ is None else environ).get(SPARE_ENV):
+        # A spare (`ettr.bootstrap.spare`) records nothing until it is promoted: a recorder without a ledger,
+        # which `release_held_recorder` opens then. Its listeners hear what the script records meanwhile.
+        return Recorder(
+            None,
+            run_dir=run_env.run_dir,
+            job_id=run_env.job_id,
+            attempt=run_env.attempt,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+        )
     try:
         ledger = open_process_ledger(run_env)
     except (LedgerError, OSError, UsageError) as exc:
@@ -87,6 +98,21 @@ def get_recorder() -> Recorder:
                 _default.install_process_hooks()
             rec = _default
     return rec
+
+
+def release_held_recorder() -> None:
+    """In a spare just promoted: the default recorder the script made while it was held (if any) records from
+    now on, through a ledger of its own, as the attempt's (its PROCESS_START now: `process_start_time`). The
+    script's references to it stay good. Raises what opening the ledger raises."""
+    rec = _default
+    run_env = RunEnv.from_environ()
+    if rec is None or rec.enabled or type(rec) is not Recorder or run_env is None or rec.run_dir is None:
+        return
+    ranks = RankEnv.from_environ()
+    rec.attempt = run_env.attempt
+    rec.reopen_in_child(open_process_ledger(run_env), rank=ranks.rank, world_size=ranks.world_size)
+    rec.install_process_hooks()
+    record_process_start(rec, ranks.local_rank, supervisor_pid=run_env.supervisor_pid)
 
 
 def set_recorder(rec: Recorder | None) -> None:

@@ -19,7 +19,7 @@ part, so the parts always add up to the whole):
                    rendezvous, e.g. torchrun's agent; in a warm standby, the rest of its warm-up); of each
                    rank, the process that trained (`_own_process_start`: a Python program instrumented as
                    rank 0 before it launched the ranks is the launcher's start-up). Which
-                   path ran and why (`relaunch_path`, `relaunch_why`: warm | promoted | cold) comes from
+                   path ran and why (`relaunch_path`, `relaunch_why`: warm | promoted | cold | forked | spare) comes from
                    the supervisor's `relaunch` MARK of the next attempt
     imports        -> the `imports_done` MARK of the reference rank's process (interpreter, site, `import torch`,
                    ettr's bootstrap); 0 when not recorded (its time then falls into the parts after it)
@@ -355,7 +355,7 @@ def recovery_kind(failed: AttemptMilestones, recovered: AttemptMilestones, *, re
     if requeued:
         return "requeue"
     path = (recovered.relaunch or {}).get("path")
-    return "warm_restart" if path in ("warm", "promoted", "forked") else "cold_restart"
+    return "warm_restart" if path in ("warm", "promoted", "forked", "spare") else "cold_restart"
 
 
 def recovery_parts(

@@ -193,8 +193,13 @@ def run_request(request: dict, started_at: float, mark: str, **fields: float) ->
         # The attempt's process starts now, at the hand-over, not when this process was spawned.
         ettr.runtime.process_start_time = lambda: started_at
         start()
-        ettr.runtime.get_recorder().mark(mark, **fields, pid=os.getpid())
-        if mark == "zygote":
+        from ettr.bootstrap.spare import is_held, note_origin
+
+        if is_held():  # a spare: nothing recorded until it is promoted, which says this too
+            note_origin(mark, fields)
+        else:
+            ettr.runtime.get_recorder().mark(mark, **fields, pid=os.getpid())
+        if mark == "zygote" and not is_held():
             # A forked worker trains within a fraction of a second (a cold start imports for seconds while its
             # recorder writes): its start is in the books before a stop signal can end it unwritten.
             ettr.runtime.get_recorder().flush(1.0)

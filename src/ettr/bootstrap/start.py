@@ -89,6 +89,11 @@ def start(environ: MutableMapping[str, str] | None = None, *, argv: Sequence[str
         return
     if not is_training_process(environ, os.getpid()):
         return
+    from ettr.run_env import SPARE_ENV
+
+    if environ.get(SPARE_ENV):
+        _hold(environ)  # a spare: nothing is recorded until it is promoted (`promote_spare`)
+        return
     try:
         _start(environ)
     except Exception as exc:
@@ -200,7 +205,7 @@ def _start(environ: Mapping[str, str]) -> None:
     from ettr.runtime import get_recorder
 
     run_env = RunEnv.from_environ(environ)
-    if run_env is not None and run_env.launcher is Launcher.TORCHRUN:
+    if run_env is not None and run_env.launcher is Launcher.TORCHRUN and not _started.get("exit_marked"):
         _mark_failed_exit_last(run_env)
     rec = get_recorder()  # records PROCESS_START
     _started["recorder"] = rec
@@ -463,6 +468,10 @@ def _mark_failed_exit_last(run_env: RunEnv) -> None:
     import atexit
 
     def mark() -> None:
+        from ettr.bootstrap.spare import is_held
+
+        if is_held():
+            return  # a spare ended before its promotion: it was no process of any attempt
         uncaught = bool(_started.get("uncaught"))
         try:
             from ettr.atomic import create_exclusive
@@ -485,6 +494,7 @@ def _mark_failed_exit_last(run_env: RunEnv) -> None:
             os._exit(1)
 
     atexit.register(mark)
+    _started["exit_marked"] = True
 
 
 def _watch_frameworks(hooks: Any) -> None:
@@ -579,3 +589,39 @@ def continue_attempt(attempt: int) -> None:
             _start_injector(rec, run_env)
     except Exception as exc:
         logger.warning("ettr: could not move this process's books to attempt %d (%s)", attempt, exc)
+
+
+def _hold(environ: MutableMapping[str, str]) -> None:
+    """A spare's start (`ettr.bootstrap.spare`): its children (loader workers) are not instrumented, and the
+    exit marker is registered first (so that it runs last, as `_start` has it) but writes nothing while the
+    spare is held. Nothing else: no recorder, heartbeat, step tail, injector, hooks. Never raises."""
+    from ettr.bootstrap import spare
+    from ettr.run_env import INSTRUMENTED_ENV, INSTRUMENTED_WORLD_ENV, SPARE_ENV, Launcher, RankEnv, RunEnv
+
+    try:
+        spare.hold(environ[SPARE_ENV])
+        os.environ[INSTRUMENTED_ENV] = str(os.getpid())
+        os.environ[INSTRUMENTED_WORLD_ENV] = str(RankEnv.from_environ(os.environ).world_size)
+        run_env = RunEnv.from_environ(environ)
+        if run_env is not None and run_env.launcher is Launcher.TORCHRUN:
+            _mark_failed_exit_last(run_env)
+    except Exception as exc:
+        logger.warning("ettr: spare set-up failed (%s: %s)", type(exc).__name__, exc)
+
+
+def promote_spare(started_at: float, fields: Mapping[str, Any]) -> None:
+    """A spare promoted into its attempt (`ettr.bootstrap.spare`): it starts now, as a process of the attempt
+    (its PROCESS_START at `started_at`): the recorder the script made while it was held records from here
+    on, then the bootstrap instruments it as at any start, and its `spare` MARK says where it came from
+    (`fields`: when it was forked, parked, promoted). Never raises."""
+    try:
+        import ettr.runtime
+
+        ettr.runtime.process_start_time = lambda: started_at
+        ettr.runtime.release_held_recorder()
+        _start(os.environ)
+        rec = ettr.runtime.get_recorder()
+        rec.mark("spare", **fields, pid=os.getpid())
+        rec.flush(1.0)  # its start is in the books before a stop signal can end it unwritten
+    except Exception as exc:
+        logger.warning("ettr: bootstrap of the promoted spare failed (%s: %s)", type(exc).__name__, exc)

@@ -53,7 +53,8 @@ TECHNIQUES = (
         name="start-up not repeated",
         mechanism=(
             "sharding plan computed once and read back; the crash recovered in place (the other rank keeps "
-            "its process), its replacement forked warm from the agent's zygote (imports done once, ahead)"
+            "its process), its replacement a spare forked from the agent's zygote that ran the script's start-up "
+            "(loader workers) ahead"
         ),
         buckets=(Bucket.INIT,),
     ),
@@ -81,7 +82,7 @@ TECHNIQUES = (
         name="relaunch",
         mechanism=(
             "failure -> next attempt: torchrun relaunched cold vs ettr's agent going on in place, the crashed "
-            "rank's replacement forked from its zygote"
+            "rank's parked spare promoted"
         ),
         buckets=(Bucket.RESTART, Bucket.OTHER, Bucket.SCHEDULING, Bucket.HARDWARE_SETUP),
     ),

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ettr import torch_compat
+from ettr.bootstrap.spare import is_held, park
 from ettr.events import Phase
 from ettr.inplace import rendezvous
 from ettr.inplace.config import InPlaceConfig
@@ -108,6 +109,10 @@ class _Runner:
         self.run_env = RunEnv.from_environ()
 
     def run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        if is_held():  # a spare of ettr's agent: what needs no group is done before it parks
+            import_before_first_group()
+        if park():  # a spare promoted just now: its attempt's environment is complete now
+            self.run_env = RunEnv.from_environ()
         supervised = self.run_env is not None and self.run_env.supervisor_pid is not None
         if supervised and os.environ.get(INPLACE_ENV) != "1":
             return self._once(fn, args, kwargs)

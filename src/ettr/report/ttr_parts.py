@@ -23,7 +23,7 @@ RESTORED_FROM_ROW = "  (restored from)"
 """The row saying where each recovery's ranks restored from: memory | peer | storage (`+` where they
 differed; `nothing`: the attempt started over, resuming from no step; `?`: it resumed, from where unknown)."""
 RELAUNCH_PATH_ROW = "  (relaunch path)"
-"""The row saying how each relaunch started its process(es): warm | promoted | cold (why: below the text
+"""The row saying how each relaunch started its process(es): warm | promoted | cold | forked | spare (why: below the text
 table, in the HTML cell's title)."""
 TTS_MEASURES = "allocation (else supervisor start, else wall start) -> training start of the first attempt"
 TTR_MEASURES = "the failed attempt's end (failure detected, its processes gone) -> training start of the next"

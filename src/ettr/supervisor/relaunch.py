@@ -1,5 +1,5 @@
 """How an attempt's process was started, and what the console says while it waits: `Relaunch` (path warm |
-promoted | cold | forked and why, recorded in the supervisor's `relaunch` MARK; the TTR's relaunch part shows it) and
+promoted | cold | forked | spare and why, recorded in the supervisor's `relaunch` MARK; the TTR's relaunch part shows it) and
 `WarmUpNotice` (an attempt waiting more than a second for a promoted standby says so). The standbys
 themselves are `ettr.supervisor.standby`.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from ettr.supervisor.standby import Standby
 
-RelaunchPath = Literal["warm", "promoted", "cold", "forked"]
+RelaunchPath = Literal["warm", "promoted", "cold", "forked", "spare"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +26,8 @@ class Relaunch:
     path: RelaunchPath
     """`warm`: a standby that had done its warm-up took the attempt; `promoted`: a standby still warming,
     promoted to normal priority, took it; `cold`: a new process; `forked`: forked, warm, from the agent's
-    zygote (`ettr.supervisor.zygote`)."""
+    zygote (`ettr.supervisor.zygote`); `spare`: an in-place replacement that had run the script's start-up
+    ahead, parked, and was promoted (`ettr.supervisor.spares`)."""
     why: str
     """In a few words: why this path."""
     ranks: tuple[tuple[int, RelaunchPath, str], ...] = ()
@@ -42,7 +43,7 @@ class Relaunch:
     def of_ranks(cls, ranks: Sequence[Relaunch]) -> Relaunch:
         """One relaunch of several ranks: the slowest path among them (a job trains once all ranks do), why
         as the first such rank says it, with the ranks that took it (each rank's own in `ranks`)."""
-        order: tuple[RelaunchPath, ...] = ("cold", "promoted", "warm", "forked")
+        order: tuple[RelaunchPath, ...] = ("cold", "promoted", "warm", "forked", "spare")
         path = next(p for p in order if any(r.path == p for r in ranks))
         took = [i for i, r in enumerate(ranks) if r.path == path]
         why = ranks[took[0]].why

@@ -36,6 +36,7 @@ STARTING = {
     "cold": "cold start: interpreter, imports, model build, restore",
     "warm": "in a warm standby: the script's own start-up, model build, restore",
     "forked": "forked warm from the agent's zygote: the script's own start-up, model build, restore",
+    "spare": "a spare that had run the script's start-up ahead: rejoining the process group, model build, restore",
     "promoted": "in a standby promoted from its warm-up: the rest of its imports, model build, restore",
     "in_place": "restart in place: rejoining the process group, restore",
 }

@@ -48,7 +48,7 @@ from ettr.supervisor.policy import Decision, EndedAttempt, RestartPolicy, restar
 from ettr.supervisor.process import open_standard_fds
 from ettr.supervisor.runner import AttemptParts, AttemptRunner
 from ettr.supervisor.signals import SupervisorSignals
-from ettr.supervisor.workers import WorkerGroupKind
+from ettr.supervisor.worker_kind import WorkerGroupKind
 
 
 def _check_command(command: tuple[str, ...]) -> None:

@@ -11,9 +11,10 @@ then and SIGKILLs its interpreter teardown (seconds under load); its status then
 (preemption) goes to every worker and the group then sends no SIGTERM of its own (a rank saving on SIGTERM is
 not interrupted by a second one). Exit status: 0 when every worker exited 0, else the failed worker's.
 
-`StandbyGroup` (`ettr.supervisor.standby_group`) is one `Standby` per local rank. `WorkerGroupKind` (an
-`ettr.supervisor.attempt.AttemptKind`) starts each attempt's `WorkerGroup` of the torchrun command's workers
-(`ettr.supervisor.agent.WorkerSpec`) in the `StandbyGroup` it prepared while the attempt before trained.
+`StandbyGroup` (`ettr.supervisor.standby_group`) is one `Standby` per local rank. `WorkerGroupKind`
+(`ettr.supervisor.worker_kind`, an `ettr.supervisor.attempt.AttemptKind`) starts each attempt's `WorkerGroup`
+of the torchrun command's workers (`ettr.supervisor.agent.WorkerSpec`): forked from the agent's zygote, or in
+the `StandbyGroup` it prepared while the attempt before trained.
 """
 
 from __future__ import annotations
@@ -24,20 +25,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ettr.run_env import exited_path, failed_exit_path, trained_modules
-from ettr.supervisor import agent, gone, inplace, standby, warm_memo
+from ettr.run_env import exited_path, failed_exit_path
+from ettr.supervisor import gone
 from ettr.supervisor.inplace import InPlace, InPlaceCheck
-from ettr.supervisor.launch import free_port
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.relaunch import Relaunch, WarmUpNotice
-from ettr.supervisor.standby import Standby, no_standby_reason
-from ettr.supervisor.standby_group import StandbyGroup, start_zygote, with_zygote
+from ettr.supervisor.standby import no_standby_reason
 from ettr.supervisor.watch_events import Continued, Exited, Exiting
-from ettr.supervisor.zygote import Zygote
 
 if TYPE_CHECKING:
-    from ettr.supervisor.attempt import Attempt, AttemptEvent, AttemptPlan
+    from ettr.supervisor.attempt import AttemptEvent
+    from ettr.supervisor.spares import Spares
+    from ettr.supervisor.standby_group import StandbyGroup
 
+_SPARES_LOOK_EVERY_S = 1.0
+"""How often a running group looks whether a spare died (`ettr.supervisor.spares`)."""
 FLUSH_WINDOW_S = 0.6
 """After a worker failed, how long the others may still run: a Recorder writes its events within 0.5 s."""
 
@@ -83,6 +85,9 @@ class WorkerGroup:
         """A failure the attempt goes on from in place (its other workers keep running)."""
         self._continued_told = False
         self._gone: list[AttemptProcess] = []  # replaced workers, whose stderr is still collected
+        self.spares: Spares | None = None
+        """The agent's spares while this group runs: one that died meanwhile is forgotten (`poll`)."""
+        self._spares_looked_at = 0.0
 
     def exiting(self) -> bool:
         """Whether every worker still running has done its Python-level exit (only the interpreter's
@@ -146,7 +151,9 @@ class WorkerGroup:
 
     def describe(self) -> str:
         num_warm = sum(self.warm)
-        where = "forked from the zygote" if self.relaunch.path == "forked" else "in warm standbys"
+        where = {"forked": "forked from the zygote", "spare": "from a parked spare"}.get(
+            self.relaunch.path, "in warm standbys"
+        )
         warm = f", {num_warm} {where}" if num_warm else ""
         return f"{len(self.procs)} worker(s), pids {', '.join(map(str, self.pids))}{warm}"
 
@@ -169,6 +176,9 @@ class WorkerGroup:
             return self._returncode
         codes = [p.poll() for p in self.procs]
         now = time.time()
+        if self.spares is not None and now - self._spares_looked_at >= _SPARES_LOOK_EVERY_S:
+            self._spares_looked_at = now
+            self.spares.forget_dead()  # a spare that died while it waited is no failure: reaped, forgotten
         if self.continued is not None:
             return None  # the runner books it and replaces the dead (`continue_as`); nothing is torn down
         if self.failed_rank is None:
@@ -275,123 +285,3 @@ class WorkerGroup:
         """The failed worker's last stderr lines (rank 0's when none failed)."""
         rank = self.continued.failed_rank if self.continued is not None else self.failed_rank
         return self.procs[rank or 0].stderr_tail(num_lines)
-
-
-class WorkerGroupKind:
-    """The attempts of a single-node static torchrun command, with ettr as its agent (an `AttemptKind`).
-
-    Args:
-        spec: the workers (`ettr.supervisor.agent.parse`).
-        run_dir: where the workers write their error files and exit markers.
-        max_restarts: the job's restarts (TORCHELASTIC_MAX_RESTARTS).
-        teardown_grace_s: after SIGTERM to the other workers of a failed one, how long before SIGKILL.
-    """
-
-    def __init__(
-        self, spec: agent.WorkerSpec, *, run_dir: Path, max_restarts: int, teardown_grace_s: float
-    ) -> None:
-        self.spec, self._run_dir, self._max_restarts = spec, run_dir, max_restarts
-        self._teardown_grace_s = teardown_grace_s
-        self._standbys: StandbyGroup | None = None
-        self._workers: tuple[list[list[str]], list[dict[str, str]]] = ([], [])  # the last attempt's, per rank
-        self._port = 0
-        self._inplace_env: dict[str, str] | None = None  # the workers' in-place variables (None: off)
-        self._inplace_tried = False  # made at the first start: a kind that starts nothing leaves nothing
-        self._zygote: Zygote | None = None  # the node's warm process source (`ettr.supervisor.zygote`)
-        self._attempt = 0  # the last attempt started
-
-    def _env(self, plan: AttemptPlan, rank: int, port: int) -> dict[str, str]:
-        error_file = agent.fresh_error_file(self._run_dir, plan.attempt, rank)
-        env = agent.worker_env(
-            self.spec,
-            plan.launch.env,
-            local_rank=rank,
-            port=port,
-            restart_count=plan.restarts_done,
-            max_restarts=self._max_restarts,
-            error_file=error_file,
-        )
-        if self._inplace_env is not None:
-            env.update(self._inplace_env)
-        return env
-
-    def start(self, plan: AttemptPlan) -> WorkerGroup:
-        """The attempt's workers, forked from the zygote (made at the first attempt) or in the warm standbys
-        where they fit. Raises OSError."""
-        first = not self._inplace_tried
-        if first:
-            self._inplace_tried = True
-            if inplace.enabled():
-                try:
-                    self._inplace_env = inplace.store_env(self._run_dir)
-                except OSError:
-                    self._inplace_env = None
-        self._port = port = plan.port or free_port()
-        argvs = [list(self.spec.argv) for _ in range(self.spec.nproc)]
-        envs = [self._env(plan, rank, port) for rank in range(self.spec.nproc)]
-        self._workers, self._attempt = (argvs, envs), plan.attempt
-        if first:
-            self._zygote = start_zygote(argvs, envs, run_dir=self._run_dir, attempt=plan.attempt)
-        ready, self._standbys = with_zygote(self._standbys, self._zygote), None
-        group = WorkerGroup.start(
-            argvs,
-            envs,
-            standbys=ready,
-            teardown_grace_s=self._teardown_grace_s,
-            run_dir=self._run_dir,
-            attempt=plan.attempt,
-        )
-        if self._inplace_env is not None:
-            group.inplace = InPlaceCheck(self._run_dir, plan.attempt)
-        return group
-
-    def continue_in_place(self, running: Attempt, plan: AttemptPlan) -> WorkerGroup:
-        """Attempt `plan.attempt` goes on in `running`'s workers after a failure they survived: each dead
-        worker is replaced (from its warm standby where it fits), then the survivors are told to join the
-        new attempt (`ettr.supervisor.inplace.announce`). Raises OSError (no replacement could start)."""
-        assert isinstance(running, WorkerGroup) and running.continued is not None
-        dead = running.continued.dead
-        replacements: dict[int, AttemptProcess] = {}
-        paths: list[Relaunch] = []
-        waiting: list[tuple[str, Standby]] = []
-        (argvs, envs), self._standbys = self._workers, with_zygote(self._standbys, self._zygote)
-        for rank in dead:
-            envs[rank] = env = self._env(plan, rank, self._port)
-            if self._standbys is not None:
-                process, how, promoted = self._standbys.take_rank(rank, argvs[rank], env)
-                waiting += [(f"rank {rank}", promoted)] if promoted is not None else []
-            else:
-                process = AttemptProcess(argvs[rank], env)
-                how = Relaunch(path="cold", why=no_standby_reason(None, env))
-            replacements[rank], paths = process, [*paths, how]
-        if running.notice is not None:  # an earlier attempt's: its standbys run or are gone
-            running.notice.stop()
-        running.notice = WarmUpNotice(plan.attempt, waiting)  # survivors wait on a promoted one's warm-up
-        running.notice.start()  # (says nothing without one)
-        running.continue_as(plan.attempt, replacements, self._run_dir)
-        warm = {rank: how.path != "cold" for rank, how in zip(replacements, paths, strict=True)}
-        running.warm = [warm.get(rank, False) for rank in range(len(running.procs))]  # not the survivors'
-        inplace.announce(self._run_dir, plan.attempt, sorted(replacements))
-        running.relaunch = Relaunch.in_place(sorted(replacements), paths)
-        return running
-
-    def prepare_next(self, *, warm_modules: Sequence[str] = ()) -> list[int]:
-        served = with_zygote(self._standbys, self._zygote)
-        if served is not None and served.zygote is not None:  # a fork away: no standby warms up meanwhile
-            self._standbys = served
-            return []
-        argvs, envs, per_attempt = *self._workers, agent.PER_ATTEMPT_NAMES
-        if argvs and self._standbys is not None and standby.enabled():
-            return self._standbys.fill(argvs, envs, per_attempt=per_attempt, warm_modules=warm_modules)
-        if not argvs or self._standbys is not None or not standby.enabled():
-            return []
-        self._standbys = StandbyGroup.start(argvs, envs, per_attempt=per_attempt, warm_modules=warm_modules)
-        return [] if self._standbys is None else self._standbys.pids
-
-    def discard(self) -> None:
-        # What the last attempt had imported by its first step, for this script's next job on this node.
-        warm_memo.remember(*self._workers, trained_modules(self._run_dir, self._attempt))
-        ready, self._standbys = self._standbys, None
-        for made in (ready, self._zygote):
-            if made is not None:
-                made.discard()

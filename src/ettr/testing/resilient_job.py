@@ -4,7 +4,7 @@ and `benchmarks/recovery.py`.
     torchrun --standalone --nproc-per-node 2 -m ettr.testing.resilient_job --ckpt-dir DIR --timings LOG \\
         [--steps 40] [--every 5] [--fault raise|exit|kill] [--fail-at 17] [--fail-rank 1]
         [--no-resilient] [--no-memory-copy] [--hidden 64] [--step-s 0] [--fail-after-s 0]
-        [--fail-when PATH [--fail-wait-max-s 120]]
+        [--fail-when PATH [--fail-wait-max-s 120]] [--pause-at STEP]
 
 Every rank trains the same DDP model on its own shard of a fixed dataset (`ResumableSampler`), saving with
 ettr's `CheckpointManager` every `--every` steps (memory copies on). The fault fires once per job (a marker
@@ -12,7 +12,8 @@ beside the log) on `--fail-rank` right after step `--fail-at`: `raise` (an excep
 `exit` (`os._exit(1)`: the process dies) or `kill` (SIGKILL); with `--fail-after-s` it first waits until the
 process has trained that long (since its first step) (a job that trained a while, whose supervisor's warm standbys are ready),
 and with `--fail-when` until the file PATH exists too (`benchmarks/recovery.py` makes it once the supervisor's
-standbys are warm; at most `--fail-wait-max-s`). `--no-resilient` runs the same training
+standbys are warm; at most `--fail-wait-max-s`); with `--pause-at STEP` every rank waits for that file after
+step STEP (a test acts on the job meanwhile). `--no-resilient` runs the same training
 without the wrapper (the process restart baseline); `--no-memory-copy` restores from storage. Each line of
 `--timings` is JSON: {"ev": "start" | "train" | "step" | "fault" | "restored" | "done", "ts", "pid", "rank",
 "step", ...}; "train" starts a generation (`generation`: its index, -1 without the wrapper), "restored" says
@@ -67,6 +68,17 @@ def _fire(args: argparse.Namespace, rank: int, step: int) -> None:
     if args.fault == "exit":
         os._exit(1)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pause(args: argparse.Namespace) -> None:
+    """Every rank waits after step `--pause-at` until `--fail-when` exists (at most `--fail-wait-max-s`),
+    booked as an evaluation (see `_fire`): a test acts on the job meanwhile (its spares parked)."""
+    import ettr
+
+    deadline = time.monotonic() + args.fail_wait_max_s
+    with ettr.phase(ettr.Phase.EVAL):
+        while not os.path.exists(args.fail_when) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def collective_timeout_s(args: argparse.Namespace) -> float:
@@ -136,6 +148,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace, generation: int 
                 ettr.step(step)
                 log(args.log, ev="step", rank=rank, step=step)
                 _TRAINING["since"] = _TRAINING["since"] or time.time()
+                if step == args.pause_at and args.fail_when is not None:
+                    _pause(args)
                 if args.fault != "none" and rank == args.fail_rank and step == args.fail_at:
                     _fire(args, rank, step)
                 ckpt.after_step(step)
@@ -165,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the fault waits until the process has trained this long",
     )
     parser.add_argument("--fail-when", default=None, help="the fault waits until this file exists too")
+    parser.add_argument(
+        "--pause-at", type=int, default=-1, help="every rank waits for --fail-when after this step"
+    )
     parser.add_argument("--fail-wait-max-s", type=float, default=120.0, help="the longest --fail-when waits")
     parser.add_argument(
         "--memory-copy", action=argparse.BooleanOptionalAction, default=True, help="restore from memory"
