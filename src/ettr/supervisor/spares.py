@@ -251,9 +251,10 @@ class Spares:
         SIGKILLed now and reaped at the next look (`forget_dead`) or end."""
         spares, self._by_rank = [*self._ending, *self._by_rank.values()], {}
         self._ending = []
+        for spare in spares:  # all at once: a SIGKILLed spare takes 0.1-0.4 s to die (its address space)
+            spare.kill()
         for spare in spares:
             if wait:
                 spare.end()
             else:
-                spare.kill()
                 self._ending.append(spare)

@@ -204,6 +204,8 @@ class WorkerGroup:
             self._kill_at = float("inf")
         if any(c is None for c in codes):
             return None
+        if self.spares is not None:  # no worker left to replace: they die while the attempt's end is booked
+            self.spares.end_all(wait=False)
         if self.failed_rank is None:
             self._returncode = 0
         elif self.failed_rank == self._cut_short:
