@@ -44,19 +44,11 @@ def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
     if run_env is None:
         return NullRecorder()
     ranks = RankEnv.from_environ(environ)
-    if (os.environ if environ is None else environ).get(SPARE_ENV):
-        # A spare (`ettr.bootstrap.spare`) records nothing until it is promoted: a recorder without a ledger,
-        # which `release_held_recorder` opens then. Its listeners hear what the script records meanwhile.
-        return Recorder(
-            None,
-            run_dir=run_env.run_dir,
-            job_id=run_env.job_id,
-            attempt=run_env.attempt,
-            rank=ranks.rank,
-            world_size=ranks.world_size,
-        )
+    # A spare (`ettr.bootstrap.spare`) records nothing until it is promoted: a recorder without a ledger, which
+    # `release_held_recorder` opens then. Its listeners hear what the script records meanwhile.
+    held = bool((os.environ if environ is None else environ).get(SPARE_ENV))
     try:
-        ledger = open_process_ledger(run_env)
+        ledger = None if held else open_process_ledger(run_env)
     except (LedgerError, OSError, UsageError) as exc:
         logger.warning("ettr: cannot open the ledger of %s (%s); recording is off", run_env.run_dir, exc)
         return NullRecorder()
@@ -68,7 +60,8 @@ def recorder_from_env(environ: Mapping[str, str] | None = None) -> Recorder:
         rank=ranks.rank,
         world_size=ranks.world_size,
     )
-    record_process_start(rec, ranks.local_rank, supervisor_pid=run_env.supervisor_pid)
+    if not held:
+        record_process_start(rec, ranks.local_rank, supervisor_pid=run_env.supervisor_pid)
     return rec
 
 
