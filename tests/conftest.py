@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -229,3 +232,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             path = item.nodeid.split("::", 1)[0]
             benchmarks = path == "tests/test_benchmarks.py" or path in _SLOW_FILES_WITH_THE_BENCHMARKS
             item.add_marker(pytest.mark.xdist_group("benchmarks" if benchmarks else "slow"))
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_resilient_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final parameters' digest of `ettr.testing.resilient_job` run without a fault under torchrun (2 ranks,
+    its defaults, no ettr): what every recovered run of it must end with (tests/test_inplace.py, test_spares)."""
+    work = tmp_path_factory.mktemp("uninterrupted")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(work / "memory"))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "ettr.testing.resilient_job", "--ckpt-dir", str(work / "ckpt"), "--timings", str(work / "log.jsonl"),
+    ]  # fmt: skip
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (work / "log.jsonl").read_text().splitlines()
+    digests = {json.loads(x)["digest"] for x in lines if '"done"' in x}
+    assert len(digests) == 1
+    return digests.pop()

@@ -274,19 +274,9 @@ def _events_so_far(log: Path) -> list[dict[str, Any]]:
     return found
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
-    work = tmp_path_factory.mktemp("uninterrupted")
-    proc = _torchrun(work, "--fault", "none")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    digests = {e["digest"] for e in _events(work) if e["ev"] == "done"}
-    assert len(digests) == 1
-    return digests.pop()
-
-
 @pytest.mark.slow
 def test_a_rank_that_raises_restarts_in_place_and_ends_bit_identical(
-    tmp_path: Path, uninterrupted: str
+    tmp_path: Path, uninterrupted_resilient_digest: str
 ) -> None:
     proc = _torchrun(tmp_path, "--fault", "raise", "--fail-at", "17")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -298,13 +288,13 @@ def test_a_rank_that_raises_restarts_in_place_and_ends_bit_identical(
         (0, 15, "memory"),
         (1, 15, "memory"),
     ]
-    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted}
+    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted_resilient_digest}
     assert not any((tmp_path / "memory").rglob("*.snap"))  # the completed job removed its copies
 
 
 @pytest.mark.slow
 def test_a_rank_that_dies_without_an_agent_to_replace_it_falls_back_to_a_process_restart(
-    tmp_path: Path, uninterrupted: str
+    tmp_path: Path, uninterrupted_resilient_digest: str
 ) -> None:
     """Nobody replaces the dead rank: its peer gives up after the rendezvous timeout and exits, torchrun
     restarts both, and they restore from memory."""
@@ -321,7 +311,7 @@ def test_a_rank_that_dies_without_an_agent_to_replace_it_falls_back_to_a_process
     # copies of it on both ranks unless the kill came between the commit and rank 1's copy
     assert len(restored) == 2 and len({(e["step"], e["source"]) for e in restored}) == 1
     assert restored[0]["step"] in (10, 15) and restored[0]["source"] in ("memory", "storage")
-    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted}
+    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted_resilient_digest}
 
 
 @pytest.mark.slow
@@ -371,7 +361,7 @@ def _report(run_dir: Path) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill", "raise"])
 def test_under_ettr_run_a_failed_rank_is_recovered_in_place_and_booked_so(
-    tmp_path: Path, uninterrupted: str, fault: str
+    tmp_path: Path, uninterrupted_resilient_digest: str, fault: str
 ) -> None:
     """A SIGKILLed rank is replaced (a new process joins the survivor), a raise is restarted among the same
     processes; either way the surviving process lives on, the books show one failure recovered `in_place`,
@@ -384,7 +374,7 @@ def test_under_ettr_run_a_failed_rank_is_recovered_in_place_and_booked_so(
     assert len(starts) == (3 if fault == "kill" else 2)  # only the dead rank started anew
     survivor = next(e["pid"] for e in starts if e["rank"] == 0)
     assert any(e["ev"] == "done" and e["pid"] == survivor for e in events)
-    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted}
+    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted_resilient_digest}
     report = _report(tmp_path / "run")
     assert report["num_failures"] == 1 and len(report["attempts"]) == 2
     assert [p["kind"] for p in report["ttr_parts"]] == ["in_place"]
@@ -400,7 +390,7 @@ def test_under_ettr_run_a_failed_rank_is_recovered_in_place_and_booked_so(
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["survivor", "replacement"])
 def test_under_ettr_run_a_second_kill_while_the_group_re_forms_still_ends_bit_identical(
-    tmp_path: Path, uninterrupted: str, victim: str
+    tmp_path: Path, uninterrupted_resilient_digest: str, victim: str
 ) -> None:
     """Rank 1 is SIGKILLed; while ettr's agent has its replacement re-form the group with the survivor, the
     survivor (rank 0) or the replacement is SIGKILLed too. Whatever the second kill hits (before attempt 1
@@ -448,7 +438,7 @@ def test_under_ettr_run_a_second_kill_while_the_group_re_forms_still_ends_bit_id
     assert proc.returncode == 0, stderr[-3000:]
     assert "attempt 1 continues in place" in stderr
     events = _events(tmp_path)
-    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted}
+    assert {e["digest"] for e in events if e["ev"] == "done"} == {uninterrupted_resilient_digest}
     assert len([e for e in events if e["ev"] == "done"]) == 2
     report = _report(tmp_path / "run")
     if killed is not None:  # it landed before the job ended: a second failure, booked on its rank

@@ -253,26 +253,9 @@ def _report(run_dir: Path) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
-    work = tmp_path_factory.mktemp("uninterrupted")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
-    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(work / "memory"))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "ettr.testing.resilient_job", "--ckpt-dir", str(work / "ckpt"), "--timings", str(work / "log.jsonl"),
-    ]  # fmt: skip
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = (work / "log.jsonl").read_text().splitlines()
-    digests = {json.loads(x)["digest"] for x in lines if '"done"' in x}
-    assert len(digests) == 1
-    return digests.pop()
-
-
 @pytest.mark.slow
 def test_a_rank_killed_after_its_spare_parked_is_replaced_by_that_spare(
-    tmp_path: Path, uninterrupted: str
+    tmp_path: Path, uninterrupted_resilient_digest: str
 ) -> None:
     """The replacement is the spare (its pid: started before the failure), nothing of it is in the books
     before its promotion, the spare of the rank that lived is ended, the final state is an uninterrupted
@@ -299,7 +282,7 @@ def test_a_rank_killed_after_its_spare_parked_is_replaced_by_that_spare(
     log = job.log()
     fault = next(e for e in log if e["ev"] == "fault")
     assert any(e["ev"] == "start" and e["pid"] == spares[1] and e["ts"] < fault["ts"] for e in log)
-    assert {e["digest"] for e in log if e["ev"] == "done"} == {uninterrupted}
+    assert {e["digest"] for e in log if e["ev"] == "done"} == {uninterrupted_resilient_digest}
     report = _report(job.run_dir)
     assert report["num_failures"] == 1
     [parts] = report["ttr_parts"]
