@@ -87,6 +87,10 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "slowdown.compile_store_unlowered",
         "slowdown.ledger", "worst", "burners",
     ),
+    "spare_kills.py": (
+        "trials", "completed", "gave_up", "bad_resumes", "left_behind", "kills.rank", "kills.spare", "spares_promoted",
+        "spare_kills_failed",
+    ),
     "standby_race.py": (
         "busy.standby.median_ttr_s", "busy.off.median_ttr_s", "busy.ratio", "quiet.standby.median_ttr_s",
         "quiet.off.median_ttr_s", "quiet.ratio",
@@ -97,7 +101,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
 # leaves them out; `make test` runs them).
 SLOW = {
     "accounting_scale.py", "checkpoint_faults.py", "checkpoint_stall.py", "compile_start.py", "compile_store.py",
-    "fleet_scale.py", "ledger_scale.py", "publish_shutdown.py", "recovery.py", "standby_race.py",
+    "fleet_scale.py", "ledger_scale.py", "publish_shutdown.py", "recovery.py", "spare_kills.py", "standby_race.py",
     "training_yield.py",
 }  # fmt: skip
 NEEDS_POSTGRES = {"ledger_scale.py"}

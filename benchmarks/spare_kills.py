@@ -1,0 +1,222 @@
+"""SIGKILL trials with spares: a resilient 2-rank job under `ettr run` whose ranks and parked spares are killed
+at random (docs/inplace.md, "Spares"; issue 29's "never less safe").
+
+Each trial runs `ettr run --max-restarts 10 -- torchrun --standalone --nproc-per-node 2 -m
+ettr.testing.resilient_job` (a commit every 5 steps, 0.05 s steps), waits 3.5-7 s, then SIGKILLs 1-3 processes
+picked at random among the job's ranks and parked spares, 0.05-1.5 s apart, so that a second kill often lands
+in the recovery the first one started. A trial is good when the job completes (exit 0) with the final
+parameters of an uninterrupted run of the same job (its digest, computed first without ettr) and leaves no
+process of the job behind. A killed spare must be no failure of the job. A trial whose kills keep landing in
+the recoveries can end with the restart policy's "2 restarts in a row reached no new step: restarts would not
+help" (exit 3): counted as `gave_up`, not as a bad resume.
+
+Figures (`--json`): `trials`, `completed`, `bad_resumes` (completed with other parameters), `left_behind`
+(processes of any trial alive after it ended), `gave_up`, `kills` (`rank`, `spare`), `spares_promoted` (trials whose
+recovery promoted a spare), `spare_kills_failed` (trials whose only kills were spares and that booked a
+failure). `--quick`: 2 trials (100 by default). Exit status 1 when a trial resumed badly or left a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+JOB_ARGS = ("--steps", "80", "--step-s", "0.05", "--every", "5")
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _env(work: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
+    env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(work / "memory"))
+    return env
+
+
+def _job(work: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "ettr.testing.resilient_job", "--ckpt-dir", str(work / "ckpt"), "--timings", str(work / "log.jsonl"),
+        *JOB_ARGS,
+    ]  # fmt: skip
+
+
+def _digests(work: Path) -> set[str]:
+    log = work / "log.jsonl"
+    lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.exists() else []
+    return {e["digest"] for e in lines if e.get("ev") == "done"}
+
+
+def _targets(supervisor_pid: int, run_dir: Path) -> list[tuple[int, bool]]:
+    """The job's ranks and spares, (pid, is a spare): the supervisor's children forked from its zygote (ettr's
+    agent adopts them), the zygote itself (the oldest of them) left out."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == supervisor_pid and stat[0] != "Z" and b"ettr.bootstrap.zygote" in cmdline:
+            found.append((int(stat[19]), int(name)))
+    spares = set()
+    for path in glob.glob(str(run_dir / "agent" / "spares" / "*.parked")):
+        try:
+            spares.add(int(json.loads(Path(path).read_text())["pid"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return [(pid, pid in spares) for _, pid in sorted(found)[1:]]
+
+
+def _left_behind(work: Path) -> list[int]:
+    """Processes whose environment names this trial's memory folder (every process of its job has it)."""
+    mark = os.fsencode(work / "memory")
+    left = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if mark in Path(f"/proc/{name}/environ").read_bytes():
+                    left.append(int(name))
+            except OSError:
+                pass
+    return left
+
+
+def _trial(work: Path, rng: random.Random, want: set[str]) -> dict[str, Any]:
+    work.mkdir(parents=True)
+    command = [
+        sys.executable,
+        "-m",
+        "ettr.cli",
+        "run",
+        "--max-restarts",
+        "10",
+        "--run-dir",
+        str(work / "run"),
+    ]
+    with open(work / "out", "wb") as out:
+        job = subprocess.Popen(
+            [*command, "--", *_job(work)], env=_env(work), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    killed: list[str] = []
+    time.sleep(rng.uniform(3.5, 7.0))
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        targets = _targets(job.pid, work / "run")
+        if not targets:
+            break
+        pid, is_spare = rng.choice(targets)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append("spare" if is_spare else "rank")
+        except OSError:
+            pass
+        time.sleep(rng.uniform(0.05, 1.5))
+    try:
+        code: int | str = job.wait(300)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        code = "timeout"
+    time.sleep(1.0)
+    left = _left_behind(work)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    text = (work / "out").read_text(errors="replace")
+    return {
+        "exit": code,
+        "killed": killed,
+        "digest_ok": _digests(work) == want,
+        "left_behind": len(left),
+        "spare_promoted": "from a parked spare" in text,
+        "gave_up": "restarts would not help" in text,
+        "failures": text.count(" failed: "),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="2 trials")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    args = parser.parse_args(argv)
+    if args.trials < 1:
+        parser.error("--trials must be at least 1")
+    trials = 2 if args.quick else args.trials
+    rng = random.Random(args.seed)
+    root = Path(tempfile.mkdtemp(prefix="ettr-spare-kills-"))
+    kept = False
+    try:
+        reference = root / "reference"
+        reference.mkdir()
+        subprocess.run(_job(reference), env=_env(reference), capture_output=True, check=True, timeout=600)
+        want = _digests(reference)
+        _say(f"uninterrupted digest {sorted(want)}")
+        load_start = os.getloadavg()
+        rows = []
+        for n in range(trials):
+            row = _trial(root / f"trial-{n}", rng, want)
+            rows.append(row)
+            _say(
+                f"trial {n} exit {row['exit']} killed {row['killed']} digest_ok {row['digest_ok']} "
+                f"left {row['left_behind']} spare promoted {row['spare_promoted']} failures {row['failures']}"
+            )
+            if row["exit"] == 0 and row["digest_ok"] and not row["left_behind"]:
+                shutil.rmtree(root / f"trial-{n}", ignore_errors=True)
+            else:
+                kept = True
+                _say(f"  kept: {root / f'trial-{n}'}")
+    finally:
+        if not kept:
+            shutil.rmtree(root, ignore_errors=True)
+    completed = [r for r in rows if r["exit"] == 0]
+    figures = {
+        "benchmark": "spare_kills",
+        "trials": trials,
+        "completed": len(completed),
+        "gave_up": sum(r["gave_up"] for r in rows),
+        "bad_resumes": sum(not r["digest_ok"] for r in completed),
+        "left_behind": sum(r["left_behind"] for r in rows),
+        "kills": {kind: sum(r["killed"].count(kind) for r in rows) for kind in ("rank", "spare")},
+        "spares_promoted": sum(r["spare_promoted"] for r in rows),
+        "spare_kills_failed": sum(
+            bool(r["killed"]) and set(r["killed"]) == {"spare"} and r["failures"] > 0 for r in rows
+        ),
+        "load_avg_start": [round(x, 2) for x in load_start],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "quick": bool(args.quick),
+    }
+    print(
+        f"{figures['completed']}/{trials} completed ({figures['gave_up']} gave up), bad resumes {figures['bad_resumes']}, left behind "
+        f"{figures['left_behind']}, kills {figures['kills']}, spares promoted in {figures['spares_promoted']}, "
+        f"spare kills that failed the job {figures['spare_kills_failed']}"
+    )
+    if args.json:
+        print(json.dumps(figures))
+    bad = figures["bad_resumes"] or figures["left_behind"] or figures["spare_kills_failed"]
+    ended = (
+        len(completed) + figures["gave_up"]
+    )  # the restart policy may give up on kills that land in recovery
+    return 1 if bad or ended < trials else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
