@@ -137,8 +137,6 @@ class Spares:
         self._by_rank: dict[int, Spare] = {}
         self._serial = 0
         self._ending: list[Spare] = []  # SIGKILLed, not reaped yet (`end_all(wait=False)`)
-        self.forgotten: list[tuple[int, int, int | None]] = []
-        """(rank, pid, exit status) of spares that died before they were used."""
 
     @property
     def pids(self) -> list[int]:
@@ -241,7 +239,6 @@ class Spares:
             code = spare.process.poll()
             if code is not None:
                 del self._by_rank[rank]
-                self.forgotten.append((rank, spare.pid, code))
                 logger.debug("ettr: spare %d of rank %d ended (status %s): forgotten", spare.pid, rank, code)
                 spare.end()
 
