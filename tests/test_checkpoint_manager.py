@@ -436,6 +436,25 @@ def test_a_step_already_saved_is_not_saved_again(tmp_path):
     assert [e.step for e in rec.events() if e.kind is EventKind.CHECKPOINT_COMMIT] == [1]
 
 
+def test_the_final_save_marks_the_end_of_training_unless_a_failure_is_on_its_way_out(tmp_path):
+    from ettr.constants import TRAINING_ENDED_MARK
+
+    rec = ProbeRecorder(tmp_path)
+    state = _model_state()
+    with CheckpointManager(_config(tmp_path), state, recorder=rec) as manager:
+        _train(state)
+        manager.finish(1)
+        with contextlib.suppress(ValueError):
+            try:
+                raise ValueError("the loop failed")
+            finally:
+                manager.finish(1)  # a `finally:` around a failed loop: no end of training
+    ended = [
+        e.step for e in rec.events() if e.kind is EventKind.MARK and e.data["name"] == TRAINING_ENDED_MARK
+    ]
+    assert ended == [1]
+
+
 def test_retention_through_the_manager(tmp_path):
     state = _model_state()
     with CheckpointManager(_config(tmp_path, keep_last=2), state, recorder=Recorder(None)) as manager:

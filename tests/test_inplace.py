@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from ettr.events import EventKind
 from ettr.inplace import InPlaceConfig, InPlaceGaveUp
 from ettr.inplace.generations import AgentGenerations, GenerationTimeout, StoreGenerations
 from ettr.inplace.rendezvous import GenerationMovedOn, RendezvousTimeout, join, leave
@@ -817,3 +818,30 @@ def test_a_port_that_is_no_port_is_store_unavailable(env: dict[str, str]) -> Non
 
     with pytest.raises(StoreUnavailable, match="(?i)port"):
         open_job_store(rank=0, world_size=1, timeout_s=1.0, environ=env)
+
+
+def test_a_train_that_returns_marks_the_end_of_training_and_one_that_raises_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The restart policy's evidence that nothing is left to train (rule 4: a restart that reaches that step
+    # is finishing, not stalling): said when `train` returns, never for a generation that raised.
+    import ettr
+    from ettr import runtime
+    from ettr.constants import TRAINING_ENDED_MARK
+    from ettr.testing.recorder import SyncRecorder
+
+    _as_a_single_rank(monkeypatch)
+    rec = SyncRecorder(rank=0)
+    monkeypatch.setattr(runtime, "_default", rec)
+    failures = [ValueError("own bug")]
+
+    def train(gen: Any) -> None:
+        rec.step(5 + gen.index)
+        if failures:
+            raise failures.pop(0)
+
+    ettr.resilient(train, config=InPlaceConfig(max_restarts=1, rendezvous_timeout_s=30))()
+    ended = [
+        e.step for e in rec.events() if e.kind is EventKind.MARK and e.data["name"] == TRAINING_ENDED_MARK
+    ]
+    assert ended == [6]

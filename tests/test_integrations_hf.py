@@ -13,6 +13,7 @@ import pytest
 
 from ettr.bootstrap.frameworks import FrameworkHooks
 from ettr.bootstrap.hooks import Guard, Patcher
+from ettr.constants import TRAINING_ENDED_MARK
 from ettr.events import EventKind, Phase
 from ettr.ledger import MemoryLedger
 from ettr.recorder import Recorder
@@ -116,6 +117,8 @@ def test_the_callback_records_the_trainer_step_resume_and_one_commit_per_checkpo
     blocking = [e for e in events if e.kind is EventKind.PHASE_END and e.phase is Phase.CHECKPOINT_BLOCKING]
     assert [e.step for e in blocking] == [3, 6]  # one span per checkpoint, every file inside it
     assert sum(1 for e in events if e.kind is EventKind.PHASE_END and e.phase is Phase.EVAL) == 2
+    ended = [e.step for e in events if e.kind is EventKind.MARK and e.data["name"] == TRAINING_ENDED_MARK]
+    assert ended == [6]  # the training loop's end
 
     rec = Recorder(ledger, attempt=1)
     trainer = _trainer(tmp_path, 9, [])

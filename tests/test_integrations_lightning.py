@@ -12,7 +12,9 @@ import pytest
 
 from ettr.bootstrap.frameworks import FrameworkHooks
 from ettr.bootstrap.hooks import Guard, Patcher
+from ettr.constants import TRAINING_ENDED_MARK
 from ettr.events import EventKind, Phase
+from ettr.integrations._commits import CHECKPOINT_FILE_MARK
 from ettr.ledger import MemoryLedger
 from ettr.recorder import Recorder
 from framework_truth import SCRIPTS, check_against_truth, report, run_ettr, summary
@@ -146,7 +148,9 @@ def test_the_callback_records_the_framework_step_resume_and_one_commit_per_check
     events = ledger.read()
     assert [e.step for e in events if e.kind is EventKind.STEP] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in events if e.kind is EventKind.CHECKPOINT_COMMIT] == [3, 6]  # + last.ckpt as marks
-    assert [e.data["step"] for e in events if e.kind is EventKind.MARK] == [3, 6]
+    marks = [e for e in events if e.kind is EventKind.MARK]
+    assert [e.data["step"] for e in marks if e.data["name"] == CHECKPOINT_FILE_MARK] == [3, 6]
+    assert [e.step for e in marks if e.data["name"] == TRAINING_ENDED_MARK] == [6]  # the fit loop's end
     assert [e.step for e in events if e.kind is EventKind.RESUMED] == [None]
 
     rec = Recorder(ledger, attempt=1)

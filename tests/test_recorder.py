@@ -376,3 +376,20 @@ def test_an_exception_a_dataloader_worker_raised_is_recorded_in_the_workers_own_
         "corrupt sample 1500: cannot decode record (raised in DataLoader worker process 0)",
         "'plain'",
     ]
+
+
+def test_the_end_of_training_is_marked_at_its_step_but_not_on_the_way_out_of_a_failure():
+    from ettr.constants import TRAINING_ENDED_MARK
+    from ettr.testing.recorder import SyncRecorder
+
+    rec = SyncRecorder(rank=0)
+    rec.resumed_from(80)
+    rec.training_ended()  # the last step it reached: the one it resumed from
+    rec.step(81)
+    rec.training_ended(81)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        rec.training_ended(82)  # a `finally:` or `except:` of a failed loop: no end of training
+    marks = [(e.step, e.data) for e in rec.events() if e.kind is EventKind.MARK]
+    assert marks == [(80, {"name": TRAINING_ENDED_MARK}), (81, {"name": TRAINING_ENDED_MARK})]

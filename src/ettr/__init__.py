@@ -38,6 +38,7 @@ __all__ = [
     "resilient",
     "resumed_from",
     "step",
+    "training_ended",
     "training_started",
 ]
 
@@ -95,6 +96,13 @@ def step(n: int) -> None:
 def training_started() -> None:
     """The training loop begins now."""
     get_recorder().training_started()
+
+
+def training_ended(step: int | None = None) -> None:
+    """The training loop has ended (after `step`; default the last step recorded): a restart that reaches that
+    step is finishing the job, not stalling (`ettr.supervisor.policy`, rule 4). Not needed with
+    `CheckpointManager.finish`, `ettr.resilient` or the Lightning and Hugging Face callbacks: they say it."""
+    get_recorder().training_ended(step)
 
 
 def resumed_from(step: int | None) -> None:

@@ -56,6 +56,12 @@ recorded for it (a torch.save straight to its final name cut off mid-write); dat
 saves of that path committed before it are gone: the kept-step rule no longer counts on them."""
 IMPORTS_MARK = "imports_done"
 """Training-process MARK: `import torch` finished in this process (ettr's bootstrap ran before it)."""
+TRAINING_ENDED_MARK = "training_ended"
+"""Training-process MARK (`Event.step`: the step its training ended at) when its training loop has ended: the
+job has nothing left to train from that step on (`Recorder.training_ended`: `ettr.training_ended()`, the
+final `CheckpointManager.finish`, `ettr.resilient` when the training function returns, Lightning's and Hugging
+Face's `on_train_end`). The restart policy reads it: a restart that reaches that step and no new one is
+finishing the job, not stalling (`ettr.supervisor.policy`, rule 4). Unmodified scripts record none."""
 COMMIT_FLUSH_S = 1.0
 """How long a recorded checkpoint commit waits at most to be written to the books (saves are rare; the write
 takes milliseconds, a ledger that cannot be written costs each commit this much): a process killed right after

@@ -18,6 +18,7 @@ import collections
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -25,6 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ettr.constants import TRAINING_ENDED_MARK
 from ettr.events import URGENT_KINDS, Event, EventKind, Phase, failure_message, reraised_message
 from ettr.ledger import Ledger
 from ettr.ledger.rows import as_int
@@ -154,6 +156,8 @@ class RecorderProtocol(EventSink, Protocol):
     def note_arrival(self) -> None: ...
 
     def training_started(self) -> None: ...
+
+    def training_ended(self, step: int | None = None) -> None: ...
 
     def resumed_from(self, step: int | None) -> None: ...
 
@@ -355,6 +359,18 @@ class Recorder:
     def training_started(self) -> None:
         """The training loop begins now (ends the start-up region of this attempt)."""
         self.record(EventKind.TRAINING_START)
+
+    def training_ended(self, step: int | None = None) -> None:
+        """The training loop has ended after `step` (default: the last step this process completed or resumed
+        from): a `TRAINING_ENDED_MARK` MARK with that step, written at once (a rank killed during the
+        teardown that follows still leaves it in the books). Not recorded while an exception is being handled (a `finally:` or `except:` on the way out of
+        a failed loop is no end of training)."""
+        if sys.exc_info()[0] is not None:
+            return
+        if step is None:
+            step = self.last_step
+        self.record(EventKind.MARK, step=step, data={"name": TRAINING_ENDED_MARK})
+        self._wake.set()
 
     def resumed_from(self, step: int | None) -> None:
         """This attempt restored the state as of after `step` (None: it starts from scratch)."""

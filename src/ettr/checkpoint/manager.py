@@ -549,7 +549,10 @@ class CheckpointManager:
 
     def finish(self, step: int) -> None:
         """The final save: save `step`, wait for its commit, and raise CheckpointError (so that the job
-        exits non-zero) if it did not commit, naming the cause (`ENOSPC (No space left on device)`)."""
+        exits non-zero) if it did not commit, naming the cause (`ENOSPC (No space left on device)`). Records
+        that the training loop has ended at `step` first (`Recorder.training_ended`: the restart policy's
+        evidence that a restart reaching `step` is finishing the job; not while an exception is handled)."""
+        self._rec.training_ended(step)
         if self.save(step, wait=True):
             self._finished = True
             return

@@ -207,6 +207,7 @@ class _Runner:
             )
             try:
                 result = fn(gen, *args, **kwargs)
+                get_recorder().training_ended()  # the restart policy's evidence: nothing left to train
                 del gen
                 if self._completed(job_store.store, generation, generations):
                     return result

@@ -16,6 +16,8 @@ instead, never a second. Recorded, through the public Recorder API only:
   checkpoints  each `_save_checkpoint` (model weights through safetensors, optimizer, scheduler, RNG and
                trainer state: every file) as ONE CHECKPOINT_BLOCKING span and ONE CHECKPOINT_COMMIT of its
                `checkpoint-N` directory, from the process that saves (`args.should_save`)
+  end          the `training_ended` MARK at `on_train_end` (the loop ended at `state.global_step`: a restart
+               that reaches that step is finishing, not stalling; the restart policy's rule 4)
 
 The callback sees the Trainer itself only when attached (`install_on`, which the bootstrap calls after
 `Trainer.__init__`): it then wraps the Trainer's load, save and evaluate methods on the instance. A callback
@@ -171,6 +173,10 @@ class EttrCallback(TrainerCallback):
             self._last_step = step
             self.rec.step(step)
         self._last_hook_ts = time.time()
+
+    @never_raises
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.rec.training_ended(state.global_step)  # the training loop ended: nothing left to train
 
     @never_raises
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

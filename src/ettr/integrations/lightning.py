@@ -20,6 +20,8 @@ used instead, never a second. Recorded, through the public Recorder API only:
                `AsyncCheckpointIO` the blocking span is the hand-off and the write is a CHECKPOINT_PERSIST span
                on the writer thread, committed when it ends
   shutdown     the end of training to the end of teardown (which waits for pending async saves)
+  end          the `training_ended` MARK at `on_train_end` (the fit loop ended at `trainer.global_step`: a
+               restart that reaches that step is finishing, not stalling; the restart policy's rule 4)
 
 The Trainer's own methods are wrapped on the instance only (never the class), from `setup` until `teardown`.
 Importing this module imports Lightning (`lightning.pytorch`, else `pytorch_lightning`).
@@ -274,6 +276,7 @@ class EttrCallback(pl.Callback):
     @never_raises
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train_end_ts = time.time()
+        self.rec.training_ended(trainer.global_step)  # the fit loop ended: nothing left to train
 
     @never_raises
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
