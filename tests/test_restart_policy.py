@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from ettr.causes import Cause, Detail, diagnose
-from ettr.constants import EXIT_FAILED, EXIT_HOPELESS
+from ettr.constants import EXIT_FAILED, EXIT_HOPELESS, TRAINING_ENDED_MARK
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.supervisor.classify import AttemptEnd, classify
 from ettr.supervisor.policy import EndedAttempt, RestartPolicy, ended_attempts, restarts_used
@@ -234,7 +234,7 @@ def test_back_off_follows_the_cause() -> None:
                 "outcome": "failed",
                 "exit_code": 139,
                 "signal": "SIGSEGV",
-                "reason": "killed by SIGSEGV (the launcher exited 1) (rank 1)",
+                "reason": "killed by SIGSEGV (rank 1; the launcher exited 1)",
                 "process_failure": {
                     "exception": "RuntimeError",
                     "message": "[pair.cc:534] Read error [127.0.0.1]:5123: Connection reset by peer",
@@ -510,3 +510,110 @@ def test_back_off_doubles_per_restart_that_reached_no_new_step_not_per_restart_u
     assert stuck.decide(stalled[42], history=stalled[:42]).wait_s == 2.0
     # Training on again resets it.
     assert stuck.decide(crash(43, 1001), history=stalled).wait_s == 0.0
+
+
+def _ended(index: int, end: AttemptEnd, **fields: object) -> EndedAttempt:
+    trained = fields.get("last_step") is not None
+    return EndedAttempt(attempt=index, end=end, made_progress=trained, **fields)  # type: ignore[arg-type]
+
+
+KILLED = classify(returncode=-signal.SIGKILL)
+
+
+def test_restarts_that_reach_the_end_of_training_are_finishing_not_stalling() -> None:
+    # spare_kills seed 0: rank 1 killed after its training function returned at step 80 (the last), its
+    # promoted spare killed in the in-place attempt, the restarted rank 1 killed right after restoring 80.
+    # Training was over and committed; "2 restarts in a row reached no new step: restarts would not help".
+    done = _ended(0, KILLED, last_step=80, first_step=1, last_commit=80, ended_training_at=80)
+    spare = _ended(1, KILLED)
+    restored = _ended(2, KILLED, resumed_step=80)
+    decision = POLICY.decide(restored, history=[done, spare])
+    assert decision.restart and "(3 of 3)" in decision.why  # max_restarts still counts each failure
+    # The same books without the end of the loop (an unmodified script): today's rule.
+    blind = POLICY.decide(restored, history=[replace(done, ended_training_at=None), spare])
+    assert (blind.restart, blind.exit_status) == (False, EXIT_HOPELESS)
+    assert "2 restarts in a row reached no new step" in blind.why
+    # The restart that said it itself counts as much as the attempt before it did.
+    own = replace(restored, ended_training_at=80)
+    assert POLICY.decide(own, history=[replace(done, ended_training_at=None), spare]).restart
+    # A restart that never reached that step still stalls: a node that dies during every start-up, or a
+    # resume that crashes before step 80 again (from 75), stops as before.
+    for stalled in (_ended(2, KILLED), crash(2, 78)):
+        stop = POLICY.decide(stalled, history=[done, _ended(1, KILLED, resumed_step=75)])
+        assert (stop.restart, stop.exit_status) == (False, EXIT_HOPELESS)
+    # An end of the loop below the job's furthest step is no end of the job.
+    early = replace(done, ended_training_at=60)
+    stop = POLICY.decide(_ended(2, KILLED, resumed_step=80), history=[early, spare])
+    assert stop.exit_status == EXIT_HOPELESS
+
+
+def test_a_job_that_fails_every_time_in_its_shutdown_still_stops() -> None:
+    def publish(index: int, **fields: object) -> EndedAttempt:
+        tail = ["Traceback (most recent call last):", "RuntimeError: publish failed: 403 Forbidden"]
+        return _ended(index, classify(returncode=1, stderr_tail=tail), ended_training_at=80, **fields)
+
+    # Resumes that train no step: rule 3, at the second failure after the end (as rule 4 did before).
+    runs = [publish(0, last_step=80, first_step=1, last_commit=80), publish(1, resumed_step=80)]
+    assert POLICY.decide(runs[1], history=runs[:1]).restart
+    stop = POLICY.decide(publish(2, resumed_step=80), history=runs)
+    assert (stop.restart, stop.exit_status) == (False, EXIT_HOPELESS)
+    assert "failed the same way twice after its training ended (RuntimeError, exit status 1)" in stop.why
+    # Resumes that replay steps up to the end (from the checkpoint before it): rule 5.
+    replays = [publish(0, last_step=80, first_step=1, last_commit=80)]
+    replays += [publish(i, last_step=80, first_step=76, last_commit=80, resumed_step=75) for i in (1, 2)]
+    assert POLICY.decide(replays[1], history=replays[:1]).restart
+    stop = POLICY.decide(replays[2], history=replays[:2])
+    assert (stop.restart, stop.exit_status) == (False, EXIT_HOPELESS)
+    assert "2 restarts in a row failed as the attempt before them (RuntimeError" in stop.why
+    # A hang in the teardown after every resume: `max_restarts`.
+    hung = [
+        _ended(
+            0,
+            AttemptEnd(outcome=Outcome.HUNG, exit_code=None),
+            last_step=80,
+            first_step=1,
+            ended_training_at=80,
+        ),
+        *(
+            _ended(i, AttemptEnd(outcome=Outcome.HUNG, exit_code=None), resumed_step=80, ended_training_at=80)
+            for i in (1, 2, 3)
+        ),
+    ]
+    for i in (1, 2):
+        assert POLICY.decide(hung[i], history=hung[:i]).restart
+    out = POLICY.decide(hung[3], history=hung[:3])
+    assert (out.restart, out.exit_status, out.why) == (False, EXIT_FAILED, "no restarts left")
+
+
+def test_the_history_reads_each_attempts_resume_and_end_of_training() -> None:
+    def end(attempt: int) -> Event:
+        return Event(
+            EventKind.ATTEMPT_END, 100.0 + attempt, attempt, SUPERVISOR_RANK, data={"outcome": "failed"}
+        )
+
+    def ended_mark(attempt: int, step: int, rank: int = 0) -> Event:
+        return Event(EventKind.MARK, 90.0, attempt, rank, step=step, data={"name": TRAINING_ENDED_MARK})
+
+    events = [
+        *(Event(EventKind.STEP, float(s), 0, 0, step=s) for s in range(1, 81)),
+        ended_mark(0, 80),
+        ended_mark(0, 99, rank=SUPERVISOR_RANK),  # not a training process's
+        Event(EventKind.MARK, 91.0, 0, 1, step=120, data={"name": "other"}),
+        end(0),
+        Event(EventKind.RESUMED, 101.0, 1, 1, step=80),
+        Event(EventKind.RESUMED, 101.0, 1, 0, step=None),
+        end(1),
+    ]
+    first, second = ended_attempts(events)
+    assert (first.last_step, first.resumed_step, first.ended_training_at, first.reached_step) == (
+        80,
+        None,
+        80,
+        80,
+    )
+    assert (second.made_progress, second.resumed_step, second.ended_training_at, second.reached_step) == (
+        False,
+        80,
+        None,
+        80,
+    )

@@ -15,7 +15,22 @@ order:
    status, signal and exception; user or unknown cause) stops at once: exit 3, restarts would not help;
 4. `max_restarts_without_progress` restarts in a row that reached no step beyond the furthest step of
    any attempt before them stop the job: exit 3 (a crash at the same step after every resume, a hang
-   at the same place, a node that dies during every start-up);
+   at the same place, a node that dies during every start-up). A restart of a job whose training had
+   ended is finishing, not stalling, and ends the count (`finishing`): a training process of the job
+   recorded the end of its loop (`TRAINING_ENDED_MARK`: `ettr.training_ended()`, the final
+   `CheckpointManager.finish`, `ettr.resilient` when the training function returns, Lightning's and
+   Hugging Face's `on_train_end`) at the job's furthest step, and the restart reached that step (resumed
+   from it, replayed up to it, or ended there itself). No new step can come after the last one: before
+   2026-12-05 a resilient job killed three times after its last step (a rank after it returned, its
+   promoted spare, the restarted rank right after it restored that step) stopped with "restarts would
+   not help", its training over and committed (1 of 40 SIGKILL trials, `benchmarks/spare_kills.py`). What
+   such a restart fails at is the job's shutdown, and the other rules bound it: a script that fails the
+   same way there after every resume (a publish that raises) stops by rule 3 when its resumes train no
+   step (the second such failure), by rule 5 when they replay steps up to the end; one that fails there
+   each time otherwise (another message, a hang in its teardown, kills) by `max_restarts`. A restart
+   that never reached that step (a node that dies during every start-up) still counts. Without that
+   evidence (an unmodified script records no end of its loop) the rule is as it was: a job killed after
+   its last step and then again in each restart stops here;
 5. `max_restarts_without_progress` restarts in a row that each failed exactly as the attempt before it,
    after training -- the same exception and message (numbers aside; user or unknown cause) the same
    number of steps after its first step, or after its last checkpoint commit -- stop the job: exit 3. A
@@ -57,7 +72,14 @@ from functools import cached_property
 from typing import Any
 
 from ettr.causes import Cause, Detail, Diagnosis, diagnose, signature
-from ettr.constants import EXIT_COMPLETED, EXIT_FAILED, EXIT_HOPELESS, EXIT_INTERRUPTED, EXIT_PREEMPTED
+from ettr.constants import (
+    EXIT_COMPLETED,
+    EXIT_FAILED,
+    EXIT_HOPELESS,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    TRAINING_ENDED_MARK,
+)
 from ettr.events import SUPERVISOR_RANK, Event, EventKind, Outcome
 from ettr.supervisor.classify import AttemptEnd
 
@@ -82,6 +104,19 @@ class EndedAttempt:
     """The lowest step a training process of the attempt completed (the first after its resume point)."""
     last_commit: int | None = None
     """The highest step at or below `last_step` whose checkpoint the attempt committed (None: none)."""
+    resumed_step: int | None = None
+    """The highest step a training process of the attempt resumed from (its RESUMED; None: none, or scratch)."""
+    ended_training_at: int | None = None
+    """The highest step at which a training process of the attempt said its training loop had ended
+    (`TRAINING_ENDED_MARK`; None: none said so, as an unmodified script never does)."""
+
+    @property
+    def reached_step(self) -> int | None:
+        """The furthest step the attempt's state reached: completed, resumed from, or ended training at."""
+        return max(
+            (s for s in (self.last_step, self.resumed_step, self.ended_training_at) if s is not None),
+            default=None,
+        )
 
     @property
     def steps_run(self) -> int | None:
@@ -151,12 +186,23 @@ def ended_from_events(attempt: int, end: AttemptEnd, events: Iterable[Event]) ->
     trained = False
     steps: list[int] = []
     commits: list[int] = []
+    resumed: list[int] = []
+    ended: list[int] = []
     for e in events:
-        if e.rank < 0 or e.kind not in (EventKind.STEP, EventKind.CHECKPOINT_COMMIT):
+        if e.rank < 0:
             continue
-        trained = trained or e.kind is EventKind.STEP
-        if isinstance(e.step, int) and not isinstance(e.step, bool):
-            (steps if e.kind is EventKind.STEP else commits).append(e.step)
+        if e.kind is EventKind.STEP:
+            trained = True
+        numbered = isinstance(e.step, int) and not isinstance(e.step, bool)
+        if not numbered:
+            continue
+        if e.kind is EventKind.MARK:
+            if (e.data or {}).get("name") == TRAINING_ENDED_MARK:
+                ended.append(e.step)  # type: ignore[arg-type]
+            continue
+        found = {EventKind.STEP: steps, EventKind.CHECKPOINT_COMMIT: commits, EventKind.RESUMED: resumed}
+        if e.kind in found:
+            found[e.kind].append(e.step)  # type: ignore[arg-type]
     last = max(steps, default=None)
     return EndedAttempt(
         attempt=attempt,
@@ -165,6 +211,8 @@ def ended_from_events(attempt: int, end: AttemptEnd, events: Iterable[Event]) ->
         last_step=last,
         first_step=min(steps, default=None),
         last_commit=max((c for c in commits if last is not None and c <= last), default=None),
+        resumed_step=max(resumed, default=None),
+        ended_training_at=max(ended, default=None),
     )
 
 
@@ -236,9 +284,27 @@ def restarts_used(history: Sequence[EndedAttempt]) -> int:
     return sum(1 for h in history if h.end.outcome in _COUNTED)
 
 
+def finishing(attempt: EndedAttempt, before: Sequence[EndedAttempt]) -> bool:
+    """Whether `attempt`, a restart after `before` (oldest first) that reached no new step, was finishing the
+    job rather than stalling: a training process of the job (in `before` or in `attempt`) ended its training
+    loop at the job's furthest step (`ended_training_at`), and `attempt` reached that step (resumed from it,
+    replayed up to it, or ended its own training there). Nothing is left to train, so no new step can come:
+    its failure is one in the job's shutdown (a final save, a publish, the teardown, a kill), which rules 3,
+    5 and `max_restarts` bound. False without that evidence (an unmodified script records no end of its
+    loop) and for a restart that never got that far (a node that dies during every start-up)."""
+    ends = [h.ended_training_at for h in (*before, attempt) if h.ended_training_at is not None]
+    reached = attempt.reached_step
+    if not ends or reached is None:
+        return False
+    end = max(ends)
+    furthest = max((h.last_step for h in (*before, attempt) if h.last_step is not None), default=None)
+    return (furthest is None or end >= furthest) and reached >= end
+
+
 def restarts_without_progress(ended: Sequence[EndedAttempt]) -> int:
     """How many of the last attempts in `ended` (oldest first) were restarts that reached no step beyond the
-    furthest step of every attempt before them (the job's first attempt is not a restart)."""
+    furthest step of every attempt before them (the job's first attempt is not a restart), and were not
+    finishing a job whose training had ended (`finishing`: such a restart ends the count)."""
     count = 0
     for position in range(len(ended) - 1, 0, -1):
         attempt = ended[position]
@@ -251,7 +317,7 @@ def restarts_without_progress(ended: Sequence[EndedAttempt]) -> int:
             new = not before or attempt.last_step > max(before)
         else:
             new = attempt.made_progress and not before
-        if new:
+        if new or finishing(attempt, ended[:position]):
             break
         count += 1
     return count
@@ -303,10 +369,11 @@ class RestartPolicy:
                 f"exit status {ended.end.exit_code}" if ended.end.exit_code is not None else "no exit status"
             )
             what = f"{ended.end.exception}, " if ended.end.exception else ""
+            when = "after its training ended" if finishing(ended, history) else "before its first step"
             return Decision(
                 restart=False,
                 exit_status=EXIT_HOPELESS,
-                why=f"failed the same way twice before its first step ({what}{code}): restarts would not help",
+                why=f"failed the same way twice {when} ({what}{code}): restarts would not help",
             )
         repeats = restarts_repeating([*history, ended])
         if self.max_restarts_without_progress and repeats >= self.max_restarts_without_progress:
