@@ -921,7 +921,7 @@ def test_a_ddp_kill_of_rank_1_blames_rank_1_not_rank_0s_connection_error() -> No
     ]  # fmt: skip
     torchrun = classify(returncode=1, events=events, failed_pids=[[77], [101, 100]], stderr_tail=summary)
     assert torchrun.signal == "SIGKILL" and torchrun.exception is None
-    assert torchrun.reason == "killed by SIGKILL (the launcher exited 1) (rank 1)"
+    assert torchrun.reason == "killed by SIGKILL (rank 1; the launcher exited 1)"
     # Without knowing who died first, the recorded failure is all there is (as before).
     unknown = classify(returncode=1, events=events)
     assert unknown.exception == "DistBackendError" and unknown.reason == "exit status 1: DistBackendError"
@@ -976,7 +976,7 @@ def test_a_rank_sigkilled_under_torchrun_behind_a_shell_wrapper_is_a_kill_not_th
     summary = ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
                "  exitcode  : -9 (pid: 101)  (SIGKILL)", "Connection reset by peer"]  # fmt: skip
     end = classify(returncode=1, wrapper=True, events=events, failed_pids=[[101]], stderr_tail=summary)
-    assert end.signal == "SIGKILL" and end.reason == "killed by SIGKILL (the launcher exited 1) (rank 1)"
+    assert end.signal == "SIGKILL" and end.reason == "killed by SIGKILL (rank 1; the launcher exited 1)"
     assert diagnose(outcome=end.outcome, failure=end.to_data(), trained=True).detail is Detail.PROCESS_LOST
 
 
@@ -1385,7 +1385,7 @@ def test_a_rank_sigkilled_under_mp_spawn_is_a_kill_not_the_peers_reset() -> None
         stderr_tail=tail,
         stopped_after_rank_failure=True,  # ettr saw rank 0's FAILURE and stopped what was left
     )
-    assert end.signal == "SIGKILL" and end.reason == "killed by SIGKILL (the launcher exited 1) (rank 1)"
+    assert end.signal == "SIGKILL" and end.reason == "killed by SIGKILL (rank 1; the launcher exited 1)"
     assert diagnose(outcome=end.outcome, failure=end.to_data(), trained=True).detail is Detail.PROCESS_LOST
     # The rank that failed first raised: its exception is the failure, whatever signal mp.spawn names after.
     crash = Event(EventKind.FAILURE, 1.0, 0, 1, data={"exception": "ValueError", "message": "bad batch"})

@@ -171,6 +171,7 @@ def classify(
         or worker_oom
         or oom_said(exception, returncode, tail_text)
     )
+    launcher_exit = f"the launcher exited {returncode}"
     if raised_in_place:
         how = "recovered in place (its process lived on)"
     elif sig is not None:
@@ -179,12 +180,10 @@ def classify(
         how = f"killed by {signal_name(behind)} (its srun task; srun exited {returncode})"
     elif behind is not None and shell_said:
         how = f"killed by {signal_name(behind)} (behind its shell wrapper, which exited {returncode})"
-    elif behind is not None and agent_said and child_died_of is not None:
-        how = f"killed by {signal_name(behind)} (the launcher exited {returncode})"
-    elif behind is not None and agent_said:
-        how = f"{signal_name(behind)} to torchrun, which stopped its workers and exited {returncode}"
+    elif behind is not None and (child_died_of is not None or not agent_said):
+        how = f"killed by {signal_name(behind)} ({launcher_exit})"
     elif behind is not None:
-        how = f"killed by {signal_name(behind)} (the launcher exited {returncode})"
+        how = f"{signal_name(behind)} to torchrun, which stopped its workers and exited {returncode}"
     else:
         how = f"exit status {returncode}"
     ended_by = sig if sig is not None else behind
@@ -286,7 +285,14 @@ def classify(
     else:
         outcome = Outcome.FAILED
         if root is not None and (len(set(rank_of.values())) > 1 or _world_size(events) > 1):
-            how += f" (rank {root})"  # the rank that failed first, not one that lost it as a peer
+            # the rank that failed first, not one that lost it as a peer; one bracket, not two in a row:
+            # `killed by SIGKILL (rank 1; the launcher exited 1)` (until 2026-12-05 `(the launcher exited 1)
+            # (rank 1)`)
+            aside = f" ({launcher_exit})"
+            if how.endswith(aside):
+                how = f"{how.removesuffix(aside)} (rank {root}; {launcher_exit})"
+            else:
+                how += f" (rank {root})"
         reason = how + (" (out of memory)" if oom else "") + (f": {exception}" if exception else "")
     stuck = ranks_at_kill if preempted_by is not None and hung_after_s is None else ""  # the grace ran out
     reason += f"; at the SIGKILL after the grace: {stuck}" if stuck else ""
