@@ -7,13 +7,24 @@ picked at random among the job's ranks and parked spares, 0.05-1.5 s apart, so t
 in the recovery the first one started. A trial is good when the job completes (exit 0) with the final
 parameters of an uninterrupted run of the same job (its digest, computed first without ettr) and leaves no
 process of the job behind. A killed spare must be no failure of the job. A trial whose kills keep landing in
-the recoveries can end with the restart policy's "2 restarts in a row reached no new step: restarts would not
-help" (exit 3): counted as `gave_up`, not as a bad resume.
+the recoveries can end with the restart policy's "restarts would not help" (exit 3): counted as `gave_up`,
+not as a bad resume.
+
+The final state is checked on every ending: a completed trial's by its ranks' "done" digest, and every
+trial's (completed or not) by its last committed checkpoint, read back (`resilient_job.committed_digests`)
+and compared with the uninterrupted run's checkpoint of the same step (that run keeps all of them). A trial
+that gave up after its last step (training over) must have committed the uninterrupted run's final state.
 
 Figures (`--json`): `trials`, `completed`, `bad_resumes` (completed with other parameters), `left_behind`
-(processes of any trial alive after it ended), `gave_up`, `kills` (`rank`, `spare`), `spares_promoted` (trials whose
-recovery promoted a spare), `spare_kills_failed` (trials whose only kills were spares and that booked a
-failure). `--quick`: 2 trials (100 by default). Exit status 1 when a trial resumed badly or left a process.
+(processes of any trial alive after it ended), `gave_up`, `gave_up_after_last_step` (of those, the trials whose
+last committed checkpoint is the job's last step), `states_checked` (trials whose last committed checkpoint was
+compared: every trial that committed one), `bad_states` (a last committed checkpoint other than the uninterrupted
+run's at its step, or a completed trial whose last commit is not its last step), `kills` (`rank`, `spare`),
+`spares_promoted` (trials whose recovery promoted a spare), `spare_kills_failed` (trials whose only kills were
+spares and that booked a failure). `--quick`: 2 trials (100 by default). Exit status 1 when a trial resumed
+badly, ended with a bad state or left a process.
+
+Measured (2 cores shared with other sessions): docs/inplace.md, "Spares".
 """
 
 from __future__ import annotations
@@ -29,10 +40,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 JOB_ARGS = ("--steps", "80", "--step-s", "0.05", "--every", "5")
+LAST_STEP = 80
+REFERENCE_ARGS = (
+    "--keep-last",
+    "100",
+)  # the uninterrupted run keeps every checkpoint: each step is comparable
 
 
 def _say(text: str) -> None:
@@ -45,12 +62,23 @@ def _env(work: Path) -> dict[str, str]:
     return env
 
 
-def _job(work: Path) -> list[str]:
+def _job(work: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "ettr.testing.resilient_job", "--ckpt-dir", str(work / "ckpt"), "--timings", str(work / "log.jsonl"),
-        *JOB_ARGS,
+        *JOB_ARGS, *extra,
     ]  # fmt: skip
+
+
+def _committed(work: Path) -> dict[int, str]:
+    """The model digest of each committed checkpoint the job left in `work` (none: {})."""
+    from ettr.testing.resilient_job import committed_digests
+
+    if not (work / "ckpt").is_dir():
+        return {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "assuming the intent is to load in a single process"
+        return committed_digests(str(work / "ckpt"))
 
 
 def _digests(work: Path) -> set[str]:
@@ -96,7 +124,7 @@ def _left_behind(work: Path) -> list[int]:
     return left
 
 
-def _trial(work: Path, rng: random.Random, want: set[str]) -> dict[str, Any]:
+def _trial(work: Path, rng: random.Random, want: set[str], reference: dict[int, str]) -> dict[str, Any]:
     work.mkdir(parents=True)
     command = [
         sys.executable,
@@ -140,10 +168,17 @@ def _trial(work: Path, rng: random.Random, want: set[str]) -> dict[str, Any]:
         except OSError:
             pass
     text = (work / "out").read_text(errors="replace")
+    committed = _committed(work)
+    last = max(committed, default=None)
+    state_ok = (
+        None if last is None else committed[last] == reference.get(last) and (code != 0 or last == LAST_STEP)
+    )
     return {
         "exit": code,
         "killed": killed,
         "digest_ok": _digests(work) == want,
+        "last_commit": last,
+        "state_ok": state_ok,
         "left_behind": len(left),
         "spare_promoted": "from a parked spare" in text,
         "gave_up": "restarts would not help" in text,
@@ -167,19 +202,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         reference = root / "reference"
         reference.mkdir()
-        subprocess.run(_job(reference), env=_env(reference), capture_output=True, check=True, timeout=600)
+        subprocess.run(
+            _job(reference, *REFERENCE_ARGS),
+            env=_env(reference),
+            capture_output=True,
+            check=True,
+            timeout=600,
+        )
         want = _digests(reference)
-        _say(f"uninterrupted digest {sorted(want)}")
+        steps = _committed(reference)
+        if set(steps) != set(range(5, LAST_STEP + 1, 5)) or {steps[LAST_STEP]} != want:
+            raise SystemExit(
+                f"the uninterrupted run's checkpoints {steps} do not match its final digest {want}"
+            )
+        _say(f"uninterrupted digest {sorted(want)}, its {len(steps)} checkpoints read back")
         load_start = os.getloadavg()
         rows = []
         for n in range(trials):
-            row = _trial(root / f"trial-{n}", rng, want)
+            row = _trial(root / f"trial-{n}", rng, want, steps)
             rows.append(row)
             _say(
                 f"trial {n} exit {row['exit']} killed {row['killed']} digest_ok {row['digest_ok']} "
+                f"last commit {row['last_commit']} state_ok {row['state_ok']} "
                 f"left {row['left_behind']} spare promoted {row['spare_promoted']} failures {row['failures']}"
             )
-            if row["exit"] == 0 and row["digest_ok"] and not row["left_behind"]:
+            if row["exit"] == 0 and row["digest_ok"] and row["state_ok"] and not row["left_behind"]:
                 shutil.rmtree(root / f"trial-{n}", ignore_errors=True)
             else:
                 kept = True
@@ -193,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         "trials": trials,
         "completed": len(completed),
         "gave_up": sum(r["gave_up"] for r in rows),
+        "gave_up_after_last_step": sum(r["gave_up"] and r["last_commit"] == LAST_STEP for r in rows),
         "bad_resumes": sum(not r["digest_ok"] for r in completed),
+        "states_checked": sum(r["state_ok"] is not None for r in rows),
+        "bad_states": sum(r["state_ok"] is False for r in rows),
         "left_behind": sum(r["left_behind"] for r in rows),
         "kills": {kind: sum(r["killed"].count(kind) for r in rows) for kind in ("rank", "spare")},
         "spares_promoted": sum(r["spare_promoted"] for r in rows),
@@ -205,13 +255,21 @@ def main(argv: list[str] | None = None) -> int:
         "quick": bool(args.quick),
     }
     print(
-        f"{figures['completed']}/{trials} completed ({figures['gave_up']} gave up), bad resumes {figures['bad_resumes']}, left behind "
-        f"{figures['left_behind']}, kills {figures['kills']}, spares promoted in {figures['spares_promoted']}, "
-        f"spare kills that failed the job {figures['spare_kills_failed']}"
+        f"{figures['completed']}/{trials} completed ({figures['gave_up']} gave up, "
+        f"{figures['gave_up_after_last_step']} of them after the last step), bad resumes {figures['bad_resumes']}, "
+        f"final states checked {figures['states_checked']} (last committed checkpoint against the uninterrupted "
+        f"run's), bad {figures['bad_states']}, left behind {figures['left_behind']}, kills {figures['kills']}, "
+        f"spares promoted in {figures['spares_promoted']}, spare kills that failed the job "
+        f"{figures['spare_kills_failed']}, load {figures['load_avg_start'][0]} -> {figures['load_avg_end'][0]}"
     )
     if args.json:
         print(json.dumps(figures))
-    bad = figures["bad_resumes"] or figures["left_behind"] or figures["spare_kills_failed"]
+    bad = (
+        figures["bad_resumes"]
+        or figures["bad_states"]
+        or figures["left_behind"]
+        or figures["spare_kills_failed"]
+    )
     ended = (
         len(completed) + figures["gave_up"]
     )  # the restart policy may give up on kills that land in recovery

@@ -4,7 +4,7 @@ and `benchmarks/recovery.py`.
     torchrun --standalone --nproc-per-node 2 -m ettr.testing.resilient_job --ckpt-dir DIR --timings LOG \\
         [--steps 40] [--every 5] [--fault raise|exit|kill] [--fail-at 17] [--fail-rank 1]
         [--no-resilient] [--no-memory-copy] [--hidden 64] [--step-s 0] [--fail-after-s 0]
-        [--fail-when PATH [--fail-wait-max-s 120]] [--pause-at STEP]
+        [--fail-when PATH [--fail-wait-max-s 120]] [--pause-at STEP] [--keep-last 2]
 
 Every rank trains the same DDP model on its own shard of a fixed dataset (`ResumableSampler`), saving with
 ettr's `CheckpointManager` every `--every` steps (memory copies on). The fault fires once per job (a marker
@@ -17,7 +17,8 @@ step STEP (a test acts on the job meanwhile). `--no-resilient` runs the same tra
 without the wrapper (the process restart baseline); `--no-memory-copy` restores from storage. Each line of
 `--timings` is JSON: {"ev": "start" | "train" | "step" | "fault" | "restored" | "done", "ts", "pid", "rank",
 "step", ...}; "train" starts a generation (`generation`: its index, -1 without the wrapper), "restored" says
-from where (`source`), "done" carries the final state's digest.
+from where (`source`), "done" carries the final state's digest. `committed_digests` reads the same digest
+from each committed checkpoint (a job that stopped before "done").
 """
 
 from __future__ import annotations
@@ -97,6 +98,41 @@ def digest(model: torch.nn.Module) -> str:
     return f"{crc:08x}"
 
 
+def build_model(hidden: int) -> torch.nn.Module:
+    """The job's model (before DDP wraps it), with its initial parameters."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+
+
+def committed_digests(ckpt_dir: str, hidden: int = 64) -> dict[int, str]:
+    """The model digest (`digest`, as "done" carries it) of each committed checkpoint in `ckpt_dir` that
+    verifies, by step, read in this process without a process group: the state a job that stopped early left
+    behind, to compare with an uninterrupted run's at the same step (its last one: its "done" digest)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ettr.checkpoint import CheckpointError, list_checkpoints, open_storage, verify
+    from ettr.checkpoint.trust import SafeLoadPlanner, verified_reader
+
+    storage = open_storage(ckpt_dir)
+    found: dict[int, str] = {}
+    for checkpoint in list_checkpoints(storage):
+        try:
+            manifest = verify(storage, checkpoint.name)
+        except (CheckpointError, OSError):
+            continue
+        model = build_model(hidden)
+        target = {"model": model.state_dict()}
+        dcp.load(
+            target,
+            storage_reader=verified_reader(storage, checkpoint.name, manifest),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
+        model.load_state_dict(target["model"])
+        found[manifest.step] = digest(model)
+    return found
+
+
 def train(rank: int, world_size: int, args: argparse.Namespace, generation: int = -1) -> str:
     """One generation: build, restore (memory first), train to the end; returns the final digest."""
     import torch.distributed as dist
@@ -116,11 +152,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, generation: int 
     torch.manual_seed(0)
     data = torch.randn(NUM_SAMPLES, FEATURES, generator=torch.Generator().manual_seed(1))
     targets = data.sum(dim=1, keepdim=True).sin()
-    model = DistributedDataParallel(
-        torch.nn.Sequential(
-            torch.nn.Linear(FEATURES, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 1)
-        )
-    )
+    model = DistributedDataParallel(build_model(args.hidden))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = ResumableSampler(NUM_SAMPLES, seed=0, rank=rank, world_size=world_size)
     loader = DataLoader(
@@ -130,7 +162,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, generation: int 
     config = CheckpointConfig(
         root=args.ckpt_dir,
         interval=IntervalConfig(every_steps=args.every),
-        keep_last=2,
+        keep_last=args.keep_last,
         memory_copy=args.memory_copy,
     )
     with CheckpointManager.create(config, state) as ckpt:
@@ -166,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--keep-last", type=int, default=2, help="checkpoints kept (a reference run: all)")
     parser.add_argument("--fault", choices=("none", "raise", "exit", "kill"), default="none")
     parser.add_argument("--fail-at", type=int, default=17)
     parser.add_argument("--fail-rank", type=int, default=1)
