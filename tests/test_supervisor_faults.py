@@ -433,3 +433,42 @@ def test_a_closed_stdout_is_not_a_failure_of_the_job(tmp_path: Path, closed: tup
     (end,) = supervisor_events(run_dir, EventKind.ATTEMPT_END)
     assert (end.data or {})["outcome"] == "completed"
     assert report(run_dir)["attempts"][0]["outcome"] == "completed"  # the ledger took none of the output
+
+
+FINISHED_THEN_KILLED = """
+import os, signal, ettr
+attempt = int(os.environ["ETTR_ATTEMPT"])
+if attempt == 0:
+    for step in range(1, 4):
+        ettr.step(step)
+else:
+    ettr.resumed_from(3)  # the checkpoint of the last step
+if {says_so}:
+    ettr.training_ended()
+ettr.get_recorder().flush()
+if attempt < 3:
+    os.kill(os.getpid(), signal.SIGKILL)  # killed after its training ended, and again after each resume
+"""
+
+
+@pytest.mark.parametrize("says_so", [True, False])
+def test_a_job_killed_after_its_training_ended_is_finishing_not_stalling(
+    tmp_path: Path, says_so: bool
+) -> None:
+    # spare_kills (seed 0): a resilient job's rank killed after its last step, then its spare, then the rank
+    # restarted from that step: "2 restarts in a row reached no new step: restarts would not help" (exit 3),
+    # its training over. With the end of its loop in the books the restarts are finishing and it completes;
+    # without it (an unmodified script says nothing) the rule is as before.
+    run_dir = tmp_path / "run"
+    script = FINISHED_THEN_KILLED.format(says_so=says_so)
+    done = run_ettr(
+        "run", "--run-dir", str(run_dir), "--max-restarts", "3", "--", sys.executable, "-c", script
+    )
+    ends = [(e.data or {}).get("outcome") for e in supervisor_events(run_dir, EventKind.ATTEMPT_END)]
+    if says_so:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert ends == ["failed", "failed", "failed", "completed"]
+    else:
+        assert done.returncode == 3, done.stderr[-2000:]
+        assert "2 restarts in a row reached no new step: restarts would not help" in done.stderr
+        assert ends == ["failed"] * 3
