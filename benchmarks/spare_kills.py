@@ -20,7 +20,9 @@ Figures (`--json`): `trials`, `completed`, `bad_resumes` (completed with other p
 last committed checkpoint is the job's last step), `states_checked` (trials whose last committed checkpoint was
 compared: every trial that committed one), `bad_states` (a last committed checkpoint other than the uninterrupted
 run's at its step, or a completed trial whose last commit is not its last step), `kills` (`rank`, `spare`),
-`spares_promoted` (trials whose recovery promoted a spare), `spare_kills_failed` (trials whose only kills were
+`unkilled` (trials that killed nothing: no rank or spare of the job was up yet when the kills came, as
+on a loaded machine where the ranks start later than 3.5-7 s in, or the one picked was gone), `spares_promoted` (trials whose recovery
+promoted a spare), `spare_kills_failed` (trials whose only kills were
 spares and that booked a failure). `--quick`: 2 trials (100 by default). Exit status 1 when a trial resumed
 badly, ended with a bad state or left a process.
 
@@ -246,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "bad_states": sum(r["state_ok"] is False for r in rows),
         "left_behind": sum(r["left_behind"] for r in rows),
         "kills": {kind: sum(r["killed"].count(kind) for r in rows) for kind in ("rank", "spare")},
+        "unkilled": sum(not r["killed"] for r in rows),
         "spares_promoted": sum(r["spare_promoted"] for r in rows),
         "spare_kills_failed": sum(
             bool(r["killed"]) and set(r["killed"]) == {"spare"} and r["failures"] > 0 for r in rows
@@ -258,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{figures['completed']}/{trials} completed ({figures['gave_up']} gave up, "
         f"{figures['gave_up_after_last_step']} of them after the last step), bad resumes {figures['bad_resumes']}, "
         f"final states checked {figures['states_checked']} (last committed checkpoint against the uninterrupted "
-        f"run's), bad {figures['bad_states']}, left behind {figures['left_behind']}, kills {figures['kills']}, "
+        f"run's), bad {figures['bad_states']}, left behind {figures['left_behind']}, kills {figures['kills']} "
+        f"({figures['unkilled']} trials killed nothing), "
         f"spares promoted in {figures['spares_promoted']}, spare kills that failed the job "
         f"{figures['spare_kills_failed']}, load {figures['load_avg_start'][0]} -> {figures['load_avg_end'][0]}"
     )

@@ -89,7 +89,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     ),
     "spare_kills.py": (
         "trials", "completed", "gave_up", "gave_up_after_last_step", "bad_resumes", "states_checked", "bad_states",
-        "left_behind", "kills.rank", "kills.spare", "spares_promoted", "spare_kills_failed",
+        "left_behind", "kills.rank", "kills.spare", "unkilled", "spares_promoted", "spare_kills_failed",
     ),
     "standby_race.py": (
         "busy.standby.median_ttr_s", "busy.off.median_ttr_s", "busy.ratio", "quiet.standby.median_ttr_s",
