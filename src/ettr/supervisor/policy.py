@@ -15,22 +15,13 @@ order:
    status, signal and exception; user or unknown cause) stops at once: exit 3, restarts would not help;
 4. `max_restarts_without_progress` restarts in a row that reached no step beyond the furthest step of
    any attempt before them stop the job: exit 3 (a crash at the same step after every resume, a hang
-   at the same place, a node that dies during every start-up). A restart of a job whose training had
-   ended is finishing, not stalling, and ends the count (`finishing`): a training process of the job
-   recorded the end of its loop (`TRAINING_ENDED_MARK`: `ettr.training_ended()`, the final
-   `CheckpointManager.finish`, `ettr.resilient` when the training function returns, Lightning's and
-   Hugging Face's `on_train_end`) at the job's furthest step, and the restart reached that step (resumed
-   from it, replayed up to it, or ended there itself). No new step can come after the last one: before
-   2026-12-05 a resilient job killed three times after its last step (a rank after it returned, its
-   promoted spare, the restarted rank right after it restored that step) stopped with "restarts would
-   not help", its training over and committed (1 of 40 SIGKILL trials, `benchmarks/spare_kills.py`). What
-   such a restart fails at is the job's shutdown, and the other rules bound it: a script that fails the
-   same way there after every resume (a publish that raises) stops by rule 3 when its resumes train no
-   step (the second such failure), by rule 5 when they replay steps up to the end; one that fails there
-   each time otherwise (another message, a hang in its teardown, kills) by `max_restarts`. A restart
-   that never reached that step (a node that dies during every start-up) still counts. Without that
-   evidence (an unmodified script records no end of its loop) the rule is as it was: a job killed after
-   its last step and then again in each restart stops here;
+   at the same place, a node that dies during every start-up). A restart that reached the step at which
+   the job's training ended (`TRAINING_ENDED_MARK`) is finishing, not stalling, and ends the count
+   (`finishing`: until 2026-12-05 a resilient job killed three times after its last step stopped here, its
+   training over). Its failures are the job's shutdown's: one that fails the same way there after every
+   resume (a publish that raises) stops by rule 3 (resumes that train no step) or 5 (resumes that replay
+   up to the end); one that fails otherwise each time (a hang in its teardown, kills) by `max_restarts`.
+   Without that mark (an unmodified script records none) the rule is as it was;
 5. `max_restarts_without_progress` restarts in a row that each failed exactly as the attempt before it,
    after training -- the same exception and message (numbers aside; user or unknown cause) the same
    number of steps after its first step, or after its last checkpoint commit -- stop the job: exit 3. A
@@ -188,21 +179,17 @@ def ended_from_events(attempt: int, end: AttemptEnd, events: Iterable[Event]) ->
     commits: list[int] = []
     resumed: list[int] = []
     ended: list[int] = []
+    numbered = {EventKind.STEP: steps, EventKind.CHECKPOINT_COMMIT: commits, EventKind.RESUMED: resumed}
     for e in events:
         if e.rank < 0:
             continue
-        if e.kind is EventKind.STEP:
-            trained = True
-        numbered = isinstance(e.step, int) and not isinstance(e.step, bool)
-        if not numbered:
+        trained = trained or e.kind is EventKind.STEP
+        if not isinstance(e.step, int) or isinstance(e.step, bool):
             continue
-        if e.kind is EventKind.MARK:
-            if (e.data or {}).get("name") == TRAINING_ENDED_MARK:
-                ended.append(e.step)  # type: ignore[arg-type]
-            continue
-        found = {EventKind.STEP: steps, EventKind.CHECKPOINT_COMMIT: commits, EventKind.RESUMED: resumed}
-        if e.kind in found:
-            found[e.kind].append(e.step)  # type: ignore[arg-type]
+        if e.kind is EventKind.MARK and (e.data or {}).get("name") == TRAINING_ENDED_MARK:
+            ended.append(e.step)
+        elif e.kind in numbered:
+            numbered[e.kind].append(e.step)
     last = max(steps, default=None)
     return EndedAttempt(
         attempt=attempt,
@@ -286,12 +273,13 @@ def restarts_used(history: Sequence[EndedAttempt]) -> int:
 
 def finishing(attempt: EndedAttempt, before: Sequence[EndedAttempt]) -> bool:
     """Whether `attempt`, a restart after `before` (oldest first) that reached no new step, was finishing the
-    job rather than stalling: a training process of the job (in `before` or in `attempt`) ended its training
-    loop at the job's furthest step (`ended_training_at`), and `attempt` reached that step (resumed from it,
-    replayed up to it, or ended its own training there). Nothing is left to train, so no new step can come:
-    its failure is one in the job's shutdown (a final save, a publish, the teardown, a kill), which rules 3,
-    5 and `max_restarts` bound. False without that evidence (an unmodified script records no end of its
-    loop) and for a restart that never got that far (a node that dies during every start-up)."""
+    job, not stalling: a training process of the job (in `before` or `attempt`) ended its training loop at
+    the job's furthest step (`ended_training_at`: `ettr.training_ended()`, the final
+    `CheckpointManager.finish`, `ettr.resilient` when the training function returns, Lightning's and Hugging
+    Face's `on_train_end`), and `attempt` reached that step (resumed from it, replayed up to it, or ended its
+    own training there). No new step can come: it failed in the job's shutdown (a final save, a publish, the
+    teardown, a kill), which rules 3, 5 and `max_restarts` bound. False without that evidence (an
+    unmodified script) and for a restart that never got that far (a node that dies during every start-up)."""
     ends = [h.ended_training_at for h in (*before, attempt) if h.ended_training_at is not None]
     reached = attempt.reached_step
     if not ends or reached is None:
