@@ -89,7 +89,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     ),
     "spare_kills.py": (
         "trials", "completed", "gave_up", "bad_resumes", "left_behind", "kills.rank", "kills.spare", "spares_promoted",
-        "spare_kills_failed",
+        "spare_kills_failed", "trials_without_kill",
     ),
     "standby_race.py": (
         "busy.standby.median_ttr_s", "busy.off.median_ttr_s", "busy.ratio", "quiet.standby.median_ttr_s",
