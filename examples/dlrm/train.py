@@ -339,10 +339,14 @@ def model_config(config: TrainConfig) -> Any:
     )
 
 
-def publish(model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig, rank: int) -> None:
+def publish(
+    model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig, rank: int, checkpoint: Any = None
+) -> None:
     """Publish the trained model (collective; `config.publish` is `inside` or `standalone`).
 
     The sample batch is the one after the training stream, so the artifact is checked on unseen data.
+    `checkpoint`: the committed checkpoint of `step` (ettr's checkpointer), which the anchor is made from
+    by hard links instead of a second write of the model.
     """
     from torchrec import KeyedJaggedTensor
 
@@ -369,12 +373,17 @@ def publish(model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig
     # recompile for it (its graphs are for training, grad mode on), ~1 s of shutdown for one batch.
     with torch.compiler.set_stance("force_eager"):
         result = publish_at_end(
-            model, step=step, config=publish_config, sample_inputs=(sample.dense, features)
+            model,
+            step=step,
+            config=publish_config,
+            sample_inputs=(sample.dense, features),
+            checkpoint=checkpoint,
         )
     done = (
         f"artifact built in {result.artifact_dir}" if result.built else f"request {result.request_id} queued"
     )
-    print0(f"publish ({config.publish}): anchor {result.anchor_path}; {done}")
+    made = result.anchor_made + (f" ({result.anchor_fallback})" if result.anchor_fallback else "")
+    print0(f"publish ({config.publish}): anchor {result.anchor_path} {made}; {done}")
 
 
 def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tuple[Any, Any, torch.nn.Module]:
@@ -607,7 +616,8 @@ def _generation(
                 checkpointer.save(step)  # the final state (a no-op if the interval just saved it)
             checkpointer.close()
         if config.publish != "none" and step == config.steps:
-            publish(model, step=step, config=config, data=data_config, rank=rank)
+            committed = checkpointer.committed(step) if checkpointer is not None else None
+            publish(model, step=step, config=config, data=data_config, rank=rank, checkpoint=committed)
         if not config.fast_exit:
             del batches  # stops the loader workers (and waits for them)
             if kept is not None:
