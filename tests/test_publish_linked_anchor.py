@@ -87,7 +87,9 @@ def test_the_linked_anchor_publishes_the_same_artifact_as_the_written_one(tmp_pa
         written, written_data = _publish(tmp_path, model, anchors="written", checkpoint=None)
     finally:
         manager.close()
-    assert linked.anchor_made == "linked" and data["anchor_made"] == "linked" and "anchor_fallback" not in data
+    assert (
+        linked.anchor_made == "linked" and data["anchor_made"] == "linked" and "anchor_fallback" not in data
+    )
     assert written.anchor_made == "written" and written_data["anchor_made"] == "written"
     # the anchor's data file is the checkpoint's (one inode), its manifest its own, signed for its root
     ckpt_file = tmp_path / "ckpt" / "step_000000005" / "__0_0.distcp"
@@ -179,6 +181,8 @@ def test_the_linked_anchors_metadata_reads_through_the_safe_reader_only(tmp_path
     finally:
         manager.close()
     data = (Path(result.anchor_path) / ".metadata").read_bytes()
-    metadata = load_metadata_bytes(data, {"__0_0.distcp": (Path(result.anchor_path) / "__0_0.distcp").stat().st_size})
+    metadata = load_metadata_bytes(
+        data, {"__0_0.distcp": (Path(result.anchor_path) / "__0_0.distcp").stat().st_size}
+    )
     assert sorted(metadata.state_dict_metadata) == ["model.bias", "model.weight"]
     assert pickle.loads(data).storage_data.keys() == metadata.storage_data.keys()

@@ -194,7 +194,9 @@ class LocalStorage:
         with source._dir(src_head) as src_fd, self._dir(head, create=True) as dst_fd:
             st = os.stat(src_name, dir_fd=src_fd, follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode):
-                raise SymlinkRefused(errno.EINVAL, "not a regular file; ettr does not link it", source.path(src_rel))
+                raise SymlinkRefused(
+                    errno.EINVAL, "not a regular file; ettr does not link it", source.path(src_rel)
+                )
             os.link(src_name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
 
     def make_durable(self, rel_dir: str) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import pickle
 from collections import defaultdict
 from dataclasses import dataclass
@@ -137,6 +136,8 @@ def _local_part(
         if item.type == WriteItemType.BYTE_IO:
             raise _NotLinked(f"{item.index.fqn} is not a tensor")
         live = planner.resolve_data(item)
+        if not isinstance(live, torch.Tensor):
+            raise _NotLinked(f"{item.index.fqn} is not a tensor")
         found = [i for i in candidates.get(_identity(live), ()) if i in storage_data]
         if not found:
             raise _NotLinked(f"{item.index.fqn}: the checkpoint holds no record of this tensor")
@@ -251,8 +252,10 @@ def link_anchor(
         # 2. every rank: plan its part of the anchor and prove each item equal to its checkpoint record.
         try:
             metadata = load_metadata_bytes(metadata_bytes, files)
-            part: tuple[Any, ...] = ("", *_local_part(state, source=source, storage=storage, name=name,
-                                                      metadata=metadata, rank=rank))
+            part: tuple[Any, ...] = (
+                "",
+                *_local_part(state, source=source, storage=storage, name=name, metadata=metadata, rank=rank),
+            )
         except Exception as exc:  # noqa: BLE001 - any failure is a reason to write the anchor instead
             part = (f"rank {rank}: {_why(exc)}", None, {}, 0, 0)
         if distributed and world_size > 1:
@@ -350,7 +353,9 @@ def _why(exc: BaseException) -> str:
     return text[:500]
 
 
-def _not_linked(storage: Any, name: str, rank: int, reason: str, *, distributed: bool, world_size: int) -> LinkOutcome:
+def _not_linked(
+    storage: Any, name: str, rank: int, reason: str, *, distributed: bool, world_size: int
+) -> LinkOutcome:
     """Remove what linking left (rank 0) and say why; every rank returns once it is gone."""
     if rank == 0:
         try:
