@@ -186,3 +186,26 @@ def test_the_linked_anchors_metadata_reads_through_the_safe_reader_only(tmp_path
     )
     assert sorted(metadata.state_dict_metadata) == ["model.bias", "model.weight"]
     assert pickle.loads(data).storage_data.keys() == metadata.storage_data.keys()
+
+
+def test_an_anchor_root_that_is_the_checkpoint_root_is_never_linked_onto_the_checkpoint(tmp_path):
+    from ettr.checkpoint.keys import KeyRing
+    from ettr.publish.linked_anchor import link_anchor
+
+    model, manager = _train(tmp_path)
+    try:
+        source = manager.committed(5)
+        outcome = link_anchor(
+            {"weight": model.weight, "bias": model.bias},
+            step=5,
+            storage=open_storage(tmp_path / "ckpt"),
+            source=source,
+            sample=None,
+            extra={},
+            ring=KeyRing(signing=None),
+            job_id=None,
+        )
+    finally:
+        manager.close()
+    assert not outcome.linked and "checkpoint root" in outcome.reason
+    assert verify(open_storage(tmp_path / "ckpt"), "step_000000005").step == 5  # untouched

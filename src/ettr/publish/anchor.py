@@ -236,6 +236,12 @@ def make_anchor(
     fallback = ""
     extra = {"kind": "publish-anchor", **(extra or {})}
     job_id = extra.get("job_id")
+    if distributed and world_size > 1:  # every rank must offer the checkpoint, or none links
+        offered: list[Any] = [None] * world_size
+        dist.all_gather_object(offered, checkpoint is not None)
+        if checkpoint is not None and not all(offered):
+            checkpoint = None
+            fallback = "not every rank has the committed checkpoint of this step"
     if checkpoint is not None:
         from ettr.publish.linked_anchor import link_anchor
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import pickle
 from collections import defaultdict
 from dataclasses import dataclass
@@ -126,10 +127,10 @@ def _local_part(
 
     from ettr.publish.anchor import ANCHOR_STATE_KEY
 
+    candidates = _candidates(source, rank)  # first: the state dict may be collective (every rank gets here)
     planner = DefaultSavePlanner()
     planner.set_up_planner({ANCHOR_STATE_KEY: state}, is_coordinator=rank == 0)
     plan = planner.create_local_plan()
-    candidates = _candidates(source, rank)
     storage_data = metadata.storage_data
     wanted: dict[str, list[tuple[Any, torch.Tensor, list[Any]]]] = defaultdict(list)
     for item in plan.items:
@@ -191,7 +192,7 @@ def link_anchor(
     key ring rank 0 signs with. Returns LinkOutcome: linked, or why not (then the anchor directory is
     removed and the caller writes the anchor)."""
     from ettr.checkpoint.admission import Admission
-    from ettr.checkpoint.base import MANIFEST_NAME, CheckpointError, step_dir_name
+    from ettr.checkpoint.base import MANIFEST_NAME, step_dir_name
     from ettr.checkpoint.checksums import crc32
     from ettr.checkpoint.commit import LEASE_PREFIX, lease, read_at_most, root_identity, verify
     from ettr.checkpoint.storage import LocalStorage
@@ -203,6 +204,7 @@ def link_anchor(
     name = step_dir_name(step)
     src = source.storage
     src_name = source.name
+    created = False
     with contextlib.ExitStack() as stack:
         # 1. rank 0: verify and admit the checkpoint, link its data files, hand its metadata round.
         opening: list[Any] = ["", b"", {}, {}]
@@ -212,6 +214,8 @@ def link_anchor(
                     raise _NotLinked(f"the checkpoint is of step {source.step}, the anchor of step {step}")
                 if not isinstance(src, LocalStorage) or not isinstance(storage, LocalStorage):
                     raise _NotLinked("an fsspec root (no hard links)")
+                if os.path.realpath(src.path(src_name)) == os.path.realpath(storage.path(name)):
+                    raise _NotLinked("the anchor root is the checkpoint root (keep them apart)")
                 admit = Admission(
                     ring=ring,
                     root=root_identity(src.url),
@@ -235,6 +239,7 @@ def link_anchor(
                 }
                 if storage.list_dir(name):
                     storage.remove_tree(name)
+                created = True  # from here on the anchor directory is ours to remove
                 for file_name in sorted(data_files):
                     storage.link_from(src, f"{src_name}/{file_name}", f"{name}/{file_name}")
                 opening = [
@@ -243,11 +248,13 @@ def link_anchor(
                     {f: e.size for f, e in manifest.files.items()},
                     {f: (e.size, e.crc32) for f, e in data_files.items()},
                 ]
-            except (_NotLinked, CheckpointError, OSError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the broadcast below
                 opening = [_why(exc), b"", {}, {}]
         reason, metadata_bytes, files, sums = _agree(opening, distributed=distributed, world_size=world_size)
         if reason:
-            return _not_linked(storage, name, rank, reason, distributed=distributed, world_size=world_size)
+            return _not_linked(
+                storage, name, reason, created=created, distributed=distributed, world_size=world_size
+            )
 
         # 2. every rank: plan its part of the anchor and prove each item equal to its checkpoint record.
         try:
@@ -278,7 +285,9 @@ def link_anchor(
                 closing = [_why(exc), 0]
         reason, num_files = _agree(closing, distributed=distributed, world_size=world_size)
         if reason:
-            return _not_linked(storage, name, rank, reason, distributed=distributed, world_size=world_size)
+            return _not_linked(
+                storage, name, reason, created=created, distributed=distributed, world_size=world_size
+            )
     return LinkOutcome(
         linked=True,
         num_files=num_files,
@@ -354,15 +363,17 @@ def _why(exc: BaseException) -> str:
 
 
 def _not_linked(
-    storage: Any, name: str, rank: int, reason: str, *, distributed: bool, world_size: int
+    storage: Any, name: str, reason: str, *, created: bool, distributed: bool, world_size: int
 ) -> LinkOutcome:
-    """Remove what linking left (rank 0) and say why; every rank returns once it is gone."""
-    if rank == 0:
+    """Remove what linking made (`created`: rank 0, once it began linking) and say why; every rank returns
+    once it is gone. Nothing else is removed: an anchor root that is the checkpoint root stays untouched."""
+    if created:
         try:
             if storage.list_dir(name):
                 storage.remove_tree(name)
         except OSError as exc:  # the write after this replaces it (write_anchor clears an incomplete one)
             logger.warning("ettr: could not remove the partial anchor %s: %s", storage.path(name), exc)
+    if not distributed or dist.get_rank() == 0:
         logger.info("ettr: anchor of %s written, not linked from the checkpoint: %s", name, reason)
     if distributed and world_size > 1:
         dist.barrier()
