@@ -107,6 +107,9 @@ class TrainConfig:
     job of its own), or `none`."""
     publish_dir: str = "publish/dlrm"
     """Where publishing keeps its anchor checkpoints (`anchors/`) and its queue (`queue/`)."""
+    publish_anchor: str = "linked"
+    """`linked`: the anchor is made from ettr's committed final checkpoint by hard links where it can be
+    (written otherwise); `written`: always written (what `benchmarks/publish_anchor.py` compares against)."""
     compile_cache: str | None = None
     """Root of inductor's local caches, one fresh directory per attempt (`<root>/attempt-<ETTR_ATTEMPT>`: its
     cache directory and precompiled headers), as on a newly allocated machine: every attempt compiles cold
@@ -150,6 +153,8 @@ class TrainConfig:
             raise ValueError("--failures-per-day and --failure-prior-days must be positive")
         if self.publish not in ("inside", "standalone", "none"):
             raise ValueError(f"--publish must be inside, standalone or none, got {self.publish!r}")
+        if self.publish_anchor not in ("linked", "written"):
+            raise ValueError(f"--publish-anchor must be linked or written, got {self.publish_anchor!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--resume", action=argparse.BooleanOptionalAction, default=d.resume, help="resume from the latest")
     add("--publish", choices=("inside", "standalone", "none"), default=d.publish, help="inference publishing")
     add("--publish-dir", default=d.publish_dir, help="anchors/ and queue/ of publishing")
+    add(
+        "--publish-anchor",
+        choices=("linked", "written"),
+        default=d.publish_anchor,
+        help="anchor from the checkpoint",
+    )
     add("--compile-cache", default=d.compile_cache, help="root of per-attempt (cold) inductor caches")
     add("--overlap-startup", action=argparse.BooleanOptionalAction, default=d.overlap_startup)
     add("--plan-cache", default=d.plan_cache, help="directory of computed sharding plans (reused)")
@@ -616,7 +627,8 @@ def _generation(
                 checkpointer.save(step)  # the final state (a no-op if the interval just saved it)
             checkpointer.close()
         if config.publish != "none" and step == config.steps:
-            committed = checkpointer.committed(step) if checkpointer is not None else None
+            linked = checkpointer is not None and config.publish_anchor == "linked"
+            committed = checkpointer.committed(step) if linked else None
             publish(model, step=step, config=config, data=data_config, rank=rank, checkpoint=committed)
         if not config.fast_exit:
             del batches  # stops the loader workers (and waits for them)
