@@ -209,3 +209,60 @@ def test_an_anchor_root_that_is_the_checkpoint_root_is_never_linked_onto_the_che
         manager.close()
     assert not outcome.linked and "checkpoint root" in outcome.reason
     assert verify(open_storage(tmp_path / "ckpt"), "step_000000005").step == 5  # untouched
+
+
+def test_a_record_changed_on_disk_after_the_commit_is_caught_by_the_compare(tmp_path):
+    model, manager = _train(tmp_path)
+    try:
+        data_file = tmp_path / "ckpt" / "step_000000005" / "__0_0.distcp"
+        raw = bytearray(data_file.read_bytes())
+        at = bytes(raw).find(model.bias.detach().numpy().tobytes())  # the bias's raw record
+        assert at > 0
+        raw[at] ^= 0x40  # a bit flip the size check cannot see
+        data_file.write_bytes(bytes(raw))
+        result, data = _publish(tmp_path, model, anchors="anchors", checkpoint=manager.committed(5))
+    finally:
+        manager.close()
+    assert result.anchor_made == "written" and "bias differs" in data["anchor_fallback"]
+    assert not any(p.stat().st_ino == data_file.stat().st_ino for p in Path(result.anchor_path).iterdir())
+    artifact = load_artifact(_drain(tmp_path)[result.request_id])
+    assert torch.equal(artifact.weights["bias"], model.bias.detach())
+
+
+def test_bytes_the_anchor_does_not_use_changed_after_the_commit_fail_the_request_not_the_weights(tmp_path):
+    """Known limit: the anchor's manifest carries the checkpoint's CRC-32s of the linked files and only the
+    anchor's own records are read back, so a file damaged after the checkpoint's commit in bytes the anchor
+    does not use (here the optimizer's) is linked, and the publisher's verification refuses the anchor."""
+    model, manager = _train(tmp_path)
+    try:
+        data_file = tmp_path / "ckpt" / "step_000000005" / "__0_0.distcp"
+        raw = bytearray(data_file.read_bytes())
+        raw[-1] ^= 0x40  # the last record: the optimizer's state
+        data_file.write_bytes(bytes(raw))
+        result, _ = _publish(tmp_path, model, anchors="anchors", checkpoint=manager.committed(5))
+    finally:
+        manager.close()
+    assert result.anchor_made == "linked"
+    queue = tmp_path / "queue"
+    policy = PublishPolicy.for_queue(queue, allow=["torch.nn.*"], entry_points=False)
+    (outcome,) = PublishWorker(queue, policy=policy).drain()
+    assert outcome.status == "failed" and "CRC" in outcome.error
+
+
+def test_a_checkpoint_admission_refuses_is_not_linked(tmp_path, monkeypatch):
+    from ettr.checkpoint.admission import Admission
+    from ettr.checkpoint.base import CheckpointRefused
+
+    model, manager = _train(tmp_path)
+    source = manager.committed(5)
+    manager.close()
+
+    def refuse(self, manifest):
+        if self.what == "checkpoint":
+            raise CheckpointRefused("signed with a key this key ring lacks")
+        return original(self, manifest)
+
+    original = Admission.check
+    monkeypatch.setattr(Admission, "check", refuse)
+    result, data = _publish(tmp_path, model, anchors="anchors", checkpoint=source)
+    assert result.anchor_made == "written" and "key ring lacks" in data["anchor_fallback"]
