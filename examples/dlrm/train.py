@@ -107,6 +107,9 @@ class TrainConfig:
     job of its own), or `none`."""
     publish_dir: str = "publish/dlrm"
     """Where publishing keeps its anchor checkpoints (`anchors/`) and its queue (`queue/`)."""
+    publish_anchor: str = "linked"
+    """`linked`: the anchor is made from ettr's committed final checkpoint by hard links where it can be
+    (written otherwise); `written`: always written (what `benchmarks/publish_anchor.py` compares against)."""
     compile_cache: str | None = None
     """Root of inductor's local caches, one fresh directory per attempt (`<root>/attempt-<ETTR_ATTEMPT>`: its
     cache directory and precompiled headers), as on a newly allocated machine: every attempt compiles cold
@@ -150,6 +153,8 @@ class TrainConfig:
             raise ValueError("--failures-per-day and --failure-prior-days must be positive")
         if self.publish not in ("inside", "standalone", "none"):
             raise ValueError(f"--publish must be inside, standalone or none, got {self.publish!r}")
+        if self.publish_anchor not in ("linked", "written"):
+            raise ValueError(f"--publish-anchor must be linked or written, got {self.publish_anchor!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--resume", action=argparse.BooleanOptionalAction, default=d.resume, help="resume from the latest")
     add("--publish", choices=("inside", "standalone", "none"), default=d.publish, help="inference publishing")
     add("--publish-dir", default=d.publish_dir, help="anchors/ and queue/ of publishing")
+    add(
+        "--publish-anchor",
+        choices=("linked", "written"),
+        default=d.publish_anchor,
+        help="anchor from the checkpoint",
+    )
     add("--compile-cache", default=d.compile_cache, help="root of per-attempt (cold) inductor caches")
     add("--overlap-startup", action=argparse.BooleanOptionalAction, default=d.overlap_startup)
     add("--plan-cache", default=d.plan_cache, help="directory of computed sharding plans (reused)")
@@ -339,10 +350,14 @@ def model_config(config: TrainConfig) -> Any:
     )
 
 
-def publish(model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig, rank: int) -> None:
+def publish(
+    model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig, rank: int, checkpoint: Any = None
+) -> None:
     """Publish the trained model (collective; `config.publish` is `inside` or `standalone`).
 
     The sample batch is the one after the training stream, so the artifact is checked on unseen data.
+    `checkpoint`: the committed checkpoint of `step` (ettr's checkpointer), which the anchor is made from
+    by hard links instead of a second write of the model.
     """
     from torchrec import KeyedJaggedTensor
 
@@ -369,12 +384,17 @@ def publish(model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig
     # recompile for it (its graphs are for training, grad mode on), ~1 s of shutdown for one batch.
     with torch.compiler.set_stance("force_eager"):
         result = publish_at_end(
-            model, step=step, config=publish_config, sample_inputs=(sample.dense, features)
+            model,
+            step=step,
+            config=publish_config,
+            sample_inputs=(sample.dense, features),
+            checkpoint=checkpoint,
         )
     done = (
         f"artifact built in {result.artifact_dir}" if result.built else f"request {result.request_id} queued"
     )
-    print0(f"publish ({config.publish}): anchor {result.anchor_path}; {done}")
+    made = result.anchor_made + (f" ({result.anchor_fallback})" if result.anchor_fallback else "")
+    print0(f"publish ({config.publish}): anchor {result.anchor_path} {made}; {done}")
 
 
 def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tuple[Any, Any, torch.nn.Module]:
@@ -607,7 +627,9 @@ def _generation(
                 checkpointer.save(step)  # the final state (a no-op if the interval just saved it)
             checkpointer.close()
         if config.publish != "none" and step == config.steps:
-            publish(model, step=step, config=config, data=data_config, rank=rank)
+            linked = checkpointer is not None and config.publish_anchor == "linked"
+            committed = checkpointer.committed(step) if linked else None
+            publish(model, step=step, config=config, data=data_config, rank=rank, checkpoint=committed)
         if not config.fast_exit:
             del batches  # stops the loader workers (and waits for them)
             if kept is not None:

@@ -51,6 +51,7 @@ from ettr.checkpoint.base import (
     CheckpointError,
     CheckpointInvalid,
     CheckpointStorage,
+    CommittedCheckpoint,
     PersistMode,
     describe_error,
     step_dir_name,
@@ -557,6 +558,22 @@ class CheckpointManager:
         cause = inflight.error if inflight is not None and inflight.step == step else self._last_error
         raise CheckpointError(
             f"the final checkpoint of step {step} in {self.storage.url} failed: {cause or 'unknown cause'}"
+        )
+
+    def committed(self, step: int) -> CommittedCheckpoint | None:
+        """The checkpoint of `step` if it is the newest this manager committed or restored (else None), for
+        a consumer that takes its state from storage instead of writing it again: the publish anchor
+        (`ettr.publish.publish_at_end(..., checkpoint=manager.committed(step))`). Call after `finish(step)`
+        (or `save(step, wait=True)`); it may be called after `close()`. Not collective."""
+        if step != self.last_committed_step or self.persisting:
+            return None
+        admission = self._admission()
+        return CommittedCheckpoint(
+            storage=self.storage,
+            step=step,
+            state_dict=lambda: self.state.state_dict(step, world_size=self.world_size),
+            allow_unsigned=admission.allow_unsigned,
+            resume_foreign=admission.resume_foreign,
         )
 
     @property
