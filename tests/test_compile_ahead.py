@@ -250,10 +250,14 @@ def test_a_spare_parks_after_starting_its_ahead_restore(monkeypatch, tmp_path):
     assert order == ["ahead", "parked"]
 
 
-def test_restore_ahead_is_off_without_a_store(monkeypatch):
+def test_restore_ahead_is_off_without_a_store_or_for_a_script_that_does_not_compile(monkeypatch, tmp_path):
     monkeypatch.setattr(ahead, "_current", None)
-    monkeypatch.setenv("ETTR_COMPILE_STORE", "off")
     autoinstall = importlib.import_module("ettr.compile.autoinstall")
+    monkeypatch.setitem(sys.modules, "torch._inductor.codecache", sys.modules.get("torch._inductor.codecache"))
+    monkeypatch.setenv("ETTR_COMPILE_STORE", "off")
+    assert autoinstall.restore_ahead() is False and ahead.current() is None
+    monkeypatch.setenv("ETTR_COMPILE_STORE", str(tmp_path / "store"))
+    monkeypatch.delitem(sys.modules, "torch._inductor.codecache")  # inductor's compile path never imported
     assert autoinstall.restore_ahead() is False and ahead.current() is None
 
 
@@ -261,6 +265,7 @@ JOB = textwrap.dedent(
     """
     import json, os, sys
     import torch
+    import torch._inductor.compile_fx  # as the zygote's warm-up imports it after an attempt that compiled
     import ettr.compile
     from ettr.compile import ahead
     from ettr.compile.autoinstall import restore_ahead

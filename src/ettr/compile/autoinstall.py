@@ -50,9 +50,14 @@ def restore_ahead() -> bool:
     """Called by a spare as it parks (`ettr.bootstrap.spare.park`), before its promotion: choose the
     workload's cache directory as `autoinstall` will at the promotion (the environment is the same), then
     restore the compile store's entry into it on a low-priority thread (`ettr.compile.ahead`), booking
-    nothing; the session started after the promotion checks it and says it in its restore's MARK. Whether it
+    nothing; the session started after the promotion checks it and says it in its restore's MARK. Only where
+    inductor's compile path is imported already (the zygote's warm-up imports it when the trained attempt had:
+    `ettr.bootstrap.start.TORCH_PARTS`): a script that does not compile restores nothing (the build's 157 MB
+    precompiled header, which a store restores to a workload without an entry of its own). Whether it
     started; never raises."""
     try:
+        if "torch._inductor.codecache" not in sys.modules:
+            return False
         config = CompileConfig.from_env()
         if config is None:
             return False
