@@ -3,8 +3,8 @@
 A spare (`ettr.bootstrap.spare`) runs the script's top level and parks before `ettr.resilient`'s first
 rendezvous; without this, its compile session restores the store entry only at its first `torch.compile`
 after the promotion (~150 MB: 0.49 s of the demo's 1.1 s in-place recovery). `start` (called by
-`autoinstall.restore_ahead` at the park) restores it at once, on a thread of its own at the lowest priority
-(`save.lower_save_thread`: nice 19 within the spare's 10, idle I/O), into the directories the promoted process
+`autoinstall.restore_ahead` at the park) restores it at once, on a thread of its own at the spare's priority
+(nice 10 beside training) with the lowest best-effort I/O priority, into the directories the promoted process
 will compile in as far as they can be known now: inductor's cache directory and its precompiled-header
 directory as the environment the script's top level left names them. It also computes inductor's hash of
 torch's sources (`codecache.torch_key`, the first compile's cache lookups need it: pure, of the installed
@@ -37,8 +37,9 @@ from ettr.compile import artifacts, pch_memo
 from ettr.compile.config import CompileConfig, default_user_key
 from ettr.compile.key import StoreKey, current_key
 from ettr.compile.restore import EntryView, StoreRestorer
-from ettr.compile.save import lower_save_thread, raise_save_thread
+from ettr.compile.save import raise_save_thread
 from ettr.compile.store import CompileStore, StoreConfig
+from ettr.procs import lower_this_thread
 
 logger = logging.getLogger("ettr")
 
@@ -62,8 +63,8 @@ class Ahead:
     torch_key_s: float | None = None
     """Seconds the hash of torch's sources took here (None: not computed ahead)."""
     done: threading.Event = field(default_factory=threading.Event)
-    thread_nice: tuple[int, int] | None = None
-    """The thread's (native id, nice value before it was lowered), where it was lowered."""
+    thread_id: int | None = None
+    """The thread's native id."""
     settled: dict[str, Any] | None = None
 
     def run(
@@ -76,9 +77,10 @@ class Ahead:
     ) -> None:
         """The thread: restore, then hash torch's sources. `warm`: inductor's codecache is imported already
         (by the zygote's warm-up): only then is it used here (importing it fixes the header directory)."""
-        before = lower_save_thread()
-        if before is not None:
-            self.thread_nice = (threading.get_native_id(), before)
+        self.thread_id = threading.get_native_id()
+        lower_this_thread(
+            nice_step=0
+        )  # the spare's own nice value (10 beside training), the lowest I/O priority
         try:
             key = key or current_key(user_key=config.user_key or default_user_key())
             self.digest = key.digest
@@ -113,8 +115,8 @@ class Ahead:
         the caller's priority) and say what it was, for the session's MARK: {"ahead": {...}}. Once."""
         if self.settled is not None:
             return self.settled
-        if not self.done.is_set() and self.thread_nice is not None:
-            _raise_to_caller(self.thread_nice[0])  # the promoted process waits on it now
+        if not self.done.is_set() and self.thread_id is not None:
+            _raise_to_caller(self.thread_id)  # the promoted process waits on it now
         self.done.wait()
         info = dict(self.info or {})
         said: dict[str, Any] = {
