@@ -118,6 +118,12 @@ def test_a_spare_restores_ahead_and_its_session_books_it_only_after_the_promotio
     assert said["status"] == "hit" and said["num_files"] == 2 and said["loaded_bytes"] == 1100
     assert said["begin_ts"] < promoted_at and said["duration_s"] >= 0 and "unused" not in said
     assert mark.data["restored"] == [] and mark.data["num_files"] == 0
+    from ettr.report.compile_text import _store_line
+
+    assert "restored ahead by the spare before its promotion (0.0 MB, " in _store_line(mark.data)
+    assert "already on the node" not in _store_line(mark.data)
+    forged = _store_line({"action": "restore", "ahead": {"loaded_bytes": "x", "duration_s": float("nan")}})
+    assert forged == "restore ? (restored ahead by the spare before its promotion)"
     rec.close()
 
 
@@ -136,6 +142,9 @@ def test_directories_moved_after_the_park_are_restored_into_as_without_a_spare(n
     assert (headers / "prefix.h.gch").read_bytes() == b"h" * 1000
     [mark] = _marks(session, rec)
     assert "cache directory moved" in mark.data["ahead"]["unused"]
+    from ettr.report.compile_text import _store_line
+
+    assert "the spare's restore ahead unused: the inductor cache directory moved" in _store_line(mark.data)
     rec.close()
 
 
@@ -253,7 +262,9 @@ def test_a_spare_parks_after_starting_its_ahead_restore(monkeypatch, tmp_path):
 def test_restore_ahead_is_off_without_a_store_or_for_a_script_that_does_not_compile(monkeypatch, tmp_path):
     monkeypatch.setattr(ahead, "_current", None)
     autoinstall = importlib.import_module("ettr.compile.autoinstall")
-    monkeypatch.setitem(sys.modules, "torch._inductor.codecache", sys.modules.get("torch._inductor.codecache"))
+    monkeypatch.setitem(
+        sys.modules, "torch._inductor.codecache", sys.modules.get("torch._inductor.codecache")
+    )
     monkeypatch.setenv("ETTR_COMPILE_STORE", "off")
     assert autoinstall.restore_ahead() is False and ahead.current() is None
     monkeypatch.setenv("ETTR_COMPILE_STORE", str(tmp_path / "store"))
