@@ -163,7 +163,7 @@ def _raise_to_caller(tid: int) -> None:
 
 
 def open_store(config: CompileConfig) -> CompileStore:
-    """The store `config` names (`config.store` must be set)."""
+    """The store `config` names (`config.store` must be set): the compile session's, and a spare's ahead."""
     import os
 
     assert config.store is not None

@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,13 +30,13 @@ from typing import Any
 
 from ettr import torch_compat
 from ettr.compile import artifacts, dynamic, isa_probe, lazy_templates, pch_memo
-from ettr.compile.ahead import Ahead
+from ettr.compile.ahead import Ahead, open_store
 from ettr.compile.config import CompileConfig, default_user_key, pgo_job_id
 from ettr.compile.hooks import CompileHooks, CompileRecord
 from ettr.compile.key import StoreKey, current_key
 from ettr.compile.restore import STORE_MARK, EntryView, StoreRestorer
 from ettr.compile.save import StoreSaver, lower_save_thread, raise_save_thread
-from ettr.compile.store import CompileStore, StoreConfig
+from ettr.compile.store import CompileStore
 from ettr.events import EventKind
 from ettr.patcher import Patcher
 from ettr.recorder import RecorderProtocol
@@ -208,13 +207,7 @@ class CompileSession:
     @property
     def store(self) -> CompileStore | None:
         if self._store is None and self.config.store is not None:
-            self._store = CompileStore.open(
-                StoreConfig(
-                    location=os.path.expanduser(self.config.store),
-                    max_bytes=self.config.max_store_bytes,
-                    secret=self.config.secret,
-                )
-            )
+            self._store = open_store(self.config)
         return self._store
 
     @property
