@@ -111,10 +111,11 @@ class TrainConfig:
     """`linked`: the anchor is made from ettr's committed final checkpoint by hard links where it can be
     (written otherwise); `written`: always written (what `benchmarks/publish_anchor.py` compares against)."""
     compile_cache: str | None = None
-    """Root of inductor's local caches, one fresh directory per attempt (`<root>/attempt-<ETTR_ATTEMPT>`: its
-    cache directory and precompiled headers), as on a newly allocated machine: every attempt compiles cold
-    unless ettr's compile store (`ETTR_COMPILE_STORE` under `ettr run`) restores the artifacts. None: the
-    usual shared caches (warm after the first run on this machine)."""
+    """Root of inductor's local caches, one fresh directory per attempt (`<root>/attempt-<ETTR_ATTEMPT>`, and
+    `-<ETTR_SUPERVISOR_PID>` under `ettr run`: its cache directory and precompiled headers), as on a newly
+    allocated machine: every attempt compiles cold unless ettr's compile store (`ETTR_COMPILE_STORE` under
+    `ettr run`) restores the artifacts. None: the usual shared caches (warm after the first run on this
+    machine)."""
     overlap_startup: bool = False
     """Start the loader workers first, before the process group and the model, so their start-up is hidden
     behind those (and keep them across in-place restarts)."""
@@ -155,6 +156,20 @@ class TrainConfig:
             raise ValueError(f"--publish must be inside, standalone or none, got {self.publish!r}")
         if self.publish_anchor not in ("linked", "written"):
             raise ValueError(f"--publish-anchor must be linked or written, got {self.publish_anchor!r}")
+        if self.compile_cache is not None:
+            longest = Path(self.compile_cache).resolve() / "attempt-999-4194304" / "tmp"
+            if len(os.fsencode(longest)) > SOCKET_TMP_MAX:
+                raise ValueError(
+                    f"--compile-cache {self.compile_cache!r} is too long: an attempt's temp directory under it "
+                    f"({longest}) would be over the {SOCKET_TMP_MAX} bytes the loader's sockets fit under "
+                    "(AF_UNIX paths); choose a shorter path"
+                )
+
+
+SOCKET_TMP_MAX = 72
+"""The longest temp directory that multiprocessing's AF_UNIX sockets fit under: their addresses are
+`TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX`, at most 107 bytes (the loader's workers share tensors through
+them). `--compile-cache` moves TMPDIR under it (`use_attempt_compile_cache`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,15 +270,23 @@ class TrainState:
 
 
 def use_attempt_compile_cache(root: str | os.PathLike[str]) -> Path:
-    """Point inductor's local caches at `root/attempt-<ETTR_ATTEMPT>` and return that directory.
+    """Point inductor's local caches at `root/attempt-<ETTR_ATTEMPT>[-<ETTR_SUPERVISOR_PID>]` and return that
+    directory.
 
     Call before anything compiles: inductor reads TORCHINDUCTOR_CACHE_DIR when it compiles, and places its
     precompiled headers under the temp directory when `torch._inductor.codecache` is first imported (so
-    TMPDIR moves too; workers and compile subprocesses inherit both).
+    TMPDIR moves too; workers and compile subprocesses inherit both). Per `ettr run` invocation as well as
+    per attempt: a requeued job is on a newly allocated machine, whose caches nothing of the invocation
+    before has filled (not even its parked spares, which carry the next attempt's number and restore the
+    compile store's artifacts ahead for it: `ettr.compile.ahead`).
     """
     import tempfile
 
-    directory = Path(root).resolve() / f"attempt-{int(os.environ.get('ETTR_ATTEMPT', '0'))}"
+    name = f"attempt-{int(os.environ.get('ETTR_ATTEMPT', '0'))}"
+    invocation = os.environ.get("ETTR_SUPERVISOR_PID", "")
+    if invocation.isdigit():
+        name += f"-{invocation}"
+    directory = Path(root).resolve() / name
     (directory / "tmp").mkdir(parents=True, exist_ok=True)
     if "torch._inductor.codecache" in sys.modules:
         # A warm process (the zygote's worker, a standby) imported inductor ahead (`ettr.bootstrap.start.
