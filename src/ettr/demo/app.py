@@ -609,16 +609,25 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    workload = QUICK if args.quick else DEFAULT
+    out = Path(args.out)
+    script = find_train_script()
+    jobs = prepare(out)
+    try:
+        return _run_demo(args, workload, out, script, jobs)
+    finally:  # interrupted or failed too: a private cache root under the system's temp directory is no one's
+        for job in jobs:
+            if job.cache_root is not None:
+                shutil.rmtree(job.cache_root, ignore_errors=True)
+
+
+def _run_demo(args: argparse.Namespace, workload: Workload, out: Path, script: Path, jobs: list[Job]) -> int:
     from ettr.demo.render import story_lines, story_sections
     from ettr.demo.story import build_story
     from ettr.report.html import write_html
     from ettr.report.load import load_report
     from ettr.report.text import render_comparison
 
-    workload = QUICK if args.quick else DEFAULT
-    out = Path(args.out)
-    script = find_train_script()
-    jobs = prepare(out)
     display = ProgressDisplay(sys.stdout)
     print(f"ettr demo{' --quick' if args.quick else ''}: {workload.describe()}", flush=True)
     if workload.compile:
