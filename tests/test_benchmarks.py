@@ -63,6 +63,9 @@ FIGURES: dict[str, tuple[str, ...]] = {
         "event_cost_us_postgres", "event_cost_us_sqlite", "event_cost_us_memory", "spill_catch_up_s",
         "spill_spilled_events",
     ),
+    "publish_anchor.py": (
+        "written_publish_phase_s", "linked_publish_phase_s", "saved_s", "linked_publish_phase_max_s", "num_linked",
+    ),
     "publish_shutdown.py": (
         "inside_shutdown_s", "standalone_shutdown_s", "shutdown_ratio", "saved_s_per_job", "publish_job_wall_s",
     ),
@@ -89,7 +92,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     ),
     "spare_kills.py": (
         "trials", "completed", "gave_up", "gave_up_after_last_step", "bad_resumes", "states_checked", "bad_states",
-        "left_behind", "kills.rank", "kills.spare", "unkilled", "spares_promoted", "spare_kills_failed",
+        "left_behind", "kills.rank", "kills.spare", "trials_without_kill", "spares_promoted", "spare_kills_failed",
     ),
     "standby_race.py": (
         "busy.standby.median_ttr_s", "busy.off.median_ttr_s", "busy.ratio", "quiet.standby.median_ttr_s",
@@ -101,7 +104,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
 # leaves them out; `make test` runs them).
 SLOW = {
     "accounting_scale.py", "checkpoint_faults.py", "checkpoint_stall.py", "compile_start.py", "compile_store.py",
-    "fleet_scale.py", "ledger_scale.py", "publish_shutdown.py", "recovery.py", "spare_kills.py", "standby_race.py",
+    "fleet_scale.py", "ledger_scale.py", "publish_anchor.py", "publish_shutdown.py", "recovery.py", "spare_kills.py", "standby_race.py",
     "training_yield.py",
 }  # fmt: skip
 NEEDS_POSTGRES = {"ledger_scale.py"}

@@ -241,3 +241,54 @@ def test_a_managers_save_in_flight_never_touches_the_copy_a_restore_takes(
         assert found.snapshot is not None, found.reason
         found.snapshot.close()
         manager.memory.remove_all()
+
+
+def test_the_slot_lent_for_the_next_save_is_faulted_in_and_unchanged(tmp_path: Path) -> None:
+    """The next save's slot is prefaulted after the commit (on the persist's thread), not by the next save's
+    blocking copy; prefaulting writes nothing: the copy it was swapped out of stays byte for byte."""
+    copies, stager = _copies(tmp_path), ReusedStager()
+    calls: list[snapshot.Slot] = []
+    original = snapshot.Slot.prefault
+
+    def recording(slot: snapshot.Slot) -> bool:
+        calls.append(slot)
+        before = bytes(slot.mapped)
+        done = original(slot)
+        assert bytes(slot.mapped) == before  # nothing written
+        return done
+
+    snapshot.Slot.prefault = recording  # type: ignore[method-assign]
+    try:
+        for step in (1, 2, 3):
+            assert _save(copies, stager, _state(float(step)), step)
+            assert calls and calls[-1] is copies._lent  # the slot lent for the next save, every time
+            assert _equal(_load(copies, step), _state(float(step)))
+    finally:
+        snapshot.Slot.prefault = original  # type: ignore[method-assign]
+        copies.remove_all()
+        stager.close()
+
+
+def test_a_restore_makes_the_first_saves_buffers_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After `restore()` the staging buffers are made before the first save (on the persist's thread), and
+    the first save's copy allocates nothing."""
+    from ettr.checkpoint import staging
+
+    model = torch.nn.Linear(1024, 512)  # 2 MiB of weight: a page-aligned staging buffer
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = CheckpointConfig(root=str(tmp_path / "ckpt"), interval=IntervalConfig(every_steps=10**6))
+    with CheckpointManager(config, TrainState(model=model, optimizer=optimizer)) as manager:
+        assert manager.restore() is None
+        stager = manager._persister.stager
+        assert stager._preparing is not None
+        stager._preparing.result(timeout=60)
+        assert {"model.weight", "model.bias"} <= set(stager._buffers)
+        allocated: list[Any] = []
+        real = staging._empty_buffer
+        monkeypatch.setattr(staging, "_empty_buffer", lambda *a, **k: allocated.append(a) or real(*a, **k))
+        assert manager.save(1, wait=True)
+        assert not allocated
+        monkeypatch.undo()
+        assert manager.restore() == 1

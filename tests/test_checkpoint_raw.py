@@ -166,14 +166,14 @@ def test_a_raw_record_is_read_as_its_metadata_says_and_refused_when_it_does_not_
     data = torch.arange(6, dtype=torch.float32).numpy().tobytes()
     metadata, item = _one_record(len(data))
     check_metadata(metadata, {"__0_0.distcp": len(data)})
-    got = raw._read_record(io.BytesIO(data), item, metadata)
+    got = raw.read_record(io.BytesIO(data), item.storage_index, metadata)
     assert torch.equal(got, torch.arange(6, dtype=torch.float32).reshape(2, 3))
     metadata, item = _one_record(len(data) - 4)  # a length that is not a float32 2x3 tensor's
     with pytest.raises(CheckpointInvalid, match="raw record is 20 bytes"):
-        raw._read_record(io.BytesIO(data), item, metadata)
+        raw.read_record(io.BytesIO(data), item.storage_index, metadata)
     metadata, item = _one_record(len(data))
     with pytest.raises(CheckpointInvalid, match="ends inside"):
-        raw._read_record(io.BytesIO(data[:10]), item, metadata)
+        raw.read_record(io.BytesIO(data[:10]), item.storage_index, metadata)
 
 
 @pytest.mark.parametrize("descriptors", [["zstd"], [raw.RAW, "zstd"], ["ettr-raw-v2"]])

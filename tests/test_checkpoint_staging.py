@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -82,3 +83,31 @@ def test_shared_memory_buffers_for_the_process_mode():
     assert staged["t"].is_shared()
     # what DCP's checkpoint process receives: a handle to the same memory, not a copy of the bytes
     assert len(pickle.dumps(staged["t"])) > 0
+
+
+def test_buffers_made_ahead_are_the_ones_the_first_copy_uses() -> None:
+    """`prepare` allocates (and faults in) in the background what `stage` then copies into: the same buffers,
+    the right values, nothing more allocated by the copy."""
+    state = _state()
+    state["big"] = torch.randn(1 << 19)  # 2 MiB: its own page-aligned buffer, faulted in ahead
+    stager = ReusedStager()
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        stager.prepare(state, executor)
+        staged = stager.stage(state)  # waits for the preparation first
+    assert isinstance(staged, dict)
+    made = {key: buffer.data_ptr() for key, buffer in stager._buffers.items()}
+    assert made and stager.allocate(state) == 1 << 21  # nothing new: the same keys, the same buffers
+    assert {key: buffer.data_ptr() for key, buffer in stager._buffers.items()} == made
+    assert staged["big"].data_ptr() == made["big"] and torch.equal(staged["big"], state["big"])
+    assert torch.equal(staged["model"]["weight"], state["model"]["weight"])
+    stager.close()
+
+
+def test_lend_lets_go_of_the_last_copy() -> None:
+    """The buffers `lend` replaces are freed where it runs (the persist's thread), not by the next `stage`."""
+    stager = ReusedStager()
+    stager.stage({"t": torch.ones(4)})
+    assert stager.last_staged is not None
+    stager.lend({})
+    assert stager.last_staged is None
+    stager.close()

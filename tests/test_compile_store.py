@@ -185,8 +185,26 @@ def test_saving_again_replaces_the_entry_and_eviction_drops_what_nothing_names()
     assert sorted(backend.list(_key().digest)) == ["manifest.json", "used"]
 
 
+def test_a_use_is_written_at_most_once_a_minute(monkeypatch):
+    backend = MemoryBackend()
+    store = CompileStore(backend)
+    store.save(_key(), {"a": {"a": b"v1"}})
+    now = [5000.0]
+    monkeypatch.setattr("ettr.compile.store.time.time", lambda: now[0])
+    writes: list[str] = []
+    write = backend.write
+    monkeypatch.setattr(backend, "write", lambda path, data: writes.append(path) or write(path, data))
+    store.head(_key())
+    now[0] += 30  # the next restore of the node (the other rank, a spare's check after its restore ahead)
+    store.head(_key())
+    assert writes == [f"{_key().digest}/used"]
+    now[0] += 61
+    store.head(_key())
+    assert len(writes) == 2 and float(backend.read(f"{_key().digest}/used")) == now[0]
+
+
 def test_least_recently_used_entries_are_evicted_past_the_size_bound(backend, monkeypatch):
-    clock = iter(range(1000, 2000))
+    clock = iter(range(1000, 100_000, 100))  # a use is recorded at most once a minute (TOUCH_EVERY_S)
     monkeypatch.setattr("ettr.compile.store.time.time", lambda: float(next(clock)))
     store = CompileStore(backend, max_bytes=250)
     for name in ("one", "two", "three"):

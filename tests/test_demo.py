@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -226,18 +227,45 @@ def test_each_attempt_compiles_into_fresh_local_caches(tmp_path):
         "from torch._inductor.runtime.cache_dir_utils import cache_dir;"
         "print(d); print(cache_dir()); print(codecache._HEADER_DIR)"
     )
-    env = {**os.environ, "ETTR_ATTEMPT": "2"}
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(EXAMPLES), str(tmp_path / "cc")],
+    env = {k: v for k, v in os.environ.items() if k != "ETTR_SUPERVISOR_PID"}
+    for invocation, name in (("", "attempt-2"), ("4242", "attempt-2-4242")):
+        if invocation:
+            env["ETTR_SUPERVISOR_PID"] = invocation  # a requeue (another `ettr run`) gets fresh caches too
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(EXAMPLES), str(tmp_path / "cc")],
+            capture_output=True,
+            text=True,
+            env={**env, "ETTR_ATTEMPT": "2"},
+            timeout=120,
+            check=True,
+        ).stdout.split()
+        attempt_dir = tmp_path / "cc" / name
+        assert out[0] == str(attempt_dir) and out[1] == str(attempt_dir / "inductor")
+        assert out[2].startswith(str(attempt_dir / "tmp"))  # the precompiled headers move with it
+
+
+def test_a_compile_cache_too_long_for_the_loaders_sockets_is_one_clear_line_and_the_demo_takes_a_short_one(
+    tmp_path, monkeypatch
+):
+    # Its per-attempt TMPDIR holds multiprocessing's AF_UNIX sockets (107 bytes at most): a demo whose --out
+    # was a few characters longer than a helper's failed in the loader with "AF_UNIX path too long".
+    long_root = tmp_path / ("x" * 80)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "dlrm" / "train.py"), "--compile-cache", str(long_root)],
         capture_output=True,
         text=True,
-        env=env,
         timeout=120,
-        check=True,
-    ).stdout.split()
-    attempt_dir = tmp_path / "cc" / "attempt-2"
-    assert out[0] == str(attempt_dir) and out[1] == str(attempt_dir / "inductor")
-    assert out[2].startswith(str(attempt_dir / "tmp"))  # the precompiled headers move with it
+    )
+    assert done.returncode == 2 and "too long" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert demo.cache_root_for(Path("/o/optimized-work"), "optimized") is None
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    short = demo.cache_root_for(long_root / "optimized-work", "optimized")
+    assert short is not None and short.parent == tmp_path and (short.stat().st_mode & 0o777) == 0o700
+    job = demo.Job(side=demo.OPTIMIZED, run_dir=long_root / "o", work_dir=long_root / "w", cache_root=short)
+    assert job.compile_cache == short
+    (short / "attempt-1" / "tmp").mkdir(parents=True)
+    demo.drop_bulk([job])
+    assert not short.exists()
 
 
 @pytest.mark.slow

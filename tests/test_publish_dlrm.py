@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ettr.checkpoint.commit import verify
 from ettr.checkpoint.storage import open_storage
@@ -136,3 +137,59 @@ def test_a_sharded_two_rank_dlrm_publishes_standalone_and_the_artifact_predicts_
     assert publish_s < publish["wall_s"] - publish["buckets_s"]["scheduling"]
     assert [a["outcome"] for a in publish["attempts"]] == ["completed"]
     assert publish["buckets_s"]["restore"] > 0
+
+
+def _train_and_publish(tmp_path: Path, ckpt_mode: str) -> tuple[Path, dict]:
+    """The reference job (`examples/dlrm/train.py`, 2 ranks, tables sharded) with `--publish standalone`,
+    then `ettr publish` of its queue; (its directory, the outcome)."""
+    out = tmp_path / ckpt_mode
+    _run(
+        [
+            ETTR, "run", "--run-dir", str(out / "run"), "--job-id", "dlrm-train", "--max-restarts", "0", "--",
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(ROOT / "examples" / "dlrm" / "train.py"), "--steps", "12", "--ckpt-every", "6",
+            "--ckpt-mode", ckpt_mode, "--ckpt-dir", str(out / "ckpt"), "--publish", "standalone",
+            "--publish-dir", str(out / "publish"), "--no-compile", "--num-rows", "2000", "--num-workers", "0",
+            "--fast-exit", "--log-every", "6",
+        ],
+        timeout_s=240,
+    )  # fmt: skip
+    allow = ["--allow-factory", "dlrm.*", "--allow-pythonpath", str(ROOT / "examples")]
+    out_pub = _run([ETTR, "publish", str(out / "publish" / "queue"), "--json", *allow], timeout_s=240)
+    (outcome,) = json.loads(out_pub.stdout)["outcomes"]
+    assert outcome["status"] == "published"
+    return out, outcome
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_anchor_linked_from_the_final_checkpoint_publishes_what_a_written_anchor_does(tmp_path):
+    from safetensors.torch import load_file
+
+    linked_dir, linked = _train_and_publish(tmp_path, "ettr")  # ettr's checkpoints: the anchor is linked
+    written_dir, written = _train_and_publish(tmp_path, "sync")  # torch.save rank files: it is written
+
+    spans = {
+        d: [
+            e.data
+            for e in open_ledger(d / "run").read()
+            if e.kind is EventKind.PHASE_END and e.phase is Phase.PUBLISH
+        ]
+        for d in (linked_dir, written_dir)
+    }
+    assert [s["anchor_made"] for s in spans[linked_dir]] == ["linked", "linked"]  # both ranks
+    assert spans[linked_dir][0]["linked_files"] == 2 and "anchor_fallback" not in spans[linked_dir][0]
+    assert [s["anchor_made"] for s in spans[written_dir]] == ["written", "written"]
+    anchor = linked_dir / "publish" / "anchors" / "step_000000012"
+    for rank_file in ("__0_0.distcp", "__1_0.distcp"):  # the checkpoint's own files, one inode each
+        assert (anchor / rank_file).stat().st_ino == (
+            linked_dir / "ckpt" / "step_000000012" / rank_file
+        ).stat().st_ino
+    assert linked["verification"]["loaded_model"]["max_abs_err"] == 0.0
+
+    # The same artifact from either anchor: the trained weights bit for bit (column-wise tables whole again).
+    a = load_file(Path(linked["artifact_dir"]) / "model.safetensors")
+    b = load_file(Path(written["artifact_dir"]) / "model.safetensors")
+    assert a.keys() == b.keys() and "sparse_arch.embedding_bags.t0.weight" in a
+    for key in a:
+        assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), key

@@ -102,6 +102,11 @@ class Checkpointer(Protocol):
         """Finish background work and release resources. Idempotent."""
         ...
 
+    def committed(self, step: int) -> Any | None:
+        """The committed checkpoint of `step` that holds the live state, for `publish_at_end(checkpoint=)`
+        to make the anchor from (ettr's `CommittedCheckpoint`); None when there is none to offer."""
+        ...
+
 
 class TorchSaveCheckpointer:
     """`torch.save` per rank into `ckpt_dir/step_NNNNNNNN/rank_RRRRR.pt`, committed by a marker file.
@@ -208,6 +213,9 @@ class TorchSaveCheckpointer:
 
     def close(self) -> None:
         pass
+
+    def committed(self, step: int) -> Any | None:
+        return None  # torch.save rank files: the anchor is written
 
     def _retire_old(self) -> None:
         for old in self.committed_steps()[: -self.keep]:
@@ -351,6 +359,9 @@ class EttrCheckpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+    def committed(self, step: int) -> Any | None:
+        return self._manager.committed(step)  # the anchor is made from it (hard links), not written again
 
 
 def make_checkpointer(

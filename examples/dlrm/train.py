@@ -107,11 +107,15 @@ class TrainConfig:
     job of its own), or `none`."""
     publish_dir: str = "publish/dlrm"
     """Where publishing keeps its anchor checkpoints (`anchors/`) and its queue (`queue/`)."""
+    publish_anchor: str = "linked"
+    """`linked`: the anchor is made from ettr's committed final checkpoint by hard links where it can be
+    (written otherwise); `written`: always written (what `benchmarks/publish_anchor.py` compares against)."""
     compile_cache: str | None = None
-    """Root of inductor's local caches, one fresh directory per attempt (`<root>/attempt-<ETTR_ATTEMPT>`: its
-    cache directory and precompiled headers), as on a newly allocated machine: every attempt compiles cold
-    unless ettr's compile store (`ETTR_COMPILE_STORE` under `ettr run`) restores the artifacts. None: the
-    usual shared caches (warm after the first run on this machine)."""
+    """Root of inductor's local caches, one fresh directory per attempt (`<root>/attempt-<ETTR_ATTEMPT>`, and
+    `-<ETTR_SUPERVISOR_PID>` under `ettr run`: its cache directory and precompiled headers), as on a newly
+    allocated machine: every attempt compiles cold unless ettr's compile store (`ETTR_COMPILE_STORE` under
+    `ettr run`) restores the artifacts. None: the usual shared caches (warm after the first run on this
+    machine)."""
     overlap_startup: bool = False
     """Start the loader workers first, before the process group and the model, so their start-up is hidden
     behind those (and keep them across in-place restarts)."""
@@ -150,6 +154,22 @@ class TrainConfig:
             raise ValueError("--failures-per-day and --failure-prior-days must be positive")
         if self.publish not in ("inside", "standalone", "none"):
             raise ValueError(f"--publish must be inside, standalone or none, got {self.publish!r}")
+        if self.publish_anchor not in ("linked", "written"):
+            raise ValueError(f"--publish-anchor must be linked or written, got {self.publish_anchor!r}")
+        if self.compile_cache is not None:
+            longest = Path(self.compile_cache).resolve() / "attempt-999-4194304" / "tmp"
+            if len(os.fsencode(longest)) > SOCKET_TMP_MAX:
+                raise ValueError(
+                    f"--compile-cache {self.compile_cache!r} is too long: an attempt's temp directory under it "
+                    f"({longest}) would be over the {SOCKET_TMP_MAX} bytes the loader's sockets fit under "
+                    "(AF_UNIX paths); choose a shorter path"
+                )
+
+
+SOCKET_TMP_MAX = 72
+"""The longest temp directory that multiprocessing's AF_UNIX sockets fit under: their addresses are
+`TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX`, at most 107 bytes (the loader's workers share tensors through
+them). `--compile-cache` moves TMPDIR under it (`use_attempt_compile_cache`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--resume", action=argparse.BooleanOptionalAction, default=d.resume, help="resume from the latest")
     add("--publish", choices=("inside", "standalone", "none"), default=d.publish, help="inference publishing")
     add("--publish-dir", default=d.publish_dir, help="anchors/ and queue/ of publishing")
+    add(
+        "--publish-anchor",
+        choices=("linked", "written"),
+        default=d.publish_anchor,
+        help="anchor from the checkpoint",
+    )
     add("--compile-cache", default=d.compile_cache, help="root of per-attempt (cold) inductor caches")
     add("--overlap-startup", action=argparse.BooleanOptionalAction, default=d.overlap_startup)
     add("--plan-cache", default=d.plan_cache, help="directory of computed sharding plans (reused)")
@@ -244,15 +270,23 @@ class TrainState:
 
 
 def use_attempt_compile_cache(root: str | os.PathLike[str]) -> Path:
-    """Point inductor's local caches at `root/attempt-<ETTR_ATTEMPT>` and return that directory.
+    """Point inductor's local caches at `root/attempt-<ETTR_ATTEMPT>[-<ETTR_SUPERVISOR_PID>]` and return that
+    directory.
 
     Call before anything compiles: inductor reads TORCHINDUCTOR_CACHE_DIR when it compiles, and places its
     precompiled headers under the temp directory when `torch._inductor.codecache` is first imported (so
-    TMPDIR moves too; workers and compile subprocesses inherit both).
+    TMPDIR moves too; workers and compile subprocesses inherit both). Per `ettr run` invocation as well as
+    per attempt: a requeued job is on a newly allocated machine, whose caches nothing of the invocation
+    before has filled (not even its parked spares, which carry the next attempt's number and restore the
+    compile store's artifacts ahead for it: `ettr.compile.ahead`).
     """
     import tempfile
 
-    directory = Path(root).resolve() / f"attempt-{int(os.environ.get('ETTR_ATTEMPT', '0'))}"
+    name = f"attempt-{int(os.environ.get('ETTR_ATTEMPT', '0'))}"
+    invocation = os.environ.get("ETTR_SUPERVISOR_PID", "")
+    if invocation.isdigit():
+        name += f"-{invocation}"
+    directory = Path(root).resolve() / name
     (directory / "tmp").mkdir(parents=True, exist_ok=True)
     if "torch._inductor.codecache" in sys.modules:
         # A warm process (the zygote's worker, a standby) imported inductor ahead (`ettr.bootstrap.start.
@@ -339,10 +373,14 @@ def model_config(config: TrainConfig) -> Any:
     )
 
 
-def publish(model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig, rank: int) -> None:
+def publish(
+    model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig, rank: int, checkpoint: Any = None
+) -> None:
     """Publish the trained model (collective; `config.publish` is `inside` or `standalone`).
 
     The sample batch is the one after the training stream, so the artifact is checked on unseen data.
+    `checkpoint`: the committed checkpoint of `step` (ettr's checkpointer), which the anchor is made from
+    by hard links instead of a second write of the model.
     """
     from torchrec import KeyedJaggedTensor
 
@@ -369,12 +407,17 @@ def publish(model: Any, *, step: int, config: TrainConfig, data: ClickDataConfig
     # recompile for it (its graphs are for training, grad mode on), ~1 s of shutdown for one batch.
     with torch.compiler.set_stance("force_eager"):
         result = publish_at_end(
-            model, step=step, config=publish_config, sample_inputs=(sample.dense, features)
+            model,
+            step=step,
+            config=publish_config,
+            sample_inputs=(sample.dense, features),
+            checkpoint=checkpoint,
         )
     done = (
         f"artifact built in {result.artifact_dir}" if result.built else f"request {result.request_id} queued"
     )
-    print0(f"publish ({config.publish}): anchor {result.anchor_path}; {done}")
+    made = result.anchor_made + (f" ({result.anchor_fallback})" if result.anchor_fallback else "")
+    print0(f"publish ({config.publish}): anchor {result.anchor_path} {made}; {done}")
 
 
 def build_model(config: TrainConfig, world_size: int, clock: StageClock) -> tuple[Any, Any, torch.nn.Module]:
@@ -607,7 +650,9 @@ def _generation(
                 checkpointer.save(step)  # the final state (a no-op if the interval just saved it)
             checkpointer.close()
         if config.publish != "none" and step == config.steps:
-            publish(model, step=step, config=config, data=data_config, rank=rank)
+            linked = checkpointer is not None and config.publish_anchor == "linked"
+            committed = checkpointer.committed(step) if linked else None
+            publish(model, step=step, config=config, data=data_config, rank=rank, checkpoint=committed)
         if not config.fast_exit:
             del batches  # stops the loader workers (and waits for them)
             if kept is not None:

@@ -83,6 +83,10 @@ class _PhaseSpan:
         )
         return self
 
+    def add(self, **data: Any) -> None:
+        """More data for the PHASE_END (what the phase found out: how it did its work, why it fell back)."""
+        self._data = {**(self._data or {}), **data}
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         open_phases = self._recorder._open_phases
         open_phases[self._phase] = open_phases.get(self._phase, 1) - 1

@@ -50,6 +50,7 @@ def park() -> bool:
 
     fifo = str(_state["fifo"])
     _import_ahead()
+    _compile_ahead()
     parked_at = time.time()
     _say_parked(fifo, parked_at)
     message = _wait(fifo)
@@ -97,6 +98,17 @@ def _import_ahead() -> None:
             importlib.import_module(name)
         except Exception:  # the promotion imports it then, or does without
             pass
+
+
+def _compile_ahead() -> None:
+    """The compile store's restore into the directories the script's top level chose, on a low-priority
+    thread while the spare waits (`ettr.compile.ahead`); booked by the compile session after the promotion."""
+    try:
+        from ettr.compile.autoinstall import restore_ahead
+
+        restore_ahead()
+    except Exception:  # the promoted process restores at its first compile, as before
+        pass
 
 
 def _say_parked(fifo: str, parked_at: float) -> None:

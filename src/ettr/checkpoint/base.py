@@ -43,6 +43,28 @@ def parse_step_dir(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class CommittedCheckpoint:
+    """A checkpoint a manager of this process committed (or restored), named to a consumer that wants its
+    state without writing it again (`CheckpointManager.committed`; `ettr.publish.publish_at_end(...,
+    checkpoint=)` makes the publish anchor from it by hard links). The consumer verifies and admits it
+    again, and proves every tensor it takes bit-identical to the live state before using it."""
+
+    storage: Any
+    """Where it is (the manager's `CheckpointStorage`)."""
+    step: int
+    state_dict: Callable[[], dict[str, Any]]
+    """The state as the manager saves it (`TrainState.state_dict`): the live tensors, under the keys its
+    records have in DCP's metadata."""
+    allow_unsigned: bool = False
+    """The manager's own admission settings (an unsigned root it was told to accept)."""
+    resume_foreign: bool = False
+
+    @property
+    def name(self) -> str:
+        return step_dir_name(self.step)
+
+
 class CheckpointError(Exception):
     """A checkpoint could not be saved or loaded (the message says which and why).
 

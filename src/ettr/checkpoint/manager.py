@@ -51,6 +51,7 @@ from ettr.checkpoint.base import (
     CheckpointError,
     CheckpointInvalid,
     CheckpointStorage,
+    CommittedCheckpoint,
     PersistMode,
     describe_error,
     step_dir_name,
@@ -189,6 +190,7 @@ class CheckpointManager:
             pin_memory=torch.cuda.is_available(),
         )
         self._hooks = install_staging_hooks(state, self.wait_staged) if self.overlapping else []
+        self._staging_prepared = False
         history = failure_history if config.interval.auto and failure_history is not None else None
         self.policy = IntervalPolicy(
             config.interval,
@@ -562,6 +564,22 @@ class CheckpointManager:
             f"the final checkpoint of step {step} in {self.storage.url} failed: {cause or 'unknown cause'}"
         )
 
+    def committed(self, step: int) -> CommittedCheckpoint | None:
+        """The checkpoint of `step` if it is the newest this manager committed or restored (else None), for
+        a consumer that takes its state from storage instead of writing it again: the publish anchor
+        (`ettr.publish.publish_at_end(..., checkpoint=manager.committed(step))`). Call after `finish(step)`
+        (or `save(step, wait=True)`); it may be called after `close()`. Not collective."""
+        if step != self.last_committed_step or self.persisting:
+            return None
+        admission = self._admission()
+        return CommittedCheckpoint(
+            storage=self.storage,
+            step=step,
+            state_dict=lambda: self.state.state_dict(step, world_size=self.world_size),
+            allow_unsigned=admission.allow_unsigned,
+            resume_foreign=admission.resume_foreign,
+        )
+
     @property
     def persisting(self) -> bool:
         """Whether a save's background persist is still running."""
@@ -594,7 +612,29 @@ class CheckpointManager:
         transient I/O errors) is moved aside with a `checkpoint_skipped` mark and the next older one is
         tried; when none loads, the job starts from scratch with a loud warning. Collective. Raises
         CheckpointError if `step` is given and does not verify or load.
+
+        Then the first save's staging buffers are made on the persist's thread while training starts
+        (`_prepare_staging`).
         """
+        restored = self._restore(step)
+        self._prepare_staging()
+        return restored
+
+    def _prepare_staging(self) -> None:
+        """Allocate and fault in the staging buffers in the background, once, before the first save: its copy
+        otherwise stopped at every page of fresh memory (docs/checkpointing.md, "A save's blocking part").
+        The state dict is taken here, on the caller's thread (only its shapes and dtypes are used)."""
+        if self._staging_prepared or self._persister.stager.num_bytes:
+            return
+        self._staging_prepared = True
+        try:
+            state_dict = self.state.state_dict(0, world_size=self.world_size)
+        except Exception as exc:  # the first save says what is wrong with the state, as before
+            logger.debug("ettr: staging buffers not made ahead (%s)", describe_error(exc))
+            return
+        self._persister.prepare(state_dict)
+
+    def _restore(self, step: int | None) -> int | None:
         self.wait()
         scanning_begin = time.time()
         self._memory_not_used = None

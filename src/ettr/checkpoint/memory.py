@@ -330,6 +330,9 @@ class MemoryCopies:
             return
         self._lent = slot
         self._lend_keys = snapshot.tensor_keys(state_dict)
+        # Here, on the persist's thread after the commit, not in the next save's blocking copy: a new slot's
+        # pages allocated and zeroed, an old copy's file mapped (nothing written; a no-op where mapped).
+        slot.prefault()
 
     def staging_views(self) -> dict[tuple[int, int], Any]:
         """The lent slot's views by the `buffer_key` of the staged tensor each takes the place of (what

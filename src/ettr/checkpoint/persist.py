@@ -83,6 +83,11 @@ class AsyncPersister:
             self._staging = (staged, step)
         return self._executor.submit(self._persist, staged, writer)
 
+    def prepare(self, state_dict: dict[str, Any]) -> None:
+        """Have the staging buffers of `state_dict` allocated and faulted in on the persist's thread (nicer
+        than training), before the first save needs them (`ReusedStager.allocate`)."""
+        self.stager.prepare(state_dict, self._executor)
+
     def _lower_checkpoint_process(self) -> None:
         """DCP's checkpoint process runs nicer than training once it exists (DCP starts it in a thread
         during the first save, so the first persist may still run at training's priority). Its pid comes

@@ -139,7 +139,7 @@ def read_raw(reader: Any, items: list[Any], metadata: Metadata, planner: Any) ->
         path = reader.fs.concat_path(reader.path, relative_path)
         with reader.fs.create_stream(path, "rb") as stream:
             for item in sorted(file_items, key=lambda i: metadata.storage_data[i.storage_index].offset):
-                tensor = _read_record(stream, item, metadata)
+                tensor = read_record(stream, item.storage_index, metadata)
                 for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
                     if start != 0 or length != tensor.size(dim):
                         tensor = tensor.narrow(dim, start, length)
@@ -152,8 +152,9 @@ def read_raw(reader: Any, items: list[Any], metadata: Metadata, planner: Any) ->
                 planner.commit_tensor(item, target)
 
 
-def _read_record(stream: Any, item: Any, metadata: Metadata) -> torch.Tensor:
-    index = item.storage_index
+def read_record(stream: Any, index: Any, metadata: Metadata) -> torch.Tensor:
+    """The raw record of storage item `index` (a `MetadataIndex`) from `stream` (its data file): a new tensor
+    of the dtype and shape `metadata` holds for that chunk. Raises CheckpointInvalid."""
     info = metadata.storage_data[index]
     entry = metadata.state_dict_metadata.get(index.fqn)
     if not isinstance(entry, TensorStorageMetadata):

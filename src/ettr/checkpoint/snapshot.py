@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ettr.checkpoint import direct_io
+from ettr.checkpoint import direct_io, prefault
 from ettr.checkpoint.base import CheckpointInvalid
 from ettr.checkpoint.checksums import buffer_key, crc32, crc32_combine
 from ettr.untrusted import open_regular
@@ -387,6 +387,11 @@ class Slot:
     def unseal(self) -> None:
         """Clear the magic before the stager writes into the payload again: a snapshot no more."""
         os.pwrite(self.fd, bytes(len(MAGIC)), 0)
+
+    def prefault(self) -> bool:
+        """Allocate and map every page of the file now (`prefault.populate_mapping`: nothing written), so
+        that the stager's copy into the views does not stop to fault them in. Returns whether it was done."""
+        return prefault.populate_mapping(self.mapped)
 
     def close(self) -> None:
         """Unmap (where no view is alive: else the mapping goes with the last view) and close the file."""

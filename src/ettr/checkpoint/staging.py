@@ -27,17 +27,18 @@ of the state is made after the commit (`memory.MemoryCopies`). Not with pinned o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 from collections.abc import Collection, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ettr import torch_compat
-from ettr.checkpoint import direct_io
+from ettr.checkpoint import direct_io, prefault
 from ettr.checkpoint.checksums import buffer_key
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), complex)
@@ -68,8 +69,10 @@ class ReusedStager(AsyncStager):
         )
         self._executor: ThreadPoolExecutor | None = None
         self._stream: Any = None
+        self._preparing: Future[int] | None = None
+        """`allocate` running in the background (`prepare`): `stage` waits for it."""
         self.last_staged: dict[str, Any] | None = None
-        """The last complete copy (its tensors are the reused buffers: valid until the next `stage`)."""
+        """The last complete copy (its tensors are the reused buffers: valid until the next `stage` or `lend`)."""
 
     @property
     def num_bytes(self) -> int:
@@ -98,13 +101,48 @@ class ReusedStager(AsyncStager):
             elif key in self._lent:
                 del self._buffers[key]
         self._lent = lent
+        # The buffers replaced here (the first save's private ones) are freed now, on the persist's thread:
+        # the last copy still held them, and the next `stage` let go of it (an unmap of the whole state
+        # in the next save's blocking part). The manager reads the last copy before it lends.
+        self.last_staged = None
         return len(lent)
+
+    def allocate(self, state_dict: dict[str, Any]) -> int:
+        """Allocate the buffers `stage` will copy `state_dict` into and fault their pages in (`prefault`:
+        nothing written), so that the first copy runs as fast as a later one, which reuses them. Reads the
+        tensors' shapes and dtypes only (any thread: `prepare` runs it in the background). Returns the bytes
+        faulted in."""
+        return sum(self._allocate(v, k) for k, v in state_dict.items())
+
+    def _allocate(self, value: Any, key: str) -> int:
+        # the keys and buffers `_stage` uses for the same values
+        if isinstance(value, dict):
+            return sum(self._allocate(v, f"{key}.{k}") for k, v in value.items())
+        if isinstance(value, list) or type(value) is tuple:
+            return sum(self._allocate(v, f"{key}.{i}") for i, v in enumerate(value))
+        if type(value) in (torch.Tensor, torch.nn.Parameter) and value.layout is torch.strided:
+            return _fault_in(self._buffer_for(key, value))
+        if type(value).__name__ == "ShardedTensor" and _is_sharded_tensor(value):
+            shards = value.local_shards()
+            return sum(_fault_in(self._buffer_for(f"{key}#shard{i}", s.tensor)) for i, s in enumerate(shards))
+        return 0
+
+    def prepare(self, state_dict: dict[str, Any], executor: Executor) -> None:
+        """`allocate` on `executor` (a background thread); the next `stage` waits for it first."""
+        self._preparing = executor.submit(self.allocate, state_dict)
+
+    def _wait_prepared(self) -> None:
+        preparing, self._preparing = self._preparing, None
+        if preparing is not None:
+            with contextlib.suppress(Exception):  # the copy allocates what is missing, as without it
+                preparing.result()
 
     def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any] | Future[dict[str, Any]]:
         """A copy of `state_dict` whose tensors live in the reused buffers.
 
         Without `background_keys` the copy is complete on return; with them, a Future of the whole copy.
         """
+        self._wait_prepared()
         later = {k: v for k, v in state_dict.items() if k in self.background_keys}
         now_cuda: list[bool] = [False]
         staged = {
@@ -195,6 +233,7 @@ class ReusedStager(AsyncStager):
 
     def close(self) -> None:
         """Stop the staging thread and release the buffers."""
+        self._wait_prepared()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -215,6 +254,14 @@ def _empty_buffer(tensor: torch.Tensor, *, pin_memory: bool, share_memory: bool)
         return buffer.share_memory_() if share_memory else buffer
     pages = mmap.mmap(-1, nbytes)  # held by the tensor (frombuffer keeps its buffer alive)
     return torch.frombuffer(pages, dtype=tensor.dtype, count=tensor.numel()).view(tensor.shape)
+
+
+def _fault_in(buffer: torch.Tensor) -> int:
+    """Fault a staging buffer's pages in (one that starts on a page; a small one is left to the copy)."""
+    nbytes = buffer.numel() * buffer.element_size()
+    return (
+        nbytes if nbytes >= direct_io.MIN_BYTES and prefault.populate(int(buffer.data_ptr()), nbytes) else 0
+    )
 
 
 def _is_sharded_tensor(value: Any) -> bool:

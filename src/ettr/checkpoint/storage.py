@@ -184,6 +184,21 @@ class LocalStorage:
             raise
         fsync_dir(directory)
 
+    def link_from(self, source: LocalStorage, src_rel: str, rel: str) -> None:
+        """Hard-link the regular file `src_rel` of `source` (another local root, or this one) to `rel` here:
+        the same bytes under a second name, written nothing. No symlink below either root is followed
+        (a symlink at `src_rel` is refused, not linked). Raises OSError: EXDEV across file systems, EEXIST
+        when `rel` exists, EPERM/EMLINK where the file system has no hard links (callers write instead)."""
+        src_head, src_name = source._split(src_rel)
+        head, name = self._split(rel)
+        with source._dir(src_head) as src_fd, self._dir(head, create=True) as dst_fd:
+            st = os.stat(src_name, dir_fd=src_fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise SymlinkRefused(
+                    errno.EINVAL, "not a regular file; ettr does not link it", source.path(src_rel)
+                )
+            os.link(src_name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
+
     def make_durable(self, rel_dir: str) -> None:
         full = self._checked_dir_path(rel_dir)
         fsync_dir(full)

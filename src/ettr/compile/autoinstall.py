@@ -15,6 +15,7 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
+from ettr.compile import ahead
 from ettr.compile.config import CompileConfig, default_user_key, private_cache_parts
 from ettr.compile.safety import make_private_dirs_below
 from ettr.compile.session import CompileSession
@@ -45,12 +46,34 @@ def after_warm_up() -> None:
     _warm_imports_only = True
 
 
+def restore_ahead() -> bool:
+    """Called by a spare as it parks (`ettr.bootstrap.spare.park`), before its promotion: choose the
+    workload's cache directory as `autoinstall` will at the promotion (the environment is the same), then
+    restore the compile store's entry into it on a low-priority thread (`ettr.compile.ahead`), booking
+    nothing; the session started after the promotion checks it and says it in its restore's MARK. Only where
+    inductor's compile path is imported already (the zygote's warm-up imports it when the trained attempt had:
+    `ettr.bootstrap.start.TORCH_PARTS`): a script that does not compile restores nothing (the build's 157 MB
+    precompiled header, which a store restores to a workload without an entry of its own). Whether it
+    started; never raises."""
+    try:
+        if "torch._inductor.codecache" not in sys.modules:
+            return False
+        config = CompileConfig.from_env()
+        if config is None:
+            return False
+        _use_private_cache_dir(config)
+        return ahead.start(config, refix_headers=_warm_imports_only)
+    except Exception as exc:
+        logger.debug("ettr: no ahead restore (%s: %s)", type(exc).__name__, exc)
+        return False
+
+
 def _start_session(rec: RecorderProtocol, config: CompileConfig, generation: int | None = None) -> None:
     global _session
     with _lock:
         if _session is not None or (generation is not None and generation != _generation):
             return  # started already, or armed before a reset (tests)
-        session = CompileSession(rec, config, warm_imports=_warm_imports_only)
+        session = CompileSession(rec, config, warm_imports=_warm_imports_only, ahead=ahead.take())
         session.start()
         _session = session
 

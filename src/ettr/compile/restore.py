@@ -36,6 +36,10 @@ WantedHeaders = Callable[[Path, Path], "Collection[str] | None"]
 MarkFn = Callable[[float, dict[str, Any]], None]
 """Where a store action is reported: (begin time, the action's data) -> recorded later as a MARK."""
 
+BeforeFn = Callable[[tuple[Path, Path], str], dict[str, Any]]
+"""Called once a restore has its key, before it looks at the store's files: ((cache, headers) directories,
+the entry's key digest) -> fields for the restore's report (a parked spare's `ahead.Ahead.settle`)."""
+
 SavedState = tuple[str, tuple[str, ...], str]
 """What a store entry holds, as compared between saves: (files fingerprint, sources, batch spec JSON)."""
 
@@ -61,6 +65,7 @@ class StoreRestorer:
         wanted_headers: the precompiled-header variants this process's inductor will look up, given the
             restored cache directory and the header directory (`pch_memo.wanted_headers`); None (or an
             answer of None): unknown, every stored variant is restored.
+        before: called before the restore reads the store (`BeforeFn`); may wait.
     """
 
     def __init__(
@@ -71,9 +76,11 @@ class StoreRestorer:
         view: EntryView,
         mark: MarkFn,
         wanted_headers: WantedHeaders | None = None,
+        before: BeforeFn | None = None,
     ) -> None:
         self._store, self._key, self._view, self._mark = store, key, view, mark
         self._wanted_headers = wanted_headers
+        self._before = before
         self._lock = threading.Lock()
         self._restored = False
         self._megacache: bytes | None = None
@@ -109,6 +116,9 @@ class StoreRestorer:
         try:
             key = self._key()
             info["digest"] = key.digest
+            if self._before is not None:
+                resolved = dirs or (artifacts.inductor_cache_dir(), artifacts.headers_dir())
+                info.update(self._before(resolved, key.digest))
             refused: EntryRefused | None = None
             try:
                 entry = store.head(key)

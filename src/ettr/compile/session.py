@@ -6,7 +6,8 @@
    this job (`<run_dir>/compile/dynamic.json`) and by earlier jobs (the store entry's metadata), sets
    `torch.compiler.config.job_id` so that PGO profiles are written, and restores the store entry
    (`restore.StoreRestorer`: inductor cache directory, precompiled headers, else the megacache archive),
-   on a helper thread from the first `torch.compile` on, which then runs inductor's CPU vector-ISA probe
+   on a helper thread from the first `torch.compile` on (in a promoted spare, done ahead before the promotion
+   where its directories did not move since: `ahead`, then only checked here), which then runs inductor's CPU vector-ISA probe
    ahead (in a process without an accelerator; `isa_probe` shares its answer and remembers it in inductor's
    cache directory, which the store carries);
 2. it records every compilation as a COMPILE span and every recompile with its reason (`CompileHooks`),
@@ -21,7 +22,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,12 +30,13 @@ from typing import Any
 
 from ettr import torch_compat
 from ettr.compile import artifacts, dynamic, isa_probe, lazy_templates, pch_memo
+from ettr.compile.ahead import Ahead, open_store
 from ettr.compile.config import CompileConfig, default_user_key, pgo_job_id
 from ettr.compile.hooks import CompileHooks, CompileRecord
 from ettr.compile.key import StoreKey, current_key
 from ettr.compile.restore import STORE_MARK, EntryView, StoreRestorer
 from ettr.compile.save import StoreSaver, lower_save_thread, raise_save_thread
-from ettr.compile.store import CompileStore, StoreConfig
+from ettr.compile.store import CompileStore
 from ettr.events import EventKind
 from ettr.patcher import Patcher
 from ettr.recorder import RecorderProtocol
@@ -63,8 +64,11 @@ class CompileSession:
         store: CompileStore | None = None,
         key: StoreKey | None = None,
         warm_imports: bool = False,
+        ahead: Ahead | None = None,
     ) -> None:
         self.rec = rec
+        self._ahead = ahead
+        """The store's restore a parked spare did before its promotion (`ettr.compile.ahead`), if any."""
         self._warm_imports = warm_imports
         """Inductor was imported ahead by a warm process (a zygote's or standby's warm-up), before this
         process's script set its environment (`_on_torch_compile` puts right what the import fixed)."""
@@ -90,11 +94,22 @@ class CompileSession:
         self._pch_memo = False
         """Whether inductor's header lookup is remembered (`pch_memo.share`): then its memo names the header
         variants this process uses, and a restore copies only those."""
-        self._restorer = StoreRestorer(mark=self._mark, wanted_headers=self._wanted_headers, **parts)
+        self._restorer = StoreRestorer(
+            mark=self._mark,
+            wanted_headers=self._wanted_headers,
+            before=self._settle_ahead if ahead is not None else None,
+            **parts,
+        )
         self._saver = StoreSaver(rec=rec, config=config, hooks=self.hooks, mark=self._mark, **parts)
         self.applied_sources: tuple[dynamic.DynamicSource, ...] = ()
         self.batch_spec: Mapping[str, Any] | None = None
         """A fast-batch spec to keep with the entry (set by `fast_start`)."""
+
+    def _settle_ahead(self, dirs: tuple[Path, Path], digest: str) -> dict[str, Any]:
+        # The spare's restore, waited for: the restore that follows finds its files present (same entry,
+        # same directories) or, where they moved, restores into the directories of now; its MARK says which.
+        assert self._ahead is not None
+        return self._ahead.settle(dirs, digest, self.config.store)
 
     def _wanted_headers(self, cache_dir: Path, header_dir: Path) -> frozenset[str] | None:
         return pch_memo.wanted_headers(cache_dir, header_dir) if self._pch_memo else None
@@ -192,13 +207,7 @@ class CompileSession:
     @property
     def store(self) -> CompileStore | None:
         if self._store is None and self.config.store is not None:
-            self._store = CompileStore.open(
-                StoreConfig(
-                    location=os.path.expanduser(self.config.store),
-                    max_bytes=self.config.max_store_bytes,
-                    secret=self.config.secret,
-                )
-            )
+            self._store = open_store(self.config)
         return self._store
 
     @property

@@ -69,6 +69,10 @@ MANIFEST = "manifest.json"
 USED = "used"
 USED_PART = "used."
 """`<digest>/used.<part>`: when a part of an entry (a precompiled-header variant) was last used."""
+TOUCH_EVERY_S = 60.0
+"""An entry's use (`used`, its LRU age) is written at most this often: a restore that finds a fresher record
+(the ranks of a node, a spare's restore ahead and its check after the promotion) writes nothing (each write
+is durable: two fsyncs, ~25 ms here, of a restore that has nothing else to write)."""
 PART_TOUCH_EVERY_S = 3600.0
 """A part's use is written at most this often (a restore that finds a fresher record writes nothing)."""
 _PART = re.compile(r"^[A-Za-z0-9_-]{1,128}\.h$")
@@ -523,8 +527,13 @@ class CompileStore:
         except Exception as exc:
             logger.debug("ettr: cannot record use of %s in %s: %s", part, digest, exc)
 
-    def _touch(self, digest: str, now: float) -> None:
+    def _touch(self, digest: str, now: float, *, every_s: float = TOUCH_EVERY_S) -> None:
         try:
+            try:
+                if 0 <= now - float(self.backend.read(f"{digest}/{USED}")[:64]) < every_s:
+                    return
+            except (OSError, ValueError):
+                pass
             self.backend.write(f"{digest}/{USED}", repr(now).encode())
         except Exception as exc:  # the entry is fine; only its LRU age is stale
             logger.debug("ettr: cannot record use of %s: %s", digest, exc)

@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -234,6 +235,14 @@ class Job:
     store_dir: Path | None = None
     """ettr's compile store: the baseline saves into it, the optimized side restores from it; kept between
     demos."""
+    cache_root: Path | None = None
+    """The per-attempt inductor caches' root (`--compile-cache`): `work_dir/compile-cache`, or a private
+    directory under the system's temp directory where that path is too long for the loader's sockets
+    (`cache_root_for`)."""
+
+    @property
+    def compile_cache(self) -> Path:
+        return self.cache_root or self.work_dir / "compile-cache"
 
     @property
     def log_path(self) -> Path:
@@ -257,7 +266,7 @@ class Job:
         train += ["--worker-startup-s", str(workload.worker_startup_s), "--log-every", "50"]
         train += ["--publish-dir", str(self.work_dir / "publish")]
         if workload.compile:  # fresh local inductor caches on every attempt, as on a newly allocated machine
-            train += ["--compile", "--compile-cache", str(self.work_dir / "compile-cache")]
+            train += ["--compile", "--compile-cache", str(self.compile_cache)]
         else:
             train += ["--no-compile"]
         return [
@@ -284,12 +293,33 @@ class Job:
         return env
 
 
+SOCKET_TMP_MAX = 72
+"""examples/dlrm `SOCKET_TMP_MAX` (its train.py refuses a `--compile-cache` past it): the longest temp directory
+multiprocessing's AF_UNIX sockets fit under, which that option moves TMPDIR beneath."""
+
+
+def cache_root_for(work_dir: Path, side: str) -> Path | None:
+    """None (`work_dir/compile-cache`) where an attempt's temp directory under it fits the loader's sockets
+    (examples/dlrm `SOCKET_TMP_MAX`: 72 bytes; a demo's `--out` of more than ~20 characters does not), else a
+    new private directory under the system's temp directory (`drop_bulk` removes it)."""
+    longest = work_dir.resolve() / "compile-cache" / "attempt-999-4194304" / "tmp"
+    if len(os.fsencode(longest)) <= SOCKET_TMP_MAX:
+        return None
+    return Path(tempfile.mkdtemp(prefix=f"ettr-demo-{side}-"))
+
+
 def prepare(out: Path) -> list[Job]:
     """The two jobs under `out`, after removing what an earlier demo left there (and nothing else: the
     compile store `out/compile-store` is kept for the next demo)."""
     store = out / "compile-store"
     jobs = [
-        Job(side=s, run_dir=out / s.name, work_dir=out / f"{s.name}-work", store_dir=store)
+        Job(
+            side=s,
+            run_dir=out / s.name,
+            work_dir=out / f"{s.name}-work",
+            store_dir=store,
+            cache_root=cache_root_for(out / f"{s.name}-work", s.name),
+        )
         for s in (BASELINE, OPTIMIZED)
     ]
     for job in jobs:
@@ -447,8 +477,7 @@ def drop_bulk(jobs: Sequence[Job]) -> int:
     """Remove `BULK` from the jobs' work directories; returns the bytes freed."""
     freed = 0
     for job in jobs:
-        for name in BULK:
-            path = job.work_dir / name
+        for path in [job.work_dir / name for name in BULK] + ([job.cache_root] if job.cache_root else []):
             freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
             shutil.rmtree(path, ignore_errors=True)
     return freed
@@ -580,16 +609,25 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    workload = QUICK if args.quick else DEFAULT
+    out = Path(args.out)
+    script = find_train_script()
+    jobs = prepare(out)
+    try:
+        return _run_demo(args, workload, out, script, jobs)
+    finally:  # interrupted or failed too: a private cache root under the system's temp directory is no one's
+        for job in jobs:
+            if job.cache_root is not None:
+                shutil.rmtree(job.cache_root, ignore_errors=True)
+
+
+def _run_demo(args: argparse.Namespace, workload: Workload, out: Path, script: Path, jobs: list[Job]) -> int:
     from ettr.demo.render import story_lines, story_sections
     from ettr.demo.story import build_story
     from ettr.report.html import write_html
     from ettr.report.load import load_report
     from ettr.report.text import render_comparison
 
-    workload = QUICK if args.quick else DEFAULT
-    out = Path(args.out)
-    script = find_train_script()
-    jobs = prepare(out)
     display = ProgressDisplay(sys.stdout)
     print(f"ettr demo{' --quick' if args.quick else ''}: {workload.describe()}", flush=True)
     if workload.compile:

@@ -38,6 +38,7 @@ from ettr.recorder import EventSink
 from ettr.run_env import RunEnv
 
 if TYPE_CHECKING:
+    from ettr.checkpoint.base import CommittedCheckpoint
     from ettr.publish.queue import PublishQueue
 
 logger = logging.getLogger("ettr")
@@ -116,6 +117,10 @@ class AnchorResult:
     """The publish job's run directory (`ettr report` it once published); None in inside mode."""
     built: bool
     """Inside mode: rank 0 built the artifact (or found it built). Always False in standalone mode."""
+    anchor_made: str = "written"
+    """`written`, `linked` (from the committed checkpoint of the step: `checkpoint=`) or `reused`."""
+    anchor_fallback: str = ""
+    """Why the checkpoint given was not used and the anchor was written ("" otherwise)."""
 
 
 def _default_recorder() -> EventSink:
@@ -137,6 +142,20 @@ def _plain_keys(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+@dataclass(frozen=True)
+class AnchorMade:
+    """How `make_anchor` made the anchor (the same on every rank)."""
+
+    path: str
+    how: str
+    """`reused` (committed already), `linked` (from the checkpoint: `linked_anchor`) or `written`."""
+    fallback: str = ""
+    """Why a checkpoint given was not used, and the anchor written instead ("" otherwise)."""
+    linked_files: int = 0
+    linked_tensors: int = 0
+    linked_bytes: int = 0
+
+
 def write_anchor(
     state: dict[str, Any],
     *,
@@ -147,7 +166,35 @@ def write_anchor(
     storage_options: dict[str, Any] | None = None,
     secret: bytes | None = None,
 ) -> tuple[str, bool]:
-    """Write and commit the anchor of `step` (collective when torch.distributed is initialised).
+    """Write and commit the anchor of `step` (`make_anchor` without a checkpoint); (path, reused)."""
+    made = make_anchor(
+        state,
+        step=step,
+        anchor_root=anchor_root,
+        sample=sample,
+        extra=extra,
+        storage_options=storage_options,
+        secret=secret,
+    )
+    return made.path, made.how == "reused"
+
+
+def make_anchor(
+    state: dict[str, Any],
+    *,
+    step: int,
+    anchor_root: str | os.PathLike[str],
+    sample: bytes | None,
+    extra: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    secret: bytes | None = None,
+    checkpoint: CommittedCheckpoint | None = None,
+) -> AnchorMade:
+    """Make and commit the anchor of `step` (collective when torch.distributed is initialised).
+
+    With `checkpoint` (the committed checkpoint of the same step, `CheckpointManager.committed(step)`) the
+    anchor is made from it by hard links (`ettr.publish.linked_anchor`), every tensor proven bit-identical
+    to `state`; if anything there does not hold, it is written as below and `fallback` says why.
 
     Every rank saves its part of `state` (its shards) under key `model`; rank 0 adds `sample` (its
     sample batch file) and commits with a manifest written last (`ettr.checkpoint.commit.commit`). An
@@ -185,7 +232,38 @@ def write_anchor(
     if distributed and world_size > 1:
         dist.broadcast_object_list(decision, src=0)
     if decision[0]:
-        return storage.path(name), True
+        return AnchorMade(storage.path(name), "reused")
+    fallback = ""
+    extra = {"kind": "publish-anchor", **(extra or {})}
+    job_id = extra.get("job_id")
+    if distributed and world_size > 1:  # every rank must offer the checkpoint, or none links
+        offered: list[Any] = [None] * world_size
+        dist.all_gather_object(offered, checkpoint is not None)
+        if checkpoint is not None and not all(offered):
+            checkpoint = None
+            fallback = "not every rank has the committed checkpoint of this step"
+    if checkpoint is not None:
+        from ettr.publish.linked_anchor import link_anchor
+
+        linked = link_anchor(
+            state,
+            step=step,
+            storage=storage,
+            source=checkpoint,
+            sample=sample,
+            extra=extra,
+            ring=ring,
+            job_id=job_id if isinstance(job_id, str) else None,
+        )
+        if linked.linked:
+            return AnchorMade(
+                storage.path(name),
+                "linked",
+                linked_files=linked.num_files,
+                linked_tensors=linked.num_tensors,
+                linked_bytes=linked.num_bytes,
+            )
+        fallback = linked.reason
     try:
         dcp.save({ANCHOR_STATE_KEY: state}, storage_writer=storage.dcp_writer(name), no_dist=not distributed)
     except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure (a BaseException)
@@ -203,8 +281,6 @@ def write_anchor(
             and not entry.startswith(LEASE_PREFIX)
             and not entry.endswith(".tmp")
         ]
-        extra = {"kind": "publish-anchor", **(extra or {})}
-        job_id = extra.get("job_id")
         commit(
             storage,
             step,
@@ -218,7 +294,7 @@ def write_anchor(
             ring.register_root(root)
     if distributed and world_size > 1:
         dist.barrier()  # no rank reports the anchor before it is committed
-    return storage.path(name), False
+    return AnchorMade(storage.path(name), "written", fallback=fallback)
 
 
 def _job_id(config: PublishConfig, recorder: EventSink) -> str:
@@ -235,6 +311,7 @@ def publish_at_end(
     sample_inputs: Sequence[Any],
     recorder: EventSink | None = None,
     state_dict: dict[str, Any] | None = None,
+    checkpoint: CommittedCheckpoint | None = None,
 ) -> AnchorResult:
     """Write the anchor checkpoint of `model` after `step`, enqueue its publish request, and (inside mode)
     build the artifact. Call once, at the end of training, on every rank (collective).
@@ -242,7 +319,11 @@ def publish_at_end(
     `sample_inputs` are the model's positional arguments for one batch (tensors and KeyedJaggedTensors);
     every rank passes its own (a sharded model's forward is collective) and rank 0's are kept with the
     trained model's outputs on them. `state_dict` overrides `model.state_dict()` (sharded tensors and
-    DTensors are fine: DCP reshards them at load). Raises PublishError if the anchor cannot be written
+    DTensors are fine: DCP reshards them at load). `checkpoint`: the committed checkpoint of `step` that
+    holds this state (`CheckpointManager.committed(step)`, after its final save): the anchor is then made
+    from its files by hard links, nothing written twice, once every tensor is proven bit-identical
+    (`linked_anchor`); otherwise, or where that fails, it is written (the PUBLISH phase's data says which:
+    `anchor_made` = linked / written / reused, `anchor_fallback` = why). Raises PublishError if the anchor cannot be written
     or, inside mode, the artifact cannot be built — training is over, so this is the job's outcome.
     """
     rec = recorder if recorder is not None else _default_recorder()
@@ -256,12 +337,12 @@ def publish_at_end(
     artifact_dir = Path(config.artifact_root or queue_dir / "artifacts") / request_id
     inside = config.mode is PublishMode.INSIDE
     run_dir = None if inside else Path(config.run_root or queue_dir / "runs") / request_id
-    with rec.phase(Phase.PUBLISH, step=step, mode=str(config.mode)):
+    with rec.phase(Phase.PUBLISH, step=step, mode=str(config.mode)) as span:
         began = time.time()
         outputs = _trained_outputs(model, sample_inputs)
         sample = encode_sample(flatten_inputs(sample_inputs, specs), outputs) if rank == 0 else None
         state = _plain_keys(model, state_dict if state_dict is not None else model.state_dict())
-        anchor_path, reused = write_anchor(
+        made = make_anchor(
             state,
             step=step,
             anchor_root=anchor_root,
@@ -269,8 +350,18 @@ def publish_at_end(
             extra={"job_id": job_id, "request_id": request_id},
             storage_options=config.storage_options,
             secret=config.secret,
+            checkpoint=checkpoint,
         )
+        anchor_path, reused = made.path, made.how == "reused"
         anchor_s = time.time() - began
+        found: dict[str, Any] = {"anchor_made": made.how, "anchor_s": anchor_s}
+        if made.fallback:
+            found["anchor_fallback"] = made.fallback
+        if made.how == "linked":
+            found.update(linked_files=made.linked_files, linked_bytes=made.linked_bytes)
+        add = getattr(span, "add", None)  # a Recorder's span; another sink's may not take data
+        if callable(add):
+            add(**found)
         built = False
         failure: BaseException | None = None
         if rank == 0:
@@ -296,8 +387,8 @@ def publish_at_end(
                 request,
                 anchor_path=anchor_path,
                 reused=reused,
-                anchor_s=anchor_s,
                 mode=PublishMode(config.mode),
+                anchor=found,
             )
             if inside:
                 try:
@@ -317,6 +408,8 @@ def publish_at_end(
         artifact_dir=os.fspath(artifact_dir.absolute()),
         publish_run_dir=os.fspath(run_dir.absolute()) if run_dir is not None else None,
         built=built,
+        anchor_made=made.how,
+        anchor_fallback=made.fallback,
     )
 
 
@@ -344,8 +437,8 @@ def _enqueue(
     *,
     anchor_path: str,
     reused: bool,
-    anchor_s: float,
     mode: PublishMode,
+    anchor: dict[str, Any],
 ) -> PublishQueue:
     """Enqueue `request` (idempotent) and record a `publish_enqueued` mark; the queue."""
     from ettr.publish.queue import PublishQueue
@@ -360,8 +453,8 @@ def _enqueue(
         publish_run_dir=request.run_dir,
         enqueued=enqueued,
         reused_anchor=reused,
-        anchor_s=anchor_s,
         mode=str(mode),
+        **anchor,
     )
     return queue
 

@@ -45,8 +45,14 @@ def _store_line(action: Mapping[str, Any]) -> str:
     details = []
     if size is not None:
         details.append(f"{size / 1e6:.1f} MB")
+    ahead = action.get("ahead") if isinstance(action.get("ahead"), Mapping) else None
+    if ahead is not None:
+        details.append(_ahead_detail(ahead))
     if action.get("action") == "restore" and action.get("already_present") and not action.get("restored"):
-        details.append("its files were already on the node")  # another rank or an earlier attempt put them
+        if ahead is None or ahead.get("unused"):
+            details.append(
+                "its files were already on the node"
+            )  # another rank or an earlier attempt put them
     if written is not None:
         details.append(f"{written / 1e6:.1f} MB of it new to the store")
     if action.get("headers") and not action.get("headers_error"):
@@ -58,6 +64,16 @@ def _store_line(action: Mapping[str, Any]) -> str:
     if action.get("headers_error"):
         details.append(f"precompiled headers: {action['headers_error']}")
     return what + (f" ({', '.join(details)})" if details else "")
+
+
+def _ahead_detail(ahead: Mapping[str, Any]) -> str:
+    """What a promoted spare's restore ahead did (`ettr.compile.ahead`), for its session's restore line."""
+    if ahead.get("unused"):
+        return f"the spare's restore ahead unused: {ahead['unused']}"
+    size, took = _number(ahead.get("loaded_bytes")), _number(ahead.get("duration_s"))
+    done = [f"{size / 1e6:.1f} MB" if size is not None else "", f"{took:.2f} s" if took is not None else ""]
+    said = ", ".join(part for part in done if part)
+    return "restored ahead by the spare before its promotion" + (f" ({said})" if said else "")
 
 
 def render(summary: Mapping[str, Any]) -> str:
