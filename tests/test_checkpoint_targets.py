@@ -235,6 +235,44 @@ def test_a_data_file_the_job_saved_never_hides_the_real_resume(tmp_path: Path) -
             rec.close()
 
 
+def test_a_survivor_restarted_in_place_resumes_from_the_checkpoint_it_committed_itself(
+    tmp_path: Path,
+) -> None:
+    # pytorch/examples' DDP tutorial with `ettr.resilient`, rank 1 SIGKILLed: the surviving rank 0 went on in
+    # place into attempt 1 and loaded the snapshot it had saved in attempt 0. Its hooks had read the earlier
+    # attempts' saves once, at attempt 0 (none): the load read as a resume of unknown step and its steps were
+    # numbered from 1 again, where its replacement's load of the same file was placed at the snapshot's step.
+    from ettr.bootstrap.hooks import AutoHooks
+
+    ckpt = tmp_path / "snapshot.pt"
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ledger = open_ledger(tmp_path / "run")
+    rec = Recorder(ledger, run_dir=tmp_path / "run", attempt=0, rank=0)
+    hooks = AutoHooks(rec)
+    hooks.on_torch(torch)
+    try:
+        torch.save({"model": model.state_dict()}, ckpt)  # a snapshot an earlier job left (the tutorial's own)
+        os.utime(ckpt, (0.5, 0.5))
+        torch.load(ckpt)  # attempt 0 starts from it: not a resume (older than the job)
+        for _ in range(3):
+            _step(optimizer, model)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, ckpt)
+        for _ in range(2):
+            _step(optimizer, model)  # steps 4 and 5, lost with the peer
+        rec.set_attempt(1)  # `ettr.bootstrap.start.continue_attempt`, at the new generation
+        hooks.new_generation()
+        torch.load(ckpt)
+        _step(optimizer, model)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, ckpt)
+        assert [(e.step, e.data) for e in _events(rec, ledger, EventKind.RESUMED)] == [(3, None)]
+        assert [e.step for e in _events(rec, ledger, EventKind.STEP)] == [4]
+        assert [e.step for e in _events(rec, ledger, EventKind.CHECKPOINT_COMMIT)] == [4]
+    finally:
+        hooks.uninstall()
+        rec.close()
+
+
 def test_an_unplaceable_resume_is_unknown_or_read_from_the_checkpoint(
     hooked: tuple[Any, Recorder, Any], tmp_path: Path
 ) -> None:

@@ -327,8 +327,17 @@ class CheckpointHooks:
         return f"{path} was loaded but no earlier attempt was seen saving it"
 
     def new_generation(self) -> None:
-        """A restart in place: the next generation's first load of training state is its resume again."""
+        """A restart in place: the next generation's first load of training state is its resume again, its
+        books are the next attempt's, and the saves of earlier attempts include this process's own of the
+        generation before. They are read again (`earlier_commits`, read once per attempt): read at attempt A,
+        they held none of A's saves, and a survivor's load of the checkpoint it had committed itself in A
+        read as a resume of unknown step, where its replacement's load of the same file was placed
+        (pytorch/examples' DDP tutorial with `ettr.resilient`, a rank SIGKILLed: the survivor's steps were
+        numbered from 1 again, the replacement's from the snapshot's 32). Its steps commit anew, as a fresh
+        process of the attempt's would."""
         self._resumed, self._unknown_resume, self._data_resume = False, None, None
+        self._earlier = None
+        self._committed_steps.clear()
         self.training_resumes()
 
     def _save_step(self) -> int:
