@@ -259,6 +259,9 @@ def test_a_compile_cache_too_long_for_the_loaders_sockets_is_one_clear_line_and_
     assert done.returncode == 2 and "too long" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert demo.cache_root_for(Path("/o/optimized-work"), "optimized") is None
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = set(tmp_path.iterdir())
+    assert all(job.cache_root is None for job in demo.prepare(long_root))  # made by a run only: removed by it
+    assert set(tmp_path.iterdir()) == before | {long_root}  # (suite runs had left one per side behind each)
     short = demo.cache_root_for(long_root / "optimized-work", "optimized")
     assert short is not None and short.parent == tmp_path and (short.stat().st_mode & 0o777) == 0o700
     job = demo.Job(side=demo.OPTIMIZED, run_dir=long_root / "o", work_dir=long_root / "w", cache_root=short)

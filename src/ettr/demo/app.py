@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO, Literal
 
@@ -301,7 +301,7 @@ multiprocessing's AF_UNIX sockets fit under, which that option moves TMPDIR bene
 def cache_root_for(work_dir: Path, side: str) -> Path | None:
     """None (`work_dir/compile-cache`) where an attempt's temp directory under it fits the loader's sockets
     (examples/dlrm `SOCKET_TMP_MAX`: 72 bytes; a demo's `--out` of more than ~20 characters does not), else a
-    new private directory under the system's temp directory (`drop_bulk` removes it)."""
+    new private directory under the system's temp directory (the demo removes it however it ends)."""
     longest = work_dir.resolve() / "compile-cache" / "attempt-999-4194304" / "tmp"
     if len(os.fsencode(longest)) <= SOCKET_TMP_MAX:
         return None
@@ -313,13 +313,7 @@ def prepare(out: Path) -> list[Job]:
     compile store `out/compile-store` is kept for the next demo)."""
     store = out / "compile-store"
     jobs = [
-        Job(
-            side=s,
-            run_dir=out / s.name,
-            work_dir=out / f"{s.name}-work",
-            store_dir=store,
-            cache_root=cache_root_for(out / f"{s.name}-work", s.name),
-        )
+        Job(side=s, run_dir=out / s.name, work_dir=out / f"{s.name}-work", store_dir=store)
         for s in (BASELINE, OPTIMIZED)
     ]
     for job in jobs:
@@ -614,6 +608,8 @@ def _main(args: argparse.Namespace) -> int:
     script = find_train_script()
     jobs = prepare(out)
     try:
+        if workload.compile:  # made here, not by `prepare`, so that it is removed whatever follows
+            jobs = [replace(job, cache_root=cache_root_for(job.work_dir, job.side.name)) for job in jobs]
         return _run_demo(args, workload, out, script, jobs)
     finally:  # interrupted or failed too: a private cache root under the system's temp directory is no one's
         for job in jobs:
