@@ -90,12 +90,19 @@ def test_buffers_made_ahead_are_the_ones_the_first_copy_uses() -> None:
     the right values, nothing more allocated by the copy."""
     state = _state()
     state["big"] = torch.randn(1 << 19)  # 2 MiB: its own page-aligned buffer, faulted in ahead
+    state["pair"] = (
+        torch.ones(3),
+        [torch.zeros(2)],
+    )  # a tuple and a list inside: keys as `_stage` makes them
     stager = ReusedStager()
     with ThreadPoolExecutor(max_workers=1) as executor:
         stager.prepare(state, executor)
+        stager._wait_prepared()
+        prepared = {key: buffer.data_ptr() for key, buffer in stager._buffers.items()}
         staged = stager.stage(state)  # waits for the preparation first
     assert isinstance(staged, dict)
     made = {key: buffer.data_ptr() for key, buffer in stager._buffers.items()}
+    assert made == prepared  # `allocate` walks the state as `_stage` does: the copy made no buffer of its own
     assert made and stager.allocate(state) == 1 << 21  # nothing new: the same keys, the same buffers
     assert {key: buffer.data_ptr() for key, buffer in stager._buffers.items()} == made
     assert staged["big"].data_ptr() == made["big"] and torch.equal(staged["big"], state["big"])
