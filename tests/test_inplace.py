@@ -820,6 +820,36 @@ def test_a_port_that_is_no_port_is_store_unavailable(env: dict[str, str]) -> Non
         open_job_store(rank=0, world_size=1, timeout_s=1.0, environ=env)
 
 
+def test_under_a_supervisor_that_cannot_restart_in_place_a_train_that_returns_marks_the_end_of_training_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `ettr run` behind a shell wrapper (the real torchrun: one generation, `_once`): the DDP tutorial's
+    # `@ettr.resilient` there recorded no end of training, so the restart policy had no evidence either.
+    import types
+
+    import ettr
+    from ettr import runtime
+    from ettr.constants import TRAINING_ENDED_MARK
+    from ettr.inplace import wrapper
+    from ettr.testing.recorder import SyncRecorder
+
+    _as_a_single_rank(monkeypatch)
+    supervised = types.SimpleNamespace(supervisor_pid=os.getpid(), attempt=2, run_dir="/nonexistent")
+    monkeypatch.setattr(wrapper.RunEnv, "from_environ", staticmethod(lambda *a, **k: supervised))
+    rec = SyncRecorder(rank=0)
+    monkeypatch.setattr(runtime, "_default", rec)
+
+    def train(gen: Any) -> int:
+        rec.step(7)
+        return gen.index
+
+    assert ettr.resilient(train)() == 2  # one generation, numbered by the attempt: `_once`
+    ended = [
+        e.step for e in rec.events() if e.kind is EventKind.MARK and e.data["name"] == TRAINING_ENDED_MARK
+    ]
+    assert ended == [7]
+
+
 def test_a_train_that_returns_marks_the_end_of_training_and_one_that_raises_does_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

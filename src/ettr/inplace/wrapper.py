@@ -155,7 +155,11 @@ class _Runner:
             store=rendezvous.generation_store(torch_compat.default_store(), 0),
         )
         try:
-            return fn(gen, *args, **kwargs)
+            result = fn(gen, *args, **kwargs)
+            from ettr.runtime import get_recorder
+
+            get_recorder().training_ended()  # as `_loop` records it: the restart policy's evidence
+            return result
         finally:
             rendezvous.leave(self.backend, exiting=True)
 
