@@ -25,7 +25,7 @@ from ettr.compile.config import CompileConfig  # noqa: E402
 from ettr.compile.hooks import CompileRecord  # noqa: E402
 from ettr.compile.key import StoreKey  # noqa: E402
 from ettr.compile.session import STORE_MARK, CompileSession  # noqa: E402
-from ettr.compile.store import CompileStore, StoreConfig  # noqa: E402
+from ettr.compile.store import CompileStore, EntryRefused, StoreConfig  # noqa: E402
 from ettr.events import EventKind  # noqa: E402
 from ettr.ledger import MemoryLedger  # noqa: E402
 from ettr.recorder import Recorder  # noqa: E402
@@ -68,14 +68,17 @@ def _session(store: CompileStore, tmp_path: Path, *, take: bool = True) -> tuple
     return CompileSession(rec, CONFIG, store=store, key=KEY, ahead=ahead.take() if take else None), rec
 
 
-def _saved(node, store: CompileStore, tmp_path: Path, files: int = 1) -> None:
-    """Node "first" compiled `files` kernels (100 B each) and used one header (1,000 B), and saved them."""
-    cache, headers = node("first")
+def _saved(
+    node, store: CompileStore, tmp_path: Path, files: int = 1, *, name: str = "first", grow: int = 0
+) -> None:
+    """Node `name` compiled `files` kernels (100 B each, + `grow`) and used one header (1,000 B, + `grow`), and
+    saved them (another job's save of the same key: `grow` stands for its paths in the files)."""
+    cache, headers = node(name)
     for i in range(files):
         (cache / f"k{i}").mkdir(parents=True)
-        (cache / f"k{i}" / "kernel.so").write_bytes(bytes([65 + i % 26]) * 100)
+        (cache / f"k{i}" / "kernel.so").write_bytes(bytes([65 + i % 26]) * (100 + grow))
     headers.mkdir(parents=True)
-    (headers / "prefix.h.gch").write_bytes(b"h" * 1000)
+    (headers / "prefix.h.gch").write_bytes(b"h" * (1000 + grow))
     first, rec = _session(store, tmp_path, take=False)
     first.hooks.records.append(
         CompileRecord(begin_ts=1.0, end_ts=2.0, compile_id="0/0", trigger="dynamo", recompile_reason=None)
@@ -118,6 +121,7 @@ def test_a_spare_restores_ahead_and_its_session_books_it_only_after_the_promotio
     assert said["status"] == "hit" and said["num_files"] == 2 and said["loaded_bytes"] == 1100
     assert said["begin_ts"] < promoted_at and said["duration_s"] >= 0 and "unused" not in said
     assert mark.data["restored"] == [] and mark.data["num_files"] == 0
+    assert mark.data["version"] == "latest" and "earlier_unused" not in mark.data  # nobody saved since
     from ettr.report.compile_text import _store_line
 
     assert "restored ahead by the spare before its promotion (0.0 MB, " in _store_line(mark.data)
@@ -158,6 +162,116 @@ def test_another_entry_at_the_promotion_is_restored_as_without_a_spare(node, tmp
     assert running is not None and running.done.wait(30)
     said = running.settle(running.dirs, other.digest, CONFIG.store)
     assert "another entry" in said["ahead"]["unused"]
+
+
+def _parked_then_saved_again(node, store: CompileStore, tmp_path: Path) -> tuple[Path, Path]:
+    """A spare restores ahead on node "spare"; then another job saves the same key again, its files of other
+    sizes. Returns the spare's (cache, headers) directories, current again."""
+    _saved(node, store, tmp_path)
+    node("spare")
+    assert ahead.start(CONFIG, refix_headers=False, store=store, key=KEY)
+    running = ahead.current()
+    assert running is not None and running.done.wait(30) and running.in_place is not None
+    _saved(node, store, tmp_path, name="other", grow=20)
+    latest = store.head(KEY)
+    assert latest is not None and latest.artifacts[artifacts.INDUCTOR_ARCHIVE]["k0/kernel.so"].size == 120
+    return node("spare")
+
+
+def test_an_entry_saved_again_after_the_park_is_not_copied_over_the_version_in_place(node, tmp_path):
+    backend = CountingBackend()
+    store = CompileStore(backend)
+    cache, headers = _parked_then_saved_again(node, store, tmp_path)
+    backend.reads.clear()
+    session, rec = _session(store, tmp_path)
+    session.prepare()
+    restore = session.last_restore
+    assert restore["status"] == "hit" and restore["restored"] == [] and restore["num_files"] == 0
+    both = sorted([artifacts.HEADERS_ARCHIVE, artifacts.INDUCTOR_ARCHIVE])
+    assert restore["already_present"] == both
+    assert restore["version"] == "earlier" and sorted(restore["earlier_artifacts"]) == both
+    assert all(path.endswith(("manifest.json", "used")) for path in backend.reads)  # no file read
+    # The process compiles from the version in place: the spare's, whole.
+    assert (cache / "k0" / "kernel.so").read_bytes() == b"A" * 100
+    assert (headers / "prefix.h.gch").read_bytes() == b"h" * 1000
+    # Its view is that version: nothing compiled, nothing saved (it holds what the store held at the park) ...
+    assert session.save() is False
+    # ... and what it compiles next is saved, with the files it compiled from.
+    (cache / "k9").mkdir()
+    (cache / "k9" / "kernel.so").write_bytes(b"n" * 50)
+    assert session.save() is True
+    saved = store.head(KEY)
+    assert saved is not None
+    tree = saved.artifacts[artifacts.INDUCTOR_ARCHIVE]
+    assert tree["k0/kernel.so"].size == 100 and tree["k9/kernel.so"].size == 50
+    [mark] = [m for m in _marks(session, rec) if m.data["action"] == "restore"]
+    from ettr.report.compile_text import _store_line
+
+    line = _store_line(mark.data)
+    assert "the store's entry was saved again since; the version in place counted" in line
+    assert "nothing copied" in line
+    rec.close()
+
+
+@pytest.mark.parametrize("change", ["rewritten", "replaced", "removed"])
+def test_a_file_changed_after_the_park_falls_back_to_the_ordinary_restore(node, tmp_path, change):
+    store = CompileStore(MemoryBackend())
+    cache, headers = _parked_then_saved_again(node, store, tmp_path)
+    kernel = cache / "k0" / "kernel.so"
+    if change == "rewritten":  # the same size, other bytes, in place
+        with open(kernel, "r+b") as f:
+            f.write(b"Z" * 100)
+    elif change == "replaced":  # the same size and time, another file
+        stat = kernel.stat()
+        kernel.unlink()
+        kernel.write_bytes(b"Z" * 100)
+        os.utime(kernel, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    else:
+        kernel.unlink()
+    session, rec = _session(store, tmp_path)
+    session.prepare()
+    restore = session.last_restore
+    assert restore["status"] == "hit" and restore["restored"] == [artifacts.INDUCTOR_ARCHIVE]
+    assert restore["version"] == "earlier" and restore["earlier_artifacts"] == [artifacts.HEADERS_ARCHIVE]
+    assert "inductor_cache: 1 of its 1 files changed or removed since" in restore["earlier_unused"]
+    assert kernel.read_bytes() == b"A" * 120  # the store's latest, checked as it was copied
+    assert store_meta_is_latest(session, store)
+    [mark] = [m for m in _marks(session, rec) if m.data["action"] == "restore"]
+    from ettr.report.compile_text import _store_line
+
+    assert "the version in place counted (precompiled_headers: nothing copied)" in _store_line(mark.data)
+    rec.close()
+
+
+def store_meta_is_latest(session: CompileSession, store: CompileStore) -> bool:
+    latest = store.head(KEY)
+    return latest is not None and session.store_meta == dict(latest.meta)
+
+
+def test_an_incomplete_restore_ahead_leaves_nothing_to_count(node, tmp_path):
+    store = CompileStore(MemoryBackend())
+    _saved(node, store, tmp_path)
+    node("spare")
+    read = store.read
+
+    def refused(stored):
+        raise EntryRefused("a damaged stored file")
+
+    store.read = refused  # type: ignore[method-assign]
+    store.copy_into = lambda *a: False  # type: ignore[method-assign]
+    assert ahead.start(CONFIG, refix_headers=False, store=store, key=KEY)
+    running = ahead.current()
+    assert running is not None and running.done.wait(30)
+    assert running.info is not None and running.info["status"] == "refused" and running.in_place is None
+    store.read = read  # type: ignore[method-assign]
+    _saved(node, store, tmp_path, name="other", grow=20)
+    node("spare")
+    session, rec = _session(store, tmp_path)
+    session.prepare()
+    restore = session.last_restore
+    assert restore["status"] == "hit" and artifacts.INDUCTOR_ARCHIVE in restore["restored"]
+    assert "version" not in restore  # nothing was offered
+    rec.close()
 
 
 KILLED = textwrap.dedent(

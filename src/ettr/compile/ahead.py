@@ -35,6 +35,7 @@ from typing import Any
 from ettr import torch_compat
 from ettr.compile import artifacts, pch_memo
 from ettr.compile.config import CompileConfig, default_user_key
+from ettr.compile.in_place import InPlace
 from ettr.compile.key import StoreKey, current_key
 from ettr.compile.restore import EntryView, StoreRestorer
 from ettr.compile.save import raise_save_thread
@@ -66,6 +67,8 @@ class Ahead:
     thread_id: int | None = None
     """The thread's native id."""
     settled: dict[str, Any] | None = None
+    in_place: InPlace | None = None
+    """The entry versions its restore made present, when it was complete (`StoreRestorer.in_place`)."""
 
     def run(
         self,
@@ -92,8 +95,10 @@ class Ahead:
                 view=EntryView(),
                 mark=lambda _ts, data: reports.append(data),
                 wanted_headers=pch_memo.wanted_headers if warm else None,
+                remember=True,
             )
             restorer.restore_once(self.dirs)
+            self.in_place = restorer.in_place
             self.info = reports[0] if reports else {"status": "none"}
         except Exception as exc:  # the session restores as always
             self.info = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
@@ -133,6 +138,13 @@ class Ahead:
             said["unused"] = why
         self.settled = {"ahead": said}
         return self.settled
+
+    def kept(self) -> InPlace | None:
+        """Once settled for the session's key, store and directories: what this restore left in place, for the
+        session's restore to take where the store's entry was saved again since (`in_place`); else None."""
+        if self.settled is None or "unused" in self.settled["ahead"]:
+            return None
+        return self.in_place
 
 
 def _unused(ahead: Ahead, dirs: tuple[Path, Path], digest: str, location: str | None) -> str | None:

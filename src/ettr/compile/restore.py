@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ettr.compile import artifacts, dynamic
+from ettr.compile import artifacts, dynamic, in_place
+from ettr.compile.in_place import FileId, InPlace
 from ettr.compile.key import StoreKey
 from ettr.compile.store import CompileStore, EntryRefused, StoredFile, StoreEntry
 
@@ -39,6 +40,11 @@ MarkFn = Callable[[float, dict[str, Any]], None]
 BeforeFn = Callable[[tuple[Path, Path], str], dict[str, Any]]
 """Called once a restore has its key, before it looks at the store's files: ((cache, headers) directories,
 the entry's key digest) -> fields for the restore's report (a parked spare's `ahead.Ahead.settle`)."""
+
+EarlierFn = Callable[[], "InPlace | None"]
+"""Called once a restore has its key, after `BeforeFn`: the versions an earlier restore of this process left in
+the same directories (`in_place.InPlace`), which this one takes where the store's entry was saved again since
+and they are still as that restore left them; None: none."""
 
 SavedState = tuple[str, tuple[str, ...], str]
 """What a store entry holds, as compared between saves: (files fingerprint, sources, batch spec JSON)."""
@@ -66,6 +72,8 @@ class StoreRestorer:
             restored cache directory and the header directory (`pch_memo.wanted_headers`); None (or an
             answer of None): unknown, every stored variant is restored.
         before: called before the restore reads the store (`BeforeFn`); may wait.
+        earlier: the versions an earlier restore left in place (`EarlierFn`), called after `before`.
+        remember: keep what a complete restore made present (`in_place`), for a later restore's `earlier`.
     """
 
     def __init__(
@@ -77,10 +85,17 @@ class StoreRestorer:
         mark: MarkFn,
         wanted_headers: WantedHeaders | None = None,
         before: BeforeFn | None = None,
+        earlier: EarlierFn | None = None,
+        remember: bool = False,
     ) -> None:
         self._store, self._key, self._view, self._mark = store, key, view, mark
         self._wanted_headers = wanted_headers
         self._before = before
+        self._earlier = earlier
+        self._remember = remember
+        self.in_place: InPlace | None = None
+        """With `remember`: the versions this restore made present, when it was complete (status hit, nothing
+        refused); None otherwise."""
         self._lock = threading.Lock()
         self._restored = False
         self._megacache: bytes | None = None
@@ -119,6 +134,7 @@ class StoreRestorer:
             if self._before is not None:
                 resolved = dirs or (artifacts.inductor_cache_dir(), artifacts.headers_dir())
                 info.update(self._before(resolved, key.digest))
+            earlier = self._earlier() if self._earlier is not None else None
             refused: EntryRefused | None = None
             try:
                 entry = store.head(key)
@@ -128,7 +144,7 @@ class StoreRestorer:
             if entry is None and headers is None:
                 info["status"] = "miss"
             else:
-                info.update(self._restore_entry(store, entry, headers, dirs))
+                info.update(self._restore_entry(store, entry, headers, dirs, earlier))
             refused = refused or info.pop("refused", None)
             if refused is not None:
                 raise refused
@@ -177,6 +193,7 @@ class StoreRestorer:
         entry: StoreEntry | None,
         headers: StoreEntry | None,
         dirs: tuple[Path, Path] | None,
+        earlier: InPlace | None = None,
     ) -> dict[str, Any]:
         cache_dir, header_dir = dirs if dirs is not None else (None, None)
         targets = {
@@ -186,7 +203,7 @@ class StoreRestorer:
         # The ranks of a node restore into the same directories: one writes, the others wait for it and
         # then find the files there, rather than all reading and writing the same ~150 MB at once.
         with artifacts.restore_lock(targets[artifacts.INDUCTOR_ARCHIVE]), store.reading():
-            return self._restore_unless_present(store, entry, headers, targets, dirs)
+            return self._restore_unless_present(store, entry, headers, targets, dirs, earlier)
 
     def _restore_unless_present(
         self,
@@ -195,6 +212,7 @@ class StoreRestorer:
         headers: StoreEntry | None,
         targets: Mapping[str, Path],
         dirs: tuple[Path, Path] | None,
+        earlier: InPlace | None,
     ) -> dict[str, Any]:
         trees: dict[str, Mapping[str, StoredFile]] = dict(entry.artifacts) if entry is not None else {}
         if headers is not None and artifacts.HEADERS_ARCHIVE in headers.artifacts:
@@ -203,15 +221,29 @@ class StoreRestorer:
         restored: list[str] = []
         num_files = num_bytes = 0
         extra: dict[str, Any] = {}
+        kept: list[str] = []
+        not_kept: list[str] = []
+        ids: dict[str, dict[str, FileId]] = {}
         for name in (artifacts.INDUCTOR_ARCHIVE, artifacts.HEADERS_ARCHIVE):
             if name not in trees:
                 continue
             if name == artifacts.HEADERS_ARCHIVE and headers is not None:
                 # After the cache directory: its header memo names the variants this process will use.
                 trees[name] = self._headers_wanted(store, headers, trees[name], targets, extra)
+            if earlier is not None and name in earlier.trees and earlier.trees[name] != trees[name]:
+                # The store's entry was saved again since an earlier restore of this process made a complete
+                # version of it present here: that version counts while its files are as it left them.
+                why = earlier.usable(name, targets[name], trees[name])
+                if why is None:
+                    trees[name] = earlier.trees[name]
+                    kept.append(name)
+                    skipped.add(name)
+                    continue
+                not_kept.append(why)
             # Artifacts whose files are all still here (a restart on the same node) are not even read.
             if artifacts.present(trees[name], targets[name]):
                 skipped.add(name)
+                self._identify(ids, name, trees[name], targets[name])
                 continue
             try:
                 missing = store.missing(trees[name])
@@ -229,6 +261,9 @@ class StoreRestorer:
                 continue
             restored.append(name)
             num_files, num_bytes = num_files + result.num_written, num_bytes + result.bytes_written
+            self._identify(ids, name, trees[name], targets[name])
+        if artifacts.INDUCTOR_ARCHIVE in kept and earlier is not None:
+            entry = earlier.entry  # its metadata and listing: what this process compiles from
         if entry is not None and artifacts.INDUCTOR_ARCHIVE not in trees and artifacts.MEGACACHE in trees:
             stored = trees[artifacts.MEGACACHE].get(artifacts.MEGACACHE)
             try:
@@ -256,6 +291,20 @@ class StoreRestorer:
                 tuple(s.render() for s in stored_sources),
                 json.dumps(self._view.meta.get("batch_spec"), sort_keys=True),
             )
+        if entry is not None and "refused" not in extra and artifacts.INDUCTOR_ARCHIVE in ids:
+            self.in_place = InPlace(
+                entry=entry,
+                headers=headers if artifacts.HEADERS_ARCHIVE in ids else None,
+                trees={name: trees[name] for name in ids},
+                targets={name: targets[name] for name in ids},
+                ids=ids,
+            )
+        if earlier is not None:
+            extra["version"] = "earlier" if kept else "latest"
+            if kept:
+                extra["earlier_artifacts"] = kept
+            if not_kept:
+                extra["earlier_unused"] = "; ".join(not_kept)
         return {
             "already_present": sorted(skipped),
             "status": "hit" if entry is not None else "miss",
@@ -264,6 +313,15 @@ class StoreRestorer:
             "loaded_bytes": num_bytes,
             **extra,
         }
+
+    def _identify(
+        self, ids: dict[str, dict[str, FileId]], name: str, files: Mapping[str, StoredFile], dest: Path
+    ) -> None:
+        """With `remember`: each file of artifact `name` as it is now in `dest` (under the restore lock)."""
+        if self._remember:
+            found = in_place.identify(files, dest)
+            if found is not None:
+                ids[name] = found
 
 
 def _headers_entry(store: CompileStore, key: StoreKey, info: dict[str, Any]) -> StoreEntry | None:

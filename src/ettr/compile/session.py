@@ -98,6 +98,7 @@ class CompileSession:
             mark=self._mark,
             wanted_headers=self._wanted_headers,
             before=self._settle_ahead if ahead is not None else None,
+            earlier=ahead.kept if ahead is not None else None,
             **parts,
         )
         self._saver = StoreSaver(rec=rec, config=config, hooks=self.hooks, mark=self._mark, **parts)

@@ -48,6 +48,9 @@ def _store_line(action: Mapping[str, Any]) -> str:
     ahead = action.get("ahead") if isinstance(action.get("ahead"), Mapping) else None
     if ahead is not None:
         details.append(_ahead_detail(ahead))
+    version = _version_detail(action)
+    if version:
+        details.append(version)
     if action.get("action") == "restore" and action.get("already_present") and not action.get("restored"):
         if ahead is None or ahead.get("unused"):
             details.append(
@@ -74,6 +77,20 @@ def _ahead_detail(ahead: Mapping[str, Any]) -> str:
     done = [f"{size / 1e6:.1f} MB" if size is not None else "", f"{took:.2f} s" if took is not None else ""]
     said = ", ".join(part for part in done if part)
     return "restored ahead by the spare before its promotion" + (f" ({said})" if said else "")
+
+
+def _version_detail(action: Mapping[str, Any]) -> str:
+    """Whether a restore took the complete version an earlier restore of the process left in place, the store's
+    entry having been saved again since (`ettr.compile.in_place`); empty when no such version was offered."""
+    if action.get("version") == "earlier":
+        kept = action.get("earlier_artifacts")
+        which = ", ".join(str(name) for name in kept) if isinstance(kept, list) and kept else ""
+        return "the store's entry was saved again since; the version in place counted" + (
+            f" ({which}: nothing copied)" if which else ""
+        )
+    if action.get("earlier_unused"):
+        return f"the store's entry was saved again since; the version in place not used: {action['earlier_unused']}"
+    return ""
 
 
 def render(summary: Mapping[str, Any]) -> str:
