@@ -399,7 +399,22 @@ JOB = textwrap.dedent(
     if spare:
         assert restore_ahead()
         assert ahead.current().done.wait(300)
-        if len(sys.argv) > 2:  # the script moves its cache directory after the rendezvous
+        if sys.argv[2:3] == ["resaved"]:  # another job saves the same key again, its files of other sizes
+            from pathlib import Path
+            from ettr.compile import artifacts
+            from ettr.compile.config import CompileConfig
+            from ettr.compile.key import current_key
+            from ettr.compile.store import CompileStore, StoreConfig
+            config = CompileConfig.from_env()
+            key = current_key(user_key=config.user_key)
+            assert key.digest == ahead.current().digest
+            store = CompileStore.open(StoreConfig(location=config.store))
+            other = Path(sys.argv[3])
+            for rel, path in artifacts.tree(artifacts.inductor_cache_dir()).items():
+                (other / rel).parent.mkdir(parents=True, exist_ok=True)
+                (other / rel).write_bytes(path.read_bytes() + b"/another/job's/path")
+            store.save(key, {artifacts.INDUCTOR_ARCHIVE: artifacts.tree(other)}, meta=store.head(key).meta)
+        elif len(sys.argv) > 2:  # the script moves its cache directory after the rendezvous
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = sys.argv[2]
     ettr.compile.autoinstall()  # the promotion's bootstrap
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -450,8 +465,63 @@ def test_a_promoted_spare_compiles_from_what_it_restored_ahead_or_from_a_moved_d
     assert stayed["equal"] and stayed["fxgraph_cache_hit"] >= 1 and stayed["fxgraph_cache_miss"] == 0
     assert stayed["restore"]["already_present"] and "unused" not in stayed["restore"]["ahead"]
     assert stayed["restore"]["ahead"]["status"] == "hit"
+    # Another job saved the entry again after the park: the version in place is compiled from, nothing copied.
+    resaved = _job(tmp_path, "resaved", "spare", "resaved", str(tmp_path / "other-job"))
+    assert resaved["equal"] and resaved["fxgraph_cache_hit"] >= 1 and resaved["fxgraph_cache_miss"] == 0
+    assert resaved["restore"]["version"] == "earlier" and resaved["restore"]["restored"] == []
+    assert artifacts.INDUCTOR_ARCHIVE in resaved["restore"]["earlier_artifacts"]
     moved = _job(tmp_path, "moved", "spare", str(tmp_path / "moved-after" / "inductor"))
     assert moved["equal"] and moved["fxgraph_cache_hit"] >= 1 and moved["fxgraph_cache_miss"] == 0
     assert "inductor_cache" in moved["restore"]["restored"]
     assert "moved" in moved["restore"]["ahead"]["unused"]
     assert any((tmp_path / "moved-after" / "inductor").rglob("*"))
+
+
+def test_a_version_in_place_is_weighed_only_against_another_version_of_its_entry(tmp_path):
+    from ettr.compile.in_place import InPlace, identify
+    from ettr.compile.store import StoredFile, StoreEntry
+
+    def stored(size: int) -> StoredFile:
+        return StoredFile(sha256=f"{size:064x}", size=size)
+
+    def entry(size: int, created_ts: float) -> StoreEntry:
+        tree = {"a.h": stored(10), "a.h.gch": stored(size), "b.h.gch": stored(7)}
+        return StoreEntry(
+            digest="d", artifacts={artifacts.HEADERS_ARCHIVE: tree}, meta={}, created_ts=created_ts
+        )
+
+    headers_dir = tmp_path / "headers"
+    headers_dir.mkdir()
+    (headers_dir / "a.h").write_bytes(b"x" * 10)
+    (headers_dir / "a.h.gch").write_bytes(b"x" * 100)
+    (headers_dir / "b.h.gch").write_bytes(b"x" * 7)
+    then = entry(100, 1.0)
+    tree = then.artifacts[artifacts.HEADERS_ARCHIVE]
+    ids = identify(tree, headers_dir)
+    assert ids is not None
+    kept = InPlace(
+        entry=entry(1, 1.0),
+        headers=then,
+        trees={artifacts.HEADERS_ARCHIVE: tree},
+        targets={artifacts.HEADERS_ARCHIVE: headers_dir},
+        ids={artifacts.HEADERS_ARCHIVE: ids},
+    )
+    wanted_a = {rel: f for rel, f in tree.items() if rel.startswith("a.")}
+    # The same version, fewer variants wanted now: the ordinary check (every wanted file is there).
+    assert not kept.saved_again(artifacts.HEADERS_ARCHIVE, None, then, wanted_a)
+    # Saved again with another size of `a.h.gch`: the version in place stands for it, unchanged.
+    later = entry(120, 2.0)
+    wanted_later = {
+        rel: f for rel, f in later.artifacts[artifacts.HEADERS_ARCHIVE].items() if rel.startswith("a.")
+    }
+    assert kept.saved_again(artifacts.HEADERS_ARCHIVE, None, later, wanted_later)
+    assert kept.usable(artifacts.HEADERS_ARCHIVE, headers_dir, wanted_later) is None
+    assert "another directory" in str(kept.usable(artifacts.HEADERS_ARCHIVE, tmp_path, wanted_later))
+    wanted_c = {"c.h.gch": stored(5)}
+    assert "a header variant it lacks is wanted (c.h)" in str(
+        kept.usable(artifacts.HEADERS_ARCHIVE, headers_dir, wanted_c)
+    )
+    os.utime(headers_dir / "b.h.gch")  # touched: its status-change time moves
+    assert "1 of its 3 files changed or removed since (e.g. b.h.gch)" in str(
+        kept.usable(artifacts.HEADERS_ARCHIVE, headers_dir, wanted_later)
+    )

@@ -69,6 +69,21 @@ class InPlace:
     ids: Mapping[str, Mapping[str, FileId]]
     """Artifact name -> relative path -> the file's identity right after that restore."""
 
+    def saved_again(
+        self,
+        name: str,
+        entry: StoreEntry | None,
+        headers: StoreEntry | None,
+        files: Mapping[str, StoredFile],
+    ) -> bool:
+        """Whether artifact `name` was in place here and its entry's version in the store (`entry`, the workload's,
+        or `headers`, the build's) is another one since, whose `files` (those this process would restore)
+        differ from the ones in place."""
+        if name not in self.trees:
+            return False
+        now, then = (headers, self.headers) if name == artifacts.HEADERS_ARCHIVE else (entry, self.entry)
+        return now != then and files != self.trees[name]
+
     def usable(self, name: str, target: Path, wanted: Mapping[str, StoredFile]) -> str | None:
         """None when artifact `name`, as it is in place, may stand for `wanted` (the store's latest files for
         `target`, the header variants this process will use for the headers); else why not, in words."""

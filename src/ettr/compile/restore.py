@@ -230,7 +230,7 @@ class StoreRestorer:
             if name == artifacts.HEADERS_ARCHIVE and headers is not None:
                 # After the cache directory: its header memo names the variants this process will use.
                 trees[name] = self._headers_wanted(store, headers, trees[name], targets, extra)
-            if earlier is not None and name in earlier.trees and earlier.trees[name] != trees[name]:
+            if earlier is not None and earlier.saved_again(name, entry, headers, trees[name]):
                 # The store's entry was saved again since an earlier restore of this process made a complete
                 # version of it present here: that version counts while its files are as it left them.
                 why = earlier.usable(name, targets[name], trees[name])
