@@ -465,16 +465,18 @@ def test_a_promoted_spare_compiles_from_what_it_restored_ahead_or_from_a_moved_d
     assert stayed["equal"] and stayed["fxgraph_cache_hit"] >= 1 and stayed["fxgraph_cache_miss"] == 0
     assert stayed["restore"]["already_present"] and "unused" not in stayed["restore"]["ahead"]
     assert stayed["restore"]["ahead"]["status"] == "hit"
-    # Another job saved the entry again after the park: the version in place is compiled from, nothing copied.
-    resaved = _job(tmp_path, "resaved", "spare", "resaved", str(tmp_path / "other-job"))
-    assert resaved["equal"] and resaved["fxgraph_cache_hit"] >= 1 and resaved["fxgraph_cache_miss"] == 0
-    assert resaved["restore"]["version"] == "earlier" and resaved["restore"]["restored"] == []
-    assert artifacts.INDUCTOR_ARCHIVE in resaved["restore"]["earlier_artifacts"]
     moved = _job(tmp_path, "moved", "spare", str(tmp_path / "moved-after" / "inductor"))
     assert moved["equal"] and moved["fxgraph_cache_hit"] >= 1 and moved["fxgraph_cache_miss"] == 0
     assert "inductor_cache" in moved["restore"]["restored"]
     assert "moved" in moved["restore"]["ahead"]["unused"]
     assert any((tmp_path / "moved-after" / "inductor").rglob("*"))
+    # Another job saved the entry again after the park, its files of other sizes (and bytes no compile could use:
+    # had they been copied, this job would fail): the version in place is compiled from, nothing copied. Last: the
+    # store's entry is that job's now.
+    resaved = _job(tmp_path, "resaved", "spare", "resaved", str(tmp_path / "other-job"))
+    assert resaved["equal"] and resaved["fxgraph_cache_hit"] >= 1 and resaved["fxgraph_cache_miss"] == 0
+    assert resaved["restore"]["version"] == "earlier" and resaved["restore"]["restored"] == []
+    assert artifacts.INDUCTOR_ARCHIVE in resaved["restore"]["earlier_artifacts"]
 
 
 def test_a_version_in_place_is_weighed_only_against_another_version_of_its_entry(tmp_path):
