@@ -14,8 +14,9 @@ Nothing is booked: the restore's report is kept here (`Ahead.info`). After the p
 restores as always (`StoreRestorer.restore_once`) and asks `Ahead.settle` first, which waits for a restore
 still running (its thread's priority given back) and says whether it was for the same entry (key digest, store
 location) and directories: then the session's restore finds every file present (`already_present`: a few
-stats, no copy) and its MARK carries `ahead` (the spare's restore: status, files, bytes, its own begin and
-duration); else (the script moved `TORCHINDUCTOR_CACHE_DIR` or `TMPDIR` after the rendezvous, or changed
+stats, no copy), even where another job saved the entry again since (the version restored here, `Ahead.kept`,
+counts while its files are as this restore left them: `in_place`; the MARK's `version` says which), and its
+MARK carries `ahead` (the spare's restore: status, files, bytes, its own begin and duration); else (the script moved `TORCHINDUCTOR_CACHE_DIR` or `TMPDIR` after the rendezvous, or changed
 inductor's configuration) `ahead.unused` says why, and the session's restore is the ordinary one, into the
 directories of now. Correctness never rests on the ahead restore: the session's restore checks what is
 present as for any restart on the same node, under the same node lock (`artifacts.restore_lock`), and every

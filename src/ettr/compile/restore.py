@@ -5,7 +5,9 @@ thread at start-up (so the writing overlaps whatever the program does before it 
 compilation itself, which waits for a running restore at most `restore_timeout_s`. Two entries are
 restored: the workload's (inductor's cache directory, else the megacache archive) and the build's
 precompiled headers (`StoreKey.headers_key`), which a workload's first job gets too. Artifacts whose files
-are all still on this node (a restart on the same node) are not even read. What the store holds afterwards
+are all still on this node (a restart on the same node) are not even read, nor are those of a newer version of
+the entry (another job's save) where an earlier restore of this process (a promoted spare's, done ahead) left a
+complete version in the same directories whose files are as it left them (`in_place`). What the store holds afterwards
 is kept in the shared `EntryView`, which the saver compares against so that an unchanged entry is not saved.
 """
 
