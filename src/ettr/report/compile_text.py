@@ -82,15 +82,14 @@ def _ahead_detail(ahead: Mapping[str, Any]) -> str:
 def _version_detail(action: Mapping[str, Any]) -> str:
     """Whether a restore took the complete version an earlier restore of the process left in place, the store's
     entry having been saved again since (`ettr.compile.in_place`); empty when no such version was offered."""
+    said = []
     if action.get("version") == "earlier":
         kept = action.get("earlier_artifacts")
         which = ", ".join(str(name) for name in kept) if isinstance(kept, list) and kept else ""
-        return "the store's entry was saved again since; the version in place counted" + (
-            f" ({which}: nothing copied)" if which else ""
-        )
+        said.append("the version in place counted" + (f" ({which}: nothing copied)" if which else ""))
     if action.get("earlier_unused"):
-        return f"the store's entry was saved again since; the version in place not used: {action['earlier_unused']}"
-    return ""
+        said.append(f"the version in place not used: {action['earlier_unused']}")
+    return "the store's entry was saved again since; " + "; ".join(said) if said else ""
 
 
 def render(summary: Mapping[str, Any]) -> str:
