@@ -19,6 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from compile_node import CountingBackend, node_dirs  # noqa: E402
 from ettr.compile import ahead, artifacts  # noqa: E402
 from ettr.compile.backend import MemoryBackend  # noqa: E402
 from ettr.compile.config import CompileConfig  # noqa: E402
@@ -36,31 +37,11 @@ KEY = StoreKey(
 CONFIG = CompileConfig(store="memory", include_megacache=False, save_at_exit=False)
 
 
-class CountingBackend(MemoryBackend):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-
-    def read(self, path: str) -> bytes:
-        self.reads.append(path)
-        return super().read(path)
-
-
 @pytest.fixture
 def node(tmp_path, monkeypatch):
     """Inductor's cache and header directories under `tmp_path/<name>`, switched by `node(name)`."""
-    current: dict[str, Path] = {}
-
-    def use(name: str) -> tuple[Path, Path]:
-        current["cache"], current["headers"] = tmp_path / name / "inductor", tmp_path / name / "headers"
-        return current["cache"], current["headers"]
-
-    monkeypatch.setattr(artifacts, "inductor_cache_dir", lambda: current["cache"])
-    monkeypatch.setattr(artifacts, "headers_dir", lambda: current["headers"])
-    monkeypatch.setattr(artifacts, "used_precompiled_headers", lambda: True)
     monkeypatch.setattr(ahead, "_current", None)
-    with torch.compiler.config.patch(job_id="test-job"):
-        yield use
+    yield from node_dirs(tmp_path, monkeypatch)
 
 
 def _session(store: CompileStore, tmp_path: Path, *, take: bool = True) -> tuple[CompileSession, Recorder]:

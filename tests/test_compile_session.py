@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from compile_node import CountingBackend, node_dirs  # noqa: E402
 from ettr.compile import artifacts  # noqa: E402
 from ettr.compile.backend import MemoryBackend  # noqa: E402
 from ettr.compile.hooks import CompileRecord  # noqa: E402
@@ -28,30 +29,10 @@ KEY = StoreKey(
 )
 
 
-class CountingBackend(MemoryBackend):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-
-    def read(self, path: str) -> bytes:
-        self.reads.append(path)
-        return super().read(path)
-
-
 @pytest.fixture
 def node(tmp_path, monkeypatch):
     """Point inductor's cache and header directories at folders of a "node" that tests can switch."""
-    current = {}
-
-    def use(name: str):
-        current["cache"], current["headers"] = tmp_path / name / "inductor", tmp_path / name / "headers"
-        return current["cache"], current["headers"]
-
-    monkeypatch.setattr(artifacts, "inductor_cache_dir", lambda: current["cache"])
-    monkeypatch.setattr(artifacts, "headers_dir", lambda: current["headers"])
-    monkeypatch.setattr(artifacts, "used_precompiled_headers", lambda: True)  # as after C++ kernels
-    with torch.compiler.config.patch(job_id="test-job"):
-        yield use
+    yield from node_dirs(tmp_path, monkeypatch)
 
 
 def _session(store, tmp_path, **config):
