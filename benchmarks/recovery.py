@@ -14,6 +14,11 @@ The job (`ettr.testing.resilient_job`: 2-rank gloo DDP, ettr's CheckpointManager
                   one starts a replacement without `ettr run`): torchrun's agent stops its peer and starts
                   both again, cold, and they restore from memory (a peer left waiting gives up after
                   `--rendezvous-timeout-s`)
+    torchrun_fresh_store  (not run unless named) `torchrun` with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+                  plain torchrun's restart fails on this torch (2.4 and later) when a restarted rank reads its
+                  peer's gloo address of the previous launch from the agent's store, which torchrun keeps
+                  for the whole job (pytorch/pytorch#135712; docs/inplace.md); without the shared store rank
+                  0 hosts a new one in every launch. A failed trial's line ends with its last error.
 The rank fails once it has trained `--fail-after-s` (default 15 s; the first 25 steps take well under that)
 and, under `ettr run`, once the supervisor's standbys are warm (at most `--standby-wait-max-s`, default 120 s):
 a job that trained a while, as one that fails after hours has its standbys ready (on a busy machine their
@@ -62,6 +67,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -78,7 +84,10 @@ STANDBYS_WARM = "standbys-warm"
 for it."""
 _READ_SYSCALL = {"x86_64": "0", "aarch64": "63"}.get(platform.machine())
 _RECVMSG_SYSCALL = {"x86_64": "47", "aarch64": "212"}.get(platform.machine())
-EXTRA_LAUNCHERS = ("torchrun_inplace",)
+EXTRA_LAUNCHERS = ("torchrun_inplace", "torchrun_fresh_store")
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""`torchrun_fresh_store`: torchrun's agent does not share its store with the workers; rank 0 hosts a new
+one in every launch, so a restart never meets the previous launch's gloo keys (docs/inplace.md)."""
 FAULTS = {"crash": "raise", "kill": "kill"}
 NUM_STEPS, EVERY, FAIL_AT = 35, 10, 25
 
@@ -105,7 +114,7 @@ def _job(work: Path, launcher: str, fault: str, args: argparse.Namespace) -> lis
         job += ["--fail-when", str(work / STANDBYS_WARM), "--fail-wait-max-s", f"{args.standby_wait_max_s:g}"]
     if not launcher.endswith("_inplace"):
         job.append("--no-resilient")
-    if launcher in ("torchrun", "ettr"):
+    if launcher in ("torchrun", "torchrun_fresh_store", "ettr"):
         job.append("--no-memory-copy")
     return job
 
@@ -172,6 +181,8 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
     env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(work / "memory"))
     if not _spares_on():
         env["ETTR_SPARES"] = "0"
+    if launcher == "torchrun_fresh_store":
+        env.update(FRESH_STORE)
     started = time.monotonic()
     # A session of its own: a trial that times out is ended with every process it started (torchrun's
     # workers outlive their agent's SIGKILL otherwise).
@@ -189,7 +200,7 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
     try:
         proc.wait(timeout=args.timeout_s)
         rc: int | None = proc.returncode
-        tail = [_last_line(work / "stderr.log")]
+        tail = [_last_error(work / "stderr.log")]
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
@@ -299,6 +310,19 @@ def _last_line(path: Path) -> str:
     """The last line of `path` that says something (not a rule of '=' or '-')."""
     lines = path.read_text(errors="replace").splitlines() if path.exists() else []
     return next((x.strip() for x in reversed(lines) if x.strip().strip("=-")), "")
+
+
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b: \S.*)$")
+_SOURCE = re.compile(r"\[/[^\]]*\] ")
+
+
+def _last_error(path: Path) -> str:
+    """The last exception `path` (a trial's stderr) reports with a message, without the source paths gloo
+    puts in it (`RuntimeError: Gloo connectFullMesh failed with timed out connecting: SO_ERROR: Connection
+    refused, remote=...`): torchrun's own last line only points to its docs; else the last line."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    found = next((m.group(1) for x in reversed(lines) if (m := _ERROR_LINE.match(x.strip()))), None)
+    return _SOURCE.sub("", found) if found else _last_line(path)
 
 
 def _end_leftovers(work: Path) -> int:
@@ -605,7 +629,7 @@ def main() -> int:
                 r = _trial(launcher, fault, args, reference)
                 results[fault][launcher].append(r)
                 ttr = "-" if r["ttr_s"] is None else f"{r['ttr_s']:.3f} s"
-                why = "" if r["recovered"] else f" ({r.get('why', '')[:100]}; kept {r['kept']})"
+                why = "" if r["recovered"] else f" ({r.get('why', '')[:160]}; kept {r['kept']})"
                 path = f" path {r['relaunch_path']}" if r.get("relaunch_path") else ""
                 warm = f" standbys warm at {r['standbys_warm_s']} s" if "standbys_warm_s" in r else ""
                 _say(

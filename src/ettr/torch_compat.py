@@ -423,6 +423,26 @@ def default_group() -> Any:
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
+def next_group_name() -> str | None:
+    """The name torch gives the next `new_group` (`distributed_c10d._world.group_count`, as
+    `_process_group_name` makes it); None where torch no longer keeps it."""
+    import torch.distributed as dist
+
+    count = getattr(getattr(dist.distributed_c10d, "_world", None), "group_count", None)
+    return str(count) if isinstance(count, int) else None
+
+
+def gloo_rendezvous_keys(group_name: str, rank: int) -> list[str]:
+    """The keys, in `default_store()`, where a gloo group named `group_name` publishes `rank`'s address while
+    it forms (`_new_process_group_helper`'s `<name>/` and `cpu/` prefixes, then gloo's per-device index:
+    one device, or one per `GLOO_SOCKET_IFNAME` interface). A torch that renamed them makes these names
+    miss (tests/test_agent_store_groups.py checks that they are written)."""
+    import os
+
+    devices = len([name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]) or 1
+    return [f"{group_name}//cpu//{index}/{rank}" for index in range(devices)]
+
+
 def group_timeout_s(group: Any = None) -> float | None:
     """The timeout of `group` (None: the default group) in seconds as its CPU backend has it now (after
     `set_group_timeout` too: `ProcessGroup._get_backend(cpu).options._timeout`); None where torch does not

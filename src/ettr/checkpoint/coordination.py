@@ -12,6 +12,8 @@ the step loop's decisions through a `StepAgreement` (asynchronous: no step waits
 from __future__ import annotations
 
 import datetime
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +195,8 @@ def _gloo_group() -> dist.ProcessGroup:
     failing into the next recovery, not gloo's default 30 minutes (a survivor of in-place SIGKILL trials sat
     in this `new_group` until its harness killed it). Elsewhere: torch's default, as before."""
     form_s = group_form_timeout_s()
+    if form_s is None:  # a generation of `ettr.resilient` forms its groups over a store of its own
+        _forget_earlier_launch()
     collective_s = torch_compat.group_timeout_s() if form_s is not None else None
     if form_s is None or collective_s is None or form_s >= collective_s:
         timeout = None if collective_s is None else datetime.timedelta(seconds=collective_s)
@@ -202,3 +206,24 @@ def _gloo_group() -> dist.ProcessGroup:
     # too, and the branch above was taken.
     torch_compat.set_group_timeout(collective_s, group)
     return group
+
+
+def _forget_earlier_launch(environ: Mapping[str, str] = os.environ) -> None:
+    """Before the next gloo group forms under torchrun's agent store (`TORCHELASTIC_USE_AGENT_STORE=True`):
+    each rank deletes its own key of that group's rendezvous, then waits on the default group until every
+    rank has. The agent keeps one store for the whole job, and a group's keys are named by its name alone:
+    a restarted launch found the previous launch's keys, and a rank that read its peer's old address before
+    the peer wrote its new one connected to a dead port (`Gloo connectFullMesh failed ... Connection
+    refused`) or waited for a connection that never came (docs/inplace.md). No rank of this launch writes
+    its key before all have deleted theirs, so only an earlier launch's key is ever deleted. (The barrier is
+    the default group's, formed in this launch: a store barrier would need a launch number every rank
+    agrees on, and torchrun's agents count their restarts each for itself.) Collective; a no-op elsewhere."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not dist.is_initialized():
+        return
+    name = torch_compat.next_group_name()
+    if name is None:
+        return
+    store = torch_compat.default_store()
+    for key in torch_compat.gloo_rendezvous_keys(name, dist.get_rank()):
+        store.delete_key(key)
+    dist.barrier()
