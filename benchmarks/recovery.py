@@ -366,10 +366,17 @@ def _reference(args: argparse.Namespace) -> str | None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETTR_")}
     env.update(OMP_NUM_THREADS="1", ETTR_MEMORY_DIR=str(work / "memory"))
     try:
-        subprocess.run(
-            [*_torchrun(0), *_job(work, "torchrun", "none", args)], env=env, capture_output=True,
-            timeout=args.timeout_s, check=False,
+        # A session of its own, as a trial's: a reference run that hangs is ended with its workers.
+        proc = subprocess.Popen(
+            [*_torchrun(0), *_job(work, "torchrun", "none", args)], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
+        try:
+            proc.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
         digests = _measure(work / "log.jsonl")["digests"]
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -213,3 +213,15 @@ def test_the_checkpoint_groups_of_a_generation_form_under_its_rendezvous_bound()
     results = run_ranks(_forming_under_the_generation_bound, 2, timeout_s=240.0)
     assert results[0][0] != "formed"
     assert results[0][1:] == (600.0, 600.0) and results[1] == ("skipped", 600.0, 600.0)
+
+
+def _a_large_value(rank: int, world_size: int, num_bytes: int) -> bytes:
+    return bytes([rank]) * num_bytes
+
+
+def test_run_ranks_returns_values_larger_than_the_result_pipe() -> None:
+    """The harness reads the ranks' results while they run: a value over the pipe's ~64 KiB used to keep its
+    rank from exiting until `wait` gave up at the timeout (the join came before the read)."""
+    values = run_ranks(_a_large_value, 2, 1 << 20, timeout_s=60.0)
+    assert [len(v) for v in values] == [1 << 20, 1 << 20]
+    assert values[0][:1] == b"\x00" and values[1][:1] == b"\x01"

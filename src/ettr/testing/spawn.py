@@ -19,6 +19,7 @@ traceback or exit status, and kills all ranks if any fails or the timeout passes
 from __future__ import annotations
 
 import os
+import queue
 import time
 import traceback
 from collections.abc import Callable
@@ -76,6 +77,14 @@ class Ranks:
         """Join every rank; returns the values of `fn` by rank. Raises RankFailed unless all exited with
         `expect_exit` (for a non-zero one, the values are whatever the ranks reported)."""
         deadline = time.monotonic() + self.timeout_s
+        reports: dict[int, tuple[bool, Any]] = {}
+        # The results are read while the ranks run: a rank whose value fills the queue's pipe (~64 KiB) cannot
+        # exit until it is read, so joining first would wait out the timeout.
+        while len(reports) < len(self.processes) and any(p.is_alive() for p in self.processes):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._take_result(reports, min(0.1, left))
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
         alive = [i for i, p in enumerate(self.processes) if p.is_alive()]
@@ -83,10 +92,8 @@ class Ranks:
             if process.is_alive():
                 process.kill()
                 process.join()
-        reports: dict[int, tuple[bool, Any]] = {}
-        while not self.results.empty():
-            rank, ok, value = self.results.get()
-            reports[rank] = (ok, value)
+        while self._take_result(reports, 0.0):
+            pass
         problems = [f"rank {i} did not finish within {self.timeout_s:.0f} s" for i in alive]
         for rank, process in enumerate(self.processes):
             if rank in alive:
@@ -100,11 +107,22 @@ class Ranks:
             raise RankFailed("\n".join(problems))
         return [reports.get(rank, (False, None))[1] for rank in range(len(self.processes))]
 
+    def _take_result(self, reports: dict[int, tuple[bool, Any]], timeout_s: float) -> bool:
+        """One rank's report into `reports`, waiting up to `timeout_s` (0: only one already there)."""
+        try:
+            rank, ok, value = (
+                self.results.get(timeout=timeout_s) if timeout_s > 0 else self.results.get_nowait()
+            )
+        except queue.Empty:
+            return False
+        reports[rank] = (ok, value)
+        return True
+
 
 def start_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> Ranks:
     """Spawn `world_size` ranks running `fn(rank, world_size, *args)`; returns without waiting."""
     context = mp.get_context("spawn")
-    results = context.SimpleQueue()
+    results = context.Queue()
     port = free_port()
     processes = []
     for rank in range(world_size):
