@@ -198,14 +198,10 @@ def _trial(launcher: str, fault: str, args: argparse.Namespace, reference: str |
     spares = work / "run" / "agent" / "spares" if launcher == "ettr_inplace" and _spares_on() else None
     watch = _StandbyWatch(proc.pid, work / STANDBYS_WARM, spares=spares) if waits else None
     try:
-        proc.wait(timeout=args.timeout_s)
-        rc: int | None = proc.returncode
-        tail = [_last_error(work / "stderr.log")]
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)
-        proc.wait()
-        rc, tail = None, [f"timed out after {args.timeout_s:g} s"]
+        rc = _wait_or_end(proc, args.timeout_s)
+        tail = [
+            _last_error(work / "stderr.log") if rc is not None else f"timed out after {args.timeout_s:g} s"
+        ]
     finally:
         if watch is not None:
             watch.done.set()
@@ -360,6 +356,18 @@ def _keep_if_failed(result: dict[str, Any], work: Path, bad: bool, tail: list[st
     result["kept"] = str(work)
 
 
+def _wait_or_end(proc: subprocess.Popen[Any], timeout_s: float) -> int | None:
+    """`proc`'s exit status; None when it ran past `timeout_s`, after ending its whole session (`proc` was
+    started in a session of its own: torchrun's workers outlive their agent's SIGKILL otherwise)."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.wait()
+        return None
+
+
 def _reference(args: argparse.Namespace) -> str | None:
     """The final digest of an uninterrupted run of the same job."""
     work = Path(tempfile.mkdtemp(prefix="ettr-recovery-reference-"))
@@ -371,12 +379,7 @@ def _reference(args: argparse.Namespace) -> str | None:
             [*_torchrun(0), *_job(work, "torchrun", "none", args)], env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
-        try:
-            proc.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
-            proc.wait()
+        _wait_or_end(proc, args.timeout_s)
         digests = _measure(work / "log.jsonl")["digests"]
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -89,7 +89,7 @@ def _version_detail(action: Mapping[str, Any]) -> str:
         said.append("the version in place counted" + (f" ({which}: nothing copied)" if which else ""))
     if action.get("earlier_unused"):
         said.append(f"the version in place not used: {action['earlier_unused']}")
-    return "the store's entry was saved again since; " + "; ".join(said) if said else ""
+    return ("the store's entry was saved again since; " + "; ".join(said)) if said else ""
 
 
 def render(summary: Mapping[str, Any]) -> str:
