@@ -401,9 +401,11 @@ def _node_loss_trial(memory: bool, args: argparse.Namespace, reference: str | No
     second commit, node 1 is lost: its supervisor and its rank SIGKILLed and its shared memory gone; a
     replacement node 1 (a new `ettr run`, as a scheduler would start) joins, and both restore — rank 1
     from the copy node 0 holds for it (`memory_replicas`), or from storage without memory copies."""
+    from ettr.supervisor.launch import free_port
+
     work = Path(tempfile.mkdtemp(prefix=f"ettr-recovery-node-{'memory' if memory else 'storage'}-"))
     log = work / "log.jsonl"
-    url, port = f"sqlite:///{work / 'ledger.db'}", _free_port()
+    url, port = f"sqlite:///{work / 'ledger.db'}", free_port()
     job = [
         "-m", "ettr.testing.resilient_job", "--no-resilient", "--ckpt-dir", str(work / "ckpt"),
         "--timings", str(log), "--steps", str(NUM_STEPS), "--every", str(EVERY), "--fault", "none",
@@ -476,14 +478,6 @@ def _node_loss_trial(memory: bool, args: argparse.Namespace, reference: str | No
     )
     _keep_if_failed(result, work, bad, tail)
     return result
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _kill_trials(count: int, in_budget: Any) -> dict[str, Any]:

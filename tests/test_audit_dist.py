@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,9 @@ from ettr.events import EventKind, Phase
 from ettr.ledger import MemoryLedger
 from ettr.recorder import Recorder
 from ettr.report.audit import render
+from ettr.supervisor.launch import free_port
 
 WORLD_SIZE = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Not ettr.testing.spawn.run_ranks: it initialises the process group before the body runs, and here the

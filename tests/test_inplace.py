@@ -501,11 +501,9 @@ def test_the_documented_names_resolve_after_a_bare_import_ettr():
 
 def _as_a_single_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process as rank 0 of 1 under torchrun's variables (a free port), with no ettr or elastic ones."""
-    import socket
+    from ettr.supervisor.launch import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
         monkeypatch.setenv(name, value)

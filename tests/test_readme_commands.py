@@ -16,7 +16,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,12 +56,6 @@ def _variants(line: str) -> list[str]:
     return [bare] + [f"{bare} {part}" for part in parts]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_dir(stdout_and_err: str, cwd: Path) -> str:
     """The run directory an `ettr run` says it wrote (its last `runs/...` mention)."""
     found = re.findall(r"(runs/[A-Za-z0-9._-]+)", stdout_and_err)
@@ -73,7 +66,9 @@ def _run_dir(stdout_and_err: str, cwd: Path) -> str:
 
 
 def _serve(argv: list[str], cwd: Path, env: dict[str, str]) -> None:
-    port = _free_port()
+    from ettr.supervisor.launch import free_port
+
+    port = free_port()
     argv = [str(port) if prev == "--port" else a for prev, a in zip(["", *argv], argv, strict=False)]
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

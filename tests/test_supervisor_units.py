@@ -28,7 +28,7 @@ from ettr.supervisor.classify import classify
 from ettr.supervisor.command_output import exception_from_stderr
 from ettr.supervisor.config import RunConfig
 from ettr.supervisor.jobinfo import default_job_id, job_times, parse_scontrol_times
-from ettr.supervisor.launch import attempt_launch, detect_launcher, torchrun_command
+from ettr.supervisor.launch import attempt_launch, detect_launcher, free_port, torchrun_command
 from ettr.supervisor.messages import ended_line, relay_stderr, say
 from ettr.supervisor.process import AttemptProcess
 from ettr.supervisor.watchdog import (
@@ -55,6 +55,41 @@ from ettr.supervisor.watchdog import (
 )
 def test_detect_launcher(command: list[str], launcher: Launcher) -> None:
     assert detect_launcher(command) is launcher
+
+
+def test_a_free_port_is_one_no_outgoing_connection_can_hold(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import socket
+
+    import ettr.supervisor.launch as launch
+
+    # A port the OS gave an outgoing connection keeps a listener off it (Linux's bind conflict, even with
+    # SO_REUSEADDR): the hazard of a bind(0) port that a script or a restart binds again later.
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname()) as out,
+    ):
+        with socket.socket() as listener, pytest.raises(OSError):
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", out.getsockname()[1]))
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= p < low and p not in (29400, 29500) for p in ports) or low <= 20000
+    # A port something is bound to is passed over; torchrun's defaults are never handed out.
+    spare = free_port()
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        taken = held.getsockname()[1]
+        picks = iter([29500, taken, spare])
+        monkeypatch.setattr(launch.random, "randrange", lambda a, b: next(picks))
+        monkeypatch.setattr(launch, "_EPHEMERAL_RANGE", tmp_path / "range")
+        (tmp_path / "range").write_text(f"{max(taken, spare) + 1}\t60999\n")
+        assert free_port() == spare
+    # No room below the range, or no range to read: the OS picks.
+    for text in ("1024\t65535\n", "garbled"):
+        (tmp_path / "range").write_text(text)
+        with socket.socket() as again:
+            again.bind(("127.0.0.1", free_port()))
 
 
 def test_torchrun_gets_a_fresh_port_and_no_restarts_of_its_own() -> None:

@@ -9,6 +9,7 @@ ettr's job, so that every restart is accounted).
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -80,8 +81,30 @@ def is_shell_command(command: Sequence[str]) -> bool:
     )
 
 
+# Where `free_port` looks first: below the kernel's ephemeral range, where no outgoing connection takes a port
+# (a connection's local port, or one in TIME_WAIT for a minute after it, keeps a listener off that port: a
+# port the OS handed out by bind(0) can be taken so between attempts that reuse it). The defaults of torchrun's
+# --master-port and --rdzv-endpoint are never handed out, so a job started later with them cannot meet ours.
+_PORTS_FROM = 20000
+_PORTS_NEVER = frozenset({29400, 29500})
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
+    """A TCP port nothing is bound to right now: a random one below the kernel's ephemeral range (see
+    `_PORTS_FROM`), or one the OS picks where that range starts too low to leave room or cannot be read."""
+    try:
+        below = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        below = _PORTS_FROM
+    tries = (random.randrange(_PORTS_FROM, below) for _ in range(32 if below > _PORTS_FROM else 0))
+    for port in (p for p in tries if p not in _PORTS_NEVER):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))  # no SO_REUSEADDR: a port in TIME_WAIT is not free either
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
