@@ -92,6 +92,8 @@ def test_each_side_gets_the_same_job_and_failures_but_its_own_features(tmp_path)
         str(tmp_path / "w" / "plan-cache"),
         "--fast-exit",
         "--inplace",
+        "--memory-interval",
+        "auto",
         "--publish",
         "standalone",
     ]

@@ -170,6 +170,9 @@ class Side:
     place, the surviving rank keeps its process and re-forms the group with the crashed rank's replacement,
     both restoring the last commit from memory (docs/inplace.md); where that cannot be done the process
     restart follows."""
+    memory_tier: bool = False
+    """Memory-tier commits (`--memory-interval auto`): between storage commits, every rank copies its state to
+    shared memory, so that the in-place recovery loses at most that short interval (docs/checkpointing.md)."""
 
     def train_args(self, *, publish: bool, work_dir: Path) -> list[str]:
         args = ["--ckpt-mode", self.ckpt_mode]
@@ -183,6 +186,8 @@ class Side:
             args.append("--fast-exit")
         if self.inplace:
             args.append("--inplace")
+        if self.memory_tier:
+            args += ["--memory-interval", "auto"]
         return [*args, "--publish", self.publish if publish else "none"]
 
 
@@ -202,6 +207,7 @@ OPTIMIZED = Side(
     fast_exit=True,
     warm_restart=True,
     inplace=True,
+    memory_tier=True,
 )
 
 
