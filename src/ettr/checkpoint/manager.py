@@ -321,7 +321,7 @@ class CheckpointManager:
         # boundary (a step count's saves are the same on every rank: those are taken at once). This rank's own
         # time decision is made only at an exchange, where it is proposed (below), not at every step.
         # (A memory-tier save is decided by time: agreed like a time-based save even with a step interval.)
-        tiered = self._tier is not None
+        tiered = self.config.memory_interval is not None  # the config, the same on every rank
         agreeing = agreement.collective and (not by_steps or self._preemption is not None or tiered)
         exchange = agreeing and agreement.due()
         if agreeing:
@@ -337,8 +337,6 @@ class CheckpointManager:
         if save_now:
             self._meter.reset()  # the next interval holds the save's blocking and staging wait: not a step
             saved = self.save(step)
-            if self._tier_policy is not None:
-                self._tier_policy.reset(self._clock())
         elif memory_now:  # never at a step where a storage save starts (the same step on every rank)
             self._save_memory_tier(step)
         if exchange:
@@ -385,7 +383,10 @@ class CheckpointManager:
                 logger.warning("ettr: memory-tier copy of step %d failed (%s)", step, describe_error(exc))
                 tier.remove()
         end_s = self._clock()
-        tier_policy.observe(cost_s=end_s - begin_s, now_s=end_s)
+        if tier.made_slot:  # the slot's pages allocated: no measure of what the next ones cost
+            tier_policy.reset(end_s)
+        else:
+            tier_policy.observe(cost_s=end_s - begin_s, now_s=end_s)
         logger.debug("ettr: memory-tier copy of step %d: %d bytes in %.4f s", step, kept, end_s - begin_s)
 
     def save(self, step: int, *, wait: bool = False) -> bool:
@@ -772,6 +773,8 @@ class CheckpointManager:
         self.restored_tier = "memory" if storage_step is not None else None
         self.last_committed_step = step if storage_step is None else storage_step
         self.policy.reset(self._clock())
+        if self._tier_policy is not None:
+            self._tier_policy.reset(self._clock())
         self._rec.resumed_from(step)
 
     def _restore_from_memory(self, step: int | None) -> int | None:

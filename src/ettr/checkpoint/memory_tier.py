@@ -56,6 +56,8 @@ class MemoryTier:
         self.copies = copies
         self.rank = copies.rank
         self.last_kept_bytes = 0
+        self.made_slot = False
+        """Whether the last `keep` made a new slot (allocated its pages) rather than reusing the last one."""
         self._slot: Slot | None = None
         """The slot the next save copies into (unsealed, at `staging_path`)."""
         self._current: Slot | None = None
@@ -75,6 +77,7 @@ class MemoryTier:
         if not binding.lineage:
             raise ValueError("a memory-tier copy needs a lineage")
         slot: Slot | None = None
+        self.made_slot = False
         try:
             slot = self._slot_for(state_dict)
             if slot is None:
@@ -115,6 +118,7 @@ class MemoryTier:
         except snapshot.NotReusable:
             return None
         slot.prefault()
+        self.made_slot = True
         return slot
 
     def _swap_in(self, slot: Slot) -> None:
