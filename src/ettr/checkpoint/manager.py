@@ -337,6 +337,8 @@ class CheckpointManager:
         if save_now:
             self._meter.reset()  # the next interval holds the save's blocking and staging wait: not a step
             saved = self.save(step)
+            if self._tier_policy is not None:  # the interval runs from the last restore point, of either tier
+                self._tier_policy.reset(self._clock())
         elif memory_now:  # never at a step where a storage save starts (the same step on every rank)
             self._save_memory_tier(step)
         if exchange:
