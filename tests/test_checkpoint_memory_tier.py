@@ -198,6 +198,8 @@ def test_a_memory_tier_copy_not_every_rank_holds_intact_sends_every_rank_to_the_
         assert result["source"] == "memory"  # the storage commit's own memory copy, as before
         assert result["digest"] == first[rank]["digests"][2 * STORAGE_EVERY]
         assert result["last_committed"] == 2 * STORAGE_EVERY
+        said = [r.get("tier_not_used") for r in result["restores"] if r.get("tier") is None]
+        assert said[-1] if damage != "base_digest" else said == [None]  # booked where some rank held one
 
 
 def _agreed_run(rank: int, world_size: int, root: str) -> dict[str, Any]:

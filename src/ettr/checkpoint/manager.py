@@ -71,7 +71,7 @@ from ettr.checkpoint.history import FailureHistory
 from ettr.checkpoint.keys import KeyRing
 from ettr.checkpoint.memory import Found, MemoryCopies, fill, manifest_binding
 from ettr.checkpoint.memory_peers import PeerPlan, fetch, replicate
-from ettr.checkpoint.memory_tier import MemoryTier
+from ettr.checkpoint.memory_tier import MemoryTier, TierFound
 from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks
 from ettr.checkpoint.policy import IntervalPolicy, MemoryIntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
@@ -793,7 +793,7 @@ class CheckpointManager:
         if decision[0] is None:
             return None
         binding = Binding(step=decision[0], manifest_sha256=decision[1], world_size=self.world_size)
-        if self._tier is not None and step is None:
+        if self.config.memory_interval is not None and step is None:  # the config: the same on every rank
             tiered = self._restore_from_tier(binding)
             if tiered is not None:
                 self._existing_steps = set(decision[2])
@@ -820,7 +820,8 @@ class CheckpointManager:
                 found.snapshot.close()
             return None
         assert found.snapshot is not None
-        error = self._load_snapshot(found.snapshot, binding.step, source=source)
+        tier_why = {"tier_not_used": self._tier_not_used[:300]} if self._tier_not_used else {}
+        error = self._load_snapshot(found.snapshot, binding.step, source=source, **tier_why)
         if self._coord.agree(bool(error))[0]:
             self._memory_not_used = f"restore from memory failed: {error or 'on another rank'}"
             logger.warning(
@@ -839,8 +840,8 @@ class CheckpointManager:
         same (step, lineage) — the cross-rank agreement on the newest step every rank holds: one all-gather —
         or any rank fails to load its copy (then the storage-tier paths run, and load the whole state again).
         Collective."""
-        assert self._tier is not None
-        found = self._tier.find(newest=newest)
+        no_tier = TierFound(snapshot=None, reason="no memory tier here")
+        found = self._tier.find(newest=newest) if self._tier is not None else no_tier
         keys = self._coord.all_gather(found.key)
         if keys[0] is None or any(key != keys[0] for key in keys):
             if found.snapshot is not None:
@@ -916,6 +917,8 @@ class CheckpointManager:
 
         try:
             why = {"memory_not_used": self._memory_not_used[:300]} if self._memory_not_used else {}
+            if self._tier_not_used:  # a memory-tier commit some rank held was not used (`_restore_from_tier`)
+                why["tier_not_used"] = self._tier_not_used[:300]
             with self._rec.phase(Phase.RESTORE, step=chosen, source="storage", **why):
                 with lease(self.storage, name) if self.rank == 0 else contextlib.nullcontext():
                     manifest = retry_transient(
