@@ -96,7 +96,7 @@ def _first_run(rank: int, world_size: int, root: str, extra: str) -> dict[str, A
 def _restart(rank: int, world_size: int, root: str, then_save: bool, memory_copy: bool) -> dict[str, Any]:
     state = _state(rank, world_size)
     recorder = SyncRecorder(MemoryLedger())
-    config = _config(root, memory_copy=memory_copy)
+    config = _config(root) if memory_copy else _config(root, memory_copy=False, memory_interval=None)
     with CheckpointManager.create(config, state, recorder=recorder) as manager:
         restored = manager.restore()
         result = {
@@ -250,6 +250,8 @@ def test_memory_interval_parses_and_refuses_nonsense() -> None:
             parse_memory_interval(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         CheckpointConfig(root="x", memory_interval="never")
+    with pytest.raises(ValueError, match="memory_copy"):
+        CheckpointConfig(root="x", memory_interval="auto", memory_copy=False)
 
 
 def test_the_auto_memory_interval_is_young_daly_from_the_memory_saves_own_cost() -> None:

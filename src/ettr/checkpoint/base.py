@@ -210,6 +210,10 @@ class CheckpointConfig:
         if self.memory_replicas < 0:
             raise ValueError(f"memory_replicas must be >= 0, got {self.memory_replicas}")
         object.__setattr__(self, "memory_interval", parse_memory_interval(self.memory_interval))
+        if self.memory_interval is not None and not self.memory_copy:
+            raise ValueError(
+                "memory_interval needs memory_copy=True (memory-tier commits live beside its copies)"
+            )
 
 
 class ReadableStorage(Protocol):
