@@ -116,6 +116,8 @@ def _job(work: Path, launcher: str, fault: str, args: argparse.Namespace) -> lis
         job.append("--no-resilient")
     if launcher in ("torchrun", "torchrun_fresh_store", "ettr"):
         job.append("--no-memory-copy")
+    elif launcher.startswith("ettr") and args.memory_interval:  # memory-tier commits where memory restores
+        job += ["--memory-interval", args.memory_interval]
     return job
 
 
@@ -145,6 +147,8 @@ def _measure(log: Path) -> dict[str, Any]:
     trains = [e for e in after if e["ev"] == "train" and e["ts"] <= last_restore["ts"]]
     out["done"] = any(e["step"] == NUM_STEPS for e in steps)
     out["restored_from"] = last_restore.get("source") or "nothing"
+    if last_restore.get("tier") == "memory":  # a memory-tier commit (`--memory-interval`)
+        out["restored_from"] += "-tier"
     if steps and trains:
         first_step = min(e["ts"] for e in steps)
         train = max(e["ts"] for e in trains)  # the later of the two ranks starting the recovering generation
@@ -480,7 +484,7 @@ def _node_loss_trial(memory: bool, args: argparse.Namespace, reference: str | No
     return result
 
 
-def _kill_trials(count: int, in_budget: Any) -> dict[str, Any]:
+def _kill_trials(count: int, in_budget: Any, memory_interval: str | None = None) -> dict[str, Any]:
     from ettr.testing.inplace_faults import InPlaceTrialRunner
 
     # A trial with a survivor that did not give up on its dead peer keeps its directory (the survivor's stacks
@@ -488,7 +492,7 @@ def _kill_trials(count: int, in_budget: Any) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix="ettr-inplace-kills-")
     runner: InPlaceTrialRunner | None = None
     try:
-        runner = InPlaceTrialRunner(workdir, seed=count)
+        runner = InPlaceTrialRunner(workdir, seed=count, memory_interval=memory_interval)
         _say(f"kill trials: the job trains {runner.calibrate():.2f} s with its raise and no kill")
         trials = []
         for i in range(count):
@@ -594,6 +598,11 @@ def main() -> int:
         help="start no new round (and no node-loss or kill trial) after this many seconds; the summary says "
         "how many ran",
     )
+    parser.add_argument(
+        "--memory-interval",
+        default=None,
+        help="ettr launchers with memory copies keep memory-tier commits (auto or seconds; default: off)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--quick", action="store_true", help="one crash trial per launcher, a small model (CI)"
@@ -654,7 +663,7 @@ def main() -> int:
                 f"node loss {i} {variant:<7} recovered={r['recovered']} ttr={ttr} restored "
                 f"{r['restored_by_rank']}{why}"
             )
-    kills = _kill_trials(args.kill_trials, in_budget) if args.kill_trials > 0 else None
+    kills = _kill_trials(args.kill_trials, in_budget, args.memory_interval) if args.kill_trials > 0 else None
     summary = {
         "benchmark": "recovery",
         "trials": args.trials,

@@ -125,7 +125,18 @@ def _left_behind(work: Path) -> list[int]:
     return left
 
 
-def _trial(work: Path, rng: random.Random, want: set[str], reference: dict[int, str]) -> dict[str, Any]:
+def _tier_restores(work: Path) -> int:
+    """The ranks' restores of a memory-tier commit (`--memory-interval`) in this trial's job log."""
+    try:
+        lines = (work / "log.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return 0
+    return sum('"tier": "memory"' in line for line in lines)
+
+
+def _trial(
+    work: Path, rng: random.Random, want: set[str], reference: dict[int, str], extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     work.mkdir(parents=True)
     command = [
         sys.executable,
@@ -139,7 +150,7 @@ def _trial(work: Path, rng: random.Random, want: set[str], reference: dict[int, 
     ]
     with open(work / "out", "wb") as out:
         job = subprocess.Popen(
-            [*command, "--", *_job(work)], env=_env(work), stdout=out, stderr=subprocess.STDOUT,
+            [*command, "--", *_job(work, *extra)], env=_env(work), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
     killed: list[str] = []
@@ -189,6 +200,7 @@ def _trial(work: Path, rng: random.Random, want: set[str], reference: dict[int, 
         "spare_promoted": "from a parked spare" in text,
         "gave_up": "restarts would not help" in text,
         "failures": text.count(" failed: "),
+        "tier_restores": _tier_restores(work),
     }
 
 
@@ -198,11 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 trials")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    parser.add_argument(
+        "--memory-interval", default=None, help="the trials keep memory-tier commits (auto or seconds)"
+    )
     args = parser.parse_args(argv)
     if args.trials < 1:
         parser.error("--trials must be at least 1")
     trials = 2 if args.quick else args.trials
     rng = random.Random(args.seed)
+    extra = ("--memory-interval", args.memory_interval) if args.memory_interval else ()
     root = Path(tempfile.mkdtemp(prefix="ettr-spare-kills-"))
     kept = False
     try:
@@ -225,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         load_start = os.getloadavg()
         rows = []
         for n in range(trials):
-            row = _trial(root / f"trial-{n}", rng, want, steps)
+            row = _trial(root / f"trial-{n}", rng, want, steps, extra)
             rows.append(row)
             _say(
                 f"trial {n} exit {row['exit']} killed {row['killed']} digest_ok {row['digest_ok']} "
@@ -257,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         "spare_kills_failed": sum(
             bool(r["killed"]) and set(r["killed"]) == {"spare"} and r["failures"] > 0 for r in rows
         ),
+        "memory_interval": args.memory_interval,
+        "tier_restores": sum(r["tier_restores"] for r in rows),
         "load_avg_start": [round(x, 2) for x in load_start],
         "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "quick": bool(args.quick),
@@ -268,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         f"run's), bad {figures['bad_states']}, left behind {figures['left_behind']}, kills {figures['kills']} "
         f"({figures['trials_without_kill']} trials killed nothing: the job ended first), "
         f"spares promoted in {figures['spares_promoted']}, spare kills that failed the job "
-        f"{figures['spare_kills_failed']}, load {figures['load_avg_start'][0]} -> {figures['load_avg_end'][0]}"
+        f"{figures['spare_kills_failed']}, memory-tier restores {figures['tier_restores']} (ranks), "
+        f"load {figures['load_avg_start'][0]} -> {figures['load_avg_end'][0]}"
     )
     if args.json:
         print(json.dumps(figures))

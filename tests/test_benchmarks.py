@@ -93,6 +93,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "spare_kills.py": (
         "trials", "completed", "gave_up", "gave_up_after_last_step", "bad_resumes", "states_checked", "bad_states",
         "left_behind", "kills.rank", "kills.spare", "trials_without_kill", "spares_promoted", "spare_kills_failed",
+        "tier_restores",
     ),
     "standby_race.py": (
         "busy.standby.median_ttr_s", "busy.off.median_ttr_s", "busy.ratio", "quiet.standby.median_ttr_s",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -94,6 +95,13 @@ def test_each_side_gets_the_same_job_and_failures_but_its_own_features(tmp_path)
         "--inplace",
         "--publish",
         "standalone",
+    ]
+    tiered = dataclasses.replace(demo.OPTIMIZED, memory_tier=True)  # off in the demo: docs/demo.md
+    assert tiered.train_args(publish=False, work_dir=tmp_path)[-4:] == [
+        "--memory-interval",
+        "auto",
+        "--publish",
+        "none",
     ]
     # The baseline compiles cold in every attempt and leaves its artifacts for the optimized side.
     assert base.environment()["ETTR_COMPILE_STORE"] == str(tmp_path / "w" / "compile-store")

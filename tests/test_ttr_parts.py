@@ -413,3 +413,28 @@ def test_a_recovery_that_restored_nothing_says_so_and_unknown_stays_unknown():
     assert unknown.attempts[1].resumed_step_unknown
     assert unknown.ttr_parts[0].restored_from is None
     assert report_json.to_dict(unknown)["ttr_parts"][0]["restored_from"] is None
+
+
+def test_a_recovery_that_restored_a_memory_tier_commit_says_which_step_and_what_storage_had():
+    """A memory-tier commit (`CheckpointConfig.memory_interval`) is newer than storage's newest: the books say
+    where the lost progress began (the step) and what storage alone would have given."""
+    from ettr.report.ttr_parts import text_lines
+
+    def restored(rank: int) -> Event:
+        data = {"source": "memory", "tier": "memory", "storage_step": 1650}
+        return Event(
+            EventKind.PHASE_END, 12.9, 1, rank, phase=Phase.RESTORE, value=12.8, step=1690, data=data
+        )
+
+    report = compute(job() + [restored(0), restored(1)], now=30.0)
+    tier = "a memory-only commit of step 1690; storage had 1650"
+    assert report.ttr_parts[0].restored_from == "memory"  # the source, as before
+    assert report.ttr_parts[0].restored_tier == tier
+    assert report_json.to_dict(report)["ttr_parts"][0]["restored_tier"] == tier
+    assert f"  restore 0->1: memory ({tier})" in text_lines(report)
+    plain = compute(
+        job() + [Event(EventKind.PHASE_END, 12.9, 1, 0, phase=Phase.RESTORE, data={"source": "memory"})],
+        now=30.0,
+    )
+    assert plain.ttr_parts[0].restored_tier is None
+    assert report_json.to_dict(plain)["ttr_parts"][0]["restored_tier"] is None

@@ -324,6 +324,7 @@ class EttrCheckpointer:
         every_steps: int,
         rank: int,
         auto: AutoInterval | None = None,
+        memory_interval: str | None = None,
     ) -> None:
         from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig
         from ettr.checkpoint import TrainState as EttrTrainState
@@ -344,7 +345,12 @@ class EttrCheckpointer:
         # raw_tensors: each tensor's bytes as they are, not DCP's torch.save per tensor (less CPU beside
         # training; the job restores with ettr, which reads them; a plain dcp.load would not)
         config = CheckpointConfig(
-            root=ckpt_dir, interval=interval, keep_last=2, handle_preemption=True, raw_tensors=True
+            root=ckpt_dir,
+            interval=interval,
+            keep_last=2,
+            handle_preemption=True,
+            raw_tensors=True,
+            memory_interval=memory_interval,
         )
         self._manager = CheckpointManager.create(config, ettr_state, failure_history=history)  # collective
 
@@ -374,18 +380,27 @@ def make_checkpointer(
     rank: int,
     world_size: int,
     auto: AutoInterval | None = None,
+    memory_interval: str | None = None,
 ) -> Checkpointer:
     """The checkpointer of `--ckpt-mode` (`sync` or `ettr`). Collective for `ettr` (it makes groups).
 
     `dense` is the replicated (not sharded) part of the model; only `ettr` needs it. `auto` (ettr only):
-    the auto interval instead of every `every_steps`.
+    the auto interval instead of every `every_steps`; `memory_interval` (ettr only): memory-tier commits.
     """
-    if auto is not None and mode != "ettr":
-        raise ValueError("the auto interval needs the ettr checkpoint mode")
+    if (auto is not None or memory_interval is not None) and mode != "ettr":
+        raise ValueError("the auto interval and memory-tier commits need the ettr checkpoint mode")
     if mode == "sync":
         return TorchSaveCheckpointer(
             ckpt_dir, state, every_steps=every_steps, rank=rank, world_size=world_size
         )
     if mode == "ettr":
-        return EttrCheckpointer(ckpt_dir, state, dense=dense, every_steps=every_steps, rank=rank, auto=auto)
+        return EttrCheckpointer(
+            ckpt_dir,
+            state,
+            dense=dense,
+            every_steps=every_steps,
+            rank=rank,
+            auto=auto,
+            memory_interval=memory_interval,
+        )
     raise ValueError(f"checkpoint mode must be sync or ettr, got {mode!r}")

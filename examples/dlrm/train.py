@@ -97,6 +97,9 @@ class TrainConfig:
     """`--ckpt-auto`: the prior failure rate of jobs like this one, per day of wall time."""
     failure_prior_days: float = 1.0
     """`--ckpt-auto`: how many days of observation that prior is worth."""
+    memory_interval: str | None = None
+    """`ettr` mode: memory-tier commits between storage commits (`CheckpointConfig.memory_interval`: `auto`
+    or seconds), so that a restore from memory (`--inplace`) loses at most that interval. None: off."""
     ckpt_dir: str = "checkpoints/dlrm"
     """Where checkpoints go and are resumed from."""
     resume: bool = True
@@ -150,6 +153,10 @@ class TrainConfig:
             raise ValueError(f"--ckpt-mode must be sync or ettr, got {self.ckpt_mode!r}")
         if self.ckpt_auto and self.ckpt_mode != "ettr":
             raise ValueError("--ckpt-auto needs --ckpt-mode ettr (the auto interval is the ettr manager's)")
+        if self.memory_interval is not None and self.ckpt_mode != "ettr":
+            raise ValueError(
+                "--memory-interval needs --ckpt-mode ettr (memory-tier commits are the ettr manager's)"
+            )
         if not (self.failures_per_day > 0 and self.failure_prior_days > 0):
             raise ValueError("--failures-per-day and --failure-prior-days must be positive")
         if self.publish not in ("inside", "standalone", "none"):
@@ -196,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--failures-per-day", type=float, default=d.failures_per_day, help="--ckpt-auto: prior failure rate")
     add("--failure-prior-days", type=float, default=d.failure_prior_days, help="--ckpt-auto: prior's weight")
+    add("--memory-interval", default=d.memory_interval, help="memory-tier commits: auto or seconds (ettr)")
     add("--ckpt-dir", default=d.ckpt_dir, help="checkpoint directory")
     add("--resume", action=argparse.BooleanOptionalAction, default=d.resume, help="resume from the latest")
     add("--publish", choices=("inside", "standalone", "none"), default=d.publish, help="inference publishing")
@@ -586,6 +594,7 @@ def _generation(
                 )
                 if config.ckpt_auto
                 else None,
+                memory_interval=config.memory_interval,
             )
     with clock.part("restore"):  # the checkpointer records the RESTORE phase and RESUMED itself
         if checkpointer is not None and config.resume:

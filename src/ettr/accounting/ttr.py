@@ -165,6 +165,10 @@ class RecoveryParts:
     """Why ranks that keep memory copies read storage (their RESTORE phases' `memory_not_used`: a rank's own
     reason first, `; `-joined), e.g. `rank 1: memory copy not used: it holds step 325, the newest commit is
     step 350 (stale)`; None when memory was used or not kept."""
+    restored_tier: str | None = None
+    """Where the ranks restored a memory-tier commit (`CheckpointConfig.memory_interval`: a step newer than
+    storage's newest, its RESTORE phases' `tier`): `a memory-only commit of step S; storage had N`; None
+    otherwise."""
 
     @property
     def total_s(self) -> float:
@@ -201,6 +205,8 @@ class AttemptMilestones:
     """The sources the ranks' RESTORE phases recorded (`RecoveryParts.restored_from`)."""
     restored_why: str | None = None
     """Why memory copies were not used (`RecoveryParts.restored_why`)."""
+    restored_tier: str | None = None
+    """A memory-tier commit the ranks restored (`RecoveryParts.restored_tier`)."""
 
 
 def rank_failure_times(rank_events: Mapping[int, Sequence[Event]]) -> list[float]:
@@ -286,12 +292,32 @@ def milestones(
         recovery=_text((_first_mark_data(supervisor, RECOVERY_MARK) or {}).get("kind")),
         restored_from=_restore_sources(rank_events),
         restored_why=_memory_not_used(rank_events),
+        restored_tier=_memory_tier(rank_events),
     )
 
 
 def _restore_sources(rank_events: Mapping[int, Sequence[Event]]) -> str | None:
     """The sources of the ranks' completed restores (`memory`, `peer`, `storage`), `+`-joined; None: none."""
     return "+".join(sorted(_restore_texts(rank_events, "source", 40))) or None
+
+
+def _memory_tier(rank_events: Mapping[int, Sequence[Event]]) -> str | None:
+    """`a memory-only commit of step S; storage had N` when the ranks' completed RESTOREs loaded a memory-tier
+    commit (their `tier`, `storage_step`); None otherwise."""
+    found = {
+        (e.step, e.data.get("storage_step"))
+        for r, evs in rank_events.items()
+        if r >= 0
+        for e in evs
+        if e.kind == EventKind.PHASE_END
+        and e.phase == Phase.RESTORE
+        and isinstance(e.data, Mapping)
+        and e.data.get("tier") == "memory"
+    }
+    return (
+        "; ".join(f"a memory-only commit of step {s}; storage had {n}" for s, n in sorted(found, key=str))
+        or None
+    )
 
 
 def _memory_not_used(rank_events: Mapping[int, Sequence[Event]]) -> str | None:
@@ -416,6 +442,7 @@ def recovery_parts(
         kind=recovery_kind(failed, recovered, requeued=requeued),
         restored_from=recovered.restored_from,
         restored_why=recovered.restored_why,
+        restored_tier=recovered.restored_tier,
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, runtime_checkable
 
-from ettr.checkpoint.policy import IntervalConfig
+from ettr.checkpoint.policy import IntervalConfig, parse_memory_interval
 from ettr.errors import describe_os_error
 from ettr.untrusted import printable
 
@@ -175,6 +175,13 @@ class CheckpointConfig:
     memory_replicas: int = 1
     """With several nodes, how many peers on other nodes also hold each rank's memory copy, so that a
     replacement node restores from them (0: none). More replicas cost as many copies per holder."""
+    memory_interval: float | str | None = None
+    """Memory-tier commits between storage commits (`ettr.checkpoint.memory_tier`): every rank copies its
+    live state to shared memory at the same step, so that a restore from memory (a restart in place, on a
+    surviving node) loses at most this interval, not a storage interval. None (the default): off; "auto":
+    Young/Daly from the memory save's measured cost and the failure rate the `auto` storage interval uses;
+    or seconds. Costs two more staged states per rank in `/dev/shm` (the copy and its slot), bounded like
+    the storage commit's copy; needs `memory_copy` and CPU tensors."""
 
     def __post_init__(self) -> None:
         if not os.fspath(self.root):
@@ -202,6 +209,11 @@ class CheckpointConfig:
             raise ValueError(f"memory_max_bytes must be >= 0 or None, got {self.memory_max_bytes}")
         if self.memory_replicas < 0:
             raise ValueError(f"memory_replicas must be >= 0, got {self.memory_replicas}")
+        object.__setattr__(self, "memory_interval", parse_memory_interval(self.memory_interval))
+        if self.memory_interval is not None and not self.memory_copy:
+            raise ValueError(
+                "memory_interval needs memory_copy=True (memory-tier commits live beside its copies)"
+            )
 
 
 class ReadableStorage(Protocol):

@@ -90,6 +90,14 @@ class Coordinator:
             dist.broadcast_object_list(values, src=0, group=self.process_group)
         return values
 
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (picklable), in rank order (a list of one for one rank)."""
+        if self.process_group is None or self.world_size <= 1:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.process_group)
+        return gathered
+
     def agree(self, *flags: bool) -> tuple[bool, ...]:
         """Each flag true on every rank when it is true on any rank (no-op for one rank)."""
         if self.control_group is None:
@@ -147,22 +155,29 @@ class StepAgreement:
     def take(self) -> tuple[bool, bool]:
         """The flags proposed at the previous exchange, each true if any rank proposed it (False, False at
         the first exchange). Waits for that reduction (normally long complete); raises what the group raises."""
+        save, preempt, _ = self.take_all()
+        return save, preempt
+
+    def take_all(self) -> tuple[bool, bool, bool]:
+        """`take`, and the third flag: a memory-tier save (`propose(memory=)`)."""
         if self._pending is None:
-            return False, False
+            return False, False, False
         work, tensor = self._pending
         self._pending = None
         work.wait()
-        save, preempt, negative_gap = (int(v) for v in tensor.tolist())
+        save, preempt, negative_gap, memory = (int(v) for v in tensor.tolist())
         self._gap = max(1, min(self.max_gap, -negative_gap))
-        return bool(save), bool(preempt)
+        return bool(save), bool(preempt), bool(memory)
 
-    def propose(self, save: bool, preempt: bool, *, step_s: float | None) -> None:
-        """Send this rank's flags, and its gap (`period_s` of steps of `step_s`), for the next exchange."""
+    def propose(self, save: bool, preempt: bool, *, step_s: float | None, memory: bool = False) -> None:
+        """Send this rank's flags, and its gap (`period_s` of steps of `step_s`), for the next exchange;
+        `memory`: a memory-tier save (`ettr.checkpoint.memory_tier`)."""
         if self._group is None:
             raise RuntimeError("StepAgreement.propose with no other rank to agree with")
         self._countdown = self._gap
         gap = 1 if not step_s or step_s <= 0 else int(self.period_s / step_s)  # unknown: again next step
-        tensor = torch.tensor([int(save), int(preempt), -max(1, min(self.max_gap, gap))], dtype=torch.int64)
+        flags = [int(save), int(preempt), -max(1, min(self.max_gap, gap)), int(memory)]
+        tensor = torch.tensor(flags, dtype=torch.int64)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (work, tensor)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -70,12 +71,13 @@ from ettr.checkpoint.history import FailureHistory
 from ettr.checkpoint.keys import KeyRing
 from ettr.checkpoint.memory import Found, MemoryCopies, fill, manifest_binding
 from ettr.checkpoint.memory_peers import PeerPlan, fetch, replicate
+from ettr.checkpoint.memory_tier import MemoryTier, TierFound
 from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks
-from ettr.checkpoint.policy import IntervalPolicy
+from ettr.checkpoint.policy import IntervalPolicy, MemoryIntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
 from ettr.checkpoint.resume import choose_checkpoint, set_aside
 from ettr.checkpoint.slowdown_meter import SlowdownMeter
-from ettr.checkpoint.snapshot import Binding
+from ettr.checkpoint.snapshot import Binding, Snapshot
 from ettr.checkpoint.space import make_room, out_of_space_hint
 from ettr.checkpoint.state import TrainState, saved_top_level_keys
 from ettr.checkpoint.storage import open_storage
@@ -227,6 +229,32 @@ class CheckpointManager:
         self.restored_from: str | None = None
         """Where the last `restore` loaded from: "memory" (this rank's copy), "peer" (a copy a rank on
         another node held), "storage" (None: nothing restored)."""
+        self.restored_tier: str | None = None
+        """"memory" when the last `restore` loaded a memory-tier commit (a step newer than storage's newest,
+        `restored_from` "memory"), else None."""
+        self._tier = (
+            MemoryTier(self.memory)
+            if config.memory_interval is not None and self.memory is not None
+            else None
+        )
+        """This rank's memory-tier commits (`memory_tier`; None: `memory_interval` unset, or no memory copies)."""
+        policy = self.policy
+        self._tier_policy = (
+            MemoryIntervalPolicy(
+                config.memory_interval,
+                now_s=clock(),
+                failures_per_day=lambda now_s: (
+                    policy.failures_per_day(now_s) * 24.0 / policy.config.train_hours
+                ),
+            )
+            if self._tier is not None and config.memory_interval is not None
+            else None
+        )
+        self._lineage: str | None = None
+        """This process lifetime's token (rank 0 draws it at each restore): no memory-tier save before it."""
+        self._tier_base: Binding | None = None
+        """The newest storage commit this process knows (restored or committed): a memory-tier copy's base."""
+        self._tier_not_used = ""
 
     @classmethod
     def create(
@@ -292,25 +320,76 @@ class CheckpointManager:
         # Time and signals differ between ranks: every rank acts on what any rank proposed, at the same step
         # boundary (a step count's saves are the same on every rank: those are taken at once). This rank's own
         # time decision is made only at an exchange, where it is proposed (below), not at every step.
-        agreeing = agreement.collective and (not by_steps or self._preemption is not None)
+        # (A memory-tier save is decided by time: agreed like a time-based save even with a step interval.)
+        tiered = self.config.memory_interval is not None  # the config, the same on every rank
+        agreeing = agreement.collective and (not by_steps or self._preemption is not None or tiered)
         exchange = agreeing and agreement.due()
         if agreeing:
-            agreed_save, preempt = agreement.take() if exchange else (False, False)
+            agreed_save, preempt, memory_now = agreement.take_all() if exchange else (False, False, False)
             save_now = self.policy.should_save(step, now_s) if by_steps else agreed_save
         else:
             save_now = self.policy.should_save(step, now_s)
             preempt = self._preemption is not None and self._preemption.requested
+            memory_now = self._memory_tier_due(now_s)
         if preempt:
             self._exit_preempted(step)
         saved = False
         if save_now:
             self._meter.reset()  # the next interval holds the save's blocking and staging wait: not a step
             saved = self.save(step)
+            if self._tier_policy is not None:  # the interval runs from the last restore point, of either tier
+                self._tier_policy.reset(self._clock())
+        elif memory_now:  # never at a step where a storage save starts (the same step on every rank)
+            self._save_memory_tier(step)
         if exchange:
             fresh = not by_steps and self.policy.should_save(step, self._clock())  # False right after a save
             requested = self._preemption is not None and self._preemption.requested
-            agreement.propose(fresh, requested, step_s=self._meter.steady_step_s())
+            memory = self._memory_tier_due(self._clock())
+            agreement.propose(fresh, requested, step_s=self._meter.steady_step_s(), memory=memory)
         return saved
+
+    def _memory_tier_due(self, now_s: float) -> bool:
+        """Whether this rank would make a memory-tier save now: on, after a restore, with a storage commit
+        to bind it to, and its interval past."""
+        return (
+            self._tier_policy is not None
+            and self._lineage is not None
+            and self._tier_base is not None
+            and self._tier_policy.should_save(now_s)
+        )
+
+    def _save_memory_tier(self, step: int) -> None:
+        """Copy the live state of `step` to this rank's memory-tier copy (`memory_tier`), on the caller's
+        thread (recorded as CHECKPOINT_BLOCKING with `tier="memory"`). Every rank calls it at the same step;
+        a rank that cannot keep one (no storage commit or no restore yet, no room) keeps none, and a restore
+        then finds the ranks' copies differ and reads storage. Never raises."""
+        tier, tier_policy = self._tier, self._tier_policy
+        base, lineage = self._tier_base, self._lineage
+        if tier is None or tier_policy is None or base is None or lineage is None:
+            return
+        self._meter.reset()  # the next interval holds this copy: not a step
+        begin_s = self._clock()
+        kept = 0
+        with self._rec.phase(Phase.CHECKPOINT_BLOCKING, step=step, tier="memory"):
+            try:
+                state_dict = self.state.state_dict(step, world_size=self.world_size)
+                binding = Binding(
+                    step=step,
+                    manifest_sha256=base.manifest_sha256,
+                    world_size=self.world_size,
+                    lineage=lineage,
+                    base_step=base.step,
+                )
+                kept = tier.keep(state_dict, binding)
+            except Exception as exc:  # never into the loop: the storage commits go on
+                logger.warning("ettr: memory-tier copy of step %d failed (%s)", step, describe_error(exc))
+                tier.remove()
+        end_s = self._clock()
+        if tier.made_slot:  # the slot's pages allocated: no measure of what the next ones cost
+            tier_policy.reset(end_s)
+        else:
+            tier_policy.observe(cost_s=end_s - begin_s, now_s=end_s)
+        logger.debug("ettr: memory-tier copy of step %d: %d bytes in %.4f s", step, kept, end_s - begin_s)
 
     def save(self, step: int, *, wait: bool = False) -> bool:
         """Save the state after optimizer step `step`; returns once the state is staged (unless `wait`).
@@ -499,6 +578,7 @@ class CheckpointManager:
         binding: Binding | None = None
         try:
             binding = manifest_binding(self.storage, step, self.world_size)
+            self._tier_base = binding  # memory-tier copies from now on are made after this commit
         except (OSError, CheckpointInvalid) as exc:
             logger.warning("ettr: no memory copy of step %d: its manifest cannot be read (%s)", step, exc)
             self.memory.discard(self.memory.own_path())
@@ -638,10 +718,15 @@ class CheckpointManager:
         self.wait()
         scanning_begin = time.time()
         self._memory_not_used = None
+        self._tier_base = None
+        self._tier_not_used = ""
         if self.memory is not None:
             from_memory = self._restore_from_memory(step)
             if from_memory is not None:
-                self._resumed(from_memory, self._memory_source, scanning_begin)
+                base = self._tier_base
+                tiered = base is not None and from_memory > base.step
+                storage_step = base.step if tiered and base is not None else None
+                self._resumed(from_memory, self._memory_source, scanning_begin, storage_step=storage_step)
                 return from_memory
         at_most = step
         while True:
@@ -675,28 +760,47 @@ class CheckpointManager:
             if step is not None:
                 raise CheckpointError(f"checkpoint step {step} in {self.storage.url}: {reason}")
             at_most = chosen - 1
+        self._tier_base = Binding(step=chosen, manifest_sha256=digest, world_size=self.world_size)
         self._resumed(chosen, "storage", scanning_begin)
         return chosen
 
-    def _resumed(self, step: int, source: str, begin_ts: float) -> None:
+    def _resumed(self, step: int, source: str, begin_ts: float, *, storage_step: int | None = None) -> None:
+        """Book a restore of `step`; `storage_step`: the newest storage commit, where `step` is a memory-tier
+        commit newer than it (`last_committed_step` stays storage's: a save of `step` must still write it)."""
         where = self.storage.path(step_dir_name(step)) if source == "storage" else source
+        if storage_step is not None:
+            where = f"{source} (a memory-tier commit; storage has step {storage_step})"
         logger.info("ettr: restored step %d from %s in %.2f s", step, where, time.time() - begin_ts)
         self.restored_from = source
-        self.last_committed_step = step
+        self.restored_tier = "memory" if storage_step is not None else None
+        self.last_committed_step = step if storage_step is None else storage_step
         self.policy.reset(self._clock())
+        if self._tier_policy is not None:
+            self._tier_policy.reset(self._clock())
         self._rec.resumed_from(step)
 
     def _restore_from_memory(self, step: int | None) -> int | None:
         """Load the newest committed checkpoint (or exactly `step`) from every rank's memory copy; None when
-        any rank has none that checks out (then every rank reads storage). Collective."""
+        any rank has none that checks out (then every rank reads storage). Without `step`, a memory-tier
+        commit newer than storage's newest comes first (`_restore_from_tier`). Rank 0 draws this process
+        lifetime's lineage token here, with its decision. Collective."""
         assert self.memory is not None
-        decision: list[Any] = [None, "", []]
+        decision: list[Any] = [None, "", [], ""]
         if self.rank == 0:
-            decision = self._newest_commit(step)
+            decision = [*self._newest_commit(step), secrets.token_hex(16)]
         decision = self._coord.broadcast_from_0(decision)
+        self._lineage = decision[3]
         if decision[0] is None:
             return None
         binding = Binding(step=decision[0], manifest_sha256=decision[1], world_size=self.world_size)
+        if self.config.memory_interval is not None and step is None:  # the config: the same on every rank
+            tiered = self._restore_from_tier(binding)
+            if tiered is not None:
+                self._existing_steps = set(decision[2])
+                self._warned_earlier_run = True
+                self._memory_source = "memory"
+                self._tier_base = binding
+                return tiered
         found = self.memory.find(binding)
         source = "memory"
         if self._peers is not None:
@@ -716,22 +820,8 @@ class CheckpointManager:
                 found.snapshot.close()
             return None
         assert found.snapshot is not None
-        error = ""
-        with self._rec.phase(Phase.RESTORE, step=binding.step, source=source):
-            try:
-                loaded = found.snapshot.load()
-                target = self.state.load_target(set(loaded))
-                fill(target, loaded)
-                del loaded
-                loaded_step = self.state.load(target, allowed=self.config.safe_globals)
-                if loaded_step != binding.step:
-                    error = f"the memory copy holds the state of step {loaded_step}, not {binding.step}"
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as exc:  # noqa: BLE001 - any failure falls back to storage
-                error = describe_error(exc)
-            finally:
-                found.snapshot.close()
+        tier_why = {"tier_not_used": self._tier_not_used[:300]} if self._tier_not_used else {}
+        error = self._load_snapshot(found.snapshot, binding.step, source=source, **tier_why)
         if self._coord.agree(bool(error))[0]:
             self._memory_not_used = f"restore from memory failed: {error or 'on another rank'}"
             logger.warning(
@@ -741,7 +831,61 @@ class CheckpointManager:
         self._existing_steps = set(decision[2])
         self._warned_earlier_run = True
         self._memory_source = source
+        self._tier_base = binding
         return binding.step
+
+    def _restore_from_tier(self, newest: Binding) -> int | None:
+        """Load the memory-tier commit every rank holds, newer than the storage commit `newest` (the newest
+        in storage, as rank 0 admitted it); None when any rank holds none, or the ranks' copies are not of the
+        same (step, lineage) — the cross-rank agreement on the newest step every rank holds: one all-gather —
+        or any rank fails to load its copy (then the storage-tier paths run, and load the whole state again).
+        Collective."""
+        no_tier = TierFound(snapshot=None, reason="no memory tier here")
+        found = self._tier.find(newest=newest) if self._tier is not None else no_tier
+        keys = self._coord.all_gather(found.key)
+        if keys[0] is None or any(key != keys[0] for key in keys):
+            if found.snapshot is not None:
+                found.snapshot.close()
+            if any(key is not None for key in keys):  # some rank had one: say why it was not used
+                held = sorted({key[0] for key in keys if key is not None})
+                self._tier_not_used = (
+                    f"rank {self.rank}: {found.reason}"
+                    if found.snapshot is None
+                    else f"the ranks' memory-tier copies differ (steps {held})"
+                )
+                logger.info("ettr: memory-tier commit not used (%s)", self._tier_not_used)
+            return None
+        assert found.snapshot is not None
+        step = keys[0][0]
+        error = self._load_snapshot(
+            found.snapshot, step, source="memory", tier="memory", storage_step=newest.step
+        )
+        if self._coord.agree(bool(error))[0]:
+            self._tier_not_used = f"restore from the memory tier failed: {error or 'on another rank'}"
+            logger.warning("ettr: %s; restoring the storage commit", self._tier_not_used)
+            return None
+        return step
+
+    def _load_snapshot(self, found: Snapshot, step: int, **phase_data: Any) -> str:
+        """Load `found` (a memory copy whose header checked out) into the live state, recorded as RESTORE with
+        `phase_data`; closes it. Returns what went wrong ("": it holds step `step` and loaded)."""
+        error = ""
+        with self._rec.phase(Phase.RESTORE, step=step, **phase_data):
+            try:
+                loaded = found.load()
+                target = self.state.load_target(set(loaded))
+                fill(target, loaded)
+                del loaded
+                loaded_step = self.state.load(target, allowed=self.config.safe_globals)
+                if loaded_step != step:
+                    error = f"the memory copy holds the state of step {loaded_step}, not {step}"
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - any failure falls back to storage
+                error = describe_error(exc)
+            finally:
+                found.close()
+        return error
 
     def _newest_commit(self, step: int | None) -> list[Any]:
         """[step, manifest digest, every step under the root] of the newest committed checkpoint (or of
@@ -773,6 +917,8 @@ class CheckpointManager:
 
         try:
             why = {"memory_not_used": self._memory_not_used[:300]} if self._memory_not_used else {}
+            if self._tier_not_used:  # a memory-tier commit some rank held was not used (`_restore_from_tier`)
+                why["tier_not_used"] = self._tier_not_used[:300]
             with self._rec.phase(Phase.RESTORE, step=chosen, source="storage", **why):
                 with lease(self.storage, name) if self.rank == 0 else contextlib.nullcontext():
                     manifest = retry_transient(
@@ -863,7 +1009,11 @@ class CheckpointManager:
         self._persister.close()
         if self.memory is not None:
             self.memory.release_slots()  # the staging slot is never a copy to restore; the copy stays
+        if self._tier is not None:
+            self._tier.release()
         self._coord.close()
+        if self._finished and self._tier is not None:
+            self._tier.remove()
         if self._finished and self.memory is not None:
             self.memory.remove_all()  # the job is complete: nothing will restore from it
         if self._root_lock is not None:

@@ -40,6 +40,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -141,6 +142,7 @@ class MemoryCopies:
         self._spare_file: FileId | None = None
         """After a swap: the file written the usual way that was at `own_path`, now at `staging_path`."""
         self._lend_keys: list[tuple[int, int] | None] = []
+        self._bookkeeping = threading.Lock()
 
     @classmethod
     def for_root(
@@ -381,17 +383,23 @@ class MemoryCopies:
             return False
         return True
 
+    def room_problem(self, size: int, *, new_file: bool = True) -> str:
+        """Why a snapshot of `size` bytes cannot be kept in this directory ("" if it can): the limit, the
+        folders' checks (raises UnsafeMemoryDir), the free-space reserve where it is a `new_file`."""
+        return self._no_room(size, new_file=new_file)
+
     def _no_room(self, size: int, *, new_file: bool = True) -> str:
         """Why a copy of `size` bytes cannot be kept ("" if it can); `new_file=False`: its bytes are in the
         file system already (a sealed slot), only the limit and the folder are checked."""
         if self.max_bytes is not None and size > self.max_bytes:
             return f"{size} bytes > the {self.max_bytes}-byte limit"
-        _ensure_private(self.directory.parent)
-        _ensure_private(self.directory)
-        self._write_owner()
-        self._lease_name = self._lease_name or memory_sweep.lease_name()
-        if not os.path.lexists(self.directory / self._lease_name):  # who keeps these copies alive
-            memory_sweep.write_lease(self.directory)  # (`ettr.memory_sweep`)
+        with self._bookkeeping:  # the persist's thread and the memory tier's (the training loop's) both
+            _ensure_private(self.directory.parent)
+            _ensure_private(self.directory)
+            self._write_owner()
+            self._lease_name = self._lease_name or memory_sweep.lease_name()
+            if not os.path.lexists(self.directory / self._lease_name):  # who keeps these copies alive
+                memory_sweep.write_lease(self.directory)  # (`ettr.memory_sweep`)
         if not new_file:
             return ""
         fs = os.statvfs(self.directory)
@@ -447,10 +455,7 @@ class MemoryCopies:
         if rank is None and self._lent is None and self._sealed is None:
             self.discard(self.staging_path())  # a killed predecessor's slot: never a copy, only memory held
         try:
-            # the folder above too: whoever may write it can swap this folder for theirs after its check
-            _ensure_private(self.directory.parent)
-            _ensure_private(self.directory)
-            found = snapshot.open_snapshot(path)
+            found = self.open_checked(path)
         except FileNotFoundError:
             return Found(snapshot=None, reason="no memory copy")
         except (CheckpointInvalid, OSError) as exc:
@@ -465,10 +470,21 @@ class MemoryCopies:
             problem = f"it was saved by {info.binding.world_size} ranks, not {binding.world_size}"
         elif info.binding.manifest_sha256 != binding.manifest_sha256:
             problem = f"it belongs to another commit of step {binding.step} (manifest digest differs)"
+        elif info.binding.lineage:  # never taken for a storage commit's copy (`memory_tier`)
+            problem = "it is a memory-tier copy"
         if problem:
             found.close()
             return Found(snapshot=None, reason=f"memory copy not used: {problem}")
         return Found(snapshot=found)
+
+    def open_checked(self, path: Path) -> Snapshot:
+        """Open the snapshot at `path` in this root's directory, its folders checked private first and its
+        header verified (`snapshot.open_snapshot`). Raises CheckpointInvalid, OSError (FileNotFoundError:
+        none), UnsafeMemoryDir."""
+        # the folder above too: whoever may write it can swap this folder for theirs after its check
+        _ensure_private(self.directory.parent)
+        _ensure_private(self.directory)
+        return snapshot.open_snapshot(path)
 
     # -- removing ---------------------------------------------------------------------------------------------
     @staticmethod
@@ -482,7 +498,12 @@ class MemoryCopies:
         self.discard(self.own_path())
         with contextlib.suppress(OSError), os.scandir(self.directory) as entries:
             for entry in entries:
-                if entry.name.startswith("held-rank-") or entry.name.startswith(f".rank-{self.rank}.snap."):
+                own_tier = (f"rank-{self.rank}.mem.snap", f".rank-{self.rank}.mem.snap.")  # `memory_tier`'s
+                if (
+                    entry.name.startswith("held-rank-")
+                    or entry.name.startswith(f".rank-{self.rank}.snap.")
+                    or entry.name.startswith(own_tier)
+                ):
                     self.discard(Path(entry.path))
         memory_sweep.remove_lease(self.directory)
         with contextlib.suppress(OSError):
@@ -516,6 +537,11 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
         return False
     raise OSError(err, os.strerror(err), os.fspath(b))
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the files at `a` and `b` atomically where the OS can (`_exchange`); the memory tier's too."""
+    return _exchange(a, b)
 
 
 def _write_bytes(path: Path, data: memoryview) -> int:

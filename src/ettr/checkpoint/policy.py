@@ -17,7 +17,7 @@ import math
 import re
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ettr.constants import SECONDS_PER_DAY
@@ -187,3 +187,60 @@ class IntervalPolicy:
             return step % cfg.every_steps == 0
         interval_s = self.interval_s(now_s)
         return interval_s is not None and now_s - self._last_save_s >= interval_s
+
+
+def parse_memory_interval(value: float | str | None) -> float | str | None:
+    """`CheckpointConfig.memory_interval` checked: None, "auto", or seconds > 0 (a number or "2s").
+    Raises ValueError."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            value = float(text[:-1] if text.endswith("s") else text)
+        except ValueError:
+            raise ValueError(f"memory_interval {value!r}: use None, 'auto' or seconds like '2s'") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < float("inf")):
+        raise ValueError(f"memory_interval must be None, 'auto' or seconds > 0, got {value!r}")
+    return float(value)
+
+
+class MemoryIntervalPolicy:
+    """When the memory tier saves: every `spec` seconds, or `auto`: Young/Daly, sqrt(2 x cost x MTBF), with
+    the memory save's own measured cost (median of the last `window`) and the failure rate the storage
+    policy uses (`failures_per_day(now_s)`, per day of training). Pure apart from the clock, a parameter."""
+
+    def __init__(
+        self,
+        spec: float | str,
+        *,
+        now_s: float,
+        failures_per_day: Callable[[float], float],
+        window: int = 5,
+    ) -> None:
+        self.spec = spec
+        self._failures_per_day = failures_per_day
+        self._last_s = now_s
+        self._costs_s: deque[float] = deque(maxlen=window)
+
+    def reset(self, now_s: float) -> None:
+        """Start the interval afresh (a restore, a storage save)."""
+        self._last_s = now_s
+
+    def observe(self, *, cost_s: float, now_s: float) -> None:
+        """A memory save at `now_s` cost the loop `cost_s`."""
+        self._costs_s.append(max(0.0, cost_s))
+        self._last_s = now_s
+
+    def interval_s(self, now_s: float) -> float:
+        if not isinstance(self.spec, str):
+            return self.spec
+        if not self._costs_s:
+            return 0.0  # the first save measures what one costs here
+        cost_s = max(statistics.median(self._costs_s), 1e-6)
+        return optimal_interval_s(save_cost_s=cost_s, failures_per_day=self._failures_per_day(now_s))
+
+    def should_save(self, now_s: float) -> bool:
+        return now_s - self._last_s >= self.interval_s(now_s)

@@ -75,6 +75,13 @@ class Binding:
     step: int
     manifest_sha256: str
     world_size: int
+    lineage: str = ""
+    """A memory-tier copy's (`ettr.checkpoint.memory_tier`): the token of the process lifetime that made it,
+    drawn at each restore and shared by its ranks; "" for a copy of a storage commit. Set, the copy is of
+    step `step`, committed in memory only, made after the storage commit of `base_step` whose manifest
+    has the digest `manifest_sha256`."""
+    base_step: int = -1
+    """A memory-tier copy's: the newest storage commit its process knew (-1 for a storage-tier copy)."""
 
     @staticmethod
     def digest(manifest_bytes: bytes) -> str:
@@ -223,11 +230,13 @@ def _header_body(
 ) -> dict[str, Any]:
     """A snapshot's header (before its own checksum, `_header_bytes`): one layout for a written snapshot, a sealed
     slot and a slot's room estimate."""
+    tier = {"lineage": binding.lineage, "base_step": binding.base_step} if binding.lineage else {}
     return {
         "format": FORMAT,
         "step": binding.step,
         "manifest_sha256": binding.manifest_sha256,
         "world_size": binding.world_size,
+        **tier,  # a storage-tier copy's header is as it was
         "rank": rank,
         "created_ts": created_ts,
         "tree": tree,
@@ -358,7 +367,11 @@ class Slot:
         """Whether `state_dict`'s tensors are, in order, this slot's views (what the stager copied into)."""
         return self._check(state_dict, addresses=True)
 
-    def _check(self, state_dict: dict[str, Any], *, addresses: bool) -> bool:
+    def takes(self, state_dict: dict[str, Any]) -> bool:
+        """Whether `state_dict`'s tensors, contiguous or not, have this slot's dtypes and shapes (`stage_into`)."""
+        return self._check(state_dict, addresses=False, contiguous=False)
+
+    def _check(self, state_dict: dict[str, Any], *, addresses: bool, contiguous: bool = True) -> bool:
         layout = _Layout()
         try:
             layout.encode(state_dict)
@@ -367,7 +380,11 @@ class Slot:
         if len(layout.tensors) != len(self.metas):
             return False
         for tensor, (dtype, shape), address in zip(layout.tensors, self.metas, self.addresses, strict=True):
-            if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+            if (
+                tensor.dtype != dtype
+                or tuple(tensor.shape) != shape
+                or (contiguous and not tensor.is_contiguous())
+            ):
                 return False
             if addresses and tensor.numel() and tensor.data_ptr() != address:
                 return False
@@ -407,6 +424,31 @@ def tensor_keys(state_dict: dict[str, Any]) -> list[tuple[int, int] | None]:
     layout = _Layout()
     layout.encode(state_dict)
     return [buffer_key(t) for t in layout.tensors]
+
+
+def stage_into(slot: Slot, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Copy the tensors of `state_dict` (the live state) into `slot`'s views, in a snapshot's order; returns
+    the state dict with each tensor replaced by its view (what `seal` takes: no further copy). Raises
+    `NotReusable` where the state does not fit the slot (another shape), SnapshotUnsupported."""
+    if not slot.takes(state_dict):
+        raise NotReusable("the state does not fit the slot")
+    views = iter(slot.views)
+
+    def swap(value: Any) -> Any:  # the traversal of `_Layout.encode`: the same order as the slot's views
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [swap(v) for v in value]
+        if type(value) is tuple:
+            return tuple(swap(v) for v in value)
+        if type(value) in (torch.Tensor, torch.nn.Parameter):
+            view = next(views)
+            with torch.no_grad():
+                view.copy_(value.detach())
+            return view
+        return value
+
+    return swap(state_dict)
 
 
 def _tensor_plan(state_dict: dict[str, Any]) -> tuple[_Layout, Any, list[tuple[int, int]], int]:
@@ -731,7 +773,11 @@ def parse_bytes(mapped: Any) -> Snapshot:
             raise CheckpointInvalid("snapshot header: a tensor's size does not match its shape")
     info = SnapshotInfo(
         binding=Binding(
-            step=body["step"], manifest_sha256=body["manifest_sha256"], world_size=body["world_size"]
+            step=body["step"],
+            manifest_sha256=body["manifest_sha256"],
+            world_size=body["world_size"],
+            lineage=body.get("lineage", ""),
+            base_step=body.get("base_step", -1),
         ),
         rank=body["rank"],
         num_bytes=size,
@@ -778,6 +824,9 @@ def _check_header(raw: bytes) -> dict[str, Any]:
     ):
         if not isinstance(body.get(name), kind) or isinstance(body.get(name), bool):
             raise CheckpointInvalid(f"snapshot header: {name} is missing or malformed")
+    lineage, base_step = body.get("lineage", ""), body.get("base_step", -1)
+    if not isinstance(lineage, str) or type(base_step) is not int:
+        raise CheckpointInvalid("snapshot header: lineage or base_step is malformed")
     created = body.get("created_ts")
     try:  # an int past a float's range (10**400) raised OverflowError out of `MemoryCopies.find`
         if not isinstance(created, int | float) or isinstance(created, bool) or not math.isfinite(created):

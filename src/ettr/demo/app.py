@@ -170,6 +170,11 @@ class Side:
     place, the surviving rank keeps its process and re-forms the group with the crashed rank's replacement,
     both restoring the last commit from memory (docs/inplace.md); where that cannot be done the process
     restart follows."""
+    memory_tier: bool = False
+    """Memory-tier commits (`--memory-interval auto`): between storage commits, every rank copies its state to
+    shared memory, so that the in-place recovery loses at most that short interval (docs/checkpointing.md).
+    Off on both sides: here a memory-tier save blocks as long as a storage save's copy, and in four quick
+    demos it added 1.3-2.5 s of blocking for 0-1.3 s less redone (docs/demo.md, "Memory-tier commits")."""
 
     def train_args(self, *, publish: bool, work_dir: Path) -> list[str]:
         args = ["--ckpt-mode", self.ckpt_mode]
@@ -183,6 +188,8 @@ class Side:
             args.append("--fast-exit")
         if self.inplace:
             args.append("--inplace")
+        if self.memory_tier:
+            args += ["--memory-interval", "auto"]
         return [*args, "--publish", self.publish if publish else "none"]
 
 

@@ -46,7 +46,8 @@ def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
     headline_start_ts, training_start_ts, headline_measures, parts_s, relaunch_path, relaunch_why, kind,
     restored_from, restored_why}` (parts in order; `kind`: how the failure was recovered, `RECOVERY_KINDS`; null for the
     start; `restored_from`: memory | peer | storage, `+`-joined where ranks differed, `nothing` when the attempt resumed from no step, null when unknown; `restored_why`: why ranks that keep memory copies read storage, null
-    when they did not). `headline_s` is the
+    when they did not; `restored_tier`: `a memory-only commit of step S; storage had N` when the ranks restored
+    a memory-tier commit, else null). `headline_s` is the
     report's TTR (or TTS) for this recovery: the parts from backoff (or before_launch) through other_init."""
     if parts is None:
         return None
@@ -67,6 +68,7 @@ def to_json(parts: RecoveryParts | None) -> dict[str, Any] | None:
         "kind": parts.kind,
         "restored_from": parts.restored_from,
         "restored_why": parts.restored_why,
+        "restored_tier": parts.restored_tier,
     }
 
 
@@ -141,6 +143,11 @@ def text_lines(report: EttReport) -> list[str]:
         f"  restore {p.failed_attempt}->{p.recovered_attempt}: {p.restored_from or '?'}, not memory ({p.restored_why})"
         for p in report.ttr_parts
         if p.restored_why
+    ]
+    lines += [
+        f"  restore {p.failed_attempt}->{p.recovered_attempt}: {p.restored_from or '?'} ({p.restored_tier})"
+        for p in report.ttr_parts
+        if p.restored_tier
     ]
     return lines
 

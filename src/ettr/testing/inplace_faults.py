@@ -98,6 +98,7 @@ class InPlaceTrialRunner:
         max_restarts: process restarts the launcher allows per trial.
         rendezvous_timeout_s: how long a surviving rank waits for a killed peer before it exits.
         seed: seeds the kill schedule.
+        memory_interval: the job keeps memory-tier commits (`resilient_job --memory-interval`; None: off).
     """
 
     def __init__(
@@ -111,12 +112,14 @@ class InPlaceTrialRunner:
         max_restarts: int = 4,
         rendezvous_timeout_s: float = 4.0,
         seed: int = 0,
+        memory_interval: str | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.steps, self.every, self.fail_at, self.fail_rank = steps, every, fail_at, fail_rank
         self.max_restarts, self.rendezvous_timeout_s = max_restarts, rendezvous_timeout_s
         self._rng = random.Random(seed)
+        self.memory_interval = memory_interval
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(
             ["ettr.testing.resilient_job", "torch.nn.parallel", "torch._dynamo"]
@@ -139,6 +142,7 @@ class InPlaceTrialRunner:
             "--every", str(self.every), "--fault", fault, "--fail-at", str(self.fail_at),
             "--fail-rank", str(self.fail_rank), "--hidden", "32", "--step-s", "0.01",
             "--rendezvous-timeout-s", f"{self.rendezvous_timeout_s:g}",
+            *(("--memory-interval", self.memory_interval) if self.memory_interval else ()),
         ]  # fmt: skip
 
     def _launch(self, trial: Path, fault: str) -> list[Any]:
@@ -243,7 +247,11 @@ class InPlaceTrialRunner:
         digests = {e["digest"] for e in events if e["ev"] == "done"}
         bad = completed and digests != {self.reference}
         fault = next((e["ts"] for e in events if e["ev"] == "fault"), float("inf"))
-        sources = tuple(str(e.get("source")) for e in events if e["ev"] == "restored" and e["ts"] > fault)
+        sources = tuple(
+            str(e.get("source")) + ("-tier" if e.get("tier") == "memory" else "")  # a memory-tier commit
+            for e in events
+            if e["ev"] == "restored" and e["ts"] > fault
+        )
         detail = "" if not bad else f"final digests {sorted(digests)} != reference {self.reference}"
         if not completed:
             detail = f"did not complete in {launches} launches (see {trial}/stderr.log)"

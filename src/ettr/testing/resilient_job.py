@@ -164,10 +164,11 @@ def train(rank: int, world_size: int, args: argparse.Namespace, generation: int 
         interval=IntervalConfig(every_steps=args.every),
         keep_last=args.keep_last,
         memory_copy=args.memory_copy,
+        memory_interval=args.memory_interval,
     )
     with CheckpointManager.create(config, state) as ckpt:
         step = ckpt.restore() or 0
-        log(args.log, ev="restored", rank=rank, step=step, source=ckpt.restored_from)
+        log(args.log, ev="restored", rank=rank, step=step, source=ckpt.restored_from, tier=ckpt.restored_tier)
         dist.barrier()
         while step < args.steps:
             for x, y in loader:
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-wait-max-s", type=float, default=120.0, help="the longest --fail-when waits")
     parser.add_argument(
         "--memory-copy", action=argparse.BooleanOptionalAction, default=True, help="restore from memory"
+    )
+    parser.add_argument(
+        "--memory-interval", default=None, help="memory-tier commits: auto or seconds (default: off)"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
