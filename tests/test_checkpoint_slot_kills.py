@@ -30,7 +30,8 @@ CHILD = r"""
 import json, os, sys, time, zlib
 import torch
 from ettr.checkpoint import CheckpointConfig, CheckpointManager, IntervalConfig, TrainState
-from ettr.checkpoint import manager as manager_module, memory, snapshot, staging
+from ettr.checkpoint import memory, snapshot, staging
+from ettr.checkpoint import restoring as restoring_module
 
 point, log, root, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 saving = {"step": 0}
@@ -111,7 +112,7 @@ staging.ReusedStager.stage = stage
 staging.ReusedStager._buffer_for = buffer_for
 snapshot.seal = seal
 memory._exchange = exchange
-manager_module.fill = fill
+restoring_module.fill = fill
 
 
 def digest(model, optimizer):
