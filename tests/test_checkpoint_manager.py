@@ -752,6 +752,40 @@ def test_in_place_changes_after_the_copy_do_not_reach_the_checkpoint(tmp_path, o
     assert all(torch.equal(a, b) for a, b in zip(saved, _params(fresh), strict=True))
 
 
+@pytest.mark.parametrize("in_backward", ["applied", "hook"])
+def test_an_optimizer_in_backward_makes_saves_copy_everything_before_they_return(tmp_path, in_backward):
+    """The overlapped copy is guarded at the optimizer's step; an optimizer applied in backward changes the
+    tensors before it (torch's `_apply_optimizer_in_backward`, the tutorials' post-accumulate-grad hook;
+    TorchRec's fused optimizers: tests/test_checkpoint_torchrec.py), so such a save does not overlap."""
+    from ettr.checkpoint.persist import updated_in_backward
+
+    state = _model_state()
+    assert updated_in_backward(state) is None
+    with CheckpointManager(_config(tmp_path / "plain"), state, recorder=Recorder(None)) as manager:
+        assert manager.overlapping
+    if in_backward == "applied":
+        from torch.distributed.optim import _apply_optimizer_in_backward
+
+        _apply_optimizer_in_backward(torch.optim.SGD, state.model.parameters(), {"lr": 0.1})
+    else:
+        for p in state.model.parameters():
+            p.register_post_accumulate_grad_hook(lambda param: None)
+    why = updated_in_backward(state)
+    assert why is not None and ("backward" in why or "gradient" in why)
+    with CheckpointManager(_config(tmp_path), state, recorder=Recorder(None)) as manager:
+        assert not manager.overlapping
+        saved = _params(state)
+        manager.save(1)
+        with torch.no_grad():
+            for p in state.model.parameters():
+                p.add_(100.0)  # as an optimizer in the next backward would, before any optimizer step
+        assert manager.wait()
+    fresh = _model_state()
+    with CheckpointManager(_config(tmp_path), fresh, recorder=Recorder(None)) as manager:
+        assert manager.restore() == 1
+    assert all(torch.equal(a, b) for a, b in zip(saved, _params(fresh), strict=True))
+
+
 def test_without_an_optimizer_to_guard_a_save_does_not_overlap(tmp_path):
     model = torch.nn.Linear(8, 8)
     with CheckpointManager(_config(tmp_path), TrainState(model=model), recorder=Recorder(None)) as manager:

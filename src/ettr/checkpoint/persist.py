@@ -9,6 +9,7 @@ persist's `dcp.save` is called by ettr (the bootstrap's hooks then leave it to u
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -169,6 +170,35 @@ def install_staging_hooks(state: TrainState, wait_staged: Callable[[], None]) ->
     if _updates_buffers_in_forward(state.model):
         hooks.append(state.model.register_forward_pre_hook(lambda *args: wait_staged()))
     return hooks
+
+
+def updated_in_backward(state: TrainState) -> str | None:
+    """What changes the copied tensors inside backward, before the optimizer's step that the overlapped copy
+    is guarded by (then a save copies everything before it returns); None when nothing does. Three kinds:
+    TorchRec's fused optimizers (fbgemm's kernels update the tables and their state in backward: a
+    `DistributedModelParallel`'s `fused_optimizer`, or one inside the `TrainState`'s `CombinedOptimizer`),
+    torch's `_apply_optimizer_in_backward`, and per-parameter hooks after gradient accumulation (the
+    optimizer-in-backward recipe of PyTorch's tutorials)."""
+    fused = getattr(state.model, "fused_optimizer", None)
+    with contextlib.suppress(Exception):  # a model's own `fused_optimizer` of another kind: not TorchRec's
+        if fused is not None and len(getattr(fused, "params", {})) > 0:
+            return "its model's fused optimizer (TorchRec) updates the tables in backward"
+    pending = [state.optimizer]
+    while pending:
+        optimizer = pending.pop()
+        if optimizer is None:
+            continue
+        if any(cls.__name__ == "FusedOptimizer" for cls in type(optimizer).__mro__):
+            return f"its optimizer includes {type(optimizer).__name__}, which updates in backward"
+        pending.extend(inner for _, inner in getattr(optimizer, "optimizers", None) or ())
+    for name, param in state.model.named_parameters():
+        if getattr(param, "_in_backward_optimizers", None):
+            return f"parameter {name} has an optimizer applied in backward"
+        if getattr(param, "_post_accumulate_grad_hooks", None):
+            return (
+                f"parameter {name} has a hook after its gradient is accumulated (an optimizer in backward?)"
+            )
+    return None
 
 
 def _updates_buffers_in_forward(model: torch.nn.Module) -> bool:
