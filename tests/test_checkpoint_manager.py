@@ -731,6 +731,23 @@ def test_a_model_with_running_statistics_waits_before_its_next_forward(tmp_path,
     assert torch.equal(fresh[1].running_mean, running_mean)
 
 
+@pytest.mark.parametrize("api", ["parametrizations", "hook"])
+def test_spectral_norm_power_iteration_waits_before_the_next_forward_too(tmp_path, api):
+    from torch.nn.utils import parametrizations, spectral_norm
+
+    from ettr.checkpoint.persist import _updates_buffers_in_forward
+
+    assert not _updates_buffers_in_forward(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))
+    normed = (parametrizations.spectral_norm if api == "parametrizations" else spectral_norm)(
+        torch.nn.Linear(4, 4)
+    )
+    model = torch.nn.Sequential(normed, torch.nn.GELU())
+    assert _updates_buffers_in_forward(model)
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with CheckpointManager(_config(tmp_path), state, recorder=Recorder(None)) as manager:
+        assert manager.overlapping and len(manager._hooks) == 2  # the optimizer's step and the forward
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_in_place_changes_after_the_copy_do_not_reach_the_checkpoint(tmp_path, overlap):
     """Without overlap a save returns with the copy complete; with it, `wait_staged()` gives the same."""

@@ -202,7 +202,19 @@ def updated_in_backward(state: TrainState) -> str | None:
 
 
 def _updates_buffers_in_forward(model: torch.nn.Module) -> bool:
-    """Whether a forward pass changes the model's buffers (batch norm's running statistics)."""
+    """Whether a forward pass changes the model's buffers: batch norm's running statistics, spectral norm's
+    power iteration (its `u`/`v` vectors, in either of torch's two APIs). A buffer a model's own forward
+    changes otherwise (an EMA codebook) is not seen: docs/checkpointing.md says to call `wait_staged()`."""
     from torch.nn.modules.batchnorm import _NormBase
 
-    return any(isinstance(m, _NormBase) and m.track_running_stats for m in model.modules())
+    for module in model.modules():
+        if isinstance(module, _NormBase) and module.track_running_stats:
+            return True
+        if any(type(hook).__name__ == "SpectralNorm" for hook in module._forward_pre_hooks.values()):
+            return True
+        parametrizations = getattr(module, "parametrizations", None)
+        if isinstance(parametrizations, torch.nn.ModuleDict) and any(
+            type(p).__name__ == "_SpectralNorm" for p in parametrizations.modules()
+        ):
+            return True
+    return False
