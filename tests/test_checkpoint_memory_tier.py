@@ -27,23 +27,11 @@ from ettr.events import EventKind, Phase
 from ettr.ledger.base import MemoryLedger
 from ettr.run_env import memory_root
 from ettr.testing.recorder import SyncRecorder
+from test_checkpoint_memory import _dist_state  # the same two-rank DDP state as the copies' own tests
 
 STORAGE_EVERY = 5
 TRAINED = 13
 """Phase one trains 13 steps: storage commits 5 and 10, then a memory-tier copy of step 13."""
-
-
-def _state(rank: int, world_size: int) -> TrainState:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ettr.checkpoint import ResumableSampler
-
-    torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sampler = ResumableSampler(64, seed=0, rank=rank, world_size=world_size)
-    torch.manual_seed(100 + rank)
-    return TrainState(model=model, optimizer=optimizer, data=sampler)
 
 
 def _digest(state: TrainState) -> list[bytes]:
@@ -81,7 +69,7 @@ def _train(
 def _first_run(rank: int, world_size: int, root: str, extra: str) -> dict[str, Any]:
     """Train to step 13 (storage commits 5 and 10), then keep a memory-tier copy of 13 on every rank, as an
     agreed memory-tier save does (`extra`: what else happens before the ranks die)."""
-    state = _state(rank, world_size)
+    state = _dist_state(rank, world_size)
     with CheckpointManager.create(_config(root), state, recorder=SyncRecorder(MemoryLedger())) as manager:
         assert manager.restore() is None
         digests = _train(state, manager, range(1, TRAINED + 1))
@@ -94,7 +82,7 @@ def _first_run(rank: int, world_size: int, root: str, extra: str) -> dict[str, A
 
 
 def _restart(rank: int, world_size: int, root: str, then_save: bool, memory_copy: bool) -> dict[str, Any]:
-    state = _state(rank, world_size)
+    state = _dist_state(rank, world_size)
     recorder = SyncRecorder(MemoryLedger())
     config = _config(root) if memory_copy else _config(root, memory_copy=False, memory_interval=None)
     with CheckpointManager.create(config, state, recorder=recorder) as manager:
@@ -205,7 +193,7 @@ def test_a_memory_tier_copy_not_every_rank_holds_intact_sends_every_rank_to_the_
 def _agreed_run(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """The memory-tier saves of `after_step` (a short interval, steps of ~20 ms): agreed, so at the same
     steps on every rank, and never at a storage save's step."""
-    state = _state(rank, world_size)
+    state = _dist_state(rank, world_size)
     recorder = SyncRecorder(MemoryLedger())
     config = _config(root, memory_interval=0.05, interval=IntervalConfig(every_steps=10))
     with CheckpointManager.create(config, state, recorder=recorder) as manager:

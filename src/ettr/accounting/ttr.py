@@ -50,10 +50,10 @@ TTS gets the same parts after `before_launch` (its origin -> the first attempt's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Protocol
+from typing import Any, Protocol
 
 from ettr.constants import BACKOFF_MARK, FAILURE_DETECTED_MARK, IMPORTS_MARK, RECOVERY_MARK, RELAUNCH_MARK
 from ettr.events import Event, EventKind, Phase
@@ -305,14 +305,9 @@ def _memory_tier(rank_events: Mapping[int, Sequence[Event]]) -> str | None:
     """`a memory-only commit of step S; storage had N` when the ranks' completed RESTOREs loaded a memory-tier
     commit (their `tier`, `storage_step`); None otherwise."""
     found = {
-        (e.step, e.data.get("storage_step"))
-        for r, evs in rank_events.items()
-        if r >= 0
-        for e in evs
-        if e.kind == EventKind.PHASE_END
-        and e.phase == Phase.RESTORE
-        and isinstance(e.data, Mapping)
-        and e.data.get("tier") == "memory"
+        (e.step, data.get("storage_step"))
+        for e, data in _restores(rank_events)
+        if data.get("tier") == "memory"
     }
     return (
         "; ".join(f"a memory-only commit of step {s}; storage had {n}" for s, n in sorted(found, key=str))
@@ -331,16 +326,18 @@ def _memory_not_used(rank_events: Mapping[int, Sequence[Event]]) -> str | None:
 def _restore_texts(rank_events: Mapping[int, Sequence[Event]], key: str, limit: int) -> set[str]:
     """The texts under `key` of the ranks' completed RESTOREs, each cut to `limit` characters."""
     return {
-        e.data[key][:limit]
-        for r, evs in rank_events.items()
-        if r >= 0
-        for e in evs
-        if e.kind == EventKind.PHASE_END
-        and e.phase == Phase.RESTORE
-        and isinstance(e.data, Mapping)
-        and isinstance(e.data.get(key), str)
-        and e.data[key]
+        data[key][:limit]
+        for _, data in _restores(rank_events)
+        if isinstance(data.get(key), str) and data[key]
     }
+
+
+def _restores(rank_events: Mapping[int, Sequence[Event]]) -> Iterator[tuple[Event, Mapping[str, Any]]]:
+    """The ranks' completed RESTOREs (their PHASE_END events) that carry data, with it."""
+    for rank, events in rank_events.items():
+        for e in events if rank >= 0 else ():
+            if e.kind == EventKind.PHASE_END and e.phase == Phase.RESTORE and isinstance(e.data, Mapping):
+                yield e, e.data
 
 
 def _own_process_start(events: Sequence[Event], first_step_ts: float | None) -> float | None:
