@@ -731,6 +731,33 @@ def test_a_model_with_running_statistics_waits_before_its_next_forward(tmp_path,
     assert torch.equal(fresh[1].running_mean, running_mean)
 
 
+def test_a_trainable_parameter_another_optimizer_steps_makes_saves_copy_everything(tmp_path):
+    """A GAN's generator and discriminator in one model, the `TrainState` holding the generator's optimizer:
+    the discriminator's step is no hook's, so an overlapped copy could take its next step's values."""
+    from ettr.checkpoint.persist import unguarded_changes
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"g": torch.nn.Linear(4, 4), "d": torch.nn.Linear(4, 1)})
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model["g"].parameters(), lr=0.1))
+    assert "d.weight" in (unguarded_changes(state) or "")
+    model["d"].requires_grad_(False)  # frozen, not stepped: nothing unguarded
+    assert unguarded_changes(state) is None
+    model["d"].requires_grad_(True)
+    d_optimizer = torch.optim.SGD(model["d"].parameters(), lr=0.1)
+    with CheckpointManager(_config(tmp_path), state, recorder=Recorder(None)) as manager:
+        assert not manager.overlapping
+        saved = model["d"].weight.detach().clone()
+        manager.save(1)
+        model["d"](torch.randn(2, 4)).sum().backward()
+        d_optimizer.step()  # the discriminator's step, right after the save
+        assert manager.wait()
+    fresh = torch.nn.ModuleDict({"g": torch.nn.Linear(4, 4), "d": torch.nn.Linear(4, 1)})
+    fresh_state = TrainState(model=fresh, optimizer=torch.optim.SGD(fresh["g"].parameters(), lr=0.1))
+    with CheckpointManager(_config(tmp_path), fresh_state, recorder=Recorder(None)) as manager:
+        assert manager.restore() == 1
+    assert torch.equal(fresh["d"].weight, saved)
+
+
 @pytest.mark.parametrize("api", ["parametrizations", "hook"])
 def test_spectral_norm_power_iteration_waits_before_the_next_forward_too(tmp_path, api):
     from torch.nn.utils import parametrizations, spectral_norm
@@ -774,10 +801,10 @@ def test_an_optimizer_in_backward_makes_saves_copy_everything_before_they_return
     """The overlapped copy is guarded at the optimizer's step; an optimizer applied in backward changes the
     tensors before it (torch's `_apply_optimizer_in_backward`, the tutorials' post-accumulate-grad hook;
     TorchRec's fused optimizers: tests/test_checkpoint_torchrec.py), so such a save does not overlap."""
-    from ettr.checkpoint.persist import updated_in_backward
+    from ettr.checkpoint.persist import unguarded_changes
 
     state = _model_state()
-    assert updated_in_backward(state) is None
+    assert unguarded_changes(state) is None
     with CheckpointManager(_config(tmp_path / "plain"), state, recorder=Recorder(None)) as manager:
         assert manager.overlapping
     if in_backward == "applied":
@@ -787,7 +814,7 @@ def test_an_optimizer_in_backward_makes_saves_copy_everything_before_they_return
     else:
         for p in state.model.parameters():
             p.register_post_accumulate_grad_hook(lambda param: None)
-    why = updated_in_backward(state)
+    why = unguarded_changes(state)
     assert why is not None and ("backward" in why or "gradient" in why)
     with CheckpointManager(_config(tmp_path), state, recorder=Recorder(None)) as manager:
         assert not manager.overlapping

@@ -95,7 +95,7 @@ def _manager(root: str, state: TrainState) -> CheckpointManager:
 
 
 def _first_run(rank: int, world_size: int, root: str) -> dict:
-    from ettr.checkpoint.persist import updated_in_backward
+    from ettr.checkpoint.persist import unguarded_changes
 
     state = _build(seed=0)
     with _manager(root, state) as manager:
@@ -106,7 +106,7 @@ def _first_run(rank: int, world_size: int, root: str) -> dict:
         # The fused optimizer updates the tables inside step 4's backward, before the optimizer step that
         # guards an overlapped copy: with 3M-row tables the copy of step 3 took rows of step 4 (the run
         # resumed to another state). So the save copies everything before it returns.
-        why = updated_in_backward(state)
+        why = unguarded_changes(state)
         overlapping = manager.overlapping
     return {"final": _digest(state), "why": why, "overlapping": overlapping}
 

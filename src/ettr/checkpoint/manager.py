@@ -67,7 +67,7 @@ from ettr.checkpoint.keys import KeyRing
 from ettr.checkpoint.memory import MemoryCopies, manifest_binding
 from ettr.checkpoint.memory_peers import PeerPlan, replicate
 from ettr.checkpoint.memory_tier import MemoryTier
-from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks, updated_in_backward
+from ettr.checkpoint.persist import AsyncPersister, install_staging_hooks, unguarded_changes
 from ettr.checkpoint.policy import IntervalPolicy, MemoryIntervalPolicy
 from ettr.checkpoint.preempt import PREEMPTED_EXIT_STATUS, PreemptionWatcher
 from ettr.checkpoint.restoring import Restoring
@@ -177,12 +177,13 @@ class CheckpointManager(Restoring):
         self._root_registered = False
         self._last_error = ""
         # Overlap only where a hook can guard it: the optimizer's step is where the copied tensors change,
-        # unless something changes them inside backward, before that step. With TorchRec's fused optimizers
-        # the overlapped copy of step N took table rows of step N+1: a 2-rank DLRM resumed to another state.
-        in_backward = updated_in_backward(state) if config.overlap_staging and state.optimizer else None
-        if in_backward is not None:
-            logger.info("ettr: saves copy the whole state before they return: %s", in_backward)
-        self.overlapping = config.overlap_staging and state.optimizer is not None and in_backward is None
+        # unless something else changes them (inside backward, before that step; another optimizer). With
+        # TorchRec's fused optimizers the overlapped copy of step N took table rows of step N+1: a 2-rank
+        # DLRM resumed to another state.
+        unguarded = unguarded_changes(state) if config.overlap_staging and state.optimizer else None
+        if unguarded is not None:
+            logger.info("ettr: saves copy the whole state before they return: %s", unguarded)
+        self.overlapping = config.overlap_staging and state.optimizer is not None and unguarded is None
         """Whether saves return before the copy of the model and optimizer tensors is complete."""
         self._persister = AsyncPersister(
             mode=PersistMode(config.mode),

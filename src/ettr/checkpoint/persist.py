@@ -172,13 +172,14 @@ def install_staging_hooks(state: TrainState, wait_staged: Callable[[], None]) ->
     return hooks
 
 
-def updated_in_backward(state: TrainState) -> str | None:
-    """What changes the copied tensors inside backward, before the optimizer's step that the overlapped copy
-    is guarded by (then a save copies everything before it returns); None when nothing does. Three kinds:
-    TorchRec's fused optimizers (fbgemm's kernels update the tables and their state in backward: a
-    `DistributedModelParallel`'s `fused_optimizer`, or one inside the `TrainState`'s `CombinedOptimizer`),
-    torch's `_apply_optimizer_in_backward`, and per-parameter hooks after gradient accumulation (the
-    optimizer-in-backward recipe of PyTorch's tutorials)."""
+def unguarded_changes(state: TrainState) -> str | None:
+    """What changes the copied tensors other than the `TrainState` optimizer's step, which the overlapped copy
+    is guarded by (then a save copies everything before it returns); None when nothing is seen to. Updates
+    inside backward, before that step: TorchRec's fused optimizers (fbgemm's kernels update the tables and
+    their state in backward: a `DistributedModelParallel`'s `fused_optimizer`, or one inside the `TrainState`'s
+    `CombinedOptimizer`), torch's `_apply_optimizer_in_backward`, per-parameter hooks after gradient
+    accumulation (the optimizer-in-backward recipe of PyTorch's tutorials); and trainable parameters that
+    the optimizer does not hold (another optimizer steps them: a GAN's discriminator in the same model)."""
     fused = getattr(state.model, "fused_optimizer", None)
     with contextlib.suppress(Exception):  # a model's own `fused_optimizer` of another kind: not TorchRec's
         if fused is not None and len(getattr(fused, "params", {})) > 0:
@@ -198,6 +199,10 @@ def updated_in_backward(state: TrainState) -> str | None:
             return (
                 f"parameter {name} has a hook after its gradient is accumulated (an optimizer in backward?)"
             )
+    held = {id(p) for group in getattr(state.optimizer, "param_groups", ()) for p in group.get("params", ())}
+    for name, param in state.model.named_parameters():
+        if param.requires_grad and id(param) not in held:
+            return f"parameter {name} is trainable and not in the optimizer (another optimizer's step is unguarded)"
     return None
 
 
