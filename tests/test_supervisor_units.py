@@ -81,7 +81,7 @@ def test_a_free_port_is_one_no_outgoing_connection_can_hold(
     with socket.create_server(("127.0.0.1", 0)) as held:
         taken = held.getsockname()[1]
         picks = iter([29500, taken, spare])
-        monkeypatch.setattr(launch.random, "randrange", lambda a, b: next(picks))
+        monkeypatch.setattr(launch._RANDOM, "randrange", lambda a, b: next(picks))
         monkeypatch.setattr(launch, "_EPHEMERAL_RANGE", tmp_path / "range")
         (tmp_path / "range").write_text(f"{max(taken, spare) + 1}\t60999\n")
         assert free_port() == spare

@@ -90,20 +90,33 @@ _PORTS_NEVER = frozenset({29400, 29500})
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
+_RANDOM = random.SystemRandom()
+"""Not the `random` module's generator: a script or a test that seeds it would make every process pick the
+same ports."""
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether `port` binds on `host` now, without SO_REUSEADDR (a port in TIME_WAIT is not free either)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing is bound to right now: a random one below the kernel's ephemeral range (see
-    `_PORTS_FROM`), or one the OS picks where that range starts too low to leave room or cannot be read."""
+    """A TCP port nothing is bound to right now, on `host` nor on any address (a store listens on all): a
+    random one below the kernel's ephemeral range (see `_PORTS_FROM`), or one the OS picks where that range
+    starts too low to leave room or cannot be read. Another process may still take it before it is bound:
+    where the binding process can be the chooser, bind port 0 instead (`ettr.testing.spawn` does)."""
     try:
         below = int(_EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         below = _PORTS_FROM
-    tries = (random.randrange(_PORTS_FROM, below) for _ in range(32 if below > _PORTS_FROM else 0))
+    tries = (_RANDOM.randrange(_PORTS_FROM, below) for _ in range(32 if below > _PORTS_FROM else 0))
     for port in (p for p in tries if p not in _PORTS_NEVER):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))  # no SO_REUSEADDR: a port in TIME_WAIT is not free either
-            except OSError:
-                continue
+        if all(_bindable(address, port) for address in dict.fromkeys((host, "0.0.0.0"))):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

@@ -9,9 +9,10 @@
     def test_x(tmp_path):
         results = run_ranks(_body, 2, str(tmp_path))              # [rank 0's value, rank 1's value]
 
-Each rank gets a fresh TCP port for its rendezvous (no collisions between tests), the usual torchrun
-environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), an initialised default process
-group, and a destroyed one after `fn` returns. `run_ranks` raises `RankFailed` with every failed rank's
+The ranks rendezvous on a TCPStore the starting process holds (port 0: the OS picks a free port as it binds,
+so no other test can take it between the choice and the bind, nor point its ranks at this one's store), and
+get the usual torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: that store), an
+initialised default process group, and a destroyed one after `fn` returns. `run_ranks` raises `RankFailed` with every failed rank's
 traceback or exit status, and kills all ranks if any fails or the timeout passes (no hung test).
 `start_ranks` is the same without waiting, for tests that signal or kill ranks themselves.
 """
@@ -51,7 +52,9 @@ def _rank_main(
         MASTER_PORT=str(port),
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        del store
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException as exc:  # noqa: BLE001 - report every failure to the parent, SystemExit included
@@ -72,6 +75,8 @@ class Ranks:
     processes: list[Any]
     results: Any
     timeout_s: float
+    store: Any = None
+    """The ranks' rendezvous store, held here (let go when `wait` returns)."""
 
     def wait(self, *, expect_exit: int = 0) -> list[Any]:
         """Join every rank; returns the values of `fn` by rank. Raises RankFailed unless all exited with
@@ -103,6 +108,7 @@ class Ranks:
                 problems.append(
                     f"rank {rank} exited with {process.exitcode} (expected {expect_exit}):\n{detail}"
                 )
+        self.store = None  # every rank is gone: its rendezvous port is let go
         if problems:
             raise RankFailed("\n".join(problems))
         return [reports.get(rank, (False, None))[1] for rank in range(len(self.processes))]
@@ -121,9 +127,12 @@ class Ranks:
 
 def start_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> Ranks:
     """Spawn `world_size` ranks running `fn(rank, world_size, *args)`; returns without waiting."""
+    import torch.distributed as dist
+
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     processes = []
     for rank in range(world_size):
         process = context.Process(
@@ -131,7 +140,7 @@ def start_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
         )
         process.start()
         processes.append(process)
-    return Ranks(processes, results, timeout_s)
+    return Ranks(processes, results, timeout_s, store)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
