@@ -238,14 +238,11 @@ class CheckpointManager(Restoring):
             else None
         )
         """This rank's memory-tier commits (`memory_tier`; None: `memory_interval` unset, or no memory copies)."""
-        policy = self.policy
         self._tier_policy = (
             MemoryIntervalPolicy(
                 config.memory_interval,
                 now_s=clock(),
-                failures_per_day=lambda now_s: (
-                    policy.failures_per_day(now_s) * 24.0 / policy.config.train_hours
-                ),
+                failures_per_day=self.policy.failures_per_train_day,
             )
             if self._tier is not None and config.memory_interval is not None
             else None

@@ -98,6 +98,13 @@ class Found:
     snapshot: Snapshot | None
     reason: str = ""
 
+    @property
+    def key(self) -> tuple[int, str] | None:
+        """(step, lineage) of the copy: what the ranks compare for a memory-tier copy (None: no copy)."""
+        if self.snapshot is None:
+            return None
+        return self.snapshot.info.binding.step, self.snapshot.info.binding.lineage
+
 
 class MemoryCopies:
     """One rank's memory copies of one checkpoint root.
@@ -454,12 +461,10 @@ class MemoryCopies:
         want = self.rank if rank is None else rank
         if rank is None and self._lent is None and self._sealed is None:
             self.discard(self.staging_path())  # a killed predecessor's slot: never a copy, only memory held
-        try:
-            found = self.open_checked(path)
-        except FileNotFoundError:
-            return Found(snapshot=None, reason="no memory copy")
-        except (CheckpointInvalid, OSError) as exc:
-            return Found(snapshot=None, reason=f"memory copy unusable: {exc}")
+        opened = self.open_found(path, "memory copy")
+        if opened.snapshot is None:
+            return opened
+        found = opened.snapshot
         info = found.info
         problem = ""
         if info.rank != want:
@@ -476,6 +481,15 @@ class MemoryCopies:
             found.close()
             return Found(snapshot=None, reason=f"memory copy not used: {problem}")
         return Found(snapshot=found)
+
+    def open_found(self, path: Path, what: str) -> Found:
+        """`open_checked`, with why it failed as the reason (`what`: "memory copy", "memory-tier copy")."""
+        try:
+            return Found(snapshot=self.open_checked(path))
+        except FileNotFoundError:
+            return Found(snapshot=None, reason=f"no {what}")
+        except (CheckpointInvalid, OSError) as exc:
+            return Found(snapshot=None, reason=f"{what} unusable: {exc}")
 
     def open_checked(self, path: Path) -> Snapshot:
         """Open the snapshot at `path` in this root's directory, its folders checked private first and its

@@ -22,31 +22,14 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ettr.checkpoint import snapshot
-from ettr.checkpoint.base import CheckpointInvalid
-from ettr.checkpoint.memory import MemoryCopies, UnsafeMemoryDir, exchange
-from ettr.checkpoint.snapshot import Binding, Slot, Snapshot
+from ettr.checkpoint.memory import Found, MemoryCopies, UnsafeMemoryDir, exchange
+from ettr.checkpoint.snapshot import Binding, Slot
 
 logger = logging.getLogger("ettr")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TierFound:
-    """A memory-tier copy that passed every check before its payload's, or why there is none."""
-
-    snapshot: Snapshot | None
-    reason: str = ""
-
-    @property
-    def key(self) -> tuple[int, str] | None:
-        """(step, lineage) of the copy, what the ranks compare (None: no copy)."""
-        if self.snapshot is None:
-            return None
-        return self.snapshot.info.binding.step, self.snapshot.info.binding.lineage
 
 
 class MemoryTier:
@@ -137,18 +120,16 @@ class MemoryTier:
             if swapped:  # another process's copy (or one this process restored from): never written into
                 MemoryCopies.discard(staging)
 
-    def find(self, *, newest: Binding) -> TierFound:
+    def find(self, *, newest: Binding) -> Found:
         """This rank's memory-tier copy if it was made after the storage commit `newest` (the newest in
         storage: its step, manifest digest, and the world size) and holds a newer step; its header verified,
         its payload checked by `Snapshot.load`. Never raises."""
         if self._current is None:
             MemoryCopies.discard(self.staging_path())  # a killed predecessor's slot: only memory held
-        try:
-            found = self.copies.open_checked(self.path())
-        except FileNotFoundError:
-            return TierFound(snapshot=None, reason="no memory-tier copy")
-        except (CheckpointInvalid, OSError) as exc:
-            return TierFound(snapshot=None, reason=f"memory-tier copy unusable: {exc}")
+        opened = self.copies.open_found(self.path(), "memory-tier copy")
+        if opened.snapshot is None:
+            return opened
+        found = opened.snapshot
         info = found.info
         problem = ""
         if info.rank != self.rank:
@@ -163,8 +144,8 @@ class MemoryTier:
             problem = f"it holds step {info.binding.step}, not newer than storage's {newest.step}"
         if problem:
             found.close()
-            return TierFound(snapshot=None, reason=f"memory-tier copy not used: {problem}")
-        return TierFound(snapshot=found)
+            return Found(snapshot=None, reason=f"memory-tier copy not used: {problem}")
+        return Found(snapshot=found)
 
     def _close(self, slot: Slot | None) -> None:
         if slot is not None and slot is not self._slot and slot is not self._current:

@@ -161,6 +161,10 @@ class IntervalPolicy:
             observed_s=now_s - self._job_start_s,
         )
 
+    def failures_per_train_day(self, now_s: float) -> float:
+        """`failures_per_day` per day of training (`train_hours` of it a day): what Young/Daly takes."""
+        return self.failures_per_day(now_s) * 24.0 / self.config.train_hours
+
     def interval_s(self, now_s: float) -> float | None:
         """The time interval in force now (None for a step interval; 0 until auto has measured a save)."""
         cfg = self.config
@@ -172,7 +176,7 @@ class IntervalPolicy:
             return 0.0  # save at the first boundary: the only way to learn what a save costs here
         # A save that costs nothing measurable still has some cost; keep the model's domain (> 0).
         cost_s = max(statistics.median(self._costs_s), 1e-6)
-        per_train_day = self.failures_per_day(now_s) * 24.0 / cfg.train_hours
+        per_train_day = self.failures_per_train_day(now_s)
         slowdown_s = statistics.median(self._slowdowns_s) if self._slowdowns_s else 0.0
         best_s = optimal_interval_s(
             save_cost_s=cost_s, failures_per_day=per_train_day, slowdown_s_per_save=slowdown_s

@@ -40,7 +40,7 @@ from ettr.checkpoint.coordination import Coordinator
 from ettr.checkpoint.keys import KeyRing
 from ettr.checkpoint.memory import Found, MemoryCopies, fill
 from ettr.checkpoint.memory_peers import PeerPlan, fetch
-from ettr.checkpoint.memory_tier import MemoryTier, TierFound
+from ettr.checkpoint.memory_tier import MemoryTier
 from ettr.checkpoint.policy import IntervalPolicy, MemoryIntervalPolicy
 from ettr.checkpoint.resume import choose_checkpoint, set_aside
 from ettr.checkpoint.snapshot import Binding, Snapshot
@@ -211,7 +211,7 @@ class Restoring:
         same (step, lineage) — the cross-rank agreement on the newest step every rank holds: one all-gather —
         or any rank fails to load its copy (then the storage-tier paths run, and load the whole state again).
         Collective."""
-        no_tier = TierFound(snapshot=None, reason="no memory tier here")
+        no_tier = Found(snapshot=None, reason="no memory tier here")
         found = self._tier.find(newest=newest) if self._tier is not None else no_tier
         keys = self._coord.all_gather(found.key)
         if keys[0] is None or any(key != keys[0] for key in keys):
